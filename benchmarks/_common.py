@@ -1,0 +1,25 @@
+"""Interleaved A/B timing: every variant once per round, medians over rounds (the machines here are shared)."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+from torch.utils.benchmark import Timer
+
+
+def interleaved(variants: dict[str, Callable[[], object]], *, rounds: int, number: int) -> dict[str, float]:
+    """Median seconds per call of each variant, the variants timed in turn A B C A B C ..."""
+    timers = {name: Timer("fn()", globals={"fn": fn}) for name, fn in variants.items()}
+    for fn in variants.values():  # warm up
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            samples[name].append(timer.timeit(number).median)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def header(title: str) -> None:
+    print(f"{title}\ntorch {torch.__version__}, {torch.get_num_threads()} threads")

@@ -1,0 +1,29 @@
+"""tf32lab: see, control and choose how float32 matrix math runs on tensor cores (TF32, bf16).
+
+Example:
+
+    >>> import tf32lab
+    >>> with tf32lab.precision("high"):   # scoped, thread- and task-local, exact on exit
+    ...     tf32lab.get_float32_matmul_precision()
+    'high'
+    >>> tf32lab.get_float32_matmul_precision()
+    'highest'
+"""
+
+from . import flags, formats
+from .errors import Tf32LabError
+from .levels import LEVELS
+from .scope import get_float32_matmul_precision, precision, set_float32_matmul_precision
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LEVELS",
+    "Tf32LabError",
+    "__version__",
+    "flags",
+    "formats",
+    "get_float32_matmul_precision",
+    "precision",
+    "set_float32_matmul_precision",
+]

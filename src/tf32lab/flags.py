@@ -1,0 +1,287 @@
+"""Every precision-related PyTorch flag: read, snapshot, restore, without the legacy/new API trap.
+
+PyTorch has two API generations for the same state (FACTS.md §1). Since 2.9 it keeps one value per
+(backend, op) cell (``generic``, ``cuda``, ``mkldnn`` × ``all``, ``matmul``, ``conv``, ``rnn``); a cell may hold
+``"none"`` and inherit op -> backend -> generic, and its getter returns the *inherited* value. The legacy getters
+(``get_float32_matmul_precision``, ``allow_tf32``) raise "mix of the legacy and new APIs" once the cells disagree,
+so this module never calls them where the cells exist. Before 2.9 the legacy calls are the only ones and never raise.
+
+``snapshot()`` records each cell's *raw* value (``"none"`` or explicit, told apart by a short probe of its
+parent), so ``restore()`` brings back inheritance exactly, not just today's effective values.
+
+Example:
+
+    >>> import torch
+    >>> from tf32lab import flags
+    >>> before = flags.snapshot()
+    >>> torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    >>> torch.set_float32_matmul_precision("medium")
+    >>> sorted(name for name, _, _ in before.diff(flags.snapshot()))[:2]
+    ['cuda.matmul.allow_fp16_reduced_precision_reduction', 'fp32_precision.cuda.matmul']
+    >>> flags.restore(before)
+    >>> flags.snapshot() == before
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .levels import BACKEND_VALUES, level_of
+
+__all__ = ["NEW_API", "Snapshot", "read_level", "restore", "snapshot"]
+
+_C: Any = torch._C
+# The per-backend API (PyTorch >= 2.9).
+NEW_API: bool = hasattr(_C, "_get_fp32_precision_getter") and hasattr(_C, "_set_fp32_precision_setter")
+
+_BACKENDS = ("cuda", "mkldnn")
+_OPS = ("matmul", "conv", "rnn")
+
+
+def _probe_cells() -> tuple[tuple[str, str], ...]:
+    if not NEW_API:
+        return ()
+    cells = [("generic", "all")]
+    for backend in _BACKENDS:
+        for op in ("all", *_OPS):
+            try:
+                _C._get_fp32_precision_getter(backend, op)
+            except (RuntimeError, ValueError):
+                continue  # this torch lacks the cell
+            cells.append((backend, op))
+    return tuple(cells)
+
+
+_CELLS = _probe_cells()
+
+
+def _get(cell: tuple[str, str]) -> str:
+    return _C._get_fp32_precision_getter(*cell)
+
+
+def _set(cell: tuple[str, str], value: str) -> None:
+    _C._set_fp32_precision_setter(*cell, value)
+
+
+def _parent(cell: tuple[str, str]) -> tuple[str, str]:
+    return ("generic", "all") if cell[1] == "all" else (cell[0], "all")
+
+
+def _raw(cell: tuple[str, str], raw_of_parents: dict[tuple[str, str], str]) -> str:
+    """The stored value of a cell: its getter's value, or ``"none"`` if that value is inherited.
+
+    When the cell shows the same value as its parent it may be either; flipping the parent for a moment and
+    watching whether the cell follows tells them apart. The parent is put back to its raw value at once.
+    """
+    value = _get(cell)
+    if cell == ("generic", "all"):
+        return value
+    parent = _parent(cell)
+    if value != _get(parent):
+        return value
+    other = "tf32" if value == "ieee" else "ieee"
+    try:
+        _set(parent, other)
+        follows = _get(cell) == other
+    finally:
+        _set(parent, raw_of_parents[parent])
+    return "none" if follows else value
+
+
+def _read_raw_cells(cells: tuple[tuple[str, str], ...] = _CELLS) -> dict[tuple[str, str], str]:
+    raw: dict[tuple[str, str], str] = {}
+    # Parents first: a probe restores the parent from its raw value.
+    for cell in sorted(cells, key=lambda c: (c != ("generic", "all"), c[1] != "all")):
+        raw[cell] = _raw(cell, raw)
+    return raw
+
+
+@dataclass(frozen=True)
+class _Flag:
+    name: str
+    get: Callable[[], Any]
+    set: Callable[[Any], None]
+
+
+def _tuple_flag(name: str, getter: str, setter: str) -> _Flag | None:
+    if not (hasattr(_C, getter) and hasattr(_C, setter)):
+        return None
+    get, put = getattr(_C, getter), getattr(_C, setter)
+
+    # Newer torch returns (allow_reduced_precision, allow_splitk) and takes both; older ones a bool.
+    def set_(value: Any) -> None:
+        put(*value) if isinstance(value, tuple) else put(value)
+
+    return _Flag(name, get, set_)
+
+
+def _plain_flag(name: str, getter: str, setter: str) -> _Flag | None:
+    if not (hasattr(_C, getter) and hasattr(_C, setter)):
+        return None
+    return _Flag(name, getattr(_C, getter), getattr(_C, setter))
+
+
+def _other_flags() -> tuple[_Flag, ...]:
+    found = [
+        _tuple_flag("cuda.matmul.allow_fp16_reduced_precision_reduction",
+                    "_get_cublas_allow_fp16_reduced_precision_reduction",
+                    "_set_cublas_allow_fp16_reduced_precision_reduction"),
+        _tuple_flag("cuda.matmul.allow_bf16_reduced_precision_reduction",
+                    "_get_cublas_allow_bf16_reduced_precision_reduction",
+                    "_set_cublas_allow_bf16_reduced_precision_reduction"),
+        _plain_flag("cuda.matmul.allow_fp16_accumulation",
+                    "_get_cublas_allow_fp16_accumulation", "_set_cublas_allow_fp16_accumulation"),
+        _plain_flag("cpu.allow_fp16_reduced_precision_reduction",
+                    "_get_cpu_allow_fp16_reduced_precision_reduction",
+                    "_set_cpu_allow_fp16_reduced_precision_reduction"),
+    ]
+    if not NEW_API:  # on the new API these are views of the cells above; reading them there can raise
+        found += [
+            _plain_flag("float32_matmul_precision", "_get_float32_matmul_precision", "_set_float32_matmul_precision"),
+            _plain_flag("cudnn.allow_tf32", "_get_cudnn_allow_tf32", "_set_cudnn_allow_tf32"),
+            _plain_flag("mkldnn.allow_tf32", "_get_onednn_allow_tf32", "_set_onednn_allow_tf32"),
+        ]
+    return tuple(f for f in found if f is not None)
+
+
+_FLAGS = _other_flags()
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Every precision-related flag of this torch, by name; equal snapshots mean identical state.
+
+    ``fp32_precision.<backend>.<op>`` entries hold raw values (``"none"`` where the cell inherits).
+    """
+
+    values: tuple[tuple[str, Any], ...]
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return iter(self.values)
+
+    def __getitem__(self, name: str) -> Any:
+        for key, value in self.values:
+            if key == name:
+                return value
+        raise KeyError(f"no flag {name!r} in this snapshot; flags: {', '.join(k for k, _ in self.values)}")
+
+    def diff(self, other: Snapshot) -> list[tuple[str, Any, Any]]:
+        """``(name, value here, value in other)`` for every flag that differs."""
+        theirs = dict(other.values)
+        return [(k, v, theirs.get(k)) for k, v in self.values if theirs.get(k) != v]
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={v!r}" for k, v in self.values)
+        return f"Snapshot({inner})"
+
+
+def snapshot() -> Snapshot:
+    """Read every precision-related flag this torch has, without provoking the mixed-API error."""
+    values: list[tuple[str, Any]] = [
+        (f"fp32_precision.{b}.{o}", v) for (b, o), v in _read_raw_cells().items()
+    ]
+    values += [(f.name, f.get()) for f in _FLAGS]
+    return Snapshot(tuple(sorted(values)))
+
+
+def restore(snap: Snapshot) -> None:
+    """Put every flag back as it was in ``snap`` (from :func:`snapshot` of this same process)."""
+    if not isinstance(snap, Snapshot):
+        raise TypeError(f"restore takes a flags.Snapshot, got {type(snap).__name__}")
+    values = dict(snap.values)
+    for cell in _CELLS:
+        key = f"fp32_precision.{cell[0]}.{cell[1]}"
+        if key in values:
+            _set(cell, values[key])
+    for flag in _FLAGS:
+        if flag.name in values:
+            flag.set(values[flag.name])
+
+
+# The cells a precision level is written to. ------------------------------------------------------------
+_LEVEL_CELLS = tuple(c for c in (("cuda", "matmul"), ("mkldnn", "matmul")) if c in _CELLS)
+
+
+def read_level() -> str:
+    """The level in force process-wide, from effective values (never raises for mixed APIs)."""
+    if not NEW_API:
+        return _C._get_float32_matmul_precision()
+    cuda = _get(("cuda", "matmul")) if ("cuda", "matmul") in _CELLS else "ieee"
+    mkldnn = _get(("mkldnn", "matmul")) if ("mkldnn", "matmul") in _CELLS else "ieee"
+    return level_of(cuda, mkldnn)
+
+
+# Write an already validated level where PyTorch's matmul backends read it. PyTorch's own setter writes explicit
+# values into exactly the level cells (BACKEND_VALUES, checked by tests/test_flags.py) in one call, and never raises
+# for a mix of APIs (only its getter does). Bound directly: scopes call it on every entry.
+write_level: Callable[[str], None] = _C._set_float32_matmul_precision
+
+
+def read_level_state() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(effective, raw)`` values of the cells a level is written to: what a scope must give back."""
+    if not NEW_API:
+        value = (_C._get_float32_matmul_precision(),)
+        return value, value
+    raw = _read_raw_cells(tuple(c for c in _CELLS if c[1] == "all" or c in _LEVEL_CELLS))
+    return tuple(_get(c) for c in _LEVEL_CELLS), tuple(raw[c] for c in _LEVEL_CELLS)
+
+
+def _make_effective_reader() -> Callable[[], tuple[str, ...]]:
+    # Built once: scopes call it on every entry and exit, so no loops or lookups inside.
+    if not NEW_API:
+        get_legacy = _C._get_float32_matmul_precision
+        return lambda: (get_legacy(),)
+    get = _C._get_fp32_precision_getter
+    if len(_LEVEL_CELLS) == 2:
+        # C-level partials: no Python frame per read.
+        first, second = (functools.partial(get, b, o) for b, o in _LEVEL_CELLS)
+        return lambda: (first(), second())
+    return lambda: tuple(get(b, o) for b, o in _LEVEL_CELLS)
+
+
+read_level_effective = _make_effective_reader()
+read_level_effective.__doc__ = "Effective values of the level cells: cheap, for telling whether anyone changed them."
+
+
+def _make_raw_writer() -> Callable[[tuple[str, ...]], None]:
+    if not NEW_API:
+        set_legacy = _C._set_float32_matmul_precision
+        return lambda raw: set_legacy(raw[0])
+    put = _C._set_fp32_precision_setter
+    if len(_LEVEL_CELLS) == 2:
+        first, second = (functools.partial(put, b, o) for b, o in _LEVEL_CELLS)
+
+        def write2(raw: tuple[str, ...]) -> None:
+            first(raw[0])
+            second(raw[1])
+
+        return write2
+
+    def write_n(raw: tuple[str, ...]) -> None:
+        for (b, o), value in zip(_LEVEL_CELLS, raw):
+            put(b, o, value)
+
+    return write_n
+
+
+write_level_raw = _make_raw_writer()
+write_level_raw.__doc__ = "Put back raw values of the level cells, from :func:`read_level_state`."
+
+
+def level_values(level: str) -> tuple[str, ...]:
+    """What :func:`read_level_effective` reads right after ``write_level(level)``."""
+    return BACKEND_VALUES[level][: len(_LEVEL_CELLS)] if NEW_API else (level,)
+
+
+def level_from_effective(effective: tuple[str, ...]) -> str:
+    """The level that :func:`read_level_effective` values amount to."""
+    if not NEW_API:
+        return effective[0]
+    values = dict(zip(_LEVEL_CELLS, effective))
+    return level_of(values.get(("cuda", "matmul"), "ieee"), values.get(("mkldnn", "matmul"), "ieee"))

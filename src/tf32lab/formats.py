@@ -1,0 +1,183 @@
+"""Bit-exact number formats: how a float32 becomes TF32, bf16 or fp16.
+
+Pure functions: a float32 tensor in, a new float32 tensor out holding the rounded values; the input is never
+touched, any shape, stride or device works, and no global state is read. Rounding follows IEEE 754 exactly:
+NaN stays NaN whatever its payload, ±Inf stay, ±0 keep their sign, subnormals round on their own grid, and a
+finite value overflows to Inf exactly when the rounding mode says so.
+
+The rounding modes (FACTS.md §3):
+
+- ``"rna"``: to nearest, ties away from zero: what cuBLAS / CUTLASS apply to TF32 operands;
+- ``"rne"``: to nearest, ties to even: what ``tensor.to(torch.bfloat16)`` does;
+- ``"rz"``: toward zero (truncation): what the raw tensor-core ``mma`` instruction does to TF32 operands.
+
+Example:
+
+    >>> import torch
+    >>> from tf32lab import formats
+    >>> x = torch.tensor([1024.5, 1.0 + 2**-12, -3.0])
+    >>> formats.round_tf32(x).tolist()                  # ties away: 1024.5 -> 1025 (as on an RTX 3090)
+    [1025.0, 1.0, -3.0]
+    >>> formats.round_tf32(x, rounding="rne").tolist()  # ties to even: 1024.5 -> 1024
+    [1024.0, 1.0, -3.0]
+    >>> hi, lo = formats.split_bf16x3(torch.tensor([1 / 3]))
+    >>> bool(torch.equal(hi + lo, formats.round_bf16(hi + lo)))  # hi + lo keeps more bits than hi alone
+    False
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "ROUNDINGS",
+    "round_bf16",
+    "round_fp16",
+    "round_tf32",
+    "split_bf16x3",
+    "split_tf32x3",
+]
+
+ROUNDINGS = ("rna", "rne", "rz")
+
+# Mantissa bits dropped from float32's 23 to reach each format.
+_TF32_DROP = 13
+_BF16_DROP = 16
+
+def _check_input(x: torch.Tensor, fn: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn} takes a float32 torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.float32:
+        raise TypeError(f"{fn} takes a float32 tensor, got dtype {x.dtype}; convert with x.float() first")
+
+
+def _check_rounding(rounding: str, fn: str) -> None:
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"{fn}: unknown rounding {rounding!r}; accepted: {', '.join(map(repr, ROUNDINGS))}")
+
+
+def _round_bits(u: torch.Tensor, out: torch.Tensor, drop: int, rounding: str) -> None:
+    """Write ``u`` (float32 bits as int32) rounded to ``23 - drop`` mantissa bits into ``out``.
+
+    Adding the rounding bias to the whole bit pattern lets a carry ripple from the mantissa into the exponent,
+    which is exactly right for normal numbers, subnormals (the encoding is linear there) and overflow to Inf.
+    Only NaN can be mangled; the caller restores it.
+    """
+    mask = -(1 << drop)  # int32 0xFFFF...E000: clears the dropped bits
+    if rounding == "rz":
+        torch.bitwise_and(u, mask, out=out)
+        return
+    half = 1 << (drop - 1)
+    if rounding == "rna":
+        torch.add(u, half, out=out)
+    else:  # rne: bias half - 1, plus 1 when the lowest kept bit is odd
+        torch.bitwise_right_shift(u, drop, out=out)
+        out.bitwise_and_(1).add_(u).add_(half - 1)
+    out.bitwise_and_(mask)
+
+
+def _round(x: torch.Tensor, drop: int, rounding: str) -> torch.Tensor:
+    x = x.detach()
+    out = torch.empty_like(x)
+    _round_bits(x.view(torch.int32), out.view(torch.int32), drop, rounding)
+    # A NaN needs mending only where one went in (its payload may sit in the dropped bits). On the CPU one
+    # read-only pass tells: a sum is finite only if no NaN is in it; otherwise (and on devices, where asking
+    # would synchronise) the fix-up runs.
+    if x.device.type != "cpu" or not bool(torch.isfinite(x.sum())):
+        torch.where(torch.isnan(x), x, out, out=out)
+    return out
+
+
+def round_tf32(x: torch.Tensor, rounding: str = "rna") -> torch.Tensor:
+    """Round float32 values to TF32 (1 sign, 8 exponent, 10 mantissa bits), returned as float32.
+
+    ``rounding`` is ``"rna"`` (default: what cuBLAS/CUTLASS do), ``"rne"`` or ``"rz"`` (the ``mma`` instruction).
+
+    Example:
+
+        >>> import torch
+        >>> from tf32lab.formats import round_tf32
+        >>> round_tf32(torch.tensor([1.0 + 2**-11, 1.0 + 3 * 2**-11]), rounding="rz").tolist()
+        [1.0, 1.0009765625]
+    """
+    _check_input(x, "round_tf32")
+    _check_rounding(rounding, "round_tf32")
+    return _round(x, _TF32_DROP, rounding)
+
+
+def round_bf16(x: torch.Tensor, rounding: str = "rne") -> torch.Tensor:
+    """Round float32 values to bfloat16 (8 mantissa bits), returned as float32.
+
+    ``rounding="rne"`` (default) equals ``x.to(torch.bfloat16).float()``; ``"rna"`` and ``"rz"`` are offered too.
+
+    Example:
+
+        >>> import torch
+        >>> from tf32lab.formats import round_bf16
+        >>> round_bf16(torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8])).tolist()   # two ties, both to even
+        [1.0, 1.015625]
+    """
+    _check_input(x, "round_bf16")
+    _check_rounding(rounding, "round_bf16")
+    if rounding == "rne":
+        # torch's own conversion is RNE with NaN kept, and one fused pass each way.
+        return x.detach().to(torch.bfloat16).to(torch.float32)
+    return _round(x, _BF16_DROP, rounding)
+
+
+def round_fp16(x: torch.Tensor) -> torch.Tensor:
+    """Round float32 values to IEEE half precision (round to nearest even), returned as float32.
+
+    Values beyond the half-precision range overflow to ±Inf as RNE says (from 65520 up); tiny values land
+    on fp16's subnormal grid (multiples of 2**-24) or on ±0.
+
+    Example:
+
+        >>> import torch
+        >>> from tf32lab.formats import round_fp16
+        >>> round_fp16(torch.tensor([65504.0, 65519.0, 65520.0, 2.0**-25])).tolist()
+        [65504.0, 65504.0, inf, 0.0]
+    """
+    _check_input(x, "round_fp16")
+    return x.detach().to(torch.float16).to(torch.float32)
+
+
+def split_bf16x3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split float32 values into ``(hi, lo)`` bf16 parts for bf16x3 products (FACTS.md §3).
+
+    ``hi = bf16(x)`` and ``lo = bf16(x - hi)``, both RNE, the difference taken in float32 (it is exact for every
+    finite ``x`` whose ``hi`` is finite). ``x·y ≈ hi·hi' + hi·lo' + lo·hi'`` keeps about 16 mantissa bits.
+    As in the kernels, an infinite ``x`` gives a NaN ``lo``.
+
+    Example:
+
+        >>> import torch
+        >>> from tf32lab.formats import split_bf16x3
+        >>> hi, lo = split_bf16x3(torch.tensor([1.0 + 2**-10]))
+        >>> hi.item(), lo.item()
+        (1.0, 0.0009765625)
+    """
+    _check_input(x, "split_bf16x3")
+    x = x.detach()
+    hi = round_bf16(x)
+    return hi, round_bf16(x - hi)
+
+
+def split_tf32x3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split float32 values into ``(big, small)`` TF32 parts for 3xTF32 products (FACTS.md §3).
+
+    As CUTLASS's ``mma_tensor_op_fast_f32``: ``big = truncate(x)`` (rz) and ``small = rna(x - big)``, the
+    difference exact in float32. An infinite ``x`` gives a NaN ``small``.
+
+    Example:
+
+        >>> import torch
+        >>> from tf32lab.formats import split_tf32x3
+        >>> big, small = split_tf32x3(torch.tensor([1.0 + 2**-11 + 2**-20]))
+        >>> big.item(), small.item()
+        (1.0, 0.0004892349243164062)
+    """
+    _check_input(x, "split_tf32x3")
+    x = x.detach()
+    big = _round(x, _TF32_DROP, "rz")
+    return big, _round(x - big, _TF32_DROP, "rna")

@@ -1,0 +1,16 @@
+"""The examples in the docstrings run and print what they say."""
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = ["tf32lab", "tf32lab.formats", "tf32lab.flags", "tf32lab.levels", "tf32lab.families", "tf32lab.scope"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0, f"{name} has no examples"
+    assert result.failed == 0

@@ -1,0 +1,211 @@
+"""tf32lab.formats against the plain-Python-integer reference (tests/reference.py), and its contract."""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import reference as R
+from tf32lab import formats
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def f32(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+def tensor_of(patterns: list[int]) -> torch.Tensor:
+    return torch.tensor(patterns, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+def patterns_of(t: torch.Tensor) -> list[int]:
+    return [v & 0xFFFFFFFF for v in t.contiguous().view(torch.int32).tolist()]
+
+
+def is_nan(bits: int) -> bool:
+    return (bits & 0x7FFFFFFF) > 0x7F800000
+
+
+def assert_same(got: torch.Tensor, want: list[int], inputs: list[int]) -> None:
+    for x, g, w in zip(inputs, patterns_of(got), want):
+        assert g == w or (is_nan(g) and is_nan(w)), f"input {x:#010x}: got {g:#010x}, reference {w:#010x}"
+
+
+# Bit patterns that matter: anything, plus ties and near-ties at every dropped width, subnormals, the edges of
+# the range, NaN payloads hidden in low bits.
+low_bits = st.sampled_from([0, 1, 0xFFF, 0x1000, 0x1001, 0x1FFF, 0x2000, 0x3000, 0x7FFF, 0x8000, 0x8001, 0xFFFF,
+                            0x17FFF, 0x18000])
+structured = st.builds(
+    lambda sign, exp, high, low: (sign << 31) | (exp << 23) | ((high << 16 | low) & 0x7FFFFF),
+    st.integers(0, 1),
+    st.one_of(st.integers(0, 255), st.sampled_from([0, 1, 102, 103, 112, 113, 142, 143, 253, 254, 255])),
+    st.integers(0, 127),
+    low_bits,
+)
+patterns = st.lists(st.one_of(st.integers(0, 2**32 - 1), structured), min_size=1, max_size=64)
+
+
+@given(patterns, st.sampled_from(formats.ROUNDINGS))
+def test_round_tf32_matches_reference(bits, rounding):
+    assert_same(formats.round_tf32(tensor_of(bits), rounding), [R.ref_round_tf32(b, rounding) for b in bits], bits)
+
+
+@given(patterns, st.sampled_from(formats.ROUNDINGS))
+def test_round_bf16_matches_reference(bits, rounding):
+    assert_same(formats.round_bf16(tensor_of(bits), rounding), [R.ref_round_bf16(b, rounding) for b in bits], bits)
+
+
+@given(patterns)
+def test_round_fp16_matches_reference(bits):
+    assert_same(formats.round_fp16(tensor_of(bits)), [R.ref_round_fp16(b) for b in bits], bits)
+
+
+@given(patterns)
+def test_split_bf16x3_matches_reference(bits):
+    hi, lo = formats.split_bf16x3(tensor_of(bits))
+    want = [R.ref_split_bf16x3(b) for b in bits]
+    assert_same(hi, [w[0] for w in want], bits)
+    assert_same(lo, [w[1] for w in want], bits)
+
+
+@given(patterns)
+def test_split_tf32x3_matches_reference(bits):
+    big, small = formats.split_tf32x3(tensor_of(bits))
+    want = [R.ref_split_tf32x3(b) for b in bits]
+    assert_same(big, [w[0] for w in want], bits)
+    assert_same(small, [w[1] for w in want], bits)
+
+
+@given(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False, min_value=-(2.0**100), max_value=2.0**100),
+                min_size=1, max_size=32))
+def test_splits_keep_more_bits_than_one_part(values):
+    x = torch.tensor(values, dtype=torch.float32)
+    hi, lo = formats.split_bf16x3(x)
+    big, small = formats.split_tf32x3(x)
+    xd = x.double()
+    # hi + lo holds 16 significant bits, big + small 21 or more: relative error bounds 2**-16 and 2**-21.
+    assert torch.all((hi.double() + lo.double() - xd).abs() <= xd.abs() * 2**-16 + 2**-133)
+    assert torch.all((big.double() + small.double() - xd).abs() <= xd.abs() * 2**-21 + 2**-133)
+
+
+def test_the_rna_pin_from_pytorch_53635():
+    # [1024.5] @ [[1.0]] gave 1025 on an RTX 3090: operands rounded ties-away.
+    x = torch.tensor([1024.5])
+    assert formats.round_tf32(x).item() == 1025.0
+    assert formats.round_tf32(x, "rne").item() == 1024.0
+    assert formats.round_tf32(x, "rz").item() == 1024.0
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: formats.round_tf32(x, "rna"), lambda x: formats.round_tf32(x, "rne"),
+    lambda x: formats.round_tf32(x, "rz"), lambda x: formats.round_bf16(x, "rna"),
+    lambda x: formats.round_bf16(x, "rne"), lambda x: formats.round_bf16(x, "rz"), formats.round_fp16,
+])
+def test_ieee_special_values(fn):
+    nan_low_payload = [0x7F800001, 0xFF800001, 0x7F801000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000]
+    out = fn(tensor_of(nan_low_payload))
+    assert torch.isnan(out).all(), "a NaN must stay NaN whatever its payload"
+    inf = fn(torch.tensor([float("inf"), float("-inf")]))
+    assert inf.tolist() == [float("inf"), float("-inf")]
+    zeros = fn(torch.tensor([0.0, -0.0]))
+    assert patterns_of(zeros) == [0, 0x80000000], "zeros keep their sign"
+
+
+def test_overflow_follows_the_rounding_mode():
+    fmax = torch.tensor([f32(0x7F7FFFFF), -f32(0x7F7FFFFF)])
+    assert formats.round_tf32(fmax, "rna").tolist() == [float("inf"), float("-inf")]
+    assert formats.round_tf32(fmax, "rne").tolist() == [float("inf"), float("-inf")]
+    assert patterns_of(formats.round_tf32(fmax, "rz")) == [0x7F7FE000, 0xFF7FE000]  # truncation stays finite
+    assert formats.round_fp16(torch.tensor([65504.0, 65519.99, 65520.0, -65520.0])).tolist() == [
+        65504.0, 65504.0, float("inf"), float("-inf")]
+
+
+def test_subnormals_round_on_their_own_grid():
+    tiny = tensor_of([0x00001000, 0x00001001, 0x00003000, 0x80001000])  # ties and a near-tie below 2**-126
+    assert patterns_of(formats.round_tf32(tiny, "rna")) == [0x2000, 0x2000, 0x4000, 0x80002000]
+    assert patterns_of(formats.round_tf32(tiny, "rne")) == [0x0000, 0x2000, 0x4000, 0x80000000]
+    assert formats.round_fp16(torch.tensor([2.0**-24, 2.0**-25, 3 * 2.0**-26])).tolist() == [2.0**-24, 0.0, 2.0**-24]
+
+
+def test_input_untouched_and_result_new():
+    x = torch.randn(1000)
+    before = x.clone()
+    for fn in (formats.round_tf32, formats.round_bf16, formats.round_fp16):
+        y = fn(x)
+        assert y.data_ptr() != x.data_ptr()
+    formats.split_bf16x3(x)
+    formats.split_tf32x3(x)
+    assert torch.equal(x.view(torch.int32), before.view(torch.int32))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(()),
+    lambda: torch.randn(0, 3),
+    lambda: torch.randn(7, 5, 3),
+    lambda: torch.randn(64, 48).t(),
+    lambda: torch.randn(40, 30)[::3, 1::2],
+    lambda: torch.randn(4, 1).expand(4, 6),
+    lambda: torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last),
+])
+def test_any_shape_and_stride(make):
+    x = make()
+    for fn in (formats.round_tf32, formats.round_bf16, formats.round_fp16,
+               lambda t: formats.round_tf32(t, "rne"), lambda t: formats.round_bf16(t, "rz")):
+        y = fn(x)
+        assert y.shape == x.shape and y.dtype == torch.float32
+        assert torch.equal(y.contiguous().view(torch.int32), fn(x.contiguous()).view(torch.int32))
+
+
+def test_requires_grad_input():
+    x = torch.randn(8, requires_grad=True)
+    y = formats.round_tf32(x)
+    assert not y.requires_grad
+    assert torch.equal(y, formats.round_tf32(x.detach()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_same_bits_on_cuda():
+    x = torch.randn(4096) * 1e3
+    for fn in (formats.round_tf32, formats.round_bf16, formats.round_fp16):
+        assert torch.equal(fn(x.cuda()).cpu().view(torch.int32), fn(x).view(torch.int32))
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.bfloat16),
+                                 torch.zeros(3, dtype=torch.int32)])
+def test_non_float32_gets_a_type_error_naming_the_dtype(bad):
+    for fn in (formats.round_tf32, formats.round_bf16, formats.round_fp16, formats.split_bf16x3,
+               formats.split_tf32x3):
+        with pytest.raises(TypeError, match=str(bad.dtype)):
+            fn(bad)
+
+
+def test_non_tensor_gets_a_type_error():
+    with pytest.raises(TypeError, match="list"):
+        formats.round_tf32([1.0, 2.0])
+
+
+def test_unknown_rounding_lists_the_accepted_ones():
+    with pytest.raises(ValueError, match=r"unknown rounding 'nearest'; accepted: 'rna', 'rne', 'rz'"):
+        formats.round_tf32(torch.zeros(2), "nearest")
+    with pytest.raises(ValueError, match="'rna', 'rne', 'rz'"):
+        formats.round_bf16(torch.zeros(2), rounding="up")
+
+
+def test_sweep_script_on_a_slice():
+    # The all-patterns sweep, run for real on the slice around FLT_MAX, Inf and the NaNs.
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "sweep_formats.py"), "--start", "0x7F7F8000", "--count", "0x10000",
+         "--workers", "1"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [ln for ln in done.stdout.splitlines() if "mismatches" in ln]
+    assert len(lines) == 9 and all(ln.split()[-1] == "0" for ln in lines), done.stdout

@@ -1,0 +1,311 @@
+"""tf32lab.precision: nesting, exceptions, decorators, threads and asyncio tasks without cross-talk."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tf32lab
+from tf32lab import Tf32LabError, flags, precision, scope
+from tf32lab.levels import LEVELS
+
+
+class Recorder(TorchDispatchMode):
+    """Sits *below* the guard: sees each mm when it reaches the kernel, and which level PyTorch holds then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mm.default:
+            self.seen.append(flags.read_level())
+        return func(*args, **(kwargs or {}))
+
+
+def level_now() -> str:
+    return tf32lab.get_float32_matmul_precision()
+
+
+# -- single context ------------------------------------------------------------------------------------------
+
+def test_nesting_follows_the_innermost_scope():
+    outside = flags.read_level()
+    with precision("high"):
+        assert level_now() == flags.read_level() == "high"
+        with precision("medium"):
+            assert level_now() == flags.read_level() == "medium"
+            with precision("highest"):
+                assert level_now() == flags.read_level() == "highest"
+            assert level_now() == flags.read_level() == "medium"
+        assert level_now() == flags.read_level() == "high"
+    assert level_now() == flags.read_level() == outside
+
+
+def test_exit_by_exception_restores_every_flag():
+    before = flags.snapshot()
+    with pytest.raises(KeyError), precision("high"), precision("medium"):
+        raise KeyError("boom")
+    assert flags.snapshot() == before
+    assert level_now() == "highest"
+
+
+def test_one_object_reentered_and_shared():
+    p = precision("medium")
+    with p:
+        with p:
+            assert level_now() == "medium"
+        assert level_now() == "medium"
+    assert level_now() == "highest"
+
+
+def test_flags_exact_also_from_an_explicit_user_setting(user_flags):
+    # Raw values are given back, not just effective ones: an explicit "ieee" stays explicit, "none" stays "none".
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
+    torch.backends.fp32_precision = "tf32"
+    scope._reset_for_tests()
+    before = flags.snapshot()
+    with precision("medium"):
+        assert level_now() == "medium"
+    assert flags.snapshot() == before
+
+
+def test_decorator_on_a_function():
+    @precision("high")
+    def f(x):
+        return level_now(), x
+
+    assert f(3) == ("high", 3)
+    assert f.__name__ == "f"
+    assert level_now() == "highest"
+
+
+def test_decorator_on_an_async_function():
+    @precision("medium")
+    async def f():
+        await asyncio.sleep(0)
+        return level_now()
+
+    assert asyncio.run(f()) == "medium"
+    assert level_now() == "highest"
+
+
+def test_decorator_refuses_generators():
+    with pytest.raises(TypeError, match="generator function"):
+        @precision("high")
+        def gen():
+            yield 1
+
+
+@pytest.mark.parametrize("bad", ["fast", "HIGH", None, 3])
+def test_unknown_level_is_refused_before_anything_changes(bad):
+    with pytest.raises(ValueError, match=r"unknown precision level .*accepted: 'highest', 'high', 'medium'"):
+        precision(bad)
+    with pytest.raises(ValueError, match="accepted"):
+        tf32lab.set_float32_matmul_precision(bad)
+
+
+def test_set_inside_a_scope_applies_after_it(user_flags):
+    before = flags.snapshot()
+    with precision("medium"):
+        tf32lab.set_float32_matmul_precision("high")
+        assert level_now() == "medium"
+    assert level_now() == flags.read_level() == "high"
+    assert flags.snapshot() != before
+
+
+def test_a_direct_torch_write_inside_a_scope_is_undone_on_exit():
+    before = flags.snapshot()
+    with precision("high"):
+        torch.set_float32_matmul_precision("medium")
+    assert flags.snapshot() == before
+
+
+def test_exiting_out_of_order_is_an_error():
+    outer, inner = precision("high"), precision("medium")
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(Tf32LabError, match="innermost"):
+        outer.__exit__(None, None, None)
+    inner.__exit__(None, None, None)
+    outer.__exit__(None, None, None)
+    assert level_now() == "highest"
+
+
+# -- the mixed-API trap ---------------------------------------------------------------------------------------
+
+def test_never_trips_over_the_mixed_api_error(user_flags):
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"  # now torch's own getter raises on 2.9+
+    scope._reset_for_tests()
+    assert tf32lab.get_float32_matmul_precision() == "medium"
+    tf32lab.set_float32_matmul_precision("high")
+    assert tf32lab.get_float32_matmul_precision() == "high"
+    with precision("highest"):
+        assert flags.read_level() == "highest"
+
+
+# -- native effect ----------------------------------------------------------------------------------------------
+
+A = torch.randn(16, 512, generator=torch.Generator().manual_seed(1))
+B = torch.randn(512, 64, generator=torch.Generator().manual_seed(2))
+
+
+def references() -> dict[str, torch.Tensor]:
+    refs = {}
+    for level in LEVELS:
+        with precision(level):
+            refs[level] = torch.mm(A, B)
+    return refs
+
+
+def test_scope_reaches_real_cpu_matmuls_where_the_cpu_has_bf16():
+    refs = references()
+    if torch.equal(refs["medium"], refs["highest"]):
+        pytest.skip("this CPU has no oneDNN bf16 path: 'medium' cannot change a CPU matmul here")
+    assert not torch.equal(refs["medium"], refs["highest"])
+    assert (refs["medium"] - refs["highest"]).abs().max() < 1e-2 * refs["highest"].abs().max()
+
+
+def check_step(level: str, rec: Recorder, refs: dict[str, torch.Tensor], native: bool) -> str | None:
+    if level_now() != level:
+        return f"context says {level_now()!r}, scope is {level!r}"
+    rec.seen.clear()
+    out = torch.mm(A, B)
+    if rec.seen != [level]:
+        return f"mm reached the kernel under {rec.seen}, scope is {level!r}"
+    if native and not torch.equal(out, refs[level]):
+        return f"mm result is not the {level!r} one"
+    return None
+
+
+def nested_walk(rng: random.Random, steps: int, rec: Recorder, refs, native: bool, errors: list[str]) -> None:
+    """Random nested scopes, checking the level at every step."""
+    stack: list[precision] = []
+    for _ in range(steps):
+        if stack and (len(stack) >= 4 or rng.random() < 0.45):
+            stack.pop().__exit__(None, None, None)
+        else:
+            p = precision(rng.choice(LEVELS))
+            p.__enter__()
+            stack.append(p)
+        expected = stack[-1].level if stack else None
+        if expected is not None:
+            problem = check_step(expected, rec, refs, native)
+            if problem:
+                errors.append(problem)
+    while stack:
+        stack.pop().__exit__(None, None, None)
+
+
+def test_16_threads_500_random_nested_scopes_no_cross_talk():
+    refs = references()
+    native = not torch.equal(refs["medium"], refs["highest"])
+    errors: list[str] = []
+    start = threading.Barrier(16)
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            with Recorder() as rec:
+                start.wait()
+                nested_walk(rng, 500, rec, refs, native, errors)
+        except Exception as exc:  # a crash is a failure too, never a silent thread death
+            errors.append(f"thread {seed}: {exc!r}")
+
+    threads = [threading.Thread(target=worker, args=(seed,), name=f"w{seed}") for seed in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert scope._STATE.holders == {}
+    assert scope._active_guards() == 0
+
+
+def test_concurrent_asyncio_tasks_keep_their_own_levels():
+    refs = references()
+    native = not torch.equal(refs["medium"], refs["highest"])
+    errors: list[str] = []
+
+    async def task(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(60):
+            level = rng.choice(LEVELS)
+            with precision(level):
+                await asyncio.sleep(0)  # let the other tasks run inside their own scopes
+                problem = check_step(level, rec, refs, native)
+                inner = rng.choice(LEVELS)
+                with precision(inner):
+                    await asyncio.sleep(0)
+                    problem = problem or check_step(inner, rec, refs, native)
+                await asyncio.sleep(0)
+                problem = problem or check_step(level, rec, refs, native)
+            if problem:
+                errors.append(f"task {seed}: {problem}")
+
+    async def main() -> None:
+        await asyncio.gather(*(task(seed) for seed in range(8)))
+
+    with Recorder() as rec:
+        asyncio.run(main())
+    assert errors == []
+    assert scope._STATE.holders == {}
+
+
+def test_an_unguarded_scope_in_another_thread_is_protected_by_a_clear_error():
+    # The main thread's scope began alone, so its ops are not intercepted: a worker may not contradict it.
+    outcome: dict[str, object] = {}
+
+    def worker() -> None:
+        try:
+            with precision("highest"):
+                outcome["entered"] = True
+        except Tf32LabError as exc:
+            outcome["error"] = str(exc)
+        with precision("medium"):  # agreeing is fine
+            outcome["agreed"] = level_now()
+
+    with precision("medium"):
+        t = threading.Thread(target=worker, name="worker")
+        t.start()
+        t.join()
+    assert "entered" not in outcome
+    assert "thread 'MainThread' holds precision('medium')" in str(outcome["error"])
+    assert "TF32LAB_SCOPE_GUARD=always" in str(outcome["error"])
+    assert outcome["agreed"] == "medium"
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+
+
+def test_guard_always_lets_any_thread_contradict_the_main_thread():
+    code = (
+        "import threading, tf32lab\n"
+        "out = {}\n"
+        "def w():\n"
+        "    with tf32lab.precision('highest'):\n"
+        "        out['w'] = tf32lab.get_float32_matmul_precision()\n"
+        "with tf32lab.precision('medium'):\n"
+        "    t = threading.Thread(target=w); t.start(); t.join()\n"
+        "    out['main'] = tf32lab.get_float32_matmul_precision()\n"
+        "print(out['w'], out['main'])\n"
+    )
+    done = run_python(code, TF32LAB_SCOPE_GUARD="always")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["highest", "medium"]
+
+
+def test_a_bad_guard_setting_is_one_clear_error():
+    done = run_python("import tf32lab", TF32LAB_SCOPE_GUARD="sometimes")
+    assert done.returncode != 0
+    assert "TF32LAB_SCOPE_GUARD='sometimes' is not understood; accepted: 'auto', 'always'" in done.stderr
