@@ -68,20 +68,14 @@ def test_round_fp16_matches_reference(bits):
     assert_same(formats.round_fp16(tensor_of(bits)), [R.ref_round_fp16(b) for b in bits], bits)
 
 
-@given(patterns)
-def test_split_bf16x3_matches_reference(bits):
-    hi, lo = formats.split_bf16x3(tensor_of(bits))
-    want = [R.ref_split_bf16x3(b) for b in bits]
-    assert_same(hi, [w[0] for w in want], bits)
-    assert_same(lo, [w[1] for w in want], bits)
-
-
-@given(patterns)
-def test_split_tf32x3_matches_reference(bits):
-    big, small = formats.split_tf32x3(tensor_of(bits))
-    want = [R.ref_split_tf32x3(b) for b in bits]
-    assert_same(big, [w[0] for w in want], bits)
-    assert_same(small, [w[1] for w in want], bits)
+@pytest.mark.parametrize("split, ref", [(formats.split_bf16x3, R.ref_split_bf16x3),
+                                        (formats.split_tf32x3, R.ref_split_tf32x3)])
+@given(bits=patterns)
+def test_splits_match_reference(split, ref, bits):
+    parts = split(tensor_of(bits))
+    want = [ref(b) for b in bits]
+    for i, part in enumerate(parts):
+        assert_same(part, [w[i] for w in want], bits)
 
 
 @given(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False, min_value=-(2.0**100), max_value=2.0**100),

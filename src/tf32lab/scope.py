@@ -54,8 +54,7 @@ def _guard_policy() -> str:
 GUARD_POLICY = _guard_policy()
 
 
-# One entered scope: (level, holder key, owner, parent node); the contextvar holds the innermost.
-_Node = tuple
+# One entered scope is a tuple (level, holder key, owner, parent node); the contextvar holds the innermost.
 _LEVEL, _HOLDER, _OWNER, _PARENT = range(4)
 
 _SCOPE: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("tf32lab_scope", default=None)
