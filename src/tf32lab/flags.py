@@ -232,46 +232,27 @@ def read_level_state() -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(_get(c) for c in _LEVEL_CELLS), tuple(raw[c] for c in _LEVEL_CELLS)
 
 
-def _make_effective_reader() -> Callable[[], tuple[str, ...]]:
-    # Built once: scopes call it on every entry and exit, so no loops or lookups inside.
+def _cell_functions() -> tuple[tuple[Callable[[], str], ...], tuple[Callable[[str], None], ...]]:
+    # C-level partials, one getter and one setter per level cell: scopes call them on every entry and exit.
     if not NEW_API:
-        get_legacy = _C._get_float32_matmul_precision
-        return lambda: (get_legacy(),)
-    get = _C._get_fp32_precision_getter
-    if len(_LEVEL_CELLS) == 2:
-        # C-level partials: no Python frame per read.
-        first, second = (functools.partial(get, b, o) for b, o in _LEVEL_CELLS)
-        return lambda: (first(), second())
-    return lambda: tuple(get(b, o) for b, o in _LEVEL_CELLS)
+        return (_C._get_float32_matmul_precision,), (_C._set_float32_matmul_precision,)
+    get, put = _C._get_fp32_precision_getter, _C._set_fp32_precision_setter
+    return (tuple(functools.partial(get, b, o) for b, o in _LEVEL_CELLS),
+            tuple(functools.partial(put, b, o) for b, o in _LEVEL_CELLS))
 
 
-read_level_effective = _make_effective_reader()
-read_level_effective.__doc__ = "Effective values of the level cells: cheap, for telling whether anyone changed them."
+LEVEL_GETTERS, LEVEL_SETTERS = _cell_functions()
 
 
-def _make_raw_writer() -> Callable[[tuple[str, ...]], None]:
-    if not NEW_API:
-        set_legacy = _C._set_float32_matmul_precision
-        return lambda raw: set_legacy(raw[0])
-    put = _C._set_fp32_precision_setter
-    if len(_LEVEL_CELLS) == 2:
-        first, second = (functools.partial(put, b, o) for b, o in _LEVEL_CELLS)
-
-        def write2(raw: tuple[str, ...]) -> None:
-            first(raw[0])
-            second(raw[1])
-
-        return write2
-
-    def write_n(raw: tuple[str, ...]) -> None:
-        for (b, o), value in zip(_LEVEL_CELLS, raw):
-            put(b, o, value)
-
-    return write_n
+def read_level_effective() -> tuple[str, ...]:
+    """Effective values of the level cells: cheap, for telling whether anyone changed them."""
+    return tuple(get() for get in LEVEL_GETTERS)
 
 
-write_level_raw = _make_raw_writer()
-write_level_raw.__doc__ = "Put back raw values of the level cells, from :func:`read_level_state`."
+def write_level_raw(raw: tuple[str, ...]) -> None:
+    """Put back raw values of the level cells, from :func:`read_level_state`."""
+    for put, value in zip(LEVEL_SETTERS, raw):
+        put(value)
 
 
 def level_values(level: str) -> tuple[str, ...]:

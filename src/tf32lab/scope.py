@@ -60,10 +60,18 @@ _LEVEL, _HOLDER, _OWNER, _PARENT = range(4)
 _SCOPE: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("tf32lab_scope", default=None)
 _MAIN = threading.main_thread().ident
 _VALUES = {level: flags.level_values(level) for level in LEVELS}
-_read_effective = flags.read_level_effective
+_LEVEL_OF_RAW = {values: level for level, values in _VALUES.items()}
 _write_raw = flags.write_level_raw
 _write_level = flags.write_level
 _get_ident = threading.get_ident
+if len(flags.LEVEL_GETTERS) == 2:  # the per-backend API: two cells, read and written without a Python frame
+    _get_a, _get_b = flags.LEVEL_GETTERS
+    _put_a, _put_b = flags.LEVEL_SETTERS
+
+    def _read_effective() -> tuple[str, ...]:
+        return (_get_a(), _get_b())
+else:
+    _read_effective = flags.read_level_effective
 
 
 class _State:
@@ -82,10 +90,12 @@ class _State:
         # thread -> its guard, for other threads to see; weak, so a dead thread's entry cannot outlive its mode
         # stack and mislead a new thread that reuses its ident. A thread asks its own ``tls.guard``.
         self.guards: weakref.WeakValueDictionary[int, _Guard] = weakref.WeakValueDictionary()
+        self.pushed = 0  # guards pushed and not yet popped, in any thread: 0 lets exits skip the lookup
         self.contended = False
         self.in_force: Optional[str] = None  # level the flags hold; None: no scope live, flags are the user's
         self.base_effective: tuple[str, ...] = ()  # effective values outside scopes
         self.base_raw: tuple[str, ...] = ()  # raw values to give back when the last scope ends
+        self.base_as_level: Optional[str] = None  # the level whose explicit values base_raw is, if any
         self.cache: Optional[tuple[tuple[str, ...], tuple[str, ...]]] = None  # (effective, raw) last seen
 
     @property
@@ -111,6 +121,7 @@ class _State:
             # Raw values take a probe of parent cells; a cache checked against effective values skips it.
             cache = self.cache = flags.read_level_state()
         self.base_raw, self.base_effective = cache[1], effective
+        self.base_as_level = _LEVEL_OF_RAW.get(cache[1])
 
     def release_base(self) -> None:
         # Exactly as before the first scope, as any scoped setting does; a direct write made meanwhile is undone.
@@ -118,8 +129,13 @@ class _State:
             return
         if self.readers:
             self.wait_writable()
-        _write_raw(self.base_raw)
+        level = self.base_as_level
+        if level is not None:  # explicit values of a level: one call
+            _write_level(level)
+        else:
+            _write_raw(self.base_raw)
         self.in_force = None
+        self.contended = False
 
     def rebalance(self) -> None:
         """Make the flags match the live scopes (see the module docstring)."""
@@ -187,6 +203,7 @@ def _push_guard(thread: int) -> None:
     guard = _Guard()
     guard.__enter__()
     _STATE.tls.guard = _STATE.guards[thread] = guard
+    _STATE.pushed += 1
 
 
 def _pop_guard(thread: int) -> None:
@@ -196,6 +213,7 @@ def _pop_guard(thread: int) -> None:
         guard.__exit__(None, None, None)
         _STATE.tls.guard = None
         _STATE.guards.pop(thread, None)
+        _STATE.pushed -= 1
 
 
 def _needs_guard(thread: int) -> bool:
@@ -248,6 +266,7 @@ class precision:
                     # Raw values take a probe of parent cells; a cache checked against effective values skips it.
                     cache = state.cache = flags.read_level_state()
                 state.base_raw, state.base_effective = cache[1], effective
+                state.base_as_level = _LEVEL_OF_RAW.get(cache[1])
                 state.holders[key] = [level]
                 _write_level(level)
                 state.in_force = level
@@ -272,14 +291,12 @@ class precision:
                 state.rebalance()
                 return
             del holders[key]
-            if _has_guard() and not any(k[0] == key[0] for k in holders):
+            if state.pushed and _has_guard() and not any(k[0] == key[0] for k in holders):
                 _pop_guard(key[0])
             if holders or state.readers or state.in_force is None:
                 state.rebalance()
             else:  # the last scope: give the user's values back
-                _write_raw(state.base_raw)
-                state.in_force = None
-                state.contended = False
+                state.release_base()
 
     def __call__(self, fn: F) -> F:
         if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
@@ -377,6 +394,7 @@ def set_float32_matmul_precision(level: str) -> None:
             _write_raw(values)
         else:  # applies once the scopes end; meanwhile to unscoped code when the scopes disagree
             state.base_effective = state.base_raw = values
+            state.base_as_level = level
             if state.contended:
                 state.write(level)
         state.cache = (values, values)
