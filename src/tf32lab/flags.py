@@ -208,15 +208,6 @@ def restore(snap: Snapshot) -> None:
 _LEVEL_CELLS = tuple(c for c in (("cuda", "matmul"), ("mkldnn", "matmul")) if c in _CELLS)
 
 
-def read_level() -> str:
-    """The level in force process-wide, from effective values (never raises for mixed APIs)."""
-    if not NEW_API:
-        return _C._get_float32_matmul_precision()
-    cuda = _get(("cuda", "matmul")) if ("cuda", "matmul") in _CELLS else "ieee"
-    mkldnn = _get(("mkldnn", "matmul")) if ("mkldnn", "matmul") in _CELLS else "ieee"
-    return level_of(cuda, mkldnn)
-
-
 # Write an already validated level where PyTorch's matmul backends read it. PyTorch's own setter writes explicit
 # values into exactly the level cells (BACKEND_VALUES, checked by tests/test_flags.py) in one call, and never raises
 # for a mix of APIs (only its getter does). Bound directly: scopes call it on every entry.
@@ -244,9 +235,17 @@ def _cell_functions() -> tuple[tuple[Callable[[], str], ...], tuple[Callable[[st
 LEVEL_GETTERS, LEVEL_SETTERS = _cell_functions()
 
 
-def read_level_effective() -> tuple[str, ...]:
-    """Effective values of the level cells: cheap, for telling whether anyone changed them."""
-    return tuple(get() for get in LEVEL_GETTERS)
+if len(LEVEL_GETTERS) == 2:
+    _get_first, _get_second = LEVEL_GETTERS
+
+    def read_level_effective() -> tuple[str, ...]:
+        """Effective values of the level cells: cheap, for telling whether anyone changed them."""
+        return (_get_first(), _get_second())
+else:
+
+    def read_level_effective() -> tuple[str, ...]:
+        """Effective values of the level cells: cheap, for telling whether anyone changed them."""
+        return tuple(get() for get in LEVEL_GETTERS)
 
 
 def write_level_raw(raw: tuple[str, ...]) -> None:
@@ -266,3 +265,8 @@ def level_from_effective(effective: tuple[str, ...]) -> str:
         return effective[0]
     values = dict(zip(_LEVEL_CELLS, effective))
     return level_of(values.get(("cuda", "matmul"), "ieee"), values.get(("mkldnn", "matmul"), "ieee"))
+
+
+def read_level() -> str:
+    """The level in force process-wide, from effective values (never raises for mixed APIs)."""
+    return level_from_effective(read_level_effective())

@@ -61,17 +61,10 @@ _SCOPE: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("tf32la
 _MAIN = threading.main_thread().ident
 _VALUES = {level: flags.level_values(level) for level in LEVELS}
 _LEVEL_OF_RAW = {values: level for level, values in _VALUES.items()}
+_read_effective = flags.read_level_effective
 _write_raw = flags.write_level_raw
 _write_level = flags.write_level
 _get_ident = threading.get_ident
-if len(flags.LEVEL_GETTERS) == 2:  # the per-backend API: two cells, read and written without a Python frame
-    _get_a, _get_b = flags.LEVEL_GETTERS
-    _put_a, _put_b = flags.LEVEL_SETTERS
-
-    def _read_effective() -> tuple[str, ...]:
-        return (_get_a(), _get_b())
-else:
-    _read_effective = flags.read_level_effective
 
 
 class _State:
@@ -258,15 +251,9 @@ class precision:
             if state.holders or state.readers:
                 _enter_beside_others(level, key)
             else:  # the first scope in the process: the common case, kept short
-                if (thread != _MAIN or GUARD_POLICY == "always") and not _has_guard():
+                if _needs_guard(thread) and not _has_guard():
                     _push_guard(thread)
-                effective = _read_effective()
-                cache = state.cache
-                if cache is None or cache[0] != effective:
-                    # Raw values take a probe of parent cells; a cache checked against effective values skips it.
-                    cache = state.cache = flags.read_level_state()
-                state.base_raw, state.base_effective = cache[1], effective
-                state.base_as_level = _LEVEL_OF_RAW.get(cache[1])
+                state.capture_base()
                 state.holders[key] = [level]
                 _write_level(level)
                 state.in_force = level
