@@ -5,7 +5,10 @@ import importlib
 
 import pytest
 
-MODULES = ["tf32lab", "tf32lab.formats", "tf32lab.flags", "tf32lab.levels", "tf32lab.families", "tf32lab.scope"]
+MODULES = [
+    "tf32lab", "tf32lab.formats", "tf32lab.flags", "tf32lab.levels", "tf32lab.families", "tf32lab.scope",
+    "tf32lab.targets", "tf32lab.emulator", "tf32lab.samples",
+]
 
 
 @pytest.mark.parametrize("name", MODULES)

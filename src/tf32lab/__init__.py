@@ -10,7 +10,8 @@ Example:
     'highest'
 """
 
-from . import flags, formats
+from . import flags, formats, targets
+from .emulator import emulate
 from .errors import Tf32LabError
 from .levels import LEVELS
 from .scope import get_float32_matmul_precision, precision, set_float32_matmul_precision
@@ -21,9 +22,11 @@ __all__ = [
     "LEVELS",
     "Tf32LabError",
     "__version__",
+    "emulate",
     "flags",
     "formats",
     "get_float32_matmul_precision",
     "precision",
     "set_float32_matmul_precision",
+    "targets",
 ]

@@ -12,10 +12,10 @@ FAMILIES = ("matmul", "conv", "rnn", "attention", "matvec", "linalg")
 
 _TOKENS = {
     "matmul": {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "einsum", "tensordot", "bilinear",
-               "chain", "addr", "ger", "inner", "cdist"},
+               "chain", "addr", "ger", "inner", "cdist", "euclidean"},
     "matvec": {"mv", "addmv", "dot", "vdot"},
     "rnn": {"lstm", "gru", "rnn"},
-    "attention": {"attention", "sdpa", "flash", "efficient"},
+    "attention": {"attention", "sdpa", "flash", "efficient", "transformer"},
     "linalg": {"linalg", "cholesky", "triangular", "lu", "qr", "svd", "eig", "eigh", "inverse", "solve", "lstsq",
                "geqrf", "ormqr", "orgqr", "det", "slogdet", "pinverse", "matrix"},
 }
@@ -27,8 +27,8 @@ def family_of(op_name: str) -> str | None:
 
     >>> family_of("aten::addmm"), family_of("cudnn_convolution_transpose"), family_of("aten::relu")
     ('matmul', 'conv', None)
-    >>> family_of("_scaled_dot_product_flash_attention_for_cpu")
-    'attention'
+    >>> family_of("_scaled_dot_product_flash_attention_for_cpu"), family_of("_transformer_encoder_layer_fwd")
+    ('attention', 'attention')
     """
     name = op_name.rsplit("::", 1)[-1].split(".", 1)[0].lower()
     tokens = [t for t in name.split("_") if t]

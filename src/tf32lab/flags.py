@@ -270,3 +270,39 @@ def level_from_effective(effective: tuple[str, ...]) -> str:
 def read_level() -> str:
     """The level in force process-wide, from effective values (never raises for mixed APIs)."""
     return level_from_effective(read_level_effective())
+
+
+# Effective values per (backend, op), for the emulator and doctor. --------------------------------------------
+CELL_NAMES = tuple(f"{backend}.{op}" for backend in _BACKENDS for op in _OPS)
+
+
+def _legacy_cells() -> dict[str, str]:
+    # PyTorch < 2.9: one boolean per cuBLAS / cuDNN, and the level string for oneDNN.
+    matmul = "tf32" if _C._get_cublas_allow_tf32() else "ieee"
+    cudnn = "tf32" if _C._get_cudnn_allow_tf32() else "ieee"
+    level = _C._get_float32_matmul_precision()
+    mkldnn = {"highest": "ieee", "high": "tf32", "medium": "bf16"}.get(level, "ieee")
+    return {"cuda.matmul": matmul, "cuda.conv": cudnn, "cuda.rnn": cudnn,
+            "mkldnn.matmul": mkldnn, "mkldnn.conv": "ieee", "mkldnn.rnn": "ieee"}
+
+
+def read_cells() -> dict[str, str]:
+    """Effective value of every ``backend.op`` cell (``"ieee"``, ``"tf32"`` or ``"bf16"``), on any torch >= 2.4.
+
+    Values are what the backend obeys now, inheritance resolved; nothing is written.
+
+    Example:
+
+        >>> from tf32lab import flags
+        >>> cells = flags.read_cells()
+        >>> cells["cuda.conv"], cells["cuda.matmul"]     # PyTorch's defaults: convs TF32, matmuls IEEE
+        ('tf32', 'ieee')
+    """
+    if not NEW_API:
+        return _legacy_cells()
+    out = {}
+    for name in CELL_NAMES:
+        backend, op = name.split(".")
+        value = _get((backend, op)) if (backend, op) in _CELLS else "ieee"
+        out[name] = "ieee" if value == "none" else value
+    return out

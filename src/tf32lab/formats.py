@@ -27,6 +27,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 __all__ = [
@@ -44,11 +46,15 @@ ROUNDINGS = ("rna", "rne", "rz")
 _TF32_DROP = 13
 _BF16_DROP = 16
 
-def _check_input(x: torch.Tensor, fn: str) -> None:
+def _check_input(x: torch.Tensor, fn: str, out: Optional[torch.Tensor] = None) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fn} takes a float32 torch.Tensor, got {type(x).__name__}")
     if x.dtype != torch.float32:
         raise TypeError(f"{fn} takes a float32 tensor, got dtype {x.dtype}; convert with x.float() first")
+    if out is not None and (out.dtype != torch.float32 or out.shape != x.shape or out.device != x.device):
+        raise ValueError(
+            f"{fn}: out= must be a float32 tensor of shape {tuple(x.shape)} on {x.device}, got "
+            f"{out.dtype} {tuple(out.shape)} on {out.device}")
 
 
 def _check_rounding(rounding: str, fn: str) -> None:
@@ -70,28 +76,31 @@ def _round_bits(u: torch.Tensor, out: torch.Tensor, drop: int, rounding: str) ->
     half = 1 << (drop - 1)
     if rounding == "rna":
         torch.add(u, half, out=out)
-    else:  # rne: bias half - 1, plus 1 when the lowest kept bit is odd
-        torch.bitwise_right_shift(u, drop, out=out)
-        out.bitwise_and_(1).add_(u).add_(half - 1)
+    else:  # rne: bias half - 1, plus 1 when the lowest kept bit is odd (read before ``out``, which may be ``u``)
+        odd = torch.bitwise_right_shift(u, drop).bitwise_and_(1)
+        torch.add(u, odd, out=out).add_(half - 1)
     out.bitwise_and_(mask)
 
 
-def _round(x: torch.Tensor, drop: int, rounding: str) -> torch.Tensor:
+def _round(x: torch.Tensor, drop: int, rounding: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     x = x.detach()
-    out = torch.empty_like(x)
-    _round_bits(x.view(torch.int32), out.view(torch.int32), drop, rounding)
+    out = torch.empty_like(x) if out is None else out
     # A NaN needs mending only where one went in (its payload may sit in the dropped bits). On the CPU one
     # read-only pass tells: a sum is finite only if no NaN is in it; otherwise (and on devices, where asking
-    # would synchronise) the fix-up runs.
-    if x.device.type != "cpu" or not bool(torch.isfinite(x.sum())):
-        torch.where(torch.isnan(x), x, out, out=out)
+    # would synchronise) the fix-up runs, from a copy when the result overwrites the input.
+    mend = x.device.type != "cpu" or not bool(torch.isfinite(x.sum()))
+    source = x.clone() if mend and out.data_ptr() == x.data_ptr() else x
+    _round_bits(x.view(torch.int32), out.view(torch.int32), drop, rounding)
+    if mend:
+        torch.where(torch.isnan(source), source, out, out=out)
     return out
 
 
-def round_tf32(x: torch.Tensor, rounding: str = "rna") -> torch.Tensor:
+def round_tf32(x: torch.Tensor, rounding: str = "rna", *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Round float32 values to TF32 (1 sign, 8 exponent, 10 mantissa bits), returned as float32.
 
     ``rounding`` is ``"rna"`` (default: what cuBLAS/CUTLASS do), ``"rne"`` or ``"rz"`` (the ``mma`` instruction).
+    ``out``: a float32 tensor of the same shape to write into (it may be ``x`` itself), returned.
 
     Example:
 
@@ -100,15 +109,16 @@ def round_tf32(x: torch.Tensor, rounding: str = "rna") -> torch.Tensor:
         >>> round_tf32(torch.tensor([1.0 + 2**-11, 1.0 + 3 * 2**-11]), rounding="rz").tolist()
         [1.0, 1.0009765625]
     """
-    _check_input(x, "round_tf32")
+    _check_input(x, "round_tf32", out)
     _check_rounding(rounding, "round_tf32")
-    return _round(x, _TF32_DROP, rounding)
+    return _round(x, _TF32_DROP, rounding, out)
 
 
-def round_bf16(x: torch.Tensor, rounding: str = "rne") -> torch.Tensor:
+def round_bf16(x: torch.Tensor, rounding: str = "rne", *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Round float32 values to bfloat16 (8 mantissa bits), returned as float32.
 
     ``rounding="rne"`` (default) equals ``x.to(torch.bfloat16).float()``; ``"rna"`` and ``"rz"`` are offered too.
+    ``out``: a float32 tensor of the same shape to write into, returned.
 
     Example:
 
@@ -117,12 +127,13 @@ def round_bf16(x: torch.Tensor, rounding: str = "rne") -> torch.Tensor:
         >>> round_bf16(torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8])).tolist()   # two ties, both to even
         [1.0, 1.015625]
     """
-    _check_input(x, "round_bf16")
+    _check_input(x, "round_bf16", out)
     _check_rounding(rounding, "round_bf16")
     if rounding == "rne":
         # torch's own conversion is RNE with NaN kept, and one fused pass each way.
-        return x.detach().to(torch.bfloat16).to(torch.float32)
-    return _round(x, _BF16_DROP, rounding)
+        half = x.detach().to(torch.bfloat16)
+        return half.to(torch.float32) if out is None else out.copy_(half)
+    return _round(x, _BF16_DROP, rounding, out)
 
 
 def round_fp16(x: torch.Tensor) -> torch.Tensor:
@@ -142,12 +153,13 @@ def round_fp16(x: torch.Tensor) -> torch.Tensor:
     return x.detach().to(torch.float16).to(torch.float32)
 
 
-def split_bf16x3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def split_bf16x3(x: torch.Tensor, *, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split float32 values into ``(hi, lo)`` bf16 parts for bf16x3 products (FACTS.md §3).
 
     ``hi = bf16(x)`` and ``lo = bf16(x - hi)``, both RNE, the difference taken in float32 (it is exact for every
     finite ``x`` whose ``hi`` is finite). ``x·y ≈ hi·hi' + hi·lo' + lo·hi'`` keeps about 16 mantissa bits.
-    As in the kernels, an infinite ``x`` gives a NaN ``lo``.
+    As in the kernels, an infinite ``x`` gives a NaN ``lo``. ``out``: two float32 tensors to write into.
 
     Example:
 
@@ -157,17 +169,21 @@ def split_bf16x3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         >>> hi.item(), lo.item()
         (1.0, 0.0009765625)
     """
-    _check_input(x, "split_bf16x3")
+    _check_input(x, "split_bf16x3", None if out is None else out[0])
     x = x.detach()
-    hi = round_bf16(x)
-    return hi, round_bf16(x - hi)
+    hi, lo = out if out is not None else (None, None)
+    hi = round_bf16(x, out=hi)
+    lo = torch.sub(x, hi) if lo is None else torch.sub(x, hi, out=lo)
+    return hi, round_bf16(lo, out=lo)
 
 
-def split_tf32x3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def split_tf32x3(x: torch.Tensor, *, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split float32 values into ``(big, small)`` TF32 parts for 3xTF32 products (FACTS.md §3).
 
     As CUTLASS's ``mma_tensor_op_fast_f32``: ``big = truncate(x)`` (rz) and ``small = rna(x - big)``, the
-    difference exact in float32. An infinite ``x`` gives a NaN ``small``.
+    difference exact in float32. An infinite ``x`` gives a NaN ``small``. ``out``: two float32 tensors to write
+    into.
 
     Example:
 
@@ -177,7 +193,15 @@ def split_tf32x3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         >>> big.item(), small.item()
         (1.0, 0.0004892349243164062)
     """
-    _check_input(x, "split_tf32x3")
+    _check_input(x, "split_tf32x3", None if out is None else out[0])
     x = x.detach()
-    big = _round(x, _TF32_DROP, "rz")
-    return big, _round(x - big, _TF32_DROP, "rna")
+    big, small = out if out is not None else (torch.empty_like(x), torch.empty_like(x))
+    if x.device.type == "cpu" and bool(torch.isfinite(x.sum())):
+        # No NaN or Inf in x, so none in big or x - big: one check instead of one per rounding.
+        _round_bits(x.view(torch.int32), big.view(torch.int32), _TF32_DROP, "rz")
+        torch.sub(x, big, out=small)
+        _round_bits(small.view(torch.int32), small.view(torch.int32), _TF32_DROP, "rna")
+        return big, small
+    big = _round(x, _TF32_DROP, "rz", big)
+    torch.sub(x, big, out=small)
+    return big, _round(small, _TF32_DROP, "rna", small)

@@ -387,6 +387,12 @@ def set_float32_matmul_precision(level: str) -> None:
         state.cache = (values, values)
 
 
+def context_level() -> Optional[str]:
+    """The level of the innermost scope of this thread/task, or None outside scopes (no Python frame walk)."""
+    node = _SCOPE.get()
+    return None if node is None else node[_LEVEL]
+
+
 def _active_guards() -> int:
     """Threads with a guard pushed now (for tests and diagnostics)."""
     return len(_STATE.guards)

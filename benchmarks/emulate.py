@@ -1,0 +1,65 @@
+"""What emulation costs, as ratios to the native float32 computation timed in the same run (A/B interleaved).
+
+    python benchmarks/emulate.py [--quick]
+
+1. TF32 emulation (``precision("high"), emulate("a100")``) of a 2048 x 2048 float32 GEMM (goal: <= 1.10x);
+2. bf16x3 emulation of the same GEMM (``emulate(math="bf16x3")``: three GEMMs; goal: <= 3.3x);
+3. all-MiniLM-L6-v2 encoding 64 sentences under TF32 emulation (goal: <= 1.15x).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from _common import header, interleaved
+
+import tf32lab
+from tf32lab import samples
+
+GOALS = {"gemm tf32": 1.10, "gemm bf16x3": 3.3, "minilm tf32": 1.15}
+
+
+def emulated(fn, **options):
+    def run():
+        with tf32lab.precision("high"), tf32lab.emulate("a100", **options):
+            return fn()
+
+    return run
+
+
+def main() -> int:
+    quick = "--quick" in sys.argv
+    header("emulate(): cost against native float32")
+    rounds = 3 if quick else 9
+    torch.manual_seed(0)
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+
+    def gemm():
+        return a @ b
+
+    times = interleaved({"native": gemm, "tf32": emulated(gemm), "bf16x3": emulated(gemm, math="bf16x3")},
+                        rounds=rounds, number=1)
+    ratios = {"gemm tf32": times["tf32"] / times["native"], "gemm bf16x3": times["bf16x3"] / times["native"]}
+    print(f"2048^2 GEMM native {times['native'] * 1e3:.1f} ms")
+
+    model = samples.minilm()
+    sentences = list(samples.SENTENCES)
+
+    def encode():
+        return model.encode(sentences, batch_size=64, convert_to_tensor=True)
+
+    times = interleaved({"native": encode, "tf32": emulated(encode)}, rounds=rounds, number=1)
+    ratios["minilm tf32"] = times["tf32"] / times["native"]
+    print(f"MiniLM 64 sentences native {times['native'] * 1e3:.1f} ms")
+
+    failed = 0
+    for name, ratio in ratios.items():
+        ok = ratio <= GOALS[name]
+        failed += not ok
+        print(f"{'PASSED' if ok else 'FAILED'} | {name}: {ratio:.3f}x native (goal <= {GOALS[name]}x)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

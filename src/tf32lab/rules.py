@@ -1,0 +1,477 @@
+"""The emulator's op table: one rule per aten op (or group of ops) of the precision-sensitive families.
+
+A rule gets ``(call, func, args, kwargs)`` and returns what ``func`` would, computed with ``call.product(key,
+...)``, which applies the math the target assigns to ``key``. Rules run with native GEMMs forced to IEEE, so the
+only reduced precision in a result is the one emulated. ``RULES`` is filled only by ``@rule``; it refuses an op
+registered twice. Composite ops without a rule (``matmul``, ``einsum``, ``tensordot``, ``conv2d``, ``cdist`` in
+inference mode) decompose into these; see ``tf32lab.emulator``.
+
+Attention, multi-head attention, the transformer encoder layer's fast path and the RNNs are re-expressed here
+in their GEMMs and pointwise steps, following PyTorch's own kernels, because their GEMMs run inside one native
+kernel that a dispatch mode cannot see into.
+"""
+
+from __future__ import annotations
+
+import math as _pymath
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .errors import Tf32LabError
+
+__all__ = ["RNN_FUNCTIONS", "RULES", "rnn_function", "rule"]
+
+aten = torch.ops.aten
+
+RULES: dict[Any, Callable] = {}
+
+
+def rule(*ops: Any) -> Callable[[Callable], Callable]:
+    """Register ``fn`` as the rule of each aten op packet in ``ops``."""
+    for op in ops:
+        if not isinstance(op, torch._ops.OpOverloadPacket):
+            raise TypeError(f"rule() takes aten op packets (aten.mm), got {op!r}")
+
+    def register(fn: Callable) -> Callable:
+        for op in ops:
+            if op in RULES:
+                raise Tf32LabError(f"{op} already has the rule {RULES[op].__name__}")
+            RULES[op] = fn
+        return fn
+
+    return register
+
+
+# -- matmul and matvec ---------------------------------------------------------------------------------------
+@rule(aten.mm, aten.bmm)
+def _mm(call, func, args, kwargs):
+    return call.product("matmul", lambda a, b: func(a, b), args[0], args[1])
+
+
+@rule(aten.mv, aten.dot, aten.vdot)
+def _mv(call, func, args, kwargs):
+    return call.product("matvec", lambda a, b: func(a, b), args[0], args[1])
+
+
+def _scaled_sum(default, key: str):
+    # out-of-place: beta * C + alpha * product; ``bare`` keeps only the product (beta=0 also ignores NaN in C)
+    def fn(call, func, args, kwargs):
+        c, a, b = args[:3]
+        beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
+        alpha = kwargs.get("alpha", args[4] if len(args) > 4 else 1)
+        result = call.product(key, lambda x, y: default(c, x, y, beta=beta, alpha=alpha), a, b,
+                              bare=lambda x, y: default(c, x, y, beta=0, alpha=alpha))
+        if func.overloadpacket.__name__.endswith("_"):  # addmm_ and friends write into C
+            return c.copy_(result)
+        return result
+
+    return fn
+
+
+rule(aten.addmm, aten.addmm_)(_scaled_sum(aten.addmm.default, "matmul"))
+rule(aten.baddbmm, aten.baddbmm_)(_scaled_sum(aten.baddbmm.default, "matmul"))
+rule(aten.addbmm, aten.addbmm_)(_scaled_sum(aten.addbmm.default, "matmul"))
+rule(aten.addmv, aten.addmv_)(_scaled_sum(aten.addmv.default, "matvec"))
+
+
+@rule(aten._addmm_activation)
+def _addmm_activation(call, func, args, kwargs):
+    c, a, b = args[:3]
+    beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
+    alpha = kwargs.get("alpha", args[4] if len(args) > 4 else 1)
+    use_gelu = kwargs.get("use_gelu", args[5] if len(args) > 5 else False)
+    pre = call.product("matmul", lambda x, y: aten.addmm.default(c, x, y, beta=beta, alpha=alpha), a, b,
+                       bare=lambda x, y: aten.addmm.default(c, x, y, beta=0, alpha=alpha))
+    return F.gelu(pre) if use_gelu else F.relu(pre)
+
+
+@rule(aten.linear)
+def _linear(call, func, args, kwargs):
+    x, w = args[:2]
+    bias = kwargs.get("bias", args[2] if len(args) > 2 else None)
+    return call.product("matmul", lambda a, b: aten.linear.default(a, b, bias), x, w,
+                        bare=lambda a, b: aten.linear.default(a, b))
+
+
+def _euclidean(call, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    # PyTorch's _euclidean_dist: one GEMM of padded operands, |x|^2 + |y|^2 - 2 x.y; the norms are operands too
+    x1_norm = x1.pow(2).sum(-1, keepdim=True)
+    x2_norm = x2.pow(2).sum(-1, keepdim=True)
+    x1_ = torch.cat([x1.mul(-2), x1_norm, torch.ones_like(x1_norm)], -1)
+    x2_ = torch.cat([x2, torch.ones_like(x2_norm), x2_norm], -1)
+    return call.product("matmul", torch.matmul, x1_, x2_.mT).clamp_min_(0).sqrt_()
+
+
+@rule(aten._euclidean_dist)
+def _euclidean_dist(call, func, args, kwargs):
+    return _euclidean(call, args[0], args[1])
+
+
+@rule(aten._cdist_forward)
+def _cdist_forward(call, func, args, kwargs):
+    x1, x2, p = args[:3]
+    mode = args[3] if len(args) > 3 else kwargs.get("compute_mode")
+    # Same choice as PyTorch's cdist_impl: p=2 uses a GEMM when asked to, or by default past 25 rows.
+    if p == 2 and (mode == 1 or (mode in (None, 0) and (x1.size(-2) > 25 or x2.size(-2) > 25))):
+        return _euclidean(call, x1, x2)
+    call.math("linalg")  # a direct kernel, no GEMM: IEEE on every target
+    return func(*args, **kwargs)
+
+
+@rule(aten._cdist_backward)
+def _cdist_backward(call, func, args, kwargs):
+    call.math("linalg")  # computed directly from the distances, no GEMM
+    return func(*args, **kwargs)
+
+
+# -- convolution ---------------------------------------------------------------------------------------------
+@rule(aten.convolution, aten._convolution)
+def _convolution(call, func, args, kwargs):
+    x, w, bias, *rest = args
+    return call.product("conv", lambda a, b: func(a, b, bias, *rest, **kwargs), x, w,
+                        bare=lambda a, b: func(a, b, None, *rest, **kwargs))
+
+
+@rule(aten.convolution_backward)
+def _convolution_backward(call, func, args, kwargs):
+    grad, x, w, bias_sizes, *rest, mask = args
+    math = call.math("conv")
+    emu = call.emu
+
+    def run(g, i, k, want):
+        return func(g, i, k, bias_sizes, *rest, want)
+
+    want = [mask[0], mask[1], False]
+    if math.name == "ieee" or not (mask[0] or mask[1]):
+        grad_input, grad_weight, _ = run(grad, x, w, want)
+    elif math.name in ("tf32", "bf16"):
+        grad_input, grad_weight, _ = run(emu._round(grad, math), emu._round(x, math), emu._round(w, math), want)
+    else:  # grad_input is bilinear in (grad, w), grad_weight in (grad, x): two calls give both, as in product()
+        (g_big, g_small), (x_big, x_sum), (w_big, w_sum) = (
+            emu._split(grad, math), emu._split(x, math, summed=True), emu._split(w, math, summed=True))
+        full, small = run(g_big, x_sum, w_sum, want), run(g_small, x_big, w_big, want)
+        grad_input, grad_weight = (full[i].add_(small[i]) if mask[i] else None for i in (0, 1))
+    # The bias gradient is a plain sum of the incoming gradient, in float32 on every device.
+    grad_bias = run(grad, x, w, [False, False, True])[2] if mask[2] else None
+    return grad_input, grad_weight, grad_bias
+
+
+# -- attention -----------------------------------------------------------------------------------------------
+def _expand_gqa(q, k, v, enable_gqa):
+    if enable_gqa and k.size(-3) != q.size(-3):
+        rep = q.size(-3) // k.size(-3)
+        k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+    return k, v
+
+
+def _scores(call, key, q, k, attn_mask, is_causal, scale):
+    scale = 1.0 / _pymath.sqrt(q.size(-1)) if scale is None else scale
+    s = call.product(key, torch.matmul, q, k.transpose(-2, -1)).mul_(scale)
+    if is_causal:
+        keep = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+        s.masked_fill_(~keep, float("-inf"))
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+    return s, scale
+
+
+def _attention(call, key, q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, lse=False):
+    """softmax(q kᵀ · scale + mask) v with both products in the math of ``key``: (out, logsumexp, weights)."""
+    k, v = _expand_gqa(q, k, v, enable_gqa)
+    s, _ = _scores(call, key, q, k, attn_mask, is_causal, scale)
+    lse = torch.logsumexp(s, -1) if lse else None
+    p = torch.softmax(s, -1)
+    return call.product(key, torch.matmul, p, v), lse, p
+
+
+def _attention_backward(call, key, grad, q, k, v, out, attn_mask, is_causal, scale, enable_gqa=False):
+    heads_k = k.size(-3)
+    k_full, v_full = _expand_gqa(q, k, v, enable_gqa)
+    s, scale = _scores(call, key, q, k_full, attn_mask, is_causal, scale)
+    p = torch.softmax(s, -1)
+    grad_v = call.product(key, torch.matmul, p.transpose(-2, -1), grad)
+    grad_p = call.product(key, torch.matmul, grad, v_full.transpose(-2, -1))
+    grad_s = p * (grad_p - (grad * out).sum(-1, keepdim=True))
+    grad_q = call.product(key, torch.matmul, grad_s, k_full).mul_(scale)
+    grad_k = call.product(key, torch.matmul, grad_s.transpose(-2, -1), q).mul_(scale)
+    if grad_k.size(-3) != heads_k:  # grouped-query attention: sum the gradient of each shared head
+        shape = (*grad_k.shape[:-3], heads_k, grad_k.size(-3) // heads_k, *grad_k.shape[-2:])
+        grad_k, grad_v = grad_k.reshape(shape).sum(-3), grad_v.reshape(shape).sum(-3)
+    return grad_q, grad_k, grad_v
+
+
+def _arg(args, kwargs, i, name, default=None):
+    return kwargs.get(name, args[i] if len(args) > i else default)
+
+
+@rule(aten.scaled_dot_product_attention)
+def _sdpa(call, func, args, kwargs):
+    q, k, v = args[:3]
+    if _arg(args, kwargs, 4, "dropout_p", 0.0):
+        return NotImplemented  # decomposes into a kernel that draws its own mask
+    out, _, _ = _attention(call, "attention", q, k, v, _arg(args, kwargs, 3, "attn_mask"),
+                           _arg(args, kwargs, 5, "is_causal", False), kwargs.get("scale"),
+                           kwargs.get("enable_gqa", False))
+    return out
+
+
+@rule(aten._scaled_dot_product_flash_attention_for_cpu)
+def _sdpa_flash_cpu(call, func, args, kwargs):
+    q, k, v = args[:3]
+    if _arg(args, kwargs, 3, "dropout_p", 0.0):
+        return NotImplemented
+    out, lse, _ = _attention(call, "attention", q, k, v, kwargs.get("attn_mask"),
+                             _arg(args, kwargs, 4, "is_causal", False), kwargs.get("scale"), lse=True)
+    return out, lse
+
+
+@rule(aten._scaled_dot_product_flash_attention_for_cpu_backward)
+def _sdpa_flash_cpu_backward(call, func, args, kwargs):
+    grad, q, k, v, out, _lse = args[:6]
+    if _arg(args, kwargs, 6, "dropout_p", 0.0):
+        return NotImplemented
+    return _attention_backward(call, "attention", grad, q, k, v, out, kwargs.get("attn_mask"),
+                               _arg(args, kwargs, 7, "is_causal", False), kwargs.get("scale"))
+
+
+@rule(aten._scaled_dot_product_attention_math)
+def _sdpa_math(call, func, args, kwargs):
+    q, k, v = args[:3]
+    if _arg(args, kwargs, 4, "dropout_p", 0.0):
+        return NotImplemented
+    out, _, p = _attention(call, "attention.math", q, k, v, _arg(args, kwargs, 3, "attn_mask"),
+                           _arg(args, kwargs, 5, "is_causal", False), kwargs.get("scale"),
+                           kwargs.get("enable_gqa", False))
+    return out, p
+
+
+@rule(aten._scaled_dot_product_efficient_attention)
+def _sdpa_efficient(call, func, args, kwargs):
+    q, k, v, bias, compute_lse = args[:5]
+    if _arg(args, kwargs, 5, "dropout_p", 0.0):
+        return NotImplemented
+    out, lse, _ = _attention(call, "attention.efficient", q, k, v, bias,
+                             _arg(args, kwargs, 6, "is_causal", False), kwargs.get("scale"), lse=compute_lse)
+    empty = torch.empty(0, dtype=torch.int64, device=q.device)
+    return out, (lse if compute_lse else torch.empty(0, device=q.device)), empty, empty
+
+
+@rule(aten._scaled_dot_product_efficient_attention_backward)
+def _sdpa_efficient_backward(call, func, args, kwargs):
+    grad, q, k, v, bias, out = args[:6]
+    if _arg(args, kwargs, 9, "dropout_p", 0.0):
+        return NotImplemented
+    grads = _attention_backward(call, "attention.efficient", grad, q, k, v, out, bias,
+                                _arg(args, kwargs, 11, "is_causal", False), kwargs.get("scale"))
+    return (*grads, None)
+
+
+def _mha_mask(mask, mask_type, batch, heads):
+    # _native_multi_head_attention: True means "do not attend"; mask_type 0: (L, S), 1: (B, S), 2: (B, H, L, S)
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(mask, float("-inf"))
+    if mask_type == 1:
+        mask = mask.view(batch, 1, 1, mask.size(-1))
+    return mask
+
+
+def _mha(call, query, key, value, embed_dim, num_head, qkv_weight, qkv_bias, proj_weight, proj_bias,
+         mask=None, need_weights=True, average_attn_weights=True, mask_type=None):
+    batch, length = query.size(0), query.size(1)
+    head_dim = embed_dim // num_head
+
+    def linear(x, w, b):
+        return call.product("matmul", lambda a, c: aten.linear.default(a, c, b), x, w,
+                            bare=lambda a, c: aten.linear.default(a, c))
+
+    if query is key and key is value:
+        q, k, v = linear(query, qkv_weight, qkv_bias).chunk(3, -1)
+    else:
+        (wq, wk, wv), (bq, bk, bv) = qkv_weight.chunk(3), qkv_bias.chunk(3)
+        q, k, v = linear(query, wq, bq), linear(key, wk, bk), linear(value, wv, bv)
+
+    def heads(t):
+        return t.reshape(batch, -1, num_head, head_dim).transpose(1, 2)
+
+    q, k, v = heads(q), heads(k), heads(v)
+    additive = _mha_mask(mask, mask_type, batch, num_head)
+    if need_weights:
+        # PyTorch's explicit path: q rescaled before the GEMM, softmax, a second GEMM (the matmul flag)
+        q = q / _pymath.sqrt(head_dim)
+        out, _, weights = _attention(call, "attention.math", q, k, v, additive, False, 1.0)
+        weights = weights.mean(1) if average_attn_weights else weights
+    else:  # the fused kernel PyTorch picks for SDPA
+        out, _, _ = _attention(call, "attention", q, k, v, additive, False, None)
+        weights = torch.empty(0, dtype=query.dtype, device=query.device)
+    out = out.transpose(1, 2).reshape(batch, length, embed_dim)
+    return linear(out, proj_weight, proj_bias), weights
+
+
+@rule(aten._native_multi_head_attention)
+def _native_mha(call, func, args, kwargs):
+    if any(isinstance(a, torch.Tensor) and a.is_nested for a in args[:3]):
+        return NotImplemented
+    names = ("mask", "need_weights", "average_attn_weights", "mask_type")
+    extra = {n: kwargs[n] for n in names if n in kwargs}
+    return _mha(call, *args, **extra)
+
+
+@rule(aten._transformer_encoder_layer_fwd)
+def _encoder_layer(call, func, args, kwargs):
+    (src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, use_gelu, norm_first, eps,
+     norm_w1, norm_b1, norm_w2, norm_b2, ffn_w1, ffn_b1, ffn_w2, ffn_b2) = args[:18]
+    mask = _arg(args, kwargs, 18, "mask")
+    mask_type = _arg(args, kwargs, 19, "mask_type")
+    if src.is_nested:
+        return NotImplemented
+
+    def norm(x, w, b):
+        return F.layer_norm(x, (embed_dim,), w, b, eps)
+
+    def linear(x, w, b):
+        return call.product("matmul", lambda a, c: aten.linear.default(a, c, b), x, w,
+                            bare=lambda a, c: aten.linear.default(a, c))
+
+    # PyTorch's transformer_encoder_layer_forward, step by step
+    x = norm(src, norm_w1, norm_b1) if norm_first else src
+    x = _mha(call, x, x, x, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, mask, False,
+             True, mask_type)[0] + src
+    if not norm_first:
+        x = norm(x, norm_w1, norm_b1)
+    residual = x
+    if norm_first:
+        x = norm(x, norm_w2, norm_b2)
+    hidden = linear(x, ffn_w1, ffn_b1)
+    hidden = F.gelu(hidden) if use_gelu else F.relu(hidden)
+    x = linear(hidden, ffn_w2, ffn_b2) + residual
+    return x if norm_first else norm(x, norm_w2, norm_b2)
+
+
+# -- recurrent networks ----------------------------------------------------------------------------------------
+_MODES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
+
+
+def run_rnn(mode: str, linear: Callable, x, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+            batch_first):
+    """PyTorch's multi-layer (bi)directional LSTM / GRU / RNN, with every GEMM done by ``linear(x, w, b)``."""
+    if batch_first:
+        x = x.transpose(0, 1)
+    unbatched = x.dim() == 2
+    if unbatched:
+        x = x.unsqueeze(1)
+    dirs = 2 if bidirectional else 1
+    per = len(params) // (num_layers * dirs)
+    lstm = mode == "lstm"
+    h0, c0 = (hx[0], hx[1]) if lstm else (hx, None)
+    if unbatched:
+        h0, c0 = h0.unsqueeze(1), (c0.unsqueeze(1) if c0 is not None else None)
+    hs, cs = [], []
+    layer_in = x
+    for layer in range(num_layers):
+        outs = []
+        for d in range(dirs):
+            idx = layer * dirs + d
+            p = params[idx * per:(idx + 1) * per]
+            w_ih, w_hh = p[0], p[1]
+            b_ih, b_hh = (p[2], p[3]) if has_biases else (None, None)
+            w_hr = p[-1] if per in (3, 5) else None  # LSTM with proj_size
+            h, c = h0[idx], (c0[idx] if lstm else None)
+            gates_x = linear(layer_in, w_ih, b_ih)  # all steps at once, as cuDNN does
+            steps = range(layer_in.size(0) - 1, -1, -1) if d else range(layer_in.size(0))
+            out = [None] * layer_in.size(0)
+            for t in steps:
+                gates_h = linear(h, w_hh, b_hh)
+                if lstm:
+                    i, f, g, o = (gates_x[t] + gates_h).chunk(4, -1)
+                    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+                    h = torch.sigmoid(o) * torch.tanh(c)
+                    if w_hr is not None:
+                        h = linear(h, w_hr, None)
+                elif mode == "gru":
+                    x_r, x_z, x_n = gates_x[t].chunk(3, -1)
+                    h_r, h_z, h_n = gates_h.chunk(3, -1)
+                    r, z = torch.sigmoid(x_r + h_r), torch.sigmoid(x_z + h_z)
+                    n = torch.tanh(x_n + r * h_n)
+                    h = n + z * (h - n)
+                else:
+                    pre = gates_x[t] + gates_h
+                    h = torch.tanh(pre) if mode == "rnn_tanh" else torch.relu(pre)
+                out[t] = h
+            outs.append(torch.stack(out))
+            hs.append(h)
+            cs.append(c)
+        layer_in = torch.cat(outs, -1) if dirs == 2 else outs[0]
+        if dropout and train and layer < num_layers - 1:
+            layer_in = F.dropout(layer_in, dropout, True)
+    output, h_n = layer_in, torch.stack(hs)
+    c_n = torch.stack(cs) if lstm else None
+    if unbatched:
+        output, h_n = output.squeeze(1), h_n.squeeze(1)
+        c_n = c_n.squeeze(1) if lstm else None
+    if batch_first:
+        output = output.transpose(0, 1)
+    return (output, h_n, c_n) if lstm else (output, h_n)
+
+
+def _is_packed(args) -> bool:
+    # input variant: (input, hx, params, has_biases, ...); packed: (data, batch_sizes, hx, params, has_biases, ...)
+    return len(args) > 3 and isinstance(args[3], (list, tuple))
+
+
+@rule(aten.lstm, aten.gru, aten.rnn_tanh, aten.rnn_relu)
+def _rnn_op(call, func, args, kwargs):
+    if _is_packed(args):
+        return NotImplemented
+    mode = func.name().split("::")[-1]
+    key = "rnn"
+
+    def linear(x, w, b):
+        return call.product(key, lambda a, c: aten.linear.default(a, c, b), x, w,
+                            bare=lambda a, c: aten.linear.default(a, c))
+
+    call.math(key)
+    return run_rnn(mode, linear, *args)
+
+
+class _RnnLinear(torch.autograd.Function):
+    """x wᵀ + b whose forward and backward GEMMs are all rnn-family ops (cuDNN's RNN kernel)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        from .emulator import as_family
+
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = b is not None
+        with as_family("rnn"):
+            return F.linear(x, w, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from .emulator import as_family
+
+        x, w = ctx.saved_tensors
+        with as_family("rnn"):
+            grad_x = grad @ w
+            grad_w = grad.reshape(-1, grad.size(-1)).t() @ x.reshape(-1, x.size(-1))
+        grad_b = grad.reshape(-1, grad.size(-1)).sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b
+
+
+RNN_FUNCTIONS = {getattr(torch._C._VariableFunctions, name): name for name in _MODES}
+
+
+def rnn_function(emu, func, args, kwargs):
+    """``torch._VF.lstm`` and friends, called by ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN``."""
+    mode = RNN_FUNCTIONS[func]
+    if kwargs or _is_packed(args):
+        emu._unhandled(f"aten::{mode} (packed sequence)")
+        return func(*args, **kwargs)
+
+    def linear(x, w, b):
+        return _RnnLinear.apply(x, w, b)
+
+    return run_rnn(mode, linear, *args)

@@ -1,0 +1,254 @@
+"""Targets: what math each op family gets on a piece of hardware, given PyTorch's precision flags.
+
+One row per hardware profile. A row maps each *key* (an op family, or an attention kernel) to an :class:`Entry`:
+the flag cell PyTorch consults for it and, per value of that cell, the math the hardware then computes. Every
+entry names its source (FACTS.md section, PyTorch code, vendor documentation); an entry marked ``verify on GPU``
+is a reasoned assumption not yet measured on the device.
+
+Keys: ``matmul``, ``conv``, ``rnn``, ``matvec``, ``linalg``, ``attention`` (the kernel PyTorch picks for float32
+``scaled_dot_product_attention``), ``attention.math`` and ``attention.efficient`` (the two kernels by name).
+
+Example:
+
+    >>> from tf32lab import targets
+    >>> a100 = targets.get("a100")
+    >>> cells = {"cuda.matmul": "ieee", "cuda.conv": "tf32"}       # the level "highest", PyTorch's defaults
+    >>> str(a100.math("matmul", cells)), str(a100.math("conv", cells))   # convs run TF32 even at highest
+    ('ieee', 'tf32-rna')
+    >>> str(targets.get("v100").math("conv", cells))                     # no TF32 before Ampere
+    'ieee'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Optional, Union
+
+import torch
+
+from .errors import Tf32LabError
+
+__all__ = ["KEYS", "MATHS", "TARGETS", "Entry", "Math", "Target", "get", "table"]
+
+MATHS = ("ieee", "tf32", "bf16", "bf16x3", "tf32x3")
+KEYS = ("matmul", "conv", "rnn", "matvec", "linalg", "attention", "attention.math", "attention.efficient")
+
+_SINGLE = ("tf32", "bf16")  # one rounding of each operand; the rest are exact (ieee) or split in two (x3)
+
+
+@dataclass(frozen=True)
+class Math:
+    """What one op computes: ``name`` in MATHS, and the rounding of operands for ``tf32`` / ``bf16``.
+
+    ``tf32x3`` splits as CUTLASS's fast-fp32 kernels do (big: truncated, small: RNA) and ``bf16x3`` as
+    Henry et al. (both parts RNE), so they take no rounding.
+
+    >>> str(Math("tf32", "rna")), str(Math("bf16x3"))
+    ('tf32-rna', 'bf16x3')
+    """
+
+    name: str
+    rounding: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.name not in MATHS:
+            raise Tf32LabError(f"unknown math {self.name!r}; accepted: {', '.join(map(repr, MATHS))}")
+        if (self.rounding is not None) != (self.name in _SINGLE):
+            raise Tf32LabError(f"math {self.name!r} takes {'a' if self.name in _SINGLE else 'no'} rounding")
+
+    def __str__(self) -> str:
+        return f"{self.name}-{self.rounding}" if self.rounding else self.name
+
+
+IEEE = Math("ieee")
+TF32_RNA = Math("tf32", "rna")
+TF32_RNE = Math("tf32", "rne")
+BF16_RNE = Math("bf16", "rne")
+TF32X3 = Math("tf32x3")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """How one key is decided: the flag ``cell`` consulted (None: fixed) and ``math`` per cell value.
+
+    A value may name another key instead of a Math (``"matmul"``: computed as that key would be).
+    ``"*"`` matches any value.
+    """
+
+    cell: Optional[str]
+    math: Mapping[str, Union[Math, str]]
+    source: str
+
+
+def _fixed(math: Math, source: str) -> Entry:
+    return Entry(None, MappingProxyType({"*": math}), source)
+
+
+def _by(cell: str, source: str, **math: Union[Math, str]) -> Entry:
+    return Entry(cell, MappingProxyType(math), source)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A hardware profile: ``entries`` maps each key of KEYS to an :class:`Entry`."""
+
+    name: str
+    title: str
+    device: str  # "cuda" or "cpu": whose flag cells apply
+    capability: Optional[tuple[int, int]]
+    entries: Mapping[str, Entry]
+
+    def entry(self, key: str) -> Entry:
+        try:
+            return self.entries[key]
+        except KeyError:
+            raise Tf32LabError(f"unknown key {key!r}; accepted: {', '.join(map(repr, KEYS))}") from None
+
+    def math(self, key: str, cells: Mapping[str, str]) -> Math:
+        """The math for ``key`` when the flag cells hold ``cells`` (``flags.read_cells()`` plus ``sdpa``)."""
+        seen = []
+        while True:
+            entry = self.entry(key)
+            value = cells.get(entry.cell, "ieee") if entry.cell else "*"
+            math = entry.math.get(value, entry.math.get("*"))
+            if math is None:  # a value this hardware ignores (bf16 on cuBLAS): PyTorch falls back to IEEE
+                return IEEE
+            if isinstance(math, Math):
+                return math
+            seen.append(key)
+            if math in seen:
+                raise Tf32LabError(f"target {self.name!r}: keys {seen} refer to each other")
+            key = math
+
+    def __repr__(self) -> str:
+        cap = f" sm{self.capability[0]}{self.capability[1]}" if self.capability else ""
+        return f"<Target {self.name}: {self.title}{cap}>"
+
+
+# -- sources ---------------------------------------------------------------------------------------------------
+_S_CUBLAS = "FACTS.md §1 (Context.cpp: cuda.matmul=tf32 -> cuBLAS TF32); §3: cuBLAS/CUTLASS round operands RNA"
+_S_CUDNN = ("FACTS.md §1: cudnn.conv / cudnn.rnn fp32_precision, default tf32 (cudnn.allow_tf32=True); "
+            "RNA operand rounding as in CUTLASS, verify on GPU")
+_S_GEMV = "FACTS.md §2: mv/addmv/dot go to cuBLAS gemv, no tensor-core path; verify on GPU"
+_S_SOLVER = "FACTS.md §2: cuSOLVER / LAPACK factorizations are IEEE"
+_S_SDPA = ("FACTS.md §2: float32 SDPA on sm80+ picks the memory-efficient kernel when enabled (flash needs fp16/bf16); "
+           "verify on GPU")
+_S_SDPA_MATH = "FACTS.md §2: SDPA's math backend is bmm/matmul, so it follows the matmul flag"
+_S_EFFICIENT = "FACTS.md §2: the memory-efficient kernel runs 3xTF32 for float32 on sm80+ (CUTLASS fast-fp32)"
+_S_PRE_AMPERE = "FACTS.md §1: no TF32 before Ampere (sm80); the flags are accepted and have no effect"
+_S_EFFICIENT_SIMT = "FACTS.md §2: before sm80 the memory-efficient kernel computes float32 without tensor cores"
+_S_ONEDNN_BF16 = "FACTS.md §1: mkldnn fp32_precision=bf16 -> oneDNN bf16 (AVX512-BF16/AMX), RNE conversion"
+_S_ONEDNN_TF32 = "FACTS.md §1: mkldnn fp32_precision=tf32 where the CPU has it; rounding assumed RNE, unverified"
+_S_CPU = "FACTS.md §1: a CPU without reduced-precision units computes IEEE float32 at every level"
+
+
+def _ampere_plus() -> dict[str, Entry]:
+    return {
+        "matmul": _by("cuda.matmul", _S_CUBLAS, tf32=TF32_RNA, ieee=IEEE),
+        "conv": _by("cuda.conv", _S_CUDNN, tf32=TF32_RNA, ieee=IEEE),
+        "rnn": _by("cuda.rnn", _S_CUDNN, tf32=TF32_RNA, ieee=IEEE),
+        "matvec": _fixed(IEEE, _S_GEMV),
+        "linalg": _fixed(IEEE, _S_SOLVER),
+        "attention": _by("sdpa", _S_SDPA, efficient="attention.efficient", math="attention.math"),
+        "attention.math": _by("cuda.matmul", _S_SDPA_MATH, **{"*": "matmul"}),
+        "attention.efficient": _fixed(TF32X3, _S_EFFICIENT),
+    }
+
+
+def _pre_ampere() -> dict[str, Entry]:
+    fixed = _fixed(IEEE, _S_PRE_AMPERE)
+    return {
+        "matmul": fixed, "conv": fixed, "rnn": fixed,
+        "matvec": _fixed(IEEE, _S_GEMV),
+        "linalg": _fixed(IEEE, _S_SOLVER),
+        "attention": _by("sdpa", _S_SDPA, efficient="attention.efficient", math="attention.math"),
+        "attention.math": _by("cuda.matmul", _S_SDPA_MATH, **{"*": "matmul"}),
+        "attention.efficient": _fixed(IEEE, _S_EFFICIENT_SIMT),
+    }
+
+
+def _onednn(reduced: bool) -> dict[str, Entry]:
+    if not reduced:
+        fixed = _fixed(IEEE, _S_CPU)
+        entries = {key: fixed for key in ("matmul", "conv", "rnn", "matvec")}
+    else:
+        entries = {
+            op: _by(f"mkldnn.{op}", f"{_S_ONEDNN_BF16}; {_S_ONEDNN_TF32}", bf16=BF16_RNE, tf32=TF32_RNE, ieee=IEEE)
+            for op in ("matmul", "conv", "rnn")
+        }
+        entries["matvec"] = _fixed(IEEE, "mv/addmv/dot use BLAS gemv, not oneDNN; verify on an AMX CPU")
+    return {
+        **entries,
+        "linalg": _fixed(IEEE, _S_SOLVER),
+        "attention": _by("mkldnn.matmul", "CPU flash attention uses the CPU GEMM: follows the matmul flag",
+                         **{"*": "matmul"}),
+        "attention.math": _by("mkldnn.matmul", _S_SDPA_MATH, **{"*": "matmul"}),
+        "attention.efficient": _by("mkldnn.matmul", "no separate kernel on CPU", **{"*": "matmul"}),
+    }
+
+
+def _cuda(name: str, title: str, capability: tuple[int, int]) -> Target:
+    entries = _ampere_plus() if capability >= (8, 0) else _pre_ampere()
+    return Target(name, title, "cuda", capability, MappingProxyType(entries))
+
+
+TARGETS: Mapping[str, Target] = MappingProxyType({t.name: t for t in (
+    _cuda("v100", "NVIDIA V100 (Volta)", (7, 0)),
+    _cuda("t4", "NVIDIA T4 (Turing)", (7, 5)),
+    _cuda("a100", "NVIDIA A100 (Ampere)", (8, 0)),
+    _cuda("a10g", "NVIDIA A10G (Ampere)", (8, 6)),
+    _cuda("rtx3090", "NVIDIA GeForce RTX 3090 (Ampere)", (8, 6)),
+    _cuda("l4", "NVIDIA L4 (Ada)", (8, 9)),
+    _cuda("rtx4090", "NVIDIA GeForce RTX 4090 (Ada)", (8, 9)),
+    _cuda("h100", "NVIDIA H100 (Hopper)", (9, 0)),
+    _cuda("h200", "NVIDIA H200 (Hopper)", (9, 0)),
+    Target("cpu-amx", "CPU with oneDNN bf16 (AMX or AVX512-BF16)", "cpu", None, MappingProxyType(_onednn(True))),
+    Target("cpu", "CPU without reduced-precision units", "cpu", None, MappingProxyType(_onednn(False))),
+)})
+
+
+def get(name: str) -> Target:
+    """The target called ``name``; a clear error lists the known ones.
+
+    >>> get("h100").capability
+    (9, 0)
+    >>> get("a200")
+    Traceback (most recent call last):
+    ...
+    tf32lab.errors.Tf32LabError: unknown target 'a200'; accepted: 'v100', 't4', 'a100', 'a10g', 'rtx3090', \
+'l4', 'rtx4090', 'h100', 'h200', 'cpu-amx', 'cpu'
+    """
+    if isinstance(name, Target):
+        return name
+    try:
+        return TARGETS[name]
+    except (KeyError, TypeError):
+        raise Tf32LabError(f"unknown target {name!r}; accepted: {', '.join(map(repr, TARGETS))}") from None
+
+
+def sdpa_kernel() -> str:
+    """The kernel PyTorch would pick for float32 SDPA on a CUDA device with the current backend toggles."""
+    return "efficient" if torch.backends.cuda.mem_efficient_sdp_enabled() else "math"
+
+
+def table() -> list[dict[str, str]]:
+    """Every (target, key) entry as plain rows: cell consulted, math per value, source. For docs and doctor.
+
+    >>> rows = table()
+    >>> next(r for r in rows if r["target"] == "a100" and r["key"] == "conv")["math"]
+    'tf32 -> tf32-rna, ieee -> ieee'
+    """
+    rows = []
+    for target in TARGETS.values():
+        for key in KEYS:
+            entry = target.entry(key)
+            rows.append({
+                "target": target.name,
+                "key": key,
+                "cell": entry.cell or "-",
+                "math": ", ".join(f"{value} -> {math}" for value, math in entry.math.items()),
+                "source": entry.source,
+            })
+    return rows
