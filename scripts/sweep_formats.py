@@ -73,7 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start", type=lambda s: int(s, 0), default=0)
     parser.add_argument("--count", type=lambda s: int(s, 0), default=1 << 32)
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--only", default="", help="comma-separated cases, e.g. 'split_tf32x3,round_tf32 rne'")
     args = parser.parse_args(argv)
+    if args.only:
+        wanted = [name.strip() for name in args.only.split(",")]
+        unknown = [name for name in wanted if name not in CASES]
+        if unknown:
+            parser.error(f"unknown case {unknown[0]!r}; accepted: {', '.join(map(repr, CASES))}")
+        for name in list(CASES):
+            if name not in wanted:
+                del CASES[name]
     stop = min(args.start + args.count, 1 << 32)
     if args.start < 0 or args.start >= stop:
         parser.error(f"empty range: --start {args.start:#x} --count {args.count:#x}")

@@ -353,10 +353,12 @@ def _classify(func) -> Optional[tuple[Optional[Callable], str]]:
 
 
 _RNN_FUNCTIONS = rules.RNN_FUNCTIONS
+_SDPA = rules.SDPA_FUNCTION
 
 
 class _FunctionMode(TorchFunctionMode):
-    """Per thread: RNN calls, whose GEMMs belong to the rnn family (cuDNN RNN) even where PyTorch decomposes them."""
+    """Per thread: calls that PyTorch decomposes above the dispatcher into kernels of *this* machine: RNNs (whose
+    GEMMs belong to cuDNN's RNN kernel on the target) and scaled_dot_product_attention (the target's kernel)."""
 
     def __init__(self, emu: emulate) -> None:
         super().__init__()
@@ -364,8 +366,14 @@ class _FunctionMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _RNN_FUNCTIONS and _float32_in(args):
+        if func is _SDPA:
+            if _float32_in(args) or _float32_in(kwargs.values()):
+                return rules.sdpa_function(self.emu, func, args, kwargs)
+        elif func in _RNN_FUNCTIONS and _float32_in(args):
             return rules.rnn_function(self.emu, func, args, kwargs)
+        # Known limit: the mode is off inside its own handler, so a call made *inside* another Python-level torch
+        # function (F.multi_head_attention_forward) is not seen here; the dispatch mode still emulates what it
+        # decomposes into (docs/design.md).
         return func(*args, **kwargs)
 
 

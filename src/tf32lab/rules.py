@@ -14,7 +14,7 @@ kernel that a dispatch mode cannot see into.
 from __future__ import annotations
 
 import math as _pymath
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +74,7 @@ rule(aten.addmm, aten.addmm_)(_scaled_sum(aten.addmm.default, "matmul"))
 rule(aten.baddbmm, aten.baddbmm_)(_scaled_sum(aten.baddbmm.default, "matmul"))
 rule(aten.addbmm, aten.addbmm_)(_scaled_sum(aten.addbmm.default, "matmul"))
 rule(aten.addmv, aten.addmv_)(_scaled_sum(aten.addmv.default, "matvec"))
+rule(aten.addr, aten.addr_)(_scaled_sum(aten.addr.default, "matvec"))  # an outer product: no GEMM on a GPU
 
 
 @rule(aten._addmm_activation)
@@ -127,9 +128,18 @@ def _cdist_backward(call, func, args, kwargs):
 
 
 # -- convolution ---------------------------------------------------------------------------------------------
+def _native_conv_is_ieee(call, x) -> None:
+    # The rounded operands must not be rounded again by cuDNN; scopes only switch the matmul flags.
+    if x.device.type == "cuda" and call.cells.get("cuda.conv") != "ieee":
+        raise Tf32LabError(
+            "emulating convolutions of CUDA tensors needs IEEE cuDNN convolutions: set "
+            "torch.backends.cudnn.conv.fp32_precision = 'ieee' (or cudnn.allow_tf32 = False) around emulate()")
+
+
 @rule(aten.convolution, aten._convolution)
 def _convolution(call, func, args, kwargs):
     x, w, bias, *rest = args
+    _native_conv_is_ieee(call, x)
     return call.product("conv", lambda a, b: func(a, b, bias, *rest, **kwargs), x, w,
                         bare=lambda a, b: func(a, b, None, *rest, **kwargs))
 
@@ -137,6 +147,7 @@ def _convolution(call, func, args, kwargs):
 @rule(aten.convolution_backward)
 def _convolution_backward(call, func, args, kwargs):
     grad, x, w, bias_sizes, *rest, mask = args
+    _native_conv_is_ieee(call, x)
     math = call.math("conv")
     emu = call.emu
 
@@ -166,9 +177,19 @@ def _expand_gqa(q, k, v, enable_gqa):
     return k, v
 
 
+def _math_backend(call, key) -> bool:
+    if key == "attention.math":
+        return True
+    return key == "attention" and call.emu.target.device == "cuda" and call.cells.get("sdpa") == "math"
+
+
 def _scores(call, key, q, k, attn_mask, is_causal, scale):
     scale = 1.0 / _pymath.sqrt(q.size(-1)) if scale is None else scale
-    s = call.product(key, torch.matmul, q, k.transpose(-2, -1)).mul_(scale)
+    if _math_backend(call, key):  # PyTorch's math backend scales both operands by sqrt(scale) before the GEMM
+        root = _pymath.sqrt(scale)
+        s = call.product(key, torch.matmul, q * root, k.transpose(-2, -1) * root)
+    else:  # the fused kernels scale the accumulator
+        s = call.product(key, torch.matmul, q, k.transpose(-2, -1)).mul_(scale)
     if is_causal:
         keep = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
         s.masked_fill_(~keep, float("-inf"))
@@ -194,8 +215,13 @@ def _attention_backward(call, key, grad, q, k, v, out, attn_mask, is_causal, sca
     grad_v = call.product(key, torch.matmul, p.transpose(-2, -1), grad)
     grad_p = call.product(key, torch.matmul, grad, v_full.transpose(-2, -1))
     grad_s = p * (grad_p - (grad * out).sum(-1, keepdim=True))
-    grad_q = call.product(key, torch.matmul, grad_s, k_full).mul_(scale)
-    grad_k = call.product(key, torch.matmul, grad_s.transpose(-2, -1), q).mul_(scale)
+    if _math_backend(call, key):
+        root = _pymath.sqrt(scale)
+        grad_q = call.product(key, torch.matmul, grad_s, k_full * root).mul_(root)
+        grad_k = call.product(key, torch.matmul, grad_s.transpose(-2, -1), q * root).mul_(root)
+    else:
+        grad_q = call.product(key, torch.matmul, grad_s, k_full).mul_(scale)
+        grad_k = call.product(key, torch.matmul, grad_s.transpose(-2, -1), q).mul_(scale)
     if grad_k.size(-3) != heads_k:  # grouped-query attention: sum the gradient of each shared head
         shape = (*grad_k.shape[:-3], heads_k, grad_k.size(-3) // heads_k, *grad_k.shape[-2:])
         grad_k, grad_v = grad_k.reshape(shape).sum(-3), grad_v.reshape(shape).sum(-3)
@@ -266,6 +292,68 @@ def _sdpa_efficient_backward(call, func, args, kwargs):
     grads = _attention_backward(call, "attention.efficient", grad, q, k, v, out, bias,
                                 _arg(args, kwargs, 11, "is_causal", False), kwargs.get("scale"))
     return (*grads, None)
+
+
+# Under autograd, F.scaled_dot_product_attention decomposes before a dispatch mode sees it, into whatever kernel
+# *this* machine picks (often the math path: plain bmm). The emulator's function mode routes it to this op pair
+# instead, which reaches the dispatch mode whole, forward and backward, and is emulated as the target's kernel.
+@torch.library.custom_op("tf32lab::scaled_dot_product_attention", mutates_args=())
+def _sdpa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
+             is_causal: bool, scale: Optional[float], enable_gqa: bool) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+@torch.library.custom_op("tf32lab::scaled_dot_product_attention_backward", mutates_args=())
+def _sdpa_backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      attn_mask: Optional[torch.Tensor], is_causal: bool, scale: Optional[float],
+                      enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        o = F.scaled_dot_product_attention(*leaves, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
+        return torch.autograd.grad(o, leaves, grad)
+
+
+def _sdpa_setup(ctx, inputs, output):
+    q, k, v, attn_mask, is_causal, scale, enable_gqa = inputs
+    ctx.save_for_backward(q, k, v, output)
+    ctx.options = (attn_mask, is_causal, scale, enable_gqa)
+
+
+def _sdpa_backward(ctx, grad):
+    q, k, v, out = ctx.saved_tensors
+    grads = torch.ops.tf32lab.scaled_dot_product_attention_backward(grad, q, k, v, out, *ctx.options)
+    return (*grads, None, None, None, None)
+
+
+_sdpa_op.register_autograd(_sdpa_backward, setup_context=_sdpa_setup)
+
+
+@rule(torch.ops.tf32lab.scaled_dot_product_attention)
+def _tf32lab_sdpa(call, func, args, kwargs):
+    q, k, v, attn_mask, is_causal, scale, enable_gqa = args
+    return _attention(call, "attention", q, k, v, attn_mask, is_causal, scale, enable_gqa)[0]
+
+
+@rule(torch.ops.tf32lab.scaled_dot_product_attention_backward)
+def _tf32lab_sdpa_backward(call, func, args, kwargs):
+    grad, q, k, v, out, attn_mask, is_causal, scale, enable_gqa = args
+    return _attention_backward(call, "attention", grad, q, k, v, out, attn_mask, is_causal, scale, enable_gqa)
+
+
+SDPA_FUNCTION = torch._C._nn.scaled_dot_product_attention
+_SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+
+
+def sdpa_function(emu, func, args, kwargs):
+    """``F.scaled_dot_product_attention``: through ``tf32lab::scaled_dot_product_attention``."""
+    bound = dict(zip(_SDPA_NAMES, args), **kwargs)
+    mask = bound.get("attn_mask")
+    if bound.get("dropout_p", 0.0) or (mask is not None and mask.requires_grad):
+        emu._unhandled("aten::scaled_dot_product_attention (dropout or trainable mask)")
+        return func(*args, **kwargs)
+    return torch.ops.tf32lab.scaled_dot_product_attention(
+        bound["query"], bound["key"], bound["value"], mask, bool(bound.get("is_causal", False)),
+        bound.get("scale"), bool(bound.get("enable_gqa", False)))
 
 
 def _mha_mask(mask, mask_type, batch, heads):

@@ -1,0 +1,394 @@
+"""emulate(): every op of the families equals an explicitly rounded float64 reference, and differs from IEEE."""
+
+from __future__ import annotations
+
+import gc
+import random
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tf32lab
+from emulation_reference import bilinear, bound, check
+from tf32lab import Tf32LabError, emulator, formats
+
+aten = torch.ops.aten
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def emulated(fn, *args, target="a100", level="high", **options):
+    with tf32lab.precision(level), tf32lab.emulate(target, **options) as emu:
+        out = fn(*args)
+    return out, emu
+
+
+# -- one GEMM per op: exact reference -------------------------------------------------------------------
+A, B = randn(16, 96, seed=1), randn(96, 24, seed=2)
+A3, B3 = randn(3, 16, 96, seed=3), randn(3, 96, 24, seed=4)
+C = randn(24, seed=5)
+
+CASES = {
+    # name: (call on (a, b), bilinear part as f(a, b) in float64, term added, a, b, K)
+    "mm": (torch.mm, torch.mm, None, A, B, 96),
+    "addmm": (lambda a, b: torch.addmm(C, a, b, beta=0.5, alpha=2.0), lambda a, b: 2 * a @ b, 0.5 * C, A, B, 96),
+    "bmm": (torch.bmm, torch.bmm, None, A3, B3, 96),
+    "baddbmm": (lambda a, b: torch.baddbmm(C, a, b), torch.bmm, C, A3, B3, 96),
+    "addbmm": (lambda a, b: torch.addbmm(C, a, b), lambda a, b: torch.bmm(a, b).sum(0), C, A3, B3, 3 * 96),
+    "linear": (lambda a, b: F.linear(a, b.T, C), lambda a, b: a @ b, C, A3, B, 96),
+    "matmul": (torch.matmul, torch.matmul, None, randn(2, 3, 16, 96), B, 96),
+    "einsum": (lambda a, b: torch.einsum("bij,bjk->bik", a, b), torch.bmm, None, A3, B3, 96),
+    "tensordot": (lambda a, b: torch.tensordot(a, b, dims=([0, 2], [0, 1])),
+                  lambda a, b: torch.tensordot(a, b, dims=([0, 2], [0, 1])), None, A3, B3, 3 * 96),
+    "_addmm_activation relu": (lambda a, b: aten._addmm_activation(C, a, b),
+                               lambda a, b: a @ b, C, A, B, 96),
+    "_addmm_activation gelu": (lambda a, b: aten._addmm_activation(C, a, b, use_gelu=True),
+                               lambda a, b: a @ b, C, A, B, 96),
+}
+
+
+def _activation(name, x):
+    return F.relu(x) if "relu" in name else F.gelu(x) if "gelu" in name else x
+
+
+@pytest.mark.parametrize("math", ["tf32", "bf16", "tf32x3", "bf16x3"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_gemm_ops_equal_rounded_reference(name, grad, math):
+    call, f, term, a, b, k = CASES[name]
+    a, b = a.clone().requires_grad_(grad), b.clone()
+    options = {} if math == "tf32" else {"math": math}
+    with torch.set_grad_enabled(grad):
+        out, emu = emulated(call, a, b, **options)
+        ieee = call(a, b)
+    a, b = a.detach(), b.detach()
+    ref = bilinear(f, a, b, math) + (0 if term is None else term.double())
+    ref = _activation(name, ref)
+    check(out.detach(), ieee.detach(), ref, bound(f, a, b, k, term), math=math)
+    assert not emu.unhandled
+    assert any(m == (f"{math}-rna" if math == "tf32" else f"{math}-rne" if math == "bf16" else math)
+               for _, m in emu.coverage), emu.coverage
+
+
+def test_rna_pin():
+    """pytorch#53635: [1024.5] @ [[1.0]] gave 1025 on an RTX 3090: cuBLAS rounds TF32 ties away from zero."""
+    a, b = torch.tensor([[1024.5]]), torch.tensor([[1.0]])
+    assert emulated(torch.mm, a, b)[0].item() == 1025.0
+    assert emulated(torch.mm, a, b, rounding="rne")[0].item() == 1024.0
+    assert emulated(torch.mm, a, b, level="highest")[0].item() == 1024.5
+
+
+@pytest.mark.parametrize("name", ["mv", "addmv", "dot", "addr"])
+def test_matvec_ops(name):
+    v = randn(96, seed=7)
+    calls = {"mv": (lambda a, x: torch.mv(a, x), lambda a, x: a @ x, None, A, v),
+             "addmv": (lambda a, x: torch.addmv(C[:16], a, x), lambda a, x: a @ x, C[:16], A, v),
+             "dot": (torch.dot, torch.dot, None, v, randn(96, seed=8)),
+             "addr": (lambda x, y: torch.addr(A[:, :24], x, y), torch.outer, A[:, :24], A[:, 0], C)}
+    call, f, term, a, b = calls[name]
+    # The a100 computes matrix-vector products in IEEE (gemv has no tensor-core path) ...
+    out, emu = emulated(call, a, b)
+    assert torch.equal(out, call(a, b)) and {m for _, m in emu.coverage} == {"ieee"}
+    # ... and math= forces one math everywhere.
+    out, emu = emulated(call, a, b, math="tf32")
+    ref = bilinear(f, a, b, "tf32") + (0 if term is None else term.double())
+    check(out, call(a, b), ref, bound(f, a, b, a.shape[-1], term))
+    assert not emu.unhandled
+
+
+# -- convolutions ------------------------------------------------------------------------------------------
+CONVS = {
+    "conv1d": (F.conv1d, randn(2, 4, 20, seed=10), randn(6, 4, 3, seed=11), {}),
+    "conv2d": (F.conv2d, randn(2, 4, 9, 9, seed=12), randn(6, 4, 3, 3, seed=13), {"padding": 1}),
+    "conv3d": (F.conv3d, randn(1, 2, 5, 6, 6, seed=14), randn(4, 2, 3, 3, 3, seed=15), {}),
+    "conv_transpose2d": (F.conv_transpose2d, randn(2, 4, 7, 7, seed=16), randn(4, 3, 3, 3, seed=17),
+                         {"stride": 2}),
+    "conv2d groups": (F.conv2d, randn(2, 8, 9, 9, seed=18), randn(8, 2, 3, 3, seed=19), {"groups": 4}),
+}
+
+
+@pytest.mark.parametrize("math", ["tf32", "tf32x3"])
+@pytest.mark.parametrize("name", list(CONVS))
+def test_convolutions(name, math):
+    conv, x, w, kw = CONVS[name]
+    bias = randn(w.shape[1] * kw.get("groups", 1) if "transpose" in name else w.shape[0], seed=20)
+
+    def call(a, b):
+        return conv(a, b, bias, **kw)
+
+    def f(a, b):
+        return conv(a, b, None, **kw)
+
+    # highest: cuDNN's TF32 flag defaults to on, so the a100 runs convolutions in TF32 anyway
+    out, emu = emulated(call, x, w, level="highest", **({} if math == "tf32" else {"math": math}))
+    k = w[0].numel() if "transpose" not in name else w.shape[0] * w[0, 0].numel()
+    extra = bias.double().view(-1, *[1] * (x.dim() - 2))
+    check(out, call(x, w), bilinear(f, x, w, math) + extra, bound(f, x, w, k, extra), math=math)
+    assert not emu.unhandled
+
+
+@pytest.mark.parametrize("math", ["tf32", "tf32x3"])
+def test_convolution_backward(math):
+    x, w = randn(2, 4, 9, 9, seed=21).requires_grad_(), randn(6, 4, 3, 3, seed=22).requires_grad_()
+    bias = randn(6, seed=23).requires_grad_()
+    g = randn(2, 6, 9, 9, seed=24)
+    with tf32lab.emulate("a100", **({} if math == "tf32" else {"math": math})) as emu:
+        F.conv2d(x, w, bias, padding=1).backward(g)
+    assert ("aten::convolution_backward", "tf32-rna" if math == "tf32" else math) in emu.coverage
+    grad_x, grad_w, grad_b = x.grad, w.grad, bias.grad
+    x.grad = w.grad = bias.grad = None
+    F.conv2d(x, w, bias, padding=1).backward(g)
+    ieee_x, ieee_w, ieee_b = x.grad, w.grad, bias.grad
+    x, w = x.detach(), w.detach()
+
+    def dx(gg, ww):
+        return torch.nn.grad.conv2d_input(x.shape, ww, gg, padding=1)
+
+    def dw(gg, xx):
+        return torch.nn.grad.conv2d_weight(xx, w.shape, gg, padding=1)
+
+    check(grad_x, ieee_x, bilinear(dx, g, w, math), bound(dx, g, w, 6 * 9), math=math)
+    check(grad_w, ieee_w, bilinear(dw, g, x, math), bound(dw, g, x, 2 * 81), math=math)
+    assert torch.allclose(grad_b, ieee_b, rtol=1e-6, atol=1e-5)  # a plain sum, in float32 everywhere
+
+
+# -- attention ---------------------------------------------------------------------------------------------
+Q, K, V = randn(2, 3, 8, 32, seed=30), randn(2, 3, 10, 32, seed=31), randn(2, 3, 10, 16, seed=32)
+MASK = randn(8, 10, seed=33)
+
+
+def attention_reference(q, k, v, mask, math, scale=None, math_backend=False):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if math_backend:
+        q, k, scale = q * scale**0.5, k * scale**0.5, 1.0
+    s = bilinear(torch.matmul, q, k.transpose(-2, -1), math) * scale + mask.double()
+    p = torch.softmax(s, -1)
+    tol_s = bound(torch.matmul, q, k.transpose(-2, -1), q.shape[-1]) * scale
+    out = bilinear(torch.matmul, p.float(), v, math)
+    tol = bound(torch.matmul, p.float(), v, v.shape[-2]) + (tol_s.max() * v.abs().max().double())
+    return out, tol
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_sdpa_is_3xtf32_on_a100(grad):
+    """float32 SDPA picks the memory-efficient kernel, which runs 3xTF32 whatever the level."""
+    q = Q.clone().requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        out, emu = emulated(F.scaled_dot_product_attention, q, K, V, MASK)
+        ieee = F.scaled_dot_product_attention(q, K, V, MASK)
+    assert {m for _, m in emu.coverage} == {"tf32x3"} and not emu.unhandled
+    ref, tol = attention_reference(Q, K, V, MASK, "tf32x3")
+    check(out.detach(), ieee.detach(), ref, tol, math="tf32x3")
+
+
+def test_sdpa_math_backend_follows_the_matmul_flag():
+    before = torch.backends.cuda.mem_efficient_sdp_enabled()
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    try:
+        out, emu = emulated(F.scaled_dot_product_attention, Q, K, V, MASK)
+        out_highest, _ = emulated(F.scaled_dot_product_attention, Q, K, V, MASK, level="highest")
+    finally:
+        torch.backends.cuda.enable_mem_efficient_sdp(before)
+    assert {m for _, m in emu.coverage} == {"tf32-rna"}
+    ref, tol = attention_reference(Q, K, V, MASK, "tf32", math_backend=True)
+    check(out, F.scaled_dot_product_attention(Q, K, V, MASK), ref, tol, flips=0.02)
+    assert torch.allclose(out_highest, F.scaled_dot_product_attention(Q, K, V, MASK), atol=1e-6)
+
+
+def test_sdpa_math_variant_returns_the_weights_it_used():
+    with torch.inference_mode():  # reaches the dispatcher whole (elsewhere it decomposes into emulated bmm)
+        (out, p), emu = emulated(lambda q, k: aten._scaled_dot_product_attention_math(q, k, V, MASK), Q, K)
+    assert {m for _, m in emu.coverage} == {"tf32-rna"}
+    root = 32**-0.25  # the math backend scales both operands by sqrt(scale)
+    s_ref = bilinear(torch.matmul, Q * root, K.transpose(-2, -1) * root, "tf32") + MASK.double()
+    assert torch.allclose(p.double(), torch.softmax(s_ref, -1), atol=1e-5)
+    ref = bilinear(torch.matmul, p, V, "tf32")
+    ieee = torch.matmul(p, V)
+    check(out, ieee, ref, bound(torch.matmul, p, V, 10))
+
+
+@pytest.mark.parametrize("variant", ["flash_for_cpu", "efficient"])
+def test_sdpa_kernel_variants_forward_and_backward(variant):
+    q, k, v = Q.clone().requires_grad_(), K.clone().requires_grad_(), V.clone().requires_grad_()
+    g = randn(*Q.shape[:-1], 16, seed=34)
+    if variant == "flash_for_cpu":
+        call = lambda q, k, v: aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)[0]  # noqa: E731
+        mask = torch.zeros(8, 10)
+    else:
+        call = lambda q, k, v: aten._scaled_dot_product_efficient_attention(q, k, v, MASK, True)[0]  # noqa: E731
+        mask = MASK
+    with tf32lab.emulate("a100") as emu:
+        out = call(q, k, v)
+        if variant == "flash_for_cpu":
+            out.backward(g)
+    assert not emu.unhandled and {m for _, m in emu.coverage} == {"tf32x3"}
+    ref, tol = attention_reference(Q, K, V, mask, "tf32x3")
+    ieee = F.scaled_dot_product_attention(Q, K, V, mask)
+    check(out.detach(), ieee, ref, tol, math="tf32x3")
+    if variant == "flash_for_cpu":
+        grads = [t.grad for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        F.scaled_dot_product_attention(q, k, v).backward(g)
+        for emulated_grad, t in zip(grads, (q, k, v)):
+            assert torch.allclose(emulated_grad, t.grad, rtol=1e-4, atol=1e-5)  # 3xTF32 is near float32
+            assert not torch.equal(emulated_grad, t.grad)
+
+
+# -- the rest of the families ---------------------------------------------------------------------------
+def test_cdist_uses_a_gemm_past_25_rows():
+    x1, x2 = randn(30, 16, seed=40), randn(40, 16, seed=41)
+    out, emu = emulated(torch.cdist, x1, x2)
+    assert not emu.unhandled and {m for _, m in emu.coverage} == {"tf32-rna"}
+    n1, n2 = x1.pow(2).sum(-1, keepdim=True), x2.pow(2).sum(-1, keepdim=True)
+    a = torch.cat([x1 * -2, n1, torch.ones_like(n1)], -1)
+    b = torch.cat([x2, torch.ones_like(n2), n2], -1).T
+    ref = bilinear(torch.mm, a, b, "tf32").clamp_min(0)  # compared squared, where the GEMM's error lives
+    tol = bound(torch.mm, a, b, 18) + 4 * 2.0**-24 * ref
+    check(out.double() ** 2, torch.cdist(x1, x2).double() ** 2, ref, tol)
+    small, emu = emulated(torch.cdist, x1[:5], x2[:5])  # a direct kernel below 25 rows: no GEMM, IEEE
+    assert torch.equal(small, torch.cdist(x1[:5], x2[:5]))
+
+
+def test_non_float32_passes_through():
+    a, b = A.double(), B.double()
+    out, emu = emulated(torch.mm, a, b)
+    assert torch.equal(out, a @ b) and not emu.coverage and not emu.unhandled
+
+
+def test_unknown_op_of_a_family_is_unhandled_and_strict_raises():
+    if not hasattr(torch.ops, "tf32lab_test") or not hasattr(torch.ops.tf32lab_test, "fancy_matmul"):
+        torch.library.define("tf32lab_test::fancy_matmul", "(Tensor a, Tensor b) -> Tensor")
+        torch.library.impl("tf32lab_test::fancy_matmul", "cpu")(lambda a, b: a @ b)
+    op = torch.ops.tf32lab_test.fancy_matmul
+    out, emu = emulated(op, A, B)
+    assert emu.unhandled == {"tf32lab_test::fancy_matmul": 1} and torch.equal(out, A @ B)
+    with pytest.raises(Tf32LabError, match="tf32lab_test::fancy_matmul"):
+        emulated(op, A, B, strict=True)
+
+
+def test_bad_arguments_are_refused_clearly():
+    with pytest.raises(Tf32LabError, match="unknown target 'a200'; accepted: 'v100'"):
+        tf32lab.emulate("a200")
+    with pytest.raises(Tf32LabError, match="unknown math 'fp8'"):
+        tf32lab.emulate(math="fp8")
+    with pytest.raises(Tf32LabError, match="unknown rounding 'up'"):
+        tf32lab.emulate(rounding="up")
+
+
+def test_targets_differ_as_the_table_says():
+    for target, expected in [("v100", A @ B), ("cpu", A @ B)]:
+        assert torch.equal(emulated(torch.mm, A, B, target=target)[0], expected)
+    high = emulated(torch.mm, A, B, target="h100")[0]
+    medium = emulated(torch.mm, A, B, target="h100", level="medium")[0]
+    assert torch.equal(high, medium)  # cuBLAS never uses bf16 for float32: medium is TF32 on CUDA
+    amx = emulated(torch.mm, A, B, target="cpu-amx", level="medium")[0]
+    check(amx, A @ B, bilinear(torch.mm, A, B, "bf16"), bound(torch.mm, A, B, 96))
+
+
+# -- gradients, caching, compile, TorchScript, threads ----------------------------------------------------
+def test_mlp_gradients_equal_reference_gradients():
+    torch.manual_seed(60)
+    mlp = torch.nn.Sequential(torch.nn.Linear(48, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    x = randn(32, 48, seed=61)
+    g = randn(32, 10, seed=62)
+    with tf32lab.precision("high"), tf32lab.emulate("a100") as emu:
+        hidden = mlp[1](mlp[0](x))
+        hidden.retain_grad()
+        mlp[2](hidden).backward(g)
+    assert not emu.unhandled
+    w1, w2 = mlp[0].weight, mlp[2].weight
+    hidden_grad = hidden.grad
+    pre_grad = hidden_grad * (hidden > 0)  # the gradient entering the first layer, as the emulation computed it
+    hidden = hidden.detach()
+
+    def expect(got, f, a, b, k):
+        check(got, f(a, b).float(), bilinear(f, a, b, "tf32"), bound(f, a, b, k))
+
+    expect(w2.grad, lambda gg, h: gg.T @ h, g, hidden, 32)
+    expect(hidden_grad, lambda gg, w: gg @ w, g, w2.detach(), 10)
+    expect(w1.grad, lambda gg, xx: gg.T @ xx, pre_grad, x, 32)
+
+
+def test_parameter_copies_are_cached_while_unchanged_and_freed_with_the_parameter():
+    emulator.release_buffers()
+    layer = torch.nn.Linear(64, 32).requires_grad_(False)  # no autograd graph keeping the weight alive
+    x = randn(8, 64, seed=70)
+    first, _ = emulated(layer, x)
+    assert len(emulator._PARAMS) == 1
+    again, _ = emulated(layer, x)  # another context reuses the rounded weight
+    assert len(emulator._PARAMS) == 1 and torch.equal(first, again)
+    with torch.no_grad():
+        layer.weight.mul_(2)  # in place: the version counter moves, the copy is rounded again
+    doubled, _ = emulated(layer, x)
+    assert torch.allclose(doubled - layer.bias, 2 * (first - layer.bias), atol=1e-5)
+    del layer
+    gc.collect()
+    assert len(emulator._PARAMS) == 0
+
+
+def test_compiled_model_runs_eagerly_inside_emulate():
+    def escaping_backend(graph, example_inputs):
+        # A compiled kernel never comes back through the dispatcher: stand-in that hides its ops the same way.
+        def run(*args):
+            with torch._C._DisableTorchDispatch():
+                return graph(*args)
+
+        return run
+
+    layer = torch.nn.Linear(64, 32)
+    compiled = torch.compile(layer, backend=escaping_backend)
+    x = randn(8, 64, seed=71)
+    compiled(x)  # compiled outside
+    out, emu = emulated(compiled, x)
+    assert not emu.unhandled and emu.coverage
+    assert torch.equal(out, emulated(layer, x)[0]) and not torch.equal(out, layer(x))
+    from torch._dynamo import eval_frame
+
+    assert eval_frame._stance.stance == "default"
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+def test_torchscript_modules_are_emulated():
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    scripted = torch.jit.script(layer)
+    x = randn(8, 64, seed=72)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            out, emu = emulated(scripted, x)
+            assert torch.equal(out, emulated(layer, x)[0]) and not emu.unhandled and emu.coverage
+
+
+@pytest.mark.parametrize("target", ["a100", "cpu-amx"])
+def test_threads_each_get_the_math_of_their_own_scope(target):
+    a, b = randn(16, 512, seed=80), randn(512, 64, seed=81)
+    expected = {}
+    for level in tf32lab.LEVELS:
+        math = tf32lab.targets.get(target).math("matmul", {
+            "cuda.matmul": tf32lab.levels.BACKEND_VALUES[level][0],
+            "mkldnn.matmul": tf32lab.levels.BACKEND_VALUES[level][1]})
+        rnd = {"ieee": lambda t: t, "tf32": formats.round_tf32, "bf16": formats.round_bf16}[math.name]
+        options = {} if math.rounding is None else {"rounding": math.rounding}
+        expected[level] = rnd(a, **options) @ rnd(b, **options)
+    failures, levels_seen = [], []
+
+    def worker(seed):
+        rng = random.Random(seed)
+        level = rng.choice(tf32lab.LEVELS)
+        levels_seen.append(level)
+        with tf32lab.precision(level), tf32lab.emulate(target):
+            for _ in range(200):
+                if not torch.equal(a @ b, expected[level]):
+                    failures.append(level)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures and len(levels_seen) == 8
+    assert len(set(levels_seen)) > 1
