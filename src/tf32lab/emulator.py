@@ -48,10 +48,6 @@ _F32 = torch.float32
 _SINGLE_ROUND = {"tf32": formats.round_tf32, "bf16": formats.round_bf16}
 _SPLIT = {"tf32x3": formats.split_tf32x3, "bf16x3": formats.split_bf16x3}
 
-# Which key of the target a family's ops use by default; rules may ask for another (attention kernels).
-_FAMILY_KEY = {"matmul": "matmul", "matvec": "matvec", "conv": "conv", "rnn": "rnn", "attention": "attention",
-               "linalg": "linalg"}
-
 _local = threading.local()  # .family: a family forced on matmul ops (an RNN's GEMMs are the rnn family's)
 
 
@@ -307,7 +303,9 @@ class _Mode(TorchDispatchMode):
             if out is not None:
                 out.copy_(result)
                 result = out
-            emu._count(call.op, call.math_seen or call.math(_FAMILY_KEY[family]))
+            emu._count(call.op, call.math_seen or call.math(family))
+            if _mutates(func):  # addmm_ and friends: the memo may hold the tensor they wrote
+                _SCRATCH.forget()
             return result
         finally:
             self.pinned = pinned
