@@ -88,12 +88,15 @@ def _addmm_activation(call, func, args, kwargs):
     return F.gelu(pre) if use_gelu else F.relu(pre)
 
 
-@rule(aten.linear)
-def _linear(call, func, args, kwargs):
-    x, w = args[:2]
-    bias = kwargs.get("bias", args[2] if len(args) > 2 else None)
-    return call.product("matmul", lambda a, b: aten.linear.default(a, b, bias), x, w,
+def _linear(call, key: str, x, w, bias):
+    """x wᵀ + bias, the product in the math of ``key``."""
+    return call.product(key, lambda a, b: aten.linear.default(a, b, bias), x, w,
                         bare=lambda a, b: aten.linear.default(a, b))
+
+
+@rule(aten.linear)
+def _linear_rule(call, func, args, kwargs):
+    return _linear(call, "matmul", args[0], args[1], kwargs.get("bias", args[2] if len(args) > 2 else None))
 
 
 def _euclidean(call, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
@@ -373,8 +376,7 @@ def _mha(call, query, key, value, embed_dim, num_head, qkv_weight, qkv_bias, pro
     head_dim = embed_dim // num_head
 
     def linear(x, w, b):
-        return call.product("matmul", lambda a, c: aten.linear.default(a, c, b), x, w,
-                            bare=lambda a, c: aten.linear.default(a, c))
+        return _linear(call, "matmul", x, w, b)
 
     if query is key and key is value:
         q, k, v = linear(query, qkv_weight, qkv_bias).chunk(3, -1)
@@ -421,8 +423,7 @@ def _encoder_layer(call, func, args, kwargs):
         return F.layer_norm(x, (embed_dim,), w, b, eps)
 
     def linear(x, w, b):
-        return call.product("matmul", lambda a, c: aten.linear.default(a, c, b), x, w,
-                            bare=lambda a, c: aten.linear.default(a, c))
+        return _linear(call, "matmul", x, w, b)
 
     # PyTorch's transformer_encoder_layer_forward, step by step
     x = norm(src, norm_w1, norm_b1) if norm_first else src
@@ -518,8 +519,7 @@ def _rnn_op(call, func, args, kwargs):
     key = "rnn"
 
     def linear(x, w, b):
-        return call.product(key, lambda a, c: aten.linear.default(a, c, b), x, w,
-                            bare=lambda a, c: aten.linear.default(a, c))
+        return _linear(call, key, x, w, b)
 
     call.math(key)
     return run_rnn(mode, linear, *args)
