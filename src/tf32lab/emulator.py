@@ -136,8 +136,12 @@ class _Scratch(threading.local):
 
     def forget(self) -> None:
         memo, self.memo = self.memo, None
-        if memo is not None:
-            self.leased.extend(memo[3]) if self.leased else self.give(memo[3])
+        if memo is None:
+            return
+        if self.leased:  # an op is running and may still read it: back to the pool when it returns
+            self.leased.extend(memo[3])
+        else:
+            self.give(memo[3])
 
 
 _SCRATCH = _Scratch()
