@@ -4,7 +4,10 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint sweep bench clean
+# The HTML report's browser test uses Debian's Chromium; installed when missing (root, or sudo).
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: demo test lint sweep bench clean chromium
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -12,10 +15,15 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[demo,test]'
 	touch $(STAMP)
 
+# The main job on the default workload (all-MiniLM-L6-v2): tables on the terminal, report.html beside them.
 demo: $(STAMP)
-	$(BIN)/tf32lab --help
+	$(BIN)/tf32lab check --html report.html
 
-test: $(STAMP)
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium >/dev/null; }
+
+test: $(STAMP) chromium
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
@@ -29,6 +37,8 @@ sweep: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/formats.py
 	$(BIN)/python benchmarks/scope.py
+	$(BIN)/python benchmarks/emulate.py
+	$(BIN)/python benchmarks/check.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis report.html

@@ -11,17 +11,23 @@ Example:
 """
 
 from . import flags, formats, targets
+from .compare import check
 from .emulator import emulate
 from .errors import Tf32LabError
 from .levels import LEVELS
+from .report import Report
 from .scope import get_float32_matmul_precision, precision, set_float32_matmul_precision
+from .workload import Workload
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LEVELS",
+    "Report",
     "Tf32LabError",
+    "Workload",
     "__version__",
+    "check",
     "emulate",
     "flags",
     "formats",

@@ -1,6 +1,7 @@
 """The ``tf32lab`` command.
 
-Exit codes: 0 success, 1 a check failed, 2 bad input (one line on stderr, no traceback).
+Exit codes: 0 success, 1 a check failed (a level exceeds its tolerance), 2 bad input (one line on stderr, no
+traceback; ``--debug`` shows it).
 """
 
 from __future__ import annotations
@@ -8,12 +9,21 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from . import __version__
+from .errors import Tf32LabError
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments: one line naming the problem, exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tf32lab",
         description=(
             "See, control and choose how float32 matrix math runs on tensor-core hardware "
@@ -22,10 +32,38 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Library: import tf32lab; with tf32lab.precision('high'): ...  Docs: README.md, docs/.",
     )
     parser.add_argument("--version", action="version", version=f"tf32lab {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     levels = sub.add_parser("levels", help="list the precision levels and what each asks of PyTorch's backends")
     levels.set_defaults(run=_levels)
+    check = sub.add_parser(
+        "check", help="measure how much each precision level changes a model, output by output and layer by layer",
+        description="Run a workload at each precision level, as the target hardware computes it, against a "
+                    "float64 reference. Exit code 0: every level within tolerance; 1: one exceeds it; 2: bad input.",
+    )
+    check.add_argument("spec", nargs="?", default=None,
+                       help="minilm | builtin | hf:FOLDER | package.module:factory | path/file.py:factory "
+                            "(default: minilm when the demo extra is installed, else builtin)")
+    check.add_argument("--target", default="a100",
+                       help="hardware to emulate (see tf32lab.targets), or 'native' for this machine's own hardware "
+                            "(default: a100)")
+    check.add_argument("--levels", default="highest,high,medium", help="comma-separated levels (default: all three)")
+    check.add_argument("--tolerance", type=_tolerance, default=None,
+                       help="largest normwise relative error of an output (default: 1e-2)")
+    check.add_argument("--json", metavar="PATH", help="write the report as JSON (docs/report-schema.md)")
+    check.add_argument("--html", metavar="PATH", help="write the report as a self-contained HTML page")
+    check.add_argument("--debug", action="store_true", help="show tracebacks")
+    check.set_defaults(run=_check)
     return parser
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad tolerance {text!r}; accepted: a number >= 0") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"bad tolerance {text!r}; accepted: a finite number >= 0")
+    return value
 
 
 def _levels(_: argparse.Namespace) -> int:
@@ -38,13 +76,54 @@ def _levels(_: argparse.Namespace) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    from . import workload
+    from .compare import check, check_levels, check_target
+
+    levels = check_levels(part.strip() for part in args.levels.split(",") if part.strip())
+    check_target(args.target)  # both before the workload loads: a bad argument fails fast
+    spec = args.spec
+    if spec is None:
+        spec = workload.default_spec()
+        if spec == "builtin":
+            print("tf32lab: the demo extra is not installed (pip install 'tf32lab[demo]'), so the built-in small "
+                  "transformer + CNN is checked instead of all-MiniLM-L6-v2", file=sys.stderr)
+    loaded = workload.load(spec)
+    try:
+        report = check(loaded, levels=levels, target=args.target, tolerance=args.tolerance,
+                       progress=sys.stderr.isatty())
+    except Tf32LabError:
+        raise
+    except Exception as exc:
+        if args.debug:
+            raise
+        raise Tf32LabError(f"workload {loaded.name!r} raised {type(exc).__name__}: {exc}") from exc
+    from rich.console import Console
+
+    report.print(Console(highlight=False))
+    for path, write in ((args.json, report.to_json), (args.html, report.save_html)):
+        if path:
+            try:
+                write(path)
+            except OSError as exc:
+                raise Tf32LabError(f"cannot write {path}: {exc.strerror or exc}") from exc
+            print(f"wrote {path}")
+    return 0 if report.passed else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "run", None) is None:
         parser.print_help()
         return 0
-    return args.run(args)
+    try:
+        return args.run(args)
+    except Tf32LabError as exc:
+        if getattr(args, "debug", False):
+            raise
+        print(f"tf32lab {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -40,9 +40,9 @@ from . import flags, formats, rules, scope
 from .errors import Tf32LabError
 from .families import family_of
 from .levels import BACKEND_VALUES
-from .targets import MATHS, Math, Target, get, sdpa_kernel
+from .targets import KEYS, MATHS, Math, Target, get, sdpa_kernel
 
-__all__ = ["emulate"]
+__all__ = ["emulate", "maths"]
 
 _F32 = torch.float32
 _SINGLE_ROUND = {"tf32": formats.round_tf32, "bf16": formats.round_bf16}
@@ -100,6 +100,18 @@ def _context_cells() -> dict[str, str]:
         cells["cuda.matmul"], cells["mkldnn.matmul"] = BACKEND_VALUES[level]
     cells["sdpa"] = sdpa_kernel()
     return cells
+
+
+def maths(target: str | Target = "a100") -> dict[str, str]:
+    """The math ``emulate(target)`` gives each key in this context (scope and flags), by key.
+
+    >>> import tf32lab
+    >>> with tf32lab.precision("high"):
+    ...     tf32lab.emulator.maths("a100")["matmul"]
+    'tf32-rna'
+    """
+    target, cells = get(target), _context_cells()
+    return {key: str(target.math(key, cells)) for key in KEYS}
 
 
 class _Scratch(threading.local):

@@ -1,0 +1,196 @@
+"""Reports: what ``check`` measured, as frozen data, rendered as a terminal table, JSON or a self-contained HTML file.
+
+``bool(report)`` is the verdict: every level within tolerance. The JSON form is documented in
+``docs/report-schema.md`` and described by ``schema.json`` beside this module (``SCHEMA_VERSION``).
+
+Example:
+
+    >>> import torch, tf32lab
+    >>> w = tf32lab.Workload(torch.nn.Linear(64, 8), torch.randn(16, 64), name="tiny")
+    >>> report = tf32lab.check(w, levels=("highest", "high"))
+    >>> bool(report), [lv.level for lv in report.levels]
+    (True, ['highest', 'high'])
+    >>> report.to_dict()["schema_version"]
+    1
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from ..metrics import HISTOGRAM_EDGES, OutputError
+
+__all__ = ["SCHEMA_VERSION", "LayerError", "LevelResult", "Report", "schema"]
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class LayerError:
+    """One module that ran matmul-family ops itself, at one level.
+
+    ``introduced``: normwise error of its output when it runs under the level fed the reference inputs (its own
+    rounding; a module's sub-layers run fed their reference inputs too). ``accumulated``: normwise error of its
+    output in the end-to-end run (everything upstream included). Both are the worst over its ``calls``.
+    """
+
+    name: str
+    kind: str
+    calls: int
+    introduced: float
+    accumulated: float
+
+
+@dataclass(frozen=True)
+class LevelResult:
+    """Everything measured at one precision level."""
+
+    level: str
+    maths: dict[str, str]
+    outputs: tuple[OutputError, ...]
+    layers: tuple[LayerError, ...]  # ranked: the largest introduced error first
+    metric: Optional[float]
+    coverage: dict[str, int]  # "aten::linear tf32-rna" -> ops emulated so
+    unhandled: dict[str, int]  # family ops that ran without emulation
+    seconds: float
+    same_as: Optional[str] = None  # an earlier level the target computes identically, measured once for both
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.outputs) and all(o.passed for o in self.outputs)
+
+    @property
+    def worst(self) -> Optional[OutputError]:
+        """The output with the largest normwise error relative to its tolerance."""
+        return max(self.outputs, key=lambda o: _ratio(o.normwise, o.tolerance), default=None)
+
+    def top_layers(self, n: int = 3) -> tuple[LayerError, ...]:
+        return self.layers[:n]
+
+
+@dataclass(frozen=True)
+class Report:
+    """The result of :func:`tf32lab.check`. ``bool(report)`` is True when every level is within tolerance."""
+
+    workload: str
+    target: str
+    reference: str
+    tolerance: dict[str, float]  # "default" and any per-output entries
+    levels: tuple[LevelResult, ...]
+    environment: dict[str, Any]
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return all(level.passed for level in self.levels)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def level(self, name: str) -> LevelResult:
+        for result in self.levels:
+            if result.level == name:
+                return result
+        raise KeyError(f"level {name!r} was not checked; checked: {', '.join(lv.level for lv in self.levels)}")
+
+    def verdicts(self) -> list[str]:
+        """Lines to grep, one per level and output: ``PASSED | level 'high' | output 'x' | normwise … <= …``."""
+        return [f"{o.verdict().split(' | ', 1)[0]} | level {lv.level!r} | {o.verdict().split(' | ', 1)[1]}"
+                for lv in self.levels for o in lv.outputs]
+
+    def __str__(self) -> str:
+        return "\n".join(self.verdicts())
+
+    # -- renderings ---------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, as in ``docs/report-schema.md`` (non-finite numbers become strings: "inf", "nan")."""
+        data = {
+            "schema_version": SCHEMA_VERSION,
+            "workload": self.workload,
+            "target": self.target,
+            "reference": self.reference,
+            "tolerance": dict(self.tolerance),
+            "passed": self.passed,
+            "seconds": self.seconds,
+            "environment": dict(self.environment),
+            "histogram_edges_log10": list(HISTOGRAM_EDGES),
+            "levels": [
+                {
+                    "level": lv.level,
+                    "passed": lv.passed,
+                    "maths": dict(lv.maths),
+                    "outputs": [dict(asdict(o), shape=list(o.shape), histogram=list(o.histogram), passed=o.passed)
+                                for o in lv.outputs],
+                    "layers": [asdict(layer) for layer in lv.layers],
+                    "metric": lv.metric,
+                    "coverage": dict(lv.coverage),
+                    "unhandled": dict(lv.unhandled),
+                    "seconds": lv.seconds,
+                    "same_as": lv.same_as,
+                }
+                for lv in self.levels
+            ],
+        }
+        return _finite(data)
+
+    def to_json(self, path: Union[str, Path, None] = None) -> str:
+        """The report as JSON text; written to ``path`` too when given."""
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            Path(path).write_text(text + "\n", encoding="utf-8")
+        return text
+
+    def to_html(self) -> str:
+        """A self-contained HTML page (inline CSS and SVG plots, no scripts, nothing fetched)."""
+        from .html import render
+
+        return render(self)
+
+    def save_html(self, path: Union[str, Path]) -> Path:
+        path = Path(path)
+        path.write_text(self.to_html(), encoding="utf-8")
+        return path
+
+    def _repr_html_(self) -> str:  # Jupyter
+        from .html import render
+
+        return render(self, fragment=True)
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        from .text import renderables
+
+        yield from renderables(self)
+
+    def print(self, console: Any = None) -> None:
+        """Print the tables and the verdict lines to ``console`` (a ``rich.console.Console``; default: stdout)."""
+        from rich.console import Console
+
+        console = console or Console(highlight=False)
+        console.print(self)
+        for line in self.verdicts():
+            console.print(line, soft_wrap=True, markup=False)
+
+
+def schema() -> dict[str, Any]:
+    """The JSON Schema of :meth:`Report.to_dict` (``schema.json`` beside this module)."""
+    return json.loads((Path(__file__).with_name("schema.json")).read_text(encoding="utf-8"))
+
+
+def _ratio(value: float, tolerance: float) -> float:
+    if math.isnan(value):
+        return math.inf
+    return value / tolerance if tolerance > 0 else math.inf
+
+
+def _finite(data: Any) -> Any:
+    if isinstance(data, float) and not math.isfinite(data):
+        return "nan" if math.isnan(data) else ("inf" if data > 0 else "-inf")
+    if isinstance(data, dict):
+        return {k: _finite(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite(v) for v in data]
+    return data

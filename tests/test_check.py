@@ -1,0 +1,220 @@
+"""check(): it measures (sensitive workloads fail, well-conditioned ones pass), it ranks the layer that introduces
+the error first, and it leaves every setting as it was."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jsonschema
+import pytest
+import torch
+from torch import nn
+
+import tf32lab
+from tf32lab import Tf32LabError, Workload, builtin, flags
+from tf32lab.metrics import DEFAULT_TOLERANCE
+from tf32lab.report import schema
+
+
+@pytest.fixture(scope="module")
+def small_report():
+    return tf32lab.check(builtin.small())
+
+
+@pytest.mark.parametrize("make", [builtin.rotation_round_trip, builtin.covariance], ids=["rotation", "covariance"])
+def test_sensitive_workloads_exceed_the_default_tolerance_at_high(make):
+    report = tf32lab.check(make(), levels=("highest", "high"))
+    assert report.level("highest").passed
+    high = report.level("high")
+    assert not high.passed and not report
+    assert high.outputs[0].normwise > 2 * DEFAULT_TOLERANCE  # clearly, not by a hair
+    assert report.level("highest").outputs[0].normwise < DEFAULT_TOLERANCE / 100
+
+
+def test_the_builtin_model_passes_and_measures_a_real_effect(small_report):
+    assert small_report, small_report.verdicts()
+    highest, high = small_report.level("highest"), small_report.level("high")
+    text_highest = next(o for o in highest.outputs if o.name == "text_logits")
+    text_high = next(o for o in high.outputs if o.name == "text_logits")
+    assert text_high.normwise > 100 * text_highest.normwise  # TF32 is visible, IEEE is float32 noise
+    assert text_high.top1 is not None and 0.0 <= text_high.top1 <= 1.0
+    image_highest = next(o for o in highest.outputs if o.name == "image_logits")
+    assert image_highest.normwise > 1e-5  # convs run TF32 even at highest on an A100
+    assert sum(highest.coverage.values()) > 0 and not highest.unhandled
+
+
+def test_levels_the_target_computes_alike_are_measured_once(small_report):
+    medium = small_report.level("medium")
+    assert medium.same_as == "high"  # cuBLAS has no bf16 path: medium is TF32 on CUDA
+    assert medium.outputs == small_report.level("high").outputs
+    amx = tf32lab.check(builtin.small(), levels=("high", "medium"), target="cpu-amx")
+    assert amx.level("medium").same_as is None
+    assert amx.level("medium").maths["matmul"].startswith("bf16")
+    assert amx.level("medium").outputs[0].normwise > amx.level("high").outputs[0].normwise
+
+
+class _Sensitive(nn.Module):
+    """A well-behaved MLP beside one linear with K = 65536 on inputs far from zero, whose weights cancel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(512, 512)
+        self.sensitive = nn.Linear(65536, 16)
+        with torch.no_grad():
+            self.sensitive.weight -= self.sensitive.weight.mean(dim=1, keepdim=True)
+        self.head = nn.Sequential(nn.Linear(528, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def forward(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.cat([self.first(z), self.sensitive(x)], dim=-1))
+
+
+def test_the_layer_ranking_names_the_sensitive_layer_first():
+    torch.manual_seed(0)
+    model = _Sensitive()
+    inputs = (torch.randn(8, 512), 1000.0 + torch.randn(8, 65536))
+    report = tf32lab.check(Workload(model, inputs), levels=("high",))
+    layers = report.level("high").layers
+    assert layers[0].name == "sensitive"
+    assert {layer.name for layer in layers} == {"first", "sensitive", "head.0", "head.2"}
+    by_name = {layer.name: layer for layer in layers}
+    assert by_name["sensitive"].introduced > 100 * by_name["first"].introduced
+    # what the head shows at its output comes from upstream: accumulated, not introduced there
+    assert by_name["head.2"].accumulated > 10 * by_name["head.2"].introduced
+    assert by_name["sensitive"].kind == "Linear" and by_name["sensitive"].calls == 1
+
+
+def _settings(model: nn.Module) -> tuple:
+    hooks = [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
+    return flags.snapshot(), [m.training for m in model.modules()], hooks, torch.is_grad_enabled()
+
+
+class _FailsInFloat32(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.dropout = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.dropout(self.linear(x))
+        if y.dtype == torch.float32:  # the reference (float64) passes; the first level raises
+            raise RuntimeError("boom")
+        return y
+
+
+@pytest.mark.parametrize("target", ["a100", "native"])
+def test_settings_are_identical_after_a_model_raises(target):
+    model = _FailsInFloat32().train()
+    original = flags.snapshot()
+    torch.backends.cuda.matmul.fp32_precision = "tf32"  # a non-default global, which must survive
+    try:
+        before = _settings(model)
+        with pytest.raises(RuntimeError, match="boom"):
+            tf32lab.check(Workload(model, torch.randn(4, 8)), target=target)
+        assert _settings(model) == before
+        assert model.training and model.dropout.training
+    finally:
+        flags.restore(original)
+
+
+def test_settings_are_identical_after_a_check(small_report):
+    model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.1)).train()
+    before = _settings(model)
+    report = tf32lab.check(Workload(model, torch.randn(4, 16)))
+    assert _settings(model) == before
+    assert report.levels[0].outputs[0].normwise < 1e-6  # eval mode while checking: dropout off
+
+
+def test_native_runs_this_machines_own_modes():
+    report = tf32lab.check(builtin.covariance(), target="native", levels=("highest", "high"))
+    assert report.target == "native"
+    assert all(not lv.coverage and not lv.maths and lv.same_as is None for lv in report.levels)
+    assert report.level("highest").passed
+
+
+def test_tolerances_per_output_and_errors():
+    w = builtin.small()
+    report = tf32lab.check(w, levels=("high",), tolerance={"text_logits": 1e-6, "default": 1.0})
+    verdicts = {o.name: o.passed for o in report.level("high").outputs}
+    assert verdicts == {"text_logits": False, "image_logits": True}
+    assert any(line.startswith("FAILED | level 'high' | output 'text_logits'") for line in report.verdicts())
+    with pytest.warns(UserWarning, match="logitz"):
+        tf32lab.check(w, levels=("high",), tolerance={"logitz": 1.0})
+    for bad in (-1.0, float("nan"), "x", True):
+        with pytest.raises(Tf32LabError, match="bad tolerance"):
+            tf32lab.check(w, tolerance=bad)
+    with pytest.raises(Tf32LabError, match="unknown precision level 'fast'"):
+        tf32lab.check(w, levels=("high", "fast"))
+    with pytest.raises(Tf32LabError, match=r"unknown target 'b200'.*'native'"):
+        tf32lab.check(w, target="b200")
+    with pytest.raises(Tf32LabError, match="unknown reference"):
+        tf32lab.check(w, reference="float32")
+    with pytest.raises(Tf32LabError, match=r"takes a tf32lab\.Workload"):
+        tf32lab.check(nn.Linear(2, 2))
+
+
+def test_the_workload_metric_is_reported_and_its_failure_named():
+    def worst_cosine(out, ref):
+        return float(1 - torch.nn.functional.cosine_similarity(out.double(), ref, dim=-1).min())
+
+    w = Workload(nn.Linear(256, 32), torch.randn(16, 256), metric=worst_cosine)
+    report = tf32lab.check(w, levels=("highest", "high"))
+    assert 0 <= report.level("highest").metric < report.level("high").metric < 1e-3
+
+    w.metric = lambda out, ref: 1 / 0
+    with pytest.raises(Tf32LabError, match="metric raised ZeroDivisionError"):
+        tf32lab.check(w, levels=("high",))
+
+
+def test_inputs_as_tensor_tuple_and_dict_with_nested_outputs():
+    class Keyword(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(32, 8), nn.Linear(32, 8)
+
+        def forward(self, x, *, scale=None):
+            return {"first": self.a(x) * scale, "rest": (self.b(x), None, torch.argmax(x, -1))}
+
+    report = tf32lab.check(Workload(Keyword(), {"x": torch.randn(4, 32), "scale": torch.tensor(2.0)}),
+                           levels=("high",))
+    assert [o.name for o in report.level("high").outputs] == ["first", "rest.0"]  # integer outputs are skipped
+
+
+def test_json_follows_the_schema_and_round_trips(small_report, tmp_path):
+    path = tmp_path / "report.json"
+    text = small_report.to_json(path)
+    data = json.loads(path.read_text())
+    assert data == json.loads(text)
+    jsonschema.validate(data, schema())
+    assert data["schema_version"] == 1 and data["passed"] is True
+    assert data["levels"][2]["same_as"] == "high"
+    assert sum(data["levels"][1]["outputs"][0]["histogram"]) == 32 * 10
+
+
+def test_non_finite_errors_fail_and_serialise_as_strings():
+    class Overflow(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.linear(x)
+            return y * 1e300 if y.dtype == torch.float64 else y * torch.tensor(float("inf"))
+
+    report = tf32lab.check(Workload(Overflow(), torch.randn(2, 4)), levels=("high",))
+    assert not report
+    data = report.to_dict()
+    jsonschema.validate(data, schema())
+    assert data["levels"][0]["outputs"][0]["normwise"] in ("inf", "nan")
+    assert math.isnan(report.levels[0].outputs[0].normwise) or math.isinf(report.levels[0].outputs[0].normwise)
+
+
+@pytest.mark.slow
+def test_minilm_passes_at_every_level_with_every_linear_emulated():
+    report = tf32lab.check(builtin.minilm())
+    assert report, report.verdicts()
+    high = report.level("high")
+    assert not high.unhandled
+    assert sum(n for op, n in high.coverage.items() if op.startswith("aten::linear tf32")) == 37
+    assert 1e-5 < high.outputs[0].normwise < DEFAULT_TOLERANCE / 5
+    assert len(high.layers) >= 37 and high.layers[0].introduced > 0

@@ -1,0 +1,101 @@
+"""`tf32lab check` through real subprocesses: exit codes 0 / 1 / 2, one-line errors, the files it writes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import jsonschema
+import pytest
+
+from tf32lab.report import schema
+
+
+def run(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", *args], capture_output=True, text=True,
+                          timeout=300, cwd=cwd)
+
+
+def test_a_passing_workload_exits_0_and_writes_its_files(tmp_path):
+    done = run("builtin", "--levels", "highest,high", "--json", str(tmp_path / "r.json"),
+               "--html", str(tmp_path / "r.html"))
+    assert done.returncode == 0, done.stderr
+    assert "PASSED | level 'high' | output 'text_logits' | normwise" in done.stdout
+    assert "FAILED" not in done.stdout
+    data = json.loads((tmp_path / "r.json").read_text())
+    jsonschema.validate(data, schema())
+    assert [lv["level"] for lv in data["levels"]] == ["highest", "high"]
+    assert (tmp_path / "r.html").read_text().startswith("<!DOCTYPE html>")
+
+
+def test_a_sensitive_workload_exits_1():
+    done = run("tf32lab.builtin:covariance", "--levels", "highest,high")
+    assert done.returncode == 1, done.stderr
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("FAILED | level 'high' | output 'output' | normwise") for line in lines)
+    assert any(line.startswith("PASSED | level 'highest'") for line in lines)
+
+
+def test_a_looser_tolerance_lets_it_pass():
+    assert run("tf32lab.builtin:covariance", "--levels", "high", "--tolerance", "0.5").returncode == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["builtin", "--levels", "high,fast"], "unknown precision level 'fast'"),
+    (["builtin", "--target", "b200"], "unknown target 'b200'"),
+    (["builtin", "--tolerance", "-1"], "bad tolerance '-1'"),
+    (["no_such_module_xyz:make"], "no module named 'no_such_module_xyz'"),
+    (["tf32lab.builtin:nothing"], "has no attribute 'nothing'"),
+    (["/no/such/file.py:make"], "no file /no/such/file.py"),
+    (["builtin", "--json", "/no/such/dir/r.json", "--levels", "high"], "cannot write /no/such/dir/r.json"),
+])
+def test_bad_input_exits_2_with_one_line(args, message):
+    done = run(*args)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+RAISING = """
+import torch
+
+class Broken(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        raise ValueError("shapes do not line up")
+
+def make():
+    return Broken(), torch.ones(2, 4)
+
+def fails():
+    raise RuntimeError("cannot build")
+"""
+
+
+def test_a_raising_workload_exits_2_and_debug_shows_the_traceback(tmp_path):
+    path = tmp_path / "broken.py"
+    path.write_text(textwrap.dedent(RAISING))
+    done = run(f"{path}:make")
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("tf32lab check: error: workload 'broken:make' raised ValueError: shapes do not "
+                                   "line up")
+    factory = run(f"{path}:fails")
+    assert factory.returncode == 2 and "the factory raised RuntimeError: cannot build" in factory.stderr
+    assert "Traceback" not in factory.stderr
+    debug = run(f"{path}:make", "--debug")
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "shapes do not line up" in debug.stderr
+
+
+@pytest.mark.slow
+def test_the_default_workload_is_minilm_and_passes(tmp_path):
+    done = run("--html", str(tmp_path / "report.html"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "all-MiniLM-L6-v2" in done.stdout
+    assert "PASSED | level 'medium' | output 'sentence_embedding'" in done.stdout
+    assert (tmp_path / "report.html").stat().st_size > 10_000

@@ -1,0 +1,48 @@
+"""The HTML report in a real browser (headless Chromium): it renders offline, without console errors, with its
+plots, and every name from the model shows as text."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import tf32lab
+from browser import visit
+from tf32lab import Workload, builtin
+
+XSS = "<script>alert(1)</script>"
+XSS_OUTPUT = "<img src=x onerror=alert(2)>"
+
+
+class _Hostile(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_module(XSS, nn.Linear(64, 64))
+        self.add_module("plain", nn.Linear(64, 8))
+
+    def forward(self, x):
+        hidden = getattr(self, XSS)(x)
+        return {XSS_OUTPUT: self.plain(hidden), "logits": hidden}
+
+
+def test_report_opens_in_chromium_with_its_plots(tmp_path):
+    report = tf32lab.check(builtin.small())
+    page = report.save_html(tmp_path / "report.html")
+    seen = visit(page, tmp_path / "report.png")
+    assert seen.console_errors == [] and seen.dialogs == []
+    assert seen.requests == []  # self-contained: nothing fetched
+    assert seen.svg_count >= 3  # the layer chart and one distribution per output
+    assert "Error per layer" in seen.text and "text.encoder.layers.0.self_attn" in seen.text
+    assert (tmp_path / "report.png").stat().st_size > 20_000
+
+
+def test_names_from_the_model_are_text_not_markup(tmp_path):
+    report = tf32lab.check(Workload(_Hostile(), torch.randn(4, 64), name=f"hostile {XSS}"), levels=("high",))
+    html = report.to_html()
+    assert XSS not in html and XSS_OUTPUT not in html
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    seen = visit(report.save_html(tmp_path / "hostile.html"), tmp_path / "hostile.png")
+    assert seen.dialogs == [] and seen.console_errors == [] and seen.requests == []
+    assert XSS in seen.text and XSS_OUTPUT in seen.text  # shown to the reader, as text
+    fragment = report._repr_html_()  # Jupyter
+    assert "<html" not in fragment and "&lt;script&gt;" in fragment and XSS not in fragment

