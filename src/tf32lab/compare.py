@@ -169,8 +169,9 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.model = model
         self.stack: list[list] = []  # [name, args, kwargs, ran_family_op]
-        self.calls: dict[str, list[tuple[Any, Any, Any]]] = {}
+        self.calls: dict[str, list[tuple[Any, Any, Any, dict[str, float]]]] = {}  # args, kwargs, output, ‖output‖²
         self.handles: list = []
+        self.quiet = False
 
     def __enter__(self) -> _Recorder:
         for name, module in self.model.named_modules():
@@ -202,11 +203,18 @@ class _Recorder(TorchDispatchMode):
     def _post(self, module, args, kwargs, output):
         name, args, kwargs, ran = self.stack.pop()
         if ran:
+            reference = map_tensors(_keep, output)
+            self.quiet = True  # the norms below are ours, not the parent module's ops
+            try:
+                norms = {key: float(torch.linalg.vector_norm(t)) ** 2 for key, t in named_tensors(reference)
+                         if t.is_floating_point()}
+            finally:
+                self.quiet = False
             self.calls.setdefault(name, []).append(
-                (map_tensors(_to_float32, args), map_tensors(_to_float32, kwargs), map_tensors(_keep, output)))
+                (map_tensors(_to_float32, args), map_tensors(_to_float32, kwargs), reference, norms))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.stack and family_of(func.__name__) is not None:
+        if self.stack and not self.quiet and family_of(func.__name__) is not None:
             self.stack[-1][3] = True
         return func(*args, **(kwargs or {}))
 
@@ -262,7 +270,7 @@ class _LayerErrors:
         def hook(module, args, kwargs):
             i = self.count[name]
             if i < len(calls):
-                ref_args, ref_kwargs, _ = calls[i]
+                ref_args, ref_kwargs = calls[i][:2]
                 return map_tensors(torch.clone, ref_args), map_tensors(torch.clone, ref_kwargs)
             return None
 
@@ -275,11 +283,11 @@ class _LayerErrors:
             i = self.count[name]
             self.count[name] = i + 1
             if i < len(calls):
-                reference = calls[i][2]
+                reference, norms = calls[i][2:]
                 if self.scratch is None:
                     self.scratch = torch.empty(_CHUNK, dtype=torch.float64, device=_device_of(reference))
                 # float64 ops: the emulator passes them through untouched
-                error = _tree_normwise(output, reference, self.scratch)
+                error = _tree_normwise(output, reference, norms, self.scratch)
                 if math.isnan(error) or error > self.errors[name]:
                     self.errors[name] = error
 
@@ -289,23 +297,22 @@ class _LayerErrors:
 _CHUNK = 1 << 20
 
 
-def _tree_normwise(output: Any, reference: Any, scratch: Optional[torch.Tensor] = None) -> float:
-    """‖y − r‖ / ‖r‖ over all float tensors of a module's output, in float64. The difference goes through a
-    reused chunk buffer: fresh multi-MB temporaries cost page faults that dwarf the arithmetic."""
+def _tree_normwise(output: Any, reference: Any, norms: dict[str, float], scratch: torch.Tensor) -> float:
+    """‖y − r‖ / ‖r‖ over the float tensors of a module's output, in float64 (``norms``: each ‖r‖², from the
+    reference run). The difference goes through a reused chunk buffer: fresh multi-MB temporaries cost page
+    faults that dwarf the arithmetic."""
     refs = dict(named_tensors(reference))
     diff2 = ref2 = 0.0
     for name, y in named_tensors(output):
         r = refs.get(name)
-        if r is None or not y.is_floating_point() or r.shape != y.shape:
+        if r is None or name not in norms or r.shape != y.shape:
             continue
         y, r = y.reshape(-1), r.reshape(-1)
-        if scratch is None or scratch.device != r.device:
-            scratch = torch.empty(min(_CHUNK, r.numel()), dtype=torch.float64, device=r.device)
         for start in range(0, r.numel(), scratch.numel()):
             part = r[start:start + scratch.numel()]
             d = torch.sub(y[start:start + part.numel()], part, out=scratch[:part.numel()])
             diff2 += float(torch.dot(d, d))
-            ref2 += float(torch.dot(part.double(), part.double()))
+        ref2 += norms[name]
     if ref2 == 0.0:
         return 0.0 if diff2 == 0.0 else math.inf
     return math.sqrt(diff2 / ref2)

@@ -60,10 +60,11 @@ class OutputError:
     def passed(self) -> bool:
         return self.normwise <= self.tolerance  # NaN compares False: a NaN error fails
 
-    def verdict(self) -> str:
-        """A line to grep: ``PASSED | output 'x' | normwise 1.2e-04 <= 1.0e-02``."""
+    def verdict(self, level: Optional[str] = None) -> str:
+        """A line to grep: ``PASSED | level 'high' | output 'x' | normwise 1.2e-04 <= 1.0e-02``."""
         word, sign = ("PASSED", "<=") if self.passed else ("FAILED", ">")
-        return f"{word} | output {self.name!r} | normwise {self.normwise:.2e} {sign} {self.tolerance:.1e}"
+        where = "" if level is None else f" | level {level!r}"
+        return f"{word}{where} | output {self.name!r} | normwise {self.normwise:.2e} {sign} {self.tolerance:.1e}"
 
 
 def normwise(y: torch.Tensor, r: torch.Tensor) -> float:

@@ -99,8 +99,7 @@ class Report:
 
     def verdicts(self) -> list[str]:
         """Lines to grep, one per level and output: ``PASSED | level 'high' | output 'x' | normwise … <= …``."""
-        return [f"{o.verdict().split(' | ', 1)[0]} | level {lv.level!r} | {o.verdict().split(' | ', 1)[1]}"
-                for lv in self.levels for o in lv.outputs]
+        return [o.verdict(lv.level) for lv in self.levels for o in lv.outputs]
 
     def __str__(self) -> str:
         return "\n".join(self.verdicts())
