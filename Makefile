@@ -12,7 +12,7 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[demo,test]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[demo,serving,test]'
 	touch $(STAMP)
 
 # The main job on the default workload (all-MiniLM-L6-v2): tables on the terminal, report.html beside them.

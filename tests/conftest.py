@@ -1,8 +1,9 @@
-"""Every test leaves PyTorch's precision flags exactly as it found them."""
+"""Every test leaves PyTorch's precision flags, and its intra-op thread count, exactly as it found them."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 from tf32lab import flags
@@ -18,19 +19,22 @@ settings.load_profile("default")
 
 @pytest.fixture(autouse=True)
 def _flags_unchanged():
-    before = flags.snapshot()
+    before, threads = flags.snapshot(), torch.get_num_threads()
     yield
-    after = flags.snapshot()
+    after, threads_after = flags.snapshot(), torch.get_num_threads()
     flags.restore(before)  # so one failure does not cascade into every later test
+    torch.set_num_threads(threads)
     assert after == before, f"flags changed by the test: {before.diff(after)}"
+    assert threads_after == threads, f"intra-op threads changed by the test: {threads} -> {threads_after}"
 
 
 @pytest.fixture
 def user_flags():
-    """For tests that play the user and write PyTorch's flags themselves: put back afterwards."""
-    before = flags.snapshot()
+    """For tests that play the user and write PyTorch's flags (or thread count) themselves: put back afterwards."""
+    before, threads = flags.snapshot(), torch.get_num_threads()
     yield
     flags.restore(before)
+    torch.set_num_threads(threads)
     from tf32lab import scope
 
     scope._reset_for_tests()

@@ -72,7 +72,10 @@ def test_write_level_writes_exactly_the_level_cells(level):
     changed = {name: new for name, _, new in before.diff(flags.snapshot())}
     if flags.NEW_API:
         cuda, mkldnn = BACKEND_VALUES[level]
-        assert changed == {"fp32_precision.cuda.matmul": cuda, "fp32_precision.mkldnn.matmul": mkldnn}
+        expected = {"fp32_precision.cuda.matmul": cuda, "fp32_precision.mkldnn.matmul": mkldnn}
+        if level != "highest":  # and PyTorch's stored legacy level
+            expected["float32_matmul_precision"] = level
+        assert changed == expected
     assert flags.read_level() == level
 
 
@@ -89,3 +92,39 @@ def test_read_level_where_torch_itself_raises():
 def test_restore_refuses_anything_but_a_snapshot():
     with pytest.raises(TypeError, match=r"flags\.Snapshot"):
         flags.restore({"fp32_precision.cuda.matmul": "tf32"})
+
+
+def _legacy_view() -> tuple:
+    """What code using PyTorch's legacy API sees; 'raises' where its reader raises."""
+    out = []
+    for read in (torch.get_float32_matmul_precision, lambda: torch.backends.cuda.matmul.allow_tf32):
+        try:
+            out.append(read())
+        except RuntimeError:
+            out.append("raises")
+    return tuple(out)
+
+
+@pytest.mark.skipif(not flags.NEW_API, reason="the stored legacy level exists beside the per-backend cells only")
+@pytest.mark.parametrize("level", LEVELS)
+def test_the_stored_legacy_level_is_restored(level, user_flags):
+    # PyTorch keeps the legacy level apart from the cells: writing the cells back alone left
+    # torch.get_float32_matmul_precision() answering the old level and allow_tf32 raising.
+    before, seen = flags.snapshot(), _legacy_view()
+    torch.set_float32_matmul_precision(level)
+    torch.backends.fp32_precision = "tf32"
+    assert flags.snapshot()["float32_matmul_precision"] == level
+    flags.restore(before)
+    assert flags.snapshot() == before and _legacy_view() == seen == ("highest", False)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_tf32lab_setters_and_scopes_keep_torchs_legacy_getter_truthful(level, user_flags):
+    import tf32lab
+
+    with tf32lab.precision(level):
+        assert torch.get_float32_matmul_precision() == level
+    assert _legacy_view() == ("highest", False)
+    tf32lab.set_float32_matmul_precision(level)
+    assert torch.get_float32_matmul_precision() == level
+    assert torch.backends.cuda.matmul.allow_tf32 == (level != "highest")

@@ -10,10 +10,12 @@ Example:
     'highest'
 """
 
-from . import flags, formats, targets
+from . import flags, formats, hardware, targets
 from .compare import check
+from .diagnosis import doctor
 from .emulator import emulate
 from .errors import Tf32LabError
+from .heuristics import autoconfig, save_compile_cache
 from .levels import LEVELS
 from .report import Report
 from .scope import get_float32_matmul_precision, precision, set_float32_matmul_precision
@@ -27,12 +29,16 @@ __all__ = [
     "Tf32LabError",
     "Workload",
     "__version__",
+    "autoconfig",
     "check",
+    "doctor",
     "emulate",
     "flags",
     "formats",
     "get_float32_matmul_precision",
+    "hardware",
     "precision",
+    "save_compile_cache",
     "set_float32_matmul_precision",
     "targets",
 ]

@@ -7,9 +7,10 @@ traceback; ``--debug`` shows it).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 from . import __version__
 from .errors import Tf32LabError
@@ -53,17 +54,40 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--html", metavar="PATH", help="write the report as a self-contained HTML page")
     check.add_argument("--debug", action="store_true", help="show tracebacks")
     check.set_defaults(run=_check)
+    doctor = sub.add_parser(
+        "doctor", help="explain what each precision setting really does on this machine, warn, and recommend",
+        description="The hardware, every precision flag now (both PyTorch API generations), what each level does "
+                    "here for each op family, warnings and a recommendation. Changes nothing.",
+    )
+    doctor.add_argument("--json", action="store_true", help="print JSON instead (docs/doctor-schema.md)")
+    doctor.add_argument("--simulate", metavar="TARGET",
+                        help="answer for another machine: a target of tf32lab.targets (a100, h100, v100, t4, "
+                             "cpu-amx, ...); this environment's overriding variables are kept")
+    doctor.add_argument("--cpus", type=_positive_int, help="with --simulate: its visible cores (default 8)")
+    doctor.add_argument("--quota", type=_quota, help="with --simulate: its cgroup CPU quota, in CPUs")
+    doctor.add_argument("--debug", action="store_true", help="show tracebacks")
+    doctor.set_defaults(run=_doctor)
     return parser
 
 
-def _tolerance(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad tolerance {text!r}; accepted: a number >= 0") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"bad tolerance {text!r}; accepted: a finite number >= 0")
-    return value
+def _number(what: str, cast: Callable[[str], float], ok: Callable[[float], bool], accepted: str) -> Callable:
+    """An argparse type: ``cast`` the text, keep it when ``ok``, else one line naming it and what is accepted."""
+
+    def parse(text: str) -> float:
+        try:
+            value = cast(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"bad {what} {text!r}; accepted: {accepted}")
+        return value
+
+    return parse
+
+
+_positive_int = _number("number of CPUs", int, lambda v: v >= 1, "an int >= 1")
+_quota = _number("quota", float, lambda v: 0 < v < math.inf, "a number of CPUs > 0")
+_tolerance = _number("tolerance", float, lambda v: 0 <= v < math.inf, "a finite number >= 0")
 
 
 def _levels(_: argparse.Namespace) -> int:
@@ -109,6 +133,26 @@ def _check(args: argparse.Namespace) -> int:
                 raise Tf32LabError(f"cannot write {path}: {exc.strerror or exc}") from exc
             print(f"wrote {path}")
     return 0 if report.passed else 1
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from .diagnosis import doctor
+    from .hardware import Hardware, detect
+
+    if args.simulate is None:
+        if args.cpus is not None or args.quota is not None:
+            raise Tf32LabError("--cpus and --quota describe a simulated machine; add --simulate TARGET")
+        hw = None
+    else:
+        hw = Hardware.simulated(args.simulate, args.cpus or 8, quota=args.quota, env=detect().env)
+    diagnosis = doctor(hw)
+    if args.json:
+        sys.stdout.write(diagnosis.to_json())
+    else:
+        from rich.console import Console
+
+        diagnosis.print(Console(highlight=False))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

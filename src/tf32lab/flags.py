@@ -16,8 +16,8 @@ Example:
     >>> before = flags.snapshot()
     >>> torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
     >>> torch.set_float32_matmul_precision("medium")
-    >>> sorted(name for name, _, _ in before.diff(flags.snapshot()))[:2]
-    ['cuda.matmul.allow_fp16_reduced_precision_reduction', 'fp32_precision.cuda.matmul']
+    >>> sorted(name for name, _, _ in before.diff(flags.snapshot()))[:3]
+    ['cuda.matmul.allow_fp16_reduced_precision_reduction', 'float32_matmul_precision', 'fp32_precision.cuda.matmul']
     >>> flags.restore(before)
     >>> flags.snapshot() == before
     True
@@ -153,6 +153,34 @@ def _other_flags() -> tuple[_Flag, ...]:
 _FLAGS = _other_flags()
 
 
+# PyTorch >= 2.9 still keeps the legacy level as a value of its own, beside the cells: only the legacy setter
+# writes it, and the legacy getter answers from it (or raises when the cells contradict it). Writing the cells alone
+# leaves it stale, so it is part of every snapshot and of the state a scope gives back.
+_LEGACY_LEVEL = "float32_matmul_precision"
+_LEGACY_PROBE = tuple(c for c in (("generic", "all"), ("cuda", "all"), ("cuda", "matmul"), ("mkldnn", "all"),
+                                  ("mkldnn", "matmul")) if c in _CELLS)
+
+
+def read_legacy_level() -> str:
+    """The legacy level PyTorch keeps (what ``torch.get_float32_matmul_precision()`` answers), without raising.
+
+    Where the getter would raise for a mix of APIs, the matmul cells and their parents are set to inherit for a
+    moment (then it answers from the stored level) and put back at once.
+    """
+    try:
+        return _C._get_float32_matmul_precision()
+    except RuntimeError:
+        pass
+    raw = _read_raw_cells()
+    try:
+        for cell in _LEGACY_PROBE:
+            _set(cell, "none")
+        return _C._get_float32_matmul_precision()
+    finally:
+        for cell in _LEGACY_PROBE:
+            _set(cell, raw[cell])
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """Every precision-related flag of this torch, by name; equal snapshots mean identical state.
@@ -186,6 +214,8 @@ def snapshot() -> Snapshot:
     values: list[tuple[str, Any]] = [
         (f"fp32_precision.{b}.{o}", v) for (b, o), v in _read_raw_cells().items()
     ]
+    if NEW_API:
+        values.append((_LEGACY_LEVEL, read_legacy_level()))
     values += [(f.name, f.get()) for f in _FLAGS]
     return Snapshot(tuple(sorted(values)))
 
@@ -195,6 +225,8 @@ def restore(snap: Snapshot) -> None:
     if not isinstance(snap, Snapshot):
         raise TypeError(f"restore takes a flags.Snapshot, got {type(snap).__name__}")
     values = dict(snap.values)
+    if NEW_API and _LEGACY_LEVEL in values:  # first: PyTorch's legacy setter also writes two cells
+        _C._set_float32_matmul_precision(values[_LEGACY_LEVEL])
     for cell in _CELLS:
         key = f"fp32_precision.{cell[0]}.{cell[1]}"
         if key in values:
@@ -215,12 +247,16 @@ write_level: Callable[[str], None] = _C._set_float32_matmul_precision
 
 
 def read_level_state() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """``(effective, raw)`` values of the cells a level is written to: what a scope must give back."""
+    """``(effective, raw)`` values of the cells a level is written to: what a scope must give back.
+
+    On the per-backend API ``raw`` ends with PyTorch's stored legacy level (see :func:`read_legacy_level`).
+    """
     if not NEW_API:
         value = (_C._get_float32_matmul_precision(),)
         return value, value
     raw = _read_raw_cells(tuple(c for c in _CELLS if c[1] == "all" or c in _LEVEL_CELLS))
-    return tuple(_get(c) for c in _LEVEL_CELLS), tuple(raw[c] for c in _LEVEL_CELLS)
+    return (tuple(_get(c) for c in _LEVEL_CELLS),
+            (*(raw[c] for c in _LEVEL_CELLS), read_legacy_level()))
 
 
 def _cell_functions() -> tuple[tuple[Callable[[], str], ...], tuple[Callable[[str], None], ...]]:
@@ -250,6 +286,8 @@ else:
 
 def write_level_raw(raw: tuple[str, ...]) -> None:
     """Put back raw values of the level cells, from :func:`read_level_state`."""
+    if len(raw) > len(LEVEL_SETTERS):  # the stored legacy level first: its setter writes two cells too
+        write_level(raw[-1])
     for put, value in zip(LEVEL_SETTERS, raw):
         put(value)
 
@@ -257,6 +295,11 @@ def write_level_raw(raw: tuple[str, ...]) -> None:
 def level_values(level: str) -> tuple[str, ...]:
     """What :func:`read_level_effective` reads right after ``write_level(level)``."""
     return BACKEND_VALUES[level][: len(_LEVEL_CELLS)] if NEW_API else (level,)
+
+
+def level_raw(level: str) -> tuple[str, ...]:
+    """What :func:`read_level_state` gives as raw values right after ``write_level(level)``."""
+    return (*level_values(level), level) if NEW_API else (level,)
 
 
 def level_from_effective(effective: tuple[str, ...]) -> str:
@@ -306,3 +349,26 @@ def read_cells() -> dict[str, str]:
         value = _get((backend, op)) if (backend, op) in _CELLS else "ieee"
         out[name] = "ieee" if value == "none" else value
     return out
+
+
+def read_cell_table() -> list[tuple[str, str, str]]:
+    """``(cell, raw, effective)`` for every per-backend cell this torch has (none before 2.9), parents first.
+
+    ``raw`` is ``"none"`` where the cell inherits; ``effective`` is what its getter returns.
+    """
+    if not NEW_API:
+        return []
+    raw = _read_raw_cells()
+    return [(f"{b}.{o}", value, _get((b, o))) for (b, o), value in raw.items()]
+
+
+# The legacy readers, by the name users write; each raises "mix of the legacy and new APIs" when the per-backend
+# cells disagree with what it can express (FACTS.md §1).
+LEGACY_READERS: tuple[tuple[str, Callable[[], Any]], ...] = tuple(
+    (name, getattr(_C, getter)) for name, getter in (
+        ("torch.get_float32_matmul_precision()", "_get_float32_matmul_precision"),
+        ("torch.backends.cuda.matmul.allow_tf32", "_get_cublas_allow_tf32"),
+        ("torch.backends.cudnn.allow_tf32", "_get_cudnn_allow_tf32"),
+    ) if hasattr(_C, getter)
+)
+

@@ -60,7 +60,8 @@ _LEVEL, _HOLDER, _OWNER, _PARENT = range(4)
 _SCOPE: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("tf32lab_scope", default=None)
 _MAIN = threading.main_thread().ident
 _VALUES = {level: flags.level_values(level) for level in LEVELS}
-_LEVEL_OF_RAW = {values: level for level, values in _VALUES.items()}
+_RAW = {level: flags.level_raw(level) for level in LEVELS}
+_LEVEL_OF_RAW = {raw: level for level, raw in _RAW.items()}
 _read_effective = flags.read_level_effective
 _write_raw = flags.write_level_raw
 _write_level = flags.write_level
@@ -374,17 +375,38 @@ def set_float32_matmul_precision(level: str) -> None:
     """
     check_level(level)
     state = _STATE
-    values = _VALUES[level]
+    values, raw = _VALUES[level], _RAW[level]
     with state.lock:
         state.wait_writable()
         if not state.holders:
-            _write_raw(values)
+            _write_level(level)  # PyTorch's own setter: its legacy getter stays consistent
         else:  # applies once the scopes end; meanwhile to unscoped code when the scopes disagree
-            state.base_effective = state.base_raw = values
+            state.base_effective, state.base_raw = values, raw
             state.base_as_level = level
             if state.contended:
                 state.write(level)
-        state.cache = (values, values)
+        state.cache = (values, raw)
+
+
+def live_scopes() -> int:
+    """How many ``precision()`` scopes are open now, in every thread and task."""
+    with _STATE.lock:
+        return sum(len(stack) for stack in _STATE.holders.values())
+
+
+def write_process_state(raw: tuple[str, ...]) -> None:
+    """Write raw level-cell values (from ``flags.read_level_state()``) as the process-wide setting.
+
+    For putting back exactly what an earlier setter replaced, inheritance (``"none"``) included. Refused while
+    scopes are open: their exit would give back the values they captured on entry, not these.
+    """
+    with _STATE.lock:
+        if _STATE.holders:
+            raise Tf32LabError(f"cannot restore the process-wide level while {live_scopes()} precision() "
+                               "scope(s) are open; close them first")
+        _STATE.wait_writable()
+        _write_raw(tuple(raw))
+        _STATE.cache = None
 
 
 def context_level() -> Optional[str]:

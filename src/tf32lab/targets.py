@@ -204,7 +204,7 @@ TARGETS: Mapping[str, Target] = MappingProxyType({t.name: t for t in (
     _cuda("rtx4090", "NVIDIA GeForce RTX 4090 (Ada)", (8, 9)),
     _cuda("h100", "NVIDIA H100 (Hopper)", (9, 0)),
     _cuda("h200", "NVIDIA H200 (Hopper)", (9, 0)),
-    Target("cpu-amx", "CPU with oneDNN bf16 (AMX or AVX512-BF16)", "cpu", None, MappingProxyType(_onednn(True))),
+    Target("cpu-amx", "CPU with AMX (oneDNN bf16)", "cpu", None, MappingProxyType(_onednn(True))),
     Target("cpu", "CPU without reduced-precision units", "cpu", None, MappingProxyType(_onednn(False))),
 )})
 

@@ -1,0 +1,276 @@
+"""autoconfig(): each simulated machine decides as documented, every change is logged and undone exactly."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import tf32lab
+from tf32lab import Tf32LabError, flags
+from tf32lab.hardware import Hardware
+
+
+@pytest.fixture
+def restore_env():
+    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    yield
+    if saved is None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
+
+
+def _apply(hw: Hardware, **kwargs):
+    before, threads = flags.snapshot(), torch.get_num_threads()
+    decisions = tf32lab.autoconfig(hardware=hw, **kwargs)
+    state = {"level": tf32lab.get_float32_matmul_precision(), "cells": flags.read_cells(),
+             "threads": torch.get_num_threads()}
+    decisions.undo()
+    assert flags.snapshot() == before, "undo() left flags changed"
+    assert torch.get_num_threads() == threads
+    return decisions, state
+
+
+@pytest.mark.parametrize("name", ["a100", "h100"])
+def test_ampere_and_newer_get_tf32(name):
+    decisions, state = _apply(Hardware.simulated(name, cpus=8))
+    assert decisions["precision"].new == "high" and decisions["precision"].changed
+    assert "TF32 tensor cores" in decisions["precision"].reason
+    assert state["level"] == "high" and state["cells"]["cuda.matmul"] == "tf32"
+    assert f"--target {name}" in decisions.recommendation.advice
+    assert decisions["threads"].new == 8 and state["threads"] == 8
+
+
+@pytest.mark.parametrize("name", ["v100", "t4"])
+def test_pre_ampere_keeps_highest_and_recommends_fp16_autocast(name):
+    decisions, state = _apply(Hardware.simulated(name, cpus=8))
+    precision = decisions["precision"]
+    assert (precision.old, precision.new, precision.changed) == ("highest", "highest", False)
+    assert "no TF32 tensor cores" in precision.reason
+    assert "float16 autocast" in decisions.recommendation.advice
+    assert state["level"] == "highest"
+
+
+def test_cpu_amx_keeps_highest_and_says_how_to_check_medium():
+    decisions, _ = _apply(Hardware.simulated("cpu-amx", cpus=8))
+    assert decisions["precision"].new == "highest" and "AMX" in decisions["precision"].reason
+    assert "--target cpu-amx" in decisions.recommendation.advice
+
+
+def test_a_quota_of_one_and_a_half_cpus_on_eight_cores_gives_one_thread():
+    decisions, state = _apply(Hardware.simulated("a100", cpus=8, quota=1.5))
+    assert decisions["threads"].new == 1 and state["threads"] == 1
+    assert "1 usable CPUs (quota 1.5 of 8)" in decisions["threads"].reason
+    assert decisions["interop_threads"].new == 1
+
+
+def test_nvidia_tf32_override_zero_forbids_tf32():
+    decisions, state = _apply(Hardware.simulated("a100", env={"NVIDIA_TF32_OVERRIDE": "0"}))
+    assert decisions["precision"].new == "highest" and state["level"] == "highest"
+    assert "NVIDIA_TF32_OVERRIDE=0" in decisions["precision"].reason
+    assert "unset NVIDIA_TF32_OVERRIDE" in decisions.recommendation.advice
+
+
+def test_cublas_override_is_explained():
+    hw = Hardware.simulated("a100", env={"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"})
+    decisions, _ = _apply(hw)
+    assert decisions["precision"].new == "high"
+    decisions, state = _apply(hw, level="highest")
+    assert state["level"] == "highest"
+    assert "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 is set and decides cuBLAS TF32" in decisions["precision"].reason
+
+
+def test_torchrun_local_world_size_shares_the_cpus():
+    hw = Hardware.simulated("h100", cpus=16, env={"LOCAL_WORLD_SIZE": "4"})
+    decisions, state = _apply(hw, workers=2)
+    assert decisions["threads"].new == 2 and state["threads"] == 2
+    assert "2 worker(s) x 4 local process(es)" in decisions["threads"].reason
+    decisions, _ = _apply(Hardware.simulated("h100", cpus=2, env={"LOCAL_WORLD_SIZE": "8"}))
+    assert decisions["threads"].new == 1  # never 0
+
+
+def test_explicit_thread_env_is_honoured_and_explained():
+    decisions, state = _apply(Hardware.simulated("a100", cpus=8, env={"OMP_NUM_THREADS": "3"}))
+    assert decisions["threads"].new == 3 and state["threads"] == 3
+    assert decisions["threads"].reason.startswith("OMP_NUM_THREADS=3 is set: honoured (automatic would be")
+    decisions, _ = _apply(Hardware.simulated("a100", cpus=8, env={"MKL_NUM_THREADS": "2"}))
+    assert decisions["threads"].new == 2 and "MKL_NUM_THREADS=2" in decisions["threads"].reason
+    decisions, _ = _apply(Hardware.simulated("a100", cpus=8, env={"OMP_NUM_THREADS": "3"}), threads=5)
+    assert decisions["threads"].new == 5 and "overrides OMP_NUM_THREADS=3" in decisions["threads"].reason
+    decisions, _ = _apply(Hardware.simulated("a100", cpus=8, env={"OMP_NUM_THREADS": "lots"}))
+    assert decisions["threads"].new == 8
+
+
+def test_oversubscription_is_said():
+    decisions, _ = _apply(Hardware.simulated("a100", cpus=4), workers=2, threads=4)
+    assert "oversubscribes: 4 threads x 2 process(es) > 4 usable CPUs" in decisions["threads"].reason
+
+
+def test_an_explicit_level_is_applied_as_asked():
+    decisions, state = _apply(Hardware.simulated("v100"), level="medium")
+    assert state["level"] == "medium" and decisions["precision"].reason.startswith("asked for")
+    assert "no TF32 on this GPU" in decisions["precision"].reason
+    decisions, state = _apply(Hardware.simulated("a100"), level="highest")
+    assert state["level"] == "highest" and not decisions["precision"].changed
+
+
+def test_undo_is_exact_from_a_users_own_settings(user_flags):
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    torch.backends.cudnn.conv.fp32_precision = "ieee"
+    torch.set_num_threads(1)
+    before = flags.snapshot()
+    decisions = tf32lab.autoconfig("high", threads=2, hardware=Hardware.simulated("a100", cpus=2))
+    assert flags.snapshot() != before
+    decisions.undo()
+    decisions.undo()  # a second undo changes nothing
+    assert flags.snapshot() == before and torch.get_num_threads() == 1
+
+
+def test_the_same_level_is_not_written_again():
+    # Writing explicit values where the cells inherit would cut them off from the generic setting.
+    before = flags.snapshot()
+    decisions = tf32lab.autoconfig(hardware=Hardware.simulated("cpu", cpus=torch.get_num_threads()))
+    assert flags.snapshot() == before and not any(d.changed for d in decisions)
+
+
+def test_every_decision_is_logged(caplog):
+    threads = torch.get_num_threads()
+    with caplog.at_level(logging.INFO, logger="tf32lab.autoconfig"):
+        decisions = tf32lab.autoconfig(hardware=Hardware.simulated("t4", cpus=threads + 2))
+        decisions.undo()
+    lines = [r.getMessage() for r in caplog.records]
+    for decision in decisions:
+        assert f"autoconfig as on t4: {decision}" in lines
+    assert any(line.startswith("autoconfig as on t4: advice: for speed on this GPU use float16") for line in lines)
+    assert f"undo threads: {threads + 2} -> {threads}" in lines
+
+
+def test_tf32lab_disable_makes_it_a_logged_no_op(monkeypatch, caplog):
+    monkeypatch.setenv("TF32LAB_DISABLE", "1")
+    before = flags.snapshot()
+    with caplog.at_level(logging.INFO, logger="tf32lab.autoconfig"):
+        decisions = tf32lab.autoconfig(hardware=Hardware.simulated("a100", cpus=1))
+    assert decisions.disabled and len(decisions) == 0 and flags.snapshot() == before
+    assert "TF32LAB_DISABLE=1: autoconfig changes nothing" in caplog.text
+    decisions.undo()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"level": "fast"}, "unknown level 'fast'; accepted: 'auto', 'highest', 'high', 'medium'"),
+    ({"workers": 0}, "bad workers 0; accepted: an int >= 1"),
+    ({"workers": 1.5}, "bad workers 1.5"),
+    ({"threads": "many"}, "bad threads 'many'; accepted: 'auto' or an int >= 1"),
+    ({"threads": 0}, "bad threads 0"),
+    ({"compile_cache": 3}, "bad compile_cache 3; accepted: None or a folder path"),
+    ({"hardware": "a100"}, "bad hardware str; accepted: None or a tf32lab.hardware.Hardware"),
+])
+def test_bad_arguments_change_nothing(kwargs, message):
+    before, threads = flags.snapshot(), torch.get_num_threads()
+    with pytest.raises(Tf32LabError) as err:
+        tf32lab.autoconfig(**{"hardware": Hardware.simulated("a100", cpus=1), **kwargs})
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+    assert flags.snapshot() == before and torch.get_num_threads() == threads
+
+
+def test_a_file_is_not_a_compile_cache(tmp_path):
+    path = tmp_path / "cache"
+    path.write_text("")
+    with pytest.raises(Tf32LabError, match="it is a file"):
+        tf32lab.autoconfig(compile_cache=path, hardware=Hardware.simulated("a100", cpus=1))
+
+
+def test_refused_inside_a_precision_scope():
+    with tf32lab.precision("high"), pytest.raises(Tf32LabError, match="outside precision"):
+        tf32lab.autoconfig(hardware=Hardware.simulated("a100", cpus=1))
+
+
+def test_compile_cache_settings_are_undone(tmp_path, restore_env):
+    import torch._inductor.config as inductor_config
+
+    os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    inductor_config.fx_graph_cache = False
+    try:
+        decisions = tf32lab.autoconfig(compile_cache=tmp_path / "cc", threads=torch.get_num_threads(),
+                                       hardware=Hardware.simulated("a100", cpus=1))
+        assert inductor_config.fx_graph_cache is True
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cc") and (tmp_path / "cc").is_dir()
+        assert not decisions["compile_cache.artifacts"].applied
+        decisions.undo()
+        assert inductor_config.fx_graph_cache is False and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    finally:
+        inductor_config.fx_graph_cache = True
+
+
+def _run(code: str, env: dict | None = None, timeout: int = 300) -> str:
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_importing_tf32lab_changes_nothing():
+    out = _run("""
+        import json, os, torch
+        def state():
+            cells = [torch._C._get_fp32_precision_getter(b, o) for b in ("cuda", "mkldnn")
+                     for o in ("all", "matmul", "conv", "rnn")]
+            return [cells, torch.get_num_threads(), torch.get_num_interop_threads(), dict(os.environ)]
+        before = state()
+        import tf32lab, tf32lab.cli
+        print(json.dumps([before == state(), before[1]]))
+    """)
+    assert json.loads(out)[0] is True
+
+
+def test_inter_op_threads_in_a_fresh_process():
+    # PyTorch sets inter-op threads once per process: applied on the first call, and undo says it cannot.
+    out = _run("""
+        import json, logging, torch, tf32lab
+        from tf32lab.hardware import Hardware
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        d = tf32lab.autoconfig(hardware=Hardware.simulated("a100", cpus=8, quota=1.5))
+        during = torch.get_num_interop_threads()
+        d.undo()
+        print(json.dumps([d["interop_threads"].applied, during, torch.get_num_interop_threads()]))
+    """)
+    applied, during, after = json.loads(out)
+    assert applied and during == 1 and after == 1
+
+
+@pytest.mark.slow
+def test_mega_cache_saved_then_loaded_in_another_process(tmp_path):
+    compile_and_count = """
+        import json, sys, torch, tf32lab
+        from torch._dynamo.utils import counters
+        d = tf32lab.autoconfig(compile_cache=sys.argv[1] if len(sys.argv) > 1 else {folder!r})
+        f = torch.compile(lambda x, w: torch.relu(x @ w).sum(dim=1))
+        f(torch.randn(8, 16), torch.randn(16, 4))
+        saved = str(tf32lab.save_compile_cache({folder!r})) if {save} else None
+        print(json.dumps([dict(counters["inductor"]), d["compile_cache.artifacts"].to_dict(), saved]))
+    """
+    first, second = tmp_path / "first", tmp_path / "second"
+    counts, artifacts, _ = json.loads(_run(compile_and_count.format(folder=str(first), save=True)))
+    assert counts.get("fxgraph_cache_miss", 0) >= 1 and not artifacts["applied"]
+    second.mkdir()
+    for name in ("tf32lab-mega-cache.bin", "tf32lab-mega-cache.json"):  # only the artifact travels
+        (second / name).write_bytes((first / name).read_bytes())
+    counts, artifacts, _ = json.loads(_run(compile_and_count.format(folder=str(second), save=False)))
+    assert artifacts["applied"] and "Mega-Cache loaded" in artifacts["reason"]
+    assert counts.get("fxgraph_cache_hit", 0) >= 1 and counts.get("fxgraph_cache_miss", 0) == 0
+    # An artifact from another torch is not loaded.
+    meta = json.loads((second / "tf32lab-mega-cache.json").read_text())
+    (second / "tf32lab-mega-cache.json").write_text(json.dumps({**meta, "torch": "0.0.1"}))
+    decisions = tf32lab.autoconfig(compile_cache=second, threads=torch.get_num_threads(),
+                                   hardware=Hardware.simulated("cpu", cpus=1))
+    try:
+        assert not decisions["compile_cache.artifacts"].applied
+        assert "not loaded" in decisions["compile_cache.artifacts"].reason
+    finally:
+        decisions.undo()

@@ -1,0 +1,165 @@
+"""doctor(): right about this machine, right about simulated ones, warnings that matter, JSON per its schema."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jsonschema
+import pytest
+import torch
+
+import tf32lab
+from tf32lab import diagnosis, flags, hardware, targets
+from tf32lab.hardware import Hardware
+
+
+def _codes(d) -> set[str]:
+    return {w.code for w in d.warnings}
+
+
+def _tf32lab(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tf32lab.cli", *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_doctor_is_right_about_this_machine():
+    d = tf32lab.doctor()
+    hw = d.hardware
+    assert hw.simulated_as is None and hw.visible_cpus == os.cpu_count()
+    assert hw.affinity_cpus == len(os.sched_getaffinity(0))
+    assert len(hw.gpus) == torch.cuda.device_count()
+    with open("/proc/cpuinfo", encoding="utf-8") as info:
+        cpu_flags = next(line for line in info if line.startswith("flags")).split()
+    assert set(hw.isa) == {isa for isa in hardware.ISA if isa in cpu_flags}
+    assert d.level == torch.get_float32_matmul_precision()
+    assert d.threads == {"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads()}
+    if not torch.cuda.is_available():
+        assert hw.target in ("cpu", "cpu-amx") and d.recommendation.level == "highest"
+        assert "no GPU" in d.recommendation.reason
+
+
+def test_doctor_changes_nothing():
+    before = flags.snapshot()
+    tf32lab.doctor()
+    tf32lab.doctor(Hardware.simulated("a100"))
+    assert flags.snapshot() == before
+
+
+@pytest.mark.parametrize("name, highest, high, medium, codes", [
+    ("a100", "ieee", "tf32-rna", "tf32-rna", {"conv-tf32-at-highest", "medium-equals-high"}),
+    ("h100", "ieee", "tf32-rna", "tf32-rna", {"conv-tf32-at-highest", "medium-equals-high"}),
+    ("v100", "ieee", "ieee", "ieee", set()),
+    ("t4", "ieee", "ieee", "ieee", set()),
+    ("cpu-amx", "ieee", "tf32-rne", "bf16-rne", set()),
+    ("cpu", "ieee", "ieee", "ieee", set()),
+])
+def test_what_each_level_does_on_simulated_machines(name, highest, high, medium, codes):
+    d = tf32lab.doctor(Hardware.simulated(name))
+    assert [d.levels[level]["matmul"] for level in tf32lab.LEVELS] == [highest, high, medium]
+    assert _codes(d) == codes
+    assert d.recommendation.level == ("high" if name in ("a100", "h100") else "highest")
+    assert set(d.levels["highest"]) == set(diagnosis.FAMILIES)
+    assert d.levels["high"]["linalg"] == "ieee"
+
+
+def test_a100_convs_run_tf32_at_highest_and_the_fix_is_named():
+    d = tf32lab.doctor(Hardware.simulated("a100"))
+    assert d.levels["highest"]["conv"] == "tf32-rna"
+    message = next(w.message for w in d.warnings if w.code == "conv-tf32-at-highest")
+    assert "torch.backends.cudnn.conv.fp32_precision = 'ieee'" in message
+
+
+def test_env_overrides_are_warned_and_change_the_table():
+    off = tf32lab.doctor(Hardware.simulated("a100", env={"NVIDIA_TF32_OVERRIDE": "0"}))
+    assert "env-override" in _codes(off) and off.levels["high"]["matmul"] == "ieee"
+    assert off.levels["highest"]["conv"] == "ieee" and off.recommendation.level == "highest"
+    forced = tf32lab.doctor(Hardware.simulated("a100", env={"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}))
+    assert "env-override" in _codes(forced) and forced.levels["highest"]["matmul"] == "tf32-rna"
+
+
+def test_cpu_quota_and_thread_warnings():
+    d = tf32lab.doctor(Hardware.simulated("a100", cpus=8, quota=1.5, env={"OMP_NUM_THREADS": "8"}))
+    assert {"cpu-quota", "threads-oversubscribed"} <= _codes(d)
+    # What autoconfig would do: the explicit variable is honoured, and the cost is said.
+    assert d.recommended_threads == 8 and "oversubscribes" in d.threads_reason
+    assert tf32lab.doctor(Hardware.simulated("a100", cpus=8, quota=1.5)).recommended_threads == 1
+
+
+def test_more_threads_than_usable_cpus_on_this_machine(user_flags):
+    usable = hardware.detect().usable_cpus
+    torch.set_num_threads(usable + 1)
+    assert "threads-oversubscribed" in _codes(tf32lab.doctor())
+
+
+def test_mixed_api_hazard(user_flags):
+    torch.backends.fp32_precision = "tf32"  # the new API, generic cell
+    d = tf32lab.doctor()
+    assert "mixed-api" in _codes(d)
+    assert d.legacy["torch.get_float32_matmul_precision()"] is None  # it raises now
+    with pytest.raises(RuntimeError, match="mix of the legacy and new APIs"):
+        torch.get_float32_matmul_precision()
+
+
+def test_generic_setting_cut_off_by_explicit_values(user_flags):
+    torch.set_float32_matmul_precision("highest")  # explicit ieee in cuda.matmul / mkldnn.matmul
+    torch.backends.fp32_precision = "tf32"
+    message = " ".join(w.message for w in tf32lab.doctor().warnings if w.code == "mixed-api")
+    assert "has no effect on cuda.matmul, mkldnn.matmul" in message
+
+
+def test_level_without_effect(user_flags):
+    tf32lab.set_float32_matmul_precision("high")
+    d = tf32lab.doctor(Hardware.simulated("v100"))
+    assert "level-has-no-effect" in _codes(d)
+    assert "level-has-no-effect" not in _codes(tf32lab.doctor(Hardware.simulated("a100")))
+
+
+@pytest.mark.parametrize("name", [None, *targets.TARGETS])
+def test_json_validates_against_the_schema(name):
+    schema = diagnosis.schema()
+    jsonschema.Draft202012Validator.check_schema(schema)
+    hw = None if name is None else Hardware.simulated(
+        name, quota=1.5, env={"NVIDIA_TF32_OVERRIDE": "0", "OMP_NUM_THREADS": "64", "LOCAL_WORLD_SIZE": "2"})
+    jsonschema.validate(json.loads(tf32lab.doctor(hw).to_json()), schema)
+
+
+def test_cli_doctor_json_is_valid_and_about_this_machine():
+    done = _tf32lab("doctor", "--json")
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    jsonschema.validate(data, diagnosis.schema())
+    assert data["hardware"]["visible_cpus"] == os.cpu_count()
+    assert data["hardware"]["simulated_as"] is None
+    assert len(data["hardware"]["gpus"]) == torch.cuda.device_count()
+
+
+def test_cli_doctor_simulate_keeps_this_environment():
+    done = _tf32lab("doctor", "--simulate", "a100", "--cpus", "8", "--quota", "1.5",
+                    env={"NVIDIA_TF32_OVERRIDE": "0"})
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "simulated a100" in out and "warning | env-override | NVIDIA_TF32_OVERRIDE=0 is set" in out
+    assert "warning | cpu-quota |" in out and "recommend | level 'highest' |" in out
+    assert "recommend | threads 1 |" in out
+
+
+def test_cli_doctor_text_on_this_machine():
+    done = _tf32lab("doctor")
+    assert done.returncode == 0, done.stderr
+    assert "tf32lab doctor  this machine" in done.stdout and "what each level does here" in done.stdout
+    assert f"{os.cpu_count()} visible" in done.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--simulate", "a200"], "unknown target 'a200'"),
+    (["--cpus", "4"], "--cpus and --quota describe a simulated machine"),
+    (["--simulate", "a100", "--cpus", "0"], "bad number of CPUs '0'"),
+    (["--simulate", "a100", "--quota", "-2"], "bad quota '-2'"),
+])
+def test_cli_doctor_bad_input(args, message):
+    done = _tf32lab("doctor", *args)
+    assert done.returncode == 2 and message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
