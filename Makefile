@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/scope.py
 	$(BIN)/python benchmarks/emulate.py
 	$(BIN)/python benchmarks/check.py
+	$(BIN)/python benchmarks/compile_cache.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis report.html
