@@ -132,7 +132,7 @@ def _level_table(hw: Hardware, cells: dict[str, str]) -> dict[str, dict[str, str
     return table
 
 
-def _warnings(hw: Hardware, level: str, cells: dict[str, str], table: dict[str, dict[str, str]],
+def _warnings(hw: Hardware, level: str, table: dict[str, dict[str, str]],
               cell_rows: list[tuple[str, str, str]], raising: list[str]) -> list[Alert]:
     out = []
     target = targets.get(hw.target)
@@ -204,6 +204,6 @@ def doctor(hardware: Optional[Hardware] = None) -> Diagnosis:
     return Diagnosis(
         hardware=hw, level=level, cells=tuple(cell_rows), legacy=legacy, other_flags=other,
         threads={"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads()},
-        levels=table, warnings=tuple(_warnings(hw, level, cells, table, cell_rows, raising)),
+        levels=table, warnings=tuple(_warnings(hw, level, table, cell_rows, raising)),
         recommendation=recommend(hw), recommended_threads=threads, threads_reason=reason,
     )

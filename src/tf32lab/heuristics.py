@@ -196,9 +196,9 @@ def _precision(level: str, hw: Hardware) -> tuple[Decision, Optional[_Undo], Opt
         if hw.gpus and level != "highest" and not min(g.capability for g in hw.gpus) >= (8, 0):
             reason += "; no TF32 on this GPU, so it changes nothing here"
     override = hw.tf32_override()
-    if override and hw.gpus:
-        reason += f"; {override} is set and decides cuBLAS" + ("" if override.startswith("TORCH") else "/cuDNN") + \
-                  " TF32 whatever the level"
+    if override and hw.gpus and override not in reason:
+        libraries = "cuBLAS" if override.startswith("TORCH") else "cuBLAS/cuDNN"
+        reason += f"; {override} is set and decides {libraries} TF32 whatever the level"
     old = scope.get_float32_matmul_precision()
     if old == new:  # no write: explicit values where the cells inherit would cut them off (pytorch#179445)
         return Decision("precision", old, new, reason), None, recommendation
