@@ -37,7 +37,7 @@ def test_snapshots_compare_and_diff():
 
 
 def test_restore_brings_back_every_flag_after_both_api_generations_were_used():
-    before = flags.snapshot()
+    before, seen = flags.snapshot(), _legacy_view()
     torch.set_float32_matmul_precision("medium")
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
@@ -48,6 +48,7 @@ def test_restore_brings_back_every_flag_after_both_api_generations_were_used():
     assert flags.snapshot() != before
     flags.restore(before)
     assert flags.snapshot() == before
+    assert _legacy_view() == seen  # PyTorch's stored legacy values too (cuDNN's was left stale once)
 
 
 @pytest.mark.skipif(not flags.NEW_API, reason="raw 'none' cells exist only in the per-backend API")
@@ -97,7 +98,8 @@ def test_restore_refuses_anything_but_a_snapshot():
 def _legacy_view() -> tuple:
     """What code using PyTorch's legacy API sees; 'raises' where its reader raises."""
     out = []
-    for read in (torch.get_float32_matmul_precision, lambda: torch.backends.cuda.matmul.allow_tf32):
+    for read in (torch.get_float32_matmul_precision, lambda: torch.backends.cuda.matmul.allow_tf32,
+                 lambda: torch.backends.cudnn.allow_tf32):
         try:
             out.append(read())
         except RuntimeError:
@@ -115,7 +117,7 @@ def test_the_stored_legacy_level_is_restored(level, user_flags):
     torch.backends.fp32_precision = "tf32"
     assert flags.snapshot()["float32_matmul_precision"] == level
     flags.restore(before)
-    assert flags.snapshot() == before and _legacy_view() == seen == ("highest", False)
+    assert flags.snapshot() == before and _legacy_view() == seen == ("highest", False, True)
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -124,7 +126,7 @@ def test_tf32lab_setters_and_scopes_keep_torchs_legacy_getter_truthful(level, us
 
     with tf32lab.precision(level):
         assert torch.get_float32_matmul_precision() == level
-    assert _legacy_view() == ("highest", False)
+    assert _legacy_view() == ("highest", False, True)
     tf32lab.set_float32_matmul_precision(level)
     assert torch.get_float32_matmul_precision() == level
     assert torch.backends.cuda.matmul.allow_tf32 == (level != "highest")

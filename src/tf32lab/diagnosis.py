@@ -184,7 +184,8 @@ def _warnings(hw: Hardware, level: str, table: dict[str, dict[str, str]],
 def doctor(hardware: Optional[Hardware] = None) -> Diagnosis:
     """Explain the precision settings on this machine (or on ``hardware``, e.g. ``Hardware.simulated("v100")``).
 
-    The flags are always this process's (a simulated machine would start from the same ones). Reads only.
+    The flags are always this process's (a simulated machine would start from the same ones). Changes nothing;
+    telling inherited cells from explicit ones flips a parent cell for a moment, as ``flags.snapshot()`` does.
 
     Example:
 
@@ -194,10 +195,11 @@ def doctor(hardware: Optional[Hardware] = None) -> Diagnosis:
         True
     """
     hw = hardware or detect()
-    cell_rows = flags.read_cell_table()
+    snap = flags.snapshot()  # one probe of the raw cells, shared by the cell table
+    cell_rows = flags.read_cell_table(snap)
     cells = flags.read_cells()
     legacy, raising = _legacy()
-    other = {name: value for name, value in flags.snapshot() if not name.startswith("fp32_precision.")}
+    other = {name: value for name, value in snap if not name.startswith("fp32_precision.")}
     level = flags.read_level()
     table = _level_table(hw, cells)
     threads, reason = decide_threads("auto", 1, hw)

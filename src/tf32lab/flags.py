@@ -153,32 +153,50 @@ def _other_flags() -> tuple[_Flag, ...]:
 _FLAGS = _other_flags()
 
 
-# PyTorch >= 2.9 still keeps the legacy level as a value of its own, beside the cells: only the legacy setter
-# writes it, and the legacy getter answers from it (or raises when the cells contradict it). Writing the cells alone
-# leaves it stale, so it is part of every snapshot and of the state a scope gives back.
+# PyTorch >= 2.9 still keeps the legacy values as values of their own, beside the cells: only the legacy setters
+# write them, and the legacy getters answer from them (or raise when the cells contradict them). Writing the cells
+# alone leaves them stale, so they are part of every snapshot (the level also of the state a scope gives back).
+# name -> (getter, setter, probes): each probe is a cell state under which the getter answers from its stored value
+# (or raises, when that state contradicts it); the cells are put back right after.
 _LEGACY_LEVEL = "float32_matmul_precision"
-_LEGACY_PROBE = tuple(c for c in (("generic", "all"), ("cuda", "all"), ("cuda", "matmul"), ("mkldnn", "all"),
-                                  ("mkldnn", "matmul")) if c in _CELLS)
+_MATMUL_PROBE = (("generic", "all"), ("cuda", "all"), ("cuda", "matmul"), ("mkldnn", "all"), ("mkldnn", "matmul"))
+_CUDNN_PROBE = (("generic", "all"), ("cuda", "all"), ("cuda", "conv"), ("cuda", "rnn"))
+_STORED: dict[str, tuple[str, str, tuple[dict[tuple[str, str], str], ...]]] = {
+    _LEGACY_LEVEL: ("_get_float32_matmul_precision", "_set_float32_matmul_precision",
+                    ({cell: "none" for cell in _MATMUL_PROBE},)),
+    "cudnn.allow_tf32": ("_get_cudnn_allow_tf32", "_set_cudnn_allow_tf32", tuple(
+        {**{cell: "none" for cell in _CUDNN_PROBE[:2]}, **{cell: value for cell in _CUDNN_PROBE[2:]}}
+        for value in ("tf32", "ieee"))),
+} if NEW_API else {}
+_STORED = {name: (get, put, tuple({c: v for c, v in probe.items() if c in _CELLS} for probe in probes))
+           for name, (get, put, probes) in _STORED.items() if hasattr(_C, get) and hasattr(_C, put)}
 
 
-def read_legacy_level() -> str:
-    """The legacy level PyTorch keeps (what ``torch.get_float32_matmul_precision()`` answers), without raising.
-
-    Where the getter would raise for a mix of APIs, the matmul cells and their parents are set to inherit for a
-    moment (then it answers from the stored level) and put back at once.
-    """
+def _read_stored(name: str) -> Any:
+    """A stored legacy value (see above) without raising: its getter, else its getter under each probe state."""
+    getter, _, probes = _STORED[name]
+    get = getattr(_C, getter)
     try:
-        return _C._get_float32_matmul_precision()
+        return get()
     except RuntimeError:
         pass
     raw = _read_raw_cells()
-    try:
-        for cell in _LEGACY_PROBE:
-            _set(cell, "none")
-        return _C._get_float32_matmul_precision()
-    finally:
-        for cell in _LEGACY_PROBE:
-            _set(cell, raw[cell])
+    for probe in probes:
+        try:
+            for cell, value in probe.items():
+                _set(cell, value)
+            return get()
+        except RuntimeError:
+            continue
+        finally:
+            for cell in probe:
+                _set(cell, raw[cell])
+    raise RuntimeError(f"cannot read PyTorch's stored {name}: every probe state contradicts it")
+
+
+def read_legacy_level() -> str:
+    """The legacy level PyTorch keeps (what ``torch.get_float32_matmul_precision()`` answers), without raising."""
+    return _read_stored(_LEGACY_LEVEL) if _LEGACY_LEVEL in _STORED else _C._get_float32_matmul_precision()
 
 
 @dataclass(frozen=True)
@@ -214,8 +232,7 @@ def snapshot() -> Snapshot:
     values: list[tuple[str, Any]] = [
         (f"fp32_precision.{b}.{o}", v) for (b, o), v in _read_raw_cells().items()
     ]
-    if NEW_API:
-        values.append((_LEGACY_LEVEL, read_legacy_level()))
+    values += [(name, _read_stored(name)) for name in _STORED]
     values += [(f.name, f.get()) for f in _FLAGS]
     return Snapshot(tuple(sorted(values)))
 
@@ -225,8 +242,9 @@ def restore(snap: Snapshot) -> None:
     if not isinstance(snap, Snapshot):
         raise TypeError(f"restore takes a flags.Snapshot, got {type(snap).__name__}")
     values = dict(snap.values)
-    if NEW_API and _LEGACY_LEVEL in values:  # first: PyTorch's legacy setter also writes two cells
-        _C._set_float32_matmul_precision(values[_LEGACY_LEVEL])
+    for name, (_, setter, _) in _STORED.items():  # first: the legacy setters also write cells
+        if name in values:
+            getattr(_C, setter)(values[name])
     for cell in _CELLS:
         key = f"fp32_precision.{cell[0]}.{cell[1]}"
         if key in values:
@@ -351,15 +369,17 @@ def read_cells() -> dict[str, str]:
     return out
 
 
-def read_cell_table() -> list[tuple[str, str, str]]:
+def read_cell_table(snap: Snapshot | None = None) -> list[tuple[str, str, str]]:
     """``(cell, raw, effective)`` for every per-backend cell this torch has (none before 2.9), parents first.
 
-    ``raw`` is ``"none"`` where the cell inherits; ``effective`` is what its getter returns.
+    ``raw`` is ``"none"`` where the cell inherits (from ``snap`` when given: telling it takes a probe);
+    ``effective`` is what its getter returns.
     """
     if not NEW_API:
         return []
-    raw = _read_raw_cells()
-    return [(f"{b}.{o}", value, _get((b, o))) for (b, o), value in raw.items()]
+    raw = _read_raw_cells() if snap is None else {c: snap[f"fp32_precision.{c[0]}.{c[1]}"] for c in _CELLS}
+    order = sorted(raw, key=lambda c: (c != ("generic", "all"), c[1] != "all"))
+    return [(f"{b}.{o}", raw[(b, o)], _get((b, o))) for b, o in order]
 
 
 # The legacy readers, by the name users write; each raises "mix of the legacy and new APIs" when the per-backend
