@@ -133,6 +133,20 @@ def test_undo_is_exact_from_a_users_own_settings(user_flags):
     assert flags.snapshot() == before and torch.get_num_threads() == 1
 
 
+def test_undo_inside_a_scope_works_and_a_second_undo_outside_keeps_everything():
+    before, threads = flags.snapshot(), torch.get_num_threads()
+    decisions = tf32lab.autoconfig(threads=threads + 1, hardware=Hardware.simulated("a100", cpus=threads + 1))
+    assert decisions["precision"].changed and tf32lab.get_float32_matmul_precision() == "high"
+    with tf32lab.precision("medium"):
+        decisions.undo()  # the process level comes back once the scope ends; the scope keeps its own
+        assert tf32lab.get_float32_matmul_precision() == "medium"
+        assert torch.get_num_threads() == threads
+    assert tf32lab.get_float32_matmul_precision() == "highest"
+    assert flags.snapshot() == before
+    decisions.undo()
+    assert flags.snapshot() == before and torch.get_num_threads() == threads
+
+
 def test_the_same_level_is_not_written_again():
     # Writing explicit values where the cells inherit would cut them off from the generic setting.
     before = flags.snapshot()
@@ -272,5 +286,89 @@ def test_mega_cache_saved_then_loaded_in_another_process(tmp_path):
     try:
         assert not decisions["compile_cache.artifacts"].applied
         assert "not loaded" in decisions["compile_cache.artifacts"].reason
+    finally:
+        decisions.undo()
+
+
+# -- the compile cache is a trust boundary ---------------------------------------------------------------------------
+def _artifact(folder, entries, *, note=True) -> None:
+    """Write a Mega-Cache artifact with PyTorch's own writer: ``entries`` are (type, key, content)."""
+    from torch.compiler._cache import CacheArtifactFactory, CacheArtifactManager, _serialize_single_cache
+    from torch.utils._appending_byte_serializer import AppendingByteSerializer
+
+    from tf32lab import compile_cache
+
+    CacheArtifactManager._ensure_cache_artifacts_registered()
+    grouped: dict = {}
+    for kind, key, content in entries:
+        grouped.setdefault(kind, []).append(CacheArtifactFactory.create(kind, key, content))
+    writer = AppendingByteSerializer(serialize_fn=_serialize_single_cache)
+    writer.extend(grouped.items())
+    data = writer.to_bytes()
+    folder.mkdir(mode=0o700, exist_ok=True)
+    (folder / compile_cache.ARTIFACT).write_bytes(data)
+    if note:
+        import hashlib
+
+        meta = {**compile_cache.identity(), "artifacts": len(entries), "bytes": len(data),
+                "sha256": hashlib.sha256(data).hexdigest()}
+        (folder / compile_cache.NOTE).write_text(json.dumps(meta))
+
+
+def _refused(folder, match):
+    before, threads = flags.snapshot(), torch.get_num_threads()
+    dir_before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with pytest.raises(Tf32LabError, match=match) as err:
+        tf32lab.autoconfig(compile_cache=folder, threads=threads + 1, hardware=Hardware.simulated("a100", cpus=2))
+    assert "\n" not in str(err.value)
+    assert flags.snapshot() == before and torch.get_num_threads() == threads  # all or nothing
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == dir_before
+
+
+def test_an_entry_that_would_write_outside_the_folder_refuses_the_artifact(tmp_path, restore_env):
+    outside = tmp_path / "outside" / "escaped.best_config"
+    for key in (str(outside), "../outside/escaped.best_config"):
+        folder = tmp_path / "cache"
+        _artifact(folder, [("autotune", "triton/ok.best_config", b'{"a": 1}'), ("autotune", key, b'{"b": 2}')])
+        _refused(folder, "autotune entry .* would be written outside")
+        assert not outside.exists() and not (folder / "triton").exists()  # nothing of it was written
+
+
+def test_a_corrupt_artifact_is_an_error_not_zero_artifacts(tmp_path, restore_env):
+    from tf32lab import compile_cache
+
+    folder = tmp_path / "cache"
+    _artifact(folder, [("autotune", "triton/ok.best_config", b'{"a": 1}')])
+    (folder / compile_cache.ARTIFACT).write_bytes(b"\x00garbage" * 8)
+    _refused(folder, "is corrupt: its size or SHA-256 differs")
+    _artifact(folder, [("autotune", "triton/ok.best_config", b'{"a": 1}')], note=False)
+    (folder / compile_cache.NOTE).write_text(json.dumps(compile_cache.identity()))  # an older note, no checksum
+    (folder / compile_cache.ARTIFACT).write_bytes(b"\x00garbage" * 8)
+    _refused(folder, "is corrupt: it holds no compile artifact PyTorch can read")
+
+
+@pytest.mark.parametrize("what", ["folder", "artifact", "empty folder"])
+def test_a_cache_others_may_write_is_refused(tmp_path, restore_env, what):
+    from tf32lab import compile_cache
+
+    folder = tmp_path / "cache"
+    if what == "empty folder":  # inductor would read its own pickled entries from it
+        folder.mkdir()
+    else:
+        _artifact(folder, [("autotune", "triton/ok.best_config", b'{"a": 1}')])
+    target = folder / compile_cache.ARTIFACT if what == "artifact" else folder
+    target.chmod(0o666 if what == "artifact" else 0o777)
+    _refused(folder, f"compile_cache {target} is writable by other users .*chmod go-w")
+
+
+def test_a_trusted_artifact_loads_into_the_folder(tmp_path, restore_env):
+    folder = tmp_path / "cache"
+    _artifact(folder, [("autotune", "triton/ok.best_config", b'{"a": 1}')])
+    decisions = tf32lab.autoconfig(compile_cache=folder, threads=torch.get_num_threads(),
+                                   hardware=Hardware.simulated("cpu", cpus=1))
+    try:
+        loaded = decisions["compile_cache.artifacts"]
+        assert loaded.applied and "Mega-Cache loaded: 1 artifacts" in loaded.reason
+        assert (folder / "triton" / "ok.best_config").is_file()
     finally:
         decisions.undo()

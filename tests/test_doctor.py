@@ -163,3 +163,16 @@ def test_cli_doctor_bad_input(args, message):
     done = _tf32lab("doctor", *args)
     assert done.returncode == 2 and message in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("a100", "doctor() takes None (this machine) or a tf32lab.hardware.Hardware: Hardware.simulated('a100'), "
+             "not str 'a100'"),
+    (8, "doctor() takes None (this machine) or a tf32lab.hardware.Hardware, not int 8"),
+])
+def test_doctor_refuses_what_is_not_hardware(bad, message):
+    before = flags.snapshot()
+    with pytest.raises(tf32lab.Tf32LabError) as err:
+        tf32lab.doctor(bad)
+    assert str(err.value) == message
+    assert flags.snapshot() == before

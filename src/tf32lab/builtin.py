@@ -17,7 +17,6 @@ Example:
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import torch
@@ -57,7 +56,6 @@ def hf(folder: str, sentences: int = 16) -> Workload:
     path = Path(folder).expanduser()
     if not (path / "config.json").is_file():
         raise Tf32LabError(f"workload 'hf:{folder}': no config.json in {path} (a local transformers model folder)")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         from transformers import AutoModel, AutoTokenizer
     except ImportError:

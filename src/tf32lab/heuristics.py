@@ -19,7 +19,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Iterator, Sequence
@@ -29,7 +28,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from . import flags, scope
+from . import compile_cache, flags, scope
 from .errors import Tf32LabError
 from .hardware import Hardware, detect
 from .levels import LEVELS
@@ -40,8 +39,8 @@ log = logging.getLogger("tf32lab.autoconfig")
 
 # The Mega-Cache artifact in a compile-cache folder, and what it was saved with (it loads only on the same
 # torch, Triton and GPU: FACTS.md §8).
-MEGA_CACHE = "tf32lab-mega-cache.bin"
-_MEGA_CACHE_META = "tf32lab-mega-cache.json"
+MEGA_CACHE = compile_cache.ARTIFACT
+_cache_folder, _read_cache = compile_cache.folder, compile_cache.read
 
 PathLike = Union[str, "os.PathLike[str]"]
 _Undo = Callable[[], Optional[bool]]  # returns False when the old value could not be put back
@@ -121,10 +120,15 @@ class Decisions(Sequence[Decision]):
         return iter(self._decisions)
 
     def undo(self) -> None:
-        """Put back every setting this call changed (a loaded compile artifact stays in the cache folder)."""
+        """Put back every setting this call changed (a loaded compile artifact stays in the cache folder).
+
+        Inside ``precision()`` scopes it works too: the process level it puts back applies once they end.
+        """
         while self._undo:
-            decision, undo = self._undo.pop()
-            if undo() is False:
+            decision, undo = self._undo[-1]
+            done = undo()
+            self._undo.pop()  # only once it is done: a step that raised is tried again by the next undo()
+            if done is False:
                 log.warning("undo %s: PyTorch refuses to set it again in this process; it stays %r",
                             decision.setting, decision.new)
             else:
@@ -287,20 +291,12 @@ def _threads(threads: Union[str, int], workers: int, hw: Hardware) -> list[tuple
 
 
 # -- compile cache -----------------------------------------------------------------------------------------------
-def _cache_identity() -> dict[str, Any]:
-    """What a Mega-Cache artifact is tied to: this torch and, where there is one, this GPU."""
-    identity: dict[str, Any] = {"torch": torch.__version__}
-    if torch.cuda.is_available():
-        identity["gpu"] = torch.cuda.get_device_name(0)
-    return identity
-
-
-def _compile_cache(folder: Path) -> list[tuple[Decision, Optional[_Undo]]]:
+def _compile_cache(folder: Path, found: compile_cache.Loaded) -> list[tuple[Decision, Optional[_Undo]]]:
     old_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # before inductor's import, which sets its default
     import torch._inductor.config as inductor_config
 
     out: list[tuple[Decision, Optional[_Undo]]] = []
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     old_cache = inductor_config.fx_graph_cache
     reason = "compile_cache given: compiled graphs are reused across processes"
     if os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "").strip() in ("1", "true", "True"):
@@ -329,38 +325,17 @@ def _compile_cache(folder: Path) -> list[tuple[Decision, Optional[_Undo]]]:
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = old_dir
 
     out.append((Decision("env.TORCHINDUCTOR_CACHE_DIR", old_dir, new_dir, reason), undo_dir))
-    out.append((_load_mega_cache(folder), None))
+    loaded = compile_cache.load(found)
+    out.append((Decision("compile_cache.artifacts", None, loaded.artifact, loaded.reason, loaded.applied), None))
     return out
-
-
-def _load_mega_cache(folder: Path) -> Decision:
-    artifact = folder / MEGA_CACHE
-    name = "compile_cache.artifacts"
-    if not artifact.exists():
-        return Decision(name, None, None, f"no {MEGA_CACHE} yet; tf32lab.save_compile_cache(folder) writes one "
-                                          "after the first compile", applied=False)
-    try:
-        saved = json.loads((folder / _MEGA_CACHE_META).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        saved = {}
-    here = _cache_identity()
-    if {k: saved.get(k) for k in here} != here:
-        return Decision(name, None, str(artifact), f"saved with {saved or 'unknown versions'}, not this machine's "
-                                                   f"{here}: not loaded (it would not match)", applied=False)
-    info = torch.compiler.load_cache_artifacts(artifact.read_bytes())
-    count = _count(info)
-    return Decision(name, None, str(artifact), f"Mega-Cache loaded: {count} artifacts for warm compiles")
-
-
-def _count(info: Any) -> int:
-    artifacts = getattr(info, "artifacts", None) or {}
-    return sum(len(v) for v in artifacts.values()) if isinstance(artifacts, dict) else 0
 
 
 def save_compile_cache(folder: PathLike) -> Path:
     """Write this process's ``torch.compile`` artifacts (a Mega-Cache) into ``folder``; returns the file.
 
-    A later ``autoconfig(compile_cache=folder)`` loads it, on the same torch, Triton and GPU (FACTS.md §8).
+    A later ``autoconfig(compile_cache=folder)`` loads it, on the same torch, Triton and GPU (FACTS.md §8). The
+    folder must be trusted like code (``tf32lab.compile_cache``): it is made private to this user, and one that
+    others may write is refused.
 
     >>> import tempfile, tf32lab
     >>> tf32lab.save_compile_cache(tempfile.mkdtemp())     # nothing compiled in this process
@@ -368,29 +343,7 @@ def save_compile_cache(folder: PathLike) -> Path:
     ...
     tf32lab.errors.Tf32LabError: nothing to save: torch.compile has produced no cacheable artifacts in this process yet
     """
-    path = _folder(folder)
-    result = torch.compiler.save_cache_artifacts()
-    if result is None:
-        raise Tf32LabError("nothing to save: torch.compile has produced no cacheable artifacts in this process yet")
-    data, info = result
-    path.mkdir(parents=True, exist_ok=True)
-    artifact = path / MEGA_CACHE
-    partial = artifact.with_suffix(".partial")
-    partial.write_bytes(data)
-    os.replace(partial, artifact)  # a reader never sees half a file
-    meta = {**_cache_identity(), "artifacts": _count(info), "bytes": len(data)}
-    (path / _MEGA_CACHE_META).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
-    log.info("saved %d compile artifacts (%d bytes) to %s", meta["artifacts"], len(data), artifact)
-    return artifact
-
-
-def _folder(value: Any) -> Path:
-    if not isinstance(value, (str, os.PathLike)) or not str(value):
-        raise Tf32LabError(f"bad compile_cache {value!r}; accepted: None or a folder path")
-    path = Path(value).expanduser().absolute()
-    if path.exists() and not path.is_dir():
-        raise Tf32LabError(f"bad compile_cache {str(value)!r}: it is a file; accepted: a folder path")
-    return path
+    return compile_cache.save(compile_cache.folder(folder))
 
 
 # -- the call ----------------------------------------------------------------------------------------------------
@@ -410,7 +363,10 @@ def autoconfig(level: str = "auto", *, workers: int = 1, threads: Union[str, int
         threads: ``"auto"`` (usable CPUs // (workers x LOCAL_WORLD_SIZE), at least 1; ``OMP_NUM_THREADS`` or
             ``MKL_NUM_THREADS`` honoured when set) or a number, for intra-op and inter-op threads.
         compile_cache: a folder: inductor's FX graph cache on and kept there, and a Mega-Cache artifact in it
-            (see :func:`save_compile_cache`) loaded when present.
+            (see :func:`save_compile_cache`) loaded when present. **Trust it like code**: the artifact holds
+            pickles that inductor unpickles. A folder or artifact that another user owns or may write, a corrupt
+            artifact, or one with an entry that would be written outside the folder is refused
+            (``Tf32LabError``) before anything changes (``tf32lab.compile_cache``).
         hardware: decide as on this :class:`~tf32lab.hardware.Hardware` (``Hardware.simulated("a100")``); the
             settings are applied here all the same. Default: this machine.
 
@@ -430,7 +386,7 @@ def autoconfig(level: str = "auto", *, workers: int = 1, threads: Union[str, int
         raise Tf32LabError(f"bad workers {workers!r}; accepted: an int >= 1")
     if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise Tf32LabError(f"bad threads {threads!r}; accepted: 'auto' or an int >= 1")
-    folder = None if compile_cache is None else _folder(compile_cache)
+    folder = None if compile_cache is None else _cache_folder(compile_cache)
     if hardware is not None and not isinstance(hardware, Hardware):
         raise Tf32LabError(f"bad hardware {type(hardware).__name__}; accepted: None or a tf32lab.hardware.Hardware")
     hw = hardware or detect()
@@ -439,6 +395,7 @@ def autoconfig(level: str = "auto", *, workers: int = 1, threads: Union[str, int
         return Decisions((), (), hw, None, disabled=True)
     if scope.live_scopes():
         raise Tf32LabError("autoconfig() sets process-wide settings; call it outside precision() scopes")
+    found = None if folder is None else _read_cache(folder)  # every refusal before anything changes
 
     steps: list[tuple[Decision, Optional[_Undo]]] = []
     try:
@@ -446,7 +403,7 @@ def autoconfig(level: str = "auto", *, workers: int = 1, threads: Union[str, int
         steps.append((decision, undo))
         steps += _threads(threads, workers, hw)
         if folder is not None:
-            steps += _compile_cache(folder)
+            steps += _compile_cache(folder, found)
     except BaseException:
         for _, undo in reversed(steps):  # all or nothing
             if undo:

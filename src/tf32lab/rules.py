@@ -13,7 +13,9 @@ kernel that a dispatch mode cannot see into.
 
 from __future__ import annotations
 
+import contextlib
 import math as _pymath
+import threading
 from typing import Any, Callable, Optional
 
 import torch
@@ -21,11 +23,52 @@ import torch.nn.functional as F
 
 from .errors import Tf32LabError
 
-__all__ = ["RNN_FUNCTIONS", "RULES", "rnn_function", "rule"]
+__all__ = ["RNN_FUNCTIONS", "RULES", "as_family", "forced_family", "no_tf32", "rnn_function", "rule",
+           "tf32_is_off"]
 
 aten = torch.ops.aten
 
 RULES: dict[Any, Callable] = {}
+
+
+class _OpContext(threading.local):
+    """What the op running now in this thread is part of (class attributes are the defaults)."""
+
+    family: Optional[str] = None  # a family forced on matmul ops: an RNN's GEMMs are the rnn family's
+    no_tf32 = False  # PyTorch's NoTF32Guard is on: cuBLAS computes IEEE
+
+
+_local = _OpContext()
+
+
+@contextlib.contextmanager
+def _setting(name: str, value: Any):
+    before = getattr(_local, name)
+    setattr(_local, name, value)
+    try:
+        yield
+    finally:
+        setattr(_local, name, before)
+
+
+def as_family(family: str) -> contextlib.AbstractContextManager:
+    """Ops of the matmul family run inside count as ``family`` (an RNN's GEMMs run in cuDNN's RNN kernel)."""
+    return _setting("family", family)
+
+
+def no_tf32() -> contextlib.AbstractContextManager:
+    """GEMMs inside run IEEE on CUDA targets, as PyTorch's ``NoTF32Guard`` makes them (``optable``: ``no_tf32``)."""
+    return _setting("no_tf32", True)
+
+
+def forced_family() -> Optional[str]:
+    """The family :func:`as_family` forces on matmul ops of this thread now, if any."""
+    return _local.family
+
+
+def tf32_is_off() -> bool:
+    """Whether :func:`no_tf32` is in force in this thread."""
+    return _local.no_tf32
 
 
 def rule(*ops: Any) -> Callable[[Callable], Callable]:
@@ -130,6 +173,74 @@ def _cdist_backward(call, func, args, kwargs):
     return func(*args, **kwargs)
 
 
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _keep_dims(x: torch.Tensor, y: torch.Tensor, dims: list[int]) -> torch.Tensor:
+    """Σ over ``dims`` of x·y (broadcast elsewhere), the summed dims kept as size 1: one batched GEMM."""
+    sub = _LETTERS[:x.dim()]
+    out = torch.einsum(f"{sub},{sub}->{''.join(c for d, c in enumerate(sub) if d not in dims)}", x, y)
+    for d in sorted(dims):
+        out = out.unsqueeze(d)
+    return out
+
+
+def _sumproduct(call, left: torch.Tensor, right: torch.Tensor, dims: list[int]) -> torch.Tensor:
+    # PyTorch's sumproduct_pair: no summed dim is a plain product; a dim that only one side has is summed first;
+    # the rest is one bmm (cuBLAS: the matmul math), whatever its length.
+    if not dims:
+        return left * right
+    contracted = []
+    for d in dims:
+        in_left, in_right = left.size(d) != 1, right.size(d) != 1
+        if in_left and in_right:
+            contracted.append(d)
+        elif in_left:
+            left = left.sum(d, keepdim=True)
+        elif in_right:
+            right = right.sum(d, keepdim=True)
+    return call.product("matmul", lambda x, y: _keep_dims(x, y, contracted), left, right)
+
+
+@rule(aten._trilinear)
+def _trilinear(call, func, args, kwargs):
+    """nn.Bilinear's op: two pairwise products (i1·i2, then ·i3), as PyTorch's kernel computes them."""
+    i1, i2, i3, expand1, expand2, expand3, sumdim = args[:7]
+    unroll = _arg(args, kwargs, 7, "unroll_dim", 1)
+    total = i1.dim() + len(expand1)
+
+    def spread(t, dims):
+        for d in sorted(d % total for d in dims):
+            t = t.unsqueeze(d)
+        return t
+
+    sumdim = sorted(d % total for d in sumdim)
+    without3 = {d % total for d in expand3}
+    first = [d for d in sumdim if d in without3 and d != unroll]  # i3 lacks them: summed with i1·i2
+    second = [d for d in sumdim if d not in without3 and d != unroll]
+    out = _sumproduct(call, _sumproduct(call, spread(i1, expand1), spread(i2, expand2), first), spread(i3, expand3),
+                      second)
+    if unroll in sumdim:  # the kernel adds its per-slice results: a plain float32 sum
+        out = out.sum(unroll, keepdim=True)
+    for d in reversed(sumdim):
+        out = out.squeeze(d)
+    return out
+
+
+@rule(aten.conv_tbc)
+def _conv_tbc(call, func, args, kwargs):
+    """(time, batch, channels) convolution: one cuBLAS GEMM per kernel tap on a GPU, so the matmul math (not
+    cuDNN's); computed as one convolution of the rounded operands."""
+    x, w, bias = args[:3]
+    pad = _arg(args, kwargs, 3, "pad", 0)
+    _native_conv_is_ieee(call, x)
+
+    def full(a, b):
+        return F.conv1d(a.permute(1, 2, 0), b.permute(2, 1, 0), None, padding=pad).permute(2, 0, 1)
+
+    return call.product("matmul", full, x, w) + bias
+
+
 # -- convolution ---------------------------------------------------------------------------------------------
 def _native_conv_is_ieee(call, x) -> None:
     # The rounded operands must not be rounded again by cuDNN; scopes only switch the matmul flags.
@@ -152,7 +263,6 @@ def _convolution_backward(call, func, args, kwargs):
     grad, x, w, bias_sizes, *rest, mask = args
     _native_conv_is_ieee(call, x)
     math = call.math("conv")
-    emu = call.emu
 
     def run(g, i, k, want):
         return func(g, i, k, bias_sizes, *rest, want)
@@ -161,10 +271,10 @@ def _convolution_backward(call, func, args, kwargs):
     if math.name == "ieee" or not (mask[0] or mask[1]):
         grad_input, grad_weight, _ = run(grad, x, w, want)
     elif math.name in ("tf32", "bf16"):
-        grad_input, grad_weight, _ = run(emu._round(grad, math), emu._round(x, math), emu._round(w, math), want)
+        grad_input, grad_weight, _ = run(call.round(grad, math), call.round(x, math), call.round(w, math), want)
     else:  # grad_input is bilinear in (grad, w), grad_weight in (grad, x): two calls give both, as in product()
         (g_big, g_small), (x_big, x_sum), (w_big, w_sum) = (
-            emu._split(grad, math), emu._split(x, math, summed=True), emu._split(w, math, summed=True))
+            call.split(grad, math), call.split(x, math, summed=True), call.split(w, math, summed=True))
         full, small = run(g_big, x_sum, w_sum, want), run(g_small, x_big, w_big, want)
         grad_input, grad_weight = (full[i].add_(small[i]) if mask[i] else None for i in (0, 1))
     # The bias gradient is a plain sum of the incoming gradient, in float32 on every device.
@@ -530,8 +640,6 @@ class _RnnLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, b):
-        from .emulator import as_family
-
         ctx.save_for_backward(x, w)
         ctx.has_bias = b is not None
         with as_family("rnn"):
@@ -539,8 +647,6 @@ class _RnnLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from .emulator import as_family
-
         x, w = ctx.saved_tensors
         with as_family("rnn"):
             grad_x = grad @ w

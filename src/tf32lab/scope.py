@@ -1,19 +1,26 @@
-"""Scoped precision: ``precision(level)``, thread- and asyncio-task-local, nestable, exact on exit.
+"""Scoped state of a thread or asyncio task: its ``precision(level)``, and whether ``emulate()`` is active in it.
 
-The level of a scope lives in a contextvar, so each thread and each asyncio task sees its own. PyTorch's flag is
+Both live in contextvars, so each thread and each asyncio task sees its own, and scopes nest. PyTorch's flag is
 process-global, so this module owns it (through ``flags``) and keeps one invariant: **a matmul-family op runs
-under the level of the context that issued it.**
+natively under the level of the context that issued it, or is refused with a clear error.**
 
-- Agreed (the common case: one thread, or every live scope wants the same level): the flag holds that level;
-  ops are not intercepted, so a scope costs a few µs at entry and exit and nothing per op.
-- Contended (live scopes disagree): every thread holding a scope runs a *guard*, a thread-local
-  ``TorchDispatchMode`` that, for ops of the flag-sensitive families, takes a process lock, writes its context's
-  level, runs the op and writes the process level back. Ops of those families serialise across threads then.
+- Every context that holds scopes is a *holder*; its innermost scope *votes* for the flag. A context inside
+  ``emulate()`` does not vote: the emulator computes its family ops from the scope's level, not from the flag.
+- Agreed (the common case: one thread, or every vote the same): the flag holds that level; ops are not
+  intercepted, so a scope costs a few µs at entry and exit and nothing per op.
+- Contended (votes differ): every thread holding a scope runs a *guard*, a thread-local ``TorchDispatchMode``.
+  For ops of the flag-sensitive families it runs the op as a *reader* of the flag in force when that is its
+  context's level, else as the one *writer*: it waits until no other guarded op runs, writes its level, runs the
+  op and writes the flag back. The process lock is never held while an op runs.
+- A thread gets its guard when it enters a scope off the main thread, or beside other holders, or while another
+  non-daemon thread runs (``TF32LAB_SCOPE_GUARD=always``: every time). So the only unguarded scope is a main-thread
+  scope entered while no other non-daemon thread ran and no other context held a scope. A thread started inside
+  it (or a daemon thread) that runs a native matmul at another level cannot be served (the main thread's ops would
+  run under the wrong level): that matmul raises ``Tf32LabError``, which names both remedies.
 
-A thread gets its guard when it enters a scope that may need one: off the main thread, or while any other thread
-or task holds a scope (``TF32LAB_SCOPE_GUARD=always``: every time). A scope that would disagree with a scope held,
-unguarded, by another thread raises ``Tf32LabError`` at entry instead of letting that thread's ops run under the
-wrong level. docs/design.md explains the choice and its costs.
+A scope closes for every context that inherited it when it exits; closing out of order (generators) works, and a
+scope left open by a task that ended, or a thread that died, is closed for it. docs/design.md explains the
+choices and their costs.
 """
 
 from __future__ import annotations
@@ -26,120 +33,254 @@ import threading
 import weakref
 from asyncio import current_task as _current_task
 from asyncio.events import _get_running_loop
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, NamedTuple, Optional, TypeVar
 
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import flags
+from . import flags, modestack, optable
 from .errors import Tf32LabError
-from .families import family_of
-from .levels import LEVELS, check_level
+from .levels import BACKEND_VALUES, LEVELS, check_level
 
 __all__ = ["get_float32_matmul_precision", "precision", "set_float32_matmul_precision"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_GUARD_POLICIES = ("auto", "always")
+GUARD_POLICIES = ("auto", "always")
+_policy: Optional[str] = None
 
 
-def _guard_policy() -> str:
-    value = os.environ.get("TF32LAB_SCOPE_GUARD", "auto")
-    if value not in _GUARD_POLICIES:
-        raise Tf32LabError(
-            f"TF32LAB_SCOPE_GUARD={value!r} is not understood; accepted: {', '.join(map(repr, _GUARD_POLICIES))}"
-        )
-    return value
+def guard_policy() -> str:
+    """``TF32LAB_SCOPE_GUARD`` (``auto`` or ``always``), read once; a bad value is a one-line ``Tf32LabError``."""
+    global _policy
+    if _policy is None:
+        value = os.environ.get("TF32LAB_SCOPE_GUARD", "auto")
+        if value not in GUARD_POLICIES:
+            raise Tf32LabError(f"TF32LAB_SCOPE_GUARD={value!r} is not understood; accepted: "
+                               f"{', '.join(map(repr, GUARD_POLICIES))}")
+        _policy = value
+    return _policy
 
 
-GUARD_POLICY = _guard_policy()
-
-
-# One entered scope is a tuple (level, holder key, owner, parent node); the contextvar holds the innermost.
-_LEVEL, _HOLDER, _OWNER, _PARENT = range(4)
-
-_SCOPE: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("tf32lab_scope", default=None)
 _MAIN = threading.main_thread().ident
 _VALUES = {level: flags.level_values(level) for level in LEVELS}
 _RAW = {level: flags.level_raw(level) for level in LEVELS}
 _LEVEL_OF_RAW = {raw: level for level, raw in _RAW.items()}
+_CELL_INDEX = {f"{b}.{o}": i for i, (b, o) in enumerate(flags.LEVEL_CELLS)}  # cells of a level
 _read_effective = flags.read_level_effective
+_TWO_CELLS = len(flags.LEVEL_GETTERS) == 2  # the per-backend API: read the two cells without a Python frame
+_get_first, _get_second = flags.LEVEL_GETTERS if _TWO_CELLS else (None, None)
 _write_raw = flags.write_level_raw
 _write_level = flags.write_level
 _get_ident = threading.get_ident
+# Non-daemon threads are the ones that may hold scopes of their own (pools, plain Thread()); daemon threads are
+# taken as helpers that do not (tqdm's monitor, IPython's kernel threads), so they do not make the main thread's
+# scopes pay a guard on every op. CPython 3.9-3.12 keep a set with one held lock per running non-daemon thread
+# (the main thread's included); elsewhere the threads are looked at one by one.
+_SHUTDOWN_LOCKS: Optional[set] = getattr(threading, "_shutdown_locks", None)
+_MAIN_LOCK = getattr(threading.main_thread(), "_tstate_lock", None)
+
+
+def _other_threads() -> bool:
+    """Whether a non-daemon thread other than the main thread is running (or starting)."""
+    if _SHUTDOWN_LOCKS is not None and _MAIN_LOCK is not None:
+        if len(_SHUTDOWN_LOCKS) > 1 and any(lock is not _MAIN_LOCK and lock.locked() for lock in list(_SHUTDOWN_LOCKS)):
+            return True
+        limbo = getattr(threading, "_limbo", None)
+        return bool(limbo) and any(not t.daemon for t in list(limbo.values()))
+    return any(not t.daemon and t.ident != _MAIN for t in threading.enumerate())
+
+
+class _Holder:
+    """A context (a thread, or an asyncio task) with open scopes or emulation; its innermost scope votes."""
+
+    __slots__ = ("emulations", "key", "nodes", "thread")
+
+    def __init__(self, key: tuple[int, int]) -> None:
+        self.key, self.thread = key, key[0]
+        self.nodes: list[_Node] = []  # open scopes, innermost last
+        self.emulations: list[Emulation] = []  # open emulate() blocks entered in this context
+
+    def vote(self) -> Optional[str]:
+        if self.emulations or not self.nodes:
+            return None
+        node = self.nodes[-1]
+        return None if node.emulated() else node.level
+
+
+class _Node:
+    """One entered scope."""
+
+    __slots__ = ("alive", "emulation", "holder", "level", "owner", "parent")
+
+    def __init__(self, level: str, owner: precision, parent: Optional[_Node], holder: _Holder,
+                 emulation: Optional[Emulation]) -> None:
+        self.level, self.owner, self.parent, self.holder, self.emulation = level, owner, parent, holder, emulation
+        self.alive = True
+
+    def emulated(self) -> bool:
+        return self.emulation is not None and self.emulation.alive
+
+
+class Emulation:
+    """One entered ``emulate()`` block: its ``emulate`` object (``owner``) and what the emulator keeps (``entry``)."""
+
+    __slots__ = ("alive", "entry", "holder", "on_close", "owner", "parent")
+
+    def __init__(self, owner: Any, entry: Any, parent: Optional[Emulation], holder: _Holder,
+                 on_close: Callable) -> None:
+        self.owner, self.entry, self.parent, self.holder, self.on_close = owner, entry, parent, holder, on_close
+        self.alive = True
+
+
+_SCOPE: contextvars.ContextVar[Optional[_Node]] = contextvars.ContextVar("tf32lab_scope", default=None)
+_EMULATION: contextvars.ContextVar[Optional[Emulation]] = contextvars.ContextVar("tf32lab_emulation",
+                                                                                 default=None)
+
+
+_LEVEL_OF_EFFECTIVE: dict[tuple[str, ...], str] = {}
+
+
+def _level_of_effective(effective: tuple[str, ...]) -> str:
+    level = _LEVEL_OF_EFFECTIVE.get(effective)
+    if level is None:
+        level = _LEVEL_OF_EFFECTIVE[effective] = flags.level_from_effective(effective)
+    return level
+
+
+def _live(node: Any) -> Any:
+    while node is not None and not node.alive:
+        node = node.parent
+    return node
+
+
+class _Base(NamedTuple):
+    """The user's level-cell values: effective, raw (to give back), the level they are the explicit values of
+    (one setter call gives them back), and the level they amount to."""
+
+    effective: tuple[str, ...]
+    raw: tuple[str, ...]
+    as_level: Optional[str]
+    level: str
+
+    @classmethod
+    def of(cls, effective: tuple[str, ...], raw: tuple[str, ...]) -> _Base:
+        return cls(effective, raw, _LEVEL_OF_RAW.get(raw), _level_of_effective(effective) if effective else "highest")
+
+
+class _ThreadState(threading.local):
+    """Per thread (class attributes are the defaults: a missing attribute would cost an exception each time)."""
+
+    guard: Optional[_Guard] = None  # this thread's guard, when pushed
+    holder: Optional[_Holder] = None  # this thread's own holder (outside tasks), made once
+    reads = 0  # this thread's share of the readers (its own writes skip them)
 
 
 class _State:
-    """Process-wide bookkeeping of live scopes; every field is guarded by ``lock``.
+    """Process-wide bookkeeping of holders and of the flag; every field is guarded by ``lock``.
 
-    Flag writes are exclusive: a writer waits until no guarded op is running on the level in force
-    (``readers``), so a change never lands under an op that already started.
+    ``public`` is the level unscoped code reads while tf32lab has the flag written (None: the flag is the user's);
+    ``public`` is set before tf32lab first writes the flag and cleared after it gave the user's values back, and
+    ``epoch`` counts the times it was set, so readers need no lock (see :func:`get_float32_matmul_precision`).
     """
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.idle = threading.Condition(self.lock)
-        self.readers = 0  # guarded ops running now on the level in force
-        self.tls = threading.local()  # .reads: this thread's share of readers (a reentrant writer skips them)
-        self.holders: dict[tuple[int, int], list[str]] = {}  # (thread, task) -> levels, innermost last
-        # thread -> its guard, for other threads to see; weak, so a dead thread's entry cannot outlive its mode
-        # stack and mislead a new thread that reuses its ident. A thread asks its own ``tls.guard``.
+        self.readers = 0  # guarded ops running now on the flag in force
+        self.writer: Optional[int] = None  # the thread whose guarded op runs at a level of its own now
+        self.written: Optional[str] = None  # the level that op wrote
+        self.tls = _ThreadState()
+        self.holders: dict[tuple[int, int], _Holder] = {}
+        # thread -> its guard, for other threads to see; weak, so a dead thread's entry cannot outlive its mode stack
         self.guards: weakref.WeakValueDictionary[int, _Guard] = weakref.WeakValueDictionary()
-        self.pushed = 0  # guards pushed and not yet popped, in any thread: 0 lets exits skip the lookup
+        self.live = 0  # open scopes and emulate() blocks, in every context
+        self.pushed = 0  # guards pushed and not yet dropped (a dead thread's stays counted: only a fast check)
+        self.in_force: Optional[str] = None  # level the flag holds; None: the user's values
+        self.unguarded: Optional[str] = None  # the vote of the one holder whose thread has no guard
         self.contended = False
-        self.in_force: Optional[str] = None  # level the flags hold; None: no scope live, flags are the user's
-        self.base_effective: tuple[str, ...] = ()  # effective values outside scopes
-        self.base_raw: tuple[str, ...] = ()  # raw values to give back when the last scope ends
-        self.base_as_level: Optional[str] = None  # the level whose explicit values base_raw is, if any
-        self.cache: Optional[tuple[tuple[str, ...], tuple[str, ...]]] = None  # (effective, raw) last seen
+        # The user's values outside scopes, as a _Base; cache: the last one read, checked against effective values
+        self.base: _Base = _Base.of((), ())
+        self.cache: Optional[_Base] = None
+        self.public: Optional[str] = None
+        self.epoch = 0
 
     @property
     def base_level(self) -> str:
-        return flags.level_from_effective(self.base_effective)
+        return self.base.level
 
     def wait_writable(self) -> None:
-        own = getattr(self.tls, "reads", 0)
-        while self.readers > own:
+        own, me = self.tls.reads, _get_ident()
+        while self.readers > own or (self.writer is not None and self.writer != me):
             self.idle.wait()
 
-    def write(self, level: str) -> None:
-        if self.in_force != level:
-            if self.readers:
-                self.wait_writable()
-            _write_level(level)
-            self.in_force = level
-
-    def capture_base(self) -> None:
-        effective = _read_effective()
-        cache = self.cache
-        if cache is None or cache[0] != effective:
+    def begin(self) -> None:
+        """tf32lab takes the flag: remember the user's values (the caller writes next)."""
+        effective = (_get_first(), _get_second()) if _TWO_CELLS else _read_effective()
+        base = self.cache
+        if base is None or base.effective != effective:
             # Raw values take a probe of parent cells; a cache checked against effective values skips it.
-            cache = self.cache = flags.read_level_state()
-        self.base_raw, self.base_effective = cache[1], effective
-        self.base_as_level = _LEVEL_OF_RAW.get(cache[1])
+            base = self.cache = _Base.of(*flags.read_level_state())
+        self.epoch += 1
+        self.base = base
+        self.public = base.level
 
-    def release_base(self) -> None:
-        # Exactly as before the first scope, as any scoped setting does; a direct write made meanwhile is undone.
-        if self.in_force is None:
-            return
-        if self.readers:
-            self.wait_writable()
-        level = self.base_as_level
-        if level is not None:  # explicit values of a level: one call
-            _write_level(level)
+    def give_back(self) -> None:
+        """The user's values, exactly as before (a direct write made meanwhile is undone, as any scoped setting)."""
+        base = self.base
+        if base.as_level is not None:  # explicit values of a level: one call
+            _write_level(base.as_level)
         else:
-            _write_raw(self.base_raw)
+            _write_raw(base.raw)
         self.in_force = None
-        self.contended = False
+        self.public = None
+
+    def busy(self) -> bool:
+        """A guarded op of another thread runs (or one of this thread's, beyond its own reads)."""
+        return self.readers > self.tls.reads or (self.writer is not None and
+                                                                self.writer != _get_ident())
 
     def rebalance(self) -> None:
-        """Make the flags match the live scopes (see the module docstring)."""
-        if not self.holders:
-            self.contended = False
-            self.release_base()
+        """Make the flag match the votes (see the module docstring).
+
+        Waiting for guarded ops releases the lock, so the decision is taken again after every wait.
+        """
+        while True:
+            votes = []
+            unguarded = None
+            for holder in self.holders.values():
+                vote = holder.vote()
+                if vote is not None:
+                    votes.append(vote)
+                    if holder.thread not in self.guards:
+                        unguarded = vote
+            self.contended = len(set(votes)) > 1
+            self.unguarded = unguarded
+            if not votes:
+                if self.in_force is None:
+                    return
+                if self.busy():
+                    self.idle.wait()
+                    continue
+                self.give_back()
+                return
+            if unguarded is not None:
+                target = unguarded
+            elif not self.contended:
+                target = votes[0]
+            elif self.in_force is not None:
+                target = self.base_level
+            else:
+                target = flags.level_from_effective(_read_effective())
+            if target == self.in_force:
+                return
+            if self.busy():
+                self.idle.wait()
+                continue
+            if self.in_force is None:
+                self.begin()
+            _write_level(target)
+            self.in_force = target
             return
-        wanted = {stack[-1] for stack in self.holders.values()}
-        self.contended = len(wanted) > 1
-        self.write(self.base_level if self.contended else next(iter(wanted)))
 
 
 _STATE = _State()
@@ -152,8 +293,101 @@ def _sensitive(func: Any) -> bool:
     if known is None:
         name = func.name()
         # An op from outside aten may run matmuls inside its own kernel: guard it too.
-        known = _SENSITIVE[func] = family_of(name) is not None or not name.startswith("aten::")
+        known = _SENSITIVE[func] = optable.family(name) is not None or not name.startswith("aten::")
     return known
+
+
+def thread_name(ident: int) -> str:
+    """The name of the live thread ``ident`` (its number if it has ended)."""
+    return next((t.name for t in threading.enumerate() if t.ident == ident), str(ident))
+
+
+def _effective_now() -> tuple[str, ...]:
+    # a cell whose whole chain inherits reads "none": IEEE
+    return tuple("ieee" if value == "none" else value for value in _read_effective())
+
+
+def run_at(level: str, fn: Callable[[], Any], *, cell: Optional[str] = None,
+           refused: Optional[Callable[[], Any]] = None) -> Any:
+    """``fn()`` with PyTorch's level cells at ``level`` for this thread (only ``cell`` compared, when given).
+
+    As a reader when the flag in force already is that, else as the writer, exclusive with every other guarded
+    op. When a thread runs unguarded under another level, writing would change its ops: ``refused()`` is called
+    instead, or, without it, ``Tf32LabError`` says why and what to do.
+    """
+    state = _STATE
+    me = _get_ident()
+    tls = state.tls
+    wanted = _VALUES[level]
+    index = _CELL_INDEX.get(cell) if cell is not None else None
+    with state.lock:
+        while True:
+            if state.writer is not None and state.writer != me:
+                state.idle.wait()
+                continue
+            if state.writer is not None:  # this thread's own op, running as the writer, runs another op
+                current = _VALUES[state.written]
+            elif state.in_force is not None:
+                current = _VALUES[state.in_force]
+            else:
+                current = _effective_now()
+            if (current == wanted) if index is None else (current[index] == wanted[index]):
+                state.readers += 1
+                tls.reads = tls.reads + 1
+                mode, before = "read", None
+                break
+            if state.unguarded is not None and state.unguarded != level:
+                if refused is not None:
+                    mode, before = "refused", None
+                    break
+                raise _refusal(level)
+            if state.readers > tls.reads:
+                state.idle.wait()
+                continue
+            before = state.written
+            if before is None:
+                state.writer = me
+                if state.in_force is None:
+                    state.begin()
+            _write_level(level)
+            state.written = level
+            mode = "write"
+            break
+    if mode == "refused":
+        return refused()  # type: ignore[misc]
+    try:
+        return fn()
+    finally:
+        with state.lock:
+            if mode == "read":
+                state.readers -= 1
+                tls.reads -= 1
+            elif before is not None:  # nested: the outer op's level again
+                _write_level(before)
+                state.written = before
+            else:
+                if state.in_force is not None:
+                    _write_level(state.in_force)
+                else:
+                    state.give_back()
+                state.writer = state.written = None
+            state.idle.notify_all()
+
+
+def _refusal(level: str) -> Tf32LabError:
+    state = _STATE
+    holder = next((h for h in state.holders.values() if h.thread not in state.guards and h.vote()), None)
+    who = thread_name(holder.thread) if holder is not None else "another"
+    me = threading.current_thread()
+    if me.daemon:
+        remedy = (f"Thread {me.name!r} is a daemon thread, which tf32lab takes for a helper that holds no scope: "
+                  "make it a non-daemon thread (started before that scope), or set TF32LAB_SCOPE_GUARD=always.")
+    else:
+        remedy = "In that thread, enter that scope after starting the threads, or set TF32LAB_SCOPE_GUARD=always."
+    return Tf32LabError(
+        f"precision({level!r}) in thread {me.name!r} cannot run a matmul now: thread {who!r} holds "
+        f"precision({state.unguarded!r}), entered while no other thread was running, so its ops are not guarded "
+        f"and the flag must stay at its level. {remedy}")
 
 
 class _Guard(TorchDispatchMode):
@@ -163,55 +397,129 @@ class _Guard(TorchDispatchMode):
         kwargs = kwargs or {}
         if not _sensitive(func):
             return func(*args, **kwargs)
-        state = _STATE
         node = _SCOPE.get()
-        with state.lock:
-            shared = (
-                node is None  # unscoped code claims no level: it runs under the one in force
-                or state.in_force is None
-                or (not state.contended and state.in_force == node[_LEVEL])
-            )
-            if not shared:
-                outside = state.in_force
-                state.write(node[_LEVEL])
-                try:
-                    return func(*args, **kwargs)
-                finally:
-                    state.write(outside)
-            state.readers += 1
-            state.tls.reads = getattr(state.tls, "reads", 0) + 1
-        try:
+        if node is not None and not node.alive:
+            node = _live(node)
+        emulation = _EMULATION.get()
+        # unscoped code claims no level; an emulated context's family ops are computed by the emulator
+        if node is None or (emulation is not None and _live(emulation) is not None):
             return func(*args, **kwargs)
-        finally:
-            with state.lock:
-                state.readers -= 1
-                state.tls.reads -= 1
-                state.idle.notify_all()
+        return run_at(node.level, lambda: func(*args, **kwargs))
 
 
 def _has_guard() -> bool:
-    return getattr(_STATE.tls, "guard", None) is not None
+    return _STATE.tls.guard is not None
 
 
 def _push_guard(thread: int) -> None:
     guard = _Guard()
-    guard.__enter__()
+    modestack.push(guard)
     _STATE.tls.guard = _STATE.guards[thread] = guard
     _STATE.pushed += 1
 
 
-def _pop_guard(thread: int) -> None:
-    guard = getattr(_STATE.tls, "guard", None)
-    # Only ours on top can go; under someone else's mode it stays (harmless) and is reused next time.
-    if guard is not None and _get_current_dispatch_mode() is guard:
-        guard.__exit__(None, None, None)
+def _drop_guard(thread: int) -> None:
+    """This thread's guard off its stack, wherever it sits, once none of its contexts holds a scope."""
+    guard = _STATE.tls.guard
+    if guard is None or any(h.thread == thread and h.nodes for h in _STATE.holders.values()):
+        return
+    if modestack.remove(guard):  # else lifted off by its own handler, which runs now: found next time
         _STATE.tls.guard = None
         _STATE.guards.pop(thread, None)
         _STATE.pushed -= 1
 
 
-def _needs_guard(thread: int) -> bool:
-    return thread != _MAIN or GUARD_POLICY == "always"
+def _guard_wanted(thread: int, key: tuple[int, int]) -> bool:
+    """Whether a thread without a guard needs one to enter a scope beside other holders (module docstring)."""
+    if thread != _MAIN or guard_policy() == "always" or _other_threads():
+        return True
+    return any(k != key and h.nodes for k, h in _STATE.holders.items())
+
+
+def _context_key() -> tuple[tuple[int, int], Any]:
+    thread = _get_ident()
+    task = _current_task() if _get_running_loop() is not None else None
+    return (thread, 0 if task is None else id(task)), task
+
+
+def _holder(key: tuple[int, int], task: Any) -> _Holder:
+    """The holder of ``key``, made (with its clean-up when its task ends or its thread dies) if new.
+
+    A thread's own holder (outside tasks) is made once and kept in its locals.
+    """
+    holder = _STATE.holders.get(key)
+    if holder is None:
+        if task is None and _STATE.tls.holder is not None:
+            holder = _STATE.tls.holder
+        else:
+            holder = _Holder(key)
+            if task is not None:
+                task.add_done_callback(functools.partial(_context_ended, key, holder))
+            else:
+                _STATE.tls.holder = holder
+                if key[0] != _MAIN:  # the main thread outlives everything
+                    _watch_thread(key)
+        _STATE.holders[key] = holder
+    return holder
+
+
+class _ThreadWatch:
+    """Lives in a thread's locals: when the thread dies, what it left open is closed for it."""
+
+    def __init__(self, key: tuple[int, int]) -> None:
+        weakref.finalize(self, _context_ended, key, None)
+
+
+_WATCH = threading.local()
+
+
+def _watch_thread(key: tuple[int, int]) -> None:
+    if getattr(_WATCH, "key", None) != key:
+        _WATCH.key, _WATCH.watch = key, _ThreadWatch(key)
+
+
+# What a context left open when it ended, closed for it: owner -> where it was entered (for a later exit's error).
+_ENDED: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def _context_ended(key: tuple[int, int], holder: Optional[_Holder], *_: Any) -> None:
+    with _STATE.lock:
+        current = _STATE.holders.get(key)
+        if current is None or (holder is not None and current is not holder):
+            return
+        where = f"a task of thread {thread_name(key[0])!r}" if key[1] else f"thread {thread_name(key[0])!r}"
+        for node in list(current.nodes):
+            _ENDED[node.owner] = where
+            _close(node, rebalance=False)
+        for emulation in list(current.emulations):
+            _ENDED[emulation.owner] = where
+            _close_emulation(emulation, rebalance=False)
+        _STATE.holders.pop(key, None)
+        _STATE.rebalance()
+
+
+def _not_open(owner: Any) -> Tf32LabError:
+    where = _ENDED.get(owner)
+    if where is not None:
+        return Tf32LabError(f"{owner!r} was entered in {where}, which ended while it was open (that closed it), "
+                            f"and exited in thread {threading.current_thread().name!r}; enter and exit it in the "
+                            "same thread and task")
+    return Tf32LabError(f"{owner!r} exited without being entered (or it was closed already)")
+
+
+def _close(node: _Node, rebalance: bool = True) -> None:
+    """Under the lock: ``node`` ends for every context that sees it."""
+    node.alive = False
+    holder = node.holder
+    holder.nodes.remove(node)
+    state = _STATE
+    state.live -= 1
+    if not holder.nodes and not holder.emulations:
+        state.holders.pop(holder.key, None)
+        if holder.thread == _get_ident():
+            _drop_guard(holder.thread)
+    if rebalance:
+        state.rebalance()
 
 
 class precision:
@@ -219,7 +527,9 @@ class precision:
 
     A context manager and a decorator (plain and ``async def`` functions). Scopes nest; the level is local to
     the thread and the asyncio task; on exit, by exception too, every PyTorch flag is as it was. Real matmuls
-    obey the scope: PyTorch's flags follow it, also when threads hold different levels at once.
+    obey the scope: PyTorch's flags follow it, also when threads hold different levels at once. Exiting out of
+    order (generators) works; exiting in another task or thread than the one that entered closes the scope and
+    raises ``Tf32LabError``.
 
     Example:
 
@@ -234,7 +544,7 @@ class precision:
         ('medium', 'highest')
     """
 
-    __slots__ = ("level",)
+    __slots__ = ("__weakref__", "level")
 
     def __init__(self, level: str) -> None:
         self.level = check_level(level)
@@ -246,45 +556,60 @@ class precision:
         level = self.level
         parent = _SCOPE.get()
         thread = _get_ident()
-        key = (thread, id(_current_task()) if _get_running_loop() is not None else 0)
+        task = _current_task() if _get_running_loop() is not None else None
+        key = (thread, 0 if task is None else id(task))
         state = _STATE
+        tls = state.tls
         with state.lock:
-            if state.holders or state.readers:
-                _enter_beside_others(level, key)
-            else:  # the first scope in the process: the common case, kept short
-                if _needs_guard(thread) and not _has_guard():
+            if state.live == 0 and state.in_force is None and state.writer is None and not state.readers:
+                # the only scope in the process (so no emulation either): the common case, kept short
+                guarded = tls.guard is not None
+                if not guarded and (thread != _MAIN or (_policy or guard_policy()) == "always"
+                                    or _other_threads()):
                     _push_guard(thread)
-                state.capture_base()
-                state.holders[key] = [level]
+                    guarded = True
+                holder = tls.holder if task is None and tls.holder is not None else _holder(key, task)
+                state.holders[key] = holder
+                node = _Node(level, self, parent, holder, None)
+                holder.nodes.append(node)
+                state.live = 1
+                state.begin()
                 _write_level(level)
                 state.in_force = level
-        _SCOPE.set((level, key, self, parent))
+                state.contended = False
+                state.unguarded = None if guarded else level
+            else:
+                emulation = _live(_EMULATION.get())
+                if tls.guard is None and _guard_wanted(thread, key):
+                    _push_guard(thread)
+                node = _Node(level, self, parent, _holder(key, task), emulation)
+                _opened(node.holder.nodes, node)
+        _SCOPE.set(node)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        node = _SCOPE.get()
-        if node is None or node[_OWNER] is not self:
-            raise Tf32LabError(
-                f"{self!r} exited without being the innermost scope of this context "
-                "(a scope left open across a yield or an await into another task?)"
-            )
-        _SCOPE.set(node[_PARENT])
-        key = node[_HOLDER]
+        top = _SCOPE.get()
         state = _STATE
-        with state.lock:
-            holders = state.holders
-            stack = holders[key]
-            stack.pop()
-            if stack:
-                state.rebalance()
-                return
-            del holders[key]
-            if state.pushed and _has_guard() and not any(k[0] == key[0] for k in holders):
-                _pop_guard(key[0])
-            if holders or state.readers or state.in_force is None:
-                state.rebalance()
-            else:  # the last scope: give the user's values back
-                state.release_base()
+        if top is not None and top.owner is self and top.alive:
+            with state.lock:
+                if state.live == 1 and state.writer is None and not state.readers and state.in_force is not None:
+                    # the last scope of the process: the common case, kept short
+                    top.alive = False
+                    holder = top.holder
+                    holder.nodes.pop()
+                    del state.holders[holder.key]
+                    state.live = 0
+                    if state.pushed:
+                        _drop_guard(holder.thread)
+                    state.give_back()
+                    state.contended = False
+                    state.unguarded = None
+                else:
+                    _close(top)
+            parent = top.parent
+            _SCOPE.set(parent if parent is None or parent.alive else _live(parent))
+            return
+        _exit(self, top, _SCOPE, "nodes", _close, "a scope applies only to the {where} that entered it")
 
     def __call__(self, fn: F) -> F:
         if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
@@ -309,35 +634,88 @@ class precision:
         return wrapper  # type: ignore[return-value]
 
 
-def _enter_beside_others(level: str, key: tuple[int, int]) -> None:
-    """Enter a scope while others are live (called under the lock); nothing changes if it raises."""
+# -- emulation: contexts that compute family ops themselves ----------------------------------------------------
+def enter_emulation(owner: Any, entry: Any, on_close: Callable[[Emulation], None]) -> Emulation:
+    """This context emulates from now on (its scopes stop voting); ``on_close(node)`` runs when it ends."""
+    key, task = _context_key()
+    parent = _EMULATION.get()
+    with _STATE.lock:
+        node = Emulation(owner, entry, parent, _holder(key, task), on_close)
+        _opened(node.holder.emulations, node)
+    _EMULATION.set(node)
+    return node
+
+
+def _opened(into: list, node: Any) -> None:
+    """Under the lock: a node of a holder (a scope, or an emulate() block) is open; the flag follows the votes."""
+    into.append(node)
+    _STATE.live += 1
+    _STATE.rebalance()
+
+
+def _close_emulation(node: Emulation, rebalance: bool = True) -> None:
+    node.alive = False
+    holder = node.holder
+    holder.emulations.remove(node)
+    _STATE.live -= 1
+    if not holder.nodes and not holder.emulations:
+        _STATE.holders.pop(holder.key, None)
+    try:
+        node.on_close(node)
+    finally:
+        if rebalance:
+            _STATE.rebalance()
+
+
+def exit_emulation(owner: Any) -> None:
+    """End ``owner``'s innermost block in this context (see :func:`_exit` for out of order and elsewhere)."""
+    _exit(owner, _EMULATION.get(), _EMULATION, "emulations", _close_emulation,
+          "emulation applies only to the {where} that entered it")
+
+
+def _exit(owner: Any, top: Any, var: contextvars.ContextVar, kind: str, close: Callable, why: str) -> None:
+    """Close ``owner``'s innermost open node: in this context's chain (out of order too: generators), else where it
+    lives, in another task or thread, and then raise ``Tf32LabError`` (the node is closed all the same)."""
+    node = top
+    while node is not None and not (node.owner is owner and node.alive):
+        node = node.parent
     state = _STATE
-    holders = state.holders
-    thread = key[0]
-    others = [(k, stack[-1]) for k, stack in holders.items() if k != key]
-    contended = any(other != level for _, other in others)
-    if contended:
-        for k, other in others:
-            if k[0] != thread and k[0] not in state.guards and other != level:
-                name = next((t.name for t in threading.enumerate() if t.ident == k[0]), str(k[0]))
-                raise Tf32LabError(
-                    f"precision({level!r}) cannot start in thread {threading.current_thread().name!r}: thread "
-                    f"{name!r} holds precision({other!r}), entered while it was the only scope, so its matmuls "
-                    "are not guarded. Enter that scope after the threads start, or set TF32LAB_SCOPE_GUARD=always."
-                )
-    if not _has_guard() and (others or _needs_guard(thread)):
-        _push_guard(thread)
-    if not holders:  # only guarded ops of unscoped code were running
-        state.capture_base()
-    holders.setdefault(key, []).append(level)
-    state.rebalance()
+    if node is not None:
+        innermost = node is _live(top)
+        with state.lock:
+            close(node)
+        if innermost:
+            var.set(_live(node.parent))
+        return
+    with state.lock:
+        found = [n for h in state.holders.values() for n in getattr(h, kind) if n.owner is owner]
+        if not found:
+            raise _not_open(owner)
+        node = found[-1]
+        close(node)
+    here = node.holder.thread == _get_ident()
+    where = "task" if here else "thread"
+    entered = "another task" if here else f"thread {thread_name(node.holder.thread)!r}"
+    raise Tf32LabError(f"{owner!r} was entered in {entered} and exited in thread "
+                       f"{threading.current_thread().name!r}; it is closed now, but {why.format(where=where)}: enter "
+                       "and exit it there")
 
 
+def current_emulation() -> Any:
+    """What the emulator keeps for the ``emulate`` block active in this context, or None."""
+    node = _EMULATION.get()
+    if node is not None and not node.alive:
+        node = _live(node)
+    return None if node is None else node.entry
+
+
+# -- reading and setting the level --------------------------------------------------------------------------------
 def get_float32_matmul_precision() -> str:
     """The level in force for this thread/task: the innermost scope's, else the process level.
 
     Like ``torch.get_float32_matmul_precision`` but scope-aware, and it never raises for a mix of PyTorch's
-    legacy and per-backend APIs (it reads the per-backend values where they exist).
+    legacy and per-backend APIs (it reads the per-backend values where they exist). It takes no lock, so a
+    helper thread may call it while any op runs.
 
     Example:
 
@@ -347,10 +725,22 @@ def get_float32_matmul_precision() -> str:
     """
     node = _SCOPE.get()
     if node is not None:
-        return node[_LEVEL]
+        if node.alive:
+            return node.level
+        node = _live(node)
+        if node is not None:
+            return node.level
     state = _STATE
-    with state.lock:
-        return state.base_level if state.holders else flags.read_level()
+    for _ in range(64):
+        epoch = state.epoch
+        public = state.public
+        if public is not None:
+            return public
+        level = flags.read_level()
+        if state.epoch == epoch:  # no write of tf32lab's began meanwhile: the user's level
+            return level
+    with state.lock:  # a writer kept changing it: wait for a quiet moment (never held while an op runs)
+        return state.public if state.public is not None else flags.read_level()
 
 
 def set_float32_matmul_precision(level: str) -> None:
@@ -374,45 +764,69 @@ def set_float32_matmul_precision(level: str) -> None:
         ValueError: unknown precision level 'fastest'; accepted: 'highest', 'high', 'medium'
     """
     check_level(level)
+    _set_process(_VALUES[level], _RAW[level], level)
+
+
+def _set_process(effective: tuple[str, ...], raw: tuple[str, ...], as_level: Optional[str]) -> None:
     state = _STATE
-    values, raw = _VALUES[level], _RAW[level]
     with state.lock:
         state.wait_writable()
-        if not state.holders:
-            _write_level(level)  # PyTorch's own setter: its legacy getter stays consistent
-        else:  # applies once the scopes end; meanwhile to unscoped code when the scopes disagree
-            state.base_effective, state.base_raw = values, raw
-            state.base_as_level = level
-            if state.contended:
-                state.write(level)
-        state.cache = (values, raw)
+        if state.in_force is None:
+            if as_level is not None:
+                _write_level(as_level)  # PyTorch's own setter: its legacy getter stays consistent
+            else:
+                _write_raw(raw)
+                state.cache = None
+                return
+        else:  # applies once the scopes end; meanwhile to unscoped code when the votes disagree
+            state.epoch += 1
+            state.base = _Base(effective, raw, as_level, _level_of_effective(effective))
+            state.public = state.base.level
+            state.rebalance()
+        state.cache = _Base(effective, raw, as_level, _level_of_effective(effective))
 
 
 def live_scopes() -> int:
     """How many ``precision()`` scopes are open now, in every thread and task."""
     with _STATE.lock:
-        return sum(len(stack) for stack in _STATE.holders.values())
+        return sum(len(holder.nodes) for holder in _STATE.holders.values())
 
 
 def write_process_state(raw: tuple[str, ...]) -> None:
     """Write raw level-cell values (from ``flags.read_level_state()``) as the process-wide setting.
 
-    For putting back exactly what an earlier setter replaced, inheritance (``"none"``) included. Refused while
-    scopes are open: their exit would give back the values they captured on entry, not these.
+    For putting back exactly what an earlier setter replaced, inheritance (``"none"``) included. Inside scopes it
+    sets what applies once they end, as :func:`set_float32_matmul_precision` does.
     """
-    with _STATE.lock:
-        if _STATE.holders:
-            raise Tf32LabError(f"cannot restore the process-wide level while {live_scopes()} precision() "
-                               "scope(s) are open; close them first")
-        _STATE.wait_writable()
-        _write_raw(tuple(raw))
-        _STATE.cache = None
+    raw = tuple(raw)
+    _set_process(flags.effective_from_raw(raw), raw, _LEVEL_OF_RAW.get(raw))
+
+
+def process_cells() -> dict[str, str]:
+    """Effective values of the level cells as the user set them for code outside scopes (``"cuda.matmul"`` and
+    ``"mkldnn.matmul"``), whatever another thread's scope has written to the flag meanwhile."""
+    state = _STATE
+    for _ in range(64):
+        epoch = state.epoch
+        base = state.base if state.public is not None else None
+        values = base.effective if base is not None else _read_effective()
+        if state.epoch == epoch:
+            break
+    else:
+        with state.lock:
+            values = state.base.effective if state.public is not None else _read_effective()
+    if not _CELL_INDEX:  # the legacy API: one level for every backend
+        cuda, mkldnn = BACKEND_VALUES[values[0]]
+        return {"cuda.matmul": cuda, "mkldnn.matmul": mkldnn}
+    return {name: "ieee" if values[i] == "none" else values[i] for name, i in _CELL_INDEX.items()}
 
 
 def context_level() -> Optional[str]:
     """The level of the innermost scope of this thread/task, or None outside scopes (no Python frame walk)."""
     node = _SCOPE.get()
-    return None if node is None else node[_LEVEL]
+    if node is not None and not node.alive:
+        node = _live(node)
+    return None if node is None else node.level
 
 
 def _active_guards() -> int:
@@ -424,4 +838,3 @@ def _reset_for_tests() -> None:
     """Forget the raw-value cache (tests that write PyTorch's flags behind tf32lab's back)."""
     with _STATE.lock:
         _STATE.cache = None
-

@@ -139,7 +139,8 @@ _S_SDPA_MATH = "FACTS.md §2: SDPA's math backend is bmm/matmul, so it follows t
 _S_EFFICIENT = "FACTS.md §2: the memory-efficient kernel runs 3xTF32 for float32 on sm80+ (CUTLASS fast-fp32)"
 _S_PRE_AMPERE = "FACTS.md §1: no TF32 before Ampere (sm80); the flags are accepted and have no effect"
 _S_EFFICIENT_SIMT = "FACTS.md §2: before sm80 the memory-efficient kernel computes float32 without tensor cores"
-_S_ONEDNN_BF16 = "FACTS.md §1: mkldnn fp32_precision=bf16 -> oneDNN bf16 (AVX512-BF16/AMX), RNE conversion"
+_S_ONEDNN_BF16 = ("FACTS.md §1: mkldnn fp32_precision=bf16 -> oneDNN bf16 (AMX), RNE conversion; matmul verified on a "
+                  "Sapphire Rapids CPU within float32 accumulation (docs/gpu-results.md)")
 _S_ONEDNN_TF32 = "FACTS.md §1: mkldnn fp32_precision=tf32 where the CPU has it; rounding assumed RNE, unverified"
 _S_CPU = "FACTS.md §1: a CPU without reduced-precision units computes IEEE float32 at every level"
 

@@ -1,0 +1,71 @@
+"""Putting tf32lab's own modes on this thread's dispatch and function mode stacks, and taking exactly them off.
+
+PyTorch's ``mode.__exit__`` pops whatever mode is on top. When contexts interleave on one thread (asyncio tasks,
+generators, a scope entered inside an ``emulate()`` block and left after it), the top may belong to someone else,
+and popping it would silently remove their mode and leave ours. :func:`remove` takes a mode out by identity: the
+modes above it are lifted off and put back in their order.
+
+Example:
+
+    >>> from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+    >>> class Quiet(TorchDispatchMode):
+    ...     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    ...         return func(*args, **(kwargs or {}))
+    >>> ours, theirs = Quiet(), Quiet()
+    >>> push(ours); push(theirs)
+    >>> remove(ours)                                # not on top: theirs stays
+    True
+    >>> _get_current_dispatch_mode_stack() == [theirs]
+    True
+    >>> remove(theirs), _get_current_dispatch_mode_stack()
+    (True, [])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["push", "remove"]
+
+_C: Any = torch._C
+Mode = Union[TorchDispatchMode, TorchFunctionMode]
+
+
+def _stack(mode: Mode) -> tuple[Any, Any, Any, Any]:
+    # (length, item at, pop, push) of the stack the mode lives on
+    if isinstance(mode, TorchDispatchMode):
+        return (_C._len_torch_dispatch_stack, _C._get_dispatch_stack_at,
+                lambda: _C._pop_torch_dispatch_stack(None), _C._push_on_torch_dispatch_stack)
+    return (_C._len_torch_function_stack, _C._get_function_stack_at,
+            _C._pop_torch_function_stack, _C._push_on_torch_function_stack)
+
+
+def push(mode: Mode) -> None:
+    """Put ``mode`` on top of this thread's stack (with PyTorch's own bookkeeping)."""
+    mode.__enter__()
+
+
+def remove(mode: Mode) -> bool:
+    """Take ``mode`` off this thread's stack wherever it is; False if it is not there (another thread's, or gone).
+
+    While a mode's own handler runs, PyTorch has lifted it off the stack: it is then not found here.
+    """
+    length, at, pop, put = _stack(mode)
+    n = length()
+    index = next((i for i in range(n - 1, -1, -1) if at(i) is mode), None)
+    if index is None:
+        return False
+    if index == n - 1:
+        mode.__exit__(None, None, None)
+        return True
+    above = [pop() for _ in range(n - 1 - index)]  # topmost first
+    try:
+        mode.__exit__(None, None, None)
+    finally:
+        for other in reversed(above):
+            put(other)
+    return True

@@ -1,0 +1,112 @@
+"""The emulator's caches never serve stale values, and check() leaves no rounded weights behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import tf32lab
+from tf32lab import emulator, formats
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def tf32_linear(x, layer):
+    return formats.round_tf32(x) @ formats.round_tf32(layer.weight.detach()).T + layer.bias.detach()
+
+
+def test_a_weight_written_through_data_inside_emulate():
+    lin = torch.nn.Linear(64, 32)
+    x = randn(8, 64, seed=1)
+    expected = tf32_linear(x, lin)
+    with tf32lab.precision("high"), tf32lab.emulate("a100"):
+        first = lin(x)
+        lin.weight.data.mul_(0)  # .data has its own version counter: the parameter's does not move
+        second = lin(x)
+    assert torch.allclose(first, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(second, lin.bias.detach().expand(8, 32))
+
+
+def test_a_weight_written_through_data_between_emulate_blocks():
+    lin = torch.nn.Linear(64, 32)
+    x = randn(8, 64, seed=2)
+    with tf32lab.precision("high"), tf32lab.emulate("a100"):
+        lin(x)
+    lin.weight.data.copy_(randn(32, 64, seed=3))
+    with tf32lab.precision("high"), tf32lab.emulate("a100"):
+        out = lin(x)
+    assert torch.allclose(out, tf32_linear(x, lin), rtol=1e-5, atol=1e-5)
+
+
+def test_an_activation_written_through_a_numpy_view_between_two_projections():
+    q, k = torch.nn.Linear(64, 32), torch.nn.Linear(64, 32)
+    hidden = randn(8, 64, seed=4)
+    view = hidden.numpy()  # numpy writes bump no version counter
+    with tf32lab.precision("high"), tf32lab.emulate("a100"):
+        q(hidden)
+        view[:] = 0.0
+        keys = k(hidden)
+    assert torch.equal(keys, k.bias.detach().expand(8, 32))
+
+
+def test_two_checks_with_a_data_write_between_them_agree_with_a_fresh_one():
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    workload = tf32lab.Workload(model, randn(16, 64, seed=6))
+    tf32lab.check(workload, levels=("high",))
+    for p in model.parameters():
+        p.data.copy_(torch.randn_like(p))
+    second = tf32lab.check(workload, levels=("high",))
+    emulator.release_buffers()
+    fresh = tf32lab.check(workload, levels=("high",))
+    pick = [(o.name, o.normwise) for o in second.level("high").outputs]
+    assert pick == [(o.name, o.normwise) for o in fresh.level("high").outputs]
+    assert [(e.name, e.introduced) for e in second.level("high").layers] == \
+        [(e.name, e.introduced) for e in fresh.level("high").layers]
+    assert second.level("high").passed
+
+
+def test_no_rounded_copy_outlives_its_emulate_block():
+    lin = torch.nn.Linear(64, 32)
+    with tf32lab.precision("high"), tf32lab.emulate("a100"):
+        lin(randn(4, 64, seed=7))
+        assert emulator._live_weight_copies() == 1
+    assert emulator._live_weight_copies() == 0
+
+
+@pytest.mark.slow
+def test_check_of_a_200m_parameter_mlp_retains_no_rounded_weights():
+    # RSS in a fresh process: before building the model, after building it, peak, and after check().
+    code = """
+        import json, resource, torch, tf32lab
+
+        def rss():
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * 4096 / 2**30
+
+        torch.manual_seed(0)
+        width, depth = 4096, 12  # 12 x 4096 x 4096 = 201M parameters
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(depth)])
+        built = rss()
+        report = tf32lab.check(tf32lab.Workload(model, torch.randn(4, width)), levels=("high",))
+        after = rss()
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        print(json.dumps({"params": sum(p.numel() for p in model.parameters()), "built": built,
+                          "after": after, "peak": peak, "passed": bool(report)}))
+    """
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert done.returncode == 0, done.stderr
+    rss = json.loads(done.stdout)
+    model_gib = rss["params"] * 4 / 2**30
+    assert rss["params"] > 200e6
+    # The model is ~0.75 GiB; rounded copies of every weight would add as much again.
+    assert rss["after"] - rss["built"] < 0.25 * model_gib, rss
