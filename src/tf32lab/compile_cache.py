@@ -96,17 +96,18 @@ def save(path: Path) -> Path:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     check_trusted(path)
     artifact = path / ARTIFACT
-    for target, payload in ((artifact, data), (path / NOTE, None)):
-        if payload is None:
-            note = {**identity(), "artifacts": _count(info), "bytes": len(data),
-                    "sha256": hashlib.sha256(data).hexdigest()}
-            payload = (json.dumps(note, indent=1) + "\n").encode()
-        partial = target.with_suffix(".partial")
-        partial.write_bytes(payload)
-        os.chmod(partial, 0o600)
-        os.replace(partial, target)  # a reader never sees half a file
+    note = {**identity(), "artifacts": _count(info), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    _write_private(artifact, data)
+    _write_private(path / NOTE, (json.dumps(note, indent=1) + "\n").encode())
     log.info("saved %d compile artifacts (%d bytes) to %s", _count(info), len(data), artifact)
     return artifact
+
+
+def _write_private(target: Path, payload: bytes) -> None:
+    partial = target.with_suffix(".partial")
+    partial.write_bytes(payload)
+    os.chmod(partial, 0o600)
+    os.replace(partial, target)  # a reader never sees half a file
 
 
 def _escapes(key: str) -> bool:

@@ -302,9 +302,9 @@ def thread_name(ident: int) -> str:
     return next((t.name for t in threading.enumerate() if t.ident == ident), str(ident))
 
 
-def _effective_now() -> tuple[str, ...]:
+def _as_ieee(values: tuple[str, ...]) -> tuple[str, ...]:
     # a cell whose whole chain inherits reads "none": IEEE
-    return tuple("ieee" if value == "none" else value for value in _read_effective())
+    return tuple("ieee" if value == "none" else value for value in values)
 
 
 def run_at(level: str, fn: Callable[[], Any], *, cell: Optional[str] = None,
@@ -330,7 +330,7 @@ def run_at(level: str, fn: Callable[[], Any], *, cell: Optional[str] = None,
             elif state.in_force is not None:
                 current = _VALUES[state.in_force]
             else:
-                current = _effective_now()
+                current = _as_ieee(_read_effective())
             if (current == wanted) if index is None else (current[index] == wanted[index]):
                 state.readers += 1
                 tls.reads = tls.reads + 1
@@ -433,7 +433,8 @@ def _guard_wanted(thread: int, key: tuple[int, int]) -> bool:
     """Whether a thread without a guard needs one to enter a scope beside other holders (module docstring)."""
     if thread != _MAIN or guard_policy() == "always" or _other_threads():
         return True
-    return any(k != key and h.nodes for k, h in _STATE.holders.items())
+    holders = _STATE.holders
+    return bool(holders) and any(k != key and h.nodes for k, h in holders.items())
 
 
 def _context_key() -> tuple[tuple[int, int], Any]:
@@ -555,7 +556,7 @@ class precision:
     def __enter__(self) -> precision:
         level = self.level
         parent = _SCOPE.get()
-        thread = _get_ident()
+        thread = _get_ident()  # _context_key() inlined: every scope entry pays it
         task = _current_task() if _get_running_loop() is not None else None
         key = (thread, 0 if task is None else id(task))
         state = _STATE
@@ -563,11 +564,10 @@ class precision:
         with state.lock:
             if state.live == 0 and state.in_force is None and state.writer is None and not state.readers:
                 # the only scope in the process (so no emulation either): the common case, kept short
-                guarded = tls.guard is not None
-                if not guarded and (thread != _MAIN or (_policy or guard_policy()) == "always"
-                                    or _other_threads()):
+                # _guard_wanted() and _holder() inlined (no other holder exists here): every scope entry pays them
+                if tls.guard is None and (thread != _MAIN or (_policy or guard_policy()) == "always"
+                                          or _other_threads()):
                     _push_guard(thread)
-                    guarded = True
                 holder = tls.holder if task is None and tls.holder is not None else _holder(key, task)
                 state.holders[key] = holder
                 node = _Node(level, self, parent, holder, None)
@@ -577,7 +577,7 @@ class precision:
                 _write_level(level)
                 state.in_force = level
                 state.contended = False
-                state.unguarded = None if guarded else level
+                state.unguarded = None if tls.guard is not None else level
             else:
                 emulation = _live(_EMULATION.get())
                 if tls.guard is None and _guard_wanted(thread, key):
@@ -730,17 +730,23 @@ def get_float32_matmul_precision() -> str:
         node = _live(node)
         if node is not None:
             return node.level
+    return _level_of_effective(_process_effective())
+
+
+def _process_effective() -> tuple[str, ...]:
+    """Effective level-cell values as the user set them for code outside scopes, whatever another thread's scope
+    has written meanwhile. No lock: ``public`` is set before tf32lab writes the flag and cleared after it gives the
+    user's values back, and ``epoch`` tells whether a write began while the flag was being read."""
     state = _STATE
     for _ in range(64):
         epoch = state.epoch
-        public = state.public
-        if public is not None:
-            return public
-        level = flags.read_level()
-        if state.epoch == epoch:  # no write of tf32lab's began meanwhile: the user's level
-            return level
-    with state.lock:  # a writer kept changing it: wait for a quiet moment (never held while an op runs)
-        return state.public if state.public is not None else flags.read_level()
+        if state.public is not None:
+            return state.base.effective
+        values = _read_effective()
+        if state.epoch == epoch:
+            return values
+    with state.lock:  # a writer kept starting: wait for a quiet moment (never held while an op runs)
+        return state.base.effective if state.public is not None else _read_effective()
 
 
 def set_float32_matmul_precision(level: str) -> None:
@@ -805,20 +811,12 @@ def write_process_state(raw: tuple[str, ...]) -> None:
 def process_cells() -> dict[str, str]:
     """Effective values of the level cells as the user set them for code outside scopes (``"cuda.matmul"`` and
     ``"mkldnn.matmul"``), whatever another thread's scope has written to the flag meanwhile."""
-    state = _STATE
-    for _ in range(64):
-        epoch = state.epoch
-        base = state.base if state.public is not None else None
-        values = base.effective if base is not None else _read_effective()
-        if state.epoch == epoch:
-            break
-    else:
-        with state.lock:
-            values = state.base.effective if state.public is not None else _read_effective()
+    values = _process_effective()
     if not _CELL_INDEX:  # the legacy API: one level for every backend
         cuda, mkldnn = BACKEND_VALUES[values[0]]
         return {"cuda.matmul": cuda, "mkldnn.matmul": mkldnn}
-    return {name: "ieee" if values[i] == "none" else values[i] for name, i in _CELL_INDEX.items()}
+    values = _as_ieee(values)
+    return {name: values[i] for name, i in _CELL_INDEX.items()}
 
 
 def context_level() -> Optional[str]:
