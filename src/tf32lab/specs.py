@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -68,10 +69,13 @@ def load(spec: Optional[str] = None) -> Workload:
         return builtin.hf(spec[3:])
     where, sep, factory_name = spec.rpartition(":")
     if not sep or not where or not factory_name.isidentifier():
-        raise Tf32LabError(
-            f"workload spec {spec!r} is not one of: minilm, builtin, hf:FOLDER, package.module:factory, "
-            f"path/to/file.py:factory")
-    module = _import_file(spec, where) if where.endswith(".py") else _import_module(spec, where)
+        raise Tf32LabError(_unknown_spec(spec))
+    if where.endswith(".py"):
+        module = _import_file(spec, where)
+    elif where.isidentifier() and _is_file(f"{where}.py") and not _installed(where):
+        module = _import_file(spec, f"{where}.py")  # ``mymodel:make`` for ./mymodel.py
+    else:
+        module = _import_module(spec, where)
     factory = getattr(module, factory_name, None)
     if factory is None:
         raise Tf32LabError(f"workload {spec!r}: {where} has no attribute {factory_name!r}")
@@ -81,9 +85,34 @@ def load(spec: Optional[str] = None) -> Workload:
         made = factory()
     except Tf32LabError:
         raise
+    except SystemExit as exc:  # not a report: bad input
+        raise Tf32LabError(f"workload {spec!r}: the factory called sys.exit({exc.code!r}) instead of returning "
+                           f"a model") from None
     except Exception as exc:
         raise Tf32LabError(f"workload {spec!r}: the factory raised {type(exc).__name__}: {exc}") from exc
     return _as_workload(spec, made, default_name=factory_name)
+
+
+def _is_file(path: str) -> bool:
+    try:
+        return Path(path).is_file()
+    except (OSError, ValueError):  # a name too long, a NUL byte
+        return False
+
+
+def _unknown_spec(spec: str) -> str:
+    base = f"workload spec {spec!r} is not one of: minilm, builtin, hf:FOLDER, package.module:factory, " \
+           f"path/to/file.py:factory"
+    try:
+        path = Path(spec)
+        if spec.endswith(".py") and path.is_file():
+            return f"{base} (add the factory's name: {spec}:make, for a function make() in it)"
+        if path.is_dir():
+            hint = f"hf:{spec}" if (path / "config.json").is_file() else f"{spec}/file.py:factory"
+            return f"{base} ({spec} is a folder: try {hint})"
+    except (OSError, ValueError):
+        pass
+    return base
 
 
 def _import_module(spec: str, name: str) -> Any:
@@ -97,26 +126,38 @@ def _import_module(spec: str, name: str) -> Any:
 
 def _import_file(spec: str, path: str) -> Any:
     file = Path(path)
-    if not file.is_file():
+    try:
+        found = file.is_file()
+    except (OSError, ValueError) as exc:  # a path component over 255 bytes, a NUL byte
+        raise Tf32LabError(f"workload {spec!r}: bad path: {getattr(exc, 'strerror', None) or exc}") from None
+    if not found:
         raise Tf32LabError(f"workload {spec!r}: no file {path}")
     name = f"_tf32lab_workload_{abs(hash(str(file.resolve())))}"
     module_spec = importlib.util.spec_from_file_location(name, file)
     if module_spec is None or module_spec.loader is None:
         raise Tf32LabError(f"workload {spec!r}: {path} cannot be imported as Python")
     module = importlib.util.module_from_spec(module_spec)
-    sys.path.insert(0, str(file.resolve().parent))  # so the file can import its neighbours
+    folder = str(file.resolve().parent)
+    sys.path.insert(0, folder)  # so the file can import its neighbours
     try:
         module_spec.loader.exec_module(module)
+    except SystemExit as exc:
+        raise Tf32LabError(f"workload {spec!r}: running {path} called sys.exit({exc.code!r})") from None
     except Exception as exc:
         raise Tf32LabError(f"workload {spec!r}: running {path} raised {type(exc).__name__}: {exc}") from exc
     finally:
-        sys.path.remove(str(file.resolve().parent))
+        with contextlib.suppress(ValueError):  # the file may have edited sys.path itself: only ours goes
+            sys.path.remove(folder)
     return module
 
 
 def _as_workload(spec: str, made: Any, default_name: str) -> Workload:
     if isinstance(made, Workload):
         return made
+    if isinstance(made, tuple) and len(made) == 2 and not isinstance(made[0], torch.nn.Module):
+        raise Tf32LabError(
+            f"workload {spec!r}: the factory's model is a {type(made[0]).__name__}, not a torch.nn.Module"
+            + (" (wrap the function in an nn.Module whose forward calls it)" if callable(made[0]) else ""))
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module):
         model, inputs = made
         if not isinstance(inputs, (torch.Tensor, tuple, Mapping)):

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["map_tensors", "named_tensors"]
+__all__ = ["map_tensors", "named_leaves", "named_tensors"]
 
 
 def named_tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -31,6 +31,18 @@ def named_tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tens
     elif isinstance(tree, (tuple, list)):
         for i, value in enumerate(tree):
             yield from named_tensors(value, f"{prefix}.{i}" if prefix else str(i))
+
+
+def named_leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Like :func:`named_tensors`, but every leaf: tensors, numbers, strings, ``None``."""
+    if isinstance(tree, Mapping):
+        for key, value in tree.items():
+            yield from named_leaves(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(tree, (tuple, list)) and not isinstance(tree, torch.Size):
+        for i, value in enumerate(tree):
+            yield from named_leaves(value, f"{prefix}.{i}" if prefix else str(i))
+    else:
+        yield (prefix or "output"), tree
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:

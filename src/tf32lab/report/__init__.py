@@ -11,13 +11,15 @@ Example:
     >>> bool(report), [lv.level for lv in report.levels]
     (True, ['highest', 'high'])
     >>> report.to_dict()["schema_version"]
-    1
+    2
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -26,7 +28,7 @@ from ..metrics import HISTOGRAM_EDGES, OutputError
 
 __all__ = ["SCHEMA_VERSION", "LayerError", "LevelResult", "Report", "schema"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,9 @@ class LayerError:
 
     ``introduced``: normwise error of its output when it runs under the level fed the reference inputs (its own
     rounding; a module's sub-layers run fed their reference inputs too). ``accumulated``: normwise error of its
-    output in the end-to-end run (everything upstream included). Both are the worst over its ``calls``.
+    output in the end-to-end run (everything upstream included). Both are the worst over its ``calls``; NaN when
+    not measured. ``diverged``: why some call could not be measured (data-dependent control flow: another output
+    shape, another number of calls; or it raised when run alone at the level).
     """
 
     name: str
@@ -43,6 +47,7 @@ class LayerError:
     calls: int
     introduced: float
     accumulated: float
+    diverged: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -58,10 +63,11 @@ class LevelResult:
     unhandled: dict[str, int]  # family ops that ran without emulation
     seconds: float
     same_as: Optional[str] = None  # an earlier level the target computes identically, measured once for both
+    error: Optional[str] = None  # "NotPSDError: ...": the model raised at this level (a finding: FAILED)
 
     @property
     def passed(self) -> bool:
-        return bool(self.outputs) and all(o.passed for o in self.outputs)
+        return self.error is None and bool(self.outputs) and all(o.passed for o in self.outputs)
 
     @property
     def worst(self) -> Optional[OutputError]:
@@ -83,6 +89,7 @@ class Report:
     levels: tuple[LevelResult, ...]
     environment: dict[str, Any]
     seconds: float
+    notes: tuple[str, ...] = ()  # what a reader must know about the measurement (a module not broken down, ...)
 
     @property
     def passed(self) -> bool:
@@ -98,8 +105,20 @@ class Report:
         raise KeyError(f"level {name!r} was not checked; checked: {', '.join(lv.level for lv in self.levels)}")
 
     def verdicts(self) -> list[str]:
-        """Lines to grep, one per level and output: ``PASSED | level 'high' | output 'x' | normwise … <= …``."""
-        return [o.verdict(lv.level) for lv in self.levels for o in lv.outputs]
+        """Lines to grep, one per level and output: ``PASSED | level 'high' | output 'x' | normwise … <= …``;
+        a level at which the model raised gets one: ``FAILED | level 'high' | raised NotPSDError: …``."""
+        lines = []
+        for lv in self.levels:
+            if lv.error is not None:
+                lines.append(f"FAILED | level {lv.level!r} | raised {_one_line(lv.error)}")
+            lines += [o.verdict(lv.level) for o in lv.outputs]
+        return lines
+
+    def conclusion(self) -> list[str]:
+        """What the result means and what to do, in plain sentences (``tf32lab.report.conclusion``)."""
+        from .conclusion import conclusion
+
+        return conclusion(self)
 
     def __str__(self) -> str:
         return "\n".join(self.verdicts())
@@ -117,6 +136,8 @@ class Report:
             "seconds": self.seconds,
             "environment": dict(self.environment),
             "histogram_edges_log10": list(HISTOGRAM_EDGES),
+            "notes": list(self.notes),
+            "conclusion": self.conclusion(),
             "levels": [
                 {
                     "level": lv.level,
@@ -130,6 +151,7 @@ class Report:
                     "unhandled": dict(lv.unhandled),
                     "seconds": lv.seconds,
                     "same_as": lv.same_as,
+                    "error": lv.error,
                 }
                 for lv in self.levels
             ],
@@ -137,10 +159,10 @@ class Report:
         return _finite(data)
 
     def to_json(self, path: Union[str, Path, None] = None) -> str:
-        """The report as JSON text; written to ``path`` too when given."""
+        """The report as JSON text; written to ``path`` too when given (whole or not at all)."""
         text = json.dumps(self.to_dict(), indent=2)
         if path is not None:
-            Path(path).write_text(text + "\n", encoding="utf-8")
+            write_atomically(path, text + "\n")
         return text
 
     def to_html(self) -> str:
@@ -150,9 +172,8 @@ class Report:
         return render(self)
 
     def save_html(self, path: Union[str, Path]) -> Path:
-        path = Path(path)
-        path.write_text(self.to_html(), encoding="utf-8")
-        return path
+        """Write :meth:`to_html` to ``path`` (whole or not at all)."""
+        return write_atomically(path, self.to_html())
 
     def _repr_html_(self) -> str:  # Jupyter
         from .html import render
@@ -168,15 +189,44 @@ class Report:
         """Print the tables and the verdict lines to ``console`` (a ``rich.console.Console``; default: stdout)."""
         from rich.console import Console
 
+        from .text import inert
+
         console = console or Console(highlight=False)
         console.print(self)
         for line in self.verdicts():
-            console.print(line, soft_wrap=True, markup=False)
+            console.print(inert(line), soft_wrap=True, markup=False, emoji=False, highlight=False)
+        console.print()
+        for line in self.conclusion():
+            console.print(inert(line), soft_wrap=True, markup=False, emoji=False, highlight=False)
 
 
 def schema() -> dict[str, Any]:
     """The JSON Schema of :meth:`Report.to_dict` (``schema.json`` beside this module)."""
     return json.loads((Path(__file__).with_name("schema.json")).read_text(encoding="utf-8"))
+
+
+def write_atomically(path: Union[str, Path], text: str) -> Path:
+    """``text`` into ``path`` through a temporary file beside it and a rename: a full disk or a crash leaves the
+    old file or none, never a truncated one. A character UTF-8 cannot hold (a lone surrogate from a model's output
+    name) is written as its escape, ``\\udc80``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8", errors="backslashreplace") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _one_line(text: str) -> str:
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    return lines[0] + (" …" if len(lines) > 1 else "") if lines else ""
 
 
 def _ratio(value: float, tolerance: float) -> float:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 
 from ..metrics import HISTOGRAM_EDGES
-from .text import fmt, ranked_layers, short_name
+from .text import fmt, notes, ranked_layers, short_name
 
 if TYPE_CHECKING:
     from . import Report
@@ -37,7 +37,7 @@ def render(report: Report, fragment: bool = False) -> str:
     """The page (``fragment``: only its body, for Jupyter)."""
     return _env.get_template("report.html.j2").render(
         report=report, fragment=fragment, colors=COLORS, layer_chart=layer_chart(report),
-        histograms=histograms(report), data=report.to_dict(),
+        histograms=histograms(report), data=report.to_dict(), notes=notes(report),
     )
 
 
@@ -71,7 +71,8 @@ def layer_chart(report: Report) -> dict[str, Any]:
         rows.append({"name": name, "y": y0 + group_h / 2 - gap / 2 + 4, "bars": bars})
     ticks = [{"x": _x(10.0**e, plot_w), "label": f"1e{e}"} for e in range(int(LOG_LO), int(LOG_HI) + 1, 2)]
     return {"rows": rows, "label_w": label_w, "plot_w": plot_w, "bar_h": bar_h - 1, "ticks": ticks,
-            "height": 24 + len(names) * group_h + 24, "total": len(ranked_layers(report))}
+            "height": 24 + len(names) * group_h + 24, "total": len(ranked_layers(report)),
+            "tolerance_x": _x(report.tolerance["default"], plot_w)}
 
 
 def histograms(report: Report) -> list[dict[str, Any]]:

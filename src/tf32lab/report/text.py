@@ -1,8 +1,13 @@
-"""A report as rich terminal tables: levels, outputs, the layers that introduce the most error, coverage."""
+"""A report as rich terminal tables: levels, outputs, the layers that introduce the most error, coverage.
+
+Every name that comes from the model (workload, outputs, layers, exception messages) reaches the terminal through
+:func:`inert`: a model named with an escape sequence prints as text, never as a command to the terminal.
+"""
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +18,16 @@ if TYPE_CHECKING:
     from . import Report
 
 TOP_LAYERS = 10
+
+# C0 controls but tab and newline, DEL, C1 controls, lone surrogates (which no terminal encoding can write)
+_NOT_INERT = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def inert(text: object) -> str:
+    """``text`` with control characters and lone surrogates written as escapes (``\\x1b``), so that printing it
+    cannot move the cursor, retitle the window or fail to encode."""
+    return _NOT_INERT.sub(lambda m: m.group().encode("unicode_escape", "backslashreplace").decode("ascii"),
+                          str(text))
 
 
 def fmt(value: float | None) -> str:
@@ -38,7 +53,7 @@ def renderables(report: Report) -> Iterator[Any]:
     env = report.environment
     where = env.get("gpu") or env.get("cpu", "")
     yield Text.assemble(
-        ("tf32lab check ", "bold"), (report.workload, "bold cyan"),
+        ("tf32lab check ", "bold"), (inert(report.workload), "bold cyan"),
         f"  target {report.target}, reference {report.reference}, default tolerance "
         f"{report.tolerance['default']:.0e} (normwise)\n",
         (f"torch {env.get('torch')} on {where}, {report.seconds:.1f} s", "dim"),
@@ -49,9 +64,39 @@ def renderables(report: Report) -> Iterator[Any]:
     if layers is not None:
         yield layers
     for lv in report.levels:
+        if lv.error is not None and lv.same_as is None:
+            yield Text(f"level {lv.level}: the model raised {inert(lv.error)}", style="bold red")
         if lv.unhandled:
             ops = ", ".join(f"{op} ×{n}" for op, n in lv.unhandled.items())
-            yield Text(f"level {lv.level}: ran without emulation (unhandled): {ops}", style="bold yellow")
+            yield Text(f"level {lv.level}: ran without emulation (unhandled): {inert(ops)}", style="bold yellow")
+    for note in notes(report):
+        yield Text(inert(note), style="dim")
+
+
+def notes(report: Report) -> list[str]:
+    """The lines under the tables: the report's notes, what outputs and layers need said, the max rel footnote."""
+    from .conclusion import MAX_REL_NOTE
+
+    lines = list(report.notes)
+    for lv in report.levels:
+        if lv.same_as is not None:  # its lines are the other level's
+            continue
+        for o in lv.outputs:
+            if o.failure is not None:
+                lines.append(f"level {lv.level}, output {o.name!r}: {o.failure}")
+            elif o.note:
+                lines.append(f"level {lv.level}, output {o.name!r}: {o.note}")
+        for layer in lv.layers:
+            if layer.diverged:
+                lines.append(f"level {lv.level}, layer {layer.name!r}: diverged: {layer.diverged}")
+    if footnoted(report):
+        lines.append(f"* {MAX_REL_NOTE}.")
+    return lines
+
+
+def footnoted(report: Report) -> bool:
+    """Whether an output passed with a max rel above its tolerance (the footnote explains it)."""
+    return any(o.passed and not o.exact and o.max_rel > o.tolerance for lv in report.levels for o in lv.outputs)
 
 
 def _verdict(passed: bool) -> Text:
@@ -60,16 +105,20 @@ def _verdict(passed: bool) -> Text:
 
 def _levels(report: Report) -> Table:
     table = Table(title="Levels", title_justify="left")
-    for column in ("level", "matmul", "conv", "attention", "worst output", "normwise", "verdict"):
+    for column in ("level", "matmul", "conv", "rnn", "attention", "worst output", "normwise", "verdict"):
         table.add_column(column, justify="right" if column == "normwise" else "left",
-                         no_wrap=column != "worst output", overflow="ellipsis")
+                         no_wrap=column != "worst output", overflow="ellipsis",
+                         min_width=12 if column == "worst output" else None)
     for lv in report.levels:
         worst = lv.worst
         name = lv.level if lv.same_as is None else f"{lv.level}={lv.same_as}"
+        if lv.error is not None:
+            shown, value = Text("(the model raised)"), Text(inert(lv.error.split(":")[0]), style="bold red")
+        else:
+            shown, value = (Text(inert(worst.name)) if worst else "-"), fmt(worst.normwise if worst else None)
         table.add_row(
-            name, lv.maths.get("matmul", "native"), lv.maths.get("conv", "native"),
-            lv.maths.get("attention", "native"), Text(worst.name) if worst else "-",
-            fmt(worst.normwise if worst else None), _verdict(lv.passed),
+            name, lv.maths.get("matmul", "native"), lv.maths.get("conv", "native"), lv.maths.get("rnn", "native"),
+            lv.maths.get("attention", "native"), shown, value, _verdict(lv.passed),
         )
     return table
 
@@ -82,9 +131,16 @@ def _outputs(report: Report) -> Table:
         table.add_column(column, justify="left" if column in ("level", "output") else "right")
     for lv in report.levels:
         for o in lv.outputs:
-            row = [lv.level, Text(o.name), fmt(o.max_abs), fmt(o.max_rel),
-                   Text(fmt(o.normwise), style="green" if o.passed else "bold red"), f"{o.cosine:.6f}",
-                   "-" if o.top1 is None else f"{o.top1:.1%}"]
+            style = "green" if o.passed else "bold red"
+            if o.failure is not None:
+                row = [lv.level, Text(inert(o.name)), "-", "-", Text("see below", style=style), "-", "-"]
+            elif o.exact:
+                row = [lv.level, Text(inert(o.name)), "-", "-", Text("equal", style=style), "-", "-"]
+            else:
+                star = "*" if o.passed and o.max_rel > o.tolerance else ""
+                row = [lv.level, Text(inert(o.name)), fmt(o.max_abs), fmt(o.max_rel) + star,
+                       Text(fmt(o.normwise), style=style), f"{o.cosine:.6f}",
+                       "-" if o.top1 is None else f"{o.top1:.1%}"]
             table.add_row(*row, *([fmt(lv.metric)] if metric else []))
     return table
 
@@ -102,15 +158,18 @@ def _layers(report: Report) -> Table | None:
         alike = [other.level for other in report.levels if other.same_as == lv.level]
         table.add_column(" = ".join([lv.level, *alike]), justify="right", no_wrap=True)
     for name in ranked[:TOP_LAYERS]:
-        row: list[Any] = [Text(short_name(name))]
+        row: list[Any] = [Text(inert(short_name(name)))]
         for lv in levels:
             layer = next((e for e in lv.layers if e.name == name), None)
-            row.append("-" if layer is None else f"{_short(layer.introduced)} / {_short(layer.accumulated)}")
+            cell = "-" if layer is None else f"{_short(layer.introduced)} / {_short(layer.accumulated)}"
+            row.append(cell + (" diverged" if layer is not None and layer.diverged else ""))
         table.add_row(*row)
     return table
 
 
 def _short(value: float) -> str:
+    if math.isnan(value):
+        return "-"
     return f"{value:.1e}" if math.isfinite(value) else str(value)
 
 
@@ -119,6 +178,6 @@ def ranked_layers(report: Report) -> list[str]:
     worst: dict[str, float] = {}
     for lv in report.levels:
         for layer in lv.layers:
-            value = math.inf if math.isnan(layer.introduced) else layer.introduced
+            value = -1.0 if math.isnan(layer.introduced) else layer.introduced
             worst[layer.name] = max(worst.get(layer.name, 0.0), value)
     return sorted(worst, key=lambda name: -worst[name])

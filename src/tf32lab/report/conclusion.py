@@ -1,0 +1,128 @@
+"""What a report means and what to do, in one to four plain sentences (after the tables, in every format).
+
+The answer follows the levels from the most reduced to ``highest``: the fastest level within tolerance is the
+advice, with the one line that enables it; a level that fails names the output that failed and the layer that
+introduces the most error there; a level at which the model raised says so; an error already at ``highest`` that
+comes from convolutions or RNNs (TF32 by default on CUDA even at ``highest``) is explained.
+
+Example:
+
+    >>> import torch, tf32lab
+    >>> w = tf32lab.Workload(torch.nn.Linear(64, 8), torch.randn(16, 64), name="tiny")
+    >>> tf32lab.check(w, levels=("highest", "high")).conclusion()[0][:38]
+    'TF32 is safe for this workload on a100'
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from . import LevelResult, Report
+
+__all__ = ["MAX_REL_NOTE", "conclusion"]
+
+# why a large max rel can stand beside PASSED (the footnote of the outputs table)
+MAX_REL_NOTE = ("max rel is over the elements whose reference is at least 1e-6 of the largest, so a reference "
+                "element near zero can make it large while the output as a whole (normwise, which decides) is close")
+
+_MATH_WORDS = {"high": "TF32", "medium": "bf16"}
+_DEFAULT_CONV_TF32 = ("conv", "rnn")  # cuDNN's allow_tf32 is on by default: TF32 even at `highest` on CUDA
+
+
+def _enable(level: str) -> str:
+    return f'`torch.set_float32_matmul_precision("{level}")` or `tf32lab.precision("{level}")`'
+
+
+def _name(level: LevelResult) -> str:
+    """How a level is spoken of: ``high`` as TF32; ``medium`` as what the target makes of it."""
+    matmul = level.maths.get("matmul", "")
+    if level.level == "medium" and matmul.startswith("tf32"):
+        return "TF32 (`medium`, computed as `high` here)"
+    if matmul:
+        word = {"tf32": "TF32", "bf16": "bf16", "ieee": "IEEE float32"}.get(matmul.split("-")[0].split("x")[0])
+        if word and level.level != "highest":
+            return f"{word} (`{level.level}`)"
+    return f"`{level.level}`"
+
+
+def _worst_layer(level: LevelResult) -> Optional[str]:
+    layer = next((e for e in level.layers if not math.isnan(e.introduced)), None)
+    return None if layer is None else f"the layer that introduces the most error is {layer.name!r} " \
+                                      f"({layer.introduced:.1e})"
+
+
+def _why_failed(level: LevelResult) -> str:
+    if level.error is not None:
+        first = level.error.splitlines()[0].rstrip(".") if level.error else ""
+        return f"at `{level.level}` the model raises {first}"
+    worst = level.worst
+    if worst is None:
+        return f"at `{level.level}` there is no output to compare"
+    if worst.failure is not None:
+        text = f"at `{level.level}` the output {worst.name!r} fails: {worst.failure}"
+    else:
+        text = (f"at `{level.level}` the output {worst.name!r} is off by {worst.normwise:.1e} "
+                f"(tolerance {worst.tolerance:.0e})")
+    layer = _worst_layer(level)
+    return f"{text}; {layer}" if layer else text
+
+
+def conclusion(report: Report) -> list[str]:
+    """The sentences (see the module's docstring)."""
+    levels = list(report.levels)
+    by_name = {lv.level: lv for lv in levels}
+    lines: list[str] = []
+    native = report.target == "native"
+    where = "on this machine" if native else f"on {report.target}"
+    reduced = [by_name[name] for name in ("medium", "high") if name in by_name]
+    passing = [lv for lv in reduced if lv.passed]
+    failing = [lv for lv in reduced if not lv.passed]
+    best = passing[0] if passing else None
+    if best is not None and best.same_as is not None:
+        best = by_name.get(best.same_as, best)
+    if best is not None:
+        worst = best.worst
+        measured = (f"worst normwise {worst.normwise:.1e} (output {worst.name!r}) against tolerance "
+                    f"{worst.tolerance:.0e}" if worst is not None and not worst.exact else "every output equal")
+        lines.append(f"{_name(best).split(' (')[0]} is safe for this workload {where}: {measured}. "
+                     f"Enable it with {_enable(best.level)}.")
+        slower = [lv for lv in failing if lv.level == "medium" and lv.same_as is None]
+        if slower:
+            lines.append(f"Not `medium`: {_why_failed(slower[0])}.")
+    elif failing:
+        lines.append(f"Keep `highest`: {_why_failed(failing[-1])}.")
+    if not native and "medium" in by_name and by_name["medium"].same_as == "high":
+        lines.append(f"On {report.target} `medium` computes exactly as `high`: cuBLAS has no bf16 path for float32 "
+                     f"matmuls, so it was measured once.")
+    top = by_name.get("highest")
+    if top is not None and not top.passed:
+        lines.append(_highest_failed(top, report.target))
+    diverged = sorted({e.name for lv in levels for e in lv.layers
+                       if e.diverged and not e.diverged.startswith("raised")})
+    if diverged:
+        names = ", ".join(repr(n) for n in diverged[:3]) + (" …" if len(diverged) > 3 else "")
+        lines.append(f"{len(diverged)} layer(s) could not be matched with the reference at every call ({names}): "
+                     f"control flow that depends on the data; their rows say why, the outputs are compared as "
+                     f"they are.")
+    if not lines:
+        lines.append("Every level checked is within tolerance." if report.passed else
+                     "Some level exceeds its tolerance; see the tables.")
+    return lines
+
+
+def _highest_failed(top: LevelResult, target: str) -> str:
+    tf32_by_default = [f for f in _DEFAULT_CONV_TF32 if top.maths.get(f, "").startswith("tf32")]
+    ops = [op for op in top.coverage if op.endswith(("tf32-rna", "tf32-rne"))]
+    if tf32_by_default and ops:
+        families = " and ".join({"conv": "convolutions", "rnn": "RNNs"}[f] for f in tf32_by_default)
+        return (f"Even `highest` fails ({_why_failed(top)}): on {target} {families} run TF32 at every level "
+                f"unless told otherwise (cuDNN's default); set `torch.backends.cudnn.conv.fp32_precision = \"ieee\"` "
+                f"and `torch.backends.cudnn.rnn.fp32_precision = \"ieee\"` (or `torch.backends.cudnn.allow_tf32 = "
+                f"False`) for full float32.")
+    if top.error is not None:
+        return (f"Even `highest` fails: {_why_failed(top)}; the model needs more than float32 here, whatever "
+                f"the matmul precision.")
+    return (f"Even `highest` fails ({_why_failed(top)}): the computation amplifies float32 rounding itself; no "
+            f"matmul setting fixes that, loosen the tolerance or compute that part in float64.")
