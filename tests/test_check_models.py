@@ -365,3 +365,35 @@ def test_a_closed_stdout_is_not_an_error(spec_dir):
                           f"echo ${{PIPESTATUS[0]}}", shell=True, executable="/bin/bash", capture_output=True,
                           text=True, cwd=spec_dir, timeout=300)
     assert done.stdout.strip() == "0" and "Traceback" not in done.stderr, done.stderr
+
+
+def test_an_error_at_highest_from_tf32_convolutions_is_explained():
+    class Edge(nn.Module):
+        """A convolution whose output cancels to nearly nothing: TF32 (an A100's default for convs, even at
+        highest) leaves a large relative error."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv1d(1, 1, 2, bias=False)
+            with torch.no_grad():
+                self.conv.weight.copy_(torch.tensor([[[1.0, -1.0 - 2**-14]]]))
+
+        def forward(self, x):
+            return self.conv(x)
+
+    report = tf32lab.check(Workload(Edge(), torch.ones(1, 1, 8)), levels=("highest",))
+    assert not report
+    text = " ".join(report.conclusion())
+    assert "Even `highest` fails" in text and "convolutions" in text and "cudnn.conv.fp32_precision" in text
+
+
+def test_reports_are_written_whole_or_not_at_all(spec_dir):
+    """A disk that fills up (here: a file size limit) leaves the old report in place and no temporary file."""
+    (spec_dir / "r.json").write_text("old report\n")
+    limited = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+               "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000)); from tf32lab.cli import main; "
+               "sys.exit(main(['check', 'tiny.py:make', '--json', 'r.json']))")
+    done = subprocess.run([sys.executable, "-c", limited], capture_output=True, text=True, cwd=spec_dir, timeout=300)
+    assert "cannot write r.json" in _one_line_error(done)
+    assert (spec_dir / "r.json").read_text() == "old report\n"
+    assert sorted(p.name for p in spec_dir.iterdir() if p.name.startswith(".")) == []

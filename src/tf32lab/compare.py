@@ -99,7 +99,9 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: str = "
             # not inference mode: its tensors keep no version counters
             with _float64_scripted(workload, recorder) as model, torch.inference_mode(False), \
                     torch.no_grad(), recorder:
-                ref_out = workload.run(model, map_tensors(widen, workload.inputs))
+                ref_inputs = map_tensors(widen, workload.inputs)
+                recorder.model_inputs = {id(t) for _, t in named_tensors(ref_inputs)}
+                ref_out = workload.run(model, ref_inputs)
         except Tf32LabError:
             raise
         except _OUT_OF_MEMORY as exc:
@@ -169,7 +171,7 @@ def _check_level(workload: Workload, level: str, target: str, recorder: _Recorde
                     f"workload {workload.name!r}: its metric raised {type(exc).__name__}: {exc}") from exc
     layers = []
     for name, module in recorder.layers:
-        introduced, why = recorder.introduced[level].get(name, (math.nan, None))
+        introduced, why = _introduced(recorder, accumulated, level, name)
         acc, diverged = accumulated.result(name, finished=error is None)
         reasons = "; ".join(r for r in (why, diverged) if r)
         layers.append(LayerError(name, type(module).__name__, recorder.count[name], introduced, acc,
@@ -179,6 +181,18 @@ def _check_level(workload: Workload, level: str, target: str, recorder: _Recorde
     unhandled = {} if emu is None else dict(sorted(emu.unhandled.items()))
     return LevelResult(level, level_maths, outputs, tuple(ranked), metric, coverage, unhandled,
                        time.perf_counter() - started, error=error)
+
+
+def _introduced(recorder: _Recorder, accumulated: _Accumulated, level: str, name: str) -> tuple[float, Optional[str]]:
+    """A layer's worst introduced error at ``level``: from its reruns, and from the end-to-end run for the calls
+    that the end-to-end run computes exactly as a rerun would (fed the model's own inputs)."""
+    found = [recorder.introduced[level][name]] if name in recorder.introduced[level] else []
+    found += [(accumulated.per_call.get(key, math.nan), None) for key in recorder.as_accumulated if key[0] == name]
+    if not found:
+        return math.nan, None
+    why = next((w for _, w in found if w), None)
+    values = [v for v, _ in found]
+    return (math.nan if any(math.isnan(v) for v in values) else max(values)), why
 
 
 def _described(exc: BaseException) -> str:
@@ -311,6 +325,8 @@ class _Recorder:
         self.rerunning = False
         self.scratch: Optional[torch.Tensor] = None
         self.swapped: list = []  # (parent, name, float32 original, float64 twin) of TorchScript parts
+        self.model_inputs: set[int] = set()  # ids of the (widened) workload inputs
+        self.as_accumulated: set[tuple[str, int]] = set()  # calls whose introduced error is their accumulated one
 
     def __enter__(self) -> _Recorder:
         try:
@@ -393,6 +409,11 @@ class _Recorder:
         their reference outputs; its output's error against the reference is what it introduces."""
         if _versions((frame.args, frame.kwargs)) != frame.versions:
             self._worst(name, math.nan, "not fed: it changes its own inputs in place")
+            return
+        tensors = [id(t) for _, t in named_tensors((frame.args, frame.kwargs))]
+        if not frame.inner and tensors and all(t in self.model_inputs for t in tensors):
+            # fed the model's own inputs and nothing nested: the end-to-end run computes exactly this call
+            self.as_accumulated.add((name, i))
             return
         reference, norms = self.outputs[(name, i)]
         inner = self._inner_outputs(frame)
@@ -502,6 +523,7 @@ class _Accumulated:
         self.errors: dict[str, float] = {}
         self.count: dict[str, int] = {}
         self.diverged: dict[str, str] = {}
+        self.per_call: dict[tuple[str, int], float] = {}  # for the calls in recorder.as_accumulated
         self.handles: list = []
         self.scratch: Optional[torch.Tensor] = None
 
@@ -527,6 +549,8 @@ class _Accumulated:
             if self.scratch is None:
                 self.scratch = torch.empty(_CHUNK, dtype=torch.float64, device=_device_of(reference))
             error, mismatch = _tree_normwise(output, reference, norms, self.scratch)
+            if (name, i) in self.recorder.as_accumulated:
+                self.per_call[(name, i)] = error
             if mismatch is not None:
                 self.diverged.setdefault(name, f"call {i + 1}: {mismatch}")
             elif math.isnan(error) or error > self.errors.get(name, 0.0):

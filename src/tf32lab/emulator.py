@@ -33,6 +33,7 @@ import weakref
 from typing import Any, Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
@@ -272,6 +273,66 @@ class _Call:
         b_big, b_sum = self.split(b, math, summed=True)
         return full(a_big, b_sum).add_((bare or full)(a_small, b_big))
 
+    def many_linears(self, key: str, nan_free: bool = False) -> tuple[Callable, Callable]:
+        """For the many small GEMMs of one op (an RNN's steps), in the math of ``key``: ``linear(x, w, b)`` and
+        ``step(acc, h, w)`` = acc + h wᵀ as one GEMM. Weights are rounded once (cached, and transposed once for
+        ``step``), each activation into a buffer reused across the steps; every GEMM is counted. ``nan_free``:
+        the op's inputs hold no NaN, so the hidden states ``step`` rounds hold only default NaNs (no scan)."""
+        math = self.math(key)
+        emu, name = self.emu, math.name
+        if name != "ieee" and name not in _SINGLE_ROUND:  # a split math: the general product
+            def split_linear(x, w, b):
+                return self.step_product(key, lambda p, q: F.linear(p, q, b), x, w, bare=lambda p, q: F.linear(p, q))
+
+            return split_linear, lambda acc, h, w: split_linear(h, w, None).add_(acc)
+        round_fn = _SINGLE_ROUND.get(name)
+        buffers: dict[tuple, torch.Tensor] = {}
+        transposed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def operands(x: torch.Tensor, w: torch.Tensor, computed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            emu._count("aten::linear", math)
+            if round_fn is None or x.dtype != _F32 or w.dtype != _F32:
+                return x, w
+            w = self.round(w, math) if _is_parameter(w) else round_fn(w, math.rounding)
+            where = (tuple(x.shape), x.device)
+            buf = buffers.get(where)
+            if buf is None:
+                buf = buffers[where] = torch.empty(x.shape, dtype=_F32, device=x.device)
+            return round_fn(x, math.rounding, out=buf, default_nans=computed), w
+
+        def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+            x, w = operands(x, w, False)
+            return F.linear(x, w, b)
+
+        def step(acc: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            held = transposed.get(id(w))
+            if held is None or held[0] is not w:  # (w, its rounded copy transposed), kept for this op
+                h, w_rounded = operands(h, w, nan_free)
+                held = transposed[id(w)] = (w, w_rounded.t().contiguous())
+                return torch.addmm(acc, h, held[1])
+            emu._count("aten::linear", math)
+            if round_fn is not None and h.dtype == _F32:
+                where = (tuple(h.shape), h.device)
+                buf = buffers.get(where)
+                if buf is None:
+                    buf = buffers[where] = torch.empty(h.shape, dtype=_F32, device=h.device)
+                h = round_fn(h, math.rounding, out=buf, default_nans=nan_free)
+            return torch.addmm(acc, h, held[1])
+
+        return linear, step
+
+    def step_product(self, key: str, full: Callable, a: torch.Tensor, b: torch.Tensor,
+                     bare: Optional[Callable] = None) -> torch.Tensor:
+        """:meth:`product` for one of many GEMMs inside one op (an RNN's steps): counted as ``aten::linear``
+        of its math, its rounded activation's buffer given back at once."""
+        mark = len(_SCRATCH.leased)
+        try:
+            result = self.product(key, full, a, b, bare)
+        finally:
+            _SCRATCH.release(mark)
+        self.emu._count("aten::linear", self.math(key))
+        return result
+
     # -- operands: rounded copies, cached for parameters, in reused buffers otherwise -----------------------
     def round(self, t: torch.Tensor, math: Math) -> torch.Tensor:
         fn = _SINGLE_ROUND[math.name]
@@ -496,11 +557,26 @@ class _FunctionMode(TorchFunctionMode):
                     if _float32_in(args) or _float32_in(kwargs.values()):
                         return rules.sdpa_function(entry.emu, func, args, kwargs)
                 elif _float32_in(args):
-                    return rules.rnn_function(entry.emu, func, args, kwargs)
+                    return _rnn(entry, func, args, kwargs)
         # Known limit: the mode is off inside its own handler, so a call made *inside* another Python-level torch
         # function (F.multi_head_attention_forward) is not seen here; the dispatch mode still emulates what it
         # decomposes into (docs/design.md).
         return func(*args, **kwargs)
+
+
+def _rnn(entry: _Entry, func, args, kwargs):
+    """An RNN call, its recurrence run without the dispatch mode: the rule rounds each GEMM's operands itself
+    (``_Call.step_product``), so the per-step pointwise ops cost what they cost natively, not a Python handler
+    each (an LSTM ran 6x slower than native through the mode)."""
+    call = _Call(entry, f"aten::{rules.RNN_FUNCTIONS[func]}", _context_cells())
+    modes = _thread_modes()
+
+    def run():
+        with modestack.lifted(modes.dispatch):
+            return rules.rnn_function(call, func, args, kwargs)
+
+    # the rounded operands must not be rounded again by the native GEMM: IEEE for this device's cell
+    return scope.run_at("highest", run, cell=_native_cell(args), refused=lambda: _in_float64(run))
 
 
 class _ThreadModes:

@@ -86,13 +86,16 @@ def _round_bits(u: torch.Tensor, out: torch.Tensor, drop: int, rounding: str) ->
     out.bitwise_and_(mask)
 
 
-def _round(x: torch.Tensor, drop: int, rounding: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _round(x: torch.Tensor, drop: int, rounding: str, out: Optional[torch.Tensor] = None,
+           default_nans: bool = False) -> torch.Tensor:
     x = x.detach()
     out = torch.empty_like(x) if out is None else out
-    # A NaN needs mending only where one went in (its payload may sit in the dropped bits). On the CPU one
-    # read-only pass tells: a sum is finite only if no NaN is in it; otherwise (and on devices, where asking
-    # would synchronise) the fix-up runs, from a copy when the result overwrites the input.
-    mend = x.device.type != "cpu" or not math.isfinite(x.sum().item())
+    # A NaN needs mending only where one went in (its payload may sit in the dropped bits, or carry into the
+    # sign). On the CPU one read-only pass tells: a sum is finite only if no NaN is in it; otherwise (and on
+    # devices, where asking would synchronise) the fix-up runs, from a copy when the result overwrites the input.
+    # ``default_nans``: the caller knows every NaN in x is the default one a CPU's arithmetic makes (x86:
+    # 0xffc00000, Arm: 0x7fc00000), which every rounding keeps a NaN. GPUs make 0x7fffffff: always mended there.
+    mend = x.device.type != "cpu" or (not default_nans and not math.isfinite(x.sum().item()))
     source = x.clone() if mend and out.data_ptr() == x.data_ptr() else x
     _round_bits(x.view(torch.int32), out.view(torch.int32), drop, rounding)
     if mend:
@@ -100,11 +103,14 @@ def _round(x: torch.Tensor, drop: int, rounding: str, out: Optional[torch.Tensor
     return out
 
 
-def round_tf32(x: torch.Tensor, rounding: str = "rna", *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def round_tf32(x: torch.Tensor, rounding: str = "rna", *, out: Optional[torch.Tensor] = None,
+               default_nans: bool = False) -> torch.Tensor:
     """Round float32 values to TF32 (1 sign, 8 exponent, 10 mantissa bits), returned as float32.
 
     ``rounding`` is ``"rna"`` (default: what cuBLAS/CUTLASS do), ``"rne"`` or ``"rz"`` (the ``mma`` instruction).
     ``out``: a float32 tensor of the same shape to write into (it may be ``x`` itself), returned.
+    ``default_nans=True`` skips the scan for NaNs with payloads: only when ``x`` was computed from NaN-free
+    operands (any NaN in it is then the default one, which rounding keeps).
 
     Example:
 
@@ -115,14 +121,15 @@ def round_tf32(x: torch.Tensor, rounding: str = "rna", *, out: Optional[torch.Te
     """
     _check_input(x, "round_tf32", out)
     _check_rounding(rounding, "round_tf32")
-    return _round(x, _TF32_DROP, rounding, out)
+    return _round(x, _TF32_DROP, rounding, out, default_nans)
 
 
-def round_bf16(x: torch.Tensor, rounding: str = "rne", *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def round_bf16(x: torch.Tensor, rounding: str = "rne", *, out: Optional[torch.Tensor] = None,
+               default_nans: bool = False) -> torch.Tensor:
     """Round float32 values to bfloat16 (8 mantissa bits), returned as float32.
 
     ``rounding="rne"`` (default) equals ``x.to(torch.bfloat16).float()``; ``"rna"`` and ``"rz"`` are offered too.
-    ``out``: a float32 tensor of the same shape to write into, returned.
+    ``out``: a float32 tensor of the same shape to write into, returned. ``default_nans``: as for ``round_tf32``.
 
     Example:
 
@@ -137,7 +144,7 @@ def round_bf16(x: torch.Tensor, rounding: str = "rne", *, out: Optional[torch.Te
         # torch's own conversion is RNE with NaN kept, and one fused pass each way.
         half = x.detach().to(torch.bfloat16)
         return half.to(torch.float32) if out is None else out.copy_(half)
-    return _round(x, _BF16_DROP, rounding, out)
+    return _round(x, _BF16_DROP, rounding, out, default_nans)
 
 
 def round_fp16(x: torch.Tensor) -> torch.Tensor:

@@ -23,13 +23,15 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Union
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["push", "remove"]
+__all__ = ["lifted", "push", "remove"]
 
 _C: Any = torch._C
 Mode = Union[TorchDispatchMode, TorchFunctionMode]
@@ -69,3 +71,28 @@ def remove(mode: Mode) -> bool:
         for other in reversed(above):
             put(other)
     return True
+
+
+@contextlib.contextmanager
+def lifted(mode: Mode) -> Iterator[None]:
+    """``mode`` off this thread's stack for the block, then back where it was; the modes above it stay on.
+
+    The emulator runs an RNN's recurrence without its own mode (it rounds the GEMMs itself), while a mode the user
+    pushed inside the ``emulate`` block still sees every op.
+    """
+    length, at, pop, put = _stack(mode)
+    n = length()
+    index = next((i for i in range(n - 1, -1, -1) if at(i) is mode), None)
+    if index is None:
+        yield
+        return
+    remove(mode)
+    try:
+        yield
+    finally:
+        above = [pop() for _ in range(length() - index)]  # topmost first
+        try:
+            push(mode)
+        finally:
+            for other in reversed(above):
+                put(other)

@@ -555,8 +555,10 @@ _MODES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
 
 
 def run_rnn(mode: str, linear: Callable, x, hx, params, has_biases, num_layers, dropout, train, bidirectional,
-            batch_first):
-    """PyTorch's multi-layer (bi)directional LSTM / GRU / RNN, with every GEMM done by ``linear(x, w, b)``."""
+            batch_first, step: Optional[Callable] = None):
+    """PyTorch's multi-layer (bi)directional LSTM / GRU / RNN, with every GEMM done by ``linear(x, w, b)``;
+    ``step(acc, h, w)``, when given, is ``acc + h wᵀ`` in one GEMM (the recurrent product of LSTMs and plain RNNs,
+    whose hidden bias is then added to the input projection once for all steps)."""
     if batch_first:
         x = x.transpose(0, 1)
     unbatched = x.dim() == 2
@@ -570,6 +572,7 @@ def run_rnn(mode: str, linear: Callable, x, hx, params, has_biases, num_layers, 
         h0, c0 = h0.unsqueeze(1), (c0.unsqueeze(1) if c0 is not None else None)
     hs, cs = [], []
     layer_in = x
+    fused = step is not None and mode != "gru"  # a GRU needs h wᵀ on its own (r scales its n part)
     for layer in range(num_layers):
         outs = []
         for d in range(dirs):
@@ -580,24 +583,30 @@ def run_rnn(mode: str, linear: Callable, x, hx, params, has_biases, num_layers, 
             w_hr = p[-1] if per in (3, 5) else None  # LSTM with proj_size
             h, c = h0[idx], (c0[idx] if lstm else None)
             gates_x = linear(layer_in, w_ih, b_ih)  # all steps at once, as cuDNN does
+            if fused and b_hh is not None:
+                gates_x = gates_x + b_hh
             steps = range(layer_in.size(0) - 1, -1, -1) if d else range(layer_in.size(0))
             out = [None] * layer_in.size(0)
+            hidden = h.size(-1)
             for t in steps:
-                gates_h = linear(h, w_hh, b_hh)
                 if lstm:
-                    i, f, g, o = (gates_x[t] + gates_h).chunk(4, -1)
-                    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-                    h = torch.sigmoid(o) * torch.tanh(c)
+                    gates = step(gates_x[t], h, w_hh) if fused else gates_x[t] + linear(h, w_hh, b_hh)
+                    size = gates.size(-1) // 4
+                    g = torch.tanh(gates[..., 2 * size:3 * size])
+                    act = gates.sigmoid_() if fused else torch.sigmoid(gates)  # i, f, o (g's slot unused)
+                    c = torch.addcmul(act[..., size:2 * size] * c, act[..., :size], g)
+                    h = act[..., 3 * size:] * torch.tanh(c)
                     if w_hr is not None:
                         h = linear(h, w_hr, None)
                 elif mode == "gru":
-                    x_r, x_z, x_n = gates_x[t].chunk(3, -1)
-                    h_r, h_z, h_n = gates_h.chunk(3, -1)
+                    gates_h = linear(h, w_hh, b_hh)
+                    x_r, x_z, x_n = gates_x[t].split(hidden, -1)
+                    h_r, h_z, h_n = gates_h.split(hidden, -1)
                     r, z = torch.sigmoid(x_r + h_r), torch.sigmoid(x_z + h_z)
                     n = torch.tanh(x_n + r * h_n)
                     h = n + z * (h - n)
                 else:
-                    pre = gates_x[t] + gates_h
+                    pre = step(gates_x[t], h, w_hh) if fused else gates_x[t] + linear(h, w_hh, b_hh)
                     h = torch.tanh(pre) if mode == "rnn_tanh" else torch.relu(pre)
                 out[t] = h
             outs.append(torch.stack(out))
@@ -636,14 +645,14 @@ def _rnn_op(call, func, args, kwargs):
 
 
 class _RnnLinear(torch.autograd.Function):
-    """x wᵀ + b whose forward and backward GEMMs are all rnn-family ops (cuDNN's RNN kernel)."""
+    """x wᵀ + b whose forward and backward GEMMs are all rnn-family ops (cuDNN's RNN kernel). The forward is
+    ``product(x, w, b)`` (rounded by the caller); the backward's GEMMs go through the emulator's mode."""
 
     @staticmethod
-    def forward(ctx, x, w, b):
+    def forward(ctx, x, w, b, product):
         ctx.save_for_backward(x, w)
         ctx.has_bias = b is not None
-        with as_family("rnn"):
-            return F.linear(x, w, b)
+        return product(x, w, b)
 
     @staticmethod
     def backward(ctx, grad):
@@ -652,20 +661,30 @@ class _RnnLinear(torch.autograd.Function):
             grad_x = grad @ w
             grad_w = grad.reshape(-1, grad.size(-1)).t() @ x.reshape(-1, x.size(-1))
         grad_b = grad.reshape(-1, grad.size(-1)).sum(0) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b
+        return grad_x, grad_w, grad_b, None
 
 
 RNN_FUNCTIONS = {getattr(torch._C._VariableFunctions, name): name for name in _MODES}
 
 
-def rnn_function(emu, func, args, kwargs):
-    """``torch._VF.lstm`` and friends, called by ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN``."""
+def rnn_function(call, func, args, kwargs):
+    """``torch._VF.lstm`` and friends, called by ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN``; ``call`` rounds each GEMM
+    (the emulator runs this without its dispatch mode)."""
     mode = RNN_FUNCTIONS[func]
     if kwargs or _is_packed(args):
-        emu._unhandled(f"aten::{mode} (packed sequence)")
+        call.emu._unhandled(f"aten::{mode} (packed sequence)")
         return func(*args, **kwargs)
 
-    def linear(x, w, b):
-        return _RnnLinear.apply(x, w, b)
+    if call.math("rnn").name == "ieee":  # nothing to round: PyTorch's own fused kernel, at IEEE (the caller's scope)
+        call.emu._count(f"aten::{mode}", call.math("rnn"))
+        return func(*args, **kwargs)
+    x, hx, params = args[0], args[1], args[2]
+    nan_free = all(_pymath.isfinite(float(t.detach().sum())) for t in (x, *hx, *params) if t.device.type == "cpu")
+    product, step = call.many_linears("rnn", nan_free)
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in (x, *params)):
+        def linear(x, w, b):
+            return _RnnLinear.apply(x, w, b, product)
 
-    return run_rnn(mode, linear, *args)
+        return run_rnn(mode, linear, *args)
+    return run_rnn(mode, product, *args, step=step)
