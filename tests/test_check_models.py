@@ -397,3 +397,11 @@ def test_reports_are_written_whole_or_not_at_all(spec_dir):
     assert "cannot write r.json" in _one_line_error(done)
     assert (spec_dir / "r.json").read_text() == "old report\n"
     assert sorted(p.name for p in spec_dir.iterdir() if p.name.startswith(".")) == []
+
+
+def test_numpy_outputs_are_compared_like_tensors():
+    report = _check(lambda y: {"array": y.numpy(), "count": y.shape[0], "none": __import__("numpy").array([None])})
+    outputs = {o.name: o for o in report.level("high").outputs}
+    assert outputs["array"].passed and 0 < outputs["array"].normwise < 1e-2 and not outputs["array"].exact
+    assert outputs["none"].exact and outputs["none"].passed  # an object array: by its text
+    _valid(report)

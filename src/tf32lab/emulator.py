@@ -273,53 +273,68 @@ class _Call:
         b_big, b_sum = self.split(b, math, summed=True)
         return full(a_big, b_sum).add_((bare or full)(a_small, b_big))
 
-    def many_linears(self, key: str, nan_free: bool = False) -> tuple[Callable, Callable]:
-        """For the many small GEMMs of one op (an RNN's steps), in the math of ``key``: ``linear(x, w, b)`` and
-        ``step(acc, h, w)`` = acc + h wᵀ as one GEMM. Weights are rounded once (cached, and transposed once for
-        ``step``), each activation into a buffer reused across the steps; every GEMM is counted. ``nan_free``:
-        the op's inputs hold no NaN, so the hidden states ``step`` rounds hold only default NaNs (no scan)."""
+    def many_linears(self, key: str, nan_free: bool = False) -> tuple[Callable, Callable, Callable]:
+        """For the many small GEMMs of one op (an RNN's steps), in the math of ``key``: ``linear(x, w, b)``,
+        ``step(acc, h, w)`` = acc + h wᵀ as one GEMM, and ``done()`` to count them. Weights are rounded once
+        (cached, and transposed once for ``step``), each activation into a buffer reused across the steps.
+        ``nan_free``: the op's inputs hold no NaN, so the hidden states ``step`` rounds hold only default NaNs
+        and need no scan."""
         math = self.math(key)
         emu, name = self.emu, math.name
+        gemms = [0]
+
+        def done() -> None:
+            if gemms[0]:
+                emu._count("aten::linear", math, gemms[0])
+                gemms[0] = 0
+
         if name != "ieee" and name not in _SINGLE_ROUND:  # a split math: the general product
             def split_linear(x, w, b):
                 return self.step_product(key, lambda p, q: F.linear(p, q, b), x, w, bare=lambda p, q: F.linear(p, q))
 
-            return split_linear, lambda acc, h, w: split_linear(h, w, None).add_(acc)
+            return split_linear, lambda acc, h, w: split_linear(h, w, None).add_(acc), done
         round_fn = _SINGLE_ROUND.get(name)
+        hot = formats.hot_rounder(name, math.rounding) if round_fn is not None and nan_free else None
         buffers: dict[tuple, torch.Tensor] = {}
         transposed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-        def operands(x: torch.Tensor, w: torch.Tensor, computed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-            emu._count("aten::linear", math)
+        def operands(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            gemms[0] += 1
             if round_fn is None or x.dtype != _F32 or w.dtype != _F32:
                 return x, w
             w = self.round(w, math) if _is_parameter(w) else round_fn(w, math.rounding)
+            return round_fn(x, math.rounding, out=buffer(x)), w
+
+        def buffer(x: torch.Tensor) -> torch.Tensor:
             where = (tuple(x.shape), x.device)
             buf = buffers.get(where)
             if buf is None:
                 buf = buffers[where] = torch.empty(x.shape, dtype=_F32, device=x.device)
-            return round_fn(x, math.rounding, out=buf, default_nans=computed), w
+            return buf
 
         def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
-            x, w = operands(x, w, False)
+            x, w = operands(x, w)
             return F.linear(x, w, b)
+
+        last: list = [None, None]  # the hidden state's shape and its buffer: the same at every step
 
         def step(acc: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             held = transposed.get(id(w))
             if held is None or held[0] is not w:  # (w, its rounded copy transposed), kept for this op
-                h, w_rounded = operands(h, w, nan_free)
+                h, w_rounded = operands(h, w)
                 held = transposed[id(w)] = (w, w_rounded.t().contiguous())
                 return torch.addmm(acc, h, held[1])
-            emu._count("aten::linear", math)
+            gemms[0] += 1
             if round_fn is not None and h.dtype == _F32:
-                where = (tuple(h.shape), h.device)
-                buf = buffers.get(where)
-                if buf is None:
-                    buf = buffers[where] = torch.empty(h.shape, dtype=_F32, device=h.device)
-                h = round_fn(h, math.rounding, out=buf, default_nans=nan_free)
+                if hot is not None and h.is_cpu and h.is_contiguous():
+                    if last[0] != h.shape:
+                        last[0], last[1] = h.shape, buffer(h)
+                    h = hot(h, last[1])
+                else:
+                    h = round_fn(h, math.rounding, out=buffer(h), default_nans=nan_free)
             return torch.addmm(acc, h, held[1])
 
-        return linear, step
+        return linear, step, done
 
     def step_product(self, key: str, full: Callable, a: torch.Tensor, b: torch.Tensor,
                      bare: Optional[Callable] = None) -> torch.Tensor:
@@ -702,9 +717,9 @@ class emulate(contextlib.ContextDecorator):
         scope.exit_emulation(self)
 
     # -- bookkeeping ------------------------------------------------------------------------------------------
-    def _count(self, op: str, math: Math) -> None:
+    def _count(self, op: str, math: Math, n: int = 1) -> None:
         with self._lock:
-            self.coverage[(op, str(math))] += 1
+            self.coverage[(op, str(math))] += n
 
     def _unhandled(self, op: str) -> None:
         with self._lock:

@@ -28,7 +28,7 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -101,6 +101,20 @@ def _round(x: torch.Tensor, drop: int, rounding: str, out: Optional[torch.Tensor
     if mend:
         torch.where(torch.isnan(source), source, out, out=out)
     return out
+
+
+def hot_rounder(name: str, rounding: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``fn(x, out)``: ``x`` rounded to ``name`` ("tf32" or "bf16") into ``out``, with no checks, for a loop that
+    rounds many small tensors it made itself (an RNN's hidden states): ``x`` and ``out`` float32 of one shape on
+    the CPU, every NaN in ``x`` the default one (see ``round_tf32``'s ``default_nans``)."""
+    drop = {"tf32": _TF32_DROP, "bf16": _BF16_DROP}[name]
+    _check_rounding(rounding, f"round_{name}")
+
+    def fn(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        _round_bits(x.view(torch.int32), out.view(torch.int32), drop, rounding)
+        return out
+
+    return fn
 
 
 def round_tf32(x: torch.Tensor, rounding: str = "rna", *, out: Optional[torch.Tensor] = None,

@@ -159,6 +159,7 @@ def comparable(value: Any) -> bool:
 
 def compare(name: str, y: Any, r: Any, tolerance: float = DEFAULT_TOLERANCE) -> OutputError:
     """Output leaf ``y`` against reference leaf ``r``, whatever their kinds (see the module's docstring)."""
+    y, r = _as_tensor(y), _as_tensor(r)
     if y is ABSENT or r is ABSENT:
         return _fixed(name, (), tolerance, error=math.inf,
                       failure="missing here, the reference has it" if y is ABSENT else "not in the reference")
@@ -205,6 +206,16 @@ def compare(name: str, y: Any, r: Any, tolerance: float = DEFAULT_TOLERANCE) -> 
                        found.top1, found.histogram, tolerance, None, note)
 
 
+def _as_tensor(value: Any) -> Any:
+    """A NumPy array or scalar as a tensor (models that return ``.numpy()``); anything else as it is."""
+    if type(value).__module__ == "numpy" and hasattr(value, "__array__"):
+        try:
+            return torch.as_tensor(value)
+        except (TypeError, RuntimeError):  # object arrays: compared as values
+            return value
+    return value
+
+
 def _compare_values(name: str, y: Any, r: Any, tolerance: float) -> OutputError:
     if isinstance(y, float) and isinstance(r, float):  # a Python float (``.item()``): a 0-d float output
         return compare(name, torch.tensor(y, dtype=torch.float64), torch.tensor(r, dtype=torch.float64), tolerance)
@@ -212,7 +223,11 @@ def _compare_values(name: str, y: Any, r: Any, tolerance: float) -> OutputError:
     if type(y) is not type(r):
         return _fixed(name, (), tolerance, error=math.inf,
                       failure=f"a {type(y).__name__} where the reference has a {kind}")
-    if y != r:
+    try:
+        differ = bool(y != r)
+    except (TypeError, ValueError):  # no single truth value (an object array): by their text
+        differ = repr(y) != repr(r)
+    if differ:
         return _fixed(name, (), tolerance, error=1.0, exact=True,
                       failure=f"{_short(y)} differs from the reference's {_short(r)} (compared exactly)")
     return _fixed(name, (), tolerance, exact=True, note=f"{kind}: compared exactly")

@@ -680,11 +680,14 @@ def rnn_function(call, func, args, kwargs):
         return func(*args, **kwargs)
     x, hx, params = args[0], args[1], args[2]
     nan_free = all(_pymath.isfinite(float(t.detach().sum())) for t in (x, *hx, *params) if t.device.type == "cpu")
-    product, step = call.many_linears("rnn", nan_free)
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                       for t in (x, *params)):
-        def linear(x, w, b):
-            return _RnnLinear.apply(x, w, b, product)
+    product, step, done = call.many_linears("rnn", nan_free)
+    try:
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                           for t in (x, *params)):
+            def linear(x, w, b):
+                return _RnnLinear.apply(x, w, b, product)
 
-        return run_rnn(mode, linear, *args)
-    return run_rnn(mode, product, *args, step=step)
+            return run_rnn(mode, linear, *args)
+        return run_rnn(mode, product, *args, step=step)
+    finally:
+        done()
