@@ -405,3 +405,18 @@ def test_numpy_outputs_are_compared_like_tensors():
     assert outputs["array"].passed and 0 < outputs["array"].normwise < 1e-2 and not outputs["array"].exact
     assert outputs["none"].exact and outputs["none"].passed  # an object array: by its text
     _valid(report)
+
+
+def test_running_out_of_memory_is_said_as_such():
+    class Greedy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if x.dtype == torch.float32:  # only at the levels: 2^50 floats cannot be had
+                torch.empty(2**50)
+            return self.linear(x)
+
+    with pytest.raises(Tf32LabError, match=r"out of memory at level 'highest' \(RuntimeError: .*can't allocate"):
+        tf32lab.check(Workload(Greedy(), torch.randn(2, 4)))

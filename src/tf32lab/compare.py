@@ -58,6 +58,12 @@ ROOT = "(model)"  # how the model itself is named when it runs family ops direct
 _OUT_OF_MEMORY = (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says memory ran out: a MemoryError, CUDA's OutOfMemoryError, or the CPU allocator's
+    RuntimeError ("DefaultCPUAllocator: can't allocate memory")."""
+    return isinstance(exc, _OUT_OF_MEMORY) or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+
+
 def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: str = "a100", reference: str = "float64",
           tolerance: Union[float, Mapping[str, float], None] = None, progress: bool = False) -> Report:
     """Measure ``workload`` at each level against a float64 reference, as ``target`` would compute it.
@@ -104,9 +110,9 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: str = "
                 ref_out = workload.run(model, ref_inputs)
         except Tf32LabError:
             raise
-        except _OUT_OF_MEMORY as exc:
-            raise _no_memory(workload, "the float64 reference", exc) from exc
         except Exception as exc:
+            if _out_of_memory(exc):
+                raise _no_memory(workload, "the float64 reference", exc) from exc
             raise Tf32LabError(f"workload {workload.name!r} raised at the float64 reference, before any level ran: "
                                f"{type(exc).__name__}: {exc}") from exc
         _check_comparable(workload, ref_out)
@@ -155,10 +161,10 @@ def _check_level(workload: Workload, level: str, target: str, recorder: _Recorde
                 out = workload.run()
         except Tf32LabError:
             raise
-        except _OUT_OF_MEMORY as exc:
-            raise _no_memory(workload, f"level {level!r}", exc) from exc
-        except Exception as exc:  # the model cannot run at this level: that is the finding
-            error = _described(exc)
+        except Exception as exc:
+            if _out_of_memory(exc):  # not a finding about the level: check itself is short of memory
+                raise _no_memory(workload, f"level {level!r}", exc) from exc
+            error = _described(exc)  # the model cannot run at this level: that is the finding
     outputs: tuple[metrics.OutputError, ...] = ()
     metric = None
     if error is None:
@@ -426,9 +432,11 @@ class _Recorder:
                     output = module(*args, **kwargs)
                 error = self._normwise(output, reference, norms)
                 why = None
-            except (Tf32LabError, *_OUT_OF_MEMORY):
+            except Tf32LabError:
                 raise
             except Exception as exc:
+                if _out_of_memory(exc):
+                    raise
                 error, why = math.nan, f"raised when run alone at this level: {_described(exc)}"
             finally:
                 self.rerunning = False

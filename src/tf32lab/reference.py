@@ -48,6 +48,17 @@ def widen(t: Any) -> Any:
     return t
 
 
+def _narrow_in(args: Any, kwargs: dict) -> bool:
+    """Whether a float32 (complex64) tensor is among the arguments: most ops of a float64 run have none."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            if a.dtype in _WIDER:
+                return True
+        elif isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) and t.dtype in _WIDER for t in a):
+            return True
+    return False
+
+
 def _widen_args(args: Any) -> Any:
     return [type(a)(map(widen, a)) if isinstance(a, (list, tuple)) else widen(a) for a in args]
 
@@ -103,6 +114,8 @@ class _Functions(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if self.run.paused or name in _PASS or name.endswith("_") or "out" in kwargs:
             return func(*args, **kwargs)
+        if func not in _RNN_OPS and not _narrow_in(args, kwargs) and kwargs.get("dtype") not in _WIDER:
+            return _widen_result(func(*args, **kwargs))
         if kwargs.get("dtype") in _WIDER:
             kwargs = {**kwargs, "dtype": _WIDER[kwargs["dtype"]]}
         if name in _SELECTING and _only_float32(args, kwargs):
@@ -139,6 +152,8 @@ class _Ops(TorchDispatchMode):
         if written and _writes_float32(func, written, args, kwargs):
             run.float32_writes += 1
             return _write_float32(func, args, kwargs)
+        if not _narrow_in(args, kwargs) and kwargs.get("dtype") not in _WIDER:  # already float64: as it is
+            return _widen_result(func(*args, **kwargs))
         if kwargs.get("dtype") in _WIDER:
             kwargs = {**kwargs, "dtype": _WIDER[kwargs["dtype"]]}
         if func.overloadpacket in _SELECTING_OPS and _only_float32(args, kwargs):
