@@ -152,8 +152,8 @@ class _Ops(TorchDispatchMode):
         if written and _writes_float32(func, written, args, kwargs):
             run.float32_writes += 1
             return _write_float32(func, args, kwargs)
-        if not _narrow_in(args, kwargs) and kwargs.get("dtype") not in _WIDER:  # already float64: as it is
-            return _widen_result(func(*args, **kwargs))
+        if func is not _CONVOLUTION and not _narrow_in(args, kwargs) and kwargs.get("dtype") not in _WIDER:
+            return _widen_result(func(*args, **kwargs))  # already float64: as it is
         if kwargs.get("dtype") in _WIDER:
             kwargs = {**kwargs, "dtype": _WIDER[kwargs["dtype"]]}
         if func.overloadpacket in _SELECTING_OPS and _only_float32(args, kwargs):
