@@ -133,3 +133,16 @@ def test_the_float64_reference_convolves_in_slices_of_the_batch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert float(done.stdout) < 200, f"peak grew by {float(done.stdout):.0f} MiB"
+
+
+def test_a_data_swap_inside_one_block_is_not_served_stale():
+    """``p.data = other`` keeps the parameter's identity and version counter; its storage is what changes."""
+    layer = torch.nn.Linear(16, 16, bias=False)
+    x = torch.randn(4, 16)
+    with torch.no_grad(), tf32lab.precision("high"), tf32lab.emulate("a100"):
+        layer(x)
+        layer.weight.data = torch.randn(16, 16)
+        after = layer(x)
+    with torch.no_grad(), tf32lab.precision("high"), tf32lab.emulate("a100"):
+        fresh = layer(x)
+    assert torch.equal(after, fresh)

@@ -162,7 +162,8 @@ def _version(t: torch.Tensor) -> int:
 class _WeightCache:
     """Rounded copies of parameters for one ``emulate`` block: a weight used by several ops is rounded once.
 
-    An entry is valid while the parameter's version counter is unchanged and no write to its storage was seen.
+    An entry is valid while the parameter's version counter and storage are unchanged (``p.data = other`` swaps
+    the storage and keeps the counter) and no write to its storage was seen.
     ``.data`` (which has a version counter of its own) and inference tensors (which have none) are covered by the
     second rule: every mutating op in the block passes through the emulator, which calls :meth:`written`. Writes
     between blocks cannot be seen, so nothing is kept past the block; writes that bypass PyTorch inside a block
@@ -182,7 +183,8 @@ class _WeightCache:
         """``fn(t, out)``'s value for parameter ``t``, ``out`` being ``parts`` buffers shaped like ``t``."""
         base = t._base if t._base is not None else t
         key = (id(base), t.storage_offset(), tuple(t.shape), t.stride(), t.device, tag)
-        version = _version(base)
+        # the storage's address too: ``p.data = other`` swaps it without touching the version counter
+        version = (_version(base), base.untyped_storage().data_ptr())
         hit = self.entries.get(key)
         if hit is not None and hit[0]() is base and hit[1] == version:
             return hit[2]
