@@ -420,3 +420,22 @@ def test_running_out_of_memory_is_said_as_such():
 
     with pytest.raises(Tf32LabError, match=r"out of memory at level 'highest' \(RuntimeError: .*can't allocate"):
         tf32lab.check(Workload(Greedy(), torch.randn(2, 4)))
+
+
+def test_a_model_that_updates_a_buffer_starts_every_run_from_its_state_and_keeps_it():
+    class Average(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+            self.register_buffer("mean", torch.zeros(8))
+
+        def forward(self, x):
+            y = self.linear(x)
+            self.mean.mul_(0.9).add_(y.mean(0), alpha=0.1)  # a running average, updated in eval mode too
+            return y + self.mean
+
+    model = Average()
+    report = tf32lab.check(Workload(model, torch.randn(4, 8)), levels=("highest", "high"))
+    assert report and report.level("highest").outputs[0].normwise < 1e-6
+    assert torch.equal(model.mean, torch.zeros(8))  # the user's state, as it was
+    assert any("float32" in note for note in report.notes)

@@ -98,7 +98,8 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: str = "
     started = time.perf_counter()
     alike = _alike(levels, target)  # level -> the earlier level the target computes identically, if any
     measured = [level for level in levels if alike[level] is None]
-    with _Progress(progress, steps=1 + len(measured)) as bar, _eval_mode(workload.model), _released():
+    with _Progress(progress, steps=1 + len(measured)) as bar, _eval_mode(workload.model), _released(), \
+            _state_kept(workload.model) as reset:
         bar.step(f"{workload.name}: float64 reference, each layer at {len(measured)} level(s)")
         recorder = _Recorder(workload.model, measured, target)
         try:
@@ -124,6 +125,7 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: str = "
                 results[level] = dataclasses.replace(results[same], level=level, same_as=same, seconds=0.0)
                 continue
             bar.step(f"{level}: end to end")
+            reset()  # every run starts from the state the model had (a buffer it updates as it runs)
             release_buffers()  # the reruns' scratch sizes are not this run's: memory the peak need not hold
             results[level] = _check_level(workload, level, target, recorder, ref_out, tolerances)
     return Report(
@@ -428,8 +430,8 @@ class _Recorder:
             args, kwargs = map_tensors(_to_float32, frame.args), map_tensors(_to_float32, frame.kwargs)
             self.rerunning = True
             try:
-                with _originals(self.swapped), _answering(inner), _level_context(level, self.target), \
-                        torch.inference_mode():
+                with _state_kept(module), _originals(self.swapped), _answering(inner), \
+                        _level_context(level, self.target), torch.inference_mode():
                     output = module(*args, **kwargs)
                 error = self._normwise(output, reference, norms)
                 why = None
@@ -679,6 +681,29 @@ def check_levels(levels: Iterable[str]) -> tuple[str, ...]:
     if not chosen:
         raise Tf32LabError(f"no levels to check; accepted: {', '.join(map(repr, LEVELS))}")
     return tuple(chosen)
+
+
+@contextlib.contextmanager
+def _state_kept(model: torch.nn.Module):
+    """The model's buffers as they were, put back on every exit; yields ``reset()``, which puts them back now.
+    A model that updates a buffer as it runs (a running average, a cache) would otherwise start each of
+    check's runs from another state, and keep the last one."""
+    kept = []
+    with torch.no_grad():
+        for buffer in model.buffers():
+            if not buffer.is_inference():
+                kept.append((buffer, buffer.detach().clone()))
+
+    def reset() -> None:
+        with torch.no_grad():
+            for buffer, value in kept:
+                if buffer.shape == value.shape:
+                    buffer.copy_(value)
+
+    try:
+        yield reset
+    finally:
+        reset()
 
 
 # -- the model --------------------------------------------------------------------------------------------------
