@@ -240,7 +240,7 @@ def _level_context(level: str, target: str):
 
 
 # -- the reference run: which modules are layers, their outputs, the error each introduces -----------------------
-def hookable(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], list[str]]:
+def _hookable(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], list[str]]:
     """The modules of ``model`` that take hooks, and the TorchScript ones that do not (nor do their insides)."""
     found, scripted = [], []
     script = torch.jit.ScriptModule
@@ -322,7 +322,7 @@ class _Recorder:
 
     def __init__(self, model: torch.nn.Module, levels: list[str], target: str) -> None:
         self.model, self.levels, self.target = model, levels, target
-        self.modules, self.scripted = hookable(model)
+        self.modules, self.scripted = _hookable(model)
         self.mode = Float64Run(self._op, self._written)
         self.shared: dict[int, list[tuple[str, int]]] = {}  # storage address -> outputs kept without a copy
         self.stack: list[_Frame] = []

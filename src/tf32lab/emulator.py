@@ -307,18 +307,22 @@ class _Call:
             w = self.round(w, math) if _is_parameter(w) else round_fn(w, math.rounding)
             return round_fn(x, math.rounding, out=buffer(x)), w
 
+        last: list = [None]  # the buffer asked for last: every step asks for the hidden state's again
+
         def buffer(x: torch.Tensor) -> torch.Tensor:
+            buf = last[0]
+            if buf is not None and buf.shape == x.shape and buf.device == x.device:
+                return buf
             where = (tuple(x.shape), x.device)
             buf = buffers.get(where)
             if buf is None:
                 buf = buffers[where] = torch.empty(x.shape, dtype=_F32, device=x.device)
+            last[0] = buf
             return buf
 
         def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
             x, w = operands(x, w)
             return F.linear(x, w, b)
-
-        last: list = [None, None]  # the hidden state's shape and its buffer: the same at every step
 
         def step(acc: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             held = transposed.get(id(w))
@@ -329,9 +333,7 @@ class _Call:
             gemms[0] += 1
             if round_fn is not None and h.dtype == _F32:
                 if hot is not None and h.is_cpu and h.is_contiguous():
-                    if last[0] != h.shape:
-                        last[0], last[1] = h.shape, buffer(h)
-                    h = hot(h, last[1])
+                    h = hot(h, buffer(h))
                 else:
                     h = round_fn(h, math.rounding, out=buffer(h), default_nans=nan_free)
             return torch.addmm(acc, h, held[1])
@@ -583,7 +585,7 @@ class _FunctionMode(TorchFunctionMode):
 
 def _rnn(entry: _Entry, func, args, kwargs):
     """An RNN call, its recurrence run without the dispatch mode: the rule rounds each GEMM's operands itself
-    (``_Call.step_product``), so the per-step pointwise ops cost what they cost natively, not a Python handler
+    (``_Call.many_linears``), so the per-step pointwise ops cost what they cost natively, not a Python handler
     each (an LSTM ran 6x slower than native through the mode)."""
     call = _Call(entry, f"aten::{rules.RNN_FUNCTIONS[func]}", _context_cells())
     modes = _thread_modes()

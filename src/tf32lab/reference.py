@@ -114,13 +114,6 @@ class _Functions(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if self.run.paused or name in _PASS or name.endswith("_") or "out" in kwargs:
             return func(*args, **kwargs)
-        if func not in _RNN_OPS and not _narrow_in(args, kwargs) and kwargs.get("dtype") not in _WIDER:
-            return _widen_result(func(*args, **kwargs))
-        if kwargs.get("dtype") in _WIDER:
-            kwargs = {**kwargs, "dtype": _WIDER[kwargs["dtype"]]}
-        if name in _SELECTING and _only_float32(args, kwargs):
-            return _widen_result(func(*args, **kwargs))
-        args, kwargs = _widen_args(args), {k: widen(v) for k, v in kwargs.items()}
         rnn = _RNN_OPS.get(func)
         if rnn is not None:
             # float64 RNNs decompose into a few ops per step: thousands of handler calls with nothing to widen
@@ -128,8 +121,8 @@ class _Functions(TorchFunctionMode):
             if self.run.on_op is not None:
                 self.run.on_op(rnn)
             with modestack.lifted(self.run._modes[1]):
-                return _widen_result(func(*args, **kwargs))
-        return _widen_result(func(*args, **kwargs))
+                return _widened_call(func, args, kwargs, selecting=False)
+        return _widened_call(func, args, kwargs, selecting=name in _SELECTING)
 
 
 class _Ops(TorchDispatchMode):
@@ -147,21 +140,29 @@ class _Ops(TorchDispatchMode):
         if run.on_op is not None:
             run.on_op(func)
         written = _written(func)
-        if written and run.on_write is not None:
-            run.on_write(_targets(func, written, args, kwargs))
-        if written and _writes_float32(func, written, args, kwargs):
-            run.float32_writes += 1
-            return _write_float32(func, args, kwargs)
-        if func is not _CONVOLUTION and not _narrow_in(args, kwargs) and kwargs.get("dtype") not in _WIDER:
-            return _widen_result(func(*args, **kwargs))  # already float64: as it is
-        if kwargs.get("dtype") in _WIDER:
-            kwargs = {**kwargs, "dtype": _WIDER[kwargs["dtype"]]}
-        if func.overloadpacket in _SELECTING_OPS and _only_float32(args, kwargs):
-            return _widen_result(func(*args, **kwargs))
-        args, kwargs = _widen_args(args), {k: widen(v) for k, v in kwargs.items()}
+        if written:
+            targets = _targets(func, written, args, kwargs)
+            if run.on_write is not None:
+                run.on_write(targets)
+            if any(t.dtype in _WIDER for t in targets):
+                run.float32_writes += 1
+                return _write_float32(func, args, kwargs)
         if func is _CONVOLUTION:
-            return _convolution(args, kwargs)
+            return _convolution(_widen_args(args), {k: widen(v) for k, v in kwargs.items()})
+        return _widened_call(func, args, kwargs, selecting=func.overloadpacket in _SELECTING_OPS)
+
+
+def _widened_call(func, args: Any, kwargs: dict, selecting: bool) -> Any:
+    """``func`` computed in float64, its float32 results widened: as it is when nothing it reads is float32;
+    on its float32 inputs when it only selects values (exact, and cheaper); else on widened inputs."""
+    dtype = kwargs.get("dtype")
+    if dtype in _WIDER:
+        kwargs = {**kwargs, "dtype": _WIDER[dtype]}
+    elif not _narrow_in(args, kwargs):  # already float64, the usual case: as it is
         return _widen_result(func(*args, **kwargs))
+    if selecting and _only_float32(args, kwargs):
+        return _widen_result(func(*args, **kwargs))
+    return _widen_result(func(*_widen_args(args), **{k: widen(v) for k, v in kwargs.items()}))
 
 
 # Ops that only pick or rearrange values: widened after, not before (exact either way). An embedding lookup then
@@ -271,10 +272,6 @@ def _targets(func, written: tuple[int, ...], args: tuple, kwargs: dict) -> list[
         elif isinstance(target, (list, tuple)):
             found += [t for t in target if isinstance(t, torch.Tensor)]
     return found
-
-
-def _writes_float32(func, written: tuple[int, ...], args: tuple, kwargs: dict) -> bool:
-    return any(t.dtype in _WIDER for t in _targets(func, written, args, kwargs))
 
 
 def _write_float32(func, args: tuple, kwargs: dict) -> Any:
