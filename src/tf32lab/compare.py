@@ -115,7 +115,7 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: str = "
             if _out_of_memory(exc):
                 raise _no_memory(workload, "the float64 reference", exc) from exc
             raise Tf32LabError(f"workload {workload.name!r} raised at the float64 reference, before any level ran: "
-                               f"{type(exc).__name__}: {exc}") from exc
+                               f"{_described(exc)}") from exc
         _check_comparable(workload, ref_out)
         _warn_unknown(tolerances, ref_out)
         results: dict[str, LevelResult] = {}
