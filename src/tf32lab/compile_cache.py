@@ -34,6 +34,7 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 
 from .errors import Tf32LabError
+from .files import write_atomically
 
 __all__ = ["ARTIFACT", "Loaded", "check_trusted", "folder", "load", "read", "save"]
 
@@ -97,17 +98,10 @@ def save(path: Path) -> Path:
     check_trusted(path)
     artifact = path / ARTIFACT
     note = {**identity(), "artifacts": _count(info), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    _write_private(artifact, data)
-    _write_private(path / NOTE, (json.dumps(note, indent=1) + "\n").encode())
+    write_atomically(artifact, data, private=True)
+    write_atomically(path / NOTE, json.dumps(note, indent=1) + "\n", private=True)
     log.info("saved %d compile artifacts (%d bytes) to %s", _count(info), len(data), artifact)
     return artifact
-
-
-def _write_private(target: Path, payload: bytes) -> None:
-    partial = target.with_suffix(".partial")
-    partial.write_bytes(payload)
-    os.chmod(partial, 0o600)
-    os.replace(partial, target)  # a reader never sees half a file
 
 
 def _escapes(key: str) -> bool:

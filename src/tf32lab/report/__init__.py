@@ -16,14 +16,13 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from ..files import write_atomically
 from ..metrics import HISTOGRAM_EDGES, OutputError
 
 __all__ = ["SCHEMA_VERSION", "LayerError", "LevelResult", "Report", "schema"]
@@ -203,25 +202,6 @@ class Report:
 def schema() -> dict[str, Any]:
     """The JSON Schema of :meth:`Report.to_dict` (``schema.json`` beside this module)."""
     return json.loads((Path(__file__).with_name("schema.json")).read_text(encoding="utf-8"))
-
-
-def write_atomically(path: Union[str, Path], text: str) -> Path:
-    """``text`` into ``path`` through a temporary file beside it and a rename: a full disk or a crash leaves the
-    old file or none, never a truncated one. A character UTF-8 cannot hold (a lone surrogate from a model's output
-    name) is written as its escape, ``\\udc80``."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8", errors="backslashreplace") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return path
 
 
 def _one_line(text: str) -> str:
