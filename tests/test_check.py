@@ -194,7 +194,7 @@ def test_json_follows_the_schema_and_round_trips(small_report, tmp_path):
     data = json.loads(path.read_text())
     assert data == json.loads(text)
     jsonschema.validate(data, schema())
-    assert data["schema_version"] == 2 and data["passed"] is True
+    assert data["schema_version"] == 3 and data["passed"] is True
     assert data["levels"][2]["same_as"] == "high"
     assert sum(data["levels"][1]["outputs"][0]["histogram"]) == 32 * 10
 

@@ -23,12 +23,14 @@ _WHERE = {
     "check": "compare", "doctor": "diagnosis", "emulate": "emulator", "Tf32LabError": "errors",
     "autoconfig": "heuristics", "save_compile_cache": "heuristics", "LEVELS": "levels", "Report": "report",
     "get_float32_matmul_precision": "scope", "precision": "scope", "set_float32_matmul_precision": "scope",
+    "Policy": "policy", "explain": "policy",
     "Workload": "workload",
 }
 _SUBMODULES = ("flags", "formats", "hardware", "targets")
 
 __all__ = [
     "LEVELS",
+    "Policy",
     "Report",
     "Tf32LabError",
     "Workload",
@@ -37,6 +39,7 @@ __all__ = [
     "check",
     "doctor",
     "emulate",
+    "explain",
     "flags",
     "formats",
     "get_float32_matmul_precision",

@@ -55,11 +55,28 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated levels (default: all three)")
     check.add_argument("--tolerance", type=_tolerance, default=None,
                        help="largest normwise relative error of an output (default: 1e-2)")
+    check.add_argument("--policy", metavar="FILE",
+                       help="also measure this per-module policy (JSON or TOML, see tf32lab.Policy) as one more row")
     check.add_argument("--json", metavar="PATH",
                        help="write the report as JSON (docs/report-schema.md); '-' for stdout, instead of the tables")
     check.add_argument("--html", metavar="PATH", help="write the report as a self-contained HTML page")
     check.add_argument("--debug", action="store_true", help="show tracebacks")
     check.set_defaults(run=_check)
+    policy = sub.add_parser(
+        "policy", help="per-module precision policies: show which level each module gets",
+        description="A policy file (JSON or TOML) gives modules of a model their own precision level; see "
+                    "tf32lab.Policy and docs/design.md.",
+    )
+    actions = policy.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser, required=True)
+    show = actions.add_parser(
+        "show", help="the policy's rules; with --model, the level of every module and the rule that gave it",
+        description="Exit code 0; 1 when --model is given and a rule matches none of its modules (apply() would "
+                    "refuse the policy); 2 bad input.",
+    )
+    show.add_argument("file", help="the policy file")
+    show.add_argument("--model", metavar="SPEC", help="a workload spec, as for check (e.g. path/file.py:factory)")
+    show.add_argument("--debug", action="store_true", help="show tracebacks")
+    show.set_defaults(run=_policy_show)
     doctor = sub.add_parser(
         "doctor", help="explain what each precision setting really does on this machine, warn, and recommend",
         description="The hardware, every precision flag now (both PyTorch API generations), what each level does "
@@ -142,6 +159,11 @@ def _check(args: argparse.Namespace) -> int:
             _writable(path, flag)
     if args.html == "-":
         raise Tf32LabError("--html - is not supported: the page goes to a file (--json - writes JSON to stdout)")
+    policy = None
+    if args.policy is not None:
+        from .policy import Policy
+
+        policy = Policy.load(args.policy)  # before the workload loads: a bad file fails fast
     spec = args.spec
     if spec is None:
         spec = specs.default_spec()
@@ -151,7 +173,7 @@ def _check(args: argparse.Namespace) -> int:
     loaded = specs.load(spec)
     try:
         report = check(loaded, levels=levels, target=args.target, tolerance=args.tolerance,
-                       progress=sys.stderr.isatty())
+                       progress=sys.stderr.isatty(), policy=policy)
     except Tf32LabError:
         raise
     except Exception as exc:
@@ -176,6 +198,51 @@ def _check(args: argparse.Namespace) -> int:
                 raise Tf32LabError(f"cannot write {_shown(path)}: {exc.strerror or exc}") from exc
             print(f"wrote {_shown(path)}", file=sys.stderr if args.json == "-" else sys.stdout)
     return code
+
+
+def _policy_show(args: argparse.Namespace) -> int:
+    from rich.table import Table
+    from rich.text import Text
+
+    from .policy import Policy
+    from .report.text import inert
+
+    policy = Policy.load(args.file)
+    console = _console()
+    default = policy.default or "the caller's level"
+    if args.model is None:
+        console.print(f"{_shown(args.file)}: {default} by default; the first matching rule wins", markup=False,
+                      highlight=False)
+        table = Table()
+        for column in ("rule", "pattern", "level"):
+            table.add_column(column)
+        for i, rule in enumerate(policy.rules, 1):
+            table.add_row(str(i), Text(inert(rule.pattern)), rule.level)
+        console.print(table)
+        return 0
+    from . import specs
+
+    model = specs.load(args.model).model
+    handle = policy.apply(model, strict=False) if not policy.unmatched(model) else None
+    hooked = set(handle.hooked) if handle is not None else set()
+    if handle is not None:
+        handle.remove()
+    modules = dict(model.named_modules())
+    console.print(f"{_shown(args.file)} on {inert(type(model).__name__)}: the level of each module (*: hooked, "
+                  "its level differs from its parent's)", markup=False, highlight=False)
+    table = Table()
+    for column in ("module", "kind", "level", "from"):
+        table.add_column(column)
+    for a in policy.explain(model):
+        name = (a.name or "(model)") + (" *" if a.name in hooked else "")
+        table.add_row(Text(inert(name)), Text(inert(type(modules[a.name]).__name__)), a.level or "caller's",
+                      Text(inert(a.source)))
+    console.print(table)
+    missing = policy.unmatched(model)
+    for rule in missing:
+        print(f"rule {policy.rules.index(rule) + 1} {inert(repr(rule.pattern))} matches no module: apply() would "
+              "refuse this policy for this model (strict=False: a warning)", file=sys.stderr)
+    return 1 if missing else 0
 
 
 def _doctor(args: argparse.Namespace) -> int:

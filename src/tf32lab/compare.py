@@ -45,9 +45,10 @@ from . import hardware, metrics, optable, targets
 from .emulator import emulate, maths, release_buffers
 from .errors import Tf32LabError
 from .levels import LEVELS, check_level
+from .policy import Policy
 from .reference import Float64Run, widen
 from .report import LayerError, LevelResult, Report
-from .scope import precision
+from .scope import get_float32_matmul_precision, precision
 from .trees import map_tensors, named_leaves, named_tensors
 from .workload import Workload
 
@@ -65,7 +66,8 @@ def _out_of_memory(exc: BaseException) -> bool:
 
 
 def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: str = "a100", reference: str = "float64",
-          tolerance: Union[float, Mapping[str, float], None] = None, progress: bool = False) -> Report:
+          tolerance: Union[float, Mapping[str, float], None] = None, progress: bool = False,
+          policy: Optional[Policy] = None) -> Report:
     """Measure ``workload`` at each level against a float64 reference, as ``target`` would compute it.
 
     Args:
@@ -76,6 +78,9 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: str = "
         tolerance: the largest normwise relative error an output may have: a number, or a dict of output names
             with an optional ``"default"``; by default ``metrics.DEFAULT_TOLERANCE`` (1e-2, see there why).
         progress: show a progress bar on stderr.
+        policy: a :class:`~tf32lab.Policy` measured as one more row, ``"policy"``, after the levels: the model
+            runs with it applied (its default None: the level in force where ``check`` is called), and each
+            layer's introduced error is the one at the level the policy gives it.
 
     Returns a :class:`~tf32lab.report.Report`; ``bool(report)`` is the verdict. Raises ``Tf32LabError`` for bad
     arguments, a model that raises at the float64 reference, an output with nothing to compare, or no memory.
@@ -96,9 +101,12 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: str = "
         raise Tf32LabError(f"unknown reference {reference!r}; accepted: {', '.join(map(repr, REFERENCES))}")
     tolerances = _tolerances(tolerance)
     started = time.perf_counter()
-    alike = _alike(levels, target)  # level -> the earlier level the target computes identically, if any
-    measured = [level for level in levels if alike[level] is None]
-    with _Progress(progress, steps=1 + len(measured)) as bar, _eval_mode(workload.model), _released(), \
+    row = _PolicyRow.of(policy, workload.model) if policy is not None else None
+    extra = tuple(level for level in LEVELS if row is not None and level in row.levels and level not in levels)
+    alike = _alike(levels + extra, target)  # level -> the earlier level the target computes identically, if any
+    measured = [level for level in levels + extra if alike[level] is None]
+    runs = len([level for level in levels if alike[level] is None]) + (row is not None)
+    with _Progress(progress, steps=1 + runs) as bar, _eval_mode(workload.model), _released(), \
             _state_kept(workload.model) as reset:
         bar.step(f"{workload.name}: float64 reference, each layer at {len(measured)} level(s)")
         recorder = _Recorder(workload.model, measured, target)
@@ -128,11 +136,42 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: str = "
             reset()  # every run starts from the state the model had (a buffer it updates as it runs)
             release_buffers()  # the reruns' scratch sizes are not this run's: memory the peak need not hold
             results[level] = _check_level(workload, level, target, recorder, ref_out, tolerances)
+        rows = [results[level] for level in levels]
+        if row is not None:
+            bar.step("policy: end to end")
+            reset()
+            release_buffers()
+            rows.append(_check_level(workload, row.base, target, recorder, ref_out, tolerances, row=row,
+                                     alike=alike))
     return Report(
         workload=str(workload.name), target=target, reference=reference, tolerance=dict(tolerances),
-        levels=tuple(results[level] for level in levels), environment=_environment(workload),
+        levels=tuple(rows), environment=_environment(workload),
         seconds=time.perf_counter() - started, notes=tuple(recorder.notes()),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _PolicyRow:
+    """A policy as check measures it: its level per module name (``ROOT`` for the model), unmatched rules refused."""
+
+    policy: Policy
+    base: str  # the level the model itself runs at: the policy's default, or the one in force here
+    by_name: dict[str, str]
+    levels: frozenset[str]
+
+    @classmethod
+    def of(cls, policy: Policy, model: torch.nn.Module) -> _PolicyRow:
+        if not isinstance(policy, Policy):
+            raise Tf32LabError(f"check(policy=...) takes a tf32lab.Policy, not {type(policy).__name__}")
+        missing = policy.unmatched(model)
+        if missing:
+            policy.apply(model).remove()  # its one-line error names the rule and the model's modules
+        base = policy.default or get_float32_matmul_precision()
+        by_name = {(a.name or ROOT): a.level or base for a in policy.explain(model)}
+        return cls(policy, base, by_name, frozenset(by_name.values()))
+
+    def describe(self) -> dict[str, Any]:
+        return dict(self.policy.to_dict(), base=self.base)
 
 
 def _alike(levels: tuple[str, ...], target: str) -> dict[str, Optional[str]]:
@@ -153,12 +192,15 @@ def _alike(levels: tuple[str, ...], target: str) -> dict[str, Optional[str]]:
 
 
 def _check_level(workload: Workload, level: str, target: str, recorder: _Recorder, ref_out: Any,
-                 tolerances: dict[str, float]) -> LevelResult:
+                 tolerances: dict[str, float], row: Optional[_PolicyRow] = None,
+                 alike: Optional[dict[str, Optional[str]]] = None) -> LevelResult:
+    """One end-to-end run at ``level`` (with ``row``: the policy applied, ``level`` its base) and its result."""
     started = time.perf_counter()
     accumulated = _Accumulated(recorder)
     out, error = None, None
-    with _level_context(level, target) as emu:
-        level_maths = {} if emu is None else maths(target)
+    applied = row.policy.applied(workload.model) if row else contextlib.nullcontext()
+    with _level_context(level, target) as emu, applied:
+        level_maths = {} if emu is None else (_policy_maths(row, target) if row else maths(target))
         try:
             with accumulated, torch.inference_mode():
                 out = workload.run()
@@ -166,7 +208,7 @@ def _check_level(workload: Workload, level: str, target: str, recorder: _Recorde
             raise
         except Exception as exc:
             if _out_of_memory(exc):  # not a finding about the level: check itself is short of memory
-                raise _no_memory(workload, f"level {level!r}", exc) from exc
+                raise _no_memory(workload, "the policy" if row else f"level {level!r}", exc) from exc
             error = _described(exc)  # the model cannot run at this level: that is the finding
     outputs: tuple[metrics.OutputError, ...] = ()
     metric = None
@@ -180,7 +222,11 @@ def _check_level(workload: Workload, level: str, target: str, recorder: _Recorde
                     f"workload {workload.name!r}: its metric raised {type(exc).__name__}: {exc}") from exc
     layers = []
     for name, module in recorder.layers:
-        introduced, why = _introduced(recorder, accumulated, level, name)
+        at = level
+        if row is not None:  # the level the policy gives this layer, as measured (a level computed alike)
+            at = row.by_name.get(name, level)
+            at = (alike or {}).get(at) or at
+        introduced, why = _introduced(recorder, accumulated, at, name)
         acc, diverged = accumulated.result(name, finished=error is None)
         reasons = "; ".join(r for r in (why, diverged) if r)
         layers.append(LayerError(name, type(module).__name__, recorder.count[name], introduced, acc,
@@ -188,8 +234,18 @@ def _check_level(workload: Workload, level: str, target: str, recorder: _Recorde
     ranked = sorted(layers, key=lambda e: -math.inf if math.isnan(e.introduced) else -e.introduced)
     coverage = {} if emu is None else {f"{op} {m}": n for (op, m), n in sorted(emu.coverage.items())}
     unhandled = {} if emu is None else dict(sorted(emu.unhandled.items()))
-    return LevelResult(level, level_maths, outputs, tuple(ranked), metric, coverage, unhandled,
-                       time.perf_counter() - started, error=error)
+    return LevelResult("policy" if row else level, level_maths, outputs, tuple(ranked), metric, coverage, unhandled,
+                       time.perf_counter() - started, error=error, policy=row.describe() if row else None)
+
+
+def _policy_maths(row: _PolicyRow, target: str) -> dict[str, str]:
+    """Per family: the math every level of the policy gives it, or ``mixed``."""
+    found: dict[str, set[str]] = {}
+    for level in sorted(row.levels):
+        with precision(level):
+            for key, m in maths(target).items():
+                found.setdefault(key, set()).add(m)
+    return {key: values.pop() if len(values) == 1 else "mixed" for key, values in found.items()}
 
 
 def _introduced(recorder: _Recorder, accumulated: _Accumulated, level: str, name: str) -> tuple[float, Optional[str]]:

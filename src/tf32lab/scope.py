@@ -46,19 +46,19 @@ __all__ = ["get_float32_matmul_precision", "precision", "set_float32_matmul_prec
 F = TypeVar("F", bound=Callable[..., Any])
 
 GUARD_POLICIES = ("auto", "always")
-_policy: Optional[str] = None
+_guard_choice: Optional[str] = None
 
 
 def guard_policy() -> str:
     """``TF32LAB_SCOPE_GUARD`` (``auto`` or ``always``), read once; a bad value is a one-line ``Tf32LabError``."""
-    global _policy
-    if _policy is None:
+    global _guard_choice
+    if _guard_choice is None:
         value = os.environ.get("TF32LAB_SCOPE_GUARD", "auto")
         if value not in GUARD_POLICIES:
             raise Tf32LabError(f"TF32LAB_SCOPE_GUARD={value!r} is not understood; accepted: "
                                f"{', '.join(map(repr, GUARD_POLICIES))}")
-        _policy = value
-    return _policy
+        _guard_choice = value
+    return _guard_choice
 
 
 _MAIN = threading.main_thread().ident
@@ -288,11 +288,12 @@ _STATE = _State()
 _SENSITIVE: dict[Any, bool] = {}
 
 
-def _sensitive(func: Any) -> bool:
+def is_sensitive(func: Any) -> bool:
+    """Whether the op's math follows the level: a matmul-family op, or an op from outside aten (which may run
+    matmuls inside its own kernel)."""
     known = _SENSITIVE.get(func)
     if known is None:
         name = func.name()
-        # An op from outside aten may run matmuls inside its own kernel: guard it too.
         known = _SENSITIVE[func] = optable.family(name) is not None or not name.startswith("aten::")
     return known
 
@@ -395,7 +396,7 @@ class _Guard(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not _sensitive(func):
+        if not is_sensitive(func):
             return func(*args, **kwargs)
         node = _SCOPE.get()
         if node is not None and not node.alive:
@@ -565,7 +566,7 @@ class precision:
             if state.live == 0 and state.in_force is None and state.writer is None and not state.readers:
                 # the only scope in the process (so no emulation either): the common case, kept short
                 # _guard_wanted() and _holder() inlined (no other holder exists here): every scope entry pays them
-                if tls.guard is None and (thread != _MAIN or (_policy or guard_policy()) == "always"
+                if tls.guard is None and (thread != _MAIN or (_guard_choice or guard_policy()) == "always"
                                           or _other_threads()):
                     _push_guard(thread)
                 holder = tls.holder if task is None and tls.holder is not None else _holder(key, task)

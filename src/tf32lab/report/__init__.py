@@ -11,7 +11,7 @@ Example:
     >>> bool(report), [lv.level for lv in report.levels]
     (True, ['highest', 'high'])
     >>> report.to_dict()["schema_version"]
-    2
+    3
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ..metrics import HISTOGRAM_EDGES, OutputError
 
 __all__ = ["SCHEMA_VERSION", "LayerError", "LevelResult", "Report", "schema"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,7 @@ class LevelResult:
     seconds: float
     same_as: Optional[str] = None  # an earlier level the target computes identically, measured once for both
     error: Optional[str] = None  # "NotPSDError: ...": the model raised at this level (a finding: FAILED)
+    policy: Optional[dict[str, Any]] = None  # the row "policy": the policy's dict form and its base level
 
     @property
     def passed(self) -> bool:
@@ -151,6 +152,7 @@ class Report:
                     "seconds": lv.seconds,
                     "same_as": lv.same_as,
                     "error": lv.error,
+                    "policy": lv.policy,
                 }
                 for lv in self.levels
             ],

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Optional
 if TYPE_CHECKING:
     from . import LevelResult, Report
 
-__all__ = ["MAX_REL_NOTE", "conclusion"]
+__all__ = ["MAX_REL_NOTE", "conclusion", "policy_summary"]
 
 # why a large max rel can stand beside PASSED (the footnote of the outputs table)
 MAX_REL_NOTE = ("max rel is over the elements whose reference is at least 1e-6 of the largest, so a reference "
@@ -96,6 +96,8 @@ def conclusion(report: Report) -> list[str]:
     if not native and "medium" in by_name and by_name["medium"].same_as == "high":
         lines.append(f"On {report.target} `medium` computes exactly as `high`: cuBLAS has no bf16 path for float32 "
                      f"matmuls, so it was measured once.")
+    if "policy" in by_name:
+        lines.append(_policy_sentence(by_name["policy"], where))
     top = by_name.get("highest")
     if top is not None and not top.passed:
         lines.append(_highest_failed(top, report.target))
@@ -110,6 +112,25 @@ def conclusion(report: Report) -> list[str]:
         lines.append("Every level checked is within tolerance." if report.passed else
                      "Some level exceeds its tolerance; see the tables.")
     return lines
+
+
+def policy_summary(policy: dict) -> str:
+    """A policy's dict form in a few words: ```high` by default, 'v_head' → `highest```."""
+    default = f"`{policy['default']}`" if policy.get("default") else f"the caller's level (`{policy.get('base')}`)"
+    rules = "".join(f", {r['pattern']!r} → `{r['level']}`" for r in policy.get("rules", ())[:3])
+    more = len(policy.get("rules", ())) - 3
+    return f"{default} by default{rules}" + (f" and {more} more rule(s)" if more > 0 else "")
+
+
+def _policy_sentence(row: LevelResult, where: str) -> str:
+    summary = policy_summary(row.policy or {})
+    if row.passed:
+        worst = row.worst
+        measured = (f"worst normwise {worst.normwise:.1e} (output {worst.name!r}) against tolerance "
+                    f"{worst.tolerance:.0e}" if worst is not None and not worst.exact else "every output equal")
+        return (f"The policy ({summary}) is within tolerance {where}: {measured}. Apply it with "
+                f"`tf32lab.Policy.load(\"policy.json\").apply(model)`.")
+    return f"The policy ({summary}) fails: {_why_failed(row)}."
 
 
 def _highest_failed(top: LevelResult, target: str) -> str:

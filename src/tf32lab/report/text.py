@@ -75,9 +75,13 @@ def renderables(report: Report) -> Iterator[Any]:
 
 def notes(report: Report) -> list[str]:
     """The lines under the tables: the report's notes, what outputs and layers need said, the max rel footnote."""
-    from .conclusion import MAX_REL_NOTE
+    from .conclusion import MAX_REL_NOTE, policy_summary
 
     lines = list(report.notes)
+    for lv in report.levels:
+        if lv.policy is not None:
+            lines.append(f"policy: {policy_summary(lv.policy)}; each layer's introduced error is the one at the "
+                         f"level the policy gives it")
     for lv in report.levels:
         if lv.same_as is not None:  # its lines are the other level's
             continue

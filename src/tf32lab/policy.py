@@ -1,0 +1,452 @@
+"""Per-module precision: a :class:`Policy` says which level each module of a model runs at, forward and backward.
+
+A policy is plain data: a default level and an ordered list of rules ``(pattern, level)``. Patterns are
+``fnmatch``-style on the names of ``model.named_modules()`` (``"v_head"``, ``"encoder.layer.*.attention.*"``); the
+first rule that matches a module gives its level, and a module no rule names inherits its parent's. The model
+itself (named ``""``) gets the default; ``default=None`` leaves it at the level in force where it is called.
+
+``policy.apply(model)`` hooks only the modules whose level differs from their parent's (every other module costs
+nothing). Such a module's forward runs inside ``precision(level)``; the autograd nodes it created are tagged, and
+when backward runs one of them, a dispatch mode on that node's thread runs its matmul-family ops inside the same
+``precision(level)``: natively (in autograd's own threads too) and under ``emulate()`` alike. PyTorch scopes
+the mode to the node (the engine restores the thread's modes after each node), so a backward that raises leaves
+nothing behind. docs/design.md ("policy") says what it costs and what it does not cover.
+
+Example:
+
+    >>> import torch, tf32lab
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    >>> policy = tf32lab.Policy(default="high", rules=[("1", "highest")])
+    >>> [(a.name, a.level, a.source) for a in policy.explain(model)]
+    [('', 'high', 'default'), ('0', 'high', 'inherited from the model'), ('1', 'highest', "rule 1 '1'")]
+    >>> with policy.applied(model):
+    ...     model(torch.randn(4, 8)).sum().backward()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+import json
+import threading
+import warnings
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple, Optional, Union
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .errors import Tf32LabError
+from .files import write_atomically
+from .levels import LEVELS
+from .scope import is_sensitive, precision
+from .trees import named_tensors
+
+__all__ = ["Assignment", "Policy", "PolicyHandle", "Rule", "explain"]
+
+SCHEMA_VERSION = 1
+_KEYS = ("schema_version", "default", "rules")
+_RULE_KEYS = ("pattern", "level")
+_TAG = "tf32lab.level"  # key in an autograd node's metadata: the level its backward runs at
+_LEAF = 1 << 63  # AccumulateGrad nodes carry the largest sequence number; they compute nothing to tag
+
+
+def _level(value: object, where: str) -> str:
+    if isinstance(value, str) and value.lower() in LEVELS:
+        return value.lower()
+    raise Tf32LabError(f"{where}: unknown level {value!r}; accepted: {', '.join(map(repr, LEVELS))}")
+
+
+class Rule(NamedTuple):
+    """One rule: modules whose name matches ``pattern`` (``fnmatch``) run at ``level``."""
+
+    pattern: str
+    level: str
+
+
+class Assignment(NamedTuple):
+    """The level one module gets from a policy, and what gave it: ``"rule 2 'head.*'"``, ``"default"``, ..."""
+
+    name: str
+    level: Optional[str]
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Which level each module of a model runs at; see the module docstring.
+
+    Args:
+        default: the model's own level (``"highest"``, ``"high"``, ``"medium"``), or None: the level in force where
+            the model is called.
+        rules: ``(pattern, level)`` pairs (or :class:`Rule`), in order; the first match wins.
+
+    Example:
+
+        >>> import tf32lab
+        >>> p = tf32lab.Policy(default="high", rules=[("v_head", "highest")])
+        >>> p.rules
+        (Rule(pattern='v_head', level='highest'),)
+        >>> tf32lab.Policy(rules=[("v_head", "fast")])
+        Traceback (most recent call last):
+        ...
+        tf32lab.errors.Tf32LabError: policy rule 1 ('v_head'): unknown level 'fast'; accepted: 'highest', ...
+    """
+
+    default: Optional[str] = None
+    rules: tuple[Rule, ...] = ()
+
+    def __post_init__(self) -> None:
+        default = None if self.default is None else _level(self.default, "policy default")
+        if isinstance(self.rules, (str, bytes, Mapping)) or not isinstance(self.rules, Iterable):
+            raise Tf32LabError("policy rules must be a list of (pattern, level) pairs, not "
+                               f"{type(self.rules).__name__}")
+        rules = []
+        for i, rule in enumerate(self.rules, 1):
+            if isinstance(rule, Mapping):
+                unknown = sorted(set(map(str, rule)) - set(_RULE_KEYS))
+                if unknown:
+                    raise Tf32LabError(f"policy rule {i}: unknown key {unknown[0]!r}; accepted: "
+                                       f"{', '.join(map(repr, _RULE_KEYS))}")
+                missing = [key for key in _RULE_KEYS if key not in rule]
+                if missing:
+                    raise Tf32LabError(f"policy rule {i}: missing {missing[0]!r}")
+                rule = (rule["pattern"], rule["level"])
+            if isinstance(rule, (str, bytes)) or not isinstance(rule, (tuple, list)) or len(rule) != 2:
+                raise Tf32LabError(f"policy rule {i}: {rule!r} is not a (pattern, level) pair")
+            pattern, level = rule
+            if not isinstance(pattern, str):
+                raise Tf32LabError(f"policy rule {i}: the pattern {pattern!r} is not a string")
+            rules.append(Rule(pattern, _level(level, f"policy rule {i} ({pattern!r})")))
+        object.__setattr__(self, "default", default)
+        object.__setattr__(self, "rules", tuple(rules))
+
+    # -- which level each module gets ------------------------------------------------------------------------------
+    def explain(self, model: torch.nn.Module) -> list[Assignment]:
+        """The level of every module of ``model`` (``named_modules()`` order) and the rule, default or parent that
+        gave it."""
+        return [a for a, _ in self._assignments(model)]
+
+    def _assignments(self, model: torch.nn.Module) -> list[tuple[Assignment, Optional[str]]]:
+        """Each module's assignment and its parent's name (None for the model)."""
+        found: dict[str, Assignment] = {}
+        out = []
+        for name, _ in model.named_modules():
+            parent = None
+            if name:
+                parent = name.rpartition(".")[0]
+                while parent and parent not in found:  # a module registered under a dotted name skips a level
+                    parent = parent.rpartition(".")[0]
+            found[name] = self._assign(name, None if parent is None else found[parent])
+            out.append((found[name], parent))
+        return out
+
+    def _assign(self, name: str, parent: Optional[Assignment]) -> Assignment:
+        for i, rule in enumerate(self.rules, 1):
+            if fnmatch.fnmatchcase(name, rule.pattern):
+                return Assignment(name, rule.level, f"rule {i} {rule.pattern!r}")
+        if parent is None:
+            return Assignment(name, self.default, "default" if self.default else "inherited from the caller")
+        return Assignment(name, parent.level, f"inherited from {parent.name!r}" if parent.name else
+                          "inherited from the model")
+
+    def unmatched(self, model: torch.nn.Module) -> list[Rule]:
+        """The rules that match no module of ``model`` (a typo, or a policy written for another model)."""
+        names = [name for name, _ in model.named_modules()]
+        return [rule for rule in self.rules if not any(fnmatch.fnmatchcase(n, rule.pattern) for n in names)]
+
+    # -- applying it -----------------------------------------------------------------------------------------------
+    def apply(self, model: torch.nn.Module, *, strict: bool = True) -> PolicyHandle:
+        """Run each module of ``model`` at its level from now on, forward and backward, until ``handle.remove()``.
+
+        ``strict``: a rule that matches no module is an error (else a warning). A model that already has a policy
+        applied is an error: remove that one first.
+
+        Example:
+
+            >>> import torch, tf32lab
+            >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+            >>> handle = tf32lab.Policy(rules=[("0", "highest")]).apply(model)
+            >>> handle.hooked
+            ['0']
+            >>> handle.remove()
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise Tf32LabError(f"a policy applies to a torch.nn.Module, not {type(model).__name__}")
+        missing = self.unmatched(model)
+        if missing:
+            names = [name for name, _ in model.named_modules() if name][:6]
+            message = (f"policy rule {self.rules.index(missing[0]) + 1} {missing[0].pattern!r} matches no module of "
+                       f"{type(model).__name__} (its modules: {', '.join(names) or 'none but itself'}"
+                       f"{', ...' if len(names) == 6 else ''})")
+            if strict:
+                raise Tf32LabError(message)
+            warnings.warn(message, stacklevel=2)
+        return PolicyHandle(self, model)
+
+    @contextlib.contextmanager
+    def applied(self, model: torch.nn.Module, *, strict: bool = True) -> Iterator[PolicyHandle]:
+        """:meth:`apply` for the duration of a ``with`` block."""
+        handle = self.apply(model, strict=strict)
+        try:
+            yield handle
+        finally:
+            handle.remove()
+
+    # -- as data ---------------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, "default": self.default,
+                "rules": [{"pattern": r.pattern, "level": r.level} for r in self.rules]}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "policy") -> Policy:
+        """A policy from its dict form (``to_dict``); every problem is one ``Tf32LabError`` line naming it."""
+        if not isinstance(data, Mapping):
+            raise Tf32LabError(f"{where}: expected an object with {', '.join(_KEYS)}, not {type(data).__name__}")
+        unknown = sorted(set(map(str, data)) - set(_KEYS))
+        if unknown:
+            raise Tf32LabError(f"{where}: unknown key {unknown[0]!r}; accepted: {', '.join(map(repr, _KEYS))}")
+        version = data.get("schema_version")
+        if version is None:
+            raise Tf32LabError(f"{where}: missing 'schema_version' (this tf32lab writes {SCHEMA_VERSION})")
+        if version != SCHEMA_VERSION or isinstance(version, bool):
+            raise Tf32LabError(f"{where}: schema_version {version!r} is not supported; accepted: {SCHEMA_VERSION}")
+        try:
+            return cls(default=data.get("default"), rules=data.get("rules", ()))
+        except Tf32LabError as exc:
+            raise Tf32LabError(f"{where}: {exc}") from None
+
+    def save(self, path: Union[str, Path]) -> Path:
+        """Write the policy to ``path``: TOML when it ends in ``.toml``, else JSON. Written whole or not at all."""
+        path = Path(path)
+        return write_atomically(path, _toml(self) if path.suffix.lower() == ".toml" else self.to_json())
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> Policy:
+        """Read a policy written by :meth:`save` (JSON, or TOML for a ``.toml`` file).
+
+        Example:
+
+            >>> import tempfile, os, tf32lab
+            >>> path = os.path.join(tempfile.mkdtemp(), "policy.json")
+            >>> _ = tf32lab.Policy("high", [("v_head", "highest")]).save(path)
+            >>> tf32lab.Policy.load(path) == tf32lab.Policy("high", [("v_head", "highest")])
+            True
+        """
+        path = Path(path)
+        where = f"policy file {str(path)!r}"
+        try:
+            text = path.read_bytes()
+        except OSError as exc:
+            raise Tf32LabError(f"{where}: cannot read it: {exc.strerror or exc}") from None
+        if path.suffix.lower() == ".toml":
+            data = _read_toml(text, where)
+        else:
+            try:
+                data = json.loads(text)
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise Tf32LabError(f"{where}: not JSON: {exc}") from None
+        return cls.from_dict(data, where)
+
+
+def explain(policy: Policy, model: torch.nn.Module) -> list[Assignment]:
+    """The level each module of ``model`` gets from ``policy``, and why (see :meth:`Policy.explain`)."""
+    return policy.explain(model)
+
+
+def _toml(policy: Policy) -> str:
+    # JSON strings are TOML basic strings for everything a module name or level holds
+    lines = [f"schema_version = {SCHEMA_VERSION}"]
+    if policy.default is not None:
+        lines.append(f"default = {json.dumps(policy.default)}")
+    for rule in policy.rules:
+        lines += ["", "[[rules]]", f"pattern = {json.dumps(rule.pattern)}", f"level = {json.dumps(rule.level)}"]
+    return "\n".join(lines) + "\n"
+
+
+def _read_toml(text: bytes, where: str) -> Any:
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ImportError:
+            raise Tf32LabError(f"{where}: reading TOML needs Python >= 3.11 or the tomli package; "
+                               "save the policy as JSON instead") from None
+    try:
+        return tomllib.loads(text.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise Tf32LabError(f"{where}: not TOML: {exc}") from None
+
+
+# -- the mechanics of apply() -------------------------------------------------------------------------------------
+class _Open(threading.local):
+    """Per thread: the scopes opened by pre-forward hooks, innermost last (forward hooks run on one thread)."""
+
+    def __init__(self) -> None:
+        self.scopes: list[tuple[torch.nn.Module, precision, int]] = []
+
+
+_OPEN = _Open()
+_APPLIED: weakref.WeakKeyDictionary[torch.nn.Module, PolicyHandle] = weakref.WeakKeyDictionary()
+_APPLIED_LOCK = threading.Lock()
+
+
+class _Deciding(threading.local):
+    level: Optional[str] = None  # set while a backward op runs under a node's level: outer nodes' modes defer
+
+
+_DECIDING = _Deciding()
+
+
+class _NodeLevel(TorchDispatchMode):
+    """Pushed by a tagged autograd node's pre-hook, for that node only: its family ops run at the node's level."""
+
+    def __init__(self, level: str) -> None:
+        super().__init__()
+        self.level = level
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _DECIDING.level is not None or not is_sensitive(func):
+            return func(*args, **kwargs)
+        _DECIDING.level = self.level
+        try:
+            with precision(self.level):
+                return func(*args, **kwargs)
+        finally:
+            _DECIDING.level = None
+
+
+_NODE_MODES = {level: _NodeLevel(level) for level in LEVELS}
+
+
+def _node_prehook(level: str):
+    mode = _NODE_MODES[level]
+    push = torch._C._push_on_torch_dispatch_stack
+
+    def hook(grad_outputs):
+        # The engine restores this thread's modes after the node, exception or not: no pop needed (or possible).
+        push(mode)
+
+    return hook
+
+
+_PREHOOKS = {level: _node_prehook(level) for level in LEVELS}
+
+
+def _tag(output: Any, start: int, level: str) -> None:
+    """Tag the autograd nodes created since sequence number ``start`` that lead to ``output`` and have no level yet
+    (those of nested modules with a level of their own are tagged already, at their own forward's end)."""
+    todo = [t.grad_fn for _, t in named_tensors(output) if t.grad_fn is not None]
+    seen: set[int] = set()
+    hook = _PREHOOKS[level]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        number = node._sequence_nr()
+        if number < start or number >= _LEAF:
+            continue
+        metadata = node.metadata
+        if _TAG not in metadata:
+            metadata[_TAG] = level
+            node.register_prehook(hook)
+        todo.extend(fn for fn, _ in node.next_functions)
+
+
+_sequence_nr = torch._C._autograd._get_sequence_nr
+
+
+def _forward_hooks(module: torch.nn.Module, level: str):
+    def pre(module, args):
+        scope = precision(level)
+        scope.__enter__()
+        _OPEN.scopes.append((module, scope, _sequence_nr()))
+
+    def post(module, args, output):
+        scopes = _OPEN.scopes
+        index = next((i for i in range(len(scopes) - 1, -1, -1) if scopes[i][0] is module), None)
+        if index is None:  # its pre-hook did not run (another pre-hook raised before it)
+            return None
+        _, scope, start = scopes.pop(index)
+        try:
+            if output is not None and torch.is_grad_enabled():
+                _tag(output, start, level)
+        finally:
+            scope.__exit__(None, None, None)
+        return None
+
+    return pre, post
+
+
+class PolicyHandle:
+    """A policy applied to a model: ``remove()`` takes every hook off (graphs built meanwhile keep their levels).
+
+    ``hooked`` names the modules that got hooks: those whose level differs from their parent's.
+    """
+
+    def __init__(self, policy: Policy, model: torch.nn.Module) -> None:
+        self.policy, self._model = policy, weakref.ref(model)
+        self._handles: list[Any] = []
+        assignments = policy._assignments(model)
+        levels = {a.name: a.level for a, _ in assignments}
+        modules = dict(model.named_modules())
+        self.hooked: list[str] = []
+        with _APPLIED_LOCK:
+            taken = next((name for name, m in modules.items() if m in _APPLIED), None)
+            if taken is not None:
+                raise Tf32LabError(f"module {taken or type(model).__name__!r} already has a policy applied; "
+                                   "remove it (handle.remove()) before applying another")
+            try:
+                for a, parent in assignments:
+                    # a module at its parent's level is covered by the parent's hooks: it costs nothing
+                    if a.level is None or (parent is not None and levels[parent] == a.level):
+                        continue
+                    if isinstance(modules[a.name], torch.jit.ScriptModule):
+                        raise Tf32LabError(
+                            f"module {a.name or type(model).__name__!r} is TorchScript, which takes no hooks, so a "
+                            f"policy cannot give it level {a.level!r}: apply the policy to the eager model, or call "
+                            f"it inside tf32lab.precision({a.level!r})")
+                    pre, post = _forward_hooks(modules[a.name], a.level)
+                    self._handles.append(modules[a.name].register_forward_pre_hook(pre, prepend=True))
+                    self._handles.append(modules[a.name].register_forward_hook(post, always_call=True))
+                    self.hooked.append(a.name)
+                for module in modules.values():
+                    _APPLIED[module] = self
+            except BaseException:
+                self._unhook()
+                raise
+
+    def __repr__(self) -> str:
+        model = self._model()
+        state = "applied" if model is not None and _APPLIED.get(model) is self else "removed"
+        return f"<PolicyHandle {state}: {len(self.hooked)} module(s) hooked>"
+
+    def _unhook(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def remove(self) -> None:
+        """Take the policy off the model (again: nothing happens)."""
+        with _APPLIED_LOCK:
+            self._unhook()
+            model = self._model()
+            if model is not None:
+                for module in model.modules():
+                    if _APPLIED.get(module) is self:
+                        del _APPLIED[module]
+
+    def __enter__(self) -> PolicyHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()

@@ -1,0 +1,147 @@
+"""`check(workload, policy=...)`, `tf32lab check --policy` and `tf32lab policy show`: the policy as one more row."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import jsonschema
+import pytest
+import torch
+
+import tf32lab
+from tf32lab import Policy
+from tf32lab.errors import Tf32LabError
+from tf32lab.report import schema
+
+MODEL = textwrap.dedent("""
+    import torch, tf32lab
+
+    class ValueModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64))
+            self.v_head = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+        def forward(self, x):
+            return self.v_head(self.body(x))
+
+    def make():
+        torch.manual_seed(0)
+        return tf32lab.Workload(ValueModel(), torch.randn(64, 32), name="value-model")
+""")
+
+
+@pytest.fixture
+def workload(tmp_path, monkeypatch):
+    (tmp_path / "valuemodel.py").write_text(MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import valuemodel
+
+    return valuemodel.make()
+
+
+def test_the_policy_row_pins_the_heads_introduced_error_to_float32(workload):
+    policy = Policy("high", [("v_head", "highest")])
+    report = tf32lab.check(workload, levels=("highest", "high"), policy=policy)
+    assert [lv.level for lv in report.levels] == ["highest", "high", "policy"]
+    row, high, top = report.level("policy"), report.level("high"), report.level("highest")
+    assert row.policy == dict(policy.to_dict(), base="high")
+    assert row.maths["matmul"] == "mixed"
+    introduced = {e.name: e.introduced for e in row.layers}
+    for name in ("v_head.0", "v_head.2"):  # at highest, as at the level highest
+        assert introduced[name] == {e.name: e.introduced for e in top.layers}[name] < 1e-6
+    for name in ("body.0", "body.2"):  # at high, as at the level high
+        assert introduced[name] == {e.name: e.introduced for e in high.layers}[name] > 1e-5
+    jsonschema.validate(report.to_dict(), schema())
+    assert any("The policy (`high` by default, 'v_head' → `highest`) is within tolerance" in line
+               for line in report.conclusion())
+
+
+def test_a_policy_level_not_among_the_levels_is_measured_for_its_layers(workload):
+    # the head at medium: check reruns each layer at medium too, though only highest is a row
+    report = tf32lab.check(workload, levels=("highest",), target="cpu-amx", policy=Policy(None, [("v_head", "medium")]))
+    row = report.level("policy")
+    assert row.policy["base"] == "highest" and row.policy["default"] is None
+    introduced = {e.name: e.introduced for e in row.layers}
+    assert introduced["v_head.0"] > 1e-4 > 1e-6 > introduced["body.0"]  # bf16 in the head only
+    assert all(m == "ieee" for k, m in report.level("highest").maths.items() if k == "matmul")
+
+
+def test_a_policy_with_a_rule_that_matches_nothing_is_refused_before_the_model_runs(workload):
+    with pytest.raises(Tf32LabError, match="rule 1 'v_haed' matches no module of ValueModel"):
+        tf32lab.check(workload, policy=Policy("high", [("v_haed", "highest")]))
+    with pytest.raises(Tf32LabError, match=r"takes a tf32lab\.Policy"):
+        tf32lab.check(workload, policy={"default": "high"})
+
+
+def test_the_policy_is_off_the_model_after_check(workload):
+    tf32lab.check(workload, levels=("high",), policy=Policy("high", [("v_head", "highest")]))
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in workload.model.modules())
+    Policy("highest").apply(workload.model).remove()  # no policy left applied
+
+
+# -- the command line ----------------------------------------------------------------------------------------
+def cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "tf32lab.cli", *args], capture_output=True, text=True,
+                          timeout=300, cwd=cwd)
+
+
+def test_check_with_a_policy_file_adds_the_row_in_every_format(tmp_path):
+    (tmp_path / "valuemodel.py").write_text(MODEL)
+    Policy("high", [("v_head", "highest")]).save(tmp_path / "policy.toml")
+    done = cli("check", "valuemodel:make", "--levels", "high", "--policy", "policy.toml", "--json", "r.json",
+               "--html", "r.html", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "PASSED | level 'policy' | output 'output' | normwise" in done.stdout
+    assert "The policy (`high` by default, 'v_head' → `highest`) is within tolerance" in done.stdout
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["levels"][-1]["policy"]["rules"] == [{"pattern": "v_head", "level": "highest"}]
+    assert "v_head" in (tmp_path / "r.html").read_text()
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"schema_version": 1, "default": "fast"}', "policy default: unknown level 'fast'"),
+    ('{"schema_version": 1, "rules": [{"pattern": "v_haed", "level": "highest"}]}',
+     "rule 1 'v_haed' matches no module of ValueModel"),
+    ("{", "not JSON"),
+])
+def test_check_with_a_bad_policy_file_exits_2_with_one_line(tmp_path, text, message):
+    (tmp_path / "valuemodel.py").write_text(MODEL)
+    (tmp_path / "p.json").write_text(text)
+    done = cli("check", "valuemodel:make", "--policy", "p.json", cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_policy_show_prints_each_modules_level_and_the_rule_that_gave_it(tmp_path):
+    (tmp_path / "valuemodel.py").write_text(MODEL)
+    Policy("high", [("v_head.2", "medium"), ("v_head", "highest")]).save(tmp_path / "p.json")
+    done = cli("policy", "show", "p.json", "--model", "valuemodel:make", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:5]]
+            for line in done.stdout.splitlines() if line.startswith("│")}
+    assert rows["(model) *"] == ["ValueModel", "high", "default"]
+    assert rows["body.0"] == ["Linear", "high", "inherited from 'body'"]
+    assert rows["v_head *"] == ["Sequential", "highest", "rule 2 'v_head'"]
+    assert rows["v_head.2 *"] == ["Linear", "medium", "rule 1 'v_head.2'"]
+    plain = cli("policy", "show", "p.json", cwd=tmp_path)
+    assert plain.returncode == 0 and "v_head.2" in plain.stdout and "high by default" in plain.stdout
+    Policy("high", [("v_haed", "highest")]).save(tmp_path / "typo.json")
+    typo = cli("policy", "show", "typo.json", "--model", "valuemodel:make", cwd=tmp_path)
+    assert typo.returncode == 1 and "rule 1 'v_haed' matches no module" in typo.stderr
+
+
+def test_policy_show_bad_input_exits_2(tmp_path):
+    done = cli("policy", "show", "missing.json", cwd=tmp_path)
+    assert done.returncode == 2 and "cannot read it" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_model_run_in_float64_is_untouched_by_a_policy():
+    # a policy changes float32 matmuls only: float64 math is the same at every level
+    model = torch.nn.Linear(8, 8).double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with Policy("medium").applied(model):
+        assert torch.equal(model(x), torch.nn.functional.linear(x, model.weight, model.bias))
