@@ -223,10 +223,7 @@ def _policy_show(args: argparse.Namespace) -> int:
     from . import specs
 
     model = specs.load(args.model).model
-    handle = policy.apply(model, strict=False) if not policy.unmatched(model) else None
-    hooked = set(handle.hooked) if handle is not None else set()
-    if handle is not None:
-        handle.remove()
+    hooked = set(policy.hooked(model))
     modules = dict(model.named_modules())
     console.print(f"{_shown(args.file)} on {inert(type(model).__name__)}: the level of each module (*: hooked, "
                   "its level differs from its parent's)", markup=False, highlight=False)

@@ -163,9 +163,9 @@ class _PolicyRow:
     def of(cls, policy: Policy, model: torch.nn.Module) -> _PolicyRow:
         if not isinstance(policy, Policy):
             raise Tf32LabError(f"check(policy=...) takes a tf32lab.Policy, not {type(policy).__name__}")
-        missing = policy.unmatched(model)
-        if missing:
-            policy.apply(model).remove()  # its one-line error names the rule and the model's modules
+        unmatched = policy.unmatched_message(model)
+        if unmatched is not None:
+            raise Tf32LabError(unmatched)
         base = policy.default or get_float32_matmul_precision()
         by_name = {(a.name or ROOT): a.level or base for a in policy.explain(model)}
         return cls(policy, base, by_name, frozenset(by_name.values()))

@@ -153,10 +153,28 @@ class Policy:
         return Assignment(name, parent.level, f"inherited from {parent.name!r}" if parent.name else
                           "inherited from the model")
 
+    def hooked(self, model: torch.nn.Module) -> list[str]:
+        """The modules :meth:`apply` hooks: those whose level differs from their parent's (the model itself when
+        the default is set); the others run inside their parent's scope and cost nothing."""
+        assignments = self._assignments(model)
+        levels = {a.name: a.level for a, _ in assignments}
+        return [a.name for a, parent in assignments
+                if a.level is not None and (parent is None or levels[parent] != a.level)]
+
     def unmatched(self, model: torch.nn.Module) -> list[Rule]:
         """The rules that match no module of ``model`` (a typo, or a policy written for another model)."""
         names = [name for name, _ in model.named_modules()]
         return [rule for rule in self.rules if not any(fnmatch.fnmatchcase(n, rule.pattern) for n in names)]
+
+    def unmatched_message(self, model: torch.nn.Module) -> Optional[str]:
+        """One line naming the first rule that matches no module of ``model`` and some of its modules, or None."""
+        missing = self.unmatched(model)
+        if not missing:
+            return None
+        names = [name for name, _ in model.named_modules() if name][:6]
+        return (f"policy rule {self.rules.index(missing[0]) + 1} {missing[0].pattern!r} matches no module of "
+                f"{type(model).__name__} (its modules: {', '.join(names) or 'none but itself'}"
+                f"{', ...' if len(names) == 6 else ''})")
 
     # -- applying it -----------------------------------------------------------------------------------------------
     def apply(self, model: torch.nn.Module, *, strict: bool = True) -> PolicyHandle:
@@ -176,12 +194,8 @@ class Policy:
         """
         if not isinstance(model, torch.nn.Module):
             raise Tf32LabError(f"a policy applies to a torch.nn.Module, not {type(model).__name__}")
-        missing = self.unmatched(model)
-        if missing:
-            names = [name for name, _ in model.named_modules() if name][:6]
-            message = (f"policy rule {self.rules.index(missing[0]) + 1} {missing[0].pattern!r} matches no module of "
-                       f"{type(model).__name__} (its modules: {', '.join(names) or 'none but itself'}"
-                       f"{', ...' if len(names) == 6 else ''})")
+        message = self.unmatched_message(model)
+        if message is not None:
             if strict:
                 raise Tf32LabError(message)
             warnings.warn(message, stacklevel=2)
@@ -396,8 +410,7 @@ class PolicyHandle:
     def __init__(self, policy: Policy, model: torch.nn.Module) -> None:
         self.policy, self._model = policy, weakref.ref(model)
         self._handles: list[Any] = []
-        assignments = policy._assignments(model)
-        levels = {a.name: a.level for a, _ in assignments}
+        levels = {a.name: a.level for a in policy.explain(model)}
         modules = dict(model.named_modules())
         self.hooked: list[str] = []
         with _APPLIED_LOCK:
@@ -406,19 +419,17 @@ class PolicyHandle:
                 raise Tf32LabError(f"module {taken or type(model).__name__!r} already has a policy applied; "
                                    "remove it (handle.remove()) before applying another")
             try:
-                for a, parent in assignments:
-                    # a module at its parent's level is covered by the parent's hooks: it costs nothing
-                    if a.level is None or (parent is not None and levels[parent] == a.level):
-                        continue
-                    if isinstance(modules[a.name], torch.jit.ScriptModule):
+                for name in policy.hooked(model):
+                    module, level = modules[name], levels[name]
+                    if isinstance(module, torch.jit.ScriptModule):
                         raise Tf32LabError(
-                            f"module {a.name or type(model).__name__!r} is TorchScript, which takes no hooks, so a "
-                            f"policy cannot give it level {a.level!r}: apply the policy to the eager model, or call "
-                            f"it inside tf32lab.precision({a.level!r})")
-                    pre, post = _forward_hooks(modules[a.name], a.level)
-                    self._handles.append(modules[a.name].register_forward_pre_hook(pre, prepend=True))
-                    self._handles.append(modules[a.name].register_forward_hook(post, always_call=True))
-                    self.hooked.append(a.name)
+                            f"module {name or type(model).__name__!r} is TorchScript, which takes no hooks, so a "
+                            f"policy cannot give it level {level!r}: apply the policy to the eager model, or call "
+                            f"it inside tf32lab.precision({level!r})")
+                    pre, post = _forward_hooks(module, level)
+                    self._handles.append(module.register_forward_pre_hook(pre, prepend=True))
+                    self._handles.append(module.register_forward_hook(post, always_call=True))
+                    self.hooked.append(name)
                 for module in modules.values():
                     _APPLIED[module] = self
             except BaseException:
