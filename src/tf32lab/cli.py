@@ -57,11 +57,30 @@ def build_parser() -> argparse.ArgumentParser:
                        help="largest normwise relative error of an output (default: 1e-2)")
     check.add_argument("--policy", metavar="FILE",
                        help="also measure this per-module policy (JSON or TOML, see tf32lab.Policy) as one more row")
+    check.add_argument("--no-speed", action="store_true",
+                       help="do not predict each level's speedup on the target (it costs a count of one run)")
     check.add_argument("--json", metavar="PATH",
                        help="write the report as JSON (docs/report-schema.md); '-' for stdout, instead of the tables")
     check.add_argument("--html", metavar="PATH", help="write the report as a self-contained HTML page")
     check.add_argument("--debug", action="store_true", help="show tracebacks")
     check.set_defaults(run=_check)
+    speed = sub.add_parser(
+        "speed", help="what each precision level buys: predicted on a target GPU, measured here with --measure",
+        description="Predict one forward of a workload on a target GPU at each level (FLOPs, bytes and GEMM shapes "
+                    "counted from one run here, against the target's peaks and bandwidth), and with --measure time "
+                    "it on this machine's own hardware. Exit code 0, or 2 on bad input.",
+    )
+    speed.add_argument("spec", nargs="?", default=None, help="a workload spec, as for check")
+    speed.add_argument("--target", default="a100", type=str.lower,
+                       help="GPU to predict for (v100, t4, a100, a10g, rtx3090, l4, rtx4090, h100, h200; default a100)"
+                            ", or 'native' to only measure")
+    speed.add_argument("--levels", default="highest,high,medium", type=str.lower,
+                       help="comma-separated levels (highest, the baseline, is always included)")
+    speed.add_argument("--measure", action="store_true", help="also time each level on this machine (bench)")
+    speed.add_argument("--rounds", type=_positive_int, default=7, help="with --measure: interleaved rounds (7)")
+    speed.add_argument("--json", metavar="PATH", help="write the result as JSON; '-' for stdout, instead of the table")
+    speed.add_argument("--debug", action="store_true", help="show tracebacks")
+    speed.set_defaults(run=_speed)
     policy = sub.add_parser(
         "policy", help="per-module precision policies: show which level each module gets",
         description="A policy file (JSON or TOML) gives modules of a model their own precision level; see "
@@ -150,7 +169,8 @@ def _shown(path: object) -> str:
 
 def _check(args: argparse.Namespace) -> int:
     from . import specs
-    from .compare import check, check_levels, check_target
+    from .compare import check, check_target
+    from .levels import check_levels
 
     levels = check_levels(part.strip() for part in args.levels.split(",") if part.strip())
     check_target(args.target)  # before the workload loads: a bad argument fails fast
@@ -173,7 +193,7 @@ def _check(args: argparse.Namespace) -> int:
     loaded = specs.load(spec)
     try:
         report = check(loaded, levels=levels, target=args.target, tolerance=args.tolerance,
-                       progress=sys.stderr.isatty(), policy=policy)
+                       progress=sys.stderr.isatty(), policy=policy, speed=not args.no_speed)
     except Tf32LabError:
         raise
     except Exception as exc:
@@ -198,6 +218,59 @@ def _check(args: argparse.Namespace) -> int:
                 raise Tf32LabError(f"cannot write {_shown(path)}: {exc.strerror or exc}") from exc
             print(f"wrote {_shown(path)}", file=sys.stderr if args.json == "-" else sys.stdout)
     return code
+
+
+def _speed(args: argparse.Namespace) -> int:
+    import json
+
+    from . import peaks, specs
+    from .levels import check_levels
+
+    levels = check_levels(part.strip() for part in args.levels.split(",") if part.strip())
+    if args.target != "native":
+        peaks.get(args.target)  # before the workload loads
+    elif not args.measure:
+        raise Tf32LabError("--target native predicts nothing: add --measure to time this machine")
+    if args.json and args.json != "-":
+        _writable(args.json, "--json")
+    loaded = specs.load(args.spec or specs.default_spec())
+    predicted = measured = None
+    if args.target != "native":
+        from .speed import predict
+
+        predicted = predict(loaded, args.target, levels)
+    if args.measure:
+        from .timing import bench
+
+        measured = bench(loaded, levels, rounds=args.rounds)
+    if args.json:
+        text = json.dumps({"predicted": predicted and predicted.to_dict(),
+                           "measured": measured and measured.to_dict()}, indent=2)
+        if args.json == "-":
+            sys.stdout.write(text + "\n")
+            return 0
+        from .files import write_atomically
+
+        write_atomically(args.json, text + "\n")
+    first = predicted or measured
+    print(f"tf32lab speed {_shown(loaded.name)}: one forward")
+    for line in first.lines(measured if predicted else None):
+        print(line)
+    if predicted is not None and predicted.layers:
+        worst = sorted(predicted.layers, key=lambda layer: -layer.seconds["highest"])[:8]
+        print("\nlayers taking the most predicted time at highest (their own ops), speedup per level:")
+        width = max(len(_shown(layer.name)) for layer in worst)
+        for layer in worst:
+            gains = "  ".join(f"{lv} {layer.speedup(lv):.2f}x" for lv in layer.seconds if lv != "highest")
+            print(f"  {_shown(layer.name):<{width}} {layer.seconds['highest'] * 1e3:9.3f} ms  {gains}")
+    for note in first.notes + (measured.notes if measured and predicted else ()):
+        print(f"note: {note}")
+    if predicted is not None and measured is not None:
+        print(f"note: predicted for {predicted.target}, measured on {measured.target}: the two agree only when this "
+              "machine is that GPU")
+    if args.json and args.json != "-":
+        print(f"wrote {_shown(args.json)}")
+    return 0
 
 
 def _policy_show(args: argparse.Namespace) -> int:

@@ -41,16 +41,18 @@ from typing import Any, Optional, Union
 
 import torch
 
-from . import hardware, metrics, optable, targets
+from . import hardware, metrics, optable, peaks, targets
+from .counting import Counting
 from .emulator import emulate, maths, release_buffers
 from .errors import Tf32LabError
-from .levels import LEVELS, check_level
+from .levels import LEVELS, check_levels
 from .policy import Policy
 from .reference import Float64Run, widen
 from .report import LayerError, LevelResult, Report
 from .scope import get_float32_matmul_precision, precision
+from .speed import SpeedReport, predict_counts, seconds_at
 from .trees import map_tensors, named_leaves, named_tensors
-from .workload import Workload
+from .workload import Workload, eval_mode
 
 __all__ = ["check", "check_levels", "check_target"]
 
@@ -67,7 +69,7 @@ def _out_of_memory(exc: BaseException) -> bool:
 
 def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: str = "a100", reference: str = "float64",
           tolerance: Union[float, Mapping[str, float], None] = None, progress: bool = False,
-          policy: Optional[Policy] = None) -> Report:
+          policy: Optional[Policy] = None, speed: bool = True) -> Report:
     """Measure ``workload`` at each level against a float64 reference, as ``target`` would compute it.
 
     Args:
@@ -81,6 +83,8 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: str = "
         policy: a :class:`~tf32lab.Policy` measured as one more row, ``"policy"``, after the levels: the model
             runs with it applied (its default None: the level in force where ``check`` is called), and each
             layer's introduced error is the one at the level the policy gives it.
+        speed: predict each level's speedup on the target (``tf32lab.speed``; GPU targets), counted during the
+            first end-to-end run.
 
     Returns a :class:`~tf32lab.report.Report`; ``bool(report)`` is the verdict. Raises ``Tf32LabError`` for bad
     arguments, a model that raises at the float64 reference, an output with nothing to compare, or no memory.
@@ -106,7 +110,7 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: str = "
     alike = _alike(levels + extra, target)  # level -> the earlier level the target computes identically, if any
     measured = [level for level in levels + extra if alike[level] is None]
     runs = len([level for level in levels if alike[level] is None]) + (row is not None)
-    with _Progress(progress, steps=1 + runs) as bar, _eval_mode(workload.model), _released(), \
+    with _Progress(progress, steps=1 + runs) as bar, eval_mode(workload.model), _released(), \
             _state_kept(workload.model) as reset:
         bar.step(f"{workload.name}: float64 reference, each layer at {len(measured)} level(s)")
         recorder = _Recorder(workload.model, measured, target)
@@ -127,6 +131,7 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: str = "
         _check_comparable(workload, ref_out)
         _warn_unknown(tolerances, ref_out)
         results: dict[str, LevelResult] = {}
+        counting = Counting(workload.model) if speed and target in peaks.PEAKS else None
         for level in levels:
             same = alike[level]
             if same is not None:  # the target computes both levels alike: measured once
@@ -135,7 +140,8 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: str = "
             bar.step(f"{level}: end to end")
             reset()  # every run starts from the state the model had (a buffer it updates as it runs)
             release_buffers()  # the reruns' scratch sizes are not this run's: memory the peak need not hold
-            results[level] = _check_level(workload, level, target, recorder, ref_out, tolerances)
+            results[level] = _check_level(workload, level, target, recorder, ref_out, tolerances,
+                                          counting=counting if counting and not counting.counts.ops else None)
         rows = [results[level] for level in levels]
         if row is not None:
             bar.step("policy: end to end")
@@ -143,11 +149,24 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: str = "
             release_buffers()
             rows.append(_check_level(workload, row.base, target, recorder, ref_out, tolerances, row=row,
                                      alike=alike))
+    predicted = None
+    if counting is not None and counting.counts.ops:
+        predicted = predict_counts(counting.counts, str(workload.name), target, levels)
+        rows = [dataclasses.replace(r, speedup=_speedup(r, predicted, row, target, counting)) for r in rows]
     return Report(
         workload=str(workload.name), target=target, reference=reference, tolerance=dict(tolerances),
         levels=tuple(rows), environment=_environment(workload),
-        seconds=time.perf_counter() - started, notes=tuple(recorder.notes()),
+        seconds=time.perf_counter() - started, notes=tuple(recorder.notes()), speed=predicted,
     )
+
+
+def _speedup(result: LevelResult, predicted: SpeedReport, row: Optional[_PolicyRow], target: str,
+             counting: Counting) -> float:
+    if result.policy is None or row is None:
+        return predicted.level(result.level).speedup
+    by_name = row.by_name  # every module's level; an op outside every module runs at the policy's base
+    policy_seconds = seconds_at(counting.counts, target, lambda layer: by_name.get(layer, row.base))
+    return predicted.level("highest").seconds / policy_seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,16 +212,17 @@ def _alike(levels: tuple[str, ...], target: str) -> dict[str, Optional[str]]:
 
 def _check_level(workload: Workload, level: str, target: str, recorder: _Recorder, ref_out: Any,
                  tolerances: dict[str, float], row: Optional[_PolicyRow] = None,
-                 alike: Optional[dict[str, Optional[str]]] = None) -> LevelResult:
-    """One end-to-end run at ``level`` (with ``row``: the policy applied, ``level`` its base) and its result."""
+                 alike: Optional[dict[str, Optional[str]]] = None, counting: Optional[Counting] = None) -> LevelResult:
+    """One end-to-end run at ``level`` (with ``row``: the policy applied, ``level`` its base) and its result;
+    ``counting``: the run's work is counted too (for the speed prediction)."""
     started = time.perf_counter()
-    accumulated = _Accumulated(recorder)
+    accumulated = _Accumulated(recorder, counting)
     out, error = None, None
     applied = row.policy.applied(workload.model) if row else contextlib.nullcontext()
     with _level_context(level, target) as emu, applied:
         level_maths = {} if emu is None else (_policy_maths(row, target) if row else maths(target))
         try:
-            with accumulated, torch.inference_mode():
+            with accumulated, (counting or contextlib.nullcontext()), torch.inference_mode():
                 out = workload.run()
         except Tf32LabError:
             raise
@@ -585,8 +605,8 @@ class _Accumulated:
     """Hooks on the layers for one end-to-end run: each call's output against the reference output of the same
     call, the worst kept per layer; a call that cannot be matched makes the layer diverged."""
 
-    def __init__(self, recorder: _Recorder) -> None:
-        self.recorder = recorder
+    def __init__(self, recorder: _Recorder, counting: Optional[Counting] = None) -> None:
+        self.recorder, self.counting = recorder, counting
         self.errors: dict[str, float] = {}
         self.count: dict[str, int] = {}
         self.diverged: dict[str, str] = {}
@@ -607,23 +627,32 @@ class _Accumulated:
 
     def _post(self, name: str):
         def hook(module, args, output):
-            i = self.count.get(name, 0)
-            self.count[name] = i + 1
-            found = self.recorder.outputs.get((name, i))
-            if found is None:
-                return
-            reference, norms = found
-            if self.scratch is None:
-                self.scratch = torch.empty(_CHUNK, dtype=torch.float64, device=_device_of(reference))
-            error, mismatch = _tree_normwise(output, reference, norms, self.scratch)
-            if (name, i) in self.recorder.as_accumulated:
-                self.per_call[(name, i)] = error
-            if mismatch is not None:
-                self.diverged.setdefault(name, f"call {i + 1}: {mismatch}")
-            elif math.isnan(error) or error > self.errors.get(name, 0.0):
-                self.errors[name] = error
+            if self.counting is None:
+                return self._measure(name, output)
+            self.counting.paused = True  # our arithmetic is not the model's work
+            try:
+                return self._measure(name, output)
+            finally:
+                self.counting.paused = False
 
         return hook
+
+    def _measure(self, name: str, output: Any) -> None:
+        i = self.count.get(name, 0)
+        self.count[name] = i + 1
+        found = self.recorder.outputs.get((name, i))
+        if found is None:
+            return
+        reference, norms = found
+        if self.scratch is None:
+            self.scratch = torch.empty(_CHUNK, dtype=torch.float64, device=_device_of(reference))
+        error, mismatch = _tree_normwise(output, reference, norms, self.scratch)
+        if (name, i) in self.recorder.as_accumulated:
+            self.per_call[(name, i)] = error
+        if mismatch is not None:
+            self.diverged.setdefault(name, f"call {i + 1}: {mismatch}")
+        elif math.isnan(error) or error > self.errors.get(name, 0.0):
+            self.errors[name] = error
 
     def result(self, name: str, finished: bool) -> tuple[float, Optional[str]]:
         """The worst accumulated error of ``name`` over its matched calls, and why it diverged, if it did."""
@@ -722,23 +751,6 @@ def check_target(target: str) -> str:
     return target
 
 
-def check_levels(levels: Iterable[str]) -> tuple[str, ...]:
-    """The levels, validated and without repeats, in order; a one-line ``Tf32LabError`` for a bad one."""
-    if isinstance(levels, str):
-        levels = (levels,)
-    chosen = []
-    for level in levels:
-        try:
-            check_level(level)
-        except ValueError as exc:
-            raise Tf32LabError(str(exc)) from None
-        if level not in chosen:
-            chosen.append(level)
-    if not chosen:
-        raise Tf32LabError(f"no levels to check; accepted: {', '.join(map(repr, LEVELS))}")
-    return tuple(chosen)
-
-
 @contextlib.contextmanager
 def _state_kept(model: torch.nn.Module):
     """The model's buffers as they were, put back on every exit; yields ``reset()``, which puts them back now.
@@ -763,18 +775,6 @@ def _state_kept(model: torch.nn.Module):
 
 
 # -- the model --------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _eval_mode(model: torch.nn.Module):
-    """Eval mode while checking (dropout would make runs differ), each module's own mode restored after."""
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
-
-
 def _environment(workload: Workload) -> dict[str, Any]:
     device = next((t.device for t in workload.model.parameters()), None)
     if device is None:

@@ -6,6 +6,10 @@ cuBLAS never gets bf16, so ``medium`` is TF32 on CUDA; oneDNN (CPU) gets bf16 (F
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from .errors import Tf32LabError
+
 LEVELS = ("highest", "high", "medium")
 
 # level -> (cuda.matmul, mkldnn.matmul) values of the per-backend API
@@ -43,3 +47,24 @@ def level_of(cuda_matmul: str, mkldnn_matmul: str) -> str:
     if "tf32" in (cuda_matmul, mkldnn_matmul):
         return "high"
     return "highest"
+
+
+def check_levels(levels: Iterable[str]) -> tuple[str, ...]:
+    """The levels, validated and without repeats, in order; a one-line ``Tf32LabError`` for a bad one.
+
+    >>> check_levels(["high", "highest", "high"])
+    ('high', 'highest')
+    """
+    if isinstance(levels, str):
+        levels = (levels,)
+    chosen = []
+    for level in levels:
+        try:
+            check_level(level)
+        except ValueError as exc:
+            raise Tf32LabError(str(exc)) from None
+        if level not in chosen:
+            chosen.append(level)
+    if not chosen:
+        raise Tf32LabError(f"no levels to check; accepted: {', '.join(map(repr, LEVELS))}")
+    return tuple(chosen)

@@ -12,7 +12,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
@@ -20,7 +21,7 @@ import torch
 
 from .errors import Tf32LabError
 
-__all__ = ["Workload"]
+__all__ = ["Workload", "eval_mode"]
 
 Inputs = Union[torch.Tensor, tuple, Mapping]
 Metric = Callable[[Any, Any], float]
@@ -71,3 +72,15 @@ def _check_float32(model: torch.nn.Module, name: str) -> None:
         raise Tf32LabError(
             f"workload {name!r}: the model holds {', '.join(other)} tensors; tf32lab checks float32 models "
             f"(call model.float() first)")
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Eval mode while measuring (dropout would make runs differ), each module's own mode restored after."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training

@@ -64,6 +64,7 @@ class LevelResult:
     same_as: Optional[str] = None  # an earlier level the target computes identically, measured once for both
     error: Optional[str] = None  # "NotPSDError: ...": the model raised at this level (a finding: FAILED)
     policy: Optional[dict[str, Any]] = None  # the row "policy": the policy's dict form and its base level
+    speedup: Optional[float] = None  # predicted on the target, over highest (tf32lab.speed); None: not predicted
 
     @property
     def passed(self) -> bool:
@@ -90,6 +91,7 @@ class Report:
     environment: dict[str, Any]
     seconds: float
     notes: tuple[str, ...] = ()  # what a reader must know about the measurement (a module not broken down, ...)
+    speed: Any = None  # the predicted tf32lab.speed.SpeedReport of one forward on the target, when predicted
 
     @property
     def passed(self) -> bool:
@@ -138,6 +140,7 @@ class Report:
             "histogram_edges_log10": list(HISTOGRAM_EDGES),
             "notes": list(self.notes),
             "conclusion": self.conclusion(),
+            "speed": None if self.speed is None else self.speed.to_dict(),
             "levels": [
                 {
                     "level": lv.level,
@@ -153,6 +156,7 @@ class Report:
                     "same_as": lv.same_as,
                     "error": lv.error,
                     "policy": lv.policy,
+                    "speedup": lv.speedup,
                 }
                 for lv in self.levels
             ],

@@ -86,8 +86,7 @@ def conclusion(report: Report) -> list[str]:
         worst = best.worst
         measured = (f"worst normwise {worst.normwise:.1e} (output {worst.name!r}) against tolerance "
                     f"{worst.tolerance:.0e}" if worst is not None and not worst.exact else "every output equal")
-        lines.append(f"{_name(best).split(' (')[0]} is safe for this workload {where}: {measured}. "
-                     f"Enable it with {_enable(best.level)}.")
+        lines.append(_safe(report, best, where, measured))
         slower = [lv for lv in failing if lv.level == "medium" and lv.same_as is None]
         if slower:
             lines.append(f"Not `medium`: {_why_failed(slower[0])}.")
@@ -128,9 +127,29 @@ def _policy_sentence(row: LevelResult, where: str) -> str:
         worst = row.worst
         measured = (f"worst normwise {worst.normwise:.1e} (output {worst.name!r}) against tolerance "
                     f"{worst.tolerance:.0e}" if worst is not None and not worst.exact else "every output equal")
-        return (f"The policy ({summary}) is within tolerance {where}: {measured}. Apply it with "
+        faster = f" and predicted {row.speedup:.2f}x faster than `highest` there" if row.speedup is not None else ""
+        return (f"The policy ({summary}) is within tolerance {where}{faster}: {measured}. Apply it with "
                 f"`tf32lab.Policy.load(\"policy.json\").apply(model)`.")
     return f"The policy ({summary}) fails: {_why_failed(row)}."
+
+
+WORTH = 1.10  # a predicted speedup below this buys too little to speak of
+
+
+def _safe(report: Report, best: LevelResult, where: str, measured: str) -> str:
+    """The advice for the fastest level within tolerance, weighed by its predicted speedup when there is one."""
+    name = _name(best).split(" (")[0]
+    if best.speedup is None:
+        return f"{name} is safe for this workload {where}: {measured}. Enable it with {_enable(best.level)}."
+    if best.speedup >= WORTH:
+        return (f"{name} is safe for this workload {where} and predicted {best.speedup:.2f}x faster there: "
+                f"{measured}. Enable it with {_enable(best.level)}.")
+    share = ""
+    if report.speed is not None:
+        share = (f": matmul-family ops are {report.speed.level('highest').family_share:.0%} of its predicted time, "
+                 f"the rest is memory traffic and kernel launches that {name} does not speed up")
+    return (f"{name} is safe for this workload {where}, but predicted only {best.speedup:.2f}x faster there"
+            f"{share}. It buys little here; if you enable it anyway: {_enable(best.level)} ({measured}).")
 
 
 def _highest_failed(top: LevelResult, target: str) -> str:

@@ -109,9 +109,14 @@ def _verdict(passed: bool) -> Text:
 
 def _levels(report: Report) -> Table:
     # the worst output's name is in the outputs table below: here only its error, so that 80 columns suffice
-    table = Table(title="Levels: the math per op family, the worst output's error", title_justify="left")
-    for column in ("level", "matmul", "conv", "rnn", "attention", "worst", "verdict"):
-        table.add_column(column, justify="right" if column == "worst" else "left", no_wrap=True,
+    title = "Levels: the math per op family, the worst output's error"
+    if report.speed is not None:
+        title += f", the speedup predicted on {report.target}"
+    table = Table(title=title, title_justify="left")
+    speed = any(lv.speedup is not None for lv in report.levels)
+    # maths without their rounding (tf32-rna: tf32), so that 80 columns hold the row; JSON and HTML have it all
+    for column in ("level", "matmul", "conv", "rnn", "attn", "worst", *(["speed"] if speed else []), "verdict"):
+        table.add_column(column, justify="right" if column in ("worst", "speed") else "left", no_wrap=True,
                          overflow="ellipsis")
     for lv in report.levels:
         worst = lv.worst
@@ -120,9 +125,10 @@ def _levels(report: Report) -> Table:
             value = Text("raised", style="bold red")
         else:
             value = Text(fmt(worst.normwise if worst else None))
+        faster = [f"{lv.speedup:.2f}x" if lv.speedup is not None else "-"] if speed else []
         table.add_row(
-            name, lv.maths.get("matmul", "native"), lv.maths.get("conv", "native"), lv.maths.get("rnn", "native"),
-            lv.maths.get("attention", "native"), value, _verdict(lv.passed),
+            name, *(lv.maths.get(key, "native").split("-")[0] for key in ("matmul", "conv", "rnn", "attention")),
+            value, *faster, _verdict(lv.passed),
         )
     return table
 

@@ -1,0 +1,241 @@
+"""Counting the work of one run: per op, its FLOPs, the bytes it moves, its GEMM shapes, its family and its layer.
+
+A dispatch mode records every op of a run as an :class:`OpCost`; module hooks attribute it to the innermost module
+that ran it (``(model)`` for the model itself). Views and allocations launch no kernel and are left out. FLOPs count
+a multiply-add as two (``torch.utils.flop_counter``'s convention: ``mm`` is 2·M·N·K); matmul-family ops also carry
+their GEMMs as ``(count, batch, m, n, k)`` for the speed model's tile and wave arithmetic. A family op with no
+formula here is counted by its bytes only and named in ``Counts.uncounted``.
+
+Example:
+
+    >>> import torch
+    >>> from tf32lab.counting import Counting
+    >>> model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU())
+    >>> x = torch.randn(64, 256)
+    >>> with Counting(model) as counts, torch.inference_mode():
+    ...     _ = model(x)
+    >>> [(c.op, c.layer, c.flops, c.gemms) for c in counts.ops]
+    [('aten::linear', '0', 16777216.0, ((1, 1, 64, 512, 256),)), ('aten::relu', '1', 0.0, ())]
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Any, NamedTuple, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import modestack, optable
+from .trees import named_tensors
+
+__all__ = ["Counting", "Counts", "OpCost"]
+
+ROOT = "(model)"
+Gemm = tuple[int, int, int, int, int]  # (count, batch, m, n, k)
+
+# no kernel runs: allocation and aliasing (views are known by ``func.is_view``)
+_FREE = frozenset(["empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "detach_",
+                   "lift_fresh", "alias", "set_", "resize_", "_reshape_alias", "_unsafe_view"])
+# reads only what it gathers: its input's bytes count no more than its output's
+_GATHER = frozenset(["embedding", "index_select", "gather", "index", "take"])
+
+
+class OpCost(NamedTuple):
+    """One op of the run: ``op`` (``aten::addmm``), the ``layer`` that ran it, its ``family`` (None: not
+    precision-sensitive), FLOPs, bytes read and written, and the GEMMs it amounts to."""
+
+    op: str
+    layer: str
+    family: Optional[str]
+    flops: float
+    bytes: float
+    gemms: tuple[Gemm, ...]
+
+
+class Counts:
+    """What :class:`Counting` recorded."""
+
+    def __init__(self) -> None:
+        self.ops: list[OpCost] = []
+        self.uncounted: collections.Counter[str] = collections.Counter()  # family ops with no FLOP formula
+
+    @property
+    def flops(self) -> float:
+        return sum(c.flops for c in self.ops)
+
+    @property
+    def bytes(self) -> float:
+        return sum(c.bytes for c in self.ops)
+
+
+def _shape_prod(shape: Any) -> int:
+    return math.prod(int(s) for s in shape)
+
+
+def _gemms(name: str, family: Optional[str], a: dict[str, Any], out: Any) -> Optional[tuple[Gemm, ...]]:
+    """The GEMMs of a product op (``a``: its arguments by name), or None when no formula covers it."""
+    if name in ("mm", "bmm"):
+        return (_gemm(a["self"], a["mat2"]),)
+    if name in ("addmm", "addmm_", "_addmm_activation", "baddbmm", "baddbmm_", "addbmm", "addbmm_"):
+        return (_gemm(a.get("mat1", a.get("batch1")), a.get("mat2", a.get("batch2"))),)
+    if name == "linear":
+        x, w = a["input"], a["weight"]
+        return ((1, 1, _shape_prod(x.shape[:-1]), int(w.shape[0]), int(w.shape[-1])),)
+    if name in ("matmul", "linalg_matmul"):
+        x, y = a["self"] if "self" in a else a["input"], a["other"]
+        m = int(x.shape[-2]) if x.dim() > 1 else 1
+        n = int(y.shape[-1]) if y.dim() > 1 else 1
+        batch = _shape_prod(out.shape[:-2]) if x.dim() > 1 and y.dim() > 1 else 1
+        return ((1, batch, m, n, int(x.shape[-1])),)
+    if name in ("mv", "addmv", "addmv_"):
+        mat = a["mat"]
+        return ((1, 1, int(mat.shape[0]), 1, int(mat.shape[1])),)
+    if name in ("dot", "vdot"):
+        return ((1, 1, 1, 1, int(a["self"].shape[0])),)
+    if name in ("addr", "addr_"):
+        return ((1, 1, int(a["vec1"].shape[0]), int(a["vec2"].shape[0]), 1),)
+    if family == "conv" and not name.endswith("backward") and "weight" in a:
+        x, w = a["input"], a["weight"]
+        transposed = "transpose" in name or bool(a.get("transposed", False))
+        groups = int(a.get("groups", 1) or 1)
+        kernel = _shape_prod(w.shape[2:])
+        if transposed:  # weight (Cin, Cout/groups, k...): each input element meets Cout/groups x kernel
+            flops = 2.0 * x.numel() * int(w.shape[1]) * kernel
+            m = int(x.shape[0]) * _shape_prod(x.shape[2:])
+        else:  # weight (Cout, Cin/groups, k...): each output element sums Cin/groups x kernel products
+            flops = 2.0 * out.numel() * int(w.shape[1]) * kernel
+            m = int(out.shape[0]) * _shape_prod(out.shape[2:])
+        n = max(1, int(out.shape[1]) // groups)
+        return ((1, groups, m, n, max(1, round(flops / (2.0 * m * n * groups)))),)
+    if name == "convolution_backward":
+        grad, w = a["grad_output"], a["weight"]
+        groups = int(a.get("groups", 1) or 1)
+        m = int(grad.shape[0]) * _shape_prod(grad.shape[2:])
+        n = max(1, int(grad.shape[1]) // groups)
+        return ((2, groups, m, n, int(w.shape[1]) * _shape_prod(w.shape[2:])),)  # input's and weight's gradients
+    if family == "attention" and isinstance(a.get("query"), torch.Tensor):
+        q, k, v = a["query"], a["key"], a["value"]
+        batch = _shape_prod(q.shape[:-2])
+        length, keys, e, ev = int(q.shape[-2]), int(k.shape[-2]), int(q.shape[-1]), int(v.shape[-1])
+        return ((1, batch, length, keys, e), (1, batch, length, ev, keys))
+    if family == "attention" and name.endswith("backward") and isinstance(a.get("query"), torch.Tensor):
+        return None
+    if name in ("lstm", "gru", "rnn_tanh", "rnn_relu") and "params" in a:
+        return _rnn_gemms(a)
+    if name == "mkldnn_rnn_layer":  # one layer of a CPU LSTM with autograd on: what cuDNN's RNN would run
+        x, w_ih, w_hh = a["input"], a["weight0"], a["weight1"]
+        steps, batch = (int(x.shape[1]), int(x.shape[0])) if a.get("batch_first") else (int(x.shape[0]),
+                                                                                          int(x.shape[1]))
+        gates = int(w_ih.shape[0])
+        return ((1, 1, steps * batch, gates, int(w_ih.shape[1])), (steps, 1, batch, gates, int(w_hh.shape[1])))
+    return None
+
+
+def _gemm(x: torch.Tensor, y: torch.Tensor) -> Gemm:
+    return (1, int(x.shape[0]) if x.dim() == 3 else 1, int(x.shape[-2]), int(y.shape[-1]), int(x.shape[-1]))
+
+
+def _rnn_gemms(a: dict[str, Any]) -> tuple[Gemm, ...]:
+    x, params = a["input"], list(a["params"])
+    batch_first, directions = bool(a.get("batch_first")), 2 if a.get("bidirectional") else 1
+    steps, batch = (int(x.shape[1]), int(x.shape[0])) if batch_first else (int(x.shape[0]), int(x.shape[1]))
+    per = 4 if a.get("has_biases", True) else 2
+    gemms: list[Gemm] = []
+    for i in range(int(a.get("num_layers", 1)) * directions):
+        w_ih, w_hh = params[i * per], params[i * per + 1]
+        gates = int(w_ih.shape[0])
+        gemms.append((1, 1, steps * batch, gates, int(w_ih.shape[1])))  # the input projection: every step at once
+        gemms.append((steps, 1, batch, gates, int(w_hh.shape[1])))  # the recurrence: one step after the other
+    return tuple(gemms)
+
+
+def _bytes(name: str, args: tuple, kwargs: dict, out: Any) -> float:
+    seen: set[tuple[int, int]] = set()
+    total = 0.0
+    outputs = [t for _, t in named_tensors(out)]
+    written = sum(t.numel() * t.element_size() for t in outputs)
+    for _, t in named_tensors((args, kwargs)):
+        if t.is_sparse:
+            continue
+        key = (id(t) if t.device.type == "meta" else t.data_ptr(), t.numel())  # meta: shapes, no storage
+        if key in seen:
+            continue
+        seen.add(key)
+        size = t.numel() * t.element_size()
+        total += min(size, written) if name in _GATHER else size
+    return total + written
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, counting: Counting) -> None:
+        super().__init__()
+        self.counting = counting
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.counting.paused:
+            self.counting.record(func, args, kwargs, out)
+        return out
+
+
+class Counting:
+    """Records the ops of what runs inside it, attributed to the modules of ``model`` (see the module docstring).
+
+    Ops of other threads are not recorded (the mode is this thread's); nor are those run while ``paused`` (a
+    measurement's own arithmetic in a hook).
+    """
+
+    def __init__(self, model: Optional[torch.nn.Module] = None) -> None:
+        self.model = model
+        self.paused = False
+        self.counts = Counts()
+        self._mode = _Mode(self)
+        self._stack: list[str] = []
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> Counts:
+        if self.model is not None:
+            for name, module in self.model.named_modules():
+                if isinstance(module, torch.jit.ScriptModule):
+                    continue  # no hooks; their ops count for the nearest module that takes them
+                self._handles.append(module.register_forward_pre_hook(self._pre(name or ROOT)))
+                self._handles.append(module.register_forward_hook(self._post(), always_call=True))
+        modestack.push(self._mode)
+        return self.counts
+
+    def __exit__(self, *exc: object) -> None:
+        modestack.remove(self._mode)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _pre(self, name: str):
+        def hook(module, args):
+            self._stack.append(name)
+
+        return hook
+
+    def _post(self):
+        def hook(module, args, output):
+            if self._stack:
+                self._stack.pop()
+
+        return hook
+
+    def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        name = func._schema.name.split("::")[-1]
+        if func.is_view or name in _FREE:
+            return
+        qualified = f"aten::{name}" if func.namespace == "aten" else func._schema.name
+        family = optable.family(qualified)
+        named = dict(zip((arg.name for arg in func._schema.arguments), args))
+        named.update(kwargs)
+        gemms = _gemms(name, family, named, out) if family is not None else None
+        if gemms is None and family is not None:
+            self.counts.uncounted[qualified] += 1
+        flops = float(sum(2 * c * b * m * n * k for c, b, m, n, k in gemms or ()))
+        self.counts.ops.append(OpCost(qualified, self._stack[-1] if self._stack else ROOT, family, flops,
+                                      _bytes(name, args, kwargs, out), tuple(gemms or ())))

@@ -1,0 +1,220 @@
+"""Counting, predicting and measuring speed: tf32lab.counting, tf32lab.speed (predict), tf32lab.timing (bench)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import jsonschema
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import tf32lab
+from tf32lab import peaks
+from tf32lab.counting import Counting
+from tf32lab.errors import Tf32LabError
+from tf32lab.report import schema
+from tf32lab.speed import gemm_seconds, predict_counts
+
+
+# -- counting ------------------------------------------------------------------------------------------------
+def test_counting_gives_each_product_its_gemm_and_its_layer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.Flatten(),
+                                torch.nn.Linear(16 * 8 * 8, 10))
+    x = torch.randn(4, 3, 8, 8)
+    with Counting(model) as counts, torch.inference_mode():
+        model(x)
+    ops = {c.op: c for c in counts.ops}
+    conv, linear = ops["aten::conv2d"], ops["aten::linear"]
+    assert (conv.layer, conv.family, conv.gemms) == ("0", "conv", ((1, 1, 4 * 8 * 8, 16, 27),))
+    assert conv.flops == 2 * (4 * 16 * 8 * 8) * 27
+    assert (linear.layer, linear.gemms, linear.flops) == ("2", ((1, 1, 4, 10, 1024),), 2 * 4 * 10 * 1024)
+    assert "aten::view" not in ops and "aten::flatten" not in ops  # views launch no kernel
+
+
+def test_counting_knows_attention_rnns_batched_products_and_gathers():
+    q = torch.randn(2, 4, 16, 8)
+    lstm = torch.nn.LSTM(8, 32, num_layers=2, batch_first=True)
+    table = torch.randn(1000, 64)
+    with Counting() as counts, torch.inference_mode():
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        torch.bmm(torch.randn(3, 5, 7), torch.randn(3, 7, 2))
+        lstm(torch.randn(4, 10, 8))
+        torch.nn.functional.embedding(torch.tensor([1, 2, 3]), table)
+    ops = {c.op: c for c in counts.ops}
+    assert ops["aten::scaled_dot_product_attention"].gemms == ((1, 8, 16, 16, 8), (1, 8, 16, 8, 16))
+    assert ops["aten::bmm"].gemms == ((1, 3, 5, 2, 7),)
+    assert ops["aten::lstm"].gemms == ((1, 1, 40, 128, 8), (10, 1, 4, 128, 32), (1, 1, 40, 128, 32),
+                                       (10, 1, 4, 128, 32))
+    # a gather reads what it returns, not the whole table
+    assert ops["aten::embedding"].bytes < 3 * 64 * 4 * 2 + 3 * 8 + 1
+    assert not counts.uncounted
+
+
+def test_counting_with_autograd_on_sees_what_the_cpu_runs():
+    lstm = torch.nn.LSTM(8, 32)
+    with Counting(lstm) as counts:
+        lstm(torch.randn(10, 4, 8))
+    layer = next(c for c in counts.ops if c.op == "aten::mkldnn_rnn_layer")
+    assert layer.family == "rnn" and layer.gemms == ((1, 1, 40, 128, 8), (10, 1, 4, 128, 32))
+
+
+# -- the model ----------------------------------------------------------------------------------------------
+def _mm(m: int, n: int, k: int):
+    a, b = torch.empty(m, k, device="meta"), torch.empty(k, n, device="meta")
+    with Counting() as counts:
+        torch.mm(a, b)
+    return counts
+
+
+def test_the_pytorch_notes_a100_gemm_is_predicted_within_25_percent():
+    report = predict_counts(_mm(10240, 10240, 10240), "mm", "a100")
+    assert abs(report.level("highest").seconds / 0.11 - 1) <= 0.25
+    assert abs(report.level("high").seconds / 0.016 - 1) <= 0.25
+
+
+@pytest.mark.parametrize("target", ["v100", "t4"])
+def test_targets_without_tf32_gain_nothing_by_construction(target):
+    report = predict_counts(_mm(4096, 4096, 4096), "mm", target)
+    assert [lv.speedup for lv in report.levels] == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("target", ["rtx3090", "rtx4090"])
+def test_geforce_cards_get_what_their_peaks_say(target):
+    # GeForce Ampere/Ada: the TF32 dense peak equals the FP32 one
+    assert predict_counts(_mm(4096, 4096, 4096), "mm", target).level("high").speedup == pytest.approx(1.0)
+
+
+def test_a_large_gemm_gains_about_the_peak_ratio_and_a_skinny_one_little():
+    big = predict_counts(_mm(8192, 8192, 8192), "mm", "h100").level("high").speedup
+    assert 6.0 < big <= 495 / 67
+    skinny = predict_counts(_mm(1, 8192, 8192), "mm", "h100").level("high").speedup
+    assert skinny < 1.05
+
+
+def test_partial_waves_cost_a_whole_wave():
+    p = peaks.get("a100")
+    full = gemm_seconds((1, 1, 128 * 108, 256, 4096), "tf32-rna", p)  # 108 tiles of 128 x 256: one wave
+    over = gemm_seconds((1, 1, 128 * 108 + 1, 256, 4096), "tf32-rna", p)
+    # one row more: not 1 + 1/13824 times the work but a partial wave (another tile shape keeps it under 2x)
+    assert over > 1.3 * full
+
+
+@given(st.integers(1, 5000), st.integers(1, 5000), st.integers(1, 5000), st.sampled_from(["ieee", "tf32-rna"]))
+def test_a_gemm_never_gets_faster_when_it_grows_nor_beats_the_peak(m, n, k, math_name):
+    p = peaks.get("a100")
+    t = gemm_seconds((1, 1, m, n, k), math_name, p)
+    assert t >= 2 * m * n * k / p.flops(math_name) - 1e-18
+    for bigger in ((m + 1, n, k), (m, n + 1, k), (m, n, k + 1)):
+        assert gemm_seconds((1, 1, *bigger), math_name, p) >= t * (1 - 1e-12)
+
+
+def test_memory_bound_workloads_are_predicted_at_no_gain():
+    mlp = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 2048))
+    report = tf32lab.predict(tf32lab.Workload(mlp, torch.randn(1, 2048)), "a100")
+    assert report.level("high").speedup <= 1.05
+    pointwise = torch.nn.Sequential(torch.nn.LayerNorm(512), torch.nn.GELU())
+    report = tf32lab.predict(tf32lab.Workload(pointwise, torch.randn(512, 512)), "a100")
+    assert report.level("high").speedup == 1.0 and report.level("high").family_share == 0.0
+
+
+def test_predict_reports_layers_and_leaves_everything_as_it_was():
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8)).train()
+    report = tf32lab.predict(tf32lab.Workload(model, torch.randn(256, 512), name="mlp"), "h100", levels=("high",))
+    assert [lv.level for lv in report.levels] == ["highest", "high"]  # highest: always, the baseline
+    assert [layer.name for layer in report.layers] == ["0", "2"]
+    assert report.layers[0].speedup("high") > 1.5
+    assert model.training
+    assert json.loads(report.to_json())["kind"] == "predicted"
+
+
+def test_predict_rejects_what_it_cannot_model():
+    w = tf32lab.Workload(torch.nn.Linear(4, 4), torch.randn(2, 4))
+    with pytest.raises(Tf32LabError, match="no speed model for target 'cpu-amx'"):
+        tf32lab.predict(w, "cpu-amx")
+    with pytest.raises(Tf32LabError, match="unknown precision level 'fast'"):
+        tf32lab.predict(w, "a100", levels=("fast",))
+    with pytest.raises(Tf32LabError, match=r"takes a tf32lab\.Workload"):
+        tf32lab.predict(torch.nn.Linear(4, 4), "a100")
+
+
+# -- measuring ----------------------------------------------------------------------------------------------
+def test_bench_times_each_level_interleaved_with_its_spread():
+    w = tf32lab.Workload(torch.nn.Linear(256, 256), torch.randn(64, 256), name="small")
+    report = tf32lab.bench(w, levels=("high", "medium"), rounds=3, min_seconds=0.005)
+    assert report.kind == "measured" and report.target.startswith("cpu:")
+    assert [lv.level for lv in report.levels] == ["highest", "high", "medium"]
+    assert report.level("highest").speedup == 1.0
+    assert all(lv.seconds > 0 and lv.spread is not None and lv.spread >= 0 for lv in report.levels)
+    assert all(math.isnan(lv.family_share) for lv in report.levels)
+    with pytest.raises(Tf32LabError, match="rounds must be an int >= 1"):
+        tf32lab.bench(w, rounds=0)
+
+
+# -- in check -------------------------------------------------------------------------------------------------
+def _heavy():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512))
+    return tf32lab.Workload(model, torch.randn(2048, 512), name="heavy")
+
+
+def test_check_predicts_each_levels_speedup_and_the_conclusion_weighs_it():
+    report = tf32lab.check(_heavy(), levels=("highest", "high", "medium"))
+    high = report.level("high")
+    assert high.speedup > 3 and report.level("highest").speedup == 1.0
+    assert report.level("medium").speedup == high.speedup  # computed alike on a100
+    assert f"predicted {high.speedup:.2f}x faster there" in report.conclusion()[0]
+    data = report.to_dict()
+    jsonschema.validate(data, schema())
+    assert data["speed"]["kind"] == "predicted" and data["levels"][1]["speedup"] == high.speedup
+
+
+def test_a_memory_bound_model_is_called_safe_but_not_worth_it():
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024))
+    report = tf32lab.check(tf32lab.Workload(model, torch.randn(1, 1024), name="batch-of-one"),
+                           levels=("highest", "high"))
+    sentence = report.conclusion()[0]
+    assert "but predicted only" in sentence and "buys little" in sentence
+
+
+def test_check_without_speed_or_on_a_cpu_target_predicts_nothing():
+    for kwargs in ({"speed": False}, {"target": "cpu-amx"}, {"target": "native"}):
+        report = tf32lab.check(_heavy(), levels=("high",), **kwargs)
+        assert report.speed is None and report.level("high").speedup is None
+        jsonschema.validate(report.to_dict(), schema())
+
+
+# -- the command line ---------------------------------------------------------------------------------------
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "tf32lab.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_speed_command_prints_the_prediction_and_with_measure_both():
+    done = cli("speed", "builtin", "--target", "h100", "--measure", "--rounds", "2")
+    assert done.returncode == 0, done.stderr
+    assert "predicted (h100)" in done.stdout and "measured (cpu:" in done.stdout
+    assert "layers taking the most predicted time" in done.stdout
+    data = json.loads(cli("speed", "builtin", "--json", "-").stdout)
+    assert data["measured"] is None and data["predicted"]["target"] == "a100"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--target", "cpu-amx"], "no speed model for target 'cpu-amx'"),
+    (["--target", "native"], "--target native predicts nothing"),
+    (["--levels", "fast"], "unknown precision level 'fast'"),
+])
+def test_speed_command_bad_input_exits_2_with_one_line(args, message):
+    done = cli("speed", "builtin", *args)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_check_no_speed_leaves_the_prediction_out():
+    done = cli("check", "builtin", "--levels", "high", "--no-speed", "--json", "-")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["speed"] is None
