@@ -24,6 +24,7 @@ _WHERE = {
     "autoconfig": "heuristics", "save_compile_cache": "heuristics", "LEVELS": "levels", "Report": "report",
     "get_float32_matmul_precision": "scope", "precision": "scope", "set_float32_matmul_precision": "scope",
     "Policy": "policy", "explain": "policy", "predict": "speed", "bench": "timing", "SpeedReport": "speed",
+    "tune": "tuning", "Tuning": "tuning",
     "Workload": "workload",
 }
 _SUBMODULES = ("flags", "formats", "hardware", "targets")
@@ -34,6 +35,7 @@ __all__ = [
     "Report",
     "SpeedReport",
     "Tf32LabError",
+    "Tuning",
     "Workload",
     "__version__",
     "autoconfig",
@@ -51,6 +53,7 @@ __all__ = [
     "save_compile_cache",
     "set_float32_matmul_precision",
     "targets",
+    "tune",
 ]
 
 

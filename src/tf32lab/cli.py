@@ -64,6 +64,22 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--html", metavar="PATH", help="write the report as a self-contained HTML page")
     check.add_argument("--debug", action="store_true", help="show tracebacks")
     check.set_defaults(run=_check)
+    tune = sub.add_parser(
+        "tune", help="find the fastest policy that keeps a workload within its tolerance on a target GPU",
+        description="Check the uniform levels, then search for the layers to keep at a safer level, each "
+                    "candidate verified by a real run; write the policy. Exit code 0: a policy within tolerance "
+                    "was found; 1: not even highest passes; 2: bad input.",
+    )
+    tune.add_argument("spec", nargs="?", default=None, help="a workload spec, as for check")
+    tune.add_argument("--target", default="a100", type=str.lower,
+                      help="GPU to tune for (v100, t4, a100, a10g, rtx3090, l4, rtx4090, h100, h200; default a100)")
+    tune.add_argument("--tolerance", type=_tolerance, default=None,
+                      help="largest normwise relative error of an output (default: 1e-2)")
+    tune.add_argument("--out", metavar="PATH", help="write the policy found (JSON, or TOML for .toml)")
+    tune.add_argument("--json", metavar="PATH", help="write the search and its result as JSON; '-' for stdout")
+    tune.add_argument("--html", metavar="PATH", help="write the search as a self-contained HTML page")
+    tune.add_argument("--debug", action="store_true", help="show tracebacks")
+    tune.set_defaults(run=_tune)
     speed = sub.add_parser(
         "speed", help="what each precision level buys: predicted on a target GPU, measured here with --measure",
         description="Predict one forward of a workload on a target GPU at each level (FLOPs, bytes and GEMM shapes "
@@ -207,6 +223,9 @@ def _check(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         else:
             report.print(_console())
+            step = _next_step(report, spec, args.target)
+            if step:
+                print(step)
     except BrokenPipeError:  # ``| head``: the reader has what it wanted; the verdict still is the exit code
         _drop_stdout()
         return code
@@ -217,6 +236,61 @@ def _check(args: argparse.Namespace) -> int:
             except OSError as exc:
                 raise Tf32LabError(f"cannot write {_shown(path)}: {exc.strerror or exc}") from exc
             print(f"wrote {_shown(path)}", file=sys.stderr if args.json == "-" else sys.stdout)
+    return code
+
+
+def _next_step(report, spec: str, target: str) -> str:
+    """When a reduced level fails: the command that finds the layers to keep at a safer level."""
+    from . import peaks
+
+    failed = [lv.level for lv in report.levels if lv.level in ("high", "medium") and not lv.passed]
+    if not failed or target not in peaks.PEAKS:
+        return ""
+    return (f"next: tf32lab tune {_shown(spec)} --target {target} --out policy.json  finds the fastest policy "
+            f"within tolerance (which layers to keep at a safer level than {failed[-1]!r}), each candidate verified")
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from . import peaks, specs
+    from .compare import check_target
+
+    check_target(args.target)
+    peaks.get(args.target)  # before the workload loads
+    for path, flag in ((args.out, "--out"), (args.json, "--json"), (args.html, "--html")):
+        if path and path != "-":
+            _writable(path, flag)
+    if args.out == "-" or args.html == "-":
+        raise Tf32LabError("--out and --html write files; '-' is for --json only")
+    spec = args.spec or specs.default_spec()
+    loaded = specs.load(spec)
+    from .tuning import tune
+
+    tuning = tune(loaded, target=args.target, tolerance=args.tolerance, progress=sys.stderr.isatty())
+    code = 0 if tuning.passed else 1
+    written = []
+    if args.out and tuning.policy is not None:
+        tuning.policy.save(args.out)
+        written.append(args.out)
+    if args.json and args.json != "-":
+        tuning.to_json(args.json)
+        written.append(args.json)
+    if args.html:
+        tuning.save_html(args.html)
+        written.append(args.html)
+    if args.json == "-":
+        sys.stdout.write(tuning.to_json() + "\n")
+        return code
+    from .report.text import inert
+
+    try:
+        for line in tuning.lines(args.out):
+            print(inert(line))
+        for path in written:
+            print(f"wrote {_shown(path)}")
+        if tuning.policy is not None and tuning.pinned and not args.out:
+            print("(no --out given: the policy above was not written; add --out policy.json)")
+    except BrokenPipeError:
+        _drop_stdout()
     return code
 
 

@@ -103,24 +103,78 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: str = "
     check_target(target)
     if reference not in REFERENCES:
         raise Tf32LabError(f"unknown reference {reference!r}; accepted: {', '.join(map(repr, REFERENCES))}")
-    tolerances = _tolerances(tolerance)
+    tolerances = tolerances_of(tolerance)
     started = time.perf_counter()
-    row = _PolicyRow.of(policy, workload.model) if policy is not None else None
+    row = PolicyRow.of(policy, workload.model) if policy is not None else None
     extra = tuple(level for level in LEVELS if row is not None and level in row.levels and level not in levels)
-    alike = _alike(levels + extra, target)  # level -> the earlier level the target computes identically, if any
+    alike = alike_levels(levels + extra, target)  # level -> the earlier level the target computes identically, if any
     measured = [level for level in levels + extra if alike[level] is None]
     runs = len([level for level in levels if alike[level] is None]) + (row is not None)
-    with _Progress(progress, steps=1 + runs) as bar, eval_mode(workload.model), _released(), \
-            _state_kept(workload.model) as reset:
-        bar.step(f"{workload.name}: float64 reference, each layer at {len(measured)} level(s)")
-        recorder = _Recorder(workload.model, measured, target)
+    with Progress(progress, steps=1 + runs) as bar, \
+            Session(workload, measured, target, tolerances, speed=speed, bar=bar) as session:
+        results: dict[str, LevelResult] = {}
+        for level in levels:
+            same = alike[level]
+            if same is not None:  # the target computes both levels alike: measured once
+                results[level] = dataclasses.replace(results[same], level=level, same_as=same, seconds=0.0)
+                continue
+            results[level] = session.level(level)
+        rows = [results[level] for level in levels]
+        if row is not None:
+            rows.append(session.policy(row, alike))
+    predicted = session.predicted(levels)
+    if predicted is not None:
+        rows = [dataclasses.replace(r, speedup=session.speedup(r, predicted, row)) for r in rows]
+    return Report(
+        workload=str(workload.name), target=target, reference=reference, tolerance=dict(tolerances),
+        levels=tuple(rows), environment=environment_of(workload),
+        seconds=time.perf_counter() - started, notes=tuple(session.recorder.notes()), speed=predicted,
+    )
+
+
+class Session:
+    """A workload's float64 reference, run once on entry (each layer rerun at the ``measured`` levels), then
+    end-to-end runs measured against it: a level (:meth:`level`) or a policy (:meth:`policy`). ``check`` is one
+    session; ``tune`` measures many policies in one. Inside it the model is in eval mode; its state (buffers) is
+    reset before each run and restored at the end. With ``speed`` (a GPU target), the first end-to-end run is
+    counted for the speed model.
+    """
+
+    def __init__(self, workload: Workload, measured: list[str], target: str, tolerances: dict[str, float], *,
+                 speed: bool = True, bar: Optional[Progress] = None) -> None:
+        self.workload, self.target, self.tolerances = workload, target, tolerances
+        self.measured = list(measured)
+        self.bar = bar or Progress(False, 0)
+        self.recorder = _Recorder(workload.model, self.measured, target)
+        self.counting = Counting(workload.model) if speed and target in peaks.PEAKS else None
+        self.runs = 0  # end-to-end runs so far
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> Session:
+        stack = self._stack
+        try:
+            stack.enter_context(eval_mode(self.workload.model))
+            stack.enter_context(_released())
+            self.reset = stack.enter_context(_state_kept(self.workload.model))
+            self._reference()
+        except BaseException:
+            stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.__exit__(*exc)
+
+    def _reference(self) -> None:
+        workload, recorder = self.workload, self.recorder
+        self.bar.step(f"{workload.name}: float64 reference, each layer at {len(self.measured)} level(s)")
         try:
             # not inference mode: its tensors keep no version counters
             with _float64_scripted(workload, recorder) as model, torch.inference_mode(False), \
                     torch.no_grad(), recorder:
                 ref_inputs = map_tensors(widen, workload.inputs)
                 recorder.model_inputs = {id(t) for _, t in named_tensors(ref_inputs)}
-                ref_out = workload.run(model, ref_inputs)
+                self.ref_out = workload.run(model, ref_inputs)
         except Tf32LabError:
             raise
         except Exception as exc:
@@ -128,49 +182,48 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: str = "
                 raise _no_memory(workload, "the float64 reference", exc) from exc
             raise Tf32LabError(f"workload {workload.name!r} raised at the float64 reference, before any level ran: "
                                f"{_described(exc)}") from exc
-        _check_comparable(workload, ref_out)
-        _warn_unknown(tolerances, ref_out)
-        results: dict[str, LevelResult] = {}
-        counting = Counting(workload.model) if speed and target in peaks.PEAKS else None
-        for level in levels:
-            same = alike[level]
-            if same is not None:  # the target computes both levels alike: measured once
-                results[level] = dataclasses.replace(results[same], level=level, same_as=same, seconds=0.0)
-                continue
-            bar.step(f"{level}: end to end")
-            reset()  # every run starts from the state the model had (a buffer it updates as it runs)
-            release_buffers()  # the reruns' scratch sizes are not this run's: memory the peak need not hold
-            results[level] = _check_level(workload, level, target, recorder, ref_out, tolerances,
-                                          counting=counting if counting and not counting.counts.ops else None)
-        rows = [results[level] for level in levels]
-        if row is not None:
-            bar.step("policy: end to end")
-            reset()
-            release_buffers()
-            rows.append(_check_level(workload, row.base, target, recorder, ref_out, tolerances, row=row,
-                                     alike=alike))
-    predicted = None
-    if counting is not None and counting.counts.ops:
-        predicted = predict_counts(counting.counts, str(workload.name), target, levels)
-        rows = [dataclasses.replace(r, speedup=_speedup(r, predicted, row, target, counting)) for r in rows]
-    return Report(
-        workload=str(workload.name), target=target, reference=reference, tolerance=dict(tolerances),
-        levels=tuple(rows), environment=_environment(workload),
-        seconds=time.perf_counter() - started, notes=tuple(recorder.notes()), speed=predicted,
-    )
+        _check_comparable(workload, self.ref_out)
+        _warn_unknown(self.tolerances, self.ref_out)
 
+    def _fresh(self, what: str) -> Optional[Counting]:
+        self.bar.step(what)
+        self.reset()  # every run starts from the state the model had (a buffer it updates as it runs)
+        release_buffers()  # the reruns' scratch sizes are not this run's: memory the peak need not hold
+        self.runs += 1
+        counting = self.counting
+        return counting if counting is not None and not counting.counts.ops else None
 
-def _speedup(result: LevelResult, predicted: SpeedReport, row: Optional[_PolicyRow], target: str,
-             counting: Counting) -> float:
-    if result.policy is None or row is None:
-        return predicted.level(result.level).speedup
-    by_name = row.by_name  # every module's level; an op outside every module runs at the policy's base
-    policy_seconds = seconds_at(counting.counts, target, lambda layer: by_name.get(layer, row.base))
-    return predicted.level("highest").seconds / policy_seconds
+    def level(self, level: str) -> LevelResult:
+        """One end-to-end run at ``level`` (one of ``measured``)."""
+        counting = self._fresh(f"{level}: end to end")
+        return _check_level(self.workload, level, self.target, self.recorder, self.ref_out, self.tolerances,
+                            counting=counting)
+
+    def policy(self, row: PolicyRow, alike: dict[str, Optional[str]]) -> LevelResult:
+        """One end-to-end run with ``row``'s policy applied (its levels among ``measured``, or ``alike`` them)."""
+        counting = self._fresh("policy: end to end")
+        return _check_level(self.workload, row.base, self.target, self.recorder, self.ref_out, self.tolerances,
+                            row=row, alike=alike, counting=counting)
+
+    def predicted(self, levels: Iterable[str]) -> Optional[SpeedReport]:
+        """The speed report of the counted run, when one was counted."""
+        if self.counting is None or not self.counting.counts.ops:
+            return None
+        return predict_counts(self.counting.counts, str(self.workload.name), self.target, levels)
+
+    def seconds(self, row: PolicyRow) -> float:
+        """The predicted time of one forward under ``row``'s policy (a speed model is needed)."""
+        by_name = row.by_name  # every module's level; an op outside every module runs at the policy's base
+        return seconds_at(self.counting.counts, self.target, lambda layer: by_name.get(layer, row.base))
+
+    def speedup(self, result: LevelResult, predicted: SpeedReport, row: Optional[PolicyRow]) -> float:
+        if result.policy is None or row is None:
+            return predicted.level(result.level).speedup
+        return predicted.level("highest").seconds / self.seconds(row)
 
 
 @dataclasses.dataclass(frozen=True)
-class _PolicyRow:
+class PolicyRow:
     """A policy as check measures it: its level per module name (``ROOT`` for the model), unmatched rules refused."""
 
     policy: Policy
@@ -179,7 +232,7 @@ class _PolicyRow:
     levels: frozenset[str]
 
     @classmethod
-    def of(cls, policy: Policy, model: torch.nn.Module) -> _PolicyRow:
+    def of(cls, policy: Policy, model: torch.nn.Module) -> PolicyRow:
         if not isinstance(policy, Policy):
             raise Tf32LabError(f"check(policy=...) takes a tf32lab.Policy, not {type(policy).__name__}")
         unmatched = policy.unmatched_message(model)
@@ -193,7 +246,7 @@ class _PolicyRow:
         return dict(self.policy.to_dict(), base=self.base)
 
 
-def _alike(levels: tuple[str, ...], target: str) -> dict[str, Optional[str]]:
+def alike_levels(levels: tuple[str, ...], target: str) -> dict[str, Optional[str]]:
     """For each level, an earlier one whose every op family gets the same math on ``target`` (emulation is
     deterministic, so one measurement serves both)."""
     found: dict[str, Optional[str]] = {}
@@ -211,7 +264,7 @@ def _alike(levels: tuple[str, ...], target: str) -> dict[str, Optional[str]]:
 
 
 def _check_level(workload: Workload, level: str, target: str, recorder: _Recorder, ref_out: Any,
-                 tolerances: dict[str, float], row: Optional[_PolicyRow] = None,
+                 tolerances: dict[str, float], row: Optional[PolicyRow] = None,
                  alike: Optional[dict[str, Optional[str]]] = None, counting: Optional[Counting] = None) -> LevelResult:
     """One end-to-end run at ``level`` (with ``row``: the policy applied, ``level`` its base) and its result;
     ``counting``: the run's work is counted too (for the speed prediction)."""
@@ -258,7 +311,7 @@ def _check_level(workload: Workload, level: str, target: str, recorder: _Recorde
                        time.perf_counter() - started, error=error, policy=row.describe() if row else None)
 
 
-def _policy_maths(row: _PolicyRow, target: str) -> dict[str, str]:
+def _policy_maths(row: PolicyRow, target: str) -> dict[str, str]:
     """Per family: the math every level of the policy gives it, or ``mixed``."""
     found: dict[str, set[str]] = {}
     for level in sorted(row.levels):
@@ -716,7 +769,7 @@ def _check_comparable(workload: Workload, ref_out: Any) -> None:
                            f"return the tensors to check (a tensor, or a tuple/dict of them)")
 
 
-def _tolerances(tolerance: Union[float, Mapping[str, float], None]) -> dict[str, float]:
+def tolerances_of(tolerance: Union[float, Mapping[str, float], None]) -> dict[str, float]:
     if tolerance is None:
         return {"default": metrics.DEFAULT_TOLERANCE}
     if isinstance(tolerance, Mapping):
@@ -775,7 +828,7 @@ def _state_kept(model: torch.nn.Module):
 
 
 # -- the model --------------------------------------------------------------------------------------------------
-def _environment(workload: Workload) -> dict[str, Any]:
+def environment_of(workload: Workload) -> dict[str, Any]:
     device = next((t.device for t in workload.model.parameters()), None)
     if device is None:
         device = next((t.device for _, t in named_tensors(workload.inputs)), torch.device("cpu"))
@@ -794,13 +847,13 @@ def _environment(workload: Workload) -> dict[str, Any]:
     return env
 
 
-class _Progress:
+class Progress:
     """A rich progress bar on stderr when asked for; otherwise nothing."""
 
     def __init__(self, show: bool, steps: int) -> None:
         self.show, self.steps, self.bar, self.task = show, steps, None, None
 
-    def __enter__(self) -> _Progress:
+    def __enter__(self) -> Progress:
         if self.show:
             from rich.console import Console
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn

@@ -7,11 +7,12 @@ each op is timed on the target at each level, with the math ``emulate(target)`` 
 
 - ``compute`` of a GEMM (matmul, conv as an implicit GEMM, attention's two products, an RNN's projections and
   steps): the kernel is taken as tiled; for each tile shape of a small set (down to the one-row tiles of
-  gemv-like kernels), the tiles (with split-K when they do
-  not fill the GPU) run in waves of one per SM, a tile costing its FLOPs at the SM's share of the math's peak
+  gemv-like kernels), the tiles run in waves of one per SM, a tile costing its FLOPs at the SM's share of the
+  math's peak
   (``peaks``) x 0.93 (large-GEMM efficiency) x a tile efficiency (a small tile re-reads its operands more:
   sqrt(intensity / intensity of 128x128), at most 1) x k / (k + 64) (a tile's prologue and epilogue). The best
-  tile wins, as cuBLAS's heuristics pick one. Padding, partial waves and skinny shapes so cost what they cost.
+  tile and split (1, 2, 4, ... parts of k while SMs are idle) win, as cuBLAS's heuristics pick one.
+  Padding, partial waves and skinny shapes so cost what they cost.
 - every other op is memory-bound: its bytes at 85% of the bandwidth.
 - ``launch``: 5 µs per kernel (eager dispatch and launch; views and allocations launch none).
 
@@ -62,7 +63,6 @@ TILES = ((256, 128), (128, 256), (128, 128), (128, 64), (64, 128), (64, 64), (64
          (16, 128), (128, 16), (8, 128), (128, 8), (1, 32), (32, 1))
 _REFERENCE_INTENSITY = 128 * 128 / (128 + 128)
 K_OVERHEAD = 64  # a tile's prologue and epilogue, in k-steps
-SPLIT_K_STEP = 256  # the least k a split-K part keeps
 
 
 def _tile_efficiency(rows: int, columns: int) -> float:
@@ -76,11 +76,13 @@ def gemm_seconds(gemm: Gemm, math_name: str, p: peaks_table.Peaks) -> float:
     best = math.inf
     for rows, columns in TILES:
         tiles = batch * math.ceil(m / rows) * math.ceil(n / columns)
-        split = max(1, min(p.sms // tiles, math.ceil(k / SPLIT_K_STEP))) if tiles < p.sms else 1
-        part = math.ceil(k / split)
-        waves = math.ceil(tiles * split / p.sms)
-        rate = per_sm * _tile_efficiency(rows, columns) * part / (part + K_OVERHEAD)
-        best = min(best, waves * 2.0 * rows * columns * part / rate)
+        efficiency = per_sm * _tile_efficiency(rows, columns)
+        split = 1
+        while split == 1 or split * tiles <= p.sms:  # split-K, when the tiles alone leave SMs idle
+            part = math.ceil(k / split)
+            waves = math.ceil(tiles * split / p.sms)
+            best = min(best, waves * 2.0 * rows * columns * (part + K_OVERHEAD) / efficiency)
+            split *= 2
     return count * best
 
 

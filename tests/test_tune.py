@@ -1,0 +1,124 @@
+"""`tune`: it decides (one sensitive layer pinned, sensitive computations kept at highest, a loose tolerance taking
+the fastest level), every candidate verified; the CLI's exit codes and files; the page in a real browser."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tf32lab
+from browser import visit
+from tf32lab import builtin, flags
+from tf32lab.errors import Tf32LabError
+
+NET = (Path(__file__).resolve().parents[1] / "examples" / "tune" / "model.py").read_text()
+
+
+@pytest.fixture
+def net(tmp_path, monkeypatch):
+    (tmp_path / "onesensitive.py").write_text(NET)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import onesensitive
+
+    return onesensitive.make()
+
+
+def test_exactly_the_sensitive_layer_is_pinned_and_most_of_the_speed_kept(net):
+    before = flags.snapshot()
+    tuning = tf32lab.tune(net, target="a100")
+    assert flags.snapshot() == before
+    assert tuning.passed and tuning.pinned == ("sens.lin",)
+    assert tuning.policy.default == "high" and ("sens.lin", "highest") in tuning.policy.rules
+    all_high = tuning.report.level("high").speedup
+    assert tuning.speedup >= 0.9 * all_high, (tuning.speedup, all_high)
+    assert all(o.passed for o in tuning.outputs)
+    # never a policy that was not verified: the chosen one is among the candidates that passed end to end
+    assert any(c.policy == tuning.policy and c.passed for c in tuning.candidates)
+    # and what it found holds when applied for real, under emulation
+    with tf32lab.emulate("a100"), tuning.policy.applied(net.model), torch.inference_mode():
+        out = net.run()
+    with tf32lab.precision("highest"), torch.inference_mode():
+        exact = net.run()
+    with tf32lab.emulate("a100"), tf32lab.precision("high"), torch.inference_mode():
+        tf32 = net.run()
+    assert (out - exact).norm() / exact.norm() < 1e-2 < (tf32 - exact).norm() / exact.norm()
+    # its cost: a few runs beyond the check of the uniform levels
+    assert tuning.seconds <= 3 * tuning.check_seconds + 2.0
+    assert tuning.runs <= 8
+
+
+@pytest.mark.parametrize("make", [builtin.covariance, builtin.rotation_round_trip])
+def test_sensitive_computations_stay_at_highest(make):
+    tuning = tf32lab.tune(make(), target="a100")
+    assert tuning.passed and tuning.level == "highest" and tuning.pinned == ()
+    assert "Keep `highest`" in tuning.advice()[0]
+
+
+def test_a_loose_tolerance_takes_the_fastest_uniform_level_with_nothing_pinned(net):
+    tuning = tf32lab.tune(net, target="a100", tolerance=100.0)
+    assert tuning.level == "high" and tuning.pinned == () and tuning.policy == tf32lab.Policy(default="high")
+    assert len(tuning.candidates) == 2  # the uniform levels only: nothing to search
+
+
+def test_when_not_even_highest_passes_the_result_says_so(net):
+    tuning = tf32lab.tune(net, target="a100", tolerance=0.0)
+    assert not tuning.passed and tuning.policy is None
+    assert "Not even `highest` is within tolerance" in tuning.advice()[0]
+
+
+def test_tune_refuses_what_it_cannot_do(net):
+    with pytest.raises(Tf32LabError, match="no speed model for target 'cpu-amx'"):
+        tf32lab.tune(net, target="cpu-amx")
+    with pytest.raises(Tf32LabError, match="unknown target 'b200'"):
+        tf32lab.tune(net, target="b200")
+    with pytest.raises(Tf32LabError, match=r"takes a tf32lab\.Workload"):
+        tf32lab.tune(net.model)
+
+
+@pytest.mark.slow
+def test_minilm_is_tuned_to_high_everywhere():
+    tuning = tf32lab.tune(builtin.minilm(), target="a100")
+    assert tuning.passed and tuning.level == "high" and tuning.pinned == ()
+
+
+# -- the command line and the page -------------------------------------------------------------------------
+def cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "tf32lab.cli", "tune", *args], capture_output=True, text=True,
+                          timeout=300, cwd=cwd)
+
+
+def test_tune_writes_the_policy_its_json_and_its_page(tmp_path):
+    (tmp_path / "onesensitive.py").write_text(NET)
+    done = cli("onesensitive:make", "--out", "policy.json", "--json", "t.json", "--html", "t.html", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "Apply it with `tf32lab.Policy.load(\"policy.json\").apply(model)`" in done.stdout
+    policy = tf32lab.Policy.load(tmp_path / "policy.json")
+    assert ("sens.lin", "highest") in policy.rules
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["pinned"] == ["sens.lin"] and data["candidates"][0]["why"] == "uniform highest"
+    seen = visit(tmp_path / "t.html", tmp_path / "t.png")
+    assert not seen.console_errors and not seen.requests and seen.svg_count >= 1
+    assert "(chosen)" in seen.text and "sens.lin" in seen.text and "The uniform levels it started from" in seen.text
+
+
+def test_tune_exit_codes(tmp_path):
+    (tmp_path / "onesensitive.py").write_text(NET)
+    failing = cli("onesensitive:make", "--tolerance", "0", "--out", "p.json", cwd=tmp_path)
+    assert failing.returncode == 1 and "Not even `highest`" in failing.stdout
+    assert not (tmp_path / "p.json").exists()
+    for args, message in ((["--target", "cpu"], "no speed model for target 'cpu'"),
+                          (["--out", "/no/such/dir/p.json"], "--out /no/such/dir/p.json: no folder")):
+        bad = cli("onesensitive:make", *args, cwd=tmp_path)
+        assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_check_points_to_tune_when_a_level_fails(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "tf32lab.builtin:covariance", "--levels",
+                           "highest,high"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 1
+    assert "next: tf32lab tune tf32lab.builtin:covariance --target a100 --out policy.json" in done.stdout
