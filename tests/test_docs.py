@@ -11,7 +11,7 @@ MODULES = [
     "tf32lab.metrics", "tf32lab.compare", "tf32lab.report", "tf32lab.hardware", "tf32lab.heuristics",
     "tf32lab.diagnosis", "tf32lab.specs", "tf32lab.optable", "tf32lab.modestack", "tf32lab.compile_cache",
     "tf32lab.reference", "tf32lab.report.conclusion", "tf32lab.files", "tf32lab.policy", "tf32lab.counting",
-    "tf32lab.speed", "tf32lab.timing", "tf32lab.peaks", "tf32lab.tuning",
+    "tf32lab.speed", "tf32lab.timing", "tf32lab.peaks", "tf32lab.tuning", "tf32lab.testing",
 ]
 
 

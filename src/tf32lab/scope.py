@@ -820,6 +820,27 @@ def process_cells() -> dict[str, str]:
     return {name: values[i] for name, i in _CELL_INDEX.items()}
 
 
+def open_nodes() -> frozenset:
+    """Every open scope and ``emulate()`` block, in every thread and task (a test harness's "before")."""
+    with _STATE.lock:
+        return frozenset(n for h in _STATE.holders.values() for n in (*h.nodes, *h.emulations))
+
+
+def close_since(before: frozenset) -> int:
+    """Close every scope and ``emulate()`` block opened since ``before`` (:func:`open_nodes`) and still open: what
+    a test left behind, so the next one does not run under it. Returns how many were closed."""
+    with _STATE.lock:
+        leaked = [n for n in open_nodes() if n not in before]
+        for node in leaked:
+            if isinstance(node, Emulation):
+                _close_emulation(node, rebalance=False)
+            else:
+                _close(node, rebalance=False)
+        if leaked:
+            _STATE.rebalance()
+    return len(leaked)
+
+
 def context_level() -> Optional[str]:
     """The level of the innermost scope of this thread/task, or None outside scopes (no Python frame walk)."""
     node = _SCOPE.get()
