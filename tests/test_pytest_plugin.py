@@ -30,6 +30,12 @@ SUITE = textwrap.dedent("""
         torch.testing.assert_close(A @ B, EXACT, rtol=1e-5, atol=1e-4)
 
 
+    def test_writes_into_a_fresh_folder(tmp_path):
+        # run again at highest by --tf32lab-compare: with fresh fixtures, or mkdir would fail the second time
+        (tmp_path / "out").mkdir()
+        torch.testing.assert_close(A @ B, EXACT, rtol=1e-5, atol=1e-4)
+
+
     @pytest.mark.tf32lab(level="highest")
     def test_pinned_to_highest():
         torch.testing.assert_close(A @ B, EXACT, rtol=1e-5, atol=1e-4)
@@ -72,6 +78,15 @@ LEAK = textwrap.dedent("""
     def test_sees_the_default():
         assert torch.get_float32_matmul_precision() == "highest"
 
+    def test_leaks_a_mode_put_on_raw():
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Stray(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                return func(*args, **(kwargs or {}))
+
+        torch._C._push_on_torch_dispatch_stack(Stray())  # no __enter__: its __exit__ would fail
+
     def test_leaks_a_scope():
         tf32lab.precision("medium").__enter__()
 
@@ -87,15 +102,16 @@ def _run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
 def test_a_suite_as_an_a100_computes_it(pytester: pytest.Pytester):
     pytester.makepyfile(test_suite=SUITE)
     result = _run(pytester, "--tf32lab", "a100:high", "--tf32lab-compare", "-v")
-    result.assert_outcomes(passed=5, failed=1)
+    result.assert_outcomes(passed=5, failed=2)
     result.stdout.fnmatch_lines([
         "tf32lab: each test runs at precision 'high' as a100 computes them (emulated here), failures compared*",
         "*test_tolerance_too_tight FAILED*",
         "*test_pinned_to_highest PASSED*",
         "*test_twice?tf32lab-highest? PASSED*",
         "*test_twice?tf32lab-high? PASSED*",
-        "*1 test(s) failed under tf32lab; 1 of them only there (they pass at highest):",
+        "*2 test(s) failed under tf32lab; 2 of them only there (they pass at highest):",
         "*test_tolerance_too_tight: fails only under a100:high: passes at highest",
+        "*test_writes_into_a_fresh_folder: fails only under a100:high: passes at highest",
     ])
     assert "left global state changed" not in result.stdout.str()
 
@@ -103,18 +119,18 @@ def test_a_suite_as_an_a100_computes_it(pytester: pytest.Pytester):
 def test_without_the_option_the_suite_runs_natively_and_markers_still_work(pytester: pytest.Pytester):
     pytester.makepyfile(test_suite=SUITE)
     result = _run(pytester, "-v")
-    result.assert_outcomes(passed=6)
+    result.assert_outcomes(passed=7)
     assert "tf32lab: each test runs" not in result.stdout.str()
 
 
 def test_the_ini_key_and_the_environment_turn_it_on(pytester: pytest.Pytester, monkeypatch):
     pytester.makepyfile(test_suite=SUITE)
     pytester.makeini("[pytest]\ntf32lab = a100\n")
-    _run(pytester).assert_outcomes(passed=5, failed=1)
+    _run(pytester).assert_outcomes(passed=5, failed=2)
     pytester.makeini("[pytest]\n")
     monkeypatch.setenv("TF32LAB_PYTEST", "h100:high")
     result = _run(pytester)
-    result.assert_outcomes(passed=5, failed=1)
+    result.assert_outcomes(passed=5, failed=2)
     result.stdout.fnmatch_lines(["*precision 'high' as h100 computes them*"])
 
 
@@ -129,9 +145,11 @@ def test_strict_mode_fails_a_test_that_ran_an_op_it_cannot_emulate(pytester: pyt
 def test_a_test_that_leaks_a_flag_or_a_scope_is_named_and_the_next_test_does_not_inherit_it(pytester: pytest.Pytester):
     pytester.makepyfile(test_leak=LEAK)
     result = _run(pytester, "--tf32lab", "a100:high")
-    result.assert_outcomes(passed=4)
+    result.assert_outcomes(passed=5)
     result.stdout.fnmatch_lines([
         "left global state changed: test_leak.py::test_leaks_a_flag: PyTorch flags changed*put back",
+        "left global state changed: test_leak.py::test_leaks_a_mode_put_on_raw: 1 dispatch mode(s) left on the stack"
+        " (Stray), taken off",
         "left global state changed: test_leak.py::test_leaks_a_scope: 1 precision() scope(s) or emulate() block(s)"
         " left open, closed*",
     ])
@@ -140,7 +158,7 @@ def test_a_test_that_leaks_a_flag_or_a_scope_is_named_and_the_next_test_does_not
 def test_parallel_workers_each_set_themselves_up(pytester: pytest.Pytester):
     pytester.makepyfile(test_suite=SUITE)
     result = _run(pytester, "-n", "2", "--tf32lab", "a100:high", "--tf32lab-compare")
-    result.assert_outcomes(passed=5, failed=1)
+    result.assert_outcomes(passed=5, failed=2)
     result.stdout.fnmatch_lines(["*test_tolerance_too_tight: fails only under a100:high: passes at highest"])
 
 

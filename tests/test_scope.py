@@ -116,6 +116,15 @@ def test_a_direct_torch_write_inside_a_scope_is_undone_on_exit():
     assert flags.snapshot() == before
 
 
+def test_a_direct_torch_write_inside_a_nested_scope_gives_the_outer_scope_its_level_back():
+    before = flags.snapshot()
+    with precision("high"):
+        with precision("high"):
+            torch.set_float32_matmul_precision("medium")
+        assert level_now() == flags.read_level() == "high"  # what the outer scope's matmuls run at
+    assert flags.snapshot() == before
+
+
 def test_exiting_out_of_order_closes_that_scope():
     outer, inner = precision("high"), precision("medium")
     outer.__enter__()
@@ -250,6 +259,31 @@ def test_concurrent_asyncio_tasks_keep_their_own_levels():
         asyncio.run(main())
     assert errors == []
     assert scope._STATE.holders == {}
+
+
+@pytest.mark.parametrize("outer", ["precision", "emulate"])
+def test_a_users_mode_entered_inside_a_scope_leaves_with_its_block_when_tasks_add_a_guard(outer):
+    # The guard that concurrent tasks need is pushed while the user's mode is on: a mode's own exit pops the top of
+    # the stack, so a guard above it would be popped in its place and the user's mode left on for good.
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as modes
+
+    async def task(level: str) -> None:
+        with precision(level):
+            await asyncio.sleep(0)
+            torch.mm(A, B)
+
+    async def main() -> None:
+        await asyncio.gather(task("medium"), task("highest"), task("high"))
+
+    before = modes()
+    block = precision("high") if outer == "precision" else tf32lab.emulate("a100")
+    with block:
+        inside = modes()
+        with Recorder() as user:
+            asyncio.run(main())
+            assert user in modes()
+        assert user not in modes() and [m for m in modes() if not isinstance(m, scope._Guard)] == inside
+    assert modes() == before and scope._active_guards() == 0
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:

@@ -31,7 +31,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["lifted", "push", "remove"]
+__all__ = ["depth", "discard", "insert", "lifted", "push", "remove"]
 
 _C: Any = torch._C
 Mode = Union[TorchDispatchMode, TorchFunctionMode]
@@ -49,6 +49,42 @@ def _stack(mode: Mode) -> tuple[Any, Any, Any, Any]:
 def push(mode: Mode) -> None:
     """Put ``mode`` on top of this thread's stack (with PyTorch's own bookkeeping)."""
     mode.__enter__()
+
+
+def depth() -> int:
+    """How many modes this thread's dispatch stack holds."""
+    return _C._len_torch_dispatch_stack()
+
+
+def insert(mode: Mode, index: int) -> None:
+    """Put ``mode`` at ``index`` of this thread's stack (0: the bottom, the mode nearest the kernels); the modes at
+    and above ``index`` stay above it, in their order.
+
+    Their own ``__exit__`` pops the top of the stack: a mode pushed on top of one that exits before it would be
+    popped in its place, and that one left on.
+    """
+    length, _, pop, put = _stack(mode)
+    above = [pop() for _ in range(length() - max(0, min(index, length())))]  # topmost first
+    try:
+        push(mode)
+    finally:
+        for other in reversed(above):
+            put(other)
+
+
+def discard(mode: Mode) -> bool:
+    """Take ``mode`` off this thread's stack without its ``__exit__`` (a mode someone else left there, perhaps
+    put on raw, whose exit bookkeeping cannot be trusted); False if it is not there."""
+    length, at, pop, put = _stack(mode)
+    n = length()
+    index = next((i for i in range(n - 1, -1, -1) if at(i) is mode), None)
+    if index is None:
+        return False
+    above = [pop() for _ in range(n - 1 - index)]  # topmost first
+    pop()
+    for other in reversed(above):
+        put(other)
+    return True
 
 
 def remove(mode: Mode) -> bool:

@@ -19,8 +19,11 @@ natively under the level of the context that issued it, or is refused with a cle
   run under the wrong level): that matmul raises ``Tf32LabError``, which names both remedies.
 
 A scope closes for every context that inherited it when it exits; closing out of order (generators) works, and a
-scope left open by a task that ended, or a thread that died, is closed for it. docs/design.md explains the
-choices and their costs.
+scope left open by a task that ended, or a thread that died, is closed for it. A direct
+``torch.set_float32_matmul_precision`` inside a scope is undone when that scope exits (the enclosing scope's level
+is written again); inside ``emulate()`` tf32lab does not hold the flag, so a direct write there is the user's and
+stays. A guard is put below the modes pushed since the thread's oldest open scope was entered: their own
+``__exit__`` pops the top of the stack. docs/design.md explains the choices and their costs.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from asyncio import current_task as _current_task
 from asyncio.events import _get_running_loop
 from typing import Any, Callable, NamedTuple, Optional, TypeVar
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import flags, modestack, optable
@@ -72,6 +76,7 @@ _get_first, _get_second = flags.LEVEL_GETTERS if _TWO_CELLS else (None, None)
 _write_raw = flags.write_level_raw
 _write_level = flags.write_level
 _get_ident = threading.get_ident
+_dispatch_depth = torch._C._len_torch_dispatch_stack
 # Non-daemon threads are the ones that may hold scopes of their own (pools, plain Thread()); daemon threads are
 # taken as helpers that do not (tqdm's monitor, IPython's kernel threads), so they do not make the main thread's
 # scopes pay a guard on every op. CPython 3.9-3.12 keep a set with one held lock per running non-daemon thread
@@ -110,12 +115,13 @@ class _Holder:
 class _Node:
     """One entered scope."""
 
-    __slots__ = ("alive", "emulation", "holder", "level", "owner", "parent")
+    __slots__ = ("alive", "depth", "emulation", "holder", "level", "owner", "parent")
 
     def __init__(self, level: str, owner: precision, parent: Optional[_Node], holder: _Holder,
-                 emulation: Optional[Emulation]) -> None:
+                 emulation: Optional[Emulation], depth: int) -> None:
         self.level, self.owner, self.parent, self.holder, self.emulation = level, owner, parent, holder, emulation
         self.alive = True
+        self.depth = depth  # the dispatch modes this thread had when the scope was entered (see _push_guard)
 
     def emulated(self) -> bool:
         return self.emulation is not None and self.emulation.alive
@@ -138,6 +144,11 @@ _EMULATION: contextvars.ContextVar[Optional[Emulation]] = contextvars.ContextVar
 
 
 _LEVEL_OF_EFFECTIVE: dict[tuple[str, ...], str] = {}
+_EFFECTIVE_OF: dict[str, tuple[str, ...]] = {}  # level -> the effective cells its write leaves
+
+
+def _effective() -> tuple[str, ...]:
+    return (_get_first(), _get_second()) if _TWO_CELLS else _read_effective()
 
 
 def _level_of_effective(effective: tuple[str, ...]) -> str:
@@ -271,14 +282,16 @@ class _State:
                 target = self.base_level
             else:
                 target = flags.level_from_effective(_read_effective())
-            if target == self.in_force:
-                return
+            if target == self.in_force and _effective() == _EFFECTIVE_OF.get(target):
+                return  # (a direct torch write inside an inner scope: the outer one's level is written again)
             if self.busy():
                 self.idle.wait()
                 continue
             if self.in_force is None:
                 self.begin()
             _write_level(target)
+            if target not in _EFFECTIVE_OF:
+                _EFFECTIVE_OF[target] = _effective()
             self.in_force = target
             return
 
@@ -412,9 +425,15 @@ def _has_guard() -> bool:
     return _STATE.tls.guard is not None
 
 
-def _push_guard(thread: int) -> None:
+def _push_guard(thread: int, depth: int) -> None:
+    """This thread's guard onto its stack, below every mode pushed since its oldest open scope was entered
+    (``depth``: the stack's height then, or now for a scope being entered): those modes exit before that scope does,
+    while the guard stays, and their own exit pops the top of the stack."""
+    for holder in _STATE.holders.values():
+        if holder.thread == thread and holder.nodes:
+            depth = min(depth, holder.nodes[0].depth)
     guard = _Guard()
-    modestack.push(guard)
+    modestack.insert(guard, depth)
     _STATE.tls.guard = _STATE.guards[thread] = guard
     _STATE.pushed += 1
 
@@ -562,16 +581,17 @@ class precision:
         key = (thread, 0 if task is None else id(task))
         state = _STATE
         tls = state.tls
+        depth = _dispatch_depth()
         with state.lock:
             if state.live == 0 and state.in_force is None and state.writer is None and not state.readers:
                 # the only scope in the process (so no emulation either): the common case, kept short
                 # _guard_wanted() and _holder() inlined (no other holder exists here): every scope entry pays them
                 if tls.guard is None and (thread != _MAIN or (_guard_choice or guard_policy()) == "always"
                                           or _other_threads()):
-                    _push_guard(thread)
+                    _push_guard(thread, depth)
                 holder = tls.holder if task is None and tls.holder is not None else _holder(key, task)
                 state.holders[key] = holder
-                node = _Node(level, self, parent, holder, None)
+                node = _Node(level, self, parent, holder, None, depth)
                 holder.nodes.append(node)
                 state.live = 1
                 state.begin()
@@ -582,8 +602,8 @@ class precision:
             else:
                 emulation = _live(_EMULATION.get())
                 if tls.guard is None and _guard_wanted(thread, key):
-                    _push_guard(thread)
-                node = _Node(level, self, parent, _holder(key, task), emulation)
+                    _push_guard(thread, depth)
+                node = _Node(level, self, parent, _holder(key, task), emulation, depth)
                 _opened(node.holder.nodes, node)
         _SCOPE.set(node)
         return self
@@ -839,6 +859,22 @@ def close_since(before: frozenset) -> int:
         if leaked:
             _STATE.rebalance()
     return len(leaked)
+
+
+def is_guard(mode: Any) -> bool:
+    """Whether ``mode`` is a thread's guard: tf32lab's own, put on and taken off by the scopes."""
+    return isinstance(mode, _Guard)
+
+
+def drop_idle_guard() -> bool:
+    """Take this thread's guard off its stack if none of its contexts holds a scope any more (one left behind by
+    a scope closed from its own handler, or by :func:`close_since`); True if it was."""
+    with _STATE.lock:
+        guard = _STATE.tls.guard
+        if guard is None:
+            return False
+        _drop_guard(_get_ident())
+        return _STATE.tls.guard is None
 
 
 def context_level() -> Optional[str]:
