@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -356,6 +359,33 @@ def test_compiled_model_runs_eagerly_inside_emulate():
     from torch._dynamo import eval_frame
 
     assert eval_frame._stance.stance == "default"
+
+
+def test_without_a_compile_neither_emulate_nor_check_imports_dynamo_and_a_compile_inside_the_block_is_emulated():
+    # torch._dynamo costs 71 MiB and a second to import: a program that never compiles does not pay it. One that
+    # compiles inside the block (importing dynamo there) is still emulated: Dynamo runs eagerly under the mode.
+    code = textwrap.dedent("""
+        import sys, torch, tf32lab
+        def escaping_backend(graph, example_inputs):
+            def run(*args):
+                with torch._C._DisableTorchDispatch():
+                    return graph(*args)
+            return run
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(64, 32)
+        x = torch.randn(8, 64) * 100 + 1
+        with tf32lab.precision("high"), tf32lab.emulate("a100"):
+            emulated = layer(x)
+        tf32lab.check(tf32lab.Workload(layer, x, name="one layer"))
+        print("dynamo after emulate and check:", "torch._dynamo" in sys.modules)
+        with tf32lab.precision("high"), tf32lab.emulate("a100"):
+            compiled = torch.compile(layer, backend=escaping_backend)
+            inside = compiled(x)
+        print("compiled inside:", torch.equal(inside, emulated), not torch.equal(inside, layer(x)))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["dynamo after emulate and check: False", "compiled inside: True True"]
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import subprocess
@@ -54,6 +55,23 @@ def test_counting_knows_attention_rnns_batched_products_and_gathers():
     # a gather reads what it returns, not the whole table
     assert ops["aten::embedding"].bytes < 3 * 64 * 4 * 2 + 3 * 8 + 1
     assert not counts.uncounted
+
+
+def test_an_emulated_rnn_is_counted_as_the_one_kernel_it_is_on_the_target():
+    # inside emulate() the recurrence runs step by step (each GEMM rounded); the target runs one cuDNN kernel
+    lstm, gru = torch.nn.LSTM(8, 32, num_layers=2, batch_first=True), torch.nn.GRU(8, 16)
+    x = torch.randn(4, 10, 8)
+
+    def counted(emulated: bool) -> list[tuple[str, tuple]]:
+        block = tf32lab.emulate("a100") if emulated else contextlib.nullcontext()
+        with block, Counting() as counts, torch.inference_mode():
+            lstm(x)
+            gru(x)
+        return [(c.op, c.gemms) for c in counts.ops if c.family is not None]
+
+    assert counted(True) == counted(False) == [
+        ("aten::lstm", ((1, 1, 40, 128, 8), (10, 1, 4, 128, 32), (1, 1, 40, 128, 32), (10, 1, 4, 128, 32))),
+        ("aten::gru", ((1, 1, 40, 48, 8), (4, 1, 10, 48, 16)))]
 
 
 def test_counting_with_autograd_on_sees_what_the_cpu_runs():

@@ -25,9 +25,10 @@ import math
 from typing import Any, NamedTuple, Optional
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import modestack, optable
+from . import modestack, optable, scope
 from .trees import named_tensors
 
 __all__ = ["Counting", "Counts", "OpCost"]
@@ -168,6 +169,7 @@ def _bytes(name: str, args: tuple, kwargs: dict, out: Any) -> float:
     return total + written
 
 
+@modestack.skips_dynamo_lazily
 class _Mode(TorchDispatchMode):
     def __init__(self, counting: Counting) -> None:
         super().__init__()
@@ -178,6 +180,37 @@ class _Mode(TorchDispatchMode):
         out = func(*args, **kwargs)
         if not self.counting.paused:
             self.counting.record(func, args, kwargs, out)
+        return out
+
+
+# torch._VF.lstm & co. -> their aten op (its ``.input`` overload: the unpacked call)
+_RNNS = {getattr(torch._C._VariableFunctions, name): getattr(torch.ops.aten, name).input
+         for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")}
+
+
+class _Functions(TorchFunctionMode):
+    """An RNN call inside ``emulate()``: the emulator runs its recurrence step by step (rounding each GEMM), where
+    the target runs one cuDNN kernel. Counted as that one op; its steps are not (thousands of handler calls that
+    made counting cost 5 forwards of an LSTM)."""
+
+    def __init__(self, counting: Counting) -> None:
+        super().__init__()
+        self.counting = counting
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        op = _RNNS.get(func)
+        counting = self.counting
+        # args[3] is has_biases in the unpacked call (a packed sequence's is the params)
+        if op is None or counting.paused or kwargs or len(args) < 4 or not isinstance(args[3], bool) \
+                or scope.current_emulation() is None:
+            return func(*args, **kwargs)
+        counting.paused = True
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            counting.paused = False
+        counting.record(op, args, kwargs, out)
         return out
 
 
@@ -193,6 +226,7 @@ class Counting:
         self.paused = False
         self.counts = Counts()
         self._mode = _Mode(self)
+        self._functions = _Functions(self)
         self._stack: list[str] = []
         self._handles: list[Any] = []
 
@@ -203,11 +237,13 @@ class Counting:
                     continue  # no hooks; their ops count for the nearest module that takes them
                 self._handles.append(module.register_forward_pre_hook(self._pre(name or ROOT)))
                 self._handles.append(module.register_forward_hook(self._post(), always_call=True))
+        modestack.push(self._functions)
         modestack.push(self._mode)
         return self.counts
 
     def __exit__(self, *exc: object) -> None:
         modestack.remove(self._mode)
+        modestack.remove(self._functions)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 import threading
 import weakref
 from typing import Any, Callable, Optional
@@ -60,7 +61,10 @@ _stance_before: Any = None
 def _force_eager() -> None:
     global _stance_users, _stance_before
     with _stance_lock:
-        if _stance_users == 0:
+        # Only once torch._dynamo is loaded (importing it costs 71 MiB and a second): before that nothing was
+        # compiled, and what is compiled inside the block sees the emulator's mode on the stack, which makes
+        # Dynamo run it eagerly.
+        if _stance_users == 0 and "torch._dynamo" in sys.modules:
             try:
                 from torch._dynamo import eval_frame
             except ImportError:  # a torch without dynamo has nothing to force
@@ -421,6 +425,7 @@ def _native_cell(args: Any) -> str:
     return "mkldnn.matmul" if device == "cpu" else "cuda.matmul"
 
 
+@modestack.skips_dynamo_lazily
 class _Float64(TorchDispatchMode):
     """Native GEMMs in float64, rounded back to float32: immune to any reduced-precision flag.
 
@@ -451,6 +456,7 @@ def _in_float64(fn: Callable[[], Any]) -> Any:
         return fn()
 
 
+@modestack.skips_dynamo_lazily
 class _Mode(TorchDispatchMode):
     """Per thread: routes family ops of an emulating context to their rule; the rest pass through."""
 

@@ -24,17 +24,46 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
-from typing import Any, Union
+from typing import Any, TypeVar, Union
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["depth", "discard", "insert", "lifted", "push", "remove"]
+__all__ = ["depth", "discard", "insert", "lifted", "push", "remove", "skips_dynamo_lazily"]
 
 _C: Any = torch._C
 Mode = Union[TorchDispatchMode, TorchFunctionMode]
+
+
+M = TypeVar("M", bound=type)
+
+
+def skips_dynamo_lazily(cls: M) -> M:
+    """For tf32lab's dispatch mode classes: TorchDynamo skips their handler, without importing it for that.
+
+    PyTorch wraps each mode's ``__torch_dispatch__`` so that Dynamo does not compile the handler's frame, and the
+    wrapper imports ``torch._dynamo`` on its first call: 71 MiB and about a second, for a program that never
+    compiles anything. Until ``torch._dynamo`` is loaded no frame can be compiled, so the handler runs as it is;
+    once it is loaded (the program compiles), the handler gets PyTorch's own wrapper, as before.
+    """
+    handler = cls.__dict__.get("__torch_dispatch__")
+    raw = getattr(handler, "__wrapped__", None)
+    if raw is None:  # a PyTorch that does not wrap handlers
+        return cls
+
+    def handle(*args: Any, **kwargs: Any) -> Any:
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is None or not hasattr(dynamo, "disable"):
+            return raw(*args, **kwargs)
+        skipped = dynamo.disable(raw, True, wrapping=False)  # what torch._disable_dynamo does on first call
+        setattr(raw, "__dynamo_disable", skipped)
+        return skipped(*args, **kwargs)
+
+    setattr(raw, "__dynamo_disable", handle)
+    return cls
 
 
 def _stack(mode: Mode) -> tuple[Any, Any, Any, Any]:

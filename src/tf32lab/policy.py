@@ -39,6 +39,7 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import modestack
 from .errors import Tf32LabError
 from .files import write_atomically
 from .levels import LEVELS
@@ -319,6 +320,7 @@ class _Deciding(threading.local):
 _DECIDING = _Deciding()
 
 
+@modestack.skips_dynamo_lazily
 class _NodeLevel(TorchDispatchMode):
     """Pushed by a tagged autograd node's pre-hook, for that node only: its family ops run at the node's level."""
 

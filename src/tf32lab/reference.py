@@ -125,6 +125,7 @@ class _Functions(TorchFunctionMode):
         return _widened_call(func, args, kwargs, selecting=name in _SELECTING)
 
 
+@modestack.skips_dynamo_lazily
 class _Ops(TorchDispatchMode):
     """Widens at the level of aten ops: what TorchScript and C++ composites run, and the writes."""
 

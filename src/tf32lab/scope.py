@@ -404,6 +404,7 @@ def _refusal(level: str) -> Tf32LabError:
         f"and the flag must stay at its level. {remedy}")
 
 
+@modestack.skips_dynamo_lazily
 class _Guard(TorchDispatchMode):
     """Per-thread: runs flag-sensitive ops under the level of the scope that issued them."""
 

@@ -14,7 +14,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 import torch
 
@@ -45,18 +45,19 @@ def named_leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
         yield (prefix or "output"), tree
 
 
-def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
-    """``tree`` with ``fn`` applied to each tensor; containers rebuilt with their own type, the rest kept."""
-    if isinstance(tree, torch.Tensor):
+def map_tensors(fn: Callable[[Any], Any], tree: Any, types: Union[type, tuple[type, ...]] = torch.Tensor) -> Any:
+    """``tree`` with ``fn`` applied to each tensor (each leaf of ``types``); containers rebuilt with their own
+    type, the rest kept."""
+    if isinstance(tree, types):
         return fn(tree)
     if isinstance(tree, Mapping):
-        items = {key: map_tensors(fn, value) for key, value in tree.items()}
+        items = {key: map_tensors(fn, value, types) for key, value in tree.items()}
         try:
             return type(tree)(items)
         except TypeError:  # a mapping type that cannot be built from a dict
             return items
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
-        return type(tree)(*(map_tensors(fn, value) for value in tree))
+        return type(tree)(*(map_tensors(fn, value, types) for value in tree))
     if isinstance(tree, (tuple, list)):
-        return type(tree)(map_tensors(fn, value) for value in tree)
+        return type(tree)(map_tensors(fn, value, types) for value in tree)
     return tree

@@ -1,0 +1,116 @@
+"""Large kept reference outputs written out (tf32lab.spill): read back exactly, and check's report unchanged."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tf32lab
+from tf32lab import Tf32LabError
+from tf32lab.spill import Spilled, SpillFile, min_bytes_from_env
+
+
+def test_a_spilled_tensor_reads_back_bit_for_bit_in_chunks_and_whole():
+    t = torch.randn(3, 1000, dtype=torch.float64)
+    with SpillFile(min_bytes=1) as spill:
+        small = spill.put(torch.randn(2, dtype=torch.float32))  # not float64: kept as it is
+        kept = spill.put(t)
+        assert isinstance(kept, Spilled) and not isinstance(small, Spilled) and kept.shape == t.shape
+        buffer = torch.empty(777, dtype=torch.float64)
+        parts = [part.clone() for part in kept.chunks(buffer)]
+        assert [p.numel() for p in parts] == [777, 777, 777, 669]
+        assert torch.equal(torch.cat(parts), t.reshape(-1))
+        assert torch.equal(kept.load(), t) and torch.equal(kept.load(torch.float32), t.float())
+        assert spill.written == t.numel() * 8
+
+
+def test_below_the_size_or_with_no_size_a_tensor_stays_in_memory():
+    t = torch.randn(100, dtype=torch.float64)
+    assert SpillFile(min_bytes=801).put(t) is t
+    assert SpillFile(min_bytes=None).put(t) is t
+
+
+def test_a_folder_that_cannot_be_written_keeps_everything_in_memory(tmp_path):
+    t = torch.randn(100, dtype=torch.float64)
+    spill = SpillFile(min_bytes=1, directory=tmp_path / "missing")
+    assert spill.put(t) is t and spill.put(t) is t and spill.written == 0
+
+
+@pytest.mark.parametrize("raw, expected", [("", 32 << 20), ("0", None), ("0.5", 1 << 19), ("64", 64 << 20)])
+def test_the_size_comes_from_the_environment(monkeypatch, raw, expected):
+    monkeypatch.setenv("TF32LAB_SPILL_MIB", raw)
+    assert min_bytes_from_env() == expected
+
+
+@pytest.mark.parametrize("raw", ["lots", "-1", "nan"])
+def test_a_bad_size_is_a_clear_error(monkeypatch, raw):
+    monkeypatch.setenv("TF32LAB_SPILL_MIB", raw)
+    with pytest.raises(Tf32LabError, match=rf"bad TF32LAB_SPILL_MIB '{raw}'; accepted: a number of MiB >= 0"):
+        min_bytes_from_env()
+
+
+class _Front(torch.nn.Module):
+    """A convolutional front end whose first activation outweighs the rest; the model's own product makes it a
+    layer with layers inside, which answer its rerun with their (written out) reference outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv1d(1, 32, 64, stride=2)
+        self.head = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        self.mix = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv(x[:, None, :]))
+        return self.head(h.mean(dim=2)) @ self.mix
+
+
+def _check(monkeypatch, mib: str) -> dict:
+    monkeypatch.setenv("TF32LAB_SPILL_MIB", mib)
+    torch.manual_seed(0)
+    workload = tf32lab.Workload(_Front(), torch.randn(16, 2048) * 10 + 3, name="front")
+    report = tf32lab.check(workload, levels=("highest", "high"), speed=False).to_dict()
+    return {"levels": report["levels"], "notes": report["notes"]}
+
+
+def _without_times(value):
+    if isinstance(value, dict):
+        return {k: _without_times(v) for k, v in value.items() if k != "seconds"}
+    if isinstance(value, list):
+        return [_without_times(v) for v in value]
+    return value
+
+
+def test_check_gives_the_same_report_with_every_layer_written_out(monkeypatch):
+    # 0.001 MiB: every layer's float64 output goes to the file; the errors are the same to the last bit
+    spilled, kept = _check(monkeypatch, "0.001"), _check(monkeypatch, "0")
+    assert _without_times(spilled) == _without_times(kept)
+    layers = {layer["name"] for level in kept["levels"] for layer in level["layers"]}
+    assert {"(model)", "conv", "head.0", "head.2"} <= layers
+    assert any(layer["introduced"] > 0 for level in kept["levels"] for layer in level["layers"])
+
+
+def test_a_bad_spill_size_through_the_cli_is_one_line_and_exit_2():
+    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "tf32lab.builtin:covariance"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TF32LAB_SPILL_MIB": "lots"})
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "bad TF32LAB_SPILL_MIB 'lots'" in lines[0], done.stderr
+
+
+def test_check_writes_out_what_is_over_the_size_and_the_file_is_gone_after(monkeypatch):
+    from tf32lab.compare import Session, tolerances_of
+
+    monkeypatch.setenv("TF32LAB_SPILL_MIB", "1")
+    torch.manual_seed(0)
+    workload = tf32lab.Workload(_Front(), torch.randn(16, 2048), name="front")
+    with Session(workload, ["high"], "a100", tolerances_of(None), speed=False) as session:
+        kept = {name: isinstance(ref, Spilled) for (name, _), (ref, _) in session.recorder.outputs.items()}
+        assert kept == {"conv": True, "head.0": False, "head.2": False, "(model)": False}  # conv: 3.9 MiB
+        assert session.spill.written == 16 * 32 * 993 * 8
+        assert session.level("high").error is None
+    assert session.spill._file is None
