@@ -7,6 +7,7 @@
 3. all-MiniLM-L6-v2 encoding 64 sentences under TF32 emulation (goal: <= 1.15x);
 4. an LSTM speaker encoder (3 layers, hidden 256, 8 x 160 frames of 40 mel bands) under TF32 emulation: cuDNN's
    RNN kernel rounds the hidden state at every step, so the recurrence is re-expressed step by step (goal: <= 2x).
+5. a GRU of the same shape, likewise (goal: <= 2x).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from _common import header, interleaved
 import tf32lab
 from tf32lab import samples
 
-GOALS = {"gemm tf32": 1.10, "gemm bf16x3": 3.3, "minilm tf32": 1.15, "lstm tf32": 2.0}
+GOALS = {"gemm tf32": 1.10, "gemm bf16x3": 3.3, "minilm tf32": 1.15, "lstm tf32": 2.0, "gru tf32": 2.0}
 
 
 def emulated(fn, **options):
@@ -65,6 +66,16 @@ def main() -> int:
     times = interleaved({"native": speaker, "tf32": emulated(speaker)}, rounds=rounds * 2, number=1)
     ratios["lstm tf32"] = times["tf32"] / times["native"]
     print(f"LSTM 3x256, 8 x 160 frames native {times['native'] * 1e3:.1f} ms")
+
+    gru = torch.nn.GRU(40, 256, 3, batch_first=True).eval()
+
+    def gru_speaker():
+        with torch.inference_mode():
+            return gru(frames)
+
+    times = interleaved({"native": gru_speaker, "tf32": emulated(gru_speaker)}, rounds=rounds * 2, number=1)
+    ratios["gru tf32"] = times["tf32"] / times["native"]
+    print(f"GRU 3x256, 8 x 160 frames native {times['native'] * 1e3:.1f} ms")
 
     failed = 0
     for name, ratio in ratios.items():
