@@ -56,26 +56,16 @@ def main() -> int:
     ratios["minilm tf32"] = times["tf32"] / times["native"]
     print(f"MiniLM 64 sentences native {times['native'] * 1e3:.1f} ms")
 
-    lstm = torch.nn.LSTM(40, 256, 3, batch_first=True).eval()
     frames = torch.randn(8, 160, 40)
+    for name, rnn in (("lstm", torch.nn.LSTM(40, 256, 3, batch_first=True).eval()),
+                      ("gru", torch.nn.GRU(40, 256, 3, batch_first=True).eval())):
+        def speaker(rnn=rnn):
+            with torch.inference_mode():
+                return rnn(frames)
 
-    def speaker():
-        with torch.inference_mode():
-            return lstm(frames)
-
-    times = interleaved({"native": speaker, "tf32": emulated(speaker)}, rounds=rounds * 2, number=1)
-    ratios["lstm tf32"] = times["tf32"] / times["native"]
-    print(f"LSTM 3x256, 8 x 160 frames native {times['native'] * 1e3:.1f} ms")
-
-    gru = torch.nn.GRU(40, 256, 3, batch_first=True).eval()
-
-    def gru_speaker():
-        with torch.inference_mode():
-            return gru(frames)
-
-    times = interleaved({"native": gru_speaker, "tf32": emulated(gru_speaker)}, rounds=rounds * 2, number=1)
-    ratios["gru tf32"] = times["tf32"] / times["native"]
-    print(f"GRU 3x256, 8 x 160 frames native {times['native'] * 1e3:.1f} ms")
+        times = interleaved({"native": speaker, "tf32": emulated(speaker)}, rounds=rounds * 2, number=1)
+        ratios[f"{name} tf32"] = times["tf32"] / times["native"]
+        print(f"{name.upper()} 3x256, 8 x 160 frames native {times['native'] * 1e3:.1f} ms")
 
     failed = 0
     for name, ratio in ratios.items():

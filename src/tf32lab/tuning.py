@@ -27,22 +27,19 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional, Union
 
 from . import peaks
 from .compare import ROOT, PolicyRow, Progress, Session, alike_levels, check_target, environment_of, tolerances_of
 from .errors import Tf32LabError
-from .files import write_atomically
 from .levels import LEVELS, check_levels
 from .metrics import OutputError
 from .policy import Policy
-from .report import LevelResult, Report
+from .report import Document, LevelResult, Report
 from .workload import Workload
 
 __all__ = ["Candidate", "Tuning", "tune"]
@@ -66,7 +63,7 @@ class Candidate:
 
 
 @dataclass(frozen=True)
-class Tuning:
+class Tuning(Document):
     """The result of :func:`tune`. ``passed``: a policy within tolerance was found (``policy``); ``level`` is set
     when it is uniform."""
 
@@ -134,19 +131,13 @@ class Tuning:
             "check": self.report.to_dict(),
         }
 
-    def to_json(self, path: Union[str, Path, None] = None) -> str:
-        text = json.dumps(_finite(self.to_dict()), indent=2)
-        if path is not None:
-            write_atomically(path, text + "\n")
-        return text
+    def _json_ready(self) -> dict[str, Any]:
+        return _finite(self.to_dict())
 
     def to_html(self) -> str:
         from .report.tune_html import render
 
         return render(self)
-
-    def save_html(self, path: Union[str, Path]) -> Path:
-        return write_atomically(path, self.to_html())
 
 
 def _finite(value: Any) -> Any:

@@ -79,8 +79,33 @@ class LevelResult:
         return self.layers[:n]
 
 
+class Document:
+    """A result written as JSON (:meth:`to_dict`) and as a self-contained HTML page (:meth:`to_html`), each file
+    whole or not at all: check's :class:`Report` and tune's ``Tuning``."""
+
+    def to_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def to_html(self) -> str:
+        raise NotImplementedError
+
+    def _json_ready(self) -> dict[str, Any]:
+        return self.to_dict()
+
+    def to_json(self, path: Union[str, Path, None] = None) -> str:
+        """The result as JSON text; written to ``path`` too when given (whole or not at all)."""
+        text = json.dumps(self._json_ready(), indent=2)
+        if path is not None:
+            write_atomically(path, text + "\n")
+        return text
+
+    def save_html(self, path: Union[str, Path]) -> Path:
+        """Write :meth:`to_html` to ``path`` (whole or not at all)."""
+        return write_atomically(path, self.to_html())
+
+
 @dataclass(frozen=True)
-class Report:
+class Report(Document):
     """The result of :func:`tf32lab.check`. ``bool(report)`` is True when every level is within tolerance."""
 
     workload: str
@@ -163,22 +188,11 @@ class Report:
         }
         return _finite(data)
 
-    def to_json(self, path: Union[str, Path, None] = None) -> str:
-        """The report as JSON text; written to ``path`` too when given (whole or not at all)."""
-        text = json.dumps(self.to_dict(), indent=2)
-        if path is not None:
-            write_atomically(path, text + "\n")
-        return text
-
     def to_html(self) -> str:
         """A self-contained HTML page (inline CSS and SVG plots, no scripts, nothing fetched)."""
         from .html import render
 
         return render(self)
-
-    def save_html(self, path: Union[str, Path]) -> Path:
-        """Write :meth:`to_html` to ``path`` (whole or not at all)."""
-        return write_atomically(path, self.to_html())
 
     def _repr_html_(self) -> str:  # Jupyter
         from .html import render
