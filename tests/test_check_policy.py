@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tf32lab
-from tf32lab import Policy
+from tf32lab import Policy, specs
 from tf32lab.errors import Tf32LabError
 from tf32lab.report import schema
 
@@ -35,12 +35,9 @@ MODEL = textwrap.dedent("""
 
 
 @pytest.fixture
-def workload(tmp_path, monkeypatch):
+def workload(tmp_path):
     (tmp_path / "valuemodel.py").write_text(MODEL)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import valuemodel
-
-    return valuemodel.make()
+    return specs.load(f"{tmp_path / 'valuemodel.py'}:make")
 
 
 def test_the_policy_row_pins_the_heads_introduced_error_to_float32(workload):

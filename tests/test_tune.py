@@ -13,19 +13,15 @@ import torch
 
 import tf32lab
 from browser import visit
-from tf32lab import builtin, flags
+from tf32lab import builtin, flags, specs
 from tf32lab.errors import Tf32LabError
 
-NET = (Path(__file__).resolve().parents[1] / "examples" / "tune" / "model.py").read_text()
+NET = f"{Path(__file__).resolve().parents[1] / 'examples' / 'tune' / 'model.py'}:make"
 
 
 @pytest.fixture
-def net(tmp_path, monkeypatch):
-    (tmp_path / "onesensitive.py").write_text(NET)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import onesensitive
-
-    return onesensitive.make()
+def net():
+    return specs.load(NET)
 
 
 def test_exactly_the_sensitive_layer_is_pinned_and_most_of_the_speed_kept(net):
@@ -93,8 +89,7 @@ def cli(*args, cwd):
 
 
 def test_tune_writes_the_policy_its_json_and_its_page(tmp_path):
-    (tmp_path / "onesensitive.py").write_text(NET)
-    done = cli("onesensitive:make", "--out", "policy.json", "--json", "t.json", "--html", "t.html", cwd=tmp_path)
+    done = cli(NET, "--out", "policy.json", "--json", "t.json", "--html", "t.html", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "Apply it with `tf32lab.Policy.load(\"policy.json\").apply(model)`" in done.stdout
     policy = tf32lab.Policy.load(tmp_path / "policy.json")
@@ -107,13 +102,12 @@ def test_tune_writes_the_policy_its_json_and_its_page(tmp_path):
 
 
 def test_tune_exit_codes(tmp_path):
-    (tmp_path / "onesensitive.py").write_text(NET)
-    failing = cli("onesensitive:make", "--tolerance", "0", "--out", "p.json", cwd=tmp_path)
+    failing = cli(NET, "--tolerance", "0", "--out", "p.json", cwd=tmp_path)
     assert failing.returncode == 1 and "Not even `highest`" in failing.stdout
     assert not (tmp_path / "p.json").exists()
     for args, message in ((["--target", "cpu"], "no speed model for target 'cpu'"),
                           (["--out", "/no/such/dir/p.json"], "--out /no/such/dir/p.json: no folder")):
-        bad = cli("onesensitive:make", *args, cwd=tmp_path)
+        bad = cli(NET, *args, cwd=tmp_path)
         assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr
 
 

@@ -27,6 +27,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _workload_arguments(parser: argparse.ArgumentParser, target: str, native: str = "") -> None:
+    """The spec and --target of a subcommand that works on a GPU target (the list from tf32lab.peaks, which
+    imports no torch)."""
+    from .peaks import PEAKS
+
+    parser.add_argument("spec", nargs="?", default=None, help="a workload spec, as for check")
+    parser.add_argument("--target", default="a100", type=str.lower,
+                        help=f"{target} ({', '.join(PEAKS)}; default a100{native})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="tf32lab",
@@ -70,9 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "candidate verified by a real run; write the policy. Exit code 0: a policy within tolerance "
                     "was found; 1: not even highest passes; 2: bad input.",
     )
-    tune.add_argument("spec", nargs="?", default=None, help="a workload spec, as for check")
-    tune.add_argument("--target", default="a100", type=str.lower,
-                      help="GPU to tune for (v100, t4, a100, a10g, rtx3090, l4, rtx4090, h100, h200; default a100)")
+    _workload_arguments(tune, "GPU to tune for")
     tune.add_argument("--tolerance", type=_tolerance, default=None,
                       help="largest normwise relative error of an output (default: 1e-2)")
     tune.add_argument("--out", metavar="PATH", help="write the policy found (JSON, or TOML for .toml)")
@@ -86,10 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "counted from one run here, against the target's peaks and bandwidth), and with --measure time "
                     "it on this machine's own hardware. Exit code 0, or 2 on bad input.",
     )
-    speed.add_argument("spec", nargs="?", default=None, help="a workload spec, as for check")
-    speed.add_argument("--target", default="a100", type=str.lower,
-                       help="GPU to predict for (v100, t4, a100, a10g, rtx3090, l4, rtx4090, h100, h200; default a100)"
-                            ", or 'native' to only measure")
+    _workload_arguments(speed, "GPU to predict for", "; or 'native' to only measure")
     speed.add_argument("--levels", default="highest,high,medium", type=str.lower,
                        help="comma-separated levels (highest, the baseline, is always included)")
     speed.add_argument("--measure", action="store_true", help="also time each level on this machine (bench)")

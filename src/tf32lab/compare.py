@@ -508,7 +508,7 @@ class _Recorder:
 
     def _keep(self, name: str, i: int, output: Any) -> Any:
         """The output as kept: a large float64 tensor written out (``tf32lab.spill``), the rest without a copy."""
-        kept = map_tensors(self.spill.put, map_tensors(torch.Tensor.detach, output))
+        kept = map_tensors(lambda t: self.spill.put(t.detach()), output)
         for _, t in named_tensors(kept):
             self.shared.setdefault(_address(t), []).append((name, i))
         return kept

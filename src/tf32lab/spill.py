@@ -125,8 +125,10 @@ class SpillFile:
         return Spilled(self, offset, t.shape)
 
     def read_into(self, out: torch.Tensor, offset: int) -> None:
+        if self._file is None:
+            raise Tf32LabError("the spill file is closed: what it held ended with the check that wrote it")
         view = memoryview(out.numpy()).cast("B")
-        fd = self._file.fileno() if self._file is not None else -1
+        fd = self._file.fileno()
         done = 0
         while done < len(view):
             n = os.preadv(fd, [view[done:]], offset + done)
