@@ -29,6 +29,7 @@ from .errors import Tf32LabError
 from .hardware import Hardware, detect
 from .heuristics import Recommendation, decide_threads, recommend
 from .levels import BACKEND_VALUES, LEVELS
+from .probe import SHAPE, ProbeResult, probe_matmul
 
 __all__ = ["FAMILIES", "SCHEMA_VERSION", "Alert", "Diagnosis", "doctor", "schema"]
 
@@ -63,6 +64,8 @@ class Diagnosis:
     recommendation: Recommendation
     recommended_threads: int
     threads_reason: str
+    # level -> what a float32 matmul on the device really gave (None: simulated machine, or inside emulate())
+    probe: Optional[dict[str, ProbeResult]] = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -78,6 +81,9 @@ class Diagnosis:
             "threads": dict(self.threads),
             "target": self.hardware.target,
             "levels": {level: dict(maths) for level, maths in self.levels.items()},
+            "probe": None if self.probe is None else {
+                "device": self.hardware.device, "shape": list(SHAPE),
+                "levels": {level: found.to_dict() for level, found in self.probe.items()}},
             "warnings": [w.to_dict() for w in self.warnings],
             "recommendation": {**self.recommendation.to_dict(), "threads": self.recommended_threads,
                                "threads_reason": self.threads_reason},
@@ -133,9 +139,35 @@ def _level_table(hw: Hardware, cells: dict[str, str]) -> dict[str, dict[str, str
     return table
 
 
-def _warnings(hw: Hardware, level: str, table: dict[str, dict[str, str]],
-              cell_rows: list[tuple[str, str, str]], raising: list[str]) -> list[Alert]:
+def _probe(hw: Hardware) -> Optional[dict[str, ProbeResult]]:
+    from .scope import current_emulation
+
+    if hw.simulated_as is not None or current_emulation() is not None:
+        return None  # another machine's kernels cannot be asked; emulated matmuls would answer for the target
+    return probe_matmul(hw.device)
+
+
+def _probe_alerts(table: dict[str, dict[str, str]], probe: dict[str, ProbeResult]) -> list[Alert]:
     out = []
+    for level, found in probe.items():
+        expected = table[level]["matmul"]
+        if found.math not in ("same-as-highest", "ieee", expected) or (
+                found.math in ("same-as-highest", "ieee") and expected != "ieee" and level != "highest"):
+            out.append(Alert("probe-disagrees", (
+                f"at {level!r} a float32 matmul here computed {found.math} (error {found.error:.1e} against "
+                f"float64), where the target's table says {expected}: trust the probe for this machine")))
+        elif found.math == "ieee" and level != "highest":
+            out.append(Alert("other-float32-kernel", (
+                f"at {level!r} a float32 matmul here runs another float32 kernel: its bits differ from "
+                f"'highest' (error {found.error:.1e} against float64, {probe['highest'].error:.1e} at 'highest'), "
+                "but no operand is rounded: results change in the last bits only")))
+    return out
+
+
+def _warnings(hw: Hardware, level: str, table: dict[str, dict[str, str]],
+              cell_rows: list[tuple[str, str, str]], raising: list[str],
+              probe: Optional[dict[str, ProbeResult]]) -> list[Alert]:
+    out = [] if probe is None else _probe_alerts(table, probe)
     target = targets.get(hw.target)
     if table["highest"]["conv"].startswith("tf32"):
         out.append(Alert("conv-tf32-at-highest", (
@@ -186,7 +218,9 @@ def doctor(hardware: Optional[Hardware] = None) -> Diagnosis:
     """Explain the precision settings on this machine (or on ``hardware``, e.g. ``Hardware.simulated("v100")``).
 
     The flags are always this process's (a simulated machine would start from the same ones). Changes nothing;
-    telling inherited cells from explicit ones flips a parent cell for a moment, as ``flags.snapshot()`` does.
+    telling inherited cells from explicit ones flips a parent cell for a moment, as ``flags.snapshot()`` does,
+    and on the real machine one small matmul per level asks the device what each level does
+    (:func:`tf32lab.probe.probe_matmul`, inside scopes that put every flag back).
 
     Example:
 
@@ -208,9 +242,10 @@ def doctor(hardware: Optional[Hardware] = None) -> Diagnosis:
     level = flags.read_level()
     table = _level_table(hw, cells)
     threads, reason = decide_threads("auto", 1, hw)
+    probe = _probe(hw)
     return Diagnosis(
         hardware=hw, level=level, cells=tuple(cell_rows), legacy=legacy, other_flags=other,
         threads={"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads()},
-        levels=table, warnings=tuple(_warnings(hw, level, table, cell_rows, raising)),
-        recommendation=recommend(hw), recommended_threads=threads, threads_reason=reason,
+        levels=table, warnings=tuple(_warnings(hw, level, table, cell_rows, raising, probe)),
+        recommendation=recommend(hw), recommended_threads=threads, threads_reason=reason, probe=probe,
     )

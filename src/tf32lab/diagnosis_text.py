@@ -50,14 +50,31 @@ def _flags(d: Diagnosis) -> Table:
 def _levels(d: Diagnosis) -> Table:
     families = list(next(iter(d.levels.values())))
     table = Table(title=f"what each level does here ({d.hardware.target})", title_justify="left")
-    table.add_column("level")
+    table.add_column("level", no_wrap=True)
     for family in families:
         table.add_column(family)
     for level, maths in d.levels.items():
-        marker = " *" if level == d.level else ""
-        table.add_row(level + marker, *(maths[f] for f in families))
+        table.add_row(level + (" *" if level == d.level else ""), *(maths[f] for f in families))
     table.caption = "* in force now; math: ieee, tf32-rna (operands rounded to TF32), bf16-rne, tf32x3 (3 passes)"
     table.caption_justify = "left"
+    return table
+
+
+_PROBED = {"same-as-highest": "the same bits as at 'highest'",
+           "ieee": "other bits than at 'highest', no operand rounded (another float32 kernel)",
+           "tf32-rna": "operands rounded to TF32", "bf16-rne": "operands rounded to bf16"}
+
+
+def _probe(d: Diagnosis) -> Table:
+    assert d.probe is not None
+    table = Table(title=f"probed: one float32 matmul on this {d.hardware.device} at each level",
+                  title_justify="left")
+    table.add_column("level", no_wrap=True)
+    table.add_column("computed")
+    table.add_column("error vs float64", no_wrap=True)
+    for level, found in d.probe.items():
+        what = "float32, the reference of the other rows" if level == "highest" else _PROBED[found.math]
+        table.add_row(level, what, f"{found.error:.1e}")
     return table
 
 
@@ -67,6 +84,8 @@ def render(d: Diagnosis) -> Iterator[Any]:
     yield _hardware(d)
     yield _flags(d)
     yield _levels(d)
+    if d.probe is not None:
+        yield _probe(d)
     for alert in d.warnings:
         yield f"warning | {alert.code} | {alert.message}"
     rec = d.recommendation
