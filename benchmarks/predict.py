@@ -33,7 +33,8 @@ from tf32lab import builtin, flags
 from tf32lab.counting import Counting
 from tf32lab.speed import predict_counts
 
-NOTES = {"highest": 0.11, "high": 0.016}  # seconds, PyTorch CUDA notes (FACTS.md §5)
+# seconds: PyTorch's CUDA notes, "TensorFloat-32 (TF32) on Ampere devices" (A100, 10240²)
+NOTES = {"highest": 0.11, "high": 0.016}
 
 
 def notes_gemm() -> bool:

@@ -1,7 +1,7 @@
 """Built-in workloads: the real default (all-MiniLM-L6-v2), a small seeded model, models from a local folder,
 and two precision-sensitive computations that TF32 visibly breaks.
 
-The sensitive ones reproduce reported incidents (FACTS.md §4): a rotation applied and undone many times
+The sensitive ones reproduce reported incidents: a rotation applied and undone many times
 (pytorch#61890, #79270), and a covariance computed in one pass as ``XᵀX/n − μᵀμ``, where two large Gram terms
 cancel (like ``x @ eye``, pytorch#58688, the error is relative to the large terms, not to the small result).
 Load them as ``tf32lab.builtin:rotation_round_trip`` and ``tf32lab.builtin:covariance``.

@@ -1,4 +1,6 @@
-"""Op families: which aten ops PyTorch's precision flags can reach (FACTS.md §2).
+"""Op families: which aten ops PyTorch's precision flags can reach.
+
+The flags' reach is listed in PyTorch's CUDA semantics notes, "TensorFloat-32 (TF32) on Ampere devices".
 
 A name-based rule rather than a list, so that an op this table never heard of (a new ``_scaled_dot_product_*``
 variant, a backend's private convolution) still lands in its family.

@@ -1,7 +1,7 @@
 """Every precision-related PyTorch flag: read, snapshot, restore, without the legacy/new API trap.
 
-PyTorch has two API generations for the same state (FACTS.md §1). Since 2.9 it keeps one value per
-(backend, op) cell (``generic``, ``cuda``, ``mkldnn`` × ``all``, ``matmul``, ``conv``, ``rnn``); a cell may hold
+PyTorch has two API generations for the same state (``aten/src/ATen/Context.cpp``). Since 2.9 it keeps one value
+per (backend, op) cell (``generic``, ``cuda``, ``mkldnn`` × ``all``, ``matmul``, ``conv``, ``rnn``); a cell may hold
 ``"none"`` and inherit op -> backend -> generic, and its getter returns the *inherited* value. The legacy getters
 (``get_float32_matmul_precision``, ``allow_tf32``) raise "mix of the legacy and new APIs" once the cells disagree,
 so this module never calls them where the cells exist. Before 2.9 the legacy calls are the only ones and never raise.
@@ -402,7 +402,7 @@ def read_cell_table(snap: Snapshot | None = None) -> list[tuple[str, str, str]]:
 
 
 # The legacy readers, by the name users write; each raises "mix of the legacy and new APIs" when the per-backend
-# cells disagree with what it can express (FACTS.md §1).
+# cells disagree with what it can express (pytorch#179445).
 LEGACY_READERS: tuple[tuple[str, Callable[[], Any]], ...] = tuple(
     (name, getattr(_C, getter)) for name, getter in (
         ("torch.get_float32_matmul_precision()", "_get_float32_matmul_precision"),

@@ -2,7 +2,7 @@
 
 A :class:`Hardware` value holds the torch build and its flag API generation, each GPU with its compute capability,
 the CPU's reduced-precision instructions, the CPUs this process may really use (affinity and the cgroup v1/v2 CPU
-quota, not ``os.cpu_count()``: FACTS.md §8, kserve#1031) and the environment variables that override settings.
+quota, not ``os.cpu_count()``: kserve#1031) and the environment variables that override settings.
 ``Hardware.simulated("a100", cpus=8)`` builds the value another machine would give, for tests and for "what would
 happen on ..." questions. Nothing here changes any setting.
 
@@ -33,7 +33,8 @@ from .errors import Tf32LabError
 
 __all__ = ["ENV", "ISA", "Gpu", "Hardware", "cpu_quota", "detect"]
 
-# Environment variables that override what the flags say (FACTS.md §1, §8), read as they are at detection.
+# Environment variables that override what the flags say (NVIDIA's cuBLAS docs for NVIDIA_TF32_OVERRIDE, PyTorch's
+# CUDA notes for TORCH_ALLOW_TF32_CUBLAS_OVERRIDE), read as they are at detection.
 ENV = ("NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
        "LOCAL_WORLD_SIZE")
 _ENV_PREFIXES = ("TORCHINDUCTOR_",)
@@ -161,7 +162,8 @@ class Hardware:
         """The environment variable that decides TF32 in cuBLAS/cuDNN over the flags, as ``NAME=value``, or None.
 
         ``NVIDIA_TF32_OVERRIDE=0`` turns TF32 off in NVIDIA's libraries whatever PyTorch asks;
-        ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` makes PyTorch ask cuBLAS for TF32 whatever the level (FACTS.md §1).
+        ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` makes PyTorch ask cuBLAS for TF32 whatever the level (PyTorch's
+        CUDA semantics notes).
         The first wins: it acts below PyTorch.
         """
         if self.env.get("NVIDIA_TF32_OVERRIDE", "").strip() == "0":

@@ -1,7 +1,7 @@
 """Precision levels: the user's knob, and what each one asks of PyTorch's backends.
 
 The mapping is what ``torch.set_float32_matmul_precision`` itself writes on PyTorch >= 2.9 (checked on 2.13):
-cuBLAS never gets bf16, so ``medium`` is TF32 on CUDA; oneDNN (CPU) gets bf16 (FACTS.md §1).
+cuBLAS never gets bf16, so ``medium`` is TF32 on CUDA; oneDNN (CPU) gets bf16 (``aten/src/ATen/Context.cpp``).
 """
 
 from __future__ import annotations
