@@ -284,8 +284,8 @@ def _threads(threads: Union[str, int], interop_threads: Union[str, int, None], w
         if old_inter == n:
             out.append((Decision("interop_threads", old_inter, n, reason), None))
         else:
-            why = (f"not set unless asked (interop_threads='auto' or a number): PyTorch allows "
-                   f"torch.set_num_interop_threads once per process, so undo() could not put {old_inter} back")
+            why = (f"left alone: PyTorch allows torch.set_num_interop_threads once per process, so undo() could "
+                   f"not put {old_inter} back; interop_threads='auto' or a number sets it")
             out.append((Decision("interop_threads", old_inter, n, why, applied=False), None))
         return out
     if interop_threads != "auto":
