@@ -243,19 +243,51 @@ def test_importing_tf32lab_changes_nothing():
     assert json.loads(out)[0] is True
 
 
-def test_inter_op_threads_in_a_fresh_process():
-    # PyTorch sets inter-op threads once per process: applied on the first call, and undo says it cannot.
+def test_inter_op_threads_are_left_alone_unless_asked():
+    # torch.set_num_interop_threads works once per process: setting it by default would make undo() a lie.
     out = _run("""
         import json, logging, torch, tf32lab
-        from tf32lab.hardware import Hardware
         logging.basicConfig(level=logging.INFO, format="%(message)s")
-        d = tf32lab.autoconfig(hardware=Hardware.simulated("a100", cpus=8, quota=1.5))
+        before = torch.get_num_interop_threads()
+        d = tf32lab.autoconfig(threads=before + 1)
         during = torch.get_num_interop_threads()
         d.undo()
-        print(json.dumps([d["interop_threads"].applied, during, torch.get_num_interop_threads()]))
+        after = torch.get_num_interop_threads()
+        torch.set_num_interop_threads(before + 2)  # still possible: autoconfig used up nobody's one call
+        decision = d["interop_threads"].to_dict()
+        print(json.dumps([decision, before, during, after, torch.get_num_interop_threads()]))
     """)
-    applied, during, after = json.loads(out)
-    assert applied and during == 1 and after == 1
+    decision, before, during, after, later = json.loads(out)
+    assert (decision["applied"], decision["old"], decision["new"]) == (False, before, before + 1)
+    assert decision["reason"] == (f"left alone: PyTorch allows torch.set_num_interop_threads once per process, so "
+                                  f"undo() could not put {before} back; interop_threads='auto' or a number sets it")
+    assert during == after == before and later == before + 2
+
+
+def test_inter_op_threads_when_asked_and_what_undo_says_it_cannot_put_back():
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import json, logging, torch, tf32lab
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        before = torch.get_num_interop_threads()
+        d = tf32lab.autoconfig(threads=1, interop_threads=before + 1)
+        during = torch.get_num_interop_threads()
+        d.undo()
+        print(json.dumps([d["interop_threads"].to_dict(), before, during, torch.get_num_interop_threads()]))
+    """)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    decision, before, during, after = json.loads(done.stdout)
+    assert decision["applied"] and decision["reason"].startswith("asked for; undo() cannot put it back")
+    assert during == after == before + 1
+    assert (f"undo interop_threads: not put back: PyTorch allows setting it once per process; it stays {before + 1} "
+            f"(was {before})") in done.stderr.splitlines()
+
+
+def test_bad_interop_threads_changes_nothing():
+    before, threads = flags.snapshot(), torch.get_num_threads()
+    for bad in (0, "many", True, 1.5):
+        with pytest.raises(Tf32LabError, match=r"^bad interop_threads .*; accepted: None, 'auto' or an int >= 1$"):
+            tf32lab.autoconfig(interop_threads=bad, hardware=Hardware.simulated("a100", cpus=1))
+    assert flags.snapshot() == before and torch.get_num_threads() == threads
 
 
 @pytest.mark.slow

@@ -1,7 +1,13 @@
-"""The examples in the docstrings run and print what they say."""
+"""The examples in the docstrings and in README.md run and print what they say; the commands it shows exist."""
 
 import doctest
 import importlib
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,3 +27,83 @@ def test_docstring_examples(name):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0, f"{name} has no examples"
     assert result.failed == 0
+
+
+# -- README.md -------------------------------------------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+# Every ```python block runs; none is skipped. A block whose first line is "# NAME.py" is a file the reader writes.
+BLOCKS = re.findall(r"^```python\n(.*?)^```$", README, re.S | re.M)
+SNIPPETS = [b for b in BLOCKS if not re.match(r"# \S+\.py\n", b)]
+FILES = {b.split("\n", 1)[0][2:]: b for b in BLOCKS if re.match(r"# \S+\.py\n", b)}
+# Commands shown as indented lines (4 spaces), e.g. "    tf32lab check mymodel.py:make --target a100".
+COMMANDS = [line.split("  #")[0].strip() for line in re.findall(r"^    ((?:tf32lab|pytest) .*)$", README, re.M)]
+
+
+def _cli(*args, cwd=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "tf32lab", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout, env={**os.environ, "COLUMNS": "120", **_pythonpath()})
+
+
+def _pythonpath():
+    # The subprocess imports this checkout's tf32lab, whatever its working directory.
+    return {"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+
+
+def _first_line(block):
+    line = next(line for line in block.splitlines() if line and not line.startswith(("import", "from")))
+    return line.split("#")[0].strip()[:40]
+
+
+def test_the_readme_starts_with_the_two_commands():
+    first = [line.split("#")[0].strip() for line in README.splitlines()[1:6] if line.strip()]
+    assert first[:2] == ["make demo", "make test"]
+    assert "FACTS" not in README and "../" not in README and "/work/" not in README
+
+
+@pytest.mark.parametrize("block", SNIPPETS, ids=[_first_line(b) for b in SNIPPETS])
+def test_readme_snippet_runs_as_written(block, tmp_path, monkeypatch, user_flags):
+    monkeypatch.chdir(tmp_path)  # snippets write report.html, policy.json
+    exec(compile(block, "README.md", "exec"), {"__name__": "readme"})
+
+
+def test_readme_factory_file_runs_with_the_command_shown(tmp_path):
+    (tmp_path / "mymodel.py").write_text(FILES["mymodel.py"])
+    command = next(c for c in COMMANDS if c.startswith("tf32lab check mymodel.py:make"))
+    done = _cli(*shlex.split(command)[1:], cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "PASSED | level 'high'" in done.stdout and (tmp_path / "report.html").stat().st_size > 0
+
+
+def test_readme_test_file_passes_under_the_plugin_as_shown(tmp_path):
+    (tmp_path / "test_numerics.py").write_text(FILES["test_numerics.py"])
+    command = next(c for c in COMMANDS if c.startswith("pytest --tf32lab"))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *shlex.split(command)[1:]],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env={**os.environ, **_pythonpath()})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "3 passed" in done.stdout and "tf32lab: each test runs at precision 'high'" in done.stdout
+
+
+def test_every_command_the_readme_shows_exists_with_its_options():
+    shown = [c for c in COMMANDS if c.startswith("tf32lab ")] + re.findall(r"`(tf32lab [a-z][^`]*)`", README)
+    assert len(shown) >= 6
+    done = _cli("--help")
+    assert done.returncode == 0
+    listed = re.findall(r"^    ([a-z]+)\b", done.stdout, re.M)
+    assert {"check", "tune", "speed", "policy", "doctor", "targets", "levels"} <= set(listed)
+    for command in listed:  # every subcommand's own help answers
+        assert _cli(command, "--help").returncode == 0, command
+    helps: dict = {}
+    for command in shown:
+        words = shlex.split(command)[1:]
+        path = [w for w in words[:2] if re.fullmatch(r"[a-z]+", w) and w != "SPEC"]
+        if path[:1] != ["policy"]:
+            path = path[:1]
+        key = tuple(path)
+        if key not in helps:
+            done = _cli(*path, "--help")
+            assert done.returncode == 0, f"{command!r}: {done.stderr}"
+            helps[key] = done.stdout
+        for option in (w.split("=")[0] for w in words if w.startswith("--")):
+            assert option in helps[key], f"{command!r}: {option} is not an option of tf32lab {' '.join(path)}"

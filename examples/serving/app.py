@@ -46,7 +46,8 @@ def _show_decisions() -> None:
 @contextlib.asynccontextmanager
 async def lifespan(app: Starlette) -> AsyncIterator[None]:
     _show_decisions()
-    app.state.decisions = tf32lab.autoconfig(workers=WORKERS)  # no undo at shutdown: the process ends
+    # interop_threads: asked for, since PyTorch allows setting it once per process and this one never undoes
+    app.state.decisions = tf32lab.autoconfig(workers=WORKERS, interop_threads="auto")
     app.state.model = samples.minilm()  # all-MiniLM-L6-v2, shipped in a package: nothing is downloaded
     yield
 

@@ -50,6 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     levels = sub.add_parser("levels", help="list the precision levels and what each asks of PyTorch's backends")
     levels.set_defaults(run=_levels)
+    targets = sub.add_parser(
+        "targets", help="list the hardware targets and the math each level gives matmuls and convolutions there",
+        description="Every target that --target accepts: its hardware, the math each precision level gives "
+                    "float32 matmuls and convolutions there (with PyTorch's default flags: convolutions follow "
+                    "cuDNN's own flag, on by default), and for GPUs the peaks the speed model divides by.",
+    )
+    targets.add_argument("--json", action="store_true", help="print JSON instead (every op family, peaks, sources)")
+    targets.set_defaults(run=_targets)
     check = sub.add_parser(
         "check", help="measure how much each precision level changes a model, output by output and layer by layer",
         description="Run a workload at each precision level, as the target hardware computes it, against a "
@@ -160,6 +168,58 @@ def _levels(_: argparse.Namespace) -> int:
     for level in LEVELS:
         cuda, mkldnn = BACKEND_VALUES[level]
         print(f"{level:<9} {cuda:<12} {mkldnn}")
+    return 0
+
+
+def _targets(args: argparse.Namespace) -> int:
+    """What each target computes at each level, so a user can pick ``--target`` without reading the source."""
+    import json
+
+    from .families import FAMILIES
+    from .flags import read_cells
+    from .levels import BACKEND_VALUES, LEVELS
+    from .peaks import PEAKS
+    from .targets import TARGETS, sdpa_kernel
+
+    defaults = {**read_cells(), "sdpa": sdpa_kernel()}  # a fresh process: PyTorch's defaults
+    rows = []
+    for target in TARGETS.values():
+        maths = {}
+        for level in LEVELS:
+            cells = dict(defaults)
+            cells["cuda.matmul"], cells["mkldnn.matmul"] = BACKEND_VALUES[level]
+            maths[level] = {family: str(target.math(family, cells)) for family in FAMILIES}
+        peaks = PEAKS.get(target.name)
+        rows.append({
+            "name": target.name, "title": target.title, "device": target.device,
+            "capability": list(target.capability) if target.capability else None, "maths": maths,
+            "peaks": None if peaks is None else {
+                "fp32_tflops": peaks.fp32, "tf32_tflops": peaks.tf32, "bf16_tflops": peaks.bf16,
+                "bandwidth_gbs": peaks.bandwidth, "sms": peaks.sms, "source": peaks.source},
+        })
+    if args.json:
+        sys.stdout.write(json.dumps({"levels": list(LEVELS), "targets": rows}, indent=2) + "\n")
+        return 0
+    from rich.table import Table
+
+    table = Table(title="tf32lab targets: float32 matmuls at each level, and convolutions",
+                  caption="conv follows cuDNN's own flag (torch.backends.cudnn.allow_tf32, on by default), not the "
+                          "level. TFLOP/s: dense peaks, fp32 / tf32; CPU targets are measured, not predicted.")
+    table.add_column("target", no_wrap=True)
+    table.add_column("hardware", overflow="fold")
+    for name in (*LEVELS, "conv"):
+        table.add_column(name, no_wrap=True)
+    table.add_column("TFLOP/s")
+    for row in rows:
+        cap, peaks = row["capability"], row["peaks"]
+        convs = [row["maths"][level]["conv"] for level in LEVELS]
+        table.add_row(
+            row["name"], row["title"] + (f", sm{cap[0]}{cap[1]}" if cap else ""),
+            *(row["maths"][level]["matmul"] for level in LEVELS),
+            convs[0] if len(set(convs)) == 1 else " / ".join(convs),
+            "-" if peaks is None else f"{peaks['fp32_tflops']:g} / {peaks['tf32_tflops'] or '-'}",
+        )
+    _console().print(table)
     return 0
 
 

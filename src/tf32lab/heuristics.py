@@ -5,6 +5,11 @@ one thread per worker, the FX graph cache. Here they run only when called, decid
 log every decision through :mod:`logging` (logger ``tf32lab.autoconfig``) and return :class:`Decisions` whose
 ``undo()`` puts back what was changed. ``TF32LAB_DISABLE=1`` in the environment makes the call a logged no-op.
 
+Inter-op threads are the exception: PyTorch lets a process call ``torch.set_num_interop_threads`` once, before any
+inter-op parallel work ("Can only be called once and before any inter-op parallel work is started", PyTorch docs,
+https://pytorch.org/docs/stable/generated/torch.set_num_interop_threads.html), so no one can set them back. autoconfig
+therefore leaves them alone unless asked (``interop_threads="auto"`` or a number), and says so in the decision.
+
 Example:
 
     >>> import tf32lab
@@ -120,17 +125,22 @@ class Decisions(Sequence[Decision]):
         return iter(self._decisions)
 
     def undo(self) -> None:
-        """Put back every setting this call changed (a loaded compile artifact stays in the cache folder).
+        """Put back what this call changed, newest first, so that a program (or a test) can return to where it was.
 
-        Inside ``precision()`` scopes it works too: the process level it puts back applies once they end.
+        Put back exactly: the precision flags (every cell, raw, as :func:`tf32lab.flags.snapshot` sees them),
+        intra-op threads, inductor's ``fx_graph_cache`` and ``TORCHINDUCTOR_CACHE_DIR``. Not put back, because
+        nothing can: inter-op threads set by ``interop_threads=`` (PyTorch allows one
+        ``torch.set_num_interop_threads`` per process; a warning names the value that stays), and the entries of a
+        loaded Mega-Cache artifact (they were written into the cache folder). Inside ``precision()`` scopes it
+        works too: the process level it puts back applies once they end.
         """
         while self._undo:
             decision, undo = self._undo[-1]
             done = undo()
             self._undo.pop()  # only once it is done: a step that raised is tried again by the next undo()
             if done is False:
-                log.warning("undo %s: PyTorch refuses to set it again in this process; it stays %r",
-                            decision.setting, decision.new)
+                log.warning("undo %s: not put back: PyTorch allows setting it once per process; it stays %r "
+                            "(was %r)", decision.setting, decision.new, decision.old)
             else:
                 log.info("undo %s: %r -> %r", decision.setting, decision.new, decision.old)
 
@@ -255,7 +265,8 @@ def decide_threads(threads: Union[str, int], workers: int, hw: Hardware) -> tupl
     return int(threads), reason
 
 
-def _threads(threads: Union[str, int], workers: int, hw: Hardware) -> list[tuple[Decision, Optional[_Undo]]]:
+def _threads(threads: Union[str, int], interop_threads: Union[str, int, None], workers: int,
+             hw: Hardware) -> list[tuple[Decision, Optional[_Undo]]]:
     n, reason = decide_threads(threads, workers, hw)
     out: list[tuple[Decision, Optional[_Undo]]] = []
     old = torch.get_num_threads()
@@ -268,14 +279,25 @@ def _threads(threads: Union[str, int], workers: int, hw: Hardware) -> list[tuple
 
     out.append((Decision("threads", old, n, reason), undo))
     old_inter = torch.get_num_interop_threads()
+    if interop_threads is None:
+        # Set once per process and never again: a call that undo() could not take back is left to the user.
+        if old_inter == n:
+            out.append((Decision("interop_threads", old_inter, n, reason), None))
+        else:
+            why = (f"left alone: PyTorch allows torch.set_num_interop_threads once per process, so undo() could "
+                   f"not put {old_inter} back; interop_threads='auto' or a number sets it")
+            out.append((Decision("interop_threads", old_inter, n, why, applied=False), None))
+        return out
+    if interop_threads != "auto":
+        n, reason = int(interop_threads), "asked for"
     if old_inter == n:
         out.append((Decision("interop_threads", old_inter, n, reason), None))
         return out
     try:
         torch.set_num_interop_threads(n)
     except RuntimeError:
-        why = (f"PyTorch sets inter-op threads once per process, before parallel work starts; left at "
-               f"{old_inter}")
+        why = (f"PyTorch sets inter-op threads once per process, before inter-op parallel work starts, and that "
+               f"has happened here; left at {old_inter}")
         out.append((Decision("interop_threads", old_inter, n, why, applied=False), None))
         return out
 
@@ -283,9 +305,10 @@ def _threads(threads: Union[str, int], workers: int, hw: Hardware) -> list[tuple
         try:
             torch.set_num_interop_threads(old_inter)
         except RuntimeError:
-            return False  # set once per process
+            return False  # set once per process: the value just set stays
         return True
 
+    reason += "; undo() cannot put it back (PyTorch allows one set per process)"
     out.append((Decision("interop_threads", old_inter, n, reason), undo_inter))
     return out
 
@@ -352,7 +375,8 @@ def _disabled() -> bool:
 
 
 def autoconfig(level: str = "auto", *, workers: int = 1, threads: Union[str, int] = "auto",
-               compile_cache: Optional[PathLike] = None, hardware: Optional[Hardware] = None) -> Decisions:
+               interop_threads: Union[str, int, None] = None, compile_cache: Optional[PathLike] = None,
+               hardware: Optional[Hardware] = None) -> Decisions:
     """Apply the known heuristics for this machine (or ``hardware``), log each decision and return them.
 
     Args:
@@ -361,7 +385,10 @@ def autoconfig(level: str = "auto", *, workers: int = 1, threads: Union[str, int
         workers: processes of this program on the machine (a server's workers); threads are shared among them
             and among torchrun's ``LOCAL_WORLD_SIZE`` processes.
         threads: ``"auto"`` (usable CPUs // (workers x LOCAL_WORLD_SIZE), at least 1; ``OMP_NUM_THREADS`` or
-            ``MKL_NUM_THREADS`` honoured when set) or a number, for intra-op and inter-op threads.
+            ``MKL_NUM_THREADS`` honoured when set) or a number: PyTorch's intra-op threads.
+        interop_threads: ``None`` (left as they are: PyTorch allows one ``torch.set_num_interop_threads`` per
+            process, so ``undo()`` could not put them back), ``"auto"`` (the same number as ``threads``) or a
+            number. Ask for it where the process will not undo, e.g. a server's worker at start.
         compile_cache: a folder: inductor's FX graph cache on and kept there, and a Mega-Cache artifact in it
             (see :func:`save_compile_cache`) loaded when present. **Trust it like code**: the artifact holds
             pickles that inductor unpickles. A folder or artifact that another user owns or may write, a corrupt
@@ -386,6 +413,9 @@ def autoconfig(level: str = "auto", *, workers: int = 1, threads: Union[str, int
         raise Tf32LabError(f"bad workers {workers!r}; accepted: an int >= 1")
     if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise Tf32LabError(f"bad threads {threads!r}; accepted: 'auto' or an int >= 1")
+    if interop_threads not in (None, "auto") and (
+            isinstance(interop_threads, bool) or not isinstance(interop_threads, int) or interop_threads < 1):
+        raise Tf32LabError(f"bad interop_threads {interop_threads!r}; accepted: None, 'auto' or an int >= 1")
     folder = None if compile_cache is None else _cache_folder(compile_cache)
     if hardware is not None and not isinstance(hardware, Hardware):
         raise Tf32LabError(f"bad hardware {type(hardware).__name__}; accepted: None or a tf32lab.hardware.Hardware")
@@ -401,7 +431,7 @@ def autoconfig(level: str = "auto", *, workers: int = 1, threads: Union[str, int
     try:
         decision, undo, recommendation = _precision(level, hw)
         steps.append((decision, undo))
-        steps += _threads(threads, workers, hw)
+        steps += _threads(threads, interop_threads, workers, hw)
         if folder is not None:
             steps += _compile_cache(folder, found)
     except BaseException:

@@ -1,0 +1,8 @@
+"""``python -m tf32lab``: the ``tf32lab`` command, for environments where the console script is not on PATH."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""`python -m tf32lab` and `tf32lab targets`, through real subprocesses."""
+
+import json
+import os
+import subprocess
+import sys
+
+from tf32lab import targets
+
+
+def run(*args, module="tf32lab"):
+    env = {**os.environ, "COLUMNS": "160"}
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120,
+                          env=env)
+
+
+def test_python_dash_m_tf32lab_is_the_command():
+    assert run("--version").stdout == run("--version", module="tf32lab.cli").stdout != ""
+    done = run("levels")
+    assert done.returncode == 0 and done.stdout == run("levels", module="tf32lab.cli").stdout
+    done = run("--help")
+    assert done.returncode == 0 and done.stdout.startswith("usage: tf32lab ")
+    done = run("no-such-command")
+    assert done.returncode == 2 and "invalid choice: 'no-such-command'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_targets_json_gives_each_targets_math_per_level_and_its_peaks():
+    done = run("targets", "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["levels"] == ["highest", "high", "medium"]
+    rows = {row["name"]: row for row in out["targets"]}
+    assert list(rows) == list(targets.TARGETS)
+    a100 = rows["a100"]
+    assert a100["capability"] == [8, 0] and a100["title"] == targets.get("a100").title
+    assert [a100["maths"][level]["matmul"] for level in out["levels"]] == ["ieee", "tf32-rna", "tf32-rna"]
+    assert a100["maths"]["highest"]["conv"] == "tf32-rna"  # cuDNN's own flag, on by default
+    assert a100["peaks"]["fp32_tflops"] == 19.5 and a100["peaks"]["tf32_tflops"] == 156
+    assert {rows["v100"]["maths"][level]["matmul"] for level in out["levels"]} == {"ieee"}
+    assert rows["v100"]["peaks"]["tf32_tflops"] is None
+    assert rows["cpu-amx"]["maths"]["medium"]["matmul"] == "bf16-rne" and rows["cpu-amx"]["peaks"] is None
+
+
+def test_targets_table_names_every_target():
+    done = run("targets")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    for name, target in targets.TARGETS.items():
+        assert any(line.startswith(f"│ {name} ") and target.title in line for line in lines), name
+    a100 = next(line for line in lines if line.startswith("│ a100 "))
+    assert [cell.strip() for cell in a100.split("│")[3:7]] == ["ieee", "tf32-rna", "tf32-rna", "tf32-rna"]
