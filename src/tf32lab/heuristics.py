@@ -1,9 +1,10 @@
 """``autoconfig()``: the known heuristics for precision, threads and the compile cache as one explicit call.
 
-Serving and training stacks each hard-code one of these (FACTS.md §7): TF32 turned on as a side effect of an import,
-one thread per worker, the FX graph cache. Here they run only when called, decide from a :class:`Hardware` value,
-log every decision through :mod:`logging` (logger ``tf32lab.autoconfig``) and return :class:`Decisions` whose
-``undo()`` puts back what was changed. ``TF32LAB_DISABLE=1`` in the environment makes the call a logged no-op.
+Serving and training stacks each hard-code one of these (TorchServe's ``base_handler.py``, LLM Guard, HALOs): TF32
+turned on as a side effect of an import, one thread per worker, the FX graph cache. Here they run only when called,
+decide from a :class:`Hardware` value, log every decision through :mod:`logging` (logger ``tf32lab.autoconfig``) and
+return :class:`Decisions` whose ``undo()`` puts back what was changed. ``TF32LAB_DISABLE=1`` in the environment makes
+the call a logged no-op.
 
 Inter-op threads are the exception: PyTorch lets a process call ``torch.set_num_interop_threads`` once, before any
 inter-op parallel work ("Can only be called once and before any inter-op parallel work is started", PyTorch docs,
@@ -43,7 +44,7 @@ __all__ = ["MEGA_CACHE", "Decision", "Decisions", "Recommendation", "autoconfig"
 log = logging.getLogger("tf32lab.autoconfig")
 
 # The Mega-Cache artifact in a compile-cache folder, and what it was saved with (it loads only on the same
-# torch, Triton and GPU: FACTS.md §8).
+# torch, Triton and GPU: ``torch.compiler.load_cache_artifacts``).
 MEGA_CACHE = compile_cache.ARTIFACT
 _cache_folder, _read_cache = compile_cache.folder, compile_cache.read
 
@@ -356,9 +357,9 @@ def _compile_cache(folder: Path, found: compile_cache.Loaded) -> list[tuple[Deci
 def save_compile_cache(folder: PathLike) -> Path:
     """Write this process's ``torch.compile`` artifacts (a Mega-Cache) into ``folder``; returns the file.
 
-    A later ``autoconfig(compile_cache=folder)`` loads it, on the same torch, Triton and GPU (FACTS.md §8). The
-    folder must be trusted like code (``tf32lab.compile_cache``): it is made private to this user, and one that
-    others may write is refused.
+    A later ``autoconfig(compile_cache=folder)`` loads it, on the same torch, Triton and GPU (as
+    ``torch.compiler.save_cache_artifacts`` requires). The folder must be trusted like code (``tf32lab.compile_cache``):
+    it is made private to this user, and one that others may write is refused.
 
     >>> import tempfile, tf32lab
     >>> tf32lab.save_compile_cache(tempfile.mkdtemp())     # nothing compiled in this process
