@@ -468,12 +468,40 @@ class _Mode(TorchDispatchMode):
         kwargs = kwargs or {}
         entry = scope.current_emulation()
         if entry is None:
-            return func(*args, **kwargs)
+            return _native(func, args, kwargs)
         classified = _classify(func)
         if classified is None or not (_float32_in(args) or _float32_in(kwargs.values())):
             if entry.cache.entries and _mutates(func):  # a write, maybe through .data: its rounded copies go
                 entry.cache.written(_tensors_in(args) + _tensors_in(kwargs.values()))
-            return func(*args, **kwargs)
+            try:
+                return func(*args, **kwargs)
+            except RuntimeError as error:
+                return _with_numbers_unwrapped(func, args, kwargs, error)
+        tracing = _get_tracing_state()
+        if tracing is None:
+            return self._emulated(entry, classified, func, args, kwargs)
+        # Under torch.jit.trace. The tracer records most ops above this mode and clears its state for what runs
+        # below (then ``tracing`` is None here). For the few it leaves to their kernel (convolution records the
+        # ``_convolution`` it calls), the native op runs first, so that the user's graph holds what PyTorch
+        # records; its output then gets the emulated values. The rule itself runs with the tracer's state off: what
+        # it computes is no part of the user's graph, traced sizes would trip the tracer's INTERNAL ASSERT (a view of
+        # a scratch buffer), and our own ``.item()`` would warn the user with TracerWarnings.
+        traced = _recorded(func, args, kwargs)
+        _put_tracing_state(None)
+        try:
+            value = self._emulated(entry, classified, func, args, kwargs)
+            outs, values = _tensors_in((traced,)), _tensors_in((value,))
+            if len(outs) != len(values):
+                raise Tf32LabError(f"emulating {func.name()} under torch.jit.trace: {len(values)} outputs where "
+                                   f"the native op gave {len(outs)}")
+            for out, v in zip(outs, values):
+                if out is not v:
+                    out.copy_(v)
+        finally:
+            _put_tracing_state(tracing)
+        return traced
+
+    def _emulated(self, entry: _Entry, classified: tuple, func, args, kwargs):
         rule, family, how = classified
         emu = entry.emu
         cells = self.pinned or _context_cells()
@@ -526,6 +554,86 @@ class _Mode(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+_get_tracing_state = torch._C._get_tracing_state
+_TRACER = torch._C._parse_dispatch_key("Tracer")
+
+
+def _put_tracing_state(state: Any) -> None:
+    """Set this thread's ``torch.jit.trace`` state from inside an op the tracer dispatched.
+
+    The tracer's kernel excludes its dispatch key while the op runs below it, and PyTorch refuses to set a state
+    (even none) while the key is excluded; which keys are included or excluded is put back as it was.
+    """
+    included = torch._C._dispatch_tls_is_dispatch_key_included(_TRACER)
+    excluded = torch._C._dispatch_tls_is_dispatch_key_excluded(_TRACER)
+    torch._C._dispatch_tls_set_dispatch_key_excluded(_TRACER, False)
+    try:
+        torch._C._set_tracing_state(state)
+    finally:
+        torch._C._dispatch_tls_set_dispatch_key_included(_TRACER, included)
+        torch._C._dispatch_tls_set_dispatch_key_excluded(_TRACER, excluded)
+_WRAPPED_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
+
+
+def _recorded(func, args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)`` natively, with the tracer's dispatch key on, as it is when no mode runs."""
+    included = torch._C._dispatch_tls_is_dispatch_key_included(_TRACER)
+    excluded = torch._C._dispatch_tls_is_dispatch_key_excluded(_TRACER)
+    torch._C._dispatch_tls_set_dispatch_key_excluded(_TRACER, False)
+    torch._C._dispatch_tls_set_dispatch_key_included(_TRACER, True)
+    try:
+        return _native(func, args, kwargs)
+    finally:
+        torch._C._dispatch_tls_set_dispatch_key_included(_TRACER, included)
+        torch._C._dispatch_tls_set_dispatch_key_excluded(_TRACER, excluded)
+
+
+def _native(func, args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)``, with the tensors PyTorch handed this mode as Python numbers made tensors again.
+
+    PyTorch gives a mode a *wrapped number* (the 0-dim tensor a Python scalar becomes, e.g. a traced module's
+    ``prim::Constant``) as a Python number. Ops that take numbers for tensors accept it back (``aten::mul``); the
+    others (``aten::view``, ``aten::_local_scalar_dense``) raise. Only then, the number goes back as the 0-dim
+    tensor it was (its dtype as PyTorch wraps a Python scalar: float64, int64, bool or complex128).
+    """
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError as error:
+        return _with_numbers_unwrapped(func, args, kwargs, error)
+
+
+def _with_numbers_unwrapped(func, args: tuple, kwargs: dict, error: RuntimeError) -> Any:
+    """After ``func`` raised ``error``: call it again with the numbers at its tensor arguments made tensors, or
+    raise ``error`` if there are none."""
+    fixed = _unwrapped_numbers(func, args, kwargs)
+    if fixed is None:
+        raise error
+    return func(*fixed[0], **fixed[1])
+
+
+def _unwrapped_numbers(func, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+    """``(args, kwargs)`` with the Python numbers at tensor arguments of ``func`` made 0-dim tensors, or None
+    if there are none."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return None
+    maybe_tensor = torch._C.OptionalType.ofTensor()
+    positions = {a.name: i for i, a in enumerate(schema.arguments) if a.type.isSubtypeOf(maybe_tensor)}
+    if not positions:
+        return None
+
+    def tensor(value: Any) -> Any:
+        if type(value) in _WRAPPED_DTYPES:
+            return torch.scalar_tensor(value, dtype=_WRAPPED_DTYPES[type(value)])
+        return value
+
+    new_args = tuple(tensor(a) if i in positions.values() else a for i, a in enumerate(args))
+    new_kwargs = {k: tensor(v) if k in positions else v for k, v in kwargs.items()}
+    if all(a is b for a, b in zip(new_args, args)) and all(new_kwargs[k] is v for k, v in kwargs.items()):
+        return None
+    return new_args, new_kwargs
+
+
 _CLASSES: dict[Any, Optional[tuple[Optional[Callable], str, str]]] = {}
 _MUTATING: dict[Any, bool] = {}
 
@@ -575,7 +683,9 @@ class _FunctionMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _SDPA or func in _RNN_FUNCTIONS:
+        # Under torch.jit.trace this mode runs above the tracer, which would record the emulation's own ops in the
+        # user's graph: the call goes on to PyTorch, which records it, and the dispatch mode emulates its kernels.
+        if (func is _SDPA or func in _RNN_FUNCTIONS) and _get_tracing_state() is None:
             entry = scope.current_emulation()
             if entry is not None:
                 if func is _SDPA:
