@@ -41,11 +41,12 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from . import flags, formats, modestack, optable, rules, scope
 from .errors import Tf32LabError
 from .levels import BACKEND_VALUES
-from .targets import KEYS, MATHS, Math, Target, get, sdpa_kernel
+from .targets import IEEE, KEYS, MATHS, Math, Target, get, sdpa_kernel
 
 __all__ = ["emulate", "maths"]
 
 _F32 = torch.float32
+_SPARSE = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
 _SINGLE_ROUND = {"tf32": formats.round_tf32, "bf16": formats.round_bf16}
 _SPLIT = {"tf32x3": formats.split_tf32x3, "bf16x3": formats.split_bf16x3}
 
@@ -201,6 +202,11 @@ class _WeightCache:
 
     def written(self, tensors: list[torch.Tensor]) -> None:
         for t in tensors:
+            if t.layout is not torch.strided:
+                # a sparse tensor has no storage of its own: its values may share a parameter's
+                if t.layout not in _SPARSE:
+                    continue
+                t = t._values() if t.layout is torch.sparse_coo else t.values()
             keys = self.storages.pop(t.untyped_storage().data_ptr(), None)
             for key in keys or ():
                 self.entries.pop(key, None)
@@ -409,6 +415,16 @@ def _float32_in(args: Any) -> bool:
     return False
 
 
+def _sparse_in(args: Any) -> bool:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.layout in _SPARSE:
+                return True
+        elif isinstance(a, (list, tuple)) and _sparse_in(a):
+            return True
+    return False
+
+
 def _tensors_in(args: Any) -> list[torch.Tensor]:
     found = []
     for a in args:
@@ -509,6 +525,14 @@ class _Mode(TorchDispatchMode):
         pinned, self.pinned = self.pinned, cells
         mark = len(_SCRATCH.leased)
         try:
+            if _sparse_in(args) or _sparse_in(kwargs.values()):
+                # A sparse operand (COO, CSR, CSC, BSR, BSC): on a GPU PyTorch hands the product to cuSPARSE
+                # (SpMM / SpGEMM, computed in the operands' type, CUDA_R_32F for float32), which the TF32 flags
+                # do not reach (they govern cuBLAS and cuDNN); on a CPU to MKL's sparse BLAS or its own loops, not
+                # oneDNN. IEEE float32 on every target, whatever the math asked for, and counted so.
+                emu._count(call.op, IEEE)
+                return scope.run_at("highest", lambda: func(*args, **kwargs), cell=_native_cell(args),
+                                    refused=lambda: _in_float64(lambda: func(*args, **kwargs)))
             if how == "ieee" or (how == "no_tf32" and emu.math is None and emu.target.device == "cuda"):
                 # a solver assumed IEEE on the target, or an op inside which PyTorch turns TF32 off: counted, IEEE
                 emu._count(call.op, call.math("linalg"))
