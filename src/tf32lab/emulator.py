@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import importlib.abc
+import importlib.machinery
 import sys
 import threading
 import weakref
@@ -54,24 +56,72 @@ _CUBLAS_KEYS = ("matmul", "matvec", "attention.math")  # the keys that cuBLAS co
 
 
 # -- the stance of torch.compile: compiled code would run kernels we never see ----------------------------------
-_stance_lock = threading.Lock()
+# Dynamo skips a frame that starts while a dispatch mode is on the stack, and remembers the skip for that code
+# object for good: without the eager stance, ``torch.compile(fn, fullgraph=True)`` raises inside the block ("found
+# no compiled frames") and the same ``fn`` compiled natively afterwards raises too ("Compilation was not attempted").
+# With it, compiled code runs eagerly under the modes and Dynamo sees none of its frames.
+_stance_lock = threading.RLock()
 _stance_users = 0
 _stance_before: Any = None
+_DYNAMO = "torch._dynamo"
+
+
+def _set_eager_stance() -> None:
+    """With ``_stance_lock`` held, ``torch._dynamo`` loaded and an emulation open: Dynamo's eager stance."""
+    global _stance_before
+    if _stance_before is not None:
+        return
+    try:
+        from torch._dynamo import eval_frame
+    except ImportError:  # a torch without dynamo has nothing to force
+        return
+    if hasattr(eval_frame, "_set_stance"):
+        _stance_before = eval_frame._set_stance(eval_frame.DynamoStance("force_eager"))
+
+
+class _LoadedThenEager(importlib.abc.Loader):
+    """Loads ``torch._dynamo`` with the loader found for it, then sets the eager stance (an emulation is open)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.loader.exec_module(module)
+        module.__loader__ = module.__spec__.loader = self.loader  # as if we had never been there
+        with _stance_lock:
+            if _stance_users:
+                _set_eager_stance()
+
+
+class _DynamoWatch(importlib.abc.MetaPathFinder):
+    """On ``sys.meta_path`` while an emulation is open and ``torch._dynamo`` is not loaded: importing it (about a
+    second, 71 MiB, so not before a program compiles) inside the block sets the eager stance before anything can
+    be compiled."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != _DYNAMO:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None  # found some other way: the import goes on as without us
+        spec.loader = _LoadedThenEager(spec.loader)
+        return spec
+
+
+_WATCH = _DynamoWatch()
 
 
 def _force_eager() -> None:
-    global _stance_users, _stance_before
+    global _stance_users
     with _stance_lock:
-        # Only once torch._dynamo is loaded (importing it costs 71 MiB and a second): before that nothing was
-        # compiled, and what is compiled inside the block sees the emulator's mode on the stack, which makes
-        # Dynamo run it eagerly.
-        if _stance_users == 0 and "torch._dynamo" in sys.modules:
-            try:
-                from torch._dynamo import eval_frame
-            except ImportError:  # a torch without dynamo has nothing to force
-                eval_frame = None
-            if eval_frame is not None and hasattr(eval_frame, "_set_stance"):
-                _stance_before = eval_frame._set_stance(eval_frame.DynamoStance("force_eager"))
+        if _stance_users == 0:
+            if _DYNAMO in sys.modules:
+                _set_eager_stance()
+            elif _WATCH not in sys.meta_path:
+                sys.meta_path.insert(0, _WATCH)
         _stance_users += 1
 
 
@@ -79,11 +129,14 @@ def _release_eager() -> None:
     global _stance_users, _stance_before
     with _stance_lock:
         _stance_users -= 1
-        if _stance_users == 0 and _stance_before is not None:
-            from torch._dynamo import eval_frame
+        if _stance_users == 0:
+            if _WATCH in sys.meta_path:
+                sys.meta_path.remove(_WATCH)
+            if _stance_before is not None:
+                from torch._dynamo import eval_frame
 
-            eval_frame._set_stance(_stance_before)
-            _stance_before = None
+                eval_frame._set_stance(_stance_before)
+                _stance_before = None
 
 
 # -- context cells: which flag values apply to this thread/task now ----------------------------------------------
@@ -796,8 +849,10 @@ class emulate(contextlib.ContextDecorator):
     to its thread and asyncio task, like ``precision()``: another task on the same thread, and threads started
     inside it, run natively unless they enter it themselves (tasks created inside it inherit it). Rounded copies
     of parameters are kept for the block and dropped at its end, or as soon as a write to them is seen. Inside,
-    ``torch.compile``'d code runs eagerly (process-wide while any emulation is active), and TorchScript modules
-    are emulated too. Exiting in another thread than the one that entered raises ``Tf32LabError`` (the block
+    ``torch.compile``'d code runs eagerly (process-wide while any emulation is active, ``fullgraph=True`` too), and
+    TorchScript modules are emulated too; ``torch.jit.trace`` records the model's own ops, not the emulation's.
+    Products with a sparse operand compute IEEE on every target (cuSPARSE: the TF32 flags do not reach it) and are
+    counted as ``ieee``. Exiting in another thread than the one that entered raises ``Tf32LabError`` (the block
     is closed all the same).
 
     Example:
