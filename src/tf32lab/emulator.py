@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import importlib.abc
+import importlib.machinery
 import sys
 import threading
 import weakref
@@ -41,11 +43,12 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from . import flags, formats, modestack, optable, rules, scope
 from .errors import Tf32LabError
 from .levels import BACKEND_VALUES
-from .targets import KEYS, MATHS, Math, Target, get, sdpa_kernel
+from .targets import IEEE, KEYS, MATHS, Math, Target, get, sdpa_kernel
 
 __all__ = ["emulate", "maths"]
 
 _F32 = torch.float32
+_SPARSE = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
 _SINGLE_ROUND = {"tf32": formats.round_tf32, "bf16": formats.round_bf16}
 _SPLIT = {"tf32x3": formats.split_tf32x3, "bf16x3": formats.split_bf16x3}
 
@@ -53,24 +56,72 @@ _CUBLAS_KEYS = ("matmul", "matvec", "attention.math")  # the keys that cuBLAS co
 
 
 # -- the stance of torch.compile: compiled code would run kernels we never see ----------------------------------
-_stance_lock = threading.Lock()
+# Dynamo skips a frame that starts while a dispatch mode is on the stack, and remembers the skip for that code
+# object for good: without the eager stance, ``torch.compile(fn, fullgraph=True)`` raises inside the block ("found
+# no compiled frames") and the same ``fn`` compiled natively afterwards raises too ("Compilation was not attempted").
+# With it, compiled code runs eagerly under the modes and Dynamo sees none of its frames.
+_stance_lock = threading.RLock()
 _stance_users = 0
 _stance_before: Any = None
+_DYNAMO = "torch._dynamo"
+
+
+def _set_eager_stance() -> None:
+    """With ``_stance_lock`` held, ``torch._dynamo`` loaded and an emulation open: Dynamo's eager stance."""
+    global _stance_before
+    if _stance_before is not None:
+        return
+    try:
+        from torch._dynamo import eval_frame
+    except ImportError:  # a torch without dynamo has nothing to force
+        return
+    if hasattr(eval_frame, "_set_stance"):
+        _stance_before = eval_frame._set_stance(eval_frame.DynamoStance("force_eager"))
+
+
+class _LoadedThenEager(importlib.abc.Loader):
+    """Loads ``torch._dynamo`` with the loader found for it, then sets the eager stance (an emulation is open)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.loader.exec_module(module)
+        module.__loader__ = module.__spec__.loader = self.loader  # as if we had never been there
+        with _stance_lock:
+            if _stance_users:
+                _set_eager_stance()
+
+
+class _DynamoWatch(importlib.abc.MetaPathFinder):
+    """On ``sys.meta_path`` while an emulation is open and ``torch._dynamo`` is not loaded: importing it (about a
+    second, 71 MiB, so not before a program compiles) inside the block sets the eager stance before anything can
+    be compiled."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != _DYNAMO:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None  # found some other way: the import goes on as without us
+        spec.loader = _LoadedThenEager(spec.loader)
+        return spec
+
+
+_WATCH = _DynamoWatch()
 
 
 def _force_eager() -> None:
-    global _stance_users, _stance_before
+    global _stance_users
     with _stance_lock:
-        # Only once torch._dynamo is loaded (importing it costs 71 MiB and a second): before that nothing was
-        # compiled, and what is compiled inside the block sees the emulator's mode on the stack, which makes
-        # Dynamo run it eagerly.
-        if _stance_users == 0 and "torch._dynamo" in sys.modules:
-            try:
-                from torch._dynamo import eval_frame
-            except ImportError:  # a torch without dynamo has nothing to force
-                eval_frame = None
-            if eval_frame is not None and hasattr(eval_frame, "_set_stance"):
-                _stance_before = eval_frame._set_stance(eval_frame.DynamoStance("force_eager"))
+        if _stance_users == 0:
+            if _DYNAMO in sys.modules:
+                _set_eager_stance()
+            elif _WATCH not in sys.meta_path:
+                sys.meta_path.insert(0, _WATCH)
         _stance_users += 1
 
 
@@ -78,11 +129,14 @@ def _release_eager() -> None:
     global _stance_users, _stance_before
     with _stance_lock:
         _stance_users -= 1
-        if _stance_users == 0 and _stance_before is not None:
-            from torch._dynamo import eval_frame
+        if _stance_users == 0:
+            if _WATCH in sys.meta_path:
+                sys.meta_path.remove(_WATCH)
+            if _stance_before is not None:
+                from torch._dynamo import eval_frame
 
-            eval_frame._set_stance(_stance_before)
-            _stance_before = None
+                eval_frame._set_stance(_stance_before)
+                _stance_before = None
 
 
 # -- context cells: which flag values apply to this thread/task now ----------------------------------------------
@@ -201,6 +255,11 @@ class _WeightCache:
 
     def written(self, tensors: list[torch.Tensor]) -> None:
         for t in tensors:
+            if t.layout is not torch.strided:
+                # a sparse tensor has no storage of its own: its values may share a parameter's
+                if t.layout not in _SPARSE:
+                    continue
+                t = t._values() if t.layout is torch.sparse_coo else t.values()
             keys = self.storages.pop(t.untyped_storage().data_ptr(), None)
             for key in keys or ():
                 self.entries.pop(key, None)
@@ -409,6 +468,16 @@ def _float32_in(args: Any) -> bool:
     return False
 
 
+def _sparse_in(args: Any) -> bool:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.layout in _SPARSE:
+                return True
+        elif isinstance(a, (list, tuple)) and _sparse_in(a):
+            return True
+    return False
+
+
 def _tensors_in(args: Any) -> list[torch.Tensor]:
     found = []
     for a in args:
@@ -468,12 +537,40 @@ class _Mode(TorchDispatchMode):
         kwargs = kwargs or {}
         entry = scope.current_emulation()
         if entry is None:
-            return func(*args, **kwargs)
+            return _native(func, args, kwargs)
         classified = _classify(func)
         if classified is None or not (_float32_in(args) or _float32_in(kwargs.values())):
             if entry.cache.entries and _mutates(func):  # a write, maybe through .data: its rounded copies go
                 entry.cache.written(_tensors_in(args) + _tensors_in(kwargs.values()))
-            return func(*args, **kwargs)
+            try:
+                return func(*args, **kwargs)
+            except RuntimeError as error:
+                return _with_numbers_unwrapped(func, args, kwargs, error)
+        tracing = _get_tracing_state()
+        if tracing is None:
+            return self._emulated(entry, classified, func, args, kwargs)
+        # Under torch.jit.trace. The tracer records most ops above this mode and clears its state for what runs
+        # below (then ``tracing`` is None here). For the few it leaves to their kernel (convolution records the
+        # ``_convolution`` it calls), the native op runs first, so that the user's graph holds what PyTorch
+        # records; its output then gets the emulated values. The rule itself runs with the tracer's state off: what
+        # it computes is no part of the user's graph, traced sizes would trip the tracer's INTERNAL ASSERT (a view of
+        # a scratch buffer), and our own ``.item()`` would warn the user with TracerWarnings.
+        traced = _recorded(func, args, kwargs)
+        _put_tracing_state(None)
+        try:
+            value = self._emulated(entry, classified, func, args, kwargs)
+            outs, values = _tensors_in((traced,)), _tensors_in((value,))
+            if len(outs) != len(values):
+                raise Tf32LabError(f"emulating {func.name()} under torch.jit.trace: {len(values)} outputs where "
+                                   f"the native op gave {len(outs)}")
+            for out, v in zip(outs, values):
+                if out is not v:
+                    out.copy_(v)
+        finally:
+            _put_tracing_state(tracing)
+        return traced
+
+    def _emulated(self, entry: _Entry, classified: tuple, func, args, kwargs):
         rule, family, how = classified
         emu = entry.emu
         cells = self.pinned or _context_cells()
@@ -481,6 +578,14 @@ class _Mode(TorchDispatchMode):
         pinned, self.pinned = self.pinned, cells
         mark = len(_SCRATCH.leased)
         try:
+            if _sparse_in(args) or _sparse_in(kwargs.values()):
+                # A sparse operand (COO, CSR, CSC, BSR, BSC): on a GPU PyTorch hands the product to cuSPARSE
+                # (SpMM / SpGEMM, computed in the operands' type, CUDA_R_32F for float32), which the TF32 flags
+                # do not reach (they govern cuBLAS and cuDNN); on a CPU to MKL's sparse BLAS or its own loops, not
+                # oneDNN. IEEE float32 on every target, whatever the math asked for, and counted so.
+                emu._count(call.op, IEEE)
+                return scope.run_at("highest", lambda: func(*args, **kwargs), cell=_native_cell(args),
+                                    refused=lambda: _in_float64(lambda: func(*args, **kwargs)))
             if how == "ieee" or (how == "no_tf32" and emu.math is None and emu.target.device == "cuda"):
                 # a solver assumed IEEE on the target, or an op inside which PyTorch turns TF32 off: counted, IEEE
                 emu._count(call.op, call.math("linalg"))
@@ -524,6 +629,86 @@ class _Mode(TorchDispatchMode):
             return func(*args, **kwargs)
         call.emu._unhandled(call.op)
         return func(*args, **kwargs)
+
+
+_get_tracing_state = torch._C._get_tracing_state
+_TRACER = torch._C._parse_dispatch_key("Tracer")
+
+
+def _put_tracing_state(state: Any) -> None:
+    """Set this thread's ``torch.jit.trace`` state from inside an op the tracer dispatched.
+
+    The tracer's kernel excludes its dispatch key while the op runs below it, and PyTorch refuses to set a state
+    (even none) while the key is excluded; which keys are included or excluded is put back as it was.
+    """
+    included = torch._C._dispatch_tls_is_dispatch_key_included(_TRACER)
+    excluded = torch._C._dispatch_tls_is_dispatch_key_excluded(_TRACER)
+    torch._C._dispatch_tls_set_dispatch_key_excluded(_TRACER, False)
+    try:
+        torch._C._set_tracing_state(state)
+    finally:
+        torch._C._dispatch_tls_set_dispatch_key_included(_TRACER, included)
+        torch._C._dispatch_tls_set_dispatch_key_excluded(_TRACER, excluded)
+_WRAPPED_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
+
+
+def _recorded(func, args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)`` natively, with the tracer's dispatch key on, as it is when no mode runs."""
+    included = torch._C._dispatch_tls_is_dispatch_key_included(_TRACER)
+    excluded = torch._C._dispatch_tls_is_dispatch_key_excluded(_TRACER)
+    torch._C._dispatch_tls_set_dispatch_key_excluded(_TRACER, False)
+    torch._C._dispatch_tls_set_dispatch_key_included(_TRACER, True)
+    try:
+        return _native(func, args, kwargs)
+    finally:
+        torch._C._dispatch_tls_set_dispatch_key_included(_TRACER, included)
+        torch._C._dispatch_tls_set_dispatch_key_excluded(_TRACER, excluded)
+
+
+def _native(func, args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)``, with the tensors PyTorch handed this mode as Python numbers made tensors again.
+
+    PyTorch gives a mode a *wrapped number* (the 0-dim tensor a Python scalar becomes, e.g. a traced module's
+    ``prim::Constant``) as a Python number. Ops that take numbers for tensors accept it back (``aten::mul``); the
+    others (``aten::view``, ``aten::_local_scalar_dense``) raise. Only then, the number goes back as the 0-dim
+    tensor it was (its dtype as PyTorch wraps a Python scalar: float64, int64, bool or complex128).
+    """
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError as error:
+        return _with_numbers_unwrapped(func, args, kwargs, error)
+
+
+def _with_numbers_unwrapped(func, args: tuple, kwargs: dict, error: RuntimeError) -> Any:
+    """After ``func`` raised ``error``: call it again with the numbers at its tensor arguments made tensors, or
+    raise ``error`` if there are none."""
+    fixed = _unwrapped_numbers(func, args, kwargs)
+    if fixed is None:
+        raise error
+    return func(*fixed[0], **fixed[1])
+
+
+def _unwrapped_numbers(func, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+    """``(args, kwargs)`` with the Python numbers at tensor arguments of ``func`` made 0-dim tensors, or None
+    if there are none."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return None
+    maybe_tensor = torch._C.OptionalType.ofTensor()
+    positions = {a.name: i for i, a in enumerate(schema.arguments) if a.type.isSubtypeOf(maybe_tensor)}
+    if not positions:
+        return None
+
+    def tensor(value: Any) -> Any:
+        if type(value) in _WRAPPED_DTYPES:
+            return torch.scalar_tensor(value, dtype=_WRAPPED_DTYPES[type(value)])
+        return value
+
+    new_args = tuple(tensor(a) if i in positions.values() else a for i, a in enumerate(args))
+    new_kwargs = {k: tensor(v) if k in positions else v for k, v in kwargs.items()}
+    if all(a is b for a, b in zip(new_args, args)) and all(new_kwargs[k] is v for k, v in kwargs.items()):
+        return None
+    return new_args, new_kwargs
 
 
 _CLASSES: dict[Any, Optional[tuple[Optional[Callable], str, str]]] = {}
@@ -575,7 +760,9 @@ class _FunctionMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _SDPA or func in _RNN_FUNCTIONS:
+        # Under torch.jit.trace this mode runs above the tracer, which would record the emulation's own ops in the
+        # user's graph: the call goes on to PyTorch, which records it, and the dispatch mode emulates its kernels.
+        if (func is _SDPA or func in _RNN_FUNCTIONS) and _get_tracing_state() is None:
             entry = scope.current_emulation()
             if entry is not None:
                 if func is _SDPA:
@@ -662,8 +849,10 @@ class emulate(contextlib.ContextDecorator):
     to its thread and asyncio task, like ``precision()``: another task on the same thread, and threads started
     inside it, run natively unless they enter it themselves (tasks created inside it inherit it). Rounded copies
     of parameters are kept for the block and dropped at its end, or as soon as a write to them is seen. Inside,
-    ``torch.compile``'d code runs eagerly (process-wide while any emulation is active), and TorchScript modules
-    are emulated too. Exiting in another thread than the one that entered raises ``Tf32LabError`` (the block
+    ``torch.compile``'d code runs eagerly (process-wide while any emulation is active, ``fullgraph=True`` too), and
+    TorchScript modules are emulated too; ``torch.jit.trace`` records the model's own ops, not the emulation's.
+    Products with a sparse operand compute IEEE on every target (cuSPARSE: the TF32 flags do not reach it) and are
+    counted as ``ieee``. Exiting in another thread than the one that entered raises ``Tf32LabError`` (the block
     is closed all the same).
 
     Example:

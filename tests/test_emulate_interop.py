@@ -1,0 +1,185 @@
+"""emulate() alongside the other ways PyTorch runs a model: torch.jit.trace, sparse tensors, torch.compile.
+
+Each test is a repro of a crash that third-party suites (e3nn, linear_operator, einops) met under ``emulate()``,
+which a pytest run at a reduced level would otherwise have blamed on TF32.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tf32lab
+
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.trace", "ignore:Sparse CSR tensor support is in beta")
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def emulated(fn, *args, level="high"):
+    with tf32lab.precision(level), tf32lab.emulate("a100") as emu:
+        out = fn(*args)
+    return out, emu
+
+
+def traced(module, x):
+    """``torch.jit.trace(module, x)`` (with PyTorch's own check) inside ``emulate``; the warnings it raised."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr, emu = emulated(lambda: torch.jit.trace(module, (x,)))
+    return tr, emu, [w for w in caught if not issubclass(w.category, DeprecationWarning)]
+
+
+def ops(graph) -> set[str]:
+    return {node.kind() for node in graph.nodes()} - {"prim::Constant", "prim::ListConstruct", "prim::GetAttr"}
+
+
+# -- torch.jit.trace ------------------------------------------------------------------------------------------
+class _ScaledView(torch.nn.Module):
+    """e3nn's pattern: a Python float constant, then a view of the result, then a product."""
+
+    def forward(self, x):
+        y = x * 0.5
+        return y.view(-1, 2) @ torch.ones(2, 3, dtype=x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_traced_module_with_a_python_float_constant_runs_under_emulate(dtype):
+    # PyTorch hands a mode the traced constant (a wrapped number) as a Python float; aten::view refused it.
+    x = randn(4, 4).to(dtype)
+    tr, emu, caught = traced(_ScaledView(), x)
+    assert caught == []
+    inside, _ = emulated(tr, x)
+    assert torch.equal(inside, emulated(_ScaledView(), x)[0])
+    assert torch.equal(tr(x), _ScaledView()(x))
+    if dtype == torch.float32:
+        assert emu.coverage and not emu.unhandled
+
+
+def test_a_traced_conv_model_is_emulated_records_the_users_graph_and_warns_nothing():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Linear(4 * 6 * 6, 5))
+    x = randn(2, 3, 8, 8, seed=1) * 10
+    tr, emu, caught = traced(model, x)
+    assert caught == []  # no TracerWarning from tf32lab's own code in the user's warning summary
+    kinds = ops(tr.inlined_graph)
+    assert "aten::_convolution" in kinds and not any("bitwise" in k or "tf32lab" in k for k in kinds)
+    assert ("aten::convolution", "tf32-rna") in emu.coverage and not emu.unhandled
+    inside, _ = emulated(tr, x)
+    assert torch.equal(inside, emulated(model, x)[0])  # emulated inside, as the model
+    assert torch.equal(tr(x), model(x)) and not torch.equal(inside, model(x))  # native outside
+
+
+class _Attention(torch.nn.Module):
+    def forward(self, q):
+        return F.scaled_dot_product_attention(q, q * 2, q * 3)
+
+
+@pytest.mark.parametrize("make", [lambda: torch.nn.LSTM(4, 3), lambda: torch.nn.GRU(4, 3), _Attention],
+                         ids=["lstm", "gru", "attention"])
+def test_a_traced_rnn_or_attention_records_pytorchs_op_not_the_emulation(make):
+    # The function-level emulation runs above the tracer: its own ops (rounding included) went into the graph.
+    torch.manual_seed(0)
+    model = make()
+    x = randn(1, 2, 5, 8, seed=2) if isinstance(model, _Attention) else randn(5, 2, 4, seed=2)
+    tr, _, _ = traced(model, x)
+    kinds = ops(tr.inlined_graph)
+    assert not any(k.startswith("tf32lab::") or "bitwise" in k for k in kinds), kinds
+    assert {"aten::lstm", "aten::gru", "aten::scaled_dot_product_attention"} & kinds
+
+    def first(out):
+        return out[0] if isinstance(out, tuple) else out
+
+    assert torch.equal(first(tr(x)), first(model(x)))
+
+
+# -- sparse operands ------------------------------------------------------------------------------------------
+def _sparse(layout, dtype):
+    dense = torch.zeros(6, 5, dtype=dtype)
+    dense[0, 1], dense[2, 4], dense[3, 0], dense[5, 2] = 1024.5, -3.25, 1.0 + 2**-12, 7.0
+    return dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+
+
+PRODUCTS = {
+    "sparse @ dense": lambda s, d: s @ d,
+    "dense @ sparse": lambda s, d: d.T @ s,
+    "addmm with sparse": lambda s, d: torch.addmm(torch.ones(6, 3, dtype=d.dtype), s, d),
+    "torch.sparse.mm": lambda s, d: torch.sparse.mm(s, d),
+    "sparse @ vector": lambda s, d: s @ d[:, 0],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+@pytest.mark.parametrize("name", PRODUCTS)
+def test_products_with_a_sparse_operand_are_ieee_on_every_target(name, layout, dtype):
+    # cuSPARSE computes them in the operands' type; the TF32 flags reach cuBLAS and cuDNN only.
+    product = PRODUCTS[name]
+    s, d = _sparse(layout, dtype), torch.ones((6, 3) if name == "dense @ sparse" else (5, 3), dtype=dtype)
+    got, emu = emulated(product, s, d)
+    with tf32lab.precision("highest"):
+        expected = product(s, d)
+    assert torch.equal(got.to_dense(), expected.to_dense())
+    assert not emu.unhandled
+    if dtype == torch.float32:
+        assert emu.coverage and {math for _, math in emu.coverage} == {"ieee"}
+        if name in ("sparse @ dense", "dense @ sparse", "addmm with sparse"):  # dense operands: TF32, 1024.5 -> 1025
+            assert not torch.equal(emulated(product, s.to_dense(), d)[0], expected.to_dense())
+    else:
+        assert not emu.coverage
+
+
+def test_writes_to_sparse_tensors_next_to_rounded_weights_and_their_gradients():
+    layer = torch.nn.Linear(5, 5)
+    s = _sparse("coo", torch.float32).coalesce()
+    weights = torch.sparse_coo_tensor(s.indices(), s.values().clone(), s.shape, requires_grad=True,
+                                      check_invariants=True)
+    d = torch.ones(5, 3, requires_grad=True)
+    with tf32lab.precision("high"), tf32lab.emulate("a100") as emu:
+        layer(torch.ones(2, 5))  # a rounded weight is cached: writes are now looked at
+        s.mul_(2)
+        (torch.sparse.mm(weights, d).sum() + (s @ d).sum()).backward()
+    assert weights.grad.layout == torch.sparse_coo and d.grad.shape == d.shape
+    assert ("aten::addmm", "tf32-rna") in emu.coverage and not emu.unhandled
+
+
+# -- torch.compile ----------------------------------------------------------------------------------------------
+def test_fullgraph_compile_inside_emulate_runs_eagerly_and_leaves_dynamo_clean_for_a_native_compile():
+    # Dynamo skipped the frame (a dispatch mode was on the stack), raised "found no compiled frames", and remembered
+    # the skip: the same function compiled natively afterwards raised "Compilation was not attempted". Both orders:
+    # dynamo imported inside the block, then already loaded.
+    code = textwrap.dedent("""
+        import sys, torch, tf32lab
+        def f(a, b):
+            return torch.relu(a @ b) * 2
+        a = torch.randn(16, 64, generator=torch.Generator().manual_seed(1)) * 100
+        b = torch.randn(64, 8, generator=torch.Generator().manual_seed(2))
+        with tf32lab.precision("high"), tf32lab.emulate("a100"):
+            emulated = f(a, b)
+        for round in ("dynamo imported inside", "dynamo loaded"):
+            print(round, "torch._dynamo" in sys.modules)
+            with tf32lab.precision("high"), tf32lab.emulate("a100") as emu:
+                inside = torch.compile(f, fullgraph=True, backend="eager")(a, b)
+            print("inside emulated:", torch.equal(inside, emulated), dict(emu.coverage))
+            from torch._dynamo import eval_frame
+            print("stance:", eval_frame._stance.stance)
+            native = torch.compile(f, fullgraph=True, backend="eager")(a, b)
+            print("native after:", torch.equal(native, f(a, b)))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == [
+        "dynamo imported inside False", "inside emulated: True {('aten::mm', 'tf32-rna'): 1}", "stance: default",
+        "native after: True",
+        "dynamo loaded True", "inside emulated: True {('aten::mm', 'tf32-rna'): 1}", "stance: default",
+        "native after: True",
+    ]
