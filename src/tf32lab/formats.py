@@ -5,7 +5,7 @@ touched, any shape, stride or device works, and no global state is read. Roundin
 NaN stays NaN whatever its payload, ±Inf stay, ±0 keep their sign, subnormals round on their own grid, and a
 finite value overflows to Inf exactly when the rounding mode says so.
 
-The rounding modes (FACTS.md §3):
+The rounding modes (PTX ISA ``cvt.rna.tf32.f32``; CUTLASS ``round_half_ulp_truncate``):
 
 - ``"rna"``: to nearest, ties away from zero: what cuBLAS / CUTLASS apply to TF32 operands;
 - ``"rne"``: to nearest, ties to even: what ``tensor.to(torch.bfloat16)`` does;
@@ -180,7 +180,7 @@ def round_fp16(x: torch.Tensor) -> torch.Tensor:
 
 def split_bf16x3(x: torch.Tensor, *, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split float32 values into ``(hi, lo)`` bf16 parts for bf16x3 products (FACTS.md §3).
+    """Split float32 values into ``(hi, lo)`` bf16 parts for bf16x3 products (Henry et al. 2019, arXiv:1904.06376).
 
     ``hi = bf16(x)`` and ``lo = bf16(x - hi)``, both RNE, the difference taken in float32 (it is exact for every
     finite ``x`` whose ``hi`` is finite). ``x·y ≈ hi·hi' + hi·lo' + lo·hi'`` keeps about 16 mantissa bits.
@@ -204,7 +204,7 @@ def split_bf16x3(x: torch.Tensor, *, out: Optional[tuple[torch.Tensor, torch.Ten
 
 def split_tf32x3(x: torch.Tensor, *, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split float32 values into ``(big, small)`` TF32 parts for 3xTF32 products (FACTS.md §3).
+    """Split float32 values into ``(big, small)`` TF32 parts for 3xTF32 products (CUTLASS ``mma_tensor_op_fast_f32.h``).
 
     As CUTLASS's ``mma_tensor_op_fast_f32``: ``big = truncate(x)`` (rz) and ``small = rna(x - big)``, the
     difference exact in float32. An infinite ``x`` gives a NaN ``small``. ``out``: two float32 tensors to write

@@ -72,7 +72,7 @@ OPS: dict[str, Op] = {
         _sparse_sparse_matmul sparse_sampled_addmm _sparse_mm_reduce_impl _sparse_mm_reduce_impl_backward _foreach_mm
         _grouped_mm mkldnn_linear mkldnn_linear_backward mkldnn_linear_backward_input mkldnn_linear_backward_weights
         linear_backward matmul_backward"""),
-    # -- matrix-vector: cuBLAS gemv, no tensor-core path (FACTS.md §2, verify on GPU) -----------------------------
+    # -- matrix-vector: cuBLAS gemv, no tensor-core path (aten Blas.cpp; verify on GPU) -----------------------------
     **_group("matvec", "rule", "mv addmv addmv_ dot vdot addr addr_"),
     # -- convolution: cuDNN (the conv flag) ---------------------------------------------------------------------
     **_group("conv", "rule", "convolution _convolution convolution_backward"),

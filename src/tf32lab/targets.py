@@ -2,7 +2,7 @@
 
 One row per hardware profile. A row maps each *key* (an op family, or an attention kernel) to an :class:`Entry`:
 the flag cell PyTorch consults for it and, per value of that cell, the math the hardware then computes. Every
-entry names its source (FACTS.md section, PyTorch code, vendor documentation); an entry marked ``verify on GPU``
+entry names its source (PyTorch code or notes, vendor documentation, a paper); an entry marked ``verify on GPU``
 is a reasoned assumption not yet measured on the device.
 
 Keys: ``matmul``, ``conv``, ``rnn``, ``matvec``, ``linalg``, ``attention`` (the kernel PyTorch picks for float32
@@ -128,21 +128,25 @@ class Target:
 
 
 # -- sources ---------------------------------------------------------------------------------------------------
-_S_CUBLAS = "FACTS.md §1 (Context.cpp: cuda.matmul=tf32 -> cuBLAS TF32); §3: cuBLAS/CUTLASS round operands RNA"
-_S_CUDNN = ("FACTS.md §1: cudnn.conv / cudnn.rnn fp32_precision, default tf32 (cudnn.allow_tf32=True); "
+_S_CUBLAS = "aten/src/ATen/Context.cpp: cuda.matmul=tf32 -> cuBLAS TF32; CUTLASS round_half_ulp_truncate: operands RNA"
+_S_CUDNN = ("PyTorch CUDA notes: cudnn.conv / cudnn.rnn fp32_precision, default tf32 (cudnn.allow_tf32=True); "
             "RNA operand rounding as in CUTLASS, verify on GPU")
-_S_GEMV = "FACTS.md §2: mv/addmv/dot go to cuBLAS gemv, no tensor-core path; verify on GPU"
-_S_SOLVER = "FACTS.md §2: cuSOLVER / LAPACK factorizations are IEEE"
-_S_SDPA = ("FACTS.md §2: float32 SDPA on sm80+ picks the memory-efficient kernel when enabled (flash needs fp16/bf16); "
-           "verify on GPU")
-_S_SDPA_MATH = "FACTS.md §2: SDPA's math backend is bmm/matmul, so it follows the matmul flag"
-_S_EFFICIENT = "FACTS.md §2: the memory-efficient kernel runs 3xTF32 for float32 on sm80+ (CUTLASS fast-fp32)"
-_S_PRE_AMPERE = "FACTS.md §1: no TF32 before Ampere (sm80); the flags are accepted and have no effect"
-_S_EFFICIENT_SIMT = "FACTS.md §2: before sm80 the memory-efficient kernel computes float32 without tensor cores"
-_S_ONEDNN_BF16 = ("FACTS.md §1: mkldnn fp32_precision=bf16 -> oneDNN bf16 (AMX), RNE conversion; matmul verified on a "
-                  "Sapphire Rapids CPU within float32 accumulation (docs/gpu-results.md)")
-_S_ONEDNN_TF32 = "FACTS.md §1: mkldnn fp32_precision=tf32 where the CPU has it; rounding assumed RNE, unverified"
-_S_CPU = "FACTS.md §1: a CPU without reduced-precision units computes IEEE float32 at every level"
+_S_GEMV = "aten Blas.cpp: mv/addmv/dot go to cuBLAS gemv, no tensor-core path; verify on GPU"
+_S_SOLVER = "cuSOLVER / LAPACK factorizations take no TF32 math mode (PyTorch PR #67948)"
+_S_SDPA = ("aten sdp_utils.cpp: float32 SDPA on sm80+ picks the memory-efficient kernel when enabled (flash "
+           "needs fp16/bf16); verify on GPU")
+_S_SDPA_MATH = "aten attention.cpp: SDPA's math backend is bmm/matmul, so it follows the matmul flag"
+_S_EFFICIENT = ("PyTorch's mem_eff_attention (CUTLASS fast-fp32): the memory-efficient kernel runs 3xTF32 for "
+                "float32 on sm80+")
+_S_PRE_AMPERE = ("NVIDIA Ampere architecture whitepaper: no TF32 before Ampere (sm80); the flags are accepted and "
+                 "have no effect")
+_S_EFFICIENT_SIMT = ("PyTorch's mem_eff_attention (CUTLASS): before sm80 the memory-efficient kernel computes float32 "
+                     "without tensor cores")
+_S_ONEDNN_BF16 = ("PyTorch MKLDNN notes: mkldnn fp32_precision=bf16 -> oneDNN bf16 (AMX), RNE conversion; matmul "
+                  "verified on a Sapphire Rapids CPU within float32 accumulation (docs/gpu-results.md)")
+_S_ONEDNN_TF32 = ("PyTorch MKLDNN notes: mkldnn fp32_precision=tf32 where the CPU has it; rounding assumed RNE, "
+                  "unverified")
+_S_CPU = "aten/src/ATen/Context.cpp: a CPU without reduced-precision units computes IEEE float32 at every level"
 
 
 def _ampere_plus() -> dict[str, Entry]:
