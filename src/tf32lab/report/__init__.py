@@ -202,7 +202,7 @@ class Report(Document):
     def __rich_console__(self, console: Any, options: Any) -> Any:
         from .text import renderables
 
-        yield from renderables(self)
+        yield from renderables(self, width=options.max_width)
 
     def print(self, console: Any = None) -> None:
         """Print the tables and the verdict lines to ``console`` (a ``rich.console.Console``; default: stdout)."""

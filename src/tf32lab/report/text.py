@@ -48,8 +48,9 @@ def short_name(name: str, width: int = 36) -> str:
     return "…" + (tail[cut + 1:] if 0 <= cut < len(tail) - 1 else tail)
 
 
-def renderables(report: Report) -> Iterator[Any]:
-    """The tables; the verdict lines are left to the caller (they must not wrap, to grep well)."""
+def renderables(report: Report, width: int = 80) -> Iterator[Any]:
+    """The tables for a terminal ``width`` columns wide; the verdict lines are left to the caller (they must not
+    wrap, to grep well)."""
     env = report.environment
     where = env.get("gpu") or env.get("cpu", "")
     yield Text.assemble(
@@ -60,7 +61,7 @@ def renderables(report: Report) -> Iterator[Any]:
     )
     yield _levels(report)
     yield _outputs(report)
-    layers = _layers(report)
+    layers = _layers(report, width)
     if layers is not None:
         yield layers
     for lv in report.levels:
@@ -155,25 +156,31 @@ def _outputs(report: Report) -> Table:
     return table
 
 
-def _layers(report: Report) -> Table | None:
+def _layers(report: Report, width: int = 80) -> Table | None:
     ranked = ranked_layers(report)
     if not ranked:
         return None
     shown = min(TOP_LAYERS, len(ranked))
     levels = [lv for lv in report.levels if lv.same_as is None]  # a level computed as another adds nothing here
-    table = Table(title=f"Layers, most error introduced first ({shown} of {len(ranked)}): introduced / accumulated",
-                  title_justify="left")
-    table.add_column("layer", no_wrap=True)
-    for lv in levels:
-        alike = [other.level for other in report.levels if other.same_as == lv.level]
-        table.add_column(" = ".join([lv.level, *alike]), justify="right", no_wrap=True)
+    headers = [" = ".join([lv.level, *(o.level for o in report.levels if o.same_as == lv.level)]) for lv in levels]
+    rows = []
     for name in ranked[:TOP_LAYERS]:
-        row: list[Any] = [Text(inert(short_name(name)))]
+        cells = []
         for lv in levels:
             layer = next((e for e in lv.layers if e.name == name), None)
             cell = "-" if layer is None else f"{_short(layer.introduced)} / {_short(layer.accumulated)}"
-            row.append(cell + (" diverged" if layer is not None and layer.diverged else ""))
-        table.add_row(*row)
+            cells.append(cell + (" diverged" if layer is not None and layer.diverged else ""))
+        rows.append((name, cells))
+    # the name column gets what the level columns leave (each column: its text, 2 of padding, 1 of border)
+    used = 1 + sum(3 + max([len(h), *(len(cells[i]) for _, cells in rows)]) for i, h in enumerate(headers))
+    name_width = max(36, width - used - 3)
+    table = Table(title=f"Layers, most error introduced first ({shown} of {len(ranked)}): introduced / accumulated",
+                  title_justify="left")
+    table.add_column("layer", no_wrap=True)
+    for header in headers:
+        table.add_column(header, justify="right", no_wrap=True)
+    for name, cells in rows:
+        table.add_row(Text(inert(short_name(name, name_width))), *cells)
     return table
 
 
