@@ -437,16 +437,26 @@ def _policy_show(args: argparse.Namespace) -> int:
     model = specs.load(args.model).model
     hooked = set(policy.hooked(model))
     modules = dict(model.named_modules())
-    console.print(f"{_shown(args.file)} on {inert(type(model).__name__)}: the level of each module (*: hooked, "
-                  "its level differs from its parent's)", markup=False, highlight=False)
-    table = Table()
-    for column in ("module", "kind", "level", "from"):
-        table.add_column(column)
+    console.print(f"{_shown(args.file)} on {inert(type(model).__name__)}: the level of each module", markup=False,
+                  highlight=False)
+    # a tree (each module by its own name under its parent) reads at 80 columns where dotted paths cannot
+    table = Table(caption="*: hooked (its level differs from its parent's); 'from' left empty: inherited from the "
+                  "parent", caption_justify="left")
+    table.add_column("module", overflow="fold")
+    table.add_column("kind", overflow="fold")
+    table.add_column("level", no_wrap=True)
+    table.add_column("from", no_wrap=True)
     for a in policy.explain(model):
-        name = (a.name or "(model)") + (" *" if a.name in hooked else "")
-        table.add_row(Text(inert(name)), Text(inert(type(modules[a.name]).__name__)), a.level or "caller's",
-                      Text(inert(a.source)))
+        depth = a.name.count(".") + 1 if a.name else 0
+        leaf = a.name.rsplit(".", 1)[-1] if a.name else "(model)"
+        # "rule 2 'pattern'" -> "rule 2": the patterns are listed once under the table
+        source = "" if a.source.startswith("inherited") else " ".join(a.source.split(" ", 2)[:2]) \
+            if a.source.startswith("rule ") else a.source
+        table.add_row(Text("  " * depth + inert(leaf) + (" *" if a.name in hooked else "")),
+                      Text(inert(type(modules[a.name]).__name__)), a.level or "caller's", Text(inert(source)))
     console.print(table)
+    for i, rule in enumerate(policy.rules, 1):
+        console.print(Text(f"rule {i}: {inert(rule.pattern)} -> {rule.level}"), soft_wrap=True)
     missing = policy.unmatched(model)
     for rule in missing:
         print(f"rule {policy.rules.index(rule) + 1} {inert(repr(rule.pattern))} matches no module: apply() would "

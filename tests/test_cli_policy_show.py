@@ -1,0 +1,35 @@
+"""`tf32lab policy show FILE --model SPEC` reads at 80 columns: a tree of module names, not cut dotted paths."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+
+def test_policy_show_is_a_tree_that_fits_80_columns(tmp_path):
+    (tmp_path / "deep.py").write_text(textwrap.dedent("""
+        import torch
+
+        def make():
+            inner = torch.nn.Sequential()
+            inner.add_module("value_projection_head", torch.nn.Linear(4, 1))
+            block = torch.nn.Sequential()
+            block.add_module("very_long_block_name_for_attention", inner)
+            model = torch.nn.Sequential()
+            model.add_module("encoder_with_a_long_name", block)
+            return model, torch.randn(2, 4)
+    """), encoding="utf-8")
+    (tmp_path / "p.json").write_text('{"schema_version": 1, "default": "high", "rules": '
+                                     '[{"pattern": "*.value_projection_head", "level": "highest"}]}', encoding="utf-8")
+    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "policy", "show", "p.json", "--model", "deep.py:make"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "80"})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    row = next(line for line in lines if "value_projection_head" in line)
+    # the leaf's whole name, indented under its parents, with its level and the rule that gave it
+    assert "    value_projection_head *" in row and "highest" in row and "…" not in row
+    assert any("encoder_with_a_long_name" in line for line in lines)
