@@ -34,7 +34,19 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from . import peaks
-from .compare import ROOT, PolicyRow, Progress, Session, alike_levels, check_target, environment_of, tolerances_of
+from .compare import (
+    ROOT,
+    PolicyRow,
+    Progress,
+    Session,
+    alike_levels,
+    changed_note,
+    check_target,
+    environment_of,
+    kept_flags,
+    refuse_applied,
+    tolerances_of,
+)
 from .errors import Tf32LabError
 from .levels import LEVELS, check_levels
 from .metrics import OutputError
@@ -180,6 +192,17 @@ def tune(workload: Workload, *, target: str = "a100", tolerance: Union[float, Ma
     levels = check_levels(levels)
     everything = tuple(level for level in LEVELS if level in levels or level == "highest")
     tolerances = tolerances_of(tolerance)
+    refuse_applied(workload, "tune")
+    with kept_flags() as changed:
+        tuning = _tune(workload, target, tolerances, everything, progress)
+    if changed:
+        tuning = dataclasses.replace(tuning, report=dataclasses.replace(
+            tuning.report, notes=(*tuning.report.notes, changed_note(changed))))
+    return tuning
+
+
+def _tune(workload: Workload, target: str, tolerances: dict[str, float], everything: tuple[str, ...],
+          progress: bool) -> Tuning:
     alike = alike_levels(everything, target)
     distinct = [level for level in everything if alike[level] is None]
     started = time.perf_counter()
@@ -196,7 +219,7 @@ def tune(workload: Workload, *, target: str = "a100", tolerance: Union[float, Ma
                     levels=tuple(dataclasses.replace(uniform[alike[lv] or lv], level=lv, same_as=alike[lv],
                                                      speedup=predicted.level(lv).speedup) for lv in everything),
                     environment=environment_of(workload), seconds=check_seconds,
-                    notes=tuple(session.recorder.notes()), speed=predicted)
+                    notes=tuple(session.notes()), speed=predicted)
     return dataclasses.replace(answer, workload=str(workload.name), target=target, tolerance=dict(tolerances),
                                runs=session.runs, seconds=time.perf_counter() - started, check_seconds=check_seconds,
                                report=report, candidates=tuple(search.candidates))
