@@ -116,3 +116,17 @@ def test_check_points_to_tune_when_a_level_fails(tmp_path):
                            "highest,high"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 1
     assert "next: tf32lab tune tf32lab.builtin:covariance --target a100 --out policy.json" in done.stdout
+
+
+def test_the_advice_names_the_policy_file_really_written(tmp_path):
+    (tmp_path / "out").mkdir()
+    done = cli(NET, "--out", "out/tuned.toml", "--html", "t.html", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert 'Apply it with `tf32lab.Policy.load("out/tuned.toml").apply(model)`' in done.stdout
+    assert "policy.json" not in done.stdout and "policy.json" not in (tmp_path / "t.html").read_text()
+    assert tf32lab.Policy.load(tmp_path / "out" / "tuned.toml").rules
+
+
+def test_without_out_the_advice_invents_no_file_name(net):
+    advice = " ".join(tf32lab.tune(net, target="a100").advice())
+    assert "policy.json" not in advice and "tuning.policy.save(FILE)" in advice

@@ -1,8 +1,8 @@
 """The ``tf32lab`` command.
 
-Exit codes: 0 success, 1 a check failed (a level exceeds its tolerance, or the model raised at a level), 2 bad
-input (one line on stderr, no traceback; ``--debug`` shows it), 130 interrupted (Ctrl-C). ``--version`` and
-``--help`` answer without importing torch.
+Exit codes: 0 success, 1 a check failed (a level exceeds its tolerance, or the model raised at a level; with
+``check --policy``, the policy does), 2 bad input (one line on stderr, no traceback; ``--debug`` shows it),
+130 interrupted (Ctrl-C). ``--version`` and ``--help`` answer without importing torch.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser(
         "check", help="measure how much each precision level changes a model, output by output and layer by layer",
         description="Run a workload at each precision level, as the target hardware computes it, against a "
-                    "float64 reference. Exit code 0: every level within tolerance; 1: one exceeds it; 2: bad input.",
+                    "float64 reference. Exit code 0: every level within tolerance; 1: one exceeds it (with "
+                    "--policy: the policy's verdict, the levels being context); 2: bad input.",
     )
     check.add_argument("spec", nargs="?", default=None,
                        help="minilm | builtin | hf:FOLDER | package.module:factory | path/file.py:factory "
@@ -66,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--tolerance", type=_tolerance, default=None,
                        help="largest normwise relative error of an output (default: 1e-2)")
     check.add_argument("--policy", metavar="FILE",
-                       help="also measure this per-module policy (JSON or TOML, see tf32lab.Policy) as one more row")
+                       help="also measure this per-module policy (JSON or TOML, see tf32lab.Policy) as one more row; "
+                            "the exit code is then the policy's verdict (the levels are context)")
     check.add_argument("--no-speed", action="store_true",
                        help="do not predict each level's speedup on the target (it costs a count of one run)")
     check.add_argument("--json", metavar="PATH",
@@ -227,7 +229,7 @@ def _check(args: argparse.Namespace) -> int:
             sys.stdout.write(report.to_json() + "\n")
             sys.stdout.flush()
         else:
-            report.print(_console())
+            report.print(_console(), policy_file=args.policy)
             step = _next_step(report, spec, args.target)
             if step:
                 print(step)
@@ -249,8 +251,8 @@ def _next_step(report, spec: str, target: str) -> str:
     from . import peaks
 
     failed = [lv.level for lv in report.levels if lv.level in ("high", "medium") and not lv.passed]
-    if not failed or target not in peaks.PEAKS:
-        return ""
+    if not failed or target not in peaks.PEAKS or (report.policy_row is not None and report.passed):
+        return ""  # nothing failed, no speed model, or the policy given passes: nothing to search for
     return (f"next: tf32lab tune {_shown(spec)} --target {target} --out policy.json  finds the fastest policy "
             f"within tolerance (which layers to keep at a safer level than {failed[-1]!r}), each candidate verified")
 
@@ -271,6 +273,10 @@ def _tune(args: argparse.Namespace) -> int:
     from .tuning import tune
 
     tuning = tune(loaded, target=args.target, tolerance=args.tolerance, progress=sys.stderr.isatty())
+    if args.out and tuning.policy is not None:
+        import dataclasses
+
+        tuning = dataclasses.replace(tuning, policy_file=args.out)  # the advice names the file really written
     code = 0 if tuning.passed else 1
     written = []
     if args.out and tuning.policy is not None:

@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from collections.abc import Iterable, Mapping
@@ -96,6 +97,7 @@ class Tuning(Document):
     check_seconds: float  # the part that is one check of the uniform levels
     reason: str
     report: Report  # the check of the uniform levels
+    policy_file: Optional[str] = None  # where the policy was written (tf32lab tune --out), named in the advice
 
     def __bool__(self) -> bool:
         return self.passed
@@ -111,10 +113,15 @@ class Tuning(Document):
         if self.level is not None and not self.pinned:
             return [f"{self.reason} Use `torch.set_float32_matmul_precision(\"{self.level}\")` or "
                     f"`tf32lab.precision(\"{self.level}\")`: {gain}."]
-        where = policy_file or "policy.json"
+        where = policy_file or self.policy_file
         over = "" if self.uniform == "highest" else \
             f" ({self.speedup_over_uniform:.2f}x faster than `{self.uniform}` everywhere)"
-        return [self.reason, f"Apply it with `tf32lab.Policy.load(\"{where}\").apply(model)`: {gain}{over}."]
+        if where is None:  # not written anywhere: no file name to invent
+            return [self.reason, f"Apply it with `tuning.policy.apply(model)`, or save it (`tuning.policy.save(FILE)`, "
+                                 f"`tf32lab tune --out FILE`) and load it with `tf32lab.Policy.load(FILE)`: "
+                                 f"{gain}{over}."]
+        return [self.reason, f"Apply it with `tf32lab.Policy.load({json.dumps(where, ensure_ascii=False)})"
+                             f".apply(model)`: {gain}{over}."]
 
     def lines(self, policy_file: Optional[str] = None) -> list[str]:
         """The terminal summary: the search, the answer, what to do."""
