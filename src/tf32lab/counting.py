@@ -185,6 +185,11 @@ class _Mode(TorchDispatchMode):
         return out
 
 
+# tf32lab's own ops (``tf32lab::scaled_dot_product_attention``: how the emulator routes an attention call whole) are
+# the aten op of the same name, with its arguments' names
+_STANDS_FOR_ATEN = frozenset(["aten", "tf32lab"])
+_ATEN_ARGUMENT = {"q": "query", "k": "key", "v": "value"}
+
 # torch._VF.lstm & co. -> their aten op (its ``.input`` overload: the unpacked call)
 _RNNS = {getattr(torch._C._VariableFunctions, name): getattr(torch.ops.aten, name).input
          for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")}
@@ -267,10 +272,12 @@ class Counting:
         name = func._schema.name.split("::")[-1]
         if func.is_view or name in _FREE:
             return
-        qualified = f"aten::{name}" if func.namespace == "aten" else func._schema.name
+        qualified = f"aten::{name}" if func.namespace in _STANDS_FOR_ATEN else func._schema.name
         family = optable.family(qualified)
         named = dict(zip((arg.name for arg in func._schema.arguments), args))
         named.update(kwargs)
+        if func.namespace == "tf32lab":  # the emulator's stand-in for the aten op: counted as that op, so that a
+            named = {_ATEN_ARGUMENT.get(k, k): v for k, v in named.items()}  # run under emulate() counts the same
         gemms = _gemms(name, family, named, out) if family is not None else None
         if gemms is None and family is not None:
             self.counts.uncounted[qualified] += 1
