@@ -198,3 +198,12 @@ def test_a_level_the_model_sets_in_its_forward_does_not_outlive_the_call(run):
     assert flags.snapshot() == before
     assert any("changed PyTorch's flags while it ran (float32_matmul_precision 'highest' -> 'medium'" in n
                for n in notes), notes
+
+
+# -- a Hugging Face Hub id where a folder is expected ----------------------------------------------------------------
+def test_a_hub_id_is_told_how_to_get_a_local_folder(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "hf:someorg/some-model"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "huggingface-cli download someorg/some-model --local-dir DIR" in done.stderr
+    assert "snapshot_download('someorg/some-model', local_dir=DIR)" in done.stderr and "hf:DIR" in done.stderr

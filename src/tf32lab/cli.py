@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--levels", default="highest,high,medium", type=str.lower,
                        help="comma-separated levels (highest, the baseline, is always included)")
     speed.add_argument("--measure", action="store_true", help="also time each level on this machine (bench)")
-    speed.add_argument("--rounds", type=_positive_int, default=7, help="with --measure: interleaved rounds (7)")
+    speed.add_argument("--rounds", type=_rounds, default=7, help="with --measure: interleaved rounds (7)")
     speed.add_argument("--json", metavar="PATH", help="write the result as JSON; '-' for stdout, instead of the table")
     speed.add_argument("--debug", action="store_true", help="show tracebacks")
     speed.set_defaults(run=_speed)
@@ -151,6 +151,7 @@ def _number(what: str, cast: Callable[[str], float], ok: Callable[[float], bool]
 
 
 _positive_int = _number("number of CPUs", int, lambda v: v >= 1, "an int >= 1")
+_rounds = _number("number of rounds", int, lambda v: v >= 1, "an int >= 1")
 _quota = _number("quota", float, lambda v: 0 < v < math.inf, "a number of CPUs > 0")
 _tolerance = _number("tolerance", float, lambda v: 0 <= v < math.inf, "a finite number >= 0")
 
