@@ -257,3 +257,29 @@ def test_check_and_speed_count_attention_alike_and_predict_the_same_speedup():
     assert checked.flops == predicted.flops > 2 * 4 * 4 * 32 * 32 * 16 * 2
     assert checked.level("high").speedup == predicted.level("high").speedup
     assert checked.notes == predicted.notes == ()
+
+
+def test_native_measure_prints_no_nan_share_and_shows_progress_only_on_a_terminal():
+    import os
+    import pty
+
+    args = ("speed", "tf32lab.builtin:covariance", "--target", "native", "--measure", "--levels", "highest",
+            "--rounds", "1")
+    quiet = cli(*args)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "nan" not in quiet.stdout and "measured (cpu:" in quiet.stdout
+    assert "round" not in quiet.stderr  # stderr is no terminal: no bar
+    main, other = pty.openpty()
+    with subprocess.Popen([sys.executable, "-m", "tf32lab.cli", *args], stdout=subprocess.DEVNULL, stderr=other,
+                          env={**os.environ, "COLUMNS": "120", "TERM": "xterm"}) as child:
+        os.close(other)
+        shown = b""
+        try:
+            while chunk := os.read(main, 65536):  # read as it comes: a full terminal buffer would block the child
+                shown += chunk
+        except OSError:  # the child closed its end
+            pass
+        finally:
+            os.close(main)
+        assert child.wait(timeout=300) == 0
+    assert b"round 1/1 at highest" in shown or b"warm-up at highest" in shown, shown[-500:]

@@ -328,7 +328,8 @@ def _speed(args: argparse.Namespace) -> int:
     if args.measure:
         from .timing import bench
 
-        measured = bench(loaded, levels, rounds=args.rounds)
+        # a bar on stderr, as check shows one; none when stderr is no terminal or JSON is asked for
+        measured = bench(loaded, levels, rounds=args.rounds, progress=sys.stderr.isatty() and not args.json)
     if args.json:
         text = json.dumps({"predicted": predicted and predicted.to_dict(),
                            "measured": measured and measured.to_dict()}, indent=2)

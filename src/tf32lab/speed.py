@@ -161,7 +161,8 @@ class SpeedReport:
         head = f"{'level':<8} {self.kind + ' (' + self.target + ')':>24}  speedup  matmul share"
         rows = [head + (f"  {other.kind + ' (' + other.target + ')':>24}  speedup" if other else "")]
         for lv in self.levels:
-            row = f"{lv.level:<8} {_time(lv.seconds):>24}  {lv.speedup:6.2f}x  {lv.family_share:11.0%}"
+            share = "-" if math.isnan(lv.family_share) else f"{lv.family_share:.0%}"  # a measurement has none
+            row = f"{lv.level:<8} {_time(lv.seconds):>24}  {lv.speedup:6.2f}x  {share:>11}"
             if other is not None:
                 found = next((o for o in other.levels if o.level == lv.level), None)
                 if found is not None:
