@@ -322,7 +322,8 @@ class _Search:
                 return -math.inf
             return -e.introduced / max(gains.get(e.name, 0.0), 1e-12)
 
-        order = [e.name for e in sorted(layers, key=order_key)]
+        unchanged = self._unchanged(fast, safe)
+        order = [e.name for e in sorted(layers, key=order_key) if e.name not in unchanged]
         if not order:
             return None
         # galloping, then bisection, over the prefix length (all layers pinned is `safe` everywhere: it passes)
@@ -345,6 +346,18 @@ class _Search:
         pinned = sorted(best.pinned, key=lambda n: -gains.get(n, 0.0))
         best = self._unpin(fast, safe, pinned, best)
         return best
+
+    def _unchanged(self, fast: str, safe: str) -> set[str]:
+        """Layers whose own ops all get the same math at ``fast`` and ``safe`` on the target (cuDNN keeps
+        convolutions TF32 at `highest` on a100): pinning one changes nothing, so none is a candidate. Read from the
+        maths the uniform runs recorded (the targets table's answer), no scope entered."""
+        at_fast, at_safe = self.uniform[fast].maths, self.uniform[safe].maths
+        families: dict[str, set[str]] = {}
+        for op in self.session.counting.counts.ops if self.session.counting is not None else ():
+            if op.family is not None:
+                families.setdefault(op.layer, set()).add(op.family)
+        return {name for name, found in families.items()
+                if all(f in at_fast and at_fast[f] == at_safe.get(f) for f in found)}
 
     def _unpin(self, fast: str, safe: str, pinned: list[str], best: Candidate) -> Candidate:
         keep = list(pinned)
