@@ -207,3 +207,33 @@ def test_a_hub_id_is_told_how_to_get_a_local_folder(tmp_path):
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "huggingface-cli download someorg/some-model --local-dir DIR" in done.stderr
     assert "snapshot_download('someorg/some-model', local_dir=DIR)" in done.stderr and "hf:DIR" in done.stderr
+
+
+# -- a model that samples ------------------------------------------------------------------------------------------
+class _Sampling(torch.nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.linear, self.how = torch.nn.Linear(16, 16), how
+
+    def forward(self, x):
+        y = self.linear(x)
+        if self.how == "dropout":  # Monte Carlo dropout: kept on in eval mode
+            return torch.nn.functional.dropout(y, 0.5, training=True)
+        return y + torch.randn_like(y)
+
+
+@pytest.mark.parametrize("how", ["dropout", "randn"])
+def test_unseeded_sampling_is_named_as_the_cause_not_float64(how):
+    w = tf32lab.Workload(_Sampling(how), torch.randn(8, 16))
+    report = tf32lab.check(w, levels=("highest", "high"))
+    said = " ".join(report.conclusion())
+    assert not report.passed and report.level("highest").unstable is not None
+    assert "two runs at `highest` differ" in said and "not deterministic" in said and "float64" not in said
+    tuning = tf32lab.tune(w, target="a100")
+    assert not tuning.passed and "not deterministic" in tuning.reason and "float64" not in tuning.reason
+
+
+def test_a_deterministic_failure_at_highest_still_points_to_float64():
+    report = tf32lab.check(tf32lab.Workload(torch.nn.Linear(16, 16), torch.randn(8, 16)), levels=("highest",),
+                           tolerance=0.0)
+    assert report.level("highest").unstable is None and "float64" in " ".join(report.conclusion())

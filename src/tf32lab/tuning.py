@@ -53,6 +53,7 @@ from .levels import LEVELS, check_levels
 from .metrics import OutputError
 from .policy import Policy
 from .report import Document, LevelResult, Report
+from .report.conclusion import nondeterministic
 from .workload import Workload
 
 __all__ = ["Candidate", "Tuning", "tune"]
@@ -259,7 +260,9 @@ class _Search:
         passing = sorted((lv for lv, r in self.uniform.items() if r.passed), key=self.seconds)
         fastest = min(self.uniform, key=self.seconds)
         if not passing:
-            top = self.uniform["highest"]
+            top = self.session.steady(self.uniform["highest"])
+            if top.unstable is not None:
+                return self._answer(None, None, (), top, None, nondeterministic(top))
             return self._answer(None, None, (), top, None,
                                 f"Not even `highest` is within tolerance on {self.session.target} "
                                 f"({_failure(top)}): no precision setting fixes that; loosen the tolerance or "

@@ -65,6 +65,9 @@ class LevelResult:
     error: Optional[str] = None  # "NotPSDError: ...": the model raised at this level (a finding: FAILED)
     policy: Optional[dict[str, Any]] = None  # the row "policy": the policy's dict form and its base level
     speedup: Optional[float] = None  # predicted on the target, over highest (tf32lab.speed); None: not predicted
+    # a second run at this level gave other outputs ("normwise 1.2e-01, then 9.8e-02"): the model is not
+    # deterministic (unseeded sampling), so a failure says nothing about precision; only looked at when it fails
+    unstable: Optional[str] = None
 
     @property
     def passed(self) -> bool:

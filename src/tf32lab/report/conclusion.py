@@ -180,7 +180,17 @@ def _safe(report: Report, best: LevelResult, where: str, measured: str) -> str:
             f"{share}. It buys little here; if you enable it anyway: {_enable(best.level)} ({measured}).")
 
 
+def nondeterministic(top: LevelResult) -> str:
+    """Why a failure at `highest` is the model's randomness, not precision."""
+    return (f"Even `highest` fails, but two runs at `highest` differ ({top.unstable}): the model is not "
+            f"deterministic (unseeded sampling such as torch.randn, or dropout left in train mode), so its error is "
+            f"chance, not precision; seed it where it samples (torch.manual_seed in the forward, or a "
+            f"torch.Generator) or take the sampling out of what is checked.")
+
+
 def _highest_failed(top: LevelResult, target: str) -> str:
+    if top.unstable is not None:
+        return nondeterministic(top)
     tf32_by_default = [f for f in _DEFAULT_CONV_TF32 if top.maths.get(f, "").startswith("tf32")]
     ops = [op for op in top.coverage if op.endswith(("tf32-rna", "tf32-rne"))]
     if tf32_by_default and ops:
