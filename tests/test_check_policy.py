@@ -142,3 +142,48 @@ def test_a_model_run_in_float64_is_untouched_by_a_policy():
     x = torch.randn(4, 8, dtype=torch.float64)
     with Policy("medium").applied(model):
         assert torch.equal(model(x), torch.nn.functional.linear(x, model.weight, model.bias))
+
+
+TUNE_NET = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {examples!r})
+    from model import make
+""")
+
+
+@pytest.fixture
+def sensitive(tmp_path):
+    """The tune example (one small layer TF32 breaks) as ``net.py:make``, and a policy that pins that layer."""
+    from pathlib import Path
+
+    examples = str(Path(__file__).resolve().parents[1] / "examples" / "tune")
+    (tmp_path / "net.py").write_text(TUNE_NET.format(examples=examples))
+    (tmp_path / "pinned").mkdir()
+    Policy("high", [("sens.lin", "highest")]).save(tmp_path / "pinned" / "tuned.json")
+    Policy("high").save(tmp_path / "uniform.json")
+    return tmp_path
+
+
+def test_check_policy_exits_by_the_policys_verdict_with_one_recommendation(sensitive):
+    done = cli("check", "net.py:make", "--levels", "highest,high", "--policy", "pinned/tuned.json",
+               "--no-speed", cwd=sensitive)
+    assert done.returncode == 0, done.stdout + done.stderr  # high everywhere fails: context, not the verdict
+    assert "FAILED | level 'high'" in done.stdout and "PASSED | level 'policy'" in done.stdout
+    assert 'Apply it with `tf32lab.Policy.load("pinned/tuned.json").apply(model)`' in done.stdout
+    assert "policy.json" not in done.stdout
+    assert "Keep `highest`" not in done.stdout and "next: tf32lab tune" not in done.stdout
+    failing = cli("check", "net.py:make", "--levels", "highest,high", "--policy", "uniform.json", "--no-speed",
+                  cwd=sensitive)
+    assert failing.returncode == 1, failing.stdout + failing.stderr
+    assert "FAILED | level 'policy'" in failing.stdout and "The policy (`high` by default) fails" in failing.stdout
+    assert "Apply it" not in failing.stdout
+
+
+def test_the_api_verdict_with_a_policy_is_the_policys(sensitive, monkeypatch):
+    monkeypatch.syspath_prepend(str(sensitive))
+    net = specs.load(f"{sensitive / 'net.py'}:make")
+    report = tf32lab.check(net, levels=("high",), policy=Policy("high", [("sens.lin", "highest")]), speed=False)
+    assert not report.level("high").passed and report.level("policy").passed and bool(report)
+    assert report.to_dict()["passed"] is True
+    assert any("Apply it with `policy.apply(model)`" in line for line in report.conclusion())
+    assert any("For comparison, without the policy: at `high`" in line for line in report.conclusion())

@@ -46,3 +46,23 @@ def test_names_from_the_model_are_text_not_markup(tmp_path):
     assert XSS in seen.text and XSS_OUTPUT in seen.text  # shown to the reader, as text
     fragment = report._repr_html_()  # Jupyter
     assert "<html" not in fragment and "&lt;script&gt;" in fragment and XSS not in fragment
+
+
+def test_the_tune_page_fits_its_axis_to_the_search_and_does_not_call_it_failed():
+    import math
+    from pathlib import Path
+
+    from tf32lab import specs
+    from tf32lab.report.tune_html import scatter
+
+    net = specs.load(f"{Path(__file__).resolve().parents[1] / 'examples' / 'tune' / 'model.py'}:make")
+    tuning = tf32lab.tune(net, target="a100")
+    assert tuning.passed and not tuning.report.level("high").passed  # found, though a uniform level fails
+    ratios = [c.worst_ratio for c in tuning.candidates if math.isfinite(c.worst_ratio) and c.worst_ratio > 0]
+    lo, hi = scatter(tuning)["decades"]
+    assert lo == min(-1, math.floor(math.log10(min(ratios)))) and hi == max(1, math.ceil(math.log10(max(ratios))))
+    labels = [t["label"] for t in scatter(tuning)["yticks"]]
+    assert "1e-4" not in labels or min(ratios) < 1e-3
+    page = tuning.to_html()
+    assert "FOUND" in page and 'class="failed">FAILED</span></h1>' not in page
+    assert "the uniform levels the search started from (`highest` passes, `high` fails" in page

@@ -225,6 +225,7 @@ def test_speed_command_prints_the_prediction_and_with_measure_both():
     (["--target", "cpu-amx"], "no speed model for target 'cpu-amx'"),
     (["--target", "native"], "--target native predicts nothing"),
     (["--levels", "fast"], "unknown precision level 'fast'"),
+    (["--measure", "--rounds", "0"], "argument --rounds: bad number of rounds '0'; accepted: an int >= 1"),
 ])
 def test_speed_command_bad_input_exits_2_with_one_line(args, message):
     done = cli("speed", "builtin", *args)
@@ -236,3 +237,49 @@ def test_check_no_speed_leaves_the_prediction_out():
     done = cli("check", "builtin", "--levels", "high", "--no-speed", "--json", "-")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["speed"] is None
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(64, 192), torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(4, 32, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        return self.out(torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(4, 32, 64))
+
+
+def test_check_and_speed_count_attention_alike_and_predict_the_same_speedup():
+    # check counts its run under emulate(), where attention is routed whole through tf32lab's own op
+    torch.manual_seed(0)
+    w = tf32lab.Workload(_Attention(), torch.randn(4, 32, 64), name="attention")
+    checked, predicted = tf32lab.check(w, levels=("highest", "high"), target="h100").speed, tf32lab.predict(w, "h100")
+    assert checked.flops == predicted.flops > 2 * 4 * 4 * 32 * 32 * 16 * 2
+    assert checked.level("high").speedup == predicted.level("high").speedup
+    assert checked.notes == predicted.notes == ()
+
+
+def test_native_measure_prints_no_nan_share_and_shows_progress_only_on_a_terminal():
+    import os
+    import pty
+
+    args = ("speed", "tf32lab.builtin:covariance", "--target", "native", "--measure", "--levels", "highest",
+            "--rounds", "1")
+    quiet = cli(*args)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "nan" not in quiet.stdout and "measured (cpu:" in quiet.stdout
+    assert "round" not in quiet.stderr  # stderr is no terminal: no bar
+    main, other = pty.openpty()
+    with subprocess.Popen([sys.executable, "-m", "tf32lab.cli", *args], stdout=subprocess.DEVNULL, stderr=other,
+                          env={**os.environ, "COLUMNS": "120", "TERM": "xterm"}) as child:
+        os.close(other)
+        shown = b""
+        try:
+            while chunk := os.read(main, 65536):  # read as it comes: a full terminal buffer would block the child
+                shown += chunk
+        except OSError:  # the child closed its end
+            pass
+        finally:
+            os.close(main)
+        assert child.wait(timeout=300) == 0
+    assert b"round 1/1 at highest" in shown or b"warm-up at highest" in shown, shown[-500:]

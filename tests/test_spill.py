@@ -46,10 +46,10 @@ def test_the_size_comes_from_the_environment(monkeypatch, raw, expected):
     assert min_bytes_from_env() == expected
 
 
-@pytest.mark.parametrize("raw", ["lots", "-1", "nan"])
+@pytest.mark.parametrize("raw", ["lots", "-1", "nan", "inf", "1e400"])
 def test_a_bad_size_is_a_clear_error(monkeypatch, raw):
     monkeypatch.setenv("TF32LAB_SPILL_MIB", raw)
-    with pytest.raises(Tf32LabError, match=rf"bad TF32LAB_SPILL_MIB '{raw}'; accepted: a number of MiB >= 0"):
+    with pytest.raises(Tf32LabError, match=rf"bad TF32LAB_SPILL_MIB '{raw}'; accepted: a finite number of MiB >= 0"):
         min_bytes_from_env()
 
 
@@ -93,13 +93,15 @@ def test_check_gives_the_same_report_with_every_layer_written_out(monkeypatch):
     assert any(layer["introduced"] > 0 for level in kept["levels"] for layer in level["layers"])
 
 
-def test_a_bad_spill_size_through_the_cli_is_one_line_and_exit_2():
+@pytest.mark.parametrize("raw", ["lots", "inf"])
+def test_a_bad_spill_size_through_the_cli_is_one_line_and_exit_2(raw):
     done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "tf32lab.builtin:covariance"],
                           capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "TF32LAB_SPILL_MIB": "lots"})
+                          env={**os.environ, "TF32LAB_SPILL_MIB": raw})
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "bad TF32LAB_SPILL_MIB 'lots'" in lines[0], done.stderr
+    assert len(lines) == 1 and f"bad TF32LAB_SPILL_MIB '{raw}'; accepted: a finite number" in lines[0], done.stderr
+    assert "OverflowError" not in done.stderr
 
 
 def test_check_writes_out_what_is_over_the_size_and_the_file_is_gone_after(monkeypatch):

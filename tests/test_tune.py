@@ -116,3 +116,38 @@ def test_check_points_to_tune_when_a_level_fails(tmp_path):
                            "highest,high"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 1
     assert "next: tf32lab tune tf32lab.builtin:covariance --target a100 --out policy.json" in done.stdout
+
+
+def test_the_advice_names_the_policy_file_really_written(tmp_path):
+    (tmp_path / "out").mkdir()
+    done = cli(NET, "--out", "out/tuned.toml", "--html", "t.html", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert 'Apply it with `tf32lab.Policy.load("out/tuned.toml").apply(model)`' in done.stdout
+    assert "policy.json" not in done.stdout and "policy.json" not in (tmp_path / "t.html").read_text()
+    assert tf32lab.Policy.load(tmp_path / "out" / "tuned.toml").rules
+
+
+def test_without_out_the_advice_invents_no_file_name(net):
+    advice = " ".join(tf32lab.tune(net, target="a100").advice())
+    assert "policy.json" not in advice and "tuning.policy.save(FILE)" in advice
+
+
+def test_layers_a_level_does_not_change_on_the_target_are_never_pinned(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(NET.rpartition(":")[0]).parent))
+    from model import Net
+
+    class ConvFront(Net):
+        """The tune example behind a convolution: cuDNN keeps it TF32 at `highest` on a100, as at `high`."""
+
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(8, 8, 3, padding=1)
+
+        def forward(self, x):
+            return super().forward(self.conv(x.view(-1, 8, 8, 8)).flatten(1))
+
+    torch.manual_seed(0)
+    tuning = tf32lab.tune(tf32lab.Workload(ConvFront(), torch.randn(256, 512)), target="a100")
+    assert tuning.report.level("high").maths["conv"] == tuning.report.level("highest").maths["conv"]
+    assert tuning.passed and tuning.pinned == ("sens.lin",)
+    assert not any("conv" in c.pinned for c in tuning.candidates), [c.pinned for c in tuning.candidates]

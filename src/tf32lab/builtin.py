@@ -55,7 +55,12 @@ def hf(folder: str, sentences: int = 16) -> Workload:
     """A transformers model and its tokenizer from a local folder, fed the first ``sentences`` sample sentences."""
     path = Path(folder).expanduser()
     if not (path / "config.json").is_file():
-        raise Tf32LabError(f"workload 'hf:{folder}': no config.json in {path} (a local transformers model folder)")
+        hub = "" if path.exists() else (
+            f"; for a Hugging Face Hub id, download it once (`huggingface-cli download {folder} --local-dir DIR`, "
+            f"or `huggingface_hub.snapshot_download({folder!r}, local_dir=DIR)`) and pass hf:DIR: nothing is "
+            f"downloaded at run time")
+        raise Tf32LabError(f"workload 'hf:{folder}': no config.json in {path} (a local transformers model "
+                           f"folder){hub}")
     try:
         from transformers import AutoModel, AutoTokenizer
     except ImportError:

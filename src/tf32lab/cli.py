@@ -1,8 +1,8 @@
 """The ``tf32lab`` command.
 
-Exit codes: 0 success, 1 a check failed (a level exceeds its tolerance, or the model raised at a level), 2 bad
-input (one line on stderr, no traceback; ``--debug`` shows it), 130 interrupted (Ctrl-C). ``--version`` and
-``--help`` answer without importing torch.
+Exit codes: 0 success, 1 a check failed (a level exceeds its tolerance, or the model raised at a level; with
+``check --policy``, the policy does), 2 bad input (one line on stderr, no traceback; ``--debug`` shows it),
+130 interrupted (Ctrl-C). ``--version`` and ``--help`` answer without importing torch.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser(
         "check", help="measure how much each precision level changes a model, output by output and layer by layer",
         description="Run a workload at each precision level, as the target hardware computes it, against a "
-                    "float64 reference. Exit code 0: every level within tolerance; 1: one exceeds it; 2: bad input.",
+                    "float64 reference. Exit code 0: every level within tolerance; 1: one exceeds it (with "
+                    "--policy: the policy's verdict, the levels being context); 2: bad input.",
     )
     check.add_argument("spec", nargs="?", default=None,
                        help="minilm | builtin | hf:FOLDER | package.module:factory | path/file.py:factory "
@@ -74,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--tolerance", type=_tolerance, default=None,
                        help="largest normwise relative error of an output (default: 1e-2)")
     check.add_argument("--policy", metavar="FILE",
-                       help="also measure this per-module policy (JSON or TOML, see tf32lab.Policy) as one more row")
+                       help="also measure this per-module policy (JSON or TOML, see tf32lab.Policy) as one more row; "
+                            "the exit code is then the policy's verdict (the levels are context)")
     check.add_argument("--no-speed", action="store_true",
                        help="do not predict each level's speedup on the target (it costs a count of one run)")
     check.add_argument("--json", metavar="PATH",
@@ -106,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--levels", default="highest,high,medium", type=str.lower,
                        help="comma-separated levels (highest, the baseline, is always included)")
     speed.add_argument("--measure", action="store_true", help="also time each level on this machine (bench)")
-    speed.add_argument("--rounds", type=_positive_int, default=7, help="with --measure: interleaved rounds (7)")
+    speed.add_argument("--rounds", type=_rounds, default=7, help="with --measure: interleaved rounds (7)")
     speed.add_argument("--json", metavar="PATH", help="write the result as JSON; '-' for stdout, instead of the table")
     speed.add_argument("--debug", action="store_true", help="show tracebacks")
     speed.set_defaults(run=_speed)
@@ -157,6 +159,7 @@ def _number(what: str, cast: Callable[[str], float], ok: Callable[[float], bool]
 
 
 _positive_int = _number("number of CPUs", int, lambda v: v >= 1, "an int >= 1")
+_rounds = _number("number of rounds", int, lambda v: v >= 1, "an int >= 1")
 _quota = _number("quota", float, lambda v: 0 < v < math.inf, "a number of CPUs > 0")
 _tolerance = _number("tolerance", float, lambda v: 0 <= v < math.inf, "a finite number >= 0")
 
@@ -287,7 +290,7 @@ def _check(args: argparse.Namespace) -> int:
             sys.stdout.write(report.to_json() + "\n")
             sys.stdout.flush()
         else:
-            report.print(_console())
+            report.print(_console(), policy_file=args.policy)
             step = _next_step(report, spec, args.target)
             if step:
                 print(step)
@@ -309,8 +312,8 @@ def _next_step(report, spec: str, target: str) -> str:
     from . import peaks
 
     failed = [lv.level for lv in report.levels if lv.level in ("high", "medium") and not lv.passed]
-    if not failed or target not in peaks.PEAKS:
-        return ""
+    if not failed or target not in peaks.PEAKS or (report.policy_row is not None and report.passed):
+        return ""  # nothing failed, no speed model, or the policy given passes: nothing to search for
     return (f"next: tf32lab tune {_shown(spec)} --target {target} --out policy.json  finds the fastest policy "
             f"within tolerance (which layers to keep at a safer level than {failed[-1]!r}), each candidate verified")
 
@@ -331,6 +334,10 @@ def _tune(args: argparse.Namespace) -> int:
     from .tuning import tune
 
     tuning = tune(loaded, target=args.target, tolerance=args.tolerance, progress=sys.stderr.isatty())
+    if args.out and tuning.policy is not None:
+        import dataclasses
+
+        tuning = dataclasses.replace(tuning, policy_file=args.out)  # the advice names the file really written
     code = 0 if tuning.passed else 1
     written = []
     if args.out and tuning.policy is not None:
@@ -381,7 +388,8 @@ def _speed(args: argparse.Namespace) -> int:
     if args.measure:
         from .timing import bench
 
-        measured = bench(loaded, levels, rounds=args.rounds)
+        # a bar on stderr, as check shows one; none when stderr is no terminal or JSON is asked for
+        measured = bench(loaded, levels, rounds=args.rounds, progress=sys.stderr.isatty() and not args.json)
     if args.json:
         text = json.dumps({"predicted": predicted and predicted.to_dict(),
                            "measured": measured and measured.to_dict()}, indent=2)

@@ -36,13 +36,13 @@ import math
 import platform
 import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Optional, Union
 
 import torch
 
-from . import hardware, metrics, optable, peaks, targets
-from .counting import Counting
+from . import flags, hardware, metrics, optable, peaks, targets
+from .counting import Counting, OtherThreads
 from .emulator import emulate, maths, release_buffers
 from .errors import Tf32LabError
 from .levels import LEVELS, check_levels
@@ -105,6 +105,14 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: str = "
     if reference not in REFERENCES:
         raise Tf32LabError(f"unknown reference {reference!r}; accepted: {', '.join(map(repr, REFERENCES))}")
     tolerances = tolerances_of(tolerance)
+    refuse_applied(workload, "check")
+    with kept_flags() as changed:
+        report = _check(workload, levels, target, reference, tolerances, progress, policy, speed)
+    return _noted(report, changed)
+
+
+def _check(workload: Workload, levels: tuple[str, ...], target: str, reference: str, tolerances: dict[str, float],
+           progress: bool, policy: Optional[Policy], speed: bool) -> Report:
     started = time.perf_counter()
     row = PolicyRow.of(policy, workload.model) if policy is not None else None
     extra = tuple(level for level in LEVELS if row is not None and level in row.levels and level not in levels)
@@ -120,6 +128,8 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: str = "
                 results[level] = dataclasses.replace(results[same], level=level, same_as=same, seconds=0.0)
                 continue
             results[level] = session.level(level)
+        if "highest" in results and results["highest"].same_as is None:
+            results["highest"] = session.steady(results["highest"])
         rows = [results[level] for level in levels]
         if row is not None:
             rows.append(session.policy(row, alike))
@@ -129,8 +139,62 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: str = "
     return Report(
         workload=str(workload.name), target=target, reference=reference, tolerance=dict(tolerances),
         levels=tuple(rows), environment=environment_of(workload),
-        seconds=time.perf_counter() - started, notes=tuple(session.recorder.notes()), speed=predicted,
+        seconds=time.perf_counter() - started, notes=tuple(session.notes()), speed=predicted,
     )
+
+
+def applied_policy(model: torch.nn.Module) -> Optional[Policy]:
+    """The policy ``Policy.apply`` put on ``model`` or on one of its modules, if any (the question
+    ``tf32lab.policy.applied_to`` answers for one module, asked of each)."""
+    from . import policy as policy_module
+
+    applied = policy_module._APPLIED
+    for module in model.modules():
+        handle = applied.get(module)
+        if handle is not None:
+            return handle.policy
+    return None
+
+
+def refuse_applied(workload: Workload, what: str) -> None:
+    """Refuse, before any run, a model that carries an applied policy: its hooks would set each module's level, so
+    ``check`` would measure the policy under every level's name (and ``tune`` would tune on top of it). Refusing
+    (rather than lifting it for the duration) leaves the user's hooks untouched; the message says how to go on."""
+    found = applied_policy(workload.model)
+    if found is None:
+        return
+    from .report.conclusion import policy_summary
+
+    summary = policy_summary(dict(found.to_dict(), base=get_float32_matmul_precision()))
+    measure = ("pass it as check(policy=...) (tf32lab check --policy FILE) to measure it beside the levels"
+               if what == "check" else "tune searches a policy itself")
+    raise Tf32LabError(f"workload {workload.name!r}: its model has a policy applied ({summary}); {what} would "
+                       f"measure that policy instead of each level: remove it first (handle.remove()); {measure}")
+
+
+@contextlib.contextmanager
+def kept_flags() -> Iterator[list[str]]:
+    """Every PyTorch precision flag as it was, put back on every exit (KeyboardInterrupt included): a model that
+    calls ``torch.set_float32_matmul_precision`` in its forward must not leave its level in the process. Yields a
+    list that names, at exit, each flag that had been changed (for the report's notes)."""
+    before = flags.snapshot()
+    changed: list[str] = []
+    try:
+        yield changed
+    finally:
+        diff = before.diff(flags.snapshot())
+        if diff:
+            flags.restore(before)
+            changed += [f"{name} {old!r} -> {new!r}" for name, old, new in diff]
+
+
+def changed_note(changed: list[str]) -> str:
+    return (f"the workload changed PyTorch's flags while it ran ({'; '.join(changed[:3])}"
+            f"{' …' if len(changed) > 3 else ''}); they were put back as they were")
+
+
+def _noted(report: Report, changed: list[str]) -> Report:
+    return dataclasses.replace(report, notes=(*report.notes, changed_note(changed))) if changed else report
 
 
 class Session:
@@ -158,6 +222,7 @@ class Session:
             stack.enter_context(eval_mode(self.workload.model))
             stack.enter_context(_released())
             stack.enter_context(self.spill)
+            self.threads = stack.enter_context(OtherThreads())
             self.reset = stack.enter_context(_state_kept(self.workload.model))
             self._reference()
         except BaseException:
@@ -186,7 +251,15 @@ class Session:
             raise Tf32LabError(f"workload {workload.name!r} raised at the float64 reference, before any level ran: "
                                f"{_described(exc)}") from exc
         _check_comparable(workload, self.ref_out)
+        _check_judgeable(workload, self.ref_out)
         _warn_unknown(self.tolerances, self.ref_out)
+
+    def notes(self) -> list[str]:
+        """What the report must say about the runs."""
+        found = self.recorder.notes()
+        threads = self.threads.note("not emulated, counted or measured by layer in any run (the float64 "
+                                    "reference included), so their error is not in this report")
+        return [*found, threads] if threads else found
 
     def _fresh(self, what: str) -> Optional[Counting]:
         self.bar.step(what)
@@ -201,6 +274,21 @@ class Session:
         counting = self._fresh(f"{level}: end to end")
         return _check_level(self.workload, level, self.target, self.recorder, self.ref_out, self.tolerances,
                             counting=counting)
+
+    def steady(self, result: LevelResult) -> LevelResult:
+        """``result`` (a level that fails without raising) run once more: when the outputs' errors differ, the
+        model samples (``torch.randn``, dropout kept in train mode) and the failure is chance, not precision.
+        Emulation and the float64 reference are deterministic, so the same model gives the same bits."""
+        if result.passed or result.error is not None:
+            return result
+        again = self.level(result.level)
+        first = [(o.name, o.normwise) for o in result.outputs]
+        second = [(o.name, o.normwise) for o in again.outputs]
+        if first == second or again.error is not None:
+            return result
+        name, value = next(((n, v) for (n, v), (_, w) in zip(first, second) if v != w), first[0])
+        other = dict(second).get(name, math.nan)
+        return dataclasses.replace(result, unstable=f"output {name!r}: normwise {value:.2e}, then {other:.2e}")
 
     def policy(self, row: PolicyRow, alike: dict[str, Optional[str]]) -> LevelResult:
         """One end-to-end run with ``row``'s policy applied (its levels among ``measured``, or ``alike`` them)."""
@@ -791,6 +879,27 @@ def _check_comparable(workload: Workload, ref_out: Any) -> None:
         kinds = ", ".join(sorted({"None" if v is None else f"an empty {type(v).__name__}" for _, v in leaves}))
         raise Tf32LabError(f"workload {workload.name!r}: its output has nothing to compare ({kinds or 'nothing'}); "
                            f"return the tensors to check (a tensor, or a tuple/dict of them)")
+
+
+def _check_judgeable(workload: Workload, ref_out: Any) -> None:
+    """A float64 reference holding NaN (or nothing finite) cannot judge any level: the model makes it without
+    any reduced precision, and an output that is NaN at every level would compare as equal. Said before any
+    level runs, as bad input (``Tf32LabError``: the CLI's exit code 2), never as a pass. An Inf among finite
+    values stays comparable (a masked logit is ``-inf`` on purpose)."""
+    for name, value in named_leaves(ref_out):
+        if isinstance(value, float):
+            value = torch.tensor(value)
+        if not isinstance(value, torch.Tensor) or not (value.is_floating_point() or value.is_complex()) \
+                or value.numel() == 0:
+            continue
+        real = torch.view_as_real(value) if value.is_complex() else value
+        nan = int(torch.isnan(real).sum())
+        finite = int(torch.isfinite(real).sum())
+        if nan or not finite:
+            what = f"NaN at {nan} of {real.numel()} elements" if nan else "Inf at every element"
+            raise Tf32LabError(f"workload {workload.name!r}: the float64 reference itself is {what} of output "
+                               f"{name!r}: cannot judge any level against it (it is there without reduced "
+                               f"precision); fix the model or its inputs, or leave that output out")
 
 
 def tolerances_of(tolerance: Union[float, Mapping[str, float], None]) -> dict[str, float]:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import collections
 import math
+import sys
+import threading
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -31,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import modestack, optable, scope
 from .trees import named_tensors
 
-__all__ = ["Counting", "Counts", "OpCost"]
+__all__ = ["Counting", "Counts", "OpCost", "OtherThreads"]
 
 ROOT = "(model)"
 Gemm = tuple[int, int, int, int, int]  # (count, batch, m, n, k)
@@ -183,6 +185,11 @@ class _Mode(TorchDispatchMode):
         return out
 
 
+# tf32lab's own ops (``tf32lab::scaled_dot_product_attention``: how the emulator routes an attention call whole) are
+# the aten op of the same name, with its arguments' names
+_STANDS_FOR_ATEN = frozenset(["aten", "tf32lab"])
+_ATEN_ARGUMENT = {"q": "query", "k": "key", "v": "value"}
+
 # torch._VF.lstm & co. -> their aten op (its ``.input`` overload: the unpacked call)
 _RNNS = {getattr(torch._C._VariableFunctions, name): getattr(torch.ops.aten, name).input
          for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")}
@@ -265,13 +272,94 @@ class Counting:
         name = func._schema.name.split("::")[-1]
         if func.is_view or name in _FREE:
             return
-        qualified = f"aten::{name}" if func.namespace == "aten" else func._schema.name
+        qualified = f"aten::{name}" if func.namespace in _STANDS_FOR_ATEN else func._schema.name
         family = optable.family(qualified)
         named = dict(zip((arg.name for arg in func._schema.arguments), args))
         named.update(kwargs)
+        if func.namespace == "tf32lab":  # the emulator's stand-in for the aten op: counted as that op, so that a
+            named = {_ATEN_ARGUMENT.get(k, k): v for k, v in named.items()}  # run under emulate() counts the same
         gemms = _gemms(name, family, named, out) if family is not None else None
         if gemms is None and family is not None:
             self.counts.uncounted[qualified] += 1
         flops = float(sum(2 * c * b * m * n * k for c, b, m, n, k in gemms or ()))
         self.counts.ops.append(OpCost(qualified, self._stack[-1] if self._stack else ROOT, family, flops,
                                       _bytes(name, args, kwargs, out), tuple(gemms or ())))
+
+
+class _Watching(TorchDispatchMode):
+    """On the stack of a thread that :class:`OtherThreads` watches: counts its matmul-family ops, changes nothing."""
+
+    def __init__(self, watch: OtherThreads) -> None:
+        super().__init__()
+        self.watch = watch
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        watch = self.watch
+        if watch.active and optable.family(func.name()) is not None:
+            with watch.lock:
+                watch.ops[func.name().split(".")[0]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class OtherThreads:
+    """Counts the matmul-family ops of the threads started while it is open (a model that runs part of its
+    forward in a helper thread of its own).
+
+    tf32lab's modes (emulation, counting, the float64 reference) are per thread, as PyTorch's dispatch mode stack
+    is: a helper thread's products run natively, unemulated, uncounted. They cannot be followed there, so they are
+    counted, and a report says so instead of staying silent. Seen through ``threading.setprofile`` (the previous
+    profile function is kept and chained): a thread started before (a pool made earlier) is not seen.
+
+    Example:
+
+        >>> import threading, torch
+        >>> with OtherThreads() as watch:
+        ...     t = threading.Thread(target=lambda: torch.ones(2, 2) @ torch.ones(2, 2)); t.start(); t.join()
+        >>> dict(watch.ops)
+        {'aten::mm': 1}
+    """
+
+    def __init__(self) -> None:
+        self.ops: collections.Counter[str] = collections.Counter()
+        self.active = False
+        self.lock = threading.Lock()
+        self._previous: Any = None
+
+    def __enter__(self) -> OtherThreads:
+        self._previous = getattr(threading, "_profile_hook", None)  # threading.getprofile() from Python 3.10
+        threading.setprofile(self._started)
+        self.active = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.active = False
+        threading.setprofile(self._previous)
+
+    def _started(self, frame: Any, event: str, arg: Any) -> None:
+        """The first profile event of a new thread, in that thread: watch it until that frame returns."""
+        previous = self._previous
+        if not self.active:
+            sys.setprofile(previous)
+            return
+        mode = _Watching(self)
+        modestack.push(mode)
+
+        def until_return(f: Any, e: str, a: Any) -> None:
+            if previous is not None:
+                previous(f, e, a)
+            if e == "return" and f is frame:  # the thread's outermost frame is done: nothing of it is left to see
+                modestack.remove(mode)
+                sys.setprofile(previous)
+
+        sys.setprofile(until_return)
+        if previous is not None:
+            previous(frame, event, arg)
+
+    def note(self, what: str) -> Optional[str]:
+        """The report's line about them, if any ran; ``what``: what happened to them, e.g. "not emulated"."""
+        if not self.ops:
+            return None
+        ops = ", ".join(f"{op} x{n}" for op, n in self.ops.most_common(4))
+        return (f"{sum(self.ops.values())} matmul-family op(s) ran on another thread ({ops}) and were {what}; "
+                f"tf32lab follows only the thread that calls the model: run them on that thread to have them "
+                f"measured")

@@ -45,8 +45,9 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from . import flags
 from . import peaks as peaks_table
-from .counting import Counting, Counts, Gemm, OpCost
+from .counting import Counting, Counts, Gemm, OpCost, OtherThreads
 from .emulator import maths
 from .errors import Tf32LabError
 from .files import write_atomically
@@ -70,8 +71,12 @@ def _tile_efficiency(rows: int, columns: int) -> float:
 
 
 def gemm_seconds(gemm: Gemm, math_name: str, p: peaks_table.Peaks) -> float:
-    """Compute time of ``count`` GEMMs of ``batch`` x (m x k) @ (k x n) in ``math_name`` (module docstring)."""
+    """Compute time of ``count`` GEMMs of ``batch`` x (m x k) @ (k x n) in ``math_name`` (module docstring).
+    An empty product (an MoE expert that got no tokens: ``m == 0``; or ``n``, ``k``, ``batch`` zero) multiplies
+    nothing: no compute time (its bytes and launch are :func:`op_seconds`'s)."""
     count, batch, m, n, k = gemm
+    if min(count, batch, m, n, k) <= 0:  # no tile to run (a wave loop over zero tiles would never end)
+        return 0.0
     per_sm = p.flops(math_name) / p.sms * peaks_table.GEMM_EFFICIENCY
     best = math.inf
     for rows, columns in TILES:
@@ -156,7 +161,8 @@ class SpeedReport:
         head = f"{'level':<8} {self.kind + ' (' + self.target + ')':>24}  speedup  matmul share"
         rows = [head + (f"  {other.kind + ' (' + other.target + ')':>24}  speedup" if other else "")]
         for lv in self.levels:
-            row = f"{lv.level:<8} {_time(lv.seconds):>24}  {lv.speedup:6.2f}x  {lv.family_share:11.0%}"
+            share = "-" if math.isnan(lv.family_share) else f"{lv.family_share:.0%}"  # a measurement has none
+            row = f"{lv.level:<8} {_time(lv.seconds):>24}  {lv.speedup:6.2f}x  {share:>11}"
             if other is not None:
                 found = next((o for o in other.levels if o.level == lv.level), None)
                 if found is not None:
@@ -236,12 +242,25 @@ def predict(workload: Workload, target: str = "a100", levels: Iterable[str] = LE
     peaks_table.get(target)  # a target with no speed model fails before the model runs
     levels = _levels(levels)
     counting = Counting(workload.model)
+    before = flags.snapshot()
     try:
-        with eval_mode(workload.model), counting as counts, torch.inference_mode():
+        with eval_mode(workload.model), OtherThreads() as threads, counting as counts, torch.inference_mode():
             workload.run()
     except Tf32LabError:
         raise
     except Exception as exc:
         raise Tf32LabError(f"workload {workload.name!r} raised {type(exc).__name__} while its work was counted: "
                            f"{exc}") from exc
-    return predict_counts(counts, str(workload.name), target, levels)
+    finally:  # a model that sets a level in its forward leaves nothing behind (KeyboardInterrupt included)
+        changed = before.diff(flags.snapshot())
+        if changed:
+            flags.restore(before)
+    report = predict_counts(counts, str(workload.name), target, levels)
+    uncounted = threads.note("left out of the prediction")
+    if uncounted:
+        report = dataclasses.replace(report, notes=(*report.notes, uncounted))
+    if changed:
+        names = "; ".join(f"{name} {old!r} -> {new!r}" for name, old, new in changed[:3])
+        note = f"the workload changed PyTorch's flags while it ran ({names}); they were put back as they were"
+        report = dataclasses.replace(report, notes=(*report.notes, note))
+    return report

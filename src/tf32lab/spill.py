@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from collections.abc import Iterator
@@ -44,8 +45,9 @@ def min_bytes_from_env() -> Optional[int]:
         mib = float(raw) if raw else DEFAULT_MIB
     except ValueError:
         mib = -1.0
-    if not mib >= 0:  # NaN too
-        raise Tf32LabError(f"bad TF32LAB_SPILL_MIB {raw!r}; accepted: a number of MiB >= 0 (0: never write out)")
+    if not 0 <= mib < math.inf:  # NaN too; inf has no byte count (int(inf) is an OverflowError)
+        raise Tf32LabError(f"bad TF32LAB_SPILL_MIB {raw!r}; accepted: a finite number of MiB >= 0 "
+                           f"(0: never write out)")
     return None if mib == 0 else max(1, int(mib * 2**20))
 
 

@@ -47,12 +47,13 @@ def device_name(workload: Workload) -> str:
 
 
 def bench(workload: Workload, levels: Iterable[str] = LEVELS, *, rounds: int = 7,
-          min_seconds: float = 0.2) -> SpeedReport:
+          min_seconds: float = 0.2, progress: bool = False) -> SpeedReport:
     """Time one forward of ``workload`` at each level on its own device (module docstring).
 
     Args:
         rounds: timings per level, interleaved; the median is reported.
         min_seconds: each timing repeats the forward until it lasts about this long.
+        progress: show a progress bar on stderr (a measurement takes tens of seconds on a real model).
     """
     if not isinstance(workload, Workload):
         raise Tf32LabError(f"bench() takes a tf32lab.Workload, not {type(workload).__name__}")
@@ -75,18 +76,21 @@ def bench(workload: Workload, levels: Iterable[str] = LEVELS, *, rounds: int = 7
 
     calls = {level: at(level) for level in levels}
     try:
-        for run in calls.values():  # warm-up: kernels chosen, caches filled
-            run()
-        started = time.perf_counter()
-        calls["highest"]()
-        once = max(time.perf_counter() - started, 1e-6)
-        number = max(1, math.ceil(min_seconds / once))
-        timers = {level: Timer("run()", globals={"run": run}, num_threads=torch.get_num_threads())
-                  for level, run in calls.items()}
-        samples: dict[str, list[float]] = {level: [] for level in levels}
-        for _ in range(rounds):
-            for level, timer in timers.items():
-                samples[level].append(timer.timeit(number).median)
+        with _Bar(progress, len(levels) * (rounds + 1)) as bar:
+            for level, run in calls.items():  # warm-up: kernels chosen, caches filled
+                bar.step(f"{workload.name}: warm-up at {level}")
+                run()
+            started = time.perf_counter()
+            calls["highest"]()
+            once = max(time.perf_counter() - started, 1e-6)
+            number = max(1, math.ceil(min_seconds / once))
+            timers = {level: Timer("run()", globals={"run": run}, num_threads=torch.get_num_threads())
+                      for level, run in calls.items()}
+            samples: dict[str, list[float]] = {level: [] for level in levels}
+            for i in range(rounds):
+                for level, timer in timers.items():
+                    bar.step(f"{workload.name}: round {i + 1}/{rounds} at {level}")
+                    samples[level].append(timer.timeit(number).median)
     except Tf32LabError:
         raise
     except Exception as exc:
@@ -104,3 +108,31 @@ def _spread(values: list[float]) -> float:
         return 0.0
     quartiles = statistics.quantiles(values, n=4)
     return (quartiles[2] - quartiles[0]) / statistics.median(values)
+
+
+class _Bar:
+    """A rich progress bar on stderr when asked for (as check shows one); otherwise nothing."""
+
+    def __init__(self, show: bool, steps: int) -> None:
+        self.show, self.steps, self.bar = show, steps, None
+
+    def __enter__(self) -> _Bar:
+        if self.show:
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("{task.description:<48}"), BarColumn(), TimeElapsedColumn(),
+                                console=Console(stderr=True), transient=True)
+            self.bar.__enter__()
+            self.task = self.bar.add_task("", total=self.steps)
+        return self
+
+    def step(self, description: str) -> None:
+        if self.bar is not None:
+            if self.bar.tasks[0].description:
+                self.bar.advance(self.task)
+            self.bar.update(self.task, description=description)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)

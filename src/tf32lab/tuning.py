@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from collections.abc import Iterable, Mapping
@@ -34,12 +35,25 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from . import peaks
-from .compare import ROOT, PolicyRow, Progress, Session, alike_levels, check_target, environment_of, tolerances_of
+from .compare import (
+    ROOT,
+    PolicyRow,
+    Progress,
+    Session,
+    alike_levels,
+    changed_note,
+    check_target,
+    environment_of,
+    kept_flags,
+    refuse_applied,
+    tolerances_of,
+)
 from .errors import Tf32LabError
 from .levels import LEVELS, check_levels
 from .metrics import OutputError
 from .policy import Policy
 from .report import Document, LevelResult, Report
+from .report.conclusion import nondeterministic
 from .workload import Workload
 
 __all__ = ["Candidate", "Tuning", "tune"]
@@ -84,6 +98,7 @@ class Tuning(Document):
     check_seconds: float  # the part that is one check of the uniform levels
     reason: str
     report: Report  # the check of the uniform levels
+    policy_file: Optional[str] = None  # where the policy was written (tf32lab tune --out), named in the advice
 
     def __bool__(self) -> bool:
         return self.passed
@@ -99,10 +114,15 @@ class Tuning(Document):
         if self.level is not None and not self.pinned:
             return [f"{self.reason} Use `torch.set_float32_matmul_precision(\"{self.level}\")` or "
                     f"`tf32lab.precision(\"{self.level}\")`: {gain}."]
-        where = policy_file or "policy.json"
+        where = policy_file or self.policy_file
         over = "" if self.uniform == "highest" else \
             f" ({self.speedup_over_uniform:.2f}x faster than `{self.uniform}` everywhere)"
-        return [self.reason, f"Apply it with `tf32lab.Policy.load(\"{where}\").apply(model)`: {gain}{over}."]
+        if where is None:  # not written anywhere: no file name to invent
+            return [self.reason, f"Apply it with `tuning.policy.apply(model)`, or save it (`tuning.policy.save(FILE)`, "
+                                 f"`tf32lab tune --out FILE`) and load it with `tf32lab.Policy.load(FILE)`: "
+                                 f"{gain}{over}."]
+        return [self.reason, f"Apply it with `tf32lab.Policy.load({json.dumps(where, ensure_ascii=False)})"
+                             f".apply(model)`: {gain}{over}."]
 
     def lines(self, policy_file: Optional[str] = None) -> list[str]:
         """The terminal summary: the search, the answer, what to do."""
@@ -180,6 +200,17 @@ def tune(workload: Workload, *, target: str = "a100", tolerance: Union[float, Ma
     levels = check_levels(levels)
     everything = tuple(level for level in LEVELS if level in levels or level == "highest")
     tolerances = tolerances_of(tolerance)
+    refuse_applied(workload, "tune")
+    with kept_flags() as changed:
+        tuning = _tune(workload, target, tolerances, everything, progress)
+    if changed:
+        tuning = dataclasses.replace(tuning, report=dataclasses.replace(
+            tuning.report, notes=(*tuning.report.notes, changed_note(changed))))
+    return tuning
+
+
+def _tune(workload: Workload, target: str, tolerances: dict[str, float], everything: tuple[str, ...],
+          progress: bool) -> Tuning:
     alike = alike_levels(everything, target)
     distinct = [level for level in everything if alike[level] is None]
     started = time.perf_counter()
@@ -196,7 +227,7 @@ def tune(workload: Workload, *, target: str = "a100", tolerance: Union[float, Ma
                     levels=tuple(dataclasses.replace(uniform[alike[lv] or lv], level=lv, same_as=alike[lv],
                                                      speedup=predicted.level(lv).speedup) for lv in everything),
                     environment=environment_of(workload), seconds=check_seconds,
-                    notes=tuple(session.recorder.notes()), speed=predicted)
+                    notes=tuple(session.notes()), speed=predicted)
     return dataclasses.replace(answer, workload=str(workload.name), target=target, tolerance=dict(tolerances),
                                runs=session.runs, seconds=time.perf_counter() - started, check_seconds=check_seconds,
                                report=report, candidates=tuple(search.candidates))
@@ -229,7 +260,9 @@ class _Search:
         passing = sorted((lv for lv, r in self.uniform.items() if r.passed), key=self.seconds)
         fastest = min(self.uniform, key=self.seconds)
         if not passing:
-            top = self.uniform["highest"]
+            top = self.session.steady(self.uniform["highest"])
+            if top.unstable is not None:
+                return self._answer(None, None, (), top, None, nondeterministic(top))
             return self._answer(None, None, (), top, None,
                                 f"Not even `highest` is within tolerance on {self.session.target} "
                                 f"({_failure(top)}): no precision setting fixes that; loosen the tolerance or "
@@ -292,7 +325,8 @@ class _Search:
                 return -math.inf
             return -e.introduced / max(gains.get(e.name, 0.0), 1e-12)
 
-        order = [e.name for e in sorted(layers, key=order_key)]
+        unchanged = self._unchanged(fast, safe)
+        order = [e.name for e in sorted(layers, key=order_key) if e.name not in unchanged]
         if not order:
             return None
         # galloping, then bisection, over the prefix length (all layers pinned is `safe` everywhere: it passes)
@@ -315,6 +349,18 @@ class _Search:
         pinned = sorted(best.pinned, key=lambda n: -gains.get(n, 0.0))
         best = self._unpin(fast, safe, pinned, best)
         return best
+
+    def _unchanged(self, fast: str, safe: str) -> set[str]:
+        """Layers whose own ops all get the same math at ``fast`` and ``safe`` on the target (cuDNN keeps
+        convolutions TF32 at `highest` on a100): pinning one changes nothing, so none is a candidate. Read from the
+        maths the uniform runs recorded (the targets table's answer), no scope entered."""
+        at_fast, at_safe = self.uniform[fast].maths, self.uniform[safe].maths
+        families: dict[str, set[str]] = {}
+        for op in self.session.counting.counts.ops if self.session.counting is not None else ():
+            if op.family is not None:
+                families.setdefault(op.layer, set()).add(op.family)
+        return {name for name, found in families.items()
+                if all(f in at_fast and at_fast[f] == at_safe.get(f) for f in found)}
 
     def _unpin(self, fast: str, safe: str, pinned: list[str], best: Candidate) -> Candidate:
         keep = list(pinned)

@@ -65,6 +65,9 @@ class LevelResult:
     error: Optional[str] = None  # "NotPSDError: ...": the model raised at this level (a finding: FAILED)
     policy: Optional[dict[str, Any]] = None  # the row "policy": the policy's dict form and its base level
     speedup: Optional[float] = None  # predicted on the target, over highest (tf32lab.speed); None: not predicted
+    # a second run at this level gave other outputs ("normwise 1.2e-01, then 9.8e-02"): the model is not
+    # deterministic (unseeded sampling), so a failure says nothing about precision; only looked at when it fails
+    unstable: Optional[str] = None
 
     @property
     def passed(self) -> bool:
@@ -106,7 +109,9 @@ class Document:
 
 @dataclass(frozen=True)
 class Report(Document):
-    """The result of :func:`tf32lab.check`. ``bool(report)`` is True when every level is within tolerance."""
+    """The result of :func:`tf32lab.check`. ``bool(report)`` is the verdict: every level within tolerance; with a
+    policy row (``check(policy=...)``), the policy's own verdict, the levels beside it being context (a tuned
+    policy gates CI while `high` everywhere fails)."""
 
     workload: str
     target: str
@@ -120,6 +125,9 @@ class Report(Document):
 
     @property
     def passed(self) -> bool:
+        row = self.policy_row
+        if row is not None:
+            return row.passed
         return all(level.passed for level in self.levels)
 
     def __bool__(self) -> bool:
@@ -141,11 +149,17 @@ class Report(Document):
             lines += [o.verdict(lv.level) for o in lv.outputs]
         return lines
 
-    def conclusion(self) -> list[str]:
-        """What the result means and what to do, in plain sentences (``tf32lab.report.conclusion``)."""
+    @property
+    def policy_row(self) -> Optional[LevelResult]:
+        """The row of the policy given to check, if one was."""
+        return next((lv for lv in self.levels if lv.policy is not None), None)
+
+    def conclusion(self, policy_file: Optional[str] = None) -> list[str]:
+        """What the result means and what to do, in plain sentences (``tf32lab.report.conclusion``); with a
+        policy row, ``policy_file`` names the file it came from in the advice to apply it."""
         from .conclusion import conclusion
 
-        return conclusion(self)
+        return conclusion(self, policy_file)
 
     def __str__(self) -> str:
         return "\n".join(self.verdicts())
@@ -204,8 +218,9 @@ class Report(Document):
 
         yield from renderables(self, width=options.max_width)
 
-    def print(self, console: Any = None) -> None:
-        """Print the tables and the verdict lines to ``console`` (a ``rich.console.Console``; default: stdout)."""
+    def print(self, console: Any = None, policy_file: Optional[str] = None) -> None:
+        """Print the tables and the verdict lines to ``console`` (a ``rich.console.Console``; default: stdout);
+        ``policy_file``: see :meth:`conclusion`."""
         from rich.console import Console
 
         from .text import inert
@@ -215,7 +230,7 @@ class Report(Document):
         for line in self.verdicts():
             console.print(inert(line), soft_wrap=True, markup=False, emoji=False, highlight=False)
         console.print()
-        for line in self.conclusion():
+        for line in self.conclusion(policy_file):
             console.print(inert(line), soft_wrap=True, markup=False, emoji=False, highlight=False)
 
 

@@ -69,8 +69,9 @@ def _why_failed(level: LevelResult) -> str:
     return f"{text}; {layer}" if layer else text
 
 
-def conclusion(report: Report) -> list[str]:
-    """The sentences (see the module's docstring)."""
+def conclusion(report: Report, policy_file: Optional[str] = None) -> list[str]:
+    """The sentences (see the module's docstring). With a policy row, the policy's verdict is the recommendation
+    and the levels are context; ``policy_file``: where the policy was read from, named in the advice to apply it."""
     levels = list(report.levels)
     by_name = {lv.level: lv for lv in levels}
     lines: list[str] = []
@@ -82,7 +83,11 @@ def conclusion(report: Report) -> list[str]:
     best = passing[0] if passing else None
     if best is not None and best.same_as is not None:
         best = by_name.get(best.same_as, best)
-    if best is not None:
+    row = by_name.get("policy")
+    if row is not None:
+        lines.append(_policy_sentence(row, where, policy_file))
+        lines += _levels_beside(row, best, failing)
+    elif best is not None:
         worst = best.worst
         measured = (f"worst normwise {worst.normwise:.1e} (output {worst.name!r}) against tolerance "
                     f"{worst.tolerance:.0e}" if worst is not None and not worst.exact else "every output equal")
@@ -95,8 +100,6 @@ def conclusion(report: Report) -> list[str]:
     if not native and "medium" in by_name and by_name["medium"].same_as == "high":
         lines.append(f"On {report.target} `medium` computes exactly as `high`: cuBLAS has no bf16 path for float32 "
                      f"matmuls, so it was measured once.")
-    if "policy" in by_name:
-        lines.append(_policy_sentence(by_name["policy"], where))
     top = by_name.get("highest")
     if top is not None and not top.passed:
         lines.append(_highest_failed(top, report.target))
@@ -113,6 +116,23 @@ def conclusion(report: Report) -> list[str]:
     return lines
 
 
+def _levels_beside(row: LevelResult, best: Optional[LevelResult], failing: list[LevelResult]) -> list[str]:
+    """The uniform levels as context for the policy's verdict, in words that agree with it."""
+    if best is not None:
+        name = _name(best).split(" (")[0]
+        faster = f", predicted {best.speedup:.2f}x faster than `highest`" if best.speedup is not None else ""
+        if row.passed:
+            return [f"For comparison, {name} everywhere is within tolerance too{faster}: "
+                    f"{_enable(best.level)} needs no policy."]
+        return [f"{name} everywhere is within tolerance{faster}: use it instead, {_enable(best.level)}."]
+    if failing:
+        because = _why_failed(failing[-1])
+        if row.passed:
+            return [f"For comparison, without the policy: {because}."]
+        return [f"Without the policy: {because}. Keep `highest`, or let `tf32lab tune` find a policy that passes."]
+    return []
+
+
 def policy_summary(policy: dict) -> str:
     """A policy's dict form in a few words: ```high` by default, 'v_head' → `highest```."""
     default = f"`{policy['default']}`" if policy.get("default") else f"the caller's level (`{policy.get('base')}`)"
@@ -121,16 +141,24 @@ def policy_summary(policy: dict) -> str:
     return f"{default} by default{rules}" + (f" and {more} more rule(s)" if more > 0 else "")
 
 
-def _policy_sentence(row: LevelResult, where: str) -> str:
+def _policy_sentence(row: LevelResult, where: str, policy_file: Optional[str] = None) -> str:
     summary = policy_summary(row.policy or {})
     if row.passed:
         worst = row.worst
         measured = (f"worst normwise {worst.normwise:.1e} (output {worst.name!r}) against tolerance "
                     f"{worst.tolerance:.0e}" if worst is not None and not worst.exact else "every output equal")
         faster = f" and predicted {row.speedup:.2f}x faster than `highest` there" if row.speedup is not None else ""
-        return (f"The policy ({summary}) is within tolerance {where}{faster}: {measured}. Apply it with "
-                f"`tf32lab.Policy.load(\"policy.json\").apply(model)`.")
+        apply = (f"`tf32lab.Policy.load({_quoted(policy_file)}).apply(model)`" if policy_file is not None
+                 else "`policy.apply(model)` (the Policy given to check)")
+        return f"The policy ({summary}) is within tolerance {where}{faster}: {measured}. Apply it with {apply}."
     return f"The policy ({summary}) fails: {_why_failed(row)}."
+
+
+def _quoted(path: str) -> str:
+    """A path as a Python string literal in the advice (a backslash or a quote in it stays valid)."""
+    import json
+
+    return json.dumps(path, ensure_ascii=False)
 
 
 WORTH = 1.10  # a predicted speedup below this buys too little to speak of
@@ -152,7 +180,17 @@ def _safe(report: Report, best: LevelResult, where: str, measured: str) -> str:
             f"{share}. It buys little here; if you enable it anyway: {_enable(best.level)} ({measured}).")
 
 
+def nondeterministic(top: LevelResult) -> str:
+    """Why a failure at `highest` is the model's randomness, not precision."""
+    return (f"Even `highest` fails, but two runs at `highest` differ ({top.unstable}): the model is not "
+            f"deterministic (unseeded sampling such as torch.randn, or dropout left in train mode), so its error is "
+            f"chance, not precision; seed it where it samples (torch.manual_seed in the forward, or a "
+            f"torch.Generator) or take the sampling out of what is checked.")
+
+
 def _highest_failed(top: LevelResult, target: str) -> str:
+    if top.unstable is not None:
+        return nondeterministic(top)
     tf32_by_default = [f for f in _DEFAULT_CONV_TF32 if top.maths.get(f, "").startswith("tf32")]
     ops = [op for op in top.coverage if op.endswith(("tf32-rna", "tf32-rne"))]
     if tf32_by_default and ops:

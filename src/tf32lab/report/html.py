@@ -7,7 +7,7 @@ autoescaping, so a module named ``<script>…</script>`` shows as text.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import jinja2
 
@@ -33,10 +33,11 @@ _env.filters["fmt"] = fmt
 _env.filters["short"] = short_name
 
 
-def render(report: Report, fragment: bool = False) -> str:
-    """The page (``fragment``: only its body, for Jupyter)."""
+def render(report: Report, fragment: bool = False, context: Optional[str] = None) -> str:
+    """The page (``fragment``: only its body, for Jupyter). ``context``: the report is part of another result
+    (tune's page) and this label replaces its own PASSED/FAILED, which is not that result's verdict."""
     return _env.get_template("report.html.j2").render(
-        report=report, fragment=fragment, colors=COLORS, layer_chart=layer_chart(report),
+        report=report, fragment=fragment, context=context, colors=COLORS, layer_chart=layer_chart(report),
         histograms=histograms(report), data=report.to_dict(), notes=notes(report),
     )
 

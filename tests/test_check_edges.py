@@ -1,0 +1,239 @@
+"""check, tune, predict and speed at the edges: empty products, an applied policy, a NaN reference, products on a
+helper thread, a model that sets PyTorch's level itself."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+import tf32lab
+from tf32lab import flags, peaks
+from tf32lab.errors import Tf32LabError
+from tf32lab.speed import gemm_seconds
+
+EXPERTS = """
+import torch, tf32lab
+
+class Experts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = torch.nn.Linear(16, 16)
+        self.idle = torch.nn.Linear(16, 16)
+        self.w = torch.nn.Parameter(torch.randn(16, 16))
+
+    def forward(self, x):
+        idle = self.idle(x[:0]).sum(0)  # an expert that got no tokens: m == 0
+        zero_k = x[:, :0] @ self.w[:0]  # k == 0
+        zero_n = (x @ self.w[:, :0]).sum(-1, keepdim=True)  # n == 0
+        return self.used(x) + idle + zero_k + zero_n
+
+def make():
+    torch.manual_seed(0)
+    return tf32lab.Workload(Experts(), torch.randn(8, 16), name="experts")
+"""
+
+
+@pytest.fixture
+def experts(tmp_path, monkeypatch):
+    (tmp_path / "experts.py").write_text(EXPERTS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import experts as module
+
+    return module.make()
+
+
+# -- empty products -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("gemm", [(1, 1, 0, 64, 64), (1, 1, 64, 0, 64), (1, 1, 64, 64, 0), (1, 0, 64, 64, 64),
+                                  (0, 1, 64, 64, 64)])
+def test_an_empty_product_takes_no_compute_time(gemm):
+    assert gemm_seconds(gemm, "tf32-rna", peaks.get("a100")) == 0.0
+
+
+def test_products_with_no_rows_no_k_or_no_columns_are_predicted_checked_and_tuned(experts):
+    predicted = tf32lab.predict(experts, "a100")
+    assert predicted.level("high").seconds > 0
+    report = tf32lab.check(experts, levels=("highest", "high"))
+    assert report.passed and report.speed is not None
+    assert tf32lab.tune(experts, target="a100").passed
+
+
+def test_speed_command_predicts_an_expert_that_got_no_tokens(tmp_path):
+    (tmp_path / "experts.py").write_text(EXPERTS)
+    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "speed", "experts.py:make"], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "predicted (a100)" in done.stdout
+
+
+# -- a model with a policy applied ----------------------------------------------------------------------------------
+class _Counted(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.b(self.a(x))
+
+
+@pytest.mark.parametrize("run", [
+    lambda w: tf32lab.check(w, levels=("high",)),
+    lambda w: tf32lab.check(w, levels=("high",), policy=tf32lab.Policy(default="high")),
+    lambda w: tf32lab.tune(w, target="a100"),
+], ids=["check", "check-policy", "tune"])
+def test_check_and_tune_refuse_a_model_with_a_policy_applied_before_any_run(run):
+    model = _Counted()
+    handle = tf32lab.Policy(default="high", rules=[("b", "highest")]).apply(model)
+    try:
+        with pytest.raises(Tf32LabError, match=r"has a policy applied .*remove it first \(handle.remove\(\)\)"):
+            run(tf32lab.Workload(model, torch.randn(4, 8)))
+        assert model.calls == 0  # refused before the (slow) reference run
+        assert handle.hooked == ["", "b"] and "applied" in repr(handle)  # the user's hooks are left as they were
+    finally:
+        handle.remove()
+    assert tf32lab.check(tf32lab.Workload(model, torch.randn(4, 8)), levels=("high",)).passed
+
+
+def test_a_policy_applied_to_a_parent_is_refused_for_its_child():
+    parent = torch.nn.Sequential(_Counted())
+    child = tf32lab.Workload(parent[0], torch.randn(4, 8))
+    with tf32lab.Policy(default="high").applied(parent), pytest.raises(Tf32LabError, match="has a policy applied"):
+        tf32lab.check(child)
+
+
+# -- a reference that is NaN ------------------------------------------------------------------------------------------
+class _NaN(torch.nn.Module):
+    def __init__(self, everywhere: bool) -> None:
+        super().__init__()
+        self.linear, self.everywhere = torch.nn.Linear(4, 4), everywhere
+
+    def forward(self, x):
+        y = self.linear(x)
+        return {"ok": y, "bad": y * torch.nan if self.everywhere else y.masked_fill(torch.arange(4) == 1, torch.nan)}
+
+
+@pytest.mark.parametrize("everywhere", [True, False])
+def test_a_reference_that_is_nan_in_float64_cannot_pass(everywhere):
+    with pytest.raises(Tf32LabError, match=r"the float64 reference itself is NaN at \d+ of \d+ elements of "
+                                           r"output 'bad': cannot judge"):
+        tf32lab.check(tf32lab.Workload(_NaN(everywhere), torch.randn(3, 4)))
+
+
+def test_check_of_a_nan_reference_exits_2_with_one_line(tmp_path):
+    (tmp_path / "nan_model.py").write_text(textwrap.dedent("""
+        import torch
+
+        def make():
+            return torch.nn.Linear(4, 4), torch.full((2, 4), float("nan"))
+    """))
+    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "nan_model.py:make"], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "the float64 reference itself is NaN" in done.stderr and "PASSED" not in done.stdout
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_masked_minus_inf_among_finite_values_is_still_compared():
+    class Masked(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.linear(x)
+            return y.masked_fill(torch.arange(4) == 0, -torch.inf)
+
+    assert tf32lab.check(tf32lab.Workload(Masked(), torch.randn(3, 4)), levels=("high",)).passed
+
+
+# -- products on a helper thread --------------------------------------------------------------------------------------
+class _Threaded(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        out = {}
+        helper = threading.Thread(target=lambda: out.setdefault("b", self.b(x)))
+        helper.start()
+        helper.join()
+        return self.a(x) + out["b"]
+
+
+def test_products_a_model_runs_on_its_own_thread_are_named_not_silently_dropped():
+    w = tf32lab.Workload(_Threaded(), torch.randn(8, 16))
+    report = tf32lab.check(w, levels=("high",))
+    assert any("ran on another thread (aten::addmm" in n and "not emulated" in n for n in report.notes)
+    assert any("ran on another thread" in n for n in tf32lab.predict(w, "a100").notes)
+    plain = tf32lab.Workload(torch.nn.Linear(16, 16), torch.randn(8, 16))
+    assert not any("thread" in n for n in tf32lab.check(plain, levels=("high",)).notes)
+
+
+# -- a model that sets the level itself -------------------------------------------------------------------------------
+class _Setter(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        torch.set_float32_matmul_precision("medium")
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("run", [
+    lambda w: tf32lab.check(w, levels=("highest", "high")).notes,
+    lambda w: tf32lab.check(w, levels=("high",), target="native").notes,
+    lambda w: tf32lab.tune(w, target="a100").report.notes,
+    lambda w: tf32lab.predict(w, "a100").notes,
+], ids=["check", "check-native", "tune", "predict"])
+def test_a_level_the_model_sets_in_its_forward_does_not_outlive_the_call(run):
+    before = flags.snapshot()
+    notes = run(tf32lab.Workload(_Setter(), torch.randn(4, 8)))
+    assert flags.snapshot() == before
+    assert any("changed PyTorch's flags while it ran (float32_matmul_precision 'highest' -> 'medium'" in n
+               for n in notes), notes
+
+
+# -- a Hugging Face Hub id where a folder is expected ----------------------------------------------------------------
+def test_a_hub_id_is_told_how_to_get_a_local_folder(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "hf:someorg/some-model"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "huggingface-cli download someorg/some-model --local-dir DIR" in done.stderr
+    assert "snapshot_download('someorg/some-model', local_dir=DIR)" in done.stderr and "hf:DIR" in done.stderr
+
+
+# -- a model that samples ------------------------------------------------------------------------------------------
+class _Sampling(torch.nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.linear, self.how = torch.nn.Linear(16, 16), how
+
+    def forward(self, x):
+        y = self.linear(x)
+        if self.how == "dropout":  # Monte Carlo dropout: kept on in eval mode
+            return torch.nn.functional.dropout(y, 0.5, training=True)
+        return y + torch.randn_like(y)
+
+
+@pytest.mark.parametrize("how", ["dropout", "randn"])
+def test_unseeded_sampling_is_named_as_the_cause_not_float64(how):
+    w = tf32lab.Workload(_Sampling(how), torch.randn(8, 16))
+    report = tf32lab.check(w, levels=("highest", "high"))
+    said = " ".join(report.conclusion())
+    assert not report.passed and report.level("highest").unstable is not None
+    assert "two runs at `highest` differ" in said and "not deterministic" in said and "float64" not in said
+    tuning = tf32lab.tune(w, target="a100")
+    assert not tuning.passed and "not deterministic" in tuning.reason and "float64" not in tuning.reason
+
+
+def test_a_deterministic_failure_at_highest_still_points_to_float64():
+    report = tf32lab.check(tf32lab.Workload(torch.nn.Linear(16, 16), torch.randn(8, 16)), levels=("highest",),
+                           tolerance=0.0)
+    assert report.level("highest").unstable is None and "float64" in " ".join(report.conclusion())
