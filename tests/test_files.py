@@ -1,10 +1,16 @@
-"""Writes are safe: whole or not at all, never through a planted link, modes kept."""
+"""Writes are safe: whole or not at all, never through a planted link, modes kept, every error one line (exit 2).
+
+The command line is run as a user runs it, in real subprocesses; a full disk is a real one (a file size limit,
+``/dev/full`` for stdout, and a tiny tmpfs where this machine lets a user mount one in its own namespace).
+"""
 
 from __future__ import annotations
 
 import errno
 import json
 import os
+import shlex
+import shutil
 import stat
 import subprocess
 import sys
@@ -162,3 +168,118 @@ def test_same_file_sees_spellings_links_and_hard_links(tmp_path, monkeypatch):
     assert files.same_file("a.json", tmp_path / "a.json") and files.same_file("new.json", "./sub/../new.json")
     assert files.same_file("alias.json", "a.json") and files.same_file("hard.json", "a.json")
     assert not files.same_file("a.json", "b.json") and not files.same_file("new.json", "sub/new.json")
+
+
+# -- the command line ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args", [
+    ("tune", "tiny.py:make", "--out", "p.json", "--json", "p.json"),
+    ("tune", "tiny.py:make", "--out", "p.json", "--html", "./sub/../p.json"),
+    ("tune", "tiny.py:make", "--json", "alias.json", "--out", "old.json"),
+    ("tune", "tiny.py:make", "--json", "hard.json", "--html", "old.json"),
+    ("check", "tiny.py:make", "--json", "r.json", "--html", "r.json"),
+    ("check", "tiny.py:make", "--policy", "old.json", "--json", "old.json"),
+    ("check", "tiny:make", "--json", "tiny.py"),
+    ("speed", "tiny.py:make", "--json", "tiny.py"),
+])
+def test_one_file_named_twice_is_a_usage_error_before_any_run(spec_dir, args):
+    (spec_dir / "sub").mkdir()
+    tf32lab.Policy("high").save(spec_dir / "old.json")
+    (spec_dir / "alias.json").symlink_to("old.json")
+    os.link(spec_dir / "old.json", spec_dir / "hard.json")
+    before = {p.name: p.read_bytes() for p in spec_dir.iterdir() if p.is_file()}
+    done = _run(*args, cwd=spec_dir)
+    line = _one_line_error(done)
+    assert "same file" in line or "reads" in line, line
+    assert done.stdout == ""  # nothing ran
+    assert {p.name: p.read_bytes() for p in spec_dir.iterdir() if p.is_file()} == before
+
+
+def test_check_never_writes_through_links_planted_at_its_old_temporary_names(spec_dir):
+    victim = spec_dir / "victim"
+    victim.write_text("precious\n")
+    planted = ("import os, sys; pid = os.getpid(); "
+               "[os.symlink('victim', f'.r.json.{pid}.{end}') for end in ('probe', 'tmp')]; "
+               "from tf32lab.cli import main; sys.exit(main(['check', 'tiny.py:make', '--json', 'r.json']))")
+    done = subprocess.run([sys.executable, "-c", planted], capture_output=True, text=True, cwd=spec_dir, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert victim.read_text() == "precious\n"
+    assert not (spec_dir / "r.json").is_symlink() and json.loads((spec_dir / "r.json").read_text())["levels"]
+
+
+def test_out_over_a_private_policy_keeps_it_private(spec_dir):
+    (spec_dir / "p.json").write_text("{}")
+    (spec_dir / "p.json").chmod(0o600)
+    done = _run("tune", "tiny.py:make", "--out", "p.json", cwd=spec_dir)
+    assert done.returncode == 0, done.stderr
+    assert stat.S_IMODE((spec_dir / "p.json").stat().st_mode) == 0o600
+    tf32lab.Policy.load(spec_dir / "p.json")
+
+
+@pytest.mark.parametrize("command", [
+    ("check", "--json", "out"), ("check", "--html", "out"), ("tune", "--json", "out"), ("tune", "--out", "out"),
+    ("tune", "--html", "out"), ("speed", "--json", "out"),
+])
+def test_a_full_disk_is_one_line_exit_2_and_the_old_file_stays(spec_dir, command):
+    """A file size limit (RLIMIT_FSIZE): the kernel refuses the write (EFBIG) as a full disk would, for any user."""
+    name, flag, out = command
+    (spec_dir / out).write_text("old\n")
+    limited = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+               "resource.setrlimit(resource.RLIMIT_FSIZE, (16, 16)); from tf32lab.cli import main; "
+               f"sys.exit(main([{name!r}, 'tiny.py:make', {flag!r}, {out!r}]))")
+    done = subprocess.run([sys.executable, "-c", limited], capture_output=True, text=True, cwd=spec_dir, timeout=300)
+    assert _one_line_error(done) == f"tf32lab {name}: error: cannot write out: {os.strerror(errno.EFBIG)}"
+    assert (spec_dir / out).read_text() == "old\n"
+    assert _leftovers(spec_dir) == []
+
+
+def _tmpfs_works() -> bool:
+    if not shutil.which("unshare") or not sys.platform.startswith("linux"):
+        return False
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
+                          capture_output=True, timeout=60)
+    return done.returncode == 0
+
+
+@pytest.mark.skipif(not _tmpfs_works(), reason="this machine lets no user mount a tmpfs in its own namespace")
+def test_a_really_full_disk(spec_dir):
+    """A 64 KiB tmpfs, filled up, in a mount namespace of the test's own (``unshare -rm``: no root needed where
+    user namespaces are allowed); the commands write to it for real and meet ENOSPC."""
+    disk = spec_dir / "disk"
+    disk.mkdir()
+    commands = ["check tiny.py:make --json disk/r.json", "tune tiny.py:make --json disk/r.json",
+                "speed tiny.py:make --json disk/r.json", "tune tiny.py:make --out disk/r.json"]
+    python = shlex.quote(sys.executable)
+    script = " ; ".join(["mount -t tmpfs -o size=64k tmpfs disk || exit 99", "echo old > disk/r.json",
+                         "dd if=/dev/zero of=disk/fill bs=4k 2>/dev/null"]
+                        + [f"{python} -m tf32lab.cli {c} >/dev/null; echo rc=$?; ls -A disk" for c in commands])
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, cwd=spec_dir,
+                          timeout=300)
+    errors = done.stderr.strip().splitlines()
+    assert "Traceback" not in done.stderr
+    assert errors == [f"tf32lab {c.split()[0]}: error: cannot write disk/r.json: {os.strerror(errno.ENOSPC)}"
+                      for c in commands], done.stderr
+    assert done.stdout.split() == ["rc=2", "fill", "r.json"] * len(commands), done.stdout  # no temporary left
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+@pytest.mark.parametrize("args", [
+    ("levels",), ("doctor",), ("doctor", "--json"), ("check", "tiny.py:make", "--json", "-"),
+    ("tune", "tiny.py:make", "--json", "-"), ("speed", "tiny.py:make"),
+])
+def test_stdout_on_a_full_disk_is_one_line_exit_2(spec_dir, args):
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "tf32lab.cli", *args], stdout=full, stderr=subprocess.PIPE,
+                              text=True, cwd=spec_dir, timeout=300)
+    assert _one_line_error(done) == f"tf32lab {args[0]}: error: cannot write to stdout: {os.strerror(errno.ENOSPC)}"
+
+
+@pytest.mark.parametrize("command", ["check", "tune", "speed"])
+def test_output_paths_are_checked_before_the_model_runs(spec_dir, command):
+    (spec_dir / "folder").mkdir()
+    os.mkfifo(spec_dir / "fifo")
+    for out, message in (("folder", "is a folder"), ("fifo", "is not a regular file"),
+                         ("no/r.json", "no folder 'no'"), ("tiny.py/r.json", "no folder 'tiny.py' (it is a file)")):
+        done = _run(command, "tiny.py:make", "--json", out, cwd=spec_dir)
+        assert _one_line_error(done).startswith(f"tf32lab {command}: error: --json {out}: {message}")
+        assert done.stdout == ""  # before the model ran
+    assert stat.S_ISFIFO((spec_dir / "fifo").lstat().st_mode) and (spec_dir / "folder").is_dir()
