@@ -1,8 +1,10 @@
 """The ``tf32lab`` command.
 
 Exit codes: 0 success, 1 a check failed (a level exceeds its tolerance, or the model raised at a level; with
-``check --policy``, the policy does), 2 bad input (one line on stderr, no traceback; ``--debug`` shows it),
-130 interrupted (Ctrl-C). ``--version`` and ``--help`` answer without importing torch.
+``check --policy``, the policy does), 2 bad input or an output that cannot be written, stdout included (one line on
+stderr naming the path and the system's reason, no traceback; ``--debug`` shows it), 130 interrupted (Ctrl-C). Files
+are written by tf32lab.files (checked before the model runs, whole or not at all). ``--version`` and ``--help``
+answer without importing torch.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Callable, NoReturn
 
 from . import __version__
@@ -226,22 +227,40 @@ def _targets(args: argparse.Namespace) -> int:
     return 0
 
 
-def _writable(path: str, flag: str) -> None:
-    """A report path that can be written, checked before the model runs (minutes may pass before it is)."""
-    target = Path(path)
+def _outputs(args: argparse.Namespace, *flags: str, reads: Sequence[tuple[str, str | None]] = ()) -> None:
+    """The paths a command will write, checked before the model runs (minutes may pass before they are written):
+    each one writable (tf32lab.files.check_writable), none given twice, none a file the command reads."""
+    from .files import check_writable, same_file
+
+    given = [(flag, path) for flag in flags if (path := getattr(args, flag[2:])) and path != "-"]
+    for i, (flag, path) in enumerate(given):
+        for other, earlier in given[:i]:
+            if same_file(path, earlier):
+                raise Tf32LabError(f"{other} {_shown(earlier)} and {flag} {_shown(path)} name the same file; give "
+                                   "each output its own path")
+        for what, source in reads:
+            if source and os.path.exists(source) and same_file(path, source):
+                raise Tf32LabError(f"{flag} {_shown(path)} is the file {what} reads; give the output another path")
+        try:
+            check_writable(path)
+        except OSError as exc:
+            raise Tf32LabError(f"{flag} {_shown(path)}: {exc.strerror or exc}") from None
+
+
+def _spec_file(spec: str | None) -> str | None:
+    """The file a ``path/file.py:factory`` spec names, when it is one (an output must not replace it)."""
+    if not spec:
+        return None
+    name = spec.rpartition(":")[0] or spec
+    return next((p for p in (name, name + ".py") if os.path.isfile(p)), None)
+
+
+def _write(path: str, write: Callable[[str], object]) -> None:
+    """``write(path)``, an OS error (a full disk, a folder removed meanwhile) as one line naming the path."""
     try:
-        if target.is_dir():
-            raise Tf32LabError(f"{flag} {_shown(path)} is a folder; give a file name")
-        folder = target.parent
-        if not folder.is_dir():
-            raise Tf32LabError(f"{flag} {_shown(path)}: no folder {_shown(folder)}")
-        if target.exists() and not os.access(target, os.W_OK):
-            raise Tf32LabError(f"{flag} {_shown(path)}: not writable")
-        probe = folder / f".{target.name}.{os.getpid()}.probe"  # where the report's temporary file will go
-        probe.open("w").close()
-        probe.unlink()
-    except OSError as exc:  # a name too long, a read-only or special file system
-        raise Tf32LabError(f"{flag} {_shown(path)}: not writable: {exc.strerror or exc}") from None
+        write(path)
+    except OSError as exc:
+        raise Tf32LabError(f"cannot write {_shown(path)}: {exc.strerror or exc}") from None
 
 
 def _shown(path: object) -> str:
@@ -258,9 +277,7 @@ def _check(args: argparse.Namespace) -> int:
 
     levels = check_levels(part.strip() for part in args.levels.split(",") if part.strip())
     check_target(args.target)  # before the workload loads: a bad argument fails fast
-    for path, flag in ((args.json, "--json"), (args.html, "--html")):
-        if path and path != "-":
-            _writable(path, flag)
+    _outputs(args, "--json", "--html", reads=(("--policy", args.policy), ("the spec", _spec_file(args.spec))))
     if args.html == "-":
         raise Tf32LabError("--html - is not supported: the page goes to a file (--json - writes JSON to stdout)")
     policy = None
@@ -299,10 +316,7 @@ def _check(args: argparse.Namespace) -> int:
         return code
     for path, write in ((args.json, report.to_json), (args.html, report.save_html)):
         if path and path != "-":
-            try:
-                write(path)
-            except OSError as exc:
-                raise Tf32LabError(f"cannot write {_shown(path)}: {exc.strerror or exc}") from exc
+            _write(path, write)
             print(f"wrote {_shown(path)}", file=sys.stderr if args.json == "-" else sys.stdout)
     return code
 
@@ -324,9 +338,7 @@ def _tune(args: argparse.Namespace) -> int:
 
     check_target(args.target)
     peaks.get(args.target)  # before the workload loads
-    for path, flag in ((args.out, "--out"), (args.json, "--json"), (args.html, "--html")):
-        if path and path != "-":
-            _writable(path, flag)
+    _outputs(args, "--out", "--json", "--html", reads=(("the spec", _spec_file(args.spec)),))
     if args.out == "-" or args.html == "-":
         raise Tf32LabError("--out and --html write files; '-' is for --json only")
     spec = args.spec or specs.default_spec()
@@ -341,13 +353,13 @@ def _tune(args: argparse.Namespace) -> int:
     code = 0 if tuning.passed else 1
     written = []
     if args.out and tuning.policy is not None:
-        tuning.policy.save(args.out)
+        _write(args.out, tuning.policy.save)
         written.append(args.out)
     if args.json and args.json != "-":
-        tuning.to_json(args.json)
+        _write(args.json, tuning.to_json)
         written.append(args.json)
     if args.html:
-        tuning.save_html(args.html)
+        _write(args.html, tuning.save_html)
         written.append(args.html)
     if args.json == "-":
         sys.stdout.write(tuning.to_json() + "\n")
@@ -377,8 +389,7 @@ def _speed(args: argparse.Namespace) -> int:
         peaks.get(args.target)  # before the workload loads
     elif not args.measure:
         raise Tf32LabError("--target native predicts nothing: add --measure to time this machine")
-    if args.json and args.json != "-":
-        _writable(args.json, "--json")
+    _outputs(args, "--json", reads=(("the spec", _spec_file(args.spec)),))
     loaded = specs.load(args.spec or specs.default_spec())
     predicted = measured = None
     if args.target != "native":
@@ -398,7 +409,7 @@ def _speed(args: argparse.Namespace) -> int:
             return 0
         from .files import write_atomically
 
-        write_atomically(args.json, text + "\n")
+        _write(args.json, lambda path: write_atomically(path, text + "\n"))
     first = predicted or measured
     print(f"tf32lab speed {_shown(loaded.name)}: one forward")
     for line in first.lines(measured if predicted else None):
@@ -508,18 +519,70 @@ def _drop_stdout() -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+class _StdoutError(Tf32LabError):
+    """stdout could not be written (``> file`` on a full disk); not a closed pipe, which is no error."""
+
+
+class _Stdout:
+    """sys.stdout while a command runs: a write error other than a closed pipe becomes one line and exit code 2
+    (Python would print a traceback, exit 1, which ``check`` and ``tune`` use for a verdict)."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise _StdoutError(f"cannot write to stdout: {exc.strerror or exc}") from None
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise _StdoutError(f"cannot write to stdout: {exc.strerror or exc}") from None
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    @property
+    def encoding(self) -> str:
+        return self.stream.encoding
+
+    @property
+    def errors(self) -> str | None:
+        return self.stream.errors
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "run", None) is None:
         parser.print_help()
         return 0
+    stdout = sys.stdout
+    if stdout is not None:
+        sys.stdout = _Stdout(stdout)
     try:
         from .scope import guard_policy
 
         guard_policy()  # a bad TF32LAB_SCOPE_GUARD is bad input, said before any work
-        return args.run(args)
+        code = args.run(args)
+        try:
+            sys.stdout.flush()  # here, where an error is one line, not at exit
+        except BrokenPipeError:  # the verdict still is the exit code
+            _drop_stdout()
+        return code
     except Tf32LabError as exc:
+        if isinstance(exc, _StdoutError):
+            _drop_stdout()  # what is still buffered would fail again when Python flushes at exit
         if getattr(args, "debug", False):
             raise
         from .report.text import inert
@@ -534,6 +597,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (``| head``): not an error of ours
         _drop_stdout()
         return 0
+    finally:
+        sys.stdout = stdout
 
 
 if __name__ == "__main__":  # pragma: no cover

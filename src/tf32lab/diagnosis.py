@@ -26,6 +26,7 @@ import torch
 
 from . import flags, targets
 from .errors import Tf32LabError
+from .files import write_atomically
 from .hardware import Hardware, detect
 from .heuristics import Recommendation, decide_threads, recommend
 from .levels import BACKEND_VALUES, LEVELS
@@ -90,10 +91,10 @@ class Diagnosis:
         }
 
     def to_json(self, path: Optional[str] = None) -> str:
-        """The JSON text (docs/doctor-schema.md); written to ``path`` as well when given."""
+        """The JSON text (docs/doctor-schema.md); written to ``path`` as well when given (whole or not at all)."""
         text = json.dumps(self.to_dict(), indent=2) + "\n"
         if path is not None:
-            Path(path).write_text(text, encoding="utf-8")
+            write_atomically(path, text)
         return text
 
     def print(self, console: Any = None) -> None:

@@ -1,0 +1,285 @@
+"""Writes are safe: whole or not at all, never through a planted link, modes kept, every error one line (exit 2).
+
+The command line is run as a user runs it, in real subprocesses; a full disk is a real one (a file size limit,
+``/dev/full`` for stdout, and a tiny tmpfs where this machine lets a user mount one in its own namespace).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import tf32lab
+from tf32lab import files
+
+TINY = '''
+import torch
+
+
+def make():
+    torch.manual_seed(0)
+    return torch.nn.Linear(8, 4), torch.randn(4, 8)
+'''
+
+
+def _run(*args: str, cwd, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tf32lab.cli", *args], capture_output=True, text=True, timeout=300,
+                          cwd=cwd, **kw)
+
+
+def _one_line_error(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    return lines[0]
+
+
+def _leftovers(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+@pytest.fixture()
+def spec_dir(tmp_path):
+    (tmp_path / "tiny.py").write_text(TINY)
+    return tmp_path
+
+
+# -- the API -------------------------------------------------------------------------------------------------------
+def test_a_link_planted_at_a_temporary_name_is_never_written_through(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    # the name the temporary file used to have (predictable: the process id) ...
+    (tmp_path / f".p.json.{os.getpid()}.tmp").symlink_to(victim)
+    tf32lab.Policy("high", [("head", "highest")]).save(tmp_path / "p.json")
+    assert victim.read_text() == "precious\n"
+    assert not (tmp_path / "p.json").is_symlink()
+    assert tf32lab.Policy.load(tmp_path / "p.json") == tf32lab.Policy("high", [("head", "highest")])
+    # ... and whatever name is drawn now: anything already there, a dangling link included, is never opened
+    for name in ("link", "dangling"):
+        (tmp_path / name).symlink_to(victim if name == "link" else tmp_path / "nowhere")
+        with pytest.raises(FileExistsError):
+            files._open_new(tmp_path / name, 0o600)
+    assert victim.read_text() == "precious\n" and not (tmp_path / "nowhere").exists()
+
+
+def test_concurrent_saves_of_one_path_never_collide(tmp_path):
+    path = tmp_path / "p.json"
+    policies = [tf32lab.Policy("high", [(f"layer{t}", "highest")]) for t in range(8)]
+    errors: list[BaseException] = []
+
+    def save(policy):
+        try:
+            for _ in range(60):
+                policy.save(path)
+                assert tf32lab.Policy.load(path) in policies  # complete, whichever thread wrote last
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=save, args=(p,)) for p in policies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert tf32lab.Policy.load(path) in policies
+    assert _leftovers(tmp_path) == []
+
+
+def test_an_existing_targets_mode_is_kept_and_a_new_file_gets_the_umask(tmp_path):
+    for mode in (0o600, 0o640, 0o444 if os.geteuid() == 0 else 0o604):
+        path = tmp_path / f"{mode:o}.json"
+        path.write_text("old\n")
+        path.chmod(mode)
+        tf32lab.Policy("high").save(path)
+        assert stat.S_IMODE(path.stat().st_mode) == mode and tf32lab.Policy.load(path) == tf32lab.Policy("high")
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE(files.write_atomically(tmp_path / "new", "x").stat().st_mode) == 0o666 & ~umask
+    assert stat.S_IMODE(files.write_atomically(tmp_path / "private", "x", private=True).stat().st_mode) == 0o600
+    (tmp_path / "shared").write_text("old")
+    (tmp_path / "shared").chmod(0o664)
+    assert stat.S_IMODE(files.write_atomically(tmp_path / "shared", "x", private=True).stat().st_mode) == 0o600
+
+
+def test_what_a_file_cannot_replace_is_refused_naming_the_target(tmp_path):
+    (tmp_path / "folder").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "plain").write_text("")
+    cases = {"folder": errno.EISDIR, "fifo": errno.EINVAL, "no/such/r.json": errno.ENOENT,
+             "plain/r.json": errno.ENOTDIR}
+    for name, code in cases.items():
+        for attempt in (lambda p: files.write_atomically(p, "x"), files.check_writable):
+            with pytest.raises(OSError) as raised:
+                attempt(tmp_path / name)
+            assert raised.value.errno == code and raised.value.filename == str(tmp_path / name), raised.value
+    assert stat.S_ISFIFO((tmp_path / "fifo").lstat().st_mode) and (tmp_path / "folder").is_dir()
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_link_at_the_target_is_replaced_and_the_file_it_named_left_alone(tmp_path):
+    (tmp_path / "real.json").write_text("old\n")
+    (tmp_path / "link.json").symlink_to("real.json")
+    files.write_atomically(tmp_path / "link.json", "new\n")
+    assert not (tmp_path / "link.json").is_symlink() and (tmp_path / "link.json").read_text() == "new\n"
+    assert (tmp_path / "real.json").read_text() == "old\n"
+
+
+def test_the_doctors_json_is_written_safely_too(tmp_path):
+    """``Diagnosis.to_json(path)`` went through ``Path.write_text``, which writes through a link at its path."""
+    from tf32lab.hardware import Hardware
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (tmp_path / "d.json").symlink_to(victim)
+    tf32lab.doctor(Hardware.simulated("a100")).to_json(tmp_path / "d.json")
+    assert victim.read_text() == "precious\n" and json.loads((tmp_path / "d.json").read_text())["levels"]
+
+
+def test_a_long_name_gets_a_temporary_name_that_fits(tmp_path):
+    name = "r" * 250 + ".json"
+    assert files.write_atomically(tmp_path / name, "x").read_text() == "x"
+    files.check_writable(tmp_path / name)
+    assert _leftovers(tmp_path) == []
+
+
+def test_check_writable_leaves_the_target_alone(tmp_path):
+    (tmp_path / "r.json").write_text("old\n")
+    files.check_writable(tmp_path / "r.json")
+    files.check_writable(tmp_path / "new.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"] and (tmp_path / "r.json").read_text() == "old\n"
+
+
+def test_same_file_sees_spellings_links_and_hard_links(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.json").write_text("")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "alias.json").symlink_to("a.json")
+    os.link(tmp_path / "a.json", tmp_path / "hard.json")
+    assert files.same_file("a.json", "./a.json") and files.same_file("a.json", "sub/../a.json")
+    assert files.same_file("a.json", tmp_path / "a.json") and files.same_file("new.json", "./sub/../new.json")
+    assert files.same_file("alias.json", "a.json") and files.same_file("hard.json", "a.json")
+    assert not files.same_file("a.json", "b.json") and not files.same_file("new.json", "sub/new.json")
+
+
+# -- the command line ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args", [
+    ("tune", "tiny.py:make", "--out", "p.json", "--json", "p.json"),
+    ("tune", "tiny.py:make", "--out", "p.json", "--html", "./sub/../p.json"),
+    ("tune", "tiny.py:make", "--json", "alias.json", "--out", "old.json"),
+    ("tune", "tiny.py:make", "--json", "hard.json", "--html", "old.json"),
+    ("check", "tiny.py:make", "--json", "r.json", "--html", "r.json"),
+    ("check", "tiny.py:make", "--policy", "old.json", "--json", "old.json"),
+    ("check", "tiny:make", "--json", "tiny.py"),
+    ("speed", "tiny.py:make", "--json", "tiny.py"),
+])
+def test_one_file_named_twice_is_a_usage_error_before_any_run(spec_dir, args):
+    (spec_dir / "sub").mkdir()
+    tf32lab.Policy("high").save(spec_dir / "old.json")
+    (spec_dir / "alias.json").symlink_to("old.json")
+    os.link(spec_dir / "old.json", spec_dir / "hard.json")
+    before = {p.name: p.read_bytes() for p in spec_dir.iterdir() if p.is_file()}
+    done = _run(*args, cwd=spec_dir)
+    line = _one_line_error(done)
+    assert "same file" in line or "reads" in line, line
+    assert done.stdout == ""  # nothing ran
+    assert {p.name: p.read_bytes() for p in spec_dir.iterdir() if p.is_file()} == before
+
+
+def test_check_never_writes_through_links_planted_at_its_old_temporary_names(spec_dir):
+    victim = spec_dir / "victim"
+    victim.write_text("precious\n")
+    planted = ("import os, sys; pid = os.getpid(); "
+               "[os.symlink('victim', f'.r.json.{pid}.{end}') for end in ('probe', 'tmp')]; "
+               "from tf32lab.cli import main; sys.exit(main(['check', 'tiny.py:make', '--json', 'r.json']))")
+    done = subprocess.run([sys.executable, "-c", planted], capture_output=True, text=True, cwd=spec_dir, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert victim.read_text() == "precious\n"
+    assert not (spec_dir / "r.json").is_symlink() and json.loads((spec_dir / "r.json").read_text())["levels"]
+
+
+def test_out_over_a_private_policy_keeps_it_private(spec_dir):
+    (spec_dir / "p.json").write_text("{}")
+    (spec_dir / "p.json").chmod(0o600)
+    done = _run("tune", "tiny.py:make", "--out", "p.json", cwd=spec_dir)
+    assert done.returncode == 0, done.stderr
+    assert stat.S_IMODE((spec_dir / "p.json").stat().st_mode) == 0o600
+    tf32lab.Policy.load(spec_dir / "p.json")
+
+
+@pytest.mark.parametrize("command", [
+    ("check", "--json", "out"), ("check", "--html", "out"), ("tune", "--json", "out"), ("tune", "--out", "out"),
+    ("tune", "--html", "out"), ("speed", "--json", "out"),
+])
+def test_a_full_disk_is_one_line_exit_2_and_the_old_file_stays(spec_dir, command):
+    """A file size limit (RLIMIT_FSIZE): the kernel refuses the write (EFBIG) as a full disk would, for any user."""
+    name, flag, out = command
+    (spec_dir / out).write_text("old\n")
+    limited = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+               "resource.setrlimit(resource.RLIMIT_FSIZE, (16, 16)); from tf32lab.cli import main; "
+               f"sys.exit(main([{name!r}, 'tiny.py:make', {flag!r}, {out!r}]))")
+    done = subprocess.run([sys.executable, "-c", limited], capture_output=True, text=True, cwd=spec_dir, timeout=300)
+    assert _one_line_error(done) == f"tf32lab {name}: error: cannot write out: {os.strerror(errno.EFBIG)}"
+    assert (spec_dir / out).read_text() == "old\n"
+    assert _leftovers(spec_dir) == []
+
+
+def _tmpfs_works() -> bool:
+    if not shutil.which("unshare") or not sys.platform.startswith("linux"):
+        return False
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
+                          capture_output=True, timeout=60)
+    return done.returncode == 0
+
+
+@pytest.mark.skipif(not _tmpfs_works(), reason="this machine lets no user mount a tmpfs in its own namespace")
+def test_a_really_full_disk(spec_dir):
+    """A 64 KiB tmpfs, filled up, in a mount namespace of the test's own (``unshare -rm``: no root needed where
+    user namespaces are allowed); the commands write to it for real and meet ENOSPC."""
+    disk = spec_dir / "disk"
+    disk.mkdir()
+    commands = ["check tiny.py:make --json disk/r.json", "tune tiny.py:make --json disk/r.json",
+                "speed tiny.py:make --json disk/r.json", "tune tiny.py:make --out disk/r.json"]
+    python = shlex.quote(sys.executable)
+    script = " ; ".join(["mount -t tmpfs -o size=64k tmpfs disk || exit 99", "echo old > disk/r.json",
+                         "dd if=/dev/zero of=disk/fill bs=4k 2>/dev/null"]
+                        + [f"{python} -m tf32lab.cli {c} >/dev/null; echo rc=$?; ls -A disk" for c in commands])
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, cwd=spec_dir,
+                          timeout=300)
+    errors = done.stderr.strip().splitlines()
+    assert "Traceback" not in done.stderr
+    assert errors == [f"tf32lab {c.split()[0]}: error: cannot write disk/r.json: {os.strerror(errno.ENOSPC)}"
+                      for c in commands], done.stderr
+    assert done.stdout.split() == ["rc=2", "fill", "r.json"] * len(commands), done.stdout  # no temporary left
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+@pytest.mark.parametrize("args", [
+    ("levels",), ("doctor",), ("doctor", "--json"), ("check", "tiny.py:make", "--json", "-"),
+    ("tune", "tiny.py:make", "--json", "-"), ("speed", "tiny.py:make"),
+])
+def test_stdout_on_a_full_disk_is_one_line_exit_2(spec_dir, args):
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "tf32lab.cli", *args], stdout=full, stderr=subprocess.PIPE,
+                              text=True, cwd=spec_dir, timeout=300)
+    assert _one_line_error(done) == f"tf32lab {args[0]}: error: cannot write to stdout: {os.strerror(errno.ENOSPC)}"
+
+
+@pytest.mark.parametrize("command", ["check", "tune", "speed"])
+def test_output_paths_are_checked_before_the_model_runs(spec_dir, command):
+    (spec_dir / "folder").mkdir()
+    os.mkfifo(spec_dir / "fifo")
+    for out, message in (("folder", "is a folder"), ("fifo", "is not a regular file"),
+                         ("no/r.json", "no folder 'no'"), ("tiny.py/r.json", "no folder 'tiny.py' (it is a file)")):
+        done = _run(command, "tiny.py:make", "--json", out, cwd=spec_dir)
+        assert _one_line_error(done).startswith(f"tf32lab {command}: error: --json {out}: {message}")
+        assert done.stdout == ""  # before the model ran
+    assert stat.S_ISFIFO((spec_dir / "fifo").lstat().st_mode) and (spec_dir / "folder").is_dir()
