@@ -1,4 +1,4 @@
-"""What each GPU target can do per second: dense peaks per math, memory bandwidth, SMs (FACTS.md §6, §11).
+"""What each GPU target can do per second: dense peaks per math, memory bandwidth, SMs (NVIDIA datasheets).
 
 The speed model (``tf32lab.speed``) divides work by these. Each row names its source; ``verify on GPU`` marks an
 assumption not yet measured on the device. CPU targets have no row: their speed is measured (``tf32lab.bench``),
@@ -26,7 +26,7 @@ from .errors import Tf32LabError
 __all__ = ["GEMM_EFFICIENCY", "LAUNCH_SECONDS", "MEMORY_EFFICIENCY", "PEAKS", "Peaks", "get"]
 
 # The PyTorch CUDA notes' 10240^3 float32 matmul on an A100 (0.11 s IEEE, 0.016 s TF32) implies cuBLAS at ~100% of
-# the FP32 peak and ~86% of the TF32 peak (FACTS.md §11): one efficiency for a large GEMM, their midpoint, so that
+# the FP32 peak and ~86% of the TF32 peak: one efficiency for a large GEMM, their midpoint, so that
 # GeForce cards (TF32 peak = FP32 peak) get the speedup their peaks say, 1.0.
 GEMM_EFFICIENCY = 0.93
 # A streaming kernel reaches ~85% of HBM/GDDR peak (STREAM-like copies on A100/H100); verify on GPU.
@@ -58,19 +58,19 @@ class Peaks:
         return base * 1e12 / (3 if name.endswith("x3") else 1)
 
 
-_DATASHEET = "NVIDIA datasheet (FACTS.md §11)"
+_DATASHEET = "NVIDIA datasheet"
 _SMS = "SM count: NVIDIA architecture whitepaper"
 
 PEAKS: Mapping[str, Peaks] = MappingProxyType({p.target: p for p in (
     Peaks("v100", 15.7, None, None, 900, 80, f"V100 SXM2: {_DATASHEET}; {_SMS} (GV100)"),
     Peaks("t4", 8.1, None, None, 320, 40, f"{_DATASHEET}; {_SMS} (TU104)"),
     Peaks("a100", 19.5, 156, 312, 1555, 108, f"A100 40GB SXM: {_DATASHEET} (80GB: 2039 GB/s); {_SMS} (GA100)"),
-    Peaks("a10g", 31.2, 62.5, 125, 600, 80, "A10's figures, unverified for the A10G (FACTS.md §11); 80 SMs per "
-                                            "AWS, unverified"),
-    Peaks("rtx3090", 35.6, 35.6, 71, 936, 82, "GA102 whitepaper: GeForce TF32 dense peak = FP32 peak "
-                                              "(FACTS.md §11); 82 SMs"),
+    Peaks("a10g", 31.2, 62.5, 125, 600, 80, "A10's figures, unverified for the A10G (not in NVIDIA's "
+                                            "datasheets); 80 SMs per AWS, unverified"),
+    Peaks("rtx3090", 35.6, 35.6, 71, 936, 82, "GA102 whitepaper: GeForce TF32 dense peak = FP32 peak; 82 SMs"),
     Peaks("l4", 30.3, 60, 121, 300, 58, f"{_DATASHEET}, sparse figures halved; {_SMS} (AD104)"),
-    Peaks("rtx4090", 82.6, 82.6, 165, 1008, 128, "AD102 whitepaper, GeForce rule (FACTS.md §11); 128 SMs"),
+    Peaks("rtx4090", 82.6, 82.6, 165, 1008, 128, "AD102 whitepaper, GeForce rule (TF32 dense peak = FP32 peak); "
+                                                 "128 SMs"),
     Peaks("h100", 67, 495, 989, 3350, 132, f"H100 SXM: {_DATASHEET}; {_SMS} (GH100 SXM5)"),
     Peaks("h200", 67, 495, 989, 4800, 132, f"{_DATASHEET}; {_SMS} (GH100 SXM5)"),
 )})

@@ -16,8 +16,10 @@ each op is timed on the target at each level, with the math ``emulate(target)`` 
 - every other op is memory-bound: its bytes at 85% of the bandwidth.
 - ``launch``: 5 µs per kernel (eager dispatch and launch; views and allocations launch none).
 
-The model's constants come from published figures (FACTS.md §6, §11) and are checked against the PyTorch CUDA
-notes' A100 timings (``benchmarks/predict.py``); against real GPUs they are pending (docs/gpu-results.md). The
+The model's constants come from published figures (NVIDIA datasheets, ``tf32lab.peaks``) and are checked against
+the PyTorch CUDA notes' A100 timings (``benchmarks/predict.py``). On an H100 (docs/gpu-results.md) the speedup of
+large GEMMs came out right (8192³: 7.38x predicted, 7.40x measured), but times were off by a median 56%: large GEMMs
+reach ~0.75 of the datasheet peaks, not 0.93, and an eager op costs ~12 µs, not 5 µs. The
 result is a :class:`SpeedReport`, the same type :func:`tf32lab.bench` returns from a real measurement, so the
 two print side by side.
 
