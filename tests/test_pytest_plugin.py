@@ -187,3 +187,57 @@ def test_loaded_but_off_it_imports_no_torch(pytester: pytest.Pytester):
     done = subprocess.run([sys.executable, "-m", "pytest", "--help"], capture_output=True, text=True, timeout=120,
                           cwd=pytester.path)
     assert done.returncode == 0 and "--tf32lab=TARGET[:LEVEL]" in done.stdout
+
+
+TOLERANCE = textwrap.dedent("""
+    import pytest
+    import torch
+
+    import tf32lab
+    from tf32lab.testing import assert_close, unit_roundoff
+
+    torch.manual_seed(0)
+    A, B = torch.randn(64, 1024), torch.randn(1024, 64)
+    EXACT = (A.double() @ B.double()).float()
+
+
+    def test_the_runs_level_decides():
+        with tf32lab.precision("high"):
+            y = A @ B  # TF32, as the A100 being emulated computes it at high
+        assert_close(y, EXACT, operands=(A, B), level="high")
+        with pytest.raises(AssertionError, match="at 'highest' on a100 \\(ieee\\)"):
+            assert_close(y, EXACT, operands=(A, B))  # the run's level: float32's tolerance
+
+
+    @pytest.mark.tf32lab(target="cpu-amx", level="medium")
+    def test_the_markers_target_and_level_decide():
+        assert unit_roundoff() == (2.0**-8, "bf16-rne")
+        assert_close(A @ B, EXACT, operands=(A, B))
+""")
+
+
+def test_assert_close_follows_the_target_and_level_of_the_run(pytester: pytest.Pytester):
+    pytester.makepyfile(test_tolerance=TOLERANCE)
+    _run(pytester, "--tf32lab", "a100:highest").assert_outcomes(passed=2)
+
+
+def test_assert_close_takes_the_math_of_the_emulation_and_the_scope_it_runs_in():
+    import torch
+
+    import tf32lab
+    from tf32lab.testing import assert_close, unit_roundoff
+
+    torch.manual_seed(0)
+    a, b = torch.randn(32, 512), torch.randn(512, 16)
+    exact = (a.double() @ b.double()).float()
+    with tf32lab.precision("medium"), tf32lab.emulate("cpu-amx"):
+        y = a @ b
+        assert unit_roundoff() == (2.0**-8, "bf16-rne")
+        assert_close(y, exact, operands=(a, b))  # bf16's tolerance
+    with tf32lab.emulate("a100"), pytest.raises(AssertionError, match=r"at 'highest' on a100 \(ieee\)"):
+        assert_close(y, exact, operands=(a, b))  # at highest: float32's, which the bf16 result misses
+    with tf32lab.emulate("a100", math="bf16"):  # a math the block forces is the one in force
+        assert unit_roundoff()[1] == "bf16-rne"
+    assert unit_roundoff("highest") == (2.0**-24, "ieee")  # no emulation: this machine's CPU at highest
+    with pytest.raises(tf32lab.Tf32LabError, match="unknown level 'fast'; accepted: 'highest', 'high', 'medium'"):
+        assert_close(y, exact, operands=(a, b), level="fast")
