@@ -1,5 +1,6 @@
 """The pytest plugin, through real pytest runs in subprocesses (pytester): a tolerance-too-tight test, a pinned
-test, a twice-run test, a strict-mode failure, a leak, xdist, and that it costs nothing when off."""
+test, a twice-run test, a strict-mode failure, a leak, xdist, errors of tf32lab's own, the rerun's clean state,
+fixtures of wider scope, bad markers, and that it costs nothing when off; ``tf32lab.testing``'s tolerance."""
 
 from __future__ import annotations
 
@@ -68,12 +69,20 @@ STRICT = textwrap.dedent("""
 """)
 
 LEAK = textwrap.dedent("""
+    import pytest
     import torch
 
     import tf32lab
 
     def test_leaks_a_flag():
         torch.set_float32_matmul_precision("medium")
+
+    @pytest.fixture
+    def sets_a_flag_for_good():
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+
+    def test_uses_a_fixture_that_leaks(sets_a_flag_for_good):
+        pass
 
     def test_sees_the_default():
         assert torch.get_float32_matmul_precision() == "highest"
@@ -139,15 +148,22 @@ def test_strict_mode_fails_a_test_that_ran_an_op_it_cannot_emulate(pytester: pyt
     _run(pytester, "--tf32lab", "a100:high").assert_outcomes(passed=1)
     result = _run(pytester, "--tf32lab", "a100:high", "--tf32lab-strict")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*aten::hspmm belongs to a precision-sensitive family but has no emulation rule*"])
+    result.stdout.fnmatch_lines([
+        "*aten::hspmm belongs to a precision-sensitive family but has no emulation rule*",
+        # a request tf32lab cannot honour, not an effect of precision
+        "*test_sparse_product: tf32lab refused (not precision): Tf32LabError: emulate(strict=True): aten::hspmm*"
+        " (tf32lab/emulator.py:*)",
+    ])
 
 
 def test_a_test_that_leaks_a_flag_or_a_scope_is_named_and_the_next_test_does_not_inherit_it(pytester: pytest.Pytester):
     pytester.makepyfile(test_leak=LEAK)
     result = _run(pytester, "--tf32lab", "a100:high")
-    result.assert_outcomes(passed=5)
+    result.assert_outcomes(passed=6)
     result.stdout.fnmatch_lines([
         "left global state changed: test_leak.py::test_leaks_a_flag: PyTorch flags changed*put back",
+        "left global state changed: test_leak.py::test_uses_a_fixture_that_leaks: PyTorch flags changed"
+        " (*allow_fp16_reduced_precision_reduction*), put back",
         "left global state changed: test_leak.py::test_leaks_a_mode_put_on_raw: 1 dispatch mode(s) left on the stack"
         " (Stray), taken off",
         "left global state changed: test_leak.py::test_leaks_a_scope: 1 precision() scope(s) or emulate() block(s)"
@@ -187,3 +203,267 @@ def test_loaded_but_off_it_imports_no_torch(pytester: pytest.Pytester):
     done = subprocess.run([sys.executable, "-m", "pytest", "--help"], capture_output=True, text=True, timeout=120,
                           cwd=pytester.path)
     assert done.returncode == 0 and "--tf32lab=TARGET[:LEVEL]" in done.stdout
+
+
+INTERNAL_ERROR = textwrap.dedent("""
+    import torch
+
+    import tf32lab
+    from tf32lab import rules
+
+    # A custom op, given tf32lab's own addmm rule through the registry: that rule takes three operands and the
+    # op has two, so the op fails inside tf32lab, while natively it computes fine.
+    LIB = torch.library.Library("tf32labplugintest", "DEF")
+    LIB.define("product(Tensor a, Tensor b) -> Tensor")
+    LIB.impl("product", lambda a, b: a @ b, "CompositeExplicitAutograd")
+    rules.rule(torch.ops.tf32labplugintest.product)(rules.RULES[torch.ops.aten.addmm])
+
+    A, B = torch.randn(8, 16), torch.randn(16, 4)
+
+
+    def test_an_op_whose_rule_breaks():
+        assert torch.ops.tf32labplugintest.product(A, B).shape == (8, 4)
+
+
+    def test_an_ops_own_error():
+        # passed on by the emulator unchanged: the op's own error, as natively
+        torch.linalg.cholesky(-torch.eye(3))
+
+
+    @tf32lab.precision("high")
+    def helper():
+        raise ValueError("the project's own error")
+
+
+    def test_the_projects_code_called_back_from_tf32lab():
+        helper()
+""")
+
+
+def test_an_error_raised_inside_tf32lab_is_never_put_down_to_precision(pytester: pytest.Pytester):
+    pytester.makepyfile(test_internal=INTERNAL_ERROR)
+    result = _run(pytester, "--tf32lab", "a100:high", "--tf32lab-compare")
+    result.assert_outcomes(failed=3)
+    result.stdout.fnmatch_lines([
+        "3 test(s) failed under tf32lab; 0 of them only there (they pass at highest); 1 because of tf32lab itself,"
+        " not precision:",
+        "*test_an_op_whose_rule_breaks: tf32lab error (not precision): ValueError: not enough values to unpack*"
+        " (tf32lab/rules.py:*), please report",
+        "*test_an_ops_own_error: fails at highest too (call: *not positive-definite*",
+        "*test_the_projects_code_called_back_from_tf32lab: fails at highest too (call: ValueError: the project's*",
+    ])
+    assert "passes at highest" not in result.stdout.str()
+    result = _run(pytester, "--tf32lab", "a100:high")  # no rerun: said as plainly as it is known
+    result.stdout.fnmatch_lines([
+        "*test_an_op_whose_rule_breaks: tf32lab error (not precision): ValueError: *(tf32lab/rules.py:*); please"
+        " report it if the test passes without --tf32lab",
+        "*test_an_ops_own_error: fails under a100:high",
+        "*test_the_projects_code_called_back_from_tf32lab: fails under a100:high",
+    ])
+
+
+RERUN = textwrap.dedent("""
+    import random
+
+    import torch
+
+    torch.manual_seed(0)
+    A, B = torch.randn(64, 1024), torch.randn(1024, 64)
+    EXACT = (A.double() @ B.double()).float()
+    DRAWN = []
+
+
+    def product(a, b):
+        return a @ b
+
+
+    def test_compiled_with_fullgraph():
+        # what the emulated run compiled (or failed to) must not fail the rerun at highest
+        y = torch.compile(product, fullgraph=True, backend="eager")(A, B)
+        torch.testing.assert_close(y, EXACT, rtol=1e-5, atol=1e-4)
+
+
+    def test_draws_what_the_first_run_drew():
+        DRAWN.append((random.random(), torch.rand(1).item()))
+        assert DRAWN[-1] == DRAWN[0], "the rerun drew other numbers"
+        torch.testing.assert_close(A @ B, EXACT, rtol=1e-5, atol=1e-4)
+""")
+
+
+def test_the_rerun_at_highest_starts_clean(pytester: pytest.Pytester):
+    pytester.makepyfile(test_rerun=RERUN)
+    _run(pytester).assert_outcomes(passed=2)
+    result = _run(pytester, "--tf32lab", "a100:high", "--tf32lab-compare")
+    result.assert_outcomes(failed=2)
+    out = result.stdout.str()
+    assert "fails at highest too" not in out, out
+    # compiling inside emulate() is either emulated (TF32: too far off) or an error of tf32lab's, never "too"
+    result.stdout.re_match_lines([
+        r".*test_compiled_with_fullgraph: (fails only under a100:high: passes at highest"
+        r"|tf32lab error \(not precision\): .*, please report)$",
+    ])
+    result.stdout.fnmatch_lines(["*test_draws_what_the_first_run_drew: fails only under a100:high: passes at highest"])
+
+
+LEVELS_BY_FIXTURES = {
+    "conftest": textwrap.dedent("""
+        import pytest
+        import torch
+
+
+        @pytest.fixture(scope="session", autouse=True)
+        def project_level():
+            torch.set_float32_matmul_precision("high")
+            yield
+            torch.set_float32_matmul_precision("highest")
+    """),
+    "test_levels": textwrap.dedent("""
+        import pytest
+
+        import tf32lab
+
+
+        @pytest.fixture(scope="module")
+        def at_medium():
+            with tf32lab.precision("medium"):
+                yield
+
+
+        @pytest.fixture
+        def level_seen():
+            return tf32lab.get_float32_matmul_precision()
+
+
+        def test_the_projects_level(level_seen):
+            assert level_seen == "high"
+
+
+        def test_the_projects_level_again(level_seen):
+            assert level_seen == "high"
+
+
+        def test_the_modules_level(at_medium, level_seen):
+            assert level_seen == "medium"
+
+
+        def test_the_modules_level_again(at_medium, level_seen):
+            assert level_seen == "medium"
+    """),
+    "test_class_level": textwrap.dedent("""
+        import pytest
+
+        import tf32lab
+
+
+        class TestAClassAtHighest:
+            @pytest.fixture(scope="class", autouse=True)
+            def at_highest(self):
+                before = tf32lab.get_float32_matmul_precision()
+                tf32lab.set_float32_matmul_precision("highest")
+                yield
+                tf32lab.set_float32_matmul_precision(before)
+
+            def test_one(self):
+                pass
+
+            def test_two(self, request):
+                request.getfixturevalue("lazily")  # a module fixture set up from inside a test
+
+            def test_three(self):
+                # natively: the module fixture's scope, still open; under the plugin: the test's own
+                assert tf32lab.get_float32_matmul_precision() in ("medium", "high")
+
+
+        @pytest.fixture(scope="module")
+        def lazily():
+            with tf32lab.precision("medium"):
+                yield
+    """),
+}
+
+
+@pytest.mark.parametrize("args", [(), ("--tf32lab", "a100:high"), ("-n", "2", "--tf32lab", "a100:high")],
+                         ids=["plain", "emulated", "xdist"])
+def test_state_set_up_by_fixtures_of_wider_scope_is_where_a_test_starts(pytester: pytest.Pytester, args):
+    pytester.makeconftest(LEVELS_BY_FIXTURES["conftest"])
+    pytester.makepyfile(**{k: v for k, v in LEVELS_BY_FIXTURES.items() if k != "conftest"})
+    result = _run(pytester, *args)
+    result.assert_outcomes(passed=7)
+    assert "left global state changed" not in result.stdout.str()
+
+
+BAD_MARKERS = {
+    "test_level": 'tf32lab(level="fast")',
+    "test_target": 'tf32lab(target="b200")',
+    "test_positional": 'tf32lab("high")',
+    "test_levels": 'tf32lab_levels("highest", "fast")',
+}
+
+
+def test_a_bad_marker_is_one_line_naming_the_marker_the_value_and_what_is_accepted(pytester: pytest.Pytester):
+    pytester.makepyfile(**{name: f"import pytest\n\n@pytest.mark.{marker}\ndef test_it():\n    pass\n"
+                           for name, marker in BAD_MARKERS.items()})
+    result = _run(pytester, "--continue-on-collection-errors")
+    result.assert_outcomes(errors=4)
+    result.stdout.fnmatch_lines_random([
+        "@pytest.mark.tf32lab(level='fast'): unknown level 'fast'; accepted: highest, high, medium",
+        "@pytest.mark.tf32lab(target='b200'): unknown target 'b200'; accepted: native, v100*",
+        "@pytest.mark.tf32lab('high'): takes level= and target= only (keywords), got 'high'",
+        "@pytest.mark.tf32lab_levels('highest', 'fast'): unknown precision level 'fast'; accepted: *",
+    ])
+    out = result.stdout.str()
+    assert "pytest_plugin.py" not in out and "Traceback" not in out and "--tf32lab" not in out, out
+
+
+TOLERANCE = textwrap.dedent("""
+    import pytest
+    import torch
+
+    import tf32lab
+    from tf32lab.testing import assert_close, unit_roundoff
+
+    torch.manual_seed(0)
+    A, B = torch.randn(64, 1024), torch.randn(1024, 64)
+    EXACT = (A.double() @ B.double()).float()
+
+
+    def test_the_runs_level_decides():
+        with tf32lab.precision("high"):
+            y = A @ B  # TF32, as the A100 being emulated computes it at high
+        assert_close(y, EXACT, operands=(A, B), level="high")
+        with pytest.raises(AssertionError, match="at 'highest' on a100 \\(ieee\\)"):
+            assert_close(y, EXACT, operands=(A, B))  # the run's level: float32's tolerance
+
+
+    @pytest.mark.tf32lab(target="cpu-amx", level="medium")
+    def test_the_markers_target_and_level_decide():
+        assert unit_roundoff() == (2.0**-8, "bf16-rne")
+        assert_close(A @ B, EXACT, operands=(A, B))
+""")
+
+
+def test_assert_close_follows_the_target_and_level_of_the_run(pytester: pytest.Pytester):
+    pytester.makepyfile(test_tolerance=TOLERANCE)
+    _run(pytester, "--tf32lab", "a100:highest").assert_outcomes(passed=2)
+
+
+def test_assert_close_takes_the_math_of_the_emulation_and_the_scope_it_runs_in():
+    import torch
+
+    import tf32lab
+    from tf32lab.testing import assert_close, unit_roundoff
+
+    torch.manual_seed(0)
+    a, b = torch.randn(32, 512), torch.randn(512, 16)
+    exact = (a.double() @ b.double()).float()
+    with tf32lab.precision("medium"), tf32lab.emulate("cpu-amx"):
+        y = a @ b
+        assert unit_roundoff() == (2.0**-8, "bf16-rne")
+        assert_close(y, exact, operands=(a, b))  # bf16's tolerance
+    with tf32lab.emulate("a100"), pytest.raises(AssertionError, match=r"at 'highest' on a100 \(ieee\)"):
+        assert_close(y, exact, operands=(a, b))  # at highest: float32's, which the bf16 result misses
+    with tf32lab.emulate("a100", math="bf16"):  # a math the block forces is the one in force
+        assert unit_roundoff()[1] == "bf16-rne"
+    assert unit_roundoff("highest") == (2.0**-24, "ieee")  # no emulation: this machine's CPU at highest
+    with pytest.raises(tf32lab.Tf32LabError, match="unknown level 'fast'; accepted: 'highest', 'high', 'medium'"):
+        assert_close(y, exact, operands=(a, b), level="fast")

@@ -8,26 +8,38 @@ of its markers, so ``pytest --help`` elsewhere costs what it did.
   this machine's own hardware): each test's body runs inside ``precision(LEVEL)`` and ``emulate(TARGET)``. Fixtures
   are set up outside it. Threads a test starts run natively unless they enter ``emulate()`` themselves.
 - ``--tf32lab-strict``: a matmul-family op the emulator does not handle fails the test, naming the op.
-- ``--tf32lab-compare``: a test that fails under the emulated level is run again at ``highest``, natively, with the
-  same fixtures; the summary says "fails only under a100:high" or "fails at highest too".
+- ``--tf32lab-compare``: a test that fails under the emulated level is run again at ``highest``, natively, with
+  fresh function-scoped fixtures, the random generators as the first run found them and Dynamo's caches reset;
+  the summary says "fails only under a100:high" or "fails at highest too".
+- A failure raised inside tf32lab itself (the emulator, a rule, ``formats``; a frame that only handed an op on
+  does not count, nor the test's own code that tf32lab called back) is never put down to precision: the summary
+  says "tf32lab error (not precision): <error> (tf32lab/<file>:<line>), please report", or "tf32lab refused (not
+  precision): ..." for a ``Tf32LabError`` (``--tf32lab-strict``, say).
 - ``@pytest.mark.tf32lab(level=..., target=...)`` pins a test (``level="highest"``: PyTorch's ``with_tf32_off``);
   ``@pytest.mark.tf32lab_levels("highest", "high")`` runs it once per level (``tf32_on_and_off``), the level in the
   test id and in the ``tf32lab_level`` fixture. Both work without ``--tf32lab`` too: then natively, unless the
-  marker names a target.
-- Every test that runs under tf32lab has PyTorch's precision flags, tf32lab's scopes and the dispatch mode stack
-  compared before and after; a test that leaks one is named in the summary, and the flags are put back so the
-  next test does not inherit them.
+  marker names a target. A bad value fails that test (or, for ``tf32lab_levels``, its module's collection) with
+  one line naming the marker, the value and what is accepted.
+- Every test that runs under tf32lab starts from the state its fixtures of wider scope (session, package,
+  module, class) set up: a project's level set in a session fixture, a module held in ``precision()``. What the
+  test and its function-scoped fixtures leave changed (PyTorch's precision flags, tf32lab's scopes, the
+  dispatch mode stack) is named in the summary and undone, so the next test does not inherit it.
 
-``tf32lab.testing`` gives tolerances derived from the math (``tolerance``, ``assert_close``). Works with
+``tf32lab.testing`` gives tolerances derived from the math (``tolerance``, ``assert_close``); by default they
+follow the target and level in force, so under ``--tf32lab`` a test's tolerance is its run's. Works with
 pytest-xdist: each worker sets itself up; the summary gathers the workers' findings.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import linecache
 import os
+import sys
+import sysconfig
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pytest
 
@@ -71,23 +83,40 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("tf32lab", "TARGET[:LEVEL]: as --tf32lab", default="")
 
 
-def _parse(spec: str) -> tuple[Optional[str], str]:
-    """``a100:high`` -> (``a100``, ``high``); a bad value is a ``pytest.UsageError`` naming what is accepted."""
-    from .errors import Tf32LabError
+class _BadValue(Exception):
+    """One value of the plugin's options or markers is wrong; the message names it and what is accepted."""
+
+
+def _level(level: object) -> str:
     from .levels import LEVELS
+
+    name = level.strip().lower() if isinstance(level, str) else level
+    if name not in LEVELS:
+        raise _BadValue(f"unknown level {level!r}; accepted: {', '.join(LEVELS)}")
+    return name  # type: ignore[return-value]
+
+
+def _target(name: object) -> Optional[str]:
+    """A target's name as ``tf32lab.targets`` spells it; None for ``native`` (this machine's own hardware)."""
+    from .errors import Tf32LabError
     from .targets import TARGETS, get
 
-    target, _, level = spec.strip().lower().partition(":")
-    level = level or DEFAULT_LEVEL
-    if level not in LEVELS:
-        raise pytest.UsageError(f"--tf32lab {spec!r}: unknown level {level!r}; accepted: {', '.join(LEVELS)}")
-    if target == "native":
-        return None, level
+    key = name.strip().lower() if isinstance(name, str) else name
+    if key == "native":
+        return None
     try:
-        return get(target).name, level
+        return get(key).name  # type: ignore[arg-type]
     except Tf32LabError:
-        raise pytest.UsageError(f"--tf32lab {spec!r}: unknown target {target!r}; accepted: native, "
-                                f"{', '.join(TARGETS)}") from None
+        raise _BadValue(f"unknown target {name!r}; accepted: native, {', '.join(TARGETS)}") from None
+
+
+def _parse(spec: str) -> tuple[Optional[str], str]:
+    """``a100:high`` -> (``a100``, ``high``); a bad value is a ``pytest.UsageError`` naming what is accepted."""
+    target, _, level = spec.strip().partition(":")
+    try:
+        return _target(target), _level(level or DEFAULT_LEVEL)
+    except _BadValue as exc:
+        raise pytest.UsageError(f"--tf32lab {spec!r}: {exc}") from None
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -121,9 +150,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     from .levels import check_levels
 
     try:
-        levels = check_levels(marker.args)
+        levels, bad = check_levels(marker.args), None
     except Exception as exc:
-        raise pytest.UsageError(f"{metafunc.definition.nodeid}: @pytest.mark.tf32lab_levels: {exc}") from None
+        levels, bad = (), str(exc)
+    if bad is not None:  # a collection error of one line: the marker, the bad value, the accepted levels
+        pytest.fail(f"@pytest.mark.tf32lab_levels{_arguments(marker)}: {bad}", pytrace=False)
     if "tf32lab_level" not in metafunc.fixturenames:
         metafunc.fixturenames.append("tf32lab_level")
     metafunc.parametrize("tf32lab_level", levels, ids=[f"tf32lab-{level}" for level in levels], indirect=True)
@@ -138,23 +169,45 @@ def tf32lab_level(request: pytest.FixtureRequest) -> Optional[str]:
     return _placement(request.node)[1]
 
 
+def _arguments(marker: pytest.Mark) -> str:
+    return "(" + ", ".join([*map(repr, marker.args), *(f"{k}={v!r}" for k, v in marker.kwargs.items())]) + ")"
+
+
+_PLACEMENT = pytest.StashKey[tuple]()
+
+
 def _placement(item: pytest.Item) -> tuple[Optional[str], Optional[str]]:
-    """(target, level) for this test: its markers over the session's setting; (None, None): not under tf32lab."""
+    """(target, level) for this test: its markers over the session's setting; (None, None): not under tf32lab.
+
+    A bad marker fails the test with one line naming the marker, the value and what is accepted."""
+    placed = item.stash.get(_PLACEMENT, None)
+    if placed is not None:
+        return placed
     settings = item.config.stash[_KEY]
     target, level = settings.target, settings.level
     marker = item.get_closest_marker("tf32lab")
     if marker is not None:
-        unknown = set(marker.kwargs) - {"level", "target"}
+        where = f"@pytest.mark.tf32lab{_arguments(marker)}"
+        unknown = sorted(set(marker.kwargs) - {"level", "target"})
         if marker.args or unknown:
-            raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.tf32lab takes level= and target= only")
-        if marker.kwargs.get("target"):
-            target = _parse(f"{marker.kwargs['target']}:{marker.kwargs.get('level') or level or DEFAULT_LEVEL}")[0]
-        if marker.kwargs.get("level"):
-            level = _parse(f"native:{marker.kwargs['level']}")[1]
+            pytest.fail(f"{where}: takes level= and target= only (keywords), got "
+                        f"{', '.join([*map(repr, marker.args), *unknown])}", pytrace=False)
+        try:
+            if marker.kwargs.get("target") is not None:
+                target = _target(marker.kwargs["target"])
+                level = level or DEFAULT_LEVEL
+            if marker.kwargs.get("level") is not None:
+                level = _level(marker.kwargs["level"])
+            bad = None
+        except _BadValue as exc:
+            bad = str(exc)
+        if bad is not None:  # (outside the handler: one line, no chained traceback)
+            pytest.fail(f"{where}: {bad}", pytrace=False)
     callspec = getattr(item, "callspec", None)
     if callspec is not None and "tf32lab_level" in callspec.params:
         level = callspec.params["tf32lab_level"]
-    return target, level
+    placed = item.stash[_PLACEMENT] = (target, level)
+    return placed
 
 
 def _under_tf32lab(item: pytest.Item) -> bool:
@@ -162,44 +215,116 @@ def _under_tf32lab(item: pytest.Item) -> bool:
         item.get_closest_marker("tf32lab_levels") is not None
 
 
-# -- running a test ------------------------------------------------------------------------------------------
-_BEFORE = pytest.StashKey[tuple]()
+# -- what a test starts from, and what it leaves ------------------------------------------------------------
+class _Baseline:
+    """The global state a test starts from: PyTorch's flags, the open scopes and ``emulate()`` blocks, the
+    dispatch mode stack. Taken after the fixtures of wider scope (session, package, module, class) are set up,
+    so what they establish (a project's level, a module held in ``precision()``) is where the test starts, and
+    only what the test and its function-scoped fixtures change counts as left behind."""
+
+    __slots__ = ("checked", "flags", "modes", "nodes")
+
+    def __init__(self) -> None:
+        from . import flags, scope
+
+        self.flags: Optional[flags.Snapshot] = flags.snapshot()
+        self.nodes, self.modes = scope.open_nodes(), _modes()
+        self.checked = False
+
+    def absorb(self, before: _Baseline, after: _Baseline) -> None:
+        """A fixture of wider scope was set up during the test (``request.getfixturevalue``): what it did between
+        ``before`` and ``after`` belongs to the baseline too."""
+        opened = after.nodes - before.nodes
+        self.nodes = self.nodes | opened
+        self.modes = self.modes + [m for m in after.modes if all(m is not b for b in before.modes)]
+        if opened:  # a scope opened inside the test's own: the flags it will hold later are not known here
+            self.flags = None
+        elif after.flags != before.flags and self.flags is not None:
+            self.flags = after.flags
+
+
+_BASELINE = pytest.StashKey[_Baseline]()
+_STATE_FIXTURE = "_tf32lab_state"
+_current: Optional[_Baseline] = None  # the running test's baseline, while its function-scoped fixtures are up
+
+
+@pytest.fixture(autouse=True)
+def _tf32lab_state(request: pytest.FixtureRequest):
+    """Takes the test's baseline and, at its teardown, undoes what the test left changed.
+
+    Pytest sets fixtures of wider scope up before function-scoped ones, and this autouse fixture of a plugin
+    comes first among those; its teardown runs after theirs and before a wider fixture's."""
+    global _current
+    item = request.node
+    if not _under_tf32lab(item):
+        yield
+        return
+    if not item.config.pluginmanager.has_plugin(_WiderFixtures.NAME):
+        item.config.pluginmanager.register(_WiderFixtures(), _WiderFixtures.NAME)
+    baseline = item.stash[_BASELINE] = _Baseline()
+    if item.config.stash[_KEY].compare:
+        if item.stash.get(_RERUN, False):
+            _set_rng(item.stash[_RNG])  # the rerun draws what the first run drew
+        else:
+            item.stash[_RNG] = _rng()
+    _current = baseline
+    yield
+    _current = None
+    _undo_leaks(item, item.stash[_BASELINE])
+
+
+class _WiderFixtures:
+    """Registered once a test runs under tf32lab (a hook on every fixture's setup costs every project)."""
+
+    NAME = "tf32lab-wider-fixtures"
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest):
+        baseline = _current
+        if baseline is None or fixturedef.scope == "function":
+            yield
+            return
+        before = _Baseline()
+        yield
+        baseline.absorb(before, _Baseline())
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item: pytest.Item):
     if _under_tf32lab(item):
-        from . import flags, scope
-
-        item.stash[_BEFORE] = (flags.snapshot(), scope.open_nodes(), _modes())
+        _placement(item)  # a bad marker fails here, in one line
+        if _STATE_FIXTURE not in getattr(item, "fixturenames", ()):  # an item without fixtures: from here
+            item.stash[_BASELINE] = _Baseline()
     yield
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outermost: the rerun starts after every plugin's teardown
 def pytest_runtest_teardown(item: pytest.Item, nextitem: Optional[pytest.Item]):
+    global _current
     yield
-    before = item.stash.get(_BEFORE, None)
-    if before is None:
-        return
-    _leaks(item, before)
+    _current = None
+    baseline = item.stash.get(_BASELINE, None)
+    if baseline is not None and not baseline.checked:
+        _undo_leaks(item, baseline)
     if item.stash.get(_FAILED, False) and not item.stash.get(_RERUN, False):
         # on the teardown's report, which is made after this: it reaches an xdist controller too
         item.user_properties.append((_PROPERTY, _verdict(item, nextitem)))
         item.stash[_FAILED] = False
 
 
-def _leaks(item: pytest.Item, before: tuple) -> None:
+def _undo_leaks(item: pytest.Item, baseline: _Baseline) -> None:
     """Name what the test left behind, and undo it: open scopes and emulate() blocks closed, dispatch modes it
-    pushed taken off, flags put back."""
+    pushed taken off, flags put back. The rerun of --tf32lab-compare is cleaned the same way, but not named."""
     from . import flags, modestack, scope
 
+    baseline.checked = True
     leaked = []
-    closed = scope.close_since(before[1])
+    closed = scope.close_since(baseline.nodes)
     if closed:
         leaked.append(f"{closed} precision() scope(s) or emulate() block(s) left open, closed")
     scope.drop_idle_guard()  # tf32lab's own, not the test's: its bookkeeping goes with it
     extra = [mode for mode in _modes()
-             if all(mode is not m for m in before[2]) and not scope.is_guard(mode)]
+             if all(mode is not m for m in baseline.modes) and not scope.is_guard(mode)]
     for mode in extra:
         try:
             modestack.remove(mode)
@@ -208,10 +333,10 @@ def _leaks(item: pytest.Item, before: tuple) -> None:
     if extra:
         leaked.append(f"{len(extra)} dispatch mode(s) left on the stack ({type(extra[0]).__name__}), taken off")
     after = flags.snapshot()
-    if after != before[0]:
-        leaked.append(f"PyTorch flags changed ({before[0].diff(after)}), put back")
-        flags.restore(before[0])
-    if leaked:
+    if baseline.flags is not None and after != baseline.flags:
+        leaked.append(f"PyTorch flags changed ({baseline.flags.diff(after)}), put back")
+        flags.restore(baseline.flags)
+    if leaked and not item.stash.get(_RERUN, False):
         item.user_properties.append((_LEAK, "; ".join(leaked)))  # before the teardown's report is made
 
 
@@ -221,8 +346,38 @@ def _modes() -> list:
     return list(_get_current_dispatch_mode_stack())
 
 
+_RNG = pytest.StashKey[tuple]()
+
+
+def _rng() -> tuple:
+    """The random generators' states (Python's, torch's, NumPy's when loaded) before the function-scoped
+    fixtures draw: the rerun gets the same inputs, so its verdict is about precision only."""
+    import random
+
+    import torch
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    numpy = sys.modules.get("numpy")
+    return random.getstate(), torch.get_rng_state(), cuda, numpy.random.get_state() if numpy is not None else None
+
+
+def _set_rng(state: tuple) -> None:
+    import random
+
+    import torch
+
+    python, cpu, cuda, numpy = state
+    random.setstate(python)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+    if numpy is not None:
+        sys.modules["numpy"].random.set_state(numpy)
+
+
 _FAILED = pytest.StashKey[bool]()
 _RERUN = pytest.StashKey[bool]()
+_INSIDE = pytest.StashKey[Optional[tuple]]()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -254,20 +409,29 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     report = outcome.get_result()
     # the report, not the call, knows: a unittest TestCase's failure is recorded, not raised
-    if report.when == "call" and report.failed and item.config.stash[_KEY].enabled and _under_tf32lab(item):
+    if report.when == "call" and report.failed and item.config.stash[_KEY].enabled and _under_tf32lab(item) \
+            and not item.stash.get(_RERUN, False):
         item.stash[_FAILED] = True
+        # (pytest's unittest plugin has put the TestCase's recorded error on the call by now)
+        item.stash[_INSIDE] = _inside_tf32lab(call.excinfo) if call.excinfo is not None else None
 
 
 def _verdict(item: pytest.Item, nextitem: Optional[pytest.Item]) -> str:
     """What a failure under tf32lab means; with --tf32lab-compare, after running the test again at highest (its
-    whole protocol, fresh function-scoped fixtures, nothing logged)."""
+    whole protocol, fresh function-scoped fixtures, the same random draws, Dynamo reset, nothing logged).
+
+    An exception raised inside tf32lab is never put down to precision."""
     from _pytest.runner import runtestprotocol
 
     target, level = _placement(item)
     where = f"{target or 'native'}:{level}"
+    inside = item.stash.get(_INSIDE, None)
     if not item.config.stash[_KEY].compare or level == "highest":
+        if inside is not None:
+            return _not_precision(inside, natively=None)
         return f"fails under {where}"
     item.stash[_RERUN] = True
+    _reset_compilers()
     if hasattr(item, "_request"):  # fresh fixtures (a new tmp_path): the first run's values are still cached here
         item._request = False
         item.funcargs = None
@@ -276,9 +440,126 @@ def _verdict(item: pytest.Item, nextitem: Optional[pytest.Item]) -> str:
     finally:
         item.stash[_RERUN] = False
     failed = next((r for r in reports if r.failed), None)
-    if failed is None:
-        return f"fails only under {where}: passes at highest"
-    return f"fails at highest too ({failed.when}: {_first_line(failed)})"
+    if failed is not None:
+        return f"fails at highest too ({failed.when}: {_first_line(failed)})"
+    if inside is not None:
+        return _not_precision(inside, natively=True)
+    return f"fails only under {where}: passes at highest"
+
+
+_NOT_PRECISION = ("tf32lab error (not precision)", "tf32lab refused (not precision)")
+
+
+def _not_precision(inside: tuple, natively: Optional[bool]) -> str:
+    error, where, refused = inside
+    if refused:  # Tf32LabError: a request tf32lab cannot honour (strict mode, a thread it cannot serve)
+        return f"{_NOT_PRECISION[1]}: {error} ({where})"
+    if natively:
+        return f"{_NOT_PRECISION[0]}: {error} ({where}), please report"
+    return f"{_NOT_PRECISION[0]}: {error} ({where}); please report it if the test passes without --tf32lab"
+
+
+def _reset_compilers() -> None:
+    """What the emulated run compiled (or failed to) must not decide the rerun: Dynamo's caches go, as
+    PyTorch's own Dynamo tests reset between tests (``torch._dynamo.test_case.TestCase``). Not imported here
+    if the program never loaded it."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None and hasattr(dynamo, "reset"):
+        dynamo.reset()
+
+
+# -- was it raised inside tf32lab? ---------------------------------------------------------------------------
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_FORWARD = "func(*args, **kwargs)"  # how tf32lab's modes hand an op on, unchanged, to run as it would natively
+
+
+def _inside_tf32lab(excinfo: pytest.ExceptionInfo) -> Optional[tuple[str, str, bool]]:
+    """``(error, where, refused)`` when the failure was raised by tf32lab's own code, else None.
+
+    The traceback is read from the frame that raised outwards, PyTorch's and the standard library's frames
+    passed over: the first frame of tf32lab's decides for tf32lab, unless it only handed an op on
+    (``func(*args, **kwargs)`` in a dispatch mode: the op's own error, as it would raise natively); the first
+    frame of anyone else's (the test, the project, a callback tf32lab made) decides against. An exception a
+    library raised while handling one of tf32lab's is tf32lab's. ``testing.assert_close``'s AssertionError is
+    a verdict on precision, not an error."""
+    exc: Optional[BaseException] = excinfo.value
+    tb = excinfo.tb
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        where = _raised_in(tb, exc)
+        if where is not _LIBRARY:
+            if where is None:
+                return None
+            from .errors import Tf32LabError
+
+            lines = str(exc).strip().splitlines()
+            error = f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
+            return error, where, isinstance(exc, Tf32LabError)
+        exc = exc.__cause__ or exc.__context__
+        tb = exc.__traceback__ if exc is not None else None
+    return None
+
+
+_LIBRARY = "library"
+
+
+def _raised_in(tb: Any, exc: BaseException) -> Optional[str]:
+    """``"tf32lab/x.py:N"``, None (someone else's), or _LIBRARY (only library frames)."""
+    frames: list[tuple[str, int, Callable[[], bool]]] = []
+    while tb is not None:
+        frames.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno, functools.partial(_forwards, tb)))
+        tb = tb.tb_next
+    # Dynamo's errors carry the frames it was tracing symbolically when it gave up: the innermost ones
+    for summary in getattr(exc, "real_stack", None) or ():
+        frames.append((summary.filename, summary.lineno or 0, functools.partial(_forwarding_line, summary.line)))
+    for filename, lineno, forwards in reversed(frames):
+        kind = _kind(filename)
+        if kind == _LIBRARY:
+            continue
+        if kind != "tf32lab":
+            return None
+        if filename.endswith(f"{os.sep}testing.py") and isinstance(exc, AssertionError):
+            return None
+        if forwards():
+            return None
+        return f"tf32lab/{os.path.abspath(filename)[len(_PACKAGE):]}:{lineno}"
+    return _LIBRARY
+
+
+@functools.cache
+def _kind(filename: str) -> str:
+    path = os.path.abspath(filename) if not filename.startswith("<") else filename
+    if path.startswith(_PACKAGE):
+        return "tf32lab"
+    if filename.startswith("<"):  # <frozen importlib...>, code PyTorch generated (torch.fx, Dynamo)
+        return _LIBRARY
+    torch = sys.modules.get("torch")
+    if torch is not None and path.startswith(os.path.dirname(os.path.abspath(torch.__file__)) + os.sep):
+        return _LIBRARY
+    parts = path.split(os.sep)
+    if "site-packages" in parts or "dist-packages" in parts:
+        return "other"
+    stdlib = {os.path.abspath(sysconfig.get_paths()[key]) + os.sep for key in ("stdlib", "platstdlib")}
+    return _LIBRARY if any(path.startswith(prefix) for prefix in stdlib) else "other"
+
+
+def _forwards(entry: Any) -> bool:
+    """Whether this frame of tf32lab's was handing an op on unchanged when the exception passed through it."""
+    code, lineno = entry.tb_frame.f_code, entry.tb_lineno
+    positions = getattr(code, "co_positions", None)
+    if positions is not None:  # Python 3.11+: the very expression that was running
+        try:
+            start, end, first, last = list(positions())[entry.tb_lasti // 2]
+        except (IndexError, ValueError):
+            start = None
+        if start is not None and start == end and first is not None and last is not None:
+            return linecache.getline(code.co_filename, start)[first:last] == _FORWARD
+    return _forwarding_line(linecache.getline(code.co_filename, lineno))
+
+
+def _forwarding_line(line: Optional[str]) -> bool:
+    return _FORWARD in (line or "")
 
 
 def _first_line(report: pytest.TestReport) -> str:
@@ -312,9 +593,11 @@ class _Collector:
         if settings.enabled:
             write(settings.describe())
         if settings.findings:
-            only = [f for f in settings.findings if "fails only under" in f[1]]
+            only = sum(verdict.startswith("fails only under") for _, verdict in settings.findings)
+            ours = sum(verdict.startswith(_NOT_PRECISION) for _, verdict in settings.findings)
             write(f"{len(settings.findings)} test(s) failed under tf32lab"
-                  + (f"; {len(only)} of them only there (they pass at highest)" if settings.compare else "") + ":")
+                  + (f"; {only} of them only there (they pass at highest)" if settings.compare else "")
+                  + (f"; {ours} because of tf32lab itself, not precision" if ours else "") + ":")
             for nodeid, verdict in settings.findings:
                 write(f"  {nodeid}: {verdict}")
         elif settings.enabled:
