@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -513,6 +514,26 @@ def test_a_bad_toml_file_and_a_missing_file(tmp_path):
         Policy.load(tmp_path / "p.toml")
     with pytest.raises(Tf32LabError, match="cannot read it"):
         Policy.load(tmp_path / "none.json")
+
+
+@pytest.mark.parametrize("rules,message", [
+    ([("*", "high"), ("v_head", "highest")], "policy rule 2 ('v_head') never applies: rule 1 ('*') comes first"),
+    ([("v_head*", "high"), ("v_head.*", "highest")], "rule 2 ('v_head.*') never applies: rule 1 ('v_head*')"),
+    ([("pi", "high"), ("body.?", "medium"), ("body.[02]", "highest")], "rule 3 ('body.[02]') never applies: rule 2"),
+    ([("v_head", "high"), ("v_head", "highest")], "rule 2 ('v_head') never applies: rule 1 ('v_head')"),
+])
+def test_a_rule_an_earlier_rule_shadows_is_an_error(rules, message):
+    # the first match wins, so the later rule could never give a module its level: a mistake, not a preference
+    with pytest.raises(Tf32LabError, match=re.escape(message)) as info:
+        Policy("high", rules)
+    assert "put the narrower rule first" in str(info.value) and "\n" not in str(info.value)
+    if rules[0][0] != rules[-1][0]:
+        Policy("high", rules[::-1])  # the narrower rule first: both apply somewhere
+
+
+def test_overlapping_rules_that_each_match_something_of_their_own_are_fine():
+    Policy("high", [("v_head.2", "medium"), ("v_head*", "highest"), ("*.0", "medium"), ("body.*", "high")])
+    Policy("high", [("[*]", "medium"), ("*", "highest")])  # a literal star first, then everything else
 
 
 def test_a_pattern_that_matches_no_module_is_an_error_or_with_strict_false_a_warning():

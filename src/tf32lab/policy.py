@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import functools
 import json
 import sys
 import threading
@@ -60,6 +61,101 @@ def _level(value: object, where: str) -> str:
     if isinstance(value, str) and value.lower() in LEVELS:
         return value.lower()
     raise Tf32LabError(f"{where}: unknown level {value!r}; accepted: {', '.join(map(repr, LEVELS))}")
+
+
+_STAR = None  # a token of a pattern: "*", else (negated, characters) for one character
+
+
+def _tokens(pattern: str) -> Optional[list[Any]]:
+    """``pattern`` as fnmatch reads it (``*``, ``?``, ``[seq]``, ``[!seq]``, literal characters), or None for a
+    class with a range too wide to list."""
+    out: list[Any] = []
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        i += 1
+        if c == "*":
+            if not out or out[-1] is not _STAR:
+                out.append(_STAR)
+        elif c == "?":
+            out.append((True, frozenset()))
+        elif c == "[":
+            j = i
+            if j < n and pattern[j] == "!":
+                j += 1
+            if j < n and pattern[j] == "]":
+                j += 1
+            while j < n and pattern[j] != "]":
+                j += 1
+            if j >= n:  # no closing bracket: a literal "[", as fnmatch reads it
+                out.append((False, frozenset("[")))
+                continue
+            body, i = pattern[i:j], j + 1
+            negated = body.startswith("!")
+            body = body[1:] if negated else body
+            chars: set[str] = set()
+            k = 0
+            while k < len(body):
+                if k + 2 < len(body) and body[k + 1] == "-":
+                    low, high = ord(body[k]), ord(body[k + 2])
+                    if high - low > 1024:
+                        return None
+                    chars.update(map(chr, range(low, high + 1)))
+                    k += 3
+                else:
+                    chars.add(body[k])
+                    k += 1
+            out.append((negated, frozenset(chars)))
+        else:
+            out.append((False, frozenset(c)))
+    return out
+
+
+def _closure(tokens: list[Any], states: frozenset[int]) -> frozenset[int]:
+    more = set(states)
+    for s in sorted(states):
+        while s < len(tokens) and tokens[s] is _STAR:  # "*" may match nothing
+            s += 1
+            more.add(s)
+    return frozenset(more)
+
+
+def _step(tokens: list[Any], states: frozenset[int], char: Optional[str]) -> frozenset[int]:
+    """The states after one character (None: any character no pattern names)."""
+    nxt = set()
+    for s in states:
+        if s == len(tokens):
+            continue
+        token = tokens[s]
+        if token is _STAR:
+            nxt.add(s)
+        elif (char is not None and char in token[1]) != token[0]:
+            nxt.add(s + 1)
+    return _closure(tokens, frozenset(nxt))
+
+
+@functools.lru_cache(maxsize=4096)
+def _covers(wide: str, narrow: str) -> bool:
+    """Whether every name ``narrow`` matches, ``wide`` matches too (fnmatch, case-sensitive): the two patterns'
+    automata run side by side over the characters they name and one for all others."""
+    a, b = _tokens(wide), _tokens(narrow)
+    if a is None or b is None:
+        return wide == narrow
+    alphabet = [*sorted({c for t in (*a, *b) if t is not _STAR for c in t[1]}), None]
+    start = (_closure(a, frozenset({0})), _closure(b, frozenset({0})))
+    seen, todo = {start}, [start]
+    while todo:
+        sa, sb = todo.pop()
+        if len(b) in sb and len(a) not in sa:
+            return False  # a name the narrow one matches and the wide one does not
+        for char in alphabet:
+            nb = _step(b, sb, char)
+            if nb:
+                pair = (_step(a, sa, char), nb)
+                if pair not in seen:
+                    seen.add(pair)
+                    todo.append(pair)
+    return True
 
 
 class Rule(NamedTuple):
@@ -123,6 +219,11 @@ class Policy:
             if not isinstance(pattern, str):
                 raise Tf32LabError(f"policy rule {i}: the pattern {pattern!r} is not a string")
             rules.append(Rule(pattern, _level(level, f"policy rule {i} ({pattern!r})")))
+            shadow = next((j for j, earlier in enumerate(rules[:-1], 1) if _covers(earlier.pattern, pattern)), None)
+            if shadow is not None:  # the first match wins: this rule could never give a module its level
+                raise Tf32LabError(
+                    f"policy rule {i} ({pattern!r}) never applies: rule {shadow} ({rules[shadow - 1].pattern!r}) "
+                    "comes first and matches every module name it matches; put the narrower rule first")
         object.__setattr__(self, "default", default)
         object.__setattr__(self, "rules", tuple(rules))
 
