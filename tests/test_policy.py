@@ -13,6 +13,7 @@ import warnings
 import weakref
 from pathlib import Path
 
+import hypothesis
 import pytest
 import torch
 
@@ -472,6 +473,59 @@ def test_save_and_load_round_trip(tmp_path, suffix):
     path = policy.save(tmp_path / f"policy{suffix}")
     assert Policy.load(path) == policy
     assert Policy.load(Policy(rules=[("v", "highest")]).save(tmp_path / f"p2{suffix}")).default is None
+
+
+@pytest.mark.parametrize("suffix", [".json", ".toml"])
+def test_names_outside_the_basic_plane_and_control_characters_round_trip(tmp_path, suffix):
+    # JSON writes U+1F600 as a surrogate pair escape, which TOML refuses: the TOML writer has its own escapes
+    policy = Policy("high", [("enc\U0001F600der.*", "highest"), ('tab\there "q" back\\slash\x7f\x00', "medium")])
+    assert Policy.load(policy.save(tmp_path / f"p{suffix}")) == policy
+
+
+@hypothesis.settings(max_examples=60, deadline=None,
+                     suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
+@hypothesis.given(pattern=hypothesis.strategies.text(max_size=12))  # every code point but lone surrogates
+def test_any_pattern_round_trips_through_toml(tmp_path, pattern):
+    policy = Policy(None, [(pattern, "high")])
+    assert Policy.load(policy.save(tmp_path / "p.toml")) == policy
+
+
+def test_a_hand_written_toml_file_with_an_emoji_comment_loads_and_a_lone_surrogate_is_refused(tmp_path):
+    path = tmp_path / "p.toml"
+    path.write_text('# tuned for \U0001F600\nschema_version = 1\n[[rules]]\npattern = "v_\U0001F600"\nlevel = "high"\n',
+                    encoding="utf-8")
+    assert Policy.load(path).rules == (Rule("v_\U0001F600", "high"),)
+    with pytest.raises(Tf32LabError, match=r"lone surrogate .* save the policy as JSON"):
+        Policy(None, [("bad\udc80", "high")]).save(tmp_path / "q.toml")
+    assert not (tmp_path / "q.toml").exists()
+    assert Policy.load(Policy(None, [("bad\udc80", "high")]).save(tmp_path / "q.json")).rules[0].pattern == "bad\udc80"
+
+
+DEEP = {
+    "p.json": "[" * 100_000 + "]" * 100_000,
+    "q.json": '{"schema_version": 1, "rules": [' + "[" * 900 + "]" * 900 + "]}",
+    "p.toml": "a = " + "[" * 100_000 + "]" * 100_000,
+    "q.toml": "a = " + "{b = " * 5_000 + "1" + "}" * 5_000,
+    "r.toml": "x" + ".x" * 100_000 + " = 1",  # tomllib: time and memory grow with the square of the depth
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEEP))
+def test_a_file_nested_very_deep_is_one_line(tmp_path, name):
+    path = tmp_path / name
+    path.write_text(DEEP[name])
+    with pytest.raises(Tf32LabError) as info:
+        Policy.load(path)
+    message = str(info.value)
+    assert "\n" not in message and len(message) < 300 and name in message
+
+
+def test_policy_show_on_a_file_nested_very_deep_exits_2_with_one_line(tmp_path):
+    (tmp_path / "p.json").write_text("[" * 100_000 + "]" * 100_000)
+    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "policy", "show", str(tmp_path / "p.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1 and "nested too deeply" in done.stderr
 
 
 def test_the_json_form_is_plain_and_versioned():

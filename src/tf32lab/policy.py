@@ -30,6 +30,8 @@ import dataclasses
 import fnmatch
 import functools
 import json
+import re
+import reprlib
 import sys
 import threading
 import warnings
@@ -60,7 +62,7 @@ _LEAF = 1 << 63  # AccumulateGrad nodes carry the largest sequence number; they 
 def _level(value: object, where: str) -> str:
     if isinstance(value, str) and value.lower() in LEVELS:
         return value.lower()
-    raise Tf32LabError(f"{where}: unknown level {value!r}; accepted: {', '.join(map(repr, LEVELS))}")
+    raise Tf32LabError(f"{where}: unknown level {reprlib.repr(value)}; accepted: {', '.join(map(repr, LEVELS))}")
 
 
 _STAR = None  # a token of a pattern: "*", else (negated, characters) for one character
@@ -214,10 +216,10 @@ class Policy:
                     raise Tf32LabError(f"policy rule {i}: missing {missing[0]!r}")
                 rule = (rule["pattern"], rule["level"])
             if isinstance(rule, (str, bytes)) or not isinstance(rule, (tuple, list)) or len(rule) != 2:
-                raise Tf32LabError(f"policy rule {i}: {rule!r} is not a (pattern, level) pair")
+                raise Tf32LabError(f"policy rule {i}: {reprlib.repr(rule)} is not a (pattern, level) pair")
             pattern, level = rule
             if not isinstance(pattern, str):
-                raise Tf32LabError(f"policy rule {i}: the pattern {pattern!r} is not a string")
+                raise Tf32LabError(f"policy rule {i}: the pattern {reprlib.repr(pattern)} is not a string")
             rules.append(Rule(pattern, _level(level, f"policy rule {i} ({pattern!r})")))
             shadow = next((j for j, earlier in enumerate(rules[:-1], 1) if _covers(earlier.pattern, pattern)), None)
             if shadow is not None:  # the first match wins: this rule could never give a module its level
@@ -330,7 +332,8 @@ class Policy:
         if version is None:
             raise Tf32LabError(f"{where}: missing 'schema_version' (this tf32lab writes {SCHEMA_VERSION})")
         if version != SCHEMA_VERSION or isinstance(version, bool):
-            raise Tf32LabError(f"{where}: schema_version {version!r} is not supported; accepted: {SCHEMA_VERSION}")
+            raise Tf32LabError(f"{where}: schema_version {reprlib.repr(version)} is not supported; accepted: "
+                               f"{SCHEMA_VERSION}")
         try:
             return cls(default=data.get("default"), rules=data.get("rules", ()))
         except Tf32LabError as exc:
@@ -339,7 +342,9 @@ class Policy:
     def save(self, path: Union[str, Path]) -> Path:
         """Write the policy to ``path``: TOML when it ends in ``.toml``, else JSON. Written whole or not at all."""
         path = Path(path)
-        return write_atomically(path, _toml(self) if path.suffix.lower() == ".toml" else self.to_json())
+        if path.suffix.lower() == ".toml":
+            return write_atomically(path, _toml(self, f"policy file {str(path)!r}"))
+        return write_atomically(path, self.to_json())
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
@@ -369,6 +374,8 @@ class Policy:
                 data = json.loads(text)
             except (ValueError, UnicodeDecodeError) as exc:
                 raise Tf32LabError(f"{where}: not JSON: {exc}") from None
+            except RecursionError:
+                raise Tf32LabError(f"{where}: not a policy: arrays or objects nested too deeply to read") from None
         return cls.from_dict(data, where)
 
 
@@ -377,14 +384,36 @@ def explain(policy: Policy, model: torch.nn.Module) -> list[Assignment]:
     return policy.explain(model)
 
 
-def _toml(policy: Policy) -> str:
-    # JSON strings are TOML basic strings for everything a module name or level holds
+def _toml(policy: Policy, where: str) -> str:
     lines = [f"schema_version = {SCHEMA_VERSION}"]
     if policy.default is not None:
-        lines.append(f"default = {json.dumps(policy.default)}")
+        lines.append(f"default = {_toml_string(policy.default, where)}")
     for rule in policy.rules:
-        lines += ["", "[[rules]]", f"pattern = {json.dumps(rule.pattern)}", f"level = {json.dumps(rule.level)}"]
+        lines += ["", "[[rules]]", f"pattern = {_toml_string(rule.pattern, where)}",
+                  f"level = {_toml_string(rule.level, where)}"]
     return "\n".join(lines) + "\n"
+
+
+def _toml_string(text: str, where: str) -> str:
+    """A TOML basic string: every character as it is but the ones TOML requires escaped. (JSON's escapes are not
+    TOML's: JSON writes a character outside the BMP as a surrogate pair, ``\\ud83d\\ude00``, which TOML refuses.)"""
+    out = ['"']
+    for char in text:
+        code = ord(char)
+        if char in '"\\':
+            out.append("\\" + char)
+        elif code < 0x20 or code == 0x7F:
+            out.append(f"\\u{code:04X}")
+        elif 0xD800 <= code <= 0xDFFF:
+            raise Tf32LabError(f"{where}: {reprlib.repr(text)} holds a lone surrogate ({char!r}), which a TOML file "
+                               "cannot hold; save the policy as JSON (a name ending in .json)")
+        else:
+            out.append(char)
+    out.append('"')
+    return "".join(out)
+
+
+_DEEP_KEY = re.compile(r"(?:[A-Za-z0-9_-]+[ \t]*\.[ \t]*){64}")  # a dotted key 64 tables deep
 
 
 def _read_toml(text: bytes, where: str) -> Any:
@@ -397,9 +426,17 @@ def _read_toml(text: bytes, where: str) -> Any:
             raise Tf32LabError(f"{where}: reading TOML needs Python >= 3.11 or the tomli package; "
                                "save the policy as JSON instead") from None
     try:
-        return tomllib.loads(text.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
+        decoded = text.decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise Tf32LabError(f"{where}: not TOML: {exc}") from None
+    if _DEEP_KEY.search(decoded):  # tomllib's time and memory grow with the square of a dotted key's depth
+        raise Tf32LabError(f"{where}: not a policy: a key nested more than 64 tables deep")
+    try:
+        return tomllib.loads(decoded)
+    except ValueError as exc:
+        raise Tf32LabError(f"{where}: not TOML: {exc}") from None
+    except RecursionError:
+        raise Tf32LabError(f"{where}: not a policy: arrays or tables nested too deeply to read") from None
 
 
 # -- the mechanics of apply() -------------------------------------------------------------------------------------
