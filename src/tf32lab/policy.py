@@ -5,12 +5,17 @@ A policy is plain data: a default level and an ordered list of rules ``(pattern,
 first rule that matches a module gives its level, and a module no rule names inherits its parent's. The model
 itself (named ``""``) gets the default; ``default=None`` leaves it at the level in force where it is called.
 
-``policy.apply(model)`` hooks only the modules whose level differs from their parent's (every other module costs
-nothing). Such a module's forward runs inside ``precision(level)``; the autograd nodes it created are tagged, and
-when backward runs one of them, a dispatch mode on that node's thread runs its matmul-family ops inside the same
-``precision(level)``: natively (in autograd's own threads too) and under ``emulate()`` alike. PyTorch scopes
-the mode to the node (the engine restores the thread's modes after each node), so a backward that raises leaves
-nothing behind. docs/design.md ("policy") says what it costs and what it does not cover.
+``policy.apply(model)`` wraps the ``forward`` of every module that has a level: it runs inside
+``precision(level)``, however the module is called (through its parent, or directly), and the scope closes on every
+exit, KeyboardInterrupt included. A module inside its parent's scope at the same level costs one Python call. The
+first call of a policy on a thread checks the model against the tree it matched, and matches it again when a module
+was replaced, added or taken out, so the levels are the ones :meth:`Policy.explain` gives for the model as it is.
+The autograd nodes a module's forward created are tagged, and when backward runs one of them, a dispatch mode on
+that node's thread runs its matmul-family ops inside the same ``precision(level)``: natively (in autograd's own
+threads too) and under ``emulate()`` alike; a module's forward recomputed inside a node (``torch.utils.checkpoint``)
+keeps its own level. PyTorch scopes the mode to the node (the engine restores the thread's modes after each node),
+so a backward that raises leaves nothing behind. docs/design.md ("policy") says what it costs and what it does not
+cover.
 
 Example:
 
