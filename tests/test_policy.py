@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import gc
+import inspect
 import json
+import pickle
 import re
 import subprocess
 import sys
@@ -457,6 +460,16 @@ def test_apply_and_remove_leave_flags_and_modules_as_they_were():
     assert flags.snapshot() == before
     assert "removed" in repr(handle)
     assert _untouched(model)
+
+
+def test_a_copy_or_a_pickle_of_a_model_under_a_policy_is_a_plain_model_and_signatures_stay():
+    model, x = _model(), torch.randn(16, 32)
+    with Policy("high", [("v_head", "highest")]).applied(model):
+        assert str(inspect.signature(model.v_head[0].forward)) == "(input: torch.Tensor) -> torch.Tensor"
+        for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            assert tf32lab.policy.applied_to(twin) is None
+            assert _maths(lambda t=twin: t(x)) == {"ieee": 5}  # the caller's level, not the policy's
+            assert twin.v_head.forward.__self__ is twin.v_head  # its own forward, not the original's
 
 
 def test_a_second_policy_on_the_same_model_is_refused():
