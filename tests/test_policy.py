@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import copy
+import gc
+import inspect
 import json
+import pickle
+import re
 import subprocess
 import sys
 import threading
 import warnings
+import weakref
 from pathlib import Path
 
+import hypothesis
 import pytest
 import torch
 
@@ -88,16 +95,19 @@ def test_nested_modules_inherit_from_the_nearest_named_parent():
     assert got == {"": None, "0": "highest", "0.0": "highest", "0.1": "highest", "0.1.0": "medium", "1": None}
 
 
-def test_only_modules_whose_level_differs_from_their_parents_are_hooked():
+def _untouched(model: torch.nn.Module) -> bool:
+    return not any("forward" in m.__dict__ or m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+
+
+def test_hooked_names_the_modules_where_the_level_changes_and_remove_leaves_none_touched():
     model = _model()
     policy = Policy("high", [("v_head", "highest"), ("v_head.*", "highest"), ("pi", "high")])
     with policy.applied(model) as handle:
         assert handle.hooked == ["", "v_head"]
-        hooked = {name for name, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks}
-        assert hooked == {"", "v_head"}
-    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    assert _untouched(model)
     with Policy(None, [("pi", "medium")]).applied(model) as handle:
         assert handle.hooked == ["pi"]
+    assert _untouched(model)
 
 
 # -- forward and backward at each module's level ----------------------------------------------------------------
@@ -120,16 +130,16 @@ def test_emulated_forward_and_gradients_follow_each_modules_level(body, head):
     assert dict(emu.coverage) == want
 
 
-def test_native_forward_and_gradients_follow_each_modules_level():
-    # on a CPU with bf16 matmuls (oneDNN), medium computes in bf16: the levels differ natively too
+@pytest.mark.parametrize("body,head", [("medium", "highest"), ("highest", "medium"), ("high", "medium")])
+def test_native_forward_and_gradients_follow_each_modules_level(body, head):
+    # The reference is each part run inside precision(its level) on this very CPU: whatever this CPU does at a
+    # level (bf16 through oneDNN, another float32 kernel, or nothing new) is what the policy must give that part.
+    # Whether two levels differ here is the CPU's business, not asserted.
     model, x = _model(), torch.randn(16, 32)
-    expected = _by_hand(model, x, "medium", "highest")
-    with Policy("medium", [("v_head", "highest")]).applied(model):
+    expected = _by_hand(model, x, body, head)
+    with Policy(body, [("v_head", head)]).applied(model):
         got = _step(model, x)
     assert _same(got, expected)
-    plain = _step(model, x)
-    if not _same(plain, _by_hand(model, x, "medium", "medium")):  # this CPU computes medium in bf16
-        assert not _same(got, _by_hand(model, x, "medium", "medium"))
 
 
 def test_a_policy_pins_gradients_computed_in_another_thread():
@@ -234,7 +244,7 @@ with policy.applied(model):
 def gap(a, b):
     return max((u - v).abs().max().item() for u, v in zip([a[1], *a[2]], [b[1], *b[2]]))
 
-print(gap(got, eager), gap(eager, all_medium))
+print(gap(got, eager), gap(eager, all_medium), gap(got, all_medium))
 """
 
 
@@ -244,10 +254,135 @@ def test_torch_compile_breaks_the_graph_at_policy_boundaries_and_keeps_the_level
     done = subprocess.run([sys.executable, "-c", COMPILED.format(tests=str(Path(__file__).parent))],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    compiled_vs_eager, eager_vs_all_medium = map(float, done.stdout.split()[-2:])
+    compiled_vs_eager, eager_vs_all_medium, compiled_vs_all_medium = map(float, done.stdout.split()[-3:])
     assert compiled_vs_eager < 2e-6
-    if eager_vs_all_medium > 0:  # this CPU computes medium in bf16: the pinned head is visible
-        assert eager_vs_all_medium > 20 * max(compiled_vs_eager, 1e-7)
+    # Where this CPU's medium differs from highest by more than fusion noise, the pinned head shows in compiled
+    # code too (whether and how much it differs is the CPU's: bf16 through oneDNN, another float32 kernel, none).
+    if eager_vs_all_medium > 20 * 2e-6:
+        assert compiled_vs_all_medium > 10 * max(compiled_vs_eager, 1e-7)
+
+
+# -- wherever its modules run: direct calls, a changed model, checkpoint recomputation -------------------------
+def _maths(fn) -> dict[str, int]:
+    """The maths an A100 gives the matmuls ``fn()`` runs, forward and backward, counted by the emulator."""
+    with tf32lab.emulate("a100") as emu:
+        fn()
+    found: dict[str, int] = {}
+    for (_, math), n in emu.coverage.items():
+        found[math] = found.get(math, 0) + n
+    return found
+
+
+def test_a_child_called_directly_runs_at_the_level_explain_gives_it():
+    # CLIP's encode_image calls self.visual directly, not through the model's forward
+    model, x, h = _model(), torch.randn(16, 32), torch.randn(16, 48)
+    policy = Policy("high", [("v_head", "highest")])
+    levels = {a.name: a.level for a in policy.explain(model)}
+    assert (levels["body"], levels["v_head.2"]) == ("high", "highest")
+    with policy.applied(model):
+        assert _maths(lambda: model.body(x).sum().backward()) == {"tf32-rna": 5}  # 2 forward, 3 backward
+        assert _maths(lambda: model.v_head[2](h[:, :24]).sum().backward()) == {"ieee": 2}  # inside the pinned one
+        assert _maths(lambda: model.pi(h)) == {"tf32-rna": 1}
+    assert _maths(lambda: model.body(x)) == {"ieee": 2}  # removed: the caller's level again
+    with Policy(None, [("v_head", "highest")]).applied(model), tf32lab.precision("high"):
+        assert _maths(lambda: model.body(x)) == {"tf32-rna": 2}  # no level of its own: the caller's
+
+
+def _new_head(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(48, 24), torch.nn.Tanh(), torch.nn.Linear(24, 1))
+
+
+def test_a_module_replaced_after_apply_runs_at_its_level_and_the_old_one_is_let_go():
+    model, x = _model(), torch.randn(16, 32)
+    policy = Policy("high", [("v_head", "highest")])
+    with policy.applied(model):
+        old = model.v_head
+        model.v_head = _new_head(5)
+        assert {a.name: a.level for a in policy.explain(model)}["v_head.2"] == "highest"
+        with tf32lab.emulate("a100"):
+            got = _step(model, x)
+        assert tf32lab.policy.applied_to(old) is None
+        assert "forward" not in old.__dict__ and _maths(lambda m=old: m(torch.randn(2, 48))) == {"ieee": 2}
+        with tf32lab.precision("medium"):  # out of the model: the caller's level
+            assert _maths(lambda m=old: m(torch.randn(2, 48))) == {"tf32-rna": 2}
+        Policy("medium").apply(old).remove()  # free for another policy
+        gone = weakref.ref(old)
+        del old
+        gc.collect()
+        assert gone() is None
+    with tf32lab.emulate("a100"):
+        assert _same(got, _by_hand(model, x, "high", "highest"))
+
+
+def test_a_module_added_after_apply_gets_its_level_however_it_is_called():
+    model, h = _model(), torch.randn(16, 48)
+    with Policy("high", [("v_head*", "highest")]).applied(model):
+        model.extra = torch.nn.Linear(48, 4)  # a new module, called directly before the model ever runs again
+        assert _maths(lambda: model.extra(h)) == {"tf32-rna": 1}
+        model.v_head.insert(0, torch.nn.Linear(48, 48))  # bypasses PyTorch's registration hooks
+        model.v_head.append(torch.nn.Tanh())
+        assert _maths(lambda: model(torch.randn(16, 32))) == {"tf32-rna": 3, "ieee": 3}
+        assert _maths(lambda: model.v_head[0](h)) == {"ieee": 1}
+        del model.v_head[0]  # taken out again: the rest as before
+        assert _maths(lambda: model(torch.randn(16, 32))) == {"tf32-rna": 3, "ieee": 2}
+
+
+def test_a_module_moved_into_a_model_under_another_policy_is_a_clear_error():
+    a, b, x = _model(1), _model(2), torch.randn(16, 32)
+    with Policy("high").applied(a), Policy("highest").applied(b):
+        b.v_head = a.v_head  # one module, two policies: which level would it run at?
+        with pytest.raises(Tf32LabError, match=r"module 'v_head' of ActorCritic is also in ActorCritic, which has "
+                                               "another policy applied"):
+            b(x)
+        assert tf32lab.scope.live_scopes() == 0
+
+
+class _Checkpointed(torch.nn.Module):
+    """Modules at two levels inside one checkpointed region: the node that unpacks first is the last one's."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Tanh(), torch.nn.Linear(48, 48))
+        self.v_head = torch.nn.Sequential(torch.nn.Linear(48, 24), torch.nn.Tanh(), torch.nn.Linear(24, 24))
+        self.out = torch.nn.Linear(24, 3)
+        self.how = how
+
+    def part(self, x):
+        return self.out(torch.tanh(self.v_head(self.body(x))))
+
+    def forward(self, x):
+        if self.how == "plain":
+            return self.part(x)
+        return torch.utils.checkpoint.checkpoint(self.part, x, use_reentrant=self.how == "reentrant")
+
+
+@pytest.mark.parametrize("how", ["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("default,head", [("high", "highest"), ("highest", "high")])
+def test_checkpoint_recomputes_each_module_at_its_own_level(how, default, head):
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+
+    def grads(model):
+        with tf32lab.emulate("a100"), Policy(default, [("v_head", head)]).applied(model):
+            model(x.requires_grad_(how == "reentrant")).square().sum().backward()
+        return [p.grad for p in model.parameters()]
+
+    for got, want in zip(grads(_Checkpointed(how)), grads(_Checkpointed("plain"))):
+        assert torch.equal(got, want)
+
+
+def test_applied_to_says_whether_a_model_or_a_part_of_it_has_a_policy():
+    model = _model()
+    assert tf32lab.policy.applied_to(model) is None
+    policy = Policy("high")
+    with policy.applied(model.v_head):
+        assert tf32lab.policy.applied_to(model) is policy  # a part of it: check would measure the policy
+        assert tf32lab.policy.applied_to(model.v_head[0]) is policy
+        assert tf32lab.policy.applied_to(model.body) is None
+    assert tf32lab.policy.applied_to(model) is None
+    with pytest.raises(Tf32LabError, match=r"torch\.nn\.Module, not str"):
+        tf32lab.policy.applied_to("model")
 
 
 # -- global state --------------------------------------------------------------------------------------------
@@ -285,6 +420,36 @@ def test_flags_are_identical_after_an_exception_inside_a_pinned_module(where):
     assert tf32lab.scope.live_scopes() == 0
 
 
+class _Stop(BaseException):
+    """Not an Exception: PyTorch's always_call forward hooks do not run for it."""
+
+
+class _Interrupted(torch.nn.Module):
+    def __init__(self, error: type) -> None:
+        super().__init__()
+        self.error, self.lin = error, torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        self.lin(x)
+        raise self.error()
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit, _Stop])
+def test_a_base_exception_inside_a_pinned_module_leaves_level_and_scopes_as_before(error):
+    # Ctrl-C inside a pinned module, called through its parent and directly
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Sequential(_Interrupted(error)))
+    before = flags.snapshot()
+    with Policy("medium", [("1", "high"), ("1.0", "highest")]).applied(model):
+        for call in (model, model[1], model[1][0]):
+            with pytest.raises(error) as info:  # its traceback (and frames) alive while the level is read
+                call(torch.randn(2, 8))
+            assert info.tb is not None
+            assert tf32lab.scope.live_scopes() == 0 and flags.snapshot() == before
+            assert tf32lab.get_float32_matmul_precision() == "highest"
+            assert torch._C._len_torch_dispatch_stack() == 0 and tf32lab.policy._OPEN.frames == []
+        assert _maths(lambda: model[0](torch.randn(2, 8))) == {"tf32-rna": 1}  # the policy still holds
+
+
 def test_apply_and_remove_leave_flags_and_modules_as_they_were():
     model = _model()
     before = flags.snapshot()
@@ -294,7 +459,17 @@ def test_apply_and_remove_leave_flags_and_modules_as_they_were():
     handle.remove()  # again: nothing
     assert flags.snapshot() == before
     assert "removed" in repr(handle)
-    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    assert _untouched(model)
+
+
+def test_a_copy_or_a_pickle_of_a_model_under_a_policy_is_a_plain_model_and_signatures_stay():
+    model, x = _model(), torch.randn(16, 32)
+    with Policy("high", [("v_head", "highest")]).applied(model):
+        assert str(inspect.signature(model.v_head[0].forward)) == "(input: torch.Tensor) -> torch.Tensor"
+        for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            assert tf32lab.policy.applied_to(twin) is None
+            assert _maths(lambda t=twin: t(x)) == {"ieee": 5}  # the caller's level, not the policy's
+            assert twin.v_head.forward.__self__ is twin.v_head  # its own forward, not the original's
 
 
 def test_a_second_policy_on_the_same_model_is_refused():
@@ -311,6 +486,59 @@ def test_save_and_load_round_trip(tmp_path, suffix):
     path = policy.save(tmp_path / f"policy{suffix}")
     assert Policy.load(path) == policy
     assert Policy.load(Policy(rules=[("v", "highest")]).save(tmp_path / f"p2{suffix}")).default is None
+
+
+@pytest.mark.parametrize("suffix", [".json", ".toml"])
+def test_names_outside_the_basic_plane_and_control_characters_round_trip(tmp_path, suffix):
+    # JSON writes U+1F600 as a surrogate pair escape, which TOML refuses: the TOML writer has its own escapes
+    policy = Policy("high", [("enc\U0001F600der.*", "highest"), ('tab\there "q" back\\slash\x7f\x00', "medium")])
+    assert Policy.load(policy.save(tmp_path / f"p{suffix}")) == policy
+
+
+@hypothesis.settings(max_examples=60, deadline=None,
+                     suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
+@hypothesis.given(pattern=hypothesis.strategies.text(max_size=12))  # every code point but lone surrogates
+def test_any_pattern_round_trips_through_toml(tmp_path, pattern):
+    policy = Policy(None, [(pattern, "high")])
+    assert Policy.load(policy.save(tmp_path / "p.toml")) == policy
+
+
+def test_a_hand_written_toml_file_with_an_emoji_comment_loads_and_a_lone_surrogate_is_refused(tmp_path):
+    path = tmp_path / "p.toml"
+    path.write_text('# tuned for \U0001F600\nschema_version = 1\n[[rules]]\npattern = "v_\U0001F600"\nlevel = "high"\n',
+                    encoding="utf-8")
+    assert Policy.load(path).rules == (Rule("v_\U0001F600", "high"),)
+    with pytest.raises(Tf32LabError, match=r"lone surrogate .* save the policy as JSON"):
+        Policy(None, [("bad\udc80", "high")]).save(tmp_path / "q.toml")
+    assert not (tmp_path / "q.toml").exists()
+    assert Policy.load(Policy(None, [("bad\udc80", "high")]).save(tmp_path / "q.json")).rules[0].pattern == "bad\udc80"
+
+
+DEEP = {
+    "p.json": "[" * 100_000 + "]" * 100_000,
+    "q.json": '{"schema_version": 1, "rules": [' + "[" * 900 + "]" * 900 + "]}",
+    "p.toml": "a = " + "[" * 100_000 + "]" * 100_000,
+    "q.toml": "a = " + "{b = " * 5_000 + "1" + "}" * 5_000,
+    "r.toml": "x" + ".x" * 100_000 + " = 1",  # tomllib: time and memory grow with the square of the depth
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEEP))
+def test_a_file_nested_very_deep_is_one_line(tmp_path, name):
+    path = tmp_path / name
+    path.write_text(DEEP[name])
+    with pytest.raises(Tf32LabError) as info:
+        Policy.load(path)
+    message = str(info.value)
+    assert "\n" not in message and len(message) < 300 and name in message
+
+
+def test_policy_show_on_a_file_nested_very_deep_exits_2_with_one_line(tmp_path):
+    (tmp_path / "p.json").write_text("[" * 100_000 + "]" * 100_000)
+    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "policy", "show", str(tmp_path / "p.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1 and "nested too deeply" in done.stderr
 
 
 def test_the_json_form_is_plain_and_versioned():
@@ -353,6 +581,26 @@ def test_a_bad_toml_file_and_a_missing_file(tmp_path):
         Policy.load(tmp_path / "p.toml")
     with pytest.raises(Tf32LabError, match="cannot read it"):
         Policy.load(tmp_path / "none.json")
+
+
+@pytest.mark.parametrize("rules,message", [
+    ([("*", "high"), ("v_head", "highest")], "policy rule 2 ('v_head') never applies: rule 1 ('*') comes first"),
+    ([("v_head*", "high"), ("v_head.*", "highest")], "rule 2 ('v_head.*') never applies: rule 1 ('v_head*')"),
+    ([("pi", "high"), ("body.?", "medium"), ("body.[02]", "highest")], "rule 3 ('body.[02]') never applies: rule 2"),
+    ([("v_head", "high"), ("v_head", "highest")], "rule 2 ('v_head') never applies: rule 1 ('v_head')"),
+])
+def test_a_rule_an_earlier_rule_shadows_is_an_error(rules, message):
+    # the first match wins, so the later rule could never give a module its level: a mistake, not a preference
+    with pytest.raises(Tf32LabError, match=re.escape(message)) as info:
+        Policy("high", rules)
+    assert "put the narrower rule first" in str(info.value) and "\n" not in str(info.value)
+    if rules[0][0] != rules[-1][0]:
+        Policy("high", rules[::-1])  # the narrower rule first: both apply somewhere
+
+
+def test_overlapping_rules_that_each_match_something_of_their_own_are_fine():
+    Policy("high", [("v_head.2", "medium"), ("v_head*", "highest"), ("*.0", "medium"), ("body.*", "high")])
+    Policy("high", [("[*]", "medium"), ("*", "highest")])  # a literal star first, then everything else
 
 
 def test_a_pattern_that_matches_no_module_is_an_error_or_with_strict_false_a_warning():

@@ -5,12 +5,17 @@ A policy is plain data: a default level and an ordered list of rules ``(pattern,
 first rule that matches a module gives its level, and a module no rule names inherits its parent's. The model
 itself (named ``""``) gets the default; ``default=None`` leaves it at the level in force where it is called.
 
-``policy.apply(model)`` hooks only the modules whose level differs from their parent's (every other module costs
-nothing). Such a module's forward runs inside ``precision(level)``; the autograd nodes it created are tagged, and
-when backward runs one of them, a dispatch mode on that node's thread runs its matmul-family ops inside the same
-``precision(level)``: natively (in autograd's own threads too) and under ``emulate()`` alike. PyTorch scopes
-the mode to the node (the engine restores the thread's modes after each node), so a backward that raises leaves
-nothing behind. docs/design.md ("policy") says what it costs and what it does not cover.
+``policy.apply(model)`` wraps the ``forward`` of every module that has a level: it runs inside
+``precision(level)``, however the module is called (through its parent, or directly), and the scope closes on every
+exit, KeyboardInterrupt included. A module inside its parent's scope at the same level costs one Python call. The
+first call of a policy on a thread checks the model against the tree it matched, and matches it again when a module
+was replaced, added or taken out, so the levels are the ones :meth:`Policy.explain` gives for the model as it is.
+The autograd nodes a module's forward created are tagged, and when backward runs one of them, a dispatch mode on
+that node's thread runs its matmul-family ops inside the same ``precision(level)``: natively (in autograd's own
+threads too) and under ``emulate()`` alike; a module's forward recomputed inside a node (``torch.utils.checkpoint``)
+keeps its own level. PyTorch scopes the mode to the node (the engine restores the thread's modes after each node),
+so a backward that raises leaves nothing behind. docs/design.md ("policy") says what it costs and what it does not
+cover.
 
 Example:
 
@@ -28,7 +33,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import functools
 import json
+import re
+import reprlib
+import sys
 import threading
 import warnings
 import weakref
@@ -46,7 +55,7 @@ from .levels import LEVELS
 from .scope import is_sensitive, precision
 from .trees import named_tensors
 
-__all__ = ["Assignment", "Policy", "PolicyHandle", "Rule", "explain"]
+__all__ = ["Assignment", "Policy", "PolicyHandle", "Rule", "applied_to", "explain"]
 
 SCHEMA_VERSION = 1
 _KEYS = ("schema_version", "default", "rules")
@@ -58,7 +67,102 @@ _LEAF = 1 << 63  # AccumulateGrad nodes carry the largest sequence number; they 
 def _level(value: object, where: str) -> str:
     if isinstance(value, str) and value.lower() in LEVELS:
         return value.lower()
-    raise Tf32LabError(f"{where}: unknown level {value!r}; accepted: {', '.join(map(repr, LEVELS))}")
+    raise Tf32LabError(f"{where}: unknown level {reprlib.repr(value)}; accepted: {', '.join(map(repr, LEVELS))}")
+
+
+_STAR = None  # a token of a pattern: "*", else (negated, characters) for one character
+
+
+def _tokens(pattern: str) -> Optional[list[Any]]:
+    """``pattern`` as fnmatch reads it (``*``, ``?``, ``[seq]``, ``[!seq]``, literal characters), or None for a
+    class with a range too wide to list."""
+    out: list[Any] = []
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        i += 1
+        if c == "*":
+            if not out or out[-1] is not _STAR:
+                out.append(_STAR)
+        elif c == "?":
+            out.append((True, frozenset()))
+        elif c == "[":
+            j = i
+            if j < n and pattern[j] == "!":
+                j += 1
+            if j < n and pattern[j] == "]":
+                j += 1
+            while j < n and pattern[j] != "]":
+                j += 1
+            if j >= n:  # no closing bracket: a literal "[", as fnmatch reads it
+                out.append((False, frozenset("[")))
+                continue
+            body, i = pattern[i:j], j + 1
+            negated = body.startswith("!")
+            body = body[1:] if negated else body
+            chars: set[str] = set()
+            k = 0
+            while k < len(body):
+                if k + 2 < len(body) and body[k + 1] == "-":
+                    low, high = ord(body[k]), ord(body[k + 2])
+                    if high - low > 1024:
+                        return None
+                    chars.update(map(chr, range(low, high + 1)))
+                    k += 3
+                else:
+                    chars.add(body[k])
+                    k += 1
+            out.append((negated, frozenset(chars)))
+        else:
+            out.append((False, frozenset(c)))
+    return out
+
+
+def _closure(tokens: list[Any], states: frozenset[int]) -> frozenset[int]:
+    more = set(states)
+    for s in sorted(states):
+        while s < len(tokens) and tokens[s] is _STAR:  # "*" may match nothing
+            s += 1
+            more.add(s)
+    return frozenset(more)
+
+
+def _step(tokens: list[Any], states: frozenset[int], char: Optional[str]) -> frozenset[int]:
+    """The states after one character (None: any character no pattern names)."""
+    nxt = set()
+    for s in states:
+        if s == len(tokens):
+            continue
+        token = tokens[s]
+        if token is _STAR:
+            nxt.add(s)
+        elif (char is not None and char in token[1]) != token[0]:
+            nxt.add(s + 1)
+    return _closure(tokens, frozenset(nxt))
+
+
+@functools.lru_cache(maxsize=4096)
+def _covers(wide: str, narrow: str) -> bool:
+    """Whether every name ``narrow`` matches, ``wide`` matches too (fnmatch, case-sensitive): the two patterns'
+    automata run side by side over the characters they name and one for all others."""
+    a, b = _tokens(wide), _tokens(narrow)
+    if a is None or b is None:
+        return wide == narrow
+    alphabet = [*sorted({c for t in (*a, *b) if t is not _STAR for c in t[1]}), None]
+    start = (_closure(a, frozenset({0})), _closure(b, frozenset({0})))
+    seen, todo = {start}, [start]
+    while todo:
+        sa, sb = todo.pop()
+        if len(b) in sb and len(a) not in sa:
+            return False  # a name the narrow one matches and the wide one does not
+        for char in alphabet:
+            nb = _step(b, sb, char)
+            if nb:
+                pair = (_step(a, sa, char), nb)
+                if pair not in seen:
+                    seen.add(pair)
+                    todo.append(pair)
+    return True
 
 
 class Rule(NamedTuple):
@@ -117,11 +221,16 @@ class Policy:
                     raise Tf32LabError(f"policy rule {i}: missing {missing[0]!r}")
                 rule = (rule["pattern"], rule["level"])
             if isinstance(rule, (str, bytes)) or not isinstance(rule, (tuple, list)) or len(rule) != 2:
-                raise Tf32LabError(f"policy rule {i}: {rule!r} is not a (pattern, level) pair")
+                raise Tf32LabError(f"policy rule {i}: {reprlib.repr(rule)} is not a (pattern, level) pair")
             pattern, level = rule
             if not isinstance(pattern, str):
-                raise Tf32LabError(f"policy rule {i}: the pattern {pattern!r} is not a string")
+                raise Tf32LabError(f"policy rule {i}: the pattern {reprlib.repr(pattern)} is not a string")
             rules.append(Rule(pattern, _level(level, f"policy rule {i} ({pattern!r})")))
+            shadow = next((j for j, earlier in enumerate(rules[:-1], 1) if _covers(earlier.pattern, pattern)), None)
+            if shadow is not None:  # the first match wins: this rule could never give a module its level
+                raise Tf32LabError(
+                    f"policy rule {i} ({pattern!r}) never applies: rule {shadow} ({rules[shadow - 1].pattern!r}) "
+                    "comes first and matches every module name it matches; put the narrower rule first")
         object.__setattr__(self, "default", default)
         object.__setattr__(self, "rules", tuple(rules))
 
@@ -228,7 +337,8 @@ class Policy:
         if version is None:
             raise Tf32LabError(f"{where}: missing 'schema_version' (this tf32lab writes {SCHEMA_VERSION})")
         if version != SCHEMA_VERSION or isinstance(version, bool):
-            raise Tf32LabError(f"{where}: schema_version {version!r} is not supported; accepted: {SCHEMA_VERSION}")
+            raise Tf32LabError(f"{where}: schema_version {reprlib.repr(version)} is not supported; accepted: "
+                               f"{SCHEMA_VERSION}")
         try:
             return cls(default=data.get("default"), rules=data.get("rules", ()))
         except Tf32LabError as exc:
@@ -237,7 +347,9 @@ class Policy:
     def save(self, path: Union[str, Path]) -> Path:
         """Write the policy to ``path``: TOML when it ends in ``.toml``, else JSON. Written whole or not at all."""
         path = Path(path)
-        return write_atomically(path, _toml(self) if path.suffix.lower() == ".toml" else self.to_json())
+        if path.suffix.lower() == ".toml":
+            return write_atomically(path, _toml(self, f"policy file {str(path)!r}"))
+        return write_atomically(path, self.to_json())
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
@@ -267,6 +379,8 @@ class Policy:
                 data = json.loads(text)
             except (ValueError, UnicodeDecodeError) as exc:
                 raise Tf32LabError(f"{where}: not JSON: {exc}") from None
+            except RecursionError:
+                raise Tf32LabError(f"{where}: not a policy: arrays or objects nested too deeply to read") from None
         return cls.from_dict(data, where)
 
 
@@ -275,14 +389,36 @@ def explain(policy: Policy, model: torch.nn.Module) -> list[Assignment]:
     return policy.explain(model)
 
 
-def _toml(policy: Policy) -> str:
-    # JSON strings are TOML basic strings for everything a module name or level holds
+def _toml(policy: Policy, where: str) -> str:
     lines = [f"schema_version = {SCHEMA_VERSION}"]
     if policy.default is not None:
-        lines.append(f"default = {json.dumps(policy.default)}")
+        lines.append(f"default = {_toml_string(policy.default, where)}")
     for rule in policy.rules:
-        lines += ["", "[[rules]]", f"pattern = {json.dumps(rule.pattern)}", f"level = {json.dumps(rule.level)}"]
+        lines += ["", "[[rules]]", f"pattern = {_toml_string(rule.pattern, where)}",
+                  f"level = {_toml_string(rule.level, where)}"]
     return "\n".join(lines) + "\n"
+
+
+def _toml_string(text: str, where: str) -> str:
+    """A TOML basic string: every character as it is but the ones TOML requires escaped. (JSON's escapes are not
+    TOML's: JSON writes a character outside the BMP as a surrogate pair, ``\\ud83d\\ude00``, which TOML refuses.)"""
+    out = ['"']
+    for char in text:
+        code = ord(char)
+        if char in '"\\':
+            out.append("\\" + char)
+        elif code < 0x20 or code == 0x7F:
+            out.append(f"\\u{code:04X}")
+        elif 0xD800 <= code <= 0xDFFF:
+            raise Tf32LabError(f"{where}: {reprlib.repr(text)} holds a lone surrogate ({char!r}), which a TOML file "
+                               "cannot hold; save the policy as JSON (a name ending in .json)")
+        else:
+            out.append(char)
+    out.append('"')
+    return "".join(out)
+
+
+_DEEP_KEY = re.compile(r"(?:[A-Za-z0-9_-]+[ \t]*\.[ \t]*){64}")  # a dotted key 64 tables deep
 
 
 def _read_toml(text: bytes, where: str) -> Any:
@@ -295,22 +431,41 @@ def _read_toml(text: bytes, where: str) -> Any:
             raise Tf32LabError(f"{where}: reading TOML needs Python >= 3.11 or the tomli package; "
                                "save the policy as JSON instead") from None
     try:
-        return tomllib.loads(text.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
+        decoded = text.decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise Tf32LabError(f"{where}: not TOML: {exc}") from None
+    if _DEEP_KEY.search(decoded):  # tomllib's time and memory grow with the square of a dotted key's depth
+        raise Tf32LabError(f"{where}: not a policy: a key nested more than 64 tables deep")
+    try:
+        return tomllib.loads(decoded)
+    except ValueError as exc:
+        raise Tf32LabError(f"{where}: not TOML: {exc}") from None
+    except RecursionError:
+        raise Tf32LabError(f"{where}: not a policy: arrays or tables nested too deeply to read") from None
 
 
 # -- the mechanics of apply() -------------------------------------------------------------------------------------
+class _Frame:
+    """A policy module's forward running on this thread: its level (None: the caller's), and for its backward
+    tags the dispatch stack's height and the autograd sequence number when it began."""
+
+    __slots__ = ("depth", "handle", "level", "start")
+
+    def __init__(self, handle: PolicyHandle, level: Optional[str], depth: int, start: int) -> None:
+        self.handle, self.level, self.depth, self.start = handle, level, depth, start
+
+
 class _Open(threading.local):
-    """Per thread: the scopes opened by pre-forward hooks, innermost last (forward hooks run on one thread)."""
+    """Per thread: the policy frames open now, innermost last."""
 
     def __init__(self) -> None:
-        self.scopes: list[tuple[torch.nn.Module, precision, int]] = []
+        self.frames: list[_Frame] = []
 
 
 _OPEN = _Open()
 _APPLIED: weakref.WeakKeyDictionary[torch.nn.Module, PolicyHandle] = weakref.WeakKeyDictionary()
-_APPLIED_LOCK = threading.Lock()
+_APPLIED_LOCK = threading.RLock()
+_dispatch_depth = torch._C._len_torch_dispatch_stack
 
 
 class _Deciding(threading.local):
@@ -331,6 +486,12 @@ class _NodeLevel(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _DECIDING.level is not None or not is_sensitive(func):
+            return func(*args, **kwargs)
+        frames = _OPEN.frames
+        # A policy module's forward that began inside this node (a non-reentrant checkpoint recomputing it while
+        # the node unpacks what it saved) keeps its own level: the frame was opened above this mode on the stack
+        # (in a handler, the stack's height is the mode's own index).
+        if frames and frames[-1].level is not None and frames[-1].depth > _dispatch_depth():
             return func(*args, **kwargs)
         _DECIDING.level = self.level
         try:
@@ -381,82 +542,327 @@ def _tag(output: Any, start: int, level: str) -> None:
 _sequence_nr = torch._C._autograd._get_sequence_nr
 
 
-def _forward_hooks(module: torch.nn.Module, level: str):
-    def pre(module, args):
+def _unwrapped(forward: Any) -> Any:
+    return forward
+
+
+class _Pinned:
+    """Stands in for a module's ``forward`` while a policy is applied: the forward runs at the level the policy
+    gives that module in the model as it is at call time, however the module is called (through its parent, or
+    directly, as CLIP's ``encode_image`` calls ``self.visual``).
+
+    A wrapper of ``forward`` rather than forward hooks: a hook pair cannot close a scope when a BaseException
+    (KeyboardInterrupt) escapes the forward, since PyTorch runs ``always_call`` hooks on ``Exception`` only.
+    A copy or a pickle of the module gets its plain ``forward`` back: a copy is not under the policy.
+    """
+
+    __slots__ = ("__weakref__", "forward", "handle", "module", "own")
+
+    def __init__(self, handle: PolicyHandle, module: torch.nn.Module) -> None:
+        own = module.__dict__.get("forward")  # someone else's wrapper (accelerate's, say) stays inside ours
+        self.own = own is not None
+        self.forward = own  # else the class's, bound at each call: no reference cycle through a bound method
+        self.handle: Optional[PolicyHandle] = handle  # None once taken off: a wrapper kept by others calls through
+        self.module = weakref.ref(module)
+
+    @property
+    def __wrapped__(self) -> Any:  # inspect.signature(module.forward) sees the real one
+        module = self.module()
+        return self.forward if self.own or module is None else type(module).forward.__get__(module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = _CALL[0]
+        if call is None:
+            call = _call
+            dynamo = sys.modules.get("torch._dynamo")
+            if dynamo is not None and hasattr(dynamo, "disable"):
+                # A compiled model graph-breaks here and each module's forward compiles on its own (Dynamo cannot
+                # trace the scope's contextvars and locks). Until torch._dynamo is loaded nothing compiles, and
+                # importing it (71 MiB) just for this is not ours to do.
+                call = _CALL[0] = dynamo.disable(_call, recursive=False)
+        return call(self, args, kwargs)
+
+    def __reduce__(self) -> Any:
+        module = self.module()
+        if self.own or module is None:
+            return (_unwrapped, (self.forward,))
+        return (getattr, (module, "forward"))  # rebuilt before the module's state: the class's forward
+
+
+def _call(pinned: _Pinned, args: tuple, kwargs: dict) -> Any:
+    """A module's forward at its level (see :class:`_Pinned`)."""
+    module = pinned.module()
+    if module is None:  # only a copy that kept this object could call it now
+        raise Tf32LabError("this forward belongs to a module that no longer exists")
+    forward = pinned.forward if pinned.own else type(module).forward.__get__(module)
+    handle = pinned.handle
+    if handle is None:
+        return forward(*args, **kwargs)
+    frames = _OPEN.frames
+    top = frames[-1] if frames else None
+    # The outermost frame of this policy on the thread checks the model against the one it matched last.
+    tree = handle._tree if top is not None and top.handle is handle else handle._current()
+    entry = tree.members.get(id(module))
+    if entry is None or entry[0]() is not module:  # taken out of the model: no longer the policy's
+        return forward(*args, **kwargs)
+    level = entry[1]
+    if top is not None and top.handle is handle and top.level == level and top.depth == _dispatch_depth():
+        return forward(*args, **kwargs)  # inside its parent's frame at the same level: covered by it
+    # The scope closes on every exit, a BaseException (KeyboardInterrupt) included. (One frame: Dynamo skips this
+    # function's own code only.)
+    scope = None
+    if level is not None:
         scope = precision(level)
         scope.__enter__()
-        _OPEN.scopes.append((module, scope, _sequence_nr()))
-
-    def post(module, args, output):
-        scopes = _OPEN.scopes
-        index = next((i for i in range(len(scopes) - 1, -1, -1) if scopes[i][0] is module), None)
-        if index is None:  # its pre-hook did not run (another pre-hook raised before it)
-            return None
-        _, scope, start = scopes.pop(index)
+    try:
+        frame = _Frame(handle, level, _dispatch_depth(), _sequence_nr())
+        frames.append(frame)
         try:
-            if output is not None and torch.is_grad_enabled():
-                _tag(output, start, level)
+            output = forward(*args, **kwargs)
+            if level is not None and output is not None and torch.is_grad_enabled():
+                _tag(output, frame.start, level)
+            return output
         finally:
+            if frames and frames[-1] is frame:
+                frames.pop()
+            else:  # closed out of order (not in a plain call; never leave it behind)
+                with contextlib.suppress(ValueError):
+                    frames.remove(frame)
+    finally:
+        if scope is not None:
             scope.__exit__(None, None, None)
-        return None
 
-    return pre, post
+
+_CALL: list[Any] = [None]  # _call, skipped by Dynamo once it is loaded
+
+
+def _wrap(module: torch.nn.Module, handle: PolicyHandle) -> _Pinned:
+    pinned = _Pinned(handle, module)
+    module.__dict__["forward"] = pinned
+    return pinned
+
+
+def _unwrap(module: torch.nn.Module, pinned: _Pinned) -> None:
+    pinned.handle = None
+    if module.__dict__.get("forward") is pinned:
+        if pinned.own:
+            module.__dict__["forward"] = pinned.forward
+        else:
+            del module.__dict__["forward"]
+
+
+class _Tree:
+    """The model as a handle matched it: each module's level (by ``id``, with a weak reference to tell a new
+    module at a reused address), the modules where the level changes, and each module's children to see a change."""
+
+    __slots__ = ("hooked", "members", "shape")
+
+    def __init__(self) -> None:
+        self.members: dict[int, tuple[weakref.ref, Optional[str]]] = {}
+        self.hooked: list[str] = []
+        self.shape: list[tuple[weakref.ref, tuple[str, ...], tuple[int, ...]]] = []
+
+    def changed(self) -> bool:
+        for ref, names, ids in self.shape:
+            module = ref()
+            if module is None:
+                return True
+            children = module._modules
+            if tuple(children) != names or tuple(map(id, children.values())) != ids:
+                return True
+        return False
+
+
+def _collected(handle_ref: weakref.ref) -> Any:
+    def callback(_: Any) -> None:
+        handle = handle_ref()
+        if handle is not None:
+            handle._stale = True
+
+    return callback
+
+
+def _on_register(parent: torch.nn.Module, name: str, child: Any) -> None:
+    """PyTorch's hook for every submodule assigned (``model.head = ...``, ``add_module``): a module put into a
+    model under a policy is wrapped at once, so a direct call of it finds the model changed and re-matches it."""
+    handle = _APPLIED.get(parent)
+    if handle is None or handle._removed or not isinstance(child, torch.nn.Module):
+        return None
+    with _APPLIED_LOCK:
+        handle._stale = True
+        for module in child.modules():
+            if id(module) not in handle._wrapped and not isinstance(module, torch.jit.ScriptModule) \
+                    and not isinstance(module.__dict__.get("forward"), _Pinned):
+                handle._wrapped[id(module)] = (weakref.ref(module), _wrap(module, handle))
+    return None
+
+
+_REGISTRATION: list[Any] = []
+
+
+def _watch_registrations() -> None:
+    if not _REGISTRATION:  # once per process; a dictionary lookup per submodule assigned anywhere
+        _REGISTRATION.append(torch.nn.modules.module.register_module_module_registration_hook(_on_register))
+
+
+def applied_to(module: torch.nn.Module) -> Optional[Policy]:
+    """The policy applied to ``module`` or to a module inside it (or to a model it is part of), else None.
+
+    Cheap (no forward run): for a measurement that must refuse, or lift, a policy the user applied rather than
+    measure it without saying so.
+
+    Example:
+
+        >>> import torch, tf32lab
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        >>> with tf32lab.Policy("high").applied(model):
+        ...     tf32lab.policy.applied_to(model[0])
+        Policy(default='high', rules=())
+        >>> tf32lab.policy.applied_to(model) is None
+        True
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise Tf32LabError(f"applied_to takes a torch.nn.Module, not {type(module).__name__}")
+    with _APPLIED_LOCK:
+        for m in module.modules():
+            handle = _owner(m)
+            if handle is not None:
+                return handle.policy
+    return None
+
+
+def _owner(module: torch.nn.Module, but: Optional[PolicyHandle] = None) -> Optional[PolicyHandle]:
+    """The live handle whose model holds ``module`` now (its model re-matched first if it changed); under the lock."""
+    handle = _APPLIED.get(module)
+    if handle is None or handle is but or handle._removed:
+        return None
+    if handle._stale or handle._tree.changed():
+        with contextlib.suppress(Tf32LabError):  # that model's own problem, told when it runs
+            handle._current()
+    handle = _APPLIED.get(module)
+    return None if handle is None or handle is but or handle._removed else handle
 
 
 class PolicyHandle:
-    """A policy applied to a model: ``remove()`` takes every hook off (graphs built meanwhile keep their levels).
+    """A policy applied to a model: ``remove()`` takes it off (graphs built meanwhile keep their levels).
 
-    ``hooked`` names the modules that got hooks: those whose level differs from their parent's.
+    The policy follows the model as it is when called: a module replaced, added or taken out after ``apply()``
+    is matched again at the next call (a module taken out is the policy's no longer). ``hooked`` names the modules
+    whose level differs from their parent's.
     """
 
     def __init__(self, policy: Policy, model: torch.nn.Module) -> None:
         self.policy, self._model = policy, weakref.ref(model)
-        self._handles: list[Any] = []
-        levels = {a.name: a.level for a in policy.explain(model)}
-        modules = dict(model.named_modules())
-        self.hooked: list[str] = []
+        self._wrapped: dict[int, tuple[weakref.ref, _Pinned]] = {}
+        self._tree = _Tree()
+        self._stale = False
+        self._removed = False
         with _APPLIED_LOCK:
-            taken = next((name for name, m in modules.items() if m in _APPLIED), None)
+            taken = next((name for name, m in model.named_modules() if _owner(m) is not None), None)
             if taken is not None:
                 raise Tf32LabError(f"module {taken or type(model).__name__!r} already has a policy applied; "
                                    "remove it (handle.remove()) before applying another")
             try:
-                for name in policy.hooked(model):
-                    module, level = modules[name], levels[name]
-                    if isinstance(module, torch.jit.ScriptModule):
-                        raise Tf32LabError(
-                            f"module {name or type(model).__name__!r} is TorchScript, which takes no hooks, so a "
-                            f"policy cannot give it level {level!r}: apply the policy to the eager model, or call "
-                            f"it inside tf32lab.precision({level!r})")
-                    pre, post = _forward_hooks(module, level)
-                    self._handles.append(module.register_forward_pre_hook(pre, prepend=True))
-                    self._handles.append(module.register_forward_hook(post, always_call=True))
-                    self.hooked.append(name)
-                for module in modules.values():
-                    _APPLIED[module] = self
+                self._tree = self._match(model)
             except BaseException:
-                self._unhook()
+                self._take_off()
                 raise
+            _watch_registrations()
+
+    @property
+    def hooked(self) -> list[str]:
+        return list(self._tree.hooked)
 
     def __repr__(self) -> str:
-        model = self._model()
-        state = "applied" if model is not None and _APPLIED.get(model) is self else "removed"
-        return f"<PolicyHandle {state}: {len(self.hooked)} module(s) hooked>"
+        state = "removed" if self._removed or self._model() is None else "applied"
+        return f"<PolicyHandle {state}: {len(self._tree.hooked)} module(s) hooked>"
 
-    def _unhook(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+    def _current(self) -> _Tree:
+        """The model's tree, matched again if it changed since (the caller is the outermost frame of this policy
+        on its thread: nested modules trust it)."""
+        tree = self._tree
+        if not (self._stale or tree.changed()):
+            return tree
+        with _APPLIED_LOCK:
+            model = self._model()
+            if self._removed or model is None:
+                return self._tree
+            self._stale = False
+            try:
+                self._tree = self._match(model)
+            except BaseException:
+                self._stale = True  # told again at the next call, until the model is fixed or the policy removed
+                raise
+            return self._tree
+
+    def _match(self, model: torch.nn.Module) -> _Tree:
+        """Under the lock: match the policy to the model as it is now, wrap the modules that need it, unwrap the
+        others, and register every module of the model as this policy's."""
+        policy = self.policy
+        assignments = policy._assignments(model)
+        modules = dict(model.named_modules())
+        levels = {a.name: a.level for a, _ in assignments}
+        tree = _Tree()
+        tree.hooked = [a.name for a, parent in assignments
+                       if a.level is not None and (parent is None or levels[parent] != a.level)]
+        hooked = set(tree.hooked)
+        wanted: dict[int, torch.nn.Module] = {}
+        on_collect = _collected(weakref.ref(self))
+        for a, _ in assignments:
+            module = modules[a.name]
+            other = _owner(module, but=self)
+            if other is not None:
+                other_model = other._model()
+                raise Tf32LabError(
+                    f"module {a.name or type(model).__name__!r} of {type(model).__name__} is also in "
+                    f"{type(other_model).__name__ if other_model is not None else 'another model'}, which has "
+                    "another policy applied: one module takes one policy; remove that one first")
+            ref = weakref.ref(module, on_collect)
+            tree.members[id(module)] = (ref, a.level)
+            if isinstance(module, torch.jit.ScriptModule):  # its submodules are fixed by the compiler
+                if a.name in hooked:
+                    raise Tf32LabError(
+                        f"module {a.name or type(model).__name__!r} is TorchScript, which takes no hooks, so a "
+                        f"policy cannot give it level {a.level!r}: apply the policy to the eager model, or call "
+                        f"it inside tf32lab.precision({a.level!r})")
+                continue  # at its parent's level: runs inside its parent's scope (called directly: the caller's)
+            tree.shape.append((ref, tuple(module._modules), tuple(map(id, module._modules.values()))))
+            if a.level is not None or not a.name:  # the model itself always: its call checks for changes
+                wanted[id(module)] = module
+        for key, (ref, pinned) in list(self._wrapped.items()):
+            module = ref()
+            if module is None or wanted.get(key) is not module or module.__dict__.get("forward") is not pinned:
+                if module is not None:
+                    _unwrap(module, pinned)
+                del self._wrapped[key]
+        for key, module in wanted.items():
+            if key not in self._wrapped:
+                self._wrapped[key] = (weakref.ref(module), _wrap(module, self))
+        for entry in self._tree.members.values():
+            module = entry[0]()
+            if module is not None and id(module) not in tree.members and _APPLIED.get(module) is self:
+                del _APPLIED[module]
+        for module in modules.values():
+            _APPLIED[module] = self
+        return tree
+
+    def _take_off(self) -> None:
+        for ref, pinned in self._wrapped.values():
+            module = ref()
+            pinned.handle = None
+            if module is not None:
+                _unwrap(module, pinned)
+        self._wrapped.clear()
 
     def remove(self) -> None:
         """Take the policy off the model (again: nothing happens)."""
         with _APPLIED_LOCK:
-            self._unhook()
-            model = self._model()
-            if model is not None:
-                for module in model.modules():
-                    if _APPLIED.get(module) is self:
-                        del _APPLIED[module]
+            self._removed = True
+            self._take_off()
+            for entry in self._tree.members.values():
+                module = entry[0]()
+                if module is not None and _APPLIED.get(module) is self:
+                    del _APPLIED[module]
 
     def __enter__(self) -> PolicyHandle:
         return self
