@@ -118,12 +118,21 @@ def test_policy_show_prints_each_modules_level_and_the_rule_that_gave_it(tmp_pat
     Policy("high", [("v_head.2", "medium"), ("v_head", "highest")]).save(tmp_path / "p.json")
     done = cli("policy", "show", "p.json", "--model", "valuemodel:make", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:5]]
-            for line in done.stdout.splitlines() if line.startswith("│")}
-    assert rows["(model) *"] == ["ValueModel", "high", "default"]
-    assert rows["body.0"] == ["Linear", "high", "inherited from 'body'"]
-    assert rows["v_head *"] == ["Sequential", "highest", "rule 2 'v_head'"]
-    assert rows["v_head.2 *"] == ["Linear", "medium", "rule 1 'v_head.2'"]
+    # the module tree in order, each module by its own name indented under its parent
+    rows = [[line.split("│")[1][1:].rstrip(), *(c.strip() for c in line.split("│")[2:5])]
+            for line in done.stdout.splitlines() if line.startswith("│")]
+    assert rows == [
+        ["(model) *", "ValueModel", "high", "default"],
+        ["  body", "Sequential", "high", ""],
+        ["    0", "Linear", "high", ""],
+        ["    1", "Tanh", "high", ""],
+        ["    2", "Linear", "high", ""],
+        ["  v_head *", "Sequential", "highest", "rule 2"],
+        ["    0", "Linear", "highest", ""],
+        ["    1", "Tanh", "highest", ""],
+        ["    2 *", "Linear", "medium", "rule 1"],
+    ]
+    assert "rule 1: v_head.2 -> medium" in done.stdout and "rule 2: v_head -> highest" in done.stdout
     plain = cli("policy", "show", "p.json", cwd=tmp_path)
     assert plain.returncode == 0 and "v_head.2" in plain.stdout and "high by default" in plain.stdout
     Policy("high", [("v_haed", "highest")]).save(tmp_path / "typo.json")

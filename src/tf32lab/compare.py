@@ -143,24 +143,14 @@ def _check(workload: Workload, levels: tuple[str, ...], target: str, reference: 
     )
 
 
-def applied_policy(model: torch.nn.Module) -> Optional[Policy]:
-    """The policy ``Policy.apply`` put on ``model`` or on one of its modules, if any (the question
-    ``tf32lab.policy.applied_to`` answers for one module, asked of each)."""
-    from . import policy as policy_module
-
-    applied = policy_module._APPLIED
-    for module in model.modules():
-        handle = applied.get(module)
-        if handle is not None:
-            return handle.policy
-    return None
-
-
 def refuse_applied(workload: Workload, what: str) -> None:
-    """Refuse, before any run, a model that carries an applied policy: its hooks would set each module's level, so
-    ``check`` would measure the policy under every level's name (and ``tune`` would tune on top of it). Refusing
-    (rather than lifting it for the duration) leaves the user's hooks untouched; the message says how to go on."""
-    found = applied_policy(workload.model)
+    """Refuse, before any run, a model that carries an applied policy: it sets each module's level as the module
+    runs, so ``check`` would measure the policy under every level's name (and ``tune`` would tune on top of it).
+    Refusing (rather than lifting it for the duration) leaves the user's policy untouched; the message says how to
+    go on."""
+    from .policy import applied_to
+
+    found = applied_to(workload.model)
     if found is None:
         return
     from .report.conclusion import policy_summary
