@@ -872,10 +872,11 @@ def _check_comparable(workload: Workload, ref_out: Any) -> None:
 
 
 def _check_judgeable(workload: Workload, ref_out: Any) -> None:
-    """A float64 reference holding NaN (or nothing finite) cannot judge any level: the model makes it without
-    any reduced precision, and an output that is NaN at every level would compare as equal. Said before any
-    level runs, as bad input (``Tf32LabError``: the CLI's exit code 2), never as a pass. An Inf among finite
-    values stays comparable (a masked logit is ``-inf`` on purpose)."""
+    """A float64 reference with no finite value cannot judge any level: the model makes it without any reduced
+    precision, and an output that is NaN at every level would compare as equal (normwise 0, "safe"). Said before
+    any level runs, as bad input (``Tf32LabError``: the CLI's exit code 2), never as a pass. Where only some
+    elements are NaN or Inf, the rest is compared and the non-finite ones must be held alike, position and value
+    (``metrics.compare``; the output's note counts them): a masked logit is ``-inf`` on purpose."""
     for name, value in named_leaves(ref_out):
         if isinstance(value, float):
             value = torch.tensor(value)
@@ -883,10 +884,9 @@ def _check_judgeable(workload: Workload, ref_out: Any) -> None:
                 or value.numel() == 0:
             continue
         real = torch.view_as_real(value) if value.is_complex() else value
-        nan = int(torch.isnan(real).sum())
-        finite = int(torch.isfinite(real).sum())
-        if nan or not finite:
-            what = f"NaN at {nan} of {real.numel()} elements" if nan else "Inf at every element"
+        if not bool(torch.isfinite(real).any()):
+            nan = int(torch.isnan(real).sum())
+            what = "NaN at every element" if nan == real.numel() else f"NaN or Inf at every element ({nan} NaN)"
             raise Tf32LabError(f"workload {workload.name!r}: the float64 reference itself is {what} of output "
                                f"{name!r}: cannot judge any level against it (it is there without reduced "
                                f"precision); fix the model or its inputs, or leave that output out")
