@@ -178,6 +178,9 @@ def test_doctor_refuses_what_is_not_hardware(bad, message):
     assert flags.snapshot() == before
 
 
+ROUNDED = ("tf32-rna", "tf32-rne", "tf32-rz", "bf16-rne")
+
+
 def test_doctor_probes_what_each_level_really_does_here():
     # whatever this CPU's kernels do, the probe's answer and the warnings must agree with a fresh product
     d = tf32lab.doctor()
@@ -193,10 +196,10 @@ def test_doctor_probes_what_each_level_really_does_here():
         expected = d.levels[level]["matmul"]
         if found.math == "same-as-highest":
             assert found.same_bits
-        if found.math in ("tf32-rna", "bf16-rne") or expected != "ieee":
+        if found.math in ROUNDED or expected != "ieee":
             # rounded operands show at 1e-4 and up on k = 1024
             rounded = (again.double() - a.double() @ b.double()).abs().max() / highest.abs().max() > 1e-5
-            assert rounded == (found.math in ("tf32-rna", "bf16-rne")), (level, found)
+            assert rounded == (found.math in ROUNDED), (level, found)
         agrees = found.math == expected or (found.math in ("same-as-highest", "ieee") and expected == "ieee")
         assert agrees or "probe-disagrees" in _codes(d)
     others = any(f.math == "ieee" for level, f in d.probe.items() if level != "highest")
@@ -206,19 +209,21 @@ def test_doctor_probes_what_each_level_really_does_here():
 def test_probe_classifies_rounded_and_reordered_products():
     from tf32lab import formats, probe
 
-    g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(32, 512, generator=g), torch.randn(512, 32, generator=g)
+    a, b = probe._operands(torch.Generator().manual_seed(0))
     exact = {"float64": a.double() @ b.double(),
-             "bf16-rne": formats.round_bf16(a).double() @ formats.round_bf16(b).double(),
-             "tf32-rna": formats.round_tf32(a).double() @ formats.round_tf32(b).double()}
+             "bf16-rne": formats.round_bf16(a).double() @ formats.round_bf16(b).double()}
+    for rounding in ("rna", "rne", "rz"):
+        exact[f"tf32-{rounding}"] = (formats.round_tf32(a, rounding).double()
+                                     @ formats.round_tf32(b, rounding).double())
     scale = float(exact["float64"].abs().max())
     highest = a @ b
     reordered = a.flip(1) @ b.flip(0)  # the same sum in another order: float32 bits change
     assert not torch.equal(reordered, highest)
     assert probe._classify(highest, highest, exact, scale).math == "same-as-highest"
     assert probe._classify(reordered, highest, exact, scale).math == "ieee"
-    assert probe._classify(exact["bf16-rne"].float(), highest, exact, scale).math == "bf16-rne"
-    assert probe._classify(exact["tf32-rna"].float(), highest, exact, scale).math == "tf32-rna"
+    for math in ("bf16-rne", "tf32-rna", "tf32-rne", "tf32-rz"):
+        # a kernel that rounds its operands that way and sums in float32
+        assert probe._classify(exact[math].float(), highest, exact, scale).math == math
 
 
 def test_no_probe_for_a_simulated_machine_or_inside_emulation():

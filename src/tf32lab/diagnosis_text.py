@@ -62,7 +62,9 @@ def _levels(d: Diagnosis) -> Table:
 
 _PROBED = {"same-as-highest": "the same bits as at 'highest'",
            "ieee": "other bits than at 'highest', no operand rounded (another float32 kernel)",
-           "tf32-rna": "operands rounded to TF32", "bf16-rne": "operands rounded to bf16"}
+           "tf32-rna": "operands rounded to TF32 (to nearest, ties away)",
+           "tf32-rne": "operands rounded to TF32 (to nearest, ties to even)",
+           "tf32-rz": "operands truncated to TF32", "bf16-rne": "operands rounded to bf16"}
 
 
 def _probe(d: Diagnosis) -> Table:

@@ -7,7 +7,8 @@ classifies it by where its result lies:
 - ``same-as-highest``: bit for bit the product computed at ``highest``;
 - ``ieee``: other bits (another float32 kernel, e.g. another blocking or accumulation order) but an error against
   float64 of float32 size;
-- ``tf32-rna`` / ``bf16-rne``: the result sits on the exact product of operands rounded to that format.
+- ``tf32-rna``, ``tf32-rne``, ``tf32-rz`` or ``bf16-rne``: the result sits on the exact product of operands rounded
+  that way (half the probe's elements are exact TF32 ties, so the three TF32 roundings tell apart).
 
 On an AMD EPYC with AVX512-BF16 and no AMX, for example, ``medium`` makes oneDNN pick another float32 kernel
 (``ieee``: the bits change, the error stays at float32 size), while on a CPU with AMX it is a bf16 product
@@ -19,7 +20,7 @@ Example:
     >>> found = probe_matmul("cpu")
     >>> found["highest"].math
     'same-as-highest'
-    >>> found["medium"].math in ("same-as-highest", "ieee", "tf32-rna", "bf16-rne")
+    >>> found["medium"].math in ("same-as-highest", "ieee", "tf32-rna", "tf32-rne", "tf32-rz", "bf16-rne")
     True
 """
 
@@ -55,15 +56,33 @@ class ProbeResult:
         return {"math": self.math, "error": self.error, "same_bits": self.same_bits}
 
 
+_ROUNDED = ("tf32-rna", "tf32-rne", "tf32-rz", "bf16-rne")
+
+
 def _classify(out: torch.Tensor, highest: torch.Tensor, exact: dict[str, torch.Tensor], scale: float) -> ProbeResult:
     wide = out.double()
     error = float((wide - exact["float64"]).abs().max()) / scale
     if torch.equal(out, highest):
         return ProbeResult("same-as-highest", error, True)
-    for math in ("bf16-rne", "tf32-rna"):
-        if float((wide - exact[math]).abs().max()) / scale * _MARGIN < error:
-            return ProbeResult(math, error, False)
+    distance = {math: float((wide - exact[math]).abs().max()) / scale for math in _ROUNDED}
+    nearest = min(distance, key=distance.__getitem__)
+    if distance[nearest] * _MARGIN < error:
+        return ProbeResult(nearest, error, False)
     return ProbeResult("ieee", error, False)
+
+
+def _operands(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded normal matrices in which half the elements are exact TF32 ties (low 13 bits 0x1000), so that the
+    three TF32 roundings give clearly different products (on plain random data they differ in a few elements)."""
+    m, k, n = SHAPE
+    out = []
+    for shape in ((m, k), (k, n)):
+        x = torch.randn(shape, generator=gen)
+        bits = x.view(torch.int32)
+        tie = torch.rand(shape, generator=gen) < 0.5
+        bits[tie] = (bits[tie] & ~0x1FFF) | 0x1000
+        out.append(x)
+    return out[0], out[1]
 
 
 def probe_matmul(device: str = "cpu") -> dict[str, ProbeResult]:
@@ -74,15 +93,10 @@ def probe_matmul(device: str = "cpu") -> dict[str, ProbeResult]:
     """
     from .scope import precision  # the control layer: kept out of import time of this pure module's users
 
-    m, k, n = SHAPE
-    gen = torch.Generator().manual_seed(20261125)
-    a = torch.randn(m, k, generator=gen)
-    b = torch.randn(k, n, generator=gen)
-    exact = {
-        "float64": a.double() @ b.double(),
-        "bf16-rne": round_bf16(a).double() @ round_bf16(b).double(),
-        "tf32-rna": round_tf32(a).double() @ round_tf32(b).double(),
-    }
+    a, b = _operands(torch.Generator().manual_seed(20261125))
+    exact = {"float64": a.double() @ b.double(), "bf16-rne": round_bf16(a).double() @ round_bf16(b).double()}
+    for rounding in ("rna", "rne", "rz"):
+        exact[f"tf32-{rounding}"] = round_tf32(a, rounding).double() @ round_tf32(b, rounding).double()
     scale = float(exact["float64"].abs().max())
     da, db = a.to(device), b.to(device)
     outs = {}
