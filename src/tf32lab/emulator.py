@@ -852,9 +852,11 @@ class emulate(contextlib.ContextDecorator):
     of parameters are kept for the block and dropped at its end, or as soon as a write to them is seen. Inside,
     ``torch.compile``'d code runs eagerly (process-wide while any emulation is active, ``fullgraph=True`` too), and
     TorchScript modules are emulated too; ``torch.jit.trace`` records the model's own ops, not the emulation's.
-    Products with a sparse operand compute IEEE on every target (cuSPARSE: the TF32 flags do not reach it) and are
-    counted as ``ieee``. Exiting in another thread than the one that entered raises ``Tf32LabError`` (the block
-    is closed all the same).
+    Results match the GPU within float32 accumulation error, not bit for bit; convolutions and RNNs only within
+    rounding-mode noise too, as cuDNN picks each kernel's operand rounding (RNE, RNA or no TF32) and a target
+    models one (``tf32lab.targets``). Products with a sparse operand compute IEEE on every target (cuSPARSE: the
+    TF32 flags do not reach it) and are counted as ``ieee``. Exiting in another thread than the one that entered
+    raises ``Tf32LabError`` (the block is closed all the same).
 
     Example:
 
