@@ -84,7 +84,8 @@ def test_cublas_override_is_explained():
     assert decisions["precision"].new == "high"
     decisions, state = _apply(hw, level="highest")
     assert state["level"] == "highest"
-    assert "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 is set and decides cuBLAS TF32" in decisions["precision"].reason
+    assert "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 is set: it only makes 'high' PyTorch's default" in \
+        decisions["precision"].reason
 
 
 def test_torchrun_local_world_size_shares_the_cpus():

@@ -50,7 +50,7 @@ def test_doctor_changes_nothing():
 
 @pytest.mark.parametrize("name, highest, high, medium, codes", [
     ("a100", "ieee", "tf32-rna", "tf32-rna", {"conv-tf32-at-highest", "medium-equals-high"}),
-    ("h100", "ieee", "tf32-rna", "tf32-rna", {"conv-tf32-at-highest", "medium-equals-high"}),
+    ("h100", "ieee", "tf32-rne", "tf32-rne", {"conv-tf32-at-highest", "medium-equals-high"}),
     ("v100", "ieee", "ieee", "ieee", set()),
     ("t4", "ieee", "ieee", "ieee", set()),
     ("cpu-amx", "ieee", "tf32-rne", "bf16-rne", set()),
@@ -76,8 +76,19 @@ def test_env_overrides_are_warned_and_change_the_table():
     off = tf32lab.doctor(Hardware.simulated("a100", env={"NVIDIA_TF32_OVERRIDE": "0"}))
     assert "env-override" in _codes(off) and off.levels["high"]["matmul"] == "ieee"
     assert off.levels["highest"]["conv"] == "ieee" and off.recommendation.level == "highest"
-    forced = tf32lab.doctor(Hardware.simulated("a100", env={"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}))
-    assert "env-override" in _codes(forced) and forced.levels["highest"]["matmul"] == "tf32-rna"
+
+
+def test_the_cublas_override_only_changes_the_default_level(user_flags):
+    # TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 makes 'high' the default; an explicit 'highest' still gives IEEE (measured
+    # on an H100 with torch 2.11), so the table keeps IEEE at 'highest' and a level still has its effect.
+    tf32lab.set_float32_matmul_precision("high")
+    hw = Hardware.simulated("a100", env={"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"})
+    d = tf32lab.doctor(hw)
+    assert d.levels["highest"]["matmul"] == "ieee" and d.levels["high"]["matmul"] == "tf32-rna"
+    assert "level-has-no-effect" not in _codes(d)
+    message = next(w.message for w in d.warnings if w.code == "env-override")
+    assert "default level is 'high'" in message and "explicit 'highest' still gives IEEE" in message
+    assert hw.default_level == "high" and Hardware.simulated("a100").default_level == "highest"
 
 
 def test_cpu_quota_and_thread_warnings():

@@ -84,6 +84,51 @@ def test_rna_pin():
     assert emulated(torch.mm, a, b, level="highest")[0].item() == 1024.5
 
 
+@pytest.mark.parametrize("target", ["h100", "h200"])
+def test_hopper_rounds_tf32_operands_to_nearest_even(target):
+    # Measured on an H100: A @ I holds exactly the operands as cuBLAS rounded them, and ties went to even.
+    a = torch.tensor([[1024.5, 0.0], [0.0, 1536.5]])  # two TF32 ties
+    assert emulated(torch.mm, a, torch.eye(2), target=target)[0].diagonal().tolist() == [1024.0, 1536.0]
+    assert emulated(torch.mm, a, torch.eye(2), target="a100")[0].diagonal().tolist() == [1025.0, 1537.0]
+    assert "measured on an H100" in tf32lab.targets.get(target).entry("matmul").source
+
+
+@pytest.mark.parametrize("call, a, b", [
+    (torch.mm, randn(1, 96, seed=20), B),
+    (torch.mm, A, randn(96, 1, seed=21)),
+    (lambda a, b: torch.addmm(C[:1], a, b), A, randn(96, 1, seed=21)),
+    (lambda a, b: F.linear(a, b.T, C), randn(1, 1, 96, seed=22), B),
+    (lambda a, b: F.linear(a, b.T), A3, randn(96, 1, seed=23)),
+    (torch.bmm, randn(3, 1, 96, seed=24), B3),
+    (lambda a, b: torch.baddbmm(C, a, b), randn(3, 1, 96, seed=24), B3),
+    (lambda a, b: aten._addmm_activation(C, a, b), randn(1, 96, seed=20), B),
+], ids=["mm-row", "mm-column", "addmm-column", "linear-row", "linear-column", "bmm-row", "baddbmm-row",
+        "addmm_activation-row"])
+def test_one_row_or_one_column_products_are_ieee_on_hopper(call, a, b):
+    # On an H100, mm/addmm/linear with one row or one column gave the same bits at 'high' as at 'highest'.
+    out, emu = emulated(call, a, b, target="h100", strict=True)
+    assert torch.equal(out, call(a, b)) and {m for _, m in emu.coverage} == {"ieee"}
+    # Ampere keeps TF32 for them (pytorch#53635: a 1x1 product was rounded on an RTX 3090)
+    _, emu = emulated(call, a, b, target="a100")
+    assert {m for _, m in emu.coverage} == {"tf32-rna"}
+
+
+def test_two_rows_are_a_tf32_gemm_on_hopper():
+    a = randn(2, 96, seed=25)
+    out, emu = emulated(torch.mm, a, B, target="h100")
+    assert {m for _, m in emu.coverage} == {"tf32-rne"} and not torch.equal(out, a @ B)
+    _, emu = emulated(lambda x: F.linear(x, B.T), randn(2, 1, 96, seed=26), target="h100")
+    assert {m for _, m in emu.coverage} == {"tf32-rne"}  # 2 rows once the batch dims are folded
+
+
+def test_hopper_convolutions_and_rnns_round_to_nearest_even_and_say_it_is_per_kernel():
+    x, w = randn(2, 8, 10, 10, seed=27), randn(6, 8, 3, 3, seed=28)
+    _, emu = emulated(F.conv2d, x, w, target="h100", level="highest")
+    assert {m for _, m in emu.coverage} == {"tf32-rne"}
+    for key in ("conv", "rnn"):
+        assert "per kernel" in tf32lab.targets.get("h100").entry(key).source
+
+
 @pytest.mark.parametrize("name", ["mv", "addmv", "dot", "addr"])
 def test_matvec_ops(name):
     v = randn(96, seed=7)

@@ -120,7 +120,7 @@ def test_local_world_size():
 @pytest.mark.parametrize("env, cells", [
     ({}, {"cuda.matmul": "ieee", "cuda.conv": "tf32"}),
     ({"NVIDIA_TF32_OVERRIDE": "0"}, {"cuda.matmul": "ieee", "cuda.conv": "ieee"}),
-    ({"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}, {"cuda.matmul": "tf32", "cuda.conv": "tf32"}),
+    ({"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}, {"cuda.matmul": "ieee", "cuda.conv": "tf32"}),  # an explicit level
     ({"NVIDIA_TF32_OVERRIDE": "0", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"},
      {"cuda.matmul": "ieee", "cuda.conv": "ieee"}),
 ])

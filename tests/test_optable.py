@@ -105,8 +105,8 @@ def test_solvers_that_call_cublas_are_counted_and_matrix_exp_is_unhandled():
     a = torch.eye(5) + 0.1 * randn(5, 5, seed=9).triu()
     b = randn(5, 3, seed=10)
     out, emu = emulated(lambda: torch.linalg.solve_triangular(a, b, upper=True))
-    assert torch.equal(out, torch.linalg.solve_triangular(a, b, upper=True))
-    assert dict(emu.coverage) == {("aten::linalg_solve_triangular", "ieee"): 1}
+    assert torch.equal(out, torch.linalg.solve_triangular(a, b, upper=True))  # one trsm block: no GEMM update
+    assert dict(emu.coverage) == {("aten::linalg_solve_triangular", "tf32-rna"): 1}
     out, emu = emulated(torch.linalg.matrix_exp, a)
     assert dict(emu.unhandled) == {"aten::linalg_matrix_exp": 1}
     with pytest.raises(Tf32LabError, match="linalg_matrix_exp"):
@@ -134,3 +134,83 @@ def test_conv_double_backward_is_emulated():
         gx.pow(2).sum().backward()
     assert not emu.unhandled
     assert {m for _, m in emu.coverage} == {"tf32-rna"}  # cuDNN's flag: TF32 even at highest
+
+
+# -- solvers and backward formulas as measured on an H100 (docs/gpu-results.md) ---------------------------------
+def _systems(n=320, seed=14):
+    g = torch.Generator().manual_seed(seed)
+    upper = torch.triu(torch.randn(n, n, generator=g)) / n ** 0.5 + 2 * torch.eye(n)
+    general = torch.randn(n, n, generator=g) / n ** 0.5 + 3 * torch.eye(n)
+    return upper, general, torch.randn(n, 24, generator=g), torch.randn(2 * n, n, generator=g)
+
+
+_U, _G, _B, _TALL = _systems()
+SOLVERS = {
+    "solve_triangular": (lambda: torch.linalg.solve_triangular(_U, _B, upper=True), "aten::linalg_solve_triangular",
+                         lambda: torch.linalg.solve_triangular(_U.double(), _B.double(), upper=True)),
+    "lu_solve": (lambda: torch.linalg.lu_solve(*torch.linalg.lu_factor(_G), _B), "aten::linalg_lu_solve",
+                 lambda: torch.linalg.solve(_G.double(), _B.double())),
+    "solve": (lambda: torch.linalg.solve(_G, _B), "aten::_linalg_solve_ex",
+              lambda: torch.linalg.solve(_G.double(), _B.double())),
+    "inv": (lambda: torch.linalg.inv(_G), "aten::linalg_inv_ex", lambda: torch.linalg.inv(_G.double())),
+    "lstsq": (lambda: torch.linalg.lstsq(_TALL, _B[:, :8].repeat(2, 1)).solution, "aten::linalg_lstsq",
+              lambda: torch.linalg.lstsq(_TALL.double(), _B[:, :8].repeat(2, 1).double()).solution),
+}
+
+
+def _normwise(x, ref):
+    return float((x.double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("name", list(SOLVERS))
+def test_solvers_that_run_cublas_trsm_follow_the_matmul_level_on_a_gpu_target(name):
+    # On an H100 these ran TF32 at 'high' (errors 5e-05 to 1e-04 against 1e-07 to 5e-07 at 'highest').
+    fn, op, fn64 = SOLVERS[name]
+    ref = fn64()
+    high, emu = emulated(fn, target="h100", strict=True)
+    assert dict(emu.coverage) == {(op, "tf32-rne"): 1}
+    assert 1e-5 < _normwise(high, ref) < 1e-3
+    # native float32 (LAPACK's gelsy is not bit-reproducible across runs on every CPU: compared at float32 level)
+    highest, emu = emulated(fn, target="h100", level="highest", strict=True)
+    assert _normwise(highest, ref) < 1e-5 and dict(emu.coverage) == {(op, "ieee"): 1}
+    cpu, emu = emulated(fn, target="cpu-amx", level="medium", strict=True)  # LAPACK: IEEE on a CPU
+    assert _normwise(cpu, ref) < 1e-5 and dict(emu.coverage) == {(op, "ieee"): 1}
+
+
+def test_blocked_triangular_solve_rounds_only_the_updates():
+    # cuBLAS trsm solves the block it starts with (the last 256 rows of an upper-triangular system) without a GEMM
+    # update: those rows are the float32 solution; the rest carry the TF32 updates.
+    out, _ = emulated(lambda: torch.linalg.solve_triangular(_U, _B, upper=True), target="h100")
+    tail = torch.linalg.solve_triangular(_U[-256:, -256:], _B[-256:], upper=True)
+    assert torch.equal(out[-256:], tail)
+    assert not torch.equal(out[:-256], torch.linalg.solve_triangular(_U, _B, upper=True)[:-256])
+    right, _ = emulated(lambda: torch.linalg.solve_triangular(_U, _B.T, upper=True, left=False), target="h100")
+    assert _normwise(right, torch.linalg.solve_triangular(_U.double(), _B.T.double(), upper=True, left=False)) < 1e-3
+
+
+def _grad(f, x, level):
+    # as measured: the forward at 'highest', only the backward at the level
+    x = x.clone().requires_grad_()
+    with tf32lab.emulate("h100"):
+        loss = f(x)
+        with tf32lab.precision(level):
+            (grad,) = torch.autograd.grad(loss, x)
+    return grad
+
+
+@pytest.mark.parametrize("name", ["eigh", "qr", "lu", "solve", "det", "inv"])
+def test_backward_formulas_keep_tf32_off_as_measured(name):
+    # eigh, qr, lu, solve, det: the same bits at 'high' and 'highest' on an H100; inv's backward runs TF32.
+    g = torch.Generator().manual_seed(15)
+    square = torch.randn(48, 48, generator=g) / 48 ** 0.5 + 2 * torch.eye(48)
+    weights = torch.randn(48, 48, generator=g)
+    losses = {
+        "eigh": (lambda x: (torch.linalg.eigh((x + x.T) / 2)[1] ** 2 * weights).sum()),
+        "qr": (lambda x: (torch.linalg.qr(x)[0] * weights).sum()),
+        "lu": (lambda x: (torch.linalg.lu(x)[2] * weights).sum()),
+        "solve": (lambda x: (torch.linalg.solve(x, weights[:, :4]) * weights[:, 4:8]).sum()),
+        "det": (lambda x: torch.linalg.det(x[:16, :16])),
+        "inv": (lambda x: (torch.linalg.inv(x) * weights).sum()),
+    }
+    same = torch.equal(_grad(losses[name], square, "high"), _grad(losses[name], square, "highest"))
+    assert same == (name != "inv")

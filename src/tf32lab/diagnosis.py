@@ -152,7 +152,9 @@ def _probe_alerts(table: dict[str, dict[str, str]], probe: dict[str, ProbeResult
     out = []
     for level, found in probe.items():
         expected = table[level]["matmul"]
-        if found.math not in ("same-as-highest", "ieee", expected) or (
+        # random operands hold almost no exact ties, so the probe tells the format, not RNA from RNE
+        if (found.math not in ("same-as-highest", "ieee")
+                and found.math.split("-")[0] != expected.split("-")[0]) or (
                 found.math in ("same-as-highest", "ieee") and expected != "ieee" and level != "highest"):
             out.append(Alert("probe-disagrees", (
                 f"at {level!r} a float32 matmul here computed {found.math} (error {found.error:.1e} against "
@@ -181,7 +183,8 @@ def _warnings(hw: Hardware, level: str, table: dict[str, dict[str, str]],
     override = hw.tf32_override()
     if override:
         what = ("TF32 is off in cuBLAS and cuDNN whatever the flags say" if override.startswith("NVIDIA")
-                else "cuBLAS matmuls run TF32 whatever the level, 'highest' included")
+                else "PyTorch's default level is 'high' (cuBLAS matmuls run TF32 while nothing sets a level); an "
+                     "explicit 'highest' still gives IEEE")
         out.append(Alert("env-override", f"{override} is set: {what}"))
     if raising:
         out.append(Alert("mixed-api", (

@@ -55,7 +55,8 @@ def _levels(d: Diagnosis) -> Table:
         table.add_column(family)
     for level, maths in d.levels.items():
         table.add_row(level + (" *" if level == d.level else ""), *(maths[f] for f in families))
-    table.caption = "* in force now; math: ieee, tf32-rna (operands rounded to TF32), bf16-rne, tf32x3 (3 passes)"
+    table.caption = ("* in force now; math: ieee, tf32-rna / tf32-rne (operands rounded to TF32, ties away / to "
+                     "even), bf16-rne, tf32x3 (3 passes)")
     table.caption_justify = "left"
     return table
 

@@ -15,7 +15,7 @@ Example:
     >>> import torch, tf32lab
     >>> a, b = torch.tensor([[1024.5]]), torch.tensor([[1.0]])
     >>> with tf32lab.precision("high"), tf32lab.emulate("a100") as emu:
-    ...     (a @ b).item()                 # cuBLAS rounds operands to TF32, ties away from zero
+    ...     (a @ b).item()                 # cuBLAS on Ampere rounds operands to TF32, ties away from zero
     1025.0
     >>> with tf32lab.emulate("a100"):
     ...     (a @ b).item()                 # "highest": IEEE float32, as on the GPU
@@ -52,7 +52,8 @@ _SPARSE = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch
 _SINGLE_ROUND = {"tf32": formats.round_tf32, "bf16": formats.round_bf16}
 _SPLIT = {"tf32x3": formats.split_tf32x3, "bf16x3": formats.split_bf16x3}
 
-_CUBLAS_KEYS = ("matmul", "matvec", "attention.math")  # the keys that cuBLAS computes under PyTorch's handle
+# the keys that cuBLAS computes under PyTorch's handle
+_CUBLAS_KEYS = ("matmul", "matvec", "attention.math", "matmul.gemv", "linalg.trsm")
 
 
 # -- the stance of torch.compile: compiled code would run kernels we never see ----------------------------------
@@ -306,7 +307,7 @@ class _Call:
     def math(self, key: str) -> Math:
         """The math of ``key`` ("matmul", "conv", "attention.efficient", ...) for this call."""
         emu = self.emu
-        if key in ("matmul", "matvec"):
+        if key in ("matmul", "matvec", "matmul.gemv"):
             key = rules.forced_family() or key
         if self.no_tf32 and emu.math is None and emu.target.device == "cuda" and key in _CUBLAS_KEYS:
             key = "linalg"  # PyTorch's NoTF32Guard: the cuBLAS handle computes IEEE here
@@ -586,8 +587,8 @@ class _Mode(TorchDispatchMode):
                 emu._count(call.op, IEEE)
                 return scope.run_at("highest", lambda: func(*args, **kwargs), cell=_native_cell(args),
                                     refused=lambda: _in_float64(lambda: func(*args, **kwargs)))
-            if how == "ieee" or (how == "no_tf32" and emu.math is None and emu.target.device == "cuda"):
-                # a solver assumed IEEE on the target, or an op inside which PyTorch turns TF32 off: counted, IEEE
+            if how == "no_tf32" and emu.math is None and emu.target.device == "cuda":
+                # an op inside which PyTorch turns TF32 off: counted, IEEE
                 emu._count(call.op, call.math("linalg"))
                 return scope.run_at("highest", lambda: func(*args, **kwargs), cell=_native_cell(args),
                                     refused=lambda: _in_float64(lambda: func(*args, **kwargs)))
@@ -851,9 +852,11 @@ class emulate(contextlib.ContextDecorator):
     of parameters are kept for the block and dropped at its end, or as soon as a write to them is seen. Inside,
     ``torch.compile``'d code runs eagerly (process-wide while any emulation is active, ``fullgraph=True`` too), and
     TorchScript modules are emulated too; ``torch.jit.trace`` records the model's own ops, not the emulation's.
-    Products with a sparse operand compute IEEE on every target (cuSPARSE: the TF32 flags do not reach it) and are
-    counted as ``ieee``. Exiting in another thread than the one that entered raises ``Tf32LabError`` (the block
-    is closed all the same).
+    Results match the GPU within float32 accumulation error, not bit for bit; convolutions and RNNs only within
+    rounding-mode noise too, as cuDNN picks each kernel's operand rounding (RNE, RNA or no TF32) and a target
+    models one (``tf32lab.targets``). Products with a sparse operand compute IEEE on every target (cuSPARSE: the
+    TF32 flags do not reach it) and are counted as ``ieee``. Exiting in another thread than the one that entered
+    raises ``Tf32LabError`` (the block is closed all the same).
 
     Example:
 

@@ -7,8 +7,10 @@ finite value overflows to Inf exactly when the rounding mode says so.
 
 The rounding modes (PTX ISA ``cvt.rna.tf32.f32``; CUTLASS ``round_half_ulp_truncate``):
 
-- ``"rna"``: to nearest, ties away from zero: what cuBLAS / CUTLASS apply to TF32 operands;
-- ``"rne"``: to nearest, ties to even: what ``tensor.to(torch.bfloat16)`` does;
+- ``"rna"``: to nearest, ties away from zero: what CUTLASS applies to TF32 operands, and cuBLAS on an RTX 3090
+  (pytorch#53635; unmeasured on other Ampere and Ada GPUs);
+- ``"rne"``: to nearest, ties to even: what ``tensor.to(torch.bfloat16)`` does, and what cuBLAS applies to TF32
+  operands on an H100 (measured, docs/gpu-results.md);
 - ``"rz"``: toward zero (truncation): what the raw tensor-core ``mma`` instruction does to TF32 operands.
 
 Example:
@@ -121,7 +123,8 @@ def round_tf32(x: torch.Tensor, rounding: str = "rna", *, out: Optional[torch.Te
                default_nans: bool = False) -> torch.Tensor:
     """Round float32 values to TF32 (1 sign, 8 exponent, 10 mantissa bits), returned as float32.
 
-    ``rounding`` is ``"rna"`` (default: what cuBLAS/CUTLASS do), ``"rne"`` or ``"rz"`` (the ``mma`` instruction).
+    ``rounding`` is ``"rna"`` (default: CUTLASS, and cuBLAS on Ampere), ``"rne"`` (cuBLAS on Hopper) or ``"rz"``
+    (the ``mma`` instruction). The target decides which one an emulated op gets (``tf32lab.targets``).
     ``out``: a float32 tensor of the same shape to write into (it may be ``x`` itself), returned.
     ``default_nans=True`` skips the scan for NaNs with payloads: only when ``x`` was computed from NaN-free
     operands (any NaN in it is then the default one, which rounding keeps).

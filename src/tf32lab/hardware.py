@@ -159,12 +159,12 @@ class Hardware:
         return "cuda" if self.gpus else "mps" if self.mps else "cpu"
 
     def tf32_override(self) -> Optional[str]:
-        """The environment variable that decides TF32 in cuBLAS/cuDNN over the flags, as ``NAME=value``, or None.
+        """The environment variable that changes TF32 in cuBLAS/cuDNN beside the flags, as ``NAME=value``, or None.
 
         ``NVIDIA_TF32_OVERRIDE=0`` turns TF32 off in NVIDIA's libraries whatever PyTorch asks;
-        ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` makes PyTorch ask cuBLAS for TF32 whatever the level (PyTorch's
-        CUDA semantics notes).
-        The first wins: it acts below PyTorch.
+        ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` only changes PyTorch's default: matmuls run TF32 while nothing sets a
+        level, and an explicit ``highest`` still gives IEEE (PyTorch's ``Context.h`` starts the level from it;
+        measured on an H100 with torch 2.11, docs/gpu-results.md). The first wins: it acts below PyTorch.
         """
         if self.env.get("NVIDIA_TF32_OVERRIDE", "").strip() == "0":
             return "NVIDIA_TF32_OVERRIDE=0"
@@ -172,19 +172,33 @@ class Hardware:
             return "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1"
         return None
 
+    @property
+    def default_level(self) -> str:
+        """The level a fresh process here starts at before anything sets one: ``high`` under
+        ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` (unless ``NVIDIA_TF32_OVERRIDE=0`` wins), else ``highest``.
+
+        >>> Hardware.simulated("h100", env={"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}).default_level
+        'high'
+        """
+        return "high" if self.tf32_override() == "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1" else "highest"
+
     def cells_in_force(self, cells: Mapping[str, str]) -> dict[str, str]:
         """Effective flag cells (``flags.read_cells()``) as this machine's libraries obey them, env overrides applied.
+
+        Only ``NVIDIA_TF32_OVERRIDE=0`` changes cells: it acts inside NVIDIA's libraries. PyTorch reads
+        ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` into its default level, so a process's cells already say what it does
+        and an explicit level overrides it (:attr:`default_level`).
 
         >>> hw = Hardware.simulated("a100", env={"NVIDIA_TF32_OVERRIDE": "0"})
         >>> hw.cells_in_force({"cuda.matmul": "tf32", "cuda.conv": "tf32"})
         {'cuda.matmul': 'ieee', 'cuda.conv': 'ieee'}
+        >>> Hardware.simulated("a100", env={"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}).cells_in_force(
+        ...     {"cuda.matmul": "ieee", "cuda.conv": "tf32"})
+        {'cuda.matmul': 'ieee', 'cuda.conv': 'tf32'}
         """
         out = dict(cells)
-        override = self.tf32_override()
-        if override == "NVIDIA_TF32_OVERRIDE=0":
+        if self.tf32_override() == "NVIDIA_TF32_OVERRIDE=0":
             out.update({k: "ieee" for k, v in out.items() if k.startswith("cuda.") and v == "tf32"})
-        elif override == "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1":
-            out["cuda.matmul"] = "tf32"
         return out
 
     def to_dict(self) -> dict[str, Any]:

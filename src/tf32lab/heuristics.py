@@ -212,8 +212,9 @@ def _precision(level: str, hw: Hardware) -> tuple[Decision, Optional[_Undo], Opt
             reason += "; no TF32 on this GPU, so it changes nothing here"
     override = hw.tf32_override()
     if override and hw.gpus and override not in reason:
-        libraries = "cuBLAS" if override.startswith("TORCH") else "cuBLAS/cuDNN"
-        reason += f"; {override} is set and decides {libraries} TF32 whatever the level"
+        reason += (f"; {override} is set: it only makes 'high' PyTorch's default, the level set here decides"
+                   if override.startswith("TORCH") else
+                   f"; {override} is set and turns cuBLAS/cuDNN TF32 off whatever the level")
     old = scope.get_float32_matmul_precision()
     if old == new:  # no write: explicit values where the cells inherit would cut them off (pytorch#179445)
         return Decision("precision", old, new, reason), None, recommendation

@@ -8,13 +8,14 @@ fails when a torch adds an op whose name looks matmul-like (:func:`suspect`) and
 
 How an op is treated (``Op.how``):
 
-- ``rule``: a rule of ``tf32lab.rules`` computes it with the target's math (forward and backward);
+- ``rule``: a rule of ``tf32lab.rules`` computes it with the target's math (forward and backward); the solvers
+  whose CUDA path runs cuBLAS trsm (solve_triangular, lu_solve, linalg.solve, inv, lstsq: TF32 at 'high' on an
+  H100) by a blocked solve whose updates take the ``linalg.trsm`` math, an approximation of cuBLAS's blocking;
 - ``decomposes``: composite; PyTorch breaks it down into ops that have rules;
 - ``no_tf32``: PyTorch turns TF32 off inside it (``NoTF32Guard``): IEEE on CUDA targets (counted); on a CPU
   target it is broken down into its ops where PyTorch can, else unhandled;
-- ``ieee``: a solver whose CUDA path calls cuBLAS routines under PyTorch's handle (trsm, getrs, gels): computed
-  IEEE, as assumed on the target, and counted (``verify on GPU`` whether TF32 reaches them);
-- ``solver``: a LAPACK / cuSOLVER / MAGMA factorization with no tensor-core path: IEEE, not counted;
+- ``solver``: a LAPACK / cuSOLVER / MAGMA factorization with no tensor-core path: IEEE, not counted (measured
+  unaffected on an H100: getrf, potrf, potrs, geqrf, syevd, gesvd);
 - ``unhandled``: a family op the emulator cannot compute as the target would (a backend-specific kernel reached
   directly, a sparse or semi-structured product, ``matrix_exp``'s internal GEMMs): runs natively and is counted
   in ``unhandled`` (``strict=True`` raises);
@@ -39,7 +40,7 @@ from .families import family_of
 
 __all__ = ["HOWS", "NO_TF32_BACKWARD", "OPS", "Op", "family", "lookup", "suspect"]
 
-HOWS = ("rule", "decomposes", "no_tf32", "ieee", "solver", "unhandled", "other")
+HOWS = ("rule", "decomposes", "no_tf32", "solver", "unhandled", "other")
 
 
 class Op(NamedTuple):
@@ -105,12 +106,12 @@ OPS: dict[str, Op] = {
         _scaled_dot_product_fused_attention_overrideable _scaled_dot_product_fused_attention_overrideable_backward
         _scaled_dot_product_attention_math_for_mps _triton_scaled_dot_attention _triton_multi_head_attention"""),
     # -- linear algebra ------------------------------------------------------------------------------------------
-    **_group("linalg", "ieee", """
-        triangular_solve linalg_solve_triangular linalg_lu_solve _linalg_solve_ex linalg_lstsq linalg_inv_ex geqrf"""),
+    **_group("linalg", "rule", """
+        triangular_solve linalg_solve_triangular linalg_lu_solve _linalg_solve_ex linalg_lstsq linalg_inv_ex"""),
     **_group("linalg", "decomposes", """
         linalg_solve linalg_solve_ex lu_solve linalg_inv inverse linalg_tensorsolve"""),
     **_group("linalg", "solver", """
-        cholesky linalg_cholesky linalg_cholesky_ex cholesky_inverse cholesky_solve _cholesky_solve_helper
+        cholesky linalg_cholesky linalg_cholesky_ex cholesky_inverse cholesky_solve _cholesky_solve_helper geqrf
         linalg_eig linalg_eigh _linalg_eigh linalg_eigvals _linalg_eigvals linalg_eigvalsh linalg_svd _linalg_svd
         linalg_svdvals svd linalg_qr qr orgqr ormqr linalg_householder_product linalg_lu linalg_lu_factor
         linalg_lu_factor_ex _lu_with_info lu_unpack linalg_ldl_solve linalg_det _linalg_det det linalg_slogdet
@@ -140,11 +141,15 @@ OPS: dict[str, Op] = {
         multi_margin_loss_backward"""),
 }
 
-# Backward formulas inside which PyTorch turns TF32 off (NoTF32Guard in FunctionsManual.cpp): their GEMMs are IEEE
-# on every GPU. Seen in PyTorch's sources for pinv, cholesky and svd; others are listed in docs/gpu-results.md.
+# Backward formulas whose GEMMs are IEEE on a GPU at every level: PyTorch turns TF32 off inside some (NoTF32Guard
+# in FunctionsManual.cpp: pinv, cholesky, svd); eigh, qr, lu, linalg.solve and det gave the same bits at 'high' as
+# at 'highest' on an H100 (docs/gpu-results.md; solve's at 256 x 256, one trsm block). lu_factor's backward is lu's
+# formula. inv's backward does use TF32 (measured), so it is not listed.
 NO_TF32_BACKWARD = frozenset({
     "LinalgPinvBackward0", "LinalgPinvBackward1", "LinalgPinvBackward2", "PinverseBackward0",
     "CholeskyBackward0", "LinalgCholeskyExBackward0", "LinalgSvdBackward0", "SvdBackward0",
+    "LinalgEighBackward0", "LinalgQrBackward0", "LinalgLuBackward0", "LinalgLuFactorExBackward0",
+    "LinalgSolveExBackward0", "LinalgDetBackward0",
 })
 
 # Name tokens that make an op worth classifying (the audit's net, deliberately wide).
@@ -173,7 +178,7 @@ def suspect(name: str) -> bool:
     return any(t in _TOKENS or t.endswith("mm") or t.startswith(_PREFIXES) for t in tokens)
 
 
-_COUNTED = ("rule", "decomposes", "no_tf32", "ieee", "unhandled")
+_COUNTED = ("rule", "decomposes", "no_tf32", "unhandled")
 
 
 @functools.cache

@@ -88,9 +88,22 @@ def rule(*ops: Any) -> Callable[[Callable], Callable]:
 
 
 # -- matmul and matvec ---------------------------------------------------------------------------------------
+def _gemm_key(m: int, n: int) -> str:
+    """The target key of an (m x k) @ (k x n) product (each matrix of a batch): one row or one column is
+    ``matmul.gemv``, as cuBLAS may hand it to a matrix-vector kernel without TF32 (measured on an H100), the rest
+    ``matmul``. ``tf32lab.targets`` says what each target does with it."""
+    return "matmul.gemv" if m == 1 or n == 1 else "matmul"
+
+
+def _rows(x: torch.Tensor) -> int:
+    """Rows of ``x`` as a GEMM operand once its batch dims are flattened into rows (``linear``'s fold)."""
+    return x.numel() // x.size(-1) if x.dim() > 1 and x.size(-1) else 1
+
+
 @rule(aten.mm, aten.bmm)
 def _mm(call, func, args, kwargs):
-    return call.product("matmul", lambda a, b: func(a, b), args[0], args[1])
+    a, b = args[0], args[1]
+    return call.product(_gemm_key(a.size(-2), b.size(-1)), lambda x, y: func(x, y), a, b)
 
 
 @rule(aten.mv, aten.dot, aten.vdot)
@@ -104,7 +117,8 @@ def _scaled_sum(default, key: str):
         c, a, b = args[:3]
         beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
         alpha = kwargs.get("alpha", args[4] if len(args) > 4 else 1)
-        result = call.product(key, lambda x, y: default(c, x, y, beta=beta, alpha=alpha), a, b,
+        of = _gemm_key(a.size(-2), b.size(-1)) if key == "matmul" else key
+        result = call.product(of, lambda x, y: default(c, x, y, beta=beta, alpha=alpha), a, b,
                               bare=lambda x, y: default(c, x, y, beta=0, alpha=alpha))
         if func.overloadpacket.__name__.endswith("_"):  # addmm_ and friends write into C
             return c.copy_(result)
@@ -126,13 +140,17 @@ def _addmm_activation(call, func, args, kwargs):
     beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
     alpha = kwargs.get("alpha", args[4] if len(args) > 4 else 1)
     use_gelu = kwargs.get("use_gelu", args[5] if len(args) > 5 else False)
-    pre = call.product("matmul", lambda x, y: aten.addmm.default(c, x, y, beta=beta, alpha=alpha), a, b,
+    pre = call.product(_gemm_key(a.size(-2), b.size(-1)),
+                       lambda x, y: aten.addmm.default(c, x, y, beta=beta, alpha=alpha), a, b,
                        bare=lambda x, y: aten.addmm.default(c, x, y, beta=0, alpha=alpha))
     return F.gelu(pre) if use_gelu else F.relu(pre)
 
 
 def _linear(call, key: str, x, w, bias):
-    """x wᵀ + bias, the product in the math of ``key``."""
+    """x wᵀ + bias, the product in the math of ``key`` (``matmul``: of ``matmul.gemv`` for one row or one output
+    feature, batch dims folded into rows as cuBLAS gets them)."""
+    if key == "matmul":
+        key = _gemm_key(_rows(x), w.size(0) if w.dim() == 2 else 1)
     return call.product(key, lambda a, b: aten.linear.default(a, b, bias), x, w,
                         bare=lambda a, b: aten.linear.default(a, b))
 
@@ -239,6 +257,140 @@ def _conv_tbc(call, func, args, kwargs):
         return F.conv1d(a.permute(1, 2, 0), b.permute(2, 1, 0), None, padding=pad).permute(2, 0, 1)
 
     return call.product("matmul", full, x, w) + bias
+
+
+# -- solvers: triangular solves by cuBLAS trsm ---------------------------------------------------------------
+# On a GPU, solve_triangular, lu_solve, linalg.solve, inv and lstsq reach cuBLAS trsm under PyTorch's handle, which
+# follows the matmul flag (measured on an H100: TF32 at 'high'); the factorizations (getrf, geqrf) do not. trsm is
+# blocked: each diagonal block is solved on its own, the rest of the right-hand side updated by a GEMM, and only
+# those GEMMs use TF32. Emulated the same way, with the GEMMs in the math of ``linalg.trsm``. An approximation:
+# cuBLAS's block sizes and order are its own; 256 rows per block fits the H100 (the last 256 of 2048 rows, and 256
+# of lstsq's 512, came out bit-identical at both levels), and on the inputs measured there the emulation's error
+# against float64 equals the H100's to two digits for all five (docs/gpu-results.md). Factorizations run natively
+# (IEEE), as on the GPU.
+_TRSM_BLOCK = 256
+
+
+def _one_block(a: torch.Tensor) -> bool:
+    """Whether every trsm on ``a``'s factors is one block: no GEMM update, so the native solver's own result."""
+    return a.size(-1) <= _TRSM_BLOCK
+
+
+def _trsm(call, a: torch.Tensor, b: torch.Tensor, upper: bool, unitriangular: bool = False) -> torch.Tensor:
+    """x with a x = b, ``a`` triangular: blocked as cuBLAS trsm, the updates in the math of ``linalg.trsm``."""
+    solve = torch.linalg.solve_triangular
+    if call.math("linalg.trsm").name == "ieee" or _one_block(a):
+        return solve(a, b, upper=upper, unitriangular=unitriangular)
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a, b = a.expand(*batch, *a.shape[-2:]), b.expand(*batch, *b.shape[-2:])
+    n = a.size(-1)
+    x = torch.empty(b.shape, dtype=b.dtype, device=b.device)
+    # solved first: the bottom block of an upper-triangular a, the top one of a lower-triangular a
+    starts = range(n - _TRSM_BLOCK, -_TRSM_BLOCK, -_TRSM_BLOCK) if upper else range(0, n, _TRSM_BLOCK)
+    for start in starts:
+        lo, hi = max(start, 0), min(start + _TRSM_BLOCK, n)
+        rhs = b[..., lo:hi, :]
+        done = slice(hi, n) if upper else slice(0, lo)
+        if (n - hi if upper else lo) > 0:
+            rhs = rhs - call.product("linalg.trsm", torch.matmul, a[..., lo:hi, done], x[..., done, :])
+        x[..., lo:hi, :] = solve(a[..., lo:hi, lo:hi], rhs, upper=upper, unitriangular=unitriangular)
+    return x
+
+
+def _lu_solve(call, lu: torch.Tensor, pivots: torch.Tensor, b: torch.Tensor, left: bool = True,
+              adjoint: bool = False) -> torch.Tensor:
+    """getrs: x with op(A) x = b (``left``) or x op(A) = b, A = P L U given as ``(lu, pivots)``."""
+    if not left:  # x op(A) = b  <=>  op(A)ᴴ xᴴ = bᴴ
+        return _lu_solve(call, lu, pivots, b.mH, True, not adjoint).mH
+    p, lower, upper = torch.lu_unpack(lu, pivots)
+    if not adjoint:  # x = U⁻¹ L⁻¹ Pᵀ b; products with a permutation are exact
+        y = _trsm(call, lower, p.mT @ b, upper=False, unitriangular=True)
+        return _trsm(call, upper, y, upper=True)
+    y = _trsm(call, upper.mT, b, upper=False)  # Aᵀ = Uᵀ Lᵀ Pᵀ
+    return p @ _trsm(call, lower.mT, y, upper=True, unitriangular=True)
+
+
+def _vector_rhs(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # PyTorch's linalg_solve_is_vector_rhs: b is a (batch of) vector(s)
+    return b.dim() == 1 or (a.dim() - 1 == b.dim() and b.shape == a.shape[:-1])
+
+
+@rule(aten.linalg_solve_triangular)
+def _solve_triangular(call, func, args, kwargs):
+    a, b = args[:2]
+    upper, left = kwargs["upper"], kwargs.get("left", True)
+    unit = kwargs.get("unitriangular", False)
+    if call.math("linalg.trsm").name == "ieee":
+        return func(*args, **kwargs)
+    if left:
+        return _trsm(call, a, b, upper, unit)
+    return _trsm(call, a.mT, b.mT, not upper, unit).mT  # x a = b  <=>  aᵀ xᵀ = bᵀ
+
+
+@rule(aten.triangular_solve)
+def _triangular_solve(call, func, args, kwargs):
+    b, a = args[:2]
+    upper = _arg(args, kwargs, 2, "upper", True)
+    transpose = _arg(args, kwargs, 3, "transpose", False)
+    unit = _arg(args, kwargs, 4, "unitriangular", False)
+    native = func(*args, **kwargs)  # the cloned coefficient, as PyTorch returns it
+    if call.math("linalg.trsm").name == "ieee":
+        return native
+    x = _trsm(call, a.mT, b, not upper, unit) if transpose else _trsm(call, a, b, upper, unit)
+    return x, native[1]
+
+
+@rule(aten.linalg_lu_solve)
+def _linalg_lu_solve(call, func, args, kwargs):
+    lu, pivots, b = args[:3]
+    if call.math("linalg.trsm").name == "ieee" or _one_block(lu):
+        return func(*args, **kwargs)
+    return _lu_solve(call, lu, pivots, b, kwargs.get("left", True), kwargs.get("adjoint", False))
+
+
+def _solve_from_lu(call, a: torch.Tensor, b: torch.Tensor, left: bool) -> torch.Tensor:
+    lu, pivots = torch.linalg.lu_factor(a)  # getrf: no TF32 on the GPU
+    vector = _vector_rhs(a, b)
+    if vector:
+        b = b.unsqueeze(-1) if left else b.unsqueeze(-2)
+    x = _lu_solve(call, lu, pivots, b, left)
+    return x.squeeze(-1 if left else -2) if vector else x
+
+
+@rule(aten._linalg_solve_ex)
+def _linalg_solve_ex(call, func, args, kwargs):
+    native = func(*args, **kwargs)  # LU, pivots and info as PyTorch returns them (its backward reads them)
+    a, b = args[:2]
+    if call.math("linalg.trsm").name == "ieee" or _one_block(a) or bool((native[3] != 0).any()):
+        return native
+    return (_solve_from_lu(call, a, b, kwargs.get("left", True)), *native[1:])
+
+
+@rule(aten.linalg_inv_ex)
+def _linalg_inv_ex(call, func, args, kwargs):
+    native = func(*args, **kwargs)  # PyTorch's inv is solve(A, I): getrf, then getrs
+    a = args[0]
+    if call.math("linalg.trsm").name == "ieee" or _one_block(a) or bool((native[1] != 0).any()):
+        return native
+    eye = torch.eye(a.size(-1), dtype=a.dtype, device=a.device).expand(a.shape)
+    return _solve_from_lu(call, a, eye, True), native[1]
+
+
+@rule(aten.linalg_lstsq)
+def _linalg_lstsq(call, func, args, kwargs):
+    a, b = args[:2]
+    driver = kwargs.get("driver")
+    if call.math("linalg.trsm").name == "ieee" or _one_block(a):
+        return func(*args, **kwargs)
+    if driver not in (None, "gels") or a.size(-2) < a.size(-1):
+        return NotImplemented  # a CUDA target refuses it: only 'gels', only overdetermined systems
+    # residuals as gels gives them: from Qᵀb's tail, no trsm in them
+    native = func(*args[:3], **{**kwargs, "driver": "gels"})
+    q, r = torch.linalg.qr(a)  # geqrf and Qᵀb: no TF32 on the GPU
+    vector = _vector_rhs(a, b)
+    rhs = q.mT @ (b.unsqueeze(-1) if vector else b)
+    x = _trsm(call, r, rhs, upper=True)
+    return (x.squeeze(-1) if vector else x, *native[1:])
 
 
 # -- convolution ---------------------------------------------------------------------------------------------

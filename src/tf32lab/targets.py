@@ -6,7 +6,15 @@ entry names its source (PyTorch code or notes, vendor documentation, a paper); a
 is a reasoned assumption not yet measured on the device.
 
 Keys: ``matmul``, ``conv``, ``rnn``, ``matvec``, ``linalg``, ``attention`` (the kernel PyTorch picks for float32
-``scaled_dot_product_attention``), ``attention.math`` and ``attention.efficient`` (the two kernels by name).
+``scaled_dot_product_attention``), ``attention.math`` and ``attention.efficient`` (the two kernels by name),
+``matmul.gemv`` (a product with one row or one column, which cuBLAS may hand to a matrix-vector kernel) and
+``linalg.trsm`` (the triangular solves under PyTorch's cuBLAS handle inside ``solve_triangular``, ``lu_solve``,
+``linalg.solve``, ``inv`` and ``lstsq``).
+
+TF32 operand rounding: measured RNE for cuBLAS on an H100 (docs/gpu-results.md); RNA on Ampere and Ada from one
+report (pytorch#53635), unmeasured here. cuDNN picks the rounding per kernel (on the H100: RNE for most, RNA for
+some, no TF32 for a few); a target gives one rounding for all convolutions and RNNs, so their emulation matches
+the GPU within rounding-mode noise, never bit for bit.
 
 Example:
 
@@ -33,7 +41,8 @@ from .errors import Tf32LabError
 __all__ = ["KEYS", "MATHS", "TARGETS", "Entry", "Math", "Target", "get", "table"]
 
 MATHS = ("ieee", "tf32", "bf16", "bf16x3", "tf32x3")
-KEYS = ("matmul", "conv", "rnn", "matvec", "linalg", "attention", "attention.math", "attention.efficient")
+KEYS = ("matmul", "conv", "rnn", "matvec", "linalg", "attention", "attention.math", "attention.efficient",
+        "matmul.gemv", "linalg.trsm")
 
 _SINGLE = ("tf32", "bf16")  # one rounding of each operand; the rest are exact (ieee) or split in two (x3)
 
@@ -128,11 +137,27 @@ class Target:
 
 
 # -- sources ---------------------------------------------------------------------------------------------------
-_S_CUBLAS = "aten/src/ATen/Context.cpp: cuda.matmul=tf32 -> cuBLAS TF32; CUTLASS round_half_ulp_truncate: operands RNA"
-_S_CUDNN = ("PyTorch CUDA notes: cudnn.conv / cudnn.rnn fp32_precision, default tf32 (cudnn.allow_tf32=True); "
-            "RNA operand rounding as in CUTLASS, verify on GPU")
-_S_GEMV = "aten Blas.cpp: mv/addmv/dot go to cuBLAS gemv, no tensor-core path; verify on GPU"
-_S_SOLVER = "cuSOLVER / LAPACK factorizations take no TF32 math mode (PyTorch PR #67948)"
+_S_CUBLAS = ("aten/src/ATen/Context.cpp: cuda.matmul=tf32 -> cuBLAS TF32; operands RNA as CUTLASS's "
+             "round_half_ulp_truncate and pytorch#53635 ([1024.5] @ [[1.0]] gave 1025 on an RTX 3090); "
+             "unmeasured on Ampere and Ada")
+_S_CUBLAS_HOPPER = ("aten/src/ATen/Context.cpp: cuda.matmul=tf32 -> cuBLAS TF32; operands RNE: measured on an H100 "
+                    "(docs/gpu-results.md)")
+_S_CUDNN = ("PyTorch CUDA notes: cudnn.conv / cudnn.rnn fp32_precision, default tf32 (cudnn.allow_tf32=True); the "
+            "rounding is cuDNN's kernel's own, assumed RNA as in CUTLASS; unmeasured on Ampere and Ada")
+_S_CUDNN_HOPPER = ("PyTorch CUDA notes: cudnn.conv / cudnn.rnn fp32_precision, default tf32; the rounding is per "
+                   "kernel, measured on an H100 (docs/gpu-results.md): RNE for 1x1, 3x3 with 256 channels, "
+                   "channels_last, 5x5 and the RNN; RNA for 3x3 with 64 channels (NCHW), conv1d, conv3d; no TF32 for "
+                   "3x3 with 8 channels and conv_transpose2d; RNE, the majority, is modelled")
+_S_GEMV_HOPPER = ("mm/addmm/linear/bmm with one row or one column: no TF32 at any level, as cuBLAS takes a "
+                  "matrix-vector path: measured on an H100 (docs/gpu-results.md)")
+_S_GEMV_AMPERE = ("one-row products follow the matmul flag: pytorch#53635 (a 1x1 product rounded to TF32 on an RTX "
+                  "3090, cuBLAS 11.1); unmeasured with a newer cuBLAS, which skips TF32 for them on an H100")
+_S_TRSM = ("cuBLAS trsm under PyTorch's handle follows the matmul flag: solve_triangular, lu_solve, linalg.solve, "
+           "inv and lstsq run TF32 at 'high', measured on an H100 (docs/gpu-results.md); assumed on Ampere")
+_S_GEMV = ("aten Blas.cpp: mv/addmv/dot go to cuBLAS gemv, no tensor-core path; measured on an H100 (the same bits "
+           "at 'high' as at 'highest', docs/gpu-results.md)")
+_S_SOLVER = ("cuSOLVER / LAPACK factorizations take no TF32 math mode (PyTorch PR #67948); getrf, potrf, potrs, "
+             "geqrf, syevd, gesvd measured unaffected on an H100 (docs/gpu-results.md)")
 _S_SDPA = ("aten sdp_utils.cpp: float32 SDPA on sm80+ picks the memory-efficient kernel when enabled (flash "
            "needs fp16/bf16); verify on GPU")
 _S_SDPA_MATH = "aten attention.cpp: SDPA's math backend is bmm/matmul, so it follows the matmul flag"
@@ -149,13 +174,18 @@ _S_ONEDNN_TF32 = ("PyTorch MKLDNN notes: mkldnn fp32_precision=tf32 where the CP
 _S_CPU = "aten/src/ATen/Context.cpp: a CPU without reduced-precision units computes IEEE float32 at every level"
 
 
-def _ampere_plus() -> dict[str, Entry]:
+def _ampere_plus(capability: tuple[int, int]) -> dict[str, Entry]:
+    hopper = capability >= (9, 0)
+    tf32, cublas, cudnn = (TF32_RNE, _S_CUBLAS_HOPPER, _S_CUDNN_HOPPER) if hopper else (TF32_RNA, _S_CUBLAS, _S_CUDNN)
     return {
-        "matmul": _by("cuda.matmul", _S_CUBLAS, tf32=TF32_RNA, ieee=IEEE),
-        "conv": _by("cuda.conv", _S_CUDNN, tf32=TF32_RNA, ieee=IEEE),
-        "rnn": _by("cuda.rnn", _S_CUDNN, tf32=TF32_RNA, ieee=IEEE),
+        "matmul": _by("cuda.matmul", cublas, tf32=tf32, ieee=IEEE),
+        "conv": _by("cuda.conv", cudnn, tf32=tf32, ieee=IEEE),
+        "rnn": _by("cuda.rnn", cudnn, tf32=tf32, ieee=IEEE),
         "matvec": _fixed(IEEE, _S_GEMV),
         "linalg": _fixed(IEEE, _S_SOLVER),
+        "matmul.gemv": _fixed(IEEE, _S_GEMV_HOPPER) if hopper else _by("cuda.matmul", _S_GEMV_AMPERE,
+                                                                       **{"*": "matmul"}),
+        "linalg.trsm": _by("cuda.matmul", _S_TRSM, **{"*": "matmul"}),
         "attention": _by("sdpa", _S_SDPA, efficient="attention.efficient", math="attention.math"),
         "attention.math": _by("cuda.matmul", _S_SDPA_MATH, **{"*": "matmul"}),
         "attention.efficient": _fixed(TF32X3, _S_EFFICIENT),
@@ -168,6 +198,7 @@ def _pre_ampere() -> dict[str, Entry]:
         "matmul": fixed, "conv": fixed, "rnn": fixed,
         "matvec": _fixed(IEEE, _S_GEMV),
         "linalg": _fixed(IEEE, _S_SOLVER),
+        "matmul.gemv": fixed, "linalg.trsm": fixed,
         "attention": _by("sdpa", _S_SDPA, efficient="attention.efficient", math="attention.math"),
         "attention.math": _by("cuda.matmul", _S_SDPA_MATH, **{"*": "matmul"}),
         "attention.efficient": _fixed(IEEE, _S_EFFICIENT_SIMT),
@@ -187,6 +218,9 @@ def _onednn(reduced: bool) -> dict[str, Entry]:
     return {
         **entries,
         "linalg": _fixed(IEEE, _S_SOLVER),
+        "matmul.gemv": _by("mkldnn.matmul", "a one-row product is a matmul like any other to oneDNN; unmeasured",
+                           **{"*": "matmul"}),
+        "linalg.trsm": _fixed(IEEE, "LAPACK trsm: no reduced-precision path on a CPU"),
         "attention": _by("mkldnn.matmul", "CPU flash attention uses the CPU GEMM: follows the matmul flag",
                          **{"*": "matmul"}),
         "attention.math": _by("mkldnn.matmul", _S_SDPA_MATH, **{"*": "matmul"}),
@@ -195,7 +229,7 @@ def _onednn(reduced: bool) -> dict[str, Entry]:
 
 
 def _cuda(name: str, title: str, capability: tuple[int, int]) -> Target:
-    entries = _ampere_plus() if capability >= (8, 0) else _pre_ampere()
+    entries = _ampere_plus(capability) if capability >= (8, 0) else _pre_ampere()
     return Target(name, title, "cuda", capability, MappingProxyType(entries))
 
 
