@@ -11,6 +11,7 @@ import json
 import os
 import shlex
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -110,19 +111,64 @@ def test_an_existing_targets_mode_is_kept_and_a_new_file_gets_the_umask(tmp_path
     assert stat.S_IMODE(files.write_atomically(tmp_path / "shared", "x", private=True).stat().st_mode) == 0o600
 
 
+def _socket_file(path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(path))
+    return sock
+
+
 def test_what_a_file_cannot_replace_is_refused_naming_the_target(tmp_path):
     (tmp_path / "folder").mkdir()
-    os.mkfifo(tmp_path / "fifo")
+    sock = _socket_file(tmp_path / "sock")
     (tmp_path / "plain").write_text("")
-    cases = {"folder": errno.EISDIR, "fifo": errno.EINVAL, "no/such/r.json": errno.ENOENT,
+    cases = {"folder": errno.EISDIR, "sock": errno.EINVAL, "no/such/r.json": errno.ENOENT,
              "plain/r.json": errno.ENOTDIR}
     for name, code in cases.items():
         for attempt in (lambda p: files.write_atomically(p, "x"), files.check_writable):
             with pytest.raises(OSError) as raised:
                 attempt(tmp_path / name)
             assert raised.value.errno == code and raised.value.filename == str(tmp_path / name), raised.value
-    assert stat.S_ISFIFO((tmp_path / "fifo").lstat().st_mode) and (tmp_path / "folder").is_dir()
+    assert stat.S_ISSOCK((tmp_path / "sock").lstat().st_mode) and (tmp_path / "folder").is_dir()
     assert _leftovers(tmp_path) == []
+    sock.close()
+
+
+def test_a_link_to_an_open_file_of_the_process_is_written_through_and_stays_a_link(tmp_path):
+    # /dev/stdout is such a link (to /proc/self/fd/1): renaming over it would replace the system's link
+    with open(tmp_path / "out.txt", "w") as out:
+        out.write("before\n")
+        out.flush()
+        (tmp_path / "mystdout").symlink_to(f"/proc/self/fd/{out.fileno()}")
+        assert files.is_stream(tmp_path / "mystdout") and files.is_stream("/dev/stdout")
+        files.check_writable(tmp_path / "mystdout")
+        files.write_atomically(tmp_path / "mystdout", "report\n")
+    assert (tmp_path / "mystdout").is_symlink() and (tmp_path / "out.txt").read_text() == "before\nreport\n"
+    assert _leftovers(tmp_path) == []
+    assert os.path.islink("/dev/stdout") or not os.path.exists("/dev/stdout")
+
+
+def test_a_named_pipe_and_a_device_are_written_in_place(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    got = []
+    reader = threading.Thread(target=lambda: got.append((tmp_path / "fifo").read_text()), daemon=True)
+    reader.start()
+    files.write_atomically(tmp_path / "fifo", "through the pipe\n")
+    reader.join(10)
+    assert got == ["through the pipe\n"] and stat.S_ISFIFO((tmp_path / "fifo").lstat().st_mode)
+    files.write_atomically("/dev/null", "gone")
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    assert _leftovers(tmp_path) == []
+
+
+def test_json_to_a_link_to_stdout_lands_in_the_redirected_file(spec_dir, tmp_path):
+    (spec_dir / "mystdout").symlink_to("/proc/self/fd/1")
+    with open(tmp_path / "out.txt", "w") as out:
+        done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "tiny.py:make", "--json", "mystdout"],
+                              stdout=out, stderr=subprocess.PIPE, text=True, cwd=spec_dir, timeout=300)
+    assert done.returncode == 0, done.stderr
+    text = (tmp_path / "out.txt").read_text()
+    assert "PASSED |" in text and '"schema_version"' in text  # the tables, then the report
+    assert (spec_dir / "mystdout").is_symlink()
 
 
 def test_a_link_at_the_target_is_replaced_and_the_file_it_named_left_alone(tmp_path):
@@ -276,10 +322,34 @@ def test_stdout_on_a_full_disk_is_one_line_exit_2(spec_dir, args):
 @pytest.mark.parametrize("command", ["check", "tune", "speed"])
 def test_output_paths_are_checked_before_the_model_runs(spec_dir, command):
     (spec_dir / "folder").mkdir()
-    os.mkfifo(spec_dir / "fifo")
-    for out, message in (("folder", "is a folder"), ("fifo", "is not a regular file"),
+    sock = _socket_file(spec_dir / "sock")
+    for out, message in (("folder", "is a folder"), ("sock", "is not a regular file"),
                          ("no/r.json", "no folder 'no'"), ("tiny.py/r.json", "no folder 'tiny.py' (it is a file)")):
         done = _run(command, "tiny.py:make", "--json", out, cwd=spec_dir)
         assert _one_line_error(done).startswith(f"tf32lab {command}: error: --json {out}: {message}")
         assert done.stdout == ""  # before the model ran
-    assert stat.S_ISFIFO((spec_dir / "fifo").lstat().st_mode) and (spec_dir / "folder").is_dir()
+    assert stat.S_ISSOCK((spec_dir / "sock").lstat().st_mode) and (spec_dir / "folder").is_dir()
+    sock.close()
+
+
+def test_a_closed_stdout_and_a_full_stderr_keep_exit_code_2(spec_dir):
+    closed = subprocess.run(f"{shlex.quote(sys.executable)} -m tf32lab.cli targets >&-", shell=True, cwd=spec_dir,
+                            capture_output=False, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert _one_line_error(closed) == "tf32lab targets: error: cannot write to stdout: it is closed"
+    with open("/dev/full", "w") as full:
+        bad = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "tiny.py:make", "--target", "nope"],
+                             cwd=spec_dir, stdout=subprocess.PIPE, stderr=full, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stdout == ""
+
+
+@pytest.mark.parametrize("args, message", [
+    (["check", "tiny.py:make", "--json", ""], "--json '': give a file name, or - for standard output"),
+    (["tune", "tiny.py:make", "--out", "p.yaml"], "--out p.yaml: a policy is written as JSON (.json, or no suffix) "
+                                                  "or TOML (.toml), not '.yaml'"),
+    (["tune", "tiny.py:make", "--json", "-", "--out", "/dev/stdout"], "--out /dev/stdout and --json - name the "
+                                                                      "same file"),
+])
+def test_outputs_that_cannot_mean_what_was_asked_are_usage_errors(spec_dir, args, message):
+    done = _run(*args, cwd=spec_dir)
+    assert message in _one_line_error(done) and done.stdout == ""
+    assert not (spec_dir / "p.yaml").exists()

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import math
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Callable, NoReturn
 
 from . import __version__
@@ -227,17 +229,31 @@ def _targets(args: argparse.Namespace) -> int:
     return 0
 
 
+_STDOUT = "/dev/stdout"
+_POLICY_SUFFIXES = ("", ".json", ".toml")
+
+
 def _outputs(args: argparse.Namespace, *flags: str, reads: Sequence[tuple[str, str | None]] = ()) -> None:
     """The paths a command will write, checked before the model runs (minutes may pass before they are written):
     each one writable (tf32lab.files.check_writable), none given twice, none a file the command reads."""
     from .files import check_writable, same_file
 
-    given = [(flag, path) for flag in flags if (path := getattr(args, flag[2:])) and path != "-"]
+    for flag in flags:
+        if getattr(args, flag[2:]) == "":
+            raise Tf32LabError(f"{flag} '': give a file name, or - for standard output")
+    out = getattr(args, "out", None)
+    if "--out" in flags and out and out != "-" and Path(out).suffix.lower() not in _POLICY_SUFFIXES:
+        raise Tf32LabError(f"--out {_shown(out)}: a policy is written as JSON (.json, or no suffix) or TOML "
+                           f"(.toml), not {Path(out).suffix!r}")
+    given = [(flag, path) for flag in flags if (path := getattr(args, flag[2:]))]
     for i, (flag, path) in enumerate(given):
         for other, earlier in given[:i]:
-            if same_file(path, earlier):
+            # "-" is standard output: two outputs there would run into each other
+            if same_file(_STDOUT if path == "-" else path, _STDOUT if earlier == "-" else earlier):
                 raise Tf32LabError(f"{other} {_shown(earlier)} and {flag} {_shown(path)} name the same file; give "
                                    "each output its own path")
+        if path == "-":
+            continue
         for what, source in reads:
             if source and os.path.exists(source) and same_file(path, source):
                 raise Tf32LabError(f"{flag} {_shown(path)} is the file {what} reads; give the output another path")
@@ -523,6 +539,33 @@ class _StdoutError(Tf32LabError):
     """stdout could not be written (``> file`` on a full disk); not a closed pipe, which is no error."""
 
 
+class _Closed:
+    """What stands for a closed stdout: writing to it fails as writing to a closed descriptor does."""
+
+    encoding, errors = "utf-8", "strict"
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EBADF, "it is closed")
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        raise OSError(errno.EBADF, "it is closed")
+
+
+def _say(line: str) -> None:
+    """One line on stderr; a stderr that is closed or full (``2>/dev/full``) must not turn exit code 2 into a
+    traceback and exit 1: the exit code still says what happened."""
+    if sys.stderr is None:
+        return
+    with contextlib.suppress(OSError):
+        print(line, file=sys.stderr, flush=True)
+
+
 class _Stdout:
     """sys.stdout while a command runs: a write error other than a closed pipe becomes one line and exit code 2
     (Python would print a traceback, exit 1, which ``check`` and ``tune`` use for a verdict)."""
@@ -568,8 +611,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     stdout = sys.stdout
-    if stdout is not None:
-        sys.stdout = _Stdout(stdout)
+    # a closed stdout (``>&-``) is None: its first write is then one line and exit 2, as a full disk is
+    sys.stdout = _Stdout(stdout if stdout is not None else _Closed())
     try:
         from .scope import guard_policy
 
@@ -587,12 +630,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         from .report.text import inert
 
-        print(f"tf32lab {args.command}: error: {' '.join(inert(exc).split(chr(10)))}", file=sys.stderr)
+        _say(f"tf32lab {args.command}: error: {' '.join(inert(exc).split(chr(10)))}")
         return 2
     except KeyboardInterrupt:
         if getattr(args, "debug", False):
             raise
-        print(f"tf32lab {args.command}: interrupted", file=sys.stderr)
+        _say(f"tf32lab {args.command}: interrupted")
         return 130
     except BrokenPipeError:  # the reader went away (``| head``): not an error of ours
         _drop_stdout()

@@ -18,10 +18,13 @@ Every file tf32lab writes (a policy, a report as JSON or HTML, a compile-cache a
   process may (root), its owner and group. A new file gets what the system gives a new file (the
   umask, a folder's default ACL) when it is created; ``private=True`` makes it owner-only (``0600``) whatever
   the umask. Over an existing target the temporary file is owner-only until it takes the target's bits.
-- **Refused targets**: a folder (``EISDIR``), an existing file that is not a regular one (a device, a pipe, a
-  socket; ``EINVAL``: renaming over ``/dev/null`` would replace the device), an existing file that this user may
-  not write (``EACCES``; like ``open(path, "w")``, not like ``mv``). A file with other hard links loses them:
-  the new content is a new file.
+- **Streams are written, never replaced.** ``/dev/stdout``, ``/dev/stderr``, ``/dev/fd/N`` (any path whose links
+  lead into ``/proc`` or ``/dev/fd``), a character device such as ``/dev/null`` and a named pipe are opened and
+  written in place, appending: renaming over ``/dev/stdout`` would replace the system's link with a regular file,
+  and a shell's ``> out.txt`` would never see the content. Nothing is created there; such a write is not atomic.
+- **Refused targets**: a folder (``EISDIR``), a socket or a block device (``EINVAL``), an existing file that this
+  user may not write (``EACCES``; like ``open(path, "w")``, not like ``mv``). A file with other hard links loses
+  them: the new content is a new file.
 
 Errors are ``OSError`` naming the target (not the temporary file) and the system's reason; the ``tf32lab``
 command turns each into one line and exit code 2. :func:`check_writable` answers, before a long run, whether the
@@ -46,12 +49,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import secrets
 import stat
+import sys
 from pathlib import Path
 from typing import Optional, Union
 
-__all__ = ["check_writable", "same_file", "write_atomically"]
+__all__ = ["check_writable", "is_stream", "same_file", "write_atomically"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -71,6 +76,9 @@ def write_atomically(path: PathLike, data: Union[str, bytes], *, private: bool =
     """
     path = Path(path)
     payload = data.encode("utf-8", "backslashreplace") if isinstance(data, str) else data
+    if is_stream(path):
+        _write_stream(path, payload)
+        return path
     old = _target(path)
     # An existing target's bits are set before the rename; a new file takes the system's default at creation.
     fd, tmp = _temporary(path, 0o600 if private or old is not None else 0o666)
@@ -101,6 +109,10 @@ def check_writable(path: PathLike) -> Path:
     file system, a name too long). The target itself is not touched.
     """
     path = Path(path)
+    if is_stream(path):
+        if not os.access(path, os.W_OK):
+            raise OSError(errno.EACCES, "not writable (Permission denied)", str(path))
+        return path
     _target(path)
     try:
         fd, probe = _temporary(path, 0o600)
@@ -109,6 +121,62 @@ def check_writable(path: PathLike) -> Path:
     except OSError as exc:
         raise OSError(exc.errno, f"not writable: {exc.strerror or exc}", str(path)) from exc
     return path
+
+
+def is_stream(path: PathLike) -> bool:
+    """Whether ``path`` is written in place rather than replaced: its links lead into ``/proc`` or ``/dev/fd`` (an
+    open file of a process, as ``/dev/stdout`` does), or it is a character device or a named pipe."""
+    if _hops(path)[-1].startswith(("/proc/", "/dev/fd/")):
+        return True
+    try:
+        info = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISCHR(info.st_mode) or stat.S_ISFIFO(info.st_mode)
+
+
+def _hops(path: PathLike) -> list[str]:
+    """``path`` and the links it leads through, up to the first one into ``/proc`` or ``/dev/fd``."""
+    hops = [os.fspath(path)]
+    for _ in range(40):  # the kernel's own limit on links followed
+        if hops[-1].startswith(("/proc/", "/dev/fd/")):
+            break
+        try:
+            hops.append(os.path.join(os.path.dirname(hops[-1]), os.readlink(hops[-1])))
+        except OSError:  # not a link, or nothing there
+            break
+    return hops
+
+
+_OWN_FD = re.compile(rf"^/(?:proc/(?:self|thread-self|{os.getpid()})/fd|dev/fd)/(\d+)$")
+
+
+def _write_stream(path: Path, payload: bytes) -> None:
+    """Append ``payload``; to this process's own descriptor itself when the path names one (``/dev/stdout``), after
+    Python's buffers for it are flushed, so that what was printed before stays before and nothing is overwritten."""
+    own = _OWN_FD.match(_hops(path)[-1])
+    try:
+        if own is not None:
+            fd = int(own.group(1))
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(AttributeError, ValueError, OSError):
+                    if stream is not None and stream.fileno() == fd:
+                        stream.flush()
+            _write_all(fd, payload)
+            return
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_CLOEXEC", 0))
+        try:
+            _write_all(fd, payload)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise _about(path, exc) from exc
+
+
+def _write_all(fd: int, payload: bytes) -> None:
+    view = memoryview(payload)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def same_file(a: PathLike, b: PathLike) -> bool:
@@ -140,7 +208,7 @@ def _target(path: Path) -> Optional[os.stat_result]:
     if stat.S_ISDIR(info.st_mode):
         raise IsADirectoryError(errno.EISDIR, "is a folder; give a file name", str(path))
     if not stat.S_ISREG(info.st_mode):
-        raise OSError(errno.EINVAL, "is not a regular file (a device, pipe or socket); give a file name", str(path))
+        raise OSError(errno.EINVAL, "is not a regular file (a socket or a block device); give a file name", str(path))
     if not os.access(path, os.W_OK):
         raise PermissionError(errno.EACCES, "not writable (Permission denied)", str(path))
     return info
