@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import jsonschema
 import pytest
@@ -242,4 +243,19 @@ def test_no_probe_for_a_simulated_machine_or_inside_emulation():
     before = flags.snapshot()
     with tf32lab.emulate("a100"):
         assert tf32lab.doctor().probe is None
+    assert flags.snapshot() == before
+
+
+def test_doctor_in_a_thread_beside_a_scope_it_must_not_disturb_skips_the_probe():
+    # the main thread entered precision("high") alone: its ops are unguarded, so no other thread may change the flag
+    before = flags.snapshot()
+    found = {}
+    with tf32lab.precision("high"):
+        worker = threading.Thread(target=lambda: found.update(d=tf32lab.doctor()))
+        worker.start()
+        worker.join()
+        assert tf32lab.get_float32_matmul_precision() == "high"
+    d = found["d"]
+    assert d.probe is None and "probe-skipped" in _codes(d)
+    jsonschema.validate(json.loads(d.to_json()), diagnosis.schema())
     assert flags.snapshot() == before

@@ -140,12 +140,15 @@ def _level_table(hw: Hardware, cells: dict[str, str]) -> dict[str, dict[str, str
     return table
 
 
-def _probe(hw: Hardware) -> Optional[dict[str, ProbeResult]]:
+def _probe(hw: Hardware) -> tuple[Optional[dict[str, ProbeResult]], Optional[Alert]]:
     from .scope import current_emulation
 
     if hw.simulated_as is not None or current_emulation() is not None:
-        return None  # another machine's kernels cannot be asked; emulated matmuls would answer for the target
-    return probe_matmul(hw.device)
+        return None, None  # another machine's kernels cannot be asked; emulated matmuls would answer for the target
+    try:
+        return probe_matmul(hw.device), None
+    except Tf32LabError as exc:  # another thread holds a level that a probe here would change under it
+        return None, Alert("probe-skipped", f"what each level really does was not probed: {exc}")
 
 
 def _probe_alerts(table: dict[str, dict[str, str]], probe: dict[str, ProbeResult]) -> list[Alert]:
@@ -245,10 +248,11 @@ def doctor(hardware: Optional[Hardware] = None) -> Diagnosis:
     level = flags.read_level()
     table = _level_table(hw, cells)
     threads, reason = decide_threads("auto", 1, hw)
-    probe = _probe(hw)
+    probe, skipped = _probe(hw)
+    warnings = [*_warnings(hw, level, table, cell_rows, raising, probe), *([skipped] if skipped else [])]
     return Diagnosis(
         hardware=hw, level=level, cells=tuple(cell_rows), legacy=legacy, other_flags=other,
         threads={"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads()},
-        levels=table, warnings=tuple(_warnings(hw, level, table, cell_rows, raising, probe)),
+        levels=table, warnings=tuple(warnings),
         recommendation=recommend(hw), recommended_threads=threads, threads_reason=reason, probe=probe,
     )
