@@ -320,3 +320,11 @@ def test_a_bad_guard_setting_is_one_clear_line():
                          timeout=120, env={**os.environ, "TF32LAB_SCOPE_GUARD": "sometimes"})
     assert cli.returncode == 2 and cli.stdout == ""
     assert cli.stderr.strip().splitlines() == [f"tf32lab check: error: {message}"]
+
+
+def test_an_empty_or_differently_written_guard_setting_is_understood():
+    # `TF32LAB_SCOPE_GUARD= python ...` (empty) means unset, as for the shell's other variables
+    code = "import tf32lab\nwith tf32lab.precision('high'):\n    print(tf32lab.scope.guard_policy())"
+    for value, expected in (("", "auto"), (" Always ", "always")):
+        done = run_python(code, TF32LAB_SCOPE_GUARD=value)
+        assert done.returncode == 0 and done.stdout.strip() == expected, (value, done.stderr)

@@ -54,10 +54,11 @@ _guard_choice: Optional[str] = None
 
 
 def guard_policy() -> str:
-    """``TF32LAB_SCOPE_GUARD`` (``auto`` or ``always``), read once; a bad value is a one-line ``Tf32LabError``."""
+    """``TF32LAB_SCOPE_GUARD`` (``auto`` or ``always``; unset or empty: ``auto``), read once; a bad value is a
+    one-line ``Tf32LabError``."""
     global _guard_choice
     if _guard_choice is None:
-        value = os.environ.get("TF32LAB_SCOPE_GUARD", "auto")
+        value = os.environ.get("TF32LAB_SCOPE_GUARD", "").strip().lower() or "auto"
         if value not in GUARD_POLICIES:
             raise Tf32LabError(f"TF32LAB_SCOPE_GUARD={value!r} is not understood; accepted: "
                                f"{', '.join(map(repr, GUARD_POLICIES))}")
