@@ -190,6 +190,26 @@ def test_a_bad_option_is_a_usage_error(pytester: pytest.Pytester, args, message)
     result.stderr.fnmatch_lines([message])
 
 
+@pytest.mark.parametrize("where, message", [
+    ("env", "*TF32LAB_PYTEST='bogus' (TARGET?:LEVEL?): unknown target 'bogus'; accepted: native, v100*"),
+    ("env", "*TF32LAB_PYTEST='a100:fast' (TARGET?:LEVEL?): unknown level 'fast'; accepted: highest, high, medium*"),
+    ("ini", "*the ini key tf32lab='bogus' (TARGET?:LEVEL?): unknown target 'bogus'; accepted: native, v100*"),
+], ids=["env-target", "env-level", "ini"])
+def test_a_bad_environment_variable_or_ini_key_is_a_usage_error_naming_it(pytester: pytest.Pytester, monkeypatch,
+                                                                         where, message):
+    # It named "--tf32lab 'bogus'", an option the user never gave.
+    pytester.makepyfile(test_suite="def test_nothing():\n    pass\n")
+    value = message.split("='")[1].split("'")[0]
+    if where == "env":
+        monkeypatch.setenv("TF32LAB_PYTEST", value)
+    else:
+        pytester.makeini(f"[pytest]\ntf32lab = {value}\n")
+    result = _run(pytester)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+    assert "--tf32lab '" not in result.stderr.str()
+
+
 def test_loaded_but_off_it_imports_no_torch(pytester: pytest.Pytester):
     pytester.makeconftest(textwrap.dedent("""
         import sys
@@ -401,10 +421,14 @@ BAD_MARKERS = {
 
 
 def test_a_bad_marker_is_one_line_naming_the_marker_the_value_and_what_is_accepted(pytester: pytest.Pytester):
-    pytester.makepyfile(**{name: f"import pytest\n\n@pytest.mark.{marker}\ndef test_it():\n    pass\n"
+    # Each bad marker errors its own test only; a bad tf32lab_levels was a collection error, which stopped the
+    # whole session ("Interrupted: 1 error during collection") before any test ran.
+    good = "\n\ndef test_unmarked():\n    pass\n"
+    pytester.makepyfile(**{name: f"import pytest\n\n@pytest.mark.{marker}\ndef test_it():\n    pass\n{good}"
                            for name, marker in BAD_MARKERS.items()})
-    result = _run(pytester, "--continue-on-collection-errors")
-    result.assert_outcomes(errors=4)
+    result = _run(pytester, "-v")
+    result.assert_outcomes(errors=4, passed=4)
+    result.stdout.fnmatch_lines(["*test_levels.py::test_it?tf32lab-bad-levels? ERROR*"])
     result.stdout.fnmatch_lines_random([
         "@pytest.mark.tf32lab(level='fast'): unknown level 'fast'; accepted: highest, high, medium",
         "@pytest.mark.tf32lab(target='b200'): unknown target 'b200'; accepted: native, v100*",

@@ -18,8 +18,8 @@ of its markers, so ``pytest --help`` elsewhere costs what it did.
 - ``@pytest.mark.tf32lab(level=..., target=...)`` pins a test (``level="highest"``: PyTorch's ``with_tf32_off``);
   ``@pytest.mark.tf32lab_levels("highest", "high")`` runs it once per level (``tf32_on_and_off``), the level in the
   test id and in the ``tf32lab_level`` fixture. Both work without ``--tf32lab`` too: then natively, unless the
-  marker names a target. A bad value fails that test (or, for ``tf32lab_levels``, its module's collection) with
-  one line naming the marker, the value and what is accepted.
+  marker names a target. A bad value fails that test only (for ``tf32lab_levels``, as one ``tf32lab-bad-levels``
+  case) with one line naming the marker, the value and what is accepted.
 - Every test that runs under tf32lab starts from the state its fixtures of wider scope (session, package,
   module, class) set up: a project's level set in a session fixture, a module held in ``precision()``. What the
   test and its function-scoped fixtures leave changed (PyTorch's precision flags, tf32lab's scopes, the
@@ -110,13 +110,16 @@ def _target(name: object) -> Optional[str]:
         raise _BadValue(f"unknown target {name!r}; accepted: native, {', '.join(TARGETS)}") from None
 
 
-def _parse(spec: str) -> tuple[Optional[str], str]:
-    """``a100:high`` -> (``a100``, ``high``); a bad value is a ``pytest.UsageError`` naming what is accepted."""
+def _parse(spec: str, source: str = "--tf32lab") -> tuple[Optional[str], str]:
+    """``a100:high`` -> (``a100``, ``high``); a bad value is a ``pytest.UsageError`` naming ``source`` (the
+    option, the environment variable or the ini key it came from: the user must know which to fix), the value
+    and what is accepted."""
     target, _, level = spec.strip().partition(":")
     try:
         return _target(target), _level(level or DEFAULT_LEVEL)
     except _BadValue as exc:
-        raise pytest.UsageError(f"--tf32lab {spec!r}: {exc}") from None
+        where = f"--tf32lab {spec!r}" if source == "--tf32lab" else f"{source}={spec!r} (TARGET[:LEVEL])"
+        raise pytest.UsageError(f"{where}: {exc}") from None
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -124,10 +127,12 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "(and as that target computes it); level='highest' is PyTorch's with_tf32_off")
     config.addinivalue_line("markers", "tf32lab_levels(*levels): run this test once per level (PyTorch's "
                                        "tf32_on_and_off); the tf32lab_level fixture gives the level")
-    spec = config.getoption("--tf32lab") or os.environ.get(ENV) or config.getini("tf32lab")
+    sources = [("--tf32lab", config.getoption("--tf32lab")), (ENV, os.environ.get(ENV)),
+               ("the ini key tf32lab", config.getini("tf32lab"))]
+    source, spec = next(((name, value) for name, value in sources if value), ("", None))
     strict, compare = config.getoption("--tf32lab-strict"), config.getoption("--tf32lab-compare")
     if spec:
-        target, level = _parse(spec)
+        target, level = _parse(spec, source)
         settings = _Settings(target, level, strict, compare)
     else:
         if strict or compare:
@@ -150,14 +155,19 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     from .levels import check_levels
 
     try:
-        levels, bad = check_levels(marker.args), None
+        levels, ids = check_levels(marker.args), None
     except Exception as exc:
-        levels, bad = (), str(exc)
-    if bad is not None:  # a collection error of one line: the marker, the bad value, the accepted levels
-        pytest.fail(f"@pytest.mark.tf32lab_levels{_arguments(marker)}: {bad}", pytrace=False)
+        # Not a collection error (pytest.fail here ends the whole session, --continue-on-collection-errors
+        # aside): one test that errors at setup with the one line, as a bad ``tf32lab`` marker does.
+        levels, ids = [_BadLevels(f"@pytest.mark.tf32lab_levels{_arguments(marker)}: {exc}")], ["tf32lab-bad-levels"]
     if "tf32lab_level" not in metafunc.fixturenames:
         metafunc.fixturenames.append("tf32lab_level")
-    metafunc.parametrize("tf32lab_level", levels, ids=[f"tf32lab-{level}" for level in levels], indirect=True)
+    metafunc.parametrize("tf32lab_level", levels, ids=ids or [f"tf32lab-{level}" for level in levels], indirect=True)
+
+
+class _BadLevels(str):
+    """The parameter of a test whose ``tf32lab_levels`` marker is bad: its message, failed at setup. A ``str``,
+    so pytest-xdist workers, which compare the collected ids and params, see equal values."""
 
 
 @pytest.fixture
@@ -206,6 +216,8 @@ def _placement(item: pytest.Item) -> tuple[Optional[str], Optional[str]]:
     callspec = getattr(item, "callspec", None)
     if callspec is not None and "tf32lab_level" in callspec.params:
         level = callspec.params["tf32lab_level"]
+        if isinstance(level, _BadLevels):
+            pytest.fail(str(level), pytrace=False)
     placed = item.stash[_PLACEMENT] = (target, level)
     return placed
 
