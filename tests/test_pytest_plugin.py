@@ -282,6 +282,66 @@ def test_an_error_raised_inside_tf32lab_is_never_put_down_to_precision(pytester:
     ])
 
 
+TRACED = textwrap.dedent("""
+    import pytest
+    import torch
+
+    pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+    def test_traces_a_float64_conv_model():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()).double()
+        x = torch.randn(1, 3, 8, 8, dtype=torch.float64)
+        traced = torch.jit.trace(model, (x,))
+        torch.testing.assert_close(traced(x), model(x))
+
+
+    def test_traces_a_function_that_returns_nothing():
+        # the tracer refuses it natively too
+        torch.jit.trace(lambda x: None, (torch.ones(2),))
+""")
+
+
+def test_a_traced_float64_conv_model_passes_under_emulation(pytester: pytest.Pytester):
+    # It failed in the tracer ("Cannot insert a Tensor that requires grad as a constant"), reported as "fails only
+    # under a100:high: passes at highest": a crash of tf32lab's blamed on TF32.
+    pytester.makepyfile(test_traced=TRACED)
+    result = _run(pytester, "--tf32lab", "a100:high", "--tf32lab-compare", "-k", "float64")
+    result.assert_outcomes(passed=1)
+    assert "failed under tf32lab" not in result.stdout.str()
+
+
+def test_an_error_of_the_tracer_under_emulate_is_not_put_down_to_precision(pytester: pytest.Pytester):
+    # The tracer raises in C++ after the forward returned, where no frame of tf32lab's is left to see. To have
+    # such an error at hand, the conftest puts back the emulator's pass-through as it was before the fix (the
+    # tracer's key left excluded), with real torch and a real trace.
+    pytester.makeconftest(textwrap.dedent("""
+        import tf32lab.emulator as emulator
+
+        emulator._passed_on = emulator._native
+    """))
+    pytester.makepyfile(test_traced=TRACED)
+    result = _run(pytester, "--tf32lab", "a100:high", "--tf32lab-compare")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines([
+        "2 test(s) failed under tf32lab; 0 of them only there (they pass at highest); 1 in torch.jit.trace under"
+        " emulate(), not precision:",
+        "*test_traces_a_float64_conv_model: tf32lab error or interaction (not precision): RuntimeError: Cannot insert"
+        " a Tensor that requires grad as a constant*(raised by torch.jit.trace under emulate()), please report",
+        "*test_traces_a_function_that_returns_nothing: fails at highest too (call: RuntimeError: The traced function*",
+    ])
+    assert "passes at highest" not in result.stdout.str()
+    result = _run(pytester, "--tf32lab", "a100:high")  # no rerun: said as plainly as it is known
+    result.stdout.fnmatch_lines([
+        "*test_traces_a_float64_conv_model: tf32lab error or interaction (not precision): RuntimeError: *"
+        "(raised by torch.jit.trace under emulate()); please report it if the test passes without --tf32lab",
+    ])
+    result = _run(pytester, "--tf32lab", "native:high")  # no emulation, no interaction: the test's failure
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*test_traces_a_function_that_returns_nothing: fails under native:high"])
+
+
 RERUN = textwrap.dedent("""
     import random
 
