@@ -6,6 +6,7 @@ which a pytest run at a reduced level would otherwise have blamed on TF32.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import textwrap
@@ -77,6 +78,87 @@ def test_a_traced_conv_model_is_emulated_records_the_users_graph_and_warns_nothi
     inside, _ = emulated(tr, x)
     assert torch.equal(inside, emulated(model, x)[0])  # emulated inside, as the model
     assert torch.equal(tr(x), model(x)) and not torch.equal(inside, model(x))  # native outside
+
+
+LOW_AND_WIDE = {
+    "conv1d": lambda: torch.nn.Conv1d(3, 4, 3),
+    "conv2d": lambda: torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()),
+    "conv_transpose2d": lambda: torch.nn.ConvTranspose2d(3, 4, 3),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", LOW_AND_WIDE)
+def test_a_traced_conv_model_without_float32_traces_as_natively(kind, dtype):
+    # The tracer leaves convolution to its kernel to record (the _convolution it calls); the mode passed the
+    # non-float32 op on with the tracer's key excluded, so nothing was recorded: "Cannot insert a Tensor that
+    # requires grad as a constant". Ops with no float32 operand need no emulation and must trace as without it.
+    torch.manual_seed(0)
+    model = LOW_AND_WIDE[kind]().to(dtype)
+    x = randn(2, 3, 8, 8, seed=3).to(dtype)
+    if kind == "conv1d":
+        x = x[:, :, 0]
+    native = torch.jit.trace(model, (x,))
+    tr, emu, caught = traced(model, x)
+    assert caught == []
+    assert ops(tr.inlined_graph) == ops(native.inlined_graph)
+    assert not emu.coverage and not emu.unhandled  # nothing float32: nothing to emulate
+    inside, _ = emulated(tr, x)
+    assert torch.equal(inside, model(x)) and torch.equal(tr(x), model(x))
+
+
+class _Mixed(torch.nn.Module):
+    """A float32 conv feeding float64 convs (one transposed): one graph, some ops emulated, some passed on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Conv2d(3, 4, 3)
+        self.body = torch.nn.Conv2d(4, 2, 3).double()
+        self.tail = torch.nn.ConvTranspose2d(2, 3, 3).double()
+
+    def forward(self, x):
+        return self.tail(self.body(torch.relu(self.head(x)).double())).float()
+
+
+def test_a_traced_model_mixing_float32_and_float64_convs_emulates_the_float32_one_only():
+    torch.manual_seed(0)
+    model = _Mixed()
+    x = randn(2, 3, 8, 8, seed=4) * 10
+    native = torch.jit.trace(model, (x,))
+    tr, emu, caught = traced(model, x)
+    assert caught == []
+    assert ops(tr.inlined_graph) == ops(native.inlined_graph)
+    assert {math for _, math in emu.coverage} == {"tf32-rna"} and not emu.unhandled
+    inside, _ = emulated(tr, x)
+    assert torch.equal(inside, emulated(model, x)[0]) and not torch.equal(inside, model(x))
+    assert torch.equal(tr(x), model(x))
+
+
+def test_a_task_tracing_natively_beside_an_emulating_task_records_its_conv():
+    # The emulating task keeps the thread's mode on the stack; the other task's ops pass through it unemulated,
+    # and passed on with the tracer's key excluded its conv went unrecorded.
+    torch.manual_seed(0)
+    model, x = torch.nn.Conv2d(3, 4, 3), randn(1, 3, 8, 8, seed=5)
+    opened, done = asyncio.Event(), asyncio.Event()
+    found = {}
+
+    async def emulating():
+        with tf32lab.emulate("a100"):
+            opened.set()
+            await done.wait()
+
+    async def plain():
+        await opened.wait()
+        try:
+            found["tr"] = torch.jit.trace(model, (x,))
+        finally:
+            done.set()
+
+    async def main():
+        await asyncio.gather(emulating(), plain())
+
+    asyncio.run(main())
+    assert torch.equal(found["tr"](x), model(x)) and "aten::_convolution" in ops(found["tr"].inlined_graph)
 
 
 class _Attention(torch.nn.Module):

@@ -538,15 +538,12 @@ class _Mode(TorchDispatchMode):
         kwargs = kwargs or {}
         entry = scope.current_emulation()
         if entry is None:
-            return _native(func, args, kwargs)
+            return _passed_on(func, args, kwargs)
         classified = _classify(func)
         if classified is None or not (_float32_in(args) or _float32_in(kwargs.values())):
             if entry.cache.entries and _mutates(func):  # a write, maybe through .data: its rounded copies go
                 entry.cache.written(_tensors_in(args) + _tensors_in(kwargs.values()))
-            try:
-                return func(*args, **kwargs)
-            except RuntimeError as error:
-                return _with_numbers_unwrapped(func, args, kwargs, error)
+            return _passed_on(func, args, kwargs)
         tracing = _get_tracing_state()
         if tracing is None:
             return self._emulated(entry, classified, func, args, kwargs)
@@ -664,6 +661,21 @@ def _recorded(func, args: tuple, kwargs: dict) -> Any:
     finally:
         torch._C._dispatch_tls_set_dispatch_key_included(_TRACER, included)
         torch._C._dispatch_tls_set_dispatch_key_excluded(_TRACER, excluded)
+
+
+def _passed_on(func, args: tuple, kwargs: dict) -> Any:
+    """An op this mode does not emulate (no float32 operand, not of a family, or no emulation in this context),
+    run as it would run without the mode.
+
+    Under ``torch.jit.trace`` that includes the tracer: an op that reaches the mode with the tracing state still
+    set is one the tracer leaves to its kernel to record (``aten::convolution`` records the ``_convolution`` it
+    calls), but the tracer's key is excluded below its own kernel, so called plainly the kernel's ops would go
+    unrecorded and the user's graph would lose the op (a float64 conv model failed to trace: "Cannot insert a
+    Tensor that requires grad as a constant", or an output with no "observable data dependence").
+    """
+    if _get_tracing_state() is not None:
+        return _recorded(func, args, kwargs)
+    return _native(func, args, kwargs)
 
 
 def _native(func, args: tuple, kwargs: dict) -> Any:

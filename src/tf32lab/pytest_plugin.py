@@ -14,12 +14,15 @@ of its markers, so ``pytest --help`` elsewhere costs what it did.
 - A failure raised inside tf32lab itself (the emulator, a rule, ``formats``; a frame that only handed an op on
   does not count, nor the test's own code that tf32lab called back) is never put down to precision: the summary
   says "tf32lab error (not precision): <error> (tf32lab/<file>:<line>), please report", or "tf32lab refused (not
-  precision): ..." for a ``Tf32LabError`` (``--tf32lab-strict``, say).
+  precision): ..." for a ``Tf32LabError`` (``--tf32lab-strict``, say). An error PyTorch's tracer raises inside a
+  ``torch.jit.trace`` that ran under the emulation, with no frame of the model's or the test's in between, is
+  "tf32lab error or interaction (not precision)"; other errors PyTorch raises later, outside tf32lab's frames
+  (a scripted module's interpreter), cannot be told from the test's own.
 - ``@pytest.mark.tf32lab(level=..., target=...)`` pins a test (``level="highest"``: PyTorch's ``with_tf32_off``);
   ``@pytest.mark.tf32lab_levels("highest", "high")`` runs it once per level (``tf32_on_and_off``), the level in the
   test id and in the ``tf32lab_level`` fixture. Both work without ``--tf32lab`` too: then natively, unless the
-  marker names a target. A bad value fails that test (or, for ``tf32lab_levels``, its module's collection) with
-  one line naming the marker, the value and what is accepted.
+  marker names a target. A bad value fails that test only (for ``tf32lab_levels``, as one ``tf32lab-bad-levels``
+  case) with one line naming the marker, the value and what is accepted.
 - Every test that runs under tf32lab starts from the state its fixtures of wider scope (session, package,
   module, class) set up: a project's level set in a session fixture, a module held in ``precision()``. What the
   test and its function-scoped fixtures leave changed (PyTorch's precision flags, tf32lab's scopes, the
@@ -110,13 +113,16 @@ def _target(name: object) -> Optional[str]:
         raise _BadValue(f"unknown target {name!r}; accepted: native, {', '.join(TARGETS)}") from None
 
 
-def _parse(spec: str) -> tuple[Optional[str], str]:
-    """``a100:high`` -> (``a100``, ``high``); a bad value is a ``pytest.UsageError`` naming what is accepted."""
+def _parse(spec: str, source: str = "--tf32lab") -> tuple[Optional[str], str]:
+    """``a100:high`` -> (``a100``, ``high``); a bad value is a ``pytest.UsageError`` naming ``source`` (the
+    option, the environment variable or the ini key it came from: the user must know which to fix), the value
+    and what is accepted."""
     target, _, level = spec.strip().partition(":")
     try:
         return _target(target), _level(level or DEFAULT_LEVEL)
     except _BadValue as exc:
-        raise pytest.UsageError(f"--tf32lab {spec!r}: {exc}") from None
+        where = f"--tf32lab {spec!r}" if source == "--tf32lab" else f"{source}={spec!r} (TARGET[:LEVEL])"
+        raise pytest.UsageError(f"{where}: {exc}") from None
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -124,10 +130,12 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "(and as that target computes it); level='highest' is PyTorch's with_tf32_off")
     config.addinivalue_line("markers", "tf32lab_levels(*levels): run this test once per level (PyTorch's "
                                        "tf32_on_and_off); the tf32lab_level fixture gives the level")
-    spec = config.getoption("--tf32lab") or os.environ.get(ENV) or config.getini("tf32lab")
+    sources = [("--tf32lab", config.getoption("--tf32lab")), (ENV, os.environ.get(ENV)),
+               ("the ini key tf32lab", config.getini("tf32lab"))]
+    source, spec = next(((name, value) for name, value in sources if value), ("", None))
     strict, compare = config.getoption("--tf32lab-strict"), config.getoption("--tf32lab-compare")
     if spec:
-        target, level = _parse(spec)
+        target, level = _parse(spec, source)
         settings = _Settings(target, level, strict, compare)
     else:
         if strict or compare:
@@ -150,14 +158,19 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     from .levels import check_levels
 
     try:
-        levels, bad = check_levels(marker.args), None
+        levels, ids = check_levels(marker.args), None
     except Exception as exc:
-        levels, bad = (), str(exc)
-    if bad is not None:  # a collection error of one line: the marker, the bad value, the accepted levels
-        pytest.fail(f"@pytest.mark.tf32lab_levels{_arguments(marker)}: {bad}", pytrace=False)
+        # Not a collection error (pytest.fail here ends the whole session, --continue-on-collection-errors
+        # aside): one test that errors at setup with the one line, as a bad ``tf32lab`` marker does.
+        levels, ids = [_BadLevels(f"@pytest.mark.tf32lab_levels{_arguments(marker)}: {exc}")], ["tf32lab-bad-levels"]
     if "tf32lab_level" not in metafunc.fixturenames:
         metafunc.fixturenames.append("tf32lab_level")
-    metafunc.parametrize("tf32lab_level", levels, ids=[f"tf32lab-{level}" for level in levels], indirect=True)
+    metafunc.parametrize("tf32lab_level", levels, ids=ids or [f"tf32lab-{level}" for level in levels], indirect=True)
+
+
+class _BadLevels(str):
+    """The parameter of a test whose ``tf32lab_levels`` marker is bad: its message, failed at setup. A ``str``,
+    so pytest-xdist workers, which compare the collected ids and params, see equal values."""
 
 
 @pytest.fixture
@@ -206,6 +219,8 @@ def _placement(item: pytest.Item) -> tuple[Optional[str], Optional[str]]:
     callspec = getattr(item, "callspec", None)
     if callspec is not None and "tf32lab_level" in callspec.params:
         level = callspec.params["tf32lab_level"]
+        if isinstance(level, _BadLevels):
+            pytest.fail(str(level), pytrace=False)
     placed = item.stash[_PLACEMENT] = (target, level)
     return placed
 
@@ -413,7 +428,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             and not item.stash.get(_RERUN, False):
         item.stash[_FAILED] = True
         # (pytest's unittest plugin has put the TestCase's recorded error on the call by now)
-        item.stash[_INSIDE] = _inside_tf32lab(call.excinfo) if call.excinfo is not None else None
+        inside = None
+        if call.excinfo is not None:
+            inside = _inside_tf32lab(call.excinfo)
+            if inside is None and _placement(item)[0] is not None:  # the test ran inside emulate()
+                inside = _in_jit_trace(call.excinfo)
+        item.stash[_INSIDE] = inside
 
 
 def _verdict(item: pytest.Item, nextitem: Optional[pytest.Item]) -> str:
@@ -447,16 +467,20 @@ def _verdict(item: pytest.Item, nextitem: Optional[pytest.Item]) -> str:
     return f"fails only under {where}: passes at highest"
 
 
-_NOT_PRECISION = ("tf32lab error (not precision)", "tf32lab refused (not precision)")
+_ERROR, _REFUSED, _INTERACTION = "error", "refused", "interaction"
+_SAYS = {_ERROR: "tf32lab error (not precision)", _REFUSED: "tf32lab refused (not precision)",
+         _INTERACTION: "tf32lab error or interaction (not precision)"}
+_NOT_PRECISION = tuple(_SAYS.values())
 
 
 def _not_precision(inside: tuple, natively: Optional[bool]) -> str:
-    error, where, refused = inside
-    if refused:  # Tf32LabError: a request tf32lab cannot honour (strict mode, a thread it cannot serve)
-        return f"{_NOT_PRECISION[1]}: {error} ({where})"
+    error, where, kind = inside
+    says = _SAYS[kind]
+    if kind == _REFUSED:  # Tf32LabError: a request tf32lab cannot honour (strict mode, a thread it cannot serve)
+        return f"{says}: {error} ({where})"
     if natively:
-        return f"{_NOT_PRECISION[0]}: {error} ({where}), please report"
-    return f"{_NOT_PRECISION[0]}: {error} ({where}); please report it if the test passes without --tf32lab"
+        return f"{says}: {error} ({where}), please report"
+    return f"{says}: {error} ({where}); please report it if the test passes without --tf32lab"
 
 
 def _reset_compilers() -> None:
@@ -473,8 +497,9 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _FORWARD = "func(*args, **kwargs)"  # how tf32lab's modes hand an op on, unchanged, to run as it would natively
 
 
-def _inside_tf32lab(excinfo: pytest.ExceptionInfo) -> Optional[tuple[str, str, bool]]:
-    """``(error, where, refused)`` when the failure was raised by tf32lab's own code, else None.
+def _inside_tf32lab(excinfo: pytest.ExceptionInfo) -> Optional[tuple[str, str, str]]:
+    """``(error, where, kind)`` when the failure was raised by tf32lab's own code (kind "error", or "refused" for
+    a ``Tf32LabError``), else None.
 
     The traceback is read from the frame that raised outwards, PyTorch's and the standard library's frames
     passed over: the first frame of tf32lab's decides for tf32lab, unless it only handed an op on
@@ -493,11 +518,51 @@ def _inside_tf32lab(excinfo: pytest.ExceptionInfo) -> Optional[tuple[str, str, b
                 return None
             from .errors import Tf32LabError
 
-            lines = str(exc).strip().splitlines()
-            error = f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
-            return error, where, isinstance(exc, Tf32LabError)
+            return _one_line(exc), where, _REFUSED if isinstance(exc, Tf32LabError) else _ERROR
         exc = exc.__cause__ or exc.__context__
         tb = exc.__traceback__ if exc is not None else None
+    return None
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
+
+
+_TRACER = os.sep + os.path.join("torch", "jit", "_trace.py")
+
+
+def _in_jit_trace(excinfo: pytest.ExceptionInfo) -> Optional[tuple[str, str, str]]:
+    """``(error, where, "interaction")`` for an error PyTorch's tracer raised inside a ``torch.jit.trace`` that
+    ran under the test's ``emulate()``, else None.
+
+    The tracer checks the graph after the forward has returned (a value it cannot place in the graph, an output
+    with no data dependence on the inputs), in C++, where no frame of tf32lab's is left to see: the emulator's
+    dispatch mode sat under the ops it recorded, so such an error is tf32lab's or its interaction with the tracer,
+    not an effect of precision. Read from the raising frame outwards: frames of PyTorch, the standard library and
+    tf32lab's own that only handed an op on are passed over until one of ``torch/jit/_trace.py``, which decides
+    for; any other frame (the model's forward, the test) decides against, as its error may come from the numbers
+    (a Cholesky of a matrix that TF32 made indefinite). Only a plain ``RuntimeError`` or ``torch.jit.Error``
+    counts: a subclass (``torch.linalg.LinAlgError``) is raised by values."""
+    exc = excinfo.value
+    torch = sys.modules.get("torch")
+    kinds = (RuntimeError,) if torch is None else (RuntimeError, torch.jit.Error)
+    if type(exc) not in kinds:
+        return None
+    frames = []
+    tb = excinfo.tb
+    while tb is not None:
+        frames.append(tb)
+        tb = tb.tb_next
+    for entry in reversed(frames):
+        filename = entry.tb_frame.f_code.co_filename
+        kind = _kind(filename)
+        if kind == "tf32lab" and _forwards(entry):
+            continue
+        if kind != _LIBRARY:
+            return None
+        if os.path.abspath(filename).endswith(_TRACER):
+            return _one_line(exc), "raised by torch.jit.trace under emulate()", _INTERACTION
     return None
 
 
@@ -594,10 +659,12 @@ class _Collector:
             write(settings.describe())
         if settings.findings:
             only = sum(verdict.startswith("fails only under") for _, verdict in settings.findings)
-            ours = sum(verdict.startswith(_NOT_PRECISION) for _, verdict in settings.findings)
+            ours = sum(verdict.startswith(_NOT_PRECISION[:2]) for _, verdict in settings.findings)
+            mixed = sum(verdict.startswith(_SAYS[_INTERACTION]) for _, verdict in settings.findings)
             write(f"{len(settings.findings)} test(s) failed under tf32lab"
                   + (f"; {only} of them only there (they pass at highest)" if settings.compare else "")
-                  + (f"; {ours} because of tf32lab itself, not precision" if ours else "") + ":")
+                  + (f"; {ours} because of tf32lab itself, not precision" if ours else "")
+                  + (f"; {mixed} in torch.jit.trace under emulate(), not precision" if mixed else "") + ":")
             for nodeid, verdict in settings.findings:
                 write(f"  {nodeid}: {verdict}")
         elif settings.enabled:
