@@ -598,6 +598,21 @@ def test_a_rule_an_earlier_rule_shadows_is_an_error(rules, message):
         Policy("high", rules[::-1])  # the narrower rule first: both apply somewhere
 
 
+def test_a_policy_of_thousands_of_rules_builds_and_still_finds_a_shadowed_rule():
+    # the pairwise check took minutes (2,000 rules: over four minutes in `policy show`)
+    Policy("high", [(f"encoder.layer.{i}.attention.self.query", "highest") for i in range(3000)])  # as tune writes
+    wild = [(f"encoder.layer.{i}.*", "highest") for i in range(1500)] + [(f"*.head{i}", "medium") for i in range(1500)]
+    classes = [(f"blk[{chr(65 + i % 26)}-z]{i}.[0-9]*[!x]", "high") for i in range(1000)]
+    Policy("high", wild + classes)
+    with pytest.raises(Tf32LabError, match=re.escape(
+            "rule 4000 ('encoder.layer.7.attention.self') never applies: rule 8 ('encoder.layer.7.*')")):
+        Policy("high", wild + classes[:-1] + [("encoder.layer.7.attention.self", "high")])
+    with pytest.raises(Tf32LabError, match=re.escape("rule 3001 ('*.head1400') never applies: rule 2901")):
+        Policy("high", [*wild, ("*.head1400", "high")])  # past the bound of exact tests: a duplicate still is
+    with pytest.raises(Tf32LabError, match=re.escape("rule 1001 ('blkQ7.[0-9]*[!x]') never applies: rule 8")):
+        Policy("high", [*classes, ("blkQ7.[0-9]*[!x]", "high")])  # an exact test among a thousand rules
+
+
 def test_overlapping_rules_that_each_match_something_of_their_own_are_fine():
     Policy("high", [("v_head.2", "medium"), ("v_head*", "highest"), ("*.0", "medium"), ("body.*", "high")])
     Policy("high", [("[*]", "medium"), ("*", "highest")])  # a literal star first, then everything else

@@ -141,20 +141,29 @@ def _step(tokens: list[Any], states: frozenset[int], char: Optional[str]) -> fro
     return _closure(tokens, frozenset(nxt))
 
 
+_COVER_STEPS = 5_000  # product states x alphabet one exact coverage test may explore before it gives up
+
+
 @functools.lru_cache(maxsize=4096)
-def _covers(wide: str, narrow: str) -> bool:
-    """Whether every name ``narrow`` matches, ``wide`` matches too (fnmatch, case-sensitive): the two patterns'
-    automata run side by side over the characters they name and one for all others."""
+def _covers(wide: str, narrow: str) -> tuple[bool, int]:
+    """Whether every name ``narrow`` matches, ``wide`` matches too (fnmatch, case-sensitive), and the steps it took:
+    the two patterns' automata run side by side over the characters they name and one for all others. Past
+    ``_COVER_STEPS`` (wide character ranges in long patterns) it answers False: a shadowed rule is then accepted,
+    never a good one refused."""
     a, b = _tokens(wide), _tokens(narrow)
     if a is None or b is None:
-        return wide == narrow
+        return wide == narrow, 1
     alphabet = [*sorted({c for t in (*a, *b) if t is not _STAR for c in t[1]}), None]
     start = (_closure(a, frozenset({0})), _closure(b, frozenset({0})))
     seen, todo = {start}, [start]
+    budget = _COVER_STEPS
     while todo:
         sa, sb = todo.pop()
         if len(b) in sb and len(a) not in sa:
-            return False  # a name the narrow one matches and the wide one does not
+            return False, _COVER_STEPS - budget  # a name the narrow one matches and the wide one does not
+        budget -= len(alphabet)
+        if budget < 0:
+            return False, _COVER_STEPS
         for char in alphabet:
             nb = _step(b, sb, char)
             if nb:
@@ -162,7 +171,97 @@ def _covers(wide: str, narrow: str) -> bool:
                 if pair not in seen:
                     seen.add(pair)
                     todo.append(pair)
-    return True
+    return True, _COVER_STEPS - budget
+
+
+class _Shape(NamedTuple):
+    """What the shadowed-rule check needs of a pattern, cheap to compare: the characters every name it matches
+    starts and ends with, the one name it matches when it matches only one, and one name it matches."""
+
+    prefix: str
+    suffix: str
+    literal: Optional[str]
+    sample: str
+
+
+def _fixed(token: Any) -> Optional[str]:
+    return next(iter(token[1])) if token is not _STAR and not token[0] and len(token[1]) == 1 else None
+
+
+def _shape(pattern: str) -> _Shape:
+    if not _SPECIAL.search(pattern):  # a module's name (what tune writes): no need to read it character by character
+        return _Shape(pattern, pattern, pattern, pattern)
+    tokens = _tokens(pattern)
+    if tokens is None:  # a range too wide to list: _covers compares it as text (only a duplicate)
+        return _Shape("", "", None, "")
+    fixed = [_fixed(t) for t in tokens]
+    if None not in fixed:
+        text = "".join(fixed)  # type: ignore[arg-type]
+        return _Shape(text, text, text, text)
+    first, last = fixed.index(None), fixed[::-1].index(None)
+    sample = []
+    for token in tokens:  # "*" matches nothing, "?" and a class one character they accept
+        if token is not _STAR:
+            chars = token[1]
+            sample.append(next((c for c in "_0aA." if c not in chars), "\u2063") if token[0] else min(chars))
+    return _Shape("".join(fixed[:first]), "".join(fixed[len(fixed) - last:]), None,  # type: ignore[arg-type]
+                  "".join(sample))
+
+
+_SPECIAL = re.compile(r"[*?\[]")
+_SHADOW_CANDIDATES = 128  # earlier rules one rule is tested against, at most (the earliest ones)
+_SHADOW_STEPS = 50_000  # automaton steps of exact tests for one policy (~0.2 s); then only the cheap tests
+
+
+def _shadowing(patterns: list[str]) -> Optional[tuple[int, int]]:
+    """The first rule an earlier rule shadows, as (its index, the earlier one's), or None.
+
+    A rule shadows a later one when it matches every name the later one matches. The exact test (:func:`_covers`)
+    is far too slow for every pair of a policy of thousands of rules (minutes), so pairs are ruled out first by what
+    is cheap: a wide pattern's fixed first and last characters must begin and end every name the narrow one matches,
+    and it must match one name the narrow one matches. Candidates are found by the fixed start (a dictionary lookup
+    per prefix), not by pairs. A literal name (what ``tune`` writes) costs a lookup per prefix and a comparison per
+    candidate. Bounds keep a pathological policy fast: a rule is tested against its first ``_SHADOW_CANDIDATES``
+    candidates and for an exact duplicate, and the exact tests of one policy stop after ``_SHADOW_STEPS`` steps. A
+    bound can only let a shadowed rule through (as before this check existed), never refuse a rule that applies.
+    """
+    by_prefix: dict[str, list[int]] = {}
+    first_of: dict[str, int] = {}
+    shapes: list[_Shape] = []
+    matchers: list[Any] = []  # each pattern's compiled match, once needed
+    steps = 0
+    for i, pattern in enumerate(patterns):
+        shape = _shape(pattern)
+        if pattern in first_of:
+            return i, first_of[pattern]
+        candidates: list[int] = []
+        for k in range(len(shape.prefix) + 1):
+            candidates += by_prefix.get(shape.prefix[:k], ())
+        candidates.sort()
+        for j in candidates[:_SHADOW_CANDIDATES]:
+            wide = shapes[j]
+            if wide.literal is not None:  # a literal covers only itself (any other pattern matches two names)
+                if wide.literal == shape.literal:
+                    return i, j
+                continue
+            if not shape.suffix.endswith(wide.suffix):
+                continue
+            if matchers[j] is None:  # compiled when first needed: most patterns never are
+                matchers[j] = re.compile(fnmatch.translate(patterns[j])).match
+            if not matchers[j](shape.sample):
+                continue
+            if shape.literal is not None:
+                return i, j  # it matches the one name this rule matches
+            if steps < _SHADOW_STEPS:
+                covered, spent = _covers(patterns[j], pattern)
+                steps += spent
+                if covered:
+                    return i, j
+        first_of[pattern] = i
+        by_prefix.setdefault(shape.prefix, []).append(i)
+        shapes.append(shape)
+        matchers.append(None)
+    return None
 
 
 class Rule(NamedTuple):
@@ -226,11 +325,12 @@ class Policy:
             if not isinstance(pattern, str):
                 raise Tf32LabError(f"policy rule {i}: the pattern {reprlib.repr(pattern)} is not a string")
             rules.append(Rule(pattern, _level(level, f"policy rule {i} ({pattern!r})")))
-            shadow = next((j for j, earlier in enumerate(rules[:-1], 1) if _covers(earlier.pattern, pattern)), None)
-            if shadow is not None:  # the first match wins: this rule could never give a module its level
-                raise Tf32LabError(
-                    f"policy rule {i} ({pattern!r}) never applies: rule {shadow} ({rules[shadow - 1].pattern!r}) "
-                    "comes first and matches every module name it matches; put the narrower rule first")
+        shadowed = _shadowing([rule.pattern for rule in rules])
+        if shadowed is not None:  # the first match wins: that rule could never give a module its level
+            i, j = shadowed
+            raise Tf32LabError(
+                f"policy rule {i + 1} ({rules[i].pattern!r}) never applies: rule {j + 1} ({rules[j].pattern!r}) "
+                "comes first and matches every module name it matches; put the narrower rule first")
         object.__setattr__(self, "default", default)
         object.__setattr__(self, "rules", tuple(rules))
 
