@@ -630,6 +630,22 @@ def test_a_pattern_that_matches_no_module_is_an_error_or_with_strict_false_a_war
     assert policy.unmatched(model) == [Rule("v_haed", "highest")]
 
 
+def test_a_rule_naming_a_module_by_its_other_name_matches_it():
+    model, h = _model(), torch.randn(16, 48)
+    model.critic = model.v_head  # one module, two names: named_modules() gives only the first
+    policy = Policy("high", [("critic", "highest")])
+    assert policy.unmatched(model) == [] and policy.unmatched_message(model) is None
+    got = {a.name: (a.level, a.source) for a in policy.explain(model)}
+    assert got["v_head"] == ("highest", "rule 1 'critic' (it is also named 'critic')")
+    assert got["v_head.2"] == ("highest", "inherited from 'v_head'")
+    with policy.applied(model):
+        assert _maths(lambda: model.critic(h)) == {"ieee": 2}
+    got = {a.name: a.level for a in Policy("high", [("critic.2", "highest")]).explain(model)}
+    assert (got["v_head"], got["v_head.2"]) == ("high", "highest")
+    model.body[0].loop = model  # a module inside itself: named once, not walked into forever
+    assert Policy("high", [("critic.*", "medium")]).unmatched(model) == []
+
+
 def test_a_torchscript_module_that_needs_hooks_is_a_clear_error():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.jit.script(torch.nn.Linear(4, 4)))
     with pytest.raises(Tf32LabError, match=r"module '1' is TorchScript, which takes no hooks"):

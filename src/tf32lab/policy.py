@@ -264,6 +264,31 @@ def _shadowing(patterns: list[str]) -> Optional[tuple[int, int]]:
     return None
 
 
+_ALIAS_WALK = 10_000  # module names walked beyond the first ones, at most: shared modules multiply the paths
+
+
+def _aliases(model: torch.nn.Module) -> dict[int, list[str]]:
+    """The names of each module registered under more than one (by ``id``; its first name first, as
+    ``named_modules()`` gives it), for a rule naming any of them. Empty when no module is shared, the usual case.
+    A module inside itself is not walked into again, and the walk stops after ``_ALIAS_WALK`` extra names."""
+    names: dict[int, list[str]] = {}
+    shared = False
+    todo: list[tuple[str, torch.nn.Module, frozenset[int]]] = [("", model, frozenset())]
+    left = _ALIAS_WALK
+    while todo and left > 0:
+        prefix, module, path = todo.pop()
+        known = names.setdefault(id(module), [])
+        known.append(prefix)
+        if len(known) > 1:
+            shared = True
+            left -= 1
+        inside = path | {id(module)}
+        for key, child in reversed(module._modules.items()):  # reversed: popped in named_modules() order
+            if child is not None and id(child) not in inside:
+                todo.append((f"{prefix}.{key}" if prefix else key, child, inside))
+    return {key: more for key, more in names.items() if len(more) > 1} if shared else {}
+
+
 class Rule(NamedTuple):
     """One rule: modules whose name matches ``pattern`` (``fnmatch``) run at ``level``."""
 
@@ -343,21 +368,27 @@ class Policy:
     def _assignments(self, model: torch.nn.Module) -> list[tuple[Assignment, Optional[str]]]:
         """Each module's assignment and its parent's name (None for the model)."""
         found: dict[str, Assignment] = {}
+        aliases = _aliases(model)
         out = []
-        for name, _ in model.named_modules():
+        for name, module in model.named_modules():
             parent = None
             if name:
                 parent = name.rpartition(".")[0]
                 while parent and parent not in found:  # a module registered under a dotted name skips a level
                     parent = parent.rpartition(".")[0]
-            found[name] = self._assign(name, None if parent is None else found[parent])
+            found[name] = self._assign(name, None if parent is None else found[parent], aliases.get(id(module), ()))
             out.append((found[name], parent))
         return out
 
-    def _assign(self, name: str, parent: Optional[Assignment]) -> Assignment:
+    def _assign(self, name: str, parent: Optional[Assignment], aliases: Iterable[str] = ()) -> Assignment:
+        """The first rule matching ``name`` or one of the module's other names (a module registered twice) gives
+        its level; else its parent's (the parent of its first name)."""
+        names = (name, *(alias for alias in aliases if alias != name))
         for i, rule in enumerate(self.rules, 1):
-            if fnmatch.fnmatchcase(name, rule.pattern):
-                return Assignment(name, rule.level, f"rule {i} {rule.pattern!r}")
+            for alias in names:
+                if fnmatch.fnmatchcase(alias, rule.pattern):
+                    also = f" (it is also named {alias!r})" if alias != name else ""
+                    return Assignment(name, rule.level, f"rule {i} {rule.pattern!r}{also}")
         if parent is None:
             return Assignment(name, self.default, "default" if self.default else "inherited from the caller")
         return Assignment(name, parent.level, f"inherited from {parent.name!r}" if parent.name else
@@ -374,6 +405,7 @@ class Policy:
     def unmatched(self, model: torch.nn.Module) -> list[Rule]:
         """The rules that match no module of ``model`` (a typo, or a policy written for another model)."""
         names = [name for name, _ in model.named_modules()]
+        names += [alias for more in _aliases(model).values() for alias in more[1:]]
         return [rule for rule in self.rules if not any(fnmatch.fnmatchcase(n, rule.pattern) for n in names)]
 
     def unmatched_message(self, model: torch.nn.Module) -> Optional[str]:
