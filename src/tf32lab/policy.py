@@ -267,10 +267,15 @@ def _shadowing(patterns: list[str]) -> Optional[tuple[int, int]]:
 _ALIAS_WALK = 10_000  # module names walked beyond the first ones, at most: shared modules multiply the paths
 
 
-def _aliases(model: torch.nn.Module) -> dict[int, list[str]]:
+def _aliases(model: torch.nn.Module, modules: Optional[list[torch.nn.Module]] = None) -> dict[int, list[str]]:
     """The names of each module registered under more than one (by ``id``; its first name first, as
-    ``named_modules()`` gives it), for a rule naming any of them. Empty when no module is shared, the usual case.
+    ``named_modules()`` gives it), for a rule naming any of them. Empty when no module is shared, the usual case,
+    told by counting (``modules``: the model's, as ``modules()`` gives them) rather than walking every path.
     A module inside itself is not walked into again, and the walk stops after ``_ALIAS_WALK`` extra names."""
+    if modules is None:
+        modules = list(model.modules())
+    if sum(child is not None for m in modules for child in m._modules.values()) == len(modules) - 1:
+        return {}  # a tree: each module but the model is some module's child exactly once
     names: dict[int, list[str]] = {}
     shared = False
     todo: list[tuple[str, torch.nn.Module, frozenset[int]]] = [("", model, frozenset())]
@@ -368,9 +373,10 @@ class Policy:
     def _assignments(self, model: torch.nn.Module) -> list[tuple[Assignment, Optional[str]]]:
         """Each module's assignment and its parent's name (None for the model)."""
         found: dict[str, Assignment] = {}
-        aliases = _aliases(model)
+        named = list(model.named_modules())
+        aliases = _aliases(model, [module for _, module in named])
         out = []
-        for name, module in model.named_modules():
+        for name, module in named:
             parent = None
             if name:
                 parent = name.rpartition(".")[0]
@@ -383,12 +389,13 @@ class Policy:
     def _assign(self, name: str, parent: Optional[Assignment], aliases: Iterable[str] = ()) -> Assignment:
         """The first rule matching ``name`` or one of the module's other names (a module registered twice) gives
         its level; else its parent's (the parent of its first name)."""
-        names = (name, *(alias for alias in aliases if alias != name))
+        others = [alias for alias in aliases if alias != name] if aliases else ()
         for i, rule in enumerate(self.rules, 1):
-            for alias in names:
+            if fnmatch.fnmatchcase(name, rule.pattern):
+                return Assignment(name, rule.level, f"rule {i} {rule.pattern!r}")
+            for alias in others:
                 if fnmatch.fnmatchcase(alias, rule.pattern):
-                    also = f" (it is also named {alias!r})" if alias != name else ""
-                    return Assignment(name, rule.level, f"rule {i} {rule.pattern!r}{also}")
+                    return Assignment(name, rule.level, f"rule {i} {rule.pattern!r} (it is also named {alias!r})")
         if parent is None:
             return Assignment(name, self.default, "default" if self.default else "inherited from the caller")
         return Assignment(name, parent.level, f"inherited from {parent.name!r}" if parent.name else
