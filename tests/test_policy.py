@@ -328,6 +328,39 @@ def test_a_module_added_after_apply_gets_its_level_however_it_is_called():
         assert _maths(lambda: model(torch.randn(16, 32))) == {"tf32-rna": 3, "ieee": 2}
 
 
+def test_a_module_put_in_where_no_registration_hook_fires_runs_at_its_level_when_called_directly():
+    # ModuleList.insert and Sequential.insert write _modules themselves, and an empty container assigned after
+    # apply() was not in the tree the policy matched: each new module, called before the model runs again, ran at
+    # the caller's level while explain() gave it the policy's
+    model, h = _model(), torch.randn(16, 48)
+    model.blocks = torch.nn.ModuleList([torch.nn.Linear(48, 48)])
+    policy = Policy("highest", [("pi", "high")])
+    with policy.applied(model), tf32lab.precision("high"):
+        model.blocks.insert(0, torch.nn.Linear(48, 48))
+        assert _maths(lambda: model.blocks[0](h)) == {"ieee": 1}
+        model.v_head.insert(0, torch.nn.Linear(48, 48))
+        assert _maths(lambda: model.v_head[0](h)) == {"ieee": 1}
+        model.new = torch.nn.Module()
+        model.new.extra = torch.nn.Linear(48, 4)
+        assert _maths(lambda: model.new.extra(h)) == {"ieee": 1}
+        del model.blocks[0]  # replaces the list's _modules wholesale: later inserts still count
+        model.blocks.insert(1, torch.nn.Linear(48, 48))
+        assert _maths(lambda: model.blocks[1](h)) == {"ieee": 1}
+        levels = {a.name: a.level for a in policy.explain(model)}
+        assert levels["blocks.1"] == levels["v_head.0"] == levels["new.extra"] == "highest"
+        spare = torch.nn.Module()
+        model.spare = spare
+        spare.inner = torch.nn.Linear(4, 4)
+        del model.spare  # put in and taken out before the model ran: not the policy's
+        assert tf32lab.policy.applied_to(spare) is None
+        assert tf32lab.policy.applied_to(model.new.extra) is policy
+    assert _untouched(model) and _untouched(spare)
+    assert tf32lab.policy.applied_to(model) is None
+    assert _maths(lambda: model.new.extra(h)) == {"ieee": 1}  # removed: the caller's level (highest) again
+    with tf32lab.precision("high"):
+        assert _maths(lambda: model.blocks[1](h)) == {"tf32-rna": 1}
+
+
 def test_a_module_moved_into_a_model_under_another_policy_is_a_clear_error():
     a, b, x = _model(1), _model(2), torch.randn(16, 32)
     with Policy("high").applied(a), Policy("highest").applied(b):

@@ -821,27 +821,60 @@ def _collected(handle_ref: weakref.ref) -> Any:
     return callback
 
 
-def _on_register(parent: torch.nn.Module, name: str, child: Any) -> None:
-    """PyTorch's hook for every submodule assigned (``model.head = ...``, ``add_module``): a module put into a
-    model under a policy is wrapped at once, so a direct call of it finds the model changed and re-matches it."""
+def _on_register(parent: torch.nn.Module, name: Optional[str], child: Any) -> None:
+    """PyTorch's hook for every submodule assigned (``model.head = ...``, ``add_module``), and ours for
+    ``insert``: a module put into a model under a policy is wrapped at once, so a direct call of it finds the model
+    changed and re-matches it, and it counts as the model's at once, so a module assigned into it in turn is too
+    (``model.new = Module()``, then ``model.new.extra = ...``)."""
     handle = _APPLIED.get(parent)
     if handle is None or handle._removed or not isinstance(child, torch.nn.Module):
         return None
     with _APPLIED_LOCK:
         handle._stale = True
         for module in child.modules():
+            owner = _APPLIED.get(module)
+            if owner is not None and owner is not handle and not owner._removed:
+                continue  # another policy's: the model's next call says so (one module takes one policy)
+            if owner is None:
+                _APPLIED[module] = handle
+                handle._pending.append(weakref.ref(module))
             if id(module) not in handle._wrapped and not isinstance(module, torch.jit.ScriptModule) \
                     and not isinstance(module.__dict__.get("forward"), _Pinned):
                 handle._wrapped[id(module)] = (weakref.ref(module), _wrap(module, handle))
     return None
 
 
+def _announcing(insert: Any) -> Any:
+    @functools.wraps(insert)
+    def announced(self: torch.nn.Module, index: int, module: torch.nn.Module) -> Any:
+        out = insert(self, index, module)
+        if _APPLIED:  # some policy is applied somewhere: one dictionary lookup
+            _on_register(self, None, module)
+        return out
+
+    announced._tf32lab_announces = True  # type: ignore[attr-defined]
+    return announced
+
+
 _REGISTRATION: list[Any] = []
 
 
 def _watch_registrations() -> None:
-    if not _REGISTRATION:  # once per process; a dictionary lookup per submodule assigned anywhere
-        _REGISTRATION.append(torch.nn.modules.module.register_module_module_registration_hook(_on_register))
+    """Once per process: PyTorch's registration hook (a dictionary lookup per submodule assigned anywhere), and
+    the same announcement from ``ModuleList.insert`` and ``Sequential.insert``, which write the container's
+    ``_modules`` directly, so the hook never fires for them. Wrapping those two methods costs nothing per forward
+    and leaves every model's state as it is (a copy or a pickle holds no trace of it); the alternatives were a
+    global forward pre-hook (every module call of every model in the process through PyTorch's slow path, and the
+    call it catches already bound to the plain forward) or a watching dict in each ``_modules`` (in the model's
+    state, and replaced wholesale by ``del container[i]``). Code that writes ``_modules`` itself announces nothing:
+    such a module gets its level from the next call of any module of the model."""
+    if _REGISTRATION:
+        return
+    _REGISTRATION.append(torch.nn.modules.module.register_module_module_registration_hook(_on_register))
+    for container in (torch.nn.ModuleList, torch.nn.Sequential):
+        insert = container.__dict__.get("insert")
+        if insert is not None and not getattr(insert, "_tf32lab_announces", False):
+            container.insert = _announcing(insert)  # type: ignore[method-assign]
 
 
 def applied_to(module: torch.nn.Module) -> Optional[Policy]:
@@ -896,6 +929,7 @@ class PolicyHandle:
         self._tree = _Tree()
         self._stale = False
         self._removed = False
+        self._pending: list[weakref.ref] = []  # modules claimed as they were put in, until the model is matched
         with _APPLIED_LOCK:
             taken = next((name for name, m in model.named_modules() if _owner(m) is not None), None)
             if taken is not None:
@@ -977,10 +1011,11 @@ class PolicyHandle:
         for key, module in wanted.items():
             if key not in self._wrapped:
                 self._wrapped[key] = (weakref.ref(module), _wrap(module, self))
-        for entry in self._tree.members.values():
-            module = entry[0]()
+        for ref in [entry[0] for entry in self._tree.members.values()] + self._pending:
+            module = ref()
             if module is not None and id(module) not in tree.members and _APPLIED.get(module) is self:
-                del _APPLIED[module]
+                del _APPLIED[module]  # taken out (or put in and taken out again before this call)
+        self._pending.clear()
         for module in modules.values():
             _APPLIED[module] = self
         return tree
@@ -998,10 +1033,11 @@ class PolicyHandle:
         with _APPLIED_LOCK:
             self._removed = True
             self._take_off()
-            for entry in self._tree.members.values():
-                module = entry[0]()
+            for ref in [entry[0] for entry in self._tree.members.values()] + self._pending:
+                module = ref()
                 if module is not None and _APPLIED.get(module) is self:
                     del _APPLIED[module]
+            self._pending.clear()
 
     def __enter__(self) -> PolicyHandle:
         return self
