@@ -328,6 +328,39 @@ def test_a_module_added_after_apply_gets_its_level_however_it_is_called():
         assert _maths(lambda: model(torch.randn(16, 32))) == {"tf32-rna": 3, "ieee": 2}
 
 
+def test_a_module_put_in_where_no_registration_hook_fires_runs_at_its_level_when_called_directly():
+    # ModuleList.insert and Sequential.insert write _modules themselves, and an empty container assigned after
+    # apply() was not in the tree the policy matched: each new module, called before the model runs again, ran at
+    # the caller's level while explain() gave it the policy's
+    model, h = _model(), torch.randn(16, 48)
+    model.blocks = torch.nn.ModuleList([torch.nn.Linear(48, 48)])
+    policy = Policy("highest", [("pi", "high")])
+    with policy.applied(model), tf32lab.precision("high"):
+        model.blocks.insert(0, torch.nn.Linear(48, 48))
+        assert _maths(lambda: model.blocks[0](h)) == {"ieee": 1}
+        model.v_head.insert(0, torch.nn.Linear(48, 48))
+        assert _maths(lambda: model.v_head[0](h)) == {"ieee": 1}
+        model.new = torch.nn.Module()
+        model.new.extra = torch.nn.Linear(48, 4)
+        assert _maths(lambda: model.new.extra(h)) == {"ieee": 1}
+        del model.blocks[0]  # replaces the list's _modules wholesale: later inserts still count
+        model.blocks.insert(1, torch.nn.Linear(48, 48))
+        assert _maths(lambda: model.blocks[1](h)) == {"ieee": 1}
+        levels = {a.name: a.level for a in policy.explain(model)}
+        assert levels["blocks.1"] == levels["v_head.0"] == levels["new.extra"] == "highest"
+        spare = torch.nn.Module()
+        model.spare = spare
+        spare.inner = torch.nn.Linear(4, 4)
+        del model.spare  # put in and taken out before the model ran: not the policy's
+        assert tf32lab.policy.applied_to(spare) is None
+        assert tf32lab.policy.applied_to(model.new.extra) is policy
+    assert _untouched(model) and _untouched(spare)
+    assert tf32lab.policy.applied_to(model) is None
+    assert _maths(lambda: model.new.extra(h)) == {"ieee": 1}  # removed: the caller's level (highest) again
+    with tf32lab.precision("high"):
+        assert _maths(lambda: model.blocks[1](h)) == {"tf32-rna": 1}
+
+
 def test_a_module_moved_into_a_model_under_another_policy_is_a_clear_error():
     a, b, x = _model(1), _model(2), torch.randn(16, 32)
     with Policy("high").applied(a), Policy("highest").applied(b):
@@ -598,6 +631,21 @@ def test_a_rule_an_earlier_rule_shadows_is_an_error(rules, message):
         Policy("high", rules[::-1])  # the narrower rule first: both apply somewhere
 
 
+def test_a_policy_of_thousands_of_rules_builds_and_still_finds_a_shadowed_rule():
+    # the pairwise check took minutes (2,000 rules: over four minutes in `policy show`)
+    Policy("high", [(f"encoder.layer.{i}.attention.self.query", "highest") for i in range(3000)])  # as tune writes
+    wild = [(f"encoder.layer.{i}.*", "highest") for i in range(1500)] + [(f"*.head{i}", "medium") for i in range(1500)]
+    classes = [(f"blk[{chr(65 + i % 26)}-z]{i}.[0-9]*[!x]", "high") for i in range(1000)]
+    Policy("high", wild + classes)
+    with pytest.raises(Tf32LabError, match=re.escape(
+            "rule 4000 ('encoder.layer.7.attention.self') never applies: rule 8 ('encoder.layer.7.*')")):
+        Policy("high", wild + classes[:-1] + [("encoder.layer.7.attention.self", "high")])
+    with pytest.raises(Tf32LabError, match=re.escape("rule 3001 ('*.head1400') never applies: rule 2901")):
+        Policy("high", [*wild, ("*.head1400", "high")])  # past the bound of exact tests: a duplicate still is
+    with pytest.raises(Tf32LabError, match=re.escape("rule 1001 ('blkQ7.[0-9]*[!x]') never applies: rule 8")):
+        Policy("high", [*classes, ("blkQ7.[0-9]*[!x]", "high")])  # an exact test among a thousand rules
+
+
 def test_overlapping_rules_that_each_match_something_of_their_own_are_fine():
     Policy("high", [("v_head.2", "medium"), ("v_head*", "highest"), ("*.0", "medium"), ("body.*", "high")])
     Policy("high", [("[*]", "medium"), ("*", "highest")])  # a literal star first, then everything else
@@ -613,6 +661,22 @@ def test_a_pattern_that_matches_no_module_is_an_error_or_with_strict_false_a_war
         policy.apply(model, strict=False).remove()
     assert any("v_haed" in str(w.message) for w in caught)
     assert policy.unmatched(model) == [Rule("v_haed", "highest")]
+
+
+def test_a_rule_naming_a_module_by_its_other_name_matches_it():
+    model, h = _model(), torch.randn(16, 48)
+    model.critic = model.v_head  # one module, two names: named_modules() gives only the first
+    policy = Policy("high", [("critic", "highest")])
+    assert policy.unmatched(model) == [] and policy.unmatched_message(model) is None
+    got = {a.name: (a.level, a.source) for a in policy.explain(model)}
+    assert got["v_head"] == ("highest", "rule 1 'critic' (it is also named 'critic')")
+    assert got["v_head.2"] == ("highest", "inherited from 'v_head'")
+    with policy.applied(model):
+        assert _maths(lambda: model.critic(h)) == {"ieee": 2}
+    got = {a.name: a.level for a in Policy("high", [("critic.2", "highest")]).explain(model)}
+    assert (got["v_head"], got["v_head.2"]) == ("high", "highest")
+    model.body[0].loop = model  # a module inside itself: named once, not walked into forever
+    assert Policy("high", [("critic.*", "medium")]).unmatched(model) == []
 
 
 def test_a_torchscript_module_that_needs_hooks_is_a_clear_error():

@@ -141,20 +141,29 @@ def _step(tokens: list[Any], states: frozenset[int], char: Optional[str]) -> fro
     return _closure(tokens, frozenset(nxt))
 
 
+_COVER_STEPS = 5_000  # product states x alphabet one exact coverage test may explore before it gives up
+
+
 @functools.lru_cache(maxsize=4096)
-def _covers(wide: str, narrow: str) -> bool:
-    """Whether every name ``narrow`` matches, ``wide`` matches too (fnmatch, case-sensitive): the two patterns'
-    automata run side by side over the characters they name and one for all others."""
+def _covers(wide: str, narrow: str) -> tuple[bool, int]:
+    """Whether every name ``narrow`` matches, ``wide`` matches too (fnmatch, case-sensitive), and the steps it took:
+    the two patterns' automata run side by side over the characters they name and one for all others. Past
+    ``_COVER_STEPS`` (wide character ranges in long patterns) it answers False: a shadowed rule is then accepted,
+    never a good one refused."""
     a, b = _tokens(wide), _tokens(narrow)
     if a is None or b is None:
-        return wide == narrow
+        return wide == narrow, 1
     alphabet = [*sorted({c for t in (*a, *b) if t is not _STAR for c in t[1]}), None]
     start = (_closure(a, frozenset({0})), _closure(b, frozenset({0})))
     seen, todo = {start}, [start]
+    budget = _COVER_STEPS
     while todo:
         sa, sb = todo.pop()
         if len(b) in sb and len(a) not in sa:
-            return False  # a name the narrow one matches and the wide one does not
+            return False, _COVER_STEPS - budget  # a name the narrow one matches and the wide one does not
+        budget -= len(alphabet)
+        if budget < 0:
+            return False, _COVER_STEPS
         for char in alphabet:
             nb = _step(b, sb, char)
             if nb:
@@ -162,7 +171,127 @@ def _covers(wide: str, narrow: str) -> bool:
                 if pair not in seen:
                     seen.add(pair)
                     todo.append(pair)
-    return True
+    return True, _COVER_STEPS - budget
+
+
+class _Shape(NamedTuple):
+    """What the shadowed-rule check needs of a pattern, cheap to compare: the characters every name it matches
+    starts and ends with, the one name it matches when it matches only one, and one name it matches."""
+
+    prefix: str
+    suffix: str
+    literal: Optional[str]
+    sample: str
+
+
+def _fixed(token: Any) -> Optional[str]:
+    return next(iter(token[1])) if token is not _STAR and not token[0] and len(token[1]) == 1 else None
+
+
+def _shape(pattern: str) -> _Shape:
+    if not _SPECIAL.search(pattern):  # a module's name (what tune writes): no need to read it character by character
+        return _Shape(pattern, pattern, pattern, pattern)
+    tokens = _tokens(pattern)
+    if tokens is None:  # a range too wide to list: _covers compares it as text (only a duplicate)
+        return _Shape("", "", None, "")
+    fixed = [_fixed(t) for t in tokens]
+    if None not in fixed:
+        text = "".join(fixed)  # type: ignore[arg-type]
+        return _Shape(text, text, text, text)
+    first, last = fixed.index(None), fixed[::-1].index(None)
+    sample = []
+    for token in tokens:  # "*" matches nothing, "?" and a class one character they accept
+        if token is not _STAR:
+            chars = token[1]
+            sample.append(next((c for c in "_0aA." if c not in chars), "\u2063") if token[0] else min(chars))
+    return _Shape("".join(fixed[:first]), "".join(fixed[len(fixed) - last:]), None,  # type: ignore[arg-type]
+                  "".join(sample))
+
+
+_SPECIAL = re.compile(r"[*?\[]")
+_SHADOW_CANDIDATES = 128  # earlier rules one rule is tested against, at most (the earliest ones)
+_SHADOW_STEPS = 50_000  # automaton steps of exact tests for one policy (~0.2 s); then only the cheap tests
+
+
+def _shadowing(patterns: list[str]) -> Optional[tuple[int, int]]:
+    """The first rule an earlier rule shadows, as (its index, the earlier one's), or None.
+
+    A rule shadows a later one when it matches every name the later one matches. The exact test (:func:`_covers`)
+    is far too slow for every pair of a policy of thousands of rules (minutes), so pairs are ruled out first by what
+    is cheap: a wide pattern's fixed first and last characters must begin and end every name the narrow one matches,
+    and it must match one name the narrow one matches. Candidates are found by the fixed start (a dictionary lookup
+    per prefix), not by pairs. A literal name (what ``tune`` writes) costs a lookup per prefix and a comparison per
+    candidate. Bounds keep a pathological policy fast: a rule is tested against its first ``_SHADOW_CANDIDATES``
+    candidates and for an exact duplicate, and the exact tests of one policy stop after ``_SHADOW_STEPS`` steps. A
+    bound can only let a shadowed rule through (as before this check existed), never refuse a rule that applies.
+    """
+    by_prefix: dict[str, list[int]] = {}
+    first_of: dict[str, int] = {}
+    shapes: list[_Shape] = []
+    matchers: list[Any] = []  # each pattern's compiled match, once needed
+    steps = 0
+    for i, pattern in enumerate(patterns):
+        shape = _shape(pattern)
+        if pattern in first_of:
+            return i, first_of[pattern]
+        candidates: list[int] = []
+        for k in range(len(shape.prefix) + 1):
+            candidates += by_prefix.get(shape.prefix[:k], ())
+        candidates.sort()
+        for j in candidates[:_SHADOW_CANDIDATES]:
+            wide = shapes[j]
+            if wide.literal is not None:  # a literal covers only itself (any other pattern matches two names)
+                if wide.literal == shape.literal:
+                    return i, j
+                continue
+            if not shape.suffix.endswith(wide.suffix):
+                continue
+            if matchers[j] is None:  # compiled when first needed: most patterns never are
+                matchers[j] = re.compile(fnmatch.translate(patterns[j])).match
+            if not matchers[j](shape.sample):
+                continue
+            if shape.literal is not None:
+                return i, j  # it matches the one name this rule matches
+            if steps < _SHADOW_STEPS:
+                covered, spent = _covers(patterns[j], pattern)
+                steps += spent
+                if covered:
+                    return i, j
+        first_of[pattern] = i
+        by_prefix.setdefault(shape.prefix, []).append(i)
+        shapes.append(shape)
+        matchers.append(None)
+    return None
+
+
+_ALIAS_WALK = 10_000  # module names walked beyond the first ones, at most: shared modules multiply the paths
+
+
+def _aliases(model: torch.nn.Module, modules: Optional[list[torch.nn.Module]] = None) -> dict[int, list[str]]:
+    """The names of each module registered under more than one (by ``id``; its first name first, as
+    ``named_modules()`` gives it), for a rule naming any of them. Empty when no module is shared, the usual case,
+    told by counting (``modules``: the model's, as ``modules()`` gives them) rather than walking every path.
+    A module inside itself is not walked into again, and the walk stops after ``_ALIAS_WALK`` extra names."""
+    if modules is None:
+        modules = list(model.modules())
+    if sum(child is not None for m in modules for child in m._modules.values()) == len(modules) - 1:
+        return {}  # a tree: each module but the model is some module's child exactly once
+    names: dict[int, list[str]] = {}
+    shared = False
+    todo: list[tuple[str, torch.nn.Module, frozenset[int]]] = [("", model, frozenset())]
+    left = _ALIAS_WALK
+    while todo and left > 0:
+        prefix, module, path = todo.pop()
+        known = names.setdefault(id(module), [])
+        known.append(prefix)
+        if len(known) > 1:
+            shared = True
+            left -= 1
+        inside = path | {id(module)}
+        for key, child in reversed(module._modules.items()):  # reversed: popped in named_modules() order
+            if child is not None and id(child) not in inside:
+                todo.append((f"{prefix}.{key}" if prefix else key, child, inside))
+    return {key: more for key, more in names.items() if len(more) > 1} if shared else {}
 
 
 class Rule(NamedTuple):
@@ -226,11 +355,12 @@ class Policy:
             if not isinstance(pattern, str):
                 raise Tf32LabError(f"policy rule {i}: the pattern {reprlib.repr(pattern)} is not a string")
             rules.append(Rule(pattern, _level(level, f"policy rule {i} ({pattern!r})")))
-            shadow = next((j for j, earlier in enumerate(rules[:-1], 1) if _covers(earlier.pattern, pattern)), None)
-            if shadow is not None:  # the first match wins: this rule could never give a module its level
-                raise Tf32LabError(
-                    f"policy rule {i} ({pattern!r}) never applies: rule {shadow} ({rules[shadow - 1].pattern!r}) "
-                    "comes first and matches every module name it matches; put the narrower rule first")
+        shadowed = _shadowing([rule.pattern for rule in rules])
+        if shadowed is not None:  # the first match wins: that rule could never give a module its level
+            i, j = shadowed
+            raise Tf32LabError(
+                f"policy rule {i + 1} ({rules[i].pattern!r}) never applies: rule {j + 1} ({rules[j].pattern!r}) "
+                "comes first and matches every module name it matches; put the narrower rule first")
         object.__setattr__(self, "default", default)
         object.__setattr__(self, "rules", tuple(rules))
 
@@ -243,21 +373,29 @@ class Policy:
     def _assignments(self, model: torch.nn.Module) -> list[tuple[Assignment, Optional[str]]]:
         """Each module's assignment and its parent's name (None for the model)."""
         found: dict[str, Assignment] = {}
+        named = list(model.named_modules())
+        aliases = _aliases(model, [module for _, module in named])
         out = []
-        for name, _ in model.named_modules():
+        for name, module in named:
             parent = None
             if name:
                 parent = name.rpartition(".")[0]
                 while parent and parent not in found:  # a module registered under a dotted name skips a level
                     parent = parent.rpartition(".")[0]
-            found[name] = self._assign(name, None if parent is None else found[parent])
+            found[name] = self._assign(name, None if parent is None else found[parent], aliases.get(id(module), ()))
             out.append((found[name], parent))
         return out
 
-    def _assign(self, name: str, parent: Optional[Assignment]) -> Assignment:
+    def _assign(self, name: str, parent: Optional[Assignment], aliases: Iterable[str] = ()) -> Assignment:
+        """The first rule matching ``name`` or one of the module's other names (a module registered twice) gives
+        its level; else its parent's (the parent of its first name)."""
+        others = [alias for alias in aliases if alias != name] if aliases else ()
         for i, rule in enumerate(self.rules, 1):
             if fnmatch.fnmatchcase(name, rule.pattern):
                 return Assignment(name, rule.level, f"rule {i} {rule.pattern!r}")
+            for alias in others:
+                if fnmatch.fnmatchcase(alias, rule.pattern):
+                    return Assignment(name, rule.level, f"rule {i} {rule.pattern!r} (it is also named {alias!r})")
         if parent is None:
             return Assignment(name, self.default, "default" if self.default else "inherited from the caller")
         return Assignment(name, parent.level, f"inherited from {parent.name!r}" if parent.name else
@@ -274,6 +412,7 @@ class Policy:
     def unmatched(self, model: torch.nn.Module) -> list[Rule]:
         """The rules that match no module of ``model`` (a typo, or a policy written for another model)."""
         names = [name for name, _ in model.named_modules()]
+        names += [alias for more in _aliases(model).values() for alias in more[1:]]
         return [rule for rule in self.rules if not any(fnmatch.fnmatchcase(n, rule.pattern) for n in names)]
 
     def unmatched_message(self, model: torch.nn.Module) -> Optional[str]:
@@ -682,27 +821,60 @@ def _collected(handle_ref: weakref.ref) -> Any:
     return callback
 
 
-def _on_register(parent: torch.nn.Module, name: str, child: Any) -> None:
-    """PyTorch's hook for every submodule assigned (``model.head = ...``, ``add_module``): a module put into a
-    model under a policy is wrapped at once, so a direct call of it finds the model changed and re-matches it."""
+def _on_register(parent: torch.nn.Module, name: Optional[str], child: Any) -> None:
+    """PyTorch's hook for every submodule assigned (``model.head = ...``, ``add_module``), and ours for
+    ``insert``: a module put into a model under a policy is wrapped at once, so a direct call of it finds the model
+    changed and re-matches it, and it counts as the model's at once, so a module assigned into it in turn is too
+    (``model.new = Module()``, then ``model.new.extra = ...``)."""
     handle = _APPLIED.get(parent)
     if handle is None or handle._removed or not isinstance(child, torch.nn.Module):
         return None
     with _APPLIED_LOCK:
         handle._stale = True
         for module in child.modules():
+            owner = _APPLIED.get(module)
+            if owner is not None and owner is not handle and not owner._removed:
+                continue  # another policy's: the model's next call says so (one module takes one policy)
+            if owner is None:
+                _APPLIED[module] = handle
+                handle._pending.append(weakref.ref(module))
             if id(module) not in handle._wrapped and not isinstance(module, torch.jit.ScriptModule) \
                     and not isinstance(module.__dict__.get("forward"), _Pinned):
                 handle._wrapped[id(module)] = (weakref.ref(module), _wrap(module, handle))
     return None
 
 
+def _announcing(insert: Any) -> Any:
+    @functools.wraps(insert)
+    def announced(self: torch.nn.Module, index: int, module: torch.nn.Module) -> Any:
+        out = insert(self, index, module)
+        if _APPLIED:  # some policy is applied somewhere: one dictionary lookup
+            _on_register(self, None, module)
+        return out
+
+    announced._tf32lab_announces = True  # type: ignore[attr-defined]
+    return announced
+
+
 _REGISTRATION: list[Any] = []
 
 
 def _watch_registrations() -> None:
-    if not _REGISTRATION:  # once per process; a dictionary lookup per submodule assigned anywhere
-        _REGISTRATION.append(torch.nn.modules.module.register_module_module_registration_hook(_on_register))
+    """Once per process: PyTorch's registration hook (a dictionary lookup per submodule assigned anywhere), and
+    the same announcement from ``ModuleList.insert`` and ``Sequential.insert``, which write the container's
+    ``_modules`` directly, so the hook never fires for them. Wrapping those two methods costs nothing per forward
+    and leaves every model's state as it is (a copy or a pickle holds no trace of it); the alternatives were a
+    global forward pre-hook (every module call of every model in the process through PyTorch's slow path, and the
+    call it catches already bound to the plain forward) or a watching dict in each ``_modules`` (in the model's
+    state, and replaced wholesale by ``del container[i]``). Code that writes ``_modules`` itself announces nothing:
+    such a module gets its level from the next call of any module of the model."""
+    if _REGISTRATION:
+        return
+    _REGISTRATION.append(torch.nn.modules.module.register_module_module_registration_hook(_on_register))
+    for container in (torch.nn.ModuleList, torch.nn.Sequential):
+        insert = container.__dict__.get("insert")
+        if insert is not None and not getattr(insert, "_tf32lab_announces", False):
+            container.insert = _announcing(insert)  # type: ignore[method-assign]
 
 
 def applied_to(module: torch.nn.Module) -> Optional[Policy]:
@@ -757,6 +929,7 @@ class PolicyHandle:
         self._tree = _Tree()
         self._stale = False
         self._removed = False
+        self._pending: list[weakref.ref] = []  # modules claimed as they were put in, until the model is matched
         with _APPLIED_LOCK:
             taken = next((name for name, m in model.named_modules() if _owner(m) is not None), None)
             if taken is not None:
@@ -838,10 +1011,11 @@ class PolicyHandle:
         for key, module in wanted.items():
             if key not in self._wrapped:
                 self._wrapped[key] = (weakref.ref(module), _wrap(module, self))
-        for entry in self._tree.members.values():
-            module = entry[0]()
+        for ref in [entry[0] for entry in self._tree.members.values()] + self._pending:
+            module = ref()
             if module is not None and id(module) not in tree.members and _APPLIED.get(module) is self:
-                del _APPLIED[module]
+                del _APPLIED[module]  # taken out (or put in and taken out again before this call)
+        self._pending.clear()
         for module in modules.values():
             _APPLIED[module] = self
         return tree
@@ -859,10 +1033,11 @@ class PolicyHandle:
         with _APPLIED_LOCK:
             self._removed = True
             self._take_off()
-            for entry in self._tree.members.values():
-                module = entry[0]()
+            for ref in [entry[0] for entry in self._tree.members.values()] + self._pending:
+                module = ref()
                 if module is not None and _APPLIED.get(module) is self:
                     del _APPLIED[module]
+            self._pending.clear()
 
     def __enter__(self) -> PolicyHandle:
         return self
