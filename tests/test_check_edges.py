@@ -243,3 +243,66 @@ def test_a_deterministic_failure_at_highest_still_points_to_float64():
     report = tf32lab.check(tf32lab.Workload(torch.nn.Linear(16, 16), torch.randn(8, 16)), levels=("highest",),
                            tolerance=0.0)
     assert report.level("highest").unstable is None and "float64" in " ".join(report.conclusion())
+
+
+# -- convolutions over nothing ----------------------------------------------------------------------------------------
+class _EmptyConv(torch.nn.Module):
+    """A Linear that does the work, beside a convolution of one kind fed an empty batch (or no channels)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.linear, self.kind = torch.nn.Linear(16, 16), kind
+        self.conv = {"conv1d": torch.nn.Conv1d(3, 4, 3), "conv2d": torch.nn.Conv2d(3, 4, 3),
+                     "conv3d": torch.nn.Conv3d(3, 4, 3), "grouped": torch.nn.Conv2d(4, 4, 3, groups=2),
+                     "transposed": torch.nn.ConvTranspose2d(3, 4, 3), "no-channels": torch.nn.Conv2d(0, 4, 3),
+                     "transposed1d": torch.nn.ConvTranspose1d(3, 4, 3)}[kind]
+
+    def forward(self, x):
+        channels = self.conv.in_channels
+        spatial = {torch.nn.Conv1d: (8,), torch.nn.ConvTranspose1d: (8,), torch.nn.Conv3d: (5, 5, 5)}.get(
+            type(self.conv), (8, 8))
+        batch = 2 if channels == 0 else 0
+        return self.linear(x) + self.conv(x.new_zeros(batch, channels, *spatial)).sum()
+
+
+CONVS = ["conv1d", "conv2d", "conv3d", "grouped", "transposed", "transposed1d", "no-channels"]
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
+@pytest.mark.parametrize("kind", CONVS)
+def test_a_convolution_over_nothing_is_counted_as_no_work(kind):
+    w = tf32lab.Workload(_EmptyConv(kind), torch.randn(8, 16), name=kind)
+    with tf32lab.counting.Counting(w.model) as counts, torch.inference_mode():
+        w.run()
+    conv = [c for c in counts.ops if c.family == "conv"]
+    assert conv and all(c.flops == 0 for c in conv)
+    predicted = tf32lab.predict(w, "a100")
+    assert predicted.level("high").speedup >= 1.0
+    report = tf32lab.check(w, levels=("highest", "high"))
+    assert report.passed and all(lv.error is None for lv in report.levels)
+    assert tf32lab.tune(w, target="a100").passed
+
+
+def test_speed_check_and_tune_commands_take_empty_convolutions(tmp_path):
+    (tmp_path / "empty_conv.py").write_text(textwrap.dedent("""
+        import torch
+
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin, self.conv = torch.nn.Linear(16, 16), torch.nn.Conv2d(3, 4, 3)
+                self.c1, self.ct = torch.nn.Conv1d(3, 4, 3), torch.nn.ConvTranspose2d(3, 4, 3)
+
+            def forward(self, x):
+                e = x.new_zeros(0, 3, 8, 8)
+                return self.lin(x) + self.conv(e).sum() + self.c1(x.new_zeros(0, 3, 8)).sum() + self.ct(e).sum()
+
+        def make():
+            return M(), torch.randn(8, 16)
+    """))
+    for command in (["speed"], ["check", "--target", "a100"], ["tune", "--target", "a100"]):
+        done = subprocess.run([sys.executable, "-m", "tf32lab.cli", command[0], "empty_conv.py:make", *command[1:]],
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert done.returncode == 0, (command, done.stdout, done.stderr)
+        assert "raise" not in done.stdout + done.stderr, done.stdout
+

@@ -111,6 +111,8 @@ def _gemms(name: str, family: Optional[str], a: dict[str, Any], out: Any) -> Opt
             flops = 2.0 * out.numel() * int(w.shape[1]) * kernel
             m = int(out.shape[0]) * _shape_prod(out.shape[2:])
         n = max(1, int(out.shape[1]) // groups)
+        if flops == 0:  # an empty batch, image or channel dimension: no product to compute (and m may be 0)
+            return ((1, groups, m, n, 0),)
         return ((1, groups, m, n, max(1, round(flops / (2.0 * m * n * groups)))),)
     if name == "convolution_backward":
         grad, w = a["grad_output"], a["weight"]
