@@ -239,6 +239,73 @@ def test_unseeded_sampling_is_named_as_the_cause_not_float64(how):
     assert not tuning.passed and "not deterministic" in tuning.reason and "float64" not in tuning.reason
 
 
+def test_a_sampling_model_gets_one_recommendation_seed_it_and_no_tune_advice(tmp_path):
+    w = tf32lab.Workload(_Sampling("randn"), torch.randn(8, 16))
+    said = tf32lab.check(w, levels=("highest", "high")).conclusion()
+    assert said[0].startswith("Even `highest` fails, but two runs at `highest` differ") and "seed it" in said[0]
+    assert not any(line.startswith(("Keep `highest`", "TF32 is safe")) for line in said), said
+    (tmp_path / "sampling.py").write_text(textwrap.dedent("""
+        import torch
+
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.linear = torch.nn.Linear(16, 16)
+
+            def forward(self, x):
+                y = self.linear(x)
+                return y + torch.randn_like(y)
+
+        def make():
+            return M(), torch.randn(8, 16)
+    """))
+    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "sampling.py:make"], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 1 and "not deterministic" in done.stdout
+    assert "tune" not in done.stdout and "Keep `highest`" not in done.stdout, done.stdout
+
+
+class _Overflows(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.linear(x) * 1e30 * 1e10  # Inf in float32, finite (about 1e40) in float64
+
+
+def test_float32_overflow_is_named_as_its_range_not_its_rounding():
+    report = tf32lab.check(tf32lab.Workload(_Overflows(), torch.randn(8, 16)), levels=("highest", "high"))
+    failure = report.level("highest").outputs[0].failure
+    assert "beyond float32's range (largest finite 3.4e+38)" in failure
+    said = report.conclusion()
+    assert said[0].startswith("Even `highest` fails, and no precision level fixes it: the values exceed float32's "
+                              "range (finite only up to ~3.4e38)"), said
+    joined = " ".join(said)
+    assert "loosen the tolerance" not in joined and "amplifies" not in joined and "Keep `highest`" not in joined
+
+
+def test_check_does_not_point_to_tune_when_highest_fails_too(tmp_path):
+    (tmp_path / "overflow.py").write_text(textwrap.dedent("""
+        import torch
+
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.linear = torch.nn.Linear(16, 16)
+
+            def forward(self, x):
+                return self.linear(x) * 1e30 * 1e10
+
+        def make():
+            return M(), torch.randn(8, 16)
+    """))
+    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "overflow.py:make"], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 1 and "float32's range" in done.stdout, done.stdout + done.stderr
+    assert "tf32lab tune" not in done.stdout
+
+
 def test_a_deterministic_failure_at_highest_still_points_to_float64():
     report = tf32lab.check(tf32lab.Workload(torch.nn.Linear(16, 16), torch.randn(8, 16)), levels=("highest",),
                            tolerance=0.0)

@@ -328,6 +328,8 @@ def _next_step(report, spec: str, target: str) -> str:
     failed = [lv.level for lv in report.levels if lv.level in ("high", "medium") and not lv.passed]
     if not failed or target not in peaks.PEAKS or (report.policy_row is not None and report.passed):
         return ""  # nothing failed, no speed model, or the policy given passes: nothing to search for
+    if any(lv.level == "highest" and not lv.passed for lv in report.levels):
+        return ""  # tune keeps layers at `highest`, which fails too (or samples): no policy it finds can pass
     return (f"next: tf32lab tune {_shown(spec)} --target {target} --out policy.json  finds the fastest policy "
             f"within tolerance (which layers to keep at a safer level than {failed[-1]!r}), each candidate verified")
 

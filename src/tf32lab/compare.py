@@ -49,6 +49,7 @@ from .levels import LEVELS, check_levels
 from .policy import Policy
 from .reference import Float64Run, widen
 from .report import LayerError, LevelResult, Report
+from .report.conclusion import BEYOND_FLOAT32
 from .scope import get_float32_matmul_precision, precision
 from .speed import SpeedReport, predict_counts, seconds_at
 from .spill import Spilled, SpillFile, min_bytes_from_env
@@ -857,10 +858,26 @@ def _outputs(out: Any, ref_out: Any, tolerances: dict[str, float]) -> tuple[metr
         tolerance = tolerances.get(name, tolerances["default"])
         y = found.get(name, metrics.ABSENT)
         if r is not None or y is not None:
-            results.append(metrics.compare(name, y, r, tolerance))
+            results.append(_range_said(metrics.compare(name, y, r, tolerance), y, r))
     for name in found.keys() - refs.keys():
         results.append(metrics.compare(name, found[name], metrics.ABSENT, tolerances.get(name, tolerances["default"])))
     return tuple(results)
+
+
+def _range_said(found: metrics.OutputError, y: Any, r: Any) -> metrics.OutputError:
+    """A float32 output that is Inf (or NaN) where its float64 reference is finite but larger than float32 can
+    hold: its failure says so, for it is float32's range, not its rounding, that no precision level fixes."""
+    if found.failure is None or not (isinstance(y, torch.Tensor) and isinstance(r, torch.Tensor)) \
+            or y.dtype != torch.float32 or y.shape != r.shape or r.is_complex():
+        return found
+    lost = ~torch.isfinite(y) & torch.isfinite(r)
+    if not bool(lost.any()):
+        return found
+    largest = float(r[lost].double().abs().max())
+    if largest <= torch.finfo(torch.float32).max:
+        return found
+    return dataclasses.replace(found, failure=f"{found.failure}; the reference reaches {largest:.1e} there, "
+                                              f"{BEYOND_FLOAT32} (largest finite {torch.finfo(torch.float32).max:.1e})")
 
 
 def _check_comparable(workload: Workload, ref_out: Any) -> None:
