@@ -373,3 +373,82 @@ def test_speed_check_and_tune_commands_take_empty_convolutions(tmp_path):
         assert done.returncode == 0, (command, done.stdout, done.stderr)
         assert "raise" not in done.stdout + done.stderr, done.stdout
 
+
+# -- an exception of tf32lab's own ------------------------------------------------------------------------------------
+BROKEN_COUNTING = """
+import builtins, torch
+import tf32lab.counting
+
+def make():
+    tf32lab.counting._gemms = builtins.len  # a fault inside tf32lab's counting: a TypeError in its own frame
+    return torch.nn.Linear(16, 16), torch.randn(4, 16)
+"""
+
+
+@pytest.fixture
+def broken_counting(monkeypatch):
+    import builtins
+
+    from tf32lab import counting
+
+    # a fault inside tf32lab's own code (not a stand-in for anything of the model's): a TypeError raised in
+    # Counting.record's frame, as a bug there would
+    monkeypatch.setattr(counting, "_gemms", builtins.len)
+    return tf32lab.Workload(torch.nn.Linear(16, 16), torch.randn(4, 16), name="linear")
+
+
+@pytest.mark.parametrize("run", [
+    lambda w: tf32lab.predict(w, "a100"),
+    lambda w: tf32lab.check(w, levels=("highest", "high")),
+    lambda w: tf32lab.tune(w, target="a100"),
+], ids=["predict", "check", "tune"])
+def test_an_error_in_tf32labs_own_code_is_reported_as_tf32labs_not_the_models(broken_counting, run):
+    with pytest.raises(Tf32LabError, match=r"internal error in tf32lab while .*TypeError.* \(at tf32lab/counting\.py:"
+                                           r"\d+\); this is a bug in tf32lab, not in the model: please report it"):
+        run(broken_counting)
+
+
+def test_the_commands_say_an_error_of_tf32labs_is_tf32labs_with_exit_2(tmp_path):
+    (tmp_path / "broken.py").write_text(BROKEN_COUNTING)
+    for command in ("speed", "check", "tune"):
+        done = subprocess.run([sys.executable, "-m", "tf32lab.cli", command, "broken.py:make"], capture_output=True,
+                              text=True, timeout=300, cwd=tmp_path)
+        assert done.returncode == 2, (command, done.stdout, done.stderr)
+        assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr
+        assert "internal error in tf32lab" in done.stderr and "please report" in done.stderr
+        assert "FAILED" not in done.stdout and "workload 'broken:make' raised" not in done.stderr
+
+
+class _Divides(torch.nn.Module):
+    """Divides by zero in float32 only: the float64 reference runs, each level raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return y * (1 / int(y.dtype == torch.float64))
+
+
+def test_an_error_the_model_raises_itself_is_still_the_models():
+    with pytest.raises(Tf32LabError, match=r"workload 'div' raised ZeroDivisionError while its work was counted"):
+        tf32lab.predict(tf32lab.Workload(_Divides(), torch.randn(2, 4), name="div"), "a100")
+    report = tf32lab.check(tf32lab.Workload(_Divides(), torch.randn(2, 4), name="div"), levels=("highest",))
+    assert not report.passed and report.level("highest").error.startswith("ZeroDivisionError")
+
+
+def test_where_an_exception_was_raised_is_read_from_its_frames():
+    from tf32lab.origin import raised_by_tf32lab
+
+    with pytest.raises(ValueError) as raised:
+        tf32lab.counting._shape_prod(["x"])  # int("x") inside tf32lab: tf32lab's
+    assert raised_by_tf32lab(raised.value).startswith("tf32lab/counting.py:")
+    with pytest.raises(ValueError) as raised:
+        int("x")  # this test's own frame: not tf32lab's
+    assert raised_by_tf32lab(raised.value) is None
+    from tf32lab.builtin import Covariance
+
+    with pytest.raises(AttributeError) as raised:
+        Covariance()("not a tensor")  # a built-in workload's model is a model, not tf32lab
+    assert raised_by_tf32lab(raised.value) is None

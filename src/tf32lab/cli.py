@@ -300,6 +300,11 @@ def _check(args: argparse.Namespace) -> int:
     except Exception as exc:
         if args.debug:
             raise
+        from .origin import internal_error
+
+        bug = internal_error(exc, f"checking workload {loaded.name!r}")
+        if bug is not None:
+            raise bug from exc
         raise Tf32LabError(f"workload {loaded.name!r} raised {type(exc).__name__}: {exc}") from exc
     code = 0 if report.passed else 1
     try:

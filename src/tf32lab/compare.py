@@ -46,6 +46,7 @@ from .counting import Counting, OtherThreads
 from .emulator import emulate, maths, release_buffers
 from .errors import Tf32LabError
 from .levels import LEVELS, check_levels
+from .origin import internal_error
 from .policy import Policy
 from .reference import Float64Run, widen
 from .report import LayerError, LevelResult, Report
@@ -239,6 +240,9 @@ class Session:
         except Exception as exc:
             if _out_of_memory(exc):
                 raise _no_memory(workload, "the float64 reference", exc) from exc
+            bug = internal_error(exc, f"running workload {workload.name!r} at the float64 reference")
+            if bug is not None:
+                raise bug from exc
             raise Tf32LabError(f"workload {workload.name!r} raised at the float64 reference, before any level ran: "
                                f"{_described(exc)}") from exc
         _check_comparable(workload, self.ref_out)
@@ -364,6 +368,10 @@ def _check_level(workload: Workload, level: str, target: str, recorder: _Recorde
         except Exception as exc:
             if _out_of_memory(exc):  # not a finding about the level: check itself is short of memory
                 raise _no_memory(workload, "the policy" if row else f"level {level!r}", exc) from exc
+            bug = internal_error(exc, f"running workload {workload.name!r} "
+                                      f"{'with the policy' if row else f'at level {level!r}'}")
+            if bug is not None:  # tf32lab's own failure: not a finding about the level
+                raise bug from exc
             error = _described(exc)  # the model cannot run at this level: that is the finding
     outputs: tuple[metrics.OutputError, ...] = ()
     metric = None
@@ -654,6 +662,9 @@ class _Recorder:
             except Exception as exc:
                 if _out_of_memory(exc):
                     raise
+                bug = internal_error(exc, f"rerunning layer {name!r} alone at level {level!r}")
+                if bug is not None:
+                    raise bug from exc
                 error, why = math.nan, f"raised when run alone at this level: {_described(exc)}"
             finally:
                 self.rerunning = False

@@ -54,6 +54,7 @@ from .emulator import maths
 from .errors import Tf32LabError
 from .files import write_atomically
 from .levels import LEVELS, check_levels
+from .origin import internal_error
 from .scope import precision
 from .targets import get as get_target
 from .workload import Workload, eval_mode
@@ -251,6 +252,9 @@ def predict(workload: Workload, target: str = "a100", levels: Iterable[str] = LE
     except Tf32LabError:
         raise
     except Exception as exc:
+        bug = internal_error(exc, f"counting the work of workload {workload.name!r}")
+        if bug is not None:
+            raise bug from exc
         raise Tf32LabError(f"workload {workload.name!r} raised {type(exc).__name__} while its work was counted: "
                            f"{exc}") from exc
     finally:  # a model that sets a level in its forward leaves nothing behind (KeyboardInterrupt included)

@@ -29,6 +29,7 @@ from torch.utils.benchmark import Timer
 
 from .errors import Tf32LabError
 from .levels import LEVELS
+from .origin import internal_error
 from .scope import precision
 from .speed import LevelSpeed, SpeedReport, _levels
 from .trees import named_tensors
@@ -94,6 +95,9 @@ def bench(workload: Workload, levels: Iterable[str] = LEVELS, *, rounds: int = 7
     except Tf32LabError:
         raise
     except Exception as exc:
+        bug = internal_error(exc, f"timing workload {workload.name!r}")
+        if bug is not None:
+            raise bug from exc
         raise Tf32LabError(f"workload {workload.name!r} raised {type(exc).__name__} while timed: {exc}") from exc
     medians = {level: statistics.median(values) for level, values in samples.items()}
     rows = tuple(LevelSpeed(level, medians[level], medians["highest"] / medians[level], math.nan,
