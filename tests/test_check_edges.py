@@ -181,6 +181,76 @@ def test_products_a_model_runs_on_its_own_thread_are_named_not_silently_dropped(
     assert not any("thread" in n for n in tf32lab.check(plain, levels=("high",)).notes)
 
 
+class _AllThreaded(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        out = {}
+        helper = threading.Thread(target=lambda: out.setdefault("y", self.linear(x)))
+        helper.start()
+        helper.join()
+        return out["y"]
+
+
+@pytest.mark.parametrize("run", [
+    lambda w: tf32lab.check(w, levels=("highest", "high")),
+    lambda w: tf32lab.check(w, levels=("high",), target="native"),
+    lambda w: tf32lab.tune(w, target="a100"),
+    lambda w: tf32lab.predict(w, "a100"),
+], ids=["check", "check-native", "tune", "predict"])
+def test_a_model_whose_every_product_runs_on_another_thread_is_refused_not_called_safe(run):
+    with pytest.raises(Tf32LabError, match=r"nothing was measured: all its matmul-family ops ran on other threads "
+                                           r"\(1 op\(s\): aten::addmm x1\).*run them in the thread that calls"):
+        run(tf32lab.Workload(_AllThreaded(), torch.randn(8, 16)))
+
+
+THREADED = """
+import threading, torch
+
+class M(torch.nn.Module):
+    def __init__(self, every):
+        super().__init__()
+        self.a, self.b, self.every = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), every
+
+    def forward(self, x):
+        out = {}
+        helper = threading.Thread(target=lambda: out.setdefault("b", self.b(x)))
+        helper.start()
+        helper.join()
+        return out["b"] if self.every else self.a(x) + out["b"]
+
+def every():
+    return M(True), torch.randn(8, 16)
+
+def some():
+    return M(False), torch.randn(8, 16)
+"""
+
+
+def test_the_commands_refuse_all_threaded_products_and_say_partly_threaded_ones_beside_the_verdict(tmp_path):
+    (tmp_path / "threaded.py").write_text(THREADED)
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "tf32lab.cli", *args], capture_output=True, text=True,
+                              timeout=300, cwd=tmp_path)
+
+    for command in ("check", "tune", "speed"):
+        done = cli(command, "threaded.py:every")
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, (command, done.stderr)
+        assert "nothing was measured" in done.stderr and "safe" not in done.stdout
+    done = cli("check", "threaded.py:some", "--levels", "highest,high")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()  # the conclusion's lines are not wrapped; 3 runs: the reference, 2 levels
+    verdict = next(i for i, line in enumerate(lines) if line.startswith("TF32 is safe"))
+    assert lines[verdict + 1].startswith("Not all of the model was measured; this verdict covers only part of it: "
+                                         "3 matmul-family op(s) ran on another thread"), lines[verdict:]
+    assert done.stdout.count("ran on another thread") == 1  # said once: beside the verdict, not among the notes
+    done = cli("tune", "threaded.py:some")
+    assert done.returncode == 0 and "Not all of the model was measured" in done.stdout, done.stdout
+
+
 # -- a model that sets the level itself -------------------------------------------------------------------------------
 class _Setter(torch.nn.Module):
     def __init__(self) -> None:

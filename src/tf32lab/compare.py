@@ -217,6 +217,8 @@ class Session:
             self.threads = stack.enter_context(OtherThreads())
             self.reset = stack.enter_context(_state_kept(self.workload.model))
             self._reference()
+            if self.threads.ops and not self.recorder.family_ops:  # a report of nothing would call it safe
+                raise Tf32LabError(self.threads.refusal(str(self.workload.name)))
         except BaseException:
             stack.close()
             raise
@@ -557,6 +559,7 @@ class _Recorder:
         self.swapped: list = []  # (parent, name, float32 original, float64 twin) of TorchScript parts
         self.model_inputs: set[int] = set()  # ids of the (widened) workload inputs
         self.as_accumulated: set[tuple[str, int]] = set()  # calls whose introduced error is their accumulated one
+        self.family_ops = 0  # matmul-family ops the reference saw on this thread (not another's: see OtherThreads)
 
     def __enter__(self) -> _Recorder:
         try:
@@ -582,8 +585,10 @@ class _Recorder:
         self.handles.clear()
 
     def _op(self, func) -> None:
-        if self.stack and not self.rerunning and optable.family(func.name()) is not None:
-            self.stack[-1].ran = True
+        if not self.rerunning and optable.family(func.name()) is not None:
+            self.family_ops += 1
+            if self.stack:
+                self.stack[-1].ran = True
 
     def _written(self, tensors: list[torch.Tensor]) -> None:
         """Copy-on-write: a kept output is copied only when the model is about to write into its storage."""

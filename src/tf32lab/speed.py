@@ -261,6 +261,8 @@ def predict(workload: Workload, target: str = "a100", levels: Iterable[str] = LE
         changed = before.diff(flags.snapshot())
         if changed:
             flags.restore(before)
+    if threads.ops and not any(op.family is not None for op in counts.ops):  # else: "no gain", of nothing
+        raise Tf32LabError(threads.refusal(str(workload.name)))
     report = predict_counts(counts, str(workload.name), target, levels)
     uncounted = threads.note("left out of the prediction")
     if uncounted:

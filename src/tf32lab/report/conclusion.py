@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Optional
 if TYPE_CHECKING:
     from . import LevelResult, Report
 
-__all__ = ["MAX_REL_NOTE", "conclusion", "policy_summary"]
+__all__ = ["MAX_REL_NOTE", "conclusion", "policy_summary", "unmeasured"]
 
 # why a large max rel can stand beside PASSED (the footnote of the outputs table)
 MAX_REL_NOTE = ("max rel is over the elements whose reference is at least 1e-6 of the largest, so a reference "
@@ -124,7 +124,18 @@ def conclusion(report: Report, policy_file: Optional[str] = None) -> list[str]:
     if not lines:
         lines.append("Every level checked is within tolerance." if report.passed else
                      "Some level exceeds its tolerance; see the tables.")
+    partial = unmeasured(report)
+    if partial is not None:  # right under the recommendation it qualifies, not among the notes above the tables
+        lines.insert(1, partial)
     return lines
+
+
+def unmeasured(report: Report) -> Optional[str]:
+    """The sentence saying that the verdict leaves out products the model ran on other threads, if it did."""
+    from ..counting import on_other_threads
+
+    note = on_other_threads(report.notes)
+    return None if note is None else f"Not all of the model was measured; this verdict covers only part of it: {note}."
 
 
 def _levels_beside(row: LevelResult, best: Optional[LevelResult], failing: list[LevelResult]) -> list[str]:
