@@ -87,8 +87,10 @@ class _Counted(torch.nn.Module):
     lambda w: tf32lab.check(w, levels=("high",)),
     lambda w: tf32lab.check(w, levels=("high",), policy=tf32lab.Policy(default="high")),
     lambda w: tf32lab.tune(w, target="a100"),
-], ids=["check", "check-policy", "tune"])
-def test_check_and_tune_refuse_a_model_with_a_policy_applied_before_any_run(run):
+    lambda w: tf32lab.predict(w, "a100"),
+    lambda w: tf32lab.bench(w, rounds=1, min_seconds=0.001),
+], ids=["check", "check-policy", "tune", "predict", "bench"])
+def test_check_tune_predict_and_bench_refuse_a_model_with_a_policy_applied_before_any_run(run):
     model = _Counted()
     handle = tf32lab.Policy(default="high", rules=[("b", "highest")]).apply(model)
     try:
@@ -274,6 +276,32 @@ def test_a_level_the_model_sets_in_its_forward_does_not_outlive_the_call(run):
     assert flags.snapshot() == before
     assert any("changed PyTorch's flags while it ran (float32_matmul_precision 'highest' -> 'medium'" in n
                for n in notes), notes
+
+
+class _Flagger(torch.nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.linear, self.how = torch.nn.Linear(8, 8), how
+
+    def forward(self, x):
+        if self.how == "cudnn":
+            torch.backends.cudnn.allow_tf32 = False
+        elif self.how == "tf32lab":
+            tf32lab.set_float32_matmul_precision("medium")
+        else:
+            torch.backends.fp32_precision = "tf32"
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("how, changed", [("cudnn", "cudnn.allow_tf32 True -> False"),
+                                          ("tf32lab", "float32_matmul_precision 'highest' -> 'medium'"),
+                                          ("fp32", "fp32_precision.generic.all 'none' -> 'tf32'")])
+def test_bench_puts_back_the_flags_a_model_sets_in_its_forward_and_says_so(how, changed):
+    before = flags.snapshot()
+    notes = tf32lab.bench(tf32lab.Workload(_Flagger(how), torch.randn(4, 8)), levels=("highest", "high"), rounds=1,
+                          min_seconds=0.001).notes
+    assert flags.snapshot() == before, before.diff(flags.snapshot())
+    assert any(f"changed PyTorch's flags while it ran ({changed}" in n for n in notes), notes
 
 
 # -- a Hugging Face Hub id where a folder is expected ----------------------------------------------------------------

@@ -158,8 +158,12 @@ def refuse_applied(workload: Workload, what: str) -> None:
     from .report.conclusion import policy_summary
 
     summary = policy_summary(dict(found.to_dict(), base=get_float32_matmul_precision()))
-    measure = ("pass it as check(policy=...) (tf32lab check --policy FILE) to measure it beside the levels"
-               if what == "check" else "tune searches a policy itself")
+    measure = {
+        "check": "pass it as check(policy=...) (tf32lab check --policy FILE) to measure it beside the levels",
+        "tune": "tune searches a policy itself",
+        "predict": "check(policy=...) (tf32lab check --policy FILE) predicts its speedup beside the levels",
+        "bench": "bench times each level of the model without a policy",
+    }[what]
     raise Tf32LabError(f"workload {workload.name!r}: its model has a policy applied ({summary}); {what} would "
                        f"measure that policy instead of each level: remove it first (handle.remove()); {measure}")
 
