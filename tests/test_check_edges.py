@@ -87,8 +87,10 @@ class _Counted(torch.nn.Module):
     lambda w: tf32lab.check(w, levels=("high",)),
     lambda w: tf32lab.check(w, levels=("high",), policy=tf32lab.Policy(default="high")),
     lambda w: tf32lab.tune(w, target="a100"),
-], ids=["check", "check-policy", "tune"])
-def test_check_and_tune_refuse_a_model_with_a_policy_applied_before_any_run(run):
+    lambda w: tf32lab.predict(w, "a100"),
+    lambda w: tf32lab.bench(w, rounds=1, min_seconds=0.001),
+], ids=["check", "check-policy", "tune", "predict", "bench"])
+def test_check_tune_predict_and_bench_refuse_a_model_with_a_policy_applied_before_any_run(run):
     model = _Counted()
     handle = tf32lab.Policy(default="high", rules=[("b", "highest")]).apply(model)
     try:
@@ -181,6 +183,76 @@ def test_products_a_model_runs_on_its_own_thread_are_named_not_silently_dropped(
     assert not any("thread" in n for n in tf32lab.check(plain, levels=("high",)).notes)
 
 
+class _AllThreaded(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        out = {}
+        helper = threading.Thread(target=lambda: out.setdefault("y", self.linear(x)))
+        helper.start()
+        helper.join()
+        return out["y"]
+
+
+@pytest.mark.parametrize("run", [
+    lambda w: tf32lab.check(w, levels=("highest", "high")),
+    lambda w: tf32lab.check(w, levels=("high",), target="native"),
+    lambda w: tf32lab.tune(w, target="a100"),
+    lambda w: tf32lab.predict(w, "a100"),
+], ids=["check", "check-native", "tune", "predict"])
+def test_a_model_whose_every_product_runs_on_another_thread_is_refused_not_called_safe(run):
+    with pytest.raises(Tf32LabError, match=r"nothing was measured: all its matmul-family ops ran on other threads "
+                                           r"\(1 op\(s\): aten::addmm x1\).*run them in the thread that calls"):
+        run(tf32lab.Workload(_AllThreaded(), torch.randn(8, 16)))
+
+
+THREADED = """
+import threading, torch
+
+class M(torch.nn.Module):
+    def __init__(self, every):
+        super().__init__()
+        self.a, self.b, self.every = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), every
+
+    def forward(self, x):
+        out = {}
+        helper = threading.Thread(target=lambda: out.setdefault("b", self.b(x)))
+        helper.start()
+        helper.join()
+        return out["b"] if self.every else self.a(x) + out["b"]
+
+def every():
+    return M(True), torch.randn(8, 16)
+
+def some():
+    return M(False), torch.randn(8, 16)
+"""
+
+
+def test_the_commands_refuse_all_threaded_products_and_say_partly_threaded_ones_beside_the_verdict(tmp_path):
+    (tmp_path / "threaded.py").write_text(THREADED)
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "tf32lab.cli", *args], capture_output=True, text=True,
+                              timeout=300, cwd=tmp_path)
+
+    for command in ("check", "tune", "speed"):
+        done = cli(command, "threaded.py:every")
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, (command, done.stderr)
+        assert "nothing was measured" in done.stderr and "safe" not in done.stdout
+    done = cli("check", "threaded.py:some", "--levels", "highest,high")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()  # the conclusion's lines are not wrapped; 3 runs: the reference, 2 levels
+    verdict = next(i for i, line in enumerate(lines) if line.startswith("TF32 is safe"))
+    assert lines[verdict + 1].startswith("Not all of the model was measured; this verdict covers only part of it: "
+                                         "3 matmul-family op(s) ran on another thread"), lines[verdict:]
+    assert done.stdout.count("ran on another thread") == 1  # said once: beside the verdict, not among the notes
+    done = cli("tune", "threaded.py:some")
+    assert done.returncode == 0 and "Not all of the model was measured" in done.stdout, done.stdout
+
+
 # -- a model that sets the level itself -------------------------------------------------------------------------------
 class _Setter(torch.nn.Module):
     def __init__(self) -> None:
@@ -204,6 +276,32 @@ def test_a_level_the_model_sets_in_its_forward_does_not_outlive_the_call(run):
     assert flags.snapshot() == before
     assert any("changed PyTorch's flags while it ran (float32_matmul_precision 'highest' -> 'medium'" in n
                for n in notes), notes
+
+
+class _Flagger(torch.nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.linear, self.how = torch.nn.Linear(8, 8), how
+
+    def forward(self, x):
+        if self.how == "cudnn":
+            torch.backends.cudnn.allow_tf32 = False
+        elif self.how == "tf32lab":
+            tf32lab.set_float32_matmul_precision("medium")
+        else:
+            torch.backends.fp32_precision = "tf32"
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("how, changed", [("cudnn", "cudnn.allow_tf32 True -> False"),
+                                          ("tf32lab", "float32_matmul_precision 'highest' -> 'medium'"),
+                                          ("fp32", "fp32_precision.generic.all 'none' -> 'tf32'")])
+def test_bench_puts_back_the_flags_a_model_sets_in_its_forward_and_says_so(how, changed):
+    before = flags.snapshot()
+    notes = tf32lab.bench(tf32lab.Workload(_Flagger(how), torch.randn(4, 8)), levels=("highest", "high"), rounds=1,
+                          min_seconds=0.001).notes
+    assert flags.snapshot() == before, before.diff(flags.snapshot())
+    assert any(f"changed PyTorch's flags while it ran ({changed}" in n for n in notes), notes
 
 
 # -- a Hugging Face Hub id where a folder is expected ----------------------------------------------------------------
@@ -239,7 +337,216 @@ def test_unseeded_sampling_is_named_as_the_cause_not_float64(how):
     assert not tuning.passed and "not deterministic" in tuning.reason and "float64" not in tuning.reason
 
 
+def test_a_sampling_model_gets_one_recommendation_seed_it_and_no_tune_advice(tmp_path):
+    w = tf32lab.Workload(_Sampling("randn"), torch.randn(8, 16))
+    said = tf32lab.check(w, levels=("highest", "high")).conclusion()
+    assert said[0].startswith("Even `highest` fails, but two runs at `highest` differ") and "seed it" in said[0]
+    assert not any(line.startswith(("Keep `highest`", "TF32 is safe")) for line in said), said
+    (tmp_path / "sampling.py").write_text(textwrap.dedent("""
+        import torch
+
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.linear = torch.nn.Linear(16, 16)
+
+            def forward(self, x):
+                y = self.linear(x)
+                return y + torch.randn_like(y)
+
+        def make():
+            return M(), torch.randn(8, 16)
+    """))
+    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "sampling.py:make"], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 1 and "not deterministic" in done.stdout
+    assert "tune" not in done.stdout and "Keep `highest`" not in done.stdout, done.stdout
+
+
+class _Overflows(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.linear(x) * 1e30 * 1e10  # Inf in float32, finite (about 1e40) in float64
+
+
+def test_float32_overflow_is_named_as_its_range_not_its_rounding():
+    report = tf32lab.check(tf32lab.Workload(_Overflows(), torch.randn(8, 16)), levels=("highest", "high"))
+    failure = report.level("highest").outputs[0].failure
+    assert "beyond float32's range (largest finite 3.4e+38)" in failure
+    said = report.conclusion()
+    assert said[0].startswith("Even `highest` fails, and no precision level fixes it: the values exceed float32's "
+                              "range (finite only up to ~3.4e38)"), said
+    joined = " ".join(said)
+    assert "loosen the tolerance" not in joined and "amplifies" not in joined and "Keep `highest`" not in joined
+
+
+def test_check_does_not_point_to_tune_when_highest_fails_too(tmp_path):
+    (tmp_path / "overflow.py").write_text(textwrap.dedent("""
+        import torch
+
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.linear = torch.nn.Linear(16, 16)
+
+            def forward(self, x):
+                return self.linear(x) * 1e30 * 1e10
+
+        def make():
+            return M(), torch.randn(8, 16)
+    """))
+    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "overflow.py:make"], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 1 and "float32's range" in done.stdout, done.stdout + done.stderr
+    assert "tf32lab tune" not in done.stdout
+
+
 def test_a_deterministic_failure_at_highest_still_points_to_float64():
     report = tf32lab.check(tf32lab.Workload(torch.nn.Linear(16, 16), torch.randn(8, 16)), levels=("highest",),
                            tolerance=0.0)
     assert report.level("highest").unstable is None and "float64" in " ".join(report.conclusion())
+
+
+# -- convolutions over nothing ----------------------------------------------------------------------------------------
+class _EmptyConv(torch.nn.Module):
+    """A Linear that does the work, beside a convolution of one kind fed an empty batch (or no channels)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.linear, self.kind = torch.nn.Linear(16, 16), kind
+        self.conv = {"conv1d": torch.nn.Conv1d(3, 4, 3), "conv2d": torch.nn.Conv2d(3, 4, 3),
+                     "conv3d": torch.nn.Conv3d(3, 4, 3), "grouped": torch.nn.Conv2d(4, 4, 3, groups=2),
+                     "transposed": torch.nn.ConvTranspose2d(3, 4, 3), "no-channels": torch.nn.Conv2d(0, 4, 3),
+                     "transposed1d": torch.nn.ConvTranspose1d(3, 4, 3)}[kind]
+
+    def forward(self, x):
+        channels = self.conv.in_channels
+        spatial = {torch.nn.Conv1d: (8,), torch.nn.ConvTranspose1d: (8,), torch.nn.Conv3d: (5, 5, 5)}.get(
+            type(self.conv), (8, 8))
+        batch = 2 if channels == 0 else 0
+        return self.linear(x) + self.conv(x.new_zeros(batch, channels, *spatial)).sum()
+
+
+CONVS = ["conv1d", "conv2d", "conv3d", "grouped", "transposed", "transposed1d", "no-channels"]
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
+@pytest.mark.parametrize("kind", CONVS)
+def test_a_convolution_over_nothing_is_counted_as_no_work(kind):
+    w = tf32lab.Workload(_EmptyConv(kind), torch.randn(8, 16), name=kind)
+    with tf32lab.counting.Counting(w.model) as counts, torch.inference_mode():
+        w.run()
+    conv = [c for c in counts.ops if c.family == "conv"]
+    assert conv and all(c.flops == 0 for c in conv)
+    predicted = tf32lab.predict(w, "a100")
+    assert predicted.level("high").speedup >= 1.0
+    report = tf32lab.check(w, levels=("highest", "high"))
+    assert report.passed and all(lv.error is None for lv in report.levels)
+    assert tf32lab.tune(w, target="a100").passed
+
+
+def test_speed_check_and_tune_commands_take_empty_convolutions(tmp_path):
+    (tmp_path / "empty_conv.py").write_text(textwrap.dedent("""
+        import torch
+
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin, self.conv = torch.nn.Linear(16, 16), torch.nn.Conv2d(3, 4, 3)
+                self.c1, self.ct = torch.nn.Conv1d(3, 4, 3), torch.nn.ConvTranspose2d(3, 4, 3)
+
+            def forward(self, x):
+                e = x.new_zeros(0, 3, 8, 8)
+                return self.lin(x) + self.conv(e).sum() + self.c1(x.new_zeros(0, 3, 8)).sum() + self.ct(e).sum()
+
+        def make():
+            return M(), torch.randn(8, 16)
+    """))
+    for command in (["speed"], ["check", "--target", "a100"], ["tune", "--target", "a100"]):
+        done = subprocess.run([sys.executable, "-m", "tf32lab.cli", command[0], "empty_conv.py:make", *command[1:]],
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert done.returncode == 0, (command, done.stdout, done.stderr)
+        assert "raise" not in done.stdout + done.stderr, done.stdout
+
+
+# -- an exception of tf32lab's own ------------------------------------------------------------------------------------
+BROKEN_COUNTING = """
+import builtins, torch
+import tf32lab.counting
+
+def make():
+    tf32lab.counting._gemms = builtins.len  # a fault inside tf32lab's counting: a TypeError in its own frame
+    return torch.nn.Linear(16, 16), torch.randn(4, 16)
+"""
+
+
+@pytest.fixture
+def broken_counting(monkeypatch):
+    import builtins
+
+    from tf32lab import counting
+
+    # a fault inside tf32lab's own code (not a stand-in for anything of the model's): a TypeError raised in
+    # Counting.record's frame, as a bug there would
+    monkeypatch.setattr(counting, "_gemms", builtins.len)
+    return tf32lab.Workload(torch.nn.Linear(16, 16), torch.randn(4, 16), name="linear")
+
+
+@pytest.mark.parametrize("run", [
+    lambda w: tf32lab.predict(w, "a100"),
+    lambda w: tf32lab.check(w, levels=("highest", "high")),
+    lambda w: tf32lab.tune(w, target="a100"),
+], ids=["predict", "check", "tune"])
+def test_an_error_in_tf32labs_own_code_is_reported_as_tf32labs_not_the_models(broken_counting, run):
+    with pytest.raises(Tf32LabError, match=r"internal error in tf32lab while .*TypeError.* \(at tf32lab/counting\.py:"
+                                           r"\d+\); this is a bug in tf32lab, not in the model: please report it"):
+        run(broken_counting)
+
+
+def test_the_commands_say_an_error_of_tf32labs_is_tf32labs_with_exit_2(tmp_path):
+    (tmp_path / "broken.py").write_text(BROKEN_COUNTING)
+    for command in ("speed", "check", "tune"):
+        done = subprocess.run([sys.executable, "-m", "tf32lab.cli", command, "broken.py:make"], capture_output=True,
+                              text=True, timeout=300, cwd=tmp_path)
+        assert done.returncode == 2, (command, done.stdout, done.stderr)
+        assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr
+        assert "internal error in tf32lab" in done.stderr and "please report" in done.stderr
+        assert "FAILED" not in done.stdout and "workload 'broken:make' raised" not in done.stderr
+
+
+class _Divides(torch.nn.Module):
+    """Divides by zero in float32 only: the float64 reference runs, each level raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return y * (1 / int(y.dtype == torch.float64))
+
+
+def test_an_error_the_model_raises_itself_is_still_the_models():
+    with pytest.raises(Tf32LabError, match=r"workload 'div' raised ZeroDivisionError while its work was counted"):
+        tf32lab.predict(tf32lab.Workload(_Divides(), torch.randn(2, 4), name="div"), "a100")
+    report = tf32lab.check(tf32lab.Workload(_Divides(), torch.randn(2, 4), name="div"), levels=("highest",))
+    assert not report.passed and report.level("highest").error.startswith("ZeroDivisionError")
+
+
+def test_where_an_exception_was_raised_is_read_from_its_frames():
+    from tf32lab.origin import raised_by_tf32lab
+
+    with pytest.raises(ValueError) as raised:
+        tf32lab.counting._shape_prod(["x"])  # int("x") inside tf32lab: tf32lab's
+    assert raised_by_tf32lab(raised.value).startswith("tf32lab/counting.py:")
+    with pytest.raises(ValueError) as raised:
+        int("x")  # this test's own frame: not tf32lab's
+    assert raised_by_tf32lab(raised.value) is None
+    from tf32lab.builtin import Covariance
+
+    with pytest.raises(AttributeError) as raised:
+        Covariance()("not a tensor")  # a built-in workload's model is a model, not tf32lab
+    assert raised_by_tf32lab(raised.value) is None

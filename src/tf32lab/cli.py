@@ -316,6 +316,11 @@ def _check(args: argparse.Namespace) -> int:
     except Exception as exc:
         if args.debug:
             raise
+        from .origin import internal_error
+
+        bug = internal_error(exc, f"checking workload {loaded.name!r}")
+        if bug is not None:
+            raise bug from exc
         raise Tf32LabError(f"workload {loaded.name!r} raised {type(exc).__name__}: {exc}") from exc
     code = 0 if report.passed else 1
     try:
@@ -344,6 +349,8 @@ def _next_step(report, spec: str, target: str) -> str:
     failed = [lv.level for lv in report.levels if lv.level in ("high", "medium") and not lv.passed]
     if not failed or target not in peaks.PEAKS or (report.policy_row is not None and report.passed):
         return ""  # nothing failed, no speed model, or the policy given passes: nothing to search for
+    if any(lv.level == "highest" and not lv.passed for lv in report.levels):
+        return ""  # tune keeps layers at `highest`, which fails too (or samples): no policy it finds can pass
     return (f"next: tf32lab tune {_shown(spec)} --target {target} --out policy.json  finds the fastest policy "
             f"within tolerance (which layers to keep at a safer level than {failed[-1]!r}), each candidate verified")
 

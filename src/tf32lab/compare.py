@@ -46,9 +46,11 @@ from .counting import Counting, OtherThreads
 from .emulator import emulate, maths, release_buffers
 from .errors import Tf32LabError
 from .levels import LEVELS, check_levels
+from .origin import internal_error
 from .policy import Policy
 from .reference import Float64Run, widen
 from .report import LayerError, LevelResult, Report
+from .report.conclusion import BEYOND_FLOAT32
 from .scope import get_float32_matmul_precision, precision
 from .speed import SpeedReport, predict_counts, seconds_at
 from .spill import Spilled, SpillFile, min_bytes_from_env
@@ -156,8 +158,12 @@ def refuse_applied(workload: Workload, what: str) -> None:
     from .report.conclusion import policy_summary
 
     summary = policy_summary(dict(found.to_dict(), base=get_float32_matmul_precision()))
-    measure = ("pass it as check(policy=...) (tf32lab check --policy FILE) to measure it beside the levels"
-               if what == "check" else "tune searches a policy itself")
+    measure = {
+        "check": "pass it as check(policy=...) (tf32lab check --policy FILE) to measure it beside the levels",
+        "tune": "tune searches a policy itself",
+        "predict": "check(policy=...) (tf32lab check --policy FILE) predicts its speedup beside the levels",
+        "bench": "bench times each level of the model without a policy",
+    }[what]
     raise Tf32LabError(f"workload {workload.name!r}: its model has a policy applied ({summary}); {what} would "
                        f"measure that policy instead of each level: remove it first (handle.remove()); {measure}")
 
@@ -215,6 +221,8 @@ class Session:
             self.threads = stack.enter_context(OtherThreads())
             self.reset = stack.enter_context(_state_kept(self.workload.model))
             self._reference()
+            if self.threads.ops and not self.recorder.family_ops:  # a report of nothing would call it safe
+                raise Tf32LabError(self.threads.refusal(str(self.workload.name)))
         except BaseException:
             stack.close()
             raise
@@ -238,6 +246,9 @@ class Session:
         except Exception as exc:
             if _out_of_memory(exc):
                 raise _no_memory(workload, "the float64 reference", exc) from exc
+            bug = internal_error(exc, f"running workload {workload.name!r} at the float64 reference")
+            if bug is not None:
+                raise bug from exc
             raise Tf32LabError(f"workload {workload.name!r} raised at the float64 reference, before any level ran: "
                                f"{_described(exc)}") from exc
         _check_comparable(workload, self.ref_out)
@@ -363,6 +374,10 @@ def _check_level(workload: Workload, level: str, target: str, recorder: _Recorde
         except Exception as exc:
             if _out_of_memory(exc):  # not a finding about the level: check itself is short of memory
                 raise _no_memory(workload, "the policy" if row else f"level {level!r}", exc) from exc
+            bug = internal_error(exc, f"running workload {workload.name!r} "
+                                      f"{'with the policy' if row else f'at level {level!r}'}")
+            if bug is not None:  # tf32lab's own failure: not a finding about the level
+                raise bug from exc
             error = _described(exc)  # the model cannot run at this level: that is the finding
     outputs: tuple[metrics.OutputError, ...] = ()
     metric = None
@@ -548,6 +563,7 @@ class _Recorder:
         self.swapped: list = []  # (parent, name, float32 original, float64 twin) of TorchScript parts
         self.model_inputs: set[int] = set()  # ids of the (widened) workload inputs
         self.as_accumulated: set[tuple[str, int]] = set()  # calls whose introduced error is their accumulated one
+        self.family_ops = 0  # matmul-family ops the reference saw on this thread (not another's: see OtherThreads)
 
     def __enter__(self) -> _Recorder:
         try:
@@ -573,8 +589,10 @@ class _Recorder:
         self.handles.clear()
 
     def _op(self, func) -> None:
-        if self.stack and not self.rerunning and optable.family(func.name()) is not None:
-            self.stack[-1].ran = True
+        if not self.rerunning and optable.family(func.name()) is not None:
+            self.family_ops += 1
+            if self.stack:
+                self.stack[-1].ran = True
 
     def _written(self, tensors: list[torch.Tensor]) -> None:
         """Copy-on-write: a kept output is copied only when the model is about to write into its storage."""
@@ -653,6 +671,9 @@ class _Recorder:
             except Exception as exc:
                 if _out_of_memory(exc):
                     raise
+                bug = internal_error(exc, f"rerunning layer {name!r} alone at level {level!r}")
+                if bug is not None:
+                    raise bug from exc
                 error, why = math.nan, f"raised when run alone at this level: {_described(exc)}"
             finally:
                 self.rerunning = False
@@ -857,10 +878,26 @@ def _outputs(out: Any, ref_out: Any, tolerances: dict[str, float]) -> tuple[metr
         tolerance = tolerances.get(name, tolerances["default"])
         y = found.get(name, metrics.ABSENT)
         if r is not None or y is not None:
-            results.append(metrics.compare(name, y, r, tolerance))
+            results.append(_range_said(metrics.compare(name, y, r, tolerance), y, r))
     for name in found.keys() - refs.keys():
         results.append(metrics.compare(name, found[name], metrics.ABSENT, tolerances.get(name, tolerances["default"])))
     return tuple(results)
+
+
+def _range_said(found: metrics.OutputError, y: Any, r: Any) -> metrics.OutputError:
+    """A float32 output that is Inf (or NaN) where its float64 reference is finite but larger than float32 can
+    hold: its failure says so, for it is float32's range, not its rounding, that no precision level fixes."""
+    if found.failure is None or not (isinstance(y, torch.Tensor) and isinstance(r, torch.Tensor)) \
+            or y.dtype != torch.float32 or y.shape != r.shape or r.is_complex():
+        return found
+    lost = ~torch.isfinite(y) & torch.isfinite(r)
+    if not bool(lost.any()):
+        return found
+    largest = float(r[lost].double().abs().max())
+    if largest <= torch.finfo(torch.float32).max:
+        return found
+    return dataclasses.replace(found, failure=f"{found.failure}; the reference reaches {largest:.1e} there, "
+                                              f"{BEYOND_FLOAT32} (largest finite {torch.finfo(torch.float32).max:.1e})")
 
 
 def _check_comparable(workload: Workload, ref_out: Any) -> None:

@@ -24,6 +24,7 @@ import collections
 import math
 import sys
 import threading
+from collections.abc import Iterable
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -33,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import modestack, optable, scope
 from .trees import named_tensors
 
-__all__ = ["Counting", "Counts", "OpCost", "OtherThreads"]
+__all__ = ["Counting", "Counts", "OpCost", "OtherThreads", "on_other_threads"]
 
 ROOT = "(model)"
 Gemm = tuple[int, int, int, int, int]  # (count, batch, m, n, k)
@@ -111,6 +112,8 @@ def _gemms(name: str, family: Optional[str], a: dict[str, Any], out: Any) -> Opt
             flops = 2.0 * out.numel() * int(w.shape[1]) * kernel
             m = int(out.shape[0]) * _shape_prod(out.shape[2:])
         n = max(1, int(out.shape[1]) // groups)
+        if flops == 0:  # an empty batch, image or channel dimension: no product to compute (and m may be 0)
+            return ((1, groups, m, n, 0),)
         return ((1, groups, m, n, max(1, round(flops / (2.0 * m * n * groups)))),)
     if name == "convolution_backward":
         grad, w = a["grad_output"], a["weight"]
@@ -359,7 +362,26 @@ class OtherThreads:
         """The report's line about them, if any ran; ``what``: what happened to them, e.g. "not emulated"."""
         if not self.ops:
             return None
-        ops = ", ".join(f"{op} x{n}" for op, n in self.ops.most_common(4))
-        return (f"{sum(self.ops.values())} matmul-family op(s) ran on another thread ({ops}) and were {what}; "
+        return (f"{sum(self.ops.values())} {ON_ANOTHER_THREAD} ({self._listed()}) and were {what}; "
                 f"tf32lab follows only the thread that calls the model: run them on that thread to have them "
                 f"measured")
+
+    def refusal(self, workload: str) -> str:
+        """Why nothing can be said of a model whose every matmul-family op ran on other threads: its report would
+        compare nothing and call that safe (or predict no gain)."""
+        return (f"workload {workload!r}: nothing was measured: all its matmul-family ops ran on other threads "
+                f"({sum(self.ops.values())} op(s): {self._listed()}), which tf32lab does not follow (its modes are "
+                f"per thread, as PyTorch's dispatch modes are); run them in the thread that calls the model, or, "
+                f"outside tf32lab's commands, enter `tf32lab.emulate(...)` inside that thread")
+
+    def _listed(self) -> str:
+        return ", ".join(f"{op} x{n}" for op, n in self.ops.most_common(4))
+
+
+# the phrase of :meth:`OtherThreads.note` by which a report's conclusion finds that note
+ON_ANOTHER_THREAD = "matmul-family op(s) ran on another thread"
+
+
+def on_other_threads(notes: Iterable[str]) -> Optional[str]:
+    """The note, among a report's ``notes``, saying that some products ran on other threads, if there is one."""
+    return next((note for note in notes if ON_ANOTHER_THREAD in note), None)

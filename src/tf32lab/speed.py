@@ -47,13 +47,13 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from . import flags
 from . import peaks as peaks_table
 from .counting import Counting, Counts, Gemm, OpCost, OtherThreads
 from .emulator import maths
 from .errors import Tf32LabError
 from .files import write_atomically
 from .levels import LEVELS, check_levels
+from .origin import internal_error
 from .scope import precision
 from .targets import get as get_target
 from .workload import Workload, eval_mode
@@ -241,28 +241,31 @@ def predict(workload: Workload, target: str = "a100", levels: Iterable[str] = LE
     """
     if not isinstance(workload, Workload):
         raise Tf32LabError(f"predict() takes a tf32lab.Workload, not {type(workload).__name__}")
+    from .compare import changed_note, kept_flags, refuse_applied  # compare imports this module
+
     peaks_table.get(target)  # a target with no speed model fails before the model runs
     levels = _levels(levels)
+    refuse_applied(workload, "predict")
     counting = Counting(workload.model)
-    before = flags.snapshot()
-    try:
-        with eval_mode(workload.model), OtherThreads() as threads, counting as counts, torch.inference_mode():
-            workload.run()
-    except Tf32LabError:
-        raise
-    except Exception as exc:
-        raise Tf32LabError(f"workload {workload.name!r} raised {type(exc).__name__} while its work was counted: "
-                           f"{exc}") from exc
-    finally:  # a model that sets a level in its forward leaves nothing behind (KeyboardInterrupt included)
-        changed = before.diff(flags.snapshot())
-        if changed:
-            flags.restore(before)
+    # a model that sets a level in its forward leaves nothing behind (KeyboardInterrupt included)
+    with kept_flags() as changed:
+        try:
+            with eval_mode(workload.model), OtherThreads() as threads, counting as counts, torch.inference_mode():
+                workload.run()
+        except Tf32LabError:
+            raise
+        except Exception as exc:
+            bug = internal_error(exc, f"counting the work of workload {workload.name!r}")
+            if bug is not None:
+                raise bug from exc
+            raise Tf32LabError(f"workload {workload.name!r} raised {type(exc).__name__} while its work was "
+                               f"counted: {exc}") from exc
+    if threads.ops and not any(op.family is not None for op in counts.ops):  # else: "no gain", of nothing
+        raise Tf32LabError(threads.refusal(str(workload.name)))
     report = predict_counts(counts, str(workload.name), target, levels)
     uncounted = threads.note("left out of the prediction")
     if uncounted:
         report = dataclasses.replace(report, notes=(*report.notes, uncounted))
     if changed:
-        names = "; ".join(f"{name} {old!r} -> {new!r}" for name, old, new in changed[:3])
-        note = f"the workload changed PyTorch's flags while it ran ({names}); they were put back as they were"
-        report = dataclasses.replace(report, notes=(*report.notes, note))
+        report = dataclasses.replace(report, notes=(*report.notes, changed_note(changed)))
     return report

@@ -27,8 +27,10 @@ from collections.abc import Iterable
 import torch
 from torch.utils.benchmark import Timer
 
+from .compare import changed_note, kept_flags, refuse_applied
 from .errors import Tf32LabError
 from .levels import LEVELS
+from .origin import internal_error
 from .scope import precision
 from .speed import LevelSpeed, SpeedReport, _levels
 from .trees import named_tensors
@@ -60,6 +62,7 @@ def bench(workload: Workload, levels: Iterable[str] = LEVELS, *, rounds: int = 7
     if not isinstance(rounds, int) or rounds < 1:
         raise Tf32LabError(f"rounds must be an int >= 1, not {rounds!r}")
     levels = _levels(levels)
+    refuse_applied(workload, "bench")
     where = device_name(workload)
     cuda = where.startswith("cuda")
 
@@ -75,8 +78,9 @@ def bench(workload: Workload, levels: Iterable[str] = LEVELS, *, rounds: int = 7
         return run
 
     calls = {level: at(level) for level in levels}
+    # a model that sets PyTorch's flags in its forward leaves nothing behind, as with check and predict
     try:
-        with _Bar(progress, len(levels) * (rounds + 1)) as bar:
+        with kept_flags() as changed, _Bar(progress, len(levels) * (rounds + 1)) as bar:
             for level, run in calls.items():  # warm-up: kernels chosen, caches filled
                 bar.step(f"{workload.name}: warm-up at {level}")
                 run()
@@ -94,13 +98,16 @@ def bench(workload: Workload, levels: Iterable[str] = LEVELS, *, rounds: int = 7
     except Tf32LabError:
         raise
     except Exception as exc:
+        bug = internal_error(exc, f"timing workload {workload.name!r}")
+        if bug is not None:
+            raise bug from exc
         raise Tf32LabError(f"workload {workload.name!r} raised {type(exc).__name__} while timed: {exc}") from exc
     medians = {level: statistics.median(values) for level, values in samples.items()}
     rows = tuple(LevelSpeed(level, medians[level], medians["highest"] / medians[level], math.nan,
                             _spread(samples[level])) for level in levels)
-    return SpeedReport(str(workload.name), where, "measured", rows,
-                       notes=(f"{rounds} interleaved rounds of {number} call(s) per level, "
-                              f"{torch.get_num_threads()} thread(s)",))
+    notes = (f"{rounds} interleaved rounds of {number} call(s) per level, {torch.get_num_threads()} thread(s)",
+             *([changed_note(changed)] if changed else []))
+    return SpeedReport(str(workload.name), where, "measured", rows, notes=notes)
 
 
 def _spread(values: list[float]) -> float:

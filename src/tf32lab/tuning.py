@@ -104,7 +104,14 @@ class Tuning(Document):
         return self.passed
 
     def advice(self, policy_file: Optional[str] = None) -> list[str]:
-        """What to do, in one or two lines."""
+        """What to do, in one or two lines; then, when the model ran products on other threads, that the answer
+        leaves them out (they were neither emulated nor measured)."""
+        from .report.conclusion import unmeasured
+
+        partial = unmeasured(self.report) if self.report is not None else None
+        return self._advice(policy_file) + ([partial] if partial else [])
+
+    def _advice(self, policy_file: Optional[str] = None) -> list[str]:
         if not self.passed:
             return [self.reason]
         gain = f"predicted {self.speedup:.2f}x faster than `highest` on {self.target}"

@@ -21,13 +21,18 @@ from typing import TYPE_CHECKING, Optional
 if TYPE_CHECKING:
     from . import LevelResult, Report
 
-__all__ = ["MAX_REL_NOTE", "conclusion", "policy_summary"]
+__all__ = ["MAX_REL_NOTE", "conclusion", "policy_summary", "unmeasured"]
 
 # why a large max rel can stand beside PASSED (the footnote of the outputs table)
 MAX_REL_NOTE = ("max rel is over the elements whose reference is at least 1e-6 of the largest, so a reference "
                 "element near zero can make it large while the output as a whole (normwise, which decides) is close")
 
 _MATH_WORDS = {"high": "TF32", "medium": "bf16"}
+# in an output's failure (``compare``): float32 overflowed where the float64 reference is finite and larger than
+# float32 can hold
+BEYOND_FLOAT32 = "beyond float32's range"
+# how ``metrics.compare`` begins the failure of an output that is NaN/Inf where its reference is not
+_NOT_FINITE = "NaN/Inf at"
 _DEFAULT_CONV_TF32 = ("conv", "rnn")  # cuDNN's allow_tf32 is on by default: TF32 even at `highest` on CUDA
 
 
@@ -84,7 +89,14 @@ def conclusion(report: Report, policy_file: Optional[str] = None) -> list[str]:
     if best is not None and best.same_as is not None:
         best = by_name.get(best.same_as, best)
     row = by_name.get("policy")
-    if row is not None:
+    top = by_name.get("highest")
+    # at `highest` the model samples, or float32 itself overflows: no level is the answer, and saying "keep
+    # `highest`" (or "safe") first would contradict the sentence that explains it
+    blocked = row is None and top is not None and not top.passed and (
+        top.unstable is not None or _overflowed(top) is not None)
+    if blocked:
+        lines.append(_highest_failed(top, report.target))
+    elif row is not None:
         lines.append(_policy_sentence(row, where, policy_file))
         lines += _levels_beside(row, best, failing)
     elif best is not None:
@@ -100,8 +112,7 @@ def conclusion(report: Report, policy_file: Optional[str] = None) -> list[str]:
     if not native and "medium" in by_name and by_name["medium"].same_as == "high":
         lines.append(f"On {report.target} `medium` computes exactly as `high`: cuBLAS has no bf16 path for float32 "
                      f"matmuls, so it was measured once.")
-    top = by_name.get("highest")
-    if top is not None and not top.passed:
+    if top is not None and not top.passed and not blocked:
         lines.append(_highest_failed(top, report.target))
     diverged = sorted({e.name for lv in levels for e in lv.layers
                        if e.diverged and not e.diverged.startswith("raised")})
@@ -113,7 +124,18 @@ def conclusion(report: Report, policy_file: Optional[str] = None) -> list[str]:
     if not lines:
         lines.append("Every level checked is within tolerance." if report.passed else
                      "Some level exceeds its tolerance; see the tables.")
+    partial = unmeasured(report)
+    if partial is not None:  # right under the recommendation it qualifies, not among the notes above the tables
+        lines.insert(1, partial)
     return lines
+
+
+def unmeasured(report: Report) -> Optional[str]:
+    """The sentence saying that the verdict leaves out products the model ran on other threads, if it did."""
+    from ..counting import on_other_threads
+
+    note = on_other_threads(report.notes)
+    return None if note is None else f"Not all of the model was measured; this verdict covers only part of it: {note}."
 
 
 def _levels_beside(row: LevelResult, best: Optional[LevelResult], failing: list[LevelResult]) -> list[str]:
@@ -188,9 +210,26 @@ def nondeterministic(top: LevelResult) -> str:
             f"torch.Generator) or take the sampling out of what is checked.")
 
 
+def _overflowed(top: LevelResult) -> Optional[str]:
+    """``output 'x': NaN/Inf at …``: an output that float32 turns to NaN/Inf where the float64 reference is
+    finite, if any."""
+    return next((f"output {o.name!r}: {o.failure}" for o in top.outputs
+                 if o.failure is not None and o.failure.startswith(_NOT_FINITE)), None)
+
+
 def _highest_failed(top: LevelResult, target: str) -> str:
     if top.unstable is not None:
         return nondeterministic(top)
+    overflow = _overflowed(top)
+    if overflow is not None and BEYOND_FLOAT32 in overflow:
+        return (f"Even `highest` fails, and no precision level fixes it: the values exceed float32's range (finite "
+                f"only up to ~3.4e38), so float32 overflows to Inf where float64 does not ({overflow}); rescale the "
+                f"computation (normalize, work in log space) or compute that part in float64.")
+    if overflow is not None:
+        return (f"Even `highest` fails, and no precision level fixes it: float32 gives NaN/Inf where float64 stays "
+                f"finite ({overflow}), which rounding alone does not do: most likely a value on the way exceeds "
+                f"float32's range (finite only up to ~3.4e38), or underflows to zero before a division; rescale "
+                f"the computation or compute that part in float64.")
     tf32_by_default = [f for f in _DEFAULT_CONV_TF32 if top.maths.get(f, "").startswith("tf32")]
     ops = [op for op in top.coverage if op.endswith(("tf32-rna", "tf32-rne"))]
     if tf32_by_default and ops:

@@ -76,9 +76,11 @@ def renderables(report: Report, width: int = 80) -> Iterator[Any]:
 
 def notes(report: Report) -> list[str]:
     """The lines under the tables: the report's notes, what outputs and layers need said, the max rel footnote."""
-    from .conclusion import MAX_REL_NOTE, policy_summary
+    from .conclusion import MAX_REL_NOTE, policy_summary, unmeasured
 
-    lines = list(report.notes)
+    # the note on products run on other threads qualifies the verdict: the conclusion says it, beside the verdict
+    moved = unmeasured(report) is not None
+    lines = [note for note in report.notes if not (moved and note in unmeasured(report))]
     for lv in report.levels:
         if lv.policy is not None:
             lines.append(f"policy: {policy_summary(lv.policy)}; each layer's introduced error is the one at the "
