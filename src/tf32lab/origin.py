@@ -35,12 +35,13 @@ from typing import Any, Optional
 
 from .errors import Tf32LabError
 
-__all__ = ["internal_error", "raised_by_tf32lab"]
+__all__ = ["LIBRARY", "OURS", "PACKAGE", "forwarding_line", "forwards", "internal_error", "kind_of",
+           "raised_by_tf32lab", "run_error"]
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_MODELS = frozenset([os.path.join(_PACKAGE, "builtin.py")])  # tf32lab's demo workloads: their errors are a model's
+PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_MODELS = frozenset([os.path.join(PACKAGE, "builtin.py")])  # tf32lab's demo workloads: their errors are a model's
 _FORWARD = "func(*args, **kwargs)"  # how tf32lab's modes hand an op on, unchanged, to run as it would natively
-_LIBRARY, _OURS, _OTHER = "library", "tf32lab", "other"
+LIBRARY, OURS, _OTHER = "library", "tf32lab", "other"  # whose code a frame runs (kind_of)
 
 
 def raised_by_tf32lab(exc: BaseException) -> Optional[str]:
@@ -53,7 +54,7 @@ def raised_by_tf32lab(exc: BaseException) -> Optional[str]:
         if isinstance(current, (Tf32LabError, RuntimeError)):
             return None  # already worded for the user; or a kernel's verdict on the tensors it was given
         where = _raised_in(current)
-        if where != _LIBRARY:
+        if where != LIBRARY:
             return where
         current = current.__cause__ or current.__context__
     return None
@@ -71,8 +72,15 @@ def internal_error(exc: BaseException, during: str) -> Optional[Tf32LabError]:
                         f"tf32lab, not in the model: please report it with the command that raised it")
 
 
+def run_error(exc: BaseException, name: str, doing: str, when: str) -> Tf32LabError:
+    """What to raise when running workload ``name`` raised ``exc``: tf32lab's internal error when its own code
+    raised it (``doing``: "timing", ...), else the model's, said as ``workload 'x' raised E <when>: ...``."""
+    return internal_error(exc, f"{doing} workload {name!r}") or Tf32LabError(
+        f"workload {name!r} raised {type(exc).__name__} {when}: {exc}")
+
+
 def _raised_in(exc: BaseException) -> Optional[str]:
-    """``"tf32lab/x.py:N"``, None (someone else's), or _LIBRARY (only library frames)."""
+    """``"tf32lab/x.py:N"``, None (someone else's), or LIBRARY (only library frames)."""
     frames = []
     tb = exc.__traceback__
     while tb is not None:
@@ -80,34 +88,37 @@ def _raised_in(exc: BaseException) -> Optional[str]:
         tb = tb.tb_next
     for entry in reversed(frames):
         filename = entry.tb_frame.f_code.co_filename
-        kind = _kind(filename)
-        if kind == _LIBRARY:
+        kind = kind_of(filename)
+        if kind == LIBRARY:
             continue
-        if kind != _OURS or _forwards(entry):
+        if kind != OURS or forwards(entry):
             return None
-        return f"tf32lab/{os.path.abspath(filename)[len(_PACKAGE):]}:{entry.tb_lineno}"
-    return _LIBRARY
+        return f"tf32lab/{os.path.abspath(filename)[len(PACKAGE):]}:{entry.tb_lineno}"
+    return LIBRARY
 
 
 @functools.cache
-def _kind(filename: str) -> str:
+def kind_of(filename: str) -> str:
+    """Whose code a frame of ``filename`` runs: ``OURS`` (tf32lab's, its demo models excepted), ``LIBRARY``
+    (PyTorch, the standard library, generated code) or another's (a model, a test, a third-party package)."""
     if filename.startswith("<"):  # <frozen importlib...>, code PyTorch generated (torch.fx, Dynamo), a doctest
-        return _OTHER if filename.startswith("<doctest") else _LIBRARY
+        return _OTHER if filename.startswith("<doctest") else LIBRARY
     path = os.path.abspath(filename)
-    if path.startswith(_PACKAGE):
-        return _OTHER if path in _MODELS else _OURS
+    if path.startswith(PACKAGE):
+        return _OTHER if path in _MODELS else OURS
     torch = sys.modules.get("torch")
     if torch is not None and path.startswith(os.path.dirname(os.path.abspath(torch.__file__)) + os.sep):
-        return _LIBRARY
+        return LIBRARY
     parts = path.split(os.sep)
     if "site-packages" in parts or "dist-packages" in parts:
         return _OTHER
     stdlib = {os.path.abspath(sysconfig.get_paths()[key]) + os.sep for key in ("stdlib", "platstdlib")}
-    return _LIBRARY if any(path.startswith(prefix) for prefix in stdlib) else _OTHER
+    return LIBRARY if any(path.startswith(prefix) for prefix in stdlib) else _OTHER
 
 
-def _forwards(entry: Any) -> bool:
-    """Whether this frame of tf32lab's was handing an op on unchanged when the exception passed through it."""
+def forwards(entry: Any) -> bool:
+    """Whether this traceback entry, a frame of tf32lab's, was handing an op on unchanged when the exception passed
+    through it."""
     code, lineno = entry.tb_frame.f_code, entry.tb_lineno
     positions = getattr(code, "co_positions", None)
     if positions is not None:  # Python 3.11+: the very expression that was running
@@ -117,4 +128,9 @@ def _forwards(entry: Any) -> bool:
             start = None
         if start is not None and start == end and first is not None and last is not None:
             return linecache.getline(code.co_filename, start)[first:last] == _FORWARD
-    return _FORWARD in linecache.getline(code.co_filename, lineno)
+    return forwarding_line(linecache.getline(code.co_filename, lineno))
+
+
+def forwarding_line(line: Optional[str]) -> bool:
+    """Whether a source line hands an op on unchanged (for frames known by their line only, as Dynamo keeps them)."""
+    return _FORWARD in (line or "")

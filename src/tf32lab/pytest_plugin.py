@@ -37,14 +37,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import linecache
 import os
 import sys
-import sysconfig
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import pytest
+
+from .origin import LIBRARY, OURS, PACKAGE, forwarding_line, forwards, kind_of
 
 ENV = "TF32LAB_PYTEST"
 DEFAULT_LEVEL = "high"
@@ -493,8 +493,7 @@ def _reset_compilers() -> None:
 
 
 # -- was it raised inside tf32lab? ---------------------------------------------------------------------------
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_FORWARD = "func(*args, **kwargs)"  # how tf32lab's modes hand an op on, unchanged, to run as it would natively
+# the frames' owners are told apart by tf32lab.origin, which check and tune use for the same question
 
 
 def _inside_tf32lab(excinfo: pytest.ExceptionInfo) -> Optional[tuple[str, str, str]]:
@@ -513,7 +512,7 @@ def _inside_tf32lab(excinfo: pytest.ExceptionInfo) -> Optional[tuple[str, str, s
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         where = _raised_in(tb, exc)
-        if where is not _LIBRARY:
+        if where is not LIBRARY:
             if where is None:
                 return None
             from .errors import Tf32LabError
@@ -556,75 +555,37 @@ def _in_jit_trace(excinfo: pytest.ExceptionInfo) -> Optional[tuple[str, str, str
         tb = tb.tb_next
     for entry in reversed(frames):
         filename = entry.tb_frame.f_code.co_filename
-        kind = _kind(filename)
-        if kind == "tf32lab" and _forwards(entry):
+        kind = kind_of(filename)
+        if kind == OURS and forwards(entry):
             continue
-        if kind != _LIBRARY:
+        if kind != LIBRARY:
             return None
         if os.path.abspath(filename).endswith(_TRACER):
             return _one_line(exc), "raised by torch.jit.trace under emulate()", _INTERACTION
     return None
 
 
-_LIBRARY = "library"
-
-
 def _raised_in(tb: Any, exc: BaseException) -> Optional[str]:
-    """``"tf32lab/x.py:N"``, None (someone else's), or _LIBRARY (only library frames)."""
+    """``"tf32lab/x.py:N"``, None (someone else's), or LIBRARY (only library frames)."""
     frames: list[tuple[str, int, Callable[[], bool]]] = []
     while tb is not None:
-        frames.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno, functools.partial(_forwards, tb)))
+        frames.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno, functools.partial(forwards, tb)))
         tb = tb.tb_next
     # Dynamo's errors carry the frames it was tracing symbolically when it gave up: the innermost ones
     for summary in getattr(exc, "real_stack", None) or ():
-        frames.append((summary.filename, summary.lineno or 0, functools.partial(_forwarding_line, summary.line)))
-    for filename, lineno, forwards in reversed(frames):
-        kind = _kind(filename)
-        if kind == _LIBRARY:
+        frames.append((summary.filename, summary.lineno or 0, functools.partial(forwarding_line, summary.line)))
+    for filename, lineno, handed_on in reversed(frames):
+        kind = kind_of(filename)
+        if kind == LIBRARY:
             continue
-        if kind != "tf32lab":
+        if kind != OURS:
             return None
         if filename.endswith(f"{os.sep}testing.py") and isinstance(exc, AssertionError):
             return None
-        if forwards():
+        if handed_on():
             return None
-        return f"tf32lab/{os.path.abspath(filename)[len(_PACKAGE):]}:{lineno}"
-    return _LIBRARY
-
-
-@functools.cache
-def _kind(filename: str) -> str:
-    path = os.path.abspath(filename) if not filename.startswith("<") else filename
-    if path.startswith(_PACKAGE):
-        return "tf32lab"
-    if filename.startswith("<"):  # <frozen importlib...>, code PyTorch generated (torch.fx, Dynamo)
-        return _LIBRARY
-    torch = sys.modules.get("torch")
-    if torch is not None and path.startswith(os.path.dirname(os.path.abspath(torch.__file__)) + os.sep):
-        return _LIBRARY
-    parts = path.split(os.sep)
-    if "site-packages" in parts or "dist-packages" in parts:
-        return "other"
-    stdlib = {os.path.abspath(sysconfig.get_paths()[key]) + os.sep for key in ("stdlib", "platstdlib")}
-    return _LIBRARY if any(path.startswith(prefix) for prefix in stdlib) else "other"
-
-
-def _forwards(entry: Any) -> bool:
-    """Whether this frame of tf32lab's was handing an op on unchanged when the exception passed through it."""
-    code, lineno = entry.tb_frame.f_code, entry.tb_lineno
-    positions = getattr(code, "co_positions", None)
-    if positions is not None:  # Python 3.11+: the very expression that was running
-        try:
-            start, end, first, last = list(positions())[entry.tb_lasti // 2]
-        except (IndexError, ValueError):
-            start = None
-        if start is not None and start == end and first is not None and last is not None:
-            return linecache.getline(code.co_filename, start)[first:last] == _FORWARD
-    return _forwarding_line(linecache.getline(code.co_filename, lineno))
-
-
-def _forwarding_line(line: Optional[str]) -> bool:
-    return _FORWARD in (line or "")
+        return f"tf32lab/{os.path.abspath(filename)[len(PACKAGE):]}:{lineno}"
+    return LIBRARY
 
 
 def _first_line(report: pytest.TestReport) -> str:

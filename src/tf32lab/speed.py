@@ -53,7 +53,7 @@ from .emulator import maths
 from .errors import Tf32LabError
 from .files import write_atomically
 from .levels import LEVELS, check_levels
-from .origin import internal_error
+from .origin import run_error
 from .scope import precision
 from .targets import get as get_target
 from .workload import Workload, eval_mode
@@ -255,11 +255,7 @@ def predict(workload: Workload, target: str = "a100", levels: Iterable[str] = LE
         except Tf32LabError:
             raise
         except Exception as exc:
-            bug = internal_error(exc, f"counting the work of workload {workload.name!r}")
-            if bug is not None:
-                raise bug from exc
-            raise Tf32LabError(f"workload {workload.name!r} raised {type(exc).__name__} while its work was "
-                               f"counted: {exc}") from exc
+            raise run_error(exc, workload.name, "counting the work of", "while its work was counted") from exc
     if threads.ops and not any(op.family is not None for op in counts.ops):  # else: "no gain", of nothing
         raise Tf32LabError(threads.refusal(str(workload.name)))
     report = predict_counts(counts, str(workload.name), target, levels)

@@ -27,10 +27,10 @@ from collections.abc import Iterable
 import torch
 from torch.utils.benchmark import Timer
 
-from .compare import changed_note, kept_flags, refuse_applied
+from .compare import Progress, changed_note, kept_flags, refuse_applied
 from .errors import Tf32LabError
 from .levels import LEVELS
-from .origin import internal_error
+from .origin import run_error
 from .scope import precision
 from .speed import LevelSpeed, SpeedReport, _levels
 from .trees import named_tensors
@@ -80,7 +80,7 @@ def bench(workload: Workload, levels: Iterable[str] = LEVELS, *, rounds: int = 7
     calls = {level: at(level) for level in levels}
     # a model that sets PyTorch's flags in its forward leaves nothing behind, as with check and predict
     try:
-        with kept_flags() as changed, _Bar(progress, len(levels) * (rounds + 1)) as bar:
+        with kept_flags() as changed, Progress(progress, len(levels) * (rounds + 1)) as bar:
             for level, run in calls.items():  # warm-up: kernels chosen, caches filled
                 bar.step(f"{workload.name}: warm-up at {level}")
                 run()
@@ -98,10 +98,7 @@ def bench(workload: Workload, levels: Iterable[str] = LEVELS, *, rounds: int = 7
     except Tf32LabError:
         raise
     except Exception as exc:
-        bug = internal_error(exc, f"timing workload {workload.name!r}")
-        if bug is not None:
-            raise bug from exc
-        raise Tf32LabError(f"workload {workload.name!r} raised {type(exc).__name__} while timed: {exc}") from exc
+        raise run_error(exc, workload.name, "timing", "while timed") from exc
     medians = {level: statistics.median(values) for level, values in samples.items()}
     rows = tuple(LevelSpeed(level, medians[level], medians["highest"] / medians[level], math.nan,
                             _spread(samples[level])) for level in levels)
@@ -115,31 +112,3 @@ def _spread(values: list[float]) -> float:
         return 0.0
     quartiles = statistics.quantiles(values, n=4)
     return (quartiles[2] - quartiles[0]) / statistics.median(values)
-
-
-class _Bar:
-    """A rich progress bar on stderr when asked for (as check shows one); otherwise nothing."""
-
-    def __init__(self, show: bool, steps: int) -> None:
-        self.show, self.steps, self.bar = show, steps, None
-
-    def __enter__(self) -> _Bar:
-        if self.show:
-            from rich.console import Console
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.bar = Progress(TextColumn("{task.description:<48}"), BarColumn(), TimeElapsedColumn(),
-                                console=Console(stderr=True), transient=True)
-            self.bar.__enter__()
-            self.task = self.bar.add_task("", total=self.steps)
-        return self
-
-    def step(self, description: str) -> None:
-        if self.bar is not None:
-            if self.bar.tasks[0].description:
-                self.bar.advance(self.task)
-            self.bar.update(self.task, description=description)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(*exc)
