@@ -685,3 +685,36 @@ def test_a_torchscript_module_that_needs_hooks_is_a_clear_error():
         Policy("high", [("1", "highest")]).apply(model)
     assert not any(m._forward_pre_hooks for m in model.modules() if not isinstance(m, torch.jit.ScriptModule))
     Policy("high", [("1", "high")]).apply(model).remove()  # at its parent's level it needs no hook: fine
+
+
+def test_every_autograd_node_of_a_policy_forward_gets_its_level():
+    # Backward levels come from tags on the nodes the forward made. The walk that tags them once skipped nodes whose
+    # Python wrapper had the id of a freed one (on an H100 the default level's whole backward then ran at the
+    # caller's level); every node reachable from the outputs must carry a level.
+    class Branchy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+                                              for _ in range(6)])
+            self.heads = torch.nn.ModuleList(torch.nn.Linear(16, 2) for _ in range(4))
+            self.v_head = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+        def forward(self, x):
+            h = self.body(x)
+            return [head(h) for head in self.heads] + [self.v_head(h)]
+
+    for seed in range(5):
+        torch.manual_seed(seed)
+        model = Branchy()
+        with tf32lab.Policy("high", [("v_head", "highest")]).applied(model):
+            outputs = model(torch.randn(4, 16))
+        todo, seen, untagged = [o.grad_fn for o in outputs], {}, []
+        while todo:
+            node = todo.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen[id(node)] = node
+            if node._sequence_nr() < 2**63 and "tf32lab.level" not in node.metadata:  # AccumulateGrad has none
+                untagged.append(type(node).__name__)
+            todo.extend(fn for fn, _ in node.next_functions)
+        assert untagged == [] and len(seen) > 40

@@ -661,13 +661,15 @@ def _tag(output: Any, start: int, level: str) -> None:
     """Tag the autograd nodes created since sequence number ``start`` that lead to ``output`` and have no level yet
     (those of nested modules with a level of their own are tagged already, at their own forward's end)."""
     todo = [t.grad_fn for _, t in named_tensors(output) if t.grad_fn is not None]
-    seen: set[int] = set()
+    # Each visit gets a fresh Python wrapper of the C++ node: keep the ones seen alive, or a freed wrapper's id is
+    # reused by the next one and a node is skipped untagged (seen on CUDA: the default level's nodes ran untagged).
+    seen: dict[int, Any] = {}
     hook = _PREHOOKS[level]
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         number = node._sequence_nr()
         if number < start or number >= _LEAF:
             continue
