@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 from .errors import Tf32LabError
 
-__all__ = ["LIBRARY", "OURS", "PACKAGE", "forwarding_line", "forwards", "internal_error", "kind_of",
+__all__ = ["LIBRARY", "OURS", "PACKAGE", "forwarding_line", "forwards", "innermost_first", "internal_error", "kind_of",
            "raised_by_tf32lab", "run_error"]
 
 PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -79,14 +79,18 @@ def run_error(exc: BaseException, name: str, doing: str, when: str) -> Tf32LabEr
         f"workload {name!r} raised {type(exc).__name__} {when}: {exc}")
 
 
+def innermost_first(tb: Any) -> list[Any]:
+    """A traceback's entries from the frame that raised outwards: the order in which they are read."""
+    entries = []
+    while tb is not None:
+        entries.append(tb)
+        tb = tb.tb_next
+    return entries[::-1]
+
+
 def _raised_in(exc: BaseException) -> Optional[str]:
     """``"tf32lab/x.py:N"``, None (someone else's), or LIBRARY (only library frames)."""
-    frames = []
-    tb = exc.__traceback__
-    while tb is not None:
-        frames.append(tb)
-        tb = tb.tb_next
-    for entry in reversed(frames):
+    for entry in innermost_first(exc.__traceback__):
         filename = entry.tb_frame.f_code.co_filename
         kind = kind_of(filename)
         if kind == LIBRARY:

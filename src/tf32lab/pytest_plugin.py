@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional
 
 import pytest
 
-from .origin import LIBRARY, OURS, PACKAGE, forwarding_line, forwards, kind_of
+from .origin import LIBRARY, OURS, PACKAGE, forwarding_line, forwards, innermost_first, kind_of
 
 ENV = "TF32LAB_PYTEST"
 DEFAULT_LEVEL = "high"
@@ -548,12 +548,7 @@ def _in_jit_trace(excinfo: pytest.ExceptionInfo) -> Optional[tuple[str, str, str
     kinds = (RuntimeError,) if torch is None else (RuntimeError, torch.jit.Error)
     if type(exc) not in kinds:
         return None
-    frames = []
-    tb = excinfo.tb
-    while tb is not None:
-        frames.append(tb)
-        tb = tb.tb_next
-    for entry in reversed(frames):
+    for entry in innermost_first(excinfo.tb):
         filename = entry.tb_frame.f_code.co_filename
         kind = kind_of(filename)
         if kind == OURS and forwards(entry):
