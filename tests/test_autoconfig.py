@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tf32lab
-from tf32lab import Tf32LabError, flags
+from tf32lab import Tf32LabError, compile_cache, flags
 from tf32lab.hardware import Hardware
 
 
@@ -123,8 +123,12 @@ def test_an_explicit_level_is_applied_as_asked():
 
 
 def test_undo_is_exact_from_a_users_own_settings(user_flags):
-    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
-    torch.backends.cudnn.conv.fp32_precision = "ieee"
+    if flags.NEW_API:
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+        torch.backends.cudnn.conv.fp32_precision = "ieee"
+    else:  # the legacy API's own knobs
+        torch.set_float32_matmul_precision("medium")
+        torch.backends.cudnn.allow_tf32 = False
     torch.set_num_threads(1)
     before = flags.snapshot()
     decisions = tf32lab.autoconfig("high", threads=2, hardware=Hardware.simulated("a100", cpus=2))
@@ -234,8 +238,12 @@ def test_importing_tf32lab_changes_nothing():
     out = _run("""
         import json, os, torch
         def state():
-            cells = [torch._C._get_fp32_precision_getter(b, o) for b in ("cuda", "mkldnn")
-                     for o in ("all", "matmul", "conv", "rnn")]
+            if hasattr(torch._C, "_get_fp32_precision_getter"):
+                cells = [torch._C._get_fp32_precision_getter(b, o) for b in ("cuda", "mkldnn")
+                         for o in ("all", "matmul", "conv", "rnn")]
+            else:  # torch before 2.9: the legacy flags are all there is
+                cells = [torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
+                         torch.backends.cudnn.allow_tf32]
             return [cells, torch.get_num_threads(), torch.get_num_interop_threads(), dict(os.environ)]
         before = state()
         import tf32lab, tf32lab.cli
@@ -292,6 +300,7 @@ def test_bad_interop_threads_changes_nothing():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not compile_cache.MEGA_CACHE, reason="this torch has no Mega-Cache (torch 2.7+)")
 def test_mega_cache_saved_then_loaded_in_another_process(tmp_path):
     compile_and_count = """
         import json, sys, torch, tf32lab
@@ -324,12 +333,30 @@ def test_mega_cache_saved_then_loaded_in_another_process(tmp_path):
 
 
 # -- the compile cache is a trust boundary ---------------------------------------------------------------------------
+MEGA_CACHE = pytest.mark.skipif(not compile_cache.MEGA_CACHE, reason="this torch has no Mega-Cache (torch 2.7+)")
+
+
+@pytest.mark.skipif(compile_cache.MEGA_CACHE, reason="for a torch without the Mega-Cache")
+def test_without_a_mega_cache_saving_is_a_clear_error_and_an_artifact_is_left_alone(tmp_path, restore_env):
+    with pytest.raises(Tf32LabError, match=r"^nothing to save: torch .* has no Mega-Cache .*torch 2.7"):
+        tf32lab.save_compile_cache(tmp_path / "cache")
+    folder = tmp_path / "cache"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    (folder / compile_cache.ARTIFACT).write_bytes(b"made by a newer torch")
+    decisions = tf32lab.autoconfig(compile_cache=folder, threads=torch.get_num_threads(),
+                                   hardware=Hardware.simulated("cpu", cpus=1))
+    try:
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder)  # the folder still serves Inductor's caches
+        loaded = decisions["compile_cache.artifacts"]
+        assert not loaded.applied and "has no Mega-Cache" in loaded.reason and "not loaded" in loaded.reason
+    finally:
+        decisions.undo()
+
+
 def _artifact(folder, entries, *, note=True) -> None:
     """Write a Mega-Cache artifact with PyTorch's own writer: ``entries`` are (type, key, content)."""
     from torch.compiler._cache import CacheArtifactFactory, CacheArtifactManager, _serialize_single_cache
     from torch.utils._appending_byte_serializer import AppendingByteSerializer
-
-    from tf32lab import compile_cache
 
     CacheArtifactManager._ensure_cache_artifacts_registered()
     grouped: dict = {}
@@ -358,6 +385,7 @@ def _refused(folder, match):
     assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == dir_before
 
 
+@MEGA_CACHE
 def test_an_entry_that_would_write_outside_the_folder_refuses_the_artifact(tmp_path, restore_env):
     outside = tmp_path / "outside" / "escaped.best_config"
     for key in (str(outside), "../outside/escaped.best_config"):
@@ -367,9 +395,8 @@ def test_an_entry_that_would_write_outside_the_folder_refuses_the_artifact(tmp_p
         assert not outside.exists() and not (folder / "triton").exists()  # nothing of it was written
 
 
+@MEGA_CACHE
 def test_a_corrupt_artifact_is_an_error_not_zero_artifacts(tmp_path, restore_env):
-    from tf32lab import compile_cache
-
     folder = tmp_path / "cache"
     _artifact(folder, [("autotune", "triton/ok.best_config", b'{"a": 1}')])
     (folder / compile_cache.ARTIFACT).write_bytes(b"\x00garbage" * 8)
@@ -380,10 +407,9 @@ def test_a_corrupt_artifact_is_an_error_not_zero_artifacts(tmp_path, restore_env
     _refused(folder, "is corrupt: it holds no compile artifact PyTorch can read")
 
 
-@pytest.mark.parametrize("what", ["folder", "artifact", "empty folder"])
+@pytest.mark.parametrize("what", [pytest.param("folder", marks=MEGA_CACHE), pytest.param("artifact", marks=MEGA_CACHE),
+                                  "empty folder"])
 def test_a_cache_others_may_write_is_refused(tmp_path, restore_env, what):
-    from tf32lab import compile_cache
-
     folder = tmp_path / "cache"
     if what == "empty folder":  # inductor would read its own pickled entries from it
         folder.mkdir()
@@ -394,6 +420,7 @@ def test_a_cache_others_may_write_is_refused(tmp_path, restore_env, what):
     _refused(folder, f"compile_cache {target} is writable by other users .*chmod go-w")
 
 
+@MEGA_CACHE
 def test_a_trusted_artifact_loads_into_the_folder(tmp_path, restore_env):
     folder = tmp_path / "cache"
     _artifact(folder, [("autotune", "triton/ok.best_config", b'{"a": 1}')])

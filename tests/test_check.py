@@ -108,7 +108,7 @@ class _FailsInFloat32(nn.Module):
 def test_settings_are_identical_after_a_model_raises(target):
     model = _FailsInFloat32().train()
     original = flags.snapshot()
-    torch.backends.cuda.matmul.fp32_precision = "tf32"  # a non-default global, which must survive
+    torch.backends.cuda.matmul.allow_tf32 = True  # a non-default global, which must survive (either API)
     try:
         before = _settings(model)
         report = tf32lab.check(Workload(model, torch.randn(4, 8)), target=target)  # a finding, not a crash
@@ -151,8 +151,8 @@ def test_tolerances_per_output_and_errors():
             tf32lab.check(w, tolerance=bad)
     with pytest.raises(Tf32LabError, match="unknown precision level 'fast'"):
         tf32lab.check(w, levels=("high", "fast"))
-    with pytest.raises(Tf32LabError, match=r"unknown target 'b200'.*'native'"):
-        tf32lab.check(w, target="b200")
+    with pytest.raises(Tf32LabError, match=r"unknown target 'b900'.*'native'"):
+        tf32lab.check(w, target="b900")
     with pytest.raises(Tf32LabError, match="unknown reference"):
         tf32lab.check(w, reference="float32")
     with pytest.raises(Tf32LabError, match=r"takes a tf32lab\.Workload"):

@@ -295,7 +295,9 @@ class _Flagger(torch.nn.Module):
 
 @pytest.mark.parametrize("how, changed", [("cudnn", "cudnn.allow_tf32 True -> False"),
                                           ("tf32lab", "float32_matmul_precision 'highest' -> 'medium'"),
-                                          ("fp32", "fp32_precision.generic.all 'none' -> 'tf32'")])
+                                          pytest.param("fp32", "fp32_precision.generic.all 'none' -> 'tf32'",
+                                                       marks=pytest.mark.skipif(not flags.NEW_API,
+                                                                                reason="per-backend API only"))])
 def test_bench_puts_back_the_flags_a_model_sets_in_its_forward_and_says_so(how, changed):
     before = flags.snapshot()
     notes = tf32lab.bench(tf32lab.Workload(_Flagger(how), torch.randn(4, 8)), levels=("highest", "high"), rounds=1,

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import tf32lab
+from dynamo_state import compiling_restored
 from emulation_reference import bilinear, bound, check
 from tf32lab import Tf32LabError, emulator, formats
 
@@ -401,9 +402,7 @@ def test_compiled_model_runs_eagerly_inside_emulate():
     out, emu = emulated(compiled, x)
     assert not emu.unhandled and emu.coverage
     assert torch.equal(out, emulated(layer, x)[0]) and not torch.equal(out, layer(x))
-    from torch._dynamo import eval_frame
-
-    assert eval_frame._stance.stance == "default"
+    assert compiling_restored()
 
 
 def test_without_a_compile_neither_emulate_nor_check_imports_dynamo_and_a_compile_inside_the_block_is_emulated():

@@ -179,7 +179,7 @@ def test_parallel_workers_each_set_themselves_up(pytester: pytest.Pytester):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--tf32lab", "b200:high"], "*--tf32lab 'b200:high': unknown target 'b200'; accepted: native, v100*"),
+    (["--tf32lab", "b900:high"], "*--tf32lab 'b900:high': unknown target 'b900'; accepted: native, v100*"),
     (["--tf32lab", "a100:fast"], "*--tf32lab 'a100:fast': unknown level 'fast'; accepted: highest, high, medium*"),
     (["--tf32lab-strict"], "*--tf32lab-strict and --tf32lab-compare need --tf32lab TARGET?:LEVEL?*"),
 ])
@@ -474,7 +474,7 @@ def test_state_set_up_by_fixtures_of_wider_scope_is_where_a_test_starts(pytester
 
 BAD_MARKERS = {
     "test_level": 'tf32lab(level="fast")',
-    "test_target": 'tf32lab(target="b200")',
+    "test_target": 'tf32lab(target="b900")',
     "test_positional": 'tf32lab("high")',
     "test_levels": 'tf32lab_levels("highest", "fast")',
 }
@@ -491,7 +491,7 @@ def test_a_bad_marker_is_one_line_naming_the_marker_the_value_and_what_is_accept
     result.stdout.fnmatch_lines(["*test_levels.py::test_it?tf32lab-bad-levels? ERROR*"])
     result.stdout.fnmatch_lines_random([
         "@pytest.mark.tf32lab(level='fast'): unknown level 'fast'; accepted: highest, high, medium",
-        "@pytest.mark.tf32lab(target='b200'): unknown target 'b200'; accepted: native, v100*",
+        "@pytest.mark.tf32lab(target='b900'): unknown target 'b900'; accepted: native, v100*",
         "@pytest.mark.tf32lab('high'): takes level= and target= only (keywords), got 'high'",
         "@pytest.mark.tf32lab_levels('highest', 'fast'): unknown precision level 'fast'; accepted: *",
     ])

@@ -70,8 +70,8 @@ def test_when_not_even_highest_passes_the_result_says_so(net):
 def test_tune_refuses_what_it_cannot_do(net):
     with pytest.raises(Tf32LabError, match="no speed model for target 'cpu-amx'"):
         tf32lab.tune(net, target="cpu-amx")
-    with pytest.raises(Tf32LabError, match="unknown target 'b200'"):
-        tf32lab.tune(net, target="b200")
+    with pytest.raises(Tf32LabError, match="unknown target 'b900'"):
+        tf32lab.tune(net, target="b900")
     with pytest.raises(Tf32LabError, match=r"takes a tf32lab\.Workload"):
         tf32lab.tune(net.model)
 

@@ -88,8 +88,17 @@ def _count(info: Any) -> int:
     return sum(len(v) for v in artifacts.values()) if isinstance(artifacts, dict) else 0
 
 
+# PyTorch's Mega-Cache (one artifact for every compile cache) came with torch 2.7; before it only the folder helps.
+MEGA_CACHE = hasattr(torch.compiler, "save_cache_artifacts") and hasattr(torch.compiler, "load_cache_artifacts")
+_NO_MEGA_CACHE = (f"torch {torch.__version__} has no Mega-Cache (torch.compiler.save_cache_artifacts, torch 2.7 and "
+                  "newer)")
+
+
 def save(path: Path) -> Path:
     """Write this process's compile artifacts into ``path`` (atomically), with the note beside them."""
+    if not MEGA_CACHE:
+        raise Tf32LabError(f"nothing to save: {_NO_MEGA_CACHE}; the folder alone still keeps Inductor's own caches "
+                           "(compile_cache=folder)")
     result = torch.compiler.save_cache_artifacts()
     if result is None:
         raise Tf32LabError("nothing to save: torch.compile has produced no cacheable artifacts in this process yet")
@@ -147,6 +156,8 @@ def read(path: Path) -> Loaded:
     if not artifact.exists():
         return Loaded(None, f"no {ARTIFACT} yet; tf32lab.save_compile_cache(folder) writes one after the first "
                             "compile", False)
+    if not MEGA_CACHE:
+        return Loaded(str(artifact), f"{_NO_MEGA_CACHE}: not loaded", False)
     try:
         note = json.loads((path / NOTE).read_text(encoding="utf-8"))
         if not isinstance(note, dict):

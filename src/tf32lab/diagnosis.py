@@ -11,7 +11,7 @@ Example:
     >>> d = tf32lab.doctor(Hardware.simulated("a100"))
     >>> d.levels["highest"]["conv"], d.levels["high"]["matmul"], d.recommendation.level
     ('tf32-rna', 'tf32-rna', 'high')
-    >>> sorted(w.code for w in d.warnings)
+    >>> sorted(w.code for w in d.warnings if not w.code.startswith("inductor-"))  # (those: once a process compiles)
     ['conv-tf32-at-highest', 'medium-equals-high']
 """
 
@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import flags, targets
+from . import flags, inductor, targets
 from .errors import Tf32LabError
 from .files import write_atomically
 from .hardware import Hardware, detect
@@ -136,8 +136,15 @@ def _level_table(hw: Hardware, cells: dict[str, str]) -> dict[str, dict[str, str
         cuda, mkldnn = BACKEND_VALUES[level]
         asked = {**cells, "cuda.matmul": cuda, "mkldnn.matmul": mkldnn}
         obeyed = {**hw.cells_in_force(asked), "sdpa": sdpa}
-        table[level] = {family: str(target.math(family, obeyed)) for family in FAMILIES}
+        table[level] = {family: _math_name(target, family, obeyed) for family in FAMILIES}
     return table
+
+
+def _math_name(target: targets.Target, family: str, cells: dict[str, str]) -> str:
+    try:
+        return str(target.math(family, cells))
+    except Tf32LabError:  # a cell holds a value this tf32lab does not know, or one the target cannot run
+        return "unknown"
 
 
 def _probe(hw: Hardware) -> tuple[Optional[dict[str, ProbeResult]], Optional[Alert]]:
@@ -171,7 +178,7 @@ def _probe_alerts(table: dict[str, dict[str, str]], probe: dict[str, ProbeResult
 
 def _warnings(hw: Hardware, level: str, table: dict[str, dict[str, str]],
               cell_rows: list[tuple[str, str, str]], raising: list[str],
-              probe: Optional[dict[str, ProbeResult]]) -> list[Alert]:
+              probe: Optional[dict[str, ProbeResult]], cells: dict[str, str]) -> list[Alert]:
     out = [] if probe is None else _probe_alerts(table, probe)
     target = targets.get(hw.target)
     if table["highest"]["conv"].startswith("tf32"):
@@ -201,9 +208,22 @@ def _warnings(hw: Hardware, level: str, table: dict[str, dict[str, str]],
             out.append(Alert("mixed-api", (
                 f"torch.backends.fp32_precision = {generic!r} has no effect on {', '.join(cut)}, which hold "
                 "explicit values (set_float32_matmul_precision writes them; pytorch#179445)")))
-    if level != "highest" and table[level] == table["highest"]:
+    if level in table and level != "highest" and table[level] == table["highest"]:
         out.append(Alert("level-has-no-effect", (
             f"the level is {level!r}, but here every op family computes as at 'highest' (target {hw.target})")))
+    for cell, _, effective in cell_rows:
+        if effective not in (*targets.CELL_VALUES, "none"):
+            out.append(Alert("unknown-value", (
+                f"{cell} holds {effective!r}, a value this tf32lab does not know (a newer torch's): the level shows "
+                "as 'unknown', and emulate() refuses to guess what it computes")))
+    if any(cell == "cuda.matmul" and effective == "bfx9" for cell, _, effective in cell_rows):
+        where = ("" if target.capability and target.capability >= (10, 0) else
+                 f"; on {target.name} (before Blackwell) PyTorch raises for every float32 matmul")
+        out.append(Alert("bfx9", (
+            "cuda.matmul is 'bfx9': cuBLAS computes float32 matmuls with nine bf16 products (CUDA 12.9+, compute "
+            f"capability 10.0+; pytorch#195301): float32's accuracy, other bits than IEEE{where}")))
+    tensor_cores = target.device == "cuda" and bool(target.capability) and target.capability >= (8, 0)
+    out += [Alert(code, message) for code, message in inductor.alerts(cells, tensor_cores, hw.env)]
     if hw.cpu_quota is not None and hw.cpu_quota < hw.visible_cpus:
         out.append(Alert("cpu-quota", (
             f"the CPU quota ({hw.cpu_quota:g} CPUs, {hw.quota_source}) is smaller than the {hw.visible_cpus} "
@@ -249,7 +269,7 @@ def doctor(hardware: Optional[Hardware] = None) -> Diagnosis:
     table = _level_table(hw, cells)
     threads, reason = decide_threads("auto", 1, hw)
     probe, skipped = _probe(hw)
-    warnings = [*_warnings(hw, level, table, cell_rows, raising, probe), *([skipped] if skipped else [])]
+    warnings = [*_warnings(hw, level, table, cell_rows, raising, probe, cells), *([skipped] if skipped else [])]
     return Diagnosis(
         hardware=hw, level=level, cells=tuple(cell_rows), legacy=legacy, other_flags=other,
         threads={"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads()},

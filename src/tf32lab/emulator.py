@@ -4,7 +4,8 @@ Inside ``with emulate("a100"):`` a thread-local ``TorchDispatchMode`` catches ev
 conv, rnn, attention and matvec families, asks ``targets`` which math the target assigns under the scope and
 flags in force for this thread, and computes it: operands rounded as the hardware rounds them (``formats``),
 products and accumulation in IEEE float32, as the tensor cores do (products of TF32 or bf16 values are exact in
-float32). Split maths (``tf32x3``, ``bf16x3``) sum three products. Non-float32 ops pass through.
+float32). Split maths sum several products (``tf32x3``, ``bf16x3``: three; ``bfx9``: nine). Non-float32 ops
+pass through.
 
 The op table lives in ``tf32lab.rules`` (one registry, filled by ``@rule``). An op that belongs to a family (by
 name, ``tf32lab.families``) but has no rule is first decomposed into ops that do; if it cannot be, it runs
@@ -43,14 +44,14 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from . import flags, formats, modestack, optable, rules, scope
 from .errors import Tf32LabError
 from .levels import BACKEND_VALUES
-from .targets import IEEE, KEYS, MATHS, Math, Target, get, sdpa_kernel
+from .targets import IEEE, KEYS, MATHS, Math, Target, check_value, get, sdpa_kernel
 
 __all__ = ["emulate", "maths"]
 
 _F32 = torch.float32
 _SPARSE = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
 _SINGLE_ROUND = {"tf32": formats.round_tf32, "bf16": formats.round_bf16}
-_SPLIT = {"tf32x3": formats.split_tf32x3, "bf16x3": formats.split_bf16x3}
+_SPLIT = {"tf32x3": formats.split_tf32x3, "bf16x3": formats.split_bf16x3, "bfx9": formats.split_bf16x9}
 
 # the keys that cuBLAS computes under PyTorch's handle
 _CUBLAS_KEYS = ("matmul", "matvec", "attention.math", "matmul.gemv", "linalg.trsm")
@@ -78,6 +79,17 @@ def _set_eager_stance() -> None:
         return
     if hasattr(eval_frame, "_set_stance"):
         _stance_before = eval_frame._set_stance(eval_frame.DynamoStance("force_eager"))
+    elif callable(getattr(eval_frame, "set_eval_frame", None)):
+        # torch before 2.6 has no stance. A compiled function installs Dynamo's frame callback through this
+        # module's set_eval_frame on every call; while emulations are open it installs none instead, so the
+        # function's frames run eagerly (no cached graph, no new compile), as under the eager stance.
+        real = eval_frame.set_eval_frame
+
+        def eager(callback: Any) -> Any:
+            return real(callback if callback is None or callback is False else None)
+
+        eval_frame.set_eval_frame = eager
+        _stance_before = ("set_eval_frame", real)
 
 
 class _LoadedThenEager(importlib.abc.Loader):
@@ -136,7 +148,10 @@ def _release_eager() -> None:
             if _stance_before is not None:
                 from torch._dynamo import eval_frame
 
-                eval_frame._set_stance(_stance_before)
+                if isinstance(_stance_before, tuple):
+                    eval_frame.set_eval_frame = _stance_before[1]
+                else:
+                    eval_frame._set_stance(_stance_before)
                 _stance_before = None
 
 
@@ -332,6 +347,10 @@ class _Call:
             return full(a, b)
         if name in _SINGLE_ROUND:
             return full(self.round(a, math), self.round(b, math))
+        if name == "bfx9":  # all nine products, as three GEMMs: each part of a times the parts of b summed
+            hi, mid, lo = self.split(a, math)
+            b_sum = self.split(b, math, summed=True)[-1]
+            return full(hi, b_sum).add_((bare or full)(mid, b_sum)).add_((bare or full)(lo, b_sum))
         # The three products big·big' + big·small' + small·big' as two GEMMs: big·(big' + small') + small·big'.
         # big' + small' is exact in float32 unless small' is tiny next to big' (then off by one float32 rounding),
         # so the sum equals the three products within float32 accumulation error; small·small' stays dropped.
@@ -427,17 +446,22 @@ class _Call:
             return self.entry.cache.get(t, str(math), rounded)
         return rounded(t, [_buffer_like(t)])
 
-    def split(self, t: torch.Tensor, math: Math, summed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(big, small)`` of ``t`` for a split math, or ``(big, big + small)`` when ``summed``."""
+    def split(self, t: torch.Tensor, math: Math, summed: bool = False) -> tuple[torch.Tensor, ...]:
+        """The parts of ``t`` for a split math, biggest first (``(big, small)`` for x3, three for bfx9); when
+        ``summed``, the last part holds the sum of all of them."""
         fn = _SPLIT[math.name]
+        count = 3 if math.name == "bfx9" else 2
 
         def parts(x, out):
-            big, small = fn(x, out=tuple(out))
-            return (big, small.add_(big)) if summed else (big, small)
+            split = fn(x, out=tuple(out))
+            if summed:
+                for part in split[-2::-1]:
+                    split[-1].add_(part)
+            return split
 
         if _is_parameter(t):
-            return self.entry.cache.get(t, f"{math.name}{'+' if summed else ''}", parts, 2)
-        return parts(t, [_buffer_like(t), _buffer_like(t)])
+            return self.entry.cache.get(t, f"{math.name}{'+' if summed else ''}", parts, count)
+        return parts(t, [_buffer_like(t) for _ in range(count)])
 
 
 def _buffer_like(t: torch.Tensor, holder: Optional[list] = None) -> torch.Tensor:
@@ -853,7 +877,8 @@ class emulate(contextlib.ContextDecorator):
     Args:
         target: a name from ``tf32lab.targets.TARGETS`` (``"a100"``, ``"h100"``, ``"v100"``, ``"cpu-amx"``, ...)
             or a ``Target``.
-        math: force one math for every family (``"ieee"``, ``"tf32"``, ``"bf16"``, ``"bf16x3"``, ``"tf32x3"``).
+        math: force one math for every family (``"ieee"``, ``"tf32"``, ``"bf16"``, ``"bf16x3"``, ``"tf32x3"``,
+            ``"bfx9"``).
         rounding: operand rounding for ``tf32`` / ``bf16`` (``"rna"``, ``"rne"``, ``"rz"``), instead of the
             target's.
         strict: raise ``Tf32LabError`` at the first family op that ran without emulation.
@@ -912,6 +937,9 @@ class emulate(contextlib.ContextDecorator):
                 raise Tf32LabError(
                     f"emulate() computes with IEEE CPU kernels, but {cell} is {cells[cell]!r}; set "
                     f"torch.backends.{cell}.fp32_precision = 'ieee' (or 'none') first")
+        if self.math is None:  # a value no target row knows, or bfx9 on a GPU without it: no guessing
+            for cell in sorted({e.cell for e in self.target.entries.values() if e.cell and e.cell in cells}):
+                check_value(self.target, cell, cells[cell])
         modes = _thread_modes()
         _force_eager()
         try:

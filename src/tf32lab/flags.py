@@ -16,8 +16,8 @@ Example:
     >>> before = flags.snapshot()
     >>> torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
     >>> torch.set_float32_matmul_precision("medium")
-    >>> sorted(name for name, _, _ in before.diff(flags.snapshot()))[:3]
-    ['cuda.matmul.allow_fp16_reduced_precision_reduction', 'float32_matmul_precision', 'fp32_precision.cuda.matmul']
+    >>> sorted(name for name, _, _ in before.diff(flags.snapshot()))[:2]   # then, from torch 2.9, the cells too
+    ['cuda.matmul.allow_fp16_reduced_precision_reduction', 'float32_matmul_precision']
     >>> flags.restore(before)
     >>> flags.snapshot() == before
     True
@@ -42,14 +42,18 @@ NEW_API: bool = hasattr(_C, "_get_fp32_precision_getter") and hasattr(_C, "_set_
 
 _BACKENDS = ("cuda", "mkldnn")
 _OPS = ("matmul", "conv", "rnn")
+# Cells only some torch builds have: XPU's (intel/torch-xpu-ops#4919) and the math SDPA backend's (ROCm's fork,
+# upstream PRs). They are read, snapshotted and restored where the getter knows them, and skipped elsewhere.
+_LATER_BACKENDS = ("xpu",)
+_LATER_OPS = ("math_sdp",)
 
 
 def _probe_cells() -> tuple[tuple[str, str], ...]:
     if not NEW_API:
         return ()
     cells = [("generic", "all")]
-    for backend in _BACKENDS:
-        for op in ("all", *_OPS):
+    for backend in (*_BACKENDS, *_LATER_BACKENDS):
+        for op in ("all", *_OPS, *_LATER_OPS):
             try:
                 _C._get_fp32_precision_getter(backend, op)
             except (RuntimeError, ValueError):
@@ -89,6 +93,8 @@ def _raw(cell: tuple[str, str], raw_of_parents: dict[tuple[str, str], str]) -> s
     try:
         _set(parent, other)
         follows = _get(cell) == other
+    except RuntimeError:  # a parent that takes neither value (a backend of a newer torch): say what it shows
+        return value
     finally:
         _set(parent, raw_of_parents[parent])
     return "none" if follows else value
@@ -353,7 +359,9 @@ def read_level() -> str:
 
 
 # Effective values per (backend, op), for the emulator and doctor. --------------------------------------------
-CELL_NAMES = tuple(f"{backend}.{op}" for backend in _BACKENDS for op in _OPS)
+# cuda.* and mkldnn.* on every torch (from the legacy flags before 2.9), then the later cells this torch has.
+CELL_NAMES = (*(f"{backend}.{op}" for backend in _BACKENDS for op in _OPS),
+              *(f"{b}.{o}" for b, o in _CELLS if o != "all" and (b in _LATER_BACKENDS or o in _LATER_OPS)))
 
 
 def _legacy_cells() -> dict[str, str]:
@@ -367,7 +375,8 @@ def _legacy_cells() -> dict[str, str]:
 
 
 def read_cells() -> dict[str, str]:
-    """Effective value of every ``backend.op`` cell (``"ieee"``, ``"tf32"`` or ``"bf16"``), on any torch >= 2.4.
+    """Effective value of every ``backend.op`` cell (``"ieee"``, ``"tf32"``, ``"bf16"``, ``"bfx9"``, or whatever
+    a newer torch stores, passed through as it is), on any torch >= 2.4.
 
     Values are what the backend obeys now, inheritance resolved; nothing is written.
 

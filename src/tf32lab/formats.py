@@ -40,6 +40,7 @@ __all__ = [
     "round_fp16",
     "round_tf32",
     "split_bf16x3",
+    "split_bf16x9",
     "split_tf32x3",
 ]
 
@@ -88,6 +89,15 @@ def _round_bits(u: torch.Tensor, out: torch.Tensor, drop: int, rounding: str) ->
     out.bitwise_and_(mask)
 
 
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s bits as an int32 view. Inside inference mode torch 2.4 cannot view a view of a normal tensor
+    ("Cannot set version_counter for inference tensor"); outside it, any view of it is fine."""
+    if x.is_inference() or not torch.is_inference_mode_enabled():
+        return x.view(torch.int32)
+    with torch.inference_mode(False):
+        return x.view(torch.int32)
+
+
 def _round(x: torch.Tensor, drop: int, rounding: str, out: Optional[torch.Tensor] = None,
            default_nans: bool = False) -> torch.Tensor:
     x = x.detach()
@@ -99,7 +109,7 @@ def _round(x: torch.Tensor, drop: int, rounding: str, out: Optional[torch.Tensor
     # 0xffc00000, Arm: 0x7fc00000), which every rounding keeps a NaN. GPUs make 0x7fffffff: always mended there.
     mend = x.device.type != "cpu" or (not default_nans and not math.isfinite(x.sum().item()))
     source = x.clone() if mend and out.data_ptr() == x.data_ptr() else x
-    _round_bits(x.view(torch.int32), out.view(torch.int32), drop, rounding)
+    _round_bits(_bits(x), out.view(torch.int32), drop, rounding)
     if mend:
         torch.where(torch.isnan(source), source, out, out=out)
     return out
@@ -113,7 +123,7 @@ def hot_rounder(name: str, rounding: str) -> Callable[[torch.Tensor, torch.Tenso
     _check_rounding(rounding, f"round_{name}")
 
     def fn(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        _round_bits(x.view(torch.int32), out.view(torch.int32), drop, rounding)
+        _round_bits(_bits(x), out.view(torch.int32), drop, rounding)
         return out
 
     return fn
@@ -205,6 +215,35 @@ def split_bf16x3(x: torch.Tensor, *, out: Optional[tuple[torch.Tensor, torch.Ten
     return hi, round_bf16(lo, out=lo)
 
 
+def split_bf16x9(x: torch.Tensor, *, out: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split float32 values into three bf16 parts ``(hi, mid, lo)`` for BF16x9 products (cuBLAS
+    ``CUBLAS_COMPUTE_32F_EMULATED_16BFX9``, PyTorch's ``cuda.matmul.fp32_precision = "bfx9"``, pytorch#195301).
+
+    Each part is the RNE bf16 of what the earlier parts left, the differences exact in float32; three parts of 8
+    significant bits hold all 24 of a float32, so ``hi + mid + lo == x`` unless a remainder falls below bf16's
+    subnormal range. The nine products ``hi·hi' ... lo·lo'`` are exact in float32. ``out``: three float32 tensors.
+
+    Example:
+
+        >>> import torch
+        >>> from tf32lab.formats import split_bf16x9
+        >>> x = torch.tensor([1 / 3])
+        >>> hi, mid, lo = split_bf16x9(x)
+        >>> bool((hi + mid + lo == x).all()), bool((hi + mid == x).all())
+        (True, False)
+    """
+    _check_input(x, "split_bf16x9", None if out is None else out[0])
+    x = x.detach()
+    hi, mid, lo = out if out is not None else (None, None, None)
+    hi = round_bf16(x, out=hi)
+    mid = torch.sub(x, hi) if mid is None else torch.sub(x, hi, out=mid)
+    mid = round_bf16(mid, out=mid)
+    lo = torch.sub(x, hi) if lo is None else torch.sub(x, hi, out=lo)
+    lo.sub_(mid)
+    return hi, mid, round_bf16(lo, out=lo)
+
+
 def split_tf32x3(x: torch.Tensor, *, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split float32 values into ``(big, small)`` TF32 parts for 3xTF32 products (CUTLASS ``mma_tensor_op_fast_f32.h``).
@@ -226,7 +265,7 @@ def split_tf32x3(x: torch.Tensor, *, out: Optional[tuple[torch.Tensor, torch.Ten
     big, small = out if out is not None else (torch.empty_like(x), torch.empty_like(x))
     if x.device.type == "cpu" and math.isfinite(x.sum().item()):
         # No NaN or Inf in x, so none in big or x - big: one check instead of one per rounding.
-        _round_bits(x.view(torch.int32), big.view(torch.int32), _TF32_DROP, "rz")
+        _round_bits(_bits(x), big.view(torch.int32), _TF32_DROP, "rz")
         torch.sub(x, big, out=small)
         _round_bits(small.view(torch.int32), small.view(torch.int32), _TF32_DROP, "rna")
         return big, small

@@ -366,7 +366,7 @@ def save_compile_cache(folder: PathLike) -> Path:
     >>> tf32lab.save_compile_cache(tempfile.mkdtemp())     # nothing compiled in this process
     Traceback (most recent call last):
     ...
-    tf32lab.errors.Tf32LabError: nothing to save: torch.compile has produced no cacheable artifacts in this process yet
+    tf32lab.errors.Tf32LabError: nothing to save: ...
     """
     return compile_cache.save(compile_cache.folder(folder))
 

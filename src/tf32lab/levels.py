@@ -36,17 +36,30 @@ def check_level(level: object) -> str:
     return level
 
 
+# What level_of answers for cells holding a value this tf32lab does not know (a newer torch's): never a level.
+UNKNOWN = "unknown"
+# cuBLAS's BF16x9 (cuda.matmul only, pytorch#195301) keeps float32's accuracy: it amounts to "highest", with other
+# bits. "none" all the way up (PyTorch's default on some versions) is IEEE.
+_FLOAT32_ACCURATE = ("ieee", "none", "bfx9")
+
+
 def level_of(cuda_matmul: str, mkldnn_matmul: str) -> str:
     """The level that effective backend values amount to: the most reduced precision in force wins.
 
-    >>> level_of("tf32", "bf16"), level_of("tf32", "ieee"), level_of("ieee", "ieee")
-    ('medium', 'high', 'highest')
+    A value tf32lab does not know gives ``"unknown"``, never a level it might not be.
+
+    >>> level_of("tf32", "bf16"), level_of("tf32", "ieee"), level_of("ieee", "ieee"), level_of("bfx9", "ieee")
+    ('medium', 'high', 'highest', 'highest')
+    >>> level_of("fp8x4", "ieee")
+    'unknown'
     """
     if mkldnn_matmul == "bf16":
         return "medium"
     if "tf32" in (cuda_matmul, mkldnn_matmul):
         return "high"
-    return "highest"
+    if cuda_matmul in _FLOAT32_ACCURATE and mkldnn_matmul in _FLOAT32_ACCURATE:
+        return "highest"
+    return UNKNOWN
 
 
 def check_levels(levels: Iterable[str]) -> tuple[str, ...]:

@@ -48,14 +48,15 @@ class Peaks:
     source: str
 
     def flops(self, math: str) -> float:
-        """FLOP/s of ``math`` (``ieee``, ``tf32-rna``, ``bf16-rne``, ``tf32x3``, ``bf16x3``) at its peak."""
+        """FLOP/s of ``math`` (``ieee``, ``tf32-rna``, ``bf16-rne``, ``tf32x3``, ``bf16x3``, ``bfx9``) at its peak."""
         name = math.split("-")[0]
         if name == "ieee":
             return self.fp32 * 1e12
-        base = {"tf32": self.tf32, "tf32x3": self.tf32, "bf16": self.bf16, "bf16x3": self.bf16}.get(name)
+        base = {"tf32": self.tf32, "tf32x3": self.tf32, "bf16": self.bf16, "bf16x3": self.bf16,
+                "bfx9": self.bf16}.get(name)
         if base is None:  # a math this GPU lacks never reaches it (targets gives IEEE there): say so, loudly
             raise Tf32LabError(f"target {self.target!r} has no {name} units")
-        return base * 1e12 / (3 if name.endswith("x3") else 1)
+        return base * 1e12 / {"x3": 3, "x9": 9}.get(name[-2:], 1)
 
 
 _DATASHEET = "NVIDIA datasheet"
@@ -73,6 +74,8 @@ PEAKS: Mapping[str, Peaks] = MappingProxyType({p.target: p for p in (
                                                  "128 SMs"),
     Peaks("h100", 67, 495, 989, 3350, 132, f"H100 SXM: {_DATASHEET}; {_SMS} (GH100 SXM5)"),
     Peaks("h200", 67, 495, 989, 4800, 132, f"{_DATASHEET}; {_SMS} (GH100 SXM5)"),
+    Peaks("b200", 75, 1125, 2250, 8000, 148, "NVIDIA HGX B200 datasheet: the 8-GPU figures divided by 8, sparse "
+                                             "figures halved; 148 SMs, unverified"),
 )})
 
 

@@ -424,6 +424,11 @@ def _convolution_backward(call, func, args, kwargs):
         grad_input, grad_weight, _ = run(grad, x, w, want)
     elif math.name in ("tf32", "bf16"):
         grad_input, grad_weight, _ = run(call.round(grad, math), call.round(x, math), call.round(w, math), want)
+    elif math.name == "bfx9":  # every part of grad times the summed parts of x and w: all nine products
+        x_sum, w_sum = call.split(x, math, summed=True)[-1], call.split(w, math, summed=True)[-1]
+        parts = [run(g, x_sum, w_sum, want) for g in call.split(grad, math)]
+        grad_input, grad_weight = (parts[0][i].add_(parts[1][i]).add_(parts[2][i]) if mask[i] else None
+                                   for i in (0, 1))
     else:  # grad_input is bilinear in (grad, w), grad_weight in (grad, x): two calls give both, as in product()
         (g_big, g_small), (x_big, x_sum), (w_big, w_sum) = (
             call.split(grad, math), call.split(x, math, summed=True), call.split(w, math, summed=True))
@@ -562,19 +567,30 @@ def _sdpa_efficient_backward(call, func, args, kwargs):
 # Under autograd, F.scaled_dot_product_attention decomposes before a dispatch mode sees it, into whatever kernel
 # *this* machine picks (often the math path: plain bmm). The emulator's function mode routes it to this op pair
 # instead, which reaches the dispatch mode whole, forward and backward, and is emulated as the target's kernel.
-@torch.library.custom_op("tf32lab::scaled_dot_product_attention", mutates_args=())
+def _sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa):
+    # enable_gqa exists from torch 2.5; before it no caller can ask for it
+    extra = {"enable_gqa": True} if enable_gqa else {}
+    return F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale=scale, **extra)
+
+
+# Explicit schemas: this module's annotations are strings (``from __future__ import annotations``), which schema
+# inference before torch 2.5 cannot read.
+@torch.library.custom_op("tf32lab::scaled_dot_product_attention", mutates_args=(), schema=(
+    "(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, bool is_causal, float? scale, bool enable_gqa) -> Tensor"))
 def _sdpa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
              is_causal: bool, scale: Optional[float], enable_gqa: bool) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
+    return _sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa)
 
 
-@torch.library.custom_op("tf32lab::scaled_dot_product_attention_backward", mutates_args=())
+@torch.library.custom_op("tf32lab::scaled_dot_product_attention_backward", mutates_args=(), schema=(
+    "(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor? attn_mask, bool is_causal, float? scale, "
+    "bool enable_gqa) -> (Tensor, Tensor, Tensor)"))
 def _sdpa_backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       attn_mask: Optional[torch.Tensor], is_causal: bool, scale: Optional[float],
                       enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        o = F.scaled_dot_product_attention(*leaves, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
+        o = _sdpa(*leaves, attn_mask, is_causal, scale, enable_gqa)
         return torch.autograd.grad(o, leaves, grad)
 
 

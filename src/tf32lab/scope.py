@@ -290,8 +290,11 @@ class _State:
                 continue
             if self.in_force is None:
                 self.begin()
-            _write_level(target)
-            if target not in _EFFECTIVE_OF:
+            if target in _VALUES:
+                _write_level(target)
+            else:  # the user's cells hold a value no level writes (a newer torch's): give back exactly those
+                _write_raw(self.base.raw)
+            if target not in _EFFECTIVE_OF and target in _VALUES:
                 _EFFECTIVE_OF[target] = _effective()
             self.in_force = target
             return

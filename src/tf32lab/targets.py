@@ -38,21 +38,26 @@ import torch
 
 from .errors import Tf32LabError
 
-__all__ = ["KEYS", "MATHS", "TARGETS", "Entry", "Math", "Target", "get", "table"]
+__all__ = ["CELL_VALUES", "KEYS", "MATHS", "TARGETS", "Entry", "Math", "Target", "check_value", "get", "table"]
 
-MATHS = ("ieee", "tf32", "bf16", "bf16x3", "tf32x3")
+MATHS = ("ieee", "tf32", "bf16", "bf16x3", "tf32x3", "bfx9")
+# Every value a cell can hold that this module knows (besides "none", which flags resolves to the parent's value).
+# "bfx9": cuBLAS's float32 emulated with nine bf16 products, cuda.matmul only (pytorch#195301). A value outside
+# this list comes from a torch newer than tf32lab: it is reported as unknown, never read as IEEE.
+CELL_VALUES = ("ieee", "tf32", "bf16", "bfx9")
 KEYS = ("matmul", "conv", "rnn", "matvec", "linalg", "attention", "attention.math", "attention.efficient",
         "matmul.gemv", "linalg.trsm")
 
-_SINGLE = ("tf32", "bf16")  # one rounding of each operand; the rest are exact (ieee) or split in two (x3)
+_SINGLE = ("tf32", "bf16")  # one rounding of each operand; the rest are exact (ieee) or split (x3: two, x9: three)
 
 
 @dataclass(frozen=True)
 class Math:
     """What one op computes: ``name`` in MATHS, and the rounding of operands for ``tf32`` / ``bf16``.
 
-    ``tf32x3`` splits as CUTLASS's fast-fp32 kernels do (big: truncated, small: RNA) and ``bf16x3`` as
-    Henry et al. (both parts RNE), so they take no rounding.
+    ``tf32x3`` splits as CUTLASS's fast-fp32 kernels do (big: truncated, small: RNA), ``bf16x3`` as
+    Henry et al. (both parts RNE) and ``bfx9`` in three RNE bf16 parts, all nine products kept (cuBLAS
+    ``CUBLAS_COMPUTE_32F_EMULATED_16BFX9``), so they take no rounding.
 
     >>> str(Math("tf32", "rna")), str(Math("bf16x3"))
     ('tf32-rna', 'bf16x3')
@@ -76,6 +81,7 @@ TF32_RNA = Math("tf32", "rna")
 TF32_RNE = Math("tf32", "rne")
 BF16_RNE = Math("bf16", "rne")
 TF32X3 = Math("tf32x3")
+BFX9 = Math("bfx9")
 
 
 @dataclass(frozen=True)
@@ -121,7 +127,10 @@ class Target:
         while True:
             entry = self.entry(key)
             value = cells.get(entry.cell, "ieee") if entry.cell else "*"
-            math = entry.math.get(value, entry.math.get("*"))
+            math = entry.math.get(value)
+            if math is None and value != "*":
+                check_value(self, entry.cell or "", value)
+                math = entry.math.get("*")
             if math is None:  # a value this hardware ignores (bf16 on cuBLAS): PyTorch falls back to IEEE
                 return IEEE
             if isinstance(math, Math):
@@ -142,6 +151,9 @@ _S_CUBLAS = ("aten/src/ATen/Context.cpp: cuda.matmul=tf32 -> cuBLAS TF32; operan
              "unmeasured on Ampere and Ada")
 _S_CUBLAS_HOPPER = ("aten/src/ATen/Context.cpp: cuda.matmul=tf32 -> cuBLAS TF32; operands RNE: measured on an H100 "
                     "(docs/gpu-results.md)")
+_S_CUBLAS_BLACKWELL = ("aten/src/ATen/Context.cpp: cuda.matmul=tf32 -> cuBLAS TF32, operands assumed RNE as measured "
+                       "on an H100, verify on GPU; cuda.matmul=bfx9 -> CUBLAS_COMPUTE_32F_EMULATED_16BFX9, nine bf16 "
+                       "products (pytorch#195301; cuBLAS docs, floating-point emulation), accumulation ideal here")
 _S_CUDNN = ("PyTorch CUDA notes: cudnn.conv / cudnn.rnn fp32_precision, default tf32 (cudnn.allow_tf32=True); the "
             "rounding is cuDNN's kernel's own, assumed RNA as in CUTLASS; unmeasured on Ampere and Ada")
 _S_CUDNN_HOPPER = ("PyTorch CUDA notes: cudnn.conv / cudnn.rnn fp32_precision, default tf32; the rounding is per "
@@ -174,11 +186,28 @@ _S_ONEDNN_TF32 = ("PyTorch MKLDNN notes: mkldnn fp32_precision=tf32 where the CP
 _S_CPU = "aten/src/ATen/Context.cpp: a CPU without reduced-precision units computes IEEE float32 at every level"
 
 
+def check_value(target: Target, cell: str, value: str) -> None:
+    """Raise when ``cell`` holds a value that ``target`` cannot compute: one this tf32lab does not know (from a
+    newer torch), or ``bfx9`` before Blackwell (PyTorch raises there too)."""
+    if value not in CELL_VALUES and value != "none":
+        raise Tf32LabError(
+            f"{cell} holds {value!r}, a value this tf32lab does not know (known: {', '.join(CELL_VALUES)}): a newer "
+            f"torch's setting cannot be emulated; set a level or pass math= instead")
+    capability = target.capability or (0, 0)
+    if value == "bfx9" and cell == "cuda.matmul" and target.device == "cuda" and capability < (10, 0):
+        raise Tf32LabError(
+            f"cuda.matmul holds 'bfx9', which needs compute capability 10.0 (Blackwell); on target {target.name!r} "
+            f"(sm{capability[0]}{capability[1]}) PyTorch raises for every float32 matmul (pytorch#195301)")
+
+
 def _ampere_plus(capability: tuple[int, int]) -> dict[str, Entry]:
     hopper = capability >= (9, 0)
     tf32, cublas, cudnn = (TF32_RNE, _S_CUBLAS_HOPPER, _S_CUDNN_HOPPER) if hopper else (TF32_RNA, _S_CUBLAS, _S_CUDNN)
+    if capability >= (10, 0):
+        cublas = _S_CUBLAS_BLACKWELL
+    bfx9 = {"bfx9": BFX9} if capability >= (10, 0) else {}
     return {
-        "matmul": _by("cuda.matmul", cublas, tf32=tf32, ieee=IEEE),
+        "matmul": _by("cuda.matmul", cublas, tf32=tf32, ieee=IEEE, **bfx9),
         "conv": _by("cuda.conv", cudnn, tf32=tf32, ieee=IEEE),
         "rnn": _by("cuda.rnn", cudnn, tf32=tf32, ieee=IEEE),
         "matvec": _fixed(IEEE, _S_GEMV),
@@ -243,6 +272,7 @@ TARGETS: Mapping[str, Target] = MappingProxyType({t.name: t for t in (
     _cuda("rtx4090", "NVIDIA GeForce RTX 4090 (Ada)", (8, 9)),
     _cuda("h100", "NVIDIA H100 (Hopper)", (9, 0)),
     _cuda("h200", "NVIDIA H200 (Hopper)", (9, 0)),
+    _cuda("b200", "NVIDIA B200 (Blackwell)", (10, 0)),
     Target("cpu-amx", "CPU with AMX (oneDNN bf16)", "cpu", None, MappingProxyType(_onednn(True))),
     Target("cpu", "CPU without reduced-precision units", "cpu", None, MappingProxyType(_onednn(False))),
 )})
@@ -257,7 +287,7 @@ def get(name: str) -> Target:
     Traceback (most recent call last):
     ...
     tf32lab.errors.Tf32LabError: unknown target 'a200'; accepted: 'v100', 't4', 'a100', 'a10g', 'rtx3090', \
-'l4', 'rtx4090', 'h100', 'h200', 'cpu-amx', 'cpu'
+'l4', 'rtx4090', 'h100', 'h200', 'b200', 'cpu-amx', 'cpu'
     """
     if isinstance(name, Target):
         return name

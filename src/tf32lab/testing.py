@@ -49,7 +49,8 @@ from .levels import LEVELS
 
 __all__ = ["UNIT_ROUNDOFF", "assert_close", "tolerance", "unit_roundoff"]
 
-UNIT_ROUNDOFF = {"ieee": 2.0**-24, "tf32": 2.0**-11, "bf16": 2.0**-8, "tf32x3": 2.0**-21, "bf16x3": 2.0**-16}
+UNIT_ROUNDOFF = {"ieee": 2.0**-24, "tf32": 2.0**-11, "bf16": 2.0**-8, "tf32x3": 2.0**-21, "bf16x3": 2.0**-16,
+                 "bfx9": 2.0**-24}  # nine bf16 products keep all 24 bits of each operand
 FLOAT32 = 2.0**-24
 
 
