@@ -8,7 +8,7 @@ DEMO   := $(VENV)/.installed-demo
 # The HTML report's browser test uses Debian's Chromium; installed when missing (root, or sudo).
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test lint sweep bench clean chromium
+.PHONY: demo test lint sweep bench clean chromium compat
 
 # `make demo` installs only what the demo needs; `make test` adds the serving and test extras.
 $(DEMO): pyproject.toml constraints.txt
@@ -42,6 +42,11 @@ lint: $(STAMP)
 # Every float32 bit pattern against the integer reference (minutes; not part of `make test`).
 sweep: $(STAMP)
 	$(BIN)/python scripts/sweep_formats.py
+
+# The suite on every torch of the compatibility matrix, one venv each in .compat/ (several GB each; not part of
+# `make test`, which stays on the pinned torch). Rewrites the matrix in docs/compat.md.
+compat:
+	$(PYTHON) scripts/compat.py --doc docs/compat.md
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/formats.py

@@ -93,8 +93,15 @@ def snapshot(ref: str, home: Path) -> tuple[str, Path]:
 
 def run_suite(venv: Path, tree: Path, slow: bool, extra: list[str]) -> dict:
     python = str(venv / "bin" / "python")
-    # The snapshot's package, with its pytest plugin entry point, replaces whatever the venv had.
-    _run([python, "-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall", "-e", str(tree)])
+    version = (venv / ".installed").read_text().strip()
+    # The snapshot's package, with its pytest plugin entry point, replaces whatever the venv had; a dependency the
+    # snapshot added since the venv was made is installed, torch staying pinned.
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as constraints:
+        constraints.write("\n".join(pins(version)) + "\n")
+    try:
+        _run([python, "-m", "pip", "install", "--quiet", "-c", constraints.name, "-e", f"{tree}[{EXTRAS}]"])
+    finally:
+        os.unlink(constraints.name)
     torch_version = subprocess.run([python, "-c", "import torch; print(torch.__version__)"], check=True,
                                    capture_output=True, text=True).stdout.strip()
     junit = tree / f"junit-{venv.name}.xml"

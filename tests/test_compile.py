@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from tf32lab import flags
+
 SCRIPT = r"""
 import json, warnings
 warnings.filterwarnings("ignore")
@@ -49,6 +51,7 @@ with tf32lab.precision("medium"):
 at_highest = compiled(x, w)
 out["around"] = {"vs_eager_medium": gap(at_medium, torch.relu(eager("medium"))),
                  "vs_eager_highest": gap(at_highest, torch.relu(eager("highest"))),
+                 "medium_vs_eager_highest": gap(at_medium, torch.relu(eager("highest"))),
                  "medium_vs_highest": gap(at_medium, at_highest)}
 torch._dynamo.reset()
 counted = torch.compile(f, backend=count)
@@ -87,6 +90,19 @@ out["written"] = {"vs_eager_medium": gap(written, eager("medium")),
                   "vs_eager_highest": gap(written, eager("highest")),
                   "level_after": tf32lab.get_float32_matmul_precision(),
                   "alerts": [a.message for a in tf32lab.doctor().warnings if a.code == "flag-written-while-compiled"]}
+# D: emulate() inside a compiled function: refused with a clear error (it cannot make that function run eagerly)
+def k(x, w):
+    with tf32lab.emulate("a100"):
+        return torch.mm(x, w)
+
+torch._dynamo.reset()
+before = flags.snapshot()
+try:
+    torch.compile(k)(x, w)
+    out["emulate_inside"] = "ran"
+except Exception as exc:
+    out["emulate_inside"] = f"{type(exc).__name__}: {exc}"
+out["emulate_inside_flags_unchanged"] = flags.snapshot() == before
 print("RESULT" + json.dumps(out))
 """
 
@@ -102,11 +118,16 @@ def found() -> dict:
     return json.loads(line[len("RESULT"):])
 
 
-def test_a_scope_around_a_compiled_function_governs_its_matmuls(found):
+def test_a_scope_around_a_compiled_function_governs_its_matmuls_from_torch_2_9(found):
     around = found["around"]
-    assert around["vs_eager_medium"] < NOISE and around["vs_eager_highest"] < NOISE
-    if found["medium_differs"] > 100 * NOISE:
-        assert around["medium_vs_highest"] > 10 * NOISE
+    assert around["vs_eager_highest"] < NOISE
+    if flags.NEW_API:
+        assert around["vs_eager_medium"] < NOISE
+        if found["medium_differs"] > 100 * NOISE:
+            assert around["medium_vs_highest"] > 10 * NOISE
+    else:  # a documented limit: before 2.9 Inductor's CPU matmuls compute float32 at any level (oneDNN's bf16
+        # path under 'medium' is eager's only); measured on 2.4.1, 2.6.0 and 2.8.0
+        assert around["medium_vs_eager_highest"] < NOISE
     # Dynamo guards the matmul level where it can read it (per-backend API: one graph per level), or not at all
     # (legacy: the compiled graph reads the flag when it runs): two graphs at most, never one per call.
     assert 1 <= around["graphs"] <= 2
@@ -127,3 +148,8 @@ def test_a_flag_written_inside_a_compiled_function_is_a_limit_doctor_names(found
     if found["medium_differs"] > 100 * NOISE:
         assert written["vs_eager_highest"] < NOISE < written["vs_eager_medium"]
     assert len(written["alerts"]) == 1 and " h: set_float32_matmul_precision()" in written["alerts"][0]
+
+
+def test_emulate_inside_a_compiled_function_is_a_clear_error(found):
+    assert found["emulate_inside"].startswith("Tf32LabError: emulate() was entered inside a torch.compile'd function")
+    assert found["emulate_inside_flags_unchanged"]

@@ -297,16 +297,15 @@ def test_inductor_settings_from_the_environment_without_importing_inductor():
     assert found["autotune, same precision"] == []
 
 
-def test_inductor_conv_as_matmul_read_live(monkeypatch):
+def test_inductor_conv_as_matmul_read_live():
     from torch._inductor import config
 
     from tf32lab import inductor
 
-    monkeypatch.setattr(config, "conv_1x1_as_mm", True)
-    codes = [c for c, _ in inductor.alerts({"cuda.matmul": "ieee", "cuda.conv": "tf32"}, False)]
-    assert codes == ["inductor-conv-as-matmul"]
-    assert inductor.alerts({"cuda.matmul": "tf32", "cuda.conv": "tf32"}, False) == []
-    monkeypatch.setattr(config, "conv_1x1_as_mm", False)
+    with config.patch(conv_1x1_as_mm=True):  # Inductor's own way (its config module is no plain module)
+        codes = [c for c, _ in inductor.alerts({"cuda.matmul": "ieee", "cuda.conv": "tf32"}, False)]
+        assert codes == ["inductor-conv-as-matmul"]
+        assert inductor.alerts({"cuda.matmul": "tf32", "cuda.conv": "tf32"}, False) == []
     assert inductor.alerts({"cuda.matmul": "ieee", "cuda.conv": "tf32"}, False) == []
 
 

@@ -130,3 +130,27 @@ def test_tf32lab_setters_and_scopes_keep_torchs_legacy_getter_truthful(level, us
     tf32lab.set_float32_matmul_precision(level)
     assert torch.get_float32_matmul_precision() == level
     assert torch.backends.cuda.matmul.allow_tf32 == (level != "highest")
+
+
+@pytest.mark.skipif(flags.NEW_API, reason="the legacy API generation only (torch before 2.9)")
+def test_the_legacy_api_is_read_written_and_restored_through_its_own_flags():
+    before = flags.snapshot()
+    assert flags.read_cell_table() == [] and flags.LEVEL_CELLS == ()
+    assert [name for name, _ in flags.LEGACY_READERS] == [
+        "torch.get_float32_matmul_precision()", "torch.backends.cuda.matmul.allow_tf32",
+        "torch.backends.cudnn.allow_tf32"]
+    torch.backends.cuda.matmul.allow_tf32 = True  # the legacy API's other name for 'high'
+    assert flags.read_level() == "high" and flags.read_cells()["cuda.matmul"] == "tf32"
+    torch.backends.cudnn.allow_tf32 = False
+    cells = flags.read_cells()
+    assert cells["cuda.conv"] == cells["cuda.rnn"] == "ieee" and cells["mkldnn.conv"] == "ieee"
+    torch.set_float32_matmul_precision("medium")
+    assert flags.read_cells()["mkldnn.matmul"] == "bf16"
+    assert flags.read_level_state() == (("medium",), ("medium",))
+    assert flags.level_values("high") == flags.level_raw("high") == ("high",)
+    assert flags.effective_from_raw(("high",)) == ("high",) and flags.level_from_effective(("medium",)) == "medium"
+    flags.write_level_raw(("highest",))
+    assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cuda.matmul.allow_tf32
+    assert not torch.backends.cudnn.allow_tf32  # cuDNN's boolean is its own, apart from the level
+    flags.restore(before)
+    assert flags.snapshot() == before and torch.backends.cudnn.allow_tf32

@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from importlib.metadata import version
 
 import pytest
 
@@ -156,16 +157,23 @@ def test_strict_mode_fails_a_test_that_ran_an_op_it_cannot_emulate(pytester: pyt
     ])
 
 
+# Before torch 2.11 (2.4.1 to 2.9.1 measured; 2.10 not run) PyTorch itself crashes on a mode put on raw once it has
+# been read off the stack and is put back: torch._C._get_dispatch_stack_at, _pop_torch_dispatch_stack, then
+# _push_on_torch_dispatch_stack of the same mode segfaults inside the push, with no tf32lab in the process.
+RAW_MODES_SURVIVE = tuple(int(p) for p in version("torch").split(".")[:2]) >= (2, 11)
+
+
 def test_a_test_that_leaks_a_flag_or_a_scope_is_named_and_the_next_test_does_not_inherit_it(pytester: pytest.Pytester):
-    pytester.makepyfile(test_leak=LEAK)
+    leak = LEAK if RAW_MODES_SURVIVE else LEAK.replace("def test_leaks_a_mode_put_on_raw", "def _not_run")
+    pytester.makepyfile(test_leak=leak)
     result = _run(pytester, "--tf32lab", "a100:high")
-    result.assert_outcomes(passed=6)
+    result.assert_outcomes(passed=6 if RAW_MODES_SURVIVE else 5)
     result.stdout.fnmatch_lines([
         "left global state changed: test_leak.py::test_leaks_a_flag: PyTorch flags changed*put back",
         "left global state changed: test_leak.py::test_uses_a_fixture_that_leaks: PyTorch flags changed"
         " (*allow_fp16_reduced_precision_reduction*), put back",
-        "left global state changed: test_leak.py::test_leaks_a_mode_put_on_raw: 1 dispatch mode(s) left on the stack"
-        " (Stray), taken off",
+        *(["left global state changed: test_leak.py::test_leaks_a_mode_put_on_raw: 1 dispatch mode(s) left on the "
+           "stack (Stray), taken off"] if RAW_MODES_SURVIVE else []),
         "left global state changed: test_leak.py::test_leaks_a_scope: 1 precision() scope(s) or emulate() block(s)"
         " left open, closed*",
     ])

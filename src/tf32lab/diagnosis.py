@@ -264,7 +264,9 @@ def doctor(hardware: Optional[Hardware] = None) -> Diagnosis:
     cell_rows = flags.read_cell_table(snap)
     cells = flags.read_cells()
     legacy, raising = _legacy()
-    other = {name: value for name, value in snap if not name.startswith("fp32_precision.")}
+    # Before torch 2.9 the level and cuDNN's boolean are the legacy readers' own values, shown once, with them.
+    shown = () if flags.NEW_API else ("float32_matmul_precision", "cudnn.allow_tf32")
+    other = {name: value for name, value in snap if not name.startswith("fp32_precision.") and name not in shown}
     level = flags.read_level()
     table = _level_table(hw, cells)
     threads, reason = decide_threads("auto", 1, hw)

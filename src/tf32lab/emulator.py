@@ -127,6 +127,23 @@ class _DynamoWatch(importlib.abc.MetaPathFinder):
 _WATCH = _DynamoWatch()
 
 
+def _in_compiled_region() -> bool:
+    """Whether this code runs under ``torch.compile`` (Dynamo's frame callback is set on this thread)."""
+    if _DYNAMO not in sys.modules:
+        return False
+    frames = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    get = getattr(frames, "get_eval_frame_callback", None)
+    if get is not None:
+        callback = get()
+    else:  # torch before 2.6 has no getter: the setter returns what it replaces, put back at once
+        put = getattr(frames, "set_eval_frame", None)
+        if put is None:
+            return False
+        callback = put(None)
+        put(callback)
+    return callback is not None and callback is not False
+
+
 def _force_eager() -> None:
     global _stance_users
     with _stance_lock:
@@ -925,6 +942,8 @@ class emulate(contextlib.ContextDecorator):
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
+        if not hasattr(self, "unhandled"):  # made by Dynamo (torch 2.6) with __new__ alone, for its messages
+            return "<emulate>"
         ops = sum(self.coverage.values())
         forced = f", math={self.math}" if self.math else ""
         return (f"<emulate {self.target.name}{forced}: {ops} ops emulated, "
@@ -940,6 +959,10 @@ class emulate(contextlib.ContextDecorator):
         if self.math is None:  # a value no target row knows, or bfx9 on a GPU without it: no guessing
             for cell in sorted({e.cell for e in self.target.entries.values() if e.cell and e.cell in cells}):
                 check_value(self.target, cell, cells[cell])
+        if _in_compiled_region():
+            raise Tf32LabError(
+                "emulate() was entered inside a torch.compile'd function: the block cannot make the function run "
+                "eagerly from there; enter emulate() around the call (compiled code then runs eagerly, emulated)")
         modes = _thread_modes()
         _force_eager()
         try:

@@ -562,7 +562,7 @@ _DEEP_KEY = re.compile(r"(?:[A-Za-z0-9_-]+[ \t]*\.[ \t]*){64}")  # a dotted key 
 
 def _read_toml(text: bytes, where: str) -> Any:
     try:
-        import tomllib
+        import tomllib  # novermin (Python >= 3.11; tomli below)
     except ImportError:  # Python < 3.11
         try:
             import tomli as tomllib  # type: ignore[no-redef]

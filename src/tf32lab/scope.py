@@ -576,7 +576,8 @@ class precision:
         self.level = check_level(level)
 
     def __repr__(self) -> str:
-        return f"precision({self.level!r})"
+        # Dynamo (torch 2.6) writes the repr of a context manager it made with __new__ alone: no level yet
+        return f"precision({getattr(self, 'level', '...')!r})"
 
     def __enter__(self) -> precision:
         level = self.level
