@@ -20,6 +20,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,7 @@ import time
 import xml.etree.ElementTree as ET
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 # Legacy API (allow_tf32 and the level string alone) before 2.9; per-backend fp32_precision cells from 2.9.
@@ -60,7 +62,7 @@ def setup(version: str, home: Path) -> Path:
         return venv
     if venv.exists():
         shutil.rmtree(venv)
-    print(f"[compat] torch {version}: creating {venv.relative_to(ROOT)} (downloads several GB)", flush=True)
+    print(f"[compat] torch {version}: creating {venv} (downloads several GB)", flush=True)
     _run([sys.executable, "-m", "venv", str(venv)])
     python = str(venv / "bin" / "python")
     _run([python, "-m", "pip", "install", "--quiet", "--upgrade", "pip"])
@@ -91,6 +93,15 @@ def snapshot(ref: str, home: Path) -> tuple[str, Path]:
     return sha, tree
 
 
+def _setup_or_none(version: str, home: Path) -> Optional[Path]:
+    """The venv of ``version``, or None (said on stderr) when pip could not make it: the other versions go on."""
+    try:
+        return setup(version, home)
+    except subprocess.CalledProcessError as exc:
+        print(f"[compat] torch {version}: setting up the venv failed ({exc}); skipped", file=sys.stderr, flush=True)
+        return None
+
+
 def run_suite(venv: Path, tree: Path, slow: bool, extra: list[str]) -> dict:
     python = str(venv / "bin" / "python")
     version = (venv / ".installed").read_text().strip()
@@ -105,12 +116,15 @@ def run_suite(venv: Path, tree: Path, slow: bool, extra: list[str]) -> dict:
     torch_version = subprocess.run([python, "-c", "import torch; print(torch.__version__)"], check=True,
                                    capture_output=True, text=True).stdout.strip()
     junit = tree / f"junit-{venv.name}.xml"
+    junit.unlink(missing_ok=True)  # a run that dies before writing it must not report the last one's counts
     cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *extra]
     if not slow:
         cmd += ["-m", "not slow"]
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    # SIGINT at its default: started in the background of a non-interactive shell, the suite would inherit it ignored
+    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seconds = time.monotonic() - start
     (tree / f"log-{venv.name}.txt").write_text(proc.stdout + proc.stderr)
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
@@ -122,6 +136,9 @@ def run_suite(venv: Path, tree: Path, slow: bool, extra: list[str]) -> dict:
         for case in ET.parse(junit).getroot().iter("testcase"):
             if case.find("failure") is not None or case.find("error") is not None:
                 failed.append(f"{case.get('classname')}::{case.get('name')}")
+    if proc.returncode not in (0, 1) and not failed:  # crashed, interrupted or a usage error: say so
+        failed.append(f"pytest exited {proc.returncode} (see {tree / ('log-' + venv.name + '.txt')})")
+        counts["errors"] += 1
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr.strip()[-300:]
     return {"torch": torch_version, "exit": proc.returncode, "seconds": round(seconds), "failed": failed,
             "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
@@ -178,16 +195,29 @@ def main(argv: list[str] | None = None) -> int:
     bad = [v for v in versions if not re.fullmatch(r"\d+\.\d+\.\d+", v)]
     if bad:
         parser.error(f"--versions: {', '.join(bad)} is not a release like 2.4.1")
+    if args.doc:
+        text = Path(args.doc).read_text() if Path(args.doc).is_file() else ""
+        if BEGIN not in text or END not in text:
+            parser.error(f"--doc {args.doc}: no {BEGIN} ... {END} block to rewrite")
     home = Path(args.home).resolve()
     home.mkdir(parents=True, exist_ok=True)
     if args.setup_only:
-        for version in versions:
-            setup(version, home)
-        return 0
+        broken = [v for v in versions if _setup_or_none(v, home) is None]
+        return 1 if broken else 0
     sha, tree = snapshot(args.ref, home)
     rows = []
     for version in versions:
-        result = run_suite(setup(version, home), tree, args.slow, args.pytest_args)
+        venv = _setup_or_none(version, home)
+        if venv is None:
+            result = {"torch": version, "exit": "setup failed", "seconds": 0, "failed": ["the venv could not be made"],
+                      "passed": 0, "tests": 0, "failures": 0, "errors": 1, "skipped": 0, "summary": "setup failed"}
+        else:
+            try:
+                result = run_suite(venv, tree, args.slow, args.pytest_args)
+            except subprocess.CalledProcessError as exc:
+                result = {"torch": version, "exit": f"install failed ({exc.returncode})", "seconds": 0,
+                          "failed": [f"installing the snapshot failed: {exc}"], "passed": 0, "tests": 0,
+                          "failures": 0, "errors": 1, "skipped": 0, "summary": "install failed"}
         rows.append((version, result))
         print(line(version, result), flush=True)
         (home / f"result-{version}.json").write_text(json.dumps({"commit": sha, **result}, indent=1))

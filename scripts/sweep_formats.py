@@ -42,6 +42,7 @@ def _cases():
     cases["round_fp16"] = (lambda x: (formats.round_fp16(x),), lambda u: (R.ref_round_fp16(u, np_ops),))
     cases["split_bf16x3"] = (formats.split_bf16x3, lambda u: R.ref_split_bf16x3(u, np_ops))
     cases["split_tf32x3"] = (formats.split_tf32x3, lambda u: R.ref_split_tf32x3(u, np_ops))
+    cases["split_bf16x9"] = (formats.split_bf16x9, lambda u: R.ref_split_bf16x9(u, np_ops))
     return cases
 
 

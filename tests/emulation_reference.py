@@ -16,24 +16,27 @@ U32 = 2.0**-24  # float32 unit roundoff
 
 
 def rounded(t: torch.Tensor, math: str) -> list[tuple[torch.Tensor, int]]:
-    """``t`` as a sum of parts: [(part, group)], group 0 = big/hi, 1 = small/lo."""
+    """``t`` as a sum of parts: [(part, group)], group 0 = big/hi, 1 = small/lo (bfx9: 1 = mid, 2 = lo)."""
     if math == "ieee":
         return [(t, 0)]
     if math == "tf32":
         return [(formats.round_tf32(t), 0)]
     if math == "bf16":
         return [(formats.round_bf16(t), 0)]
+    if math == "bfx9":
+        return [(part, group) for group, part in enumerate(formats.split_bf16x9(t))]
     big, small = formats.split_tf32x3(t) if math == "tf32x3" else formats.split_bf16x3(t)
     return [(big, 0), (small, 1)]
 
 
 def bilinear(f: Callable, a: torch.Tensor, b: torch.Tensor, math: str) -> torch.Tensor:
-    """f(a, b) in float64 for bilinear ``f`` under ``math``; split maths keep big·big + big·small + small·big."""
+    """f(a, b) in float64 for bilinear ``f`` under ``math``; x3 maths keep big·big + big·small + small·big, bfx9
+    all nine products of its parts."""
     total = None
     for pa, ga in rounded(a, math):
         for pb, gb in rounded(b, math):
-            if ga and gb:
-                continue  # small·small is what the split maths drop
+            if ga and gb and math != "bfx9":
+                continue  # small·small is what the x3 maths drop
             term = f(pa.double(), pb.double())
             total = term if total is None else total + term
     return total

@@ -166,6 +166,18 @@ def ref_split_bf16x3(bits, ops=PyOps):
     return hi, ref_round_bf16(sub_bits(bits, hi, ops), "rne", ops)
 
 
+def ref_split_bf16x9(bits, ops=PyOps):
+    """hi, mid, lo: RNE parts of what is left; an RNE overflow takes hi toward zero, inf and NaN are all hi."""
+    _, _, _, is_inf, is_nan = decode(bits, ops)
+    hi = ref_round_bf16(bits, "rne", ops)
+    _, _, _, hi_inf, _ = decode(hi, ops)
+    hi = ops.where(hi_inf, ref_round_bf16(bits, "rz", ops), hi)  # an overflow (inf and NaN are set next)
+    hi = ops.where(is_nan, NAN, ops.where(is_inf, bits, hi))
+    rest = ops.where(is_nan, 0, ops.where(is_inf, 0, sub_bits(bits, hi, ops)))
+    mid = ref_round_bf16(rest, "rne", ops)
+    return hi, mid, ref_round_bf16(sub_bits(rest, mid, ops), "rne", ops)
+
+
 def ref_split_tf32x3(bits, ops=PyOps):
     big = ref_round_tf32(bits, "rz", ops)
     return big, ref_round_tf32(sub_bits(bits, big, ops), "rna", ops)

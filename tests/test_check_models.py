@@ -352,8 +352,11 @@ class Slow(torch.nn.Module):
 def make():
     return Slow(), torch.ones(2, 4)
 ''')
+    # SIGINT back to its default in the child: a suite started in the background of a non-interactive shell
+    # inherits it ignored (POSIX), and Python then never raises KeyboardInterrupt
     proc = subprocess.Popen([sys.executable, "-m", "tf32lab.cli", "check", "slow.py:make"], cwd=spec_dir,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout.readline().strip() == "started"
     proc.send_signal(signal.SIGINT)
     _out, err = proc.communicate(timeout=60)

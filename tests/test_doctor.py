@@ -143,6 +143,18 @@ def test_json_validates_against_the_schema(name):
     jsonschema.validate(json.loads(tf32lab.doctor(hw).to_json()), schema)
 
 
+def test_the_schema_takes_the_cells_and_values_of_other_and_newer_torches():
+    data = json.loads(tf32lab.doctor().to_json())
+    data["flags"]["cells"] = [{"cell": "xpu.math_sdp", "raw": "none", "effective": "ieee"},
+                              {"cell": "cuda.matmul", "raw": "bfx9", "effective": "bfx9"},
+                              {"cell": "mkldnn.matmul", "raw": "fp8x4", "effective": "fp8x4"}]
+    data["flags"]["level"] = "unknown"
+    jsonschema.validate(data, diagnosis.schema())
+    data["flags"]["cells"][0]["cell"] = "xpu matmul"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(data, diagnosis.schema())
+
+
 def test_cli_doctor_json_is_valid_and_about_this_machine():
     done = _tf32lab("doctor", "--json")
     assert done.returncode == 0, done.stderr

@@ -58,7 +58,7 @@ def _activation(name, x):
     return F.relu(x) if "relu" in name else F.gelu(x) if "gelu" in name else x
 
 
-@pytest.mark.parametrize("math", ["tf32", "bf16", "tf32x3", "bf16x3"])
+@pytest.mark.parametrize("math", ["tf32", "bf16", "tf32x3", "bf16x3", "bfx9"])
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_gemm_ops_equal_rounded_reference(name, grad, math):

@@ -252,7 +252,8 @@ def test_fullgraph_compile_inside_emulate_runs_eagerly_and_leaves_dynamo_clean_f
             print(round, "torch._dynamo" in sys.modules)
             with tf32lab.precision("high"), tf32lab.emulate("a100") as emu:
                 inside = torch.compile(f, fullgraph=True, backend="eager")(a, b)
-            print("inside emulated:", torch.equal(inside, emulated), dict(emu.coverage))
+            # (the f's one product; Dynamo's own set-up may run ops too, as torch 2.6 does: two dot products)
+            print("inside emulated:", torch.equal(inside, emulated), emu.coverage[("aten::mm", "tf32-rna")])
             sys.path.insert(0, {tests!r})
             from dynamo_state import compiling_restored
             print("stance:", "default" if compiling_restored() else "forced")
@@ -262,8 +263,8 @@ def test_fullgraph_compile_inside_emulate_runs_eagerly_and_leaves_dynamo_clean_f
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines() == [
-        "dynamo imported inside False", "inside emulated: True {('aten::mm', 'tf32-rna'): 1}", "stance: default",
+        "dynamo imported inside False", "inside emulated: True 1", "stance: default",
         "native after: True",
-        "dynamo loaded True", "inside emulated: True {('aten::mm', 'tf32-rna'): 1}", "stance: default",
+        "dynamo loaded True", "inside emulated: True 1", "stance: default",
         "native after: True",
     ]

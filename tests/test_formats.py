@@ -69,7 +69,8 @@ def test_round_fp16_matches_reference(bits):
 
 
 @pytest.mark.parametrize("split, ref", [(formats.split_bf16x3, R.ref_split_bf16x3),
-                                        (formats.split_tf32x3, R.ref_split_tf32x3)])
+                                        (formats.split_tf32x3, R.ref_split_tf32x3),
+                                        (formats.split_bf16x9, R.ref_split_bf16x9)])
 @given(bits=patterns)
 def test_splits_match_reference(split, ref, bits):
     parts = split(tensor_of(bits))
@@ -88,6 +89,11 @@ def test_splits_keep_more_bits_than_one_part(values):
     # hi + lo holds 16 significant bits, big + small 21 or more: relative error bounds 2**-16 and 2**-21.
     assert torch.all((hi.double() + lo.double() - xd).abs() <= xd.abs() * 2**-16 + 2**-133)
     assert torch.all((big.double() + small.double() - xd).abs() <= xd.abs() * 2**-21 + 2**-133)
+    # three bf16 parts hold all 24 bits of a float32 (bfx9), unless the last part falls below bf16's subnormals
+    hi, mid, lo = formats.split_bf16x9(x)
+    parts = hi.double() + mid.double() + lo.double()
+    assert torch.all((parts == xd) | (xd.abs() < 2.0**-100))
+    assert all(torch.equal(formats.round_bf16(p), p) for p in (hi, mid, lo))
 
 
 def test_the_rna_pin_from_pytorch_53635():
@@ -137,6 +143,7 @@ def test_input_untouched_and_result_new():
         y = fn(x)
         assert y.data_ptr() != x.data_ptr()
     formats.split_bf16x3(x)
+    formats.split_bf16x9(x)
     formats.split_tf32x3(x)
     assert torch.equal(x.view(torch.int32), before.view(torch.int32))
 
@@ -177,7 +184,7 @@ def test_same_bits_on_cuda():
                                  torch.zeros(3, dtype=torch.int32)])
 def test_non_float32_gets_a_type_error_naming_the_dtype(bad):
     for fn in (formats.round_tf32, formats.round_bf16, formats.round_fp16, formats.split_bf16x3,
-               formats.split_tf32x3):
+               formats.split_tf32x3, formats.split_bf16x9):
         with pytest.raises(TypeError, match=str(bad.dtype)):
             fn(bad)
 
@@ -203,4 +210,4 @@ def test_sweep_script_on_a_slice():
     )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [ln for ln in done.stdout.splitlines() if "mismatches" in ln]
-    assert len(lines) == 9 and all(ln.split()[-1] == "0" for ln in lines), done.stdout
+    assert len(lines) == 10 and all(ln.split()[-1] == "0" for ln in lines), done.stdout

@@ -333,3 +333,32 @@ def test_an_empty_or_differently_written_guard_setting_is_understood():
     for value, expected in (("", "auto"), (" Always ", "always")):
         done = run_python(code, TF32LAB_SCOPE_GUARD=value)
         assert done.returncode == 0 and done.stdout.strip() == expected, (value, done.stderr)
+
+
+@pytest.mark.skipif(not flags.NEW_API, reason="a mix no level writes needs the per-backend cells")
+def test_contended_unscoped_code_runs_at_the_users_own_mix_not_the_level_it_amounts_to():
+    # The user's cells (cuda tf32, mkldnn ieee) amount to 'high', but 'high' writes (tf32, tf32): while scopes of two
+    # threads contend, unscoped code ran with oneDNN at TF32. (A bfx9 base, or a newer torch's value, went the same
+    # way, or raised KeyError.) Now exactly the user's values are written back for it.
+    code = (
+        "import threading, torch, tf32lab\n"
+        "from tf32lab import flags, scope\n"
+        "torch.backends.cuda.matmul.fp32_precision = 'tf32'\n"
+        "before = flags.snapshot()\n"
+        "x = torch.randn(8, 8)\n"
+        "entered, done = threading.Barrier(3), threading.Barrier(3)\n"
+        "def worker(level):\n"
+        "    with tf32lab.precision(level):\n"
+        "        entered.wait(); torch.mm(x, x); done.wait()\n"
+        "threads = [threading.Thread(target=worker, args=(lv,)) for lv in ('high', 'medium')]\n"
+        "[t.start() for t in threads]\n"
+        "entered.wait()\n"
+        "cells = flags.read_cells()\n"
+        "print(cells['cuda.matmul'], cells['mkldnn.matmul'], tf32lab.get_float32_matmul_precision())\n"
+        "print(scope.run_at('medium', lambda: flags.read_cells()['mkldnn.matmul']))\n"
+        "done.wait(); [t.join() for t in threads]\n"
+        "print(flags.snapshot() == before)\n"
+    )
+    done = run_python(code, TF32LAB_SCOPE_GUARD="always")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["tf32", "ieee", "high", "bf16", "True"]

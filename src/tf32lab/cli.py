@@ -194,7 +194,7 @@ def _targets(args: argparse.Namespace) -> int:
         for level in LEVELS:
             cells = dict(defaults)
             cells["cuda.matmul"], cells["mkldnn.matmul"] = BACKEND_VALUES[level]
-            maths[level] = {family: str(target.math(family, cells)) for family in FAMILIES}
+            maths[level] = {family: target.math_name(family, cells) for family in FAMILIES}
         peaks = PEAKS.get(target.name)
         rows.append({
             "name": target.name, "title": target.title, "device": target.device,

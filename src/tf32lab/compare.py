@@ -331,6 +331,10 @@ class PolicyRow:
         if unmatched is not None:
             raise Tf32LabError(unmatched)
         base = policy.default or get_float32_matmul_precision()
+        if base not in LEVELS:  # the process's cells hold a value no level writes (a newer torch's)
+            raise Tf32LabError(f"check(policy=...): the policy has no default level and the process level is "
+                               f"{base!r} (a flag holds a value this tf32lab does not know); give the policy a "
+                               "default level")
         by_name = {(a.name or ROOT): a.level or base for a in policy.explain(model)}
         return cls(policy, base, by_name, frozenset(by_name.values()))
 

@@ -136,15 +136,8 @@ def _level_table(hw: Hardware, cells: dict[str, str]) -> dict[str, dict[str, str
         cuda, mkldnn = BACKEND_VALUES[level]
         asked = {**cells, "cuda.matmul": cuda, "mkldnn.matmul": mkldnn}
         obeyed = {**hw.cells_in_force(asked), "sdpa": sdpa}
-        table[level] = {family: _math_name(target, family, obeyed) for family in FAMILIES}
+        table[level] = {family: target.math_name(family, obeyed) for family in FAMILIES}
     return table
-
-
-def _math_name(target: targets.Target, family: str, cells: dict[str, str]) -> str:
-    try:
-        return str(target.math(family, cells))
-    except Tf32LabError:  # a cell holds a value this tf32lab does not know, or one the target cannot run
-        return "unknown"
 
 
 def _probe(hw: Hardware) -> tuple[Optional[dict[str, ProbeResult]], Optional[Alert]]:
@@ -213,17 +206,23 @@ def _warnings(hw: Hardware, level: str, table: dict[str, dict[str, str]],
             f"the level is {level!r}, but here every op family computes as at 'highest' (target {hw.target})")))
     for cell, _, effective in cell_rows:
         if effective not in (*targets.CELL_VALUES, "none"):
+            level_note = " the level shows as 'unknown'," if cell in ("cuda.matmul", "mkldnn.matmul") else ""
             out.append(Alert("unknown-value", (
-                f"{cell} holds {effective!r}, a value this tf32lab does not know (a newer torch's): the level shows "
-                "as 'unknown', and emulate() refuses to guess what it computes")))
+                f"{cell} holds {effective!r}, a value this tf32lab does not know (a newer torch's):{level_note} "
+                "emulate() refuses to guess what it computes")))
     if any(cell == "cuda.matmul" and effective == "bfx9" for cell, _, effective in cell_rows):
-        where = ("" if target.capability and target.capability >= (10, 0) else
-                 f"; on {target.name} (before Blackwell) PyTorch raises for every float32 matmul")
+        if target.device != "cuda":
+            where = f"; {target.name} computes on the CPU, which does not read that cell"
+        elif target.capability and target.capability >= (10, 0):
+            where = ""
+        else:
+            where = f"; on {target.name} (before Blackwell) PyTorch raises for every float32 matmul"
         out.append(Alert("bfx9", (
             "cuda.matmul is 'bfx9': cuBLAS computes float32 matmuls with nine bf16 products (CUDA 12.9+, compute "
             f"capability 10.0+; pytorch#195301): float32's accuracy, other bits than IEEE{where}")))
-    tensor_cores = target.device == "cuda" and bool(target.capability) and target.capability >= (8, 0)
-    out += [Alert(code, message) for code, message in inductor.alerts(cells, tensor_cores, hw.env)]
+    gpu = target.device == "cuda"
+    tensor_cores = gpu and bool(target.capability) and target.capability >= (8, 0)
+    out += [Alert(code, message) for code, message in inductor.alerts(cells, tensor_cores, hw.env, gpu=gpu)]
     if hw.cpu_quota is not None and hw.cpu_quota < hw.visible_cpus:
         out.append(Alert("cpu-quota", (
             f"the CPU quota ({hw.cpu_quota:g} CPUs, {hw.quota_source}) is smaller than the {hw.visible_cpus} "

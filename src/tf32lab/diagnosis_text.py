@@ -56,7 +56,7 @@ def _levels(d: Diagnosis) -> Table:
     for level, maths in d.levels.items():
         table.add_row(level + (" *" if level == d.level else ""), *(maths[f] for f in families))
     table.caption = ("* in force now; math: ieee, tf32-rna / tf32-rne (operands rounded to TF32, ties away / to "
-                     "even), bf16-rne, tf32x3 (3 passes)")
+                     "even), bf16-rne, tf32x3 (3 passes), bfx9 (9 bf16 passes)")
     table.caption_justify = "left"
     return table
 

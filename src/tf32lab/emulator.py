@@ -367,7 +367,13 @@ class _Call:
         if name == "bfx9":  # all nine products, as three GEMMs: each part of a times the parts of b summed
             hi, mid, lo = self.split(a, math)
             b_sum = self.split(b, math, summed=True)[-1]
-            return full(hi, b_sum).add_((bare or full)(mid, b_sum)).add_((bare or full)(lo, b_sum))
+            out = full(hi, b_sum).add_((bare or full)(mid, b_sum)).add_((bare or full)(lo, b_sum))
+            if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+                # special values propagate as in IEEE float32 (NVIDIA's BF16x9 emulation docs): the parts of a
+                # finite operand times an infinite one could otherwise meet as inf - inf
+                ieee = full(a, b)
+                out = torch.where(torch.isfinite(ieee), out, ieee)
+            return out
         # The three products big·big' + big·small' + small·big' as two GEMMs: big·(big' + small') + small·big'.
         # big' + small' is exact in float32 unless small' is tiny next to big' (then off by one float32 rounding),
         # so the sum equals the three products within float32 accumulation error; small·small' stays dropped.

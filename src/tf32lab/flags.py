@@ -153,7 +153,9 @@ def _other_flags() -> tuple[_Flag, ...]:
             _plain_flag("cudnn.allow_tf32", "_get_cudnn_allow_tf32", "_set_cudnn_allow_tf32"),
             _plain_flag("mkldnn.allow_tf32", "_get_onednn_allow_tf32", "_set_onednn_allow_tf32"),
         ]
-    return tuple(f for f in found if f is not None)
+    # A reader that answers None cannot be snapshotted (oneDNN's allow_tf32 on a build without Intel GPU support,
+    # torch 2.8 and 2.13): its setter refuses None, so such a flag is not one this torch lets anyone read back.
+    return tuple(f for f in found if f is not None and f.get() is not None)
 
 
 _FLAGS = _other_flags()

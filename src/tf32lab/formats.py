@@ -221,8 +221,11 @@ def split_bf16x9(x: torch.Tensor, *, out: Optional[tuple[torch.Tensor, torch.Ten
     ``CUBLAS_COMPUTE_32F_EMULATED_16BFX9``, PyTorch's ``cuda.matmul.fp32_precision = "bfx9"``, pytorch#195301).
 
     Each part is the RNE bf16 of what the earlier parts left, the differences exact in float32; three parts of 8
-    significant bits hold all 24 of a float32, so ``hi + mid + lo == x`` unless a remainder falls below bf16's
-    subnormal range. The nine products ``hi·hi' ... lo·lo'`` are exact in float32. ``out``: three float32 tensors.
+    significant bits hold all 24 of a float32, so ``hi + mid + lo == x`` for every ``|x| >= 2**-110`` (below, the
+    last part falls into bf16's subnormals and loses bits). The nine products ``hi·hi' ... lo·lo'`` are exact in
+    float32. A value whose RNE bf16 would overflow (``|x| >= 3.3961776e38``) gets its ``hi`` toward zero instead;
+    an infinite or NaN ``x`` is all in ``hi`` (``mid`` and ``lo`` 0), so special values reach the products as they
+    are. ``out``: three float32 tensors.
 
     Example:
 
@@ -232,15 +235,24 @@ def split_bf16x9(x: torch.Tensor, *, out: Optional[tuple[torch.Tensor, torch.Ten
         >>> hi, mid, lo = split_bf16x9(x)
         >>> bool((hi + mid + lo == x).all()), bool((hi + mid == x).all())
         (True, False)
+        >>> [p.item() for p in split_bf16x9(torch.tensor([float("inf")]))]
+        [inf, 0.0, 0.0]
     """
     _check_input(x, "split_bf16x9", None if out is None else out[0])
     x = x.detach()
     hi, mid, lo = out if out is not None else (None, None, None)
     hi = round_bf16(x, out=hi)
+    special = ~torch.isfinite(hi)
+    if bool(special.any()):
+        finite = torch.isfinite(x)
+        # an overflow: toward zero; inf and NaN: x itself
+        hi.copy_(torch.where(special & finite, round_bf16(x, "rz"), torch.where(finite, hi, x)))
+        special = ~finite
     mid = torch.sub(x, hi) if mid is None else torch.sub(x, hi, out=mid)
+    mid.masked_fill_(special, 0.0)  # (x - hi of an infinite x is NaN)
     mid = round_bf16(mid, out=mid)
     lo = torch.sub(x, hi) if lo is None else torch.sub(x, hi, out=lo)
-    lo.sub_(mid)
+    lo.masked_fill_(special, 0.0).sub_(mid)
     return hi, mid, round_bf16(lo, out=lo)
 
 

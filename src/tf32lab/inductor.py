@@ -9,20 +9,23 @@ else from its environment variable and PyTorch's default; compiled code is looke
   (pytorch#175854, left open as intended behaviour).
 - **1x1 convolutions as matmuls** (``conv_1x1_as_mm``, off by default): such a convolution then follows the matmul
   cell (``cuda.matmul``), not cuDNN's (``cuda.conv``), whose defaults differ (IEEE vs TF32).
-- **Triton GEMMs at the TF32 flag** (``force_same_precision`` off, torch before 2.13, with max-autotune): Triton
-  templates use TF32 for every shape, where cuBLAS keeps IEEE for shapes that are not multiples of 16, 16, 8
+- **Triton GEMMs at the TF32 flag** (``force_same_precision`` off, torch before 2.13, with max-autotune set in the
+  config or environment; ``torch.compile(mode="max-autotune")`` sets it only while it compiles, unseen here):
+  Triton templates use TF32 for every shape, where cuBLAS keeps IEEE for shapes that are not multiples of 16, 16, 8
   (the option's own comment in ``torch/_inductor/config.py``).
-- **A flag written inside a compiled function** governs nothing compiled with it: Inductor's matmuls run at the
-  level in force outside, the write is applied after the graph (measured on torch 2.4.1 and 2.13.0 on a CPU:
-  ``set_float32_matmul_precision("medium")`` around ``x @ w`` in a compiled function gave the ``highest`` bits;
-  axolotl#3938 saw a Newton-Schulz step diverge under TF32 for this reason). ``tf32lab.precision()`` breaks the
-  graph instead (its flag reads cannot be traced), so its body runs eagerly at its level.
+- **A flag written inside a compiled function** may govern nothing compiled with it: a write Dynamo traces is
+  applied after the graph, and Inductor's matmuls run at the level in force outside (measured on torch 2.4.1 and
+  2.13.0 on a CPU: ``set_float32_matmul_precision("medium")`` and back around ``x @ w`` in a compiled function gave
+  the ``highest`` bits; axolotl#3938 saw a Newton-Schulz step diverge under TF32 this way). A write Dynamo cannot
+  trace breaks the graph and runs eagerly, correctly; ``tf32lab.precision()`` and tf32lab's setter are such.
+  Read by bytecode: only the compiled function's own code and the functions defined in it (not a helper it calls,
+  which Dynamo inlines, nor a setter imported under another name).
 
 Example:
 
     >>> from tf32lab import inductor
     >>> sorted(inductor.settings())
-    ['conv_1x1_as_mm', 'force_same_precision', 'max_autotune', 'shape_padding']
+    ['conv_1x1_as_mm', 'force_same_precision', 'max_autotune', 'max_autotune_gemm', 'shape_padding']
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ _ENV: dict[str, tuple[Optional[str], bool]] = {
     "conv_1x1_as_mm": (None, False),
     "force_same_precision": ("TORCHINDUCTOR_FORCE_SAME_PRECISION", False),
     "max_autotune": ("TORCHINDUCTOR_MAX_AUTOTUNE", False),
+    "max_autotune_gemm": ("TORCHINDUCTOR_MAX_AUTOTUNE_GEMM", False),
 }
 
 # Names whose call or assignment writes a precision flag.
@@ -82,12 +86,15 @@ def _has_force_same_precision() -> bool:
 
 def _writes_flag(code: CodeType) -> Optional[str]:
     """The first precision-flag write in ``code`` or the functions defined inside it, by name."""
+    before = None
     for instruction in dis.get_instructions(code):
         name = instruction.argval
         if instruction.opname == "STORE_ATTR" and name in _ATTRIBUTES:
             return f"{name} = ..."
-        if instruction.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_GLOBAL", "LOAD_NAME") and name in _WRITERS:
+        if (instruction.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_GLOBAL", "LOAD_NAME") and name in _WRITERS
+                and before != "tf32lab"):  # tf32lab's own setter breaks the graph: it runs eagerly
             return f"{name}()"
+        before = name
     for const in code.co_consts:
         if isinstance(const, CodeType):
             found = _writes_flag(const)
@@ -110,10 +117,14 @@ def _compiled_codes() -> list[CodeType]:
 def compiled_flag_writes() -> list[str]:
     """``file:line function: write`` for each function ``torch.compile`` traced in this process that writes a
     precision flag."""
+    import torch
+
+    # PyTorch's own setters (traced when the user's code calls them) and tf32lab's scopes (never compiled)
+    own = tuple(os.path.dirname(path) + os.sep for path in (torch.__file__, __file__))
     found = []
     for code in _compiled_codes():
-        if code.co_filename.startswith(os.path.dirname(__file__)):
-            continue  # tf32lab's own precision() breaks the graph: its writes never end up compiled
+        if code.co_filename.startswith(own):
+            continue
         if code.co_name.startswith("torch_dynamo_resume_in_"):
             continue  # Dynamo's continuation of a function after a graph break: the function is reported itself
         write = _writes_flag(code)
@@ -122,11 +133,12 @@ def compiled_flag_writes() -> list[str]:
     return found
 
 
-def alerts(cells: Mapping[str, str], tensor_cores: bool,
-           env: Optional[Mapping[str, str]] = None) -> list[tuple[str, str]]:
+def alerts(cells: Mapping[str, str], tensor_cores: bool, env: Optional[Mapping[str, str]] = None, *,
+           gpu: bool = True) -> list[tuple[str, str]]:
     """``(code, message)`` for each way compiled code here would not compute at the flags in ``cells``.
 
-    ``tensor_cores``: the machine (or simulated target) has TF32 units, where shape padding and Triton's TF32 matter.
+    ``tensor_cores``: the machine (or simulated target) has TF32 units, where shape padding and Triton's TF32 matter;
+    ``gpu``: it computes on a CUDA GPU, whose cells (``cuda.*``) these are.
     """
     env = os.environ if env is None else env
     found = settings(env)
@@ -138,19 +150,19 @@ def alerts(cells: Mapping[str, str], tensor_cores: bool,
             "torch.compile pads matmul shapes for tensor cores (Inductor's shape_padding, on by default): a compiled "
             "1x1 Conv2d was seen to drift from eager at 'highest' on a TF32 GPU (pytorch#175854); "
             "TORCHINDUCTOR_SHAPE_PADDING=0 turns it off")))
-    if found["conv_1x1_as_mm"] and cells.get("cuda.conv") != cells.get("cuda.matmul"):
+    if gpu and found["conv_1x1_as_mm"] and cells.get("cuda.conv") != cells.get("cuda.matmul"):
         out.append(("inductor-conv-as-matmul", (
             f"Inductor's conv_1x1_as_mm is on: compiled 1x1 convolutions follow cuda.matmul "
             f"({cells.get('cuda.matmul')!r}), not cuda.conv ({cells.get('cuda.conv')!r})")))
-    if (tensor_cores and found["force_same_precision"] is False and found["max_autotune"]
-            and cells.get("cuda.matmul") == "tf32"):
+    if (tensor_cores and found["force_same_precision"] is False
+            and (found["max_autotune"] or found["max_autotune_gemm"]) and cells.get("cuda.matmul") == "tf32"):
         out.append(("inductor-triton-tf32", (
             "max-autotune with force_same_precision off: Triton GEMM templates use TF32 for every shape, where "
             "cuBLAS keeps IEEE for shapes that are not multiples of 16, 16, 8; "
             "TORCHINDUCTOR_FORCE_SAME_PRECISION=1 keeps them alike")))
     for where in compiled_flag_writes():
         out.append(("flag-written-while-compiled", (
-            f"{where} is compiled by torch.compile and writes a precision flag: the matmuls compiled with it run at "
-            "the level in force outside (the write is applied after the graph); set the flag outside the compiled "
-            "function, or use tf32lab.precision(), which breaks the graph")))
+            f"{where} is compiled by torch.compile and writes a precision flag: where Dynamo traces the write, it "
+            "is applied after the graph and the matmuls compiled with it run at the level in force outside; set "
+            "the flag outside the compiled function, or use tf32lab.precision(), which breaks the graph")))
     return out

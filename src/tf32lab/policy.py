@@ -840,7 +840,9 @@ def _on_register(parent: torch.nn.Module, name: Optional[str], child: Any) -> No
             if owner is None:
                 _APPLIED[module] = handle
                 handle._pending.append(weakref.ref(module))
-            if id(module) not in handle._wrapped and not isinstance(module, torch.jit.ScriptModule) \
+            held = handle._wrapped.get(id(module))
+            # (an entry of a freed module whose id came back for this one is stale: the weak reference tells)
+            if (held is None or held[0]() is not module) and not isinstance(module, torch.jit.ScriptModule) \
                     and not isinstance(module.__dict__.get("forward"), _Pinned):
                 handle._wrapped[id(module)] = (weakref.ref(module), _wrap(module, handle))
     return None

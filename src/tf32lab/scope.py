@@ -144,6 +144,8 @@ _EMULATION: contextvars.ContextVar[Optional[Emulation]] = contextvars.ContextVar
                                                                                  default=None)
 
 
+# in_force when contended unscoped code runs at the user's own cell values and no level writes them
+_USER = "the user's values"
 _LEVEL_OF_EFFECTIVE: dict[tuple[str, ...], str] = {}
 _EFFECTIVE_OF: dict[str, tuple[str, ...]] = {}  # level -> the effective cells its write leaves
 
@@ -280,9 +282,9 @@ class _State:
             elif not self.contended:
                 target = votes[0]
             elif self.in_force is not None:
-                target = self.base_level
+                target = self.user_target(self.base)
             else:
-                target = flags.level_from_effective(_read_effective())
+                target = self.user_target(_Base.of(_read_effective(), ()))
             if target == self.in_force and _effective() == _EFFECTIVE_OF.get(target):
                 return  # (a direct torch write inside an inner scope: the outer one's level is written again)
             if self.busy():
@@ -290,14 +292,25 @@ class _State:
                 continue
             if self.in_force is None:
                 self.begin()
-            if target in _VALUES:
-                _write_level(target)
-            else:  # the user's cells hold a value no level writes (a newer torch's): give back exactly those
-                _write_raw(self.base.raw)
+            self.write(target)
             if target not in _EFFECTIVE_OF and target in _VALUES:
                 _EFFECTIVE_OF[target] = _effective()
             self.in_force = target
             return
+
+    @staticmethod
+    def user_target(base: _Base) -> str:
+        """What contended unscoped code runs at: the user's level, or ``_USER`` when the user's cells hold values
+        that no level writes (``bfx9``, a newer torch's value): then exactly those are written back."""
+        level = base.level
+        return level if _VALUES.get(level) == _as_ieee(base.effective) else _USER
+
+    def write(self, target: str) -> None:
+        """Write a level, or, for ``_USER``, the user's own raw cell values."""
+        if target == _USER:
+            _write_raw(self.base.raw)
+        else:
+            _write_level(target)
 
 
 _STATE = _State()
@@ -345,7 +358,7 @@ def run_at(level: str, fn: Callable[[], Any], *, cell: Optional[str] = None,
                 continue
             if state.writer is not None:  # this thread's own op, running as the writer, runs another op
                 current = _VALUES[state.written]
-            elif state.in_force is not None:
+            elif state.in_force is not None and state.in_force != _USER:
                 current = _VALUES[state.in_force]
             else:
                 current = _as_ieee(_read_effective())
@@ -385,7 +398,7 @@ def run_at(level: str, fn: Callable[[], Any], *, cell: Optional[str] = None,
                 state.written = before
             else:
                 if state.in_force is not None:
-                    _write_level(state.in_force)
+                    state.write(state.in_force)
                 else:
                     state.give_back()
                 state.writer = state.written = None

@@ -140,6 +140,14 @@ class Target:
                 raise Tf32LabError(f"target {self.name!r}: keys {seen} refer to each other")
             key = math
 
+    def math_name(self, key: str, cells: Mapping[str, str]) -> str:
+        """``str(self.math(key, cells))``, or ``"unknown"`` where a cell holds a value this target cannot compute
+        (for tables that show every key: doctor's, ``tf32lab targets``)."""
+        try:
+            return str(self.math(key, cells))
+        except Tf32LabError:
+            return "unknown"
+
     def __repr__(self) -> str:
         cap = f" sm{self.capability[0]}{self.capability[1]}" if self.capability else ""
         return f"<Target {self.name}: {self.title}{cap}>"
