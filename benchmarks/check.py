@@ -25,7 +25,7 @@ import torch
 from _common import header, interleaved
 
 import tf32lab
-from tf32lab import builtin
+from tf32lab.workloads import builtin
 
 
 class _Encoder(torch.nn.Module):

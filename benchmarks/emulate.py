@@ -18,7 +18,7 @@ import torch
 from _common import header, interleaved
 
 import tf32lab
-from tf32lab import samples
+from tf32lab.workloads import samples
 
 GOALS = {"gemm tf32": 1.10, "gemm bf16x3": 3.3, "minilm tf32": 1.15, "lstm tf32": 2.0, "gru tf32": 2.0}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from _common import header, interleaved
 
-from tf32lab import formats
+from tf32lab.numbers import formats
 
 GOAL = 0.5
 

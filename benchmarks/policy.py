@@ -20,7 +20,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from _common import header, interleaved
 
 import tf32lab
-from tf32lab import builtin, flags
+from tf32lab.control import flags
+from tf32lab.workloads import builtin
 
 GOAL = 1.05
 LAYER = "st.0.model.encoder.layer.3"

@@ -29,9 +29,10 @@ import torch
 from _common import header, interleaved
 
 import tf32lab
-from tf32lab import builtin, flags
-from tf32lab.counting import Counting
-from tf32lab.speed import predict_counts
+from tf32lab.control import flags
+from tf32lab.speed.counting import Counting
+from tf32lab.speed.predict import predict_counts
+from tf32lab.workloads import builtin
 
 # seconds: PyTorch's CUDA notes, "TensorFloat-32 (TF32) on Ampere devices" (A100, 10240²)
 NOTES = {"highest": 0.11, "high": 0.016}
@@ -87,7 +88,7 @@ def on_gpu(rounds: int) -> None:
     name = torch.cuda.get_device_name()
     target = "h200" if "H200" in name else "h100" if "H100" in name else "a100" if "A100" in name else None
     if target is None:
-        print(f"GPU {name}: no target of tf32lab.peaks matches it; nothing compared")
+        print(f"GPU {name}: no target of tf32lab.know.peaks matches it; nothing compared")
         return
     print(f"GPU {name}: bench against predict({target!r})")
     errors = []

@@ -16,7 +16,8 @@ import threading
 import torch
 from _common import header, interleaved
 
-from tf32lab import flags, precision
+from tf32lab import precision
+from tf32lab.control import flags
 
 GOAL = 15.0
 

@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 
 import tf32lab
-from tf32lab import flags
+from tf32lab.control import flags
 
 GOAL = 3.0
 
 
 def workload() -> tf32lab.Workload:
-    from tf32lab import specs
+    from tf32lab.workloads import specs
 
     # the model the tests tune: one sensitive layer among heavy ones
     return specs.load(str(Path(__file__).resolve().parents[1] / "examples" / "tune" / "model.py") + ":make")

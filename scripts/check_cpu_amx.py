@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 import tf32lab
-from tf32lab import formats, hardware
+from tf32lab.machine import hardware
+from tf32lab.numbers import formats
 
 
 def main() -> None:

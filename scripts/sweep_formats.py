@@ -1,4 +1,4 @@
-"""Check tf32lab.formats on every float32 bit pattern against the integer reference (tests/reference.py).
+"""Check tf32lab.numbers.formats on every float32 bit pattern against the integer reference (tests/reference.py).
 
     python scripts/sweep_formats.py                 # all 2**32 patterns, every function and mode
     python scripts/sweep_formats.py --start 0x7F7F0000 --count 0x20000 --workers 1   # a slice
@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import reference as R
-from tf32lab import formats
+from tf32lab.numbers import formats
 
 CHUNK = 1 << 16  # patterns per step: numpy's temporaries stay in cache
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from tf32lab import flags
+from tf32lab.control import flags
 
 settings.register_profile(
     "default", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -35,6 +35,6 @@ def user_flags():
     yield
     flags.restore(before)
     torch.set_num_threads(threads)
-    from tf32lab import scope
+    from tf32lab.control import scope
 
     scope._reset_for_tests()

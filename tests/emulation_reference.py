@@ -1,6 +1,6 @@
 """Reference results for emulated ops: operands rounded explicitly, products and sums in float64.
 
-Independent of ``tf32lab.emulator`` and ``tf32lab.rules``: only ``formats`` (checked against an integer
+Independent of ``tf32lab.emulation.emulator`` and ``tf32lab.emulation.rules``: only ``formats`` (checked against an integer
 reference over all 2^32 patterns) is shared.
 """
 
@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from tf32lab import formats
+from tf32lab.numbers import formats
 
 U32 = 2.0**-24  # float32 unit roundoff
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tf32lab import flags
+from tf32lab.control import flags
 
 
 class KernelLevels(TorchDispatchMode):

@@ -1,4 +1,4 @@
-"""An independent reference for tf32lab.formats, in integer arithmetic.
+"""An independent reference for tf32lab.numbers.formats, in integer arithmetic.
 
 It shares nothing with the implementation's bit tricks: a float32 pattern is decoded into an exact value
 ``(-1)**sign * M * 2**E`` (integers), rounded by integer division with an explicit remainder test per mode, and

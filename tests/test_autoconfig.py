@@ -13,8 +13,10 @@ import pytest
 import torch
 
 import tf32lab
-from tf32lab import Tf32LabError, compile_cache, flags
-from tf32lab.hardware import Hardware
+from tf32lab import Tf32LabError
+from tf32lab.control import flags
+from tf32lab.machine import compile_cache
+from tf32lab.machine.hardware import Hardware
 
 
 @pytest.fixture
@@ -188,7 +190,7 @@ def test_tf32lab_disable_makes_it_a_logged_no_op(monkeypatch, caplog):
     ({"threads": "many"}, "bad threads 'many'; accepted: 'auto' or an int >= 1"),
     ({"threads": 0}, "bad threads 0"),
     ({"compile_cache": 3}, "bad compile_cache 3; accepted: None or a folder path"),
-    ({"hardware": "a100"}, "bad hardware str; accepted: None or a tf32lab.hardware.Hardware"),
+    ({"hardware": "a100"}, "bad hardware str; accepted: None or a tf32lab.machine.hardware.Hardware"),
 ])
 def test_bad_arguments_change_nothing(kwargs, message):
     before, threads = flags.snapshot(), torch.get_num_threads()

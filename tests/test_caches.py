@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import tf32lab
-from tf32lab import emulator, formats
+from tf32lab.emulation import emulator
+from tf32lab.numbers import formats
 
 
 def randn(*shape, seed=0):
@@ -117,7 +118,7 @@ def test_the_float64_reference_convolves_in_slices_of_the_batch():
     keep it under 64 MiB, measured as this fresh process's peak RSS."""
     code = textwrap.dedent("""
         import torch
-        from tf32lab.reference import Float64Run
+        from tf32lab.measure.reference import Float64Run
 
         def peak():
             return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 1024

@@ -12,9 +12,11 @@ import torch
 from torch import nn
 
 import tf32lab
-from tf32lab import Tf32LabError, Workload, builtin, flags
-from tf32lab.metrics import DEFAULT_TOLERANCE
+from tf32lab import Tf32LabError, Workload
+from tf32lab.control import flags
+from tf32lab.numbers.metrics import DEFAULT_TOLERANCE
 from tf32lab.report import schema
+from tf32lab.workloads import builtin
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import tf32lab
-from tf32lab import flags, peaks
+from tf32lab.control import flags
 from tf32lab.errors import Tf32LabError
-from tf32lab.speed import gemm_seconds
+from tf32lab.know import peaks
+from tf32lab.speed.predict import gemm_seconds
 
 EXPERTS = """
 import torch, tf32lab
@@ -439,7 +440,7 @@ CONVS = ["conv1d", "conv2d", "conv3d", "grouped", "transposed", "transposed1d", 
 @pytest.mark.parametrize("kind", CONVS)
 def test_a_convolution_over_nothing_is_counted_as_no_work(kind):
     w = tf32lab.Workload(_EmptyConv(kind), torch.randn(8, 16), name=kind)
-    with tf32lab.counting.Counting(w.model) as counts, torch.inference_mode():
+    with tf32lab.speed.counting.Counting(w.model) as counts, torch.inference_mode():
         w.run()
     conv = [c for c in counts.ops if c.family == "conv"]
     assert conv and all(c.flops == 0 for c in conv)
@@ -477,10 +478,10 @@ def test_speed_check_and_tune_commands_take_empty_convolutions(tmp_path):
 # -- an exception of tf32lab's own ------------------------------------------------------------------------------------
 BROKEN_COUNTING = """
 import builtins, torch
-import tf32lab.counting
+import tf32lab.speed.counting
 
 def make():
-    tf32lab.counting._gemms = builtins.len  # a fault inside tf32lab's counting: a TypeError in its own frame
+    tf32lab.speed.counting._gemms = builtins.len  # a fault inside tf32lab's counting: a TypeError in its own frame
     return torch.nn.Linear(16, 16), torch.randn(4, 16)
 """
 
@@ -489,7 +490,7 @@ def make():
 def broken_counting(monkeypatch):
     import builtins
 
-    from tf32lab import counting
+    from tf32lab.speed import counting
 
     # a fault inside tf32lab's own code (not a stand-in for anything of the model's): a TypeError raised in
     # Counting.record's frame, as a bug there would
@@ -539,15 +540,15 @@ def test_an_error_the_model_raises_itself_is_still_the_models():
 
 
 def test_where_an_exception_was_raised_is_read_from_its_frames():
-    from tf32lab.origin import raised_by_tf32lab
+    from tf32lab.numbers.origin import raised_by_tf32lab
 
     with pytest.raises(ValueError) as raised:
-        tf32lab.counting._shape_prod(["x"])  # int("x") inside tf32lab: tf32lab's
-    assert raised_by_tf32lab(raised.value).startswith("tf32lab/counting.py:")
+        tf32lab.speed.counting._shape_prod(["x"])  # int("x") inside tf32lab: tf32lab's
+    assert raised_by_tf32lab(raised.value).startswith("tf32lab/speed/counting.py:")
     with pytest.raises(ValueError) as raised:
         int("x")  # this test's own frame: not tf32lab's
     assert raised_by_tf32lab(raised.value) is None
-    from tf32lab.builtin import Covariance
+    from tf32lab.workloads.builtin import Covariance
 
     with pytest.raises(AttributeError) as raised:
         Covariance()("not a tensor")  # a built-in workload's model is a model, not tf32lab

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import tf32lab
-from tf32lab import Policy, specs
+from tf32lab import Policy
 from tf32lab.errors import Tf32LabError
 from tf32lab.report import schema
+from tf32lab.workloads import specs
 
 MODEL = textwrap.dedent("""
     import torch, tf32lab

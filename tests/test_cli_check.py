@@ -31,7 +31,7 @@ def test_a_passing_workload_exits_0_and_writes_its_files(tmp_path):
 
 
 def test_a_sensitive_workload_exits_1():
-    done = run("tf32lab.builtin:covariance", "--levels", "highest,high")
+    done = run("tf32lab.workloads.builtin:covariance", "--levels", "highest,high")
     assert done.returncode == 1, done.stderr
     lines = done.stdout.splitlines()
     assert any(line.startswith("FAILED | level 'high' | output 'output' | normwise") for line in lines)
@@ -39,7 +39,7 @@ def test_a_sensitive_workload_exits_1():
 
 
 def test_a_looser_tolerance_lets_it_pass():
-    assert run("tf32lab.builtin:covariance", "--levels", "high", "--tolerance", "0.5").returncode == 0
+    assert run("tf32lab.workloads.builtin:covariance", "--levels", "high", "--tolerance", "0.5").returncode == 0
 
 
 @pytest.mark.parametrize("args, message", [
@@ -47,7 +47,7 @@ def test_a_looser_tolerance_lets_it_pass():
     (["builtin", "--target", "b900"], "unknown target 'b900'"),
     (["builtin", "--tolerance", "-1"], "bad tolerance '-1'"),
     (["no_such_module_xyz:make"], "no module named 'no_such_module_xyz'"),
-    (["tf32lab.builtin:nothing"], "has no attribute 'nothing'"),
+    (["tf32lab.workloads.builtin:nothing"], "has no attribute 'nothing'"),
     (["/no/such/file.py:make"], "no file /no/such/file.py"),
     (["builtin", "--json", "/no/such/dir/r.json", "--levels", "high"], "--json /no/such/dir/r.json: no folder"),
 ])

@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from tf32lab import targets
+from tf32lab.know import targets
 
 
 def run(*args, module="tf32lab"):

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tf32lab import flags
+from tf32lab.control import flags
 
 SCRIPT = r"""
 import json, warnings

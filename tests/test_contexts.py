@@ -22,7 +22,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 import tf32lab
 from dynamo_state import compiling_restored
 from kernel_levels import KernelLevels
-from tf32lab import Tf32LabError, flags, precision, scope
+from tf32lab import Tf32LabError, precision
+from tf32lab.control import flags, scope
 
 TIE_A, TIE_B = torch.tensor([[1024.5]]), torch.tensor([[1.0]])  # TF32 (RNA) gives 1025, IEEE 1024.5
 A = torch.randn(16, 512, generator=torch.Generator().manual_seed(1))
@@ -212,7 +213,7 @@ def test_a_worker_emulating_beside_a_main_thread_scope():
 
 
 def test_check_in_a_worker_beside_a_main_thread_scope():
-    from tf32lab import builtin
+    from tf32lab.workloads import builtin
 
     with precision("high"):
         report = in_thread(lambda: tf32lab.check(builtin.covariance(), levels=("highest", "high")))
@@ -263,7 +264,7 @@ def test_the_one_case_that_cannot_work_says_so_and_its_advice_works():
             go.set()
             t.join()
             agreed = tf32lab.get_float32_matmul_precision()
-        print(json.dumps([out.get("level"), out.get("ran"), out.get("error"), agreed, tf32lab.scope.live_scopes()]))
+        print(json.dumps([out.get("level"), out.get("ran"), out.get("error"), agreed, tf32lab.control.scope.live_scopes()]))
     """
     refused = run_python(code.replace("{mode}", "alone"))
     assert refused.returncode == 0, refused.stderr
@@ -370,7 +371,8 @@ def test_a_task_that_ends_with_a_scope_open_gives_it_back():
 # -- soak: scopes and emulate() blocks nested at random in threads and tasks ---------------------------------------
 def _expected() -> dict:
     """What a 16x512 @ 512x64 product must be, natively at each level and emulated on each target at each level."""
-    from tf32lab import formats, levels, targets
+    from tf32lab.know import levels, targets
+    from tf32lab.numbers import formats
 
     out = {("native", level): native(level) for level in tf32lab.LEVELS}
     for target in ("a100", "cpu-amx"):

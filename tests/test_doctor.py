@@ -13,8 +13,12 @@ import pytest
 import torch
 
 import tf32lab
-from tf32lab import Tf32LabError, diagnosis, flags, hardware, targets
-from tf32lab.hardware import Hardware
+from tf32lab import Tf32LabError
+from tf32lab.control import flags
+from tf32lab.know import targets
+from tf32lab.machine import doctor as diagnosis
+from tf32lab.machine import hardware
+from tf32lab.machine.hardware import Hardware
 
 
 def _codes(d) -> set[str]:
@@ -195,9 +199,9 @@ def test_cli_doctor_bad_input(args, message):
 
 
 @pytest.mark.parametrize("bad, message", [
-    ("a100", "doctor() takes None (this machine) or a tf32lab.hardware.Hardware: Hardware.simulated('a100'), "
+    ("a100", "doctor() takes None (this machine) or a tf32lab.machine.hardware.Hardware: Hardware.simulated('a100'), "
              "not str 'a100'"),
-    (8, "doctor() takes None (this machine) or a tf32lab.hardware.Hardware, not int 8"),
+    (8, "doctor() takes None (this machine) or a tf32lab.machine.hardware.Hardware, not int 8"),
 ])
 def test_doctor_refuses_what_is_not_hardware(bad, message):
     before = flags.snapshot()
@@ -236,7 +240,8 @@ def test_doctor_probes_what_each_level_really_does_here():
 
 
 def test_probe_classifies_rounded_and_reordered_products():
-    from tf32lab import formats, probe
+    from tf32lab.machine import probe
+    from tf32lab.numbers import formats
 
     a, b = probe._operands(torch.Generator().manual_seed(0))
     exact = {"float64": a.double() @ b.double(),
@@ -312,7 +317,7 @@ def test_inductor_settings_from_the_environment_without_importing_inductor():
 def test_inductor_conv_as_matmul_read_live():
     from torch._inductor import config
 
-    from tf32lab import inductor
+    from tf32lab.machine import inductor
 
     with config.patch(conv_1x1_as_mm=True):  # Inductor's own way (its config module is no plain module)
         codes = [c for c, _ in inductor.alerts({"cuda.matmul": "ieee", "cuda.conv": "tf32"}, False)]
@@ -322,7 +327,7 @@ def test_inductor_conv_as_matmul_read_live():
 
 
 def test_bfx9_and_values_of_a_newer_torch_are_named_never_read_as_highest():
-    from tf32lab.levels import level_of
+    from tf32lab.know.levels import level_of
 
     assert level_of("bfx9", "ieee") == "highest" and level_of("bfx9", "bf16") == "medium"
     assert level_of("fp8x4", "ieee") == "unknown" and level_of("ieee", "int8") == "unknown"

@@ -15,7 +15,9 @@ import torch.nn.functional as F
 import tf32lab
 from dynamo_state import compiling_restored
 from emulation_reference import bilinear, bound, check
-from tf32lab import Tf32LabError, emulator, formats
+from tf32lab import Tf32LabError
+from tf32lab.emulation import emulator
+from tf32lab.numbers import formats
 
 aten = torch.ops.aten
 
@@ -91,7 +93,7 @@ def test_hopper_rounds_tf32_operands_to_nearest_even(target):
     a = torch.tensor([[1024.5, 0.0], [0.0, 1536.5]])  # two TF32 ties
     assert emulated(torch.mm, a, torch.eye(2), target=target)[0].diagonal().tolist() == [1024.0, 1536.0]
     assert emulated(torch.mm, a, torch.eye(2), target="a100")[0].diagonal().tolist() == [1025.0, 1537.0]
-    assert "measured on an H100" in tf32lab.targets.get(target).entry("matmul").source
+    assert "measured on an H100" in tf32lab.know.targets.get(target).entry("matmul").source
 
 
 @pytest.mark.parametrize("call, a, b", [
@@ -127,7 +129,7 @@ def test_hopper_convolutions_and_rnns_round_to_nearest_even_and_say_it_is_per_ke
     _, emu = emulated(F.conv2d, x, w, target="h100", level="highest")
     assert {m for _, m in emu.coverage} == {"tf32-rne"}
     for key in ("conv", "rnn"):
-        assert "per kernel" in tf32lab.targets.get("h100").entry(key).source
+        assert "per kernel" in tf32lab.know.targets.get("h100").entry(key).source
 
 
 @pytest.mark.parametrize("name", ["mv", "addmv", "dot", "addr"])
@@ -448,9 +450,9 @@ def test_threads_each_get_the_math_of_their_own_scope(target):
     a, b = randn(16, 512, seed=80), randn(512, 64, seed=81)
     expected = {}
     for level in tf32lab.LEVELS:
-        math = tf32lab.targets.get(target).math("matmul", {
-            "cuda.matmul": tf32lab.levels.BACKEND_VALUES[level][0],
-            "mkldnn.matmul": tf32lab.levels.BACKEND_VALUES[level][1]})
+        math = tf32lab.know.targets.get(target).math("matmul", {
+            "cuda.matmul": tf32lab.know.levels.BACKEND_VALUES[level][0],
+            "mkldnn.matmul": tf32lab.know.levels.BACKEND_VALUES[level][1]})
         rnd = {"ieee": lambda t: t, "tf32": formats.round_tf32, "bf16": formats.round_bf16}[math.name]
         options = {} if math.rounding is None else {"rounding": math.rounding}
         expected[level] = rnd(a, **options) @ rnd(b, **options)

@@ -65,7 +65,7 @@ def test_rnn_family_follows_cudnns_flag_not_the_matmul_flag():
 
 @pytest.mark.slow
 def test_minilm_embeddings_under_tf32():
-    from tf32lab import samples
+    from tf32lab.workloads import samples
 
     model = samples.minilm()
     sentences = list(samples.SENTENCES)

@@ -20,7 +20,7 @@ import threading
 import pytest
 
 import tf32lab
-from tf32lab import files
+from tf32lab.numbers import files
 
 TINY = '''
 import torch
@@ -181,7 +181,7 @@ def test_a_link_at_the_target_is_replaced_and_the_file_it_named_left_alone(tmp_p
 
 def test_the_doctors_json_is_written_safely_too(tmp_path):
     """``Diagnosis.to_json(path)`` went through ``Path.write_text``, which writes through a link at its path."""
-    from tf32lab.hardware import Hardware
+    from tf32lab.machine.hardware import Hardware
 
     victim = tmp_path / "victim"
     victim.write_text("precious\n")

@@ -1,12 +1,12 @@
-"""tf32lab.flags: complete, comparable snapshots; exact restore; no mixed-API errors."""
+"""tf32lab.control.flags: complete, comparable snapshots; exact restore; no mixed-API errors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tf32lab import flags
-from tf32lab.levels import BACKEND_VALUES, LEVELS
+from tf32lab.control import flags
+from tf32lab.know.levels import BACKEND_VALUES, LEVELS
 
 pytestmark = pytest.mark.usefixtures("user_flags")  # these tests write PyTorch's flags as a user would
 

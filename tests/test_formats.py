@@ -1,4 +1,4 @@
-"""tf32lab.formats against the plain-Python-integer reference (tests/reference.py), and its contract."""
+"""tf32lab.numbers.formats against the plain-Python-integer reference (tests/reference.py), and its contract."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import reference as R
-from tf32lab import formats
+from tf32lab.numbers import formats
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""tf32lab.hardware: detection on this machine against what the OS says, cgroup quotas, simulated machines."""
+"""tf32lab.machine.hardware: detection on this machine against what the OS says, cgroup quotas, simulated machines."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import os
 import pytest
 import torch
 
-from tf32lab import Tf32LabError, hardware, targets
-from tf32lab.hardware import Hardware, cpu_quota
+from tf32lab import Tf32LabError
+from tf32lab.know import targets
+from tf32lab.machine import hardware
+from tf32lab.machine.hardware import Hardware, cpu_quota
 
 
 def _cpuinfo_flags() -> set[str]:

@@ -9,7 +9,9 @@ import torch.nn.functional as F
 import tf32lab
 from emulation_reference import bilinear, bound, check
 from test_emulate import emulated, randn
-from tf32lab import Tf32LabError, optable, rules
+from tf32lab import Tf32LabError
+from tf32lab.emulation import rules
+from tf32lab.know import optable
 
 aten = torch.ops.aten
 ALL_ATEN = sorted({name.split(".")[0] for name in torch._C._dispatch_get_all_op_names() if name.startswith("aten::")})
@@ -18,7 +20,7 @@ ALL_ATEN = sorted({name.split(".")[0] for name in torch._C._dispatch_get_all_op_
 # -- the table against this torch --------------------------------------------------------------------------------
 def test_every_matmul_like_op_of_this_torch_is_classified():
     missing = [name for name in ALL_ATEN if optable.suspect(name) and optable.lookup(name) is None]
-    assert missing == [], f"classify these in tf32lab/optable.py: {missing}"
+    assert missing == [], f"classify these in tf32lab/know/optable.py: {missing}"
 
 
 def test_the_net_is_wide_enough_to_catch_new_products():

@@ -22,9 +22,10 @@ import torch
 import torch.utils.checkpoint
 
 import tf32lab
-from tf32lab import Policy, flags
+from tf32lab import Policy
+from tf32lab.control import flags
+from tf32lab.control.policy import Rule
 from tf32lab.errors import Tf32LabError
-from tf32lab.policy import Rule
 
 
 class ActorCritic(torch.nn.Module):
@@ -303,7 +304,7 @@ def test_a_module_replaced_after_apply_runs_at_its_level_and_the_old_one_is_let_
         assert {a.name: a.level for a in policy.explain(model)}["v_head.2"] == "highest"
         with tf32lab.emulate("a100"):
             got = _step(model, x)
-        assert tf32lab.policy.applied_to(old) is None
+        assert tf32lab.control.policy.applied_to(old) is None
         assert "forward" not in old.__dict__ and _maths(lambda m=old: m(torch.randn(2, 48))) == {"ieee": 2}
         with tf32lab.precision("medium"):  # out of the model: the caller's level
             assert _maths(lambda m=old: m(torch.randn(2, 48))) == {"tf32-rna": 2}
@@ -353,10 +354,10 @@ def test_a_module_put_in_where_no_registration_hook_fires_runs_at_its_level_when
         model.spare = spare
         spare.inner = torch.nn.Linear(4, 4)
         del model.spare  # put in and taken out before the model ran: not the policy's
-        assert tf32lab.policy.applied_to(spare) is None
-        assert tf32lab.policy.applied_to(model.new.extra) is policy
+        assert tf32lab.control.policy.applied_to(spare) is None
+        assert tf32lab.control.policy.applied_to(model.new.extra) is policy
     assert _untouched(model) and _untouched(spare)
-    assert tf32lab.policy.applied_to(model) is None
+    assert tf32lab.control.policy.applied_to(model) is None
     assert _maths(lambda: model.new.extra(h)) == {"ieee": 1}  # removed: the caller's level (highest) again
     with tf32lab.precision("high"):
         assert _maths(lambda: model.blocks[1](h)) == {"tf32-rna": 1}
@@ -369,7 +370,7 @@ def test_a_module_moved_into_a_model_under_another_policy_is_a_clear_error():
         with pytest.raises(Tf32LabError, match=r"module 'v_head' of ActorCritic is also in ActorCritic, which has "
                                                "another policy applied"):
             b(x)
-        assert tf32lab.scope.live_scopes() == 0
+        assert tf32lab.control.scope.live_scopes() == 0
 
 
 class _Checkpointed(torch.nn.Module):
@@ -408,15 +409,15 @@ def test_checkpoint_recomputes_each_module_at_its_own_level(how, default, head):
 
 def test_applied_to_says_whether_a_model_or_a_part_of_it_has_a_policy():
     model = _model()
-    assert tf32lab.policy.applied_to(model) is None
+    assert tf32lab.control.policy.applied_to(model) is None
     policy = Policy("high")
     with policy.applied(model.v_head):
-        assert tf32lab.policy.applied_to(model) is policy  # a part of it: check would measure the policy
-        assert tf32lab.policy.applied_to(model.v_head[0]) is policy
-        assert tf32lab.policy.applied_to(model.body) is None
-    assert tf32lab.policy.applied_to(model) is None
+        assert tf32lab.control.policy.applied_to(model) is policy  # a part of it: check would measure the policy
+        assert tf32lab.control.policy.applied_to(model.v_head[0]) is policy
+        assert tf32lab.control.policy.applied_to(model.body) is None
+    assert tf32lab.control.policy.applied_to(model) is None
     with pytest.raises(Tf32LabError, match=r"torch\.nn\.Module, not str"):
-        tf32lab.policy.applied_to("model")
+        tf32lab.control.policy.applied_to("model")
 
 
 # -- global state --------------------------------------------------------------------------------------------
@@ -451,7 +452,7 @@ def test_flags_are_identical_after_an_exception_inside_a_pinned_module(where):
         assert tf32lab.get_float32_matmul_precision() == "highest"
         assert torch._C._len_torch_dispatch_stack() == 0
     assert flags.snapshot() == before
-    assert tf32lab.scope.live_scopes() == 0
+    assert tf32lab.control.scope.live_scopes() == 0
 
 
 class _Stop(BaseException):
@@ -478,9 +479,9 @@ def test_a_base_exception_inside_a_pinned_module_leaves_level_and_scopes_as_befo
             with pytest.raises(error) as info:  # its traceback (and frames) alive while the level is read
                 call(torch.randn(2, 8))
             assert info.tb is not None
-            assert tf32lab.scope.live_scopes() == 0 and flags.snapshot() == before
+            assert tf32lab.control.scope.live_scopes() == 0 and flags.snapshot() == before
             assert tf32lab.get_float32_matmul_precision() == "highest"
-            assert torch._C._len_torch_dispatch_stack() == 0 and tf32lab.policy._OPEN.frames == []
+            assert torch._C._len_torch_dispatch_stack() == 0 and tf32lab.control.policy._OPEN.frames == []
         assert _maths(lambda: model[0](torch.randn(2, 8))) == {"tf32-rna": 1}  # the policy still holds
 
 
@@ -501,7 +502,7 @@ def test_a_copy_or_a_pickle_of_a_model_under_a_policy_is_a_plain_model_and_signa
     with Policy("high", [("v_head", "highest")]).applied(model):
         assert str(inspect.signature(model.v_head[0].forward)) == "(input: torch.Tensor) -> torch.Tensor"
         for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
-            assert tf32lab.policy.applied_to(twin) is None
+            assert tf32lab.control.policy.applied_to(twin) is None
             assert _maths(lambda t=twin: t(x)) == {"ieee": 5}  # the caller's level, not the policy's
             assert twin.v_head.forward.__self__ is twin.v_head  # its own forward, not the original's
 

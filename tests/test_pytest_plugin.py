@@ -100,7 +100,7 @@ LEAK = textwrap.dedent("""
         tf32lab.precision("medium").__enter__()
 
     def test_runs_in_its_own_scope_only():
-        assert tf32lab.scope.live_scopes() == 1 and tf32lab.get_float32_matmul_precision() == "high"
+        assert tf32lab.control.scope.live_scopes() == 1 and tf32lab.get_float32_matmul_precision() == "high"
 """)
 
 
@@ -153,7 +153,7 @@ def test_strict_mode_fails_a_test_that_ran_an_op_it_cannot_emulate(pytester: pyt
         # a request tf32lab cannot honour, not an effect of precision
         "*test_matrix_exponential: tf32lab refused (not precision): Tf32LabError: emulate(strict=True): "
         "aten::linalg_matrix_exp*"
-        " (tf32lab/emulator.py:*)",
+        " (tf32lab/emulation/emulator.py:*)",
     ])
 
 
@@ -276,14 +276,14 @@ def test_an_error_raised_inside_tf32lab_is_never_put_down_to_precision(pytester:
         "3 test(s) failed under tf32lab; 0 of them only there (they pass at highest); 1 because of tf32lab itself,"
         " not precision:",
         "*test_an_op_whose_rule_breaks: tf32lab error (not precision): ValueError: not enough values to unpack*"
-        " (tf32lab/rules.py:*), please report",
+        " (tf32lab/emulation/rules.py:*), please report",
         "*test_an_ops_own_error: fails at highest too (call: *not positive-definite*",
         "*test_the_projects_code_called_back_from_tf32lab: fails at highest too (call: ValueError: the project's*",
     ])
     assert "passes at highest" not in result.stdout.str()
     result = _run(pytester, "--tf32lab", "a100:high")  # no rerun: said as plainly as it is known
     result.stdout.fnmatch_lines([
-        "*test_an_op_whose_rule_breaks: tf32lab error (not precision): ValueError: *(tf32lab/rules.py:*); please"
+        "*test_an_op_whose_rule_breaks: tf32lab error (not precision): ValueError: *(tf32lab/emulation/rules.py:*); please"
         " report it if the test passes without --tf32lab",
         "*test_an_ops_own_error: fails under a100:high",
         "*test_the_projects_code_called_back_from_tf32lab: fails under a100:high",
@@ -325,7 +325,7 @@ def test_an_error_of_the_tracer_under_emulate_is_not_put_down_to_precision(pytes
     # such an error at hand, the conftest puts back the emulator's pass-through as it was before the fix (the
     # tracer's key left excluded), with real torch and a real trace.
     pytester.makeconftest(textwrap.dedent("""
-        import tf32lab.emulator as emulator
+        import tf32lab.emulation.emulator as emulator
 
         emulator._passed_on = emulator._native
     """))

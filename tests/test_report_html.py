@@ -8,7 +8,8 @@ from torch import nn
 
 import tf32lab
 from browser import visit
-from tf32lab import Workload, builtin
+from tf32lab import Workload
+from tf32lab.workloads import builtin
 
 XSS = "<script>alert(1)</script>"
 XSS_OUTPUT = "<img src=x onerror=alert(2)>"
@@ -52,8 +53,8 @@ def test_the_tune_page_fits_its_axis_to_the_search_and_does_not_call_it_failed()
     import math
     from pathlib import Path
 
-    from tf32lab import specs
     from tf32lab.report.tune_html import scatter
+    from tf32lab.workloads import specs
 
     net = specs.load(f"{Path(__file__).resolve().parents[1] / 'examples' / 'tune' / 'model.py'}:make")
     tuning = tf32lab.tune(net, target="a100")

@@ -14,8 +14,9 @@ import torch
 
 import tf32lab
 from kernel_levels import KernelLevels as Recorder
-from tf32lab import Tf32LabError, flags, precision, scope
-from tf32lab.levels import LEVELS
+from tf32lab import Tf32LabError, precision
+from tf32lab.control import flags, scope
+from tf32lab.know.levels import LEVELS
 
 
 def level_now() -> str:
@@ -329,7 +330,7 @@ def test_a_bad_guard_setting_is_one_clear_line():
 
 def test_an_empty_or_differently_written_guard_setting_is_understood():
     # `TF32LAB_SCOPE_GUARD= python ...` (empty) means unset, as for the shell's other variables
-    code = "import tf32lab\nwith tf32lab.precision('high'):\n    print(tf32lab.scope.guard_policy())"
+    code = "import tf32lab\nwith tf32lab.precision('high'):\n    print(tf32lab.control.scope.guard_policy())"
     for value, expected in (("", "auto"), (" Always ", "always")):
         done = run_python(code, TF32LAB_SCOPE_GUARD=value)
         assert done.returncode == 0 and done.stdout.strip() == expected, (value, done.stderr)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tf32lab import hardware
+from tf32lab.machine import hardware
 
 pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")

@@ -1,4 +1,4 @@
-"""Counting, predicting and measuring speed: tf32lab.counting, tf32lab.speed (predict), tf32lab.timing (bench)."""
+"""Counting, predicting and measuring speed: tf32lab.speed.counting, tf32lab.speed.predict (predict), tf32lab.speed.bench (bench)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tf32lab
-from tf32lab import peaks
-from tf32lab.counting import Counting
 from tf32lab.errors import Tf32LabError
+from tf32lab.know import peaks
 from tf32lab.report import schema
-from tf32lab.speed import gemm_seconds, predict_counts
+from tf32lab.speed.counting import Counting
+from tf32lab.speed.predict import gemm_seconds, predict_counts
 
 
 # -- counting ------------------------------------------------------------------------------------------------
@@ -263,7 +263,7 @@ def test_native_measure_prints_no_nan_share_and_shows_progress_only_on_a_termina
     import os
     import pty
 
-    args = ("speed", "tf32lab.builtin:covariance", "--target", "native", "--measure", "--levels", "highest",
+    args = ("speed", "tf32lab.workloads.builtin:covariance", "--target", "native", "--measure", "--levels", "highest",
             "--rounds", "1")
     quiet = cli(*args)
     assert quiet.returncode == 0, quiet.stderr

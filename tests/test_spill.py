@@ -1,4 +1,4 @@
-"""Large kept reference outputs written out (tf32lab.spill): read back exactly, and check's report unchanged."""
+"""Large kept reference outputs written out (tf32lab.measure.spill): read back exactly, and check's report unchanged."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 import tf32lab
 from tf32lab import Tf32LabError
-from tf32lab.spill import Spilled, SpillFile, min_bytes_from_env
+from tf32lab.measure.spill import Spilled, SpillFile, min_bytes_from_env
 
 
 def test_a_spilled_tensor_reads_back_bit_for_bit_in_chunks_and_whole():
@@ -95,7 +95,7 @@ def test_check_gives_the_same_report_with_every_layer_written_out(monkeypatch):
 
 @pytest.mark.parametrize("raw", ["lots", "inf"])
 def test_a_bad_spill_size_through_the_cli_is_one_line_and_exit_2(raw):
-    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "tf32lab.builtin:covariance"],
+    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "tf32lab.workloads.builtin:covariance"],
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "TF32LAB_SPILL_MIB": raw})
     assert done.returncode == 2, done.stderr
@@ -105,7 +105,7 @@ def test_a_bad_spill_size_through_the_cli_is_one_line_and_exit_2(raw):
 
 
 def test_check_writes_out_what_is_over_the_size_and_the_file_is_gone_after(monkeypatch):
-    from tf32lab.compare import Session, tolerances_of
+    from tf32lab.measure.check import Session, tolerances_of
 
     monkeypatch.setenv("TF32LAB_SPILL_MIB", "1")
     torch.manual_seed(0)

@@ -13,8 +13,9 @@ import torch
 
 import tf32lab
 from browser import visit
-from tf32lab import builtin, flags, specs
+from tf32lab.control import flags
 from tf32lab.errors import Tf32LabError
+from tf32lab.workloads import builtin, specs
 
 NET = f"{Path(__file__).resolve().parents[1] / 'examples' / 'tune' / 'model.py'}:make"
 
@@ -112,10 +113,10 @@ def test_tune_exit_codes(tmp_path):
 
 
 def test_check_points_to_tune_when_a_level_fails(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "tf32lab.builtin:covariance", "--levels",
+    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "tf32lab.workloads.builtin:covariance", "--levels",
                            "highest,high"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 1
-    assert "next: tf32lab tune tf32lab.builtin:covariance --target a100 --out policy.json" in done.stdout
+    assert "next: tf32lab tune tf32lab.workloads.builtin:covariance --target a100 --out policy.json" in done.stdout
 
 
 def test_the_advice_names_the_policy_file_really_written(tmp_path):

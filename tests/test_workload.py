@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 import tf32lab
-from tf32lab import Tf32LabError, Workload, specs
+from tf32lab import Tf32LabError, Workload
+from tf32lab.workloads import specs
 
 
 def _module(tmp_path, name, body):

@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 import tf32lab
-from tf32lab import samples
+from tf32lab.workloads import samples
 
 WORKERS = int(os.environ.get("WEB_CONCURRENCY", "1"))
 MAX_SENTENCES = 256

@@ -75,7 +75,7 @@ def efficient_sdpa_error(level: str) -> float | str:
 
 def probe() -> dict:
     # first, before tf32lab touches any flag: PyTorch's defaults as a program that never sets them sees them
-    before = tf32lab.flags.snapshot()
+    before = tf32lab.control.flags.snapshot()
     untouched = {"matmul, flags untouched": matmul_error(),
                  "legacy allow_tf32 reads": torch.backends.cuda.matmul.allow_tf32,
                  "get_float32_matmul_precision": torch.get_float32_matmul_precision()}
@@ -96,7 +96,7 @@ def probe() -> dict:
             untouched[f"matmul after {label}"] = matmul_error()
         except Exception as exc:  # a torch that refuses one of the API generations
             untouched[f"matmul after {label}"] = f"{type(exc).__name__}: {exc}"
-    tf32lab.flags.restore(before)
+    tf32lab.control.flags.restore(before)
     diagnosis = tf32lab.doctor().to_dict()
     return {
         "env": {k: os.environ[k] for k in ("NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE")

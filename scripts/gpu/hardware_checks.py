@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 import tf32lab
-from tf32lab import formats
+from tf32lab.numbers import formats
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")

@@ -16,7 +16,7 @@ import sys
 import torch
 
 import tf32lab
-from tf32lab.counting import Counting
+from tf32lab.speed.counting import Counting
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -13,6 +13,10 @@ Example:
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import warnings
 from typing import Any
 
 __version__ = "0.1.0"
@@ -20,14 +24,58 @@ __version__ = "0.1.0"
 # Imported on first use, so that ``import tf32lab`` (the CLI's ``--version``, a pytest plugin's registration)
 # does not import torch.
 _WHERE = {
-    "check": "compare", "doctor": "diagnosis", "emulate": "emulator", "Tf32LabError": "errors",
-    "autoconfig": "heuristics", "save_compile_cache": "heuristics", "LEVELS": "levels", "Report": "report",
-    "get_float32_matmul_precision": "scope", "precision": "scope", "set_float32_matmul_precision": "scope",
-    "Policy": "policy", "explain": "policy", "predict": "speed", "bench": "timing", "SpeedReport": "speed",
-    "tune": "tuning", "Tuning": "tuning",
-    "Workload": "workload",
+    "check": "measure.check", "doctor": "machine.doctor", "emulate": "emulation.emulator",
+    "Tf32LabError": "errors", "autoconfig": "machine.autoconfig", "save_compile_cache": "machine.autoconfig",
+    "LEVELS": "know.levels", "Report": "report", "get_float32_matmul_precision": "control.scope",
+    "precision": "control.scope", "set_float32_matmul_precision": "control.scope", "Policy": "control.policy",
+    "explain": "control.policy", "predict": "speed.predict", "bench": "speed.bench", "SpeedReport": "speed.predict",
+    "tune": "decide.tune", "Tuning": "decide.tune", "Workload": "workloads.workload",
 }
-_SUBMODULES = ("flags", "formats", "hardware", "targets")
+
+# Module paths of the flat layout before the layer packages. The first four are public and stay: the same module
+# object under both names. The others were internal; they still import, with a DeprecationWarning (except
+# ``tf32lab.speed``, now the package of counting, predict and bench: ``tf32lab.predict`` and ``SpeedReport`` stay).
+PUBLIC_PATHS = {"flags": "control.flags", "formats": "numbers.formats", "hardware": "machine.hardware",
+                "targets": "know.targets"}
+MOVED_PATHS = {
+    "builtin": "workloads.builtin", "compare": "measure.check", "compile_cache": "machine.compile_cache",
+    "counting": "speed.counting", "diagnosis": "machine.doctor", "diagnosis_text": "report.doctor_text",
+    "emulator": "emulation.emulator", "files": "numbers.files", "heuristics": "machine.autoconfig",
+    "inductor": "machine.inductor", "levels": "know.levels", "metrics": "numbers.metrics",
+    "modestack": "control.modestack", "optable": "know.optable", "origin": "numbers.origin", "peaks": "know.peaks",
+    "policy": "control.policy", "probe": "machine.probe", "reference": "measure.reference",
+    "rules": "emulation.rules", "samples": "workloads.samples", "scope": "control.scope", "specs": "workloads.specs",
+    "spill": "measure.spill", "timing": "speed.bench", "trees": "numbers.trees",
+    "tuning": "decide.tune", "workload": "workloads.workload",
+}
+
+
+class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``import tf32lab.flags`` (and the moved internal paths) give the module where it lives now."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        prefix, _, leaf = fullname.partition(".")
+        if prefix != __name__ or "." in leaf or (leaf not in PUBLIC_PATHS and leaf not in MOVED_PATHS):
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec: Any) -> Any:
+        leaf = spec.name.partition(".")[2]
+        new = PUBLIC_PATHS.get(leaf) or MOVED_PATHS[leaf]
+        if leaf in MOVED_PATHS:
+            warnings.warn(f"{spec.name} is now {__name__}.{new}; the old path will be removed",
+                          DeprecationWarning, stacklevel=4)
+        module = importlib.import_module(f"{__name__}.{new}")
+        self._spec = module.__spec__  # the import system is about to stamp the old name's spec on it
+        return module
+
+    def exec_module(self, module: Any) -> None:
+        # It ran when imported under its own name; keep its own spec (``importlib.reload``, reprs).
+        module.__spec__ = self._spec
+
+
+if not any(isinstance(finder, _OldPaths) for finder in sys.meta_path):
+    sys.meta_path.append(_OldPaths())
 
 __all__ = [
     "LEVELS",
@@ -58,8 +106,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in _SUBMODULES:
-        value = importlib.import_module(f".{name}", __name__)
+    if name in PUBLIC_PATHS:
+        value = importlib.import_module(f".{PUBLIC_PATHS[name]}", __name__)
     elif name in _WHERE:
         value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
     else:

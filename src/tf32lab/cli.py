@@ -3,7 +3,7 @@
 Exit codes: 0 success, 1 a check failed (a level exceeds its tolerance, or the model raised at a level; with
 ``check --policy``, the policy does), 2 bad input or an output that cannot be written, stdout included (one line on
 stderr naming the path and the system's reason, no traceback; ``--debug`` shows it), 130 interrupted (Ctrl-C). Files
-are written by tf32lab.files (checked before the model runs, whole or not at all). ``--version`` and ``--help``
+are written by tf32lab.numbers.files (checked before the model runs, whole or not at all). ``--version`` and ``--help``
 answer without importing torch.
 """
 
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Callable, NoReturn
 
-from . import __version__
-from .errors import Tf32LabError
+from tf32lab import __version__
+from tf32lab.errors import Tf32LabError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -31,9 +31,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _workload_arguments(parser: argparse.ArgumentParser, target: str, native: str = "") -> None:
-    """The spec and --target of a subcommand that works on a GPU target (the list from tf32lab.peaks, which
+    """The spec and --target of a subcommand that works on a GPU target (the list from tf32lab.know.peaks, which
     imports no torch)."""
-    from .peaks import PEAKS
+    from tf32lab.know.peaks import PEAKS
 
     parser.add_argument("spec", nargs="?", default=None, help="a workload spec, as for check")
     parser.add_argument("--target", default="a100", type=str.lower,
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="minilm | builtin | hf:FOLDER | package.module:factory | path/file.py:factory "
                             "(default: minilm when the demo extra is installed, else builtin)")
     check.add_argument("--target", default="a100", type=str.lower,
-                       help="hardware to emulate (see tf32lab.targets), or 'native' for this machine's own hardware "
+                       help="hardware to emulate (see tf32lab.know.targets), or 'native' for this machine's own hardware "
                             "(default: a100)")
     check.add_argument("--levels", default="highest,high,medium", type=str.lower,
                        help="comma-separated levels (default: all three)")
@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("--json", action="store_true", help="print JSON instead (docs/doctor-schema.md)")
     doctor.add_argument("--simulate", metavar="TARGET",
-                        help="answer for another machine: a target of tf32lab.targets (a100, h100, v100, t4, "
+                        help="answer for another machine: a target of tf32lab.know.targets (a100, h100, v100, t4, "
                              "cpu-amx, ...); this environment's overriding variables are kept")
     doctor.add_argument("--cpus", type=_positive_int, help="with --simulate: its visible cores (default 8)")
     doctor.add_argument("--quota", type=_quota, help="with --simulate: its cgroup CPU quota, in CPUs")
@@ -168,7 +168,7 @@ _tolerance = _number("tolerance", float, lambda v: 0 <= v < math.inf, "a finite 
 
 
 def _levels(_: argparse.Namespace) -> int:
-    from .levels import BACKEND_VALUES, LEVELS
+    from tf32lab.know.levels import BACKEND_VALUES, LEVELS
 
     print(f"{'level':<9} {'cuda.matmul':<12} mkldnn.matmul")
     for level in LEVELS:
@@ -181,11 +181,11 @@ def _targets(args: argparse.Namespace) -> int:
     """What each target computes at each level, so a user can pick ``--target`` without reading the source."""
     import json
 
-    from .families import FAMILIES
-    from .flags import read_cells
-    from .levels import BACKEND_VALUES, LEVELS
-    from .peaks import PEAKS
-    from .targets import TARGETS, sdpa_kernel
+    from tf32lab.control.flags import read_cells
+    from tf32lab.know.families import FAMILIES
+    from tf32lab.know.levels import BACKEND_VALUES, LEVELS
+    from tf32lab.know.peaks import PEAKS
+    from tf32lab.know.targets import TARGETS, sdpa_kernel
 
     defaults = {**read_cells(), "sdpa": sdpa_kernel()}  # a fresh process: PyTorch's defaults
     rows = []
@@ -235,8 +235,8 @@ _POLICY_SUFFIXES = ("", ".json", ".toml")
 
 def _outputs(args: argparse.Namespace, *flags: str, reads: Sequence[tuple[str, str | None]] = ()) -> None:
     """The paths a command will write, checked before the model runs (minutes may pass before they are written):
-    each one writable (tf32lab.files.check_writable), none given twice, none a file the command reads."""
-    from .files import check_writable, same_file
+    each one writable (tf32lab.numbers.files.check_writable), none given twice, none a file the command reads."""
+    from tf32lab.numbers.files import check_writable, same_file
 
     for flag in flags:
         if getattr(args, flag[2:]) == "":
@@ -281,15 +281,15 @@ def _write(path: str, write: Callable[[str], object]) -> None:
 
 def _shown(path: object) -> str:
     """A path as one line of inert text (a newline, an escape sequence, bytes that are not UTF-8)."""
-    from .report.text import inert
+    from tf32lab.report.text import inert
 
     return inert(os.fspath(path)).replace("\n", "\\n").replace("\t", "\\t")
 
 
 def _check(args: argparse.Namespace) -> int:
-    from . import specs
-    from .compare import check, check_target
-    from .levels import check_levels
+    from tf32lab.know.levels import check_levels
+    from tf32lab.measure.check import check, check_target
+    from tf32lab.workloads import specs
 
     levels = check_levels(part.strip() for part in args.levels.split(",") if part.strip())
     check_target(args.target)  # before the workload loads: a bad argument fails fast
@@ -298,7 +298,7 @@ def _check(args: argparse.Namespace) -> int:
         raise Tf32LabError("--html - is not supported: the page goes to a file (--json - writes JSON to stdout)")
     policy = None
     if args.policy is not None:
-        from .policy import Policy
+        from tf32lab.control.policy import Policy
 
         policy = Policy.load(args.policy)  # before the workload loads: a bad file fails fast
     spec = args.spec
@@ -316,7 +316,7 @@ def _check(args: argparse.Namespace) -> int:
     except Exception as exc:
         if args.debug:
             raise
-        from .origin import internal_error
+        from tf32lab.numbers.origin import internal_error
 
         bug = internal_error(exc, f"checking workload {loaded.name!r}")
         if bug is not None:
@@ -344,7 +344,7 @@ def _check(args: argparse.Namespace) -> int:
 
 def _next_step(report, spec: str, target: str) -> str:
     """When a reduced level fails: the command that finds the layers to keep at a safer level."""
-    from . import peaks
+    from tf32lab.know import peaks
 
     failed = [lv.level for lv in report.levels if lv.level in ("high", "medium") and not lv.passed]
     if not failed or target not in peaks.PEAKS or (report.policy_row is not None and report.passed):
@@ -356,8 +356,9 @@ def _next_step(report, spec: str, target: str) -> str:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from . import peaks, specs
-    from .compare import check_target
+    from tf32lab.know import peaks
+    from tf32lab.measure.check import check_target
+    from tf32lab.workloads import specs
 
     check_target(args.target)
     peaks.get(args.target)  # before the workload loads
@@ -366,7 +367,7 @@ def _tune(args: argparse.Namespace) -> int:
         raise Tf32LabError("--out and --html write files; '-' is for --json only")
     spec = args.spec or specs.default_spec()
     loaded = specs.load(spec)
-    from .tuning import tune
+    from tf32lab.decide.tune import tune
 
     tuning = tune(loaded, target=args.target, tolerance=args.tolerance, progress=sys.stderr.isatty())
     if args.out and tuning.policy is not None:
@@ -387,7 +388,7 @@ def _tune(args: argparse.Namespace) -> int:
     if args.json == "-":
         sys.stdout.write(tuning.to_json() + "\n")
         return code
-    from .report.text import inert
+    from tf32lab.report.text import inert
 
     try:
         for line in tuning.lines(args.out):
@@ -404,8 +405,9 @@ def _tune(args: argparse.Namespace) -> int:
 def _speed(args: argparse.Namespace) -> int:
     import json
 
-    from . import peaks, specs
-    from .levels import check_levels
+    from tf32lab.know import peaks
+    from tf32lab.know.levels import check_levels
+    from tf32lab.workloads import specs
 
     levels = check_levels(part.strip() for part in args.levels.split(",") if part.strip())
     if args.target != "native":
@@ -416,11 +418,11 @@ def _speed(args: argparse.Namespace) -> int:
     loaded = specs.load(args.spec or specs.default_spec())
     predicted = measured = None
     if args.target != "native":
-        from .speed import predict
+        from tf32lab.speed.predict import predict
 
         predicted = predict(loaded, args.target, levels)
     if args.measure:
-        from .timing import bench
+        from tf32lab.speed.bench import bench
 
         # a bar on stderr, as check shows one; none when stderr is no terminal or JSON is asked for
         measured = bench(loaded, levels, rounds=args.rounds, progress=sys.stderr.isatty() and not args.json)
@@ -430,7 +432,7 @@ def _speed(args: argparse.Namespace) -> int:
         if args.json == "-":
             sys.stdout.write(text + "\n")
             return 0
-        from .files import write_atomically
+        from tf32lab.numbers.files import write_atomically
 
         _write(args.json, lambda path: write_atomically(path, text + "\n"))
     first = predicted or measured
@@ -458,8 +460,8 @@ def _policy_show(args: argparse.Namespace) -> int:
     from rich.table import Table
     from rich.text import Text
 
-    from .policy import Policy
-    from .report.text import inert
+    from tf32lab.control.policy import Policy
+    from tf32lab.report.text import inert
 
     policy = Policy.load(args.file)
     console = _console()
@@ -474,7 +476,7 @@ def _policy_show(args: argparse.Namespace) -> int:
             table.add_row(str(i), Text(inert(rule.pattern)), rule.level)
         console.print(table)
         return 0
-    from . import specs
+    from tf32lab.workloads import specs
 
     model = specs.load(args.model).model
     hooked = set(policy.hooked(model))
@@ -507,8 +509,8 @@ def _policy_show(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from .diagnosis import doctor
-    from .hardware import Hardware, detect
+    from tf32lab.machine.doctor import doctor
+    from tf32lab.machine.hardware import Hardware, detect
 
     if args.simulate is None:
         if args.cpus is not None or args.quota is not None:
@@ -621,7 +623,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # a closed stdout (``>&-``) is None: its first write is then one line and exit 2, as a full disk is
     sys.stdout = _Stdout(stdout if stdout is not None else _Closed())
     try:
-        from .scope import guard_policy
+        from tf32lab.control.scope import guard_policy
 
         guard_policy()  # a bad TF32LAB_SCOPE_GUARD is bad input, said before any work
         code = args.run(args)
@@ -635,7 +637,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _drop_stdout()  # what is still buffered would fail again when Python flushes at exit
         if getattr(args, "debug", False):
             raise
-        from .report.text import inert
+        from tf32lab.report.text import inert
 
         _say(f"tf32lab {args.command}: error: {' '.join(inert(exc).split(chr(10)))}")
         return 2

@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional
 
 import pytest
 
-from .origin import LIBRARY, OURS, PACKAGE, forwarding_line, forwards, innermost_first, kind_of
+from tf32lab.numbers.origin import LIBRARY, OURS, PACKAGE, forwarding_line, forwards, innermost_first, kind_of
 
 ENV = "TF32LAB_PYTEST"
 DEFAULT_LEVEL = "high"
@@ -91,7 +91,7 @@ class _BadValue(Exception):
 
 
 def _level(level: object) -> str:
-    from .levels import LEVELS
+    from tf32lab.know.levels import LEVELS
 
     name = level.strip().lower() if isinstance(level, str) else level
     if name not in LEVELS:
@@ -100,9 +100,9 @@ def _level(level: object) -> str:
 
 
 def _target(name: object) -> Optional[str]:
-    """A target's name as ``tf32lab.targets`` spells it; None for ``native`` (this machine's own hardware)."""
-    from .errors import Tf32LabError
-    from .targets import TARGETS, get
+    """A target's name as ``tf32lab.know.targets`` spells it; None for ``native`` (this machine's own hardware)."""
+    from tf32lab.errors import Tf32LabError
+    from tf32lab.know.targets import TARGETS, get
 
     key = name.strip().lower() if isinstance(name, str) else name
     if key == "native":
@@ -155,7 +155,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     marker = metafunc.definition.get_closest_marker("tf32lab_levels")
     if marker is None:
         return
-    from .levels import check_levels
+    from tf32lab.know.levels import check_levels
 
     try:
         levels, ids = check_levels(marker.args), None
@@ -240,7 +240,7 @@ class _Baseline:
     __slots__ = ("checked", "flags", "modes", "nodes")
 
     def __init__(self) -> None:
-        from . import flags, scope
+        from tf32lab.control import flags, scope
 
         self.flags: Optional[flags.Snapshot] = flags.snapshot()
         self.nodes, self.modes = scope.open_nodes(), _modes()
@@ -330,7 +330,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: Optional[pytest.Item]):
 def _undo_leaks(item: pytest.Item, baseline: _Baseline) -> None:
     """Name what the test left behind, and undo it: open scopes and emulate() blocks closed, dispatch modes it
     pushed taken off, flags put back. The rerun of --tf32lab-compare is cleaned the same way, but not named."""
-    from . import flags, modestack, scope
+    from tf32lab.control import flags, modestack, scope
 
     baseline.checked = True
     leaked = []
@@ -402,15 +402,15 @@ def pytest_runtest_call(item: pytest.Item):
         return
     target, level = _placement(item)
     if item.stash.get(_RERUN, False):  # --tf32lab-compare's second run: natively, at highest
-        from .scope import get_float32_matmul_precision
+        from tf32lab.control.scope import get_float32_matmul_precision
 
         # at the process's own highest, no scope at all: the test as it runs without tf32lab
         target, level = None, (None if get_float32_matmul_precision() == "highest" else "highest")
     if level is None:
         yield
         return
-    from .emulator import emulate
-    from .scope import precision
+    from tf32lab.control.scope import precision
+    from tf32lab.emulation.emulator import emulate
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(precision(level))
@@ -493,7 +493,7 @@ def _reset_compilers() -> None:
 
 
 # -- was it raised inside tf32lab? ---------------------------------------------------------------------------
-# the frames' owners are told apart by tf32lab.origin, which check and tune use for the same question
+# the frames' owners are told apart by tf32lab.numbers.origin, which check and tune use for the same question
 
 
 def _inside_tf32lab(excinfo: pytest.ExceptionInfo) -> Optional[tuple[str, str, str]]:
@@ -515,7 +515,7 @@ def _inside_tf32lab(excinfo: pytest.ExceptionInfo) -> Optional[tuple[str, str, s
         if where is not LIBRARY:
             if where is None:
                 return None
-            from .errors import Tf32LabError
+            from tf32lab.errors import Tf32LabError
 
             return _one_line(exc), where, _REFUSED if isinstance(exc, Tf32LabError) else _ERROR
         exc = exc.__cause__ or exc.__context__

@@ -44,8 +44,8 @@ from typing import Optional
 
 import torch
 
-from .errors import Tf32LabError
-from .levels import LEVELS
+from tf32lab.errors import Tf32LabError
+from tf32lab.know.levels import LEVELS
 
 __all__ = ["UNIT_ROUNDOFF", "assert_close", "tolerance", "unit_roundoff"]
 
@@ -56,7 +56,7 @@ FLOAT32 = 2.0**-24
 
 def _native_target(device: torch.device) -> str:
     """The target that describes how this machine computes on ``device`` (no emulation)."""
-    from .hardware import detect
+    from tf32lab.machine.hardware import detect
 
     machine = detect()
     if device.type == "cuda" and machine.gpus:
@@ -66,9 +66,9 @@ def _native_target(device: torch.device) -> str:
 
 def _math(level: Optional[str], target: Optional[str], device: torch.device) -> tuple[str, str, str]:
     """``(math, level, target)`` of a float32 matmul: what is asked for, else what is in force here."""
-    from .emulator import maths
-    from .scope import current_emulation, get_float32_matmul_precision, precision
-    from .targets import get
+    from tf32lab.control.scope import current_emulation, get_float32_matmul_precision, precision
+    from tf32lab.emulation.emulator import maths
+    from tf32lab.know.targets import get
 
     if level is not None and level not in LEVELS:
         raise Tf32LabError(f"unknown level {level!r}; accepted: {', '.join(map(repr, LEVELS))}")

@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from ..files import write_atomically
-from ..metrics import HISTOGRAM_EDGES, OutputError
+from tf32lab.numbers.files import write_atomically
+from tf32lab.numbers.metrics import HISTOGRAM_EDGES, OutputError
 
 __all__ = ["SCHEMA_VERSION", "LayerError", "LevelResult", "Report", "schema"]
 
@@ -64,7 +64,7 @@ class LevelResult:
     same_as: Optional[str] = None  # an earlier level the target computes identically, measured once for both
     error: Optional[str] = None  # "NotPSDError: ...": the model raised at this level (a finding: FAILED)
     policy: Optional[dict[str, Any]] = None  # the row "policy": the policy's dict form and its base level
-    speedup: Optional[float] = None  # predicted on the target, over highest (tf32lab.speed); None: not predicted
+    speedup: Optional[float] = None  # predicted on the target, over highest (tf32lab.speed.predict); None: not predicted
     # a second run at this level gave other outputs ("normwise 1.2e-01, then 9.8e-02"): the model is not
     # deterministic (unseeded sampling), so a failure says nothing about precision; only looked at when it fails
     unstable: Optional[str] = None
@@ -121,7 +121,7 @@ class Report(Document):
     environment: dict[str, Any]
     seconds: float
     notes: tuple[str, ...] = ()  # what a reader must know about the measurement (a module not broken down, ...)
-    speed: Any = None  # the predicted tf32lab.speed.SpeedReport of one forward on the target, when predicted
+    speed: Any = None  # the predicted tf32lab.speed.predict.SpeedReport of one forward on the target, when predicted
 
     @property
     def passed(self) -> bool:
@@ -157,7 +157,7 @@ class Report(Document):
     def conclusion(self, policy_file: Optional[str] = None) -> list[str]:
         """What the result means and what to do, in plain sentences (``tf32lab.report.conclusion``); with a
         policy row, ``policy_file`` names the file it came from in the advice to apply it."""
-        from .conclusion import conclusion
+        from tf32lab.report.conclusion import conclusion
 
         return conclusion(self, policy_file)
 
@@ -204,17 +204,17 @@ class Report(Document):
 
     def to_html(self) -> str:
         """A self-contained HTML page (inline CSS and SVG plots, no scripts, nothing fetched)."""
-        from .html import render
+        from tf32lab.report.html import render
 
         return render(self)
 
     def _repr_html_(self) -> str:  # Jupyter
-        from .html import render
+        from tf32lab.report.html import render
 
         return render(self, fragment=True)
 
     def __rich_console__(self, console: Any, options: Any) -> Any:
-        from .text import renderables
+        from tf32lab.report.text import renderables
 
         yield from renderables(self, width=options.max_width)
 
@@ -223,7 +223,7 @@ class Report(Document):
         ``policy_file``: see :meth:`conclusion`."""
         from rich.console import Console
 
-        from .text import inert
+        from tf32lab.report.text import inert
 
         console = console or Console(highlight=False)
         console.print(self)

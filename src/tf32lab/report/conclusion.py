@@ -19,7 +19,7 @@ import math
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from . import LevelResult, Report
+    from tf32lab.report import LevelResult, Report
 
 __all__ = ["MAX_REL_NOTE", "conclusion", "policy_summary", "unmeasured"]
 
@@ -132,7 +132,7 @@ def conclusion(report: Report, policy_file: Optional[str] = None) -> list[str]:
 
 def unmeasured(report: Report) -> Optional[str]:
     """The sentence saying that the verdict leaves out products the model ran on other threads, if it did."""
-    from ..counting import on_other_threads
+    from tf32lab.speed.counting import on_other_threads
 
     note = on_other_threads(report.notes)
     return None if note is None else f"Not all of the model was measured; this verdict covers only part of it: {note}."

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import jinja2
 
-from ..metrics import HISTOGRAM_EDGES
-from .text import fmt, notes, ranked_layers, short_name
+from tf32lab.numbers.metrics import HISTOGRAM_EDGES
+from tf32lab.report.text import fmt, notes, ranked_layers, short_name
 
 if TYPE_CHECKING:
-    from . import Report
+    from tf32lab.report import Report
 
 COLORS = {"highest": "#4c78a8", "high": "#f58518", "medium": "#e45756"}
 CHART_LAYERS = 25

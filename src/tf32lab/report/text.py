@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 if TYPE_CHECKING:
-    from . import Report
+    from tf32lab.report import Report
 
 TOP_LAYERS = 10
 
@@ -76,7 +76,7 @@ def renderables(report: Report, width: int = 80) -> Iterator[Any]:
 
 def notes(report: Report) -> list[str]:
     """The lines under the tables: the report's notes, what outputs and layers need said, the max rel footnote."""
-    from .conclusion import MAX_REL_NOTE, policy_summary, unmeasured
+    from tf32lab.report.conclusion import MAX_REL_NOTE, policy_summary, unmeasured
 
     # the note on products run on other threads qualifies the verdict: the conclusion says it, beside the verdict
     moved = unmeasured(report) is not None

@@ -9,11 +9,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from .html import _env
-from .html import render as render_report
+from tf32lab.report.html import _env
+from tf32lab.report.html import render as render_report
 
 if TYPE_CHECKING:
-    from ..tuning import Tuning
+    from tf32lab.decide.tune import Tuning
 
 PLOT_W, PLOT_H = 560, 260
 

@@ -1,0 +1,409 @@
+"""``tune(workload)``: the fastest policy that keeps a workload within its tolerance on a target, verified.
+
+1. **Uniform levels.** One ``check`` session (``compare.Session``): the float64 reference with each layer rerun at
+   every distinct level, one end-to-end run per distinct level, and the work counted for the speed model. The
+   fastest uniform level within tolerance is the answer unless some faster level fails and a mixed policy is
+   predicted meaningfully (``WORTH``) faster than it. On CUDA targets ``medium`` computes as ``high``, so the
+   usual answers are ``high`` everywhere, or a mix of ``high`` and ``highest``.
+2. **A mixed policy** between the fastest level ``F`` (which fails) and the fastest uniform level within
+   tolerance ``S``: layers (modules that run matmul-family ops themselves) are ordered by the error each
+   introduces at ``F`` per unit of predicted time it would lose at ``S``. The shortest prefix of that order that
+   passes end to end, pinned to ``S``, is found by galloping (1, 2, 4, ... layers) then bisection; then each pinned
+   layer, the most time-costly first, is un-pinned while the workload still passes (a group at once, halved on
+   failure, when many are pinned). Pinning a layer pins its own ops: its child modules keep ``F`` by rule.
+3. Every candidate is a real run under the policy (``emulate(target)``), compared with the reference; none is
+   chosen without one. Each is recorded: the policy, its worst output error, its predicted time.
+
+Example:
+
+    >>> import torch, tf32lab
+    >>> w = tf32lab.Workload(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4)),
+    ...                      torch.randn(64, 256), name="mlp")
+    >>> tuning = tf32lab.tune(w, target="a100")
+    >>> tuning.level, tuning.pinned, tuning.passed
+    ('high', (), True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from tf32lab.control.policy import Policy
+from tf32lab.errors import Tf32LabError
+from tf32lab.know import peaks
+from tf32lab.know.levels import LEVELS, check_levels
+from tf32lab.measure.check import (
+    ROOT,
+    PolicyRow,
+    Progress,
+    Session,
+    alike_levels,
+    changed_note,
+    check_target,
+    environment_of,
+    kept_flags,
+    refuse_applied,
+    tolerances_of,
+)
+from tf32lab.numbers.metrics import OutputError
+from tf32lab.report import Document, LevelResult, Report
+from tf32lab.report.conclusion import nondeterministic
+from tf32lab.workloads.workload import Workload
+
+__all__ = ["Candidate", "Tuning", "tune"]
+
+WORTH = 1.10  # a mixed policy must be predicted this much faster than the fastest uniform level to be chosen
+GROUP = 4  # with more pinned layers than this, un-pinning tries halves first
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One policy tried: the layers it pins, whether it passed end to end, its worst output's error over that
+    output's tolerance, its predicted time and speedup over ``highest``, and why it was tried."""
+
+    policy: Policy
+    pinned: tuple[str, ...]
+    passed: bool
+    worst_ratio: float
+    seconds: float
+    speedup: float
+    why: str
+
+
+@dataclass(frozen=True)
+class Tuning(Document):
+    """The result of :func:`tune`. ``passed``: a policy within tolerance was found (``policy``); ``level`` is set
+    when it is uniform."""
+
+    workload: str
+    target: str
+    tolerance: dict[str, float]
+    passed: bool
+    policy: Optional[Policy]
+    level: Optional[str]
+    pinned: tuple[str, ...]
+    outputs: tuple[OutputError, ...]
+    speedup: float  # predicted over highest
+    uniform: Optional[str]  # the fastest uniform level within tolerance
+    speedup_over_uniform: float
+    candidates: tuple[Candidate, ...]
+    runs: int  # end-to-end runs, besides the float64 reference and each layer's reruns
+    seconds: float
+    check_seconds: float  # the part that is one check of the uniform levels
+    reason: str
+    report: Report  # the check of the uniform levels
+    policy_file: Optional[str] = None  # where the policy was written (tf32lab tune --out), named in the advice
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def advice(self, policy_file: Optional[str] = None) -> list[str]:
+        """What to do, in one or two lines; then, when the model ran products on other threads, that the answer
+        leaves them out (they were neither emulated nor measured)."""
+        from tf32lab.report.conclusion import unmeasured
+
+        partial = unmeasured(self.report) if self.report is not None else None
+        return self._advice(policy_file) + ([partial] if partial else [])
+
+    def _advice(self, policy_file: Optional[str] = None) -> list[str]:
+        if not self.passed:
+            return [self.reason]
+        gain = f"predicted {self.speedup:.2f}x faster than `highest` on {self.target}"
+        if self.level == "highest":
+            return [f"{self.reason} Keep `highest` (PyTorch's default): `torch.set_float32_matmul_precision"
+                    f"(\"highest\")` or `tf32lab.precision(\"highest\")`."]
+        if self.level is not None and not self.pinned:
+            return [f"{self.reason} Use `torch.set_float32_matmul_precision(\"{self.level}\")` or "
+                    f"`tf32lab.precision(\"{self.level}\")`: {gain}."]
+        where = policy_file or self.policy_file
+        over = "" if self.uniform == "highest" else \
+            f" ({self.speedup_over_uniform:.2f}x faster than `{self.uniform}` everywhere)"
+        if where is None:  # not written anywhere: no file name to invent
+            return [self.reason, f"Apply it with `tuning.policy.apply(model)`, or save it (`tuning.policy.save(FILE)`, "
+                                 f"`tf32lab tune --out FILE`) and load it with `tf32lab.Policy.load(FILE)`: "
+                                 f"{gain}{over}."]
+        return [self.reason, f"Apply it with `tf32lab.Policy.load({json.dumps(where, ensure_ascii=False)})"
+                             f".apply(model)`: {gain}{over}."]
+
+    def lines(self, policy_file: Optional[str] = None) -> list[str]:
+        """The terminal summary: the search, the answer, what to do."""
+        out = [f"tf32lab tune {self.workload}  target {self.target}, tolerance {self.tolerance['default']:.0e}"]
+        out.append(f"{'candidate':<44} {'worst/tol':>9} {'speedup':>8}  verdict")
+        for c in self.candidates:
+            chosen = " <- chosen" if self.policy is not None and c.policy == self.policy and c.passed else ""
+            out.append(f"{c.why[:44]:<44} {c.worst_ratio:9.2f} {c.speedup:7.2f}x  "
+                       f"{'PASSED' if c.passed else 'FAILED'}{chosen}")
+        out.append(f"{self.runs} end-to-end runs besides the float64 reference; {self.seconds:.1f} s, "
+                   f"{self.seconds / max(self.check_seconds, 1e-9):.2f}x the check of the uniform levels")
+        return out + self.advice(policy_file)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload, "target": self.target, "tolerance": dict(self.tolerance),
+            "passed": self.passed, "policy": None if self.policy is None else self.policy.to_dict(),
+            "level": self.level, "pinned": list(self.pinned), "speedup": self.speedup, "uniform": self.uniform,
+            "speedup_over_uniform": self.speedup_over_uniform, "runs": self.runs, "seconds": self.seconds,
+            "check_seconds": self.check_seconds, "reason": self.reason,
+            "outputs": [{"name": o.name, "normwise": o.normwise, "tolerance": o.tolerance, "passed": o.passed}
+                        for o in self.outputs],
+            "candidates": [{"pinned": list(c.pinned), "passed": c.passed, "worst_ratio": c.worst_ratio,
+                            "seconds": c.seconds, "speedup": c.speedup, "why": c.why,
+                            "policy": c.policy.to_dict()} for c in self.candidates],
+            "check": self.report.to_dict(),
+        }
+
+    def _json_ready(self) -> dict[str, Any]:
+        return _finite(self.to_dict())
+
+    def to_html(self) -> str:
+        from tf32lab.report.tune_html import render
+
+        return render(self)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _ratio(result: LevelResult) -> float:
+    """The worst output's error over its tolerance (inf when the model raised or an output failed outright)."""
+    if result.error is not None or not result.outputs:
+        return math.inf
+    worst = 0.0
+    for o in result.outputs:
+        if o.failure is not None or math.isnan(o.normwise):
+            return math.inf
+        worst = max(worst, o.normwise / o.tolerance if o.tolerance > 0 else (0.0 if o.normwise == 0 else math.inf))
+    return worst
+
+
+def _pattern(name: str) -> str:
+    """An fnmatch pattern that matches exactly this module name."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+def tune(workload: Workload, *, target: str = "a100", tolerance: Union[float, Mapping[str, float], None] = None,
+         levels: Iterable[str] = ("high", "medium", "highest"), progress: bool = False) -> Tuning:
+    """The fastest policy within tolerance on ``target`` (module docstring); every global setting is as it was
+    afterwards. Raises ``Tf32LabError`` for bad input, a target without a speed model, or a model that raises at
+    the float64 reference.
+    """
+    if not isinstance(workload, Workload):
+        raise Tf32LabError(f"tune() takes a tf32lab.Workload, not {type(workload).__name__}")
+    check_target(target)
+    peaks.get(target)  # tune weighs predicted speed: GPU targets only
+    levels = check_levels(levels)
+    everything = tuple(level for level in LEVELS if level in levels or level == "highest")
+    tolerances = tolerances_of(tolerance)
+    refuse_applied(workload, "tune")
+    with kept_flags() as changed:
+        tuning = _tune(workload, target, tolerances, everything, progress)
+    if changed:
+        tuning = dataclasses.replace(tuning, report=dataclasses.replace(
+            tuning.report, notes=(*tuning.report.notes, changed_note(changed))))
+    return tuning
+
+
+def _tune(workload: Workload, target: str, tolerances: dict[str, float], everything: tuple[str, ...],
+          progress: bool) -> Tuning:
+    alike = alike_levels(everything, target)
+    distinct = [level for level in everything if alike[level] is None]
+    started = time.perf_counter()
+    with Progress(progress, steps=1 + len(distinct)) as bar, \
+            Session(workload, distinct, target, tolerances, speed=True, bar=bar) as session:
+        uniform = {level: session.level(level) for level in distinct}
+        predicted = session.predicted(everything)
+        if predicted is None:
+            raise Tf32LabError(f"workload {workload.name!r} ran no ops: nothing to tune")
+        check_seconds = time.perf_counter() - started
+        search = _Search(session, workload, alike, uniform, predicted)
+        answer = search.run()
+    report = Report(workload=str(workload.name), target=target, reference="float64", tolerance=dict(tolerances),
+                    levels=tuple(dataclasses.replace(uniform[alike[lv] or lv], level=lv, same_as=alike[lv],
+                                                     speedup=predicted.level(lv).speedup) for lv in everything),
+                    environment=environment_of(workload), seconds=check_seconds,
+                    notes=tuple(session.notes()), speed=predicted)
+    return dataclasses.replace(answer, workload=str(workload.name), target=target, tolerance=dict(tolerances),
+                               runs=session.runs, seconds=time.perf_counter() - started, check_seconds=check_seconds,
+                               report=report, candidates=tuple(search.candidates))
+
+
+class _Search:
+    """Step 2 of the module docstring, with the runs it makes recorded."""
+
+    def __init__(self, session: Session, workload: Workload, alike: dict[str, Optional[str]],
+                 uniform: dict[str, LevelResult], predicted: Any) -> None:
+        self.session, self.workload, self.alike, self.uniform = session, workload, alike, uniform
+        self.predicted = predicted
+        self.highest = predicted.level("highest").seconds
+        self.candidates: list[Candidate] = []
+        self.tried: dict[frozenset[str], Candidate] = {}
+        self.results: dict[frozenset[str], LevelResult] = {}
+        model = workload.model
+        self.children: dict[str, list[str]] = {}
+        for name, _ in model.named_modules():
+            if name:
+                parent = name.rpartition(".")[0] or ROOT
+                self.children.setdefault(parent, []).append(name)
+
+    def seconds(self, level: str) -> float:
+        return self.predicted.level(level).seconds
+
+    def run(self) -> Tuning:
+        for level, result in self.uniform.items():
+            self._record(Policy(default=level), (), result, self.seconds(level), f"uniform {level}")
+        passing = sorted((lv for lv, r in self.uniform.items() if r.passed), key=self.seconds)
+        fastest = min(self.uniform, key=self.seconds)
+        if not passing:
+            top = self.session.steady(self.uniform["highest"])
+            if top.unstable is not None:
+                return self._answer(None, None, (), top, None, nondeterministic(top))
+            return self._answer(None, None, (), top, None,
+                                f"Not even `highest` is within tolerance on {self.session.target} "
+                                f"({_failure(top)}): no precision setting fixes that; loosen the tolerance or "
+                                f"compute the failing part in float64.")
+        safe = passing[0]
+        if self.seconds(fastest) * WORTH > self.seconds(safe):  # the fastest level passes, or is not much faster
+            return self._answer(Policy(default=safe), safe, (), self.uniform[safe], safe,
+                                f"`{safe}` everywhere is within tolerance"
+                                + ("." if safe == fastest else f" (`{fastest}` is at most {WORTH:.2f}x faster)."))
+        mixed = self._mixed(fastest, safe)
+        if mixed is not None and self.highest / mixed.seconds >= WORTH * self.highest / self.seconds(safe):
+            pinned = ", ".join(repr(n) for n in mixed.pinned[:4]) + (" …" if len(mixed.pinned) > 4 else "")
+            result = self._result_of(mixed)
+            return self._answer(mixed.policy, None, mixed.pinned, result, safe,
+                                f"`{fastest}` with {len(mixed.pinned)} layer(s) pinned to `{safe}` ({pinned}) is "
+                                f"within tolerance.")
+        return self._answer(Policy(default=safe), safe, (), self.uniform[safe], safe,
+                            f"`{safe}` everywhere is within tolerance; no mix with `{fastest}` that passes is "
+                            f"predicted {WORTH:.2f}x faster.")
+
+    # -- candidates -------------------------------------------------------------------------------------------
+    def _policy(self, fast: str, safe: str, pinned: Iterable[str]) -> Policy:
+        pinned = set(pinned)
+        rules: list[tuple[str, str]] = []
+        for name in sorted(pinned):
+            own = "" if name == ROOT else name
+            rules.append((_pattern(own), safe))
+            # a pinned layer pins its own ops: its children keep the fast level unless pinned themselves
+            rules += [(_pattern(child), fast) for child in self.children.get(name, []) if child not in pinned]
+        return Policy(default=fast, rules=rules)
+
+    def _try(self, fast: str, safe: str, pinned: Iterable[str], why: str) -> Candidate:
+        key = frozenset(pinned)
+        known = self.tried.get(key)
+        if known is not None:
+            return known
+        policy = self._policy(fast, safe, key)
+        row = PolicyRow.of(policy, self.workload.model)
+        result = self.session.policy(row, self.alike)
+        candidate = self._record(policy, tuple(sorted(key)), result, self.session.seconds(row), why)
+        self.tried[key] = candidate
+        self.results[key] = result
+        return candidate
+
+    def _record(self, policy: Policy, pinned: tuple[str, ...], result: LevelResult, seconds: float,
+                why: str) -> Candidate:
+        candidate = Candidate(policy, pinned, result.passed, _ratio(result), seconds, self.highest / seconds, why)
+        self.candidates.append(candidate)
+        return candidate
+
+    def _result_of(self, candidate: Candidate) -> LevelResult:
+        return self.results[frozenset(candidate.pinned)]
+
+    def _mixed(self, fast: str, safe: str) -> Optional[Candidate]:
+        layers = self.uniform[fast].layers
+        gains = {layer.name: layer.seconds[safe] - layer.seconds[fast] for layer in self.predicted.layers}
+
+        def order_key(e) -> float:  # most error per unit of lost time first; unmeasured errors first of all
+            if math.isnan(e.introduced):
+                return -math.inf
+            return -e.introduced / max(gains.get(e.name, 0.0), 1e-12)
+
+        unchanged = self._unchanged(fast, safe)
+        order = [e.name for e in sorted(layers, key=order_key) if e.name not in unchanged]
+        if not order:
+            return None
+        # galloping, then bisection, over the prefix length (all layers pinned is `safe` everywhere: it passes)
+        low, high, k = 0, len(order), 1
+        while k < len(order):
+            if self._try(fast, safe, order[:k], f"pin the first {k} by error per lost time").passed:
+                high = k
+                break
+            low, k = k, k * 2
+        while high - low > 1:
+            mid = (low + high) // 2
+            if self._try(fast, safe, order[:mid], f"pin the first {mid} (bisection)").passed:
+                high = mid
+            else:
+                low = mid
+        if high == len(order):  # only every layer pinned passes: that is `safe` everywhere, measured already
+            return None
+        best = self.tried[frozenset(order[:high])]
+        # un-pin what the workload does not need, the most time-costly first
+        pinned = sorted(best.pinned, key=lambda n: -gains.get(n, 0.0))
+        best = self._unpin(fast, safe, pinned, best)
+        return best
+
+    def _unchanged(self, fast: str, safe: str) -> set[str]:
+        """Layers whose own ops all get the same math at ``fast`` and ``safe`` on the target (cuDNN keeps
+        convolutions TF32 at `highest` on a100): pinning one changes nothing, so none is a candidate. Read from the
+        maths the uniform runs recorded (the targets table's answer), no scope entered."""
+        at_fast, at_safe = self.uniform[fast].maths, self.uniform[safe].maths
+        families: dict[str, set[str]] = {}
+        for op in self.session.counting.counts.ops if self.session.counting is not None else ():
+            if op.family is not None:
+                families.setdefault(op.layer, set()).add(op.family)
+        return {name for name, found in families.items()
+                if all(f in at_fast and at_fast[f] == at_safe.get(f) for f in found)}
+
+    def _unpin(self, fast: str, safe: str, pinned: list[str], best: Candidate) -> Candidate:
+        keep = list(pinned)
+        groups = [pinned] if len(pinned) > GROUP else [[name] for name in pinned]
+        while groups:
+            group = groups.pop(0)
+            trial = [n for n in keep if n not in group]
+            if not trial:
+                continue  # un-pinning everything is the fast level, which failed
+            names = ", ".join(repr(n) for n in group[:2]) + (" …" if len(group) > 2 else "")
+            candidate = self._try(fast, safe, trial, f"un-pin {names}")
+            if candidate.passed:
+                keep, best = trial, candidate
+            elif len(group) > 1:
+                half = len(group) // 2
+                groups[:0] = [group[:half], group[half:]]
+        return best
+
+    def _answer(self, policy: Optional[Policy], level: Optional[str], pinned: tuple[str, ...],
+                result: LevelResult, uniform: Optional[str], reason: str) -> Tuning:
+        seconds = next((c.seconds for c in self.candidates if c.policy == policy and c.passed), self.highest)
+        uniform_seconds = self.seconds(uniform) if uniform else self.highest
+        return Tuning(
+            workload="", target="", tolerance={}, passed=policy is not None, policy=policy, level=level,
+            pinned=pinned, outputs=result.outputs, speedup=self.highest / seconds, uniform=uniform,
+            speedup_over_uniform=uniform_seconds / seconds, candidates=(), runs=0, seconds=0.0, check_seconds=0.0,
+            reason=reason, report=None,  # type: ignore[arg-type]  # filled in by tune()
+        )
+
+
+def _failure(result: LevelResult) -> str:
+    if result.error is not None:
+        return f"the model raises {result.error.splitlines()[0]}"
+    worst = result.worst
+    if worst is None:
+        return "no output to compare"
+    if worst.failure is not None:
+        return f"output {worst.name!r}: {worst.failure}"
+    return f"output {worst.name!r} is off by {worst.normwise:.1e}, tolerance {worst.tolerance:.0e}"

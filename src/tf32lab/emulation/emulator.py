@@ -1,0 +1,1018 @@
+"""``emulate(target)``: compute every matmul-family op as the target GPU would, on any machine.
+
+Inside ``with emulate("a100"):`` a thread-local ``TorchDispatchMode`` catches every float32 op of the matmul,
+conv, rnn, attention and matvec families, asks ``targets`` which math the target assigns under the scope and
+flags in force for this thread, and computes it: operands rounded as the hardware rounds them (``formats``),
+products and accumulation in IEEE float32, as the tensor cores do (products of TF32 or bf16 values are exact in
+float32). Split maths sum several products (``tf32x3``, ``bf16x3``: three; ``bfx9``: nine). Non-float32 ops
+pass through.
+
+The op table lives in ``tf32lab.emulation.rules`` (one registry, filled by ``@rule``). An op that belongs to a family (by
+name, ``tf32lab.know.families``) but has no rule is first decomposed into ops that do; if it cannot be, it runs
+natively and is counted in ``unhandled`` (``strict=True``: it raises), so silence never passes for success.
+
+Example:
+
+    >>> import torch, tf32lab
+    >>> a, b = torch.tensor([[1024.5]]), torch.tensor([[1.0]])
+    >>> with tf32lab.precision("high"), tf32lab.emulate("a100") as emu:
+    ...     (a @ b).item()                 # cuBLAS on Ampere rounds operands to TF32, ties away from zero
+    1025.0
+    >>> with tf32lab.emulate("a100"):
+    ...     (a @ b).item()                 # "highest": IEEE float32, as on the GPU
+    1024.5
+    >>> dict(emu.coverage)
+    {('aten::mm', 'tf32-rna'): 1}
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+from tf32lab.control import flags, modestack, scope
+from tf32lab.emulation import rules
+from tf32lab.errors import Tf32LabError
+from tf32lab.know import optable
+from tf32lab.know.levels import BACKEND_VALUES
+from tf32lab.know.targets import IEEE, KEYS, MATHS, Math, Target, check_value, get, sdpa_kernel
+from tf32lab.numbers import formats
+
+__all__ = ["emulate", "maths"]
+
+_F32 = torch.float32
+_SPARSE = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
+_SINGLE_ROUND = {"tf32": formats.round_tf32, "bf16": formats.round_bf16}
+_SPLIT = {"tf32x3": formats.split_tf32x3, "bf16x3": formats.split_bf16x3, "bfx9": formats.split_bf16x9}
+
+# the keys that cuBLAS computes under PyTorch's handle
+_CUBLAS_KEYS = ("matmul", "matvec", "attention.math", "matmul.gemv", "linalg.trsm")
+
+
+# -- the stance of torch.compile: compiled code would run kernels we never see ----------------------------------
+# Dynamo skips a frame that starts while a dispatch mode is on the stack, and remembers the skip for that code
+# object for good: without the eager stance, ``torch.compile(fn, fullgraph=True)`` raises inside the block ("found
+# no compiled frames") and the same ``fn`` compiled natively afterwards raises too ("Compilation was not attempted").
+# With it, compiled code runs eagerly under the modes and Dynamo sees none of its frames.
+_stance_lock = threading.RLock()
+_stance_users = 0
+_stance_before: Any = None
+_DYNAMO = "torch._dynamo"
+
+
+def _set_eager_stance() -> None:
+    """With ``_stance_lock`` held, ``torch._dynamo`` loaded and an emulation open: Dynamo's eager stance."""
+    global _stance_before
+    if _stance_before is not None:
+        return
+    try:
+        from torch._dynamo import eval_frame
+    except ImportError:  # a torch without dynamo has nothing to force
+        return
+    if hasattr(eval_frame, "_set_stance"):
+        _stance_before = eval_frame._set_stance(eval_frame.DynamoStance("force_eager"))
+    elif callable(getattr(eval_frame, "set_eval_frame", None)):
+        # torch before 2.6 has no stance. A compiled function installs Dynamo's frame callback through this
+        # module's set_eval_frame on every call; while emulations are open it installs none instead, so the
+        # function's frames run eagerly (no cached graph, no new compile), as under the eager stance.
+        real = eval_frame.set_eval_frame
+
+        def eager(callback: Any) -> Any:
+            return real(callback if callback is None or callback is False else None)
+
+        eval_frame.set_eval_frame = eager
+        _stance_before = ("set_eval_frame", real)
+
+
+class _LoadedThenEager(importlib.abc.Loader):
+    """Loads ``torch._dynamo`` with the loader found for it, then sets the eager stance (an emulation is open)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.loader.exec_module(module)
+        module.__loader__ = module.__spec__.loader = self.loader  # as if we had never been there
+        with _stance_lock:
+            if _stance_users:
+                _set_eager_stance()
+
+
+class _DynamoWatch(importlib.abc.MetaPathFinder):
+    """On ``sys.meta_path`` while an emulation is open and ``torch._dynamo`` is not loaded: importing it (about a
+    second, 71 MiB, so not before a program compiles) inside the block sets the eager stance before anything can
+    be compiled."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != _DYNAMO:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None  # found some other way: the import goes on as without us
+        spec.loader = _LoadedThenEager(spec.loader)
+        return spec
+
+
+_WATCH = _DynamoWatch()
+
+
+def _in_compiled_region() -> bool:
+    """Whether this code runs under ``torch.compile`` (Dynamo's frame callback is set on this thread)."""
+    if _DYNAMO not in sys.modules:
+        return False
+    frames = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    get = getattr(frames, "get_eval_frame_callback", None)
+    if get is not None:
+        callback = get()
+    else:  # torch before 2.6 has no getter: the setter returns what it replaces, put back at once
+        put = getattr(frames, "set_eval_frame", None)
+        if put is None:
+            return False
+        callback = put(None)
+        put(callback)
+    return callback is not None and callback is not False
+
+
+def _force_eager() -> None:
+    global _stance_users
+    with _stance_lock:
+        if _stance_users == 0:
+            if _DYNAMO in sys.modules:
+                _set_eager_stance()
+            elif _WATCH not in sys.meta_path:
+                sys.meta_path.insert(0, _WATCH)
+        _stance_users += 1
+
+
+def _release_eager() -> None:
+    global _stance_users, _stance_before
+    with _stance_lock:
+        _stance_users -= 1
+        if _stance_users == 0:
+            if _WATCH in sys.meta_path:
+                sys.meta_path.remove(_WATCH)
+            if _stance_before is not None:
+                from torch._dynamo import eval_frame
+
+                if isinstance(_stance_before, tuple):
+                    eval_frame.set_eval_frame = _stance_before[1]
+                else:
+                    eval_frame._set_stance(_stance_before)
+                _stance_before = None
+
+
+# -- context cells: which flag values apply to this thread/task now ----------------------------------------------
+def _context_cells() -> dict[str, str]:
+    cells = flags.read_cells()
+    level = scope.context_level()
+    if level is not None:  # this context's scope decides the matmul cells, whatever the process flags hold
+        cells["cuda.matmul"], cells["mkldnn.matmul"] = BACKEND_VALUES[level]
+    else:  # outside scopes: the process level, not another thread's scope that the flags may hold now
+        cells.update(scope.process_cells())
+    cells["sdpa"] = sdpa_kernel()
+    return cells
+
+
+def maths(target: str | Target = "a100") -> dict[str, str]:
+    """The math ``emulate(target)`` gives each key in this context (scope and flags), by key.
+
+    >>> import tf32lab
+    >>> with tf32lab.precision("high"):
+    ...     tf32lab.emulation.emulator.maths("a100")["matmul"]
+    'tf32-rna'
+    """
+    target, cells = get(target), _context_cells()
+    return {key: str(target.math(key, cells)) for key in KEYS}
+
+
+class _Scratch(threading.local):
+    """Per-thread buffers for rounded activations, which live only while their op runs.
+
+    Fresh multi-MB temporaries cost page faults on every op (the allocator hands large blocks back to the OS),
+    measured as costly as the rounding itself; so they are reused, across ``emulate`` blocks too, up to ``CAP``
+    bytes per thread. They hold no values between ops, only memory. :func:`release_buffers` frees them.
+    """
+
+    CAP = 256 << 20
+
+    def __init__(self) -> None:
+        self.free: dict[tuple, list[torch.Tensor]] = {}
+        self.bytes = 0
+        self.leased: list[torch.Tensor] = []  # handed out to the op running now
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        free = self.free.get((numel, dtype, device))
+        if free:
+            buf = free.pop()
+            self.bytes -= buf.numel() * buf.element_size()
+            return buf
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, views: list[torch.Tensor]) -> None:
+        for view in views:
+            buf = view._base if view._base is not None else view
+            size = buf.numel() * buf.element_size()
+            if buf.dim() == 1 and self.bytes + size <= self.CAP:  # only the pool's own flat buffers
+                self.free.setdefault((buf.numel(), buf.dtype, buf.device), []).append(buf)
+                self.bytes += size
+
+    def release(self, mark: int) -> None:
+        if len(self.leased) > mark:
+            self.give(self.leased[mark:])
+            del self.leased[mark:]
+
+
+_SCRATCH = _Scratch()
+
+
+def release_buffers() -> None:
+    """Free this thread's scratch buffers for rounded activations, kept between ``emulate`` blocks (fresh
+    multi-MB buffers cost as much as the rounding itself). Rounded weights never outlive their block.
+
+    >>> release_buffers()
+    """
+    _SCRATCH.free.clear()
+    _SCRATCH.bytes = 0
+
+
+def _version(t: torch.Tensor) -> int:
+    return -1 if t.is_inference() else t._version
+
+
+class _WeightCache:
+    """Rounded copies of parameters for one ``emulate`` block: a weight used by several ops is rounded once.
+
+    An entry is valid while the parameter's version counter and storage are unchanged (``p.data = other`` swaps
+    the storage and keeps the counter) and no write to its storage was seen.
+    ``.data`` (which has a version counter of its own) and inference tensors (which have none) are covered by the
+    second rule: every mutating op in the block passes through the emulator, which calls :meth:`written`. Writes
+    between blocks cannot be seen, so nothing is kept past the block; writes that bypass PyTorch inside a block
+    (a numpy view of a weight) are the one thing not seen (docs/design.md).
+    """
+
+    __slots__ = ("__weakref__", "buffers", "entries", "storages")
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple, tuple[weakref.ref, int, Any]] = {}
+        self.storages: dict[int, set[tuple]] = {}  # storage address -> keys of entries made from it
+        # Copies live in scratch buffers (fresh multi-MB tensors cost page faults: 3x the rounding of MiniLM's
+        # weights); they go back to the thread's pool when the block ends, never earlier (an op may hold one).
+        self.buffers: list[torch.Tensor] = []
+
+    def get(self, t: torch.Tensor, tag: str, fn: Callable, parts: int = 1) -> Any:
+        """``fn(t, out)``'s value for parameter ``t``, ``out`` being ``parts`` buffers shaped like ``t``."""
+        base = t._base if t._base is not None else t
+        key = (id(base), t.storage_offset(), tuple(t.shape), t.stride(), t.device, tag)
+        # the storage's address too: ``p.data = other`` swaps it without touching the version counter
+        version = (_version(base), base.untyped_storage().data_ptr())
+        hit = self.entries.get(key)
+        if hit is not None and hit[0]() is base and hit[1] == version:
+            return hit[2]
+        with torch.inference_mode(False):  # a copy made under inference_mode must still serve autograd later
+            out = [_buffer_like(t, self.buffers) for _ in range(parts)]
+            value = fn(t.detach(), out)
+        self.entries[key] = (weakref.ref(base), version, value)
+        self.storages.setdefault(base.untyped_storage().data_ptr(), set()).add(key)
+        return value
+
+    def written(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            if t.layout is not torch.strided:
+                # a sparse tensor has no storage of its own: its values may share a parameter's
+                if t.layout not in _SPARSE:
+                    continue
+                t = t._values() if t.layout is torch.sparse_coo else t.values()
+            keys = self.storages.pop(t.untyped_storage().data_ptr(), None)
+            for key in keys or ():
+                self.entries.pop(key, None)
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.storages.clear()
+        buffers, self.buffers = self.buffers, []
+        _SCRATCH.give(buffers)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+_CACHES: weakref.WeakSet[_WeightCache] = weakref.WeakSet()
+
+
+def _live_weight_copies() -> int:
+    """Rounded parameter copies held by open ``emulate`` blocks of this process (for tests)."""
+    return sum(len(cache) for cache in list(_CACHES))
+
+
+class _Entry:
+    """One entered ``emulate`` block: its ``emulate`` object, weight cache and the modes of its thread."""
+
+    __slots__ = ("cache", "emu", "modes", "thread")
+
+    def __init__(self, emu: emulate, modes: _ThreadModes) -> None:
+        self.emu, self.modes, self.thread = emu, modes, threading.get_ident()
+        self.cache = _WeightCache()
+        _CACHES.add(self.cache)
+
+
+class _Call:
+    """One intercepted op: the math decisions (fixed at entry), the product helpers rules use, and rounding."""
+
+    __slots__ = ("cells", "emu", "entry", "math_seen", "no_tf32", "op")
+
+    def __init__(self, entry: _Entry, op: str, cells: dict[str, str]) -> None:
+        self.entry, self.emu, self.op, self.cells = entry, entry.emu, op, cells
+        self.math_seen: Optional[Math] = None
+        self.no_tf32: bool = rules.tf32_is_off()
+
+    def math(self, key: str) -> Math:
+        """The math of ``key`` ("matmul", "conv", "attention.efficient", ...) for this call."""
+        emu = self.emu
+        if key in ("matmul", "matvec", "matmul.gemv"):
+            key = rules.forced_family() or key
+        if self.no_tf32 and emu.math is None and emu.target.device == "cuda" and key in _CUBLAS_KEYS:
+            key = "linalg"  # PyTorch's NoTF32Guard: the cuBLAS handle computes IEEE here
+        math = emu.math if emu.math is not None else emu.target.math(key, self.cells)
+        if emu.rounding is not None and math.rounding is not None and emu.math is None:
+            math = Math(math.name, emu.rounding)
+        if self.math_seen is None:
+            self.math_seen = math
+        return math
+
+    def product(self, key: str, full: Callable, a: torch.Tensor, b: torch.Tensor,
+                bare: Optional[Callable] = None) -> torch.Tensor:
+        """``full(a, b)`` computed with the math of ``key``.
+
+        ``full`` is bilinear in ``(a, b)`` plus any term that does not depend on them (a bias, ``beta * C``);
+        ``bare`` is the same product without that term (defaults to ``full``). Split maths need it: the three
+        partial products must add the term once.
+        """
+        math = self.math(key)
+        name = math.name
+        if name == "ieee" or a.dtype != _F32 or b.dtype != _F32:
+            return full(a, b)
+        if name in _SINGLE_ROUND:
+            return full(self.round(a, math), self.round(b, math))
+        if name == "bfx9":  # all nine products, as three GEMMs: each part of a times the parts of b summed
+            hi, mid, lo = self.split(a, math)
+            b_sum = self.split(b, math, summed=True)[-1]
+            out = full(hi, b_sum).add_((bare or full)(mid, b_sum)).add_((bare or full)(lo, b_sum))
+            if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+                # special values propagate as in IEEE float32 (NVIDIA's BF16x9 emulation docs): the parts of a
+                # finite operand times an infinite one could otherwise meet as inf - inf
+                ieee = full(a, b)
+                out = torch.where(torch.isfinite(ieee), out, ieee)
+            return out
+        # The three products big·big' + big·small' + small·big' as two GEMMs: big·(big' + small') + small·big'.
+        # big' + small' is exact in float32 unless small' is tiny next to big' (then off by one float32 rounding),
+        # so the sum equals the three products within float32 accumulation error; small·small' stays dropped.
+        a_big, a_small = self.split(a, math)
+        b_big, b_sum = self.split(b, math, summed=True)
+        return full(a_big, b_sum).add_((bare or full)(a_small, b_big))
+
+    def many_linears(self, key: str, nan_free: bool = False) -> tuple[Callable, Callable, Callable]:
+        """For the many small GEMMs of one op (an RNN's steps), in the math of ``key``: ``linear(x, w, b)``,
+        ``step(acc, h, w)`` = acc + h wᵀ as one GEMM, and ``done()`` to count them. Weights are rounded once
+        (cached, and transposed once for ``step``), each activation into a buffer reused across the steps.
+        ``nan_free``: the op's inputs hold no NaN, so the hidden states ``step`` rounds hold only default NaNs
+        and need no scan."""
+        math = self.math(key)
+        emu, name = self.emu, math.name
+        gemms = [0]
+
+        def done() -> None:
+            if gemms[0]:
+                emu._count("aten::linear", math, gemms[0])
+                gemms[0] = 0
+
+        if name != "ieee" and name not in _SINGLE_ROUND:  # a split math: the general product
+            def split_linear(x, w, b):
+                return self.step_product(key, lambda p, q: F.linear(p, q, b), x, w, bare=lambda p, q: F.linear(p, q))
+
+            return split_linear, lambda acc, h, w: split_linear(h, w, None).add_(acc), done
+        round_fn = _SINGLE_ROUND.get(name)
+        hot = formats.hot_rounder(name, math.rounding) if round_fn is not None and nan_free else None
+        buffers: dict[tuple, torch.Tensor] = {}
+        transposed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def operands(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            gemms[0] += 1
+            if round_fn is None or x.dtype != _F32 or w.dtype != _F32:
+                return x, w
+            w = self.round(w, math) if _is_parameter(w) else round_fn(w, math.rounding)
+            return round_fn(x, math.rounding, out=buffer(x)), w
+
+        last: list = [None]  # the buffer asked for last: every step asks for the hidden state's again
+
+        def buffer(x: torch.Tensor) -> torch.Tensor:
+            buf = last[0]
+            if buf is not None and buf.shape == x.shape and buf.device == x.device:
+                return buf
+            where = (tuple(x.shape), x.device)
+            buf = buffers.get(where)
+            if buf is None:
+                buf = buffers[where] = torch.empty(x.shape, dtype=_F32, device=x.device)
+            last[0] = buf
+            return buf
+
+        def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+            x, w = operands(x, w)
+            return F.linear(x, w, b)
+
+        def step(acc: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            held = transposed.get(id(w))
+            if held is None or held[0] is not w:  # (w, its rounded copy transposed), kept for this op
+                h, w_rounded = operands(h, w)
+                held = transposed[id(w)] = (w, w_rounded.t().contiguous())
+                return torch.addmm(acc, h, held[1])
+            gemms[0] += 1
+            if round_fn is not None and h.dtype == _F32:
+                if hot is not None and h.is_cpu and h.is_contiguous():
+                    h = hot(h, buffer(h))
+                else:
+                    h = round_fn(h, math.rounding, out=buffer(h), default_nans=nan_free)
+            return torch.addmm(acc, h, held[1])
+
+        return linear, step, done
+
+    def step_product(self, key: str, full: Callable, a: torch.Tensor, b: torch.Tensor,
+                     bare: Optional[Callable] = None) -> torch.Tensor:
+        """:meth:`product` for one of many GEMMs inside one op (an RNN's steps): counted as ``aten::linear``
+        of its math, its rounded activation's buffer given back at once."""
+        mark = len(_SCRATCH.leased)
+        try:
+            result = self.product(key, full, a, b, bare)
+        finally:
+            _SCRATCH.release(mark)
+        self.emu._count("aten::linear", self.math(key))
+        return result
+
+    # -- operands: rounded copies, cached for parameters, in reused buffers otherwise -----------------------
+    def round(self, t: torch.Tensor, math: Math) -> torch.Tensor:
+        fn = _SINGLE_ROUND[math.name]
+
+        def rounded(x, out):
+            return fn(x, math.rounding, out=out[0])
+
+        if _is_parameter(t):
+            return self.entry.cache.get(t, str(math), rounded)
+        return rounded(t, [_buffer_like(t)])
+
+    def split(self, t: torch.Tensor, math: Math, summed: bool = False) -> tuple[torch.Tensor, ...]:
+        """The parts of ``t`` for a split math, biggest first (``(big, small)`` for x3, three for bfx9); when
+        ``summed``, the last part holds the sum of all of them."""
+        fn = _SPLIT[math.name]
+        count = 3 if math.name == "bfx9" else 2
+
+        def parts(x, out):
+            split = fn(x, out=tuple(out))
+            if summed:
+                for part in split[-2::-1]:
+                    split[-1].add_(part)
+            return split
+
+        if _is_parameter(t):
+            return self.entry.cache.get(t, f"{math.name}{'+' if summed else ''}", parts, count)
+        return parts(t, [_buffer_like(t) for _ in range(count)])
+
+
+def _buffer_like(t: torch.Tensor, holder: Optional[list] = None) -> torch.Tensor:
+    """A scratch tensor shaped like ``t`` (or its transpose), leased to the op running now (or kept in
+    ``holder`` until its owner gives it back)."""
+    if t.is_contiguous():
+        shape, transposed = t.shape, False
+    elif t.dim() >= 2 and t.mT.is_contiguous():
+        shape, transposed = t.mT.shape, True
+    else:
+        return torch.empty_like(t)
+    buf = _SCRATCH.take(t.numel(), t.dtype, t.device)
+    (_SCRATCH.leased if holder is None else holder).append(buf)
+    view = buf.view(shape)
+    return view.mT if transposed else view
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    return isinstance(t._base if t._base is not None else t, torch.nn.Parameter)
+
+
+def _float32_in(args: Any) -> bool:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.dtype == _F32:
+                return True
+        elif isinstance(a, (list, tuple)) and _float32_in(a):
+            return True
+    return False
+
+
+def _sparse_in(args: Any) -> bool:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.layout in _SPARSE:
+                return True
+        elif isinstance(a, (list, tuple)) and _sparse_in(a):
+            return True
+    return False
+
+
+def _tensors_in(args: Any) -> list[torch.Tensor]:
+    found = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found += _tensors_in(a)
+    return found
+
+
+def _native_cell(args: Any) -> str:
+    """The flag cell a native GEMM on these operands obeys."""
+    device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+    return "mkldnn.matmul" if device == "cpu" else "cuda.matmul"
+
+
+@modestack.skips_dynamo_lazily
+class _Float64(TorchDispatchMode):
+    """Native GEMMs in float64, rounded back to float32: immune to any reduced-precision flag.
+
+    For the rare moment a rule needs IEEE GEMMs but the flag in force must stay reduced (an unguarded scope of
+    another thread holds it). Products of rounded operands are exact either way; only the accumulation is
+    better than float32, which the emulator's results never promise to match bit for bit.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if optable.family(func.name()) is None or _mutates(func):
+            return func(*args, **kwargs)
+
+        def up(t):
+            return t.double() if isinstance(t, torch.Tensor) and t.dtype == _F32 else t
+
+        result = func(*[up(a) if not isinstance(a, (list, tuple)) else type(a)(map(up, a)) for a in args],
+                      **{k: up(v) for k, v in kwargs.items()})
+
+        def down(t):
+            return t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.float64 else t
+
+        return tuple(map(down, result)) if isinstance(result, (tuple, list)) else down(result)
+
+
+def _in_float64(fn: Callable[[], Any]) -> Any:
+    with _Float64():
+        return fn()
+
+
+@modestack.skips_dynamo_lazily
+class _Mode(TorchDispatchMode):
+    """Per thread: routes family ops of an emulating context to their rule; the rest pass through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pinned: Optional[dict[str, str]] = None  # cells of the op being emulated (nested dispatch reuses them)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        entry = scope.current_emulation()
+        if entry is None:
+            return _passed_on(func, args, kwargs)
+        classified = _classify(func)
+        if classified is None or not (_float32_in(args) or _float32_in(kwargs.values())):
+            if entry.cache.entries and _mutates(func):  # a write, maybe through .data: its rounded copies go
+                entry.cache.written(_tensors_in(args) + _tensors_in(kwargs.values()))
+            return _passed_on(func, args, kwargs)
+        tracing = _get_tracing_state()
+        if tracing is None:
+            return self._emulated(entry, classified, func, args, kwargs)
+        # Under torch.jit.trace. The tracer records most ops above this mode and clears its state for what runs
+        # below (then ``tracing`` is None here). For the few it leaves to their kernel (convolution records the
+        # ``_convolution`` it calls), the native op runs first, so that the user's graph holds what PyTorch
+        # records; its output then gets the emulated values. The rule itself runs with the tracer's state off: what
+        # it computes is no part of the user's graph, traced sizes would trip the tracer's INTERNAL ASSERT (a view of
+        # a scratch buffer), and our own ``.item()`` would warn the user with TracerWarnings.
+        traced = _recorded(func, args, kwargs)
+        _put_tracing_state(None)
+        try:
+            value = self._emulated(entry, classified, func, args, kwargs)
+            outs, values = _tensors_in((traced,)), _tensors_in((value,))
+            if len(outs) != len(values):
+                raise Tf32LabError(f"emulating {func.name()} under torch.jit.trace: {len(values)} outputs where "
+                                   f"the native op gave {len(outs)}")
+            for out, v in zip(outs, values):
+                if out is not v:
+                    out.copy_(v)
+        finally:
+            _put_tracing_state(tracing)
+        return traced
+
+    def _emulated(self, entry: _Entry, classified: tuple, func, args, kwargs):
+        rule, family, how = classified
+        emu = entry.emu
+        cells = self.pinned or _context_cells()
+        call = _Call(entry, func.name(), cells)
+        pinned, self.pinned = self.pinned, cells
+        mark = len(_SCRATCH.leased)
+        try:
+            if _sparse_in(args) or _sparse_in(kwargs.values()):
+                # A sparse operand (COO, CSR, CSC, BSR, BSC): on a GPU PyTorch hands the product to cuSPARSE
+                # (SpMM / SpGEMM, computed in the operands' type, CUDA_R_32F for float32), which the TF32 flags
+                # do not reach (they govern cuBLAS and cuDNN); on a CPU to MKL's sparse BLAS or its own loops, not
+                # oneDNN. IEEE float32 on every target, whatever the math asked for, and counted so.
+                emu._count(call.op, IEEE)
+                return scope.run_at("highest", lambda: func(*args, **kwargs), cell=_native_cell(args),
+                                    refused=lambda: _in_float64(lambda: func(*args, **kwargs)))
+            if how == "no_tf32" and emu.math is None and emu.target.device == "cuda":
+                # an op inside which PyTorch turns TF32 off: counted, IEEE
+                emu._count(call.op, call.math("linalg"))
+                return scope.run_at("highest", lambda: func(*args, **kwargs), cell=_native_cell(args),
+                                    refused=lambda: _in_float64(lambda: func(*args, **kwargs)))
+            if how == "unhandled" or rule is None:
+                return self._no_rule(call, func, family, how, args, kwargs)
+            out = kwargs.pop("out", None) if "out" in kwargs else None
+            if _no_tf32_backward():
+                call.no_tf32 = True
+
+            def run():
+                return rule(call, func, args, kwargs)
+
+            # The rounded operands must not be rounded again by the native GEMM: IEEE for this device's cell.
+            result = scope.run_at("highest", run, cell=_native_cell(args), refused=lambda: _in_float64(run))
+            if result is NotImplemented:  # the rule declined (e.g. a layout it does not model)
+                return self._no_rule(call, func, family, "unknown", args,
+                                     kwargs if out is None else {**kwargs, "out": out})
+            if out is not None:
+                out.copy_(result)
+                result = out
+            emu._count(call.op, call.math_seen or call.math(family))
+            if entry.cache.entries and _mutates(func):  # addmm_ and friends write into C
+                entry.cache.written(_tensors_in(args))
+            return result
+        finally:
+            self.pinned = pinned
+            _SCRATCH.release(mark)
+
+    def _no_rule(self, call: _Call, func, family: str, how: str, args, kwargs):
+        # A composite op decomposes into ops we know (with IEEE GEMMs where PyTorch turns TF32 off inside it);
+        # everything else is unhandled (an op outside the table named like a solver: IEEE on every target).
+        if how != "unhandled":
+            with self, (rules.no_tf32() if how == "no_tf32" else contextlib.nullcontext()):
+                result = func.decompose(*args, **kwargs)
+            if result is not NotImplemented:
+                return result
+        if family == "linalg" and how == "unknown":
+            call.emu._count(call.op, call.math("linalg"))
+            return func(*args, **kwargs)
+        call.emu._unhandled(call.op)
+        return func(*args, **kwargs)
+
+
+_get_tracing_state = torch._C._get_tracing_state
+_TRACER = torch._C._parse_dispatch_key("Tracer")
+
+
+def _put_tracing_state(state: Any) -> None:
+    """Set this thread's ``torch.jit.trace`` state from inside an op the tracer dispatched.
+
+    The tracer's kernel excludes its dispatch key while the op runs below it, and PyTorch refuses to set a state
+    (even none) while the key is excluded; which keys are included or excluded is put back as it was.
+    """
+    included = torch._C._dispatch_tls_is_dispatch_key_included(_TRACER)
+    excluded = torch._C._dispatch_tls_is_dispatch_key_excluded(_TRACER)
+    torch._C._dispatch_tls_set_dispatch_key_excluded(_TRACER, False)
+    try:
+        torch._C._set_tracing_state(state)
+    finally:
+        torch._C._dispatch_tls_set_dispatch_key_included(_TRACER, included)
+        torch._C._dispatch_tls_set_dispatch_key_excluded(_TRACER, excluded)
+_WRAPPED_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
+
+
+def _recorded(func, args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)`` natively, with the tracer's dispatch key on, as it is when no mode runs."""
+    included = torch._C._dispatch_tls_is_dispatch_key_included(_TRACER)
+    excluded = torch._C._dispatch_tls_is_dispatch_key_excluded(_TRACER)
+    torch._C._dispatch_tls_set_dispatch_key_excluded(_TRACER, False)
+    torch._C._dispatch_tls_set_dispatch_key_included(_TRACER, True)
+    try:
+        return _native(func, args, kwargs)
+    finally:
+        torch._C._dispatch_tls_set_dispatch_key_included(_TRACER, included)
+        torch._C._dispatch_tls_set_dispatch_key_excluded(_TRACER, excluded)
+
+
+def _passed_on(func, args: tuple, kwargs: dict) -> Any:
+    """An op this mode does not emulate (no float32 operand, not of a family, or no emulation in this context),
+    run as it would run without the mode.
+
+    Under ``torch.jit.trace`` that includes the tracer: an op that reaches the mode with the tracing state still
+    set is one the tracer leaves to its kernel to record (``aten::convolution`` records the ``_convolution`` it
+    calls), but the tracer's key is excluded below its own kernel, so called plainly the kernel's ops would go
+    unrecorded and the user's graph would lose the op (a float64 conv model failed to trace: "Cannot insert a
+    Tensor that requires grad as a constant", or an output with no "observable data dependence").
+    """
+    if _get_tracing_state() is not None:
+        return _recorded(func, args, kwargs)
+    return _native(func, args, kwargs)
+
+
+def _native(func, args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)``, with the tensors PyTorch handed this mode as Python numbers made tensors again.
+
+    PyTorch gives a mode a *wrapped number* (the 0-dim tensor a Python scalar becomes, e.g. a traced module's
+    ``prim::Constant``) as a Python number. Ops that take numbers for tensors accept it back (``aten::mul``); the
+    others (``aten::view``, ``aten::_local_scalar_dense``) raise. Only then, the number goes back as the 0-dim
+    tensor it was (its dtype as PyTorch wraps a Python scalar: float64, int64, bool or complex128).
+    """
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError as error:
+        return _with_numbers_unwrapped(func, args, kwargs, error)
+
+
+def _with_numbers_unwrapped(func, args: tuple, kwargs: dict, error: RuntimeError) -> Any:
+    """After ``func`` raised ``error``: call it again with the numbers at its tensor arguments made tensors, or
+    raise ``error`` if there are none."""
+    fixed = _unwrapped_numbers(func, args, kwargs)
+    if fixed is None:
+        raise error
+    return func(*fixed[0], **fixed[1])
+
+
+def _unwrapped_numbers(func, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+    """``(args, kwargs)`` with the Python numbers at tensor arguments of ``func`` made 0-dim tensors, or None
+    if there are none."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return None
+    maybe_tensor = torch._C.OptionalType.ofTensor()
+    positions = {a.name: i for i, a in enumerate(schema.arguments) if a.type.isSubtypeOf(maybe_tensor)}
+    if not positions:
+        return None
+
+    def tensor(value: Any) -> Any:
+        if type(value) in _WRAPPED_DTYPES:
+            return torch.scalar_tensor(value, dtype=_WRAPPED_DTYPES[type(value)])
+        return value
+
+    new_args = tuple(tensor(a) if i in positions.values() else a for i, a in enumerate(args))
+    new_kwargs = {k: tensor(v) if k in positions else v for k, v in kwargs.items()}
+    if all(a is b for a, b in zip(new_args, args)) and all(new_kwargs[k] is v for k, v in kwargs.items()):
+        return None
+    return new_args, new_kwargs
+
+
+_CLASSES: dict[Any, Optional[tuple[Optional[Callable], str, str]]] = {}
+_MUTATING: dict[Any, bool] = {}
+
+
+def _mutates(func) -> bool:
+    known = _MUTATING.get(func)
+    if known is None:
+        schema = getattr(func, "_schema", None)
+        known = _MUTATING[func] = schema is None or schema.is_mutable
+    return known
+
+
+def _classify(func) -> Optional[tuple[Optional[Callable], str, str]]:
+    """``(rule, family, how)`` of an op whose math a target can change (``tf32lab.know.optable``), else None."""
+    try:
+        return _CLASSES[func]
+    except KeyError:
+        pass
+    name = func.name()
+    rule = rules.RULES.get(func.overloadpacket) if hasattr(func, "overloadpacket") else None
+    op = optable.lookup(name)
+    if op is not None:
+        entry = None if op.family is None or op.how == "solver" else (rule, op.family, op.how)
+    else:  # not in the table: another namespace (a custom op), or an op of a newer torch that looks like a product
+        family = optable.family(name)
+        entry = None if family is None and rule is None else (rule, family or "matmul", "rule" if rule else "unknown")
+    _CLASSES[func] = entry
+    return entry
+
+
+_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+
+
+def _no_tf32_backward() -> bool:
+    """Whether the op runs inside a backward formula in which PyTorch turns TF32 off (``optable``)."""
+    node = _current_node()
+    return node is not None and node.name() in optable.NO_TF32_BACKWARD
+
+
+_RNN_FUNCTIONS = rules.RNN_FUNCTIONS
+_SDPA = rules.SDPA_FUNCTION
+
+
+class _FunctionMode(TorchFunctionMode):
+    """Per thread: calls that PyTorch decomposes above the dispatcher into kernels of *this* machine: RNNs (whose
+    GEMMs belong to cuDNN's RNN kernel on the target) and scaled_dot_product_attention (the target's kernel)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # Under torch.jit.trace this mode runs above the tracer, which would record the emulation's own ops in the
+        # user's graph: the call goes on to PyTorch, which records it, and the dispatch mode emulates its kernels.
+        if (func is _SDPA or func in _RNN_FUNCTIONS) and _get_tracing_state() is None:
+            entry = scope.current_emulation()
+            if entry is not None:
+                if func is _SDPA:
+                    if _float32_in(args) or _float32_in(kwargs.values()):
+                        return rules.sdpa_function(entry.emu, func, args, kwargs)
+                elif _float32_in(args):
+                    return _rnn(entry, func, args, kwargs)
+        # Known limit: the mode is off inside its own handler, so a call made *inside* another Python-level torch
+        # function (F.multi_head_attention_forward) is not seen here; the dispatch mode still emulates what it
+        # decomposes into (docs/design.md).
+        return func(*args, **kwargs)
+
+
+def _rnn(entry: _Entry, func, args, kwargs):
+    """An RNN call, its recurrence run without the dispatch mode: the rule rounds each GEMM's operands itself
+    (``_Call.many_linears``), so the per-step pointwise ops cost what they cost natively, not a Python handler
+    each (an LSTM ran 6x slower than native through the mode)."""
+    call = _Call(entry, f"aten::{rules.RNN_FUNCTIONS[func]}", _context_cells())
+    modes = _thread_modes()
+
+    def run():
+        with modestack.lifted(modes.dispatch):
+            return rules.rnn_function(call, func, args, kwargs)
+
+    # the rounded operands must not be rounded again by the native GEMM: IEEE for this device's cell
+    return scope.run_at("highest", run, cell=_native_cell(args), refused=lambda: _in_float64(run))
+
+
+class _ThreadModes:
+    """The two modes of one thread, on its stacks while any ``emulate`` block of the thread is open."""
+
+    __slots__ = ("dispatch", "function", "open")
+
+    def __init__(self) -> None:
+        self.function, self.dispatch = _FunctionMode(), _Mode()
+        self.open = 0
+
+    def acquire(self) -> None:
+        if self.open == 0:
+            # Still on the stacks if a block was last closed from another thread; else push them.
+            on_stack = any(m is self.dispatch for m in _get_current_dispatch_mode_stack())
+            if not on_stack:
+                modestack.push(self.function)
+                try:
+                    modestack.push(self.dispatch)
+                except BaseException:
+                    modestack.remove(self.function)
+                    raise
+        self.open += 1
+
+    def release(self, here: bool) -> None:
+        self.open -= 1
+        if self.open == 0 and here:  # another thread cannot reach this thread's stacks
+            modestack.remove(self.dispatch)
+            modestack.remove(self.function)
+
+
+class _ThreadLocalModes(threading.local):
+    modes: Optional[_ThreadModes] = None
+
+
+_THREAD = _ThreadLocalModes()
+
+
+def _thread_modes() -> _ThreadModes:
+    modes = _THREAD.modes
+    if modes is None:
+        modes = _THREAD.modes = _ThreadModes()
+    return modes
+
+
+class emulate(contextlib.ContextDecorator):
+    """Compute float32 matmul-family ops as ``target`` would under the active precision scope and flags.
+
+    Args:
+        target: a name from ``tf32lab.know.targets.TARGETS`` (``"a100"``, ``"h100"``, ``"v100"``, ``"cpu-amx"``, ...)
+            or a ``Target``.
+        math: force one math for every family (``"ieee"``, ``"tf32"``, ``"bf16"``, ``"bf16x3"``, ``"tf32x3"``,
+            ``"bfx9"``).
+        rounding: operand rounding for ``tf32`` / ``bf16`` (``"rna"``, ``"rne"``, ``"rz"``), instead of the
+            target's.
+        strict: raise ``Tf32LabError`` at the first family op that ran without emulation.
+
+    ``coverage`` counts ``(op, math)`` pairs and ``unhandled`` the family ops that ran natively. The block is local
+    to its thread and asyncio task, like ``precision()``: another task on the same thread, and threads started
+    inside it, run natively unless they enter it themselves (tasks created inside it inherit it). Rounded copies
+    of parameters are kept for the block and dropped at its end, or as soon as a write to them is seen. Inside,
+    ``torch.compile``'d code runs eagerly (process-wide while any emulation is active, ``fullgraph=True`` too), and
+    TorchScript modules are emulated too; ``torch.jit.trace`` records the model's own ops, not the emulation's.
+    Results match the GPU within float32 accumulation error, not bit for bit; convolutions and RNNs only within
+    rounding-mode noise too, as cuDNN picks each kernel's operand rounding (RNE, RNA or no TF32) and a target
+    models one (``tf32lab.know.targets``). Products with a sparse operand compute IEEE on every target (cuSPARSE: the
+    TF32 flags do not reach it) and are counted as ``ieee``. Exiting in another thread than the one that entered
+    raises ``Tf32LabError`` (the block is closed all the same).
+
+    Example:
+
+        >>> import torch, tf32lab
+        >>> x, w = torch.randn(64, 256), torch.randn(256, 32)
+        >>> with tf32lab.emulate("a100", math="tf32") as emu:
+        ...     y = x @ w
+        >>> bool((y - x @ w).abs().max() > 0), emu.unhandled
+        (True, Counter())
+    """
+
+    def __init__(self, target: str | Target = "a100", *, math: Optional[str] = None,
+                 rounding: Optional[str] = None, strict: bool = False) -> None:
+        self.target = get(target)
+        if math is not None and math not in MATHS:
+            raise Tf32LabError(f"unknown math {math!r}; accepted: {', '.join(map(repr, MATHS))}")
+        if rounding is not None and rounding not in formats.ROUNDINGS:
+            raise Tf32LabError(
+                f"unknown rounding {rounding!r}; accepted: {', '.join(map(repr, formats.ROUNDINGS))}")
+        if math is not None:
+            default = "rne" if math == "bf16" else "rna"
+            self.math: Optional[Math] = Math(math, (rounding or default) if math in _SINGLE_ROUND else None)
+        else:
+            self.math = None
+        self.rounding = rounding
+        self.strict = bool(strict)
+        self.coverage: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.unhandled: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        if not hasattr(self, "unhandled"):  # made by Dynamo (torch 2.6) with __new__ alone, for its messages
+            return "<emulate>"
+        ops = sum(self.coverage.values())
+        forced = f", math={self.math}" if self.math else ""
+        return (f"<emulate {self.target.name}{forced}: {ops} ops emulated, "
+                f"{sum(self.unhandled.values())} unhandled>")
+
+    def __enter__(self) -> emulate:
+        cells = flags.read_cells()
+        for cell in ("mkldnn.conv", "mkldnn.rnn"):
+            if cells[cell] != "ieee":
+                raise Tf32LabError(
+                    f"emulate() computes with IEEE CPU kernels, but {cell} is {cells[cell]!r}; set "
+                    f"torch.backends.{cell}.fp32_precision = 'ieee' (or 'none') first")
+        if self.math is None:  # a value no target row knows, or bfx9 on a GPU without it: no guessing
+            for cell in sorted({e.cell for e in self.target.entries.values() if e.cell and e.cell in cells}):
+                check_value(self.target, cell, cells[cell])
+        if _in_compiled_region():
+            raise Tf32LabError(
+                "emulate() was entered inside a torch.compile'd function: the block cannot make the function run "
+                "eagerly from there; enter emulate() around the call (compiled code then runs eagerly, emulated)")
+        modes = _thread_modes()
+        _force_eager()
+        try:
+            modes.acquire()
+        except BaseException:
+            _release_eager()
+            raise
+        entry = _Entry(self, modes)
+        try:
+            scope.enter_emulation(self, entry, _closed)
+        except BaseException:
+            _closed_entry(entry)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        scope.exit_emulation(self)
+
+    # -- bookkeeping ------------------------------------------------------------------------------------------
+    def _count(self, op: str, math: Math, n: int = 1) -> None:
+        with self._lock:
+            self.coverage[(op, str(math))] += n
+
+    def _unhandled(self, op: str) -> None:
+        with self._lock:
+            self.unhandled[op] += 1
+        if self.strict:
+            raise Tf32LabError(
+                f"emulate(strict=True): {op} belongs to a precision-sensitive family but has no emulation rule "
+                "and does not decompose; it would run with the native math")
+
+
+def _closed(node: scope.Emulation) -> None:
+    """A block ended (its exit, its task's end, or its thread's death): drop its weights, modes and stance."""
+    _closed_entry(node.entry)
+
+
+def _closed_entry(entry: _Entry) -> None:
+    entry.cache.clear()
+    try:
+        entry.modes.release(here=entry.thread == threading.get_ident())
+    finally:
+        _release_eager()
+

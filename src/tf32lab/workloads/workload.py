@@ -1,0 +1,86 @@
+"""Workloads: a model, its example inputs and, optionally, a metric (what ``check`` measures).
+
+The spec strings that load one (``tf32lab check SPEC``) are in ``tf32lab.workloads.specs``.
+
+Example:
+
+    >>> import torch, tf32lab
+    >>> w = tf32lab.Workload(torch.nn.Linear(4, 2), torch.ones(3, 4), name="tiny")
+    >>> w.run().shape, w.name
+    (torch.Size([3, 2]), 'tiny')
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from tf32lab.errors import Tf32LabError
+
+__all__ = ["Workload", "eval_mode"]
+
+Inputs = Union[torch.Tensor, tuple, Mapping]
+Metric = Callable[[Any, Any], float]
+
+
+@dataclass
+class Workload:
+    """What ``check`` measures: ``model(*inputs)`` for a tuple, ``model(**inputs)`` for a dict, else ``model(inputs)``.
+
+    ``metric(output, reference_output) -> float`` is the workload's own measure of how far an output is from the
+    reference (reported beside the built-in ones). ``name`` defaults to the model's class name.
+    """
+
+    model: torch.nn.Module
+    inputs: Inputs
+    metric: Optional[Metric] = None
+    name: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, torch.nn.Module):
+            raise Tf32LabError(f"a workload's model must be a torch.nn.Module, not {type(self.model).__name__}")
+        if not isinstance(self.inputs, (torch.Tensor, tuple, Mapping)):
+            raise Tf32LabError(
+                f"a workload's inputs must be a tensor, a tuple (positional) or a dict (keyword), "
+                f"not {type(self.inputs).__name__}")
+        if self.metric is not None and not callable(self.metric):
+            raise Tf32LabError(f"a workload's metric must be callable, not {type(self.metric).__name__}")
+        if self.name is None:
+            self.name = type(self.model).__name__
+        _check_float32(self.model, self.name)
+
+    def run(self, model: Optional[torch.nn.Module] = None, inputs: Optional[Inputs] = None) -> Any:
+        """Call ``model`` (default: the workload's) on ``inputs`` (default: the workload's)."""
+        model = self.model if model is None else model
+        inputs = self.inputs if inputs is None else inputs
+        if isinstance(inputs, Mapping):
+            return model(**inputs)
+        if isinstance(inputs, tuple):
+            return model(*inputs)
+        return model(inputs)
+
+
+def _check_float32(model: torch.nn.Module, name: str) -> None:
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    dtypes |= {b.dtype for b in model.buffers() if b.is_floating_point()}
+    other = sorted(str(d).replace("torch.", "") for d in dtypes - {torch.float32})
+    if other:
+        raise Tf32LabError(
+            f"workload {name!r}: the model holds {', '.join(other)} tensors; tf32lab checks float32 models "
+            f"(call model.float() first)")
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Eval mode while measuring (dropout would make runs differ), each module's own mode restored after."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
