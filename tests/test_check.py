@@ -151,7 +151,7 @@ def test_tolerances_per_output_and_errors():
     for bad in (-1.0, float("nan"), "x", True):
         with pytest.raises(Tf32LabError, match="bad tolerance"):
             tf32lab.check(w, tolerance=bad)
-    with pytest.raises(Tf32LabError, match="unknown precision level 'fast'"):
+    with pytest.raises(Tf32LabError, match="unknown level 'fast'"):
         tf32lab.check(w, levels=("high", "fast"))
     with pytest.raises(Tf32LabError, match=r"unknown target 'b900'.*'native'"):
         tf32lab.check(w, target="b900")

@@ -43,7 +43,7 @@ def test_a_looser_tolerance_lets_it_pass():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["builtin", "--levels", "high,fast"], "unknown precision level 'fast'"),
+    (["builtin", "--levels", "high,fast"], "unknown level 'fast'"),
     (["builtin", "--target", "b900"], "unknown target 'b900'"),
     (["builtin", "--tolerance", "-1"], "bad tolerance '-1'"),
     (["no_such_module_xyz:make"], "no module named 'no_such_module_xyz'"),

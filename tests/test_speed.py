@@ -155,7 +155,7 @@ def test_predict_rejects_what_it_cannot_model():
     w = tf32lab.Workload(torch.nn.Linear(4, 4), torch.randn(2, 4))
     with pytest.raises(Tf32LabError, match="no speed model for target 'cpu-amx'"):
         tf32lab.predict(w, "cpu-amx")
-    with pytest.raises(Tf32LabError, match="unknown precision level 'fast'"):
+    with pytest.raises(Tf32LabError, match="unknown level 'fast'"):
         tf32lab.predict(w, "a100", levels=("fast",))
     with pytest.raises(Tf32LabError, match=r"takes a tf32lab\.Workload"):
         tf32lab.predict(torch.nn.Linear(4, 4), "a100")
@@ -224,7 +224,7 @@ def test_speed_command_prints_the_prediction_and_with_measure_both():
 @pytest.mark.parametrize("args, message", [
     (["--target", "cpu-amx"], "no speed model for target 'cpu-amx'"),
     (["--target", "native"], "--target native predicts nothing"),
-    (["--levels", "fast"], "unknown precision level 'fast'"),
+    (["--levels", "fast"], "unknown level 'fast'"),
     (["--measure", "--rounds", "0"], "argument --rounds: bad number of rounds '0'; accepted: an int >= 1"),
 ])
 def test_speed_command_bad_input_exits_2_with_one_line(args, message):

@@ -31,13 +31,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _workload_arguments(parser: argparse.ArgumentParser, target: str, native: str = "") -> None:
-    """The spec and --target of a subcommand that works on a GPU target (the list from tf32lab.know.peaks, which
+    """The spec and --target of a subcommand that works on a GPU target (the list from tf32lab.targets, which
     imports no torch)."""
-    from tf32lab.know.peaks import PEAKS
+    from tf32lab.know.targets import TARGETS
 
+    gpus = [name for name, row in TARGETS.items() if row.peaks is not None]
     parser.add_argument("spec", nargs="?", default=None, help="a workload spec, as for check")
     parser.add_argument("--target", default="a100", type=str.lower,
-                        help=f"{target} ({', '.join(PEAKS)}; default a100{native})")
+                        help=f"{target} ({', '.join(gpus)}; default a100{native})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,12 +169,12 @@ _tolerance = _number("tolerance", float, lambda v: 0 <= v < math.inf, "a finite 
 
 
 def _levels(_: argparse.Namespace) -> int:
-    from tf32lab.know.levels import BACKEND_VALUES, LEVELS
+    from tf32lab.know.levels import LEVELS, level_cells
 
     print(f"{'level':<9} {'cuda.matmul':<12} mkldnn.matmul")
     for level in LEVELS:
-        cuda, mkldnn = BACKEND_VALUES[level]
-        print(f"{level:<9} {cuda:<12} {mkldnn}")
+        cells = level_cells(level)
+        print(f"{level:<9} {cells['cuda.matmul']:<12} {cells['mkldnn.matmul']}")
     return 0
 
 
@@ -183,8 +184,7 @@ def _targets(args: argparse.Namespace) -> int:
 
     from tf32lab.control.flags import read_cells
     from tf32lab.know.families import FAMILIES
-    from tf32lab.know.levels import BACKEND_VALUES, LEVELS
-    from tf32lab.know.peaks import PEAKS
+    from tf32lab.know.levels import LEVELS, level_cells
     from tf32lab.know.targets import TARGETS, sdpa_kernel
 
     defaults = {**read_cells(), "sdpa": sdpa_kernel()}  # a fresh process: PyTorch's defaults
@@ -192,10 +192,9 @@ def _targets(args: argparse.Namespace) -> int:
     for target in TARGETS.values():
         maths = {}
         for level in LEVELS:
-            cells = dict(defaults)
-            cells["cuda.matmul"], cells["mkldnn.matmul"] = BACKEND_VALUES[level]
+            cells = {**defaults, **level_cells(level)}
             maths[level] = {family: target.math_name(family, cells) for family in FAMILIES}
-        peaks = PEAKS.get(target.name)
+        peaks = target.peaks
         rows.append({
             "name": target.name, "title": target.title, "device": target.device,
             "capability": list(target.capability) if target.capability else None, "maths": maths,
@@ -288,11 +287,12 @@ def _shown(path: object) -> str:
 
 def _check(args: argparse.Namespace) -> int:
     from tf32lab.know.levels import check_levels
-    from tf32lab.measure.check import check, check_target
+    from tf32lab.machine.hardware import resolve_target
+    from tf32lab.measure.check import check
     from tf32lab.workloads import specs
 
     levels = check_levels(part.strip() for part in args.levels.split(",") if part.strip())
-    check_target(args.target)  # before the workload loads: a bad argument fails fast
+    target = resolve_target(args.target)  # before the workload loads: a bad argument fails fast
     _outputs(args, "--json", "--html", reads=(("--policy", args.policy), ("the spec", _spec_file(args.spec))))
     if args.html == "-":
         raise Tf32LabError("--html - is not supported: the page goes to a file (--json - writes JSON to stdout)")
@@ -309,7 +309,7 @@ def _check(args: argparse.Namespace) -> int:
                   "transformer + CNN is checked instead of all-MiniLM-L6-v2", file=sys.stderr)
     loaded = specs.load(spec)
     try:
-        report = check(loaded, levels=levels, target=args.target, tolerance=args.tolerance,
+        report = check(loaded, levels=levels, target=target, tolerance=args.tolerance,
                        progress=sys.stderr.isatty(), policy=policy, speed=not args.no_speed)
     except Tf32LabError:
         raise
@@ -329,7 +329,7 @@ def _check(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         else:
             report.print(_console(), policy_file=args.policy)
-            step = _next_step(report, spec, args.target)
+            step = _next_step(report, spec, target)
             if step:
                 print(step)
     except BrokenPipeError:  # ``| head``: the reader has what it wanted; the verdict still is the exit code
@@ -342,26 +342,23 @@ def _check(args: argparse.Namespace) -> int:
     return code
 
 
-def _next_step(report, spec: str, target: str) -> str:
+def _next_step(report, spec: str, target) -> str:
     """When a reduced level fails: the command that finds the layers to keep at a safer level."""
-    from tf32lab.know import peaks
-
     failed = [lv.level for lv in report.levels if lv.level in ("high", "medium") and not lv.passed]
-    if not failed or target not in peaks.PEAKS or (report.policy_row is not None and report.passed):
+    if not failed or target.peaks is None or (report.policy_row is not None and report.passed):
         return ""  # nothing failed, no speed model, or the policy given passes: nothing to search for
     if any(lv.level == "highest" and not lv.passed for lv in report.levels):
         return ""  # tune keeps layers at `highest`, which fails too (or samples): no policy it finds can pass
-    return (f"next: tf32lab tune {_shown(spec)} --target {target} --out policy.json  finds the fastest policy "
+    return (f"next: tf32lab tune {_shown(spec)} --target {target.name} --out policy.json  finds the fastest policy "
             f"within tolerance (which layers to keep at a safer level than {failed[-1]!r}), each candidate verified")
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from tf32lab.know import peaks
-    from tf32lab.measure.check import check_target
+    from tf32lab.machine.hardware import resolve_target
     from tf32lab.workloads import specs
 
-    check_target(args.target)
-    peaks.get(args.target)  # before the workload loads
+    target = resolve_target(args.target)
+    target.speed_peaks()  # before the workload loads
     _outputs(args, "--out", "--json", "--html", reads=(("the spec", _spec_file(args.spec)),))
     if args.out == "-" or args.html == "-":
         raise Tf32LabError("--out and --html write files; '-' is for --json only")
@@ -369,7 +366,7 @@ def _tune(args: argparse.Namespace) -> int:
     loaded = specs.load(spec)
     from tf32lab.decide.tune import tune
 
-    tuning = tune(loaded, target=args.target, tolerance=args.tolerance, progress=sys.stderr.isatty())
+    tuning = tune(loaded, target=target, tolerance=args.tolerance, progress=sys.stderr.isatty())
     if args.out and tuning.policy is not None:
         import dataclasses
 
@@ -405,22 +402,23 @@ def _tune(args: argparse.Namespace) -> int:
 def _speed(args: argparse.Namespace) -> int:
     import json
 
-    from tf32lab.know import peaks
     from tf32lab.know.levels import check_levels
+    from tf32lab.machine.hardware import resolve_target
     from tf32lab.workloads import specs
 
     levels = check_levels(part.strip() for part in args.levels.split(",") if part.strip())
-    if args.target != "native":
-        peaks.get(args.target)  # before the workload loads
+    target = resolve_target(args.target)
+    if target.emulated:
+        target.speed_peaks()  # before the workload loads
     elif not args.measure:
         raise Tf32LabError("--target native predicts nothing: add --measure to time this machine")
     _outputs(args, "--json", reads=(("the spec", _spec_file(args.spec)),))
     loaded = specs.load(args.spec or specs.default_spec())
     predicted = measured = None
-    if args.target != "native":
+    if target.emulated:
         from tf32lab.speed.predict import predict
 
-        predicted = predict(loaded, args.target, levels)
+        predicted = predict(loaded, target, levels)
     if args.measure:
         from tf32lab.speed.bench import bench
 

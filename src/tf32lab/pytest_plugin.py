@@ -91,12 +91,13 @@ class _BadValue(Exception):
 
 
 def _level(level: object) -> str:
-    from tf32lab.know.levels import LEVELS
+    from tf32lab.errors import Tf32LabError
+    from tf32lab.know.levels import check_level
 
-    name = level.strip().lower() if isinstance(level, str) else level
-    if name not in LEVELS:
-        raise _BadValue(f"unknown level {level!r}; accepted: {', '.join(LEVELS)}")
-    return name  # type: ignore[return-value]
+    try:
+        return check_level(level, loose=True)
+    except Tf32LabError as exc:
+        raise _BadValue(str(exc)) from None
 
 
 def _target(name: object) -> Optional[str]:

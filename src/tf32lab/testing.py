@@ -38,14 +38,13 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Optional
 
 import torch
 
 from tf32lab.errors import Tf32LabError
-from tf32lab.know.levels import LEVELS
+from tf32lab.know.levels import check_level
 
 __all__ = ["UNIT_ROUNDOFF", "assert_close", "tolerance", "unit_roundoff"]
 
@@ -66,12 +65,12 @@ def _native_target(device: torch.device) -> str:
 
 def _math(level: Optional[str], target: Optional[str], device: torch.device) -> tuple[str, str, str]:
     """``(math, level, target)`` of a float32 matmul: what is asked for, else what is in force here."""
-    from tf32lab.control.scope import current_emulation, get_float32_matmul_precision, precision
-    from tf32lab.emulation.emulator import maths
+    from tf32lab.control.scope import current_emulation, get_float32_matmul_precision
+    from tf32lab.emulation.emulator import context_cells
     from tf32lab.know.targets import get
 
-    if level is not None and level not in LEVELS:
-        raise Tf32LabError(f"unknown level {level!r}; accepted: {', '.join(map(repr, LEVELS))}")
+    if level is not None:
+        check_level(level)
     forced = None
     if target is None:
         entry = current_emulation()
@@ -81,9 +80,10 @@ def _math(level: Optional[str], target: Optional[str], device: torch.device) -> 
             resolved = get(_native_target(device))
     else:
         resolved = get(target)
-    with precision(level) if level is not None else contextlib.nullcontext():
-        name = str(forced) if forced is not None else maths(resolved)["matmul"]
-        return name, level or get_float32_matmul_precision(), resolved.name
+    cells = context_cells()
+    maths = resolved.maths_at(level, cells) if level is not None else resolved.maths(cells)
+    name = str(forced) if forced is not None else maths["matmul"]
+    return name, level or get_float32_matmul_precision(), resolved.name
 
 
 def unit_roundoff(level: Optional[str] = None, target: Optional[str] = None) -> tuple[float, str]:

@@ -263,8 +263,7 @@ def restore(snap: Snapshot) -> None:
 
 
 # The cells a precision level is written to. ------------------------------------------------------------
-_LEVEL_CELLS = tuple(c for c in (("cuda", "matmul"), ("mkldnn", "matmul")) if c in _CELLS)
-LEVEL_CELLS = _LEVEL_CELLS
+LEVEL_CELLS = tuple(c for c in (("cuda", "matmul"), ("mkldnn", "matmul")) if c in _CELLS)
 
 
 # Write an already validated level where PyTorch's matmul backends read it. PyTorch's own setter writes explicit
@@ -281,9 +280,9 @@ def read_level_state() -> tuple[tuple[str, ...], tuple[str, ...]]:
     if not NEW_API:
         value = (_C._get_float32_matmul_precision(),)
         return value, value
-    raw = _read_raw_cells(tuple(c for c in _CELLS if c[1] == "all" or c in _LEVEL_CELLS))
-    return (tuple(_get(c) for c in _LEVEL_CELLS),
-            (*(raw[c] for c in _LEVEL_CELLS), read_legacy_level()))
+    raw = _read_raw_cells(tuple(c for c in _CELLS if c[1] == "all" or c in LEVEL_CELLS))
+    return (tuple(_get(c) for c in LEVEL_CELLS),
+            (*(raw[c] for c in LEVEL_CELLS), read_legacy_level()))
 
 
 def _cell_functions() -> tuple[tuple[Callable[[], str], ...], tuple[Callable[[str], None], ...]]:
@@ -291,8 +290,8 @@ def _cell_functions() -> tuple[tuple[Callable[[], str], ...], tuple[Callable[[st
     if not NEW_API:
         return (_C._get_float32_matmul_precision,), (_C._set_float32_matmul_precision,)
     get, put = _C._get_fp32_precision_getter, _C._set_fp32_precision_setter
-    return (tuple(functools.partial(get, b, o) for b, o in _LEVEL_CELLS),
-            tuple(functools.partial(put, b, o) for b, o in _LEVEL_CELLS))
+    return (tuple(functools.partial(get, b, o) for b, o in LEVEL_CELLS),
+            tuple(functools.partial(put, b, o) for b, o in LEVEL_CELLS))
 
 
 LEVEL_GETTERS, LEVEL_SETTERS = _cell_functions()
@@ -334,12 +333,12 @@ def effective_from_raw(raw: tuple[str, ...]) -> tuple[str, ...]:
     a ``"none"`` cell takes its parent's value now."""
     if not NEW_API:
         return tuple(raw[:1])
-    return tuple(_get(_parent(c)) if value == "none" else value for c, value in zip(_LEVEL_CELLS, raw))
+    return tuple(_get(_parent(c)) if value == "none" else value for c, value in zip(LEVEL_CELLS, raw))
 
 
 def level_values(level: str) -> tuple[str, ...]:
     """What :func:`read_level_effective` reads right after ``write_level(level)``."""
-    return BACKEND_VALUES[level][: len(_LEVEL_CELLS)] if NEW_API else (level,)
+    return BACKEND_VALUES[level][: len(LEVEL_CELLS)] if NEW_API else (level,)
 
 
 def level_raw(level: str) -> tuple[str, ...]:
@@ -351,7 +350,7 @@ def level_from_effective(effective: tuple[str, ...]) -> str:
     """The level that :func:`read_level_effective` values amount to."""
     if not NEW_API:
         return effective[0]
-    values = dict(zip(_LEVEL_CELLS, effective))
+    values = dict(zip(LEVEL_CELLS, effective))
     return level_of(values.get(("cuda", "matmul"), "ieee"), values.get(("mkldnn", "matmul"), "ieee"))
 
 

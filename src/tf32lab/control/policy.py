@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tf32lab.control import modestack
 from tf32lab.control.scope import is_sensitive, precision
 from tf32lab.errors import Tf32LabError
-from tf32lab.know.levels import LEVELS
+from tf32lab.know.levels import LEVELS, check_level
 from tf32lab.numbers.files import write_atomically
 from tf32lab.numbers.trees import named_tensors
 
@@ -65,9 +65,7 @@ _LEAF = 1 << 63  # AccumulateGrad nodes carry the largest sequence number; they 
 
 
 def _level(value: object, where: str) -> str:
-    if isinstance(value, str) and value.lower() in LEVELS:
-        return value.lower()
-    raise Tf32LabError(f"{where}: unknown level {reprlib.repr(value)}; accepted: {', '.join(map(repr, LEVELS))}")
+    return check_level(value, where, loose=True)
 
 
 _STAR = None  # a token of a pattern: "*", else (negated, characters) for one character

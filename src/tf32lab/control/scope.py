@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tf32lab.control import flags, modestack
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
-from tf32lab.know.levels import BACKEND_VALUES, LEVELS, check_level
+from tf32lab.know.levels import LEVELS, check_level, level_cells
 
 __all__ = ["get_float32_matmul_precision", "precision", "set_float32_matmul_precision"]
 
@@ -808,7 +808,7 @@ def set_float32_matmul_precision(level: str) -> None:
         >>> tf32lab.set_float32_matmul_precision("fastest")
         Traceback (most recent call last):
         ...
-        ValueError: unknown precision level 'fastest'; accepted: 'highest', 'high', 'medium'
+        tf32lab.errors.Tf32LabError: unknown level 'fastest'; accepted: 'highest', 'high', 'medium'
     """
     check_level(level)
     _set_process(_VALUES[level], _RAW[level], level)
@@ -854,8 +854,7 @@ def process_cells() -> dict[str, str]:
     ``"mkldnn.matmul"``), whatever another thread's scope has written to the flag meanwhile."""
     values = _process_effective()
     if not _CELL_INDEX:  # the legacy API: one level for every backend
-        cuda, mkldnn = BACKEND_VALUES[values[0]]
-        return {"cuda.matmul": cuda, "mkldnn.matmul": mkldnn}
+        return level_cells(values[0])
     values = _as_ieee(values)
     return {name: values[i] for name, i in _CELL_INDEX.items()}
 

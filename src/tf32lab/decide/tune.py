@@ -36,24 +36,15 @@ from typing import Any, Optional, Union
 
 from tf32lab.control.policy import Policy
 from tf32lab.errors import Tf32LabError
-from tf32lab.know import peaks
 from tf32lab.know.levels import LEVELS, check_levels
-from tf32lab.measure.check import (
-    ROOT,
-    PolicyRow,
-    Progress,
-    Session,
-    alike_levels,
-    changed_note,
-    check_target,
-    environment_of,
-    kept_flags,
-    refuse_applied,
-    tolerances_of,
-)
-from tf32lab.numbers.metrics import OutputError
+from tf32lab.know.targets import Target
+from tf32lab.machine.hardware import resolve_target
+from tf32lab.measure.check import PolicyRow, Session, alike_levels
+from tf32lab.measure.layers import ROOT
+from tf32lab.numbers.metrics import OutputError, tolerances_of
 from tf32lab.report import Document, LevelResult, Report
 from tf32lab.report.conclusion import nondeterministic
+from tf32lab.workloads.running import Progress, changed_note, environment_of, kept_flags, refuse_applied
 from tf32lab.workloads.workload import Workload
 
 __all__ = ["Candidate", "Tuning", "tune"]
@@ -194,7 +185,7 @@ def _pattern(name: str) -> str:
     return "".join(f"[{c}]" if c in "*?[" else c for c in name)
 
 
-def tune(workload: Workload, *, target: str = "a100", tolerance: Union[float, Mapping[str, float], None] = None,
+def tune(workload: Workload, *, target: Union[str, Target] = "a100", tolerance: Union[float, Mapping[str, float], None] = None,
          levels: Iterable[str] = ("high", "medium", "highest"), progress: bool = False) -> Tuning:
     """The fastest policy within tolerance on ``target`` (module docstring); every global setting is as it was
     afterwards. Raises ``Tf32LabError`` for bad input, a target without a speed model, or a model that raises at
@@ -202,8 +193,8 @@ def tune(workload: Workload, *, target: str = "a100", tolerance: Union[float, Ma
     """
     if not isinstance(workload, Workload):
         raise Tf32LabError(f"tune() takes a tf32lab.Workload, not {type(workload).__name__}")
-    check_target(target)
-    peaks.get(target)  # tune weighs predicted speed: GPU targets only
+    target = resolve_target(target)
+    target.speed_peaks()  # tune weighs predicted speed: GPU targets only
     levels = check_levels(levels)
     everything = tuple(level for level in LEVELS if level in levels or level == "highest")
     tolerances = tolerances_of(tolerance)
@@ -216,7 +207,7 @@ def tune(workload: Workload, *, target: str = "a100", tolerance: Union[float, Ma
     return tuning
 
 
-def _tune(workload: Workload, target: str, tolerances: dict[str, float], everything: tuple[str, ...],
+def _tune(workload: Workload, target: Target, tolerances: dict[str, float], everything: tuple[str, ...],
           progress: bool) -> Tuning:
     alike = alike_levels(everything, target)
     distinct = [level for level in everything if alike[level] is None]
@@ -230,12 +221,13 @@ def _tune(workload: Workload, target: str, tolerances: dict[str, float], everyth
         check_seconds = time.perf_counter() - started
         search = _Search(session, workload, alike, uniform, predicted)
         answer = search.run()
-    report = Report(workload=str(workload.name), target=target, reference="float64", tolerance=dict(tolerances),
+    report = Report(workload=str(workload.name), target=target.name, reference="float64",
+                    tolerance=dict(tolerances),
                     levels=tuple(dataclasses.replace(uniform[alike[lv] or lv], level=lv, same_as=alike[lv],
                                                      speedup=predicted.level(lv).speedup) for lv in everything),
                     environment=environment_of(workload), seconds=check_seconds,
                     notes=tuple(session.notes()), speed=predicted)
-    return dataclasses.replace(answer, workload=str(workload.name), target=target, tolerance=dict(tolerances),
+    return dataclasses.replace(answer, workload=str(workload.name), target=target.name, tolerance=dict(tolerances),
                                runs=session.runs, seconds=time.perf_counter() - started, check_seconds=check_seconds,
                                report=report, candidates=tuple(search.candidates))
 
@@ -271,7 +263,7 @@ class _Search:
             if top.unstable is not None:
                 return self._answer(None, None, (), top, None, nondeterministic(top))
             return self._answer(None, None, (), top, None,
-                                f"Not even `highest` is within tolerance on {self.session.target} "
+                                f"Not even `highest` is within tolerance on {self.session.target.name} "
                                 f"({_failure(top)}): no precision setting fixes that; loosen the tolerance or "
                                 f"compute the failing part in float64.")
         safe = passing[0]

@@ -45,8 +45,8 @@ from tf32lab.control import flags, modestack, scope
 from tf32lab.emulation import rules
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
-from tf32lab.know.levels import BACKEND_VALUES
-from tf32lab.know.targets import IEEE, KEYS, MATHS, Math, Target, check_value, get, sdpa_kernel
+from tf32lab.know.levels import level_cells
+from tf32lab.know.targets import IEEE, MATHS, Math, Target, check_value, get, sdpa_kernel
 from tf32lab.numbers import formats
 
 __all__ = ["emulate", "maths"]
@@ -176,11 +176,13 @@ def _release_eager() -> None:
 
 
 # -- context cells: which flag values apply to this thread/task now ----------------------------------------------
-def _context_cells() -> dict[str, str]:
+def context_cells() -> dict[str, str]:
+    """The flag cells in force for this thread or task: its scope's level over the process's cells, and the SDPA
+    kernel PyTorch would pick (read, never written)."""
     cells = flags.read_cells()
     level = scope.context_level()
     if level is not None:  # this context's scope decides the matmul cells, whatever the process flags hold
-        cells["cuda.matmul"], cells["mkldnn.matmul"] = BACKEND_VALUES[level]
+        cells.update(level_cells(level))
     else:  # outside scopes: the process level, not another thread's scope that the flags may hold now
         cells.update(scope.process_cells())
     cells["sdpa"] = sdpa_kernel()
@@ -195,8 +197,7 @@ def maths(target: str | Target = "a100") -> dict[str, str]:
     ...     tf32lab.emulation.emulator.maths("a100")["matmul"]
     'tf32-rna'
     """
-    target, cells = get(target), _context_cells()
-    return {key: str(target.math(key, cells)) for key in KEYS}
+    return get(target).maths(context_cells())
 
 
 class _Scratch(threading.local):
@@ -621,7 +622,7 @@ class _Mode(TorchDispatchMode):
     def _emulated(self, entry: _Entry, classified: tuple, func, args, kwargs):
         rule, family, how = classified
         emu = entry.emu
-        cells = self.pinned or _context_cells()
+        cells = self.pinned or context_cells()
         call = _Call(entry, func.name(), cells)
         pinned, self.pinned = self.pinned, cells
         mark = len(_SCRATCH.leased)
@@ -843,7 +844,7 @@ def _rnn(entry: _Entry, func, args, kwargs):
     """An RNN call, its recurrence run without the dispatch mode: the rule rounds each GEMM's operands itself
     (``_Call.many_linears``), so the per-step pointwise ops cost what they cost natively, not a Python handler
     each (an LSTM ran 6x slower than native through the mode)."""
-    call = _Call(entry, f"aten::{rules.RNN_FUNCTIONS[func]}", _context_cells())
+    call = _Call(entry, f"aten::{rules.RNN_FUNCTIONS[func]}", context_cells())
     modes = _thread_modes()
 
     def run():

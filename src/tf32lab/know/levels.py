@@ -6,6 +6,7 @@ cuBLAS never gets bf16, so ``medium`` is TF32 on CUDA; oneDNN (CPU) gets bf16 (`
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Iterable
 
 from tf32lab.errors import Tf32LabError
@@ -20,20 +21,35 @@ BACKEND_VALUES = {
 }
 
 
-def check_level(level: object) -> str:
-    """Return ``level`` if it is one of LEVELS, else raise ValueError naming it and the accepted ones.
+CELLS = ("cuda.matmul", "mkldnn.matmul")  # the cells a level writes (per-backend API); the rest it leaves
 
-    >>> check_level("high")
-    'high'
-    >>> check_level("fast")
+
+def level_cells(level: str) -> dict[str, str]:
+    """The backend cells ``level`` writes, by cell: the one place a level is unpacked into them.
+
+    >>> level_cells("medium")
+    {'cuda.matmul': 'tf32', 'mkldnn.matmul': 'bf16'}
+    """
+    return dict(zip(CELLS, BACKEND_VALUES[check_level(level)]))
+
+
+def check_level(level: object, where: str = "", *, also: tuple[str, ...] = (), loose: bool = False) -> str:
+    """``level`` if it is one of LEVELS (or of ``also``), else a one-line ``Tf32LabError`` (a ``ValueError``) naming
+    it, ``where`` it came from, and the accepted ones: the one level validator. ``loose``: text a person typed
+    (a file, an option): case and surrounding blanks do not matter.
+
+    >>> check_level("high"), check_level(" High ", loose=True)
+    ('high', 'high')
+    >>> check_level("fast", "policy default")
     Traceback (most recent call last):
     ...
-    ValueError: unknown precision level 'fast'; accepted: 'highest', 'high', 'medium'
+    tf32lab.errors.Tf32LabError: policy default: unknown level 'fast'; accepted: 'highest', 'high', 'medium'
     """
-    if not isinstance(level, str) or level not in LEVELS:
-        accepted = ", ".join(map(repr, LEVELS))
-        raise ValueError(f"unknown precision level {level!r}; accepted: {accepted}")
-    return level
+    name = level.strip().lower() if loose and isinstance(level, str) else level
+    if isinstance(name, str) and (name in LEVELS or name in also):
+        return name
+    accepted = ", ".join(map(repr, (*also, *LEVELS)))
+    raise Tf32LabError(f"{where + ': ' if where else ''}unknown level {reprlib.repr(level)}; accepted: {accepted}")
 
 
 # What level_of answers for cells holding a value this tf32lab does not know (a newer torch's): never a level.
@@ -72,10 +88,7 @@ def check_levels(levels: Iterable[str]) -> tuple[str, ...]:
         levels = (levels,)
     chosen = []
     for level in levels:
-        try:
-            check_level(level)
-        except ValueError as exc:
-            raise Tf32LabError(str(exc)) from None
+        check_level(level)
         if level not in chosen:
             chosen.append(level)
     if not chosen:

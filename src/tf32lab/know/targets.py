@@ -29,16 +29,20 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Optional, Union
 
-import torch
-
 from tf32lab.errors import Tf32LabError
+from tf32lab.know.levels import level_cells
+from tf32lab.know.peaks import DATASHEET, SMS, Peaks
 
-__all__ = ["CELL_VALUES", "KEYS", "MATHS", "TARGETS", "Entry", "Math", "Target", "check_value", "get", "table"]
+__all__ = ["CELL_VALUES", "KEYS", "MATHS", "NATIVE", "TARGETS", "Entry", "Math", "Target", "check_value", "get",
+           "native", "table"]
+
+NATIVE = "native"  # the name of this machine's own hardware as a target: run, never emulated
 
 MATHS = ("ieee", "tf32", "bf16", "bf16x3", "tf32x3", "bfx9")
 # Every value a cell can hold that this module knows (besides "none", which flags resolves to the parent's value).
@@ -107,13 +111,19 @@ def _by(cell: str, source: str, **math: Union[Math, str]) -> Entry:
 
 @dataclass(frozen=True)
 class Target:
-    """A hardware profile: ``entries`` maps each key of KEYS to an :class:`Entry`."""
+    """A hardware profile: ``entries`` maps each key of KEYS to an :class:`Entry`; a GPU's ``peaks`` feed the speed
+    model. ``emulated`` is False only for :func:`native`, this machine's own hardware, where levels run for real.
+
+    Made once from a name where the user gives one (:func:`get`, the CLI, the public functions) and passed down.
+    """
 
     name: str
     title: str
     device: str  # "cuda" or "cpu": whose flag cells apply
     capability: Optional[tuple[int, int]]
     entries: Mapping[str, Entry]
+    peaks: Optional[Peaks] = None
+    emulated: bool = True
 
     def entry(self, key: str) -> Entry:
         try:
@@ -139,6 +149,28 @@ class Target:
             if math in seen:
                 raise Tf32LabError(f"target {self.name!r}: keys {seen} refer to each other")
             key = math
+
+    def maths(self, cells: Mapping[str, str]) -> dict[str, str]:
+        """The math of every key when the flag cells hold ``cells``, by key (a pure lookup)."""
+        return {key: str(self.math(key, cells)) for key in KEYS}
+
+    def maths_at(self, level: str, cells: Mapping[str, str]) -> dict[str, str]:
+        """The math of every key at ``level``: the level's cells over ``cells`` (those a level leaves alone: convs,
+        RNNs, the SDPA kernel). The one answer to "which math does this target give at this level", asked of
+        the table, never by entering a scope.
+
+        >>> get("a100").maths_at("high", {"cuda.conv": "ieee", "sdpa": "math"})["matmul"]
+        'tf32-rna'
+        """
+        return self.maths({**cells, **level_cells(level)})
+
+    def speed_peaks(self) -> Peaks:
+        """The peaks the speed model divides by; a one-line error for a target without (CPUs: measure them)."""
+        if self.peaks is None:
+            gpus = ", ".join(repr(t.name) for t in TARGETS.values() if t.peaks is not None)
+            raise Tf32LabError(f"no speed model for target {self.name!r}: predictions cover GPU targets ({gpus}); "
+                               f"on a CPU, measure with tf32lab.bench")
+        return self.peaks
 
     def math_name(self, key: str, cells: Mapping[str, str]) -> str:
         """``str(self.math(key, cells))``, or ``"unknown"`` where a cell holds a value this target cannot compute
@@ -265,22 +297,33 @@ def _onednn(reduced: bool) -> dict[str, Entry]:
     }
 
 
-def _cuda(name: str, title: str, capability: tuple[int, int]) -> Target:
+def _cuda(name: str, title: str, capability: tuple[int, int], fp32: float, tf32: Optional[float],
+          bf16: Optional[float], bandwidth: float, sms: int, source: str) -> Target:
+    """A GPU: its maths from its capability, its peaks (dense TFLOP/s without sparsity, GB/s, SMs) as given."""
     entries = _ampere_plus(capability) if capability >= (8, 0) else _pre_ampere()
-    return Target(name, title, "cuda", capability, MappingProxyType(entries))
+    peaks = Peaks(name, fp32, tf32, bf16, bandwidth, sms, source)
+    return Target(name, title, "cuda", capability, MappingProxyType(entries), peaks)
 
 
+# One row per target: name, title, capability, then its peaks: FP32 (SIMT), TF32 and bf16 (tensor cores) TFLOP/s,
+# bandwidth GB/s, SMs, and where they come from.
 TARGETS: Mapping[str, Target] = MappingProxyType({t.name: t for t in (
-    _cuda("v100", "NVIDIA V100 (Volta)", (7, 0)),
-    _cuda("t4", "NVIDIA T4 (Turing)", (7, 5)),
-    _cuda("a100", "NVIDIA A100 (Ampere)", (8, 0)),
-    _cuda("a10g", "NVIDIA A10G (Ampere)", (8, 6)),
-    _cuda("rtx3090", "NVIDIA GeForce RTX 3090 (Ampere)", (8, 6)),
-    _cuda("l4", "NVIDIA L4 (Ada)", (8, 9)),
-    _cuda("rtx4090", "NVIDIA GeForce RTX 4090 (Ada)", (8, 9)),
-    _cuda("h100", "NVIDIA H100 (Hopper)", (9, 0)),
-    _cuda("h200", "NVIDIA H200 (Hopper)", (9, 0)),
-    _cuda("b200", "NVIDIA B200 (Blackwell)", (10, 0)),
+    _cuda("v100", "NVIDIA V100 (Volta)", (7, 0), 15.7, None, None, 900, 80, f"V100 SXM2: {DATASHEET}; {SMS} (GV100)"),
+    _cuda("t4", "NVIDIA T4 (Turing)", (7, 5), 8.1, None, None, 320, 40, f"{DATASHEET}; {SMS} (TU104)"),
+    _cuda("a100", "NVIDIA A100 (Ampere)", (8, 0), 19.5, 156, 312, 1555, 108,
+          f"A100 40GB SXM: {DATASHEET} (80GB: 2039 GB/s); {SMS} (GA100)"),
+    _cuda("a10g", "NVIDIA A10G (Ampere)", (8, 6), 31.2, 62.5, 125, 600, 80,
+          "A10's figures, unverified for the A10G (not in NVIDIA's datasheets); 80 SMs per AWS, unverified"),
+    _cuda("rtx3090", "NVIDIA GeForce RTX 3090 (Ampere)", (8, 6), 35.6, 35.6, 71, 936, 82,
+          "GA102 whitepaper: GeForce TF32 dense peak = FP32 peak; 82 SMs"),
+    _cuda("l4", "NVIDIA L4 (Ada)", (8, 9), 30.3, 60, 121, 300, 58,
+          f"{DATASHEET}, sparse figures halved; {SMS} (AD104)"),
+    _cuda("rtx4090", "NVIDIA GeForce RTX 4090 (Ada)", (8, 9), 82.6, 82.6, 165, 1008, 128,
+          "AD102 whitepaper, GeForce rule (TF32 dense peak = FP32 peak); 128 SMs"),
+    _cuda("h100", "NVIDIA H100 (Hopper)", (9, 0), 67, 495, 989, 3350, 132, f"H100 SXM: {DATASHEET}; {SMS} (GH100 SXM5)"),
+    _cuda("h200", "NVIDIA H200 (Hopper)", (9, 0), 67, 495, 989, 4800, 132, f"{DATASHEET}; {SMS} (GH100 SXM5)"),
+    _cuda("b200", "NVIDIA B200 (Blackwell)", (10, 0), 75, 1125, 2250, 8000, 148,
+          "NVIDIA HGX B200 datasheet: the 8-GPU figures divided by 8, sparse figures halved; 148 SMs, unverified"),
     Target("cpu-amx", "CPU with AMX (oneDNN bf16)", "cpu", None, MappingProxyType(_onednn(True))),
     Target("cpu", "CPU without reduced-precision units", "cpu", None, MappingProxyType(_onednn(False))),
 )})
@@ -305,8 +348,20 @@ def get(name: str) -> Target:
         raise Tf32LabError(f"unknown target {name!r}; accepted: {', '.join(map(repr, TARGETS))}") from None
 
 
+def native(profile: Target) -> Target:
+    """This machine's own hardware as a target: ``profile``'s maths (for tables) and peaks, run for real, never
+    emulated. Made where the machine is known (``tf32lab.hardware.resolve_target``).
+
+    >>> native(get("cpu")).name, native(get("cpu")).emulated
+    ('native', False)
+    """
+    return dataclasses.replace(profile, name=NATIVE, title=f"this machine ({profile.title})", emulated=False)
+
+
 def sdpa_kernel() -> str:
     """The kernel PyTorch would pick for float32 SDPA on a CUDA device with the current backend toggles."""
+    import torch  # here only: the table itself imports no torch (the CLI lists targets in its help)
+
     return "efficient" if torch.backends.cuda.mem_efficient_sdp_enabled() else "math"
 
 

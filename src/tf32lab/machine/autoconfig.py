@@ -36,7 +36,7 @@ import torch
 
 from tf32lab.control import flags, scope
 from tf32lab.errors import Tf32LabError
-from tf32lab.know.levels import LEVELS
+from tf32lab.know.levels import check_level
 from tf32lab.machine import compile_cache
 from tf32lab.machine.hardware import Hardware, detect
 
@@ -410,8 +410,7 @@ def autoconfig(level: str = "auto", *, workers: int = 1, threads: Union[str, int
         (1, 'asked for')
         >>> decisions.undo()
     """
-    if level != "auto" and (not isinstance(level, str) or level not in LEVELS):
-        raise Tf32LabError(f"unknown level {level!r}; accepted: 'auto', {', '.join(map(repr, LEVELS))}")
+    check_level(level, also=("auto",))
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise Tf32LabError(f"bad workers {workers!r}; accepted: an int >= 1")
     if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):

@@ -27,7 +27,7 @@ import torch
 from tf32lab.control import flags
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import targets
-from tf32lab.know.levels import BACKEND_VALUES, LEVELS
+from tf32lab.know.levels import LEVELS, level_cells
 from tf32lab.machine import inductor
 from tf32lab.machine.autoconfig import Recommendation, decide_threads, recommend
 from tf32lab.machine.hardware import Hardware, detect
@@ -135,8 +135,7 @@ def _level_table(hw: Hardware, cells: dict[str, str]) -> dict[str, dict[str, str
     sdpa = targets.sdpa_kernel()
     table = {}
     for level in LEVELS:
-        cuda, mkldnn = BACKEND_VALUES[level]
-        asked = {**cells, "cuda.matmul": cuda, "mkldnn.matmul": mkldnn}
+        asked = {**cells, **level_cells(level)}
         obeyed = {**hw.cells_in_force(asked), "sdpa": sdpa}
         table[level] = {family: target.math_name(family, obeyed) for family in FAMILIES}
     return table

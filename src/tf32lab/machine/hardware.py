@@ -24,7 +24,7 @@ import platform
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -368,3 +368,25 @@ def detect(*, refresh: bool = False) -> Hardware:
         )
     return _DETECTED
 
+
+
+def resolve_target(name: Union[str, targets.Target]) -> targets.Target:
+    """The :class:`~tf32lab.targets.Target` a user names: a row of ``tf32lab.targets``, or ``"native"``, this
+    machine's own hardware (its profile's maths, run for real). Where a name becomes a Target, once, at the
+    boundary; a Target passes through.
+
+    >>> resolve_target("a100").name, resolve_target("native").emulated
+    ('a100', False)
+    >>> resolve_target("a200")
+    Traceback (most recent call last):
+    ...
+    tf32lab.errors.Tf32LabError: unknown target 'a200'; accepted: 'v100', ..., 'cpu', or 'native' (this machine's own hardware)
+    """
+    if isinstance(name, targets.Target):
+        return name
+    if name == targets.NATIVE:
+        return targets.native(targets.get(detect().target))
+    try:
+        return targets.get(name)
+    except Tf32LabError as exc:
+        raise Tf32LabError(f"{exc}, or 'native' (this machine's own hardware)") from None

@@ -33,10 +33,13 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
+
+from tf32lab.errors import Tf32LabError
 
 __all__ = ["ABSENT", "DEFAULT_TOLERANCE", "HISTOGRAM_EDGES", "OutputError", "comparable", "compare", "normwise",
            "output_error"]
@@ -240,3 +243,19 @@ def _dtype(t: torch.Tensor) -> str:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:39] + "…"
+
+
+def tolerances_of(tolerance: Union[float, Mapping[str, float], None]) -> dict[str, float]:
+    if tolerance is None:
+        return {"default": DEFAULT_TOLERANCE}
+    if isinstance(tolerance, Mapping):
+        found = {str(k): _tolerance_value(v, k) for k, v in tolerance.items()}
+        return {"default": found.pop("default", DEFAULT_TOLERANCE), **found}
+    return {"default": _tolerance_value(tolerance, None)}
+
+
+def _tolerance_value(value: Any, key: Optional[str]) -> float:
+    where = f" for {key!r}" if key is not None else ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise Tf32LabError(f"bad tolerance{where} {value!r}; accepted: a finite number >= 0 (normwise relative error)")
+    return float(value)

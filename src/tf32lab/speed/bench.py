@@ -30,10 +30,10 @@ from torch.utils.benchmark import Timer
 from tf32lab.control.scope import precision
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import LEVELS
-from tf32lab.measure.check import Progress, changed_note, kept_flags, refuse_applied
 from tf32lab.numbers.origin import run_error
 from tf32lab.numbers.trees import named_tensors
-from tf32lab.speed.predict import LevelSpeed, SpeedReport, _levels
+from tf32lab.speed.predict import LevelSpeed, SpeedReport, speed_levels
+from tf32lab.workloads.running import Progress, changed_note, kept_flags, refuse_applied
 from tf32lab.workloads.workload import Workload
 
 __all__ = ["bench", "device_name"]
@@ -61,7 +61,7 @@ def bench(workload: Workload, levels: Iterable[str] = LEVELS, *, rounds: int = 7
         raise Tf32LabError(f"bench() takes a tf32lab.Workload, not {type(workload).__name__}")
     if not isinstance(rounds, int) or rounds < 1:
         raise Tf32LabError(f"rounds must be an int >= 1, not {rounds!r}")
-    levels = _levels(levels)
+    levels = speed_levels(levels)
     refuse_applied(workload, "bench")
     where = device_name(workload)
     cuda = where.startswith("cuda")

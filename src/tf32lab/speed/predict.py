@@ -47,15 +47,16 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from tf32lab.control.scope import precision
-from tf32lab.emulation.emulator import maths
+from tf32lab.emulation.emulator import context_cells
 from tf32lab.errors import Tf32LabError
-from tf32lab.know import peaks as peaks_table
 from tf32lab.know.levels import LEVELS, check_levels
-from tf32lab.know.targets import get as get_target
+from tf32lab.know.peaks import GEMM_EFFICIENCY, LAUNCH_SECONDS, MEMORY_EFFICIENCY, Peaks
+from tf32lab.know.targets import Target
+from tf32lab.machine.hardware import resolve_target
 from tf32lab.numbers.files import write_atomically
 from tf32lab.numbers.origin import run_error
 from tf32lab.speed.counting import Counting, Counts, Gemm, OpCost, OtherThreads
+from tf32lab.workloads.running import changed_note, kept_flags, refuse_applied
 from tf32lab.workloads.workload import Workload, eval_mode
 
 __all__ = ["LayerSpeed", "LevelSpeed", "SpeedReport", "op_seconds", "predict", "predict_counts", "seconds_at"]
@@ -72,14 +73,14 @@ def _tile_efficiency(rows: int, columns: int) -> float:
     return min(1.0, math.sqrt(rows * columns / (rows + columns) / _REFERENCE_INTENSITY))
 
 
-def gemm_seconds(gemm: Gemm, math_name: str, p: peaks_table.Peaks) -> float:
+def gemm_seconds(gemm: Gemm, math_name: str, p: Peaks) -> float:
     """Compute time of ``count`` GEMMs of ``batch`` x (m x k) @ (k x n) in ``math_name`` (module docstring).
     An empty product (an MoE expert that got no tokens: ``m == 0``; or ``n``, ``k``, ``batch`` zero) multiplies
     nothing: no compute time (its bytes and launch are :func:`op_seconds`'s)."""
     count, batch, m, n, k = gemm
     if min(count, batch, m, n, k) <= 0:  # no tile to run (a wave loop over zero tiles would never end)
         return 0.0
-    per_sm = p.flops(math_name) / p.sms * peaks_table.GEMM_EFFICIENCY
+    per_sm = p.flops(math_name) / p.sms * GEMM_EFFICIENCY
     best = math.inf
     for rows, columns in TILES:
         tiles = batch * math.ceil(m / rows) * math.ceil(n / columns)
@@ -93,14 +94,14 @@ def gemm_seconds(gemm: Gemm, math_name: str, p: peaks_table.Peaks) -> float:
     return count * best
 
 
-def op_seconds(op: OpCost, math_name: Optional[str], p: peaks_table.Peaks) -> float:
+def op_seconds(op: OpCost, math_name: Optional[str], p: Peaks) -> float:
     """The predicted time of one op on ``p``'s GPU when its products run in ``math_name``."""
-    memory = op.bytes / (p.bandwidth * 1e9 * peaks_table.MEMORY_EFFICIENCY)
+    memory = op.bytes / (p.bandwidth * 1e9 * MEMORY_EFFICIENCY)
     compute = 0.0
     if op.gemms:
         compute = sum(gemm_seconds(g, math_name or "ieee", p) for g in op.gemms)
     steps = sum(g[0] for g in op.gemms) if op.gemms else 1  # an RNN's steps are kernels of their own
-    return max(compute, memory) + peaks_table.LAUNCH_SECONDS * steps
+    return max(compute, memory) + LAUNCH_SECONDS * steps
 
 
 @dataclass(frozen=True)
@@ -185,31 +186,29 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else math.nan
 
 
-def _levels(levels: Iterable[str]) -> tuple[str, ...]:
+def speed_levels(levels: Iterable[str]) -> tuple[str, ...]:
+    """The levels of a speed table: validated, ``highest`` first (the baseline of every speedup)."""
     asked = check_levels(levels)
     return ("highest", *[lv for lv in asked if lv != "highest"])  # highest is the baseline of every speedup
 
 
-def level_maths(target: str, levels: Sequence[str]) -> dict[str, dict[str, str]]:
-    """Per level, the math ``target`` gives each op family (the keys of ``targets``)."""
-    found = {}
-    for level in levels:
-        with precision(level):
-            found[level] = maths(target)
-    return found
+def level_maths(target: Target, levels: Sequence[str]) -> dict[str, dict[str, str]]:
+    """Per level, the math ``target`` gives each op family (the keys of ``targets``), in this context's cells."""
+    cells = context_cells()
+    return {level: target.maths_at(level, cells) for level in levels}
 
 
-def seconds_at(counts: Counts, target: str, level_of: Callable[[str], str]) -> float:
+def seconds_at(counts: Counts, target: Target, level_of: Callable[[str], str]) -> float:
     """Predicted seconds of the counted ops on ``target`` when each layer runs at ``level_of(layer)`` (a policy)."""
-    p = peaks_table.get(target)
+    p = target.speed_peaks()
     by_level = level_maths(target, sorted({level_of(op.layer) for op in counts.ops}))
     return sum(op_seconds(op, by_level[level_of(op.layer)].get(op.family or "", "ieee"), p) for op in counts.ops)
 
 
-def predict_counts(counts: Counts, workload: str, target: str, levels: Iterable[str] = LEVELS) -> SpeedReport:
+def predict_counts(counts: Counts, workload: str, target: Target, levels: Iterable[str] = LEVELS) -> SpeedReport:
     """The :class:`SpeedReport` of counted ops (``counting.Counting``) on ``target``, per level."""
-    p = peaks_table.get(target)
-    levels = _levels(levels)
+    p = target.speed_peaks()
+    levels = speed_levels(levels)
     by_level = level_maths(target, levels)
     per_op = {level: [op_seconds(op, by_level[level].get(op.family or "", "ieee"), p) for op in counts.ops]
               for level in levels}
@@ -228,12 +227,12 @@ def predict_counts(counts: Counts, workload: str, target: str, levels: Iterable[
     if counts.uncounted:
         ops = ", ".join(f"{op} x{n}" for op, n in counts.uncounted.most_common(4))
         notes.append(f"counted by their bytes only (no FLOP formula): {ops}")
-    return SpeedReport(workload, get_target(target).name, "predicted", rows,
+    return SpeedReport(workload, target.name, "predicted", rows,
                        tuple(LayerSpeed(name, seconds) for name, seconds in layers.items() if name in family_layers),
                        counts.flops, counts.bytes, tuple(notes))
 
 
-def predict(workload: Workload, target: str = "a100", levels: Iterable[str] = LEVELS) -> SpeedReport:
+def predict(workload: Workload, target: Union[str, Target] = "a100", levels: Iterable[str] = LEVELS) -> SpeedReport:
     """Predict one forward of ``workload`` on ``target`` at each level (module docstring); the model runs once,
     natively on this machine, to count its work. Every global setting is as it was afterwards.
 
@@ -241,10 +240,9 @@ def predict(workload: Workload, target: str = "a100", levels: Iterable[str] = LE
     """
     if not isinstance(workload, Workload):
         raise Tf32LabError(f"predict() takes a tf32lab.Workload, not {type(workload).__name__}")
-    from tf32lab.measure.check import changed_note, kept_flags, refuse_applied
-
-    peaks_table.get(target)  # a target with no speed model fails before the model runs
-    levels = _levels(levels)
+    target = resolve_target(target)
+    target.speed_peaks()  # a target with no speed model fails before the model runs
+    levels = speed_levels(levels)
     refuse_applied(workload, "predict")
     counting = Counting(workload.model)
     # a model that sets a level in its forward leaves nothing behind (KeyboardInterrupt included)

@@ -1,0 +1,452 @@
+"""The reference run's layers: which modules are layers, their float64 outputs, and the error each one introduces
+(rerun in float32 at each level on its own reference inputs) and accumulates (in an end-to-end run).
+
+A *layer* is a module that runs matmul-family ops itself. :class:`Recorder` hooks every layer during the float64
+reference run, keeps its outputs (spilled to disk when large) and reruns it at each measured level right after each
+call; :class:`Accumulated` compares each layer's outputs in an end-to-end run with the kept ones.
+
+Example:
+
+    >>> import torch, tf32lab
+    >>> from tf32lab.measure.layers import hookable
+    >>> [name for name, _ in hookable(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))[0]]
+    ['0']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import warnings
+from typing import Any, Optional, Union
+
+import torch
+
+from tf32lab.control.scope import precision
+from tf32lab.emulation.emulator import emulate
+from tf32lab.errors import Tf32LabError
+from tf32lab.know import optable
+from tf32lab.know.targets import Target
+from tf32lab.measure.norms import scratch, tree_normwise
+from tf32lab.measure.reference import Float64Run
+from tf32lab.measure.spill import Spilled, SpillFile
+from tf32lab.numbers.origin import internal_error
+from tf32lab.numbers.trees import map_tensors, named_tensors
+from tf32lab.speed.counting import Counting
+from tf32lab.workloads.workload import Workload
+
+ROOT = "(model)"  # how the model itself is named when it runs family ops directly
+
+
+_OUT_OF_MEMORY = (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says memory ran out: a MemoryError, CUDA's OutOfMemoryError, or the CPU allocator's
+    RuntimeError ("DefaultCPUAllocator: can't allocate memory")."""
+    return isinstance(exc, _OUT_OF_MEMORY) or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+
+
+def described(exc: BaseException) -> str:
+    """``LinAlgError: linalg.cholesky: ...``: the exception's public name and its message, on one line (of a
+    TorchScript traceback, its first and last lines)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[0] + (f" … {lines[-1]}" if len(lines) > 1 else "") if lines else ""
+    name = type(exc).__name__.lstrip("_")
+    return f"{name}: {text}" if text else name
+
+
+@contextlib.contextmanager
+def level_context(level: str, target: Target):
+    with precision(level):
+        if not target.emulated:
+            yield None
+        else:
+            with emulate(target) as emu:
+                yield emu
+
+
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def state_kept(model: torch.nn.Module):
+    """The model's buffers as they were, put back on every exit; yields ``reset()``, which puts them back now.
+    A model that updates a buffer as it runs (a running average, a cache) would otherwise start each of
+    check's runs from another state, and keep the last one."""
+    kept = []
+    with torch.no_grad():
+        for buffer in model.buffers():
+            if not buffer.is_inference():
+                kept.append((buffer, buffer.detach().clone()))
+
+    def reset() -> None:
+        with torch.no_grad():
+            for buffer, value in kept:
+                if buffer.shape == value.shape:
+                    buffer.copy_(value)
+
+    try:
+        yield reset
+    finally:
+        reset()
+
+
+# -- the reference run: which modules are layers, their outputs, the error each introduces -----------------------
+def hookable(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], list[str]]:
+    """The modules of ``model`` that take hooks, and the TorchScript ones that do not (nor do their insides)."""
+    found, scripted = [], []
+    script = torch.jit.ScriptModule
+    for name, module in model.named_modules():
+        if any(name == s or name.startswith(s + ".") or s == ROOT for s in scripted):
+            continue
+        if isinstance(module, script):
+            scripted.append(name or ROOT)
+            continue
+        found.append((name or ROOT, module))
+    return found, scripted
+
+
+def _versions(tree: Any) -> list[Optional[int]]:
+    """Each tensor's version counter (how many in-place writes it has had); None for inference tensors."""
+    return [None if t.is_inference() else t._version for _, t in named_tensors(tree)]
+
+
+@contextlib.contextmanager
+def float64_scripted(workload: Workload, recorder: Recorder):
+    """The model to run for the reference: TorchScript parts swapped for float64 copies of them (a ScriptModule
+    checks dtypes where no mode can widen), put back afterwards (and for every float32 rerun)."""
+    model = workload.model
+    if ROOT in recorder.scripted:
+        yield _scripted_twin(model, workload.name, ROOT)
+        return
+    swapped = recorder.swapped
+    try:
+        for name in recorder.scripted:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            original = parent._modules[child]
+            twin = _scripted_twin(original, workload.name, name)
+            parent._modules[child] = twin
+            swapped.append((parent, child, original, twin))
+        yield model
+    finally:
+        for parent, child, original, _ in reversed(swapped):
+            parent._modules[child] = original
+        swapped.clear()
+
+
+@contextlib.contextmanager
+def _originals(swapped: list):
+    """The float32 TorchScript parts back in place while a layer reruns in float32."""
+    for parent, child, original, _ in swapped:
+        parent._modules[child] = original
+    try:
+        yield
+    finally:
+        for parent, child, _, twin in swapped:
+            parent._modules[child] = twin
+
+
+def _scripted_twin(module: torch.nn.Module, workload: str, name: str) -> torch.nn.Module:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ScriptModule.double() reads .grad of its parameters
+            twin = copy.deepcopy(module)
+            return twin.to(torch.float64)
+    except Exception as exc:
+        raise Tf32LabError(f"workload {workload!r}: the TorchScript module {name!r} cannot be copied to float64 "
+                           f"for the reference: {type(exc).__name__}: {exc}") from exc
+
+
+class _Frame:
+    """A module call in progress in the reference run."""
+
+    __slots__ = ("args", "inner", "kwargs", "name", "ran", "versions")
+
+    def __init__(self, name: str, args: tuple, kwargs: dict) -> None:
+        self.name, self.args, self.kwargs, self.ran = name, args, kwargs, False
+        self.versions = _versions((args, kwargs))
+        self.inner: list[tuple[str, int]] = []  # layer calls made inside this one: (name, call index)
+
+
+class Recorder:
+    """Hooks and a float64 mode for the reference run (see the module's docstring)."""
+
+    def __init__(self, model: torch.nn.Module, levels: list[str], target: Target,
+                 spill: Optional[SpillFile] = None) -> None:
+        self.model, self.levels, self.target = model, levels, target
+        self.spill = spill or SpillFile()
+        self.modules, self.scripted = hookable(model)
+        self.mode = Float64Run(self._op, self._written)
+        self.shared: dict[int, list[tuple[str, int]]] = {}  # storage address -> outputs kept without a copy
+        self.stack: list[_Frame] = []
+        self.outputs: dict[tuple[str, int], tuple[Any, dict[str, float]]] = {}  # float64 output, each ‖r‖²
+        self.count: dict[str, int] = {}  # calls per layer
+        self.layers: list[tuple[str, torch.nn.Module]] = []  # in the order they first ran
+        self.introduced: dict[str, dict[str, tuple[float, Optional[str]]]] = {level: {} for level in levels}
+        self.handles: list = []
+        self.rerunning = False
+        self.scratch: Optional[torch.Tensor] = None
+        self.swapped: list = []  # (parent, name, float32 original, float64 twin) of TorchScript parts
+        self.model_inputs: set[int] = set()  # ids of the (widened) workload inputs
+        self.as_accumulated: set[tuple[str, int]] = set()  # calls whose introduced error is their accumulated one
+        self.family_ops = 0  # matmul-family ops the reference saw on this thread (not another's: see OtherThreads)
+
+    def __enter__(self) -> Recorder:
+        try:
+            for name, module in self.modules:
+                self.handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
+                self.handles.append(module.register_forward_hook(self._post(name, module), with_kwargs=True))
+            self.mode.__enter__()
+        except BaseException:
+            self._unhook()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.mode.__exit__(*exc)
+        finally:
+            self._unhook()
+            self.scratch = None
+
+    def _unhook(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def _op(self, func) -> None:
+        if not self.rerunning and optable.family(func.name()) is not None:
+            self.family_ops += 1
+            if self.stack:
+                self.stack[-1].ran = True
+
+    def _written(self, tensors: list[torch.Tensor]) -> None:
+        """Copy-on-write: a kept output is copied only when the model is about to write into its storage."""
+        for t in tensors:
+            keys = self.shared.pop(_address(t), None) if self.shared else None
+            for key in keys or ():
+                reference, norms = self.outputs[key]
+                self.outputs[key] = (map_tensors(torch.clone, reference), norms)
+
+    def _keep(self, name: str, i: int, output: Any) -> Any:
+        """The output as kept: a large float64 tensor written out (``tf32lab.measure.spill``), the rest without a copy."""
+        kept = map_tensors(lambda t: self.spill.put(t.detach()), output)
+        for _, t in named_tensors(kept):
+            self.shared.setdefault(_address(t), []).append((name, i))
+        return kept
+
+    def _pre(self, name: str):
+        def hook(module, args, kwargs):
+            if not self.rerunning:
+                self.stack.append(_Frame(name, args, kwargs))
+
+        return hook
+
+    def _post(self, name: str, module: torch.nn.Module):
+        def hook(module, args, kwargs, output):
+            if self.rerunning:
+                return None
+            frame = self.stack.pop()
+            if not frame.ran:
+                if self.stack:
+                    self.stack[-1].inner += frame.inner
+                return None
+            i = self.count.get(name, 0)
+            if i == 0:
+                self.layers.append((name, module))
+            self.count[name] = i + 1
+            self.mode.paused = True  # our own arithmetic, in float64 already
+            try:
+                norms = {key: float(torch.linalg.vector_norm(t)) ** 2 for key, t in named_tensors(output)
+                         if t.is_floating_point() or t.is_complex()}
+                reference = self._keep(name, i, output)
+                self.outputs[(name, i)] = (reference, norms)
+                self._introduce(name, module, frame, i)
+            finally:
+                self.mode.paused = False
+            if self.stack:
+                self.stack[-1].inner.append((name, i))
+            return None
+
+        return hook
+
+    def _introduce(self, name: str, module: torch.nn.Module, frame: _Frame, i: int) -> None:
+        """Run ``module`` again under each level, fed the inputs of this call, its inner layers answering with
+        their reference outputs; its output's error against the reference is what it introduces."""
+        if _versions((frame.args, frame.kwargs)) != frame.versions:
+            self._worst(name, math.nan, "not fed: it changes its own inputs in place")
+            return
+        tensors = [id(t) for _, t in named_tensors((frame.args, frame.kwargs))]
+        if not frame.inner and tensors and all(t in self.model_inputs for t in tensors):
+            # fed the model's own inputs and nothing nested: the end-to-end run computes exactly this call
+            self.as_accumulated.add((name, i))
+            return
+        reference, norms = self.outputs[(name, i)]
+        inner = self._inner_outputs(frame)
+        for level in self.levels:
+            args, kwargs = map_tensors(_to_float32, frame.args), map_tensors(_to_float32, frame.kwargs)
+            self.rerunning = True
+            try:
+                with state_kept(module), _originals(self.swapped), _answering(inner), \
+                        level_context(level, self.target), torch.inference_mode():
+                    output = module(*args, **kwargs)
+                error = self._normwise(output, reference, norms)
+                why = None
+            except Tf32LabError:
+                raise
+            except Exception as exc:
+                if out_of_memory(exc):
+                    raise
+                bug = internal_error(exc, f"rerunning layer {name!r} alone at level {level!r}")
+                if bug is not None:
+                    raise bug from exc
+                error, why = math.nan, f"raised when run alone at this level: {described(exc)}"
+            finally:
+                self.rerunning = False
+            self._worst(name, error, why, level)
+
+    def _worst(self, name: str, error: float, why: Optional[str], level: Optional[str] = None) -> None:
+        for lv in (self.levels if level is None else [level]):
+            known = self.introduced[lv].get(name)
+            # the worst call wins; a call that could not be measured (NaN) wins over any number, and stays
+            if known is None or (not math.isnan(known[0]) and (math.isnan(error) or error > known[0])):
+                self.introduced[lv][name] = (error, why or (known[1] if known else None))
+
+    def _inner_outputs(self, frame: _Frame) -> dict[torch.nn.Module, list[Any]]:
+        modules = dict(self.layers)
+        answers: dict[torch.nn.Module, list[Any]] = {}
+        for name, i in frame.inner:
+            answers.setdefault(modules[name], []).append(
+                map_tensors(_to_float32, self.outputs[(name, i)][0], (torch.Tensor, Spilled)))
+        return answers
+
+    def _normwise(self, output: Any, reference: Any, norms: dict[str, float]) -> float:
+        if self.scratch is None:
+            self.scratch = scratch(_device_of(reference))
+        error, _ = tree_normwise(output, reference, norms, self.scratch)
+        return error
+
+    def notes(self) -> list[str]:
+        """What the report must say about the reference run."""
+        found = []
+        if self.scripted:
+            names = ", ".join(repr(s) for s in self.scripted[:5]) + (" …" if len(self.scripted) > 5 else "")
+            found.append(f"not broken down into layers: {names} (TorchScript: PyTorch takes no hooks on a "
+                         f"ScriptModule); its ops count toward the module that calls it, and the outputs are "
+                         f"measured end to end; its reference ran on a float64 copy of it")
+        if self.mode.float32_writes:
+            found.append(f"the reference wrote {self.mode.float32_writes} time(s) into tensors the model holds in "
+                         f"float32 (buffers it updates): those values are rounded to float32 in the reference too")
+        return found
+
+
+@contextlib.contextmanager
+def _answering(answers: dict[torch.nn.Module, list[Any]]):
+    """The modules in ``answers`` return their next recorded output instead of computing (a layer's own error
+    leaves out the layers nested in it)."""
+    saved = {}
+    for module, outputs in answers.items():
+        pending = iter(outputs)
+        original = module.forward
+
+        def forward(*args, _pending=pending, _original=original, **kwargs):
+            return _next_or_run(_pending, _original, args, kwargs)
+
+        saved[module] = module.__dict__.get("forward", _MISSING)
+        module.forward = forward
+    try:
+        yield
+    finally:
+        for module, before in saved.items():
+            if before is _MISSING:
+                del module.forward
+            else:
+                module.forward = before
+
+
+def _next_or_run(pending, original, args, kwargs) -> Any:
+    answer = next(pending, _MISSING)
+    return original(*args, **kwargs) if answer is _MISSING else answer
+
+
+def _device_of(tree: Any) -> torch.device:
+    return next((t.device for _, t in named_tensors(tree)), torch.device("cpu"))
+
+
+def _to_float32(t: Union[torch.Tensor, Spilled]) -> torch.Tensor:
+    if isinstance(t, Spilled):
+        return t.load(torch.float32)
+    if t.dtype == torch.float64:
+        return t.float()
+    return t.to(torch.complex64) if t.dtype == torch.complex128 else t.clone()
+
+
+def _address(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class Accumulated:
+    """Hooks on the layers for one end-to-end run: each call's output against the reference output of the same
+    call, the worst kept per layer; a call that cannot be matched makes the layer diverged."""
+
+    def __init__(self, recorder: Recorder, counting: Optional[Counting] = None) -> None:
+        self.recorder, self.counting = recorder, counting
+        self.errors: dict[str, float] = {}
+        self.count: dict[str, int] = {}
+        self.diverged: dict[str, str] = {}
+        self.per_call: dict[tuple[str, int], float] = {}  # for the calls in recorder.as_accumulated
+        self.handles: list = []
+        self.scratch: Optional[torch.Tensor] = None
+
+    def __enter__(self) -> Accumulated:
+        for name, module in self.recorder.layers:
+            self.handles.append(module.register_forward_hook(self._post(name)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        self.scratch = None
+
+    def _post(self, name: str):
+        def hook(module, args, output):
+            if self.counting is None:
+                return self._measure(name, output)
+            self.counting.paused = True  # our arithmetic is not the model's work
+            try:
+                return self._measure(name, output)
+            finally:
+                self.counting.paused = False
+
+        return hook
+
+    def _measure(self, name: str, output: Any) -> None:
+        i = self.count.get(name, 0)
+        self.count[name] = i + 1
+        found = self.recorder.outputs.get((name, i))
+        if found is None:
+            return
+        reference, norms = found
+        if self.scratch is None:
+            self.scratch = scratch(_device_of(reference))
+        error, mismatch = tree_normwise(output, reference, norms, self.scratch)
+        if (name, i) in self.recorder.as_accumulated:
+            self.per_call[(name, i)] = error
+        if mismatch is not None:
+            self.diverged.setdefault(name, f"call {i + 1}: {mismatch}")
+        elif math.isnan(error) or error > self.errors.get(name, 0.0):
+            self.errors[name] = error
+
+    def result(self, name: str, finished: bool) -> tuple[float, Optional[str]]:
+        """The worst accumulated error of ``name`` over its matched calls, and why it diverged, if it did."""
+        expected, seen = self.recorder.count[name], self.count.get(name, 0)
+        why = self.diverged.get(name)
+        if why is None and seen != expected and (finished or seen > expected):
+            why = f"called {seen} time(s) end to end, {expected} in the reference"
+        return self.errors.get(name, math.nan), why

@@ -1,0 +1,120 @@
+"""Running a workload for a measurement: a model carrying an applied policy refused, PyTorch's flags kept as they
+were, the machine it ran on described, and a progress bar. Shared by ``check``, ``predict``, ``bench`` and ``tune``.
+
+Example:
+
+    >>> import torch
+    >>> from tf32lab.workloads.running import kept_flags
+    >>> with kept_flags() as changed:
+    ...     torch.set_float32_matmul_precision("medium")   # as a model's forward might
+    >>> torch.get_float32_matmul_precision(), changed
+    ('highest', ["matmul 'highest' -> 'medium'"])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from tf32lab.control import flags
+from tf32lab.control.scope import get_float32_matmul_precision
+from tf32lab.errors import Tf32LabError
+from tf32lab.machine import hardware
+from tf32lab.numbers.trees import named_tensors
+from tf32lab.workloads.workload import Workload
+
+
+def refuse_applied(workload: Workload, what: str) -> None:
+    """Refuse, before any run, a model that carries an applied policy: it sets each module's level as the module
+    runs, so ``check`` would measure the policy under every level's name (and ``tune`` would tune on top of it).
+    Refusing (rather than lifting it for the duration) leaves the user's policy untouched; the message says how to
+    go on."""
+    from tf32lab.control.policy import applied_to
+
+    found = applied_to(workload.model)
+    if found is None:
+        return
+    from tf32lab.report.conclusion import policy_summary
+
+    summary = policy_summary(dict(found.to_dict(), base=get_float32_matmul_precision()))
+    measure = {
+        "check": "pass it as check(policy=...) (tf32lab check --policy FILE) to measure it beside the levels",
+        "tune": "tune searches a policy itself",
+        "predict": "check(policy=...) (tf32lab check --policy FILE) predicts its speedup beside the levels",
+        "bench": "bench times each level of the model without a policy",
+    }[what]
+    raise Tf32LabError(f"workload {workload.name!r}: its model has a policy applied ({summary}); {what} would "
+                       f"measure that policy instead of each level: remove it first (handle.remove()); {measure}")
+
+
+@contextlib.contextmanager
+def kept_flags() -> Iterator[list[str]]:
+    """Every PyTorch precision flag as it was, put back on every exit (KeyboardInterrupt included): a model that
+    calls ``torch.set_float32_matmul_precision`` in its forward must not leave its level in the process. Yields a
+    list that names, at exit, each flag that had been changed (for the report's notes)."""
+    before = flags.snapshot()
+    changed: list[str] = []
+    try:
+        yield changed
+    finally:
+        diff = before.diff(flags.snapshot())
+        if diff:
+            flags.restore(before)
+            changed += [f"{name} {old!r} -> {new!r}" for name, old, new in diff]
+
+
+def changed_note(changed: list[str]) -> str:
+    return (f"the workload changed PyTorch's flags while it ran ({'; '.join(changed[:3])}"
+            f"{' …' if len(changed) > 3 else ''}); they were put back as they were")
+
+
+# -- the model --------------------------------------------------------------------------------------------------
+def environment_of(workload: Workload) -> dict[str, Any]:
+    device = next((t.device for t in workload.model.parameters()), None)
+    if device is None:
+        device = next((t.device for _, t in named_tensors(workload.inputs)), torch.device("cpu"))
+    hw = hardware.detect()
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+        "cpu": hw.cpu,
+        "cpus": hw.usable_cpus,
+        "threads": torch.get_num_threads(),
+    }
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
+    return env
+
+
+class Progress:
+    """A rich progress bar on stderr when asked for; otherwise nothing."""
+
+    def __init__(self, show: bool, steps: int) -> None:
+        self.show, self.steps, self.bar, self.task = show, steps, None, None
+
+    def __enter__(self) -> Progress:
+        if self.show:
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("{task.description:<48}"), BarColumn(), TimeElapsedColumn(),
+                                console=Console(stderr=True), transient=True)
+            self.bar.__enter__()
+            self.task = self.bar.add_task("", total=self.steps)
+        return self
+
+    def step(self, description: str) -> None:
+        if self.bar is not None:
+            if self.bar.tasks[0].description:
+                self.bar.advance(self.task)
+            self.bar.update(self.task, description=description)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
