@@ -40,8 +40,9 @@ PUBLIC_PATHS = {"flags": "control.flags", "formats": "numbers.formats", "hardwar
 MOVED_PATHS = {
     "builtin": "workloads.builtin", "compare": "measure.check", "compile_cache": "machine.compile_cache",
     "counting": "speed.counting", "diagnosis": "machine.doctor", "diagnosis_text": "report.doctor_text",
-    "emulator": "emulation.emulator", "files": "numbers.files", "heuristics": "machine.autoconfig",
-    "inductor": "machine.inductor", "levels": "know.levels", "metrics": "numbers.metrics",
+    "emulator": "emulation.emulator", "families": "know.optable", "files": "numbers.files",
+    "heuristics": "machine.autoconfig", "inductor": "machine.inductor", "levels": "know.levels",
+    "metrics": "numbers.metrics",
     "modestack": "control.modestack", "optable": "know.optable", "origin": "numbers.origin", "peaks": "know.peaks",
     "policy": "control.policy", "probe": "machine.probe", "reference": "measure.reference",
     "rules": "emulation.rules", "samples": "workloads.samples", "scope": "control.scope", "specs": "workloads.specs",

@@ -183,8 +183,8 @@ def _targets(args: argparse.Namespace) -> int:
     import json
 
     from tf32lab.control.flags import read_cells
-    from tf32lab.know.families import FAMILIES
     from tf32lab.know.levels import LEVELS, level_cells
+    from tf32lab.know.optable import FAMILIES
     from tf32lab.know.targets import TARGETS, sdpa_kernel
 
     defaults = {**read_cells(), "sdpa": sdpa_kernel()}  # a fresh process: PyTorch's defaults

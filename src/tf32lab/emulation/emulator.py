@@ -7,9 +7,10 @@ products and accumulation in IEEE float32, as the tensor cores do (products of T
 float32). Split maths sum several products (``tf32x3``, ``bf16x3``: three; ``bfx9``: nine). Non-float32 ops
 pass through.
 
-The op table lives in ``tf32lab.emulation.rules`` (one registry, filled by ``@rule``). An op that belongs to a family (by
-name, ``tf32lab.know.families``) but has no rule is first decomposed into ops that do; if it cannot be, it runs
-natively and is counted in ``unhandled`` (``strict=True``: it raises), so silence never passes for success.
+The rules live in ``tf32lab.emulation.rules`` (one registry, filled by ``@rule``); which ops belong to a family, and
+what PyTorch does with each, in ``tf32lab.know.optable`` (:func:`treatment` combines the two). An op of a family
+with no rule is first decomposed into ops that have one; if it cannot be, it runs natively and is counted in
+``unhandled`` (``strict=True``: it raises), so silence never passes for success.
 
 Example:
 
@@ -34,7 +35,7 @@ import importlib.machinery
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +50,7 @@ from tf32lab.know.levels import level_cells
 from tf32lab.know.targets import IEEE, MATHS, Math, Target, check_value, get, sdpa_kernel
 from tf32lab.numbers import formats
 
-__all__ = ["emulate", "maths"]
+__all__ = ["Treatment", "emulate", "maths", "treatment"]
 
 _F32 = torch.float32
 _SPARSE = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
@@ -340,6 +341,15 @@ class _Call:
         self.math_seen: Optional[Math] = None
         self.no_tf32: bool = rules.tf32_is_off()
 
+    def count(self, math: Math, n: int = 1) -> None:
+        """Count ``n`` of this call's op, computed in ``math``, in the block's ``coverage``."""
+        self.emu._count(self.op, math, n)
+
+    def unhandled(self, what: Optional[str] = None) -> None:
+        """This call's op (``what``: it, said more precisely) runs natively: counted in the block's ``unhandled``,
+        or ``Tf32LabError`` under ``strict=True``."""
+        self.emu._unhandled(what or self.op)
+
     def math(self, key: str) -> Math:
         """The math of ``key`` ("matmul", "conv", "attention.efficient", ...) for this call."""
         emu = self.emu
@@ -590,7 +600,7 @@ class _Mode(TorchDispatchMode):
         entry = scope.current_emulation()
         if entry is None:
             return _passed_on(func, args, kwargs)
-        classified = _classify(func)
+        classified = treatment(func)
         if classified is None or not (_float32_in(args) or _float32_in(kwargs.values())):
             if entry.cache.entries and _mutates(func):  # a write, maybe through .data: its rounded copies go
                 entry.cache.written(_tensors_in(args) + _tensors_in(kwargs.values()))
@@ -619,8 +629,8 @@ class _Mode(TorchDispatchMode):
             _put_tracing_state(tracing)
         return traced
 
-    def _emulated(self, entry: _Entry, classified: tuple, func, args, kwargs):
-        rule, family, how = classified
+    def _emulated(self, entry: _Entry, classified: Treatment, func, args, kwargs):
+        family, how, rule, _ = classified
         emu = entry.emu
         cells = self.pinned or context_cells()
         call = _Call(entry, func.name(), cells)
@@ -632,12 +642,12 @@ class _Mode(TorchDispatchMode):
                 # (SpMM / SpGEMM, computed in the operands' type, CUDA_R_32F for float32), which the TF32 flags
                 # do not reach (they govern cuBLAS and cuDNN); on a CPU to MKL's sparse BLAS or its own loops, not
                 # oneDNN. IEEE float32 on every target, whatever the math asked for, and counted so.
-                emu._count(call.op, IEEE)
+                call.count(IEEE)
                 return scope.run_at("highest", lambda: func(*args, **kwargs), cell=_native_cell(args),
                                     refused=lambda: _in_float64(lambda: func(*args, **kwargs)))
             if how == "no_tf32" and emu.math is None and emu.target.device == "cuda":
                 # an op inside which PyTorch turns TF32 off: counted, IEEE
-                emu._count(call.op, call.math("linalg"))
+                call.count(call.math("linalg"))
                 return scope.run_at("highest", lambda: func(*args, **kwargs), cell=_native_cell(args),
                                     refused=lambda: _in_float64(lambda: func(*args, **kwargs)))
             if how == "unhandled" or rule is None:
@@ -657,7 +667,7 @@ class _Mode(TorchDispatchMode):
             if out is not None:
                 out.copy_(result)
                 result = out
-            emu._count(call.op, call.math_seen or call.math(family))
+            call.count(call.math_seen or call.math(family))
             if entry.cache.entries and _mutates(func):  # addmm_ and friends write into C
                 entry.cache.written(_tensors_in(args))
             return result
@@ -674,9 +684,9 @@ class _Mode(TorchDispatchMode):
             if result is not NotImplemented:
                 return result
         if family == "linalg" and how == "unknown":
-            call.emu._count(call.op, call.math("linalg"))
+            call.count(call.math("linalg"))
             return func(*args, **kwargs)
-        call.emu._unhandled(call.op)
+        call.unhandled()
         return func(*args, **kwargs)
 
 
@@ -775,7 +785,23 @@ def _unwrapped_numbers(func, args: tuple, kwargs: dict) -> Optional[tuple[tuple,
     return new_args, new_kwargs
 
 
-_CLASSES: dict[Any, Optional[tuple[Optional[Callable], str, str]]] = {}
+class Treatment(NamedTuple):
+    """What the emulator does with an op of a family: its ``family`` and ``how`` it is computed, the ``rule`` of
+    ``rules.RULES`` (None: no rule) and, for an op it cannot compute, ``why`` when the op table says.
+
+    ``how`` is ``rule`` (the rule computes it), ``decomposes`` (broken down into ops with rules), ``no_tf32`` (IEEE
+    on CUDA targets, PyTorch's ``NoTF32Guard``; broken down on a CPU target), ``unhandled`` (runs natively, counted
+    in ``unhandled``) or ``unknown`` (an op the table does not list, named like a family's: broken down if it can be,
+    else a linalg op is counted IEEE and any other is unhandled).
+    """
+
+    family: str
+    how: str
+    rule: Optional[Callable] = None
+    why: Optional[str] = None
+
+
+_TREATMENTS: dict[Any, Optional[Treatment]] = {}
 _MUTATING: dict[Any, bool] = {}
 
 
@@ -787,22 +813,40 @@ def _mutates(func) -> bool:
     return known
 
 
-def _classify(func) -> Optional[tuple[Optional[Callable], str, str]]:
-    """``(rule, family, how)`` of an op whose math a target can change (``tf32lab.know.optable``), else None."""
+def treatment(func: Any) -> Optional[Treatment]:
+    """How ``emulate()`` computes the op ``func`` (an ``OpOverload``), or None for an op no target's math changes.
+
+    The op table (``tf32lab.know.optable``) says what PyTorch does with the op; ``rules.RULES`` alone says whether
+    there is a rule for it.
+
+    >>> import torch
+    >>> aten = torch.ops.aten
+    >>> [treatment(op)[:2] for op in (aten.mm.default, aten.matmul.default, aten.cudnn_convolution.default)]
+    [('matmul', 'rule'), ('matmul', 'decomposes'), ('conv', 'unhandled')]
+    >>> treatment(aten.cudnn_convolution.default).why, treatment(aten.cholesky.default)
+    ("a backend's own kernel, reached directly", None)
+    """
     try:
-        return _CLASSES[func]
+        return _TREATMENTS[func]
     except KeyError:
         pass
     name = func.name()
     rule = rules.RULES.get(func.overloadpacket) if hasattr(func, "overloadpacket") else None
     op = optable.lookup(name)
+    found: Optional[Treatment]
     if op is not None:
-        entry = None if op.family is None or op.how == "solver" else (rule, op.family, op.how)
+        if op.family is None or op.how == "solver":
+            found = None
+        elif op.how == "kernel":
+            found = Treatment(op.family, "unhandled" if rule is None else "rule", rule, op.why)
+        else:
+            found = Treatment(op.family, op.how, rule, op.why)
     else:  # not in the table: another namespace (a custom op), or an op of a newer torch that looks like a product
         family = optable.family(name)
-        entry = None if family is None and rule is None else (rule, family or "matmul", "rule" if rule else "unknown")
-    _CLASSES[func] = entry
-    return entry
+        found = None if family is None and rule is None else Treatment(family or "matmul",
+                                                                        "rule" if rule else "unknown", rule)
+    _TREATMENTS[func] = found
+    return found
 
 
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
@@ -831,7 +875,8 @@ class _FunctionMode(TorchFunctionMode):
             if entry is not None:
                 if func is _SDPA:
                     if _float32_in(args) or _float32_in(kwargs.values()):
-                        return rules.sdpa_function(entry.emu, func, args, kwargs)
+                        call = _Call(entry, "aten::scaled_dot_product_attention", _context_cells())
+                        return rules.sdpa_function(call, func, args, kwargs)
                 elif _float32_in(args):
                     return _rnn(entry, func, args, kwargs)
         # Known limit: the mode is off inside its own handler, so a call made *inside* another Python-level torch

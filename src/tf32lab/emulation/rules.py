@@ -57,7 +57,7 @@ def as_family(family: str) -> contextlib.AbstractContextManager:
 
 
 def no_tf32() -> contextlib.AbstractContextManager:
-    """GEMMs inside run IEEE on CUDA targets, as PyTorch's ``NoTF32Guard`` makes them (``optable``: ``no_tf32``)."""
+    """GEMMs inside run IEEE on CUDA targets, as PyTorch's ``NoTF32Guard`` makes them (``optable``'s ``no_tf32``)."""
     return _setting("no_tf32", True)
 
 
@@ -625,12 +625,12 @@ SDPA_FUNCTION = torch._C._nn.scaled_dot_product_attention
 _SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 
 
-def sdpa_function(emu, func, args, kwargs):
+def sdpa_function(call, func, args, kwargs):
     """``F.scaled_dot_product_attention``: through ``tf32lab::scaled_dot_product_attention``."""
     bound = dict(zip(_SDPA_NAMES, args), **kwargs)
     mask = bound.get("attn_mask")
     if bound.get("dropout_p", 0.0) or (mask is not None and mask.requires_grad):
-        emu._unhandled("aten::scaled_dot_product_attention (dropout or trainable mask)")
+        call.unhandled(f"{call.op} (dropout or trainable mask)")
         return func(*args, **kwargs)
     return torch.ops.tf32lab.scaled_dot_product_attention(
         bound["query"], bound["key"], bound["value"], mask, bool(bound.get("is_causal", False)),
@@ -840,11 +840,11 @@ def rnn_function(call, func, args, kwargs):
     (the emulator runs this without its dispatch mode)."""
     mode = RNN_FUNCTIONS[func]
     if kwargs or _is_packed(args):
-        call.emu._unhandled(f"aten::{mode} (packed sequence)")
+        call.unhandled(f"{call.op} (packed sequence)")
         return func(*args, **kwargs)
 
     if call.math("rnn").name == "ieee":  # nothing to round: PyTorch's own fused kernel, at IEEE (the caller's scope)
-        call.emu._count(f"aten::{mode}", call.math("rnn"))
+        call.count(call.math("rnn"))
         return func(*args, **kwargs)
     x, hx, params = args[0], args[1], args[2]
     nan_free = all(_pymath.isfinite(float(t.detach().sum())) for t in (x, *hx, *params) if t.device.type == "cpu")

@@ -28,6 +28,7 @@ from tf32lab.control import flags
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import targets
 from tf32lab.know.levels import LEVELS, level_cells
+from tf32lab.know.optable import FAMILIES
 from tf32lab.machine import inductor
 from tf32lab.machine.autoconfig import Recommendation, decide_threads, recommend
 from tf32lab.machine.hardware import Hardware, detect
@@ -37,8 +38,6 @@ from tf32lab.numbers.files import write_atomically
 __all__ = ["FAMILIES", "SCHEMA_VERSION", "Alert", "Diagnosis", "doctor", "schema"]
 
 SCHEMA_VERSION = 1
-# The op families of the per-level table (targets keys; the attention kernels by name are left to targets).
-FAMILIES = ("matmul", "conv", "rnn", "attention", "matvec", "linalg")
 
 
 @dataclass(frozen=True)
