@@ -219,10 +219,6 @@ class _State:
         self.public: Optional[str] = None
         self.epoch = 0
 
-    @property
-    def base_level(self) -> str:
-        return self.base.level
-
     def wait_writable(self) -> None:
         own, me = self.tls.reads, _get_ident()
         while self.readers > own or (self.writer is not None and self.writer != me):
@@ -438,10 +434,6 @@ class _Guard(TorchDispatchMode):
         if node is None or (emulation is not None and _live(emulation) is not None):
             return func(*args, **kwargs)
         return run_at(node.level, lambda: func(*args, **kwargs))
-
-
-def _has_guard() -> bool:
-    return _STATE.tls.guard is not None
 
 
 def _push_guard(thread: int, depth: int) -> None:
