@@ -180,7 +180,6 @@ def _levels(_: argparse.Namespace) -> int:
 
 def _targets(args: argparse.Namespace) -> int:
     """What each target computes at each level, so a user can pick ``--target`` without reading the source."""
-    import json
 
     from tf32lab.control.flags import read_cells
     from tf32lab.know.levels import LEVELS, level_cells
@@ -203,7 +202,9 @@ def _targets(args: argparse.Namespace) -> int:
                 "bandwidth_gbs": peaks.bandwidth, "sms": peaks.sms, "source": peaks.source},
         })
     if args.json:
-        sys.stdout.write(json.dumps({"levels": list(LEVELS), "targets": rows}, indent=2) + "\n")
+        from tf32lab.numbers.files import write_json
+
+        sys.stdout.write(write_json(None, {"levels": list(LEVELS), "targets": rows}))
         return 0
     from rich.table import Table
 
@@ -400,7 +401,6 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _speed(args: argparse.Namespace) -> int:
-    import json
 
     from tf32lab.know.levels import check_levels
     from tf32lab.machine.hardware import resolve_target
@@ -425,14 +425,14 @@ def _speed(args: argparse.Namespace) -> int:
         # a bar on stderr, as check shows one; none when stderr is no terminal or JSON is asked for
         measured = bench(loaded, levels, rounds=args.rounds, progress=sys.stderr.isatty() and not args.json)
     if args.json:
-        text = json.dumps({"predicted": predicted and predicted.to_dict(),
-                           "measured": measured and measured.to_dict()}, indent=2)
-        if args.json == "-":
-            sys.stdout.write(text + "\n")
-            return 0
-        from tf32lab.numbers.files import write_atomically
+        from tf32lab.numbers.files import write_atomically, write_json
 
-        _write(args.json, lambda path: write_atomically(path, text + "\n"))
+        text = write_json(None, {"predicted": predicted and predicted.to_dict(),
+                                 "measured": measured and measured.to_dict()})
+        if args.json == "-":
+            sys.stdout.write(text)
+            return 0
+        _write(args.json, lambda path: write_atomically(path, text))
     first = predicted or measured
     print(f"tf32lab speed {_shown(loaded.name)}: one forward")
     for line in first.lines(measured if predicted else None):

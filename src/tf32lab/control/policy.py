@@ -52,7 +52,7 @@ from tf32lab.control import modestack
 from tf32lab.control.scope import is_sensitive, precision
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import LEVELS, check_level
-from tf32lab.numbers.files import write_atomically
+from tf32lab.numbers.files import write_atomically, write_json
 from tf32lab.numbers.trees import named_tensors
 
 __all__ = ["Assignment", "Policy", "PolicyHandle", "Rule", "applied_to", "explain"]
@@ -489,7 +489,8 @@ class Policy:
         return write_atomically(path, self.to_json())
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2) + "\n"
+        """The policy as JSON text, as :meth:`save` writes it."""
+        return write_json(None, self.to_dict())
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> Policy:

@@ -149,23 +149,10 @@ class Tuning(Document):
             "check": self.report.to_dict(),
         }
 
-    def _json_ready(self) -> dict[str, Any]:
-        return _finite(self.to_dict())
-
     def to_html(self) -> str:
         from tf32lab.report.tune_html import render
 
         return render(self)
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
 
 
 def _ratio(result: LevelResult) -> float:

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 
 from tf32lab.errors import Tf32LabError
-from tf32lab.numbers.files import write_atomically
+from tf32lab.numbers.files import write_atomically, write_json
 
 __all__ = ["ARTIFACT", "Loaded", "check_trusted", "folder", "load", "read", "save"]
 
@@ -108,7 +108,7 @@ def save(path: Path) -> Path:
     artifact = path / ARTIFACT
     note = {**identity(), "artifacts": _count(info), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     write_atomically(artifact, data, private=True)
-    write_atomically(path / NOTE, json.dumps(note, indent=1) + "\n", private=True)
+    write_json(path / NOTE, note, indent=1, private=True)
     log.info("saved %d compile artifacts (%d bytes) to %s", _count(info), len(data), artifact)
     return artifact
 

@@ -33,7 +33,7 @@ from tf32lab.machine import inductor
 from tf32lab.machine.autoconfig import Recommendation, decide_threads, recommend
 from tf32lab.machine.hardware import Hardware, detect
 from tf32lab.machine.probe import SHAPE, ProbeResult, probe_matmul
-from tf32lab.numbers.files import write_atomically
+from tf32lab.numbers.files import write_json
 
 __all__ = ["FAMILIES", "SCHEMA_VERSION", "Alert", "Diagnosis", "doctor", "schema"]
 
@@ -93,10 +93,7 @@ class Diagnosis:
 
     def to_json(self, path: Optional[str] = None) -> str:
         """The JSON text (docs/doctor-schema.md); written to ``path`` as well when given (whole or not at all)."""
-        text = json.dumps(self.to_dict(), indent=2) + "\n"
-        if path is not None:
-            write_atomically(path, text)
-        return text
+        return write_json(path, self.to_dict())
 
     def print(self, console: Any = None) -> None:
         """Tables on the terminal (rich); warnings and the recommendation as unwrapped lines."""

@@ -1,7 +1,10 @@
-"""Writing a file whole or not at all, and never through a link someone else planted.
+"""Writing a file whole or not at all, and never through a link someone else planted; JSON that any parser reads.
 
 Every file tf32lab writes (a policy, a report as JSON or HTML, a compile-cache artifact) goes through
-:func:`write_atomically`, which guarantees:
+:func:`write_atomically`, and every JSON text it makes (a file, ``--json -``, a ``to_json()`` string) through
+:func:`write_json`: non-finite floats become the strings ``"nan"``, ``"inf"``, ``"-inf"`` (:func:`finite`), as a
+bare ``NaN`` is not JSON (strict parsers, ``jq``, browsers' ``JSON.parse`` refuse it). :func:`write_atomically`
+guarantees:
 
 - **Whole or not at all.** The content goes to a temporary file in the target's own folder, is flushed to disk
   (``fsync``), then renamed over the target (``os.replace``, atomic on POSIX), and the folder is flushed where the
@@ -42,21 +45,32 @@ Example:
     >>> write_atomically(folder, "x")
     Traceback (most recent call last):
     IsADirectoryError: [Errno 21] is a folder; give a file name: '...'
+    >>> from tf32lab.numbers.files import write_json
+    >>> print(write_json(folder / "n.json", {"error": float("nan"), "sizes": (1, 2.5)}), end="")
+    {
+      "error": "nan",
+      "sizes": [
+        1,
+        2.5
+      ]
+    }
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
+import math
 import os
 import re
 import secrets
 import stat
 import sys
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
-__all__ = ["check_writable", "is_stream", "same_file", "write_atomically"]
+__all__ = ["check_writable", "finite", "is_stream", "same_file", "write_atomically", "write_json"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -99,6 +113,39 @@ def write_atomically(path: PathLike, data: Union[str, bytes], *, private: bool =
         raise _about(path, exc) from exc
     _sync_folder(path.parent)
     return path
+
+
+def finite(data: Any) -> Any:
+    """``data`` with every non-finite float, at any depth of dicts, lists and tuples, as the string ``"nan"``,
+    ``"inf"`` or ``"-inf"`` (tuples become lists, as JSON has them); the rest is left as it is.
+
+    >>> finite({"max_rel": float("inf"), "levels": [0.5, float("-inf"), (float("nan"),)]})
+    {'max_rel': 'inf', 'levels': [0.5, '-inf', ['nan']]}
+    """
+    if isinstance(data, float) and not math.isfinite(data):
+        return "nan" if math.isnan(data) else ("inf" if data > 0 else "-inf")
+    if isinstance(data, dict):
+        return {k: finite(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [finite(v) for v in data]
+    return data
+
+
+def write_json(path: Optional[PathLike], data: Any, *, indent: int = 2, private: bool = False) -> str:
+    """``data`` as JSON text (:func:`finite` first, so never a bare ``NaN``; one newline at the end); written to
+    ``path`` too when one is given, whole or not at all (:func:`write_atomically`, ``private`` as there).
+
+    The one way tf32lab makes JSON, so that every file and every ``to_json()`` string loads with a strict parser.
+    Raises ``TypeError`` for what JSON cannot hold (a tensor, a set), before anything is written.
+
+    >>> text = write_json(None, {"normwise": float("nan")})
+    >>> text
+    '{\\n  "normwise": "nan"\\n}\\n'
+    """
+    text = json.dumps(finite(data), indent=indent, allow_nan=False) + "\n"
+    if path is not None:
+        write_atomically(path, text, private=private)
+    return text
 
 
 def check_writable(path: PathLike) -> Path:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from tf32lab.numbers.files import write_atomically
+from tf32lab.numbers.files import finite, write_atomically, write_json
 from tf32lab.numbers.metrics import HISTOGRAM_EDGES, OutputError
 
 __all__ = ["SCHEMA_VERSION", "LayerError", "LevelResult", "Report", "schema"]
@@ -92,15 +92,10 @@ class Document:
     def to_html(self) -> str:
         raise NotImplementedError
 
-    def _json_ready(self) -> dict[str, Any]:
-        return self.to_dict()
-
     def to_json(self, path: Union[str, Path, None] = None) -> str:
-        """The result as JSON text; written to ``path`` too when given (whole or not at all)."""
-        text = json.dumps(self._json_ready(), indent=2)
-        if path is not None:
-            write_atomically(path, text + "\n")
-        return text
+        """The result as JSON text (non-finite numbers as ``"nan"``, ``"inf"``, ``"-inf"``); written to ``path`` too
+        when given (whole or not at all)."""
+        return write_json(path, self.to_dict())
 
     def save_html(self, path: Union[str, Path]) -> Path:
         """Write :meth:`to_html` to ``path`` (whole or not at all)."""
@@ -200,7 +195,7 @@ class Report(Document):
                 for lv in self.levels
             ],
         }
-        return _finite(data)
+        return finite(data)
 
     def to_html(self) -> str:
         """A self-contained HTML page (inline CSS and SVG plots, no scripts, nothing fetched)."""
@@ -249,12 +244,3 @@ def _ratio(value: float, tolerance: float) -> float:
         return math.inf
     return value / tolerance if tolerance > 0 else math.inf
 
-
-def _finite(data: Any) -> Any:
-    if isinstance(data, float) and not math.isfinite(data):
-        return "nan" if math.isnan(data) else ("inf" if data > 0 else "-inf")
-    if isinstance(data, dict):
-        return {k: _finite(v) for k, v in data.items()}
-    if isinstance(data, (list, tuple)):
-        return [_finite(v) for v in data]
-    return data

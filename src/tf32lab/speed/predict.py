@@ -38,7 +38,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -53,7 +52,7 @@ from tf32lab.know.levels import LEVELS, check_levels
 from tf32lab.know.peaks import GEMM_EFFICIENCY, LAUNCH_SECONDS, MEMORY_EFFICIENCY, Peaks
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
-from tf32lab.numbers.files import write_atomically
+from tf32lab.numbers.files import write_json
 from tf32lab.numbers.origin import run_error
 from tf32lab.speed.counting import Counting, Counts, Gemm, OpCost, OtherThreads
 from tf32lab.workloads.running import changed_note, kept_flags, refuse_applied
@@ -154,10 +153,9 @@ class SpeedReport:
         return data
 
     def to_json(self, path: Union[str, Path, None] = None) -> str:
-        text = json.dumps(self.to_dict(), indent=2)
-        if path is not None:
-            write_atomically(path, text + "\n")
-        return text
+        """The report as JSON text (a measurement's missing share as ``"nan"``); written to ``path`` too when given
+        (whole or not at all)."""
+        return write_json(path, self.to_dict())
 
     def lines(self, other: Optional[SpeedReport] = None) -> list[str]:
         """A plain table, one line per level; with ``other`` (a measurement of the same workload), both."""
