@@ -49,7 +49,8 @@ def test_the_size_comes_from_the_environment(monkeypatch, raw, expected):
 @pytest.mark.parametrize("raw", ["lots", "-1", "nan", "inf", "1e400"])
 def test_a_bad_size_is_a_clear_error(monkeypatch, raw):
     monkeypatch.setenv("TF32LAB_SPILL_MIB", raw)
-    with pytest.raises(Tf32LabError, match=rf"bad TF32LAB_SPILL_MIB '{raw}'; accepted: a finite number of MiB >= 0"):
+    with pytest.raises(Tf32LabError, match=rf"TF32LAB_SPILL_MIB='{raw}' is not understood; accepted: a finite number of "
+                                           rf"MiB >= 0"):
         min_bytes_from_env()
 
 
@@ -100,7 +101,8 @@ def test_a_bad_spill_size_through_the_cli_is_one_line_and_exit_2(raw):
                           env={**os.environ, "TF32LAB_SPILL_MIB": raw})
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and f"bad TF32LAB_SPILL_MIB '{raw}'; accepted: a finite number" in lines[0], done.stderr
+    assert len(lines) == 1 and f"TF32LAB_SPILL_MIB='{raw}' is not understood; accepted: a finite number" in lines[0], \
+        done.stderr
     assert "OverflowError" not in done.stderr
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import os
 import threading
 import weakref
 from asyncio import current_task as _current_task
@@ -41,6 +40,7 @@ from typing import Any, Callable, NamedTuple, Optional, TypeVar
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tf32lab import settings
 from tf32lab.control import flags, modestack
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
@@ -50,20 +50,15 @@ __all__ = ["get_float32_matmul_precision", "precision", "set_float32_matmul_prec
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-GUARD_POLICIES = ("auto", "always")
 _guard_choice: Optional[str] = None
 
 
 def guard_policy() -> str:
-    """``TF32LAB_SCOPE_GUARD`` (``auto`` or ``always``; unset or empty: ``auto``), read once; a bad value is a
-    one-line ``Tf32LabError``."""
+    """``TF32LAB_SCOPE_GUARD`` (``auto`` or ``always``; ``tf32lab.settings``), read once: every scope entry asks,
+    and one process must not guard by two rules. A bad value is a one-line ``Tf32LabError``."""
     global _guard_choice
     if _guard_choice is None:
-        value = os.environ.get("TF32LAB_SCOPE_GUARD", "").strip().lower() or "auto"
-        if value not in GUARD_POLICIES:
-            raise Tf32LabError(f"TF32LAB_SCOPE_GUARD={value!r} is not understood; accepted: "
-                               f"{', '.join(map(repr, GUARD_POLICIES))}")
-        _guard_choice = value
+        _guard_choice = settings.get("TF32LAB_SCOPE_GUARD")
     return _guard_choice
 
 

@@ -4,7 +4,7 @@ Serving and training stacks each hard-code one of these (TorchServe's ``base_han
 turned on as a side effect of an import, one thread per worker, the FX graph cache. Here they run only when called,
 decide from a :class:`Hardware` value, log every decision through :mod:`logging` (logger ``tf32lab.autoconfig``) and
 return :class:`Decisions` whose ``undo()`` puts back what was changed. ``TF32LAB_DISABLE=1`` in the environment makes
-the call a logged no-op.
+the call a logged no-op; a value it cannot read (``TF32LAB_DISABLE=maybe``) is an error (``tf32lab.settings``).
 
 Inter-op threads are the exception: PyTorch lets a process call ``torch.set_num_interop_threads`` once, before any
 inter-op parallel work ("Can only be called once and before any inter-op parallel work is started", PyTorch docs,
@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from tf32lab import settings
 from tf32lab.control import flags, scope
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import check_level
@@ -360,8 +361,8 @@ def save_compile_cache(folder: PathLike) -> Path:
     """Write this process's ``torch.compile`` artifacts (a Mega-Cache) into ``folder``; returns the file.
 
     A later ``autoconfig(compile_cache=folder)`` loads it, on the same torch, Triton and GPU (as
-    ``torch.compiler.save_cache_artifacts`` requires). The folder must be trusted like code (``tf32lab.machine.compile_cache``):
-    it is made private to this user, and one that others may write is refused.
+    ``torch.compiler.save_cache_artifacts`` requires). The folder must be trusted like code
+    (``tf32lab.machine.compile_cache``): it is made private to this user, and one that others may write is refused.
 
     >>> import tempfile, tf32lab
     >>> tf32lab.save_compile_cache(tempfile.mkdtemp())     # nothing compiled in this process
@@ -373,10 +374,6 @@ def save_compile_cache(folder: PathLike) -> Path:
 
 
 # -- the call ----------------------------------------------------------------------------------------------------
-def _disabled() -> bool:
-    return os.environ.get("TF32LAB_DISABLE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def autoconfig(level: str = "auto", *, workers: int = 1, threads: Union[str, int] = "auto",
                interop_threads: Union[str, int, None] = None, compile_cache: Optional[PathLike] = None,
                hardware: Optional[Hardware] = None) -> Decisions:
@@ -400,7 +397,8 @@ def autoconfig(level: str = "auto", *, workers: int = 1, threads: Union[str, int
         hardware: decide as on this :class:`~tf32lab.machine.hardware.Hardware` (``Hardware.simulated("a100")``); the
             settings are applied here all the same. Default: this machine.
 
-    Nothing is changed when an argument is bad, or when ``TF32LAB_DISABLE=1`` is set (logged).
+    Nothing is changed when an argument is bad, or when ``TF32LAB_DISABLE=1`` is set (logged); a value of it that is
+    not understood is a ``Tf32LabError`` (``tf32lab.settings``).
 
     Example:
 
@@ -420,10 +418,11 @@ def autoconfig(level: str = "auto", *, workers: int = 1, threads: Union[str, int
         raise Tf32LabError(f"bad interop_threads {interop_threads!r}; accepted: None, 'auto' or an int >= 1")
     folder = None if compile_cache is None else _cache_folder(compile_cache)
     if hardware is not None and not isinstance(hardware, Hardware):
-        raise Tf32LabError(f"bad hardware {type(hardware).__name__}; accepted: None or a tf32lab.machine.hardware.Hardware")
+        raise Tf32LabError(f"bad hardware {type(hardware).__name__}; accepted: None or a "
+                           f"tf32lab.machine.hardware.Hardware")
     hw = hardware or detect()
-    if _disabled():
-        log.info("TF32LAB_DISABLE=%s: autoconfig changes nothing", os.environ["TF32LAB_DISABLE"])
+    if settings.get("TF32LAB_DISABLE"):  # a value it cannot read is an error, before anything changes
+        log.info("TF32LAB_DISABLE is on: autoconfig changes nothing")
         return Decisions((), (), hw, None, disabled=True)
     if scope.live_scopes():
         raise Tf32LabError("autoconfig() sets process-wide settings; call it outside precision() scopes")

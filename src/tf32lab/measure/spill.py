@@ -23,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 import os
 import tempfile
 from collections.abc import Iterator
@@ -31,23 +30,18 @@ from typing import IO, Optional, Union
 
 import torch
 
+from tf32lab import settings
 from tf32lab.errors import Tf32LabError
 
 __all__ = ["DEFAULT_MIB", "SpillFile", "Spilled", "min_bytes_from_env"]
 
-DEFAULT_MIB = 32.0
+DEFAULT_MIB: float = settings.SETTINGS["TF32LAB_SPILL_MIB"].default
 
 
 def min_bytes_from_env() -> Optional[int]:
-    """The size from which a kept tensor is written out (``TF32LAB_SPILL_MIB``); None: never."""
-    raw = os.environ.get("TF32LAB_SPILL_MIB", "").strip()
-    try:
-        mib = float(raw) if raw else DEFAULT_MIB
-    except ValueError:
-        mib = -1.0
-    if not 0 <= mib < math.inf:  # NaN too; inf has no byte count (int(inf) is an OverflowError)
-        raise Tf32LabError(f"bad TF32LAB_SPILL_MIB {raw!r}; accepted: a finite number of MiB >= 0 "
-                           f"(0: never write out)")
+    """The size from which a kept tensor is written out (``TF32LAB_SPILL_MIB``, ``tf32lab.settings``); None: never.
+    A bad value is a one-line ``Tf32LabError``."""
+    mib = settings.get("TF32LAB_SPILL_MIB")
     return None if mib == 0 else max(1, int(mib * 2**20))
 
 

@@ -39,7 +39,8 @@ __all__ = ["LIBRARY", "OURS", "PACKAGE", "forwarding_line", "forwards", "innermo
            "raised_by_tf32lab", "run_error"]
 
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # tf32lab/
-_MODELS = frozenset([os.path.join(PACKAGE, "workloads", "builtin.py")])  # tf32lab's demo workloads: their errors are a model's
+# tf32lab's demo workloads: their errors are a model's
+_MODELS = frozenset([os.path.join(PACKAGE, "workloads", "builtin.py")])
 _FORWARD = "func(*args, **kwargs)"  # how tf32lab's modes hand an op on, unchanged, to run as it would natively
 LIBRARY, OURS, _OTHER = "library", "tf32lab", "other"  # whose code a frame runs (kind_of)
 

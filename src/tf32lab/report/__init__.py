@@ -64,7 +64,8 @@ class LevelResult:
     same_as: Optional[str] = None  # an earlier level the target computes identically, measured once for both
     error: Optional[str] = None  # "NotPSDError: ...": the model raised at this level (a finding: FAILED)
     policy: Optional[dict[str, Any]] = None  # the row "policy": the policy's dict form and its base level
-    speedup: Optional[float] = None  # predicted on the target, over highest (tf32lab.speed.predict); None: not predicted
+    # predicted on the target, over highest (tf32lab.speed.predict); None: not predicted
+    speedup: Optional[float] = None
     # a second run at this level gave other outputs ("normwise 1.2e-01, then 9.8e-02"): the model is not
     # deterministic (unseeded sampling), so a failure says nothing about precision; only looked at when it fails
     unstable: Optional[str] = None
