@@ -32,7 +32,7 @@ import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 from tf32lab.control.policy import Policy
 from tf32lab.errors import Tf32LabError
@@ -43,7 +43,7 @@ from tf32lab.measure.check import PolicyRow, Session, alike_levels
 from tf32lab.measure.layers import ROOT
 from tf32lab.numbers.metrics import OutputError, tolerances_of
 from tf32lab.report import Document, LevelResult, Report
-from tf32lab.report.conclusion import nondeterministic
+from tf32lab.report.conclusion import nondeterministic, unmeasured
 from tf32lab.workloads.running import Progress, changed_note, environment_of, kept_flags, refuse_applied
 from tf32lab.workloads.workload import Workload
 
@@ -97,9 +97,7 @@ class Tuning(Document):
     def advice(self, policy_file: Optional[str] = None) -> list[str]:
         """What to do, in one or two lines; then, when the model ran products on other threads, that the answer
         leaves them out (they were neither emulated nor measured)."""
-        from tf32lab.report.conclusion import unmeasured
-
-        partial = unmeasured(self.report) if self.report is not None else None
+        partial = unmeasured(self.report)
         return self._advice(policy_file) + ([partial] if partial else [])
 
     def _advice(self, policy_file: Optional[str] = None) -> list[str]:
@@ -187,15 +185,49 @@ def tune(workload: Workload, *, target: Union[str, Target] = "a100", tolerance: 
     tolerances = tolerances_of(tolerance)
     refuse_applied(workload, "tune")
     with kept_flags() as changed:
-        tuning = _tune(workload, target, tolerances, everything, progress)
-    if changed:
-        tuning = dataclasses.replace(tuning, report=dataclasses.replace(
-            tuning.report, notes=(*tuning.report.notes, changed_note(changed))))
-    return tuning
+        run = _tune(workload, target, tolerances, everything, progress)
+    # Built once, whole, here: only now is it known whether the workload changed the flags (a note of the report).
+    name, answer = str(workload.name), run.answer
+    report = Report(workload=name, target=target.name, reference="float64", tolerance=dict(tolerances),
+                    levels=run.levels,
+                    environment=run.environment, seconds=run.check_seconds,
+                    notes=(*run.notes, changed_note(changed)) if changed else run.notes, speed=run.speed)
+    return Tuning(workload=name, target=target.name, tolerance=dict(tolerances), passed=answer.policy is not None,
+                  policy=answer.policy, level=answer.level, pinned=answer.pinned, outputs=answer.outputs,
+                  speedup=answer.speedup, uniform=answer.uniform, speedup_over_uniform=answer.speedup_over_uniform,
+                  candidates=run.candidates, runs=run.runs, seconds=run.seconds, check_seconds=run.check_seconds,
+                  reason=answer.reason, report=report)
+
+
+class _Answer(NamedTuple):
+    """What the search decided (:meth:`_Search.run`): the fields of :class:`Tuning` that are its verdict."""
+
+    policy: Optional[Policy]  # None: nothing passes
+    level: Optional[str]
+    pinned: tuple[str, ...]
+    outputs: tuple[OutputError, ...]
+    speedup: float
+    uniform: Optional[str]
+    speedup_over_uniform: float
+    reason: str
+
+
+class _Run(NamedTuple):
+    """All one tuning measured, for :func:`tune` to build its :class:`Tuning` and report from."""
+
+    answer: _Answer
+    candidates: tuple[Candidate, ...]
+    levels: tuple[LevelResult, ...]  # the report's rows: the uniform levels
+    notes: tuple[str, ...]
+    speed: Any  # the SpeedReport predicted on the target
+    environment: dict[str, Any]
+    runs: int
+    check_seconds: float
+    seconds: float
 
 
 def _tune(workload: Workload, target: Target, tolerances: dict[str, float], everything: tuple[str, ...],
-          progress: bool) -> Tuning:
+          progress: bool) -> _Run:
     alike = alike_levels(everything, target)
     distinct = [level for level in everything if alike[level] is None]
     started = time.perf_counter()
@@ -208,15 +240,10 @@ def _tune(workload: Workload, target: Target, tolerances: dict[str, float], ever
         check_seconds = time.perf_counter() - started
         search = _Search(session, workload, alike, uniform, predicted)
         answer = search.run()
-    report = Report(workload=str(workload.name), target=target.name, reference="float64",
-                    tolerance=dict(tolerances),
-                    levels=tuple(dataclasses.replace(uniform[alike[lv] or lv], level=lv, same_as=alike[lv],
-                                                     speedup=predicted.level(lv).speedup) for lv in everything),
-                    environment=environment_of(workload), seconds=check_seconds,
-                    notes=tuple(session.notes()), speed=predicted)
-    return dataclasses.replace(answer, workload=str(workload.name), target=target.name, tolerance=dict(tolerances),
-                               runs=session.runs, seconds=time.perf_counter() - started, check_seconds=check_seconds,
-                               report=report, candidates=tuple(search.candidates))
+    levels = tuple(dataclasses.replace(uniform[alike[lv] or lv], level=lv, same_as=alike[lv],
+                                       speedup=predicted.level(lv).speedup) for lv in everything)
+    return _Run(answer, tuple(search.candidates), levels, tuple(session.notes()), predicted, environment_of(workload),
+                session.runs, check_seconds, time.perf_counter() - started)
 
 
 class _Search:
@@ -240,7 +267,7 @@ class _Search:
     def seconds(self, level: str) -> float:
         return self.predicted.level(level).seconds
 
-    def run(self) -> Tuning:
+    def run(self) -> _Answer:
         for level, result in self.uniform.items():
             self._record(Policy(default=level), (), result, self.seconds(level), f"uniform {level}")
         passing = sorted((lv for lv, r in self.uniform.items() if r.passed), key=self.seconds)
@@ -366,15 +393,11 @@ class _Search:
         return best
 
     def _answer(self, policy: Optional[Policy], level: Optional[str], pinned: tuple[str, ...],
-                result: LevelResult, uniform: Optional[str], reason: str) -> Tuning:
+                result: LevelResult, uniform: Optional[str], reason: str) -> _Answer:
         seconds = next((c.seconds for c in self.candidates if c.policy == policy and c.passed), self.highest)
         uniform_seconds = self.seconds(uniform) if uniform else self.highest
-        return Tuning(
-            workload="", target="", tolerance={}, passed=policy is not None, policy=policy, level=level,
-            pinned=pinned, outputs=result.outputs, speedup=self.highest / seconds, uniform=uniform,
-            speedup_over_uniform=uniform_seconds / seconds, candidates=(), runs=0, seconds=0.0, check_seconds=0.0,
-            reason=reason, report=None,  # type: ignore[arg-type]  # filled in by tune()
-        )
+        return _Answer(policy, level, pinned, result.outputs, self.highest / seconds, uniform,
+                       uniform_seconds / seconds, reason)
 
 
 def _failure(result: LevelResult) -> str:

@@ -16,12 +16,13 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     from tf32lab.report import LevelResult, Report
 
-__all__ = ["MAX_REL_NOTE", "conclusion", "policy_summary", "unmeasured"]
+__all__ = ["MAX_REL_NOTE", "ON_ANOTHER_THREAD", "conclusion", "on_other_threads", "policy_summary", "unmeasured"]
 
 # why a large max rel can stand beside PASSED (the footnote of the outputs table)
 MAX_REL_NOTE = ("max rel is over the elements whose reference is at least 1e-6 of the largest, so a reference "
@@ -130,10 +131,24 @@ def conclusion(report: Report, policy_file: Optional[str] = None) -> list[str]:
     return lines
 
 
+# The phrase by which a report's conclusion finds the note of ``tf32lab.speed.counting.OtherThreads.note`` (which
+# writes it from this constant): defined here, below speed/, as the report layer must not import upward.
+ON_ANOTHER_THREAD = "matmul-family op(s) ran on another thread"
+
+
+def on_other_threads(notes: Iterable[str]) -> Optional[str]:
+    """The note, among a report's ``notes``, saying that some products ran on other threads, if there is one.
+
+    >>> on_other_threads(["3 matmul-family op(s) ran on another thread (aten::mm x3) and were not emulated", "x"])[:9]
+    '3 matmul-'
+    >>> on_other_threads(["nothing of the kind"]) is None
+    True
+    """
+    return next((note for note in notes if ON_ANOTHER_THREAD in note), None)
+
+
 def unmeasured(report: Report) -> Optional[str]:
     """The sentence saying that the verdict leaves out products the model ran on other threads, if it did."""
-    from tf32lab.speed.counting import on_other_threads
-
     note = on_other_threads(report.notes)
     return None if note is None else f"Not all of the model was measured; this verdict covers only part of it: {note}."
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.table import Table
 from rich.text import Text
 
-if TYPE_CHECKING:
-    from tf32lab.machine.doctor import Diagnosis
+# A ``tf32lab.machine.doctor.Diagnosis``: that layer sits above this one (it calls this renderer), so it is named,
+# not imported, not even for type checking.
+Diagnosis = Any
 
 
 def _hardware(d: Diagnosis) -> Table:

@@ -21,7 +21,8 @@ COLORS = {"highest": "#4c78a8", "high": "#f58518", "medium": "#e45756"}
 CHART_LAYERS = 25
 LOG_LO, LOG_HI = -10.0, 1.0  # the error axis of the layer chart, in decades
 
-_env = jinja2.Environment(
+# The page templates (report/templates/), shared by every HTML page tf32lab renders (the check report, tune's page).
+TEMPLATES = jinja2.Environment(
     loader=jinja2.PackageLoader("tf32lab", "report/templates"),
     autoescape=True,  # every template, whatever its extension
     undefined=jinja2.StrictUndefined,
@@ -29,14 +30,14 @@ _env = jinja2.Environment(
     lstrip_blocks=True,
     extensions=["jinja2.ext.do"],
 )
-_env.filters["fmt"] = fmt
-_env.filters["short"] = short_name
+TEMPLATES.filters["fmt"] = fmt
+TEMPLATES.filters["short"] = short_name
 
 
 def render(report: Report, fragment: bool = False, context: Optional[str] = None) -> str:
     """The page (``fragment``: only its body, for Jupyter). ``context``: the report is part of another result
     (tune's page) and this label replaces its own PASSED/FAILED, which is not that result's verdict."""
-    return _env.get_template("report.html.j2").render(
+    return TEMPLATES.get_template("report.html.j2").render(
         report=report, fragment=fragment, context=context, colors=COLORS, layer_chart=layer_chart(report),
         histograms=histograms(report), data=report.to_dict(), notes=notes(report),
     )

@@ -7,13 +7,14 @@ Autoescaped like the check report (``report/html.py``): layer names from the mod
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tf32lab.report.html import _env
+from tf32lab.report.html import TEMPLATES
 from tf32lab.report.html import render as render_report
 
-if TYPE_CHECKING:
-    from tf32lab.decide.tune import Tuning
+# A ``tf32lab.decide.tune.Tuning``: that layer sits above this one (it calls this renderer), so it is named, not
+# imported, not even for type checking.
+Tuning = Any
 
 PLOT_W, PLOT_H = 560, 260
 
@@ -56,5 +57,5 @@ def scatter(tuning: Tuning) -> dict[str, Any]:
 def render(tuning: Tuning) -> str:
     levels = ", ".join(f"`{lv.level}` {'passes' if lv.passed else 'fails'}" for lv in tuning.report.levels)
     context = f"the uniform levels the search started from ({levels}); the verdict is the search's, above"
-    return _env.get_template("tune.html.j2").render(
+    return TEMPLATES.get_template("tune.html.j2").render(
         tuning=tuning, plot=scatter(tuning), check=render_report(tuning.report, fragment=True, context=context))

@@ -24,7 +24,6 @@ import collections
 import math
 import sys
 import threading
-from collections.abc import Iterable
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -34,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tf32lab.control import modestack, scope
 from tf32lab.know import optable
 from tf32lab.numbers.trees import named_tensors
+from tf32lab.report.conclusion import ON_ANOTHER_THREAD, on_other_threads
 
 __all__ = ["Counting", "Counts", "OpCost", "OtherThreads", "on_other_threads"]
 
@@ -378,11 +378,3 @@ class OtherThreads:
     def _listed(self) -> str:
         return ", ".join(f"{op} x{n}" for op, n in self.ops.most_common(4))
 
-
-# the phrase of :meth:`OtherThreads.note` by which a report's conclusion finds that note
-ON_ANOTHER_THREAD = "matmul-family op(s) ran on another thread"
-
-
-def on_other_threads(notes: Iterable[str]) -> Optional[str]:
-    """The note, among a report's ``notes``, saying that some products ran on other threads, if there is one."""
-    return next((note for note in notes if ON_ANOTHER_THREAD in note), None)
