@@ -326,7 +326,7 @@ def _check(args: argparse.Namespace) -> int:
     code = 0 if report.passed else 1
     try:
         if args.json == "-":
-            sys.stdout.write(report.to_json() + "\n")
+            sys.stdout.write(report.to_json())
             sys.stdout.flush()
         else:
             report.print(_console(), policy_file=args.policy)
@@ -384,7 +384,7 @@ def _tune(args: argparse.Namespace) -> int:
         _write(args.html, tuning.save_html)
         written.append(args.html)
     if args.json == "-":
-        sys.stdout.write(tuning.to_json() + "\n")
+        sys.stdout.write(tuning.to_json())
         return code
     from tf32lab.report.text import inert
 
