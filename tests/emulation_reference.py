@@ -1,7 +1,7 @@
 """Reference results for emulated ops: operands rounded explicitly, products and sums in float64.
 
-Independent of ``tf32lab.emulation.emulator`` and ``tf32lab.emulation.rules``: only ``formats`` (checked against an integer
-reference over all 2^32 patterns) is shared.
+Independent of ``tf32lab.emulation.emulator`` and ``tf32lab.emulation.rules``: only ``formats`` (checked against an
+integer reference over all 2^32 patterns) is shared.
 """
 
 from __future__ import annotations

@@ -504,8 +504,9 @@ def broken_counting(monkeypatch):
     lambda w: tf32lab.tune(w, target="a100"),
 ], ids=["predict", "check", "tune"])
 def test_an_error_in_tf32labs_own_code_is_reported_as_tf32labs_not_the_models(broken_counting, run):
-    with pytest.raises(Tf32LabError, match=r"internal error in tf32lab while .*TypeError.* \(at tf32lab/speed/counting\.py:"
-                                           r"\d+\); this is a bug in tf32lab, not in the model: please report it"):
+    with pytest.raises(Tf32LabError, match=r"internal error in tf32lab while .*TypeError.* "
+                                           r"\(at tf32lab/speed/counting\.py:\d+\); this is a bug in tf32lab, not in "
+                                           r"the model: please report it"):
         run(broken_counting)
 
 

@@ -264,7 +264,8 @@ def test_the_one_case_that_cannot_work_says_so_and_its_advice_works():
             go.set()
             t.join()
             agreed = tf32lab.get_float32_matmul_precision()
-        print(json.dumps([out.get("level"), out.get("ran"), out.get("error"), agreed, tf32lab.control.scope.live_scopes()]))
+        live = tf32lab.control.scope.live_scopes()
+        print(json.dumps([out.get("level"), out.get("ran"), out.get("error"), agreed, live]))
     """
     refused = run_python(code.replace("{mode}", "alone"))
     assert refused.returncode == 0, refused.stderr

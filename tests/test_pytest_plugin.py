@@ -283,8 +283,8 @@ def test_an_error_raised_inside_tf32lab_is_never_put_down_to_precision(pytester:
     assert "passes at highest" not in result.stdout.str()
     result = _run(pytester, "--tf32lab", "a100:high")  # no rerun: said as plainly as it is known
     result.stdout.fnmatch_lines([
-        "*test_an_op_whose_rule_breaks: tf32lab error (not precision): ValueError: *(tf32lab/emulation/rules.py:*); please"
-        " report it if the test passes without --tf32lab",
+        "*test_an_op_whose_rule_breaks: tf32lab error (not precision): ValueError: *(tf32lab/emulation/rules.py:*); "
+        "please report it if the test passes without --tf32lab",
         "*test_an_ops_own_error: fails under a100:high",
         "*test_the_projects_code_called_back_from_tf32lab: fails under a100:high",
     ])

@@ -1,4 +1,5 @@
-"""Counting, predicting and measuring speed: tf32lab.speed.counting, tf32lab.speed.predict (predict), tf32lab.speed.bench (bench)."""
+"""Counting, predicting and measuring speed: tf32lab.speed.counting, tf32lab.speed.predict (predict),
+tf32lab.speed.bench (bench)."""
 
 from __future__ import annotations
 

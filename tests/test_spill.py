@@ -49,8 +49,8 @@ def test_the_size_comes_from_the_environment(monkeypatch, raw, expected):
 @pytest.mark.parametrize("raw", ["lots", "-1", "nan", "inf", "1e400"])
 def test_a_bad_size_is_a_clear_error(monkeypatch, raw):
     monkeypatch.setenv("TF32LAB_SPILL_MIB", raw)
-    with pytest.raises(Tf32LabError, match=rf"TF32LAB_SPILL_MIB='{raw}' is not understood; accepted: a finite number of "
-                                           rf"MiB >= 0"):
+    with pytest.raises(Tf32LabError, match=rf"TF32LAB_SPILL_MIB='{raw}' is not understood; accepted: a finite "
+                                           rf"number of MiB >= 0"):
         min_bytes_from_env()
 
 

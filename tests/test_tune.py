@@ -113,8 +113,8 @@ def test_tune_exit_codes(tmp_path):
 
 
 def test_check_points_to_tune_when_a_level_fails(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "tf32lab.workloads.builtin:covariance", "--levels",
-                           "highest,high"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "tf32lab.workloads.builtin:covariance",
+                           "--levels", "highest,high"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 1
     assert "next: tf32lab tune tf32lab.workloads.builtin:covariance --target a100 --out policy.json" in done.stdout
 
