@@ -15,7 +15,7 @@ import torch
 import tf32lab
 from tf32lab.control import flags
 from tf32lab.errors import Tf32LabError
-from tf32lab.know import peaks
+from tf32lab.know import targets as known_targets
 from tf32lab.speed.predict import gemm_seconds
 
 EXPERTS = """
@@ -53,7 +53,7 @@ def experts(tmp_path, monkeypatch):
 @pytest.mark.parametrize("gemm", [(1, 1, 0, 64, 64), (1, 1, 64, 0, 64), (1, 1, 64, 64, 0), (1, 0, 64, 64, 64),
                                   (0, 1, 64, 64, 64)])
 def test_an_empty_product_takes_no_compute_time(gemm):
-    assert gemm_seconds(gemm, "tf32-rna", peaks.get("a100")) == 0.0
+    assert gemm_seconds(gemm, "tf32-rna", known_targets.get("a100").speed_peaks()) == 0.0
 
 
 def test_products_with_no_rows_no_k_or_no_columns_are_predicted_checked_and_tuned(experts):

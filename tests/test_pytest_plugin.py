@@ -188,7 +188,8 @@ def test_parallel_workers_each_set_themselves_up(pytester: pytest.Pytester):
 
 @pytest.mark.parametrize("args, message", [
     (["--tf32lab", "b900:high"], "*--tf32lab 'b900:high': unknown target 'b900'; accepted: native, v100*"),
-    (["--tf32lab", "a100:fast"], "*--tf32lab 'a100:fast': unknown level 'fast'; accepted: 'highest', 'high', 'medium'*"),
+    (["--tf32lab", "a100:fast"], "*--tf32lab 'a100:fast': unknown level 'fast'; accepted: 'highest', 'high', "
+                                 "'medium'*"),
     (["--tf32lab-strict"], "*--tf32lab-strict and --tf32lab-compare need --tf32lab TARGET?:LEVEL?*"),
 ])
 def test_a_bad_option_is_a_usage_error(pytester: pytest.Pytester, args, message):
@@ -200,7 +201,8 @@ def test_a_bad_option_is_a_usage_error(pytester: pytest.Pytester, args, message)
 
 @pytest.mark.parametrize("where, message", [
     ("env", "*TF32LAB_PYTEST='bogus' (TARGET?:LEVEL?): unknown target 'bogus'; accepted: native, v100*"),
-    ("env", "*TF32LAB_PYTEST='a100:fast' (TARGET?:LEVEL?): unknown level 'fast'; accepted: 'highest', 'high', 'medium'*"),
+    ("env", "*TF32LAB_PYTEST='a100:fast' (TARGET?:LEVEL?): unknown level 'fast'; accepted: 'highest', 'high', "
+            "'medium'*"),
     ("ini", "*the ini key tf32lab='bogus' (TARGET?:LEVEL?): unknown target 'bogus'; accepted: native, v100*"),
 ], ids=["env-target", "env-level", "ini"])
 def test_a_bad_environment_variable_or_ini_key_is_a_usage_error_naming_it(pytester: pytest.Pytester, monkeypatch,

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import tf32lab
 from tf32lab.errors import Tf32LabError
-from tf32lab.know import peaks
+from tf32lab.know import targets as known_targets
 from tf32lab.report import schema
 from tf32lab.speed.counting import Counting
 from tf32lab.speed.predict import gemm_seconds, predict_counts
@@ -117,7 +117,7 @@ def test_a_large_gemm_gains_about_the_peak_ratio_and_a_skinny_one_little():
 
 
 def test_partial_waves_cost_a_whole_wave():
-    p = peaks.get("a100")
+    p = known_targets.get("a100").speed_peaks()
     full = gemm_seconds((1, 1, 128 * 108, 256, 4096), "tf32-rna", p)  # 108 tiles of 128 x 256: one wave
     over = gemm_seconds((1, 1, 128 * 108 + 1, 256, 4096), "tf32-rna", p)
     # one row more: not 1 + 1/13824 times the work but a partial wave (another tile shape keeps it under 2x)
@@ -126,7 +126,7 @@ def test_partial_waves_cost_a_whole_wave():
 
 @given(st.integers(1, 5000), st.integers(1, 5000), st.integers(1, 5000), st.sampled_from(["ieee", "tf32-rna"]))
 def test_a_gemm_never_gets_faster_when_it_grows_nor_beats_the_peak(m, n, k, math_name):
-    p = peaks.get("a100")
+    p = known_targets.get("a100").speed_peaks()
     t = gemm_seconds((1, 1, m, n, k), math_name, p)
     assert t >= 2 * m * n * k / p.flops(math_name) - 1e-18
     for bigger in ((m + 1, n, k), (m, n + 1, k), (m, n, k + 1)):

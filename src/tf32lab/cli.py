@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="minilm | builtin | hf:FOLDER | package.module:factory | path/file.py:factory "
                             "(default: minilm when the demo extra is installed, else builtin)")
     check.add_argument("--target", default="a100", type=str.lower,
-                       help="hardware to emulate (see tf32lab.know.targets), or 'native' for this machine's own hardware "
+                       help="hardware to emulate (see tf32lab.targets), or 'native' for this machine's own hardware "
                             "(default: a100)")
     check.add_argument("--levels", default="highest,high,medium", type=str.lower,
                        help="comma-separated levels (default: all three)")

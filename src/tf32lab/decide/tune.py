@@ -170,7 +170,8 @@ def _pattern(name: str) -> str:
     return "".join(f"[{c}]" if c in "*?[" else c for c in name)
 
 
-def tune(workload: Workload, *, target: Union[str, Target] = "a100", tolerance: Union[float, Mapping[str, float], None] = None,
+def tune(workload: Workload, *, target: Union[str, Target] = "a100",
+         tolerance: Union[float, Mapping[str, float], None] = None,
          levels: Iterable[str] = ("high", "medium", "highest"), progress: bool = False) -> Tuning:
     """The fastest policy within tolerance on ``target`` (module docstring); every global setting is as it was
     afterwards. Raises ``Tf32LabError`` for bad input, a target without a speed model, or a model that raises at

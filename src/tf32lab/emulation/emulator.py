@@ -875,7 +875,7 @@ class _FunctionMode(TorchFunctionMode):
             if entry is not None:
                 if func is _SDPA:
                     if _float32_in(args) or _float32_in(kwargs.values()):
-                        call = _Call(entry, "aten::scaled_dot_product_attention", _context_cells())
+                        call = _Call(entry, "aten::scaled_dot_product_attention", context_cells())
                         return rules.sdpa_function(call, func, args, kwargs)
                 elif _float32_in(args):
                     return _rnn(entry, func, args, kwargs)

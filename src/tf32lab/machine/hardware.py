@@ -380,7 +380,7 @@ def resolve_target(name: Union[str, targets.Target]) -> targets.Target:
     >>> resolve_target("a200")
     Traceback (most recent call last):
     ...
-    tf32lab.errors.Tf32LabError: unknown target 'a200'; accepted: 'v100', ..., 'cpu', or 'native' (this machine's own hardware)
+    tf32lab.errors.Tf32LabError: unknown target 'a200'; accepted: 'v100', ..., 'cpu', or 'native' (this machine's ...
     """
     if isinstance(name, targets.Target):
         return name

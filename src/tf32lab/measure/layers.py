@@ -10,7 +10,7 @@ Example:
     >>> import torch, tf32lab
     >>> from tf32lab.measure.layers import hookable
     >>> [name for name, _ in hookable(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))[0]]
-    ['0']
+    ['(model)', '0', '1']
 """
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ class Recorder:
                 self.outputs[key] = (map_tensors(torch.clone, reference), norms)
 
     def _keep(self, name: str, i: int, output: Any) -> Any:
-        """The output as kept: a large float64 tensor written out (``tf32lab.measure.spill``), the rest without a copy."""
+        """The output as kept: a large float64 tensor written out (``measure.spill``), the rest without a copy."""
         kept = map_tensors(lambda t: self.spill.put(t.detach()), output)
         for _, t in named_tensors(kept):
             self.shared.setdefault(_address(t), []).append((name, i))

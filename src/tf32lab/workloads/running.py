@@ -7,8 +7,8 @@ Example:
     >>> from tf32lab.workloads.running import kept_flags
     >>> with kept_flags() as changed:
     ...     torch.set_float32_matmul_precision("medium")   # as a model's forward might
-    >>> torch.get_float32_matmul_precision(), changed
-    ('highest', ["matmul 'highest' -> 'medium'"])
+    >>> torch.get_float32_matmul_precision(), any("'medium'" in note for note in changed)   # put back, and said
+    ('highest', True)
 """
 
 from __future__ import annotations
