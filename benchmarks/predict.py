@@ -29,6 +29,7 @@ import torch
 from _common import header, interleaved
 
 import tf32lab
+from tf32lab import targets
 from tf32lab.control import flags
 from tf32lab.speed.counting import Counting
 from tf32lab.speed.predict import predict_counts
@@ -42,7 +43,7 @@ def notes_gemm() -> bool:
     a = torch.empty(10240, 10240, device="meta")  # shapes only: nothing is computed here
     with Counting() as counts:
         torch.mm(a, a)
-    report = predict_counts(counts, "10240^2 matmul", "a100", ("highest", "high"))
+    report = predict_counts(counts, "10240^2 matmul", targets.get("a100"), ("highest", "high"))
     ok = True
     for level, published in NOTES.items():
         predicted = report.level(level).seconds

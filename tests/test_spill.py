@@ -107,12 +107,14 @@ def test_a_bad_spill_size_through_the_cli_is_one_line_and_exit_2(raw):
 
 
 def test_check_writes_out_what_is_over_the_size_and_the_file_is_gone_after(monkeypatch):
-    from tf32lab.measure.check import Session, tolerances_of
+    from tf32lab import targets
+    from tf32lab.measure.check import Session
+    from tf32lab.numbers.metrics import tolerances_of
 
     monkeypatch.setenv("TF32LAB_SPILL_MIB", "1")
     torch.manual_seed(0)
     workload = tf32lab.Workload(_Front(), torch.randn(16, 2048), name="front")
-    with Session(workload, ["high"], "a100", tolerances_of(None), speed=False) as session:
+    with Session(workload, ["high"], targets.get("a100"), tolerances_of(None), speed=False) as session:
         kept = {name: isinstance(ref, Spilled) for (name, _), (ref, _) in session.recorder.outputs.items()}
         assert kept == {"conv": True, "head.0": False, "head.2": False, "(model)": False}  # conv: 3.9 MiB
         assert session.spill.written == 16 * 32 * 993 * 8

@@ -40,7 +40,7 @@ import functools
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import pytest
 
@@ -52,10 +52,13 @@ DEFAULT_LEVEL = "high"
 _PROPERTY = "tf32lab"  # user_properties keys: they survive pytest-xdist's report serialisation
 _LEAK = "tf32lab-leak"
 
+if TYPE_CHECKING:
+    from tf32lab.know.targets import Target
+
 
 @dataclass
 class _Settings:
-    target: Optional[str]  # None: native
+    target: Optional[Target]  # None: native, this machine's own hardware (nothing emulated)
     level: Optional[str]  # None: the plugin is off (markers only)
     strict: bool
     compare: bool
@@ -67,7 +70,7 @@ class _Settings:
         return self.level is not None
 
     def describe(self) -> str:
-        where = f"as {self.target} computes them (emulated here)" if self.target else "on this machine's hardware"
+        where = f"as {self.target.name} computes them (emulated here)" if self.target else "on this machine's hardware"
         extra = "".join([", strict" if self.strict else "", ", failures compared at highest" if self.compare else ""])
         return f"tf32lab: each test runs at precision {self.level!r} {where}{extra}"
 
@@ -101,21 +104,22 @@ def _level(level: object) -> str:
         raise _BadValue(str(exc)) from None
 
 
-def _target(name: object) -> Optional[str]:
-    """A target's name as ``tf32lab.know.targets`` spells it; None for ``native`` (this machine's own hardware)."""
+def _target(name: object) -> Optional[Target]:
+    """The target a user names (once: the object is passed down to ``emulate``); None for ``native`` (this
+    machine's own hardware, nothing emulated)."""
     from tf32lab.errors import Tf32LabError
-    from tf32lab.know.targets import TARGETS, get
+    from tf32lab.know.targets import NATIVE, TARGETS, get
 
     key = name.strip().lower() if isinstance(name, str) else name
-    if key == "native":
+    if key == NATIVE:
         return None
     try:
-        return get(key).name  # type: ignore[arg-type]
+        return get(key)  # type: ignore[arg-type]
     except Tf32LabError:
         raise _BadValue(f"unknown target {name!r}; accepted: native, {', '.join(TARGETS)}") from None
 
 
-def _parse(spec: str, source: str = "--tf32lab") -> tuple[Optional[str], str]:
+def _parse(spec: str, source: str = "--tf32lab") -> tuple[Optional[Target], str]:
     """``a100:high`` -> (``a100``, ``high``); a bad value is a ``pytest.UsageError`` naming ``source`` (the
     option, the environment variable or the ini key it came from: the user must know which to fix), the value
     and what is accepted."""
@@ -191,7 +195,7 @@ def _arguments(marker: pytest.Mark) -> str:
 _PLACEMENT = pytest.StashKey[tuple]()
 
 
-def _placement(item: pytest.Item) -> tuple[Optional[str], Optional[str]]:
+def _placement(item: pytest.Item) -> tuple[Optional[Target], Optional[str]]:
     """(target, level) for this test: its markers over the session's setting; (None, None): not under tf32lab.
 
     A bad marker fails the test with one line naming the marker, the value and what is accepted."""
@@ -446,7 +450,7 @@ def _verdict(item: pytest.Item, nextitem: Optional[pytest.Item]) -> str:
     from _pytest.runner import runtestprotocol
 
     target, level = _placement(item)
-    where = f"{target or 'native'}:{level}"
+    where = f"{target.name if target else 'native'}:{level}"
     inside = item.stash.get(_INSIDE, None)
     if not item.config.stash[_KEY].compare or level == "highest":
         if inside is not None:

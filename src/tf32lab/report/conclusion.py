@@ -19,6 +19,8 @@ import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Optional
 
+from tf32lab.know.targets import NATIVE
+
 if TYPE_CHECKING:
     from tf32lab.report import LevelResult, Report
 
@@ -28,7 +30,6 @@ __all__ = ["MAX_REL_NOTE", "ON_ANOTHER_THREAD", "conclusion", "on_other_threads"
 MAX_REL_NOTE = ("max rel is over the elements whose reference is at least 1e-6 of the largest, so a reference "
                 "element near zero can make it large while the output as a whole (normwise, which decides) is close")
 
-_MATH_WORDS = {"high": "TF32", "medium": "bf16"}
 # in an output's failure (``compare``): float32 overflowed where the float64 reference is finite and larger than
 # float32 can hold
 BEYOND_FLOAT32 = "beyond float32's range"
@@ -81,7 +82,7 @@ def conclusion(report: Report, policy_file: Optional[str] = None) -> list[str]:
     levels = list(report.levels)
     by_name = {lv.level: lv for lv in levels}
     lines: list[str] = []
-    native = report.target == "native"
+    native = report.target == NATIVE
     where = "on this machine" if native else f"on {report.target}"
     reduced = [by_name[name] for name in ("medium", "high") if name in by_name]
     passing = [lv for lv in reduced if lv.passed]
