@@ -37,4 +37,4 @@ def user_flags():
     torch.set_num_threads(threads)
     from tf32lab.control import scope
 
-    scope._reset_for_tests()
+    scope.forget_flags_cache()

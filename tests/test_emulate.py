@@ -16,6 +16,7 @@ import tf32lab
 from dynamo_state import compiling_restored
 from emulation_reference import bilinear, bound, check
 from tf32lab import Tf32LabError
+from tf32lab.control.scope import current_emulation
 from tf32lab.emulation import emulator
 from tf32lab.numbers import formats
 
@@ -378,14 +379,15 @@ def test_parameter_copies_are_rounded_once_per_block_and_dropped_with_it(monkeyp
     with tf32lab.precision("high"), tf32lab.emulate("a100"):
         first = layer(x)
         again = layer(x)  # the weight's rounded copy is reused ...
-        assert emulator._live_weight_copies() == 1 and rounded.count(layer.weight.numel()) == 1
+        block = current_emulation()
+        assert len(block.cache) == 1 and rounded.count(layer.weight.numel()) == 1
         with torch.no_grad():
             layer.weight.mul_(2)  # ... until it changes: the version counter moves, the copy is rounded again
         doubled = layer(x)
         assert rounded.count(layer.weight.numel()) == 2
     assert torch.equal(first, again)
     assert torch.allclose(doubled - layer.bias, 2 * (first - layer.bias), atol=1e-5)
-    assert emulator._live_weight_copies() == 0  # nothing outlives the block
+    assert len(block.cache) == 0  # nothing outlives the block
 
 
 def test_compiled_model_runs_eagerly_inside_emulate():
@@ -451,8 +453,7 @@ def test_threads_each_get_the_math_of_their_own_scope(target):
     expected = {}
     for level in tf32lab.LEVELS:
         math = tf32lab.know.targets.get(target).math("matmul", {
-            "cuda.matmul": tf32lab.know.levels.BACKEND_VALUES[level][0],
-            "mkldnn.matmul": tf32lab.know.levels.BACKEND_VALUES[level][1]})
+            **tf32lab.know.levels.level_cells(level)})
         rnd = {"ieee": lambda t: t, "tf32": formats.round_tf32, "bf16": formats.round_bf16}[math.name]
         options = {} if math.rounding is None else {"rounding": math.rounding}
         expected[level] = rnd(a, **options) @ rnd(b, **options)

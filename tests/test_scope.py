@@ -63,7 +63,7 @@ def test_flags_exact_also_from_an_explicit_user_setting(user_flags):
     else:  # legacy: the level and cuBLAS's own boolean disagree, as a user's two writes leave them
         torch.set_float32_matmul_precision("medium")
         torch.backends.cuda.matmul.allow_tf32 = False
-    scope._reset_for_tests()
+    scope.forget_flags_cache()
     before = flags.snapshot()
     with precision("medium"):
         assert level_now() == "medium"
@@ -151,7 +151,7 @@ def test_exiting_a_scope_never_entered_is_an_error():
 @pytest.mark.skipif(not flags.NEW_API, reason="the mixed-API error exists with the per-backend API")
 def test_never_trips_over_the_mixed_api_error(user_flags):
     torch.backends.mkldnn.matmul.fp32_precision = "bf16"  # now torch's own getter raises on 2.9+
-    scope._reset_for_tests()
+    scope.forget_flags_cache()
     assert tf32lab.get_float32_matmul_precision() == "medium"
     tf32lab.set_float32_matmul_precision("high")
     assert tf32lab.get_float32_matmul_precision() == "high"
@@ -234,8 +234,7 @@ def test_16_threads_500_random_nested_scopes_no_cross_talk():
     for t in threads:
         t.join()
     assert errors == []
-    assert scope._STATE.holders == {}
-    assert scope._active_guards() == 0
+    assert scope.census() == {"scopes": 0, "holders": 0, "guards": 0}
 
 
 def test_concurrent_asyncio_tasks_keep_their_own_levels():
@@ -265,7 +264,7 @@ def test_concurrent_asyncio_tasks_keep_their_own_levels():
     with Recorder() as rec:
         asyncio.run(main())
     assert errors == []
-    assert scope._STATE.holders == {}
+    assert scope.census()["holders"] == 0
 
 
 @pytest.mark.parametrize("outer", ["precision", "emulate"])
@@ -290,7 +289,7 @@ def test_a_users_mode_entered_inside_a_scope_leaves_with_its_block_when_tasks_ad
             asyncio.run(main())
             assert user in modes()
         assert user not in modes() and [m for m in modes() if not isinstance(m, scope._Guard)] == inside
-    assert modes() == before and scope._active_guards() == 0
+    assert modes() == before and scope.census()["guards"] == 0
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from tf32lab.know.levels import BACKEND_VALUES, level_of
+from tf32lab.know.levels import level_cells, level_of
 
 __all__ = ["NEW_API", "Snapshot", "read_level", "restore", "snapshot"]
 
@@ -267,7 +267,7 @@ LEVEL_CELLS = tuple(c for c in (("cuda", "matmul"), ("mkldnn", "matmul")) if c i
 
 
 # Write an already validated level where PyTorch's matmul backends read it. PyTorch's own setter writes explicit
-# values into exactly the level cells (BACKEND_VALUES, checked by tests/test_flags.py) in one call, and never raises
+# values into exactly the level cells (levels.level_cells, checked by tests/test_flags.py) in one call, and never raises
 # for a mix of APIs (only its getter does). Bound directly: scopes call it on every entry.
 write_level: Callable[[str], None] = _C._set_float32_matmul_precision
 
@@ -338,7 +338,8 @@ def effective_from_raw(raw: tuple[str, ...]) -> tuple[str, ...]:
 
 def level_values(level: str) -> tuple[str, ...]:
     """What :func:`read_level_effective` reads right after ``write_level(level)``."""
-    return BACKEND_VALUES[level][: len(LEVEL_CELLS)] if NEW_API else (level,)
+    cells = level_cells(level)
+    return tuple(cells[f"{backend}.{op}"] for backend, op in LEVEL_CELLS) if NEW_API else (level,)
 
 
 def level_raw(level: str) -> tuple[str, ...]:

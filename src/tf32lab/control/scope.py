@@ -891,12 +891,22 @@ def context_level() -> Optional[str]:
     return None if node is None else node.level
 
 
-def _active_guards() -> int:
-    """Threads with a guard pushed now (for tests and diagnostics)."""
-    return len(_STATE.guards)
+def census() -> dict[str, int]:
+    """What this process holds now, for diagnostics: open ``precision()`` scopes, threads and tasks with scope
+    bookkeeping (``holders``: none left once every scope has closed), and threads with a guard pushed.
+
+    >>> census()
+    {'scopes': 0, 'holders': 0, 'guards': 0}
+    """
+    with _STATE.lock:
+        scopes = sum(len(holder.nodes) for holder in _STATE.holders.values())
+        return {"scopes": scopes, "holders": len(_STATE.holders), "guards": len(_STATE.guards)}
 
 
-def _reset_for_tests() -> None:
-    """Forget the raw-value cache (tests that write PyTorch's flags behind tf32lab's back)."""
+def forget_flags_cache() -> None:
+    """Read PyTorch's raw flag cells afresh next time. The user's values outside scopes are cached and checked
+    against the *effective* values; code that rewrites a raw cell to another spelling of the same effective value
+    (``"none"`` for an inherited ``"ieee"``) behind tf32lab's back, as a framework's set-up or a test fixture may,
+    calls this so that what tf32lab puts back afterwards is exactly that spelling."""
     with _STATE.lock:
         _STATE.cache = None

@@ -266,7 +266,7 @@ class _WeightCache:
     (a numpy view of a weight) are the one thing not seen (docs/design.md).
     """
 
-    __slots__ = ("__weakref__", "buffers", "entries", "storages")
+    __slots__ = ("buffers", "entries", "storages")
 
     def __init__(self) -> None:
         self.entries: dict[tuple, tuple[weakref.ref, int, Any]] = {}
@@ -312,14 +312,6 @@ class _WeightCache:
         return len(self.entries)
 
 
-_CACHES: weakref.WeakSet[_WeightCache] = weakref.WeakSet()
-
-
-def _live_weight_copies() -> int:
-    """Rounded parameter copies held by open ``emulate`` blocks of this process (for tests)."""
-    return sum(len(cache) for cache in list(_CACHES))
-
-
 class _Entry:
     """One entered ``emulate`` block: its ``emulate`` object, weight cache and the modes of its thread."""
 
@@ -327,8 +319,7 @@ class _Entry:
 
     def __init__(self, emu: emulate, modes: _ThreadModes) -> None:
         self.emu, self.modes, self.thread = emu, modes, threading.get_ident()
-        self.cache = _WeightCache()
-        _CACHES.add(self.cache)
+        self.cache = _WeightCache()  # this block's rounded parameter copies; emptied when the block ends
 
 
 class _Call:
