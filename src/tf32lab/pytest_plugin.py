@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import pytest
 
+from tf32lab import settings as tf32lab_settings
 from tf32lab.numbers.origin import LIBRARY, OURS, PACKAGE, forwarding_line, forwards, innermost_first, kind_of
-from tf32lab.settings import get as setting
 
 ENV = "TF32LAB_PYTEST"
 DEFAULT_LEVEL = "high"
@@ -136,7 +136,7 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "(and as that target computes it); level='highest' is PyTorch's with_tf32_off")
     config.addinivalue_line("markers", "tf32lab_levels(*levels): run this test once per level (PyTorch's "
                                        "tf32_on_and_off); the tf32lab_level fixture gives the level")
-    sources = [("--tf32lab", config.getoption("--tf32lab")), (ENV, setting(ENV)),
+    sources = [("--tf32lab", config.getoption("--tf32lab")), (ENV, tf32lab_settings.get(ENV)),
                ("the ini key tf32lab", config.getini("tf32lab"))]
     source, spec = next(((name, value) for name, value in sources if value), ("", None))
     strict, compare = config.getoption("--tf32lab-strict"), config.getoption("--tf32lab-compare")

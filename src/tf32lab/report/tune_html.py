@@ -9,8 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from tf32lab.report.html import TEMPLATES
-from tf32lab.report.html import render as render_report
+from tf32lab.report import html
 
 # A ``tf32lab.decide.tune.Tuning``: that layer sits above this one (it calls this renderer), so it is named, not
 # imported, not even for type checking.
@@ -57,5 +56,5 @@ def scatter(tuning: Tuning) -> dict[str, Any]:
 def render(tuning: Tuning) -> str:
     levels = ", ".join(f"`{lv.level}` {'passes' if lv.passed else 'fails'}" for lv in tuning.report.levels)
     context = f"the uniform levels the search started from ({levels}); the verdict is the search's, above"
-    return TEMPLATES.get_template("tune.html.j2").render(
-        tuning=tuning, plot=scatter(tuning), check=render_report(tuning.report, fragment=True, context=context))
+    return html.TEMPLATES.get_template("tune.html.j2").render(
+        tuning=tuning, plot=scatter(tuning), check=html.render(tuning.report, fragment=True, context=context))
