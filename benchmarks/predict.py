@@ -32,7 +32,7 @@ import tf32lab
 from tf32lab import targets
 from tf32lab.control import flags
 from tf32lab.speed.counting import Counting
-from tf32lab.speed.predict import predict_counts
+from tf32lab.speed.prediction import predict_counts
 from tf32lab.workloads import builtin
 
 # seconds: PyTorch's CUDA notes, "TensorFloat-32 (TF32) on Ampere devices" (A100, 10240²)

@@ -16,7 +16,7 @@ import tf32lab
 from tf32lab.control import flags
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import targets as known_targets
-from tf32lab.speed.predict import gemm_seconds
+from tf32lab.speed.prediction import gemm_seconds
 
 EXPERTS = """
 import torch, tf32lab

@@ -22,7 +22,7 @@ import tf32lab
 from tf32lab.machine.hardware import Hardware
 from tf32lab.machine.probe import ProbeResult
 from tf32lab.numbers.files import finite, write_json
-from tf32lab.speed.predict import predict
+from tf32lab.speed.prediction import predict
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Counting, predicting and measuring speed: tf32lab.speed.counting, tf32lab.speed.predict (predict),
+"""Counting, predicting and measuring speed: tf32lab.speed.counting, tf32lab.speed.prediction (predict),
 tf32lab.speed.bench (bench)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tf32lab.errors import Tf32LabError
 from tf32lab.know import targets as known_targets
 from tf32lab.report import schema
 from tf32lab.speed.counting import Counting
-from tf32lab.speed.predict import gemm_seconds, predict_counts
+from tf32lab.speed.prediction import gemm_seconds, predict_counts
 
 
 # -- counting ------------------------------------------------------------------------------------------------

@@ -28,13 +28,14 @@ _WHERE = {
     "Tf32LabError": "errors", "autoconfig": "machine.autoconfig", "save_compile_cache": "machine.autoconfig",
     "LEVELS": "know.levels", "Report": "report", "get_float32_matmul_precision": "control.scope",
     "precision": "control.scope", "set_float32_matmul_precision": "control.scope", "Policy": "control.policy",
-    "explain": "control.policy", "predict": "speed.predict", "bench": "speed.bench", "SpeedReport": "speed.predict",
+    "explain": "control.policy", "predict": "speed.prediction", "bench": "speed.bench",
+    "SpeedReport": "speed.prediction",
     "tune": "decide.tune", "Tuning": "decide.tune", "Workload": "workloads.workload",
 }
 
 # Module paths of the flat layout before the layer packages. The first four are public and stay: the same module
-# object under both names. The others were internal; they still import, with a DeprecationWarning (except
-# ``tf32lab.speed``, now the package of counting, predict and bench: ``tf32lab.predict`` and ``SpeedReport`` stay).
+# object under both names. The others were internal; they still import, with a DeprecationWarning (``tf32lab.speed``,
+# now the package of counting, prediction and bench, forwards the old module's names itself).
 PUBLIC_PATHS = {"flags": "control.flags", "formats": "numbers.formats", "hardware": "machine.hardware",
                 "targets": "know.targets"}
 MOVED_PATHS = {
@@ -64,8 +65,9 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         leaf = spec.name.partition(".")[2]
         new = PUBLIC_PATHS.get(leaf) or MOVED_PATHS[leaf]
         if leaf in MOVED_PATHS:
+            # stacklevel 2: the importer's line (the warnings module passes over importlib's own frames)
             warnings.warn(f"{spec.name} is now {__name__}.{new}; the old path will be removed",
-                          DeprecationWarning, stacklevel=4)
+                          DeprecationWarning, stacklevel=2)
         module = importlib.import_module(f"{__name__}.{new}")
         self._spec = module.__spec__  # the import system is about to stamp the old name's spec on it
         return module
@@ -75,8 +77,9 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__spec__ = self._spec
 
 
-if not any(isinstance(finder, _OldPaths) for finder in sys.meta_path):
-    sys.meta_path.append(_OldPaths())
+# one finder, also after ``importlib.reload(tf32lab)`` (which makes a new class)
+sys.meta_path[:] = [f for f in sys.meta_path if (type(f).__module__, type(f).__qualname__) != (__name__, "_OldPaths")]
+sys.meta_path.append(_OldPaths())
 
 __all__ = [
     "LEVELS",

@@ -358,8 +358,7 @@ def _tune(args: argparse.Namespace) -> int:
     from tf32lab.machine.hardware import resolve_target
     from tf32lab.workloads import specs
 
-    target = resolve_target(args.target)
-    target.speed_peaks()  # before the workload loads
+    target = resolve_target(args.target, speed=True)  # before the workload loads
     _outputs(args, "--out", "--json", "--html", reads=(("the spec", _spec_file(args.spec)),))
     if args.out == "-" or args.html == "-":
         raise Tf32LabError("--out and --html write files; '-' is for --json only")
@@ -403,20 +402,20 @@ def _tune(args: argparse.Namespace) -> int:
 def _speed(args: argparse.Namespace) -> int:
 
     from tf32lab.know.levels import check_levels
+    from tf32lab.know.targets import NATIVE
     from tf32lab.machine.hardware import resolve_target
     from tf32lab.workloads import specs
 
     levels = check_levels(part.strip() for part in args.levels.split(",") if part.strip())
-    target = resolve_target(args.target)
-    if target.emulated:
-        target.speed_peaks()  # before the workload loads
-    elif not args.measure:
+    native = args.target == NATIVE  # this machine: nothing to predict, only to measure
+    target = resolve_target(args.target, speed=not native)  # before the workload loads
+    if native and not args.measure:
         raise Tf32LabError("--target native predicts nothing: add --measure to time this machine")
     _outputs(args, "--json", reads=(("the spec", _spec_file(args.spec)),))
     loaded = specs.load(args.spec or specs.default_spec())
     predicted = measured = None
     if target.emulated:
-        from tf32lab.speed.predict import predict
+        from tf32lab.speed.prediction import predict
 
         predicted = predict(loaded, target, levels)
     if args.measure:

@@ -179,8 +179,7 @@ def tune(workload: Workload, *, target: Union[str, Target] = "a100",
     """
     if not isinstance(workload, Workload):
         raise Tf32LabError(f"tune() takes a tf32lab.Workload, not {type(workload).__name__}")
-    target = resolve_target(target)
-    target.speed_peaks()  # tune weighs predicted speed: GPU targets only
+    target = resolve_target(target, speed=True)  # tune weighs predicted speed: GPU targets only
     levels = check_levels(levels)
     everything = tuple(level for level in LEVELS if level in levels or level == "highest")
     tolerances = tolerances_of(tolerance)

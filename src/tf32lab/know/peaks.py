@@ -1,6 +1,6 @@
 """What each GPU target can do per second: dense peaks per math, memory bandwidth, SMs (NVIDIA datasheets).
 
-The speed model (``tf32lab.speed.predict``) divides work by these. Each GPU target of ``tf32lab.targets`` holds
+The speed model (``tf32lab.speed.prediction``) divides work by these. Each GPU target of ``tf32lab.targets`` holds
 its :class:`Peaks` (one table: ``targets.TARGETS``), with its source; ``verify on GPU`` marks an assumption not yet
 measured on the device. CPU targets have none: their speed is measured (``tf32lab.bench``), not predicted.
 

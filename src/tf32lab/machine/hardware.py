@@ -370,10 +370,10 @@ def detect(*, refresh: bool = False) -> Hardware:
 
 
 
-def resolve_target(name: Union[str, targets.Target]) -> targets.Target:
+def resolve_target(name: Union[str, targets.Target], *, speed: bool = False) -> targets.Target:
     """The :class:`~tf32lab.targets.Target` a user names: a row of ``tf32lab.targets``, or ``"native"``, this
     machine's own hardware (its profile's maths, run for real). Where a name becomes a Target, once, at the
-    boundary; a Target passes through.
+    boundary; a Target passes through. ``speed``: one the speed model covers (a GPU), else a one-line error.
 
     >>> resolve_target("a100").name, resolve_target("native").emulated
     ('a100', False)
@@ -382,6 +382,14 @@ def resolve_target(name: Union[str, targets.Target]) -> targets.Target:
     ...
     tf32lab.errors.Tf32LabError: unknown target 'a200'; accepted: 'v100', ..., 'cpu', or 'native' (this machine's ...
     """
+    if speed:  # predict and tune: a GPU with a speed model, and the error lists only those
+        if isinstance(name, str) and name not in targets.TARGETS:
+            gpus = ", ".join(repr(t.name) for t in targets.TARGETS.values() if t.peaks is not None)
+            raise Tf32LabError(f"no speed model for target {name!r}: predictions cover GPU targets ({gpus}); on a "
+                               "CPU, measure with tf32lab.bench")
+        found = resolve_target(name)
+        found.speed_peaks()
+        return found
     if isinstance(name, targets.Target):
         return name
     if name == targets.NATIVE:

@@ -65,7 +65,7 @@ from tf32lab.numbers.trees import map_tensors, named_leaves, named_tensors
 from tf32lab.report import LayerError, LevelResult, Report
 from tf32lab.report.conclusion import BEYOND_FLOAT32
 from tf32lab.speed.counting import Counting, OtherThreads
-from tf32lab.speed.predict import SpeedReport, predict_counts, seconds_at
+from tf32lab.speed.prediction import SpeedReport, predict_counts, seconds_at
 from tf32lab.workloads.running import Progress, changed_note, environment_of, kept_flags, refuse_applied
 from tf32lab.workloads.workload import Workload, eval_mode
 
@@ -92,8 +92,8 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
         policy: a :class:`~tf32lab.Policy` measured as one more row, ``"policy"``, after the levels: the model
             runs with it applied (its default None: the level in force where ``check`` is called), and each
             layer's introduced error is the one at the level the policy gives it.
-        speed: predict each level's speedup on the target (``tf32lab.speed.predict``; GPU targets), counted during the
-            first end-to-end run.
+        speed: predict each level's speedup on the target (``tf32lab.predict``; GPU targets), counted during
+            the first end-to-end run.
 
     Returns a :class:`~tf32lab.report.Report`; ``bool(report)`` is the verdict. Raises ``Tf32LabError`` for bad
     arguments, a model that raises at the float64 reference, an output with nothing to compare, or no memory.

@@ -64,7 +64,7 @@ class LevelResult:
     same_as: Optional[str] = None  # an earlier level the target computes identically, measured once for both
     error: Optional[str] = None  # "NotPSDError: ...": the model raised at this level (a finding: FAILED)
     policy: Optional[dict[str, Any]] = None  # the row "policy": the policy's dict form and its base level
-    # predicted on the target, over highest (tf32lab.speed.predict); None: not predicted
+    # predicted on the target, over highest (tf32lab.speed.prediction); None: not predicted
     speedup: Optional[float] = None
     # a second run at this level gave other outputs ("normwise 1.2e-01, then 9.8e-02"): the model is not
     # deterministic (unseeded sampling), so a failure says nothing about precision; only looked at when it fails
@@ -117,7 +117,7 @@ class Report(Document):
     environment: dict[str, Any]
     seconds: float
     notes: tuple[str, ...] = ()  # what a reader must know about the measurement (a module not broken down, ...)
-    speed: Any = None  # the predicted tf32lab.speed.predict.SpeedReport of one forward on the target, when predicted
+    speed: Any = None  # the predicted tf32lab.speed.prediction.SpeedReport of one forward on the target, when predicted
 
     @property
     def passed(self) -> bool:

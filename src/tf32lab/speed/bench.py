@@ -5,7 +5,7 @@ One forward of the workload per call, under ``precision(level)`` in inference mo
 drift), after a warm-up; the report gives each level's median and its spread (interquartile range over the median).
 On CUDA each call ends with a synchronize. On a CPU it measures the CPU's own modes: ``medium`` is bf16 where
 oneDNN has AMX, and without it every level is IEEE and the speedups are ~1.0. The result is a
-:class:`~tf32lab.speed.predict.SpeedReport` like :func:`tf32lab.predict`'s, so the two print side by side.
+:class:`~tf32lab.speed.prediction.SpeedReport` like :func:`tf32lab.predict`'s, so the two print side by side.
 
 Example:
 
@@ -32,7 +32,7 @@ from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import LEVELS
 from tf32lab.numbers.origin import run_error
 from tf32lab.numbers.trees import named_tensors
-from tf32lab.speed.predict import LevelSpeed, SpeedReport, speed_levels
+from tf32lab.speed.prediction import LevelSpeed, SpeedReport, speed_levels
 from tf32lab.workloads.running import Progress, changed_note, kept_flags, refuse_applied
 from tf32lab.workloads.workload import Workload
 

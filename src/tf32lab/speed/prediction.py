@@ -238,8 +238,7 @@ def predict(workload: Workload, target: Union[str, Target] = "a100", levels: Ite
     """
     if not isinstance(workload, Workload):
         raise Tf32LabError(f"predict() takes a tf32lab.Workload, not {type(workload).__name__}")
-    target = resolve_target(target)
-    target.speed_peaks()  # a target with no speed model fails before the model runs
+    target = resolve_target(target, speed=True)  # a target with no speed model fails before the model runs
     levels = speed_levels(levels)
     refuse_applied(workload, "predict")
     counting = Counting(workload.model)
