@@ -3,6 +3,13 @@ target GPU (``predict``), ``bench`` times the levels on the hardware at hand.
 
 ``tf32lab.speed`` was a module before the layer packages; its names still import from here, with a
 DeprecationWarning (``tf32lab.predict`` and ``tf32lab.SpeedReport`` are the public ones).
+
+    >>> import warnings, tf32lab
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     from tf32lab.speed import predict
+    >>> predict is tf32lab.predict, caught[0].category.__name__
+    (True, 'DeprecationWarning')
 """
 
 from typing import Any
