@@ -33,9 +33,9 @@ class _Parser(argparse.ArgumentParser):
 def _workload_arguments(parser: argparse.ArgumentParser, target: str, native: str = "") -> None:
     """The spec and --target of a subcommand that works on a GPU target (the list from tf32lab.targets, which
     imports no torch)."""
-    from tf32lab.know.targets import TARGETS
+    from tf32lab.know.targets import speed_targets
 
-    gpus = [name for name, row in TARGETS.items() if row.peaks is not None]
+    gpus = speed_targets()
     parser.add_argument("spec", nargs="?", default=None, help="a workload spec, as for check")
     parser.add_argument("--target", default="a100", type=str.lower,
                         help=f"{target} ({', '.join(gpus)}; default a100{native})")

@@ -40,7 +40,7 @@ from tf32lab.know.levels import level_cells
 from tf32lab.know.peaks import DATASHEET, SMS, Peaks
 
 __all__ = ["CELL_VALUES", "KEYS", "MATHS", "NATIVE", "TARGETS", "Entry", "Math", "Target", "check_value", "get",
-           "native", "table"]
+           "native", "speed_targets", "table"]
 
 NATIVE = "native"  # the name of this machine's own hardware as a target: run, never emulated
 
@@ -167,7 +167,7 @@ class Target:
     def speed_peaks(self) -> Peaks:
         """The peaks the speed model divides by; a one-line error for a target without (CPUs: measure them)."""
         if self.peaks is None:
-            gpus = ", ".join(repr(t.name) for t in TARGETS.values() if t.peaks is not None)
+            gpus = ", ".join(map(repr, speed_targets()))
             raise Tf32LabError(f"no speed model for target {self.name!r}: predictions cover GPU targets ({gpus}); "
                                f"on a CPU, measure with tf32lab.bench")
         return self.peaks
@@ -347,6 +347,15 @@ def get(name: str) -> Target:
         return TARGETS[name]
     except (KeyError, TypeError):
         raise Tf32LabError(f"unknown target {name!r}; accepted: {', '.join(map(repr, TARGETS))}") from None
+
+
+def speed_targets() -> tuple[str, ...]:
+    """The targets the speed model covers (those with peaks: the GPUs), in table order.
+
+    >>> speed_targets()[:3]
+    ('v100', 't4', 'a100')
+    """
+    return tuple(name for name, target in TARGETS.items() if target.peaks is not None)
 
 
 def native(profile: Target) -> Target:

@@ -384,7 +384,7 @@ def resolve_target(name: Union[str, targets.Target], *, speed: bool = False) -> 
     """
     if speed:  # predict and tune: a GPU with a speed model, and the error lists only those
         if isinstance(name, str) and name not in targets.TARGETS:
-            gpus = ", ".join(repr(t.name) for t in targets.TARGETS.values() if t.peaks is not None)
+            gpus = ", ".join(map(repr, targets.speed_targets()))
             raise Tf32LabError(f"unknown target {name!r}; accepted: {gpus} (the GPU targets, which the speed model "
                                "covers; on a CPU, measure with tf32lab.bench)")
         found = resolve_target(name)
