@@ -31,6 +31,8 @@ _WHERE = {
     "explain": "control.policy", "predict": "speed.prediction", "bench": "speed.bench",
     "SpeedReport": "speed.prediction",
     "tune": "decide.tune", "Tuning": "decide.tune", "Workload": "workloads.workload",
+    "TrainingWorkload": "workloads.training", "check_training": "measure.training",
+    "TrainingReport": "report.training",
 }
 
 # Module paths of the flat layout before the layer packages. The first four are public and stay: the same module
@@ -87,12 +89,15 @@ __all__ = [
     "Report",
     "SpeedReport",
     "Tf32LabError",
+    "TrainingReport",
+    "TrainingWorkload",
     "Tuning",
     "Workload",
     "__version__",
     "autoconfig",
     "bench",
     "check",
+    "check_training",
     "doctor",
     "emulate",
     "explain",

@@ -69,7 +69,7 @@ from tf32lab.speed.prediction import SpeedReport, predict_counts, seconds_at
 from tf32lab.workloads.running import Progress, changed_note, environment_of, kept_flags, refuse_applied
 from tf32lab.workloads.workload import Workload, eval_mode
 
-__all__ = ["PolicyRow", "Session", "alike_levels", "check"]
+__all__ = ["PolicyRow", "Session", "alike_levels", "check", "policy_maths"]
 
 REFERENCES = ("float64",)
 
@@ -333,7 +333,7 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
     cells = context_cells()  # the caller's cells: those a level leaves alone (convs, RNNs, the SDPA kernel)
     with level_context(level, target) as emu, applied:
         level_maths = {} if emu is None else (
-            _policy_maths(row, target, cells) if row else target.maths_at(level, cells))
+            policy_maths(row, target, cells) if row else target.maths_at(level, cells))
         try:
             with accumulated, (counting or contextlib.nullcontext()), torch.inference_mode():
                 out = workload.run()
@@ -375,7 +375,7 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
                        time.perf_counter() - started, error=error, policy=row.describe() if row else None)
 
 
-def _policy_maths(row: PolicyRow, target: Target, cells: Mapping[str, str]) -> dict[str, str]:
+def policy_maths(row: PolicyRow, target: Target, cells: Mapping[str, str]) -> dict[str, str]:
     """Per family: the math every level of the policy gives it, or ``mixed``."""
     found: dict[str, set[str]] = {}
     for level in sorted(row.levels):

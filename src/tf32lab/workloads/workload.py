@@ -51,7 +51,7 @@ class Workload:
             raise Tf32LabError(f"a workload's metric must be callable, not {type(self.metric).__name__}")
         if self.name is None:
             self.name = type(self.model).__name__
-        _check_float32(self.model, self.name)
+        check_float32(self.model, self.name)
 
     def run(self, model: Optional[torch.nn.Module] = None, inputs: Optional[Inputs] = None) -> Any:
         """Call ``model`` (default: the workload's) on ``inputs`` (default: the workload's)."""
@@ -64,7 +64,7 @@ class Workload:
         return model(inputs)
 
 
-def _check_float32(model: torch.nn.Module, name: str) -> None:
+def check_float32(model: torch.nn.Module, name: str) -> None:
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     dtypes |= {b.dtype for b in model.buffers() if b.is_floating_point()}
     other = sorted(str(d).replace("torch.", "") for d in dtypes - {torch.float32})

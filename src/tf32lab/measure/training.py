@@ -1,0 +1,458 @@
+"""``check_training(workload)``: what each precision level does to training, against float64, beside float32's own
+drift.
+
+Every row trains a copy of the model made from one saved state, on the same batches, from the same random seed
+(dropout masks included), for the same steps:
+
+- **float64**, the reference: model, loss and optimizer state in float64 (a ``.double()`` copy, the batches'
+  float32 tensors widened);
+- **float32** at ``highest`` on the target (emulated, or native with ``target="native"``): float32's own drift
+  from float64, the noise floor every level is judged beside;
+- each level, and the policy when one is given (``policy=``: the HALOs pattern, a body at ``high`` and a value
+  head at ``highest``, is one row).
+
+Per row: the loss of each step and its relative deviation from float64's (the first step past the tolerance is the
+*divergence step*); the gradients of the first step (the same weights for every row) against float64's, per
+parameter, with the module whose own backward introduces the most error (each module with parameters rerun under
+the level fed float64's inputs and output gradients, as ``check`` does for the forward); and after the last step
+each parameter's distance from float64's weights and the optimizer state's error. A step that raises, or a loss
+that turns NaN/Inf, fails the row at that step; it is a finding, never a crash.
+
+Nothing of the caller's changes: the model is never run itself (copies are), and PyTorch's flags and random
+state are put back on every exit, exceptions and Ctrl-C included.
+
+Example:
+
+    >>> import torch, tf32lab
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <...>
+    >>> data = [(torch.randn(64, 32), torch.randn(64, 1)) for _ in range(5)]
+    >>> model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    >>> w = tf32lab.TrainingWorkload(model, data, loss=lambda o, b: (o - b[1]).pow(2).mean(),
+    ...                              inputs=lambda b: b[0], name="mlp")
+    >>> report = tf32lab.check_training(w, levels=("highest", "high"), target="a100")
+    >>> bool(report), report.level("high").gradients[0].normwise > report.floor.gradients[0].normwise
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from tf32lab.control.policy import Policy
+from tf32lab.emulation.emulator import context_cells, release_buffers
+from tf32lab.errors import Tf32LabError
+from tf32lab.know.levels import LEVELS, check_levels
+from tf32lab.know.targets import Target
+from tf32lab.machine.hardware import resolve_target
+from tf32lab.measure.check import PolicyRow, alike_levels, policy_maths
+from tf32lab.measure.layers import described, level_context, out_of_memory
+from tf32lab.measure.reference import widen
+from tf32lab.numbers import metrics
+from tf32lab.numbers.origin import internal_error
+from tf32lab.numbers.trees import map_tensors, named_tensors
+from tf32lab.report.training import FLOOR, FLOOR_MULTIPLE, BackwardLayer, ParameterError, TrainingLevel, TrainingReport
+from tf32lab.workloads.running import Progress, changed_note, environment_of, kept_flags, refuse_applied
+from tf32lab.workloads.training import TrainingWorkload, check_steps
+
+__all__ = ["check_training"]
+
+
+def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS, target: Union[str, Target] = "a100",
+                   steps: Optional[int] = None, tolerance: Optional[float] = None, policy: Optional[Policy] = None,
+                   progress: bool = False) -> TrainingReport:
+    """Train ``workload`` at each level as ``target`` computes it, against float64 and float32's own drift.
+
+    Args:
+        levels: precision levels, in order.
+        target: a target name or ``Target`` (emulated here), or ``"native"`` (the levels on this hardware).
+        steps: how many steps (default: the workload's).
+        tolerance: the largest relative deviation of the loss from float64's at any step (default 1e-2); a level
+            past it still passes when its drift is within ``FLOOR_MULTIPLE`` (3x) float32's own.
+        policy: a :class:`~tf32lab.Policy` trained as one more row, ``"policy"`` (its verdict is the report's).
+        progress: a progress bar on stderr.
+
+    Returns a :class:`~tf32lab.report.training.TrainingReport`; ``bool(report)`` is the verdict. Raises
+    ``Tf32LabError`` for bad arguments, a loss that is not a scalar, or a model that fails in float64.
+
+    Example:
+
+        >>> import torch, tf32lab
+        >>> data = [(torch.ones(4, 3), torch.zeros(4, 1))] * 2
+        >>> w = tf32lab.TrainingWorkload(torch.nn.Linear(3, 1), data, inputs=lambda b: b[0],
+        ...                              loss=lambda o, b: (o - b[1]).pow(2).mean())
+        >>> [round(x, 6) for x in tf32lab.check_training(w, levels=("highest",)).reference_losses][:1]
+        [0.0]
+    """
+    if not isinstance(workload, TrainingWorkload):
+        raise Tf32LabError(f"check_training() takes a tf32lab.TrainingWorkload, not {type(workload).__name__}"
+                           + (" (check() measures a forward pass)" if type(workload).__name__ == "Workload" else ""))
+    levels = check_levels(levels)
+    target = resolve_target(target)
+    steps = workload.steps if steps is None else check_steps(steps)
+    if workload.available is not None and steps > workload.available:
+        raise Tf32LabError(f"steps={steps}, but training workload {workload.name!r} has {workload.available} "
+                           f"batches")
+    tolerance = _tolerance(tolerance)
+    refuse_applied(workload, "check")  # type: ignore[arg-type]  # it reads .model and .name
+    row = PolicyRow.of(policy, workload.model) if policy is not None else None
+    with kept_flags() as changed, _random_state_kept(workload.model):
+        report = _Training(workload, levels, target, steps, tolerance, row, progress).run()
+    if changed:
+        report = dataclasses.replace(report, notes=(*report.notes, changed_note(changed)))
+    return report
+
+
+def _tolerance(tolerance: Optional[float]) -> float:
+    if tolerance is None:
+        return metrics.DEFAULT_TOLERANCE
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not math.isfinite(tolerance) \
+            or tolerance <= 0:
+        raise Tf32LabError(f"a training check's tolerance is one positive number (the loss's relative deviation), "
+                           f"not {tolerance!r}")
+    return float(tolerance)
+
+
+@contextlib.contextmanager
+def _random_state_kept(model: torch.nn.Module) -> Iterator[None]:
+    """PyTorch's random state (CPU, and the model's CUDA devices) as it was, on every exit."""
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+@dataclasses.dataclass
+class _Run:
+    """What one row's training left: the losses, the first step's gradients, the model and optimizer after the
+    last step (None after a failure), and how it failed."""
+
+    losses: list[float]
+    grads: dict[str, torch.Tensor]
+    model: Optional[torch.nn.Module]
+    optimizer: Optional[torch.optim.Optimizer]
+    failure: Optional[str] = None
+    failed_step: Optional[int] = None
+    coverage: dict[str, int] = dataclasses.field(default_factory=dict)
+    unhandled: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+class _Training:
+    def __init__(self, workload: TrainingWorkload, levels: tuple[str, ...], target: Target, steps: int,
+                 tolerance: float, row: Optional[PolicyRow], progress: bool) -> None:
+        self.workload, self.levels, self.target, self.steps = workload, levels, target, steps
+        self.tolerance, self.row, self.progress = tolerance, row, progress
+        self.saved = _copied(workload.model, workload.name)  # the one saved state every row starts from
+        self.seed = int(torch.randint(0, 2**31 - 1, ()))  # drawn inside the kept random state: the caller's is intact
+        self.names = [name for name, p in self.saved.named_parameters() if p.requires_grad]
+
+    def run(self) -> TrainingReport:
+        started = time.perf_counter()
+        alike = alike_levels(("highest", *[lv for lv in self.levels if lv != "highest"]), self.target)
+        runs = 2 + sum(1 for lv in self.levels if lv != "highest" and alike[lv] is None) + (self.row is not None)
+        with Progress(self.progress, steps=runs + 1) as bar:
+            bar.step(f"{self.workload.name}: float64 reference, {self.steps} steps")
+            reference = self._train(torch.float64, None)
+            if reference.failure is not None:
+                raise Tf32LabError(f"training workload {self.workload.name!r} fails in float64, before any level "
+                                   f"ran: step {reference.failed_step}: {reference.failure}")
+            self.reference = reference
+            self.ref_grads = {n: g.double() for n, g in reference.grads.items()}
+            self.ref_params = dict(reference.model.named_parameters())
+            self.ref_state = _optimizer_state(reference.model, reference.optimizer)
+            self.ref_optimizer = reference.optimizer
+            bar.step("backward of each module at step 1, float64")
+            self.attribution = _Attribution(self.workload, self.saved, self.seed)
+            bar.step(f"float32 (highest on {self.target.name}), {self.steps} steps")
+            floor = self._row("highest", FLOOR, None)
+            rows: dict[str, TrainingLevel] = {}
+            for level in self.levels:
+                same = alike[level]
+                if level == "highest" or same == "highest":
+                    rows[level] = dataclasses.replace(floor, level=level, same_as=None if level == "highest"
+                                                      else "highest", seconds=0.0 if level != "highest"
+                                                      else floor.seconds)
+                elif same is not None:
+                    rows[level] = dataclasses.replace(rows[same], level=level, same_as=same, seconds=0.0)
+                else:
+                    bar.step(f"{level}: {self.steps} steps")
+                    rows[level] = self._row(level, level, floor)
+            results = [rows[level] for level in self.levels]
+            if self.row is not None:
+                bar.step(f"policy: {self.steps} steps")
+                results.append(self._row(self.row.base, "policy", floor))
+        floor = self._judged(floor, floor)
+        results = [self._judged(r, floor) for r in results]
+        return TrainingReport(
+            workload=str(self.workload.name), target=self.target.name, steps=self.steps, tolerance=self.tolerance,
+            reference_losses=tuple(reference.losses), floor=floor, levels=tuple(results),
+            environment=environment_of(self.workload),  # type: ignore[arg-type]  # reads .model
+            seconds=time.perf_counter() - started, notes=tuple(self.attribution.notes),
+        )
+
+    # -- one row ------------------------------------------------------------------------------------------------
+    def _row(self, level: str, label: str, floor: Optional[TrainingLevel]) -> TrainingLevel:
+        started = time.perf_counter()
+        policy = self.row if label == "policy" else None
+        cells = context_cells()
+        run = self._train(torch.float32, level, policy)
+        maths = {} if not self.target.emulated else (
+            policy_maths(policy, self.target, cells) if policy else self.target.maths_at(level, cells))
+        deviations = tuple(_deviation(x, r) for x, r in zip(run.losses, self.reference.losses)
+                           if math.isfinite(x))
+        divergence = next((k + 1 for k, d in enumerate(deviations) if d > self.tolerance), None)
+        gradients = _ranked({n: _against(g, self.ref_grads[n]) for n, g in run.grads.items()
+                             if n in self.ref_grads})
+        weights: tuple[ParameterError, ...] = ()
+        state = math.nan
+        if run.model is not None:
+            params = dict(run.model.named_parameters())
+            weights = _ranked({n: _against(params[n], self.ref_params[n]) for n in self.names})
+            state = _state_error(_optimizer_state(run.model, run.optimizer), self.ref_state)
+        layers = self.attribution.introduced(level, self.target, policy)
+        return TrainingLevel(
+            level=label, maths=maths, losses=tuple(run.losses), deviations=deviations, divergence_step=divergence,
+            gradients=gradients, layers=layers, weights=weights, optimizer_state=state, multiple=math.nan,
+            passed=False, coverage=run.coverage, unhandled=run.unhandled, seconds=time.perf_counter() - started,
+            failure=run.failure, failed_step=run.failed_step,
+            policy=policy.describe() if policy is not None else None,
+        )
+
+    def _judged(self, row: TrainingLevel, floor: TrainingLevel) -> TrainingLevel:
+        """The verdict: no failure, and within the tolerance or within FLOOR_MULTIPLE of float32's own drift."""
+        multiple = _multiple(row.drift, floor.drift)
+        passed = row.failure is None and (row.divergence_step is None or multiple <= FLOOR_MULTIPLE)
+        return dataclasses.replace(row, multiple=multiple, passed=passed)
+
+    def _train(self, dtype: torch.dtype, level: Optional[str], policy: Optional[PolicyRow] = None) -> _Run:
+        """``steps`` steps of a fresh copy in ``dtype``, at ``level`` on the target (float64: no level)."""
+        workload = self.workload
+        model = copy.deepcopy(self.saved)
+        if dtype == torch.float64:
+            model = model.double()
+        model.train()
+        optimizer = workload.make_optimizer([p for p in model.parameters() if p.requires_grad])
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        run = _Run([], {}, model, optimizer)
+        torch.manual_seed(self.seed)
+        context = contextlib.nullcontext() if level is None else level_context(level, self.target)
+        applied = policy.policy.applied(model) if policy is not None else contextlib.nullcontext()
+        release_buffers()
+        step = 0
+        with context as emu, applied:
+            try:
+                for step in range(self.steps):
+                    batch = workload.batch(step)
+                    if dtype == torch.float64:
+                        batch = map_tensors(widen, batch)
+                    loss = workload.loss_of(workload.run(model, batch), batch)
+                    value = float(loss.detach())
+                    run.losses.append(value)
+                    if not math.isfinite(value):
+                        run.failure, run.failed_step = f"the loss is {value}", step + 1
+                        break
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    if step == 0:
+                        run.grads = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
+                    optimizer.step()
+            except Tf32LabError:
+                raise
+            except Exception as exc:
+                where = "float64" if level is None else f"level {level!r}"
+                if out_of_memory(exc):
+                    raise Tf32LabError(f"training workload {workload.name!r}: out of memory at step {step + 1} "
+                                       f"({where}); the training check holds the model's float64 copy and its "
+                                       f"optimizer state beside the run: try a smaller batch") from exc
+                bug = internal_error(exc, f"training workload {workload.name!r} at {where}, step {step + 1}")
+                if bug is not None:
+                    raise bug from exc
+                run.failure, run.failed_step = described(exc), step + 1
+            if emu is not None:
+                run.coverage = {f"{op} {m}": n for (op, m), n in sorted(emu.coverage.items())}
+                run.unhandled = dict(sorted(emu.unhandled.items()))
+        if run.failure is not None:
+            run.model = run.optimizer = None
+        return run
+
+
+# -- the first step's backward, module by module --------------------------------------------------------------
+class _Attribution:
+    """Each module with parameters, at step 1 in float64: its inputs and the gradients reaching its outputs, and
+    the gradients its own backward computes from them. :meth:`introduced` reruns each one in float32 under a
+    level (fed those float64 inputs and output gradients, rounded to float32) and measures its own gradients."""
+
+    def __init__(self, workload: TrainingWorkload, saved: torch.nn.Module, seed: int) -> None:
+        self.saved, self.seed, self.notes = saved, seed, []
+        model = copy.deepcopy(saved).double()
+        model.train()
+        self.kinds = {}
+        calls: dict[str, list[Any]] = {}
+        handles = []
+        for name, module in model.named_modules():
+            if name and any(p.requires_grad for p in module.parameters(recurse=False)):
+                self.kinds[name] = type(module).__name__
+                handles.append(module.register_forward_hook(self._keep(name, calls), with_kwargs=True))
+        torch.manual_seed(seed)
+        batch = map_tensors(widen, workload.batch(0))
+        try:
+            loss = workload.loss_of(workload.run(model, batch), batch)
+            loss.backward()
+        finally:
+            for handle in handles:
+                handle.remove()
+        self.calls: dict[str, tuple[Any, Any, dict[str, torch.Tensor], list[torch.Tensor]]] = {}
+        for name, (args, kwargs, grads, count) in calls.items():
+            if count[0] > 1:
+                self.notes.append(f"module {name!r} runs {count[0]} times a step: its backward is measured at its "
+                                  f"first call")
+            if not grads:
+                continue
+            module = model.get_submodule(name)
+            local = _local_grads(module, args, kwargs, grads, seed)
+            if local is not None:
+                self.calls[name] = (args, kwargs, grads, local)
+
+    def _keep(self, name: str, calls: dict[str, list[Any]]) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if name in calls:
+                calls[name][3][0] += 1
+                return
+            grads: dict[str, torch.Tensor] = {}
+            for key, t in named_tensors(output):
+                if t.requires_grad and t.is_floating_point():
+                    t.register_hook(lambda g, key=key: grads.__setitem__(key, g.detach()))
+            detach = lambda t: t.detach()  # noqa: E731
+            calls[name] = [map_tensors(detach, args), map_tensors(detach, kwargs), grads, [1]]
+
+        return hook
+
+    def introduced(self, level: str, target: Target, policy: Optional[PolicyRow]) -> tuple[BackwardLayer, ...]:
+        model = copy.deepcopy(self.saved)
+        model.train()
+        applied = policy.policy.applied(model) if policy is not None else contextlib.nullcontext()
+        found = []
+        with level_context(level, target), applied:
+            for name, (args, kwargs, grads, reference) in self.calls.items():
+                narrow = {k: g.float() if g.dtype == torch.float64 else g for k, g in grads.items()}
+                local = _local_grads(model.get_submodule(name), map_tensors(_narrowed, args),
+                                     map_tensors(_narrowed, kwargs), narrow, self.seed)
+                error = math.nan if local is None else _tree_error(local, reference)
+                found.append(BackwardLayer(name, self.kinds[name], error))
+        return tuple(sorted(found, key=lambda e: -math.inf if math.isnan(e.introduced) else -e.introduced))
+
+
+def _local_grads(module: torch.nn.Module, args: Any, kwargs: Any, grads: dict[str, torch.Tensor],
+                 seed: int) -> Optional[list[torch.Tensor]]:
+    """The gradients ``module``'s own backward gives its floating inputs and parameters, fed ``grads`` at its
+    outputs; None when it cannot be run alone (it then has no row)."""
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().requires_grad_(True) if t.is_floating_point() or t.is_complex() else t
+
+    args, kwargs = map_tensors(leaf, args), map_tensors(leaf, kwargs)
+    inputs = [t for _, t in named_tensors((args, kwargs)) if t.requires_grad]
+    params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+    torch.manual_seed(seed)  # a module that samples (dropout inside) draws alike in every rerun
+    try:
+        with torch.enable_grad():
+            output = module(*args, **kwargs)
+            outs = dict(named_tensors(output))
+            keys = [k for k in grads if k in outs and outs[k].requires_grad]
+            if not keys:
+                return None
+            found = torch.autograd.grad([outs[k] for k in keys], inputs + params,
+                                        grad_outputs=[grads[k].to(outs[k].dtype) for k in keys], allow_unused=True)
+    except Tf32LabError:
+        raise
+    except Exception as exc:
+        if internal_error(exc, "rerunning a module's backward") is not None:
+            raise
+        return None
+    return [torch.zeros_like(x) if g is None else g.detach() for g, x in zip(found, inputs + params)]
+
+
+def _narrowed(t: Any) -> Any:
+    if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
+        return t.float()
+    if isinstance(t, torch.Tensor) and t.dtype == torch.complex128:
+        return t.to(torch.complex64)
+    return t
+
+
+# -- numbers ----------------------------------------------------------------------------------------------------
+def _copied(model: torch.nn.Module, name: Any) -> torch.nn.Module:
+    try:
+        with torch.no_grad():
+            return copy.deepcopy(model)
+    except Exception as exc:
+        raise Tf32LabError(f"training workload {name!r}: the model cannot be copied ({type(exc).__name__}: {exc}); "
+                           f"the training check trains copies, never the model itself") from exc
+
+
+def _deviation(value: float, reference: float) -> float:
+    """|value − reference| relative to |reference| (absolute where the reference is 0)."""
+    diff = abs(value - reference)
+    return diff / abs(reference) if reference != 0 else diff
+
+
+def _against(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(normwise error, cosine) of ``x`` against ``ref``, in float64."""
+    x, ref = x.detach().double().reshape(-1), ref.detach().double().reshape(-1)
+    ref_norm, x_norm = float(ref.norm()), float(x.norm())
+    diff = float((x - ref).norm())
+    normwise = diff / ref_norm if ref_norm > 0 else (0.0 if diff == 0 else math.inf)
+    cosine = float(x @ ref) / (x_norm * ref_norm) if x_norm > 0 and ref_norm > 0 else math.nan
+    if not math.isfinite(x_norm):
+        normwise, cosine = math.inf, math.nan
+    return normwise, cosine
+
+
+def _ranked(found: dict[str, tuple[float, float]]) -> tuple[ParameterError, ...]:
+    rows = [ParameterError(name, normwise, cosine) for name, (normwise, cosine) in found.items()]
+    return tuple(sorted(rows, key=lambda e: -math.inf if math.isnan(e.normwise) else -e.normwise))
+
+
+def _tree_error(found: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    diff2 = ref2 = 0.0
+    for x, r in zip(found, reference):
+        if x.shape != r.shape:
+            return math.nan
+        r = r.double()
+        diff2 += float((x.double() - r).pow(2).sum())
+        ref2 += float(r.pow(2).sum())
+    if ref2 == 0:
+        return 0.0 if diff2 == 0 else math.inf
+    return math.sqrt(diff2 / ref2)
+
+
+def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every per-parameter state tensor of ``optimizer`` (Adam's ``exp_avg`` and ``exp_avg_sq``, SGD's momentum),
+    named ``param:key``."""
+    found = {}
+    for name, p in model.named_parameters():
+        for key, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                found[f"{name}:{key}"] = value.detach()
+    return found
+
+
+def _state_error(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    keys = [k for k in reference if k in state]
+    if not keys:
+        return math.nan
+    return _tree_error([state[k] for k in keys], [reference[k] for k in keys])
+
+
+def _multiple(drift: float, floor: float) -> float:
+    if math.isinf(drift):
+        return math.inf
+    if floor == 0:
+        return 1.0 if drift == 0 else math.inf
+    return drift / floor

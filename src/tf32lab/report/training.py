@@ -1,0 +1,292 @@
+"""The training check's result as frozen data: per level the loss path against float64's, the gradients of the
+first step, the weights and optimizer state after the last, and the verdict; JSON, text and HTML renderings.
+
+A level *diverges* at the first step whose loss is further from float64's than the tolerance (relative). It still
+passes when its loss path stays within ``FLOOR_MULTIPLE`` times float32's own drift (``highest`` on the target):
+training that drifts from float64 just as float32 does is not made worse by the level. A level at which the loss
+turns NaN/Inf, or a step raises, fails with that step and the exception.
+
+The JSON form is documented in ``docs/report-schema.md`` ("The training report") and described by
+``training_schema.json`` beside this module.
+
+Example:
+
+    >>> import torch, tf32lab
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <...>
+    >>> data = [(torch.randn(16, 8), torch.randn(16, 1)) for _ in range(4)]
+    >>> w = tf32lab.TrainingWorkload(torch.nn.Linear(8, 1), data, loss=lambda o, b: (o - b[1]).pow(2).mean(),
+    ...                              inputs=lambda b: b[0])
+    >>> report = tf32lab.check_training(w, levels=("highest",))
+    >>> report.level("highest").deviations == report.floor.deviations, bool(report)
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from tf32lab.know.targets import NATIVE
+from tf32lab.numbers.files import finite
+from tf32lab.report import Document
+
+__all__ = ["FLOOR_MULTIPLE", "TRAINING_SCHEMA_VERSION", "BackwardLayer", "ParameterError", "TrainingLevel",
+           "TrainingReport", "training_schema"]
+
+TRAINING_SCHEMA_VERSION = 1
+# A level whose loss path stays within this multiple of float32's own drift from float64 passes even past the
+# tolerance: float32 itself drifts that far (chaotic training, a loss that amplifies rounding). Three, not one:
+# two float32 runs that differ only in summation order already differ by up to about 2x in such drift.
+FLOOR_MULTIPLE = 3.0
+FLOOR = "float32"  # the row of float32 `highest` on the target: float32's own drift from float64
+
+
+@dataclass(frozen=True)
+class ParameterError:
+    """One parameter (or its gradient) against float64's: ``normwise`` ‖x − x64‖ / ‖x64‖ and the cosine between
+    them (NaN where either is zero)."""
+
+    name: str
+    normwise: float
+    cosine: float
+
+
+@dataclass(frozen=True)
+class BackwardLayer:
+    """A module with parameters, in the first step's backward: ``introduced`` is the normwise error of the
+    gradients its own backward computes (of its inputs and its parameters) when run under the level fed
+    float64's inputs and output gradients: the error that module adds, as check's layers do for the forward."""
+
+    name: str
+    kind: str
+    introduced: float
+
+
+@dataclass(frozen=True)
+class TrainingLevel:
+    """One row: a level (or the policy, or float32's floor) trained for the report's steps."""
+
+    level: str
+    maths: dict[str, str]
+    losses: tuple[float, ...]
+    deviations: tuple[float, ...]  # per step: |loss - float64's| / |float64's|
+    divergence_step: Optional[int]  # the first step (1-based) past the tolerance, None: never
+    gradients: tuple[ParameterError, ...]  # step 1, the same weights for every row; worst first
+    layers: tuple[BackwardLayer, ...]  # step 1's backward per module; the most introduced error first
+    weights: tuple[ParameterError, ...]  # after the last step; worst first
+    optimizer_state: float  # normwise error of every optimizer-state tensor (Adam's moments) after the last step
+    multiple: float  # drift over float32's own drift (1.0 for float32 itself)
+    passed: bool
+    coverage: dict[str, int]
+    unhandled: dict[str, int]
+    seconds: float
+    failure: Optional[str] = None  # "LinAlgError: ...", "the loss is nan": FAILED at failed_step
+    failed_step: Optional[int] = None
+    same_as: Optional[str] = None  # an earlier row the target computes identically, run once for both
+    policy: Optional[dict[str, Any]] = None
+
+    @property
+    def drift(self) -> float:
+        """The largest deviation of the loss from float64's over the steps run (inf when the run failed)."""
+        if self.failure is not None:
+            return math.inf
+        return max(self.deviations, default=0.0)
+
+    @property
+    def worst_gradient(self) -> Optional[ParameterError]:
+        return self.gradients[0] if self.gradients else None
+
+    @property
+    def worst_layer(self) -> Optional[BackwardLayer]:
+        return next((layer for layer in self.layers if not math.isnan(layer.introduced)), None)
+
+
+@dataclass(frozen=True)
+class TrainingReport(Document):
+    """The result of :func:`tf32lab.check_training`; ``bool(report)`` is the verdict (with a policy row, the
+    policy's, the levels being context)."""
+
+    workload: str
+    target: str
+    steps: int
+    tolerance: float
+    reference_losses: tuple[float, ...]
+    floor: TrainingLevel
+    levels: tuple[TrainingLevel, ...]
+    environment: dict[str, Any]
+    seconds: float
+    notes: tuple[str, ...] = ()
+
+    @property
+    def passed(self) -> bool:
+        row = self.policy_row
+        if row is not None:
+            return row.passed
+        return all(lv.passed for lv in self.levels)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    @property
+    def policy_row(self) -> Optional[TrainingLevel]:
+        return next((lv for lv in self.levels if lv.policy is not None), None)
+
+    def level(self, name: str) -> TrainingLevel:
+        for result in self.levels:
+            if result.level == name:
+                return result
+        raise KeyError(f"level {name!r} was not checked; checked: {', '.join(lv.level for lv in self.levels)}")
+
+    def verdicts(self) -> list[str]:
+        """One line per row to grep: ``PASSED | level 'high' | training 50 steps | ...``."""
+        return [_verdict(lv, self) for lv in self.levels]
+
+    def conclusion(self) -> list[str]:
+        """What the result means and what to do, in plain sentences."""
+        return conclusion(self)
+
+    def __str__(self) -> str:
+        return "\n".join(self.verdicts())
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, as in ``docs/report-schema.md`` ("The training report")."""
+
+        def row(lv: TrainingLevel) -> dict[str, Any]:
+            data = asdict(lv)
+            data.update(drift=lv.drift, losses=list(lv.losses), deviations=list(lv.deviations),
+                        gradients=[asdict(g) for g in lv.gradients], layers=[asdict(e) for e in lv.layers],
+                        weights=[asdict(w) for w in lv.weights])
+            return data
+
+        return finite({
+            "schema_version": TRAINING_SCHEMA_VERSION,
+            "kind": "training",
+            "workload": self.workload,
+            "target": self.target,
+            "steps": self.steps,
+            "tolerance": self.tolerance,
+            "floor_multiple": FLOOR_MULTIPLE,
+            "passed": self.passed,
+            "seconds": self.seconds,
+            "environment": dict(self.environment),
+            "notes": list(self.notes),
+            "conclusion": self.conclusion(),
+            "reference_losses": list(self.reference_losses),
+            "floor": row(self.floor),
+            "levels": [row(lv) for lv in self.levels],
+        })
+
+    def to_html(self) -> str:
+        """A self-contained HTML page: the conclusion, the loss paths' deviation per step (log axis), the
+        per-module gradient errors."""
+        from tf32lab.report.training_render import html
+
+        return html(self)
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        from tf32lab.report.training_render import renderables
+
+        yield from renderables(self)
+
+    def print(self, console: Any = None) -> None:
+        """The tables, the verdict lines and the conclusion on ``console`` (default: stdout)."""
+        from rich.console import Console
+
+        from tf32lab.report.text import inert
+
+        console = console or Console(highlight=False)
+        console.print(self)
+        for line in [*self.verdicts(), "", *self.conclusion()]:
+            console.print(inert(line), soft_wrap=True, markup=False, emoji=False, highlight=False)
+
+
+def training_schema() -> dict[str, Any]:
+    """The JSON Schema of :meth:`TrainingReport.to_dict` (``training_schema.json`` beside this module)."""
+    return json.loads(Path(__file__).with_name("training_schema.json").read_text(encoding="utf-8"))
+
+
+# -- verdicts and conclusion --------------------------------------------------------------------------------------
+def _verdict(lv: TrainingLevel, report: TrainingReport) -> str:
+    head = f"{'PASSED' if lv.passed else 'FAILED'} | level {lv.level!r} | training {report.steps} steps"
+    if lv.failure is not None:
+        return f"{head} | step {lv.failed_step}: {_one_line(lv.failure)}"
+    drift = f"loss within {lv.drift:.1e} of float64's ({lv.multiple:.1f}x float32's own drift)"
+    if lv.divergence_step is None:
+        return f"{head} | {drift} <= {report.tolerance:.0e}"
+    beyond = f"past {report.tolerance:.0e} from step {lv.divergence_step}"
+    if lv.passed:
+        return f"{head} | {drift}, {beyond}, within {FLOOR_MULTIPLE:g}x float32's own drift"
+    return f"{head} | diverges at step {lv.divergence_step}: {drift} > {report.tolerance:.0e}"
+
+
+def _one_line(text: str) -> str:
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    return lines[0] + (" …" if len(lines) > 1 else "") if lines else ""
+
+
+def _called(lv: TrainingLevel) -> str:
+    if lv.level == "policy":
+        return "The policy"
+    matmul = lv.maths.get("matmul", "").split("-")[0].split("x")[0]
+    word = {"tf32": "TF32", "bf16": "bf16", "bfx9": "bfx9"}.get(matmul)
+    return f"{word} (`{lv.level}`)" if word and lv.level != "highest" else f"`{lv.level}`"
+
+
+def _gradient_clause(lv: TrainingLevel) -> str:
+    worst = lv.worst_gradient
+    if worst is None:
+        return ""
+    text = f"gradients of {worst.name!r} are off by {worst.normwise:.0e} at step 1"
+    layer = lv.worst_layer
+    if layer is not None and layer.introduced > 0:
+        text += f", most of it introduced by the backward of {layer.name!r} ({layer.introduced:.0e})"
+    return text
+
+
+def _pin(lv: TrainingLevel) -> str:
+    layer = lv.worst_layer
+    if layer is None or lv.level not in ("high", "medium"):
+        return ""
+    module = layer.name.rsplit(".", 1)[0] if "." in layer.name and layer.name.rsplit(".", 1)[1].isdigit() \
+        else layer.name
+    return f'; pin it with `tf32lab.Policy("{lv.level}", [("{module}*", "highest")])` and check again (--policy)'
+
+
+def conclusion(report: TrainingReport) -> list[str]:
+    """The plain sentences: for each reduced level, safe (and why: within tolerance, or within float32's own
+    drift) or not (the divergence step, the worst gradient, what to pin); a failed step names its exception."""
+    where = "on this machine" if report.target == NATIVE else f"on {report.target}"
+    lines: list[str] = []
+    rows = [lv for lv in report.levels if lv.level != "highest"] or list(report.levels)
+    for lv in rows:
+        if lv.same_as is not None and lv.same_as != "highest":
+            continue
+        called = _called(lv)
+        if lv.failure is not None:
+            lines.append(f"{called} fails at step {lv.failed_step} {where}: {_one_line(lv.failure)}.")
+        elif lv.passed and lv.divergence_step is None:
+            lines.append(f"{called} is safe for training {report.workload} for {report.steps} steps {where}: its "
+                         f"loss stays within {lv.drift:.1e} of float64's ({lv.multiple:.1f}x float32's own drift; "
+                         f"tolerance {report.tolerance:.0e}).")
+        elif lv.passed:
+            lines.append(f"{called} is safe for training {report.workload} for {report.steps} steps {where}: its "
+                         f"loss stays within {lv.multiple:.1f}x of float32's own drift, though both leave float64's "
+                         f"path by more than {report.tolerance:.0e} (from step {lv.divergence_step}).")
+        else:
+            clause = _gradient_clause(lv)
+            lines.append(f"{called} diverges at step {lv.divergence_step} {where}: its loss is "
+                         f"{lv.drift:.1e} from float64's, {lv.multiple:.1f}x float32's own drift"
+                         f"{'; ' + clause if clause else ''}{_pin(lv)}.")
+    floor = report.floor
+    if floor.failure is not None:
+        lines.append(f"float32 itself (`highest`) fails at step {floor.failed_step}: {_one_line(floor.failure)}; "
+                     f"no level can be judged against its drift.")
+    elif floor.divergence_step is not None:
+        lines.append(f"float32 itself leaves float64's loss path by {floor.drift:.1e} (from step "
+                     f"{floor.divergence_step}): this training amplifies rounding, so levels are judged against "
+                     f"that drift.")
+    return lines

@@ -1,0 +1,158 @@
+"""A training report on the terminal (rich tables) and as one self-contained HTML page (inline SVG, no scripts).
+
+Names from the model (parameters, modules, exception messages) reach the terminal through ``text.inert`` and the
+page through Jinja2's autoescaping.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+from rich.text import Text
+
+from tf32lab.report.html import COLORS, TEMPLATES
+from tf32lab.report.text import fmt, inert, short_name
+
+if TYPE_CHECKING:
+    from tf32lab.report.training import TrainingLevel, TrainingReport
+
+TOP = 8  # parameters and modules listed
+FLOOR_COLOR = "#555"
+PLOT_W, PLOT_H = 620, 240
+LOG_LO = -12  # the deviation axis starts at 1e-12 (an exact match is drawn there)
+
+
+def rows(report: TrainingReport) -> list[TrainingLevel]:
+    """float32's floor first, then each row run on its own (``highest`` is the floor itself)."""
+    return [report.floor, *[lv for lv in report.levels if lv.same_as is None and lv.level != "highest"]]
+
+
+def _label(lv: TrainingLevel) -> str:
+    return "float32 (floor)" if lv.level == "float32" else lv.level
+
+
+def renderables(report: TrainingReport) -> Iterator[Any]:
+    env = report.environment
+    yield Text.assemble(
+        ("tf32lab check --train ", "bold"), (inert(report.workload), "bold cyan"),
+        f"  target {report.target}, {report.steps} steps, tolerance {report.tolerance:.0e} (the loss's relative "
+        f"deviation from float64's)\n",
+        (f"torch {env.get('torch')} on {env.get('gpu') or env.get('cpu', '')}, {report.seconds:.1f} s", "dim"),
+    )
+    path = Table(title="loss path against float64's", title_justify="left")
+    state = Table(title="step-1 gradients, and the state after the last step, against float64's",
+                  title_justify="left")
+    for column in ("row", "matmul", "final loss", "max deviation", "x float32's", "diverges at", "verdict"):
+        path.add_column(column, justify="right" if column in ("final loss", "max deviation", "x float32's")
+                        else "left")
+    for column in ("row", "worst gradient", "normwise", "cosine", "weights", "optimizer state"):
+        state.add_column(column, justify="left" if column in ("row", "worst gradient") else "right")
+    for lv in [report.floor, *report.levels]:
+        worst = lv.worst_gradient
+        verdict = Text("floor", style="dim") if lv.level == "float32" else \
+            Text("PASSED" if lv.passed else "FAILED", style="bold green" if lv.passed else "bold red")
+        diverges = f"step {lv.failed_step} (failed)" if lv.failure is not None else (
+            f"step {lv.divergence_step}" if lv.divergence_step is not None else "never")
+        label = _label(lv) + (f" (= {lv.same_as})" if lv.same_as else "")
+        path.add_row(label, lv.maths.get("matmul", "native"), f"{lv.losses[-1]:.6g}" if lv.losses else "-",
+                     fmt(lv.drift if lv.failure is None else None),
+                     f"{lv.multiple:.1f}x" if math.isfinite(lv.multiple) else "-", diverges, verdict)
+        state.add_row(label, inert(short_name(worst.name, 30)) if worst else "-",
+                      fmt(worst.normwise if worst else None), f"{worst.cosine:.8f}" if worst else "-",
+                      fmt(lv.weights[0].normwise if lv.weights else None), fmt(lv.optimizer_state))
+    yield path
+    yield state
+    shown = rows(report)
+    names = [e.name for e in report.floor.layers]
+    if names:
+        ranked = sorted(names, key=lambda n: -max((_introduced(lv, n) for lv in shown[1:]), default=0.0))
+        layers = Table(title="step 1: error each module's own backward introduces (normwise)", title_justify="left")
+        layers.add_column("module")
+        layers.add_column("kind")
+        for lv in shown:
+            layers.add_column(_label(lv), justify="right")
+        for name in ranked[:TOP]:
+            kind = next(e.kind for e in report.floor.layers if e.name == name)
+            layers.add_row(inert(short_name(name)), inert(kind), *[fmt(_introduced(lv, name)) for lv in shown])
+        yield layers
+    for lv in report.levels:
+        if lv.failure is not None and lv.same_as is None:
+            yield Text(f"{lv.level}: step {lv.failed_step} raised or went non-finite: {inert(lv.failure)}",
+                       style="bold red")
+        if lv.unhandled:
+            ops = ", ".join(f"{op} x{n}" for op, n in lv.unhandled.items())
+            yield Text(f"{lv.level}: ran without emulation (unhandled): {inert(ops)}", style="bold yellow")
+    for note in report.notes:
+        yield Text(inert(note), style="dim")
+
+
+def _introduced(lv: TrainingLevel, name: str) -> float:
+    found = next((e.introduced for e in lv.layers if e.name == name), math.nan)
+    return -math.inf if math.isnan(found) else found
+
+
+# -- HTML -------------------------------------------------------------------------------------------------------
+def _y(value: float, hi: int) -> float:
+    if not math.isfinite(value) or value >= 10.0**hi:
+        return 10.0
+    value = math.log10(max(value, 10.0**LOG_LO))
+    return 10 + (PLOT_H - 30) * (hi - value) / (hi - LOG_LO)
+
+
+def loss_chart(report: TrainingReport) -> dict[str, Any]:
+    """Each row's deviation from float64's loss per step, on a log axis; the tolerance as a line."""
+    shown = rows(report)
+    finite = [d for lv in shown for d in lv.deviations if math.isfinite(d) and d > 0]
+    hi = max(0, math.ceil(math.log10(max([*finite, report.tolerance * 10]))))
+    steps = max(report.steps, 2)
+
+    def x(step: int) -> float:
+        return 50 + (PLOT_W - 70) * (step - 1) / (steps - 1)
+
+    lines = []
+    for lv in shown:
+        points = " ".join(f"{x(k + 1):.1f},{_y(d, hi):.1f}" for k, d in enumerate(lv.deviations))
+        lines.append({"label": _label(lv), "points": points, "dashed": lv.level == "float32",
+                      "color": FLOOR_COLOR if lv.level == "float32" else COLORS.get(lv.level, "#9467bd"),
+                      "failed_x": x(lv.failed_step) if lv.failed_step else None})
+    yticks = [{"y": _y(10.0**e, hi), "label": f"1e{e}"} for e in range(LOG_LO, hi + 1, 2)]
+    xticks = [{"x": x(s), "label": str(s)} for s in sorted({1, (steps + 1) // 2, steps})]
+    return {"w": PLOT_W, "h": PLOT_H, "lines": lines, "yticks": yticks, "xticks": xticks,
+            "tol_y": _y(report.tolerance, hi)}
+
+
+def layer_chart(report: TrainingReport) -> dict[str, Any]:
+    """One bar per row and module: the error its own backward introduces at step 1 (log axis)."""
+    shown = rows(report)
+    names = sorted((e.name for e in report.floor.layers),
+                   key=lambda n: -max((_introduced(lv, n) for lv in shown[1:]), default=0.0))[:25]
+    bar_h, gap, plot_w = 7, 8, 480
+    group = bar_h * len(shown) + gap
+
+    def w(value: float) -> float:
+        if math.isnan(value) or value <= 10.0**LOG_LO:
+            return 0.0
+        return plot_w * min(1.0, (math.log10(value) - LOG_LO) / (0 - LOG_LO))
+
+    groups = []
+    for i, name in enumerate(names):
+        bars = []
+        for j, lv in enumerate(shown):
+            value = next((e.introduced for e in lv.layers if e.name == name), math.nan)
+            bars.append({"y": 20 + i * group + j * bar_h, "w": w(value), "title": f"{_label(lv)}: {fmt(value)}",
+                         "color": FLOOR_COLOR if lv.level == "float32" else COLORS.get(lv.level, "#9467bd")})
+        groups.append({"name": name, "y": 20 + i * group + group / 2, "bars": bars})
+    ticks = [{"x": w(10.0**e), "label": f"1e{e}"} for e in range(LOG_LO, 1, 2)]
+    return {"groups": groups, "plot_w": plot_w, "label_w": 260, "bar_h": bar_h - 1, "ticks": ticks,
+            "height": 40 + len(names) * group}
+
+
+def html(report: TrainingReport) -> str:
+    from tf32lab.report.training import FLOOR_MULTIPLE, TRAINING_SCHEMA_VERSION
+
+    return TEMPLATES.get_template("training.html.j2").render(
+        report=report, rows=[report.floor, *report.levels], loss=loss_chart(report), layers=layer_chart(report),
+        label=_label, top=TOP, inf=math.inf, floor_multiple=FLOOR_MULTIPLE, schema_version=TRAINING_SCHEMA_VERSION)

@@ -1,0 +1,154 @@
+"""Training workloads: a model, its batches, a loss and an optimizer factory (what ``check_training`` runs).
+
+A training workload says how one step goes: the batch of step ``k`` (from a sequence, or a ``step -> batch``
+function), the model called on it (``inputs(batch)``, by default the batch itself: ``model(*batch)`` for a tuple,
+``model(**batch)`` for a dict, else ``model(batch)``), the loss of the output (``loss(output, batch)``; a Hugging
+Face output's own ``.loss`` when no loss is given), ``backward()`` and the optimizer's step (``optimizer(params)``
+makes one; AdamW by default).
+
+Everything that can be checked without running the model is checked when the workload is made: a bad workload is
+a one-line ``Tf32LabError`` before any run.
+
+Example:
+
+    >>> import torch, tf32lab
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <...>
+    >>> data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(3)]
+    >>> w = tf32lab.TrainingWorkload(torch.nn.Linear(4, 1), data, loss=lambda out, b: (out - b[1]).pow(2).mean(),
+    ...                              inputs=lambda b: b[0], name="regression")
+    >>> w.steps, w.name
+    (3, 'regression')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from tf32lab.errors import Tf32LabError
+from tf32lab.workloads.workload import Inputs, check_float32
+
+__all__ = ["TrainingWorkload", "default_optimizer"]
+
+Batches = Union[Sequence[Any], Callable[[int], Any]]
+Loss = Callable[[Any, Any], torch.Tensor]
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW with PyTorch's defaults (lr 1e-3, weight decay 1e-2)."""
+    return torch.optim.AdamW(params)
+
+
+@dataclass
+class TrainingWorkload:
+    """What ``check_training`` runs: ``steps`` optimizer steps of ``model`` on ``batches``.
+
+    Args:
+        model: a float32 ``torch.nn.Module``; never trained itself (every run works on a copy).
+        batches: a sequence of batches (step ``k`` takes ``batches[k]``) or a function ``step -> batch``.
+        loss: ``loss(output, batch) -> scalar tensor``; without one, the output's ``.loss`` (Hugging Face models
+            given labels).
+        optimizer: ``optimizer(params) -> torch.optim.Optimizer``; by default AdamW (:func:`default_optimizer`).
+        steps: how many steps; by default ``len(batches)`` (a function needs it).
+        name: by default the model's class name.
+        inputs: ``inputs(batch)`` -> what the model is called on; by default the batch itself.
+    """
+
+    model: torch.nn.Module
+    batches: Batches
+    loss: Optional[Loss] = None
+    optimizer: Optional[OptimizerFactory] = None
+    steps: Optional[int] = None
+    name: Optional[str] = None
+    inputs: Optional[Callable[[Any], Inputs]] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, torch.nn.Module):
+            raise Tf32LabError(f"a training workload's model must be a torch.nn.Module, not "
+                               f"{type(self.model).__name__}")
+        is_sequence = isinstance(self.batches, Sequence) and not isinstance(self.batches, (str, bytes))
+        if not is_sequence and not callable(self.batches):
+            raise Tf32LabError(f"a training workload's batches must be a sequence of batches or a function step -> "
+                               f"batch, not {type(self.batches).__name__}")
+        for what in ("loss", "optimizer", "inputs"):
+            value = getattr(self, what)
+            if value is not None and not callable(value):
+                raise Tf32LabError(f"a training workload's {what} must be callable, not {type(value).__name__}")
+        if is_sequence and not len(self.batches):
+            raise Tf32LabError("a training workload's batches are empty: give at least one batch")
+        if self.steps is None:
+            if not is_sequence:
+                raise Tf32LabError("a training workload whose batches come from a function needs steps= (how many "
+                                   "steps to run)")
+            self.steps = len(self.batches)
+        self.steps = check_steps(self.steps)
+        if is_sequence and self.steps > len(self.batches):
+            raise Tf32LabError(f"a training workload of {len(self.batches)} batches cannot run {self.steps} steps; "
+                               f"give more batches or a function step -> batch")
+        if self.name is None:
+            self.name = type(self.model).__name__
+        check_float32(self.model, self.name)
+        if not any(p.requires_grad for p in self.model.parameters()):
+            raise Tf32LabError(f"training workload {self.name!r}: the model has no parameter that requires grad: "
+                               f"nothing to train")
+
+    @property
+    def available(self) -> Optional[int]:
+        """How many batches there are (None: a function, any step)."""
+        return None if callable(self.batches) and not isinstance(self.batches, Sequence) else len(self.batches)
+
+    def batch(self, step: int) -> Any:
+        """The batch of ``step`` (0-based)."""
+        if self.available is None:
+            return self.batches(step)
+        return self.batches[step]
+
+    def run(self, model: torch.nn.Module, batch: Any) -> Any:
+        """``model`` called on ``batch`` (through ``inputs`` when given)."""
+        inputs = batch if self.inputs is None else self.inputs(batch)
+        if isinstance(inputs, Mapping):
+            return model(**inputs)
+        if isinstance(inputs, tuple):
+            return model(*inputs)
+        return model(inputs)
+
+    def loss_of(self, output: Any, batch: Any) -> torch.Tensor:
+        """The step's loss: ``loss(output, batch)``, or the output's ``.loss``; a one-line error for anything but
+        a real scalar tensor."""
+        if self.loss is not None:
+            value = self.loss(output, batch)
+        else:
+            value = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+            if value is None:
+                raise Tf32LabError(f"training workload {self.name!r}: no loss= given and the model's output "
+                                   f"({type(output).__name__}) has no .loss; give loss=lambda output, batch: ...")
+        if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
+            what = type(value).__name__ if not isinstance(value, torch.Tensor) else \
+                f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+            raise Tf32LabError(f"training workload {self.name!r}: the loss must be a floating scalar tensor, not "
+                               f"{what}")
+        if not value.requires_grad:
+            raise Tf32LabError(f"training workload {self.name!r}: the loss does not depend on any parameter "
+                               f"(no grad): nothing to train")
+        return value.reshape(())
+
+    def make_optimizer(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """A fresh optimizer over ``params`` (the workload's factory, or AdamW)."""
+        factory = self.optimizer or default_optimizer
+        made = factory(params)
+        if not isinstance(made, torch.optim.Optimizer):
+            raise Tf32LabError(f"training workload {self.name!r}: optimizer(params) returned a "
+                               f"{type(made).__name__}, not a torch.optim.Optimizer")
+        return made
+
+
+def check_steps(steps: Any) -> int:
+    """A step count: a whole number >= 1 (a one-line error naming the value otherwise)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise Tf32LabError(f"steps must be a whole number >= 1, not {steps!r}")
+    return steps
