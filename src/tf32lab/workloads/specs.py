@@ -31,6 +31,7 @@ import torch
 
 from tf32lab.errors import Tf32LabError
 from tf32lab.workloads import builtin
+from tf32lab.workloads.training import TrainingWorkload
 from tf32lab.workloads.workload import Workload
 
 __all__ = ["default_spec", "load"]
@@ -48,8 +49,10 @@ def _installed(module: str) -> bool:
         return False
 
 
-def load(spec: Optional[str] = None) -> Workload:
+def load(spec: Optional[str] = None, *, training: Optional[bool] = False) -> Any:
     """The workload a spec string names (see the module's docstring); ``Tf32LabError`` with one line if it cannot.
+    With ``training``, the factory must return a :class:`~tf32lab.TrainingWorkload` (``check --train``); without,
+    a :class:`~tf32lab.Workload` (a training workload is refused with the flag to use); None: either.
 
     >>> from tf32lab.workloads import specs
     >>> specs.load("no.such.module:make")
@@ -57,6 +60,19 @@ def load(spec: Optional[str] = None) -> Workload:
     ...
     tf32lab.errors.Tf32LabError: workload 'no.such.module:make': no module named 'no'
     """
+    made = _load(spec)
+    if training is None:
+        return made
+    if training and not isinstance(made, TrainingWorkload):
+        raise Tf32LabError(f"workload {made.name!r}: --train needs a factory that returns a tf32lab.TrainingWorkload "
+                           f"(model, batches, loss, optimizer), not a forward workload")
+    if not training and isinstance(made, TrainingWorkload):
+        raise Tf32LabError(f"workload {made.name!r} is a training workload (tf32lab.TrainingWorkload): check it with "
+                           f"--train")
+    return made
+
+
+def _load(spec: Optional[str]) -> Any:
     spec = default_spec() if spec is None else spec
     if not isinstance(spec, str) or not spec.strip():
         raise Tf32LabError(f"empty workload spec {spec!r}; accepted: minilm, builtin, hf:FOLDER, module:factory, "
@@ -151,8 +167,8 @@ def _import_file(spec: str, path: str) -> Any:
     return module
 
 
-def _as_workload(spec: str, made: Any, default_name: str) -> Workload:
-    if isinstance(made, Workload):
+def _as_workload(spec: str, made: Any, default_name: str) -> Any:
+    if isinstance(made, (Workload, TrainingWorkload)):
         return made
     if isinstance(made, tuple) and len(made) == 2 and not isinstance(made[0], torch.nn.Module):
         raise Tf32LabError(
@@ -167,5 +183,5 @@ def _as_workload(spec: str, made: Any, default_name: str) -> Workload:
         name = os.path.basename(spec.rpartition(":")[0]).removesuffix(".py") + f":{default_name}"
         return Workload(model, inputs, name=name)
     raise Tf32LabError(
-        f"workload {spec!r}: the factory returned a {type(made).__name__}; accepted: a tf32lab.Workload or a "
-        f"(model, inputs) pair")
+        f"workload {spec!r}: the factory returned a {type(made).__name__}; accepted: a tf32lab.Workload, a "
+        f"(model, inputs) pair or a tf32lab.TrainingWorkload")

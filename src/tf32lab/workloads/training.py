@@ -128,8 +128,8 @@ class TrainingWorkload:
                 raise Tf32LabError(f"training workload {self.name!r}: no loss= given and the model's output "
                                    f"({type(output).__name__}) has no .loss; give loss=lambda output, batch: ...")
         if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
-            what = type(value).__name__ if not isinstance(value, torch.Tensor) else \
-                f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+            what = type(value).__name__ if not isinstance(value, torch.Tensor) else (
+                f"a tensor of shape {tuple(value.shape)}" if value.is_floating_point() else f"a {value.dtype} tensor")
             raise Tf32LabError(f"training workload {self.name!r}: the loss must be a floating scalar tensor, not "
                                f"{what}")
         if not value.requires_grad:

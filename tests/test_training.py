@@ -1,0 +1,337 @@
+"""`check_training` and `tf32lab check --train`: training at each level against float64 and float32's own drift."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+import tf32lab
+from tf32lab import Policy, TrainingWorkload, check_training
+from tf32lab.control import flags
+from tf32lab.errors import Tf32LabError
+from tf32lab.report.training import training_schema
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mse(out, batch):
+    return (out - batch[1]).pow(2).mean()
+
+
+def regression(steps: int = 6, model: torch.nn.Module | None = None, **kwargs) -> TrainingWorkload:
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(64, 32, generator=g), torch.randn(64, 1, generator=g)) for _ in range(steps)]
+    torch.manual_seed(0)
+    model = model or torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    return TrainingWorkload(model, data, loss=mse, inputs=lambda b: b[0], name="regression", **kwargs)
+
+
+class Offset(torch.nn.Module):
+    """TF32 breaks it: the input rides on an offset that the product takes away again, so the gradient of `lin` is
+    a difference of two large, TF32-rounded products."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16, bias=False)
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(self.lin(x + 1000.0) - self.lin(torch.full_like(x, 1000.0)))
+
+
+def offset_batches(step: int):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(32, 16, generator=g)
+    return x, x.sum(-1, keepdim=True)
+
+
+class Kernel(torch.nn.Module):
+    """An RBF kernel matrix of the batch's points, factored by Cholesky (its log-determinant is the loss). The
+    squared distances come from |x|^2 + |y|^2 - 2 x.y, whose product TF32 rounds: on points far from the origin
+    (from step 3 on) the matrix is no longer positive definite under TF32, and float32 has 1000x margin."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log_scale = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, x):
+        sq = (x * x).sum(-1)
+        d = sq[:, None] + sq[None, :] - 2 * (x @ x.T)
+        k = torch.exp(-d.clamp_min(0) * torch.exp(self.log_scale)) + 1e-2 * torch.eye(len(x))
+        return torch.linalg.cholesky(k).diagonal().log().sum()
+
+
+def kernel_batches(step: int):
+    g = torch.Generator().manual_seed(step)
+    return torch.rand(64, 2, generator=g) + (8.0 if step >= 2 else 0.0)
+
+
+def kernel_workload(**kwargs) -> TrainingWorkload:
+    return TrainingWorkload(Kernel(), kernel_batches, loss=lambda out, batch: -out, steps=5,
+                            optimizer=lambda p: torch.optim.SGD(p, lr=1e-3), **kwargs)
+
+
+# -- what the rows say ------------------------------------------------------------------------------------------
+def test_a_level_computed_as_highest_is_float32s_own_path_exactly():
+    report = check_training(regression(), levels=("highest", "high"), target="cpu")
+    high, floor = report.level("high"), report.floor
+    assert high.same_as == "highest" and report.level("highest").same_as is None
+    assert high.deviations == floor.deviations and high.losses == floor.losses
+    assert high.multiple == 1.0 and high.passed
+    assert [g.normwise for g in high.gradients] == [g.normwise for g in floor.gradients]
+    # float32's own drift is real but small: the floor is measured, not assumed to be zero
+    assert 0 < floor.drift < 1e-5 and floor.gradients[0].normwise < 1e-5
+
+
+def test_identical_runs_give_identical_reports():
+    first = check_training(regression(), levels=("highest", "high"), target="a100")
+    again = check_training(regression(), levels=("highest", "high"), target="a100")
+    for a, b in zip((first.floor, *first.levels), (again.floor, *again.levels)):
+        assert a.losses == b.losses and a.gradients == b.gradients and a.layers == b.layers
+    assert first.reference_losses == again.reference_losses
+
+
+def test_tf32_moves_gradients_state_and_loss_by_its_own_rounding_and_passes():
+    report = check_training(regression(), levels=("highest", "high"), target="a100")
+    high, floor = report.level("high"), report.floor
+    assert high.passed and report.passed
+    assert 1e-5 < high.gradients[0].normwise < 1e-2 and floor.gradients[0].normwise < 1e-5
+    assert 0.999 < high.gradients[0].cosine <= 1.0
+    assert high.weights and high.weights[0].normwise > floor.weights[0].normwise
+    assert high.optimizer_state > floor.optimizer_state > 0  # AdamW's moments
+    assert {e.name for e in high.layers} == {"0", "2"}
+    assert all(e.introduced > 1e-5 for e in high.layers) and all(e.introduced < 1e-6 for e in floor.layers)
+    assert high.coverage == {"aten::addmm tf32-rna": 12, "aten::mm tf32-rna": 18}
+    assert report.conclusion()[0].startswith("TF32 (`high`) is safe for training regression for 6 steps on a100")
+
+
+def test_gradients_that_tf32_ruins_diverge_at_a_step_and_fail():
+    torch.manual_seed(0)
+    workload = TrainingWorkload(Offset(), offset_batches, loss=mse, inputs=lambda b: b[0], steps=20,
+                                optimizer=lambda p: torch.optim.SGD(p, lr=1e-2), name="offset")
+    report = check_training(workload, levels=("highest", "high"), target="a100")
+    high = report.level("high")
+    assert report.level("highest").passed and not high.passed and not report
+    assert high.divergence_step is not None and high.divergence_step > 1  # worse over the steps, not at once
+    assert high.multiple > 100 and high.gradients[0].name == "lin.weight" and high.gradients[0].normwise > 1e-2
+    assert high.failure is None
+    text = " ".join(report.conclusion())
+    assert f"diverges at step {high.divergence_step} on a100" in text
+    assert "gradients of 'lin.weight' are off by" in text and 'Policy("high", [("lin", "highest")])' in text
+    assert f"FAILED | level 'high' | training 20 steps | diverges at step {high.divergence_step}" in str(report)
+
+
+def test_a_step_that_raises_only_under_tf32_fails_its_level_at_that_step():
+    report = check_training(kernel_workload(name="kernel"), levels=("highest", "high"), target="a100")
+    high = report.level("high")
+    assert report.floor.failure is None and report.level("highest").passed
+    assert not high.passed and high.failed_step == 3 and high.failure.startswith("LinAlgError: linalg.cholesky")
+    assert high.losses and len(high.losses) == 2 and high.weights == () and high.drift == float("inf")
+    assert report.conclusion()[0].startswith("TF32 (`high`) fails at step 3 on a100: LinAlgError")
+    assert "FAILED | level 'high' | training 5 steps | step 3: LinAlgError" in str(report)
+
+
+def test_dropout_draws_the_same_masks_in_every_row():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(128, 1))
+    first = check_training(regression(model=model), levels=("highest", "high"), target="a100")
+    # float32 follows float64 closely: with other masks the two paths would be as far apart as two batches
+    assert first.floor.drift < 1e-5 and first.floor.gradients[0].normwise < 1e-5
+    again = check_training(regression(model=model), levels=("highest", "high"), target="a100")
+    assert again.level("high").losses == first.level("high").losses
+
+
+def test_a_policy_row_changes_only_the_pinned_modules_backward():
+    class ValueModel(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh())
+            self.v_head = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+        def forward(self, x):
+            return self.v_head(self.body(x))
+
+    torch.manual_seed(0)
+    policy = Policy("high", [("v_head", "highest")])
+    report = check_training(regression(model=ValueModel()), levels=("highest", "high"), policy=policy)
+    row, high, floor = report.level("policy"), report.level("high"), report.floor
+    assert row.policy == dict(policy.to_dict(), base="high") and row.maths["matmul"] == "mixed"
+    introduced = {lv.level: {e.name: e.introduced for e in lv.layers} for lv in (row, high, floor)}
+    for name in ("v_head.0", "v_head.2"):  # the pinned modules compute their backward as float32 does
+        assert introduced["policy"][name] == introduced["float32"][name] < 1e-6
+    assert introduced["policy"]["body.0"] == introduced["high"]["body.0"] > 1e-5  # the rest as at `high`
+    # per op: the head's products (forward and backward) IEEE, the body's TF32
+    assert {key.split()[1] for key in row.coverage} == {"ieee", "tf32-rna"}
+    assert report.passed == row.passed
+
+
+# -- nothing of the caller's changes --------------------------------------------------------------------------------
+class Interrupt(Exception):
+    pass
+
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, Interrupt])
+def test_everything_is_as_it_was_after_an_exception_inside_a_step(raised):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.1),
+                                torch.nn.Linear(16, 1))
+    model.eval()
+    model[1].train()  # mixed modes, kept exactly
+    calls = []
+
+    def batches(step: int):
+        calls.append(step)
+        if len(calls) == 3 + 1 + 3 + 2:  # step 2 at `high` (after float64, step 1's backward, float32)
+            raise raised("stop")
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+
+    workload = TrainingWorkload(model, batches, loss=mse, inputs=lambda b: b[0], steps=3)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    modes = [m.training for m in model.modules()]
+    before, rng = flags.snapshot(), torch.get_rng_state()
+    if raised is KeyboardInterrupt:
+        with pytest.raises(KeyboardInterrupt):
+            check_training(workload, levels=("highest", "high"), target="a100")
+    else:  # the workload's own exception in a step is that level's finding
+        high = check_training(workload, levels=("highest", "high"), target="a100").level("high")
+        assert not high.passed and high.failed_step == 2 and high.failure == "Interrupt: stop"
+    assert flags.snapshot() == before and torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert [m.training for m in model.modules()] == modes
+    assert tf32lab.get_float32_matmul_precision() == "highest"
+
+
+def test_the_callers_model_and_random_state_are_untouched_by_a_whole_check():
+    workload = regression()
+    state = {k: v.clone() for k, v in workload.model.state_dict().items()}
+    rng = torch.get_rng_state()
+    check_training(workload, levels=("high",))
+    assert all(torch.equal(v, state[k]) for k, v in workload.model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng) and workload.model.training
+
+
+def test_a_hugging_face_output_supplies_its_own_loss():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64, num_labels=3)
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config)
+    g = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, 100, (8, 12), generator=g),
+                "labels": torch.randint(0, 3, (8,), generator=g)} for _ in range(2)]
+    report = check_training(TrainingWorkload(model, batches), levels=("highest", "high"))
+    assert report.passed and len(report.reference_losses) == 2
+    assert report.level("high").gradients and report.level("high").coverage
+
+
+# -- bad input: one line, before any run ----------------------------------------------------------------------------
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"model": "model"}, "model must be a torch.nn.Module, not str"),
+    ({"batches": 3}, "batches must be a sequence of batches or a function step -> batch, not int"),
+    ({"batches": []}, "batches are empty"),
+    ({"loss": 1.0}, "loss must be callable, not float"),
+    ({"optimizer": "adam"}, "optimizer must be callable, not str"),
+    ({"steps": 0}, "steps must be a whole number >= 1, not 0"),
+    ({"steps": 9}, "of 1 batches cannot run 9 steps"),
+    ({"batches": lambda step: step}, "needs steps="),
+    ({"model": torch.nn.Linear(2, 1).double()}, "holds float64 tensors"),
+])
+def test_a_bad_training_workload_is_one_line(kwargs, message):
+    args = {"model": torch.nn.Linear(2, 1), "batches": [torch.ones(1, 2)], **kwargs}
+    with pytest.raises(Tf32LabError, match=message) as info:
+        TrainingWorkload(**args)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("loss", "message"), [
+    (lambda out, batch: out, r"the loss must be a floating scalar tensor, not a tensor of shape \(4, 1\)"),
+    (lambda out, batch: 1.0, "the loss must be a floating scalar tensor, not float"),
+    (lambda out, batch: out.sum().detach(), "the loss does not depend on any parameter"),
+    (None, r"no loss= given and the model's output \(Tensor\) has no .loss"),
+])
+def test_a_bad_loss_is_one_line_and_nothing_ran_in_float32(loss, message):
+    workload = TrainingWorkload(torch.nn.Linear(2, 1), [torch.ones(4, 2)], loss=loss)
+    with pytest.raises(Tf32LabError, match=message):
+        check_training(workload)
+
+
+def test_bad_arguments_to_check_training():
+    with pytest.raises(Tf32LabError, match=r"takes a tf32lab\.TrainingWorkload, not Workload"):
+        check_training(tf32lab.Workload(torch.nn.Linear(2, 1), torch.ones(1, 2)))
+    with pytest.raises(Tf32LabError, match=r"steps=7, but training workload 'regression' has 6 batches"):
+        check_training(regression(), steps=7)
+    with pytest.raises(Tf32LabError, match="tolerance is one number >= 0"):
+        check_training(regression(), tolerance=float("nan"))
+    with pytest.raises(Tf32LabError, match="unknown level"):
+        check_training(regression(), levels=("fast",))
+    with pytest.raises(Tf32LabError, match=r"fails in float64"):
+        check_training(TrainingWorkload(torch.nn.Linear(2, 1), [torch.ones(4, 3)], loss=lambda o, b: o.sum()))
+
+
+# -- the report's forms ---------------------------------------------------------------------------------------------
+def test_the_json_follows_its_schema_and_the_html_draws_the_paths(tmp_path):
+    torch.manual_seed(0)
+    report = check_training(kernel_workload(name="<b>kernel</b>"), levels=("highest", "high"),
+                            policy=Policy("high", []))
+    data = json.loads(report.to_json(tmp_path / "r.json"))
+    jsonschema.validate(data, training_schema())
+    assert data["kind"] == "training" and data["levels"][1]["failed_step"] == 3 and data["passed"] is False
+    assert data["levels"][1]["drift"] == "inf"
+    page = report.to_html()
+    assert "&lt;b&gt;kernel&lt;/b&gt;" in page and "<b>kernel</b>" not in page
+    assert page.index(report.conclusion()[0][:30]) < page.index("<svg")  # the conclusion at the top
+    assert page.count("<polyline") == 3  # float32, high, the policy
+
+
+CLI_MODEL = textwrap.dedent("""
+    import torch, tf32lab
+    from test_training import Kernel, kernel_workload, regression
+
+    def good():
+        return regression()
+
+    def kernel():
+        return kernel_workload(name="kernel")
+
+    def forward():
+        return tf32lab.Workload(torch.nn.Linear(2, 1), torch.ones(1, 2))
+""")
+
+
+def _cli(tmp_path, *args):
+    (tmp_path / "trainmodel.py").write_text(CLI_MODEL)
+    env = {"PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'tests'}", "PATH": "/usr/bin:/bin"}
+    return subprocess.run([sys.executable, "-m", "tf32lab", "check", *args], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=300)
+
+
+def test_cli_check_train_exit_codes_and_outputs(tmp_path):
+    ok = _cli(tmp_path, "trainmodel.py:good", "--train", "--levels", "highest,high", "--steps", "3",
+              "--json", "out.json", "--html", "out.html")
+    assert ok.returncode == 0, ok.stderr
+    assert "PASSED | level 'high' | training 3 steps" in ok.stdout and "is safe for training" in ok.stdout
+    jsonschema.validate(json.loads((tmp_path / "out.json").read_text()), training_schema())
+    assert (tmp_path / "out.html").read_text().count("<polyline") == 2
+    failed = _cli(tmp_path, "trainmodel.py:kernel", "--train", "--levels", "highest,high", "--json", "-")
+    assert failed.returncode == 1 and json.loads(failed.stdout)["levels"][1]["failed_step"] == 3
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["trainmodel.py:forward", "--train"], "--train needs a factory that returns a tf32lab.TrainingWorkload"),
+    (["trainmodel.py:good"], "is a training workload (tf32lab.TrainingWorkload): check it with --train"),
+    (["trainmodel.py:good", "--train", "--steps", "0"], "bad number of steps '0'"),
+    (["trainmodel.py:forward", "--steps", "3"], "--steps 3 goes with --train"),
+    (["--train"], "--train needs a spec"),
+])
+def test_cli_check_train_bad_input_is_exit_2_in_one_line(tmp_path, args, message):
+    done = _cli(tmp_path, *args)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
