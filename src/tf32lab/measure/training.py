@@ -322,10 +322,12 @@ class _Attribution:
             for handle in handles:
                 handle.remove()
         self.calls: dict[str, tuple[Any, Any, dict[str, torch.Tensor], list[torch.Tensor]]] = {}
-        for name, (args, kwargs, grads, count) in calls.items():
-            if count[0] > 1:
-                self.notes.append(f"module {name!r} runs {count[0]} times a step: its backward is measured at its "
-                                  f"first call")
+        again = [name for name, (_, _, _, count) in calls.items() if count[0] > 1]
+        if again:
+            names = ", ".join(repr(n) for n in again[:3]) + (" …" if len(again) > 3 else "")
+            self.notes.append(f"{len(again)} module(s) run more than once a step ({names}): the backward of each is "
+                              f"measured at its first call")
+        for name, (args, kwargs, grads, _) in calls.items():
             if not grads:
                 continue
             module = model.get_submodule(name)
