@@ -294,13 +294,18 @@ def test_the_json_follows_its_schema_and_the_html_draws_the_paths(tmp_path):
 
 CLI_MODEL = textwrap.dedent("""
     import torch, tf32lab
-    from test_training import Kernel, kernel_workload, regression
+    from test_training import Offset, kernel_workload, mse, offset_batches, regression
 
     def good():
         return regression()
 
     def kernel():
         return kernel_workload(name="kernel")
+
+    def offset():
+        torch.manual_seed(0)
+        return tf32lab.TrainingWorkload(Offset(), offset_batches, loss=mse, inputs=lambda b: b[0], steps=20,
+                                        optimizer=lambda p: torch.optim.SGD(p, lr=1e-2), name="offset")
 
     def forward():
         return tf32lab.Workload(torch.nn.Linear(2, 1), torch.ones(1, 2))
@@ -335,3 +340,34 @@ def test_cli_check_train_exit_codes_and_outputs(tmp_path):
 def test_cli_check_train_bad_input_is_exit_2_in_one_line(tmp_path, args, message):
     done = _cli(tmp_path, *args)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+
+
+# -- tune ------------------------------------------------------------------------------------------------------------
+def test_tune_pins_the_module_whose_gradients_tf32_ruins_and_trains_it():
+    torch.manual_seed(0)
+    workload = TrainingWorkload(Offset(), offset_batches, loss=mse, inputs=lambda b: b[0], steps=20,
+                                optimizer=lambda p: torch.optim.SGD(p, lr=1e-2), name="offset")
+    tuning = tf32lab.tune(workload, target="a100")
+    assert tuning.passed and tuning.pinned == ("lin",) and tuning.level is None
+    assert tuning.policy.to_dict()["rules"] == [{"pattern": "lin", "level": "highest"}]
+    assert [c.passed for c in tuning.candidates] == [True]
+    assert tuning.report.policy_row is not None and tuning.report.policy_row.passed
+    assert not tuning.report.level("high").passed
+    assert "with 'lin' at `highest` training passes on a100" in tuning.advice()[0]
+    assert json.loads(tuning.to_json())["candidates"][0]["pinned"] == ["lin"]
+
+
+def test_tune_keeps_a_level_that_trains_within_tolerance():
+    tuning = tf32lab.tune(regression(steps=3), target="a100")
+    assert tuning.passed and tuning.level == "high" and tuning.candidates == ()
+    assert tuning.runs == 2  # the floor and `high` (medium computes as high on an A100)
+
+
+def test_tune_cli_train_writes_the_policy(tmp_path):
+    (tmp_path / "trainmodel.py").write_text(CLI_MODEL)
+    env = {"PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'tests'}", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-m", "tf32lab", "tune", "trainmodel.py:offset", "--train", "--out",
+                           "policy.json"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "policy.json").read_text())["rules"] == [{"pattern": "lin", "level": "highest"}]
+    assert "high, pinned: lin" in done.stdout

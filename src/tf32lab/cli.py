@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--out", metavar="PATH", help="write the policy found (JSON, or TOML for .toml)")
     tune.add_argument("--json", metavar="PATH", help="write the search and its result as JSON; '-' for stdout")
     tune.add_argument("--html", metavar="PATH", help="write the search as a self-contained HTML page")
+    tune.add_argument("--train", action="store_true",
+                      help="tune training: the spec's factory returns a tf32lab.TrainingWorkload; every candidate is "
+                           "trained against float64 and float32's own drift (check --train)")
+    tune.add_argument("--steps", type=_steps, default=None, help="with --train: how many steps")
     tune.add_argument("--debug", action="store_true", help="show tracebacks")
     tune.set_defaults(run=_tune)
     speed = sub.add_parser(
@@ -377,15 +381,25 @@ def _tune(args: argparse.Namespace) -> int:
     from tf32lab.machine.hardware import resolve_target
     from tf32lab.workloads import specs
 
-    target = resolve_target(args.target, speed=True)  # before the workload loads
+    target = resolve_target(args.target, speed=not args.train)  # before the workload loads
     _outputs(args, "--out", "--json", "--html", reads=(("the spec", _spec_file(args.spec)),))
     if args.out == "-" or args.html == "-":
         raise Tf32LabError("--out and --html write files; '-' is for --json only")
+    if args.steps is not None and not args.train:
+        raise Tf32LabError(f"--steps {args.steps} goes with --train (the number of training steps)")
+    if args.train and args.spec is None:
+        raise Tf32LabError("--train needs a spec: a factory that returns a tf32lab.TrainingWorkload")
     spec = args.spec or specs.default_spec()
-    loaded = specs.load(spec)
-    from tf32lab.decide.tune import tune
+    loaded = specs.load(spec, training=args.train)
+    if args.train:
+        from tf32lab.decide.tune_training import tune_training
 
-    tuning = tune(loaded, target=target, tolerance=args.tolerance, progress=sys.stderr.isatty())
+        tuning = tune_training(loaded, target=target, tolerance=args.tolerance, steps=args.steps,
+                               progress=sys.stderr.isatty())
+    else:
+        from tf32lab.decide.tune import tune
+
+        tuning = tune(loaded, target=target, tolerance=args.tolerance, progress=sys.stderr.isatty())
     if args.out and tuning.policy is not None:
         import dataclasses
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Union
 
 from tf32lab.control.policy import Policy
+from tf32lab.decide.tune_training import TrainingTuning, tune_training
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import LEVELS, check_levels
 from tf32lab.know.targets import Target
@@ -45,6 +46,7 @@ from tf32lab.numbers.metrics import OutputError, tolerances_of
 from tf32lab.report import Document, LevelResult, Report
 from tf32lab.report.conclusion import nondeterministic, unmeasured
 from tf32lab.workloads.running import Progress, changed_note, environment_of, kept_flags, refuse_applied
+from tf32lab.workloads.training import TrainingWorkload
 from tf32lab.workloads.workload import Workload
 
 __all__ = ["Candidate", "Tuning", "tune"]
@@ -170,15 +172,23 @@ def _pattern(name: str) -> str:
     return "".join(f"[{c}]" if c in "*?[" else c for c in name)
 
 
-def tune(workload: Workload, *, target: Union[str, Target] = "a100",
+def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Target] = "a100",
          tolerance: Union[float, Mapping[str, float], None] = None,
-         levels: Iterable[str] = ("high", "medium", "highest"), progress: bool = False) -> Tuning:
+         levels: Iterable[str] = ("high", "medium", "highest"), progress: bool = False
+         ) -> Union[Tuning, TrainingTuning]:
     """The fastest policy within tolerance on ``target`` (module docstring); every global setting is as it was
     afterwards. Raises ``Tf32LabError`` for bad input, a target without a speed model, or a model that raises at
-    the float64 reference.
+    the float64 reference. A :class:`~tf32lab.TrainingWorkload` is tuned by its training
+    (``tf32lab.decide.tune_training``: the fastest policy whose training passes, every candidate trained).
     """
+    if isinstance(workload, TrainingWorkload):  # the fastest policy whose training passes
+        if tolerance is not None and not isinstance(tolerance, (int, float)):
+            raise Tf32LabError(f"tune() of a training workload takes one tolerance (the loss's relative "
+                               f"deviation), not {type(tolerance).__name__}")
+        return tune_training(workload, target=target, tolerance=tolerance, levels=levels, progress=progress)
     if not isinstance(workload, Workload):
-        raise Tf32LabError(f"tune() takes a tf32lab.Workload, not {type(workload).__name__}")
+        raise Tf32LabError(f"tune() takes a tf32lab.Workload or a tf32lab.TrainingWorkload, not "
+                           f"{type(workload).__name__}")
     target = resolve_target(target, speed=True)  # tune weighs predicted speed: GPU targets only
     levels = check_levels(levels)
     everything = tuple(level for level in LEVELS if level in levels or level == "highest")

@@ -64,7 +64,7 @@ from tf32lab.report.training import FLOOR, FLOOR_MULTIPLE, BackwardLayer, Parame
 from tf32lab.workloads.running import Progress, changed_note, environment_of, kept_flags, refuse_applied
 from tf32lab.workloads.training import TrainingWorkload, check_steps
 
-__all__ = ["check_training"]
+__all__ = ["TrainingSession", "check_training", "random_state_kept", "training_tolerance"]
 
 # torch.optim's optimizers whose step is element-wise (no matmul-family op), by exact type: a subclass may do more
 _ELEMENTWISE_OPTIMIZERS = frozenset(
@@ -108,17 +108,18 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     if workload.available is not None and steps > workload.available:
         raise Tf32LabError(f"steps={steps}, but training workload {workload.name!r} has {workload.available} "
                            f"batches")
-    tolerance = _tolerance(tolerance)
+    tolerance = training_tolerance(tolerance)
     refuse_applied(workload, "check")  # type: ignore[arg-type]  # it reads .model and .name
     row = PolicyRow.of(policy, workload.model) if policy is not None else None
-    with kept_flags() as changed, _random_state_kept(workload.model):
+    with kept_flags() as changed, random_state_kept(workload.model):
         report = _Training(workload, levels, target, steps, tolerance, row, progress).run()
     if changed:
         report = dataclasses.replace(report, notes=(*report.notes, changed_note(changed)))
     return report
 
 
-def _tolerance(tolerance: Optional[float]) -> float:
+def training_tolerance(tolerance: Optional[float]) -> float:
+    """The training check's tolerance: ``None`` for the default, else one finite number >= 0."""
     if tolerance is None:
         return metrics.DEFAULT_TOLERANCE
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not math.isfinite(tolerance) \
@@ -129,7 +130,7 @@ def _tolerance(tolerance: Optional[float]) -> float:
 
 
 @contextlib.contextmanager
-def _random_state_kept(model: torch.nn.Module) -> Iterator[None]:
+def random_state_kept(model: torch.nn.Module) -> Iterator[None]:
     """PyTorch's random state (CPU, and the model's CUDA devices) as it was, on every exit."""
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices):
@@ -151,63 +152,68 @@ class _Run:
     unhandled: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
-class _Training:
-    def __init__(self, workload: TrainingWorkload, levels: tuple[str, ...], target: Target, steps: int,
-                 tolerance: float, row: Optional[PolicyRow], progress: bool) -> None:
-        self.workload, self.levels, self.target, self.steps = workload, levels, target, steps
-        self.tolerance, self.row, self.progress = tolerance, row, progress
+class TrainingSession:
+    """A training workload's float64 reference, step 1's backward per module and float32's floor, run once on
+    :meth:`start`; then rows trained against them: a level (:meth:`level`) or a policy (:meth:`policy`).
+    ``check_training`` is one session; ``tune`` trains many policies in one. Rows come back judged against the
+    floor (:meth:`judged`)."""
+
+    def __init__(self, workload: TrainingWorkload, target: Target, steps: int, tolerance: float) -> None:
+        self.workload, self.target, self.steps, self.tolerance = workload, target, steps, tolerance
         self.saved = _copied(workload.model, workload.name)  # the one saved state every row starts from
         self.seed = int(torch.randint(0, 2**31 - 1, ()))  # drawn inside the kept random state: the caller's is intact
         self.names = [name for name, p in self.saved.named_parameters() if p.requires_grad]
+        self.runs = 0  # float32 rows trained
 
-    def run(self) -> TrainingReport:
-        started = time.perf_counter()
-        alike = alike_levels(("highest", *[lv for lv in self.levels if lv != "highest"]), self.target)
-        runs = 2 + sum(1 for lv in self.levels if lv != "highest" and alike[lv] is None) + (self.row is not None)
-        with Progress(self.progress, steps=runs + 1) as bar:
-            bar.step(f"{self.workload.name}: float64 reference, {self.steps} steps")
-            reference = self._train(torch.float64, None)
-            if reference.failure is not None:
-                raise Tf32LabError(f"training workload {self.workload.name!r} fails in float64, before any level "
-                                   f"ran: step {reference.failed_step}: {reference.failure}")
-            self.reference = reference
-            self.ref_grads = {n: g.double() for n, g in reference.grads.items()}
-            self.ref_params = dict(reference.model.named_parameters())
-            self.ref_state = _optimizer_state(reference.model, reference.optimizer)
-            self.ref_optimizer = reference.optimizer
-            bar.step("backward of each module at step 1, float64")
-            self.attribution = _Attribution(self.workload, self.saved, self.seed)
-            bar.step(f"float32 (highest on {self.target.name}), {self.steps} steps")
-            floor = self._row("highest", FLOOR, None)
-            rows: dict[str, TrainingLevel] = {}
-            for level in self.levels:
-                same = alike[level]
-                if level == "highest" or same == "highest":
-                    rows[level] = dataclasses.replace(floor, level=level, same_as=None if level == "highest"
-                                                      else "highest", seconds=0.0 if level != "highest"
-                                                      else floor.seconds)
-                elif same is not None:
-                    rows[level] = dataclasses.replace(rows[same], level=level, same_as=same, seconds=0.0)
-                else:
-                    bar.step(f"{level}: {self.steps} steps")
-                    rows[level] = self._row(level, level, floor)
-            results = [rows[level] for level in self.levels]
-            if self.row is not None:
-                bar.step(f"policy: {self.steps} steps")
-                results.append(self._row(self.row.base, "policy", floor))
-        floor = self._judged(floor, floor)
-        results = [self._judged(r, floor) for r in results]
+    def start(self, bar: Progress) -> TrainingLevel:
+        """The float64 reference, step 1's backward per module, then the floor (returned)."""
+        bar.step(f"{self.workload.name}: float64 reference, {self.steps} steps")
+        reference = self._train(torch.float64, None)
+        if reference.failure is not None:
+            raise Tf32LabError(f"training workload {self.workload.name!r} fails in float64, before any level "
+                               f"ran: step {reference.failed_step}: {reference.failure}")
+        self.reference = reference
+        self.ref_grads = {n: g.double() for n, g in reference.grads.items()}
+        self.ref_params = dict(reference.model.named_parameters())
+        self.ref_state = _optimizer_state(reference.model, reference.optimizer)
+        bar.step("backward of each module at step 1, float64")
+        self.attribution = _Attribution(self.workload, self.saved, self.seed)
+        bar.step(f"float32 (highest on {self.target.name}), {self.steps} steps")
+        floor = self._row("highest", FLOOR, None)
+        self.floor = self.judged(floor, floor)
+        return self.floor
+
+    def level(self, level: str) -> TrainingLevel:
+        """A row trained at ``level`` (judged)."""
+        return self.judged(self._row(level, level, None))
+
+    def policy(self, row: PolicyRow) -> TrainingLevel:
+        """A row trained with ``row``'s policy applied, at its base level (judged)."""
+        return self.judged(self._row(row.base, "policy", row))
+
+    def judged(self, row: TrainingLevel, floor: Optional[TrainingLevel] = None) -> TrainingLevel:
+        """The verdict: no failure, and within the tolerance or within FLOOR_MULTIPLE of float32's own drift."""
+        floor = floor or self.floor
+        multiple = _multiple(row.drift, floor.drift)
+        passed = row.failure is None and (row.divergence_step is None or multiple <= FLOOR_MULTIPLE)
+        return dataclasses.replace(row, multiple=multiple, passed=passed)
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        return tuple(self.attribution.notes)
+
+    def report(self, rows: Iterable[TrainingLevel], seconds: float) -> TrainingReport:
         return TrainingReport(
             workload=str(self.workload.name), target=self.target.name, steps=self.steps, tolerance=self.tolerance,
-            reference_losses=tuple(reference.losses), floor=floor, levels=tuple(results),
+            reference_losses=tuple(self.reference.losses), floor=self.floor, levels=tuple(rows),
             environment=environment_of(self.workload),  # type: ignore[arg-type]  # reads .model
-            seconds=time.perf_counter() - started, notes=tuple(self.attribution.notes),
+            seconds=seconds, notes=self.notes,
         )
 
     # -- one row ------------------------------------------------------------------------------------------------
-    def _row(self, level: str, label: str, floor: Optional[TrainingLevel]) -> TrainingLevel:
+    def _row(self, level: str, label: str, policy: Optional[PolicyRow]) -> TrainingLevel:
         started = time.perf_counter()
-        policy = self.row if label == "policy" else None
+        self.runs += 1
         cells = context_cells()
         run = self._train(torch.float32, level, policy)
         maths = {} if not self.target.emulated else (
@@ -231,12 +237,6 @@ class _Training:
             failure=run.failure, failed_step=run.failed_step,
             policy=policy.describe() if policy is not None else None,
         )
-
-    def _judged(self, row: TrainingLevel, floor: TrainingLevel) -> TrainingLevel:
-        """The verdict: no failure, and within the tolerance or within FLOOR_MULTIPLE of float32's own drift."""
-        multiple = _multiple(row.drift, floor.drift)
-        passed = row.failure is None and (row.divergence_step is None or multiple <= FLOOR_MULTIPLE)
-        return dataclasses.replace(row, multiple=multiple, passed=passed)
 
     def _train(self, dtype: torch.dtype, level: Optional[str], policy: Optional[PolicyRow] = None) -> _Run:
         """``steps`` steps of a fresh copy in ``dtype``, at ``level`` on the target (float64: no level)."""
@@ -294,6 +294,40 @@ class _Training:
         if run.failure is not None:
             run.model = run.optimizer = None
         return run
+
+
+class _Training:
+    """One check: the session, then each level (levels the target computes alike run once), then the policy."""
+
+    def __init__(self, workload: TrainingWorkload, levels: tuple[str, ...], target: Target, steps: int,
+                 tolerance: float, row: Optional[PolicyRow], progress: bool) -> None:
+        self.session = TrainingSession(workload, target, steps, tolerance)
+        self.levels, self.row, self.progress = levels, row, progress
+
+    def run(self) -> TrainingReport:
+        started = time.perf_counter()
+        session, target = self.session, self.session.target
+        alike = alike_levels(("highest", *[lv for lv in self.levels if lv != "highest"]), target)
+        runs = 2 + sum(1 for lv in self.levels if lv != "highest" and alike[lv] is None) + (self.row is not None)
+        with Progress(self.progress, steps=runs + 1) as bar:
+            floor = session.start(bar)
+            rows: dict[str, TrainingLevel] = {}
+            for level in self.levels:
+                same = alike[level]
+                if level == "highest" or same == "highest":
+                    rows[level] = dataclasses.replace(floor, level=level, same_as=None if level == "highest"
+                                                      else "highest", seconds=0.0 if level != "highest"
+                                                      else floor.seconds)
+                elif same is not None:
+                    rows[level] = dataclasses.replace(rows[same], level=level, same_as=same, seconds=0.0)
+                else:
+                    bar.step(f"{level}: {session.steps} steps")
+                    rows[level] = session.level(level)
+            results = [rows[level] for level in self.levels]
+            if self.row is not None:
+                bar.step(f"policy: {session.steps} steps")
+                results.append(session.policy(self.row))
+        return session.report(results, time.perf_counter() - started)
 
 
 # -- the first step's backward, module by module --------------------------------------------------------------

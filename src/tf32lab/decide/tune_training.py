@@ -1,0 +1,240 @@
+"""``tune(training_workload)``: the fastest policy whose training passes on a target, every candidate trained.
+
+1. **Uniform levels.** One training session (``measure.training.TrainingSession``): the float64 reference,
+   float32's floor, then each distinct reduced level, the fastest first. The fastest level whose training passes
+   is the answer.
+2. **Pins.** When the fastest reduced level ``F`` fails, the module that owns the parameter whose step-1 gradient
+   is furthest from float64's is pinned to ``highest`` (the rest at ``F``) and the policy is trained; while it
+   still fails, the module owning the worst gradient of *that* run is added, up to ``MAX_PINS`` modules. A step
+   that fails before any gradient falls back to the module whose own backward introduces the most error. The
+   first policy that passes is the answer; none within ``MAX_PINS``: the fastest uniform level that passes
+   (``highest`` when float32 itself trains).
+3. Every candidate is a full training run compared with float64 and float32's floor; none is chosen without one.
+   Fewer pins are faster (each pin runs its module's products in IEEE), so the search stops at the first pass.
+
+Example:
+
+    >>> import torch, tf32lab
+    >>> data = [(torch.randn(32, 16), torch.randn(32, 1)) for _ in range(3)]
+    >>> w = tf32lab.TrainingWorkload(torch.nn.Linear(16, 1), data, inputs=lambda b: b[0],
+    ...                              loss=lambda o, b: (o - b[1]).pow(2).mean())
+    >>> tuning = tf32lab.tune(w, target="a100")
+    >>> tuning.level, tuning.pinned, tuning.passed
+    ('high', (), True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from tf32lab.control.policy import Policy
+from tf32lab.errors import Tf32LabError
+from tf32lab.know.levels import LEVELS, check_levels
+from tf32lab.know.targets import Target
+from tf32lab.machine.hardware import resolve_target
+from tf32lab.measure.check import PolicyRow, alike_levels
+from tf32lab.measure.training import TrainingSession, random_state_kept, training_tolerance
+from tf32lab.report import Document
+from tf32lab.report.training import TrainingLevel, TrainingReport
+from tf32lab.workloads.running import Progress, changed_note, kept_flags, refuse_applied
+from tf32lab.workloads.training import TrainingWorkload, check_steps
+
+__all__ = ["MAX_PINS", "TrainingCandidate", "TrainingTuning", "tune_training"]
+
+MAX_PINS = 6  # modules pinned before the search gives up on a mixed policy
+
+
+@dataclass(frozen=True)
+class TrainingCandidate:
+    """One policy trained: the modules it pins, its verdict, its loss drift (over float32's own) and why tried."""
+
+    policy: Policy
+    pinned: tuple[str, ...]
+    passed: bool
+    multiple: float
+    failure: Optional[str]
+    why: str
+
+
+@dataclass(frozen=True)
+class TrainingTuning(Document):
+    """The result of :func:`tune` for a training workload. ``passed``: a policy whose training passes was found
+    (``policy``); ``level`` is set when it is uniform."""
+
+    workload: str
+    target: str
+    steps: int
+    passed: bool
+    policy: Optional[Policy]
+    level: Optional[str]
+    pinned: tuple[str, ...]
+    candidates: tuple[TrainingCandidate, ...]
+    runs: int  # float32 trainings, the floor included
+    seconds: float
+    reason: str
+    report: TrainingReport  # the uniform levels (and the chosen policy's row, when mixed)
+    policy_file: Optional[str] = None
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def advice(self, policy_file: Optional[str] = None) -> list[str]:
+        where = policy_file or self.policy_file
+        if not self.passed:
+            return [self.reason]
+        if self.level is not None:
+            return [f"{self.reason} Use `torch.set_float32_matmul_precision(\"{self.level}\")` or "
+                    f"`tf32lab.precision(\"{self.level}\")` for this training."]
+        apply = f"`tf32lab.Policy.load(\"{where}\").apply(model)`" if where else \
+            "`tuning.policy.apply(model)` (or save it: `tf32lab tune --train --out FILE`)"
+        return [self.reason, f"Apply it with {apply} before training."]
+
+    def lines(self, policy_file: Optional[str] = None) -> list[str]:
+        """The terminal summary: the search, the answer, what to do."""
+        out = [f"tf32lab tune --train {self.workload}  target {self.target}, {self.steps} steps, tolerance "
+               f"{self.report.tolerance:.0e}"]
+        out += [lv_line for lv_line in self.report.verdicts()]
+        if self.candidates:
+            out.append(f"{'candidate (pinned to highest)':<48} {'x float32':>9}  verdict")
+            for c in self.candidates:
+                chosen = " <- chosen" if c.passed and c.policy == self.policy else ""
+                shown = f"{c.multiple:.1f}x" if math.isfinite(c.multiple) else "failed"
+                out.append(f"{c.why[:48]:<48} {shown:>9}  {'PASSED' if c.passed else 'FAILED'}{chosen}")
+        out.append(f"{self.runs} float32 trainings besides the float64 reference; {self.seconds:.1f} s")
+        return out + self.advice(policy_file)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "training-tuning", "workload": self.workload, "target": self.target, "steps": self.steps,
+            "passed": self.passed, "policy": None if self.policy is None else self.policy.to_dict(),
+            "level": self.level, "pinned": list(self.pinned), "runs": self.runs, "seconds": self.seconds,
+            "reason": self.reason,
+            "candidates": [{"pinned": list(c.pinned), "passed": c.passed, "multiple": c.multiple,
+                            "failure": c.failure, "why": c.why, "policy": c.policy.to_dict()}
+                           for c in self.candidates],
+            "check": self.report.to_dict(),
+        }
+
+    def to_html(self) -> str:
+        """The training report of the uniform levels (and the chosen policy), headed by the search's answer."""
+        page = self.report.to_html()
+        from html import escape
+
+        head = "".join(f"<p>{escape(line)}</p>" for line in self.advice())
+        return page.replace('<div class="conclusion">', f'<div class="conclusion"><h2>tune</h2>{head}', 1)
+
+
+def tune_training(workload: TrainingWorkload, *, target: Union[str, Target] = "a100",
+                  tolerance: Optional[float] = None, levels: Iterable[str] = ("high", "medium", "highest"),
+                  steps: Optional[int] = None, progress: bool = False) -> TrainingTuning:
+    """The fastest policy whose training passes on ``target`` (module docstring); every global setting, the
+    model and the random state are as they were afterwards. ``tune()`` calls it for a training workload."""
+    if not isinstance(workload, TrainingWorkload):
+        raise Tf32LabError(f"tune_training() takes a tf32lab.TrainingWorkload, not {type(workload).__name__}")
+    target = resolve_target(target)
+    levels = check_levels(levels)
+    steps = workload.steps if steps is None else check_steps(steps)
+    if workload.available is not None and steps > workload.available:
+        raise Tf32LabError(f"steps={steps}, but training workload {workload.name!r} has {workload.available} "
+                           f"batches")
+    tolerance = training_tolerance(tolerance)
+    refuse_applied(workload, "tune")  # type: ignore[arg-type]  # it reads .model and .name
+    started = time.perf_counter()
+    with kept_flags() as changed, random_state_kept(workload.model):
+        search = _Search(TrainingSession(workload, target, steps, tolerance), levels, progress)
+        found = search.run()
+    report = search.session.report(found.rows, time.perf_counter() - started)
+    if changed:
+        report = dataclasses.replace(report, notes=(*report.notes, changed_note(changed)))
+    return TrainingTuning(
+        workload=str(workload.name), target=target.name, steps=steps, passed=found.policy is not None,
+        policy=found.policy, level=found.level, pinned=found.pinned, candidates=tuple(search.candidates),
+        runs=search.session.runs, seconds=time.perf_counter() - started, reason=found.reason, report=report)
+
+
+@dataclass(frozen=True)
+class _Found:
+    policy: Optional[Policy]
+    level: Optional[str]
+    pinned: tuple[str, ...]
+    reason: str
+    rows: tuple[TrainingLevel, ...]
+
+
+class _Search:
+    def __init__(self, session: TrainingSession, levels: tuple[str, ...], progress: bool) -> None:
+        self.session, self.levels, self.progress = session, levels, progress
+        self.candidates: list[TrainingCandidate] = []
+
+    def run(self) -> _Found:
+        session, target = self.session, self.session.target
+        ordered = tuple(level for level in reversed(LEVELS) if level in self.levels or level == "highest")
+        alike = alike_levels(tuple(reversed(ordered)), target)  # highest first: what computes as highest is it
+        distinct = [level for level in ordered if level != "highest" and alike[level] is None]
+        with Progress(self.progress, steps=2 + len(distinct) + MAX_PINS) as bar:
+            floor = session.start(bar)
+            uniform: dict[str, TrainingLevel] = {"highest": dataclasses.replace(floor, level="highest")}
+            for level in distinct:  # the fastest first
+                bar.step(f"{level}: {session.steps} steps")
+                uniform[level] = session.level(level)
+            rows = tuple(uniform[level] if alike[level] is None else
+                         dataclasses.replace(uniform[alike[level]], level=level, same_as=alike[level])
+                         for level in reversed(ordered))
+            for level in distinct:
+                if uniform[level].passed:
+                    return _Found(Policy(level), level, (), f"`{level}` trains within tolerance on "
+                                  f"{target.name}: no module needs a safer level.", rows)
+            if not distinct:
+                return self._uniform_fallback(uniform, rows, "no reduced level to try")
+            fast = distinct[0]
+            last, pinned = uniform[fast], []
+            for _ in range(MAX_PINS):
+                module = _culprit(last, pinned)
+                if module is None:
+                    break
+                pinned.append(module)
+                policy = Policy(fast, [(_pattern(m), "highest") for m in pinned])
+                bar.step(f"{fast} with {len(pinned)} module(s) at highest: {session.steps} steps")
+                row = session.policy(PolicyRow.of(policy, session.saved))
+                why = f"{fast}, pinned: {', '.join(pinned)}"
+                self.candidates.append(TrainingCandidate(policy, tuple(pinned), row.passed, row.multiple,
+                                                         row.failure, why))
+                if row.passed:
+                    reason = (f"`{fast}` fails ({_why(uniform[fast])}); with {', '.join(map(repr, pinned))} at "
+                              f"`highest` training passes on {target.name} ({row.multiple:.1f}x float32's own "
+                              f"drift).")
+                    return _Found(policy, None, tuple(pinned), reason, (*rows, row))
+                last = row
+            return self._uniform_fallback(uniform, rows, f"`{fast}` fails ({_why(uniform[fast])}) and no policy of "
+                                                         f"up to {MAX_PINS} pinned modules passes")
+
+    def _uniform_fallback(self, uniform: dict[str, TrainingLevel], rows: tuple[TrainingLevel, ...],
+                          why: str) -> _Found:
+        top = uniform["highest"]
+        if top.passed:
+            return _Found(Policy("highest"), "highest", (), f"{why}: keep `highest`.", rows)
+        return _Found(None, None, (), f"{why}; float32 itself (`highest`) fails ({_why(top)}): no precision "
+                                      f"setting makes this training pass.", rows)
+
+
+def _why(row: TrainingLevel) -> str:
+    if row.failure is not None:
+        return f"step {row.failed_step}: {row.failure.splitlines()[0]}"
+    return f"diverges at step {row.divergence_step}, {row.multiple:.0f}x float32's own drift"
+
+
+def _culprit(row: TrainingLevel, pinned: list[str]) -> Optional[str]:
+    """The module owning the worst step-1 gradient not yet pinned; without gradients, the module whose backward
+    introduces the most error."""
+    names = [g.name.rpartition(".")[0] for g in row.gradients] + [e.name for e in row.layers]
+    return next((name for name in names if name and name not in pinned), None)
+
+
+def _pattern(name: str) -> str:
+    """An fnmatch pattern that matches exactly this module name."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
