@@ -67,3 +67,14 @@ def test_the_tune_page_fits_its_axis_to_the_search_and_does_not_call_it_failed()
     page = tuning.to_html()
     assert "FOUND" in page and 'class="failed">FAILED</span></h1>' not in page
     assert "the uniform levels the search started from (`highest` passes, `high` fails" in page
+
+
+def test_the_training_report_opens_in_chromium_with_its_charts(tmp_path):
+    from test_training import kernel_workload
+
+    report = tf32lab.check_training(kernel_workload(name=f"kernel {XSS}"), levels=("highest", "high"))
+    seen = visit(report.save_html(tmp_path / "training.html"), tmp_path / "training.png")
+    assert seen.console_errors == [] and seen.dialogs == [] and seen.requests == []
+    assert seen.svg_count == 1  # the loss paths (the model has no module with parameters but itself)
+    assert "fails at step 3 on a100: LinAlgError" in seen.text and XSS in seen.text
+    assert "Loss path: deviation from float64 per step" in seen.text
