@@ -252,7 +252,7 @@ def train_step(model: torch.nn.Module, loss_of: Callable[[], torch.Tensor]) -> C
     return step
 
 
-def timings(out: str, rounds: int) -> None:
+def timings(out: str, rounds: int, only: str = "") -> None:
     rows: list[dict[str, Any]] = []
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "cudnn": torch.backends.cudnn.version(), "rounds": rounds,
@@ -268,6 +268,9 @@ def timings(out: str, rounds: int) -> None:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
     g = torch.Generator(device="cuda").manual_seed(0)
+    if only == "t5":
+        _t5(add, g, rounds)
+        return
     for m, k, n in ((256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096),
                     (8192, 8192, 8192), (1, 4096, 4096), (32, 4096, 4096), (8192, 1024, 64), (128, 50000, 768),
                     (4096, 4096, 16384), (16384, 4096, 1024)):
@@ -295,7 +298,7 @@ def timings(out: str, rounds: int) -> None:
         add(f"conv {batch}x{cin}x{hw}x{hw} {cout} k{ksize}s{stride}", "forward",
             timed(fn, ("tf32", "ieee"), rounds, calls), flops=flops)
 
-    from transformers import BertConfig, BertModel, T5Config, T5ForConditionalGeneration
+    from transformers import BertConfig, BertModel
 
     def encoder(hidden: int, layers: int, heads: int, inter: int, batch: int, tokens: int, label: str) -> None:
         torch.manual_seed(0)
@@ -333,6 +336,12 @@ def timings(out: str, rounds: int) -> None:
     resnet.train()
     step = train_step(resnet, lambda: F.cross_entropy(resnet(images), labels))
     add("ResNet-50 batch 64", "train", timed(step, ("tf32", "ieee"), rounds, 3))
+
+    _t5(add, g, rounds)
+
+
+def _t5(add: Callable[..., None], g: torch.Generator, rounds: int) -> None:
+    from transformers import T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(0)
     config = T5Config(d_model=768, d_ff=3072, num_layers=12, num_heads=12, d_kv=64, decoder_start_token_id=0,
@@ -391,6 +400,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu-out"))
     parser.add_argument("--sections", default="gemm_bits,mma_bits,training,timings")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--only", default="", help="timings: 't5' for the T5 row alone")
     args = parser.parse_args()
     if args.make_inputs:
         make_inputs(args.make_inputs)
@@ -411,7 +421,7 @@ def main() -> int:
     if "training" in wanted:
         section("training", lambda: training_paths(args.out))
     if "timings" in wanted:
-        section("timings", lambda: timings(args.out, args.rounds))
+        section("timings", lambda: timings(args.out, args.rounds, args.only))
     say(f"failures: {RESULTS['failures']}")
     return 1 if RESULTS["failures"] else 0
 

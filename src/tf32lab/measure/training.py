@@ -47,15 +47,16 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from tf32lab.control import flags
 from tf32lab.control.policy import Policy
-from tf32lab.control.scope import precision
+from tf32lab.control.scope import precision, set_float32_matmul_precision
 from tf32lab.emulation.emulator import context_cells, emulate, release_buffers
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import LEVELS, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.check import PolicyRow, alike_levels, policy_maths
-from tf32lab.measure.layers import described, level_context, out_of_memory
+from tf32lab.measure.layers import described, out_of_memory
 from tf32lab.measure.reference import widen
 from tf32lab.numbers import metrics
 from tf32lab.numbers.origin import internal_error
@@ -127,6 +128,25 @@ def training_tolerance(tolerance: Optional[float]) -> float:
         raise Tf32LabError(f"a training check's tolerance is one number >= 0 (the loss's relative deviation), "
                            f"not {tolerance!r}")
     return float(tolerance)
+
+
+def _scoped(level: str, target: Target, policy: Optional[PolicyRow]) -> Any:
+    """The level of a row, for this thread (the emulator, when there is one, is entered apart).
+
+    Natively with a policy, the level is the process's for the run: on CUDA, autograd runs the backward on its own
+    (daemon) device thread, where the policy enters the pinned modules' scopes, and beside an unguarded scope of
+    this thread that is refused (``control.scope``'s docstring); the flags are put back after the run."""
+    return _process_level(level) if policy is not None and not target.emulated else precision(level)
+
+
+@contextlib.contextmanager
+def _process_level(level: str) -> Iterator[None]:
+    before = flags.snapshot()
+    try:
+        set_float32_matmul_precision(level)
+        yield
+    finally:
+        flags.restore(before)
 
 
 @contextlib.contextmanager
@@ -249,7 +269,7 @@ class TrainingSession:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         run = _Run([], {}, model, optimizer)
         torch.manual_seed(self.seed)
-        scoped = contextlib.nullcontext() if level is None else precision(level)
+        scoped = contextlib.nullcontext() if level is None else _scoped(level, self.target, policy)
         emu = emulate(self.target) if level is not None and self.target.emulated else None
         applied = policy.policy.applied(model) if policy is not None else contextlib.nullcontext()
         # PyTorch's own element-wise optimizers run no matmul-family op: their step runs outside the emulator,
@@ -387,8 +407,9 @@ class _Attribution:
         model = copy.deepcopy(self.saved)
         model.train()
         applied = policy.policy.applied(model) if policy is not None else contextlib.nullcontext()
+        emulated = emulate(target) if target.emulated else contextlib.nullcontext()
         found = []
-        with level_context(level, target), applied:
+        with _scoped(level, target, policy), emulated, applied:
             for name, (args, kwargs, grads, reference) in self.calls.items():
                 narrow = {k: g.float() if g.dtype == torch.float64 else g for k, g in grads.items()}
                 local = _local_grads(model.get_submodule(name), map_tensors(_narrowed, args),
