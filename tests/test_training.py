@@ -178,23 +178,36 @@ class Interrupt(Exception):
     pass
 
 
+CALLS = {"forward": 0}  # shared by every copy the check makes (a list on the module would be copied too)
+
+
+class Stopping(torch.nn.Module):
+    """Raises at its ``at``-th call: float64's three steps and step 1's backward come first, then `high`'s."""
+
+    def __init__(self, raised: type, at: int) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.1),
+                                       torch.nn.Linear(16, 1))
+        self.raised, self.at = raised, at
+        CALLS["forward"] = 0
+
+    def forward(self, x):
+        CALLS["forward"] += 1
+        if CALLS["forward"] == self.at:
+            raise self.raised("stop")
+        return self.net(x)
+
+
 @pytest.mark.parametrize("raised", [KeyboardInterrupt, Interrupt])
 def test_everything_is_as_it_was_after_an_exception_inside_a_step(raised):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.1),
-                                torch.nn.Linear(16, 1))
+    model = Stopping(raised, at=3 + 1 + 2)  # step 2 at `high`
     model.eval()
-    model[1].train()  # mixed modes, kept exactly
-    calls = []
-
-    def batches(step: int):
-        calls.append(step)
-        if len(calls) == 3 + 1 + 3 + 2:  # step 2 at `high` (after float64, step 1's backward, float32)
-            raise raised("stop")
-        g = torch.Generator().manual_seed(step)
-        return torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
-
-    workload = TrainingWorkload(model, batches, loss=mse, inputs=lambda b: b[0], steps=3)
+    model.net[1].train()  # mixed modes, kept exactly
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)) for _ in range(3)]
+    kept = [tuple(t.clone() for t in batch) for batch in data]
+    workload = TrainingWorkload(model, data, loss=mse, inputs=lambda b: b[0])
     state = {k: v.clone() for k, v in model.state_dict().items()}
     modes = [m.training for m in model.modules()]
     before, rng = flags.snapshot(), torch.get_rng_state()
@@ -207,6 +220,7 @@ def test_everything_is_as_it_was_after_an_exception_inside_a_step(raised):
     assert flags.snapshot() == before and torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     assert [m.training for m in model.modules()] == modes
+    assert all(torch.equal(a, b) for batch, copy in zip(data, kept) for a, b in zip(batch, copy))
     assert tf32lab.get_float32_matmul_precision() == "highest"
 
 
@@ -332,7 +346,7 @@ def test_cli_check_train_exit_codes_and_outputs(tmp_path):
 
 @pytest.mark.parametrize(("args", "message"), [
     (["trainmodel.py:forward", "--train"], "--train needs a factory that returns a tf32lab.TrainingWorkload"),
-    (["trainmodel.py:good"], "is a training workload (tf32lab.TrainingWorkload): check it with --train"),
+    (["trainmodel.py:good"], "is a training workload (tf32lab.TrainingWorkload): add --train"),
     (["trainmodel.py:good", "--train", "--steps", "0"], "bad number of steps '0'"),
     (["trainmodel.py:forward", "--steps", "3"], "--steps 3 goes with --train"),
     (["--train"], "--train needs a spec"),
@@ -371,3 +385,108 @@ def test_tune_cli_train_writes_the_policy(tmp_path):
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "policy.json").read_text())["rules"] == [{"pattern": "lin", "level": "highest"}]
     assert "high, pinned: lin" in done.stdout
+
+
+# -- what a hostile workload must not get past ------------------------------------------------------------------------
+def test_a_batches_function_that_draws_from_a_stream_gives_every_row_the_same_data():
+    g = torch.Generator().manual_seed(0)
+    workload = TrainingWorkload(torch.nn.Linear(4, 1), lambda k: (torch.randn(8, 4, generator=g),
+                                                                   torch.randn(8, 1, generator=g)),
+                                steps=3, loss=mse, inputs=lambda b: b[0])
+    report = check_training(workload, levels=("highest", "high"))
+    assert report.floor.drift < 1e-5  # float32 and float64 trained on the same batches
+
+
+def test_a_model_that_edits_its_inputs_in_place_changes_neither_the_callers_data_nor_the_next_row():
+    class Doubling(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            x.mul_(2)
+            return self.lin(x)
+
+    torch.manual_seed(0)
+    data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(3)]
+    kept = [tuple(t.clone() for t in b) for b in data]
+    report = check_training(TrainingWorkload(Doubling(), data, loss=mse, inputs=lambda b: b[0]),
+                            levels=("highest", "high"))
+    assert report.passed and report.level("high").drift < 1e-2
+    assert all(torch.equal(a, b) for batch, copy in zip(data, kept) for a, b in zip(batch, copy))
+
+
+def test_float32_made_inside_the_model_is_widened_in_the_float64_reference():
+    class Upcast(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.head(torch.softmax(self.lin(x), -1, dtype=torch.float32) + torch.arange(8) / 10)
+
+    torch.manual_seed(0)
+    workload = TrainingWorkload(Upcast(), [(torch.randn(8, 8), torch.randn(8, 1))] * 3, loss=mse,
+                                inputs=lambda b: b[0])
+    report = check_training(workload, levels=("highest", "high"))
+    assert report.passed and 0 < report.floor.drift < 1e-5  # float32 against a float64 that really is
+
+
+def test_the_models_own_train_and_eval_modes_are_kept():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Dropout(0.9), torch.nn.Linear(64, 1))
+    model.eval()  # no dropout: each row's loss is then a deterministic function of its weights
+    report = check_training(regression(model=model), levels=("highest",))
+    assert report.floor.drift < 1e-5 and not model.training
+
+
+def test_when_float32_itself_fails_a_level_past_the_tolerance_cannot_pass_beside_it():
+    class Fragile(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            if CALLS["forward"] == 3 + 1 + 3 + 2:  # a late step of the floor (trained last)
+                CALLS["forward"] += 1
+                raise RuntimeError("float32 broke")
+            CALLS["forward"] += 1
+            return self.lin(x)
+
+    CALLS["forward"] = 0
+    torch.manual_seed(0)
+    workload = TrainingWorkload(Fragile(), [(torch.randn(8, 4), torch.randn(8, 1))] * 3, loss=mse,
+                                inputs=lambda b: b[0], optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
+    report = check_training(workload, levels=("highest", "high"), tolerance=0.0)
+    assert report.floor.failure == "RuntimeError: float32 broke" and report.floor.failed_step > 1
+    high = report.level("high")
+    assert high.failure is None and high.divergence_step is not None and not high.passed
+    assert "no measure of float32's own drift" in str(report) and "is safe" not in " ".join(report.conclusion())
+
+
+@pytest.mark.parametrize(("optimizer", "message"), [
+    (lambda p: torch.optim.AdamW(p, lr=-1), "optimizer\\(params\\) raised ValueError: Invalid learning rate: -1"),
+    (lambda p: torch.optim.LBFGS(p), "LBFGS needs a closure"),
+    (lambda p: torch.optim.AdamW(torch.nn.Linear(2, 2).parameters()), "does not step the parameters it was given"),
+])
+def test_an_optimizer_the_check_cannot_step_is_one_line(optimizer, message):
+    workload = TrainingWorkload(torch.nn.Linear(4, 1), [(torch.ones(8, 4), torch.ones(8, 1))], loss=mse,
+                                inputs=lambda b: b[0], optimizer=optimizer)
+    with pytest.raises(Tf32LabError, match=message) as info:
+        check_training(workload)
+    assert "\n" not in str(info.value)
+
+
+def test_a_gradient_that_is_not_finite_fails_the_step_that_made_it():
+    class Root(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(4))
+
+        def forward(self, x):
+            return (x * self.w).pow(2).sum().sqrt()  # finite (0); its gradient at w = 0 is NaN
+
+    workload = TrainingWorkload(Root(), [torch.ones(2, 4)] * 2, loss=lambda out, batch: out)
+    with pytest.raises(Tf32LabError, match="fails in float64, before any level ran: step 1: the gradient of 'w' "
+                                           "is not finite"):
+        check_training(workload)

@@ -39,6 +39,7 @@ def _score(a: str, b: str) -> float:
 
 def workload(steps: int = 4) -> tf32lab.TrainingWorkload:
     st = samples.minilm()
+    st.train()  # loaded in eval mode; fine-tuning runs with dropout
     tokenize = getattr(st, "preprocess", None) or st.tokenize
     sentences = list(samples.SENTENCES)
 

@@ -394,8 +394,20 @@ def _tune(args: argparse.Namespace) -> int:
     if args.train:
         from tf32lab.decide.tune_training import tune_training
 
-        tuning = tune_training(loaded, target=target, tolerance=args.tolerance, steps=args.steps,
-                               progress=sys.stderr.isatty())
+        try:
+            tuning = tune_training(loaded, target=target, tolerance=args.tolerance, steps=args.steps,
+                                   progress=sys.stderr.isatty())
+        except Tf32LabError:
+            raise
+        except Exception as exc:  # the workload's own code raised outside a step (a batch, the loss): bad input
+            if args.debug:
+                raise
+            from tf32lab.numbers.origin import internal_error
+
+            bug = internal_error(exc, f"tuning workload {loaded.name!r}")
+            if bug is not None:
+                raise bug from exc
+            raise Tf32LabError(f"workload {loaded.name!r} raised {type(exc).__name__}: {exc}") from exc
     else:
         from tf32lab.decide.tune import tune
 

@@ -55,13 +55,22 @@ from tf32lab.know.levels import LEVELS, check_level
 from tf32lab.numbers.files import write_atomically, write_json
 from tf32lab.numbers.trees import named_tensors
 
-__all__ = ["Assignment", "Policy", "PolicyHandle", "Rule", "applied_to", "explain"]
+__all__ = ["Assignment", "Policy", "PolicyHandle", "Rule", "applied_to", "exact_pattern", "explain"]
 
 SCHEMA_VERSION = 1
 _KEYS = ("schema_version", "default", "rules")
 _RULE_KEYS = ("pattern", "level")
 _TAG = "tf32lab.level"  # key in an autograd node's metadata: the level its backward runs at
 _LEAF = 1 << 63  # AccumulateGrad nodes carry the largest sequence number; they compute nothing to tag
+
+
+def exact_pattern(name: str) -> str:
+    """A rule pattern that matches exactly the module ``name`` (fnmatch's ``*``, ``?`` and ``[`` as literals).
+
+    >>> exact_pattern("blocks[0]*"), Policy("high", [(exact_pattern("a*b"), "highest")]).rules[0].pattern
+    ('blocks[[]0][*]', 'a[*]b')
+    """
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
 
 
 def _level(value: object, where: str) -> str:

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Union
 
-from tf32lab.control.policy import Policy
+from tf32lab.control.policy import Policy, exact_pattern
 from tf32lab.decide.tune_training import TrainingTuning, tune_training
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import LEVELS, check_levels
@@ -165,11 +165,6 @@ def _ratio(result: LevelResult) -> float:
             return math.inf
         worst = max(worst, o.normwise / o.tolerance if o.tolerance > 0 else (0.0 if o.normwise == 0 else math.inf))
     return worst
-
-
-def _pattern(name: str) -> str:
-    """An fnmatch pattern that matches exactly this module name."""
-    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
 
 
 def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Target] = "a100",
@@ -312,9 +307,9 @@ class _Search:
         rules: list[tuple[str, str]] = []
         for name in sorted(pinned):
             own = "" if name == ROOT else name
-            rules.append((_pattern(own), safe))
+            rules.append((exact_pattern(own), safe))
             # a pinned layer pins its own ops: its children keep the fast level unless pinned themselves
-            rules += [(_pattern(child), fast) for child in self.children.get(name, []) if child not in pinned]
+            rules += [(exact_pattern(child), fast) for child in self.children.get(name, []) if child not in pinned]
         return Policy(default=fast, rules=rules)
 
     def _try(self, fast: str, safe: str, pinned: Iterable[str], why: str) -> Candidate:

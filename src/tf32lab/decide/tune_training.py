@@ -32,17 +32,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from tf32lab.control.policy import Policy
+from tf32lab.control.policy import Policy, exact_pattern
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import LEVELS, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.check import PolicyRow, alike_levels
-from tf32lab.measure.training import TrainingSession, random_state_kept, training_tolerance
+from tf32lab.measure.training import TrainingSession, random_state_kept, training_steps, training_tolerance
 from tf32lab.report import Document
 from tf32lab.report.training import TrainingLevel, TrainingReport
 from tf32lab.workloads.running import Progress, changed_note, kept_flags, refuse_applied
-from tf32lab.workloads.training import TrainingWorkload, check_steps
+from tf32lab.workloads.training import TrainingWorkload
 
 __all__ = ["MAX_PINS", "TrainingCandidate", "TrainingTuning", "tune_training"]
 
@@ -136,12 +136,9 @@ def tune_training(workload: TrainingWorkload, *, target: Union[str, Target] = "a
     model and the random state are as they were afterwards. ``tune()`` calls it for a training workload."""
     if not isinstance(workload, TrainingWorkload):
         raise Tf32LabError(f"tune_training() takes a tf32lab.TrainingWorkload, not {type(workload).__name__}")
-    target = resolve_target(target)
+    target = resolve_target(target, speed=True)  # "fastest" needs a GPU whose levels differ in speed, as tune
     levels = check_levels(levels)
-    steps = workload.steps if steps is None else check_steps(steps)
-    if workload.available is not None and steps > workload.available:
-        raise Tf32LabError(f"steps={steps}, but training workload {workload.name!r} has {workload.available} "
-                           f"batches")
+    steps = training_steps(workload, steps)
     tolerance = training_tolerance(tolerance)
     refuse_applied(workload, "tune")  # type: ignore[arg-type]  # it reads .model and .name
     started = time.perf_counter()
@@ -177,11 +174,14 @@ class _Search:
         alike = alike_levels(tuple(reversed(ordered)), target)  # highest first: what computes as highest is it
         distinct = [level for level in ordered if level != "highest" and alike[level] is None]
         with Progress(self.progress, steps=2 + len(distinct) + MAX_PINS) as bar:
-            floor = session.start(bar)
-            uniform: dict[str, TrainingLevel] = {"highest": dataclasses.replace(floor, level="highest")}
+            session.start(bar)
+            uniform: dict[str, TrainingLevel] = {}
             for level in distinct:  # the fastest first
                 bar.step(f"{level}: {session.steps} steps")
                 uniform[level] = session.level(level)
+            floor = session.floor(bar)  # after a level: natively when the target's `highest` is IEEE there
+            uniform = {level: session.judged(row) for level, row in uniform.items()}
+            uniform["highest"] = dataclasses.replace(floor, level="highest")
             rows = tuple(uniform[level] if alike[level] is None else
                          dataclasses.replace(uniform[alike[level]], level=level, same_as=alike[level])
                          for level in reversed(ordered))
@@ -198,9 +198,9 @@ class _Search:
                 if module is None:
                     break
                 pinned.append(module)
-                policy = Policy(fast, [(_pattern(m), "highest") for m in pinned])
+                policy = Policy(fast, [(exact_pattern(m), "highest") for m in pinned])
                 bar.step(f"{fast} with {len(pinned)} module(s) at highest: {session.steps} steps")
-                row = session.policy(PolicyRow.of(policy, session.saved))
+                row = session.judged(session.policy(PolicyRow.of(policy, session.saved)))
                 why = f"{fast}, pinned: {', '.join(pinned)}"
                 self.candidates.append(TrainingCandidate(policy, tuple(pinned), row.passed, row.multiple,
                                                          row.failure, why))
@@ -234,7 +234,3 @@ def _culprit(row: TrainingLevel, pinned: list[str]) -> Optional[str]:
     names = [g.name.rpartition(".")[0] for g in row.gradients] + [e.name for e in row.layers]
     return next((name for name in names if name and name not in pinned), None)
 
-
-def _pattern(name: str) -> str:
-    """An fnmatch pattern that matches exactly this module name."""
-    return "".join(f"[{c}]" if c in "*?[" else c for c in name)

@@ -40,24 +40,29 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
+import inspect
 import math
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any, Callable, Optional, Union
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from tf32lab.control import flags
+from tf32lab.control import flags, modestack
 from tf32lab.control.policy import Policy
 from tf32lab.control.scope import precision, set_float32_matmul_precision
 from tf32lab.emulation.emulator import context_cells, emulate, release_buffers
 from tf32lab.errors import Tf32LabError
+from tf32lab.know import optable
 from tf32lab.know.levels import LEVELS, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.check import PolicyRow, alike_levels, policy_maths
 from tf32lab.measure.layers import described, out_of_memory
-from tf32lab.measure.reference import widen
+from tf32lab.measure.reference import Float64Run, widen
 from tf32lab.numbers import metrics
 from tf32lab.numbers.origin import internal_error
 from tf32lab.numbers.trees import map_tensors, named_tensors
@@ -65,7 +70,7 @@ from tf32lab.report.training import FLOOR, FLOOR_MULTIPLE, BackwardLayer, Parame
 from tf32lab.workloads.running import Progress, changed_note, environment_of, kept_flags, refuse_applied
 from tf32lab.workloads.training import TrainingWorkload, check_steps
 
-__all__ = ["TrainingSession", "check_training", "random_state_kept", "training_tolerance"]
+__all__ = ["TrainingSession", "check_training", "random_state_kept", "training_steps", "training_tolerance"]
 
 # torch.optim's optimizers whose step is element-wise (no matmul-family op), by exact type: a subclass may do more
 _ELEMENTWISE_OPTIMIZERS = frozenset(
@@ -105,10 +110,7 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
                            + (" (check() measures a forward pass)" if type(workload).__name__ == "Workload" else ""))
     levels = check_levels(levels)
     target = resolve_target(target)
-    steps = workload.steps if steps is None else check_steps(steps)
-    if workload.available is not None and steps > workload.available:
-        raise Tf32LabError(f"steps={steps}, but training workload {workload.name!r} has {workload.available} "
-                           f"batches")
+    steps = training_steps(workload, steps)
     tolerance = training_tolerance(tolerance)
     refuse_applied(workload, "check")  # type: ignore[arg-type]  # it reads .model and .name
     row = PolicyRow.of(policy, workload.model) if policy is not None else None
@@ -117,6 +119,15 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     if changed:
         report = dataclasses.replace(report, notes=(*report.notes, changed_note(changed)))
     return report
+
+
+def training_steps(workload: TrainingWorkload, steps: Optional[int]) -> int:
+    """The steps to run: the workload's, or ``steps`` (a whole number >= 1, no more than its batches)."""
+    steps = workload.steps if steps is None else check_steps(steps)
+    if workload.available is not None and steps > workload.available:
+        raise Tf32LabError(f"steps={steps}, but training workload {workload.name!r} has {workload.available} "
+                           f"batches")
+    return steps
 
 
 def training_tolerance(tolerance: Optional[float]) -> float:
@@ -149,12 +160,103 @@ def _process_level(level: str) -> Iterator[None]:
         flags.restore(before)
 
 
+def _cuda_devices(model: torch.nn.Module) -> list[int]:
+    return sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+
+
 @contextlib.contextmanager
 def random_state_kept(model: torch.nn.Module) -> Iterator[None]:
-    """PyTorch's random state (CPU, and the model's CUDA devices) as it was, on every exit."""
-    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):
-        yield
+    """The random state as it was on every exit: PyTorch's (CPU, and the CUDA devices of the model, the only ones
+    seeded), and NumPy's and Python's global streams (a batches function may draw from them)."""
+    saved = []
+    for name, get, put in (("numpy", "random.get_state", "random.set_state"), ("random", "getstate", "setstate")):
+        module = sys.modules.get(name)
+        if module is not None:
+            getter, setter = (functools.reduce(getattr, path.split("."), module) for path in (get, put))
+            saved.append((setter, getter()))
+    try:
+        with torch.random.fork_rng(devices=_cuda_devices(model)):
+            yield
+    finally:
+        for setter, state in saved:
+            setter(state)
+
+
+def _seeded(seed: int, model: torch.nn.Module) -> None:
+    """The same streams for every row: the CPU generator and those of the model's CUDA devices (never another
+    device's: ``torch.manual_seed`` would seed them all, and the caller's streams there would change)."""
+    torch.random.default_generator.manual_seed(seed)
+    for device in _cuda_devices(model):
+        torch.cuda.default_generators[device].manual_seed(seed)
+
+
+def _not_finite(named: list[tuple[str, torch.nn.Parameter]]) -> Optional[str]:
+    """The first parameter whose gradient holds a NaN or an Inf (one check of their norms, then a search)."""
+    grads = [(n, p.grad) for n, p in named if p.grad is not None]
+    if not grads:
+        return None
+    norms = torch.stack([torch.linalg.vector_norm(g.detach().double()) for _, g in grads])
+    if bool(torch.isfinite(norms).all()):
+        return None
+    return next(n for (n, _), norm in zip(grads, norms.tolist()) if not math.isfinite(norm))
+
+
+class _Float64Step:
+    """A step of the float64 row: ``Float64Run`` (every op in float64, tensors the model makes in float32 too),
+    with dropout drawn as a float32 row draws it. PyTorch's generators give a float64 tensor other random bits than
+    a float32 one on CUDA, so a float64 row's dropout would keep other units than every float32 row's and its loss
+    path would not be a reference: the mask is drawn from a float32 twin of the input, the same call a float32
+    row makes, and applied in float64."""
+
+    def __init__(self) -> None:
+        self.run = Float64Run()
+        self.masks = _SameMasks(self.run)
+
+    def __enter__(self) -> _Float64Step:
+        self.run.__enter__()
+        try:
+            modestack.push(self.masks)
+        except BaseException:
+            self.run.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            modestack.remove(self.masks)
+        finally:
+            self.run.__exit__(*exc)
+
+
+@modestack.skips_dynamo_lazily
+class _SameMasks(TorchDispatchMode):
+    def __init__(self, run: Float64Run) -> None:
+        super().__init__()
+        self.float64 = run
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _NATIVE_DROPOUT and args[0].dtype == torch.float64:
+            x, p, train = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("train")
+            paused, self.float64.paused = self.float64.paused, True
+            try:
+                _, mask = func(x.float(), p, train)
+            finally:
+                self.float64.paused = paused
+            scale = 1.0 / (1.0 - p) if p < 1 else 0.0
+            return x * mask * scale, mask
+        if func is _BERNOULLI_P and args[0].dtype == torch.float64:
+            paused, self.float64.paused = self.float64.paused, True
+            try:
+                drawn = func(torch.empty_like(args[0], dtype=torch.float32), *args[1:], **kwargs)
+            finally:
+                self.float64.paused = paused
+            return args[0].copy_(drawn)
+        return func(*args, **kwargs)
+
+
+_NATIVE_DROPOUT = torch.ops.aten.native_dropout.default
+_BERNOULLI_P = torch.ops.aten.bernoulli_.float
 
 
 @dataclasses.dataclass
@@ -173,10 +275,10 @@ class _Run:
 
 
 class TrainingSession:
-    """A training workload's float64 reference, step 1's backward per module and float32's floor, run once on
-    :meth:`start`; then rows trained against them: a level (:meth:`level`) or a policy (:meth:`policy`).
-    ``check_training`` is one session; ``tune`` trains many policies in one. Rows come back judged against the
-    floor (:meth:`judged`)."""
+    """A training workload's float64 reference and step 1's backward per module, run once on :meth:`start`; then
+    rows trained against them: a level (:meth:`level`) or a policy (:meth:`policy`), and float32's floor
+    (:meth:`floor`, trained once, when first asked for). ``check_training`` is one session; ``tune`` trains many
+    policies in one. :meth:`judged` gives a row its verdict against the floor."""
 
     def __init__(self, workload: TrainingWorkload, target: Target, steps: int, tolerance: float) -> None:
         self.workload, self.target, self.steps, self.tolerance = workload, target, steps, tolerance
@@ -184,9 +286,12 @@ class TrainingSession:
         self.seed = int(torch.randint(0, 2**31 - 1, ()))  # drawn inside the kept random state: the caller's is intact
         self.names = [name for name, p in self.saved.named_parameters() if p.requires_grad]
         self.runs = 0  # float32 rows trained
+        self.families: set[str] = set()  # the op families the emulated rows ran (None: an op of no family)
+        self._floor: Optional[TrainingLevel] = None
+        self._batches: dict[int, Any] = {}
 
-    def start(self, bar: Progress) -> TrainingLevel:
-        """The float64 reference, step 1's backward per module, then the floor (returned)."""
+    def start(self, bar: Progress) -> None:
+        """The float64 reference, then step 1's backward per module in float64."""
         bar.step(f"{self.workload.name}: float64 reference, {self.steps} steps")
         reference = self._train(torch.float64, None)
         if reference.failure is not None:
@@ -197,24 +302,40 @@ class TrainingSession:
         self.ref_params = dict(reference.model.named_parameters())
         self.ref_state = _optimizer_state(reference.model, reference.optimizer)
         bar.step("backward of each module at step 1, float64")
-        self.attribution = _Attribution(self.workload, self.saved, self.seed)
-        bar.step(f"float32 (highest on {self.target.name}), {self.steps} steps")
-        floor = self._row("highest", FLOOR, None)
-        self.floor = self.judged(floor, floor)
-        return self.floor
+        self.attribution = _Attribution(self.workload, self.saved, self.seed, self.batch(0, torch.float64))
+
+    def floor(self, bar: Optional[Progress] = None) -> TrainingLevel:
+        """float32 at ``highest`` on the target, judged against itself (trained on the first call).
+
+        When an emulated row has already run and every op family it met computes IEEE at ``highest`` on the
+        target, the floor runs natively in float32 (``precision("highest")``, no emulator): the same math, without
+        the emulator's per-op dispatch, which costs more than the row itself on small models."""
+        if self._floor is None:
+            if bar is not None:
+                bar.step(f"float32 (highest on {self.target.name}), {self.steps} steps")
+            floor = self._row("highest", FLOOR, None, emulated=not self._ieee_at_highest())
+            self._floor = self.judged(floor, floor)
+        return self._floor
+
+    def _ieee_at_highest(self) -> bool:
+        if not self.target.emulated or not self.families or None in self.families:
+            return False
+        maths = self.target.maths_at("highest", context_cells())
+        return all(m == "ieee" for key, m in maths.items() if key.split(".")[0] in self.families)
 
     def level(self, level: str) -> TrainingLevel:
-        """A row trained at ``level`` (judged)."""
-        return self.judged(self._row(level, level, None))
+        """A row trained at ``level`` (not judged yet: :meth:`judged`)."""
+        return self._row(level, level, None)
 
     def policy(self, row: PolicyRow) -> TrainingLevel:
-        """A row trained with ``row``'s policy applied, at its base level (judged)."""
-        return self.judged(self._row(row.base, "policy", row))
+        """A row trained with ``row``'s policy applied, at its base level (not judged yet: :meth:`judged`)."""
+        return self._row(row.base, "policy", row)
 
     def judged(self, row: TrainingLevel, floor: Optional[TrainingLevel] = None) -> TrainingLevel:
         """The verdict: no failure, and within the tolerance or within FLOOR_MULTIPLE of float32's own drift."""
-        floor = floor or self.floor
+        floor = floor or self.floor()
         multiple = _multiple(row.drift, floor.drift)
+        # float32 failing itself is no drift to be within: past the tolerance, a level then fails
         passed = row.failure is None and (row.divergence_step is None or multiple <= FLOOR_MULTIPLE)
         return dataclasses.replace(row, multiple=multiple, passed=passed)
 
@@ -225,17 +346,18 @@ class TrainingSession:
     def report(self, rows: Iterable[TrainingLevel], seconds: float) -> TrainingReport:
         return TrainingReport(
             workload=str(self.workload.name), target=self.target.name, steps=self.steps, tolerance=self.tolerance,
-            reference_losses=tuple(self.reference.losses), floor=self.floor, levels=tuple(rows),
+            reference_losses=tuple(self.reference.losses), floor=self.floor(), levels=tuple(rows),
             environment=environment_of(self.workload),  # type: ignore[arg-type]  # reads .model
             seconds=seconds, notes=self.notes,
         )
 
     # -- one row ------------------------------------------------------------------------------------------------
-    def _row(self, level: str, label: str, policy: Optional[PolicyRow]) -> TrainingLevel:
+    def _row(self, level: str, label: str, policy: Optional[PolicyRow], emulated: bool = True) -> TrainingLevel:
         started = time.perf_counter()
         self.runs += 1
         cells = context_cells()
-        run = self._train(torch.float32, level, policy)
+        run = self._train(torch.float32, level, policy, emulated=emulated)
+        self.families |= {optable.family(key.split()[0]) for key in (*run.coverage, *run.unhandled)}
         maths = {} if not self.target.emulated else (
             policy_maths(policy, self.target, cells) if policy else self.target.maths_at(level, cells))
         deviations = tuple(_deviation(x, r) for x, r in zip(run.losses, self.reference.losses)
@@ -249,7 +371,7 @@ class TrainingSession:
             params = dict(run.model.named_parameters())
             weights = _ranked({n: _against(params[n], self.ref_params[n]) for n in self.names})
             state = _state_error(_optimizer_state(run.model, run.optimizer), self.ref_state)
-        layers = self.attribution.introduced(level, self.target, policy)
+        layers = self.attribution.introduced(level, self.target, policy, emulated=emulated)
         return TrainingLevel(
             level=label, maths=maths, losses=tuple(run.losses), deviations=deviations, divergence_step=divergence,
             gradients=gradients, layers=layers, weights=weights, optimizer_state=state, multiple=math.nan,
@@ -258,19 +380,23 @@ class TrainingSession:
             policy=policy.describe() if policy is not None else None,
         )
 
-    def _train(self, dtype: torch.dtype, level: Optional[str], policy: Optional[PolicyRow] = None) -> _Run:
-        """``steps`` steps of a fresh copy in ``dtype``, at ``level`` on the target (float64: no level)."""
+    def _train(self, dtype: torch.dtype, level: Optional[str], policy: Optional[PolicyRow] = None,
+               emulated: bool = True) -> _Run:
+        """``steps`` steps of a fresh copy in ``dtype``, at ``level`` on the target (float64: no level; not
+        ``emulated``: natively, for a level the target computes in IEEE)."""
         workload = self.workload
-        model = copy.deepcopy(self.saved)
+        model = copy.deepcopy(self.saved)  # train/eval modes as the caller's model has them
         if dtype == torch.float64:
             model = model.double()
-        model.train()
-        optimizer = workload.make_optimizer([p for p in model.parameters() if p.requires_grad])
+        optimizer = self._optimizer(model)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         run = _Run([], {}, model, optimizer)
-        torch.manual_seed(self.seed)
+        _seeded(self.seed, model)
         scoped = contextlib.nullcontext() if level is None else _scoped(level, self.target, policy)
-        emu = emulate(self.target) if level is not None and self.target.emulated else None
+        emu = emulate(self.target) if level is not None and self.target.emulated and emulated else None
+        # float64: every op of the step widened (a tensor the model makes in float32 on the fly too), dropout
+        # drawn as float32 draws it (the same masks as every float32 row)
+        forward = _Float64Step if dtype == torch.float64 else (lambda: emu or contextlib.nullcontext())
         applied = policy.policy.applied(model) if policy is not None else contextlib.nullcontext()
         # PyTorch's own element-wise optimizers run no matmul-family op: their step runs outside the emulator,
         # whose dispatch costs more than the step itself (any other optimizer's step is emulated like the rest)
@@ -280,10 +406,8 @@ class TrainingSession:
         with scoped, applied:
             try:
                 for step in range(self.steps):
-                    batch = workload.batch(step)
-                    if dtype == torch.float64:
-                        batch = map_tensors(widen, batch)
-                    with emu or contextlib.nullcontext():
+                    batch = self.batch(step, dtype)
+                    with forward():
                         loss = workload.loss_of(workload.run(model, batch), batch)
                         value = float(loss.detach())
                         run.losses.append(value)
@@ -292,6 +416,10 @@ class TrainingSession:
                             break
                         optimizer.zero_grad(set_to_none=True)
                         loss.backward()
+                    bad = _not_finite(named)
+                    if bad is not None:
+                        run.failure, run.failed_step = f"the gradient of {bad!r} is not finite", step + 1
+                        break
                     if step == 0:
                         run.grads = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
                     with step_emu or contextlib.nullcontext():
@@ -315,6 +443,39 @@ class TrainingSession:
             run.model = run.optimizer = None
         return run
 
+    def batch(self, step: int, dtype: torch.dtype = torch.float32) -> Any:
+        """Step ``step``'s batch, fetched once for every row (a function that draws from a random stream gives
+        every row the same data), each row given its own copy (a model that edits its inputs in place changes
+        neither the caller's tensors nor the next row's)."""
+        if step not in self._batches:
+            self._batches[step] = self.workload.batch(step)
+        batch = self._batches[step]
+        return map_tensors(widen if dtype == torch.float64 else torch.Tensor.clone, batch)
+
+    def _optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        """The workload's optimizer over ``model``'s trainable parameters, refused in one line when it cannot
+        serve a training check (it raises, needs a closure, or steps other parameters)."""
+        workload = self.workload
+        params = [p for p in model.parameters() if p.requires_grad]
+        try:
+            optimizer = workload.make_optimizer(params)
+        except Tf32LabError:
+            raise
+        except Exception as exc:
+            raise Tf32LabError(f"training workload {workload.name!r}: optimizer(params) raised {described(exc)}"
+                               ) from exc
+        step = inspect.signature(optimizer.step).parameters.get("closure")
+        if step is not None and step.default is inspect.Parameter.empty:
+            raise Tf32LabError(f"training workload {workload.name!r}: {type(optimizer).__name__} needs a closure "
+                               f"(it evaluates the loss itself); the training check steps optimizers that take "
+                               f"the gradients as they are (SGD, Adam, AdamW, ...)")
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if not held or not held <= {id(p) for p in params}:
+            raise Tf32LabError(f"training workload {workload.name!r}: the optimizer does not step the parameters "
+                               f"it was given (optimizer must make one from its argument, e.g. lambda params: "
+                               f"torch.optim.AdamW(params), not from the model itself)")
+        return optimizer
+
 
 class _Training:
     """One check: the session, then each level (levels the target computes alike run once), then the policy."""
@@ -330,23 +491,27 @@ class _Training:
         alike = alike_levels(("highest", *[lv for lv in self.levels if lv != "highest"]), target)
         runs = 2 + sum(1 for lv in self.levels if lv != "highest" and alike[lv] is None) + (self.row is not None)
         with Progress(self.progress, steps=runs + 1) as bar:
-            floor = session.start(bar)
+            session.start(bar)
             rows: dict[str, TrainingLevel] = {}
-            for level in self.levels:
-                same = alike[level]
-                if level == "highest" or same == "highest":
-                    rows[level] = dataclasses.replace(floor, level=level, same_as=None if level == "highest"
-                                                      else "highest", seconds=0.0 if level != "highest"
-                                                      else floor.seconds)
-                elif same is not None:
-                    rows[level] = dataclasses.replace(rows[same], level=level, same_as=same, seconds=0.0)
-                else:
+            for level in self.levels:  # the floor last: the emulated rows tell whether it may run natively
+                if level != "highest" and alike[level] is None:
                     bar.step(f"{level}: {session.steps} steps")
                     rows[level] = session.level(level)
-            results = [rows[level] for level in self.levels]
+            policy = None
             if self.row is not None:
                 bar.step(f"policy: {session.steps} steps")
-                results.append(session.policy(self.row))
+                policy = session.policy(self.row)
+            floor = session.floor(bar)
+        for level in self.levels:
+            same = alike[level]
+            if level == "highest" or same == "highest":
+                rows[level] = dataclasses.replace(floor, level=level, same_as=None if level == "highest" else
+                                                  "highest", seconds=floor.seconds if level == "highest" else 0.0)
+            elif same is not None:
+                rows[level] = dataclasses.replace(rows[same], level=level, same_as=same, seconds=0.0)
+        results = [session.judged(rows[level]) for level in self.levels]
+        if policy is not None:
+            results.append(session.judged(policy))
         return session.report(results, time.perf_counter() - started)
 
 
@@ -356,10 +521,9 @@ class _Attribution:
     the gradients its own backward computes from them. :meth:`introduced` reruns each one in float32 under a
     level (fed those float64 inputs and output gradients, rounded to float32) and measures its own gradients."""
 
-    def __init__(self, workload: TrainingWorkload, saved: torch.nn.Module, seed: int) -> None:
+    def __init__(self, workload: TrainingWorkload, saved: torch.nn.Module, seed: int, batch: Any) -> None:
         self.saved, self.seed, self.notes = saved, seed, []
         model = copy.deepcopy(saved).double()
-        model.train()
         self.kinds = {}
         calls: dict[str, list[Any]] = {}
         handles = []
@@ -367,11 +531,11 @@ class _Attribution:
             if name and any(p.requires_grad for p in module.parameters(recurse=False)):
                 self.kinds[name] = type(module).__name__
                 handles.append(module.register_forward_hook(self._keep(name, calls), with_kwargs=True))
-        torch.manual_seed(seed)
-        batch = map_tensors(widen, workload.batch(0))
+        _seeded(seed, model)
         try:
-            loss = workload.loss_of(workload.run(model, batch), batch)
-            loss.backward()
+            with _Float64Step():
+                loss = workload.loss_of(workload.run(model, batch), batch)
+                loss.backward()
         finally:
             for handle in handles:
                 handle.remove()
@@ -385,7 +549,8 @@ class _Attribution:
             if not grads:
                 continue
             module = model.get_submodule(name)
-            local = _local_grads(module, args, kwargs, grads, seed)
+            with _Float64Step():
+                local = _local_grads(module, args, kwargs, grads, seed)
             if local is not None:
                 self.calls[name] = (args, kwargs, grads, local)
 
@@ -403,13 +568,13 @@ class _Attribution:
 
         return hook
 
-    def introduced(self, level: str, target: Target, policy: Optional[PolicyRow]) -> tuple[BackwardLayer, ...]:
+    def introduced(self, level: str, target: Target, policy: Optional[PolicyRow],
+                   emulated: bool = True) -> tuple[BackwardLayer, ...]:
         model = copy.deepcopy(self.saved)
-        model.train()
         applied = policy.policy.applied(model) if policy is not None else contextlib.nullcontext()
-        emulated = emulate(target) if target.emulated else contextlib.nullcontext()
+        emulator = emulate(target) if target.emulated and emulated else contextlib.nullcontext()
         found = []
-        with _scoped(level, target, policy), emulated, applied:
+        with _scoped(level, target, policy), emulator, applied:
             for name, (args, kwargs, grads, reference) in self.calls.items():
                 narrow = {k: g.float() if g.dtype == torch.float64 else g for k, g in grads.items()}
                 local = _local_grads(model.get_submodule(name), map_tensors(_narrowed, args),
@@ -429,7 +594,7 @@ def _local_grads(module: torch.nn.Module, args: Any, kwargs: Any, grads: dict[st
     args, kwargs = map_tensors(leaf, args), map_tensors(leaf, kwargs)
     inputs = [t for _, t in named_tensors((args, kwargs)) if t.requires_grad]
     params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-    torch.manual_seed(seed)  # a module that samples (dropout inside) draws alike in every rerun
+    _seeded(seed, module)  # a module that samples (dropout inside) draws alike in every rerun
     try:
         with torch.enable_grad():
             output = module(*args, **kwargs)
@@ -476,12 +641,10 @@ def _against(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     """(normwise error, cosine) of ``x`` against ``ref``, in float64."""
     x, ref = x.detach().double().reshape(-1), ref.detach().double().reshape(-1)
     ref_norm, x_norm = float(ref.norm()), float(x.norm())
-    diff = float((x - ref).norm())
-    normwise = diff / ref_norm if ref_norm > 0 else (0.0 if diff == 0 else math.inf)
-    cosine = float(x @ ref) / (x_norm * ref_norm) if x_norm > 0 and ref_norm > 0 else math.nan
     if not math.isfinite(x_norm):
-        normwise, cosine = math.inf, math.nan
-    return normwise, cosine
+        return math.inf, math.nan
+    cosine = float(x @ ref) / (x_norm * ref_norm) if x_norm > 0 and ref_norm > 0 else math.nan
+    return metrics.normwise(x, ref), cosine
 
 
 def _ranked(found: dict[str, tuple[float, float]]) -> tuple[ParameterError, ...]:
@@ -490,16 +653,11 @@ def _ranked(found: dict[str, tuple[float, float]]) -> tuple[ParameterError, ...]
 
 
 def _tree_error(found: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
-    diff2 = ref2 = 0.0
-    for x, r in zip(found, reference):
-        if x.shape != r.shape:
-            return math.nan
-        r = r.double()
-        diff2 += float((x.double() - r).pow(2).sum())
-        ref2 += float(r.pow(2).sum())
-    if ref2 == 0:
-        return 0.0 if diff2 == 0 else math.inf
-    return math.sqrt(diff2 / ref2)
+    """The normwise error of several tensors taken as one vector."""
+    if any(x.shape != r.shape for x, r in zip(found, reference)):
+        return math.nan
+    flat = [torch.cat([t.detach().double().reshape(-1) for t in ts]) for ts in (found, reference)]
+    return metrics.normwise(*flat) if flat[1].numel() else 0.0
 
 
 def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -523,6 +681,8 @@ def _state_error(state: dict[str, torch.Tensor], reference: dict[str, torch.Tens
 def _multiple(drift: float, floor: float) -> float:
     if math.isinf(drift):
         return math.inf
+    if math.isinf(floor):  # float32 failed: no drift to compare with
+        return math.nan
     if floor == 0:
         return 1.0 if drift == 0 else math.inf
     return drift / floor

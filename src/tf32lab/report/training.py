@@ -211,17 +211,25 @@ def training_schema() -> dict[str, Any]:
 
 # -- verdicts and conclusion --------------------------------------------------------------------------------------
 def _verdict(lv: TrainingLevel, report: TrainingReport) -> str:
-    head = f"{'PASSED' if lv.passed else 'FAILED'} | level {lv.level!r} | training {report.steps} steps"
+    head = f"{'PASSED' if lv.passed else 'FAILED'} | level {lv.level!r} | training {_steps(report.steps)}"
     if lv.failure is not None:
         return f"{head} | step {lv.failed_step}: {_one_line(lv.failure)}"
-    drift = f"loss within {lv.drift:.1e} of float64's ({lv.multiple:.1f}x float32's own drift)"
+    drift = f"loss within {lv.drift:.1e} of float64's ({_times(lv.multiple)} float32's own drift)"
     if lv.divergence_step is None:
         return f"{head} | {drift} <= {report.tolerance:.0e}"
     if lv.passed:
         return (f"{head} | {drift}: past {report.tolerance:.0e} from step {lv.divergence_step}, within "
                 f"{FLOOR_MULTIPLE:g}x float32's own drift")
     return (f"{head} | diverges at step {lv.divergence_step}: loss up to {lv.drift:.1e} from float64's "
-            f"({lv.multiple:.1f}x float32's own drift) > {report.tolerance:.0e}")
+            f"({_times(lv.multiple)} float32's own drift) > {report.tolerance:.0e}")
+
+
+def _steps(n: int) -> str:
+    return f"{n} step{'' if n == 1 else 's'}"
+
+
+def _times(multiple: float) -> str:
+    return f"{multiple:.1f}x" if math.isfinite(multiple) else ("no measure of" if math.isnan(multiple) else "inf x")
 
 
 def _one_line(text: str) -> str:
@@ -263,6 +271,7 @@ def conclusion(report: TrainingReport) -> list[str]:
     """The plain sentences: for each reduced level, safe (and why: within tolerance, or within float32's own
     drift) or not (the divergence step, the worst gradient, what to pin); a failed step names its exception."""
     where = "on this machine" if report.target == NATIVE else f"on {report.target}"
+    name, steps = " ".join(str(report.workload).split()), _steps(report.steps)  # one line, whatever the name holds
     lines: list[str] = []
     rows = [lv for lv in report.levels if lv.level != "highest"] or list(report.levels)
     for lv in rows:
@@ -272,24 +281,24 @@ def conclusion(report: TrainingReport) -> list[str]:
         if lv.failure is not None:
             lines.append(f"{called} fails at step {lv.failed_step} {where}: {_one_line(lv.failure)}.")
         elif lv.passed and lv.divergence_step is None:
-            lines.append(f"{called} is safe for training {report.workload} for {report.steps} steps {where}: its "
-                         f"loss stays within {lv.drift:.1e} of float64's ({lv.multiple:.1f}x float32's own drift; "
-                         f"tolerance {report.tolerance:.0e}).")
+            lines.append(f"{called} is safe for training {name} for {steps} {where}: its loss stays within "
+                         f"{lv.drift:.1e} of float64's ({_times(lv.multiple)} float32's own drift; tolerance "
+                         f"{report.tolerance:.0e}).")
         elif lv.passed:
-            lines.append(f"{called} is safe for training {report.workload} for {report.steps} steps {where}: its "
-                         f"loss stays within {lv.multiple:.1f}x of float32's own drift, though both leave float64's "
-                         f"path by more than {report.tolerance:.0e} (from step {lv.divergence_step}).")
+            lines.append(f"{called} is safe for training {name} for {steps} {where}: its loss stays within "
+                         f"{lv.multiple:.1f}x of float32's own drift, though both leave float64's path by more than "
+                         f"{report.tolerance:.0e} (from step {lv.divergence_step}).")
         else:
             clause = _gradient_clause(lv)
             lines.append(f"{called} diverges at step {lv.divergence_step} {where}: its loss is "
-                         f"{lv.drift:.1e} from float64's, {lv.multiple:.1f}x float32's own drift"
+                         f"{lv.drift:.1e} from float64's, {_times(lv.multiple)} float32's own drift"
                          f"{'; ' + clause if clause else ''}{_pin(lv)}.")
     floor = report.floor
     if floor.failure is not None:
         lines.append(f"float32 itself (`highest`) fails at step {floor.failed_step}: {_one_line(floor.failure)}; "
                      f"no level can be judged against its drift.")
     elif floor.divergence_step is not None:
-        lines.append(f"float32 itself leaves float64's loss path by {floor.drift:.1e} (from step "
-                     f"{floor.divergence_step}): this training amplifies rounding, so levels are judged against "
-                     f"that drift.")
+        lines.append(f"float32 itself leaves float64's loss path by {floor.drift:.1e}, past the tolerance from step "
+                     f"{floor.divergence_step}: levels are judged against that drift too (within "
+                     f"{FLOOR_MULTIPLE:g}x of it passes).")
     return lines

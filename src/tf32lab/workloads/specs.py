@@ -67,8 +67,7 @@ def load(spec: Optional[str] = None, *, training: Optional[bool] = False) -> Any
         raise Tf32LabError(f"workload {made.name!r}: --train needs a factory that returns a tf32lab.TrainingWorkload "
                            f"(model, batches, loss, optimizer), not a forward workload")
     if not training and isinstance(made, TrainingWorkload):
-        raise Tf32LabError(f"workload {made.name!r} is a training workload (tf32lab.TrainingWorkload): check it with "
-                           f"--train")
+        raise Tf32LabError(f"workload {made.name!r} is a training workload (tf32lab.TrainingWorkload): add --train")
     return made
 
 
