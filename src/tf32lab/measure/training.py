@@ -191,14 +191,16 @@ def _seeded(seed: int, model: torch.nn.Module) -> None:
 
 
 def _not_finite(named: list[tuple[str, torch.nn.Parameter]]) -> Optional[str]:
-    """The first parameter whose gradient holds a NaN or an Inf (one check of their norms, then a search)."""
+    """The first parameter whose gradient holds a NaN or an Inf. Each gradient's sum first (one cheap pass: a
+    finite sum proves there is none), then the exact test for a sum that is not."""
     grads = [(n, p.grad) for n, p in named if p.grad is not None]
     if not grads:
         return None
-    norms = torch.stack([torch.linalg.vector_norm(g.detach().double()) for _, g in grads])
-    if bool(torch.isfinite(norms).all()):
+    sums = torch.stack([g.detach().sum().to(torch.float64) for _, g in grads])
+    if bool(torch.isfinite(sums).all()):
         return None
-    return next(n for (n, _), norm in zip(grads, norms.tolist()) if not math.isfinite(norm))
+    return next((n for (n, g), total in zip(grads, sums.tolist())
+                 if not math.isfinite(total) and not bool(torch.isfinite(g).all())), None)
 
 
 class _Float64Step:
