@@ -26,8 +26,8 @@ ROLES = ("fit", "held-out")
 
 
 class Published(NamedTuple):
-    """One published pair. ``shape``: (m, n, k) for a GEMM; for the others the workload is named by ``label`` and
-    built by ``benchmarks/predict.py`` (its shape in ``label``). ``seconds``: (IEEE, TF32), when published."""
+    """One published pair. ``shape``: (m, n, k) for a GEMM (labels may say m x k x n); for the others the workload
+    is named by ``label`` and built by ``benchmarks/predict.py``. ``seconds``: (IEEE, TF32), when published."""
 
     label: str
     kind: str
@@ -57,6 +57,8 @@ _HF_T5 = ("huggingface/transformers#15026 (A100, HF Trainer, t5-base on wmt16 en
 _H100 = ("this project, docs/gpu-results.md, 2026-11-25 (NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, bench medians; "
          "bench's own cost, 51.8 µs per call, measured there, is added to the predictions)")
 _BENCH_CALL = 51.8e-6
+_H200 = ("this project, docs/gpu-results.md, 2026-11-26 (NVIDIA H200, torch 2.11.0+cu130; CUDA-event medians of 7 "
+         "interleaved rounds; labels m x k x n)")
 
 ROWS: tuple[Published, ...] = (
     # -- A100: one product ------------------------------------------------------------------------------------
@@ -79,6 +81,14 @@ ROWS: tuple[Published, ...] = (
           harness=_BENCH_CALL),
     _pair("128x50000x768 linear", "h100", "held-out", (128, 50000, 768), 0.314e-3, 0.125e-3, _H100,
           note="an LM head: its weight's bytes bound the TF32 time", harness=_BENCH_CALL),
+    # -- H200 (this project, CUDA events over back-to-back calls: no host cost in the large products) --------------
+    _pair("8192^3 mm", "h200", "fit", (8192, 8192, 8192), 21.5838e-3, 2.9328e-3, _H200),
+    _pair("2048^3 mm", "h200", "fit", (2048, 2048, 2048), 0.3443e-3, 0.0560e-3, _H200),
+    _pair("4096^3 mm", "h200", "fit", (4096, 4096, 4096), 2.7702e-3, 0.4638e-3, _H200),
+    _pair("1024^3 mm", "h200", "fit", (1024, 1024, 1024), 0.05648e-3, 0.03146e-3, _H200),
+    _pair("4096x4096x16384 mm", "h200", "held-out", (4096, 4096, 16384), 10.8272e-3, 1.765e-3, _H200),
+    _pair("16384x4096x1024 mm", "h200", "held-out", (16384, 1024, 4096), 2.8113e-3, 0.5322e-3, _H200),
+    _pair("128x50000x768 mm", "h200", "held-out", (128, 768, 50000), 0.2059e-3, 0.0722e-3, _H200),
     # -- A100: convolutions (cuDNN; speedups only) ---------------------------------------------------------------
     Published("KernelBench 69: conv_transpose2d 64x64x128x256, 64->128, 3x5", "conv", "a100", "held-out", 9.62,
               _KERNELBENCH, (64, 64, 128, 256, 128, 3, 5)),
