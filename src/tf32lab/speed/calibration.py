@@ -43,7 +43,8 @@ def gemm_prediction(row: Published, math_name: str, gemm_fit: Optional[GemmFit] 
     m, n, k = row.shape
     p = targets.get(row.target).speed_peaks()
     memory = 4.0 * (m * k + k * n + m * n) / (p.bandwidth * 1e9 * MEMORY_EFFICIENCY)  # float32 operands and result
-    return max(gemm_seconds((1, 1, m, n, k), math_name, p, gemm_fit), memory) + LAUNCH_SECONDS + row.harness
+    compute = gemm_seconds((1, 1, m, n, k), math_name, p, gemm_fit, fallback=gemm_fit is None)
+    return max(compute, memory) + LAUNCH_SECONDS + row.harness
 
 
 def fit(rows: Iterable[Published] = ROWS) -> dict[str, dict[str, GemmFit]]:

@@ -12,7 +12,7 @@ on the target at each level, with the math ``emulate(target)`` would give it (``
   math's peak (``peaks``) x the math's fitted efficiency x a tile efficiency (a small tile re-reads its operands
   more: sqrt(intensity / intensity of 128x128), at most 1) x k / (k + 64), and each wave a fixed cost
   (``peaks.GemmFit``: efficiency and wave cost per target and kind of math, SIMT or tensor cores, fitted to
-  published timings, ``tf32lab.speed.calibration``). The best tile and split (1, 2, 4, ... parts of k while SMs
+  published timings, ``tf32lab.speed.calibration``). The best tile and split (1, 2, 3, ... parts of k while SMs
   are idle) win, as cuBLAS's heuristics pick one. Padding, partial waves and skinny shapes so cost what they cost.
 - every other op is memory-bound: its bytes at 85% of the bandwidth.
 - ``launch``: 5 µs per kernel (eager dispatch and launch; views and allocations launch none).
@@ -32,7 +32,7 @@ Example:
     >>> round(report.level("high").speedup, 1), round(report.level("highest").speedup, 1)
     (5.0, 1.0)
     >>> report.level("high").likely()
-    '5.01x, likely 4.30-5.81x'
+    '5.02x, likely 4.32-5.83x'
     >>> batch_of_one = tf32lab.Workload(torch.nn.Linear(4096, 4096), torch.randn(1, 4096))
     >>> tf32lab.predict(batch_of_one, "a100").level("high").speedup < 1.05      # memory-bound: nothing to gain
     True
@@ -52,8 +52,9 @@ import torch
 
 from tf32lab.emulation.emulator import context_cells
 from tf32lab.errors import Tf32LabError
+from tf32lab.know import peaks
 from tf32lab.know.levels import LEVELS, check_levels
-from tf32lab.know.peaks import CONV_BAND, GEMM_BAND, LAUNCH_SECONDS, MEMORY_EFFICIENCY, GemmFit, Peaks, gemm_fit
+from tf32lab.know.peaks import GemmFit, Peaks, gemm_fit, math_kind
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.numbers.files import write_json
@@ -78,11 +79,15 @@ def _tile_efficiency(rows: int, columns: int) -> float:
     return min(1.0, math.sqrt(rows * columns / (rows + columns) / _REFERENCE_INTENSITY))
 
 
-def gemm_seconds(gemm: Gemm, math_name: str, p: Peaks, fit: Optional[GemmFit] = None) -> float:
+def gemm_seconds(gemm: Gemm, math_name: str, p: Peaks, fit: Optional[GemmFit] = None,
+                 fallback: bool = True) -> float:
     """Compute time of ``count`` GEMMs of ``batch`` x (m x k) @ (k x n) in ``math_name`` (module docstring), with
     ``fit`` (default: the target's, ``peaks.gemm_fit``). An empty product (an MoE expert that got no tokens:
     ``m == 0``; or ``n``, ``k``, ``batch`` zero) multiplies nothing: no compute time (its bytes and launch are
-    :func:`op_seconds`'s)."""
+    :func:`op_seconds`'s). A tensor-core math is never slower than IEEE (``fallback``): the flag allows tensor-core
+    kernels, it does not force them, and cuBLAS's heuristics pick the faster (a small product's fixed costs)."""
+    if fallback and math_kind(math_name) == "tensor":
+        return min(gemm_seconds(gemm, math_name, p, fit, False), gemm_seconds(gemm, "ieee", p, None, False))
     count, batch, m, n, k = gemm
     if min(count, batch, m, n, k) <= 0:  # no tile to run (a wave loop over zero tiles would never end)
         return 0.0
@@ -90,25 +95,30 @@ def gemm_seconds(gemm: Gemm, math_name: str, p: Peaks, fit: Optional[GemmFit] = 
     per_sm = p.flops(math_name) / p.sms * fit.efficiency
     best = math.inf
     for rows, columns in TILES:
+        gemv = min(rows, columns) == 1
+        if gemv and min(m, n) > 1:  # one-row tiles: the gemv-like kernels of a product with one row or column
+            continue
         tiles = batch * math.ceil(m / rows) * math.ceil(n / columns)
         efficiency = per_sm * _tile_efficiency(rows, columns)
+        wave = 0.0 if gemv else fit.wave_seconds  # a gemv-like kernel streams its matrix: no pipeline to fill
         split = 1
-        while split == 1 or split * tiles <= p.sms:  # split-K, when the tiles alone leave SMs idle
+        # split-K into any number of parts (cuBLAS's split-K and stream-K kernels), while the tiles alone leave SMs idle
+        while split == 1 or (split * tiles <= p.sms and split <= k):
             part = math.ceil(k / split)
             waves = math.ceil(tiles * split / p.sms)
-            best = min(best, waves * (2.0 * rows * columns * (part + K_OVERHEAD) / efficiency + fit.wave_seconds))
-            split *= 2
+            best = min(best, waves * (2.0 * rows * columns * (part + K_OVERHEAD) / efficiency + wave))
+            split += 1
     return count * best
 
 
 def op_seconds(op: OpCost, math_name: Optional[str], p: Peaks) -> float:
     """The predicted time of one op on ``p``'s GPU when its products run in ``math_name``."""
-    memory = op.bytes / (p.bandwidth * 1e9 * MEMORY_EFFICIENCY)
+    memory = op.bytes / (p.bandwidth * 1e9 * peaks.MEMORY_EFFICIENCY)
     compute = 0.0
     if op.gemms:
         compute = sum(gemm_seconds(g, math_name or "ieee", p) for g in op.gemms)
     steps = sum(g[0] for g in op.gemms) if op.gemms else 1  # an RNN's steps are kernels of their own
-    return max(compute, memory) + LAUNCH_SECONDS * steps
+    return max(compute, memory) + peaks.LAUNCH_SECONDS * steps
 
 
 @dataclass(frozen=True)
@@ -236,12 +246,12 @@ def seconds_at(counts: Counts, target: Target, level_of: Callable[[str], str]) -
 
 
 def _band(ops: Sequence[OpCost], base: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
-    """The likely range of ``sum(base) / sum(times)``: each op that the level speeds up may gain ``GEMM_BAND``'s
-    (a convolution: ``CONV_BAND``'s) factors of what the model says; the others are as predicted."""
+    """The likely range of ``sum(base) / sum(times)``: each op that the level speeds up may gain ``peaks.GEMM_BAND``'s
+    (a convolution: ``peaks.CONV_BAND``'s) factors of what the model says; the others are as predicted."""
     total, lows, highs = sum(base), 0.0, 0.0
     for op, before, after in zip(ops, base, times):
         if after < before * (1 - 1e-9):
-            low, high = CONV_BAND if op.family == "conv" else GEMM_BAND
+            low, high = peaks.CONV_BAND if op.family == "conv" else peaks.GEMM_BAND
             lows, highs = lows + after / low, highs + after / high
         else:
             lows, highs = lows + after, highs + after
