@@ -385,6 +385,36 @@ def test_a_training_step_counts_backward_per_layer_and_the_optimizers_traffic():
         optimizer_ops(model, "lion")
 
 
+class _Inner(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+
+    def forward(self, *, x):
+        return self.lin(x)
+
+
+class _Outer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.inner = torch.nn.Linear(64, 64), _Inner()
+
+    def forward(self, x):
+        return self.inner(x=self.a(x) @ torch.ones(64, 64))  # a product of the model's own, between its layers
+
+
+def test_backward_products_count_for_their_layer_even_when_it_takes_keywords():
+    from tf32lab.speed.counting import ROOT, Counting
+
+    model = _Outer()
+    with Counting(model, backward=True) as counts:
+        model(torch.randn(8, 64)).sum().backward()
+    products = sorted(c.layer for c in counts.ops if c.op == "aten::mm")  # the linears' forwards are addmm
+    # the model's own product and its one gradient (ones needs none); inner.lin's input and weight gradients; a's
+    # weight gradient (x needs none)
+    assert products == sorted([ROOT, ROOT, "inner.lin", "inner.lin", "a"])
+
+
 def test_predict_training_dilutes_the_gain_and_leaves_the_model_as_it_was():
     w = _heavy()
     model = w.model.eval()

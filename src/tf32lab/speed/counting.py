@@ -251,7 +251,8 @@ class Counting:
             for name, module in self.model.named_modules():
                 if isinstance(module, torch.jit.ScriptModule):
                     continue  # no hooks; their ops count for the nearest module that takes them
-                self._handles.append(module.register_forward_pre_hook(self._pre(name or ROOT)))
+                self._handles.append(module.register_forward_pre_hook(self._pre(name or ROOT),
+                                                                      with_kwargs=self.backward))
                 self._handles.append(module.register_forward_hook(self._post(), always_call=True))
         modestack.push(self._functions)
         modestack.push(self._mode)
@@ -267,10 +268,11 @@ class Counting:
         self._handles.clear()
 
     def _pre(self, name: str):
-        def hook(module, args):
+        def hook(module, args, kwargs=None):
             self._stack.append(name)
-            if self.backward:  # where this module's part of the graph begins
-                self._boundaries.append({t.grad_fn for _, t in named_tensors(args) if t.grad_fn is not None})
+            if self.backward:  # where this module's part of the graph begins: its inputs' nodes, keyword ones too
+                inputs = (args, kwargs or {})
+                self._boundaries.append({t.grad_fn for _, t in named_tensors(inputs) if t.grad_fn is not None})
 
         return hook
 
