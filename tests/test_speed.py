@@ -429,6 +429,9 @@ def test_predict_training_dilutes_the_gain_and_leaves_the_model_as_it_was():
     assert json.loads(step.to_json())["step"] == "training"
     with pytest.raises(Tf32LabError, match="unknown optimizer 'lion'"):
         tf32lab.predict(w, "a100", training=True, optimizer="lion")
+    frozen = torch.nn.Linear(8, 8).requires_grad_(False)
+    with pytest.raises(Tf32LabError, match="training=True needs an output that depends on parameters"):
+        tf32lab.predict(tf32lab.Workload(frozen, torch.randn(4, 8), name="frozen"), "a100", training=True)
 
 
 @pytest.mark.slow
@@ -451,6 +454,9 @@ def test_speed_command_predicts_a_training_step_and_the_conv_flags_gain():
     assert done.returncode == 0, done.stderr
     assert "one training step" in done.stdout and "likely" in done.stdout
     assert "convolutions at cudnn.conv tf32 instead of ieee" in done.stdout
+    data = json.loads(cli("speed", "builtin", "--training", "--optimizer", "none", "--json", "-").stdout)["predicted"]
+    assert data["step"] == "training" and len(data["levels"][1]["band"]) == 2
+    assert data["levels"][1]["band"][0] <= data["levels"][1]["speedup"] <= data["levels"][1]["band"][1]
     for args, message in ((["--conv", "fp16"], "argument --conv: bad conv math 'fp16'; accepted: tf32, ieee"),
                           (["--optimizer", "lion"], "bad optimizer 'lion'; accepted: adamw, adam, sgd, none"),
                           (["--training", "--measure"], "--training is predicted only")):
