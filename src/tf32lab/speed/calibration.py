@@ -27,7 +27,7 @@ from tf32lab.speed.published import ROWS, Published
 __all__ = ["MATHS", "band", "fit", "gemm_prediction", "speedup_residuals"]
 
 # the math each target's ``high`` gives a float32 matmul (TF32, rounded as its cuBLAS does): what was timed
-MATHS = {"ieee": "ieee", "a100": "tf32-rna", "h100": "tf32-rne", "h200": "tf32-rne"}
+MATHS = {"a100": "tf32-rna", "h100": "tf32-rne", "h200": "tf32-rne"}
 _EFFICIENCIES = [round(0.30 + 0.01 * i, 2) for i in range(81)]  # 0.30 .. 1.10
 _WAVES = [0.5e-6 * i for i in range(61)]  # 0 .. 30 µs
 
