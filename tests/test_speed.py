@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -111,8 +112,11 @@ def test_geforce_cards_get_what_their_peaks_say(target):
 
 
 def test_a_large_gemm_gains_about_the_peak_ratio_and_a_skinny_one_little():
+    from tf32lab.know.peaks import GEMM_FITS
+
     big = predict_counts(_mm(8192, 8192, 8192), "mm", known_targets.get("h100")).level("high").speedup
-    assert 6.0 < big <= 495 / 67
+    fits = GEMM_FITS["h100"]
+    assert 6.0 < big <= 495 / 67 * fits["tensor"].efficiency / fits["simt"].efficiency  # the peaks' ratio, fitted
     skinny = predict_counts(_mm(1, 8192, 8192), "mm", known_targets.get("h100")).level("high").speedup
     assert skinny < 1.05
 
@@ -285,3 +289,177 @@ def test_native_measure_prints_no_nan_share_and_shows_progress_only_on_a_termina
             os.close(main)
         assert child.wait(timeout=300) == 0
     assert b"round 1/1 at highest" in shown or b"warm-up at highest" in shown, shown[-500:]
+
+
+# -- fitted to published timings ----------------------------------------------------------------------------
+def test_the_gemm_constants_are_the_fit_of_the_published_rows():
+    from tf32lab.know import peaks
+    from tf32lab.speed import calibration
+
+    def shown(fits):
+        return {t: {k: (round(f.efficiency, 2), round(f.wave_seconds * 1e6, 1)) for k, f in kinds.items()}
+                for t, kinds in fits.items()}
+
+    assert shown(calibration.fit()) == shown(peaks.GEMM_FITS)
+    assert calibration.band() == peaks.GEMM_BAND
+    fits = peaks.GEMM_FITS["a100"]
+    assert fits["tensor"].efficiency < fits["simt"].efficiency  # why a large A100 GEMM gains ~6.5x, not 8x
+
+
+def test_published_gemm_rows_are_predicted_within_their_median_goal():
+    from tf32lab.speed import calibration, published
+
+    off = []
+    for row in published.ROWS:
+        if row.kind == "gemm":
+            tf32 = calibration.MATHS[row.target]
+            speedup = calibration.gemm_prediction(row, "ieee") / calibration.gemm_prediction(row, tf32)
+            off.append(abs(speedup / row.speedup - 1))
+    assert len(off) >= 20
+    assert sorted(off)[len(off) // 2] <= 0.10  # issue 26: median |predicted / published - 1| <= 10%
+
+
+def test_every_role_and_kind_of_a_published_row_is_known_and_sourced():
+    from tf32lab.speed import published
+
+    for row in published.ROWS:
+        assert row.kind in published.KINDS and row.role in published.ROLES and row.source
+        if row.seconds is not None:
+            assert row.speedup == pytest.approx(row.seconds[0] / row.seconds[1])
+    assert {r.role for r in published.ROWS if r.kind == "gemm"} == {"fit", "held-out"}
+
+
+def test_a_prediction_carries_a_band_around_it_and_none_where_nothing_changes():
+    report = predict_counts(_mm(4096, 4096, 4096), "mm", known_targets.get("a100"))
+    high = report.level("high")
+    assert high.band[0] < high.speedup < high.band[1]
+    assert "likely" in high.likely() and "likely" in "\n".join(report.lines())
+    assert report.level("highest").band == (1.0, 1.0)
+    assert json.loads(report.to_json())["levels"][1]["band"] == list(high.band)
+    pointwise = torch.nn.Sequential(torch.nn.LayerNorm(512), torch.nn.GELU())
+    flat = tf32lab.predict(tf32lab.Workload(pointwise, torch.randn(512, 512)), "a100").level("high")
+    assert flat.band == (1.0, 1.0) and flat.likely() == "1.00x"
+
+
+# -- convolutions by cuDNN's own flag ---------------------------------------------------------------------------
+def _convnet():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(64, 64, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(64, 64, 3))
+    return tf32lab.Workload(model, torch.randn(32, 64, 28, 28), name="convnet")
+
+
+def test_the_conv_math_is_asked_by_its_own_flag_and_its_gain_has_a_wide_band():
+    from tf32lab.know.peaks import CONV_BAND
+
+    w = _convnet()
+    tf32, ieee = tf32lab.predict(w, "a100", conv="tf32"), tf32lab.predict(w, "a100", conv="ieee")
+    # no level touches cuDNN's flag: the levels agree with each other, the flag moves the time
+    assert tf32.level("high").speedup == pytest.approx(1.0) == ieee.level("high").speedup
+    gain = ieee.level("highest").seconds / tf32.level("highest").seconds
+    assert gain > 2
+    note = next(n for n in tf32.notes if n.startswith("convolutions at cudnn.conv tf32"))
+    low, high = (float(v) for v in re.search(rf"{gain:.2f}x, likely ([0-9.]+)-([0-9.]+)x", note).groups())
+    # cuDNN's per-shape choices: the band is wide (the ReLU between the convs gains nothing, so a little narrower)
+    assert gain * CONV_BAND[0] <= low < gain * 0.5 and gain * 2 < high <= gain * CONV_BAND[1]
+    with pytest.raises(Tf32LabError, match="unknown conv math 'fp16'; accepted: 'tf32', 'ieee'"):
+        tf32lab.predict(w, "a100", conv="fp16")
+
+
+# -- training steps ---------------------------------------------------------------------------------------------
+def test_a_training_step_counts_backward_per_layer_and_the_optimizers_traffic():
+    from tf32lab.speed.counting import Counting
+    from tf32lab.speed.prediction import optimizer_ops
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512))
+    with Counting(model, backward=True) as counts:
+        model(torch.randn(256, 512)).sum().backward()
+    products = [(c.op, c.layer) for c in counts.ops if c.family == "matmul"]
+    # forward: one addmm per layer; backward: the weight gradient of each, the input gradient of the second only
+    assert sorted(products) == [("aten::addmm", "0"), ("aten::addmm", "2"), ("aten::mm", "0"), ("aten::mm", "2"),
+                                ("aten::mm", "2")]
+    ops = optimizer_ops(model, "adamw")
+    assert sum(op.bytes for op in ops) == pytest.approx(28 * sum(p.numel() for p in model.parameters()))
+    assert optimizer_ops(model, None) == []
+    with pytest.raises(Tf32LabError, match="unknown optimizer 'lion'"):
+        optimizer_ops(model, "lion")
+
+
+class _Inner(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+
+    def forward(self, *, x):
+        return self.lin(x)
+
+
+class _Outer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.inner = torch.nn.Linear(64, 64), _Inner()
+
+    def forward(self, x):
+        return self.inner(x=self.a(x) @ torch.ones(64, 64))  # a product of the model's own, between its layers
+
+
+def test_backward_products_count_for_their_layer_even_when_it_takes_keywords():
+    from tf32lab.speed.counting import ROOT, Counting
+
+    model = _Outer()
+    with Counting(model, backward=True) as counts:
+        model(torch.randn(8, 64)).sum().backward()
+    products = sorted(c.layer for c in counts.ops if c.op == "aten::mm")  # the linears' forwards are addmm
+    # the model's own product and its one gradient (ones needs none); inner.lin's input and weight gradients; a's
+    # weight gradient (x needs none)
+    assert products == sorted([ROOT, ROOT, "inner.lin", "inner.lin", "a"])
+
+
+def test_predict_training_dilutes_the_gain_and_leaves_the_model_as_it_was():
+    w = _heavy()
+    model = w.model.eval()
+    for p in model.parameters():
+        p.grad = None
+    forward = tf32lab.predict(w, "a100").level("high").speedup
+    step = tf32lab.predict(w, "a100", training=True)
+    sgd = tf32lab.predict(w, "a100", training=True, optimizer="sgd").level("high")
+    assert step.step == "training" and forward > step.level("high").speedup > 1.5
+    assert sgd.speedup > step.level("high").speedup  # less optimizer traffic, less dilution
+    assert not model.training and all(p.grad is None for p in model.parameters())
+    assert json.loads(step.to_json())["step"] == "training"
+    with pytest.raises(Tf32LabError, match="unknown optimizer 'lion'"):
+        tf32lab.predict(w, "a100", training=True, optimizer="lion")
+    frozen = torch.nn.Linear(8, 8).requires_grad_(False)
+    with pytest.raises(Tf32LabError, match="training=True needs an output that depends on parameters"):
+        tf32lab.predict(tf32lab.Workload(frozen, torch.randn(4, 8), name="frozen"), "a100", training=True)
+
+
+@pytest.mark.slow
+def test_the_t5_base_training_row_is_predicted_within_30_percent():
+    transformers = pytest.importorskip("transformers")
+    from tf32lab.speed import published
+
+    row = next(r for r in published.ROWS if r.kind == "training")
+    with torch.device("meta"):
+        model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+            d_model=768, d_ff=3072, num_layers=12, num_heads=12, d_kv=64, decoder_start_token_id=0, pad_token_id=0))
+    ids = torch.zeros(16, 128, dtype=torch.long, device="meta")
+    w = tf32lab.Workload(model, {"input_ids": ids, "labels": ids}, name="t5-base")
+    speedup = tf32lab.predict(w, "a100", ("high",), training=True).level("high").speedup
+    assert abs(speedup / row.speedup - 1) <= 0.30
+
+
+def test_speed_command_predicts_a_training_step_and_the_conv_flags_gain():
+    done = cli("speed", "builtin", "--target", "h100", "--training", "--conv", "ieee")
+    assert done.returncode == 0, done.stderr
+    assert "one training step" in done.stdout and "likely" in done.stdout
+    assert "convolutions at cudnn.conv tf32 instead of ieee" in done.stdout
+    data = json.loads(cli("speed", "builtin", "--training", "--optimizer", "none", "--json", "-").stdout)["predicted"]
+    assert data["step"] == "training" and len(data["levels"][1]["band"]) == 2
+    assert data["levels"][1]["band"][0] <= data["levels"][1]["speedup"] <= data["levels"][1]["band"][1]
+    for args, message in ((["--conv", "fp16"], "argument --conv: bad conv math 'fp16'; accepted: tf32, ieee"),
+                          (["--optimizer", "lion"], "bad optimizer 'lion'; accepted: adamw, adam, sgd, none"),
+                          (["--training", "--measure"], "--training is predicted only")):
+        bad = cli("speed", "builtin", *args)
+        assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1

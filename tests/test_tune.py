@@ -148,7 +148,7 @@ def test_layers_a_level_does_not_change_on_the_target_are_never_pinned(monkeypat
             return super().forward(self.conv(x.view(-1, 8, 8, 8)).flatten(1))
 
     torch.manual_seed(0)
-    tuning = tf32lab.tune(tf32lab.Workload(ConvFront(), torch.randn(256, 512)), target="a100")
+    tuning = tf32lab.tune(tf32lab.Workload(ConvFront(), torch.randn(1024, 512)), target="a100")
     assert tuning.report.level("high").maths["conv"] == tuning.report.level("highest").maths["conv"]
     assert tuning.passed and tuning.pinned == ("sens.lin",)
     assert not any("conv" in c.pinned for c in tuning.candidates), [c.pinned for c in tuning.candidates]

@@ -36,4 +36,4 @@ class Net(torch.nn.Module):
 
 def make():
     torch.manual_seed(0)
-    return tf32lab.Workload(Net(), torch.randn(256, 512), name="one-sensitive")
+    return tf32lab.Workload(Net(), torch.randn(1024, 512), name="one-sensitive")  # heavy enough for TF32 to pay

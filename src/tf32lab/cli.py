@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import Callable, NoReturn, Optional
 
 from tf32lab import __version__
 from tf32lab.errors import Tf32LabError
@@ -113,13 +113,22 @@ def build_parser() -> argparse.ArgumentParser:
     tune.set_defaults(run=_tune)
     speed = sub.add_parser(
         "speed", help="what each precision level buys: predicted on a target GPU, measured here with --measure",
-        description="Predict one forward of a workload on a target GPU at each level (FLOPs, bytes and GEMM shapes "
-                    "counted from one run here, against the target's peaks and bandwidth), and with --measure time "
-                    "it on this machine's own hardware. Exit code 0, or 2 on bad input.",
+        description="Predict one forward (or with --training one training step) of a workload on a target GPU at "
+                    "each level (FLOPs, bytes and GEMM shapes counted from one run here, against the target's peaks, "
+                    "bandwidth and GEMM efficiencies fitted to published timings; each speedup with its likely "
+                    "range), and with --measure time it on this machine's own hardware. Exit code 0, or 2 on bad "
+                    "input.",
     )
     _workload_arguments(speed, "GPU to predict for", "; or 'native' to only measure")
     speed.add_argument("--levels", default="highest,high,medium", type=str.lower,
                        help="comma-separated levels (highest, the baseline, is always included)")
+    speed.add_argument("--conv", type=_conv, default=None,
+                       help="cuDNN's convolution math, which no level sets: tf32 (PyTorch's default) or ieee; also "
+                            "prints what tf32 buys over ieee (default: as this process's flags hold it)")
+    speed.add_argument("--training", action="store_true",
+                       help="predict one training step: forward, backward and the optimizer's update")
+    speed.add_argument("--optimizer", type=_optimizer, default="adamw",
+                       help="with --training: the optimizer whose update is counted: adamw (default), adam, sgd, none")
     speed.add_argument("--measure", action="store_true", help="also time each level on this machine (bench)")
     speed.add_argument("--rounds", type=_rounds, default=7, help="with --measure: interleaved rounds (7)")
     speed.add_argument("--json", metavar="PATH", help="write the result as JSON; '-' for stdout, instead of the table")
@@ -174,6 +183,25 @@ def _number(what: str, cast: Callable[[str], float], ok: Callable[[float], bool]
 _positive_int = _number("number of CPUs", int, lambda v: v >= 1, "an int >= 1")
 _rounds = _number("number of rounds", int, lambda v: v >= 1, "an int >= 1")
 _steps = _number("number of steps", int, lambda v: v >= 1, "an int >= 1")
+
+
+def _choice(what: str, accepted: tuple[str, ...], none: bool = False) -> Callable:
+    """An argparse type: one of ``accepted`` (case-insensitive; ``none`` -> None when allowed), else one line."""
+
+    def parse(text: str) -> Optional[str]:
+        value = text.strip().lower()
+        if none and value == "none":
+            return None
+        if value not in accepted:
+            shown = ", ".join(accepted + (("none",) if none else ()))
+            raise argparse.ArgumentTypeError(f"bad {what} {text!r}; accepted: {shown}")
+        return value
+
+    return parse
+
+
+_conv = _choice("conv math", ("tf32", "ieee"))
+_optimizer = _choice("optimizer", ("adamw", "adam", "sgd"), none=True)
 _quota = _number("quota", float, lambda v: 0 < v < math.inf, "a number of CPUs > 0")
 _tolerance = _number("tolerance", float, lambda v: 0 <= v < math.inf, "a finite number >= 0")
 
@@ -456,13 +484,16 @@ def _speed(args: argparse.Namespace) -> int:
     target = resolve_target(args.target, speed=not native)  # before the workload loads
     if native and not args.measure:
         raise Tf32LabError("--target native predicts nothing: add --measure to time this machine")
+    if args.training and args.measure:
+        raise Tf32LabError("--training is predicted only: --measure times one forward (leave one of them out)")
     _outputs(args, "--json", reads=(("the spec", _spec_file(args.spec)),))
     loaded = specs.load(args.spec or specs.default_spec())
     predicted = measured = None
     if target.emulated:
         from tf32lab.speed.prediction import predict
 
-        predicted = predict(loaded, target, levels)
+        predicted = predict(loaded, target, levels, training=args.training, optimizer=args.optimizer,
+                            conv=args.conv)
     if args.measure:
         from tf32lab.speed.bench import bench
 
@@ -478,7 +509,8 @@ def _speed(args: argparse.Namespace) -> int:
             return 0
         _write(args.json, lambda path: write_atomically(path, text))
     first = predicted or measured
-    print(f"tf32lab speed {_shown(loaded.name)}: one forward")
+    what = "one training step (forward, backward, the optimizer's update)" if args.training else "one forward"
+    print(f"tf32lab speed {_shown(loaded.name)}: {what}")
     for line in first.lines(measured if predicted else None):
         print(line)
     if predicted is not None and predicted.layers:

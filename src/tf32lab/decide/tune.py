@@ -17,8 +17,8 @@
 Example:
 
     >>> import torch, tf32lab
-    >>> w = tf32lab.Workload(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4)),
-    ...                      torch.randn(64, 256), name="mlp")
+    >>> w = tf32lab.Workload(torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 4)),
+    ...                      torch.randn(1024, 512), name="mlp")
     >>> tuning = tf32lab.tune(w, target="a100")
     >>> tuning.level, tuning.pinned, tuning.passed
     ('high', (), True)

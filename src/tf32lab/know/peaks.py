@@ -22,16 +22,73 @@ from typing import Optional
 
 from tf32lab.errors import Tf32LabError
 
-__all__ = ["DATASHEET", "GEMM_EFFICIENCY", "LAUNCH_SECONDS", "MEMORY_EFFICIENCY", "SMS", "Peaks"]
+__all__ = ["CONV_BAND", "DATASHEET", "GEMM_BAND", "GEMM_EFFICIENCY", "GEMM_FITS", "LAUNCH_SECONDS", "MEMORY_EFFICIENCY",
+           "SMS", "GemmFit", "Peaks", "gemm_fit", "math_kind"]
 
-# The PyTorch CUDA notes' 10240^3 float32 matmul on an A100 (0.11 s IEEE, 0.016 s TF32) implies cuBLAS at ~100% of
-# the FP32 peak and ~86% of the TF32 peak: one efficiency for a large GEMM, their midpoint, so that
-# GeForce cards (TF32 peak = FP32 peak) get the speedup their peaks say, 1.0.
+# A GEMM on a GPU without a fit below: one efficiency for both maths (so that GeForce cards, TF32 peak = FP32 peak,
+# get the speedup their peaks say, 1.0): the PyTorch CUDA notes' 10240^3 matmul on an A100 implies ~100% of the FP32
+# peak and ~86% of the TF32 peak; their midpoint.
 GEMM_EFFICIENCY = 0.93
 # A streaming kernel reaches ~85% of HBM/GDDR peak (STREAM-like copies on A100/H100); verify on GPU.
 MEMORY_EFFICIENCY = 0.85
 # Eager PyTorch: the host's dispatch plus the launch, per kernel; verify on GPU.
 LAUNCH_SECONDS = 5e-6
+
+
+@dataclass(frozen=True)
+class GemmFit:
+    """What a GEMM kernel of one kind of math reaches on one GPU: ``efficiency``, the fraction of the math's peak
+    its main loop runs at, and ``wave_seconds``, a fixed cost per wave of tiles (filling the pipeline, the epilogue:
+    the same for every tile shape, which is why small products gain less from tensor cores than large ones)."""
+
+    efficiency: float
+    wave_seconds: float
+
+
+# Fitted by ``tf32lab.speed.calibration.fit`` on the ``"fit"`` rows of ``tf32lab.speed.published.ROWS`` (published
+# A100 timings: the PyTorch CUDA notes' 10240^3 matmul, cupy/cupy#3810's 8192^3, 2048^3 and 512^3; this project's
+# H100 8192^3 and H200 1024^3 to 8192^3, docs/gpu-results.md; a single size fits no wave cost), per target and
+# kind of math: ``simt`` (IEEE float32 on the CUDA cores) and
+# ``tensor`` (TF32, bf16 and their x3/x9 forms on the tensor cores). Tensor-core kernels reach a smaller fraction of
+# their peak than SIMT SGEMM does of its own, so a large product gains less than the datasheet ratio (A100: ~6.5x,
+# not 8x). ``benchmarks/predict.py`` prints the fit and every held-out row; a test keeps these equal to the fit.
+GEMM_FITS: dict[str, dict[str, GemmFit]] = {
+    "a100": {"simt": GemmFit(0.92, 21.5e-6), "tensor": GemmFit(0.80, 26.5e-6)},
+    "h100": {"simt": GemmFit(0.78, 0.0), "tensor": GemmFit(0.79, 0.0)},
+    "h200": {"simt": GemmFit(0.80, 5.0e-6), "tensor": GemmFit(0.89, 19.5e-6)},
+}
+
+# How far a prediction may be off, as factors on the time ratio of the ops whose math changes (low, high): for
+# GEMMs the fit's residuals on the speedup (``calibration.band``), for convolutions cuDNN's per-shape variability,
+# set to cover every conv timing at hand: published A100 transposed convs gain 1.9-2.5x what their implicit GEMMs
+# predict (BytedTsinghua-SIA/CUDA-Agent#16, KernelBench level 1: 9.62x, 9.05x, 6.85x), and on an H200
+# (docs/gpu-results.md) ResNet-50's convs gain 0.41x to 2.4x of it (cuDNN's TF32 flag: 1.2x to 7.0x).
+GEMM_BAND = (0.86, 1.16)
+CONV_BAND = (0.40, 2.50)
+
+
+def math_kind(math: str) -> str:
+    """``"simt"`` for IEEE float32, ``"tensor"`` for every math on tensor cores.
+
+    >>> math_kind("ieee"), math_kind("tf32-rne"), math_kind("bf16x3")
+    ('simt', 'tensor', 'tensor')
+    """
+    return "simt" if math.split("-")[0] == "ieee" else "tensor"
+
+
+def gemm_fit(target: str, math: str) -> GemmFit:
+    """The :class:`GemmFit` of ``math`` on ``target``: its fit where published timings exist, else
+    ``GEMM_EFFICIENCY`` for both maths and no wave cost (unfitted: the datasheet ratio).
+
+    >>> gemm_fit("a100", "ieee").efficiency > gemm_fit("a100", "tf32-rna").efficiency
+    True
+    >>> gemm_fit("rtx3090", "ieee") == gemm_fit("rtx3090", "tf32-rna")
+    True
+    """
+    fits = GEMM_FITS.get(target)
+    if fits is None:
+        return GemmFit(GEMM_EFFICIENCY, 0.0)
+    return fits[math_kind(math)]
 
 
 @dataclass(frozen=True)

@@ -232,9 +232,14 @@ class Counting:
     measurement's own arithmetic in a hook).
     """
 
-    def __init__(self, model: Optional[torch.nn.Module] = None) -> None:
+    def __init__(self, model: Optional[torch.nn.Module] = None, backward: bool = False) -> None:
         self.model = model
         self.paused = False
+        # with ``backward``: the autograd node each forward op made -> its layer, so that the backward's ops count
+        # for the layer whose forward made them (the wrappers are kept alive: ids of freed ones come back)
+        self.backward = backward
+        self._nodes: dict[Any, str] = {}
+        self._boundaries: list[set] = []
         self.counts = Counts()
         self._mode = _Mode(self)
         self._functions = _Functions(self)
@@ -246,13 +251,16 @@ class Counting:
             for name, module in self.model.named_modules():
                 if isinstance(module, torch.jit.ScriptModule):
                     continue  # no hooks; their ops count for the nearest module that takes them
-                self._handles.append(module.register_forward_pre_hook(self._pre(name or ROOT)))
+                self._handles.append(module.register_forward_pre_hook(self._pre(name or ROOT),
+                                                                      with_kwargs=self.backward))
                 self._handles.append(module.register_forward_hook(self._post(), always_call=True))
         modestack.push(self._functions)
         modestack.push(self._mode)
         return self.counts
 
     def __exit__(self, *exc: object) -> None:
+        self._nodes.clear()
+        self._boundaries.clear()
         modestack.remove(self._mode)
         modestack.remove(self._functions)
         for handle in self._handles:
@@ -260,17 +268,32 @@ class Counting:
         self._handles.clear()
 
     def _pre(self, name: str):
-        def hook(module, args):
+        def hook(module, args, kwargs=None):
             self._stack.append(name)
+            if self.backward:  # where this module's part of the graph begins: its inputs' nodes, keyword ones too
+                inputs = (args, kwargs or {})
+                self._boundaries.append({t.grad_fn for _, t in named_tensors(inputs) if t.grad_fn is not None})
 
         return hook
 
     def _post(self):
         def hook(module, args, output):
             if self._stack:
-                self._stack.pop()
+                name = self._stack.pop()
+                if self.backward and self._boundaries:
+                    self._tag(output, name, self._boundaries.pop())
 
         return hook
+
+    def _tag(self, output: Any, name: str, boundary: set) -> None:
+        """Give the autograd nodes this module's forward made (those not yet given to a sublayer) its name."""
+        todo = [t.grad_fn for _, t in named_tensors(output) if t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            if node is None or node in boundary or node in self._nodes:
+                continue
+            self._nodes[node] = name
+            todo.extend(next_node for next_node, _ in node.next_functions)
 
     def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         name = func._schema.name.split("::")[-1]
@@ -286,8 +309,17 @@ class Counting:
         if gemms is None and family is not None:
             self.counts.uncounted[qualified] += 1
         flops = float(sum(2 * c * b * m * n * k for c, b, m, n, k in gemms or ()))
-        self.counts.ops.append(OpCost(qualified, self._stack[-1] if self._stack else ROOT, family, flops,
-                                      _bytes(name, args, kwargs, out), tuple(gemms or ())))
+        layer = self._stack[-1] if self._stack else self._backward_layer()
+        self.counts.ops.append(OpCost(qualified, layer, family, flops, _bytes(name, args, kwargs, out),
+                                      tuple(gemms or ())))
+
+    def _backward_layer(self) -> str:
+        """The layer whose forward made the autograd node running now (backward ops), else the model's."""
+        current = getattr(torch._C, "_current_autograd_node", None)
+        if not self.backward or current is None:
+            return ROOT
+        node = current()
+        return ROOT if node is None else self._nodes.get(node, ROOT)
 
 
 class _Watching(TorchDispatchMode):

@@ -1,26 +1,27 @@
 """What each precision level buys on a target GPU, predicted from any machine: ``predict(workload, target)``.
 
-One forward of the workload is counted (``tf32lab.speed.counting``: per op its FLOPs, bytes and GEMMs, per layer), then
-each op is timed on the target at each level, with the math ``emulate(target)`` would give it (``targets``)::
+One forward of the workload (or, with ``training=True``, one training step: forward, backward and the optimizer's
+update) is counted (``tf32lab.speed.counting``: per op its FLOPs, bytes and GEMMs, per layer), then each op is timed
+on the target at each level, with the math ``emulate(target)`` would give it (``targets``)::
 
     time = max(compute, bytes / (bandwidth x 0.85)) + launch
 
 - ``compute`` of a GEMM (matmul, conv as an implicit GEMM, attention's two products, an RNN's projections and
   steps): the kernel is taken as tiled; for each tile shape of a small set (down to the one-row tiles of
   gemv-like kernels), the tiles run in waves of one per SM, a tile costing its FLOPs at the SM's share of the
-  math's peak
-  (``peaks``) x 0.93 (large-GEMM efficiency) x a tile efficiency (a small tile re-reads its operands more:
-  sqrt(intensity / intensity of 128x128), at most 1) x k / (k + 64) (a tile's prologue and epilogue). The best
-  tile and split (1, 2, 4, ... parts of k while SMs are idle) win, as cuBLAS's heuristics pick one.
-  Padding, partial waves and skinny shapes so cost what they cost.
+  math's peak (``peaks``) x the math's fitted efficiency x a tile efficiency (a small tile re-reads its operands
+  more: sqrt(intensity / intensity of 128x128), at most 1) x k / (k + 64), and each wave a fixed cost
+  (``peaks.GemmFit``: efficiency and wave cost per target and kind of math, SIMT or tensor cores, fitted to
+  published timings, ``tf32lab.speed.calibration``). The best tile and split (1, 2, 3, ... parts of k while SMs
+  are idle) win, as cuBLAS's heuristics pick one. Padding, partial waves and skinny shapes so cost what they cost.
 - every other op is memory-bound: its bytes at 85% of the bandwidth.
 - ``launch``: 5 µs per kernel (eager dispatch and launch; views and allocations launch none).
 
-The model's constants come from published figures (NVIDIA datasheets, ``tf32lab.know.peaks``) and are checked against
-the PyTorch CUDA notes' A100 timings (``benchmarks/predict.py``). On an H100 (docs/gpu-results.md) the speedup of
-large GEMMs came out right (8192³: 7.38x predicted, 7.40x measured), but times were off by a median 56%: large GEMMs
-reach ~0.75 of the datasheet peaks, not 0.93, and an eager op costs ~12 µs, not 5 µs. The
-result is a :class:`SpeedReport`, the same type :func:`tf32lab.bench` returns from a real measurement, so the
+Every predicted speedup carries a band (``LevelSpeed.band``, "2.40x, likely 2.05-2.71x"): each op the level speeds
+up may gain what the published GEMMs were off by at most (``peaks.GEMM_BAND``), a convolution what cuDNN's
+per-shape choices make of it (``peaks.CONV_BAND``, wide). ``conv="tf32"|"ieee"`` sets cuDNN's convolution flag,
+which no level touches. ``benchmarks/predict.py`` prints every published pair against the model (docs/design.md).
+The result is a :class:`SpeedReport`, the same type :func:`tf32lab.bench` returns from a real measurement, so the
 two print side by side.
 
 Example:
@@ -29,7 +30,9 @@ Example:
     >>> w = tf32lab.Workload(torch.nn.Linear(2048, 2048), torch.randn(4096, 2048), name="gemm")
     >>> report = tf32lab.predict(w, target="a100")
     >>> round(report.level("high").speedup, 1), round(report.level("highest").speedup, 1)
-    (7.9, 1.0)
+    (5.0, 1.0)
+    >>> report.level("high").likely()
+    '5.02x, likely 4.32-5.83x'
     >>> batch_of_one = tf32lab.Workload(torch.nn.Linear(4096, 4096), torch.randn(1, 4096))
     >>> tf32lab.predict(batch_of_one, "a100").level("high").speedup < 1.05      # memory-bound: nothing to gain
     True
@@ -37,9 +40,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -48,17 +52,20 @@ import torch
 
 from tf32lab.emulation.emulator import context_cells
 from tf32lab.errors import Tf32LabError
+from tf32lab.know import peaks
 from tf32lab.know.levels import LEVELS, check_levels
-from tf32lab.know.peaks import GEMM_EFFICIENCY, LAUNCH_SECONDS, MEMORY_EFFICIENCY, Peaks
+from tf32lab.know.peaks import GemmFit, Peaks, gemm_fit, math_kind
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.numbers.files import write_json
 from tf32lab.numbers.origin import run_error
-from tf32lab.speed.counting import Counting, Counts, Gemm, OpCost, OtherThreads
+from tf32lab.numbers.trees import named_tensors
+from tf32lab.speed.counting import ROOT, Counting, Counts, Gemm, OpCost, OtherThreads
 from tf32lab.workloads.running import changed_note, kept_flags, refuse_applied
 from tf32lab.workloads.workload import Workload, eval_mode
 
-__all__ = ["LayerSpeed", "LevelSpeed", "SpeedReport", "op_seconds", "predict", "predict_counts", "seconds_at"]
+__all__ = ["LayerSpeed", "LevelSpeed", "SpeedReport", "op_seconds", "optimizer_ops", "predict", "predict_counts",
+           "seconds_at", "training_loss"]
 
 # (rows, columns) of the output tile of a GEMM kernel: cuBLAS's and CUTLASS's usual shapes, down to the
 # one-row tiles of its gemv-like kernels for a product with a single row or column
@@ -72,47 +79,67 @@ def _tile_efficiency(rows: int, columns: int) -> float:
     return min(1.0, math.sqrt(rows * columns / (rows + columns) / _REFERENCE_INTENSITY))
 
 
-def gemm_seconds(gemm: Gemm, math_name: str, p: Peaks) -> float:
-    """Compute time of ``count`` GEMMs of ``batch`` x (m x k) @ (k x n) in ``math_name`` (module docstring).
-    An empty product (an MoE expert that got no tokens: ``m == 0``; or ``n``, ``k``, ``batch`` zero) multiplies
-    nothing: no compute time (its bytes and launch are :func:`op_seconds`'s)."""
+def gemm_seconds(gemm: Gemm, math_name: str, p: Peaks, fit: Optional[GemmFit] = None,
+                 fallback: bool = True) -> float:
+    """Compute time of ``count`` GEMMs of ``batch`` x (m x k) @ (k x n) in ``math_name`` (module docstring), with
+    ``fit`` (default: the target's, ``peaks.gemm_fit``). An empty product (an MoE expert that got no tokens:
+    ``m == 0``; or ``n``, ``k``, ``batch`` zero) multiplies nothing: no compute time (its bytes and launch are
+    :func:`op_seconds`'s). A tensor-core math is never slower than IEEE (``fallback``): the flag allows tensor-core
+    kernels, it does not force them, and cuBLAS's heuristics pick the faster (a small product's fixed costs)."""
+    if fallback and math_kind(math_name) == "tensor":
+        return min(gemm_seconds(gemm, math_name, p, fit, False), gemm_seconds(gemm, "ieee", p, None, False))
     count, batch, m, n, k = gemm
     if min(count, batch, m, n, k) <= 0:  # no tile to run (a wave loop over zero tiles would never end)
         return 0.0
-    per_sm = p.flops(math_name) / p.sms * GEMM_EFFICIENCY
+    fit = fit or gemm_fit(p.target, math_name)
+    per_sm = p.flops(math_name) / p.sms * fit.efficiency
     best = math.inf
     for rows, columns in TILES:
+        gemv = min(rows, columns) == 1
+        if gemv and min(m, n) > 1:  # one-row tiles: the gemv-like kernels of a product with one row or column
+            continue
         tiles = batch * math.ceil(m / rows) * math.ceil(n / columns)
         efficiency = per_sm * _tile_efficiency(rows, columns)
+        wave = 0.0 if gemv else fit.wave_seconds  # a gemv-like kernel streams its matrix: no pipeline to fill
         split = 1
-        while split == 1 or split * tiles <= p.sms:  # split-K, when the tiles alone leave SMs idle
+        # split-K into any number of parts (cuBLAS's split-K and stream-K kernels), while the tiles alone leave SMs idle
+        while split == 1 or (split * tiles <= p.sms and split <= k):
             part = math.ceil(k / split)
             waves = math.ceil(tiles * split / p.sms)
-            best = min(best, waves * 2.0 * rows * columns * (part + K_OVERHEAD) / efficiency)
-            split *= 2
+            best = min(best, waves * (2.0 * rows * columns * (part + K_OVERHEAD) / efficiency + wave))
+            split += 1
     return count * best
 
 
 def op_seconds(op: OpCost, math_name: Optional[str], p: Peaks) -> float:
     """The predicted time of one op on ``p``'s GPU when its products run in ``math_name``."""
-    memory = op.bytes / (p.bandwidth * 1e9 * MEMORY_EFFICIENCY)
+    memory = op.bytes / (p.bandwidth * 1e9 * peaks.MEMORY_EFFICIENCY)
     compute = 0.0
     if op.gemms:
         compute = sum(gemm_seconds(g, math_name or "ieee", p) for g in op.gemms)
     steps = sum(g[0] for g in op.gemms) if op.gemms else 1  # an RNN's steps are kernels of their own
-    return max(compute, memory) + LAUNCH_SECONDS * steps
+    return max(compute, memory) + peaks.LAUNCH_SECONDS * steps
 
 
 @dataclass(frozen=True)
 class LevelSpeed:
-    """The time of one forward at one level, its speedup over ``highest``, and the share of the time spent in
-    matmul-family ops; ``spread`` (measured only): the interquartile range over the median."""
+    """The time of one forward (or training step) at one level, its speedup over ``highest``, and the share of the
+    time spent in matmul-family ops; ``spread`` (measured only): the interquartile range over the median; ``band``
+    (predicted only): the speedup's likely range (low, high), from how far the model was off on published timings
+    (``peaks.GEMM_BAND``, ``peaks.CONV_BAND``)."""
 
     level: str
     seconds: float
     speedup: float
     family_share: float
     spread: Optional[float] = None
+    band: Optional[tuple[float, float]] = None
+
+    def likely(self) -> str:
+        """The speedup as text: ``"2.40x, likely 2.05-2.71x"`` (with a band), else ``"2.40x"``."""
+        if self.band is None or self.band[0] == self.band[1]:
+            return f"{self.speedup:.2f}x"
+        return f"{self.speedup:.2f}x, likely {self.band[0]:.2f}-{self.band[1]:.2f}x"
 
 
 @dataclass(frozen=True)
@@ -138,6 +165,7 @@ class SpeedReport:
     flops: float = 0.0
     bytes: float = 0.0
     notes: tuple[str, ...] = ()
+    step: str = "forward"  # or "training": forward, backward and the optimizer's update
 
     def level(self, name: str) -> LevelSpeed:
         for lv in self.levels:
@@ -147,7 +175,7 @@ class SpeedReport:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        data["levels"] = [dataclasses.asdict(lv) for lv in self.levels]
+        data["levels"] = [{**dataclasses.asdict(lv), "band": list(lv.band) if lv.band else None} for lv in self.levels]
         data["layers"] = [{"name": layer.name, "seconds": dict(layer.seconds)} for layer in self.layers]
         data["notes"] = list(self.notes)
         return data
@@ -159,11 +187,12 @@ class SpeedReport:
 
     def lines(self, other: Optional[SpeedReport] = None) -> list[str]:
         """A plain table, one line per level; with ``other`` (a measurement of the same workload), both."""
-        head = f"{'level':<8} {self.kind + ' (' + self.target + ')':>24}  speedup  matmul share"
+        width = max([len(lv.likely()) for lv in self.levels] + [7])
+        head = f"{'level':<8} {self.kind + ' (' + self.target + ')':>24}  {'speedup':<{width}}  matmul share"
         rows = [head + (f"  {other.kind + ' (' + other.target + ')':>24}  speedup" if other else "")]
         for lv in self.levels:
             share = "-" if math.isnan(lv.family_share) else f"{lv.family_share:.0%}"  # a measurement has none
-            row = f"{lv.level:<8} {_time(lv.seconds):>24}  {lv.speedup:6.2f}x  {share:>11}"
+            row = f"{lv.level:<8} {_time(lv.seconds):>24}  {lv.likely():<{width}}  {share:>11}"
             if other is not None:
                 found = next((o for o in other.levels if o.level == lv.level), None)
                 if found is not None:
@@ -190,9 +219,22 @@ def speed_levels(levels: Iterable[str]) -> tuple[str, ...]:
     return ("highest", *[lv for lv in asked if lv != "highest"])  # highest is the baseline of every speedup
 
 
-def level_maths(target: Target, levels: Sequence[str]) -> dict[str, dict[str, str]]:
-    """Per level, the math ``target`` gives each op family (the keys of ``targets``), in this context's cells."""
+CONV_MATHS = ("tf32", "ieee")
+
+
+def check_conv(conv: Optional[str]) -> Optional[str]:
+    """``conv`` validated: None (the cuDNN flag as this context holds it), ``"tf32"`` or ``"ieee"``."""
+    if conv is not None and conv not in CONV_MATHS:
+        raise Tf32LabError(f"unknown conv math {conv!r}; accepted: 'tf32', 'ieee' (cudnn.conv's fp32_precision)")
+    return conv
+
+
+def level_maths(target: Target, levels: Sequence[str], conv: Optional[str] = None) -> dict[str, dict[str, str]]:
+    """Per level, the math ``target`` gives each op family (the keys of ``targets``), in this context's cells;
+    ``conv`` (``"tf32"`` / ``"ieee"``) sets cuDNN's convolution flag, which no level touches."""
     cells = context_cells()
+    if check_conv(conv) is not None:
+        cells["cuda.conv"] = conv
     return {level: target.maths_at(level, cells) for level in levels}
 
 
@@ -203,11 +245,26 @@ def seconds_at(counts: Counts, target: Target, level_of: Callable[[str], str]) -
     return sum(op_seconds(op, by_level[level_of(op.layer)].get(op.family or "", "ieee"), p) for op in counts.ops)
 
 
-def predict_counts(counts: Counts, workload: str, target: Target, levels: Iterable[str] = LEVELS) -> SpeedReport:
-    """The :class:`SpeedReport` of counted ops (``counting.Counting``) on ``target``, per level."""
+def _band(ops: Sequence[OpCost], base: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
+    """The likely range of ``sum(base) / sum(times)``: each op that the level speeds up may gain ``peaks.GEMM_BAND``'s
+    (a convolution: ``peaks.CONV_BAND``'s) factors of what the model says; the others are as predicted."""
+    total, lows, highs = sum(base), 0.0, 0.0
+    for op, before, after in zip(ops, base, times):
+        if after < before * (1 - 1e-9):
+            low, high = peaks.CONV_BAND if op.family == "conv" else peaks.GEMM_BAND
+            lows, highs = lows + after / low, highs + after / high
+        else:
+            lows, highs = lows + after, highs + after
+    return _ratio(total, lows), _ratio(total, highs)
+
+
+def predict_counts(counts: Counts, workload: str, target: Target, levels: Iterable[str] = LEVELS,
+                   conv: Optional[str] = None, step: str = "forward") -> SpeedReport:
+    """The :class:`SpeedReport` of counted ops (``counting.Counting``) on ``target``, per level; ``conv``: the
+    cuDNN convolution math (default: as this context's flags hold it)."""
     p = target.speed_peaks()
     levels = speed_levels(levels)
-    by_level = level_maths(target, levels)
+    by_level = level_maths(target, levels, conv)
     per_op = {level: [op_seconds(op, by_level[level].get(op.family or "", "ieee"), p) for op in counts.ops]
               for level in levels}
     totals = {level: sum(times) for level, times in per_op.items()}
@@ -219,41 +276,128 @@ def predict_counts(counts: Counts, workload: str, target: Target, levels: Iterab
     family_layers = {op.layer for op in counts.ops if op.family is not None}
     rows = tuple(LevelSpeed(level, totals[level], _ratio(totals["highest"], totals[level]),
                             _ratio(sum(t for t, op in zip(per_op[level], counts.ops) if op.family is not None),
-                                   totals[level]))
+                                   totals[level]),
+                            band=_band(counts.ops, per_op["highest"], per_op[level]))
                  for level in levels)
     notes = []
     if counts.uncounted:
         ops = ", ".join(f"{op} x{n}" for op, n in counts.uncounted.most_common(4))
         notes.append(f"counted by their bytes only (no FLOP formula): {ops}")
+    if conv is not None and any(op.family == "conv" for op in counts.ops):
+        notes.append(_conv_note(counts, target, conv, per_op["highest"]))
     return SpeedReport(workload, target.name, "predicted", rows,
                        tuple(LayerSpeed(name, seconds) for name, seconds in layers.items() if name in family_layers),
-                       counts.flops, counts.bytes, tuple(notes))
+                       counts.flops, counts.bytes, tuple(notes), step)
 
 
-def predict(workload: Workload, target: Union[str, Target] = "a100", levels: Iterable[str] = LEVELS) -> SpeedReport:
+def _conv_note(counts: Counts, target: Target, conv: str, times: Sequence[float]) -> str:
+    """What cuDNN's TF32 flag buys at ``highest``: the other conv math's time against this one's."""
+    p = target.speed_peaks()
+    maths = level_maths(target, ("highest",), "ieee" if conv == "tf32" else "tf32")["highest"]
+    other = [op_seconds(op, maths.get(op.family or "", "ieee"), p) for op in counts.ops]
+    ieee, tf32 = (other, list(times)) if conv == "tf32" else (list(times), other)
+    gain = LevelSpeed("highest", sum(tf32), _ratio(sum(ieee), sum(tf32)), math.nan,
+                      band=_band(counts.ops, ieee, tf32))
+    return (f"convolutions at cudnn.conv tf32 instead of ieee (at highest): {gain.likely()} "
+            f"(cuDNN picks its algorithm per shape: a wide band)")
+
+
+# bytes per float32 parameter element of one update (foreach implementations, PyTorch's default on CUDA): AdamW and
+# Adam read the parameter, its gradient and two moments and write three; SGD with momentum reads three, writes two
+OPTIMIZER_BYTES = {"adamw": 28, "adam": 28, "sgd": 20}
+_FOREACH_OPS = {"adamw": 10, "adam": 9, "sgd": 3}  # foreach kernels per group of tensors in one update
+_FOREACH_GROUP = 100  # tensors per foreach kernel launch (multi_tensor_apply's chunking, about)
+
+
+def optimizer_ops(model: torch.nn.Module, optimizer: Optional[str]) -> list[OpCost]:
+    """The optimizer's update of ``model``'s trainable parameters as memory-bound ops (no FLOPs worth counting):
+    ``OPTIMIZER_BYTES`` per element, split over its foreach launches; none for ``optimizer=None``."""
+    if optimizer is None:
+        return []
+    if optimizer not in OPTIMIZER_BYTES:
+        raise Tf32LabError(f"unknown optimizer {optimizer!r}; accepted: {', '.join(map(repr, OPTIMIZER_BYTES))}, "
+                           f"None (no update counted)")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        return []
+    launches = _FOREACH_OPS[optimizer] * math.ceil(len(params) / _FOREACH_GROUP)
+    total = OPTIMIZER_BYTES[optimizer] * sum(p.numel() for p in params)
+    return [OpCost(f"optimizer:{optimizer}", ROOT, None, 0.0, total / launches, ()) for _ in range(launches)]
+
+
+def training_loss(output: Any, name: str) -> torch.Tensor:
+    """The loss a training step differentiates: the output's ``loss`` (Hugging Face models given labels), else the
+    sum of its floating-point tensors (what it costs is the backward, not the loss)."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        return loss
+    parts = [t.sum() for _, t in named_tensors(output) if t.is_floating_point() and t.requires_grad]
+    if not parts:
+        raise Tf32LabError(f"workload {name!r}: training=True needs an output that depends on parameters that "
+                           f"require grad; none does")
+    return torch.stack(parts).sum()
+
+
+@contextlib.contextmanager
+def _training(model: torch.nn.Module) -> Iterator[None]:
+    """Train mode and the parameters' ``.grad`` as they were afterwards (a counted step leaves nothing behind)."""
+    modes = [(module, module.training) for module in model.modules()]
+    grads = [(p, p.grad) for p in model.parameters()]
+    model.train()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+        for p, grad in grads:
+            p.grad = grad
+
+
+def predict(workload: Workload, target: Union[str, Target] = "a100", levels: Iterable[str] = LEVELS, *,
+            training: bool = False, optimizer: Optional[str] = "adamw", conv: Optional[str] = None) -> SpeedReport:
     """Predict one forward of ``workload`` on ``target`` at each level (module docstring); the model runs once,
     natively on this machine, to count its work. Every global setting is as it was afterwards.
 
-    Example: see the module docstring.
+    ``training=True``: one training step instead: the forward in train mode, the backward of its loss (the
+    output's ``loss``, else the sum of its outputs) and ``optimizer``'s update (``"adamw"``, ``"adam"``, ``"sgd"``
+    or None), whose memory traffic dilutes the gain. The parameters' gradients are as they were afterwards.
+    ``conv``: cuDNN's convolution math, ``"tf32"`` or ``"ieee"`` (no level sets it; default: as the flags hold it).
+
+    Example (see also the module docstring):
+
+        >>> import torch, tf32lab
+        >>> w = tf32lab.Workload(torch.nn.Linear(2048, 2048), torch.randn(4096, 2048), name="gemm")
+        >>> step = tf32lab.predict(w, "a100", training=True)
+        >>> step.step, 1.5 < step.level("high").speedup < tf32lab.predict(w, "a100").level("high").speedup
+        ('training', True)
     """
     if not isinstance(workload, Workload):
         raise Tf32LabError(f"predict() takes a tf32lab.Workload, not {type(workload).__name__}")
     target = resolve_target(target, speed=True)  # a target with no speed model fails before the model runs
     levels = speed_levels(levels)
+    check_conv(conv)
+    if training and optimizer is not None and optimizer not in OPTIMIZER_BYTES:
+        optimizer_ops(workload.model, optimizer)  # its one-line error, before the model runs
     refuse_applied(workload, "predict")
-    counting = Counting(workload.model)
+    counting = Counting(workload.model, backward=training)
+    mode = _training(workload.model) if training else eval_mode(workload.model)
     # a model that sets a level in its forward leaves nothing behind (KeyboardInterrupt included)
     with kept_flags() as changed:
         try:
-            with eval_mode(workload.model), OtherThreads() as threads, counting as counts, torch.inference_mode():
-                workload.run()
+            with mode, OtherThreads() as threads, counting as counts, \
+                    (contextlib.nullcontext() if training else torch.inference_mode()):
+                output = workload.run()
+                if training:
+                    training_loss(output, str(workload.name)).backward()
         except Tf32LabError:
             raise
         except Exception as exc:
             raise run_error(exc, workload.name, "counting the work of", "while its work was counted") from exc
     if threads.ops and not any(op.family is not None for op in counts.ops):  # else: "no gain", of nothing
         raise Tf32LabError(threads.refusal(str(workload.name)))
-    report = predict_counts(counts, str(workload.name), target, levels)
+    if training:
+        counts.ops.extend(optimizer_ops(workload.model, optimizer))
+    report = predict_counts(counts, str(workload.name), target, levels, conv, "training" if training else "forward")
     uncounted = threads.note("left out of the prediction")
     if uncounted:
         report = dataclasses.replace(report, notes=(*report.notes, uncounted))
