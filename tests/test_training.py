@@ -84,7 +84,7 @@ def test_a_level_computed_as_highest_is_float32s_own_path_exactly():
     high, floor = report.level("high"), report.floor
     assert high.same_as == "highest" and report.level("highest").same_as is None
     assert high.deviations == floor.deviations and high.losses == floor.losses
-    assert high.multiple == 1.0 and high.passed
+    assert high.multiple == 1.0 and high.passed and high.speedup is None  # no speed model for a CPU
     assert [g.normwise for g in high.gradients] == [g.normwise for g in floor.gradients]
     # float32's own drift is real but small: the floor is measured, not assumed to be zero
     assert 0 < floor.drift < 1e-5 and floor.gradients[0].normwise < 1e-5
@@ -110,6 +110,10 @@ def test_tf32_moves_gradients_state_and_loss_by_its_own_rounding_and_passes():
     assert all(e.introduced > 1e-5 for e in high.layers) and all(e.introduced < 1e-6 for e in floor.layers)
     assert high.coverage == {"aten::addmm tf32-rna": 12, "aten::mm tf32-rna": 18}
     assert report.conclusion()[0].startswith("TF32 (`high`) is safe for training regression for 6 steps on a100")
+    # the speed model's prediction of a training step (forward, backward, AdamW) beside the verdict
+    assert high.speedup is not None and high.speedup >= 1.0 and floor.speedup is None
+    assert report.level("highest").speedup == 1.0
+    assert "a training step is predicted" in report.conclusion()[0]
 
 
 def test_gradients_that_tf32_ruins_diverge_at_a_step_and_fail():

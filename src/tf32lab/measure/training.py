@@ -67,6 +67,8 @@ from tf32lab.numbers import metrics
 from tf32lab.numbers.origin import internal_error
 from tf32lab.numbers.trees import map_tensors, named_tensors
 from tf32lab.report.training import FLOOR, FLOOR_MULTIPLE, BackwardLayer, ParameterError, TrainingLevel, TrainingReport
+from tf32lab.speed.counting import Counting
+from tf32lab.speed.prediction import optimizer_ops, predict_counts, seconds_at
 from tf32lab.workloads.running import Progress, changed_note, environment_of, kept_flags, refuse_applied
 from tf32lab.workloads.training import TrainingWorkload, check_steps
 
@@ -291,6 +293,7 @@ class TrainingSession:
         self.families: set[str] = set()  # the op families the emulated rows ran (None: an op of no family)
         self._floor: Optional[TrainingLevel] = None
         self._batches: dict[int, Any] = {}
+        self._speed_notes: list[str] = []
 
     def start(self, bar: Progress) -> None:
         """The float64 reference, then step 1's backward per module in float64."""
@@ -343,7 +346,48 @@ class TrainingSession:
 
     @property
     def notes(self) -> tuple[str, ...]:
-        return tuple(self.attribution.notes)
+        return tuple(self.attribution.notes) + tuple(self._speed_notes)
+
+    def with_speed(self, rows: list[TrainingLevel], policy: Optional[PolicyRow]) -> list[TrainingLevel]:
+        """``rows`` with each one's predicted speedup of a training step on the target over ``highest``
+        (``tf32lab.speed``: one step's forward, backward and optimizer update counted here), where the target has
+        a speed model; a step the counter cannot follow leaves the rows without one, and a note says why."""
+        if self.target.peaks is None or not rows:
+            return rows
+        try:
+            counts = self._step_counts()
+        except Tf32LabError:
+            raise
+        except Exception as exc:
+            if internal_error(exc, "counting a training step") is not None:
+                raise
+            self._speed_notes.append(f"no speed predicted: counting one training step raised {described(exc)}")
+            return rows
+        levels = sorted({r.level for r in rows if r.level in LEVELS} | {"highest"}, key=LEVELS.index)
+        report = predict_counts(counts, str(self.workload.name), self.target, levels, step="training")
+        out = []
+        for row in rows:
+            if row.level in LEVELS:
+                speed = report.level(row.level)
+                out.append(dataclasses.replace(row, speedup=speed.speedup, speedup_band=speed.band))
+            elif row.level == "policy" and policy is not None:
+                base = report.level("highest").seconds
+                time = seconds_at(counts, self.target, lambda layer: policy.by_name.get(layer, policy.base))
+                out.append(dataclasses.replace(row, speedup=base / time if time > 0 else None))
+            else:
+                out.append(row)
+        return out
+
+    def _step_counts(self) -> Any:
+        model = copy.deepcopy(self.saved)
+        batch = self.batch(0)
+        with Counting(model, backward=True) as counts:
+            loss = self.workload.loss_of(self.workload.run(model, batch), batch)
+            loss.backward()
+        name = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam", torch.optim.SGD: "sgd"}.get(
+            type(self._optimizer(model)))
+        counts.ops.extend(optimizer_ops(model, name))
+        return counts
 
     def report(self, rows: Iterable[TrainingLevel], seconds: float) -> TrainingReport:
         return TrainingReport(
@@ -514,7 +558,7 @@ class _Training:
         results = [session.judged(rows[level]) for level in self.levels]
         if policy is not None:
             results.append(session.judged(policy))
-        return session.report(results, time.perf_counter() - started)
+        return session.report(session.with_speed(results, self.row), time.perf_counter() - started)
 
 
 # -- the first step's backward, module by module --------------------------------------------------------------

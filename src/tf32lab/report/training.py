@@ -88,6 +88,9 @@ class TrainingLevel:
     failed_step: Optional[int] = None
     same_as: Optional[str] = None  # an earlier row the target computes identically, run once for both
     policy: Optional[dict[str, Any]] = None
+    # a training step's predicted speedup on the target over `highest` (tf32lab.speed), and its likely range
+    speedup: Optional[float] = None
+    speedup_band: Optional[tuple[float, float]] = None
 
     @property
     def drift(self) -> float:
@@ -158,6 +161,7 @@ class TrainingReport(Document):
         def row(lv: TrainingLevel) -> dict[str, Any]:
             data = asdict(lv)
             data.update(drift=lv.drift, losses=list(lv.losses), deviations=list(lv.deviations),
+                        speedup_band=list(lv.speedup_band) if lv.speedup_band else None,
                         gradients=[asdict(g) for g in lv.gradients], layers=[asdict(e) for e in lv.layers],
                         weights=[asdict(w) for w in lv.weights])
             return data
@@ -224,6 +228,15 @@ def _verdict(lv: TrainingLevel, report: TrainingReport) -> str:
             f"({_times(lv.multiple)} float32's own drift) > {report.tolerance:.0e}")
 
 
+def _faster(lv: TrainingLevel, target: str) -> str:
+    """``; a training step is predicted 1.80x faster than at `highest` on a100 (likely 1.60-2.00x)``, or nothing."""
+    if lv.speedup is None or target == NATIVE:
+        return ""
+    band = lv.speedup_band
+    likely = f" (likely {band[0]:.2f}-{band[1]:.2f}x)" if band and band[0] != band[1] else ""
+    return f"; a training step is predicted {lv.speedup:.2f}x as fast as at `highest` on {target}{likely}"
+
+
 def _steps(n: int) -> str:
     return f"{n} step{'' if n == 1 else 's'}"
 
@@ -283,11 +296,11 @@ def conclusion(report: TrainingReport) -> list[str]:
         elif lv.passed and lv.divergence_step is None:
             lines.append(f"{called} is safe for training {name} for {steps} {where}: its loss stays within "
                          f"{lv.drift:.1e} of float64's ({_times(lv.multiple)} float32's own drift; tolerance "
-                         f"{report.tolerance:.0e}).")
+                         f"{report.tolerance:.0e}){_faster(lv, report.target)}.")
         elif lv.passed:
             lines.append(f"{called} is safe for training {name} for {steps} {where}: its loss stays within "
                          f"{lv.multiple:.1f}x of float32's own drift, though both leave float64's path by more than "
-                         f"{report.tolerance:.0e} (from step {lv.divergence_step}).")
+                         f"{report.tolerance:.0e} (from step {lv.divergence_step}){_faster(lv, report.target)}.")
         else:
             clause = _gradient_clause(lv)
             lines.append(f"{called} diverges at step {lv.divergence_step} {where}: its loss is "

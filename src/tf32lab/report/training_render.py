@@ -55,9 +55,12 @@ def renderables(report: TrainingReport) -> Iterator[Any]:
     path = Table(title="loss path against float64's", title_justify="left")
     state = Table(title="step-1 gradients, and the state after the last step, against float64's",
                   title_justify="left")
-    for column in ("row", "matmul", "final loss", "max deviation", "x float32's", "diverges at", "verdict"):
-        path.add_column(column, justify="right" if column in ("final loss", "max deviation", "x float32's")
-                        else "left")
+    speed = any(lv.speedup is not None for lv in report.levels)
+    columns = ("row", "matmul", "final loss", "max deviation", "x float32's", "diverges at",
+               *(("step speedup",) if speed else ()), "verdict")
+    for column in columns:
+        path.add_column(column, justify="right" if column in ("final loss", "max deviation", "x float32's",
+                                                              "step speedup") else "left")
     for column in ("row", "worst gradient", "normwise", "cosine", "weights", "optimizer state"):
         state.add_column(column, justify="left" if column in ("row", "worst gradient") else "right")
     for lv in [report.floor, *report.levels]:
@@ -67,9 +70,12 @@ def renderables(report: TrainingReport) -> Iterator[Any]:
         diverges = f"step {lv.failed_step} (failed)" if lv.failure is not None else (
             f"step {lv.divergence_step}" if lv.divergence_step is not None else "never")
         label = _label(lv) + (f" (= {lv.same_as})" if lv.same_as else "")
-        path.add_row(label, lv.maths.get("matmul", "native"), f"{lv.losses[-1]:.6g}" if lv.losses else "-",
-                     fmt(lv.drift if lv.failure is None else None),
-                     f"{lv.multiple:.1f}x" if math.isfinite(lv.multiple) else "-", diverges, verdict)
+        cells = [label, lv.maths.get("matmul", "native"), f"{lv.losses[-1]:.6g}" if lv.losses else "-",
+                 fmt(lv.drift if lv.failure is None else None),
+                 f"{lv.multiple:.1f}x" if math.isfinite(lv.multiple) else "-", diverges]
+        if speed:
+            cells.append(f"{lv.speedup:.2f}x" if lv.speedup is not None else "-")
+        path.add_row(*cells, verdict)
         state.add_row(label, inert(short_name(worst.name, 30)) if worst else "-",
                       fmt(worst.normwise if worst else None), f"{worst.cosine:.8f}" if worst else "-",
                       fmt(lv.weights[0].normwise if lv.weights else None), fmt(lv.optimizer_state))
