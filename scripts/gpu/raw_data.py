@@ -64,10 +64,10 @@ def make_inputs(folder: str) -> None:
         a[:, 1::2] = a[:, 0::2]
         mma[f"cancel/K{k}"] = (a, b, torch.zeros(SIDE, SIDE))
         # exponents spread over 2**-30 .. 2**30
-        scale_a = torch.exp2(torch.randint(-30, 31, (SIDE, k), generator=g).float())
-        scale_b = torch.exp2(torch.randint(-30, 31, (k, SIDE), generator=g).float())
-        spread_a = torch.randn(SIDE, k, generator=g) * scale_a
-        spread_b = torch.randn(k, SIDE, generator=g) * scale_b
+        spread_a = torch.randn(SIDE, k, generator=g)  # each factor drawn in this order: the inputs the H200 read
+        spread_a = spread_a * torch.exp2(torch.randint(-30, 31, (SIDE, k), generator=g).float())
+        spread_b = torch.randn(k, SIDE, generator=g)
+        spread_b = spread_b * torch.exp2(torch.randint(-30, 31, (k, SIDE), generator=g).float())
         mma[f"spread/K{k}"] = (spread_a, spread_b, torch.zeros(SIDE, SIDE))
         # with an accumulator input of the products' size, and one far smaller than them
         a, b = torch.randn(SIDE, k, generator=g), torch.randn(k, SIDE, generator=g)
