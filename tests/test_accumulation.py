@@ -98,3 +98,24 @@ def test_bad_input_names_it():
         accumulation.gemm(torch.ones(2, 3), torch.ones(2, 2), accumulation.FMA)
     with pytest.raises(ValueError, match="'xyz'"):
         accumulation.Accumulation("xyz", 4, 24, "")
+
+
+@pytest.mark.skipif(not accumulation.compiled(), reason="numba not installed")
+@pytest.mark.parametrize("case", [c for c in CASES if not c.startswith("cdna3")])
+def test_compiled_kernels_give_the_same_bits(case):
+    unit = case.split("/")[0]
+    a, b, c = (torch.from_numpy(VECTORS[f"{case}/{x}"]) for x in "abc")
+    a, b = formats.round_tf32(a, "rz"), formats.round_tf32(b, "rz")
+    for model in (MODELS[unit], accumulation.FMA):
+        tensors = accumulation.gemm(a, b, model, c=c, use_compiled=False)
+        assert _bits_equal(accumulation.gemm(a, b, model, c=c, use_compiled=True), tensors), (case, str(model))
+
+
+@pytest.mark.skipif(not accumulation.compiled(), reason="numba not installed")
+def test_compiled_kernels_batches_and_specials():
+    g = torch.Generator().manual_seed(3)
+    a, b = formats.round_tf32(torch.randn(2, 9, 21, generator=g)), formats.round_tf32(torch.randn(21, 70, generator=g))
+    a[0, 0, 0], a[1, 2, 3], b[4, 5] = float("inf"), float("nan"), 2.0 ** 120
+    for model in (accumulation.AMPERE, accumulation.HOPPER, accumulation.FMA):
+        want = accumulation.gemm(a, b, model, c=torch.ones(70), use_compiled=False)
+        assert _bits_equal(accumulation.gemm(a, b, model, c=torch.ones(70), use_compiled=True), want), str(model)

@@ -21,7 +21,9 @@ Mikaitis and Pranesh, PeerJ CS 7:e330, 2021, for the NVIDIA truncation):
   case in 2^29).
 
 Operands are taken as given: round them first (TF32 operands are what the instruction sees; it truncates any
-further bits, which :func:`gemm` does not). Everything is computed in float64 tensor operations: exact, any CPU.
+further bits, which :func:`gemm` does not). Everything is computed in float64 (exact on any CPU): by compiled
+kernels where numba is installed (``pip install tf32lab[fast]``; ``nvidia`` and ``fma`` kinds), by tensor
+operations otherwise; both give the same bits.
 
 Example:
 
@@ -36,7 +38,9 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Optional
 
 import torch
@@ -125,12 +129,52 @@ def _fma_chain(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
     return acc.to(_F32)
 
 
+@functools.cache
+def _kernels() -> Optional[ModuleType]:
+    try:
+        from tf32lab.numbers import accumulation_kernels
+    except ImportError:  # numba is an optional extra
+        return None
+    return accumulation_kernels
+
+
+def compiled() -> bool:
+    """Whether :func:`gemm` has its compiled kernels (numba installed).
+
+    >>> isinstance(compiled(), bool)
+    True
+    """
+    return _kernels() is not None
+
+
+def _gemm_compiled(kernels: ModuleType, a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor,
+                   model: Accumulation) -> torch.Tensor:
+    import numpy as np
+
+    batch = acc.shape[:-2]
+    a = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
+    b = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
+    flat = acc.reshape(-1, *acc.shape[-2:])
+    out = torch.empty_like(flat)
+    for i in range(flat.size(0)):
+        c = np.ascontiguousarray(flat[i].numpy())
+        a64, b64 = a[i].to(_F64).contiguous().numpy(), b[i].to(_F64).contiguous().numpy()
+        if model.kind == "fma":
+            res = kernels.fma_gemm(a64, b64, c, 128)
+        else:
+            ea, eb = _exponent(a[i].contiguous()).numpy(), _exponent(b[i].contiguous()).numpy()
+            res = kernels.nvidia_gemm(a64, ea, b64, eb, c, model.chunk, model.fraction_bits, kernels.POW2, 128)
+        out[i] = torch.from_numpy(res)
+    return out.reshape(acc.shape)
+
+
 def gemm(a: torch.Tensor, b: torch.Tensor, model: Accumulation, c: Optional[torch.Tensor] = None,
-         block: int = 1 << 21) -> torch.Tensor:
+         block: int = 1 << 21, use_compiled: Optional[bool] = None) -> torch.Tensor:
     """``c + a @ b`` (``c`` defaults to zeros) as ``model``'s unit computes it, K in order, no split-K.
 
     ``a``: (..., M, K), ``b``: (..., K, N) float32, batch dims broadcast; K is padded with zeros to a whole
-    number of steps. ``block`` caps the products held at once (columns of the output are done in slices).
+    number of steps. ``block`` caps the products held at once (columns of the output are done in slices);
+    ``use_compiled``: the numba kernels (None: where installed and the kind has one).
 
     >>> import torch
     >>> x = torch.full((1, 4096), 1.0 + 2**-10)     # each product 1 + 2^-9 + 2^-20: exact sum 4104.00390625
@@ -155,6 +199,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, model: Accumulation, c: Optional[torc
     if pad:
         a = torch.nn.functional.pad(a, (0, pad))
         b = torch.nn.functional.pad(b, (0, 0, 0, pad))
+    kernels = _kernels() if use_compiled is not False and model.kind in ("nvidia", "fma") else None
+    if use_compiled and kernels is None:
+        raise RuntimeError(f"no compiled kernel for {model} here: install numba (pip install tf32lab[fast])")
+    if kernels is not None:
+        return _gemm_compiled(kernels, a, b, acc, model)
     a64, b64 = a.to(_F64), b.to(_F64)
     ea, eb = _exponent(a), _exponent(b)
     cols = max(1, block // max(1, m * step * max(1, batch.numel())))
