@@ -358,6 +358,6 @@ def test_rocm_gpus_map_to_their_targets_and_hipblaslt_tf32_is_shown():
     assert _target_for((10, 0), "NVIDIA B200") == "b200" and _target_for((9, 4), "NVIDIA H100 NVL") != "mi300"
     off = diagnosis.doctor(Hardware.simulated("mi300"))
     on = diagnosis.doctor(Hardware.simulated("mi300", env={"HIPBLASLT_ALLOW_TF32": "1"}))
-    message = {d: next(w.message for w in d.warnings if w.code == "rocm-tf32") for d in (off, on)}
-    assert "IEEE" in message[off] and "--target mi300" in message[on]
+    off_message, on_message = (next(w.message for w in d.warnings if w.code == "rocm-tf32") for d in (off, on))
+    assert "IEEE" in off_message and "--target mi300" in on_message
     assert Hardware.simulated("mi300").cells_in_force({"cuda.matmul": "tf32"}) == {"cuda.matmul": "ieee"}
