@@ -132,3 +132,22 @@ def test_a100_notes_in_distribution():
     assert 0.0031 / 1.3 < fp32_max < 0.0031 * 1.3 and 3.9e-5 / 1.3 < fp32_max / scale < 3.9e-5 * 1.3
     assert cpu_max < fp32_max / 4  # the CPU's blocked sums: ten times too accurate
     assert 0.1747 / 1.1 < _tail_max(tf32, 10240 ** 2, 2) < 0.1747 * 1.1
+
+
+def test_the_setting_is_the_default_and_check_reports_the_bias(monkeypatch):
+    from tf32lab.workloads.workload import Workload
+
+    monkeypatch.setenv("TF32LAB_ACCUMULATION", "hardware")
+    assert emulate("a100").accumulation == "hardware" and emulate("a100", accumulation="ideal").accumulation == "ideal"
+    monkeypatch.delenv("TF32LAB_ACCUMULATION")
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Linear(1024, 16)
+    with torch.no_grad():
+        model.weight.uniform_(0, 1, generator=g)
+    workload = Workload(model, (torch.rand(8, 1024, generator=g),), name="positive")
+    report = tf32lab.check(workload, levels=("highest", "high"), target="mi300", accumulation="hardware",
+                           speed=False)
+    high = report.level("high").outputs[0]
+    assert high.bias < -1e-4 and abs(report.level("highest").outputs[0].bias) < 1e-6
+    with pytest.raises(Tf32LabError, match="unknown accumulation 'fast'"):
+        tf32lab.check(workload, accumulation="fast")

@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: a100)")
     check.add_argument("--levels", default="highest,high,medium", type=str.lower,
                        help="comma-separated levels (default: all three)")
+    check.add_argument("--accumulation", choices=("ideal", "hardware"), default=None,
+                       help="how emulated GEMMs sum their products: 'ideal' (exact products, this CPU's float32 sums) "
+                            "or 'hardware' (the target's matrix unit, bit for bit; slower) (default: "
+                            "TF32LAB_ACCUMULATION, else ideal)")
     check.add_argument("--tolerance", type=_tolerance, default=None,
                        help="largest normwise relative error of an output (default: 1e-2)")
     check.add_argument("--policy", metavar="FILE",
@@ -311,7 +315,8 @@ def _check(args: argparse.Namespace) -> int:
     loaded = specs.load(spec)
     try:
         report = check(loaded, levels=levels, target=target, tolerance=args.tolerance,
-                       progress=sys.stderr.isatty(), policy=policy, speed=not args.no_speed)
+                       progress=sys.stderr.isatty(), policy=policy, speed=not args.no_speed,
+                       accumulation=args.accumulation)
     except Tf32LabError:
         raise
     except Exception as exc:

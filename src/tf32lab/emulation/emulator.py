@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
+from tf32lab import settings
 from tf32lab.control import flags, modestack, scope
 from tf32lab.emulation import rules
 from tf32lab.errors import Tf32LabError
@@ -51,11 +52,26 @@ from tf32lab.know.targets import IEEE, MATHS, Math, Target, check_value, get, sd
 from tf32lab.numbers import accumulation as _accumulation
 from tf32lab.numbers import formats
 
-__all__ = ["ACCUMULATIONS", "Treatment", "emulate", "maths", "treatment"]
+__all__ = ["ACCUMULATIONS", "Treatment", "check_accumulation", "emulate", "maths", "treatment"]
 
 # How emulate() sums a GEMM's products: "ideal" (exact products, float32 sums as the CPU's BLAS orders them) or
 # "hardware" (the target's unit, bit for bit, chained along K: tf32lab.numbers.accumulation).
 ACCUMULATIONS = ("ideal", "hardware")
+
+
+def check_accumulation(value: Optional[str]) -> str:
+    """``value`` if it is one of ACCUMULATIONS; None: the ``TF32LAB_ACCUMULATION`` setting (default ``"ideal"``).
+
+    >>> check_accumulation("hardware"), check_accumulation(None)
+    ('hardware', 'ideal')
+    """
+    if value is None:
+        value = settings.get("TF32LAB_ACCUMULATION")
+    if value not in ACCUMULATIONS:
+        raise Tf32LabError(f"unknown accumulation {value!r}; accepted: {', '.join(map(repr, ACCUMULATIONS))}")
+    return value
+
+
 # keys whose products a GEMM kernel without split-K computes, in K order; for the rest the order is unknown
 _GEMM_KEYS = ("matmul", "attention.math", "matmul.gemv")
 
@@ -971,12 +987,13 @@ class emulate(contextlib.ContextDecorator):
         rounding: operand rounding for ``tf32`` / ``bf16`` (``"rna"``, ``"rne"``, ``"rz"``), instead of the
             target's.
         strict: raise ``Tf32LabError`` at the first family op that ran without emulation.
-        accumulation: ``"ideal"`` (default: products exact, sums in float32 as this CPU's BLAS orders them) or
-            ``"hardware"``: GEMMs (mm, bmm, addmm, baddbmm, linear, matmul) summed as the target's matrix unit
-            does, bit for bit on its inputs, chained along K as a kernel without split-K would
-            (``tf32lab.numbers.accumulation``; float32 at ``highest`` as an SGEMM's FMA chain). Slower (the
-            compiled kernels of ``tf32lab[fast]`` help); ops whose kernel order is unknown (convolutions, gemv,
-            split maths) stay ideal, and their coverage line says ``ideal sum``.
+        accumulation: ``"ideal"`` (products exact, sums in float32 as this CPU's BLAS orders them) or
+            ``"hardware"`` (None: the ``TF32LAB_ACCUMULATION`` setting, ``"ideal"`` by default): GEMMs (mm,
+            bmm, addmm, baddbmm, linear, matmul) summed as the target's matrix unit does, bit for bit on its
+            inputs, chained along K as a kernel without split-K would (``tf32lab.numbers.accumulation``;
+            float32 at ``highest`` as an SGEMM's FMA chain). Slower (the compiled kernels of ``tf32lab[fast]``
+            help); ops whose kernel order is unknown (convolutions, gemv, split maths) stay ideal, and their
+            coverage line says ``ideal sum``.
 
     ``coverage`` counts ``(op, math)`` pairs and ``unhandled`` the family ops that ran natively. The block is local
     to its thread and asyncio task, like ``precision()``: another task on the same thread, and threads started
@@ -1001,12 +1018,9 @@ class emulate(contextlib.ContextDecorator):
     """
 
     def __init__(self, target: str | Target = "a100", *, math: Optional[str] = None,
-                 rounding: Optional[str] = None, strict: bool = False, accumulation: str = "ideal") -> None:
+                 rounding: Optional[str] = None, strict: bool = False, accumulation: Optional[str] = None) -> None:
         self.target = get(target)
-        if accumulation not in ACCUMULATIONS:
-            raise Tf32LabError(f"unknown accumulation {accumulation!r}; accepted: "
-                               f"{', '.join(map(repr, ACCUMULATIONS))}")
-        self.accumulation = accumulation
+        self.accumulation = check_accumulation(accumulation)
         if math is not None and math not in MATHS:
             raise Tf32LabError(f"unknown math {math!r}; accepted: {', '.join(map(repr, MATHS))}")
         if rounding is not None and rounding not in formats.ROUNDINGS:
