@@ -38,8 +38,8 @@ from typing import Optional, Union
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import level_cells
 from tf32lab.know.peaks import DATASHEET, SMS, Peaks
-from tf32lab.numbers import accumulation as acc
-from tf32lab.numbers.accumulation import Accumulation
+from tf32lab.numbers import accumulation_models as acc
+from tf32lab.numbers.accumulation_models import Accumulation
 
 __all__ = ["CELL_VALUES", "KEYS", "MATHS", "NATIVE", "TARGETS", "Entry", "Math", "Target", "check_value", "get",
            "native", "speed_targets", "table"]
