@@ -1,6 +1,7 @@
 """The hardware accumulation models against MMA-Sim's own outputs (tests/data/mmasim_tf32.npz).
 
-The vectors were made by running MMA-Sim (github microsoft/MMA-Sim, c785138) offline: per unit (Ampere and Ada
+The vectors were made by running MMA-Sim (github microsoft/MMA-Sim, c785138) offline with
+``scripts/make_mmasim_vectors.py`` (which regenerates these very bits): per unit (Ampere and Ada
 ``mma m16n8k8`` TF32, Hopper ``wgmma m64n8k8``, Blackwell ``tcgen05.mma m64n8k8``, CDNA3 ``v_mfma_f32_16x16x8_xf32``)
 random, cancelling, exponent-spread, all-positive and edge-case (zeros, subnormals, tiny and huge) inputs, one
 instruction each, and eight instructions chained along K. The instruction truncates float32 operands to TF32;
