@@ -120,3 +120,28 @@ def test_compiled_kernels_batches_and_specials():
     for model in (accumulation.AMPERE, accumulation.HOPPER, accumulation.FMA):
         want = accumulation.gemm(a, b, model, c=torch.ones(70), use_compiled=False)
         assert _bits_equal(accumulation.gemm(a, b, model, c=torch.ones(70), use_compiled=True), want), str(model)
+
+
+# -- real hardware: an H200 (docs/gpu-results.md, "Accumulation bit for bit on an H200") -----------------------
+H200 = np.load(DATA / "h200_bits.npz")
+
+
+@pytest.mark.parametrize("case", sorted({k.rsplit("/", 1)[0] for k in H200.files if k.startswith("gemm/")}))
+def test_cublas_bits_on_an_h200(case):
+    # a 4 x 4 corner of cuBLAS's outputs (kernels without split-K) and the rows and columns it depends on;
+    # high: operands rounded RNE by cuBLAS on Hopper, then the Hopper unit; highest: the FMA chain
+    a, b = torch.from_numpy(H200[f"{case}/a"]), torch.from_numpy(H200[f"{case}/b"])
+    high = accumulation.gemm(formats.round_tf32(a, "rne"), formats.round_tf32(b, "rne"), accumulation.HOPPER)
+    assert _bits_equal(high, torch.from_numpy(H200[f"{case}/high"]))
+    assert _bits_equal(accumulation.gemm(a, b, accumulation.FMA), torch.from_numpy(H200[f"{case}/highest"]))
+    if case == "gemm/uniform/K4096":  # the ideal sum misses the truncation's bias: no output agrees
+        ideal = formats.round_tf32(a, "rne") @ formats.round_tf32(b, "rne")
+        assert bool((ideal != torch.from_numpy(H200[f"{case}/high"])).all())
+
+
+@pytest.mark.parametrize("case", sorted({k.rsplit("/", 1)[0] for k in H200.files if k.startswith("wgmma/")}))
+def test_triton_wgmma_bits_on_an_h200(case):
+    # tl.dot(A, B, acc=C, input_precision="tf32") in one program: wgmma truncates the unrounded operands itself
+    a, b, c, d = (torch.from_numpy(H200[f"{case}/{x}"]) for x in "abcd")
+    got = accumulation.gemm(formats.round_tf32(a, "rz"), formats.round_tf32(b, "rz"), accumulation.HOPPER, c=c)
+    assert _bits_equal(got, d)
