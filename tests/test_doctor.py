@@ -348,3 +348,16 @@ def test_bfx9_and_values_of_a_newer_torch_are_named_never_read_as_highest():
         bfx9 = next(a.message for a in alerts if a.code == "bfx9")
         assert ("PyTorch raises" in bfx9) == (name == "h100")
     assert diagnosis._level_table(Hardware.simulated("cpu-amx"), {**cells})["highest"]["matmul"] == "ieee"
+
+
+def test_rocm_gpus_map_to_their_targets_and_hipblaslt_tf32_is_shown():
+    from tf32lab.machine.hardware import _target_for
+
+    assert _target_for((9, 4), "AMD Instinct MI300X", amd=True) == "mi300"
+    assert _target_for((9, 5), "AMD Instinct MI355X", amd=True) == "mi355"
+    assert _target_for((10, 0), "NVIDIA B200") == "b200" and _target_for((9, 4), "NVIDIA H100 NVL") != "mi300"
+    off = diagnosis.doctor(Hardware.simulated("mi300"))
+    on = diagnosis.doctor(Hardware.simulated("mi300", env={"HIPBLASLT_ALLOW_TF32": "1"}))
+    off_message, on_message = (next(w.message for w in d.warnings if w.code == "rocm-tf32") for d in (off, on))
+    assert "IEEE" in off_message and "--target mi300" in on_message
+    assert Hardware.simulated("mi300").cells_in_force({"cuda.matmul": "tf32"}) == {"cuda.matmul": "ieee"}

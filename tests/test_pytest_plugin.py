@@ -561,3 +561,27 @@ def test_assert_close_takes_the_math_of_the_emulation_and_the_scope_it_runs_in()
     assert unit_roundoff("highest") == (2.0**-24, "ieee")  # no emulation: this machine's CPU at highest
     with pytest.raises(tf32lab.Tf32LabError, match="unknown level 'fast'; accepted: 'highest', 'high', 'medium'"):
         assert_close(y, exact, operands=(a, b), level="fast")
+
+
+BIASED = """
+import torch
+
+
+def test_a_mean_that_must_not_drift():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.rand(64, 32, generator=g), torch.rand(32, 48, generator=g)
+    drift = ((x @ w).double() - x.double() @ w.double()).mean().item()
+    assert abs(drift) < 1e-3, drift
+"""
+
+
+def test_tests_that_fail_only_on_an_mi300(pytester: pytest.Pytester, monkeypatch):
+    pytester.makepyfile(test_biased=BIASED)
+    monkeypatch.setenv("TF32LAB_ACCUMULATION", "hardware")
+    _run(pytester, "--tf32lab", "a100:high").assert_outcomes(passed=1)
+    result = _run(pytester, "--tf32lab", "mi300:high", "--tf32lab-compare")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "tf32lab: each test runs at precision 'high' as mi300 computes them (emulated here, summed as its hardware*",
+        "*test_a_mean_that_must_not_drift: fails only under mi300:high: passes at highest",
+    ])

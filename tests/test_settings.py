@@ -26,7 +26,8 @@ from tf32lab.workloads import builtin
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "tf32lab"
-JUNK = {"TF32LAB_DISABLE": "maybe", "TF32LAB_SCOPE_GUARD": "sometimes", "TF32LAB_SPILL_MIB": "lots"}
+JUNK = {"TF32LAB_DISABLE": "maybe", "TF32LAB_SCOPE_GUARD": "sometimes", "TF32LAB_SPILL_MIB": "lots",
+        "TF32LAB_ACCUMULATION": "exact"}
 
 
 # -- the table and the accessor ----------------------------------------------------------------------------------

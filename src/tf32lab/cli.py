@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: a100)")
     check.add_argument("--levels", default="highest,high,medium", type=str.lower,
                        help="comma-separated levels (default: all three)")
+    check.add_argument("--accumulation", choices=("ideal", "hardware"), default=None,
+                       help="how emulated GEMMs sum their products: 'ideal' (exact products, this CPU's float32 sums) "
+                            "or 'hardware' (the target's matrix unit, bit for bit; slower) (default: "
+                            "TF32LAB_ACCUMULATION, else ideal)")
     check.add_argument("--tolerance", type=_tolerance, default=None,
                        help="largest normwise relative error of an output (default: 1e-2)")
     check.add_argument("--policy", metavar="FILE",
@@ -357,10 +361,12 @@ def _check(args: argparse.Namespace) -> int:
             from tf32lab.measure.training import check_training
 
             report = check_training(loaded, levels=levels, target=target, steps=args.steps,
-                                    tolerance=args.tolerance, policy=policy, progress=sys.stderr.isatty())
+                                    tolerance=args.tolerance, policy=policy, progress=sys.stderr.isatty(),
+                                    accumulation=args.accumulation)
         else:
             report = check(loaded, levels=levels, target=target, tolerance=args.tolerance,
-                           progress=sys.stderr.isatty(), policy=policy, speed=not args.no_speed)
+                           progress=sys.stderr.isatty(), policy=policy, speed=not args.no_speed,
+                           accumulation=args.accumulation)
     code = 0 if report.passed else 1
     try:
         if args.json == "-":

@@ -7,6 +7,10 @@ of its markers, so ``pytest --help`` elsewhere costs what it did.
 - ``--tf32lab TARGET[:LEVEL]`` (``a100:high``; the level defaults to ``high``; ``native:LEVEL`` runs the level on
   this machine's own hardware): each test's body runs inside ``precision(LEVEL)`` and ``emulate(TARGET)``. Fixtures
   are set up outside it. Threads a test starts run natively unless they enter ``emulate()`` themselves.
+- ``TF32LAB_ACCUMULATION=hardware``: the emulated tests' GEMMs are summed as the target's matrix unit does, bit
+  for bit (``emulate(accumulation="hardware")``): ``--tf32lab mi300:high`` then shows the tests that fail only on an
+  MI300 (its XF32 truncates operands and floors sums), ``--tf32lab h100:high`` the long same-sign reductions that
+  the H100's truncated accumulation biases. The header line says so.
 - ``--tf32lab-strict``: a matmul-family op the emulator does not handle fails the test, naming the op.
 - ``--tf32lab-compare``: a test that fails under the emulated level is run again at ``highest``, natively, with
   fresh function-scoped fixtures, the random generators as the first run found them and Dynamo's caches reset;
@@ -71,6 +75,8 @@ class _Settings:
 
     def describe(self) -> str:
         where = f"as {self.target.name} computes them (emulated here)" if self.target else "on this machine's hardware"
+        if self.target and tf32lab_settings.get("TF32LAB_ACCUMULATION") == "hardware":
+            where = f"as {self.target.name} computes them (emulated here, summed as its hardware sums)"
         extra = "".join([", strict" if self.strict else "", ", failures compared at highest" if self.compare else ""])
         return f"tf32lab: each test runs at precision {self.level!r} {where}{extra}"
 

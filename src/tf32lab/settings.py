@@ -88,6 +88,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("TF32LAB_SCOPE_GUARD", _choice("auto", "always"), "auto", "'auto', 'always'",
             "When a `precision()` scope guards its thread's ops: `auto` when other threads may need it, `always` "
             "on every scope. Read once per process."),
+    Setting("TF32LAB_ACCUMULATION", _choice("ideal", "hardware"), "ideal", "'ideal', 'hardware'",
+            "How `emulate()` sums a GEMM's products when not told: `ideal` (exact products, this CPU's float32 "
+            "sums) or `hardware` (the target's matrix unit, bit for bit; slower). Reaches `check` and the pytest "
+            "plugin's emulated tests."),
     Setting("TF32LAB_SPILL_MIB", _mib, 32.0, "a finite number of MiB >= 0 (0: never write out)",
             "`check` writes a float64 layer output of this many MiB or more to an unlinked temporary file until it "
             "is compared; 0 keeps all in memory."),

@@ -42,15 +42,38 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
+from tf32lab import settings
 from tf32lab.control import flags, modestack, scope
 from tf32lab.emulation import rules
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
 from tf32lab.know.levels import level_cells
 from tf32lab.know.targets import IEEE, MATHS, Math, Target, check_value, get, sdpa_kernel
+from tf32lab.numbers import accumulation as _accumulation
 from tf32lab.numbers import formats
 
-__all__ = ["Treatment", "emulate", "maths", "treatment"]
+__all__ = ["ACCUMULATIONS", "Treatment", "check_accumulation", "emulate", "maths", "treatment"]
+
+# How emulate() sums a GEMM's products: "ideal" (exact products, float32 sums as the CPU's BLAS orders them) or
+# "hardware" (the target's unit, bit for bit, chained along K: tf32lab.numbers.accumulation).
+ACCUMULATIONS = ("ideal", "hardware")
+
+
+def check_accumulation(value: Optional[str]) -> str:
+    """``value`` if it is one of ACCUMULATIONS; None: the ``TF32LAB_ACCUMULATION`` setting (default ``"ideal"``).
+
+    >>> check_accumulation("hardware"), check_accumulation(None)
+    ('hardware', 'ideal')
+    """
+    if value is None:
+        value = settings.get("TF32LAB_ACCUMULATION")
+    if value not in ACCUMULATIONS:
+        raise Tf32LabError(f"unknown accumulation {value!r}; accepted: {', '.join(map(repr, ACCUMULATIONS))}")
+    return value
+
+
+# keys whose products a GEMM kernel without split-K computes, in K order; for the rest the order is unknown
+_GEMM_KEYS = ("matmul", "attention.math", "matmul.gemv")
 
 _F32 = torch.float32
 _SPARSE = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
@@ -325,16 +348,17 @@ class _Entry:
 class _Call:
     """One intercepted op: the math decisions (fixed at entry), the product helpers rules use, and rounding."""
 
-    __slots__ = ("cells", "emu", "entry", "math_seen", "no_tf32", "op")
+    __slots__ = ("cells", "emu", "entry", "math_seen", "no_tf32", "op", "summed")
 
     def __init__(self, entry: _Entry, op: str, cells: dict[str, str]) -> None:
         self.entry, self.emu, self.op, self.cells = entry, entry.emu, op, cells
         self.math_seen: Optional[Math] = None
         self.no_tf32: bool = rules.tf32_is_off()
+        self.summed: Optional[str] = None  # the accumulation model a "hardware" block applied, if any
 
     def count(self, math: Math, n: int = 1) -> None:
         """Count ``n`` of this call's op, computed in ``math``, in the block's ``coverage``."""
-        self.emu._count(self.op, math, n)
+        self.emu._count(self.op, math, n, self.summed)
 
     def unhandled(self, what: Optional[str] = None) -> None:
         """This call's op (``what``: it, said more precisely) runs natively: counted in the block's ``unhandled``,
@@ -356,15 +380,23 @@ class _Call:
         return math
 
     def product(self, key: str, full: Callable, a: torch.Tensor, b: torch.Tensor,
-                bare: Optional[Callable] = None) -> torch.Tensor:
+                bare: Optional[Callable] = None, as_gemm: Optional[Callable] = None) -> torch.Tensor:
         """``full(a, b)`` computed with the math of ``key``.
 
         ``full`` is bilinear in ``(a, b)`` plus any term that does not depend on them (a bias, ``beta * C``);
         ``bare`` is the same product without that term (defaults to ``full``). Split maths need it: the three
-        partial products must add the term once.
+        partial products must add the term once. ``as_gemm(gemm, a, b)``: ``full(a, b)`` written with
+        ``gemm(x, y)`` (= ``x @ y``) for its one GEMM, so that a ``"hardware"`` block can sum it as the target's
+        unit does.
         """
         math = self.math(key)
         name = math.name
+        if as_gemm is not None and a.dtype == _F32 and b.dtype == _F32:
+            model = self._summed_by(key, math)
+            if model is not None:
+                if name in _SINGLE_ROUND:
+                    a, b = self.round(a, math), self.round(b, math)
+                return as_gemm(lambda x, y: _accumulation.gemm(x, y, model).to(x.device), a, b)
         if name == "ieee" or a.dtype != _F32 or b.dtype != _F32:
             return full(a, b)
         if name in _SINGLE_ROUND:
@@ -385,6 +417,16 @@ class _Call:
         a_big, a_small = self.split(a, math)
         b_big, b_sum = self.split(b, math, summed=True)
         return full(a_big, b_sum).add_((bare or full)(a_small, b_big))
+
+    def _summed_by(self, key: str, math: Math) -> Optional[_accumulation.Accumulation]:
+        """The target's accumulation model for a GEMM of ``key`` in ``math``, in a ``"hardware"`` block."""
+        emu = self.emu
+        if emu.accumulation != "hardware" or key not in _GEMM_KEYS or (key == "matmul.gemv" and math == IEEE):
+            return None  # gemv kernels sum in their own order
+        model = emu.target.accumulation_of(math)
+        if model is not None:
+            self.summed = str(model)
+        return model
 
     def many_linears(self, key: str, nan_free: bool = False) -> tuple[Callable, Callable, Callable]:
         """For the many small GEMMs of one op (an RNN's steps), in the math of ``key``: ``linear(x, w, b)``,
@@ -945,6 +987,13 @@ class emulate(contextlib.ContextDecorator):
         rounding: operand rounding for ``tf32`` / ``bf16`` (``"rna"``, ``"rne"``, ``"rz"``), instead of the
             target's.
         strict: raise ``Tf32LabError`` at the first family op that ran without emulation.
+        accumulation: ``"ideal"`` (products exact, sums in float32 as this CPU's BLAS orders them) or
+            ``"hardware"`` (None: the ``TF32LAB_ACCUMULATION`` setting, ``"ideal"`` by default): GEMMs (mm,
+            bmm, addmm, baddbmm, linear, matmul) summed as the target's matrix unit does, bit for bit on its
+            inputs, chained along K as a kernel without split-K would (``tf32lab.numbers.accumulation``;
+            float32 at ``highest`` as an SGEMM's FMA chain). Slower (the compiled kernels of ``tf32lab[fast]``
+            help); ops whose kernel order is unknown (convolutions, gemv, split maths) stay ideal, and their
+            coverage line says ``ideal sum``.
 
     ``coverage`` counts ``(op, math)`` pairs and ``unhandled`` the family ops that ran natively. The block is local
     to its thread and asyncio task, like ``precision()``: another task on the same thread, and threads started
@@ -969,8 +1018,9 @@ class emulate(contextlib.ContextDecorator):
     """
 
     def __init__(self, target: str | Target = "a100", *, math: Optional[str] = None,
-                 rounding: Optional[str] = None, strict: bool = False) -> None:
+                 rounding: Optional[str] = None, strict: bool = False, accumulation: Optional[str] = None) -> None:
         self.target = get(target)
+        self.accumulation = check_accumulation(accumulation)
         if math is not None and math not in MATHS:
             raise Tf32LabError(f"unknown math {math!r}; accepted: {', '.join(map(repr, MATHS))}")
         if rounding is not None and rounding not in formats.ROUNDINGS:
@@ -992,6 +1042,8 @@ class emulate(contextlib.ContextDecorator):
             return "<emulate>"
         ops = sum(self.coverage.values())
         forced = f", math={self.math}" if self.math else ""
+        if self.accumulation != "ideal":
+            forced += f", accumulation={self.accumulation}"
         return (f"<emulate {self.target.name}{forced}: {ops} ops emulated, "
                 f"{sum(self.unhandled.values())} unhandled>")
 
@@ -1028,9 +1080,12 @@ class emulate(contextlib.ContextDecorator):
         scope.exit_emulation(self)
 
     # -- bookkeeping ------------------------------------------------------------------------------------------
-    def _count(self, op: str, math: Math, n: int = 1) -> None:
+    def _count(self, op: str, math: Math, n: int = 1, summed: Optional[str] = None) -> None:
+        label = str(math)
+        if self.accumulation == "hardware":  # say how the products were summed, known order or not
+            label = f"{label}, {summed}" if summed else f"{label}, ideal sum"
         with self._lock:
-            self.coverage[(op, str(math))] += n
+            self.coverage[(op, label)] += n
 
     def _unhandled(self, op: str) -> None:
         with self._lock:

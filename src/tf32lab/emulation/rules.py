@@ -103,7 +103,24 @@ def _rows(x: torch.Tensor) -> int:
 @rule(aten.mm, aten.bmm)
 def _mm(call, func, args, kwargs):
     a, b = args[0], args[1]
-    return call.product(_gemm_key(a.size(-2), b.size(-1)), lambda x, y: func(x, y), a, b)
+    return call.product(_gemm_key(a.size(-2), b.size(-1)), lambda x, y: func(x, y), a, b, as_gemm=_plain)
+
+
+def _plain(gemm: Callable, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return gemm(a, b)
+
+
+def _gemm_epilogue(c: torch.Tensor, beta: Any, alpha: Any) -> Callable:
+    """A GEMM kernel's epilogue after the summed product: alpha * AB + beta * C (beta=0 ignores C)."""
+    def as_gemm(gemm: Callable, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        p = gemm(a, b)
+        if alpha != 1:
+            p = p * alpha
+        if beta == 0:
+            return p
+        return p + (c if beta == 1 else c * beta)
+
+    return as_gemm
 
 
 @rule(aten.mv, aten.dot, aten.vdot)
@@ -118,8 +135,10 @@ def _scaled_sum(default, key: str):
         beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
         alpha = kwargs.get("alpha", args[4] if len(args) > 4 else 1)
         of = _gemm_key(a.size(-2), b.size(-1)) if key == "matmul" else key
+        gemm = default in (aten.addmm.default, aten.baddbmm.default)  # one GEMM (addbmm sums a batch of them)
         result = call.product(of, lambda x, y: default(c, x, y, beta=beta, alpha=alpha), a, b,
-                              bare=lambda x, y: default(c, x, y, beta=0, alpha=alpha))
+                              bare=lambda x, y: default(c, x, y, beta=0, alpha=alpha),
+                              as_gemm=_gemm_epilogue(c, beta, alpha) if gemm else None)
         if func.overloadpacket.__name__.endswith("_"):  # addmm_ and friends write into C
             return c.copy_(result)
         return result
@@ -151,8 +170,14 @@ def _linear(call, key: str, x, w, bias):
     feature, batch dims folded into rows as cuBLAS gets them)."""
     if key == "matmul":
         key = _gemm_key(_rows(x), w.size(0) if w.dim() == 2 else 1)
+    as_gemm = None
+    if w.dim() == 2 and x.dim() >= 1:
+        def as_gemm(gemm: Callable, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            p = gemm(a.reshape(-1, a.size(-1)), b.t()).reshape(*a.shape[:-1], b.size(0))  # rows folded, as cuBLAS
+            return p if bias is None else p + bias
+
     return call.product(key, lambda a, b: aten.linear.default(a, b, bias), x, w,
-                        bare=lambda a, b: aten.linear.default(a, b))
+                        bare=lambda a, b: aten.linear.default(a, b), as_gemm=as_gemm)
 
 
 @rule(aten.linear)

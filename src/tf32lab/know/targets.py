@@ -38,6 +38,8 @@ from typing import Optional, Union
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import level_cells
 from tf32lab.know.peaks import DATASHEET, SMS, Peaks
+from tf32lab.numbers import accumulation_models as acc
+from tf32lab.numbers.accumulation_models import Accumulation
 
 __all__ = ["CELL_VALUES", "KEYS", "MATHS", "NATIVE", "TARGETS", "Entry", "Math", "Target", "check_value", "get",
            "native", "speed_targets", "table"]
@@ -124,6 +126,9 @@ class Target:
     entries: Mapping[str, Entry]
     peaks: Optional[Peaks] = None
     emulated: bool = True
+    # how the hardware sums a GEMM's products, per math name (``emulate(accumulation="hardware")``); a math
+    # missing here is summed as the ideal unit would (exact products, float32 sums)
+    accumulation: Mapping[str, Accumulation] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
     def entry(self, key: str) -> Entry:
         try:
@@ -163,6 +168,14 @@ class Target:
         'tf32-rna'
         """
         return self.maths({**cells, **level_cells(level)})
+
+    def accumulation_of(self, math: Math) -> Optional[Accumulation]:
+        """How this hardware sums the products of a GEMM in ``math``; None where no model is known.
+
+        >>> str(get("a100").accumulation_of(TF32_RNA)), str(get("h100").accumulation_of(IEEE))
+        ('nvidia k4 f24', 'fma')
+        """
+        return self.accumulation.get(math.name)
 
     def speed_peaks(self) -> Peaks:
         """The peaks the speed model divides by; a one-line error for a target without (CPUs: measure them)."""
@@ -297,12 +310,63 @@ def _onednn(reduced: bool) -> dict[str, Entry]:
     }
 
 
+def _nvidia_accumulation(capability: tuple[int, int]) -> Mapping[str, Accumulation]:
+    """IEEE float32 as an SGEMM thread's FMA chain everywhere; TF32 per the architecture's MMA (MMA-Sim)."""
+    models = {"ieee": acc.FMA}
+    if capability >= (10, 0):
+        models["tf32"] = acc.BLACKWELL
+    elif capability >= (9, 0):
+        models["tf32"] = acc.HOPPER
+    elif capability >= (8, 0):
+        models["tf32"] = acc.AMPERE
+    return MappingProxyType(models)
+
+
 def _cuda(name: str, title: str, capability: tuple[int, int], fp32: float, tf32: Optional[float],
           bf16: Optional[float], bandwidth: float, sms: int, source: str) -> Target:
     """A GPU: its maths from its capability, its peaks (dense TFLOP/s without sparsity, GB/s, SMs) as given."""
     entries = _ampere_plus(capability) if capability >= (8, 0) else _pre_ampere()
     peaks = Peaks(name, fp32, tf32, bf16, bandwidth, sms, source)
-    return Target(name, title, "cuda", capability, MappingProxyType(entries), peaks)
+    return Target(name, title, "cuda", capability, MappingProxyType(entries), peaks,
+                  accumulation=_nvidia_accumulation(capability))
+
+
+_S_HIPBLASLT_XF32 = ("PyTorch on ROCm: cuda.matmul=tf32 -> hipBLASLt HIPBLAS_COMPUTE_32F_FAST_TF32 -> "
+                     "v_mfma_f32_*_xf32 on gfx942, only with HIPBLASLT_ALLOW_TF32=1 in the environment (PyTorch's "
+                     "test_linalg.py _hip_allow_tf32; assumed set); the instruction truncates operands to TF32 "
+                     "(MMA-Sim section IV-F; jeffdaily/tf32_analysis: round-down model within 3.8e-6 of an MI300X)")
+_S_HIPBLASLT_GFX950 = ("gfx950 has no XF32 instruction: hipBLASLt computes TF32 GEMMs as three bf16 products "
+                       "(bf16x3), verify on GPU; with HIPBLASLT_ALLOW_TF32 unset, IEEE")
+_S_MIOPEN = "MIOpen has no TF32 path for convolutions or RNNs: IEEE float32 at every setting (jeffdaily/tf32_analysis)"
+_S_ROCM_GEMV = "rocBLAS gemv: no matrix-core path"
+
+
+def _rocm(name: str, title: str, capability: tuple[int, int], tf32: Math, fp32: float, tf32_peak: float,
+          bf16: float, bandwidth: float, cus: int, source: str) -> Target:
+    """An AMD Instinct GPU under PyTorch's ROCm build: the ``cuda`` flag cells, hipBLASLt for GEMMs, MIOpen (IEEE)
+    for convolutions and RNNs."""
+    matmul_source = _S_HIPBLASLT_XF32 if tf32.name == "tf32" else _S_HIPBLASLT_GFX950
+    ieee = _fixed(IEEE, _S_MIOPEN)
+    entries = {
+        "matmul": _by("cuda.matmul", matmul_source, tf32=tf32, ieee=IEEE),
+        "conv": ieee, "rnn": ieee,
+        "matvec": _fixed(IEEE, _S_ROCM_GEMV),
+        "linalg": _fixed(IEEE, _S_SOLVER),
+        "matmul.gemv": _by("cuda.matmul", "one-row products follow the matmul flag in hipBLASLt; unmeasured",
+                           **{"*": "matmul"}),
+        "linalg.trsm": _by("cuda.matmul", "rocBLAS trsm under PyTorch's handle; assumed to follow the matmul flag",
+                           **{"*": "matmul"}),
+        "attention": _by("sdpa", _S_SDPA, efficient="attention.efficient", math="attention.math"),
+        "attention.math": _by("cuda.matmul", _S_SDPA_MATH, **{"*": "matmul"}),
+        "attention.efficient": _by("cuda.matmul", "ROCm's memory-efficient attention (aotriton) runs float32 "
+                                   "through the matmul math; verify on GPU", **{"*": "matmul"}),
+    }
+    models = {"ieee": acc.FMA}
+    if tf32.name == "tf32":
+        models["tf32"] = acc.CDNA3_XF32
+    peaks = Peaks(name, fp32, tf32_peak, bf16, bandwidth, cus, source)
+    return Target(name, title, "cuda", capability, MappingProxyType(entries), peaks,
+                  accumulation=MappingProxyType(models))
 
 
 # One row per target: name, title, capability, then its peaks: FP32 (SIMT), TF32 and bf16 (tensor cores) TFLOP/s,
@@ -325,6 +389,12 @@ TARGETS: Mapping[str, Target] = MappingProxyType({t.name: t for t in (
     _cuda("h200", "NVIDIA H200 (Hopper)", (9, 0), 67, 495, 989, 4800, 132, f"{DATASHEET}; {SMS} (GH100 SXM5)"),
     _cuda("b200", "NVIDIA B200 (Blackwell)", (10, 0), 75, 1125, 2250, 8000, 148,
           "NVIDIA HGX B200 datasheet: the 8-GPU figures divided by 8, sparse figures halved; 148 SMs, unverified"),
+    _rocm("mi300", "AMD Instinct MI300X (CDNA3, gfx942)", (9, 4), Math("tf32", "rz"), 163.4, 653.7, 1307.4, 5300,
+          304, "AMD Instinct MI300X datasheet (matrix FP32 163.4, TF32 653.7, BF16 1307.4 TFLOP/s dense; 5.3 TB/s; "
+          "304 CUs), unverified here"),
+    _rocm("mi355", "AMD Instinct MI355X (CDNA4, gfx950)", (9, 5), Math("bf16x3"), 157.3, 838.7, 2516.0, 8000,
+          256, "AMD Instinct MI355X datasheet (FP32 vector 157.3, BF16 2516 TFLOP/s dense; 8 TB/s; 256 CUs); no "
+          "TF32 units: TF32 runs as bf16x3 (a third of the BF16 peak); unverified here"),
     Target("cpu-amx", "CPU with AMX (oneDNN bf16)", "cpu", None, MappingProxyType(_onednn(True))),
     Target("cpu", "CPU without reduced-precision units", "cpu", None, MappingProxyType(_onednn(False))),
 )})
@@ -339,7 +409,7 @@ def get(name: str) -> Target:
     Traceback (most recent call last):
     ...
     tf32lab.errors.Tf32LabError: unknown target 'a200'; accepted: 'v100', 't4', 'a100', 'a10g', 'rtx3090', \
-'l4', 'rtx4090', 'h100', 'h200', 'b200', 'cpu-amx', 'cpu'
+'l4', 'rtx4090', 'h100', 'h200', 'b200', 'mi300', 'mi355', 'cpu-amx', 'cpu'
     """
     if isinstance(name, Target):
         return name

@@ -185,6 +185,15 @@ def _warnings(hw: Hardware, level: str, table: dict[str, dict[str, str]],
                 else "PyTorch's default level is 'high' (cuBLAS matmuls run TF32 while nothing sets a level); an "
                      "explicit 'highest' still gives IEEE")
         out.append(Alert("env-override", f"{override} is set: {what}"))
+    if hw.rocm and hw.gpus:
+        if hw.rocm_tf32_allowed:
+            out.append(Alert("rocm-tf32", (
+                "HIPBLASLT_ALLOW_TF32=1: at 'high' hipBLASLt runs TF32 (on an MI300 the XF32 instruction, which "
+                "truncates operands: sums are biased low); see the bias with tf32lab check --target mi300")))
+        else:
+            out.append(Alert("rocm-tf32", (
+                "HIPBLASLT_ALLOW_TF32 is not 1: on ROCm hipBLASLt keeps float32 matmuls IEEE whatever the level; "
+                "set HIPBLASLT_ALLOW_TF32=1 to let 'high' use TF32")))
     if raising:
         out.append(Alert("mixed-api", (
             f"the per-backend flags hold values the legacy API cannot express: {', '.join(raising)} raise "

@@ -36,8 +36,8 @@ __all__ = ["ENV", "ISA", "Gpu", "Hardware", "cpu_quota", "detect"]
 
 # Environment variables that override what the flags say (NVIDIA's cuBLAS docs for NVIDIA_TF32_OVERRIDE, PyTorch's
 # CUDA notes for TORCH_ALLOW_TF32_CUBLAS_OVERRIDE), read as they are at detection.
-ENV = ("NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-       "LOCAL_WORLD_SIZE")
+ENV = ("NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "HIPBLASLT_ALLOW_TF32", "OMP_NUM_THREADS",
+       "MKL_NUM_THREADS", "LOCAL_WORLD_SIZE")
 _ENV_PREFIXES = ("TORCHINDUCTOR_",)
 
 # CPU instructions that decide reduced-precision float32 math on a CPU (oneDNN bf16/fp16 paths), /proc/cpuinfo names.
@@ -120,9 +120,11 @@ class Hardware:
             raise Tf32LabError(f"env names {bad} override nothing tf32lab knows; accepted: "
                                f"{', '.join(ENV)}, TORCHINDUCTOR_*")
         gpus = (Gpu(spec.title, spec.capability),) if spec.device == "cuda" and spec.capability else ()
+        amd = _is_amd(spec)
         return cls(
-            torch=torch.__version__, api=_api(), cuda=(torch.version.cuda or "simulated") if gpus else None,
-            rocm=None, mps=False, gpus=gpus, cpu="simulated CPU",
+            torch=torch.__version__, api=_api(),
+            cuda=(torch.version.cuda or "simulated") if gpus and not amd else None,
+            rocm="simulated" if gpus and amd else None, mps=False, gpus=gpus, cpu="simulated CPU",
             isa=tuple(isa) if isa is not None else _SIMULATED_ISA.get(spec.name, ("avx2",)),
             visible_cpus=cpus, affinity_cpus=cpus, cpu_quota=float(quota) if quota is not None else None,
             quota_source="simulated" if quota is not None else None, env=env, simulated_as=spec.name,
@@ -150,8 +152,8 @@ class Hardware:
         """The ``tf32lab.know.targets`` name that describes how this machine's default device computes."""
         if self.simulated_as:
             return self.simulated_as
-        if self.gpus and self.cuda:
-            return _target_for(self.gpus[0].capability, self.gpus[0].name)
+        if self.gpus and (self.cuda or self.rocm):
+            return _target_for(self.gpus[0].capability, self.gpus[0].name, amd=bool(self.rocm))
         return "cpu-amx" if "amx_bf16" in self.isa else "cpu"
 
     @property
@@ -200,7 +202,21 @@ class Hardware:
         out = dict(cells)
         if self.tf32_override() == "NVIDIA_TF32_OVERRIDE=0":
             out.update({k: "ieee" for k, v in out.items() if k.startswith("cuda.") and v == "tf32"})
+        if self.rocm and self.gpus and not self.rocm_tf32_allowed and out.get("cuda.matmul") == "tf32":
+            out["cuda.matmul"] = "ieee"  # hipBLASLt keeps float32 without HIPBLASLT_ALLOW_TF32=1
         return out
+
+    @property
+    def rocm_tf32_allowed(self) -> bool:
+        """On ROCm, whether hipBLASLt may run TF32 (XF32 on an MI300): only with ``HIPBLASLT_ALLOW_TF32=1`` in the
+        environment besides PyTorch's flags ("tf32 is behind a flag because the TF32 support is new and only for
+        MI300+": PyTorch's ``test/test_linalg.py``).
+
+        >>> Hardware.simulated("mi300").rocm_tf32_allowed, Hardware.simulated(
+        ...     "mi300", env={"HIPBLASLT_ALLOW_TF32": "1"}).rocm_tf32_allowed
+        (False, True)
+        """
+        return self.env.get("HIPBLASLT_ALLOW_TF32", "").strip() == "1"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -229,14 +245,22 @@ def _positive_int(text: Optional[str]) -> Optional[int]:
     return value if value >= 1 else None
 
 
-def _target_for(capability: tuple[int, int], name: str) -> str:
-    """The listed target closest to a GPU: same name first, else the newest one of no higher capability."""
+def _is_amd(target: targets.Target) -> bool:
+    return target.title.startswith("AMD")
+
+
+def _target_for(capability: tuple[int, int], name: str, amd: bool = False) -> str:
+    """The listed target closest to a GPU of its vendor: same name first, else the newest one of no higher
+    capability (on ROCm the capability is the gfx version: 9.4 for gfx942)."""
     lowered = name.lower().replace(" ", "")
-    for spec in targets.TARGETS.values():
-        if spec.device == "cuda" and spec.name in lowered and spec.capability == capability:
+    same = [t for t in targets.TARGETS.values() if t.device == "cuda" and _is_amd(t) == amd]
+    for spec in same:
+        if spec.name in lowered and spec.capability == capability:
             return spec.name
-    cuda = [t for t in targets.TARGETS.values() if t.device == "cuda" and t.capability <= capability]
-    return max(cuda, key=lambda t: t.capability).name if cuda else "v100"
+    older = [t for t in same if t.capability <= capability]
+    if older:
+        return max(older, key=lambda t: t.capability).name
+    return "mi300" if amd else "v100"
 
 
 # -- CPU quota ---------------------------------------------------------------------------------------------------

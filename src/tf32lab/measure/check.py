@@ -41,7 +41,7 @@ import torch
 
 from tf32lab.control.policy import Policy
 from tf32lab.control.scope import get_float32_matmul_precision
-from tf32lab.emulation.emulator import context_cells, release_buffers
+from tf32lab.emulation.emulator import check_accumulation, context_cells, release_buffers
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import LEVELS, check_levels
 from tf32lab.know.targets import Target
@@ -78,7 +78,7 @@ REFERENCES = ("float64",)
 
 def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[str, Target] = "a100",
           reference: str = "float64", tolerance: Union[float, Mapping[str, float], None] = None, progress: bool = False,
-          policy: Optional[Policy] = None, speed: bool = True) -> Report:
+          policy: Optional[Policy] = None, speed: bool = True, accumulation: Optional[str] = None) -> Report:
     """Measure ``workload`` at each level against a float64 reference, as ``target`` would compute it.
 
     Args:
@@ -94,6 +94,8 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
             layer's introduced error is the one at the level the policy gives it.
         speed: predict each level's speedup on the target (``tf32lab.predict``; GPU targets), counted during
             the first end-to-end run.
+        accumulation: how emulated GEMMs sum their products, ``"ideal"`` or ``"hardware"`` (``emulate()``'s
+            argument; None: the ``TF32LAB_ACCUMULATION`` setting, ``"ideal"`` by default).
 
     Returns a :class:`~tf32lab.report.Report`; ``bool(report)`` is the verdict. Raises ``Tf32LabError`` for bad
     arguments, a model that raises at the float64 reference, an output with nothing to compare, or no memory.
@@ -113,14 +115,15 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
     if reference not in REFERENCES:
         raise Tf32LabError(f"unknown reference {reference!r}; accepted: {', '.join(map(repr, REFERENCES))}")
     tolerances = tolerances_of(tolerance)
+    accumulation = check_accumulation(accumulation)
     refuse_applied(workload, "check")
     with kept_flags() as changed:
-        report = _check(workload, levels, target, reference, tolerances, progress, policy, speed)
+        report = _check(workload, levels, target, reference, tolerances, progress, policy, speed, accumulation)
     return _noted(report, changed)
 
 
 def _check(workload: Workload, levels: tuple[str, ...], target: Target, reference: str, tolerances: dict[str, float],
-           progress: bool, policy: Optional[Policy], speed: bool) -> Report:
+           progress: bool, policy: Optional[Policy], speed: bool, accumulation: Optional[str] = None) -> Report:
     started = time.perf_counter()
     row = PolicyRow.of(policy, workload.model) if policy is not None else None
     extra = tuple(level for level in LEVELS if row is not None and level in row.levels and level not in levels)
@@ -128,7 +131,8 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
     measured = [level for level in levels + extra if alike[level] is None]
     runs = len([level for level in levels if alike[level] is None]) + (row is not None)
     with Progress(progress, steps=1 + runs) as bar, \
-            Session(workload, measured, target, tolerances, speed=speed, bar=bar) as session:
+            Session(workload, measured, target, tolerances, speed=speed, bar=bar,
+                    accumulation=accumulation) as session:
         results: dict[str, LevelResult] = {}
         for level in levels:
             same = alike[level]
@@ -164,12 +168,12 @@ class Session:
     """
 
     def __init__(self, workload: Workload, measured: list[str], target: Target, tolerances: dict[str, float], *,
-                 speed: bool = True, bar: Optional[Progress] = None) -> None:
+                 speed: bool = True, bar: Optional[Progress] = None, accumulation: Optional[str] = None) -> None:
         self.workload, self.target, self.tolerances = workload, target, tolerances
         self.measured = list(measured)
         self.bar = bar or Progress(False, 0)
         self.spill = SpillFile(min_bytes_from_env())
-        self.recorder = Recorder(workload.model, self.measured, target, self.spill)
+        self.recorder = Recorder(workload.model, self.measured, target, self.spill, accumulation)
         self.counting = Counting(workload.model) if speed and target.peaks is not None else None
         self.runs = 0  # end-to-end runs so far
         self._stack = contextlib.ExitStack()
@@ -331,7 +335,7 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
     out, error = None, None
     applied = row.policy.applied(workload.model) if row else contextlib.nullcontext()
     cells = context_cells()  # the caller's cells: those a level leaves alone (convs, RNNs, the SDPA kernel)
-    with level_context(level, target) as emu, applied:
+    with level_context(level, target, recorder.accumulation) as emu, applied:
         level_maths = {} if emu is None else (
             policy_maths(row, target, cells) if row else target.maths_at(level, cells))
         try:

@@ -58,12 +58,12 @@ def described(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def level_context(level: str, target: Target):
+def level_context(level: str, target: Target, accumulation: Optional[str] = None):
     with precision(level):
         if not target.emulated:
             yield None
         else:
-            with emulate(target) as emu:
+            with emulate(target, accumulation=accumulation) as emu:
                 yield emu
 
 
@@ -177,8 +177,9 @@ class Recorder:
     """Hooks and a float64 mode for the reference run (see the module's docstring)."""
 
     def __init__(self, model: torch.nn.Module, levels: list[str], target: Target,
-                 spill: Optional[SpillFile] = None) -> None:
+                 spill: Optional[SpillFile] = None, accumulation: Optional[str] = None) -> None:
         self.model, self.levels, self.target = model, levels, target
+        self.accumulation = accumulation  # emulate()'s: None for the TF32LAB_ACCUMULATION setting
         self.spill = spill or SpillFile()
         self.modules, self.scripted = hookable(model)
         self.mode = Float64Run(self._op, self._written)
@@ -293,7 +294,7 @@ class Recorder:
             self.rerunning = True
             try:
                 with state_kept(module), _originals(self.swapped), _answering(inner), \
-                        level_context(level, self.target), torch.inference_mode():
+                        level_context(level, self.target, self.accumulation), torch.inference_mode():
                     output = module(*args, **kwargs)
                 error = self._normwise(output, reference, norms)
                 why = None

@@ -54,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tf32lab.control import flags, modestack
 from tf32lab.control.policy import Policy
 from tf32lab.control.scope import precision, set_float32_matmul_precision
-from tf32lab.emulation.emulator import context_cells, emulate, release_buffers
+from tf32lab.emulation.emulator import check_accumulation, context_cells, emulate, release_buffers
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
 from tf32lab.know.levels import LEVELS, check_levels
@@ -82,7 +82,7 @@ _ELEMENTWISE_OPTIMIZERS = frozenset(
 
 def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS, target: Union[str, Target] = "a100",
                    steps: Optional[int] = None, tolerance: Optional[float] = None, policy: Optional[Policy] = None,
-                   progress: bool = False) -> TrainingReport:
+                   progress: bool = False, accumulation: Optional[str] = None) -> TrainingReport:
     """Train ``workload`` at each level as ``target`` computes it, against float64 and float32's own drift.
 
     Args:
@@ -93,6 +93,8 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
             past it still passes when its drift is within ``FLOOR_MULTIPLE`` (3x) float32's own.
         policy: a :class:`~tf32lab.Policy` trained as one more row, ``"policy"`` (its verdict is the report's).
         progress: a progress bar on stderr.
+        accumulation: how emulated GEMMs sum their products, ``"ideal"`` or ``"hardware"`` (``emulate()``'s
+            argument; None: the ``TF32LAB_ACCUMULATION`` setting, ``"ideal"`` by default).
 
     Returns a :class:`~tf32lab.report.training.TrainingReport`; ``bool(report)`` is the verdict. Raises
     ``Tf32LabError`` for bad arguments, a loss that is not a scalar, or a model that fails in float64.
@@ -114,10 +116,12 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     target = resolve_target(target)
     steps = training_steps(workload, steps)
     tolerance = training_tolerance(tolerance)
+    accumulation = check_accumulation(accumulation)
     refuse_applied(workload, "check")  # type: ignore[arg-type]  # it reads .model and .name
     row = PolicyRow.of(policy, workload.model) if policy is not None else None
     with kept_flags() as changed, random_state_kept(workload.model):
-        report = _Training(workload, levels, target, steps, tolerance, row, progress).run()
+        session = TrainingSession(workload, target, steps, tolerance, accumulation)
+        report = _Training(session, levels, row, progress).run()
     if changed:
         report = dataclasses.replace(report, notes=(*report.notes, changed_note(changed)))
     return report
@@ -284,8 +288,10 @@ class TrainingSession:
     (:meth:`floor`, trained once, when first asked for). ``check_training`` is one session; ``tune`` trains many
     policies in one. :meth:`judged` gives a row its verdict against the floor."""
 
-    def __init__(self, workload: TrainingWorkload, target: Target, steps: int, tolerance: float) -> None:
+    def __init__(self, workload: TrainingWorkload, target: Target, steps: int, tolerance: float,
+                 accumulation: Optional[str] = None) -> None:
         self.workload, self.target, self.steps, self.tolerance = workload, target, steps, tolerance
+        self.accumulation = check_accumulation(accumulation)
         self.saved = _copied(workload.model, workload.name)  # the one saved state every row starts from
         self.seed = int(torch.randint(0, 2**31 - 1, ()))  # drawn inside the kept random state: the caller's is intact
         self.names = [name for name, p in self.saved.named_parameters() if p.requires_grad]
@@ -323,8 +329,8 @@ class TrainingSession:
         return self._floor
 
     def _ieee_at_highest(self) -> bool:
-        if not self.target.emulated or not self.families or None in self.families:
-            return False
+        if not self.target.emulated or not self.families or None in self.families or self.accumulation != "ideal":
+            return False  # "hardware": even IEEE float32 sums as the target's kernels do
         maths = self.target.maths_at("highest", context_cells())
         return all(m == "ieee" for key, m in maths.items() if key.split(".")[0] in self.families)
 
@@ -417,7 +423,7 @@ class TrainingSession:
             params = dict(run.model.named_parameters())
             weights = _ranked({n: _against(params[n], self.ref_params[n]) for n in self.names})
             state = _state_error(_optimizer_state(run.model, run.optimizer), self.ref_state)
-        layers = self.attribution.introduced(level, self.target, policy, emulated=emulated)
+        layers = self.attribution.introduced(level, self.target, policy, self.accumulation if emulated else None)
         return TrainingLevel(
             level=label, maths=maths, losses=tuple(run.losses), deviations=deviations, divergence_step=divergence,
             gradients=gradients, layers=layers, weights=weights, optimizer_state=state, multiple=math.nan,
@@ -439,7 +445,8 @@ class TrainingSession:
         run = _Run([], {}, model, optimizer)
         _seeded(self.seed, model)
         scoped = contextlib.nullcontext() if level is None else _scoped(level, self.target, policy)
-        emu = emulate(self.target) if level is not None and self.target.emulated and emulated else None
+        emu = emulate(self.target, accumulation=self.accumulation) \
+            if level is not None and self.target.emulated and emulated else None
         # float64: every op of the step widened (a tensor the model makes in float32 on the fly too), dropout
         # drawn as float32 draws it (the same masks as every float32 row)
         forward = _Float64Step if dtype == torch.float64 else (lambda: emu or contextlib.nullcontext())
@@ -526,10 +533,9 @@ class TrainingSession:
 class _Training:
     """One check: the session, then each level (levels the target computes alike run once), then the policy."""
 
-    def __init__(self, workload: TrainingWorkload, levels: tuple[str, ...], target: Target, steps: int,
-                 tolerance: float, row: Optional[PolicyRow], progress: bool) -> None:
-        self.session = TrainingSession(workload, target, steps, tolerance)
-        self.levels, self.row, self.progress = levels, row, progress
+    def __init__(self, session: TrainingSession, levels: tuple[str, ...], row: Optional[PolicyRow],
+                 progress: bool) -> None:
+        self.session, self.levels, self.row, self.progress = session, levels, row, progress
 
     def run(self) -> TrainingReport:
         started = time.perf_counter()
@@ -615,10 +621,12 @@ class _Attribution:
         return hook
 
     def introduced(self, level: str, target: Target, policy: Optional[PolicyRow],
-                   emulated: bool = True) -> tuple[BackwardLayer, ...]:
+                   accumulation: Optional[str]) -> tuple[BackwardLayer, ...]:
+        """Each module's backward error at ``level``, emulated with ``accumulation`` (None: natively)."""
         model = copy.deepcopy(self.saved)
         applied = policy.policy.applied(model) if policy is not None else contextlib.nullcontext()
-        emulator = emulate(target) if target.emulated and emulated else contextlib.nullcontext()
+        emulator = emulate(target, accumulation=accumulation) if target.emulated and accumulation \
+            else contextlib.nullcontext()
         found = []
         with _scoped(level, target, policy), emulator, applied:
             for name, (args, kwargs, grads, reference) in self.calls.items():

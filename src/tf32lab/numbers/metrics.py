@@ -72,6 +72,7 @@ class OutputError:
     failure: Optional[str] = None  # why it fails whatever its error: another shape, other exact values
     note: Optional[str] = None  # what a reader must know: NaN/Inf held, compared exactly, empty
     exact: bool = False  # compared for equality (not a float tensor): no tolerance applies
+    bias: float = 0.0  # mean signed error over mean |reference|: a rounding that leans one way (MI300's XF32)
 
     @property
     def passed(self) -> bool:
@@ -118,8 +119,11 @@ def output_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float =
     top1 = None
     if "logit" in name.lower() and y64.dim() >= 1 and y64.shape[-1] > 1:
         top1 = float((rows_y.argmax(-1) == rows_r.argmax(-1)).double().mean())
+    scale = float(ref_abs.mean())
+    signed = float((y64 - r64).mean())
+    bias = signed / scale if scale > 0 else (0.0 if signed == 0 else math.copysign(math.inf, signed))
     return OutputError(name, tuple(y.shape), float(diff.max()), max_rel, mean_rel, normwise(y64, r64), cosine, top1,
-                       histogram(diff, r64), tolerance)
+                       histogram(diff, r64), tolerance, bias=bias)
 
 
 def histogram(diff: torch.Tensor, r: torch.Tensor) -> tuple[int, ...]:
@@ -206,7 +210,7 @@ def compare(name: str, y: Any, r: Any, tolerance: float = DEFAULT_TOLERANCE) -> 
     if note is None:
         return found
     return OutputError(name, shape, found.max_abs, found.max_rel, found.mean_rel, found.normwise, found.cosine,
-                       found.top1, found.histogram, tolerance, None, note)
+                       found.top1, found.histogram, tolerance, None, note, bias=found.bias)
 
 
 def _as_tensor(value: Any) -> Any:

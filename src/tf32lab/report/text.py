@@ -136,23 +136,29 @@ def _levels(report: Report) -> Table:
     return table
 
 
+def _signed(value: float) -> str:
+    """A bias with its sign; 0 as "0" (an exact sum)."""
+    return "0" if value == 0 else f"{value:+.1e}"
+
+
 def _outputs(report: Report) -> Table:
     table = Table(title="Outputs against the reference", title_justify="left")
     metric = any(lv.metric is not None for lv in report.levels)
-    columns = ["level", "output", "max abs", "max rel", "normwise", "min cos", "top-1"] + (["metric"] if metric else [])
+    columns = ["level", "output", "max abs", "max rel", "normwise", "bias", "min cos", "top-1"] + (
+        ["metric"] if metric else [])
     for column in columns:
         table.add_column(column, justify="left" if column in ("level", "output") else "right")
     for lv in report.levels:
         for o in lv.outputs:
             style = "green" if o.passed else "bold red"
             if o.failure is not None:
-                row = [lv.level, Text(inert(o.name)), "-", "-", Text("see below", style=style), "-", "-"]
+                row = [lv.level, Text(inert(o.name)), "-", "-", Text("see below", style=style), "-", "-", "-"]
             elif o.exact:
-                row = [lv.level, Text(inert(o.name)), "-", "-", Text("equal", style=style), "-", "-"]
+                row = [lv.level, Text(inert(o.name)), "-", "-", Text("equal", style=style), "-", "-", "-"]
             else:
                 star = "*" if o.passed and o.max_rel > o.tolerance else ""
                 row = [lv.level, Text(inert(o.name)), fmt(o.max_abs), fmt(o.max_rel) + star,
-                       Text(fmt(o.normwise), style=style), f"{o.cosine:.6f}",
+                       Text(fmt(o.normwise), style=style), _signed(o.bias), f"{o.cosine:.6f}",
                        "-" if o.top1 is None else f"{o.top1:.1%}"]
             table.add_row(*row, *([fmt(lv.metric)] if metric else []))
     return table

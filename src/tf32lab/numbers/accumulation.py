@@ -1,0 +1,191 @@
+"""Accumulation models: how a GPU's matrix unit sums the products of one output, bit for bit.
+
+Pure functions of their operands (no torch flags, no global state). An :class:`Accumulation` describes one
+instruction family; :func:`gemm` chains it along K as a GEMM kernel without split-K does: the output starts at
+zero (or ``c``) and each step fuses the next ``chunk`` products into it.
+
+The models (MMA-Sim, Xie et al., arXiv:2511.10909, whose published algorithms these reproduce; Fasi, Higham,
+Mikaitis and Pranesh, PeerJ CS 7:e330, 2021, for the NVIDIA truncation):
+
+- ``"nvidia"``: one fused step adds ``chunk`` exact products and the accumulator. Every term is aligned to the
+  largest exponent among them (a product's exponent is the sum of its operands', its significand in [1, 4)) and
+  truncated toward zero to ``fraction_bits`` bits below it; the truncated terms are summed exactly and the sum is
+  rounded toward zero to float32 (NaN and Inf as in IEEE float32; a sum at or above 2^128 is Inf).
+  ``fraction_bits``: 24 on Ampere and Ada, 25 on Hopper and Blackwell; ``chunk``: 4 for TF32 on Ampere and Ada
+  (the ``m16n8k8`` instruction runs as two fused halves), 8 on Hopper (``wgmma ... k8``) and Blackwell.
+- ``"amd"``: CDNA3 (MI300) ``v_mfma_f32_*_xf32``: groups of 4 products aligned to their own largest exponent and
+  truncated to 24 fraction bits, summed; that sum floored to 31 fraction bits and the accumulator floored to 24,
+  both below the larger of the two exponents; the total rounded to nearest even in float32.
+- ``"fma"``: no tensor core: one float32 fused multiply-add per product, in order along K, as an SGEMM thread
+  sums its output (the float64 emulation of the FMA rounds twice, which differs from one rounding in about one
+  case in 2^29).
+
+Operands are taken as given: round them first (TF32 operands are what the instruction sees; it truncates any
+further bits, which :func:`gemm` does not). Everything is computed in float64 (exact on any CPU): by compiled
+kernels where numba is installed (``pip install tf32lab[fast]``; ``nvidia`` and ``fma`` kinds), by tensor
+operations otherwise; both give the same bits.
+
+Example:
+
+    >>> import torch
+    >>> from tf32lab.numbers import accumulation
+    >>> a, b, c = torch.tensor([[2048.0, 2048.0]]), torch.tensor([[2048.0], [-2048.0]]), torch.tensor([[-1e-6]])
+    >>> accumulation.gemm(a, b, accumulation.CDNA3_XF32, c=c).item()   # MMA-Sim section VI-C: c floored
+    -0.25
+    >>> accumulation.gemm(a, b, accumulation.HOPPER, c=c).item()       # truncated toward zero
+    0.0
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+from tf32lab.numbers.accumulation_models import AMPERE, BLACKWELL, CDNA3_XF32, FMA, HOPPER, KINDS, Accumulation
+
+__all__ = ["AMPERE", "BLACKWELL", "CDNA3_XF32", "FMA", "HOPPER", "KINDS", "Accumulation", "compiled", "gemm"]
+
+_F32, _F64 = torch.float32, torch.float64
+_TWO_128 = 2.0 ** 128
+
+
+def _exponent(x: torch.Tensor) -> torch.Tensor:
+    """MMA-Sim's exponent of float32 values: floor(log2|x|), -126 for zero and subnormals, 128 for Inf/NaN."""
+    return ((x.view(torch.int32) >> 23) & 0xFF).clamp_(min=1) - 127
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """2.0**e in float64 for integer tensors with -1022 <= e <= 1023, exactly (built from the bits)."""
+    return ((e.to(torch.int64) + 1023) << 52).view(_F64)
+
+
+def _rz_f32(s: torch.Tensor) -> torch.Tensor:
+    """float64 -> float32 rounded toward zero (subnormals on their grid; at or above 2^128: Inf)."""
+    r = s.to(_F32)
+    over = r.to(_F64).abs() > s.abs()  # rounded away from zero: step back one ulp (the bits count magnitudes)
+    r.view(torch.int32).sub_(over.to(torch.int32))
+    return torch.where(s.abs() >= _TWO_128, s.to(_F32), r)
+
+
+def _nvidia_step(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ea: torch.Tensor, eb: torch.Tensor,
+                 bits: int) -> torch.Tensor:
+    # a: (..., M, c, 1) float64, b: (..., 1, c, N) float64, ea/eb: their exponents; acc: (..., M, N) float32
+    emax = torch.maximum((ea + eb).amax(dim=-2), _exponent(acc))
+    scale = _pow2(bits - emax)  # one unit of the aligned sum is 2^(emax - bits)
+    units = (a * b).mul_(scale.unsqueeze(-2)).trunc_().sum(dim=-2)
+    units += (acc.to(_F64) * scale).trunc_()
+    return _rz_f32(units / scale)
+
+
+def _amd_step(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ea: torch.Tensor, eb: torch.Tensor,
+              bits: int) -> torch.Tensor:
+    ep = (ea + eb).amax(dim=-2)  # the products' own alignment, the accumulator left out
+    units = (a * b).mul_(_pow2(bits - ep).unsqueeze(-2)).trunc_().sum(dim=-2)  # in 2^(ep - bits)
+    emax = torch.maximum(ep, _exponent(acc))
+    products = (units * _pow2(31 - bits + ep - emax)).floor_()  # in 2^(emax - 31)
+    own = (acc.to(_F64) * _pow2(24 - emax)).floor_()  # in 2^(emax - 24)
+    return (products * _pow2(emax - 31) + own * _pow2(emax - 24)).to(_F32)
+
+
+def _fma_chain(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    acc = acc.to(_F64)
+    for k in range(a.size(-1)):
+        acc = acc.add_(a[..., :, k, None] * b[..., None, k, :]).to(_F32).to(_F64)
+    return acc.to(_F32)
+
+
+@functools.cache
+def _kernels() -> Optional[ModuleType]:
+    try:
+        from tf32lab.numbers import accumulation_kernels
+    except ImportError:  # numba is an optional extra
+        return None
+    return accumulation_kernels
+
+
+def compiled() -> bool:
+    """Whether :func:`gemm` has its compiled kernels (numba installed).
+
+    >>> isinstance(compiled(), bool)
+    True
+    """
+    return _kernels() is not None
+
+
+def _gemm_compiled(kernels: ModuleType, a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor,
+                   model: Accumulation) -> torch.Tensor:
+    import numpy as np
+
+    batch = acc.shape[:-2]
+    a = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
+    b = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
+    flat = acc.reshape(-1, *acc.shape[-2:])
+    out = torch.empty_like(flat)
+    for i in range(flat.size(0)):
+        c = np.ascontiguousarray(flat[i].numpy())
+        a64, b64 = a[i].to(_F64).contiguous().numpy(), b[i].to(_F64).contiguous().numpy()
+        if model.kind == "fma":
+            res = kernels.fma_gemm(a64, b64, c, 128)
+        else:
+            ea, eb = _exponent(a[i].contiguous()).numpy(), _exponent(b[i].contiguous()).numpy()
+            res = kernels.nvidia_gemm(a64, ea, b64, eb, c, model.chunk, model.fraction_bits, kernels.POW2, 128)
+        out[i] = torch.from_numpy(res)
+    return out.reshape(acc.shape)
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, model: Accumulation, c: Optional[torch.Tensor] = None,
+         block: int = 1 << 21, use_compiled: Optional[bool] = None) -> torch.Tensor:
+    """``c + a @ b`` (``c`` defaults to zeros) as ``model``'s unit computes it, K in order, no split-K.
+
+    ``a``: (..., M, K), ``b``: (..., K, N) float32, batch dims broadcast; K is padded with zeros to a whole
+    number of steps. ``block`` caps the products held at once (columns of the output are done in slices);
+    ``use_compiled``: the numba kernels (None: where installed and the kind has one).
+
+    >>> import torch
+    >>> x = torch.full((1, 4096), 1.0 + 2**-10)     # each product 1 + 2^-9 + 2^-20: exact sum 4104.00390625
+    >>> gemm(x, x.T, AMPERE).item(), gemm(x, x.T, FMA).item()   # same-sign terms: truncation drops the 2^-20s
+    (4104.0, 4104.00048828125)
+    """
+    if a.dtype != _F32 or b.dtype != _F32:
+        raise TypeError(f"gemm takes float32 operands, got {a.dtype} and {b.dtype}")
+    if a.dim() < 2 or b.dim() < 2 or a.size(-1) != b.size(-2):
+        raise ValueError(f"gemm takes (..., M, K) and (..., K, N) operands, got {tuple(a.shape)} and "
+                         f"{tuple(b.shape)}")
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    m, k, n = a.size(-2), a.size(-1), b.size(-1)
+    a, b = a.detach().cpu(), b.detach().cpu()
+    acc = torch.zeros((*batch, m, n), dtype=_F32)
+    if c is not None:
+        acc = acc + c.detach().cpu().to(_F32)  # broadcast like addmm's input
+    if k == 0:
+        return acc
+    step = model.chunk
+    pad = -k % step
+    if pad:
+        a = torch.nn.functional.pad(a, (0, pad))
+        b = torch.nn.functional.pad(b, (0, 0, 0, pad))
+    kernels = _kernels() if use_compiled is not False and model.kind in ("nvidia", "fma") else None
+    if use_compiled and kernels is None:
+        raise RuntimeError(f"no compiled kernel for {model} here: install numba (pip install tf32lab[fast])")
+    if kernels is not None:
+        return _gemm_compiled(kernels, a, b, acc, model)
+    a64, b64 = a.to(_F64), b.to(_F64)
+    ea, eb = _exponent(a), _exponent(b)
+    cols = max(1, block // max(1, m * step * max(1, batch.numel())))
+    out = torch.empty_like(acc)
+    for j0 in range(0, n, cols):
+        j1 = min(n, j0 + cols)
+        part = acc[..., j0:j1]
+        if model.kind == "fma":
+            part = _fma_chain(part, a64, b64[..., j0:j1])
+        else:
+            fused = _nvidia_step if model.kind == "nvidia" else _amd_step
+            for k0 in range(0, k + pad, step):
+                k1 = k0 + step
+                part = fused(part, a64[..., :, k0:k1, None], b64[..., None, k0:k1, j0:j1],
+                             ea[..., :, k0:k1, None], eb[..., None, k0:k1, j0:j1], model.fraction_bits)
+        out[..., j0:j1] = part
+    return out
