@@ -27,3 +27,29 @@ def cuda(steps: int = 50) -> tf32lab.TrainingWorkload:
 
     return tf32lab.TrainingWorkload(workload.model.cuda(), batch, loss=example.loss, optimizer=workload.optimizer,
                                     steps=steps, name="actor-critic (cuda)", inputs=workload.inputs)
+
+
+def encoder(device: str = "cpu", steps: int = 10) -> tf32lab.TrainingWorkload:
+    """A MiniLM-sized BERT encoder (random weights, seeded; dropout off, so that a GPU and a CPU train alike) fine-
+    tuned for ``steps`` AdamW steps to regress its mean-pooled embedding onto fixed targets; 32 x 32 tokens."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = BertModel(config).to(device)
+
+    def batch(step: int):
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(1000, 30000, (32, 32), generator=g)
+        return ids.to(device), torch.randn(32, 384, generator=g).to(device)
+
+    def loss(out, b):
+        return (out.last_hidden_state.mean(1) - b[1]).pow(2).mean()
+
+    return tf32lab.TrainingWorkload(model, batch, loss=loss, steps=steps, inputs=lambda b: {"input_ids": b[0]},
+                                    optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4), name="MiniLM-sized encoder")
+
+
+def encoder_cuda() -> tf32lab.TrainingWorkload:
+    return encoder("cuda")
