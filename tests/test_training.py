@@ -494,3 +494,20 @@ def test_a_gradient_that_is_not_finite_fails_the_step_that_made_it():
     with pytest.raises(Tf32LabError, match="fails in float64, before any level ran: step 1: the gradient of 'w' "
                                            "is not finite"):
         check_training(workload)
+
+
+def test_a_batch_the_model_cannot_be_called_with_is_one_line_naming_inputs():
+    workload = TrainingWorkload(torch.nn.Sequential(torch.nn.Linear(4, 1)), [(torch.ones(8, 4), torch.ones(8, 1))],
+                                loss=mse)
+    with pytest.raises(Tf32LabError, match=r"the model cannot be called with the batch's 2 positional argument\(s\) "
+                                           r"\(the whole batch, as no inputs= was given"):
+        check_training(workload)
+
+
+def test_speed_predicts_a_training_workloads_step(tmp_path):
+    (tmp_path / "trainmodel.py").write_text(CLI_MODEL)
+    env = {"PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'tests'}", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-m", "tf32lab", "speed", "trainmodel.py:good", "--target", "h100",
+                           "--json", "-"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["predicted"]["step"] == "training"

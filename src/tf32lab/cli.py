@@ -81,12 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "or 'hardware' (the target's matrix unit, bit for bit; slower) (default: "
                             "TF32LAB_ACCUMULATION, else ideal)")
     check.add_argument("--tolerance", type=_tolerance, default=None,
-                       help="largest normwise relative error of an output (default: 1e-2)")
+                       help="largest normwise relative error of an output; with --train, the largest relative "
+                            "deviation of the loss from float64's (default: 1e-2)")
     check.add_argument("--policy", metavar="FILE",
                        help="also measure this per-module policy (JSON or TOML, see tf32lab.Policy) as one more row; "
                             "the exit code is then the policy's verdict (the levels are context)")
     check.add_argument("--no-speed", action="store_true",
-                       help="do not predict each level's speedup on the target (it costs a count of one run)")
+                       help="do not predict each level's speedup on the target (predicting it counts the ops of one "
+                            "more run, or training step)")
     check.add_argument("--json", metavar="PATH",
                        help="write the report as JSON (docs/report-schema.md); '-' for stdout, instead of the tables")
     check.add_argument("--html", metavar="PATH", help="write the report as a self-contained HTML page")
@@ -362,7 +364,7 @@ def _check(args: argparse.Namespace) -> int:
 
             report = check_training(loaded, levels=levels, target=target, steps=args.steps,
                                     tolerance=args.tolerance, policy=policy, progress=sys.stderr.isatty(),
-                                    accumulation=args.accumulation)
+                                    accumulation=args.accumulation, speed=not args.no_speed)
         else:
             report = check(loaded, levels=levels, target=target, tolerance=args.tolerance,
                            progress=sys.stderr.isatty(), policy=policy, speed=not args.no_speed,
@@ -476,11 +478,11 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _speed(args: argparse.Namespace) -> int:
-
     from tf32lab.know.levels import check_levels
     from tf32lab.know.targets import NATIVE
     from tf32lab.machine.hardware import resolve_target
     from tf32lab.workloads import specs
+    from tf32lab.workloads.training import TrainingWorkload
 
     levels = check_levels(part.strip() for part in args.levels.split(",") if part.strip())
     native = args.target == NATIVE  # this machine: nothing to predict, only to measure
@@ -490,7 +492,12 @@ def _speed(args: argparse.Namespace) -> int:
     if args.training and args.measure:
         raise Tf32LabError("--training is predicted only: --measure times one forward (leave one of them out)")
     _outputs(args, "--json", reads=(("the spec", _spec_file(args.spec)),))
-    loaded = specs.load(args.spec or specs.default_spec())
+    loaded = specs.load(args.spec or specs.default_spec(), training=None)
+    if isinstance(loaded, TrainingWorkload):  # its step, with its first batch
+        if args.measure:
+            raise Tf32LabError(f"workload {loaded.name!r} is a training workload: speed predicts its training step "
+                               f"(--measure times one forward of a forward workload)")
+        loaded, args.training = loaded.step_workload(), True
     predicted = measured = None
     if target.emulated:
         from tf32lab.speed.prediction import predict

@@ -82,7 +82,7 @@ _ELEMENTWISE_OPTIMIZERS = frozenset(
 
 def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS, target: Union[str, Target] = "a100",
                    steps: Optional[int] = None, tolerance: Optional[float] = None, policy: Optional[Policy] = None,
-                   progress: bool = False, accumulation: Optional[str] = None) -> TrainingReport:
+                   progress: bool = False, accumulation: Optional[str] = None, speed: bool = True) -> TrainingReport:
     """Train ``workload`` at each level as ``target`` computes it, against float64 and float32's own drift.
 
     Args:
@@ -95,6 +95,7 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
         progress: a progress bar on stderr.
         accumulation: how emulated GEMMs sum their products, ``"ideal"`` or ``"hardware"`` (``emulate()``'s
             argument; None: the ``TF32LAB_ACCUMULATION`` setting, ``"ideal"`` by default).
+        speed: predict each level's speedup of a training step on the target (GPU targets; one step counted).
 
     Returns a :class:`~tf32lab.report.training.TrainingReport`; ``bool(report)`` is the verdict. Raises
     ``Tf32LabError`` for bad arguments, a loss that is not a scalar, or a model that fails in float64.
@@ -121,7 +122,7 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     row = PolicyRow.of(policy, workload.model) if policy is not None else None
     with kept_flags() as changed, random_state_kept(workload.model):
         session = TrainingSession(workload, target, steps, tolerance, accumulation)
-        report = _Training(session, levels, row, progress).run()
+        report = _Training(session, levels, row, progress, speed).run()
     if changed:
         report = dataclasses.replace(report, notes=(*report.notes, changed_note(changed)))
     return report
@@ -534,8 +535,8 @@ class _Training:
     """One check: the session, then each level (levels the target computes alike run once), then the policy."""
 
     def __init__(self, session: TrainingSession, levels: tuple[str, ...], row: Optional[PolicyRow],
-                 progress: bool) -> None:
-        self.session, self.levels, self.row, self.progress = session, levels, row, progress
+                 progress: bool, speed: bool = True) -> None:
+        self.session, self.levels, self.row, self.progress, self.speed = session, levels, row, progress, speed
 
     def run(self) -> TrainingReport:
         started = time.perf_counter()
@@ -564,7 +565,9 @@ class _Training:
         results = [session.judged(rows[level]) for level in self.levels]
         if policy is not None:
             results.append(session.judged(policy))
-        return session.report(session.with_speed(results, self.row), time.perf_counter() - started)
+        if self.speed:
+            results = session.with_speed(results, self.row)
+        return session.report(results, time.perf_counter() - started)
 
 
 # -- the first step's backward, module by module --------------------------------------------------------------

@@ -43,6 +43,7 @@ TRAINING_SCHEMA_VERSION = 1
 # two float32 runs that differ only in summation order already differ by up to about 2x in such drift.
 FLOOR_MULTIPLE = 3.0
 FLOOR = "float32"  # the row of float32 `highest` on the target: float32's own drift from float64
+WORTH = 1.10  # a predicted step speedup below this buys little (as tune's threshold for a mixed policy)
 
 
 @dataclass(frozen=True)
@@ -234,6 +235,9 @@ def _faster(lv: TrainingLevel, target: str) -> str:
         return ""
     band = lv.speedup_band
     likely = f" (likely {band[0]:.2f}-{band[1]:.2f}x)" if band and band[0] != band[1] else ""
+    if lv.speedup < WORTH:
+        return (f"; but a training step is predicted only {lv.speedup:.2f}x as fast as at `highest` on {target}"
+                f"{likely}: it buys little here")
     return f"; a training step is predicted {lv.speedup:.2f}x as fast as at `highest` on {target}{likely}"
 
 
@@ -277,7 +281,8 @@ def _pin(lv: TrainingLevel) -> str:
     module = worst.name.rpartition(".")[0]
     if not module:
         return ""
-    return f'; pin it with `tf32lab.Policy("{lv.level}", [("{module}", "highest")])` and check again (--policy)'
+    return (f'; pin {module!r} with `tf32lab.Policy("{lv.level}", [("{module}", "highest")])` and check again '
+            f"(--policy), or let `tf32lab tune SPEC --train` search")
 
 
 def conclusion(report: TrainingReport) -> list[str]:

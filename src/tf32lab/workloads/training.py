@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
@@ -30,7 +31,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from tf32lab.errors import Tf32LabError
-from tf32lab.workloads.workload import Inputs, check_float32
+from tf32lab.workloads.workload import Inputs, Workload, check_float32
 
 __all__ = ["TrainingWorkload", "default_optimizer"]
 
@@ -109,13 +110,24 @@ class TrainingWorkload:
         return self.batches[step]
 
     def run(self, model: torch.nn.Module, batch: Any) -> Any:
-        """``model`` called on ``batch`` (through ``inputs`` when given)."""
+        """``model`` called on ``batch`` (through ``inputs`` when given); a one-line error when the model's
+        forward does not take what the batch gives it (a batch ``(x, y)`` with no ``inputs=``)."""
         inputs = batch if self.inputs is None else self.inputs(batch)
-        if isinstance(inputs, Mapping):
-            return model(**inputs)
-        if isinstance(inputs, tuple):
-            return model(*inputs)
-        return model(inputs)
+        try:
+            if isinstance(inputs, Mapping):
+                return model(**inputs)
+            if isinstance(inputs, tuple):
+                return model(*inputs)
+            return model(inputs)
+        except TypeError as exc:
+            if not _call_refused(exc):
+                raise
+            given = f"{len(inputs)} positional argument(s)" if isinstance(inputs, tuple) else \
+                f"keyword argument(s) {', '.join(map(repr, inputs))}" if isinstance(inputs, Mapping) else "one argument"
+            hint = "" if self.inputs is not None else \
+                " (the whole batch, as no inputs= was given: inputs=lambda batch: batch[0], say)"
+            raise Tf32LabError(f"training workload {self.name!r}: the model cannot be called with the batch's "
+                               f"{given}{hint}: {exc}") from None
 
     def loss_of(self, output: Any, batch: Any) -> torch.Tensor:
         """The step's loss: ``loss(output, batch)``, or the output's ``.loss``; a one-line error for anything but
@@ -137,6 +149,15 @@ class TrainingWorkload:
                                f"(no grad): nothing to train")
         return value.reshape(())
 
+    def step_workload(self) -> Workload:
+        """The model on its first batch's inputs, as a forward :class:`~tf32lab.Workload` (``predict(...,
+        training=True)`` counts one step of it; its loss is then the sum of the outputs, or their ``.loss``)."""
+        batch = self.batch(0)
+        inputs = batch if self.inputs is None else self.inputs(batch)
+        if not isinstance(inputs, (torch.Tensor, tuple, Mapping)):
+            inputs = (inputs,)
+        return Workload(self.model, inputs, name=self.name)
+
     def make_optimizer(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
         """A fresh optimizer over ``params`` (the workload's factory, or AdamW)."""
         factory = self.optimizer or default_optimizer
@@ -145,6 +166,13 @@ class TrainingWorkload:
             raise Tf32LabError(f"training workload {self.name!r}: optimizer(params) returned a "
                                f"{type(made).__name__}, not a torch.optim.Optimizer")
         return made
+
+
+def _call_refused(exc: TypeError) -> bool:
+    """Whether ``exc`` is Python refusing the call of the module's ``forward`` itself (wrong arguments), not a
+    TypeError from inside it: the traceback ends in torch's module-call machinery."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and frames[-1].name in ("_call_impl", "_wrapped_call_impl") and "argument" in str(exc)
 
 
 def check_steps(steps: Any) -> int:
