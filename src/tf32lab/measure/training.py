@@ -74,6 +74,12 @@ from tf32lab.workloads.training import TrainingWorkload, check_steps
 
 __all__ = ["TrainingSession", "check_training", "random_state_kept", "training_steps", "training_tolerance"]
 
+# A parameter's step-1 gradient error is relative to its own float64 gradient's norm, or to this share of a typical
+# parameter's (the whole gradient's norm over the square root of the parameters' count) when its own is smaller:
+# a true gradient of 0 (an attention key's bias, which softmax cannot see) leaves only rounding to compare, and
+# its error over its own near-zero norm (1e+11 on all-MiniLM-L6-v2) would rank it first at every level
+GRADIENT_FLOOR = 0.1
+
 # torch.optim's optimizers whose step is element-wise (no matmul-family op), by exact type: a subclass may do more
 _ELEMENTWISE_OPTIMIZERS = frozenset(
     getattr(torch.optim, name) for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop",
@@ -311,6 +317,10 @@ class TrainingSession:
                                f"ran: step {reference.failed_step}: {reference.failure}")
         self.reference = reference
         self.ref_grads = {n: g.double() for n, g in reference.grads.items()}
+        # a parameter whose float64 gradient is a negligible part of the whole (a key bias, which softmax cannot
+        # see: its gradient is 0 but for rounding) is measured against this, not against its own near-zero norm
+        total = math.sqrt(sum(float(g.pow(2).sum()) for g in self.ref_grads.values()))
+        self.grad_floor = GRADIENT_FLOOR * total / math.sqrt(max(1, len(self.ref_grads)))
         self.ref_params = dict(reference.model.named_parameters())
         self.ref_state = _optimizer_state(reference.model, reference.optimizer)
         bar.step("backward of each module at step 1, float64")
@@ -416,7 +426,7 @@ class TrainingSession:
         deviations = tuple(_deviation(x, r) for x, r in zip(run.losses, self.reference.losses)
                            if math.isfinite(x))
         divergence = next((k + 1 for k, d in enumerate(deviations) if d > self.tolerance), None)
-        gradients = _ranked({n: _against(g, self.ref_grads[n]) for n, g in run.grads.items()
+        gradients = _ranked({n: _against(g, self.ref_grads[n], self.grad_floor) for n, g in run.grads.items()
                              if n in self.ref_grads})
         weights: tuple[ParameterError, ...] = ()
         state = math.nan
@@ -694,13 +704,15 @@ def _deviation(value: float, reference: float) -> float:
     return diff / abs(reference) if reference != 0 else diff
 
 
-def _against(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    """(normwise error, cosine) of ``x`` against ``ref``, in float64."""
+def _against(x: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> tuple[float, float]:
+    """(normwise error, cosine) of ``x`` against ``ref``, in float64; the error over ``max(‖ref‖, floor)``."""
     x, ref = x.detach().double().reshape(-1), ref.detach().double().reshape(-1)
     ref_norm, x_norm = float(ref.norm()), float(x.norm())
     if not math.isfinite(x_norm):
         return math.inf, math.nan
     cosine = float(x @ ref) / (x_norm * ref_norm) if x_norm > 0 and ref_norm > 0 else math.nan
+    if ref_norm < floor:
+        return float((x - ref).norm()) / floor, cosine
     return metrics.normwise(x, ref), cosine
 
 
