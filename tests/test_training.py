@@ -186,7 +186,8 @@ CALLS = {"forward": 0}  # shared by every copy the check makes (a list on the mo
 
 
 class Stopping(torch.nn.Module):
-    """Raises at its ``at``-th call: float64's three steps and step 1's backward come first, then `high`'s."""
+    """Raises at its ``at``-th call: float64 (a probe of step 1 twice, its three steps) and step 1's backward come
+    first, then `high`'s."""
 
     def __init__(self, raised: type, at: int) -> None:
         super().__init__()
@@ -205,7 +206,7 @@ class Stopping(torch.nn.Module):
 @pytest.mark.parametrize("raised", [KeyboardInterrupt, Interrupt])
 def test_everything_is_as_it_was_after_an_exception_inside_a_step(raised):
     torch.manual_seed(0)
-    model = Stopping(raised, at=3 + 1 + 2)  # step 2 at `high`
+    model = Stopping(raised, at=2 + 3 + 1 + 2)  # step 2 at `high` (after float64: its probe of step 1, its 3 steps)
     model.eval()
     model.net[1].train()  # mixed modes, kept exactly
     g = torch.Generator().manual_seed(0)
@@ -451,7 +452,7 @@ def test_when_float32_itself_fails_a_level_past_the_tolerance_cannot_pass_beside
             self.lin = torch.nn.Linear(4, 1)
 
         def forward(self, x):
-            if CALLS["forward"] == 3 + 1 + 3 + 2:  # a late step of the floor (trained last)
+            if CALLS["forward"] == 2 + 3 + 1 + 3 + 2:  # a late step of the floor (trained last)
                 CALLS["forward"] += 1
                 raise RuntimeError("float32 broke")
             CALLS["forward"] += 1

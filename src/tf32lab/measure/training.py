@@ -223,14 +223,15 @@ class _Float64Step:
     path would not be a reference: the mask is drawn from a float32 twin of the input, the same call a float32
     row makes, and applied in float64."""
 
-    def __init__(self) -> None:
+    def __init__(self, masks: bool = True) -> None:
         self.run = Float64Run()
-        self.masks = _SameMasks(self.run)
+        self.masks = _SameMasks(self.run) if masks else None
 
     def __enter__(self) -> _Float64Step:
         self.run.__enter__()
         try:
-            modestack.push(self.masks)
+            if self.masks is not None:
+                modestack.push(self.masks)
         except BaseException:
             self.run.__exit__(None, None, None)
             raise
@@ -238,7 +239,8 @@ class _Float64Step:
 
     def __exit__(self, *exc: object) -> None:
         try:
-            modestack.remove(self.masks)
+            if self.masks is not None:
+                modestack.remove(self.masks)
         finally:
             self.run.__exit__(*exc)
 
@@ -307,6 +309,7 @@ class TrainingSession:
         self._floor: Optional[TrainingLevel] = None
         self._batches: dict[int, Any] = {}
         self._speed_notes: list[str] = []
+        self.cuda = bool(_cuda_devices(self.saved))
 
     def start(self, bar: Progress) -> None:
         """The float64 reference, then step 1's backward per module in float64."""
@@ -454,13 +457,17 @@ class TrainingSession:
         optimizer = self._optimizer(model)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         run = _Run([], {}, model, optimizer)
-        _seeded(self.seed, model)
         scoped = contextlib.nullcontext() if level is None else _scoped(level, self.target, policy)
         emu = emulate(self.target, accumulation=self.accumulation) \
             if level is not None and self.target.emulated and emulated else None
         # float64: every op of the step widened (a tensor the model makes in float32 on the fly too), dropout
-        # drawn as float32 draws it (the same masks as every float32 row)
-        forward = _Float64Step if dtype == torch.float64 else (lambda: emu or contextlib.nullcontext())
+        # drawn as float32 draws it (the same masks as every float32 row), where step 1 shows it matters
+        if dtype == torch.float64:
+            widened = self._widening()  # before the row's seed: the probe draws from the streams too
+            forward = (lambda: _Float64Step(self.cuda)) if widened else contextlib.nullcontext
+        else:
+            forward = lambda: emu or contextlib.nullcontext()  # noqa: E731
+        _seeded(self.seed, model)
         applied = policy.policy.applied(model) if policy is not None else contextlib.nullcontext()
         # PyTorch's own element-wise optimizers run no matmul-family op: their step runs outside the emulator,
         # whose dispatch costs more than the step itself (any other optimizer's step is emulated like the rest)
@@ -506,6 +513,29 @@ class TrainingSession:
         if run.failure is not None:
             run.model = run.optimizer = None
         return run
+
+    def _widening(self) -> bool:
+        """Whether the float64 row needs ``Float64Run`` (and its float32-drawn dropout masks) beyond the ``.double()``
+        copy. Its per-op handlers cost more than a small model's step, and most models make no float32 tensor of
+        their own: step 1 is run both ways, and only when loss and gradients differ in a bit (the model made a
+        float32 tensor, or dropout on CUDA drew other masks) does every step run inside it."""
+        if self.cuda:
+            return True  # CUDA draws other dropout bits for float64: the masks need it (a GPU's time is cheap)
+        found = []
+        for widen_ops in (True, False):
+            model = copy.deepcopy(self.saved).double()
+            _seeded(self.seed, model)
+            batch = self.batch(0, torch.float64)
+            try:
+                with _Float64Step(masks=False) if widen_ops else contextlib.nullcontext():
+                    loss = self.workload.loss_of(self.workload.run(model, batch), batch)
+                    loss.backward()
+            except Tf32LabError:
+                raise
+            except Exception:
+                return True  # the row itself says what fails, with every op widened
+            found.append([loss.detach()] + [p.grad for p in model.parameters() if p.grad is not None])
+        return len(found[0]) != len(found[1]) or not all(torch.equal(a, b) for a, b in zip(*found))
 
     def batch(self, step: int, dtype: torch.dtype = torch.float32) -> Any:
         """Step ``step``'s batch, fetched once for every row (a function that draws from a random stream gives
@@ -598,7 +628,7 @@ class _Attribution:
                 handles.append(module.register_forward_hook(self._keep(name, calls), with_kwargs=True))
         _seeded(seed, model)
         try:
-            with _Float64Step():
+            with _Float64Step(masks=bool(_cuda_devices(model))):
                 loss = workload.loss_of(workload.run(model, batch), batch)
                 loss.backward()
         finally:
@@ -614,7 +644,7 @@ class _Attribution:
             if not grads:
                 continue
             module = model.get_submodule(name)
-            with _Float64Step():
+            with _Float64Step(masks=bool(_cuda_devices(model))):
                 local = _local_grads(module, args, kwargs, grads, seed)
             if local is not None:
                 self.calls[name] = (args, kwargs, grads, local)
