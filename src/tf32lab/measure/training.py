@@ -204,16 +204,16 @@ def _seeded(seed: int, model: torch.nn.Module) -> None:
 
 
 def _not_finite(named: list[tuple[str, torch.nn.Parameter]]) -> Optional[str]:
-    """The first parameter whose gradient holds a NaN or an Inf. Each gradient's sum first (one cheap pass: a
-    finite sum proves there is none), then the exact test for a sum that is not."""
-    grads = [(n, p.grad) for n, p in named if p.grad is not None]
+    """The first parameter whose gradient holds a NaN or an Inf. Their norms in one fused call first (finite norms
+    prove there is none; a norm can overflow where no element does), then the exact test where one is not."""
+    grads = [(n, p.grad) for n, p in named if p.grad is not None and p.grad.is_floating_point()]
     if not grads:
         return None
-    sums = torch.stack([g.detach().sum().to(torch.float64) for _, g in grads])
-    if bool(torch.isfinite(sums).all()):
+    norms = torch._foreach_norm([g.detach() for _, g in grads])
+    if bool(torch.isfinite(torch.stack(norms)).all()):
         return None
-    return next((n for (n, g), total in zip(grads, sums.tolist())
-                 if not math.isfinite(total) and not bool(torch.isfinite(g).all())), None)
+    return next((n for (n, g), norm in zip(grads, norms)
+                 if not bool(torch.isfinite(norm)) and not bool(torch.isfinite(g).all())), None)
 
 
 class _Float64Step:
