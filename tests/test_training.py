@@ -512,3 +512,21 @@ def test_speed_predicts_a_training_workloads_step(tmp_path):
                            "--json", "-"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["predicted"]["step"] == "training"
+
+
+def test_ops_that_ran_without_emulation_are_said_in_the_conclusion():
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            q = self.q(x).view(2, 4, 8, 16)
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.5).sum()
+
+    torch.manual_seed(0)
+    report = check_training(TrainingWorkload(Attention(), [torch.randn(64, 16)] * 2, loss=lambda out, batch: out),
+                            levels=("highest", "high"))
+    assert report.level("high").unhandled
+    assert any(line.startswith("Some matmul-family ops ran without emulation (aten::scaled_dot_product_attention")
+               for line in report.conclusion())

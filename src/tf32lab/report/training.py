@@ -311,6 +311,11 @@ def conclusion(report: TrainingReport) -> list[str]:
             lines.append(f"{called} diverges at step {lv.divergence_step} {where}: its loss is "
                          f"{lv.drift:.1e} from float64's, {_times(lv.multiple)} float32's own drift"
                          f"{'; ' + clause if clause else ''}{_pin(lv)}.")
+    unhandled = {op: n for lv in report.levels if lv.same_as is None for op, n in lv.unhandled.items()}
+    if unhandled:
+        ops = ", ".join(f"{op} x{n}" for op, n in sorted(unhandled.items()))
+        lines.append(f"Some matmul-family ops ran without emulation ({ops}): they computed as this machine does, "
+                     f"so what the target would do to them is not in these paths.")
     floor = report.floor
     if floor.failure is not None:
         lines.append(f"float32 itself (`highest`) fails at step {floor.failed_step}: {_one_line(floor.failure)}; "
