@@ -365,6 +365,70 @@ def test_mlp_gradients_equal_reference_gradients():
     expect(w1.grad, lambda gg, xx: gg.T @ xx, pre_grad, x, 32)
 
 
+def test_an_activation_fed_to_several_gemms_is_rounded_once_until_it_is_written(monkeypatch):
+    rounded = []
+    original = emulator._SINGLE_ROUND["tf32"]
+
+    def counting(x, *args, **kwargs):
+        rounded.append(x.data_ptr())
+        return original(x, *args, **kwargs)
+
+    q, k = torch.nn.Linear(64, 32), torch.nn.Linear(64, 32)
+    x = randn(8, 64, seed=71)
+    with tf32lab.precision("high"), tf32lab.emulate("a100"):
+        expected = (q(x), k(x), q(x * 1))  # no copy kept across blocks: the same ops, rounded afresh
+    monkeypatch.setitem(emulator._SINGLE_ROUND, "tf32", counting)
+    with tf32lab.precision("high"), tf32lab.emulate("a100"):
+        got_q, got_k = q(x), k(x)
+        assert rounded.count(x.data_ptr()) == 1  # the query's and the key's GEMM share x's copy
+        x.mul_(1)  # a write (same values): the copy is made again
+        again = q(x)
+        assert rounded.count(x.data_ptr()) == 2
+        x.data.add_(0)  # a write through .data (a version counter of its own): seen all the same
+        q(x)
+        assert rounded.count(x.data_ptr()) == 3
+        block = current_emulation()
+        assert len(block.cache.recent) >= 1
+    for got, want in zip((got_q, got_k, again), expected):
+        assert torch.equal(got, want)
+    assert len(block.cache) == 0  # nothing outlives the block
+
+
+def test_a_linear_backward_rounds_its_output_gradient_once_for_both_gemms(monkeypatch):
+    layer = torch.nn.Linear(64, 48)
+    x = randn(16, 64, seed=72).requires_grad_()
+    grad = randn(16, 48, seed=73)
+
+    def grads(seen: list) -> tuple[torch.Tensor, torch.Tensor]:
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        with tf32lab.precision("high"), tf32lab.emulate("a100"):
+            out = layer(x)
+            with monkeypatch.context() as m:
+                m.setitem(emulator._SINGLE_ROUND, "tf32", _counting_into(seen))
+                out.backward(grad)
+        return layer.weight.grad, x.grad
+
+    kept = grads(seen := [])
+    # grad_input = grad @ W and grad_weight = grad.T @ x: grad rounded once; W (the forward read W.T) and x kept
+    # from the forward
+    assert seen == [grad.numel()]
+    monkeypatch.setattr(emulator._WeightCache, "RECENT_BYTES", 0)  # no copy kept: every operand rounded afresh
+    fresh = grads(seen := [])
+    assert sorted(seen) == sorted([grad.numel(), grad.numel(), x.numel()])  # W is a parameter: still kept
+    assert all(torch.equal(a, b) for a, b in zip(kept, fresh))  # the same bits either way
+
+
+def _counting_into(seen: list):
+    original = emulator._SINGLE_ROUND["tf32"]
+
+    def counting(x, *args, **kwargs):
+        seen.append(x.numel())
+        return original(x, *args, **kwargs)
+
+    return counting
+
+
 def test_parameter_copies_are_rounded_once_per_block_and_dropped_with_it(monkeypatch):
     rounded = []
     original = emulator._SINGLE_ROUND["tf32"]
@@ -380,7 +444,7 @@ def test_parameter_copies_are_rounded_once_per_block_and_dropped_with_it(monkeyp
         first = layer(x)
         again = layer(x)  # the weight's rounded copy is reused ...
         block = current_emulation()
-        assert len(block.cache) == 1 and rounded.count(layer.weight.numel()) == 1
+        assert len(block.cache.entries) == 1 and rounded.count(layer.weight.numel()) == 1
         with torch.no_grad():
             layer.weight.mul_(2)  # ... until it changes: the version counter moves, the copy is rounded again
         doubled = layer(x)
