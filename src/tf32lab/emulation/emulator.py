@@ -35,6 +35,7 @@ import importlib.machinery
 import sys
 import threading
 import weakref
+from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -213,6 +214,40 @@ def context_cells() -> dict[str, str]:
     return cells
 
 
+class _OpCells(Mapping):
+    """:func:`context_cells` for one op, each cell read when a rule first asks for it: an op consults one or two
+    of them, and reading all of them costs more than a small GEMM."""
+
+    __slots__ = ("known", "level")
+
+    def __init__(self) -> None:
+        self.level = scope.context_level()
+        self.known: dict[str, str] = {}
+
+    def __getitem__(self, name: str) -> str:
+        value = self.known.get(name)
+        if value is None:
+            if name == "sdpa":
+                value = sdpa_kernel()
+            elif name in _LEVEL_CELLS:
+                value = (level_cells(self.level) if self.level is not None else scope.process_cells())[name]
+            elif name in flags.CELL_NAMES:
+                value = flags.read_cell(name)
+            else:
+                raise KeyError(name)
+            self.known[name] = value
+        return value
+
+    def __iter__(self) -> Any:
+        return iter((*flags.CELL_NAMES, "sdpa"))
+
+    def __len__(self) -> int:
+        return len(flags.CELL_NAMES) + 1
+
+
+_LEVEL_CELLS = frozenset(level_cells("highest"))
+
+
 def maths(target: str | Target = "a100") -> dict[str, str]:
     """The math ``emulate(target)`` gives each key in this context (scope and flags), by key.
 
@@ -302,8 +337,8 @@ class _WeightCache:
         # Copies live in scratch buffers (fresh multi-MB tensors cost page faults: 3x the rounding of MiniLM's
         # weights); they go back to the thread's pool when the block ends, never earlier (an op may hold one).
         self.buffers: list[torch.Tensor] = []
-        # key -> (the tensor, version, value, its buffers, bytes), oldest first
-        self.recent: collections.OrderedDict[tuple, tuple[torch.Tensor, Any, Any, list, int]] = \
+        # key -> (the tensor, version, value, its buffers, bytes, storage address), oldest first
+        self.recent: collections.OrderedDict[tuple, tuple[torch.Tensor, int, Any, list, int, int]] = \
             collections.OrderedDict()
         self.recent_bytes = 0
 
@@ -346,16 +381,16 @@ class _WeightCache:
         small, else computed in buffers leased to the op running now."""
         base = t._base if t._base is not None else t
         size = t.numel() * t.element_size() * parts
-        storage = base.untyped_storage()
-        if size + storage.nbytes() > self.RECENT_BYTES or t.is_inference() or torch.is_inference_mode_enabled():
+        if size + base.numel() * base.element_size() > self.RECENT_BYTES or t.is_inference() \
+                or torch.is_inference_mode_enabled():
             return fn(t, [_buffer_like(t) for _ in range(parts)])
         # A transposed view (a backward's gradient is one GEMM's left operand and the other's right) shares the
         # copy of what it views. Keyed by the memory read; the entry holds the tensor, so that no other tensor
         # takes that memory meanwhile, and its version (writes through other aliases: :meth:`written`).
-        flipped = t.dim() >= 2 and not t.is_contiguous() and t.mT.is_contiguous()
+        flipped = not t.is_contiguous() and t.dim() >= 2 and t.mT.is_contiguous()
         read = t.mT if flipped else t
-        key = (storage.data_ptr(), t.storage_offset(), tuple(read.shape), read.stride(), t.dtype, t.device, tag)
-        version = (base._version, key[0])
+        key = (t.data_ptr(), tuple(read.shape), read.stride(), t.dtype, t.device, tag)
+        version = base._version
         hit = self.recent.get(key)
         if hit is not None and hit[1] == version:
             self.recent.move_to_end(key)
@@ -364,9 +399,10 @@ class _WeightCache:
             self._forget(key)
             buffers: list[torch.Tensor] = []
             value = fn(read.detach(), [_buffer_like(read, buffers) for _ in range(parts)])
-            self.recent[key] = (base, version, value, buffers, size)
+            storage = base.untyped_storage().data_ptr()
+            self.recent[key] = (base, version, value, buffers, size, storage)
             self.recent_bytes += size
-            self.storages.setdefault(key[0], set()).add(key)
+            self.storages.setdefault(storage, set()).add(key)
             while len(self.recent) > self.RECENT or self.recent_bytes > self.RECENT_BYTES:
                 self._forget(next(iter(self.recent)))
         if not flipped:
@@ -377,15 +413,15 @@ class _WeightCache:
         gone = self.recent.pop(key, None)
         if gone is not None:
             self.recent_bytes -= gone[4]
-            self.storages.get(gone[1][1], set()).discard(key)
+            self.storages.get(gone[5], set()).discard(key)
             _SCRATCH.leased.extend(gone[3])  # back to the pool when the op running now ends (it may use them)
 
     def clear(self) -> None:
         self.entries.clear()
         self.storages.clear()
         buffers, self.buffers = self.buffers, []
-        for _, _, _, held, _ in self.recent.values():
-            buffers += held
+        for entry in self.recent.values():
+            buffers += entry[3]
         self.recent.clear()
         self.recent_bytes = 0
         _SCRATCH.give(buffers)
@@ -725,7 +761,7 @@ class _Mode(TorchDispatchMode):
     def _emulated(self, entry: _Entry, classified: Treatment, func, args, kwargs):
         family, how, rule, _ = classified
         emu = entry.emu
-        cells = self.pinned or context_cells()
+        cells = self.pinned or _OpCells()
         call = _Call(entry, func.name(), cells)
         pinned, self.pinned = self.pinned, cells
         mark = len(_SCRATCH.leased)
@@ -968,7 +1004,7 @@ class _FunctionMode(TorchFunctionMode):
             if entry is not None:
                 if func is _SDPA:
                     if _float32_in(args) or _float32_in(kwargs.values()):
-                        call = _Call(entry, "aten::scaled_dot_product_attention", context_cells())
+                        call = _Call(entry, "aten::scaled_dot_product_attention", _OpCells())
                         return rules.sdpa_function(call, func, args, kwargs)
                 elif _float32_in(args):
                     return _rnn(entry, func, args, kwargs)
@@ -982,7 +1018,7 @@ def _rnn(entry: _Entry, func, args, kwargs):
     """An RNN call, its recurrence run without the dispatch mode: the rule rounds each GEMM's operands itself
     (``_Call.many_linears``), so the per-step pointwise ops cost what they cost natively, not a Python handler
     each (an LSTM ran 6x slower than native through the mode)."""
-    call = _Call(entry, f"aten::{rules.RNN_FUNCTIONS[func]}", context_cells())
+    call = _Call(entry, f"aten::{rules.RNN_FUNCTIONS[func]}", _OpCells())
     modes = _thread_modes()
 
     def run():
