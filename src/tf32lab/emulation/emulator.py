@@ -326,9 +326,8 @@ class _WeightCache:
 
     __slots__ = ("buffers", "entries", "recent", "recent_bytes", "storages")
 
-    # Other operands (activations, gradients): the last few rounded copies are kept too, as long as they are
-    # small: a linear layer's backward rounds its output gradient for both of its GEMMs, and layers fed the same
-    # input (attention's query, key and value) round it once.
+    # Other operands: inside one backward formula, the last few rounded copies are kept too, as long as they are
+    # small (a linear layer's backward reads its output gradient in both of its GEMMs).
     RECENT, RECENT_BYTES = 4, 32 << 20
 
     def __init__(self) -> None:
@@ -337,8 +336,8 @@ class _WeightCache:
         # Copies live in scratch buffers (fresh multi-MB tensors cost page faults: 3x the rounding of MiniLM's
         # weights); they go back to the thread's pool when the block ends, never earlier (an op may hold one).
         self.buffers: list[torch.Tensor] = []
-        # key -> (the tensor, version, value, its buffers, bytes, storage address), oldest first
-        self.recent: collections.OrderedDict[tuple, tuple[torch.Tensor, int, Any, list, int, int]] = \
+        # key -> (the tensor, version, value, its buffers, bytes, storage address, backward node), oldest first
+        self.recent: collections.OrderedDict[tuple, tuple[torch.Tensor, int, Any, list, int, int, Any]] = \
             collections.OrderedDict()
         self.recent_bytes = 0
 
@@ -377,22 +376,23 @@ class _WeightCache:
                 self._forget(key)
 
     def get_recent(self, t: torch.Tensor, tag: str, fn: Callable, parts: int = 1) -> Any:
-        """``fn(t, out)``'s value for an operand that is not a parameter: kept among the last few while it is
-        small, else computed in buffers leased to the op running now."""
+        """``fn(t, out)``'s value for an operand that is not a parameter: inside one backward formula (a linear
+        layer's rounds its output gradient for both of its GEMMs), kept for the formula's next GEMMs while it is
+        small; else computed in buffers leased to the op running now."""
+        node = _current_node()
         base = t._base if t._base is not None else t
         size = t.numel() * t.element_size() * parts
-        if size + base.numel() * base.element_size() > self.RECENT_BYTES or t.is_inference() \
-                or torch.is_inference_mode_enabled():
+        if node is None or size + base.numel() * base.element_size() > self.RECENT_BYTES or t.is_inference():
             return fn(t, [_buffer_like(t) for _ in range(parts)])
-        # A transposed view (a backward's gradient is one GEMM's left operand and the other's right) shares the
-        # copy of what it views. Keyed by the memory read; the entry holds the tensor, so that no other tensor
-        # takes that memory meanwhile, and its version (writes through other aliases: :meth:`written`).
+        # A transposed view (the gradient is one GEMM's left operand and the other's right) shares the copy of what
+        # it views. Keyed by the memory read; the entry holds the tensor (no other can take that memory meanwhile)
+        # and the formula (no user code runs inside it: a write through a numpy view cannot come between).
         flipped = not t.is_contiguous() and t.dim() >= 2 and t.mT.is_contiguous()
         read = t.mT if flipped else t
         key = (t.data_ptr(), tuple(read.shape), read.stride(), t.dtype, t.device, tag)
         version = base._version
         hit = self.recent.get(key)
-        if hit is not None and hit[1] == version:
+        if hit is not None and hit[1] == version and hit[6] is node:
             self.recent.move_to_end(key)
             value = hit[2]
         else:
@@ -400,7 +400,7 @@ class _WeightCache:
             buffers: list[torch.Tensor] = []
             value = fn(read.detach(), [_buffer_like(read, buffers) for _ in range(parts)])
             storage = base.untyped_storage().data_ptr()
-            self.recent[key] = (base, version, value, buffers, size, storage)
+            self.recent[key] = (base, version, value, buffers, size, storage, node)
             self.recent_bytes += size
             self.storages.setdefault(storage, set()).add(key)
             while len(self.recent) > self.RECENT or self.recent_bytes > self.RECENT_BYTES:
