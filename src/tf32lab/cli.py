@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hardware to emulate (see tf32lab.targets), or 'native' for this machine's own hardware "
                             "(default: a100)")
     check.add_argument("--levels", default="highest,high,medium", type=str.lower,
-                       help="comma-separated levels (default: all three)")
+                       help="comma-separated levels (default: PyTorch's three; bfx9 too where the target has it)")
     check.add_argument("--accumulation", choices=("ideal", "hardware"), default=None,
                        help="how emulated GEMMs sum their products: 'ideal' (exact products, this CPU's float32 sums) "
                             "or 'hardware' (the target's matrix unit, bit for bit; slower) (default: "
@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _workload_arguments(speed, "GPU to predict for", "; or 'native' to only measure")
     speed.add_argument("--levels", default="highest,high,medium", type=str.lower,
-                       help="comma-separated levels (highest, the baseline, is always included)")
+                       help="comma-separated levels: highest, bfx9, high, medium (highest, the baseline, is always "
+                            "included)")
     speed.add_argument("--conv", type=_conv, default=None,
                        help="cuDNN's convolution math, which no level sets: tf32 (PyTorch's default) or ieee; also "
                             "prints what tf32 buys over ieee (default: as this process's flags hold it)")
@@ -213,12 +214,13 @@ _tolerance = _number("tolerance", float, lambda v: 0 <= v < math.inf, "a finite 
 
 
 def _levels(_: argparse.Namespace) -> int:
-    from tf32lab.know.levels import LEVELS, level_cells
+    from tf32lab.know.levels import ALL_LEVELS, EXTRA_LEVELS, level_cells
 
     print(f"{'level':<9} {'cuda.matmul':<12} mkldnn.matmul")
-    for level in LEVELS:
+    for level in ALL_LEVELS:
         cells = level_cells(level)
-        print(f"{level:<9} {cells['cuda.matmul']:<12} {cells['mkldnn.matmul']}")
+        note = "   (per-backend cells only; Blackwell, CUDA 12.9+)" if level in EXTRA_LEVELS else ""
+        print(f"{level:<9} {cells['cuda.matmul']:<12} {cells['mkldnn.matmul']}{note}")
     return 0
 
 

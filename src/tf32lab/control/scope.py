@@ -44,7 +44,7 @@ from tf32lab import settings
 from tf32lab.control import flags, modestack
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
-from tf32lab.know.levels import LEVELS, check_level, level_cells
+from tf32lab.know.levels import ALL_LEVELS, EXTRA_LEVELS, check_level, level_cells
 
 __all__ = ["get_float32_matmul_precision", "precision", "set_float32_matmul_precision"]
 
@@ -63,8 +63,8 @@ def guard_policy() -> str:
 
 
 _MAIN = threading.main_thread().ident
-_VALUES = {level: flags.level_values(level) for level in LEVELS}
-_RAW = {level: flags.level_raw(level) for level in LEVELS}
+_VALUES = {level: flags.level_values(level) for level in ALL_LEVELS}
+_RAW = {level: flags.level_raw(level) for level in ALL_LEVELS}
 _LEVEL_OF_RAW = {raw: level for level, raw in _RAW.items()}
 _CELL_INDEX = {f"{b}.{o}": i for i, (b, o) in enumerate(flags.LEVEL_CELLS)}  # cells of a level
 _read_effective = flags.read_level_effective
@@ -582,6 +582,8 @@ class precision:
 
     def __enter__(self) -> precision:
         level = self.level
+        if level in EXTRA_LEVELS and _live(_EMULATION.get()) is None:
+            _refuse_native(level)
         parent = _SCOPE.get()
         thread = _get_ident()  # _context_key() inlined: every scope entry pays it
         task = _current_task() if _get_running_loop() is not None else None
@@ -777,6 +779,15 @@ def _process_effective() -> tuple[str, ...]:
         return state.base.effective if state.public is not None else _read_effective()
 
 
+def _refuse_native(level: str) -> None:
+    """A one-line ``Tf32LabError`` when this torch cannot set ``level`` natively (``bfx9`` before pytorch#195301);
+    nothing is written. Inside ``emulate()`` a scope never writes the flag, so it is not asked there."""
+    reason = flags.native_refusal(level)
+    if reason is not None:
+        raise Tf32LabError(f"precision({level!r}): {reason}; inside emulate(target) it is emulated (enter emulate() "
+                           f"first), e.g. tf32lab.emulate('b200')")
+
+
 def set_float32_matmul_precision(level: str) -> None:
     """Set the process-wide level, as ``torch.set_float32_matmul_precision`` does, with validation.
 
@@ -796,8 +807,11 @@ def set_float32_matmul_precision(level: str) -> None:
         Traceback (most recent call last):
         ...
         tf32lab.errors.Tf32LabError: unknown level 'fastest'; accepted: 'highest', 'high', 'medium'
+
+    Only PyTorch's own levels, as its setter: ``bfx9`` is a per-backend cell value, set in a scope
+    (``tf32lab.precision("bfx9")``) or on ``torch.backends.cuda.matmul.fp32_precision``.
     """
-    check_level(level)
+    check_level(level, torch_only=True)
     _set_process(_VALUES[level], _RAW[level], level)
 
 

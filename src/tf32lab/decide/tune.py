@@ -37,7 +37,7 @@ from typing import Any, NamedTuple, Optional, Union
 from tf32lab.control.policy import Policy, exact_pattern
 from tf32lab.decide.tune_training import TrainingTuning, tune_training
 from tf32lab.errors import Tf32LabError
-from tf32lab.know.levels import LEVELS, check_levels
+from tf32lab.know.levels import ALL_LEVELS, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.check import PolicyRow, Session, alike_levels
@@ -186,7 +186,7 @@ def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Targ
                            f"{type(workload).__name__}")
     target = resolve_target(target, speed=True)  # tune weighs predicted speed: GPU targets only
     levels = check_levels(levels)
-    everything = tuple(level for level in LEVELS if level in levels or level == "highest")
+    everything = tuple(level for level in ALL_LEVELS if level in levels or level == "highest")
     tolerances = tolerances_of(tolerance)
     refuse_applied(workload, "tune")
     with kept_flags() as changed:

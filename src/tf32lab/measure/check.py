@@ -43,7 +43,7 @@ from tf32lab.control.policy import Policy
 from tf32lab.control.scope import get_float32_matmul_precision
 from tf32lab.emulation.emulator import check_accumulation, context_cells, release_buffers
 from tf32lab.errors import Tf32LabError
-from tf32lab.know.levels import LEVELS, check_levels
+from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.layers import (
@@ -126,7 +126,7 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
            progress: bool, policy: Optional[Policy], speed: bool, accumulation: Optional[str] = None) -> Report:
     started = time.perf_counter()
     row = PolicyRow.of(policy, workload.model) if policy is not None else None
-    extra = tuple(level for level in LEVELS if row is not None and level in row.levels and level not in levels)
+    extra = tuple(level for level in ALL_LEVELS if row is not None and level in row.levels and level not in levels)
     alike = alike_levels(levels + extra, target)  # level -> the earlier level the target computes identically, if any
     measured = [level for level in levels + extra if alike[level] is None]
     runs = len([level for level in levels if alike[level] is None]) + (row is not None)
@@ -297,7 +297,7 @@ class PolicyRow:
         if unmatched is not None:
             raise Tf32LabError(unmatched)
         base = policy.default or get_float32_matmul_precision()
-        if base not in LEVELS:  # the process's cells hold a value no level writes (a newer torch's)
+        if base not in ALL_LEVELS:  # the process's cells hold a value no level writes (a newer torch's)
             raise Tf32LabError(f"check(policy=...): the policy has no default level and the process level is "
                                f"{base!r} (a flag holds a value this tf32lab does not know); give the policy a "
                                "default level")

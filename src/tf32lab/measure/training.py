@@ -57,7 +57,7 @@ from tf32lab.control.scope import precision, set_float32_matmul_precision
 from tf32lab.emulation.emulator import check_accumulation, context_cells, emulate, release_buffers
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
-from tf32lab.know.levels import LEVELS, check_levels
+from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.check import PolicyRow, alike_levels, policy_maths
@@ -161,6 +161,13 @@ def _scoped(level: str, target: Target, policy: Optional[PolicyRow]) -> Any:
     (daemon) device thread, where the policy enters the pinned modules' scopes, and beside an unguarded scope of
     this thread that is refused (``control.scope``'s docstring); the flags are put back after the run."""
     return _process_level(level) if policy is not None and not target.emulated else precision(level)
+
+
+@contextlib.contextmanager
+def _inside(emu: Any, level: str) -> Iterator[None]:
+    """``emu`` entered, then ``precision(level)`` inside it (where a scope never writes PyTorch's flag)."""
+    with emu, precision(level):
+        yield
 
 
 @contextlib.contextmanager
@@ -383,11 +390,11 @@ class TrainingSession:
                 raise
             self._speed_notes.append(f"no speed predicted: counting one training step raised {described(exc)}")
             return rows
-        levels = sorted({r.level for r in rows if r.level in LEVELS} | {"highest"}, key=LEVELS.index)
+        levels = sorted({r.level for r in rows if r.level in ALL_LEVELS} | {"highest"}, key=ALL_LEVELS.index)
         report = predict_counts(counts, str(self.workload.name), self.target, levels, step="training")
         out = []
         for row in rows:
-            if row.level in LEVELS:
+            if row.level in ALL_LEVELS:
                 speed = report.level(row.level)
                 out.append(dataclasses.replace(row, speedup=speed.speedup, speedup_band=speed.band))
             elif row.level == "policy" and policy is not None:
@@ -457,16 +464,20 @@ class TrainingSession:
         optimizer = self._optimizer(model)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         run = _Run([], {}, model, optimizer)
-        scoped = contextlib.nullcontext() if level is None else _scoped(level, self.target, policy)
         emu = emulate(self.target, accumulation=self.accumulation) \
             if level is not None and self.target.emulated and emulated else None
+        # emulated, the level's scope is entered inside each emulate() block: such a scope never writes the flag
+        # (a level this torch cannot set, bfx9, runs), and the ops between blocks run no matmul-family op
+        scoped = contextlib.nullcontext() if level is None or emu is not None else _scoped(level, self.target, policy)
         # float64: every op of the step widened (a tensor the model makes in float32 on the fly too), dropout
         # drawn as float32 draws it (the same masks as every float32 row), where step 1 shows it matters
         if dtype == torch.float64:
             widened = self._widening()  # before the row's seed: the probe draws from the streams too
             forward = (lambda: _Float64Step(self.cuda)) if widened else contextlib.nullcontext
+        elif emu is not None:
+            forward = lambda: _inside(emu, level)  # noqa: E731
         else:
-            forward = lambda: emu or contextlib.nullcontext()  # noqa: E731
+            forward = contextlib.nullcontext
         _seeded(self.seed, model)
         applied = policy.policy.applied(model) if policy is not None else contextlib.nullcontext()
         # PyTorch's own element-wise optimizers run no matmul-family op: their step runs outside the emulator,
@@ -493,7 +504,7 @@ class TrainingSession:
                         break
                     if step == 0:
                         run.grads = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
-                    with step_emu or contextlib.nullcontext():
+                    with _inside(step_emu, level) if step_emu is not None else contextlib.nullcontext():
                         optimizer.step()
             except Tf32LabError:
                 raise
@@ -668,10 +679,11 @@ class _Attribution:
         """Each module's backward error at ``level``, emulated with ``accumulation`` (None: natively)."""
         model = copy.deepcopy(self.saved)
         applied = policy.policy.applied(model) if policy is not None else contextlib.nullcontext()
-        emulator = emulate(target, accumulation=accumulation) if target.emulated and accumulation \
-            else contextlib.nullcontext()
+        emulated = target.emulated and accumulation
+        scoped = _inside(emulate(target, accumulation=accumulation), level) if emulated else \
+            _scoped(level, target, policy)
         found = []
-        with _scoped(level, target, policy), emulator, applied:
+        with scoped, applied:
             for name, (args, kwargs, grads, reference) in self.calls.items():
                 narrow = {k: g.float() if g.dtype == torch.float64 else g for k, g in grads.items()}
                 local = _local_grads(model.get_submodule(name), map_tensors(_narrowed, args),
