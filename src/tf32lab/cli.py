@@ -21,6 +21,7 @@ from typing import Any, Callable, NoReturn, Optional
 
 from tf32lab import __version__
 from tf32lab.errors import Tf32LabError
+from tf32lab.know.levels import CONV_MATHS  # a table: no torch import, so --help stays fast
 
 
 class _Parser(argparse.ArgumentParser):
@@ -76,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: a100)")
     check.add_argument("--levels", default="highest,high,medium", type=str.lower,
                        help="comma-separated levels (default: PyTorch's three; bfx9 too where the target has it)")
+    check.add_argument("--conv", type=_conv, default=None,
+                       help="cuDNN's float32 convolution math for every row, which no level sets: tf32 or ieee "
+                            "(default: as this process's flags hold it, PyTorch's default tf32)")
     check.add_argument("--accumulation", choices=("ideal", "hardware"), default=None,
                        help="how emulated GEMMs sum their products: 'ideal' (exact products, this CPU's float32 sums) "
                             "or 'hardware' (the target's matrix unit, bit for bit; slower) (default: "
@@ -108,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     _workload_arguments(tune, "GPU to tune for")
     tune.add_argument("--tolerance", type=_tolerance, default=None,
                       help="largest normwise relative error of an output (default: 1e-2)")
+    tune.add_argument("--conv", type=_conv, default=None,
+                      help="search under this cuDNN convolution math only (tf32 or ieee); default: tf32, then ieee if "
+                           "nothing passes, where the model has convolutions")
     tune.add_argument("--out", metavar="PATH", help="write the policy found (JSON, or TOML for .toml)")
     tune.add_argument("--json", metavar="PATH", help="write the search and its result as JSON; '-' for stdout")
     tune.add_argument("--html", metavar="PATH", help="write the search as a self-contained HTML page")
@@ -207,7 +214,7 @@ def _choice(what: str, accepted: tuple[str, ...], none: bool = False) -> Callabl
     return parse
 
 
-_conv = _choice("conv math", ("tf32", "ieee"))
+_conv = _choice("conv math", CONV_MATHS)
 _optimizer = _choice("optimizer", ("adamw", "adam", "sgd"), none=True)
 _quota = _number("quota", float, lambda v: 0 < v < math.inf, "a number of CPUs > 0")
 _tolerance = _number("tolerance", float, lambda v: 0 <= v < math.inf, "a finite number >= 0")
@@ -362,15 +369,17 @@ def _check(args: argparse.Namespace) -> int:
     loaded = specs.load(spec, training=args.train)
     with _workload_raises(args, loaded, "checking"):
         if args.train:
+            from tf32lab.control.scope import conv_math
             from tf32lab.measure.training import check_training
 
-            report = check_training(loaded, levels=levels, target=target, steps=args.steps,
-                                    tolerance=args.tolerance, policy=policy, progress=sys.stderr.isatty(),
-                                    accumulation=args.accumulation, speed=not args.no_speed)
+            with conv_math(args.conv):  # put back on every exit path
+                report = check_training(loaded, levels=levels, target=target, steps=args.steps,
+                                        tolerance=args.tolerance, policy=policy, progress=sys.stderr.isatty(),
+                                        accumulation=args.accumulation, speed=not args.no_speed)
         else:
             report = check(loaded, levels=levels, target=target, tolerance=args.tolerance,
                            progress=sys.stderr.isatty(), policy=policy, speed=not args.no_speed,
-                           accumulation=args.accumulation)
+                           accumulation=args.accumulation, conv=args.conv)
     code = 0 if report.passed else 1
     try:
         if args.json == "-":
@@ -438,15 +447,16 @@ def _tune(args: argparse.Namespace) -> int:
     spec = args.spec or specs.default_spec()
     loaded = specs.load(spec, training=args.train)
     if args.train:
+        from tf32lab.control.scope import conv_math
         from tf32lab.decide.tune_training import tune_training
 
-        with _workload_raises(args, loaded, "tuning"):
+        with _workload_raises(args, loaded, "tuning"), conv_math(args.conv):
             tuning = tune_training(loaded, target=target, tolerance=args.tolerance, steps=args.steps,
                                    progress=sys.stderr.isatty())
     else:
         from tf32lab.decide.tune import tune
 
-        tuning = tune(loaded, target=target, tolerance=args.tolerance, progress=sys.stderr.isatty())
+        tuning = tune(loaded, target=target, tolerance=args.tolerance, progress=sys.stderr.isatty(), conv=args.conv)
     if args.out and tuning.policy is not None:
         import dataclasses
 

@@ -380,6 +380,39 @@ def effective_from_raw(raw: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(_get(_parent(c)) if value == "none" else value for c, value in zip(LEVEL_CELLS, raw))
 
 
+_CONV_CELLS = tuple(c for c in (("cuda", "conv"), ("cuda", "rnn")) if c in _CELLS)
+
+
+def read_conv_state() -> tuple[Any, ...]:
+    """What :func:`write_conv` changes, to give back: the raw cuDNN conv and RNN cells and PyTorch's stored
+    ``cudnn.allow_tf32`` (per-backend API), or the legacy boolean (before torch 2.9)."""
+    if not NEW_API:
+        return (_C._get_cudnn_allow_tf32(),)
+    raw = _read_raw_cells(tuple(c for c in _CELLS if c[1] == "all" or c in _CONV_CELLS))
+    stored = _read_stored("cudnn.allow_tf32") if "cudnn.allow_tf32" in _STORED else None
+    return (stored, *(raw[c] for c in _CONV_CELLS))
+
+
+def write_conv_state(state: tuple[Any, ...]) -> None:
+    """Put back a state from :func:`read_conv_state`: the stored boolean first (its setter writes both cells)."""
+    if not NEW_API:
+        _C._set_cudnn_allow_tf32(state[0])
+        return
+    if state[0] is not None:
+        _C._set_cudnn_allow_tf32(state[0])
+    for cell, value in zip(_CONV_CELLS, state[1:]):
+        _set(cell, value)
+
+
+def write_conv(conv: str) -> None:
+    """cuDNN's float32 convolution math, ``"tf32"`` or ``"ieee"`` (validated): the ``cuda.conv`` cell; before torch
+    2.9 the one boolean ``cudnn.allow_tf32``, which covers cuDNN's RNNs too."""
+    if NEW_API:
+        _set(("cuda", "conv"), conv)
+    else:
+        _C._set_cudnn_allow_tf32(conv == "tf32")
+
+
 def level_values(level: str) -> tuple[str, ...]:
     """What :func:`read_level_effective` reads right after ``write_level(level)``."""
     cells = level_cells(level)

@@ -44,9 +44,9 @@ from tf32lab import settings
 from tf32lab.control import flags, modestack
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
-from tf32lab.know.levels import ALL_LEVELS, EXTRA_LEVELS, check_level, level_cells
+from tf32lab.know.levels import ALL_LEVELS, EXTRA_LEVELS, check_conv, check_level, level_cells
 
-__all__ = ["get_float32_matmul_precision", "precision", "set_float32_matmul_precision"]
+__all__ = ["conv_math", "get_float32_matmul_precision", "precision", "set_float32_matmul_precision"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -777,6 +777,42 @@ def _process_effective() -> tuple[str, ...]:
             return values
     with state.lock:  # a writer kept starting: wait for a quiet moment (never held while an op runs)
         return state.base.effective if state.public is not None else _read_effective()
+
+
+class conv_math:
+    """cuDNN's float32 convolution math for the block, ``"tf32"`` or ``"ieee"`` (None: left as it is), put back on
+    every exit path. A level never sets it (``set_float32_matmul_precision`` leaves cuDNN alone); ``emulate()``
+    reads it like any flag. PyTorch's cuDNN flag is process-wide: unlike a level, it applies to every thread while
+    the block is open.
+
+    Example:
+
+        >>> from tf32lab.control import flags
+        >>> from tf32lab.control.scope import conv_math
+        >>> with conv_math("ieee"):
+        ...     flags.read_cells()["cuda.conv"]
+        'ieee'
+        >>> flags.read_cells()["cuda.conv"]    # PyTorch's default again
+        'tf32'
+    """
+
+    __slots__ = ("_before", "conv")
+
+    def __init__(self, conv: Optional[str]) -> None:
+        self.conv = check_conv(conv)
+        self._before: list[tuple[Any, ...]] = []
+
+    def __enter__(self) -> conv_math:
+        if self.conv is not None:
+            with _STATE.lock:
+                self._before.append(flags.read_conv_state())
+                flags.write_conv(self.conv)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.conv is not None:
+            with _STATE.lock:
+                flags.write_conv_state(self._before.pop())
 
 
 def _refuse_native(level: str) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import reprlib
 from collections.abc import Iterable
+from typing import Optional
 
 from tf32lab.errors import Tf32LabError
 
@@ -71,6 +72,27 @@ def check_level(level: object, where: str = "", *, also: tuple[str, ...] = (), l
             f"{where + ': ' if where else ''}{name!r} is not one of PyTorch's levels (accepted: {accepted}): it is a "
             f"value of torch.backends.cuda.matmul.fp32_precision; use tf32lab.precision({name!r}) for it")
     raise Tf32LabError(f"{where + ': ' if where else ''}unknown level {reprlib.repr(level)}; accepted: {accepted}")
+
+
+# cuDNN's float32 convolution math: a knob of its own beside the level (no level writes it; PyTorch's default tf32)
+CONV_MATHS = ("tf32", "ieee")
+
+
+def check_conv(conv: object, where: str = "") -> Optional[str]:
+    """``conv`` validated: None (cuDNN's flag as the process holds it), ``"tf32"`` or ``"ieee"``; else a one-line
+    ``Tf32LabError`` naming it and the accepted ones: the one conv-math validator.
+
+    >>> check_conv("ieee"), check_conv(None)
+    ('ieee', None)
+    >>> check_conv("fast")
+    Traceback (most recent call last):
+    ...
+    tf32lab.errors.Tf32LabError: unknown conv math 'fast'; accepted: 'tf32', 'ieee' (cudnn.conv's fp32_precision)
+    """
+    if conv is None or (isinstance(conv, str) and conv in CONV_MATHS):
+        return conv
+    raise Tf32LabError(f"{where + ': ' if where else ''}unknown conv math {reprlib.repr(conv)}; accepted: "
+                       f"{', '.join(map(repr, CONV_MATHS))} (cudnn.conv's fp32_precision)")
 
 
 # What level_of answers for cells holding a value this tf32lab does not know (a newer torch's): never a level.

@@ -40,7 +40,7 @@ from typing import Any, Optional, Union
 import torch
 
 from tf32lab.control.policy import Policy
-from tf32lab.control.scope import get_float32_matmul_precision
+from tf32lab.control.scope import conv_math, get_float32_matmul_precision
 from tf32lab.emulation.emulator import check_accumulation, context_cells, release_buffers
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels
@@ -78,7 +78,8 @@ REFERENCES = ("float64",)
 
 def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[str, Target] = "a100",
           reference: str = "float64", tolerance: Union[float, Mapping[str, float], None] = None, progress: bool = False,
-          policy: Optional[Policy] = None, speed: bool = True, accumulation: Optional[str] = None) -> Report:
+          policy: Optional[Policy] = None, speed: bool = True, accumulation: Optional[str] = None,
+          conv: Optional[str] = None) -> Report:
     """Measure ``workload`` at each level against a float64 reference, as ``target`` would compute it.
 
     Args:
@@ -96,6 +97,9 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
             the first end-to-end run.
         accumulation: how emulated GEMMs sum their products, ``"ideal"`` or ``"hardware"`` (``emulate()``'s
             argument; None: the ``TF32LAB_ACCUMULATION`` setting, ``"ideal"`` by default).
+        conv: cuDNN's float32 convolution math for every row, ``"tf32"`` or ``"ieee"``
+            (``torch.backends.cudnn.conv.fp32_precision``, which no level sets; None: as the process's flag holds
+            it, PyTorch's default ``tf32``), set for the run and put back (``control.scope.conv_math``).
 
     Returns a :class:`~tf32lab.report.Report`; ``bool(report)`` is the verdict. Raises ``Tf32LabError`` for bad
     arguments, a model that raises at the float64 reference, an output with nothing to compare, or no memory.
@@ -116,10 +120,19 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
         raise Tf32LabError(f"unknown reference {reference!r}; accepted: {', '.join(map(repr, REFERENCES))}")
     tolerances = tolerances_of(tolerance)
     accumulation = check_accumulation(accumulation)
+    conv_scope = conv_math(conv)
     refuse_applied(workload, "check")
-    with kept_flags() as changed:
+    with kept_flags() as changed, conv_scope:
         report = _check(workload, levels, target, reference, tolerances, progress, policy, speed, accumulation)
+    if conv is not None:
+        report = dataclasses.replace(report, notes=(*report.notes, conv_note(conv)))
     return _noted(report, changed)
+
+
+def conv_note(conv: str) -> str:
+    """The report's note on a conv math named by the caller."""
+    return (f"convolutions ran at cudnn.conv {conv!r} in every row (conv=); a level does not set cuDNN's flag: "
+            f"torch.backends.cudnn.conv.fp32_precision = {conv!r}")
 
 
 def _check(workload: Workload, levels: tuple[str, ...], target: Target, reference: str, tolerances: dict[str, float],
