@@ -88,3 +88,19 @@ def test_the_cli_takes_conv(tmp_path):
     bad = run("--conv", "fast")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "--conv: bad conv math 'fast'; accepted: tf32, ieee" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_the_training_check_names_it_too():
+    before = flags.snapshot()
+    g = torch.Generator().manual_seed(2)
+    data = [(8.0 + torch.randn(2, 3, 12, 12, generator=g), torch.randn(2, 4, 10, 10, generator=g))] * 2
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Tanh(), torch.nn.Conv2d(8, 4, 3))
+    workload = tf32lab.TrainingWorkload(model, data, loss=lambda out, b: (out - b[1]).pow(2).mean(),
+                                        inputs=lambda b: b[0], name="convs", steps=2)
+    ieee, tf32 = (tf32lab.check_training(workload, levels=("highest",), target="a100", speed=False, conv=conv)
+                  for conv in ("ieee", "tf32"))
+    assert flags.snapshot() == before
+    first = [report.level("highest").gradients[0].normwise for report in (ieee, tf32)]
+    assert first[0] < first[1] / 10
+    assert any("cudnn.conv 'ieee'" in note for note in ieee.notes)

@@ -369,13 +369,11 @@ def _check(args: argparse.Namespace) -> int:
     loaded = specs.load(spec, training=args.train)
     with _workload_raises(args, loaded, "checking"):
         if args.train:
-            from tf32lab.control.scope import conv_math
             from tf32lab.measure.training import check_training
 
-            with conv_math(args.conv):  # put back on every exit path
-                report = check_training(loaded, levels=levels, target=target, steps=args.steps,
-                                        tolerance=args.tolerance, policy=policy, progress=sys.stderr.isatty(),
-                                        accumulation=args.accumulation, speed=not args.no_speed)
+            report = check_training(loaded, levels=levels, target=target, steps=args.steps,
+                                    tolerance=args.tolerance, policy=policy, progress=sys.stderr.isatty(),
+                                    accumulation=args.accumulation, speed=not args.no_speed, conv=args.conv)
         else:
             report = check(loaded, levels=levels, target=target, tolerance=args.tolerance,
                            progress=sys.stderr.isatty(), policy=policy, speed=not args.no_speed,

@@ -53,14 +53,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tf32lab.control import flags, modestack
 from tf32lab.control.policy import Policy
-from tf32lab.control.scope import precision, set_float32_matmul_precision
+from tf32lab.control.scope import conv_math, precision, set_float32_matmul_precision
 from tf32lab.emulation.emulator import check_accumulation, context_cells, emulate, release_buffers
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
 from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
-from tf32lab.measure.check import PolicyRow, alike_levels, policy_maths
+from tf32lab.measure.check import PolicyRow, alike_levels, conv_note, policy_maths
 from tf32lab.measure.layers import described, out_of_memory
 from tf32lab.measure.reference import Float64Run, widen
 from tf32lab.numbers import metrics
@@ -88,7 +88,8 @@ _ELEMENTWISE_OPTIMIZERS = frozenset(
 
 def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS, target: Union[str, Target] = "a100",
                    steps: Optional[int] = None, tolerance: Optional[float] = None, policy: Optional[Policy] = None,
-                   progress: bool = False, accumulation: Optional[str] = None, speed: bool = True) -> TrainingReport:
+                   progress: bool = False, accumulation: Optional[str] = None, speed: bool = True,
+                   conv: Optional[str] = None) -> TrainingReport:
     """Train ``workload`` at each level as ``target`` computes it, against float64 and float32's own drift.
 
     Args:
@@ -102,6 +103,8 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
         accumulation: how emulated GEMMs sum their products, ``"ideal"`` or ``"hardware"`` (``emulate()``'s
             argument; None: the ``TF32LAB_ACCUMULATION`` setting, ``"ideal"`` by default).
         speed: predict each level's speedup of a training step on the target (GPU targets; one step counted).
+        conv: cuDNN's float32 convolution math for every row, ``"tf32"`` or ``"ieee"`` (no level sets it; None: as
+            the process's flag holds it), set for the run and put back, as ``check(conv=)``.
 
     Returns a :class:`~tf32lab.report.training.TrainingReport`; ``bool(report)`` is the verdict. Raises
     ``Tf32LabError`` for bad arguments, a loss that is not a scalar, or a model that fails in float64.
@@ -124,11 +127,14 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     steps = training_steps(workload, steps)
     tolerance = training_tolerance(tolerance)
     accumulation = check_accumulation(accumulation)
+    conv_scope = conv_math(conv)
     refuse_applied(workload, "check")  # type: ignore[arg-type]  # it reads .model and .name
     row = PolicyRow.of(policy, workload.model) if policy is not None else None
-    with kept_flags() as changed, random_state_kept(workload.model):
+    with kept_flags() as changed, random_state_kept(workload.model), conv_scope:
         session = TrainingSession(workload, target, steps, tolerance, accumulation)
         report = _Training(session, levels, row, progress, speed).run()
+    if conv is not None:
+        report = dataclasses.replace(report, notes=(*report.notes, conv_note(conv)))
     if changed:
         report = dataclasses.replace(report, notes=(*report.notes, changed_note(changed)))
     return report
