@@ -329,7 +329,7 @@ def test_inductor_conv_as_matmul_read_live():
 def test_bfx9_and_values_of_a_newer_torch_are_named_never_read_as_highest():
     from tf32lab.know.levels import level_of
 
-    assert level_of("bfx9", "ieee") == "highest" and level_of("bfx9", "bf16") == "medium"
+    assert level_of("bfx9", "ieee") == "bfx9" and level_of("bfx9", "bf16") == "medium"
     assert level_of("fp8x4", "ieee") == "unknown" and level_of("ieee", "int8") == "unknown"
     b200, h100 = targets.get("b200"), targets.get("h100")
     assert str(b200.math("matmul", {"cuda.matmul": "bfx9"})) == "bfx9"

@@ -188,7 +188,7 @@ def test_parallel_workers_each_set_themselves_up(pytester: pytest.Pytester):
 
 @pytest.mark.parametrize("args, message", [
     (["--tf32lab", "b900:high"], "*--tf32lab 'b900:high': unknown target 'b900'; accepted: native, v100*"),
-    (["--tf32lab", "a100:fast"], "*--tf32lab 'a100:fast': unknown level 'fast'; accepted: 'highest', 'high', "
+    (["--tf32lab", "a100:fast"], "*--tf32lab 'a100:fast': unknown level 'fast'; accepted: 'highest', 'bfx9', 'high', "
                                  "'medium'*"),
     (["--tf32lab-strict"], "*--tf32lab-strict and --tf32lab-compare need --tf32lab TARGET?:LEVEL?*"),
 ])
@@ -201,7 +201,7 @@ def test_a_bad_option_is_a_usage_error(pytester: pytest.Pytester, args, message)
 
 @pytest.mark.parametrize("where, message", [
     ("env", "*TF32LAB_PYTEST='bogus' (TARGET?:LEVEL?): unknown target 'bogus'; accepted: native, v100*"),
-    ("env", "*TF32LAB_PYTEST='a100:fast' (TARGET?:LEVEL?): unknown level 'fast'; accepted: 'highest', 'high', "
+    ("env", "*TF32LAB_PYTEST='a100:fast' (TARGET?:LEVEL?): unknown level 'fast'; accepted: 'highest', 'bfx9', 'high', "
             "'medium'*"),
     ("ini", "*the ini key tf32lab='bogus' (TARGET?:LEVEL?): unknown target 'bogus'; accepted: native, v100*"),
 ], ids=["env-target", "env-level", "ini"])
@@ -500,7 +500,7 @@ def test_a_bad_marker_is_one_line_naming_the_marker_the_value_and_what_is_accept
     result.assert_outcomes(errors=4, passed=4)
     result.stdout.fnmatch_lines(["*test_levels.py::test_it?tf32lab-bad-levels? ERROR*"])
     result.stdout.fnmatch_lines_random([
-        "@pytest.mark.tf32lab(level='fast'): unknown level 'fast'; accepted: 'highest', 'high', 'medium'",
+        "@pytest.mark.tf32lab(level='fast'): unknown level 'fast'; accepted: 'highest', 'bfx9', 'high', 'medium'",
         "@pytest.mark.tf32lab(target='b900'): unknown target 'b900'; accepted: native, v100*",
         "@pytest.mark.tf32lab('high'): takes level= and target= only (keywords), got 'high'",
         "@pytest.mark.tf32lab_levels('highest', 'fast'): unknown level 'fast'; accepted: *",
@@ -559,7 +559,8 @@ def test_assert_close_takes_the_math_of_the_emulation_and_the_scope_it_runs_in()
     with tf32lab.emulate("a100", math="bf16"):  # a math the block forces is the one in force
         assert unit_roundoff()[1] == "bf16-rne"
     assert unit_roundoff("highest") == (2.0**-24, "ieee")  # no emulation: this machine's CPU at highest
-    with pytest.raises(tf32lab.Tf32LabError, match="unknown level 'fast'; accepted: 'highest', 'high', 'medium'"):
+    with pytest.raises(tf32lab.Tf32LabError,
+                       match="unknown level 'fast'; accepted: 'highest', 'bfx9', 'high', 'medium'"):
         assert_close(y, exact, operands=(a, b), level="fast")
 
 

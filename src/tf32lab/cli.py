@@ -21,6 +21,7 @@ from typing import Any, Callable, NoReturn, Optional
 
 from tf32lab import __version__
 from tf32lab.errors import Tf32LabError
+from tf32lab.know.levels import CONV_MATHS  # a table: no torch import, so --help stays fast
 
 
 class _Parser(argparse.ArgumentParser):
@@ -75,7 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hardware to emulate (see tf32lab.targets), or 'native' for this machine's own hardware "
                             "(default: a100)")
     check.add_argument("--levels", default="highest,high,medium", type=str.lower,
-                       help="comma-separated levels (default: all three)")
+                       help="comma-separated levels (default: PyTorch's three; bfx9 too where the target has it)")
+    check.add_argument("--conv", type=_conv, default=None,
+                       help="cuDNN's float32 convolution math for every row, which no level sets: tf32 or ieee "
+                            "(default: as this process's flags hold it, PyTorch's default tf32)")
     check.add_argument("--accumulation", choices=("ideal", "hardware"), default=None,
                        help="how emulated GEMMs sum their products: 'ideal' (exact products, this CPU's float32 sums) "
                             "or 'hardware' (the target's matrix unit, bit for bit; slower) (default: "
@@ -108,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     _workload_arguments(tune, "GPU to tune for")
     tune.add_argument("--tolerance", type=_tolerance, default=None,
                       help="largest normwise relative error of an output (default: 1e-2)")
+    tune.add_argument("--conv", type=_conv, default=None,
+                      help="search under this cuDNN convolution math only (tf32 or ieee); default: tf32, then ieee if "
+                           "nothing passes, where the model has convolutions")
     tune.add_argument("--out", metavar="PATH", help="write the policy found (JSON, or TOML for .toml)")
     tune.add_argument("--json", metavar="PATH", help="write the search and its result as JSON; '-' for stdout")
     tune.add_argument("--html", metavar="PATH", help="write the search as a self-contained HTML page")
@@ -127,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _workload_arguments(speed, "GPU to predict for", "; or 'native' to only measure")
     speed.add_argument("--levels", default="highest,high,medium", type=str.lower,
-                       help="comma-separated levels (highest, the baseline, is always included)")
+                       help="comma-separated levels: highest, bfx9, high, medium (highest, the baseline, is always "
+                            "included)")
     speed.add_argument("--conv", type=_conv, default=None,
                        help="cuDNN's convolution math, which no level sets: tf32 (PyTorch's default) or ieee; also "
                             "prints what tf32 buys over ieee (default: as this process's flags hold it)")
@@ -206,19 +214,20 @@ def _choice(what: str, accepted: tuple[str, ...], none: bool = False) -> Callabl
     return parse
 
 
-_conv = _choice("conv math", ("tf32", "ieee"))
+_conv = _choice("conv math", CONV_MATHS)
 _optimizer = _choice("optimizer", ("adamw", "adam", "sgd"), none=True)
 _quota = _number("quota", float, lambda v: 0 < v < math.inf, "a number of CPUs > 0")
 _tolerance = _number("tolerance", float, lambda v: 0 <= v < math.inf, "a finite number >= 0")
 
 
 def _levels(_: argparse.Namespace) -> int:
-    from tf32lab.know.levels import LEVELS, level_cells
+    from tf32lab.know.levels import ALL_LEVELS, EXTRA_LEVELS, level_cells
 
     print(f"{'level':<9} {'cuda.matmul':<12} mkldnn.matmul")
-    for level in LEVELS:
+    for level in ALL_LEVELS:
         cells = level_cells(level)
-        print(f"{level:<9} {cells['cuda.matmul']:<12} {cells['mkldnn.matmul']}")
+        note = "   (per-backend cells only; Blackwell, CUDA 12.9+)" if level in EXTRA_LEVELS else ""
+        print(f"{level:<9} {cells['cuda.matmul']:<12} {cells['mkldnn.matmul']}{note}")
     return 0
 
 
@@ -364,11 +373,11 @@ def _check(args: argparse.Namespace) -> int:
 
             report = check_training(loaded, levels=levels, target=target, steps=args.steps,
                                     tolerance=args.tolerance, policy=policy, progress=sys.stderr.isatty(),
-                                    accumulation=args.accumulation, speed=not args.no_speed)
+                                    accumulation=args.accumulation, speed=not args.no_speed, conv=args.conv)
         else:
             report = check(loaded, levels=levels, target=target, tolerance=args.tolerance,
                            progress=sys.stderr.isatty(), policy=policy, speed=not args.no_speed,
-                           accumulation=args.accumulation)
+                           accumulation=args.accumulation, conv=args.conv)
     code = 0 if report.passed else 1
     try:
         if args.json == "-":
@@ -436,15 +445,16 @@ def _tune(args: argparse.Namespace) -> int:
     spec = args.spec or specs.default_spec()
     loaded = specs.load(spec, training=args.train)
     if args.train:
+        from tf32lab.control.scope import conv_math
         from tf32lab.decide.tune_training import tune_training
 
-        with _workload_raises(args, loaded, "tuning"):
+        with _workload_raises(args, loaded, "tuning"), conv_math(args.conv):
             tuning = tune_training(loaded, target=target, tolerance=args.tolerance, steps=args.steps,
                                    progress=sys.stderr.isatty())
     else:
         from tf32lab.decide.tune import tune
 
-        tuning = tune(loaded, target=target, tolerance=args.tolerance, progress=sys.stderr.isatty())
+        tuning = tune(loaded, target=target, tolerance=args.tolerance, progress=sys.stderr.isatty(), conv=args.conv)
     if args.out and tuning.policy is not None:
         import dataclasses
 

@@ -125,13 +125,32 @@ def _target(name: object) -> Optional[Target]:
         raise _BadValue(f"unknown target {name!r}; accepted: native, {', '.join(TARGETS)}") from None
 
 
+def _pair(target: Optional[Target], level: str) -> tuple[Optional[Target], str]:
+    """A level the target cannot give (``bfx9`` before Blackwell; natively, on a torch that cannot set it) is
+    refused here, once, rather than in every test."""
+    from tf32lab.errors import Tf32LabError
+
+    try:
+        if target is None:
+            from tf32lab.control.flags import native_refusal
+
+            reason = native_refusal(level)
+            if reason is not None:
+                raise Tf32LabError(f"{reason}; name a target to emulate it (e.g. b200:{level})")
+        else:
+            target.maths_at(level, {})
+    except Tf32LabError as exc:
+        raise _BadValue(str(exc)) from None
+    return target, level
+
+
 def _parse(spec: str, source: str = "--tf32lab") -> tuple[Optional[Target], str]:
     """``a100:high`` -> (``a100``, ``high``); a bad value is a ``pytest.UsageError`` naming ``source`` (the
     option, the environment variable or the ini key it came from: the user must know which to fix), the value
     and what is accepted."""
     target, _, level = spec.strip().partition(":")
     try:
-        return _target(target), _level(level or DEFAULT_LEVEL)
+        return _pair(_target(target), _level(level or DEFAULT_LEVEL))
     except _BadValue as exc:
         where = f"--tf32lab {spec!r}" if source == "--tf32lab" else f"{source}={spec!r} (TARGET[:LEVEL])"
         raise pytest.UsageError(f"{where}: {exc}") from None
@@ -223,6 +242,8 @@ def _placement(item: pytest.Item) -> tuple[Optional[Target], Optional[str]]:
                 level = level or DEFAULT_LEVEL
             if marker.kwargs.get("level") is not None:
                 level = _level(marker.kwargs["level"])
+            if level is not None:
+                _pair(target, level)
             bad = None
         except _BadValue as exc:
             bad = str(exc)
@@ -425,9 +446,9 @@ def pytest_runtest_call(item: pytest.Item):
     from tf32lab.emulation.emulator import emulate
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(precision(level))
-        if target is not None:
+        if target is not None:  # first: a scope inside emulate() never writes the flag (bfx9 needs no native write)
             stack.enter_context(emulate(target, strict=item.config.stash[_KEY].strict))
+        stack.enter_context(precision(level))
         yield
 
 

@@ -28,11 +28,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
-from tf32lab.know.levels import level_cells, level_of
+from tf32lab.know.levels import LEVELS, TORCH_LEVEL, level_cells, level_of
 
 __all__ = ["NEW_API", "Snapshot", "read_level", "restore", "snapshot"]
 
@@ -268,8 +268,52 @@ LEVEL_CELLS = tuple(c for c in (("cuda", "matmul"), ("mkldnn", "matmul")) if c i
 
 # Write an already validated level where PyTorch's matmul backends read it. PyTorch's own setter writes explicit
 # values into exactly the level cells (levels.level_cells, checked by tests/test_flags.py) in one call, and never raises
-# for a mix of APIs (only its getter does). Bound directly: scopes call it on every entry.
-write_level: Callable[[str], None] = _C._set_float32_matmul_precision
+# for a mix of APIs (only its getter does). Scopes call it on every entry.
+_write_torch_level: Callable[[str], None] = _C._set_float32_matmul_precision
+
+
+def write_level(level: str) -> None:
+    """Write a validated level: PyTorch's setter; for an extra level (``bfx9``) the setter at its ``TORCH_LEVEL``,
+    then its cell values over it. An extra level must have passed :func:`native_refusal` first."""
+    if level in LEVELS:
+        _write_torch_level(level)
+        return
+    _write_torch_level(TORCH_LEVEL[level])
+    for name, value in level_cells(level).items():
+        _set(tuple(name.split(".")), value)
+
+
+_REFUSALS: dict[str, Optional[str]] = {}
+
+
+def native_refusal(level: str) -> Optional[str]:
+    """None when this torch can set ``level`` natively; else one line saying why not (the torch version named).
+
+    PyTorch's own levels always can. For ``bfx9`` the cell's setter is asked once per process: a torch without
+    pytorch#195301 raises "Unknown precision" and writes nothing; one that takes it gets its previous raw values
+    back at once. Emulating a level (``emulate()``) never needs this.
+
+    >>> native_refusal("high") is None
+    True
+    """
+    if level in LEVELS:
+        return None
+    if level not in _REFUSALS:
+        version = torch.__version__
+        if not NEW_API:
+            _REFUSALS[level] = (f"torch {version} has no per-backend precision cells, so the level {level!r} "
+                                f"(cuda.matmul = {level_cells(level)['cuda.matmul']!r}) cannot be set natively")
+        else:
+            raw = read_level_state()[1]
+            try:
+                _set(("cuda", "matmul"), level_cells(level)["cuda.matmul"])
+            except RuntimeError as exc:
+                _REFUSALS[level] = (f"torch {version} cannot set cuda.matmul to {level!r} natively "
+                                    f"({str(exc).splitlines()[0]}; it needs a torch with pytorch#195301)")
+            else:
+                write_level_raw(raw)
+                _REFUSALS[level] = None
+    return _REFUSALS[level]
 
 
 def read_level_state() -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -336,6 +380,39 @@ def effective_from_raw(raw: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(_get(_parent(c)) if value == "none" else value for c, value in zip(LEVEL_CELLS, raw))
 
 
+_CONV_CELLS = tuple(c for c in (("cuda", "conv"), ("cuda", "rnn")) if c in _CELLS)
+
+
+def read_conv_state() -> tuple[Any, ...]:
+    """What :func:`write_conv` changes, to give back: the raw cuDNN conv and RNN cells and PyTorch's stored
+    ``cudnn.allow_tf32`` (per-backend API), or the legacy boolean (before torch 2.9)."""
+    if not NEW_API:
+        return (_C._get_cudnn_allow_tf32(),)
+    raw = _read_raw_cells(tuple(c for c in _CELLS if c[1] == "all" or c in _CONV_CELLS))
+    stored = _read_stored("cudnn.allow_tf32") if "cudnn.allow_tf32" in _STORED else None
+    return (stored, *(raw[c] for c in _CONV_CELLS))
+
+
+def write_conv_state(state: tuple[Any, ...]) -> None:
+    """Put back a state from :func:`read_conv_state`: the stored boolean first (its setter writes both cells)."""
+    if not NEW_API:
+        _C._set_cudnn_allow_tf32(state[0])
+        return
+    if state[0] is not None:
+        _C._set_cudnn_allow_tf32(state[0])
+    for cell, value in zip(_CONV_CELLS, state[1:]):
+        _set(cell, value)
+
+
+def write_conv(conv: str) -> None:
+    """cuDNN's float32 convolution math, ``"tf32"`` or ``"ieee"`` (validated): the ``cuda.conv`` cell; before torch
+    2.9 the one boolean ``cudnn.allow_tf32``, which covers cuDNN's RNNs too."""
+    if NEW_API:
+        _set(("cuda", "conv"), conv)
+    else:
+        _C._set_cudnn_allow_tf32(conv == "tf32")
+
+
 def level_values(level: str) -> tuple[str, ...]:
     """What :func:`read_level_effective` reads right after ``write_level(level)``."""
     cells = level_cells(level)
@@ -344,7 +421,7 @@ def level_values(level: str) -> tuple[str, ...]:
 
 def level_raw(level: str) -> tuple[str, ...]:
     """What :func:`read_level_state` gives as raw values right after ``write_level(level)``."""
-    return (*level_values(level), level) if NEW_API else (level,)
+    return (*level_values(level), TORCH_LEVEL[level]) if NEW_API else (level,)
 
 
 def level_from_effective(effective: tuple[str, ...]) -> str:

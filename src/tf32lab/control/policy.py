@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tf32lab.control import modestack
 from tf32lab.control.scope import is_sensitive, precision
 from tf32lab.errors import Tf32LabError
-from tf32lab.know.levels import LEVELS, check_level
+from tf32lab.know.levels import ALL_LEVELS, check_level
 from tf32lab.numbers.files import write_atomically, write_json
 from tf32lab.numbers.trees import named_tensors
 
@@ -648,7 +648,7 @@ class _NodeLevel(TorchDispatchMode):
             _DECIDING.level = None
 
 
-_NODE_MODES = {level: _NodeLevel(level) for level in LEVELS}
+_NODE_MODES = {level: _NodeLevel(level) for level in ALL_LEVELS}
 
 
 def _node_prehook(level: str):
@@ -662,7 +662,7 @@ def _node_prehook(level: str):
     return hook
 
 
-_PREHOOKS = {level: _node_prehook(level) for level in LEVELS}
+_PREHOOKS = {level: _node_prehook(level) for level in ALL_LEVELS}
 
 
 def _tag(output: Any, start: int, level: str) -> None:

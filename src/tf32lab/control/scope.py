@@ -44,9 +44,9 @@ from tf32lab import settings
 from tf32lab.control import flags, modestack
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
-from tf32lab.know.levels import LEVELS, check_level, level_cells
+from tf32lab.know.levels import ALL_LEVELS, EXTRA_LEVELS, check_conv, check_level, level_cells
 
-__all__ = ["get_float32_matmul_precision", "precision", "set_float32_matmul_precision"]
+__all__ = ["conv_math", "get_float32_matmul_precision", "precision", "set_float32_matmul_precision"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -63,8 +63,8 @@ def guard_policy() -> str:
 
 
 _MAIN = threading.main_thread().ident
-_VALUES = {level: flags.level_values(level) for level in LEVELS}
-_RAW = {level: flags.level_raw(level) for level in LEVELS}
+_VALUES = {level: flags.level_values(level) for level in ALL_LEVELS}
+_RAW = {level: flags.level_raw(level) for level in ALL_LEVELS}
 _LEVEL_OF_RAW = {raw: level for level, raw in _RAW.items()}
 _CELL_INDEX = {f"{b}.{o}": i for i, (b, o) in enumerate(flags.LEVEL_CELLS)}  # cells of a level
 _read_effective = flags.read_level_effective
@@ -582,6 +582,8 @@ class precision:
 
     def __enter__(self) -> precision:
         level = self.level
+        if level in EXTRA_LEVELS and _live(_EMULATION.get()) is None:
+            _refuse_native(level)
         parent = _SCOPE.get()
         thread = _get_ident()  # _context_key() inlined: every scope entry pays it
         task = _current_task() if _get_running_loop() is not None else None
@@ -777,6 +779,51 @@ def _process_effective() -> tuple[str, ...]:
         return state.base.effective if state.public is not None else _read_effective()
 
 
+class conv_math:
+    """cuDNN's float32 convolution math for the block, ``"tf32"`` or ``"ieee"`` (None: left as it is), put back on
+    every exit path. A level never sets it (``set_float32_matmul_precision`` leaves cuDNN alone); ``emulate()``
+    reads it like any flag. PyTorch's cuDNN flag is process-wide: unlike a level, it applies to every thread while
+    the block is open.
+
+    Example:
+
+        >>> from tf32lab.control import flags
+        >>> from tf32lab.control.scope import conv_math
+        >>> with conv_math("ieee"):
+        ...     flags.read_cells()["cuda.conv"]
+        'ieee'
+        >>> flags.read_cells()["cuda.conv"]    # PyTorch's default again
+        'tf32'
+    """
+
+    __slots__ = ("_before", "conv")
+
+    def __init__(self, conv: Optional[str]) -> None:
+        self.conv = check_conv(conv)
+        self._before: list[tuple[Any, ...]] = []
+
+    def __enter__(self) -> conv_math:
+        if self.conv is not None:
+            with _STATE.lock:
+                self._before.append(flags.read_conv_state())
+                flags.write_conv(self.conv)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.conv is not None:
+            with _STATE.lock:
+                flags.write_conv_state(self._before.pop())
+
+
+def _refuse_native(level: str) -> None:
+    """A one-line ``Tf32LabError`` when this torch cannot set ``level`` natively (``bfx9`` before pytorch#195301);
+    nothing is written. Inside ``emulate()`` a scope never writes the flag, so it is not asked there."""
+    reason = flags.native_refusal(level)
+    if reason is not None:
+        raise Tf32LabError(f"precision({level!r}): {reason}; inside emulate(target) it is emulated (enter emulate() "
+                           f"first), e.g. tf32lab.emulate('b200')")
+
+
 def set_float32_matmul_precision(level: str) -> None:
     """Set the process-wide level, as ``torch.set_float32_matmul_precision`` does, with validation.
 
@@ -796,8 +843,11 @@ def set_float32_matmul_precision(level: str) -> None:
         Traceback (most recent call last):
         ...
         tf32lab.errors.Tf32LabError: unknown level 'fastest'; accepted: 'highest', 'high', 'medium'
+
+    Only PyTorch's own levels, as its setter: ``bfx9`` is a per-backend cell value, set in a scope
+    (``tf32lab.precision("bfx9")``) or on ``torch.backends.cuda.matmul.fp32_precision``.
     """
-    check_level(level)
+    check_level(level, torch_only=True)
     _set_process(_VALUES[level], _RAW[level], level)
 
 

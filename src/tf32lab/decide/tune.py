@@ -34,13 +34,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Union
 
+import torch
+
 from tf32lab.control.policy import Policy, exact_pattern
+from tf32lab.control.scope import conv_math
 from tf32lab.decide.tune_training import TrainingTuning, tune_training
 from tf32lab.errors import Tf32LabError
-from tf32lab.know.levels import LEVELS, check_levels
+from tf32lab.know.levels import ALL_LEVELS, check_conv, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
-from tf32lab.measure.check import PolicyRow, Session, alike_levels
+from tf32lab.measure.check import PolicyRow, Session, alike_levels, conv_note
 from tf32lab.measure.layers import ROOT
 from tf32lab.numbers.metrics import OutputError, tolerances_of
 from tf32lab.report import Document, LevelResult, Report
@@ -92,6 +95,7 @@ class Tuning(Document):
     reason: str
     report: Report  # the check of the uniform levels
     policy_file: Optional[str] = None  # where the policy was written (tf32lab tune --out), named in the advice
+    conv: Optional[str] = None  # cuDNN's conv math the answer needs ("tf32" / "ieee"); None: the flag left as it was
 
     def __bool__(self) -> bool:
         return self.passed
@@ -103,6 +107,16 @@ class Tuning(Document):
         return self._advice(policy_file) + ([partial] if partial else [])
 
     def _advice(self, policy_file: Optional[str] = None) -> list[str]:
+        lines = self._level_advice(policy_file)
+        if self.passed and self.conv is not None:
+            lines.append(f"Convolutions at cudnn.conv {self.conv!r}" + (
+                " (PyTorch's default)." if self.conv == "tf32" else
+                ": `torch.backends.cudnn.conv.fp32_precision = \"ieee\"` (before torch 2.9: "
+                "`torch.backends.cudnn.allow_tf32 = False`); no level sets it, and TF32 convolutions miss the "
+                "tolerance."))
+        return lines
+
+    def _level_advice(self, policy_file: Optional[str] = None) -> list[str]:
         if not self.passed:
             return [self.reason]
         gain = f"predicted {self.speedup:.2f}x faster than `highest` on {self.target}"
@@ -146,7 +160,7 @@ class Tuning(Document):
             "candidates": [{"pinned": list(c.pinned), "passed": c.passed, "worst_ratio": c.worst_ratio,
                             "seconds": c.seconds, "speedup": c.speedup, "why": c.why,
                             "policy": c.policy.to_dict()} for c in self.candidates],
-            "check": self.report.to_dict(),
+            "check": self.report.to_dict(), "conv": self.conv,
         }
 
     def to_html(self) -> str:
@@ -169,14 +183,23 @@ def _ratio(result: LevelResult) -> float:
 
 def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Target] = "a100",
          tolerance: Union[float, Mapping[str, float], None] = None,
-         levels: Iterable[str] = ("high", "medium", "highest"), progress: bool = False
-         ) -> Union[Tuning, TrainingTuning]:
+         levels: Iterable[str] = ("high", "medium", "highest"), progress: bool = False,
+         conv: Optional[str] = None) -> Union[Tuning, TrainingTuning]:
     """The fastest policy within tolerance on ``target`` (module docstring); every global setting is as it was
     afterwards. Raises ``Tf32LabError`` for bad input, a target without a speed model, or a model that raises at
     the float64 reference. A :class:`~tf32lab.TrainingWorkload` is tuned by its training
     (``tf32lab.decide.tune_training``: the fastest policy whose training passes, every candidate trained).
+
+    ``conv``: cuDNN's float32 convolution math, which no level sets: ``"tf32"`` or ``"ieee"`` to search under it
+    only; None: where the model has convolution modules and the target computes them differently under the two,
+    the search runs under ``"tf32"`` (faster) and, if nothing passes there, under ``"ieee"``; ``Tuning.conv`` says
+    which the answer needs (else the flag is left as the process holds it).
     """
+    conv = check_conv(conv, "tune")
     if isinstance(workload, TrainingWorkload):  # the fastest policy whose training passes
+        if conv is not None:
+            raise Tf32LabError("tune(conv=...) covers forward workloads; a training workload's convolutions run "
+                               "as the process's cudnn.conv flag holds it")
         if tolerance is not None and not isinstance(tolerance, (int, float)):
             raise Tf32LabError(f"tune() of a training workload takes one tolerance (the loss's relative "
                                f"deviation), not {type(tolerance).__name__}")
@@ -186,22 +209,39 @@ def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Targ
                            f"{type(workload).__name__}")
     target = resolve_target(target, speed=True)  # tune weighs predicted speed: GPU targets only
     levels = check_levels(levels)
-    everything = tuple(level for level in LEVELS if level in levels or level == "highest")
+    everything = tuple(level for level in ALL_LEVELS if level in levels or level == "highest")
     tolerances = tolerances_of(tolerance)
     refuse_applied(workload, "tune")
+    convs = (conv,) if conv is not None else _conv_choices(workload, target)
+    runs, seconds = 0, 0.0  # of every search made (two when TF32 convolutions leave nothing passing)
     with kept_flags() as changed:
-        run = _tune(workload, target, tolerances, everything, progress)
+        for chosen in convs:  # the faster conv math first; the next only when nothing passes under it
+            with conv_math(chosen):
+                run = _tune(workload, target, tolerances, everything, progress)
+            runs, seconds = runs + run.runs, seconds + run.seconds
+            if run.answer.policy is not None:
+                break
     # Built once, whole, here: only now is it known whether the workload changed the flags (a note of the report).
     name, answer = str(workload.name), run.answer
     report = Report(workload=name, target=target.name, reference="float64", tolerance=dict(tolerances),
                     levels=run.levels,
                     environment=run.environment, seconds=run.check_seconds,
-                    notes=(*run.notes, changed_note(changed)) if changed else run.notes, speed=run.speed)
+                    notes=(*run.notes, *([conv_note(chosen)] if chosen else []), *([changed_note(changed)] if changed
+                                                                                   else [])), speed=run.speed)
     return Tuning(workload=name, target=target.name, tolerance=dict(tolerances), passed=answer.policy is not None,
                   policy=answer.policy, level=answer.level, pinned=answer.pinned, outputs=answer.outputs,
                   speedup=answer.speedup, uniform=answer.uniform, speedup_over_uniform=answer.speedup_over_uniform,
-                  candidates=run.candidates, runs=run.runs, seconds=run.seconds, check_seconds=run.check_seconds,
-                  reason=answer.reason, report=report)
+                  candidates=run.candidates, runs=runs, seconds=seconds, check_seconds=run.check_seconds,
+                  reason=answer.reason, report=report, conv=chosen)
+
+
+def _conv_choices(workload: Workload, target: Target) -> tuple[Optional[str], ...]:
+    """The conv maths worth searching: both (tf32 first) where the model has convolution modules and ``target``
+    computes them differently; else None only (the flag as it is). Functional convolutions outside modules are
+    not looked for."""
+    has_convs = any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in workload.model.modules())
+    differ = target.math("conv", {"cuda.conv": "tf32"}) != target.math("conv", {"cuda.conv": "ieee"})
+    return ("tf32", "ieee") if has_convs and differ else (None,)
 
 
 class _Answer(NamedTuple):

@@ -34,7 +34,7 @@ from typing import Any, Optional, Union
 
 from tf32lab.control.policy import Policy, exact_pattern
 from tf32lab.errors import Tf32LabError
-from tf32lab.know.levels import LEVELS, check_levels
+from tf32lab.know.levels import ALL_LEVELS, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.check import PolicyRow, alike_levels
@@ -170,7 +170,7 @@ class _Search:
 
     def run(self) -> _Found:
         session, target = self.session, self.session.target
-        ordered = tuple(level for level in reversed(LEVELS) if level in self.levels or level == "highest")
+        ordered = tuple(level for level in reversed(ALL_LEVELS) if level in self.levels or level == "highest")
         alike = alike_levels(tuple(reversed(ordered)), target)  # highest first: what computes as highest is it
         distinct = [level for level in ordered if level != "highest" and alike[level] is None]
         with Progress(self.progress, steps=2 + len(distinct) + MAX_PINS) as bar:

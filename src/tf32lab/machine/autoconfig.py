@@ -408,7 +408,7 @@ def autoconfig(level: str = "auto", *, workers: int = 1, threads: Union[str, int
         (1, 'asked for')
         >>> decisions.undo()
     """
-    check_level(level, also=("auto",))
+    check_level(level, also=("auto",), torch_only=True)  # applied process-wide through PyTorch's setter
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise Tf32LabError(f"bad workers {workers!r}; accepted: an int >= 1")
     if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):

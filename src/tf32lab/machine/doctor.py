@@ -18,7 +18,7 @@ Example:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -27,7 +27,7 @@ import torch
 from tf32lab.control import flags
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import targets
-from tf32lab.know.levels import LEVELS, level_cells
+from tf32lab.know.levels import ALL_LEVELS, EXTRA_LEVELS, level_cells
 from tf32lab.know.optable import FAMILIES
 from tf32lab.machine import inductor
 from tf32lab.machine.autoconfig import Recommendation, decide_threads, recommend
@@ -68,6 +68,8 @@ class Diagnosis:
     threads_reason: str
     # level -> what a float32 matmul on the device really gave (None: simulated machine, or inside emulate())
     probe: Optional[dict[str, ProbeResult]] = None
+    # extra level -> None where this torch can set it natively, else why not (emulate() computes it anyway)
+    native_levels: dict[str, Optional[str]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -83,6 +85,7 @@ class Diagnosis:
             "threads": dict(self.threads),
             "target": self.hardware.target,
             "levels": {level: dict(maths) for level, maths in self.levels.items()},
+            "native_levels": dict(self.native_levels),
             "probe": None if self.probe is None else {
                 "device": self.hardware.device, "shape": list(SHAPE),
                 "levels": {level: found.to_dict() for level, found in self.probe.items()}},
@@ -130,11 +133,26 @@ def _level_table(hw: Hardware, cells: dict[str, str]) -> dict[str, dict[str, str
     target = targets.get(hw.target)
     sdpa = targets.sdpa_kernel()
     table = {}
-    for level in LEVELS:
+    for level in ALL_LEVELS:
+        if level in EXTRA_LEVELS and not _gives(target, level):
+            continue  # bfx9 before Blackwell: PyTorch raises there, no row of maths to show
         asked = {**cells, **level_cells(level)}
         obeyed = {**hw.cells_in_force(asked), "sdpa": sdpa}
         table[level] = {family: target.math_name(family, obeyed) for family in FAMILIES}
     return table
+
+
+def _gives(target: targets.Target, level: str) -> bool:
+    try:
+        target.maths_at(level, {})
+    except Tf32LabError:
+        return False
+    return True
+
+
+def _native_levels() -> dict[str, Optional[str]]:
+    """Each extra level: None where this torch can set it, else why not (one line naming the torch version)."""
+    return {level: flags.native_refusal(level) for level in EXTRA_LEVELS}
 
 
 def _probe(hw: Hardware) -> tuple[Optional[dict[str, ProbeResult]], Optional[Alert]]:
@@ -282,4 +300,5 @@ def doctor(hardware: Optional[Hardware] = None) -> Diagnosis:
         threads={"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads()},
         levels=table, warnings=tuple(warnings),
         recommendation=recommend(hw), recommended_threads=threads, threads_reason=reason, probe=probe,
+        native_levels=_native_levels(),
     )

@@ -40,10 +40,10 @@ from typing import Any, Optional, Union
 import torch
 
 from tf32lab.control.policy import Policy
-from tf32lab.control.scope import get_float32_matmul_precision
+from tf32lab.control.scope import conv_math, get_float32_matmul_precision
 from tf32lab.emulation.emulator import check_accumulation, context_cells, release_buffers
 from tf32lab.errors import Tf32LabError
-from tf32lab.know.levels import LEVELS, check_levels
+from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.layers import (
@@ -78,7 +78,8 @@ REFERENCES = ("float64",)
 
 def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[str, Target] = "a100",
           reference: str = "float64", tolerance: Union[float, Mapping[str, float], None] = None, progress: bool = False,
-          policy: Optional[Policy] = None, speed: bool = True, accumulation: Optional[str] = None) -> Report:
+          policy: Optional[Policy] = None, speed: bool = True, accumulation: Optional[str] = None,
+          conv: Optional[str] = None) -> Report:
     """Measure ``workload`` at each level against a float64 reference, as ``target`` would compute it.
 
     Args:
@@ -96,6 +97,9 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
             the first end-to-end run.
         accumulation: how emulated GEMMs sum their products, ``"ideal"`` or ``"hardware"`` (``emulate()``'s
             argument; None: the ``TF32LAB_ACCUMULATION`` setting, ``"ideal"`` by default).
+        conv: cuDNN's float32 convolution math for every row, ``"tf32"`` or ``"ieee"``
+            (``torch.backends.cudnn.conv.fp32_precision``, which no level sets; None: as the process's flag holds
+            it, PyTorch's default ``tf32``), set for the run and put back (``control.scope.conv_math``).
 
     Returns a :class:`~tf32lab.report.Report`; ``bool(report)`` is the verdict. Raises ``Tf32LabError`` for bad
     arguments, a model that raises at the float64 reference, an output with nothing to compare, or no memory.
@@ -116,17 +120,26 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
         raise Tf32LabError(f"unknown reference {reference!r}; accepted: {', '.join(map(repr, REFERENCES))}")
     tolerances = tolerances_of(tolerance)
     accumulation = check_accumulation(accumulation)
+    conv_scope = conv_math(conv)
     refuse_applied(workload, "check")
-    with kept_flags() as changed:
+    with kept_flags() as changed, conv_scope:
         report = _check(workload, levels, target, reference, tolerances, progress, policy, speed, accumulation)
+    if conv is not None:
+        report = dataclasses.replace(report, notes=(*report.notes, conv_note(conv)))
     return _noted(report, changed)
+
+
+def conv_note(conv: str) -> str:
+    """The report's note on a conv math named by the caller."""
+    return (f"convolutions ran at cudnn.conv {conv!r} in every row (conv=); a level does not set cuDNN's flag: "
+            f"torch.backends.cudnn.conv.fp32_precision = {conv!r}")
 
 
 def _check(workload: Workload, levels: tuple[str, ...], target: Target, reference: str, tolerances: dict[str, float],
            progress: bool, policy: Optional[Policy], speed: bool, accumulation: Optional[str] = None) -> Report:
     started = time.perf_counter()
     row = PolicyRow.of(policy, workload.model) if policy is not None else None
-    extra = tuple(level for level in LEVELS if row is not None and level in row.levels and level not in levels)
+    extra = tuple(level for level in ALL_LEVELS if row is not None and level in row.levels and level not in levels)
     alike = alike_levels(levels + extra, target)  # level -> the earlier level the target computes identically, if any
     measured = [level for level in levels + extra if alike[level] is None]
     runs = len([level for level in levels if alike[level] is None]) + (row is not None)
@@ -297,7 +310,7 @@ class PolicyRow:
         if unmatched is not None:
             raise Tf32LabError(unmatched)
         base = policy.default or get_float32_matmul_precision()
-        if base not in LEVELS:  # the process's cells hold a value no level writes (a newer torch's)
+        if base not in ALL_LEVELS:  # the process's cells hold a value no level writes (a newer torch's)
             raise Tf32LabError(f"check(policy=...): the policy has no default level and the process level is "
                                f"{base!r} (a flag holds a value this tf32lab does not know); give the policy a "
                                "default level")

@@ -59,12 +59,12 @@ def described(exc: BaseException) -> str:
 
 @contextlib.contextmanager
 def level_context(level: str, target: Target, accumulation: Optional[str] = None):
-    with precision(level):
-        if not target.emulated:
+    if not target.emulated:
+        with precision(level):
             yield None
-        else:
-            with emulate(target, accumulation=accumulation) as emu:
-                yield emu
+    else:  # emulate() first: a scope inside it never writes the flag (a level this torch cannot set, bfx9, runs)
+        with emulate(target, accumulation=accumulation) as emu, precision(level):
+            yield emu
 
 
 

@@ -53,14 +53,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tf32lab.control import flags, modestack
 from tf32lab.control.policy import Policy
-from tf32lab.control.scope import precision, set_float32_matmul_precision
+from tf32lab.control.scope import conv_math, precision, set_float32_matmul_precision
 from tf32lab.emulation.emulator import check_accumulation, context_cells, emulate, release_buffers
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
-from tf32lab.know.levels import LEVELS, check_levels
+from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
-from tf32lab.measure.check import PolicyRow, alike_levels, policy_maths
+from tf32lab.measure.check import PolicyRow, alike_levels, conv_note, policy_maths
 from tf32lab.measure.layers import described, out_of_memory
 from tf32lab.measure.reference import Float64Run, widen
 from tf32lab.numbers import metrics
@@ -88,7 +88,8 @@ _ELEMENTWISE_OPTIMIZERS = frozenset(
 
 def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS, target: Union[str, Target] = "a100",
                    steps: Optional[int] = None, tolerance: Optional[float] = None, policy: Optional[Policy] = None,
-                   progress: bool = False, accumulation: Optional[str] = None, speed: bool = True) -> TrainingReport:
+                   progress: bool = False, accumulation: Optional[str] = None, speed: bool = True,
+                   conv: Optional[str] = None) -> TrainingReport:
     """Train ``workload`` at each level as ``target`` computes it, against float64 and float32's own drift.
 
     Args:
@@ -102,6 +103,8 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
         accumulation: how emulated GEMMs sum their products, ``"ideal"`` or ``"hardware"`` (``emulate()``'s
             argument; None: the ``TF32LAB_ACCUMULATION`` setting, ``"ideal"`` by default).
         speed: predict each level's speedup of a training step on the target (GPU targets; one step counted).
+        conv: cuDNN's float32 convolution math for every row, ``"tf32"`` or ``"ieee"`` (no level sets it; None: as
+            the process's flag holds it), set for the run and put back, as ``check(conv=)``.
 
     Returns a :class:`~tf32lab.report.training.TrainingReport`; ``bool(report)`` is the verdict. Raises
     ``Tf32LabError`` for bad arguments, a loss that is not a scalar, or a model that fails in float64.
@@ -124,11 +127,14 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     steps = training_steps(workload, steps)
     tolerance = training_tolerance(tolerance)
     accumulation = check_accumulation(accumulation)
+    conv_scope = conv_math(conv)
     refuse_applied(workload, "check")  # type: ignore[arg-type]  # it reads .model and .name
     row = PolicyRow.of(policy, workload.model) if policy is not None else None
-    with kept_flags() as changed, random_state_kept(workload.model):
+    with kept_flags() as changed, random_state_kept(workload.model), conv_scope:
         session = TrainingSession(workload, target, steps, tolerance, accumulation)
         report = _Training(session, levels, row, progress, speed).run()
+    if conv is not None:
+        report = dataclasses.replace(report, notes=(*report.notes, conv_note(conv)))
     if changed:
         report = dataclasses.replace(report, notes=(*report.notes, changed_note(changed)))
     return report
@@ -161,6 +167,13 @@ def _scoped(level: str, target: Target, policy: Optional[PolicyRow]) -> Any:
     (daemon) device thread, where the policy enters the pinned modules' scopes, and beside an unguarded scope of
     this thread that is refused (``control.scope``'s docstring); the flags are put back after the run."""
     return _process_level(level) if policy is not None and not target.emulated else precision(level)
+
+
+@contextlib.contextmanager
+def _inside(emu: Any, level: str) -> Iterator[None]:
+    """``emu`` entered, then ``precision(level)`` inside it (where a scope never writes PyTorch's flag)."""
+    with emu, precision(level):
+        yield
 
 
 @contextlib.contextmanager
@@ -383,11 +396,11 @@ class TrainingSession:
                 raise
             self._speed_notes.append(f"no speed predicted: counting one training step raised {described(exc)}")
             return rows
-        levels = sorted({r.level for r in rows if r.level in LEVELS} | {"highest"}, key=LEVELS.index)
+        levels = sorted({r.level for r in rows if r.level in ALL_LEVELS} | {"highest"}, key=ALL_LEVELS.index)
         report = predict_counts(counts, str(self.workload.name), self.target, levels, step="training")
         out = []
         for row in rows:
-            if row.level in LEVELS:
+            if row.level in ALL_LEVELS:
                 speed = report.level(row.level)
                 out.append(dataclasses.replace(row, speedup=speed.speedup, speedup_band=speed.band))
             elif row.level == "policy" and policy is not None:
@@ -457,16 +470,20 @@ class TrainingSession:
         optimizer = self._optimizer(model)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         run = _Run([], {}, model, optimizer)
-        scoped = contextlib.nullcontext() if level is None else _scoped(level, self.target, policy)
         emu = emulate(self.target, accumulation=self.accumulation) \
             if level is not None and self.target.emulated and emulated else None
+        # emulated, the level's scope is entered inside each emulate() block: such a scope never writes the flag
+        # (a level this torch cannot set, bfx9, runs), and the ops between blocks run no matmul-family op
+        scoped = contextlib.nullcontext() if level is None or emu is not None else _scoped(level, self.target, policy)
         # float64: every op of the step widened (a tensor the model makes in float32 on the fly too), dropout
         # drawn as float32 draws it (the same masks as every float32 row), where step 1 shows it matters
         if dtype == torch.float64:
             widened = self._widening()  # before the row's seed: the probe draws from the streams too
             forward = (lambda: _Float64Step(self.cuda)) if widened else contextlib.nullcontext
+        elif emu is not None:
+            forward = lambda: _inside(emu, level)  # noqa: E731
         else:
-            forward = lambda: emu or contextlib.nullcontext()  # noqa: E731
+            forward = contextlib.nullcontext
         _seeded(self.seed, model)
         applied = policy.policy.applied(model) if policy is not None else contextlib.nullcontext()
         # PyTorch's own element-wise optimizers run no matmul-family op: their step runs outside the emulator,
@@ -493,7 +510,7 @@ class TrainingSession:
                         break
                     if step == 0:
                         run.grads = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
-                    with step_emu or contextlib.nullcontext():
+                    with _inside(step_emu, level) if step_emu is not None else contextlib.nullcontext():
                         optimizer.step()
             except Tf32LabError:
                 raise
@@ -668,10 +685,11 @@ class _Attribution:
         """Each module's backward error at ``level``, emulated with ``accumulation`` (None: natively)."""
         model = copy.deepcopy(self.saved)
         applied = policy.policy.applied(model) if policy is not None else contextlib.nullcontext()
-        emulator = emulate(target, accumulation=accumulation) if target.emulated and accumulation \
-            else contextlib.nullcontext()
+        emulated = target.emulated and accumulation
+        scoped = _inside(emulate(target, accumulation=accumulation), level) if emulated else \
+            _scoped(level, target, policy)
         found = []
-        with _scoped(level, target, policy), emulator, applied:
+        with scoped, applied:
             for name, (args, kwargs, grads, reference) in self.calls.items():
                 narrow = {k: g.float() if g.dtype == torch.float64 else g for k, g in grads.items()}
                 local = _local_grads(model.get_submodule(name), map_tensors(_narrowed, args),

@@ -56,8 +56,13 @@ def _levels(d: Diagnosis) -> Table:
         table.add_column(family)
     for level, maths in d.levels.items():
         table.add_row(level + (" *" if level == d.level else ""), *(maths[f] for f in families))
-    table.caption = ("* in force now; math: ieee, tf32-rna / tf32-rne (operands rounded to TF32, ties away / to "
-                     "even), bf16-rne, tf32x3 (3 passes), bfx9 (9 bf16 passes)")
+    caption = ("* in force now; math: ieee, tf32-rna / tf32-rne (operands rounded to TF32, ties away / to "
+               "even), bf16-rne, tf32x3 (3 passes), bfx9 (9 bf16 passes)")
+    for level, refusal in d.native_levels.items():
+        shown = "" if level in d.levels else f" (no row: {d.hardware.target} cannot compute it)"
+        caption += f"\n{level}{shown}: " + ("this torch sets it natively" if refusal is None else
+                                           f"emulated only here: {refusal}")
+    table.caption = caption
     table.caption_justify = "left"
     return table
 

@@ -53,7 +53,7 @@ import torch
 from tf32lab.emulation.emulator import context_cells
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import peaks
-from tf32lab.know.levels import LEVELS, check_levels
+from tf32lab.know.levels import CONV_MATHS, LEVELS, check_conv, check_levels  # noqa: F401 (CONV_MATHS: its old home)
 from tf32lab.know.peaks import GemmFit, Peaks, gemm_fit, math_kind
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
@@ -217,16 +217,6 @@ def speed_levels(levels: Iterable[str]) -> tuple[str, ...]:
     """The levels of a speed table: validated, ``highest`` first (the baseline of every speedup)."""
     asked = check_levels(levels)
     return ("highest", *[lv for lv in asked if lv != "highest"])  # highest is the baseline of every speedup
-
-
-CONV_MATHS = ("tf32", "ieee")
-
-
-def check_conv(conv: Optional[str]) -> Optional[str]:
-    """``conv`` validated: None (the cuDNN flag as this context holds it), ``"tf32"`` or ``"ieee"``."""
-    if conv is not None and conv not in CONV_MATHS:
-        raise Tf32LabError(f"unknown conv math {conv!r}; accepted: 'tf32', 'ieee' (cudnn.conv's fp32_precision)")
-    return conv
 
 
 def level_maths(target: Target, levels: Sequence[str], conv: Optional[str] = None) -> dict[str, dict[str, str]]:

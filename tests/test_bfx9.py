@@ -1,0 +1,164 @@
+"""The ``bfx9`` level (cuBLAS's float32 from nine bf16 products, pytorch#195301): accepted wherever a level is,
+emulated as the bfx9 math, refused natively where this torch cannot set it, refused on targets without it, and shown
+by doctor. The suite's conftest checks that every flag is as before after each test."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jsonschema
+import pytest
+import torch
+
+import tf32lab
+from tf32lab import Policy, TrainingWorkload, Workload, check, check_training, predict
+from tf32lab.control import flags
+from tf32lab.errors import Tf32LabError
+from tf32lab.know import targets
+from tf32lab.know.levels import ALL_LEVELS, check_level, level_cells, level_of
+from tf32lab.machine import doctor as diagnosis
+from tf32lab.machine.hardware import Hardware
+
+pytest_plugins = ["pytester"]
+
+NATIVE = flags.native_refusal("bfx9")  # None on a torch with pytorch#195301
+
+
+def _operands():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(48, 96, generator=g), torch.randn(96, 40, generator=g)
+
+
+def test_the_level_is_one_of_all_and_writes_its_cells():
+    assert ALL_LEVELS == ("highest", "bfx9", "high", "medium")  # most accurate first
+    assert level_cells("bfx9") == {"cuda.matmul": "bfx9", "mkldnn.matmul": "ieee"}
+    assert check_level(" BFX9 ", loose=True) == "bfx9"
+    assert level_of("bfx9", "ieee") == "bfx9" and level_of("bfx9", "none") == "bfx9"
+    assert level_of("fp8x4", "ieee") == "unknown"  # a newer torch's value: never a level, never highest
+    b200 = targets.get("b200")
+    assert b200.maths_at("bfx9", {})["matmul"] == "bfx9"
+    assert targets.get("cpu-amx").maths_at("bfx9", {})["matmul"] == "ieee"  # oneDNN has no bfx9: IEEE
+    for name in ("a100", "h100"):
+        with pytest.raises(Tf32LabError, match=rf"needs compute capability 10.0.*'{name}'"):
+            targets.get(name).maths_at("bfx9", {})
+
+
+def test_emulated_bfx9_equals_the_nine_product_math():
+    from emulation_reference import bilinear, bound  # tests/: the float64 sum of the parts' products
+
+    a, b = _operands()
+    with tf32lab.emulate("b200"), tf32lab.precision("bfx9"):
+        assert tf32lab.get_float32_matmul_precision() == "bfx9"
+        got = a @ b
+    with tf32lab.emulate("b200", math="bfx9"):
+        forced = a @ b
+    with tf32lab.emulate("b200"), tf32lab.precision("high"):
+        tf32 = a @ b
+    assert torch.equal(got, forced)
+    expected = bilinear(lambda x, y: x @ y, a, b, "bfx9")
+    assert ((got.double() - expected).abs() <= bound(lambda x, y: x @ y, a, b, a.shape[1])).all()
+    exact = a.double() @ b.double()
+    assert (got.double() - exact).abs().max() < (tf32.double() - exact).abs().max() / 50  # float32's accuracy
+
+
+@pytest.mark.skipif(NATIVE is None, reason="this torch sets cuda.matmul = 'bfx9' natively")
+def test_writing_it_natively_is_refused_in_one_line_naming_the_torch():
+    before = flags.snapshot()
+    with pytest.raises(Tf32LabError) as caught, tf32lab.precision("bfx9"):
+        pass
+    message = str(caught.value)
+    assert "\n" not in message and torch.__version__ in message and "emulate" in message
+    with pytest.raises(Tf32LabError, match="not one of PyTorch's levels"):
+        tf32lab.set_float32_matmul_precision("bfx9")  # PyTorch's setter takes its three only
+    assert flags.snapshot() == before
+    assert tf32lab.get_float32_matmul_precision() == "highest"
+
+
+def test_emulating_it_on_a_gpu_without_it_is_refused():
+    a, b = _operands()
+    with pytest.raises(Tf32LabError, match=r"'a100' \(sm80\) PyTorch raises"), tf32lab.emulate("a100"), \
+            tf32lab.precision("bfx9"):
+        a @ b
+
+
+def _covariance() -> Workload:
+    from tf32lab.workloads.builtin import covariance
+
+    return covariance(rows=512, cols=16)
+
+
+def test_check_predict_tune_and_policy_take_it():
+    workload = _covariance()
+    report = check(workload, levels=("highest", "bfx9", "high"), target="b200")
+    errors = {lv.level: lv.outputs[0].normwise for lv in report.levels}
+    assert errors["bfx9"] < 10 * errors["highest"] < errors["high"]  # float32-accurate, TF32 is not
+    with pytest.raises(Tf32LabError, match=r"needs compute capability 10\.0"):
+        check(workload, levels=("bfx9",), target="a100")
+    speeds = {lv.level: lv for lv in predict(workload, "b200", ("highest", "bfx9")).levels}
+    assert speeds["bfx9"].seconds <= speeds["highest"].seconds
+    policy = Policy.from_dict({"schema_version": 1, "default": "bfx9", "rules": []})
+    assert policy.default == "bfx9"
+    row = check(workload, levels=("highest",), target="b200", policy=policy)
+    assert row.policy_row is not None and row.policy_row.passed
+    tuning = tf32lab.tune(workload, target="b200", levels=("bfx9", "highest"), tolerance=1e-3)
+    assert tuning.policy.default == "bfx9"  # the fastest within tolerance
+
+
+def test_the_training_check_takes_it():
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)) for _ in range(2)]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    workload = TrainingWorkload(model, data, loss=lambda out, b: (out - b[1]).pow(2).mean(), inputs=lambda b: b[0],
+                                name="tiny", steps=2)
+    report = check_training(workload, levels=("highest", "bfx9"), target="b200", speed=False)
+    assert report.level("bfx9").passed
+
+
+def test_the_cli_and_the_pytest_option_take_it(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "tf32lab.workloads.builtin:covariance",
+                           "--levels", "highest,bfx9", "--target", "b200", "--json", "-"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert [lv["level"] for lv in json.loads(done.stdout)["levels"]] == ["highest", "bfx9"]
+    bad = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "tf32lab.workloads.builtin:covariance",
+                          "--levels", "bfx9", "--target", "a100"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "needs compute capability" in bad.stderr
+    from tf32lab.pytest_plugin import _parse
+
+    target, level = _parse("b200:bfx9")
+    assert target.name == "b200" and level == "bfx9"
+    with pytest.raises(pytest.UsageError, match="needs compute capability"):
+        _parse("a100:bfx9")
+    if NATIVE is not None:
+        with pytest.raises(pytest.UsageError, match=torch.__version__.replace("+", r"\+")):
+            _parse("native:bfx9")
+
+
+def test_doctor_shows_it():
+    b200 = diagnosis.doctor(Hardware.simulated("b200"))
+    a100 = diagnosis.doctor(Hardware.simulated("a100"))
+    assert b200.levels["bfx9"]["matmul"] == "bfx9" and "bfx9" not in a100.levels
+    assert b200.native_levels == {"bfx9": NATIVE}
+    data = b200.to_dict()
+    jsonschema.Draft202012Validator(diagnosis.schema()).validate(data)
+    assert data["native_levels"]["bfx9"] == NATIVE
+
+
+def test_a_suite_runs_at_it_under_the_plugin(pytester: pytest.Pytester):
+    pytester.makepyfile(test_suite="""
+import torch, tf32lab
+from tf32lab.testing import assert_close, unit_roundoff
+
+def test_at_bfx9():
+    assert tf32lab.get_float32_matmul_precision() == "bfx9"
+    a, b = torch.randn(8, 64), torch.randn(64, 8)
+    assert unit_roundoff() == (2.0**-24, "bfx9")
+    assert_close(a @ b, a.double() @ b.double(), operands=(a, b))
+""")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--tf32lab", "b200:bfx9", timeout=300)
+    result.assert_outcomes(passed=1)
+    bad = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--tf32lab", "h100:bfx9", timeout=300)
+    assert bad.ret == pytest.ExitCode.USAGE_ERROR

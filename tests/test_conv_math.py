@@ -1,0 +1,106 @@
+"""cuDNN's convolution math as its own knob (``conv="tf32"|"ieee"``), beside the level: check and tune name it, the
+CLI takes ``--conv``, a bad value is one line (exit 2), and the flags are as before afterwards (the suite's conftest
+checks every flag after each test, too)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import tf32lab
+from tf32lab import Workload, check
+from tf32lab.control import flags
+from tf32lab.control.scope import conv_math
+from tf32lab.errors import Tf32LabError
+
+MODEL = """
+import torch
+from tf32lab import Workload
+
+
+def make():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(16, 4, 3))
+    return Workload(model, 8.0 + torch.randn(2, 3, 16, 16), name="convs")
+"""
+
+
+def _convs() -> Workload:
+    namespace: dict = {}
+    exec(MODEL, namespace)
+    return namespace["make"]()
+
+
+def test_check_names_the_conv_math_and_puts_the_flag_back():
+    before = flags.snapshot()
+    ieee = check(_convs(), levels=("highest",), target="a100", conv="ieee", speed=False)
+    tf32 = check(_convs(), levels=("highest",), target="a100", conv="tf32", speed=False)
+    assert flags.snapshot() == before
+    e_ieee, e_tf32 = (r.level("highest").outputs[0].normwise for r in (ieee, tf32))
+    assert e_ieee < e_tf32 / 100  # at highest only the conv math differs: TF32 operands against IEEE
+    assert any("cudnn.conv 'ieee'" in note for note in ieee.notes)
+    # the level leaves cuDNN alone: without conv=, convolutions follow the process's flag (PyTorch's default tf32)
+    default = check(_convs(), levels=("highest",), target="a100", speed=False)
+    assert default.level("highest").outputs[0].normwise == e_tf32
+
+
+def test_conv_math_is_scoped_and_restored_on_every_exit_path():
+    before = flags.snapshot()
+    with conv_math("ieee"):
+        assert flags.read_cells()["cuda.conv"] == "ieee"
+        with conv_math("tf32"):
+            assert flags.read_cells()["cuda.conv"] == "tf32"
+        assert flags.read_cells()["cuda.conv"] == "ieee"
+    assert flags.snapshot() == before
+    with pytest.raises(RuntimeError, match="boom"), conv_math("ieee"):
+        raise RuntimeError("boom")
+    assert flags.snapshot() == before
+    with pytest.raises(Tf32LabError, match=r"unknown conv math 'fast'; accepted: 'tf32', 'ieee'"):
+        conv_math("fast")
+    with pytest.raises(Tf32LabError, match="unknown conv math"):
+        check(_convs(), levels=("highest",), target="a100", conv="TF32x")
+    assert flags.snapshot() == before
+
+
+def test_tune_searches_the_conv_math_too():
+    tuning = tf32lab.tune(_convs(), target="a100", tolerance=1e-4, conv=None)
+    assert tuning.passed and tuning.conv == "ieee"  # TF32 convs miss 1e-4 on inputs riding an offset of 8
+    loose = tf32lab.tune(_convs(), target="a100", tolerance=0.5)
+    assert loose.conv == "tf32"  # the faster conv math passes: kept
+    assert torch.backends.cudnn.conv.fp32_precision == "tf32" if flags.NEW_API else True
+
+
+def test_the_cli_takes_conv(tmp_path):
+    (tmp_path / "convmodel.py").write_text(textwrap.dedent(MODEL))
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "convmodel:make", "--levels", "highest",
+                               "--target", "a100", "--no-speed", "--tolerance", "1e-4", *args], capture_output=True,
+                              text=True, timeout=300, cwd=tmp_path)
+
+    ieee, tf32 = run("--conv", "ieee"), run("--conv", "tf32")
+    assert ieee.returncode == 0, ieee.stderr
+    assert tf32.returncode == 1, tf32.stdout
+    bad = run("--conv", "fast")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "--conv: bad conv math 'fast'; accepted: tf32, ieee" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_the_training_check_names_it_too():
+    before = flags.snapshot()
+    g = torch.Generator().manual_seed(2)
+    data = [(8.0 + torch.randn(2, 3, 12, 12, generator=g), torch.randn(2, 4, 10, 10, generator=g))] * 2
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Tanh(), torch.nn.Conv2d(8, 4, 3))
+    workload = tf32lab.TrainingWorkload(model, data, loss=lambda out, b: (out - b[1]).pow(2).mean(),
+                                        inputs=lambda b: b[0], name="convs", steps=2)
+    ieee, tf32 = (tf32lab.check_training(workload, levels=("highest",), target="a100", speed=False, conv=conv)
+                  for conv in ("ieee", "tf32"))
+    assert flags.snapshot() == before
+    first = [report.level("highest").gradients[0].normwise for report in (ieee, tf32)]
+    assert first[0] < first[1] / 10
+    assert any("cudnn.conv 'ieee'" in note for note in ieee.notes)
