@@ -11,7 +11,9 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,29 +42,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(scenario: str, world: int, *args: str, timeout: float = 60.0, env: dict | None = None) -> list[Rank]:
-    """Run ``scenario`` on ``world`` ranks; each rank's output. Raises ``AssertionError`` past ``timeout``."""
+def run_job(scenario: str, world: int, *args: str, timeout: float = 60.0, env: dict | None = None,
+            wait_for: Sequence[int] | None = None) -> list[Rank]:
+    """Run ``scenario`` on ``world`` ranks; each rank's output. Raises ``AssertionError`` past ``timeout``.
+    ``wait_for``: the ranks that must end by themselves; once they have, the others are killed, as torchrun's
+    agent kills a job's ranks when one fails (a rank that hangs on purpose)."""
     port = free_port()
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
             "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]), **(env or {})}
-    procs = []
-    for rank in range(world):
-        procs.append(subprocess.Popen(
-            [sys.executable, str(SCENARIOS), scenario, *args],
-            env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    deadline = time.monotonic() + timeout
-    ranks = []
-    try:
-        for rank, proc in enumerate(procs):
-            out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            ranks.append(Rank(rank, proc.returncode, out, err))
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        for proc in procs:
-            proc.communicate()
-        raise AssertionError(f"distributed job {scenario!r} on {world} ranks still running after {timeout} s: "
-                             f"killed") from None
+    waited = range(world) if wait_for is None else wait_for
+    with tempfile.TemporaryDirectory() as folder:
+        procs, files = [], []
+        for rank in range(world):
+            # closed below, once the processes are done with them
+            out = open(os.path.join(folder, f"{rank}.out"), "w+")  # noqa: SIM115
+            err = open(os.path.join(folder, f"{rank}.err"), "w+")  # noqa: SIM115
+            files.append((out, err))
+            procs.append(subprocess.Popen([sys.executable, str(SCENARIOS), scenario, *args],
+                                          env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                          stdout=out, stderr=err, text=True))
+        deadline = time.monotonic() + timeout
+        try:
+            for rank in waited:
+                procs[rank].wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"distributed job {scenario!r} on {world} ranks still running after {timeout} s: "
+                                 f"killed") from None
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+        ranks = []
+        for rank, (out, err) in enumerate(files):
+            out.seek(0)
+            err.seek(0)
+            ranks.append(Rank(rank, procs[rank].returncode, out.read(), err.read()))
+            out.close()
+            err.close()
     return ranks

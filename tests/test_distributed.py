@@ -3,6 +3,10 @@ not, ``autoconfig(agree=True)``; the sharded check (FSDP2, tensor parallel) agai
 
 from __future__ import annotations
 
+import json
+import time
+from pathlib import Path
+
 import pytest
 
 from distributed_jobs import run_job
@@ -54,3 +58,98 @@ def test_agree_outside_a_job_is_one_clear_error():
         tf32lab.autoconfig(agree=True)
     assert distributed.rank_of({"RANK": "1", "WORLD_SIZE": "4"}) == (1, 4)
     assert distributed.rank_of({}) == (None, 1)
+
+
+# -- the sharded check ------------------------------------------------------------------------------------------
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sharded" / "model.py"
+
+
+def _alone(factory: str, *args: str) -> dict:
+    """The check of the same model, whole, in this one process (the example's factory outside a job)."""
+    import tf32lab
+    from distributed_scenarios import LEVELS, example, numbers
+
+    report = tf32lab.check(example(factory, *args), levels=LEVELS, speed=False)
+    return json.loads(json.dumps(numbers(report)))
+
+
+def _same(sharded, alone, path="report", rel=1e-9):
+    """Equal, numbers to float64 rounding of the reductions (relative 1e-9). Three of an output's fields to 1e-6:
+    the largest and mean relative error per element (2 and 3; the float64 reference of a batch of 4 rows and of 8
+    differs in its last bits, another GEMM blocking, and an element whose reference is small divides that up) and
+    the bias (8; a sum of signed errors that cancel, summed in another order)."""
+    if isinstance(alone, dict):
+        assert sorted(sharded) == sorted(alone), path
+        for key in alone:
+            _same(sharded[key], alone[key], f"{path}.{key}", rel)
+    elif isinstance(alone, list):
+        assert len(sharded) == len(alone), path
+        for i, (a, b) in enumerate(zip(sharded, alone)):
+            _same(a, b, f"{path}[{i}]", rel)
+    elif isinstance(alone, float) and not isinstance(alone, bool):
+        rel = 1e-6 if path.endswith(("[2]", "[3]", "[8]")) and ".outputs." in path else rel
+        assert sharded == pytest.approx(alone, rel=rel, abs=1e-300, nan_ok=True), path
+    else:
+        assert sharded == alone, path
+
+
+def _checked(ranks) -> dict:
+    assert [r.returncode for r in ranks] == [0] * len(ranks), [r.stdout[-2000:] + r.stderr[-3000:] for r in ranks]
+    found = ranks[0].result
+    assert found is not None and all(r.result is None for r in ranks[1:])  # rank 0 reports
+    return found
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_fsdp2_transformer_checked_sharded_equals_one_process(world):
+    # four rows per rank: CPU attention kernels sum in another order for fewer rows (float32 bits, as the same
+    # model would give on that many rows in one process), so the batch grows with the ranks
+    batch = f"batch={4 * world}"
+    found = _checked(run_job("check", world, "transformer", batch, timeout=120))
+    alone = _alone("transformer", batch)
+    _same(found["numbers"], alone)
+    assert alone["high"]["outputs"]["output"][4] > 1e-5  # the levels were emulated (TF32's error), on every rank
+    assert any(f"sharded over {world} ranks" in note for note in found["notes"])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_mlp_checked_sharded_equals_one_process(world):
+    found = _checked(run_job("check", world, "tensor_parallel", timeout=120))
+    alone = _alone("tensor_parallel")
+    # The row-parallel layer's float64 reference is summed from each rank's partial products (the all-reduce):
+    # float64 rounding of an output of size ~1, which is ~1e-9 of the float32 error (3e-7) at highest.
+    _same(found["numbers"], alone, rel=1e-7)
+    assert alone["high"]["layers"]["0"][2] > 1e-5 and found["numbers"]["high"]["unhandled"] == 0
+
+
+def test_cli_under_torchrun_writes_one_report(tmp_path):
+    out = tmp_path / "report.json"
+    ranks = run_job("cli", 2, f"{EXAMPLE}:transformer", "--levels", "highest,high", "--no-speed", "--json", str(out),
+                    "--timeout", "30", timeout=120)
+    assert [r.returncode for r in ranks] == [0, 0], [r.stdout[-2000:] + r.stderr[-3000:] for r in ranks]
+    assert "PASSED | level 'high' | output 'output'" in ranks[0].stdout and "PASSED" not in ranks[1].stdout
+    data = json.loads(out.read_text())
+    alone = _alone("transformer")
+    for row in data["levels"]:
+        assert row["outputs"][0]["normwise"] == pytest.approx(alone[row["level"]]["outputs"]["output"][4], rel=1e-9)
+
+
+# -- faults -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["raise", "kill", "hang"])
+def test_a_failing_rank_ends_the_check_on_every_rank_with_one_error(tmp_path, kind):
+    out = tmp_path / "report.json"
+    started = time.monotonic()
+    ranks = run_job("fault", 2, kind, "--json", str(out), "--timeout", "8", timeout=90,
+                    wait_for=[0] if kind == "hang" else None)
+    took = time.monotonic() - started
+    assert ranks[0].returncode == 2, ranks[0].stdout[-2000:] + ranks[0].stderr[-3000:]
+    errors = [line for line in ranks[0].stderr.splitlines() if line.startswith("tf32lab check: error:")]
+    assert len(errors) == 1 and "rank 0/2: the sharded check stopped" in errors[0], ranks[0].stderr[-3000:]
+    assert "Traceback" not in ranks[0].stderr
+    if kind == "raise":  # the failing rank says why, in one line too
+        assert ranks[1].returncode == 2 and "rank 1/2: workload 'sharded-transformer' raised at level" in \
+            ranks[1].stderr and "rank 1's model failed" in ranks[1].stderr
+    if kind == "kill":
+        assert ranks[1].returncode == -9
+    assert not out.exists() and not list(tmp_path.iterdir())  # no report, not even half of one
+    assert took < 60
