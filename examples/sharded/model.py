@@ -95,3 +95,34 @@ def tensor_parallel(batch: int = 16, width: int = 64, hidden: int = 256, seed: i
         first = ColwiseParallel() if row_parallel else ColwiseParallel(output_layouts=Replicate())
         parallelize_module(model, _mesh(world), {"0": first, "2": second})
     return tf32lab.Workload(model, x, name="tensor-parallel-mlp")
+
+
+def large(batch: int = 8, tokens: int = 32, width: int = 512, depth: int = 12, vocab: int = 1024,
+          seed: int = 0) -> tf32lab.Workload:
+    """The transformer as one builds a model that does not fit in one process: on the ``meta`` device (no
+    memory), sharded with FSDP2, then each rank's shards allocated and initialised; no rank ever holds it whole.
+    In one process it is built whole. Weights are seeded per rank (another model than ``transformer``'s)."""
+    rank, world = _ranks()
+    torch.manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, tokens))
+    if world == 1:
+        return tf32lab.Workload(Transformer(vocab, width, max(1, width // 64), depth), ids, name="large-transformer")
+    from torch.distributed.fsdp import fully_shard
+    with torch.device("meta"):
+        model = Transformer(vocab, width, max(1, width // 64), depth)
+    mesh = _mesh(world)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(seed + rank)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            shard = p.to_local()
+            if name.endswith("bias"):
+                shard.zero_()
+            elif "norm" in name:
+                shard.fill_(1.0)
+            else:
+                shard.normal_(0.0, 0.02)
+    return tf32lab.Workload(model, ids.chunk(world)[rank], name="large-transformer")

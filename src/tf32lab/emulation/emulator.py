@@ -512,7 +512,7 @@ class _Call:
         def rounded(x, out):
             return fn(x, math.rounding, out=out[0])
 
-        if _is_parameter(t):
+        if _is_parameter(t) and self.emu.weight_cache:
             return self.entry.cache.get(t, str(math), rounded)
         return rounded(t, [_buffer_like(t)])
 
@@ -529,7 +529,7 @@ class _Call:
                     split[-1].add_(part)
             return split
 
-        if _is_parameter(t):
+        if _is_parameter(t) and self.emu.weight_cache:
             return self.entry.cache.get(t, f"{math.name}{'+' if summed else ''}", parts, count)
         return parts(t, [_buffer_like(t) for _ in range(count)])
 
@@ -1014,6 +1014,9 @@ class emulate(contextlib.ContextDecorator):
             float32 at ``highest`` as an SGEMM's FMA chain). Slower (the compiled kernels of ``tf32lab[fast]``
             help); ops whose kernel order is unknown (convolutions, gemv, split maths) stay ideal, and their
             coverage line says ``ideal sum``.
+        weight_cache: keep a rounded copy of each parameter for the block (True), or round it at every use and
+            keep nothing (False): for a model sharded with FSDP2, whose gathered parameters are freed after each
+            module, where copies kept for the block would hold the whole model on every rank.
 
     ``coverage`` counts ``(op, math)`` pairs and ``unhandled`` the family ops that ran natively. The block is local
     to its thread and asyncio task, like ``precision()``: another task on the same thread, and threads started
@@ -1038,8 +1041,10 @@ class emulate(contextlib.ContextDecorator):
     """
 
     def __init__(self, target: str | Target = "a100", *, math: Optional[str] = None,
-                 rounding: Optional[str] = None, strict: bool = False, accumulation: Optional[str] = None) -> None:
+                 rounding: Optional[str] = None, strict: bool = False, accumulation: Optional[str] = None,
+                 weight_cache: bool = True) -> None:
         self.target = get(target)
+        self.weight_cache = bool(weight_cache)
         self.accumulation = check_accumulation(accumulation)
         if math is not None and math not in MATHS:
             raise Tf32LabError(f"unknown math {math!r}; accepted: {', '.join(map(repr, MATHS))}")

@@ -348,7 +348,8 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
     out, error = None, None
     applied = row.policy.applied(workload.model) if row else contextlib.nullcontext()
     cells = context_cells()  # the caller's cells: those a level leaves alone (convs, RNNs, the SDPA kernel)
-    with level_context(level, target, recorder.accumulation) as emu, applied:
+    # sharded: no rounded copies of the gathered parameters kept for the run (they would hold the whole model)
+    with level_context(level, target, recorder.accumulation, recorder.ranks is None) as emu, applied:
         level_maths = {} if emu is None else (
             policy_maths(row, target, cells) if row else target.maths_at(level, cells))
         try:

@@ -59,12 +59,12 @@ def described(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def level_context(level: str, target: Target, accumulation: Optional[str] = None):
+def level_context(level: str, target: Target, accumulation: Optional[str] = None, weight_cache: bool = True):
     with precision(level):
         if not target.emulated:
             yield None
         else:
-            with emulate(target, accumulation=accumulation) as emu:
+            with emulate(target, accumulation=accumulation, weight_cache=weight_cache) as emu:
                 yield emu
 
 
@@ -298,7 +298,8 @@ class Recorder:
             self.rerunning = True
             try:
                 with state_kept(module), _originals(self.swapped), _answering(inner), \
-                        level_context(level, self.target, self.accumulation), torch.inference_mode():
+                        level_context(level, self.target, self.accumulation, self.ranks is None), \
+                        torch.inference_mode():
                     output = module(*args, **kwargs)
                 error = self._normwise(output, reference, norms)
                 why = None
