@@ -74,7 +74,8 @@ def _job(n: int, depth: int, width: int, malloc_default: bool) -> tuple[list[dic
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     threads = max(1, (os.cpu_count() or 1) // n)
-    env = {**os.environ, **({} if malloc_default else {"MALLOC_MMAP_THRESHOLD_": "131072"}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(n),
+    fixed = {} if malloc_default else {"MALLOC_MMAP_THRESHOLD_": "131072"}
+    env = {**os.environ, **fixed, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(n),
            "LOCAL_WORLD_SIZE": str(n), "OMP_NUM_THREADS": str(threads)}
     started = time.perf_counter()
     procs = [subprocess.Popen([sys.executable, __file__, "--rank", "--depth", str(depth), "--width", str(width)],
