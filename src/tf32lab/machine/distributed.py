@@ -18,7 +18,7 @@ Example (one process, a group of one; under ``torchrun`` the same call compares 
 
     >>> import torch.distributed as dist
     >>> from tf32lab.machine import distributed
-    >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     >>> distributed.agree().ranks
     1
     >>> dist.destroy_process_group()
@@ -148,7 +148,7 @@ def agree(group: Any = None, *, model: Optional[torch.nn.Module] = None) -> Agre
 
         >>> import torch.distributed as dist
         >>> from tf32lab.machine.distributed import agree
-        >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29534", rank=0, world_size=1)
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         >>> agree().state.level
         'highest'
         >>> dist.destroy_process_group()
