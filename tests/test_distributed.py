@@ -12,7 +12,7 @@ import pytest
 from distributed_jobs import run_job
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_agree_ranks_at_one_precision(world):
     ranks = run_job("agree", world, "high")
     assert [r.returncode for r in ranks] == [0] * world, [r.stdout + r.stderr for r in ranks]
@@ -36,6 +36,7 @@ def test_disagreement_is_one_line_on_every_rank(world):
     assert "cell mkldnn.matmul:" in line
 
 
+@pytest.mark.slow
 def test_autoconfig_agree_puts_back_each_rank_on_disagreement():
     ranks = run_job("autoconfig", 2, "odd")
     errors = {line for r in ranks for line in r.stdout.splitlines() if line.startswith("ERROR")}
@@ -112,7 +113,7 @@ def test_fsdp2_transformer_checked_sharded_equals_one_process(world):
     assert any(f"sharded over {world} ranks" in note for note in found["notes"])
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_tensor_parallel_mlp_checked_sharded_equals_one_process(world):
     found = _checked(run_job("check", world, "tensor_parallel", timeout=120))
     alone = _alone("tensor_parallel")
@@ -135,7 +136,8 @@ def test_cli_under_torchrun_writes_one_report(tmp_path):
 
 
 # -- faults -----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["raise", "kill", "hang"])
+@pytest.mark.parametrize("kind", [pytest.param("raise", marks=pytest.mark.slow), "kill",
+                                  pytest.param("hang", marks=pytest.mark.slow)])
 def test_a_failing_rank_ends_the_check_on_every_rank_with_one_error(tmp_path, kind):
     out = tmp_path / "report.json"
     started = time.monotonic()
@@ -153,3 +155,43 @@ def test_a_failing_rank_ends_the_check_on_every_rank_with_one_error(tmp_path, ki
         assert ranks[1].returncode == -9
     assert not out.exists() and not list(tmp_path.iterdir())  # no report, not even half of one
     assert took < 60
+
+
+# -- in one process ---------------------------------------------------------------------------------------------
+def test_disagreement_names_ranks_and_settings():
+    from tf32lab.machine.distributed import RankState, disagreement
+
+    cells = {"cuda.matmul": "ieee", "mkldnn.matmul": "ieee"}
+    states = [RankState(r, dict(cells), "highest", "none", "0.1.0", "2.13.0") for r in range(3)]
+    assert disagreement(states) is None
+    states[2] = RankState(2, {**cells, "cuda.matmul": "tf32"}, "highest", "abc", "0.1.0", "2.13.0")
+    line = disagreement(states)
+    assert line == ("ranks disagree on precision (3 ranks): cell cuda.matmul: ranks 0,1 'ieee'; rank 2 'tf32' | "
+                    "policy: ranks 0,1 'none'; rank 2 'abc'")
+
+
+def test_emulate_without_a_weight_cache_gives_the_same_bits():
+    import torch
+
+    import tf32lab
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    x = torch.randn(16, 64)
+    with tf32lab.precision("high"):
+        with tf32lab.emulate("a100") as cached:
+            a = model(x)
+        with tf32lab.emulate("a100", weight_cache=False) as uncached:
+            b = model(x)
+    assert torch.equal(a, b) and cached.coverage == uncached.coverage
+
+
+def test_fsdp_wrapper_classes_are_named_as_written():
+    import torch
+
+    from tf32lab.measure.sharded import type_name
+
+    class FSDPLinear(torch.distributed.fsdp.FSDPModule, torch.nn.Linear):  # what fully_shard makes of a Linear
+        pass
+
+    assert type_name(FSDPLinear.__new__(FSDPLinear)) == "Linear"
+    assert type_name(torch.nn.Linear(2, 2)) == "Linear"

@@ -45,6 +45,7 @@ from tf32lab.emulation.emulator import check_accumulation, context_cells, releas
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import LEVELS, check_levels
 from tf32lab.know.targets import Target
+from tf32lab.machine.distributed import agree
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure import sharded
 from tf32lab.measure.layers import (
@@ -121,6 +122,8 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
     refuse_applied(workload, "check")
     ranks = Ranks.of_job()  # in a job of several ranks: the model is sharded over them, the errors reduced
     with kept_flags() as changed, ranks_fail(ranks):
+        if ranks is not None:  # ranks at other levels would measure other things, and run other collectives
+            agree(ranks.group, model=workload.model)
         report = _check(workload, levels, target, reference, tolerances, progress and (ranks is None or
                         ranks.rank == 0), policy, speed, accumulation, ranks)
     return _noted(report, changed)

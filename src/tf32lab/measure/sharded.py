@@ -57,7 +57,7 @@ class Ranks:
         dist = torch.distributed
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.calls = 0  # collectives so far (a test asserts one per layer call and level)
+        self.calls = 0  # collectives so far
 
     @classmethod
     def of_job(cls, group: Any = None) -> Optional[Ranks]:
