@@ -123,6 +123,14 @@ def test_tensor_parallel_mlp_checked_sharded_equals_one_process(world):
     assert alone["high"]["layers"]["0"][2] > 1e-5 and found["numbers"]["high"]["unhandled"] == 0
 
 
+def test_a_sharded_check_refuses_ranks_at_other_levels():
+    ranks = run_job("check", 2, "tensor_parallel", "odd-high", timeout=60)
+    errors = [line for r in ranks for line in r.stdout.splitlines() if line.startswith("ERROR")]
+    assert [r.returncode for r in ranks] == [1, 1] and len(errors) == 2, [r.stderr[-2000:] for r in ranks]
+    assert errors[0].startswith("ERROR Tf32LabError: rank 0/2: ranks disagree on precision (2 ranks): ")
+    assert errors[1].startswith("ERROR Tf32LabError: rank 1/2: ranks disagree on precision (2 ranks): ")
+
+
 def test_cli_under_torchrun_writes_one_report(tmp_path):
     out = tmp_path / "report.json"
     ranks = run_job("cli", 2, f"{EXAMPLE}:transformer", "--levels", "highest,high", "--no-speed", "--json", str(out),

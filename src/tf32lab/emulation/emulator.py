@@ -583,22 +583,6 @@ def _tensors_in(args: Any) -> list[torch.Tensor]:
     return found
 
 
-def _wrapped_in(values: Any) -> bool:
-    """Whether a DTensor (a tensor subclass whose ``__torch_dispatch__`` runs the op on plain local tensors) is
-    among ``values`` (or in a list among them)."""
-    for v in values:
-        if isinstance(v, (list, tuple)):
-            if any(_is_wrapper(t) for t in v):
-                return True
-        elif _is_wrapper(v):
-            return True
-    return False
-
-
-def _is_wrapper(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and type(value).__name__ == "DTensor"
-
-
 def _native_cell(args: Any) -> str:
     """The flag cell a native GEMM on these operands obeys."""
     device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
@@ -649,7 +633,7 @@ class _Mode(TorchDispatchMode):
         entry = scope.current_emulation()
         if entry is None:
             return _passed_on(func, args, kwargs)
-        if _wrapped_in(args) or _wrapped_in(kwargs.values()):
+        if any(t.__name__ == "DTensor" for t in types):
             # A tensor subclass that computes through its own dispatch (DTensor: a sharded model's parameters):
             # it runs the op on its local shards, which come back here as plain tensors and are emulated.
             return NotImplemented
