@@ -164,5 +164,8 @@ def agree(group: Any = None, *, model: Optional[torch.nn.Module] = None) -> Agre
     dist.all_gather_object(states, mine, group=group)
     line = disagreement(states)
     if line is not None:
+        # every rank knows and raises; none leaves while another still reads the gathered states (gloo aborts a
+        # process whose peer closes the connection under a collective)
+        dist.barrier(group=group)
         raise Tf32LabError(line)
     return Agreement(mine, len(states))

@@ -126,6 +126,8 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
             agree(ranks.group, model=workload.model)
         report = _check(workload, levels, target, reference, tolerances, progress and (ranks is None or
                         ranks.rank == 0), policy, speed, accumulation, ranks)
+        if ranks is not None:  # every rank done before any leaves, or writes the report
+            torch.distributed.barrier(group=ranks.group)
     return _noted(report, changed)
 
 
