@@ -316,6 +316,15 @@ def test_a_hub_id_is_told_how_to_get_a_local_folder(tmp_path):
     assert "snapshot_download('someorg/some-model', local_dir=DIR)" in done.stderr and "hf:DIR" in done.stderr
 
 
+@pytest.mark.parametrize("folder", ["/nonexistent", "./models/x", "~/m", "a/b/c", "C:\\models\\x"])
+def test_a_path_that_is_not_there_is_not_taken_for_a_hub_id(folder):
+    from tf32lab.workloads import builtin
+
+    with pytest.raises(tf32lab.Tf32LabError) as caught:
+        builtin.hf(folder)
+    assert "no config.json" in str(caught.value) and "huggingface" not in str(caught.value)
+
+
 # -- a model that samples ------------------------------------------------------------------------------------------
 class _Sampling(torch.nn.Module):
     def __init__(self, how: str) -> None:

@@ -365,6 +365,52 @@ def test_mlp_gradients_equal_reference_gradients():
     expect(w1.grad, lambda gg, xx: gg.T @ xx, pre_grad, x, 32)
 
 
+def test_an_activation_is_rounded_for_every_op_so_a_write_through_numpy_is_seen():
+    q = torch.nn.Linear(64, 32)
+    x = randn(8, 64, seed=71)
+    with tf32lab.precision("high"), tf32lab.emulate("a100"):
+        before = q(x)
+        x.numpy()[:] *= 2  # no version counter moves, no op passes the emulator
+        after = q(x)
+    with tf32lab.precision("high"), tf32lab.emulate("a100"):
+        assert torch.equal(after, q(x)) and not torch.equal(after, before)
+
+
+def test_a_linear_backward_rounds_its_output_gradient_once_for_both_gemms(monkeypatch):
+    layer = torch.nn.Linear(64, 48)
+    x = randn(16, 64, seed=72).requires_grad_()
+    grad = randn(16, 48, seed=73)
+
+    def grads(seen: list) -> tuple[torch.Tensor, torch.Tensor]:
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        with tf32lab.precision("high"), tf32lab.emulate("a100"):
+            out = layer(x)
+            with monkeypatch.context() as m:
+                m.setitem(emulator._SINGLE_ROUND, "tf32", _counting_into(seen))
+                out.backward(grad)
+        return layer.weight.grad, x.grad
+
+    kept = grads(seen := [])
+    # grad_input = grad @ W and grad_weight = grad.T @ x: grad rounded once for both, x once, W (the forward read
+    # W.T) kept from the forward
+    assert sorted(seen) == sorted([grad.numel(), x.numel()])
+    monkeypatch.setattr(emulator._WeightCache, "RECENT_BYTES", 0)  # no copy kept: every operand rounded afresh
+    fresh = grads(seen := [])
+    assert sorted(seen) == sorted([grad.numel(), grad.numel(), x.numel()])  # W is a parameter: still kept
+    assert all(torch.equal(a, b) for a, b in zip(kept, fresh))  # the same bits either way
+
+
+def _counting_into(seen: list):
+    original = emulator._SINGLE_ROUND["tf32"]
+
+    def counting(x, *args, **kwargs):
+        seen.append(x.numel())
+        return original(x, *args, **kwargs)
+
+    return counting
+
+
 def test_parameter_copies_are_rounded_once_per_block_and_dropped_with_it(monkeypatch):
     rounded = []
     original = emulator._SINGLE_ROUND["tf32"]
@@ -380,7 +426,7 @@ def test_parameter_copies_are_rounded_once_per_block_and_dropped_with_it(monkeyp
         first = layer(x)
         again = layer(x)  # the weight's rounded copy is reused ...
         block = current_emulation()
-        assert len(block.cache) == 1 and rounded.count(layer.weight.numel()) == 1
+        assert len(block.cache.entries) == 1 and rounded.count(layer.weight.numel()) == 1
         with torch.no_grad():
             layer.weight.mul_(2)  # ... until it changes: the version counter moves, the copy is rounded again
         doubled = layer(x)

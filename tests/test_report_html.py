@@ -3,6 +3,8 @@ plots, and every name from the model shows as text."""
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -45,6 +47,8 @@ def test_names_from_the_model_are_text_not_markup(tmp_path):
     seen = visit(report.save_html(tmp_path / "hostile.html"), tmp_path / "hostile.png")
     assert seen.dialogs == [] and seen.console_errors == [] and seen.requests == []
     assert XSS in seen.text and XSS_OUTPUT in seen.text  # shown to the reader, as text
+    conclusion = re.search(r'<div class="conclusion">(.*?)</div>', html, re.S).group(1)
+    assert "`" not in conclusion and "<code>" in conclusion  # the advice's code set as code, not in backticks
     fragment = report._repr_html_()  # Jupyter
     assert "<html" not in fragment and "&lt;script&gt;" in fragment and XSS not in fragment
 

@@ -463,3 +463,15 @@ def test_speed_command_predicts_a_training_step_and_the_conv_flags_gain():
         bad = cli("speed", "builtin", *args)
         assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_model_of_small_gemms_is_told_its_gemms_are_small_not_that_they_are_few():
+    # batch of one: the matmuls are nearly all of the predicted time, yet launch- and memory-bound
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))
+    report = tf32lab.check(tf32lab.Workload(model, torch.randn(1, 1024), name="batch-of-one"),
+                           levels=("highest", "high"))
+    sentence = report.conclusion()[0]
+    share = report.speed.level("highest").family_share
+    assert share >= 0.5 and "buys little" in sentence
+    assert f"matmul-family ops are {share:.0%} of its predicted time, but they are small" in sentence
+    assert "only 1.0" in sentence.split("but they are small")[1]

@@ -399,6 +399,23 @@ def read_cells() -> dict[str, str]:
     return out
 
 
+def read_cell(name: str) -> str:
+    """Effective value of one ``backend.op`` cell (one of :data:`CELL_NAMES`), as :func:`read_cells` gives it:
+    for a reader that needs one cell per op and cannot afford them all.
+
+    >>> read_cell("cuda.conv") == read_cells()["cuda.conv"]
+    True
+    """
+    if not NEW_API:
+        return _legacy_cells()[name]
+    cell = _CELL_OF[name]
+    value = _get(cell) if cell in _CELLS else "ieee"
+    return "ieee" if value == "none" else value
+
+
+_CELL_OF = {name: tuple(name.split(".")) for name in CELL_NAMES}
+
+
 def read_cell_table(snap: Snapshot | None = None) -> list[tuple[str, str, str]]:
     """``(cell, raw, effective)`` for every per-backend cell this torch has (none before 2.9), parents first.
 

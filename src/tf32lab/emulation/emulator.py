@@ -35,6 +35,7 @@ import importlib.machinery
 import sys
 import threading
 import weakref
+from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -213,6 +214,40 @@ def context_cells() -> dict[str, str]:
     return cells
 
 
+class _OpCells(Mapping):
+    """:func:`context_cells` for one op, each cell read when a rule first asks for it: an op consults one or two
+    of them, and reading all of them costs more than a small GEMM."""
+
+    __slots__ = ("known", "level")
+
+    def __init__(self) -> None:
+        self.level = scope.context_level()
+        self.known: dict[str, str] = {}
+
+    def __getitem__(self, name: str) -> str:
+        value = self.known.get(name)
+        if value is None:
+            if name == "sdpa":
+                value = sdpa_kernel()
+            elif name in _LEVEL_CELLS:
+                value = (level_cells(self.level) if self.level is not None else scope.process_cells())[name]
+            elif name in flags.CELL_NAMES:
+                value = flags.read_cell(name)
+            else:
+                raise KeyError(name)
+            self.known[name] = value
+        return value
+
+    def __iter__(self) -> Any:
+        return iter((*flags.CELL_NAMES, "sdpa"))
+
+    def __len__(self) -> int:
+        return len(flags.CELL_NAMES) + 1
+
+
+_LEVEL_CELLS = frozenset(level_cells("highest"))
+
+
 def maths(target: str | Target = "a100") -> dict[str, str]:
     """The math ``emulate(target)`` gives each key in this context (scope and flags), by key.
 
@@ -289,7 +324,11 @@ class _WeightCache:
     (a numpy view of a weight) are the one thing not seen (docs/design.md).
     """
 
-    __slots__ = ("buffers", "entries", "storages")
+    __slots__ = ("buffers", "entries", "recent", "recent_bytes", "storages")
+
+    # Other operands: inside one backward formula, the last few rounded copies are kept too, as long as they are
+    # small (a linear layer's backward reads its output gradient in both of its GEMMs).
+    RECENT, RECENT_BYTES = 4, 32 << 20
 
     def __init__(self) -> None:
         self.entries: dict[tuple, tuple[weakref.ref, int, Any]] = {}
@@ -297,22 +336,32 @@ class _WeightCache:
         # Copies live in scratch buffers (fresh multi-MB tensors cost page faults: 3x the rounding of MiniLM's
         # weights); they go back to the thread's pool when the block ends, never earlier (an op may hold one).
         self.buffers: list[torch.Tensor] = []
+        # key -> (the tensor, version, value, its buffers, bytes, storage address, backward node), oldest first
+        self.recent: collections.OrderedDict[tuple, tuple[torch.Tensor, int, Any, list, int, int, Any]] = \
+            collections.OrderedDict()
+        self.recent_bytes = 0
 
     def get(self, t: torch.Tensor, tag: str, fn: Callable, parts: int = 1) -> Any:
         """``fn(t, out)``'s value for parameter ``t``, ``out`` being ``parts`` buffers shaped like ``t``."""
         base = t._base if t._base is not None else t
-        key = (id(base), t.storage_offset(), tuple(t.shape), t.stride(), t.device, tag)
+        # a transposed view (``linear``'s forward reads W.T, its backward W) shares the copy of what it views
+        flipped = t.dim() >= 2 and not t.is_contiguous() and t.mT.is_contiguous()
+        read = t.mT if flipped else t
+        key = (id(base), t.storage_offset(), tuple(read.shape), read.stride(), t.device, tag)
         # the storage's address too: ``p.data = other`` swaps it without touching the version counter
         version = (_version(base), base.untyped_storage().data_ptr())
         hit = self.entries.get(key)
         if hit is not None and hit[0]() is base and hit[1] == version:
-            return hit[2]
-        with torch.inference_mode(False):  # a copy made under inference_mode must still serve autograd later
-            out = [_buffer_like(t, self.buffers) for _ in range(parts)]
-            value = fn(t.detach(), out)
-        self.entries[key] = (weakref.ref(base), version, value)
-        self.storages.setdefault(base.untyped_storage().data_ptr(), set()).add(key)
-        return value
+            value = hit[2]
+        else:
+            with torch.inference_mode(False):  # a copy made under inference_mode must still serve autograd later
+                out = [_buffer_like(read, self.buffers) for _ in range(parts)]
+                value = fn(read.detach(), out)
+            self.entries[key] = (weakref.ref(base), version, value)
+            self.storages.setdefault(base.untyped_storage().data_ptr(), set()).add(key)
+        if not flipped:
+            return value
+        return tuple(v.mT for v in value) if isinstance(value, tuple) else value.mT
 
     def written(self, tensors: list[torch.Tensor]) -> None:
         for t in tensors:
@@ -324,15 +373,61 @@ class _WeightCache:
             keys = self.storages.pop(t.untyped_storage().data_ptr(), None)
             for key in keys or ():
                 self.entries.pop(key, None)
+                self._forget(key)
+
+    def get_recent(self, t: torch.Tensor, tag: str, fn: Callable, parts: int = 1) -> Any:
+        """``fn(t, out)``'s value for an operand that is not a parameter: inside one backward formula (a linear
+        layer's rounds its output gradient for both of its GEMMs), kept for the formula's next GEMMs while it is
+        small; else computed in buffers leased to the op running now."""
+        node = _current_node()
+        base = t._base if t._base is not None else t
+        size = t.numel() * t.element_size() * parts
+        if node is None or size + base.numel() * base.element_size() > self.RECENT_BYTES or t.is_inference():
+            return fn(t, [_buffer_like(t) for _ in range(parts)])
+        # A transposed view (the gradient is one GEMM's left operand and the other's right) shares the copy of what
+        # it views. Keyed by the memory read; the entry holds the tensor (no other can take that memory meanwhile)
+        # and the formula (no user code runs inside it: a write through a numpy view cannot come between).
+        flipped = not t.is_contiguous() and t.dim() >= 2 and t.mT.is_contiguous()
+        read = t.mT if flipped else t
+        key = (t.data_ptr(), tuple(read.shape), read.stride(), t.dtype, t.device, tag)
+        version = base._version
+        hit = self.recent.get(key)
+        if hit is not None and hit[1] == version and hit[6] is node:
+            self.recent.move_to_end(key)
+            value = hit[2]
+        else:
+            self._forget(key)
+            buffers: list[torch.Tensor] = []
+            value = fn(read.detach(), [_buffer_like(read, buffers) for _ in range(parts)])
+            storage = base.untyped_storage().data_ptr()
+            self.recent[key] = (base, version, value, buffers, size, storage, node)
+            self.recent_bytes += size
+            self.storages.setdefault(storage, set()).add(key)
+            while len(self.recent) > self.RECENT or self.recent_bytes > self.RECENT_BYTES:
+                self._forget(next(iter(self.recent)))
+        if not flipped:
+            return value
+        return tuple(v.mT for v in value) if isinstance(value, tuple) else value.mT
+
+    def _forget(self, key: tuple) -> None:
+        gone = self.recent.pop(key, None)
+        if gone is not None:
+            self.recent_bytes -= gone[4]
+            self.storages.get(gone[5], set()).discard(key)
+            _SCRATCH.leased.extend(gone[3])  # back to the pool when the op running now ends (it may use them)
 
     def clear(self) -> None:
         self.entries.clear()
         self.storages.clear()
         buffers, self.buffers = self.buffers, []
+        for entry in self.recent.values():
+            buffers += entry[3]
+        self.recent.clear()
+        self.recent_bytes = 0
         _SCRATCH.give(buffers)
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return len(self.entries) + len(self.recent)
 
 
 class _Entry:
@@ -514,7 +609,7 @@ class _Call:
 
         if _is_parameter(t) and self.emu.weight_cache:
             return self.entry.cache.get(t, str(math), rounded)
-        return rounded(t, [_buffer_like(t)])
+        return self.entry.cache.get_recent(t, str(math), rounded)
 
     def split(self, t: torch.Tensor, math: Math, summed: bool = False) -> tuple[torch.Tensor, ...]:
         """The parts of ``t`` for a split math, biggest first (``(big, small)`` for x3, three for bfx9); when
@@ -529,9 +624,10 @@ class _Call:
                     split[-1].add_(part)
             return split
 
+        tag = f"{math.name}{'+' if summed else ''}"
         if _is_parameter(t) and self.emu.weight_cache:
-            return self.entry.cache.get(t, f"{math.name}{'+' if summed else ''}", parts, count)
-        return parts(t, [_buffer_like(t) for _ in range(count)])
+            return self.entry.cache.get(t, tag, parts, count)
+        return self.entry.cache.get_recent(t, tag, parts, count)
 
 
 def _buffer_like(t: torch.Tensor, holder: Optional[list] = None) -> torch.Tensor:
@@ -639,7 +735,7 @@ class _Mode(TorchDispatchMode):
             return NotImplemented
         classified = treatment(func)
         if classified is None or not (_float32_in(args) or _float32_in(kwargs.values())):
-            if entry.cache.entries and _mutates(func):  # a write, maybe through .data: its rounded copies go
+            if (entry.cache.entries or entry.cache.recent) and _mutates(func):  # a write (maybe via .data): copies go
                 entry.cache.written(_tensors_in(args) + _tensors_in(kwargs.values()))
             return _passed_on(func, args, kwargs)
         tracing = _get_tracing_state()
@@ -669,7 +765,7 @@ class _Mode(TorchDispatchMode):
     def _emulated(self, entry: _Entry, classified: Treatment, func, args, kwargs):
         family, how, rule, _ = classified
         emu = entry.emu
-        cells = self.pinned or context_cells()
+        cells = self.pinned or _OpCells()
         call = _Call(entry, func.name(), cells)
         pinned, self.pinned = self.pinned, cells
         mark = len(_SCRATCH.leased)
@@ -705,7 +801,7 @@ class _Mode(TorchDispatchMode):
                 out.copy_(result)
                 result = out
             call.count(call.math_seen or call.math(family))
-            if entry.cache.entries and _mutates(func):  # addmm_ and friends write into C
+            if (entry.cache.entries or entry.cache.recent) and _mutates(func):  # addmm_ and friends write into C
                 entry.cache.written(_tensors_in(args))
             return result
         finally:
@@ -912,7 +1008,7 @@ class _FunctionMode(TorchFunctionMode):
             if entry is not None:
                 if func is _SDPA:
                     if _float32_in(args) or _float32_in(kwargs.values()):
-                        call = _Call(entry, "aten::scaled_dot_product_attention", context_cells())
+                        call = _Call(entry, "aten::scaled_dot_product_attention", _OpCells())
                         return rules.sdpa_function(call, func, args, kwargs)
                 elif _float32_in(args):
                     return _rnn(entry, func, args, kwargs)
@@ -926,7 +1022,7 @@ def _rnn(entry: _Entry, func, args, kwargs):
     """An RNN call, its recurrence run without the dispatch mode: the rule rounds each GEMM's operands itself
     (``_Call.many_linears``), so the per-step pointwise ops cost what they cost natively, not a Python handler
     each (an LSTM ran 6x slower than native through the mode)."""
-    call = _Call(entry, f"aten::{rules.RNN_FUNCTIONS[func]}", context_cells())
+    call = _Call(entry, f"aten::{rules.RNN_FUNCTIONS[func]}", _OpCells())
     modes = _thread_modes()
 
     def run():

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from tf32lab.know.targets import NATIVE
 
@@ -212,10 +212,29 @@ def _safe(report: Report, best: LevelResult, where: str, measured: str) -> str:
                 f"{measured}. Enable it with {_enable(best.level)}.")
     share = ""
     if report.speed is not None:
-        share = (f": matmul-family ops are {report.speed.level('highest').family_share:.0%} of its predicted time, "
-                 f"the rest is memory traffic and kernel launches that {name} does not speed up")
+        share = _why_little(report.speed, best.level, name)
     return (f"{name} is safe for this workload {where}, but predicted only {best.speedup:.2f}x faster there"
             f"{share}. It buys little here; if you enable it anyway: {_enable(best.level)} ({measured}).")
+
+
+def _why_little(speed: Any, level: str, name: str) -> str:
+    """Why a level buys little: few matmul-family ops, or matmul-family ops too small to gain themselves
+    (``speed``: the report's ``SpeedReport``)."""
+    base = speed.level("highest")
+    try:
+        at = speed.level(level)
+    except KeyError:
+        at = None
+    share = base.family_share
+    if math.isnan(share):
+        return ""
+    if at is not None and share >= 0.5 and not math.isnan(at.family_share) and at.seconds > 0:
+        own = (base.seconds * share) / (at.seconds * at.family_share) if at.family_share > 0 else math.inf
+        return (f": matmul-family ops are {share:.0%} of its predicted time, but they are small, so each is bound "
+                f"by kernel launch and memory traffic rather than arithmetic; {name} makes them only {own:.2f}x "
+                f"faster")
+    return (f": matmul-family ops are only {share:.0%} of its predicted time, the rest is memory traffic and "
+            f"kernel launches that {name} does not speed up")
 
 
 def nondeterministic(top: LevelResult) -> str:

@@ -10,6 +10,7 @@ import math
 from typing import TYPE_CHECKING, Any, Optional
 
 import jinja2
+import markupsafe
 
 from tf32lab.numbers.metrics import HISTOGRAM_EDGES
 from tf32lab.report.text import fmt, notes, ranked_layers, short_name
@@ -32,6 +33,21 @@ TEMPLATES = jinja2.Environment(
 )
 TEMPLATES.filters["fmt"] = fmt
 TEMPLATES.filters["short"] = short_name
+
+
+def with_code(text: str) -> markupsafe.Markup:
+    """Plain text (a conclusion) as HTML: escaped, its `backticked` spans set as code.
+
+    >>> str(with_code("Enable it with `x < y`."))
+    'Enable it with <code>x &lt; y</code>.'
+    """
+    parts = str(markupsafe.escape(text)).split("`")
+    if len(parts) % 2 == 0:  # an unpaired backtick: shown as it is
+        return markupsafe.Markup("`".join(parts))
+    return markupsafe.Markup("".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(parts)))
+
+
+TEMPLATES.filters["code"] = with_code
 
 
 def render(report: Report, fragment: bool = False, context: Optional[str] = None) -> str:

@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -51,11 +52,16 @@ def minilm(device: str = "cpu") -> Workload:
 
 
 # -- a model from a local folder -------------------------------------------------------------------------------
+def _looks_like_hub_id(text: str) -> bool:
+    """Whether ``text`` reads as a Hugging Face Hub id (``name`` or ``owner/name``) rather than a path."""
+    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", text)) and not text.endswith((".", "-"))
+
+
 def hf(folder: str, sentences: int = 16) -> Workload:
     """A transformers model and its tokenizer from a local folder, fed the first ``sentences`` sample sentences."""
     path = Path(folder).expanduser()
     if not (path / "config.json").is_file():
-        hub = "" if path.exists() else (
+        hub = "" if path.exists() or not _looks_like_hub_id(folder) else (
             f"; for a Hugging Face Hub id, download it once (`huggingface-cli download {folder} --local-dir DIR`, "
             f"or `huggingface_hub.snapshot_download({folder!r}, local_dir=DIR)`) and pass hf:DIR: nothing is "
             f"downloaded at run time")
