@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ import threading
 
 import jsonschema
 import pytest
+import rich.console
 import torch
 
 import tf32lab
@@ -19,6 +21,7 @@ from tf32lab.know import targets
 from tf32lab.machine import doctor as diagnosis
 from tf32lab.machine import hardware
 from tf32lab.machine.hardware import Hardware
+from tf32lab.report import doctor_text
 
 
 def _codes(d) -> set[str]:
@@ -361,3 +364,14 @@ def test_rocm_gpus_map_to_their_targets_and_hipblaslt_tf32_is_shown():
     off_message, on_message = (next(w.message for w in d.warnings if w.code == "rocm-tf32") for d in (off, on))
     assert "IEEE" in off_message and "--target mi300" in on_message
     assert Hardware.simulated("mi300").cells_in_force({"cuda.matmul": "tf32"}) == {"cuda.matmul": "ieee"}
+
+
+def test_doctor_knows_the_rank():
+    d = tf32lab.doctor(Hardware.simulated("h100", env={"RANK": "1", "WORLD_SIZE": "2"}))
+    data = json.loads(d.to_json())
+    jsonschema.validate(data, diagnosis.schema())
+    assert (data["hardware"]["rank"], data["hardware"]["world_size"]) == (1, 2)
+    console = rich.console.Console(width=200, record=True, file=io.StringIO())
+    for part in doctor_text.render(d):
+        console.print(part)
+    assert "1 of 2 (torchrun)" in console.export_text()

@@ -150,3 +150,11 @@ def test_to_dict_round_numbers():
     d = Hardware.simulated("v100", cpus=8, quota=1.5).to_dict()
     assert d["gpus"] == [{"name": "NVIDIA V100 (Volta)", "capability": "7.0", "memory_gib": None, "tf32": False}]
     assert (d["usable_cpus"], d["cpu_quota"], d["target"]) == (1, 1.5, "v100")
+
+
+def test_rank_under_torchrun():
+    hw = Hardware.simulated("h100", env={"RANK": "2", "WORLD_SIZE": "4"})
+    assert (hw.rank, hw.world_size) == (2, 4)
+    assert hw.to_dict()["rank"] == 2 and hw.to_dict()["world_size"] == 4
+    assert (Hardware.simulated("h100").rank, Hardware.simulated("h100").world_size) == (None, 1)
+    assert Hardware.simulated("h100", env={"RANK": "x", "WORLD_SIZE": "4"}).rank is None

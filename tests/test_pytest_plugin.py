@@ -586,3 +586,14 @@ def test_tests_that_fail_only_on_an_mi300(pytester: pytest.Pytester, monkeypatch
         "tf32lab: each test runs at precision 'high' as mi300 computes them (emulated here, summed as its hardware*",
         "*test_a_mean_that_must_not_drift: fails only under mi300:high: passes at highest",
     ])
+
+
+def test_a_leak_under_torchrun_names_the_rank(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch):
+    # each rank of a torchrun job runs its own pytest: a flag left changed on one rank makes the ranks disagree
+    pytester.makepyfile(test_leak="import torch\n\ndef test_leaks_a_flag():\n"
+                                  "    torch.set_float32_matmul_precision('medium')\n")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    result = _run(pytester, "--tf32lab", "a100:high")
+    result.stdout.fnmatch_lines(["left global state changed: test_leak.py::test_leaks_a_flag: rank 3/4: PyTorch "
+                                 "flags changed*put back"])

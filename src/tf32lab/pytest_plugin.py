@@ -385,7 +385,9 @@ def _undo_leaks(item: pytest.Item, baseline: _Baseline) -> None:
         leaked.append(f"PyTorch flags changed ({baseline.flags.diff(after)}), put back")
         flags.restore(baseline.flags)
     if leaked and not item.stash.get(_RERUN, False):
-        item.user_properties.append((_LEAK, "; ".join(leaked)))  # before the teardown's report is made
+        from tf32lab.machine.distributed import rank_prefix  # under torchrun: which rank's state was left changed
+
+        item.user_properties.append((_LEAK, rank_prefix() + "; ".join(leaked)))  # before the teardown's report is made
 
 
 def _modes() -> list:

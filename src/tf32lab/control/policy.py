@@ -55,7 +55,7 @@ from tf32lab.know.levels import ALL_LEVELS, check_level
 from tf32lab.numbers.files import write_atomically, write_json
 from tf32lab.numbers.trees import named_tensors
 
-__all__ = ["Assignment", "Policy", "PolicyHandle", "Rule", "applied_to", "exact_pattern", "explain"]
+__all__ = ["Assignment", "Policy", "PolicyHandle", "Rule", "applied_policies", "applied_to", "exact_pattern", "explain"]
 
 SCHEMA_VERSION = 1
 _KEYS = ("schema_version", "default", "rules")
@@ -913,6 +913,22 @@ def applied_to(module: torch.nn.Module) -> Optional[Policy]:
             if handle is not None:
                 return handle.policy
     return None
+
+
+def applied_policies() -> list[Policy]:
+    """Every policy applied in this process now (each once, in no set order): what ranks of a job compare.
+
+    Example:
+
+        >>> import torch, tf32lab
+        >>> from tf32lab.control.policy import applied_policies
+        >>> with tf32lab.Policy("high").applied(torch.nn.Linear(2, 2)):
+        ...     [p.default for p in applied_policies()]
+        ['high']
+    """
+    with _APPLIED_LOCK:
+        handles = {id(h): h for h in list(_APPLIED.values()) if not h._removed}
+    return [h.policy for h in handles.values()]
 
 
 def _owner(module: torch.nn.Module, but: Optional[PolicyHandle] = None) -> Optional[PolicyHandle]:

@@ -607,7 +607,7 @@ class _Call:
         def rounded(x, out):
             return fn(x, math.rounding, out=out[0])
 
-        if _is_parameter(t):
+        if _is_parameter(t) and self.emu.weight_cache:
             return self.entry.cache.get(t, str(math), rounded)
         return self.entry.cache.get_recent(t, str(math), rounded)
 
@@ -625,7 +625,7 @@ class _Call:
             return split
 
         tag = f"{math.name}{'+' if summed else ''}"
-        if _is_parameter(t):
+        if _is_parameter(t) and self.emu.weight_cache:
             return self.entry.cache.get(t, tag, parts, count)
         return self.entry.cache.get_recent(t, tag, parts, count)
 
@@ -729,6 +729,10 @@ class _Mode(TorchDispatchMode):
         entry = scope.current_emulation()
         if entry is None:
             return _passed_on(func, args, kwargs)
+        if any(t.__name__ == "DTensor" for t in types):
+            # A tensor subclass that computes through its own dispatch (DTensor: a sharded model's parameters):
+            # it runs the op on its local shards, which come back here as plain tensors and are emulated.
+            return NotImplemented
         classified = treatment(func)
         if classified is None or not (_float32_in(args) or _float32_in(kwargs.values())):
             if (entry.cache.entries or entry.cache.recent) and _mutates(func):  # a write (maybe via .data): copies go
@@ -1090,6 +1094,9 @@ class emulate(contextlib.ContextDecorator):
             float32 at ``highest`` as an SGEMM's FMA chain). Slower (the compiled kernels of ``tf32lab[fast]``
             help); ops whose kernel order is unknown (convolutions, gemv, split maths) stay ideal, and their
             coverage line says ``ideal sum``.
+        weight_cache: keep a rounded copy of each parameter for the block (True), or round it at every use and
+            keep nothing (False): for a model sharded with FSDP2, whose gathered parameters are freed after each
+            module, where copies kept for the block would hold the whole model on every rank.
 
     ``coverage`` counts ``(op, math)`` pairs and ``unhandled`` the family ops that ran natively. The block is local
     to its thread and asyncio task, like ``precision()``: another task on the same thread, and threads started
@@ -1114,8 +1121,10 @@ class emulate(contextlib.ContextDecorator):
     """
 
     def __init__(self, target: str | Target = "a100", *, math: Optional[str] = None,
-                 rounding: Optional[str] = None, strict: bool = False, accumulation: Optional[str] = None) -> None:
+                 rounding: Optional[str] = None, strict: bool = False, accumulation: Optional[str] = None,
+                 weight_cache: bool = True) -> None:
         self.target = get(target)
+        self.weight_cache = bool(weight_cache)
         self.accumulation = check_accumulation(accumulation)
         if math is not None and math not in MATHS:
             raise Tf32LabError(f"unknown math {math!r}; accepted: {', '.join(map(repr, MATHS))}")

@@ -38,7 +38,7 @@ from tf32lab import settings
 from tf32lab.control import flags, scope
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import check_level
-from tf32lab.machine import compile_cache
+from tf32lab.machine import compile_cache, distributed
 from tf32lab.machine.hardware import Hardware, detect
 
 __all__ = ["MEGA_CACHE", "Decision", "Decisions", "Recommendation", "autoconfig", "recommend", "save_compile_cache"]
@@ -376,7 +376,7 @@ def save_compile_cache(folder: PathLike) -> Path:
 # -- the call ----------------------------------------------------------------------------------------------------
 def autoconfig(level: str = "auto", *, workers: int = 1, threads: Union[str, int] = "auto",
                interop_threads: Union[str, int, None] = None, compile_cache: Optional[PathLike] = None,
-               hardware: Optional[Hardware] = None) -> Decisions:
+               hardware: Optional[Hardware] = None, agree: bool = False) -> Decisions:
     """Apply the known heuristics for this machine (or ``hardware``), log each decision and return them.
 
     Args:
@@ -409,6 +409,11 @@ def autoconfig(level: str = "auto", *, workers: int = 1, threads: Union[str, int
         >>> decisions.undo()
     """
     check_level(level, also=("auto",), torch_only=True)  # applied process-wide through PyTorch's setter
+    if not isinstance(agree, bool):
+        raise Tf32LabError(f"bad agree {agree!r}; accepted: True or False")
+    if agree and not distributed.initialized():
+        raise Tf32LabError("autoconfig(agree=True) needs an initialised torch.distributed process group (under "
+                           "torchrun, call torch.distributed.init_process_group first)")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise Tf32LabError(f"bad workers {workers!r}; accepted: an int >= 1")
     if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
@@ -423,6 +428,8 @@ def autoconfig(level: str = "auto", *, workers: int = 1, threads: Union[str, int
     hw = hardware or detect()
     if settings.get("TF32LAB_DISABLE"):  # a value it cannot read is an error, before anything changes
         log.info("TF32LAB_DISABLE is on: autoconfig changes nothing")
+        if agree:  # a collective: every rank takes part, whatever it decided
+            distributed.agree()
         return Decisions((), (), hw, None, disabled=True)
     if scope.live_scopes():
         raise Tf32LabError("autoconfig() sets process-wide settings; call it outside precision() scopes")
@@ -435,6 +442,10 @@ def autoconfig(level: str = "auto", *, workers: int = 1, threads: Union[str, int
         steps += _threads(threads, interop_threads, workers, hw)
         if folder is not None:
             steps += _compile_cache(folder, found)
+        if agree:
+            agreement = distributed.agree()
+            steps.append((Decision("agreement", None, agreement.ranks,
+                                   f"{agreement.ranks} ranks run at the same precision", applied=False), None))
     except BaseException:
         for _, undo in reversed(steps):  # all or nothing
             if undo:

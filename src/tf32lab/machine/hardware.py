@@ -31,13 +31,14 @@ import torch
 from tf32lab.control import flags
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import targets
+from tf32lab.machine.distributed import rank_of
 
 __all__ = ["ENV", "ISA", "Gpu", "Hardware", "cpu_quota", "detect"]
 
 # Environment variables that override what the flags say (NVIDIA's cuBLAS docs for NVIDIA_TF32_OVERRIDE, PyTorch's
 # CUDA notes for TORCH_ALLOW_TF32_CUBLAS_OVERRIDE), read as they are at detection.
 ENV = ("NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "HIPBLASLT_ALLOW_TF32", "OMP_NUM_THREADS",
-       "MKL_NUM_THREADS", "LOCAL_WORLD_SIZE")
+       "MKL_NUM_THREADS", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE")  # torchrun's: this process's rank in its job
 _ENV_PREFIXES = ("TORCHINDUCTOR_",)
 
 # CPU instructions that decide reduced-precision float32 math on a CPU (oneDNN bf16/fp16 paths), /proc/cpuinfo names.
@@ -142,6 +143,16 @@ class Hardware:
         return max(1, usable)
 
     @property
+    def rank(self) -> Optional[int]:
+        """This process's rank in a torchrun job of several (``RANK``, ``WORLD_SIZE``), else None."""
+        return rank_of(self.env)[0]
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the torchrun job (``WORLD_SIZE``), 1 outside one."""
+        return rank_of(self.env)[1]
+
+    @property
     def local_world_size(self) -> int:
         """Processes per machine under torchrun (``LOCAL_WORLD_SIZE``), 1 when unset or not a positive int."""
         value = _positive_int(self.env.get("LOCAL_WORLD_SIZE"))
@@ -224,7 +235,8 @@ class Hardware:
             "gpus": [gpu.to_dict() for gpu in self.gpus], "cpu": self.cpu, "isa": list(self.isa),
             "visible_cpus": self.visible_cpus, "affinity_cpus": self.affinity_cpus, "cpu_quota": self.cpu_quota,
             "quota_source": self.quota_source, "usable_cpus": self.usable_cpus,
-            "local_world_size": self.local_world_size, "env": dict(sorted(self.env.items())),
+            "local_world_size": self.local_world_size, "rank": self.rank, "world_size": self.world_size,
+            "env": dict(sorted(self.env.items())),
             "target": self.target, "simulated_as": self.simulated_as,
         }
 

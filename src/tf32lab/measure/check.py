@@ -45,7 +45,9 @@ from tf32lab.emulation.emulator import check_accumulation, context_cells, releas
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels
 from tf32lab.know.targets import Target
+from tf32lab.machine.distributed import agree
 from tf32lab.machine.hardware import resolve_target
+from tf32lab.measure import sharded
 from tf32lab.measure.layers import (
     ROOT,
     Accumulated,
@@ -57,6 +59,7 @@ from tf32lab.measure.layers import (
     state_kept,
 )
 from tf32lab.measure.reference import widen
+from tf32lab.measure.sharded import Ranks, collective_failure, ranks_fail
 from tf32lab.measure.spill import SpillFile, min_bytes_from_env
 from tf32lab.numbers import metrics
 from tf32lab.numbers.metrics import tolerances_of
@@ -122,8 +125,14 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
     accumulation = check_accumulation(accumulation)
     conv_scope = conv_math(conv)
     refuse_applied(workload, "check")
-    with kept_flags() as changed, conv_scope:
-        report = _check(workload, levels, target, reference, tolerances, progress, policy, speed, accumulation)
+    ranks = Ranks.of_job()  # in a job of several ranks: the model is sharded over them, the errors reduced
+    with kept_flags() as changed, ranks_fail(ranks), conv_scope:
+        if ranks is not None:  # ranks at other levels would measure other things, and run other collectives
+            agree(ranks.group, model=workload.model)
+        report = _check(workload, levels, target, reference, tolerances, progress and (ranks is None or
+                        ranks.rank == 0), policy, speed, accumulation, ranks)
+        if ranks is not None:  # every rank done before any leaves, or writes the report
+            torch.distributed.barrier(group=ranks.group)
     if conv is not None:
         report = dataclasses.replace(report, notes=(*report.notes, conv_note(conv)))
     return _noted(report, changed)
@@ -136,7 +145,8 @@ def conv_note(conv: str) -> str:
 
 
 def _check(workload: Workload, levels: tuple[str, ...], target: Target, reference: str, tolerances: dict[str, float],
-           progress: bool, policy: Optional[Policy], speed: bool, accumulation: Optional[str] = None) -> Report:
+           progress: bool, policy: Optional[Policy], speed: bool, accumulation: Optional[str] = None,
+           ranks: Optional[Ranks] = None) -> Report:
     started = time.perf_counter()
     row = PolicyRow.of(policy, workload.model) if policy is not None else None
     extra = tuple(level for level in ALL_LEVELS if row is not None and level in row.levels and level not in levels)
@@ -145,7 +155,7 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
     runs = len([level for level in levels if alike[level] is None]) + (row is not None)
     with Progress(progress, steps=1 + runs) as bar, \
             Session(workload, measured, target, tolerances, speed=speed, bar=bar,
-                    accumulation=accumulation) as session:
+                    accumulation=accumulation, ranks=ranks) as session:
         results: dict[str, LevelResult] = {}
         for level in levels:
             same = alike[level]
@@ -161,10 +171,14 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
     predicted = session.predicted(levels)
     if predicted is not None:
         rows = [dataclasses.replace(r, speedup=session.speedup(r, predicted, row)) for r in rows]
+    notes = session.notes()
+    if ranks is not None:
+        notes.append(f"sharded over {ranks.world} ranks: every error is the whole model's, reduced over the ranks "
+                     f"(sums of squares, maxima); the speed prediction counts rank {ranks.rank}'s share of the work")
     return Report(
         workload=str(workload.name), target=target.name, reference=reference, tolerance=dict(tolerances),
         levels=tuple(rows), environment=environment_of(workload),
-        seconds=time.perf_counter() - started, notes=tuple(session.notes()), speed=predicted,
+        seconds=time.perf_counter() - started, notes=tuple(notes), speed=predicted,
     )
 
 
@@ -181,12 +195,14 @@ class Session:
     """
 
     def __init__(self, workload: Workload, measured: list[str], target: Target, tolerances: dict[str, float], *,
-                 speed: bool = True, bar: Optional[Progress] = None, accumulation: Optional[str] = None) -> None:
+                 speed: bool = True, bar: Optional[Progress] = None, accumulation: Optional[str] = None,
+                 ranks: Optional[Ranks] = None) -> None:
         self.workload, self.target, self.tolerances = workload, target, tolerances
+        self.ranks = ranks
         self.measured = list(measured)
         self.bar = bar or Progress(False, 0)
         self.spill = SpillFile(min_bytes_from_env())
-        self.recorder = Recorder(workload.model, self.measured, target, self.spill, accumulation)
+        self.recorder = Recorder(workload.model, self.measured, target, self.spill, accumulation, ranks)
         self.counting = Counting(workload.model) if speed and target.peaks is not None else None
         self.runs = 0  # end-to-end runs so far
         self._stack = contextlib.ExitStack()
@@ -225,6 +241,8 @@ class Session:
         except Exception as exc:
             if out_of_memory(exc):
                 raise _no_memory(workload, "the float64 reference", exc) from exc
+            if self.ranks is not None and collective_failure(exc):
+                raise
             bug = internal_error(exc, f"running workload {workload.name!r} at the float64 reference")
             if bug is not None:
                 raise bug from exc
@@ -348,7 +366,8 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
     out, error = None, None
     applied = row.policy.applied(workload.model) if row else contextlib.nullcontext()
     cells = context_cells()  # the caller's cells: those a level leaves alone (convs, RNNs, the SDPA kernel)
-    with level_context(level, target, recorder.accumulation) as emu, applied:
+    # sharded: no rounded copies of the gathered parameters kept for the run (they would hold the whole model)
+    with level_context(level, target, recorder.accumulation, recorder.ranks is None) as emu, applied:
         level_maths = {} if emu is None else (
             policy_maths(row, target, cells) if row else target.maths_at(level, cells))
         try:
@@ -359,6 +378,12 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
         except Exception as exc:
             if out_of_memory(exc):  # not a finding about the level: check itself is short of memory
                 raise _no_memory(workload, "the policy" if row else f"level {level!r}", exc) from exc
+            if recorder.ranks is not None:  # sharded: the other ranks may wait inside the model's own collectives
+                if collective_failure(exc):
+                    raise
+                raise Tf32LabError(f"workload {workload.name!r} raised "
+                                   f"{'with the policy' if row else f'at level {level!r}'} (a sharded check "
+                                   f"stops there: {described(exc)})") from exc
             bug = internal_error(exc, f"running workload {workload.name!r} "
                                       f"{'with the policy' if row else f'at level {level!r}'}")
             if bug is not None:  # tf32lab's own failure: not a finding about the level
@@ -367,7 +392,8 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
     outputs: tuple[metrics.OutputError, ...] = ()
     metric = None
     if error is None:
-        outputs = _outputs(out, ref_out, tolerances)
+        outputs = _outputs(out, ref_out, tolerances) if recorder.ranks is None else \
+            sharded.outputs(out, ref_out, tolerances, recorder.ranks, _outputs)
         if workload.metric is not None:
             try:
                 metric = float(workload.metric(out, ref_out))
@@ -383,7 +409,7 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
         introduced, why = _introduced(recorder, accumulated, at, name)
         acc, diverged = accumulated.result(name, finished=error is None)
         reasons = "; ".join(r for r in (why, diverged) if r)
-        layers.append(LayerError(name, type(module).__name__, recorder.count[name], introduced, acc,
+        layers.append(LayerError(name, sharded.type_name(module), recorder.count[name], introduced, acc,
                                  reasons or None))
     ranked = sorted(layers, key=lambda e: -math.inf if math.isnan(e.introduced) else -e.introduced)
     coverage = {} if emu is None else {f"{op} {m}": n for (op, m), n in sorted(emu.coverage.items())}

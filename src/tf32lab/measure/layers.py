@@ -30,6 +30,7 @@ from tf32lab.know import optable
 from tf32lab.know.targets import Target
 from tf32lab.measure.norms import scratch, tree_normwise
 from tf32lab.measure.reference import Float64Run
+from tf32lab.measure.sharded import local
 from tf32lab.measure.spill import Spilled, SpillFile
 from tf32lab.numbers.origin import internal_error
 from tf32lab.numbers.trees import map_tensors, named_tensors
@@ -58,12 +59,12 @@ def described(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def level_context(level: str, target: Target, accumulation: Optional[str] = None):
+def level_context(level: str, target: Target, accumulation: Optional[str] = None, weight_cache: bool = True):
     if not target.emulated:
         with precision(level):
             yield None
     else:  # emulate() first: a scope inside it never writes the flag (a level this torch cannot set, bfx9, runs)
-        with emulate(target, accumulation=accumulation) as emu, precision(level):
+        with emulate(target, accumulation=accumulation, weight_cache=weight_cache) as emu, precision(level):
             yield emu
 
 
@@ -177,8 +178,9 @@ class Recorder:
     """Hooks and a float64 mode for the reference run (see the module's docstring)."""
 
     def __init__(self, model: torch.nn.Module, levels: list[str], target: Target,
-                 spill: Optional[SpillFile] = None, accumulation: Optional[str] = None) -> None:
+                 spill: Optional[SpillFile] = None, accumulation: Optional[str] = None, ranks: Any = None) -> None:
         self.model, self.levels, self.target = model, levels, target
+        self.ranks = ranks  # measure.sharded.Ranks of a sharded check: each call's error summed over the ranks
         self.accumulation = accumulation  # emulate()'s: None for the TF32LAB_ACCUMULATION setting
         self.spill = spill or SpillFile()
         self.modules, self.scripted = hookable(model)
@@ -202,6 +204,7 @@ class Recorder:
             for name, module in self.modules:
                 self.handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
                 self.handles.append(module.register_forward_hook(self._post(name, module), with_kwargs=True))
+            self.handles += _around_sharding(self.model, self.mode)
             self.mode.__enter__()
         except BaseException:
             self._unhook()
@@ -263,6 +266,7 @@ class Recorder:
             self.count[name] = i + 1
             self.mode.paused = True  # our own arithmetic, in float64 already
             try:
+                output = map_tensors(local, output)  # a DTensor's shard: what this rank holds
                 norms = {key: float(torch.linalg.vector_norm(t)) ** 2 for key, t in named_tensors(output)
                          if t.is_floating_point() or t.is_complex()}
                 reference = self._keep(name, i, output)
@@ -294,14 +298,15 @@ class Recorder:
             self.rerunning = True
             try:
                 with state_kept(module), _originals(self.swapped), _answering(inner), \
-                        level_context(level, self.target, self.accumulation), torch.inference_mode():
+                        level_context(level, self.target, self.accumulation, self.ranks is None), \
+                        torch.inference_mode():
                     output = module(*args, **kwargs)
                 error = self._normwise(output, reference, norms)
                 why = None
             except Tf32LabError:
                 raise
             except Exception as exc:
-                if out_of_memory(exc):
+                if out_of_memory(exc) or self.ranks is not None:  # sharded: the other ranks wait in a collective
                     raise
                 bug = internal_error(exc, f"rerunning layer {name!r} alone at level {level!r}")
                 if bug is not None:
@@ -329,7 +334,7 @@ class Recorder:
     def _normwise(self, output: Any, reference: Any, norms: dict[str, float]) -> float:
         if self.scratch is None:
             self.scratch = scratch(_device_of(reference))
-        error, _ = tree_normwise(output, reference, norms, self.scratch)
+        error, _ = tree_normwise(map_tensors(local, output), reference, norms, self.scratch, self.ranks)
         return error
 
     def notes(self) -> list[str]:
@@ -344,6 +349,41 @@ class Recorder:
             found.append(f"the reference wrote {self.mode.float32_writes} time(s) into tensors the model holds in "
                          f"float32 (buffers it updates): those values are rounded to float32 in the reference too")
         return found
+
+
+def _around_sharding(model: torch.nn.Module, mode: Float64Run) -> list:
+    """Hooks that run FSDP2's own hooks (the parameters' all-gather into float32 buffers it allocates, their
+    release) outside the float64 mode: data movement, exact in float32, which widening would break (a buffer it
+    asks for in float32 would come in float64). Each module's hooks sit between a pause and a put-back."""
+    fsdp = _fsdp_module_type()
+    if fsdp is None:
+        return []
+    kept: list[bool] = []
+
+    def pause(*_: Any) -> None:
+        kept.append(mode.paused)
+        mode.paused = True
+
+    def put_back(*_: Any) -> None:
+        if kept:
+            mode.paused = kept.pop()
+
+    handles = []
+    for module in model.modules():
+        if isinstance(module, fsdp):
+            handles += [module.register_forward_pre_hook(pause, prepend=True),
+                        module.register_forward_pre_hook(put_back),
+                        module.register_forward_hook(pause, prepend=True),
+                        module.register_forward_hook(put_back)]
+    return handles
+
+
+def _fsdp_module_type() -> Any:
+    try:
+        from torch.distributed.fsdp import FSDPModule  # FSDP2, torch >= 2.6
+    except ImportError:
+        return None
+    return FSDPModule
 
 
 @contextlib.contextmanager
@@ -436,7 +476,8 @@ class Accumulated:
         reference, norms = found
         if self.scratch is None:
             self.scratch = scratch(_device_of(reference))
-        error, mismatch = tree_normwise(output, reference, norms, self.scratch)
+        error, mismatch = tree_normwise(map_tensors(local, output), reference, norms, self.scratch,
+                                        self.recorder.ranks)
         if (name, i) in self.recorder.as_accumulated:
             self.per_call[(name, i)] = error
         if mismatch is not None:

@@ -29,11 +29,25 @@ def scratch(device: torch.device) -> torch.Tensor:
 
 
 def tree_normwise(output: Any, reference: Any, norms: dict[str, float],
-                   scratch: torch.Tensor) -> tuple[float, Optional[str]]:
+                   scratch: torch.Tensor, ranks: Any = None) -> tuple[float, Optional[str]]:
     """‖y − r‖ / ‖r‖ over the float tensors of a module's output, in float64 (``norms``: each ‖r‖², from the
     reference run), and what does not match the reference's structure, if anything. The difference goes through a
     reused chunk buffer (:func:`scratch`): fresh multi-MB temporaries cost page faults that dwarf the arithmetic.
-    A reference kept in memory and one read back from a spill file give the same bits."""
+    A reference kept in memory and one read back from a spill file give the same bits. With ``ranks``
+    (``measure.sharded.Ranks``) the sums of squares are those of every rank: one collective per call."""
+    diff2, ref2, mismatch = _sums(output, reference, norms, scratch)
+    if ranks is not None:
+        return ranks.normwise(diff2, ref2, mismatch)
+    if mismatch is not None:
+        return math.nan, mismatch
+    if ref2 == 0.0:
+        return (0.0 if diff2 == 0.0 else math.inf), None
+    return math.sqrt(diff2 / ref2), None
+
+
+def _sums(output: Any, reference: Any, norms: dict[str, float],
+          scratch: torch.Tensor) -> tuple[float, float, Optional[str]]:
+    """‖y − r‖², ‖r‖² and a mismatch of structure, if any."""
     refs = {key: r for key, r in named_leaves(reference) if isinstance(r, (torch.Tensor, Spilled))}
     read, work = scratch[:CHUNK], scratch[CHUNK:]
     diff2 = ref2 = 0.0
@@ -43,7 +57,7 @@ def tree_normwise(output: Any, reference: Any, norms: dict[str, float],
             continue
         if r.shape != y.shape:
             what = "its output" if name == "output" else f"its output {name}"
-            return math.nan, f"{what} has shape {tuple(y.shape)}, the reference's {tuple(r.shape)}"
+            return math.nan, math.nan, f"{what} has shape {tuple(y.shape)}, the reference's {tuple(r.shape)}"
         if isinstance(r, Spilled):
             parts = r.chunks(read)
         else:
@@ -60,6 +74,4 @@ def tree_normwise(output: Any, reference: Any, norms: dict[str, float],
             diff2 += float(torch.dot(d, d))
             start += part.numel()
         ref2 += norms[name]
-    if ref2 == 0.0:
-        return (0.0 if diff2 == 0.0 else math.inf), None
-    return math.sqrt(diff2 / ref2), None
+    return diff2, ref2, None

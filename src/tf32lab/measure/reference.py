@@ -93,6 +93,18 @@ _PASS = frozenset({"__get__", "__set__", "__setitem__", "__delitem__", "__len__"
                    "is_floating_point", "is_complex", "requires_grad_", "untyped_storage", "__hash__", "__eq__"})
 
 
+# Ops that move data between ranks or into a sharded model's buffers (FSDP2's all-gather copy-in and copy-out,
+# c10d's collectives): exact in any dtype, and they write into buffers of the parameters' own dtype, so they run
+# as they are: a sharded model's float32 parameters are gathered in float32, and widened where an op reads them.
+_DATA_MOVING = frozenset({"fsdp", "c10d", "_c10d_functional", "c10d_functional", "_dtensor"})
+
+
+def moves_data(func: Any) -> bool:
+    """Whether ``func`` (an op or op packet) is one of the ranks' data movers (:data:`_DATA_MOVING`)."""
+    name = getattr(func, "_qualified_op_name", None) or getattr(func, "_name", None)
+    return isinstance(name, str) and name.partition("::")[0] in _DATA_MOVING
+
+
 _DTYPE = torch.Tensor.dtype  # its __get__, as the mode sees it, is a new object each time
 _RNN_OPS = {getattr(torch._C._VariableFunctions, name): getattr(torch.ops.aten, name).input
             for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")}
@@ -112,7 +124,7 @@ class _Functions(TorchFunctionMode):
             found = func(*args, **kwargs)
             return found if self.run.paused else _WIDER.get(found, found)
         name = getattr(func, "__name__", "")
-        if self.run.paused or name in _PASS or name.endswith("_") or "out" in kwargs:
+        if self.run.paused or name in _PASS or name.endswith("_") or "out" in kwargs or moves_data(func):
             return func(*args, **kwargs)
         rnn = _RNN_OPS.get(func)
         if rnn is not None:
@@ -136,7 +148,7 @@ class _Ops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         run = self.run
-        if run.paused:
+        if run.paused or moves_data(func):
             return func(*args, **kwargs)
         if run.on_op is not None:
             run.on_op(func)

@@ -28,6 +28,9 @@ def _hardware(d: Diagnosis) -> Table:
     if hw.cpu_quota is not None:
         cpus += f", quota {hw.cpu_quota:g} ({hw.quota_source})"
     table.add_row("CPUs", cpus)
+    if hw.rank is not None:
+        table.add_row("rank", f"{hw.rank} of {hw.world_size} (torchrun); tf32lab.distributed.agree() compares "
+                              "the ranks' precision")
     table.add_row("threads", f"intra-op {d.threads['intra_op']}, inter-op {d.threads['inter_op']}")
     table.add_row("env", ", ".join(f"{k}={v}" for k, v in sorted(hw.env.items())) or "no overriding variables")
     table.add_row("target", hw.target + (" (simulated)" if hw.simulated_as else ""))

@@ -1,0 +1,286 @@
+"""``check`` of a model sharded over the ranks of a ``torch.distributed`` job: the reductions that make the ranks'
+errors one report, exactly.
+
+Every rank runs the float64 reference and each level on its shard (FSDP2's ``fully_shard``, DTensor tensor
+parallelism, or plain data parallelism); nothing is gathered whole. What each rank measures is reduced:
+
+- a layer call's normwise error ‖y − r‖ / ‖r‖ from the sums of ‖y − r‖² and ‖r‖² over the ranks (one
+  ``all_reduce`` per call, :meth:`Ranks.normwise`), so a layer whose output is split (by batch rows, by columns)
+  gets the error of its whole output, and one whose output every rank holds whole (after a tensor-parallel
+  all-reduce) gets its own error (both sums are multiplied by the number of ranks);
+- an output's metrics (``numbers.metrics``) from sums (of squares, of relative errors, of histogram counts,
+  of agreeing argmaxes), maxima by max and minima by min (:func:`outputs`). An output is *split by batch rows*
+  (dim 0) when the ranks hold different values, as data parallelism and FSDP2 give them; *replicated* when every
+  rank holds the same one (then it is measured as it is); a ``DTensor`` output by its placements (``Shard(0)``
+  split, anything else made whole with ``full_tensor()``). Outputs that are not finite float tensors of at least
+  two dimensions (NaN or Inf held, integer, 1-d) are gathered and compared whole: they are small or rare.
+
+The reductions run in float64 in another order than one process's, so a sharded report equals the one process
+check of the same model and the whole batch to float64 rounding, wherever the sharding leaves each float32 dot
+product whole (FSDP2, data parallelism, a column-parallel layer). A row-parallel layer sums partial products
+across ranks in float32 (the all-reduce), another computation than one GEMM: its errors are the sharded model's,
+as the hardware running it would see them.
+
+A rank that raises ends its check (its exception goes up); the others meet an error in their next collective
+(its connection closed) or at the group's timeout, and :func:`ranks_fail` turns it into one ``Tf32LabError``.
+
+Example:
+
+    >>> import torch
+    >>> from tf32lab.measure.sharded import Ranks
+    >>> Ranks.of_job() is None     # outside a job of several ranks: check runs as one process
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any, Optional
+
+import torch
+
+from tf32lab.errors import Tf32LabError
+from tf32lab.machine.distributed import initialized
+from tf32lab.numbers import metrics
+from tf32lab.numbers.trees import named_leaves
+
+__all__ = ["Ranks", "collective_failure", "local", "outputs", "plain", "ranks_fail", "type_name"]
+
+
+class Ranks:
+    """The ranks of one process group, for check: float64 reductions, each one collective."""
+
+    def __init__(self, group: Any = None) -> None:
+        dist = torch.distributed
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.calls = 0  # collectives so far
+
+    @classmethod
+    def of_job(cls, group: Any = None) -> Optional[Ranks]:
+        """The ranks of ``group`` (the whole job by default) when this process is one of several, else None."""
+        if not initialized():
+            return None
+        found = cls(group)
+        return found if found.world > 1 else None
+
+    def _reduce(self, values: Sequence[float], op: Any) -> list[float]:
+        self.calls += 1
+        t = torch.tensor(list(values), dtype=torch.float64)
+        torch.distributed.all_reduce(t, op=op, group=self.group)
+        return t.tolist()
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        """Each value summed over the ranks (NaN anywhere gives NaN)."""
+        return self._reduce(values, torch.distributed.ReduceOp.SUM)
+
+    def max(self, values: Sequence[float]) -> list[float]:
+        """Each value's maximum over the ranks; NaN on any rank gives NaN (the backends' max may drop it)."""
+        nan = [1.0 if math.isnan(v) else 0.0 for v in values]
+        found = self._reduce([*(-math.inf if math.isnan(v) else v for v in values), *nan],
+                             torch.distributed.ReduceOp.MAX)
+        n = len(values)
+        return [math.nan if found[n + i] else found[i] for i in range(n)]
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (a picklable object), in rank order."""
+        self.calls += 1
+        found: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(found, value, group=self.group)
+        return found
+
+    def normwise(self, diff2: float, ref2: float, mismatch: Optional[str]) -> tuple[float, Optional[str]]:
+        """A layer call's normwise error from every rank's ‖y − r‖² and ‖r‖², and a mismatch seen on any rank."""
+        total_diff, total_ref, bad = self.sum([diff2, ref2, 0.0 if mismatch is None else 1.0])
+        if bad:
+            return math.nan, mismatch or "its output's structure differs from the reference's on another rank"
+        if total_ref == 0.0:
+            return (0.0 if total_diff == 0.0 else math.inf), None
+        return math.sqrt(total_diff / total_ref), None
+
+
+# -- what a rank holds ----------------------------------------------------------------------------------------
+def plain(value: Any) -> Any:
+    """A tensor as a plain local tensor: a ``DTensor`` split by rows (``Shard(0)``) as its local rows, any other
+    ``DTensor`` made whole; a functional collective's pending result waited for."""
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(value, dtensor):
+        placements = value.placements
+        if len(placements) == 1 and placements[0].is_shard(0):
+            return value.to_local()
+        return value.full_tensor()
+    return _waited(value)
+
+
+def local(value: Any) -> Any:
+    """What this rank holds of a tensor: a ``DTensor``'s local shard, a pending collective's result; a plain
+    tensor as it is. A layer's error sums these over the ranks."""
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(value, dtensor):
+        return value.to_local()
+    return _waited(value)
+
+
+def _waited(value: Any) -> Any:
+    wait = getattr(value, "wait", None)
+    if isinstance(value, torch.Tensor) and type(value).__name__ == "AsyncCollectiveTensor" and callable(wait):
+        return wait()
+    return value
+
+
+def _dtensor_type() -> Any:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.5 keeps it under _tensor
+        try:
+            from torch.distributed._tensor import DTensor
+        except ImportError:
+            return None
+    return DTensor
+
+
+def type_name(module: torch.nn.Module) -> str:
+    """The module's class as its author wrote it: FSDP2's ``fully_shard`` swaps in a class named ``FSDP<Class>``."""
+    cls = type(module)
+    if cls.__name__.startswith("FSDP") and len(cls.__mro__) > 2:
+        for base in cls.__mro__[1:]:
+            if not base.__name__.startswith("FSDP") and issubclass(base, torch.nn.Module):
+                return base.__name__
+    return cls.__name__
+
+
+def _fingerprint(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        head = f"{t.dtype}{tuple(t.shape)}"
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        data = t.cpu().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return head + hashlib.sha256(data).hexdigest()
+    return repr(value)
+
+
+def _splittable(y: Any, r: Any) -> bool:
+    """A float tensor of two or more dimensions, finite on both sides, the same shape: reduced, not gathered."""
+    return (isinstance(y, torch.Tensor) and isinstance(r, torch.Tensor) and y.shape == r.shape and y.dim() >= 2
+            and y.is_floating_point() and r.is_floating_point() and y.numel() > 0
+            and bool(torch.isfinite(y).all()) and bool(torch.isfinite(r).all()))
+
+
+# -- outputs --------------------------------------------------------------------------------------------------
+def outputs(out: Any, ref_out: Any, tolerances: dict[str, float], ranks: Ranks,
+            compare_local: Any) -> tuple[metrics.OutputError, ...]:
+    """Every output's error over all ranks (see the module's docstring); ``compare_local(out, ref_out,
+    tolerances)`` is the one-process comparison, used for what every rank holds whole and what is gathered."""
+    refs = {name: plain(v) for name, v in named_leaves(ref_out)}
+    found = {name: plain(v) for name, v in named_leaves(out)}
+    names = list(refs) + [n for n in found if n not in refs]
+    mine = {n: (_fingerprint(found.get(n)), _fingerprint(refs.get(n)),
+                _splittable(found.get(n), refs.get(n))) for n in names}
+    everyone = ranks.gather((names, mine))
+    if any(other_names != names for other_names, _ in everyone):
+        raise Tf32LabError("the ranks' outputs have different names: "
+                           + "; ".join(f"rank {i}: {', '.join(n) or 'none'}" for i, (n, _) in enumerate(everyone)))
+    results = []
+    for name in names:
+        kinds = [m[name] for _, m in everyone]
+        tolerance = tolerances.get(name, tolerances["default"])
+        y, r = found.get(name, metrics.ABSENT), refs.get(name, metrics.ABSENT)
+        if all(k[:2] == kinds[0][:2] for k in kinds):  # replicated: every rank holds the same output
+            results.extend(compare_local({name: y}, {name: r}, {**tolerances, "default": tolerance}))
+        elif all(k[2] for k in kinds):
+            results.append(_split_error(name, y, r, tolerance, ranks))
+        else:
+            gathered = ranks.gather((y, r))
+            ys, rs = [g[0] for g in gathered], [g[1] for g in gathered]
+            results.extend(compare_local({name: _joined(ys)}, {name: _joined(rs)},
+                                         {**tolerances, "default": tolerance}))
+    return tuple(results)
+
+
+def _joined(parts: list[Any]) -> Any:
+    """The ranks' parts of an output as one: tensors stacked along dim 0 (a 0-d one as a vector), other values as
+    the first rank's when all agree, else the list of them."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        with contextlib.suppress(RuntimeError):
+            return torch.cat([p.reshape(1) if p.dim() == 0 else p for p in parts])
+    return parts[0] if all(repr(p) == repr(parts[0]) for p in parts) else parts
+
+
+def _split_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float, ranks: Ranks) -> metrics.OutputError:
+    """``metrics.output_error`` of an output split by batch rows over the ranks, from sums, maxima and minima."""
+    y64, r64 = y.detach().double(), r.detach().double()
+    diff, ref_abs = (y64 - r64).abs(), r64.abs()
+    shapes = ranks.gather(tuple(y.shape))
+    if any(s[1:] != shapes[0][1:] for s in shapes):
+        raise Tf32LabError(f"output {name!r}: the ranks' parts have shapes {shapes}; accepted: parts of one batch "
+                           f"(the same shape but for dim 0)")
+    shape = (sum(s[0] for s in shapes), *shapes[0][1:])
+    (top,) = ranks.max([float(ref_abs.max())])
+    big = ref_abs >= metrics.REL_FLOOR * top
+    rel = diff[big] / ref_abs[big]
+    rows_y, rows_r = y64.reshape(-1, y64.shape[-1]), r64.reshape(-1, r64.shape[-1])
+    cosine = float(torch.nn.functional.cosine_similarity(rows_y, rows_r, dim=-1, eps=1e-300).min())
+    logits = "logit" in name.lower() and y64.shape[-1] > 1
+    agree = float((rows_y.argmax(-1) == rows_r.argmax(-1)).sum()) if logits else 0.0
+    n, r2 = float(r64.numel()), float(torch.dot(r64.reshape(-1), r64.reshape(-1)))
+    d = (y64 - r64).reshape(-1)
+    sums = ranks.sum([n, r2, float(torch.dot(d, d)), float(rel.sum()), float(rel.numel()), float(ref_abs.sum()),
+                      float(d.sum()), agree, float(rows_y.shape[0])])
+    total_n, total_r2, total_d2, rel_sum, rel_n, abs_sum, signed, agreed, rows = sums
+    rms = math.sqrt(total_r2 / total_n)
+    counts = ranks.sum(_histogram(diff, rms))
+    max_abs, max_rel, neg_cosine = ranks.max([float(diff.max()), float(rel.max()) if rel.numel() else 0.0,
+                                              -cosine])
+    normwise = math.sqrt(total_d2) / math.sqrt(total_r2) if total_r2 else (0.0 if total_d2 == 0.0 else math.inf)
+    scale, mean_signed = abs_sum / total_n, signed / total_n
+    bias = mean_signed / scale if scale > 0 else (0.0 if mean_signed == 0 else math.copysign(math.inf, mean_signed))
+    return metrics.OutputError(name, shape, max_abs, max_rel, rel_sum / rel_n if rel_n else 0.0, normwise,
+                               -neg_cosine, agreed / rows if logits else None, tuple(int(c) for c in counts),
+                               tolerance, bias=bias)
+
+
+def _histogram(diff: torch.Tensor, rms: float) -> list[float]:
+    """``metrics.histogram``'s counts of this rank's part, scaled by the whole output's rms."""
+    scaled = diff / (rms if rms > 0 else 1.0)
+    decade = torch.floor(torch.log10(scaled.clamp_min(1e-300)))
+    lo, hi = metrics.HISTOGRAM_EDGES[0], metrics.HISTOGRAM_EDGES[-1]
+    index = (decade.clamp(lo, hi) - lo).long().flatten()
+    return [float(c) for c in torch.bincount(index, minlength=len(metrics.HISTOGRAM_EDGES))]
+
+
+# -- faults ---------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def ranks_fail(ranks: Optional[Ranks]) -> Iterator[None]:
+    """A collective that fails (another rank raised and left, was killed, or did not answer within the group's
+    timeout) becomes one ``Tf32LabError`` line naming this rank; this rank's own ``Tf32LabError`` gets its rank."""
+    if ranks is None:
+        yield
+        return
+    try:
+        yield
+    except Tf32LabError as exc:
+        if str(exc).startswith("rank "):
+            raise
+        raise Tf32LabError(f"rank {ranks.rank}/{ranks.world}: {exc}") from exc
+    except Exception as exc:
+        if not collective_failure(exc):
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise Tf32LabError(f"rank {ranks.rank}/{ranks.world}: the sharded check stopped: another rank failed, was "
+                           f"killed or did not answer within the process group's timeout ({first})") from exc
+
+
+_DIST_ERRORS = tuple(e for e in (getattr(torch.distributed, "DistError", None),) if e is not None)
+
+
+def collective_failure(exc: BaseException) -> bool:
+    if _DIST_ERRORS and isinstance(exc, _DIST_ERRORS):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        word in text for word in ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout",
+                                  "broken pipe", "peer"))

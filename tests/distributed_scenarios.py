@@ -1,0 +1,171 @@
+"""What each rank of a test's ``torch.distributed`` job runs (``tests/distributed_jobs.py`` starts them):
+``python distributed_scenarios.py SCENARIO [ARGS...]`` with torchrun's environment (RANK, WORLD_SIZE, MASTER_*).
+A scenario prints ``RESULT <json>`` for the test to read; an exception is printed as ``ERROR <type>: <line>``
+and the process exits 1.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+TIMEOUT_S = float(os.environ.get("TF32LAB_TEST_TIMEOUT", "20"))
+
+
+def _init() -> int:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    return dist.get_rank()
+
+
+def _result(value) -> None:
+    print("RESULT " + json.dumps(value), flush=True)
+
+
+def agree(*args: str) -> None:
+    """Every rank at the same settings (``high`` on all when asked): the agreement."""
+    import tf32lab
+    from tf32lab.machine import distributed
+    _init()
+    if "high" in args:
+        tf32lab.set_float32_matmul_precision("high")
+    found = distributed.agree()
+    _result({"ranks": found.ranks, "level": found.state.level, "prefix": distributed.rank_prefix()})
+
+
+def disagree(*args: str) -> None:
+    """The odd ranks set ``high`` (as a library that runs on some ranks only would): every rank raises."""
+    import tf32lab
+    from tf32lab.machine import distributed
+    rank = _init()
+    before = tf32lab.flags.snapshot()
+    if rank % 2:
+        torch.set_float32_matmul_precision("high")
+    try:
+        distributed.agree()
+    finally:
+        tf32lab.flags.restore(before)
+
+
+def autoconfig(*args: str) -> None:
+    """``autoconfig(agree=True)``: rank 1 asks for another level than the others; every rank raises and each one's
+    flags are as they were."""
+    import tf32lab
+    rank = _init()
+    before = tf32lab.flags.snapshot()
+    level = "medium" if rank == 1 and "odd" in args else "high"
+    try:
+        decisions = tf32lab.autoconfig(level, threads=1, agree=True)
+    except tf32lab.Tf32LabError:
+        changed = tf32lab.flags.snapshot().diff(before)
+        assert not changed, changed
+        raise
+    _result({"level": decisions["precision"].new, "agreed": decisions["agreement"].new})
+    decisions.undo()
+
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "sharded", "model.py")
+LEVELS = ("highest", "high", "medium")
+
+
+def numbers(report) -> dict:
+    """What a sharded check must share with one process's: every output's metrics, every layer's errors."""
+    found = {}
+    for row in report.levels:
+        found[row.level] = {
+            "outputs": {o.name: [list(o.shape), o.max_abs, o.max_rel, o.mean_rel, o.normwise, o.cosine, o.top1,
+                                 list(o.histogram), o.bias, o.passed] for o in row.outputs},
+            "layers": {e.name: [e.kind, e.calls, e.introduced, e.accumulated, e.diverged] for e in row.layers},
+            "coverage": sum(row.coverage.values()), "unhandled": sum(row.unhandled.values())}
+    return found
+
+
+def example(factory: str, *args: str):
+    """The example's workload, ``key=value`` arguments given to its factory as ints."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sharded_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, factory)(**{k: int(v) for k, v in (a.split("=") for a in args)})
+
+
+def check(factory: str, *args: str) -> None:
+    """``tf32lab.check`` of the example's sharded model (``factory``), through the Python API."""
+    import tf32lab
+    rank = _init()
+    before = tf32lab.flags.snapshot()
+    if "odd-high" in args and rank % 2:  # a library that set the level on some ranks only
+        torch.set_float32_matmul_precision("high")
+        before = tf32lab.flags.snapshot()
+    workload = example(factory, *(a for a in args if a != "odd-high"))
+    try:
+        report = tf32lab.check(workload, levels=LEVELS, speed=False)
+    finally:
+        assert not tf32lab.flags.snapshot().diff(before)
+    if rank == 0:
+        _result({"numbers": numbers(report), "notes": list(report.notes)})
+
+
+def cli(*args: str) -> None:
+    """``python -m tf32lab check ...`` as torchrun starts it on each rank (the CLI joins the job itself)."""
+    from tf32lab.cli import main as tf32lab_main
+    code = tf32lab_main(["check", *args])
+    print(f"EXIT {code}", flush=True)
+    sys.exit(code)
+
+
+def fault(kind: str, *args: str) -> None:
+    """Rank 1 raises, hangs or is killed in the middle of the check (its second end-to-end run); the job's
+    other ranks must end with one error."""
+    import signal
+    import time
+
+    from tf32lab.cli import main as tf32lab_main
+    from tf32lab.workloads import specs
+
+    real_load = specs.load
+
+    def load(spec, **kw):
+        workload = real_load(spec, **kw)
+        if int(os.environ["RANK"]) == 1:
+            runs = []
+
+            def hook(module, inputs, output):
+                if torch.is_inference_mode_enabled():  # an end-to-end run at a level (the reference is not)
+                    runs.append(1)
+                if len(runs) == 2:
+                    if kind == "raise":
+                        raise RuntimeError("rank 1's model failed")
+                    if kind == "hang":
+                        time.sleep(3600)
+                    if kind == "kill":
+                        os.kill(os.getpid(), signal.SIGKILL)
+
+            workload.model.head.register_forward_hook(hook)
+        return workload
+
+    specs.load = load
+    code = tf32lab_main(["check", f"{EXAMPLE}:transformer", "--no-speed", *args])
+    print(f"EXIT {code}", flush=True)
+    sys.exit(code)
+
+
+def main() -> None:
+    name, *args = sys.argv[1:]
+    try:
+        globals()[name](*args)
+    except Exception as exc:  # one line for the test to read
+        print(f"ERROR {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
+        sys.exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

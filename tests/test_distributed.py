@@ -1,0 +1,205 @@
+"""``torch.distributed`` jobs of 2 and 4 real processes on gloo (CPU): ranks that agree on precision, ranks that do
+not, ``autoconfig(agree=True)``; the sharded check (FSDP2, tensor parallel) against one process; faults."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from distributed_jobs import run_job
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_agree_ranks_at_one_precision(world):
+    ranks = run_job("agree", world, "high")
+    assert [r.returncode for r in ranks] == [0] * world, [r.stdout + r.stderr for r in ranks]
+    assert [r.result["ranks"] for r in ranks] == [world] * world
+    assert {r.result["level"] for r in ranks} == {"high"}
+    assert [r.result["prefix"] for r in ranks] == [f"rank {i}/{world}: " for i in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_disagreement_is_one_line_on_every_rank(world):
+    ranks = run_job("disagree", world)
+    errors = [line for r in ranks for line in r.stdout.splitlines() if line.startswith("ERROR")]
+    assert [r.returncode for r in ranks] == [1] * world
+    assert len(errors) == world and len(set(errors)) == 1, errors  # the same line on every rank
+    line = errors[0]
+    even, odd = ",".join(map(str, range(0, world, 2))), ",".join(map(str, range(1, world, 2)))
+    assert line.startswith("ERROR Tf32LabError: ranks disagree on precision")
+    for who in (even, odd):
+        assert (f"ranks {who} " if "," in who else f"rank {who} ") in line
+    assert "level:" in line and "'high'" in line and "'highest'" in line
+    assert "cell mkldnn.matmul:" in line
+
+
+@pytest.mark.slow
+def test_autoconfig_agree_puts_back_each_rank_on_disagreement():
+    ranks = run_job("autoconfig", 2, "odd")
+    errors = {line for r in ranks for line in r.stdout.splitlines() if line.startswith("ERROR")}
+    assert [r.returncode for r in ranks] == [1, 1], [r.stdout + r.stderr for r in ranks]
+    assert len(errors) == 1 and "ranks disagree" in errors.pop()
+
+
+def test_autoconfig_agree():
+    ranks = run_job("autoconfig", 2)
+    assert [r.returncode for r in ranks] == [0, 0], [r.stdout + r.stderr for r in ranks]
+    assert [r.result for r in ranks] == [{"level": "high", "agreed": 2}] * 2
+
+
+def test_agree_outside_a_job_is_one_clear_error():
+    import tf32lab
+    from tf32lab.machine import distributed
+    with pytest.raises(tf32lab.Tf32LabError, match="needs an initialised"):
+        distributed.agree()
+    with pytest.raises(tf32lab.Tf32LabError, match="agree=True"):
+        tf32lab.autoconfig(agree=True)
+    assert distributed.rank_of({"RANK": "1", "WORLD_SIZE": "4"}) == (1, 4)
+    assert distributed.rank_of({}) == (None, 1)
+
+
+# -- the sharded check ------------------------------------------------------------------------------------------
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sharded" / "model.py"
+
+
+def _alone(factory: str, *args: str) -> dict:
+    """The check of the same model, whole, in this one process (the example's factory outside a job)."""
+    import tf32lab
+    from distributed_scenarios import LEVELS, example, numbers
+
+    report = tf32lab.check(example(factory, *args), levels=LEVELS, speed=False)
+    return json.loads(json.dumps(numbers(report)))
+
+
+def _same(sharded, alone, path="report", rel=1e-9):
+    """Equal, numbers to float64 rounding of the reductions (relative 1e-9). Three of an output's fields to 1e-6:
+    the largest and mean relative error per element (2 and 3; the float64 reference of a batch of 4 rows and of 8
+    differs in its last bits, another GEMM blocking, and an element whose reference is small divides that up) and
+    the bias (8; a sum of signed errors that cancel, summed in another order)."""
+    if isinstance(alone, dict):
+        assert sorted(sharded) == sorted(alone), path
+        for key in alone:
+            _same(sharded[key], alone[key], f"{path}.{key}", rel)
+    elif isinstance(alone, list):
+        assert len(sharded) == len(alone), path
+        for i, (a, b) in enumerate(zip(sharded, alone)):
+            _same(a, b, f"{path}[{i}]", rel)
+    elif isinstance(alone, float) and not isinstance(alone, bool):
+        rel = 1e-6 if path.endswith(("[2]", "[3]", "[8]")) and ".outputs." in path else rel
+        assert sharded == pytest.approx(alone, rel=rel, abs=1e-300, nan_ok=True), path
+    else:
+        assert sharded == alone, path
+
+
+def _checked(ranks) -> dict:
+    assert [r.returncode for r in ranks] == [0] * len(ranks), [r.stdout[-2000:] + r.stderr[-3000:] for r in ranks]
+    found = ranks[0].result
+    assert found is not None and all(r.result is None for r in ranks[1:])  # rank 0 reports
+    return found
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_fsdp2_transformer_checked_sharded_equals_one_process(world):
+    # four rows per rank: CPU attention kernels sum in another order for fewer rows (float32 bits, as the same
+    # model would give on that many rows in one process), so the batch grows with the ranks
+    batch = f"batch={4 * world}"
+    found = _checked(run_job("check", world, "transformer", batch, timeout=120))
+    alone = _alone("transformer", batch)
+    _same(found["numbers"], alone)
+    assert alone["high"]["outputs"]["output"][4] > 1e-5  # the levels were emulated (TF32's error), on every rank
+    assert any(f"sharded over {world} ranks" in note for note in found["notes"])
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_tensor_parallel_mlp_checked_sharded_equals_one_process(world):
+    found = _checked(run_job("check", world, "tensor_parallel", timeout=120))
+    alone = _alone("tensor_parallel")
+    # The row-parallel layer's float64 reference is summed from each rank's partial products (the all-reduce):
+    # float64 rounding of an output of size ~1, which is ~1e-9 of the float32 error (3e-7) at highest.
+    _same(found["numbers"], alone, rel=1e-7)
+    assert alone["high"]["layers"]["0"][2] > 1e-5 and found["numbers"]["high"]["unhandled"] == 0
+
+
+def test_a_sharded_check_refuses_ranks_at_other_levels():
+    ranks = run_job("check", 2, "tensor_parallel", "odd-high", timeout=60)
+    errors = [line for r in ranks for line in r.stdout.splitlines() if line.startswith("ERROR")]
+    assert [r.returncode for r in ranks] == [1, 1] and len(errors) == 2, [r.stderr[-2000:] for r in ranks]
+    assert errors[0].startswith("ERROR Tf32LabError: rank 0/2: ranks disagree on precision (2 ranks): ")
+    assert errors[1].startswith("ERROR Tf32LabError: rank 1/2: ranks disagree on precision (2 ranks): ")
+
+
+def test_cli_under_torchrun_writes_one_report(tmp_path):
+    out = tmp_path / "report.json"
+    ranks = run_job("cli", 2, f"{EXAMPLE}:transformer", "--levels", "highest,high", "--no-speed", "--json", str(out),
+                    "--timeout", "30", timeout=120)
+    assert [r.returncode for r in ranks] == [0, 0], [r.stdout[-2000:] + r.stderr[-3000:] for r in ranks]
+    assert "PASSED | level 'high' | output 'output'" in ranks[0].stdout and "PASSED" not in ranks[1].stdout
+    data = json.loads(out.read_text())
+    alone = _alone("transformer")
+    for row in data["levels"]:
+        assert row["outputs"][0]["normwise"] == pytest.approx(alone[row["level"]]["outputs"]["output"][4], rel=1e-9)
+
+
+# -- faults -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", [pytest.param("raise", marks=pytest.mark.slow), "kill",
+                                  pytest.param("hang", marks=pytest.mark.slow)])
+def test_a_failing_rank_ends_the_check_on_every_rank_with_one_error(tmp_path, kind):
+    out = tmp_path / "report.json"
+    started = time.monotonic()
+    ranks = run_job("fault", 2, kind, "--json", str(out), "--timeout", "8", timeout=90,
+                    wait_for=[0] if kind == "hang" else None)
+    took = time.monotonic() - started
+    assert ranks[0].returncode == 2, ranks[0].stdout[-2000:] + ranks[0].stderr[-3000:]
+    errors = [line for line in ranks[0].stderr.splitlines() if line.startswith("tf32lab check: error:")]
+    assert len(errors) == 1 and "rank 0/2: the sharded check stopped" in errors[0], ranks[0].stderr[-3000:]
+    assert "Traceback" not in ranks[0].stderr
+    if kind == "raise":  # the failing rank says why, in one line too
+        assert ranks[1].returncode == 2 and "rank 1/2: workload 'sharded-transformer' raised" in \
+            ranks[1].stderr and "rank 1's model failed" in ranks[1].stderr
+    if kind == "kill":
+        assert ranks[1].returncode == -9
+    assert not out.exists() and not list(tmp_path.iterdir())  # no report, not even half of one
+    assert took < 60
+
+
+# -- in one process ---------------------------------------------------------------------------------------------
+def test_disagreement_names_ranks_and_settings():
+    from tf32lab.machine.distributed import RankState, disagreement
+
+    cells = {"cuda.matmul": "ieee", "mkldnn.matmul": "ieee"}
+    states = [RankState(r, dict(cells), "highest", "none", "0.1.0", "2.13.0") for r in range(3)]
+    assert disagreement(states) is None
+    states[2] = RankState(2, {**cells, "cuda.matmul": "tf32"}, "highest", "abc", "0.1.0", "2.13.0")
+    line = disagreement(states)
+    assert line == ("ranks disagree on precision (3 ranks): cell cuda.matmul: ranks 0,1 'ieee'; rank 2 'tf32' | "
+                    "policy: ranks 0,1 'none'; rank 2 'abc'")
+
+
+def test_emulate_without_a_weight_cache_gives_the_same_bits():
+    import torch
+
+    import tf32lab
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    x = torch.randn(16, 64)
+    with tf32lab.precision("high"):
+        with tf32lab.emulate("a100") as cached:
+            a = model(x)
+        with tf32lab.emulate("a100", weight_cache=False) as uncached:
+            b = model(x)
+    assert torch.equal(a, b) and cached.coverage == uncached.coverage
+
+
+def test_fsdp_wrapper_classes_are_named_as_written():
+    import torch
+
+    from tf32lab.measure.sharded import type_name
+
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    module = torch.nn.Linear(2, 2)
+    module.__class__ = type("FSDPLinear", (fsdp.FSDPModule, torch.nn.Linear), {})  # as fully_shard swaps it
+    assert type(module).__name__ == "FSDPLinear" and type_name(module) == "Linear"
+    assert type_name(torch.nn.Linear(2, 2)) == "Linear"
