@@ -115,25 +115,33 @@ def compiled() -> bool:
     return _kernels() is not None
 
 
+def _work_split(batch: int, m: int, n: int) -> tuple[int, int]:
+    """Columns and rows of one work item of the compiled kernels: wide enough to vectorise, and enough items
+    to share among the threads."""
+    import numba
+
+    tile = min(n, 256)
+    items = batch * -(-n // tile)
+    want = 4 * numba.get_num_threads()
+    band = m if items >= want else max(1, -(-m * items // want))
+    return tile, band
+
+
 def _gemm_compiled(kernels: ModuleType, a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor,
                    model: Accumulation) -> torch.Tensor:
-    import numpy as np
-
     batch = acc.shape[:-2]
     a = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
     b = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
-    flat = acc.reshape(-1, *acc.shape[-2:])
-    out = torch.empty_like(flat)
-    for i in range(flat.size(0)):
-        c = np.ascontiguousarray(flat[i].numpy())
-        a64, b64 = a[i].to(_F64).contiguous().numpy(), b[i].to(_F64).contiguous().numpy()
-        if model.kind == "fma":
-            res = kernels.fma_gemm(a64, b64, c, 128)
-        else:
-            ea, eb = _exponent(a[i].contiguous()).numpy(), _exponent(b[i].contiguous()).numpy()
-            res = kernels.nvidia_gemm(a64, ea, b64, eb, c, model.chunk, model.fraction_bits, kernels.POW2, 128)
-        out[i] = torch.from_numpy(res)
-    return out.reshape(acc.shape)
+    c = acc.reshape(-1, *acc.shape[-2:]).contiguous()
+    a64, b64 = a.to(_F64).contiguous().numpy(), b.to(_F64).contiguous().numpy()
+    m, n = c.shape[-2:]
+    if model.kind == "fma":
+        res = kernels.fma_gemm(a64, b64, c.numpy(), min(n, 256))
+    else:
+        ia, ib = _pow2(-_exponent(a.contiguous())).numpy(), _pow2(-_exponent(b.contiguous())).numpy()
+        tile, band = _work_split(c.size(0), m, n)
+        res = kernels.nvidia_gemm(a64, ia, b64, ib, c.numpy(), model.chunk, model.fraction_bits, tile, band)
+    return torch.from_numpy(res).reshape(acc.shape)
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, model: Accumulation, c: Optional[torch.Tensor] = None,
