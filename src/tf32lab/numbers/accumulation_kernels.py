@@ -52,22 +52,64 @@ def _float(typingctx, x):  # pragma: no cover - compiled
 
 
 @nb.njit(inline="always", **_OPTIONS)
-def _inverse_power(r):  # pragma: no cover - compiled
-    """2^-e for the float32 exponent e of ``r`` (MMA-Sim's: -126 for zero and subnormals, 128 for Inf/NaN)."""
-    e = min(max((_bits(r) >> 52) & 0x7FF, _LOWEST), _HIGHEST)
-    return _float((2046 - e) << 52)
+def _exponent(r):  # pragma: no cover - compiled
+    """MMA-Sim's exponent of the float32 value ``r`` (held in a float64): floor(log2|r|), -126 for zero and
+    subnormals, 128 for Inf/NaN; as a float32, so that a step's maximum runs eight lanes to a vector."""
+    return np.float32(min(max((_bits(r) >> 52) & 0x7FF, _LOWEST), _HIGHEST) - 1023)
+
+
+@nb.njit(inline="always", **_OPTIONS)
+def _scale(bits, emax):  # pragma: no cover - compiled
+    """2^(bits - emax) in float64, from its bits."""
+    return _float((bits + 1023 - np.int64(emax)) << 52)
+
+
+@nb.njit(inline="always", **_OPTIONS)
+def _toward_zero(units, scale):  # pragma: no cover - compiled
+    """units / scale (exact: scale is a power of two) rounded toward zero to float32 (subnormals on their grid;
+    at or above 2^128: Inf)."""
+    s = units * _float(_RECIPROCAL - _bits(scale))
+    r = _float(_bits(s) & _KEEP24)
+    subnormal = np.trunc(s * 2.0 ** 149) * 2.0 ** -149
+    over = s * 2.0 ** 1000  # Inf of its sign
+    size = abs(s)
+    r = subnormal if size < 2.0 ** -126 else r
+    return over if size >= 2.0 ** 128 else r
+
+
+@nb.njit(inline="always", **_OPTIONS)
+def _larger(x, y):  # pragma: no cover - compiled
+    return x if x > y else y  # one max instruction (exponents are never NaN)
 
 
 @nb.njit(parallel=True, **_OPTIONS)
-def nvidia_gemm(a, ia, b, ib, c, chunk, bits, tile, band):  # pragma: no cover - compiled
+def _operands(x):  # pragma: no cover - compiled
+    """x (B, R, C) float32, any strides -> its values in float64 and their exponents (float32), C-contiguous."""
+    nq, rows, cols = x.shape
+    values = np.empty((nq, rows, cols), np.float64)
+    exponents = np.empty((nq, rows, cols), np.float32)
+    for item in nb.prange(nq * rows):
+        q, r = divmod(np.int64(item), np.int64(rows))
+        for j in range(cols):
+            v = np.float64(x[q, r, j])
+            values[q, r, j] = v
+            exponents[q, r, j] = _exponent(v)
+    return values, exponents
+
+
+@nb.njit(parallel=True, **_OPTIONS)
+def nvidia_gemm(a, b, c, chunk, bits, tile, band):  # pragma: no cover - compiled
     """c + a @ b per GEMM of the batch, chunks of ``chunk`` products fused as accumulation's "nvidia" kind.
 
-    a (B, M, K), b (B, K, N): float64 holding float32 values, K a multiple of ``chunk``; ia, ib: 2^-e of their
-    float32 exponents e; c (B, M, N) float32. Work items: ``tile`` columns by ``band`` rows of one GEMM."""
+    a (B, M, K), b (B, K, N), c (B, M, N): float32, any strides, K a multiple of ``chunk``. Work items: ``tile``
+    columns by ``band`` rows of one GEMM. Products are exact in float64, and so is every aligned term (< 2^27)
+    and their sum (< 2^31)."""
+    a, ea = _operands(a)
+    b, eb = _operands(b)
     nq, m, k = a.shape
     n = b.shape[2]
     out = np.empty((nq, m, n), np.float32)
-    two_bits = np.float64(2.0 ** bits)
+    fours = chunk % 4 == 0  # products taken four at a time: fewer passes over the row's state
     tiles, bands = (n + tile - 1) // tile, (m + band - 1) // band
     for item in nb.prange(nq * tiles * bands):
         q, rest = divmod(np.int64(item), np.int64(tiles * bands))
@@ -75,42 +117,61 @@ def nvidia_gemm(a, ia, b, ib, c, chunk, bits, tile, band):  # pragma: no cover -
         n0, n1 = t * tile, min(n, t * tile + tile)
         w = n1 - n0
         acc = np.empty(w, np.float64)  # the output row, float32 values
-        low = np.empty(w, np.float64)  # 2^-emax of the step
+        emax = np.empty(w, np.float32)  # the step's largest exponent
         scale = np.empty(w, np.float64)  # 2^(bits - emax): one unit of the aligned sum is 1
-        units = np.empty(w, np.float64)  # the aligned, truncated terms summed (exact: < 2^31)
-        bq, ibq = b[q], ib[q]
+        units = np.empty(w, np.float64)  # the aligned, truncated terms summed
+        bq, ebq = b[q], eb[q]
         for i in range(g * band, min(m, g * band + band)):
-            ai, iai = a[q, i], ia[q, i]
+            ai, eai = a[q, i], ea[q, i]
             for x in range(w):
                 r = np.float64(c[q, i, n0 + x])
                 acc[x] = r
-                low[x] = _inverse_power(r)
+                emax[x] = _exponent(r)
             for k0 in range(0, k, chunk):
-                for kk in range(k0, k0 + chunk):
-                    v = iai[kk]
-                    row = ibq[kk, n0:n1]
+                if fours:
+                    for k1 in range(k0, k0 + chunk, 4):
+                        e0, e1, e2, e3 = eai[k1], eai[k1 + 1], eai[k1 + 2], eai[k1 + 3]
+                        r0, r1, r2, r3 = ebq[k1, n0:n1], ebq[k1 + 1, n0:n1], ebq[k1 + 2, n0:n1], ebq[k1 + 3, n0:n1]
+                        for x in range(w):
+                            emax[x] = _larger(_larger(emax[x], _larger(e0 + r0[x], e1 + r1[x])),
+                                              _larger(e2 + r2[x], e3 + r3[x]))
+                else:
+                    for kk in range(k0, k0 + chunk):
+                        e0, r0 = eai[kk], ebq[kk, n0:n1]
+                        for x in range(w):
+                            emax[x] = _larger(emax[x], e0 + r0[x])
+                if chunk == 4:  # the whole step in one pass
+                    v0, v1, v2, v3 = ai[k0], ai[k0 + 1], ai[k0 + 2], ai[k0 + 3]
+                    r0, r1, r2, r3 = bq[k0, n0:n1], bq[k0 + 1, n0:n1], bq[k0 + 2, n0:n1], bq[k0 + 3, n0:n1]
                     for x in range(w):
-                        p = v * row[x]
-                        low[x] = p if p < low[x] else low[x]
+                        s = _scale(bits, emax[x])
+                        u = (np.trunc(acc[x] * s) + np.trunc(v0 * r0[x] * s) + np.trunc(v1 * r1[x] * s)
+                             + np.trunc(v2 * r2[x] * s) + np.trunc(v3 * r3[x] * s))
+                        r = _toward_zero(u, s)
+                        acc[x] = r
+                        emax[x] = _exponent(r)
+                    continue
                 for x in range(w):
-                    s = low[x] * two_bits
+                    s = _scale(bits, emax[x])
                     scale[x] = s
                     units[x] = np.trunc(acc[x] * s)
-                for kk in range(k0, k0 + chunk):
-                    v = ai[kk]
-                    row = bq[kk, n0:n1]
-                    for x in range(w):
-                        units[x] += np.trunc(v * row[x] * scale[x])
-                for x in range(w):  # back to scale (exactly), then to float32 toward zero
-                    s = units[x] * _float(_RECIPROCAL - _bits(scale[x]))
-                    r = _float(_bits(s) & _KEEP24)
-                    subnormal = np.trunc(s * 2.0 ** 149) * 2.0 ** -149
-                    over = s * 2.0 ** 1000  # at or above 2^128: Inf of its sign
-                    size = abs(s)
-                    r = subnormal if size < 2.0 ** -126 else r
-                    r = over if size >= 2.0 ** 128 else r
+                if fours:
+                    for k1 in range(k0, k0 + chunk, 4):
+                        v0, v1, v2, v3 = ai[k1], ai[k1 + 1], ai[k1 + 2], ai[k1 + 3]
+                        r0, r1, r2, r3 = bq[k1, n0:n1], bq[k1 + 1, n0:n1], bq[k1 + 2, n0:n1], bq[k1 + 3, n0:n1]
+                        for x in range(w):
+                            s = scale[x]
+                            units[x] += (np.trunc(v0 * r0[x] * s) + np.trunc(v1 * r1[x] * s)
+                                         + np.trunc(v2 * r2[x] * s) + np.trunc(v3 * r3[x] * s))
+                else:
+                    for kk in range(k0, k0 + chunk):
+                        v0, r0 = ai[kk], bq[kk, n0:n1]
+                        for x in range(w):
+                            units[x] += np.trunc(v0 * r0[x] * scale[x])
+                for x in range(w):
+                    r = _toward_zero(units[x], scale[x])
                     acc[x] = r
-                    low[x] = _inverse_power(r)
+                    emax[x] = _exponent(r)
             for x in range(w):
                 out[q, i, n0 + x] = acc[x]
     return out
