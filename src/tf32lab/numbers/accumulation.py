@@ -116,11 +116,11 @@ def compiled() -> bool:
 
 
 def _work_split(batch: int, m: int, n: int) -> tuple[int, int]:
-    """Columns and rows of one work item of the compiled kernels: wide enough to vectorise, and enough items
-    to share among the threads."""
+    """Columns and rows of one work item of the compiled kernels: wide (each pass over a row slice has a fixed
+    cost), and enough items to share among the threads."""
     import numba
 
-    tile = min(n, 256)
+    tile = n if n <= 512 else 256
     items = batch * -(-n // tile)
     want = 4 * numba.get_num_threads()
     band = m if items >= want else max(1, -(-m * items // want))

@@ -97,6 +97,48 @@ def _operands(x):  # pragma: no cover - compiled
     return values, exponents
 
 
+@nb.njit(inline="always", **_OPTIONS)
+def _two_rows_k4(a, ea, b, eb, c, out, q, i, j, n0, n1, bits, acc0, acc1, emax0, emax1):  # pragma: no cover
+    """Rows i and j (j may equal i) of one GEMM, columns n0..n1, chunks of 4: each b row read once for both."""
+    w = n1 - n0
+    k = a.shape[2]
+    bq, ebq = b[q], eb[q]
+    a0, ea0, a1, ea1 = a[q, i], ea[q, i], a[q, j], ea[q, j]
+    for x in range(w):
+        r = np.float64(c[q, i, n0 + x])
+        acc0[x] = r
+        emax0[x] = _exponent(r)
+        r = np.float64(c[q, j, n0 + x])
+        acc1[x] = r
+        emax1[x] = _exponent(r)
+    for k0 in range(0, k, 4):
+        f0, f1, f2, f3 = ea0[k0], ea0[k0 + 1], ea0[k0 + 2], ea0[k0 + 3]
+        g0, g1, g2, g3 = ea1[k0], ea1[k0 + 1], ea1[k0 + 2], ea1[k0 + 3]
+        r0, r1, r2, r3 = ebq[k0, n0:n1], ebq[k0 + 1, n0:n1], ebq[k0 + 2, n0:n1], ebq[k0 + 3, n0:n1]
+        for x in range(w):
+            e0, e1, e2, e3 = r0[x], r1[x], r2[x], r3[x]
+            emax0[x] = _larger(_larger(emax0[x], _larger(f0 + e0, f1 + e1)), _larger(f2 + e2, f3 + e3))
+            emax1[x] = _larger(_larger(emax1[x], _larger(g0 + e0, g1 + e1)), _larger(g2 + e2, g3 + e3))
+        v0, v1, v2, v3 = a0[k0], a0[k0 + 1], a0[k0 + 2], a0[k0 + 3]
+        u0, u1, u2, u3 = a1[k0], a1[k0 + 1], a1[k0 + 2], a1[k0 + 3]
+        r0, r1, r2, r3 = bq[k0, n0:n1], bq[k0 + 1, n0:n1], bq[k0 + 2, n0:n1], bq[k0 + 3, n0:n1]
+        for x in range(w):
+            p0, p1, p2, p3 = r0[x], r1[x], r2[x], r3[x]
+            s = _scale(bits, emax0[x])
+            r = _toward_zero(np.trunc(acc0[x] * s) + np.trunc(v0 * p0 * s) + np.trunc(v1 * p1 * s)
+                             + np.trunc(v2 * p2 * s) + np.trunc(v3 * p3 * s), s)
+            acc0[x] = r
+            emax0[x] = _exponent(r)
+            s = _scale(bits, emax1[x])
+            r = _toward_zero(np.trunc(acc1[x] * s) + np.trunc(u0 * p0 * s) + np.trunc(u1 * p1 * s)
+                             + np.trunc(u2 * p2 * s) + np.trunc(u3 * p3 * s), s)
+            acc1[x] = r
+            emax1[x] = _exponent(r)
+    for x in range(w):
+        out[q, i, n0 + x] = acc0[x]
+        out[q, j, n0 + x] = acc1[x]
+
+
 @nb.njit(parallel=True, **_OPTIONS)
 def nvidia_gemm(a, b, c, chunk, bits, tile, band):  # pragma: no cover - compiled
     """c + a @ b per GEMM of the batch, chunks of ``chunk`` products fused as accumulation's "nvidia" kind.
@@ -121,7 +163,14 @@ def nvidia_gemm(a, b, c, chunk, bits, tile, band):  # pragma: no cover - compile
         scale = np.empty(w, np.float64)  # 2^(bits - emax): one unit of the aligned sum is 1
         units = np.empty(w, np.float64)  # the aligned, truncated terms summed
         bq, ebq = b[q], eb[q]
-        for i in range(g * band, min(m, g * band + band)):
+        i0, i1 = g * band, min(m, g * band + band)
+        if chunk == 4:  # rows two at a time (the last one twice where they are odd)
+            acc1 = np.empty(w, np.float64)
+            emax1 = np.empty(w, np.float32)
+            for i in range(i0, i1, 2):
+                _two_rows_k4(a, ea, b, eb, c, out, q, i, min(i + 1, i1 - 1), n0, n1, bits, acc, acc1, emax, emax1)
+            continue
+        for i in range(i0, i1):
             ai, eai = a[q, i], ea[q, i]
             for x in range(w):
                 r = np.float64(c[q, i, n0 + x])
