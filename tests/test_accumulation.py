@@ -117,9 +117,16 @@ def test_compiled_kernels_batches_and_specials():
     g = torch.Generator().manual_seed(3)
     a, b = formats.round_tf32(torch.randn(2, 9, 21, generator=g)), formats.round_tf32(torch.randn(21, 70, generator=g))
     a[0, 0, 0], a[1, 2, 3], b[4, 5] = float("inf"), float("nan"), 2.0 ** 120
-    for model in (accumulation.AMPERE, accumulation.HOPPER, accumulation.FMA):
+    odd = accumulation.Accumulation("nvidia", 3, 24, "a chunk that is no multiple of 4")
+    for model in (accumulation.AMPERE, accumulation.HOPPER, accumulation.FMA, odd):
         want = accumulation.gemm(a, b, model, c=torch.ones(70), use_compiled=False)
         assert _bits_equal(accumulation.gemm(a, b, model, c=torch.ones(70), use_compiled=True), want), str(model)
+        # operands read through their strides (a linear's weight is transposed), one row, one column
+        assert _bits_equal(accumulation.gemm(a, b.T.contiguous().T, model, c=torch.ones(70), use_compiled=True), want)
+        assert _bits_equal(accumulation.gemm(a[:, :1], b, model, use_compiled=True),
+                           accumulation.gemm(a[:, :1], b, model, use_compiled=False)), str(model)
+        assert _bits_equal(accumulation.gemm(a, b[:, :1], model, use_compiled=True),
+                           accumulation.gemm(a, b[:, :1], model, use_compiled=False)), str(model)
 
 
 # -- real hardware: an H200 (docs/gpu-results.md, "Accumulation bit for bit on an H200") -----------------------
