@@ -67,14 +67,14 @@ def _scale(bits, emax):  # pragma: no cover - compiled
 @nb.njit(inline="always", **_OPTIONS)
 def _toward_zero(units, scale):  # pragma: no cover - compiled
     """units / scale (exact: scale is a power of two) rounded toward zero to float32 (subnormals on their grid;
-    at or above 2^128: Inf)."""
+    at or above 2^128: Inf), and that float32's exponent as :func:`_exponent` gives it (the quotient's exponent
+    field, clamped: the rounding keeps it)."""
     s = units * _float(_RECIPROCAL - _bits(scale))
+    field = (_bits(s) >> 52) & 0x7FF
     r = _float(_bits(s) & _KEEP24)
-    subnormal = np.trunc(s * 2.0 ** 149) * 2.0 ** -149
-    over = s * 2.0 ** 1000  # Inf of its sign
-    size = abs(s)
-    r = subnormal if size < 2.0 ** -126 else r
-    return over if size >= 2.0 ** 128 else r
+    r = np.trunc(s * 2.0 ** 149) * 2.0 ** -149 if field < _LOWEST else r
+    r = s * 2.0 ** 1000 if field >= _HIGHEST else r  # Inf of its sign (NaN stays NaN)
+    return r, np.float32(min(max(field, _LOWEST), _HIGHEST) - 1023)
 
 
 @nb.njit(inline="always", **_OPTIONS)
@@ -125,15 +125,15 @@ def _two_rows_k4(a, ea, b, eb, c, out, q, i, j, n0, n1, bits, acc0, acc1, emax0,
         for x in range(w):
             p0, p1, p2, p3 = r0[x], r1[x], r2[x], r3[x]
             s = _scale(bits, emax0[x])
-            r = _toward_zero(np.trunc(acc0[x] * s) + np.trunc(v0 * p0 * s) + np.trunc(v1 * p1 * s)
+            r, e = _toward_zero(np.trunc(acc0[x] * s) + np.trunc(v0 * p0 * s) + np.trunc(v1 * p1 * s)
                              + np.trunc(v2 * p2 * s) + np.trunc(v3 * p3 * s), s)
             acc0[x] = r
-            emax0[x] = _exponent(r)
+            emax0[x] = e
             s = _scale(bits, emax1[x])
-            r = _toward_zero(np.trunc(acc1[x] * s) + np.trunc(u0 * p0 * s) + np.trunc(u1 * p1 * s)
+            r, e = _toward_zero(np.trunc(acc1[x] * s) + np.trunc(u0 * p0 * s) + np.trunc(u1 * p1 * s)
                              + np.trunc(u2 * p2 * s) + np.trunc(u3 * p3 * s), s)
             acc1[x] = r
-            emax1[x] = _exponent(r)
+            emax1[x] = e
     for x in range(w):
         out[q, i, n0 + x] = acc0[x]
         out[q, j, n0 + x] = acc1[x]
@@ -196,9 +196,9 @@ def nvidia_gemm(a, b, c, chunk, bits, tile, band):  # pragma: no cover - compile
                         s = _scale(bits, emax[x])
                         u = (np.trunc(acc[x] * s) + np.trunc(v0 * r0[x] * s) + np.trunc(v1 * r1[x] * s)
                              + np.trunc(v2 * r2[x] * s) + np.trunc(v3 * r3[x] * s))
-                        r = _toward_zero(u, s)
+                        r, e = _toward_zero(u, s)
                         acc[x] = r
-                        emax[x] = _exponent(r)
+                        emax[x] = e
                     continue
                 for x in range(w):
                     s = _scale(bits, emax[x])
@@ -218,9 +218,9 @@ def nvidia_gemm(a, b, c, chunk, bits, tile, band):  # pragma: no cover - compile
                         for x in range(w):
                             units[x] += np.trunc(v0 * r0[x] * scale[x])
                 for x in range(w):
-                    r = _toward_zero(units[x], scale[x])
+                    r, e = _toward_zero(units[x], scale[x])
                     acc[x] = r
-                    emax[x] = _exponent(r)
+                    emax[x] = e
             for x in range(w):
                 out[q, i, n0 + x] = acc[x]
     return out
