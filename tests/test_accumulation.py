@@ -70,6 +70,19 @@ def test_special_values_follow_ieee():
     assert accumulation.gemm(big, torch.ones(2, 1), accumulation.AMPERE).item() == float("inf")
 
 
+def test_a_zero_sum_is_positive_zero():
+    # MMA-Sim sums the aligned terms as integers: -0 in, or a tiny negative truncated away, comes out +0
+    # (the FMA chain is IEEE arithmetic: -0 + -0 stays -0)
+    a, b = torch.tensor([[-1e-30, 0.0]]), torch.tensor([[1e-30], [-5.0]])  # every term -0
+    for unit in sorted(MODELS):
+        for compiled in {False, accumulation.compiled() and unit != "cdna3"}:
+            got = accumulation.gemm(a, b, MODELS[unit], c=torch.tensor([[-0.0]]), use_compiled=compiled)
+            assert got.item() == 0.0 and not got.signbit().item(), (unit, compiled)
+    got = accumulation.gemm(torch.tensor([[-2.0 ** -100]]), torch.tensor([[2.0 ** -60]]), accumulation.HOPPER)
+    assert got.item() == 0.0 and not got.signbit().item()
+    assert accumulation.gemm(a, b, accumulation.FMA, c=torch.tensor([[-0.0]])).signbit().item()
+
+
 def test_batches_broadcast_and_k_padding():
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(3, 5, 13, generator=g), torch.randn(13, 7, generator=g)

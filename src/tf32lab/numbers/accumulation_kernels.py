@@ -67,14 +67,14 @@ def _scale(bits, emax):  # pragma: no cover - compiled
 @nb.njit(inline="always", **_OPTIONS)
 def _toward_zero(units, scale):  # pragma: no cover - compiled
     """units / scale (exact: scale is a power of two) rounded toward zero to float32 (subnormals on their grid;
-    at or above 2^128: Inf), and that float32's exponent as :func:`_exponent` gives it (the quotient's exponent
-    field, clamped: the rounding keeps it)."""
+    at or above 2^128: Inf; a zero is +0), and that float32's exponent as :func:`_exponent` gives it (the
+    quotient's exponent field, clamped: the rounding keeps it)."""
     s = units * _float(_RECIPROCAL - _bits(scale))
     field = (_bits(s) >> 52) & 0x7FF
     r = _float(_bits(s) & _KEEP24)
     r = np.trunc(s * 2.0 ** 149) * 2.0 ** -149 if field < _LOWEST else r
     r = s * 2.0 ** 1000 if field >= _HIGHEST else r  # Inf of its sign (NaN stays NaN)
-    return r, np.float32(min(max(field, _LOWEST), _HIGHEST) - 1023)
+    return r + 0.0, np.float32(min(max(field, _LOWEST), _HIGHEST) - 1023)  # a zero is +0, as in MMA-Sim
 
 
 @nb.njit(inline="always", **_OPTIONS)
