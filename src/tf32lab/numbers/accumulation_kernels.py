@@ -98,45 +98,63 @@ def _operands(x):  # pragma: no cover - compiled
 
 
 @nb.njit(inline="always", **_OPTIONS)
-def _two_rows_k4(a, ea, b, eb, c, out, q, i, j, n0, n1, bits, acc0, acc1, emax0, emax1):  # pragma: no cover
-    """Rows i and j (j may equal i) of one GEMM, columns n0..n1, chunks of 4: each b row read once for both."""
+def _start(acc, emax, x, value):  # pragma: no cover - compiled
+    r = np.float64(value)
+    acc[x] = r
+    emax[x] = _exponent(r)
+
+
+@nb.njit(inline="always", **_OPTIONS)
+def _step_k4(acc, emax, x, v0, v1, v2, v3, p0, p1, p2, p3, bits):  # pragma: no cover - compiled
+    """One fused step of 4 products for output column x of one row."""
+    s = _scale(bits, emax[x])
+    r, e = _toward_zero(np.trunc(acc[x] * s) + np.trunc(v0 * p0 * s) + np.trunc(v1 * p1 * s)
+                        + np.trunc(v2 * p2 * s) + np.trunc(v3 * p3 * s), s)
+    acc[x] = r
+    emax[x] = e
+
+
+@nb.njit(inline="always", **_OPTIONS)
+def _largest_k4(emax, x, f0, f1, f2, f3, e0, e1, e2, e3):  # pragma: no cover - compiled
+    emax[x] = _larger(_larger(emax[x], _larger(f0 + e0, f1 + e1)), _larger(f2 + e2, f3 + e3))
+
+
+@nb.njit(inline="always", **_OPTIONS)
+def _four_rows_k4(a, ea, b, eb, c, out, q, rows, n0, n1, bits, accs, emaxs):  # pragma: no cover - compiled
+    """Four rows (``rows``; repeats allowed) of one GEMM, columns n0..n1, chunks of 4: each b row read once."""
     w = n1 - n0
     k = a.shape[2]
     bq, ebq = b[q], eb[q]
-    a0, ea0, a1, ea1 = a[q, i], ea[q, i], a[q, j], ea[q, j]
+    i0, i1, i2, i3 = rows
+    acc0, acc1, acc2, acc3 = accs
+    emax0, emax1, emax2, emax3 = emaxs
     for x in range(w):
-        r = np.float64(c[q, i, n0 + x])
-        acc0[x] = r
-        emax0[x] = _exponent(r)
-        r = np.float64(c[q, j, n0 + x])
-        acc1[x] = r
-        emax1[x] = _exponent(r)
+        _start(acc0, emax0, x, c[q, i0, n0 + x])
+        _start(acc1, emax1, x, c[q, i1, n0 + x])
+        _start(acc2, emax2, x, c[q, i2, n0 + x])
+        _start(acc3, emax3, x, c[q, i3, n0 + x])
     for k0 in range(0, k, 4):
-        f0, f1, f2, f3 = ea0[k0], ea0[k0 + 1], ea0[k0 + 2], ea0[k0 + 3]
-        g0, g1, g2, g3 = ea1[k0], ea1[k0 + 1], ea1[k0 + 2], ea1[k0 + 3]
         r0, r1, r2, r3 = ebq[k0, n0:n1], ebq[k0 + 1, n0:n1], ebq[k0 + 2, n0:n1], ebq[k0 + 3, n0:n1]
+        ea0, ea1, ea2, ea3 = ea[q, i0, k0:k0 + 4], ea[q, i1, k0:k0 + 4], ea[q, i2, k0:k0 + 4], ea[q, i3, k0:k0 + 4]
         for x in range(w):
             e0, e1, e2, e3 = r0[x], r1[x], r2[x], r3[x]
-            emax0[x] = _larger(_larger(emax0[x], _larger(f0 + e0, f1 + e1)), _larger(f2 + e2, f3 + e3))
-            emax1[x] = _larger(_larger(emax1[x], _larger(g0 + e0, g1 + e1)), _larger(g2 + e2, g3 + e3))
-        v0, v1, v2, v3 = a0[k0], a0[k0 + 1], a0[k0 + 2], a0[k0 + 3]
-        u0, u1, u2, u3 = a1[k0], a1[k0 + 1], a1[k0 + 2], a1[k0 + 3]
+            _largest_k4(emax0, x, ea0[0], ea0[1], ea0[2], ea0[3], e0, e1, e2, e3)
+            _largest_k4(emax1, x, ea1[0], ea1[1], ea1[2], ea1[3], e0, e1, e2, e3)
+            _largest_k4(emax2, x, ea2[0], ea2[1], ea2[2], ea2[3], e0, e1, e2, e3)
+            _largest_k4(emax3, x, ea3[0], ea3[1], ea3[2], ea3[3], e0, e1, e2, e3)
         r0, r1, r2, r3 = bq[k0, n0:n1], bq[k0 + 1, n0:n1], bq[k0 + 2, n0:n1], bq[k0 + 3, n0:n1]
+        a0, a1, a2, a3 = a[q, i0, k0:k0 + 4], a[q, i1, k0:k0 + 4], a[q, i2, k0:k0 + 4], a[q, i3, k0:k0 + 4]
         for x in range(w):
             p0, p1, p2, p3 = r0[x], r1[x], r2[x], r3[x]
-            s = _scale(bits, emax0[x])
-            r, e = _toward_zero(np.trunc(acc0[x] * s) + np.trunc(v0 * p0 * s) + np.trunc(v1 * p1 * s)
-                             + np.trunc(v2 * p2 * s) + np.trunc(v3 * p3 * s), s)
-            acc0[x] = r
-            emax0[x] = e
-            s = _scale(bits, emax1[x])
-            r, e = _toward_zero(np.trunc(acc1[x] * s) + np.trunc(u0 * p0 * s) + np.trunc(u1 * p1 * s)
-                             + np.trunc(u2 * p2 * s) + np.trunc(u3 * p3 * s), s)
-            acc1[x] = r
-            emax1[x] = e
+            _step_k4(acc0, emax0, x, a0[0], a0[1], a0[2], a0[3], p0, p1, p2, p3, bits)
+            _step_k4(acc1, emax1, x, a1[0], a1[1], a1[2], a1[3], p0, p1, p2, p3, bits)
+            _step_k4(acc2, emax2, x, a2[0], a2[1], a2[2], a2[3], p0, p1, p2, p3, bits)
+            _step_k4(acc3, emax3, x, a3[0], a3[1], a3[2], a3[3], p0, p1, p2, p3, bits)
     for x in range(w):
-        out[q, i, n0 + x] = acc0[x]
-        out[q, j, n0 + x] = acc1[x]
+        out[q, i0, n0 + x] = acc0[x]
+        out[q, i1, n0 + x] = acc1[x]
+        out[q, i2, n0 + x] = acc2[x]
+        out[q, i3, n0 + x] = acc3[x]
 
 
 @nb.njit(parallel=True, **_OPTIONS)
@@ -164,11 +182,12 @@ def nvidia_gemm(a, b, c, chunk, bits, tile, band):  # pragma: no cover - compile
         units = np.empty(w, np.float64)  # the aligned, truncated terms summed
         bq, ebq = b[q], eb[q]
         i0, i1 = g * band, min(m, g * band + band)
-        if chunk == 4:  # rows two at a time (the last one twice where they are odd)
-            acc1 = np.empty(w, np.float64)
-            emax1 = np.empty(w, np.float32)
-            for i in range(i0, i1, 2):
-                _two_rows_k4(a, ea, b, eb, c, out, q, i, min(i + 1, i1 - 1), n0, n1, bits, acc, acc1, emax, emax1)
+        if chunk == 4:  # rows four at a time (the last one repeated where they run out)
+            accs = (acc, np.empty(w, np.float64), np.empty(w, np.float64), np.empty(w, np.float64))
+            emaxs = (emax, np.empty(w, np.float32), np.empty(w, np.float32), np.empty(w, np.float32))
+            for i in range(i0, i1, 4):
+                rows = (i, min(i + 1, i1 - 1), min(i + 2, i1 - 1), min(i + 3, i1 - 1))
+                _four_rows_k4(a, ea, b, eb, c, out, q, rows, n0, n1, bits, accs, emaxs)
             continue
         for i in range(i0, i1):
             ai, eai = a[q, i], ea[q, i]
