@@ -1,13 +1,15 @@
 """Compiled kernels for :mod:`tf32lab.numbers.accumulation` (numba, the optional extra ``tf32lab[fast]``).
 
-The same arithmetic as the tensor code there, one output row slice at a time so that the inner loops run over
+The same arithmetic as the tensor code there, on slices of output rows so that the inner loops run over
 contiguous columns and vectorise: the tests compare the two bit for bit. Operands come as a batch of GEMMs
-(``(B, M, K)`` and ``(B, K, N)``), so that a batched matmul is one call whose GEMMs share the threads.
+(``(B, M, K)`` and ``(B, K, N)`` float32, any strides), so that a batched matmul is one call whose GEMMs share the
+threads.
 
-Exponents are carried as powers of two (``2^-e`` in float64): the largest exponent of a step is then a minimum of
-products, and every scaling and the rounding toward zero to float32 are multiplications and bit masks, all of
-which the compiler vectorises; no step leaves float64 until the output is stored. Imported only when numba is
-installed.
+Everything stays in registers and in float64 (exact for these values) until the output is stored: exponents are
+float32 (a step's maximum runs eight lanes to a vector), powers of two and their reciprocals are built from bits,
+the rounding toward zero to float32 is a bit mask, and special lanes (subnormal, overflowing) are chosen by
+selects rather than branches. Chunks of 4 (the Ampere and Ada unit) run as one pass over four output rows, each
+row of ``b`` read once for all four. No fast-math: every bit counts. Imported only when numba is installed.
 
 Example:
 
