@@ -12,12 +12,15 @@
    TF32 GEMM (goal: <= 20x) and all-MiniLM-L6-v2 as in 3 (goal: <= 10x). Compiled kernels need numba
    (``pip install tf32lab[fast]``); the ratio is printed with which code ran.
 
-``--hardware`` runs only 6.
+``--hardware`` runs only 6. ``--cpu`` adds to 6 the CPU time per call with one thread each (torch and numba;
+interleaved medians): the work itself, which a shared machine's load does not inflate (informative, no goal).
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
+import time
 
 import torch
 from _common import header, interleaved
@@ -37,6 +40,37 @@ def emulated(fn, **options):
     return run
 
 
+def one_thread_cpu(variants: dict, rounds: int) -> dict[str, float]:
+    """Median CPU seconds per call of each variant with one torch and one numba thread, timed in turn."""
+    try:
+        import numba
+    except ImportError:  # the tensor code: torch's threads only
+        numba = None
+    threads = torch.get_num_threads(), numba.get_num_threads() if numba else 0
+    torch.set_num_threads(1)
+    if numba:
+        numba.set_num_threads(1)
+    try:
+        seconds: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(rounds):
+            for name, fn in variants.items():
+                start = time.process_time()
+                fn()
+                seconds[name].append(time.process_time() - start)
+    finally:
+        torch.set_num_threads(threads[0])
+        if numba:
+            numba.set_num_threads(threads[1])
+    return {name: statistics.median(values) for name, values in seconds.items()}
+
+
+def print_cpu(what: str, variants: dict, rounds: int) -> None:
+    if "--cpu" in sys.argv:
+        cpu = one_thread_cpu(variants, rounds)
+        print(f"{what}, CPU time with one thread each: hardware {cpu['hardware'] * 1e3:.1f} ms / native "
+              f"{cpu['native'] * 1e3:.2f} ms = {cpu['hardware'] / cpu['native']:.1f}x")
+
+
 def hardware_rows(rounds: int, model=None) -> dict[str, float]:
     from tf32lab.numbers import accumulation
 
@@ -52,6 +86,7 @@ def hardware_rows(rounds: int, model=None) -> dict[str, float]:
                         number=1)
     ratios = {"gemm512 hardware": times["hardware"] / times["native"]}
     print(f"512^3 GEMM native {times['native'] * 1e3:.2f} ms, hardware accumulation: {code}")
+    print_cpu("512^3 GEMM", {"native": gemm, "hardware": emulated(gemm, accumulation="hardware")}, rounds)
     model = model or samples.minilm()
     sentences = list(samples.SENTENCES)
 
@@ -62,6 +97,7 @@ def hardware_rows(rounds: int, model=None) -> dict[str, float]:
                         rounds=max(2, rounds // 3), number=1)
     ratios["minilm hardware"] = times["hardware"] / times["native"]
     print(f"MiniLM 64 sentences native {times['native'] * 1e3:.1f} ms, hardware accumulation: {code}")
+    print_cpu("MiniLM", {"native": encode, "hardware": emulated(encode, accumulation="hardware")}, max(2, rounds // 3))
     return ratios
 
 

@@ -70,6 +70,17 @@ def test_special_values_follow_ieee():
     assert accumulation.gemm(big, torch.ones(2, 1), accumulation.AMPERE).item() == float("inf")
 
 
+def test_a_zero_sum_is_positive_zero():
+    # MMA-Sim sums the aligned terms as integers: a tiny negative sum truncated away is +0, and so is the next
+    # step's sum of -0 terms (the FMA chain is IEEE arithmetic: there -2^-150 rounds to -0)
+    a, b = torch.tensor([[-(2.0 ** -75)] + [0.0] * 7]), torch.tensor([[2.0 ** -75]] + [[-(2.0 ** -100)]] * 7)
+    for unit in ("ampere", "hopper"):
+        for compiled in {False, accumulation.compiled()}:
+            got = accumulation.gemm(a, b, MODELS[unit], use_compiled=compiled)
+            assert got.item() == 0.0 and not got.signbit().item(), (unit, compiled)
+    assert accumulation.gemm(a, b, accumulation.FMA).signbit().item()
+
+
 def test_batches_broadcast_and_k_padding():
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(3, 5, 13, generator=g), torch.randn(13, 7, generator=g)
@@ -117,9 +128,16 @@ def test_compiled_kernels_batches_and_specials():
     g = torch.Generator().manual_seed(3)
     a, b = formats.round_tf32(torch.randn(2, 9, 21, generator=g)), formats.round_tf32(torch.randn(21, 70, generator=g))
     a[0, 0, 0], a[1, 2, 3], b[4, 5] = float("inf"), float("nan"), 2.0 ** 120
-    for model in (accumulation.AMPERE, accumulation.HOPPER, accumulation.FMA):
+    odd = accumulation.Accumulation("nvidia", 3, 24, "a chunk that is no multiple of 4")
+    for model in (accumulation.AMPERE, accumulation.HOPPER, accumulation.FMA, odd):
         want = accumulation.gemm(a, b, model, c=torch.ones(70), use_compiled=False)
         assert _bits_equal(accumulation.gemm(a, b, model, c=torch.ones(70), use_compiled=True), want), str(model)
+        # operands read through their strides (a linear's weight is transposed), one row, one column
+        assert _bits_equal(accumulation.gemm(a, b.T.contiguous().T, model, c=torch.ones(70), use_compiled=True), want)
+        assert _bits_equal(accumulation.gemm(a[:, :1], b, model, use_compiled=True),
+                           accumulation.gemm(a[:, :1], b, model, use_compiled=False)), str(model)
+        assert _bits_equal(accumulation.gemm(a, b[:, :1], model, use_compiled=True),
+                           accumulation.gemm(a, b[:, :1], model, use_compiled=False)), str(model)
 
 
 # -- real hardware: an H200 (docs/gpu-results.md, "Accumulation bit for bit on an H200") -----------------------

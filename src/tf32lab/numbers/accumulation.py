@@ -10,7 +10,8 @@ Mikaitis and Pranesh, PeerJ CS 7:e330, 2021, for the NVIDIA truncation):
 - ``"nvidia"``: one fused step adds ``chunk`` exact products and the accumulator. Every term is aligned to the
   largest exponent among them (a product's exponent is the sum of its operands', its significand in [1, 4)) and
   truncated toward zero to ``fraction_bits`` bits below it; the truncated terms are summed exactly and the sum is
-  rounded toward zero to float32 (NaN and Inf as in IEEE float32; a sum at or above 2^128 is Inf).
+  rounded toward zero to float32 (NaN and Inf as in IEEE float32; a sum at or above 2^128 is Inf; a zero, exact
+  or rounded, is +0, as MMA-Sim's integer sum gives it).
   ``fraction_bits``: 24 on Ampere and Ada, 25 on Hopper and Blackwell; ``chunk``: 4 for TF32 on Ampere and Ada
   (the ``m16n8k8`` instruction runs as two fused halves), 8 on Hopper (``wgmma ... k8``) and Blackwell.
 - ``"amd"``: CDNA3 (MI300) ``v_mfma_f32_*_xf32``: groups of 4 products aligned to their own largest exponent and
@@ -77,7 +78,7 @@ def _nvidia_step(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ea: torch.
     scale = _pow2(bits - emax)  # one unit of the aligned sum is 2^(emax - bits)
     units = (a * b).mul_(scale.unsqueeze(-2)).trunc_().sum(dim=-2)
     units += (acc.to(_F64) * scale).trunc_()
-    return _rz_f32(units / scale)
+    return _rz_f32(units / scale).add_(0.0)  # a zero is +0: the aligned sum is an integer (MMA-Sim)
 
 
 def _amd_step(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ea: torch.Tensor, eb: torch.Tensor,
@@ -87,7 +88,7 @@ def _amd_step(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ea: torch.Ten
     emax = torch.maximum(ep, _exponent(acc))
     products = (units * _pow2(31 - bits + ep - emax)).floor_()  # in 2^(emax - 31)
     own = (acc.to(_F64) * _pow2(24 - emax)).floor_()  # in 2^(emax - 24)
-    return (products * _pow2(emax - 31) + own * _pow2(emax - 24)).to(_F32)
+    return (products * _pow2(emax - 31) + own * _pow2(emax - 24)).add_(0.0).to(_F32)  # an exact zero is +0
 
 
 def _fma_chain(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -115,25 +116,32 @@ def compiled() -> bool:
     return _kernels() is not None
 
 
+def _work_split(batch: int, m: int, n: int) -> tuple[int, int]:
+    """Columns and rows of one work item of the compiled kernels: wide (each pass over a row slice has a fixed
+    cost), and enough items to share among the threads."""
+    import numba
+
+    tile = n if n <= 512 else 256
+    items = batch * -(-n // tile)
+    want = 4 * numba.get_num_threads()
+    band = m if items >= want else max(1, -(-m * items // want))
+    return tile, band
+
+
 def _gemm_compiled(kernels: ModuleType, a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor,
                    model: Accumulation) -> torch.Tensor:
-    import numpy as np
-
     batch = acc.shape[:-2]
     a = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
     b = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
-    flat = acc.reshape(-1, *acc.shape[-2:])
-    out = torch.empty_like(flat)
-    for i in range(flat.size(0)):
-        c = np.ascontiguousarray(flat[i].numpy())
-        a64, b64 = a[i].to(_F64).contiguous().numpy(), b[i].to(_F64).contiguous().numpy()
-        if model.kind == "fma":
-            res = kernels.fma_gemm(a64, b64, c, 128)
-        else:
-            ea, eb = _exponent(a[i].contiguous()).numpy(), _exponent(b[i].contiguous()).numpy()
-            res = kernels.nvidia_gemm(a64, ea, b64, eb, c, model.chunk, model.fraction_bits, kernels.POW2, 128)
-        out[i] = torch.from_numpy(res)
-    return out.reshape(acc.shape)
+    c = acc.reshape(-1, *acc.shape[-2:]).contiguous()
+    m, n = c.shape[-2:]
+    if model.kind == "fma":
+        a64, b64 = a.to(_F64).contiguous().numpy(), b.to(_F64).contiguous().numpy()
+        res = kernels.fma_gemm(a64, b64, c.numpy(), min(n, 256))
+    else:  # float32 operands as they are, strides included: the kernel reads them once
+        tile, band = _work_split(c.size(0), m, n)
+        res = kernels.nvidia_gemm(a.numpy(), b.numpy(), c.numpy(), model.chunk, model.fraction_bits, tile, band)
+    return torch.from_numpy(res).reshape(acc.shape)
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, model: Accumulation, c: Optional[torch.Tensor] = None,
