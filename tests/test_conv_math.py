@@ -104,3 +104,44 @@ def test_the_training_check_names_it_too():
     first = [report.level("highest").gradients[0].normwise for report in (ieee, tf32)]
     assert first[0] < first[1] / 10
     assert any("cudnn.conv 'ieee'" in note for note in ieee.notes)
+
+
+def test_conv_blocks_of_two_threads_closing_out_of_order_give_the_process_its_flag_back():
+    import threading
+
+    before = flags.snapshot()
+    a, b = conv_math("ieee"), conv_math("tf32")
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def first():
+        with a:
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def second():
+        a_in.wait(10)
+        with b:
+            b_in.set()
+            a_out.wait(10)  # a closes while b is open: b's math stays in force
+            assert flags.read_cells()["cuda.conv"] == "tf32"
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert flags.snapshot() == before, before.diff(flags.snapshot())
+
+
+def test_a_model_that_reads_cudnn_allow_tf32_runs_under_a_named_conv_math():
+    class Reads(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(2, 3, 3)
+
+        def forward(self, x):
+            assert torch.backends.cudnn.allow_tf32 is False  # PyTorch raises if conv and RNN cells disagree
+            return self.conv(x)
+
+    assert check(Workload(Reads(), torch.randn(1, 2, 5, 5)), levels=("highest",), conv="ieee", speed=False)

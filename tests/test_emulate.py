@@ -401,6 +401,56 @@ def test_a_linear_backward_rounds_its_output_gradient_once_for_both_gemms(monkey
     assert all(torch.equal(a, b) for a, b in zip(kept, fresh))  # the same bits either way
 
 
+class _WritesBetween(torch.autograd.Function):
+    """A custom backward that writes its gradient through a numpy view between two GEMMs: user code."""
+
+    @staticmethod
+    def forward(ctx, x, a, b):
+        ctx.save_for_backward(a, b)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        g = g.contiguous().clone()
+        first = g @ a
+        g.numpy()[:] = 1.0  # no version counter moves, no op passes the emulator
+        return first + g @ b, None, None
+
+
+def test_a_custom_backward_gets_no_kept_copies_so_its_numpy_writes_are_seen():
+    a, b, g = randn(64, 64, seed=74), randn(64, 64, seed=75), randn(64, 64, seed=76)
+    x = randn(64, 64, seed=77).requires_grad_()
+    with tf32lab.precision("high"), tf32lab.emulate("a100"):
+        _WritesBetween.apply(x, a, b).backward(g)
+        want = g @ a + torch.ones(64, 64) @ b
+    assert torch.equal(x.grad, want)
+
+
+@pytest.mark.parametrize("op", ["mm", "matmul", "bmm", "addmm"])
+def test_a_product_into_out_gets_the_emulated_value(op):
+    x, c = randn(16, 16, seed=78), randn(16, 16, seed=79)
+    calls = {"mm": lambda o: torch.mm(x, x, out=o), "matmul": lambda o: torch.matmul(x, x, out=o),
+             "bmm": lambda o: torch.bmm(x[None], x[None], out=o[None]), "addmm": lambda o: torch.addmm(c, x, x, out=o)}
+    plain = {"mm": lambda: x @ x, "matmul": lambda: x @ x, "bmm": lambda: x @ x, "addmm": lambda: c + x @ x}
+    out = torch.empty(16, 16)
+    with tf32lab.precision("high"), tf32lab.emulate("a100"):
+        calls[op](out)
+        want = torch.addmm(c, x, x) if op == "addmm" else torch.mm(x, x)
+    assert torch.equal(out, want) and not torch.equal(out, plain[op]())
+
+
+def test_a_product_written_into_a_weight_through_out_drops_its_rounded_copy():
+    w = torch.nn.Parameter(randn(16, 16, seed=80))
+    x = randn(16, 16, seed=81)
+    with tf32lab.precision("high"), tf32lab.emulate("a100"):
+        x @ w  # w's rounded copy made
+        torch.mm(x, x, out=w.data)
+        got = x @ w
+    with tf32lab.precision("high"), tf32lab.emulate("a100"):
+        assert torch.equal(got, x @ w.detach().clone())
+
+
 def _counting_into(seen: list):
     original = emulator._SINGLE_ROUND["tf32"]
 

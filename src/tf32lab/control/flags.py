@@ -405,12 +405,11 @@ def write_conv_state(state: tuple[Any, ...]) -> None:
 
 
 def write_conv(conv: str) -> None:
-    """cuDNN's float32 convolution math, ``"tf32"`` or ``"ieee"`` (validated): the ``cuda.conv`` cell; before torch
-    2.9 the one boolean ``cudnn.allow_tf32``, which covers cuDNN's RNNs too."""
-    if NEW_API:
-        _set(("cuda", "conv"), conv)
-    else:
-        _C._set_cudnn_allow_tf32(conv == "tf32")
+    """cuDNN's float32 math, ``"tf32"`` or ``"ieee"`` (validated), through PyTorch's own ``cudnn.allow_tf32`` setter
+    on every torch: it covers cuDNN's RNNs too and keeps the stored boolean and the per-backend cells in step, so
+    that a model reading ``torch.backends.cudnn.allow_tf32`` meanwhile does not meet PyTorch's "different TF32
+    flags" error (as it does after writing the ``cuda.conv`` cell alone)."""
+    _C._set_cudnn_allow_tf32(conv == "tf32")
 
 
 def level_values(level: str) -> tuple[str, ...]:

@@ -796,23 +796,38 @@ class conv_math:
         'tf32'
     """
 
-    __slots__ = ("_before", "conv")
+    __slots__ = ("_entered", "conv")
 
     def __init__(self, conv: Optional[str]) -> None:
         self.conv = check_conv(conv)
-        self._before: list[tuple[Any, ...]] = []
+        self._entered: list[object] = []  # one token per entry of this object (it may be re-entered)
 
     def __enter__(self) -> conv_math:
         if self.conv is not None:
+            token = object()
             with _STATE.lock:
-                self._before.append(flags.read_conv_state())
+                if not _CONV_OPEN:  # the first open block anywhere: what the process had, given back at the end
+                    _CONV_BASE[:] = [flags.read_conv_state()]
+                _CONV_OPEN.append((token, self.conv))
                 flags.write_conv(self.conv)
+            self._entered.append(token)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.conv is not None:
+            token = self._entered.pop()
             with _STATE.lock:
-                flags.write_conv_state(self._before.pop())
+                # Blocks of other threads or tasks may close in any order: the flag holds the newest open block's
+                # math, and once none is open, what the process had before the first.
+                _CONV_OPEN[:] = [(t, c) for t, c in _CONV_OPEN if t is not token]
+                if _CONV_OPEN:
+                    flags.write_conv(_CONV_OPEN[-1][1])
+                else:
+                    flags.write_conv_state(_CONV_BASE.pop())
+
+
+_CONV_OPEN: list[tuple[object, str]] = []  # every open conv_math block in the process, oldest first
+_CONV_BASE: list[tuple[Any, ...]] = []  # the conv state before the first of them
 
 
 def _refuse_native(level: str) -> None:

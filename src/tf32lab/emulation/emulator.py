@@ -378,11 +378,13 @@ class _WeightCache:
     def get_recent(self, t: torch.Tensor, tag: str, fn: Callable, parts: int = 1) -> Any:
         """``fn(t, out)``'s value for an operand that is not a parameter: inside one backward formula (a linear
         layer's rounds its output gradient for both of its GEMMs), kept for the formula's next GEMMs while it is
-        small; else computed in buffers leased to the op running now."""
+        small; else computed in buffers leased to the op running now. A custom ``autograd.Function``'s backward
+        is the user's code, which may write between its GEMMs where no op sees it (a numpy view): none kept there."""
         node = _current_node()
         base = t._base if t._base is not None else t
         size = t.numel() * t.element_size() * parts
-        if node is None or size + base.numel() * base.element_size() > self.RECENT_BYTES or t.is_inference():
+        if node is None or isinstance(node, _PYTHON_NODE) or t.is_inference() \
+                or size + base.numel() * base.element_size() > self.RECENT_BYTES:
             return fn(t, [_buffer_like(t) for _ in range(parts)])
         # A transposed view (the gradient is one GEMM's left operand and the other's right) shares the copy of what
         # it views. Keyed by the memory read; the entry holds the tensor (no other can take that memory meanwhile)
@@ -786,11 +788,14 @@ class _Mode(TorchDispatchMode):
             if how == "unhandled" or rule is None:
                 return self._no_rule(call, func, family, how, args, kwargs)
             out = kwargs.pop("out", None) if "out" in kwargs else None
+            # the rule computes the value, which ``out`` then gets: it calls the overload without ``out``
+            ruled = getattr(func.overloadpacket, "default", func) if out is not None and \
+                func._overloadname == "out" else func
             if _no_tf32_backward():
                 call.no_tf32 = True
 
             def run():
-                return rule(call, func, args, kwargs)
+                return rule(call, ruled, args, kwargs)
 
             # The rounded operands must not be rounded again by the native GEMM: IEEE for this device's cell.
             result = scope.run_at("highest", run, cell=_native_cell(args), refused=lambda: _in_float64(run))
@@ -801,8 +806,8 @@ class _Mode(TorchDispatchMode):
                 out.copy_(result)
                 result = out
             call.count(call.math_seen or call.math(family))
-            if (entry.cache.entries or entry.cache.recent) and _mutates(func):  # addmm_ and friends write into C
-                entry.cache.written(_tensors_in(args))
+            if (entry.cache.entries or entry.cache.recent) and (out is not None or _mutates(func)):
+                entry.cache.written(_tensors_in(args) + ([out] if out is not None else []))  # addmm_ writes C
             return result
         finally:
             self.pinned = pinned
@@ -983,6 +988,7 @@ def treatment(func: Any) -> Optional[Treatment]:
 
 
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+_PYTHON_NODE = torch.autograd.function.BackwardCFunction  # a custom Function's backward: Python, the user's own
 
 
 def _no_tf32_backward() -> bool:
