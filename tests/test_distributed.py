@@ -123,6 +123,16 @@ def test_tensor_parallel_mlp_checked_sharded_equals_one_process(world):
     assert alone["high"]["layers"]["0"][2] > 1e-5 and found["numbers"]["high"]["unhandled"] == 0
 
 
+def test_a_tensor_parallel_check_at_a_reduced_level_alone_runs(tmp_path):
+    # DTensor infers each op's sharding on fake tensors, the first time at whatever level comes first: the
+    # emulator lets those through as they are (it once tried to round them and raised)
+    out = tmp_path / "report.json"
+    ranks = run_job("cli", 2, f"{EXAMPLE}:tensor_parallel", "--levels", "high", "--no-speed", "--json", str(out),
+                    "--timeout", "30", timeout=120)
+    assert [r.returncode for r in ranks] == [0, 0], [r.stdout[-2000:] + r.stderr[-3000:] for r in ranks]
+    assert [row["level"] for row in json.loads(out.read_text())["levels"]] == ["high"]
+
+
 def test_a_sharded_check_refuses_ranks_at_other_levels():
     ranks = run_job("check", 2, "tensor_parallel", "odd-high", timeout=60)
     errors = [line for r in ranks for line in r.stdout.splitlines() if line.startswith("ERROR")]

@@ -731,10 +731,14 @@ class _Mode(TorchDispatchMode):
         entry = scope.current_emulation()
         if entry is None:
             return _passed_on(func, args, kwargs)
-        if any(t.__name__ == "DTensor" for t in types):
-            # A tensor subclass that computes through its own dispatch (DTensor: a sharded model's parameters):
-            # it runs the op on its local shards, which come back here as plain tensors and are emulated.
-            return NotImplemented
+        if types:
+            names = {t.__name__ for t in types}
+            if "DTensor" in names:
+                # A tensor subclass that computes through its own dispatch (DTensor: a sharded model's parameters):
+                # it runs the op on its local shards, which come back here as plain tensors and are emulated.
+                return NotImplemented
+            if "FakeTensor" in names:  # shapes without values (DTensor infers a sharding on them): as it is
+                return _passed_on(func, args, kwargs)
         classified = treatment(func)
         if classified is None or not (_float32_in(args) or _float32_in(kwargs.values())):
             if (entry.cache.entries or entry.cache.recent) and _mutates(func):  # a write (maybe via .data): copies go
