@@ -4,6 +4,9 @@ not, ``autoconfig(agree=True)``; the sharded check (FSDP2, tensor parallel) agai
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -213,3 +216,13 @@ def test_fsdp_wrapper_classes_are_named_as_written():
     module.__class__ = type("FSDPLinear", (fsdp.FSDPModule, torch.nn.Linear), {})  # as fully_shard swaps it
     assert type(module).__name__ == "FSDPLinear" and type_name(module) == "Linear"
     assert type_name(torch.nn.Linear(2, 2)) == "Linear"
+
+
+@pytest.mark.parametrize("command", [["tune", "examples/tune/model.py:make"], ["speed", "examples/tune/model.py:make"],
+                                     ["check", "examples/value_head/train.py:workload", "--train"]])
+def test_commands_of_one_process_are_refused_under_torchrun(command):
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "tf32lab", *command], capture_output=True, text=True, timeout=120,
+                          cwd=root, env={**os.environ, "RANK": "1", "WORLD_SIZE": "2"})
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "rank 1/2: " in done.stderr and "runs in one process, not under torchrun" in done.stderr

@@ -386,7 +386,6 @@ def _shown(path: object) -> str:
 
 def _check(args: argparse.Namespace) -> int:
     from tf32lab.know.levels import check_levels
-    from tf32lab.machine.distributed import rank_of
     from tf32lab.machine.hardware import resolve_target
     from tf32lab.workloads import specs
 
@@ -402,9 +401,8 @@ def _check(args: argparse.Namespace) -> int:
         policy = Policy.load(args.policy)  # before the workload loads: a bad file fails fast
     if args.steps is not None and not args.train:
         raise Tf32LabError(f"--steps {args.steps} goes with --train (the number of training steps)")
-    if args.train and rank_of()[0] is not None:
-        raise Tf32LabError("check --train runs in one process; under torchrun, check a sharded model's forward "
-                           "(check without --train)")
+    if args.train:
+        _one_process("check --train", "check a sharded model's forward (check without --train)")
     spec = args.spec
     if spec is None:
         if args.train:
@@ -489,10 +487,21 @@ def _next_step(report, spec: str, target) -> str:
             f"within tolerance (which layers to keep at a safer level than {failed[-1]!r}), each candidate verified")
 
 
+def _one_process(command: str, instead: str = "run it in one process, or check the sharded model") -> None:
+    """A one-line refusal of ``command`` under torchrun: every rank would run all of it and write its files."""
+    from tf32lab.machine.distributed import rank_of
+
+    rank, world = rank_of()
+    if rank is not None:
+        raise Tf32LabError(f"rank {rank}/{world}: {command} runs in one process, not under torchrun (every rank "
+                           f"would run all of it and write the same files); {instead}")
+
+
 def _tune(args: argparse.Namespace) -> int:
     from tf32lab.machine.hardware import resolve_target
     from tf32lab.workloads import specs
 
+    _one_process("tune")
     target = resolve_target(args.target, speed=not args.train)  # before the workload loads
     _outputs(args, "--out", "--json", "--html", reads=(("the spec", _spec_file(args.spec)),))
     if args.out == "-" or args.html == "-":
@@ -553,6 +562,7 @@ def _speed(args: argparse.Namespace) -> int:
     from tf32lab.workloads import specs
     from tf32lab.workloads.training import TrainingWorkload
 
+    _one_process("speed")
     levels = check_levels(part.strip() for part in args.levels.split(",") if part.strip())
     native = args.target == NATIVE  # this machine: nothing to predict, only to measure
     target = resolve_target(args.target, speed=not native)  # before the workload loads
