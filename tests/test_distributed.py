@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from distributed_jobs import run_job
+from tf32lab.errors import Tf32LabError
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
@@ -189,6 +190,25 @@ def test_disagreement_names_ranks_and_settings():
     line = disagreement(states)
     assert line == ("ranks disagree on precision (3 ranks): cell cuda.matmul: ranks 0,1 'ieee'; rank 2 'tf32' | "
                     "policy: ranks 0,1 'none'; rank 2 'abc'")
+
+
+def test_a_sharded_checks_arguments_are_compared_too():
+    import torch.distributed as dist
+
+    from tf32lab.machine.distributed import RankState, agree, disagreement
+
+    cells = {"cuda.matmul": "ieee"}
+    states = [RankState(r, dict(cells), "highest", "none", "0.1.0", "2.13.0", {"check levels": lv})
+              for r, lv in enumerate(("highest,high", "high,highest"))]
+    assert disagreement(states) == ("ranks disagree on precision (2 ranks): check levels: rank 0 'highest,high'; "
+                                    "rank 1 'high,highest'")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert agree(also={"check target": "a100"}).state.also == {"check target": "a100"}
+        with pytest.raises(Tf32LabError, match=r"agree\(also=\.\.\.\) takes a dict"):
+            agree(also=[("check target", "a100")])
+    finally:
+        dist.destroy_process_group()
 
 
 def test_emulate_without_a_weight_cache_gives_the_same_bits():

@@ -39,7 +39,7 @@ from tf32lab.control.policy import Policy, applied_policies, applied_to
 from tf32lab.control.scope import get_float32_matmul_precision
 from tf32lab.errors import Tf32LabError
 
-__all__ = ["Agreement", "RankState", "agree", "initialized", "rank_of", "rank_prefix"]
+__all__ = ["Agreement", "RankState", "agree", "initialized", "policy_digest", "rank_of", "rank_prefix"]
 
 
 def initialized() -> bool:
@@ -82,9 +82,11 @@ class RankState:
     policy: str  # digest of the applied policies' JSON, or "none"
     tf32lab: str
     torch: str
+    also: dict[str, str] = dataclasses.field(default_factory=dict)  # the caller's own settings (a check's arguments)
 
     @classmethod
-    def here(cls, rank: int, model: Optional[torch.nn.Module] = None) -> RankState:
+    def here(cls, rank: int, model: Optional[torch.nn.Module] = None,
+             also: Optional[dict[str, str]] = None) -> RankState:
         if model is not None:
             found = applied_to(model)
             policies = [] if found is None else [found]
@@ -92,12 +94,12 @@ class RankState:
             policies = applied_policies()
         from tf32lab import __version__  # the package's face holds the version; a string, no import of layers
         return cls(rank, flags.read_cells(), get_float32_matmul_precision(), _digest(policies), __version__,
-                   torch.__version__)
+                   torch.__version__, {str(k): str(v) for k, v in (also or {}).items()})
 
     def settings(self) -> dict[str, str]:
         """Every compared setting by name, one flat dict."""
         return {**{f"cell {k}": v for k, v in self.cells.items()}, "level": self.level, "policy": self.policy,
-                "tf32lab": self.tf32lab, "torch": self.torch}
+                "tf32lab": self.tf32lab, "torch": self.torch, **self.also}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,12 +137,19 @@ def disagreement(states: list[RankState]) -> Optional[str]:
     return f"ranks disagree on precision ({len(states)} ranks): " + " | ".join(parts)
 
 
-def agree(group: Any = None, *, model: Optional[torch.nn.Module] = None) -> Agreement:
+def policy_digest(policy: Optional[Policy]) -> str:
+    """A short digest of ``policy``'s JSON form ("none" for None): what ranks compare."""
+    return _digest([] if policy is None else [policy])
+
+
+def agree(group: Any = None, *, model: Optional[torch.nn.Module] = None,
+          also: Optional[dict[str, str]] = None) -> Agreement:
     """Check that every rank of ``group`` (default: the whole job) runs at the same precision; call it on every
     rank (it is a collective).
 
     Compares each rank's effective backend cells, level, applied policies (to ``model`` when given) and tf32lab
-    and torch versions with one ``all_gather_object``. Returns the :class:`Agreement`; raises ``Tf32LabError``
+    and torch versions with one ``all_gather_object``; ``also``: more settings by name, compared as text (the
+    sharded check's levels, target and tolerance). Returns the :class:`Agreement`; raises ``Tf32LabError``
     on every rank, with the same line, when they differ, and when no process group is initialised. A rank that
     does not arrive ends the call at the group's timeout (PyTorch raises there).
 
@@ -159,7 +168,9 @@ def agree(group: Any = None, *, model: Optional[torch.nn.Module] = None) -> Agre
     if model is not None and not isinstance(model, torch.nn.Module):
         raise Tf32LabError(f"agree(model=...) takes a torch.nn.Module, not {type(model).__name__}")
     dist = torch.distributed
-    mine = RankState.here(dist.get_rank(), model)  # the job's rank, as torchrun names it
+    if also is not None and not isinstance(also, dict):
+        raise Tf32LabError(f"agree(also=...) takes a dict of setting names to values, not {type(also).__name__}")
+    mine = RankState.here(dist.get_rank(), model, also)  # the job's rank, as torchrun names it
     states: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(states, mine, group=group)
     line = disagreement(states)

@@ -45,7 +45,7 @@ from tf32lab.emulation.emulator import check_accumulation, context_cells, releas
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels
 from tf32lab.know.targets import Target
-from tf32lab.machine.distributed import agree
+from tf32lab.machine.distributed import agree, policy_digest
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure import sharded
 from tf32lab.measure.layers import (
@@ -128,7 +128,10 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
     ranks = Ranks.of_job()  # in a job of several ranks: the model is sharded over them, the errors reduced
     with kept_flags() as changed, ranks_fail(ranks), conv_scope:
         if ranks is not None:  # ranks at other levels would measure other things, and run other collectives
-            agree(ranks.group, model=workload.model)
+            agree(ranks.group, model=workload.model, also={
+                "check levels": ",".join(levels), "check target": target.name, "check reference": reference,
+                "check tolerance": repr(tolerances), "check accumulation": accumulation, "check conv": str(conv),
+                "check policy": policy_digest(policy), "check speed": str(speed)})
         report = _check(workload, levels, target, reference, tolerances, progress and (ranks is None or
                         ranks.rank == 0), policy, speed, accumulation, ranks)
         if ranks is not None:  # every rank done before any leaves, or writes the report
