@@ -246,3 +246,10 @@ def test_commands_of_one_process_are_refused_under_torchrun(command):
                           cwd=root, env={**os.environ, "RANK": "1", "WORLD_SIZE": "2"})
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "rank 1/2: " in done.stderr and "runs in one process, not under torchrun" in done.stderr
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "nan", "inf", "abc", "0.001"])
+def test_a_timeout_no_collective_could_meet_is_refused(bad):
+    done = subprocess.run([sys.executable, "-m", "tf32lab", "check", "--timeout", bad], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "bad timeout" in done.stderr and "seconds >= 1" in done.stderr, done.stderr

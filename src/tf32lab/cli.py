@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hardware to emulate (see tf32lab.targets), or 'native' for this machine's own hardware "
                             "(default: a100)")
     check.add_argument("--levels", default="highest,high,medium", type=str.lower,
-                       help="comma-separated levels (default: PyTorch's three; bfx9 too where the target has it)")
+                       help="comma-separated levels (default: PyTorch's three; name bfx9 to add it, on a "
+                            "target that has it: b200)")
     check.add_argument("--conv", type=_conv, default=None,
                        help="cuDNN's float32 convolution math for every row, which no level sets: tf32 or ieee "
                             "(default: as this process's flags hold it, PyTorch's default tf32)")
@@ -332,8 +333,8 @@ def _seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"bad timeout {text!r}; accepted: a number of seconds > 0")
+    if not math.isfinite(value) or value < 1:  # below a second, no collective of a real job could finish
+        raise argparse.ArgumentTypeError(f"bad timeout {text!r}; accepted: a number of seconds >= 1")
     return value
 
 

@@ -129,6 +129,7 @@ class Target:
     # how the hardware sums a GEMM's products, per math name (``emulate(accumulation="hardware")``); a math
     # missing here is summed as the ideal unit would (exact products, float32 sums)
     accumulation: Mapping[str, Accumulation] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    vendor: str = "nvidia"  # "amd": a ROCm GPU (PyTorch's cuda flag cells; a gfx architecture, not an sm)
 
     def entry(self, key: str) -> Entry:
         try:
@@ -248,9 +249,10 @@ def check_value(target: Target, cell: str, value: str) -> None:
             f"torch's setting cannot be emulated; set a level or pass math= instead")
     capability = target.capability or (0, 0)
     if value == "bfx9" and cell == "cuda.matmul" and target.device == "cuda" and capability < (10, 0):
+        where = target.title if target.vendor == "amd" else f"sm{capability[0]}{capability[1]}"
         raise Tf32LabError(
-            f"cuda.matmul holds 'bfx9', which needs compute capability 10.0 (Blackwell); on target {target.name!r} "
-            f"(sm{capability[0]}{capability[1]}) PyTorch raises for every float32 matmul (pytorch#195301)")
+            f"level 'bfx9' (cuda.matmul = 'bfx9') needs compute capability 10.0 (NVIDIA Blackwell, target b200); on "
+            f"target {target.name!r} ({where}) PyTorch raises for every float32 matmul (pytorch#195301)")
 
 
 def _ampere_plus(capability: tuple[int, int]) -> dict[str, Entry]:
@@ -366,7 +368,7 @@ def _rocm(name: str, title: str, capability: tuple[int, int], tf32: Math, fp32: 
         models["tf32"] = acc.CDNA3_XF32
     peaks = Peaks(name, fp32, tf32_peak, bf16, bandwidth, cus, source)
     return Target(name, title, "cuda", capability, MappingProxyType(entries), peaks,
-                  accumulation=MappingProxyType(models))
+                  accumulation=MappingProxyType(models), vendor="amd")
 
 
 # One row per target: name, title, capability, then its peaks: FP32 (SIMT), TF32 and bf16 (tensor cores) TFLOP/s,
