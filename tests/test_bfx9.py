@@ -162,3 +162,17 @@ def test_at_bfx9():
     result.assert_outcomes(passed=1)
     bad = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--tf32lab", "h100:bfx9", timeout=300)
     assert bad.ret == pytest.ExitCode.USAGE_ERROR
+
+
+def test_a_bfx9_scope_left_open_after_its_emulate_block_is_one_clear_error_and_no_flag_changed():
+    before = flags.snapshot()
+    emu = tf32lab.emulate("b200")
+    emu.__enter__()
+    scope = tf32lab.precision("bfx9")
+    scope.__enter__()
+    with pytest.raises(Tf32LabError, match=r"precision\('bfx9'\) outside emulate\(\): torch .* cannot set"):
+        emu.__exit__(None, None, None)  # interleaved contexts: the block ends first, the scope stays open
+    scope.__exit__(None, None, None)
+    assert flags.snapshot() == before, before.diff(flags.snapshot())
+    with tf32lab.emulate("b200"), tf32lab.precision("bfx9"):  # nothing left behind
+        assert tf32lab.get_float32_matmul_precision() == "bfx9"

@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import LEVELS, TORCH_LEVEL, level_cells, level_of
 
 __all__ = ["NEW_API", "Snapshot", "read_level", "restore", "snapshot"]
@@ -278,6 +279,9 @@ def write_level(level: str) -> None:
     if level in LEVELS:
         _write_torch_level(level)
         return
+    refused = native_refusal(level)
+    if refused is not None:  # before anything is written (a scope left open after its emulate() block ended)
+        raise Tf32LabError(f"precision({level!r}) outside emulate(): {refused}")
     _write_torch_level(TORCH_LEVEL[level])
     for name, value in level_cells(level).items():
         _set(tuple(name.split(".")), value)
