@@ -253,3 +253,33 @@ def test_a_timeout_no_collective_could_meet_is_refused(bad):
     done = subprocess.run([sys.executable, "-m", "tf32lab", "check", "--timeout", bad], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2 and "bad timeout" in done.stderr and "seconds >= 1" in done.stderr, done.stderr
+
+
+EMPTY_RANK = """
+import torch, torch.distributed as dist
+import tf32lab
+
+
+def make():
+    torch.manual_seed(0)
+    x = torch.randn(2, 8)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return tf32lab.Workload(torch.nn.Linear(8, 4), (x if rank == 0 else x[:0],), name="uneven")
+"""
+
+
+def test_a_rank_whose_part_of_the_batch_is_empty_still_checks_the_whole(tmp_path):
+    import tf32lab
+    from tf32lab.workloads import specs
+
+    spec = tmp_path / "uneven.py"
+    spec.write_text(EMPTY_RANK)
+    out = tmp_path / "report.json"
+    ranks = run_job("cli", 2, f"{spec}:make", "--levels", "highest,high", "--no-speed", "--json", str(out),
+                    "--timeout", "30", timeout=120)
+    assert [r.returncode for r in ranks] == [0, 0], [r.stdout[-2000:] + r.stderr[-3000:] for r in ranks]
+    sharded = {row["level"]: row for row in json.loads(out.read_text())["levels"]}
+    alone = tf32lab.check(specs.load(f"{spec}:make"), levels=("highest", "high"), speed=False)
+    for level in ("highest", "high"):
+        got = sharded[level]["outputs"][0]["normwise"]
+        assert got == pytest.approx(alone.level(level).outputs[0].normwise, rel=1e-9)

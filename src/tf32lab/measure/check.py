@@ -251,7 +251,9 @@ class Session:
                 raise bug from exc
             raise Tf32LabError(f"workload {workload.name!r} raised at the float64 reference, before any level ran: "
                                f"{described(exc)}") from exc
-        _check_comparable(workload, self.ref_out)
+        # sharded: a rank may hold an empty part of an output (its rows of a small batch); the whole must compare
+        here = _comparable(self.ref_out)
+        _check_comparable(workload, self.ref_out, here if self.ranks is None else any(self.ranks.gather(here)))
         _check_judgeable(workload, self.ref_out)
         _warn_unknown(self.tolerances, self.ref_out)
 
@@ -495,9 +497,13 @@ def _range_said(found: metrics.OutputError, y: Any, r: Any) -> metrics.OutputErr
                                               f"{BEYOND_FLOAT32} (largest finite {torch.finfo(torch.float32).max:.1e})")
 
 
-def _check_comparable(workload: Workload, ref_out: Any) -> None:
+def _comparable(ref_out: Any) -> bool:
+    return any(metrics.comparable(value) for _, value in named_leaves(ref_out))
+
+
+def _check_comparable(workload: Workload, ref_out: Any, comparable: bool) -> None:
     leaves = list(named_leaves(ref_out))
-    if not any(metrics.comparable(value) for _, value in leaves):
+    if not comparable:
         kinds = ", ".join(sorted({"None" if v is None else f"an empty {type(v).__name__}" for _, v in leaves}))
         raise Tf32LabError(f"workload {workload.name!r}: its output has nothing to compare ({kinds or 'nothing'}); "
                            f"return the tensors to check (a tensor, or a tuple/dict of them)")
