@@ -176,3 +176,21 @@ def test_a_bfx9_scope_left_open_after_its_emulate_block_is_one_clear_error_and_n
     assert flags.snapshot() == before, before.diff(flags.snapshot())
     with tf32lab.emulate("b200"), tf32lab.precision("bfx9"):  # nothing left behind
         assert tf32lab.get_float32_matmul_precision() == "bfx9"
+
+
+@pytest.mark.skipif(flags.native_refusal("bfx9") is None, reason="a torch that sets bfx9 natively")
+def test_bfx9_on_the_native_target_is_refused_before_anything_runs_and_says_which_target_has_it():
+    calls = []
+
+    class Counted(torch.nn.Linear):
+        def forward(self, x):
+            calls.append(1)
+            return super().forward(x)
+
+    workload = Workload(Counted(8, 4), torch.randn(2, 8))
+    for run in (lambda: check(workload, levels=("highest", "bfx9"), target="native"),
+                lambda: check_training(TrainingWorkload(Counted(8, 4), [torch.randn(2, 8)], loss=lambda o, b: o.sum(),
+                                                        inputs=lambda b: b), levels=("bfx9",), target="native")):
+        with pytest.raises(Tf32LabError, match=r"level 'bfx9' on target 'native' .* \(target 'b200'\)"):
+            run()
+    assert calls == []

@@ -39,6 +39,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from tf32lab.control import flags
 from tf32lab.control.policy import Policy
 from tf32lab.control.scope import conv_math, get_float32_matmul_precision
 from tf32lab.emulation.emulator import check_accumulation, context_cells, release_buffers
@@ -119,6 +120,7 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
         raise Tf32LabError(f"check() takes a tf32lab.Workload, not {type(workload).__name__}")
     levels = check_levels(levels)
     target = resolve_target(target)
+    refuse_native_levels(levels, target)
     if reference not in REFERENCES:
         raise Tf32LabError(f"unknown reference {reference!r}; accepted: {', '.join(map(repr, REFERENCES))}")
     tolerances = tolerances_of(tolerance)
@@ -139,6 +141,18 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
     if conv is not None:
         report = dataclasses.replace(report, notes=(*report.notes, conv_note(conv)))
     return _noted(report, changed)
+
+
+def refuse_native_levels(levels: Iterable[str], target: Target) -> None:
+    """On ``native`` (levels run for real), a one-line error for a level this torch cannot set (``bfx9`` before
+    pytorch#195301), before anything runs: an emulated target that has it computes it on any torch."""
+    if target.emulated:
+        return
+    for level in levels:
+        reason = flags.native_refusal(level)
+        if reason is not None:
+            raise Tf32LabError(f"level {level!r} on target 'native' (this machine, run for real): {reason}; a "
+                               f"target that has it computes it emulated on any torch (target 'b200')")
 
 
 def conv_note(conv: str) -> str:

@@ -60,7 +60,7 @@ from tf32lab.know import optable
 from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
-from tf32lab.measure.check import PolicyRow, alike_levels, conv_note, policy_maths
+from tf32lab.measure.check import PolicyRow, alike_levels, conv_note, policy_maths, refuse_native_levels
 from tf32lab.measure.layers import described, out_of_memory
 from tf32lab.measure.reference import Float64Run, widen
 from tf32lab.numbers import metrics
@@ -124,6 +124,7 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
                            + (" (check() measures a forward pass)" if type(workload).__name__ == "Workload" else ""))
     levels = check_levels(levels)
     target = resolve_target(target)
+    refuse_native_levels(levels, target)
     steps = training_steps(workload, steps)
     tolerance = training_tolerance(tolerance)
     accumulation = check_accumulation(accumulation)
