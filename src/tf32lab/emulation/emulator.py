@@ -204,14 +204,7 @@ def _release_eager() -> None:
 def context_cells() -> dict[str, str]:
     """The flag cells in force for this thread or task: its scope's level over the process's cells, and the SDPA
     kernel PyTorch would pick (read, never written)."""
-    cells = flags.read_cells()
-    level = scope.context_level()
-    if level is not None:  # this context's scope decides the matmul cells, whatever the process flags hold
-        cells.update(level_cells(level))
-    else:  # outside scopes: the process level, not another thread's scope that the flags may hold now
-        cells.update(scope.process_cells())
-    cells["sdpa"] = sdpa_kernel()
-    return cells
+    return dict(_OpCells())
 
 
 class _OpCells(Mapping):
@@ -230,6 +223,8 @@ class _OpCells(Mapping):
             if name == "sdpa":
                 value = sdpa_kernel()
             elif name in _LEVEL_CELLS:
+                # this context's scope decides the matmul cells, whatever the process flags hold; outside scopes,
+                # the process level, not another thread's scope that the flags may hold now
                 value = (level_cells(self.level) if self.level is not None else scope.process_cells())[name]
             elif name in flags.CELL_NAMES:
                 value = flags.read_cell(name)
@@ -345,8 +340,7 @@ class _WeightCache:
         """``fn(t, out)``'s value for parameter ``t``, ``out`` being ``parts`` buffers shaped like ``t``."""
         base = t._base if t._base is not None else t
         # a transposed view (``linear``'s forward reads W.T, its backward W) shares the copy of what it views
-        flipped = t.dim() >= 2 and not t.is_contiguous() and t.mT.is_contiguous()
-        read = t.mT if flipped else t
+        read, flipped = _read_view(t)
         key = (id(base), t.storage_offset(), tuple(read.shape), read.stride(), t.device, tag)
         # the storage's address too: ``p.data = other`` swaps it without touching the version counter
         version = (_version(base), base.untyped_storage().data_ptr())
@@ -359,9 +353,7 @@ class _WeightCache:
                 value = fn(read.detach(), out)
             self.entries[key] = (weakref.ref(base), version, value)
             self.storages.setdefault(base.untyped_storage().data_ptr(), set()).add(key)
-        if not flipped:
-            return value
-        return tuple(v.mT for v in value) if isinstance(value, tuple) else value.mT
+        return _as_viewed(value, flipped)
 
     def written(self, tensors: list[torch.Tensor]) -> None:
         for t in tensors:
@@ -389,8 +381,7 @@ class _WeightCache:
         # A transposed view (the gradient is one GEMM's left operand and the other's right) shares the copy of what
         # it views. Keyed by the memory read; the entry holds the tensor (no other can take that memory meanwhile)
         # and the formula (no user code runs inside it: a write through a numpy view cannot come between).
-        flipped = not t.is_contiguous() and t.dim() >= 2 and t.mT.is_contiguous()
-        read = t.mT if flipped else t
+        read, flipped = _read_view(t)
         key = (t.data_ptr(), tuple(read.shape), read.stride(), t.dtype, t.device, tag)
         version = base._version
         hit = self.recent.get(key)
@@ -407,9 +398,7 @@ class _WeightCache:
             self.storages.setdefault(storage, set()).add(key)
             while len(self.recent) > self.RECENT or self.recent_bytes > self.RECENT_BYTES:
                 self._forget(next(iter(self.recent)))
-        if not flipped:
-            return value
-        return tuple(v.mT for v in value) if isinstance(value, tuple) else value.mT
+        return _as_viewed(value, flipped)
 
     def _forget(self, key: tuple) -> None:
         gone = self.recent.pop(key, None)
@@ -630,6 +619,20 @@ class _Call:
         if _is_parameter(t) and self.emu.weight_cache:
             return self.entry.cache.get(t, tag, parts, count)
         return self.entry.cache.get_recent(t, tag, parts, count)
+
+
+def _read_view(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``(t.mT, True)`` for a transposed view of a contiguous tensor (its copy is the copy of what it views), else
+    ``(t, False)``."""
+    flipped = not t.is_contiguous() and t.dim() >= 2 and t.mT.is_contiguous()
+    return (t.mT if flipped else t), flipped
+
+
+def _as_viewed(value: Any, flipped: bool) -> Any:
+    """A copy made from :func:`_read_view`'s tensor, seen as the operand was (transposed back when flipped)."""
+    if not flipped:
+        return value
+    return tuple(v.mT for v in value) if isinstance(value, tuple) else value.mT
 
 
 def _buffer_like(t: torch.Tensor, holder: Optional[list] = None) -> torch.Tensor:
