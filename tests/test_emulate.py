@@ -571,3 +571,25 @@ def test_threads_each_get_the_math_of_their_own_scope(target):
         t.join()
     assert not failures and len(levels_seen) == 8
     assert len(set(levels_seen)) > 1
+
+
+# -- large operands: the compiled rounding (numba) gives what the tensor code gives ----------------------------------
+@pytest.mark.skipif(formats._kernels() is None, reason="numba not installed")
+@pytest.mark.parametrize("target", ["a100", "h100"])
+def test_compiled_rounding_changes_no_bit_of_an_emulated_layer(target, monkeypatch):
+    # operands above formats.COMPILED_FROM: a linear layer (one rounding) and attention over permuted heads (split
+    # operands), computed with the kernel and with the tensor code
+    torch.manual_seed(0)
+    x, layer = torch.randn(64, 18, 384), torch.nn.Linear(384, 384)
+    heads = [torch.randn(64, 18, 12, 32).transpose(1, 2) for _ in range(3)]
+    mask = torch.ones(64, 1, 18, 18, dtype=torch.bool).tril()
+
+    def run():
+        return layer(x), F.scaled_dot_product_attention(*heads, attn_mask=mask)
+
+    with torch.no_grad():
+        compiled, _ = emulated(run, target=target)
+        monkeypatch.setattr(formats, "COMPILED_FROM", 1 << 62)
+        tensor_code, emu = emulated(run, target=target)
+    assert sum(emu.coverage.values()) >= 2 and all(torch.equal(a, b) for a, b in zip(compiled, tensor_code))
+    assert not torch.equal(compiled[0], layer(x).detach())  # rounded: not float32's own result

@@ -211,3 +211,79 @@ def test_sweep_script_on_a_slice():
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [ln for ln in done.stdout.splitlines() if "mismatches" in ln]
     assert len(lines) == 10 and all(ln.split()[-1] == "0" for ln in lines), done.stdout
+
+
+# -- the compiled kernel (numba): one pass, the same bits as the tensor code -----------------------------------------
+numba_only = pytest.mark.skipif(formats._kernels() is None, reason="numba not installed")
+SPECIALS = [0x7F800000, 0xFF800000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F7FF000, 0x00000001, 0x80000001, 0x007FFFFF,
+            0x00001000, 0x00001001, 0x80000000, 0x00000000, 0x3F801000, 0x3F803000, 0x3F808000, 0x3F818000,
+            0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FFFF000, 0xFFFFFFFF, 0x7FBFFFFF]
+
+
+def _many_patterns(finite: bool = False) -> torch.Tensor:
+    """2^17 bit patterns: random ones, and every special case above at both ends and in the middle."""
+    gen = torch.Generator().manual_seed(7)
+    bits = torch.randint(-(2**31), 2**31 - 1, (1 << 17,), dtype=torch.int32, generator=gen)
+    specials = torch.tensor(SPECIALS, dtype=torch.int64).to(torch.int32)
+    for at in (0, 60000, (1 << 17) - len(SPECIALS)):
+        bits[at:at + len(SPECIALS)] = specials
+    x = bits.view(torch.float32)
+    return torch.where(torch.isfinite(x), x, 1.5) if finite else x
+
+
+def _tensor_code(fn, *args, **kwargs):
+    saved, formats.COMPILED_FROM = formats.COMPILED_FROM, 1 << 62
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        formats.COMPILED_FROM = saved
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+@numba_only
+@pytest.mark.parametrize("fn, rounding", [(formats.round_tf32, r) for r in formats.ROUNDINGS]
+                         + [(formats.round_bf16, "rna"), (formats.round_bf16, "rz")])
+def test_compiled_rounding_gives_the_tensor_codes_bits(fn, rounding):
+    x = _many_patterns()
+    want = _tensor_code(fn, x, rounding)
+    assert _same_bits(fn(x, rounding), want)  # NaN payloads and signs included
+    inplace = x.clone()
+    assert fn(inplace, rounding, out=inplace) is inplace and _same_bits(inplace, want)
+    # the reference agrees on the special cases and a slice of the rest
+    sample = SPECIALS + patterns_of(x[1000:1200])
+    ref = R.ref_round_tf32 if fn is formats.round_tf32 else R.ref_round_bf16
+    assert_same(fn(x, rounding)[:len(SPECIALS)], [ref(b, rounding) for b in SPECIALS], SPECIALS)
+    assert_same(fn(tensor_of(sample).repeat(100), rounding)[:len(sample)], [ref(b, rounding) for b in sample], sample)
+
+
+@numba_only
+def test_compiled_rounding_reads_any_dense_layout():
+    x = _many_patterns().view(8, 16, 32, 32)
+    heads = x.transpose(1, 2)  # attention's (batch, heads, tokens, dim) view of (batch, tokens, heads, dim)
+    want = _tensor_code(formats.round_tf32, heads)
+    for out in (torch.empty_like(heads), torch.empty(heads.shape), torch.empty(heads.mT.shape).mT):
+        got = formats.round_tf32(heads, out=out)
+        assert got is out and _same_bits(got, want)
+    assert _same_bits(heads, _many_patterns().view(8, 16, 32, 32).transpose(1, 2))  # the input untouched
+    gaps = torch.empty(8, 32, 16, 64)[..., :32]  # an output with gaps: the tensor code writes it
+    assert _same_bits(formats.round_tf32(heads, out=gaps), want)
+
+
+@numba_only
+def test_compiled_split_tf32x3_gives_the_tensor_codes_bits():
+    x = _many_patterns(finite=True).view(64, 2048).T  # finite: the compiled split, on a transposed view
+    want = _tensor_code(formats.split_tf32x3, x)
+    got = formats.split_tf32x3(x)
+    assert all(_same_bits(g, w) for g, w in zip(got, want))
+    sample = SPECIALS[:16] + patterns_of(x.reshape(-1)[:200])
+    finite = [b for b in sample if (b & 0x7F800000) != 0x7F800000]
+    parts = formats.split_tf32x3(tensor_of(finite).repeat(200))
+    assert_same(parts[0][:len(finite)], [R.ref_split_tf32x3(b)[0] for b in finite], finite)
+    assert_same(parts[1][:len(finite)], [R.ref_split_tf32x3(b)[1] for b in finite], finite)
+    # an Inf or a NaN anywhere: the tensor code's rules (NaN parts), nothing lost
+    special = _many_patterns()
+    want = _tensor_code(formats.split_tf32x3, special)
+    assert all(_same_bits(g, w) for g, w in zip(formats.split_tf32x3(special), want))

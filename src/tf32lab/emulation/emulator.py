@@ -642,8 +642,9 @@ def _buffer_like(t: torch.Tensor, holder: Optional[list] = None) -> torch.Tensor
         shape, transposed = t.shape, False
     elif t.dim() >= 2 and t.mT.is_contiguous():
         shape, transposed = t.mT.shape, True
-    else:
-        return torch.empty_like(t)
+    else:  # a layout no GEMM reads as it is (attention's heads): dense batches of matrices by rows or columns as t
+        transposed = t.dim() >= 2 and t.stride(-2) == 1 and t.stride(-1) != 1  # has them, which GEMMs read uncopied
+        shape = t.mT.shape if transposed else t.shape
     buf = _SCRATCH.take(t.numel(), t.dtype, t.device)
     (_SCRATCH.leased if holder is None else holder).append(buf)
     view = buf.view(shape)

@@ -29,10 +29,15 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Callable, Optional
+from types import ModuleType
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = [
     "ROUNDINGS",
@@ -98,10 +103,52 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
         return x.view(torch.int32)
 
 
+# Elements from which the compiled kernel rounds (where numba is installed): below, the tensor code's three
+# passes cost less than the kernel's first import would ever save.
+COMPILED_FROM = 1 << 14
+
+
+@functools.cache
+def _kernels() -> Optional[ModuleType]:
+    try:
+        from tf32lab.numbers import rounding_kernels
+    except ImportError:  # numba is an optional extra
+        return None
+    return rounding_kernels
+
+
+def _compiled(x: torch.Tensor, *outs: torch.Tensor) -> Optional[list[np.ndarray]]:
+    """The bits of ``x`` and ``outs`` as flat int32 arrays, element by element alike, for the compiled kernels;
+    None where those do not apply: numba missing, a small tensor, one off the CPU, or outputs of a layout with gaps.
+    Dense tensors are read in memory order (the dims ordered by stride: attention's heads are permuted views);
+    ``x`` in another layout than ``outs`` is first copied into ``outs[0]``, which the kernel then rounds in place
+    (one strided pass, where a GEMM would otherwise copy each rounded part)."""
+    first = outs[0]
+    if (x.numel() < COMPILED_FROM or x.device.type != "cpu" or any(o.device.type != "cpu" for o in outs)
+            or any(o.stride() != first.stride() for o in outs)):
+        return None
+    tensors = (x, *outs)
+    if not first.is_contiguous():
+        order = sorted(range(first.dim()), key=lambda d: -first.stride(d))
+        tensors = tuple(t.permute(order) for t in tensors)
+        if not tensors[1].is_contiguous():  # overlapping or with gaps
+            return None
+    if _kernels() is None:
+        return None
+    if x.stride() != first.stride():
+        first.copy_(x)
+        tensors = (tensors[1], *tensors[1:])
+    return [_bits(t).numpy().reshape(-1) for t in tensors]  # (numpy comes with numba)
+
+
 def _round(x: torch.Tensor, drop: int, rounding: str, out: Optional[torch.Tensor] = None,
            default_nans: bool = False) -> torch.Tensor:
     x = x.detach()
     out = torch.empty_like(x) if out is None else out
+    flat = _compiled(x, out)
+    if flat is not None:  # one pass, NaNs kept on the way
+        _kernels().round_bits(*flat, drop, rounding)
+        return out
     # A NaN needs mending only where one went in (its payload may sit in the dropped bits, or carry into the
     # sign). On the CPU one read-only pass tells: a sum is finite only if no NaN is in it; otherwise (and on
     # devices, where asking would synchronise) the fix-up runs, from a copy when the result overwrites the input.
@@ -275,6 +322,9 @@ def split_tf32x3(x: torch.Tensor, *, out: Optional[tuple[torch.Tensor, torch.Ten
     _check_input(x, "split_tf32x3", None if out is None else out[0])
     x = x.detach()
     big, small = out if out is not None else (torch.empty_like(x), torch.empty_like(x))
+    flat = _compiled(x, big, small)
+    if flat is not None and _kernels().split_tf32x3(*flat):
+        return big, small
     if x.device.type == "cpu" and math.isfinite(x.sum().item()):
         # No NaN or Inf in x, so none in big or x - big: one check instead of one per rounding.
         _round_bits(_bits(x), big.view(torch.int32), _TF32_DROP, "rz")

@@ -1,0 +1,91 @@
+"""A compiled kernel for :mod:`tf32lab.numbers.formats`: a float32's bits rounded in one pass (numba, the optional
+extra ``tf32lab[fast]``).
+
+The tensor code rounds in three passes over memory (a scan for NaNs, the rounding bias, the mask; five for
+ties-to-even). This kernel reads each value once and writes it once, NaNs handled on the way, with the same
+arithmetic: the tests compare the two bit for bit. It runs on the calling thread (``nogil``: other Python threads
+go on): numba's own thread pool, woken for each call, cost more than it saved on the machines this was measured
+on (benchmarks/emulate.py). Imported only when numba is installed.
+
+Example:
+
+    >>> import numpy as np
+    >>> from tf32lab.numbers.rounding_kernels import round_bits
+    >>> bits = np.array([1.0 + 2**-11, float("nan")], np.float32).view(np.int32)
+    >>> out = np.empty_like(bits)
+    >>> round_bits(bits, out, 13, "rna").view(np.float32).tolist()   # a tie, away from zero; NaN kept
+    [1.0009765625, nan]
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+__all__ = ["round_bits", "split_tf32x3"]
+
+_OPTIONS = {"cache": True, "error_model": "numpy", "boundscheck": False, "nogil": True}  # no fastmath
+
+
+@nb.njit(**_OPTIONS)
+def _round(src, dst, bias, odd, drop, mask):  # pragma: no cover - compiled
+    bias, odd, drop, mask = np.int32(bias), np.int32(odd), np.int32(drop), np.int32(mask)  # int32 lanes
+    for i in range(src.size):
+        u = src[i]
+        # the bias, plus the lowest kept bit for ties to even, carried into the exponent where it overflows
+        r = (u + bias + ((u >> drop) & odd)) & mask
+        dst[i] = u if (u & np.int32(0x7FFFFFFF)) > np.int32(0x7F800000) else r  # a NaN keeps its bits
+
+
+@intrinsic
+def _as_float(typingctx, u):  # pragma: no cover - compiled
+    """The float32 with the bits of the int32 ``u`` (a register move)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
+@intrinsic
+def _as_bits(typingctx, x):  # pragma: no cover - compiled
+    """The bits of the float32 ``x`` as an int32."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.int32(types.float32), codegen
+
+
+@nb.njit(**_OPTIONS)
+def _split_tf32x3(src, big, small):  # pragma: no cover - compiled
+    special = 0
+    for i in range(src.size):  # no early exit: the scan stays vectorised
+        special |= np.int32((src[i] & np.int32(0x7FFFFFFF)) >= np.int32(0x7F800000))
+    if special:
+        return False  # Inf or NaN: the tensor code's rules, nothing written
+    for i in range(src.size):
+        u = src[i]
+        b = u & np.int32(-8192)  # toward zero: the bits below TF32's cleared
+        d = _as_bits(_as_float(u) - _as_float(b))  # exact in float32, and finite
+        big[i] = b
+        small[i] = (d + np.int32(4096)) & np.int32(-8192)  # to nearest, ties away
+    return True
+
+
+def split_tf32x3(src: np.ndarray, big: np.ndarray, small: np.ndarray) -> bool:
+    """``formats.split_tf32x3`` of ``src`` (float32 bits as a 1-D int32 array) into ``big`` and ``small`` (the
+    same size; ``big`` may be ``src``) in one pass: ``big = rz(x)``, ``small = rna(x - big)``. False, with nothing
+    written, when ``src`` holds an Inf or a NaN (the tensor code then gives NaN parts as it does)."""
+    return _split_tf32x3(src, big, small)
+
+
+def round_bits(src: np.ndarray, dst: np.ndarray, drop: int, rounding: str) -> np.ndarray:
+    """``src`` (float32 bits as a 1-D int32 array) rounded to ``23 - drop`` mantissa bits into ``dst`` (the same
+    size; it may be ``src``), returned: ``rounding`` ``"rna"``, ``"rne"`` or ``"rz"`` as
+    ``formats._round_bits``, and every NaN as it was."""
+    half = 1 << (drop - 1)
+    bias, odd = {"rna": (half, 0), "rne": (half - 1, 1), "rz": (0, 0)}[rounding]
+    _round(src, dst, bias, odd, drop, -(1 << drop))
+    return dst
