@@ -332,12 +332,14 @@ class Session:
 
 @dataclasses.dataclass(frozen=True)
 class PolicyRow:
-    """A policy as check measures it: its level per module name (``ROOT`` for the model), unmatched rules refused."""
+    """A policy as check measures it: its level per module name (``ROOT`` for the model), unmatched rules refused;
+    ``convs``: the conv maths its modules run at (None: the caller's flag)."""
 
     policy: Policy
     base: str  # the level the model itself runs at: the policy's default, or the one in force here
     by_name: dict[str, str]
     levels: frozenset[str]
+    convs: frozenset[Optional[str]] = frozenset({None})
 
     @classmethod
     def of(cls, policy: Policy, model: torch.nn.Module) -> PolicyRow:
@@ -351,8 +353,9 @@ class PolicyRow:
             raise Tf32LabError(f"check(policy=...): the policy has no default level and the process level is "
                                f"{base!r} (a flag holds a value this tf32lab does not know); give the policy a "
                                "default level")
-        by_name = {(a.name or ROOT): a.level or base for a in policy.explain(model)}
-        return cls(policy, base, by_name, frozenset(by_name.values()))
+        assignments = policy.explain(model)
+        by_name = {(a.name or ROOT): a.level or base for a in assignments}
+        return cls(policy, base, by_name, frozenset(by_name.values()), frozenset(a.conv for a in assignments))
 
     def describe(self) -> dict[str, Any]:
         return dict(self.policy.to_dict(), base=self.base)
@@ -438,11 +441,13 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
 
 
 def policy_maths(row: PolicyRow, target: Target, cells: Mapping[str, str]) -> dict[str, str]:
-    """Per family: the math every level of the policy gives it, or ``mixed``."""
+    """Per family: the math every level (and conv math) of the policy gives it, or ``mixed``."""
     found: dict[str, set[str]] = {}
     for level in sorted(row.levels):
-        for key, m in target.maths_at(level, cells).items():
-            found.setdefault(key, set()).add(m)
+        for conv in row.convs:  # a conv math pinned by the policy over the caller's (cuDNN's flag covers RNNs too)
+            at = cells if conv is None else {**cells, "cuda.conv": conv, "cuda.rnn": conv}
+            for key, m in target.maths_at(level, at).items():
+                found.setdefault(key, set()).add(m)
     return {key: values.pop() if len(values) == 1 else "mixed" for key, values in found.items()}
 
 
