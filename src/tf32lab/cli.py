@@ -649,7 +649,8 @@ def _policy_show(args: argparse.Namespace) -> int:
     model = specs.load(args.model, training=None).model
     hooked = set(policy.hooked(model))
     modules = dict(model.named_modules())
-    console.print(f"{_shown(args.file)} on {inert(type(model).__name__)}: the level of each module", markup=False,
+    what = "the level and conv math" if convs else "the level"
+    console.print(f"{_shown(args.file)} on {inert(type(model).__name__)}: {what} of each module", markup=False,
                   highlight=False)
     # a tree (each module by its own name under its parent) reads at 80 columns where dotted paths cannot
     table = Table(caption="*: hooked (its level or conv differs from its parent's); 'from' left empty: inherited "
