@@ -202,6 +202,31 @@ def test_a_pinned_module_at_another_level_keeps_both_and_nested_pins_nest():
     assert flags.read_cells()["cuda.conv"] == "tf32"
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_recomputes_each_module_at_its_own_conv_math(reentrant):
+    import torch.utils.checkpoint
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = _convs()
+
+        def forward(self, t):
+            return torch.utils.checkpoint.checkpoint(self.inner, t, use_reentrant=reentrant)
+
+    model = Checkpointed()
+    recorder = _CudnnFlagAtConvs()
+    with Policy("highest", [("inner.2", None, "ieee")], conv="tf32").applied(model), recorder:
+        model(_input().requires_grad_()).sum().backward()
+    cells = [(op[len("aten::"):], cell, shape[0]) for op, cell, shape in recorder.seen]
+    # the forward, then in the backward the region recomputed (a non-reentrant checkpoint stops once it has what
+    # the backward needs) and its gradients: each convolution at its own module's math
+    assert all(cell == ("ieee" if out == 4 else "tf32") for _, cell, out in cells)
+    assert len([c for c in cells if c[0] == "convolution"]) == (4 if reentrant else 3)
+    assert [c for c in cells if c[0] == "convolution_backward"] == [("convolution_backward", "ieee", 4),
+                                                                  ("convolution_backward", "tf32", 8)]
+
+
 def test_a_pinned_conv_math_leaves_every_flag_as_it_was_on_every_exit():
     class Boom(torch.nn.Module):
         def __init__(self, error: BaseException, where: str) -> None:
@@ -234,6 +259,31 @@ def test_a_pinned_conv_math_leaves_every_flag_as_it_was_on_every_exit():
             model(_input())
         assert flags.read_cells()["cuda.conv"] == "ieee"
     assert flags.snapshot() == before
+
+
+def test_two_threads_in_modules_pinned_to_two_conv_maths_give_the_process_its_flag_back():
+    # cuDNN's flag is the process's: while both run, the newest open block's math is in force for both (the
+    # documented limit); what must hold is that, closing in any order, nothing is left behind
+    import threading
+
+    before = flags.snapshot()
+    errors: list[BaseException] = []
+
+    def run(conv: str) -> None:
+        try:
+            model = _convs()
+            with Policy(rules=[("2", None, conv)]).applied(model):
+                for _ in range(20):
+                    model(_input().requires_grad_()).sum().backward()
+        except BaseException as exc:  # reported below: an assertion in a thread would pass unseen
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(conv,)) for conv in ("ieee", "tf32", "ieee")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and flags.snapshot() == before and scope._CONV_OPEN == []
 
 
 # -- files -------------------------------------------------------------------------------------------------------
