@@ -1,21 +1,26 @@
-"""Per-module precision: a :class:`Policy` says which level each module of a model runs at, forward and backward.
+"""Per-module precision: a :class:`Policy` says which level each module of a model runs at, forward and backward,
+and, where it names one, the cuDNN convolution math (``conv``: ``"tf32"`` or ``"ieee"``).
 
-A policy is plain data: a default level and an ordered list of rules ``(pattern, level)``. Patterns are
-``fnmatch``-style on the names of ``model.named_modules()`` (``"v_head"``, ``"encoder.layer.*.attention.*"``); the
-first rule that matches a module gives its level, and a module no rule names inherits its parent's. The model
-itself (named ``""``) gets the default; ``default=None`` leaves it at the level in force where it is called.
+A policy is plain data: a default level, a conv math for the model, and an ordered list of rules ``(pattern, level)``
+or ``(pattern, level, conv)``. Patterns are ``fnmatch``-style on the names of ``model.named_modules()``
+(``"v_head"``, ``"encoder.layer.*.attention.*"``); the first rule that matches a module gives its level and conv
+math (what the rule leaves as None is inherited), and a module no rule names inherits its parent's. The model
+itself (named ``""``) gets the default; ``default=None`` leaves it at the level in force where it is called, and
+``conv=None`` at cuDNN's flag as it is there.
 
 ``policy.apply(model)`` wraps the ``forward`` of every module that has a level: it runs inside
 ``precision(level)``, however the module is called (through its parent, or directly), and the scope closes on every
-exit, KeyboardInterrupt included. A module inside its parent's scope at the same level costs one Python call. The
+exit, KeyboardInterrupt included; with a conv math, inside :class:`~tf32lab.control.scope.conv_math` too. cuDNN's
+flag is process-wide, so while a module pinned to a conv math runs, other threads' convolutions run at that math too
+(docs/design.md, "policy"). A module inside its parent's scope at the same level costs one Python call. The
 first call of a policy on a thread checks the model against the tree it matched, and matches it again when a module
 was replaced, added or taken out, so the levels are the ones :meth:`Policy.explain` gives for the model as it is.
 The autograd nodes a module's forward created are tagged, and when backward runs one of them, a dispatch mode on
-that node's thread runs its matmul-family ops inside the same ``precision(level)``: natively (in autograd's own
-threads too) and under ``emulate()`` alike; a module's forward recomputed inside a node (``torch.utils.checkpoint``)
-keeps its own level. PyTorch scopes the mode to the node (the engine restores the thread's modes after each node),
-so a backward that raises leaves nothing behind. docs/design.md ("policy") says what it costs and what it does not
-cover.
+that node's thread runs its matmul-family ops inside the same ``precision(level)`` (and its convolutions inside the
+module's ``conv_math``): natively (in autograd's own threads too) and under ``emulate()`` alike; a module's forward
+recomputed inside a node (``torch.utils.checkpoint``) keeps its own level. PyTorch scopes the mode to the node (the
+engine restores the thread's modes after each node), so a backward that raises leaves nothing behind.
+docs/design.md ("policy") says what it costs and what it does not cover.
 
 Example:
 
