@@ -348,3 +348,17 @@ def test_check_measures_a_policy_that_pins_convolutions_to_ieee():
                                                                          "conv": "ieee"}]
     for measured in (report, both):
         jsonschema.validate(json.loads(measured.to_json()), schema())
+
+
+def test_the_training_check_trains_a_policy_that_pins_convolutions():
+    g = torch.Generator().manual_seed(2)
+    data = [(8.0 + torch.randn(2, 3, 12, 12, generator=g), torch.randn(2, 4, 10, 10, generator=g))] * 2
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Tanh(), torch.nn.Conv2d(8, 4, 3))
+    workload = tf32lab.TrainingWorkload(model, data, loss=lambda out, b: (out - b[1]).pow(2).mean(),
+                                        inputs=lambda b: b[0], name="convs", steps=2)
+    report = tf32lab.check_training(workload, levels=("highest",), target="a100", speed=False, conv="tf32",
+                                    policy=Policy("highest", conv="ieee"))
+    tf32, pinned = report.level("highest"), report.level("policy")
+    assert pinned.maths["conv"] == "ieee" and tf32.maths["conv"] == "tf32-rna"
+    assert pinned.gradients[0].normwise < tf32.gradients[0].normwise / 100  # the gradients' convolutions too
