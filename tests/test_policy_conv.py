@@ -348,6 +348,14 @@ def test_check_measures_a_policy_that_pins_convolutions_to_ieee():
                                                                          "conv": "ieee"}]
     for measured in (report, both):
         jsonschema.validate(json.loads(measured.to_json()), schema())
+    # a layer's introduced error is rerun at the check's conv math: not claimed for the module pinned to another
+    layers = {layer.name: layer for layer in mixed.layers}
+    assert layers["0"].introduced > 0 and layers["0"].diverged is None
+    assert layers["2"].introduced != layers["2"].introduced  # NaN, and why
+    assert "the policy pins its conv math to 'ieee'; its reruns ran at cudnn.conv 'tf32'" in layers["2"].diverged
+    tf32_layers = {layer.name: layer for layer in both.level("highest").layers}
+    assert layers["0"].introduced == tf32_layers["0"].introduced  # the same TF32 convolution as at highest
+    assert layers["2"].accumulated < tf32_layers["2"].accumulated  # its own rounding no longer adds to its input's
 
 
 def test_the_training_check_trains_a_policy_that_pins_convolutions():
