@@ -734,11 +734,17 @@ class _NodeLevel(TorchDispatchMode):
         if frames and (frames[-1].level is not None or frames[-1].conv is not None) \
                 and frames[-1].depth > _dispatch_depth():
             return func(*args, **kwargs)
+        level = self.level
         conv = self.conv if self.conv is not None and _follows_cudnn(func) else None
+        if level is None and conv is None:  # a node that pins only convolutions, at another op
+            return func(*args, **kwargs)
         _DECIDING.active = True
         try:
+            if conv is None:  # the usual node: a level only, as before conv maths were pinned
+                with precision(level):  # type: ignore[arg-type]  # (set: not both are None)
+                    return func(*args, **kwargs)
             # (a fresh conv_math block per op: one object entered by two threads could close the other's block)
-            with (precision(self.level) if self.level is not None else contextlib.nullcontext()), conv_math(conv):
+            with (precision(level) if level is not None else contextlib.nullcontext()), conv_math(conv):
                 return func(*args, **kwargs)
         finally:
             _DECIDING.active = False
@@ -1059,7 +1065,7 @@ class PolicyHandle:
 
     The policy follows the model as it is when called: a module replaced, added or taken out after ``apply()``
     is matched again at the next call (a module taken out is the policy's no longer). ``hooked`` names the modules
-    whose level differs from their parent's.
+    whose level or conv math differs from their parent's.
     """
 
     def __init__(self, policy: Policy, model: torch.nn.Module) -> None:
