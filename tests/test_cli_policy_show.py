@@ -33,3 +33,29 @@ def test_policy_show_is_a_tree_that_fits_80_columns(tmp_path):
     # the leaf's whole name, indented under its parents, with its level and the rule that gave it
     assert "    value_projection_head *" in row and "highest" in row and "…" not in row
     assert any("encoder_with_a_long_name" in line for line in lines)
+
+
+def test_policy_show_names_each_modules_conv_math_when_the_policy_pins_one(tmp_path):
+    (tmp_path / "convs.py").write_text(textwrap.dedent("""
+        import torch
+
+        def make():
+            return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Conv2d(4, 4, 3)), torch.randn(1, 3, 8, 8)
+    """), encoding="utf-8")
+    (tmp_path / "p.toml").write_text('schema_version = 2\ndefault = "high"\n\n[[rules]]\npattern = "1"\n'
+                                     'conv = "ieee"\n', encoding="utf-8")
+
+    def show(*args):
+        return subprocess.run([sys.executable, "-m", "tf32lab.cli", "policy", "show", "p.toml", *args], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "80"})
+
+    done = show("--model", "convs.py:make")
+    assert done.returncode == 0, done.stderr
+    header = next(line for line in done.stdout.splitlines() if "kind" in line)
+    assert "conv" in header
+    rows = {line.split()[1]: line for line in done.stdout.splitlines() if line.split()[1:2] in (["0"], ["1"])}
+    assert "high" in rows["1"] and "ieee" in rows["1"] and "rule 1" in rows["1"]
+    assert "caller's" in rows["0"] and "ieee" not in rows["0"]
+    assert "rule 1: 1 -> conv ieee" in done.stdout
+    rules = show()
+    assert rules.returncode == 0 and "inherited" in rules.stdout and "ieee" in rules.stdout

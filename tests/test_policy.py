@@ -587,7 +587,7 @@ BAD = {
     "a list": ("[]", "expected an object"),
     "unknown key": ('{"schema_version": 1, "rulez": []}', "unknown key 'rulez'"),
     "no version": ('{"default": "high"}', "missing 'schema_version'"),
-    "future version": ('{"schema_version": 2}', "schema_version 2 is not supported"),
+    "future version": ('{"schema_version": 3}', "schema_version 3 is not supported"),
     "bad default": ('{"schema_version": 1, "default": "fast"}', "policy default: unknown level 'fast'"),
     "bad level": ('{"schema_version": 1, "rules": [{"pattern": "a", "level": "tf32"}]}',
                   "rule 1 ('a'): unknown level 'tf32'"),

@@ -630,14 +630,18 @@ def _policy_show(args: argparse.Namespace) -> int:
     policy = Policy.load(args.file)
     console = _console()
     default = policy.default or "the caller's level"
+    convs = policy.pins_conv  # a conv column only for a policy that names a conv math
+    if convs:
+        default += ", convolutions " + (policy.conv or "at the caller's cudnn flag")
     if args.model is None:
         console.print(f"{_shown(args.file)}: {default} by default; the first matching rule wins", markup=False,
                       highlight=False)
         table = Table()
-        for column in ("rule", "pattern", "level"):
+        for column in ("rule", "pattern", "level", *(("conv",) if convs else ())):
             table.add_column(column)
         for i, rule in enumerate(policy.rules, 1):
-            table.add_row(str(i), Text(inert(rule.pattern)), rule.level)
+            table.add_row(str(i), Text(inert(rule.pattern)), rule.level or "inherited",
+                          *((rule.conv or "inherited",) if convs else ()))
         console.print(table)
         return 0
     from tf32lab.workloads import specs
@@ -645,26 +649,36 @@ def _policy_show(args: argparse.Namespace) -> int:
     model = specs.load(args.model, training=None).model
     hooked = set(policy.hooked(model))
     modules = dict(model.named_modules())
-    console.print(f"{_shown(args.file)} on {inert(type(model).__name__)}: the level of each module", markup=False,
+    what = "the level and conv math" if convs else "the level"
+    console.print(f"{_shown(args.file)} on {inert(type(model).__name__)}: {what} of each module", markup=False,
                   highlight=False)
     # a tree (each module by its own name under its parent) reads at 80 columns where dotted paths cannot
-    table = Table(caption="*: hooked (its level differs from its parent's); 'from' left empty: inherited from the "
-                  "parent", caption_justify="left")
+    table = Table(caption="*: hooked (its level or conv differs from its parent's); 'from' left empty: inherited "
+                  "from the parent", caption_justify="left")
     table.add_column("module", overflow="fold")
     table.add_column("kind", overflow="fold")
     table.add_column("level", no_wrap=True)
+    if convs:
+        table.add_column("conv", no_wrap=True)
     table.add_column("from", no_wrap=True)
+
+    def short(source: str) -> str:  # "rule 2 'pattern'" -> "rule 2": the patterns are listed once under the table
+        return "" if source.startswith("inherited") else " ".join(source.split(" ", 2)[:2]) \
+            if source.startswith("rule ") else source
+
     for a in policy.explain(model):
         depth = a.name.count(".") + 1 if a.name else 0
         leaf = a.name.rsplit(".", 1)[-1] if a.name else "(model)"
-        # "rule 2 'pattern'" -> "rule 2": the patterns are listed once under the table
-        source = "" if a.source.startswith("inherited") else " ".join(a.source.split(" ", 2)[:2]) \
-            if a.source.startswith("rule ") else a.source
+        source = short(a.source)
+        if convs and short(a.conv_source) not in ("", source):
+            source = " / ".join(s or "inherited" for s in (source, short(a.conv_source)))
         table.add_row(Text("  " * depth + inert(leaf) + (" *" if a.name in hooked else "")),
-                      Text(inert(type(modules[a.name]).__name__)), a.level or "caller's", Text(inert(source)))
+                      Text(inert(type(modules[a.name]).__name__)), a.level or "caller's",
+                      *((a.conv or "caller's",) if convs else ()), Text(inert(source)))
     console.print(table)
     for i, rule in enumerate(policy.rules, 1):
-        console.print(Text(f"rule {i}: {inert(rule.pattern)} -> {rule.level}"), soft_wrap=True)
+        named = ", ".join(filter(None, (rule.level, rule.conv and f"conv {rule.conv}")))
+        console.print(Text(f"rule {i}: {inert(rule.pattern)} -> {named}"), soft_wrap=True)
     missing = policy.unmatched(model)
     for rule in missing:
         print(f"rule {policy.rules.index(rule) + 1} {inert(repr(rule.pattern))} matches no module: apply() would "

@@ -1,21 +1,26 @@
-"""Per-module precision: a :class:`Policy` says which level each module of a model runs at, forward and backward.
+"""Per-module precision: a :class:`Policy` says which level each module of a model runs at, forward and backward,
+and, where it names one, the cuDNN convolution math (``conv``: ``"tf32"`` or ``"ieee"``).
 
-A policy is plain data: a default level and an ordered list of rules ``(pattern, level)``. Patterns are
-``fnmatch``-style on the names of ``model.named_modules()`` (``"v_head"``, ``"encoder.layer.*.attention.*"``); the
-first rule that matches a module gives its level, and a module no rule names inherits its parent's. The model
-itself (named ``""``) gets the default; ``default=None`` leaves it at the level in force where it is called.
+A policy is plain data: a default level, a conv math for the model, and an ordered list of rules ``(pattern, level)``
+or ``(pattern, level, conv)``. Patterns are ``fnmatch``-style on the names of ``model.named_modules()``
+(``"v_head"``, ``"encoder.layer.*.attention.*"``); the first rule that matches a module gives its level and conv
+math (what the rule leaves as None is inherited), and a module no rule names inherits its parent's. The model
+itself (named ``""``) gets the default; ``default=None`` leaves it at the level in force where it is called, and
+``conv=None`` at cuDNN's flag as it is there.
 
 ``policy.apply(model)`` wraps the ``forward`` of every module that has a level: it runs inside
 ``precision(level)``, however the module is called (through its parent, or directly), and the scope closes on every
-exit, KeyboardInterrupt included. A module inside its parent's scope at the same level costs one Python call. The
+exit, KeyboardInterrupt included; with a conv math, inside :class:`~tf32lab.control.scope.conv_math` too. cuDNN's
+flag is process-wide, so while a module pinned to a conv math runs, other threads' convolutions run at that math too
+(docs/design.md, "policy"). A module inside its parent's scope at the same level costs one Python call. The
 first call of a policy on a thread checks the model against the tree it matched, and matches it again when a module
 was replaced, added or taken out, so the levels are the ones :meth:`Policy.explain` gives for the model as it is.
 The autograd nodes a module's forward created are tagged, and when backward runs one of them, a dispatch mode on
-that node's thread runs its matmul-family ops inside the same ``precision(level)``: natively (in autograd's own
-threads too) and under ``emulate()`` alike; a module's forward recomputed inside a node (``torch.utils.checkpoint``)
-keeps its own level. PyTorch scopes the mode to the node (the engine restores the thread's modes after each node),
-so a backward that raises leaves nothing behind. docs/design.md ("policy") says what it costs and what it does not
-cover.
+that node's thread runs its matmul-family ops inside the same ``precision(level)`` (and its convolutions inside the
+module's ``conv_math``): natively (in autograd's own threads too) and under ``emulate()`` alike; a module's forward
+recomputed inside a node (``torch.utils.checkpoint``) keeps its own level. PyTorch scopes the mode to the node (the
+engine restores the thread's modes after each node), so a backward that raises leaves nothing behind.
+docs/design.md ("policy") says what it costs and what it does not cover.
 
 Example:
 
@@ -49,18 +54,21 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tf32lab.control import modestack
-from tf32lab.control.scope import is_sensitive, precision
+from tf32lab.control.scope import conv_math, is_sensitive, precision
 from tf32lab.errors import Tf32LabError
-from tf32lab.know.levels import ALL_LEVELS, check_level
+from tf32lab.know import optable
+from tf32lab.know.levels import ALL_LEVELS, CONV_MATHS, check_conv, check_level
 from tf32lab.numbers.files import write_atomically, write_json
 from tf32lab.numbers.trees import named_tensors
 
 __all__ = ["Assignment", "Policy", "PolicyHandle", "Rule", "applied_policies", "applied_to", "exact_pattern", "explain"]
 
-SCHEMA_VERSION = 1
-_KEYS = ("schema_version", "default", "rules")
-_RULE_KEYS = ("pattern", "level")
-_TAG = "tf32lab.level"  # key in an autograd node's metadata: the level its backward runs at
+SCHEMA_VERSION = 2  # 2: a conv math per rule and for the model (``conv``); a policy without one is written as 1
+SCHEMA_VERSIONS = (1, 2)  # what load() reads
+_KEYS = ("schema_version", "default", "conv", "rules")
+_RULE_KEYS = ("pattern", "level", "conv")
+_TAG = "tf32lab.level"  # key in an autograd node's metadata: the level its backward runs at (None: the caller's)
+_CONV_TAG = "tf32lab.conv"  # and its conv math, when one is pinned
 _LEAF = 1 << 63  # AccumulateGrad nodes carry the largest sequence number; they compute nothing to tag
 
 
@@ -75,6 +83,12 @@ def exact_pattern(name: str) -> str:
 
 def _level(value: object, where: str) -> str:
     return check_level(value, where, loose=True)
+
+
+def _conv(value: object, where: str) -> Optional[str]:
+    """A conv math as a person may type it in a file (case and blanks do not matter); the error names the value."""
+    name = value.strip().lower() if isinstance(value, str) else value
+    return name if name in CONV_MATHS else check_conv(value, where)
 
 
 _STAR = None  # a token of a pattern: "*", else (negated, characters) for one character
@@ -302,18 +316,28 @@ def _aliases(model: torch.nn.Module, modules: Optional[list[torch.nn.Module]] = 
 
 
 class Rule(NamedTuple):
-    """One rule: modules whose name matches ``pattern`` (``fnmatch``) run at ``level``."""
+    """One rule: modules whose name matches ``pattern`` (``fnmatch``) run at ``level``, and their convolutions at
+    cuDNN's ``conv`` math (``"tf32"``, ``"ieee"``). Either may be None, not both: that one is inherited from the
+    module's parent."""
 
     pattern: str
-    level: str
+    level: Optional[str]
+    conv: Optional[str] = None
+
+    def __repr__(self) -> str:  # as before conv existed, when it names none
+        conv = "" if self.conv is None else f", conv={self.conv!r}"
+        return f"Rule(pattern={self.pattern!r}, level={self.level!r}{conv})"
 
 
 class Assignment(NamedTuple):
-    """The level one module gets from a policy, and what gave it: ``"rule 2 'head.*'"``, ``"default"``, ..."""
+    """The level one module gets from a policy, and what gave it: ``"rule 2 'head.*'"``, ``"default"``, ...; and
+    likewise its conv math (None: the cuDNN flag in force where it is called) and what gave that."""
 
     name: str
     level: Optional[str]
     source: str
+    conv: Optional[str] = None
+    conv_source: str = "inherited from the caller"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,14 +347,17 @@ class Policy:
     Args:
         default: the model's own level (``"highest"``, ``"high"``, ``"medium"``), or None: the level in force where
             the model is called.
-        rules: ``(pattern, level)`` pairs (or :class:`Rule`), in order; the first match wins.
+        rules: ``(pattern, level)`` pairs, ``(pattern, level, conv)`` triples (or :class:`Rule`), in order; the
+            first match wins. A rule's level or conv math may be None (not both): the module inherits that one.
+        conv: the model's own cuDNN convolution math (``"tf32"``, ``"ieee"``; ``torch.backends.cudnn.conv``'s
+            ``fp32_precision``), or None: the flag in force where the model is called. A level never sets it.
 
     Example:
 
         >>> import tf32lab
-        >>> p = tf32lab.Policy(default="high", rules=[("v_head", "highest")])
+        >>> p = tf32lab.Policy(default="high", rules=[("v_head", "highest"), ("stem", None, "ieee")])
         >>> p.rules
-        (Rule(pattern='v_head', level='highest'),)
+        (Rule(pattern='v_head', level='highest'), Rule(pattern='stem', level=None, conv='ieee'))
         >>> tf32lab.Policy(rules=[("v_head", "fast")])
         Traceback (most recent call last):
         ...
@@ -339,9 +366,11 @@ class Policy:
 
     default: Optional[str] = None
     rules: tuple[Rule, ...] = ()
+    conv: Optional[str] = None
 
     def __post_init__(self) -> None:
         default = None if self.default is None else _level(self.default, "policy default")
+        conv = _conv(self.conv, "policy conv")
         if isinstance(self.rules, (str, bytes, Mapping)) or not isinstance(self.rules, Iterable):
             raise Tf32LabError("policy rules must be a list of (pattern, level) pairs, not "
                                f"{type(self.rules).__name__}")
@@ -352,16 +381,24 @@ class Policy:
                 if unknown:
                     raise Tf32LabError(f"policy rule {i}: unknown key {unknown[0]!r}; accepted: "
                                        f"{', '.join(map(repr, _RULE_KEYS))}")
-                missing = [key for key in _RULE_KEYS if key not in rule]
-                if missing:
-                    raise Tf32LabError(f"policy rule {i}: missing {missing[0]!r}")
-                rule = (rule["pattern"], rule["level"])
-            if isinstance(rule, (str, bytes)) or not isinstance(rule, (tuple, list)) or len(rule) != 2:
-                raise Tf32LabError(f"policy rule {i}: {reprlib.repr(rule)} is not a (pattern, level) pair")
-            pattern, level = rule
+                if "pattern" not in rule:
+                    raise Tf32LabError(f"policy rule {i}: missing 'pattern'")
+                if "level" not in rule and "conv" not in rule:
+                    raise Tf32LabError(f"policy rule {i}: missing 'level' (or 'conv')")
+                rule = (rule["pattern"], rule.get("level"), rule.get("conv"))
+            if isinstance(rule, (str, bytes)) or not isinstance(rule, (tuple, list)) or len(rule) not in (2, 3):
+                raise Tf32LabError(f"policy rule {i}: {reprlib.repr(rule)} is not a (pattern, level) pair or a "
+                                   "(pattern, level, conv) triple")
+            pattern, level, rule_conv = (*rule, None) if len(rule) == 2 else rule
             if not isinstance(pattern, str):
                 raise Tf32LabError(f"policy rule {i}: the pattern {reprlib.repr(pattern)} is not a string")
-            rules.append(Rule(pattern, _level(level, f"policy rule {i} ({pattern!r})")))
+            where = f"policy rule {i} ({pattern!r})"
+            rule_conv = _conv(rule_conv, where)
+            if level is None and rule_conv is None:
+                raise Tf32LabError(f"{where}: names neither a level nor a conv math; give it one (accepted levels: "
+                                   f"{', '.join(map(repr, ALL_LEVELS))}; conv maths: "
+                                   f"{', '.join(map(repr, CONV_MATHS))})")
+            rules.append(Rule(pattern, None if level is None else _level(level, where), rule_conv))
         shadowed = _shadowing([rule.pattern for rule in rules])
         if shadowed is not None:  # the first match wins: that rule could never give a module its level
             i, j = shadowed
@@ -370,11 +407,31 @@ class Policy:
                 "comes first and matches every module name it matches; put the narrower rule first")
         object.__setattr__(self, "default", default)
         object.__setattr__(self, "rules", tuple(rules))
+        object.__setattr__(self, "conv", conv)
+
+    def __repr__(self) -> str:  # as before conv existed, when it names none
+        conv = "" if self.conv is None else f", conv={self.conv!r}"
+        return f"Policy(default={self.default!r}, rules={self.rules!r}{conv})"
+
+    @property
+    def pins_conv(self) -> bool:
+        """Whether the policy names a conv math anywhere (then it is saved as ``schema_version`` 2)."""
+        return self.conv is not None or any(rule.conv is not None for rule in self.rules)
 
     # -- which level each module gets ------------------------------------------------------------------------------
     def explain(self, model: torch.nn.Module) -> list[Assignment]:
-        """The level of every module of ``model`` (``named_modules()`` order) and the rule, default or parent that
-        gave it."""
+        """The level and conv math of every module of ``model`` (``named_modules()`` order) and the rule, default
+        or parent that gave each.
+
+        >>> import torch, tf32lab
+        >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Conv2d(4, 4, 3))
+        >>> policy = tf32lab.Policy("high", [("1", None, "ieee")], conv="tf32")
+        >>> for a in policy.explain(model):
+        ...     print(repr(a.name), a.level, a.conv, a.conv_source)
+        '' high tf32 default
+        '0' high tf32 inherited from the model
+        '1' high ieee rule 1 '1'
+        """
         return [a for a, _ in self._assignments(model)]
 
     def _assignments(self, model: torch.nn.Module) -> list[tuple[Assignment, Optional[str]]]:
@@ -397,24 +454,29 @@ class Policy:
         """The first rule matching ``name`` or one of the module's other names (a module registered twice) gives
         its level; else its parent's (the parent of its first name)."""
         others = [alias for alias in aliases if alias != name] if aliases else ()
-        for i, rule in enumerate(self.rules, 1):
-            if fnmatch.fnmatchcase(name, rule.pattern):
-                return Assignment(name, rule.level, f"rule {i} {rule.pattern!r}")
-            for alias in others:
-                if fnmatch.fnmatchcase(alias, rule.pattern):
-                    return Assignment(name, rule.level, f"rule {i} {rule.pattern!r} (it is also named {alias!r})")
         if parent is None:
-            return Assignment(name, self.default, "default" if self.default else "inherited from the caller")
-        return Assignment(name, parent.level, f"inherited from {parent.name!r}" if parent.name else
-                          "inherited from the model")
+            level, source = self.default, "default" if self.default else "inherited from the caller"
+            conv, conv_source = self.conv, "default" if self.conv else "inherited from the caller"
+        else:
+            level, conv = parent.level, parent.conv
+            source = conv_source = f"inherited from {parent.name!r}" if parent.name else "inherited from the model"
+        for i, rule in enumerate(self.rules, 1):
+            matched = f"rule {i} {rule.pattern!r}" if fnmatch.fnmatchcase(name, rule.pattern) else next(
+                (f"rule {i} {rule.pattern!r} (it is also named {alias!r})" for alias in others
+                 if fnmatch.fnmatchcase(alias, rule.pattern)), None)
+            if matched is not None:  # the first match gives what it names; what it leaves out is inherited
+                if rule.level is not None:
+                    level, source = rule.level, matched
+                if rule.conv is not None:
+                    conv, conv_source = rule.conv, matched
+                break
+        return Assignment(name, level, source, conv, conv_source)
 
     def hooked(self, model: torch.nn.Module) -> list[str]:
-        """The modules :meth:`apply` hooks: those whose level differs from their parent's (the model itself when
-        the default is set); the others run inside their parent's scope and cost nothing."""
-        assignments = self._assignments(model)
-        levels = {a.name: a.level for a, _ in assignments}
-        return [a.name for a, parent in assignments
-                if a.level is not None and (parent is None or levels[parent] != a.level)]
+        """The modules :meth:`apply` hooks: those whose level or conv math differs from their parent's (the model
+        itself when the default or the policy's conv is set); the others run inside their parent's scope and cost
+        nothing."""
+        return _hooked(self._assignments(model))
 
     def unmatched(self, model: torch.nn.Module) -> list[Rule]:
         """The rules that match no module of ``model`` (a typo, or a policy written for another model)."""
@@ -468,8 +530,14 @@ class Policy:
 
     # -- as data ---------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {"schema_version": SCHEMA_VERSION, "default": self.default,
-                "rules": [{"pattern": r.pattern, "level": r.level} for r in self.rules]}
+        """The policy as plain data. A policy that names no conv math is written as before (``schema_version`` 1,
+        no ``conv`` keys), so an older tf32lab reads it; one that does is ``schema_version`` 2."""
+        if not self.pins_conv:
+            return {"schema_version": 1, "default": self.default,
+                    "rules": [{"pattern": r.pattern, "level": r.level} for r in self.rules]}
+        return {"schema_version": SCHEMA_VERSION, "default": self.default, "conv": self.conv,
+                "rules": [{"pattern": r.pattern, "level": r.level, **({"conv": r.conv} if r.conv else {})}
+                          for r in self.rules]}
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "policy") -> Policy:
@@ -482,11 +550,16 @@ class Policy:
         version = data.get("schema_version")
         if version is None:
             raise Tf32LabError(f"{where}: missing 'schema_version' (this tf32lab writes {SCHEMA_VERSION})")
-        if version != SCHEMA_VERSION or isinstance(version, bool):
+        if version not in SCHEMA_VERSIONS or isinstance(version, bool):
             raise Tf32LabError(f"{where}: schema_version {reprlib.repr(version)} is not supported; accepted: "
-                               f"{SCHEMA_VERSION}")
+                               f"{', '.join(map(str, SCHEMA_VERSIONS))}")
+        rules = data.get("rules", ())
+        if version == 1 and ("conv" in data or any(isinstance(r, Mapping) and "conv" in r
+                                                    for r in (rules if isinstance(rules, list) else ()))):
+            raise Tf32LabError(f"{where}: 'conv' needs schema_version 2 (version 1 has levels only); write "
+                               "schema_version 2")
         try:
-            return cls(default=data.get("default"), rules=data.get("rules", ()))
+            return cls(default=data.get("default"), rules=rules, conv=data.get("conv"))
         except Tf32LabError as exc:
             raise Tf32LabError(f"{where}: {exc}") from None
 
@@ -537,13 +610,22 @@ def explain(policy: Policy, model: torch.nn.Module) -> list[Assignment]:
 
 
 def _toml(policy: Policy, where: str) -> str:
-    lines = [f"schema_version = {SCHEMA_VERSION}"]
-    if policy.default is not None:
-        lines.append(f"default = {_toml_string(policy.default, where)}")
-    for rule in policy.rules:
-        lines += ["", "[[rules]]", f"pattern = {_toml_string(rule.pattern, where)}",
-                  f"level = {_toml_string(rule.level, where)}"]
+    data = policy.to_dict()  # TOML has no null: a key whose value is None is left out
+    lines = [f"schema_version = {data['schema_version']}"]
+    for key in ("default", "conv"):
+        if data.get(key) is not None:
+            lines.append(f"{key} = {_toml_string(data[key], where)}")
+    for rule in data["rules"]:
+        lines += ["", "[[rules]]"]
+        lines += [f"{key} = {_toml_string(rule[key], where)}" for key in _RULE_KEYS if rule.get(key) is not None]
     return "\n".join(lines) + "\n"
+
+
+def _hooked(assignments: list[tuple[Assignment, Optional[str]]]) -> list[str]:
+    """The names of the modules whose level or conv math differs from their parent's (the model: where it has one)."""
+    by_name = {a.name: a for a, _ in assignments}
+    return [a.name for a, parent in assignments if (a.level is not None or a.conv is not None) and (
+        parent is None or (by_name[parent].level, by_name[parent].conv) != (a.level, a.conv))]
 
 
 def _toml_string(text: str, where: str) -> str:
@@ -593,13 +675,14 @@ def _read_toml(text: bytes, where: str) -> Any:
 
 # -- the mechanics of apply() -------------------------------------------------------------------------------------
 class _Frame:
-    """A policy module's forward running on this thread: its level (None: the caller's), and for its backward
-    tags the dispatch stack's height and the autograd sequence number when it began."""
+    """A policy module's forward running on this thread: its level and conv math (None: the caller's), and for its
+    backward tags the dispatch stack's height and the autograd sequence number when it began."""
 
-    __slots__ = ("depth", "handle", "level", "start")
+    __slots__ = ("conv", "depth", "handle", "level", "start")
 
-    def __init__(self, handle: PolicyHandle, level: Optional[str], depth: int, start: int) -> None:
-        self.handle, self.level, self.depth, self.start = handle, level, depth, start
+    def __init__(self, handle: PolicyHandle, level: Optional[str], conv: Optional[str], depth: int,
+                 start: int) -> None:
+        self.handle, self.level, self.conv, self.depth, self.start = handle, level, conv, depth, start
 
 
 class _Open(threading.local):
@@ -616,43 +699,64 @@ _dispatch_depth = torch._C._len_torch_dispatch_stack
 
 
 class _Deciding(threading.local):
-    level: Optional[str] = None  # set while a backward op runs under a node's level: outer nodes' modes defer
+    active: bool = False  # set while a backward op runs under a node's level: outer nodes' modes defer
 
 
 _DECIDING = _Deciding()
+_CUDNN: dict[Any, bool] = {}  # op -> whether cuDNN's conv flag may decide its math (conv, rnn, ops outside aten)
+
+
+def _follows_cudnn(func: Any) -> bool:
+    known = _CUDNN.get(func)
+    if known is None:
+        name = func.name()
+        known = _CUDNN[func] = optable.family(name) in ("conv", "rnn") or not name.startswith("aten::")
+    return known
 
 
 @modestack.skips_dynamo_lazily
 class _NodeLevel(TorchDispatchMode):
-    """Pushed by a tagged autograd node's pre-hook, for that node only: its family ops run at the node's level."""
+    """Pushed by a tagged autograd node's pre-hook, for that node only: its family ops run at the node's level,
+    and its convolutions (ops cuDNN's conv flag decides) at the node's conv math."""
 
-    def __init__(self, level: str) -> None:
+    def __init__(self, level: Optional[str], conv: Optional[str]) -> None:
         super().__init__()
-        self.level = level
+        self.level, self.conv = level, conv
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _DECIDING.level is not None or not is_sensitive(func):
+        if _DECIDING.active or not is_sensitive(func):
             return func(*args, **kwargs)
         frames = _OPEN.frames
         # A policy module's forward that began inside this node (a non-reentrant checkpoint recomputing it while
         # the node unpacks what it saved) keeps its own level: the frame was opened above this mode on the stack
         # (in a handler, the stack's height is the mode's own index).
-        if frames and frames[-1].level is not None and frames[-1].depth > _dispatch_depth():
+        if frames and (frames[-1].level is not None or frames[-1].conv is not None) \
+                and frames[-1].depth > _dispatch_depth():
             return func(*args, **kwargs)
-        _DECIDING.level = self.level
+        level = self.level
+        conv = self.conv if self.conv is not None and _follows_cudnn(func) else None
+        if level is None and conv is None:  # a node that pins only convolutions, at another op
+            return func(*args, **kwargs)
+        _DECIDING.active = True
         try:
-            with precision(self.level):
+            if conv is None:  # the usual node: a level only, as before conv maths were pinned
+                with precision(level):  # type: ignore[arg-type]  # (set: not both are None)
+                    return func(*args, **kwargs)
+            # (a fresh conv_math block per op: one object entered by two threads could close the other's block)
+            with (precision(level) if level is not None else contextlib.nullcontext()), conv_math(conv):
                 return func(*args, **kwargs)
         finally:
-            _DECIDING.level = None
+            _DECIDING.active = False
 
 
-_NODE_MODES = {level: _NodeLevel(level) for level in ALL_LEVELS}
+_PINS = [(level, conv) for level in (None, *ALL_LEVELS) for conv in (None, *CONV_MATHS)
+         if level is not None or conv is not None]  # what a node may be tagged with
+_NODE_MODES = {pin: _NodeLevel(*pin) for pin in _PINS}
 
 
-def _node_prehook(level: str):
-    mode = _NODE_MODES[level]
+def _node_prehook(pin: tuple[Optional[str], Optional[str]]):
+    mode = _NODE_MODES[pin]
     push = torch._C._push_on_torch_dispatch_stack
 
     def hook(grad_outputs):
@@ -662,17 +766,18 @@ def _node_prehook(level: str):
     return hook
 
 
-_PREHOOKS = {level: _node_prehook(level) for level in ALL_LEVELS}
+_PREHOOKS = {pin: _node_prehook(pin) for pin in _PINS}
 
 
-def _tag(output: Any, start: int, level: str) -> None:
+def _tag(output: Any, start: int, level: Optional[str], conv: Optional[str] = None) -> None:
     """Tag the autograd nodes created since sequence number ``start`` that lead to ``output`` and have no level yet
-    (those of nested modules with a level of their own are tagged already, at their own forward's end)."""
+    (those of nested modules with a level or conv math of their own are tagged already, at their own forward's
+    end) with ``level`` and ``conv`` (not both None)."""
     todo = [t.grad_fn for _, t in named_tensors(output) if t.grad_fn is not None]
     # Each visit gets a fresh Python wrapper of the C++ node: keep the ones seen alive, or a freed wrapper's id is
     # reused by the next one and a node is skipped untagged (seen on CUDA: the default level's nodes ran untagged).
     seen: dict[int, Any] = {}
-    hook = _PREHOOKS[level]
+    hook = _PREHOOKS[(level, conv)]
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen:
@@ -684,6 +789,8 @@ def _tag(output: Any, start: int, level: str) -> None:
         metadata = node.metadata
         if _TAG not in metadata:
             metadata[_TAG] = level
+            if conv is not None:
+                metadata[_CONV_TAG] = conv
             node.register_prehook(hook)
         todo.extend(fn for fn, _ in node.next_functions)
 
@@ -754,29 +861,38 @@ def _call(pinned: _Pinned, args: tuple, kwargs: dict) -> Any:
     entry = tree.members.get(id(module))
     if entry is None or entry[0]() is not module:  # taken out of the model: no longer the policy's
         return forward(*args, **kwargs)
-    level = entry[1]
-    if top is not None and top.handle is handle and top.level == level and top.depth == _dispatch_depth():
+    level, conv = entry[1], entry[2]
+    if top is not None and top.handle is handle and top.level == level and top.conv == conv \
+            and top.depth == _dispatch_depth():
         return forward(*args, **kwargs)  # inside its parent's frame at the same level: covered by it
-    # The scope closes on every exit, a BaseException (KeyboardInterrupt) included. (One frame: Dynamo skips this
-    # function's own code only.)
+    # The scope and the conv block close on every exit, a BaseException (KeyboardInterrupt) included. (One frame:
+    # Dynamo skips this function's own code only.)
     scope = None
     if level is not None:
         scope = precision(level)
         scope.__enter__()
     try:
-        frame = _Frame(handle, level, _dispatch_depth(), _sequence_nr())
-        frames.append(frame)
+        block = None
+        if conv is not None:  # cuDNN's flag is the process's: conv_math stacks blocks of any thread, in any order
+            block = conv_math(conv)
+            block.__enter__()
         try:
-            output = forward(*args, **kwargs)
-            if level is not None and output is not None and torch.is_grad_enabled():
-                _tag(output, frame.start, level)
-            return output
+            frame = _Frame(handle, level, conv, _dispatch_depth(), _sequence_nr())
+            frames.append(frame)
+            try:
+                output = forward(*args, **kwargs)
+                if (level is not None or conv is not None) and output is not None and torch.is_grad_enabled():
+                    _tag(output, frame.start, level, conv)
+                return output
+            finally:
+                if frames and frames[-1] is frame:
+                    frames.pop()
+                else:  # closed out of order (not in a plain call; never leave it behind)
+                    with contextlib.suppress(ValueError):
+                        frames.remove(frame)
         finally:
-            if frames and frames[-1] is frame:
-                frames.pop()
-            else:  # closed out of order (not in a plain call; never leave it behind)
-                with contextlib.suppress(ValueError):
-                    frames.remove(frame)
+            if block is not None:
+                block.__exit__(None, None, None)
     finally:
         if scope is not None:
             scope.__exit__(None, None, None)
@@ -801,13 +917,14 @@ def _unwrap(module: torch.nn.Module, pinned: _Pinned) -> None:
 
 
 class _Tree:
-    """The model as a handle matched it: each module's level (by ``id``, with a weak reference to tell a new
-    module at a reused address), the modules where the level changes, and each module's children to see a change."""
+    """The model as a handle matched it: each module's level and conv math (by ``id``, with a weak reference to
+    tell a new module at a reused address), the modules where either changes, and each module's children to see a
+    change."""
 
     __slots__ = ("hooked", "members", "shape")
 
     def __init__(self) -> None:
-        self.members: dict[int, tuple[weakref.ref, Optional[str]]] = {}
+        self.members: dict[int, tuple[weakref.ref, Optional[str], Optional[str]]] = {}
         self.hooked: list[str] = []
         self.shape: list[tuple[weakref.ref, tuple[str, ...], tuple[int, ...]]] = []
 
@@ -948,7 +1065,7 @@ class PolicyHandle:
 
     The policy follows the model as it is when called: a module replaced, added or taken out after ``apply()``
     is matched again at the next call (a module taken out is the policy's no longer). ``hooked`` names the modules
-    whose level differs from their parent's.
+    whose level or conv math differs from their parent's.
     """
 
     def __init__(self, policy: Policy, model: torch.nn.Module) -> None:
@@ -1002,10 +1119,8 @@ class PolicyHandle:
         policy = self.policy
         assignments = policy._assignments(model)
         modules = dict(model.named_modules())
-        levels = {a.name: a.level for a, _ in assignments}
         tree = _Tree()
-        tree.hooked = [a.name for a, parent in assignments
-                       if a.level is not None and (parent is None or levels[parent] != a.level)]
+        tree.hooked = _hooked(assignments)
         hooked = set(tree.hooked)
         wanted: dict[int, torch.nn.Module] = {}
         on_collect = _collected(weakref.ref(self))
@@ -1019,16 +1134,21 @@ class PolicyHandle:
                     f"{type(other_model).__name__ if other_model is not None else 'another model'}, which has "
                     "another policy applied: one module takes one policy; remove that one first")
             ref = weakref.ref(module, on_collect)
-            tree.members[id(module)] = (ref, a.level)
+            tree.members[id(module)] = (ref, a.level, a.conv)
             if isinstance(module, torch.jit.ScriptModule):  # its submodules are fixed by the compiler
                 if a.name in hooked:
+                    what = " and ".join(filter(None, (a.level and f"level {a.level!r}",
+                                                      a.conv and f"conv math {a.conv!r}")))
+                    inside = ", ".join(filter(None, (a.level and f"tf32lab.precision({a.level!r})",
+                                                     a.conv and f"tf32lab.control.scope.conv_math({a.conv!r})")))
                     raise Tf32LabError(
                         f"module {a.name or type(model).__name__!r} is TorchScript, which takes no hooks, so a "
-                        f"policy cannot give it level {a.level!r}: apply the policy to the eager model, or call "
-                        f"it inside tf32lab.precision({a.level!r})")
+                        f"policy cannot give it {what}: apply the policy to the eager model, or call it inside "
+                        f"{inside}")
                 continue  # at its parent's level: runs inside its parent's scope (called directly: the caller's)
             tree.shape.append((ref, tuple(module._modules), tuple(map(id, module._modules.values()))))
-            if a.level is not None or not a.name:  # the model itself always: its call checks for changes
+            # the model itself always: its call checks for changes
+            if a.level is not None or a.conv is not None or not a.name:
                 wanted[id(module)] = module
         for key, (ref, pinned) in list(self._wrapped.items()):
             module = ref()

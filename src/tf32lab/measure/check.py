@@ -332,12 +332,15 @@ class Session:
 
 @dataclasses.dataclass(frozen=True)
 class PolicyRow:
-    """A policy as check measures it: its level per module name (``ROOT`` for the model), unmatched rules refused."""
+    """A policy as check measures it: its level per module name (``ROOT`` for the model), unmatched rules refused;
+    ``convs``: the conv maths its modules run at (None: the caller's flag)."""
 
     policy: Policy
     base: str  # the level the model itself runs at: the policy's default, or the one in force here
     by_name: dict[str, str]
     levels: frozenset[str]
+    convs: frozenset[Optional[str]] = frozenset({None})
+    conv_by_name: dict[str, Optional[str]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, policy: Policy, model: torch.nn.Module) -> PolicyRow:
@@ -351,8 +354,10 @@ class PolicyRow:
             raise Tf32LabError(f"check(policy=...): the policy has no default level and the process level is "
                                f"{base!r} (a flag holds a value this tf32lab does not know); give the policy a "
                                "default level")
-        by_name = {(a.name or ROOT): a.level or base for a in policy.explain(model)}
-        return cls(policy, base, by_name, frozenset(by_name.values()))
+        assignments = policy.explain(model)
+        by_name = {(a.name or ROOT): a.level or base for a in assignments}
+        return cls(policy, base, by_name, frozenset(by_name.values()), frozenset(a.conv for a in assignments),
+                   {(a.name or ROOT): a.conv for a in assignments})
 
     def describe(self) -> dict[str, Any]:
         return dict(self.policy.to_dict(), base=self.base)
@@ -426,6 +431,9 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
             at = row.by_name.get(name, level)
             at = (alike or {}).get(at) or at
         introduced, why = _introduced(recorder, accumulated, at, name)
+        pinned = _pinned_conv(row, name, module, target, cells)
+        if pinned is not None:
+            introduced, why = math.nan, pinned
         acc, diverged = accumulated.result(name, finished=error is None)
         reasons = "; ".join(r for r in (why, diverged) if r)
         layers.append(LayerError(name, sharded.type_name(module), recorder.count[name], introduced, acc,
@@ -437,12 +445,28 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
                        time.perf_counter() - started, error=error, policy=row.describe() if row else None)
 
 
+def _pinned_conv(row: Optional[PolicyRow], name: str, module: torch.nn.Module, target: Target,
+                 cells: Mapping[str, str]) -> Optional[str]:
+    """Why a convolution layer's introduced error is not measured in a policy row, or None: the policy pins its
+    conv math to one the target computes otherwise than the math its reruns ran at (the check's)."""
+    conv = None if row is None else row.conv_by_name.get(name)
+    if conv is None or not isinstance(module, (torch.nn.modules.conv._ConvNd, torch.nn.RNNBase)):
+        return None
+    ran = cells.get("cuda.conv")
+    differs = target.math("conv", {**cells, "cuda.conv": conv}) != target.math("conv", cells) if target.emulated \
+        else conv != ran
+    return (f"the policy pins its conv math to {conv!r}; its reruns ran at cudnn.conv {ran!r}, so its introduced "
+            "error is not measured (its accumulated error is)") if differs else None
+
+
 def policy_maths(row: PolicyRow, target: Target, cells: Mapping[str, str]) -> dict[str, str]:
-    """Per family: the math every level of the policy gives it, or ``mixed``."""
+    """Per family: the math every level (and conv math) of the policy gives it, or ``mixed``."""
     found: dict[str, set[str]] = {}
     for level in sorted(row.levels):
-        for key, m in target.maths_at(level, cells).items():
-            found.setdefault(key, set()).add(m)
+        for conv in row.convs:  # a conv math pinned by the policy over the caller's (cuDNN's flag covers RNNs too)
+            at = cells if conv is None else {**cells, "cuda.conv": conv, "cuda.rnn": conv}
+            for key, m in target.maths_at(level, at).items():
+                found.setdefault(key, set()).add(m)
     return {key: values.pop() if len(values) == 1 else "mixed" for key, values in found.items()}
 
 

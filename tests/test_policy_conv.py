@@ -1,0 +1,372 @@
+"""A policy that pins one module's cuDNN conv math (``conv="ieee"|"tf32"``): which modules get which, that their
+forward and backward really run at it (emulated: the convolutions' results; natively: cuDNN's flag at each
+convolution), files old and new, bad values, and the flags after every exit."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tf32lab
+from tf32lab import Policy
+from tf32lab.control import flags, scope
+from tf32lab.control.policy import Rule
+from tf32lab.control.scope import conv_math
+from tf32lab.errors import Tf32LabError
+from tf32lab.numbers.formats import round_tf32
+from tf32lab.report import schema
+
+CONV_OPS = ("aten::convolution", "aten::convolution_backward")
+
+
+def _convs(seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Tanh(), torch.nn.Conv2d(8, 4, 3))
+
+
+def _input() -> torch.Tensor:
+    # an offset of 8 makes TF32's 10-bit operands visibly worse than float32's (rounding errors do not cancel)
+    return 8.0 + torch.randn(2, 3, 10, 10, generator=torch.Generator().manual_seed(1))
+
+
+# a tf32 model whose last convolution is pinned to IEEE; the level is the model's own throughout
+PINNED = Policy("highest", [("2", None, "ieee")], conv="tf32")
+
+
+def _step(model: torch.nn.Sequential, x: torch.Tensor):
+    model.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    h = model[1](model[0](x))
+    y = model[2](h)
+    (y * y).sum().backward()
+    return h.detach(), y.detach(), [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+
+def _by_hand(model: torch.nn.Sequential, x: torch.Tensor):
+    """The same step with each part run, forward and backward, inside its own conv_math block."""
+    model.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    with conv_math("tf32"):
+        h = model[1](model[0](x))
+    cut = h.detach().requires_grad_()
+    with conv_math("ieee"):
+        y = model[2](cut)
+        (y * y).sum().backward()
+    with conv_math("tf32"):
+        h.backward(cut.grad)
+    return h.detach(), y.detach(), [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+
+def _equal(a, b) -> bool:
+    return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and all(map(torch.equal, a[2], b[2]))
+
+
+class _CudnnFlagAtConvs(TorchDispatchMode):
+    """Records cuDNN's conv cell as each convolution (forward or backward) meets it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()
+        if name in CONV_OPS:
+            weight = args[1] if name == "aten::convolution" else args[2]
+            self.seen.append((name, flags.read_cell("cuda.conv"), tuple(weight.shape)))
+        return func(*args, **(kwargs or {}))
+
+
+# -- which conv math each module gets -------------------------------------------------------------------------
+def test_explain_gives_each_modules_conv_math_and_where_it_came_from():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3)),
+                                torch.nn.Conv2d(4, 4, 3))
+    policy = Policy("high", [("1", None, "ieee"), ("2", "highest")])
+    got = [(a.name, a.level, a.source, a.conv, a.conv_source) for a in policy.explain(model)]
+    assert got == [
+        ("", "high", "default", None, "inherited from the caller"),
+        ("0", "high", "inherited from the model", None, "inherited from the model"),
+        ("1", "high", "inherited from the model", "ieee", "rule 1 '1'"),
+        ("1.0", "high", "inherited from '1'", "ieee", "inherited from '1'"),
+        ("2", "highest", "rule 2 '2'", None, "inherited from the model"),
+    ]
+    assert policy.hooked(model) == ["", "1", "2"]  # where the level or the conv math changes
+    with_default = Policy(rules=[("1", "highest", "tf32")], conv="ieee")
+    assert [(a.name, a.conv, a.conv_source) for a in with_default.explain(model)][:3] == [
+        ("", "ieee", "default"), ("0", "ieee", "inherited from the model"), ("1", "tf32", "rule 1 '1'")]
+    assert with_default.hooked(model) == ["", "1"]  # the model (its conv math) and the rule's module
+    # a policy without conv is what it was: its rules, repr and hooked modules
+    plain = Policy("high", [("2", "highest")])
+    assert plain.rules == (Rule("2", "highest"),) and repr(plain) == \
+        "Policy(default='high', rules=(Rule(pattern='2', level='highest'),))"
+    assert plain.hooked(model) == ["", "2"] and not plain.pins_conv
+
+
+def test_bad_conv_values_are_one_line_naming_the_value_and_the_accepted_ones():
+    cases = [
+        (lambda: Policy("high", [("0", "high", "fast")]),
+         "policy rule 1 ('0'): unknown conv math 'fast'; accepted: 'tf32', 'ieee'"),
+        (lambda: Policy("high", conv="TF32x"), "policy conv: unknown conv math 'TF32x'; accepted: 'tf32', 'ieee'"),
+        (lambda: Policy("high", [("0", None)]), "policy rule 1 ('0'): names neither a level nor a conv math"),
+        (lambda: Policy("high", [("0", None, None)]), "names neither a level nor a conv math"),
+        (lambda: Policy("high", [("0", "high", "ieee", "x")]), "is not a (pattern, level) pair or a (pattern, level, "
+                                                               "conv) triple"),
+        (lambda: Policy("high", [{"pattern": "0", "conv": 3}]), "unknown conv math 3"),
+    ]
+    for make, message in cases:
+        with pytest.raises(Tf32LabError) as info:
+            make()
+        assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+    # as typed in a file: case and blanks do not matter, as for levels
+    assert Policy("high", [("0", None, " IEEE ")], conv="Tf32").rules[0].conv == "ieee"
+
+
+# -- forward and backward run at it -----------------------------------------------------------------------------
+def test_emulated_a_pinned_module_computes_ieee_convolutions_and_the_rest_tf32():
+    model, x = _convs(), _input()
+    with PINNED.applied(model), tf32lab.emulate("a100") as emu:
+        applied = _step(model, x)
+    with tf32lab.precision("highest"), tf32lab.emulate("a100"):
+        by_hand = _by_hand(model, x)
+    assert _equal(applied, by_hand)  # forward and every gradient, bit for bit
+    # and against the convolutions themselves: TF32-rounded operands outside the pinned module, float32 in it
+    h, y = applied[0], applied[1]
+    first, last = model[0], model[2]
+    assert torch.equal(h, torch.tanh(F.conv2d(round_tf32(x), round_tf32(first.weight), first.bias)))
+    assert not torch.equal(h, torch.tanh(first(x)))
+    with torch.no_grad():
+        assert torch.equal(y, last(h))  # plain float32, on this CPU, as an IEEE convolution
+        assert not torch.equal(y, F.conv2d(round_tf32(h), round_tf32(last.weight), last.bias))
+    assert emu.coverage == {("aten::convolution", "tf32-rna"): 1, ("aten::convolution", "ieee"): 1,
+                            ("aten::convolution_backward", "ieee"): 1, ("aten::convolution_backward", "tf32-rna"): 1}
+    # the other way round: a tf32 module inside an IEEE model
+    flipped = Policy("highest", [("0", None, "tf32")], conv="ieee")
+    with flipped.applied(model), tf32lab.emulate("a100") as emu:
+        _step(model, x)
+    assert emu.coverage == {("aten::convolution", "tf32-rna"): 1, ("aten::convolution", "ieee"): 1,
+                            ("aten::convolution_backward", "ieee"): 1, ("aten::convolution_backward", "tf32-rna"): 1}
+    assert flags.read_cells()["cuda.conv"] == "tf32"  # PyTorch's default, as before
+
+
+def test_natively_each_convolution_meets_its_modules_conv_flag_forward_and_backward():
+    model, x = _convs(), _input()
+    recorder = _CudnnFlagAtConvs()
+    with conv_math("tf32"), PINNED.applied(model), recorder:
+        _step(model, x)
+    first, last = tuple(model[0].weight.shape), tuple(model[2].weight.shape)
+    assert recorder.seen == [("aten::convolution", "tf32", first), ("aten::convolution", "ieee", last),
+                             ("aten::convolution_backward", "ieee", last),
+                             ("aten::convolution_backward", "tf32", first)]
+    # the backward of a pinned module runs at its math wherever it runs: here after the policy came off
+    recorder.seen.clear()
+    with PINNED.applied(model):
+        y = model(x.requires_grad_())
+    with recorder:
+        y.sum().backward()
+    assert [(op, cell) for op, cell, _ in recorder.seen] == [("aten::convolution_backward", "ieee"),
+                                                            ("aten::convolution_backward", "tf32")]
+    # a model that reads PyTorch's boolean inside a pinned module sees the module's math (both cuDNN cells agree)
+    class Reads(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 2, 3)
+
+        def forward(self, t):
+            assert torch.backends.cudnn.allow_tf32 is False
+            return self.conv(t)
+
+    reads = Reads()
+    with Policy(rules=[("", None, "ieee")]).applied(reads):
+        reads(x)
+
+
+def test_a_pinned_module_at_another_level_keeps_both_and_nested_pins_nest():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Sequential(
+        torch.nn.Conv2d(4, 4, 3), torch.nn.Linear(6, 6), torch.nn.Conv2d(4, 4, 1)))
+    policy = Policy("high", [("1.0", "highest", "tf32"), ("1", None, "ieee")])
+    recorder = _CudnnFlagAtConvs()
+    with conv_math("tf32"), policy.applied(model), tf32lab.emulate("a100") as emu, recorder:
+        model(_input()).sum().backward()
+    # 0: the caller's tf32; 1.0: tf32 at highest inside the ieee block; 1.2: the block's ieee; and the linear
+    # inside the block at the model's level, high: TF32 matmuls
+    assert [(op, cell, shape[:2]) for op, cell, shape in recorder.seen] == [
+        ("aten::convolution", "tf32", (4, 3)), ("aten::convolution", "tf32", (4, 4)),
+        ("aten::convolution", "ieee", (4, 4)), ("aten::convolution_backward", "ieee", (4, 4)),
+        ("aten::convolution_backward", "tf32", (4, 4)), ("aten::convolution_backward", "tf32", (4, 3))]
+    assert emu.coverage[("aten::convolution", "tf32-rna")] == 2 and emu.coverage[("aten::convolution", "ieee")] == 1
+    assert all(math == "tf32-rna" for op, math in emu.coverage if not op.startswith("aten::conv"))
+    assert flags.read_cells()["cuda.conv"] == "tf32"
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_recomputes_each_module_at_its_own_conv_math(reentrant):
+    import torch.utils.checkpoint
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = _convs()
+
+        def forward(self, t):
+            return torch.utils.checkpoint.checkpoint(self.inner, t, use_reentrant=reentrant)
+
+    model = Checkpointed()
+    recorder = _CudnnFlagAtConvs()
+    with Policy("highest", [("inner.2", None, "ieee")], conv="tf32").applied(model), recorder:
+        model(_input().requires_grad_()).sum().backward()
+    cells = [(op[len("aten::"):], cell, shape[0]) for op, cell, shape in recorder.seen]
+    # the forward, then in the backward the region recomputed (a non-reentrant checkpoint stops once it has what
+    # the backward needs) and its gradients: each convolution at its own module's math
+    assert all(cell == ("ieee" if out == 4 else "tf32") for _, cell, out in cells)
+    assert len([c for c in cells if c[0] == "convolution"]) == (4 if reentrant else 3)
+    assert [c for c in cells if c[0] == "convolution_backward"] == [("convolution_backward", "ieee", 4),
+                                                                  ("convolution_backward", "tf32", 8)]
+
+
+def test_a_pinned_conv_math_leaves_every_flag_as_it_was_on_every_exit():
+    class Boom(torch.nn.Module):
+        def __init__(self, error: BaseException, where: str) -> None:
+            super().__init__()
+            self.conv, self.error, self.where = torch.nn.Conv2d(3, 2, 3), error, where
+
+        def forward(self, t):
+            out = self.conv(t)
+            if self.where == "forward":
+                raise self.error
+            out.register_hook(self._raise)
+            return out
+
+        def _raise(self, grad):
+            raise self.error
+
+    before = flags.snapshot()
+    for error in (RuntimeError("boom"), KeyboardInterrupt()):
+        for where in ("forward", "backward"):
+            model = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 1), Boom(error, where))
+            with Policy("high", [("1", None, "ieee")], conv="tf32").applied(model), \
+                    pytest.raises(type(error)):
+                model(_input().requires_grad_()).sum().backward()
+            assert flags.snapshot() == before, (error, where, before.diff(flags.snapshot()))
+            assert scope._CONV_OPEN == [] and tf32lab.get_float32_matmul_precision() == "highest"
+    # and with a conv block of the caller's open around it: that block's math is back afterwards
+    with conv_math("ieee"):
+        model = torch.nn.Sequential(Boom(RuntimeError("boom"), "forward"))
+        with Policy(rules=[("0", None, "tf32")]).applied(model), pytest.raises(RuntimeError):
+            model(_input())
+        assert flags.read_cells()["cuda.conv"] == "ieee"
+    assert flags.snapshot() == before
+
+
+def test_two_threads_in_modules_pinned_to_two_conv_maths_give_the_process_its_flag_back():
+    # cuDNN's flag is the process's: while both run, the newest open block's math is in force for both (the
+    # documented limit); what must hold is that, closing in any order, nothing is left behind
+    import threading
+
+    before = flags.snapshot()
+    errors: list[BaseException] = []
+
+    def run(conv: str) -> None:
+        try:
+            model = _convs()
+            with Policy(rules=[("2", None, conv)]).applied(model):
+                for _ in range(20):
+                    model(_input().requires_grad_()).sum().backward()
+        except BaseException as exc:  # reported below: an assertion in a thread would pass unseen
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(conv,)) for conv in ("ieee", "tf32", "ieee")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and flags.snapshot() == before and scope._CONV_OPEN == []
+
+
+# -- files -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("suffix", [".json", ".toml"])
+def test_a_policy_with_conv_maths_round_trips_and_one_without_is_written_as_version_1(tmp_path, suffix):
+    policy = Policy("high", [("stem", None, "ieee"), ("head.*", "highest", "tf32"), ("v_head", "highest")],
+                    conv="tf32")
+    path = policy.save(tmp_path / f"policy{suffix}")
+    assert Policy.load(path) == policy
+    plain = Policy("high", [("v_head", "highest")])
+    assert Policy.load(plain.save(tmp_path / f"plain{suffix}")) == plain
+    if suffix == ".json":
+        assert json.loads(path.read_text())["schema_version"] == 2
+        assert json.loads(plain.to_json()) == {"schema_version": 1, "default": "high",
+                                               "rules": [{"pattern": "v_head", "level": "highest"}]}
+    else:
+        assert path.read_text().startswith("schema_version = 2\n")
+        assert (tmp_path / "plain.toml").read_text().startswith("schema_version = 1\n")
+
+
+def test_files_of_schema_version_1_load_unchanged(tmp_path):
+    (tmp_path / "old.json").write_text('{"schema_version": 1, "default": "high", "rules": '
+                                       '[{"pattern": "v_head", "level": "highest"}]}')
+    (tmp_path / "old.toml").write_text('schema_version = 1\ndefault = "medium"\n\n[[rules]]\npattern = "body.*"\n'
+                                       'level = "high"\n')
+    old_json, old_toml = Policy.load(tmp_path / "old.json"), Policy.load(tmp_path / "old.toml")
+    assert old_json == Policy("high", [("v_head", "highest")]) and old_json.conv is None
+    assert old_toml == Policy("medium", [("body.*", "high")]) and old_toml.rules[0].conv is None
+    assert old_json.to_dict()["schema_version"] == 1  # and written back the same
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"schema_version": 1, "conv": "ieee"}', "'conv' needs schema_version 2"),
+    ('{"schema_version": 1, "rules": [{"pattern": "a", "level": "high", "conv": "ieee"}]}',
+     "'conv' needs schema_version 2"),
+    ('{"schema_version": 2, "conv": "fast"}', "policy conv: unknown conv math 'fast'; accepted: 'tf32', 'ieee'"),
+    ('{"schema_version": 2, "rules": [{"pattern": "a", "conv": "TF16"}]}',
+     "policy rule 1 ('a'): unknown conv math 'TF16'; accepted: 'tf32', 'ieee'"),
+    ('{"schema_version": 2, "rules": [{"pattern": "a", "level": null}]}', "names neither a level nor a conv math"),
+    ('{"schema_version": 2, "rules": [{"pattern": "a"}]}', "rule 1: missing 'level' (or 'conv')"),
+    ('{"schema_version": 3}', "schema_version 3 is not supported; accepted: 1, 2"),
+])
+def test_a_bad_conv_in_a_file_is_one_line(tmp_path, text, message):
+    path = tmp_path / "policy.json"
+    path.write_text(text)
+    with pytest.raises(Tf32LabError) as info:
+        Policy.load(path)
+    assert message in str(info.value) and "\n" not in str(info.value) and "policy.json" in str(info.value)
+
+
+# -- measured -----------------------------------------------------------------------------------------------------
+def test_check_measures_a_policy_that_pins_convolutions_to_ieee():
+    workload = tf32lab.Workload(_convs(), _input(), name="convs")
+    report = tf32lab.check(workload, levels=("highest",), target="a100", conv="tf32", speed=False,
+                           policy=Policy("highest", conv="ieee"))
+    tf32, pinned = report.level("highest"), report.level("policy")
+    assert pinned.outputs[0].normwise < tf32.outputs[0].normwise / 100  # TF32 convolutions against IEEE ones
+    assert pinned.maths["conv"] == "ieee" and tf32.maths["conv"] == "tf32-rna"
+    both = tf32lab.check(workload, levels=("highest",), target="a100", conv="tf32", speed=False, policy=PINNED)
+    mixed = both.level("policy")
+    assert mixed.maths["conv"] == "mixed" and mixed.policy["rules"] == [{"pattern": "2", "level": None,
+                                                                         "conv": "ieee"}]
+    for measured in (report, both):
+        jsonschema.validate(json.loads(measured.to_json()), schema())
+    # a layer's introduced error is rerun at the check's conv math: not claimed for the module pinned to another
+    layers = {layer.name: layer for layer in mixed.layers}
+    assert layers["0"].introduced > 0 and layers["0"].diverged is None
+    assert layers["2"].introduced != layers["2"].introduced  # NaN, and why
+    assert "the policy pins its conv math to 'ieee'; its reruns ran at cudnn.conv 'tf32'" in layers["2"].diverged
+    tf32_layers = {layer.name: layer for layer in both.level("highest").layers}
+    assert layers["0"].introduced == tf32_layers["0"].introduced  # the same TF32 convolution as at highest
+    assert layers["2"].accumulated < tf32_layers["2"].accumulated  # its own rounding no longer adds to its input's
+
+
+def test_the_training_check_trains_a_policy_that_pins_convolutions():
+    g = torch.Generator().manual_seed(2)
+    data = [(8.0 + torch.randn(2, 3, 12, 12, generator=g), torch.randn(2, 4, 10, 10, generator=g))] * 2
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Tanh(), torch.nn.Conv2d(8, 4, 3))
+    workload = tf32lab.TrainingWorkload(model, data, loss=lambda out, b: (out - b[1]).pow(2).mean(),
+                                        inputs=lambda b: b[0], name="convs", steps=2)
+    report = tf32lab.check_training(workload, levels=("highest",), target="a100", speed=False, conv="tf32",
+                                    policy=Policy("highest", conv="ieee"))
+    tf32, pinned = report.level("highest"), report.level("policy")
+    assert pinned.maths["conv"] == "ieee" and tf32.maths["conv"] == "tf32-rna"
+    assert pinned.gradients[0].normwise < tf32.gradients[0].normwise / 100  # the gradients' convolutions too
