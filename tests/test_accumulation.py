@@ -140,6 +140,43 @@ def test_compiled_kernels_batches_and_specials():
                            accumulation.gemm(a, b[:, :1], model, use_compiled=False)), str(model)
 
 
+def _binade(shape: tuple[int, ...], exponent: int, g: torch.Generator) -> torch.Tensor:
+    """TF32 values of random sign in [2^exponent, 2^(exponent + 1))."""
+    signs = torch.randint(0, 2, shape, generator=g) * 2.0 - 1.0
+    return formats.round_tf32(signs * (1 + torch.rand(shape, generator=g)) * 2.0**exponent, "rz")
+
+
+@pytest.mark.skipif(not accumulation.compiled(), reason="numba not installed")
+@pytest.mark.parametrize("model", [accumulation.AMPERE, accumulation.HOPPER])
+def test_the_kernel_for_sums_that_stay_normal_gives_the_same_bits(model):
+    # stays_normal() lets the kernel skip the subnormal and overflow cases: at the edge of its condition (the
+    # smallest products at 2^(-126 + fraction bits), random signs cancelling down to a few units of 2^-126) the
+    # fast kernel gives the tensor code's bits; one binade lower, or near overflow, it is not used
+    from tf32lab.numbers import accumulation_kernels as kernels
+
+    g = torch.Generator().manual_seed(11)
+    low = -126 + model.fraction_bits
+    cases = {"random": (torch.randn(40, 64, generator=g), torch.randn(64, 36, generator=g), True),
+             "edge": (_binade((40, 64), low // 2, g), _binade((64, 36), low - low // 2, g), True),
+             "below": (_binade((40, 64), low // 2 - 1, g), _binade((64, 36), low - low // 2, g), False),
+             "huge": (_binade((40, 64), 60, g), _binade((64, 36), 62, g), False)}
+    for name, (a, b, normal) in cases.items():
+        a, b = formats.round_tf32(a, "rz"), formats.round_tf32(b, "rz")
+        assert accumulation.stays_normal(a, b, torch.zeros(1), model.fraction_bits) is normal, name
+        want = accumulation.gemm(a, b, model, use_compiled=False)
+        assert _bits_equal(accumulation.gemm(a, b, model, use_compiled=True), want), name
+        if name == "edge":  # sums that cancel below the smallest product
+            assert ((want != 0) & (want.abs() < 2.0**low)).any()
+        if normal:  # both kernels, called as they are
+            a3, b3, c3 = a[None].numpy(), b[None].numpy(), np.zeros((1, 40, 36), np.float32)
+            for fast in (False, True):
+                got = kernels.nvidia_gemm(a3, b3, c3, model.chunk, model.fraction_bits, 36, 8, fast)
+                assert _bits_equal(torch.from_numpy(got)[0], want), (name, fast)
+    tiny_c = torch.full((40, 36), 2.0**-130)  # a subnormal accumulator input: not for the fast kernel
+    assert not accumulation.stays_normal(torch.ones(40, 64), torch.ones(64, 36), tiny_c, 24)
+    assert not accumulation.stays_normal(torch.ones(4, 4), torch.full((4, 4), float("nan")), torch.zeros(1), 24)
+
+
 # -- real hardware: an H200 (docs/gpu-results.md, "Accumulation bit for bit on an H200") -----------------------
 H200 = np.load(DATA / "h200_bits.npz")
 

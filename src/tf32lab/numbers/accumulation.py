@@ -40,6 +40,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
 from types import ModuleType
 from typing import Optional
 
@@ -47,7 +48,8 @@ import torch
 
 from tf32lab.numbers.accumulation_models import AMPERE, BLACKWELL, CDNA3_XF32, FMA, HOPPER, KINDS, Accumulation
 
-__all__ = ["AMPERE", "BLACKWELL", "CDNA3_XF32", "FMA", "HOPPER", "KINDS", "Accumulation", "compiled", "gemm"]
+__all__ = ["AMPERE", "BLACKWELL", "CDNA3_XF32", "FMA", "HOPPER", "KINDS", "Accumulation", "compiled", "gemm",
+           "stays_normal"]
 
 _F32, _F64 = torch.float32, torch.float64
 _TWO_128 = 2.0 ** 128
@@ -128,6 +130,39 @@ def _work_split(batch: int, m: int, n: int) -> tuple[int, int]:
     return tile, band
 
 
+def _exponent_of_smallest(x: torch.Tensor) -> float:
+    """MMA-Sim's exponent (floor(log2|v|), at least -126) of the smallest nonzero |v| in ``x``; +inf if none."""
+    magnitude = x.abs()
+    smallest = float(torch.where(magnitude > 0, magnitude, math.inf).amin()) if x.numel() else math.inf
+    return max(math.floor(math.log2(smallest)), -126) if 0 < smallest < math.inf else math.inf
+
+
+def stays_normal(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, fraction_bits: int) -> bool:
+    """Whether every partial sum of ``c + a @ b`` as an "nvidia" unit with ``fraction_bits`` computes it is a normal
+    float32 or zero, so that the compiled kernel may skip the subnormal and overflow cases (float32 operands).
+
+    A step's sum is a whole number of units of 2^(emax - fraction_bits); while a nonzero product has exponent
+    emax or less and at least -126 + fraction_bits, a nonzero sum is at least 2^-126, and a step whose products
+    are all zero truncates a normal accumulator on a grid that holds 2^-126. Nothing overflows while
+    max|c| + K max|a| max|b| < 2^127 (truncation only shrinks). No Inf or NaN anywhere, no subnormal in ``c``.
+
+    >>> import torch
+    >>> stays_normal(torch.ones(2, 3), torch.ones(3, 2), torch.zeros(2, 2), 24)
+    True
+    >>> stays_normal(torch.full((2, 3), 1e-20), torch.ones(3, 2), torch.zeros(2, 2), 24)   # products near 2^-66
+    True
+    >>> stays_normal(torch.full((2, 3), 1e-20), torch.full((3, 2), 1e-20), torch.zeros(2, 2), 24)  # ~2^-133
+    False
+    """
+    if min(a.numel(), b.numel()) == 0:
+        return False
+    largest = float(a.abs().amax()) * float(b.abs().amax()) * a.size(-1) + (float(c.abs().amax()) if c.numel() else 0.0)
+    if not largest < 2.0**127:  # overflow possible, or an Inf or NaN somewhere
+        return False
+    subnormal_c = bool(((c != 0) & (c.abs() < 2.0**-126)).any()) if c.numel() else False
+    return not subnormal_c and _exponent_of_smallest(a) + _exponent_of_smallest(b) >= -126 + fraction_bits
+
+
 def _gemm_compiled(kernels: ModuleType, a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor,
                    model: Accumulation) -> torch.Tensor:
     batch = acc.shape[:-2]
@@ -140,7 +175,8 @@ def _gemm_compiled(kernels: ModuleType, a: torch.Tensor, b: torch.Tensor, acc: t
         res = kernels.fma_gemm(a64, b64, c.numpy(), min(n, 256))
     else:  # float32 operands as they are, strides included: the kernel reads them once
         tile, band = _work_split(c.size(0), m, n)
-        res = kernels.nvidia_gemm(a.numpy(), b.numpy(), c.numpy(), model.chunk, model.fraction_bits, tile, band)
+        res = kernels.nvidia_gemm(a.numpy(), b.numpy(), c.numpy(), model.chunk, model.fraction_bits, tile, band,
+                                  stays_normal(a, b, c, model.fraction_bits))
     return torch.from_numpy(res).reshape(acc.shape)
 
 

@@ -80,6 +80,15 @@ def _toward_zero(units, scale):  # pragma: no cover - compiled
 
 
 @nb.njit(inline="always", **_OPTIONS)
+def _toward_zero_normal(units, scale):  # pragma: no cover - compiled
+    """:func:`_toward_zero` for a GEMM whose sums stay normal float32 or zero (``nvidia_gemm``'s ``normal``): no
+    subnormal or overflowing lane to choose, only zero's exponent to clamp."""
+    s = units * _float(_RECIPROCAL - _bits(scale))
+    field = (_bits(s) >> 52) & 0x7FF
+    return _float(_bits(s) & _KEEP24) + 0.0, np.float32(max(field, _LOWEST) - 1023)
+
+
+@nb.njit(inline="always", **_OPTIONS)
 def _larger(x, y):  # pragma: no cover - compiled
     return x if x > y else y  # one max instruction (exponents are never NaN)
 
@@ -107,11 +116,25 @@ def _start(acc, emax, x, value):  # pragma: no cover - compiled
 
 
 @nb.njit(inline="always", **_OPTIONS)
-def _step_k4(acc, emax, x, v0, v1, v2, v3, p0, p1, p2, p3, bits):  # pragma: no cover - compiled
-    """One fused step of 4 products for output column x of one row."""
+def _sum_k4(acc, emax, x, v0, v1, v2, v3, p0, p1, p2, p3, bits):  # pragma: no cover - compiled
+    """One fused step of 4 products for output column x of one row: its aligned sum, in units, and the scale."""
     s = _scale(bits, emax[x])
-    r, e = _toward_zero(np.trunc(acc[x] * s) + np.trunc(v0 * p0 * s) + np.trunc(v1 * p1 * s)
-                        + np.trunc(v2 * p2 * s) + np.trunc(v3 * p3 * s), s)
+    return (np.trunc(acc[x] * s) + np.trunc(v0 * p0 * s) + np.trunc(v1 * p1 * s) + np.trunc(v2 * p2 * s)
+            + np.trunc(v3 * p3 * s)), s
+
+
+@nb.njit(inline="always", **_OPTIONS)
+def _step_k4(acc, emax, x, v0, v1, v2, v3, p0, p1, p2, p3, bits):  # pragma: no cover - compiled
+    units, scale = _sum_k4(acc, emax, x, v0, v1, v2, v3, p0, p1, p2, p3, bits)
+    r, e = _toward_zero(units, scale)
+    acc[x] = r
+    emax[x] = e
+
+
+@nb.njit(inline="always", **_OPTIONS)
+def _step_k4_normal(acc, emax, x, v0, v1, v2, v3, p0, p1, p2, p3, bits):  # pragma: no cover - compiled
+    units, scale = _sum_k4(acc, emax, x, v0, v1, v2, v3, p0, p1, p2, p3, bits)
+    r, e = _toward_zero_normal(units, scale)
     acc[x] = r
     emax[x] = e
 
@@ -122,7 +145,7 @@ def _largest_k4(emax, x, f0, f1, f2, f3, e0, e1, e2, e3):  # pragma: no cover - 
 
 
 @nb.njit(inline="always", **_OPTIONS)
-def _four_rows_k4(a, ea, b, eb, c, out, q, rows, n0, n1, bits, accs, emaxs):  # pragma: no cover - compiled
+def _four_rows_k4(a, ea, b, eb, c, out, q, rows, n0, n1, bits, accs, emaxs, normal):  # pragma: no cover - compiled
     """Four rows (``rows``; repeats allowed) of one GEMM, columns n0..n1, chunks of 4: each b row read once."""
     w = n1 - n0
     k = a.shape[2]
@@ -146,6 +169,14 @@ def _four_rows_k4(a, ea, b, eb, c, out, q, rows, n0, n1, bits, accs, emaxs):  # 
             _largest_k4(emax3, x, ea3[0], ea3[1], ea3[2], ea3[3], e0, e1, e2, e3)
         r0, r1, r2, r3 = bq[k0, n0:n1], bq[k0 + 1, n0:n1], bq[k0 + 2, n0:n1], bq[k0 + 3, n0:n1]
         a0, a1, a2, a3 = a[q, i0, k0:k0 + 4], a[q, i1, k0:k0 + 4], a[q, i2, k0:k0 + 4], a[q, i3, k0:k0 + 4]
+        if normal:  # the test outside the loop: inside, it kept the loop from its vectorised form
+            for x in range(w):
+                p0, p1, p2, p3 = r0[x], r1[x], r2[x], r3[x]
+                _step_k4_normal(acc0, emax0, x, a0[0], a0[1], a0[2], a0[3], p0, p1, p2, p3, bits)
+                _step_k4_normal(acc1, emax1, x, a1[0], a1[1], a1[2], a1[3], p0, p1, p2, p3, bits)
+                _step_k4_normal(acc2, emax2, x, a2[0], a2[1], a2[2], a2[3], p0, p1, p2, p3, bits)
+                _step_k4_normal(acc3, emax3, x, a3[0], a3[1], a3[2], a3[3], p0, p1, p2, p3, bits)
+            continue
         for x in range(w):
             p0, p1, p2, p3 = r0[x], r1[x], r2[x], r3[x]
             _step_k4(acc0, emax0, x, a0[0], a0[1], a0[2], a0[3], p0, p1, p2, p3, bits)
@@ -160,12 +191,13 @@ def _four_rows_k4(a, ea, b, eb, c, out, q, rows, n0, n1, bits, accs, emaxs):  # 
 
 
 @nb.njit(parallel=True, **_OPTIONS)
-def nvidia_gemm(a, b, c, chunk, bits, tile, band):  # pragma: no cover - compiled
+def nvidia_gemm(a, b, c, chunk, bits, tile, band, normal=False):  # pragma: no cover - compiled
     """c + a @ b per GEMM of the batch, chunks of ``chunk`` products fused as accumulation's "nvidia" kind.
 
     a (B, M, K), b (B, K, N), c (B, M, N): float32, any strides, K a multiple of ``chunk``. Work items: ``tile``
     columns by ``band`` rows of one GEMM. Products are exact in float64, and so is every aligned term (< 2^27)
-    and their sum (< 2^31)."""
+    and their sum (< 2^31). ``normal``: the caller knows every sum stays a normal float32 or zero
+    (``accumulation.stays_normal``), which spares each step the choice of a subnormal or infinite result."""
     a, ea = _operands(a)
     b, eb = _operands(b)
     nq, m, k = a.shape
@@ -189,7 +221,7 @@ def nvidia_gemm(a, b, c, chunk, bits, tile, band):  # pragma: no cover - compile
             emaxs = (emax, np.empty(w, np.float32), np.empty(w, np.float32), np.empty(w, np.float32))
             for i in range(i0, i1, 4):
                 rows = (i, min(i + 1, i1 - 1), min(i + 2, i1 - 1), min(i + 3, i1 - 1))
-                _four_rows_k4(a, ea, b, eb, c, out, q, rows, n0, n1, bits, accs, emaxs)
+                _four_rows_k4(a, ea, b, eb, c, out, q, rows, n0, n1, bits, accs, emaxs, normal)
             continue
         for i in range(i0, i1):
             ai, eai = a[q, i], ea[q, i]
@@ -210,17 +242,6 @@ def nvidia_gemm(a, b, c, chunk, bits, tile, band):  # pragma: no cover - compile
                         e0, r0 = eai[kk], ebq[kk, n0:n1]
                         for x in range(w):
                             emax[x] = _larger(emax[x], e0 + r0[x])
-                if chunk == 4:  # the whole step in one pass
-                    v0, v1, v2, v3 = ai[k0], ai[k0 + 1], ai[k0 + 2], ai[k0 + 3]
-                    r0, r1, r2, r3 = bq[k0, n0:n1], bq[k0 + 1, n0:n1], bq[k0 + 2, n0:n1], bq[k0 + 3, n0:n1]
-                    for x in range(w):
-                        s = _scale(bits, emax[x])
-                        u = (np.trunc(acc[x] * s) + np.trunc(v0 * r0[x] * s) + np.trunc(v1 * r1[x] * s)
-                             + np.trunc(v2 * r2[x] * s) + np.trunc(v3 * r3[x] * s))
-                        r, e = _toward_zero(u, s)
-                        acc[x] = r
-                        emax[x] = e
-                    continue
                 for x in range(w):
                     s = _scale(bits, emax[x])
                     scale[x] = s
@@ -238,10 +259,16 @@ def nvidia_gemm(a, b, c, chunk, bits, tile, band):  # pragma: no cover - compile
                         v0, r0 = ai[kk], bq[kk, n0:n1]
                         for x in range(w):
                             units[x] += np.trunc(v0 * r0[x] * scale[x])
-                for x in range(w):
-                    r, e = _toward_zero(units[x], scale[x])
-                    acc[x] = r
-                    emax[x] = e
+                if normal:
+                    for x in range(w):
+                        r, e = _toward_zero_normal(units[x], scale[x])
+                        acc[x] = r
+                        emax[x] = e
+                else:
+                    for x in range(w):
+                        r, e = _toward_zero(units[x], scale[x])
+                        acc[x] = r
+                        emax[x] = e
             for x in range(w):
                 out[q, i, n0 + x] = acc[x]
     return out
