@@ -287,3 +287,52 @@ def test_compiled_split_tf32x3_gives_the_tensor_codes_bits():
     special = _many_patterns()
     want = _tensor_code(formats.split_tf32x3, special)
     assert all(_same_bits(g, w) for g, w in zip(formats.split_tf32x3(special), want))
+
+
+@pytest.mark.parametrize("split, count", [(formats.split_tf32x3, 2), (formats.split_bf16x3, 2),
+                                          (formats.split_bf16x9, 3)])
+def test_split_checks_every_part_of_out(split, count):
+    x = torch.randn(200, 100)
+    parts = [torch.empty(200, 100) for _ in range(count)]
+    parts[-1] = torch.zeros(200 * 100)[:100].view(1, 100)  # a last part of the wrong shape: refused, not overrun
+    with pytest.raises(ValueError, match=r"shape \(200, 100\)"):
+        split(x, out=tuple(parts))
+    with pytest.raises(ValueError, match=f"{count} float32 tensors"):
+        split(x, out=tuple(parts[:1]))
+
+
+@pytest.mark.parametrize("size", [64, 1 << 15])  # the tensor code, and the compiled kernel where installed
+def test_a_split_into_its_own_input_splits_the_input(size):
+    x = torch.full((size,), 1.0 + 2**-11 + 2**-20)
+    want = formats.split_tf32x3(x)
+    y = x.clone()
+    got = formats.split_tf32x3(y, out=(y, torch.empty_like(y)))  # big written over x: small still from x
+    assert got[0] is y and all(_same_bits(g, w) for g, w in zip(got, want)) and got[1][0].item() > 0
+
+
+@pytest.mark.parametrize("size", [64, 1 << 15])
+def test_an_output_overlapping_its_input_in_part_is_refused_as_torch_does(size):
+    buf = torch.randn(size + 1)
+    with pytest.raises(RuntimeError, match="unsupported operation"):
+        formats.round_tf32(buf[:-1], out=buf[1:])
+
+
+def test_the_compiled_kernels_missing_or_unusable_leave_the_tensor_code(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def failing(name, *args, **kwargs):  # as numba does where it can neither write nor find a cache
+        if name.endswith("rounding_kernels") or (args[2:] and "rounding_kernels" in (args[2] or ())):
+            raise RuntimeError("cannot cache function '_round': no locator available")
+        return real_import(name, *args, **kwargs)
+
+    formats._kernels.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", failing)
+    try:
+        assert formats._kernels() is None
+        x = _many_patterns()
+        assert _same_bits(formats.round_tf32(x), _tensor_code(formats.round_tf32, x))
+    finally:
+        monkeypatch.undo()
+        formats._kernels.cache_clear()

@@ -104,7 +104,7 @@ def _fma_chain(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
 def _kernels() -> Optional[ModuleType]:
     try:
         from tf32lab.numbers import accumulation_kernels
-    except ImportError:  # numba is an optional extra
+    except (ImportError, RuntimeError):  # numba is an optional extra; or it cannot cache (a read-only install)
         return None
     return accumulation_kernels
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+import reprlib
 from types import ModuleType
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -64,6 +65,34 @@ def _check_input(x: torch.Tensor, fn: str, out: Optional[torch.Tensor] = None) -
         raise ValueError(
             f"{fn}: out= must be a float32 tensor of shape {tuple(x.shape)} on {x.device}, got "
             f"{out.dtype} {tuple(out.shape)} on {out.device}")
+
+
+def _check_parts(x: torch.Tensor, fn: str, out: Optional[tuple[torch.Tensor, ...]], count: int) -> torch.Tensor:
+    """``x`` checked with each of the ``count`` tensors of ``out``; detached, and copied first where a part
+    shares its memory (``out=(x, ...)``: the parts are computed from ``x`` after the first one is written)."""
+    _check_input(x, fn)
+    if out is None:
+        return x.detach()
+    if not isinstance(out, (tuple, list)) or len(out) != count:
+        raise ValueError(f"{fn}: out= must be {count} float32 tensors, got {reprlib.repr(out)}")
+    for part in out:
+        _check_input(x, fn, part)
+    x = x.detach()
+    return x.clone() if any(_overlap(x, part) for part in out) else x
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``t`` may touch: [first, last)."""
+    if t.numel() == 0:
+        return 0, 0
+    start = t.data_ptr()
+    return start, start + (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` may share memory (their byte ranges meet; views that interleave count too)."""
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
 
 
 def _check_rounding(rounding: str, fn: str) -> None:
@@ -112,7 +141,7 @@ COMPILED_FROM = 1 << 14
 def _kernels() -> Optional[ModuleType]:
     try:
         from tf32lab.numbers import rounding_kernels
-    except ImportError:  # numba is an optional extra
+    except (ImportError, RuntimeError):  # numba is an optional extra; or it cannot cache (a read-only install)
         return None
     return rounding_kernels
 
@@ -126,6 +155,10 @@ def _compiled(x: torch.Tensor, *outs: torch.Tensor) -> Optional[list[np.ndarray]
     first = outs[0]
     if (x.numel() < COMPILED_FROM or x.device.type != "cpu" or any(o.device.type != "cpu" for o in outs)
             or any(o.stride() != first.stride() for o in outs)):
+        return None
+    # memory shared other than an output that is x itself (rounding in place): the tensor code's own rules
+    if any(_overlap(x, o) and (o.data_ptr() != x.data_ptr() or o.stride() != x.stride()) for o in outs) or \
+            any(_overlap(o, p) for i, o in enumerate(outs) for p in outs[i + 1:]):
         return None
     tensors = (x, *outs)
     if not first.is_contiguous():
@@ -254,8 +287,7 @@ def split_bf16x3(x: torch.Tensor, *, out: Optional[tuple[torch.Tensor, torch.Ten
         >>> hi.item(), lo.item()
         (1.0, 0.0009765625)
     """
-    _check_input(x, "split_bf16x3", None if out is None else out[0])
-    x = x.detach()
+    x = _check_parts(x, "split_bf16x3", out, 2)
     hi, lo = out if out is not None else (None, None)
     hi = round_bf16(x, out=hi)
     lo = torch.sub(x, hi) if lo is None else torch.sub(x, hi, out=lo)
@@ -285,8 +317,7 @@ def split_bf16x9(x: torch.Tensor, *, out: Optional[tuple[torch.Tensor, torch.Ten
         >>> [p.item() for p in split_bf16x9(torch.tensor([float("inf")]))]
         [inf, 0.0, 0.0]
     """
-    _check_input(x, "split_bf16x9", None if out is None else out[0])
-    x = x.detach()
+    x = _check_parts(x, "split_bf16x9", out, 3)
     hi, mid, lo = out if out is not None else (None, None, None)
     hi = round_bf16(x, out=hi)
     special = ~torch.isfinite(hi)
@@ -319,8 +350,7 @@ def split_tf32x3(x: torch.Tensor, *, out: Optional[tuple[torch.Tensor, torch.Ten
         >>> big.item(), small.item()
         (1.0, 0.0004892349243164062)
     """
-    _check_input(x, "split_tf32x3", None if out is None else out[0])
-    x = x.detach()
+    x = _check_parts(x, "split_tf32x3", out, 2)
     big, small = out if out is not None else (torch.empty_like(x), torch.empty_like(x))
     flat = _compiled(x, big, small)
     if flat is not None and _kernels().split_tf32x3(*flat):
