@@ -10,7 +10,8 @@ from torch.utils.benchmark import Timer
 
 
 def interleaved(variants: dict[str, Callable[[], object]], *, rounds: int, number: int) -> dict[str, float]:
-    """Median seconds per call of each variant, the variants timed in turn A B C A B C ..."""
+    """Median seconds per call of each variant, the variants timed in turn A B C A B C ... on one torch thread
+    (the Timer's default: ratios of the work itself, steadier on a shared machine than all threads)."""
     timers = {name: Timer("fn()", globals={"fn": fn}) for name, fn in variants.items()}
     for fn in variants.values():  # warm up
         fn()
@@ -22,4 +23,5 @@ def interleaved(variants: dict[str, Callable[[], object]], *, rounds: int, numbe
 
 
 def header(title: str) -> None:
-    print(f"{title}\ntorch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{title}\ntorch {torch.__version__}; timed on one thread (torch.utils.benchmark's Timer), "
+          f"{torch.get_num_threads()} on the machine")

@@ -3,10 +3,13 @@
     python benchmarks/formats.py
 
 ratio = time(clone) / time(rounding): 1.0 means rounding runs as fast as copying the tensor.
-Splits write two tensors, so their ratio counts both.
+Splits write two tensors, so their ratio counts both. ``--tensor-code`` times the tensor code alone; by default the
+compiled kernel runs where numba is installed (as in a long run, ``formats.COMPILE_AFTER``).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from _common import header, interleaved
@@ -31,6 +34,10 @@ def main() -> None:
         "split_tf32x3": lambda: formats.split_tf32x3(x),
     }
     header("formats: 64 MiB float32, interleaved, medians of 9 rounds")
+    if "--tensor-code" in sys.argv:
+        formats.COMPILED_FROM = 1 << 62
+    compiled = x.numel() > formats.COMPILED_FROM and formats.load_compiled()
+    print("rounding: " + ("compiled kernel (numba)" if compiled else "tensor code"))
     times = interleaved(variants, rounds=9, number=3)
     clone = times["clone"]
     print(f"{'function':<16} {'ms':>7} {'ratio':>6}")

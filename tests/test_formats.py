@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import struct
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -214,7 +216,7 @@ def test_sweep_script_on_a_slice():
 
 
 # -- the compiled kernel (numba): one pass, the same bits as the tensor code -----------------------------------------
-numba_only = pytest.mark.skipif(formats._kernels() is None, reason="numba not installed")
+numba_only = pytest.mark.skipif(formats._loaded_kernels() is None, reason="numba not installed")
 SPECIALS = [0x7F800000, 0xFF800000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F7FF000, 0x00000001, 0x80000001, 0x007FFFFF,
             0x00001000, 0x00001001, 0x80000000, 0x00000000, 0x3F801000, 0x3F803000, 0x3F808000, 0x3F818000,
             0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FFFF000, 0xFFFFFFFF, 0x7FBFFFFF]
@@ -327,12 +329,37 @@ def test_the_compiled_kernels_missing_or_unusable_leave_the_tensor_code(monkeypa
             raise RuntimeError("cannot cache function '_round': no locator available")
         return real_import(name, *args, **kwargs)
 
-    formats._kernels.cache_clear()
+    formats._loaded_kernels.cache_clear()
     monkeypatch.setattr(builtins, "__import__", failing)
+    monkeypatch.setattr(formats, "COMPILE_AFTER", 0)
     try:
         assert formats._kernels() is None
         x = _many_patterns()
         assert _same_bits(formats.round_tf32(x), _tensor_code(formats.round_tf32, x))
     finally:
         monkeypatch.undo()
-        formats._kernels.cache_clear()
+        formats._loaded_kernels.cache_clear()
+
+
+@numba_only
+def test_the_kernel_loads_only_when_worth_it():
+    # a fresh process: numba's import and the kernel's cached code (~0.6 s) wait until the tensor code has
+    # rounded COMPILE_AFTER elements of large tensors; small tensors never count
+    script = textwrap.dedent("""
+        import sys, torch
+        from tf32lab.numbers import formats
+        formats.COMPILE_AFTER = 3 * (1 << 15)
+        for _ in range(100):
+            formats.round_tf32(torch.randn(1000))
+        small = "numba" in sys.modules
+        big = torch.randn(1 << 15)
+        seen = []
+        for _ in range(4):
+            formats.round_tf32(big)
+            seen.append("numba" in sys.modules)
+        print(small, seen)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "False [False, False, False, True]", done.stdout

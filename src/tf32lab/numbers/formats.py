@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import math
 import reprlib
+import sys
 from types import ModuleType
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ROUNDINGS",
+    "load_compiled",
     "round_bf16",
     "round_fp16",
     "round_tf32",
@@ -132,18 +134,42 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
         return x.view(torch.int32)
 
 
-# Elements from which the compiled kernel rounds (where numba is installed): below, the tensor code's three
-# passes cost less than the kernel's first import would ever save.
+# Elements from which the compiled kernel rounds a tensor (where numba is installed): below, the tensor code's
+# passes cost little more than the call into the kernel.
 COMPILED_FROM = 1 << 14
+# Loading the kernel (numba's import and its cached code: ~0.6 s here) pays for itself only in a long run: it
+# saves ~0.35 ns per element (benchmarks/formats.py). So the tensor code rounds until it has spent about what the
+# load costs, as many elements as this, and the kernel takes over then, or at once where numba is already loaded
+# (``emulate(accumulation="hardware")``, or the user's own numba).
+COMPILE_AFTER = 1 << 30
+_tensor_rounded = [0]  # elements the tensor code rounded in large tensors (a race loses counts, harmlessly)
 
 
 @functools.cache
-def _kernels() -> Optional[ModuleType]:
+def _loaded_kernels() -> Optional[ModuleType]:
     try:
         from tf32lab.numbers import rounding_kernels
     except (ImportError, RuntimeError):  # numba is an optional extra; or it cannot cache (a read-only install)
         return None
     return rounding_kernels
+
+
+def load_compiled() -> bool:
+    """Load the compiled rounding kernel now rather than when a run has shown itself long (``COMPILE_AFTER``):
+    for a process that will round a lot (a benchmark, a long ``tune``). True where numba is installed.
+
+    >>> isinstance(load_compiled(), bool)
+    True
+    """
+    return _loaded_kernels() is not None
+
+
+def _kernels(count: int = 0) -> Optional[ModuleType]:
+    """The compiled kernels if loaded or worth loading now (``count`` more elements to round), else None."""
+    if _loaded_kernels.cache_info().currsize or "numba" in sys.modules or _tensor_rounded[0] >= COMPILE_AFTER:
+        return _loaded_kernels()
+    _tensor_rounded[0] += count
+    return None
 
 
 def _compiled(x: torch.Tensor, *outs: torch.Tensor) -> Optional[list[np.ndarray]]:
@@ -166,7 +192,7 @@ def _compiled(x: torch.Tensor, *outs: torch.Tensor) -> Optional[list[np.ndarray]
         tensors = tuple(t.permute(order) for t in tensors)
         if not tensors[1].is_contiguous():  # overlapping or with gaps
             return None
-    if _kernels() is None:
+    if _kernels(x.numel()) is None:
         return None
     if x.stride() != first.stride():
         first.copy_(x)
