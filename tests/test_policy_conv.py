@@ -370,3 +370,25 @@ def test_the_training_check_trains_a_policy_that_pins_convolutions():
     tf32, pinned = report.level("highest"), report.level("policy")
     assert pinned.maths["conv"] == "ieee" and tf32.maths["conv"] == "tf32-rna"
     assert pinned.gradients[0].normwise < tf32.gradients[0].normwise / 100  # the gradients' convolutions too
+
+
+def test_check_decides_a_pinned_layer_by_the_convolutions_it_ran_not_by_its_class():
+    class FunctionalConv(torch.nn.Module):  # a layer of its own: F.conv2d, not a torch.nn.Conv2d
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(4, 8, 3, 3) * 0.2)
+
+        def forward(self, t):
+            return F.conv2d(t, self.weight)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Tanh(), FunctionalConv(),
+                                torch.nn.Linear(10, 10))
+    workload = tf32lab.Workload(model, 8.0 + torch.randn(2, 3, 12, 12), name="convs")
+    report = tf32lab.check(workload, levels=("highest",), target="a100", conv="tf32", speed=False,
+                           policy=Policy("highest", [("2", None, "ieee"), ("3", None, "ieee")]))
+    layers = {layer.name: layer for layer in report.level("policy").layers}
+    assert layers["2"].introduced != layers["2"].introduced  # ran IEEE convolutions: not the TF32 rerun's number
+    assert "the policy pins its conv math to 'ieee'" in layers["2"].diverged
+    # a pinned layer that runs no convolution keeps its introduced error (a conv math does not change a Linear)
+    assert layers["3"].introduced == layers["3"].introduced and layers["3"].diverged is None

@@ -431,7 +431,7 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
             at = row.by_name.get(name, level)
             at = (alike or {}).get(at) or at
         introduced, why = _introduced(recorder, accumulated, at, name)
-        pinned = _pinned_conv(row, name, module, target, cells)
+        pinned = _pinned_conv(row, name, recorder.families.get(name, ()), target, cells)
         if pinned is not None:
             introduced, why = math.nan, pinned
         acc, diverged = accumulated.result(name, finished=error is None)
@@ -445,18 +445,22 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
                        time.perf_counter() - started, error=error, policy=row.describe() if row else None)
 
 
-def _pinned_conv(row: Optional[PolicyRow], name: str, module: torch.nn.Module, target: Target,
+def _pinned_conv(row: Optional[PolicyRow], name: str, families: Iterable[str], target: Target,
                  cells: Mapping[str, str]) -> Optional[str]:
-    """Why a convolution layer's introduced error is not measured in a policy row, or None: the policy pins its
-    conv math to one the target computes otherwise than the math its reruns ran at (the check's)."""
+    """Why a layer's introduced error is not measured in a policy row, or None: the policy pins its conv math to
+    one that computes some of its own cuDNN ops (``families``: what it ran, convolutions or RNNs, whatever its
+    class) otherwise than the math its reruns ran at (the check's)."""
     conv = None if row is None else row.conv_by_name.get(name)
-    if conv is None or not isinstance(module, (torch.nn.modules.conv._ConvNd, torch.nn.RNNBase)):
+    if conv is None:
         return None
-    ran = cells.get("cuda.conv")
-    differs = target.math("conv", {**cells, "cuda.conv": conv}) != target.math("conv", cells) if target.emulated \
-        else conv != ran
-    return (f"the policy pins its conv math to {conv!r}; its reruns ran at cudnn.conv {ran!r}, so its introduced "
-            "error is not measured (its accumulated error is)") if differs else None
+    pinned = {**cells, "cuda.conv": conv, "cuda.rnn": conv}  # cuDNN's flag sets both cells
+    differs = [f for f in ("conv", "rnn") if f in families and (
+        target.math(f, pinned) != target.math(f, cells) if target.emulated else conv != cells.get(f"cuda.{f}"))]
+    if not differs:
+        return None
+    return (f"the policy pins its conv math to {conv!r}; its reruns ran at cudnn.{differs[0]} "
+            f"{cells.get(f'cuda.{differs[0]}')!r}, so its introduced error is not measured (its accumulated error "
+            "is)")
 
 
 def policy_maths(row: PolicyRow, target: Target, cells: Mapping[str, str]) -> dict[str, str]:
