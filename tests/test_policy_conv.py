@@ -392,3 +392,45 @@ def test_check_decides_a_pinned_layer_by_the_convolutions_it_ran_not_by_its_clas
     assert "the policy pins its conv math to 'ieee'" in layers["2"].diverged
     # a pinned layer that runs no convolution keeps its introduced error (a conv math does not change a Linear)
     assert layers["3"].introduced == layers["3"].introduced and layers["3"].diverged is None
+
+
+def test_a_write_of_cudnns_flag_made_while_blocks_were_open_is_kept_when_the_last_one_closes():
+    import threading
+
+    before = flags.snapshot()
+    try:
+        torch.backends.cudnn.allow_tf32 = False
+        entered, written = threading.Event(), threading.Event()
+
+        def pinned_module() -> None:  # a module pinned to IEEE, running in another thread
+            with conv_math("ieee"):
+                entered.set()
+                written.wait(10)
+
+        thread = threading.Thread(target=pinned_module)
+        thread.start()
+        entered.wait(10)
+        torch.backends.cudnn.allow_tf32 = True  # the user's own write, while the block is open
+        written.set()
+        thread.join(10)
+        assert scope._CONV_OPEN == [] and flags.read_cells()["cuda.conv"] == "tf32"
+        assert torch.backends.cudnn.allow_tf32 is True  # the user's, not the False the block found
+        # the user wrote what the block had written: indistinguishable, so the block's base comes back
+        torch.backends.cudnn.allow_tf32 = True
+        with conv_math("ieee"):
+            torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        with conv_math("ieee"):
+            torch.backends.cudnn.allow_tf32 = True  # a write that differs from the block's: kept, as above
+        assert torch.backends.cudnn.allow_tf32 is True
+        # nested and out of order, with no write of the user's, the base comes back as before
+        outer, inner = conv_math("ieee"), conv_math("tf32")
+        torch.backends.cudnn.allow_tf32 = False
+        outer.__enter__()
+        inner.__enter__()
+        outer.__exit__(None, None, None)
+        assert flags.read_cells()["cuda.conv"] == "tf32"
+        inner.__exit__(None, None, None)
+        assert torch.backends.cudnn.allow_tf32 is False
+    finally:
+        flags.restore(before)
