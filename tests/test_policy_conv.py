@@ -352,7 +352,7 @@ def test_check_measures_a_policy_that_pins_convolutions_to_ieee():
     layers = {layer.name: layer for layer in mixed.layers}
     assert layers["0"].introduced > 0 and layers["0"].diverged is None
     assert layers["2"].introduced != layers["2"].introduced  # NaN, and why
-    assert "the policy pins its conv math to 'ieee'; its reruns ran at cudnn.conv 'tf32'" in layers["2"].diverged
+    assert "the policy pins its conv math to 'ieee' and its reruns ran at cudnn.conv 'tf32'" in layers["2"].diverged
     tf32_layers = {layer.name: layer for layer in both.level("highest").layers}
     assert layers["0"].introduced == tf32_layers["0"].introduced  # the same TF32 convolution as at highest
     assert layers["2"].accumulated < tf32_layers["2"].accumulated  # its own rounding no longer adds to its input's
@@ -434,3 +434,30 @@ def test_a_write_of_cudnns_flag_made_while_blocks_were_open_is_kept_when_the_las
         assert torch.backends.cudnn.allow_tf32 is False
     finally:
         flags.restore(before)
+
+
+def test_the_report_names_conv_pins_and_why_a_pinned_layer_has_no_introduced_error(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "convs.py").write_text(
+        "import torch, tf32lab\n"
+        "def make():\n"
+        "    torch.manual_seed(0)\n"
+        "    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Tanh(), "
+        "torch.nn.Conv2d(8, 4, 3))\n"
+        "    return tf32lab.Workload(model, 8.0 + torch.randn(2, 3, 12, 12), name='convs')\n")
+    (tmp_path / "policy.json").write_text('{"schema_version": 2, "default": "high", "conv": "tf32", '
+                                          '"rules": [{"pattern": "2", "conv": "ieee"}]}')
+    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", str(tmp_path / "convs.py") + ":make",
+                           "--levels", "highest", "--policy", str(tmp_path / "policy.json"), "--conv", "tf32"],
+                          capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
+                                                                             "COLUMNS": "400"})
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    assert "`high` by default, conv tf32, '2' → conv ieee" in text and "None" not in text
+    assert "could not be matched" not in text and "control flow" not in text and "diverged" not in text
+    assert "1 layer(s) pinned by the policy to another conv math ('2') have no introduced error" in text
+    assert "level policy, layer '2': the policy pins its conv math to 'ieee'" in text
+    assert ("convolutions ran at cudnn.conv 'tf32' in every row (conv=), except where the policy pins another: "
+            "'2' → ieee") in text
