@@ -461,3 +461,63 @@ def test_the_report_names_conv_pins_and_why_a_pinned_layer_has_no_introduced_err
     assert "level policy, layer '2': the policy pins its conv math to 'ieee'" in text
     assert ("convolutions ran at cudnn.conv 'tf32' in every row (conv=), except where the policy pins another: "
             "'2' → ieee") in text
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"schema_version": 1, "rules": [{"pattern": "a"}]}', "policy rule 1: missing 'level'"),
+    ('{"schema_version": 1, "rules": [{"pattern": "a", "level": null}]}',
+     "policy rule 1 ('a'): names no level; accepted: 'highest'"),
+    ('{"schema_version": 1, "rules": [{"pattern": "a", "level": "high", "lvl": 1}]}',
+     "policy rule 1: unknown key 'lvl'; accepted: 'pattern', 'level'"),
+    ('{"schema_version": 1, "rules": [["a", null]]}',
+     "policy rule 1 ('a'): names no level; accepted: 'highest'"),
+    ('{"schema_version": 1, "rules": [["a", "high", "ieee"]]}', "'conv' needs schema_version 2"),
+    ('{"schema_version": 1, "rules": [["a"]]}', "policy rule 1: ['a'] is not a (pattern, level) pair"),
+    ('{"schema_version": 1, "rules": ["a"]}', "policy rule 1: 'a' is not a (pattern, level) pair"),
+    ('{"schema_version": 1, "defaults": "high"}',
+     "unknown key 'defaults'; accepted: 'schema_version', 'default', 'rules'"),
+])
+def test_a_version_1_file_is_told_about_levels_only(tmp_path, text, message):
+    path = tmp_path / "policy.json"
+    path.write_text(text)
+    with pytest.raises(Tf32LabError) as info:
+        Policy.load(path)
+    said = str(info.value)
+    assert message in said and "\n" not in said
+    assert "conv" not in said.replace("'conv' needs schema_version 2", "")
+
+
+@pytest.mark.parametrize("version,shown", [("2.0", "2.0"), ("1.0", "1.0"), ("true", "True"), ('"2"', "'2'")])
+def test_a_schema_version_that_is_not_an_integer_is_refused(tmp_path, version, shown):
+    path = tmp_path / "policy.json"
+    path.write_text(f'{{"schema_version": {version}, "default": "high"}}')
+    with pytest.raises(Tf32LabError) as info:
+        Policy.load(path)
+    assert f"schema_version {shown} is not supported; accepted: 1, 2" in str(info.value)
+
+
+@pytest.mark.parametrize("data", [
+    {"schema_version": 1, "default": "high", "rules": [{"pattern": "a", "level": "highest"}]},
+    {"schema_version": 1, "default": None, "rules": []},
+    {"schema_version": 1, "default": "high", "conv": "ieee", "rules": []},
+    {"schema_version": 1, "default": "high", "rules": [{"pattern": "a", "level": "high", "conv": "ieee"}]},
+    {"schema_version": 1, "default": "high", "rules": [{"pattern": "a", "level": None}]},
+    {"schema_version": 1, "default": "high", "rules": [{"pattern": "a"}]},
+    {"schema_version": 2, "default": "high", "conv": "tf32", "rules": [{"pattern": "a", "conv": "ieee"}]},
+    {"schema_version": 2, "default": "high", "conv": None, "rules": [{"pattern": "a", "level": "high",
+                                                                      "conv": None}]},
+    {"schema_version": 2, "default": "high", "rules": [{"pattern": "a", "level": None, "conv": "ieee"}]},
+    {"schema_version": 2, "default": "high", "rules": [{"pattern": "a", "level": None, "conv": None}]},
+    {"schema_version": 2, "default": "high", "rules": [{"pattern": "a"}]},
+    {"schema_version": 2, "default": "high", "rules": [{"pattern": "a", "conv": "fast"}]},
+    {"schema_version": 3, "default": "high", "rules": []},
+])
+def test_the_report_schema_accepts_the_policies_the_loader_reads_and_no_other(data):
+    subschema = schema()["$defs"]["level"]["properties"]["policy"]
+    try:
+        Policy.from_dict(data)
+        loads = True
+    except Tf32LabError:
+        loads = False
+    valid = jsonschema.Draft202012Validator(subschema).is_valid({**data, "base": "high"})
+    assert valid == loads, (data, loads)

@@ -67,6 +67,7 @@ SCHEMA_VERSION = 2  # 2: a conv math per rule and for the model (``conv``); a po
 SCHEMA_VERSIONS = (1, 2)  # what load() reads
 _KEYS = ("schema_version", "default", "conv", "rules")
 _RULE_KEYS = ("pattern", "level", "conv")
+_NEEDS_2 = "'conv' needs schema_version 2 (version 1 has levels only); write schema_version 2"
 _TAG = "tf32lab.level"  # key in an autograd node's metadata: the level its backward runs at (None: the caller's)
 _CONV_TAG = "tf32lab.conv"  # and its conv math, when one is pinned
 _LEAF = 1 << 63  # AccumulateGrad nodes carry the largest sequence number; they compute nothing to tag
@@ -89,6 +90,33 @@ def _conv(value: object, where: str) -> Optional[str]:
     """A conv math as a person may type it in a file (case and blanks do not matter); the error names the value."""
     name = value.strip().lower() if isinstance(value, str) else value
     return name if name in CONV_MATHS else check_conv(value, where)
+
+
+def _check_version_1(data: Mapping, rules: Any, where: str) -> None:
+    """A ``schema_version`` 1 file's own problems, in its own words (levels only; the constructor's messages name
+    conv maths too): a conv math anywhere, a rule's unknown key, a rule without a level."""
+    if "conv" in data:
+        raise Tf32LabError(f"{where}: {_NEEDS_2}")
+    for i, rule in enumerate(rules if isinstance(rules, list) else (), 1):
+        if isinstance(rule, Mapping):
+            if "conv" in rule:
+                raise Tf32LabError(f"{where}: {_NEEDS_2}")
+            unknown = sorted(set(map(str, rule)) - {"pattern", "level"})
+            if unknown:
+                raise Tf32LabError(f"{where}: policy rule {i}: unknown key {unknown[0]!r}; accepted: 'pattern', "
+                                   "'level'")
+            if "pattern" in rule and "level" not in rule:
+                raise Tf32LabError(f"{where}: policy rule {i}: missing 'level'")
+            pattern, level = rule.get("pattern"), rule.get("level")
+        elif isinstance(rule, list) and len(rule) == 3:
+            raise Tf32LabError(f"{where}: {_NEEDS_2}")
+        elif isinstance(rule, list) and len(rule) == 2:
+            pattern, level = rule
+        else:
+            raise Tf32LabError(f"{where}: policy rule {i}: {reprlib.repr(rule)} is not a (pattern, level) pair")
+        if level is None and isinstance(pattern, str):
+            raise Tf32LabError(f"{where}: policy rule {i} ({pattern!r}): names no level; accepted: "
+                               f"{', '.join(map(repr, ALL_LEVELS))}")
 
 
 _STAR = None  # a token of a pattern: "*", else (negated, characters) for one character
@@ -544,20 +572,21 @@ class Policy:
         """A policy from its dict form (``to_dict``); every problem is one ``Tf32LabError`` line naming it."""
         if not isinstance(data, Mapping):
             raise Tf32LabError(f"{where}: expected an object with {', '.join(_KEYS)}, not {type(data).__name__}")
+        version = data.get("schema_version")
+        # an int, not a float or a bool that compares equal to one: a file is read as strictly as it is written
+        known = type(version) is int and version in SCHEMA_VERSIONS
+        keys = _KEYS if not known or version > 1 else tuple(k for k in _KEYS if k != "conv")
         unknown = sorted(set(map(str, data)) - set(_KEYS))
         if unknown:
-            raise Tf32LabError(f"{where}: unknown key {unknown[0]!r}; accepted: {', '.join(map(repr, _KEYS))}")
-        version = data.get("schema_version")
+            raise Tf32LabError(f"{where}: unknown key {unknown[0]!r}; accepted: {', '.join(map(repr, keys))}")
         if version is None:
             raise Tf32LabError(f"{where}: missing 'schema_version' (this tf32lab writes {SCHEMA_VERSION})")
-        if version not in SCHEMA_VERSIONS or isinstance(version, bool):
+        if not known:
             raise Tf32LabError(f"{where}: schema_version {reprlib.repr(version)} is not supported; accepted: "
                                f"{', '.join(map(str, SCHEMA_VERSIONS))}")
         rules = data.get("rules", ())
-        if version == 1 and ("conv" in data or any(isinstance(r, Mapping) and "conv" in r
-                                                    for r in (rules if isinstance(rules, list) else ()))):
-            raise Tf32LabError(f"{where}: 'conv' needs schema_version 2 (version 1 has levels only); write "
-                               "schema_version 2")
+        if version == 1:
+            _check_version_1(data, rules, where)
         try:
             return cls(default=data.get("default"), rules=rules, conv=data.get("conv"))
         except Tf32LabError as exc:
