@@ -1,8 +1,9 @@
 """Per-module precision: a :class:`Policy` says which level each module of a model runs at, forward and backward,
 and, where it names one, the cuDNN convolution math (``conv``: ``"tf32"`` or ``"ieee"``).
 
-A policy is plain data: a default level, a conv math for the model, and an ordered list of rules ``(pattern, level)``
-or ``(pattern, level, conv)``. Patterns are ``fnmatch``-style on the names of ``model.named_modules()``
+A policy is plain data: a default level, a conv math for the model, and an ordered list of rules, given as
+``(pattern, level)`` or ``(pattern, level, conv)`` and held as :class:`Rule` triples ``(pattern, level, conv)``
+(unpack three, see there). Patterns are ``fnmatch``-style on the names of ``model.named_modules()``
 (``"v_head"``, ``"encoder.layer.*.attention.*"``); the first rule that matches a module gives its level and conv
 math (what the rule leaves as None is inherited), and a module no rule names inherits its parent's. The model
 itself (named ``""``) gets the default; ``default=None`` leaves it at the level in force where it is called, and
@@ -346,7 +347,16 @@ def _aliases(model: torch.nn.Module, modules: Optional[list[torch.nn.Module]] = 
 class Rule(NamedTuple):
     """One rule: modules whose name matches ``pattern`` (``fnmatch``) run at ``level``, and their convolutions at
     cuDNN's ``conv`` math (``"tf32"``, ``"ieee"``). Either may be None, not both: that one is inherited from the
-    module's parent."""
+    module's parent.
+
+    A rule is the triple ``(pattern, level, conv)``, ``conv`` None when it names none: unpack it as such
+    (``for pattern, level, conv in policy.rules``, or by field: ``rule.pattern``, ``rule.level``), and compare it
+    with a triple, not a pair (``rule == ("head", "highest", None)``; a ``(pattern, level)`` pair is still accepted
+    where a policy is built).
+
+    >>> Rule("head", "highest") == ("head", "highest", None), tuple(Rule("stem", None, "ieee"))
+    (True, ('stem', None, 'ieee'))
+    """
 
     pattern: str
     level: Optional[str]
@@ -359,7 +369,11 @@ class Rule(NamedTuple):
 
 class Assignment(NamedTuple):
     """The level one module gets from a policy, and what gave it: ``"rule 2 'head.*'"``, ``"default"``, ...; and
-    likewise its conv math (None: the cuDNN flag in force where it is called) and what gave that."""
+    likewise its conv math (None: the cuDNN flag in force where it is called) and what gave that.
+
+    Five fields, ``(name, level, source, conv, conv_source)``: read them by name (``a.level``), or unpack all five;
+    the first three alone no longer unpack an assignment.
+    """
 
     name: str
     level: Optional[str]
