@@ -352,7 +352,7 @@ def test_check_measures_a_policy_that_pins_convolutions_to_ieee():
     layers = {layer.name: layer for layer in mixed.layers}
     assert layers["0"].introduced > 0 and layers["0"].diverged is None
     assert layers["2"].introduced != layers["2"].introduced  # NaN, and why
-    assert "the policy pins its conv math to 'ieee'; its reruns ran at cudnn.conv 'tf32'" in layers["2"].diverged
+    assert "the policy pins its conv math to 'ieee' and its reruns ran at cudnn.conv 'tf32'" in layers["2"].diverged
     tf32_layers = {layer.name: layer for layer in both.level("highest").layers}
     assert layers["0"].introduced == tf32_layers["0"].introduced  # the same TF32 convolution as at highest
     assert layers["2"].accumulated < tf32_layers["2"].accumulated  # its own rounding no longer adds to its input's
@@ -370,3 +370,154 @@ def test_the_training_check_trains_a_policy_that_pins_convolutions():
     tf32, pinned = report.level("highest"), report.level("policy")
     assert pinned.maths["conv"] == "ieee" and tf32.maths["conv"] == "tf32-rna"
     assert pinned.gradients[0].normwise < tf32.gradients[0].normwise / 100  # the gradients' convolutions too
+
+
+def test_check_decides_a_pinned_layer_by_the_convolutions_it_ran_not_by_its_class():
+    class FunctionalConv(torch.nn.Module):  # a layer of its own: F.conv2d, not a torch.nn.Conv2d
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(4, 8, 3, 3) * 0.2)
+
+        def forward(self, t):
+            return F.conv2d(t, self.weight)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Tanh(), FunctionalConv(),
+                                torch.nn.Linear(10, 10))
+    workload = tf32lab.Workload(model, 8.0 + torch.randn(2, 3, 12, 12), name="convs")
+    report = tf32lab.check(workload, levels=("highest",), target="a100", conv="tf32", speed=False,
+                           policy=Policy("highest", [("2", None, "ieee"), ("3", None, "ieee")]))
+    layers = {layer.name: layer for layer in report.level("policy").layers}
+    assert layers["2"].introduced != layers["2"].introduced  # ran IEEE convolutions: not the TF32 rerun's number
+    assert "the policy pins its conv math to 'ieee'" in layers["2"].diverged
+    # a pinned layer that runs no convolution keeps its introduced error (a conv math does not change a Linear)
+    assert layers["3"].introduced == layers["3"].introduced and layers["3"].diverged is None
+
+
+def test_a_write_of_cudnns_flag_made_while_blocks_were_open_is_kept_when_the_last_one_closes():
+    import threading
+
+    before = flags.snapshot()
+    try:
+        torch.backends.cudnn.allow_tf32 = False
+        entered, written = threading.Event(), threading.Event()
+
+        def pinned_module() -> None:  # a module pinned to IEEE, running in another thread
+            with conv_math("ieee"):
+                entered.set()
+                written.wait(10)
+
+        thread = threading.Thread(target=pinned_module)
+        thread.start()
+        entered.wait(10)
+        torch.backends.cudnn.allow_tf32 = True  # the user's own write, while the block is open
+        written.set()
+        thread.join(10)
+        assert scope._CONV_OPEN == [] and flags.read_cells()["cuda.conv"] == "tf32"
+        assert torch.backends.cudnn.allow_tf32 is True  # the user's, not the False the block found
+        # the user wrote what the block had written: indistinguishable, so the block's base comes back
+        torch.backends.cudnn.allow_tf32 = True
+        with conv_math("ieee"):
+            torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        with conv_math("ieee"):
+            torch.backends.cudnn.allow_tf32 = True  # a write that differs from the block's: kept, as above
+        assert torch.backends.cudnn.allow_tf32 is True
+        # nested and out of order, with no write of the user's, the base comes back as before
+        outer, inner = conv_math("ieee"), conv_math("tf32")
+        torch.backends.cudnn.allow_tf32 = False
+        outer.__enter__()
+        inner.__enter__()
+        outer.__exit__(None, None, None)
+        assert flags.read_cells()["cuda.conv"] == "tf32"
+        inner.__exit__(None, None, None)
+        assert torch.backends.cudnn.allow_tf32 is False
+    finally:
+        flags.restore(before)
+
+
+def test_the_report_names_conv_pins_and_why_a_pinned_layer_has_no_introduced_error(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "convs.py").write_text(
+        "import torch, tf32lab\n"
+        "def make():\n"
+        "    torch.manual_seed(0)\n"
+        "    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Tanh(), "
+        "torch.nn.Conv2d(8, 4, 3))\n"
+        "    return tf32lab.Workload(model, 8.0 + torch.randn(2, 3, 12, 12), name='convs')\n")
+    (tmp_path / "policy.json").write_text('{"schema_version": 2, "default": "high", "conv": "tf32", '
+                                          '"rules": [{"pattern": "2", "conv": "ieee"}]}')
+    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", str(tmp_path / "convs.py") + ":make",
+                           "--levels", "highest", "--policy", str(tmp_path / "policy.json"), "--conv", "tf32"],
+                          capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
+                                                                             "COLUMNS": "400"})
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    assert "`high` by default, conv tf32, '2' → conv ieee" in text and "None" not in text
+    assert "could not be matched" not in text and "control flow" not in text and "diverged" not in text
+    assert "1 layer(s) pinned by the policy to another conv math ('2') have no introduced error" in text
+    assert "level policy, layer '2': the policy pins its conv math to 'ieee'" in text
+    assert ("convolutions ran at cudnn.conv 'tf32' in every row (conv=), except where the policy pins another: "
+            "'2' → ieee") in text
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"schema_version": 1, "rules": [{"pattern": "a"}]}', "policy rule 1: missing 'level'"),
+    ('{"schema_version": 1, "rules": [{"pattern": "a", "level": null}]}',
+     "policy rule 1 ('a'): names no level; accepted: 'highest'"),
+    ('{"schema_version": 1, "rules": [{"pattern": "a", "level": "high", "lvl": 1}]}',
+     "policy rule 1: unknown key 'lvl'; accepted: 'pattern', 'level'"),
+    ('{"schema_version": 1, "rules": [["a", null]]}',
+     "policy rule 1 ('a'): names no level; accepted: 'highest'"),
+    ('{"schema_version": 1, "rules": [["a", "high", "ieee"]]}', "'conv' needs schema_version 2"),
+    ('{"schema_version": 1, "rules": [["a"]]}', "policy rule 1: ['a'] is not a (pattern, level) pair"),
+    ('{"schema_version": 1, "rules": ["a"]}', "policy rule 1: 'a' is not a (pattern, level) pair"),
+    ('{"schema_version": 1, "defaults": "high"}',
+     "unknown key 'defaults'; accepted: 'schema_version', 'default', 'rules'"),
+])
+def test_a_version_1_file_is_told_about_levels_only(tmp_path, text, message):
+    path = tmp_path / "policy.json"
+    path.write_text(text)
+    with pytest.raises(Tf32LabError) as info:
+        Policy.load(path)
+    said = str(info.value)
+    assert message in said and "\n" not in said
+    assert "conv" not in said.replace("'conv' needs schema_version 2", "")
+
+
+@pytest.mark.parametrize("version,shown", [("2.0", "2.0"), ("1.0", "1.0"), ("true", "True"), ('"2"', "'2'")])
+def test_a_schema_version_that_is_not_an_integer_is_refused(tmp_path, version, shown):
+    path = tmp_path / "policy.json"
+    path.write_text(f'{{"schema_version": {version}, "default": "high"}}')
+    with pytest.raises(Tf32LabError) as info:
+        Policy.load(path)
+    assert f"schema_version {shown} is not supported; accepted: 1, 2" in str(info.value)
+
+
+@pytest.mark.parametrize("data", [
+    {"schema_version": 1, "default": "high", "rules": [{"pattern": "a", "level": "highest"}]},
+    {"schema_version": 1, "default": None, "rules": []},
+    {"schema_version": 1, "default": "high", "conv": "ieee", "rules": []},
+    {"schema_version": 1, "default": "high", "rules": [{"pattern": "a", "level": "high", "conv": "ieee"}]},
+    {"schema_version": 1, "default": "high", "rules": [{"pattern": "a", "level": None}]},
+    {"schema_version": 1, "default": "high", "rules": [{"pattern": "a"}]},
+    {"schema_version": 2, "default": "high", "conv": "tf32", "rules": [{"pattern": "a", "conv": "ieee"}]},
+    {"schema_version": 2, "default": "high", "conv": None, "rules": [{"pattern": "a", "level": "high",
+                                                                      "conv": None}]},
+    {"schema_version": 2, "default": "high", "rules": [{"pattern": "a", "level": None, "conv": "ieee"}]},
+    {"schema_version": 2, "default": "high", "rules": [{"pattern": "a", "level": None, "conv": None}]},
+    {"schema_version": 2, "default": "high", "rules": [{"pattern": "a"}]},
+    {"schema_version": 2, "default": "high", "rules": [{"pattern": "a", "conv": "fast"}]},
+    {"schema_version": 3, "default": "high", "rules": []},
+])
+def test_the_report_schema_accepts_the_policies_the_loader_reads_and_no_other(data):
+    subschema = schema()["$defs"]["level"]["properties"]["policy"]
+    try:
+        Policy.from_dict(data)
+        loads = True
+    except Tf32LabError:
+        loads = False
+    valid = jsonschema.Draft202012Validator(subschema).is_valid({**data, "base": "high"})
+    assert valid == loads, (data, loads)

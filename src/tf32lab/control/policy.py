@@ -1,8 +1,9 @@
 """Per-module precision: a :class:`Policy` says which level each module of a model runs at, forward and backward,
 and, where it names one, the cuDNN convolution math (``conv``: ``"tf32"`` or ``"ieee"``).
 
-A policy is plain data: a default level, a conv math for the model, and an ordered list of rules ``(pattern, level)``
-or ``(pattern, level, conv)``. Patterns are ``fnmatch``-style on the names of ``model.named_modules()``
+A policy is plain data: a default level, a conv math for the model, and an ordered list of rules, given as
+``(pattern, level)`` or ``(pattern, level, conv)`` and held as :class:`Rule` triples ``(pattern, level, conv)``
+(unpack three, see there). Patterns are ``fnmatch``-style on the names of ``model.named_modules()``
 (``"v_head"``, ``"encoder.layer.*.attention.*"``); the first rule that matches a module gives its level and conv
 math (what the rule leaves as None is inherited), and a module no rule names inherits its parent's. The model
 itself (named ``""``) gets the default; ``default=None`` leaves it at the level in force where it is called, and
@@ -67,6 +68,7 @@ SCHEMA_VERSION = 2  # 2: a conv math per rule and for the model (``conv``); a po
 SCHEMA_VERSIONS = (1, 2)  # what load() reads
 _KEYS = ("schema_version", "default", "conv", "rules")
 _RULE_KEYS = ("pattern", "level", "conv")
+_NEEDS_2 = "'conv' needs schema_version 2 (version 1 has levels only); write schema_version 2"
 _TAG = "tf32lab.level"  # key in an autograd node's metadata: the level its backward runs at (None: the caller's)
 _CONV_TAG = "tf32lab.conv"  # and its conv math, when one is pinned
 _LEAF = 1 << 63  # AccumulateGrad nodes carry the largest sequence number; they compute nothing to tag
@@ -89,6 +91,33 @@ def _conv(value: object, where: str) -> Optional[str]:
     """A conv math as a person may type it in a file (case and blanks do not matter); the error names the value."""
     name = value.strip().lower() if isinstance(value, str) else value
     return name if name in CONV_MATHS else check_conv(value, where)
+
+
+def _check_version_1(data: Mapping, rules: Any, where: str) -> None:
+    """A ``schema_version`` 1 file's own problems, in its own words (levels only; the constructor's messages name
+    conv maths too): a conv math anywhere, a rule's unknown key, a rule without a level."""
+    if "conv" in data:
+        raise Tf32LabError(f"{where}: {_NEEDS_2}")
+    for i, rule in enumerate(rules if isinstance(rules, list) else (), 1):
+        if isinstance(rule, Mapping):
+            if "conv" in rule:
+                raise Tf32LabError(f"{where}: {_NEEDS_2}")
+            unknown = sorted(set(map(str, rule)) - {"pattern", "level"})
+            if unknown:
+                raise Tf32LabError(f"{where}: policy rule {i}: unknown key {unknown[0]!r}; accepted: 'pattern', "
+                                   "'level'")
+            if "pattern" in rule and "level" not in rule:
+                raise Tf32LabError(f"{where}: policy rule {i}: missing 'level'")
+            pattern, level = rule.get("pattern"), rule.get("level")
+        elif isinstance(rule, list) and len(rule) == 3:
+            raise Tf32LabError(f"{where}: {_NEEDS_2}")
+        elif isinstance(rule, list) and len(rule) == 2:
+            pattern, level = rule
+        else:
+            raise Tf32LabError(f"{where}: policy rule {i}: {reprlib.repr(rule)} is not a (pattern, level) pair")
+        if level is None and isinstance(pattern, str):
+            raise Tf32LabError(f"{where}: policy rule {i} ({pattern!r}): names no level; accepted: "
+                               f"{', '.join(map(repr, ALL_LEVELS))}")
 
 
 _STAR = None  # a token of a pattern: "*", else (negated, characters) for one character
@@ -318,7 +347,16 @@ def _aliases(model: torch.nn.Module, modules: Optional[list[torch.nn.Module]] = 
 class Rule(NamedTuple):
     """One rule: modules whose name matches ``pattern`` (``fnmatch``) run at ``level``, and their convolutions at
     cuDNN's ``conv`` math (``"tf32"``, ``"ieee"``). Either may be None, not both: that one is inherited from the
-    module's parent."""
+    module's parent.
+
+    A rule is the triple ``(pattern, level, conv)``, ``conv`` None when it names none: unpack it as such
+    (``for pattern, level, conv in policy.rules``, or by field: ``rule.pattern``, ``rule.level``), and compare it
+    with a triple, not a pair (``rule == ("head", "highest", None)``; a ``(pattern, level)`` pair is still accepted
+    where a policy is built).
+
+    >>> Rule("head", "highest") == ("head", "highest", None), tuple(Rule("stem", None, "ieee"))
+    (True, ('stem', None, 'ieee'))
+    """
 
     pattern: str
     level: Optional[str]
@@ -331,7 +369,11 @@ class Rule(NamedTuple):
 
 class Assignment(NamedTuple):
     """The level one module gets from a policy, and what gave it: ``"rule 2 'head.*'"``, ``"default"``, ...; and
-    likewise its conv math (None: the cuDNN flag in force where it is called) and what gave that."""
+    likewise its conv math (None: the cuDNN flag in force where it is called) and what gave that.
+
+    Five fields, ``(name, level, source, conv, conv_source)``: read them by name (``a.level``), or unpack all five;
+    the first three alone no longer unpack an assignment.
+    """
 
     name: str
     level: Optional[str]
@@ -544,20 +586,21 @@ class Policy:
         """A policy from its dict form (``to_dict``); every problem is one ``Tf32LabError`` line naming it."""
         if not isinstance(data, Mapping):
             raise Tf32LabError(f"{where}: expected an object with {', '.join(_KEYS)}, not {type(data).__name__}")
+        version = data.get("schema_version")
+        # an int, not a float or a bool that compares equal to one: a file is read as strictly as it is written
+        known = type(version) is int and version in SCHEMA_VERSIONS
+        keys = _KEYS if not known or version > 1 else tuple(k for k in _KEYS if k != "conv")
         unknown = sorted(set(map(str, data)) - set(_KEYS))
         if unknown:
-            raise Tf32LabError(f"{where}: unknown key {unknown[0]!r}; accepted: {', '.join(map(repr, _KEYS))}")
-        version = data.get("schema_version")
+            raise Tf32LabError(f"{where}: unknown key {unknown[0]!r}; accepted: {', '.join(map(repr, keys))}")
         if version is None:
             raise Tf32LabError(f"{where}: missing 'schema_version' (this tf32lab writes {SCHEMA_VERSION})")
-        if version not in SCHEMA_VERSIONS or isinstance(version, bool):
+        if not known:
             raise Tf32LabError(f"{where}: schema_version {reprlib.repr(version)} is not supported; accepted: "
                                f"{', '.join(map(str, SCHEMA_VERSIONS))}")
         rules = data.get("rules", ())
-        if version == 1 and ("conv" in data or any(isinstance(r, Mapping) and "conv" in r
-                                                    for r in (rules if isinstance(rules, list) else ()))):
-            raise Tf32LabError(f"{where}: 'conv' needs schema_version 2 (version 1 has levels only); write "
-                               "schema_version 2")
+        if version == 1:
+            _check_version_1(data, rules, where)
         try:
             return cls(default=data.get("default"), rules=rules, conv=data.get("conv"))
         except Tf32LabError as exc:

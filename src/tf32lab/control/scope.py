@@ -785,6 +785,12 @@ class conv_math:
     reads it like any flag. PyTorch's cuDNN flag is process-wide: unlike a level, it applies to every thread while
     the block is open.
 
+    Blocks of any threads and tasks stack and may close in any order: the flag holds the newest open block's math,
+    and when the last one closes, the state the first one found comes back, unless the flag no longer holds what
+    the blocks last wrote: then someone wrote it meanwhile (``torch.backends.cudnn.allow_tf32 = ...`` in another
+    thread, say), and that write is left as it is. A write of the very value the blocks wrote cannot be told from
+    theirs, and is undone with them. While blocks are open, closing one writes the newest open block's math again.
+
     Example:
 
         >>> from tf32lab.control import flags
@@ -809,7 +815,7 @@ class conv_math:
                 if not _CONV_OPEN:  # the first open block anywhere: what the process had, given back at the end
                     _CONV_BASE[:] = [flags.read_conv_state()]
                 _CONV_OPEN.append((token, self.conv))
-                flags.write_conv(self.conv)
+                _write_conv(self.conv)
             self._entered.append(token)
         return self
 
@@ -821,13 +827,22 @@ class conv_math:
                 # math, and once none is open, what the process had before the first.
                 _CONV_OPEN[:] = [(t, c) for t, c in _CONV_OPEN if t is not token]
                 if _CONV_OPEN:
-                    flags.write_conv(_CONV_OPEN[-1][1])
+                    _write_conv(_CONV_OPEN[-1][1])
                 else:
-                    flags.write_conv_state(_CONV_BASE.pop())
+                    base = _CONV_BASE.pop()
+                    if flags.read_conv_state() == _CONV_WRITTEN.pop():  # else the user wrote it meanwhile: theirs
+                        flags.write_conv_state(base)
+
+
+def _write_conv(conv: str) -> None:
+    """Under the lock: write a block's math and remember the state it left (to tell a user's write later)."""
+    flags.write_conv(conv)
+    _CONV_WRITTEN[:] = [flags.read_conv_state()]
 
 
 _CONV_OPEN: list[tuple[object, str]] = []  # every open conv_math block in the process, oldest first
 _CONV_BASE: list[tuple[Any, ...]] = []  # the conv state before the first of them
+_CONV_WRITTEN: list[tuple[Any, ...]] = []  # the conv state the blocks last wrote
 
 
 def _refuse_native(level: str) -> None:

@@ -67,7 +67,7 @@ from tf32lab.numbers.metrics import tolerances_of
 from tf32lab.numbers.origin import internal_error
 from tf32lab.numbers.trees import map_tensors, named_leaves, named_tensors
 from tf32lab.report import LayerError, LevelResult, Report
-from tf32lab.report.conclusion import BEYOND_FLOAT32
+from tf32lab.report.conclusion import BEYOND_FLOAT32, PINNED_CONV
 from tf32lab.speed.counting import Counting, OtherThreads
 from tf32lab.speed.prediction import SpeedReport, predict_counts, seconds_at
 from tf32lab.workloads.running import Progress, changed_note, environment_of, kept_flags, refuse_applied
@@ -139,7 +139,7 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
         if ranks is not None:  # every rank done before any leaves, or writes the report
             torch.distributed.barrier(group=ranks.group)
     if conv is not None:
-        report = dataclasses.replace(report, notes=(*report.notes, conv_note(conv)))
+        report = dataclasses.replace(report, notes=(*report.notes, conv_note(conv, policy)))
     return _noted(report, changed)
 
 
@@ -155,9 +155,15 @@ def refuse_native_levels(levels: Iterable[str], target: Target) -> None:
                                f"target that has it computes it emulated on any torch (target 'b200')")
 
 
-def conv_note(conv: str) -> str:
-    """The report's note on a conv math named by the caller."""
-    return (f"convolutions ran at cudnn.conv {conv!r} in every row (conv=); a level does not set cuDNN's flag: "
+def conv_note(conv: str, policy: Optional[Policy] = None) -> str:
+    """The report's note on a conv math named by the caller; ``policy``: the policy row's, whose pins of another
+    conv math it names (the row ran those modules at theirs)."""
+    pins = [] if policy is None else [
+        *([f"the model → {policy.conv}"] if policy.conv not in (None, conv) else []),
+        *(f"{r.pattern!r} → {r.conv}" for r in policy.rules if r.conv not in (None, conv))]
+    where = "" if not pins else (f", except where the policy pins another: {', '.join(pins[:3])}"
+                                 f"{f' and {len(pins) - 3} more' if len(pins) > 3 else ''}")
+    return (f"convolutions ran at cudnn.conv {conv!r} in every row (conv=){where}; a level does not set cuDNN's flag: "
             f"torch.backends.cudnn.conv.fp32_precision = {conv!r}")
 
 
@@ -431,7 +437,7 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
             at = row.by_name.get(name, level)
             at = (alike or {}).get(at) or at
         introduced, why = _introduced(recorder, accumulated, at, name)
-        pinned = _pinned_conv(row, name, module, target, cells)
+        pinned = _pinned_conv(row, name, recorder.families.get(name, ()), target, cells)
         if pinned is not None:
             introduced, why = math.nan, pinned
         acc, diverged = accumulated.result(name, finished=error is None)
@@ -445,18 +451,22 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
                        time.perf_counter() - started, error=error, policy=row.describe() if row else None)
 
 
-def _pinned_conv(row: Optional[PolicyRow], name: str, module: torch.nn.Module, target: Target,
+def _pinned_conv(row: Optional[PolicyRow], name: str, families: Iterable[str], target: Target,
                  cells: Mapping[str, str]) -> Optional[str]:
-    """Why a convolution layer's introduced error is not measured in a policy row, or None: the policy pins its
-    conv math to one the target computes otherwise than the math its reruns ran at (the check's)."""
+    """Why a layer's introduced error is not measured in a policy row, or None: the policy pins its conv math to
+    one that computes some of its own cuDNN ops (``families``: what it ran, convolutions or RNNs, whatever its
+    class) otherwise than the math its reruns ran at (the check's)."""
     conv = None if row is None else row.conv_by_name.get(name)
-    if conv is None or not isinstance(module, (torch.nn.modules.conv._ConvNd, torch.nn.RNNBase)):
+    if conv is None:
         return None
-    ran = cells.get("cuda.conv")
-    differs = target.math("conv", {**cells, "cuda.conv": conv}) != target.math("conv", cells) if target.emulated \
-        else conv != ran
-    return (f"the policy pins its conv math to {conv!r}; its reruns ran at cudnn.conv {ran!r}, so its introduced "
-            "error is not measured (its accumulated error is)") if differs else None
+    pinned = {**cells, "cuda.conv": conv, "cuda.rnn": conv}  # cuDNN's flag sets both cells
+    differs = [f for f in ("conv", "rnn") if f in families and (
+        target.math(f, pinned) != target.math(f, cells) if target.emulated else conv != cells.get(f"cuda.{f}"))]
+    if not differs:
+        return None
+    # one clause (no "; "): the report tells it from a diverged call's reason joined after it
+    return (f"{PINNED_CONV} {conv!r} and its reruns ran at cudnn.{differs[0]} {cells.get(f'cuda.{differs[0]}')!r}, "
+            "so its introduced error is not measured (its accumulated error is)")
 
 
 def policy_maths(row: PolicyRow, target: Target, cells: Mapping[str, str]) -> dict[str, str]:

@@ -166,10 +166,11 @@ def _scripted_twin(module: torch.nn.Module, workload: str, name: str) -> torch.n
 class _Frame:
     """A module call in progress in the reference run."""
 
-    __slots__ = ("args", "inner", "kwargs", "name", "ran", "versions")
+    __slots__ = ("args", "families", "inner", "kwargs", "name", "ran", "versions")
 
     def __init__(self, name: str, args: tuple, kwargs: dict) -> None:
         self.name, self.args, self.kwargs, self.ran = name, args, kwargs, False
+        self.families: set[str] = set()  # the op families this call ran itself (not its nested layers')
         self.versions = _versions((args, kwargs))
         self.inner: list[tuple[str, int]] = []  # layer calls made inside this one: (name, call index)
 
@@ -198,6 +199,7 @@ class Recorder:
         self.model_inputs: set[int] = set()  # ids of the (widened) workload inputs
         self.as_accumulated: set[tuple[str, int]] = set()  # calls whose introduced error is their accumulated one
         self.family_ops = 0  # matmul-family ops the reference saw on this thread (not another's: see OtherThreads)
+        self.families: dict[str, set[str]] = {}  # layer -> the op families of its own ops (conv, rnn, ...)
 
     def __enter__(self) -> Recorder:
         try:
@@ -224,10 +226,13 @@ class Recorder:
         self.handles.clear()
 
     def _op(self, func) -> None:
-        if not self.rerunning and optable.family(func.name()) is not None:
-            self.family_ops += 1
-            if self.stack:
-                self.stack[-1].ran = True
+        if not self.rerunning:
+            family = optable.family(func.name())
+            if family is not None:
+                self.family_ops += 1
+                if self.stack:
+                    self.stack[-1].ran = True
+                    self.stack[-1].families.add(family)
 
     def _written(self, tensors: list[torch.Tensor]) -> None:
         """Copy-on-write: a kept output is copied only when the model is about to write into its storage."""
@@ -263,6 +268,7 @@ class Recorder:
             i = self.count.get(name, 0)
             if i == 0:
                 self.layers.append((name, module))
+            self.families.setdefault(name, set()).update(frame.families)
             self.count[name] = i + 1
             self.mode.paused = True  # our own arithmetic, in float64 already
             try:

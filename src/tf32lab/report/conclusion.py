@@ -24,7 +24,8 @@ from tf32lab.know.targets import NATIVE
 if TYPE_CHECKING:
     from tf32lab.report import LevelResult, Report
 
-__all__ = ["MAX_REL_NOTE", "ON_ANOTHER_THREAD", "conclusion", "on_other_threads", "policy_summary", "unmeasured"]
+__all__ = ["MAX_REL_NOTE", "ON_ANOTHER_THREAD", "PINNED_CONV", "conclusion", "on_other_threads", "pinned_and_diverged",
+           "policy_summary", "unmeasured"]
 
 # why a large max rel can stand beside PASSED (the footnote of the outputs table)
 MAX_REL_NOTE = ("max rel is over the elements whose reference is at least 1e-6 of the largest, so a reference "
@@ -116,8 +117,14 @@ def conclusion(report: Report, policy_file: Optional[str] = None) -> list[str]:
                      f"matmuls, so it was measured once.")
     if top is not None and not top.passed and not blocked:
         lines.append(_highest_failed(top, report.target))
-    diverged = sorted({e.name for lv in levels for e in lv.layers
-                       if e.diverged and not e.diverged.startswith("raised")})
+    reasons = [(e.name, pinned_and_diverged(e.diverged)) for lv in levels for e in lv.layers if e.diverged]
+    pinned = sorted({name for name, (pin, _) in reasons if pin})
+    if pinned:
+        names = ", ".join(repr(n) for n in pinned[:3]) + (" …" if len(pinned) > 3 else "")
+        lines.append(f"{len(pinned)} layer(s) pinned by the policy to another conv math ({names}) have no introduced "
+                     f"error in the policy row: it is rerun at the check's conv math, not at theirs; their "
+                     f"accumulated error, from the run under the policy, is measured.")
+    diverged = sorted({name for name, (_, rest) in reasons if rest and not rest.startswith("raised")})
     if diverged:
         names = ", ".join(repr(n) for n in diverged[:3]) + (" …" if len(diverged) > 3 else "")
         lines.append(f"{len(diverged)} layer(s) could not be matched with the reference at every call ({names}): "
@@ -171,12 +178,38 @@ def _levels_beside(row: LevelResult, best: Optional[LevelResult], failing: list[
     return []
 
 
+# How check words the reason a layer pinned to another conv math has no introduced error (``LayerError.diverged``
+# starts with it; measure/ writes it from this constant, as the report layer must not import upward).
+PINNED_CONV = "the policy pins its conv math to"
+
+
+def pinned_and_diverged(reason: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """A layer's ``diverged`` text split into the conv pin's reason (first, one clause) and the rest, either None.
+
+    >>> pinned_and_diverged("the policy pins its conv math to 'ieee' and ...; another call diverged")
+    ("the policy pins its conv math to 'ieee' and ...", 'another call diverged')
+    >>> pinned_and_diverged("another call diverged")
+    (None, 'another call diverged')
+    """
+    if not reason or not reason.startswith(PINNED_CONV):
+        return None, reason or None
+    pin, _, rest = reason.partition("; ")
+    return pin, rest or None
+
+
+def _rule_summary(rule: dict) -> str:
+    what = [f"`{rule['level']}`" if rule.get("level") else "", f"conv {rule['conv']}" if rule.get("conv") else ""]
+    return f"{rule['pattern']!r} → {', '.join(filter(None, what))}"
+
+
 def policy_summary(policy: dict) -> str:
-    """A policy's dict form in a few words: ```high` by default, 'v_head' → `highest```."""
+    """A policy's dict form in a few words: ```high` by default, 'v_head' → `highest```, conv maths named
+    (```high` by default, conv tf32, 'stem' → conv ieee``)."""
     default = f"`{policy['default']}`" if policy.get("default") else f"the caller's level (`{policy.get('base')}`)"
-    rules = "".join(f", {r['pattern']!r} → `{r['level']}`" for r in policy.get("rules", ())[:3])
+    default += f" by default, conv {policy['conv']}" if policy.get("conv") else " by default"
+    rules = "".join(f", {_rule_summary(r)}" for r in policy.get("rules", ())[:3])
     more = len(policy.get("rules", ())) - 3
-    return f"{default} by default{rules}" + (f" and {more} more rule(s)" if more > 0 else "")
+    return f"{default}{rules}" + (f" and {more} more rule(s)" if more > 0 else "")
 
 
 def _policy_sentence(row: LevelResult, where: str, policy_file: Optional[str] = None) -> str:

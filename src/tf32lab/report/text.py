@@ -76,7 +76,7 @@ def renderables(report: Report, width: int = 80) -> Iterator[Any]:
 
 def notes(report: Report) -> list[str]:
     """The lines under the tables: the report's notes, what outputs and layers need said, the max rel footnote."""
-    from tf32lab.report.conclusion import MAX_REL_NOTE, policy_summary, unmeasured
+    from tf32lab.report.conclusion import MAX_REL_NOTE, pinned_and_diverged, policy_summary, unmeasured
 
     # the note on products run on other threads qualifies the verdict: the conclusion says it, beside the verdict
     moved = unmeasured(report) is not None
@@ -94,8 +94,11 @@ def notes(report: Report) -> list[str]:
             elif o.note:
                 lines.append(f"level {lv.level}, output {o.name!r}: {o.note}")
         for layer in lv.layers:
-            if layer.diverged:
-                lines.append(f"level {lv.level}, layer {layer.name!r}: diverged: {layer.diverged}")
+            pin, diverged = pinned_and_diverged(layer.diverged)
+            if pin:
+                lines.append(f"level {lv.level}, layer {layer.name!r}: {pin}")
+            if diverged:
+                lines.append(f"level {lv.level}, layer {layer.name!r}: diverged: {diverged}")
     if footnoted(report):
         lines.append(f"* {MAX_REL_NOTE}.")
     return lines
@@ -165,6 +168,8 @@ def _outputs(report: Report) -> Table:
 
 
 def _layers(report: Report, width: int = 80) -> Table | None:
+    from tf32lab.report.conclusion import pinned_and_diverged
+
     ranked = ranked_layers(report)
     if not ranked:
         return None
@@ -177,7 +182,8 @@ def _layers(report: Report, width: int = 80) -> Table | None:
         for lv in levels:
             layer = next((e for e in lv.layers if e.name == name), None)
             cell = "-" if layer is None else f"{_short(layer.introduced)} / {_short(layer.accumulated)}"
-            cells.append(cell + (" diverged" if layer is not None and layer.diverged else ""))
+            pin, diverged = pinned_and_diverged(None if layer is None else layer.diverged)
+            cells.append(cell + (" diverged" if diverged else " pinned" if pin else ""))
         rows.append((name, cells))
     # the name column gets what the level columns leave (each column: its text, 2 of padding, 1 of border)
     used = 1 + sum(3 + max([len(h), *(len(cells[i]) for _, cells in rows)]) for i, h in enumerate(headers))
