@@ -521,3 +521,19 @@ def test_the_report_schema_accepts_the_policies_the_loader_reads_and_no_other(da
         loads = False
     valid = jsonschema.Draft202012Validator(subschema).is_valid({**data, "base": "high"})
     assert valid == loads, (data, loads)
+
+
+def test_the_policy_rows_predicted_speed_counts_each_modules_conv_math():
+    # cuDNN's TF32 flag speeds convolutions up on an A100: a module pinned to IEEE gives that back, in the policy
+    # row's predicted speedup (over `highest` at the check's conv math)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(64, 128, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(128, 128, 3, padding=1))
+    work = tf32lab.Workload(model, torch.randn(8, 64, 16, 16), name="convs")
+    speed = {}
+    for name, policy in (("tf32", tf32lab.Policy("high", conv="tf32")),
+                         ("one ieee", tf32lab.Policy("high", [("2", None, "ieee")], conv="tf32")),
+                         ("ieee", tf32lab.Policy("high", conv="ieee"))):
+        report = tf32lab.check(work, levels=("highest",), target="a100", conv="tf32", policy=policy)
+        speed[name] = report.level("policy").speedup
+    assert speed["tf32"] == pytest.approx(1.0) and speed["ieee"] < speed["one ieee"] < 0.9 * speed["tf32"]

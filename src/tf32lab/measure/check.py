@@ -328,7 +328,8 @@ class Session:
     def seconds(self, row: PolicyRow) -> float:
         """The predicted time of one forward under ``row``'s policy (a speed model is needed)."""
         by_name = row.by_name  # every module's level; an op outside every module runs at the policy's base
-        return seconds_at(self.counting.counts, self.target, lambda layer: by_name.get(layer, row.base))
+        return seconds_at(self.counting.counts, self.target, lambda layer: by_name.get(layer, row.base),
+                          lambda layer: row.conv_by_name.get(layer, row.conv_by_name.get(ROOT)))
 
     def speedup(self, result: LevelResult, predicted: SpeedReport, row: Optional[PolicyRow]) -> float:
         if result.policy is None or row is None:

@@ -61,7 +61,7 @@ from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.check import PolicyRow, alike_levels, conv_note, policy_maths, refuse_native_levels
-from tf32lab.measure.layers import described, out_of_memory
+from tf32lab.measure.layers import ROOT, described, out_of_memory
 from tf32lab.measure.reference import Float64Run, widen
 from tf32lab.numbers import metrics
 from tf32lab.numbers.origin import internal_error
@@ -406,7 +406,8 @@ class TrainingSession:
                 out.append(dataclasses.replace(row, speedup=speed.speedup, speedup_band=speed.band))
             elif row.level == "policy" and policy is not None:
                 base = report.level("highest").seconds
-                time = seconds_at(counts, self.target, lambda layer: policy.by_name.get(layer, policy.base))
+                time = seconds_at(counts, self.target, lambda layer: policy.by_name.get(layer, policy.base),
+                                  lambda layer: policy.conv_by_name.get(layer, policy.conv_by_name.get(ROOT)))
                 out.append(dataclasses.replace(row, speedup=base / time if time > 0 else None))
             else:
                 out.append(row)

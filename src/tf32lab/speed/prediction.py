@@ -228,11 +228,16 @@ def level_maths(target: Target, levels: Sequence[str], conv: Optional[str] = Non
     return {level: target.maths_at(level, cells) for level in levels}
 
 
-def seconds_at(counts: Counts, target: Target, level_of: Callable[[str], str]) -> float:
-    """Predicted seconds of the counted ops on ``target`` when each layer runs at ``level_of(layer)`` (a policy)."""
+def seconds_at(counts: Counts, target: Target, level_of: Callable[[str], str],
+               conv_of: Optional[Callable[[str], Optional[str]]] = None) -> float:
+    """Predicted seconds of the counted ops on ``target`` when each layer runs at ``level_of(layer)`` (a policy),
+    its convolutions at cuDNN's ``conv_of(layer)`` math where that gives one (None: this context's flag)."""
     p = target.speed_peaks()
-    by_level = level_maths(target, sorted({level_of(op.layer) for op in counts.ops}))
-    return sum(op_seconds(op, by_level[level_of(op.layer)].get(op.family or "", "ieee"), p) for op in counts.ops)
+    conv_of = conv_of or (lambda layer: None)
+    pairs = {(level_of(op.layer), conv_of(op.layer)) for op in counts.ops}
+    maths = {(level, conv): level_maths(target, [level], conv)[level] for level, conv in pairs}
+    return sum(op_seconds(op, maths[level_of(op.layer), conv_of(op.layer)].get(op.family or "", "ieee"), p)
+               for op in counts.ops)
 
 
 def _band(ops: Sequence[OpCost], base: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
