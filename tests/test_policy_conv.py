@@ -423,6 +423,13 @@ def test_a_write_of_cudnns_flag_made_while_blocks_were_open_is_kept_when_the_las
         with conv_math("ieee"):
             torch.backends.cudnn.allow_tf32 = True  # a write that differs from the block's: kept, as above
         assert torch.backends.cudnn.allow_tf32 is True
+        # a write of one part only (cuDNN's RNN cell): that part stays, the block's conv write is undone, and the
+        # flag stays readable
+        torch.backends.cudnn.allow_tf32 = True
+        if hasattr(torch.backends.cudnn, "rnn"):  # the per-backend cells (torch 2.9 and newer)
+            with conv_math("ieee"):
+                torch.backends.cudnn.rnn.fp32_precision = "tf32"
+            assert torch.backends.cudnn.conv.fp32_precision == "tf32" and torch.backends.cudnn.allow_tf32 is True
         # nested and out of order, with no write of the user's, the base comes back as before
         outer, inner = conv_math("ieee"), conv_math("tf32")
         torch.backends.cudnn.allow_tf32 = False
@@ -537,3 +544,12 @@ def test_the_policy_rows_predicted_speed_counts_each_modules_conv_math():
         report = tf32lab.check(work, levels=("highest",), target="a100", conv="tf32", policy=policy)
         speed[name] = report.level("policy").speedup
     assert speed["tf32"] == pytest.approx(1.0) and speed["ieee"] < speed["one ieee"] < 0.9 * speed["tf32"]
+
+
+def test_a_conv_pin_on_a_cudnn_rnn_counts_in_the_predicted_speed_too():
+    # cuDNN's flag covers its RNNs: an LSTM pinned to IEEE is predicted slower, as it runs
+    torch.manual_seed(0)
+    work = tf32lab.Workload(torch.nn.LSTM(256, 512, batch_first=True), torch.randn(32, 16, 256), name="lstm")
+    speed = [tf32lab.check(work, levels=("highest",), target="a100", conv="tf32", policy=policy).level("policy").speedup
+             for policy in (tf32lab.Policy("high", conv="tf32"), tf32lab.Policy("high", conv="ieee"))]
+    assert speed[0] == pytest.approx(1.0) and speed[1] < 0.95

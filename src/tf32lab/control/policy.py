@@ -344,25 +344,40 @@ def _aliases(model: torch.nn.Module, modules: Optional[list[torch.nn.Module]] = 
     return {key: more for key, more in names.items() if len(more) > 1} if shared else {}
 
 
-class Rule(NamedTuple):
+class Rule(tuple):
     """One rule: modules whose name matches ``pattern`` (``fnmatch``) run at ``level``, and their convolutions at
     cuDNN's ``conv`` math (``"tf32"``, ``"ieee"``). Either may be None, not both: that one is inherited from the
     module's parent.
 
-    A rule is the triple ``(pattern, level, conv)``, ``conv`` None when it names none: unpack it as such
-    (``for pattern, level, conv in policy.rules``, or by field: ``rule.pattern``, ``rule.level``), and compare it
-    with a triple, not a pair (``rule == ("head", "highest", None)``; a ``(pattern, level)`` pair is still accepted
-    where a policy is built).
+    A rule that pins no conv math is the pair ``(pattern, level)``, as rules always were (it unpacks, compares and
+    hashes as that pair); one that pins a conv math is the triple ``(pattern, level, conv)``. Read it by field:
+    ``rule.pattern``, ``rule.level``, ``rule.conv`` (None when it pins none).
 
-    >>> Rule("head", "highest") == ("head", "highest", None), tuple(Rule("stem", None, "ieee"))
-    (True, ('stem', None, 'ieee'))
+    >>> Rule("head", "highest") == ("head", "highest"), tuple(Rule("stem", None, "ieee")), Rule("head", "high").conv
+    (True, ('stem', None, 'ieee'), None)
     """
 
-    pattern: str
-    level: Optional[str]
-    conv: Optional[str] = None
+    __slots__ = ()
 
-    def __repr__(self) -> str:  # as before conv existed, when it names none
+    def __new__(cls, pattern: str, level: Optional[str], conv: Optional[str] = None) -> Rule:
+        return tuple.__new__(cls, (pattern, level) if conv is None else (pattern, level, conv))
+
+    def __getnewargs__(self) -> tuple[Any, ...]:  # pickled and copied as the pair or triple it is
+        return tuple(self)
+
+    @property
+    def pattern(self) -> str:
+        return self[0]
+
+    @property
+    def level(self) -> Optional[str]:
+        return self[1]
+
+    @property
+    def conv(self) -> Optional[str]:
+        return self[2] if len(self) > 2 else None
+
+    def __repr__(self) -> str:
         conv = "" if self.conv is None else f", conv={self.conv!r}"
         return f"Rule(pattern={self.pattern!r}, level={self.level!r}{conv})"
 

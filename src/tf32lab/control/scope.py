@@ -786,10 +786,11 @@ class conv_math:
     the block is open.
 
     Blocks of any threads and tasks stack and may close in any order: the flag holds the newest open block's math,
-    and when the last one closes, the state the first one found comes back, unless the flag no longer holds what
-    the blocks last wrote: then someone wrote it meanwhile (``torch.backends.cudnn.allow_tf32 = ...`` in another
-    thread, say), and that write is left as it is. A write of the very value the blocks wrote cannot be told from
-    theirs, and is undone with them. While blocks are open, closing one writes the newest open block's math again.
+    and when the last one closes, the state the first one found comes back, but for each part of it (cuDNN's conv
+    cell, its RNN cell, PyTorch's stored ``allow_tf32``) that no longer holds what the blocks last wrote: someone
+    wrote that part meanwhile (``torch.backends.cudnn.rnn.fp32_precision = ...`` in another thread, say), and their
+    write stays. A write of the very value the blocks wrote cannot be told from theirs, and is undone with them.
+    While blocks are open, closing one writes the newest open block's math again.
 
     Example:
 
@@ -828,10 +829,9 @@ class conv_math:
                 _CONV_OPEN[:] = [(t, c) for t, c in _CONV_OPEN if t is not token]
                 if _CONV_OPEN:
                     _write_conv(_CONV_OPEN[-1][1])
-                else:
-                    base = _CONV_BASE.pop()
-                    if flags.read_conv_state() == _CONV_WRITTEN.pop():  # else the user wrote it meanwhile: theirs
-                        flags.write_conv_state(base)
+                else:  # each part someone wrote meanwhile (the conv cell, the RNN cell, the stored boolean) stays
+                    base, written, now = _CONV_BASE.pop(), _CONV_WRITTEN.pop(), flags.read_conv_state()
+                    flags.write_conv_state(tuple(b if n == w else n for b, w, n in zip(base, written, now)))
 
 
 def _write_conv(conv: str) -> None:

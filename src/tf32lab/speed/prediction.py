@@ -221,10 +221,10 @@ def speed_levels(levels: Iterable[str]) -> tuple[str, ...]:
 
 def level_maths(target: Target, levels: Sequence[str], conv: Optional[str] = None) -> dict[str, dict[str, str]]:
     """Per level, the math ``target`` gives each op family (the keys of ``targets``), in this context's cells;
-    ``conv`` (``"tf32"`` / ``"ieee"``) sets cuDNN's convolution flag, which no level touches."""
+    ``conv`` (``"tf32"`` / ``"ieee"``) sets cuDNN's flag, which no level touches: its convolutions and its RNNs."""
     cells = context_cells()
     if check_conv(conv) is not None:
-        cells["cuda.conv"] = conv
+        cells["cuda.conv"] = cells["cuda.rnn"] = conv
     return {level: target.maths_at(level, cells) for level in levels}
 
 
