@@ -162,7 +162,7 @@ def test_the_kernel_for_sums_that_stay_normal_gives_the_same_bits(model):
              "huge": (_binade((40, 64), 60, g), _binade((64, 36), 62, g), False)}
     for name, (a, b, normal) in cases.items():
         a, b = formats.round_tf32(a, "rz"), formats.round_tf32(b, "rz")
-        assert accumulation.stays_normal(a, b, torch.zeros(1), model.fraction_bits) is normal, name
+        assert accumulation._stays_normal(a, b, torch.zeros(1), model.fraction_bits) is normal, name
         want = accumulation.gemm(a, b, model, use_compiled=False)
         assert _bits_equal(accumulation.gemm(a, b, model, use_compiled=True), want), name
         if name == "edge":  # sums that cancel below the smallest product
@@ -173,8 +173,8 @@ def test_the_kernel_for_sums_that_stay_normal_gives_the_same_bits(model):
                 got = kernels.nvidia_gemm(a3, b3, c3, model.chunk, model.fraction_bits, 36, 8, fast)
                 assert _bits_equal(torch.from_numpy(got)[0], want), (name, fast)
     tiny_c = torch.full((40, 36), 2.0**-130)  # a subnormal accumulator input: not for the fast kernel
-    assert not accumulation.stays_normal(torch.ones(40, 64), torch.ones(64, 36), tiny_c, 24)
-    assert not accumulation.stays_normal(torch.ones(4, 4), torch.full((4, 4), float("nan")), torch.zeros(1), 24)
+    assert not accumulation._stays_normal(torch.ones(40, 64), torch.ones(64, 36), tiny_c, 24)
+    assert not accumulation._stays_normal(torch.ones(4, 4), torch.full((4, 4), float("nan")), torch.zeros(1), 24)
 
 
 # -- real hardware: an H200 (docs/gpu-results.md, "Accumulation bit for bit on an H200") -----------------------

@@ -102,6 +102,8 @@ def test_check_predict_tune_and_policy_take_it():
     assert policy.default == "bfx9"
     row = check(workload, levels=("highest",), target="b200", policy=policy)
     assert row.policy_row is not None and row.policy_row.passed
+    for done in (report, row):  # the JSON of a bfx9 row, and of a bfx9 policy, is the documented report
+        jsonschema.Draft202012Validator(tf32lab.report.schema()).validate(json.loads(done.to_json()))
     tuning = tf32lab.tune(workload, target="b200", levels=("bfx9", "highest"), tolerance=1e-3)
     assert tuning.policy.default == "bfx9"  # the fastest within tolerance
 

@@ -301,6 +301,11 @@ def test_split_checks_every_part_of_out(split, count):
         split(x, out=tuple(parts))
     with pytest.raises(ValueError, match=f"{count} float32 tensors"):
         split(x, out=tuple(parts[:1]))
+    with pytest.raises(ValueError, match=f"{count} float32 tensors"):
+        split(x, out=(*parts[:-1], None))
+    same = torch.empty(200, 100)
+    with pytest.raises(ValueError, match="same memory"):
+        split(x, out=(same,) * count)
 
 
 @pytest.mark.parametrize("size", [64, 1 << 15])  # the tensor code, and the compiled kernel where installed

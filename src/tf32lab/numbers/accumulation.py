@@ -48,8 +48,7 @@ import torch
 
 from tf32lab.numbers.accumulation_models import AMPERE, BLACKWELL, CDNA3_XF32, FMA, HOPPER, KINDS, Accumulation
 
-__all__ = ["AMPERE", "BLACKWELL", "CDNA3_XF32", "FMA", "HOPPER", "KINDS", "Accumulation", "compiled", "gemm",
-           "stays_normal"]
+__all__ = ["AMPERE", "BLACKWELL", "CDNA3_XF32", "FMA", "HOPPER", "KINDS", "Accumulation", "compiled", "gemm"]
 
 _F32, _F64 = torch.float32, torch.float64
 _TWO_128 = 2.0 ** 128
@@ -130,6 +129,9 @@ def _work_split(batch: int, m: int, n: int) -> tuple[int, int]:
     return tile, band
 
 
+_NORMAL_FROM = 1 << 18  # products in a GEMM from which the check for the faster kernel pays
+
+
 def _exponent_of_smallest(x: torch.Tensor) -> float:
     """MMA-Sim's exponent (floor(log2|v|), at least -126) of the smallest nonzero |v| in ``x``; +inf if none."""
     magnitude = x.abs()
@@ -137,7 +139,7 @@ def _exponent_of_smallest(x: torch.Tensor) -> float:
     return max(math.floor(math.log2(smallest)), -126) if 0 < smallest < math.inf else math.inf
 
 
-def stays_normal(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, fraction_bits: int) -> bool:
+def _stays_normal(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, fraction_bits: int) -> bool:
     """Whether every partial sum of ``c + a @ b`` as an "nvidia" unit with ``fraction_bits`` computes it is a normal
     float32 or zero, so that the compiled kernel may skip the subnormal and overflow cases (float32 operands).
 
@@ -147,11 +149,11 @@ def stays_normal(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, fraction_bit
     max|c| + K max|a| max|b| < 2^127 (truncation only shrinks). No Inf or NaN anywhere, no subnormal in ``c``.
 
     >>> import torch
-    >>> stays_normal(torch.ones(2, 3), torch.ones(3, 2), torch.zeros(2, 2), 24)
+    >>> _stays_normal(torch.ones(2, 3), torch.ones(3, 2), torch.zeros(2, 2), 24)
     True
-    >>> stays_normal(torch.full((2, 3), 1e-20), torch.ones(3, 2), torch.zeros(2, 2), 24)   # products near 2^-66
+    >>> _stays_normal(torch.full((2, 3), 1e-20), torch.ones(3, 2), torch.zeros(2, 2), 24)   # products near 2^-66
     True
-    >>> stays_normal(torch.full((2, 3), 1e-20), torch.full((3, 2), 1e-20), torch.zeros(2, 2), 24)  # ~2^-133
+    >>> _stays_normal(torch.full((2, 3), 1e-20), torch.full((3, 2), 1e-20), torch.zeros(2, 2), 24)  # ~2^-133
     False
     """
     if min(a.numel(), b.numel()) == 0:
@@ -175,8 +177,10 @@ def _gemm_compiled(kernels: ModuleType, a: torch.Tensor, b: torch.Tensor, acc: t
         res = kernels.fma_gemm(a64, b64, c.numpy(), min(n, 256))
     else:  # float32 operands as they are, strides included: the kernel reads them once
         tile, band = _work_split(c.size(0), m, n)
+        # the check reads every operand a few times: worth it only where the products outnumber the reads
+        normal = c.numel() * a.size(-1) >= _NORMAL_FROM and _stays_normal(a, b, c, model.fraction_bits)
         res = kernels.nvidia_gemm(a.numpy(), b.numpy(), c.numpy(), model.chunk, model.fraction_bits, tile, band,
-                                  stays_normal(a, b, c, model.fraction_bits))
+                                  normal)
     return torch.from_numpy(res).reshape(acc.shape)
 
 

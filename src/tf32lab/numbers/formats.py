@@ -75,10 +75,13 @@ def _check_parts(x: torch.Tensor, fn: str, out: Optional[tuple[torch.Tensor, ...
     _check_input(x, fn)
     if out is None:
         return x.detach()
-    if not isinstance(out, (tuple, list)) or len(out) != count:
+    if not isinstance(out, (tuple, list)) or len(out) != count or \
+            not all(isinstance(part, torch.Tensor) for part in out):
         raise ValueError(f"{fn}: out= must be {count} float32 tensors, got {reprlib.repr(out)}")
-    for part in out:
+    for i, part in enumerate(out):
         _check_input(x, fn, part)
+        if any(part.data_ptr() == other.data_ptr() and part.numel() for other in out[:i]):
+            raise ValueError(f"{fn}: out= parts {i} and an earlier one are the same memory; give each its own")
     x = x.detach()
     return x.clone() if any(_overlap(x, part) for part in out) else x
 
