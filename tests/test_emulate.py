@@ -574,7 +574,7 @@ def test_threads_each_get_the_math_of_their_own_scope(target):
 
 
 # -- large operands: the compiled rounding (numba) gives what the tensor code gives ----------------------------------
-@pytest.mark.skipif(formats._loaded_kernels() is None, reason="numba not installed")
+@pytest.mark.skipif(not formats.load_compiled(), reason="numba not installed")
 @pytest.mark.parametrize("target", ["a100", "h100"])
 def test_compiled_rounding_changes_no_bit_of_an_emulated_layer(target, monkeypatch):
     # operands above formats.COMPILED_FROM: a linear layer (one rounding) and attention over permuted heads (split

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import reference as R
-from tf32lab.numbers import formats
+from tf32lab.numbers import compiled, formats
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -216,7 +216,7 @@ def test_sweep_script_on_a_slice():
 
 
 # -- the compiled kernel (numba): one pass, the same bits as the tensor code -----------------------------------------
-numba_only = pytest.mark.skipif(formats._loaded_kernels() is None, reason="numba not installed")
+numba_only = pytest.mark.skipif(not formats.load_compiled(), reason="numba not installed")
 SPECIALS = [0x7F800000, 0xFF800000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F7FF000, 0x00000001, 0x80000001, 0x007FFFFF,
             0x00001000, 0x00001001, 0x80000000, 0x00000000, 0x3F801000, 0x3F803000, 0x3F808000, 0x3F818000,
             0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FFFF000, 0xFFFFFFFF, 0x7FBFFFFF]
@@ -325,25 +325,23 @@ def test_an_output_overlapping_its_input_in_part_is_refused_as_torch_does(size):
 
 
 def test_the_compiled_kernels_missing_or_unusable_leave_the_tensor_code(monkeypatch):
-    import builtins
+    real_import = compiled.importlib.import_module
 
-    real_import = builtins.__import__
-
-    def failing(name, *args, **kwargs):  # as numba does where it can neither write nor find a cache
-        if name.endswith("rounding_kernels") or (args[2:] and "rounding_kernels" in (args[2] or ())):
+    def failing(name, *args):  # as numba does where it can neither write nor find a cache
+        if name.endswith("rounding_kernels"):
             raise RuntimeError("cannot cache function '_round': no locator available")
-        return real_import(name, *args, **kwargs)
+        return real_import(name, *args)
 
-    formats._loaded_kernels.cache_clear()
-    monkeypatch.setattr(builtins, "__import__", failing)
+    compiled.kernels.cache_clear()
+    monkeypatch.setattr(compiled.importlib, "import_module", failing)
     monkeypatch.setattr(formats, "COMPILE_AFTER", 0)
     try:
-        assert formats._kernels() is None
+        assert formats._kernels() is None and not formats.load_compiled()
         x = _many_patterns()
         assert _same_bits(formats.round_tf32(x), _tensor_code(formats.round_tf32, x))
     finally:
         monkeypatch.undo()
-        formats._loaded_kernels.cache_clear()
+        compiled.kernels.cache_clear()
 
 
 @numba_only
@@ -352,7 +350,7 @@ def test_the_kernel_loads_only_when_worth_it():
     # rounded COMPILE_AFTER elements of large tensors; small tensors never count
     script = textwrap.dedent("""
         import sys, torch
-        from tf32lab.numbers import formats
+        from tf32lab.numbers import compiled, formats
         formats.COMPILE_AFTER = 3 * (1 << 15)
         for _ in range(100):
             formats.round_tf32(torch.randn(1000))

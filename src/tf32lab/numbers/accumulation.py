@@ -39,7 +39,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import math
 from types import ModuleType
 from typing import Optional
@@ -47,6 +46,7 @@ from typing import Optional
 import torch
 
 from tf32lab.numbers.accumulation_models import AMPERE, BLACKWELL, CDNA3_XF32, FMA, HOPPER, KINDS, Accumulation
+from tf32lab.numbers.compiled import kernels as load_kernels
 
 __all__ = ["AMPERE", "BLACKWELL", "CDNA3_XF32", "FMA", "HOPPER", "KINDS", "Accumulation", "compiled", "gemm"]
 
@@ -99,13 +99,8 @@ def _fma_chain(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
     return acc.to(_F32)
 
 
-@functools.cache
 def _kernels() -> Optional[ModuleType]:
-    try:
-        from tf32lab.numbers import accumulation_kernels
-    except (ImportError, RuntimeError):  # numba is an optional extra; or it cannot cache (a read-only install)
-        return None
-    return accumulation_kernels
+    return load_kernels("accumulation_kernels")
 
 
 def compiled() -> bool:

@@ -29,7 +29,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import math
 import reprlib
 import sys
@@ -37,6 +36,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
+
+from tf32lab.numbers import compiled
 
 if TYPE_CHECKING:
     import numpy as np
@@ -148,15 +149,6 @@ COMPILE_AFTER = 1 << 30
 _tensor_rounded = [0]  # elements the tensor code rounded in large tensors (a race loses counts, harmlessly)
 
 
-@functools.cache
-def _loaded_kernels() -> Optional[ModuleType]:
-    try:
-        from tf32lab.numbers import rounding_kernels
-    except (ImportError, RuntimeError):  # numba is an optional extra; or it cannot cache (a read-only install)
-        return None
-    return rounding_kernels
-
-
 def load_compiled() -> bool:
     """Load the compiled rounding kernel now rather than when a run has shown itself long (``COMPILE_AFTER``):
     for a process that will round a lot (a benchmark, a long ``tune``). True where numba is installed.
@@ -164,13 +156,13 @@ def load_compiled() -> bool:
     >>> isinstance(load_compiled(), bool)
     True
     """
-    return _loaded_kernels() is not None
+    return compiled.kernels("rounding_kernels") is not None
 
 
 def _kernels(count: int = 0) -> Optional[ModuleType]:
     """The compiled kernels if loaded or worth loading now (``count`` more elements to round), else None."""
-    if _loaded_kernels.cache_info().currsize or "numba" in sys.modules or _tensor_rounded[0] >= COMPILE_AFTER:
-        return _loaded_kernels()
+    if "numba" in sys.modules or _tensor_rounded[0] >= COMPILE_AFTER:  # numba is loaded with the kernels
+        return compiled.kernels("rounding_kernels")
     _tensor_rounded[0] += count
     return None
 
