@@ -25,3 +25,16 @@ def interleaved(variants: dict[str, Callable[[], object]], *, rounds: int, numbe
 def header(title: str) -> None:
     print(f"{title}\ntorch {torch.__version__}; timed on one thread (torch.utils.benchmark's Timer), "
           f"{torch.get_num_threads()} on the machine")
+
+
+def with_policies(model, step: Callable[[], object], policies: dict, rounds: int) -> dict[str, float]:
+    """Median seconds of ``step`` alone (``"none"``) and with each of ``policies`` (name -> ``tf32lab.Policy``)
+    applied to ``model``, interleaved."""
+    def under(policy):
+        def run() -> None:
+            with policy.applied(model):
+                step()
+
+        return run
+
+    return interleaved({"none": step, **{name: under(p) for name, p in policies.items()}}, rounds=rounds, number=3)

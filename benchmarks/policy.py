@@ -17,7 +17,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from _common import header, interleaved
+from _common import header, with_policies
 
 import tf32lab
 from tf32lab.control import flags
@@ -43,16 +43,8 @@ def main() -> None:
     pinned = tf32lab.Policy(None, [(LAYER, "highest")])
     with_default = tf32lab.Policy("high", [(LAYER, "highest")])
 
-    def under(policy: tf32lab.Policy):
-        def run() -> None:
-            with policy.applied(model):
-                step()
-
-        return run
-
     header(f"policy: all-MiniLM-L6-v2 forward+backward, interleaved medians of {args.rounds} rounds")
-    t = interleaved({"none": step, "one layer pinned": under(pinned), "default high + one pinned": under(with_default)},
-                    rounds=args.rounds, number=3)
+    t = with_policies(model, step, {"one layer pinned": pinned, "default high + one pinned": with_default}, args.rounds)
     print(f"no policy                      {t['none'] * 1e3:7.1f} ms")
     for name in ("one layer pinned", "default high + one pinned"):
         ratio = t[name] / t["none"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _common import header, interleaved
+from _common import header, with_policies
 
 import tf32lab
 from tf32lab.control import flags
@@ -43,16 +43,8 @@ def main() -> None:
     pinned = tf32lab.Policy(None, [("2", None, "ieee")])
     with_default = tf32lab.Policy(None, [("2", None, "ieee")], conv="tf32")
 
-    def under(policy: tf32lab.Policy):
-        def run() -> None:
-            with policy.applied(model):
-                step()
-
-        return run
-
     header(f"policy conv: a small CNN forward+backward, interleaved medians of {args.rounds} rounds")
-    t = interleaved({"none": step, "one block pinned": under(pinned), "conv tf32 + one pinned": under(with_default)},
-                    rounds=args.rounds, number=3)
+    t = with_policies(model, step, {"one block pinned": pinned, "conv tf32 + one pinned": with_default}, args.rounds)
     print(f"no policy                      {t['none'] * 1e3:7.1f} ms")
     for name in ("one block pinned", "conv tf32 + one pinned"):
         print(f"{name:<30} {t[name] * 1e3:7.1f} ms  {t[name] / t['none']:5.3f}x")

@@ -90,14 +90,19 @@ def test_the_cli_takes_conv(tmp_path):
     assert "--conv: bad conv math 'fast'; accepted: tf32, ieee" in bad.stderr.strip().splitlines()[-1]
 
 
-def test_the_training_check_names_it_too():
-    before = flags.snapshot()
+def conv_training_workload() -> tf32lab.TrainingWorkload:
+    """Two steps of a two-convolution net on inputs far from zero (where TF32's rounding shows)."""
     g = torch.Generator().manual_seed(2)
     data = [(8.0 + torch.randn(2, 3, 12, 12, generator=g), torch.randn(2, 4, 10, 10, generator=g))] * 2
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Tanh(), torch.nn.Conv2d(8, 4, 3))
-    workload = tf32lab.TrainingWorkload(model, data, loss=lambda out, b: (out - b[1]).pow(2).mean(),
-                                        inputs=lambda b: b[0], name="convs", steps=2)
+    return tf32lab.TrainingWorkload(model, data, loss=lambda out, b: (out - b[1]).pow(2).mean(),
+                                    inputs=lambda b: b[0], name="convs", steps=2)
+
+
+def test_the_training_check_names_it_too():
+    before = flags.snapshot()
+    workload = conv_training_workload()
     ieee, tf32 = (tf32lab.check_training(workload, levels=("highest",), target="a100", speed=False, conv=conv)
                   for conv in ("ieee", "tf32"))
     assert flags.snapshot() == before

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tf32lab
+from test_conv_math import conv_training_workload
 from tf32lab import Policy
 from tf32lab.control import flags, scope
 from tf32lab.control.policy import Rule
@@ -359,12 +360,7 @@ def test_check_measures_a_policy_that_pins_convolutions_to_ieee():
 
 
 def test_the_training_check_trains_a_policy_that_pins_convolutions():
-    g = torch.Generator().manual_seed(2)
-    data = [(8.0 + torch.randn(2, 3, 12, 12, generator=g), torch.randn(2, 4, 10, 10, generator=g))] * 2
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Tanh(), torch.nn.Conv2d(8, 4, 3))
-    workload = tf32lab.TrainingWorkload(model, data, loss=lambda out, b: (out - b[1]).pow(2).mean(),
-                                        inputs=lambda b: b[0], name="convs", steps=2)
+    workload = conv_training_workload()
     report = tf32lab.check_training(workload, levels=("highest",), target="a100", speed=False, conv="tf32",
                                     policy=Policy("highest", conv="ieee"))
     tf32, pinned = report.level("highest"), report.level("policy")
