@@ -15,7 +15,7 @@ and ``high``.
 from __future__ import annotations
 
 import reprlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Optional
 
 from tf32lab.errors import Tf32LabError
@@ -93,6 +93,16 @@ def check_conv(conv: object, where: str = "") -> Optional[str]:
         return conv
     raise Tf32LabError(f"{where + ': ' if where else ''}unknown conv math {reprlib.repr(conv)}; accepted: "
                        f"{', '.join(map(repr, CONV_MATHS))} (cudnn.conv's fp32_precision)")
+
+
+def with_conv(cells: Mapping[str, str], conv: Optional[str]) -> dict[str, str]:
+    """``cells`` with cuDNN's flag at ``conv`` (None: as they are): the flag sets its convolutions' and its RNNs'
+    cells alike.
+
+    >>> with_conv({"cuda.conv": "tf32", "cuda.rnn": "tf32", "cuda.matmul": "ieee"}, "ieee")
+    {'cuda.conv': 'ieee', 'cuda.rnn': 'ieee', 'cuda.matmul': 'ieee'}
+    """
+    return dict(cells) if conv is None else {**cells, "cuda.conv": conv, "cuda.rnn": conv}
 
 
 # What level_of answers for cells holding a value this tf32lab does not know (a newer torch's): never a level.

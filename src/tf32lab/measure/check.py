@@ -44,7 +44,7 @@ from tf32lab.control.policy import Policy
 from tf32lab.control.scope import conv_math, get_float32_matmul_precision
 from tf32lab.emulation.emulator import check_accumulation, context_cells, release_buffers
 from tf32lab.errors import Tf32LabError
-from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels
+from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels, with_conv
 from tf32lab.know.targets import Target
 from tf32lab.machine.distributed import agree, policy_digest
 from tf32lab.machine.hardware import resolve_target
@@ -460,7 +460,7 @@ def _pinned_conv(row: Optional[PolicyRow], name: str, families: Iterable[str], t
     conv = None if row is None else row.conv_by_name.get(name)
     if conv is None:
         return None
-    pinned = {**cells, "cuda.conv": conv, "cuda.rnn": conv}  # cuDNN's flag sets both cells
+    pinned = with_conv(cells, conv)
     differs = [f for f in ("conv", "rnn") if f in families and (
         target.math(f, pinned) != target.math(f, cells) if target.emulated else conv != cells.get(f"cuda.{f}"))]
     if not differs:
@@ -475,7 +475,7 @@ def policy_maths(row: PolicyRow, target: Target, cells: Mapping[str, str]) -> di
     found: dict[str, set[str]] = {}
     for level in sorted(row.levels):
         for conv in row.convs:  # a conv math pinned by the policy over the caller's (cuDNN's flag covers RNNs too)
-            at = cells if conv is None else {**cells, "cuda.conv": conv, "cuda.rnn": conv}
+            at = with_conv(cells, conv)
             for key, m in target.maths_at(level, at).items():
                 found.setdefault(key, set()).add(m)
     return {key: values.pop() if len(values) == 1 else "mixed" for key, values in found.items()}

@@ -53,7 +53,7 @@ import torch
 from tf32lab.emulation.emulator import context_cells
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import peaks
-from tf32lab.know.levels import CONV_MATHS, LEVELS, check_conv, check_levels  # noqa: F401 (CONV_MATHS: its old home)
+from tf32lab.know.levels import CONV_MATHS, LEVELS, check_conv, check_levels, with_conv  # noqa: F401 (CONV_MATHS: its old home)
 from tf32lab.know.peaks import GemmFit, Peaks, gemm_fit, math_kind
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
@@ -222,9 +222,7 @@ def speed_levels(levels: Iterable[str]) -> tuple[str, ...]:
 def level_maths(target: Target, levels: Sequence[str], conv: Optional[str] = None) -> dict[str, dict[str, str]]:
     """Per level, the math ``target`` gives each op family (the keys of ``targets``), in this context's cells;
     ``conv`` (``"tf32"`` / ``"ieee"``) sets cuDNN's flag, which no level touches: its convolutions and its RNNs."""
-    cells = context_cells()
-    if check_conv(conv) is not None:
-        cells["cuda.conv"] = cells["cuda.rnn"] = conv
+    cells = with_conv(context_cells(), check_conv(conv))
     return {level: target.maths_at(level, cells) for level in levels}
 
 
