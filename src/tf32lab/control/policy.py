@@ -2,12 +2,12 @@
 and, where it names one, the cuDNN convolution math (``conv``: ``"tf32"`` or ``"ieee"``).
 
 A policy is plain data: a default level, a conv math for the model, and an ordered list of rules, given as
-``(pattern, level)`` or ``(pattern, level, conv)`` and held as :class:`Rule` triples ``(pattern, level, conv)``
-(unpack three, see there). Patterns are ``fnmatch``-style on the names of ``model.named_modules()``
-(``"v_head"``, ``"encoder.layer.*.attention.*"``); the first rule that matches a module gives its level and conv
-math (what the rule leaves as None is inherited), and a module no rule names inherits its parent's. The model
-itself (named ``""``) gets the default; ``default=None`` leaves it at the level in force where it is called, and
-``conv=None`` at cuDNN's flag as it is there.
+``(pattern, level)`` or ``(pattern, level, conv)`` and held as :class:`Rule`: the pair when it pins no conv math,
+the triple when it does (read them by field, see there). Patterns are ``fnmatch``-style on the names of
+``model.named_modules()`` (``"v_head"``, ``"encoder.layer.*.attention.*"``); the first rule that matches a
+module gives its level and conv math (what the rule leaves as None is inherited), and a module no rule names
+inherits its parent's. The model itself (named ``""``) gets the default; ``default=None`` leaves it at the level
+in force where it is called, and ``conv=None`` at cuDNN's flag as it is there.
 
 ``policy.apply(model)`` wraps the ``forward`` of every module that has a level: it runs inside
 ``precision(level)``, however the module is called (through its parent, or directly), and the scope closes on every
