@@ -177,6 +177,79 @@ def test_the_kernel_for_sums_that_stay_normal_gives_the_same_bits(model):
     assert not accumulation._stays_normal(torch.ones(4, 4), torch.full((4, 4), float("nan")), torch.zeros(1), 24)
 
 
+def _narrow(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, model: accumulation.Accumulation, band: int):
+    """The 32-bit kernel called as it is: (its output or None where it refuses)."""
+    from tf32lab.numbers import accumulation_kernels as kernels
+
+    batch = lambda x: x.reshape(-1, *x.shape[-2:]).contiguous().numpy()  # noqa: E731
+    out, fitted = kernels.nvidia_gemm_narrow(batch(a), batch(b), batch(c), model.chunk, model.fraction_bits,
+                                             min(c.size(-1), 40), band)
+    return torch.from_numpy(out).reshape(c.shape) if fitted else None
+
+
+@pytest.mark.skipif(not accumulation.compiled(), reason="numba not installed")
+@pytest.mark.parametrize("model", [accumulation.AMPERE, accumulation.HOPPER])
+def test_the_32_bit_kernel_gives_the_tensor_codes_bits(model):
+    # TF32 and bf16 operands in the kernel's range: random, exponent-spread, cancelling to a few units, zero
+    # operands whose exponent (-126) plus a huge partner's sets the alignment, products at its lowest exponent
+    # (2^-100) cancelling below it, a c of its own; rows not a multiple of the 4 a pass takes, bands of 5 rows
+    from tf32lab.numbers.accumulation_kernels import NARROW_LOWEST
+
+    g = torch.Generator().manual_seed(5)
+    tf32 = lambda x: formats.round_tf32(x, "rz")  # noqa: E731
+    spread = tf32(torch.randn(2, 7, 64, generator=g) * 2.0 ** torch.randint(-30, 30, (2, 7, 64), generator=g))
+    zeros_rule = tf32(torch.randn(7, 64, generator=g) * 2.0**-40)
+    zeros_rule[:, ::3] = 0.0
+    huge_partner = tf32(torch.randn(64, 45, generator=g))
+    huge_partner[::3] = 2.0**60
+    low = NARROW_LOWEST
+    cases = {
+        "random": (tf32(torch.randn(7, 64, generator=g)), tf32(torch.randn(64, 45, generator=g)), None),
+        "bf16": (torch.randn(7, 64, generator=g).bfloat16().float(),
+                 torch.randn(64, 45, generator=g).bfloat16().float(), torch.randn(7, 45, generator=g)),
+        "spread": (spread, tf32(torch.randn(64, 45, generator=g)), tf32(torch.randn(2, 7, 45, generator=g))),
+        "cancelling": (tf32(torch.ones(7, 64) + torch.rand(7, 64, generator=g) * 2**-9),
+                       tf32(torch.randn(64, 45, generator=g).sign() * 4.0), None),
+        "zeros align": (zeros_rule, huge_partner, None),
+        "lowest": (_binade((7, 64), low // 2, g), _binade((64, 45), low - low // 2, g),
+                   torch.full((7, 45), 2.0**low)),
+    }
+    for name, (a, b, c) in cases.items():
+        c = torch.zeros(*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.size(-2), b.size(-1)) if c is None else c
+        want = accumulation.gemm(a, b, model, c=c, use_compiled=False)
+        for band in (7, 5):
+            got = _narrow(a.expand(*want.shape[:-1], 64), b.expand(*want.shape[:-2], 64, 45), c, model, band)
+            assert got is not None and _bits_equal(got, want), (name, band)
+        assert _bits_equal(accumulation.gemm(a, b, model, c=c, use_compiled=True), want), name
+        if name == "lowest":  # sums that cancel below the lowest exponent
+            assert ((want != 0) & (want.abs() < 2.0**low)).any()
+
+
+@pytest.mark.skipif(not accumulation.compiled(), reason="numba not installed")
+def test_the_32_bit_kernel_refuses_what_it_cannot_compute():
+    # outside its range it says so, and gemm() falls back on the float64 kernels: the same bits either way
+    from tf32lab.numbers.accumulation_kernels import NARROW_LOWEST
+
+    g = torch.Generator().manual_seed(6)
+    a, b = formats.round_tf32(torch.randn(8, 64, generator=g)), formats.round_tf32(torch.randn(64, 12, generator=g))
+    zero = torch.zeros(8, 12)
+    low = NARROW_LOWEST
+    refused = {
+        "13 significant bits": (a + a * 2.0**-12, b, zero),
+        "products below the lowest": (_binade((8, 64), low // 2 - 1, g), _binade((64, 12), low - low // 2, g), zero),
+        "c below the lowest": (a, b, torch.full((8, 12), 2.0 ** (low - 1))),
+        "near overflow": (_binade((8, 64), 60, g), _binade((64, 12), 62, g), zero),
+        "inf": (a, b.index_put((torch.tensor([3]), torch.tensor([4])), torch.tensor(float("inf"))), zero),
+        "nan in c": (a, b, zero.index_put((torch.tensor([1]), torch.tensor([2])), torch.tensor(float("nan")))),
+    }
+    for name, (x, y, c) in refused.items():
+        for model in (accumulation.AMPERE, accumulation.HOPPER):
+            assert _narrow(x, y, c, model, 8) is None, (name, str(model))
+            want = accumulation.gemm(x, y, model, c=c, use_compiled=False)
+            assert _bits_equal(accumulation.gemm(x, y, model, c=c, use_compiled=True), want), (name, str(model))
+    assert _narrow(a, b, zero, accumulation.AMPERE, 8) is not None  # the same operands, in range: taken
+
+
 # -- real hardware: an H200 (docs/gpu-results.md, "Accumulation bit for bit on an H200") -----------------------
 H200 = np.load(DATA / "h200_bits.npz")
 

@@ -134,6 +134,18 @@ def _exponent_of_smallest(x: torch.Tensor) -> float:
     return max(math.floor(math.log2(smallest)), -126) if 0 < smallest < math.inf else math.inf
 
 
+def _in_range(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, lowest: int, c_lowest: float) -> bool:
+    """Whether every nonzero product of ``a @ b`` has an exponent of at least ``lowest``, every nonzero |c| is at
+    least ``c_lowest``, and ``c + a @ b`` cannot reach 2^127 however it is summed (no Inf or NaN anywhere)."""
+    if min(a.numel(), b.numel()) == 0:
+        return False
+    largest = float(a.abs().amax()) * float(b.abs().amax()) * a.size(-1) + (float(c.abs().amax()) if c.numel() else 0.0)
+    if not largest < 2.0**127:  # overflow possible, or an Inf or NaN somewhere
+        return False
+    small_c = bool(((c != 0) & (c.abs() < c_lowest)).any()) if c.numel() else False
+    return not small_c and _exponent_of_smallest(a) + _exponent_of_smallest(b) >= lowest
+
+
 def _stays_normal(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, fraction_bits: int) -> bool:
     """Whether every partial sum of ``c + a @ b`` as an "nvidia" unit with ``fraction_bits`` computes it is a normal
     float32 or zero, so that the compiled kernel may skip the subnormal and overflow cases (float32 operands).
@@ -151,13 +163,7 @@ def _stays_normal(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, fraction_bi
     >>> _stays_normal(torch.full((2, 3), 1e-20), torch.full((3, 2), 1e-20), torch.zeros(2, 2), 24)  # ~2^-133
     False
     """
-    if min(a.numel(), b.numel()) == 0:
-        return False
-    largest = float(a.abs().amax()) * float(b.abs().amax()) * a.size(-1) + (float(c.abs().amax()) if c.numel() else 0.0)
-    if not largest < 2.0**127:  # overflow possible, or an Inf or NaN somewhere
-        return False
-    subnormal_c = bool(((c != 0) & (c.abs() < 2.0**-126)).any()) if c.numel() else False
-    return not subnormal_c and _exponent_of_smallest(a) + _exponent_of_smallest(b) >= -126 + fraction_bits
+    return _in_range(a, b, c, -126 + fraction_bits, 2.0**-126)
 
 
 def _gemm_compiled(kernels: ModuleType, a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor,
@@ -170,10 +176,16 @@ def _gemm_compiled(kernels: ModuleType, a: torch.Tensor, b: torch.Tensor, acc: t
     if model.kind == "fma":
         a64, b64 = a.to(_F64).contiguous().numpy(), b.to(_F64).contiguous().numpy()
         res = kernels.fma_gemm(a64, b64, c.numpy(), min(n, 256))
-    else:  # float32 operands as they are, strides included: the kernel reads them once
+    else:
         tile, band = _work_split(c.size(0), m, n)
+        if model.chunk in (4, 8) and model.fraction_bits <= 25:  # the 32-bit kernel, where it applies
+            res, fitted = kernels.nvidia_gemm_narrow(a.contiguous().numpy(), b.contiguous().numpy(), c.numpy(),
+                                                     model.chunk, model.fraction_bits, tile, band)
+            if fitted:
+                return torch.from_numpy(res).reshape(acc.shape)
         # the check reads every operand a few times: worth it only where the products outnumber the reads
         normal = c.numel() * a.size(-1) >= _NORMAL_FROM and _stays_normal(a, b, c, model.fraction_bits)
+        # float32 operands as they are, strides included: the kernel reads them once
         res = kernels.nvidia_gemm(a.numpy(), b.numpy(), c.numpy(), model.chunk, model.fraction_bits, tile, band,
                                   normal)
     return torch.from_numpy(res).reshape(acc.shape)

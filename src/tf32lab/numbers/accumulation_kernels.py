@@ -11,6 +11,11 @@ the rounding toward zero to float32 is a bit mask, and special lanes (subnormal,
 selects rather than branches. Chunks of 4 (the Ampere and Ada unit) run as one pass over four output rows, each
 row of ``b`` read once for all four. No fast-math: every bit counts. Imported only when numba is installed.
 
+:func:`nvidia_gemm_narrow` is the same unit in 32-bit lanes, twice as many to a vector, for the GEMMs the
+emulator sends (operands rounded to TF32 or bf16, values in a range that keeps every step's scale a normal
+float32): a product of two such operands is exact in float32, and a step's aligned terms, whole numbers below
+2^27, sum exactly in int32.
+
 Example:
 
     >>> import numpy as np
@@ -27,7 +32,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["fma_gemm", "nvidia_gemm"]
+__all__ = ["NARROW_LOWEST", "fma_gemm", "nvidia_gemm", "nvidia_gemm_narrow"]
 
 _KEEP24 = ~np.int64((1 << 29) - 1)  # a float64's sign, exponent and top 24 significand bits
 _RECIPROCAL = np.int64(2046) << 52  # bits(2^e) + bits(2^-e), for normal powers of two
@@ -35,22 +40,23 @@ _LOWEST, _HIGHEST = np.int64(1023 - 126), np.int64(1023 + 128)  # float32's expo
 _OPTIONS = {"cache": True, "error_model": "numpy", "boundscheck": False}  # no fastmath: every bit counts
 
 
-@intrinsic
-def _bits(typingctx, x):  # pragma: no cover - compiled
-    """The bits of a float64 as an int64 (a register move, unlike a view through memory)."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(64))
+def _bitcast(source, target, llvm_target):
+    """The value of type ``target`` with the bits of a ``source`` (a register move, unlike a view through
+    memory)."""
+    @intrinsic
+    def cast(typingctx, x):  # pragma: no cover - compiled
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], llvm_target)
 
-    return types.int64(types.float64), codegen
+        return target(source), codegen
+
+    return cast
 
 
-@intrinsic
-def _float(typingctx, x):  # pragma: no cover - compiled
-    """The float64 with the given bits."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.DoubleType())
-
-    return types.float64(types.int64), codegen
+_bits = _bitcast(types.float64, types.int64, ir.IntType(64))  # a float64's bits
+_float = _bitcast(types.int64, types.float64, ir.DoubleType())  # the float64 with these bits
+_bits32 = _bitcast(types.float32, types.int32, ir.IntType(32))
+_float32 = _bitcast(types.int32, types.float32, ir.FloatType())
 
 
 @nb.njit(inline="always", **_OPTIONS)
@@ -272,6 +278,245 @@ def nvidia_gemm(a, b, c, chunk, bits, tile, band, normal=False):  # pragma: no c
             for x in range(w):
                 out[q, i, n0 + x] = acc[x]
     return out
+
+
+# -- 32-bit lanes ---------------------------------------------------------------------------------------------
+
+NARROW_LOWEST = -100  # nvidia_gemm_narrow's least step exponent: 2^(bits - e) and 2^(e - bits) stay normal float32
+
+
+def _int32_op(name: str):
+    """An int32 operation that stays int32: numba widens int32 arithmetic to int64, half the lanes a vector."""
+    @intrinsic
+    def op(typingctx, x, y):  # pragma: no cover - compiled
+        def codegen(context, builder, signature, args):
+            return getattr(builder, name)(args[0], args[1])
+
+        return types.int32(types.int32, types.int32), codegen
+
+    return op
+
+
+@intrinsic
+def _wide_vectors(typingctx):  # pragma: no cover - compiled
+    """Lets LLVM vectorise the calling function with 512-bit registers where the CPU has AVX-512: its default
+    for these CPUs is 256 bits, which halves the lanes of this all-register arithmetic. The function attribute
+    is LLVM's own ("prefer-vector-width"); llvmlite lists no string attributes, so it goes into the set as
+    text, which the IR prints as it is."""
+    def codegen(context, builder, signature, args):
+        set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
+_add32, _sub32, _shl32, _shr32, _and32 = (_int32_op(name) for name in ("add", "sub", "shl", "lshr", "and_"))
+_I32 = np.int32
+_BIASED_LOWEST = _I32(NARROW_LOWEST + 127)
+
+
+@nb.njit(inline="always", **_OPTIONS)
+def _max32(x, y):  # pragma: no cover - compiled
+    return x if x > y else y  # int32 in, int32 out: one max instruction
+
+
+@nb.njit(inline="always", **_OPTIONS)
+def _min32(x, y):  # pragma: no cover - compiled
+    return x if x < y else y
+
+
+@nb.njit(inline="always", **_OPTIONS)
+def _field32(r):  # pragma: no cover - compiled
+    """The biased exponent field of the float32 ``r`` (0 for zero and subnormals)."""
+    return _and32(_shr32(_bits32(r), _I32(23)), _I32(0xFF))
+
+
+@nb.njit(**_OPTIONS)
+def _survey32(x, bias):  # pragma: no cover - compiled
+    """MMA-Sim's exponents of x (B, R, C) float32 (-126 for zero and subnormals) plus ``bias``, as int32 (the
+    rows of ``a`` unbiased, those of ``b`` biased, so that a sum of the two is a product's biased exponent),
+    and what :func:`nvidia_gemm_narrow` asks of its operands: the least exponent field of a nonzero value
+    (subnormals count as 1), the largest field, and whether any value has more than 12 significant bits."""
+    nq, rows, cols = x.shape
+    exponents = np.empty((nq, rows, cols), np.int32)
+    least, most, long = _I32(255), _I32(0), _I32(0)
+    for q in range(nq):
+        for r in range(rows):
+            for j in range(cols):
+                word = _bits32(x[q, r, j])
+                field = _max32(_field32(x[q, r, j]), _I32(1))
+                exponents[q, r, j] = _add32(field, bias)
+                least = _min32(least, field if _and32(word, _I32(0x7FFFFFFF)) != 0 else _I32(255))
+                most = _max32(most, field)
+                long = long | _and32(word, _I32(0xFFF))
+    return exponents, least, most, long != 0
+
+
+@nb.njit(inline="always", **_OPTIONS)
+def _aligned32(r, terms, bits):  # pragma: no cover - compiled
+    """A step's alignment: the bits of the scale s = 2^(bits - e), s, and the accumulator ``r``'s units at it,
+    where e, the step's exponent, is the larger of r's and ``terms`` (the products' largest, biased), and at
+    least NARROW_LOWEST (below it every term is zero or exact)."""
+    top = _max32(_max32(_field32(r), _BIASED_LOWEST), terms)
+    scale = _shl32(_sub32(_add32(bits, _I32(254)), top), _I32(23))
+    s = _float32(scale)
+    return scale, s, np.int32(r * s)
+
+
+@nb.njit(inline="always", **_OPTIONS)
+def _toward_zero32(units, scale):  # pragma: no cover - compiled
+    """units / s rounded toward zero to float32: int32 -> float32 rounds to nearest, so where that went away
+    from zero, one ulp back (the bits count magnitudes); 1/s from the bits of s; the division is exact (the sum
+    stays normal)."""
+    rounded = np.float32(units)
+    back = _bits32(rounded)
+    back = _sub32(back, _I32(1)) if abs(np.int32(rounded)) > abs(units) else back
+    return _float32(back) * _float32(_sub32(_I32(254 << 23), scale))
+
+
+@nb.njit(inline="always", **_OPTIONS)
+def _units4(v0, v1, v2, v3, p0, p1, p2, p3, s):  # pragma: no cover - compiled
+    """The aligned units of 4 products at the scale s, summed (``v``, ``p``: the row's and the column's values;
+    each product is exact in float32 and its units below 2^27)."""
+    return _add32(_add32(np.int32(v0 * p0 * s), np.int32(v1 * p1 * s)),
+                  _add32(np.int32(v2 * p2 * s), np.int32(v3 * p3 * s)))
+
+
+@nb.njit(inline="always", **_OPTIONS)
+def _top4(f0, f1, f2, f3, e0, e1, e2, e3):  # pragma: no cover - compiled
+    """The largest biased exponent of 4 products (``f``, ``e``: the row's and the column's exponents)."""
+    return _max32(_max32(_add32(f0, e0), _add32(f1, e1)), _max32(_add32(f2, e2), _add32(f3, e3)))
+
+
+@nb.njit(inline="always", **_OPTIONS)
+def _step32_k4(acc, x, f, v, e, p, bits):  # pragma: no cover - compiled
+    """One fused step of 4 products into output column x of one row, all in registers: ``f``, ``v`` the row's
+    4 exponents and values, ``e``, ``p`` the column's (tuples: read through arrays, each store to acc would
+    reload them)."""
+    scale, s, units = _aligned32(acc[x], _top4(f[0], f[1], f[2], f[3], e[0], e[1], e[2], e[3]), bits)
+    units = _add32(units, _units4(v[0], v[1], v[2], v[3], p[0], p[1], p[2], p[3], s))
+    acc[x] = _toward_zero32(units, scale)
+
+
+@nb.njit(inline="always", **_OPTIONS)
+def _step32_k8(acc, x, f, v, e, p, bits):  # pragma: no cover - compiled
+    """:func:`_step32_k4` for 8 products (Hopper and Blackwell): 9 terms below 2^27 sum below 2^31."""
+    top = _max32(_top4(f[0], f[1], f[2], f[3], e[0], e[1], e[2], e[3]),
+                 _top4(f[4], f[5], f[6], f[7], e[4], e[5], e[6], e[7]))
+    scale, s, units = _aligned32(acc[x], top, bits)
+    units = _add32(units, _add32(_units4(v[0], v[1], v[2], v[3], p[0], p[1], p[2], p[3], s),
+                                 _units4(v[4], v[5], v[6], v[7], p[4], p[5], p[6], p[7], s)))
+    acc[x] = _toward_zero32(units, scale)
+
+
+@nb.njit(**_OPTIONS)
+def _band32_k4(a, ea, b, eb, c, out, q, i0, i1, n0, n1, bits):  # pragma: no cover - compiled
+    """Rows i0..i1, columns n0..n1 of GEMM q in chunks of 4, four rows a pass: each row of ``b`` read once for
+    the four (the band's last row repeated where its rows run out)."""
+    _wide_vectors()
+    w, k = n1 - n0, a.shape[2]
+    acc0, acc1, acc2, acc3 = (np.empty(w, np.float32), np.empty(w, np.float32), np.empty(w, np.float32),
+                              np.empty(w, np.float32))
+    bq, ebq = b[q], eb[q]
+    for i in range(i0, i1, 4):
+        r0, r1, r2, r3 = i, min(i + 1, i1 - 1), min(i + 2, i1 - 1), min(i + 3, i1 - 1)
+        for x in range(w):
+            acc0[x], acc1[x], acc2[x], acc3[x] = c[q, r0, n0 + x], c[q, r1, n0 + x], c[q, r2, n0 + x], c[q, r3, n0 + x]
+        for k0 in range(0, k, 4):
+            f0, f1, f2, f3 = ea[q, r0, k0:k0 + 4], ea[q, r1, k0:k0 + 4], ea[q, r2, k0:k0 + 4], ea[q, r3, k0:k0 + 4]
+            v0, v1, v2, v3 = a[q, r0, k0:k0 + 4], a[q, r1, k0:k0 + 4], a[q, r2, k0:k0 + 4], a[q, r3, k0:k0 + 4]
+            x0, x1, x2, x3 = ((f0[0], f0[1], f0[2], f0[3]), (f1[0], f1[1], f1[2], f1[3]),
+                              (f2[0], f2[1], f2[2], f2[3]), (f3[0], f3[1], f3[2], f3[3]))
+            y0, y1, y2, y3 = ((v0[0], v0[1], v0[2], v0[3]), (v1[0], v1[1], v1[2], v1[3]),
+                              (v2[0], v2[1], v2[2], v2[3]), (v3[0], v3[1], v3[2], v3[3]))
+            g0, g1, g2, g3 = ebq[k0, n0:n1], ebq[k0 + 1, n0:n1], ebq[k0 + 2, n0:n1], ebq[k0 + 3, n0:n1]
+            p0, p1, p2, p3 = bq[k0, n0:n1], bq[k0 + 1, n0:n1], bq[k0 + 2, n0:n1], bq[k0 + 3, n0:n1]
+            for x in range(w):
+                e, p = (g0[x], g1[x], g2[x], g3[x]), (p0[x], p1[x], p2[x], p3[x])
+                _step32_k4(acc0, x, x0, y0, e, p, bits)
+                _step32_k4(acc1, x, x1, y1, e, p, bits)
+                _step32_k4(acc2, x, x2, y2, e, p, bits)
+                _step32_k4(acc3, x, x3, y3, e, p, bits)
+        for x in range(w):
+            out[q, r0, n0 + x], out[q, r1, n0 + x] = acc0[x], acc1[x]
+            out[q, r2, n0 + x], out[q, r3, n0 + x] = acc2[x], acc3[x]
+
+
+@nb.njit(**_OPTIONS)
+def _band32_k8(a, ea, b, eb, c, out, q, i0, i1, n0, n1, bits):  # pragma: no cover - compiled
+    """:func:`_band32_k4` in chunks of 8, two rows a pass."""
+    _wide_vectors()
+    w, k = n1 - n0, a.shape[2]
+    acc0, acc1 = np.empty(w, np.float32), np.empty(w, np.float32)
+    bq, ebq = b[q], eb[q]
+    for i in range(i0, i1, 2):
+        r0, r1 = i, min(i + 1, i1 - 1)
+        for x in range(w):
+            acc0[x], acc1[x] = c[q, r0, n0 + x], c[q, r1, n0 + x]
+        for k0 in range(0, k, 8):
+            f0, f1, v0, v1 = ea[q, r0, k0:k0 + 8], ea[q, r1, k0:k0 + 8], a[q, r0, k0:k0 + 8], a[q, r1, k0:k0 + 8]
+            x0 = (f0[0], f0[1], f0[2], f0[3], f0[4], f0[5], f0[6], f0[7])
+            x1 = (f1[0], f1[1], f1[2], f1[3], f1[4], f1[5], f1[6], f1[7])
+            y0 = (v0[0], v0[1], v0[2], v0[3], v0[4], v0[5], v0[6], v0[7])
+            y1 = (v1[0], v1[1], v1[2], v1[3], v1[4], v1[5], v1[6], v1[7])
+            g0, g1, g2, g3 = ebq[k0, n0:n1], ebq[k0 + 1, n0:n1], ebq[k0 + 2, n0:n1], ebq[k0 + 3, n0:n1]
+            g4, g5, g6, g7 = ebq[k0 + 4, n0:n1], ebq[k0 + 5, n0:n1], ebq[k0 + 6, n0:n1], ebq[k0 + 7, n0:n1]
+            p0, p1, p2, p3 = bq[k0, n0:n1], bq[k0 + 1, n0:n1], bq[k0 + 2, n0:n1], bq[k0 + 3, n0:n1]
+            p4, p5, p6, p7 = bq[k0 + 4, n0:n1], bq[k0 + 5, n0:n1], bq[k0 + 6, n0:n1], bq[k0 + 7, n0:n1]
+            for x in range(w):
+                e = (g0[x], g1[x], g2[x], g3[x], g4[x], g5[x], g6[x], g7[x])
+                p = (p0[x], p1[x], p2[x], p3[x], p4[x], p5[x], p6[x], p7[x])
+                _step32_k8(acc0, x, x0, y0, e, p, bits)
+                _step32_k8(acc1, x, x1, y1, e, p, bits)
+        for x in range(w):
+            out[q, r0, n0 + x], out[q, r1, n0 + x] = acc0[x], acc1[x]
+
+
+@nb.njit(**_OPTIONS)
+def _fits32(a, b, c, la, ma, lb, mb):  # pragma: no cover - compiled
+    """Whether :func:`nvidia_gemm_narrow` computes ``c + a @ b`` (``la``, ``ma``, ``lb``, ``mb``: the least and
+    largest exponent fields of the operands, as :func:`_survey32` gives them)."""
+    lc, mc = _I32(255), _I32(0)
+    for v in c.ravel():
+        field = _max32(_field32(v), _I32(1))
+        lc = _min32(lc, field if v != 0 else _I32(255))
+        mc = _max32(mc, field)
+    # |a| < 2^(ma - 126) and so on: no sum reaches 2^127 (Inf and NaN have field 255: refused here)
+    largest = 2.0 ** (np.int64(ma) + mb - 252) * a.shape[2] + 2.0 ** (np.int64(mc) - 126)
+    return (largest < 2.0 ** 127 and np.int64(la) + lb - 254 >= NARROW_LOWEST
+            and np.int64(lc) - 127 >= NARROW_LOWEST)
+
+
+@nb.njit(parallel=True, **_OPTIONS)
+def nvidia_gemm_narrow(a, b, c, chunk, bits, tile, band):  # pragma: no cover - compiled
+    """:func:`nvidia_gemm` in 32-bit lanes, for chunks of 4 or 8, where it applies: (output, True), or
+    (an empty array, False) where it does not and the caller must use :func:`nvidia_gemm`.
+
+    a (B, M, K), b (B, K, N), c (B, M, N): C-contiguous float32, K a multiple of ``chunk``, ``bits`` <= 25. It
+    applies where each product is exact in float32 (operands of 12 significant bits or fewer: TF32 and bf16
+    values have 11 and 8), every nonzero product and every nonzero ``c`` is at least 2^NARROW_LOWEST, and no
+    sum can reach 2^127: then every partial sum is a whole number of units of 2^(NARROW_LOWEST - bits) or more,
+    normal, and a step that would align below NARROW_LOWEST holds only zero products and an accumulator it
+    leaves exact, so raising its exponent to NARROW_LOWEST changes nothing. The check costs one pass over
+    the operands, which the kernel makes anyway for their exponents."""
+    bits = np.int32(bits)
+    ea, la, ma, long_a = _survey32(a, _I32(-127))
+    eb, lb, mb, long_b = _survey32(b, _I32(0))
+    if long_a or long_b or not _fits32(a, b, c, la, ma, lb, mb):
+        return np.empty((0, 0, 0), np.float32), False
+    nq, m = a.shape[0], a.shape[1]
+    n = b.shape[2]
+    out = np.empty((nq, m, n), np.float32)
+    tiles, bands = (n + tile - 1) // tile, (m + band - 1) // band
+    for item in nb.prange(nq * tiles * bands):
+        q, rest = divmod(np.int64(item), np.int64(tiles * bands))
+        t, g = divmod(rest, np.int64(bands))
+        n0, n1, i0, i1 = t * tile, min(n, t * tile + tile), g * band, min(m, g * band + band)
+        if chunk == 4:
+            _band32_k4(a, ea, b, eb, c, out, q, i0, i1, n0, n1, bits)
+        else:
+            _band32_k8(a, ea, b, eb, c, out, q, i0, i1, n0, n1, bits)
+    return out, True
 
 
 @nb.njit(parallel=True, **_OPTIONS)
