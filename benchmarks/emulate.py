@@ -11,7 +11,8 @@
 6. ``accumulation="hardware"`` (each GEMM summed as the A100's tensor cores do, bit for bit): a 512 x 512 x 512
    TF32 GEMM (goal: <= 20x) and all-MiniLM-L6-v2 as in 3 (goal: <= 10x). Compiled kernels need numba
    (``pip install tf32lab[fast]``); the ratio is printed with which code ran. Every row is timed on one thread,
-   numba's kernels included (before 2026-11-26 they ran on all cores against a one-thread native side).
+   numba's kernels included (before 2026-11-26 they ran on all cores against a one-thread native side). The
+   GEMM's two compiled kernels (32-bit and float64) are also printed side by side.
 
 ``--hardware`` runs only 6. ``--cpu`` adds to 6 the CPU time per call with one thread each (torch and numba;
 interleaved medians): the work itself, which a shared machine's load does not inflate (informative, no goal).
@@ -110,6 +111,8 @@ def _hardware_rows(rounds: int, model=None) -> dict[str, float]:
                         number=1)
     ratios = {"gemm512 hardware": times["hardware"] / times["native"]}
     print(f"512^3 GEMM native {times['native'] * 1e3:.2f} ms, hardware accumulation: {code}")
+    if accumulation.compiled():
+        print_kernels(a, b, rounds)
     print_cpu("512^3 GEMM", {"native": gemm, "hardware": emulated(gemm, accumulation="hardware")}, rounds)
     model = model or samples.minilm()
     sentences = list(samples.SENTENCES)
@@ -123,6 +126,22 @@ def _hardware_rows(rounds: int, model=None) -> dict[str, float]:
     print(f"MiniLM 64 sentences native {times['native'] * 1e3:.1f} ms, hardware accumulation: {code}")
     print_cpu("MiniLM", {"native": encode, "hardware": emulated(encode, accumulation="hardware")}, max(2, rounds // 3))
     return ratios
+
+
+def print_kernels(a: torch.Tensor, b: torch.Tensor, rounds: int) -> None:
+    """The 512^3 GEMM's two compiled kernels side by side (TF32 operands, the A100's unit): the 32-bit one that
+    the emulator's rounded operands reach, and the float64 one that unrounded operands and values outside the
+    32-bit range fall back on (informative, no goal)."""
+    from tf32lab.numbers import accumulation, accumulation_kernels, formats
+
+    x, y = formats.round_tf32(a)[None].numpy(), formats.round_tf32(b)[None].numpy()
+    c = torch.zeros(1, 512, 512).numpy()
+    model = accumulation.AMPERE
+    kernels = {"32-bit": lambda: accumulation_kernels.nvidia_gemm_narrow(x, y, c, 4, model.fraction_bits, 512, 512),
+               "float64": lambda: accumulation_kernels.nvidia_gemm(x, y, c, 4, model.fraction_bits, 512, 512, True)}
+    times = interleaved(kernels, rounds=rounds, number=1)
+    print(f"512^3 GEMM kernels: 32-bit {times['32-bit'] * 1e3:.1f} ms ({times['32-bit'] / 512**3 * 1e9:.3f} ns a "
+          f"product), float64 {times['float64'] * 1e3:.1f} ms: {times['float64'] / times['32-bit']:.2f}x")
 
 
 def main() -> int:

@@ -110,6 +110,14 @@ def test_bad_input_names_it():
         accumulation.gemm(torch.ones(2, 3), torch.ones(2, 2), accumulation.FMA)
     with pytest.raises(ValueError, match="'xyz'"):
         accumulation.Accumulation("xyz", 4, 24, "")
+    with pytest.raises(ValueError, match="fraction_bits must be 0 to 30, got -3"):
+        accumulation.Accumulation("nvidia", 8, -3, "")
+    with pytest.raises(ValueError, match="chunk must be 1 to 65536"):
+        accumulation.Accumulation("nvidia", 0, 24, "")
+    # an empty output, batched: its shape, no kernel call
+    for compiled in (False, None):
+        got = accumulation.gemm(torch.ones(8, 0, 4), torch.ones(8, 4, 3), accumulation.AMPERE, use_compiled=compiled)
+        assert got.shape == (8, 0, 3)
 
 
 @pytest.mark.skipif(not accumulation.compiled(), reason="numba not installed")
@@ -248,6 +256,15 @@ def test_the_32_bit_kernel_refuses_what_it_cannot_compute():
             want = accumulation.gemm(x, y, model, c=c, use_compiled=False)
             assert _bits_equal(accumulation.gemm(x, y, model, c=c, use_compiled=True), want), (name, str(model))
     assert _narrow(a, b, zero, accumulation.AMPERE, 8) is not None  # the same operands, in range: taken
+    # what it is not made for, it refuses too: other chunks, fraction bits beyond 25, K not a whole number of steps
+    from tf32lab.numbers import accumulation_kernels as kernels
+
+    a3, b3, c3 = a[None].numpy(), b[None].numpy(), zero[None].numpy()
+    for chunk, bits, k in ((3, 24, 64), (16, 24, 64), (4, 26, 64), (8, 25, 60)):
+        assert not kernels.nvidia_gemm_narrow(a3[..., :k], b3[:, :k], c3, chunk, bits, 12, 8)[1], (chunk, bits, k)
+    # the 512-bit hint is added only where llvmlite prints it and LLVM parses it
+    assert kernels._attribute_parses('"prefer-vector-width"="512"') is kernels._WIDE_OK
+    assert not kernels._attribute_parses('"not an attribute')
 
 
 # -- real hardware: an H200 (docs/gpu-results.md, "Accumulation bit for bit on an H200") -----------------------

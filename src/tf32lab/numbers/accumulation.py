@@ -166,8 +166,15 @@ def _stays_normal(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, fraction_bi
     return _in_range(a, b, c, -126 + fraction_bits, 2.0**-126)
 
 
+def _short(x: torch.Tensor) -> bool:
+    """Whether every value of ``x`` has at most 12 significant bits (TF32 and bf16 values have 11 and 8), as the
+    32-bit kernel asks: one cheap pass before the copies that kernel needs (unrounded operands never get there)."""
+    return not bool((x.view(torch.int32) & 0xFFF).any())
+
+
 def _gemm_compiled(kernels: ModuleType, a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor,
                    model: Accumulation) -> torch.Tensor:
+    short = model.kind == "nvidia" and _short(a) and _short(b)  # before the batch is broadcast
     batch = acc.shape[:-2]
     a = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
     b = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
@@ -178,7 +185,7 @@ def _gemm_compiled(kernels: ModuleType, a: torch.Tensor, b: torch.Tensor, acc: t
         res = kernels.fma_gemm(a64, b64, c.numpy(), min(n, 256))
     else:
         tile, band = _work_split(c.size(0), m, n)
-        if model.chunk in (4, 8) and model.fraction_bits <= 25:  # the 32-bit kernel, where it applies
+        if short:  # the 32-bit kernel, where it applies (it checks the rest itself)
             res, fitted = kernels.nvidia_gemm_narrow(a.contiguous().numpy(), b.contiguous().numpy(), c.numpy(),
                                                      model.chunk, model.fraction_bits, tile, band)
             if fitted:
@@ -215,7 +222,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, model: Accumulation, c: Optional[torc
     acc = torch.zeros((*batch, m, n), dtype=_F32)
     if c is not None:
         acc = acc + c.detach().cpu().to(_F32)  # broadcast like addmm's input
-    if k == 0:
+    if k == 0 or acc.numel() == 0:
         return acc
     step = model.chunk
     pad = -k % step

@@ -297,14 +297,39 @@ def _int32_op(name: str):
     return op
 
 
+_WIDE = '"prefer-vector-width"="512"'
+
+
+def _attribute_parses(attribute: str) -> bool:
+    """Whether llvmlite prints ``attribute`` into a function's IR as it is and this LLVM accepts it there. llvmlite
+    lists no string attributes, so :func:`_wide_vectors` adds it to the set as text: checked once, on a function
+    of its own, so that an llvmlite that stopped printing it so costs the speed, never a failed compile."""
+    try:
+        from llvmlite import binding
+
+        module = ir.Module()
+        function = ir.Function(module, ir.FunctionType(ir.VoidType(), []), "probe")
+        set.add(function.attributes, attribute)
+        ir.IRBuilder(function.append_basic_block()).ret_void()
+        text = str(module)
+        binding.parse_assembly(text).verify()
+        return attribute in text
+    except Exception:  # any failure means: leave the attribute out
+        return False
+
+
+_WIDE_OK = _attribute_parses(_WIDE)
+
+
 @intrinsic
 def _wide_vectors(typingctx):  # pragma: no cover - compiled
     """Lets LLVM vectorise the calling function with 512-bit registers where the CPU has AVX-512: its default
-    for these CPUs is 256 bits, which halves the lanes of this all-register arithmetic. The function attribute
-    is LLVM's own ("prefer-vector-width"); llvmlite lists no string attributes, so it goes into the set as
-    text, which the IR prints as it is."""
+    for these CPUs is 256 bits, which halves the lanes of this all-register arithmetic (1.3x here). The function
+    attribute is LLVM's own ("prefer-vector-width"); nothing where :func:`_attribute_parses` found it does not
+    parse."""
     def codegen(context, builder, signature, args):
-        set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+        if _WIDE_OK:
+            set.add(builder.function.attributes, _WIDE)
         return context.get_dummy_value()
 
     return types.none(), codegen
@@ -492,13 +517,15 @@ def nvidia_gemm_narrow(a, b, c, chunk, bits, tile, band):  # pragma: no cover - 
     """:func:`nvidia_gemm` in 32-bit lanes, for chunks of 4 or 8, where it applies: (output, True), or
     (an empty array, False) where it does not and the caller must use :func:`nvidia_gemm`.
 
-    a (B, M, K), b (B, K, N), c (B, M, N): C-contiguous float32, K a multiple of ``chunk``, ``bits`` <= 25. It
-    applies where each product is exact in float32 (operands of 12 significant bits or fewer: TF32 and bf16
-    values have 11 and 8), every nonzero product and every nonzero ``c`` is at least 2^NARROW_LOWEST, and no
-    sum can reach 2^127: then every partial sum is a whole number of units of 2^(NARROW_LOWEST - bits) or more,
-    normal, and a step that would align below NARROW_LOWEST holds only zero products and an accumulator it
-    leaves exact, so raising its exponent to NARROW_LOWEST changes nothing. The check costs one pass over
-    the operands, which the kernel makes anyway for their exponents."""
+    a (B, M, K), b (B, K, N), c (B, M, N): C-contiguous float32. It applies to chunks of 4 or 8, 0 to 25
+    fraction bits and K a multiple of the chunk, where each product is exact in float32 (operands of 12
+    significant bits or fewer: TF32 and bf16 values have 11 and 8), every nonzero product and every nonzero ``c``
+    is at least 2^NARROW_LOWEST, and no sum can reach 2^127: then every partial sum is a whole number of units of
+    2^(NARROW_LOWEST - bits) or more, normal, and a step that would align below NARROW_LOWEST holds only zero
+    products and an accumulator it leaves exact, so raising its exponent to NARROW_LOWEST changes nothing. The
+    check costs one pass over the operands, which the kernel makes anyway for their exponents."""
+    if chunk not in (4, 8) or not 0 <= bits <= 25 or a.shape[2] % chunk:
+        return np.empty((0, 0, 0), np.float32), False
     bits = np.int32(bits)
     ea, la, ma, long_a = _survey32(a, _I32(-127))
     eb, lb, mb, long_b = _survey32(b, _I32(0))
