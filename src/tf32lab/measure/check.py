@@ -177,8 +177,8 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
     measured = [level for level in levels + extra if alike[level] is None]
     runs = len([level for level in levels if alike[level] is None]) + (row is not None)
     with Progress(progress, steps=1 + runs) as bar, \
-            Session(workload, measured, target, tolerances, speed=speed, bar=bar,
-                    accumulation=accumulation, ranks=ranks) as session:
+            Session(workload, measured, target, tolerances, speed=speed, bar=bar, accumulation=accumulation,
+                    ranks=ranks, convs=tuple(sorted(c for c in row.convs if c)) if row else ()) as session:
         results: dict[str, LevelResult] = {}
         for level in levels:
             same = alike[level]
@@ -210,7 +210,8 @@ def _noted(report: Report, changed: list[str]) -> Report:
 
 
 class Session:
-    """A workload's float64 reference, run once on entry (each layer rerun at the ``measured`` levels), then
+    """A workload's float64 reference, run once on entry (each layer rerun at the ``measured`` levels, and a layer
+    with cuDNN ops at each of ``convs`` too: the conv maths a policy pins modules to), then
     end-to-end runs measured against it: a level (:meth:`level`) or a policy (:meth:`policy`). ``check`` is one
     session; ``tune`` measures many policies in one. Inside it the model is in eval mode; its state (buffers) is
     reset before each run and restored at the end. With ``speed`` (a GPU target), the first end-to-end run is
@@ -219,13 +220,13 @@ class Session:
 
     def __init__(self, workload: Workload, measured: list[str], target: Target, tolerances: dict[str, float], *,
                  speed: bool = True, bar: Optional[Progress] = None, accumulation: Optional[str] = None,
-                 ranks: Optional[Ranks] = None) -> None:
+                 ranks: Optional[Ranks] = None, convs: tuple[str, ...] = ()) -> None:
         self.workload, self.target, self.tolerances = workload, target, tolerances
         self.ranks = ranks
         self.measured = list(measured)
         self.bar = bar or Progress(False, 0)
         self.spill = SpillFile(min_bytes_from_env())
-        self.recorder = Recorder(workload.model, self.measured, target, self.spill, accumulation, ranks)
+        self.recorder = Recorder(workload.model, self.measured, target, self.spill, accumulation, ranks, convs)
         self.counting = Counting(workload.model) if speed and target.peaks is not None else None
         self.runs = 0  # end-to-end runs so far
         self._stack = contextlib.ExitStack()
@@ -437,10 +438,8 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
         if row is not None:  # the level the policy gives this layer, as measured (a level computed alike)
             at = row.by_name.get(name, level)
             at = (alike or {}).get(at) or at
-        introduced, why = _introduced(recorder, accumulated, at, name)
-        pinned = _pinned_conv(row, name, recorder.families.get(name, ()), target, cells)
-        if pinned is not None:
-            introduced, why = math.nan, pinned
+        introduced, why = _introduced(recorder, accumulated, at, name,
+                                      _pinned_conv(row, name, recorder.families.get(name, ()), target, cells))
         acc, diverged = accumulated.result(name, finished=error is None)
         reasons = "; ".join(r for r in (why, diverged) if r)
         layers.append(LayerError(name, sharded.type_name(module), recorder.count[name], introduced, acc,
@@ -454,20 +453,15 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
 
 def _pinned_conv(row: Optional[PolicyRow], name: str, families: Iterable[str], target: Target,
                  cells: Mapping[str, str]) -> Optional[str]:
-    """Why a layer's introduced error is not measured in a policy row, or None: the policy pins its conv math to
-    one that computes some of its own cuDNN ops (``families``: what it ran, convolutions or RNNs, whatever its
-    class) otherwise than the math its reruns ran at (the check's)."""
+    """The conv math the policy pins a layer to, where that computes some of its own cuDNN ops (``families``: what
+    it ran, convolutions or RNNs, whatever its class) otherwise than the check's own math; else None."""
     conv = None if row is None else row.conv_by_name.get(name)
     if conv is None:
         return None
     pinned = with_conv(cells, conv)
     differs = [f for f in ("conv", "rnn") if f in families and (
         target.math(f, pinned) != target.math(f, cells) if target.emulated else conv != cells.get(f"cuda.{f}"))]
-    if not differs:
-        return None
-    # one clause (no "; "): the report tells it from a diverged call's reason joined after it
-    return (f"{PINNED_CONV} {conv!r} and its reruns ran at cudnn.{differs[0]} {cells.get(f'cuda.{differs[0]}')!r}, "
-            "so its introduced error is not measured (its accumulated error is)")
+    return conv if differs else None
 
 
 def policy_maths(row: PolicyRow, target: Target, cells: Mapping[str, str]) -> dict[str, str]:
@@ -481,10 +475,16 @@ def policy_maths(row: PolicyRow, target: Target, cells: Mapping[str, str]) -> di
     return {key: values.pop() if len(values) == 1 else "mixed" for key, values in found.items()}
 
 
-def _introduced(recorder: Recorder, accumulated: Accumulated, level: str, name: str) -> tuple[float, Optional[str]]:
-    """A layer's worst introduced error at ``level``: from its reruns, and from the end-to-end run for the calls
-    that the end-to-end run computes exactly as a rerun would (fed the model's own inputs)."""
-    found = [recorder.introduced[level][name]] if name in recorder.introduced[level] else []
+def _introduced(recorder: Recorder, accumulated: Accumulated, level: str, name: str,
+                conv: Optional[str] = None) -> tuple[float, Optional[str]]:
+    """A layer's worst introduced error at ``level`` (and at the conv math ``conv`` a policy pins it to): from its
+    reruns, and from the end-to-end run for the calls that the end-to-end run computes exactly as a rerun would
+    (fed the model's own inputs)."""
+    table = recorder.introduced[level] if conv is None else recorder.introduced_at.get((level, conv))
+    if table is None:  # not rerun at that conv math (a session made without it): one clause, no "; "
+        return math.nan, (f"{PINNED_CONV} {conv!r}, at which its reruns did not run, so its introduced error is "
+                          "not measured (its accumulated error is)")
+    found = [table[name]] if name in table else []
     found += [(accumulated.per_call.get(key, math.nan), None) for key in recorder.as_accumulated if key[0] == name]
     if not found:
         return math.nan, None

@@ -23,7 +23,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from tf32lab.control.scope import precision
+from tf32lab.control.scope import conv_math, precision
 from tf32lab.emulation.emulator import emulate
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
@@ -179,8 +179,11 @@ class Recorder:
     """Hooks and a float64 mode for the reference run (see the module's docstring)."""
 
     def __init__(self, model: torch.nn.Module, levels: list[str], target: Target,
-                 spill: Optional[SpillFile] = None, accumulation: Optional[str] = None, ranks: Any = None) -> None:
+                 spill: Optional[SpillFile] = None, accumulation: Optional[str] = None, ranks: Any = None,
+                 convs: tuple[str, ...] = ()) -> None:
         self.model, self.levels, self.target = model, levels, target
+        # conv maths a policy pins modules to: a layer that runs cuDNN ops (conv, rnn) is rerun at each of them too
+        self.convs = convs
         self.ranks = ranks  # measure.sharded.Ranks of a sharded check: each call's error summed over the ranks
         self.accumulation = accumulation  # emulate()'s: None for the TF32LAB_ACCUMULATION setting
         self.spill = spill or SpillFile()
@@ -192,6 +195,9 @@ class Recorder:
         self.count: dict[str, int] = {}  # calls per layer
         self.layers: list[tuple[str, torch.nn.Module]] = []  # in the order they first ran
         self.introduced: dict[str, dict[str, tuple[float, Optional[str]]]] = {level: {} for level in levels}
+        # (level, conv math) -> layer -> its worst introduced error rerun so (layers with cuDNN ops only)
+        self.introduced_at: dict[tuple[str, str], dict[str, tuple[float, Optional[str]]]] = {
+            (level, conv): {} for level in levels for conv in convs}
         self.handles: list = []
         self.rerunning = False
         self.scratch: Optional[torch.Tensor] = None
@@ -299,13 +305,15 @@ class Recorder:
             return
         reference, norms = self.outputs[(name, i)]
         inner = self._inner_outputs(frame)
-        for level in self.levels:
+        pinned = self.convs if frame.families & {"conv", "rnn"} else ()
+        for level, conv in [(level, None) for level in self.levels] + \
+                [(level, conv) for level in self.levels for conv in pinned]:
             args, kwargs = map_tensors(_to_float32, frame.args), map_tensors(_to_float32, frame.kwargs)
             self.rerunning = True
             try:
                 with state_kept(module), _originals(self.swapped), _answering(inner), \
                         level_context(level, self.target, self.accumulation, self.ranks is None), \
-                        torch.inference_mode():
+                        conv_math(conv), torch.inference_mode():
                     output = module(*args, **kwargs)
                 error = self._normwise(output, reference, norms)
                 why = None
@@ -314,20 +322,25 @@ class Recorder:
             except Exception as exc:
                 if out_of_memory(exc) or self.ranks is not None:  # sharded: the other ranks wait in a collective
                     raise
-                bug = internal_error(exc, f"rerunning layer {name!r} alone at level {level!r}")
+                at = f"level {level!r}" + (f" and cudnn conv math {conv!r}" if conv else "")
+                bug = internal_error(exc, f"rerunning layer {name!r} alone at {at}")
                 if bug is not None:
                     raise bug from exc
                 error, why = math.nan, f"raised when run alone at this level: {described(exc)}"
             finally:
                 self.rerunning = False
-            self._worst(name, error, why, level)
+            self._worst(name, error, why, level, conv)
 
-    def _worst(self, name: str, error: float, why: Optional[str], level: Optional[str] = None) -> None:
-        for lv in (self.levels if level is None else [level]):
-            known = self.introduced[lv].get(name)
+    def _worst(self, name: str, error: float, why: Optional[str], level: Optional[str] = None,
+               conv: Optional[str] = None) -> None:
+        """Keep the worst error of ``name`` at ``level`` (every level and pinned conv math: None) and ``conv``."""
+        tables = [self.introduced[lv] for lv in self.levels] + list(self.introduced_at.values()) if level is None \
+            else [self.introduced[level] if conv is None else self.introduced_at[(level, conv)]]
+        for table in tables:
+            known = table.get(name)
             # the worst call wins; a call that could not be measured (NaN) wins over any number, and stays
             if known is None or (not math.isnan(known[0]) and (math.isnan(error) or error > known[0])):
-                self.introduced[lv][name] = (error, why or (known[1] if known else None))
+                table[name] = (error, why or (known[1] if known else None))
 
     def _inner_outputs(self, frame: _Frame) -> dict[torch.nn.Module, list[Any]]:
         modules = dict(self.layers)

@@ -39,7 +39,8 @@ class LayerError:
     output in the end-to-end run (everything upstream included). Both are the worst over its ``calls``; NaN when
     not measured. ``diverged``: why some call could not be measured (data-dependent control flow: another output
     shape, another number of calls; or it raised when run alone at the level), or, first, in a policy row, why its
-    introduced error is not measured: the policy pins it to another conv math (``conclusion.PINNED_CONV``).
+    introduced error is not measured: the policy pins it to a conv math its reruns did not run at
+    (``conclusion.PINNED_CONV``).
     """
 
     name: str
