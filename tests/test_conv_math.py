@@ -4,6 +4,7 @@ checks every flag after each test, too)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -72,6 +73,45 @@ def test_tune_searches_the_conv_math_too():
     loose = tf32lab.tune(_convs(), target="a100", tolerance=0.5)
     assert loose.conv == "tf32"  # the faster conv math passes: kept
     assert torch.backends.cudnn.conv.fp32_precision == "tf32" if flags.NEW_API else True
+
+
+def _three_convs() -> Workload:
+    """Three convolutions, all sped up by TF32 on an a100 (the speed model says so) except the 3-channel stem;
+    at a tolerance of 1e-3 TF32 everywhere fails (1.5e-3), the stem alone at IEEE passes (8e-4)."""
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Conv2d(3, 64, 3, padding=1)
+            self.b = torch.nn.Conv2d(64, 64, 3, padding=1)
+            self.c = torch.nn.Conv2d(64, 4, 3)
+
+        def forward(self, x):
+            return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+    return Workload(Net(), 8.0 + torch.randn(4, 3, 28, 28, generator=torch.Generator().manual_seed(1)), name="net")
+
+
+def test_tune_gives_convolution_layers_back_to_tf32_where_they_pass():
+    before = flags.snapshot()
+    tuning = tf32lab.tune(_three_convs(), target="a100", tolerance=1e-3)
+    assert flags.snapshot() == before
+    assert tuning.passed and tuning.conv == "ieee" and tuning.level is None
+    policy = tuning.policy
+    assert policy.conv == "ieee" and {(r.pattern, r.level, r.conv) for r in policy.rules} == {
+        ("b", None, "tf32"), ("c", None, "tf32")}
+    tried = [c for c in tuning.candidates if c.why.startswith("convs at tf32")]
+    assert tried and tried[-1].passed and tuning.speedup > 1.1
+    assert "2 still pass at it ('b', 'c')" in tuning.reason
+    assert any("runs 2 layer(s) at TF32" in line for line in tuning.advice())
+    # the answer, checked on its own: it passes, and its pinned layers were rerun at their math (no NaN)
+    report = check(_three_convs(), levels=("highest",), target="a100", conv="tf32", tolerance=1e-3, speed=False,
+                   policy=policy)
+    row = report.level("policy")
+    assert row.passed and not report.level("highest").passed
+    assert all(layer.introduced == layer.introduced for layer in row.layers)
+    assert json.loads(tuning.to_json())["policy"]["rules"][0]["conv"] == "tf32"
 
 
 def test_the_cli_takes_conv(tmp_path):

@@ -11,7 +11,11 @@
    passes end to end, pinned to ``S``, is found by galloping (1, 2, 4, ... layers) then bisection; then each pinned
    layer, the most time-costly first, is un-pinned while the workload still passes (a group at once, halved on
    failure, when many are pinned). Pinning a layer pins its own ops: its child modules keep ``F`` by rule.
-3. Every candidate is a real run under the policy (``emulate(target)``), compared with the reference; none is
+3. **Convolutions.** cuDNN's conv math is no level's: where the model's convolutions compute otherwise at TF32
+   and IEEE, steps 1-2 run under TF32 and, if nothing passes, under IEEE; that answer then gives convolution
+   layers back to TF32 while it still passes (policy rules that pin their conv math; the least error at TF32, from
+   each layer's reruns there, per unit of predicted time gained first, a group at once, halved on failure).
+4. Every candidate is a real run under the policy (``emulate(target)``), compared with the reference; none is
    chosen without one. Each is recorded: the policy, its worst output error, its predicted time.
 
 Example:
@@ -30,7 +34,7 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Union
 
@@ -48,6 +52,7 @@ from tf32lab.measure.layers import ROOT
 from tf32lab.numbers.metrics import OutputError, tolerances_of
 from tf32lab.report import Document, LevelResult, Report
 from tf32lab.report.conclusion import nondeterministic, unmeasured
+from tf32lab.speed.prediction import seconds_at
 from tf32lab.workloads.running import Progress, changed_note, environment_of, kept_flags, refuse_applied
 from tf32lab.workloads.training import TrainingWorkload
 from tf32lab.workloads.workload import Workload
@@ -109,11 +114,13 @@ class Tuning(Document):
     def _advice(self, policy_file: Optional[str] = None) -> list[str]:
         lines = self._level_advice(policy_file)
         if self.passed and self.conv is not None:
+            pins = [rule.pattern for rule in self.policy.rules if rule.conv not in (None, self.conv)]
             lines.append(f"Convolutions at cudnn.conv {self.conv!r}" + (
                 " (PyTorch's default)." if self.conv == "tf32" else
                 ": `torch.backends.cudnn.conv.fp32_precision = \"ieee\"` (before torch 2.9: "
-                "`torch.backends.cudnn.allow_tf32 = False`); no level sets it, and TF32 convolutions miss the "
-                "tolerance."))
+                "`torch.backends.cudnn.allow_tf32 = False`); no level sets it, and TF32 convolutions everywhere miss "
+                "the tolerance" + (f" (the policy sets it itself, and runs {len(pins)} layer(s) at TF32)."
+                                   if pins else ".")))
         return lines
 
     def _level_advice(self, policy_file: Optional[str] = None) -> list[str]:
@@ -192,8 +199,10 @@ def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Targ
 
     ``conv``: cuDNN's float32 convolution math, which no level sets: ``"tf32"`` or ``"ieee"`` to search under it
     only; None: where the model has convolution modules and the target computes them differently under the two,
-    the search runs under ``"tf32"`` (faster) and, if nothing passes there, under ``"ieee"``; ``Tuning.conv`` says
-    which the answer needs (else the flag is left as the process holds it).
+    the search runs under ``"tf32"`` (faster) and, if nothing passes there, under ``"ieee"``, whose answer then
+    gives back to ``"tf32"`` the convolution layers that still pass there (the policy pins them, a group at once,
+    the least error per predicted gain first); ``Tuning.conv`` says which math the answer needs for the rest (else
+    the flag is left as the process holds it).
     """
     conv = check_conv(conv, "tune")
     if isinstance(workload, TrainingWorkload):  # the fastest policy whose training passes
@@ -216,8 +225,10 @@ def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Targ
     runs, seconds = 0, 0.0  # of every search made (two when TF32 convolutions leave nothing passing)
     with kept_flags() as changed:
         for chosen in convs:  # the faster conv math first; the next only when nothing passes under it
+            # under IEEE after TF32 failed everywhere: the answer's convolutions go back to TF32 one by one
+            relax = convs[0] if chosen != convs[0] else None
             with conv_math(chosen):
-                run = _tune(workload, target, tolerances, everything, progress)
+                run = _tune(workload, target, tolerances, everything, progress, relax)
             runs, seconds = runs + run.runs, seconds + run.seconds
             if run.answer.policy is not None:
                 break
@@ -272,12 +283,15 @@ class _Run(NamedTuple):
 
 
 def _tune(workload: Workload, target: Target, tolerances: dict[str, float], everything: tuple[str, ...],
-          progress: bool) -> _Run:
+          progress: bool, relax: Optional[str] = None) -> _Run:
+    """One search under the conv math in force; ``relax``: a faster conv math to give the answer's convolution
+    layers back, one group at a time, while it still passes (their reruns at it order them)."""
     alike = alike_levels(everything, target)
     distinct = [level for level in everything if alike[level] is None]
     started = time.perf_counter()
     with Progress(progress, steps=1 + len(distinct)) as bar, \
-            Session(workload, distinct, target, tolerances, speed=True, bar=bar) as session:
+            Session(workload, distinct, target, tolerances, speed=True, bar=bar,
+                    convs=(relax,) if relax else ()) as session:
         uniform = {level: session.level(level) for level in distinct}
         predicted = session.predicted(everything)
         if predicted is None:
@@ -285,6 +299,8 @@ def _tune(workload: Workload, target: Target, tolerances: dict[str, float], ever
         check_seconds = time.perf_counter() - started
         search = _Search(session, workload, alike, uniform, predicted)
         answer = search.run()
+        if relax is not None and answer.policy is not None:
+            answer = search.relaxed(answer, relax)
     levels = tuple(dataclasses.replace(uniform[alike[lv] or lv], level=lv, same_as=alike[lv],
                                        speedup=predicted.level(lv).speedup) for lv in everything)
     return _Run(answer, tuple(search.candidates), levels, tuple(session.notes()), predicted, environment_of(workload),
@@ -437,12 +453,93 @@ class _Search:
                 groups[:0] = [group[:half], group[half:]]
         return best
 
+    # -- conv maths per module ----------------------------------------------------------------------------------
+    def relaxed(self, answer: _Answer, fast: str) -> _Answer:
+        """``answer`` (found under the conv math in force, the slow one) with as many convolution layers as still
+        pass run at ``fast``: the layers whose own cuDNN ops ``fast`` computes otherwise, the least error (their
+        reruns at ``fast``) per unit of predicted time gained first, a group at once, halved on failure, as
+        :meth:`_unpin` does. ``answer`` itself where none can go."""
+        row = PolicyRow.of(answer.policy, self.workload.model)
+
+        def level_of(layer: str) -> str:
+            return row.by_name.get(layer, row.base)
+
+        gains = self._conv_gains(level_of, fast)
+        if not gains:
+            return answer
+        errors = self.session.recorder.introduced_at
+
+        def harm(name: str) -> float:  # most harmless per unit of gained time first; unmeasured last
+            error = errors.get((self._measured(level_of(name)), fast), {}).get(name, (math.nan, None))[0]
+            return math.inf if math.isnan(error) else error / gains[name]
+
+        order = sorted(gains, key=harm)
+        base, chosen, best = answer.policy, [], None
+        groups = [order] if len(order) > GROUP else [[name] for name in order]
+        while groups:
+            group = groups.pop(0)
+            names = ", ".join(repr(n) for n in group[:2]) + (" …" if len(group) > 2 else "")
+            trial = _with_conv(base, chosen + group, fast, self.children)
+            candidate, result = self._run(trial, answer.pinned, f"convs at {fast}: {names}")
+            if candidate.passed:
+                chosen, best = chosen + group, (candidate, result)
+            elif len(group) > 1:
+                half = len(group) // 2
+                groups[:0] = [group[:half], group[half:]]
+        if best is None:
+            return answer
+        candidate, result = best
+        moved = ", ".join(repr(n) for n in sorted(chosen)[:4]) + (" …" if len(chosen) > 4 else "")
+        return answer._replace(
+            policy=candidate.policy, level=None, outputs=result.outputs, speedup=candidate.speedup,
+            speedup_over_uniform=(self.seconds(answer.uniform) if answer.uniform else self.highest) / candidate.seconds,
+            reason=f"{answer.reason} Of the {len(order)} convolution layer(s) that cudnn.conv {fast!r} is predicted "
+                   f"to speed up, {len(chosen)} still pass at it ({moved}): the policy runs them so.")
+
+    def _measured(self, level: str) -> str:
+        return self.alike.get(level) or level
+
+    def _conv_gains(self, level_of: Callable[[str], str], fast: str) -> dict[str, float]:
+        """Layers whose own ops run faster at the conv math ``fast`` (predicted), and by how much."""
+        counts = self.session.counting.counts if self.session.counting is not None else None
+        if counts is None:
+            return {}
+        target = self.session.target
+        layers = {op.layer for op in counts.ops if op.family in ("conv", "rnn") and op.layer != ROOT}
+        now = seconds_at(counts, target, level_of)
+        gains = {name: now - seconds_at(counts, target, level_of, lambda layer, n=name: fast if layer == n else None)
+                 for name in sorted(layers)}
+        return {name: gain for name, gain in gains.items() if gain > 0}
+
+    def _run(self, policy: Policy, pinned: tuple[str, ...], why: str) -> tuple[Candidate, LevelResult]:
+        row = PolicyRow.of(policy, self.workload.model)
+        result = self.session.policy(row, self.alike)
+        return self._record(policy, pinned, result, self.session.seconds(row), why), result
+
     def _answer(self, policy: Optional[Policy], level: Optional[str], pinned: tuple[str, ...],
                 result: LevelResult, uniform: Optional[str], reason: str) -> _Answer:
         seconds = next((c.seconds for c in self.candidates if c.policy == policy and c.passed), self.highest)
         uniform_seconds = self.seconds(uniform) if uniform else self.highest
         return _Answer(policy, level, pinned, result.outputs, self.highest / seconds, uniform,
                        uniform_seconds / seconds, reason)
+
+
+def _with_conv(policy: Policy, fast: Iterable[str], conv: str, children: dict[str, list[str]]) -> Policy:
+    """``policy`` with the layers ``fast`` at the conv math ``conv``: their own convolutions only (a child keeps
+    the flag's math unless it is one of them). One rule per module, as the first matching rule decides."""
+    fast = set(fast)
+    entries: dict[str, list[Optional[str]]] = {rule.pattern: [rule.level, rule.conv] for rule in policy.rules}
+    for name in sorted(fast):
+        entries.setdefault(exact_pattern(name), [None, None])[1] = conv
+        for child in children.get(name, []):
+            if child not in fast:
+                entries.setdefault(exact_pattern(child), [None, None])[1] = policy.conv or _other(conv)
+    return Policy(default=policy.default, rules=[(p, level, c) for p, (level, c) in entries.items()],
+                  conv=policy.conv or _other(conv))
+
+
+def _other(conv: str) -> str:
+    return "ieee" if conv == "tf32" else "tf32"
 
 
 def _failure(result: LevelResult) -> str:
