@@ -361,6 +361,52 @@ def test_check_measures_a_policy_that_pins_convolutions_to_ieee():
     assert {layer.name: layer for layer in alone.level("highest").layers}["2"].introduced == layers["2"].introduced
 
 
+def test_a_pinned_layer_whose_calls_run_a_convolution_or_not_is_measured_whole():
+    # one module, two calls: a product, then a convolution. The pinned rerun covers the convolution's call; the
+    # product's (no cuDNN op: the same at any conv math) counts too, so the layer's worst is a plain IEEE check's
+    class Dual(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(64, 64))
+            self.k = torch.nn.Parameter(torch.randn(4, 4, 3, 3))
+
+        def forward(self, x, conv: bool):
+            return F.conv2d(x, self.k, padding=1) if conv else x @ self.w
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.pre, self.d = torch.nn.Linear(64, 64), Dual()
+
+        def forward(self, x):
+            h = self.pre(x)
+            return self.d(h, False), self.d(h.reshape(1, 4, 8, 8), True)
+
+    workload = tf32lab.Workload(Model(), 8 + torch.randn(4, 64, generator=torch.Generator().manual_seed(1)))
+    pinned = tf32lab.check(workload, levels=("high",), target="a100", conv="tf32", speed=False,
+                           policy=Policy("high", [("d", None, "ieee")]))
+    plain = tf32lab.check(workload, levels=("high",), target="a100", conv="ieee", speed=False)
+    got = {layer.name: layer for layer in pinned.level("policy").layers}["d"]
+    want = {layer.name: layer for layer in plain.level("high").layers}["d"]
+    assert got.introduced == want.introduced and got.diverged is None
+
+
+def test_only_the_pins_that_change_a_layer_are_rerun():
+    # a pin to the check's own conv math changes nothing: no rerun; another math: the pinned layer, at its level
+    from tf32lab.control.scope import conv_math
+    from tf32lab.measure.check import PolicyRow, _pins, alike_levels
+
+    model = _convs()
+    target = tf32lab.know.targets.get("a100")
+    alike = alike_levels(("highest", "high", "medium"), target)
+    with conv_math("tf32"):
+        same = PolicyRow.of(Policy("highest", [("2", None, "tf32")], conv="tf32"), model)
+        other = PolicyRow.of(Policy("medium", [("2", "highest", "ieee")], conv="tf32"), model)
+        assert _pins(same, target, alike) == {}
+        assert _pins(other, target, alike) == {"2": ("highest", "ieee")}
+
+
 def test_a_session_not_told_the_pinned_conv_math_says_so_instead_of_a_number():
     # check() tells its session every conv math the policy pins; a session made without them (as tune makes its
     # own) has no rerun there: the pinned layer's introduced error is NaN, with the reason (one clause: the report

@@ -13,8 +13,8 @@
    failure, when many are pinned). Pinning a layer pins its own ops: its child modules keep ``F`` by rule.
 3. **Convolutions.** cuDNN's conv math is no level's: where the model's convolutions compute otherwise at TF32
    and IEEE, steps 1-2 run under TF32 and, if nothing passes, under IEEE; that answer then gives convolution
-   layers back to TF32 while it still passes (policy rules that pin their conv math; the least error at TF32, from
-   each layer's reruns there, per unit of predicted time gained first, a group at once, halved on failure).
+   layers back to TF32 while it still passes (policy rules that pin their conv math; the largest predicted gain
+   first, a group at once, halved on failure).
 4. Every candidate is a real run under the policy (``emulate(target)``), compared with the reference; none is
    chosen without one. Each is recorded: the policy, its worst output error, its predicted time.
 
@@ -201,7 +201,7 @@ def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Targ
     only; None: where the model has convolution modules and the target computes them differently under the two,
     the search runs under ``"tf32"`` (faster) and, if nothing passes there, under ``"ieee"``, whose answer then
     gives back to ``"tf32"`` the convolution layers that still pass there (the policy pins them, a group at once,
-    the least error per predicted gain first); ``Tuning.conv`` says which math the answer needs for the rest (else
+    the largest predicted gain first); ``Tuning.conv`` says which math the answer needs for the rest (else
     the flag is left as the process holds it).
     """
     conv = check_conv(conv, "tune")
@@ -285,13 +285,12 @@ class _Run(NamedTuple):
 def _tune(workload: Workload, target: Target, tolerances: dict[str, float], everything: tuple[str, ...],
           progress: bool, relax: Optional[str] = None) -> _Run:
     """One search under the conv math in force; ``relax``: a faster conv math to give the answer's convolution
-    layers back, one group at a time, while it still passes (their reruns at it order them)."""
+    layers back, a group at a time, while it still passes."""
     alike = alike_levels(everything, target)
     distinct = [level for level in everything if alike[level] is None]
     started = time.perf_counter()
     with Progress(progress, steps=1 + len(distinct)) as bar, \
-            Session(workload, distinct, target, tolerances, speed=True, bar=bar,
-                    convs=(relax,) if relax else ()) as session:
+            Session(workload, distinct, target, tolerances, speed=True, bar=bar) as session:
         uniform = {level: session.level(level) for level in distinct}
         predicted = session.predicted(everything)
         if predicted is None:
@@ -456,9 +455,9 @@ class _Search:
     # -- conv maths per module ----------------------------------------------------------------------------------
     def relaxed(self, answer: _Answer, fast: str) -> _Answer:
         """``answer`` (found under the conv math in force, the slow one) with as many convolution layers as still
-        pass run at ``fast``: the layers whose own cuDNN ops ``fast`` computes otherwise, the least error (their
-        reruns at ``fast``) per unit of predicted time gained first, a group at once, halved on failure, as
-        :meth:`_unpin` does. ``answer`` itself where none can go."""
+        pass run at ``fast``: the layers whose own cuDNN ops the speed model predicts faster at ``fast``, the
+        largest gain first, a group at once, halved on failure, as :meth:`_unpin` does. ``answer`` itself where
+        none can go."""
         row = PolicyRow.of(answer.policy, self.workload.model)
 
         def level_of(layer: str) -> str:
@@ -467,13 +466,7 @@ class _Search:
         gains = self._conv_gains(level_of, fast)
         if not gains:
             return answer
-        errors = self.session.recorder.introduced_at
-
-        def harm(name: str) -> float:  # most harmless per unit of gained time first; unmeasured last
-            error = errors.get((self._measured(level_of(name)), fast), {}).get(name, (math.nan, None))[0]
-            return math.inf if math.isnan(error) else error / gains[name]
-
-        order = sorted(gains, key=harm)
+        order = sorted(gains, key=lambda name: -gains[name])
         base, chosen, best = answer.policy, [], None
         groups = [order] if len(order) > GROUP else [[name] for name in order]
         while groups:

@@ -96,7 +96,8 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
         progress: show a progress bar on stderr.
         policy: a :class:`~tf32lab.Policy` measured as one more row, ``"policy"``, after the levels: the model
             runs with it applied (its default None: the level in force where ``check`` is called), and each
-            layer's introduced error is the one at the level the policy gives it.
+            layer's introduced error is the one at the level and cuDNN conv math the policy gives it (a layer
+            pinned to another conv math is rerun at it too).
         speed: predict each level's speedup on the target (``tf32lab.predict``; GPU targets), counted during
             the first end-to-end run.
         accumulation: how emulated GEMMs sum their products, ``"ideal"`` or ``"hardware"`` (``emulate()``'s
@@ -176,9 +177,10 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
     alike = alike_levels(levels + extra, target)  # level -> the earlier level the target computes identically, if any
     measured = [level for level in levels + extra if alike[level] is None]
     runs = len([level for level in levels if alike[level] is None]) + (row is not None)
+    pins = {} if row is None else _pins(row, target, alike)
     with Progress(progress, steps=1 + runs) as bar, \
             Session(workload, measured, target, tolerances, speed=speed, bar=bar, accumulation=accumulation,
-                    ranks=ranks, convs=tuple(sorted(c for c in row.convs if c)) if row else ()) as session:
+                    ranks=ranks, pins=pins) as session:
         results: dict[str, LevelResult] = {}
         for level in levels:
             same = alike[level]
@@ -211,7 +213,7 @@ def _noted(report: Report, changed: list[str]) -> Report:
 
 class Session:
     """A workload's float64 reference, run once on entry (each layer rerun at the ``measured`` levels, and a layer
-    with cuDNN ops at each of ``convs`` too: the conv maths a policy pins modules to), then
+    in ``pins`` at its (level, conv math) too, where a call runs cuDNN's ops), then
     end-to-end runs measured against it: a level (:meth:`level`) or a policy (:meth:`policy`). ``check`` is one
     session; ``tune`` measures many policies in one. Inside it the model is in eval mode; its state (buffers) is
     reset before each run and restored at the end. With ``speed`` (a GPU target), the first end-to-end run is
@@ -220,13 +222,13 @@ class Session:
 
     def __init__(self, workload: Workload, measured: list[str], target: Target, tolerances: dict[str, float], *,
                  speed: bool = True, bar: Optional[Progress] = None, accumulation: Optional[str] = None,
-                 ranks: Optional[Ranks] = None, convs: tuple[str, ...] = ()) -> None:
+                 ranks: Optional[Ranks] = None, pins: Optional[dict[str, tuple[str, str]]] = None) -> None:
         self.workload, self.target, self.tolerances = workload, target, tolerances
         self.ranks = ranks
         self.measured = list(measured)
         self.bar = bar or Progress(False, 0)
         self.spill = SpillFile(min_bytes_from_env())
-        self.recorder = Recorder(workload.model, self.measured, target, self.spill, accumulation, ranks, convs)
+        self.recorder = Recorder(workload.model, self.measured, target, self.spill, accumulation, ranks, pins)
         self.counting = Counting(workload.model) if speed and target.peaks is not None else None
         self.runs = 0  # end-to-end runs so far
         self._stack = contextlib.ExitStack()
@@ -464,6 +466,18 @@ def _pinned_conv(row: Optional[PolicyRow], name: str, families: Iterable[str], t
     return conv if differs else None
 
 
+def _pins(row: PolicyRow, target: Target, alike: Mapping[str, Optional[str]]) -> dict[str, tuple[str, str]]:
+    """Module -> (the measured level, the conv math) the policy runs it at, for the modules it pins to a conv math
+    that computes cuDNN's ops (convolutions or RNNs) otherwise than the caller's: the reruns those need."""
+    cells = context_cells()
+    pins = {}
+    for name, conv in row.conv_by_name.items():
+        if _pinned_conv(row, name, ("conv", "rnn"), target, cells) is not None:
+            level = row.by_name.get(name, row.base)
+            pins[name] = (alike.get(level) or level, conv)
+    return pins
+
+
 def policy_maths(row: PolicyRow, target: Target, cells: Mapping[str, str]) -> dict[str, str]:
     """Per family: the math every level (and conv math) of the policy gives it, or ``mixed``."""
     found: dict[str, set[str]] = {}
@@ -480,11 +494,13 @@ def _introduced(recorder: Recorder, accumulated: Accumulated, level: str, name: 
     """A layer's worst introduced error at ``level`` (and at the conv math ``conv`` a policy pins it to): from its
     reruns, and from the end-to-end run for the calls that the end-to-end run computes exactly as a rerun would
     (fed the model's own inputs)."""
-    table = recorder.introduced[level] if conv is None else recorder.introduced_at.get((level, conv))
-    if table is None:  # not rerun at that conv math (a session made without it): one clause, no "; "
+    if conv is None:
+        found = [recorder.introduced[level][name]] if name in recorder.introduced[level] else []
+    elif recorder.pins.get(name) == (level, conv):
+        found = [recorder.pinned[name]] if name in recorder.pinned else []
+    else:  # not rerun at that conv math (a session made without the pin): one clause, no "; "
         return math.nan, (f"{PINNED_CONV} {conv!r}, at which its reruns did not run, so its introduced error is "
                           "not measured (its accumulated error is)")
-    found = [table[name]] if name in table else []
     found += [(accumulated.per_call.get(key, math.nan), None) for key in recorder.as_accumulated if key[0] == name]
     if not found:
         return math.nan, None

@@ -3,7 +3,8 @@
 
 A *layer* is a module that runs matmul-family ops itself. :class:`Recorder` hooks every layer during the float64
 reference run, keeps its outputs (spilled to disk when large) and reruns it at each measured level right after each
-call; :class:`Accumulated` compares each layer's outputs in an end-to-end run with the kept ones.
+call (and a layer a policy pins to another cuDNN conv math, at its level and that math too, where the call runs
+cuDNN's ops); :class:`Accumulated` compares each layer's outputs in an end-to-end run with the kept ones.
 
 Example:
 
@@ -180,10 +181,11 @@ class Recorder:
 
     def __init__(self, model: torch.nn.Module, levels: list[str], target: Target,
                  spill: Optional[SpillFile] = None, accumulation: Optional[str] = None, ranks: Any = None,
-                 convs: tuple[str, ...] = ()) -> None:
+                 pins: Optional[dict[str, tuple[str, str]]] = None) -> None:
         self.model, self.levels, self.target = model, levels, target
-        # conv maths a policy pins modules to: a layer that runs cuDNN ops (conv, rnn) is rerun at each of them too
-        self.convs = convs
+        # layer -> (level, conv math) a policy runs it at, where that math computes its cuDNN ops otherwise: each
+        # call that runs some (conv, rnn) is rerun there too
+        self.pins = pins or {}
         self.ranks = ranks  # measure.sharded.Ranks of a sharded check: each call's error summed over the ranks
         self.accumulation = accumulation  # emulate()'s: None for the TF32LAB_ACCUMULATION setting
         self.spill = spill or SpillFile()
@@ -195,9 +197,7 @@ class Recorder:
         self.count: dict[str, int] = {}  # calls per layer
         self.layers: list[tuple[str, torch.nn.Module]] = []  # in the order they first ran
         self.introduced: dict[str, dict[str, tuple[float, Optional[str]]]] = {level: {} for level in levels}
-        # (level, conv math) -> layer -> its worst introduced error rerun so (layers with cuDNN ops only)
-        self.introduced_at: dict[tuple[str, str], dict[str, tuple[float, Optional[str]]]] = {
-            (level, conv): {} for level in levels for conv in convs}
+        self.pinned: dict[str, tuple[float, Optional[str]]] = {}  # pinned layer -> its worst error at its pin
         self.handles: list = []
         self.rerunning = False
         self.scratch: Optional[torch.Tensor] = None
@@ -305,9 +305,9 @@ class Recorder:
             return
         reference, norms = self.outputs[(name, i)]
         inner = self._inner_outputs(frame)
-        pinned = self.convs if frame.families & {"conv", "rnn"} else ()
-        for level, conv in [(level, None) for level in self.levels] + \
-                [(level, conv) for level in self.levels for conv in pinned]:
+        pin = self.pins.get(name)
+        cudnn = bool(frame.families & {"conv", "rnn"})
+        for level, conv in [(level, None) for level in self.levels] + ([pin] if pin and cudnn else []):
             args, kwargs = map_tensors(_to_float32, frame.args), map_tensors(_to_float32, frame.kwargs)
             self.rerunning = True
             try:
@@ -322,20 +322,26 @@ class Recorder:
             except Exception as exc:
                 if out_of_memory(exc) or self.ranks is not None:  # sharded: the other ranks wait in a collective
                     raise
-                at = f"level {level!r}" + (f" and cudnn conv math {conv!r}" if conv else "")
+                at = f"level {level!r}" + (f" and cuDNN's conv math {conv!r}" if conv else "")
                 bug = internal_error(exc, f"rerunning layer {name!r} alone at {at}")
                 if bug is not None:
                     raise bug from exc
-                error, why = math.nan, f"raised when run alone at this level: {described(exc)}"
+                error, why = math.nan, f"raised when run alone at {'its pinned conv math' if conv else 'this level'}" \
+                                       f": {described(exc)}"
             finally:
                 self.rerunning = False
             self._worst(name, error, why, level, conv)
+            if pin and not cudnn and conv is None and level == pin[0]:  # no cuDNN op: the same at any conv math
+                self._worst(name, error, why, level, pin[1])
 
     def _worst(self, name: str, error: float, why: Optional[str], level: Optional[str] = None,
                conv: Optional[str] = None) -> None:
-        """Keep the worst error of ``name`` at ``level`` (every level and pinned conv math: None) and ``conv``."""
-        tables = [self.introduced[lv] for lv in self.levels] + list(self.introduced_at.values()) if level is None \
-            else [self.introduced[level] if conv is None else self.introduced_at[(level, conv)]]
+        """Keep ``error`` as ``name``'s at ``level`` (None: at every level, and at its pin) or, with ``conv``, at its
+        pin."""
+        if level is None:
+            tables = [self.introduced[lv] for lv in self.levels] + ([self.pinned] if name in self.pins else [])
+        else:
+            tables = [self.introduced[level] if conv is None else self.pinned]
         for table in tables:
             known = table.get(name)
             # the worst call wins; a call that could not be measured (NaN) wins over any number, and stays

@@ -122,8 +122,8 @@ def conclusion(report: Report, policy_file: Optional[str] = None) -> list[str]:
     if pinned:
         names = ", ".join(repr(n) for n in pinned[:3]) + (" …" if len(pinned) > 3 else "")
         lines.append(f"{len(pinned)} layer(s) pinned by the policy to another conv math ({names}) have no introduced "
-                     f"error in the policy row: it is rerun at the check's conv math, not at theirs; their "
-                     f"accumulated error, from the run under the policy, is measured.")
+                     f"error in the policy row: they were not rerun at it (a session made without the policy's "
+                     f"pins); their accumulated error, from the run under the policy, is measured.")
     diverged = sorted({name for name, (_, rest) in reasons if rest and not rest.startswith("raised")})
     if diverged:
         names = ", ".join(repr(n) for n in diverged[:3]) + (" …" if len(diverged) > 3 else "")
@@ -179,15 +179,16 @@ def _levels_beside(row: LevelResult, best: Optional[LevelResult], failing: list[
 
 
 # How check words the reason a layer pinned to another conv math has no introduced error (``LayerError.diverged``
-# starts with it; measure/ writes it from this constant, as the report layer must not import upward).
+# starts with it; measure/ writes it from this constant, as the report layer must not import upward). check()
+# reruns pinned layers at their math; a session made without the pins (``measure.check.Session``) cannot.
 PINNED_CONV = "the policy pins its conv math to"
 
 
 def pinned_and_diverged(reason: Optional[str]) -> tuple[Optional[str], Optional[str]]:
     """A layer's ``diverged`` text split into the conv pin's reason (first, one clause) and the rest, either None.
 
-    >>> pinned_and_diverged("the policy pins its conv math to 'ieee' and ...; another call diverged")
-    ("the policy pins its conv math to 'ieee' and ...", 'another call diverged')
+    >>> pinned_and_diverged("the policy pins its conv math to 'ieee', at which ...; another call diverged")
+    ("the policy pins its conv math to 'ieee', at which ...", 'another call diverged')
     >>> pinned_and_diverged("another call diverged")
     (None, 'another call diverged')
     """

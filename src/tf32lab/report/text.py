@@ -84,7 +84,7 @@ def notes(report: Report) -> list[str]:
     for lv in report.levels:
         if lv.policy is not None:
             lines.append(f"policy: {policy_summary(lv.policy)}; each layer's introduced error is the one at the "
-                         f"level the policy gives it")
+                         f"level (and cuDNN conv math) the policy gives it")
     for lv in report.levels:
         if lv.same_as is not None:  # its lines are the other level's
             continue
