@@ -28,7 +28,8 @@ operations otherwise; both give the same bits.
 
 Example:
 
-    >>> import torch
+    >>> import numpy as np
+import torch
     >>> from tf32lab.numbers import accumulation
     >>> a, b, c = torch.tensor([[2048.0, 2048.0]]), torch.tensor([[2048.0], [-2048.0]]), torch.tensor([[-1e-6]])
     >>> accumulation.gemm(a, b, accumulation.CDNA3_XF32, c=c).item()   # MMA-Sim section VI-C: c floored
@@ -112,12 +113,12 @@ def compiled() -> bool:
     return _kernels() is not None
 
 
-def _work_split(batch: int, m: int, n: int) -> tuple[int, int]:
+def _work_split(batch: int, m: int, n: int, widest: int = 512) -> tuple[int, int]:
     """Columns and rows of one work item of the compiled kernels: wide (each pass over a row slice has a fixed
-    cost), and enough items to share among the threads."""
+    cost; up to ``widest`` columns, half that beyond), and enough items to share among the threads."""
     import numba
 
-    tile = n if n <= 512 else 256
+    tile = n if n <= widest else widest // 2
     items = batch * -(-n // tile)
     want = 4 * numba.get_num_threads()
     band = m if items >= want else max(1, -(-m * items // want))
@@ -167,35 +168,39 @@ def _stays_normal(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, fraction_bi
 
 
 def _short(x: torch.Tensor) -> bool:
-    """Whether every value of ``x`` has at most 12 significant bits (TF32 and bf16 values have 11 and 8), as the
-    32-bit kernel asks: one cheap pass before the copies that kernel needs (unrounded operands never get there)."""
-    return not bool((x.view(torch.int32) & 0xFFF).any())
+    """Whether the first row of ``x`` has at most 12 significant bits a value (TF32 and bf16 values have 11 and 8):
+    a glance, not a proof (the 32-bit kernel checks every value itself), that spares unrounded operands the
+    copies that kernel needs."""
+    row = x[(0,) * (x.dim() - 1)][:256]
+    return not bool((row.view(torch.int32) & 0xFFF).any())
 
 
-def _gemm_compiled(kernels: ModuleType, a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor,
-                   model: Accumulation) -> torch.Tensor:
+def _gemm_compiled(kernels: ModuleType, a: torch.Tensor, b: torch.Tensor, acc: Optional[torch.Tensor],
+                   shape: tuple[int, ...], model: Accumulation) -> torch.Tensor:
     short = model.kind == "nvidia" and _short(a) and _short(b)  # before the batch is broadcast
-    batch = acc.shape[:-2]
+    batch = shape[:-2]
     a = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
     b = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
-    c = acc.reshape(-1, *acc.shape[-2:]).contiguous()
-    m, n = c.shape[-2:]
+    m, n = shape[-2:]
+    if short:  # the 32-bit kernel, where it applies (it checks the rest itself); no c: zeros, not read
+        tile, band = _work_split(a.size(0), m, n, widest=2048)
+        c = torch.empty(0, 0, 0).numpy() if acc is None else acc.reshape(-1, m, n).contiguous().numpy()
+        res, fitted = kernels.nvidia_gemm_narrow(a.contiguous().numpy(), b.contiguous().numpy(), c, model.chunk,
+                                                 model.fraction_bits, tile, band)
+        if fitted:
+            return torch.from_numpy(res).reshape(shape)
+    c = (torch.zeros(shape, dtype=_F32) if acc is None else acc).reshape(-1, m, n).contiguous()
     if model.kind == "fma":
         a64, b64 = a.to(_F64).contiguous().numpy(), b.to(_F64).contiguous().numpy()
         res = kernels.fma_gemm(a64, b64, c.numpy(), min(n, 256))
     else:
         tile, band = _work_split(c.size(0), m, n)
-        if short:  # the 32-bit kernel, where it applies (it checks the rest itself)
-            res, fitted = kernels.nvidia_gemm_narrow(a.contiguous().numpy(), b.contiguous().numpy(), c.numpy(),
-                                                     model.chunk, model.fraction_bits, tile, band)
-            if fitted:
-                return torch.from_numpy(res).reshape(acc.shape)
         # the check reads every operand a few times: worth it only where the products outnumber the reads
         normal = c.numel() * a.size(-1) >= _NORMAL_FROM and _stays_normal(a, b, c, model.fraction_bits)
         # float32 operands as they are, strides included: the kernel reads them once
         res = kernels.nvidia_gemm(a.numpy(), b.numpy(), c.numpy(), model.chunk, model.fraction_bits, tile, band,
                                   normal)
-    return torch.from_numpy(res).reshape(acc.shape)
+    return torch.from_numpy(res).reshape(shape)
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, model: Accumulation, c: Optional[torch.Tensor] = None,
@@ -219,11 +224,10 @@ def gemm(a: torch.Tensor, b: torch.Tensor, model: Accumulation, c: Optional[torc
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     m, k, n = a.size(-2), a.size(-1), b.size(-1)
     a, b = a.detach().cpu(), b.detach().cpu()
-    acc = torch.zeros((*batch, m, n), dtype=_F32)
-    if c is not None:
-        acc = acc + c.detach().cpu().to(_F32)  # broadcast like addmm's input
-    if k == 0 or acc.numel() == 0:
-        return acc
+    shape = (*batch, m, n)
+    acc = None if c is None else torch.zeros(shape, dtype=_F32) + c.detach().cpu().to(_F32)  # broadcast as addmm's
+    if k == 0 or math.prod(shape) == 0:
+        return torch.zeros(shape, dtype=_F32) if acc is None else acc
     step = model.chunk
     pad = -k % step
     if pad:
@@ -233,7 +237,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, model: Accumulation, c: Optional[torc
     if use_compiled and kernels is None:
         raise RuntimeError(f"no compiled kernel for {model} here: install numba (pip install tf32lab[fast])")
     if kernels is not None:
-        return _gemm_compiled(kernels, a, b, acc, model)
+        return _gemm_compiled(kernels, a, b, acc, shape, model)
+    acc = torch.zeros(shape, dtype=_F32) if acc is None else acc
     a64, b64 = a.to(_F64), b.to(_F64)
     ea, eb = _exponent(a), _exponent(b)
     cols = max(1, block // max(1, m * step * max(1, batch.numel())))

@@ -445,8 +445,9 @@ def _band32_k4(a, ea, b, eb, c, out, q, i0, i1, n0, n1, bits):  # pragma: no cov
     bq, ebq = b[q], eb[q]
     for i in range(i0, i1, 4):
         r0, r1, r2, r3 = i, min(i + 1, i1 - 1), min(i + 2, i1 - 1), min(i + 3, i1 - 1)
-        for x in range(w):
-            acc0[x], acc1[x], acc2[x], acc3[x] = c[q, r0, n0 + x], c[q, r1, n0 + x], c[q, r2, n0 + x], c[q, r3, n0 + x]
+        for x in range(w):  # no c (an empty array): zeros
+            acc0[x], acc1[x] = (c[q, r0, n0 + x], c[q, r1, n0 + x]) if c.size else (0.0, 0.0)
+            acc2[x], acc3[x] = (c[q, r2, n0 + x], c[q, r3, n0 + x]) if c.size else (0.0, 0.0)
         for k0 in range(0, k, 4):
             f0, f1, f2, f3 = ea[q, r0, k0:k0 + 4], ea[q, r1, k0:k0 + 4], ea[q, r2, k0:k0 + 4], ea[q, r3, k0:k0 + 4]
             v0, v1, v2, v3 = a[q, r0, k0:k0 + 4], a[q, r1, k0:k0 + 4], a[q, r2, k0:k0 + 4], a[q, r3, k0:k0 + 4]
@@ -476,8 +477,8 @@ def _band32_k8(a, ea, b, eb, c, out, q, i0, i1, n0, n1, bits):  # pragma: no cov
     bq, ebq = b[q], eb[q]
     for i in range(i0, i1, 2):
         r0, r1 = i, min(i + 1, i1 - 1)
-        for x in range(w):
-            acc0[x], acc1[x] = c[q, r0, n0 + x], c[q, r1, n0 + x]
+        for x in range(w):  # no c (an empty array): zeros
+            acc0[x], acc1[x] = (c[q, r0, n0 + x], c[q, r1, n0 + x]) if c.size else (0.0, 0.0)
         for k0 in range(0, k, 8):
             f0, f1, v0, v1 = ea[q, r0, k0:k0 + 8], ea[q, r1, k0:k0 + 8], a[q, r0, k0:k0 + 8], a[q, r1, k0:k0 + 8]
             x0 = (f0[0], f0[1], f0[2], f0[3], f0[4], f0[5], f0[6], f0[7])
@@ -517,8 +518,8 @@ def nvidia_gemm_narrow(a, b, c, chunk, bits, tile, band):  # pragma: no cover - 
     """:func:`nvidia_gemm` in 32-bit lanes, for chunks of 4 or 8, where it applies: (output, True), or
     (an empty array, False) where it does not and the caller must use :func:`nvidia_gemm`.
 
-    a (B, M, K), b (B, K, N), c (B, M, N): C-contiguous float32. It applies to chunks of 4 or 8, 0 to 25
-    fraction bits and K a multiple of the chunk, where each product is exact in float32 (operands of 12
+    a (B, M, K), b (B, K, N), c (B, M, N) (an empty array: zeros): C-contiguous float32. It applies to chunks of
+    4 or 8, 0 to 25 fraction bits and K a multiple of the chunk, where each product is exact in float32 (operands of 12
     significant bits or fewer: TF32 and bf16 values have 11 and 8), every nonzero product and every nonzero ``c``
     is at least 2^NARROW_LOWEST, and no sum can reach 2^127: then every partial sum is a whole number of units of
     2^(NARROW_LOWEST - bits) or more, normal, and a step that would align below NARROW_LOWEST holds only zero
