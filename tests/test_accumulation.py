@@ -110,10 +110,13 @@ def test_bad_input_names_it():
         accumulation.gemm(torch.ones(2, 3), torch.ones(2, 2), accumulation.FMA)
     with pytest.raises(ValueError, match="'xyz'"):
         accumulation.Accumulation("xyz", 4, 24, "")
-    with pytest.raises(ValueError, match="fraction_bits must be 0 to 30, got -3"):
+    with pytest.raises(ValueError, match="fraction_bits must be a whole number 0 to 30, got -3"):
         accumulation.Accumulation("nvidia", 8, -3, "")
-    with pytest.raises(ValueError, match="chunk must be 1 to 65536"):
-        accumulation.Accumulation("nvidia", 0, 24, "")
+    for chunk in (0, 4.0, True, "4", 257):
+        with pytest.raises(ValueError, match=f"chunk must be a whole number 1 to 256 .*, got {chunk!r}"):
+            accumulation.Accumulation("nvidia", chunk, 24, "")
+    with pytest.raises(ValueError, match=r"c of shape \(2, 3, 5\) does not broadcast to the product's \(3, 5\)"):
+        accumulation.gemm(torch.ones(3, 8), torch.ones(8, 5), accumulation.AMPERE, c=torch.zeros(2, 3, 5))
     # an empty output, batched: its shape, no kernel call
     for compiled in (False, None):
         got = accumulation.gemm(torch.ones(8, 0, 4), torch.ones(8, 4, 3), accumulation.AMPERE, use_compiled=compiled)
@@ -265,8 +268,15 @@ def test_the_32_bit_kernel_refuses_what_it_cannot_compute():
     for chunk, bits, k in ((3, 24, 64), (16, 24, 64), (4, 26, 64), (8, 25, 60)):
         assert not kernels.nvidia_gemm_narrow(a3[..., :k], b3[:, :k], c3, chunk, bits, 12, 8)[1], (chunk, bits, k)
     # the 512-bit hint is added only where llvmlite prints it and LLVM parses it
-    assert kernels._attribute_parses('"prefer-vector-width"="512"') is kernels._WIDE_OK
     assert not kernels._attribute_parses('"not an attribute')
+    # operands whose first rows are short but not the rest: gemm tries the 32-bit kernel, which refuses (with and
+    # without c); the float64 kernel gives the tensor code's bits
+    later = a.clone()
+    later[5, 7] = 1.0 + 2.0**-20
+    assert accumulation._short(later) and _narrow(later, b, zero, accumulation.AMPERE, 8) is None
+    for c in (None, torch.ones(12)):
+        want = accumulation.gemm(later, b, accumulation.HOPPER, c=c, use_compiled=False)
+        assert _bits_equal(accumulation.gemm(later, b, accumulation.HOPPER, c=c, use_compiled=True), want)
 
 
 # -- real hardware: an H200 (docs/gpu-results.md, "Accumulation bit for bit on an H200") -----------------------

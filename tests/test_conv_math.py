@@ -101,10 +101,11 @@ def test_tune_gives_convolution_layers_back_to_tf32_where_they_pass():
     policy = tuning.policy
     assert policy.conv == "ieee" and {(r.pattern, r.level, r.conv) for r in policy.rules} == {
         ("b", None, "tf32"), ("c", None, "tf32")}
-    tried = [c for c in tuning.candidates if c.why.startswith("convs at tf32")]
+    tried = [c for c in tuning.candidates if c.why.startswith("cuDNN tf32")]
     assert tried and tried[-1].passed and tuning.speedup > 1.1
     assert "2 still pass at it ('b', 'c')" in tuning.reason
-    assert any("runs 2 layer(s) at TF32" in line for line in tuning.advice())
+    advice = " ".join(tuning.advice())
+    assert "runs 2 layer(s) at TF32" in advice and "cudnn.rnn.fp32_precision" in advice
     # the answer, checked on its own: it passes, and its pinned layers were rerun at their math (no NaN)
     report = check(_three_convs(), levels=("highest",), target="a100", conv="tf32", tolerance=1e-3, speed=False,
                    policy=policy)
@@ -112,6 +113,25 @@ def test_tune_gives_convolution_layers_back_to_tf32_where_they_pass():
     assert row.passed and not report.level("highest").passed
     assert all(layer.introduced == layer.introduced for layer in row.layers)
     assert json.loads(tuning.to_json())["policy"]["rules"][0]["conv"] == "tf32"
+
+
+def test_a_tune_that_needs_ieee_convolutions_writes_them_into_its_policy():
+    # at 2e-4 no convolution passes at TF32: the answer is IEEE everywhere, and its policy says so itself (a file
+    # applied elsewhere passes without the flag set by hand); every candidate of that search names it too
+    tuning = tf32lab.tune(_three_convs(), target="a100", tolerance=2e-4)
+    assert tuning.passed and tuning.conv == "ieee" and tuning.policy.conv == "ieee"
+    assert all(c.policy.conv == "ieee" for c in tuning.candidates)
+    report = check(_three_convs(), levels=("highest",), target="a100", conv="tf32", tolerance=2e-4, speed=False,
+                   policy=tuning.policy)
+    assert report.level("policy").passed and not report.level("highest").passed
+
+
+def test_tune_searches_ieee_for_cudnn_rnns_too():
+    # an LSTM alone: cuDNN's RNN follows the same flag (on a100, TF32 by default): IEEE is searched for it too
+    torch.manual_seed(0)
+    lstm = Workload(torch.nn.LSTM(64, 64, batch_first=True), 4.0 + torch.randn(2, 16, 64), name="lstm")
+    tuning = tf32lab.tune(lstm, target="a100", tolerance=1e-5)
+    assert tuning.passed and tuning.conv == "ieee" and tuning.policy.conv == "ieee"
 
 
 def test_the_cli_takes_conv(tmp_path):

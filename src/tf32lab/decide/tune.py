@@ -44,7 +44,7 @@ from tf32lab.control.policy import Policy, exact_pattern
 from tf32lab.control.scope import conv_math
 from tf32lab.decide.tune_training import TrainingTuning, tune_training
 from tf32lab.errors import Tf32LabError
-from tf32lab.know.levels import ALL_LEVELS, check_conv, check_levels
+from tf32lab.know.levels import ALL_LEVELS, check_conv, check_levels, with_conv
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.check import PolicyRow, Session, alike_levels, conv_note
@@ -115,12 +115,14 @@ class Tuning(Document):
         lines = self._level_advice(policy_file)
         if self.passed and self.conv is not None:
             pins = [rule.pattern for rule in self.policy.rules if rule.conv not in (None, self.conv)]
-            lines.append(f"Convolutions at cudnn.conv {self.conv!r}" + (
+            lines.append(f"Convolutions (and cuDNN's RNNs) at {self.conv!r}" + (
                 " (PyTorch's default)." if self.conv == "tf32" else
-                ": `torch.backends.cudnn.conv.fp32_precision = \"ieee\"` (before torch 2.9: "
-                "`torch.backends.cudnn.allow_tf32 = False`); no level sets it, and TF32 convolutions everywhere miss "
-                "the tolerance" + (f" (the policy sets it itself, and runs {len(pins)} layer(s) at TF32)."
-                                   if pins else ".")))
+                ": `torch.backends.cudnn.allow_tf32 = False` (on torch 2.9 and later, "
+                "`torch.backends.cudnn.conv.fp32_precision = \"ieee\"` and `...cudnn.rnn.fp32_precision = \"ieee\"`)"
+                ", or apply the policy, which sets it itself"
+                + (f" and runs {len(pins)} layer(s) at TF32" if pins else "")
+                + "; no level sets it, TF32 everywhere misses the tolerance, and the speedup above is over `highest` "
+                "with IEEE convolutions."))
         return lines
 
     def _level_advice(self, policy_file: Optional[str] = None) -> list[str]:
@@ -232,6 +234,8 @@ def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Targ
             runs, seconds = runs + run.runs, seconds + run.seconds
             if run.answer.policy is not None:
                 break
+    if chosen == "ieee" and convs[0] != "ieee":  # IEEE beyond PyTorch's default: the policies say so themselves
+        run = _stamped(run, chosen)
     # Built once, whole, here: only now is it known whether the workload changed the flags (a note of the report).
     name, answer = str(workload.name), run.answer
     report = Report(workload=name, target=target.name, reference="float64", tolerance=dict(tolerances),
@@ -247,12 +251,25 @@ def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Targ
 
 
 def _conv_choices(workload: Workload, target: Target) -> tuple[Optional[str], ...]:
-    """The conv maths worth searching: both (tf32 first) where the model has convolution modules and ``target``
-    computes them differently; else None only (the flag as it is). Functional convolutions outside modules are
-    not looked for."""
-    has_convs = any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in workload.model.modules())
-    differ = target.math("conv", {"cuda.conv": "tf32"}) != target.math("conv", {"cuda.conv": "ieee"})
-    return ("tf32", "ieee") if has_convs and differ else (None,)
+    """The conv maths worth searching: both (tf32 first) where the model has cuDNN modules (convolutions, RNNs)
+    that ``target`` computes differently under the two; else None only (the flag as it is). Functional
+    convolutions outside modules are not looked for."""
+    kinds = {"conv": torch.nn.modules.conv._ConvNd, "rnn": torch.nn.RNNBase}
+    found = [family for family, kind in kinds.items() if any(isinstance(m, kind) for m in workload.model.modules())]
+    differ = any(target.math(f, with_conv({}, "tf32")) != target.math(f, with_conv({}, "ieee")) for f in found)
+    return ("tf32", "ieee") if differ else (None,)
+
+
+def _stamped(run: _Run, conv: str) -> _Run:
+    """``run`` (a search made under cuDNN's ``conv`` math) with that math written into its answer and its
+    candidates' policies where they name none: a policy file that sets the flag it passed under."""
+    def stamp(policy: Optional[Policy]) -> Optional[Policy]:
+        if policy is None or policy.conv is not None:
+            return policy
+        return Policy(default=policy.default, rules=policy.rules, conv=conv)
+
+    candidates = tuple(dataclasses.replace(c, policy=stamp(c.policy)) for c in run.candidates)
+    return run._replace(answer=run.answer._replace(policy=stamp(run.answer.policy)), candidates=candidates)
 
 
 class _Answer(NamedTuple):
@@ -454,17 +471,19 @@ class _Search:
 
     # -- conv maths per module ----------------------------------------------------------------------------------
     def relaxed(self, answer: _Answer, fast: str) -> _Answer:
-        """``answer`` (found under the conv math in force, the slow one) with as many convolution layers as still
-        pass run at ``fast``: the layers whose own cuDNN ops the speed model predicts faster at ``fast``, the
-        largest gain first, a group at once, halved on failure, as :meth:`_unpin` does. ``answer`` itself where
-        none can go."""
+        """``answer`` (found under the conv math in force, the slow one) with as many cuDNN layers (convolutions,
+        RNNs) as still pass run at ``fast``: those whose own cuDNN ops the speed model predicts faster at ``fast``,
+        the largest gain first, a group at once, halved on failure, as :meth:`_unpin` does. Taken only where it is
+        predicted ``WORTH`` faster than ``answer`` (each pinned module flips cuDNN's process-wide flag); else
+        ``answer`` itself, and no run is made where even all of them together would not be."""
         row = PolicyRow.of(answer.policy, self.workload.model)
 
         def level_of(layer: str) -> str:
             return row.by_name.get(layer, row.base)
 
         gains = self._conv_gains(level_of, fast)
-        if not gains:
+        now = self.session.seconds(row)
+        if not gains or now < (now - sum(gains.values())) * WORTH:
             return answer
         order = sorted(gains, key=lambda name: -gains[name])
         base, chosen, best = answer.policy, [], None
@@ -473,21 +492,22 @@ class _Search:
             group = groups.pop(0)
             names = ", ".join(repr(n) for n in group[:2]) + (" …" if len(group) > 2 else "")
             trial = _with_conv(base, chosen + group, fast, self.children)
-            candidate, result = self._run(trial, answer.pinned, f"convs at {fast}: {names}")
+            candidate, result = self._run(trial, answer.pinned, f"cuDNN {fast}, {len(group)} more: {names}")
             if candidate.passed:
                 chosen, best = chosen + group, (candidate, result)
             elif len(group) > 1:
                 half = len(group) // 2
                 groups[:0] = [group[:half], group[half:]]
-        if best is None:
+        if best is None or now < best[0].seconds * WORTH:
             return answer
         candidate, result = best
         moved = ", ".join(repr(n) for n in sorted(chosen)[:4]) + (" …" if len(chosen) > 4 else "")
         return answer._replace(
             policy=candidate.policy, level=None, outputs=result.outputs, speedup=candidate.speedup,
             speedup_over_uniform=(self.seconds(answer.uniform) if answer.uniform else self.highest) / candidate.seconds,
-            reason=f"{answer.reason} Of the {len(order)} convolution layer(s) that cudnn.conv {fast!r} is predicted "
-                   f"to speed up, {len(chosen)} still pass at it ({moved}): the policy runs them so.")
+            reason=f"{answer.reason.rstrip('.')}, with IEEE cuDNN ops; of the {len(order)} cuDNN layer(s) "
+                   f"(convolutions, RNNs) that {fast!r} is predicted to speed up, {len(chosen)} still pass at it "
+                   f"({moved}): the policy runs them so.")
 
     def _measured(self, level: str) -> str:
         return self.alike.get(level) or level

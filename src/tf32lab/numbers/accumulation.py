@@ -22,14 +22,14 @@ Mikaitis and Pranesh, PeerJ CS 7:e330, 2021, for the NVIDIA truncation):
   case in 2^29).
 
 Operands are taken as given: round them first (TF32 operands are what the instruction sees; it truncates any
-further bits, which :func:`gemm` does not). Everything is computed in float64 (exact on any CPU): by compiled
-kernels where numba is installed (``pip install tf32lab[fast]``; ``nvidia`` and ``fma`` kinds), by tensor
-operations otherwise; both give the same bits.
+further bits, which :func:`gemm` does not). Everything is computed exactly on any CPU: in float64 tensors, or by
+compiled kernels where numba is installed (``pip install tf32lab[fast]``; ``nvidia`` and ``fma`` kinds: float64,
+or 32-bit lanes where every product and aligned sum provably fits them, ``accumulation_kernels``); all give the
+same bits.
 
 Example:
 
-    >>> import numpy as np
-import torch
+    >>> import torch
     >>> from tf32lab.numbers import accumulation
     >>> a, b, c = torch.tensor([[2048.0, 2048.0]]), torch.tensor([[2048.0], [-2048.0]]), torch.tensor([[-1e-6]])
     >>> accumulation.gemm(a, b, accumulation.CDNA3_XF32, c=c).item()   # MMA-Sim section VI-C: c floored
@@ -168,9 +168,9 @@ def _stays_normal(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, fraction_bi
 
 
 def _short(x: torch.Tensor) -> bool:
-    """Whether the first row of ``x`` has at most 12 significant bits a value (TF32 and bf16 values have 11 and 8):
-    a glance, not a proof (the 32-bit kernel checks every value itself), that spares unrounded operands the
-    copies that kernel needs."""
+    """Whether each value in the first row of ``x`` has at most 12 significant bits (TF32 and bf16 values have 11
+    and 8): a glance, not a proof (the 32-bit kernel checks every value itself), that spares unrounded operands
+    the copies that kernel needs."""
     row = x[(0,) * (x.dim() - 1)][:256]
     return not bool((row.view(torch.int32) & 0xFFF).any())
 
@@ -184,7 +184,7 @@ def _gemm_compiled(kernels: ModuleType, a: torch.Tensor, b: torch.Tensor, acc: O
     m, n = shape[-2:]
     if short:  # the 32-bit kernel, where it applies (it checks the rest itself); no c: zeros, not read
         tile, band = _work_split(a.size(0), m, n, widest=2048)
-        c = torch.empty(0, 0, 0).numpy() if acc is None else acc.reshape(-1, m, n).contiguous().numpy()
+        c = torch.empty(0, 0, 0, dtype=_F32).numpy() if acc is None else acc.reshape(-1, m, n).numpy()
         res, fitted = kernels.nvidia_gemm_narrow(a.contiguous().numpy(), b.contiguous().numpy(), c, model.chunk,
                                                  model.fraction_bits, tile, band)
         if fitted:
@@ -225,7 +225,13 @@ def gemm(a: torch.Tensor, b: torch.Tensor, model: Accumulation, c: Optional[torc
     m, k, n = a.size(-2), a.size(-1), b.size(-1)
     a, b = a.detach().cpu(), b.detach().cpu()
     shape = (*batch, m, n)
-    acc = None if c is None else torch.zeros(shape, dtype=_F32) + c.detach().cpu().to(_F32)  # broadcast as addmm's
+    acc = None
+    if c is not None:  # broadcast to the product's shape, as addmm's input is
+        try:
+            acc = torch.broadcast_to(c.detach().cpu().to(_F32), shape).contiguous()
+        except RuntimeError:
+            raise ValueError(f"gemm's c of shape {tuple(c.shape)} does not broadcast to the product's "
+                             f"{tuple(shape)}") from None
     if k == 0 or math.prod(shape) == 0:
         return torch.zeros(shape, dtype=_F32) if acc is None else acc
     step = model.chunk

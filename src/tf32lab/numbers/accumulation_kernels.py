@@ -201,8 +201,9 @@ def nvidia_gemm(a, b, c, chunk, bits, tile, band, normal=False):  # pragma: no c
     """c + a @ b per GEMM of the batch, chunks of ``chunk`` products fused as accumulation's "nvidia" kind.
 
     a (B, M, K), b (B, K, N), c (B, M, N): float32, any strides, K a multiple of ``chunk``. Work items: ``tile``
-    columns by ``band`` rows of one GEMM. Products are exact in float64, and so is every aligned term (< 2^27)
-    and their sum (< 2^31). ``normal``: the caller knows every sum stays a normal float32 or zero
+    columns by ``band`` rows of one GEMM. Products are exact in float64, and so is every aligned term
+    (< 2^(bits + 2), 2^27 for the real units) and their sum (``accumulation_models.MAX_CHUNK`` + 1 terms, < 2^41).
+    ``normal``: the caller knows every sum stays a normal float32 or zero
     (``accumulation._stays_normal``), which spares each step the choice of a subnormal or infinite result."""
     a, ea = _operands(a)
     b, eb = _operands(b)

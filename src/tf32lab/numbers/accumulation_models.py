@@ -18,9 +18,9 @@ __all__ = ["AMPERE", "BLACKWELL", "CDNA3_XF32", "FMA", "HOPPER", "KINDS", "MAX_C
            "Accumulation"]
 
 KINDS = ("nvidia", "amd", "fma")
-# The sums are exact in float64 within these: terms below 2^(bits + 2), at most MAX_CHUNK + 1 of them, under 2^53.
-# Real units use 23 to 25 bits and chunks of 4 to 8.
-MAX_FRACTION_BITS, MAX_CHUNK = 30, 1 << 16
+# The sums are exact in float64 within these (terms below 2^(bits + 2), at most MAX_CHUNK + 1 of them, under 2^53)
+# and the tensor code's products held at once stay near its block; real units use 23 to 25 bits, chunks of 4 to 8.
+MAX_FRACTION_BITS, MAX_CHUNK = 30, 256
 
 
 @dataclass(frozen=True)
@@ -40,13 +40,19 @@ class Accumulation:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown accumulation kind {self.kind!r}; accepted: {', '.join(map(repr, KINDS))}")
-        if not 1 <= self.chunk <= MAX_CHUNK or (self.kind == "fma" and self.chunk != 1):
-            raise ValueError(f"accumulation chunk must be 1 to {MAX_CHUNK} (1 for 'fma'), got {self.chunk}")
-        if not 0 <= self.fraction_bits <= MAX_FRACTION_BITS:
-            raise ValueError(f"accumulation fraction_bits must be 0 to {MAX_FRACTION_BITS}, got {self.fraction_bits}")
+        if not _whole(self.chunk) or not 1 <= self.chunk <= MAX_CHUNK or (self.kind == "fma" and self.chunk != 1):
+            raise ValueError(f"accumulation chunk must be a whole number 1 to {MAX_CHUNK} (1 for 'fma'), got "
+                             f"{self.chunk!r}")
+        if not _whole(self.fraction_bits) or not 0 <= self.fraction_bits <= MAX_FRACTION_BITS:
+            raise ValueError(f"accumulation fraction_bits must be a whole number 0 to {MAX_FRACTION_BITS}, got "
+                             f"{self.fraction_bits!r}")
 
     def __str__(self) -> str:
         return "fma" if self.kind == "fma" else f"{self.kind} k{self.chunk} f{self.fraction_bits}"
+
+
+def _whole(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 _MMASIM = "MMA-Sim (arXiv:2511.10909, github microsoft/MMA-Sim)"
