@@ -227,7 +227,7 @@ def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Targ
     runs, seconds = 0, 0.0  # of every search made (two when TF32 convolutions leave nothing passing)
     with kept_flags() as changed:
         for chosen in convs:  # the faster conv math first; the next only when nothing passes under it
-            # under IEEE after TF32 failed everywhere: the answer's convolutions go back to TF32 one by one
+            # under IEEE after TF32 failed everywhere: the answer's cuDNN layers go back to TF32 where they pass
             relax = convs[0] if chosen != convs[0] else None
             with conv_math(chosen):
                 run = _tune(workload, target, tolerances, everything, progress, relax)
@@ -508,9 +508,6 @@ class _Search:
             reason=f"{answer.reason.rstrip('.')}, with IEEE cuDNN ops; of the {len(order)} cuDNN layer(s) "
                    f"(convolutions, RNNs) that {fast!r} is predicted to speed up, {len(chosen)} still pass at it "
                    f"({moved}): the policy runs them so.")
-
-    def _measured(self, level: str) -> str:
-        return self.alike.get(level) or level
 
     def _conv_gains(self, level_of: Callable[[str], str], fast: str) -> dict[str, float]:
         """Layers whose own ops run faster at the conv math ``fast`` (predicted), and by how much."""
