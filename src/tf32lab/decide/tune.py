@@ -147,7 +147,8 @@ class Tuning(Document):
 
     def lines(self, policy_file: Optional[str] = None) -> list[str]:
         """The terminal summary: the search, the answer, what to do."""
-        out = [f"tf32lab tune {self.workload}  target {self.target}, tolerance {self.tolerance['default']:.0e}"]
+        tolerance = f"{self.tolerance['default']:.1e}".replace(".0e", "e")  # 1e-03, 1.5e-04
+        out = [f"tf32lab tune {self.workload}  target {self.target}, tolerance {tolerance}"]
         out.append(f"{'candidate':<44} {'worst/tol':>9} {'speedup':>8}  verdict")
         for c in self.candidates:
             chosen = " <- chosen" if self.policy is not None and c.policy == self.policy and c.passed else ""
@@ -241,8 +242,8 @@ def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Targ
     report = Report(workload=name, target=target.name, reference="float64", tolerance=dict(tolerances),
                     levels=run.levels,
                     environment=run.environment, seconds=run.check_seconds,
-                    notes=(*run.notes, *([conv_note(chosen)] if chosen else []), *([changed_note(changed)] if changed
-                                                                                   else [])), speed=run.speed)
+                    notes=(*run.notes, *([conv_note(chosen, searched=conv is None)] if chosen else []),
+                           *([changed_note(changed)] if changed else [])), speed=run.speed)
     return Tuning(workload=name, target=target.name, tolerance=dict(tolerances), passed=answer.policy is not None,
                   policy=answer.policy, level=answer.level, pinned=answer.pinned, outputs=answer.outputs,
                   speedup=answer.speedup, uniform=answer.uniform, speedup_over_uniform=answer.speedup_over_uniform,

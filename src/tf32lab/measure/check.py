@@ -156,16 +156,17 @@ def refuse_native_levels(levels: Iterable[str], target: Target) -> None:
                                f"target that has it computes it emulated on any torch (target 'b200')")
 
 
-def conv_note(conv: str, policy: Optional[Policy] = None) -> str:
-    """The report's note on a conv math named by the caller; ``policy``: the policy row's, whose pins of another
-    conv math it names (the row ran those modules at theirs)."""
+def conv_note(conv: str, policy: Optional[Policy] = None, searched: bool = False) -> str:
+    """The report's note on a conv math named by the caller (``searched``: chosen by ``tune`` itself); ``policy``:
+    the policy row's, whose pins of another conv math it names (the row ran those modules at theirs)."""
     pins = [] if policy is None else [
         *([f"the model → {policy.conv}"] if policy.conv not in (None, conv) else []),
         *(f"{r.pattern!r} → {r.conv}" for r in policy.rules if r.conv not in (None, conv))]
     where = "" if not pins else (f", except where the policy pins another: {', '.join(pins[:3])}"
                                  f"{f' and {len(pins) - 3} more' if len(pins) > 3 else ''}")
-    return (f"convolutions ran at cudnn.conv {conv!r} in every row (conv=){where}; a level does not set cuDNN's flag: "
-            f"torch.backends.cudnn.conv.fp32_precision = {conv!r}")
+    said = "chosen by tune: TF32 convolutions were searched first" if searched else "conv="
+    return (f"convolutions ran at cudnn.conv {conv!r} in every row ({said}){where}; a level does not set cuDNN's "
+            f"flag: torch.backends.cudnn.conv.fp32_precision = {conv!r}")
 
 
 def _check(workload: Workload, levels: tuple[str, ...], target: Target, reference: str, tolerances: dict[str, float],

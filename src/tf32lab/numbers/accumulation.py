@@ -241,7 +241,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, model: Accumulation, c: Optional[torc
         b = torch.nn.functional.pad(b, (0, 0, 0, pad))
     kernels = _kernels() if use_compiled is not False and model.kind in ("nvidia", "fma") else None
     if use_compiled and kernels is None:
-        raise RuntimeError(f"no compiled kernel for {model} here: install numba (pip install tf32lab[fast])")
+        raise RuntimeError(f"no compiled kernel for {model}: " + (
+            "install numba (pip install tf32lab[fast])" if model.kind in ("nvidia", "fma") else
+            f"the {model.kind!r} kind has none; use_compiled=None computes it with the tensor code"))
     if kernels is not None:
         return _gemm_compiled(kernels, a, b, acc, shape, model)
     acc = torch.zeros(shape, dtype=_F32) if acc is None else acc
