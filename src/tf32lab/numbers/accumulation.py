@@ -135,18 +135,6 @@ def _exponent_of_smallest(x: torch.Tensor) -> float:
     return max(math.floor(math.log2(smallest)), -126) if 0 < smallest < math.inf else math.inf
 
 
-def _in_range(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, lowest: int, c_lowest: float) -> bool:
-    """Whether every nonzero product of ``a @ b`` has an exponent of at least ``lowest``, every nonzero |c| is at
-    least ``c_lowest``, and ``c + a @ b`` cannot reach 2^127 however it is summed (no Inf or NaN anywhere)."""
-    if min(a.numel(), b.numel()) == 0:
-        return False
-    largest = float(a.abs().amax()) * float(b.abs().amax()) * a.size(-1) + (float(c.abs().amax()) if c.numel() else 0.0)
-    if not largest < 2.0**127:  # overflow possible, or an Inf or NaN somewhere
-        return False
-    small_c = bool(((c != 0) & (c.abs() < c_lowest)).any()) if c.numel() else False
-    return not small_c and _exponent_of_smallest(a) + _exponent_of_smallest(b) >= lowest
-
-
 def _stays_normal(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, fraction_bits: int) -> bool:
     """Whether every partial sum of ``c + a @ b`` as an "nvidia" unit with ``fraction_bits`` computes it is a normal
     float32 or zero, so that the compiled kernel may skip the subnormal and overflow cases (float32 operands).
@@ -164,7 +152,13 @@ def _stays_normal(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, fraction_bi
     >>> _stays_normal(torch.full((2, 3), 1e-20), torch.full((3, 2), 1e-20), torch.zeros(2, 2), 24)  # ~2^-133
     False
     """
-    return _in_range(a, b, c, -126 + fraction_bits, 2.0**-126)
+    if min(a.numel(), b.numel()) == 0:
+        return False
+    largest = float(a.abs().amax()) * float(b.abs().amax()) * a.size(-1) + (float(c.abs().amax()) if c.numel() else 0.0)
+    if not largest < 2.0**127:  # overflow possible, or an Inf or NaN somewhere
+        return False
+    subnormal_c = bool(((c != 0) & (c.abs() < 2.0**-126)).any()) if c.numel() else False
+    return not subnormal_c and _exponent_of_smallest(a) + _exponent_of_smallest(b) >= -126 + fraction_bits
 
 
 def _short(x: torch.Tensor) -> bool:

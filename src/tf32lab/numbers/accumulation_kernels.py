@@ -96,7 +96,7 @@ def _toward_zero_normal(units, scale):  # pragma: no cover - compiled
 
 @nb.njit(inline="always", **_OPTIONS)
 def _larger(x, y):  # pragma: no cover - compiled
-    return x if x > y else y  # one max instruction (exponents are never NaN)
+    return x if x > y else y  # one max instruction of the operands' type (exponents are never NaN)
 
 
 @nb.njit(parallel=True, **_OPTIONS)
@@ -342,11 +342,6 @@ _BIASED_LOWEST = _I32(NARROW_LOWEST + 127)
 
 
 @nb.njit(inline="always", **_OPTIONS)
-def _max32(x, y):  # pragma: no cover - compiled
-    return x if x > y else y  # int32 in, int32 out: one max instruction
-
-
-@nb.njit(inline="always", **_OPTIONS)
 def _min32(x, y):  # pragma: no cover - compiled
     return x if x < y else y
 
@@ -370,10 +365,10 @@ def _survey32(x, bias):  # pragma: no cover - compiled
         for r in range(rows):
             for j in range(cols):
                 word = _bits32(x[q, r, j])
-                field = _max32(_field32(x[q, r, j]), _I32(1))
+                field = _larger(_field32(x[q, r, j]), _I32(1))
                 exponents[q, r, j] = _add32(field, bias)
                 least = _min32(least, field if _and32(word, _I32(0x7FFFFFFF)) != 0 else _I32(255))
-                most = _max32(most, field)
+                most = _larger(most, field)
                 long = long | _and32(word, _I32(0xFFF))
     return exponents, least, most, long != 0
 
@@ -383,7 +378,7 @@ def _aligned32(r, terms, bits):  # pragma: no cover - compiled
     """A step's alignment: the bits of the scale s = 2^(bits - e), s, and the accumulator ``r``'s units at it,
     where e, the step's exponent, is the larger of r's and ``terms`` (the products' largest, biased), and at
     least NARROW_LOWEST (below it every term is zero or exact)."""
-    top = _max32(_max32(_field32(r), _BIASED_LOWEST), terms)
+    top = _larger(_larger(_field32(r), _BIASED_LOWEST), terms)
     scale = _shl32(_sub32(_add32(bits, _I32(254)), top), _I32(23))
     s = _float32(scale)
     return scale, s, np.int32(r * s)
@@ -411,7 +406,7 @@ def _units4(v0, v1, v2, v3, p0, p1, p2, p3, s):  # pragma: no cover - compiled
 @nb.njit(inline="always", **_OPTIONS)
 def _top4(f0, f1, f2, f3, e0, e1, e2, e3):  # pragma: no cover - compiled
     """The largest biased exponent of 4 products (``f``, ``e``: the row's and the column's exponents)."""
-    return _max32(_max32(_add32(f0, e0), _add32(f1, e1)), _max32(_add32(f2, e2), _add32(f3, e3)))
+    return _larger(_larger(_add32(f0, e0), _add32(f1, e1)), _larger(_add32(f2, e2), _add32(f3, e3)))
 
 
 @nb.njit(inline="always", **_OPTIONS)
@@ -427,7 +422,7 @@ def _step32_k4(acc, x, f, v, e, p, bits):  # pragma: no cover - compiled
 @nb.njit(inline="always", **_OPTIONS)
 def _step32_k8(acc, x, f, v, e, p, bits):  # pragma: no cover - compiled
     """:func:`_step32_k4` for 8 products (Hopper and Blackwell): 9 terms below 2^27 sum below 2^31."""
-    top = _max32(_top4(f[0], f[1], f[2], f[3], e[0], e[1], e[2], e[3]),
+    top = _larger(_top4(f[0], f[1], f[2], f[3], e[0], e[1], e[2], e[3]),
                  _top4(f[4], f[5], f[6], f[7], e[4], e[5], e[6], e[7]))
     scale, s, units = _aligned32(acc[x], top, bits)
     units = _add32(units, _add32(_units4(v[0], v[1], v[2], v[3], p[0], p[1], p[2], p[3], s),
@@ -505,9 +500,9 @@ def _fits32(a, b, c, la, ma, lb, mb):  # pragma: no cover - compiled
     largest exponent fields of the operands, as :func:`_survey32` gives them)."""
     lc, mc = _I32(255), _I32(0)
     for v in c.ravel():
-        field = _max32(_field32(v), _I32(1))
+        field = _larger(_field32(v), _I32(1))
         lc = _min32(lc, field if v != 0 else _I32(255))
-        mc = _max32(mc, field)
+        mc = _larger(mc, field)
     # |a| < 2^(ma - 126) and so on: no sum reaches 2^127 (Inf and NaN have field 255: refused here)
     largest = 2.0 ** (np.int64(ma) + mb - 252) * a.shape[2] + 2.0 ** (np.int64(mc) - 126)
     return (largest < 2.0 ** 127 and np.int64(la) + lb - 254 >= NARROW_LOWEST
