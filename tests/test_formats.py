@@ -291,6 +291,37 @@ def test_compiled_split_tf32x3_gives_the_tensor_codes_bits():
     assert all(_same_bits(g, w) for g, w in zip(formats.split_tf32x3(special), want))
 
 
+@numba_only
+@pytest.mark.parametrize("summed", [False, True], ids=["parts", "summed"])
+def test_compiled_split_reads_strided_operands_in_place(summed):
+    x = _many_patterns(finite=True)
+    qkv = x[:4 * 32 * 3 * 8 * 32].view(4, 32, 3, 8, 32)  # a fused projection's (batch, tokens, q/k/v, heads, dim)
+    q = qkv[:, :, 0].transpose(1, 2)  # (batch, heads, tokens, dim), gaps between its rows
+    views = {"heads": q, "keys transposed": q.mT, "rows strided": x.view(256, 512)[:, ::2],
+             "five dims": x.view(2, 2, 32, 32, 32).transpose(2, 3),  # two of them merged: four
+             "five dims reversed": x.view(2, 2, 32, 32, 32).permute(4, 3, 2, 1, 0)}  # none merged: the tensor code
+    for name, t in views.items():
+        want = _tensor_code(formats.split_tf32x3, t, summed=summed)
+        for out in ((torch.empty(t.shape), torch.empty(t.shape)),
+                    (torch.empty(t.mT.shape).mT, torch.empty(t.mT.shape).mT)):  # dense by rows or by columns
+            got = formats.split_tf32x3(t, out=out, summed=summed)
+            assert all(g is o for g, o in zip(got, out)), name
+            assert all(_same_bits(g, w) for g, w in zip(got, want)), name
+    big, small = _tensor_code(formats.split_tf32x3, q)
+    assert _same_bits(formats.split_tf32x3(q, summed=True)[1], big + small)  # the sum as float32 adds it
+    special = _many_patterns().view(4, 32, 32, 32).transpose(1, 2)  # an Inf or a NaN: the tensor code's parts
+    want = _tensor_code(formats.split_tf32x3, special, summed=summed)
+    assert all(_same_bits(g, w) for g, w in zip(formats.split_tf32x3(special, summed=summed), want))
+
+
+def test_summed_splits_hold_the_sum_of_the_parts():
+    x = torch.randn(300, 7)
+    for split in (formats.split_tf32x3, formats.split_bf16x3):
+        big, small = split(x)
+        summed = split(x, summed=True)
+        assert _same_bits(summed[0], big) and _same_bits(summed[1], big + small)
+
+
 @pytest.mark.parametrize("split, count", [(formats.split_tf32x3, 2), (formats.split_bf16x3, 2),
                                           (formats.split_bf16x9, 3)])
 def test_split_checks_every_part_of_out(split, count):

@@ -195,6 +195,39 @@ def _compiled(x: torch.Tensor, *outs: torch.Tensor) -> Optional[list[np.ndarray]
     return [_bits(t).numpy().reshape(-1) for t in tensors]  # (numpy comes with numba)
 
 
+def _strided(x: torch.Tensor, *outs: torch.Tensor) -> Optional[tuple]:
+    """For the compiled split: ``(src, strides, shape, *outs)``, ``x``'s bits as a flat int32 array that the 4-D
+    ``shape`` indexes with ``strides``, and each of ``outs`` (dense, alike, not overlapping ``x`` or each other)
+    as a flat array in that shape's order. The dims are ordered as the outputs lie in memory and merged where
+    ``x`` allows, so that a permuted view (attention's heads) is read in place, row by row. None where the
+    compiled kernels do not apply (as in :func:`_compiled`) or ``x`` needs more than four dims."""
+    first = outs[0]
+    if (x.numel() < COMPILED_FROM or x.device.type != "cpu" or any(o.device.type != "cpu" for o in outs)
+            or any(o.stride() != first.stride() for o in outs)
+            or any(_overlap(o, p) for i, o in enumerate((x, *outs)) for p in outs[i:] if p is not o)):
+        return None
+    order = sorted(range(x.dim()), key=lambda d: -first.stride(d))
+    dense = [o.permute(order) for o in outs]
+    if not dense[0].is_contiguous():  # outputs with gaps, or overlapping themselves
+        return None
+    shape: list[int] = []
+    strides: list[int] = []
+    for d in order:
+        n, st = x.size(d), x.stride(d)
+        if shape and (strides[-1] == st * n or shape[-1] == 1):
+            shape[-1], strides[-1] = shape[-1] * n, st
+        elif n != 1 or not shape:
+            shape.append(n)
+            strides.append(st)
+    if len(shape) > 4 or _kernels(x.numel()) is None:
+        return None
+    pad = 4 - len(shape)
+    span = 1 + sum((n - 1) * st for n, st in zip(shape, strides))
+    src = _bits(torch.as_strided(x, (span,), (1,))).numpy()
+    return (src, (0,) * pad + tuple(strides), (1,) * pad + tuple(shape),
+            *(_bits(o).numpy().reshape(-1) for o in dense))
+
+
 def _round(x: torch.Tensor, drop: int, rounding: str, out: Optional[torch.Tensor] = None,
            default_nans: bool = False) -> torch.Tensor:
     x = x.detach()
@@ -293,12 +326,14 @@ def round_fp16(x: torch.Tensor) -> torch.Tensor:
 
 
 def split_bf16x3(x: torch.Tensor, *, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 summed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Split float32 values into ``(hi, lo)`` bf16 parts for bf16x3 products (Henry et al. 2019, arXiv:1904.06376).
 
     ``hi = bf16(x)`` and ``lo = bf16(x - hi)``, both RNE, the difference taken in float32 (it is exact for every
     finite ``x`` whose ``hi`` is finite). ``x·y ≈ hi·hi' + hi·lo' + lo·hi'`` keeps about 16 mantissa bits.
     As in the kernels, an infinite ``x`` gives a NaN ``lo``. ``out``: two float32 tensors to write into.
+    ``summed``: the second part is ``hi + lo`` (in float32) instead, for a product written as two GEMMs,
+    ``hi·(hi' + lo') + lo·hi'``.
 
     Example:
 
@@ -312,7 +347,8 @@ def split_bf16x3(x: torch.Tensor, *, out: Optional[tuple[torch.Tensor, torch.Ten
     hi, lo = out if out is not None else (None, None)
     hi = round_bf16(x, out=hi)
     lo = torch.sub(x, hi) if lo is None else torch.sub(x, hi, out=lo)
-    return hi, round_bf16(lo, out=lo)
+    lo = round_bf16(lo, out=lo)
+    return hi, (lo.add_(hi) if summed else lo)
 
 
 def split_bf16x9(x: torch.Tensor, *, out: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
@@ -356,12 +392,13 @@ def split_bf16x9(x: torch.Tensor, *, out: Optional[tuple[torch.Tensor, torch.Ten
 
 
 def split_tf32x3(x: torch.Tensor, *, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 summed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Split float32 values into ``(big, small)`` TF32 parts for 3xTF32 products (CUTLASS ``mma_tensor_op_fast_f32.h``).
 
     As CUTLASS's ``mma_tensor_op_fast_f32``: ``big = truncate(x)`` (rz) and ``small = rna(x - big)``, the
     difference exact in float32. An infinite ``x`` gives a NaN ``small``. ``out``: two float32 tensors to write
-    into.
+    into. ``summed``: the second part is ``big + small`` (in float32) instead, for a product written as two
+    GEMMs, ``big·(big' + small') + small·big'``.
 
     Example:
 
@@ -370,18 +407,21 @@ def split_tf32x3(x: torch.Tensor, *, out: Optional[tuple[torch.Tensor, torch.Ten
         >>> big, small = split_tf32x3(torch.tensor([1.0 + 2**-11 + 2**-20]))
         >>> big.item(), small.item()
         (1.0, 0.0004892349243164062)
+        >>> split_tf32x3(torch.tensor([1.0 + 2**-11 + 2**-20]), summed=True)[1].item()
+        1.0004892349243164
     """
     x = _check_parts(x, "split_tf32x3", out, 2)
     big, small = out if out is not None else (torch.empty_like(x), torch.empty_like(x))
-    flat = _compiled(x, big, small)
-    if flat is not None and _kernels().split_tf32x3(*flat):
+    strided = _strided(x, big, small)
+    if strided is not None and _kernels().split_tf32x3(*strided, summed=summed):
         return big, small
     if x.device.type == "cpu" and math.isfinite(x.sum().item()):
         # No NaN or Inf in x, so none in big or x - big: one check instead of one per rounding.
         _round_bits(_bits(x), big.view(torch.int32), _TF32_DROP, "rz")
         torch.sub(x, big, out=small)
         _round_bits(small.view(torch.int32), small.view(torch.int32), _TF32_DROP, "rna")
-        return big, small
-    big = _round(x, _TF32_DROP, "rz", big)
-    torch.sub(x, big, out=small)
-    return big, _round(small, _TF32_DROP, "rna", small)
+    else:
+        big = _round(x, _TF32_DROP, "rz", big)
+        torch.sub(x, big, out=small)
+        small = _round(small, _TF32_DROP, "rna", small)
+    return big, (small.add_(big) if summed else small)

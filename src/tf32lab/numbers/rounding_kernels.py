@@ -58,27 +58,50 @@ def _as_bits(typingctx, x):  # pragma: no cover - compiled
     return types.int32(types.float32), codegen
 
 
+@nb.njit(**_OPTIONS, inline="always")
+def _special(u):  # pragma: no cover - compiled
+    return np.int32((u & np.int32(0x7FFFFFFF)) >= np.int32(0x7F800000))  # Inf or NaN
+
+
+@nb.njit(**_OPTIONS, inline="always")
+def _parts(u, summed):  # pragma: no cover - compiled
+    b = u & np.int32(-8192)  # toward zero: the bits below TF32's cleared
+    d = _as_bits(_as_float(u) - _as_float(b))  # exact in float32 (and finite for a finite u)
+    small = (d + np.int32(4096)) & np.int32(-8192)  # to nearest, ties away
+    return b, (_as_bits(_as_float(b) + _as_float(small)) if summed else small)
+
+
 @nb.njit(**_OPTIONS)
-def _split_tf32x3(src, big, small):  # pragma: no cover - compiled
-    special = 0
-    for i in range(src.size):  # no early exit: the scan stays vectorised
-        special |= np.int32((src[i] & np.int32(0x7FFFFFFF)) >= np.int32(0x7F800000))
-    if special:
-        return False  # Inf or NaN: the tensor code's rules, nothing written
-    for i in range(src.size):
-        u = src[i]
-        b = u & np.int32(-8192)  # toward zero: the bits below TF32's cleared
-        d = _as_bits(_as_float(u) - _as_float(b))  # exact in float32, and finite
-        big[i] = b
-        small[i] = (d + np.int32(4096)) & np.int32(-8192)  # to nearest, ties away
-    return True
+def _split_tf32x3(src, s0, s1, s2, s3, big, second, n0, n1, n2, n3, summed):  # pragma: no cover - compiled
+    special = np.int32(0)
+    row = np.uint64(n3)
+    step = np.uint64(s3)
+    for i0 in range(n0):
+        for i1 in range(n1):
+            for i2 in range(n2):
+                s = np.uint64(i0 * s0 + i1 * s1 + i2 * s2)  # unsigned: indices with no wraparound test
+                d = np.uint64(((i0 * n1 + i1) * n2 + i2) * n3)
+                if s3 == 1:  # the source's rows dense too: this loop is vectorised
+                    for i in range(row):
+                        u = src[s + i]
+                        special |= _special(u)
+                        big[d + i], second[d + i] = _parts(u, summed)
+                else:
+                    for i in range(row):
+                        u = src[s + i * step]
+                        special |= _special(u)
+                        big[d + i], second[d + i] = _parts(u, summed)
+    return special == 0
 
 
-def split_tf32x3(src: np.ndarray, big: np.ndarray, small: np.ndarray) -> bool:
-    """``formats.split_tf32x3`` of ``src`` (float32 bits as a 1-D int32 array) into ``big`` and ``small`` (the
-    same size; ``big`` may be ``src``) in one pass: ``big = rz(x)``, ``small = rna(x - big)``. False, with nothing
-    written, when ``src`` holds an Inf or a NaN (the tensor code then gives NaN parts as it does)."""
-    return _split_tf32x3(src, big, small)
+def split_tf32x3(src: np.ndarray, strides: tuple, shape: tuple, big: np.ndarray, second: np.ndarray,
+                 summed: bool = False) -> bool:
+    """``formats.split_tf32x3`` of a strided 4-D operand in one pass: ``src`` is a flat int32 array (float32
+    bits) that ``shape`` indexes with ``strides`` (elements); ``big`` and ``second`` are flat arrays of
+    ``shape``'s size, filled in its row-major order with ``big = rz(x)`` and ``small = rna(x - big)`` (or
+    ``big + small`` in float32 when ``summed``). None of them may overlap. False where ``src`` holds an Inf or a
+    NaN: what was written is then not the tensor code's, which the caller runs instead."""
+    return _split_tf32x3(src, *strides, big, second, *shape, summed)
 
 
 def round_bits(src: np.ndarray, dst: np.ndarray, drop: int, rounding: str) -> np.ndarray:
