@@ -272,6 +272,14 @@ def test_compiled_rounding_reads_any_dense_layout():
     assert _same_bits(heads, _many_patterns().view(8, 16, 32, 32).transpose(1, 2))  # the input untouched
     gaps = torch.empty(8, 32, 16, 64)[..., :32]  # an output with gaps: the tensor code writes it
     assert _same_bits(formats.round_tf32(heads, out=gaps), want)
+    # inputs with gaps, read where they lie: a fused projection's slice, every other column
+    q = _many_patterns()[:4 * 32 * 3 * 8 * 32].view(4, 32, 3, 8, 32)[:, :, 1].transpose(1, 2)
+    strided = _many_patterns().view(256, 512)[:, 1::2]
+    for t in (q, q.mT, strided):
+        for rounding in formats.ROUNDINGS:
+            assert _same_bits(formats.round_tf32(t, rounding), _tensor_code(formats.round_tf32, t, rounding))
+    inplace = heads.clone()
+    assert _same_bits(formats.round_bf16(inplace, out=inplace), _tensor_code(formats.round_bf16, heads))
 
 
 @numba_only

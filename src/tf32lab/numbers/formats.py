@@ -33,14 +33,11 @@ import math
 import reprlib
 import sys
 from types import ModuleType
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
 from tf32lab.numbers import compiled
-
-if TYPE_CHECKING:
-    import numpy as np
 
 __all__ = [
     "ROUNDINGS",
@@ -167,44 +164,18 @@ def _kernels(count: int = 0) -> Optional[ModuleType]:
     return None
 
 
-def _compiled(x: torch.Tensor, *outs: torch.Tensor) -> Optional[list[np.ndarray]]:
-    """The bits of ``x`` and ``outs`` as flat int32 arrays, element by element alike, for the compiled kernels;
-    None where those do not apply: numba missing, a small tensor, one off the CPU, or outputs of a layout with gaps.
-    Dense tensors are read in memory order (the dims ordered by stride: attention's heads are permuted views);
-    ``x`` in another layout than ``outs`` is first copied into ``outs[0]``, which the kernel then rounds in place
-    (one strided pass, where a GEMM would otherwise copy each rounded part)."""
-    first = outs[0]
-    if (x.numel() < COMPILED_FROM or x.device.type != "cpu" or any(o.device.type != "cpu" for o in outs)
-            or any(o.stride() != first.stride() for o in outs)):
-        return None
-    # memory shared other than an output that is x itself (rounding in place): the tensor code's own rules
-    if any(_overlap(x, o) and (o.data_ptr() != x.data_ptr() or o.stride() != x.stride()) for o in outs) or \
-            any(_overlap(o, p) for i, o in enumerate(outs) for p in outs[i + 1:]):
-        return None
-    tensors = (x, *outs)
-    if not first.is_contiguous():
-        order = sorted(range(first.dim()), key=lambda d: -first.stride(d))
-        tensors = tuple(t.permute(order) for t in tensors)
-        if not tensors[1].is_contiguous():  # overlapping or with gaps
-            return None
-    if _kernels(x.numel()) is None:
-        return None
-    if x.stride() != first.stride():
-        first.copy_(x)
-        tensors = (tensors[1], *tensors[1:])
-    return [_bits(t).numpy().reshape(-1) for t in tensors]  # (numpy comes with numba)
-
-
 def _strided(x: torch.Tensor, *outs: torch.Tensor) -> Optional[tuple]:
-    """For the compiled split: ``(src, strides, shape, *outs)``, ``x``'s bits as a flat int32 array that the 4-D
-    ``shape`` indexes with ``strides``, and each of ``outs`` (dense, alike, not overlapping ``x`` or each other)
-    as a flat array in that shape's order. The dims are ordered as the outputs lie in memory and merged where
-    ``x`` allows, so that a permuted view (attention's heads) is read in place, row by row. None where the
-    compiled kernels do not apply (as in :func:`_compiled`) or ``x`` needs more than four dims."""
+    """For the compiled kernels: ``(src, strides, shape, *outs)``, ``x``'s bits as a flat int32 array that the
+    4-D ``shape`` indexes with ``strides``, and each of ``outs`` (dense, alike) as a flat array in that shape's
+    order. The dims are ordered as the outputs lie in memory and merged where ``x`` allows, so that a permuted
+    view (attention's heads) is read in place, row by row. None where the kernels do not apply: numba missing, a
+    small tensor, one off the CPU, outputs with gaps or sharing memory with ``x`` or each other (an output that is
+    ``x`` itself, rounded in place, excepted), or an ``x`` that needs more than four dims."""
     first = outs[0]
     if (x.numel() < COMPILED_FROM or x.device.type != "cpu" or any(o.device.type != "cpu" for o in outs)
             or any(o.stride() != first.stride() for o in outs)
-            or any(_overlap(o, p) for i, o in enumerate((x, *outs)) for p in outs[i:] if p is not o)):
+            or any(_overlap(x, o) and (o.data_ptr() != x.data_ptr() or o.stride() != x.stride()) for o in outs)
+            or any(_overlap(o, p) for i, o in enumerate(outs) for p in outs[i + 1:])):
         return None
     order = sorted(range(x.dim()), key=lambda d: -first.stride(d))
     dense = [o.permute(order) for o in outs]
@@ -232,9 +203,10 @@ def _round(x: torch.Tensor, drop: int, rounding: str, out: Optional[torch.Tensor
            default_nans: bool = False) -> torch.Tensor:
     x = x.detach()
     out = torch.empty_like(x) if out is None else out
-    flat = _compiled(x, out)
-    if flat is not None:  # one pass, NaNs kept on the way
-        _kernels().round_bits(*flat, drop, rounding)
+    strided = _strided(x, out)
+    if strided is not None:  # one pass, NaNs kept on the way
+        src, strides, shape, dst = strided
+        _kernels().round_bits(src, strides, shape, dst, drop, rounding)
         return out
     # A NaN needs mending only where one went in (its payload may sit in the dropped bits, or carry into the
     # sign). On the CPU one read-only pass tells: a sum is finite only if no NaN is in it; otherwise (and on

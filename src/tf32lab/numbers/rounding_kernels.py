@@ -13,8 +13,11 @@ Example:
     >>> from tf32lab.numbers.rounding_kernels import round_bits
     >>> bits = np.array([1.0 + 2**-11, float("nan")], np.float32).view(np.int32)
     >>> out = np.empty_like(bits)
-    >>> round_bits(bits, out, 13, "rna").view(np.float32).tolist()   # a tie, away from zero; NaN kept
+    >>> round_bits(bits, (0, 0, 0, 1), (1, 1, 1, 2), out, 13, "rna").view(np.float32).tolist()  # a tie: away
     [1.0009765625, nan]
+    >>> grid = np.arange(6, dtype=np.float32).reshape(2, 3).view(np.int32)  # its transpose read in place:
+    >>> round_bits(grid.reshape(-1), (0, 0, 1, 3), (1, 1, 3, 2), np.empty(6, np.int32), 13, "rz").view(np.float32)
+    array([0., 3., 1., 4., 2., 5.], dtype=float32)
 """
 
 from __future__ import annotations
@@ -30,14 +33,28 @@ __all__ = ["round_bits", "split_tf32x3"]
 _OPTIONS = {"cache": True, "error_model": "numpy", "boundscheck": False, "nogil": True}  # no fastmath
 
 
+@nb.njit(**_OPTIONS, inline="always")
+def _rounded(u, bias, odd, drop, mask):  # pragma: no cover - compiled
+    # the bias, plus the lowest kept bit for ties to even, carried into the exponent where it overflows
+    r = (u + bias + ((u >> drop) & odd)) & mask
+    return u if (u & np.int32(0x7FFFFFFF)) > np.int32(0x7F800000) else r  # a NaN keeps its bits
+
+
 @nb.njit(**_OPTIONS)
-def _round(src, dst, bias, odd, drop, mask):  # pragma: no cover - compiled
+def _round(src, s0, s1, s2, s3, dst, n0, n1, n2, n3, bias, odd, drop, mask):  # pragma: no cover - compiled
     bias, odd, drop, mask = np.int32(bias), np.int32(odd), np.int32(drop), np.int32(mask)  # int32 lanes
-    for i in range(src.size):
-        u = src[i]
-        # the bias, plus the lowest kept bit for ties to even, carried into the exponent where it overflows
-        r = (u + bias + ((u >> drop) & odd)) & mask
-        dst[i] = u if (u & np.int32(0x7FFFFFFF)) > np.int32(0x7F800000) else r  # a NaN keeps its bits
+    row, step = np.uint64(n3), np.uint64(s3)
+    for i0 in range(n0):
+        for i1 in range(n1):
+            for i2 in range(n2):
+                s = np.uint64(i0 * s0 + i1 * s1 + i2 * s2)  # unsigned: indices with no wraparound test
+                d = np.uint64(((i0 * n1 + i1) * n2 + i2) * n3)
+                if s3 == 1:  # the source's rows dense too: this loop is vectorised
+                    for i in range(row):
+                        dst[d + i] = _rounded(src[s + i], bias, odd, drop, mask)
+                else:
+                    for i in range(row):
+                        dst[d + i] = _rounded(src[s + i * step], bias, odd, drop, mask)
 
 
 @intrinsic
@@ -104,11 +121,13 @@ def split_tf32x3(src: np.ndarray, strides: tuple, shape: tuple, big: np.ndarray,
     return _split_tf32x3(src, *strides, big, second, *shape, summed)
 
 
-def round_bits(src: np.ndarray, dst: np.ndarray, drop: int, rounding: str) -> np.ndarray:
-    """``src`` (float32 bits as a 1-D int32 array) rounded to ``23 - drop`` mantissa bits into ``dst`` (the same
-    size; it may be ``src``), returned: ``rounding`` ``"rna"``, ``"rne"`` or ``"rz"`` as
-    ``formats._round_bits``, and every NaN as it was."""
+def round_bits(src: np.ndarray, strides: tuple, shape: tuple, dst: np.ndarray, drop: int,
+               rounding: str) -> np.ndarray:
+    """A strided 4-D operand rounded to ``23 - drop`` mantissa bits in one pass: ``src`` is a flat int32 array
+    (float32 bits) that ``shape`` indexes with ``strides`` (elements); ``dst``, a flat array of ``shape``'s size,
+    is filled in its row-major order and returned (it may be ``src`` itself, laid out alike). ``rounding``
+    ``"rna"``, ``"rne"`` or ``"rz"`` as ``formats._round_bits``, and every NaN as it was."""
     half = 1 << (drop - 1)
     bias, odd = {"rna": (half, 0), "rne": (half - 1, 1), "rz": (0, 0)}[rounding]
-    _round(src, dst, bias, odd, drop, -(1 << drop))
+    _round(src, *strides, dst, *shape, bias, odd, drop, -(1 << drop))
     return dst
