@@ -386,10 +386,42 @@ def test_tune_cli_train_writes_the_policy(tmp_path):
     (tmp_path / "trainmodel.py").write_text(CLI_MODEL)
     env = {"PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'tests'}", "PATH": "/usr/bin:/bin"}
     done = subprocess.run([sys.executable, "-m", "tf32lab", "tune", "trainmodel.py:offset", "--train", "--out",
-                           "policy.json"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+                           "policy.json", "--conv", "ieee", "--json", "tuning.json"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "policy.json").read_text())["rules"] == [{"pattern": "lin", "level": "highest"}]
-    assert "high, pinned: lin" in done.stdout
+    assert "high, pinned: lin" in done.stdout and "cudnn.allow_tf32 = False" in done.stdout
+    assert json.loads((tmp_path / "tuning.json").read_text())["conv"] == "ieee"
+
+
+class ConvHead(torch.nn.Module):
+    """A convolution feeding a linear head: TF32 convolutions show in float32's floor on an A100, IEEE ones not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv1d(4, 8, 5)
+        self.head = torch.nn.Linear(8 * 28, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.conv(x)).flatten(1))
+
+
+def test_tune_of_a_training_searches_under_the_conv_math_named():
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(16, 4, 32, generator=g), torch.randn(16, 1, generator=g)) for _ in range(3)]
+    floors = {}
+    for conv in ("tf32", "ieee"):
+        torch.manual_seed(0)
+        workload = TrainingWorkload(ConvHead(), data, loss=mse, inputs=lambda b: b[0], name="convhead")
+        tuning = tf32lab.tune(workload, target="a100", conv=conv)
+        assert tuning.passed and tuning.level == "high" and tuning.conv == conv
+        assert any(f"cudnn.conv {conv!r} in every row" in note for note in tuning.report.notes)
+        assert json.loads(tuning.to_json())["conv"] == conv
+        floors[conv] = tuning.report.floor.drift
+    assert "allow_tf32 = False" in tuning.advice()[-1]
+    assert floors["ieee"] < floors["tf32"] / 10  # the floor trained with the convolutions the search named
+    with pytest.raises(Tf32LabError, match="unknown conv math 'fast'"):
+        tf32lab.tune(workload, target="a100", conv="fast")
 
 
 # -- what a hostile workload must not get past ------------------------------------------------------------------------

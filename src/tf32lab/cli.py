@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="largest normwise relative error of an output (default: 1e-2)")
     tune.add_argument("--conv", type=_conv, default=None,
                       help="search under this cuDNN convolution math only (tf32 or ieee); default: tf32, then ieee if "
-                           "nothing passes, where the model has convolutions")
+                           "nothing passes, where the model has convolutions (with --train: the flag as it is)")
     tune.add_argument("--out", metavar="PATH", help="write the policy found (JSON, or TOML for .toml)")
     tune.add_argument("--json", metavar="PATH", help="write the search and its result as JSON; '-' for stdout")
     tune.add_argument("--html", metavar="PATH", help="write the search as a self-contained HTML page")
@@ -514,12 +514,11 @@ def _tune(args: argparse.Namespace) -> int:
     spec = args.spec or specs.default_spec()
     loaded = specs.load(spec, training=args.train)
     if args.train:
-        from tf32lab.control.scope import conv_math
         from tf32lab.decide.tune_training import tune_training
 
-        with _workload_raises(args, loaded, "tuning"), conv_math(args.conv):
+        with _workload_raises(args, loaded, "tuning"):
             tuning = tune_training(loaded, target=target, tolerance=args.tolerance, steps=args.steps,
-                                   progress=sys.stderr.isatty())
+                                   progress=sys.stderr.isatty(), conv=args.conv)
     else:
         from tf32lab.decide.tune import tune
 

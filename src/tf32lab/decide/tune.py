@@ -205,17 +205,16 @@ def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Targ
     the search runs under ``"tf32"`` (faster) and, if nothing passes there, under ``"ieee"``, whose answer then
     gives back to ``"tf32"`` the convolution layers that still pass there (the policy pins them, a group at once,
     the largest predicted gain first); ``Tuning.conv`` says which math the answer needs for the rest (else
-    the flag is left as the process holds it).
+    the flag is left as the process holds it). A training workload is searched under the ``conv`` named, or
+    as the flag holds it (``tune_training``).
     """
     conv = check_conv(conv, "tune")
     if isinstance(workload, TrainingWorkload):  # the fastest policy whose training passes
-        if conv is not None:
-            raise Tf32LabError("tune(conv=...) covers forward workloads; a training workload's convolutions run "
-                               "as the process's cudnn.conv flag holds it")
         if tolerance is not None and not isinstance(tolerance, (int, float)):
             raise Tf32LabError(f"tune() of a training workload takes one tolerance (the loss's relative "
                                f"deviation), not {type(tolerance).__name__}")
-        return tune_training(workload, target=target, tolerance=tolerance, levels=levels, progress=progress)
+        return tune_training(workload, target=target, tolerance=tolerance, levels=levels, progress=progress,
+                             conv=conv)
     if not isinstance(workload, Workload):
         raise Tf32LabError(f"tune() takes a tf32lab.Workload or a tf32lab.TrainingWorkload, not "
                            f"{type(workload).__name__}")

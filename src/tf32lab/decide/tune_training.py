@@ -11,6 +11,11 @@
    (``highest`` when float32 itself trains).
 3. Every candidate is a full training run compared with float64 and float32's floor; none is chosen without one.
    Fewer pins are faster (each pin runs its module's products in IEEE), so the search stops at the first pass.
+4. **Convolutions.** cuDNN's conv math is no level's: ``conv="tf32"`` or ``"ieee"`` runs the whole search under
+   it (set for the run and put back, as ``check_training(conv=)``), and the answer says which math it needs.
+   Unlike a forward tune, no second search is made under IEEE when nothing passes at TF32: float32's floor is
+   trained as the target computes ``highest``, TF32 convolutions included, so ``highest`` always passes there.
+   None: the convolutions run as the process's flag holds them.
 
 Example:
 
@@ -33,11 +38,12 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from tf32lab.control.policy import Policy, exact_pattern
+from tf32lab.control.scope import conv_math
 from tf32lab.errors import Tf32LabError
-from tf32lab.know.levels import ALL_LEVELS, check_levels
+from tf32lab.know.levels import ALL_LEVELS, check_conv, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
-from tf32lab.measure.check import PolicyRow, alike_levels
+from tf32lab.measure.check import PolicyRow, alike_levels, conv_note
 from tf32lab.measure.training import TrainingSession, random_state_kept, training_steps, training_tolerance
 from tf32lab.report import Document
 from tf32lab.report.training import TrainingLevel, TrainingReport
@@ -79,6 +85,7 @@ class TrainingTuning(Document):
     reason: str
     report: TrainingReport  # the uniform levels (and the chosen policy's row, when mixed)
     policy_file: Optional[str] = None
+    conv: Optional[str] = None  # cuDNN's conv math the search ran under ("tf32" / "ieee"); None: the flag as it was
 
     def __bool__(self) -> bool:
         return self.passed
@@ -88,11 +95,19 @@ class TrainingTuning(Document):
         if not self.passed:
             return [self.reason]
         if self.level is not None:
-            return [f"{self.reason} Use `torch.set_float32_matmul_precision(\"{self.level}\")` or "
-                    f"`tf32lab.precision(\"{self.level}\")` for this training."]
-        apply = f"`tf32lab.Policy.load(\"{where}\").apply(model)`" if where else \
-            "`tuning.policy.apply(model)` (or save it: `tf32lab tune --train --out FILE`)"
-        return [self.reason, f"Apply it with {apply} before training."]
+            lines = [f"{self.reason} Use `torch.set_float32_matmul_precision(\"{self.level}\")` or "
+                     f"`tf32lab.precision(\"{self.level}\")` for this training."]
+        else:
+            apply = f"`tf32lab.Policy.load(\"{where}\").apply(model)`" if where else \
+                "`tuning.policy.apply(model)` (or save it: `tf32lab tune --train --out FILE`)"
+            lines = [self.reason, f"Apply it with {apply} before training."]
+        if self.conv is not None:
+            lines.append(f"It holds with convolutions (and cuDNN's RNNs) at {self.conv!r}" + (
+                ", PyTorch's default." if self.conv == "tf32" else
+                ": `torch.backends.cudnn.allow_tf32 = False` (on torch 2.9 and later, "
+                "`torch.backends.cudnn.conv.fp32_precision = \"ieee\"` and `...cudnn.rnn.fp32_precision = \"ieee\"`)"
+                "; no level sets it."))
+        return lines
 
     def lines(self, policy_file: Optional[str] = None) -> list[str]:
         """The terminal summary: the search, the answer, what to do."""
@@ -113,7 +128,7 @@ class TrainingTuning(Document):
             "kind": "training-tuning", "workload": self.workload, "target": self.target, "steps": self.steps,
             "passed": self.passed, "policy": None if self.policy is None else self.policy.to_dict(),
             "level": self.level, "pinned": list(self.pinned), "runs": self.runs, "seconds": self.seconds,
-            "reason": self.reason,
+            "reason": self.reason, "conv": self.conv,
             "candidates": [{"pinned": list(c.pinned), "passed": c.passed, "multiple": c.multiple,
                             "failure": c.failure, "why": c.why, "policy": c.policy.to_dict()}
                            for c in self.candidates],
@@ -131,27 +146,32 @@ class TrainingTuning(Document):
 
 def tune_training(workload: TrainingWorkload, *, target: Union[str, Target] = "a100",
                   tolerance: Optional[float] = None, levels: Iterable[str] = ("high", "medium", "highest"),
-                  steps: Optional[int] = None, progress: bool = False) -> TrainingTuning:
+                  steps: Optional[int] = None, progress: bool = False, conv: Optional[str] = None) -> TrainingTuning:
     """The fastest policy whose training passes on ``target`` (module docstring); every global setting, the
-    model and the random state are as they were afterwards. ``tune()`` calls it for a training workload."""
+    model and the random state are as they were afterwards. ``tune()`` calls it for a training workload.
+    ``conv``: cuDNN's float32 convolution math to search under, ``"tf32"`` or ``"ieee"`` (None: the flag as the
+    process holds it)."""
     if not isinstance(workload, TrainingWorkload):
         raise Tf32LabError(f"tune_training() takes a tf32lab.TrainingWorkload, not {type(workload).__name__}")
     target = resolve_target(target, speed=True)  # "fastest" needs a GPU whose levels differ in speed, as tune
     levels = check_levels(levels)
     steps = training_steps(workload, steps)
     tolerance = training_tolerance(tolerance)
+    conv = check_conv(conv, "tune")
     refuse_applied(workload, "tune")  # type: ignore[arg-type]  # it reads .model and .name
     started = time.perf_counter()
-    with kept_flags() as changed, random_state_kept(workload.model):
+    with kept_flags() as changed, random_state_kept(workload.model), conv_math(conv):
         search = _Search(TrainingSession(workload, target, steps, tolerance), levels, progress)
         found = search.run()
     report = search.session.report(found.rows, time.perf_counter() - started)
-    if changed:
-        report = dataclasses.replace(report, notes=(*report.notes, changed_note(changed)))
+    notes = ([conv_note(conv)] if conv is not None else []) + ([changed_note(changed)] if changed else [])
+    if notes:
+        report = dataclasses.replace(report, notes=(*report.notes, *notes))
     return TrainingTuning(
         workload=str(workload.name), target=target.name, steps=steps, passed=found.policy is not None,
         policy=found.policy, level=found.level, pinned=found.pinned, candidates=tuple(search.candidates),
-        runs=search.session.runs, seconds=time.perf_counter() - started, reason=found.reason, report=report)
+        runs=search.session.runs, seconds=time.perf_counter() - started, reason=found.reason, report=report,
+        conv=conv)
 
 
 @dataclass(frozen=True)
