@@ -173,9 +173,18 @@ def _strided(x: torch.Tensor, *outs: torch.Tensor) -> Optional[tuple]:
     ``x`` itself, rounded in place, excepted), or an ``x`` that needs more than four dims."""
     first = outs[0]
     if (x.numel() < COMPILED_FROM or x.device.type != "cpu" or any(o.device.type != "cpu" for o in outs)
-            or any(o.stride() != first.stride() for o in outs)
-            or any(_overlap(x, o) and (o.data_ptr() != x.data_ptr() or o.stride() != x.stride()) for o in outs)
-            or any(_overlap(o, p) for i, o in enumerate(outs) for p in outs[i + 1:])):
+            or any(o.stride() != first.stride() for o in outs)):
+        return None
+    if x.is_contiguous() and first.is_contiguous():  # the common case, a weight or an activation: flat, at once
+        size = x.numel() * 4
+        spans = [(t.data_ptr(), t.data_ptr() + size) for t in (x, *outs)]
+        if any(a0 < b1 and b0 < a1 and not (i == 0 and a0 == b0) for i, (a0, a1) in enumerate(spans)
+               for b0, b1 in spans[i + 1:]) or _kernels(x.numel()) is None:
+            return None
+        return (_bits(x).numpy().reshape(-1), (0, 0, 0, 1), (1, 1, 1, x.numel()),
+                *(_bits(o).numpy().reshape(-1) for o in outs))
+    if any(_overlap(x, o) and (o.data_ptr() != x.data_ptr() or o.stride() != x.stride()) for o in outs) \
+            or any(_overlap(o, p) for i, o in enumerate(outs) for p in outs[i + 1:]):
         return None
     order = sorted(range(x.dim()), key=lambda d: -first.stride(d))
     dense = [o.permute(order) for o in outs]
