@@ -41,20 +41,17 @@ def _rounded(u, bias, odd, drop, mask):  # pragma: no cover - compiled
 
 
 @nb.njit(**_OPTIONS)
-def _round(src, s0, s1, s2, s3, dst, n0, n1, n2, n3, bias, odd, drop, mask):  # pragma: no cover - compiled
-    bias, odd, drop, mask = np.int32(bias), np.int32(odd), np.int32(drop), np.int32(mask)  # int32 lanes
-    row, step = np.uint64(n3), np.uint64(s3)
+def _row_starts(s0, s1, s2, n0, n1, n2):  # pragma: no cover - compiled
+    """Where each row of a strided 4-D source starts (elements), in row-major order: unsigned, so that the
+    kernels' indices need no wraparound test."""
+    starts = np.empty(n0 * n1 * n2, np.uint64)
+    r = 0
     for i0 in range(n0):
         for i1 in range(n1):
             for i2 in range(n2):
-                s = np.uint64(i0 * s0 + i1 * s1 + i2 * s2)  # unsigned: indices with no wraparound test
-                d = np.uint64(((i0 * n1 + i1) * n2 + i2) * n3)
-                if s3 == 1:  # the source's rows dense too: this loop is vectorised
-                    for i in range(row):
-                        dst[d + i] = _rounded(src[s + i], bias, odd, drop, mask)
-                else:
-                    for i in range(row):
-                        dst[d + i] = _rounded(src[s + i * step], bias, odd, drop, mask)
+                starts[r] = np.uint64(i0 * s0 + i1 * s1 + i2 * s2)
+                r += 1
+    return starts
 
 
 @intrinsic
@@ -89,25 +86,25 @@ def _parts(u, summed):  # pragma: no cover - compiled
 
 
 @nb.njit(**_OPTIONS)
-def _split_tf32x3(src, s0, s1, s2, s3, big, second, n0, n1, n2, n3, summed):  # pragma: no cover - compiled
+def _each(src, s0, s1, s2, s3, first, second, n0, n1, n2, n3, split, bias, odd, drop, mask,
+          summed):  # pragma: no cover - compiled
+    """Every value of a strided 4-D source, in row-major order: rounded into ``first`` (``split`` False; the
+    rounding's constants as :func:`round_bits` gives them), or split into ``first`` and ``second`` (True;
+    whether a value was Inf or NaN is returned). The branches are loop-invariant: LLVM makes a vectorised loop of
+    each where the source's rows are dense."""
+    bias, odd, drop, mask = np.int32(bias), np.int32(odd), np.int32(drop), np.int32(mask)  # int32 lanes
     special = np.int32(0)
-    row = np.uint64(n3)
-    step = np.uint64(s3)
-    for i0 in range(n0):
-        for i1 in range(n1):
-            for i2 in range(n2):
-                s = np.uint64(i0 * s0 + i1 * s1 + i2 * s2)  # unsigned: indices with no wraparound test
-                d = np.uint64(((i0 * n1 + i1) * n2 + i2) * n3)
-                if s3 == 1:  # the source's rows dense too: this loop is vectorised
-                    for i in range(row):
-                        u = src[s + i]
-                        special |= _special(u)
-                        big[d + i], second[d + i] = _parts(u, summed)
-                else:
-                    for i in range(row):
-                        u = src[s + i * step]
-                        special |= _special(u)
-                        big[d + i], second[d + i] = _parts(u, summed)
+    row, step = np.uint64(n3), np.uint64(s3)
+    starts = _row_starts(s0, s1, s2, n0, n1, n2)
+    for r in range(starts.size):
+        s, d = starts[r], np.uint64(r) * row  # (unsigned throughout: numba makes int64 times uint64 a float)
+        for i in range(row):
+            u = src[s + i] if s3 == 1 else src[s + i * step]
+            if split:
+                special |= _special(u)
+                first[d + i], second[d + i] = _parts(u, summed)
+            else:
+                first[d + i] = _rounded(u, bias, odd, drop, mask)
     return special == 0
 
 
@@ -118,7 +115,7 @@ def split_tf32x3(src: np.ndarray, strides: tuple, shape: tuple, big: np.ndarray,
     ``shape``'s size, filled in its row-major order with ``big = rz(x)`` and ``small = rna(x - big)`` (or
     ``big + small`` in float32 when ``summed``). None of them may overlap. False where ``src`` holds an Inf or a
     NaN: what was written is then not the tensor code's, which the caller runs instead."""
-    return _split_tf32x3(src, *strides, big, second, *shape, summed)
+    return _each(src, *strides, big, second, *shape, True, 0, 0, 0, 0, summed)
 
 
 def round_bits(src: np.ndarray, strides: tuple, shape: tuple, dst: np.ndarray, drop: int,
@@ -129,5 +126,5 @@ def round_bits(src: np.ndarray, strides: tuple, shape: tuple, dst: np.ndarray, d
     ``"rna"``, ``"rne"`` or ``"rz"`` as ``formats._round_bits``, and every NaN as it was."""
     half = 1 << (drop - 1)
     bias, odd = {"rna": (half, 0), "rne": (half - 1, 1), "rz": (0, 0)}[rounding]
-    _round(src, *strides, dst, *shape, bias, odd, drop, -(1 << drop))
+    _each(src, *strides, dst, dst, *shape, False, bias, odd, drop, -(1 << drop), False)
     return dst
