@@ -322,6 +322,13 @@ def test_compiled_split_reads_strided_operands_in_place(summed):
     assert all(_same_bits(g, w) for g, w in zip(formats.split_tf32x3(special, summed=summed), want))
 
 
+@numba_only
+def test_compiled_kernels_leave_empty_operands_to_the_tensor_code(monkeypatch):
+    monkeypatch.setattr(formats, "COMPILED_FROM", 0)
+    assert formats.round_tf32(torch.empty(5, 0).T).shape == (0, 5)
+    assert [p.shape for p in formats.split_tf32x3(torch.empty(0, 3, 4).transpose(1, 2))] == [(0, 4, 3)] * 2
+
+
 def test_summed_splits_hold_the_sum_of_the_parts():
     x = torch.randn(300, 7)
     for split in (formats.split_tf32x3, formats.split_bf16x3):

@@ -172,7 +172,7 @@ def _strided(x: torch.Tensor, *outs: torch.Tensor) -> Optional[tuple]:
     small tensor, one off the CPU, outputs with gaps or sharing memory with ``x`` or each other (an output that is
     ``x`` itself, rounded in place, excepted), or an ``x`` that needs more than four dims."""
     first = outs[0]
-    if (x.numel() < COMPILED_FROM or x.device.type != "cpu" or any(o.device.type != "cpu" for o in outs)
+    if (x.numel() < max(COMPILED_FROM, 1) or x.device.type != "cpu" or any(o.device.type != "cpu" for o in outs)
             or any(o.stride() != first.stride() for o in outs)):
         return None
     if x.is_contiguous() and first.is_contiguous():  # the common case, a weight or an activation: flat, at once
