@@ -72,6 +72,29 @@ def test_ops_without_a_known_order_say_so():
     assert "accumulation=hardware" in repr(emu)
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
+def test_attentions_math_backend_is_summed_as_cublas_sums_and_fused_kernels_say_they_are_not(grad):
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 8, 32, generator=g) for _ in range(3))
+    mask = torch.randn(8, 8, generator=g)
+    before = torch.backends.cuda.mem_efficient_sdp_enabled()
+    torch.backends.cuda.enable_mem_efficient_sdp(False)  # PyTorch's math backend: bmm calls through cuBLAS
+    try:
+        with torch.set_grad_enabled(grad), tf32lab.precision("high"), emulate("a100", accumulation="hardware") as emu:
+            out = torch.nn.functional.scaled_dot_product_attention(q.requires_grad_(grad), k, v, mask)
+    finally:
+        torch.backends.cuda.enable_mem_efficient_sdp(before)
+    root = 32 ** -0.25  # the math backend scales both operands by sqrt(scale)
+    r = formats.round_tf32
+    s = accumulation.gemm(r(q.detach() * root), r(k.transpose(-2, -1) * root), accumulation.AMPERE) + mask
+    want = accumulation.gemm(r(torch.softmax(s, -1)), r(v), accumulation.AMPERE)
+    assert torch.equal(out.detach(), want)  # (the ideal sum is off by up to 2.4e-7 here)
+    assert all(label == "tf32-rna, nvidia k4 f24" for _, label in emu.coverage), dict(emu.coverage)
+    with tf32lab.precision("high"), emulate("a100", accumulation="hardware") as emu:  # the 3xTF32 fused kernel
+        torch.nn.functional.scaled_dot_product_attention(q.detach(), k, v, mask)
+    assert {label for _, label in emu.coverage} == {"tf32x3, ideal sum"}
+
+
 def test_bad_accumulation_is_refused():
     with pytest.raises(Tf32LabError, match=r"unknown accumulation 'exact'; accepted: 'ideal', 'hardware'"):
         emulate("a100", accumulation="exact")

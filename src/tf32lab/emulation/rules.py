@@ -478,13 +478,22 @@ def _math_backend(call, key) -> bool:
     return key == "attention" and call.emu.target.device == "cuda" and call.cells.get("sdpa") == "math"
 
 
+def _product(call, key, a, b):
+    """a @ b, one of attention's products, in the math of ``key``. The math backend's are cuBLAS bmm calls, K in
+    order: a ``"hardware"`` block sums them as the target's unit does. A fused kernel's order is not public: the
+    ideal sum."""
+    if _math_backend(call, key):
+        return call.product("attention.math", torch.matmul, a, b, as_gemm=_plain)
+    return call.product(key, torch.matmul, a, b)
+
+
 def _scores(call, key, q, k, attn_mask, is_causal, scale):
     scale = 1.0 / _pymath.sqrt(q.size(-1)) if scale is None else scale
     if _math_backend(call, key):  # PyTorch's math backend scales both operands by sqrt(scale) before the GEMM
         root = _pymath.sqrt(scale)
-        s = call.product(key, torch.matmul, q * root, k.transpose(-2, -1) * root)
+        s = _product(call, key, q * root, k.transpose(-2, -1) * root)
     else:  # the fused kernels scale the accumulator
-        s = call.product(key, torch.matmul, q, k.transpose(-2, -1)).mul_(scale)
+        s = _product(call, key, q, k.transpose(-2, -1)).mul_(scale)
     if is_causal:
         keep = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
         s.masked_fill_(~keep, float("-inf"))
@@ -499,7 +508,7 @@ def _attention(call, key, q, k, v, attn_mask=None, is_causal=False, scale=None, 
     s, _ = _scores(call, key, q, k, attn_mask, is_causal, scale)
     lse = torch.logsumexp(s, -1) if lse else None
     p = torch.softmax(s, -1)
-    return call.product(key, torch.matmul, p, v), lse, p
+    return _product(call, key, p, v), lse, p
 
 
 def _attention_backward(call, key, grad, q, k, v, out, attn_mask, is_causal, scale, enable_gqa=False):
@@ -507,16 +516,16 @@ def _attention_backward(call, key, grad, q, k, v, out, attn_mask, is_causal, sca
     k_full, v_full = _expand_gqa(q, k, v, enable_gqa)
     s, scale = _scores(call, key, q, k_full, attn_mask, is_causal, scale)
     p = torch.softmax(s, -1)
-    grad_v = call.product(key, torch.matmul, p.transpose(-2, -1), grad)
-    grad_p = call.product(key, torch.matmul, grad, v_full.transpose(-2, -1))
+    grad_v = _product(call, key, p.transpose(-2, -1), grad)
+    grad_p = _product(call, key, grad, v_full.transpose(-2, -1))
     grad_s = p * (grad_p - (grad * out).sum(-1, keepdim=True))
     if _math_backend(call, key):
         root = _pymath.sqrt(scale)
-        grad_q = call.product(key, torch.matmul, grad_s, k_full * root).mul_(root)
-        grad_k = call.product(key, torch.matmul, grad_s.transpose(-2, -1), q * root).mul_(root)
+        grad_q = _product(call, key, grad_s, k_full * root).mul_(root)
+        grad_k = _product(call, key, grad_s.transpose(-2, -1), q * root).mul_(root)
     else:
-        grad_q = call.product(key, torch.matmul, grad_s, k_full).mul_(scale)
-        grad_k = call.product(key, torch.matmul, grad_s.transpose(-2, -1), q).mul_(scale)
+        grad_q = _product(call, key, grad_s, k_full).mul_(scale)
+        grad_k = _product(call, key, grad_s.transpose(-2, -1), q).mul_(scale)
     if grad_k.size(-3) != heads_k:  # grouped-query attention: sum the gradient of each shared head
         shape = (*grad_k.shape[:-3], heads_k, grad_k.size(-3) // heads_k, *grad_k.shape[-2:])
         grad_k, grad_v = grad_k.reshape(shape).sum(-3), grad_v.reshape(shape).sum(-3)
