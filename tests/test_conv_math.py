@@ -70,6 +70,10 @@ def test_conv_math_is_scoped_and_restored_on_every_exit_path():
 def test_tune_searches_the_conv_math_too():
     tuning = tf32lab.tune(_convs(), target="a100", tolerance=1e-4, conv=None)
     assert tuning.passed and tuning.conv == "ieee"  # TF32 convs miss 1e-4 on inputs riding an offset of 8
+    assert tuning.conv_searched and "TF32 everywhere misses the tolerance" in tuning.advice()[-1]
+    told = tf32lab.tune(_convs(), target="a100", tolerance=1e-4, conv="ieee")  # asked for: said so, and set
+    assert told.conv == "ieee" and told.policy.conv == "ieee" and not told.conv_searched
+    assert "as asked" in told.advice()[-1] and "misses" not in told.advice()[-1]
     loose = tf32lab.tune(_convs(), target="a100", tolerance=0.5)
     assert loose.conv == "tf32"  # the faster conv math passes: kept
     assert torch.backends.cudnn.conv.fp32_precision == "tf32" if flags.NEW_API else True

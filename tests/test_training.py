@@ -390,8 +390,8 @@ def test_tune_cli_train_writes_the_policy(tmp_path):
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "policy.json").read_text())["rules"] == [{"pattern": "lin", "level": "highest"}]
-    assert "high, pinned: lin" in done.stdout and "cudnn.allow_tf32 = False" in done.stdout
-    assert json.loads((tmp_path / "tuning.json").read_text())["conv"] == "ieee"
+    assert "high, pinned: lin" in done.stdout and "cudnn.allow_tf32" not in done.stdout  # no convolution in it
+    assert json.loads((tmp_path / "tuning.json").read_text())["conv"] is None
 
 
 class ConvHead(torch.nn.Module):
@@ -417,8 +417,13 @@ def test_tune_of_a_training_searches_under_the_conv_math_named():
         assert tuning.passed and tuning.level == "high" and tuning.conv == conv
         assert any(f"cudnn.conv {conv!r} in every row" in note for note in tuning.report.notes)
         assert json.loads(tuning.to_json())["conv"] == conv
+        assert tuning.policy.conv == conv  # the policy file sets the math it was trained under
         floors[conv] = tuning.report.floor.drift
-    assert "allow_tf32 = False" in tuning.advice()[-1]
+    assert "allow_tf32 = False" in tuning.advice()[-1] and "which sets it itself" in tuning.advice()[-1]
+    applied = check_training(workload, levels=("highest",), target="a100", policy=tuning.policy)
+    assert applied.policy_row.drift == tuning.report.level("high").drift  # the answer, reproduced from its policy
+    plain = tf32lab.tune(regression(steps=2), target="a100", conv="ieee")  # no convolution: nothing to set
+    assert plain.conv is None and plain.policy.conv is None and "cudnn" not in " ".join(plain.advice())
     assert floors["ieee"] < floors["tf32"] / 10  # the floor trained with the convolutions the search named
     with pytest.raises(Tf32LabError, match="unknown conv math 'fast'"):
         tf32lab.tune(workload, target="a100", conv="fast")

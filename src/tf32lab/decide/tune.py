@@ -38,13 +38,12 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Union
 
-import torch
-
 from tf32lab.control.policy import Policy, exact_pattern
 from tf32lab.control.scope import conv_math
+from tf32lab.decide.conv_maths import conv_matters, with_conv_math
 from tf32lab.decide.tune_training import TrainingTuning, tune_training
 from tf32lab.errors import Tf32LabError
-from tf32lab.know.levels import ALL_LEVELS, check_conv, check_levels, with_conv
+from tf32lab.know.levels import ALL_LEVELS, check_conv, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.check import PolicyRow, Session, alike_levels, conv_note
@@ -101,6 +100,7 @@ class Tuning(Document):
     report: Report  # the check of the uniform levels
     policy_file: Optional[str] = None  # where the policy was written (tf32lab tune --out), named in the advice
     conv: Optional[str] = None  # cuDNN's conv math the answer needs ("tf32" / "ieee"); None: the flag left as it was
+    conv_searched: bool = False  # the search chose ``conv`` itself (TF32 missed everywhere), rather than being told
 
     def __bool__(self) -> bool:
         return self.passed
@@ -115,14 +115,15 @@ class Tuning(Document):
         lines = self._level_advice(policy_file)
         if self.passed and self.conv is not None:
             pins = [rule.pattern for rule in self.policy.rules if rule.conv not in (None, self.conv)]
+            sets = ", or apply the policy, which sets it itself" if self.policy.conv == self.conv else ""
             lines.append(f"Convolutions (and cuDNN's RNNs) at {self.conv!r}" + (
                 " (PyTorch's default)." if self.conv == "tf32" else
                 ": `torch.backends.cudnn.allow_tf32 = False` (on torch 2.9 and later, "
                 "`torch.backends.cudnn.conv.fp32_precision = \"ieee\"` and `...cudnn.rnn.fp32_precision = \"ieee\"`)"
-                ", or apply the policy, which sets it itself"
-                + (f" and runs {len(pins)} layer(s) at TF32" if pins else "")
-                + "; no level sets it, TF32 everywhere misses the tolerance, and the speedup above is over `highest` "
-                "with IEEE convolutions."))
+                + sets + (f" and runs {len(pins)} layer(s) at TF32" if pins else "")
+                + "; no level sets it, " + ("TF32 everywhere misses the tolerance, " if self.conv_searched else
+                                            "the search ran under it as asked, ")
+                + "and the speedup above is over `highest` with IEEE convolutions."))
         return lines
 
     def _level_advice(self, policy_file: Optional[str] = None) -> list[str]:
@@ -234,8 +235,10 @@ def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Targ
             runs, seconds = runs + run.runs, seconds + run.seconds
             if run.answer.policy is not None:
                 break
-    if chosen == "ieee" and convs[0] != "ieee":  # IEEE beyond PyTorch's default: the policies say so themselves
-        run = _stamped(run, chosen)
+    searched = chosen == "ieee" and convs[0] != "ieee"
+    matters = chosen is not None and (conv is None or conv_matters(workload.model, target))
+    if matters and (searched or conv is not None):
+        run = _stamped(run, chosen)  # a math chosen beyond PyTorch's default, or asked for: the policies set it
     # Built once, whole, here: only now is it known whether the workload changed the flags (a note of the report).
     name, answer = str(workload.name), run.answer
     report = Report(workload=name, target=target.name, reference="float64", tolerance=dict(tolerances),
@@ -247,29 +250,21 @@ def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Targ
                   policy=answer.policy, level=answer.level, pinned=answer.pinned, outputs=answer.outputs,
                   speedup=answer.speedup, uniform=answer.uniform, speedup_over_uniform=answer.speedup_over_uniform,
                   candidates=run.candidates, runs=runs, seconds=seconds, check_seconds=run.check_seconds,
-                  reason=answer.reason, report=report, conv=chosen)
+                  reason=answer.reason, report=report, conv=chosen if matters else None, conv_searched=searched)
 
 
 def _conv_choices(workload: Workload, target: Target) -> tuple[Optional[str], ...]:
-    """The conv maths worth searching: both (tf32 first) where the model has cuDNN modules (convolutions, RNNs)
-    that ``target`` computes differently under the two; else None only (the flag as it is). Functional
-    convolutions outside modules are not looked for."""
-    kinds = {"conv": torch.nn.modules.conv._ConvNd, "rnn": torch.nn.RNNBase}
-    found = [family for family, kind in kinds.items() if any(isinstance(m, kind) for m in workload.model.modules())]
-    differ = any(target.math(f, with_conv({}, "tf32")) != target.math(f, with_conv({}, "ieee")) for f in found)
-    return ("tf32", "ieee") if differ else (None,)
+    """The conv maths worth searching: both (tf32 first) where the model's cuDNN modules compute otherwise under
+    the two on ``target``; else None only (the flag as it is)."""
+    return ("tf32", "ieee") if conv_matters(workload.model, target) else (None,)
 
 
 def _stamped(run: _Run, conv: str) -> _Run:
     """``run`` (a search made under cuDNN's ``conv`` math) with that math written into its answer and its
     candidates' policies where they name none: a policy file that sets the flag it passed under."""
-    def stamp(policy: Optional[Policy]) -> Optional[Policy]:
-        if policy is None or policy.conv is not None:
-            return policy
-        return Policy(default=policy.default, rules=policy.rules, conv=conv)
-
-    candidates = tuple(dataclasses.replace(c, policy=stamp(c.policy)) for c in run.candidates)
-    return run._replace(answer=run.answer._replace(policy=stamp(run.answer.policy)), candidates=candidates)
+    candidates = tuple(dataclasses.replace(c, policy=with_conv_math(c.policy, conv)) for c in run.candidates)
+    return run._replace(answer=run.answer._replace(policy=with_conv_math(run.answer.policy, conv)),
+                        candidates=candidates)
 
 
 class _Answer(NamedTuple):

@@ -39,6 +39,7 @@ from typing import Any, Optional, Union
 
 from tf32lab.control.policy import Policy, exact_pattern
 from tf32lab.control.scope import conv_math
+from tf32lab.decide.conv_maths import conv_matters, with_conv_math
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import ALL_LEVELS, check_conv, check_levels
 from tf32lab.know.targets import Target
@@ -106,7 +107,8 @@ class TrainingTuning(Document):
                 ", PyTorch's default." if self.conv == "tf32" else
                 ": `torch.backends.cudnn.allow_tf32 = False` (on torch 2.9 and later, "
                 "`torch.backends.cudnn.conv.fp32_precision = \"ieee\"` and `...cudnn.rnn.fp32_precision = \"ieee\"`)"
-                "; no level sets it."))
+                + (", or apply the policy, which sets it itself" if self.policy.conv == self.conv else "")
+                + "; no level sets it."))
         return lines
 
     def lines(self, policy_file: Optional[str] = None) -> list[str]:
@@ -165,6 +167,11 @@ def tune_training(workload: TrainingWorkload, *, target: Union[str, Target] = "a
         found = search.run()
     report = search.session.report(found.rows, time.perf_counter() - started)
     notes = ([conv_note(conv)] if conv is not None else []) + ([changed_note(changed)] if changed else [])
+    if conv is not None and not conv_matters(workload.model, target):
+        conv = None  # no convolution or RNN module that the math changes: nothing for the answer to set
+    elif conv is not None:  # the policies set the math they were trained under
+        found = dataclasses.replace(found, policy=with_conv_math(found.policy, conv))
+        search.candidates = [dataclasses.replace(c, policy=with_conv_math(c.policy, conv)) for c in search.candidates]
     if notes:
         report = dataclasses.replace(report, notes=(*report.notes, *notes))
     return TrainingTuning(

@@ -1,0 +1,42 @@
+"""Which cuDNN conv maths a tune weighs for a model, and a policy that sets the one its answer needs.
+
+cuDNN's float32 convolution math (``torch.backends.cudnn.conv.fp32_precision``) is no level's: a tune either
+searches under a math it is given or, for a forward workload, under both. Both tunes (``decide.tune`` and
+``decide.tune_training``) ask here whether the math matters for a model at all, and write it into their answers.
+
+Example:
+
+    >>> import torch
+    >>> from tf32lab.know.targets import get
+    >>> from tf32lab.decide.conv_maths import conv_matters
+    >>> conv_matters(torch.nn.Conv1d(2, 2, 3), get("a100")), conv_matters(torch.nn.Linear(2, 2), get("a100"))
+    (True, False)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from tf32lab.control.policy import Policy
+from tf32lab.know.levels import with_conv
+from tf32lab.know.targets import Target
+
+__all__ = ["conv_matters", "with_conv_math"]
+
+
+def conv_matters(model: torch.nn.Module, target: Target) -> bool:
+    """Whether ``model`` has cuDNN modules (convolutions, RNNs) that ``target`` computes differently at TF32 and
+    IEEE convolutions. Functional convolutions outside modules are not looked for."""
+    kinds = {"conv": torch.nn.modules.conv._ConvNd, "rnn": torch.nn.RNNBase}
+    found = [family for family, kind in kinds.items() if any(isinstance(m, kind) for m in model.modules())]
+    return any(target.math(f, with_conv({}, "tf32")) != target.math(f, with_conv({}, "ieee")) for f in found)
+
+
+def with_conv_math(policy: Optional[Policy], conv: str) -> Optional[Policy]:
+    """``policy`` setting cuDNN's ``conv`` math for the model where it names none: a policy file that sets the
+    flag it was found under."""
+    if policy is None or policy.conv is not None:
+        return policy
+    return Policy(default=policy.default, rules=policy.rules, conv=conv)
