@@ -290,6 +290,40 @@ def test_sdpa_kernel_variants_forward_and_backward(variant):
             assert not torch.equal(emulated_grad, t.grad)
 
 
+@pytest.mark.parametrize("backend", ["math", "fused"])
+def test_sdpa_edge_cases_compute_as_pytorch_does(backend):
+    """A negative scale (the math backend puts its sign on q), a fully masked row (zeros from torch 2.5, NaN
+    before, pytorch#131060) and no head dim (every score 0: uniform attention), forward and backward, at
+    `highest` (IEEE products: PyTorch's own results within float32's rounding)."""
+    q, k, v = (randn(1, 2, 4, 8, seed=s) for s in (50, 51, 52))
+    keep = torch.ones(4, 4, dtype=torch.bool)
+    keep[1] = False
+    calls = {"negative scale": lambda q, k: F.scaled_dot_product_attention(q, k, v, scale=-0.5),
+             "masked row": lambda q, k: F.scaled_dot_product_attention(q, k, v, keep),
+             "both": lambda q, k: F.scaled_dot_product_attention(q, k, v, keep, scale=-0.5),
+             "no head dim": lambda q, k: F.scaled_dot_product_attention(q[..., :0], k[..., :0], v)}
+    before = torch.backends.cuda.mem_efficient_sdp_enabled()
+    torch.backends.cuda.enable_mem_efficient_sdp(backend == "fused")
+    try:
+        for name, call in calls.items():
+            leaves = [t.clone().requires_grad_() for t in (q, k)]
+            out, emu = emulated(call, *leaves, level="highest")
+            assert emu.coverage and not emu.unhandled, name
+            out.backward(torch.ones_like(out))  # after the block: PyTorch's own backward
+            native = [t.clone().requires_grad_() for t in (q, k)]
+            want = call(*native)
+            want.backward(torch.ones_like(want))
+            assert torch.allclose(out, want, atol=1e-6), name
+            for got, expected in zip(leaves, native):
+                assert torch.allclose(got.grad, expected.grad, atol=1e-5), name
+            with tf32lab.emulate("a100"):  # the emulated backward: inside the block
+                inside = [t.clone().requires_grad_() for t in (q, k)]
+                call(*inside).sum().backward()
+            assert all(torch.allclose(a.grad, b.grad, atol=1e-5) for a, b in zip(inside, native)), name
+    finally:
+        torch.backends.cuda.enable_mem_efficient_sdp(before)
+
+
 # -- the rest of the families ---------------------------------------------------------------------------
 def test_cdist_uses_a_gemm_past_25_rows():
     x1, x2 = randn(30, 16, seed=40), randn(40, 16, seed=41)

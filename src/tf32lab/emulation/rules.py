@@ -487,11 +487,23 @@ def _product(call, key, a, b):
     return call.product(key, torch.matmul, a, b)
 
 
+def _roots(scale: float) -> tuple[float, float]:
+    """The math backend's factors of ``scale`` for q and k: sqrt(|scale|) each, the sign on q's (attention.cpp)."""
+    root = _pymath.sqrt(abs(scale))
+    return (-root if scale < 0 else root), root
+
+
+# PyTorch's softmax for attention from 2.5 (pytorch#131060): a row with every score -inf (fully masked) gives
+# zeros, not NaN, in every backend; before, NaN
+_SOFTMAX = torch.ops.aten._safe_softmax if hasattr(torch.ops.aten, "_safe_softmax") else torch.softmax
+
+
 def _scores(call, key, q, k, attn_mask, is_causal, scale):
-    scale = 1.0 / _pymath.sqrt(q.size(-1)) if scale is None else scale
+    if scale is None:  # no head dim: every score is an empty sum, 0, whatever the scale (PyTorch's 1/sqrt(0))
+        scale = 1.0 / _pymath.sqrt(q.size(-1)) if q.size(-1) else 1.0
     if _math_backend(call, key):  # PyTorch's math backend scales both operands by sqrt(scale) before the GEMM
-        root = _pymath.sqrt(scale)
-        s = _product(call, key, q * root, k.transpose(-2, -1) * root)
+        q_root, k_root = _roots(scale)
+        s = _product(call, key, q * q_root, k.transpose(-2, -1) * k_root)
     else:  # the fused kernels scale the accumulator
         s = _product(call, key, q, k.transpose(-2, -1)).mul_(scale)
     if is_causal:
@@ -507,7 +519,7 @@ def _attention(call, key, q, k, v, attn_mask=None, is_causal=False, scale=None, 
     k, v = _expand_gqa(q, k, v, enable_gqa)
     s, _ = _scores(call, key, q, k, attn_mask, is_causal, scale)
     lse = torch.logsumexp(s, -1) if lse else None
-    p = torch.softmax(s, -1)
+    p = _SOFTMAX(s, -1)
     return _product(call, key, p, v), lse, p
 
 
@@ -515,14 +527,14 @@ def _attention_backward(call, key, grad, q, k, v, out, attn_mask, is_causal, sca
     heads_k = k.size(-3)
     k_full, v_full = _expand_gqa(q, k, v, enable_gqa)
     s, scale = _scores(call, key, q, k_full, attn_mask, is_causal, scale)
-    p = torch.softmax(s, -1)
+    p = _SOFTMAX(s, -1)
     grad_v = _product(call, key, p.transpose(-2, -1), grad)
     grad_p = _product(call, key, grad, v_full.transpose(-2, -1))
     grad_s = p * (grad_p - (grad * out).sum(-1, keepdim=True))
     if _math_backend(call, key):
-        root = _pymath.sqrt(scale)
-        grad_q = _product(call, key, grad_s, k_full * root).mul_(root)
-        grad_k = _product(call, key, grad_s.transpose(-2, -1), q * root).mul_(root)
+        q_root, k_root = _roots(scale)
+        grad_q = _product(call, key, grad_s, k_full * k_root).mul_(q_root)
+        grad_k = _product(call, key, grad_s.transpose(-2, -1), q * q_root).mul_(k_root)
     else:
         grad_q = _product(call, key, grad_s, k_full).mul_(scale)
         grad_k = _product(call, key, grad_s.transpose(-2, -1), q).mul_(scale)
@@ -622,10 +634,10 @@ def _sdpa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optio
 def _sdpa_backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       attn_mask: Optional[torch.Tensor], is_causal: bool, scale: Optional[float],
                       enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        o = _sdpa(*leaves, attn_mask, is_causal, scale, enable_gqa)
-        return torch.autograd.grad(o, leaves, grad)
+    # the native backward, outside emulate() (a forward emulated, its backward run after the block): a custom
+    # op's implementation runs below autograd, where torch.autograd.grad finds no graph; torch.func's vjp has its own
+    _, vjp = torch.func.vjp(lambda *qkv: _sdpa(*qkv, attn_mask, is_causal, scale, enable_gqa), q, k, v)
+    return vjp(grad)
 
 
 def _sdpa_setup(ctx, inputs, output):
