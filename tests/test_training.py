@@ -429,6 +429,22 @@ def test_tune_of_a_training_searches_under_the_conv_math_named():
         tf32lab.tune(workload, target="a100", conv="fast")
 
 
+def test_a_workload_that_writes_the_conv_flag_is_not_reported_as_run_at_the_math_asked_for():
+    def loss(out, batch):  # the workload's own code sets TF32 convolutions, as a training script might
+        flags.write_conv("tf32")
+        return mse(out, batch)
+
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(16, 4, 32, generator=g), torch.randn(16, 1, generator=g)) for _ in range(2)]
+    torch.manual_seed(0)
+    workload = TrainingWorkload(ConvHead(), data, loss=loss, inputs=lambda b: b[0], name="writes")
+    before = flags.snapshot()
+    report = check_training(workload, levels=("highest",), target="a100", conv="ieee", speed=False)
+    note = next(n for n in report.notes if "cudnn.conv 'ieee'" in n)
+    assert "until the workload wrote 'tf32'" in note and "in every row" not in note
+    assert flags.snapshot() == before  # the process's TF32 default: the workload's write of it is undone too
+
+
 # -- what a hostile workload must not get past ------------------------------------------------------------------------
 def test_a_batches_function_that_draws_from_a_stream_gives_every_row_the_same_data():
     g = torch.Generator().manual_seed(0)

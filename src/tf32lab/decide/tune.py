@@ -39,14 +39,13 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Union
 
 from tf32lab.control.policy import Policy, exact_pattern
-from tf32lab.control.scope import conv_math
 from tf32lab.decide.conv_maths import conv_matters, with_conv_math
 from tf32lab.decide.tune_training import TrainingTuning, tune_training
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import ALL_LEVELS, check_conv, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
-from tf32lab.measure.check import PolicyRow, Session, alike_levels, conv_note
+from tf32lab.measure.check import ConvRun, PolicyRow, Session, alike_levels
 from tf32lab.measure.layers import ROOT
 from tf32lab.numbers.metrics import OutputError, tolerances_of
 from tf32lab.report import Document, LevelResult, Report
@@ -230,7 +229,7 @@ def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Targ
         for chosen in convs:  # the faster conv math first; the next only when nothing passes under it
             # under IEEE after TF32 failed everywhere: the answer's cuDNN layers go back to TF32 where they pass
             relax = convs[0] if chosen != convs[0] else None
-            with conv_math(chosen):
+            with ConvRun(chosen) as conv_run:
                 run = _tune(workload, target, tolerances, everything, progress, relax)
             runs, seconds = runs + run.runs, seconds + run.seconds
             if run.answer.policy is not None:
@@ -244,7 +243,7 @@ def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Targ
     report = Report(workload=name, target=target.name, reference="float64", tolerance=dict(tolerances),
                     levels=run.levels,
                     environment=run.environment, seconds=run.check_seconds,
-                    notes=(*run.notes, *([conv_note(chosen, searched=conv is None)] if chosen else []),
+                    notes=(*run.notes, *([conv_run.note(searched=conv is None)] if chosen else []),
                            *([changed_note(changed)] if changed else [])), speed=run.speed)
     return Tuning(workload=name, target=target.name, tolerance=dict(tolerances), passed=answer.policy is not None,
                   policy=answer.policy, level=answer.level, pinned=answer.pinned, outputs=answer.outputs,

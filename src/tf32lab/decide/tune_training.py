@@ -38,13 +38,12 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from tf32lab.control.policy import Policy, exact_pattern
-from tf32lab.control.scope import conv_math
 from tf32lab.decide.conv_maths import conv_matters, with_conv_math
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import ALL_LEVELS, check_conv, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
-from tf32lab.measure.check import PolicyRow, alike_levels, conv_note
+from tf32lab.measure.check import ConvRun, PolicyRow, alike_levels
 from tf32lab.measure.training import TrainingSession, random_state_kept, training_steps, training_tolerance
 from tf32lab.report import Document
 from tf32lab.report.training import TrainingLevel, TrainingReport
@@ -162,11 +161,11 @@ def tune_training(workload: TrainingWorkload, *, target: Union[str, Target] = "a
     conv = check_conv(conv, "tune")
     refuse_applied(workload, "tune")  # type: ignore[arg-type]  # it reads .model and .name
     started = time.perf_counter()
-    with kept_flags() as changed, random_state_kept(workload.model), conv_math(conv):
+    with kept_flags() as changed, random_state_kept(workload.model), ConvRun(conv) as conv_run:
         search = _Search(TrainingSession(workload, target, steps, tolerance), levels, progress)
         found = search.run()
     report = search.session.report(found.rows, time.perf_counter() - started)
-    notes = ([conv_note(conv)] if conv is not None else []) + ([changed_note(changed)] if changed else [])
+    notes = ([conv_run.note()] if conv is not None else []) + ([changed_note(changed)] if changed else [])
     if conv is not None and not conv_matters(workload.model, target):
         conv = None  # no convolution or RNN module that the math changes: nothing for the answer to set
     elif conv is not None:  # the policies set the math they were trained under

@@ -126,7 +126,7 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
         raise Tf32LabError(f"unknown reference {reference!r}; accepted: {', '.join(map(repr, REFERENCES))}")
     tolerances = tolerances_of(tolerance)
     accumulation = check_accumulation(accumulation)
-    conv_scope = conv_math(conv)
+    conv_scope = ConvRun(conv)
     refuse_applied(workload, "check")
     ranks = Ranks.of_job()  # in a job of several ranks: the model is sharded over them, the errors reduced
     with kept_flags() as changed, ranks_fail(ranks), conv_scope:
@@ -140,7 +140,7 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
         if ranks is not None:  # every rank done before any leaves, or writes the report
             torch.distributed.barrier(group=ranks.group)
     if conv is not None:
-        report = dataclasses.replace(report, notes=(*report.notes, conv_note(conv, policy)))
+        report = dataclasses.replace(report, notes=(*report.notes, conv_scope.note(policy)))
     return _noted(report, changed)
 
 
@@ -156,17 +156,46 @@ def refuse_native_levels(levels: Iterable[str], target: Target) -> None:
                                f"target that has it computes it emulated on any torch (target 'b200')")
 
 
-def conv_note(conv: str, policy: Optional[Policy] = None, searched: bool = False) -> str:
+def conv_note(conv: str, policy: Optional[Policy] = None, searched: bool = False, moved: Optional[str] = None) -> str:
     """The report's note on a conv math named by the caller (``searched``: chosen by ``tune`` itself); ``policy``:
-    the policy row's, whose pins of another conv math it names (the row ran those modules at theirs)."""
+    the policy row's, whose pins of another conv math it names (the row ran those modules at theirs); ``moved``:
+    the math the workload wrote into the flag meanwhile (:class:`ConvRun`)."""
     pins = [] if policy is None else [
         *([f"the model → {policy.conv}"] if policy.conv not in (None, conv) else []),
         *(f"{r.pattern!r} → {r.conv}" for r in policy.rules if r.conv not in (None, conv))]
     where = "" if not pins else (f", except where the policy pins another: {', '.join(pins[:3])}"
                                  f"{f' and {len(pins) - 3} more' if len(pins) > 3 else ''}")
     said = "chosen by tune: TF32 convolutions were searched first" if searched else "conv="
-    return (f"convolutions ran at cudnn.conv {conv!r} in every row ({said}){where}; a level does not set cuDNN's "
+    rows = "in every row" if moved is None else (
+        f"until the workload wrote {moved!r} into the flag (it held that at the end of the run; what ran after the "
+        f"write ran at {moved!r})")
+    return (f"convolutions ran at cudnn.conv {conv!r} {rows} ({said}){where}; a level does not set cuDNN's "
             f"flag: torch.backends.cudnn.conv.fp32_precision = {conv!r}")
+
+
+class ConvRun:
+    """``conv_math(conv)`` around a run, and whether the workload wrote the flag meanwhile: ``moved`` is the conv
+    math the flag held at the run's end where that is not ``conv`` (a write back to ``conv`` before the end is
+    not seen). ``note()``: the report's note on it."""
+
+    def __init__(self, conv: Optional[str]) -> None:
+        self.scope = conv_math(conv)  # validates conv
+        self.conv, self.moved = self.scope.conv, None
+
+    def __enter__(self) -> ConvRun:
+        self.scope.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.conv is not None and exc[0] is None:
+                now = flags.read_cells().get("cuda.conv")
+                self.moved = now if now != self.conv else None
+        finally:
+            self.scope.__exit__(*exc)
+
+    def note(self, policy: Optional[Policy] = None, searched: bool = False) -> str:
+        return conv_note(self.conv, policy, searched, self.moved)
 
 
 def _check(workload: Workload, levels: tuple[str, ...], target: Target, reference: str, tolerances: dict[str, float],

@@ -53,14 +53,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tf32lab.control import flags, modestack
 from tf32lab.control.policy import Policy
-from tf32lab.control.scope import conv_math, precision, set_float32_matmul_precision
+from tf32lab.control.scope import precision, set_float32_matmul_precision
 from tf32lab.emulation.emulator import check_accumulation, context_cells, emulate, release_buffers
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
 from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
-from tf32lab.measure.check import PolicyRow, alike_levels, conv_note, policy_maths, refuse_native_levels
+from tf32lab.measure.check import ConvRun, PolicyRow, alike_levels, policy_maths, refuse_native_levels
 from tf32lab.measure.layers import ROOT, described, out_of_memory
 from tf32lab.measure.reference import Float64Run, widen
 from tf32lab.numbers import metrics
@@ -128,14 +128,14 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     steps = training_steps(workload, steps)
     tolerance = training_tolerance(tolerance)
     accumulation = check_accumulation(accumulation)
-    conv_scope = conv_math(conv)
+    conv_scope = ConvRun(conv)
     refuse_applied(workload, "check")  # type: ignore[arg-type]  # it reads .model and .name
     row = PolicyRow.of(policy, workload.model) if policy is not None else None
     with kept_flags() as changed, random_state_kept(workload.model), conv_scope:
         session = TrainingSession(workload, target, steps, tolerance, accumulation)
         report = _Training(session, levels, row, progress, speed).run()
     if conv is not None:
-        report = dataclasses.replace(report, notes=(*report.notes, conv_note(conv, policy)))
+        report = dataclasses.replace(report, notes=(*report.notes, conv_scope.note(policy)))
     if changed:
         report = dataclasses.replace(report, notes=(*report.notes, changed_note(changed)))
     return report
