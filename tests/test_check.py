@@ -86,6 +86,28 @@ def test_the_layer_ranking_names_the_sensitive_layer_first():
     assert by_name["sensitive"].kind == "Linear" and by_name["sensitive"].calls == 1
 
 
+class _CancelsInItsForward(nn.Module):
+    """The error arises in the module's own forward (a difference of two large products), after its only layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x):
+        return self.lin(x + 1000.0) - self.lin(torch.full_like(x, 1000.0))
+
+
+def test_an_error_that_grows_between_layers_is_not_blamed_on_one():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), _CancelsInItsForward())
+    report = tf32lab.check(Workload(model, torch.randn(8, 16)), levels=("highest", "high"), target="a100",
+                           speed=False)
+    text = " ".join(report.conclusion())
+    assert not report.passed and "no layer introduces that much" in text and "the most error is" not in text
+    worst = report.level("high").layers[0]
+    assert report.level("high").worst.normwise > 100 * worst.introduced
+
+
 def _settings(model: nn.Module) -> tuple:
     hooks = [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
     return flags.snapshot(), [m.training for m in model.modules()], hooks, torch.is_grad_enabled()

@@ -55,10 +55,21 @@ def _name(level: LevelResult) -> str:
     return f"`{level.level}`"
 
 
+# An output error this many times the worst layer's own is not that layer's: it grows between the layers (a
+# layer's error amplified downstream stays well below this)
+BEYOND_LAYERS = 100.0
+
+
 def _worst_layer(level: LevelResult) -> Optional[str]:
     layer = next((e for e in level.layers if not math.isnan(e.introduced)), None)
-    return None if layer is None else f"the layer that introduces the most error is {layer.name!r} " \
-                                      f"({layer.introduced:.1e})"
+    if layer is None:
+        return None
+    worst = level.worst
+    if worst is not None and worst.failure is None and worst.normwise > BEYOND_LAYERS * layer.introduced:
+        return (f"no layer introduces that much (at most {layer.introduced:.1e}, in {layer.name!r}): the error grows "
+                f"in the computation between layers (a module's own forward: a cancellation, a division), and "
+                f"`tf32lab tune` finds what to pin by trying candidates")
+    return f"the layer that introduces the most error is {layer.name!r} ({layer.introduced:.1e})"
 
 
 def _why_failed(level: LevelResult) -> str:
