@@ -41,7 +41,7 @@ def rows(report: TrainingReport) -> list[TrainingLevel]:
 
 
 def _label(lv: TrainingLevel) -> str:
-    return "float32 (floor)" if lv.level == "float32" else lv.level
+    return lv.level  # "float32" for the floor, which its verdict cell names
 
 
 def renderables(report: TrainingReport) -> Iterator[Any]:
@@ -56,19 +56,22 @@ def renderables(report: TrainingReport) -> Iterator[Any]:
     path = Table(title="loss path against float64's", title_justify="left")
     state = Table(title="step-1 gradients; weights and optimizer state after the last step", title_justify="left")
     speed = any(lv.speedup is not None for lv in report.levels)
+    # a row's name is never cut ("high…" could be highest): it wraps between words, each whole (the longest, 7)
+    wraps = {"row": {"overflow": "fold", "min_width": 7}, "diverges": {"overflow": "fold", "min_width": 8}}
     for column in ("row", "final loss", "max dev.", "x fp32", "diverges", *(("speedup",) if speed else ()),
                    "verdict"):
         path.add_column(column, justify="left" if column in ("row", "diverges", "verdict") else "right",
-                        no_wrap=column != "row")
+                        no_wrap=column not in wraps, **wraps.get(column, {}))
     for column in ("row", "worst gradient", "normwise", "1 - cos", "weights", "opt. state"):
         state.add_column(column, justify="left" if column in ("row", "worst gradient") else "right",
-                         no_wrap=column not in ("row", "worst gradient"))
+                         no_wrap=column not in ("row", "worst gradient"), **wraps.get(column, {}))
     for lv in [report.floor, *report.levels]:
         worst = lv.worst_gradient
         verdict = Text("floor", style="dim") if lv.level == "float32" else \
             Text("PASSED" if lv.passed else "FAILED", style="bold green" if lv.passed else "bold red")
-        diverges = f"step {lv.failed_step}: failed" if lv.failure is not None else (
-            f"step {lv.divergence_step}" if lv.divergence_step is not None else "never")
+        diverges = f"step {lv.divergence_step}" if lv.divergence_step is not None else "never"
+        if lv.failure is not None:  # the loss may have left the tolerance before the step that raised
+            diverges = (f"{diverges}, " if lv.divergence_step is not None else "") + f"step {lv.failed_step}: failed"
         label = _label(lv) + (f" (= {lv.same_as})" if lv.same_as else "")
         cells = [label, f"{lv.losses[-1]:.6g}" if lv.losses else "-", fmt(lv.drift if lv.failure is None else None),
                  f"{lv.multiple:.1f}x" if math.isfinite(lv.multiple) else "-", diverges]
