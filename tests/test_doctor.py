@@ -99,6 +99,14 @@ def test_the_cublas_override_only_changes_the_default_level(user_flags):
     assert hw.default_level == "high" and Hardware.simulated("a100").default_level == "highest"
 
 
+def test_doctor_says_when_autoconfig_is_switched_off_or_its_switch_unreadable():
+    off = tf32lab.doctor(Hardware.simulated("a100", env={"TF32LAB_DISABLE": "1"}))
+    assert "changes nothing" in next(w.message for w in off.warnings if w.code == "autoconfig-disabled")
+    unreadable = tf32lab.doctor(Hardware.simulated("a100", env={"TF32LAB_DISABLE": "maybe"}))
+    assert "not understood" in next(w.message for w in unreadable.warnings if w.code == "autoconfig-disabled")
+    assert "autoconfig-disabled" not in _codes(tf32lab.doctor(Hardware.simulated("a100", env={"TF32LAB_DISABLE": "0"})))
+
+
 def test_cpu_quota_and_thread_warnings():
     d = tf32lab.doctor(Hardware.simulated("a100", cpus=8, quota=1.5, env={"OMP_NUM_THREADS": "8"}))
     assert {"cpu-quota", "threads-oversubscribed"} <= _codes(d)

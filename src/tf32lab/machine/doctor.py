@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import torch
 
+from tf32lab import settings
 from tf32lab.control import flags
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import targets
@@ -203,6 +204,12 @@ def _warnings(hw: Hardware, level: str, table: dict[str, dict[str, str]],
                 else "PyTorch's default level is 'high' (cuBLAS matmuls run TF32 while nothing sets a level); an "
                      "explicit 'highest' still gives IEEE")
         out.append(Alert("env-override", f"{override} is set: {what}"))
+    try:
+        if settings.get("TF32LAB_DISABLE", hw.env):
+            out.append(Alert("autoconfig-disabled", (
+                "TF32LAB_DISABLE is set: tf32lab.autoconfig() changes nothing (it logs that it is off)")))
+    except Tf32LabError as unreadable:
+        out.append(Alert("autoconfig-disabled", f"{unreadable}: tf32lab.autoconfig() raises until it is"))
     if hw.rocm and hw.gpus:
         if hw.rocm_tf32_allowed:
             out.append(Alert("rocm-tf32", (

@@ -38,7 +38,8 @@ __all__ = ["ENV", "ISA", "Gpu", "Hardware", "cpu_quota", "detect"]
 # Environment variables that override what the flags say (NVIDIA's cuBLAS docs for NVIDIA_TF32_OVERRIDE, PyTorch's
 # CUDA notes for TORCH_ALLOW_TF32_CUBLAS_OVERRIDE), read as they are at detection.
 ENV = ("NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "HIPBLASLT_ALLOW_TF32", "OMP_NUM_THREADS",
-       "MKL_NUM_THREADS", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE")  # torchrun's: this process's rank in its job
+       "MKL_NUM_THREADS", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE",  # torchrun's: this process's rank in its job
+       "TF32LAB_DISABLE")  # autoconfig's kill switch
 _ENV_PREFIXES = ("TORCHINDUCTOR_",)
 
 # CPU instructions that decide reduced-precision float32 math on a CPU (oneDNN bf16/fp16 paths), /proc/cpuinfo names.

@@ -105,4 +105,6 @@ def render(d: Diagnosis) -> Iterator[Any]:
     yield f"recommend | threads {d.recommended_threads} | {d.threads_reason}"
     if rec.advice:
         yield f"advice | {rec.advice}"
-    yield "apply with: tf32lab.autoconfig(workers=N) at program start; it logs each decision and can undo them"
+    off = any(alert.code == "autoconfig-disabled" for alert in d.warnings)
+    yield "apply with: tf32lab.autoconfig(workers=N) at program start; it logs each decision and can undo them" + (
+        " (once TF32LAB_DISABLE is unset)" if off else "")
