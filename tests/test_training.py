@@ -376,6 +376,19 @@ def test_tune_pins_the_module_whose_gradients_tf32_ruins_and_trains_it():
     assert json.loads(tuning.to_json())["candidates"][0]["pinned"] == ["lin"]
 
 
+def test_tune_drops_a_pin_that_a_later_one_made_unneeded():
+    torch.manual_seed(0)  # the worst step-1 gradient is the head's, but the cancellation is in `lin`
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), Offset())
+    workload = TrainingWorkload(model, offset_batches, loss=mse, inputs=lambda b: b[0], steps=20,
+                                optimizer=lambda p: torch.optim.SGD(p, lr=1e-2), name="offset3")
+    tuning = tf32lab.tune(workload, target="a100")
+    assert [(c.pinned, c.passed) for c in tuning.candidates] == [
+        (("2.head",), False), (("2.head", "2.lin"), True), (("2.lin",), True)]
+    assert tuning.passed and tuning.pinned == ("2.lin",)
+    assert tuning.policy.to_dict()["rules"] == [{"pattern": "2.lin", "level": "highest"}]
+    assert tuning.report.policy_row.passed
+
+
 def test_tune_keeps_a_level_that_trains_within_tolerance():
     tuning = tf32lab.tune(regression(steps=3), target="a100")
     assert tuning.passed and tuning.level == "high" and tuning.candidates == ()

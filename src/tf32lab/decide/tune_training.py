@@ -7,8 +7,9 @@
    is furthest from float64's is pinned to ``highest`` (the rest at ``F``) and the policy is trained; while it
    still fails, the module owning the worst gradient of *that* run is added, up to ``MAX_PINS`` modules. A step
    that fails before any gradient falls back to the module whose own backward introduces the most error. The
-   first policy that passes is the answer; none within ``MAX_PINS``: the fastest uniform level that passes
-   (``highest`` when float32 itself trains).
+   first policy that passes is the answer, less each earlier pin it still passes without (one run each: the
+   culprits were found one at a time, and a later one can make an earlier one unneeded); none within
+   ``MAX_PINS``: the fastest uniform level that passes (``highest`` when float32 itself trains).
 3. Every candidate is a full training run compared with float64 and float32's floor; none is chosen without one.
    Fewer pins are faster (each pin runs its module's products in IEEE), so the search stops at the first pass.
 4. **Convolutions.** cuDNN's conv math is no level's: ``conv="tf32"`` or ``"ieee"`` runs the whole search under
@@ -224,13 +225,14 @@ class _Search:
                 if module is None:
                     break
                 pinned.append(module)
-                policy = Policy(fast, [(exact_pattern(m), "highest") for m in pinned])
-                bar.step(f"{fast} with {len(pinned)} module(s) at highest: {session.steps} steps")
-                row = session.judged(session.policy(PolicyRow.of(policy, session.saved)))
-                why = f"{fast}, pinned: {', '.join(pinned)}"
-                self.candidates.append(TrainingCandidate(policy, tuple(pinned), row.passed, row.multiple,
-                                                         row.failure, why))
+                policy, row = self._trained(fast, pinned, bar)
                 if row.passed:
+                    # the culprits were added one at a time: an earlier one may not be needed with a later one in
+                    for module in pinned[:-1]:
+                        fewer = [m for m in pinned if m != module]
+                        trial, trial_row = self._trained(fast, fewer, bar, f" (without {module})")
+                        if trial_row.passed:
+                            pinned, policy, row = fewer, trial, trial_row
                     reason = (f"`{fast}` fails ({_why(uniform[fast])}); with {', '.join(map(repr, pinned))} at "
                               f"`highest` training passes on {target.name} ({row.multiple:.1f}x float32's own "
                               f"drift).")
@@ -238,6 +240,16 @@ class _Search:
                 last = row
             return self._uniform_fallback(uniform, rows, f"`{fast}` fails ({_why(uniform[fast])}) and no policy of "
                                                          f"up to {MAX_PINS} pinned modules passes")
+
+    def _trained(self, fast: str, pinned: list[str], bar: Progress, why: str = "") -> tuple[Policy, TrainingLevel]:
+        """``fast`` with the modules ``pinned`` at ``highest``, trained and judged; recorded as a candidate."""
+        session = self.session
+        policy = Policy(fast, [(exact_pattern(m), "highest") for m in pinned])
+        bar.step(f"{fast} with {len(pinned)} module(s) at highest: {session.steps} steps")
+        row = session.judged(session.policy(PolicyRow.of(policy, session.saved)))
+        self.candidates.append(TrainingCandidate(policy, tuple(pinned), row.passed, row.multiple, row.failure,
+                                                 f"{fast}, pinned: {', '.join(pinned)}{why}"))
+        return policy, row
 
     def _uniform_fallback(self, uniform: dict[str, TrainingLevel], rows: tuple[TrainingLevel, ...],
                           why: str) -> _Found:
