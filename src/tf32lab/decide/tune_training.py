@@ -47,7 +47,7 @@ from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.check import ConvRun, PolicyRow, alike_levels
 from tf32lab.measure.training import TrainingSession, random_state_kept, training_steps, training_tolerance
 from tf32lab.report import Document
-from tf32lab.report.training import TrainingLevel, TrainingReport
+from tf32lab.report.training import TrainingLevel, TrainingReport, faster
 from tf32lab.workloads.running import Progress, changed_note, kept_flags, refuse_applied
 from tf32lab.workloads.training import TrainingWorkload
 
@@ -165,7 +165,14 @@ def tune_training(workload: TrainingWorkload, *, target: Union[str, Target] = "a
     with kept_flags() as changed, random_state_kept(workload.model), ConvRun(conv) as conv_run:
         search = _Search(TrainingSession(workload, target, steps, tolerance), levels, progress)
         found = search.run()
-    report = search.session.report(found.rows, time.perf_counter() - started)
+        # each row's predicted speedup of a training step, as check_training gives it; the answer says it too
+        mixed = found.policy is not None and found.level is None
+        rows = search.session.with_speed(list(found.rows), PolicyRow.of(found.policy, search.session.saved)
+                                         if mixed else None)
+    answer = next((row for row in rows if row.level == ("policy" if mixed else found.level)), None)
+    if answer is not None and found.level != "highest":
+        found = dataclasses.replace(found, reason=found.reason.rstrip(".") + faster(answer, target.name) + ".")
+    report = search.session.report(rows, time.perf_counter() - started)
     notes = ([conv_run.note()] if conv is not None else []) + ([changed_note(changed)] if changed else [])
     if conv is not None and not conv_matters(workload.model, target):
         conv = None  # no convolution or RNN module that the math changes: nothing for the answer to set

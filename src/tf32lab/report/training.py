@@ -35,7 +35,7 @@ from tf32lab.numbers.files import finite
 from tf32lab.report import Document
 
 __all__ = ["FLOOR_MULTIPLE", "TRAINING_SCHEMA_VERSION", "BackwardLayer", "ParameterError", "TrainingLevel",
-           "TrainingReport", "training_schema"]
+           "TrainingReport", "faster", "training_schema"]
 
 TRAINING_SCHEMA_VERSION = 1
 # A level whose loss path stays within this multiple of float32's own drift from float64 passes even past the
@@ -229,7 +229,7 @@ def _verdict(lv: TrainingLevel, report: TrainingReport) -> str:
             f"({_times(lv.multiple)} float32's own drift) > {report.tolerance:.0e}")
 
 
-def _faster(lv: TrainingLevel, target: str) -> str:
+def faster(lv: TrainingLevel, target: str) -> str:
     """``; a training step is predicted 1.80x faster than at `highest` on a100 (likely 1.60-2.00x)``, or nothing."""
     if lv.speedup is None or target == NATIVE:
         return ""
@@ -301,11 +301,11 @@ def conclusion(report: TrainingReport) -> list[str]:
         elif lv.passed and lv.divergence_step is None:
             lines.append(f"{called} is safe for training {name} for {steps} {where}: its loss stays within "
                          f"{lv.drift:.1e} of float64's ({_times(lv.multiple)} float32's own drift; tolerance "
-                         f"{report.tolerance:.0e}){_faster(lv, report.target)}.")
+                         f"{report.tolerance:.0e}){faster(lv, report.target)}.")
         elif lv.passed:
             lines.append(f"{called} is safe for training {name} for {steps} {where}: its loss stays within "
                          f"{lv.multiple:.1f}x of float32's own drift, though both leave float64's path by more than "
-                         f"{report.tolerance:.0e} (from step {lv.divergence_step}){_faster(lv, report.target)}.")
+                         f"{report.tolerance:.0e} (from step {lv.divergence_step}){faster(lv, report.target)}.")
         else:
             clause = _gradient_clause(lv)
             lines.append(f"{called} diverges at step {lv.divergence_step} {where}: its loss is "
