@@ -103,7 +103,8 @@ def test_an_error_that_grows_between_layers_is_not_blamed_on_one():
     report = tf32lab.check(Workload(model, torch.randn(8, 16)), levels=("highest", "high"), target="a100",
                            speed=False)
     text = " ".join(report.conclusion())
-    assert not report.passed and "no layer introduces that much" in text and "the most error is" not in text
+    assert not report.passed and "no layer introduces that much" in text and "cannot tell" in text
+    assert "the most error is" not in text
     worst = report.level("high").layers[0]
     assert report.level("high").worst.normwise > 100 * worst.introduced
 

@@ -459,6 +459,9 @@ def test_a_workload_that_writes_the_conv_flag_is_not_reported_as_run_at_the_math
     note = next(n for n in report.notes if "cudnn.conv 'ieee'" in n)
     assert "until the workload wrote 'tf32'" in note and "in every row" not in note
     assert flags.snapshot() == before  # the process's TF32 default: the workload's write of it is undone too
+    tuning = tf32lab.tune(workload, target="a100", conv="ieee")  # nor does the answer claim the math, or set it
+    assert tuning.conv is None and (tuning.policy is None or tuning.policy.conv is None)
+    assert any("until the workload wrote 'tf32'" in note for note in tuning.report.notes)
 
 
 # -- what a hostile workload must not get past ------------------------------------------------------------------------

@@ -60,8 +60,8 @@ def test_module_and_file_specs(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("factory, message", [
     ("raises", "the factory raised KeyError: 'no weights here'"),
-    ("wrong", "the factory returned a list; accepted: a tf32lab.Workload, a (model, inputs) pair or a "
-              "tf32lab.TrainingWorkload"),
+    ("wrong", "the factory returned an object of type list; accepted: a tf32lab.Workload, a (model, inputs) "
+              "pair or a tf32lab.TrainingWorkload"),
     ("bad_inputs", "the factory's inputs are a list; accepted: a tensor, a tuple or a dict"),
     ("half", "the model holds float16 tensors; tf32lab checks float32 models"),
     ("nothing", "has no attribute 'nothing'"),

@@ -235,7 +235,7 @@ def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Targ
             if run.answer.policy is not None:
                 break
     searched = chosen == "ieee" and convs[0] != "ieee"
-    matters = chosen is not None and (conv is None or conv_matters(workload.model, target))
+    matters = chosen is not None and conv_run.moved is None and (conv is None or conv_matters(workload.model, target))
     if matters and (searched or conv is not None):
         run = _stamped(run, chosen)  # a math chosen beyond PyTorch's default, or asked for: the policies set it
     # Built once, whole, here: only now is it known whether the workload changed the flags (a note of the report).

@@ -121,7 +121,7 @@ class TrainingTuning(Document):
             for c in self.candidates:
                 chosen = " <- chosen" if c.passed and c.policy == self.policy else ""
                 shown = f"{c.multiple:.1f}x" if math.isfinite(c.multiple) else "failed"
-                out.append(f"{c.why[:48]:<48} {shown:>9}  {'PASSED' if c.passed else 'FAILED'}{chosen}")
+                out.append(f"{c.why:<48} {shown:>9}  {'PASSED' if c.passed else 'FAILED'}{chosen}")  # whole names
         out.append(f"{self.runs} float32 trainings besides the float64 reference; {self.seconds:.1f} s")
         return out + self.advice(policy_file)
 
@@ -174,8 +174,8 @@ def tune_training(workload: TrainingWorkload, *, target: Union[str, Target] = "a
         found = dataclasses.replace(found, reason=found.reason.rstrip(".") + faster(answer, target.name) + ".")
     report = search.session.report(rows, time.perf_counter() - started)
     notes = ([conv_run.note()] if conv is not None else []) + ([changed_note(changed)] if changed else [])
-    if conv is not None and not conv_matters(workload.model, target):
-        conv = None  # no convolution or RNN module that the math changes: nothing for the answer to set
+    if conv is not None and (conv_run.moved is not None or not conv_matters(workload.model, target)):
+        conv = None  # the workload wrote another math (the note says so), or no module the math changes
     elif conv is not None:  # the policies set the math they were trained under
         found = dataclasses.replace(found, policy=with_conv_math(found.policy, conv))
         search.candidates = [dataclasses.replace(c, policy=with_conv_math(c.policy, conv)) for c in search.candidates]
@@ -207,7 +207,7 @@ class _Search:
         ordered = tuple(level for level in reversed(ALL_LEVELS) if level in self.levels or level == "highest")
         alike = alike_levels(tuple(reversed(ordered)), target)  # highest first: what computes as highest is it
         distinct = [level for level in ordered if level != "highest" and alike[level] is None]
-        with Progress(self.progress, steps=2 + len(distinct) + MAX_PINS) as bar:
+        with Progress(self.progress, steps=2 + len(distinct) + 2 * MAX_PINS - 1) as bar:  # pins, then drops
             session.start(bar)
             uniform: dict[str, TrainingLevel] = {}
             for level in distinct:  # the fastest first
@@ -252,7 +252,7 @@ class _Search:
         """``fast`` with the modules ``pinned`` at ``highest``, trained and judged; recorded as a candidate."""
         session = self.session
         policy = Policy(fast, [(exact_pattern(m), "highest") for m in pinned])
-        bar.step(f"{fast} with {len(pinned)} module(s) at highest: {session.steps} steps")
+        bar.step(f"{fast} with {len(pinned)} module(s) at highest{why}: {session.steps} steps")
         row = session.judged(session.policy(PolicyRow.of(policy, session.saved)))
         self.candidates.append(TrainingCandidate(policy, tuple(pinned), row.passed, row.multiple, row.failure,
                                                  f"{fast}, pinned: {', '.join(pinned)}{why}"))

@@ -183,7 +183,8 @@ class Target:
         if self.peaks is None:
             gpus = ", ".join(map(repr, speed_targets()))
             raise Tf32LabError(f"no speed model for target {self.name!r}: predictions cover GPU targets ({gpus}); "
-                               f"on a CPU, measure: `tf32lab speed --target native --measure`, or tf32lab.bench")
+                               f"on a CPU, measure it: `tf32lab speed SPEC --target native --measure`, or "
+                               f"tf32lab.bench")
         return self.peaks
 
     def math_name(self, key: str, cells: Mapping[str, str]) -> str:

@@ -209,7 +209,7 @@ def _warnings(hw: Hardware, level: str, table: dict[str, dict[str, str]],
             out.append(Alert("autoconfig-disabled", (
                 "TF32LAB_DISABLE is set: tf32lab.autoconfig() changes nothing (it logs that it is off)")))
     except Tf32LabError as unreadable:
-        out.append(Alert("autoconfig-disabled", f"{unreadable}: tf32lab.autoconfig() raises until it is"))
+        out.append(Alert("autoconfig-disabled", f"{unreadable}: tf32lab.autoconfig() raises on it"))
     if hw.rocm and hw.gpus:
         if hw.rocm_tf32_allowed:
             out.append(Alert("rocm-tf32", (

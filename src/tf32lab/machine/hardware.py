@@ -423,7 +423,7 @@ def resolve_target(name: Union[str, targets.Target], *, speed: bool = False) -> 
         if isinstance(name, str) and name not in targets.TARGETS:
             gpus = ", ".join(map(repr, targets.speed_targets()))
             raise Tf32LabError(f"unknown target {name!r}; accepted: {gpus} (the GPU targets, which the speed model "
-                               "covers; on a CPU, measure: `tf32lab speed --target native --measure`, or "
+                               "covers; on a CPU, measure it: `tf32lab speed SPEC --target native --measure`, or "
                                "tf32lab.bench)")
         found = resolve_target(name)
         found.speed_peaks()

@@ -55,8 +55,8 @@ def _name(level: LevelResult) -> str:
     return f"`{level.level}`"
 
 
-# An output error this many times the worst layer's own is not that layer's: it grows between the layers (a
-# layer's error amplified downstream stays well below this)
+# An output error this many times the worst layer's own was amplified after the layers (a cancellation, an
+# ill-conditioned solve): which layer's error it was, the ranking by introduced error cannot tell
 BEYOND_LAYERS = 100.0
 
 
@@ -66,9 +66,9 @@ def _worst_layer(level: LevelResult) -> Optional[str]:
         return None
     worst = level.worst
     if worst is not None and worst.failure is None and worst.normwise > BEYOND_LAYERS * layer.introduced:
-        return (f"no layer introduces that much (at most {layer.introduced:.1e}, in {layer.name!r}): the error grows "
-                f"in the computation between layers (a module's own forward: a cancellation, a division), and "
-                f"`tf32lab tune` finds what to pin by trying candidates")
+        return (f"no layer introduces that much (at most {layer.introduced:.1e}, in {layer.name!r}): a layer's error "
+                f"is amplified after it (a cancellation, an ill-conditioned solve), which layer's this ranking cannot "
+                f"tell; `tf32lab tune` finds the one to pin by trying candidates")
     return f"the layer that introduces the most error is {layer.name!r} ({layer.introduced:.1e})"
 
 

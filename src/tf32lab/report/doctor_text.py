@@ -107,4 +107,4 @@ def render(d: Diagnosis) -> Iterator[Any]:
         yield f"advice | {rec.advice}"
     off = any(alert.code == "autoconfig-disabled" for alert in d.warnings)
     yield "apply with: tf32lab.autoconfig(workers=N) at program start; it logs each decision and can undo them" + (
-        " (once TF32LAB_DISABLE is unset)" if off else "")
+        " (once TF32LAB_DISABLE is unset or off)" if off else "")

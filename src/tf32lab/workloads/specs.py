@@ -182,10 +182,10 @@ def _as_workload(spec: str, made: Any, default_name: str) -> Any:
         name = os.path.basename(spec.rpartition(":")[0]).removesuffix(".py") + f":{default_name}"
         return Workload(model, inputs, name=name)
     raise Tf32LabError(
-        f"workload {spec!r}: the factory returned {_article(type(made).__name__)}; accepted: a tf32lab.Workload, a "
+        f"workload {spec!r}: the factory returned {_returned(made)}; accepted: a tf32lab.Workload, a "
         f"(model, inputs) pair or a tf32lab.TrainingWorkload")
 
 
-def _article(noun: str) -> str:
-    """``noun`` with its indefinite article: "an int", "a list"."""
-    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+def _returned(value: object) -> str:
+    """What a factory returned, for an error: "None" (a missing ``return``), else its type."""
+    return "None (no return statement?)" if value is None else f"an object of type {type(value).__name__}"
