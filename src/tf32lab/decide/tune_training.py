@@ -12,6 +12,8 @@
    ``MAX_PINS``: the fastest uniform level that passes (``highest`` when float32 itself trains).
 3. Every candidate is a full training run compared with float64 and float32's floor; none is chosen without one.
    Fewer pins are faster (each pin runs its module's products in IEEE), so the search stops at the first pass.
+   As in a forward tune, a reduced level or a pinned policy is taken only where a training step is predicted at
+   least ``WORTH`` (1.10x) as fast as at ``highest`` (``check_training``'s prediction); else ``highest``.
 4. **Convolutions.** cuDNN's conv math is no level's: ``conv="tf32"`` or ``"ieee"`` runs the whole search under
    it (set for the run and put back, as ``check_training(conv=)``), and the answer says which math it needs.
    Unlike a forward tune, no second search is made under IEEE when nothing passes at TF32: float32's floor is
@@ -25,8 +27,10 @@ Example:
     >>> w = tf32lab.TrainingWorkload(torch.nn.Linear(16, 1), data, inputs=lambda b: b[0],
     ...                              loss=lambda o, b: (o - b[1]).pow(2).mean())
     >>> tuning = tf32lab.tune(w, target="a100")
-    >>> tuning.level, tuning.pinned, tuning.passed
-    ('high', (), True)
+    >>> tuning.level, tuning.pinned, tuning.passed      # TF32 trains it, but a model this small gains nothing
+    ('highest', (), True)
+    >>> "predicted only 1.00x as fast" in tuning.reason
+    True
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.check import ConvRun, PolicyRow, alike_levels
 from tf32lab.measure.training import TrainingSession, random_state_kept, training_steps, training_tolerance
 from tf32lab.report import Document
-from tf32lab.report.training import TrainingLevel, TrainingReport, faster
+from tf32lab.report.training import WORTH, TrainingLevel, TrainingReport, faster
 from tf32lab.workloads.running import Progress, changed_note, kept_flags, refuse_applied
 from tf32lab.workloads.training import TrainingWorkload
 
@@ -165,14 +169,12 @@ def tune_training(workload: TrainingWorkload, *, target: Union[str, Target] = "a
     with kept_flags() as changed, random_state_kept(workload.model), ConvRun(conv) as conv_run:
         search = _Search(TrainingSession(workload, target, steps, tolerance), levels, progress)
         found = search.run()
-        # each row's predicted speedup of a training step, as check_training gives it; the answer says it too
-        mixed = found.policy is not None and found.level is None
-        rows = search.session.with_speed(list(found.rows), PolicyRow.of(found.policy, search.session.saved)
-                                         if mixed else None)
-    answer = next((row for row in rows if row.level == ("policy" if mixed else found.level)), None)
+    # the answer's predicted speedup of a training step (its rows carry theirs, as check_training's do)
+    mixed = found.policy is not None and found.level is None
+    answer = next((row for row in found.rows if row.level == ("policy" if mixed else found.level)), None)
     if answer is not None and found.level != "highest":
         found = dataclasses.replace(found, reason=found.reason.rstrip(".") + faster(answer, target.name) + ".")
-    report = search.session.report(rows, time.perf_counter() - started)
+    report = search.session.report(found.rows, time.perf_counter() - started)
     notes = ([conv_run.note()] if conv is not None else []) + ([changed_note(changed)] if changed else [])
     if conv is not None and (conv_run.moved is not None or not conv_matters(workload.model, target)):
         conv = None  # the workload wrote another math (the note says so), or no module the math changes
@@ -219,13 +221,23 @@ class _Search:
             rows = tuple(uniform[level] if alike[level] is None else
                          dataclasses.replace(uniform[alike[level]], level=level, same_as=alike[level])
                          for level in reversed(ordered))
+            rows = tuple(session.with_speed(list(rows), None))  # each row's predicted training-step speedup
+            speed = {row.level: row.speedup for row in rows}
             for level in distinct:
                 if uniform[level].passed:
+                    if _slow(speed.get(level)):  # as a forward tune: a level that buys little is not taken
+                        return self._uniform_fallback(uniform, rows, (
+                            f"`{level}` trains within tolerance on {target.name}, but a training step is predicted "
+                            f"only {speed[level]:.2f}x as fast as at `highest` there (worth it from {WORTH:.2f}x)"))
                     return _Found(Policy(level), level, (), f"`{level}` trains within tolerance on "
                                   f"{target.name}: no module needs a safer level.", rows)
             if not distinct:
                 return self._uniform_fallback(uniform, rows, "no reduced level to try")
             fast = distinct[0]
+            if _slow(speed.get(fast)):
+                return self._uniform_fallback(uniform, rows, (
+                    f"`{fast}` fails ({_why(uniform[fast])}), and a training step is predicted only "
+                    f"{speed[fast]:.2f}x as fast as at `highest` there: no pinned policy is worth trying"))
             last, pinned = uniform[fast], []
             for _ in range(MAX_PINS):
                 module = _culprit(last, pinned)
@@ -240,10 +252,15 @@ class _Search:
                         trial, trial_row = self._trained(fast, fewer, bar, f" (without {module})")
                         if trial_row.passed:
                             pinned, policy, row = fewer, trial, trial_row
-                    reason = (f"`{fast}` fails ({_why(uniform[fast])}); with {', '.join(map(repr, pinned))} at "
+                    row = session.with_speed([row], PolicyRow.of(policy, session.saved))[0]
+                    passes = (f"`{fast}` fails ({_why(uniform[fast])}); with {', '.join(map(repr, pinned))} at "
                               f"`highest` training passes on {target.name} ({row.multiple:.1f}x float32's own "
-                              f"drift).")
-                    return _Found(policy, None, tuple(pinned), reason, (*rows, row))
+                              f"drift)")
+                    if _slow(row.speedup):
+                        return self._uniform_fallback(uniform, (*rows, row), (
+                            f"{passes}, but a training step is then predicted only {row.speedup:.2f}x as fast as "
+                            f"at `highest`"))
+                    return _Found(policy, None, tuple(pinned), passes + ".", (*rows, row))
                 last = row
             return self._uniform_fallback(uniform, rows, f"`{fast}` fails ({_why(uniform[fast])}) and no policy of "
                                                          f"up to {MAX_PINS} pinned modules passes")
@@ -265,6 +282,12 @@ class _Search:
             return _Found(Policy("highest"), "highest", (), f"{why}: keep `highest`.", rows)
         return _Found(None, None, (), f"{why}; float32 itself (`highest`) fails ({_why(top)}): no precision "
                                       f"setting makes this training pass.", rows)
+
+
+def _slow(speedup: Optional[float]) -> bool:
+    """A predicted speedup that buys too little to take a reduced level or a pinned policy for (None: not
+    predicted, so taken)."""
+    return speedup is not None and speedup < WORTH
 
 
 def _why(row: TrainingLevel) -> str:

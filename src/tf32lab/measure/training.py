@@ -323,6 +323,7 @@ class TrainingSession:
         self._floor: Optional[TrainingLevel] = None
         self._batches: dict[int, Any] = {}
         self._speed_notes: list[str] = []
+        self._counted: Any = None  # one training step's counts, made once (with_speed may be asked again)
         self.cuda = bool(_cuda_devices(self.saved))
 
     def start(self, bar: Progress) -> None:
@@ -388,15 +389,19 @@ class TrainingSession:
         a speed model; a step the counter cannot follow leaves the rows without one, and a note says why."""
         if self.target.peaks is None or not rows:
             return rows
-        try:
-            counts = self._step_counts()
-        except Tf32LabError:
-            raise
-        except Exception as exc:
-            if internal_error(exc, "counting a training step") is not None:
+        if self._counted is None:
+            try:
+                self._counted = self._step_counts()
+            except Tf32LabError:
                 raise
-            self._speed_notes.append(f"no speed predicted: counting one training step raised {described(exc)}")
+            except Exception as exc:
+                if internal_error(exc, "counting a training step") is not None:
+                    raise
+                self._speed_notes.append(f"no speed predicted: counting one training step raised {described(exc)}")
+                self._counted = False
+        if self._counted is False:
             return rows
+        counts = self._counted
         levels = sorted({r.level for r in rows if r.level in ALL_LEVELS} | {"highest"}, key=ALL_LEVELS.index)
         report = predict_counts(counts, str(self.workload.name), self.target, levels, step="training")
         out = []

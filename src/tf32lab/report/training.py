@@ -34,7 +34,7 @@ from tf32lab.know.targets import NATIVE
 from tf32lab.numbers.files import finite
 from tf32lab.report import Document
 
-__all__ = ["FLOOR_MULTIPLE", "TRAINING_SCHEMA_VERSION", "BackwardLayer", "ParameterError", "TrainingLevel",
+__all__ = ["FLOOR_MULTIPLE", "TRAINING_SCHEMA_VERSION", "WORTH", "BackwardLayer", "ParameterError", "TrainingLevel",
            "TrainingReport", "faster", "training_schema"]
 
 TRAINING_SCHEMA_VERSION = 1
