@@ -12,8 +12,10 @@
    ``MAX_PINS``: the fastest uniform level that passes (``highest`` when float32 itself trains).
 3. Every candidate is a full training run compared with float64 and float32's floor; none is chosen without one.
    Fewer pins are faster (each pin runs its module's products in IEEE), so the search stops at the first pass.
-   As in a forward tune, a reduced level or a pinned policy is taken only where a training step is predicted at
-   least ``WORTH`` (1.10x) as fast as at ``highest`` (``check_training``'s prediction); else ``highest``.
+   As in a forward tune, a pinned policy is taken only where a training step is predicted at least ``WORTH``
+   (1.10x) as fast as at ``highest`` (``check_training``'s prediction), and none is tried where the fastest level
+   itself would not gain that; else ``highest`` (where float32 itself passes). A uniform level that passes is
+   taken whatever its speedup, which the answer states.
 4. **Convolutions.** cuDNN's conv math is no level's: ``conv="tf32"`` or ``"ieee"`` runs the whole search under
    it (set for the run and put back, as ``check_training(conv=)``), and the answer says which math it needs.
    Unlike a forward tune, no second search is made under IEEE when nothing passes at TF32: float32's floor is
@@ -27,9 +29,9 @@ Example:
     >>> w = tf32lab.TrainingWorkload(torch.nn.Linear(16, 1), data, inputs=lambda b: b[0],
     ...                              loss=lambda o, b: (o - b[1]).pow(2).mean())
     >>> tuning = tf32lab.tune(w, target="a100")
-    >>> tuning.level, tuning.pinned, tuning.passed      # TF32 trains it, but a model this small gains nothing
-    ('highest', (), True)
-    >>> "predicted only 1.00x as fast" in tuning.reason
+    >>> tuning.level, tuning.pinned, tuning.passed
+    ('high', (), True)
+    >>> "buys little" in tuning.reason                  # a model this small gains nothing from TF32
     True
 """
 
@@ -223,21 +225,20 @@ class _Search:
                          for level in reversed(ordered))
             rows = tuple(session.with_speed(list(rows), None))  # each row's predicted training-step speedup
             speed = {row.level: row.speedup for row in rows}
-            for level in distinct:
+            for level in distinct:  # as a forward tune: a passing level is taken, its speedup said (even if 1.00x)
                 if uniform[level].passed:
-                    if _slow(speed.get(level)):  # as a forward tune: a level that buys little is not taken
-                        return self._uniform_fallback(uniform, rows, (
-                            f"`{level}` trains within tolerance on {target.name}, but a training step is predicted "
-                            f"only {speed[level]:.2f}x as fast as at `highest` there (worth it from {WORTH:.2f}x)"))
                     return _Found(Policy(level), level, (), f"`{level}` trains within tolerance on "
                                   f"{target.name}: no module needs a safer level.", rows)
             if not distinct:
                 return self._uniform_fallback(uniform, rows, "no reduced level to try")
             fast = distinct[0]
-            if _slow(speed.get(fast)):
+            # a pinned policy is slower than its level: where that level buys too little, no pin can pay (unless
+            # float32 itself fails, and a pinned policy is the only hope)
+            if _slow(speed.get(fast)) and uniform["highest"].passed:
                 return self._uniform_fallback(uniform, rows, (
-                    f"`{fast}` fails ({_why(uniform[fast])}), and a training step is predicted only "
-                    f"{speed[fast]:.2f}x as fast as at `highest` there: no pinned policy is worth trying"))
+                    f"`{fast}` fails ({_why(uniform[fast])}), and a training step there is predicted only "
+                    f"{speed[fast]:.2f}x as fast as at `highest` on {target.name} (tune's threshold: "
+                    f"{WORTH:.2f}x), so no pinned policy is worth trying"))
             last, pinned = uniform[fast], []
             for _ in range(MAX_PINS):
                 module = _culprit(last, pinned)
@@ -256,10 +257,10 @@ class _Search:
                     passes = (f"`{fast}` fails ({_why(uniform[fast])}); with {', '.join(map(repr, pinned))} at "
                               f"`highest` training passes on {target.name} ({row.multiple:.1f}x float32's own "
                               f"drift)")
-                    if _slow(row.speedup):
-                        return self._uniform_fallback(uniform, (*rows, row), (
+                    if _slow(row.speedup) and uniform["highest"].passed:  # as a forward tune's mixed policy
+                        return self._uniform_fallback(uniform, rows, (
                             f"{passes}, but a training step is then predicted only {row.speedup:.2f}x as fast as "
-                            f"at `highest`"))
+                            f"at `highest` on {target.name} (tune's threshold: {WORTH:.2f}x)"))
                     return _Found(policy, None, tuple(pinned), passes + ".", (*rows, row))
                 last = row
             return self._uniform_fallback(uniform, rows, f"`{fast}` fails ({_why(uniform[fast])}) and no policy of "
