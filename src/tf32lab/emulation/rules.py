@@ -495,7 +495,16 @@ def _roots(scale: float) -> tuple[float, float]:
 
 # PyTorch's softmax for attention from 2.5 (pytorch#131060): a row with every score -inf (fully masked) gives
 # zeros, not NaN, in every backend; before, NaN
-_SOFTMAX = torch.ops.aten._safe_softmax if hasattr(torch.ops.aten, "_safe_softmax") else torch.softmax
+_SAFE_SOFTMAX = hasattr(torch.ops.aten, "_safe_softmax")
+
+
+def _SOFTMAX(s: torch.Tensor, dim: int) -> torch.Tensor:
+    """Attention's softmax as PyTorch's: ``_safe_softmax``'s zeros for fully masked rows, at a softmax's cost where
+    no row is (its own passes cost 3x a softmax); a NaN row it leaves is one such row, or a NaN score's."""
+    p = torch.softmax(s, dim)
+    if _SAFE_SOFTMAX and _pymath.isnan(p.sum().item()):  # probabilities are finite: a sum is NaN only with a NaN
+        p = p.masked_fill(torch.isneginf(s).all(dim, keepdim=True), 0.0)
+    return p
 
 
 def _scores(call, key, q, k, attn_mask, is_causal, scale):
