@@ -498,7 +498,7 @@ def _roots(scale: float) -> tuple[float, float]:
 _SAFE_SOFTMAX = hasattr(torch.ops.aten, "_safe_softmax")
 
 
-def _SOFTMAX(s: torch.Tensor, dim: int) -> torch.Tensor:
+def _attention_softmax(s: torch.Tensor, dim: int) -> torch.Tensor:
     """Attention's softmax as PyTorch's: ``_safe_softmax``'s zeros for fully masked rows, at a softmax's cost where
     no row is (its own passes cost 3x a softmax); a NaN row it leaves is one such row, or a NaN score's."""
     p = torch.softmax(s, dim)
@@ -528,7 +528,7 @@ def _attention(call, key, q, k, v, attn_mask=None, is_causal=False, scale=None, 
     k, v = _expand_gqa(q, k, v, enable_gqa)
     s, _ = _scores(call, key, q, k, attn_mask, is_causal, scale)
     lse = torch.logsumexp(s, -1) if lse else None
-    p = _SOFTMAX(s, -1)
+    p = _attention_softmax(s, -1)
     return _product(call, key, p, v), lse, p
 
 
@@ -536,7 +536,7 @@ def _attention_backward(call, key, grad, q, k, v, out, attn_mask, is_causal, sca
     heads_k = k.size(-3)
     k_full, v_full = _expand_gqa(q, k, v, enable_gqa)
     s, scale = _scores(call, key, q, k_full, attn_mask, is_causal, scale)
-    p = _SOFTMAX(s, -1)
+    p = _attention_softmax(s, -1)
     grad_v = _product(call, key, p.transpose(-2, -1), grad)
     grad_p = _product(call, key, grad, v_full.transpose(-2, -1))
     grad_s = p * (grad_p - (grad * out).sum(-1, keepdim=True))
