@@ -23,7 +23,12 @@ from tf32lab.control.policy import Policy
 from tf32lab.know.levels import with_conv
 from tf32lab.know.targets import Target
 
-__all__ = ["conv_matters", "with_conv_math"]
+__all__ = ["IEEE_CONV_FLAGS", "conv_matters", "with_conv_math"]
+
+# what a user sets for IEEE convolutions (and cuDNN's RNNs, which the legacy flag covers too), as advice names it
+IEEE_CONV_FLAGS = ("`torch.backends.cudnn.allow_tf32 = False` (on torch 2.9 and later, "
+                   "`torch.backends.cudnn.conv.fp32_precision = \"ieee\"` and "
+                   "`...cudnn.rnn.fp32_precision = \"ieee\"`)")
 
 
 def conv_matters(model: torch.nn.Module, target: Target) -> bool:

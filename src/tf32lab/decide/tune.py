@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Union
 
 from tf32lab.control.policy import Policy, exact_pattern
-from tf32lab.decide.conv_maths import conv_matters, with_conv_math
+from tf32lab.decide.conv_maths import IEEE_CONV_FLAGS, conv_matters, with_conv_math
 from tf32lab.decide.tune_training import TrainingTuning, tune_training
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import ALL_LEVELS, check_conv, check_levels
@@ -117,8 +117,7 @@ class Tuning(Document):
             sets = ", or apply the policy, which sets it itself" if self.policy.conv == self.conv else ""
             lines.append(f"Convolutions (and cuDNN's RNNs) at {self.conv!r}" + (
                 " (PyTorch's default)." if self.conv == "tf32" else
-                ": `torch.backends.cudnn.allow_tf32 = False` (on torch 2.9 and later, "
-                "`torch.backends.cudnn.conv.fp32_precision = \"ieee\"` and `...cudnn.rnn.fp32_precision = \"ieee\"`)"
+                ": " + IEEE_CONV_FLAGS
                 + sets + (f" and runs {len(pins)} layer(s) at TF32" if pins else "")
                 + "; no level sets it, " + ("TF32 everywhere misses the tolerance, " if self.conv_searched else
                                             "the search ran under it as asked, ")

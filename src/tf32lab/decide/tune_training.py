@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from tf32lab.control.policy import Policy, exact_pattern
-from tf32lab.decide.conv_maths import conv_matters, with_conv_math
+from tf32lab.decide.conv_maths import IEEE_CONV_FLAGS, conv_matters, with_conv_math
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import ALL_LEVELS, check_conv, check_levels
 from tf32lab.know.targets import Target
@@ -111,8 +111,7 @@ class TrainingTuning(Document):
         if self.conv is not None:
             lines.append(f"It holds with convolutions (and cuDNN's RNNs) at {self.conv!r}" + (
                 ", PyTorch's default." if self.conv == "tf32" else
-                ": `torch.backends.cudnn.allow_tf32 = False` (on torch 2.9 and later, "
-                "`torch.backends.cudnn.conv.fp32_precision = \"ieee\"` and `...cudnn.rnn.fp32_precision = \"ieee\"`)"
+                ": " + IEEE_CONV_FLAGS
                 + (", or apply the policy, which sets it itself" if self.policy.conv == self.conv else "")
                 + "; no level sets it."))
         return lines
