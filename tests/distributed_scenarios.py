@@ -37,6 +37,15 @@ def agree(*args: str) -> None:
     _result({"ranks": found.ranks, "level": found.state.level, "prefix": distributed.rank_prefix()})
 
 
+def agree_subgroup(*args: str) -> None:
+    """``agree(group=g)`` with ``g`` the ranks 0 and 1 of three: those two agree; rank 2, outside it, raises."""
+    from tf32lab.machine import distributed
+    _init()
+    group = dist.new_group([0, 1])  # a collective of the whole job: every rank makes it
+    found = distributed.agree(group=group)
+    _result({"ranks": found.ranks})
+
+
 def disagree(*args: str) -> None:
     """The odd ranks set ``high`` (as a library that runs on some ranks only would): every rank raises."""
     import tf32lab

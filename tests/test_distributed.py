@@ -54,6 +54,15 @@ def test_autoconfig_agree():
     assert [r.result for r in ranks] == [{"level": "high", "agreed": 2}] * 2
 
 
+def test_agree_on_a_rank_outside_its_group_is_an_error():
+    ranks = run_job("agree_subgroup", 3)
+    assert [r.returncode for r in ranks] == [0, 0, 1], [r.stdout + r.stderr for r in ranks]
+    assert [r.result["ranks"] for r in ranks[:2]] == [2, 2]  # the group's two ranks agree among themselves
+    errors = [line for line in ranks[2].stdout.splitlines() if line.startswith("ERROR")]
+    assert errors == ["ERROR Tf32LabError: agree(group=...) was called on rank 2, which is not a member of that "
+                      "group: call it on the group's ranks only (or with group=None, the whole job)"]
+
+
 def test_agree_outside_a_job_is_one_clear_error():
     import tf32lab
     from tf32lab.machine import distributed

@@ -150,7 +150,8 @@ def agree(group: Any = None, *, model: Optional[torch.nn.Module] = None,
     Compares each rank's effective backend cells, level, applied policies (to ``model`` when given) and tf32lab
     and torch versions with one ``all_gather_object``; ``also``: more settings by name, compared as text (the
     sharded check's levels, target and tolerance). Returns the :class:`Agreement`; raises ``Tf32LabError``
-    on every rank, with the same line, when they differ, and when no process group is initialised. A rank that
+    on every rank, with the same line, when they differ, and when no process group is initialised; on a rank
+    outside ``group``. A rank that
     does not arrive ends the call at the group's timeout (PyTorch raises there).
 
     Example:
@@ -170,6 +171,10 @@ def agree(group: Any = None, *, model: Optional[torch.nn.Module] = None,
     dist = torch.distributed
     if also is not None and not isinstance(also, dict):
         raise Tf32LabError(f"agree(also=...) takes a dict of setting names to values, not {type(also).__name__}")
+    if group is not None and dist.get_rank(group) < 0:
+        # PyTorch's collectives return at once on a rank outside their group: an agreement of no ranks
+        raise Tf32LabError(f"agree(group=...) was called on rank {dist.get_rank()}, which is not a member of that "
+                           f"group: call it on the group's ranks only (or with group=None, the whole job)")
     mine = RankState.here(dist.get_rank(), model, also)  # the job's rank, as torchrun names it
     states: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(states, mine, group=group)
