@@ -736,18 +736,21 @@ class _Frame:
     """A policy module's forward running on this thread: its level and conv math (None: the caller's), and for its
     backward tags the dispatch stack's height and the autograd sequence number when it began."""
 
-    __slots__ = ("conv", "depth", "handle", "level", "start")
+    __slots__ = ("conv", "depth", "handle", "level", "module", "start")
 
     def __init__(self, handle: PolicyHandle, level: Optional[str], conv: Optional[str], depth: int,
-                 start: int) -> None:
+                 start: int, module: int = 0) -> None:
         self.handle, self.level, self.conv, self.depth, self.start = handle, level, conv, depth, start
+        self.module = module  # the id of the module whose forward this is
 
 
 class _Open(threading.local):
-    """Per thread: the policy frames open now, innermost last."""
+    """Per thread: the policy frames open now, innermost last; and the autograd nodes of ops that ran at the level
+    of their weight's module (sequence number -> level, conv math), for the frame that tags them."""
 
     def __init__(self) -> None:
         self.frames: list[_Frame] = []
+        self.elevated: dict[int, tuple[Optional[str], Optional[str]]] = {}
 
 
 _OPEN = _Open()
@@ -825,17 +828,84 @@ def _node_prehook(pin: tuple[Optional[str], Optional[str]]):
 
 
 _PREHOOKS = {pin: _node_prehook(pin) for pin in _PINS}
+_PRECISION = {level: i for i, level in enumerate(ALL_LEVELS)}  # most accurate first
+
+
+def _owned(tree: _Tree, args: Any, found: list) -> None:
+    """The owner entries of ``tree`` for the parameters among ``args`` (a view of one included), into ``found``."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            base = a._base if a._base is not None else a
+            entry = tree.owners.get(id(base))
+            if entry is not None and entry[0]() is base:
+                found.append(entry)
+        elif isinstance(a, (list, tuple)):
+            _owned(tree, a, found)
+
+
+@modestack.skips_dynamo_lazily
+class _Owners(TorchDispatchMode):
+    """Pushed around a policy module's forward where ops may use another module's parameters (the first call of
+    a matched tree, to find out; then only the frames where one did): an op of a flag-sensitive family whose
+    operands include a parameter of a module with another level or conv math runs at that module's
+    (``nn.MultiheadAttention`` hands ``out_proj.weight`` to its functional attention and never calls
+    ``out_proj``). Operands of several modules: the most accurate of their levels, and IEEE convolutions if any
+    pins them. Every module whose parameters an op used is noted as reached."""
+
+    def __init__(self, tree: _Tree) -> None:
+        super().__init__()
+        self.tree = tree
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tree = self.tree
+        if _DECIDING.active or not tree.owners or not is_sensitive(func):
+            return func(*args, **kwargs)
+        found: list = []
+        _owned(tree, args, found)
+        _owned(tree, kwargs.values(), found)
+        frames = _OPEN.frames
+        if not found or not frames:
+            return func(*args, **kwargs)
+        top = frames[-1]
+        for entry in found:
+            tree.reached.add(entry[3])
+        pins = {(entry[1], entry[2]) for entry in found}
+        if pins == {(top.level, top.conv)}:  # run inside their own module, or at its level anyway
+            return func(*args, **kwargs)
+        levels = [level for level, _ in pins if level is not None]
+        level = min(levels, key=_PRECISION.__getitem__) if levels else top.level
+        convs = {conv for _, conv in pins if conv is not None}
+        conv = ("ieee" if "ieee" in convs else convs.pop()) if convs else top.conv
+        if (level, conv) == (top.level, top.conv):
+            return func(*args, **kwargs)
+        tree.foreign.add(top.module)  # this frame needs the mode at later calls too
+        if torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(args)):
+            # autograd made this op's node just before it reached the modes: its backward runs at the same level
+            _OPEN.elevated[_sequence_nr() - 1] = (level, conv)
+        cudnn = conv if conv is not None and _follows_cudnn(func) else None
+        with (precision(level) if level is not None else contextlib.nullcontext()), \
+                (conv_math(cudnn) if cudnn is not None else contextlib.nullcontext()):
+            return func(*args, **kwargs)
+
+
+def _tensors(args: Any) -> Iterator[torch.Tensor]:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from _tensors(a)
 
 
 def _tag(output: Any, start: int, level: Optional[str], conv: Optional[str] = None) -> None:
     """Tag the autograd nodes created since sequence number ``start`` that lead to ``output`` and have no level yet
     (those of nested modules with a level or conv math of their own are tagged already, at their own forward's
-    end) with ``level`` and ``conv`` (not both None)."""
+    end) with ``level`` and ``conv`` (both None: only the nodes of ops that ran at their weight's level)."""
     todo = [t.grad_fn for _, t in named_tensors(output) if t.grad_fn is not None]
     # Each visit gets a fresh Python wrapper of the C++ node: keep the ones seen alive, or a freed wrapper's id is
     # reused by the next one and a node is skipped untagged (seen on CUDA: the default level's nodes ran untagged).
     seen: dict[int, Any] = {}
-    hook = _PREHOOKS[(level, conv)]
+    elevated = _OPEN.elevated  # nodes of ops that ran at their weight's module's level (_Owners) get that one
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen:
@@ -846,10 +916,13 @@ def _tag(output: Any, start: int, level: Optional[str], conv: Optional[str] = No
             continue
         metadata = node.metadata
         if _TAG not in metadata:
-            metadata[_TAG] = level
-            if conv is not None:
-                metadata[_CONV_TAG] = conv
-            node.register_prehook(hook)
+            pin = elevated.pop(number, None) if elevated else None
+            node_level, node_conv = pin if pin is not None else (level, conv)
+            if node_level is not None or node_conv is not None:
+                metadata[_TAG] = node_level
+                if node_conv is not None:
+                    metadata[_CONV_TAG] = node_conv
+                node.register_prehook(_PREHOOKS[(node_level, node_conv)])
         todo.extend(fn for fn, _ in node.next_functions)
 
 
@@ -920,7 +993,12 @@ def _call(pinned: _Pinned, args: tuple, kwargs: dict) -> Any:
     if entry is None or entry[0]() is not module:  # taken out of the model: no longer the policy's
         return forward(*args, **kwargs)
     level, conv = entry[1], entry[2]
-    if top is not None and top.handle is handle and top.level == level and top.conv == conv \
+    key = id(module)
+    tree.ran.add(key)
+    # ops using other modules' parameters: looked for under the first call of a tree, then where one was found
+    owners = _Owners(tree) if tree.owners and (key in tree.foreign or (
+        not tree.probed and (top is None or top.handle is not handle))) else None
+    if owners is None and top is not None and top.handle is handle and top.level == level and top.conv == conv \
             and top.depth == _dispatch_depth():
         return forward(*args, **kwargs)  # inside its parent's frame at the same level: covered by it
     # The scope and the conv block close on every exit, a BaseException (KeyboardInterrupt) included. (One frame:
@@ -935,11 +1013,16 @@ def _call(pinned: _Pinned, args: tuple, kwargs: dict) -> Any:
             block = conv_math(conv)
             block.__enter__()
         try:
-            frame = _Frame(handle, level, conv, _dispatch_depth(), _sequence_nr())
+            frame = _Frame(handle, level, conv, _dispatch_depth(), _sequence_nr(), key)
             frames.append(frame)
             try:
-                output = forward(*args, **kwargs)
-                if (level is not None or conv is not None) and output is not None and torch.is_grad_enabled():
+                if owners is None:
+                    output = forward(*args, **kwargs)
+                else:
+                    with owners:
+                        output = forward(*args, **kwargs)
+                if (level is not None or conv is not None or _OPEN.elevated) and output is not None \
+                        and torch.is_grad_enabled():
                     _tag(output, frame.start, level, conv)
                 return output
             finally:
@@ -948,6 +1031,10 @@ def _call(pinned: _Pinned, args: tuple, kwargs: dict) -> Any:
                 else:  # closed out of order (not in a plain call; never leave it behind)
                     with contextlib.suppress(ValueError):
                         frames.remove(frame)
+                if owners is not None and not tree.probed and not any(f.handle is handle for f in frames):
+                    tree.probed = True  # the first whole call looked: later calls push _Owners where it acted
+                if not frames:
+                    _OPEN.elevated.clear()
         finally:
             if block is not None:
                 block.__exit__(None, None, None)
@@ -979,12 +1066,19 @@ class _Tree:
     tell a new module at a reused address), the modules where either changes, and each module's children to see a
     change."""
 
-    __slots__ = ("hooked", "members", "shape")
+    __slots__ = ("foreign", "hooked", "members", "owners", "probed", "ran", "reached", "shape")
 
     def __init__(self) -> None:
         self.members: dict[int, tuple[weakref.ref, Optional[str], Optional[str]]] = {}
         self.hooked: list[str] = []
         self.shape: list[tuple[weakref.ref, tuple[str, ...], tuple[int, ...]]] = []
+        # parameter id -> (its weak reference, its module's level and conv math, the module's id): where the
+        # policy gives modules different pins, for ops that use a module's parameters outside its forward
+        self.owners: dict[int, tuple[weakref.ref, Optional[str], Optional[str], int]] = {}
+        self.probed = False  # whether a first call has looked for such ops (under _Owners)
+        self.foreign: set[int] = set()  # the modules whose forward ran one: _Owners is pushed there from then on
+        self.ran: set[int] = set()  # ids of the wrapped modules whose forward ran
+        self.reached: set[int] = set()  # ids of the modules whose parameters an op used (seen under _Owners)
 
     def changed(self) -> bool:
         for ref, names, ids in self.shape:
@@ -1153,6 +1247,41 @@ class PolicyHandle:
         state = "removed" if self._removed or self._model() is None else "applied"
         return f"<PolicyHandle {state}: {len(self._tree.hooked)} module(s) hooked>"
 
+    def idle(self) -> list[Rule]:
+        """The rules that have not acted in the model's calls so far: no module that takes its level or conv math
+        from the rule (itself or through its parent) ran its forward, and no matmul-family op used its parameters
+        (a module kept but used functionally, or never called). Empty before the model's first call.
+
+        Example:
+
+            >>> import torch, tf32lab
+            >>> class Net(torch.nn.Module):
+            ...     def __init__(self):
+            ...         super().__init__()
+            ...         self.a, self.unused = torch.nn.Linear(4, 4), torch.nn.ReLU()
+            ...     def forward(self, x):
+            ...         return self.a(x)
+            >>> model = Net()
+            >>> with tf32lab.Policy("high", [("a", "highest"), ("unused", "highest")]).applied(model) as handle:
+            ...     _ = model(torch.randn(2, 4))
+            ...     handle.idle()
+            [Rule(pattern='unused', level='highest')]
+        """
+        model, tree = self._model(), self._tree
+        if model is None or not tree.ran:
+            return []
+        acted = tree.ran | tree.reached
+        modules = dict(model.named_modules())
+        origin: dict[str, tuple[Optional[int], Optional[int]]] = {}  # the rules that gave a module's level, conv
+        done: set[Optional[int]] = set()
+        for a, parent in self.policy._assignments(model):
+            above = origin.get(parent, (None, None)) if parent is not None else (None, None)
+            origin[a.name] = tuple(int(source.split(" ", 2)[1]) if source.startswith("rule ") else inherited
+                                   for source, inherited in zip((a.source, a.conv_source), above))
+            if id(modules[a.name]) in acted:
+                done.update(origin[a.name])
+        return [rule for i, rule in enumerate(self.policy.rules, 1) if i not in done]
+
     def _current(self) -> _Tree:
         """The model's tree, matched again if it changed since (the caller is the outermost frame of this policy
         on its thread: nested modules trust it)."""
@@ -1208,6 +1337,15 @@ class PolicyHandle:
             # the model itself always: its call checks for changes
             if a.level is not None or a.conv is not None or not a.name:
                 wanted[id(module)] = module
+        if len({(a.level, a.conv) for a, _ in assignments}) > 1:  # modules at different pins: whose weights
+            for a, _ in assignments:
+                module = modules[a.name]
+                for p in module._parameters.values():
+                    if p is not None:
+                        known = tree.owners.get(id(p))
+                        if known is None or (a.level is not None and known[1] is not None
+                                             and _PRECISION[a.level] < _PRECISION[known[1]]):
+                            tree.owners[id(p)] = (weakref.ref(p), a.level, a.conv, id(module))  # tied: accurate
         for key, (ref, pinned) in list(self._wrapped.items()):
             module = ref()
             if module is None or wanted.get(key) is not module or module.__dict__.get("forward") is not pinned:

@@ -164,6 +164,8 @@ class Tuning(Document):
             "level": self.level, "pinned": list(self.pinned), "speedup": self.speedup, "uniform": self.uniform,
             "speedup_over_uniform": self.speedup_over_uniform, "runs": self.runs, "seconds": self.seconds,
             "check_seconds": self.check_seconds, "reason": self.reason,
+            "margin": None if self.policy is None else max((o.normwise / o.tolerance for o in self.outputs
+                                                            if o.tolerance > 0), default=0.0),
             "outputs": [{"name": o.name, "normwise": o.normwise, "tolerance": o.tolerance, "passed": o.passed}
                         for o in self.outputs],
             "candidates": [{"pinned": list(c.pinned), "passed": c.passed, "worst_ratio": c.worst_ratio,
@@ -310,6 +312,10 @@ def _tune(workload: Workload, target: Target, tolerances: dict[str, float], ever
         answer = search.run()
         if relax is not None and answer.policy is not None:
             answer = search.relaxed(answer, relax)
+        if answer.policy is not None:  # how near the tolerance it is, and why no faster passing candidate won
+            ratio = max((o.normwise / o.tolerance if o.tolerance > 0 else 0.0 for o in answer.outputs), default=0.0)
+            answer = answer._replace(reason=f"{answer.reason} {margin(ratio)}"
+                                            f"{search._passed_over(answer.policy, search.highest / answer.speedup)}")
     levels = tuple(dataclasses.replace(uniform[alike[lv] or lv], level=lv, same_as=alike[lv],
                                        speedup=predicted.level(lv).speedup) for lv in everything)
     return _Run(answer, tuple(search.candidates), levels, tuple(session.notes()), predicted, environment_of(workload),
@@ -328,9 +334,10 @@ class _Search:
         self.tried: dict[frozenset[str], Candidate] = {}
         self.results: dict[frozenset[str], LevelResult] = {}
         model = workload.model
-        self.children: dict[str, list[str]] = {}
+        called = session.recorder.called  # (the float64 reference run's)
+        self.children: dict[str, list[str]] = {}  # each module's children whose forward ran: the ones a rule can keep
         for name, _ in model.named_modules():
-            if name:
+            if name and name in called:
                 parent = name.rpartition(".")[0] or ROOT
                 self.children.setdefault(parent, []).append(name)
 
@@ -373,7 +380,9 @@ class _Search:
         for name in sorted(pinned):
             own = "" if name == ROOT else name
             rules.append((exact_pattern(own), safe))
-            # a pinned layer pins its own ops: its children keep the fast level unless pinned themselves
+            # a pinned layer pins its own ops: its children keep the fast level unless pinned themselves. A child
+            # whose forward never ran (nn.MultiheadAttention's out_proj: its weight is used by the parent's own
+            # ops, measured as the layer's) gets no rule: its weight's ops are the layer's, pinned with it.
             rules += [(exact_pattern(child), fast) for child in self.children.get(name, []) if child not in pinned]
         return Policy(default=fast, rules=rules)
 
@@ -525,6 +534,38 @@ class _Search:
         uniform_seconds = self.seconds(uniform) if uniform else self.highest
         return _Answer(policy, level, pinned, result.outputs, self.highest / seconds, uniform,
                        uniform_seconds / seconds, reason)
+
+
+    def _passed_over(self, policy: Policy, seconds: float) -> str:
+        """Why the fastest candidate that passed and is predicted faster than the answer was not taken ("" when
+        none is)."""
+        faster = [c for c in self.candidates if c.passed and c.policy != policy and c.seconds < seconds]
+        if not faster:
+            return ""
+        best = min(faster, key=lambda c: c.seconds)
+        gain = seconds / best.seconds
+        if gain < WORTH:
+            why = (f"predicted only {gain:.2f}x faster than the answer, under the {WORTH:.2f}x tune asks of a "
+                   "policy with more pins or levels (the speed model's error, and a scope switch at each pinned "
+                   "module, would eat less)")
+        else:
+            why = f"predicted {gain:.2f}x faster; the search kept the policy it reached by pinning and un-pinning"
+        return f" Passed over: {best.why!r}, which passes too ({best.speedup:.2f}x over `highest`): {why}."
+
+
+THIN = 0.9  # a worst output above this share of its tolerance is called a thin margin
+
+
+def margin(ratio: float) -> str:
+    """One sentence on how close the worst output is to its tolerance.
+
+    >>> margin(0.997)
+    'Its worst output is at 0.997 of the tolerance: a thin margin (another input or GPU may cross it).'
+    >>> margin(0.05)
+    'Its worst output is at 0.050 of the tolerance.'
+    """
+    thin = ": a thin margin (another input or GPU may cross it)" if ratio >= THIN else ""
+    return f"Its worst output is at {ratio:.3f} of the tolerance{thin}."
 
 
 def _with_conv(policy: Policy, fast: Iterable[str], conv: str, children: dict[str, list[str]]) -> Policy:

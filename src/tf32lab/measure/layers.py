@@ -206,6 +206,7 @@ class Recorder:
         self.as_accumulated: set[tuple[str, int]] = set()  # calls whose introduced error is their accumulated one
         self.family_ops = 0  # matmul-family ops the reference saw on this thread (not another's: see OtherThreads)
         self.families: dict[str, set[str]] = {}  # layer -> the op families of its own ops (conv, rnn, ...)
+        self.called: set[str] = set()  # the modules whose forward ran (one whose parent uses its weights did not)
 
     def __enter__(self) -> Recorder:
         try:
@@ -258,6 +259,7 @@ class Recorder:
     def _pre(self, name: str):
         def hook(module, args, kwargs):
             if not self.rerunning:
+                self.called.add(name)
                 self.stack.append(_Frame(name, args, kwargs))
 
         return hook
