@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import math
@@ -206,6 +207,7 @@ class Recorder:
         self.as_accumulated: set[tuple[str, int]] = set()  # calls whose introduced error is their accumulated one
         self.family_ops = 0  # matmul-family ops the reference saw on this thread (not another's: see OtherThreads)
         self.families: dict[str, set[str]] = {}  # layer -> the op families of its own ops (conv, rnn, ...)
+        self.by_family: collections.Counter[str] = collections.Counter()  # the reference's family ops, per family
 
     def __enter__(self) -> Recorder:
         try:
@@ -236,6 +238,7 @@ class Recorder:
             family = optable.family(func.name())
             if family is not None:
                 self.family_ops += 1
+                self.by_family[family] += 1
                 if self.stack:
                     self.stack[-1].ran = True
                     self.stack[-1].families.add(family)
