@@ -3,7 +3,8 @@
 The answer follows the levels from the most reduced to ``highest``: the fastest level within tolerance is the
 advice, with the one line that enables it; a level that fails names the output that failed and the layer that
 introduces the most error there; a level at which the model raised says so; an error already at ``highest`` that
-comes from convolutions or RNNs (TF32 by default on CUDA even at ``highest``) is explained.
+comes from convolutions or RNNs (TF32 by default on CUDA even at ``highest``) is explained; and the math the model's
+convolutions and RNNs ran at, which cuDNN's flag sets rather than the level, is stated (``tf32lab.report.cudnn``).
 
 Example:
 
