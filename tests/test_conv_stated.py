@@ -156,3 +156,15 @@ def test_the_cli_states_the_conv_math_in_text_json_and_html(tmp_path):
     assert data["cudnn"][0]["maths"] == {"highest": "tf32-rna", "high": "tf32-rna"}
     assert "class=\"cudnn\"" in (tmp_path / "r.html").read_text()
 
+
+
+def test_a_policy_that_pins_a_conv_math_is_stated_beside_the_levels():
+    policy = tf32lab.Policy(default="high", rules=[("stem", None, "ieee")])
+    report = tf32lab.check(resnet(), levels=("highest",), policy=policy)
+    (conv,) = report.cudnn
+    assert conv.maths == {"highest": "tf32-rna", "policy": "mixed"} and "policy" not in conv.shares
+    sentence = _sentence(report, "Convolutions ran")
+    assert sentence.startswith("Convolutions ran TF32 at `highest`, TF32 or IEEE float32 by module with the policy: "
+                               "cuDNN's own flag sets their math, not the level")
+    assert "the policy sets it for its modules" in sentence
+    jsonschema.validate(report.to_dict(), schema())

@@ -40,7 +40,8 @@ CUDNN_FAMILIES = ("conv", "rnn")
 # the flag that sets each family's float32 math (torch >= 2.9; the legacy torch.backends.cudnn.allow_tf32 sets both)
 FLAGS = {"conv": "torch.backends.cudnn.conv.fp32_precision", "rnn": "torch.backends.cudnn.rnn.fp32_precision"}
 _NAMES = {"conv": "convolutions", "rnn": "RNNs"}
-_WORDS = {"tf32": "TF32", "ieee": "IEEE float32", "bf16": "bf16", "tf32x3": "3xTF32", "bf16x3": "bf16x3"}
+_WORDS = {"tf32": "TF32", "ieee": "IEEE float32", "bf16": "bf16", "tf32x3": "3xTF32", "bf16x3": "bf16x3",
+          "mixed": "TF32 or IEEE float32 by module"}
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,9 @@ def _why(entry: CudnnFamily, target: str) -> str:
         why = f"{flag}, PyTorch's default 'tf32'"
     else:
         why = f"{flag} = '{entry.flag}', as this process set it"
+    levels = {m for row, m in entry.maths.items() if row != "policy"}
+    if "policy" in entry.maths and entry.maths["policy"] not in levels:
+        why += "; the policy sets it for its modules"
     return f"cuDNN's own flag sets their math, not the level ({why})"
 
 
