@@ -66,7 +66,7 @@ from tf32lab.numbers import metrics
 from tf32lab.numbers.metrics import tolerances_of
 from tf32lab.numbers.origin import internal_error
 from tf32lab.numbers.trees import map_tensors, named_leaves, named_tensors
-from tf32lab.report import LayerError, LevelResult, Report
+from tf32lab.report import LayerError, LevelResult, Report, cudnn
 from tf32lab.report.conclusion import BEYOND_FLOAT32, PINNED_CONV
 from tf32lab.speed.counting import Counting, OtherThreads
 from tf32lab.speed.prediction import SpeedReport, predict_counts, seconds_at
@@ -136,7 +136,7 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
                 "check tolerance": repr(tolerances), "check accumulation": accumulation, "check conv": str(conv),
                 "check policy": policy_digest(policy), "check speed": str(speed)})
         report = _check(workload, levels, target, reference, tolerances, progress and (ranks is None or
-                        ranks.rank == 0), policy, speed, accumulation, ranks)
+                        ranks.rank == 0), policy, speed, accumulation, ranks, conv)
         if ranks is not None:  # every rank done before any leaves, or writes the report
             torch.distributed.barrier(group=ranks.group)
     if conv is not None:
@@ -200,8 +200,9 @@ class ConvRun:
 
 def _check(workload: Workload, levels: tuple[str, ...], target: Target, reference: str, tolerances: dict[str, float],
            progress: bool, policy: Optional[Policy], speed: bool, accumulation: Optional[str] = None,
-           ranks: Optional[Ranks] = None) -> Report:
+           ranks: Optional[Ranks] = None, conv: Optional[str] = None) -> Report:
     started = time.perf_counter()
+    cells = context_cells()  # cuDNN's flag as the run holds it (conv=, else the process's)
     row = PolicyRow.of(policy, workload.model) if policy is not None else None
     extra = tuple(level for level in ALL_LEVELS if row is not None and level in row.levels and level not in levels)
     alike = alike_levels(levels + extra, target)  # level -> the earlier level the target computes identically, if any
@@ -234,6 +235,7 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
         workload=str(workload.name), target=target.name, reference=reference, tolerance=dict(tolerances),
         levels=tuple(rows), environment=environment_of(workload),
         seconds=time.perf_counter() - started, notes=tuple(notes), speed=predicted,
+        cudnn=cudnn.families(session.recorder.by_family, rows, target, cells, conv, predicted),
     )
 
 

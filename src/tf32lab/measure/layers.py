@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import math
@@ -207,6 +208,7 @@ class Recorder:
         self.family_ops = 0  # matmul-family ops the reference saw on this thread (not another's: see OtherThreads)
         self.families: dict[str, set[str]] = {}  # layer -> the op families of its own ops (conv, rnn, ...)
         self.called: set[str] = set()  # the modules whose forward ran (one whose parent uses its weights did not)
+        self.by_family: collections.Counter[str] = collections.Counter()  # the reference's family ops, per family
 
     def __enter__(self) -> Recorder:
         try:
@@ -237,6 +239,7 @@ class Recorder:
             family = optable.family(func.name())
             if family is not None:
                 self.family_ops += 1
+                self.by_family[family] += 1
                 if self.stack:
                     self.stack[-1].ran = True
                     self.stack[-1].families.add(family)

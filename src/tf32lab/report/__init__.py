@@ -120,6 +120,8 @@ class Report(Document):
     seconds: float
     notes: tuple[str, ...] = ()  # what a reader must know about the measurement (a module not broken down, ...)
     speed: Any = None  # the predicted tf32lab.speed.prediction.SpeedReport of one forward on the target, when predicted
+    # the convolutions and RNNs it ran, whose math cuDNN's flag sets, not the level (tf32lab.report.cudnn)
+    cudnn: tuple[Any, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -178,6 +180,7 @@ class Report(Document):
             "notes": list(self.notes),
             "conclusion": self.conclusion(),
             "speed": None if self.speed is None else self.speed.to_dict(),
+            "cudnn": [asdict(family) for family in self.cudnn],
             "levels": [
                 {
                     "level": lv.level,

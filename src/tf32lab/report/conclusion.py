@@ -3,7 +3,8 @@
 The answer follows the levels from the most reduced to ``highest``: the fastest level within tolerance is the
 advice, with the one line that enables it; a level that fails names the output that failed and the layer that
 introduces the most error there; a level at which the model raised says so; an error already at ``highest`` that
-comes from convolutions or RNNs (TF32 by default on CUDA even at ``highest``) is explained.
+comes from convolutions or RNNs (TF32 by default on CUDA even at ``highest``) is explained; and the math the model's
+convolutions and RNNs ran at, which cuDNN's flag sets rather than the level, is stated (``tf32lab.report.cudnn``).
 
 Example:
 
@@ -20,6 +21,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Optional
 
 from tf32lab.know.targets import NATIVE
+from tf32lab.report import cudnn
 
 if TYPE_CHECKING:
     from tf32lab.report import LevelResult, Report
@@ -144,6 +146,8 @@ def conclusion(report: Report, policy_file: Optional[str] = None) -> list[str]:
     if not lines:
         lines.append("Every level checked is within tolerance." if report.passed else
                      "Some level exceeds its tolerance; see the tables.")
+    # the math the convolutions and RNNs ran at, which no level sets (the fix already said where they fail highest)
+    lines += cudnn.stated(report, hint=not any("(cuDNN's default)" in line for line in lines))
     partial = unmeasured(report)
     if partial is not None:  # right under the recommendation it qualifies, not among the notes above the tables
         lines.insert(1, partial)
@@ -257,7 +261,7 @@ def _safe(report: Report, best: LevelResult, where: str, measured: str) -> str:
                 f"{measured}. Enable it with {_enable(best.level)}.")
     share = ""
     if report.speed is not None:
-        share = _why_little(report.speed, best.level, name)
+        share = cudnn.why_little(report, best.level) or _why_little(report.speed, best.level, name)
     return (f"{name} is safe for this workload {where}, but predicted only {best.speedup:.2f}x faster there"
             f"{share}. It buys little here; if you enable it anyway: {_enable(best.level)} ({measured}).")
 
@@ -270,11 +274,12 @@ def _why_little(speed: Any, level: str, name: str) -> str:
         at = speed.level(level)
     except KeyError:
         at = None
-    share = base.family_share
+    share = cudnn.level_share(base)  # convolutions and RNNs, which cuDNN's flag sets, left out
     if math.isnan(share):
         return ""
     if at is not None and share >= 0.5 and not math.isnan(at.family_share) and at.seconds > 0:
-        own = (base.seconds * share) / (at.seconds * at.family_share) if at.family_share > 0 else math.inf
+        at_share = cudnn.level_share(at)
+        own = (base.seconds * share) / (at.seconds * at_share) if at_share > 0 else math.inf
         return (f": matmul-family ops are {share:.0%} of its predicted time, but they are small, so each is bound "
                 f"by kernel launch and memory traffic rather than arithmetic; {name} makes them only {own:.2f}x "
                 f"faster")

@@ -126,7 +126,9 @@ class LevelSpeed:
     """The time of one forward (or training step) at one level, its speedup over ``highest``, and the share of the
     time spent in matmul-family ops; ``spread`` (measured only): the interquartile range over the median; ``band``
     (predicted only): the speedup's likely range (low, high), from how far the model was off on published timings
-    (``peaks.GEMM_BAND``, ``peaks.CONV_BAND``)."""
+    (``peaks.GEMM_BAND``, ``peaks.CONV_BAND``); ``shares`` (predicted only): ``family_share`` per op family that
+    ran (``{"conv": 0.7, "matmul": 0.03}``), for a level changes only some families' math (cuDNN's flag, not the
+    level, sets the convolutions' and RNNs')."""
 
     level: str
     seconds: float
@@ -134,6 +136,7 @@ class LevelSpeed:
     family_share: float
     spread: Optional[float] = None
     band: Optional[tuple[float, float]] = None
+    shares: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def likely(self) -> str:
         """The speedup as text: ``"2.40x, likely 2.05-2.71x"`` (with a band), else ``"2.40x"``."""
@@ -270,7 +273,8 @@ def predict_counts(counts: Counts, workload: str, target: Target, levels: Iterab
     rows = tuple(LevelSpeed(level, totals[level], _ratio(totals["highest"], totals[level]),
                             _ratio(sum(t for t, op in zip(per_op[level], counts.ops) if op.family is not None),
                                    totals[level]),
-                            band=_band(counts.ops, per_op["highest"], per_op[level]))
+                            band=_band(counts.ops, per_op["highest"], per_op[level]),
+                            shares=_shares(counts.ops, per_op[level], totals[level]))
                  for level in levels)
     notes = []
     if counts.uncounted:
@@ -281,6 +285,15 @@ def predict_counts(counts: Counts, workload: str, target: Target, levels: Iterab
     return SpeedReport(workload, target.name, "predicted", rows,
                        tuple(LayerSpeed(name, seconds) for name, seconds in layers.items() if name in family_layers),
                        counts.flops, counts.bytes, tuple(notes), step)
+
+
+def _shares(ops: Sequence[OpCost], times: Sequence[float], total: float) -> dict[str, float]:
+    """Per op family that ran, its share of ``total`` (the level's predicted time)."""
+    found: dict[str, float] = {}
+    for op, seconds in zip(ops, times):
+        if op.family is not None:
+            found[op.family] = found.get(op.family, 0.0) + seconds
+    return {family: _ratio(seconds, total) for family, seconds in sorted(found.items())}
 
 
 def _conv_note(counts: Counts, target: Target, conv: str, times: Sequence[float]) -> str:

@@ -1,0 +1,204 @@
+"""Convolutions and RNNs: the op families whose math cuDNN's own flag sets, not the level.
+
+``torch.backends.cudnn.conv.fp32_precision`` (``...cudnn.rnn.fp32_precision`` for RNNs; before torch 2.9 the one
+``torch.backends.cudnn.allow_tf32``) defaults to TF32, so on Ampere and later a model's convolutions and cuDNN RNNs
+run TF32 at every level, ``highest`` included (PyTorch's CUDA notes, "TensorFloat-32 (TF32) on Ampere (and later)
+devices"), and no level makes them faster. A check of a model that has them says so: the math they ran at per row
+and their share of the predicted time (:class:`CudnnFamily`, the report's ``cudnn``), a sentence of the conclusion
+(:func:`stated`), and, where they hold more of the time than the families a level changes, that they are why the
+level buys little (:func:`why_little`).
+
+Example:
+
+    >>> import torch, tf32lab
+    >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 4))
+    >>> report = tf32lab.check(tf32lab.Workload(model, torch.randn(2, 3, 8, 8)), levels=("highest", "high"))
+    >>> conv = report.cudnn[0]
+    >>> conv.family, conv.ops, conv.maths
+    ('conv', 1, {'highest': 'tf32-rna', 'high': 'tf32-rna'})
+    >>> stated(report)[0][:57]
+    'Convolutions ran TF32 at every level, `highest` included:'
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+from tf32lab.know.levels import ALL_LEVELS
+from tf32lab.know.targets import NATIVE
+
+if TYPE_CHECKING:
+    from tf32lab.know.targets import Target
+    from tf32lab.report import LevelResult, Report
+
+__all__ = ["CUDNN_FAMILIES", "FLAGS", "CudnnFamily", "families", "level_share", "stated", "why_little"]
+
+CUDNN_FAMILIES = ("conv", "rnn")
+# the flag that sets each family's float32 math (torch >= 2.9; the legacy torch.backends.cudnn.allow_tf32 sets both)
+FLAGS = {"conv": "torch.backends.cudnn.conv.fp32_precision", "rnn": "torch.backends.cudnn.rnn.fp32_precision"}
+_NAMES = {"conv": "convolutions", "rnn": "RNNs"}
+_WORDS = {"tf32": "TF32", "ieee": "IEEE float32", "bf16": "bf16", "tf32x3": "3xTF32", "bf16x3": "bf16x3",
+          "mixed": "TF32 or IEEE float32 by module"}
+
+
+@dataclass(frozen=True)
+class CudnnFamily:
+    """An op family that cuDNN's flag sets, not the level (``conv``: convolutions, ``rnn``: RNNs), as a check ran
+    it: ``ops`` in one forward (the float64 reference's count); ``flag``: the value cuDNN's flag held for the run
+    (``"tf32"``, PyTorch's default, or ``"ieee"``); ``asked``: the conv math the check was given (``conv=``,
+    ``--conv``), None where the process's flag was left as it was; ``maths``: per row (level, or ``policy``), the
+    math the target computed the family in; ``shares``: per row, the family's share of the row's predicted time
+    (empty when not predicted; no policy row)."""
+
+    family: str
+    ops: int
+    flag: str
+    asked: Optional[str]
+    maths: dict[str, str]
+    shares: dict[str, float]
+
+    @property
+    def flag_name(self) -> str:
+        """The setting that sets the family's math: ``torch.backends.cudnn.conv.fp32_precision``."""
+        return FLAGS[self.family]
+
+    @property
+    def title(self) -> str:
+        """The family in words: ``convolutions``, ``RNNs``."""
+        return _NAMES[self.family]
+
+
+def families(ops: Mapping[str, int], rows: Sequence[LevelResult], target: Target, cells: Mapping[str, str],
+             asked: Optional[str] = None, speed: Any = None) -> tuple[CudnnFamily, ...]:
+    """The report's :class:`CudnnFamily` entries: one per family of ``CUDNN_FAMILIES`` that ran (``ops``: op count
+    per family), each row's math (the row's own; on ``native``, where nothing is emulated, the target's table at
+    the level), ``cells``: the flag cells in force for the run, ``speed``: the report's predicted ``SpeedReport``."""
+    found = []
+    for family in CUDNN_FAMILIES:
+        if not ops.get(family):
+            continue
+        maths, shares = {}, {}
+        for lv in rows:
+            m = lv.maths.get(family)
+            if m is None and lv.level in ALL_LEVELS:  # native: run for real, the table says what the level computes
+                m = target.maths_at(lv.level, cells).get(family)
+            if m is not None:
+                maths[lv.level] = m
+            share = _share(speed, lv.level, family)
+            if share is not None:
+                shares[lv.level] = share
+        found.append(CudnnFamily(family, int(ops[family]), cells.get(f"cuda.{family}", "tf32"), asked, maths,
+                                 shares))
+    return tuple(found)
+
+
+def _share(speed: Any, level: str, family: str) -> Optional[float]:
+    if speed is None or level not in ALL_LEVELS:
+        return None
+    try:
+        shares = speed.level(level).shares
+    except KeyError:
+        return None
+    return shares.get(family, 0.0) if shares else None
+
+
+def _word(math_name: str) -> str:
+    return _WORDS.get(math_name.split("-")[0], math_name)
+
+
+def _rows(names: Sequence[str]) -> str:
+    said = [f"`{n}`" if n != "policy" else "the policy" for n in names]
+    return said[0] if len(said) == 1 else f"{', '.join(said[:-1])} and {said[-1]}"
+
+
+def _per_row(entry: CudnnFamily, report: Report) -> str:
+    """``TF32 at every level, `highest` included`` or ``TF32 at `highest`, IEEE float32 with the policy``."""
+    groups: dict[str, list[str]] = {}
+    for row, m in entry.maths.items():
+        groups.setdefault(_word(m), []).append(row)
+    if len(groups) == 1:
+        word, rows = next(iter(groups.items()))
+        levels = [r for r in rows if r != "policy"]
+        every = "at every level" + (" and with the policy" if "policy" in rows else "") if len(levels) > 1 else \
+            f"at {_rows(rows)}"
+        return f"{word} {every}" + (", `highest` included" if word != "IEEE float32" and "highest" in rows
+                                    and len(levels) > 1 else "")
+    return ", ".join(f"{word} {'with' if rows == ['policy'] else 'at'} {_rows(rows)}" for word, rows in groups.items())
+
+
+def _why(entry: CudnnFamily, target: str) -> str:
+    flag = f"`{FLAGS[entry.family]}`"
+    tf32 = any(_word(m) != "IEEE float32" for m in entry.maths.values())
+    if not tf32 and entry.flag == "tf32":  # the flag allows TF32, the target has none (V100, a CPU)
+        where = "this machine" if target == NATIVE else target
+        return f"{where} has no TF32 for them, whatever a level or {flag} says"
+    if entry.asked is not None:
+        why = f"{flag} = '{entry.asked}', as conv='{entry.asked}' set it for the check"
+    elif entry.flag == "tf32":
+        why = f"{flag}, PyTorch's default 'tf32'"
+    else:
+        why = f"{flag} = '{entry.flag}', as this process set it"
+    levels = {m for row, m in entry.maths.items() if row != "policy"}
+    if "policy" in entry.maths and entry.maths["policy"] not in levels:
+        why += "; the policy sets it for its modules"
+    return f"cuDNN's own flag sets their math, not the level ({why})"
+
+
+def stated(report: Report, hint: bool = True) -> list[str]:
+    """One sentence per family of ``report.cudnn``: the math it ran at per row, that cuDNN's flag sets it, not the
+    level, its share of ``highest``'s predicted time, and (``hint``, where it ran TF32 by default) how to check it
+    in IEEE float32."""
+    lines = []
+    for entry in report.cudnn:
+        if not entry.maths:
+            continue
+        name = entry.title
+        text = f"{name[0].upper()}{name[1:]} ran {_per_row(entry, report)}: {_why(entry, report.target)}"
+        first = next(iter(entry.shares), None)
+        if first is not None:
+            text += f"; they are {entry.shares[first]:.0%} of `{first}`'s predicted time on {report.target}"
+        if hint and entry.asked is None and entry.flag == "tf32" and \
+                any(_word(m) == "TF32" for m in entry.maths.values()):
+            text += ". To see them in IEEE float32, check with conv='ieee' (`--conv ieee`)"
+        lines.append(text + ".")
+    return lines
+
+
+def _cudnn_shares(speed_level: Any) -> dict[str, float]:
+    shares = getattr(speed_level, "shares", None) or {}
+    return {f: shares[f] for f in CUDNN_FAMILIES if shares.get(f, 0.0) > 0}
+
+
+def level_share(speed_level: Any) -> float:
+    """The share of a level's predicted time in the families a level sets: its ``family_share`` less the
+    convolutions' and RNNs' (cuDNN's flag sets those), where the shares are known."""
+    return speed_level.family_share - sum(_cudnn_shares(speed_level).values())
+
+
+def why_little(report: Report, level: str) -> Optional[str]:
+    """Why ``level`` buys little, where convolutions or RNNs hold more of ``highest``'s predicted time than the
+    families a level sets: a clause naming them and their shares; else None."""
+    speed = report.speed
+    if speed is None:
+        return None
+    base = speed.level("highest")
+    cudnn = _cudnn_shares(base)
+    if not cudnn or math.isnan(base.family_share):
+        return None
+    own = level_share(base)
+    if own >= sum(cudnn.values()):
+        return None
+    maths = {e.family: e.maths for e in report.cudnn}
+    held = " and ".join(f"{_NAMES[f]}, {share:.0%}{_ran(maths.get(f, {}))}" for f, share in cudnn.items())
+    rest = 1.0 - base.family_share
+    tail = f"; the rest, {rest:.0%}, is memory traffic and kernel launches" if rest >= 0.05 else ""
+    return (f": the level changes only the matmul-family ops, {own:.0%} of its predicted time; {held}, run at "
+            f"cuDNN's own flag, which no level changes{tail}")
+
+
+def _ran(maths: Mapping[str, str]) -> str:
+    words = {_word(m) for m in maths.values()}
+    return f" ({words.pop()} at every level)" if len(words) == 1 else ""

@@ -1,0 +1,170 @@
+"""A check of a model with convolutions or RNNs says what math they ran at each level (cuDNN's flag, which defaults
+to TF32 and which no level sets) and their share of the predicted time, in text, JSON and HTML; and it explains a
+speedup of about 1x by them, not by small matmuls."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+
+import tf32lab
+from small_resnet import resnet
+from tf32lab.report import schema
+
+
+class Tagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(16, 32, batch_first=True)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0])
+
+
+@pytest.fixture(scope="module")
+def resnet_report():
+    return tf32lab.check(resnet())
+
+
+def _sentence(report, start):
+    return next((line for line in report.conclusion() if line.startswith(start)), None)
+
+
+def test_a_resnets_convolutions_are_said_to_run_tf32_at_every_level_with_their_share(resnet_report):
+    (conv,) = resnet_report.cudnn
+    assert conv.family == "conv" and conv.ops == 5 and conv.flag == "tf32" and conv.asked is None
+    assert conv.maths == {"highest": "tf32-rna", "high": "tf32-rna", "medium": "tf32-rna"}
+    share = resnet_report.speed.level("highest").shares["conv"]
+    assert conv.shares["highest"] == share and 0.3 < share < 1  # most of the predicted time: convolutions
+    sentence = _sentence(resnet_report, "Convolutions ran")
+    assert sentence is not None, resnet_report.conclusion()
+    assert sentence.startswith("Convolutions ran TF32 at every level, `highest` included: cuDNN's own flag sets "
+                               "their math, not the level (`torch.backends.cudnn.conv.fp32_precision`, PyTorch's "
+                               "default 'tf32')")
+    assert f"they are {share:.0%} of `highest`'s predicted time on a100" in sentence
+    assert "conv='ieee' (`--conv ieee`)" in sentence
+
+
+def test_the_json_names_the_conv_math_per_level_and_its_share(resnet_report):
+    data = json.loads(resnet_report.to_json())
+    jsonschema.validate(data, schema())
+    (conv,) = data["cudnn"]
+    assert conv["family"] == "conv" and conv["flag"] == "tf32" and conv["asked"] is None and conv["ops"] == 5
+    assert conv["maths"] == {lv["level"]: lv["maths"]["conv"] for lv in data["levels"]}
+    assert conv["shares"]["highest"] == data["speed"]["levels"][0]["shares"]["conv"] > 0.3
+    assert any(line.startswith("Convolutions ran TF32 at every level") for line in data["conclusion"])
+    matmul = data["speed"]["levels"][0]["shares"]["matmul"]  # the head: what the level changes
+    assert 0 < matmul < conv["shares"]["highest"]
+
+
+def test_the_html_shows_the_conv_math_per_level_and_the_sentence(resnet_report):
+    page = resnet_report.to_html()
+    assert "<h3>Convolutions and RNNs: their math is cuDNN's flag's, not the level's</h3>" in page
+    share = resnet_report.cudnn[0].shares["highest"]
+    assert f"<td>tf32-rna, {100 * share:.0f}% of the time</td>" in page
+    assert "<code>torch.backends.cudnn.conv.fp32_precision = 'tf32'</code>" in page
+    assert "Convolutions ran TF32 at every level, <code>highest</code> included" in page
+
+
+def test_a_speedup_of_one_is_explained_by_the_convolutions_not_by_small_matmuls(resnet_report):
+    high = resnet_report.level("high")
+    assert high.passed and high.speedup < 1.05
+    advice = resnet_report.conclusion()[0]
+    assert "buys little" in advice
+    assert "but they are small" not in advice and "launch" not in advice.split("; the rest")[0]
+    shares = resnet_report.speed.level("highest").shares
+    conv, matmul = shares["conv"], shares["matmul"]
+    assert (f"the level changes only the matmul-family ops, {matmul:.0%} of its predicted time; convolutions, "
+            f"{conv:.0%} (TF32 at every level), run at cuDNN's own flag, which no level changes") in advice
+
+
+def test_an_lstms_rnn_math_and_share_are_stated():
+    torch.manual_seed(0)
+    report = tf32lab.check(tf32lab.Workload(Tagger().eval(), torch.randn(2, 12, 16), name="tagger"),
+                           levels=("highest", "high"))
+    (rnn,) = report.cudnn
+    assert rnn.family == "rnn" and rnn.maths == {"highest": "tf32-rna", "high": "tf32-rna"}
+    share = report.speed.level("highest").shares["rnn"]
+    assert rnn.shares["highest"] == share > 0.5
+    sentence = _sentence(report, "RNNs ran")
+    assert sentence is not None and sentence.startswith(
+        "RNNs ran TF32 at every level, `highest` included: cuDNN's own flag sets their math, not the level "
+        "(`torch.backends.cudnn.rnn.fp32_precision`")
+    assert f"they are {share:.0%} of `highest`'s predicted time" in sentence
+    advice = report.conclusion()[0]
+    assert f"RNNs, {share:.0%} (TF32 at every level), run at cuDNN's own flag" in advice
+    jsonschema.validate(report.to_dict(), schema())
+
+
+def test_conv_ieee_and_a_target_without_tf32_are_stated_as_ieee():
+    report = tf32lab.check(resnet(), levels=("highest", "high"), conv="ieee")
+    (conv,) = report.cudnn
+    assert conv.asked == "ieee" and conv.flag == "ieee" and set(conv.maths.values()) == {"ieee"}
+    sentence = _sentence(report, "Convolutions ran")
+    assert sentence.startswith("Convolutions ran IEEE float32 at every level: cuDNN's own flag sets their math, "
+                               "not the level (`torch.backends.cudnn.conv.fp32_precision` = 'ieee', as "
+                               "conv='ieee' set it for the check)")
+    assert "--conv ieee" not in sentence  # already IEEE: nothing to switch
+    v100 = tf32lab.check(resnet(), levels=("highest", "high"), target="v100")
+    assert _sentence(v100, "Convolutions ran").startswith(
+        "Convolutions ran IEEE float32 at every level: v100 has no TF32 for them")
+
+
+def test_a_model_without_convolutions_or_rnns_says_nothing_of_them():
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    report = tf32lab.check(tf32lab.Workload(model, torch.randn(8, 32)), levels=("highest", "high"))
+    assert report.cudnn == () and report.to_dict()["cudnn"] == []
+    assert not any("cuDNN" in line for line in report.conclusion())
+
+
+def test_predicted_shares_per_family_add_up_to_the_family_share():
+    report = tf32lab.predict(resnet(), "a100")
+    for lv in report.levels:
+        assert set(lv.shares) == {"conv", "matmul"}
+        assert sum(lv.shares.values()) == pytest.approx(lv.family_share)
+
+
+def test_the_text_report_states_the_conv_math(resnet_report):
+    out = io.StringIO()
+    resnet_report.print(Console(file=out, width=80, highlight=False))
+    text = out.getvalue()
+    assert "Convolutions ran TF32 at every level, `highest` included" in text
+    assert f"{resnet_report.cudnn[0].shares['highest']:.0%} of `highest`'s predicted time" in text
+
+
+def test_the_cli_states_the_conv_math_in_text_json_and_html(tmp_path):
+    path = Path(__file__).with_name("small_resnet.py")
+    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", f"{path}:resnet", "--levels",
+                           "highest,high", "--json", str(tmp_path / "r.json"), "--html", str(tmp_path / "r.html")],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "80"})
+    assert done.returncode == 0, done.stderr
+    assert "Convolutions ran TF32 at every level, `highest` included" in done.stdout
+    assert "convolutions," in done.stdout and "but they are small" not in done.stdout
+    data = json.loads((tmp_path / "r.json").read_text())
+    jsonschema.validate(data, schema())
+    assert data["cudnn"][0]["maths"] == {"highest": "tf32-rna", "high": "tf32-rna"}
+    assert "class=\"cudnn\"" in (tmp_path / "r.html").read_text()
+
+
+
+def test_a_policy_that_pins_a_conv_math_is_stated_beside_the_levels():
+    policy = tf32lab.Policy(default="high", rules=[("stem", None, "ieee")])
+    report = tf32lab.check(resnet(), levels=("highest",), policy=policy)
+    (conv,) = report.cudnn
+    assert conv.maths == {"highest": "tf32-rna", "policy": "mixed"} and "policy" not in conv.shares
+    sentence = _sentence(report, "Convolutions ran")
+    assert sentence.startswith("Convolutions ran TF32 at `highest`, TF32 or IEEE float32 by module with the policy: "
+                               "cuDNN's own flag sets their math, not the level")
+    assert "the policy sets it for its modules" in sentence
+    jsonschema.validate(report.to_dict(), schema())
