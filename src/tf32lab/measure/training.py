@@ -69,7 +69,7 @@ from tf32lab.numbers.trees import map_tensors, named_tensors
 from tf32lab.report.training import FLOOR, FLOOR_MULTIPLE, BackwardLayer, ParameterError, TrainingLevel, TrainingReport
 from tf32lab.speed.counting import Counting
 from tf32lab.speed.prediction import optimizer_ops, predict_counts, seconds_at
-from tf32lab.workloads.running import Progress, changed_note, environment_of, kept_flags, refuse_applied
+from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.training import TrainingWorkload, check_steps
 
 __all__ = ["TrainingSession", "check_training", "random_state_kept", "training_steps", "training_tolerance"]
@@ -131,7 +131,8 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     conv_scope = ConvRun(conv)
     refuse_applied(workload, "check")  # type: ignore[arg-type]  # it reads .model and .name
     row = PolicyRow.of(policy, workload.model) if policy is not None else None
-    with kept_flags() as changed, random_state_kept(workload.model), conv_scope:
+    with exits_refused(workload.name, "check_training"), kept_flags() as changed, \
+            random_state_kept(workload.model), conv_scope:
         session = TrainingSession(workload, target, steps, tolerance, accumulation)
         report = _Training(session, levels, row, progress, speed).run()
     if conv is not None:
@@ -392,9 +393,9 @@ class TrainingSession:
         if self._counted is None:
             try:
                 self._counted = self._step_counts()
-            except Tf32LabError:
+            except (Tf32LabError, KeyboardInterrupt):
                 raise
-            except Exception as exc:
+            except BaseException as exc:  # sys.exit() included: the rows, run already, say it as their failure
                 if internal_error(exc, "counting a training step") is not None:
                     raise
                 self._speed_notes.append(f"no speed predicted: counting one training step raised {described(exc)}")
@@ -519,9 +520,9 @@ class TrainingSession:
                         run.grads = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
                     with _inside(step_emu, level) if step_emu is not None else contextlib.nullcontext():
                         optimizer.step()
-            except Tf32LabError:
+            except (Tf32LabError, KeyboardInterrupt):  # Ctrl-C stops the check
                 raise
-            except Exception as exc:
+            except BaseException as exc:  # sys.exit() included: the row fails at that step, never a silent end
                 where = "float64" if level is None else f"level {level!r}"
                 if out_of_memory(exc):
                     raise Tf32LabError(f"training workload {workload.name!r}: out of memory at step {step + 1} "
@@ -554,9 +555,9 @@ class TrainingSession:
                 with _Float64Step(masks=False) if widen_ops else contextlib.nullcontext():
                     loss = self.workload.loss_of(self.workload.run(model, batch), batch)
                     loss.backward()
-            except Tf32LabError:
+            except (Tf32LabError, KeyboardInterrupt):
                 raise
-            except Exception:
+            except BaseException:  # sys.exit() included
                 return True  # the row itself says what fails, with every op widened
             found.append([loss.detach()] + [p.grad for p in model.parameters() if p.grad is not None])
         return len(found[0]) != len(found[1]) or not all(torch.equal(a, b) for a, b in zip(*found))
