@@ -332,8 +332,10 @@ class TrainingSession:
         bar.step(f"{self.workload.name}: float64 reference, {self.steps} steps")
         reference = self._train(torch.float64, None)
         if reference.failure is not None:
+            reached = self.workload.reaching_model()  # the likely cause: the float32 original inside a float64 step
             raise Tf32LabError(f"training workload {self.workload.name!r} fails in float64, before any level "
-                               f"ran: step {reference.failed_step}: {reference.failure}")
+                               f"ran: step {reference.failed_step}: {reference.failure}"
+                               + (f"; {reached}" if reached else ""))
         self.reference = reference
         self.ref_grads = {n: g.double() for n, g in reference.grads.items()}
         # a parameter whose float64 gradient is a negligible part of the whole (a key bias, which softmax cannot
@@ -423,7 +425,7 @@ class TrainingSession:
         model = copy.deepcopy(self.saved)
         batch = self.batch(0)
         with Counting(model, backward=True) as counts:
-            loss = self.workload.loss_of(self.workload.run(model, batch), batch)
+            loss = self.workload.loss_of(self.workload.run(model, batch), batch, model)
             loss.backward()
         name = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam", torch.optim.SGD: "sgd"}.get(
             type(self._optimizer(model)))
@@ -504,7 +506,7 @@ class TrainingSession:
                 for step in range(self.steps):
                     batch = self.batch(step, dtype)
                     with forward():
-                        loss = workload.loss_of(workload.run(model, batch), batch)
+                        loss = workload.loss_of(workload.run(model, batch), batch, model)
                         value = float(loss.detach())
                         run.losses.append(value)
                         if not math.isfinite(value):
@@ -553,7 +555,7 @@ class TrainingSession:
             batch = self.batch(0, torch.float64)
             try:
                 with _Float64Step(masks=False) if widen_ops else contextlib.nullcontext():
-                    loss = self.workload.loss_of(self.workload.run(model, batch), batch)
+                    loss = self.workload.loss_of(self.workload.run(model, batch), batch, model)
                     loss.backward()
             except (Tf32LabError, KeyboardInterrupt):
                 raise
@@ -654,7 +656,7 @@ class _Attribution:
         _seeded(seed, model)
         try:
             with _Float64Step(masks=bool(_cuda_devices(model))):
-                loss = workload.loss_of(workload.run(model, batch), batch)
+                loss = workload.loss_of(workload.run(model, batch), batch, model)
                 loss.backward()
         finally:
             for handle in handles:
