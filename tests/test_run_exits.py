@@ -83,6 +83,33 @@ def test_any_base_exception_of_the_model_fails_its_level_by_name():
     assert report.level("high").error == "Stop: halt"
 
 
+class ExitsLinear(torch.nn.Linear):
+    """A layer that runs its own matmul and exits below highest: rerun alone at each level too (check's
+    introduced error, the training check's backward per module)."""
+
+    def forward(self, x):
+        if reduced(x):
+            sys.exit(0)
+        return super().forward(x)
+
+
+def test_a_layer_that_exits_when_rerun_alone_fails_only_its_level():
+    torch.manual_seed(0)
+    report = check(Workload(ExitsLinear(8, 4), torch.randn(16, 8)), levels=("highest", "high"), speed=False)
+    assert report.level("highest").passed
+    assert report.level("high").error == "SystemExit: sys.exit(0) was called"
+
+
+def test_a_module_that_exits_when_its_backward_is_rerun_fails_only_its_level():
+    torch.manual_seed(0)
+    data = [(torch.randn(16, 8), torch.randn(16, 4)) for _ in range(2)]
+    workload = TrainingWorkload(ExitsLinear(8, 4), data, loss=lambda out, b: (out - b[1]).pow(2).mean(),
+                                inputs=lambda b: b[0])
+    report = check_training(workload, levels=("highest", "high"), speed=False)
+    assert report.level("highest").passed
+    assert report.level("high").failure == "SystemExit: sys.exit(0) was called"
+
+
 def test_check_of_a_model_that_exits_at_the_float64_reference_is_bad_input():
     with pytest.raises(Tf32LabError, match=r"float64 reference, before any level ran: SystemExit: sys\.exit\(0\)"):
         check(forward(in_float64), levels=("high",), speed=False)

@@ -729,9 +729,9 @@ def _local_grads(module: torch.nn.Module, args: Any, kwargs: Any, grads: dict[st
                 return None
             found = torch.autograd.grad([outs[k] for k in keys], inputs + params,
                                         grad_outputs=[grads[k].to(outs[k].dtype) for k in keys], allow_unused=True)
-    except Tf32LabError:
+    except (Tf32LabError, KeyboardInterrupt):
         raise
-    except Exception as exc:
+    except BaseException as exc:  # sys.exit() included: as a step's, a finding (its row says it), not an end
         if internal_error(exc, "rerunning a module's backward") is not None:
             raise
         return None
