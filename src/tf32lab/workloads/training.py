@@ -101,8 +101,6 @@ class TrainingWorkload:
             value = getattr(self, what)
             if value is not None and not callable(value):
                 raise Tf32LabError(f"a training workload's {what} must be callable, not {type(value).__name__}")
-        self._loss_takes_model = takes_model(self.loss, 2)
-        self._inputs_takes_model = takes_model(self.inputs, 1)
         if is_sequence and not len(self.batches):
             raise Tf32LabError("a training workload's batches are empty: give at least one batch")
         if self.steps is None:
@@ -155,15 +153,15 @@ class TrainingWorkload:
     def _inputs(self, batch: Any, model: torch.nn.Module) -> Any:
         if self.inputs is None:
             return batch
-        return self.inputs(batch, model) if self._inputs_takes_model else self.inputs(batch)
+        return self.inputs(batch, model) if takes_model(self.inputs, 1) else self.inputs(batch)
 
     def loss_of(self, output: Any, batch: Any, model: Optional[torch.nn.Module] = None) -> torch.Tensor:
         """The step's loss: ``loss(output, batch)`` (``loss(output, batch, model)``: ``model`` is the one that made
         ``output``, by default the workload's), or the output's ``.loss``; a one-line error for anything but a real
         scalar tensor."""
         if self.loss is not None:
-            value = self.loss(output, batch, self.model if model is None else model) if self._loss_takes_model \
-                else self.loss(output, batch)
+            value = self.loss(output, batch, self.model if model is None else model) \
+                if takes_model(self.loss, 2) else self.loss(output, batch)
         else:
             value = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
             if value is None:
