@@ -823,6 +823,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         _say(f"tf32lab {args.command}: interrupted")
         return 130
+    except SystemExit as exc:  # argparse's exits come before: this is the workload's own sys.exit(), never a verdict
+        if getattr(args, "debug", False):
+            import traceback
+
+            traceback.print_exc()
+        from tf32lab.numbers.origin import exit_call
+
+        _say(f"tf32lab {args.command}: error: the workload called {exit_call(exc)} while it ran, so there is no "
+             f"verdict; a model, loss or factory must return, or raise an Exception, not end the program")
+        return 2
     except BrokenPipeError:  # the reader went away (``| head``): not an error of ours
         _drop_stdout()
         return 0

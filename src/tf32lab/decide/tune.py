@@ -51,7 +51,7 @@ from tf32lab.numbers.metrics import OutputError, tolerances_of
 from tf32lab.report import Document, LevelResult, Report
 from tf32lab.report.conclusion import nondeterministic, unmeasured
 from tf32lab.speed.prediction import seconds_at
-from tf32lab.workloads.running import Progress, changed_note, environment_of, kept_flags, refuse_applied
+from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.training import TrainingWorkload
 from tf32lab.workloads.workload import Workload
 
@@ -226,7 +226,7 @@ def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Targ
     refuse_applied(workload, "tune")
     convs = (conv,) if conv is not None else _conv_choices(workload, target)
     runs, seconds = 0, 0.0  # of every search made (two when TF32 convolutions leave nothing passing)
-    with kept_flags() as changed:
+    with exits_refused(workload.name, "tune"), kept_flags() as changed:
         for chosen in convs:  # the faster conv math first; the next only when nothing passes under it
             # under IEEE after TF32 failed everywhere: the answer's cuDNN layers go back to TF32 where they pass
             relax = convs[0] if chosen != convs[0] else None

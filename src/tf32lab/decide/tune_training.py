@@ -54,7 +54,7 @@ from tf32lab.measure.check import ConvRun, PolicyRow, alike_levels
 from tf32lab.measure.training import TrainingSession, random_state_kept, training_steps, training_tolerance
 from tf32lab.report import Document
 from tf32lab.report.training import WORTH, TrainingLevel, TrainingReport, faster
-from tf32lab.workloads.running import Progress, changed_note, kept_flags, refuse_applied
+from tf32lab.workloads.running import Progress, changed_note, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.training import TrainingWorkload
 
 __all__ = ["MAX_PINS", "TrainingCandidate", "TrainingTuning", "tune_training"]
@@ -167,7 +167,8 @@ def tune_training(workload: TrainingWorkload, *, target: Union[str, Target] = "a
     conv = check_conv(conv, "tune")
     refuse_applied(workload, "tune")  # type: ignore[arg-type]  # it reads .model and .name
     started = time.perf_counter()
-    with kept_flags() as changed, random_state_kept(workload.model), ConvRun(conv) as conv_run:
+    with exits_refused(workload.name, "tune"), kept_flags() as changed, random_state_kept(workload.model), \
+            ConvRun(conv) as conv_run:
         search = _Search(TrainingSession(workload, target, steps, tolerance), levels, progress)
         found = search.run()
     # the answer's predicted speedup of a training step (its rows carry theirs, as check_training's do)

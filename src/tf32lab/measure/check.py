@@ -70,7 +70,7 @@ from tf32lab.report import LayerError, LevelResult, Report, cudnn
 from tf32lab.report.conclusion import BEYOND_FLOAT32, PINNED_CONV
 from tf32lab.speed.counting import Counting, OtherThreads
 from tf32lab.speed.prediction import SpeedReport, predict_counts, seconds_at
-from tf32lab.workloads.running import Progress, changed_note, environment_of, kept_flags, refuse_applied
+from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.workload import Workload, eval_mode
 
 __all__ = ["PolicyRow", "Session", "alike_levels", "check", "policy_maths"]
@@ -129,7 +129,7 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
     conv_scope = ConvRun(conv)
     refuse_applied(workload, "check")
     ranks = Ranks.of_job()  # in a job of several ranks: the model is sharded over them, the errors reduced
-    with kept_flags() as changed, ranks_fail(ranks), conv_scope:
+    with exits_refused(workload.name, "check"), kept_flags() as changed, ranks_fail(ranks), conv_scope:
         if ranks is not None:  # ranks at other levels would measure other things, and run other collectives
             agree(ranks.group, model=workload.model, also={
                 "check levels": ",".join(levels), "check target": target.name, "check reference": reference,
@@ -294,9 +294,9 @@ class Session:
                 ref_inputs = map_tensors(widen, workload.inputs)
                 recorder.model_inputs = {id(t) for _, t in named_tensors(ref_inputs)}
                 self.ref_out = workload.run(model, ref_inputs)
-        except Tf32LabError:
+        except (Tf32LabError, KeyboardInterrupt):
             raise
-        except Exception as exc:
+        except BaseException as exc:  # sys.exit() included: bad input, never a check that ends with no verdict
             if out_of_memory(exc):
                 raise _no_memory(workload, "the float64 reference", exc) from exc
             if self.ranks is not None and collective_failure(exc):
@@ -439,9 +439,9 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
         try:
             with accumulated, (counting or contextlib.nullcontext()), torch.inference_mode():
                 out = workload.run()
-        except Tf32LabError:
+        except (Tf32LabError, KeyboardInterrupt):  # Ctrl-C stops the check
             raise
-        except Exception as exc:
+        except BaseException as exc:  # sys.exit() included: the level's finding, never an end with no verdict
             if out_of_memory(exc):  # not a finding about the level: check itself is short of memory
                 raise _no_memory(workload, "the policy" if row else f"level {level!r}", exc) from exc
             if recorder.ranks is not None:  # sharded: the other ranks may wait inside the model's own collectives

@@ -34,7 +34,7 @@ from tf32lab.measure.norms import scratch, tree_normwise
 from tf32lab.measure.reference import Float64Run
 from tf32lab.measure.sharded import local
 from tf32lab.measure.spill import Spilled, SpillFile
-from tf32lab.numbers.origin import internal_error
+from tf32lab.numbers.origin import exit_call, internal_error
 from tf32lab.numbers.trees import map_tensors, named_tensors
 from tf32lab.speed.counting import Counting
 from tf32lab.workloads.workload import Workload
@@ -53,7 +53,10 @@ def out_of_memory(exc: BaseException) -> bool:
 
 def described(exc: BaseException) -> str:
     """``LinAlgError: linalg.cholesky: ...``: the exception's public name and its message, on one line (of a
-    TorchScript traceback, its first and last lines)."""
+    TorchScript traceback, its first and last lines); a ``SystemExit`` as the call that raised it,
+    ``SystemExit: sys.exit(0) was called``."""
+    if isinstance(exc, SystemExit):  # its message is its bare code: "SystemExit: 0" would say nothing
+        return f"SystemExit: {exit_call(exc)} was called"
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     text = lines[0] + (f" … {lines[-1]}" if len(lines) > 1 else "") if lines else ""
     name = type(exc).__name__.lstrip("_")
@@ -322,9 +325,9 @@ class Recorder:
                     output = module(*args, **kwargs)
                 error = self._normwise(output, reference, norms)
                 why = None
-            except Tf32LabError:
+            except (Tf32LabError, KeyboardInterrupt):
                 raise
-            except Exception as exc:
+            except BaseException as exc:  # sys.exit() included: as a level's run, a finding about this layer
                 if out_of_memory(exc) or self.ranks is not None:  # sharded: the other ranks wait in a collective
                     raise
                 at = f"level {level!r}" + (f" and cuDNN's conv math {conv!r}" if conv else "")

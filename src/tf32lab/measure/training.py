@@ -69,7 +69,7 @@ from tf32lab.numbers.trees import map_tensors, named_tensors
 from tf32lab.report.training import FLOOR, FLOOR_MULTIPLE, BackwardLayer, ParameterError, TrainingLevel, TrainingReport
 from tf32lab.speed.counting import Counting
 from tf32lab.speed.prediction import optimizer_ops, predict_counts, seconds_at
-from tf32lab.workloads.running import Progress, changed_note, environment_of, kept_flags, refuse_applied
+from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.training import TrainingWorkload, check_steps
 
 __all__ = ["TrainingSession", "check_training", "random_state_kept", "training_steps", "training_tolerance"]
@@ -131,7 +131,8 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     conv_scope = ConvRun(conv)
     refuse_applied(workload, "check")  # type: ignore[arg-type]  # it reads .model and .name
     row = PolicyRow.of(policy, workload.model) if policy is not None else None
-    with kept_flags() as changed, random_state_kept(workload.model), conv_scope:
+    with exits_refused(workload.name, "check_training"), kept_flags() as changed, \
+            random_state_kept(workload.model), conv_scope:
         session = TrainingSession(workload, target, steps, tolerance, accumulation)
         report = _Training(session, levels, row, progress, speed).run()
     if conv is not None:
@@ -331,8 +332,10 @@ class TrainingSession:
         bar.step(f"{self.workload.name}: float64 reference, {self.steps} steps")
         reference = self._train(torch.float64, None)
         if reference.failure is not None:
+            reached = self.workload.reaching_model()  # the likely cause: the float32 original inside a float64 step
             raise Tf32LabError(f"training workload {self.workload.name!r} fails in float64, before any level "
-                               f"ran: step {reference.failed_step}: {reference.failure}")
+                               f"ran: step {reference.failed_step}: {reference.failure}"
+                               + (f"; {reached}" if reached else ""))
         self.reference = reference
         self.ref_grads = {n: g.double() for n, g in reference.grads.items()}
         # a parameter whose float64 gradient is a negligible part of the whole (a key bias, which softmax cannot
@@ -392,9 +395,9 @@ class TrainingSession:
         if self._counted is None:
             try:
                 self._counted = self._step_counts()
-            except Tf32LabError:
+            except (Tf32LabError, KeyboardInterrupt):
                 raise
-            except Exception as exc:
+            except BaseException as exc:  # sys.exit() included: the rows, run already, say it as their failure
                 if internal_error(exc, "counting a training step") is not None:
                     raise
                 self._speed_notes.append(f"no speed predicted: counting one training step raised {described(exc)}")
@@ -422,7 +425,7 @@ class TrainingSession:
         model = copy.deepcopy(self.saved)
         batch = self.batch(0)
         with Counting(model, backward=True) as counts:
-            loss = self.workload.loss_of(self.workload.run(model, batch), batch)
+            loss = self.workload.loss_of(self.workload.run(model, batch), batch, model)
             loss.backward()
         name = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam", torch.optim.SGD: "sgd"}.get(
             type(self._optimizer(model)))
@@ -503,7 +506,7 @@ class TrainingSession:
                 for step in range(self.steps):
                     batch = self.batch(step, dtype)
                     with forward():
-                        loss = workload.loss_of(workload.run(model, batch), batch)
+                        loss = workload.loss_of(workload.run(model, batch), batch, model)
                         value = float(loss.detach())
                         run.losses.append(value)
                         if not math.isfinite(value):
@@ -519,9 +522,9 @@ class TrainingSession:
                         run.grads = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
                     with _inside(step_emu, level) if step_emu is not None else contextlib.nullcontext():
                         optimizer.step()
-            except Tf32LabError:
+            except (Tf32LabError, KeyboardInterrupt):  # Ctrl-C stops the check
                 raise
-            except Exception as exc:
+            except BaseException as exc:  # sys.exit() included: the row fails at that step, never a silent end
                 where = "float64" if level is None else f"level {level!r}"
                 if out_of_memory(exc):
                     raise Tf32LabError(f"training workload {workload.name!r}: out of memory at step {step + 1} "
@@ -552,11 +555,11 @@ class TrainingSession:
             batch = self.batch(0, torch.float64)
             try:
                 with _Float64Step(masks=False) if widen_ops else contextlib.nullcontext():
-                    loss = self.workload.loss_of(self.workload.run(model, batch), batch)
+                    loss = self.workload.loss_of(self.workload.run(model, batch), batch, model)
                     loss.backward()
-            except Tf32LabError:
+            except (Tf32LabError, KeyboardInterrupt):
                 raise
-            except Exception:
+            except BaseException:  # sys.exit() included
                 return True  # the row itself says what fails, with every op widened
             found.append([loss.detach()] + [p.grad for p in model.parameters() if p.grad is not None])
         return len(found[0]) != len(found[1]) or not all(torch.equal(a, b) for a, b in zip(*found))
@@ -653,7 +656,7 @@ class _Attribution:
         _seeded(seed, model)
         try:
             with _Float64Step(masks=bool(_cuda_devices(model))):
-                loss = workload.loss_of(workload.run(model, batch), batch)
+                loss = workload.loss_of(workload.run(model, batch), batch, model)
                 loss.backward()
         finally:
             for handle in handles:
@@ -726,9 +729,9 @@ def _local_grads(module: torch.nn.Module, args: Any, kwargs: Any, grads: dict[st
                 return None
             found = torch.autograd.grad([outs[k] for k in keys], inputs + params,
                                         grad_outputs=[grads[k].to(outs[k].dtype) for k in keys], allow_unused=True)
-    except Tf32LabError:
+    except (Tf32LabError, KeyboardInterrupt):
         raise
-    except Exception as exc:
+    except BaseException as exc:  # sys.exit() included: as a step's, a finding (its row says it), not an end
         if internal_error(exc, "rerunning a module's backward") is not None:
             raise
         return None

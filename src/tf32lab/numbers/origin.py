@@ -35,8 +35,8 @@ from typing import Any, Optional
 
 from tf32lab.errors import Tf32LabError
 
-__all__ = ["LIBRARY", "OURS", "PACKAGE", "forwarding_line", "forwards", "innermost_first", "internal_error", "kind_of",
-           "raised_by_tf32lab", "run_error"]
+__all__ = ["LIBRARY", "OURS", "PACKAGE", "exit_call", "forwarding_line", "forwards", "innermost_first",
+           "internal_error", "kind_of", "raised_by_tf32lab", "run_error"]
 
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # tf32lab/
 # tf32lab's demo workloads: their errors are a model's
@@ -78,6 +78,11 @@ def run_error(exc: BaseException, name: str, doing: str, when: str) -> Tf32LabEr
     raised it (``doing``: "timing", ...), else the model's, said as ``workload 'x' raised E <when>: ...``."""
     return internal_error(exc, f"{doing} workload {name!r}") or Tf32LabError(
         f"workload {name!r} raised {type(exc).__name__} {when}: {exc}")
+
+
+def exit_call(exc: SystemExit) -> str:
+    """``sys.exit(0)``: the call that raised ``exc`` (its message is its bare code, which says nothing alone)."""
+    return f"sys.exit({'' if exc.code is None else repr(exc.code)})"
 
 
 def innermost_first(tb: Any) -> list[Any]:

@@ -33,7 +33,7 @@ from tf32lab.know.levels import LEVELS
 from tf32lab.numbers.origin import run_error
 from tf32lab.numbers.trees import named_tensors
 from tf32lab.speed.prediction import LevelSpeed, SpeedReport, speed_levels
-from tf32lab.workloads.running import Progress, changed_note, kept_flags, refuse_applied
+from tf32lab.workloads.running import Progress, changed_note, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.workload import Workload
 
 __all__ = ["bench", "device_name"]
@@ -80,7 +80,8 @@ def bench(workload: Workload, levels: Iterable[str] = LEVELS, *, rounds: int = 7
     calls = {level: at(level) for level in levels}
     # a model that sets PyTorch's flags in its forward leaves nothing behind, as with check and predict
     try:
-        with kept_flags() as changed, Progress(progress, len(levels) * (rounds + 1)) as bar:
+        with exits_refused(workload.name, "bench"), kept_flags() as changed, \
+                Progress(progress, len(levels) * (rounds + 1)) as bar:
             for level, run in calls.items():  # warm-up: kernels chosen, caches filled
                 bar.step(f"{workload.name}: warm-up at {level}")
                 run()

@@ -61,7 +61,7 @@ from tf32lab.numbers.files import write_json
 from tf32lab.numbers.origin import run_error
 from tf32lab.numbers.trees import named_tensors
 from tf32lab.speed.counting import ROOT, Counting, Counts, Gemm, OpCost, OtherThreads
-from tf32lab.workloads.running import changed_note, kept_flags, refuse_applied
+from tf32lab.workloads.running import changed_note, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.workload import Workload, eval_mode
 
 __all__ = ["LayerSpeed", "LevelSpeed", "SpeedReport", "op_seconds", "optimizer_ops", "predict", "predict_counts",
@@ -388,7 +388,7 @@ def predict(workload: Workload, target: Union[str, Target] = "a100", levels: Ite
     counting = Counting(workload.model, backward=training)
     mode = _training(workload.model) if training else eval_mode(workload.model)
     # a model that sets a level in its forward leaves nothing behind (KeyboardInterrupt included)
-    with kept_flags() as changed:
+    with exits_refused(workload.name, "predict"), kept_flags() as changed:
         try:
             with mode, OtherThreads() as threads, counting as counts, \
                     (contextlib.nullcontext() if training else torch.inference_mode()):

@@ -1,5 +1,6 @@
 """Running a workload for a measurement: a model carrying an applied policy refused, PyTorch's flags kept as they
-were, the machine it ran on described, and a progress bar. Shared by ``check``, ``predict``, ``bench`` and ``tune``.
+were, a ``sys.exit()`` made a one-line error, the machine it ran on described, and a progress bar. Shared by
+``check``, ``predict``, ``bench`` and ``tune``.
 
 Example:
 
@@ -24,6 +25,7 @@ from tf32lab.control import flags
 from tf32lab.control.scope import get_float32_matmul_precision
 from tf32lab.errors import Tf32LabError
 from tf32lab.machine import hardware
+from tf32lab.numbers.origin import exit_call
 from tf32lab.numbers.trees import named_tensors
 from tf32lab.workloads.workload import Workload
 
@@ -65,6 +67,25 @@ def kept_flags() -> Iterator[list[str]]:
         if diff:
             flags.restore(before)
             changed += [f"{name} {old!r} -> {new!r}" for name, old, new in diff]
+
+
+@contextlib.contextmanager
+def exits_refused(name: object, what: str) -> Iterator[None]:
+    """A ``SystemExit`` (``sys.exit()`` in a model, its loss or a batches function), or any other BaseException
+    that is not an Exception, that leaves ``what`` (``"check"``) where no row records it, as one ``Tf32LabError``:
+    ``what`` then has no verdict, and neither the CLI nor a caller's ``sys.exit(0 if report else 1)`` may end the
+    program with 0 as if it had passed. (A run at a level that raises one fails that row instead: a finding.)
+    KeyboardInterrupt goes through: Ctrl-C stops the program (the CLI's exit 130)."""
+    try:
+        yield
+    except (Exception, KeyboardInterrupt):
+        raise
+    except BaseException as exc:
+        said = f"called {exit_call(exc)}" if isinstance(exc, SystemExit) else (
+            f"raised {type(exc).__name__}" + (f" ({str(exc).strip().splitlines()[0]})" if str(exc).strip() else ""))
+        raise Tf32LabError(f"workload {name!r} {said} during {what}, outside any level's run, so {what} has "
+                           f"no verdict; a model, loss, inputs or batches function must return or raise an "
+                           f"Exception, not end the program") from exc
 
 
 def changed_note(changed: list[str]) -> str:

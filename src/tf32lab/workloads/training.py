@@ -6,6 +6,12 @@ function), the model called on it (``inputs(batch)``, by default the batch itsel
 Face output's own ``.loss`` when no loss is given), ``backward()`` and the optimizer's step (``optimizer(params)``
 makes one; AdamW by default).
 
+Every row of a training check trains its own copy of the model (a float64 one for the reference). A loss that
+needs the model's own parts (gpytorch's marginal likelihood of its likelihood and GP) takes the copy as a third
+argument, ``loss(output, batch, model)``; ``inputs(batch, model)`` likewise. A loss that closes over the
+original model instead would mix the user's float32 model into every row: where the float64 reference then
+fails, its error says so and what to write (:meth:`TrainingWorkload.reaching_model`).
+
 Everything that can be checked without running the model is checked when the workload is made: a bad workload is
 a one-line ``Tf32LabError`` before any run.
 
@@ -19,12 +25,22 @@ Example:
     ...                              inputs=lambda b: b[0], name="regression")
     >>> w.steps, w.name
     (3, 'regression')
+
+    # a loss that needs the model takes the row's copy as its third argument
+    >>> decayed = tf32lab.TrainingWorkload(
+    ...     torch.nn.Linear(4, 1), data, inputs=lambda b: b[0],
+    ...     loss=lambda out, b, model: (out - b[1]).pow(2).mean() + 1e-4 * model.weight.pow(2).sum())
+    >>> decayed.reaching_model() is None   # it uses only the copy it is given
+    True
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import traceback
-from collections.abc import Iterable, Mapping, Sequence
+import types
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
@@ -36,7 +52,7 @@ from tf32lab.workloads.workload import Inputs, Workload, check_float32
 __all__ = ["TrainingWorkload", "default_optimizer"]
 
 Batches = Union[Sequence[Any], Callable[[int], Any]]
-Loss = Callable[[Any, Any], torch.Tensor]
+Loss = Callable[..., torch.Tensor]  # (output, batch) or (output, batch, model)
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
@@ -52,12 +68,17 @@ class TrainingWorkload:
     Args:
         model: a float32 ``torch.nn.Module``; never trained itself (every run works on a copy).
         batches: a sequence of batches (step ``k`` takes ``batches[k]``) or a function ``step -> batch``.
-        loss: ``loss(output, batch) -> scalar tensor``; without one, the output's ``.loss`` (Hugging Face models
-            given labels).
+        loss: ``loss(output, batch) -> scalar tensor``, or ``loss(output, batch, model)`` to be given the model
+            that made ``output`` (the row's copy: never the ``model`` given here, which no row trains); without
+            one, the output's ``.loss`` (Hugging Face models given labels).
         optimizer: ``optimizer(params) -> torch.optim.Optimizer``; by default AdamW (:func:`default_optimizer`).
         steps: how many steps; by default ``len(batches)`` (a function needs it).
         name: by default the model's class name.
-        inputs: ``inputs(batch)`` -> what the model is called on; by default the batch itself.
+        inputs: ``inputs(batch)`` -> what the model is called on, or ``inputs(batch, model)`` to be given the
+            row's copy of the model; by default the batch itself.
+
+    A function takes the model when it has one more positional parameter than the short form and that one has no
+    default, or when it is named ``model``.
     """
 
     model: torch.nn.Module
@@ -112,7 +133,7 @@ class TrainingWorkload:
     def run(self, model: torch.nn.Module, batch: Any) -> Any:
         """``model`` called on ``batch`` (through ``inputs`` when given); a one-line error when the model's
         forward does not take what the batch gives it (a batch ``(x, y)`` with no ``inputs=``)."""
-        inputs = batch if self.inputs is None else self.inputs(batch)
+        inputs = self._inputs(batch, model)
         try:
             if isinstance(inputs, Mapping):
                 return model(**inputs)
@@ -129,11 +150,18 @@ class TrainingWorkload:
             raise Tf32LabError(f"training workload {self.name!r}: the model cannot be called with the batch's "
                                f"{given}{hint}: {exc}") from None
 
-    def loss_of(self, output: Any, batch: Any) -> torch.Tensor:
-        """The step's loss: ``loss(output, batch)``, or the output's ``.loss``; a one-line error for anything but
-        a real scalar tensor."""
+    def _inputs(self, batch: Any, model: torch.nn.Module) -> Any:
+        if self.inputs is None:
+            return batch
+        return self.inputs(batch, model) if takes_model(self.inputs, 1) else self.inputs(batch)
+
+    def loss_of(self, output: Any, batch: Any, model: Optional[torch.nn.Module] = None) -> torch.Tensor:
+        """The step's loss: ``loss(output, batch)`` (``loss(output, batch, model)``: ``model`` is the one that made
+        ``output``, by default the workload's), or the output's ``.loss``; a one-line error for anything but a real
+        scalar tensor."""
         if self.loss is not None:
-            value = self.loss(output, batch)
+            value = self.loss(output, batch, self.model if model is None else model) \
+                if takes_model(self.loss, 2) else self.loss(output, batch)
         else:
             value = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
             if value is None:
@@ -153,7 +181,7 @@ class TrainingWorkload:
         """The model on its first batch's inputs, as a forward :class:`~tf32lab.Workload` (``predict(...,
         training=True)`` counts one step of it; its loss is then the sum of the outputs, or their ``.loss``)."""
         batch = self.batch(0)
-        inputs = batch if self.inputs is None else self.inputs(batch)
+        inputs = self._inputs(batch, self.model)
         if not isinstance(inputs, (torch.Tensor, tuple, Mapping)):
             inputs = (inputs,)
         return Workload(self.model, inputs, name=self.name)
@@ -166,6 +194,116 @@ class TrainingWorkload:
             raise Tf32LabError(f"training workload {self.name!r}: optimizer(params) returned a "
                                f"{type(made).__name__}, not a torch.optim.Optimizer")
         return made
+
+
+    def reaching_model(self) -> Optional[str]:
+        """Where the loss or ``inputs`` reach this workload's own model rather than the copy a row gives them: its
+        closure, the globals it names, a bound method's object or a partial's arguments, followed a few levels
+        (an object holding the model, a module sharing its parameters: gpytorch's ``ExactMarginalLogLikelihood``
+        of it). One line saying what to write instead; None where neither does.
+
+        Example:
+
+            >>> import torch
+            >>> model = torch.nn.Linear(2, 1)
+            >>> w = TrainingWorkload(model, [(torch.ones(1, 2), torch.ones(1, 1))], inputs=lambda b: b[0],
+            ...                      loss=lambda out, b: (out - b[1]).pow(2).mean() + model.weight.abs().sum())
+            >>> print(w.reaching_model())  # doctest: +ELLIPSIS
+            the loss uses the workload's own model through 'model' (a Linear), not the copy each row trains ...
+        """
+        params = {id(p) for p in self.model.parameters()}
+        for what, fn, usage in (("loss", self.loss, "loss=lambda output, batch, model: ..."),
+                                ("inputs", self.inputs, "inputs=lambda batch, model: ...")):
+            if fn is None:
+                continue
+            for name, value in _referents(fn):
+                if _holds(value, self.model, params, depth=3, seen=set()):
+                    kind = type(value).__name__
+                    gpytorch = type(value).__module__.startswith("gpytorch.mlls")
+                    return (f"the {what} uses the workload's own model through {name!r} "
+                            f"({'an' if kind[:1] in 'AEIOU' else 'a'} {kind}), not the copy each row trains (a "
+                            f"float64 one for the reference): take the row's copy as an argument, {usage}"
+                            + (f" with {kind}(model.likelihood, model) inside" if gpytorch else "")
+                            + (", or compute the loss in the model's forward" if what == "loss" else ""))
+        return None
+
+
+def takes_model(fn: Optional[Callable[..., Any]], given: int) -> bool:
+    """Whether ``fn``, called with ``given`` positional arguments in its short form, takes the model as one more:
+    a positional parameter after those with no default, or one named ``model``. ``*args`` alone is no sign (the
+    short form is kept)."""
+    if fn is None:
+        return False
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin with no signature: the short form
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) <= given:
+        return False
+    extra = positional[given]
+    return extra.default is inspect.Parameter.empty or extra.name == "model"
+
+
+def _referents(fn: Any) -> Iterator[tuple[str, Any]]:
+    """(name, object) that ``fn`` refers to: its closure's variables, the globals its code names (the lambdas'
+    too), a bound method's object, a partial's arguments; a callable object's attributes."""
+    if isinstance(fn, functools.partial):
+        yield from ((f"argument {i + 1} of the partial", a) for i, a in enumerate(fn.args))
+        yield from fn.keywords.items()
+        yield from _referents(fn.func)
+        return
+    if isinstance(fn, types.MethodType):
+        yield "self", fn.__self__
+        fn = fn.__func__
+    code = getattr(fn, "__code__", None)
+    if code is None:  # a callable object: what it holds
+        yield from ((name, value) for name, value in vars(fn).items()) if hasattr(fn, "__dict__") else ()
+        return
+    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+        try:
+            yield name, cell.cell_contents
+        except ValueError:  # a cell not filled yet
+            continue
+    scope = getattr(fn, "__globals__", {})
+    for name in _names(code):
+        if name in scope:
+            yield name, scope[name]
+
+
+def _names(code: types.CodeType) -> Iterator[str]:
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _names(const)
+
+
+def _holds(value: Any, model: torch.nn.Module, params: set[int], depth: int, seen: set[int]) -> bool:
+    """Whether ``value`` is ``model``, one of its parameters, a module sharing them, or holds one of those within
+    ``depth`` steps (attributes, items, a function's referents)."""
+    if value is model:
+        return True
+    if id(value) in seen or isinstance(value, (type, types.ModuleType, str, bytes, int, float, bool)) \
+            or value is None:
+        return False
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        return id(value) in params
+    if isinstance(value, torch.nn.Module):
+        return any(id(p) in params for p in value.parameters())
+    if depth == 0:
+        return False
+    if isinstance(value, Mapping):
+        items: Iterable[Any] = list(value.values())[:64]
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = list(value)[:64]
+    elif callable(value) and (hasattr(value, "__code__") or isinstance(value, (functools.partial, types.MethodType))):
+        items = [v for _, v in _referents(value)]
+    elif hasattr(value, "__dict__"):
+        items = list(vars(value).values())[:64]
+    else:
+        return False
+    return any(_holds(item, model, params, depth - 1, seen) for item in items)
 
 
 def _call_refused(exc: TypeError) -> bool:
