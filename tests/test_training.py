@@ -289,8 +289,10 @@ def test_a_bad_training_workload_is_one_line(kwargs, message):
 
 
 @pytest.mark.parametrize(("loss", "message"), [
-    (lambda out, batch: out, r"the loss must be a floating scalar tensor, not a tensor of shape \(4, 1\)"),
-    (lambda out, batch: 1.0, "the loss must be a floating scalar tensor, not float"),
+    (lambda out, batch: out, r"the loss must be a real floating scalar tensor, not a tensor of shape \(4, 1\)"),
+    (lambda out, batch: 1.0, "the loss must be a real floating scalar tensor, not float"),
+    # the user's dtype, not the float64 row's widened twin (complex128)
+    (lambda out, batch: out.sum().to(torch.complex64), r"not a torch\.complex64 tensor \(its \.real or \.abs\(\)"),
     (lambda out, batch: out.sum().detach(), "the loss does not depend on any parameter"),
     (None, r"no loss= given and the model's output \(Tensor\) has no .loss"),
 ])

@@ -169,13 +169,22 @@ class TrainingWorkload:
                                    f"({type(output).__name__}) has no .loss; give loss=lambda output, batch: ...")
         if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
             what = type(value).__name__ if not isinstance(value, torch.Tensor) else (
-                f"a tensor of shape {tuple(value.shape)}" if value.is_floating_point() else f"a {value.dtype} tensor")
-            raise Tf32LabError(f"training workload {self.name!r}: the loss must be a floating scalar tensor, not "
-                               f"{what}")
+                f"a tensor of shape {tuple(value.shape)}" if value.is_floating_point()
+                else f"a {self._users_dtype(value.dtype, model)} tensor")
+            hint = " (its .real or .abs(), say)" if isinstance(value, torch.Tensor) and value.is_complex() else ""
+            raise Tf32LabError(f"training workload {self.name!r}: the loss must be a real floating scalar tensor, "
+                               f"not {what}{hint}")
         if not value.requires_grad:
             raise Tf32LabError(f"training workload {self.name!r}: the loss does not depend on any parameter "
                                f"(no grad): nothing to train")
         return value.reshape(())
+
+    def _users_dtype(self, dtype: torch.dtype, model: Optional[torch.nn.Module]) -> torch.dtype:
+        """``dtype`` as the user's own float32 model gives it: the float64 row widens every float32 and complex64
+        tensor, and an error must name what the user wrote (complex64), not its widened twin."""
+        if model is None or model is self.model or _floating_width(model) != 8 or _floating_width(self.model) != 4:
+            return dtype
+        return _NARROWED.get(dtype, dtype)
 
     def step_workload(self) -> Workload:
         """The model on its first batch's inputs, as a forward :class:`~tf32lab.Workload` (``predict(...,
@@ -304,6 +313,15 @@ def _holds(value: Any, model: torch.nn.Module, params: set[int], depth: int, see
     else:
         return False
     return any(_holds(item, model, params, depth - 1, seen) for item in items)
+
+
+_NARROWED = {torch.float64: torch.float32, torch.complex128: torch.complex64}
+
+
+def _floating_width(model: torch.nn.Module) -> Optional[int]:
+    """The bytes of an element of the model's first floating parameter (None: it has none). Not its ``.dtype``:
+    inside the float64 run a float32 tensor's dtype reads float64."""
+    return next((p.element_size() for p in model.parameters() if p.is_floating_point()), None)
 
 
 def _call_refused(exc: TypeError) -> bool:
