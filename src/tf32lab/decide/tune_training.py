@@ -145,9 +145,9 @@ class TrainingTuning(Document):
     def to_html(self) -> str:
         """The training report of the uniform levels (and the chosen policy), headed by the search's answer."""
         page = self.report.to_html()
-        from html import escape
+        from tf32lab.report.html import with_code
 
-        head = "".join(f"<p>{escape(line)}</p>" for line in self.advice())
+        head = "".join(f"<p>{with_code(line)}</p>" for line in self.advice())  # escaped, `code` as <code>
         return page.replace('<div class="conclusion">', f'<div class="conclusion"><h2>tune</h2>{head}', 1)
 
 
