@@ -7,8 +7,9 @@ width only then), by one rule whatever columns a report adds:
 - a ``number`` column (and any column marked ``key``) is as wide as its widest cell: never cut, never wrapped;
 - a ``name`` column (a dotted module path) takes what the others leave and shortens each name from the left
   (:func:`short_name`), keeping its stage (``layer.5``) and its last part;
-- a ``text`` column takes what the others leave too and wraps between words (a word longer than the column
-  folds: no ``…`` is ever written into a table).
+- a ``text`` column takes what the others leave too and wraps between words, never inside one;
+- what the narrowest layout leaves goes to the column whose cells are tallest, a character at a time, so that a
+  row takes as few lines as the width allows. No ``…`` is ever written into a cell but a shortened name's.
 
 When the columns do not fit side by side with their text unwrapped, the table is drawn without its vertical rules;
 if that does not fit, text wraps; if that does not fit either, the table is split into several, each repeating the
@@ -43,7 +44,13 @@ from rich.text import Text
 
 Kind = Literal["number", "name", "text"]
 NAME_MIN = 16  # a module path shorter than this says too little ("…dense")
-TEXT_MIN = 10  # a wrapped text column narrower than this is mostly line breaks
+TEXT_MIN = 6  # a wrapped text column narrower than this is mostly line breaks
+_MEASURE = Console(width=10_000, color_system=None)  # wraps text to count its lines; never prints
+
+
+@functools.lru_cache(maxsize=4096)
+def _lines(text: str, width: int) -> int:
+    return len(Text(text).wrap(_MEASURE, width, overflow="fold"))
 
 
 def short_name(name: str, width: int = 36) -> str:
@@ -124,8 +131,7 @@ def _overhead(layout: str, columns: int) -> int:
     for _ in range(columns):
         table.add_column(width=1, no_wrap=True)
     table.add_row(*["x"] * columns)
-    console = Console(width=10_000, color_system=None)
-    return max(cell_len(line) for line in console.render_lines(table, pad=False)
+    return max(cell_len(line) for line in _MEASURE.render_lines(table, pad=False)
                for line in ["".join(segment.text for segment in line)]) - columns
 
 
@@ -158,10 +164,13 @@ class Fitted:
         """The narrowest column ``i`` can be: its widest cell for a number (or text, unless it may ``wrap``), else
         a floor for names and text (a header's longest word, never more than it needs)."""
         column, natural = self.columns[i], self._natural(i)
-        if column.kind == "number" or column.kind == "text" and not wrap:
+        if column.kind == "number" or (column.kind == "text" and not wrap):
             return natural
-        floor = NAME_MIN if column.kind == "name" else max(TEXT_MIN, _longest_word(column.header))
-        return min(natural, max(floor, _longest_word(column.header)))
+        if column.kind == "name":
+            return min(natural, max(NAME_MIN, _longest_word(column.header)))
+        # text wraps between words, never inside one (a number in it stays whole)
+        words = max([_longest_word(column.header), *(_longest_word(_plain(row[i])) for row in self.rows)])
+        return min(natural, max(TEXT_MIN, words))
 
     def _widths(self, shown: Sequence[int], width: int, layout: str, wrap: bool = True) -> Optional[dict[int, int]]:
         """The width of each shown column when they fit ``width`` side by side in ``layout`` (text wrapped only
@@ -170,15 +179,24 @@ class Fitted:
         widths = {i: self._least(i, wrap) for i in shown}
         if sum(widths.values()) > room:
             return None
-        # what is left goes to the columns that can use it (names, text), the narrowest first
-        flexible = sorted((i for i in shown if widths[i] < self._natural(i)), key=self._natural)
+        # what is left goes, one column at a time, to the column with the tallest cells (wrapped text) or the
+        # most shortened names: the rows come out as few lines high as the width allows
         left = room - sum(widths.values())
-        for n, i in enumerate(flexible):
-            share = left // (len(flexible) - n)
-            grown = min(self._natural(i), widths[i] + share)
-            left -= grown - widths[i]
-            widths[i] = grown
+        while left > 0:
+            grow = [i for i in shown if widths[i] < self._natural(i)]
+            if not grow:
+                break
+            tallest = max(grow, key=lambda i: (self._height(i, widths[i]), self._natural(i)))
+            widths[tallest] += 1
+            left -= 1
         return widths
+
+    def _height(self, i: int, width: int) -> float:
+        """How tall column ``i``'s cells are at ``width``: the most lines a text cell wraps onto; for names, how
+        much of the longest is kept out (a fraction of a line, so wrapped text comes first)."""
+        if self.columns[i].kind == "name":
+            return 1 + (1 - width / self._natural(i)) / 2
+        return max([_lines(self.columns[i].header, width), *(_lines(_plain(row[i]), width) for row in self.rows)])
 
     def _parts(self, width: int) -> tuple[str, list[dict[int, int]]]:
         everything = list(range(len(self.columns)))
