@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Optional
 
 from tf32lab.know.targets import NATIVE
-from tf32lab.report.text import given
+from tf32lab.report.wording import given
 
 if TYPE_CHECKING:
     from tf32lab.report import LevelResult, Report

@@ -13,7 +13,8 @@ import jinja2
 import markupsafe
 
 from tf32lab.numbers.metrics import HISTOGRAM_EDGES
-from tf32lab.report.text import fmt, given, notes, ranked_layers, short_name, tolerance_words
+from tf32lab.report.text import fmt, notes, ranked_layers, short_name
+from tf32lab.report.wording import given, tolerance_words
 
 if TYPE_CHECKING:
     from tf32lab.report import Report

@@ -4,16 +4,18 @@ Rich fits a table that is too wide by shrinking every column at last, numbers in
 :class:`Fitted` table instead gives each column its width itself, when it is printed (it knows the console's
 width only then), by one rule whatever columns a report adds:
 
-- a ``number`` column (and any column marked ``key``) is as wide as its widest cell: never cut, never wrapped;
+- a ``number`` column (numbers, or words that must stay whole: maths) is as wide as its widest cell: never cut,
+  never wrapped;
 - a ``name`` column (a dotted module path) takes what the others leave and shortens each name from the left
   (:func:`short_name`), keeping its stage (``layer.5``) and its last part;
-- a ``text`` column takes what the others leave too and wraps between words, never inside one;
+- a ``text`` column takes what the others leave too and wraps between words (inside a word only where no
+  layout leaves the word room);
 - what the narrowest layout leaves goes to the column whose cells are tallest, a character at a time, so that a
   row takes as few lines as the width allows. No ``…`` is ever written into a cell but a shortened name's.
 
 When the columns do not fit side by side with their text unwrapped, the table is drawn without its vertical rules;
-if that does not fit, text wraps; if that does not fit either, the table is split into several, each repeating the
-``key`` columns (which tell rows apart).
+if that does not fit, text wraps between words, then inside a word too long for any column; if that does not fit
+either, the table is split into several, each repeating the ``key`` columns (which tell rows apart).
 
 Example:
 
@@ -160,36 +162,50 @@ class Fitted:
     def _natural(self, i: int) -> int:
         return max([cell_len(self.columns[i].header), *(cell_len(_plain(row[i])) for row in self.rows)])
 
-    def _least(self, i: int, wrap: bool = True) -> int:
-        """The narrowest column ``i`` can be: its widest cell for a number (or text, unless it may ``wrap``), else
-        a floor for names and text (a header's longest word, never more than it needs)."""
+    def _least(self, i: int, wrap: int = 2) -> int:
+        """The narrowest column ``i`` can be: its widest cell for a number, or for text that may not ``wrap`` (0);
+        a floor for names; for text, its longest word (``wrap`` 1: between words) or a floor (2: a word longer
+        than the column folds, the last resort before a split)."""
         column, natural = self.columns[i], self._natural(i)
         if column.kind == "number" or (column.kind == "text" and not wrap):
             return natural
-        if column.kind == "name":
-            return min(natural, max(NAME_MIN, _longest_word(column.header)))
-        # text wraps between words, never inside one (a number in it stays whole)
-        words = max([_longest_word(column.header), *(_longest_word(_plain(row[i])) for row in self.rows)])
-        return min(natural, max(TEXT_MIN, words))
+        floor = max(NAME_MIN if column.kind == "name" else TEXT_MIN, _longest_word(column.header))
+        if column.kind == "text" and wrap == 1:  # between words, never inside one (a number in it stays whole)
+            floor = max([floor, *(_longest_word(_plain(row[i])) for row in self.rows)])
+        return min(natural, floor)
 
-    def _widths(self, shown: Sequence[int], width: int, layout: str, wrap: bool = True) -> Optional[dict[int, int]]:
+    def _widths(self, shown: Sequence[int], width: int, layout: str, wrap: int = 1) -> Optional[dict[int, int]]:
         """The width of each shown column when they fit ``width`` side by side in ``layout`` (text wrapped only
         where it may ``wrap``), else None."""
         room = width - _overhead(layout, len(shown))
         widths = {i: self._least(i, wrap) for i in shown}
         if sum(widths.values()) > room:
             return None
-        # what is left goes, one column at a time, to the column with the tallest cells (wrapped text) or the
-        # most shortened names: the rows come out as few lines high as the width allows
+        # what is left goes to the tallest column (wrapped text, then shortened names), as much as it needs to
+        # lose a line, the cheapest first: the rows come out as few lines high as the width allows
         left = room - sum(widths.values())
         while left > 0:
-            grow = [i for i in shown if widths[i] < self._natural(i)]
-            if not grow:
+            options = []
+            for i in shown:
+                need = self._need(i, widths[i])
+                if need is not None and need <= left:
+                    options.append((-self._height(i, widths[i]), need, i))
+            if not options:
                 break
-            tallest = max(grow, key=lambda i: (self._height(i, widths[i]), self._natural(i)))
-            widths[tallest] += 1
-            left -= 1
+            _, need, i = min(options)
+            widths[i] += need
+            left -= need
         return widths
+
+    def _need(self, i: int, width: int) -> Optional[int]:
+        """How many more columns column ``i`` needs to get shorter (None: it is as short as it gets)."""
+        natural = self._natural(i)
+        if width >= natural:
+            return None
+        if self.columns[i].kind == "name":
+            return 1
+        now = self._height(i, width)
+        return next(w for w in range(width + 1, natural + 1) if self._height(i, w) < now or w == natural) - width
 
     def _height(self, i: int, width: int) -> float:
         """How tall column ``i``'s cells are at ``width``: the most lines a text cell wraps onto; for names, how
@@ -200,8 +216,8 @@ class Fitted:
 
     def _parts(self, width: int) -> tuple[str, list[dict[int, int]]]:
         everything = list(range(len(self.columns)))
-        # unwrapped text in either layout first, then wrapped text, then the split
-        for wrap, layout in ((False, "boxed"), (False, "open"), (True, "boxed"), (True, "open")):
+        # unwrapped text in either layout first, then text wrapped between words, then folded, then the split
+        for wrap, layout in ((0, "boxed"), (0, "open"), (1, "boxed"), (1, "open"), (2, "open")):
             widths = self._widths(everything, width, layout, wrap)
             if widths is not None:
                 return layout, [widths]
@@ -210,7 +226,7 @@ class Fitted:
             if all(parts):
                 return layout, parts
         # a part that fits at no width (one below a number's) is still printed: its cells fold, never an ellipsis
-        return _LAYOUTS[-1], [part or {i: self._least(i) for i in shown}
+        return _LAYOUTS[-1], [part or {i: self._least(i, 2) for i in shown}
                               for part, shown in zip(parts, self._split(width, _LAYOUTS[-1], columns=True))]
 
     def _split(self, width: int, layout: str, columns: bool = False) -> list[Any]:
@@ -225,7 +241,7 @@ class Fitted:
                 groups.append([])
             groups[-1].append(i)
         shown = [sorted({*keys, *group}) for group in groups]
-        return shown if columns else [self._widths(part, width, layout) or {} for part in shown]
+        return shown if columns else [self._widths(part, width, layout, 2) or {} for part in shown]
 
     def tables(self, width: int) -> list[Table]:
         """The rich tables that show this one at ``width`` columns: one, or several each repeating the keys."""
@@ -254,3 +270,22 @@ class Fitted:
         if shown == text:
             return cell
         return Text(shown, style=cell.style) if isinstance(cell, Text) else shown
+
+
+def as_lines(renderable: Any, width: Optional[int] = None) -> list[str]:
+    """``renderable`` (a :class:`Fitted` table) as plain lines at ``width`` columns (None: the terminal's, 80
+    when it is a pipe), trailing spaces dropped: for summaries that are lists of lines.
+
+    Example:
+
+        >>> table = Fitted(None, [Column("candidate", "text"), Column("speedup")])
+        >>> table.add_row("pin encoder.layer.5.attention.output.dense and two more", "1.42x")
+        >>> lines = as_lines(table, 40)
+        >>> any(line.endswith("  1.42x") for line in lines), max(map(len, lines)) <= 40
+        (True, True)
+    """
+    console = Console(width=width, color_system=None, highlight=False, emoji=False, markup=False)
+    with console.capture() as captured:
+        console.print(renderable)
+    return [line.rstrip() for line in captured.get().splitlines()]
+

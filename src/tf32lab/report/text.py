@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 from rich.text import Text
 
 from tf32lab.report.tables import Column, Fitted, short_name
+from tf32lab.report.wording import tolerance_words
 
-__all__ = ["fmt", "footnoted", "given", "inert", "notes", "ranked_layers", "renderables", "short_name",
-           "tolerance_words"]
+__all__ = ["fmt", "footnoted", "inert", "notes", "ranked_layers", "renderables", "short_name"]
 
 if TYPE_CHECKING:
     from tf32lab.report import Report
@@ -41,33 +41,6 @@ def fmt(value: float | None) -> str:
     if math.isnan(value) or math.isinf(value):
         return str(value)
     return f"{value:.2e}"
-
-
-def tolerance_words(tolerance: float | dict[str, float]) -> str:
-    """A tolerance as it was given, in as many digits as it has: ``tolerance 2e-04`` (``default tolerance`` only
-    when it is the default, which no one gave), with any per-output entries.
-
-    Example:
-
-        >>> tolerance_words({"default": 2.5e-4, "logits": 1e-3})
-        "tolerance 2.5e-04, output 'logits' 1e-03"
-        >>> tolerance_words(1e-2)
-        'default tolerance 1e-02'
-    """
-    from tf32lab.numbers.metrics import DEFAULT_TOLERANCE
-
-    entries = dict(tolerance) if isinstance(tolerance, dict) else {"default": tolerance}
-    default = entries.pop("default", DEFAULT_TOLERANCE)
-    words = ("default tolerance " if default == DEFAULT_TOLERANCE else "tolerance ") + given(default)
-    return "".join([words, *(f", output {inert(repr(name))} {given(value)}" for name, value in entries.items())])
-
-
-def given(value: float) -> str:
-    """``value`` in e-notation without a digit more or less than it needs (at most 3): 2e-04, 1.25e-04."""
-    if value == 0 or not math.isfinite(value):
-        return str(value)
-    mantissa, exponent = f"{value:.2e}".split("e")
-    return f"{mantissa.rstrip('0').rstrip('.')}e{exponent}"
 
 
 def renderables(report: Report) -> Iterator[Any]:

@@ -33,7 +33,7 @@ from typing import Any, Optional
 from tf32lab.know.targets import NATIVE
 from tf32lab.numbers.files import finite
 from tf32lab.report import Document
-from tf32lab.report.text import given
+from tf32lab.report.wording import given
 
 __all__ = ["FLOOR_MULTIPLE", "TRAINING_SCHEMA_VERSION", "WORTH", "BackwardLayer", "ParameterError", "TrainingLevel",
            "TrainingReport", "faster", "training_schema"]

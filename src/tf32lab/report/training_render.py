@@ -24,7 +24,8 @@ from rich.text import Text
 
 from tf32lab.report.html import COLORS, TEMPLATES
 from tf32lab.report.tables import Column, Fitted
-from tf32lab.report.text import fmt, given, inert
+from tf32lab.report.text import fmt, inert
+from tf32lab.report.wording import given
 
 if TYPE_CHECKING:
     from tf32lab.report.training import TrainingLevel, TrainingReport
