@@ -7,14 +7,13 @@ Every name that comes from the model (workload, outputs, layers, exception messa
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
 
 from tf32lab.report.tables import Column, Fitted, short_name
-from tf32lab.report.wording import tolerance_words
+from tf32lab.report.wording import inert, tolerance_words
 
 __all__ = ["fmt", "footnoted", "inert", "notes", "ranked_layers", "renderables", "short_name"]
 
@@ -22,17 +21,6 @@ if TYPE_CHECKING:
     from tf32lab.report import Report
 
 TOP_LAYERS = 10
-
-# C0 controls but tab and newline, DEL, C1 controls, lone surrogates (which no terminal encoding can write)
-_NOT_INERT = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
-
-
-def inert(text: object) -> str:
-    """``text`` with control characters and lone surrogates written as escapes (``\\x1b``), so that printing it
-    cannot move the cursor, retitle the window or fail to encode."""
-    return _NOT_INERT.sub(lambda m: m.group().encode("unicode_escape", "backslashreplace").decode("ascii"),
-                          str(text))
-
 
 def fmt(value: float | None) -> str:
     """Errors in scientific notation, with ``-`` for nothing measured."""

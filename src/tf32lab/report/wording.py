@@ -1,13 +1,24 @@
-"""Numbers in words, the same in every rendering (text, HTML, summaries), without importing rich: ``import tf32lab``
-must stay light, and the conclusion's sentences use these too."""
+"""Words the same in every rendering (text, HTML, summaries), without importing rich (``import tf32lab`` stays
+light, and the conclusion's sentences use these too): a tolerance as given, a name made inert for a terminal."""
 
 from __future__ import annotations
 
 import math
+import re
 
 from tf32lab.numbers.metrics import DEFAULT_TOLERANCE
 
-__all__ = ["given", "tolerance_words"]
+__all__ = ["given", "inert", "tolerance_words"]
+
+# C0 controls but tab and newline, DEL, C1 controls, lone surrogates (which no terminal encoding can write)
+_NOT_INERT = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def inert(text: object) -> str:
+    """``text`` with control characters and lone surrogates written as escapes (``\\x1b``), so that printing it
+    cannot move the cursor, retitle the window or fail to encode."""
+    return _NOT_INERT.sub(lambda m: m.group().encode("unicode_escape", "backslashreplace").decode("ascii"),
+                          str(text))
 
 
 def tolerance_words(tolerance: float | dict[str, float]) -> str:
@@ -21,8 +32,6 @@ def tolerance_words(tolerance: float | dict[str, float]) -> str:
         >>> tolerance_words(1e-2)
         'default tolerance 1e-02'
     """
-    from tf32lab.report.text import inert  # the terminal's escaping; rich is loaded by then
-
     entries = dict(tolerance) if isinstance(tolerance, dict) else {"default": tolerance}
     default = entries.pop("default", DEFAULT_TOLERANCE)
     words = ("default tolerance " if default == DEFAULT_TOLERANCE else "tolerance ") + given(default)
