@@ -24,9 +24,15 @@ $(STAMP): $(DEMO)
 	touch $(STAMP)
 
 # The main job on the default workload (all-MiniLM-L6-v2): tables on the terminal, report.html beside them.
+# It ends with the next command to try, whatever the verdict (the exit code stays the check's).
 demo: $(DEMO)
 	@echo "make demo: checking all-MiniLM-L6-v2 at every precision level, as an A100 computes it"
-	$(BIN)/tf32lab check --html report.html
+	@echo "$(BIN)/tf32lab check --html report.html"
+	@$(BIN)/tf32lab check --html report.html; status=$$?; \
+	echo; \
+	echo "next: open report.html (every output and layer, in a browser); then find the fastest policy within tolerance:"; \
+	echo "  $(BIN)/tf32lab tune --out policy.json --html tune.html"; \
+	exit $$status
 
 chromium:
 	@command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \

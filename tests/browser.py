@@ -26,6 +26,7 @@ class Visit:
     dialogs: list[str] = field(default_factory=list)
     requests: list[str] = field(default_factory=list)  # anything but the page itself
     svg_count: int = 0
+    scroll_width: int = 0  # the page's width as laid out in the 1200 px window (more: it scrolls sideways)
 
 
 def visit(page_file: Path, screenshot: Path) -> Visit:
@@ -43,6 +44,7 @@ def visit(page_file: Path, screenshot: Path) -> Visit:
             page.screenshot(path=str(screenshot), full_page=True)
             seen.text = page.inner_text("body")
             seen.svg_count = page.locator("svg").count()
+            seen.scroll_width = page.evaluate("document.documentElement.scrollWidth")
         finally:
             browser.close()
     return seen

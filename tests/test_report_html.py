@@ -70,7 +70,8 @@ def test_the_tune_page_fits_its_axis_to_the_search_and_does_not_call_it_failed()
     assert "1e-4" not in labels or min(ratios) < 1e-3
     page = tuning.to_html()
     assert "FOUND" in page and 'class="failed">FAILED</span></h1>' not in page
-    assert "the uniform levels the search started from (`highest` passes, `high` fails" in page
+    # its code spans as code, no raw markdown
+    assert "the uniform levels the search started from (<code>highest</code> passes, <code>high</code> fails" in page
 
 
 def test_the_training_report_opens_in_chromium_with_its_charts(tmp_path):

@@ -263,16 +263,15 @@ def _targets(args: argparse.Namespace) -> int:
 
         sys.stdout.write(write_json(None, {"levels": list(LEVELS), "targets": rows}))
         return 0
-    from rich.table import Table
+    from tf32lab.report.tables import Column, Fitted
 
-    table = Table(title="tf32lab targets: float32 matmuls at each level, and convolutions",
-                  caption="conv follows cuDNN's own flag (torch.backends.cudnn.allow_tf32, on by default), not the "
-                          "level. TFLOP/s: dense peaks, fp32 / tf32; CPU targets are measured, not predicted.")
-    table.add_column("target", no_wrap=True)
-    table.add_column("hardware", overflow="fold")
-    for name in (*LEVELS, "conv"):
-        table.add_column(name, no_wrap=True)
-    table.add_column("TFLOP/s")
+    # maths and peaks whole, the hardware's name wrapped: a row on one or two lines at 80 columns
+    table = Fitted("tf32lab targets: float32 matmuls at each level, and convolutions", [
+        Column("target", "text", key=True), Column("hardware", "text"),
+        *(Column(name, "number", justify="left") for name in (*LEVELS, "conv")),
+        Column("TFLOP/s", "text", justify="right")],
+        caption="conv follows cuDNN's own flag (torch.backends.cudnn.allow_tf32, on by default), not the level. "
+                "TFLOP/s: dense peaks, fp32 / tf32; CPU targets are measured, not predicted.")
     for row in rows:
         cap, peaks = row["capability"], row["peaks"]
         convs = [row["maths"][level]["conv"] for level in LEVELS]
@@ -544,7 +543,7 @@ def _tune(args: argparse.Namespace) -> int:
     from tf32lab.report.text import inert
 
     try:
-        for line in tuning.lines(args.out):
+        for line in tuning.lines(args.out, width=_console().width):
             print(inert(line))
         for path in written:
             print(f"wrote {_shown(path)}")
@@ -620,10 +619,10 @@ def _speed(args: argparse.Namespace) -> int:
 
 
 def _policy_show(args: argparse.Namespace) -> int:
-    from rich.table import Table
     from rich.text import Text
 
     from tf32lab.control.policy import Policy
+    from tf32lab.report.tables import Column, Fitted
     from tf32lab.report.text import inert
 
     policy = Policy.load(args.file)
@@ -635,9 +634,8 @@ def _policy_show(args: argparse.Namespace) -> int:
     if args.model is None:
         console.print(f"{_shown(args.file)}: {default} by default; the first matching rule wins", markup=False,
                       highlight=False)
-        table = Table()
-        for column in ("rule", "pattern", "level", *(("conv",) if convs else ())):
-            table.add_column(column)
+        table = Fitted(None, [Column("rule", key=True), Column("pattern", "text"), Column("level", "text"),
+                              *((Column("conv", "text"),) if convs else ())])
         for i, rule in enumerate(policy.rules, 1):
             table.add_row(str(i), Text(inert(rule.pattern)), rule.level or "inherited",
                           *((rule.conv or "inherited",) if convs else ()))
@@ -652,14 +650,10 @@ def _policy_show(args: argparse.Namespace) -> int:
     console.print(f"{_shown(args.file)} on {inert(type(model).__name__)}: {what} of each module", markup=False,
                   highlight=False)
     # a tree (each module by its own name under its parent) reads at 80 columns where dotted paths cannot
-    table = Table(caption="*: hooked (its level or conv differs from its parent's); 'from' left empty: inherited "
-                  "from the parent", caption_justify="left")
-    table.add_column("module", overflow="fold")
-    table.add_column("kind", overflow="fold")
-    table.add_column("level", no_wrap=True)
-    if convs:
-        table.add_column("conv", no_wrap=True)
-    table.add_column("from", no_wrap=True)
+    table = Fitted(None, [Column("module", "text", key=True), Column("kind", "text"), Column("level", "text"),
+                          *((Column("conv", "text"),) if convs else ()), Column("from", "text")],
+                   caption="*: hooked (its level or conv differs from its parent's); 'from' left empty: inherited "
+                           "from the parent")
 
     def short(source: str) -> str:  # "rule 2 'pattern'" -> "rule 2": the patterns are listed once under the table
         return "" if source.startswith("inherited") else " ".join(source.split(" ", 2)[:2]) \

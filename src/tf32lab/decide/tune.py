@@ -50,6 +50,7 @@ from tf32lab.measure.layers import ROOT
 from tf32lab.numbers.metrics import OutputError, tolerances_of
 from tf32lab.report import Document, LevelResult, Report
 from tf32lab.report.conclusion import nondeterministic, unmeasured
+from tf32lab.report.wording import tolerance_words
 from tf32lab.speed.prediction import seconds_at
 from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.training import TrainingWorkload
@@ -144,15 +145,20 @@ class Tuning(Document):
         return [self.reason, f"Apply it with `tf32lab.Policy.load({json.dumps(where, ensure_ascii=False)})"
                              f".apply(model)`: {gain}{over}."]
 
-    def lines(self, policy_file: Optional[str] = None) -> list[str]:
-        """The terminal summary: the search, the answer, what to do."""
-        tolerance = f"{self.tolerance['default']:.1e}".replace(".0e", "e")  # 1e-03, 1.5e-04
-        out = [f"tf32lab tune {self.workload}  target {self.target}, tolerance {tolerance}"]
-        out.append(f"{'candidate':<44} {'worst/tol':>9} {'speedup':>8}  verdict")
+    def lines(self, policy_file: Optional[str] = None, width: Optional[int] = None) -> list[str]:
+        """The terminal summary: the search (a table ``width`` columns wide; None: the terminal's), the answer,
+        what to do."""
+        out = [f"tf32lab tune {self.workload}  target {self.target}, {tolerance_words(self.tolerance)}"]
+        from tf32lab.report.tables import Column, Fitted, as_lines
+
+        # every label whole (it wraps), every number whole, at the terminal's width (report.tables)
+        table = Fitted(None, [Column("candidate", "text"), Column("worst/tol"), Column("speedup"),
+                              Column("verdict", "text")])
         for c in self.candidates:
             chosen = " <- chosen" if self.policy is not None and c.policy == self.policy and c.passed else ""
-            out.append(f"{c.why[:44]:<44} {c.worst_ratio:9.2f} {c.speedup:7.2f}x  "
-                       f"{'PASSED' if c.passed else 'FAILED'}{chosen}")
+            table.add_row(c.why, f"{c.worst_ratio:.2f}", f"{c.speedup:.2f}x",
+                          f"{'PASSED' if c.passed else 'FAILED'}{chosen}")
+        out += as_lines(table, width)
         out.append(f"{self.runs} end-to-end runs besides the float64 reference; {self.seconds:.1f} s, "
                    f"{self.seconds / max(self.check_seconds, 1e-9):.2f}x the check of the uniform levels")
         return out + self.advice(policy_file)

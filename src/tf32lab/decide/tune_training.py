@@ -54,6 +54,7 @@ from tf32lab.measure.check import ConvRun, PolicyRow, alike_levels
 from tf32lab.measure.training import TrainingSession, random_state_kept, training_steps, training_tolerance
 from tf32lab.report import Document
 from tf32lab.report.training import WORTH, TrainingLevel, TrainingReport, faster
+from tf32lab.report.wording import tolerance_words
 from tf32lab.workloads.running import Progress, changed_note, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.training import TrainingWorkload
 
@@ -116,17 +117,23 @@ class TrainingTuning(Document):
                 + "; no level sets it."))
         return lines
 
-    def lines(self, policy_file: Optional[str] = None) -> list[str]:
-        """The terminal summary: the search, the answer, what to do."""
-        out = [f"tf32lab tune --train {self.workload}  target {self.target}, {self.steps} steps, tolerance "
-               f"{self.report.tolerance:.0e}"]
+    def lines(self, policy_file: Optional[str] = None, width: Optional[int] = None) -> list[str]:
+        """The terminal summary: the search (a table ``width`` columns wide; None: the terminal's), the answer,
+        what to do."""
+        out = [f"tf32lab tune --train {self.workload}  target {self.target}, {self.steps} steps, "
+               f"{tolerance_words(self.report.tolerance)}"]
         out += [lv_line for lv_line in self.report.verdicts()]
         if self.candidates:
-            out.append(f"{'candidate (pinned to highest)':<48} {'x float32':>9}  verdict")
+            from tf32lab.report.tables import Column, Fitted, as_lines
+
+            # every label whole (it wraps), every number whole, at the terminal's width (report.tables)
+            table = Fitted(None, [Column("candidate (pinned to highest)", "text"), Column("x float32"),
+                                  Column("verdict", "text")])
             for c in self.candidates:
                 chosen = " <- chosen" if c.passed and c.policy == self.policy else ""
                 shown = f"{c.multiple:.1f}x" if math.isfinite(c.multiple) else "failed"
-                out.append(f"{c.why:<48} {shown:>9}  {'PASSED' if c.passed else 'FAILED'}{chosen}")  # whole names
+                table.add_row(c.why, shown, f"{'PASSED' if c.passed else 'FAILED'}{chosen}")
+            out += as_lines(table, width)
         out.append(f"{self.runs} float32 trainings besides the float64 reference; {self.seconds:.1f} s")
         return out + self.advice(policy_file)
 
@@ -145,9 +152,9 @@ class TrainingTuning(Document):
     def to_html(self) -> str:
         """The training report of the uniform levels (and the chosen policy), headed by the search's answer."""
         page = self.report.to_html()
-        from html import escape
+        from tf32lab.report.html import with_code
 
-        head = "".join(f"<p>{escape(line)}</p>" for line in self.advice())
+        head = "".join(f"<p>{with_code(line)}</p>" for line in self.advice())  # escaped, `code` as <code>
         return page.replace('<div class="conclusion">', f'<div class="conclusion"><h2>tune</h2>{head}', 1)
 
 

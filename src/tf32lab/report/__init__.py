@@ -217,7 +217,7 @@ class Report(Document):
     def __rich_console__(self, console: Any, options: Any) -> Any:
         from tf32lab.report.text import renderables
 
-        yield from renderables(self, width=options.max_width)
+        yield from renderables(self)
 
     def print(self, console: Any = None, policy_file: Optional[str] = None) -> None:
         """Print the tables and the verdict lines to ``console`` (a ``rich.console.Console``; default: stdout);

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from tf32lab.know.targets import NATIVE
 from tf32lab.report import cudnn
+from tf32lab.report.wording import given
 
 if TYPE_CHECKING:
     from tf32lab.report import LevelResult, Report
@@ -85,7 +86,7 @@ def _why_failed(level: LevelResult) -> str:
         text = f"at `{level.level}` the output {worst.name!r} fails: {worst.failure}"
     else:
         text = (f"at `{level.level}` the output {worst.name!r} is off by {worst.normwise:.1e} "
-                f"(tolerance {worst.tolerance:.0e})")
+                f"(tolerance {given(worst.tolerance)})")
     layer = _worst_layer(level)
     return f"{text}; {layer}" if layer else text
 
@@ -118,7 +119,7 @@ def conclusion(report: Report, policy_file: Optional[str] = None) -> list[str]:
     elif best is not None:
         worst = best.worst
         measured = (f"worst normwise {worst.normwise:.1e} (output {worst.name!r}) against tolerance "
-                    f"{worst.tolerance:.0e}" if worst is not None and not worst.exact else "every output equal")
+                    f"{given(worst.tolerance)}" if worst is not None and not worst.exact else "every output equal")
         lines.append(_safe(report, best, where, measured))
         slower = [lv for lv in failing if lv.level == "medium" and lv.same_as is None]
         if slower:
@@ -233,7 +234,7 @@ def _policy_sentence(row: LevelResult, where: str, policy_file: Optional[str] = 
     if row.passed:
         worst = row.worst
         measured = (f"worst normwise {worst.normwise:.1e} (output {worst.name!r}) against tolerance "
-                    f"{worst.tolerance:.0e}" if worst is not None and not worst.exact else "every output equal")
+                    f"{given(worst.tolerance)}" if worst is not None and not worst.exact else "every output equal")
         faster = f" and predicted {row.speedup:.2f}x faster than `highest` there" if row.speedup is not None else ""
         apply = (f"`tf32lab.Policy.load({_quoted(policy_file)}).apply(model)`" if policy_file is not None
                  else "`policy.apply(model)` (the Policy given to check)")

@@ -1,4 +1,5 @@
-"""A diagnosis as rich tables (hardware, flags, what each level does) and unwrapped lines (warnings, advice)."""
+"""A diagnosis as rich tables (hardware, flags, what each level does; ``tables.Fitted`` where they have columns)
+and unwrapped lines (warnings, advice)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import Any
 
 from rich.table import Table
 from rich.text import Text
+
+from tf32lab.report.tables import Column, Fitted
 
 # A ``tf32lab.machine.doctor.Diagnosis``: that layer sits above this one (it calls this renderer), so it is named,
 # not imported, not even for type checking.
@@ -37,11 +40,9 @@ def _hardware(d: Diagnosis) -> Table:
     return table
 
 
-def _flags(d: Diagnosis) -> Table:
-    table = Table(title=f"flags now: level {d.level!r}", title_justify="left")
-    table.add_column("flag")
-    table.add_column("raw")
-    table.add_column("effective")
+def _flags(d: Diagnosis) -> Fitted:
+    table = Fitted(f"flags now: level {d.level!r}", [Column("flag", "text", key=True), Column("raw", "text"),
+                                                     Column("effective", "text")])
     for cell, raw, effective in d.cells:
         table.add_row(f"fp32_precision {cell}", raw, effective)
     for name, value in d.legacy.items():
@@ -51,12 +52,10 @@ def _flags(d: Diagnosis) -> Table:
     return table
 
 
-def _levels(d: Diagnosis) -> Table:
+def _levels(d: Diagnosis) -> Fitted:
     families = list(next(iter(d.levels.values())))
-    table = Table(title=f"what each level does here ({d.hardware.target})", title_justify="left")
-    table.add_column("level", no_wrap=True)
-    for family in families:
-        table.add_column(family)
+    table = Fitted(f"what each level does here ({d.hardware.target})",
+                   [Column("level", "text", key=True), *(Column(family, "text") for family in families)])
     for level, maths in d.levels.items():
         table.add_row(level + (" *" if level == d.level else ""), *(maths[f] for f in families))
     caption = ("* in force now; math: ieee, tf32-rna / tf32-rne (operands rounded to TF32, ties away / to "
@@ -66,7 +65,6 @@ def _levels(d: Diagnosis) -> Table:
         caption += f"\n{level}{shown}: " + ("this torch sets it natively" if refusal is None else
                                            f"emulated only here: {refusal}")
     table.caption = caption
-    table.caption_justify = "left"
     return table
 
 
@@ -77,13 +75,10 @@ _PROBED = {"same-as-highest": "the same bits as at 'highest'",
            "tf32-rz": "operands truncated to TF32", "bf16-rne": "operands rounded to bf16"}
 
 
-def _probe(d: Diagnosis) -> Table:
+def _probe(d: Diagnosis) -> Fitted:
     assert d.probe is not None
-    table = Table(title=f"probed: one float32 matmul on this {d.hardware.device} at each level",
-                  title_justify="left")
-    table.add_column("level", no_wrap=True)
-    table.add_column("computed")
-    table.add_column("error vs float64", no_wrap=True)
+    table = Fitted(f"probed: one float32 matmul on this {d.hardware.device} at each level",
+                   [Column("level", "text", key=True), Column("computed", "text"), Column("error vs float64")])
     for level, found in d.probe.items():
         what = "float32, the reference of the other rows" if level == "highest" else _PROBED[found.math]
         table.add_row(level, what, f"{found.error:.1e}")

@@ -14,6 +14,7 @@ import markupsafe
 
 from tf32lab.numbers.metrics import HISTOGRAM_EDGES
 from tf32lab.report.text import fmt, notes, ranked_layers, short_name
+from tf32lab.report.wording import given, tolerance_words
 
 if TYPE_CHECKING:
     from tf32lab.report import Report
@@ -33,6 +34,8 @@ TEMPLATES = jinja2.Environment(
 )
 TEMPLATES.filters["fmt"] = fmt
 TEMPLATES.filters["short"] = short_name
+TEMPLATES.filters["given"] = given  # a tolerance in the digits it was given
+TEMPLATES.filters["tolerance"] = tolerance_words
 
 
 def with_code(text: str) -> markupsafe.Markup:

@@ -7,28 +7,20 @@ Every name that comes from the model (workload, outputs, layers, exception messa
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from rich.table import Table
 from rich.text import Text
+
+from tf32lab.report.tables import Column, Fitted, short_name
+from tf32lab.report.wording import inert, tolerance_words
+
+__all__ = ["fmt", "footnoted", "inert", "notes", "ranked_layers", "renderables", "short_name"]
 
 if TYPE_CHECKING:
     from tf32lab.report import Report
 
 TOP_LAYERS = 10
-
-# C0 controls but tab and newline, DEL, C1 controls, lone surrogates (which no terminal encoding can write)
-_NOT_INERT = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
-
-
-def inert(text: object) -> str:
-    """``text`` with control characters and lone surrogates written as escapes (``\\x1b``), so that printing it
-    cannot move the cursor, retitle the window or fail to encode."""
-    return _NOT_INERT.sub(lambda m: m.group().encode("unicode_escape", "backslashreplace").decode("ascii"),
-                          str(text))
-
 
 def fmt(value: float | None) -> str:
     """Errors in scientific notation, with ``-`` for nothing measured."""
@@ -39,29 +31,20 @@ def fmt(value: float | None) -> str:
     return f"{value:.2e}"
 
 
-def short_name(name: str, width: int = 36) -> str:
-    """A dotted module name cut from the left (its end tells layers apart): ``…layer.4.attention.output.dense``."""
-    if len(name) <= width:
-        return name
-    tail = name[-(width - 1):]
-    cut = tail.find(".")
-    return "…" + (tail[cut + 1:] if 0 <= cut < len(tail) - 1 else tail)
-
-
-def renderables(report: Report, width: int = 80) -> Iterator[Any]:
-    """The tables for a terminal ``width`` columns wide; the verdict lines are left to the caller (they must not
-    wrap, to grep well)."""
+def renderables(report: Report) -> Iterator[Any]:
+    """The tables (each fits any width without cutting a number: ``tables.Fitted``); the verdict lines are left to
+    the caller (they must not wrap, to grep well)."""
     env = report.environment
     where = env.get("gpu") or env.get("cpu", "")
     yield Text.assemble(
         ("tf32lab check ", "bold"), (inert(report.workload), "bold cyan"),
-        f"  target {report.target}, reference {report.reference}, default tolerance "
-        f"{report.tolerance['default']:.0e} (normwise)\n",
+        f"  target {report.target}, reference {report.reference}, {tolerance_words(report.tolerance)} "
+        f"(normwise)\n",
         (f"torch {env.get('torch')} on {where}, {report.seconds:.1f} s", "dim"),
     )
     yield _levels(report)
     yield _outputs(report)
-    layers = _layers(report, width)
+    layers = _layers(report)
     if layers is not None:
         yield layers
     for lv in report.levels:
@@ -113,17 +96,15 @@ def _verdict(passed: bool) -> Text:
     return Text("PASSED", style="bold green") if passed else Text("FAILED", style="bold red")
 
 
-def _levels(report: Report) -> Table:
-    # the worst output's name is in the outputs table below: here only its error, so that 80 columns suffice
+def _levels(report: Report) -> Fitted:
     title = "Levels: the math per op family, the worst output's error"
     if report.speed is not None:
         title += f", the speedup predicted on {report.target}"
-    table = Table(title=title, title_justify="left")
     speed = any(lv.speedup is not None for lv in report.levels)
-    # maths without their rounding (tf32-rna: tf32), so that 80 columns hold the row; JSON and HTML have it all
-    for column in ("level", "matmul", "conv", "rnn", "attn", "worst", *(["speed"] if speed else []), "verdict"):
-        table.add_column(column, justify="right" if column in ("worst", "speed") else "left", no_wrap=True,
-                         overflow="ellipsis")
+    # maths without their rounding (tf32-rna: tf32): JSON and HTML have it all
+    table = Fitted(title, [Column("level", "text", key=True), *(Column(family, "text") for family in
+                                                                 ("matmul", "conv", "rnn", "attn")),
+                           Column("worst"), *([Column("speed")] if speed else []), Column("verdict", "text")])
     for lv in report.levels:
         worst = lv.worst
         name = lv.level if lv.same_as is None else f"{lv.level}={lv.same_as}"
@@ -144,13 +125,11 @@ def _signed(value: float) -> str:
     return "0" if value == 0 else f"{value:+.1e}"
 
 
-def _outputs(report: Report) -> Table:
-    table = Table(title="Outputs against the reference", title_justify="left")
+def _outputs(report: Report) -> Fitted:
     metric = any(lv.metric is not None for lv in report.levels)
-    columns = ["level", "output", "max abs", "max rel", "normwise", "bias", "min cos", "top-1"] + (
-        ["metric"] if metric else [])
-    for column in columns:
-        table.add_column(column, justify="left" if column in ("level", "output") else "right")
+    columns = ["max abs", "max rel", "normwise", "bias", "min cos", "top-1"] + (["metric"] if metric else [])
+    table = Fitted("Outputs against the reference", [Column("level", "text", key=True),
+                                                    Column("output", "text", key=True), *map(Column, columns)])
     for lv in report.levels:
         for o in lv.outputs:
             style = "green" if o.passed else "bold red"
@@ -167,7 +146,7 @@ def _outputs(report: Report) -> Table:
     return table
 
 
-def _layers(report: Report, width: int = 80) -> Table | None:
+def _layers(report: Report) -> Fitted | None:
     from tf32lab.report.conclusion import pinned_and_diverged
 
     ranked = ranked_layers(report)
@@ -185,16 +164,10 @@ def _layers(report: Report, width: int = 80) -> Table | None:
             pin, diverged = pinned_and_diverged(None if layer is None else layer.diverged)
             cells.append(cell + (" diverged" if diverged else " pinned" if pin else ""))
         rows.append((name, cells))
-    # the name column gets what the level columns leave (each column: its text, 2 of padding, 1 of border)
-    used = 1 + sum(3 + max([len(h), *(len(cells[i]) for _, cells in rows)]) for i, h in enumerate(headers))
-    name_width = max(36, width - used - 3)
-    table = Table(title=f"Layers, most error introduced first ({shown} of {len(ranked)}): introduced / accumulated",
-                  title_justify="left")
-    table.add_column("layer", no_wrap=True)
-    for header in headers:
-        table.add_column(header, justify="right", no_wrap=True)
+    table = Fitted(f"Layers, most error introduced first ({shown} of {len(ranked)}): introduced / accumulated",
+                   [Column("layer", "name", key=True), *(Column(header) for header in headers)])
     for name, cells in rows:
-        table.add_row(Text(inert(short_name(name, name_width))), *cells)
+        table.add_row(Text(inert(name)), *cells)
     return table
 
 

@@ -33,6 +33,7 @@ from typing import Any, Optional
 from tf32lab.know.targets import NATIVE
 from tf32lab.numbers.files import finite
 from tf32lab.report import Document
+from tf32lab.report.wording import given
 
 __all__ = ["FLOOR_MULTIPLE", "TRAINING_SCHEMA_VERSION", "WORTH", "BackwardLayer", "ParameterError", "TrainingLevel",
            "TrainingReport", "faster", "training_schema"]
@@ -221,12 +222,12 @@ def _verdict(lv: TrainingLevel, report: TrainingReport) -> str:
         return f"{head} | step {lv.failed_step}: {_one_line(lv.failure)}"
     drift = f"loss within {lv.drift:.1e} of float64's ({_times(lv.multiple)} float32's own drift)"
     if lv.divergence_step is None:
-        return f"{head} | {drift} <= {report.tolerance:.0e}"
+        return f"{head} | {drift} <= {given(report.tolerance)}"
     if lv.passed:
-        return (f"{head} | {drift}: past {report.tolerance:.0e} from step {lv.divergence_step}, within "
+        return (f"{head} | {drift}: past {given(report.tolerance)} from step {lv.divergence_step}, within "
                 f"{FLOOR_MULTIPLE:g}x float32's own drift")
     return (f"{head} | diverges at step {lv.divergence_step}: loss up to {lv.drift:.1e} from float64's "
-            f"({_times(lv.multiple)} float32's own drift) > {report.tolerance:.0e}")
+            f"({_times(lv.multiple)} float32's own drift) > {given(report.tolerance)}")
 
 
 def faster(lv: TrainingLevel, target: str) -> str:
@@ -301,11 +302,11 @@ def conclusion(report: TrainingReport) -> list[str]:
         elif lv.passed and lv.divergence_step is None:
             lines.append(f"{called} is safe for training {name} for {steps} {where}: its loss stays within "
                          f"{lv.drift:.1e} of float64's ({_times(lv.multiple)} float32's own drift; tolerance "
-                         f"{report.tolerance:.0e}){faster(lv, report.target)}.")
+                         f"{given(report.tolerance)}){faster(lv, report.target)}.")
         elif lv.passed:
             lines.append(f"{called} is safe for training {name} for {steps} {where}: its loss stays within "
                          f"{lv.multiple:.1f}x of float32's own drift, though both leave float64's path by more than "
-                         f"{report.tolerance:.0e} (from step {lv.divergence_step}){faster(lv, report.target)}.")
+                         f"{given(report.tolerance)} (from step {lv.divergence_step}){faster(lv, report.target)}.")
         else:
             clause = _gradient_clause(lv)
             lines.append(f"{called} diverges at step {lv.divergence_step} {where}: its loss is "

@@ -20,11 +20,12 @@ import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from rich.table import Table
 from rich.text import Text
 
 from tf32lab.report.html import COLORS, TEMPLATES
-from tf32lab.report.text import fmt, inert, short_name
+from tf32lab.report.tables import Column, Fitted
+from tf32lab.report.text import fmt, inert
+from tf32lab.report.wording import given
 
 if TYPE_CHECKING:
     from tf32lab.report.training import TrainingLevel, TrainingReport
@@ -48,23 +49,21 @@ def renderables(report: TrainingReport) -> Iterator[Any]:
     env = report.environment
     yield Text.assemble(
         ("tf32lab check --train ", "bold"), (inert(report.workload), "bold cyan"),
-        f"  target {report.target}, {report.steps} steps, tolerance {report.tolerance:.0e} (the loss's relative "
+        f"  target {report.target}, {report.steps} steps, tolerance {given(report.tolerance)} (the loss's relative "
         f"deviation from float64's; a level within 3x float32's own drift passes too)\n",
         (f"torch {env.get('torch')} on {env.get('gpu') or env.get('cpu', '')}, {report.seconds:.1f} s", "dim"),
     )
-    # two narrow tables rather than one wide one: both fit 80 columns (a pipe, a narrow terminal)
-    path = Table(title="loss path against float64's", title_justify="left")
-    state = Table(title="step-1 gradients; weights and optimizer state after the last step", title_justify="left")
+    # narrow tables rather than one wide one: each fits 80 columns (a pipe, a narrow terminal) without a number cut
+    # (tables.Fitted); a row's name is never cut ("high…" could be highest): it wraps between words, each whole
     speed = any(lv.speedup is not None for lv in report.levels)
-    # a row's name is never cut ("high…" could be highest): it wraps between words, each whole (the longest, 7)
-    wraps = {"row": {"overflow": "fold", "min_width": 7}, "diverges": {"overflow": "fold", "min_width": 8}}
-    for column in ("row", "final loss", "max dev.", "x fp32", "diverges", *(("speedup",) if speed else ()),
-                   "verdict"):
-        path.add_column(column, justify="left" if column in ("row", "diverges", "verdict") else "right",
-                        no_wrap=column not in wraps, **wraps.get(column, {}))
-    for column in ("row", "worst gradient", "normwise", "1 - cos", "weights", "opt. state"):
-        state.add_column(column, justify="left" if column in ("row", "worst gradient") else "right",
-                         no_wrap=column not in ("row", "worst gradient"), **wraps.get(column, {}))
+    row = Column("row", "text", key=True)
+    path = Fitted("loss path against float64's", [
+        row, Column("final loss"), Column("max dev."), Column("x fp32"), Column("diverges", "text"),
+        *((Column("speedup"),) if speed else ()), Column("verdict", "text")])
+    gradients = Fitted("step-1 gradients (the same weights in every row)", [
+        row, Column("worst gradient", "name"), Column("normwise"), Column("1 - cos")])
+    state = Fitted("after the last step: weights and optimizer state", [
+        row, Column("worst weight", "name"), Column("weights"), Column("opt. state")])
     for lv in [report.floor, *report.levels]:
         worst = lv.worst_gradient
         verdict = Text("floor", style="dim") if lv.level == "float32" else \
@@ -78,23 +77,24 @@ def renderables(report: TrainingReport) -> Iterator[Any]:
         if speed:
             cells.append(f"{lv.speedup:.2f}x" if lv.speedup is not None else "-")
         path.add_row(*cells, verdict)
-        state.add_row(label, inert(short_name(worst.name, 24)) if worst else "-",
-                      fmt(worst.normwise if worst else None), fmt(1 - worst.cosine) if worst else "-",
-                      fmt(lv.weights[0].normwise if lv.weights else None), fmt(lv.optimizer_state))
+        gradients.add_row(label, inert(worst.name) if worst else "-", fmt(worst.normwise if worst else None),
+                          fmt(1 - worst.cosine) if worst else "-")
+        # the parameter farthest from float64's, named: float32's own distance says where training drifts
+        weight = lv.weights[0] if lv.weights else None
+        state.add_row(label, inert(weight.name) if weight else "-", fmt(weight.normwise if weight else None),
+                      fmt(lv.optimizer_state))
     yield path
+    yield gradients
     yield state
     shown = rows(report)
     names = [e.name for e in report.floor.layers]
     if names:
         ranked = sorted(names, key=lambda n: -max((_introduced(lv, n) for lv in shown[1:]), default=0.0))
-        layers = Table(title="step 1: error each module's own backward introduces (normwise)", title_justify="left")
-        layers.add_column("module")
-        layers.add_column("kind")
-        for lv in shown:
-            layers.add_column(_label(lv), justify="right")
+        layers = Fitted("step 1: error each module's own backward introduces (normwise)", [
+            Column("module", "name", key=True), Column("kind", "text"), *(Column(_label(lv)) for lv in shown)])
         for name in ranked[:TOP]:
             kind = next(e.kind for e in report.floor.layers if e.name == name)
-            layers.add_row(inert(short_name(name)), inert(kind), *[fmt(_introduced(lv, name)) for lv in shown])
+            layers.add_row(inert(name), inert(kind), *[fmt(_introduced(lv, name)) for lv in shown])
         yield layers
     for lv in report.levels:
         if lv.failure is not None and lv.same_as is None:

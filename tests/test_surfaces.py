@@ -1,0 +1,238 @@
+"""What a user reads: at 80 columns through a pipe no number in any table is cut and names shorten from the left
+keeping their stage; `targets` reads at 80 columns; the header says the tolerance as given; the HTML pages show
+no raw markdown and fit a 1200 px window in a real browser; the float32 row names its worst weight; `make demo`
+ends with the next command to try."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from browser import visit
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = Path(__file__).resolve().with_name("surfaces_models.py")
+# a number as the tables print it: 2.75e-04, +1.7e-08, 1.000000, 100.0%, 1.26x, 1125
+NUMBER = re.compile(r"(?<![\w.…])[-+]?\d+(?:\.\d+)?(?:e[-+]\d+)?[x%]?(?![\w.])")
+CUT = re.compile(r"[^\s│┃]…(?=[\s│┃]|$)", re.M)  # an ellipsis ending a word: something cut from the right
+
+
+def tf32lab(*args: str, columns: int, cwd: Path, check: bool = True) -> str:
+    """The command's stdout through a pipe (as `| cat` sees it), the terminal ``columns`` wide."""
+    env = {**os.environ, "COLUMNS": str(columns)}
+    env.pop("LINES", None)
+    done = subprocess.run([sys.executable, "-m", "tf32lab", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=600)
+    assert done.returncode in ((0,) if check else (0, 1)), done.stderr
+    return done.stdout
+
+
+def numbers(text: str) -> set[str]:
+    """The numbers printed, but on lines that time the run (they differ from run to run)."""
+    return {n for line in text.splitlines() if not re.search(r"\d s\b", line) for n in NUMBER.findall(line)}
+
+
+def assert_nothing_cut(wide: str, narrow: str) -> None:
+    missing = numbers(wide) - numbers(narrow)
+    assert not missing, f"numbers cut at 80 columns: {sorted(missing)}\n{narrow}"
+    assert not CUT.search(narrow), narrow
+    # the tables fit: only the verdict and conclusion lines (never wrapped, to grep well) may be longer
+    wide_lines = [line for line in narrow.splitlines() if len(line) > 80]
+    assert all(line.startswith(("PASSED |", "FAILED |")) or " " in line for line in wide_lines)
+    assert not [line for line in wide_lines if any(c in line for c in "│┃━─")], wide_lines
+
+
+# -- check, at 80 columns ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def check_runs(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("check")
+    args = ("check", f"{MODELS}:deep", "--no-speed", "--tolerance", "2.5e-4")
+    return {width: tf32lab(*args, columns=width, cwd=cwd, check=False) for width in (80, 240)}
+
+
+def test_check_at_80_columns_cuts_no_number_and_keeps_each_layers_stage(check_runs):
+    assert_nothing_cut(check_runs[240], check_runs[80])
+    for name in ("regression_logits_of_the_head", "hidden_state_after_the_encoder"):
+        assert name in check_runs[80]  # an output's name whole (wrapped if need be), never 'regres…'
+    for stage in range(3):
+        assert re.search(rf"(…|encoder\.)layer\.{stage}\.", check_runs[80]), check_runs[80]
+
+
+def test_the_header_says_the_tolerance_as_given(check_runs):
+    header = " ".join(check_runs[240].splitlines()[0].split())
+    assert "tolerance 2.5e-04 (normwise)" in header and "default tolerance" not in header, header
+    # the conclusion too: 2.5e-04, not rounded to 3e-04
+    assert "3e-04" not in check_runs[240]
+
+
+def test_a_defaulted_tolerance_is_called_the_default(tmp_path):
+    out = tf32lab("check", "tf32lab.workloads.builtin:covariance", "--no-speed", "--levels", "highest",
+                  columns=200, cwd=tmp_path, check=False)
+    assert "default tolerance 1e-02" in out.splitlines()[0]
+
+
+# -- check --train, at 80 columns and in a browser -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def train_runs(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("train")
+    args = ("check", f"{MODELS}:deep_training", "--train", "--levels", "highest,high")
+    runs = {240: tf32lab(*args, "--json", "t.json", "--html", "t.html", columns=240, cwd=cwd),
+            80: tf32lab(*args, columns=80, cwd=cwd)}
+    return runs, json.loads((cwd / "t.json").read_text()), cwd
+
+
+def test_check_train_at_80_columns_cuts_no_number(train_runs):
+    runs, _, _ = train_runs
+    assert_nothing_cut(runs[240], runs[80])
+
+
+def test_the_float32_row_names_its_worst_weight_in_text_json_and_html(train_runs, tmp_path):
+    runs, data, cwd = train_runs
+    worst = data["floor"]["weights"][0]  # the JSON lists every parameter, the worst first
+    assert worst["normwise"] == max(w["normwise"] for w in data["floor"]["weights"])
+    tail = ".".join(worst["name"].split(".")[-4:])  # its end (and stage) survive any shortening
+    for width, out in runs.items():
+        floor = [line for line in out.splitlines() if re.match(r"[│ ]*float32\b", line) and tail in line]
+        assert floor, (width, out)
+        assert any(f"{worst['normwise']:.2e}" in line for line in floor), (width, floor)
+    seen = visit(cwd / "t.html", tmp_path / "t.png")
+    row = next(line for line in seen.text.splitlines() if line.startswith("float32") and worst["name"] in line)
+    assert f"{worst['normwise']:.2e}" in row
+
+
+def test_the_training_page_fits_1200_px_and_shows_no_markdown(train_runs, tmp_path):
+    _, _, cwd = train_runs
+    seen = visit(cwd / "t.html", tmp_path / "t.png")
+    assert not seen.console_errors and seen.svg_count >= 1
+    assert seen.scroll_width <= 1200, seen.scroll_width
+    assert "`" not in seen.text and "**" not in seen.text
+
+
+# -- tune, tune --train ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tune_run(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("tune")
+    out = tf32lab("tune", f"{MODELS}:two_sensitive", "--json", "t.json", "--html", "t.html", columns=80, cwd=cwd)
+    return out, json.loads((cwd / "t.json").read_text()), cwd
+
+
+def test_tune_shows_every_candidate_whole_at_80_columns(tune_run):
+    out, data, _ = tune_run
+    words = out.split()
+    long = [c for c in data["candidates"] if len(c["why"]) > 44]
+    assert long, [c["why"] for c in data["candidates"]]  # the search tried a label longer than 44 characters
+    for c in data["candidates"]:
+        assert all(word in words for word in c["why"].split()), (c["why"], out)  # whole (wrapped), not cut
+        assert f"{c['worst_ratio']:.2f}" in words and f"{c['speedup']:.2f}x" in words
+    assert not CUT.search(out)
+    lines = out.splitlines()
+    table = lines[1:next(i for i, line in enumerate(lines) if "end-to-end runs" in line)]
+    assert table and max(map(len, table)) <= 80, table
+
+
+def test_the_tune_page_shows_code_not_backticks_and_fits_1200_px(tune_run, tmp_path):
+    _, _, cwd = tune_run
+    seen = visit(cwd / "t.html", tmp_path / "tune.png")
+    assert not seen.console_errors
+    assert "`" not in seen.text and "**" not in seen.text, [line for line in seen.text.splitlines() if "`" in line]
+    assert seen.scroll_width <= 1200, seen.scroll_width
+
+
+def test_tune_train_page_shows_code_not_backticks_and_its_header_the_tolerance(tmp_path):
+    out = tf32lab("tune", f"{MODELS}:deep_training", "--train", "--tolerance", "2.5e-4", "--html", "t.html",
+                  columns=80, cwd=tmp_path)
+    assert "tolerance 2.5e-04" in out.splitlines()[0]
+    seen = visit(tmp_path / "t.html", tmp_path / "t.png")
+    assert "`" not in seen.text and "**" not in seen.text
+    assert seen.scroll_width <= 1200, seen.scroll_width
+
+
+def test_the_check_page_shows_no_markdown_and_fits_1200_px(tmp_path):
+    tf32lab("check", f"{MODELS}:deep", "--no-speed", "--html", "c.html", columns=80, cwd=tmp_path, check=False)
+    seen = visit(tmp_path / "c.html", tmp_path / "c.png")
+    assert "`" not in seen.text and "**" not in seen.text
+    assert seen.scroll_width <= 1200, seen.scroll_width
+
+
+# -- targets, doctor, policy show ----------------------------------------------------------------------------------
+def test_targets_reads_at_80_columns(tmp_path):
+    narrow = tf32lab("targets", columns=80, cwd=tmp_path)
+    data = json.loads(tf32lab("targets", "--json", columns=80, cwd=tmp_path))
+    names = [t["name"] for t in data["targets"]]
+    lines = narrow.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.split()[:1] and line.split()[0] in names
+              and line.startswith(line.split()[0])]
+    assert len(starts) == len(names), narrow
+    ends = [*starts[1:], next(i for i in range(starts[-1] + 1, len(lines) + 1)
+                              if i == len(lines) or not lines[i].startswith(" "))]
+    heights = {lines[s].split()[0]: e - s for s, e in zip(starts, ends)}
+    assert max(heights.values()) <= 2, heights
+    assert max(map(len, lines)) <= 80
+    for t in data["targets"]:  # every peak whole
+        if t["peaks"]:
+            assert f"{t['peaks']['fp32_tflops']:g}" in narrow.split()
+
+
+def test_doctor_and_policy_show_cut_nothing_at_80_columns(tmp_path):
+    assert_nothing_cut(tf32lab("doctor", "--simulate", "h100", columns=240, cwd=tmp_path),
+                       tf32lab("doctor", "--simulate", "h100", columns=80, cwd=tmp_path))
+    policy = ROOT / "examples" / "value_head" / "policy.json"
+    model = f"{ROOT / 'examples' / 'value_head' / 'train.py'}:workload"
+    out = tf32lab("policy", "show", str(policy), "--model", model, columns=80, cwd=tmp_path)
+    assert not CUT.search(out) and max(map(len, out.splitlines())) <= 80
+
+
+# -- the rule itself, for columns a later report adds -----------------------------------------------------------------
+def test_a_table_with_more_numbers_than_80_columns_hold_still_cuts_none():
+    from tf32lab.report.tables import Column, Fitted
+
+    columns = [Column("level", "text", key=True), Column("layer", "name", key=True),
+               *(Column(f"metric {i}") for i in range(9))]
+    table = Fitted("many numbers", columns)
+    for stage in range(3):
+        table.add_row("highest", f"model.encoder.layer.{stage}.attention.output.dense",
+                      *(f"{(i + 1) * 1.2345e-4 * (stage + 1):.3e}" for i in range(9)))
+    for width in (80, 60):
+        console = Console(width=width, color_system=None)
+        with console.capture() as captured:
+            console.print(table)
+        out = captured.get()
+        for row in table.rows:
+            for cell in row[2:]:
+                assert cell in out, (cell, out)
+        assert max(map(len, out.splitlines())) <= width
+        assert not CUT.search(out)
+        for stage in range(3):
+            assert f"layer.{stage}." in out
+
+
+def test_names_shorten_from_the_left_keeping_their_stage():
+    from tf32lab.report.tables import Column, Fitted, as_lines, short_name
+
+    name = "bert.encoder.layer.11.attention.output.dense"
+    for width in range(16, len(name)):
+        shown = short_name(name, width)
+        assert len(shown) <= width and shown.startswith("…") and shown.endswith("dense"), shown
+        assert "11." in shown, shown
+    assert short_name(name, 80) == name
+    lines = as_lines(Fitted(None, [Column("candidate", "text"), Column("speedup")]), 40)
+    assert lines and max(map(len, lines)) <= 40
+
+
+# -- make demo ---------------------------------------------------------------------------------------------------------
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_demo_ends_with_the_next_command_to_try():
+    done = subprocess.run(["make", "-n", "demo"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
+    after = done.stdout.split("tf32lab check --html report.html", 2)[-1]  # what runs after the check
+    assert re.search(r"echo .*next: .*report\.html", after), done.stdout
+    assert re.search(r"echo .*tf32lab tune", after), done.stdout
+    assert "exit $status" in after  # the check's exit code, not the echo's
