@@ -121,3 +121,51 @@ def test_tune_says_why_it_passed_over_a_faster_passing_candidate():
     said = _Search._passed_over(SimpleNamespace(candidates=candidates), safe, 1.0)
     assert "'pin the first 1 by error per lost time'" in said and "1.05x faster" in said and "1.10x" in said
     assert _Search._passed_over(SimpleNamespace(candidates=candidates), mix, 0.95) == ""  # nothing faster passed
+
+
+class _Kept(torch.nn.Module):
+    """An encoder beside a module kept but never called: a rule on it cannot act."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.spare = _encoder(), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.enc(x)
+
+
+_SPEC = '''
+import torch
+import tf32lab
+import test_policy_reach
+
+
+def make():
+    return tf32lab.Workload(test_policy_reach._Kept(), torch.randn(2, 5, 16), name="kept")
+'''
+
+
+def test_check_with_a_policy_names_a_rule_that_did_not_act():
+    policy = tf32lab.Policy("high", [("*.self_attn.out_proj", "highest"), ("spare", "highest")])
+    workload = tf32lab.Workload(_Kept(), torch.randn(2, 5, 16), name="kept")
+    report = tf32lab.check(workload, levels=("high",), policy=policy, speed=False)
+    idle = [n for n in report.notes if "did not act" in n]
+    assert len(idle) == 1 and "'spare' -> highest" in idle[0] and "out_proj" not in idle[0], report.notes
+    assert any("did not act" in n for n in report.to_dict()["notes"])
+
+
+def test_policy_show_names_a_rule_that_cannot_act(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "kept.py").write_text(_SPEC)
+    (tmp_path / "policy.json").write_text(tf32lab.Policy(
+        "high", [("*.self_attn.out_proj", "highest"), ("spare", "highest")]).to_json())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "policy", "show", "policy.json", "--model",
+                           "kept.py:make"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if "did not act" in line]
+    assert len(lines) == 1 and "'spare' -> highest" in lines[0] and "out_proj" not in lines[0], done.stdout

@@ -618,6 +618,23 @@ def _speed(args: argparse.Namespace) -> int:
     return 0
 
 
+def _idle_rules(policy: Any, workload: Any) -> list[str]:
+    """The rules that did not act when the model ran once on its sample inputs with the policy applied (a pin on a
+    module its parent never calls, as ``nn.MultiheadAttention``'s ``out_proj`` is where its weights are not reached
+    either), each as a line; a model that cannot run says so instead."""
+    import torch
+
+    from tf32lab.measure.check import idle_note
+
+    try:
+        with policy.applied(workload.model) as handle, torch.no_grad():
+            workload.run()
+    except Exception as exc:  # the table stands; what could not be seen is said
+        return [f"(the model did not run on its sample inputs, so rules that cannot act are not shown: "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"]
+    return idle_note(handle.idle())
+
+
 def _policy_show(args: argparse.Namespace) -> int:
     from rich.text import Text
 
@@ -643,7 +660,8 @@ def _policy_show(args: argparse.Namespace) -> int:
         return 0
     from tf32lab.workloads import specs
 
-    model = specs.load(args.model, training=None).model
+    workload = specs.load(args.model, training=None)
+    model = workload.model
     hooked = set(policy.hooked(model))
     modules = dict(model.named_modules())
     what = "the level and conv math" if convs else "the level"
@@ -673,6 +691,9 @@ def _policy_show(args: argparse.Namespace) -> int:
         named = ", ".join(filter(None, (rule.level, rule.conv and f"conv {rule.conv}")))
         console.print(Text(f"rule {i}: {inert(rule.pattern)} -> {named}"), soft_wrap=True)
     missing = policy.unmatched(model)
+    if not missing:
+        for line in _idle_rules(policy, workload):
+            console.print(Text(line), soft_wrap=True)
     for rule in missing:
         print(f"rule {policy.rules.index(rule) + 1} {inert(repr(rule.pattern))} matches no module: apply() would "
               "refuse this policy for this model (strict=False: a warning)", file=sys.stderr)

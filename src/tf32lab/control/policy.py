@@ -478,7 +478,8 @@ class Policy:
     # -- which level each module gets ------------------------------------------------------------------------------
     def explain(self, model: torch.nn.Module) -> list[Assignment]:
         """The level and conv math of every module of ``model`` (``named_modules()`` order) and the rule, default
-        or parent that gave each.
+        or parent that gave each. It reads no run: a module kept but never called is listed at its level all the
+        same; :meth:`PolicyHandle.idle` names, after a call, the rules that did not act.
 
         >>> import torch, tf32lab
         >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Conv2d(4, 4, 3))

@@ -263,6 +263,7 @@ class Session:
         self.recorder = Recorder(workload.model, self.measured, target, self.spill, accumulation, ranks, pins)
         self.counting = Counting(workload.model) if speed and target.peaks is not None else None
         self.runs = 0  # end-to-end runs so far
+        self.idle: list[str] = []  # a policy's rules that did not act in its run (their notes)
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> Session:
@@ -317,7 +318,8 @@ class Session:
         found = self.recorder.notes()
         threads = self.threads.note("not emulated, counted or measured by layer in any run (the float64 "
                                     "reference included), so their error is not in this report")
-        return [*found, threads] if threads else found
+        found = [*found, threads] if threads else found
+        return [*found, *self.idle]
 
     def _fresh(self, what: str) -> Optional[Counting]:
         self.bar.step(what)
@@ -352,7 +354,7 @@ class Session:
         """One end-to-end run with ``row``'s policy applied (its levels among ``measured``, or ``alike`` them)."""
         counting = self._fresh("policy: end to end")
         return _check_level(self.workload, row.base, self.target, self.recorder, self.ref_out, self.tolerances,
-                            row=row, alike=alike, counting=counting)
+                            row=row, alike=alike, counting=counting, idle=self.idle)
 
     def predicted(self, levels: Iterable[str]) -> Optional[SpeedReport]:
         """The speed report of the counted run, when one was counted."""
@@ -424,16 +426,18 @@ def alike_levels(levels: tuple[str, ...], target: Target) -> dict[str, Optional[
 
 def _check_level(workload: Workload, level: str, target: Target, recorder: Recorder, ref_out: Any,
                  tolerances: dict[str, float], row: Optional[PolicyRow] = None,
-                 alike: Optional[dict[str, Optional[str]]] = None, counting: Optional[Counting] = None) -> LevelResult:
+                 alike: Optional[dict[str, Optional[str]]] = None, counting: Optional[Counting] = None,
+                 idle: Optional[list[str]] = None) -> LevelResult:
     """One end-to-end run at ``level`` (with ``row``: the policy applied, ``level`` its base) and its result;
-    ``counting``: the run's work is counted too (for the speed prediction)."""
+    ``counting``: the run's work is counted too (for the speed prediction); ``idle``: a note on the policy's rules
+    that did not act in the run is added to it."""
     started = time.perf_counter()
     accumulated = Accumulated(recorder, counting)
     out, error = None, None
     applied = row.policy.applied(workload.model) if row else contextlib.nullcontext()
     cells = context_cells()  # the caller's cells: those a level leaves alone (convs, RNNs, the SDPA kernel)
     # sharded: no rounded copies of the gathered parameters kept for the run (they would hold the whole model)
-    with level_context(level, target, recorder.accumulation, recorder.ranks is None) as emu, applied:
+    with level_context(level, target, recorder.accumulation, recorder.ranks is None) as emu, applied as handle:
         level_maths = {} if emu is None else (
             policy_maths(row, target, cells) if row else target.maths_at(level, cells))
         try:
@@ -455,6 +459,8 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
             if bug is not None:  # tf32lab's own failure: not a finding about the level
                 raise bug from exc
             error = described(exc)  # the model cannot run at this level: that is the finding
+        if row is not None and idle is not None and error is None:
+            idle.extend(idle_note(handle.idle()))
     outputs: tuple[metrics.OutputError, ...] = ()
     metric = None
     if error is None:
@@ -483,6 +489,16 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
     unhandled = {} if emu is None else dict(sorted(emu.unhandled.items()))
     return LevelResult("policy" if row else level, level_maths, outputs, tuple(ranked), metric, coverage, unhandled,
                        time.perf_counter() - started, error=error, policy=row.describe() if row else None)
+
+
+def idle_note(rules: Iterable[Any]) -> list[str]:
+    """The note on a policy's rules that did not act in a run (empty: every rule acted): no module they set ran
+    its forward and no matmul-family op used their parameters, so they change nothing a GPU computes."""
+    if not rules:
+        return []
+    named = ", ".join(f"{rule.pattern!r} -> {rule.level or rule.conv}" for rule in rules)
+    return [f"the policy's rule(s) {named} did not act in the run: no module they set ran its forward, and no "
+            f"matmul-family op used their parameters (a module kept but never called), so they change nothing"]
 
 
 def _pinned_conv(row: Optional[PolicyRow], name: str, families: Iterable[str], target: Target,
