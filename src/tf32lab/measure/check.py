@@ -49,6 +49,7 @@ from tf32lab.know.targets import Target
 from tf32lab.machine.distributed import agree, policy_digest
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure import sharded
+from tf32lab.measure.draws import Streams, cuda_devices, lazy_note, materialised
 from tf32lab.measure.layers import (
     ROOT,
     Accumulated,
@@ -267,13 +268,19 @@ class Session:
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> Session:
-        stack = self._stack
+        stack, workload = self._stack, self.workload
         try:
-            stack.enter_context(eval_mode(self.workload.model))
+            # every run draws from one seed, the caller's random state kept; one check in the process at a time
+            self.streams = stack.enter_context(Streams(
+                cuda_devices(workload.model, [t for _, t in named_tensors(workload.inputs)]), "check"))
+            self.recorder.streams = self.streams
+            stack.enter_context(eval_mode(workload.model))
             stack.enter_context(_released())
             stack.enter_context(self.spill)
             self.threads = stack.enter_context(OtherThreads())
-            self.reset = stack.enter_context(state_kept(self.workload.model))
+            made = materialised(workload.model, lambda model: workload.run(model), f"workload {workload.name!r}")
+            self._lazy = [lazy_note(made)] if made else []
+            self.reset = stack.enter_context(state_kept(workload.model))
             self._reference()
             if self.threads.ops and not self.recorder.family_ops:  # a report of nothing would call it safe
                 raise Tf32LabError(self.threads.refusal(str(self.workload.name)))
@@ -294,6 +301,7 @@ class Session:
                     torch.no_grad(), recorder:
                 ref_inputs = map_tensors(widen, workload.inputs)
                 recorder.model_inputs = {id(t) for _, t in named_tensors(ref_inputs)}
+                self.streams.seeded()
                 self.ref_out = workload.run(model, ref_inputs)
         except (Tf32LabError, KeyboardInterrupt):
             raise
@@ -315,7 +323,7 @@ class Session:
 
     def notes(self) -> list[str]:
         """What the report must say about the runs."""
-        found = self.recorder.notes()
+        found = [*self._lazy, *self.recorder.notes()]
         threads = self.threads.note("not emulated, counted or measured by layer in any run (the float64 "
                                     "reference included), so their error is not in this report")
         found = [*found, threads] if threads else found
@@ -325,6 +333,7 @@ class Session:
         self.bar.step(what)
         self.reset()  # every run starts from the state the model had (a buffer it updates as it runs)
         release_buffers()  # the reruns' scratch sizes are not this run's: memory the peak need not hold
+        self.streams.seeded()  # the draws of the reference, and of every other run
         self.runs += 1
         counting = self.counting
         return counting if counting is not None and not counting.counts.ops else None
@@ -337,8 +346,9 @@ class Session:
 
     def steady(self, result: LevelResult) -> LevelResult:
         """``result`` (a level that fails without raising) run once more: when the outputs' errors differ, the
-        model samples (``torch.randn``, dropout kept in train mode) and the failure is chance, not precision.
-        Emulation and the float64 reference are deterministic, so the same model gives the same bits."""
+        model draws from a stream no run seeds (Python's ``random``, NumPy's, a generator of its own) and the
+        failure is chance, not precision. Emulation and the float64 reference are deterministic, and every run
+        draws PyTorch's random ops from one seed (``measure.draws``), so the same model gives the same bits."""
         if result.passed or result.error is not None:
             return result
         again = self.level(result.level)

@@ -30,6 +30,7 @@ from tf32lab.emulation.emulator import emulate
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
 from tf32lab.know.targets import Target
+from tf32lab.measure.draws import Streams, random_op
 from tf32lab.measure.norms import scratch, tree_normwise
 from tf32lab.measure.reference import Float64Run
 from tf32lab.measure.sharded import local
@@ -171,10 +172,11 @@ def _scripted_twin(module: torch.nn.Module, workload: str, name: str) -> torch.n
 class _Frame:
     """A module call in progress in the reference run."""
 
-    __slots__ = ("args", "families", "inner", "kwargs", "name", "ran", "versions")
+    __slots__ = ("args", "drew", "families", "inner", "kwargs", "name", "ran", "state", "versions")
 
-    def __init__(self, name: str, args: tuple, kwargs: dict) -> None:
+    def __init__(self, name: str, args: tuple, kwargs: dict, state: Any = None) -> None:
         self.name, self.args, self.kwargs, self.ran = name, args, kwargs, False
+        self.state, self.drew = state, False  # the random streams' state at the call, and whether it drew
         self.families: set[str] = set()  # the op families this call ran itself (not its nested layers')
         self.versions = _versions((args, kwargs))
         self.inner: list[tuple[str, int]] = []  # layer calls made inside this one: (name, call index)
@@ -212,6 +214,7 @@ class Recorder:
         self.families: dict[str, set[str]] = {}  # layer -> the op families of its own ops (conv, rnn, ...)
         self.called: set[str] = set()  # the modules whose forward ran (one whose parent uses its weights did not)
         self.by_family: collections.Counter[str] = collections.Counter()  # the reference's family ops, per family
+        self.streams: Optional[Streams] = None  # set by check: each rerun draws from its call's random state
 
     def __enter__(self) -> Recorder:
         try:
@@ -238,6 +241,9 @@ class Recorder:
         self.handles.clear()
 
     def _op(self, func) -> None:
+        if not self.rerunning and self.stack and random_op(func):
+            for frame in self.stack:
+                frame.drew = True
         if not self.rerunning:
             family = optable.family(func.name())
             if family is not None:
@@ -266,7 +272,8 @@ class Recorder:
         def hook(module, args, kwargs):
             if not self.rerunning:
                 self.called.add(name)
-                self.stack.append(_Frame(name, args, kwargs))
+                state = self.streams.state() if self.streams is not None else None
+                self.stack.append(_Frame(name, args, kwargs, state))
 
         return hook
 
@@ -315,8 +322,21 @@ class Recorder:
         inner = self._inner_outputs(frame)
         pin = self.pins.get(name)
         cudnn = bool(frame.families & {"conv", "rnn"})
+        streams = self.streams if frame.drew and frame.state is not None else None
+        after = streams.state() if streams is not None else None  # the reference run goes on from here
+        try:
+            self._reruns(name, module, frame, reference, norms, inner, pin, cudnn, streams)
+        finally:
+            if streams is not None:
+                streams.put(after)
+
+    def _reruns(self, name: str, module: torch.nn.Module, frame: _Frame, reference: Any, norms: dict[str, float],
+                inner: dict[torch.nn.Module, list[Any]], pin: Optional[tuple[str, str]], cudnn: bool,
+                streams: Optional[Streams]) -> None:
         for level, conv in [(level, None) for level in self.levels] + ([pin] if pin and cudnn else []):
             args, kwargs = map_tensors(_to_float32, frame.args), map_tensors(_to_float32, frame.kwargs)
+            if streams is not None:  # a call that drew: each rerun draws what the reference's call drew
+                streams.put(frame.state)
             self.rerunning = True
             try:
                 with state_kept(module), _originals(self.swapped), _answering(inner), \

@@ -9,6 +9,9 @@ a float64 model). The model's own code (``x.float()``,
 weights are widened one op at a time (no second model in memory), and a ``torch.jit.ScriptModule`` or a model
 ``copy.deepcopy`` cannot copy is measured like any other.
 
+Random ops draw at float32, from the generator's state, and their values are cast up
+(``tf32lab.measure.draws``): a float32 row seeded alike draws the same numbers, which a float64 draw would not.
+
 Two things stay float32 on purpose, counted in :attr:`Float64Run.float32_writes`: a write into a tensor the model
 owns in float32 (a buffer it updates, a cache) keeps that tensor's dtype, as PyTorch's type promotion would.
 
@@ -33,6 +36,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tf32lab.control import modestack
+from tf32lab.measure.draws import drawn_at_float32, random_op
 
 __all__ = ["Float64Run", "widen"]
 
@@ -160,6 +164,8 @@ class _Ops(TorchDispatchMode):
             if any(t.dtype in _WIDER for t in targets):
                 run.float32_writes += 1
                 return _write_float32(func, args, kwargs)
+        if random_op(func):  # the values a float32 row draws (measure.draws), cast up
+            return _widen_result(drawn_at_float32(func, args, kwargs))
         if func is _CONVOLUTION:
             return _convolution(_widen_args(args), {k: widen(v) for k, v in kwargs.items()})
         return _widened_call(func, args, kwargs, selecting=func.overloadpacket in _SELECTING_OPS)

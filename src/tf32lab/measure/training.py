@@ -40,18 +40,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import inspect
 import math
-import sys
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any, Callable, Optional, Union
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from tf32lab.control import flags, modestack
+from tf32lab.control import flags
 from tf32lab.control.policy import Policy
 from tf32lab.control.scope import precision, set_float32_matmul_precision
 from tf32lab.emulation.emulator import check_accumulation, context_cells, emulate, release_buffers
@@ -61,6 +58,7 @@ from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.check import ConvRun, PolicyRow, alike_levels, policy_maths, refuse_native_levels
+from tf32lab.measure.draws import SameDraws, Streams, lazy_note, materialised, seeded
 from tf32lab.measure.layers import ROOT, described, out_of_memory
 from tf32lab.measure.reference import Float64Run, widen
 from tf32lab.numbers import metrics
@@ -193,29 +191,17 @@ def _cuda_devices(model: torch.nn.Module) -> list[int]:
 
 
 @contextlib.contextmanager
-def random_state_kept(model: torch.nn.Module) -> Iterator[None]:
-    """The random state as it was on every exit: PyTorch's (CPU, and the CUDA devices of the model, the only ones
-    seeded), and NumPy's and Python's global streams (a batches function may draw from them)."""
-    saved = []
-    for name, get, put in (("numpy", "random.get_state", "random.set_state"), ("random", "getstate", "setstate")):
-        module = sys.modules.get(name)
-        if module is not None:
-            getter, setter = (functools.reduce(getattr, path.split("."), module) for path in (get, put))
-            saved.append((setter, getter()))
-    try:
-        with torch.random.fork_rng(devices=_cuda_devices(model)):
-            yield
-    finally:
-        for setter, state in saved:
-            setter(state)
+def random_state_kept(model: torch.nn.Module, what: str = "check_training") -> Iterator[None]:
+    """The random state as it was on every exit (``measure.draws.Streams``: PyTorch's CPU generator and the model's
+    CUDA devices', NumPy's and Python's), and no other thread's check drawing from them meanwhile (refused)."""
+    with Streams(_cuda_devices(model), what):
+        yield
 
 
 def _seeded(seed: int, model: torch.nn.Module) -> None:
     """The same streams for every row: the CPU generator and those of the model's CUDA devices (never another
     device's: ``torch.manual_seed`` would seed them all, and the caller's streams there would change)."""
-    torch.random.default_generator.manual_seed(seed)
-    for device in _cuda_devices(model):
-        torch.cuda.default_generators[device].manual_seed(seed)
+    seeded(seed, _cuda_devices(model))
 
 
 def _not_finite(named: list[tuple[str, torch.nn.Parameter]]) -> Optional[str]:
@@ -229,66 +215,6 @@ def _not_finite(named: list[tuple[str, torch.nn.Parameter]]) -> Optional[str]:
         return None
     return next((n for (n, g), norm in zip(grads, norms)
                  if not bool(torch.isfinite(norm)) and not bool(torch.isfinite(g).all())), None)
-
-
-class _Float64Step:
-    """A step of the float64 row: ``Float64Run`` (every op in float64, tensors the model makes in float32 too),
-    with dropout drawn as a float32 row draws it. PyTorch's generators give a float64 tensor other random bits than
-    a float32 one on CUDA, so a float64 row's dropout would keep other units than every float32 row's and its loss
-    path would not be a reference: the mask is drawn from a float32 twin of the input, the same call a float32
-    row makes, and applied in float64."""
-
-    def __init__(self, masks: bool = True) -> None:
-        self.run = Float64Run()
-        self.masks = _SameMasks(self.run) if masks else None
-
-    def __enter__(self) -> _Float64Step:
-        self.run.__enter__()
-        try:
-            if self.masks is not None:
-                modestack.push(self.masks)
-        except BaseException:
-            self.run.__exit__(None, None, None)
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            if self.masks is not None:
-                modestack.remove(self.masks)
-        finally:
-            self.run.__exit__(*exc)
-
-
-@modestack.skips_dynamo_lazily
-class _SameMasks(TorchDispatchMode):
-    def __init__(self, run: Float64Run) -> None:
-        super().__init__()
-        self.float64 = run
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is _NATIVE_DROPOUT and args[0].dtype == torch.float64:
-            x, p, train = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("train")
-            paused, self.float64.paused = self.float64.paused, True
-            try:
-                _, mask = func(x.float(), p, train)
-            finally:
-                self.float64.paused = paused
-            scale = 1.0 / (1.0 - p) if p < 1 else 0.0
-            return x * mask * scale, mask
-        if func is _BERNOULLI_P and args[0].dtype == torch.float64:
-            paused, self.float64.paused = self.float64.paused, True
-            try:
-                drawn = func(torch.empty_like(args[0], dtype=torch.float32), *args[1:], **kwargs)
-            finally:
-                self.float64.paused = paused
-            return args[0].copy_(drawn)
-        return func(*args, **kwargs)
-
-
-_NATIVE_DROPOUT = torch.ops.aten.native_dropout.default
-_BERNOULLI_P = torch.ops.aten.bernoulli_.float
 
 
 @dataclasses.dataclass
@@ -325,7 +251,10 @@ class TrainingSession:
         self._batches: dict[int, Any] = {}
         self._speed_notes: list[str] = []
         self._counted: Any = None  # one training step's counts, made once (with_speed may be asked again)
-        self.cuda = bool(_cuda_devices(self.saved))
+        # lazy modules made once, in the saved state, so every row (float64's too) starts from the same weights
+        made = materialised(self.saved, lambda model: workload.run(model, self.batch(0)),
+                            f"training workload {workload.name!r}")
+        self._lazy_notes = [lazy_note(made)] if made else []
 
     def start(self, bar: Progress) -> None:
         """The float64 reference, then step 1's backward per module in float64."""
@@ -384,7 +313,7 @@ class TrainingSession:
 
     @property
     def notes(self) -> tuple[str, ...]:
-        return tuple(self.attribution.notes) + tuple(self._speed_notes)
+        return tuple(self._lazy_notes) + tuple(self.attribution.notes) + tuple(self._speed_notes)
 
     def with_speed(self, rows: list[TrainingLevel], policy: Optional[PolicyRow]) -> list[TrainingLevel]:
         """``rows`` with each one's predicted speedup of a training step on the target over ``highest``
@@ -485,11 +414,11 @@ class TrainingSession:
         # emulated, the level's scope is entered inside each emulate() block: such a scope never writes the flag
         # (a level this torch cannot set, bfx9, runs), and the ops between blocks run no matmul-family op
         scoped = contextlib.nullcontext() if level is None or emu is not None else _scoped(level, self.target, policy)
-        # float64: every op of the step widened (a tensor the model makes in float32 on the fly too), dropout
-        # drawn as float32 draws it (the same masks as every float32 row), where step 1 shows it matters
+        # float64: every random op drawn as a float32 row draws it (measure.draws), and every op of the step
+        # widened (a tensor the model makes in float32 on the fly too) where step 1 shows it matters
         if dtype == torch.float64:
             widened = self._widening()  # before the row's seed: the probe draws from the streams too
-            forward = (lambda: _Float64Step(self.cuda)) if widened else contextlib.nullcontext
+            forward = Float64Run if widened else SameDraws
         elif emu is not None:
             forward = lambda: _inside(emu, level)  # noqa: E731
         else:
@@ -542,19 +471,17 @@ class TrainingSession:
         return run
 
     def _widening(self) -> bool:
-        """Whether the float64 row needs ``Float64Run`` (and its float32-drawn dropout masks) beyond the ``.double()``
-        copy. Its per-op handlers cost more than a small model's step, and most models make no float32 tensor of
-        their own: step 1 is run both ways, and only when loss and gradients differ in a bit (the model made a
-        float32 tensor, or dropout on CUDA drew other masks) does every step run inside it."""
-        if self.cuda:
-            return True  # CUDA draws other dropout bits for float64: the masks need it (a GPU's time is cheap)
+        """Whether the float64 row needs ``Float64Run`` beyond the ``.double()`` copy (whose random ops draw at
+        float32 under ``SameDraws``). Its per-op handlers cost more than a small model's step, and most models make
+        no float32 tensor of their own: step 1 is run both ways, and only when loss and gradients differ in a bit
+        (the model made a float32 tensor) does every step run inside it."""
         found = []
         for widen_ops in (True, False):
             model = copy.deepcopy(self.saved).double()
             _seeded(self.seed, model)
             batch = self.batch(0, torch.float64)
             try:
-                with _Float64Step(masks=False) if widen_ops else contextlib.nullcontext():
+                with Float64Run() if widen_ops else SameDraws():
                     loss = self.workload.loss_of(self.workload.run(model, batch), batch, model)
                     loss.backward()
             except (Tf32LabError, KeyboardInterrupt):
@@ -655,7 +582,7 @@ class _Attribution:
                 handles.append(module.register_forward_hook(self._keep(name, calls), with_kwargs=True))
         _seeded(seed, model)
         try:
-            with _Float64Step(masks=bool(_cuda_devices(model))):
+            with Float64Run():
                 loss = workload.loss_of(workload.run(model, batch), batch, model)
                 loss.backward()
         finally:
@@ -671,7 +598,7 @@ class _Attribution:
             if not grads:
                 continue
             module = model.get_submodule(name)
-            with _Float64Step(masks=bool(_cuda_devices(model))):
+            with Float64Run():
                 local = _local_grads(module, args, kwargs, grads, seed)
             if local is not None:
                 self.calls[name] = (args, kwargs, grads, local)

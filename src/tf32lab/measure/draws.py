@@ -1,0 +1,397 @@
+"""Random draws: the same values in every row of a check, the float64 reference included.
+
+PyTorch's generators give a float64 tensor other values than a float32 one from the same state: on a CPU
+``torch.rand`` draws other numbers and ``torch.randn`` rounds differently; on CUDA dropout keeps other units. A
+model that samples (a VAE's ``mu + std * torch.randn_like(std)``, noise injection, diffusion noise, dropout in
+training) would be compared with a reference that drew other numbers, and its error would be the noise's, not the
+precision's. One rule, here, for every run:
+
+- **one state per row**: every row (each level, the policy, float32's floor, the float64 reference, a layer's
+  reruns) starts from one seed, drawn once inside :class:`Streams`, which puts the caller's random state back
+  (PyTorch's CPU generator and the model's CUDA devices', NumPy's and Python's) on every exit;
+- **drawn at float32**: in a float64 run (``Float64Run``, or a ``.double()`` copy under :class:`SameDraws`),
+  each op of :data:`RANDOM_OPS` draws at float32 from the generator's state, the call a float32 row makes, and the
+  values are cast up (:func:`drawn_at_float32`); where a draw is combined with the input (dropout, ``rrelu``,
+  ``normal(mean, std)``) the combination is computed in float64.
+
+PyTorch has one default generator per device for the whole process, so two checks running at once in two threads
+would draw from each other's streams; :class:`Streams` refuses the second one in one line.
+
+Lazy modules (``nn.LazyLinear``) draw their weights at their first call: :func:`materialised` makes them once,
+before any row, so every row starts from the same weights.
+
+Example:
+
+    >>> import torch
+    >>> from tf32lab.measure.draws import SameDraws
+    >>> _ = torch.manual_seed(0); drawn = torch.rand(3)
+    >>> _ = torch.manual_seed(0)
+    >>> with SameDraws():
+    ...     wide = torch.rand(3, dtype=torch.float64)
+    >>> wide.dtype, torch.equal(wide, drawn.double())
+    (torch.float64, True)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tf32lab.control import modestack
+from tf32lab.control.scope import precision
+from tf32lab.errors import Tf32LabError
+
+__all__ = ["RANDOM_OPS", "SameDraws", "Streams", "drawn_at_float32", "lazy_note", "materialised", "random_op",
+           "seeded"]
+
+aten = torch.ops.aten
+
+# Every aten op that consumes a generator's numbers: those whose schema takes a ``Generator?`` argument (seed,
+# manual_seed and initial_seed aside, which read or set the state) and native_dropout, which draws from the default
+# generator without one (tests/test_random_draws.py checks this list against this torch's schemas). rrelu,
+# rand and randn without a generator are composites or overloads of these.
+_RANDOM_NAMES = (
+    "bernoulli", "bernoulli_", "binomial", "cauchy", "cauchy_", "exponential", "exponential_", "geometric",
+    "geometric_", "log_normal", "log_normal_", "multinomial", "native_dropout", "_fused_dropout", "normal", "normal_",
+    "normal_functional", "_no_grad_normal_", "_no_grad_uniform_", "poisson", "rand", "rand_like", "randint",
+    "randint_like", "randn", "randn_like", "random", "random_", "randperm", "rrelu", "rrelu_", "rrelu_with_noise",
+    "rrelu_with_noise_", "rrelu_with_noise_functional", "_sample_dirichlet", "_standard_gamma", "uniform", "uniform_",
+)
+RANDOM_OPS: frozenset[Any] = frozenset(getattr(aten, name) for name in _RANDOM_NAMES if hasattr(aten, name))
+
+_NARROW = {torch.float64: torch.float32, torch.complex128: torch.complex64}
+_WIDE = {torch.float32: torch.float64, torch.complex64: torch.complex128}
+
+
+def random_op(func: Any) -> bool:
+    """Whether the aten op ``func`` (an overload) draws from a generator (:data:`RANDOM_OPS`)."""
+    return getattr(func, "overloadpacket", None) in RANDOM_OPS
+
+
+def _narrowed(t: Any) -> Any:
+    if isinstance(t, torch.Tensor) and t.dtype in _NARROW:
+        return t.to(_NARROW[t.dtype])
+    return t
+
+
+def _widened(t: Any) -> Any:
+    if isinstance(t, torch.Tensor) and t.dtype in _WIDE:
+        return t.to(_WIDE[t.dtype])
+    return t
+
+
+def _wide_in(args: Iterable[Any]) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.dtype in _NARROW for a in args) \
+        or any(isinstance(a, (list, tuple)) and _wide_in(a) for a in args)
+
+
+_WRITES: dict[Any, tuple[int, ...]] = {}
+
+
+def _writes(func: Any) -> tuple[int, ...]:
+    """Positions of the arguments ``func`` writes into (``out=`` included), from its schema."""
+    known = _WRITES.get(func)
+    if known is None:
+        known = tuple(i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None
+                      and a.alias_info.is_write)
+        _WRITES[func] = known
+    return known
+
+
+def drawn_at_float32(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func`` (one of :data:`RANDOM_OPS`) as a float32 row calls it, from the generator's present state, its
+    values cast up to float64: float64 (complex128) tensors it reads are narrowed, ``dtype=torch.float64`` becomes
+    float32, a float64 tensor it writes into gets the float32 draw copied in. Dropout, ``rrelu`` and ``normal`` with
+    tensor moments draw their random part so and combine it with the float64 input in float64. An op that reads
+    and asks for nothing in float64 runs as it is."""
+    special = _SPECIAL.get(func.overloadpacket)
+    if special is not None and _wide_in((*args, *kwargs.values())):
+        return special(func, args, kwargs)
+    return _drawn(func, args, kwargs)
+
+
+def _drawn(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The rule of :func:`drawn_at_float32` without an op's special case."""
+    dtype = kwargs.get("dtype")
+    if dtype not in _NARROW and not _wide_in((*args, *kwargs.values())):
+        return func(*args, **kwargs)
+    names = [a.name for a in func._schema.arguments]
+    written = {names[i] for i in _writes(func)}
+    twins: list[tuple[torch.Tensor, torch.Tensor]] = []  # (float64 tensor written into, its float32 twin)
+
+    def narrow(name: str, value: Any) -> Any:
+        if name in written and isinstance(value, torch.Tensor) and value.dtype in _NARROW:
+            twin = value.to(_NARROW[value.dtype])
+            twins.append((value, twin))
+            return twin
+        if isinstance(value, (list, tuple)):
+            return type(value)(map(_narrowed, value))
+        return _narrowed(value)
+
+    narrow_args = [narrow(names[i] if i < len(names) else "", a) for i, a in enumerate(args)]
+    narrow_kwargs = {k: narrow(k, v) for k, v in kwargs.items()}
+    if dtype in _NARROW:
+        narrow_kwargs["dtype"] = _NARROW[dtype]
+    result = func(*narrow_args, **narrow_kwargs)
+    for wide, twin in twins:
+        wide.copy_(twin)
+    back = {id(twin): wide for wide, twin in twins}
+
+    def widen(t: Any) -> Any:
+        wide = back.get(id(t))
+        return _widened(t) if wide is None else wide
+
+    return type(result)(map(widen, result)) if isinstance(result, (list, tuple)) else widen(result)
+
+
+def _dropout(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``native_dropout(x, p, train)`` / ``_fused_dropout(x, keep)``: the mask drawn from a float32 twin of ``x``,
+    applied to ``x`` in float64 with the op's scale."""
+    x = args[0]
+    out, mask = func(_narrowed(x), *args[1:], **kwargs)
+    if func.overloadpacket is aten.native_dropout:
+        train = args[2] if len(args) > 2 else kwargs.get("train")
+        if train is False:
+            return _widened(out), mask
+        p = args[1]
+        scale = 1.0 / (1.0 - p) if p < 1 else 0.0
+    else:
+        keep = args[1] if len(args) > 1 else kwargs["p"]
+        scale = 1.0 / keep if keep > 0 else 0.0
+    return x * mask * scale, mask
+
+
+def _normal(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``normal(mean, std)`` with a tensor moment: a standard normal draw at float32, as PyTorch's kernel makes it
+    (``output.normal_(0, 1).mul_(std).add_(mean)``), scaled and shifted in float64."""
+    schema = func._schema.arguments
+    names = [a.name for a in schema]
+    bound = {**dict(zip(names, args)), **kwargs}
+    mean, std = bound.get("mean", 0.0), bound.get("std", 1.0)
+    if "self" in bound or "size" in bound:  # normal_functional(self, mean, std), normal(mean, std, size): floats
+        return _drawn(func, args, kwargs)
+    tensors = [t for t in (mean, std) if isinstance(t, torch.Tensor)]
+    shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+    z = torch.empty(shape, dtype=torch.float32, device=tensors[0].device)
+    z.normal_(0.0, 1.0, generator=bound.get("generator"))
+    drawn = z.to(torch.float64) * std + mean
+    out = bound.get("out")
+    if isinstance(out, torch.Tensor):
+        return out.copy_(drawn)
+    return drawn
+
+
+def _rrelu(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``rrelu_with_noise`` (and its in-place and functional forms): in training the slopes drawn at float32 into
+    a float32 twin of ``noise`` from a float32 twin of ``x``, then ``x * noise`` in float64 (the kernel's: noise is
+    1 where ``x > 0``); out of training nothing is drawn."""
+    names = [a.name for a in func._schema.arguments]
+    bound = {**dict(zip(names, args)), **kwargs}
+    if not bound.get("training", False):
+        return func(*args, **kwargs)
+    x, noise = bound["self"], bound["noise"]
+    narrow = {**bound, "self": _narrowed(x), "noise": _narrowed(noise)}
+    narrow.pop("out", None)
+    functional = func.overloadpacket is getattr(aten, "rrelu_with_noise_functional", None)
+    base = aten.rrelu_with_noise.default
+    twin = narrow["noise"] if narrow["noise"] is not noise else noise.clone()
+    base(narrow["self"], twin, narrow.get("lower", 0.125), narrow.get("upper", 1.0 / 3.0), True,
+         narrow.get("generator"))
+    wide_noise = twin.to(noise.dtype)
+    if functional:
+        return x * wide_noise, wide_noise
+    noise.copy_(wide_noise)
+    if func.overloadpacket is aten.rrelu_with_noise_:
+        return x.mul_(noise)
+    out = bound.get("out")
+    return torch.mul(x, noise, out=out) if isinstance(out, torch.Tensor) else x * noise
+
+
+_SPECIAL: dict[Any, Callable[[Any, tuple, dict], Any]] = {
+    aten.native_dropout: _dropout, aten._fused_dropout: _dropout, aten.normal: _normal,
+    aten.rrelu_with_noise: _rrelu, aten.rrelu_with_noise_: _rrelu,
+    **({aten.rrelu_with_noise_functional: _rrelu} if hasattr(aten, "rrelu_with_noise_functional") else {}),
+}
+
+
+@modestack.skips_dynamo_lazily
+class SameDraws(TorchDispatchMode):
+    """Every op of :data:`RANDOM_OPS` drawn at float32 (:func:`drawn_at_float32`), every other op as it is: the
+    float64 copy of a model (``.double()``) draws the values its float32 rows draw. ``drawn`` counts the draws."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drawn = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if random_op(func):
+            self.drawn += 1
+            return drawn_at_float32(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+# -- one state per row, and one check at a time -----------------------------------------------------------------
+_OWNER_LOCK = threading.Lock()
+_owner: list[Any] = [None, 0, ""]  # the thread that holds PyTorch's generators for a check, its depth, what it runs
+
+
+def cuda_devices(*trees: Any) -> list[int]:
+    """The CUDA devices of the tensors in ``trees`` (modules' parameters and buffers, tensors, lists of them)."""
+    found: set[int] = set()
+    for tree in trees:
+        if isinstance(tree, torch.nn.Module):
+            tensors: Iterable[Any] = (*tree.parameters(), *tree.buffers())
+        elif isinstance(tree, dict):
+            tensors = tree.values()
+        elif isinstance(tree, (list, tuple)):
+            tensors = tree
+        else:
+            tensors = (tree,)
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                found.add(t.device.index or 0)
+    return sorted(found)
+
+
+class Streams:
+    """The random streams of one check: the caller's state kept (PyTorch's CPU generator and that of each CUDA
+    device in ``devices``, NumPy's and Python's global ones) and put back on every exit; a seed drawn once
+    (:attr:`seed`), and :meth:`seeded` to start a row from it; :meth:`state` / :meth:`put` for a layer's reruns.
+
+    Only one check at a time may hold them: entered while another thread's check holds them, it raises
+    ``Tf32LabError`` (PyTorch's default generators are the process's, so both checks' draws would cross); a
+    check nested in the same thread shares them."""
+
+    def __init__(self, devices: Iterable[int] = (), what: str = "check") -> None:
+        self.devices, self.what = sorted(set(devices)), what
+        self.seed = 0
+        self._fork: Any = None
+        self._saved: list[tuple[Callable[[Any], None], Any]] = []
+
+    def __enter__(self) -> Streams:
+        me = threading.current_thread()
+        with _OWNER_LOCK:
+            if _owner[0] is not None and _owner[0] is not me:
+                raise Tf32LabError(
+                    f"{self.what}: another check ({_owner[2]}) is running in thread {_owner[0].name!r} of this "
+                    f"process, and PyTorch's random generators are the process's: both would draw from one stream "
+                    f"(their random draws would cross); run the checks one after another, or in separate processes")
+            _owner[0], _owner[1] = me, _owner[1] + 1
+            if _owner[1] == 1:
+                _owner[2] = self.what
+        try:
+            self._saved = _python_states()
+            self._fork = torch.random.fork_rng(devices=self.devices)
+            self._fork.__enter__()
+            # drawn inside the kept state: the caller's streams are as they were afterwards
+            self.seed = int(torch.randint(0, 2**31 - 1, ()))
+        except BaseException:
+            self._release()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self._fork is not None:
+                self._fork.__exit__(None, None, None)
+            for setter, state in self._saved:
+                setter(state)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with _OWNER_LOCK:
+            _owner[1] -= 1
+            if _owner[1] == 0:
+                _owner[0], _owner[2] = None, ""
+
+    def seeded(self) -> None:
+        """Every stream at the start of a row."""
+        seeded(self.seed, self.devices)
+
+    def state(self) -> tuple[torch.Tensor, ...]:
+        """The generators' present state (the CPU's, then each device's)."""
+        return (torch.random.default_generator.get_state(),
+                *(torch.cuda.default_generators[d].get_state() for d in self.devices))
+
+    def put(self, state: tuple[torch.Tensor, ...]) -> None:
+        """The generators back at ``state`` (from :meth:`state`)."""
+        torch.random.default_generator.set_state(state[0])
+        for device, s in zip(self.devices, state[1:]):
+            torch.cuda.default_generators[device].set_state(s)
+
+
+def seeded(seed: int, devices: Iterable[int]) -> None:
+    """The CPU generator and those of ``devices`` seeded with ``seed`` (never another device's: the caller's
+    streams there would change)."""
+    torch.random.default_generator.manual_seed(seed)
+    for device in devices:
+        torch.cuda.default_generators[device].manual_seed(seed)
+
+
+def _python_states() -> list[tuple[Callable[[Any], None], Any]]:
+    """NumPy's and Python's global random states, with their setters (a batches function may draw from them)."""
+    import random
+    import sys
+
+    saved: list[tuple[Callable[[Any], None], Any]] = [(random.setstate, random.getstate())]
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        saved.append((numpy.random.set_state, numpy.random.get_state()))
+    return saved
+
+
+# -- lazy modules -----------------------------------------------------------------------------------------------
+def lazy_modules(model: torch.nn.Module) -> list[str]:
+    """The modules of ``model`` whose parameters or buffers are not made yet (``nn.LazyLinear`` before its first
+    call)."""
+    lazy = torch.nn.modules.lazy.LazyModuleMixin
+    return [name or "the model" for name, m in model.named_modules()
+            if isinstance(m, lazy) and m.has_uninitialized_params()]
+
+
+def materialised(model: torch.nn.Module, run: Callable[[torch.nn.Module], Any], what: str) -> list[str]:
+    """``model``'s lazy modules made, once, by one float32 call ``run(model)`` in eval mode without gradients, its
+    buffers put back afterwards (a call must not move a running average) and the caller's random state kept;
+    returns the names of the modules it made. A lazy module that the call leaves unmade is refused by name
+    (``what``: the workload, for the message)."""
+    lazy = lazy_modules(model)
+    if not lazy:
+        return []
+    modes = [(m, m.training) for m in model.modules()]
+    kept = [(b, b.detach().clone()) for b in model.buffers()
+            if not isinstance(b, torch.nn.parameter.UninitializedBuffer)]
+    try:
+        with torch.random.fork_rng(devices=cuda_devices(model)), torch.no_grad(), precision("highest"):
+            model.eval()
+            run(model)
+    except Tf32LabError:
+        raise
+    except Exception as exc:
+        raise Tf32LabError(f"{what}: its lazy module(s) {', '.join(map(repr, lazy))} could not be made by one "
+                           f"float32 call before the rows ({type(exc).__name__}: {exc}); call the model once "
+                           f"yourself first") from exc
+    finally:
+        for m, training in modes:
+            m.training = training
+        with torch.no_grad():
+            for b, value in kept:
+                if b.shape == value.shape:
+                    b.copy_(value)
+    left = lazy_modules(model)
+    if left:
+        raise Tf32LabError(f"{what}: lazy module(s) {', '.join(map(repr, left))} still have no weights after one "
+                           f"call of the model, so each row would make its own: call them once yourself first")
+    return lazy
+
+
+def lazy_note(made: list[str]) -> str:
+    """The report's note on the lazy modules :func:`materialised` made."""
+    names = ", ".join(repr(n) for n in made[:3]) + (f" and {len(made) - 3} more" if len(made) > 3 else "")
+    return (f"lazy module(s) {names} made once before any row, by one float32 call in eval mode: every row, the "
+            f"float64 reference included, starts from those weights")
