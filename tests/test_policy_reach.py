@@ -123,7 +123,7 @@ def test_tune_says_why_it_passed_over_a_faster_passing_candidate():
     assert _Search._passed_over(SimpleNamespace(candidates=candidates), mix, 0.95) == ""  # nothing faster passed
 
 
-class _Kept(torch.nn.Module):
+class _Spare(torch.nn.Module):
     """An encoder beside a module kept but never called: a rule on it cannot act."""
 
     def __init__(self) -> None:
@@ -141,13 +141,13 @@ import test_policy_reach
 
 
 def make():
-    return tf32lab.Workload(test_policy_reach._Kept(), torch.randn(2, 5, 16), name="kept")
+    return tf32lab.Workload(test_policy_reach._Spare(), torch.randn(2, 5, 16), name="kept")
 '''
 
 
 def test_check_with_a_policy_names_a_rule_that_did_not_act():
     policy = tf32lab.Policy("high", [("*.self_attn.out_proj", "highest"), ("spare", "highest")])
-    workload = tf32lab.Workload(_Kept(), torch.randn(2, 5, 16), name="kept")
+    workload = tf32lab.Workload(_Spare(), torch.randn(2, 5, 16), name="kept")
     report = tf32lab.check(workload, levels=("high",), policy=policy, speed=False)
     idle = [n for n in report.notes if "did not act" in n]
     assert len(idle) == 1 and "'spare' -> highest" in idle[0] and "out_proj" not in idle[0], report.notes
