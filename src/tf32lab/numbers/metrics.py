@@ -104,14 +104,17 @@ class OutputError:
         return self.exact or self.normwise <= self.tolerance  # NaN compares False: a NaN error fails
 
     def verdict(self, level: Optional[str] = None) -> str:
-        """A line to grep: ``PASSED | level 'high' | output 'x' | normwise 1.2e-04 <= 1.0e-02``."""
+        """A line to grep: ``PASSED | level 'high' | output 'x' | normwise 1.2e-04 <= 1.0e-02``, followed by
+        ``(over the magnitudes that formed it)`` where the reference is zero or cancels (``scale``)."""
         where = "" if level is None else f" | level {level!r}"
         if self.failure is not None:
             return f"FAILED{where} | output {self.name!r} | {self.failure}"
         if self.exact:
             return f"PASSED{where} | output {self.name!r} | equal (compared exactly)"
         word, sign = ("PASSED", "<=") if self.passed else ("FAILED", ">")
-        return f"{word}{where} | output {self.name!r} | normwise {self.normwise:.2e} {sign} {self.tolerance:.1e}"
+        over = " (over the magnitudes that formed it)" if self.scale == OPERANDS else ""
+        return (f"{word}{where} | output {self.name!r} | normwise {self.normwise:.2e} {sign} {self.tolerance:.1e}"
+                f"{over}")
 
 
 def normwise(y: torch.Tensor, r: torch.Tensor) -> float:

@@ -13,7 +13,7 @@ import jinja2
 import markupsafe
 
 from tf32lab.numbers.metrics import HISTOGRAM_EDGES
-from tf32lab.report.text import fmt, notes, ranked_layers, short_name
+from tf32lab.report.text import fmt, notes, ranked_layers, short_name, times
 
 if TYPE_CHECKING:
     from tf32lab.report import Report
@@ -33,6 +33,7 @@ TEMPLATES = jinja2.Environment(
 )
 TEMPLATES.filters["fmt"] = fmt
 TEMPLATES.filters["short"] = short_name
+TEMPLATES.filters["times"] = times
 
 
 def with_code(text: str) -> markupsafe.Markup:

@@ -39,6 +39,15 @@ def fmt(value: float | None) -> str:
     return f"{value:.2e}"
 
 
+def times(multiple: float | None) -> str:
+    """An error as a multiple of float32 `highest`'s, ``-`` where unknown: ``1.0x``, ``8616x``, ``1.2e+05x``."""
+    if multiple is None or math.isnan(multiple):
+        return "-"
+    if math.isinf(multiple):
+        return "inf"
+    return f"{multiple:.1f}x" if multiple < 10 else f"{multiple:.0f}x" if multiple < 1e5 else f"{multiple:.1e}x"
+
+
 def short_name(name: str, width: int = 36) -> str:
     """A dotted module name cut from the left (its end tells layers apart): ``…layer.4.attention.output.dense``."""
     if len(name) <= width:
@@ -147,7 +156,8 @@ def _signed(value: float) -> str:
 def _outputs(report: Report) -> Table:
     table = Table(title="Outputs against the reference", title_justify="left")
     metric = any(lv.metric is not None for lv in report.levels)
-    columns = ["level", "output", "max abs", "max rel", "normwise", "bias", "min cos", "top-1"] + (
+    # "x fp32": the error over float32 `highest`'s own, as the training check shows its drift
+    columns = ["level", "output", "max abs", "max rel", "normwise", "x fp32", "bias", "min cos", "top-1"] + (
         ["metric"] if metric else [])
     for column in columns:
         table.add_column(column, justify="left" if column in ("level", "output") else "right")
@@ -155,13 +165,13 @@ def _outputs(report: Report) -> Table:
         for o in lv.outputs:
             style = "green" if o.passed else "bold red"
             if o.failure is not None:
-                row = [lv.level, Text(inert(o.name)), "-", "-", Text("see below", style=style), "-", "-", "-"]
+                row = [lv.level, Text(inert(o.name)), "-", "-", Text("see below", style=style), "-", "-", "-", "-"]
             elif o.exact:
-                row = [lv.level, Text(inert(o.name)), "-", "-", Text("equal", style=style), "-", "-", "-"]
+                row = [lv.level, Text(inert(o.name)), "-", "-", Text("equal", style=style), "-", "-", "-", "-"]
             else:
                 star = "*" if o.passed and o.max_rel > o.tolerance else ""
                 row = [lv.level, Text(inert(o.name)), fmt(o.max_abs), fmt(o.max_rel) + star,
-                       Text(fmt(o.normwise), style=style), _signed(o.bias), f"{o.cosine:.6f}",
+                       Text(fmt(o.normwise), style=style), times(o.multiple), _signed(o.bias), f"{o.cosine:.6f}",
                        "-" if o.top1 is None else f"{o.top1:.1%}"]
             table.add_row(*row, *([fmt(lv.metric)] if metric else []))
     return table
