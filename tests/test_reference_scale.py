@@ -128,3 +128,19 @@ def test_a_level_that_adds_no_error_is_not_said_to_amplify():
     report = tf32lab.check(Workload(model, inputs, name="exact"), levels=("highest", "high"), speed=False)
     assert report.level("high").outputs[0].multiple == 1.0
     assert not any("float32's own" in line for line in report.conclusion())
+
+
+def test_the_magnitudes_follow_views_and_copies_and_only_summing_ops_record_one():
+    from tf32lab.measure.scales import Formed
+
+    a = torch.tensor([[1.0, -2.0], [3.0, 4.0]], dtype=torch.float64)
+    b = torch.tensor([[1.0, -2.0], [3.0, 5.0]], dtype=torch.float64)
+    with Formed() as formed:
+        moved = (a - b).T.contiguous().reshape(-1)  # a difference, then only moved
+        product = a @ b
+        exp = torch.exp(a - b)  # not a sum: its own norm is its scale
+    found = formed.scales({"moved": moved, "product": product, "exp": exp})
+    assert found["moved"].norm == pytest.approx(float((a.abs() + b.abs()).norm()))
+    assert found["moved"].op.startswith("aten::sub")
+    assert found["product"].norm == pytest.approx(float((a.abs() @ b.abs()).norm()))
+    assert "exp" not in found

@@ -16,8 +16,8 @@ its norm is the output's :class:`~tf32lab.numbers.metrics.Scale`. An output made
 ``softmax``: never zero by cancellation), or earlier than the last ``KEPT`` ops (a hidden state returned beside
 the logits), or whose operands the model wrote into afterwards, gets none and is judged over its own norm.
 
-Cost: a membership test and a deque append per op, one op per output at the end; the operands of the last
-``KEPT`` summing or moving ops stay alive until the run ends.
+Cost: a membership test and a deque append per op, one op per output at the end. Memory: the operands of the
+last ``KEPT`` summing or moving ops whose results the run still holds (an entry goes with its result).
 
 Example:
 
@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
@@ -62,17 +63,26 @@ MOVES = _packets("view", "_unsafe_view", "reshape", "t", "transpose", "permute",
                  "narrow", "movedim", "view_as_real")
 SAME = _packets("clone", "contiguous", "detach", "_to_copy", "lift_fresh", "lift_fresh_copy")
 _DIFFERENCES = _packets("sub", "rsub")
+_VIEWS = _packets("view", "_unsafe_view")
 
 
 class _Entry:
+    """One op kept: its operands (held), its results (weakly: one the run drops can be no output, and its
+    entry goes, operands and all)."""
+
     __slots__ = ("args", "func", "kwargs", "results", "versions")
 
     def __init__(self, func: Any, args: tuple, kwargs: dict, results: list[torch.Tensor]) -> None:
-        self.func, self.args, self.kwargs, self.results = func, args, kwargs, results
+        self.func, self.args, self.kwargs = func, args, kwargs
+        self.results = [weakref.ref(r) for r in results]
         self.versions = _versions(args, kwargs, results)
 
+    def alive(self) -> bool:
+        return any(r() is not None for r in self.results)
+
     def unchanged(self) -> bool:
-        return _versions(self.args, self.kwargs, self.results) == self.versions
+        results = [r() for r in self.results]
+        return None not in results and _versions(self.args, self.kwargs, results) == self.versions
 
 
 def _tensors(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
@@ -106,7 +116,7 @@ class _Mode(TorchDispatchMode):
                 results = [out] if isinstance(out, torch.Tensor) else (
                     [t for t in out if isinstance(t, torch.Tensor)] if isinstance(out, (list, tuple)) else [])
                 if results:
-                    formed.kept.append(_Entry(func, args, kwargs, results))
+                    formed.keep(_Entry(func, args, kwargs, results))
         return out
 
 
@@ -118,6 +128,12 @@ class Formed:
         self.active = active or (lambda: True)
         self.kept: deque[_Entry] = deque(maxlen=KEPT)
         self._mode = _Mode(self)
+
+    def keep(self, entry: _Entry) -> None:
+        kept = self.kept
+        if any(not e.alive() for e in kept):
+            self.kept = deque((e for e in kept if e.alive()), maxlen=KEPT)
+        self.kept.append(entry)
 
     def __enter__(self) -> Formed:
         modestack.push(self._mode)
@@ -147,7 +163,7 @@ class Formed:
         name; None where no such op is kept."""
         if depth > KEPT:
             return None
-        entry, index = next(((e, i) for e in reversed(self.kept) for i, r in enumerate(e.results) if r is t),
+        entry, index = next(((e, i) for e in reversed(self.kept) for i, r in enumerate(e.results) if r() is t),
                             (None, 0))
         if entry is None or not entry.unchanged():
             return None
@@ -162,10 +178,12 @@ class Formed:
         if inner is None:
             return None
         magnitudes, op = inner
-        if packet in SAME:
-            return magnitudes, op
+        if packet in SAME:  # a copy: contiguous, as the copy the model views next
+            return magnitudes.contiguous(), op
         try:
-            moved = entry.func(magnitudes, *entry.args[1:], **entry.kwargs)
+            # a view of magnitudes laid out otherwise than the model's tensor may need a copy: reshape
+            move = torch.ops.aten.reshape if packet in _VIEWS else entry.func
+            moved = move(magnitudes, *entry.args[1:], **entry.kwargs)
         except (RuntimeError, TypeError, ValueError):
             return None
         if isinstance(moved, (list, tuple)):
