@@ -61,6 +61,7 @@ from tf32lab.measure.layers import (
     state_kept,
 )
 from tf32lab.measure.reference import widen
+from tf32lab.measure.scales import Formed
 from tf32lab.measure.sharded import Ranks, collective_failure, ranks_fail
 from tf32lab.measure.spill import SpillFile, min_bytes_from_env
 from tf32lab.numbers import metrics
@@ -208,7 +209,9 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
     extra = tuple(level for level in ALL_LEVELS if row is not None and level in row.levels and level not in levels)
     alike = alike_levels(levels + extra, target)  # level -> the earlier level the target computes identically, if any
     measured = [level for level in levels + extra if alike[level] is None]
-    runs = len([level for level in levels if alike[level] is None]) + (row is not None)
+    # float32 `highest`'s own error, each row's multiple of it: a row, or one run more where no row computes it
+    floor_from = _floor_row(levels, target)
+    runs = len([level for level in levels if alike[level] is None]) + (row is not None) + (floor_from is None)
     pins = {} if row is None else _pins(row, target, alike)
     with Progress(progress, steps=1 + runs) as bar, \
             Session(workload, measured, target, tolerances, speed=speed, bar=bar, accumulation=accumulation,
@@ -225,6 +228,9 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
         rows = [results[level] for level in levels]
         if row is not None:
             rows.append(session.policy(row, alike))
+        floor = results[floor_from].outputs if floor_from is not None and results[floor_from].error is None \
+            else session.floor() if floor_from is None else None
+    rows = [with_multiples(r, floor) for r in rows]
     predicted = session.predicted(levels)
     if predicted is not None:
         rows = [dataclasses.replace(r, speedup=session.speedup(r, predicted, row)) for r in rows]
@@ -265,6 +271,7 @@ class Session:
         self.counting = Counting(workload.model) if speed and target.peaks is not None else None
         self.runs = 0  # end-to-end runs so far
         self.idle: list[str] = []  # a policy's rules that did not act in its run (their notes)
+        self.scales: dict[str, metrics.Scale] = {}  # output -> the magnitudes that formed it (measure.scales)
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> Session:
@@ -295,10 +302,13 @@ class Session:
     def _reference(self) -> None:
         workload, recorder = self.workload, self.recorder
         self.bar.step(f"{workload.name}: float64 reference, each layer at {len(self.measured)} level(s)")
+        # the model's own ops only (not the layers' reruns, nor the recorder's arithmetic); not sharded: a rank's
+        # part of an output is not formed by its own operands alone
+        formed = Formed(lambda: not (recorder.rerunning or recorder.mode.paused)) if self.ranks is None else None
         try:
             # not inference mode: its tensors keep no version counters
             with float64_scripted(workload, recorder) as model, torch.inference_mode(False), \
-                    torch.no_grad(), recorder:
+                    torch.no_grad(), recorder, formed or contextlib.nullcontext():
                 ref_inputs = map_tensors(widen, workload.inputs)
                 recorder.model_inputs = {id(t) for _, t in named_tensors(ref_inputs)}
                 self.streams.seeded()
@@ -320,6 +330,8 @@ class Session:
         _check_comparable(workload, self.ref_out, here if self.ranks is None else any(self.ranks.gather(here)))
         _check_judgeable(workload, self.ref_out)
         _warn_unknown(self.tolerances, self.ref_out)
+        if formed is not None:
+            self.scales = formed.scales(self.ref_out)
 
     def notes(self) -> list[str]:
         """What the report must say about the runs."""
@@ -342,7 +354,23 @@ class Session:
         """One end-to-end run at ``level`` (one of ``measured``)."""
         counting = self._fresh(f"{level}: end to end")
         return _check_level(self.workload, level, self.target, self.recorder, self.ref_out, self.tolerances,
-                            counting=counting)
+                            counting=counting, scales=self.scales)
+
+    def floor(self) -> Optional[tuple[metrics.OutputError, ...]]:
+        """float32 `highest`'s outputs on the target, for the rows' multiples of its error, where no row computes
+        them: one end-to-end run, its layers not measured. None where it raises (the multiples are then unknown)."""
+        self._fresh("highest: float32's own error, end to end")
+        recorder = self.recorder
+        try:
+            with level_context("highest", self.target, recorder.accumulation, recorder.ranks is None), \
+                    torch.inference_mode():
+                out = self.workload.run()
+        except Exception as exc:
+            if recorder.ranks is not None or out_of_memory(exc):
+                raise
+            return None
+        return _outputs(out, self.ref_out, self.tolerances, self.scales) if recorder.ranks is None else \
+            sharded.outputs(out, self.ref_out, self.tolerances, recorder.ranks, _outputs)
 
     def steady(self, result: LevelResult) -> LevelResult:
         """``result`` (a level that fails without raising) run once more: when the outputs' errors differ, the
@@ -364,7 +392,7 @@ class Session:
         """One end-to-end run with ``row``'s policy applied (its levels among ``measured``, or ``alike`` them)."""
         counting = self._fresh("policy: end to end")
         return _check_level(self.workload, row.base, self.target, self.recorder, self.ref_out, self.tolerances,
-                            row=row, alike=alike, counting=counting, idle=self.idle)
+                            row=row, alike=alike, counting=counting, idle=self.idle, scales=self.scales)
 
     def predicted(self, levels: Iterable[str]) -> Optional[SpeedReport]:
         """The speed report of the counted run, when one was counted."""
@@ -437,10 +465,12 @@ def alike_levels(levels: tuple[str, ...], target: Target) -> dict[str, Optional[
 def _check_level(workload: Workload, level: str, target: Target, recorder: Recorder, ref_out: Any,
                  tolerances: dict[str, float], row: Optional[PolicyRow] = None,
                  alike: Optional[dict[str, Optional[str]]] = None, counting: Optional[Counting] = None,
-                 idle: Optional[list[str]] = None) -> LevelResult:
+                 idle: Optional[list[str]] = None,
+                 scales: Optional[Mapping[str, metrics.Scale]] = None) -> LevelResult:
     """One end-to-end run at ``level`` (with ``row``: the policy applied, ``level`` its base) and its result;
     ``counting``: the run's work is counted too (for the speed prediction); ``idle``: a note on the policy's rules
-    that did not act in the run is added to it."""
+    that did not act in the run is added to it; ``scales``: the magnitudes that formed the outputs
+    (``measure.scales``)."""
     started = time.perf_counter()
     accumulated = Accumulated(recorder, counting)
     out, error = None, None
@@ -474,7 +504,7 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
     outputs: tuple[metrics.OutputError, ...] = ()
     metric = None
     if error is None:
-        outputs = _outputs(out, ref_out, tolerances) if recorder.ranks is None else \
+        outputs = _outputs(out, ref_out, tolerances, scales) if recorder.ranks is None else \
             sharded.outputs(out, ref_out, tolerances, recorder.ranks, _outputs)
         if workload.metric is not None:
             try:
@@ -590,7 +620,8 @@ def _released():
 
 
 # -- outputs ----------------------------------------------------------------------------------------------------
-def _outputs(out: Any, ref_out: Any, tolerances: dict[str, float]) -> tuple[metrics.OutputError, ...]:
+def _outputs(out: Any, ref_out: Any, tolerances: dict[str, float],
+             scales: Optional[Mapping[str, metrics.Scale]] = None) -> tuple[metrics.OutputError, ...]:
     refs = dict(named_leaves(ref_out))
     found = dict(named_leaves(out))
     results = []
@@ -598,10 +629,37 @@ def _outputs(out: Any, ref_out: Any, tolerances: dict[str, float]) -> tuple[metr
         tolerance = tolerances.get(name, tolerances["default"])
         y = found.get(name, metrics.ABSENT)
         if r is not None or y is not None:
-            results.append(_range_said(metrics.compare(name, y, r, tolerance), y, r))
+            scale = (scales or {}).get(name)
+            results.append(_range_said(metrics.compare(name, y, r, tolerance, scale), y, r))
     for name in found.keys() - refs.keys():
         results.append(metrics.compare(name, found[name], metrics.ABSENT, tolerances.get(name, tolerances["default"])))
     return tuple(results)
+
+
+def _floor_row(levels: tuple[str, ...], target: Target) -> Optional[str]:
+    """The level among ``levels`` whose row computes as float32 `highest` does on ``target`` (`highest`, or one
+    the target computes alike), if any."""
+    if "highest" in levels:
+        return "highest"
+    alike = alike_levels(("highest", *levels), target)
+    return next((level for level in levels if alike[level] == "highest"), None)
+
+
+def with_multiples(row: LevelResult, floor: Optional[tuple[metrics.OutputError, ...]]) -> LevelResult:
+    """``row`` with each output's error as a multiple of float32 `highest`'s (``floor``, the same outputs; None:
+    not measured, the multiples stay unknown). An output compared exactly, or failed on either side, has none."""
+    if floor is None:
+        return row
+    by_name = {o.name: o for o in floor}
+    outputs = []
+    for o in row.outputs:
+        f = by_name.get(o.name)
+        value = None
+        if f is not None and not (o.exact or f.exact) and o.failure is None and f.failure is None:
+            found = metrics.multiple(o.normwise, f.normwise)
+            value = None if math.isnan(found) else found
+        outputs.append(dataclasses.replace(o, multiple=value))
+    return dataclasses.replace(row, outputs=tuple(outputs))
 
 
 def _range_said(found: metrics.OutputError, y: Any, r: Any) -> metrics.OutputError:

@@ -5,7 +5,9 @@ All are computed in float64 from the output ``y`` and the reference ``r`` (same 
 - ``max_abs``: max |y − r|;
 - ``max_rel`` / ``mean_rel``: |y − r| / |r| over the elements whose |r| is at least ``REL_FLOOR`` × max |r|
   (relative error of a reference that is zero, or nearly, says nothing);
-- ``normwise``: ‖y − r‖₂ / ‖r‖₂ over the whole output, the number verdicts use (:data:`DEFAULT_TOLERANCE`);
+- ``normwise``: ‖y − r‖₂ / ‖r‖₂ over the whole output, the number verdicts use (:data:`DEFAULT_TOLERANCE`); where
+  the reference is zero or cancels (‖r‖ at most :data:`CANCELLED` of the magnitudes that formed it, a
+  :class:`Scale` recorded by the caller), ‖y − r‖₂ over those magnitudes instead, and ``scale`` says so;
 - ``cosine``: the smallest cosine similarity of a row (the last dimension) with its reference row;
 - ``top1``: for outputs named like logits, the fraction of rows whose argmax agrees;
 - ``histogram``: counts of |y − r| / rms(r) in decades (:data:`HISTOGRAM_EDGES`).
@@ -41,8 +43,8 @@ import torch
 
 from tf32lab.errors import Tf32LabError
 
-__all__ = ["ABSENT", "DEFAULT_TOLERANCE", "HISTOGRAM_EDGES", "OutputError", "comparable", "compare", "normwise",
-           "output_error"]
+__all__ = ["ABSENT", "CANCELLED", "DEFAULT_TOLERANCE", "HISTOGRAM_EDGES", "OPERANDS", "REFERENCE", "OutputError",
+           "Scale", "comparable", "compare", "multiple", "normwise", "output_error"]
 
 # The default verdict: normwise relative error at most 1e-2, i.e. the output keeps two significant digits as a
 # whole. A well-conditioned network stays well below it at every reduced level (TF32's unit roundoff is
@@ -51,8 +53,24 @@ __all__ = ["ABSENT", "DEFAULT_TOLERANCE", "HISTOGRAM_EDGES", "OutputError", "com
 # Past 1e-2, embeddings lose more than ~5e-5 of cosine similarity and close logits change order.
 DEFAULT_TOLERANCE = 1e-2
 REL_FLOOR = 1e-6
+# An output whose float64 reference has a norm at most this fraction of the magnitudes that formed it (a residual
+# ``R.T @ (R @ x) - x``, a difference of nearly equal terms) is judged over those magnitudes, not its own norm.
+# float32 keeps ~7 digits of those magnitudes (u = 2^-24 ≈ 6e-8); below 1e-4 of them, float32's own rounding
+# (a few units of u, more over long sums) already makes the relative error reach 1e-2, the default tolerance, and
+# a zero reference makes it infinite: the relative error would judge float32, not the level (pytorch#79270).
+CANCELLED = 1e-4
+REFERENCE, OPERANDS = "reference", "operands"  # the scales an output's normwise error can be over
 # decades of |y - r| / rms(r), from 1e-10 to 1e+1; errors below the first edge (zeros included) count in bin 0
 HISTOGRAM_EDGES = tuple(float(e) for e in range(-10, 2))
+
+
+@dataclass(frozen=True)
+class Scale:
+    """The magnitudes that formed an output: ``norm`` is ‖op(|a|, |b|, ...)‖₂, its last op computed over the
+    absolute values of its operands (a difference as a sum), in float64; ``op`` names that op (``aten::sub``)."""
+
+    norm: float
+    op: str
 
 
 @dataclass(frozen=True)
@@ -73,6 +91,11 @@ class OutputError:
     note: Optional[str] = None  # what a reader must know: NaN/Inf held, compared exactly, empty
     exact: bool = False  # compared for equality (not a float tensor): no tolerance applies
     bias: float = 0.0  # mean signed error over mean |reference|: a rounding that leans one way (MI300's XF32)
+    # what ``normwise`` is over: the reference's norm, or (OPERANDS) the magnitudes that formed the output, where
+    # the reference is zero or cancels (CANCELLED)
+    scale: str = REFERENCE
+    # the error over float32 `highest`'s own on the target (same output, same scale); None: not known
+    multiple: Optional[float] = None
 
     @property
     def passed(self) -> bool:
@@ -81,14 +104,17 @@ class OutputError:
         return self.exact or self.normwise <= self.tolerance  # NaN compares False: a NaN error fails
 
     def verdict(self, level: Optional[str] = None) -> str:
-        """A line to grep: ``PASSED | level 'high' | output 'x' | normwise 1.2e-04 <= 1.0e-02``."""
+        """A line to grep: ``PASSED | level 'high' | output 'x' | normwise 1.2e-04 <= 1.0e-02``, followed by
+        ``(over the magnitudes that formed it)`` where the reference is zero or cancels (``scale``)."""
         where = "" if level is None else f" | level {level!r}"
         if self.failure is not None:
             return f"FAILED{where} | output {self.name!r} | {self.failure}"
         if self.exact:
             return f"PASSED{where} | output {self.name!r} | equal (compared exactly)"
         word, sign = ("PASSED", "<=") if self.passed else ("FAILED", ">")
-        return f"{word}{where} | output {self.name!r} | normwise {self.normwise:.2e} {sign} {self.tolerance:.1e}"
+        over = " (over the magnitudes that formed it)" if self.scale == OPERANDS else ""
+        return (f"{word}{where} | output {self.name!r} | normwise {self.normwise:.2e} {sign} {self.tolerance:.1e}"
+                f"{over}")
 
 
 def normwise(y: torch.Tensor, r: torch.Tensor) -> float:
@@ -100,8 +126,16 @@ def normwise(y: torch.Tensor, r: torch.Tensor) -> float:
     return diff / ref
 
 
-def output_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float = DEFAULT_TOLERANCE) -> OutputError:
-    """The metrics of the module docstring for output ``name``."""
+def output_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float = DEFAULT_TOLERANCE,
+                 scale: Optional[Scale] = None) -> OutputError:
+    """The metrics of the module docstring for output ``name``; ``scale``: the magnitudes that formed it, over
+    which ``normwise`` is taken where the reference cancels to at most :data:`CANCELLED` of them.
+
+    >>> r = torch.zeros(4, dtype=torch.float64)                 # a residual whose reference is exactly zero
+    >>> e = output_error("residual", r + 1e-5, r, scale=Scale(2000.0, "aten::sub"))
+    >>> e.scale, f"{e.normwise:.0e}", e.passed
+    ('operands', '1e-08', True)
+    """
     if y.shape != r.shape:
         raise ValueError(f"output {name!r} has shape {tuple(y.shape)}, its reference {tuple(r.shape)}")
     y64, r64 = y.detach().double(), r.detach().double()
@@ -119,17 +153,50 @@ def output_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float =
     top1 = None
     if "logit" in name.lower() and y64.dim() >= 1 and y64.shape[-1] > 1:
         top1 = float((rows_y.argmax(-1) == rows_r.argmax(-1)).double().mean())
-    scale = float(ref_abs.mean())
+    magnitude = float(ref_abs.mean())
+    rms = None
+    error, over, note = normwise(y64, r64), REFERENCE, None
+    if scale is not None and scale.norm > 0 and math.isfinite(scale.norm):
+        ref = float(torch.linalg.vector_norm(r64))
+        if ref <= CANCELLED * scale.norm:  # the bias and the histogram over those magnitudes too
+            error, over = float(torch.linalg.vector_norm(y64 - r64)) / scale.norm, OPERANDS
+            note = scale_note(ref, scale)
+            magnitude = rms = scale.norm / math.sqrt(y64.numel())
     signed = float((y64 - r64).mean())
-    bias = signed / scale if scale > 0 else (0.0 if signed == 0 else math.copysign(math.inf, signed))
-    return OutputError(name, tuple(y.shape), float(diff.max()), max_rel, mean_rel, normwise(y64, r64), cosine, top1,
-                       histogram(diff, r64), tolerance, bias=bias)
+    bias = signed / magnitude if magnitude > 0 else (0.0 if signed == 0 else math.copysign(math.inf, signed))
+    return OutputError(name, tuple(y.shape), float(diff.max()), max_rel, mean_rel, error, cosine, top1,
+                       histogram(diff, r64, rms), tolerance, note=note, bias=bias, scale=over)
 
 
-def histogram(diff: torch.Tensor, r: torch.Tensor) -> tuple[int, ...]:
+def scale_note(reference: float, scale: Scale) -> str:
+    """What an output judged over its operands' magnitudes says about it.
+
+    >>> scale_note(0.0, Scale(1.7e3, "aten::sub"))[:60]
+    'its float64 reference is zero: normwise is over the magnitud'
+    """
+    what = "is zero" if reference == 0 else f"cancels to {reference / scale.norm:.0e} of them"
+    return (f"its float64 reference {what}: normwise is over the magnitudes that formed it "
+            f"(‖{scale.op} over its operands' absolute values‖ = {scale.norm:.2e}), not over its own norm")
+
+
+def multiple(error: float, floor: float) -> float:
+    """``error`` as a multiple of float32 `highest`'s ``floor`` (the same output's error); NaN where the floor
+    measures nothing (NaN or infinite).
+
+    >>> round(multiple(2e-4, 2.5e-8)), multiple(0.0, 0.0), multiple(1e-9, 0.0)
+    (8000, 1.0, inf)
+    """
+    if math.isnan(error) or math.isnan(floor) or math.isinf(floor):
+        return math.nan
+    if floor == 0:
+        return 1.0 if error == 0 else math.inf
+    return error / floor
+
+
+def histogram(diff: torch.Tensor, r: torch.Tensor, rms: Optional[float] = None) -> tuple[int, ...]:
     """Counts of ``diff / rms(r)`` per decade: bin i holds [10^e_i, 10^e_(i+1)), the first also everything below,
-    the last everything above."""
-    rms = float(r.pow(2).mean().sqrt())
+    the last everything above; ``rms``: another scale than rms(r) (the magnitudes that formed a cancelling one)."""
+    rms = float(r.pow(2).mean().sqrt()) if rms is None else rms
     scaled = diff / (rms if rms > 0 else 1.0)
     decade = torch.floor(torch.log10(scaled.clamp_min(1e-300)))
     lo, hi = HISTOGRAM_EDGES[0], HISTOGRAM_EDGES[-1]
@@ -164,8 +231,10 @@ def comparable(value: Any) -> bool:
     return not isinstance(value, torch.Tensor) or value.numel() > 0
 
 
-def compare(name: str, y: Any, r: Any, tolerance: float = DEFAULT_TOLERANCE) -> OutputError:
-    """Output leaf ``y`` against reference leaf ``r``, whatever their kinds (see the module's docstring)."""
+def compare(name: str, y: Any, r: Any, tolerance: float = DEFAULT_TOLERANCE,
+            scale: Optional[Scale] = None) -> OutputError:
+    """Output leaf ``y`` against reference leaf ``r``, whatever their kinds (see the module's docstring);
+    ``scale``: the magnitudes that formed a float output (:func:`output_error`)."""
     y, r = _as_tensor(y), _as_tensor(r)
     if y is ABSENT or r is ABSENT:
         return _fixed(name, (), tolerance, error=math.inf,
@@ -206,11 +275,12 @@ def compare(name: str, y: Any, r: Any, tolerance: float = DEFAULT_TOLERANCE) -> 
         if held == r.numel():
             return _fixed(name, shape, tolerance, note=note)
         y, r = y[finite_r], r[finite_r]
-    found = output_error(name, y, r, tolerance)
+    found = output_error(name, y, r, tolerance, scale)
     if note is None:
         return found
+    note = note if found.note is None else f"{note}; {found.note}"
     return OutputError(name, shape, found.max_abs, found.max_rel, found.mean_rel, found.normwise, found.cosine,
-                       found.top1, found.histogram, tolerance, None, note, bias=found.bias)
+                       found.top1, found.histogram, tolerance, None, note, bias=found.bias, scale=found.scale)
 
 
 def _as_tensor(value: Any) -> Any:

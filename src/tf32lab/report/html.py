@@ -13,7 +13,7 @@ import jinja2
 import markupsafe
 
 from tf32lab.numbers.metrics import HISTOGRAM_EDGES
-from tf32lab.report.text import fmt, notes, ranked_layers, short_name
+from tf32lab.report.text import fmt, notes, ranked_layers, short_name, times
 from tf32lab.report.wording import given, tolerance_words
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ TEMPLATES.filters["fmt"] = fmt
 TEMPLATES.filters["short"] = short_name
 TEMPLATES.filters["given"] = given  # a tolerance in the digits it was given
 TEMPLATES.filters["tolerance"] = tolerance_words
+TEMPLATES.filters["times"] = times
 
 
 def with_code(text: str) -> markupsafe.Markup:

@@ -15,7 +15,7 @@ from rich.text import Text
 from tf32lab.report.tables import Column, Fitted, short_name
 from tf32lab.report.wording import inert, tolerance_words
 
-__all__ = ["fmt", "footnoted", "inert", "notes", "ranked_layers", "renderables", "short_name"]
+__all__ = ["fmt", "footnoted", "inert", "notes", "ranked_layers", "renderables", "short_name", "times"]
 
 if TYPE_CHECKING:
     from tf32lab.report import Report
@@ -29,6 +29,15 @@ def fmt(value: float | None) -> str:
     if math.isnan(value) or math.isinf(value):
         return str(value)
     return f"{value:.2e}"
+
+
+def times(multiple: float | None) -> str:
+    """An error as a multiple of float32 `highest`'s, ``-`` where unknown: ``1.0x``, ``8616x``, ``1.2e+05x``."""
+    if multiple is None or math.isnan(multiple):
+        return "-"
+    if math.isinf(multiple):
+        return "inf"
+    return f"{multiple:.1f}x" if multiple < 10 else f"{multiple:.0f}x" if multiple < 1e5 else f"{multiple:.1e}x"
 
 
 def renderables(report: Report) -> Iterator[Any]:
@@ -127,20 +136,21 @@ def _signed(value: float) -> str:
 
 def _outputs(report: Report) -> Fitted:
     metric = any(lv.metric is not None for lv in report.levels)
-    columns = ["max abs", "max rel", "normwise", "bias", "min cos", "top-1"] + (["metric"] if metric else [])
+    # "x fp32": the error over float32 `highest`'s own, as the training check shows its drift
+    columns = ["max abs", "max rel", "normwise", "x fp32", "bias", "min cos", "top-1"] + (["metric"] if metric else [])
     table = Fitted("Outputs against the reference", [Column("level", "text", key=True),
                                                     Column("output", "text", key=True), *map(Column, columns)])
     for lv in report.levels:
         for o in lv.outputs:
             style = "green" if o.passed else "bold red"
             if o.failure is not None:
-                row = [lv.level, Text(inert(o.name)), "-", "-", Text("see below", style=style), "-", "-", "-"]
+                row = [lv.level, Text(inert(o.name)), "-", "-", Text("see below", style=style), "-", "-", "-", "-"]
             elif o.exact:
-                row = [lv.level, Text(inert(o.name)), "-", "-", Text("equal", style=style), "-", "-", "-"]
+                row = [lv.level, Text(inert(o.name)), "-", "-", Text("equal", style=style), "-", "-", "-", "-"]
             else:
                 star = "*" if o.passed and o.max_rel > o.tolerance else ""
                 row = [lv.level, Text(inert(o.name)), fmt(o.max_abs), fmt(o.max_rel) + star,
-                       Text(fmt(o.normwise), style=style), _signed(o.bias), f"{o.cosine:.6f}",
+                       Text(fmt(o.normwise), style=style), times(o.multiple), _signed(o.bias), f"{o.cosine:.6f}",
                        "-" if o.top1 is None else f"{o.top1:.1%}"]
             table.add_row(*row, *([fmt(lv.metric)] if metric else []))
     return table

@@ -1,0 +1,220 @@
+"""The magnitudes that formed each output of the float64 reference: what an output whose reference is zero or
+cancels is judged over (``metrics.Scale``, ``metrics.CANCELLED``).
+
+A round-trip residual ``R.T @ (R @ x) - x`` is exactly zero in float64 for a rotation that float64 holds
+exactly, and nearly zero for any other: its relative error is infinite, or huge, at every level, ``highest``
+included, and says nothing (pytorch#79270). What such an output can be judged over is the size of what cancelled:
+``|R.T @ (R @ x)| + |x|``. That is the componentwise scale of rounding-error analysis (``|A||x| + |b|`` for
+``Ax + b``; Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., §7.2), taken for the output's last
+step.
+
+During the reference run, :class:`Formed` keeps the last ``KEPT`` ops that sum or multiply their operands
+(``SUMS``), and the ops that only move values (``MOVES``: views, copies), each with its operands. Afterwards,
+:meth:`Formed.scales` finds the op that produced each output tensor, steps back over the ops that only moved it,
+and computes the summing op again over the absolute values of its operands (a difference as a sum), in float64:
+its norm is the output's :class:`~tf32lab.numbers.metrics.Scale`. An output made by another op (``exp``,
+``softmax``: never zero by cancellation), or earlier than the last ``KEPT`` ops (a hidden state returned beside
+the logits), or whose operands the model wrote into afterwards, gets none and is judged over its own norm.
+
+Cost: a membership test and a deque append per op, one op per output at the end. Memory: the operands of the
+last ``KEPT`` summing or moving ops whose results the run still holds (an entry goes with its result).
+
+Example:
+
+    >>> import torch
+    >>> from tf32lab.measure.scales import Formed
+    >>> x = torch.tensor([3.0, -4.0], dtype=torch.float64)
+    >>> with Formed() as formed:
+    ...     residual = (x * 2.0) - x - x
+    >>> residual.tolist(), round(formed.scales({"r": residual})["r"].norm, 6)   # |2x - x| + |x|
+    ([0.0, 0.0], 10.0)
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from collections.abc import Iterator
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tf32lab.control import modestack
+from tf32lab.numbers.metrics import Scale
+from tf32lab.numbers.trees import named_leaves
+
+__all__ = ["KEPT", "Formed"]
+
+KEPT = 16  # summing and moving ops kept: an output's last step and the views after it
+
+
+def _packets(*names: str) -> frozenset:
+    aten = torch.ops.aten
+    return frozenset(getattr(aten, n) for n in names if hasattr(aten, n))
+
+
+# ops whose result is a sum of products of their operands (or a quotient): over absolute values, a magnitude
+SUMS = _packets("add", "sub", "rsub", "mul", "div", "neg", "sum", "mean", "mm", "bmm", "addmm", "addbmm", "baddbmm",
+                "matmul", "linear", "einsum", "dot", "vdot", "mv", "addmv", "cat", "stack", "addcmul")
+# ops that only move or copy values: the magnitudes move with them
+MOVES = _packets("view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "squeeze", "unsqueeze",
+                 "select", "slice", "flatten", "unflatten", "numpy_T", "alias", "split", "unbind", "chunk",
+                 "narrow", "movedim", "view_as_real")
+SAME = _packets("clone", "contiguous", "detach", "_to_copy", "lift_fresh", "lift_fresh_copy")
+_DIFFERENCES = _packets("sub", "rsub")
+_VIEWS = _packets("view", "_unsafe_view")
+
+
+class _Entry:
+    """One op kept: its operands (held), its results (weakly: one the run drops can be no output, and its
+    entry goes, operands and all)."""
+
+    __slots__ = ("args", "func", "kwargs", "results", "versions")
+
+    def __init__(self, func: Any, args: tuple, kwargs: dict, results: list[torch.Tensor]) -> None:
+        self.func, self.args, self.kwargs = func, args, kwargs
+        self.results = [weakref.ref(r) for r in results]
+        self.versions = _versions(args, kwargs, results)
+
+    def alive(self) -> bool:
+        return any(r() is not None for r in self.results)
+
+    def unchanged(self) -> bool:
+        results = [r() for r in self.results]
+        return None not in results and _versions(self.args, self.kwargs, results) == self.versions
+
+
+def _tensors(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (t for t in a if isinstance(t, torch.Tensor))
+
+
+def _versions(args: tuple, kwargs: dict, results: list[torch.Tensor]) -> Optional[tuple[int, ...]]:
+    try:
+        return tuple(t._version for t in (*_tensors(args, kwargs), *results))
+    except RuntimeError:  # an inference tensor keeps no version: nothing to tell a later write by
+        return None
+
+
+@modestack.skips_dynamo_lazily
+class _Mode(TorchDispatchMode):
+    def __init__(self, formed: Formed) -> None:
+        super().__init__()
+        self.formed = formed
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formed = self.formed
+        if formed.active():
+            packet = func.overloadpacket
+            if packet in SUMS or packet in MOVES or packet in SAME:
+                results = [out] if isinstance(out, torch.Tensor) else (
+                    [t for t in out if isinstance(t, torch.Tensor)] if isinstance(out, (list, tuple)) else [])
+                if results:
+                    formed.keep(_Entry(func, args, kwargs, results))
+        return out
+
+
+class Formed:
+    """A dispatch mode over a run that keeps its last summing and moving ops (see the module's docstring).
+    ``active()``: whether an op now belongs to the run (False while the caller runs its own ops inside it)."""
+
+    def __init__(self, active: Optional[Callable[[], bool]] = None) -> None:
+        self.active = active or (lambda: True)
+        self.kept: deque[_Entry] = deque(maxlen=KEPT)
+        self._mode = _Mode(self)
+
+    def keep(self, entry: _Entry) -> None:
+        kept = self.kept
+        if any(not e.alive() for e in kept):
+            self.kept = deque((e for e in kept if e.alive()), maxlen=KEPT)
+        self.kept.append(entry)
+
+    def __enter__(self) -> Formed:
+        modestack.push(self._mode)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        modestack.remove(self._mode)
+
+    def scales(self, outputs: Any) -> dict[str, Scale]:
+        """Output name (as ``trees.named_leaves`` names it) -> the magnitudes that formed it, for the float
+        outputs made by a summing op among those kept; then forgets the ops (and their operands)."""
+        found = {}
+        try:
+            with torch.no_grad():
+                for name, value in named_leaves(outputs):
+                    if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+                        formed = self._magnitudes(value, 0)
+                        if formed is not None:
+                            magnitudes, op = formed
+                            found[name] = Scale(float(torch.linalg.vector_norm(magnitudes.double())), op)
+        finally:
+            self.kept.clear()
+        return found
+
+    def _magnitudes(self, t: torch.Tensor, depth: int) -> Optional[tuple[torch.Tensor, str]]:
+        """|op|(|operands|) of the summing op that made ``t`` (through the ops that moved its values), and its
+        name; None where no such op is kept."""
+        if depth > KEPT:
+            return None
+        entry, index = next(((e, i) for e in reversed(self.kept) for i, r in enumerate(e.results) if r() is t),
+                            (None, 0))
+        if entry is None or not entry.unchanged():
+            return None
+        packet = entry.func.overloadpacket
+        if packet in SUMS:
+            try:
+                return _over_absolute(entry.func, entry.args, entry.kwargs), entry.func.name()
+            except (RuntimeError, TypeError, ValueError):  # an overload that takes no float64 magnitudes
+                return None
+        source = next(_tensors(entry.args[:1], {}), None)
+        inner = None if source is None else self._magnitudes(source, depth + 1)
+        if inner is None:
+            return None
+        magnitudes, op = inner
+        if packet in SAME:  # a copy: contiguous, as the copy the model views next
+            return magnitudes.contiguous(), op
+        try:
+            # a view of magnitudes laid out otherwise than the model's tensor may need a copy: reshape
+            move = torch.ops.aten.reshape if packet in _VIEWS else entry.func
+            moved = move(magnitudes, *entry.args[1:], **entry.kwargs)
+        except (RuntimeError, TypeError, ValueError):
+            return None
+        if isinstance(moved, (list, tuple)):
+            moved = moved[index]
+        return (moved, op) if isinstance(moved, torch.Tensor) and moved.shape == t.shape else None
+
+
+def _absolute(value: Any, scalar: bool = False) -> Any:
+    """A float tensor's absolute values in float64; a number's where the schema calls it a Scalar (an operand or
+    a coefficient, not a dimension)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex():
+            return value.detach().to(torch.complex128 if value.is_complex() else torch.float64).abs()
+        return value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_absolute(v) for v in value)
+    if scalar and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return abs(value)
+    return value
+
+
+def _over_absolute(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``func`` over the absolute values of its operands and coefficients, a difference as a sum."""
+    kinds = {a.name: str(a.type) == "Scalar" for a in func._schema.arguments}
+    names = [a.name for a in func._schema.arguments]
+    absolute = [_absolute(a, i < len(names) and kinds[names[i]]) for i, a in enumerate(args)]
+    kw = {k: _absolute(v, kinds.get(k, False)) for k, v in kwargs.items()}
+    if func.overloadpacket in _DIFFERENCES:  # a - alpha·b, (rsub) b - alpha·a: |a| + |alpha|·|b|
+        alpha = kw.pop("alpha", absolute[2] if len(absolute) > 2 else 1)
+        first, second = absolute[0], absolute[1]
+        result = first * alpha + second if func.overloadpacket is torch.ops.aten.rsub else first + second * alpha
+        return result if isinstance(result, torch.Tensor) else torch.as_tensor(result, dtype=torch.float64)
+    result = func(*absolute, **kw)
+    return result.abs() if isinstance(result, torch.Tensor) else torch.as_tensor(abs(result), dtype=torch.float64)
