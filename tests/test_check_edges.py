@@ -338,7 +338,7 @@ class _Sampling(torch.nn.Module):
     def forward(self, x):
         y = self.linear(x)
         if self.how == "python":
-            return y * random.uniform(0.5, 1.5)
+            return y + 100 * random.random()  # two draws within 1e-4 of each other (a passing run): 2e-4 odds
         return y + torch.randn(y.shape, generator=self.generator)  # a generator of its own
 
 

@@ -625,7 +625,10 @@ def _idle_rules(policy: Any, workload: Any) -> list[str]:
     import torch
 
     from tf32lab.measure.check import idle_note
+    from tf32lab.workloads.training import TrainingWorkload
 
+    if isinstance(workload, TrainingWorkload):  # its first batch's inputs, as a forward workload
+        workload = workload.step_workload()
     try:
         with policy.applied(workload.model) as handle, torch.no_grad():
             workload.run()
