@@ -86,7 +86,7 @@ def test_the_rotation_round_trip_of_pytorch_79270_shows_its_amplification_within
     high = report.level("high")
     assert high.passed, report.verdicts()  # within the tolerance: only the multiple tells
     multiple = high.outputs[0].multiple
-    assert multiple is not None and multiple > 2 * AMPLIFIED  # ~7e3 (TF32's 2^-11 against float32's tiny K=3 error)
+    assert multiple is not None and multiple > AMPLIFIED  # 7e3-8.8e3 (TF32's 2^-11 against float32's tiny K=3 error)
     assert report.level("highest").outputs[0].multiple == 1.0
     data = json.loads(report.to_json())
     jsonschema.validate(data, schema())
