@@ -45,8 +45,8 @@ from tf32lab.control import modestack
 from tf32lab.control.scope import precision
 from tf32lab.errors import Tf32LabError
 
-__all__ = ["RANDOM_OPS", "SameDraws", "Streams", "drawn_at_float32", "lazy_note", "materialised", "random_op",
-           "seeded"]
+__all__ = ["RANDOM_OPS", "SameDraws", "Streams", "drawn_at_float32", "lazy_note", "materialised", "random_name",
+           "random_op", "seeded"]
 
 aten = torch.ops.aten
 
@@ -65,6 +65,11 @@ RANDOM_OPS: frozenset[Any] = frozenset(getattr(aten, name) for name in _RANDOM_N
 
 _NARROW = {torch.float64: torch.float32, torch.complex128: torch.complex64}
 _WIDE = {torch.float32: torch.float64, torch.complex64: torch.complex128}
+
+
+def random_name(name: str) -> bool:
+    """Whether a Python-level call of this name (``torch.randn``, ``Tensor.normal_``) is one of the draws."""
+    return name in _RANDOM_NAMES
 
 
 def random_op(func: Any) -> bool:

@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -36,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tf32lab.control import modestack
-from tf32lab.measure.draws import drawn_at_float32, random_op
+from tf32lab.measure.draws import drawn_at_float32, random_name, random_op
 
 __all__ = ["Float64Run", "widen"]
 
@@ -109,6 +110,9 @@ def moves_data(func: Any) -> bool:
     return isinstance(name, str) and name.partition("::")[0] in _DATA_MOVING
 
 
+_FLOAT64 = (torch.float64, torch.complex128)
+# Python-level calls that draw under names of their own (their aten ops are in measure.draws.RANDOM_OPS)
+_DRAWING = frozenset({"dropout", "alpha_dropout", "feature_alpha_dropout", "feature_dropout", "dropout_"})
 _DTYPE = torch.Tensor.dtype  # its __get__, as the mode sees it, is a new object each time
 _RNN_OPS = {getattr(torch._C._VariableFunctions, name): getattr(torch.ops.aten, name).input
             for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")}
@@ -128,7 +132,10 @@ class _Functions(TorchFunctionMode):
             found = func(*args, **kwargs)
             return found if self.run.paused else _WIDER.get(found, found)
         name = getattr(func, "__name__", "")
-        if self.run.paused or name in _PASS or name.endswith("_") or "out" in kwargs or moves_data(func):
+        run = self.run
+        if not run.paused and self._asks_float64(name, args, kwargs):
+            return self._own_float64(func, name, args, kwargs)
+        if run.paused or name in _PASS or name.endswith("_") or "out" in kwargs or moves_data(func):
             return func(*args, **kwargs)
         rnn = _RNN_OPS.get(func)
         if rnn is not None:
@@ -139,6 +146,37 @@ class _Functions(TorchFunctionMode):
             with modestack.lifted(self.run._modes[1]):
                 return _widened_call(func, args, kwargs, selecting=False)
         return _widened_call(func, args, kwargs, selecting=name in _SELECTING)
+
+    def _asks_float64(self, name: str, args: tuple, kwargs: dict) -> bool:
+        """Whether the model itself asks for float64 here: ``dtype=torch.float64``, ``.double()``,
+        ``.to(torch.float64)``, or a draw on a tensor it made so (``torch.rand_like(h.double())``)."""
+        if kwargs.get("dtype") in _FLOAT64 or name == "double":
+            return True
+        if name in ("to", "type"):
+            return any(a in _FLOAT64 for a in args[1:])
+        if (name in _DRAWING or random_name(name)) and args and isinstance(args[0], torch.Tensor):
+            ref = self.run.own_float64.get(id(args[0]))
+            return ref is not None and ref() is args[0]
+        return False
+
+    def _own_float64(self, func, name: str, args: tuple, kwargs: dict) -> Any:
+        """A draw, or a cast, where the model itself asks for float64: ``torch.randn(..., dtype=torch.float64)``,
+        ``torch.rand_like(h.double())``, ``torch.empty(n, dtype=torch.float64).normal_()``. Its float32 rows draw
+        those at float64, so the reference does too (every other draw is made at float32 and cast up,
+        ``measure.draws``). The tensors the model makes float64 itself are remembered for that (not through
+        arithmetic: ``torch.rand_like(h.double() * 2)`` is drawn at float32, as any other)."""
+        run = self.run
+        if name in _DRAWING or random_name(name):
+            before, run.native_draws = run.native_draws, True
+            try:
+                found = func(*args, **kwargs)
+            finally:
+                run.native_draws = before
+        else:
+            found = _widened_call(func, args, kwargs, selecting=False)
+        if isinstance(found, torch.Tensor):
+            run.own_float64[id(found)] = weakref.ref(found)
+        return found
 
 
 @modestack.skips_dynamo_lazily
@@ -164,7 +202,7 @@ class _Ops(TorchDispatchMode):
             if any(t.dtype in _WIDER for t in targets):
                 run.float32_writes += 1
                 return _write_float32(func, args, kwargs)
-        if random_op(func):  # the values a float32 row draws (measure.draws), cast up
+        if random_op(func) and not run.native_draws:  # the values a float32 row draws (measure.draws), cast up
             return _widen_result(drawn_at_float32(func, args, kwargs))
         if func is _CONVOLUTION:
             return _convolution(_widen_args(args), {k: widen(v) for k, v in kwargs.items()})
@@ -261,6 +299,9 @@ class Float64Run:
         self.on_op, self.on_write = on_op, on_write
         self.paused = False
         self.float32_writes = 0
+        self.native_draws = False  # a draw the model asks for in float64 itself: drawn so, as its float32 rows do
+        # the tensors the model made float64 itself (id -> weak reference: a tensor's == is elementwise)
+        self.own_float64: dict[int, weakref.ref] = {}
         self._modes = (_Functions(self), _Ops(self))
 
     def __enter__(self) -> Float64Run:
@@ -275,6 +316,7 @@ class Float64Run:
 
     def __exit__(self, *exc: object) -> None:
         functions, ops = self._modes
+        self.own_float64.clear()
         try:
             modestack.remove(ops)
         finally:
