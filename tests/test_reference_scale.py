@@ -144,3 +144,46 @@ def test_the_magnitudes_follow_views_and_copies_and_only_summing_ops_record_one(
     assert found["moved"].op.startswith("aten::sub")
     assert found["product"].norm == pytest.approx(float((a.abs() @ b.abs()).norm()))
     assert "exp" not in found
+
+
+class Trailed(nn.Module):
+    """The round-trip residual of pytorch#79270, then one op that scales, bounds or reduces it."""
+
+    def __init__(self, trail) -> None:
+        super().__init__()
+        self.round_trip, self.trail = RoundTrip(_random_rotation(), residual=True), trail
+
+    def forward(self, points: torch.Tensor) -> torch.Tensor:
+        return self.trail(self.round_trip(points))
+
+
+TRAILS = {"scaled": lambda r: 1e6 * r, "relu": torch.relu, "mean": lambda r: r.mean(0),
+          "norm": lambda r: torch.linalg.norm(r, dim=0)}
+
+
+@pytest.mark.parametrize("trail", list(TRAILS), ids=list(TRAILS))
+def test_a_residual_keeps_the_magnitudes_that_formed_it_through_an_op_that_scales_or_reduces_it(trail):
+    report = tf32lab.check(Workload(Trailed(TRAILS[trail]), _points(256), name=trail), levels=("highest",),
+                           target="a100", speed=False)
+    highest = report.level("highest").outputs[0]
+    assert highest.passed and highest.scale == metrics.OPERANDS, report.verdicts()
+    assert "Even `highest` fails" not in " ".join(report.conclusion())
+
+
+def test_the_magnitudes_go_through_scaling_bounding_and_reducing_ops():
+    from tf32lab.measure.scales import Formed
+
+    a = torch.tensor([[1.0, -2.0], [3.0, 4.0]], dtype=torch.float64)
+    b = torch.tensor([[1.0, -2.0], [3.0, 5.0]], dtype=torch.float64)
+    m = a.abs() + b.abs()
+    with Formed() as formed:
+        outputs = {"scaled": -3.0 * (a - b), "divided": (a - b) / b, "relu": torch.relu(a - b),
+                   "clamped": (a - b).clamp(-1, 1), "sum": (a - b).sum(1), "norm": torch.linalg.norm(a - b, dim=0),
+                   "squared": (a - b) * (a - b), "exp": torch.exp(a - b) * 2.0}
+    found = formed.scales(outputs)
+    expected = {"scaled": 3 * m, "divided": m / b.abs(), "relu": m, "clamped": m, "sum": m.sum(1),
+                "norm": m.norm(dim=0), "squared": m * m, "exp": (a - b).exp() * 2.0}
+    for name, magnitudes in expected.items():
+        assert found[name].norm == pytest.approx(float(magnitudes.norm())), name
+    assert found["scaled"].op.startswith("aten::sub") and "aten::mul" in found["scaled"].op
+    assert found["exp"].op.startswith("aten::mul")  # exp is no sum: the product's own operands
