@@ -14,9 +14,10 @@ During the reference run, :class:`Formed` keeps the last ``KEPT`` ops that sum o
 and computes the summing op again over the absolute values of its operands (a difference as a sum), in float64:
 its norm is the output's :class:`~tf32lab.numbers.metrics.Scale`. The ops after it that scale, bound or reduce
 the value without cancelling it (``TRAILS``: ``1e6 * r``, ``relu(r)``, ``r.mean(0)``, ``linalg.norm(r, dim=0)``)
-are computed again over those magnitudes in place of the value's absolute values, as views are moved over them. An output made by another op (``exp``,
-``softmax``: never zero by cancellation), or earlier than the last ``KEPT`` ops (a hidden state returned beside
-the logits), or whose operands the model wrote into afterwards, gets none and is judged over its own norm.
+are computed again over those magnitudes in place of the value's absolute values, as views are moved over them.
+An output made by another op (``exp``, ``softmax``: never zero by cancellation), or earlier than the last
+``KEPT`` ops (a hidden state returned beside the logits), or whose operands the model wrote into afterwards, gets
+none and is judged over its own norm.
 
 Cost: a membership test and a deque append per op, one op per output at the end. Memory: the operands of the
 last ``KEPT`` summing or moving ops whose results the run still holds (an entry goes with its result).
