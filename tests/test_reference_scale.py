@@ -144,3 +144,76 @@ def test_the_magnitudes_follow_views_and_copies_and_only_summing_ops_record_one(
     assert found["moved"].op.startswith("aten::sub")
     assert found["product"].norm == pytest.approx(float((a.abs() @ b.abs()).norm()))
     assert "exp" not in found
+
+
+class Trailed(nn.Module):
+    """The round-trip residual of pytorch#79270, then one op that scales, bounds or reduces it."""
+
+    def __init__(self, trail) -> None:
+        super().__init__()
+        self.round_trip, self.trail = RoundTrip(_random_rotation(), residual=True), trail
+
+    def forward(self, points: torch.Tensor) -> torch.Tensor:
+        return self.trail(self.round_trip(points))
+
+
+TRAILS = {"scaled": lambda r: 1e6 * r, "relu": torch.relu, "mean": lambda r: r.mean(0),
+          "norm": lambda r: torch.linalg.norm(r, dim=0)}
+
+
+@pytest.mark.parametrize("trail", list(TRAILS), ids=list(TRAILS))
+def test_a_residual_keeps_the_magnitudes_that_formed_it_through_an_op_that_scales_or_reduces_it(trail):
+    report = tf32lab.check(Workload(Trailed(TRAILS[trail]), _points(256), name=trail), levels=("highest",),
+                           target="a100", speed=False)
+    highest = report.level("highest").outputs[0]
+    assert highest.passed and highest.scale == metrics.OPERANDS, report.verdicts()
+    assert "Even `highest` fails" not in " ".join(report.conclusion())
+
+
+def test_the_magnitudes_go_through_scaling_bounding_and_reducing_ops():
+    from tf32lab.measure.scales import Formed
+
+    a = torch.tensor([[1.0, -2.0], [3.0, 4.0]], dtype=torch.float64)
+    b = torch.tensor([[1.0, -2.0], [3.0, 5.0]], dtype=torch.float64)
+    m = a.abs() + b.abs()
+    with Formed() as formed:
+        outputs = {"scaled": -3.0 * (a - b), "divided": (a - b) / b, "relu": torch.relu(a - b),
+                   "clamped": (a - b).clamp(-1, 1), "sum": (a - b).sum(1), "norm": torch.linalg.norm(a - b, dim=0),
+                   "squared": (a - b) * (a - b), "exp": torch.exp(a - b) * 2.0}
+    found = formed.scales(outputs)
+    expected = {"scaled": 3 * m, "divided": m / b.abs(), "relu": m, "clamped": m, "sum": m.sum(1),
+                "norm": m.norm(dim=0), "squared": m * m, "exp": (a - b).exp() * 2.0}
+    for name, magnitudes in expected.items():
+        assert found[name].norm == pytest.approx(float(magnitudes.norm())), name
+    assert found["scaled"].op.startswith("aten::sub") and "aten::mul" in found["scaled"].op
+    assert found["exp"].op.startswith("aten::mul")  # exp is no sum: the product's own operands
+
+
+def test_an_output_judged_over_its_operands_shows_no_max_rel_or_cosine_and_the_layers_are_said_to_differ():
+    # R = I: the residual is exactly zero (max rel nan, cosine 0); a random R: it cancels (max rel ~1e6)
+    for rotation in (torch.eye(3, dtype=torch.float64), _random_rotation()):
+        report = tf32lab.check(Workload(RoundTrip(rotation, residual=True), _points(64), name="residual"),
+                               levels=("highest", "high"), target="a100", speed=False)
+        outputs = [o for lv in report.levels for o in lv.outputs]
+        assert all(o.passed and o.scale == metrics.OPERANDS for o in outputs), report.verdicts()
+        text = _text(report)
+        table = text.split("Outputs against the reference")[1].split("Layers")[0]
+        rows = [line.split("│")[1:-1] for line in table.splitlines() if line.startswith("│ high")]
+        assert [[cell.strip() for cell in row][3::4] for row in rows] == [["-", "-"]] * 2, text  # max rel, min cos
+        html = report.to_html()
+        for o in outputs:
+            assert f"{o.cosine:.8f}" not in html and f"{o.cosine:.6f}" not in text
+        assert "nan" not in text and "nan" not in html and "*" not in table
+        said = [line for line in text.splitlines() if line.startswith("layers:")]
+        assert len(said) == 1 and "over its own output's norm" in said[0], text
+        assert "over its own output&#39;s norm" in html
+
+
+def test_an_ordinary_output_shows_its_max_rel_and_cosine_and_no_layer_note():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    report = tf32lab.check(Workload(model, torch.randn(8, 32), name="mlp"), levels=("highest",), speed=False)
+    output = report.level("highest").outputs[0]
+    text = _text(report)
+    assert f"{output.cosine:.6f}" in text and f"{output.cosine:.8f}" in report.to_html()
+    assert "over its own output's norm" not in text

@@ -12,9 +12,12 @@ During the reference run, :class:`Formed` keeps the last ``KEPT`` ops that sum o
 (``SUMS``), and the ops that only move values (``MOVES``: views, copies), each with its operands. Afterwards,
 :meth:`Formed.scales` finds the op that produced each output tensor, steps back over the ops that only moved it,
 and computes the summing op again over the absolute values of its operands (a difference as a sum), in float64:
-its norm is the output's :class:`~tf32lab.numbers.metrics.Scale`. An output made by another op (``exp``,
-``softmax``: never zero by cancellation), or earlier than the last ``KEPT`` ops (a hidden state returned beside
-the logits), or whose operands the model wrote into afterwards, gets none and is judged over its own norm.
+its norm is the output's :class:`~tf32lab.numbers.metrics.Scale`. The ops after it that scale, bound or reduce
+the value without cancelling it (``TRAILS``: ``1e6 * r``, ``relu(r)``, ``r.mean(0)``, ``linalg.norm(r, dim=0)``)
+are computed again over those magnitudes in place of the value's absolute values, as views are moved over them.
+An output made by another op (``exp``, ``softmax``: never zero by cancellation), or earlier than the last
+``KEPT`` ops (a hidden state returned beside the logits), or whose operands the model wrote into afterwards, gets
+none and is judged over its own norm.
 
 Cost: a membership test and a deque append per op, one op per output at the end. Memory: the operands of the
 last ``KEPT`` summing or moving ops whose results the run still holds (an entry goes with its result).
@@ -62,6 +65,12 @@ MOVES = _packets("view", "_unsafe_view", "reshape", "t", "transpose", "permute",
                  "select", "slice", "flatten", "unflatten", "numpy_T", "alias", "split", "unbind", "chunk",
                  "narrow", "movedim", "view_as_real")
 SAME = _packets("clone", "contiguous", "detach", "_to_copy", "lift_fresh", "lift_fresh_copy")
+# ops after the summing one that scale, bound or reduce a value without cancelling it: a bound on their operands'
+# magnitudes bounds their result's, so an operand's magnitudes go through them in place of its absolute values
+# (|c·r| <= |c|·m, |relu(r)| <= m, |Σ r| <= Σ m, ‖r‖ <= ‖m‖ where |r| <= m)
+TRAILS = _packets("mul", "div", "neg", "sum", "mean", "abs", "relu", "clamp", "clamp_min", "clamp_max",
+                  "hardtanh", "linalg_vector_norm", "norm", "frobenius_norm")
+_PASSED = _packets("abs", "relu", "clamp", "clamp_min", "clamp_max", "hardtanh")  # elementwise: m itself
 _DIFFERENCES = _packets("sub", "rsub")
 _VIEWS = _packets("view", "_unsafe_view")
 
@@ -112,7 +121,7 @@ class _Mode(TorchDispatchMode):
         formed = self.formed
         if formed.active():
             packet = func.overloadpacket
-            if packet in SUMS or packet in MOVES or packet in SAME:
+            if packet in SUMS or packet in MOVES or packet in SAME or packet in TRAILS:
                 results = [out] if isinstance(out, torch.Tensor) else (
                     [t for t in out if isinstance(t, torch.Tensor)] if isinstance(out, (list, tuple)) else [])
                 if results:
@@ -128,6 +137,7 @@ class Formed:
         self.active = active or (lambda: True)
         self.kept: deque[_Entry] = deque(maxlen=KEPT)
         self._mode = _Mode(self)
+        self._memo: dict[int, Optional[tuple[torch.Tensor, str]]] = {}  # during scales(): id(tensor) -> formed
 
     def keep(self, entry: _Entry) -> None:
         kept = self.kept
@@ -145,7 +155,7 @@ class Formed:
     def scales(self, outputs: Any) -> dict[str, Scale]:
         """Output name (as ``trees.named_leaves`` names it) -> the magnitudes that formed it, for the float
         outputs made by a summing op among those kept; then forgets the ops (and their operands)."""
-        found = {}
+        found, self._memo = {}, {}
         try:
             with torch.no_grad():
                 for name, value in named_leaves(outputs):
@@ -156,18 +166,28 @@ class Formed:
                             found[name] = Scale(float(torch.linalg.vector_norm(magnitudes.double())), op)
         finally:
             self.kept.clear()
+            self._memo = {}
         return found
 
     def _magnitudes(self, t: torch.Tensor, depth: int) -> Optional[tuple[torch.Tensor, str]]:
-        """|op|(|operands|) of the summing op that made ``t`` (through the ops that moved its values), and its
-        name; None where no such op is kept."""
+        """|op|(|operands|) of the summing op that made ``t`` (through the ops that moved, scaled or reduced its
+        values), and its name; None where no such op is kept."""
         if depth > KEPT:
             return None
+        if id(t) not in self._memo:  # an operand used twice (x * x) is looked up once
+            self._memo[id(t)] = self._formed(t, depth)
+        return self._memo[id(t)]
+
+    def _formed(self, t: torch.Tensor, depth: int) -> Optional[tuple[torch.Tensor, str]]:
         entry, index = next(((e, i) for e in reversed(self.kept) for i, r in enumerate(e.results) if r() is t),
                             (None, 0))
         if entry is None or not entry.unchanged():
             return None
         packet = entry.func.overloadpacket
+        if packet in TRAILS:
+            trailed = self._trailed(entry, depth)
+            if trailed is not None:
+                return trailed
         if packet in SUMS:
             try:
                 return _over_absolute(entry.func, entry.args, entry.kwargs), entry.func.name()
@@ -189,6 +209,28 @@ class Formed:
         if isinstance(moved, (list, tuple)):
             moved = moved[index]
         return (moved, op) if isinstance(moved, torch.Tensor) and moved.shape == t.shape else None
+
+    def _trailed(self, entry: _Entry, depth: int) -> Optional[tuple[torch.Tensor, str]]:
+        """A trailing op (``TRAILS``) over its operands' magnitudes where one of them has some, and the ops'
+        names; None where none has."""
+        packet = entry.func.overloadpacket
+        # a divisor, or clamp's bounds, keep their absolute values: only what is divided or bounded trails
+        tensors = [a for a in entry.args[:1 if packet is torch.ops.aten.div or packet in _PASSED else 2]
+                   if isinstance(a, torch.Tensor)]
+        inner = [(a, self._magnitudes(a, depth + 1)) for a in tensors]
+        formed = [(a, f) for a, f in inner if f is not None]
+        if not formed:
+            return None
+        ops = " then ".join(dict.fromkeys(f[1] for _, f in formed))
+        op = f"{ops} then {entry.func.name()}"
+        if packet in _PASSED:
+            return formed[0][1][0], op
+        swap = {id(a): f[0] for a, f in formed}
+        args = tuple(swap.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in entry.args)
+        try:
+            return _over_absolute(entry.func, args, entry.kwargs), op
+        except (RuntimeError, TypeError, ValueError):
+            return None
 
 
 def _absolute(value: Any, scalar: bool = False) -> Any:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
 
+from tf32lab.numbers.metrics import OPERANDS
 from tf32lab.report.tables import Column, Fitted, short_name
 from tf32lab.report.wording import inert, tolerance_words
 
@@ -91,6 +92,11 @@ def notes(report: Report) -> list[str]:
                 lines.append(f"level {lv.level}, layer {layer.name!r}: {pin}")
             if diverged:
                 lines.append(f"level {lv.level}, layer {layer.name!r}: diverged: {diverged}")
+    if any(o.scale == OPERANDS for lv in report.levels for o in lv.outputs) and \
+            any(lv.layers for lv in report.levels):
+        lines.append("layers: a layer's errors are over its own output's norm, not over the magnitudes that formed "
+                     "it: a layer whose output is zero or cancels ((model), beside an output judged over them) reads "
+                     "large there, inf where it is zero")
     if footnoted(report):
         lines.append(f"* {MAX_REL_NOTE}.")
     return lines
@@ -98,7 +104,13 @@ def notes(report: Report) -> list[str]:
 
 def footnoted(report: Report) -> bool:
     """Whether an output passed with a max rel above its tolerance (the footnote explains it)."""
-    return any(o.passed and not o.exact and o.max_rel > o.tolerance for lv in report.levels for o in lv.outputs)
+    return any(_starred(o) for lv in report.levels for o in lv.outputs)
+
+
+def _starred(o: Any) -> bool:
+    """A max rel shown above the tolerance of an output that passed (not one judged over its operands: its max
+    rel is not shown)."""
+    return o.passed and not o.exact and o.scale != OPERANDS and o.max_rel > o.tolerance
 
 
 def _verdict(passed: bool) -> Text:
@@ -148,10 +160,13 @@ def _outputs(report: Report) -> Fitted:
             elif o.exact:
                 row = [lv.level, Text(inert(o.name)), "-", "-", Text("equal", style=style), "-", "-", "-", "-"]
             else:
-                star = "*" if o.passed and o.max_rel > o.tolerance else ""
-                row = [lv.level, Text(inert(o.name)), fmt(o.max_abs), fmt(o.max_rel) + star,
-                       Text(fmt(o.normwise), style=style), times(o.multiple), _signed(o.bias), f"{o.cosine:.6f}",
-                       "-" if o.top1 is None else f"{o.top1:.1%}"]
+                star = "*" if _starred(o) else ""
+                # over its operands: max rel and cosine are over a reference that is zero or cancels, and say
+                # nothing (the output's note says what its normwise is over)
+                over = o.scale == OPERANDS
+                row = [lv.level, Text(inert(o.name)), fmt(o.max_abs), "-" if over else fmt(o.max_rel) + star,
+                       Text(fmt(o.normwise), style=style), times(o.multiple), _signed(o.bias),
+                       "-" if over else f"{o.cosine:.6f}", "-" if o.top1 is None else f"{o.top1:.1%}"]
             table.add_row(*row, *([fmt(lv.metric)] if metric else []))
     return table
 
