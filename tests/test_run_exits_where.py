@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tf32lab import Workload, check
+from tf32lab import TrainingWorkload, Workload, check, check_training
 
 # a model typed at a prompt or built by exec: its frames' filename is a pseudo-file, not a path
 SOURCE = """
@@ -47,3 +47,16 @@ def test_a_model_without_a_file_of_its_own_fails_its_level_not_tf32lab(filename,
     report = check(typed_model(filename, raised), levels=("highest", "high"), speed=False)
     assert report.level("highest").passed
     assert report.level("high").error == error
+
+
+def test_check_training_makes_a_lazy_module_with_buffers_once_and_leaves_the_model_unmade():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 8), torch.nn.LazyBatchNorm1d(), torch.nn.Linear(8, 4))
+    data = [(torch.randn(16, 20), torch.randn(16, 4)) for _ in range(2)]
+    workload = TrainingWorkload(model, data, loss=lambda out, batch: (out - batch[1]).pow(2).mean(),
+                                inputs=lambda batch: batch[0], name="lazy")
+    report = check_training(workload, levels=("highest", "high"), speed=False)
+    assert [row.failure for row in report.levels] == [None, None]
+    assert any("lazy module(s) '1' made once" in note for note in report.notes)
+    # the caller's model is never run nor made: its lazy statistics are still unmade
+    assert isinstance(model[1].running_mean, torch.nn.parameter.UninitializedBuffer)
