@@ -3,10 +3,12 @@ IPython's cells), a lazy module met by the training check, and a failed level as
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from tf32lab import TrainingWorkload, Workload, check, check_training
+from tf32lab import TrainingWorkload, Workload, check, check_training, tune
 
 # a model typed at a prompt or built by exec: its frames' filename is a pseudo-file, not a path
 SOURCE = """
@@ -60,3 +62,16 @@ def test_check_training_makes_a_lazy_module_with_buffers_once_and_leaves_the_mod
     assert any("lazy module(s) '1' made once" in note for note in report.notes)
     # the caller's model is never run nor made: its lazy statistics are still unmade
     assert isinstance(model[1].running_mean, torch.nn.parameter.UninitializedBuffer)
+
+
+def test_tune_names_what_the_model_raised_at_a_level_in_its_text_json_and_html():
+    torch.manual_seed(0)
+    tuning = tune(typed_model("models.py", SystemExit(0)), target="a100")
+    high = next(c for c in tuning.candidates if "high" in c.why and "highest" not in c.why)
+    assert high.error == "SystemExit: sys.exit(0) was called" and not high.passed
+    row = next(line for line in tuning.lines(width=200) if "raised SystemExit: sys.exit(0) was called" in line)
+    assert "FAILED" in row and "inf" not in row
+    data = json.loads(tuning.to_json())
+    assert {c["error"] for c in data["candidates"] if not c["passed"]} == {"SystemExit: sys.exit(0) was called"}
+    assert all(c["error"] is None for c in data["candidates"] if c["passed"])
+    assert "raised SystemExit: sys.exit(0) was called" in tuning.to_html()
