@@ -75,3 +75,29 @@ def test_tune_names_what_the_model_raised_at_a_level_in_its_text_json_and_html()
     assert {c["error"] for c in data["candidates"] if not c["passed"]} == {"SystemExit: sys.exit(0) was called"}
     assert all(c["error"] is None for c in data["candidates"] if c["passed"])
     assert "raised SystemExit: sys.exit(0) was called" in tuning.to_html()
+
+
+def _counting() -> bool:
+    """Whether tf32lab's speed count of a training step is running (its dispatch mode is on the stack)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(type(mode).__module__ == "tf32lab.speed.counting" for mode in _get_current_dispatch_mode_stack())
+
+
+@pytest.mark.parametrize("raised, named", [(SystemExit(0), "SystemExit"), (ValueError("no count"), "ValueError")],
+                         ids=["exit", "exception"])
+def test_check_training_whose_speed_count_raises_drops_the_speed_as_for_any_exception(raised, named):
+    # the count runs after every row: an exit there is no row's failure and, like any exception, no bad input
+    torch.manual_seed(0)
+    data = [(torch.randn(16, 8), torch.randn(16, 4)) for _ in range(2)]
+
+    def loss(out, batch):
+        if _counting():
+            raise raised
+        return (out - batch[1]).pow(2).mean()
+
+    workload = TrainingWorkload(torch.nn.Linear(8, 4), data, loss=loss, inputs=lambda b: b[0], name="counted")
+    report = check_training(workload, levels=("highest", "high"), target="a100")
+    assert all(row.failure is None and row.speedup is None for row in report.levels)
+    assert any(note.startswith(f"no speed predicted: counting one training step raised {named}")
+               for note in report.notes), report.notes
