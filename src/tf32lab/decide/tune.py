@@ -65,7 +65,8 @@ GROUP = 4  # with more pinned layers than this, un-pinning tries halves first
 @dataclass(frozen=True)
 class Candidate:
     """One policy tried: the layers it pins, whether it passed end to end, its worst output's error over that
-    output's tolerance, its predicted time and speedup over ``highest``, and why it was tried."""
+    output's tolerance, its predicted time and speedup over ``highest``, and why it was tried; ``error``: what the
+    model raised under it (``"SystemExit: sys.exit(0) was called"``), None when it ran to the end."""
 
     policy: Policy
     pinned: tuple[str, ...]
@@ -74,6 +75,14 @@ class Candidate:
     seconds: float
     speedup: float
     why: str
+    error: Optional[str] = None
+
+    def verdict(self) -> str:
+        """``PASSED``, ``FAILED``, or ``FAILED: raised E: ...`` (what the model raised, so a row of ``inf`` says
+        why)."""
+        if self.passed:
+            return "PASSED"
+        return "FAILED" if self.error is None else f"FAILED: raised {self.error.splitlines()[0]}"
 
 
 @dataclass(frozen=True)
@@ -156,8 +165,8 @@ class Tuning(Document):
                               Column("verdict", "text")])
         for c in self.candidates:
             chosen = " <- chosen" if self.policy is not None and c.policy == self.policy and c.passed else ""
-            table.add_row(c.why, f"{c.worst_ratio:.2f}", f"{c.speedup:.2f}x",
-                          f"{'PASSED' if c.passed else 'FAILED'}{chosen}")
+            table.add_row(c.why, "-" if c.error is not None else f"{c.worst_ratio:.2f}", f"{c.speedup:.2f}x",
+                          f"{c.verdict()}{chosen}")
         out += as_lines(table, width)
         out.append(f"{self.runs} end-to-end runs besides the float64 reference; {self.seconds:.1f} s, "
                    f"{self.seconds / max(self.check_seconds, 1e-9):.2f}x the check of the uniform levels")
@@ -175,7 +184,7 @@ class Tuning(Document):
             "outputs": [{"name": o.name, "normwise": o.normwise, "tolerance": o.tolerance, "passed": o.passed}
                         for o in self.outputs],
             "candidates": [{"pinned": list(c.pinned), "passed": c.passed, "worst_ratio": c.worst_ratio,
-                            "seconds": c.seconds, "speedup": c.speedup, "why": c.why,
+                            "seconds": c.seconds, "speedup": c.speedup, "why": c.why, "error": c.error,
                             "policy": c.policy.to_dict()} for c in self.candidates],
             "check": self.report.to_dict(), "conv": self.conv,
         }
@@ -407,7 +416,8 @@ class _Search:
 
     def _record(self, policy: Policy, pinned: tuple[str, ...], result: LevelResult, seconds: float,
                 why: str) -> Candidate:
-        candidate = Candidate(policy, pinned, result.passed, _ratio(result), seconds, self.highest / seconds, why)
+        candidate = Candidate(policy, pinned, result.passed, _ratio(result), seconds, self.highest / seconds, why,
+                              result.error)
         self.candidates.append(candidate)
         return candidate
 

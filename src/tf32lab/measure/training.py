@@ -677,10 +677,19 @@ def _narrowed(t: Any) -> Any:
 def _copied(model: torch.nn.Module, name: Any) -> torch.nn.Module:
     try:
         with torch.no_grad():
-            return copy.deepcopy(model)
+            return copy.deepcopy(model, _unmade_buffers(model))
     except Exception as exc:
         raise Tf32LabError(f"training workload {name!r}: the model cannot be copied ({type(exc).__name__}: {exc}); "
                            f"the training check trains copies, never the model itself") from exc
+
+
+def _unmade_buffers(model: torch.nn.Module) -> dict[int, Any]:
+    """A deepcopy memo that gives each buffer a lazy module has not made yet (``nn.LazyBatchNorm1d``'s running
+    statistics) a fresh unmade one: PyTorch copies an unmade parameter so, but refuses to copy an unmade buffer."""
+    unmade = torch.nn.parameter.UninitializedBuffer
+    return {id(b): unmade(requires_grad=b.requires_grad, device=b.device, dtype=b.dtype,
+                          persistent=getattr(b, "persistent", True))
+            for b in model.buffers() if isinstance(b, unmade)}
 
 
 def _deviation(value: float, reference: float) -> float:

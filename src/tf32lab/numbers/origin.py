@@ -43,6 +43,7 @@ PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  
 _MODELS = frozenset([os.path.join(PACKAGE, "workloads", "builtin.py")])
 _FORWARD = "func(*args, **kwargs)"  # how tf32lab's modes hand an op on, unchanged, to run as it would natively
 LIBRARY, OURS, _OTHER = "library", "tf32lab", "other"  # whose code a frame runs (kind_of)
+_GENERATED = ("<frozen ", "<eval_with_key>")  # pseudo-files of library code: Python's, torch.fx's
 
 
 def raised_by_tf32lab(exc: BaseException) -> Optional[str]:
@@ -111,8 +112,10 @@ def _raised_in(exc: BaseException) -> Optional[str]:
 def kind_of(filename: str) -> str:
     """Whose code a frame of ``filename`` runs: ``OURS`` (tf32lab's, its demo models excepted), ``LIBRARY``
     (PyTorch, the standard library, generated code) or another's (a model, a test, a third-party package)."""
-    if filename.startswith("<"):  # <frozen importlib...>, code PyTorch generated (torch.fx, Dynamo), a doctest
-        return _OTHER if filename.startswith("<doctest") else LIBRARY
+    if filename.startswith("<"):
+        # Python's frozen modules and torch.fx's generated forward are library code; any other pseudo-file is code
+        # the user typed or built: <stdin>, ``python -c`` and exec's <string>, <console>, IPython's cells, a doctest
+        return LIBRARY if filename.startswith(_GENERATED) else _OTHER
     path = os.path.abspath(filename)
     if path.startswith(PACKAGE):
         return _OTHER if path in _MODELS else OURS

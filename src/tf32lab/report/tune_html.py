@@ -44,7 +44,8 @@ def scatter(tuning: Tuning) -> dict[str, Any]:
 
     points = [{"x": x(c.speedup), "y": y(c.worst_ratio), "passed": c.passed,
                "chosen": tuning.policy is not None and c.policy == tuning.policy and c.passed,
-               "title": f"{c.why}: worst/tolerance {c.worst_ratio:.2g}, predicted {c.speedup:.2f}x"}
+               "title": f"{c.why}: " + (f"raised {c.error.splitlines()[0]}" if c.error is not None else
+                                         f"worst/tolerance {c.worst_ratio:.2g}") + f", predicted {c.speedup:.2f}x"}
               for c in tuning.candidates]
     step = max(1, (hi - lo + 7) // 8)  # at most about eight labels
     yticks = [{"y": y(10.0**e), "label": f"1e{e}"} for e in range(lo, hi + 1, step)]
