@@ -12,6 +12,8 @@ from tf32lab import TrainingWorkload, Workload, check, check_training, tune
 
 # a model typed at a prompt or built by exec: its frames' filename is a pseudo-file, not a path
 SOURCE = """
+import sys
+
 import torch
 import tf32lab
 
