@@ -14,8 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from rich.console import Console
 
+import tf32lab as tf32lab_api
 from browser import visit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -236,3 +238,55 @@ def test_make_demo_ends_with_the_next_command_to_try():
     assert re.search(r"echo .*next: .*report\.html", after), done.stdout
     assert re.search(r"echo .*tf32lab tune", after), done.stdout
     assert "exit $status" in after  # the check's exit code, not the echo's
+
+
+# -- wording and placeholders ------------------------------------------------------------------------------------
+def _sgd_training() -> tf32lab_api.TrainingWorkload:
+    torch.manual_seed(0)
+    data = [(torch.randn(8, 4), torch.randn(8, 1))] * 2
+    return tf32lab_api.TrainingWorkload(torch.nn.Linear(4, 1), data, inputs=lambda b: b[0],
+                                        loss=lambda o, b: (o - b[1]).pow(2).mean(),
+                                        optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+
+
+def test_an_optimizer_without_state_shows_a_dash_not_nan():
+    report = tf32lab_api.check_training(_sgd_training(), levels=("highest", "high"))
+    console = Console(width=120, color_system=None)
+    with console.capture() as captured:
+        report.print(console)
+    text = captured.get()
+    assert "opt. state" in text and "nan" not in text, text
+    assert "nan" not in report.to_html().split("optimizer state</th>")[1].split("</table>")[0]
+
+
+def test_a_loss_module_reaching_the_model_is_named_by_its_attribute():
+    class Penalised(torch.nn.Module):
+        def __init__(self, model: torch.nn.Module) -> None:
+            super().__init__()
+            self.regulariser = model
+
+        def forward(self, output, batch):
+            return (output - batch[1]).pow(2).mean() + self.regulariser.weight.abs().sum()
+
+    model = torch.nn.Linear(4, 1)
+    data = [(torch.randn(8, 4), torch.randn(8, 1))]
+    said = tf32lab_api.TrainingWorkload(model, data, inputs=lambda b: b[0], loss=Penalised(model)).reaching_model()
+    assert "'regulariser'" in said and "_modules" not in said and "a dict" not in said, said
+    said = tf32lab_api.TrainingWorkload(model, data, inputs=lambda b: model(b[0]) * 0 + b[0],
+                                        loss=lambda o, b: (o - b[1]).pow(2).mean()).reaching_model()
+    assert said.startswith("the inputs function uses "), said
+
+
+def test_tune_margin_at_the_tolerance_is_not_rounded_to_1():
+    from tf32lab.decide.tune import margin
+
+    assert "1.000" not in margin(0.99996) and "0.99996" in margin(0.99996), margin(0.99996)
+    assert "0.997" in margin(0.997)
+
+
+def test_tune_without_out_says_how_the_command_writes_and_loads_the_policy(tmp_path):
+    examples = ROOT / "examples" / "tune"
+    (tmp_path / "net.py").write_text(f"import sys\nsys.path.insert(0, {str(examples)!r})\nfrom model import make\n")
+    out = tf32lab("tune", "net.py:make", columns=120, cwd=tmp_path)
+    assert "tuning.policy" not in out, out  # a Python variable the command's user does not have
+    assert "--out FILE" in out and "tf32lab.Policy.load(FILE).apply(model)" in out, out

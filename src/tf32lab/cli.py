@@ -543,7 +543,7 @@ def _tune(args: argparse.Namespace) -> int:
     from tf32lab.report.text import inert
 
     try:
-        for line in tuning.lines(args.out, width=_console().width):
+        for line in tuning.lines(args.out, width=_console().width, command=True):
             print(inert(line))
         for path in written:
             print(f"wrote {_shown(path)}")
