@@ -19,6 +19,7 @@ from rich.console import Console
 
 import tf32lab as tf32lab_api
 from browser import visit
+from tf32lab.report.tables import Column, Fitted, as_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = Path(__file__).resolve().with_name("surfaces_models.py")
@@ -290,3 +291,58 @@ def test_tune_without_out_says_how_the_command_writes_and_loads_the_policy(tmp_p
     out = tf32lab("tune", "net.py:make", columns=120, cwd=tmp_path)
     assert "tuning.policy" not in out, out  # a Python variable the command's user does not have
     assert "--out FILE" in out and "tf32lab.Policy.load(FILE).apply(model)" in out, out
+
+
+# -- key and text cells: whole words, names broken only at `_` and `.` --------------------------------------------
+LONG_OUTPUT = "classification_logits_for_the_downstream_task_head"
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return {LONG_OUTPUT: y, "output": y * 2}
+
+
+def _outputs_table(report, width: int) -> list[str]:
+    console = Console(width=width, color_system=None, highlight=False)
+    with console.capture() as captured:
+        report.print(console)
+    lines = captured.get().splitlines()
+    start = next(n for n, line in enumerate(lines) if line.startswith("Outputs against the reference"))
+    end = next(n for n in range(start + 1, len(lines)) if lines[n] and not lines[n][0].isspace()
+               and not lines[n].startswith(("level", "─", "━", "┏", "┃", "┡", "│", "└", *tf32lab_api.LEVELS)))
+    return lines[start:end]
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_outputs_table_keeps_level_names_whole_and_breaks_names_only_between_parts(width):
+    torch.manual_seed(0)
+    single = tf32lab_api.check(tf32lab_api.Workload(torch.nn.Linear(64, 32), torch.randn(8, 64), name="lin"),
+                               speed=False)
+    table = _outputs_table(single, width)
+    for level in ("highest", "high", "medium"):
+        assert any(re.match(rf"[│ ]*{level}\s", line) for line in table), "\n".join(table)
+    torch.manual_seed(0)
+    heads = tf32lab_api.check(tf32lab_api.Workload(_TwoHeads(), torch.randn(4, 16), name="heads"), speed=False)
+    table = _outputs_table(heads, width)
+    pieces = re.split(r"(?<=_)", LONG_OUTPUT)
+    whole = {"".join(pieces[i:j]) for i in range(len(pieces)) for j in range(i + 1, len(pieces) + 1)}
+    fragments = [token for line in table if not line.startswith("Outputs") for token in re.findall(r"[\w.…]+", line)
+                 if len(token) >= 3 and token.strip("…") in LONG_OUTPUT]
+    assert fragments and all(token.strip("…") in whole for token in fragments), "\n".join(table)
+    assert any(re.match(r"[│ ]*highest\s", line) for line in table), "\n".join(table)
+
+
+def test_a_pair_stays_on_one_line_and_a_number_header_wraps_before_a_key_folds():
+    table = Fitted(None, [Column("target", "text", key=True), Column("hardware", "text"),
+                          Column("TFLOP/s", "text", justify="right")])
+    table.add_row("a100", "NVIDIA A100 (Ampere), sm80 with a long name to wrap", "19.5 / 156")
+    lines = as_lines(table, 30)
+    assert any("19.5 / 156" in line for line in lines), lines
+    out = tf32lab("targets", columns=80, cwd=ROOT)
+    for pair in ("19.5 / 156", "163.4 / 653.7", "15.7 / -"):
+        assert pair in out, out
