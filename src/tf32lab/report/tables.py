@@ -159,9 +159,10 @@ def _plain(cell: Any) -> str:
     return cell.plain if isinstance(cell, Text) else str(cell)
 
 
-def _longest_word(text: str) -> int:
-    """The widest thing a line break may not split: a word, or a piece of one (``classification_``)."""
-    return max((cell_len(piece) for word in _WORD.findall(text) for piece in _pieces(word)), default=0)
+def _longest_word(text: str, pieces: bool = False) -> int:
+    """The widest word (a pair ``a / b`` is one); with ``pieces``, the widest piece of one (``classification_``)."""
+    return max((cell_len(piece) for word in _WORD.findall(text) for piece in (_pieces(word) if pieces else [word])),
+               default=0)
 
 
 _LAYOUTS = ("boxed", "open")
@@ -224,8 +225,9 @@ class Fitted:
             return natural
         floor = max(NAME_MIN if column.kind == "name" else TEXT_MIN, _longest_word(column.header))
         if column.kind == "text" and (wrap == 1 or (wrap == 2 and column.key)):
-            # between words, never inside one (a number in it stays whole, a level's name too)
-            floor = max([floor, *(_longest_word(_plain(row[i])) for row in self.rows)])
+            # between words, never inside one (a number in it stays whole, a level's name too); a key's long
+            # word (an output's name) at its `_` and `.` rather than anywhere
+            floor = max([floor, *(_longest_word(_plain(row[i]), pieces=wrap == 2) for row in self.rows)])
         return min(natural, floor)
 
     def _widths(self, shown: Sequence[int], width: int, layout: str, wrap: int = 1) -> Optional[dict[int, int]]:
