@@ -177,7 +177,7 @@ def test_targets_reads_at_80_columns(tmp_path):
     ends = [*starts[1:], next(i for i in range(starts[-1] + 1, len(lines) + 1)
                               if i == len(lines) or not lines[i].startswith(" "))]
     heights = {lines[s].split()[0]: e - s for s, e in zip(starts, ends)}
-    assert max(heights.values()) <= 2, heights
+    assert max(heights.values()) <= 3, heights  # the hardware wraps; the peaks pair never does
     assert max(map(len, lines)) <= 80
     for t in data["targets"]:  # every peak whole, the pair on one line
         if t["peaks"]:

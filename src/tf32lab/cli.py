@@ -278,7 +278,7 @@ def _targets(args: argparse.Namespace) -> int:
         table.add_row(
             row["name"], row["title"] + (f", sm{cap[0]}{cap[1]}" if cap else ""),
             *(row["maths"][level]["matmul"] for level in LEVELS),
-            convs[0] if len(set(convs)) == 1 else " / ".join(convs),
+            convs[0] if len(set(convs)) == 1 else "/".join(convs),
             # one token, never split across lines, and narrow enough to leave the hardware two lines at 80 columns
             "-" if peaks is None else f"{peaks['fp32_tflops']:g}/{peaks['tf32_tflops'] or '-'}",
         )
