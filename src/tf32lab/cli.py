@@ -271,15 +271,16 @@ def _targets(args: argparse.Namespace) -> int:
         *(Column(name, "number", justify="left") for name in (*LEVELS, "conv")),
         Column("TFLOP/s", "text", justify="right")],
         caption="conv follows cuDNN's own flag (torch.backends.cudnn.allow_tf32, on by default), not the level. "
-                "TFLOP/s: dense peaks, fp32 / tf32; CPU targets are measured, not predicted.")
+                "TFLOP/s: dense peaks, fp32/tf32; CPU targets are measured, not predicted.")
     for row in rows:
         cap, peaks = row["capability"], row["peaks"]
         convs = [row["maths"][level]["conv"] for level in LEVELS]
         table.add_row(
             row["name"], row["title"] + (f", sm{cap[0]}{cap[1]}" if cap else ""),
             *(row["maths"][level]["matmul"] for level in LEVELS),
-            convs[0] if len(set(convs)) == 1 else " / ".join(convs),
-            "-" if peaks is None else f"{peaks['fp32_tflops']:g} / {peaks['tf32_tflops'] or '-'}",
+            convs[0] if len(set(convs)) == 1 else "/".join(convs),
+            # one token, never split across lines, and narrow enough to leave the hardware two lines at 80 columns
+            "-" if peaks is None else f"{peaks['fp32_tflops']:g}/{peaks['tf32_tflops'] or '-'}",
         )
     _console().print(table)
     return 0
@@ -543,7 +544,7 @@ def _tune(args: argparse.Namespace) -> int:
     from tf32lab.report.text import inert
 
     try:
-        for line in tuning.lines(args.out, width=_console().width):
+        for line in tuning.lines(args.out, width=_console().width, command=True):
             print(inert(line))
         for path in written:
             print(f"wrote {_shown(path)}")

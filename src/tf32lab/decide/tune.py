@@ -114,14 +114,15 @@ class Tuning(Document):
     def __bool__(self) -> bool:
         return self.passed
 
-    def advice(self, policy_file: Optional[str] = None) -> list[str]:
-        """What to do, in one or two lines; then, when the model ran products on other threads, that the answer
-        leaves them out (they were neither emulated nor measured)."""
+    def advice(self, policy_file: Optional[str] = None, command: bool = False) -> list[str]:
+        """What to do, in one or two lines (``command``: said to the ``tf32lab tune`` command's user, who has no
+        ``tuning`` variable); then, when the model ran products on other threads, that the answer leaves them out
+        (they were neither emulated nor measured)."""
         partial = unmeasured(self.report)
-        return self._advice(policy_file) + ([partial] if partial else [])
+        return self._advice(policy_file, command) + ([partial] if partial else [])
 
-    def _advice(self, policy_file: Optional[str] = None) -> list[str]:
-        lines = self._level_advice(policy_file)
+    def _advice(self, policy_file: Optional[str] = None, command: bool = False) -> list[str]:
+        lines = self._level_advice(policy_file, command)
         if self.passed and self.conv is not None:
             pins = [rule.pattern for rule in self.policy.rules if rule.conv not in (None, self.conv)]
             sets = ", or apply the policy, which sets it itself" if self.policy.conv == self.conv else ""
@@ -134,7 +135,7 @@ class Tuning(Document):
                 + "and the speedup above is over `highest` with IEEE convolutions."))
         return lines
 
-    def _level_advice(self, policy_file: Optional[str] = None) -> list[str]:
+    def _level_advice(self, policy_file: Optional[str] = None, command: bool = False) -> list[str]:
         if not self.passed:
             return [self.reason]
         gain = f"predicted {self.speedup:.2f}x faster than `highest` on {self.target}"
@@ -147,6 +148,9 @@ class Tuning(Document):
         where = policy_file or self.policy_file
         over = "" if self.uniform == "highest" else \
             f" ({self.speedup_over_uniform:.2f}x faster than `{self.uniform}` everywhere)"
+        if where is None and command:  # the command's user has no `tuning`: the file is how the policy leaves
+            return [self.reason, f"Write it with `--out FILE`, then apply it with "
+                                 f"`tf32lab.Policy.load(FILE).apply(model)`: {gain}{over}."]
         if where is None:  # not written anywhere: no file name to invent
             return [self.reason, f"Apply it with `tuning.policy.apply(model)`, or save it (`tuning.policy.save(FILE)`, "
                                  f"`tf32lab tune --out FILE`) and load it with `tf32lab.Policy.load(FILE)`: "
@@ -154,9 +158,10 @@ class Tuning(Document):
         return [self.reason, f"Apply it with `tf32lab.Policy.load({json.dumps(where, ensure_ascii=False)})"
                              f".apply(model)`: {gain}{over}."]
 
-    def lines(self, policy_file: Optional[str] = None, width: Optional[int] = None) -> list[str]:
+    def lines(self, policy_file: Optional[str] = None, width: Optional[int] = None,
+              command: bool = False) -> list[str]:
         """The terminal summary: the search (a table ``width`` columns wide; None: the terminal's), the answer,
-        what to do."""
+        what to do (``command``: in the ``tf32lab tune`` command's words)."""
         out = [f"tf32lab tune {self.workload}  target {self.target}, {tolerance_words(self.tolerance)}"]
         from tf32lab.report.tables import Column, Fitted, as_lines
 
@@ -170,7 +175,7 @@ class Tuning(Document):
         out += as_lines(table, width)
         out.append(f"{self.runs} end-to-end runs besides the float64 reference; {self.seconds:.1f} s, "
                    f"{self.seconds / max(self.check_seconds, 1e-9):.2f}x the check of the uniform levels")
-        return out + self.advice(policy_file)
+        return out + self.advice(policy_file, command)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -579,8 +584,13 @@ def margin(ratio: float) -> str:
     'Its worst output is at 0.997 of the tolerance: a thin margin (another input or GPU may cross it).'
     >>> margin(0.05)
     'Its worst output is at 0.050 of the tolerance.'
+    >>> margin(0.9996)
+    'Its worst output is at the tolerance itself (ratio 0.9996): a thin margin (another input or GPU may cross it).'
     """
     thin = ": a thin margin (another input or GPU may cross it)" if ratio >= THIN else ""
+    if f"{ratio:.3f}" == "1.000" and ratio != 1:  # 0.9996 passes, 1.0004 does not: the digits that tell them apart
+        digits = next(n for n in range(4, 17) if float(f"{ratio:.{n}f}") != 1 or n == 16)
+        return f"Its worst output is at the tolerance itself (ratio {ratio:.{digits}f}){thin}."
     return f"Its worst output is at {ratio:.3f} of the tolerance{thin}."
 
 

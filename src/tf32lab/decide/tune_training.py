@@ -98,7 +98,7 @@ class TrainingTuning(Document):
     def __bool__(self) -> bool:
         return self.passed
 
-    def advice(self, policy_file: Optional[str] = None) -> list[str]:
+    def advice(self, policy_file: Optional[str] = None, command: bool = False) -> list[str]:
         where = policy_file or self.policy_file
         if not self.passed:
             return [self.reason]
@@ -107,6 +107,7 @@ class TrainingTuning(Document):
                      f"`tf32lab.precision(\"{self.level}\")` for this training."]
         else:
             apply = f"`tf32lab.Policy.load(\"{where}\").apply(model)`" if where else \
+                "`tf32lab.Policy.load(FILE).apply(model)` once written with `--out FILE`" if command else \
                 "`tuning.policy.apply(model)` (or save it: `tf32lab tune --train --out FILE`)"
             lines = [self.reason, f"Apply it with {apply} before training."]
         if self.conv is not None:
@@ -117,7 +118,8 @@ class TrainingTuning(Document):
                 + "; no level sets it."))
         return lines
 
-    def lines(self, policy_file: Optional[str] = None, width: Optional[int] = None) -> list[str]:
+    def lines(self, policy_file: Optional[str] = None, width: Optional[int] = None,
+              command: bool = False) -> list[str]:
         """The terminal summary: the search (a table ``width`` columns wide; None: the terminal's), the answer,
         what to do."""
         out = [f"tf32lab tune --train {self.workload}  target {self.target}, {self.steps} steps, "
@@ -135,7 +137,7 @@ class TrainingTuning(Document):
                 table.add_row(c.why, shown, f"{'PASSED' if c.passed else 'FAILED'}{chosen}")
             out += as_lines(table, width)
         out.append(f"{self.runs} float32 trainings besides the float64 reference; {self.seconds:.1f} s")
-        return out + self.advice(policy_file)
+        return out + self.advice(policy_file, command)
 
     def to_dict(self) -> dict[str, Any]:
         return {

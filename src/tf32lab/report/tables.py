@@ -34,6 +34,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
@@ -50,9 +51,56 @@ TEXT_MIN = 6  # a wrapped text column narrower than this is mostly line breaks
 _MEASURE = Console(width=10_000, color_system=None)  # wraps text to count its lines; never prints
 
 
+# a word: what whitespace separates, but a pair ``19.5 / 156`` is one (its halves belong together)
+_WORD = re.compile(r"\S+(?: / \S+)*")
+# where a word longer than its column breaks: after ``_``, and after a ``.`` before a letter (a module path's
+# parts; never inside a number such as 2.75e-04)
+_BREAK = re.compile(r"(?<=_)|(?<=\.)(?=[A-Za-z])")
+
+
+def _pieces(word: str) -> list[str]:
+    return [piece for piece in _BREAK.split(word) if piece]
+
+
 @functools.lru_cache(maxsize=4096)
+def _wrap(text: str, width: int) -> tuple[tuple[int, int], ...]:
+    """Where ``text`` breaks into lines at ``width``: between words; a word too long for any line at its ``_``
+    and ``.`` boundaries, inside a piece only where a piece itself is too long. Each line as (start, end)."""
+    spans: list[tuple[int, int]] = []
+    offset = 0
+    for paragraph in text.split("\n"):
+        line: Optional[list[int]] = None
+        for match in _WORD.finditer(paragraph):
+            start, end = match.start() + offset, match.end() + offset
+            if line is not None and cell_len(text[line[0]:end]) <= width:
+                line[1] = end
+                continue
+            if line is not None:
+                spans.append((line[0], line[1]))
+                line = None
+            if cell_len(match.group()) <= width:
+                line = [start, end]
+                continue
+            at = start
+            for piece in _pieces(match.group()):
+                first, at = at, at + len(piece)
+                if line is not None and cell_len(text[line[0]:at]) <= width:
+                    line[1] = at
+                    continue
+                if line is not None:
+                    spans.append((line[0], line[1]))
+                while cell_len(text[first:at]) > width:  # a piece longer than the column: folded
+                    cut = first + max(width, 1)
+                    spans.append((first, cut))
+                    first = cut
+                line = [first, at]
+        spans.append((line[0], line[1]) if line is not None else (offset, offset))
+        offset += len(paragraph) + 1
+    return tuple(spans)
+
+
 def _lines(text: str, width: int) -> int:
-    return len(Text(text).wrap(_MEASURE, width, overflow="fold"))
+    return len(_wrap(text, width))
 
 
 def short_name(name: str, width: int = 36) -> str:
@@ -111,8 +159,10 @@ def _plain(cell: Any) -> str:
     return cell.plain if isinstance(cell, Text) else str(cell)
 
 
-def _longest_word(text: str) -> int:
-    return max((cell_len(word) for word in text.split()), default=0)
+def _longest_word(text: str, pieces: bool = False) -> int:
+    """The widest word (a pair ``a / b`` is one); with ``pieces``, the widest piece of one (``classification_``)."""
+    return max((cell_len(piece) for word in _WORD.findall(text) for piece in (_pieces(word) if pieces else [word])),
+               default=0)
 
 
 _LAYOUTS = ("boxed", "open")
@@ -163,15 +213,21 @@ class Fitted:
         return max([cell_len(self.columns[i].header), *(cell_len(_plain(row[i])) for row in self.rows)])
 
     def _least(self, i: int, wrap: int = 2) -> int:
-        """The narrowest column ``i`` can be: its widest cell for a number, or for text that may not ``wrap`` (0);
-        a floor for names; for text, its longest word (``wrap`` 1: between words) or a floor (2: a word longer
-        than the column folds, the last resort before a split)."""
+        """The narrowest column ``i`` can be: its widest cell for a number (its header wrapped between words
+        where text may ``wrap``), or for text that may not ``wrap`` (0); a floor for names; for text, its longest
+        word (``wrap`` 1: between words, or at a long word's ``_`` and ``.``) or a floor (2: a word longer than
+        the column folds, the last resort before a split; never in a key, which tells rows apart, unless 3: no
+        layout fits)."""
         column, natural = self.columns[i], self._natural(i)
+        if column.kind == "number" and wrap:
+            return max([_longest_word(column.header), *(cell_len(_plain(row[i])) for row in self.rows)])
         if column.kind == "number" or (column.kind == "text" and not wrap):
             return natural
         floor = max(NAME_MIN if column.kind == "name" else TEXT_MIN, _longest_word(column.header))
-        if column.kind == "text" and wrap == 1:  # between words, never inside one (a number in it stays whole)
-            floor = max([floor, *(_longest_word(_plain(row[i])) for row in self.rows)])
+        if column.kind == "text" and (wrap == 1 or (wrap == 2 and column.key)):
+            # between words, never inside one (a number in it stays whole, a level's name too); a key's long
+            # word (an output's name) at its `_` and `.` rather than anywhere
+            floor = max([floor, *(_longest_word(_plain(row[i]), pieces=wrap == 2) for row in self.rows)])
         return min(natural, floor)
 
     def _widths(self, shown: Sequence[int], width: int, layout: str, wrap: int = 1) -> Optional[dict[int, int]]:
@@ -226,7 +282,7 @@ class Fitted:
             if all(parts):
                 return layout, parts
         # a part that fits at no width (one below a number's) is still printed: its cells fold, never an ellipsis
-        return _LAYOUTS[-1], [part or {i: self._least(i, 2) for i in shown}
+        return _LAYOUTS[-1], [part or {i: self._least(i, 3) for i in shown}
                               for part, shown in zip(parts, self._split(width, _LAYOUTS[-1], columns=True))]
 
     def _split(self, width: int, layout: str, columns: bool = False) -> list[Any]:
@@ -263,9 +319,15 @@ class Fitted:
 
     @staticmethod
     def _cell(cell: Any, column: Column, width: int) -> Any:
-        if column.kind != "name":
-            return cell
         text = _plain(cell)
+        if column.kind != "name":
+            # broken where it was measured (rich would break only at spaces, and fold a long word anywhere)
+            spans = _wrap(text, width)
+            if len(spans) == 1 or column.kind == "number":
+                return cell
+            if isinstance(cell, Text):
+                return Text("\n").join(cell[start:end] for start, end in spans)
+            return "\n".join(text[start:end] for start, end in spans)
         shown = short_name(text, width)
         if shown == text:
             return cell

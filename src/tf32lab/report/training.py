@@ -80,7 +80,9 @@ class TrainingLevel:
     gradients: tuple[ParameterError, ...]  # step 1, the same weights for every row; worst first
     layers: tuple[BackwardLayer, ...]  # step 1's backward per module; the most introduced error first
     weights: tuple[ParameterError, ...]  # after the last step; worst first
-    optimizer_state: float  # normwise error of every optimizer-state tensor (Adam's moments) after the last step
+    # normwise error of every optimizer-state tensor (Adam's moments) after the last step; nan where the optimizer
+    # keeps none (SGD without momentum), shown as "-"
+    optimizer_state: float
     multiple: float  # drift over float32's own drift (1.0 for float32 itself)
     passed: bool
     coverage: dict[str, int]

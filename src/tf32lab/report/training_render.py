@@ -41,6 +41,12 @@ def rows(report: TrainingReport) -> list[TrainingLevel]:
     return [report.floor, *[lv for lv in report.levels if lv.same_as is None and lv.level != "highest"]]
 
 
+def _state(error: float) -> str:
+    """The optimizer state's error; ``-`` where there is none to compare (SGD without momentum keeps no state,
+    so the error is nan on every row: nothing went wrong)."""
+    return "-" if math.isnan(error) else fmt(error)
+
+
 def _label(lv: TrainingLevel) -> str:
     return lv.level  # "float32" for the floor, which its verdict cell names
 
@@ -82,7 +88,7 @@ def renderables(report: TrainingReport) -> Iterator[Any]:
         # the parameter farthest from float64's, named: float32's own distance says where training drifts
         weight = lv.weights[0] if lv.weights else None
         state.add_row(label, inert(weight.name) if weight else "-", fmt(weight.normwise if weight else None),
-                      fmt(lv.optimizer_state))
+                      _state(lv.optimizer_state))
     yield path
     yield gradients
     yield state

@@ -229,7 +229,8 @@ class TrainingWorkload:
                 if _holds(value, self.model, params, depth=3, seen=set()):
                     kind = type(value).__name__
                     gpytorch = type(value).__module__.startswith("gpytorch.mlls")
-                    return (f"the {what} uses the workload's own model through {name!r} "
+                    said = "inputs function" if what == "inputs" else what
+                    return (f"the {said} uses the workload's own model through {name!r} "
                             f"({'an' if kind[:1] in 'AEIOU' else 'a'} {kind}), not the copy each row trains (a "
                             f"float64 one for the reference): take the row's copy as an argument, {usage}"
                             + (f" with {kind}(model.likelihood, model) inside" if gpytorch else "")
@@ -267,7 +268,12 @@ def _referents(fn: Any) -> Iterator[tuple[str, Any]]:
         fn = fn.__func__
     code = getattr(fn, "__code__", None)
     if code is None:  # a callable object: what it holds
-        yield from ((name, value) for name, value in vars(fn).items()) if hasattr(fn, "__dict__") else ()
+        if isinstance(fn, torch.nn.Module):  # by attribute name, not through the dicts nn.Module keeps them in
+            yield from fn._modules.items()
+            yield from fn._parameters.items()
+            yield from fn._buffers.items()
+        yield from ((name, value) for name, value in vars(fn).items()
+                    if name not in ("_modules", "_parameters", "_buffers")) if hasattr(fn, "__dict__") else ()
         return
     for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
         try:
