@@ -14,8 +14,11 @@ width only then), by one rule whatever columns a report adds:
   row takes as few lines as the width allows. No ``…`` is ever written into a cell but a shortened name's.
 
 When the columns do not fit side by side with their text unwrapped, the table is drawn without its vertical rules;
-if that does not fit, text wraps between words, then inside a word too long for any column; if that does not fit
-either, the table is split into several, each repeating the ``key`` columns (which tell rows apart).
+if that does not fit, text wraps between words, then a word too long for its column breaks after a ``_`` or before
+a ``.`` (never inside a number), and a number column's header wraps between its words (``x`` / ``fp32``); a
+``key`` column (a level, an output) is never folded inside a word: before that, the table is split into several,
+each repeating the ``key`` columns (which tell rows apart). A pair that must read as one (``19.5/156``) is one
+token.
 
 Example:
 
