@@ -60,7 +60,7 @@ from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
 from tf32lab.know.levels import ALL_LEVELS, CONV_MATHS, check_conv, check_level
 from tf32lab.numbers.files import write_atomically, write_json
-from tf32lab.numbers.trees import named_tensors
+from tf32lab.numbers.trees import named_tensors, operand_tensors
 
 __all__ = ["Assignment", "Policy", "PolicyHandle", "Rule", "applied_policies", "applied_to", "exact_pattern", "explain"]
 
@@ -881,21 +881,13 @@ class _Owners(TorchDispatchMode):
         if (level, conv) == (top.level, top.conv):
             return func(*args, **kwargs)
         tree.foreign.add(top.module)  # this frame needs the mode at later calls too
-        if torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(args)):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in operand_tensors(args)):
             # autograd made this op's node just before it reached the modes: its backward runs at the same level
             _OPEN.elevated[_sequence_nr() - 1] = (level, conv)
         cudnn = conv if conv is not None and _follows_cudnn(func) else None
         with (precision(level) if level is not None else contextlib.nullcontext()), \
                 (conv_math(cudnn) if cudnn is not None else contextlib.nullcontext()):
             return func(*args, **kwargs)
-
-
-def _tensors(args: Any) -> Iterator[torch.Tensor]:
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            yield from _tensors(a)
 
 
 def _tag(output: Any, start: int, level: Optional[str], conv: Optional[str] = None) -> None:

@@ -52,6 +52,7 @@ from tf32lab.know.levels import level_cells
 from tf32lab.know.targets import IEEE, MATHS, Math, Target, check_value, get, sdpa_kernel
 from tf32lab.numbers import accumulation as _accumulation
 from tf32lab.numbers import formats
+from tf32lab.numbers.trees import operand_tensors
 
 __all__ = ["ACCUMULATIONS", "Treatment", "check_accumulation", "emulate", "maths", "treatment"]
 
@@ -677,16 +678,6 @@ def _sparse_in(args: Any) -> bool:
     return False
 
 
-def _tensors_in(args: Any) -> list[torch.Tensor]:
-    found = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            found.append(a)
-        elif isinstance(a, (list, tuple)):
-            found += _tensors_in(a)
-    return found
-
-
 def _native_cell(args: Any) -> str:
     """The flag cell a native GEMM on these operands obeys."""
     device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
@@ -748,7 +739,7 @@ class _Mode(TorchDispatchMode):
         classified = treatment(func)
         if classified is None or not (_float32_in(args) or _float32_in(kwargs.values())):
             if (entry.cache.entries or entry.cache.recent) and _mutates(func):  # a write (maybe via .data): copies go
-                entry.cache.written(_tensors_in(args) + _tensors_in(kwargs.values()))
+                entry.cache.written(operand_tensors(args) + operand_tensors(kwargs.values()))
             return _passed_on(func, args, kwargs)
         tracing = _get_tracing_state()
         if tracing is None:
@@ -763,7 +754,7 @@ class _Mode(TorchDispatchMode):
         _put_tracing_state(None)
         try:
             value = self._emulated(entry, classified, func, args, kwargs)
-            outs, values = _tensors_in((traced,)), _tensors_in((value,))
+            outs, values = operand_tensors((traced,)), operand_tensors((value,))
             if len(outs) != len(values):
                 raise Tf32LabError(f"emulating {func.name()} under torch.jit.trace: {len(values)} outputs where "
                                    f"the native op gave {len(outs)}")
@@ -817,7 +808,7 @@ class _Mode(TorchDispatchMode):
                 result = out
             call.count(call.math_seen or call.math(family))
             if (entry.cache.entries or entry.cache.recent) and (out is not None or _mutates(func)):
-                entry.cache.written(_tensors_in(args) + ([out] if out is not None else []))  # addmm_ writes C
+                entry.cache.written(operand_tensors(args) + ([out] if out is not None else []))  # addmm_ writes C
             return result
         finally:
             self.pinned = pinned

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import torch
@@ -45,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tf32lab.control import modestack
 from tf32lab.numbers.metrics import Scale
-from tf32lab.numbers.trees import named_leaves
+from tf32lab.numbers.trees import named_leaves, operand_tensors
 
 __all__ = ["KEPT", "Formed"]
 
@@ -94,17 +93,9 @@ class _Entry:
         return None not in results and _versions(self.args, self.kwargs, results) == self.versions
 
 
-def _tensors(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            yield from (t for t in a if isinstance(t, torch.Tensor))
-
-
 def _versions(args: tuple, kwargs: dict, results: list[torch.Tensor]) -> Optional[tuple[int, ...]]:
     try:
-        return tuple(t._version for t in (*_tensors(args, kwargs), *results))
+        return tuple(t._version for t in (*operand_tensors((*args, *kwargs.values())), *results))
     except RuntimeError:  # an inference tensor keeps no version: nothing to tell a later write by
         return None
 
@@ -193,7 +184,7 @@ class Formed:
                 return _over_absolute(entry.func, entry.args, entry.kwargs), entry.func.name()
             except (RuntimeError, TypeError, ValueError):  # an overload that takes no float64 magnitudes
                 return None
-        source = next(_tensors(entry.args[:1], {}), None)
+        source = next(iter(operand_tensors(entry.args[:1])), None)
         inner = None if source is None else self._magnitudes(source, depth + 1)
         if inner is None:
             return None
