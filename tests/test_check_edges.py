@@ -319,10 +319,10 @@ def test_a_hub_id_is_told_how_to_get_a_local_folder(tmp_path):
 
 @pytest.mark.parametrize("folder", ["/nonexistent", "./models/x", "~/m", "a/b/c", "C:\\models\\x"])
 def test_a_path_that_is_not_there_is_not_taken_for_a_hub_id(folder):
-    from tf32lab.workloads import builtin
+    from tf32lab.workloads import hf
 
     with pytest.raises(tf32lab.Tf32LabError) as caught:
-        builtin.hf(folder)
+        hf.workload(folder)
     assert "no config.json" in str(caught.value) and "huggingface" not in str(caught.value)
 
 

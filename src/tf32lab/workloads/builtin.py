@@ -1,5 +1,5 @@
-"""Built-in workloads: the real default (all-MiniLM-L6-v2), a small seeded model, models from a local folder,
-and two precision-sensitive computations that TF32 visibly breaks.
+"""Built-in workloads: the real default (all-MiniLM-L6-v2), a small seeded model, and two precision-sensitive
+computations that TF32 visibly breaks.
 
 The sensitive ones reproduce reported incidents: a rotation applied and undone many times
 (pytorch#61890, #79270), and a covariance computed in one pass as ``XᵀX/n − μᵀμ``, where two large Gram terms
@@ -17,17 +17,14 @@ Example:
 from __future__ import annotations
 
 import math
-import re
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from tf32lab.errors import Tf32LabError
 from tf32lab.workloads import samples
 from tf32lab.workloads.workload import Workload
 
-__all__ = ["covariance", "hf", "minilm", "rotation_round_trip", "small"]
+__all__ = ["covariance", "minilm", "rotation_round_trip", "small"]
 
 
 # -- all-MiniLM-L6-v2 ------------------------------------------------------------------------------------------
@@ -49,35 +46,6 @@ def minilm(device: str = "cpu") -> Workload:
     preprocess = getattr(st, "preprocess", None) or st.tokenize
     features = {k: v.to(device) for k, v in preprocess(list(samples.SENTENCES)).items() if isinstance(v, torch.Tensor)}
     return Workload(SentenceEmbedder(st), features, name="all-MiniLM-L6-v2")
-
-
-# -- a model from a local folder -------------------------------------------------------------------------------
-def _looks_like_hub_id(text: str) -> bool:
-    """Whether ``text`` reads as a Hugging Face Hub id (``name`` or ``owner/name``) rather than a path."""
-    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", text)) and not text.endswith((".", "-"))
-
-
-def hf(folder: str, sentences: int = 16) -> Workload:
-    """A transformers model and its tokenizer from a local folder, fed the first ``sentences`` sample sentences."""
-    path = Path(folder).expanduser()
-    if not (path / "config.json").is_file():
-        hub = "" if path.exists() or not _looks_like_hub_id(folder) else (
-            f"; for a Hugging Face Hub id, download it once (`huggingface-cli download {folder} --local-dir DIR`, "
-            f"or `huggingface_hub.snapshot_download({folder!r}, local_dir=DIR)`) and pass hf:DIR: nothing is "
-            f"downloaded at run time")
-        raise Tf32LabError(f"workload 'hf:{folder}': no config.json in {path} (a local transformers model "
-                           f"folder){hub}")
-    try:
-        from transformers import AutoModel, AutoTokenizer
-    except ImportError:
-        raise Tf32LabError(f"workload 'hf:{folder}' needs transformers: pip install transformers") from None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        model = AutoModel.from_pretrained(str(path), local_files_only=True)
-    except Exception as exc:
-        raise Tf32LabError(f"workload 'hf:{folder}': loading failed: {type(exc).__name__}: {exc}") from exc
-    features = tokenizer(list(samples.SENTENCES[:sentences]), padding=True, return_tensors="pt")
-    return Workload(model.float().eval(), dict(features), name=path.name)
 
 
 # -- a small seeded model: a transformer classifier and a CNN --------------------------------------------------

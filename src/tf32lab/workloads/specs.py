@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 
 from tf32lab.errors import Tf32LabError
-from tf32lab.workloads import builtin
+from tf32lab.workloads import builtin, hf
 from tf32lab.workloads.training import TrainingWorkload
 from tf32lab.workloads.workload import Workload
 
@@ -81,7 +81,7 @@ def _load(spec: Optional[str]) -> Any:
     if spec == "builtin":
         return builtin.small()
     if spec.startswith("hf:"):
-        return builtin.hf(spec[3:])
+        return hf.workload(spec[3:])
     where, sep, factory_name = spec.rpartition(":")
     if not sep or not where or not factory_name.isidentifier():
         raise Tf32LabError(_unknown_spec(spec))
