@@ -3,7 +3,8 @@
     python benchmarks/scope.py
 
 1. enter+exit of one scope (main thread, no other scope live: the common case) as a ratio to a pair of
-   torch.set_float32_matmul_precision calls timed in the same run (goal: <= 15x);
+   torch.set_float32_matmul_precision calls timed in the same run, interleaved (goal: <= 15x; a verdict line,
+   PASSED or FAILED, and the exit status 0 or 1);
 2. the same in a worker thread, which pushes its guard (a TorchDispatchMode) at entry;
 3. what the guard adds to an op: a small matmul inside a worker's scope, alone and while another thread holds a
    different level (contended: ops of the flag-sensitive families take the process lock).
@@ -11,6 +12,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import torch
@@ -31,7 +33,7 @@ def in_thread(fn):
     return out["r"]
 
 
-def main() -> None:
+def main() -> int:
     before = flags.snapshot()
     p = precision("high")
 
@@ -48,7 +50,7 @@ def main() -> None:
     ratio = t["scope"] / t["set pair"]
     print(f"scope enter+exit        {t['scope'] * 1e6:6.2f} us")
     print(f"pair of set calls       {t['set pair'] * 1e6:6.2f} us")
-    print(f"ratio                   {ratio:6.1f}x (goal <= {GOAL:g}x): {'met' if ratio <= GOAL else 'NOT met'}")
+    print(f"ratio                   {ratio:6.1f}x (goal <= {GOAL:g}x)")
 
     tw = in_thread(lambda: interleaved({"scope": scope, "set pair": pair}, rounds=7, number=5000))
     worker_ratio = tw["scope"] / tw["set pair"]
@@ -83,7 +85,10 @@ def main() -> None:
     extra = (contended - base) * 1e6
     print(f"  while levels differ   {contended * 1e6:6.2f} us (+{extra:.1f} us: guard, lock, two flag writes)")
     flags.restore(before)
+    ok = ratio <= GOAL
+    print(f"{'PASSED' if ok else 'FAILED'} | scope enter+exit: {ratio:.1f}x a pair of set calls (goal <= {GOAL:g}x)")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -269,20 +269,20 @@ LEVEL_CELLS = tuple(c for c in (("cuda", "matmul"), ("mkldnn", "matmul")) if c i
 
 # Write an already validated level where PyTorch's matmul backends read it. PyTorch's own setter writes explicit
 # values into exactly the level cells (levels.level_cells, checked by tests/test_flags.py) in one call, and never raises
-# for a mix of APIs (only its getter does). Scopes call it on every entry.
-_write_torch_level: Callable[[str], None] = _C._set_float32_matmul_precision
+# for a mix of APIs (only its getter does). Scopes call it on every entry and exit, directly for PyTorch's own levels.
+write_torch_level: Callable[[str], None] = _C._set_float32_matmul_precision
 
 
 def write_level(level: str) -> None:
     """Write a validated level: PyTorch's setter; for an extra level (``bfx9``) the setter at its ``TORCH_LEVEL``,
     then its cell values over it. An extra level must have passed :func:`native_refusal` first."""
     if level in LEVELS:
-        _write_torch_level(level)
+        write_torch_level(level)
         return
     refused = native_refusal(level)
     if refused is not None:  # before anything is written (a scope left open after its emulate() block ended)
         raise Tf32LabError(f"precision({level!r}) outside emulate(): {refused}")
-    _write_torch_level(TORCH_LEVEL[level])
+    write_torch_level(TORCH_LEVEL[level])
     for name, value in level_cells(level).items():
         _set(tuple(name.split(".")), value)
 

@@ -44,7 +44,7 @@ from tf32lab import settings
 from tf32lab.control import flags, modestack
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
-from tf32lab.know.levels import ALL_LEVELS, EXTRA_LEVELS, check_conv, check_level, level_cells
+from tf32lab.know.levels import ALL_LEVELS, EXTRA_LEVELS, LEVELS, check_conv, check_level, level_cells
 
 __all__ = ["conv_math", "get_float32_matmul_precision", "precision", "set_float32_matmul_precision"]
 
@@ -72,6 +72,9 @@ _TWO_CELLS = len(flags.LEVEL_GETTERS) == 2  # the per-backend API: read the two 
 _get_first, _get_second = flags.LEVEL_GETTERS if _TWO_CELLS else (None, None)
 _write_raw = flags.write_level_raw
 _write_level = flags.write_level
+# PyTorch's own setter, called directly for its own levels (flags.write_level's first branch, without its frame)
+_write_torch_level = flags.write_torch_level
+_TORCH_LEVELS = frozenset(LEVELS)
 _get_ident = threading.get_ident
 _dispatch_depth = torch._C._len_torch_dispatch_stack
 # Non-daemon threads are the ones that may hold scopes of their own (pools, plain Thread()); daemon threads are
@@ -82,13 +85,18 @@ _SHUTDOWN_LOCKS: Optional[set] = getattr(threading, "_shutdown_locks", None)
 _MAIN_LOCK = getattr(threading.main_thread(), "_tstate_lock", None)
 
 
+_LIMBO: Optional[dict] = getattr(threading, "_limbo", None)  # threads started and not yet running
+# Where both exist, "no other non-daemon thread" is told without a call: one shutdown lock (the main thread's) and
+# an empty limbo (a scope entry asks this first, and _other_threads() only when it fails).
+_QUICK_THREADS = _SHUTDOWN_LOCKS is not None and _MAIN_LOCK is not None and _LIMBO is not None
+
+
 def _other_threads() -> bool:
     """Whether a non-daemon thread other than the main thread is running (or starting)."""
     if _SHUTDOWN_LOCKS is not None and _MAIN_LOCK is not None:
         if len(_SHUTDOWN_LOCKS) > 1 and any(lock is not _MAIN_LOCK and lock.locked() for lock in list(_SHUTDOWN_LOCKS)):
             return True
-        limbo = getattr(threading, "_limbo", None)
-        return bool(limbo) and any(not t.daemon for t in list(limbo.values()))
+        return bool(_LIMBO) and any(not t.daemon for t in list(_LIMBO.values()))
     return any(not t.daemon and t.ident != _MAIN for t in threading.enumerate())
 
 
@@ -122,6 +130,9 @@ class _Node:
 
     def emulated(self) -> bool:
         return self.emulation is not None and self.emulation.alive
+
+
+_new_node = object.__new__  # a scope entry sets a _Node's fields itself: __init__'s frame costs a tenth of the entry
 
 
 class Emulation:
@@ -192,6 +203,10 @@ class _State:
     ``public`` is set before tf32lab first writes the flag and cleared after it gave the user's values back, and
     ``epoch`` counts the times it was set, so readers need no lock (see :func:`get_float32_matmul_precision`).
     """
+
+    # slots: every scope entry and exit reads a dozen of these fields
+    __slots__ = ("base", "cache", "contended", "epoch", "guards", "holders", "idle", "in_force", "live", "lock",
+                 "public", "pushed", "readers", "tls", "unguarded", "writer", "written")
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
@@ -472,22 +487,29 @@ def _context_key() -> tuple[tuple[int, int], Any]:
 def _holder(key: tuple[int, int], task: Any) -> _Holder:
     """The holder of ``key``, made (with its clean-up when its task ends or its thread dies) if new.
 
-    A thread's own holder (outside tasks) is made once and kept in its locals.
+    A thread's own holder (outside tasks) is made once and kept in its locals; the main thread's is
+    ``_MAIN_HOLDER``.
     """
     holder = _STATE.holders.get(key)
     if holder is None:
-        if task is None and _STATE.tls.holder is not None:
+        if task is None and key[0] == _MAIN:
+            holder = _MAIN_HOLDER
+        elif task is None and _STATE.tls.holder is not None:
             holder = _STATE.tls.holder
         else:
             holder = _Holder(key)
             if task is not None:
                 task.add_done_callback(functools.partial(_context_ended, key, holder))
-            else:
+            else:  # a thread other than the main one, which outlives everything
                 _STATE.tls.holder = holder
-                if key[0] != _MAIN:  # the main thread outlives everything
-                    _watch_thread(key)
+                _watch_thread(key)
         _STATE.holders[key] = holder
     return holder
+
+
+# The main thread's own holder, made once: it outlives everything, and a scope entry finds it without a
+# thread-local read.
+_MAIN_HOLDER = _Holder((_MAIN, 0))
 
 
 class _ThreadWatch:
@@ -581,39 +603,59 @@ class precision:
         return f"precision({getattr(self, 'level', '...')!r})"
 
     def __enter__(self) -> precision:
+        # Every entry and exit pays what is written here: the common case (the process's only scope) is inlined
+        # (_guard_wanted(), _holder(), begin(), give_back()), and the lock is taken by acquire() and release(),
+        # cheaper than a with statement on CPython 3.11 (benchmarks/scope.py measures the whole against PyTorch's
+        # own setter).
         level = self.level
         if level in EXTRA_LEVELS and _live(_EMULATION.get()) is None:
             _refuse_native(level)
         parent = _SCOPE.get()
-        thread = _get_ident()  # _context_key() inlined: every scope entry pays it
+        thread = _get_ident()
         task = _current_task() if _get_running_loop() is not None else None
         key = (thread, 0 if task is None else id(task))
         state = _STATE
-        tls = state.tls
         depth = _dispatch_depth()
-        with state.lock:
+        lock = state.lock
+        lock.acquire()
+        try:
             if state.live == 0 and state.in_force is None and state.writer is None and not state.readers:
-                # the only scope in the process (so no emulation either): the common case, kept short
-                # _guard_wanted() and _holder() inlined (no other holder exists here): every scope entry pays them
-                if tls.guard is None and (thread != _MAIN or (_guard_choice or guard_policy()) == "always"
-                                          or _other_threads()):
+                # the only scope in the process (so no emulation either): no other holder, no guarded op
+                guarded = state.pushed and state.tls.guard is not None  # none pushed: no thread-local read
+                if not guarded and (thread != _MAIN or (_guard_choice or guard_policy()) == "always"
+                                    or ((not _QUICK_THREADS or len(_SHUTDOWN_LOCKS) > 1 or _LIMBO)
+                                        and _other_threads())):
                     _push_guard(thread, depth)
-                holder = tls.holder if task is None and tls.holder is not None else _holder(key, task)
+                    guarded = True
+                holder = _MAIN_HOLDER if task is None and thread == _MAIN else _holder(key, task)
                 state.holders[key] = holder
-                node = _Node(level, self, parent, holder, None, depth)
+                node = _new_node(_Node)  # _Node(level, self, parent, holder, None, depth) without its frame
+                node.level, node.owner, node.parent, node.holder = level, self, parent, holder
+                node.emulation, node.alive, node.depth = None, True, depth
                 holder.nodes.append(node)
                 state.live = 1
-                state.begin()
-                _write_level(level)
+                effective = (_get_first(), _get_second()) if _TWO_CELLS else _read_effective()
+                base = state.cache
+                if base is None or base.effective != effective:  # the user changed the flag since (see begin())
+                    base = state.cache = _Base.of(*flags.read_level_state())
+                state.epoch += 1
+                state.base = base
+                state.public = base.level
+                if level in _TORCH_LEVELS:
+                    _write_torch_level(level)
+                else:
+                    _write_level(level)
                 state.in_force = level
                 state.contended = False
-                state.unguarded = None if tls.guard is not None else level
+                state.unguarded = None if guarded else level
             else:
                 emulation = _live(_EMULATION.get())
-                if tls.guard is None and _guard_wanted(thread, key):
+                if state.tls.guard is None and _guard_wanted(thread, key):
                     _push_guard(thread, depth)
                 node = _Node(level, self, parent, _holder(key, task), emulation, depth)
                 _opened(node.holder.nodes, node)
+        finally:
+            lock.release()
         _SCOPE.set(node)
         return self
 
@@ -621,9 +663,11 @@ class precision:
         top = _SCOPE.get()
         state = _STATE
         if top is not None and top.owner is self and top.alive:
-            with state.lock:
+            lock = state.lock
+            lock.acquire()
+            try:
                 if state.live == 1 and state.writer is None and not state.readers and state.in_force is not None:
-                    # the last scope of the process: the common case, kept short
+                    # the last scope of the process
                     top.alive = False
                     holder = top.holder
                     holder.nodes.pop()
@@ -631,11 +675,20 @@ class precision:
                     state.live = 0
                     if state.pushed:
                         _drop_guard(holder.thread)
-                    state.give_back()
+                    base = state.base
+                    if base.as_level in _TORCH_LEVELS:
+                        _write_torch_level(base.as_level)
+                    elif base.as_level is not None:
+                        _write_level(base.as_level)
+                    else:
+                        _write_raw(base.raw)
+                    state.in_force = state.public = None
                     state.contended = False
                     state.unguarded = None
                 else:
                     _close(top)
+            finally:
+                lock.release()
             parent = top.parent
             _SCOPE.set(parent if parent is None or parent.alive else _live(parent))
             return
