@@ -1,5 +1,6 @@
-"""Imports point down the layers only: every ``import`` of tf32lab in the source, lazy ones inside functions and
-those under ``if TYPE_CHECKING:`` included (read from the syntax tree, nothing imported).
+"""Imports point down the layers only, and no module needs itself back through others (no circle, also between
+modules of one layer): every ``import`` of tf32lab in the source, lazy ones inside functions and those under
+``if TYPE_CHECKING:`` included (read from the syntax tree, nothing imported).
 
 Low to high: errors and settings (leaf modules), numbers, know, report, control, emulation, machine, workloads,
 speed, measure, decide, then the faces (cli, pytest_plugin, testing, __main__) and the package's ``__init__``.
@@ -24,21 +25,12 @@ def _layer(module: str):
     return "faces" if parts[1] in FACES else parts[1] if parts[1] in RANK else None
 
 
-def _imports(path: Path, typing: bool = True) -> list[tuple[int, str]]:
-    """``(line, module)`` of each tf32lab import in ``path``; ``typing=False``: those under ``if TYPE_CHECKING:`` left
-    out (they never run)."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    skipped = set()
-    if not typing:
-        for node in ast.walk(tree):
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                skipped |= {id(inner) for inner in ast.walk(node)}
+def _imports(path: Path, src: Path = SRC) -> list[tuple[int, str]]:
+    """``(line, module)`` of each tf32lab import in ``path`` (a package ``src``'s file), wherever it stands."""
     found = []
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("tf32lab"):
-            names = [_module_of(f"{node.module}.{a.name}") for a in node.names]
+            names = [_module_of(f"{node.module}.{a.name}", src) for a in node.names]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names if a.name.startswith("tf32lab")]
         else:
@@ -61,15 +53,40 @@ def _upward() -> set[tuple[str, str, int]]:
     return bad
 
 
-def _module_of(name: str) -> str:
+def _module_of(name: str, src: Path = SRC) -> str:
     """``tf32lab.control.flags`` for ``from tf32lab.control import flags``: the module, where a name is one."""
-    path = SRC.parent.joinpath(*name.split("."))
+    path = src.parent.joinpath(*name.split("."))
     return name if path.with_suffix(".py").exists() or (path / "__init__.py").exists() else name.rpartition(".")[0]
 
 
-def _modules() -> dict[str, Path]:
-    return {".".join(["tf32lab", *p.relative_to(SRC).with_suffix("").parts]).removesuffix(".__init__"): p
-            for p in SRC.rglob("*.py")}
+def _modules(src: Path = SRC) -> dict[str, Path]:
+    return {".".join(["tf32lab", *p.relative_to(src).with_suffix("").parts]).removesuffix(".__init__"): p
+            for p in src.rglob("*.py")}
+
+
+def _circle(src: Path = SRC) -> list[str]:
+    """The first import circle found among the modules under ``src`` (``[a, b, a]``), or ``[]``: every import
+    counts, at import time, inside a function or under ``TYPE_CHECKING`` (a circle there is one a type checker
+    walks, and the sign of two modules that are one idea or of a type that belongs lower)."""
+    modules = _modules(src)
+    edges = {m: sorted({n for _, n in _imports(p, src)} & modules.keys() - {m}) for m, p in modules.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> list[str]:
+        state[module] = 1
+        for other in edges[module]:
+            if state.get(other) == 1:  # the circle: from ``other``'s place on the path back to it
+                walked = [*path, module]
+                return [*walked[walked.index(other):], other]
+            if other not in state and (found := visit(other, [*path, module])):
+                return found
+        state[module] = 2
+        return []
+
+    for module in sorted(modules):
+        if module not in state and (found := visit(module, [])):
+            return found
+    return []
 
 
 def test_nothing_imports_upward():
@@ -85,23 +102,27 @@ def test_the_renderers_and_the_conclusion_import_nothing_above_report():
 
 
 def test_no_import_circles():
-    # imports that run (at import time or inside a function): a module never needs itself back through others;
-    # a renderer may name its own room's data class under TYPE_CHECKING (report.text -> report), which never runs
-    modules = _modules()
-    edges = {m: {n for _, n in _imports(p, typing=False) if n in modules and n != m} for m, p in modules.items()}
-    state: dict[str, int] = {}
+    # a renderer names its room's data class (report.text's Report) rather than importing it, even for type checking
+    circle = _circle()
+    assert not circle, "import circle: " + " -> ".join(circle)
 
-    def visit(module: str, path: list[str]) -> None:
-        state[module] = 1
-        for other in sorted(edges[module]):
-            assert state.get(other) != 1, "import circle: " + " -> ".join([*path, module, other])
-            if other not in state:
-                visit(other, [*path, module])
-        state[module] = 2
 
-    for module in sorted(modules):
-        if module not in state:
-            visit(module, [])
+def test_a_circle_among_report_modules_is_found(tmp_path):
+    # the check itself can fail: a data module that renders itself lazily, and a renderer that imports it back only
+    # for type checking (as report/training.py and report/training_render.py once did), is a circle
+    report = tmp_path / "tf32lab" / "report"
+    report.mkdir(parents=True)
+    for name in ("tf32lab/__init__.py", "tf32lab/report/__init__.py", "tf32lab/report/wording.py"):
+        (tmp_path / name).write_text("")
+    (report / "training.py").write_text(
+        "from tf32lab.report.wording import *\n\n\ndef html(report):\n"
+        "    from tf32lab.report.training_render import render\n\n    return render(report)\n")
+    (report / "training_render.py").write_text(
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from tf32lab.report.training import Report\n")
+    assert _circle(tmp_path / "tf32lab") == ["tf32lab.report.training", "tf32lab.report.training_render",
+                                             "tf32lab.report.training"]
+    (report / "training_render.py").write_text("Report = object\n")
+    assert _circle(tmp_path / "tf32lab") == []
 
 
 def test_the_layers_are_the_folders():

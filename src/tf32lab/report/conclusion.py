@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from tf32lab.know.targets import NATIVE
 from tf32lab.report import cudnn
 from tf32lab.report.wording import given
 
-if TYPE_CHECKING:
-    from tf32lab.report import LevelResult, Report
+# A ``tf32lab.report.Report`` and one of its ``LevelResult`` rows: the package's own module calls this one
+# (``Report.conclusion()``), so they are named, not imported, not even for type checking
+# (tests/test_layers.py: no import circle, TYPE_CHECKING imports included).
+Report = LevelResult = Any
 
 __all__ = ["AMPLIFIED", "MAX_REL_NOTE", "ON_ANOTHER_THREAD", "PINNED_CONV", "amplified", "conclusion",
            "on_other_threads", "pinned_and_diverged", "policy_summary", "unmeasured"]

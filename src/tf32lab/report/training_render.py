@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.text import Text
 
@@ -27,8 +27,10 @@ from tf32lab.report.tables import Column, Fitted
 from tf32lab.report.text import fmt, inert
 from tf32lab.report.wording import given
 
-if TYPE_CHECKING:
-    from tf32lab.report.training import TrainingLevel, TrainingReport
+# A ``tf32lab.report.training.TrainingReport`` and one of its ``TrainingLevel`` rows: that module calls this
+# renderer (``TrainingReport.to_html()``, ``.print()``), so they are named, not imported, not even for type
+# checking (tests/test_layers.py: no import circle, TYPE_CHECKING imports included).
+TrainingReport = TrainingLevel = Any
 
 TOP = 8  # parameters and modules listed
 FLOOR_COLOR = "#555"
