@@ -49,7 +49,7 @@ from tf32lab.measure.check import ConvRun, PolicyRow, Session, alike_levels
 from tf32lab.measure.layers import ROOT
 from tf32lab.numbers.metrics import OutputError, tolerances_of
 from tf32lab.report import Document, LevelResult, Report
-from tf32lab.report.conclusion import nondeterministic, unmeasured
+from tf32lab.report.conclusion import WORTH, nondeterministic, unmeasured
 from tf32lab.report.wording import tolerance_words
 from tf32lab.speed.prediction import seconds_at
 from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags, refuse_applied
@@ -58,7 +58,6 @@ from tf32lab.workloads.workload import Workload
 
 __all__ = ["Candidate", "Tuning", "tune"]
 
-WORTH = 1.10  # a mixed policy must be predicted this much faster than the fastest uniform level to be chosen
 GROUP = 4  # with more pinned layers than this, un-pinning tries halves first
 
 

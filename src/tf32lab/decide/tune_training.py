@@ -53,7 +53,8 @@ from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.check import ConvRun, PolicyRow, alike_levels
 from tf32lab.measure.training import TrainingSession, random_state_kept, training_steps, training_tolerance
 from tf32lab.report import Document
-from tf32lab.report.training import WORTH, TrainingLevel, TrainingReport, faster
+from tf32lab.report.conclusion import WORTH
+from tf32lab.report.training import TrainingLevel, TrainingReport, faster
 from tf32lab.report.wording import tolerance_words
 from tf32lab.workloads.running import Progress, changed_note, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.training import TrainingWorkload

@@ -37,11 +37,8 @@ from tf32lab.measure.sharded import local
 from tf32lab.measure.spill import Spilled, SpillFile
 from tf32lab.numbers.origin import exit_call, internal_error
 from tf32lab.numbers.trees import map_tensors, named_tensors
-from tf32lab.speed.counting import Counting
+from tf32lab.speed.counting import ROOT, Counting
 from tf32lab.workloads.workload import Workload
-
-ROOT = "(model)"  # how the model itself is named when it runs family ops directly
-
 
 _OUT_OF_MEMORY = (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))
 

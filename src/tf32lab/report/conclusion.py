@@ -31,8 +31,15 @@ from tf32lab.report.wording import given
 # (tests/test_layers.py: no import circle, TYPE_CHECKING imports included).
 Report = LevelResult = Any
 
-__all__ = ["AMPLIFIED", "MAX_REL_NOTE", "ON_ANOTHER_THREAD", "PINNED_CONV", "amplified", "conclusion",
+__all__ = ["AMPLIFIED", "MAX_REL_NOTE", "ON_ANOTHER_THREAD", "PINNED_CONV", "WORTH", "amplified", "conclusion",
            "on_other_threads", "pinned_and_diverged", "policy_summary", "unmeasured"]
+
+# The smallest predicted speedup worth acting on: a level is advised for its speed (here, and for a training step
+# in report.training), and tune takes a mixed or pinned policy over a uniform level, only when predicted at least
+# this much faster. 1.10, because the speed model's speedups are off by a median 8% on an H200 (docs/gpu-results.md,
+# 2026-11-26) and each pinned module's scope switch costs time of its own: a smaller gain may not be there, while
+# the precision given up is certain.
+WORTH = 1.10
 
 # why a large max rel can stand beside PASSED (the footnote of the outputs table)
 MAX_REL_NOTE = ("max rel is over the elements whose reference is at least 1e-6 of the largest, so a reference "
@@ -287,9 +294,6 @@ def _quoted(path: str) -> str:
     import json
 
     return json.dumps(path, ensure_ascii=False)
-
-
-WORTH = 1.10  # a predicted speedup below this buys too little to speak of
 
 
 def _safe(report: Report, best: LevelResult, where: str, measured: str) -> str:

@@ -33,9 +33,10 @@ from typing import Any, Optional
 from tf32lab.know.targets import NATIVE
 from tf32lab.numbers.files import finite
 from tf32lab.report import Document
+from tf32lab.report.conclusion import WORTH
 from tf32lab.report.wording import given
 
-__all__ = ["FLOOR_MULTIPLE", "TRAINING_SCHEMA_VERSION", "WORTH", "BackwardLayer", "ParameterError", "TrainingLevel",
+__all__ = ["FLOOR_MULTIPLE", "TRAINING_SCHEMA_VERSION", "BackwardLayer", "ParameterError", "TrainingLevel",
            "TrainingReport", "faster", "training_schema"]
 
 TRAINING_SCHEMA_VERSION = 1
@@ -44,7 +45,6 @@ TRAINING_SCHEMA_VERSION = 1
 # two float32 runs that differ only in summation order already differ by up to about 2x in such drift.
 FLOOR_MULTIPLE = 3.0
 FLOOR = "float32"  # the row of float32 `highest` on the target: float32's own drift from float64
-WORTH = 1.10  # a predicted step speedup below this buys little (as tune's threshold for a mixed policy)
 
 
 @dataclass(frozen=True)

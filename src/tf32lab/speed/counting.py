@@ -37,7 +37,7 @@ from tf32lab.report.conclusion import ON_ANOTHER_THREAD, on_other_threads
 
 __all__ = ["Counting", "Counts", "OpCost", "OtherThreads", "on_other_threads"]
 
-ROOT = "(model)"
+ROOT = "(model)"  # how the model itself is named (its module path is "") where it runs family ops directly
 Gemm = tuple[int, int, int, int, int]  # (count, batch, m, n, k)
 
 # no kernel runs: allocation and aliasing (views are known by ``func.is_view``)
