@@ -481,7 +481,7 @@ def test_a_base_exception_inside_a_pinned_module_leaves_level_and_scopes_as_befo
             assert info.tb is not None
             assert tf32lab.control.scope.live_scopes() == 0 and flags.snapshot() == before
             assert tf32lab.get_float32_matmul_precision() == "highest"
-            assert torch._C._len_torch_dispatch_stack() == 0 and tf32lab.control.policy._OPEN.frames == []
+            assert torch._C._len_torch_dispatch_stack() == 0 and tf32lab.control.pinning._OPEN.frames == []
         assert _maths(lambda: model[0](torch.randn(2, 8))) == {"tf32-rna": 1}  # the policy still holds
 
 
