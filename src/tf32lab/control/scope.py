@@ -321,6 +321,7 @@ class _State:
 
 
 _STATE = _State()
+_acquire, _release = _STATE.lock.acquire, _STATE.lock.release  # for the scope's fast paths: no attribute lookups
 
 _SENSITIVE: dict[Any, bool] = {}
 
@@ -616,8 +617,7 @@ class precision:
         key = (thread, 0 if task is None else id(task))
         state = _STATE
         depth = _dispatch_depth()
-        lock = state.lock
-        lock.acquire()
+        _acquire()
         try:
             if state.live == 0 and state.in_force is None and state.writer is None and not state.readers:
                 # the only scope in the process (so no emulation either): no other holder, no guarded op
@@ -655,7 +655,7 @@ class precision:
                 node = _Node(level, self, parent, _holder(key, task), emulation, depth)
                 _opened(node.holder.nodes, node)
         finally:
-            lock.release()
+            _release()
         _SCOPE.set(node)
         return self
 
@@ -663,8 +663,7 @@ class precision:
         top = _SCOPE.get()
         state = _STATE
         if top is not None and top.owner is self and top.alive:
-            lock = state.lock
-            lock.acquire()
+            _acquire()
             try:
                 if state.live == 1 and state.writer is None and not state.readers and state.in_force is not None:
                     # the last scope of the process
@@ -688,7 +687,7 @@ class precision:
                 else:
                     _close(top)
             finally:
-                lock.release()
+                _release()
             parent = top.parent
             _SCOPE.set(parent if parent is None or parent.alive else _live(parent))
             return
