@@ -3,6 +3,8 @@ attention, rotary angles, RMSNorm; each against an explicitly rounded float64 re
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -159,10 +161,12 @@ def test_a_decoding_step_with_a_cache_is_emulated_whole():
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = transformers.LlamaForCausalLM(config).eval()
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    # transformers 5.x names the cache argument `cache`; before, `past_key_values`
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
         cache = model(ids[:, :8], use_cache=True).past_key_values
         with tf32lab.precision("high"), tf32lab.emulate("a100") as emu:
-            step = model(ids[:, 8:], past_key_values=cache, use_cache=True).logits
+            step = model(ids[:, 8:], **{name: cache}, use_cache=True).logits
         exact = model.double()(ids, use_cache=False).logits[:, 8:]
     assert emu.coverage and not emu.unhandled, emu.unhandled
     error = (step.double() - exact).norm() / exact.norm()
