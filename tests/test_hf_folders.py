@@ -150,8 +150,11 @@ def test_the_inputs_follow_the_folder(folders):
     assert torch.equal(decoder[:, 1:], ids[:, :-1]) and bool((decoder[:, 0] == 0).all())
     gpt2 = hf.workload(str(folders["gpt2"]), sentences=3)
     assert gpt2.inputs["use_cache"] is False and set(gpt2.inputs) == {"input_ids", "attention_mask", "use_cache"}
+    logging = transformers.utils.logging
+    before = logging.get_verbosity(), logging.is_progress_bar_enabled()
     again = hf.workload(str(folders["resnet"]), sentences=2)  # seeded
     assert torch.equal(again.inputs["pixel_values"], resnet.inputs["pixel_values"])
+    assert (logging.get_verbosity(), logging.is_progress_bar_enabled()) == before  # loading quietly, put back
 
 
 def test_what_is_not_supported_is_one_line_and_exit_2(folders):

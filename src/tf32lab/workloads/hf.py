@@ -120,7 +120,8 @@ def _transformers(folder: str) -> None:
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """No weight-loading progress bar or load report on stderr while loading; transformers' settings restored."""
+    """No weight-loading progress bar, load report or config warning on stderr while loading (tf32lab's own lines
+    only); transformers' settings restored."""
     from transformers.utils import logging
 
     bar, verbosity = logging.is_progress_bar_enabled(), logging.get_verbosity()
@@ -155,7 +156,8 @@ def _config(folder: str, path: Path) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+        with _quiet():
+            return AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:
         model_type = _model_type(path)
         if model_type is not None and "does not recognize" in str(exc):
