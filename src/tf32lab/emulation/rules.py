@@ -548,9 +548,14 @@ def _attention_backward(call, key, grad, q, k, v, out, attn_mask, is_causal, sca
         grad_q = _product(call, key, grad_s, k_full).mul_(scale)
         grad_k = _product(call, key, grad_s.transpose(-2, -1), q).mul_(scale)
     if grad_k.size(-3) != heads_k:  # grouped-query attention: sum the gradient of each shared head
-        shape = (*grad_k.shape[:-3], heads_k, grad_k.size(-3) // heads_k, *grad_k.shape[-2:])
-        grad_k, grad_v = grad_k.reshape(shape).sum(-3), grad_v.reshape(shape).sum(-3)
+        grad_k, grad_v = _shared_heads(grad_k, heads_k), _shared_heads(grad_v, heads_k)
     return grad_q, grad_k, grad_v
+
+
+def _shared_heads(grad: torch.Tensor, heads: int) -> torch.Tensor:
+    """A gradient over every query head's copy of k or v, summed into the ``heads`` that were shared (each by a
+    group of consecutive query heads, as ``repeat_interleave`` copied them); v's head dim may differ from k's."""
+    return grad.reshape(*grad.shape[:-3], heads, grad.size(-3) // heads, *grad.shape[-2:]).sum(-3)
 
 
 def _arg(args, kwargs, i, name, default=None):

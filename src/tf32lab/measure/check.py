@@ -234,7 +234,7 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
     predicted = session.predicted(levels)
     if predicted is not None:
         rows = [dataclasses.replace(r, speedup=session.speedup(r, predicted, row)) for r in rows]
-    notes = session.notes()
+    notes = [*workload.notes, *session.notes()]
     if ranks is not None:
         notes.append(f"sharded over {ranks.world} ranks: every error is the whole model's, reduced over the ranks "
                      f"(sums of squares, maxima); the speed prediction counts rank {ranks.rank}'s share of the work")

