@@ -6,8 +6,9 @@ copies of a model with ``loss(output, batch)`` and ``optimizer(params)``. Here t
 other, without touching the run:
 
 - the model is a copy of the user's module whose class answers one more call, ``model(StepCall, micro_batches)``:
-  the framework's loss of each micro-batch, averaged (gradient accumulation: the mean of the micro-batch losses has
-  the gradient the framework accumulates); any other call is the module's own ``forward``;
+  the loss of one optimizer step, the framework's losses of its micro-batches summed as it scales them for
+  gradient accumulation (the sum has the gradient the framework accumulates); any other call is the module's own
+  ``forward``;
 - the optimizer of a row is the run's own optimizers and schedulers, deep-copied onto the row's parameters
   (:class:`Steps`: clipping, each optimizer's step, the schedulers due);
 - the batches are the run's first ones, read from its dataloader with every random stream and sampler generator
@@ -39,7 +40,8 @@ ON_FAIL = ("raise", "warn")
 
 # what the framework's own hooks warn about when a step runs outside its loop (a copy has no trainer)
 _OUTSIDE_THE_LOOP = (r".*self\.log\(\)` but the `self\.trainer` reference is not registered.*",
-                     r".*optimizer\.step\(\)` has been overridden after learning rate scheduler.*")
+                     r".*optimizer\.step\(\)` has been overridden after learning rate scheduler.*",
+                     r".*Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`.*")
 
 
 def require(module: str, framework: str, extra: str) -> Any:
@@ -58,18 +60,18 @@ def check_on_fail(on_fail: Any) -> str:
 
 
 class StepCall:
-    """The marker of the call ``model(StepCall(...), micro_batches)``: one optimizer step's loss, made by
-    ``loss(model, micro_batch, batch_index)`` for each micro-batch and averaged; with ``before``, a context
-    ``before(model)`` entered around it (Lightning's manual optimization binds the row's optimizers there)."""
+    """The marker of the call ``model(StepCall(...), micro_batches)``: one optimizer step's loss,
+    ``loss(model, micro_batches, step)`` (the framework's own sum over its gradient accumulation); with
+    ``around``, a context ``around(model)`` entered around it (Lightning's manual optimization binds the row's
+    optimizers there)."""
 
-    def __init__(self, step: int, loss: Callable[[torch.nn.Module, Any, int], Any],
+    def __init__(self, step: int, loss: Callable[[torch.nn.Module, list[Any], int], Any],
                  around: Optional[Callable[[torch.nn.Module], Any]] = None) -> None:
         self.step, self.loss, self.around = step, loss, around
 
-    def run(self, model: torch.nn.Module, micro: Sequence[Any]) -> torch.Tensor:
+    def run(self, model: torch.nn.Module, micro: list[Any]) -> torch.Tensor:
         with self.around(model) if self.around is not None else contextlib.nullcontext():
-            losses = [self.loss(model, batch, self.step * len(micro) + i) for i, batch in enumerate(micro)]
-        return losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+            return self.loss(model, micro, self.step)
 
 
 def stepping_copy(module: torch.nn.Module, memo: Optional[dict[int, Any]] = None) -> torch.nn.Module:
@@ -86,6 +88,9 @@ def stepping_copy(module: torch.nn.Module, memo: Optional[dict[int, Any]] = None
     with torch.no_grad():
         made = copy.deepcopy(module, memo if memo is not None else {})
     made.__class__ = stepping
+    # a forward set on the instance (accelerate's autocast wrapper under bf16/fp16) would hide the class's: the
+    # check trains in float32, without autocast
+    made.__dict__.pop("forward", None)
     return made
 
 
@@ -230,7 +235,7 @@ def run_check(model: torch.nn.Module, name: str, batches: list[Any], loss: Calla
               target: Any, tolerance: Optional[float], around: Optional[Callable[[torch.nn.Module], Any]] = None,
               notes: Sequence[str] = ()) -> TrainingReport:
     """The training check of a framework's step: ``model`` a :func:`stepping_copy`, ``batches`` its
-    ``(step, micro_batches)``, ``loss(model, micro_batch, index)`` the framework's loss of one micro-batch. The
+    ``(step, micro_batches)``, ``loss(model, micro_batches, step)`` the framework's loss of one step. The
     caller keeps the random streams (``random_state_kept``) around this and the batches' reading."""
     import dataclasses
 

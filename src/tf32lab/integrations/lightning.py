@@ -82,13 +82,17 @@ class Tf32Check(L.Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.passed is not None:
             return  # once per callback: a second fit is the same run's continuation
+        # every random stream as it was afterwards (the check's reading of the batches, its rows, the report's
+        # writing): the run draws as it would without the check
+        with random_state_kept(pl_module, "Tf32Check"):
+            self._run(trainer, pl_module)
+
+    def _run(self, trainer: Any, pl_module: Any) -> None:
         distributed = trainer.world_size > 1
         error = None
         if trainer.is_global_zero:
             try:
-                # every random stream as it was afterwards: the run draws as it would without the check
-                with random_state_kept(pl_module, "Tf32Check"):
-                    self.report = self._check(trainer, pl_module)
+                self.report = self._check(trainer, pl_module)
                 self.passed = self.report.passed
             except Exception as exc:
                 if not distributed:
@@ -173,7 +177,7 @@ class Tf32Check(L.Callback):
         recorded: list[torch.Tensor] = []
         takes_index = _takes_index(module)
 
-        def loss(model: Any, batch: Any, index: int) -> torch.Tensor:
+        def one(model: Any, batch: Any, index: int) -> torch.Tensor:
             recorded.clear()
             out = model.training_step(batch, index) if takes_index else model.training_step(batch)
             value = out.get("loss") if isinstance(out, Mapping) else out
@@ -190,6 +194,11 @@ class Tf32Check(L.Callback):
                 raise Tf32LabError("Tf32Check: training_step returned None (a skipped step) on one of the first "
                                    "batches: the check needs a loss at every step")
             return value
+
+        def loss(model: Any, micro: list[Any], step: int) -> torch.Tensor:
+            # Lightning backpropagates each micro-batch's loss over accumulate_grad_batches: their mean's gradient
+            values = [one(model, batch, step * len(micro) + i) for i, batch in enumerate(micro)]
+            return values[0] if len(values) == 1 else torch.stack(values).mean()
 
         around = (lambda model: _manual(model, bundle_of(model), recorded)) if manual else None
         model = _loop.stepping_copy(module)
