@@ -10,6 +10,7 @@ import random
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -220,3 +221,15 @@ def test_without_lightning_the_integration_names_its_extra_and_tf32lab_never_imp
     first, message = out.stdout.strip().splitlines()
     assert first == "False False"
     assert "pip install 'tf32lab[lightning]'" in message
+
+
+@pytest.mark.slow
+def test_under_ddp_rank_0_checks_and_every_rank_ends_with_its_verdict(tmp_path):
+    # Lightning's own launcher, two CPU ranks (gloo): about a minute on two idle cores, as each rank is a process
+    job = Path(__file__).with_name("lightning_ddp_job.py")
+    out = subprocess.run([sys.executable, str(job), str(tmp_path), "warn"], capture_output=True, text=True,
+                         timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert "rank 0: passed=True report=True" in lines and "rank 1: passed=True report=False" in lines
+    assert "same weights: True" in lines

@@ -89,6 +89,7 @@ class Tf32Check(L.Callback):
 
     def _run(self, trainer: Any, pl_module: Any) -> None:
         distributed = trainer.world_size > 1
+        folder = trainer.log_dir  # a collective under DDP (rank 0's folder, broadcast): every rank asks
         error = None
         if trainer.is_global_zero:
             try:
@@ -103,17 +104,17 @@ class Tf32Check(L.Callback):
             if error is not None:
                 raise Tf32LabError(f"tf32lab training check on rank 0: {error}")
         if self.report is not None:
-            self._said(trainer)
+            self._said(trainer, folder)
         elif not self.passed and self.on_fail == "raise":
             raise Tf32LabError("tf32lab training check FAILED on rank 0 (its log has the report)")
 
-    def _said(self, trainer: Any) -> None:
+    def _said(self, trainer: Any, folder: Optional[str]) -> None:
         report = self.report
         assert report is not None
         numbers = {k: v for k, v in _loop.headline(report).items() if math.isfinite(v)}
         for logger in trainer.loggers:  # at the run's current step: no step of its own
             logger.log_metrics(numbers, step=trainer.global_step)
-        _loop.written(report, trainer.log_dir)
+        _loop.written(report, folder)
         _loop.said(report, self.on_fail)
 
     # -- the run as a training workload --------------------------------------------------------------------------
