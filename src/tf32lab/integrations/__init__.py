@@ -8,5 +8,3 @@ scheduler and first batches, and leaves the run itself bit-identical to a run wi
 imported by ``import tf32lab`` nor by this package: only by the module of its integration (``pip install
 'tf32lab[lightning]'`` or ``'tf32lab[transformers]'``).
 """
-
-__all__: list = []

@@ -13,6 +13,17 @@ other, without touching the run:
   (:class:`Steps`: clipping, each optimizer's step, the schedulers due);
 - the batches are the run's first ones, read from its dataloader with every random stream and sampler generator
   put back afterwards (:func:`first_batches`), so that the run reads the same batches in the same order.
+
+Example:
+
+    >>> import torch
+    >>> from torch.utils.data import DataLoader
+    >>> loader = DataLoader(list(range(12)), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0))
+    >>> first = first_batches(loader, 4, move=lambda b: b)
+    >>> [b.tolist() for b in first] == [b.tolist() for b in list(loader)[:4]]   # the run reads the same ones
+    True
+    >>> [(step, len(micro)) for step, micro in grouped(first, accumulate=2, steps=5)]  # two steps of two batches
+    [(0, 2), (1, 2)]
 """
 
 from __future__ import annotations

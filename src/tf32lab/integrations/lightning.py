@@ -28,6 +28,15 @@ Example (not run here: it needs PyTorch Lightning)::
     trainer = L.Trainer(callbacks=[check], max_epochs=3)
     trainer.fit(model, datamodule)
     check.report.passed   # the verdict; check.report.level("high").drift, ...
+
+The callback is made once, its arguments checked at once:
+
+    >>> Tf32Check(target="h100", steps=5).levels
+    ('highest', 'high', 'medium')
+    >>> Tf32Check(on_fail="stop")
+    Traceback (most recent call last):
+    ...
+    tf32lab.errors.Tf32LabError: on_fail must be 'raise' or 'warn', not 'stop'
 """
 
 from __future__ import annotations

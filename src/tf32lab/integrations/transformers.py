@@ -31,6 +31,15 @@ Example (not run here: it needs transformers)::
     trainer = Trainer(model=model, args=TrainingArguments("out"), train_dataset=data, callbacks=[check])
     trainer.train()
     check.report.passed   # and check.report.notes: whether TrainingArguments(tf32=True) is safe here
+
+The callback is made once, its arguments checked at once:
+
+    >>> Tf32CheckCallback(target="a100", steps=10, levels=("highest", "high")).levels
+    ('highest', 'high')
+    >>> Tf32CheckCallback(steps=0)
+    Traceback (most recent call last):
+    ...
+    tf32lab.errors.Tf32LabError: steps must be a whole number >= 1, not 0
 """
 
 from __future__ import annotations
