@@ -42,7 +42,7 @@ def by_hand(steps: int):
     return lambda: tf32lab.check_training(workload, levels=LEVELS, target="a100", speed=True)
 
 
-def lightning(steps: int) -> dict[str, object]:
+def lightning(steps: int, folder: str) -> dict[str, object]:
     import pytorch_lightning as L
 
     from tf32lab.integrations.lightning import Tf32Check
@@ -63,6 +63,7 @@ def lightning(steps: int) -> dict[str, object]:
 
     def fit(callbacks: list) -> None:
         trainer = L.Trainer(max_steps=steps, callbacks=callbacks, logger=False, enable_progress_bar=False,
+                            default_root_dir=folder,
                             enable_checkpointing=False, enable_model_summary=False, accelerator="cpu")
         trainer.fit(Module(), DataLoader(data(), batch_size=16))
 
@@ -108,7 +109,7 @@ def main() -> None:
 
     failed = False
     with tempfile.TemporaryDirectory() as folder:
-        for framework, make in (("lightning", lambda: lightning(args.steps)),
+        for framework, make in (("lightning", lambda: lightning(args.steps, folder)),
                                 ("transformers", lambda: transformers_(args.steps, folder))):
             runs = make()
             times = interleaved({"without": runs["without"], "with": runs["with"], "check": by_hand(args.steps)},
