@@ -2,7 +2,8 @@
 minus the same run without it, as a multiple of `check_training` on the same steps of the same model (a
 hand-written `TrainingWorkload`: its first batches, its loss, its optimizer). Goal: at most 1x plus a little (the
 callback reads its batches again and copies the model once more). And nothing added where the callback is not in
-`callbacks`: importing the integrations adds no callback to a Trainer and no hook to a module.
+`callbacks`: importing the integrations adds no callback to a Trainer and no hook to a module. Both sides write
+the report's JSON and HTML, as the callbacks do.
 
     .venv/bin/python benchmarks/integrations.py [--rounds 3] [--steps 10]
 """
@@ -33,13 +34,19 @@ def mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1))
 
 
-def by_hand(steps: int):
-    """The same model, batches (the loader's order: not shuffled), loss and optimizer as a TrainingWorkload."""
+def by_hand(steps: int, folder: str):
+    """The same model, batches (the loader's order: not shuffled), loss and optimizer as a TrainingWorkload, its
+    report written as the callbacks write theirs (JSON and HTML)."""
     loader = DataLoader(data(), batch_size=16)
     batches = [batch for _, batch in zip(range(steps), loader)]
     workload = tf32lab.TrainingWorkload(mlp(), batches, loss=lambda out, b: (out - b[1]).pow(2).mean(),
                                         inputs=lambda b: b[0], optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
-    return lambda: tf32lab.check_training(workload, levels=LEVELS, target="a100", speed=True)
+    def run() -> None:
+        report = tf32lab.check_training(workload, levels=LEVELS, target="a100")
+        report.to_json(f"{folder}/by-hand.json")
+        report.save_html(f"{folder}/by-hand.html")
+
+    return run
 
 
 def lightning(steps: int, folder: str) -> dict[str, object]:
@@ -112,8 +119,8 @@ def main() -> None:
         for framework, make in (("lightning", lambda: lightning(args.steps, folder)),
                                 ("transformers", lambda: transformers_(args.steps, folder))):
             runs = make()
-            times = interleaved({"without": runs["without"], "with": runs["with"], "check": by_hand(args.steps)},
-                                rounds=args.rounds, number=1)
+            variants = {"without": runs["without"], "with": runs["with"], "check": by_hand(args.steps, folder)}
+            times = interleaved(variants, rounds=args.rounds, number=1)
             ratio = (times["with"] - times["without"]) / times["check"]
             ok = ratio <= 1 + MARGIN
             failed |= not ok
