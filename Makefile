@@ -60,6 +60,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/emulate.py
 	$(BIN)/python benchmarks/check.py
 	$(BIN)/python benchmarks/compile_cache.py
+	$(BIN)/python benchmarks/integrations.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis report.html

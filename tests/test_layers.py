@@ -3,7 +3,8 @@ modules of one layer): every ``import`` of tf32lab in the source, lazy ones insi
 ``if TYPE_CHECKING:`` included (read from the syntax tree, nothing imported).
 
 Low to high: errors and settings (leaf modules), numbers, know, report, control, emulation, machine, workloads,
-speed, measure, decide, then the faces (cli, pytest_plugin, testing, __main__) and the package's ``__init__``.
+speed, measure, decide, then the faces (cli, pytest_plugin, testing, __main__), the integrations (a framework's
+training loop adapted to a workload: nothing of tf32lab imports them) and the package's ``__init__``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "tf32lab"
 ORDER = ["errors", "settings", "numbers", "know", "report", "control", "emulation", "machine", "workloads", "speed",
-         "measure", "decide", "faces"]
+         "measure", "decide", "faces", "integrations"]
 RANK = {**{name: rank for rank, name in enumerate(ORDER)}, "settings": 0}  # the two leaves are one floor
 FACES = {"cli", "pytest_plugin", "testing", "__main__"}
 

@@ -1,0 +1,311 @@
+"""What both integrations share: a framework's training step as a :class:`~tf32lab.TrainingWorkload`.
+
+A framework trains its module through its own hooks (Lightning's ``training_step``, Hugging Face's
+``compute_loss``), its own optimizer and schedulers, gradient accumulation and clipping. The training check trains
+copies of a model with ``loss(output, batch)`` and ``optimizer(params)``. Here the one is put in the terms of the
+other, without touching the run:
+
+- the model is a copy of the user's module whose class answers one more call, ``model(StepCall, micro_batches)``:
+  the loss of one optimizer step, the framework's losses of its micro-batches summed as it scales them for
+  gradient accumulation (the sum has the gradient the framework accumulates); any other call is the module's own
+  ``forward``;
+- the optimizer of a row is the run's own optimizers and schedulers, deep-copied onto the row's parameters
+  (:class:`Steps`: clipping, each optimizer's step, the schedulers due);
+- the batches are the run's first ones, read from its dataloader with every random stream and sampler generator
+  put back afterwards (:func:`first_batches`), so that the run reads the same batches in the same order.
+
+Example:
+
+    >>> import torch
+    >>> from torch.utils.data import DataLoader
+    >>> loader = DataLoader(list(range(12)), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0))
+    >>> first = first_batches(loader, 4, move=lambda b: b)
+    >>> [b.tolist() for b in first] == [b.tolist() for b in list(loader)[:4]]   # the run reads the same ones
+    True
+    >>> [(step, len(micro)) for step, micro in grouped(first, accumulate=2, steps=5)]  # two steps of two batches
+    [(0, 2), (1, 2)]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import logging
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from tf32lab.errors import Tf32LabError
+from tf32lab.know.levels import LEVELS
+from tf32lab.measure.training import check_training
+from tf32lab.report.training import TrainingReport
+from tf32lab.workloads.training import TrainingWorkload
+
+LOG = logging.getLogger("tf32lab.integrations")
+
+ON_FAIL = ("raise", "warn")
+
+# what the framework's own hooks warn about when a step runs outside its loop (a copy has no trainer)
+_OUTSIDE_THE_LOOP = (r".*self\.log\(\)` but the `self\.trainer` reference is not registered.*",
+                     r".*optimizer\.step\(\)` has been overridden after learning rate scheduler.*",
+                     r".*Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`.*")
+
+
+def require(module: str, framework: str, extra: str) -> Any:
+    """``module`` imported, or one line naming the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise Tf32LabError(f"tf32lab's {framework} integration needs {framework} ({module} is not installed): "
+                           f"pip install 'tf32lab[{extra}]'") from None
+
+
+def check_on_fail(on_fail: Any) -> str:
+    if on_fail not in ON_FAIL:
+        raise Tf32LabError(f"on_fail must be 'raise' or 'warn', not {on_fail!r}")
+    return on_fail
+
+
+class StepCall:
+    """The marker of the call ``model(StepCall(...), micro_batches)``: one optimizer step's loss,
+    ``loss(model, micro_batches, step)`` (the framework's own sum over its gradient accumulation); with
+    ``around``, a context ``around(model)`` entered around it (Lightning's manual optimization binds the row's
+    optimizers there)."""
+
+    def __init__(self, step: int, loss: Callable[[torch.nn.Module, list[Any], int], Any],
+                 around: Optional[Callable[[torch.nn.Module], Any]] = None) -> None:
+        self.step, self.loss, self.around = step, loss, around
+
+    def run(self, model: torch.nn.Module, micro: list[Any]) -> torch.Tensor:
+        with self.around(model) if self.around is not None else contextlib.nullcontext():
+            return self.loss(model, micro, self.step)
+
+
+def stepping_copy(module: torch.nn.Module, memo: Optional[dict[int, Any]] = None) -> torch.nn.Module:
+    """A copy of ``module`` whose class is the module's own with one more call, ``model(StepCall, micro)``."""
+    base = type(module)
+
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if args and isinstance(args[0], StepCall):
+            return args[0].run(self, args[1])
+        return base.forward(self, *args, **kwargs)
+
+    stepping = type(base.__name__, (base,), {"forward": forward, "__qualname__": base.__qualname__,
+                                             "__module__": base.__module__})
+    with torch.no_grad():
+        made = copy.deepcopy(module, memo if memo is not None else {})
+    made.__class__ = stepping
+    # a forward set on the instance (accelerate's autocast wrapper under bf16/fp16) would hide the class's: the
+    # check trains in float32, without autocast
+    made.__dict__.pop("forward", None)
+    return made
+
+
+class Steps(torch.optim.Optimizer):
+    """The framework's optimizer step as one optimizer: gradients clipped (``clip``: ``(value, "norm" | "value")``),
+    each optimizer stepped, then each scheduler that is due (``(scheduler, every)``: every so many steps). Its
+    param groups and state are its optimizers' own. ``manual``: the module steps its optimizers itself (Lightning's
+    manual optimization), and this one's ``step`` and ``zero_grad`` do nothing."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[tuple[Any, int]] = (),
+                 clip: Optional[tuple[float, str]] = None, manual: bool = False) -> None:
+        # not Optimizer.__init__: the groups are the optimizers' own (a scheduler changes their lr in place)
+        self.optimizers, self.schedulers, self.clip, self.manual = list(optimizers), list(schedulers), clip, manual
+        self.param_groups = [group for optimizer in self.optimizers for group in optimizer.param_groups]
+        self.defaults: dict[str, Any] = {}
+        self.steps = 0
+
+    @property
+    def state(self) -> dict[Any, Any]:  # type: ignore[override]
+        merged: dict[Any, Any] = {}
+        for optimizer in self.optimizers:
+            merged.update(optimizer.state)
+        return merged
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if not self.manual:
+            for optimizer in self.optimizers:
+                optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> None:  # type: ignore[override]
+        if self.manual:
+            return
+        if self.clip is not None:
+            clip_gradients([p for g in self.param_groups for p in g["params"]], *self.clip)
+        for optimizer in self.optimizers:
+            optimizer.step()
+        self.steps += 1
+        self.scheduled()
+
+    def scheduled(self) -> None:
+        """Each scheduler due after ``steps`` optimizer steps, stepped."""
+        for scheduler, every in self.schedulers:
+            if every and self.steps % every == 0:
+                with quiet():
+                    scheduler.step()
+
+    def __repr__(self) -> str:
+        return f"Steps({', '.join(type(o).__name__ for o in self.optimizers)})"
+
+
+def clip_gradients(params: Iterable[torch.Tensor], value: float, algorithm: str = "norm") -> None:
+    """The frameworks' gradient clipping: by the norm of all gradients together, or each element by value."""
+    grads = [p for p in params if p.grad is not None]
+    if algorithm == "value":
+        torch.nn.utils.clip_grad_value_(grads, value)
+    else:
+        torch.nn.utils.clip_grad_norm_(grads, value)
+
+
+def rebound(optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any],
+            original: Sequence[torch.nn.Parameter], params: Sequence[torch.nn.Parameter]) -> tuple[list, list]:
+    """Copies of ``optimizers`` and ``schedulers`` over ``params`` (a row's copies of ``original``, in order): the
+    same classes, hyperparameters, state and schedule, the schedulers stepping the copied optimizers."""
+    if len(original) != len(params):
+        raise Tf32LabError(f"the run's module has {len(original)} trainable parameters, its copy {len(params)}")
+    memo: dict[int, Any] = {id(o): p for o, p in zip(original, params)}
+    made = [copy.deepcopy(optimizer, memo) for optimizer in optimizers]
+    kept = {id(p) for p in params}
+    for optimizer in made:  # a frozen parameter in a group is no row's: the check steps the trainable ones
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in kept]
+    return made, [copy.deepcopy(scheduler, memo) for scheduler in schedulers]
+
+
+def trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """The framework's warnings about a step outside its loop silenced (a row's copy has no trainer)."""
+    with warnings.catch_warnings():
+        for message in _OUTSIDE_THE_LOOP:
+            warnings.filterwarnings("ignore", message=message)
+        yield
+
+
+# -- the run's first batches, read again --------------------------------------------------------------------------
+def _generators(loader: Any) -> list[torch.Generator]:
+    """Every torch generator a dataloader's sampling draws from (its own, its sampler's, its batch sampler's)."""
+    found = []
+    for owner in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
+                  getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        generator = getattr(owner, "generator", None)
+        if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
+            found.append(generator)
+    return found
+
+
+@contextlib.contextmanager
+def loader_kept(loader: Any) -> Iterator[None]:
+    """The dataloader's own generators as they were on exit (the process's random streams are kept apart)."""
+    generators = _generators(loader)
+    states = [g.get_state() for g in generators]
+    try:
+        yield
+    finally:
+        for generator, state in zip(generators, states):
+            generator.set_state(state)
+
+
+def first_batches(loader: Any, count: int, move: Callable[[Any], Any], iterate: Callable[[Any], Iterator[Any]] = iter
+                  ) -> list[Any]:
+    """The first ``count`` batches of a fresh pass over ``loader`` (each through ``move``), the loader's
+    generators put back afterwards; fewer when it has fewer."""
+    found: list[Any] = []
+    with loader_kept(loader):
+        batches = iterate(loader)
+        try:
+            for batch in batches:
+                found.append(move(_plain(batch)))
+                if len(found) == count:
+                    break
+        finally:
+            del batches  # a multi-process loader's workers end here
+    return found
+
+
+def _plain(batch: Any) -> Any:
+    """A mapping batch (``BatchEncoding``, a ``UserDict``) as a dict, which the check's copies keep as such."""
+    return dict(batch.items()) if isinstance(batch, Mapping) and not isinstance(batch, dict) else batch
+
+
+def grouped(batches: list[Any], accumulate: int, steps: int) -> list[tuple[int, list[Any]]]:
+    """``(step, micro_batches)`` for each optimizer step the batches make whole."""
+    whole = min(steps, len(batches) // accumulate)
+    return [(k, batches[k * accumulate:(k + 1) * accumulate]) for k in range(whole)]
+
+
+def run_check(model: torch.nn.Module, name: str, batches: list[Any], loss: Callable[..., Any],
+              optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], *, levels: Iterable[str],
+              target: Any, tolerance: Optional[float], around: Optional[Callable[[torch.nn.Module], Any]] = None,
+              notes: Sequence[str] = ()) -> TrainingReport:
+    """The training check of a framework's step: ``model`` a :func:`stepping_copy`, ``batches`` its
+    ``(step, micro_batches)``, ``loss(model, micro_batches, step)`` the framework's loss of one step. The
+    caller keeps the random streams (``random_state_kept``) around this and the batches' reading."""
+    import dataclasses
+
+    calls = {}
+
+    def inputs(batch: Any) -> tuple[Any, Any]:
+        step, micro = batch
+        if step not in calls:
+            calls[step] = StepCall(step, loss, around)
+        return calls[step], micro
+
+    workload = TrainingWorkload(model, batches, loss=lambda out, batch: out, optimizer=optimizer, inputs=inputs,
+                                name=name)
+    with quiet():
+        report = check_training(workload, levels=levels, target=target, tolerance=tolerance)
+    return dataclasses.replace(report, notes=(*report.notes, *notes)) if notes else report
+
+
+def headline(report: TrainingReport) -> dict[str, float]:
+    """The numbers a framework's loggers get: the verdict (1 passed, 0 failed), and per level its loss drift from
+    float64, that drift over float32's own, and its divergence step (0: none)."""
+    out = {"tf32lab/passed": float(report.passed), "tf32lab/float32_drift": report.floor.drift}
+    for row in report.levels:
+        if row.level == "highest":
+            continue
+        out[f"tf32lab/{row.level}/passed"] = float(row.passed)
+        out[f"tf32lab/{row.level}/drift"] = row.drift
+        out[f"tf32lab/{row.level}/multiple"] = row.multiple
+        out[f"tf32lab/{row.level}/divergence_step"] = float(row.divergence_step or 0)
+    return out
+
+
+def written(report: TrainingReport, folder: Optional[str]) -> list[Path]:
+    """The report as ``tf32lab-training.json`` and ``.html`` in ``folder`` (none: not written)."""
+    if not folder:
+        return []
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    report.to_json(path / "tf32lab-training.json")
+    report.save_html(path / "tf32lab-training.html")
+    return [path / "tf32lab-training.json", path / "tf32lab-training.html"]
+
+
+def said(report: TrainingReport, on_fail: str, advice: Sequence[str] = ()) -> None:
+    """The verdicts logged (a failure as a warning); ``on_fail="raise"``: a failure raises ``Tf32LabError``."""
+    lines = [*report.verdicts(), *report.conclusion(), *advice]
+    LOG.log(logging.INFO if report.passed else logging.WARNING, "tf32lab training check:\n%s", "\n".join(lines))
+    if report.passed:
+        return
+    failed = next(lv for lv in report.levels if not lv.passed)
+    message = f"tf32lab training check {_verdict_line(report, failed)}"
+    if on_fail == "raise":
+        raise Tf32LabError(message)
+    warnings.warn(message, stacklevel=3)
+
+
+def _verdict_line(report: TrainingReport, failed: Any) -> str:
+    return next(line for line in report.verdicts() if f"level {failed.level!r}" in line)
+
+
+def default_levels(levels: Optional[Iterable[str]]) -> tuple[str, ...]:
+    return tuple(LEVELS) if levels is None else tuple(levels)

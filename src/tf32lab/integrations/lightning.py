@@ -1,0 +1,275 @@
+"""``Tf32Check``: the training check as a PyTorch Lightning callback.
+
+When training starts (``on_train_start``: the optimizers, schedulers and dataloader made), it trains copies of the
+run's own ``LightningModule`` for ``steps`` optimizer steps at each level, as ``target`` computes it, against
+float64 and float32's own drift (:func:`tf32lab.check_training`): its ``training_step`` as the loss, the optimizers
+and schedulers its ``configure_optimizers`` gave, the Trainer's gradient accumulation and clipping, and the first
+batches of its train dataloader. The run itself is untouched: its module, optimizers and schedulers are never
+stepped (copies are), the batches are read again from a fresh pass (the random streams, PyTorch's, NumPy's and
+Python's, and the dataloader's own generators put back), and nothing is logged at a step of its own. A run with the
+callback ends with the same weights, bit for bit, as a run without it.
+
+The report is kept on the callback (``cb.report``), written as ``tf32lab-training.json`` and ``.html`` into the
+trainer's log dir, its verdicts logged (``logging``, ``tf32lab.integrations``) and its headline numbers given to
+the trainer's loggers (``tf32lab/passed``, ``tf32lab/high/drift``, ...). A failed check warns
+(``on_fail="warn"``, the default) or stops the run before its first step (``on_fail="raise"``).
+
+Under DDP the check runs on global rank 0, on its shard of the data; the other ranks wait for it and every rank
+gets its verdict (and raises together). Lightning's mixed precision (``16-mixed``, ``bf16-mixed``) runs matmuls in
+16-bit under autocast, which the float32 matmul precision does not reach: the check trains in float32 and a note
+says so.
+
+Example (not run here: it needs PyTorch Lightning)::
+
+    import pytorch_lightning as L
+    from tf32lab.integrations.lightning import Tf32Check
+
+    check = Tf32Check(target="a100", steps=20, levels=("highest", "high"))
+    trainer = L.Trainer(callbacks=[check], max_epochs=3)
+    trainer.fit(model, datamodule)
+    check.report.passed   # the verdict; check.report.level("high").drift, ...
+
+The callback is made once, its arguments checked at once:
+
+    >>> Tf32Check(target="h100", steps=5).levels
+    ('highest', 'high', 'medium')
+    >>> Tf32Check(on_fail="stop")
+    Traceback (most recent call last):
+    ...
+    tf32lab.errors.Tf32LabError: on_fail must be 'raise' or 'warn', not 'stop'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Optional, Union
+
+import torch
+
+from tf32lab.errors import Tf32LabError
+from tf32lab.integrations import _loop
+from tf32lab.know.levels import check_levels
+from tf32lab.know.targets import Target
+from tf32lab.measure.training import random_state_kept
+from tf32lab.report.training import TrainingReport
+from tf32lab.workloads.training import check_steps
+
+L = _loop.require("pytorch_lightning", "PyTorch Lightning", "lightning")
+
+__all__ = ["Tf32Check"]
+
+_MIXED = {"16-mixed": "float16", "bf16-mixed": "bfloat16", "16-true": "float16", "bf16-true": "bfloat16",
+          "16": "float16", "bf16": "bfloat16", "transformer-engine": "FP8"}
+
+
+class Tf32Check(L.Callback):
+    """Check, before the first step, what each precision level does to this run's training (see the module).
+
+    Args:
+        target: the GPU whose math is emulated (``"a100"``, ``"h100"``, ...), or ``"native"``.
+        steps: optimizer steps to train (each ``accumulate_grad_batches`` batches).
+        levels: the precision levels (default all three).
+        tolerance: the loss's largest relative deviation from float64's (default 1e-2).
+        on_fail: ``"warn"`` (log and warn, train on) or ``"raise"`` (``Tf32LabError`` before the first step).
+
+    After ``fit``, :attr:`report` holds the :class:`~tf32lab.report.training.TrainingReport` (None on ranks but 0
+    under DDP) and :attr:`passed` the verdict (on every rank).
+    """
+
+    def __init__(self, target: Union[str, Target] = "a100", steps: int = 20, levels: Optional[Iterable[str]] = None,
+                 tolerance: Optional[float] = None, on_fail: str = "warn") -> None:
+        super().__init__()
+        self.target, self.steps = target, check_steps(steps)
+        self.levels = check_levels(_loop.default_levels(levels))
+        self.tolerance, self.on_fail = tolerance, _loop.check_on_fail(on_fail)
+        self.report: Optional[TrainingReport] = None
+        self.passed: Optional[bool] = None
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.passed is not None:
+            return  # once per callback: a second fit is the same run's continuation
+        # every random stream as it was afterwards (the check's reading of the batches, its rows, the report's
+        # writing): the run draws as it would without the check
+        with random_state_kept(pl_module, "Tf32Check"):
+            self._run(trainer, pl_module)
+
+    def _run(self, trainer: Any, pl_module: Any) -> None:
+        distributed = trainer.world_size > 1
+        folder = trainer.log_dir  # a collective under DDP (rank 0's folder, broadcast): every rank asks
+        error = None
+        if trainer.is_global_zero:
+            try:
+                self.report = self._check(trainer, pl_module)
+                self.passed = self.report.passed
+            except Exception as exc:
+                if not distributed:
+                    raise
+                error = f"{type(exc).__name__}: {exc}"
+        if distributed:  # every rank waits for rank 0's verdict, and ends (or raises) with it
+            self.passed, error = trainer.strategy.broadcast((self.passed, error), src=0)
+            if error is not None:
+                raise Tf32LabError(f"tf32lab training check on rank 0: {error}")
+        if self.report is not None:
+            self._said(trainer, folder)
+        elif not self.passed and self.on_fail == "raise":
+            raise Tf32LabError("tf32lab training check FAILED on rank 0 (its log has the report)")
+
+    def _said(self, trainer: Any, folder: Optional[str]) -> None:
+        report = self.report
+        assert report is not None
+        numbers = {k: v for k, v in _loop.headline(report).items() if math.isfinite(v)}
+        for logger in trainer.loggers:  # at the run's current step: no step of its own
+            logger.log_metrics(numbers, step=trainer.global_step)
+        _loop.written(report, folder)
+        _loop.said(report, self.on_fail)
+
+    # -- the run as a training workload --------------------------------------------------------------------------
+    def _check(self, trainer: Any, module: Any) -> TrainingReport:
+        manual = not module.automatic_optimization
+        accumulate = 1 if manual else int(trainer.accumulate_grad_batches)
+        notes = []
+        loader = trainer.train_dataloader
+        if loader is None:
+            raise Tf32LabError("Tf32Check: the trainer has no train dataloader at on_train_start")
+        device = module.device
+        batches = _loop.first_batches(loader, self.steps * accumulate,
+                                      lambda b: L.utilities.move_data_to_device(b, device))
+        steps = _loop.grouped(batches, accumulate, self.steps)
+        if not steps:
+            raise Tf32LabError(f"Tf32Check: the train dataloader has {len(batches)} batches, fewer than one "
+                               f"optimizer step's {accumulate} (accumulate_grad_batches)")
+        if len(steps) < self.steps:
+            notes.append(f"the train dataloader has {len(batches)} batches: {len(steps)} of the {self.steps} "
+                         f"steps asked for were checked")
+        precision = str(trainer.precision)
+        if precision in _MIXED:
+            notes.append(f"the run trains at precision {precision!r}: its matmuls run in {_MIXED[precision]}, "
+                         f"which the float32 matmul precision does not reach; the check trained the model in "
+                         f"float32 without autocast (what the level decides where the run keeps float32)")
+        original = _loop.trainable(module)
+        optimizers = list(trainer.optimizers)
+        configs = list(trainer.lr_scheduler_configs)
+        per_epoch = trainer.num_training_batches
+        per_epoch = math.ceil(per_epoch / accumulate) if math.isfinite(per_epoch) else 0
+        schedule = []
+        for config in configs:
+            if manual:
+                every = 0  # the training_step steps its schedulers itself (self.lr_schedulers())
+            elif config.reduce_on_plateau:
+                every = 0
+                notes.append(f"{type(config.scheduler).__name__} steps on a monitored metric, which the check does "
+                             f"not compute: its learning rate is held")
+            else:
+                every = config.frequency * (1 if config.interval == "step" else per_epoch)
+            schedule.append(every)
+        clip = None
+        if not manual and trainer.gradient_clip_val:
+            clip = (float(trainer.gradient_clip_val), str(getattr(trainer.gradient_clip_algorithm, "value",
+                                                                  trainer.gradient_clip_algorithm) or "norm"))
+        plain = not manual and clip is None and len(optimizers) == 1 and not configs
+        bundles: dict[int, _loop.Steps] = {}
+
+        def optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+            made, schedulers = _loop.rebound(optimizers, [c.scheduler for c in configs], original, params)
+            bundle = _loop.Steps(made, list(zip(schedulers, schedule)), clip, manual)
+            bundles[id(params[0])] = bundle
+            return made[0] if plain else bundle
+
+        def bundle_of(model: torch.nn.Module) -> _loop.Steps:
+            params = _loop.trainable(model)
+            if id(params[0]) not in bundles:  # a copy the check made without an optimizer (step 1's probes)
+                optimizer(params)
+            return bundles[id(params[0])]
+
+        recorded: list[torch.Tensor] = []
+        takes_index = _takes_index(module)
+
+        def one(model: Any, batch: Any, index: int) -> torch.Tensor:
+            recorded.clear()
+            out = model.training_step(batch, index) if takes_index else model.training_step(batch)
+            value = out.get("loss") if isinstance(out, Mapping) else out
+            if manual:
+                if value is None and recorded:
+                    value = torch.stack([r.detach().reshape(()) for r in recorded]).sum()
+                if not isinstance(value, torch.Tensor):
+                    raise Tf32LabError("Tf32Check: training_step returned no loss and called manual_backward on "
+                                       "none: return the loss (manual optimization)")
+                # the step is done: what the check backpropagates reaches no parameter
+                return value.detach().reshape(()) + torch.zeros((), dtype=value.dtype, device=value.device,
+                                                                requires_grad=True)
+            if value is None:
+                raise Tf32LabError("Tf32Check: training_step returned None (a skipped step) on one of the first "
+                                   "batches: the check needs a loss at every step")
+            return value
+
+        def loss(model: Any, micro: list[Any], step: int) -> torch.Tensor:
+            # Lightning backpropagates each micro-batch's loss over accumulate_grad_batches: their mean's gradient
+            values = [one(model, batch, step * len(micro) + i) for i, batch in enumerate(micro)]
+            return values[0] if len(values) == 1 else torch.stack(values).mean()
+
+        around = (lambda model: _manual(model, bundle_of(model), recorded)) if manual else None
+        model = _loop.stepping_copy(module)
+        return _loop.run_check(model, type(module).__name__, steps, loss, optimizer, levels=self.levels,
+                               target=self.target, tolerance=self.tolerance, around=around, notes=notes)
+
+
+def _takes_index(module: Any) -> bool:
+    try:
+        parameters = inspect.signature(module.training_step).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters) >= 2 or \
+        any(p.kind == p.VAR_POSITIONAL for p in parameters)
+
+
+@contextlib.contextmanager
+def _manual(model: Any, bundle: _loop.Steps, recorded: list[torch.Tensor]) -> Iterator[None]:
+    """A row's copy in manual optimization: ``self.optimizers()``, ``self.lr_schedulers()``,
+    ``self.manual_backward``, ``toggle_optimizer``/``untoggle_optimizer`` and ``clip_gradients`` bound to the row's
+    own optimizers and schedulers (the copy has no trainer)."""
+    optimizers = bundle.optimizers
+    schedulers = [s for s, _ in bundle.schedulers]
+    toggled: dict[torch.Tensor, bool] = {}
+
+    def backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        recorded.append(loss)
+        loss.backward(*args, **kwargs)
+
+    def toggle(optimizer: Any) -> None:
+        for opt in optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    toggled.setdefault(p, p.requires_grad)
+                    p.requires_grad = False
+        for group in getattr(optimizer, "optimizer", optimizer).param_groups:
+            for p in group["params"]:
+                p.requires_grad = toggled[p]
+
+    def untoggle(optimizer: Any) -> None:
+        for p, state in toggled.items():
+            p.requires_grad = state
+        toggled.clear()
+
+    def clip(optimizer: Any, gradient_clip_val: Optional[float] = None,
+             gradient_clip_algorithm: Optional[str] = None) -> None:
+        if gradient_clip_val:
+            _loop.clip_gradients([p for g in optimizer.param_groups for p in g["params"]], float(gradient_clip_val),
+                                 str(gradient_clip_algorithm or "norm"))
+
+    bound = {
+        "optimizers": lambda use_pl_optimizer=True: optimizers[0] if len(optimizers) == 1 else list(optimizers),
+        "lr_schedulers": lambda: None if not schedulers else schedulers[0] if len(schedulers) == 1 else schedulers,
+        "manual_backward": backward, "toggle_optimizer": toggle, "untoggle_optimizer": untoggle,
+        "clip_gradients": clip,
+    }
+    for name, fn in bound.items():
+        object.__setattr__(model, name, fn)
+    try:
+        yield
+    finally:
+        for name in bound:
+            model.__dict__.pop(name, None)
+        untoggle(None)

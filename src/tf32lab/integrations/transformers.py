@@ -1,0 +1,244 @@
+"""``Tf32CheckCallback``: the training check as a Hugging Face ``TrainerCallback``.
+
+When ``Trainer.train`` begins (``on_train_begin``: the optimizer, scheduler and dataloader made), it trains copies
+of the run's model for ``steps`` optimizer steps at each level, as ``target`` computes it, against float64 and
+float32's own drift (:func:`tf32lab.check_training`): the Trainer's ``compute_loss`` (a subclass's own included;
+``compute_loss_func`` and label smoothing with it, given the token count as ``training_step`` gives it), the
+optimizer and learning-rate scheduler the Trainer built, ``gradient_accumulation_steps`` (the micro-batches' losses
+summed as the Trainer scales them), ``max_grad_norm`` clipping, and the first
+batches of its train dataloader. The run is untouched: its model, optimizer and scheduler are never stepped
+(copies are), the batches are read again from a fresh pass of the dataloader (every random stream and the
+sampler's generator put back), and nothing changes its step count. A run with the callback ends with the same
+weights, bit for bit, as a run without it.
+
+Its conclusion answers ``TrainingArguments(tf32=...)``: ``tf32=True`` makes float32 matmuls TF32, the check's
+``high``. The report is kept on the callback (``cb.report``), written as ``tf32lab-training.json`` and ``.html``
+into ``args.output_dir``, its verdicts logged (``logging``, ``tf32lab.integrations``) and its headline numbers
+given to ``Trainer.log`` (the ``report_to`` integrations, ``state.log_history``) at the current step. A failed
+check warns (``on_fail="warn"``, the default) or stops the run before its first step (``on_fail="raise"``).
+
+The Trainer is not among a callback's arguments: the callback takes the one whose ``train`` calls it (or
+``trainer=`` given). Under DDP (``torchrun``) the check runs on the world's process zero, the others waiting for
+its verdict. ``bf16=True`` / ``fp16=True`` train under autocast, whose 16-bit matmuls the float32 matmul precision
+does not reach: the check trains in float32 and a note says so.
+
+Example (not run here: it needs transformers)::
+
+    from transformers import Trainer, TrainingArguments
+    from tf32lab.integrations.transformers import Tf32CheckCallback
+
+    check = Tf32CheckCallback(target="a100", steps=20)
+    trainer = Trainer(model=model, args=TrainingArguments("out"), train_dataset=data, callbacks=[check])
+    trainer.train()
+    check.report.passed   # and check.report.notes: whether TrainingArguments(tf32=True) is safe here
+
+The callback is made once, its arguments checked at once:
+
+    >>> Tf32CheckCallback(target="a100", steps=10, levels=("highest", "high")).levels
+    ('highest', 'high')
+    >>> Tf32CheckCallback(steps=0)
+    Traceback (most recent call last):
+    ...
+    tf32lab.errors.Tf32LabError: steps must be a whole number >= 1, not 0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from collections.abc import Iterable
+from typing import Any, Optional, Union
+
+import torch
+
+from tf32lab.errors import Tf32LabError
+from tf32lab.integrations import _loop
+from tf32lab.know.levels import check_levels
+from tf32lab.know.targets import Target
+from tf32lab.measure.training import random_state_kept
+from tf32lab.numbers.trees import map_tensors
+from tf32lab.report.training import TrainingReport
+from tf32lab.workloads.training import check_steps
+
+transformers = _loop.require("transformers", "Hugging Face transformers", "transformers")
+
+__all__ = ["Tf32CheckCallback"]
+
+
+class Tf32CheckCallback(transformers.TrainerCallback):
+    """Check, before the first step, what each precision level does to this run's training (see the module).
+
+    Args:
+        target: the GPU whose math is emulated (``"a100"``, ``"h100"``, ...), or ``"native"``.
+        steps: optimizer steps to train (each ``gradient_accumulation_steps`` batches).
+        levels: the precision levels (default all three).
+        tolerance: the loss's largest relative deviation from float64's (default 1e-2).
+        on_fail: ``"warn"`` (log and warn, train on) or ``"raise"`` (``Tf32LabError`` before the first step).
+        trainer: the ``Trainer`` (by default the one whose ``train`` calls the callback).
+
+    After ``train``, :attr:`report` holds the :class:`~tf32lab.report.training.TrainingReport` (None on processes
+    but zero under DDP) and :attr:`passed` the verdict (on every process).
+    """
+
+    def __init__(self, target: Union[str, Target] = "a100", steps: int = 20, levels: Optional[Iterable[str]] = None,
+                 tolerance: Optional[float] = None, on_fail: str = "warn", trainer: Any = None) -> None:
+        self.target, self.steps = target, check_steps(steps)
+        self.levels = check_levels(_loop.default_levels(levels))
+        self.tolerance, self.on_fail, self.trainer = tolerance, _loop.check_on_fail(on_fail), trainer
+        self.report: Optional[TrainingReport] = None
+        self.passed: Optional[bool] = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.passed is not None:
+            return
+        # every random stream as it was afterwards (the check's reading of the batches, its rows, the report's
+        # writing): the run draws as it would without the check
+        with random_state_kept(kwargs["model"], "Tf32CheckCallback"):
+            self._run(args, state, self.trainer or _calling_trainer(), kwargs)
+
+    def _run(self, args: Any, state: Any, trainer: Any, hooked: dict[str, Any]) -> None:
+        distributed = args.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+        error = None
+        if state.is_world_process_zero:
+            try:
+                self.report = self._check(args, trainer, **hooked)
+                self.passed = self.report.passed
+            except Exception as exc:
+                if not distributed:
+                    raise
+                error = f"{type(exc).__name__}: {exc}"
+        if distributed:  # every process waits for process zero's verdict, and ends (or raises) with it
+            shared = [(self.passed, error)]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            self.passed, error = shared[0]
+            if error is not None:
+                raise Tf32LabError(f"tf32lab training check on process zero: {error}")
+        if self.report is None:
+            if not self.passed and self.on_fail == "raise":
+                raise Tf32LabError("tf32lab training check FAILED on process zero (its log has the report)")
+            return
+        numbers = {k: v for k, v in _loop.headline(self.report).items() if math.isfinite(v)}
+        if trainer is not None:
+            trainer.log(numbers)
+        _loop.written(self.report, args.output_dir)
+        _loop.said(self.report, self.on_fail)
+
+    def _check(self, args: Any, trainer: Any, model: Any = None, optimizer: Any = None, lr_scheduler: Any = None,
+               train_dataloader: Any = None, **_: Any) -> TrainingReport:
+        if model is None or optimizer is None or train_dataloader is None:
+            raise Tf32LabError("Tf32CheckCallback: on_train_begin came without the model, optimizer or train "
+                               "dataloader")
+        accumulate = int(args.gradient_accumulation_steps)
+        notes = []
+        device = next(model.parameters()).device
+        batches = _loop.first_batches(train_dataloader, self.steps * accumulate, lambda b: _moved(b, device),
+                                      iterate=_fresh_pass)
+        steps = _loop.grouped(batches, accumulate, self.steps)
+        if not steps:
+            raise Tf32LabError(f"Tf32CheckCallback: the train dataloader has {len(batches)} batches, fewer than one "
+                               f"optimizer step's {accumulate} (gradient_accumulation_steps)")
+        if len(steps) < self.steps:
+            notes.append(f"the train dataloader has {len(batches)} batches: {len(steps)} of the {self.steps} "
+                         f"steps asked for were checked")
+        for flag, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
+            if getattr(args, flag, False):
+                notes.append(f"the run trains with {flag}=True: autocast runs its matmuls in {dtype}, which the "
+                             f"float32 matmul precision (TrainingArguments(tf32=...)) does not reach; the check "
+                             f"trained the model in float32 without autocast")
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+        scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)
+        schedulers = [scheduler] if scheduler is not None else []
+        clip = (float(args.max_grad_norm), "norm") if args.max_grad_norm and args.max_grad_norm > 0 else None
+        original = _loop.trainable(model)
+        plain = clip is None and not schedulers
+
+        def make(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+            made, rescheduled = _loop.rebound([inner], schedulers, original, params)
+            return made[0] if plain else _loop.Steps(made, [(s, 1) for s in rescheduled], clip)
+
+        if trainer is None:
+            notes.append("no Trainer found: the loss is the model output's own .loss (Trainer.compute_loss's "
+                         "default), not a subclass's compute_loss")
+        def loss(copy: Any, micro: list[Any], step: int) -> torch.Tensor:
+            copy.train()  # as Trainer.training_step does, whatever mode the model was loaded in
+            if trainer is None:
+                outs = [copy(**batch) for batch in micro]
+                return torch.stack([out["loss"] if isinstance(out, dict) else out[0] for out in outs]).mean()
+            return _trainers_loss(trainer, copy, micro)
+
+        stepping = _loop.stepping_copy(model)
+        report = _loop.run_check(stepping, type(model).__name__, steps, loss, make, levels=self.levels,
+                                 target=self.target, tolerance=self.tolerance, notes=notes)
+        return dataclasses.replace(report, notes=(*report.notes, tf32_advice(report, args)))
+
+
+def _trainers_loss(trainer: Any, model: Any, micro: list[Any]) -> torch.Tensor:
+    """One optimizer step's loss as ``Trainer.training_step`` backpropagates it over its micro-batches: each one's
+    ``compute_loss`` given the token count of them all (``get_batch_samples``), divided by their number unless that
+    count already scaled it."""
+    device = next(model.parameters()).device
+    count = trainer.get_batch_samples(iter(micro), len(micro), device)[1] if hasattr(trainer, "get_batch_samples") \
+        else None
+    takes_count = "num_items_in_batch" in inspect.signature(trainer.compute_loss).parameters
+    total = None
+    for batch in micro:
+        value = trainer.compute_loss(model, dict(batch), num_items_in_batch=count) if takes_count else \
+            trainer.compute_loss(model, dict(batch))
+        scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+        if scaled is None:
+            scaled = (getattr(trainer, "model_accepts_loss_kwargs", False) and count is not None) or \
+                getattr(trainer, "compute_loss_func", None) is not None
+        if not scaled:
+            value = value / len(micro)
+        total = value if total is None else total + value
+    assert total is not None
+    return total
+
+
+def tf32_advice(report: TrainingReport, args: Any) -> str:
+    """What the report says of ``TrainingArguments(tf32=...)``: TF32 is the check's ``high``."""
+    asked = getattr(args, "tf32", None)
+    now = f" (this run: tf32={asked})" if asked is not None else ""
+    try:
+        high = report.level("high")
+    except KeyError:
+        return (f"TrainingArguments(tf32=True) is TF32, the level 'high', which this check did not run; add 'high' "
+                f"to levels to know whether it is safe here{now}")
+    if high.passed:
+        return (f"TrainingArguments(tf32=True) trains this run within tolerance on {report.target} (TF32 is the "
+                f"level 'high', which passed){now}")
+    return (f"keep TrainingArguments(tf32=False): TF32 (the level 'high') fails this run's training on "
+            f"{report.target}{now}")
+
+
+def _calling_trainer() -> Any:
+    """The ``Trainer`` whose ``train`` runs this hook: the ``self`` of the nearest calling frame that is one."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(12):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, transformers.Trainer):
+                return owner
+        return None
+    finally:
+        del frame
+
+
+def _fresh_pass(loader: Any) -> Any:
+    """A pass over accelerate's prepared dataloader as its own ``__iter__`` would read it (its sampler at the epoch
+    it is at), without its bookkeeping: the gradient state's active dataloader and the pass count stay the
+    run's."""
+    base = getattr(loader, "base_dataloader", None)
+    if base is None:
+        return iter(loader)
+    if hasattr(loader, "set_epoch") and hasattr(loader, "iteration"):
+        loader.set_epoch(loader.iteration)  # what the run's own pass sets first
+    return iter(base)
+
+
+def _moved(batch: Any, device: torch.device) -> Any:
+    return map_tensors(lambda t: t.to(device), batch)

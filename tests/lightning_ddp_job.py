@@ -1,0 +1,55 @@
+"""Two CPU ranks under Lightning's own launcher (ddp_spawn): a fit without the check, then one with it; each rank
+says its verdict, and the main process whether the weights are the same (tests/test_integrations_lightning.py)."""
+
+import sys
+import warnings
+
+import pytorch_lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from tf32lab.integrations.lightning import Tf32Check
+
+
+class Regression(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return (self(x) - y).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+class Said(L.Callback):
+    def __init__(self, check):
+        self.check = check
+
+    def on_train_end(self, trainer, module):
+        print(f"rank {trainer.global_rank}: passed={self.check.passed} report={self.check.report is not None}",
+              flush=True)
+
+
+def fit(folder, check):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
+    module = Regression()
+    trainer = L.Trainer(strategy="ddp_spawn", accelerator="cpu", devices=2, max_epochs=1,
+                        callbacks=[check, Said(check)] if check else [], default_root_dir=folder, logger=False,
+                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    trainer.fit(module, DataLoader(data, batch_size=8, shuffle=True))
+    return module
+
+
+if __name__ == "__main__":
+    warnings.simplefilter("ignore")
+    plain = fit(sys.argv[1] + "/a", None)
+    checked = fit(sys.argv[1] + "/b", Tf32Check(steps=2, levels=("highest", "high"), on_fail=sys.argv[2]))
+    print("same weights:", all(torch.equal(p, q) for p, q in zip(plain.parameters(), checked.parameters())))

@@ -1,0 +1,235 @@
+"""`tf32lab.integrations.lightning.Tf32Check`: the training check inside a real `Trainer.fit`, leaving the run as it
+would be without it."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import random
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from tf32lab.errors import Tf32LabError
+
+L = pytest.importorskip("pytorch_lightning")
+from tf32lab.integrations.lightning import Tf32Check  # noqa: E402
+
+
+class Regression(L.LightningModule):
+    """A small MLP regression with a step scheduler; it logs its loss every step."""
+
+    def __init__(self, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Tanh(),
+                                       torch.nn.Linear(16, 1))
+        self.lr = lr
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = (self(x) - y).pow(2).mean()
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2),
+                                                         "interval": "step"}}
+
+
+class Offset(L.LightningModule):
+    """TF32 breaks its training (tests/test_training.py's `Offset`): the gradient of `lin` is a difference of two
+    large, TF32-rounded products."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16, bias=False)
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(self.lin(x + 1000.0) - self.lin(torch.full_like(x, 1000.0)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return (self(x) - y).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+class TwoOptimizers(Regression):
+    """Manual optimization: the two layers stepped by two optimizers, the second one's scheduler stepped by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        first, second = self.optimizers()
+        x, y = batch
+        for optimizer in (first, second):
+            with self.toggled_optimizer(optimizer):
+                loss = (self(x) - y).pow(2).mean()
+                optimizer.zero_grad()
+                self.manual_backward(loss)
+                self.clip_gradients(optimizer, gradient_clip_val=0.5)
+                optimizer.step()
+        self.lr_schedulers().step()
+        self.log("train_loss", loss)
+
+    def configure_optimizers(self):
+        first = torch.optim.SGD(self.net[0].parameters(), lr=1e-2, momentum=0.9)
+        second = torch.optim.Adam(self.net[3].parameters(), lr=1e-2)
+        return [first, second], [torch.optim.lr_scheduler.StepLR(second, 1, gamma=0.5)]
+
+
+def data(n: int = 96, offset: bool = False) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    if offset:
+        x = torch.randn(n, 16, generator=g)
+        return TensorDataset(x, x.sum(-1, keepdim=True))
+    return TensorDataset(torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g))
+
+
+def fit(tmp_path, module_class=Regression, callback=None, dataset=None, generator=None, **options):
+    """A seeded `Trainer.fit` (shuffled batches, dropout), and what it leaves: the module, the losses it logged and
+    the random streams' next draws."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    module = module_class()
+    loader = DataLoader(dataset or data(), batch_size=8, shuffle=True, generator=generator)
+    logger = L.loggers.CSVLogger(tmp_path, name="run")
+    options = {"max_epochs": 2, "enable_progress_bar": False, "enable_checkpointing": False,
+               "enable_model_summary": False, "log_every_n_steps": 1, **options}
+    trainer = L.Trainer(callbacks=[callback] if callback else [], default_root_dir=tmp_path, logger=logger,
+                        **options)
+    with warnings.catch_warnings(record=True) as seen:  # Lightning's advice on workers and CPUs, and the check's
+        warnings.simplefilter("always")
+        trainer.fit(module, loader)
+    trainer.warned = [str(w.message) for w in seen]
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        losses = [(row["step"], row["train_loss"]) for row in csv.DictReader(f) if row.get("train_loss")]
+    after = (torch.rand(3), np.random.rand(), random.random())
+    return module, losses, after, trainer
+
+
+def same_weights(a, b) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_a_run_with_the_check_ends_bit_identical_to_one_without(tmp_path, caplog):
+    # shuffled batches drawn from the torch stream, a loader generator, dropout, accumulation, clipping, a scheduler
+    options = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
+    plain, plain_losses, plain_after, _ = fit(tmp_path / "a", generator=torch.Generator().manual_seed(5), **options)
+    check = Tf32Check(target="a100", steps=3, levels=("highest", "high"))
+    caplog.set_level(logging.INFO, logger="tf32lab.integrations")
+    checked, losses, after, _ = fit(tmp_path / "b", callback=check,
+                                    generator=torch.Generator().manual_seed(5), **options)
+    assert same_weights(plain, checked)
+    assert losses == plain_losses and len(losses) == 12  # 96 / 8 batches / 2 accumulated x 2 epochs, same steps
+    assert torch.equal(after[0], plain_after[0]) and after[1:] == plain_after[1:]
+    report = check.report
+    assert report.passed and check.passed and report.steps == 3 and [lv.level for lv in report.levels] == \
+        ["highest", "high"]
+    assert "PASSED | level 'high' | training 3 steps" in caplog.text
+    # the report beside the run's logs, its headline numbers in the run's logger at the step it was at
+    written = json.loads((tmp_path / "b" / "run" / "version_0" / "tf32lab-training.json").read_text())
+    assert written["steps"] == 3 and (tmp_path / "b" / "run" / "version_0" / "tf32lab-training.html").exists()
+    with open(tmp_path / "b" / "run" / "version_0" / "metrics.csv") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("tf32lab/passed")]
+    assert len(rows) == 1 and rows[0]["step"] == "0" and float(rows[0]["tf32lab/passed"]) == 1.0
+    assert float(rows[0]["tf32lab/high/drift"]) == pytest.approx(report.level("high").drift)
+
+
+def test_the_check_trains_the_runs_own_schedule_and_clipping(tmp_path):
+    # the same module and batches, clipped hard: the check's float64 losses follow the run's clipping
+    loose = Tf32Check(steps=3, levels=("highest",))
+    fit(tmp_path / "a", callback=loose, max_epochs=1)
+    tight = Tf32Check(steps=3, levels=("highest",))
+    fit(tmp_path / "b", callback=tight, max_epochs=1, gradient_clip_val=1e-3)
+    assert loose.report.reference_losses[0] == pytest.approx(tight.report.reference_losses[0], rel=1e-6)
+    assert loose.report.reference_losses[2] != pytest.approx(tight.report.reference_losses[2], rel=1e-3)
+
+
+def test_a_model_whose_training_tf32_ruins_fails_and_says_so(tmp_path, caplog):
+    check = Tf32Check(target="a100", steps=20, levels=("highest", "high"))
+    caplog.set_level(logging.INFO, logger="tf32lab.integrations")
+    trainer = fit(tmp_path, Offset, callback=check, dataset=data(320, offset=True), max_epochs=1)[3]
+    assert any(w.startswith("tf32lab training check FAILED | level 'high'") for w in trainer.warned)
+    assert check.report.passed is False and check.passed is False
+    assert "FAILED | level 'high' | training 20 steps | diverges at step" in caplog.text
+
+
+def test_on_fail_raise_stops_the_run_before_its_first_step(tmp_path):
+    check = Tf32Check(target="a100", steps=20, levels=("highest", "high"), on_fail="raise")
+    torch.manual_seed(0)
+    module = Offset()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    trainer = L.Trainer(callbacks=[check], default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False, max_epochs=1)
+    with pytest.raises(Tf32LabError, match="FAILED \\| level 'high'"):
+        trainer.fit(module, DataLoader(data(320, offset=True), batch_size=16))
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    assert check.report.passed is False
+
+
+def test_manual_optimization_with_two_optimizers(tmp_path):
+    plain, plain_losses, _, _ = fit(tmp_path / "a", TwoOptimizers, max_epochs=1)
+    check = Tf32Check(steps=3, levels=("highest", "high"))
+    checked, losses, _, _ = fit(tmp_path / "b", TwoOptimizers, callback=check, max_epochs=1)
+    assert same_weights(plain, checked) and losses == plain_losses
+    report = check.report
+    assert report.passed and len(report.reference_losses) == 3
+    # the rows stepped both optimizers: every parameter moved from where the run started, in float64 too
+    assert all(w.normwise < 1e-3 for w in report.level("high").weights)
+    assert report.reference_losses[0] != report.reference_losses[2]
+
+
+def test_mixed_precision_is_said_not_to_be_float32(tmp_path):
+    check = Tf32Check(steps=2, levels=("highest", "high"))
+    fit(tmp_path, callback=check, max_epochs=1, precision="bf16-mixed")
+    assert any("'bf16-mixed': its matmuls run in bfloat16" in note for note in check.report.notes)
+
+
+def test_bad_arguments_are_one_line():
+    with pytest.raises(Tf32LabError, match="on_fail must be 'raise' or 'warn', not 'stop'"):
+        Tf32Check(on_fail="stop")
+    with pytest.raises(Tf32LabError, match="steps must be a whole number >= 1, not 0"):
+        Tf32Check(steps=0)
+    with pytest.raises(Tf32LabError, match="'fast'"):
+        Tf32Check(levels=("fast",))
+
+
+def test_without_lightning_the_integration_names_its_extra_and_tf32lab_never_imports_it():
+    code = ("import sys; import tf32lab, tf32lab.integrations; tf32lab.check_training; "
+            "print('pytorch_lightning' in sys.modules, 'transformers' in sys.modules); "
+            "sys.modules['pytorch_lightning'] = None\n"
+            "try:\n    import tf32lab.integrations.lightning\nexcept tf32lab.Tf32LabError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    first, message = out.stdout.strip().splitlines()
+    assert first == "False False"
+    assert "pip install 'tf32lab[lightning]'" in message
+
+
+@pytest.mark.slow
+def test_under_ddp_rank_0_checks_and_every_rank_ends_with_its_verdict(tmp_path):
+    # Lightning's own launcher, two CPU ranks (gloo): minutes (183 s on a loaded 2-core machine), each rank a process
+    job = Path(__file__).with_name("lightning_ddp_job.py")
+    out = subprocess.run([sys.executable, str(job), str(tmp_path), "warn"], capture_output=True, text=True,
+                         timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert "rank 0: passed=True report=True" in lines and "rank 1: passed=True report=False" in lines
+    assert "same weights: True" in lines

@@ -1,0 +1,161 @@
+"""`tf32lab.integrations.transformers.Tf32CheckCallback`: the training check inside a real `Trainer.train`, leaving
+the run as it would be without it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from tf32lab.errors import Tf32LabError
+
+transformers = pytest.importorskip("transformers")
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+
+from tf32lab.integrations.transformers import Tf32CheckCallback  # noqa: E402
+
+
+class Offset(torch.nn.Module):
+    """TF32 breaks its training (tests/test_training.py's `Offset`), as a model that returns its own loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16, bias=False)
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x, labels=None):
+        out = self.head(self.lin(x + 1000.0) - self.lin(torch.full_like(x, 1000.0)))
+        return {"loss": (out - labels).pow(2).mean(), "logits": out}
+
+
+class Doubled(Trainer):
+    """A Trainer whose own compute_loss the check must train with."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        return 2 * loss
+
+
+def gpt2(dropout: float = 0.0) -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=0.0))
+
+
+def tokens(n: int = 32) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [{"input_ids": (ids := torch.randint(0, 40, (10,), generator=g)), "labels": ids} for _ in range(n)]
+
+
+def offsets(n: int = 320) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [{"x": (x := torch.randn(16, generator=g)), "labels": x.sum(-1, keepdim=True)} for _ in range(n)]
+
+
+def train(tmp_path, model=None, dataset=None, callback=None, trainer_class=Trainer, **options):
+    """A seeded `Trainer.train` (shuffled batches) and what it leaves: the model, its logged losses, the trainer and
+    the random streams' next draws."""
+    np.random.seed(0)
+    random.seed(0)
+    model = model if model is not None else gpt2()
+    options = {"per_device_train_batch_size": 4, "num_train_epochs": 1, "logging_steps": 1, "report_to": [],
+               "save_strategy": "no", "disable_tqdm": True, "learning_rate": 1e-3, "use_cpu": True, "seed": 3,
+               **options}
+    args = TrainingArguments(str(tmp_path), **options)
+    trainer = trainer_class(model=model, args=args, train_dataset=dataset or tokens(),
+                            callbacks=[callback] if callback else [])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.train()
+    trainer.warned = [str(w.message) for w in seen]
+    losses = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
+    return model, losses, trainer, (torch.rand(3), np.random.rand(), random.random())
+
+
+@pytest.fixture(autouse=True)
+def quiet_transformers():
+    before = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    yield
+    transformers.logging.set_verbosity(before)
+
+
+def test_a_run_with_the_check_ends_bit_identical_to_one_without(tmp_path, caplog):
+    # shuffled batches, dropout, accumulation, a warmup schedule and max_grad_norm clipping (on by default)
+    options = {"gradient_accumulation_steps": 2, "warmup_steps": 2, "max_grad_norm": 0.5}
+    plain, plain_losses, _, plain_after = train(tmp_path / "a", gpt2(0.1), tokens(16), **options)
+    check = Tf32CheckCallback(target="a100", steps=2, levels=("highest", "high"))
+    caplog.set_level(logging.INFO, logger="tf32lab.integrations")
+    checked, losses, trainer, after = train(tmp_path / "b", gpt2(0.1), tokens(16), callback=check, **options)
+    assert all(torch.equal(p, q) for p, q in zip(plain.state_dict().values(), checked.state_dict().values()))
+    assert losses == plain_losses and [step for step, _ in losses] == [1, 2]
+    assert torch.equal(after[0], plain_after[0]) and after[1:] == plain_after[1:]
+    report = check.report
+    assert report.passed and check.passed and report.steps == 2
+    assert "PASSED | level 'high' | training 2 steps" in caplog.text
+    assert "TrainingArguments(tf32=True) trains this run within tolerance on a100" in report.notes[-1]
+    assert json.loads((tmp_path / "b" / "tf32lab-training.json").read_text())["steps"] == 2
+    assert (tmp_path / "b" / "tf32lab-training.html").exists()
+    logged = [h for h in trainer.state.log_history if "tf32lab/passed" in h]
+    assert len(logged) == 1 and logged[0]["step"] == 0 and logged[0]["tf32lab/passed"] == 1.0
+
+
+def test_the_check_trains_the_runs_own_batches_and_compute_loss(tmp_path):
+    # no dropout: the check's float32 row reads the batches the run trains on, and gets its first loss
+    check = Tf32CheckCallback(steps=1, levels=("highest",))
+    _, losses, _, _ = train(tmp_path / "a", callback=check, max_steps=1)
+    assert check.report.floor.losses[0] == pytest.approx(losses[0][1], rel=1e-5)
+    doubled = Tf32CheckCallback(steps=1, levels=("highest",))
+    train(tmp_path / "b", callback=doubled, trainer_class=Doubled, max_steps=1)
+    assert doubled.report.reference_losses[0] == pytest.approx(2 * check.report.reference_losses[0], rel=1e-9)
+
+
+def test_a_model_whose_training_tf32_ruins_fails_and_names_the_tf32_argument(tmp_path, caplog):
+    check = Tf32CheckCallback(target="a100", steps=20, levels=("highest", "high"))
+    caplog.set_level(logging.INFO, logger="tf32lab.integrations")
+    torch.manual_seed(0)
+    trainer = train(tmp_path, Offset(), offsets(), callback=check, optim="sgd", learning_rate=1e-2,
+                    max_grad_norm=0.0, per_device_train_batch_size=16, lr_scheduler_type="constant")[2]
+    assert check.report.passed is False and check.passed is False
+    assert "FAILED | level 'high' | training 20 steps | diverges at step" in caplog.text
+    assert "keep TrainingArguments(tf32=False)" in check.report.notes[-1]
+    assert any(w.startswith("tf32lab training check FAILED | level 'high'") for w in trainer.warned)
+
+
+def test_on_fail_raise_stops_the_run_before_its_first_step(tmp_path):
+    check = Tf32CheckCallback(target="a100", steps=20, levels=("highest", "high"), on_fail="raise")
+    torch.manual_seed(0)
+    model = Offset()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(Tf32LabError, match="FAILED \\| level 'high'"):
+        train(tmp_path, model, offsets(), callback=check, optim="sgd", learning_rate=1e-2, max_grad_norm=0.0,
+              per_device_train_batch_size=16, lr_scheduler_type="constant")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_mixed_precision_is_said_not_to_be_float32(tmp_path):
+    check = Tf32CheckCallback(steps=1, levels=("highest", "high"))
+    train(tmp_path, callback=check, bf16=True, max_steps=1)
+    assert any("bf16=True: autocast runs its matmuls in bfloat16" in note for note in check.report.notes)
+
+
+def test_bad_arguments_are_one_line():
+    with pytest.raises(Tf32LabError, match="on_fail must be 'raise' or 'warn', not 'ignore'"):
+        Tf32CheckCallback(on_fail="ignore")
+    with pytest.raises(Tf32LabError, match="steps must be a whole number >= 1, not -1"):
+        Tf32CheckCallback(steps=-1)
+
+
+def test_without_transformers_the_integration_names_its_extra():
+    code = ("import sys; sys.modules['transformers'] = None; import tf32lab\n"
+            "try:\n    import tf32lab.integrations.transformers\nexcept tf32lab.Tf32LabError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "pip install 'tf32lab[transformers]'" in out.stdout and len(out.stdout.strip().splitlines()) == 1
