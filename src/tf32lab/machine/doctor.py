@@ -35,6 +35,7 @@ from tf32lab.machine.autoconfig import Recommendation, decide_threads, recommend
 from tf32lab.machine.hardware import Hardware, detect
 from tf32lab.machine.probe import SHAPE, ProbeResult, probe_matmul
 from tf32lab.numbers.files import write_json
+from tf32lab.report import terminal  # noqa: F401 (rich, imported later, without drawing from random)
 
 __all__ = ["FAMILIES", "SCHEMA_VERSION", "Alert", "Diagnosis", "doctor", "schema"]
 

@@ -24,6 +24,7 @@ from typing import Any, Optional, Union
 
 from tf32lab.numbers.files import finite, write_atomically, write_json
 from tf32lab.numbers.metrics import HISTOGRAM_EDGES, OutputError
+from tf32lab.report import terminal  # noqa: F401 (first: rich without drawing from the caller's random)
 
 __all__ = ["SCHEMA_VERSION", "LayerError", "LevelResult", "Report", "schema"]
 

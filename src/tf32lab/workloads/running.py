@@ -27,6 +27,7 @@ from tf32lab.errors import Tf32LabError
 from tf32lab.machine import hardware
 from tf32lab.numbers.origin import exit_call
 from tf32lab.numbers.trees import named_tensors
+from tf32lab.report import terminal  # noqa: F401 (rich, imported later, without drawing from random)
 from tf32lab.workloads.workload import Workload
 
 
@@ -123,6 +124,7 @@ class Progress:
         if self.show:
             from rich.console import Console
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
 
             self.bar = Progress(TextColumn("{task.description:<48}"), BarColumn(), TimeElapsedColumn(),
                                 console=Console(stderr=True), transient=True)
