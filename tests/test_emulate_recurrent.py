@@ -144,3 +144,21 @@ def test_the_backward_is_a_few_nodes_per_layer_not_one_per_step(kind):
     with tf32lab.precision("high"), tf32lab.emulate("a100"):
         nodes = [_nodes(rnn(x)[0]) for x in (short, long)]
     assert nodes[0] == nodes[1] < 40, nodes
+
+
+@pytest.mark.parametrize("rounding", ["rna", "rne", "rz"])
+@pytest.mark.parametrize("name", ["tf32", "bf16"])
+def test_the_hot_rounder_gives_the_bits_of_the_checked_rounding(name, rounding):
+    # the hidden state's rounder (0-dim tensor constants) against round_tf32 / round_bf16, into a buffer and in place
+    torch.manual_seed(0)
+    bits = torch.randint(-2**31, 2**31 - 1, (1 << 16,), dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32)
+    x = torch.cat((x[~torch.isnan(x)], torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 3.4028235e38,
+                                                       -3.4028235e38, 1e-45, 1 + 2**-11, 1 + 3 * 2**-11])))
+    checked = {"tf32": formats.round_tf32, "bf16": formats.round_bf16}[name](x, rounding)
+    hot = formats.hot_rounder(name, rounding)
+    into = hot(x, torch.empty_like(x))
+    in_place = x.clone()
+    hot(in_place, in_place)
+    assert torch.equal(into.view(torch.int32), checked.view(torch.int32))
+    assert torch.equal(in_place.view(torch.int32), checked.view(torch.int32))

@@ -108,8 +108,8 @@ def layers(mode: str, kit: Kit, x, hx, params, has_biases, num_layers, dropout, 
             b_ih, b_hh = (p[2], p[3]) if has_biases else (None, None)
             gates_x = linear(layer_in, w_ih, b_ih)  # all steps at once, as cuDNN does
             if lstm:
-                if b_hh is not None:  # the hidden bias once for all steps
-                    gates_x = gates_x + b_hh
+                if b_hh is not None:  # the hidden bias once for all steps (in place: a fresh product)
+                    gates_x = gates_x + b_hh if grad else gates_x.add_(b_hh)
                 args = (gates_x, h0[idx], c0[idx], w_hh, kit, bool(d))
                 out, h, c = _Lstm.apply(*args) if grad else _lstm_forward(*args, None)
             else:
