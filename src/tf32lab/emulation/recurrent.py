@@ -158,17 +158,20 @@ def _lstm_forward(gates_x, h, c, w_hh, kit: Kit, reverse: bool, saved: Optional[
     held = torch.empty_like(h)  # the rounded hidden state
     out = gates_x.new_empty(steps, *h.shape)
     keep = saved is not None
-    acts = gates_x.new_empty(gates_x.shape) if keep else gates_x.new_empty(gates_x.shape[1:])
+    acts = gates_x.new_empty(gates_x.shape if keep else gates_x.shape[1:])
+    slots = [acts[..., j * size:(j + 1) * size] for j in range(4)]  # i, f, g, o: views made once, not per step
     gs = gates_x.new_empty(out.shape) if keep else torch.empty_like(h)
     cs = gates_x.new_empty(out.shape) if keep else None
     c = c if keep else c.clone()  # without a history, each state is written over the last
+    act, (i, f, g_in, o), g = acts, slots, gs
     for k, t in enumerate(_order(steps, reverse)):
-        act = acts[k] if keep else acts
+        if keep:
+            act, i, f, g_in, o, g = acts[k], slots[0][k], slots[1][k], slots[2][k], slots[3][k], gs[k]
         torch.addmm(gates_x[t], round_h(h, held), w_t, out=act)
-        g = torch.tanh(act[..., 2 * size:3 * size], out=gs[k] if keep else gs)
+        torch.tanh(g_in, out=g)
         act.sigmoid_()  # i, f, o (g's slot unused)
-        c = torch.addcmul(act[..., size:2 * size] * c, act[..., :size], g, out=cs[k] if keep else c)
-        h = torch.mul(act[..., 3 * size:], torch.tanh(c), out=out[t])
+        c = torch.addcmul(f * c, i, g, out=cs[k] if keep else c)
+        h = torch.mul(o, torch.tanh(c), out=out[t])
     kit.count("aten::linear", steps)
     if keep:
         saved += [acts, gs, cs]
