@@ -1032,12 +1032,16 @@ def _rnn(entry: _Entry, func, args, kwargs):
     call = _Call(entry, f"aten::{rules.RNN_FUNCTIONS[func]}", _OpCells())
     modes = _thread_modes()
 
-    def run():
-        with modestack.lifted(modes.dispatch):
-            return rules.rnn_function(call, func, args, kwargs)
+    def quietly(fn: Callable[[], Any]) -> Any:
+        def run():
+            with modestack.lifted(modes.dispatch):
+                return fn()
 
-    # the rounded operands must not be rounded again by the native GEMM: IEEE for this device's cell
-    return scope.run_at("highest", run, cell=_native_cell(args), refused=lambda: _in_float64(run))
+        # the rounded operands must not be rounded again by the native GEMM: IEEE for this device's cell
+        return scope.run_at("highest", run, cell=_native_cell(args), refused=lambda: _in_float64(run))
+
+    # the backward of a whole-sequence layer runs ``quietly`` too (``rules.recurrent``)
+    return quietly(lambda: rules.rnn_function(call, func, args, kwargs, quietly))
 
 
 class _ThreadModes:

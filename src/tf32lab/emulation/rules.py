@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from tf32lab.emulation import recurrent
 from tf32lab.errors import Tf32LabError
 
 __all__ = ["RNN_FUNCTIONS", "RULES", "as_family", "forced_family", "no_tf32", "rnn_function", "rule",
@@ -895,9 +896,10 @@ class _RnnLinear(torch.autograd.Function):
 RNN_FUNCTIONS = {getattr(torch._C._VariableFunctions, name): name for name in _MODES}
 
 
-def rnn_function(call, func, args, kwargs):
+def rnn_function(call, func, args, kwargs, quietly: Callable[[Callable], Any] = lambda fn: fn()):
     """``torch._VF.lstm`` and friends, called by ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN``; ``call`` rounds each GEMM
-    (the emulator runs this without its dispatch mode)."""
+    (the emulator runs this without its dispatch mode, and a whole-sequence layer's backward in ``quietly(fn)``,
+    which runs ``fn`` so too)."""
     mode = RNN_FUNCTIONS[func]
     if kwargs or _is_packed(args):
         call.unhandled(f"{call.op} (packed sequence)")
@@ -909,12 +911,23 @@ def rnn_function(call, func, args, kwargs):
     x, hx, params = args[0], args[1], args[2]
     nan_free = all(_pymath.isfinite(float(t.detach().sum())) for t in (x, *hx, *params) if t.device.type == "cpu")
     product, step, done = call.many_linears("rnn", nan_free)
-    try:
-        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                           for t in (x, *params)):
-            def linear(x, w, b):
-                return _RnnLinear.apply(x, w, b, product)
+    math = call.math("rnn")
+    grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                           for t in (x, *hx, *params))
 
+    def linear(x, w, b):
+        return _RnnLinear.apply(x, w, b, product)
+
+    def count(op: str, n: int) -> None:
+        call.emu._count(op, math, n)
+
+    kit = recurrent.Kit(linear, product, lambda w: call.round(w, math), math.name, math.rounding, nan_free, count,
+                        quietly)
+    try:
+        whole = recurrent.layers(mode, kit, *args, grad=grad)
+        if whole is not None:
+            return whole
+        if grad:
             return run_rnn(mode, linear, *args)
         return run_rnn(mode, product, *args, step=step)
     finally:

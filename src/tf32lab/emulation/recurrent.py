@@ -1,0 +1,316 @@
+"""Whole-sequence LSTM and GRU layers for the emulator: cuDNN's RNN kernel with its GEMMs' operands rounded.
+
+On the target one cuDNN kernel runs a layer: the input projection of all time steps as one GEMM, then one GEMM
+per step on the hidden state, then (training) the backward GEMMs: one per step for the hidden state's gradient
+and one over the whole sequence for the recurrent weight's (Appleyard, Kocisky and Blunsom, "Optimizing
+performance of recurrent neural networks on GPUs", arXiv:1604.01946, describe these groupings; cuDNN's
+``cudnnRNNBackwardWeights`` takes the whole sequence at once). Every GEMM rounds its operands to the rnn family's
+math (TF32 at ``high`` on an A100), so the hidden state is rounded at every step.
+
+Each layer and direction is one ``torch.autograd.Function`` here: its forward runs the steps with the fewest
+kernels it can (the same kernels, in the same order, as :func:`tf32lab.emulation.rules.run_rnn` with a fused
+step, so a forward gives the bits it gave before), and keeps what the backward needs; its backward runs the
+sequence backwards with the pointwise derivatives computed for all steps at once, one rounding and one GEMM per
+step, and the weight gradient as one GEMM. Per-step autograd nodes (thousands for a speaker encoder) cost 8x a
+native forward and backward of an LSTM, 5x of a GRU; this costs about 1.8x and 0.9x (docs/benchmarks.md).
+
+Covered: ``lstm`` without ``proj_size`` and ``gru``, float32, in a math rounded once per operand (``tf32``,
+``bf16``). :func:`layers` answers ``None`` for anything else, which :func:`~tf32lab.emulation.rules.run_rnn` runs.
+"""
+
+from __future__ import annotations
+
+import math as _pymath
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from tf32lab.numbers import formats
+
+__all__ = ["Kit", "layers"]
+
+_ROUND = {"tf32": formats.round_tf32, "bf16": formats.round_bf16}
+
+
+@dataclass(frozen=True)
+class Kit:
+    """What the emulator gives a recurrence: its GEMMs in the rnn family's math.
+
+    ``linear(x, w, b)`` is x wᵀ + b with rounded operands (an autograd Function when gradients are wanted),
+    ``product(x, w, b)`` the same without autograd, ``weight(w)`` a rounded weight (the block's cached copy of
+    a parameter), ``name`` and ``rounding`` the math, ``nan_free`` whether the op's inputs hold no NaN,
+    ``count(op, n)`` counts ``n`` GEMMs as ``op`` in the block's coverage, and ``quietly(fn)`` runs ``fn`` as the
+    forward runs: the emulator's dispatch mode off (this code rounds its own GEMMs; through the mode every
+    pointwise op would pay a Python handler, and every GEMM a second rounding) and native GEMMs at IEEE.
+    """
+
+    linear: Callable
+    product: Callable
+    weight: Callable[[torch.Tensor], torch.Tensor]
+    name: str
+    rounding: str
+    nan_free: bool
+    count: Callable[[str, int], None]
+    quietly: Callable[[Callable], object]
+
+    def rounder(self, nan_free: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """``fn(x, out)``: ``x`` rounded into ``out``; the checks-free kernel where every NaN is a default one."""
+        fn = _ROUND[self.name]
+        hot = formats.hot_rounder(self.name, self.rounding) if nan_free else None
+
+        def round_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+            if hot is not None and x.is_cpu and x.is_contiguous():
+                return hot(x, out)
+            return fn(x, self.rounding, out=out, default_nans=nan_free)
+
+        return round_into
+
+    def round(self, x: torch.Tensor) -> torch.Tensor:
+        """A rounded copy of ``x`` (NaNs kept)."""
+        return _ROUND[self.name](x.contiguous(), self.rounding)
+
+
+def covered(mode: str, name: str, params, per: int) -> bool:
+    """Whether :func:`layers` runs this RNN: an LSTM without projection or a GRU, float32, a single-round math."""
+    return (mode in ("lstm", "gru") and name in _ROUND and per in (2, 4)
+            and all(p.dtype == torch.float32 for p in params))
+
+
+def layers(mode: str, kit: Kit, x, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+           batch_first, grad: bool):
+    """PyTorch's multi-layer (bi)directional LSTM or GRU (``torch._VF.lstm``'s arguments), each layer and
+    direction one whole-sequence step loop; ``grad``: build the autograd graph (one node per layer and
+    direction). ``None`` when :func:`covered` says no."""
+    dirs = 2 if bidirectional else 1
+    per = len(params) // (num_layers * dirs)
+    if not covered(mode, kit.name, params, per) or x.dtype != torch.float32:
+        return None
+    if batch_first:
+        x = x.transpose(0, 1)
+    unbatched = x.dim() == 2
+    if unbatched:
+        x = x.unsqueeze(1)
+    lstm = mode == "lstm"
+    h0, c0 = (hx[0], hx[1]) if lstm else (hx, None)
+    if unbatched:
+        h0, c0 = h0.unsqueeze(1), (c0.unsqueeze(1) if c0 is not None else None)
+    linear = kit.linear if grad else kit.product
+    hs, cs = [], []
+    layer_in = x
+    for layer in range(num_layers):
+        outs = []
+        for d in range(dirs):
+            idx = layer * dirs + d
+            p = params[idx * per:(idx + 1) * per]
+            w_ih, w_hh = p[0], p[1]
+            b_ih, b_hh = (p[2], p[3]) if has_biases else (None, None)
+            gates_x = linear(layer_in, w_ih, b_ih)  # all steps at once, as cuDNN does
+            if lstm:
+                if b_hh is not None:  # the hidden bias once for all steps (in place: a fresh product)
+                    gates_x = gates_x + b_hh if grad else gates_x.add_(b_hh)
+                args = (gates_x, h0[idx], c0[idx], w_hh, kit, bool(d))
+                out, h, c = _Lstm.apply(*args) if grad else _lstm_forward(*args, None)
+            else:
+                args = (gates_x, h0[idx], w_hh, b_hh, kit, bool(d))
+                out, h = _Gru.apply(*args) if grad else _gru_forward(*args, None)
+                c = None
+            outs.append(out)
+            hs.append(h)
+            cs.append(c)
+        layer_in = torch.cat(outs, -1) if dirs == 2 else outs[0]
+        if dropout and train and layer < num_layers - 1:
+            layer_in = F.dropout(layer_in, dropout, True)
+    output, h_n = layer_in, torch.stack(hs)
+    c_n = torch.stack(cs) if lstm else None
+    if unbatched:
+        output, h_n = output.squeeze(1), h_n.squeeze(1)
+        c_n = c_n.squeeze(1) if lstm else None
+    if batch_first:
+        output = output.transpose(0, 1)
+    return (output, h_n, c_n) if lstm else (output, h_n)
+
+
+def _order(steps: int, reverse: bool) -> range:
+    return range(steps - 1, -1, -1) if reverse else range(steps)
+
+
+def _in_order(t: torch.Tensor, reverse: bool) -> torch.Tensor:
+    """A time-major stack in the order the steps ran (time reversed for the backward direction)."""
+    return t.flip(0) if reverse else t
+
+
+def _before(first: torch.Tensor, ran: torch.Tensor) -> torch.Tensor:
+    """The state each step started from: ``first``, then the states of the steps before it (in run order)."""
+    return torch.cat((first.unsqueeze(0), ran[:-1]))
+
+
+# -- LSTM ---------------------------------------------------------------------------------------------------
+def _lstm_forward(gates_x, h, c, w_hh, kit: Kit, reverse: bool, saved: Optional[list]):
+    """The steps of one layer and direction; ``saved`` (a list) receives the activations (i, f, ·, o after the
+    sigmoid), g and c of every step, in run order. The kernels and their order are the fused step's of
+    ``rules.run_rnn`` (the same bits); each writes into a preallocated slab, so that nothing is stacked after."""
+    steps = gates_x.size(0)
+    size = h.size(-1)
+    w_t = kit.weight(w_hh).t().contiguous()  # rounded once per call, transposed once
+    round_h = kit.rounder(kit.nan_free)
+    held = torch.empty_like(h)  # the rounded hidden state
+    out = gates_x.new_empty(steps, *h.shape)
+    keep = saved is not None
+    acts = gates_x.new_empty(gates_x.shape if keep else gates_x.shape[1:])
+    slots = [acts[..., j * size:(j + 1) * size] for j in range(4)]  # i, f, g, o: views made once, not per step
+    gs = gates_x.new_empty(out.shape) if keep else torch.empty_like(h)
+    cs = gates_x.new_empty(out.shape) if keep else None
+    c = c if keep else c.clone()  # without a history, each state is written over the last
+    act, (i, f, g_in, o), g = acts, slots, gs
+    for k, t in enumerate(_order(steps, reverse)):
+        if keep:
+            act, i, f, g_in, o, g = acts[k], slots[0][k], slots[1][k], slots[2][k], slots[3][k], gs[k]
+        torch.addmm(gates_x[t], round_h(h, held), w_t, out=act)
+        torch.tanh(g_in, out=g)
+        act.sigmoid_()  # i, f, o (g's slot unused)
+        c = torch.addcmul(f * c, i, g, out=cs[k] if keep else c)
+        h = torch.mul(o, torch.tanh(c), out=out[t])
+    kit.count("aten::linear", steps)
+    if keep:
+        saved += [acts, gs, cs]
+    return out, h, c
+
+
+class _Lstm(torch.autograd.Function):
+    """One LSTM layer and direction over the whole sequence: ``(gates_x, h0, c0, w_hh) -> (out, h_n, c_n)``,
+    where ``gates_x`` holds the input projection of every step with both biases."""
+
+    @staticmethod
+    def forward(ctx, gates_x, h0, c0, w_hh, kit, reverse):
+        saved: list = []
+        out, h, c = _lstm_forward(gates_x, h0, c0, w_hh, kit, reverse, saved)
+        ctx.kit, ctx.reverse = kit, reverse
+        ctx.save_for_backward(h0, c0, w_hh, out, *saved)
+        return out, h, c
+
+    @staticmethod
+    def backward(ctx, d_out, d_h, d_c):
+        return ctx.kit.quietly(lambda: _lstm_backward(ctx, d_out, d_h, d_c))
+
+
+def _lstm_backward(ctx, d_out, d_h, d_c):
+    kit, reverse = ctx.kit, ctx.reverse
+    h0, c0, w_hh, out, acts, g, c = ctx.saved_tensors
+    size = h0.size(-1)
+    d_out = _in_order(d_out, reverse) if d_out is not None else torch.zeros_like(out)
+    # the pointwise derivatives of every step at once; the loop then does what depends on the next step
+    i, f, o = acts[..., :size], acts[..., size:2 * size], acts[..., 3 * size:]
+    tanh_c = torch.tanh(c)
+    c_before = _before(c0, c)
+    from_h = o * (1 - tanh_c * tanh_c)  # d c / d h through h = o tanh(c)
+    gate_factors = torch.cat((g * i * (1 - i), c_before * f * (1 - f), i * (1 - g * g), tanh_c * o * (1 - o)),
+                             -1)
+    rounder = kit.rounder(_nan_free(d_out, d_h, d_c))
+    w = kit.round(w_hh)
+    steps = out.size(0)
+    d_gates = torch.empty_like(acts)
+    d_gates_rounded = torch.empty_like(acts)
+    dh = d_out[-1] if d_h is None else d_out[-1] + d_h
+    dc = torch.zeros_like(c0) if d_c is None else d_c
+    for k in range(steps - 1, -1, -1):
+        dc = torch.addcmul(dc, dh, from_h[k])
+        torch.mul(torch.cat((dc, dc, dc, dh), -1), gate_factors[k], out=d_gates[k])
+        dc = dc * f[k]
+        rounder(d_gates[k], d_gates_rounded[k])
+        dh = torch.addmm(d_out[k - 1], d_gates_rounded[k], w) if k else d_gates_rounded[k] @ w
+    d_w = None
+    if ctx.needs_input_grad[3]:  # the whole sequence in one GEMM
+        h_before = kit.round(_before(h0, _in_order(out, reverse)))
+        d_w = d_gates_rounded.reshape(-1, 4 * size).t() @ h_before.reshape(-1, size)
+    kit.count("aten::mm", steps + (d_w is not None))
+    return _in_order(d_gates, reverse), dh, dc, d_w, None, None
+
+
+# -- GRU ----------------------------------------------------------------------------------------------------
+def _gru_forward(gates_x, h, w_hh, b_hh, kit: Kit, reverse: bool, saved: Optional[list]):
+    """The steps of one GRU layer and direction; ``saved`` receives r, z, n and the hidden product's n part of
+    every step, in run order. The kernels and their order are ``rules.run_rnn``'s (the same bits)."""
+    steps = gates_x.size(0)
+    size = h.size(-1)
+    w_view = kit.weight(w_hh).t()  # as F.linear passes it: the same GEMM kernel
+    round_h = kit.rounder(kit.nan_free)
+    held = torch.empty_like(h)
+    out = gates_x.new_empty(steps, *h.shape)
+    keep = saved is not None
+    rs, zs, ns, hns = [], [], [], []
+    for t in _order(steps, reverse):
+        hr = round_h(h, held)
+        gates_h = torch.mm(hr, w_view) if b_hh is None else torch.addmm(b_hh, hr, w_view)
+        x_r, x_z, x_n = gates_x[t].split(size, -1)
+        h_r, h_z, h_n = gates_h.split(size, -1)
+        r, z = torch.sigmoid(x_r + h_r), torch.sigmoid(x_z + h_z)
+        n = torch.tanh(x_n + r * h_n)
+        h = torch.add(n, z * (h - n), out=out[t])
+        if keep:
+            rs.append(r)
+            zs.append(z)
+            ns.append(n)
+            hns.append(h_n)
+    kit.count("aten::linear", steps)
+    if keep:
+        saved += [torch.stack(rs), torch.stack(zs), torch.stack(ns), torch.stack(hns)]
+    return out, h
+
+
+class _Gru(torch.autograd.Function):
+    """One GRU layer and direction over the whole sequence: ``(gates_x, h0, w_hh, b_hh) -> (out, h_n)``, where
+    ``gates_x`` holds the input projection of every step with its bias."""
+
+    @staticmethod
+    def forward(ctx, gates_x, h0, w_hh, b_hh, kit, reverse):
+        saved: list = []
+        out, h = _gru_forward(gates_x, h0, w_hh, b_hh, kit, reverse, saved)
+        ctx.kit, ctx.reverse, ctx.has_bias = kit, reverse, b_hh is not None
+        ctx.save_for_backward(h0, w_hh, out, *saved)
+        return out, h
+
+    @staticmethod
+    def backward(ctx, d_out, d_h):
+        return ctx.kit.quietly(lambda: _gru_backward(ctx, d_out, d_h))
+
+
+def _gru_backward(ctx, d_out, d_h):
+    kit, reverse = ctx.kit, ctx.reverse
+    h0, w_hh, out, r, z, n, h_n = ctx.saved_tensors
+    size = h0.size(-1)
+    d_out = _in_order(d_out, reverse) if d_out is not None else torch.zeros_like(out)
+    h_before = _before(h0, _in_order(out, reverse))
+    # h = n + z (h_before - n): the derivatives of every step at once, as factors of the step's dh
+    to_n = (1 - z) * (1 - n * n)  # d n_pre
+    to_z = (h_before - n) * z * (1 - z)  # d z_pre
+    to_r = to_n * h_n * r * (1 - r)  # d r_pre
+    hidden_factors = torch.cat((to_r, to_z, to_n * r), -1)  # the hidden product's gradient
+    input_factors = torch.cat((to_r, to_z, to_n), -1)  # the input projection's
+    rounder = kit.rounder(_nan_free(d_out, d_h))
+    w = kit.round(w_hh)
+    steps = out.size(0)
+    d_hidden = torch.empty(steps, *h0.shape[:-1], 3 * size, dtype=out.dtype, device=out.device)
+    d_hidden_rounded = torch.empty_like(d_hidden)
+    dh_thrice = torch.empty_like(d_hidden)
+    dh = d_out[-1] if d_h is None else d_out[-1] + d_h
+    for k in range(steps - 1, -1, -1):
+        torch.cat((dh, dh, dh), -1, out=dh_thrice[k])
+        torch.mul(dh_thrice[k], hidden_factors[k], out=d_hidden[k])
+        rounder(d_hidden[k], d_hidden_rounded[k])
+        carried = torch.addcmul(d_out[k - 1], dh, z[k]) if k else dh * z[k]
+        dh = torch.addmm(carried, d_hidden_rounded[k], w)
+    d_w = None
+    if ctx.needs_input_grad[2]:  # the whole sequence in one GEMM
+        d_w = d_hidden_rounded.reshape(-1, 3 * size).t() @ kit.round(h_before).reshape(-1, size)
+    d_b = d_hidden.sum(tuple(range(d_hidden.dim() - 1))) if ctx.has_bias else None
+    kit.count("aten::mm", steps + (d_w is not None))
+    return _in_order(dh_thrice * input_factors, reverse), dh, d_w, d_b, None, None
+
+
+def _nan_free(*grads: Optional[torch.Tensor]) -> bool:
+    """Whether the incoming gradients hold no NaN, so every NaN the backward makes is a default one (CPU only:
+    elsewhere asking would synchronise, and the rounding mends NaNs itself)."""
+    present = [g for g in grads if g is not None]
+    return all(g.device.type == "cpu" for g in present) and all(_pymath.isfinite(float(g.sum())) for g in present)

@@ -1,0 +1,164 @@
+"""Emulated LSTMs and GRUs (``tf32lab.emulation.recurrent``): forward and backward against a float64 reference
+whose GEMMs round their operands as cuDNN's RNN kernel does, and the shape of the autograd graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tf32lab
+from tf32lab.numbers import formats
+
+
+def _tf32(t: torch.Tensor) -> torch.Tensor:
+    return formats.round_tf32(t.float()).double()
+
+
+class _RoundedLinear(torch.autograd.Function):
+    """x wᵀ in float64 with both operands rounded to TF32, in the forward and in both backward GEMMs."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return _tf32(x) @ _tf32(w).t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        g = _tf32(grad)
+        return g @ _tf32(w), g.t() @ _tf32(x)
+
+
+def _reference(rnn: nn.Module, x: torch.Tensor):
+    """``rnn(x)`` (batch first, zero initial state) in float64, every GEMM's operands rounded to TF32 (RNA)."""
+    lstm = isinstance(rnn, nn.LSTM)
+    size = rnn.hidden_size
+    layer_in = x.double().transpose(0, 1)
+    for layer in range(rnn.num_layers):
+        outs = []
+        for suffix in ("", "_reverse")[:1 + rnn.bidirectional]:
+            w_ih, w_hh, b_ih, b_hh = (getattr(rnn, f"{name}_l{layer}{suffix}").double()
+                                      for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
+            gates_x = _RoundedLinear.apply(layer_in.reshape(-1, layer_in.size(-1)), w_ih)
+            gates_x = gates_x.reshape(*layer_in.shape[:2], -1) + b_ih
+            h = c = torch.zeros(layer_in.size(1), size, dtype=torch.float64)
+            out = [None] * layer_in.size(0)
+            steps = range(layer_in.size(0) - 1, -1, -1) if suffix else range(layer_in.size(0))
+            for t in steps:
+                gates_h = _RoundedLinear.apply(h, w_hh) + b_hh
+                if lstm:
+                    i, f, g, o = (gates_x[t] + gates_h).split(size, -1)
+                    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+                    h = torch.sigmoid(o) * torch.tanh(c)
+                else:
+                    x_r, x_z, x_n = gates_x[t].split(size, -1)
+                    h_r, h_z, h_n = gates_h.split(size, -1)
+                    r, z = torch.sigmoid(x_r + h_r), torch.sigmoid(x_z + h_z)
+                    n = torch.tanh(x_n + r * h_n)
+                    h = (1 - z) * n + z * h
+                out[t] = h
+            outs.append(torch.stack(out))
+        layer_in = torch.cat(outs, -1)
+    return layer_in.transpose(0, 1)
+
+
+def _grads(rnn: nn.Module, x: torch.Tensor, run) -> list[torch.Tensor]:
+    """The output and the gradients of (output²).sum() for the input and every parameter, as float64."""
+    rnn.zero_grad()
+    x = x.clone().requires_grad_()
+    out = run(x)
+    out.pow(2).sum().backward()
+    params = [p.grad for p in rnn.parameters()] if out.dtype == torch.float32 else []
+    return [out.detach().double(), x.grad.double(), *(g.double() for g in params)]
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+_RNNS = {"lstm": nn.LSTM, "gru": nn.GRU}
+
+
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["one-way", "bidirectional"])
+@pytest.mark.parametrize("kind", list(_RNNS))
+def test_emulated_forward_and_backward_match_a_float64_reference_with_rounded_gemm_operands(kind, bidirectional):
+    torch.manual_seed(0)
+    rnn = _RNNS[kind](12, 16, num_layers=2, batch_first=True, bidirectional=bidirectional)
+    x = torch.randn(3, 20, 12)
+
+    with tf32lab.precision("high"), tf32lab.emulate("a100", strict=True):
+        got = _grads(rnn, x, lambda x: rnn(x)[0])  # the backward inside the block: cuDNN's is TF32 too
+    native = _grads(rnn, x, lambda x: rnn(x)[0])
+    # the reference's gradients: parameters as float64 leaves
+    rnn64 = _RNNS[kind](12, 16, num_layers=2, batch_first=True, bidirectional=bidirectional).double()
+    rnn64.load_state_dict(rnn.state_dict())
+    x64 = x.double().requires_grad_()
+    ref_out = _reference(rnn64, x64)
+    ref_out.pow(2).sum().backward()
+    ref = [ref_out.detach(), x64.grad, *(p.grad for p in rnn64.parameters())]
+    names = ["output", "input", *(name for name, _ in rnn.named_parameters())]
+    shares = {}  # each result's distance to the reference, as a share of what rounding to TF32 changes there
+    for name, g, n, r in zip(names, got, native, ref):
+        effect = _relative(n, r)
+        assert effect > 1e-5, (name, effect)  # float32's own error is far below rounding to TF32's
+        shares[name] = _relative(g, r) / effect
+    # float32 arithmetic and the odd operand rounded the other way (within float32 noise of a TF32 tie, then
+    # carried along the recurrence) are all that may separate the emulation from the reference
+    assert sorted(shares.values())[len(shares) // 2] < 0.1 and max(shares.values()) < 0.5, shares
+
+
+@pytest.mark.parametrize("kind", list(_RNNS))
+def test_the_forward_with_gradients_gives_the_forward_without(kind):
+    torch.manual_seed(0)
+    rnn = _RNNS[kind](12, 16, num_layers=2, batch_first=True, bidirectional=True)
+    x = torch.randn(3, 20, 12)
+    with tf32lab.precision("high"), tf32lab.emulate("a100"):
+        with torch.no_grad():
+            plain = rnn(x)
+        trained = rnn(x.clone().requires_grad_())
+    for a, b in zip(_flat(plain), _flat(trained)):
+        assert torch.equal(a, b.detach())
+
+
+def _flat(out) -> list[torch.Tensor]:
+    return [t for part in out for t in (part if isinstance(part, tuple) else (part,))]
+
+
+def _nodes(out: torch.Tensor) -> int:
+    seen, todo = set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        todo += [next_fn for next_fn, _ in node.next_functions]
+    return len(seen)
+
+
+@pytest.mark.parametrize("kind", list(_RNNS))
+def test_the_backward_is_a_few_nodes_per_layer_not_one_per_step(kind):
+    torch.manual_seed(0)
+    rnn = _RNNS[kind](12, 16, num_layers=2, batch_first=True)
+    short, long = torch.randn(2, 5, 12, requires_grad=True), torch.randn(2, 50, 12, requires_grad=True)
+    with tf32lab.precision("high"), tf32lab.emulate("a100"):
+        nodes = [_nodes(rnn(x)[0]) for x in (short, long)]
+    assert nodes[0] == nodes[1] < 40, nodes
+
+
+@pytest.mark.parametrize("rounding", ["rna", "rne", "rz"])
+@pytest.mark.parametrize("name", ["tf32", "bf16"])
+def test_the_hot_rounder_gives_the_bits_of_the_checked_rounding(name, rounding):
+    # the hidden state's rounder (0-dim tensor constants) against round_tf32 / round_bf16, into a buffer and in place
+    torch.manual_seed(0)
+    bits = torch.randint(-2**31, 2**31 - 1, (1 << 16,), dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32)
+    x = torch.cat((x[~torch.isnan(x)], torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 3.4028235e38,
+                                                       -3.4028235e38, 1e-45, 1 + 2**-11, 1 + 3 * 2**-11])))
+    checked = {"tf32": formats.round_tf32, "bf16": formats.round_bf16}[name](x, rounding)
+    hot = formats.hot_rounder(name, rounding)
+    into = hot(x, torch.empty_like(x))
+    in_place = x.clone()
+    hot(in_place, in_place)
+    assert torch.equal(into.view(torch.int32), checked.view(torch.int32))
+    assert torch.equal(in_place.view(torch.int32), checked.view(torch.int32))
