@@ -22,8 +22,9 @@ from typing import Optional
 
 from tf32lab.errors import Tf32LabError
 
-__all__ = ["CONV_BAND", "DATASHEET", "GEMM_BAND", "GEMM_EFFICIENCY", "GEMM_FITS", "LAUNCH_SECONDS", "MEMORY_EFFICIENCY",
-           "SMS", "GemmFit", "Peaks", "gemm_fit", "math_kind"]
+__all__ = ["CONV_BAND", "DATASHEET", "DIRECT_CONV_EFFICIENCY", "GEMM_BAND", "GEMM_EFFICIENCY", "GEMM_FITS",
+           "HOST_SECONDS", "LAUNCH_SECONDS", "MEMORY_EFFICIENCIES", "MEMORY_EFFICIENCY", "SMS", "GemmFit", "Peaks",
+           "gemm_fit", "host_seconds", "math_kind", "memory_efficiency"]
 
 # A GEMM on a GPU without a fit below: one efficiency for both maths (so that GeForce cards, TF32 peak = FP32 peak,
 # get the speedup their peaks say, 1.0): the PyTorch CUDA notes' 10240^3 matmul on an A100 implies ~100% of the FP32
@@ -33,6 +34,10 @@ GEMM_EFFICIENCY = 0.93
 MEMORY_EFFICIENCY = 0.85
 # Eager PyTorch: the host's dispatch plus the launch, per kernel; verify on GPU.
 LAUNCH_SECONDS = 5e-6
+# A depthwise convolution in PyTorch's own CUDA-core kernel (float32, NCHW: no cuDNN, no tensor cores): the share of
+# the FP32 peak its direct loops reach. Unfitted (no published or measured row); it only moves the time such a
+# convolution takes at every level alike, never what TF32 buys it.
+DIRECT_CONV_EFFICIENCY = 0.5
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,20 @@ GEMM_FITS: dict[str, dict[str, GemmFit]] = {
 # predict (BytedTsinghua-SIA/CUDA-Agent#16, KernelBench level 1: 9.62x, 9.05x, 6.85x), and on an H200
 # (docs/gpu-results.md) ResNet-50's convs gain 0.41x to 2.4x of it (cuDNN's TF32 flag: 1.2x to 7.0x).
 GEMM_BAND = (0.86, 1.16)
+# Per target, the share of the datasheet bandwidth memory-bound ops reach, where measured rows fit it (else
+# MEMORY_EFFICIENCY).
+MEMORY_EFFICIENCIES: dict[str, float] = {}
 CONV_BAND = (0.40, 2.50)
+
+
+def memory_efficiency(target: str) -> float:
+    """The share of ``target``'s datasheet bandwidth a streaming kernel reaches (``MEMORY_EFFICIENCY`` unless
+    fitted for the target).
+
+    >>> memory_efficiency("a100") <= 1.0
+    True
+    """
+    return MEMORY_EFFICIENCIES.get(target, MEMORY_EFFICIENCY)
 
 
 def math_kind(math: str) -> str:

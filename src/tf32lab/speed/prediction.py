@@ -61,6 +61,7 @@ from tf32lab.numbers.files import write_json
 from tf32lab.numbers.origin import run_error
 from tf32lab.numbers.trees import named_tensors
 from tf32lab.speed.counting import ROOT, Counting, Counts, Gemm, OpCost, OtherThreads
+from tf32lab.speed.kinds import kind_of
 from tf32lab.workloads.running import changed_note, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.workload import Workload, eval_mode
 
@@ -112,10 +113,14 @@ def gemm_seconds(gemm: Gemm, math_name: str, p: Peaks, fit: Optional[GemmFit] = 
 
 
 def op_seconds(op: OpCost, math_name: Optional[str], p: Peaks) -> float:
-    """The predicted time of one op on ``p``'s GPU when its products run in ``math_name``."""
-    memory = op.bytes / (p.bandwidth * 1e9 * peaks.MEMORY_EFFICIENCY)
+    """The predicted time of one op on ``p``'s GPU when its products run in ``math_name``: by its kind
+    (``tf32lab.speed.kinds``), the larger of its compute and its bytes at the achievable bandwidth, plus the host's
+    cost of its kernels. A depthwise convolution runs on the CUDA cores whatever the math (PyTorch's own kernel)."""
+    memory = op.bytes / (p.bandwidth * 1e9 * peaks.memory_efficiency(p.target))
     compute = 0.0
-    if op.gemms:
+    if (op.kind or kind_of(op.op, op.family)) == "conv-depthwise":
+        compute = op.flops / (p.flops("ieee") * peaks.DIRECT_CONV_EFFICIENCY)
+    elif op.gemms:
         compute = sum(gemm_seconds(g, math_name or "ieee", p) for g in op.gemms)
     steps = sum(g[0] for g in op.gemms) if op.gemms else 1  # an RNN's steps are kernels of their own
     return max(compute, memory) + peaks.LAUNCH_SECONDS * steps
