@@ -30,9 +30,14 @@ Example:
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-__all__ = ["CONV_KINDS", "KINDS", "MEMORY_KINDS", "conv_kind", "kind_of"]
+from tf32lab.know import peaks
+
+if TYPE_CHECKING:
+    from tf32lab.speed.counting import OpCost
+
+__all__ = ["CONV_KINDS", "KINDS", "MEMORY_KINDS", "TIME_BAND", "conv_kind", "gain_band", "kind_of"]
 
 CONV_KINDS = ("conv", "conv-transposed", "conv-grouped", "conv-depthwise")
 MEMORY_KINDS = ("elementwise", "norm", "softmax", "embedding", "reduction", "optimizer", "copy", "memory")
@@ -84,3 +89,31 @@ def kind_of(op: str, family: Optional[str]) -> str:
     if base in _COPY:
         return "copy"
     return "elementwise" if base else "memory"
+
+
+# How far the time of an op whose math no level changes may be off, per kind (low, high factors on its time): the
+# whole-step residuals of this project's H200 rows (``peaks.HOST_BAND``: their memory-bound ops and host cost),
+# for every memory-bound kind alike; a depthwise convolution's CUDA-core time is unfitted: twice as wide.
+TIME_BAND: dict[str, tuple[float, float]] = {
+    **{kind: peaks.HOST_BAND for kind in MEMORY_KINDS},
+    "conv-depthwise": (peaks.HOST_BAND[0] ** 2, peaks.HOST_BAND[1] ** 2),
+}
+
+
+def gain_band(kind: str, op: OpCost, before: float, after: float, p: peaks.Peaks) -> tuple[float, float]:
+    """Factors (low, high) on what a level (or cuDNN's flag) is predicted to buy an op of ``kind`` that took
+    ``before`` and takes ``after`` seconds (module docstring): GEMMs the published GEMMs' residuals
+    (``peaks.GEMM_BAND``); convolutions cuDNN's per-shape variability (``peaks.CONV_BAND``); a grouped one may gain
+    nothing (its channels per group may not suit the tensor cores); a depthwise one at most down to its bytes' time
+    (cuDNN's channels-last path), at least nothing."""
+    if kind == "gemm":
+        return peaks.GEMM_BAND
+    if kind in ("conv", "conv-transposed"):
+        return peaks.CONV_BAND
+    gain = before / after if after > 0 else 1.0
+    if kind == "conv-grouped":
+        return min(peaks.CONV_BAND[0], 1 / gain), peaks.CONV_BAND[1]
+    if kind == "conv-depthwise":
+        floor = op.bytes / (p.bandwidth * 1e9 * peaks.memory_efficiency(p.target)) + peaks.LAUNCH_SECONDS
+        return 1.0 / gain, max(1.0, before / floor / gain)
+    return 1.0, 1.0

@@ -61,7 +61,7 @@ from tf32lab.numbers.files import write_json
 from tf32lab.numbers.origin import run_error
 from tf32lab.numbers.trees import named_tensors
 from tf32lab.speed.counting import ROOT, Counting, Counts, Gemm, OpCost, OtherThreads
-from tf32lab.speed.kinds import kind_of
+from tf32lab.speed.kinds import TIME_BAND, gain_band, kind_of
 from tf32lab.workloads.running import changed_note, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.workload import Workload, eval_mode
 
@@ -122,8 +122,7 @@ def op_seconds(op: OpCost, math_name: Optional[str], p: Peaks) -> float:
         compute = op.flops / (p.flops("ieee") * peaks.DIRECT_CONV_EFFICIENCY)
     elif op.gemms:
         compute = sum(gemm_seconds(g, math_name or "ieee", p) for g in op.gemms)
-    steps = sum(g[0] for g in op.gemms) if op.gemms else 1  # an RNN's steps are kernels of their own
-    return max(compute, memory) + peaks.LAUNCH_SECONDS * steps
+    return max(compute, memory) + peaks.LAUNCH_SECONDS * _kernels(op)
 
 
 @dataclass(frozen=True)
@@ -242,21 +241,51 @@ def seconds_at(counts: Counts, target: Target, level_of: Callable[[str], str],
     conv_of = conv_of or (lambda layer: None)
     pairs = {(level_of(op.layer), conv_of(op.layer)) for op in counts.ops}
     maths = {(level, conv): level_maths(target, [level], conv)[level] for level, conv in pairs}
-    return sum(op_seconds(op, maths[level_of(op.layer), conv_of(op.layer)].get(op.family or "", "ieee"), p)
-               for op in counts.ops)
+    return queued_seconds(counts.ops, [op_seconds(op, maths[level_of(op.layer), conv_of(op.layer)].get(
+        op.family or "", "ieee"), p) for op in counts.ops])
 
 
-def _band(ops: Sequence[OpCost], base: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
-    """The likely range of ``sum(base) / sum(times)``: each op that the level speeds up may gain ``peaks.GEMM_BAND``'s
-    (a convolution: ``peaks.CONV_BAND``'s) factors of what the model says; the others are as predicted."""
-    total, lows, highs = sum(base), 0.0, 0.0
-    for op, before, after in zip(ops, base, times):
-        if after < before * (1 - 1e-9):
-            low, high = peaks.CONV_BAND if op.family == "conv" else peaks.GEMM_BAND
-            lows, highs = lows + after / low, highs + after / high
-        else:
-            lows, highs = lows + after, highs + after
-    return _ratio(total, lows), _ratio(total, highs)
+def _kernels(op: OpCost) -> int:
+    return sum(g[0] for g in op.gemms) if op.gemms else 1  # an RNN's steps are kernels of their own
+
+
+def queued_seconds(ops: Sequence[OpCost], times: Sequence[float], host: Optional[float] = None) -> float:
+    """The time of ``ops`` run eagerly, each taking ``times`` on the GPU: the host issues them one after the other,
+    ``host`` seconds per kernel (default ``peaks.HOST_SECONDS``, fitted), and the GPU runs each once it is issued
+    and the one before is done. A host-bound model (small kernels) takes its host's time, a GPU-bound one its
+    kernels' (the host runs ahead during long products), as a CUDA stream does."""
+    host = peaks.HOST_SECONDS if host is None else host
+    issued = done = 0.0
+    for op, seconds in zip(ops, times):
+        issued += host * _kernels(op)
+        done = max(issued, done) + seconds
+    return done
+
+
+def _band(ops: Sequence[OpCost], base: Sequence[float], times: Sequence[float], changed: Sequence[bool],
+          p: Peaks) -> tuple[float, float]:
+    """The likely range of the speedup ``queued(base) / queued(times)``, from the residuals of the kinds the ops are
+    of (``kinds.gain_band``, ``kinds.TIME_BAND``): each op whose math ``changed`` may gain its kind's factors of
+    what the model says; each other op, and the host's cost per op, may take its kind's factors of its time, at
+    both levels alike (a step dominated by memory-bound ops and host cost is as uncertain as they are). The range
+    spans every corner of those factors (a host-bound level and a GPU-bound one answer them differently)."""
+    if not any(changed):
+        return 1.0, 1.0
+    found = [_ratio(queued_seconds(ops, base), queued_seconds(ops, times))]
+    for side in (0, 1):
+        for gain_side in (0, 1):
+            before_all, after_all = [], []
+            for op, before, after, change in zip(ops, base, times, changed):
+                kind = op.kind or kind_of(op.op, op.family)
+                if change:
+                    before_all.append(before)
+                    after_all.append(after / gain_band(kind, op, before, after, p)[gain_side])
+                else:
+                    factor = TIME_BAND.get(kind, (1.0, 1.0))[side]
+                    before_all.append(before * factor), after_all.append(after * factor)
+            host = peaks.HOST_SECONDS * peaks.HOST_BAND[side]
+            found.append(_ratio(queued_seconds(ops, before_all, host), queued_seconds(ops, after_all, host)))
+    return min(found), max(found)
 
 
 def predict_counts(counts: Counts, workload: str, target: Target, levels: Iterable[str] = LEVELS,
@@ -268,7 +297,9 @@ def predict_counts(counts: Counts, workload: str, target: Target, levels: Iterab
     by_level = level_maths(target, levels, conv)
     per_op = {level: [op_seconds(op, by_level[level].get(op.family or "", "ieee"), p) for op in counts.ops]
               for level in levels}
-    totals = {level: sum(times) for level, times in per_op.items()}
+    totals = {level: queued_seconds(counts.ops, times) for level, times in per_op.items()}
+    changed = {level: [by_level[level].get(op.family or "", "ieee") != by_level["highest"].get(op.family or "", "ieee")
+                       for op in counts.ops] for level in levels}
     layers: dict[str, dict[str, float]] = {}
     for i, op in enumerate(counts.ops):
         for level in levels:
@@ -277,9 +308,9 @@ def predict_counts(counts: Counts, workload: str, target: Target, levels: Iterab
     family_layers = {op.layer for op in counts.ops if op.family is not None}
     rows = tuple(LevelSpeed(level, totals[level], _ratio(totals["highest"], totals[level]),
                             _ratio(sum(t for t, op in zip(per_op[level], counts.ops) if op.family is not None),
-                                   totals[level]),
-                            band=_band(counts.ops, per_op["highest"], per_op[level]),
-                            shares=_shares(counts.ops, per_op[level], totals[level]))
+                                   sum(per_op[level])),
+                            band=_band(counts.ops, per_op["highest"], per_op[level], changed[level], p),
+                            shares=_shares(counts.ops, per_op[level], sum(per_op[level])))
                  for level in levels)
     notes = []
     if counts.uncounted:
@@ -307,8 +338,9 @@ def _conv_note(counts: Counts, target: Target, conv: str, times: Sequence[float]
     maths = level_maths(target, ("highest",), "ieee" if conv == "tf32" else "tf32")["highest"]
     other = [op_seconds(op, maths.get(op.family or "", "ieee"), p) for op in counts.ops]
     ieee, tf32 = (other, list(times)) if conv == "tf32" else (list(times), other)
-    gain = LevelSpeed("highest", sum(tf32), _ratio(sum(ieee), sum(tf32)), math.nan,
-                      band=_band(counts.ops, ieee, tf32))
+    ieee_total, tf32_total = queued_seconds(counts.ops, ieee), queued_seconds(counts.ops, tf32)
+    gain = LevelSpeed("highest", tf32_total, _ratio(ieee_total, tf32_total), math.nan,
+                      band=_band(counts.ops, ieee, tf32, [op.family == "conv" for op in counts.ops], p))
     return (f"convolutions at cudnn.conv tf32 instead of ieee (at highest): {gain.likely()} "
             f"(cuDNN picks its algorithm per shape: a wide band)")
 
