@@ -190,7 +190,7 @@ def _heavy():
 def test_check_predicts_each_levels_speedup_and_the_conclusion_weighs_it():
     report = tf32lab.check(_heavy(), levels=("highest", "high", "medium"))
     high = report.level("high")
-    assert high.speedup > 3 and report.level("highest").speedup == 1.0
+    assert high.speedup > 2.5 and report.level("highest").speedup == 1.0  # three products and their host cost
     assert report.level("medium").speedup == high.speedup  # computed alike on a100
     assert f"predicted {high.speedup:.2f}x faster there" in report.conclusion()[0]
     data = report.to_dict()

@@ -23,8 +23,8 @@ from typing import Optional
 from tf32lab.errors import Tf32LabError
 
 __all__ = ["CONV_BAND", "DATASHEET", "DIRECT_CONV_EFFICIENCY", "GEMM_BAND", "GEMM_EFFICIENCY", "GEMM_FITS",
-           "HOST_SECONDS", "LAUNCH_SECONDS", "MEMORY_EFFICIENCIES", "MEMORY_EFFICIENCY", "SMS", "GemmFit", "Peaks",
-           "HOST_BAND", "gemm_fit", "math_kind", "memory_efficiency"]
+           "HOST_BAND", "HOST_SECONDS", "LAUNCH_SECONDS", "MEMORY_EFFICIENCIES", "MEMORY_EFFICIENCY", "SMS",
+           "GemmFit", "Peaks", "gemm_fit", "math_kind", "memory_efficiency"]
 
 # A GEMM on a GPU without a fit below: one efficiency for both maths (so that GeForce cards, TF32 peak = FP32 peak,
 # get the speedup their peaks say, 1.0): the PyTorch CUDA notes' 10240^3 matmul on an A100 implies ~100% of the FP32

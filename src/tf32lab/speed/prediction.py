@@ -14,15 +14,20 @@ on the target at each level, with the math ``emulate(target)`` would give it (``
   (``peaks.GemmFit``: efficiency and wave cost per target and kind of math, SIMT or tensor cores, fitted to
   published timings, ``tf32lab.speed.calibration``). The best tile and split (1, 2, 3, ... parts of k while SMs
   are idle) win, as cuBLAS's heuristics pick one. Padding, partial waves and skinny shapes so cost what they cost.
-- every other op is memory-bound: its bytes at 85% of the bandwidth.
-- ``launch``: 5 µs per kernel (eager dispatch and launch; views and allocations launch none).
+- a depthwise convolution runs on the CUDA cores at every math (``tf32lab.speed.kinds``: each op's kind);
+- every other op is memory-bound: its bytes at the target's achievable share of the bandwidth
+  (``peaks.memory_efficiency``: fitted for the H200, else 85%).
+- ``launch``: 5 µs per kernel on the GPU; and the host's cost, ``peaks.HOST_SECONDS`` per op (fitted), in a queue
+  (``queued_seconds``): a model of small kernels takes its host's time, whatever the level.
 
-Every predicted speedup carries a band (``LevelSpeed.band``, "2.40x, likely 2.05-2.71x"): each op the level speeds
-up may gain what the published GEMMs were off by at most (``peaks.GEMM_BAND``), a convolution what cuDNN's
-per-shape choices make of it (``peaks.CONV_BAND``, wide). ``conv="tf32"|"ieee"`` sets cuDNN's convolution flag,
-which no level touches. ``benchmarks/predict.py`` prints every published pair against the model (docs/design.md).
-The result is a :class:`SpeedReport`, the same type :func:`tf32lab.bench` returns from a real measurement, so the
-two print side by side.
+Every predicted speedup carries a band (``LevelSpeed.band``, "2.40x, likely 2.05-2.71x") from the residuals of the
+kinds its ops are of (``kinds.gain_band``, ``kinds.TIME_BAND``): each op the level speeds up may gain what the
+published GEMMs were off by at most (``peaks.GEMM_BAND``), a convolution what cuDNN's per-shape choices make of it
+(``peaks.CONV_BAND``, wide), a depthwise one from nothing to its bytes' time; memory-bound ops and the host's cost
+may take what the H200 whole-model rows were off by (``peaks.HOST_BAND``). ``conv="tf32"|"ieee"`` sets cuDNN's
+convolution flag, which no level touches. ``benchmarks/predict.py`` prints every published pair against the model
+(docs/design.md). The result is a :class:`SpeedReport`, the same type :func:`tf32lab.bench` returns from a real
+measurement, so the two print side by side.
 
 Example:
 
@@ -30,9 +35,9 @@ Example:
     >>> w = tf32lab.Workload(torch.nn.Linear(2048, 2048), torch.randn(4096, 2048), name="gemm")
     >>> report = tf32lab.predict(w, target="a100")
     >>> round(report.level("high").speedup, 1), round(report.level("highest").speedup, 1)
-    (5.0, 1.0)
+    (4.7, 1.0)
     >>> report.level("high").likely()
-    '5.02x, likely 4.32-5.83x'
+    '4.71x, likely 4.04-5.48x'
     >>> batch_of_one = tf32lab.Workload(torch.nn.Linear(4096, 4096), torch.randn(1, 4096))
     >>> tf32lab.predict(batch_of_one, "a100").level("high").speedup < 1.05      # memory-bound: nothing to gain
     True
