@@ -95,6 +95,7 @@ def test_a_workload_dominated_by_weak_kinds_gets_a_wide_band():
     gain = float(note.split(": ")[1].split("x")[0])
     low, high = (float(v) for v in note.split("likely ")[1].split("x")[0].split("-"))
     assert high / low > 2 and low < gain < high
+    assert "the model is weak on what this workload is made of (convolutions" in note  # said in words
 
 
 def test_predict_works_on_a_model_built_on_the_meta_device():

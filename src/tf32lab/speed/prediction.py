@@ -323,9 +323,40 @@ def predict_counts(counts: Counts, workload: str, target: Target, levels: Iterab
         notes.append(f"counted by their bytes only (no FLOP formula): {ops}")
     if conv is not None and any(op.family == "conv" for op in counts.ops):
         notes.append(_conv_note(counts, target, conv, per_op["highest"]))
+    widest = max(rows, key=lambda lv: lv.band[1] / lv.band[0] if lv.band and lv.band[0] > 0 else 0.0)
+    wide = _wide_note(counts.ops, per_op["highest"], totals["highest"], widest, f"at {widest.level}")
+    if wide:
+        notes.append(wide)
     return SpeedReport(workload, target.name, "predicted", rows,
                        tuple(LayerSpeed(name, seconds) for name, seconds in layers.items() if name in family_layers),
                        counts.flops, counts.bytes, tuple(notes), step)
+
+
+# a band wider than this (high / low) is said in words, with the kinds that make it so
+WIDE_BAND = 1.5
+# the kinds the model is weak on: unfitted or widely off on the rows at hand (docs/speed-model.md)
+WEAK_KINDS = {"conv-depthwise": "depthwise convolutions", "conv-grouped": "grouped convolutions",
+              "conv-transposed": "transposed convolutions", "conv": "convolutions (cuDNN's per-shape choices)"}
+
+
+def _wide_note(ops: Sequence[OpCost], times: Sequence[float], total: float, widest: LevelSpeed, what: str) -> str:
+    """Words for a wide band (``what``: where, "at high"): what share of the time the weak kinds and the host (the
+    time not spent on the GPU) take; empty for a band narrower than ``WIDE_BAND``."""
+    if widest.band is None or widest.band[0] <= 0 or widest.band[1] / widest.band[0] < WIDE_BAND:
+        return ""
+    shares: dict[str, float] = {}
+    for op, seconds in zip(ops, times):
+        kind = op.kind or kind_of(op.op, op.family)
+        name = WEAK_KINDS.get(kind, "memory-bound ops" if kind not in ("gemm",) else "")
+        if name:
+            shares[name] = shares.get(name, 0.0) + seconds / total
+    host = max(0.0, 1 - sum(times) / total)
+    if host > 0.05:
+        shares["the host's cost per op"] = host
+    listed = ", ".join(f"{name} {share:.0%}" for name, share in sorted(shares.items(), key=lambda kv: -kv[1])
+                       if share >= 0.05)
+    return (f"wide band {what} ({widest.likely()}): the model is weak on what this workload is made of "
+            f"({listed} of the predicted time); measure it (tf32lab bench) before acting on the number")
 
 
 def _shares(ops: Sequence[OpCost], times: Sequence[float], total: float) -> dict[str, float]:
@@ -346,8 +377,9 @@ def _conv_note(counts: Counts, target: Target, conv: str, times: Sequence[float]
     ieee_total, tf32_total = queued_seconds(counts.ops, ieee), queued_seconds(counts.ops, tf32)
     gain = LevelSpeed("highest", tf32_total, _ratio(ieee_total, tf32_total), math.nan,
                       band=_band(counts.ops, ieee, tf32, [op.family == "conv" for op in counts.ops], p))
+    wide = _wide_note(counts.ops, ieee, ieee_total, gain, "of cuDNN's TF32 flag")
     return (f"convolutions at cudnn.conv tf32 instead of ieee (at highest): {gain.likely()} "
-            f"(cuDNN picks its algorithm per shape: a wide band)")
+            f"(cuDNN picks its algorithm per shape: a wide band)" + (f"; {wide}" if wide else ""))
 
 
 # bytes per float32 parameter element of one update (foreach implementations, PyTorch's default on CUDA): AdamW and
