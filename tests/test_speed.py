@@ -190,7 +190,7 @@ def _heavy():
 def test_check_predicts_each_levels_speedup_and_the_conclusion_weighs_it():
     report = tf32lab.check(_heavy(), levels=("highest", "high", "medium"))
     high = report.level("high")
-    assert high.speedup > 2.5 and report.level("highest").speedup == 1.0  # three products and their host cost
+    assert high.speedup > 3 and report.level("highest").speedup == 1.0
     assert report.level("medium").speedup == high.speedup  # computed alike on a100
     assert f"predicted {high.speedup:.2f}x faster there" in report.conclusion()[0]
     data = report.to_dict()
@@ -359,9 +359,8 @@ def test_the_conv_math_is_asked_by_its_own_flag_and_its_gain_has_a_wide_band():
     assert gain > 2
     note = next(n for n in tf32.notes if n.startswith("convolutions at cudnn.conv tf32"))
     low, high = (float(v) for v in re.search(rf"{gain:.2f}x, likely ([0-9.]+)-([0-9.]+)x", note).groups())
-    # cuDNN's per-shape choices: the band is wide (the ReLU between the convs gains nothing and the host's cost per
-    # op bounds the fast end, so a little narrower)
-    assert gain * CONV_BAND[0] <= low < gain * 0.6 and gain * 1.5 < high <= gain * CONV_BAND[1]
+    # cuDNN's per-shape choices: the band is wide (the ReLU between the convs gains nothing, so a little narrower)
+    assert gain * CONV_BAND[0] <= low < gain * 0.5 and gain * 2 < high <= gain * CONV_BAND[1]
     with pytest.raises(Tf32LabError, match="unknown conv math 'fp16'; accepted: 'tf32', 'ieee'"):
         tf32lab.predict(w, "a100", conv="fp16")
 
@@ -424,7 +423,7 @@ def test_predict_training_dilutes_the_gain_and_leaves_the_model_as_it_was():
     forward = tf32lab.predict(w, "a100").level("high").speedup
     step = tf32lab.predict(w, "a100", training=True)
     sgd = tf32lab.predict(w, "a100", training=True, optimizer="sgd").level("high")
-    assert step.step == "training" and forward > step.level("high").speedup > 1.3
+    assert step.step == "training" and forward > step.level("high").speedup > 1.5
     assert sgd.speedup > step.level("high").speedup  # less optimizer traffic, less dilution
     assert not model.training and all(p.grad is None for p in model.parameters())
     assert json.loads(step.to_json())["step"] == "training"
@@ -453,8 +452,7 @@ def test_the_t5_base_training_row_is_predicted_within_30_percent():
 def test_speed_command_predicts_a_training_step_and_the_conv_flags_gain():
     done = cli("speed", "builtin", "--target", "h100", "--training", "--conv", "ieee")
     assert done.returncode == 0, done.stderr
-    # the built-in model's step is host-bound on a GPU (its ops' host cost outlasts its kernels): no gain, no band
-    assert "one training step" in done.stdout and re.search(r"high +[0-9.]+ ms +1\.00x", done.stdout)
+    assert "one training step" in done.stdout and "likely" in done.stdout
     assert "convolutions at cudnn.conv tf32 instead of ieee" in done.stdout
     data = json.loads(cli("speed", "builtin", "--training", "--optimizer", "none", "--json", "-").stdout)["predicted"]
     assert data["step"] == "training" and len(data["levels"][1]["band"]) == 2

@@ -34,10 +34,11 @@ GEMM_EFFICIENCY = 0.93
 MEMORY_EFFICIENCY = 0.85
 # Eager PyTorch: the host's dispatch plus the launch, per kernel; verify on GPU.
 LAUNCH_SECONDS = 5e-6
-# The host's cost per op of eager PyTorch (Python, dispatch, launch; a model's own Python between ops), the same on
-# every GPU target: fitted to this project's H200 whole-model rows (``tf32lab.speed.calibration.fit_host``), where
-# a MiniLM-sized encoder takes 3.26 ms a forward at both levels (host-bound). ``speed.prediction.queued_seconds``
-# lets the GPU run ahead of it only as a CUDA stream does.
+# The host's cost per op of eager PyTorch (Python, dispatch, launch; a model's own Python between ops): fitted to
+# this project's H200 whole-model rows (benchmarks/predict.py --gpu-data), Hugging Face encoders whose MiniLM-sized
+# one takes 3.26 ms a forward at both levels (host-bound). ``predict(..., host=HOST_SECONDS)`` queues it
+# (``speed.prediction.queued_seconds``); the default, 0, predicts the GPU's time alone (a bare op costs ~12 µs on
+# the H100's host, docs/gpu-results.md: one value for every model is not what the rows show).
 HOST_SECONDS = 37e-6
 # How far those rows' predicted times were off (measured / predicted, low and high): the time band of every op
 # whose math a level leaves alone (memory-bound kinds and host cost).

@@ -17,8 +17,8 @@ on the target at each level, with the math ``emulate(target)`` would give it (``
 - a depthwise convolution runs on the CUDA cores at every math (``tf32lab.speed.kinds``: each op's kind);
 - every other op is memory-bound: its bytes at the target's achievable share of the bandwidth
   (``peaks.memory_efficiency``: fitted for the H200, else 85%).
-- ``launch``: 5 µs per kernel on the GPU; and the host's cost, ``peaks.HOST_SECONDS`` per op (fitted), in a queue
-  (``queued_seconds``): a model of small kernels takes its host's time, whatever the level.
+- ``launch``: 5 µs per kernel; with ``host=`` (``peaks.HOST_SECONDS``: fitted), the host's cost per op too, in a
+  queue (``queued_seconds``): a model of small kernels then takes its host's time, whatever the level.
 
 Every predicted speedup carries a band (``LevelSpeed.band``, "2.40x, likely 2.05-2.71x") from the residuals of the
 kinds its ops are of (``kinds.gain_band``, ``kinds.TIME_BAND``): each op the level speeds up may gain what the
@@ -35,9 +35,9 @@ Example:
     >>> w = tf32lab.Workload(torch.nn.Linear(2048, 2048), torch.randn(4096, 2048), name="gemm")
     >>> report = tf32lab.predict(w, target="a100")
     >>> round(report.level("high").speedup, 1), round(report.level("highest").speedup, 1)
-    (4.7, 1.0)
+    (5.0, 1.0)
     >>> report.level("high").likely()
-    '4.71x, likely 4.04-5.48x'
+    '5.02x, likely 4.32-5.83x'
     >>> batch_of_one = tf32lab.Workload(torch.nn.Linear(4096, 4096), torch.randn(1, 4096))
     >>> tf32lab.predict(batch_of_one, "a100").level("high").speedup < 1.05      # memory-bound: nothing to gain
     True
@@ -254,12 +254,20 @@ def _kernels(op: OpCost) -> int:
     return sum(g[0] for g in op.gemms) if op.gemms else 1  # an RNN's steps are kernels of their own
 
 
-def queued_seconds(ops: Sequence[OpCost], times: Sequence[float], host: Optional[float] = None) -> float:
+def queued_seconds(ops: Sequence[OpCost], times: Sequence[float], host: float = 0.0) -> float:
     """The time of ``ops`` run eagerly, each taking ``times`` on the GPU: the host issues them one after the other,
-    ``host`` seconds per kernel (default ``peaks.HOST_SECONDS``, fitted), and the GPU runs each once it is issued
-    and the one before is done. A host-bound model (small kernels) takes its host's time, a GPU-bound one its
-    kernels' (the host runs ahead during long products), as a CUDA stream does."""
-    host = peaks.HOST_SECONDS if host is None else host
+    ``host`` seconds per kernel (``peaks.HOST_SECONDS``: fitted on an H200's eager Hugging Face encoders; 0: the
+    GPU's time alone, the default of ``predict``), and the GPU runs each once it is issued and the one before is
+    done. A host-bound model (small kernels) takes its host's time, a GPU-bound one its kernels' (the host runs
+    ahead during long products), as a CUDA stream does.
+
+        >>> from tf32lab.speed.counting import OpCost
+        >>> ops = [OpCost("aten::mm", "x", "matmul", 0.0, 0.0, ())] * 2
+        >>> round(queued_seconds(ops, [1e-3, 1e-6], host=1e-5) * 1e6)   # the host ran ahead
+        1011
+        >>> round(queued_seconds(ops, [1e-6, 1e-6], host=1e-5) * 1e6)   # host-bound
+        21
+    """
     issued = done = 0.0
     for op, seconds in zip(ops, times):
         issued += host * _kernels(op)
@@ -268,7 +276,7 @@ def queued_seconds(ops: Sequence[OpCost], times: Sequence[float], host: Optional
 
 
 def _band(ops: Sequence[OpCost], base: Sequence[float], times: Sequence[float], changed: Sequence[bool],
-          p: Peaks) -> tuple[float, float]:
+          p: Peaks, host: float = 0.0) -> tuple[float, float]:
     """The likely range of the speedup ``queued(base) / queued(times)``, from the residuals of the kinds the ops are
     of (``kinds.gain_band``, ``kinds.TIME_BAND``): each op whose math ``changed`` may gain its kind's factors of
     what the model says; each other op, and the host's cost per op, may take its kind's factors of its time, at
@@ -276,7 +284,7 @@ def _band(ops: Sequence[OpCost], base: Sequence[float], times: Sequence[float], 
     spans every corner of those factors (a host-bound level and a GPU-bound one answer them differently)."""
     if not any(changed):
         return 1.0, 1.0
-    found = [_ratio(queued_seconds(ops, base), queued_seconds(ops, times))]
+    found = [_ratio(queued_seconds(ops, base, host), queued_seconds(ops, times, host))]
     for side in (0, 1):
         for gain_side in (0, 1):
             before_all, after_all = [], []
@@ -288,13 +296,13 @@ def _band(ops: Sequence[OpCost], base: Sequence[float], times: Sequence[float], 
                 else:
                     factor = TIME_BAND.get(kind, (1.0, 1.0))[side]
                     before_all.append(before * factor), after_all.append(after * factor)
-            host = peaks.HOST_SECONDS * peaks.HOST_BAND[side]
-            found.append(_ratio(queued_seconds(ops, before_all, host), queued_seconds(ops, after_all, host)))
+            cost = host * peaks.HOST_BAND[side]
+            found.append(_ratio(queued_seconds(ops, before_all, cost), queued_seconds(ops, after_all, cost)))
     return min(found), max(found)
 
 
 def predict_counts(counts: Counts, workload: str, target: Target, levels: Iterable[str] = LEVELS,
-                   conv: Optional[str] = None, step: str = "forward") -> SpeedReport:
+                   conv: Optional[str] = None, step: str = "forward", host: float = 0.0) -> SpeedReport:
     """The :class:`SpeedReport` of counted ops (``counting.Counting``) on ``target``, per level; ``conv``: the
     cuDNN convolution math (default: as this context's flags hold it)."""
     p = target.speed_peaks()
@@ -302,7 +310,7 @@ def predict_counts(counts: Counts, workload: str, target: Target, levels: Iterab
     by_level = level_maths(target, levels, conv)
     per_op = {level: [op_seconds(op, by_level[level].get(op.family or "", "ieee"), p) for op in counts.ops]
               for level in levels}
-    totals = {level: queued_seconds(counts.ops, times) for level, times in per_op.items()}
+    totals = {level: queued_seconds(counts.ops, times, host) for level, times in per_op.items()}
     changed = {level: [by_level[level].get(op.family or "", "ieee") != by_level["highest"].get(op.family or "", "ieee")
                        for op in counts.ops] for level in levels}
     layers: dict[str, dict[str, float]] = {}
@@ -314,7 +322,7 @@ def predict_counts(counts: Counts, workload: str, target: Target, levels: Iterab
     rows = tuple(LevelSpeed(level, totals[level], _ratio(totals["highest"], totals[level]),
                             _ratio(sum(t for t, op in zip(per_op[level], counts.ops) if op.family is not None),
                                    sum(per_op[level])),
-                            band=_band(counts.ops, per_op["highest"], per_op[level], changed[level], p),
+                            band=_band(counts.ops, per_op["highest"], per_op[level], changed[level], p, host),
                             shares=_shares(counts.ops, per_op[level], sum(per_op[level])))
                  for level in levels)
     notes = []
@@ -322,7 +330,7 @@ def predict_counts(counts: Counts, workload: str, target: Target, levels: Iterab
         ops = ", ".join(f"{op} x{n}" for op, n in counts.uncounted.most_common(4))
         notes.append(f"counted by their bytes only (no FLOP formula): {ops}")
     if conv is not None and any(op.family == "conv" for op in counts.ops):
-        notes.append(_conv_note(counts, target, conv, per_op["highest"]))
+        notes.append(_conv_note(counts, target, conv, per_op["highest"], host))
     widest = max(rows, key=lambda lv: lv.band[1] / lv.band[0] if lv.band and lv.band[0] > 0 else 0.0)
     wide = _wide_note(counts.ops, per_op["highest"], totals["highest"], widest, f"at {widest.level}")
     if wide:
@@ -368,15 +376,15 @@ def _shares(ops: Sequence[OpCost], times: Sequence[float], total: float) -> dict
     return {family: _ratio(seconds, total) for family, seconds in sorted(found.items())}
 
 
-def _conv_note(counts: Counts, target: Target, conv: str, times: Sequence[float]) -> str:
+def _conv_note(counts: Counts, target: Target, conv: str, times: Sequence[float], host: float = 0.0) -> str:
     """What cuDNN's TF32 flag buys at ``highest``: the other conv math's time against this one's."""
     p = target.speed_peaks()
     maths = level_maths(target, ("highest",), "ieee" if conv == "tf32" else "tf32")["highest"]
     other = [op_seconds(op, maths.get(op.family or "", "ieee"), p) for op in counts.ops]
     ieee, tf32 = (other, list(times)) if conv == "tf32" else (list(times), other)
-    ieee_total, tf32_total = queued_seconds(counts.ops, ieee), queued_seconds(counts.ops, tf32)
+    ieee_total, tf32_total = queued_seconds(counts.ops, ieee, host), queued_seconds(counts.ops, tf32, host)
     gain = LevelSpeed("highest", tf32_total, _ratio(ieee_total, tf32_total), math.nan,
-                      band=_band(counts.ops, ieee, tf32, [op.family == "conv" for op in counts.ops], p))
+                      band=_band(counts.ops, ieee, tf32, [op.family == "conv" for op in counts.ops], p, host))
     wide = _wide_note(counts.ops, ieee, ieee_total, gain, "of cuDNN's TF32 flag")
     return (f"convolutions at cudnn.conv tf32 instead of ieee (at highest): {gain.likely()} "
             f"(cuDNN picks its algorithm per shape: a wide band)" + (f"; {wide}" if wide else ""))
@@ -434,7 +442,8 @@ def _training(model: torch.nn.Module) -> Iterator[None]:
 
 
 def predict(workload: Workload, target: Union[str, Target] = "a100", levels: Iterable[str] = LEVELS, *,
-            training: bool = False, optimizer: Optional[str] = "adamw", conv: Optional[str] = None) -> SpeedReport:
+            training: bool = False, optimizer: Optional[str] = "adamw", conv: Optional[str] = None,
+            host: float = 0.0) -> SpeedReport:
     """Predict one forward of ``workload`` on ``target`` at each level (module docstring); the model runs once,
     natively on this machine, to count its work. Every global setting is as it was afterwards.
 
@@ -442,6 +451,9 @@ def predict(workload: Workload, target: Union[str, Target] = "a100", levels: Ite
     output's ``loss``, else the sum of its outputs) and ``optimizer``'s update (``"adamw"``, ``"adam"``, ``"sgd"``
     or None), whose memory traffic dilutes the gain. The parameters' gradients are as they were afterwards.
     ``conv``: cuDNN's convolution math, ``"tf32"`` or ``"ieee"`` (no level sets it; default: as the flags hold it).
+    ``host``: the host's cost per op of the eager run (``queued_seconds``); 0, the default, predicts the GPU's time
+    alone; ``tf32lab.know.peaks.HOST_SECONDS`` is the one fitted on an H200's Hugging Face encoders, whose steps
+    are host-bound (docs/speed-model.md).
 
     Example (see also the module docstring):
 
@@ -477,7 +489,8 @@ def predict(workload: Workload, target: Union[str, Target] = "a100", levels: Ite
         raise Tf32LabError(threads.refusal(str(workload.name)))
     if training:
         counts.ops.extend(optimizer_ops(workload.model, optimizer))
-    report = predict_counts(counts, str(workload.name), target, levels, conv, "training" if training else "forward")
+    report = predict_counts(counts, str(workload.name), target, levels, conv, "training" if training else "forward",
+                            host)
     uncounted = threads.note("left out of the prediction")
     if uncounted:
         report = dataclasses.replace(report, notes=(*report.notes, uncounted))
