@@ -34,6 +34,7 @@ from tf32lab.control import modestack, scope
 from tf32lab.know import optable
 from tf32lab.numbers.trees import named_tensors
 from tf32lab.report.conclusion import ON_ANOTHER_THREAD, on_other_threads
+from tf32lab.speed.kinds import conv_kind, kind_of
 
 __all__ = ["Counting", "Counts", "OpCost", "OtherThreads", "on_other_threads"]
 
@@ -49,7 +50,8 @@ _GATHER = frozenset(["embedding", "index_select", "gather", "index", "take"])
 
 class OpCost(NamedTuple):
     """One op of the run: ``op`` (``aten::addmm``), the ``layer`` that ran it, its ``family`` (None: not
-    precision-sensitive), FLOPs, bytes read and written, and the GEMMs it amounts to."""
+    precision-sensitive), FLOPs, bytes read and written, the GEMMs it amounts to, and its ``kind``: what limits it
+    on a GPU (``tf32lab.speed.kinds``; empty: found from ``op`` and ``family`` when timed)."""
 
     op: str
     layer: str
@@ -57,6 +59,7 @@ class OpCost(NamedTuple):
     flops: float
     bytes: float
     gemms: tuple[Gemm, ...]
+    kind: str = ""
 
 
 class Counts:
@@ -138,6 +141,15 @@ def _gemms(name: str, family: Optional[str], a: dict[str, Any], out: Any) -> Opt
         gates = int(w_ih.shape[0])
         return ((1, 1, steps * batch, gates, int(w_ih.shape[1])), (steps, 1, batch, gates, int(w_hh.shape[1])))
     return None
+
+
+def _kind(op: str, family: Optional[str], a: dict[str, Any]) -> str:
+    """``kinds``'s kind of an op; a convolution's from its groups, input channels and direction."""
+    x = a.get("input", a.get("self"))
+    if family != "conv" or not isinstance(x, torch.Tensor) or x.dim() < 2:
+        return kind_of(op, family)
+    transposed = "transpose" in op or bool(a.get("transposed", False))
+    return conv_kind(int(a.get("groups", 1) or 1), int(x.shape[1]), transposed)
 
 
 def _gemm(x: torch.Tensor, y: torch.Tensor) -> Gemm:
@@ -311,7 +323,7 @@ class Counting:
         flops = float(sum(2 * c * b * m * n * k for c, b, m, n, k in gemms or ()))
         layer = self._stack[-1] if self._stack else self._backward_layer()
         self.counts.ops.append(OpCost(qualified, layer, family, flops, _bytes(name, args, kwargs, out),
-                                      tuple(gemms or ())))
+                                      tuple(gemms or ()), _kind(qualified, family, named)))
 
     def _backward_layer(self) -> str:
         """The layer whose forward made the autograd node running now (backward ops), else the model's."""

@@ -14,15 +14,20 @@ on the target at each level, with the math ``emulate(target)`` would give it (``
   (``peaks.GemmFit``: efficiency and wave cost per target and kind of math, SIMT or tensor cores, fitted to
   published timings, ``tf32lab.speed.calibration``). The best tile and split (1, 2, 3, ... parts of k while SMs
   are idle) win, as cuBLAS's heuristics pick one. Padding, partial waves and skinny shapes so cost what they cost.
-- every other op is memory-bound: its bytes at 85% of the bandwidth.
-- ``launch``: 5 µs per kernel (eager dispatch and launch; views and allocations launch none).
+- a depthwise convolution runs on the CUDA cores at every math (``tf32lab.speed.kinds``: each op's kind);
+- every other op is memory-bound: its bytes at the target's achievable share of the bandwidth
+  (``peaks.memory_efficiency``: fitted for the H200, else 85%).
+- ``launch``: 5 µs per kernel; with ``host=`` (``peaks.HOST_SECONDS``: fitted), the host's cost per op too, in a
+  queue (``queued_seconds``): a model of small kernels then takes its host's time, whatever the level.
 
-Every predicted speedup carries a band (``LevelSpeed.band``, "2.40x, likely 2.05-2.71x"): each op the level speeds
-up may gain what the published GEMMs were off by at most (``peaks.GEMM_BAND``), a convolution what cuDNN's
-per-shape choices make of it (``peaks.CONV_BAND``, wide). ``conv="tf32"|"ieee"`` sets cuDNN's convolution flag,
-which no level touches. ``benchmarks/predict.py`` prints every published pair against the model (docs/design.md).
-The result is a :class:`SpeedReport`, the same type :func:`tf32lab.bench` returns from a real measurement, so the
-two print side by side.
+Every predicted speedup carries a band (``LevelSpeed.band``, "2.40x, likely 2.05-2.71x") from the residuals of the
+kinds its ops are of (``kinds.gain_band``, ``kinds.TIME_BAND``): each op the level speeds up may gain what the
+published GEMMs were off by at most (``peaks.GEMM_BAND``), a convolution what cuDNN's per-shape choices make of it
+(``peaks.CONV_BAND``, wide), a depthwise one from nothing to its bytes' time; memory-bound ops and the host's cost
+may take what the H200 whole-model rows were off by (``peaks.HOST_BAND``). ``conv="tf32"|"ieee"`` sets cuDNN's
+convolution flag, which no level touches. ``benchmarks/predict.py`` prints every published pair against the model
+(docs/design.md). The result is a :class:`SpeedReport`, the same type :func:`tf32lab.bench` returns from a real
+measurement, so the two print side by side.
 
 Example:
 
@@ -61,6 +66,7 @@ from tf32lab.numbers.files import write_json
 from tf32lab.numbers.origin import run_error
 from tf32lab.numbers.trees import named_tensors
 from tf32lab.speed.counting import ROOT, Counting, Counts, Gemm, OpCost, OtherThreads
+from tf32lab.speed.kinds import TIME_BAND, gain_band, kind_of
 from tf32lab.workloads.running import changed_note, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.workload import Workload, eval_mode
 
@@ -112,13 +118,16 @@ def gemm_seconds(gemm: Gemm, math_name: str, p: Peaks, fit: Optional[GemmFit] = 
 
 
 def op_seconds(op: OpCost, math_name: Optional[str], p: Peaks) -> float:
-    """The predicted time of one op on ``p``'s GPU when its products run in ``math_name``."""
-    memory = op.bytes / (p.bandwidth * 1e9 * peaks.MEMORY_EFFICIENCY)
+    """The predicted time of one op on ``p``'s GPU when its products run in ``math_name``: by its kind
+    (``tf32lab.speed.kinds``), the larger of its compute and its bytes at the achievable bandwidth, plus the host's
+    cost of its kernels. A depthwise convolution runs on the CUDA cores whatever the math (PyTorch's own kernel)."""
+    memory = op.bytes / (p.bandwidth * 1e9 * peaks.memory_efficiency(p.target))
     compute = 0.0
-    if op.gemms:
+    if (op.kind or kind_of(op.op, op.family)) == "conv-depthwise":
+        compute = op.flops / (p.flops("ieee") * peaks.DIRECT_CONV_EFFICIENCY)
+    elif op.gemms:
         compute = sum(gemm_seconds(g, math_name or "ieee", p) for g in op.gemms)
-    steps = sum(g[0] for g in op.gemms) if op.gemms else 1  # an RNN's steps are kernels of their own
-    return max(compute, memory) + peaks.LAUNCH_SECONDS * steps
+    return max(compute, memory) + peaks.LAUNCH_SECONDS * _kernels(op)
 
 
 @dataclass(frozen=True)
@@ -237,25 +246,63 @@ def seconds_at(counts: Counts, target: Target, level_of: Callable[[str], str],
     conv_of = conv_of or (lambda layer: None)
     pairs = {(level_of(op.layer), conv_of(op.layer)) for op in counts.ops}
     maths = {(level, conv): level_maths(target, [level], conv)[level] for level, conv in pairs}
-    return sum(op_seconds(op, maths[level_of(op.layer), conv_of(op.layer)].get(op.family or "", "ieee"), p)
-               for op in counts.ops)
+    return queued_seconds(counts.ops, [op_seconds(op, maths[level_of(op.layer), conv_of(op.layer)].get(
+        op.family or "", "ieee"), p) for op in counts.ops])
 
 
-def _band(ops: Sequence[OpCost], base: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
-    """The likely range of ``sum(base) / sum(times)``: each op that the level speeds up may gain ``peaks.GEMM_BAND``'s
-    (a convolution: ``peaks.CONV_BAND``'s) factors of what the model says; the others are as predicted."""
-    total, lows, highs = sum(base), 0.0, 0.0
-    for op, before, after in zip(ops, base, times):
-        if after < before * (1 - 1e-9):
-            low, high = peaks.CONV_BAND if op.family == "conv" else peaks.GEMM_BAND
-            lows, highs = lows + after / low, highs + after / high
-        else:
-            lows, highs = lows + after, highs + after
-    return _ratio(total, lows), _ratio(total, highs)
+def _kernels(op: OpCost) -> int:
+    return sum(g[0] for g in op.gemms) if op.gemms else 1  # an RNN's steps are kernels of their own
+
+
+def queued_seconds(ops: Sequence[OpCost], times: Sequence[float], host: float = 0.0) -> float:
+    """The time of ``ops`` run eagerly, each taking ``times`` on the GPU: the host issues them one after the other,
+    ``host`` seconds per kernel (``peaks.HOST_SECONDS``: fitted on an H200's eager Hugging Face encoders; 0: the
+    GPU's time alone, the default of ``predict``), and the GPU runs each once it is issued and the one before is
+    done. A host-bound model (small kernels) takes its host's time, a GPU-bound one its kernels' (the host runs
+    ahead during long products), as a CUDA stream does.
+
+        >>> from tf32lab.speed.counting import OpCost
+        >>> ops = [OpCost("aten::mm", "x", "matmul", 0.0, 0.0, ())] * 2
+        >>> round(queued_seconds(ops, [1e-3, 1e-6], host=1e-5) * 1e6)   # the host ran ahead
+        1011
+        >>> round(queued_seconds(ops, [1e-6, 1e-6], host=1e-5) * 1e6)   # host-bound
+        21
+    """
+    issued = done = 0.0
+    for op, seconds in zip(ops, times):
+        issued += host * _kernels(op)
+        done = max(issued, done) + seconds
+    return done
+
+
+def _band(ops: Sequence[OpCost], base: Sequence[float], times: Sequence[float], changed: Sequence[bool],
+          p: Peaks, host: float = 0.0) -> tuple[float, float]:
+    """The likely range of the speedup ``queued(base) / queued(times)``, from the residuals of the kinds the ops are
+    of (``kinds.gain_band``, ``kinds.TIME_BAND``): each op whose math ``changed`` may gain its kind's factors of
+    what the model says; each other op, and the host's cost per op, may take its kind's factors of its time, at
+    both levels alike (a step dominated by memory-bound ops and host cost is as uncertain as they are). The range
+    spans every corner of those factors (a host-bound level and a GPU-bound one answer them differently)."""
+    if not any(changed):
+        return 1.0, 1.0
+    found = [_ratio(queued_seconds(ops, base, host), queued_seconds(ops, times, host))]
+    for side in (0, 1):
+        for gain_side in (0, 1):
+            before_all, after_all = [], []
+            for op, before, after, change in zip(ops, base, times, changed):
+                kind = op.kind or kind_of(op.op, op.family)
+                if change:
+                    before_all.append(before)
+                    after_all.append(after / gain_band(kind, op, before, after, p)[gain_side])
+                else:
+                    factor = TIME_BAND.get(kind, (1.0, 1.0))[side]
+                    before_all.append(before * factor), after_all.append(after * factor)
+            cost = host * peaks.HOST_BAND[side]
+            found.append(_ratio(queued_seconds(ops, before_all, cost), queued_seconds(ops, after_all, cost)))
+    return min(found), max(found)
 
 
 def predict_counts(counts: Counts, workload: str, target: Target, levels: Iterable[str] = LEVELS,
-                   conv: Optional[str] = None, step: str = "forward") -> SpeedReport:
+                   conv: Optional[str] = None, step: str = "forward", host: float = 0.0) -> SpeedReport:
     """The :class:`SpeedReport` of counted ops (``counting.Counting``) on ``target``, per level; ``conv``: the
     cuDNN convolution math (default: as this context's flags hold it)."""
     p = target.speed_peaks()
@@ -263,7 +310,9 @@ def predict_counts(counts: Counts, workload: str, target: Target, levels: Iterab
     by_level = level_maths(target, levels, conv)
     per_op = {level: [op_seconds(op, by_level[level].get(op.family or "", "ieee"), p) for op in counts.ops]
               for level in levels}
-    totals = {level: sum(times) for level, times in per_op.items()}
+    totals = {level: queued_seconds(counts.ops, times, host) for level, times in per_op.items()}
+    changed = {level: [by_level[level].get(op.family or "", "ieee") != by_level["highest"].get(op.family or "", "ieee")
+                       for op in counts.ops] for level in levels}
     layers: dict[str, dict[str, float]] = {}
     for i, op in enumerate(counts.ops):
         for level in levels:
@@ -272,19 +321,50 @@ def predict_counts(counts: Counts, workload: str, target: Target, levels: Iterab
     family_layers = {op.layer for op in counts.ops if op.family is not None}
     rows = tuple(LevelSpeed(level, totals[level], _ratio(totals["highest"], totals[level]),
                             _ratio(sum(t for t, op in zip(per_op[level], counts.ops) if op.family is not None),
-                                   totals[level]),
-                            band=_band(counts.ops, per_op["highest"], per_op[level]),
-                            shares=_shares(counts.ops, per_op[level], totals[level]))
+                                   sum(per_op[level])),
+                            band=_band(counts.ops, per_op["highest"], per_op[level], changed[level], p, host),
+                            shares=_shares(counts.ops, per_op[level], sum(per_op[level])))
                  for level in levels)
     notes = []
     if counts.uncounted:
         ops = ", ".join(f"{op} x{n}" for op, n in counts.uncounted.most_common(4))
         notes.append(f"counted by their bytes only (no FLOP formula): {ops}")
     if conv is not None and any(op.family == "conv" for op in counts.ops):
-        notes.append(_conv_note(counts, target, conv, per_op["highest"]))
+        notes.append(_conv_note(counts, target, conv, per_op["highest"], host))
+    widest = max(rows, key=lambda lv: lv.band[1] / lv.band[0] if lv.band and lv.band[0] > 0 else 0.0)
+    wide = _wide_note(counts.ops, per_op["highest"], totals["highest"], widest, f"at {widest.level}")
+    if wide:
+        notes.append(wide)
     return SpeedReport(workload, target.name, "predicted", rows,
                        tuple(LayerSpeed(name, seconds) for name, seconds in layers.items() if name in family_layers),
                        counts.flops, counts.bytes, tuple(notes), step)
+
+
+# a band wider than this (high / low) is said in words, with the kinds that make it so
+WIDE_BAND = 1.5
+# the kinds the model is weak on: unfitted or widely off on the rows at hand (docs/speed-model.md)
+WEAK_KINDS = {"conv-depthwise": "depthwise convolutions", "conv-grouped": "grouped convolutions",
+              "conv-transposed": "transposed convolutions", "conv": "convolutions (cuDNN's per-shape choices)"}
+
+
+def _wide_note(ops: Sequence[OpCost], times: Sequence[float], total: float, widest: LevelSpeed, what: str) -> str:
+    """Words for a wide band (``what``: where, "at high"): what share of the time the weak kinds and the host (the
+    time not spent on the GPU) take; empty for a band narrower than ``WIDE_BAND``."""
+    if widest.band is None or widest.band[0] <= 0 or widest.band[1] / widest.band[0] < WIDE_BAND:
+        return ""
+    shares: dict[str, float] = {}
+    for op, seconds in zip(ops, times):
+        kind = op.kind or kind_of(op.op, op.family)
+        name = WEAK_KINDS.get(kind, "memory-bound ops" if kind not in ("gemm",) else "")
+        if name:
+            shares[name] = shares.get(name, 0.0) + seconds / total
+    host = max(0.0, 1 - sum(times) / total)
+    if host > 0.05:
+        shares["the host's cost per op"] = host
+    listed = ", ".join(f"{name} {share:.0%}" for name, share in sorted(shares.items(), key=lambda kv: -kv[1])
+                       if share >= 0.05)
+    return (f"wide band {what} ({widest.likely()}): the model is weak on what this workload is made of "
+            f"({listed} of the predicted time); measure it (tf32lab bench) before acting on the number")
 
 
 def _shares(ops: Sequence[OpCost], times: Sequence[float], total: float) -> dict[str, float]:
@@ -296,16 +376,18 @@ def _shares(ops: Sequence[OpCost], times: Sequence[float], total: float) -> dict
     return {family: _ratio(seconds, total) for family, seconds in sorted(found.items())}
 
 
-def _conv_note(counts: Counts, target: Target, conv: str, times: Sequence[float]) -> str:
+def _conv_note(counts: Counts, target: Target, conv: str, times: Sequence[float], host: float = 0.0) -> str:
     """What cuDNN's TF32 flag buys at ``highest``: the other conv math's time against this one's."""
     p = target.speed_peaks()
     maths = level_maths(target, ("highest",), "ieee" if conv == "tf32" else "tf32")["highest"]
     other = [op_seconds(op, maths.get(op.family or "", "ieee"), p) for op in counts.ops]
     ieee, tf32 = (other, list(times)) if conv == "tf32" else (list(times), other)
-    gain = LevelSpeed("highest", sum(tf32), _ratio(sum(ieee), sum(tf32)), math.nan,
-                      band=_band(counts.ops, ieee, tf32))
+    ieee_total, tf32_total = queued_seconds(counts.ops, ieee, host), queued_seconds(counts.ops, tf32, host)
+    gain = LevelSpeed("highest", tf32_total, _ratio(ieee_total, tf32_total), math.nan,
+                      band=_band(counts.ops, ieee, tf32, [op.family == "conv" for op in counts.ops], p, host))
+    wide = _wide_note(counts.ops, ieee, ieee_total, gain, "of cuDNN's TF32 flag")
     return (f"convolutions at cudnn.conv tf32 instead of ieee (at highest): {gain.likely()} "
-            f"(cuDNN picks its algorithm per shape: a wide band)")
+            f"(cuDNN picks its algorithm per shape: a wide band)" + (f"; {wide}" if wide else ""))
 
 
 # bytes per float32 parameter element of one update (foreach implementations, PyTorch's default on CUDA): AdamW and
@@ -360,7 +442,8 @@ def _training(model: torch.nn.Module) -> Iterator[None]:
 
 
 def predict(workload: Workload, target: Union[str, Target] = "a100", levels: Iterable[str] = LEVELS, *,
-            training: bool = False, optimizer: Optional[str] = "adamw", conv: Optional[str] = None) -> SpeedReport:
+            training: bool = False, optimizer: Optional[str] = "adamw", conv: Optional[str] = None,
+            host: float = 0.0) -> SpeedReport:
     """Predict one forward of ``workload`` on ``target`` at each level (module docstring); the model runs once,
     natively on this machine, to count its work. Every global setting is as it was afterwards.
 
@@ -368,6 +451,9 @@ def predict(workload: Workload, target: Union[str, Target] = "a100", levels: Ite
     output's ``loss``, else the sum of its outputs) and ``optimizer``'s update (``"adamw"``, ``"adam"``, ``"sgd"``
     or None), whose memory traffic dilutes the gain. The parameters' gradients are as they were afterwards.
     ``conv``: cuDNN's convolution math, ``"tf32"`` or ``"ieee"`` (no level sets it; default: as the flags hold it).
+    ``host``: the host's cost per op of the eager run (``queued_seconds``); 0, the default, predicts the GPU's time
+    alone; ``tf32lab.know.peaks.HOST_SECONDS`` is the one fitted on an H200's Hugging Face encoders, whose steps
+    are host-bound (docs/speed-model.md).
 
     Example (see also the module docstring):
 
@@ -403,7 +489,8 @@ def predict(workload: Workload, target: Union[str, Target] = "a100", levels: Ite
         raise Tf32LabError(threads.refusal(str(workload.name)))
     if training:
         counts.ops.extend(optimizer_ops(workload.model, optimizer))
-    report = predict_counts(counts, str(workload.name), target, levels, conv, "training" if training else "forward")
+    report = predict_counts(counts, str(workload.name), target, levels, conv, "training" if training else "forward",
+                            host)
     uncounted = threads.note("left out of the prediction")
     if uncounted:
         report = dataclasses.replace(report, notes=(*report.notes, uncounted))
