@@ -88,8 +88,8 @@ sys.meta_path.append(_OldPaths())
 
 __all__ = [
     "LEVELS",
-    "Policy",
     "GenerationReport",
+    "Policy",
     "Report",
     "SpeedReport",
     "Tf32LabError",
