@@ -24,8 +24,7 @@ from tf32lab.workloads import samples
 TEXT = "\n".join(samples.SENTENCES) + "\n"
 CHARS = sorted(set(TEXT))
 STEPS = 150
-OUTLIER = 2000.0
-SUBJECTS = sorted({" ".join(s.split()[:2]) for s in samples.SENTENCES})
+OUTLIER = 8000.0
 
 
 class Window(torch.nn.Module):
@@ -78,34 +77,28 @@ def trained() -> Window:
 
 
 def _prompts() -> list[list[int]]:
-    # each subject: the next word picks one of eight endings, where the logits come closest to a tie
-    return [_ids(s + " ") for s in SUBJECTS] + [_ids(s[-12:]) for s in samples.SENTENCES[::8]]
+    # sentence ends, all of one length (one batch): the next sentence's subject, then its ending, are where the
+    # text goes on several ways equally often, and the logits come closest to a tie
+    return [_ids(tail) for tail in sorted({s[-12:] for s in samples.SENTENCES})]
 
 
 def test_a_trained_decoder_leaves_float64s_tokens_at_high_and_not_earlier_at_highest(trained):
-    report = tf32lab.check_generation(trained, new_tokens=40, prompts=_prompts(), levels=("highest", "high"))
+    report = tf32lab.check_generation(trained, new_tokens=32, prompts=_prompts(), levels=("highest", "high"))
     high, floor = report.level("high"), report.floor
-    assert high.first is not None and 1 <= high.first <= 40  # a finite divergence step at high
+    assert high.first is not None and 1 <= high.first <= 32  # a finite divergence step at high
     assert floor.first is None or floor.first > high.first  # none, or a later one, at highest
-    assert high.agreement < 1.0 or high.first is not None
-    assert high.worst_logit_error > 10 * floor.worst_logit_error  # TF32's error far above float32's own
+    assert high.worst_logit_error > 100 * floor.worst_logit_error  # TF32's error far above float32's own
     assert report.level("highest").divergence == floor.divergence  # float32 `highest` is the floor row
     assert not report.passed  # the default criterion: every new token float64's
-    again = tf32lab.check_generation(trained, new_tokens=40, prompts=_prompts(), levels=("highest", "high"))
+    again = tf32lab.check_generation(trained, new_tokens=32, prompts=_prompts(), levels=("high",))
     assert again.level("high").divergence == high.divergence  # reproducible
     assert again.level("high").tokens == high.tokens
-
-
-def test_criteria_judge_the_same_numbers(trained):
-    loose = tf32lab.check_generation(trained, new_tokens=40, prompts=_prompts(), levels=("high",),
-                                     criterion="perplexity<0.5")
-    assert loose.passed and "moves by less than 50%" in " ".join(loose.conclusion())
-    row = loose.level("high")
-    first = row.first
-    assert first is not None
-    strict = Criterion.parse(f"divergence>={first + 1}", 40)
-    assert not strict.passes(row) and Criterion.parse(f"divergence>={first}", 40).passes(row)
-    assert Criterion.parse(f"agreement>={row.agreement}", 40).passes(row)
+    # the criteria judge the same numbers
+    first = high.first
+    assert not Criterion.parse(f"divergence>={first + 1}", 32).passes(high)
+    assert Criterion.parse(f"divergence>={first}", 32).passes(high)
+    assert Criterion.parse(f"agreement>={high.agreement}", 32).passes(high)
+    assert Criterion.parse("perplexity<0.5", 32).passes(high)
 
 
 def _gpt2(folder: Path) -> Path:
@@ -124,7 +117,7 @@ def _gpt2(folder: Path) -> Path:
                                    bos_token="<|endoftext|>")
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=len(fast), n_embd=32, n_layer=2, n_head=4, n_positions=64,
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=len(fast), n_embd=32, n_layer=2, n_head=4, n_positions=128,
                                            initializer_range=0.3, bos_token_id=0, eos_token_id=0))
     model.save_pretrained(folder)
     fast.save_pretrained(folder)
@@ -141,7 +134,7 @@ def test_the_kv_cache_on_or_off_gives_the_same_answer(gpt2_folder):
 
     lm = hf.causal_lm(str(gpt2_folder))
     assert lm.tokenizer.pad_token is not None  # set by causal_lm: GPT-2's tokenizer ships without one
-    prompts = list(samples.SENTENCES[:3])
+    prompts = [s[:24] for s in samples.SENTENCES[:3]]
     on = tf32lab.check_generation(lm, new_tokens=6, prompts=prompts, levels=("high",), use_cache=True)
     off = tf32lab.check_generation(lm, new_tokens=6, prompts=prompts, levels=("high",), use_cache=False)
     assert on.reference_tokens == off.reference_tokens
@@ -161,6 +154,9 @@ def test_the_json_follows_its_schema_and_the_page_its_chart(trained, tmp_path):
     assert data["levels"][2]["same_as"] == "high"  # a100 computes medium as high: run once
     page = report.to_html()
     assert page.count('class="prompt-line"') == 4 and "<script" not in page
+    loose = tf32lab.check_generation(trained, new_tokens=4, prompts=_prompts()[:2], levels=("high",),
+                                     criterion="perplexity<0.5")
+    assert loose.passed and "moves by less than 50%" in " ".join(loose.conclusion())
 
 
 @pytest.mark.parametrize("kwargs, said", [
@@ -183,7 +179,8 @@ def test_bad_arguments_are_one_line_and_leave_flags(trained, kwargs, said):
 
 def test_a_model_that_does_not_give_logits_is_refused():
     with pytest.raises(Tf32LabError, match="not a causal language model"):
-        tf32lab.check_generation(torch.nn.Linear(3, 3), new_tokens=2, prompts=[[1, 2]], levels=("high",))
+        flat = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Flatten(1))  # [batch, seq * 4]
+        tf32lab.check_generation(flat, new_tokens=2, prompts=[[1, 2]], levels=("high",))
 
 
 def test_a_row_that_raises_is_a_finding(trained):
@@ -209,7 +206,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_cli_generate_writes_each_levels_divergence_and_agreement(gpt2_folder, tmp_path):
     out = tmp_path / "r.json"
-    done = _cli(f"hf:{gpt2_folder}", "--generate", "8", "--levels", "highest,high", "--json", str(out),
+    done = _cli(f"hf:{gpt2_folder}", "--generate", "8", "--levels", "high", "--json", str(out),
                 "--criterion", "agreement>=0")
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr

@@ -420,4 +420,8 @@ class _Generation:
 
 
 def _counts(emu: Any, what: str) -> dict[str, int]:
-    return {} if emu is None else dict(sorted(getattr(emu, what).items()))
+    """The emulator's ``coverage`` (``"op math"``) or ``unhandled`` (``"op"``) counts of a row."""
+    if emu is None:
+        return {}
+    found = getattr(emu, what)
+    return {" ".join(k) if isinstance(k, tuple) else k: n for k, n in sorted(found.items())}
