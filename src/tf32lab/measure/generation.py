@@ -44,7 +44,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from tf32lab.emulation.emulator import check_accumulation, context_cells
+from tf32lab.emulation.emulator import check_accumulation, context_cells, release_buffers
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
 from tf32lab.know.levels import LEVELS, check_levels
@@ -325,6 +325,7 @@ class _Generation:
 
     def _fresh(self) -> None:
         self.reset()  # every row from the buffers the model had
+        release_buffers()  # the emulator's scratch of the last row: memory the next need not hold
         self.streams.seeded()
 
     def _decode(self, references: Optional[list[torch.Tensor]]) -> _Run:
