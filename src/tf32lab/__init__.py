@@ -32,7 +32,8 @@ _WHERE = {
     "SpeedReport": "speed.prediction",
     "tune": "decide.tune", "Tuning": "decide.tune", "Workload": "workloads.workload",
     "TrainingWorkload": "workloads.training", "check_training": "measure.training",
-    "TrainingReport": "report.training",
+    "TrainingReport": "report.training", "check_generation": "measure.generation",
+    "GenerationReport": "report.generation",
 }
 
 # Short public paths (the flat layout's four, and ``tf32lab.distributed``) and the old internal ones. The public ones
@@ -87,6 +88,7 @@ sys.meta_path.append(_OldPaths())
 
 __all__ = [
     "LEVELS",
+    "GenerationReport",
     "Policy",
     "Report",
     "SpeedReport",
@@ -99,6 +101,7 @@ __all__ = [
     "autoconfig",
     "bench",
     "check",
+    "check_generation",
     "check_training",
     "distributed",
     "doctor",

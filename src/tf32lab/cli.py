@@ -102,6 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
                             "trains a copy against float64 and float32's own drift (docs/report-schema.md)")
     check.add_argument("--steps", type=_steps, default=None,
                        help="with --train: how many steps (default: the workload's)")
+    check.add_argument("--generate", type=_new_tokens, default=None, metavar="N",
+                       help="check generation: a causal language model (hf:FOLDER) decodes N new tokens greedily from "
+                            "each prompt at every level, in float64 and in float32 highest (docs/generation.md)")
+    check.add_argument("--prompts", metavar="FILE",
+                       help="with --generate: the prompts, one per line (default: the first 8 sample sentences)")
+    check.add_argument("--criterion", default=None,
+                       help="with --generate: what a level must do to pass: divergence>K (no prompt leaves float64's "
+                            "tokens within K new tokens; default K = N), agreement>=X (teacher-forced top-1, 0 to 1) "
+                            "or perplexity<X (relative change, 0.01 = 1%%)")
+    check.add_argument("--no-cache", action="store_true",
+                       help="with --generate: decode without the key/value cache (the whole sequence each step)")
     check.add_argument("--timeout", type=_seconds, default=600.0, metavar="SECONDS",
                        help="under torchrun: how long a rank waits for the others in one collective before the check "
                             "ends with an error (a rank that raised, hangs or was killed) (default: 600)")
@@ -201,6 +212,7 @@ def _number(what: str, cast: Callable[[str], float], ok: Callable[[float], bool]
 _positive_int = _number("number of CPUs", int, lambda v: v >= 1, "an int >= 1")
 _rounds = _number("number of rounds", int, lambda v: v >= 1, "an int >= 1")
 _steps = _number("number of steps", int, lambda v: v >= 1, "an int >= 1")
+_new_tokens = _number("number of new tokens", int, lambda v: 1 <= v <= 100_000, "an int from 1 to 100000")
 
 
 def _choice(what: str, accepted: tuple[str, ...], none: bool = False) -> Callable:
@@ -392,7 +404,8 @@ def _check(args: argparse.Namespace) -> int:
 
     levels = check_levels(part.strip() for part in args.levels.split(",") if part.strip())
     target = resolve_target(args.target)  # before the workload loads: a bad argument fails fast
-    _outputs(args, "--json", "--html", reads=(("--policy", args.policy), ("the spec", _spec_file(args.spec))))
+    _outputs(args, "--json", "--html", reads=(("--policy", args.policy), ("the spec", _spec_file(args.spec)),
+                                              ("--prompts", args.prompts)))
     if args.html == "-":
         raise Tf32LabError("--html - is not supported: the page goes to a file (--json - writes JSON to stdout)")
     policy = None
@@ -402,6 +415,8 @@ def _check(args: argparse.Namespace) -> int:
         policy = Policy.load(args.policy)  # before the workload loads: a bad file fails fast
     if args.steps is not None and not args.train:
         raise Tf32LabError(f"--steps {args.steps} goes with --train (the number of training steps)")
+    if args.generate is not None or args.prompts is not None or args.criterion is not None or args.no_cache:
+        return _check_generation(args, levels, target)
     if args.train:
         _one_process("check --train", "check a sharded model's forward (check without --train)")
     spec = args.spec
@@ -456,6 +471,65 @@ def _check_loaded(args: argparse.Namespace, spec: str, levels: tuple[str, ...], 
             _write(path, write)
             print(f"wrote {_shown(path)}", file=sys.stderr if args.json == "-" else sys.stdout)
     return code
+
+
+def _check_generation(args: argparse.Namespace, levels: tuple[str, ...], target: Any) -> int:
+    """``check SPEC --generate N``: the generation check of a causal language model (``hf:FOLDER``)."""
+    if args.generate is None:
+        given = next(f for f, v in (("--prompts", args.prompts), ("--criterion", args.criterion),
+                                    ("--no-cache", args.no_cache)) if v)
+        raise Tf32LabError(f"{given} goes with --generate N (the generation check)")
+    for flag, value in (("--train", args.train), ("--policy", args.policy), ("--tolerance", args.tolerance),
+                        ("--conv", args.conv)):
+        if value:
+            raise Tf32LabError(f"{flag} does not go with --generate: the generation check judges levels by "
+                               f"--criterion, on a causal language model's tokens")
+    _one_process("check --generate")
+    from tf32lab.measure.generation import check_generation
+    from tf32lab.report.generation import Criterion
+    from tf32lab.workloads import hf
+
+    Criterion.parse(args.criterion, args.generate)  # before the model loads: a bad criterion fails fast
+    prompts = _prompt_file(args.prompts) if args.prompts is not None else None
+    spec = args.spec
+    if spec is None or not spec.startswith("hf:"):
+        said = "no spec" if spec is None else f"not {_shown(spec)!r}"
+        raise Tf32LabError(f"--generate checks a causal language model: give hf:FOLDER (a local transformers "
+                           f"causal LM, e.g. GPT-2 or Llama), {said}")
+    loaded = hf.causal_lm(spec[3:])
+    with _workload_raises(args, loaded, "generating with"):
+        report = check_generation(loaded, new_tokens=args.generate, levels=levels, target=target, prompts=prompts,
+                                  criterion=args.criterion, use_cache=not args.no_cache,
+                                  accumulation=args.accumulation, progress=sys.stderr.isatty())
+    code = 0 if report.passed else 1
+    try:
+        if args.json == "-":
+            sys.stdout.write(report.to_json())
+            sys.stdout.flush()
+        else:
+            report.print(_console())
+    except BrokenPipeError:
+        _drop_stdout()
+        return code
+    for path, write in ((args.json, report.to_json), (args.html, report.save_html)):
+        if path and path != "-":
+            _write(path, write)
+            print(f"wrote {_shown(path)}", file=sys.stderr if args.json == "-" else sys.stdout)
+    return code
+
+
+def _prompt_file(path: str) -> list[str]:
+    """The prompts in ``path``, one per line, blank lines left out; one line when it cannot give any."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise Tf32LabError(f"--prompts {_shown(path)}: no such file (a text file, one prompt per line)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise Tf32LabError(f"--prompts {_shown(path)}: cannot be read as UTF-8 text ({exc})") from None
+    prompts = [line.strip() for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise Tf32LabError(f"--prompts {_shown(path)} holds no prompt (a text file, one prompt per line)")
+    return prompts
 
 
 @contextlib.contextmanager

@@ -1,0 +1,428 @@
+"""``check_generation(workload)``: what each precision level does to the text a causal language model generates.
+
+Every row decodes greedily (the top-1 token at each step) ``new_tokens`` tokens from the same prompts, the same
+weights and the same cache settings, from the same random seed:
+
+- **float64**, the reference: the float32 model run with every op widened (``measure.reference.Float64Run``, no
+  copy of the weights);
+- **float32** at ``highest`` on the target (emulated, or native with ``target="native"``): float32's own distance
+  from float64's tokens, shown beside every level;
+- each level, emulated as the target computes it (or run natively).
+
+Per row: the first step (1-based) whose token is not float64's, per prompt, and its median; then one forward
+over each prompt followed by float64's tokens (*teacher-forced*: every row sees float64's text) gives the share
+of steps whose top-1 token is float64's, the largest logit error at each step, and the mean token loss on the
+prompts' own text (its change from float64's; perplexity is its exponential). A row stops decoding once every
+prompt has left float64's tokens: what it would generate after that is another text, not a measure.
+
+Greedy decoding only: sampling (``temperature > 0``) draws from distributions that differ by rounding, so two
+rows would differ by chance as much as by precision; it is refused.
+
+Nothing of the caller's changes: the model runs in eval mode (its mode put back), its buffers are put back after
+each row, and PyTorch's flags and random state are as they were on every exit, exceptions and Ctrl-C included.
+
+Example:
+
+    >>> import torch, tf32lab
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <...>
+    >>> model = torch.nn.Sequential(torch.nn.Embedding(50, 32), torch.nn.Linear(32, 50))
+    >>> report = tf32lab.check_generation(model, new_tokens=4, prompts=[[1, 2, 3], [4, 5]],
+    ...                                   levels=("highest",), use_cache=False)
+    >>> report.level("highest").divergence, bool(report)
+    ((None, None), True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional, Union
+
+import torch
+
+from tf32lab.emulation.emulator import check_accumulation, context_cells, release_buffers
+from tf32lab.errors import Tf32LabError
+from tf32lab.know import optable
+from tf32lab.know.levels import LEVELS, check_levels
+from tf32lab.know.targets import Target
+from tf32lab.machine.hardware import resolve_target
+from tf32lab.measure.check import alike_levels, refuse_native_levels
+from tf32lab.measure.draws import Streams, cuda_devices
+from tf32lab.measure.layers import described, level_context, out_of_memory, state_kept
+from tf32lab.measure.reference import Float64Run
+from tf32lab.numbers.origin import internal_error
+from tf32lab.report.generation import FLOOR, Criterion, GenerationLevel, GenerationReport
+from tf32lab.workloads import samples
+from tf32lab.workloads.hf import CausalLM
+from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags
+from tf32lab.workloads.workload import Workload, check_float32, eval_mode
+
+__all__ = ["DEFAULT_PROMPTS", "check_generation"]
+
+DEFAULT_PROMPTS = 8  # the first sample sentences, when a tokenizer is given and no prompts
+_MAX_NEW_TOKENS = 100_000
+
+
+def check_generation(workload: Union[CausalLM, torch.nn.Module], *, new_tokens: int = 32,
+                     levels: Iterable[str] = LEVELS, target: Union[str, Target] = "a100",
+                     prompts: Optional[Sequence[Any]] = None, criterion: Optional[str] = None,
+                     use_cache: bool = True, temperature: float = 0.0, accumulation: Optional[str] = None,
+                     progress: bool = False) -> GenerationReport:
+    """Decode ``new_tokens`` tokens greedily from each prompt at each level, in float64 and in float32 `highest`.
+
+    Args:
+        workload: a :class:`~tf32lab.workloads.hf.CausalLM` (``hf.causal_lm(folder)``), or a causal model: a
+            module mapping ``input_ids`` ``[batch, seq]`` to logits ``[batch, seq, vocab]`` (a tensor, or an
+            output with ``.logits``). A module whose ``forward`` takes ``attention_mask`` and a cache
+            (``cache``, or ``past_key_values`` before transformers 5) is fed those and its positions.
+        new_tokens: tokens generated per prompt (at least 1).
+        levels: precision levels to check, in order.
+        target: a hardware profile from ``tf32lab.targets`` (emulated here), or ``"native"``.
+        prompts: texts (with a tokenizer) or lists of token ids; by default the first
+            ``DEFAULT_PROMPTS`` sample sentences (with a tokenizer; a plain model needs prompts).
+        criterion: what a level must do to pass (``tf32lab.report.generation.Criterion``): ``"divergence>K"``,
+            ``"agreement>=X"`` or ``"perplexity<X"``; by default ``divergence>new_tokens``: every new token equals
+            float64's on every prompt.
+        use_cache: decode with the model's key/value cache (one forward of the last token per step) or without
+            (the whole sequence each step); the same tokens either way. A model that takes no cache always runs
+            the whole sequence.
+        temperature: 0 (greedy); sampling is refused.
+        accumulation: how emulated GEMMs sum their products (``emulate()``'s argument).
+        progress: show a progress bar on stderr.
+
+    Returns a :class:`~tf32lab.report.generation.GenerationReport`; ``bool(report)`` is the verdict. Raises
+    ``Tf32LabError`` for bad arguments or a model that raises in float64.
+    """
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or not 1 <= new_tokens <= _MAX_NEW_TOKENS:
+        raise Tf32LabError(f"new_tokens {new_tokens!r}: a whole number of tokens to generate, 1 to "
+                           f"{_MAX_NEW_TOKENS}")
+    if temperature != 0:
+        raise Tf32LabError(f"temperature {temperature!r}: the generation check decodes greedily (temperature 0); "
+                           f"sampling would make rows differ by chance, not by precision")
+    levels = check_levels(levels)
+    target = resolve_target(target)
+    refuse_native_levels(levels, target)
+    judge = Criterion.parse(criterion, new_tokens)
+    decoder = _Decoder.of(workload)
+    texts, batches = decoder.prompts(prompts)
+    with exits_refused(decoder.name, "check_generation"), kept_flags() as changed:
+        report = _Generation(decoder, batches, texts, new_tokens, levels, target, judge, bool(use_cache),
+                             accumulation, progress).run()
+    if changed:
+        report = dataclasses.replace(report, notes=(*report.notes, changed_note(changed)))
+    return report
+
+
+# -- the model and its prompts ----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Batch:
+    """Prompts decoded together: their places among all prompts, their ids (left-padded) and the mask (None: a
+    model without one, every prompt of the batch the same length)."""
+
+    where: list[int]
+    ids: torch.Tensor
+    mask: Optional[torch.Tensor]
+
+
+class _Decoder:
+    """One forward of a causal model: ``(ids, mask, cache) -> (logits, cache)``, a transformers model fed its
+    attention mask, positions and cache, any other module ``ids`` alone."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, name: str) -> None:
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        check_float32(model, name)
+        try:
+            takes = inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):
+            takes = {}
+        # transformers 5 names the cache argument ``cache``, earlier versions ``past_key_values``
+        self.cache_arg = next((k for k in ("cache", "past_key_values") if k in takes), None)
+        self.hf = self.cache_arg is not None and "attention_mask" in takes
+        self.positions = self.hf and "position_ids" in takes
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.pad = int(pad) if pad is not None else 0  # masked out: any id the embedding has
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+
+    @classmethod
+    def of(cls, workload: Any) -> _Decoder:
+        if isinstance(workload, CausalLM):
+            return cls(workload.model, workload.tokenizer, workload.name)
+        if isinstance(workload, torch.nn.Module):
+            return cls(workload, None, type(workload).__name__)
+        raise Tf32LabError(f"check_generation() takes a causal language model (tf32lab.workloads.hf.causal_lm(), or "
+                           f"a module mapping input_ids [batch, seq] to logits [batch, seq, vocab]), not "
+                           f"{type(workload).__name__}")
+
+    def prompts(self, prompts: Optional[Sequence[Any]]) -> tuple[tuple[str, ...], list[_Batch]]:
+        """The prompts as shown, and as batches of token ids."""
+        if prompts is None:
+            if self.tokenizer is None:
+                raise Tf32LabError(f"model {self.name!r} has no tokenizer: give prompts as lists of token ids")
+            prompts = list(samples.SENTENCES[:DEFAULT_PROMPTS])
+        if isinstance(prompts, torch.Tensor):
+            prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
+        if isinstance(prompts, str) or not len(prompts):
+            raise Tf32LabError(f"prompts {prompts!r}: a non-empty list of texts or of token-id lists")
+        ids: list[list[int]] = []
+        shown: list[str] = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise Tf32LabError(f"prompt {i + 1} is text, and model {self.name!r} has no tokenizer: give "
+                                       f"token ids")
+                found = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+                shown.append(prompt)
+            else:
+                try:
+                    found = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
+                except (TypeError, ValueError):
+                    raise Tf32LabError(f"prompt {i + 1} ({prompt!r}): a text or a list of token ids") from None
+                shown.append(" ".join(map(str, found)) if self.tokenizer is None else self.tokenizer.decode(found))
+            if not found:
+                raise Tf32LabError(f"prompt {i + 1} ({shown[-1]!r}) has no tokens")
+            ids.append(found)
+        return tuple(shown), self._batches(ids)
+
+    def _batches(self, ids: list[list[int]]) -> list[_Batch]:
+        if self.hf:  # one batch, left-padded: new tokens follow each prompt's last token
+            longest = max(map(len, ids))
+            rows = [[self.pad] * (longest - len(p)) + p for p in ids]
+            mask = [[0] * (longest - len(p)) + [1] * len(p) for p in ids]
+            return [_Batch(list(range(len(ids))), torch.tensor(rows, device=self.device),
+                           torch.tensor(mask, device=self.device))]
+        groups: dict[int, list[int]] = {}  # no mask: prompts of one length together
+        for i, p in enumerate(ids):
+            groups.setdefault(len(p), []).append(i)
+        return [_Batch(where, torch.tensor([ids[i] for i in where], device=self.device), None)
+                for where in groups.values()]
+
+    def __call__(self, ids: torch.Tensor, mask: Optional[torch.Tensor], cache: Any,
+                 use_cache: bool) -> tuple[torch.Tensor, Any]:
+        """Logits ``[batch, len(ids), vocab]`` of the positions fed (the last ones of ``mask``), and the cache."""
+        if not self.hf:
+            out = self.model(ids)
+        else:
+            kwargs: dict[str, Any] = {"attention_mask": mask, "use_cache": use_cache}
+            if self.positions:  # left padding: a prompt's first real token is at position 0
+                kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+            if use_cache and cache is not None:
+                kwargs[self.cache_arg] = cache
+            out = self.model(input_ids=ids, **kwargs)
+        logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
+        if logits is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+            logits = out[0]
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:2] != ids.shape:
+            got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(out).__name__
+            raise Tf32LabError(f"model {self.name!r} is not a causal language model: fed input_ids of shape "
+                               f"{tuple(ids.shape)}, it gave {got}, not logits [batch, seq, vocab]")
+        if not use_cache or not self.hf:
+            return logits, None
+        return logits, getattr(out, "cache", None) if getattr(out, "cache", None) is not None else \
+            getattr(out, "past_key_values", None)
+
+
+# -- one row ----------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Run:
+    tokens: list[list[int]]  # per prompt
+    step_logits: list[torch.Tensor]  # per batch: [b, new_tokens, vocab], teacher-forced
+    loss_sum: float
+    loss_count: int
+
+
+def _greedy(decoder: _Decoder, batch: _Batch, n: int, use_cache: bool,
+            reference: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[b, <= n]`` greedy tokens; with ``reference`` (float64's ``[b, n]``), it stops once every prompt has left
+    it."""
+    seq, mask, cache = batch.ids, batch.mask, None
+    found: list[torch.Tensor] = []
+    left = torch.zeros(seq.shape[0], dtype=torch.bool, device=seq.device)
+    for step in range(n):
+        fed = seq[:, -1:] if use_cache and cache is not None else seq
+        logits, cache = decoder(fed, mask, cache, use_cache)
+        token = logits[:, -1].argmax(-1)
+        found.append(token)
+        if reference is not None:
+            left |= token != reference[:, step]
+            if bool(left.all()):
+                break
+        seq = torch.cat([seq, token[:, None]], dim=1)
+        if mask is not None:
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    return torch.stack(found, dim=1)
+
+
+def _forced(decoder: _Decoder, batch: _Batch, reference: torch.Tensor) -> tuple[torch.Tensor, float, int]:
+    """One forward over the prompt and float64's tokens: the logits of each new token ``[b, n, vocab]``, and the
+    summed token loss (and count) on the prompts' own text."""
+    n, length = reference.shape[1], batch.ids.shape[1]
+    ids = torch.cat([batch.ids, reference[:, :-1]], dim=1)
+    mask = None if batch.mask is None else torch.cat([batch.mask, torch.ones_like(reference[:, :-1])], dim=1)
+    logits, _ = decoder(ids, mask, None, False)
+    own = logits[:, :length - 1].double()
+    if own.shape[1]:
+        losses = torch.nn.functional.cross_entropy(own.reshape(-1, own.shape[-1]), batch.ids[:, 1:].reshape(-1),
+                                                   reduction="none").view(own.shape[:2])
+        counted = torch.ones_like(losses, dtype=torch.bool) if batch.mask is None else \
+            (batch.mask[:, 1:] * batch.mask[:, :-1]).bool()
+        total, count = float(losses[counted].sum()), int(counted.sum())
+    else:
+        total, count = 0.0, 0
+    return logits[:, length - 1:length - 1 + n], total, count
+
+
+class _Generation:
+    def __init__(self, decoder: _Decoder, batches: list[_Batch], texts: tuple[str, ...], n: int,
+                 levels: tuple[str, ...], target: Target, criterion: Criterion, use_cache: bool,
+                 accumulation: Optional[str], progress: bool) -> None:
+        self.decoder, self.batches, self.texts, self.n = decoder, batches, texts, n
+        self.levels, self.target, self.criterion, self.use_cache = levels, target, criterion, use_cache
+        self.accumulation, self.progress = check_accumulation(accumulation), progress
+        self.notes: list[str] = []
+        self.families: set[Optional[str]] = set()  # the op families the emulated rows met
+
+    def run(self) -> GenerationReport:
+        started = time.perf_counter()
+        alike = alike_levels(("highest", *[lv for lv in self.levels if lv != "highest"]), self.target)
+        measured = [lv for lv in self.levels if lv != "highest" and alike[lv] is None]
+        model = self.decoder.model
+        with Progress(self.progress, steps=2 + len(measured)) as bar, \
+                Streams(cuda_devices(model), "check_generation") as streams, eval_mode(model), \
+                state_kept(model) as reset, torch.no_grad():
+            self.streams, self.reset = streams, reset
+            bar.step(f"{self.decoder.name}: float64, {self.n} tokens x {len(self.texts)} prompts")
+            self.reference = self._reference()
+            rows: dict[str, GenerationLevel] = {}
+            for level in measured:
+                bar.step(f"{level}: {self.n} tokens x {len(self.texts)} prompts")
+                rows[level] = self._row(level)
+            bar.step(f"highest: float32's own, {self.n} tokens")
+            floor = self._row("highest", label=FLOOR)
+        for level in self.levels:
+            same = alike[level]
+            if level == "highest" or same == "highest":
+                rows[level] = dataclasses.replace(floor, level=level, same_as=None if level == "highest" else
+                                                  "highest", seconds=floor.seconds if level == "highest" else 0.0)
+            elif same is not None:
+                rows[level] = dataclasses.replace(rows[same], level=level, same_as=same, seconds=0.0)
+        if not self.decoder.hf and self.use_cache:
+            self.notes.append(f"model {self.decoder.name!r} takes no key/value cache: every step ran the whole "
+                              f"sequence")
+        if self.reference_count == 0:
+            self.notes.append("no prompt has two tokens or more: there is no loss on the prompts' own text")
+        ref = self.reference
+        return GenerationReport(
+            workload=self.decoder.name, target=self.target.name, new_tokens=self.n, prompts=self.texts,
+            criterion=self.criterion, use_cache=self.use_cache,
+            reference_tokens=tuple(tuple(t) for t in ref.tokens), reference_loss=self._loss(ref), floor=floor,
+            levels=tuple(rows[level] for level in self.levels),
+            environment=environment_of(Workload(model, torch.zeros(0), name=self.decoder.name)),
+            seconds=time.perf_counter() - started, notes=tuple(self.notes))
+
+    def _fresh(self) -> None:
+        self.reset()  # every row from the buffers the model had
+        release_buffers()  # the emulator's scratch of the last row: memory the next need not hold
+        self.streams.seeded()
+
+    def _decode(self, references: Optional[list[torch.Tensor]]) -> _Run:
+        tokens: list[list[int]] = [[] for _ in self.texts]
+        step_logits, total, count = [], 0.0, 0
+        for k, batch in enumerate(self.batches):
+            ref = None if references is None else references[k]
+            found = _greedy(self.decoder, batch, self.n, self.use_cache, ref)
+            for row, i in enumerate(batch.where):
+                tokens[i] = found[row].tolist()
+            forced, loss, counted = _forced(self.decoder, batch, found if ref is None else ref)
+            step_logits.append(forced)
+            total, count = total + loss, count + counted
+        return _Run(tokens, step_logits, total, count)
+
+    def _reference(self) -> _Run:
+        self._fresh()
+        try:
+            with Float64Run():
+                run = self._decode(None)
+        except (Tf32LabError, KeyboardInterrupt):
+            raise
+        except BaseException as exc:  # sys.exit() included: bad input, never a check without a verdict
+            if out_of_memory(exc):
+                raise Tf32LabError(f"model {self.decoder.name!r}: out of memory at the float64 reference: "
+                                   f"{described(exc)}") from exc
+            bug = internal_error(exc, f"running model {self.decoder.name!r} in float64")
+            if bug is not None:
+                raise bug from exc
+            raise Tf32LabError(f"model {self.decoder.name!r} raised in float64, before any level ran: "
+                               f"{described(exc)}") from exc
+        self.reference_count = run.loss_count
+        self.ref_ids = [torch.tensor([run.tokens[i] for i in b.where], device=self.decoder.device)
+                        for b in self.batches]
+        return run
+
+    def _loss(self, run: _Run) -> float:
+        return run.loss_sum / run.loss_count if run.loss_count else math.nan
+
+    def _row(self, level: str, label: Optional[str] = None) -> GenerationLevel:
+        started = time.perf_counter()
+        self._fresh()
+        maths = self.target.maths_at(level, context_cells()) if self.target.emulated else {}
+        native = self.target if label != FLOOR or not self._ieee_at_highest() else resolve_target("native")
+        emu = None
+        try:
+            with level_context(level, native, self.accumulation) as emu:
+                run = self._decode(self.ref_ids)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # sys.exit() included: a row that raises is a finding
+            if isinstance(exc, Tf32LabError) and "not a causal language model" in str(exc):
+                raise
+            bug = internal_error(exc, f"running model {self.decoder.name!r} at {level!r}")
+            if bug is not None:
+                raise bug from exc
+            n = len(self.texts)
+            return GenerationLevel(label or level, maths, tuple(() for _ in range(n)), tuple([1] * n), 0.0,
+                                   tuple([math.inf] * self.n), math.nan, math.nan, math.nan, False,
+                                   _counts(emu, "coverage"), _counts(emu, "unhandled"),
+                                   time.perf_counter() - started, failure=described(exc))
+        if emu is not None:
+            self.families |= {optable.family(op) for op, _ in emu.coverage} | \
+                {optable.family(op.split()[0]) for op in emu.unhandled}
+        ref = self.reference
+        divergence = tuple(next((s + 1 for s, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
+                           for mine, theirs in zip(run.tokens, ref.tokens))
+        agree, errors = 0, torch.zeros(self.n, dtype=torch.float64)
+        for forced, reference, ids in zip(run.step_logits, ref.step_logits, self.ref_ids):
+            agree += int((forced.argmax(-1) == ids).sum())
+            worst = (forced.double() - reference).abs().amax(dim=(0, 2)).cpu()
+            errors = torch.maximum(errors, worst)
+        loss = self._loss(run)
+        change = loss - self._loss(ref)
+        row = GenerationLevel(
+            label or level, maths, tuple(tuple(t) for t in run.tokens), divergence,
+            agree / (self.n * len(self.texts)), tuple(errors.tolist()), loss, change,
+            math.expm1(change) if math.isfinite(change) else math.nan, False, _counts(emu, "coverage"),
+            _counts(emu, "unhandled"), time.perf_counter() - started)
+        return dataclasses.replace(row, passed=self.criterion.passes(row))
+
+
+    def _ieee_at_highest(self) -> bool:
+        """Whether float32's floor may run natively (``precision("highest")``, no emulator): the emulated rows
+        ran, and every op family they met computes IEEE at ``highest`` on the target, summed as this machine sums
+        (``ideal`` accumulation). The same math, without the emulator's per-op dispatch, which costs more than a
+        small decoder's step."""
+        if not self.target.emulated or not self.families or None in self.families or \
+                self.accumulation != "ideal":
+            return False
+        maths = self.target.maths_at("highest", context_cells())
+        return all(m == "ieee" for key, m in maths.items() if key.split(".")[0] in self.families)
+
+
+def _counts(emu: Any, what: str) -> dict[str, int]:
+    """The emulator's ``coverage`` (``"op math"``) or ``unhandled`` (``"op"``) counts of a row."""
+    if emu is None:
+        return {}
+    found = getattr(emu, what)
+    return {" ".join(k) if isinstance(k, tuple) else k: n for k, n in sorted(found.items())}

@@ -1,0 +1,330 @@
+"""The generation check's result as frozen data: per level, where greedy decoding leaves float64's tokens, how
+often its top-1 token agrees with float64's when fed float64's tokens, its worst logit error per step and what it
+does to the loss on the prompts' own text; judged by a criterion the user names. JSON, text and HTML renderings.
+
+A :class:`Criterion` is one of (the text form is what ``--criterion`` and ``criterion=`` take):
+
+- ``divergence>K`` (the default, with K the new tokens: every new token equals float64's): no prompt's tokens
+  leave float64's within the first K new tokens; ``divergence>=K`` is ``divergence>K-1``;
+- ``agreement>=X``: the teacher-forced top-1 agreement with float64 is at least X (a share, 0 to 1);
+- ``perplexity<X``: the perplexity on the prompts' own text moves by less than X (relative: 0.01 is 1%).
+
+The JSON form is documented in ``docs/report-schema.md`` ("The generation report") and described by
+``generation_schema.json`` beside this module.
+
+Example:
+
+    >>> from tf32lab.report.generation import Criterion
+    >>> c = Criterion.parse("divergence>=9", new_tokens=32)
+    >>> c.text, c.words()
+    ('divergence>8', "no prompt leaves float64's tokens within the first 8 new tokens")
+    >>> Criterion.parse("perplexity<0.01", new_tokens=32).words()
+    'the perplexity on the prompts moves by less than 1%'
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from tf32lab.errors import Tf32LabError
+from tf32lab.know.targets import NATIVE
+from tf32lab.numbers.files import finite
+from tf32lab.report import Document
+
+__all__ = ["FLOOR", "GENERATION_SCHEMA_VERSION", "Criterion", "GenerationLevel", "GenerationReport",
+           "generation_schema", "median_divergence"]
+
+GENERATION_SCHEMA_VERSION = 1
+FLOOR = "float32"  # the row of float32 `highest` on the target: float32's own distance from float64's tokens
+_FORMS = "divergence>K, divergence>=K, agreement>=X (a share, 0 to 1) or perplexity<X (relative, 0.01 = 1%)"
+
+
+@dataclass(frozen=True)
+class Criterion:
+    """What a level must do to pass: ``kind`` ``"divergence"`` (``value``: the new tokens that must all equal
+    float64's), ``"agreement"`` (the least teacher-forced top-1 agreement) or ``"perplexity"`` (the largest
+    relative change of the perplexity, exclusive)."""
+
+    kind: str
+    value: float
+
+    @classmethod
+    def parse(cls, text: Optional[str], new_tokens: int) -> Criterion:
+        """``text`` (None: every new token equals float64's on every prompt); one line naming it when bad."""
+        if text is None:
+            return cls("divergence", new_tokens)
+        said = str(text).strip().replace(" ", "").lower()
+        found = re.fullmatch(r"(divergence|agreement|perplexity)(>=|>|<=|<)([0-9.eE+-]+)", said)
+        if found is None:
+            raise Tf32LabError(f"criterion {text!r} is not understood; accepted: {_FORMS}")
+        kind, op, number = found.groups()
+        try:
+            value = float(number)
+        except ValueError:
+            raise Tf32LabError(f"criterion {text!r}: {number!r} is not a number; accepted: {_FORMS}") from None
+        if kind == "divergence":
+            if op not in (">", ">=") or not value.is_integer():
+                raise Tf32LabError(f"criterion {text!r}: divergence takes > or >= and a whole number of tokens; "
+                                   f"accepted: {_FORMS}")
+            k = int(value) - (op == ">=")
+            if not 0 <= k <= new_tokens:
+                raise Tf32LabError(f"criterion {text!r}: the tokens that must equal float64's ({k}) must be 0 to "
+                                   f"the new tokens generated ({new_tokens})")
+            return cls("divergence", k)
+        if kind == "agreement":
+            if op not in (">", ">=") or not 0 <= value <= 1:
+                raise Tf32LabError(f"criterion {text!r}: agreement takes >= and a share from 0 to 1 (0.95 is 95%)")
+            return cls("agreement", value)
+        if op not in ("<", "<=") or not value > 0 or not math.isfinite(value):
+            raise Tf32LabError(f"criterion {text!r}: perplexity takes < and a relative change above 0 "
+                               f"(0.01 is 1%)")
+        return cls("perplexity", value)
+
+    @property
+    def text(self) -> str:
+        """The criterion as ``criterion=`` takes it."""
+        if self.kind == "divergence":
+            return f"divergence>{int(self.value)}"
+        return f"agreement>={self.value:g}" if self.kind == "agreement" else f"perplexity<{self.value:g}"
+
+    def words(self) -> str:
+        """The criterion in a sentence's words."""
+        if self.kind == "divergence":
+            return f"no prompt leaves float64's tokens within the first {int(self.value)} new tokens"
+        if self.kind == "agreement":
+            return f"the teacher-forced top-1 agreement with float64 is at least {self.value:.1%}"
+        return f"the perplexity on the prompts moves by less than {self.value * 100:.4g}%"
+
+    def passes(self, row: GenerationLevel) -> bool:
+        if row.failure is not None:
+            return False
+        if self.kind == "divergence":
+            return all(step is None or step > self.value for step in row.divergence)
+        if self.kind == "agreement":
+            return row.agreement >= self.value
+        return math.isfinite(row.perplexity_change) and abs(row.perplexity_change) < self.value
+
+
+def median_divergence(steps: tuple[Optional[int], ...], new_tokens: int) -> Optional[float]:
+    """The median first differing step over the prompts, a prompt that never differs counted as past the last
+    step; None when that median is past it (most prompts never leave float64's tokens)."""
+    if not steps:
+        return None
+    found = statistics.median(new_tokens + 1 if s is None else s for s in steps)
+    return None if found > new_tokens else float(found)
+
+
+@dataclass(frozen=True)
+class GenerationLevel:
+    """One row: a level (or float32's floor) decoding greedily from every prompt."""
+
+    level: str
+    maths: dict[str, str]
+    tokens: tuple[tuple[int, ...], ...]  # per prompt, the new tokens generated (up to the divergence, at least)
+    divergence: tuple[Optional[int], ...]  # per prompt: the first new token (1-based) not float64's; None: never
+    agreement: float  # teacher-forced: the share of steps whose top-1 token is float64's
+    logit_errors: tuple[float, ...]  # per step, teacher-forced: max |logit - float64's| over the prompts
+    loss: float  # mean token cross-entropy on the prompts' own text (nats)
+    loss_change: float  # loss - float64's
+    perplexity_change: float  # exp(loss_change) - 1
+    passed: bool
+    coverage: dict[str, int]
+    unhandled: dict[str, int]
+    seconds: float
+    failure: Optional[str] = None  # the exception a run raised: FAILED
+    same_as: Optional[str] = None  # an earlier row the target computes identically, run once for both
+
+    @property
+    def median(self) -> Optional[float]:
+        """The median divergence step over the prompts (:func:`median_divergence`)."""
+        return median_divergence(self.divergence, len(self.logit_errors))
+
+    @property
+    def first(self) -> Optional[int]:
+        """The earliest divergence step over the prompts; None where no prompt leaves float64's tokens."""
+        return min((s for s in self.divergence if s is not None), default=None)
+
+    @property
+    def worst_logit_error(self) -> float:
+        return max(self.logit_errors, default=0.0) if self.failure is None else math.inf
+
+
+@dataclass(frozen=True)
+class GenerationReport(Document):
+    """The result of :func:`tf32lab.check_generation`; ``bool(report)`` is the verdict: every level passes the
+    criterion."""
+
+    workload: str
+    target: str
+    new_tokens: int
+    prompts: tuple[str, ...]
+    criterion: Criterion
+    use_cache: bool
+    reference_tokens: tuple[tuple[int, ...], ...]
+    reference_loss: float
+    floor: GenerationLevel
+    levels: tuple[GenerationLevel, ...]
+    environment: dict[str, Any]
+    seconds: float
+    notes: tuple[str, ...] = ()
+
+    @property
+    def passed(self) -> bool:
+        return all(lv.passed for lv in self.levels)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def level(self, name: str) -> GenerationLevel:
+        for result in self.levels:
+            if result.level == name:
+                return result
+        raise KeyError(f"level {name!r} was not checked; checked: {', '.join(lv.level for lv in self.levels)}")
+
+    def verdicts(self) -> list[str]:
+        """One line per level to grep: ``PASSED | level 'high' | generation 32 tokens x 8 prompts | ...``."""
+        return [_verdict(lv, self) for lv in self.levels]
+
+    def conclusion(self) -> list[str]:
+        """What the result means, in the criterion's terms."""
+        return conclusion(self)
+
+    def __str__(self) -> str:
+        return "\n".join(self.verdicts())
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, as in ``docs/report-schema.md`` ("The generation report")."""
+
+        def row(lv: GenerationLevel) -> dict[str, Any]:
+            data = asdict(lv)
+            data.update(tokens=[list(t) for t in lv.tokens], divergence=list(lv.divergence),
+                        logit_errors=list(lv.logit_errors), median_divergence=lv.median, first_divergence=lv.first)
+            return data
+
+        return finite({
+            "schema_version": GENERATION_SCHEMA_VERSION,
+            "kind": "generation",
+            "workload": self.workload,
+            "target": self.target,
+            "new_tokens": self.new_tokens,
+            "prompts": list(self.prompts),
+            "criterion": {"kind": self.criterion.kind, "value": self.criterion.value, "text": self.criterion.text,
+                          "words": self.criterion.words()},
+            "use_cache": self.use_cache,
+            "passed": self.passed,
+            "seconds": self.seconds,
+            "environment": dict(self.environment),
+            "notes": list(self.notes),
+            "conclusion": self.conclusion(),
+            "reference": {"tokens": [list(t) for t in self.reference_tokens], "loss": self.reference_loss},
+            "floor": row(self.floor),
+            "levels": [row(lv) for lv in self.levels],
+        })
+
+    def to_html(self) -> str:
+        """A self-contained HTML page: the conclusion, the rows, and per prompt the step where each row leaves
+        float64's tokens (a chart)."""
+        from tf32lab.report.generation_render import html
+
+        return html(self)
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        from tf32lab.report.generation_render import renderables
+
+        yield from renderables(self)
+
+    def print(self, console: Any = None) -> None:
+        """The tables, the verdict lines and the conclusion on ``console`` (default: stdout)."""
+        from rich.console import Console
+
+        from tf32lab.report.text import inert
+
+        console = console or Console(highlight=False)
+        console.print(self)
+        for line in [*self.verdicts(), "", *self.conclusion()]:
+            console.print(inert(line), soft_wrap=True, markup=False, emoji=False, highlight=False)
+
+
+def generation_schema() -> dict[str, Any]:
+    """The JSON Schema of :meth:`GenerationReport.to_dict` (``generation_schema.json`` beside this module)."""
+    return json.loads(Path(__file__).with_name("generation_schema.json").read_text(encoding="utf-8"))
+
+
+# -- verdicts and conclusion --------------------------------------------------------------------------------------
+def _diverges(lv: GenerationLevel, n_prompts: int) -> str:
+    if lv.first is None:
+        return "never leaves float64's tokens"
+    left = sum(s is not None for s in lv.divergence)
+    median = "none" if lv.median is None else f"{lv.median:g}"
+    return f"leaves float64's tokens at step {lv.first} ({left} of {n_prompts} prompts; median {median})"
+
+
+def _perplexity(change: float) -> str:
+    return "perplexity unknown" if not math.isfinite(change) else f"perplexity {change:+.3%}"
+
+
+def _verdict(lv: GenerationLevel, report: GenerationReport) -> str:
+    head = (f"{'PASSED' if lv.passed else 'FAILED'} | level {lv.level!r} | generation {report.new_tokens} tokens x "
+            f"{len(report.prompts)} prompts")
+    if lv.failure is not None:
+        return f"{head} | raised: {_one_line(lv.failure)}"
+    return (f"{head} | {_diverges(lv, len(report.prompts))}; agreement {lv.agreement:.1%}; "
+            f"{_perplexity(lv.perplexity_change)} | criterion {report.criterion.text}")
+
+
+def _one_line(text: str) -> str:
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    return (lines[0] + (" …" if len(lines) > 1 else "") if lines else "").rstrip(".")
+
+
+def _called(lv: GenerationLevel) -> str:
+    matmul = lv.maths.get("matmul", "").split("-")[0].split("x")[0]
+    word = {"tf32": "TF32", "bf16": "bf16", "bfx9": "bfx9"}.get(matmul)
+    return f"{word} (`{lv.level}`)" if word and lv.level != "highest" else f"`{lv.level}`"
+
+
+def _facts(lv: GenerationLevel, n_prompts: int) -> str:
+    return (f"it {_diverges(lv, n_prompts)}, agrees with float64's top-1 token on {lv.agreement:.1%} of "
+            f"teacher-forced steps and moves the {_perplexity(lv.perplexity_change)}")
+
+
+def conclusion(report: GenerationReport) -> list[str]:
+    """The plain sentences: each level's verdict in the criterion's terms, with its numbers and float32's."""
+    where = "on this machine" if report.target == NATIVE else f"on {report.target}"
+    name = " ".join(str(report.workload).split())
+    n = len(report.prompts)
+    rule = report.criterion.words()
+    lines: list[str] = []
+    for lv in report.levels:
+        if lv.same_as is not None and lv.same_as != "highest":
+            continue
+        if lv.level == "highest" and len(report.levels) > 1:
+            continue  # float32's own line below
+        called = _called(lv)
+        if lv.failure is not None:
+            lines.append(f"{called} fails {where}: its run raised {_one_line(lv.failure)}.")
+        elif lv.passed:
+            lines.append(f"{called} passes for generating with {name} {where} ({rule}): {_facts(lv, n)}.")
+        else:
+            lines.append(f"{called} fails for generating with {name} {where} (criterion: {rule}): "
+                         f"{_facts(lv, n)}.")
+    floor = report.floor
+    if floor.failure is not None:
+        lines.append(f"float32 itself (`highest`) raised: {_one_line(floor.failure)}.")
+    else:
+        own = report.criterion.passes(floor)
+        lines.append(f"float32 itself (`highest`): {_facts(floor, n)}; it "
+                     f"{'meets' if own else 'does not meet'} the criterion"
+                     f"{'' if own else ', so it asks more than float32 gives: name a looser one'}.")
+    unhandled = {op: k for lv in (floor, *report.levels) if lv.same_as is None for op, k in lv.unhandled.items()}
+    if unhandled:
+        ops = ", ".join(f"{op} x{k}" for op, k in sorted(unhandled.items()))
+        lines.append(f"Some matmul-family ops ran without emulation ({ops}): they computed as this machine does, so "
+                     f"what the target would do to them is not in these tokens.")
+    return lines

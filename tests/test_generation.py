@@ -1,0 +1,252 @@
+"""The generation check: greedy decoding at each level against float64's tokens, beside float32's own.
+
+A small decoder trained here on the sample sentences (random weights give near-uniform logits, and every row
+diverges at once) shows a finite, reproducible divergence at `high` and none, or a later one, at `highest`. It is
+trained in float64 and then narrowed, so its float32 weights are the same bits on any CPU."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+import tf32lab
+from tf32lab.errors import Tf32LabError
+from tf32lab.report.generation import Criterion, generation_schema
+from tf32lab.workloads import samples
+
+TEXT = "\n".join(samples.SENTENCES) + "\n"
+CHARS = sorted(set(TEXT))
+STEPS = 150
+OUTLIER = 8000.0
+
+
+class Window(torch.nn.Module):
+    """A causal character model: each position's logits from the embeddings of its last ``k`` characters.
+
+    Its hidden state carries one feature far larger than the rest, as language models' do ("massive
+    activations", Sun et al., arXiv:2402.17762): the product with its weight is where TF32's rounding of the
+    weights shows in the logits, as it does in real decoders."""
+
+    def __init__(self, vocab: int, k: int = 5, width: int = 16, hidden: int = 256, massive: float = OUTLIER) -> None:
+        super().__init__()
+        self.k, self.massive = k, massive
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.hidden = torch.nn.Linear(k * width, hidden)
+        self.out = torch.nn.Linear(hidden + 1, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        e = torch.nn.functional.pad(self.embed(ids), (0, 0, self.k - 1, 0))
+        window = torch.cat([e[:, i:i + ids.shape[1]] for i in range(self.k)], dim=-1)
+        h = torch.tanh(self.hidden(window))
+        return self.out(torch.cat([h, torch.full_like(h[..., :1], self.massive)], dim=-1))
+
+
+def _ids(text: str) -> list[int]:
+    return [CHARS.index(c) for c in text]
+
+
+@pytest.fixture(scope="session")
+def trained() -> Window:
+    """The decoder after a few hundred float64 Adam steps on the sentences, narrowed to float32."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a shared CPU: one thread is faster than several fighting for it
+    try:
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = Window(len(CHARS)).double()
+            data = torch.tensor(_ids(TEXT))
+            optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+            for _ in range(STEPS):
+                starts = torch.randint(0, len(data) - 65, (16,))
+                x = torch.stack([data[s:s + 64] for s in starts])
+                y = torch.stack([data[s + 1:s + 65] for s in starts])
+                loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, len(CHARS)), y.reshape(-1))
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+    return model.float().eval()
+
+
+def _prompts() -> list[list[int]]:
+    # sentence ends, all of one length (one batch): the next sentence's subject, then its ending, are where the
+    # text goes on several ways equally often, and the logits come closest to a tie
+    return [_ids(tail) for tail in sorted({s[-12:] for s in samples.SENTENCES})]
+
+
+def test_a_trained_decoder_leaves_float64s_tokens_at_high_and_not_earlier_at_highest(trained):
+    report = tf32lab.check_generation(trained, new_tokens=32, prompts=_prompts(), levels=("highest", "high"))
+    high, floor = report.level("high"), report.floor
+    assert high.first is not None and 1 <= high.first <= 32  # a finite divergence step at high
+    assert floor.first is None or floor.first > high.first  # none, or a later one, at highest
+    assert high.worst_logit_error > 100 * floor.worst_logit_error  # TF32's error far above float32's own
+    assert report.level("highest").divergence == floor.divergence  # float32 `highest` is the floor row
+    assert not report.passed  # the default criterion: every new token float64's
+    again = tf32lab.check_generation(trained, new_tokens=32, prompts=_prompts(), levels=("high",))
+    assert again.level("high").divergence == high.divergence  # reproducible
+    assert again.level("high").tokens == high.tokens
+    # the criteria judge the same numbers
+    first = high.first
+    assert not Criterion.parse(f"divergence>={first + 1}", 32).passes(high)
+    assert Criterion.parse(f"divergence>={first}", 32).passes(high)
+    assert Criterion.parse(f"agreement>={high.agreement}", 32).passes(high)
+    assert Criterion.parse("perplexity<0.5", 32).passes(high)
+
+
+def _gpt2(folder: Path) -> Path:
+    """A tiny GPT-2 folder (random weights, scaled so that logits are far from ties) and a byte-level BPE
+    tokenizer without a pad token, as GPT-2's ships."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(list(samples.SENTENCES), trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
+                                   bos_token="<|endoftext|>")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=len(fast), n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                                           initializer_range=0.3, bos_token_id=0, eos_token_id=0))
+    model.save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def gpt2_folder(tmp_path_factory) -> Path:
+    return _gpt2(tmp_path_factory.mktemp("gpt2"))
+
+
+def test_the_kv_cache_on_or_off_gives_the_same_answer(gpt2_folder):
+    from tf32lab.workloads import hf
+
+    lm = hf.causal_lm(str(gpt2_folder))
+    assert lm.tokenizer.pad_token is not None  # set by causal_lm: GPT-2's tokenizer ships without one
+    prompts = [s[:24] for s in samples.SENTENCES[:3]]
+    on = tf32lab.check_generation(lm, new_tokens=6, prompts=prompts, levels=("high",), use_cache=True)
+    off = tf32lab.check_generation(lm, new_tokens=6, prompts=prompts, levels=("high",), use_cache=False)
+    assert on.reference_tokens == off.reference_tokens
+    for a, b in ((on.level("high"), off.level("high")), (on.floor, off.floor)):
+        assert a.divergence == b.divergence and a.agreement == b.agreement
+        assert a.loss == pytest.approx(b.loss, rel=1e-6)
+    assert on.use_cache and not off.use_cache
+    assert on.level("high").unhandled == {}  # every matmul-family op of GPT-2's decoding emulated
+
+
+def test_the_json_follows_its_schema_and_the_page_its_chart(trained, tmp_path):
+    report = tf32lab.check_generation(trained, new_tokens=8, prompts=_prompts()[:4], levels=("highest", "high",
+                                                                                              "medium"))
+    data = json.loads(report.to_json())
+    jsonschema.validate(data, generation_schema())
+    assert data["kind"] == "generation" and len(data["levels"]) == 3
+    assert data["levels"][2]["same_as"] == "high"  # a100 computes medium as high: run once
+    page = report.to_html()
+    assert page.count('class="prompt-line"') == 4 and "<script" not in page
+    loose = tf32lab.check_generation(trained, new_tokens=4, prompts=_prompts()[:2], levels=("high",),
+                                     criterion="perplexity<0.5")
+    assert loose.passed and "moves by less than 50%" in " ".join(loose.conclusion())
+
+
+@pytest.mark.parametrize("kwargs, said", [
+    ({"new_tokens": 0}, "new_tokens 0"),
+    ({"new_tokens": 2.5}, "new_tokens 2.5"),
+    ({"temperature": 0.7}, "temperature 0.7"),
+    ({"criterion": "divergence>99"}, "must be 0 to"),
+    ({"criterion": "tokens>3"}, "not understood"),
+    ({"prompts": []}, "non-empty list"),
+    ({"prompts": [[]]}, "has no tokens"),
+    ({"prompts": ["text"]}, "no tokenizer"),
+])
+def test_bad_arguments_are_one_line_and_leave_flags(trained, kwargs, said):
+    args = {"new_tokens": 4, "prompts": [[1, 2]], **kwargs}
+    with pytest.raises(Tf32LabError, match=said) as info:
+        tf32lab.check_generation(trained, levels=("high",), **args)
+    assert "\n" not in str(info.value)
+    assert tf32lab.get_float32_matmul_precision() == "highest"
+
+
+def test_a_model_that_does_not_give_logits_is_refused():
+    with pytest.raises(Tf32LabError, match="not a causal language model"):
+        flat = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Flatten(1))  # [batch, seq * 4]
+        tf32lab.check_generation(flat, new_tokens=2, prompts=[[1, 2]], levels=("high",))
+
+
+def test_a_row_that_raises_is_a_finding(trained):
+    class Breaks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = trained
+
+        def forward(self, ids):
+            if tf32lab.get_float32_matmul_precision() == "high":
+                raise RuntimeError("no TF32 here")
+            return self.inner(ids)
+
+    report = tf32lab.check_generation(Breaks(), new_tokens=3, prompts=[_ids("The ")], levels=("high",))
+    row = report.level("high")
+    assert not row.passed and "no TF32 here" in row.failure and "raised" in report.verdicts()[0]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tf32lab", "check", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_cli_generate_writes_each_levels_divergence_and_agreement(gpt2_folder, tmp_path):
+    out = tmp_path / "r.json"
+    done = _cli(f"hf:{gpt2_folder}", "--generate", "8", "--levels", "high", "--json", str(out),
+                "--criterion", "agreement>=0")
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    data = json.loads(out.read_text())
+    jsonschema.validate(data, generation_schema())
+    for row in data["levels"]:
+        assert len(row["divergence"]) == len(data["prompts"]) == 8
+        assert 0 <= row["agreement"] <= 1
+    assert "PASSED | level 'high' | generation 8 tokens x 8 prompts" in done.stdout
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--generate", "0"], "bad number of new tokens '0'"),
+    (["--generate", "-3"], "bad number of new tokens '-3'"),
+    (["--generate", "2.5"], "bad number of new tokens '2.5'"),
+    (["--generate", "4", "--prompts", "/no/such/prompts.txt"], "no such file"),
+    (["--generate", "4", "--prompts", "EMPTY"], "holds no prompt"),
+    (["--generate", "4", "--criterion", "speed>2"], "not understood"),
+    (["--prompts", "EMPTY"], "goes with --generate"),
+])
+def test_cli_bad_generation_input_is_one_line_exit_2(gpt2_folder, tmp_path, args, said):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    done = _cli(f"hf:{gpt2_folder}", *[str(empty) if a == "EMPTY" else a for a in args])
+    assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) <= 2  # argparse's usage line, then the one error line
+
+
+def test_cli_generate_refuses_a_spec_that_is_not_a_causal_lm():
+    done = _cli("builtin", "--generate", "4")
+    assert done.returncode == 2 and "hf:FOLDER" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_prompt_file_prompts_reach_the_report(gpt2_folder, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The river ferry\n\nA small bakery sells\n")
+    out = tmp_path / "r.json"
+    done = _cli(f"hf:{gpt2_folder}", "--generate", "3", "--levels", "high", "--prompts", str(prompts),
+                "--json", str(out), "--no-cache")
+    assert done.returncode in (0, 1), done.stderr
+    data = json.loads(out.read_text())
+    assert data["prompts"] == ["The river ferry", "A small bakery sells"] and data["use_cache"] is False
+    assert not math.isnan(float(data["reference"]["loss"]))
