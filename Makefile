@@ -40,7 +40,7 @@ chromium:
 
 test: $(STAMP) chromium
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --dist loadgroup --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
