@@ -40,7 +40,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # numba's OpenMP layer sets the calling thread's OpenMP thread count to its own at each parallel kernel, and
     # torch.get_num_threads() reads that count: with numba's default (every CPU) the first compiled accumulation
     # GEMM of a worker would "change" the test's threads. Read when numba is imported, after this.
-    os.environ.setdefault("NUMBA_NUM_THREADS", str(torch.get_num_threads()))
+    os.environ["NUMBA_NUM_THREADS"] = str(torch.get_num_threads())  # not inherited: the controller has all CPUs
 
 
 @pytest.fixture(autouse=True)
