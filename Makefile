@@ -38,9 +38,11 @@ chromium:
 	@command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium >/dev/null; }
 
+# The suite on one pytest-xdist worker per usable CPU (tests/conftest.py; docs/design.md, "The test suite");
+# the 15 slowest tests close the output.
 test: $(STAMP) chromium
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --dist loadgroup --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

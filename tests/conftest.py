@@ -1,6 +1,12 @@
-"""Every test leaves PyTorch's precision flags, and its intra-op thread count, exactly as it found them."""
+"""Every test leaves PyTorch's precision flags, and its intra-op thread count, exactly as it found them.
+
+`make test` runs the suite on pytest-xdist workers (``-n auto``): one worker per usable CPU, each with its share
+of the intra-op threads, so tests must not share files, ports or environment with each other (docs/design.md,
+"Testing")."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -15,6 +21,26 @@ settings.register_profile(
     "thorough", max_examples=20000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 settings.load_profile("default")
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker per CPU this process may keep busy (affinity and cgroup quota), not per core the
+    host has: a container limited to 2 CPUs of 64 gets 2."""
+    from tf32lab.machine.hardware import detect
+
+    return detect().usable_cpus
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Each xdist worker takes its share of the CPUs: 2 workers x 2 intra-op threads on 2 CPUs oversubscribe, and
+    # OpenMP's spinning threads then slow every matmul. Set once, before any test, so the per-test check holds.
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    if workers > 1:
+        torch.set_num_threads(max(1, torch.get_num_threads() // workers))
+    # numba's OpenMP layer sets the calling thread's OpenMP thread count to its own at each parallel kernel, and
+    # torch.get_num_threads() reads that count: with numba's default (every CPU) the first compiled accumulation
+    # GEMM of a worker would "change" the test's threads. Read when numba is imported, after this.
+    os.environ["NUMBA_NUM_THREADS"] = str(torch.get_num_threads())  # not inherited: the controller has all CPUs
 
 
 @pytest.fixture(autouse=True)

@@ -18,6 +18,9 @@ from tf32lab.numbers.metrics import DEFAULT_TOLERANCE
 from tf32lab.report import schema
 from tf32lab.workloads import builtin
 
+# the module-scoped fixtures below are built once: the whole file runs on one xdist worker
+pytestmark = pytest.mark.xdist_group("test_check")
+
 
 @pytest.fixture(scope="module")
 def small_report():

@@ -110,6 +110,10 @@ print("RESULT" + json.dumps(out))
 NOISE = 1e-5
 
 
+# the module-scoped fixtures below are built once: the whole file runs on one xdist worker
+pytestmark = pytest.mark.xdist_group("test_compile")
+
+
 @pytest.fixture(scope="module")
 def found() -> dict:
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600)

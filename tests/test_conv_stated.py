@@ -32,6 +32,10 @@ class Tagger(nn.Module):
         return self.head(self.lstm(x)[0])
 
 
+# the module-scoped fixtures below are built once: the whole file runs on one xdist worker
+pytestmark = pytest.mark.xdist_group("test_conv_stated")
+
+
 @pytest.fixture(scope="module")
 def resnet_report():
     return tf32lab.check(resnet())

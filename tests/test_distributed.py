@@ -247,6 +247,17 @@ def test_fsdp_wrapper_classes_are_named_as_written():
     assert type_name(torch.nn.Linear(2, 2)) == "Linear"
 
 
+def test_a_check_of_a_model_without_fsdp_does_not_import_it():
+    # torch.distributed.fsdp costs 0.9 s of CPU to import, half of torch's own import: only a model sharded with
+    # FSDP2 needs its hooks, and that model's code has imported the package already
+    code = ("import sys, torch, tf32lab\n"
+            "tf32lab.check(tf32lab.Workload(torch.nn.Linear(8, 4), torch.randn(2, 8)), levels=('high',), speed=False)\n"
+            "print('torch.distributed.fsdp' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False"], done.stdout
+
+
 @pytest.mark.parametrize("command", [["tune", "examples/tune/model.py:make"], ["speed", "examples/tune/model.py:make"],
                                      ["check", "examples/value_head/train.py:workload", "--train"]])
 def test_commands_of_one_process_are_refused_under_torchrun(command):

@@ -12,6 +12,10 @@ from tf32lab.emulation.emulator import emulate
 from tf32lab.errors import Tf32LabError
 from tf32lab.numbers import accumulation, formats
 
+# numba compiles the accumulation kernels once per operand layout (tens of seconds each) in a fresh clone:
+# these files run on one xdist worker, so that the other worker does not compile the same ones at the same time
+pytestmark = pytest.mark.xdist_group("numba_accumulation")
+
 
 def _operands(seed: int, m: int, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)

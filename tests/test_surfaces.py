@@ -53,6 +53,10 @@ def assert_nothing_cut(wide: str, narrow: str) -> None:
     assert not [line for line in wide_lines if any(c in line for c in "│┃━─")], wide_lines
 
 
+# the module-scoped fixtures below are built once: the whole file runs on one xdist worker
+pytestmark = pytest.mark.xdist_group("test_surfaces")
+
+
 # -- check, at 80 columns ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def check_runs(tmp_path_factory):
