@@ -6,8 +6,6 @@ of the intra-op threads, so tests must not share files, ports or environment wit
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -37,10 +35,6 @@ def pytest_configure(config: pytest.Config) -> None:
     workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
     if workers > 1:
         torch.set_num_threads(max(1, torch.get_num_threads() // workers))
-    # numba's OpenMP layer sets the calling thread's OpenMP thread count to its own at each parallel kernel, and
-    # torch.get_num_threads() reads that count: with numba's default (every CPU) the first compiled accumulation
-    # GEMM of a worker would "change" the test's threads. Read when numba is imported, after this.
-    os.environ["NUMBA_NUM_THREADS"] = str(torch.get_num_threads())  # not inherited: the controller has all CPUs
 
 
 @pytest.fixture(autouse=True)

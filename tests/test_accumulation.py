@@ -155,6 +155,16 @@ def test_compiled_kernels_batches_and_specials():
                            accumulation.gemm(a, b[:, :1], model, use_compiled=False)), str(model)
 
 
+@pytest.mark.skipif(not accumulation.compiled(), reason="numba not installed")
+def test_compiled_kernels_keep_the_callers_thread_count(user_flags):
+    # numba's OpenMP layer set the thread's OpenMP count to numba's (every CPU) at each launch: torch read it back
+    a, b = formats.round_tf32(torch.randn(64, 64)), formats.round_tf32(torch.randn(64, 64))
+    torch.set_num_threads(1)
+    accumulation.gemm(a, b, accumulation.AMPERE, use_compiled=True)
+    accumulation.gemm(a, b, accumulation.FMA, use_compiled=True)
+    assert torch.get_num_threads() == 1
+
+
 def _binade(shape: tuple[int, ...], exponent: int, g: torch.Generator) -> torch.Tensor:
     """TF32 values of random sign in [2^exponent, 2^(exponent + 1))."""
     signs = torch.randint(0, 2, shape, generator=g) * 2.0 - 1.0

@@ -48,6 +48,7 @@ import torch
 
 from tf32lab.numbers.accumulation_models import AMPERE, BLACKWELL, CDNA3_XF32, FMA, HOPPER, KINDS, Accumulation
 from tf32lab.numbers.compiled import kernels as load_kernels
+from tf32lab.numbers.compiled import torch_threads
 
 __all__ = ["AMPERE", "BLACKWELL", "CDNA3_XF32", "FMA", "HOPPER", "KINDS", "Accumulation", "compiled", "gemm"]
 
@@ -239,7 +240,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, model: Accumulation, c: Optional[torc
             "install numba (pip install tf32lab[fast])" if model.kind in ("nvidia", "fma") else
             f"the {model.kind!r} kind has none; use_compiled=None computes it with the tensor code"))
     if kernels is not None:
-        return _gemm_compiled(kernels, a, b, acc, shape, model)
+        with torch_threads():
+            return _gemm_compiled(kernels, a, b, acc, shape, model)
     acc = torch.zeros(shape, dtype=_F32) if acc is None else acc
     a64, b64 = a.to(_F64), b.to(_F64)
     ea, eb = _exponent(a), _exponent(b)
