@@ -362,3 +362,30 @@ def test_contended_unscoped_code_runs_at_the_users_own_mix_not_the_level_it_amou
     done = run_python(code, TF32LAB_SCOPE_GUARD="always")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["tf32", "ieee", "high", "bf16", "True"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
+def test_a_forked_child_sees_its_own_threads():
+    # CPython gives a forked child a new set of shutdown locks, without its main thread's: read at import only,
+    # the child's threads went unseen and its main thread's scopes took no guard while they ran
+    code = (
+        "import os, threading, tf32lab\n"
+        "from tf32lab.control import scope\n"
+        "def guarded():\n"
+        "    stop = threading.Event()\n"
+        "    t = threading.Thread(target=stop.wait); t.start()\n"
+        "    try:\n"
+        "        with tf32lab.precision('medium'):\n"
+        "            return scope.census()['guards'] > 0\n"
+        "    finally:\n"
+        "        stop.set(); t.join()\n"
+        "parent = guarded()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(0 if guarded() else 3)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "print(parent, os.waitstatus_to_exitcode(status) == 0)\n"
+    )
+    done = run_python(code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True"]

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import os
 import threading
 import weakref
 from asyncio import current_task as _current_task
@@ -89,12 +90,16 @@ _LIMBO: Optional[dict] = getattr(threading, "_limbo", None)  # threads started a
 # Where both exist, "no other non-daemon thread" is told without a call: one shutdown lock (the main thread's) and
 # an empty limbo (a scope entry asks this first, and _other_threads() only when it fails).
 _QUICK_THREADS = _SHUTDOWN_LOCKS is not None and _MAIN_LOCK is not None and _LIMBO is not None
+# How many shutdown locks there are with no other thread: the main thread's one. A forked child's main thread keeps
+# its lock (reinitialised in place) but is not in the child's new set: none there.
+_AT_REST = int(_SHUTDOWN_LOCKS is not None and _MAIN_LOCK in _SHUTDOWN_LOCKS)
 
 
 def _other_threads() -> bool:
     """Whether a non-daemon thread other than the main thread is running (or starting)."""
     if _SHUTDOWN_LOCKS is not None and _MAIN_LOCK is not None:
-        if len(_SHUTDOWN_LOCKS) > 1 and any(lock is not _MAIN_LOCK and lock.locked() for lock in list(_SHUTDOWN_LOCKS)):
+        if len(_SHUTDOWN_LOCKS) > _AT_REST and any(lock is not _MAIN_LOCK and lock.locked()
+                                                    for lock in list(_SHUTDOWN_LOCKS)):
             return True
         return bool(_LIMBO) and any(not t.daemon for t in list(_LIMBO.values()))
     return any(not t.daemon and t.ident != _MAIN for t in threading.enumerate())
@@ -513,6 +518,26 @@ def _holder(key: tuple[int, int], task: Any) -> _Holder:
 _MAIN_HOLDER = _Holder((_MAIN, 0))
 
 
+def _after_fork_in_child() -> None:
+    """Read threading's bookkeeping again in a forked child: CPython gives the child a new set of shutdown locks,
+    a new lock for the main thread and, forked from another thread, another main thread. Read at import only, the
+    child's own threads went unseen and its main thread's scopes took no guard while they ran; the child's main
+    thread is not in its new set (``_AT_REST``)."""
+    global _MAIN, _SHUTDOWN_LOCKS, _MAIN_LOCK, _LIMBO, _QUICK_THREADS, _MAIN_HOLDER, _AT_REST
+    main = threading.main_thread().ident
+    if main != _MAIN:
+        _MAIN, _MAIN_HOLDER = main, _Holder((main, 0))
+    _SHUTDOWN_LOCKS = getattr(threading, "_shutdown_locks", None)
+    _MAIN_LOCK = getattr(threading.main_thread(), "_tstate_lock", None)
+    _LIMBO = getattr(threading, "_limbo", None)
+    _QUICK_THREADS = _SHUTDOWN_LOCKS is not None and _MAIN_LOCK is not None and _LIMBO is not None
+    _AT_REST = int(_SHUTDOWN_LOCKS is not None and _MAIN_LOCK in _SHUTDOWN_LOCKS)
+
+
+if hasattr(os, "register_at_fork"):  # after threading's own (registered when it was imported, so it runs first)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class _ThreadWatch:
     """Lives in a thread's locals: when the thread dies, what it left open is closed for it."""
 
@@ -623,7 +648,7 @@ class precision:
                 # the only scope in the process (so no emulation either): no other holder, no guarded op
                 guarded = state.pushed and state.tls.guard is not None  # none pushed: no thread-local read
                 if not guarded and (thread != _MAIN or (_guard_choice or guard_policy()) == "always"
-                                    or ((not _QUICK_THREADS or len(_SHUTDOWN_LOCKS) > 1 or _LIMBO)
+                                    or ((not _QUICK_THREADS or len(_SHUTDOWN_LOCKS) > _AT_REST or _LIMBO)
                                         and _other_threads())):
                     _push_guard(thread, depth)
                     guarded = True
