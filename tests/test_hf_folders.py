@@ -46,6 +46,9 @@ def _models():
         "qwen2": (t.Qwen2ForCausalLM(t.Qwen2Config(**_DECODER)), dict(eos_token="<|endoftext|>")),
         "mistral": (t.MistralForCausalLM(t.MistralConfig(**_DECODER, sliding_window=16)),
                     dict(eos_token="</s>", bos_token="<s>")),
+        # transformers' default experts run torch's grouped GEMM, which has no float64 kernel (the reference)
+        "mixtral": (t.MixtralForCausalLM(t.MixtralConfig(**_DECODER, num_local_experts=4, num_experts_per_tok=2)),
+                    dict(eos_token="</s>", bos_token="<s>")),
         "bert": (t.BertModel(t.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                           intermediate_size=64, max_position_embeddings=128, **_TEXT)),
                  dict(pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]")),
@@ -120,7 +123,8 @@ def test_check_on_a_decoder_folder_ends_with_a_verdict(folders, name):
 
 
 @pytest.mark.parametrize("name, main", [
-    ("qwen2", "input_ids"), ("mistral", "input_ids"), ("bert", "input_ids"), ("t5", "decoder_input_ids"),
+    ("qwen2", "input_ids"), ("mistral", "input_ids"), ("mixtral", "input_ids"), ("bert", "input_ids"),
+    ("t5", "decoder_input_ids"),
     ("vit", "pixel_values"), ("convnext", "pixel_values"), ("resnet", "pixel_values"),
     ("wav2vec2", "input_values"), ("whisper", "input_features"),
 ])

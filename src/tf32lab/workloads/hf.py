@@ -135,6 +135,19 @@ def _quiet() -> Iterator[None]:
             logging.enable_progress_bar()
 
 
+def _load(cls: Any, path: Path) -> torch.nn.Module:
+    """``cls.from_pretrained`` from the folder only, quietly. A mixture of experts runs its experts one GEMM each
+    ("eager"), not transformers' default grouped GEMM (``torch._grouped_mm``): that has no float64 kernel for the
+    reference, and each expert's GEMM is then one the emulator rounds as the hardware's."""
+    import transformers
+
+    options: dict[str, Any] = {"local_files_only": True}
+    if hasattr(transformers.PreTrainedModel, "set_experts_implementation"):  # transformers 5
+        options["experts_implementation"] = "eager"
+    with _quiet():
+        return cls.from_pretrained(str(path), **options)
+
+
 def causal_lm(folder: str) -> CausalLM:
     """The causal language model in ``folder`` (``AutoModelForCausalLM``) and its tokenizer, padding on the left."""
     path = _folder(folder)
@@ -144,8 +157,7 @@ def causal_lm(folder: str) -> CausalLM:
     tokenizer = _tokenizer(folder, path)
     tokenizer.padding_side = "left"  # new tokens follow each prompt's last token
     try:
-        with _quiet():
-            model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+        model = _load(AutoModelForCausalLM, path)
     except Exception as exc:
         raise Tf32LabError(f"workload 'hf:{folder}': not a causal language model, or loading failed: "
                            f"{_line(exc)}") from exc
@@ -183,8 +195,7 @@ def _model(folder: str, path: Path, config: Any) -> torch.nn.Module:
     names = [name for name in (getattr(config, "architectures", None) or []) if hasattr(transformers, name)]
     cls = getattr(transformers, names[0]) if names else transformers.AutoModel
     try:
-        with _quiet():
-            model = cls.from_pretrained(str(path), local_files_only=True)
+        model = _load(cls, path)
     except ValueError as exc:
         if "Unrecognized configuration class" in str(exc):
             raise Tf32LabError(f"workload 'hf:{folder}': model type {config.model_type!r} has no model class here; "
