@@ -172,3 +172,10 @@ def test_what_is_not_supported_is_one_line_and_exit_2(folders):
     assert len(lines) == 1 and "Traceback" not in done.stderr, lines
     assert "model type 'tf32lab-no-such-model' is unknown to this transformers; supported: " in lines[0]
     assert "decoders (GPT-2, Llama" in lines[0]
+
+
+def test_an_empty_folder_is_refused_not_the_working_directory(folders, monkeypatch):
+    monkeypatch.chdir(folders["gpt2"])  # a model folder as the working directory: "hf:" must not mean it
+    for spec in ("hf:", "hf:  "):
+        with pytest.raises(Tf32LabError, match=r"workload 'hf:\s*': no folder given; accepted: hf:FOLDER"):
+            specs.load(spec)

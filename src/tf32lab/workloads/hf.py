@@ -74,6 +74,9 @@ def _looks_like_hub_id(text: str) -> bool:
 
 
 def _folder(folder: str) -> Path:
+    if not folder.strip():  # Path("") is the working directory: a model there would load unasked
+        raise Tf32LabError(f"workload 'hf:{folder}': no folder given; accepted: hf:FOLDER, a local transformers "
+                           f"model folder (its config.json and weights)")
     path = Path(folder).expanduser()
     if not (path / "config.json").is_file():
         hub = "" if path.exists() or not _looks_like_hub_id(folder) else (
