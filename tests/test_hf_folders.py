@@ -179,3 +179,17 @@ def test_an_empty_folder_is_refused_not_the_working_directory(folders, monkeypat
     for spec in ("hf:", "hf:  "):
         with pytest.raises(Tf32LabError, match=r"workload 'hf:\s*': no folder given; accepted: hf:FOLDER"):
             specs.load(spec)
+
+
+def test_a_sentence_transformers_folder_is_checked_on_its_embeddings(folders, tmp_path):
+    st = pytest.importorskip("sentence_transformers")
+    from sentence_transformers.sentence_transformer import modules as models
+    folder = tmp_path / "st model"
+    modules = [models.Transformer(str(folders["bert"])), models.Pooling(32), models.Normalize()]
+    st.SentenceTransformer(modules=modules, device="cpu").save(str(folder))
+    w = hf.workload(str(folder), sentences=4)
+    assert set(w.run()) == {"sentence_embedding"}  # what its user reads: not BERT's unused pooler
+    assert w.inputs["input_ids"].size(0) == 4 and "sentence-transformers" in w.notes[0]
+    report = tf32lab.check(w, levels=("high",), speed=False)
+    row = report.level("high")
+    assert row.error is None and row.unhandled == {} and [o.name for o in row.outputs] == ["sentence_embedding"]

@@ -12,10 +12,12 @@
 - ``input_features`` (Whisper): log-mel-like seeded features of the config's ``num_mel_bins`` and
   ``2 * max_source_positions`` frames, or the folder's feature extractor on 30 seconds of noise.
 
-An encoder-decoder (T5, BART, Whisper) also gets ``decoder_input_ids``: the text's ids shifted right behind the
-decoder's start token (seeded ids for audio). A model that takes a cache runs with ``use_cache=False``: the check
-compares what the forward pass computes (logits, hidden states), not a cache that is the next step's input (the
-generation check measures decoding with the cache). The inputs' names and shapes are a note of the report.
+A sentence-transformers folder (``modules.json``) runs its whole pipeline and is compared on ``sentence_embedding``,
+as ``minilm`` is. An encoder-decoder (T5, BART, Whisper) also gets ``decoder_input_ids``: the text's ids shifted
+right behind the decoder's start token (seeded ids for audio). A model that takes a cache runs with
+``use_cache=False``: the check compares what the forward pass computes (logits, hidden states), not a cache that is
+the next step's input (the generation check measures decoding with the cache). The inputs' names and shapes are a
+note of the report.
 
 :func:`causal_lm` gives a decoder and its tokenizer, padding on the left, for the generation check.
 
@@ -317,12 +319,38 @@ def _shapes(inputs: dict[str, Any]) -> str:
                      if isinstance(value, torch.Tensor))
 
 
+def _sentence_transformer(folder: str, path: Path, sentences: int) -> Workload:
+    """A sentence-transformers folder (``modules.json``): its whole pipeline (transformer, pooling, normalizing),
+    compared on ``sentence_embedding``, as ``minilm`` is; the bare transformer's outputs (BERT's pooler among them)
+    are not what its user reads."""
+    from tf32lab.workloads.builtin import SentenceEmbedder
+
+    try:
+        from sentence_transformers import SentenceTransformer
+    except ImportError:
+        raise Tf32LabError(f"workload 'hf:{folder}' is a sentence-transformers folder (modules.json) and needs "
+                           f"sentence-transformers: pip install sentence-transformers") from None
+    try:
+        with _quiet():
+            st = SentenceTransformer(str(path), device="cpu", local_files_only=True)
+    except Exception as exc:
+        raise Tf32LabError(f"workload 'hf:{folder}': loading it as a sentence-transformers folder failed: "
+                           f"{_line(exc)}") from exc
+    preprocess = getattr(st, "preprocess", None) or st.tokenize
+    found = preprocess(list(samples.SENTENCES[:sentences]))
+    inputs = {name: value for name, value in found.items() if isinstance(value, torch.Tensor)}
+    note = f"inputs: {_shapes(inputs)} (the sample sentences through its sentence-transformers pipeline)"
+    return Workload(SentenceEmbedder(st.eval()), inputs, name=path.name, notes=(note,))
+
+
 def workload(folder: str, sentences: int = 16) -> Workload:
     """A transformers model from a local folder, fed sample inputs of the kind it takes (see the module's
     docstring): the first ``sentences`` sample sentences, or ``min(sentences, 4)`` images or audio clips.
     What is not supported raises ``Tf32LabError`` with one line naming the model type and what is."""
     path = _folder(folder)
     _transformers(folder)
+    if (path / "modules.json").is_file():
+        return _sentence_transformer(folder, path, sentences)
     config = _config(folder, path)
     model = _model(folder, path, config)
     accepted = _parameters(model)
