@@ -193,3 +193,13 @@ def test_a_sentence_transformers_folder_is_checked_on_its_embeddings(folders, tm
     report = tf32lab.check(w, levels=("high",), speed=False)
     row = report.level("high")
     assert row.error is None and row.unhandled == {} and [o.name for o in row.outputs] == ["sentence_embedding"]
+
+
+def test_a_tokenizer_without_pad_or_end_tokens_pads_all_the_same(folders, tmp_path):
+    folder = tmp_path / "no special tokens"
+    transformers.LlamaForCausalLM.from_pretrained(str(folders["llama"])).save_pretrained(folder)
+    _tokenizer().save_pretrained(folder)  # no pad, end-of-sequence, start or unknown token
+    w = hf.workload(str(folder), sentences=3)
+    ids, mask = w.inputs["input_ids"], w.inputs["attention_mask"]
+    assert ids.size(0) == 3 and not bool(mask.all())  # padded, the mask hiding the padding
+    assert hf.causal_lm(str(folder)).tokenizer.pad_token is not None

@@ -4,7 +4,8 @@
 (``architectures``, else ``AutoModel``), fed sample inputs of the kind its main input is:
 
 - ``input_ids`` (encoders, decoders): the built-in sample sentences through the folder's tokenizer, padded (a
-  tokenizer shipped without a pad token, as GPT-2's and Llama's are, pads with its end-of-sequence token);
+  tokenizer shipped without a pad token, as GPT-2's and Llama's are, pads with its end-of-sequence token, else
+  another special token, else its first vocabulary entry);
 - ``pixel_values`` (ViT, ConvNeXt, ResNet, ...): seeded random images through the folder's image processor, or,
   without one, seeded normalized pixels of the config's ``num_channels`` and ``image_size`` (224 if it has none);
 - ``input_values`` (wav2vec2, HuBERT, ...): one second of seeded noise at 16 kHz, through the folder's feature
@@ -108,11 +109,15 @@ def _tokenizer(folder: str, path: Path) -> Any:
     except Exception as exc:
         raise Tf32LabError(f"workload 'hf:{folder}': loading its tokenizer failed: {_line(exc)}") from exc
     if tokenizer.pad_token is None:
-        # GPT-2's and Llama's tokenizers ship without one; the attention mask hides the padding either way
-        if tokenizer.eos_token is None:
-            raise Tf32LabError(f"workload 'hf:{folder}': its tokenizer has neither a pad token nor an "
-                               f"end-of-sequence token to pad with")
-        tokenizer.pad_token = tokenizer.eos_token
+        # GPT-2's and Llama's tokenizers ship without one; the attention mask hides the padding either way, so a
+        # tokenizer with no special token at all pads with its first vocabulary entry
+        found = tokenizer.eos_token or tokenizer.bos_token or tokenizer.unk_token
+        if found is None:
+            found = tokenizer.convert_ids_to_tokens(0)
+        if found is None:
+            raise Tf32LabError(f"workload 'hf:{folder}': its tokenizer has no pad token and no token to pad with "
+                               f"(an empty vocabulary)")
+        tokenizer.pad_token = found
     return tokenizer
 
 
