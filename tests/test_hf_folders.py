@@ -203,3 +203,14 @@ def test_a_tokenizer_without_pad_or_end_tokens_pads_all_the_same(folders, tmp_pa
     ids, mask = w.inputs["input_ids"], w.inputs["attention_mask"]
     assert ids.size(0) == 3 and not bool(mask.all())  # padded, the mask hiding the padding
     assert hf.causal_lm(str(folder)).tokenizer.pad_token is not None
+
+
+def test_half_precision_weights_are_checked_in_float32_and_say_so(folders, tmp_path):
+    folder = tmp_path / "bf16"
+    model = transformers.LlamaForCausalLM.from_pretrained(str(folders["llama"]))
+    model.to(torch.bfloat16).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(str(folders["llama"])).save_pretrained(folder)
+    w = hf.workload(str(folder), sentences=2)
+    assert next(w.model.parameters()).dtype == torch.float32
+    assert "weights saved as bfloat16, checked in float32" in w.notes[0]
+    assert "saved as" not in hf.workload(str(folders["llama"]), sentences=2).notes[0]

@@ -382,4 +382,9 @@ def workload(folder: str, sentences: int = 16) -> Workload:
     if "use_cache" in accepted:
         inputs["use_cache"] = False  # compare what the forward computes, not the next step's cache
     note = f"inputs: {shapes} ({how}{', use_cache=False' if 'use_cache' in inputs else ''})"
+    saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(saved, str):
+        saved = getattr(torch, saved, None)
+    if isinstance(saved, torch.dtype) and saved != torch.float32:  # TF32 is a float32 question: weights upcast
+        note += f"; weights saved as {str(saved).removeprefix('torch.')}, checked in float32"
     return Workload(model, inputs, name=path.name, notes=(note,))
