@@ -214,3 +214,14 @@ def test_half_precision_weights_are_checked_in_float32_and_say_so(folders, tmp_p
     assert next(w.model.parameters()).dtype == torch.float32
     assert "weights saved as bfloat16, checked in float32" in w.notes[0]
     assert "saved as" not in hf.workload(str(folders["llama"]), sentences=2).notes[0]
+
+
+def test_the_sentences_are_cut_to_the_models_context(folders, tmp_path):
+    folder = tmp_path / "short context"
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, n_positions=8, **_TEXT)
+                                 ).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(str(folders["gpt2"])).save_pretrained(folder)
+    w = hf.workload(str(folder), sentences=2)
+    assert w.inputs["input_ids"].size(1) == 8  # the sentences are longer: an index error past position 8 before
+    row = tf32lab.check(w, levels=("high",), speed=False).level("high")
+    assert row.error is None and row.unhandled == {}

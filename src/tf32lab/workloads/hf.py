@@ -230,7 +230,11 @@ def _text(folder: str, path: Path, config: Any, sentences: int) -> dict[str, tor
                            f"tokenizer in {path} (tokenizer.json or vocabulary files): save one there with "
                            f"tokenizer.save_pretrained")
     tokenizer = _tokenizer(folder, path)
-    features = tokenizer(list(samples.SENTENCES[:sentences]), padding=True, return_tensors="pt")
+    # no longer than the model's positions: a longer sentence indexed past its position table
+    limit = next((found for found in (getattr(config, name, None) for name in ("max_position_embeddings",
+                  "n_positions")) if isinstance(found, int) and found > 0), None)
+    cut = {"truncation": True, "max_length": limit} if limit is not None else {}
+    features = tokenizer(list(samples.SENTENCES[:sentences]), padding=True, return_tensors="pt", **cut)
     inputs = {key: value for key, value in features.items() if isinstance(value, torch.Tensor)}
     if getattr(config, "is_encoder_decoder", False):
         ids, mask = inputs["input_ids"], inputs.get("attention_mask", torch.ones_like(inputs["input_ids"]))
