@@ -46,6 +46,9 @@ def _models():
         "qwen2": (t.Qwen2ForCausalLM(t.Qwen2Config(**_DECODER)), dict(eos_token="<|endoftext|>")),
         "mistral": (t.MistralForCausalLM(t.MistralConfig(**_DECODER, sliding_window=16)),
                     dict(eos_token="</s>", bos_token="<s>")),
+        # transformers' default experts run torch's grouped GEMM, which has no float64 kernel (the reference)
+        "mixtral": (t.MixtralForCausalLM(t.MixtralConfig(**_DECODER, num_local_experts=4, num_experts_per_tok=2)),
+                    dict(eos_token="</s>", bos_token="<s>")),
         "bert": (t.BertModel(t.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                           intermediate_size=64, max_position_embeddings=128, **_TEXT)),
                  dict(pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]")),
@@ -120,7 +123,8 @@ def test_check_on_a_decoder_folder_ends_with_a_verdict(folders, name):
 
 
 @pytest.mark.parametrize("name, main", [
-    ("qwen2", "input_ids"), ("mistral", "input_ids"), ("bert", "input_ids"), ("t5", "decoder_input_ids"),
+    ("qwen2", "input_ids"), ("mistral", "input_ids"), ("mixtral", "input_ids"), ("bert", "input_ids"),
+    ("t5", "decoder_input_ids"),
     ("vit", "pixel_values"), ("convnext", "pixel_values"), ("resnet", "pixel_values"),
     ("wav2vec2", "input_values"), ("whisper", "input_features"),
 ])
@@ -168,3 +172,56 @@ def test_what_is_not_supported_is_one_line_and_exit_2(folders):
     assert len(lines) == 1 and "Traceback" not in done.stderr, lines
     assert "model type 'tf32lab-no-such-model' is unknown to this transformers; supported: " in lines[0]
     assert "decoders (GPT-2, Llama" in lines[0]
+
+
+def test_an_empty_folder_is_refused_not_the_working_directory(folders, monkeypatch):
+    monkeypatch.chdir(folders["gpt2"])  # a model folder as the working directory: "hf:" must not mean it
+    for spec in ("hf:", "hf:  "):
+        with pytest.raises(Tf32LabError, match=r"workload 'hf:\s*': no folder given; accepted: hf:FOLDER"):
+            specs.load(spec)
+
+
+def test_a_sentence_transformers_folder_is_checked_on_its_embeddings(folders, tmp_path):
+    st = pytest.importorskip("sentence_transformers")
+    from sentence_transformers.sentence_transformer import modules as models
+    folder = tmp_path / "st model"
+    modules = [models.Transformer(str(folders["bert"])), models.Pooling(32), models.Normalize()]
+    st.SentenceTransformer(modules=modules, device="cpu").save(str(folder))
+    w = hf.workload(str(folder), sentences=4)
+    assert set(w.run()) == {"sentence_embedding"}  # what its user reads: not BERT's unused pooler
+    assert w.inputs["input_ids"].size(0) == 4 and "sentence-transformers" in w.notes[0]
+    report = tf32lab.check(w, levels=("high",), speed=False)
+    row = report.level("high")
+    assert row.error is None and row.unhandled == {} and [o.name for o in row.outputs] == ["sentence_embedding"]
+
+
+def test_a_tokenizer_without_pad_or_end_tokens_pads_all_the_same(folders, tmp_path):
+    folder = tmp_path / "no special tokens"
+    transformers.LlamaForCausalLM.from_pretrained(str(folders["llama"])).save_pretrained(folder)
+    _tokenizer().save_pretrained(folder)  # no pad, end-of-sequence, start or unknown token
+    w = hf.workload(str(folder), sentences=3)
+    ids, mask = w.inputs["input_ids"], w.inputs["attention_mask"]
+    assert ids.size(0) == 3 and not bool(mask.all())  # padded, the mask hiding the padding
+    assert hf.causal_lm(str(folder)).tokenizer.pad_token is not None
+
+
+def test_half_precision_weights_are_checked_in_float32_and_say_so(folders, tmp_path):
+    folder = tmp_path / "bf16"
+    model = transformers.LlamaForCausalLM.from_pretrained(str(folders["llama"]))
+    model.to(torch.bfloat16).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(str(folders["llama"])).save_pretrained(folder)
+    w = hf.workload(str(folder), sentences=2)
+    assert next(w.model.parameters()).dtype == torch.float32
+    assert "weights saved as bfloat16, checked in float32" in w.notes[0]
+    assert "saved as" not in hf.workload(str(folders["llama"]), sentences=2).notes[0]
+
+
+def test_the_sentences_are_cut_to_the_models_context(folders, tmp_path):
+    folder = tmp_path / "short context"
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, n_positions=8, **_TEXT)
+                                 ).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(str(folders["gpt2"])).save_pretrained(folder)
+    w = hf.workload(str(folder), sentences=2)
+    assert w.inputs["input_ids"].size(1) == 8  # the sentences are longer: an index error past position 8 before
+    row = tf32lab.check(w, levels=("high",), speed=False).level("high")
+    assert row.error is None and row.unhandled == {}

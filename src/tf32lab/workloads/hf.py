@@ -4,7 +4,8 @@
 (``architectures``, else ``AutoModel``), fed sample inputs of the kind its main input is:
 
 - ``input_ids`` (encoders, decoders): the built-in sample sentences through the folder's tokenizer, padded (a
-  tokenizer shipped without a pad token, as GPT-2's and Llama's are, pads with its end-of-sequence token);
+  tokenizer shipped without a pad token, as GPT-2's and Llama's are, pads with its end-of-sequence token, else
+  another special token, else its first vocabulary entry);
 - ``pixel_values`` (ViT, ConvNeXt, ResNet, ...): seeded random images through the folder's image processor, or,
   without one, seeded normalized pixels of the config's ``num_channels`` and ``image_size`` (224 if it has none);
 - ``input_values`` (wav2vec2, HuBERT, ...): one second of seeded noise at 16 kHz, through the folder's feature
@@ -12,10 +13,12 @@
 - ``input_features`` (Whisper): log-mel-like seeded features of the config's ``num_mel_bins`` and
   ``2 * max_source_positions`` frames, or the folder's feature extractor on 30 seconds of noise.
 
-An encoder-decoder (T5, BART, Whisper) also gets ``decoder_input_ids``: the text's ids shifted right behind the
-decoder's start token (seeded ids for audio). A model that takes a cache runs with ``use_cache=False``: the check
-compares what the forward pass computes (logits, hidden states), not a cache that is the next step's input (the
-generation check measures decoding with the cache). The inputs' names and shapes are a note of the report.
+A sentence-transformers folder (``modules.json``) runs its whole pipeline and is compared on ``sentence_embedding``,
+as ``minilm`` is. An encoder-decoder (T5, BART, Whisper) also gets ``decoder_input_ids``: the text's ids shifted
+right behind the decoder's start token (seeded ids for audio). A model that takes a cache runs with
+``use_cache=False``: the check compares what the forward pass computes (logits, hidden states), not a cache that is
+the next step's input (the generation check measures decoding with the cache). The inputs' names and shapes are a
+note of the report.
 
 :func:`causal_lm` gives a decoder and its tokenizer, padding on the left, for the generation check.
 
@@ -74,6 +77,9 @@ def _looks_like_hub_id(text: str) -> bool:
 
 
 def _folder(folder: str) -> Path:
+    if not folder.strip():  # Path("") is the working directory: a model there would load unasked
+        raise Tf32LabError(f"workload 'hf:{folder}': no folder given; accepted: hf:FOLDER, a local transformers "
+                           f"model folder (its config.json and weights)")
     path = Path(folder).expanduser()
     if not (path / "config.json").is_file():
         hub = "" if path.exists() or not _looks_like_hub_id(folder) else (
@@ -103,11 +109,15 @@ def _tokenizer(folder: str, path: Path) -> Any:
     except Exception as exc:
         raise Tf32LabError(f"workload 'hf:{folder}': loading its tokenizer failed: {_line(exc)}") from exc
     if tokenizer.pad_token is None:
-        # GPT-2's and Llama's tokenizers ship without one; the attention mask hides the padding either way
-        if tokenizer.eos_token is None:
-            raise Tf32LabError(f"workload 'hf:{folder}': its tokenizer has neither a pad token nor an "
-                               f"end-of-sequence token to pad with")
-        tokenizer.pad_token = tokenizer.eos_token
+        # GPT-2's and Llama's tokenizers ship without one; the attention mask hides the padding either way, so a
+        # tokenizer with no special token at all pads with its first vocabulary entry
+        found = tokenizer.eos_token or tokenizer.bos_token or tokenizer.unk_token
+        if found is None:
+            found = tokenizer.convert_ids_to_tokens(0)
+        if found is None:
+            raise Tf32LabError(f"workload 'hf:{folder}': its tokenizer has no pad token and no token to pad with "
+                               f"(an empty vocabulary)")
+        tokenizer.pad_token = found
     return tokenizer
 
 
@@ -135,6 +145,19 @@ def _quiet() -> Iterator[None]:
             logging.enable_progress_bar()
 
 
+def _load(cls: Any, path: Path) -> torch.nn.Module:
+    """``cls.from_pretrained`` from the folder only, quietly. A mixture of experts runs its experts one GEMM each
+    ("eager"), not transformers' default grouped GEMM (``torch._grouped_mm``): that has no float64 kernel for the
+    reference, and each expert's GEMM is then one the emulator rounds as the hardware's."""
+    import transformers
+
+    options: dict[str, Any] = {"local_files_only": True}
+    if hasattr(transformers.PreTrainedModel, "set_experts_implementation"):  # transformers 5
+        options["experts_implementation"] = "eager"
+    with _quiet():
+        return cls.from_pretrained(str(path), **options)
+
+
 def causal_lm(folder: str) -> CausalLM:
     """The causal language model in ``folder`` (``AutoModelForCausalLM``) and its tokenizer, padding on the left."""
     path = _folder(folder)
@@ -144,8 +167,7 @@ def causal_lm(folder: str) -> CausalLM:
     tokenizer = _tokenizer(folder, path)
     tokenizer.padding_side = "left"  # new tokens follow each prompt's last token
     try:
-        with _quiet():
-            model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+        model = _load(AutoModelForCausalLM, path)
     except Exception as exc:
         raise Tf32LabError(f"workload 'hf:{folder}': not a causal language model, or loading failed: "
                            f"{_line(exc)}") from exc
@@ -183,8 +205,7 @@ def _model(folder: str, path: Path, config: Any) -> torch.nn.Module:
     names = [name for name in (getattr(config, "architectures", None) or []) if hasattr(transformers, name)]
     cls = getattr(transformers, names[0]) if names else transformers.AutoModel
     try:
-        with _quiet():
-            model = cls.from_pretrained(str(path), local_files_only=True)
+        model = _load(cls, path)
     except ValueError as exc:
         if "Unrecognized configuration class" in str(exc):
             raise Tf32LabError(f"workload 'hf:{folder}': model type {config.model_type!r} has no model class here; "
@@ -209,7 +230,11 @@ def _text(folder: str, path: Path, config: Any, sentences: int) -> dict[str, tor
                            f"tokenizer in {path} (tokenizer.json or vocabulary files): save one there with "
                            f"tokenizer.save_pretrained")
     tokenizer = _tokenizer(folder, path)
-    features = tokenizer(list(samples.SENTENCES[:sentences]), padding=True, return_tensors="pt")
+    # no longer than the model's positions: a longer sentence indexed past its position table
+    limit = next((found for found in (getattr(config, name, None) for name in ("max_position_embeddings",
+                  "n_positions")) if isinstance(found, int) and found > 0), None)
+    cut = {"truncation": True, "max_length": limit} if limit is not None else {}
+    features = tokenizer(list(samples.SENTENCES[:sentences]), padding=True, return_tensors="pt", **cut)
     inputs = {key: value for key, value in features.items() if isinstance(value, torch.Tensor)}
     if getattr(config, "is_encoder_decoder", False):
         ids, mask = inputs["input_ids"], inputs.get("attention_mask", torch.ones_like(inputs["input_ids"]))
@@ -303,12 +328,38 @@ def _shapes(inputs: dict[str, Any]) -> str:
                      if isinstance(value, torch.Tensor))
 
 
+def _sentence_transformer(folder: str, path: Path, sentences: int) -> Workload:
+    """A sentence-transformers folder (``modules.json``): its whole pipeline (transformer, pooling, normalizing),
+    compared on ``sentence_embedding``, as ``minilm`` is; the bare transformer's outputs (BERT's pooler among them)
+    are not what its user reads."""
+    from tf32lab.workloads.builtin import SentenceEmbedder
+
+    try:
+        from sentence_transformers import SentenceTransformer
+    except ImportError:
+        raise Tf32LabError(f"workload 'hf:{folder}' is a sentence-transformers folder (modules.json) and needs "
+                           f"sentence-transformers: pip install sentence-transformers") from None
+    try:
+        with _quiet():
+            st = SentenceTransformer(str(path), device="cpu", local_files_only=True)
+    except Exception as exc:
+        raise Tf32LabError(f"workload 'hf:{folder}': loading it as a sentence-transformers folder failed: "
+                           f"{_line(exc)}") from exc
+    preprocess = getattr(st, "preprocess", None) or st.tokenize
+    found = preprocess(list(samples.SENTENCES[:sentences]))
+    inputs = {name: value for name, value in found.items() if isinstance(value, torch.Tensor)}
+    note = f"inputs: {_shapes(inputs)} (the sample sentences through its sentence-transformers pipeline)"
+    return Workload(SentenceEmbedder(st.eval()), inputs, name=path.name, notes=(note,))
+
+
 def workload(folder: str, sentences: int = 16) -> Workload:
     """A transformers model from a local folder, fed sample inputs of the kind it takes (see the module's
     docstring): the first ``sentences`` sample sentences, or ``min(sentences, 4)`` images or audio clips.
     What is not supported raises ``Tf32LabError`` with one line naming the model type and what is."""
     path = _folder(folder)
     _transformers(folder)
+    if (path / "modules.json").is_file():
+        return _sentence_transformer(folder, path, sentences)
     config = _config(folder, path)
     model = _model(folder, path, config)
     accepted = _parameters(model)
@@ -335,4 +386,9 @@ def workload(folder: str, sentences: int = 16) -> Workload:
     if "use_cache" in accepted:
         inputs["use_cache"] = False  # compare what the forward computes, not the next step's cache
     note = f"inputs: {shapes} ({how}{', use_cache=False' if 'use_cache' in inputs else ''})"
+    saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(saved, str):
+        saved = getattr(torch, saved, None)
+    if isinstance(saved, torch.dtype) and saved != torch.float32:  # TF32 is a float32 question: weights upcast
+        note += f"; weights saved as {str(saved).removeprefix('torch.')}, checked in float32"
     return Workload(model, inputs, name=path.name, notes=(note,))
