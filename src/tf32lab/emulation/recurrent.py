@@ -16,6 +16,16 @@ native forward and backward of an LSTM, 5x of a GRU; this costs about 1.8x and 0
 
 Covered: ``lstm`` without ``proj_size`` and ``gru``, float32, in a math rounded once per operand (``tf32``,
 ``bf16``). :func:`layers` answers ``None`` for anything else, which :func:`~tf32lab.emulation.rules.run_rnn` runs.
+
+Example (the emulator calls it; a user meets it as an LSTM under ``emulate``):
+
+    >>> import torch, tf32lab
+    >>> lstm, x = torch.nn.LSTM(8, 16), torch.randn(5, 2, 8, requires_grad=True)
+    >>> with tf32lab.precision("high"), tf32lab.emulate("a100"):
+    ...     out, _ = lstm(x)
+    ...     out.sum().backward()
+    >>> out.shape, x.grad.shape
+    (torch.Size([5, 2, 16]), torch.Size([5, 2, 8]))
 """
 
 from __future__ import annotations
