@@ -181,6 +181,19 @@ def test_an_empty_folder_is_refused_not_the_working_directory(folders, monkeypat
             specs.load(spec)
 
 
+def test_a_folder_with_its_own_code_is_refused_and_its_code_not_run(tmp_path):
+    folder, marker = tmp_path / "remote", tmp_path / "ran"
+    folder.mkdir()
+    (folder / "modeling_mine.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "mine", "architectures": ["MineModel"],
+        "auto_map": {"AutoConfig": "modeling_mine.MineConfig", "AutoModel": "modeling_mine.MineModel"}}))
+    with pytest.raises(Tf32LabError, match=r"names the folder's own code \(auto_map\), which tf32lab never runs; "
+                                           r"supported: "):
+        specs.load(f"hf:{folder}")
+    assert not marker.exists()
+
+
 def test_a_sentence_transformers_folder_is_checked_on_its_embeddings(folders, tmp_path):
     st = pytest.importorskip("sentence_transformers")
     from sentence_transformers.sentence_transformer import modules as models

@@ -185,7 +185,19 @@ def _config(folder: str, path: Path) -> Any:
         if model_type is not None and "does not recognize" in str(exc):
             raise Tf32LabError(f"workload 'hf:{folder}': model type {model_type!r} is unknown to this transformers; "
                                f"supported: {SUPPORTED}") from None
+        if _custom_code(path):
+            raise Tf32LabError(f"workload 'hf:{folder}': its config.json names the folder's own code (auto_map), "
+                               f"which tf32lab never runs; supported: {SUPPORTED}") from None
         raise Tf32LabError(f"workload 'hf:{folder}': reading its config.json failed: {_line(exc)}") from None
+
+
+def _custom_code(path: Path) -> bool:
+    import json
+
+    try:
+        return "auto_map" in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def _model_type(path: Path) -> Optional[str]:
