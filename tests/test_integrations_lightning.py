@@ -196,6 +196,22 @@ def test_manual_optimization_with_two_optimizers(tmp_path):
     assert report.reference_losses[0] != report.reference_losses[2]
 
 
+class ReadsItsTrainer(Regression):
+    """A training_step that reads `self.trainer`, `self.global_step` and `self.current_epoch`, as many do."""
+
+    def training_step(self, batch, batch_idx):
+        scale = 1.0 + 0.0 * (self.trainer.num_training_batches + self.global_step + self.current_epoch)
+        return super().training_step(batch, batch_idx) * scale
+
+
+def test_a_training_step_that_reads_self_trainer_is_checked_and_its_run_untouched(tmp_path):
+    plain, plain_losses, _, _ = fit(tmp_path / "a", ReadsItsTrainer, max_epochs=1)
+    check = Tf32Check(steps=2, levels=("highest", "high"))
+    checked, losses, _, _ = fit(tmp_path / "b", ReadsItsTrainer, callback=check, max_epochs=1)
+    assert check.report.passed and check.report.steps == 2
+    assert same_weights(plain, checked) and losses == plain_losses and len(losses) == 12
+
+
 def test_mixed_precision_is_said_not_to_be_float32(tmp_path):
     check = Tf32Check(steps=2, levels=("highest", "high"))
     fit(tmp_path, callback=check, max_epochs=1, precision="bf16-mixed")

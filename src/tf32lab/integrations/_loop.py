@@ -85,8 +85,10 @@ class StepCall:
             return self.loss(model, micro, self.step)
 
 
-def stepping_copy(module: torch.nn.Module, memo: Optional[dict[int, Any]] = None) -> torch.nn.Module:
-    """A copy of ``module`` whose class is the module's own with one more call, ``model(StepCall, micro)``."""
+def stepping_copy(module: torch.nn.Module, memo: Optional[dict[int, Any]] = None,
+                  members: Optional[Mapping[str, Any]] = None) -> torch.nn.Module:
+    """A copy of ``module`` whose class is the module's own with one more call, ``model(StepCall, micro)``, and
+    ``members`` (class attributes: they outlive the check's own copies of it, which instance attributes may not)."""
     base = type(module)
 
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -94,8 +96,8 @@ def stepping_copy(module: torch.nn.Module, memo: Optional[dict[int, Any]] = None
             return args[0].run(self, args[1])
         return base.forward(self, *args, **kwargs)
 
-    stepping = type(base.__name__, (base,), {"forward": forward, "__qualname__": base.__qualname__,
-                                             "__module__": base.__module__})
+    stepping = type(base.__name__, (base,), {**(members or {}), "forward": forward,
+                                             "__qualname__": base.__qualname__, "__module__": base.__module__})
     with torch.no_grad():
         made = copy.deepcopy(module, memo if memo is not None else {})
     made.__class__ = stepping

@@ -211,9 +211,27 @@ class Tf32Check(L.Callback):
             return values[0] if len(values) == 1 else torch.stack(values).mean()
 
         around = (lambda model: _manual(model, bundle_of(model), recorded)) if manual else None
-        model = _loop.stepping_copy(module)
+        model = _loop.stepping_copy(module, members=_outside_the_run(trainer))
         return _loop.run_check(model, type(module).__name__, steps, loss, optimizer, levels=self.levels,
                                target=self.target, tolerance=self.tolerance, around=around, notes=notes)
+
+
+def _outside_the_run(trainer: Any) -> dict[str, Any]:
+    """What a row's copy answers where its ``training_step`` reaches for its trainer: ``self.trainer`` the run's
+    (a copy is attached to none: Lightning drops ``_trainer`` on every copy, and ``self.trainer`` would raise), read
+    only; ``self.log`` and ``self.log_dict`` nothing, as on a module without a trainer (the run's logged metrics
+    and their steps stay its own)."""
+
+    def attached(self: Any) -> Any:
+        return trainer
+
+    def unattached(self: Any, value: Any) -> None:
+        self._trainer = value
+
+    def unlogged(self: Any, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    return {"trainer": property(attached, unattached), "log": unlogged, "log_dict": unlogged}
 
 
 def _takes_index(module: Any) -> bool:
