@@ -225,6 +225,11 @@ def test_bad_arguments_are_one_line():
         Tf32Check(steps=0)
     with pytest.raises(Tf32LabError, match="'fast'"):
         Tf32Check(levels=("fast",))
+    with pytest.raises(Tf32LabError, match="unknown target 'h999'"):
+        Tf32Check(target="h999")
+    with pytest.raises(Tf32LabError, match=r"tolerance is one number >= 0.*not 'x'"):
+        Tf32Check(tolerance="x")
+    assert Tf32Check(levels="high").levels == ("high",)
 
 
 def test_without_lightning_the_integration_names_its_extra_and_tf32lab_never_imports_it():

@@ -151,6 +151,12 @@ def test_bad_arguments_are_one_line():
         Tf32CheckCallback(on_fail="ignore")
     with pytest.raises(Tf32LabError, match="steps must be a whole number >= 1, not -1"):
         Tf32CheckCallback(steps=-1)
+    # refused when the callback is made, not when training starts (after the model and data are loaded)
+    with pytest.raises(Tf32LabError, match="unknown target 'h999'"):
+        Tf32CheckCallback(target="h999")
+    with pytest.raises(Tf32LabError, match=r"tolerance is one number >= 0.*not -1"):
+        Tf32CheckCallback(tolerance=-1)
+    assert Tf32CheckCallback(levels="high").levels == ("high",)  # one level named alone, not its letters
 
 
 def test_without_transformers_the_integration_names_its_extra():

@@ -41,7 +41,9 @@ import torch
 
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import LEVELS
-from tf32lab.measure.training import check_training
+from tf32lab.know.targets import NATIVE, Target
+from tf32lab.machine.hardware import resolve_target
+from tf32lab.measure.training import check_training, training_tolerance
 from tf32lab.report.training import TrainingReport
 from tf32lab.workloads.training import TrainingWorkload
 
@@ -310,4 +312,21 @@ def _verdict_line(report: TrainingReport, failed: Any) -> str:
 
 
 def default_levels(levels: Optional[Iterable[str]]) -> tuple[str, ...]:
+    if isinstance(levels, str):  # one level named alone ("high"), not its letters
+        return (levels,)
     return tuple(LEVELS) if levels is None else tuple(levels)
+
+
+def check_target(target: Any) -> Any:
+    """``target`` as given, refused at once (one line) where it names no target: not when training starts, after
+    the run has loaded its model and data. ``"native"`` is resolved when the check runs, on the run's machine."""
+    if isinstance(target, str) and target != NATIVE:
+        resolve_target(target)
+    elif not isinstance(target, (str, Target)):
+        raise Tf32LabError(f"target must be a target's name or a Target, not {target!r}")
+    return target
+
+
+def check_tolerance(tolerance: Optional[float]) -> Optional[float]:
+    """``tolerance`` as given (None: the training check's default), refused at once where it is no number >= 0."""
+    return None if tolerance is None else training_tolerance(tolerance)
