@@ -212,6 +212,32 @@ def test_a_training_step_that_reads_self_trainer_is_checked_and_its_run_untouche
     assert same_weights(plain, checked) and losses == plain_losses and len(losses) == 12
 
 
+class OneShot(torch.utils.data.IterableDataset):
+    """A stream read once: each `iter` is the same iterator, so a batch read is a batch gone."""
+
+    def __init__(self) -> None:
+        self.rows = iter(data(64))
+
+    def __iter__(self):
+        return self.rows
+
+
+def test_a_stream_that_cannot_be_read_again_is_refused_before_a_batch_is_consumed(tmp_path):
+    class Stop(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            raise Tf32LabError("stopped where the check would run")
+
+    left = []
+    for callback, match in ((Stop(), "stopped"), (Tf32Check(steps=2), "hands out one shared iterator")):
+        stream = OneShot()
+        trainer = L.Trainer(callbacks=[callback], default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+                            enable_checkpointing=False, enable_model_summary=False, max_epochs=1)
+        with pytest.raises(Tf32LabError, match=match):
+            trainer.fit(Regression(), DataLoader(stream, batch_size=8))
+        left.append(len(list(stream.rows)))
+    assert left[0] == left[1] > 0  # the check read no row of what Lightning left for the run
+
+
 def test_mixed_precision_is_said_not_to_be_float32(tmp_path):
     check = Tf32Check(steps=2, levels=("highest", "high"))
     fit(tmp_path, callback=check, max_epochs=1, precision="bf16-mixed")

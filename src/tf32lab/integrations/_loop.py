@@ -221,6 +221,7 @@ def first_batches(loader: Any, count: int, move: Callable[[Any], Any], iterate: 
                   ) -> list[Any]:
     """The first ``count`` batches of a fresh pass over ``loader`` (each through ``move``), the loader's
     generators put back afterwards; fewer when it has fewer."""
+    _read_again(loader)
     found: list[Any] = []
     with loader_kept(loader):
         batches = iterate(loader)
@@ -232,6 +233,20 @@ def first_batches(loader: Any, count: int, move: Callable[[Any], Any], iterate: 
         finally:
             del batches  # a multi-process loader's workers end here
     return found
+
+
+def _read_again(loader: Any) -> None:
+    """Refused (one line, nothing read) where the loader's stream cannot be read again: an ``IterableDataset``
+    whose ``iter`` hands out the same iterator every time would lose the batches the check reads."""
+    dataset = getattr(getattr(loader, "base_dataloader", loader), "dataset", None)
+    if not isinstance(dataset, torch.utils.data.IterableDataset):
+        return
+    first, second = iter(dataset), iter(dataset)  # a generator's body has not run yet: nothing is drawn
+    if first is second:
+        raise Tf32LabError(f"the train dataloader's {type(dataset).__name__} hands out one shared iterator (its "
+                           f"__iter__ returns the same object each time): the batches the check read would be "
+                           f"gone from the run; make __iter__ return a fresh iterator (a generator), or leave the "
+                           f"check out")
 
 
 def _plain(batch: Any) -> Any:
