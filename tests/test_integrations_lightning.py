@@ -238,6 +238,31 @@ def test_a_stream_that_cannot_be_read_again_is_refused_before_a_batch_is_consume
     assert left[0] == left[1] > 0  # the check read no row of what Lightning left for the run
 
 
+class TwoLoaders(Regression):
+    """Trained on two dataloaders at once: Lightning gives each step a dict of their batches."""
+
+    def training_step(self, batch, batch_idx):
+        return sum((self(x) - y).pow(2).mean() for x, y in batch.values())
+
+
+def test_several_train_dataloaders_are_read_together_as_the_run_reads_them(tmp_path):
+    def both():
+        return {"a": DataLoader(data(), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1)),
+                "b": DataLoader(data(), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(2))}
+
+    runs = []
+    for callback in (None, Tf32Check(steps=2, levels=("highest", "high"))):
+        torch.manual_seed(0)
+        module = TwoLoaders()
+        trainer = L.Trainer(callbacks=[callback] if callback else [], default_root_dir=tmp_path, logger=False,
+                            enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                            max_epochs=1, limit_train_batches=4)
+        trainer.fit(module, both())
+        runs.append(module)
+    assert callback.report.passed and callback.report.steps == 2
+    assert same_weights(*runs)
+
+
 def test_mixed_precision_is_said_not_to_be_float32(tmp_path):
     check = Tf32Check(steps=2, levels=("highest", "high"))
     fit(tmp_path, callback=check, max_epochs=1, precision="bf16-mixed")

@@ -194,11 +194,24 @@ def quiet() -> Iterator[None]:
 
 
 # -- the run's first batches, read again --------------------------------------------------------------------------
+def loaders(loader: Any) -> list[Any]:
+    """The dataloaders in ``loader``: itself, or each one of a collection of them (Lightning's several train
+    dataloaders, a dict or a list, which its ``CombinedLoader`` reads together)."""
+    if isinstance(loader, Mapping):
+        return [one for value in loader.values() for one in loaders(value)]
+    if isinstance(loader, (list, tuple)):
+        return [one for value in loader for one in loaders(value)]
+    return [loader]
+
+
 def _generators(loader: Any) -> list[torch.Generator]:
-    """Every torch generator a dataloader's sampling draws from (its own, its sampler's, its batch sampler's)."""
-    found = []
-    for owner in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
-                  getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+    """Every torch generator a dataloader's sampling draws from (its own, its sampler's, its batch sampler's), of
+    each dataloader in a collection of them."""
+    found: list[torch.Generator] = []
+    owners = [owner for one in loaders(loader) for owner in (
+        one, getattr(one, "sampler", None), getattr(one, "batch_sampler", None),
+        getattr(getattr(one, "batch_sampler", None), "sampler", None))]
+    for owner in owners:
         generator = getattr(owner, "generator", None)
         if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
             found.append(generator)
@@ -238,6 +251,11 @@ def first_batches(loader: Any, count: int, move: Callable[[Any], Any], iterate: 
 def _read_again(loader: Any) -> None:
     """Refused (one line, nothing read) where the loader's stream cannot be read again: an ``IterableDataset``
     whose ``iter`` hands out the same iterator every time would lose the batches the check reads."""
+    for one in loaders(loader):
+        _one_read_again(one)
+
+
+def _one_read_again(loader: Any) -> None:
     dataset = getattr(getattr(loader, "base_dataloader", loader), "dataset", None)
     if not isinstance(dataset, torch.utils.data.IterableDataset):
         return

@@ -136,7 +136,8 @@ class Tf32Check(L.Callback):
             raise Tf32LabError("Tf32Check: the trainer has no train dataloader at on_train_start")
         device = module.device
         batches = _loop.first_batches(loader, self.steps * accumulate,
-                                      lambda b: L.utilities.move_data_to_device(b, device))
+                                      lambda b: L.utilities.move_data_to_device(b, device),
+                                      iterate=lambda one: _combined(trainer, one))
         steps = _loop.grouped(batches, accumulate, self.steps)
         if not steps:
             raise Tf32LabError(f"Tf32Check: the train dataloader has {len(batches)} batches, fewer than one "
@@ -214,6 +215,15 @@ class Tf32Check(L.Callback):
         model = _loop.stepping_copy(module, members=_outside_the_run(trainer))
         return _loop.run_check(model, type(module).__name__, steps, loss, optimizer, levels=self.levels,
                                target=self.target, tolerance=self.tolerance, around=around, notes=notes)
+
+
+def _combined(trainer: Any, loader: Any) -> Iterator[Any]:
+    """The run's batches as its fit loop reads them: several train dataloaders (a dict or a list of them) together,
+    as Lightning's ``CombinedLoader`` does in the run's mode; one dataloader, itself."""
+    if not isinstance(loader, (Mapping, list, tuple)):
+        return iter(loader)
+    mode = getattr(getattr(trainer.fit_loop, "_combined_loader", None), "_mode", "max_size_cycle")
+    return (batch for batch, *_ in L.utilities.CombinedLoader(loader, mode))
 
 
 def _outside_the_run(trainer: Any) -> dict[str, Any]:
