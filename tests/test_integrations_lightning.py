@@ -263,6 +263,24 @@ def test_several_train_dataloaders_are_read_together_as_the_run_reads_them(tmp_p
     assert same_weights(*runs)
 
 
+class SkipsSome(Regression):
+    """Skips a batch now and then (`training_step` returns None), as Lightning allows."""
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx % 4 == 1 else super().training_step(batch, batch_idx)
+
+
+def test_a_skipped_micro_batch_is_skipped_in_the_check_too(tmp_path):
+    plain, plain_losses, _, _ = fit(tmp_path / "a", SkipsSome, max_epochs=1, accumulate_grad_batches=2)
+    check = Tf32Check(steps=2, levels=("highest", "high"))
+    checked, losses, _, _ = fit(tmp_path / "b", SkipsSome, callback=check, max_epochs=1, accumulate_grad_batches=2)
+    assert check.report.passed and check.report.steps == 2
+    assert same_weights(plain, checked) and losses == plain_losses
+    # a step all of whose batches are skipped has no loss to check: one line
+    with pytest.raises(Tf32LabError, match="returned None \\(a skipped step\\) for every batch of step 2"):
+        fit(tmp_path / "c", SkipsSome, callback=Tf32Check(steps=2), max_epochs=1, limit_train_batches=2)
+
+
 def test_mixed_precision_is_said_not_to_be_float32(tmp_path):
     check = Tf32Check(steps=2, levels=("highest", "high"))
     fit(tmp_path, callback=check, max_epochs=1, precision="bf16-mixed")

@@ -201,15 +201,17 @@ class Tf32Check(L.Callback):
                 # the step is done: what the check backpropagates reaches no parameter
                 return value.detach().reshape(()) + torch.zeros((), dtype=value.dtype, device=value.device,
                                                                 requires_grad=True)
-            if value is None:
-                raise Tf32LabError("Tf32Check: training_step returned None (a skipped step) on one of the first "
-                                   "batches: the check needs a loss at every step")
             return value
 
         def loss(model: Any, micro: list[Any], step: int) -> torch.Tensor:
-            # Lightning backpropagates each micro-batch's loss over accumulate_grad_batches: their mean's gradient
+            # Lightning backpropagates each micro-batch's loss over accumulate_grad_batches (their mean's gradient);
+            # a micro-batch whose training_step returned None is skipped, backpropagating nothing
             values = [one(model, batch, step * len(micro) + i) for i, batch in enumerate(micro)]
-            return values[0] if len(values) == 1 else torch.stack(values).mean()
+            kept = [v for v in values if v is not None]
+            if not kept:
+                raise Tf32LabError(f"Tf32Check: training_step returned None (a skipped step) for every batch of "
+                                   f"step {step + 1}: the check needs a loss at each of its steps")
+            return values[0] if len(values) == 1 else torch.stack(kept).sum() / len(values)
 
         around = (lambda model: _manual(model, bundle_of(model), recorded)) if manual else None
         model = _loop.stepping_copy(module, members=_outside_the_run(trainer))
