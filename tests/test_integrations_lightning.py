@@ -281,6 +281,36 @@ def test_a_skipped_micro_batch_is_skipped_in_the_check_too(tmp_path):
         fit(tmp_path / "c", SkipsSome, callback=Tf32Check(steps=2), max_epochs=1, limit_train_batches=2)
 
 
+class Augmented(torch.utils.data.Dataset):
+    """Rows with random noise drawn in the loader's workers, as a data augmentation draws."""
+
+    def __init__(self) -> None:
+        self.rows = data(32)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        x, y = self.rows[i]
+        return x + 0.1 * torch.rand(8), y
+
+
+def test_persistent_workers_keep_the_runs_iterator_and_their_random_streams(tmp_path):
+    runs = []
+    for callback in (None, Tf32Check(steps=2, levels=("highest",))):
+        torch.manual_seed(0)
+        module = Regression()
+        trainer = L.Trainer(callbacks=[callback] if callback else [], default_root_dir=tmp_path, logger=False,
+                            enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                            max_epochs=2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Lightning's advice on the number of workers
+            trainer.fit(module, DataLoader(Augmented(), batch_size=8, shuffle=True, num_workers=1,
+                                           persistent_workers=True))
+        runs.append(module)
+    assert same_weights(*runs)
+
+
 def test_mixed_precision_is_said_not_to_be_float32(tmp_path):
     check = Tf32Check(steps=2, levels=("highest", "high"))
     fit(tmp_path, callback=check, max_epochs=1, precision="bf16-mixed")

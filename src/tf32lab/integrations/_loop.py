@@ -223,11 +223,34 @@ def loader_kept(loader: Any) -> Iterator[None]:
     """The dataloader's own generators as they were on exit (the process's random streams are kept apart)."""
     generators = _generators(loader)
     states = [g.get_state() for g in generators]
+    # a loader with persistent workers keeps one iterator (and its workers' random streams, which a dataset's
+    # augmentation draws from) for every pass, the run's already made when training starts: the check's pass gets
+    # its own, ended here, and the run's goes on untouched (a pass over the loader would reset it)
+    persistent = [one for one in {id(o): o for o in _with_bases(loader)}.values()
+                  if getattr(one, "persistent_workers", False) and getattr(one, "num_workers", 0) > 0
+                  and hasattr(one, "_iterator")]
+    iterators = [one._iterator for one in persistent]
     try:
+        for one in persistent:
+            one._iterator = None
         yield
     finally:
         for generator, state in zip(generators, states):
             generator.set_state(state)
+        for one, iterator in zip(persistent, iterators):
+            made, one._iterator = one._iterator, iterator
+            if made is not None and made is not iterator and hasattr(made, "_shutdown_workers"):
+                made._shutdown_workers()
+
+
+def _with_bases(loader: Any) -> list[Any]:
+    """The dataloaders in ``loader`` and the ones they wrap (accelerate's ``base_dataloader``)."""
+    found = []
+    for one in loaders(loader):
+        found.append(one)
+        if getattr(one, "base_dataloader", None) is not None:
+            found.append(one.base_dataloader)
+    return found
 
 
 def first_batches(loader: Any, count: int, move: Callable[[Any], Any], iterate: Callable[[Any], Iterator[Any]] = iter
