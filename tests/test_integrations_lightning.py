@@ -196,6 +196,121 @@ def test_manual_optimization_with_two_optimizers(tmp_path):
     assert report.reference_losses[0] != report.reference_losses[2]
 
 
+class ReadsItsTrainer(Regression):
+    """A training_step that reads `self.trainer`, `self.global_step` and `self.current_epoch`, as many do."""
+
+    def training_step(self, batch, batch_idx):
+        scale = 1.0 + 0.0 * (self.trainer.num_training_batches + self.global_step + self.current_epoch)
+        return super().training_step(batch, batch_idx) * scale
+
+
+def test_a_training_step_that_reads_self_trainer_is_checked_and_its_run_untouched(tmp_path):
+    plain, plain_losses, _, _ = fit(tmp_path / "a", ReadsItsTrainer, max_epochs=1)
+    check = Tf32Check(steps=2, levels=("highest", "high"))
+    checked, losses, _, _ = fit(tmp_path / "b", ReadsItsTrainer, callback=check, max_epochs=1)
+    assert check.report.passed and check.report.steps == 2
+    assert same_weights(plain, checked) and losses == plain_losses and len(losses) == 12
+
+
+class OneShot(torch.utils.data.IterableDataset):
+    """A stream read once: each `iter` is the same iterator, so a batch read is a batch gone."""
+
+    def __init__(self) -> None:
+        self.rows = iter(data(64))
+
+    def __iter__(self):
+        return self.rows
+
+
+def test_a_stream_that_cannot_be_read_again_is_refused_before_a_batch_is_consumed(tmp_path):
+    class Stop(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            raise Tf32LabError("stopped where the check would run")
+
+    left = []
+    for callback, match in ((Stop(), "stopped"), (Tf32Check(steps=2), "hands out one shared iterator")):
+        stream = OneShot()
+        trainer = L.Trainer(callbacks=[callback], default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+                            enable_checkpointing=False, enable_model_summary=False, max_epochs=1)
+        with pytest.raises(Tf32LabError, match=match):
+            trainer.fit(Regression(), DataLoader(stream, batch_size=8))
+        left.append(len(list(stream.rows)))
+    assert left[0] == left[1] > 0  # the check read no row of what Lightning left for the run
+
+
+class TwoLoaders(Regression):
+    """Trained on two dataloaders at once: Lightning gives each step a dict of their batches."""
+
+    def training_step(self, batch, batch_idx):
+        return sum((self(x) - y).pow(2).mean() for x, y in batch.values())
+
+
+def test_several_train_dataloaders_are_read_together_as_the_run_reads_them(tmp_path):
+    def both():
+        return {"a": DataLoader(data(), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1)),
+                "b": DataLoader(data(), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(2))}
+
+    runs = []
+    for callback in (None, Tf32Check(steps=2, levels=("highest", "high"))):
+        torch.manual_seed(0)
+        module = TwoLoaders()
+        trainer = L.Trainer(callbacks=[callback] if callback else [], default_root_dir=tmp_path, logger=False,
+                            enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                            max_epochs=1, limit_train_batches=4)
+        trainer.fit(module, both())
+        runs.append(module)
+    assert callback.report.passed and callback.report.steps == 2
+    assert same_weights(*runs)
+
+
+class SkipsSome(Regression):
+    """Skips a batch now and then (`training_step` returns None), as Lightning allows."""
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx % 4 == 1 else super().training_step(batch, batch_idx)
+
+
+def test_a_skipped_micro_batch_is_skipped_in_the_check_too(tmp_path):
+    plain, plain_losses, _, _ = fit(tmp_path / "a", SkipsSome, max_epochs=1, accumulate_grad_batches=2)
+    check = Tf32Check(steps=2, levels=("highest", "high"))
+    checked, losses, _, _ = fit(tmp_path / "b", SkipsSome, callback=check, max_epochs=1, accumulate_grad_batches=2)
+    assert check.report.passed and check.report.steps == 2
+    assert same_weights(plain, checked) and losses == plain_losses
+    # a step all of whose batches are skipped has no loss to check: one line
+    with pytest.raises(Tf32LabError, match="returned None \\(a skipped step\\) for every batch of step 2"):
+        fit(tmp_path / "c", SkipsSome, callback=Tf32Check(steps=2), max_epochs=1, limit_train_batches=2)
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Rows with random noise drawn in the loader's workers, as a data augmentation draws."""
+
+    def __init__(self) -> None:
+        self.rows = data(32)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        x, y = self.rows[i]
+        return x + 0.1 * torch.rand(8), y
+
+
+def test_persistent_workers_keep_the_runs_iterator_and_their_random_streams(tmp_path):
+    runs = []
+    for callback in (None, Tf32Check(steps=2, levels=("highest",))):
+        torch.manual_seed(0)
+        module = Regression()
+        trainer = L.Trainer(callbacks=[callback] if callback else [], default_root_dir=tmp_path, logger=False,
+                            enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                            max_epochs=2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Lightning's advice on the number of workers
+            trainer.fit(module, DataLoader(Augmented(), batch_size=8, shuffle=True, num_workers=1,
+                                           persistent_workers=True))
+        runs.append(module)
+    assert same_weights(*runs)
+
+
 def test_mixed_precision_is_said_not_to_be_float32(tmp_path):
     check = Tf32Check(steps=2, levels=("highest", "high"))
     fit(tmp_path, callback=check, max_epochs=1, precision="bf16-mixed")
@@ -209,6 +324,11 @@ def test_bad_arguments_are_one_line():
         Tf32Check(steps=0)
     with pytest.raises(Tf32LabError, match="'fast'"):
         Tf32Check(levels=("fast",))
+    with pytest.raises(Tf32LabError, match="unknown target 'h999'"):
+        Tf32Check(target="h999")
+    with pytest.raises(Tf32LabError, match=r"tolerance is one number >= 0.*not 'x'"):
+        Tf32Check(tolerance="x")
+    assert Tf32Check(levels="high").levels == ("high",)
 
 
 def test_without_lightning_the_integration_names_its_extra_and_tf32lab_never_imports_it():

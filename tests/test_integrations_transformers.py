@@ -146,11 +146,40 @@ def test_mixed_precision_is_said_not_to_be_float32(tmp_path):
     assert any("bf16=True: autocast runs its matmuls in bfloat16" in note for note in check.report.notes)
 
 
+class Augmented(torch.utils.data.Dataset):
+    """Token rows shifted at random in the loader's workers, as a data augmentation draws."""
+
+    def __init__(self) -> None:
+        self.rows = tokens(16)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        ids = (self.rows[i]["input_ids"] + torch.randint(0, 3, ())) % 40
+        return {"input_ids": ids, "labels": ids}
+
+
+def test_persistent_workers_keep_the_runs_iterator_and_their_random_streams(tmp_path):
+    options = {"dataloader_num_workers": 1, "dataloader_persistent_workers": True}
+    plain, plain_losses, _, _ = train(tmp_path / "a", dataset=Augmented(), **options)
+    check = Tf32CheckCallback(steps=2, levels=("highest",))
+    checked, losses, _, _ = train(tmp_path / "b", dataset=Augmented(), callback=check, **options)
+    assert all(torch.equal(p, q) for p, q in zip(plain.state_dict().values(), checked.state_dict().values()))
+    assert losses == plain_losses
+
+
 def test_bad_arguments_are_one_line():
     with pytest.raises(Tf32LabError, match="on_fail must be 'raise' or 'warn', not 'ignore'"):
         Tf32CheckCallback(on_fail="ignore")
     with pytest.raises(Tf32LabError, match="steps must be a whole number >= 1, not -1"):
         Tf32CheckCallback(steps=-1)
+    # refused when the callback is made, not when training starts (after the model and data are loaded)
+    with pytest.raises(Tf32LabError, match="unknown target 'h999'"):
+        Tf32CheckCallback(target="h999")
+    with pytest.raises(Tf32LabError, match=r"tolerance is one number >= 0.*not -1"):
+        Tf32CheckCallback(tolerance=-1)
+    assert Tf32CheckCallback(levels="high").levels == ("high",)  # one level named alone, not its letters
 
 
 def test_without_transformers_the_integration_names_its_extra():

@@ -41,7 +41,9 @@ import torch
 
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import LEVELS
-from tf32lab.measure.training import check_training
+from tf32lab.know.targets import NATIVE, Target
+from tf32lab.machine.hardware import resolve_target
+from tf32lab.measure.training import check_training, training_tolerance
 from tf32lab.report.training import TrainingReport
 from tf32lab.workloads.training import TrainingWorkload
 
@@ -85,8 +87,10 @@ class StepCall:
             return self.loss(model, micro, self.step)
 
 
-def stepping_copy(module: torch.nn.Module, memo: Optional[dict[int, Any]] = None) -> torch.nn.Module:
-    """A copy of ``module`` whose class is the module's own with one more call, ``model(StepCall, micro)``."""
+def stepping_copy(module: torch.nn.Module, memo: Optional[dict[int, Any]] = None,
+                  members: Optional[Mapping[str, Any]] = None) -> torch.nn.Module:
+    """A copy of ``module`` whose class is the module's own with one more call, ``model(StepCall, micro)``, and
+    ``members`` (class attributes: they outlive the check's own copies of it, which instance attributes may not)."""
     base = type(module)
 
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -94,8 +98,8 @@ def stepping_copy(module: torch.nn.Module, memo: Optional[dict[int, Any]] = None
             return args[0].run(self, args[1])
         return base.forward(self, *args, **kwargs)
 
-    stepping = type(base.__name__, (base,), {"forward": forward, "__qualname__": base.__qualname__,
-                                             "__module__": base.__module__})
+    stepping = type(base.__name__, (base,), {**(members or {}), "forward": forward,
+                                             "__qualname__": base.__qualname__, "__module__": base.__module__})
     with torch.no_grad():
         made = copy.deepcopy(module, memo if memo is not None else {})
     made.__class__ = stepping
@@ -190,11 +194,24 @@ def quiet() -> Iterator[None]:
 
 
 # -- the run's first batches, read again --------------------------------------------------------------------------
+def loaders(loader: Any) -> list[Any]:
+    """The dataloaders in ``loader``: itself, or each one of a collection of them (Lightning's several train
+    dataloaders, a dict or a list, which its ``CombinedLoader`` reads together)."""
+    if isinstance(loader, Mapping):
+        return [one for value in loader.values() for one in loaders(value)]
+    if isinstance(loader, (list, tuple)):
+        return [one for value in loader for one in loaders(value)]
+    return [loader]
+
+
 def _generators(loader: Any) -> list[torch.Generator]:
-    """Every torch generator a dataloader's sampling draws from (its own, its sampler's, its batch sampler's)."""
-    found = []
-    for owner in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
-                  getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+    """Every torch generator a dataloader's sampling draws from (its own, its sampler's, its batch sampler's), of
+    each dataloader in a collection of them."""
+    found: list[torch.Generator] = []
+    owners = [owner for one in loaders(loader) for owner in (
+        one, getattr(one, "sampler", None), getattr(one, "batch_sampler", None),
+        getattr(getattr(one, "batch_sampler", None), "sampler", None))]
+    for owner in owners:
         generator = getattr(owner, "generator", None)
         if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
             found.append(generator)
@@ -206,17 +223,41 @@ def loader_kept(loader: Any) -> Iterator[None]:
     """The dataloader's own generators as they were on exit (the process's random streams are kept apart)."""
     generators = _generators(loader)
     states = [g.get_state() for g in generators]
+    # a loader with persistent workers keeps one iterator (and its workers' random streams, which a dataset's
+    # augmentation draws from) for every pass, the run's already made when training starts: the check's pass gets
+    # its own, ended here, and the run's goes on untouched (a pass over the loader would reset it)
+    persistent = [one for one in {id(o): o for o in _with_bases(loader)}.values()
+                  if getattr(one, "persistent_workers", False) and getattr(one, "num_workers", 0) > 0
+                  and hasattr(one, "_iterator")]
+    iterators = [one._iterator for one in persistent]
     try:
+        for one in persistent:
+            one._iterator = None
         yield
     finally:
         for generator, state in zip(generators, states):
             generator.set_state(state)
+        for one, iterator in zip(persistent, iterators):
+            made, one._iterator = one._iterator, iterator
+            if made is not None and made is not iterator and hasattr(made, "_shutdown_workers"):
+                made._shutdown_workers()
+
+
+def _with_bases(loader: Any) -> list[Any]:
+    """The dataloaders in ``loader`` and the ones they wrap (accelerate's ``base_dataloader``)."""
+    found = []
+    for one in loaders(loader):
+        found.append(one)
+        if getattr(one, "base_dataloader", None) is not None:
+            found.append(one.base_dataloader)
+    return found
 
 
 def first_batches(loader: Any, count: int, move: Callable[[Any], Any], iterate: Callable[[Any], Iterator[Any]] = iter
                   ) -> list[Any]:
     """The first ``count`` batches of a fresh pass over ``loader`` (each through ``move``), the loader's
     generators put back afterwards; fewer when it has fewer."""
+    _read_again(loader)
     found: list[Any] = []
     with loader_kept(loader):
         batches = iterate(loader)
@@ -228,6 +269,25 @@ def first_batches(loader: Any, count: int, move: Callable[[Any], Any], iterate: 
         finally:
             del batches  # a multi-process loader's workers end here
     return found
+
+
+def _read_again(loader: Any) -> None:
+    """Refused (one line, nothing read) where the loader's stream cannot be read again: an ``IterableDataset``
+    whose ``iter`` hands out the same iterator every time would lose the batches the check reads."""
+    for one in loaders(loader):
+        _one_read_again(one)
+
+
+def _one_read_again(loader: Any) -> None:
+    dataset = getattr(getattr(loader, "base_dataloader", loader), "dataset", None)
+    if not isinstance(dataset, torch.utils.data.IterableDataset):
+        return
+    first, second = iter(dataset), iter(dataset)  # a generator's body has not run yet: nothing is drawn
+    if first is second:
+        raise Tf32LabError(f"the train dataloader's {type(dataset).__name__} hands out one shared iterator (its "
+                           f"__iter__ returns the same object each time): the batches the check read would be "
+                           f"gone from the run; make __iter__ return a fresh iterator (a generator), or leave the "
+                           f"check out")
 
 
 def _plain(batch: Any) -> Any:
@@ -308,4 +368,21 @@ def _verdict_line(report: TrainingReport, failed: Any) -> str:
 
 
 def default_levels(levels: Optional[Iterable[str]]) -> tuple[str, ...]:
+    if isinstance(levels, str):  # one level named alone ("high"), not its letters
+        return (levels,)
     return tuple(LEVELS) if levels is None else tuple(levels)
+
+
+def check_target(target: Any) -> Any:
+    """``target`` as given, refused at once (one line) where it names no target: not when training starts, after
+    the run has loaded its model and data. ``"native"`` is resolved when the check runs, on the run's machine."""
+    if isinstance(target, str) and target != NATIVE:
+        resolve_target(target)
+    elif not isinstance(target, (str, Target)):
+        raise Tf32LabError(f"target must be a target's name or a Target, not {target!r}")
+    return target
+
+
+def check_tolerance(tolerance: Optional[float]) -> Optional[float]:
+    """``tolerance`` as given (None: the training check's default), refused at once where it is no number >= 0."""
+    return None if tolerance is None else training_tolerance(tolerance)

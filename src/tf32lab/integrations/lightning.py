@@ -82,9 +82,9 @@ class Tf32Check(L.Callback):
     def __init__(self, target: Union[str, Target] = "a100", steps: int = 20, levels: Optional[Iterable[str]] = None,
                  tolerance: Optional[float] = None, on_fail: str = "warn") -> None:
         super().__init__()
-        self.target, self.steps = target, check_steps(steps)
+        self.target, self.steps = _loop.check_target(target), check_steps(steps)
         self.levels = check_levels(_loop.default_levels(levels))
-        self.tolerance, self.on_fail = tolerance, _loop.check_on_fail(on_fail)
+        self.tolerance, self.on_fail = _loop.check_tolerance(tolerance), _loop.check_on_fail(on_fail)
         self.report: Optional[TrainingReport] = None
         self.passed: Optional[bool] = None
 
@@ -136,7 +136,8 @@ class Tf32Check(L.Callback):
             raise Tf32LabError("Tf32Check: the trainer has no train dataloader at on_train_start")
         device = module.device
         batches = _loop.first_batches(loader, self.steps * accumulate,
-                                      lambda b: L.utilities.move_data_to_device(b, device))
+                                      lambda b: L.utilities.move_data_to_device(b, device),
+                                      iterate=lambda one: _combined(trainer, one))
         steps = _loop.grouped(batches, accumulate, self.steps)
         if not steps:
             raise Tf32LabError(f"Tf32Check: the train dataloader has {len(batches)} batches, fewer than one "
@@ -200,20 +201,49 @@ class Tf32Check(L.Callback):
                 # the step is done: what the check backpropagates reaches no parameter
                 return value.detach().reshape(()) + torch.zeros((), dtype=value.dtype, device=value.device,
                                                                 requires_grad=True)
-            if value is None:
-                raise Tf32LabError("Tf32Check: training_step returned None (a skipped step) on one of the first "
-                                   "batches: the check needs a loss at every step")
             return value
 
         def loss(model: Any, micro: list[Any], step: int) -> torch.Tensor:
-            # Lightning backpropagates each micro-batch's loss over accumulate_grad_batches: their mean's gradient
+            # Lightning backpropagates each micro-batch's loss over accumulate_grad_batches (their mean's gradient);
+            # a micro-batch whose training_step returned None is skipped, backpropagating nothing
             values = [one(model, batch, step * len(micro) + i) for i, batch in enumerate(micro)]
-            return values[0] if len(values) == 1 else torch.stack(values).mean()
+            kept = [v for v in values if v is not None]
+            if not kept:
+                raise Tf32LabError(f"Tf32Check: training_step returned None (a skipped step) for every batch of "
+                                   f"step {step + 1}: the check needs a loss at each of its steps")
+            return values[0] if len(values) == 1 else torch.stack(kept).sum() / len(values)
 
         around = (lambda model: _manual(model, bundle_of(model), recorded)) if manual else None
-        model = _loop.stepping_copy(module)
+        model = _loop.stepping_copy(module, members=_outside_the_run(trainer))
         return _loop.run_check(model, type(module).__name__, steps, loss, optimizer, levels=self.levels,
                                target=self.target, tolerance=self.tolerance, around=around, notes=notes)
+
+
+def _combined(trainer: Any, loader: Any) -> Iterator[Any]:
+    """The run's batches as its fit loop reads them: several train dataloaders (a dict or a list of them) together,
+    as Lightning's ``CombinedLoader`` does in the run's mode; one dataloader, itself."""
+    if not isinstance(loader, (Mapping, list, tuple)):
+        return iter(loader)
+    mode = getattr(getattr(trainer.fit_loop, "_combined_loader", None), "_mode", "max_size_cycle")
+    return (batch for batch, *_ in L.utilities.CombinedLoader(loader, mode))
+
+
+def _outside_the_run(trainer: Any) -> dict[str, Any]:
+    """What a row's copy answers where its ``training_step`` reaches for its trainer: ``self.trainer`` the run's
+    (a copy is attached to none: Lightning drops ``_trainer`` on every copy, and ``self.trainer`` would raise), read
+    only; ``self.log`` and ``self.log_dict`` nothing, as on a module without a trainer (the run's logged metrics
+    and their steps stay its own)."""
+
+    def attached(self: Any) -> Any:
+        return trainer
+
+    def unattached(self: Any, value: Any) -> None:
+        self._trainer = value
+
+    def unlogged(self: Any, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    return {"trainer": property(attached, unattached), "log": unlogged, "log_dict": unlogged}
 
 
 def _takes_index(module: Any) -> bool:

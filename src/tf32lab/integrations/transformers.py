@@ -83,9 +83,10 @@ class Tf32CheckCallback(transformers.TrainerCallback):
 
     def __init__(self, target: Union[str, Target] = "a100", steps: int = 20, levels: Optional[Iterable[str]] = None,
                  tolerance: Optional[float] = None, on_fail: str = "warn", trainer: Any = None) -> None:
-        self.target, self.steps = target, check_steps(steps)
+        self.target, self.steps = _loop.check_target(target), check_steps(steps)
         self.levels = check_levels(_loop.default_levels(levels))
-        self.tolerance, self.on_fail, self.trainer = tolerance, _loop.check_on_fail(on_fail), trainer
+        self.tolerance, self.on_fail = _loop.check_tolerance(tolerance), _loop.check_on_fail(on_fail)
+        self.trainer = trainer
         self.report: Optional[TrainingReport] = None
         self.passed: Optional[bool] = None
 
