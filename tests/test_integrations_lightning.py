@@ -228,7 +228,8 @@ def test_a_stream_that_cannot_be_read_again_is_refused_before_a_batch_is_consume
             raise Tf32LabError("stopped where the check would run")
 
     left = []
-    for callback, match in ((Stop(), "stopped"), (Tf32Check(steps=2), "hands out one shared iterator")):
+    check = Tf32Check(steps=2, on_fail="raise")  # "warn": a warning, and the run reads the stream itself
+    for callback, match in ((Stop(), "stopped"), (check, "hands out one shared iterator")):
         stream = OneShot()
         trainer = L.Trainer(callbacks=[callback], default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
                             enable_checkpointing=False, enable_model_summary=False, max_epochs=1)
@@ -276,9 +277,18 @@ def test_a_skipped_micro_batch_is_skipped_in_the_check_too(tmp_path):
     checked, losses, _, _ = fit(tmp_path / "b", SkipsSome, callback=check, max_epochs=1, accumulate_grad_batches=2)
     assert check.report.passed and check.report.steps == 2
     assert same_weights(plain, checked) and losses == plain_losses
-    # a step all of whose batches are skipped has no loss to check: one line
+    # a step all of whose batches are skipped has no loss to check: one line; with on_fail="warn" (the default) a
+    # warning, and the run trains on untouched (the callback is advice), with "raise" the run stops
+    alone, alone_losses, _, _ = fit(tmp_path / "c", SkipsSome, max_epochs=1, limit_train_batches=2)
+    warned, warned_losses, _, trainer = fit(tmp_path / "d", SkipsSome, callback=Tf32Check(steps=2), max_epochs=1,
+                                            limit_train_batches=2)
+    assert [w for w in trainer.warned if "could not run" in w] == [
+        "tf32lab training check could not run: Tf32LabError: Tf32Check: training_step returned None (a skipped step) "
+        "for every batch of step 2: the check needs a loss at each of its steps; the run goes on without a verdict"]
+    assert same_weights(alone, warned) and warned_losses == alone_losses
     with pytest.raises(Tf32LabError, match="returned None \\(a skipped step\\) for every batch of step 2"):
-        fit(tmp_path / "c", SkipsSome, callback=Tf32Check(steps=2), max_epochs=1, limit_train_batches=2)
+        fit(tmp_path / "e", SkipsSome, callback=Tf32Check(steps=2, on_fail="raise"), max_epochs=1,
+            limit_train_batches=2)
 
 
 class Augmented(torch.utils.data.Dataset):

@@ -363,6 +363,16 @@ def said(report: TrainingReport, on_fail: str, advice: Sequence[str] = ()) -> No
     warnings.warn(message, stacklevel=3)
 
 
+def not_run(where: str, error: str, on_fail: str) -> None:
+    """A check that could not run: ``on_fail="raise"`` raises; ``"warn"`` logs and warns, and the run trains on
+    without a verdict (the callback is advice: its own failure does not end the user's run)."""
+    message = f"tf32lab training check{where} could not run: {error}"
+    if on_fail == "raise":
+        raise Tf32LabError(message)
+    LOG.warning("%s; the run goes on without a verdict", message)
+    warnings.warn(f"{message}; the run goes on without a verdict", stacklevel=3)
+
+
 def _verdict_line(report: TrainingReport, failed: Any) -> str:
     return next(line for line in report.verdicts() if f"level {failed.level!r}" in line)
 

@@ -106,15 +106,16 @@ class Tf32CheckCallback(transformers.TrainerCallback):
                 self.report = self._check(args, trainer, **hooked)
                 self.passed = self.report.passed
             except Exception as exc:
-                if not distributed:
+                if not distributed and self.on_fail == "raise":
                     raise
                 error = f"{type(exc).__name__}: {exc}"
         if distributed:  # every process waits for process zero's verdict, and ends (or raises) with it
             shared = [(self.passed, error)]
             torch.distributed.broadcast_object_list(shared, src=0)
             self.passed, error = shared[0]
-            if error is not None:
-                raise Tf32LabError(f"tf32lab training check on process zero: {error}")
+        if error is not None:
+            _loop.not_run(" on process zero" if distributed else "", error, self.on_fail)
+            return
         if self.report is None:
             if not self.passed and self.on_fail == "raise":
                 raise Tf32LabError("tf32lab training check FAILED on process zero (its log has the report)")
