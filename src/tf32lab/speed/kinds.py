@@ -30,12 +30,11 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 from tf32lab.know import peaks
 
-if TYPE_CHECKING:
-    from tf32lab.speed.counting import OpCost
+OpCost = Any  # counting.OpCost, named without importing it: counting imports this module
 
 __all__ = ["CONV_KINDS", "KINDS", "MEMORY_KINDS", "TIME_BAND", "conv_kind", "gain_band", "kind_of"]
 
