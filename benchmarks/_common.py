@@ -22,9 +22,20 @@ def interleaved(variants: dict[str, Callable[[], object]], *, rounds: int, numbe
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def header(title: str) -> None:
-    print(f"{title}\ntorch {torch.__version__}; timed on one thread (torch.utils.benchmark's Timer), "
-          f"{torch.get_num_threads()} on the machine")
+TIMER = "timer"  # interleaved(): torch.utils.benchmark's Timer, one torch thread
+WALL = "wall"  # time.perf_counter around whole runs, on torch's threads as the process has them
+PROCESSES = "processes"  # time.perf_counter around fresh child processes (start-up included)
+
+
+def header(title: str, timed: str = TIMER) -> None:
+    """The title, torch's version and how the script times: ``TIMER``, ``WALL`` or ``PROCESSES``."""
+    threads = torch.get_num_threads()
+    how = {TIMER: f"timed on one thread (torch.utils.benchmark's Timer), {threads} on the machine",
+           WALL: f"timed by the wall clock (time.perf_counter) on torch's {threads} threads",
+           PROCESSES: "timed by the wall clock (time.perf_counter) around fresh child processes"}
+    if timed not in how:
+        raise ValueError(f"timed {timed!r}: one of {', '.join(how)}")
+    print(f"{title}\ntorch {torch.__version__}; {how[timed]}")
 
 
 def with_policies(model, step: Callable[[], object], policies: dict, rounds: int) -> dict[str, float]:

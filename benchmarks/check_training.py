@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import header
+from _common import WALL, header
 
 import tf32lab
 
@@ -80,7 +80,7 @@ def main() -> int:
         _child(args.child, args.steps)
         return 0
     header(f"the training check of examples/value_head ({args.steps} steps, highest and high on a100) as a multiple "
-           f"of {args.steps} native float32 training steps")
+           f"of {args.steps} native float32 training steps", WALL)
     workload = train.workload(args.steps)
     native(workload, 2)  # warm up both
     check(workload, 2)

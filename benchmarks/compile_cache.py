@@ -19,7 +19,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from _common import header
+from _common import PROCESSES, header
 
 ROUNDS = 2
 CHILD = textwrap.dedent("""
@@ -44,7 +44,7 @@ def run(folder: Path, save: bool) -> float:
 
 
 def main() -> None:
-    header("compile cache: a fresh process's first compiled call, cold vs warm")
+    header("compile cache: a fresh process's first compiled call, cold vs warm", PROCESSES)
     times: dict[str, list[float]] = {"cold (compile, save)": [], "warm folder": [], "Mega-Cache only": []}
     for _ in range(ROUNDS):
         with tempfile.TemporaryDirectory() as tmp:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import header
+from _common import WALL, header
 
 import tf32lab
 from tf32lab.workloads import hf, samples
@@ -116,7 +116,7 @@ def main() -> int:
         prompts = list(samples.SENTENCES[:args.prompts])
         header(f"the generation check of a GPT-2 (4 layers, width 256; {args.tokens} tokens x {args.prompts} prompts, "
                f"levels {', '.join(LEVELS)} on a100) as a multiple of native greedy decoding of the same tokens, "
-               f"once per level")
+               f"once per level", WALL)
         rows = rows_native(check(lm, prompts, 2))  # warm up both
         native(lm, prompts, 2, 1)
         times: dict[str, list[float]] = {"native": [], "check": []}

@@ -101,6 +101,22 @@ def test_a_trained_decoder_leaves_float64s_tokens_at_high_and_not_earlier_at_hig
     assert Criterion.parse("perplexity<0.5", 32).passes(high)
 
 
+def test_no_forward_inherits_the_emulators_scratch_of_the_last(trained):
+    # each step reads a longer sequence: a size-pooled scratch kept from one forward is never taken again, and
+    # piled up, step after step, to the pool's cap (the check's peak memory three times native generation's)
+    from tf32lab.emulation import emulator
+
+    held: list[int] = []
+    hook = trained.register_forward_pre_hook(lambda module, args: held.append(emulator._SCRATCH.bytes))
+    try:
+        tf32lab.check_generation(trained, new_tokens=6, prompts=_prompts()[:2], levels=("high",))
+    finally:
+        hook.remove()
+    assert len(held) >= 2 * 6  # the float64 row's steps, then the emulated row's
+    assert max(held) == 0, held
+    assert emulator._SCRATCH.bytes == 0  # nor does the caller inherit the last row's
+
+
 def _gpt2(folder: Path) -> Path:
     """A tiny GPT-2 folder (random weights, scaled so that logits are far from ties) and a byte-level BPE
     tokenizer without a pad token, as GPT-2's ships."""

@@ -212,6 +212,10 @@ class _Decoder:
             if use_cache and cache is not None:
                 kwargs[self.cache_arg] = cache
             out = self.model(input_ids=ids, **kwargs)
+        # The emulator pools its scratch by size, and no two forwards of a row read sequences of one length
+        # (each step's is one longer; the teacher-forced forward's is the longest): what one forward leaves
+        # in the pool is never taken again, and would pile up to the pool's cap (256 MiB).
+        release_buffers()
         logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
         if logits is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
             logits = out[0]
@@ -374,9 +378,11 @@ class _Generation:
         try:
             with level_context(level, native, self.accumulation) as emu:
                 run = self._decode(self.ref_ids)
+            release_buffers()  # the rounded weights the block gave back: no later row or caller needs them
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # sys.exit() included: a row that raises is a finding
+            release_buffers()
             if isinstance(exc, Tf32LabError) and "not a causal language model" in str(exc):
                 raise
             bug = internal_error(exc, f"running model {self.decoder.name!r} at {level!r}")
