@@ -241,14 +241,9 @@ class GenerationReport(Document):
 
     def print(self, console: Any = None) -> None:
         """The tables, the verdict lines and the conclusion on ``console`` (default: stdout)."""
-        from rich.console import Console
+        from tf32lab.report.text import print_with_verdicts
 
-        from tf32lab.report.text import inert
-
-        console = console or Console(highlight=False)
-        console.print(self)
-        for line in [*self.verdicts(), "", *self.conclusion()]:
-            console.print(inert(line), soft_wrap=True, markup=False, emoji=False, highlight=False)
+        print_with_verdicts(self, console)
 
 
 def generation_schema() -> dict[str, Any]:

@@ -16,7 +16,8 @@ from tf32lab.numbers.metrics import OPERANDS
 from tf32lab.report.tables import Column, Fitted, short_name
 from tf32lab.report.wording import inert, tolerance_words
 
-__all__ = ["fmt", "footnoted", "inert", "notes", "ranked_layers", "renderables", "short_name", "times"]
+__all__ = ["fmt", "footnoted", "inert", "notes", "print_with_verdicts", "ranked_layers", "renderables", "short_name",
+           "times"]
 
 # A ``tf32lab.report.Report``: the package's own module calls this renderer (``Report.print()``), so it is
 # named, not imported, not even for type checking (tests/test_layers.py: no import circle, TYPE_CHECKING
@@ -212,3 +213,14 @@ def ranked_layers(report: Report) -> list[str]:
             value = -1.0 if math.isnan(layer.introduced) else layer.introduced
             worst[layer.name] = max(worst.get(layer.name, 0.0), value)
     return sorted(worst, key=lambda name: -worst[name])
+
+
+def print_with_verdicts(document: Any, console: Any = None) -> None:
+    """``document``'s tables (its ``__rich_console__``), then its verdict lines and conclusion, unwrapped, on
+    ``console`` (default: stdout): how the training and generation reports print."""
+    from rich.console import Console
+
+    console = console or Console(highlight=False)
+    console.print(document)
+    for line in [*document.verdicts(), "", *document.conclusion()]:
+        console.print(inert(line), soft_wrap=True, markup=False, emoji=False, highlight=False)

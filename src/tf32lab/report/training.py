@@ -202,14 +202,9 @@ class TrainingReport(Document):
 
     def print(self, console: Any = None) -> None:
         """The tables, the verdict lines and the conclusion on ``console`` (default: stdout)."""
-        from rich.console import Console
+        from tf32lab.report.text import print_with_verdicts
 
-        from tf32lab.report.text import inert
-
-        console = console or Console(highlight=False)
-        console.print(self)
-        for line in [*self.verdicts(), "", *self.conclusion()]:
-            console.print(inert(line), soft_wrap=True, markup=False, emoji=False, highlight=False)
+        print_with_verdicts(self, console)
 
 
 def training_schema() -> dict[str, Any]:
