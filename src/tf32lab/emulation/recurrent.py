@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from tf32lab.numbers import formats
 
-__all__ = ["Kit", "layers"]
+__all__ = ["Kit", "assembled", "layers"]
 
 _ROUND = {"tf32": formats.round_tf32, "bf16": formats.round_bf16}
 
@@ -132,6 +132,11 @@ def layers(mode: str, kit: Kit, x, hx, params, has_biases, num_layers, dropout, 
         layer_in = torch.cat(outs, -1) if dirs == 2 else outs[0]
         if dropout and train and layer < num_layers - 1:
             layer_in = F.dropout(layer_in, dropout, True)
+    return assembled(layer_in, hs, cs, lstm, unbatched, batch_first)
+
+
+def assembled(layer_in, hs, cs, lstm: bool, unbatched: bool, batch_first: bool):
+    """The last layer's output and each layer's final states, shaped as ``torch._VF.lstm`` / ``gru`` return them."""
     output, h_n = layer_in, torch.stack(hs)
     c_n = torch.stack(cs) if lstm else None
     if unbatched:

@@ -844,14 +844,7 @@ def run_rnn(mode: str, linear: Callable, x, hx, params, has_biases, num_layers, 
         layer_in = torch.cat(outs, -1) if dirs == 2 else outs[0]
         if dropout and train and layer < num_layers - 1:
             layer_in = F.dropout(layer_in, dropout, True)
-    output, h_n = layer_in, torch.stack(hs)
-    c_n = torch.stack(cs) if lstm else None
-    if unbatched:
-        output, h_n = output.squeeze(1), h_n.squeeze(1)
-        c_n = c_n.squeeze(1) if lstm else None
-    if batch_first:
-        output = output.transpose(0, 1)
-    return (output, h_n, c_n) if lstm else (output, h_n)
+    return recurrent.assembled(layer_in, hs, cs, lstm, unbatched, batch_first)
 
 
 def _is_packed(args) -> bool:
