@@ -75,7 +75,7 @@ from tf32lab.speed.prediction import SpeedReport, predict_counts, seconds_at
 from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.workload import Workload, eval_mode
 
-__all__ = ["PolicyRow", "Session", "alike_levels", "check", "policy_maths"]
+__all__ = ["PolicyRow", "Session", "alike_levels", "check", "policy_maths", "rows_of_alike"]
 
 REFERENCES = ("float64",)
 
@@ -460,6 +460,19 @@ def alike_levels(levels: tuple[str, ...], target: Target) -> dict[str, Optional[
         if found[level] is None:
             seen.append((level, level_maths))
     return found
+
+
+def rows_of_alike(levels: Iterable[str], alike: Mapping[str, Optional[str]], rows: dict[str, Any], floor: Any) -> None:
+    """Fill ``rows`` for the levels measured once for another (``alike``) and for `highest` (float32's ``floor``
+    row): a copy naming what it is the same as, taking no time of its own. For the training and generation checks,
+    whose rows are dataclasses with ``level``, ``same_as`` and ``seconds``."""
+    for level in levels:
+        same = alike[level]
+        if level == "highest" or same == "highest":
+            rows[level] = dataclasses.replace(floor, level=level, same_as=None if level == "highest" else "highest",
+                                              seconds=floor.seconds if level == "highest" else 0.0)
+        elif same is not None:
+            rows[level] = dataclasses.replace(rows[same], level=level, same_as=same, seconds=0.0)
 
 
 def _check_level(workload: Workload, level: str, target: Target, recorder: Recorder, ref_out: Any,

@@ -50,7 +50,7 @@ from tf32lab.know import optable
 from tf32lab.know.levels import LEVELS, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
-from tf32lab.measure.check import alike_levels, refuse_native_levels
+from tf32lab.measure.check import alike_levels, refuse_native_levels, rows_of_alike
 from tf32lab.measure.draws import Streams, cuda_devices
 from tf32lab.measure.layers import described, level_context, out_of_memory, state_kept
 from tf32lab.measure.reference import Float64Run
@@ -306,13 +306,7 @@ class _Generation:
                 rows[level] = self._row(level)
             bar.step(f"highest: float32's own, {self.n} tokens")
             floor = self._row("highest", label=FLOOR)
-        for level in self.levels:
-            same = alike[level]
-            if level == "highest" or same == "highest":
-                rows[level] = dataclasses.replace(floor, level=level, same_as=None if level == "highest" else
-                                                  "highest", seconds=floor.seconds if level == "highest" else 0.0)
-            elif same is not None:
-                rows[level] = dataclasses.replace(rows[same], level=level, same_as=same, seconds=0.0)
+        rows_of_alike(self.levels, alike, rows, floor)
         if not self.decoder.hf and self.use_cache:
             self.notes.append(f"model {self.decoder.name!r} takes no key/value cache: every step ran the whole "
                               f"sequence")

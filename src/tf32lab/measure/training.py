@@ -57,7 +57,7 @@ from tf32lab.know import optable
 from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
-from tf32lab.measure.check import ConvRun, PolicyRow, alike_levels, policy_maths, refuse_native_levels
+from tf32lab.measure.check import ConvRun, PolicyRow, alike_levels, policy_maths, refuse_native_levels, rows_of_alike
 from tf32lab.measure.draws import SameDraws, Streams, lazy_note, materialised, seeded
 from tf32lab.measure.layers import ROOT, described, out_of_memory
 from tf32lab.measure.reference import Float64Run, widen
@@ -549,13 +549,7 @@ class _Training:
                 bar.step(f"policy: {session.steps} steps")
                 policy = session.policy(self.row)
             floor = session.floor(bar)
-        for level in self.levels:
-            same = alike[level]
-            if level == "highest" or same == "highest":
-                rows[level] = dataclasses.replace(floor, level=level, same_as=None if level == "highest" else
-                                                  "highest", seconds=floor.seconds if level == "highest" else 0.0)
-            elif same is not None:
-                rows[level] = dataclasses.replace(rows[same], level=level, same_as=same, seconds=0.0)
+        rows_of_alike(self.levels, alike, rows, floor)
         results = [session.judged(rows[level]) for level in self.levels]
         if policy is not None:
             results.append(session.judged(policy))
