@@ -176,6 +176,7 @@ def test_two_threads_with_two_policies_do_not_cross():
     barrier = threading.Barrier(2)
 
     def work(model, policy, key):
+        torch.init_num_threads()  # the thread count the expectations were computed with (see _native)
         barrier.wait()
         with tf32lab.emulate("a100"), policy.applied(model):
             for _ in range(15):
@@ -205,6 +206,10 @@ def test_two_threads_with_two_policies_do_not_cross():
 
 
 def _native(model, policy, x, into):
+    # A new thread's first GEMM runs on MKL's default thread count, not torch.set_num_threads()'s (that reaches a
+    # thread at its first parallel_for, pytorch#37461): under xdist (1 thread a worker) another split of the sums
+    # than the main thread's expectation, and other bits. torch.init_num_threads() gives the thread the same count.
+    torch.init_num_threads()
     with policy.applied(model):
         for _ in range(15):
             into.append(_step(model, x))
