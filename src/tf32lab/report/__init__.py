@@ -25,8 +25,9 @@ from typing import Any, Optional, Union
 from tf32lab.numbers.files import finite, write_atomically, write_json
 from tf32lab.numbers.metrics import HISTOGRAM_EDGES, OutputError
 from tf32lab.report import terminal  # noqa: F401 (first: rich without drawing from the caller's random)
+from tf32lab.report.wording import one_line
 
-__all__ = ["SCHEMA_VERSION", "LayerError", "LevelResult", "Report", "schema"]
+__all__ = ["SCHEMA_VERSION", "Document", "LayerError", "LevelResult", "Report", "Rows", "schema"]
 
 SCHEMA_VERSION = 3
 
@@ -106,8 +107,44 @@ class Document:
         return write_atomically(path, self.to_html())
 
 
+class Rows(Document):
+    """A document of one row per level (and perhaps a policy row): check's :class:`Report`, the training and the
+    generation reports. ``bool(doc)`` is the verdict: the policy row's when there is one (the levels beside it are
+    context), else every level's; ``str(doc)`` is its verdict lines."""
+
+    levels: tuple[Any, ...]
+
+    @property
+    def policy_row(self) -> Any:
+        """The row of ``check(policy=...)`` / ``check_training(policy=...)``, or ``None``."""
+        return next((lv for lv in self.levels if getattr(lv, "policy", None) is not None), None)
+
+    @property
+    def passed(self) -> bool:
+        row = self.policy_row
+        if row is not None:
+            return row.passed
+        return all(lv.passed for lv in self.levels)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def level(self, name: str) -> Any:
+        """The row of level ``name``; ``KeyError`` naming the levels checked otherwise."""
+        for result in self.levels:
+            if result.level == name:
+                return result
+        raise KeyError(f"level {name!r} was not checked; checked: {', '.join(lv.level for lv in self.levels)}")
+
+    def verdicts(self) -> list[str]:
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return "\n".join(self.verdicts())
+
+
 @dataclass(frozen=True)
-class Report(Document):
+class Report(Rows):
     """The result of :func:`tf32lab.check`. ``bool(report)`` is the verdict: every level within tolerance; with a
     policy row (``check(policy=...)``), the policy's own verdict, the levels beside it being context (a tuned
     policy gates CI while `high` everywhere fails)."""
@@ -124,36 +161,15 @@ class Report(Document):
     # the convolutions and RNNs it ran, whose math cuDNN's flag sets, not the level (tf32lab.report.cudnn)
     cudnn: tuple[Any, ...] = ()
 
-    @property
-    def passed(self) -> bool:
-        row = self.policy_row
-        if row is not None:
-            return row.passed
-        return all(level.passed for level in self.levels)
-
-    def __bool__(self) -> bool:
-        return self.passed
-
-    def level(self, name: str) -> LevelResult:
-        for result in self.levels:
-            if result.level == name:
-                return result
-        raise KeyError(f"level {name!r} was not checked; checked: {', '.join(lv.level for lv in self.levels)}")
-
     def verdicts(self) -> list[str]:
         """Lines to grep, one per level and output: ``PASSED | level 'high' | output 'x' | normwise … <= …``;
         a level at which the model raised gets one: ``FAILED | level 'high' | raised NotPSDError: …``."""
         lines = []
         for lv in self.levels:
             if lv.error is not None:
-                lines.append(f"FAILED | level {lv.level!r} | raised {_one_line(lv.error)}")
+                lines.append(f"FAILED | level {lv.level!r} | raised {one_line(lv.error)}")
             lines += [o.verdict(lv.level) for o in lv.outputs]
         return lines
-
-    @property
-    def policy_row(self) -> Optional[LevelResult]:
-        """The row of the policy given to check, if one was."""
-        return next((lv for lv in self.levels if lv.policy is not None), None)
 
     def conclusion(self, policy_file: Optional[str] = None) -> list[str]:
         """What the result means and what to do, in plain sentences (``tf32lab.report.conclusion``); with a
@@ -161,9 +177,6 @@ class Report(Document):
         from tf32lab.report.conclusion import conclusion
 
         return conclusion(self, policy_file)
-
-    def __str__(self) -> str:
-        return "\n".join(self.verdicts())
 
     # -- renderings ---------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -239,11 +252,6 @@ class Report(Document):
 def schema() -> dict[str, Any]:
     """The JSON Schema of :meth:`Report.to_dict` (``schema.json`` beside this module)."""
     return json.loads((Path(__file__).with_name("schema.json")).read_text(encoding="utf-8"))
-
-
-def _one_line(text: str) -> str:
-    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
-    return lines[0] + (" …" if len(lines) > 1 else "") if lines else ""
 
 
 def _ratio(value: float, tolerance: float) -> float:

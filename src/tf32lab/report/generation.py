@@ -35,7 +35,8 @@ from typing import Any, Optional
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.targets import NATIVE
 from tf32lab.numbers.files import finite
-from tf32lab.report import Document
+from tf32lab.report import Rows
+from tf32lab.report.wording import one_line
 
 __all__ = ["FLOOR", "GENERATION_SCHEMA_VERSION", "Criterion", "GenerationLevel", "GenerationReport",
            "generation_schema", "median_divergence"]
@@ -156,7 +157,7 @@ class GenerationLevel:
 
 
 @dataclass(frozen=True)
-class GenerationReport(Document):
+class GenerationReport(Rows):
     """The result of :func:`tf32lab.check_generation`; ``bool(report)`` is the verdict: every level passes the
     criterion."""
 
@@ -174,19 +175,6 @@ class GenerationReport(Document):
     seconds: float
     notes: tuple[str, ...] = ()
 
-    @property
-    def passed(self) -> bool:
-        return all(lv.passed for lv in self.levels)
-
-    def __bool__(self) -> bool:
-        return self.passed
-
-    def level(self, name: str) -> GenerationLevel:
-        for result in self.levels:
-            if result.level == name:
-                return result
-        raise KeyError(f"level {name!r} was not checked; checked: {', '.join(lv.level for lv in self.levels)}")
-
     def verdicts(self) -> list[str]:
         """One line per level to grep: ``PASSED | level 'high' | generation 32 tokens x 8 prompts | ...``."""
         return [_verdict(lv, self) for lv in self.levels]
@@ -194,9 +182,6 @@ class GenerationReport(Document):
     def conclusion(self) -> list[str]:
         """What the result means, in the criterion's terms."""
         return conclusion(self)
-
-    def __str__(self) -> str:
-        return "\n".join(self.verdicts())
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data, as in ``docs/report-schema.md`` ("The generation report")."""
@@ -274,8 +259,7 @@ def _verdict(lv: GenerationLevel, report: GenerationReport) -> str:
 
 
 def _one_line(text: str) -> str:
-    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
-    return (lines[0] + (" …" if len(lines) > 1 else "") if lines else "").rstrip(".")
+    return one_line(text).rstrip(".")
 
 
 def _called(lv: GenerationLevel) -> str:

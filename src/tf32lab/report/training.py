@@ -32,9 +32,9 @@ from typing import Any, Optional
 
 from tf32lab.know.targets import NATIVE
 from tf32lab.numbers.files import finite
-from tf32lab.report import Document
+from tf32lab.report import Rows
 from tf32lab.report.conclusion import WORTH
-from tf32lab.report.wording import given
+from tf32lab.report.wording import given, one_line
 
 __all__ = ["FLOOR_MULTIPLE", "TRAINING_SCHEMA_VERSION", "BackwardLayer", "ParameterError", "TrainingLevel",
            "TrainingReport", "faster", "training_schema"]
@@ -113,7 +113,7 @@ class TrainingLevel:
 
 
 @dataclass(frozen=True)
-class TrainingReport(Document):
+class TrainingReport(Rows):
     """The result of :func:`tf32lab.check_training`; ``bool(report)`` is the verdict (with a policy row, the
     policy's, the levels being context)."""
 
@@ -128,26 +128,6 @@ class TrainingReport(Document):
     seconds: float
     notes: tuple[str, ...] = ()
 
-    @property
-    def passed(self) -> bool:
-        row = self.policy_row
-        if row is not None:
-            return row.passed
-        return all(lv.passed for lv in self.levels)
-
-    def __bool__(self) -> bool:
-        return self.passed
-
-    @property
-    def policy_row(self) -> Optional[TrainingLevel]:
-        return next((lv for lv in self.levels if lv.policy is not None), None)
-
-    def level(self, name: str) -> TrainingLevel:
-        for result in self.levels:
-            if result.level == name:
-                return result
-        raise KeyError(f"level {name!r} was not checked; checked: {', '.join(lv.level for lv in self.levels)}")
-
     def verdicts(self) -> list[str]:
         """One line per row to grep: ``PASSED | level 'high' | training 50 steps | ...``."""
         return [_verdict(lv, self) for lv in self.levels]
@@ -155,9 +135,6 @@ class TrainingReport(Document):
     def conclusion(self) -> list[str]:
         """What the result means and what to do, in plain sentences."""
         return conclusion(self)
-
-    def __str__(self) -> str:
-        return "\n".join(self.verdicts())
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data, as in ``docs/report-schema.md`` ("The training report")."""
@@ -248,8 +225,7 @@ def _times(multiple: float) -> str:
 
 
 def _one_line(text: str) -> str:
-    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
-    return (lines[0] + (" …" if len(lines) > 1 else "") if lines else "").rstrip(".")
+    return one_line(text).rstrip(".")
 
 
 def _called(lv: TrainingLevel) -> str:

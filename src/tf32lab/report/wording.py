@@ -8,10 +8,22 @@ import re
 
 from tf32lab.numbers.metrics import DEFAULT_TOLERANCE
 
-__all__ = ["given", "inert", "tolerance_words"]
+__all__ = ["given", "inert", "one_line", "tolerance_words"]
 
 # C0 controls but tab and newline, DEL, C1 controls, lone surrogates (which no terminal encoding can write)
 _NOT_INERT = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def one_line(text: object) -> str:
+    """The first non-blank line of ``text``, with `` …`` when more follow: an exception's message in a verdict line.
+
+    Example:
+
+        >>> one_line("NotPSDError: not positive definite\\n  at step 3")
+        'NotPSDError: not positive definite …'
+    """
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    return lines[0] + (" …" if len(lines) > 1 else "") if lines else ""
 
 
 def inert(text: object) -> str:
