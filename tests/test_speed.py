@@ -329,6 +329,19 @@ def test_every_role_and_kind_of_a_published_row_is_known_and_sourced():
     assert {r.role for r in published.ROWS if r.kind == "gemm"} == {"fit", "held-out"}
 
 
+def test_whole_model_rows_are_held_out_and_their_speedup_is_the_throughputs_their_note_quotes():
+    import re
+
+    from tf32lab.speed import published
+
+    whole = [row for row in published.ROWS if row.kind == "training"]
+    assert len({row.label.split()[0] for row in whole}) >= 2 and {r.role for r in whole} == {"held-out"}
+    for row in whole:
+        assert re.match(r"[\w.-]+/[\w.-]+#\d+ \(", row.source), row.source  # an issue or PR a reader can open
+        fp32, tf32 = (float(v) for v in re.match(r"([\d.]+) -> ([\d.]+) samples/s", row.note).groups())
+        assert row.speedup == pytest.approx(tf32 / fp32, rel=1e-3)
+
+
 def test_a_prediction_carries_a_band_around_it_and_none_where_nothing_changes():
     report = predict_counts(_mm(4096, 4096, 4096), "mm", known_targets.get("a100"))
     high = report.level("high")

@@ -54,6 +54,9 @@ _KERNELBENCH = ("BytedTsinghua-SIA/CUDA-Agent#16 (A100, torch 2.12, KernelBench 
                 "shapes from ScalingIntelligence/KernelBench)")
 _HF_T5 = ("huggingface/transformers#15026 (A100, HF Trainer, t5-base on wmt16 en-ro, batch 16, samples/s with "
           "--tf32 0 / 1)")
+_HF_T5_3090 = ("huggingface/transformers#14608 (description: 1x RTX-3090, pt-1.10, cuda-11.3, HF Trainer, t5-small on "
+               "wmt16 en-ro, --per_device_train_batch_size 32, --max_source_length 512 --max_target_length 512; "
+               "samples/s with --tf32 0 / 1)")
 _H100 = ("this project, docs/gpu-results.md, 2026-11-25 (NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, bench medians; "
          "bench's own cost, 51.8 µs per call, measured there, is added to the predictions)")
 _BENCH_CALL = 51.8e-6
@@ -110,4 +113,7 @@ ROWS: tuple[Published, ...] = (
               236.39 / 97.48, _HF_T5, (16, 2),
               note="97.48 -> 236.39 samples/s (--gradient_accumulation_steps 2); two forward and backward passes "
                    "per AdamW update"),
+    # -- RTX 3090: a training step (a GeForce card: its TF32 dense peak is its FP32 peak, GA102 whitepaper) --------
+    Published("t5-small training step, batch 32", "training", "rtx3090", "held-out", 300 / 252, _HF_T5_3090, (32,),
+              note="252 -> 300 samples/s; sequence lengths padded per batch (wmt16 en-ro), taken as 128 tokens"),
 )
