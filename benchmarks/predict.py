@@ -3,7 +3,7 @@
 Without a GPU:
 1. every published pair of `tf32lab.speed.published.ROWS` (A100 GEMMs, convolutions, memory-bound ops, T5
    training steps on an A100 and an RTX 3090; this project's H100 and H200 GEMMs) against the prediction: the
-   speedup, published and predicted, their ratio, the rows' role (fit / held-out). Goals (issue 26): median
+   speedup, published and predicted, their ratio, the rows' role (fit / held-out). Goals: median
    |predicted / published - 1| <= 10% over the GEMM rows, every held-out GEMM row within +-15%, memory-bound rows
    <= 1.05x, the t5-base training row within +-30%; the convolutions inside their band. The fit of
    `tf32lab.know.peaks.GEMM_FITS` is recomputed and compared; then the held-out whole-model rows, each with its
@@ -113,7 +113,7 @@ def _t5_step(name: str, batch: int, accumulation: int, target) -> tuple[float, O
 
 
 def published_rows() -> bool:
-    """Every published pair against the model; the acceptance figures of issue 26."""
+    """Every published pair against the model; the goals the model is held to."""
     fitted = calibration.fit()
     def shown(fits):  # to the precision the constants are written in
         return {t: {k: (round(f.efficiency, 2), round(f.wave_seconds * 1e6, 1)) for k, f in kinds.items()}
@@ -167,7 +167,7 @@ def _verdict(ok: bool, text: str) -> bool:
 
 
 def whole_models(rows) -> bool:
-    """The held-out published whole-model rows (FP32 vs TF32, same batch): each, then the goals of issue 41."""
+    """The held-out published whole-model rows (FP32 vs TF32, same batch): each, then their goals."""
     print("\nheld-out whole-model rows (published FP32 vs TF32 throughput, same batch):")
     print(f"{'source':<34} {'GPU':<7} {'workload':<56} {'published':>9} {'predicted':>9} {'likely':>12}")
     off, inside = [], 0
@@ -329,7 +329,7 @@ def fit_host(whole: dict, target: str) -> tuple[float, float]:
 
 def gpu_data(path: str, target: str) -> bool:
     """A GPU run's measured rows (timings.json) against ``predict(target)``: times and speedups, per row; the fit
-    of the host cost and bandwidth share on its whole-model rows; its training steps within 15% (issue 41)."""
+    of the host cost and bandwidth share on its whole-model rows; its training steps within 15%."""
     with open(path) as f:
         data = json.load(f)
     print(f"\n{data['meta']['device']} (torch {data['meta']['torch']}, {data['meta']['timer']}) against "

@@ -10,9 +10,22 @@ from typing import Callable
 
 import torch
 
+import tf32lab
 from tf32lab.numbers import formats
 
 U32 = 2.0**-24  # float32 unit roundoff
+
+
+def randn(*shape, seed=0) -> torch.Tensor:
+    """A standard normal tensor from its own seeded generator (the global stream untouched)."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def emulated(fn, *args, target="a100", level="high", **options):
+    """``fn(*args)`` at ``level`` as ``target`` computes it, and the emulator (its coverage, unhandled ops)."""
+    with tf32lab.precision(level), tf32lab.emulate(target, **options) as emu:
+        out = fn(*args)
+    return out, emu
 
 
 def rounded(t: torch.Tensor, math: str) -> list[tuple[torch.Tensor, int]]:

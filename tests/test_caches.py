@@ -12,13 +12,10 @@ import pytest
 import torch
 
 import tf32lab
+from emulation_reference import randn
 from tf32lab.control.scope import current_emulation
 from tf32lab.emulation import emulator
 from tf32lab.numbers import formats
-
-
-def randn(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 def tf32_linear(x, layer):

@@ -14,23 +14,13 @@ import torch.nn.functional as F
 
 import tf32lab
 from dynamo_state import compiling_restored
-from emulation_reference import bilinear, bound, check
+from emulation_reference import bilinear, bound, check, emulated, randn
 from tf32lab import Tf32LabError
 from tf32lab.control.scope import current_emulation
 from tf32lab.emulation import emulator
 from tf32lab.numbers import formats
 
 aten = torch.ops.aten
-
-
-def randn(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def emulated(fn, *args, target="a100", level="high", **options):
-    with tf32lab.precision(level), tf32lab.emulate(target, **options) as emu:
-        out = fn(*args)
-    return out, emu
 
 
 # -- one GEMM per op: exact reference -------------------------------------------------------------------

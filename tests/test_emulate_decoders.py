@@ -10,19 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import tf32lab
-from emulation_reference import bilinear, bound, check
+from emulation_reference import bilinear, bound, check, emulated, randn
 
 aten = torch.ops.aten
-
-
-def randn(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def emulated(fn, *args, level="high"):
-    with tf32lab.precision(level), tf32lab.emulate("a100") as emu:
-        out = fn(*args)
-    return out, emu
 
 
 def causal(L, S):

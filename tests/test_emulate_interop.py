@@ -18,18 +18,9 @@ import torch
 import torch.nn.functional as F
 
 import tf32lab
+from emulation_reference import emulated, randn
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.trace", "ignore:Sparse CSR tensor support is in beta")
-
-
-def randn(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def emulated(fn, *args, level="high"):
-    with tf32lab.precision(level), tf32lab.emulate("a100") as emu:
-        out = fn(*args)
-    return out, emu
 
 
 def traced(module, x):

@@ -316,7 +316,7 @@ def test_published_gemm_rows_are_predicted_within_their_median_goal():
             speedup = calibration.gemm_prediction(row, "ieee") / calibration.gemm_prediction(row, tf32)
             off.append(abs(speedup / row.speedup - 1))
     assert len(off) >= 20
-    assert sorted(off)[len(off) // 2] <= 0.10  # issue 26: median |predicted / published - 1| <= 10%
+    assert sorted(off)[len(off) // 2] <= 0.10  # the goal: median |predicted / published - 1| <= 10%
 
 
 def test_every_role_and_kind_of_a_published_row_is_known_and_sourced():

@@ -449,20 +449,31 @@ def _check_loaded(args: argparse.Namespace, spec: str, levels: tuple[str, ...], 
             report = check(loaded, levels=levels, target=target, tolerance=args.tolerance,
                            progress=sys.stderr.isatty(), policy=policy, speed=not args.no_speed,
                            accumulation=args.accumulation, conv=args.conv)
-    code = 0 if report.passed else 1
     if rank:  # rank 0 prints and writes the job's one report; every rank exits with its verdict
-        return code
+        return 0 if report.passed else 1
+
+    def show() -> None:
+        if args.train:
+            report.print(_console())
+            return
+        report.print(_console(), policy_file=args.policy)
+        step = _next_step(report, spec, target)
+        if step:
+            print(step)
+
+    return _emit(args, report, show)
+
+
+def _emit(args: argparse.Namespace, report: Any, show: Callable[[], None]) -> int:
+    """``report`` on stdout (its JSON with ``--json -``, else ``show()``), then its ``--json`` / ``--html``
+    files; the exit code is its verdict."""
+    code = 0 if report.passed else 1
     try:
         if args.json == "-":
             sys.stdout.write(report.to_json())
             sys.stdout.flush()
-        elif args.train:
-            report.print(_console())
         else:
-            report.print(_console(), policy_file=args.policy)
-            step = _next_step(report, spec, target)
-            if step:
-                print(step)
+            show()
     except BrokenPipeError:  # ``| head``: the reader has what it wanted; the verdict still is the exit code
         _drop_stdout()
         return code
@@ -501,21 +512,7 @@ def _check_generation(args: argparse.Namespace, levels: tuple[str, ...], target:
         report = check_generation(loaded, new_tokens=args.generate, levels=levels, target=target, prompts=prompts,
                                   criterion=args.criterion, use_cache=not args.no_cache,
                                   accumulation=args.accumulation, progress=sys.stderr.isatty())
-    code = 0 if report.passed else 1
-    try:
-        if args.json == "-":
-            sys.stdout.write(report.to_json())
-            sys.stdout.flush()
-        else:
-            report.print(_console())
-    except BrokenPipeError:
-        _drop_stdout()
-        return code
-    for path, write in ((args.json, report.to_json), (args.html, report.save_html)):
-        if path and path != "-":
-            _write(path, write)
-            print(f"wrote {_shown(path)}", file=sys.stderr if args.json == "-" else sys.stdout)
-    return code
+    return _emit(args, report, lambda: report.print(_console()))
 
 
 def _prompt_file(path: str) -> list[str]:
