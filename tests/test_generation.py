@@ -255,6 +255,10 @@ def test_cli_generate_writes_each_levels_divergence_and_agreement(gpt2_folder, t
     for row in data["levels"]:
         assert len(row["divergence"]) == len(data["prompts"]) == 8
         assert 0 <= row["agreement"] <= 1
+    # the default prompts start 8 different texts: no subject, and no ending, twice
+    subjects = {" ".join(p.split()[:2]) for p in data["prompts"]}
+    endings = {" ".join(p.split()[-3:]) for p in data["prompts"]}
+    assert len(subjects) == len(endings) == 8, data["prompts"]
     assert "PASSED | level 'high' | generation 8 tokens x 8 prompts" in done.stdout
 
 
