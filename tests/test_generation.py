@@ -2,7 +2,11 @@
 
 A small decoder trained here on the sample sentences (random weights give near-uniform logits, and every row
 diverges at once) shows a finite, reproducible divergence at `high` and none, or a later one, at `highest`. It is
-trained in float64 and then narrowed, so its float32 weights are the same bits on any CPU."""
+trained in float64 and then narrowed, but its weights are still not the same bits on every CPU: float64 sums run
+in another order on another instruction set, and 150 Adam steps carry a last-bit difference into another model
+(run with ATen's and oneDNN's SSE4 kernels, its loss on the prompts was 1.42 instead of 1.58, and `high` left other
+prompts at other steps). So the tests assert what any such model shows, never one CPU's steps or bits;
+``scripts/cpu_kinds.py`` reruns them under other instruction sets (docs/design.md, "The test suite")."""
 
 from __future__ import annotations
 
@@ -347,8 +351,8 @@ def test_the_generation_page_draws_each_prompts_divergence_in_chromium(trained, 
     from browser import visit
     from tf32lab.report.generation_render import short
 
-    n = 16
-    prompts = [*_tails()[:5], HOSTILE]
+    n = 32  # as in the test above: some tail leaves float64's tokens at high within 32 on any CPU's weights
+    prompts = [*_tails(), HOSTILE]
     report = tf32lab.check_generation(_with_text(trained), new_tokens=n, prompts=prompts,
                                       levels=("highest", "high", "medium"))
     high, floor = report.level("high"), report.floor
