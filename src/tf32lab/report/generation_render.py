@@ -72,7 +72,9 @@ def renderables(report: GenerationReport) -> Iterator[Any]:
         row, Column("first diverges"), Column("median"), Column("prompts left"), Column("agreement"),
         Column("max logit err"), Column("perplexity"), Column("verdict", "text")])
     for lv in [report.floor, *report.levels]:
-        label = lv.level + (f" (= {lv.same_as})" if lv.same_as else "")
+        # one word, as the check's level table writes it: a key column wraps between words, and ``(= high)``
+        # took a line of its own at 80 columns
+        label = lv.level + (f"={lv.same_as}" if lv.same_as else "")
         verdict = Text("floor", style="dim") if lv.level == "float32" else \
             Text("PASSED" if lv.passed else "FAILED", style="bold green" if lv.passed else "bold red")
         if lv.failure is not None:

@@ -34,10 +34,8 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -46,6 +44,7 @@ import torch
 
 from tf32lab.errors import Tf32LabError
 from tf32lab.workloads import samples
+from tf32lab.workloads.quiet import quiet_loading
 from tf32lab.workloads.workload import Workload
 
 __all__ = ["SUPPORTED", "CausalLM", "causal_lm", "workload"]
@@ -128,23 +127,6 @@ def _transformers(folder: str) -> None:
         raise Tf32LabError(f"workload 'hf:{folder}' needs transformers: pip install transformers") from None
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """No weight-loading progress bar, load report or config warning on stderr while loading (tf32lab's own lines
-    only); transformers' settings restored."""
-    from transformers.utils import logging
-
-    bar, verbosity = logging.is_progress_bar_enabled(), logging.get_verbosity()
-    logging.disable_progress_bar()
-    logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        logging.set_verbosity(verbosity)
-        if bar:
-            logging.enable_progress_bar()
-
-
 def _load(cls: Any, path: Path) -> torch.nn.Module:
     """``cls.from_pretrained`` from the folder only, quietly. A mixture of experts runs its experts one GEMM each
     ("eager"), not transformers' default grouped GEMM (``torch._grouped_mm``): that has no float64 kernel for the
@@ -154,7 +136,7 @@ def _load(cls: Any, path: Path) -> torch.nn.Module:
     options: dict[str, Any] = {"local_files_only": True}
     if hasattr(transformers.PreTrainedModel, "set_experts_implementation"):  # transformers 5
         options["experts_implementation"] = "eager"
-    with _quiet():
+    with quiet_loading():
         return cls.from_pretrained(str(path), **options)
 
 
@@ -178,7 +160,7 @@ def _config(folder: str, path: Path) -> Any:
     from transformers import AutoConfig
 
     try:
-        with _quiet():
+        with quiet_loading():
             return AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:
         model_type = _model_type(path)
@@ -271,7 +253,7 @@ def _processor(path: Path, kind: str) -> Any:
 
     cls = transformers.AutoImageProcessor if kind == "image" else transformers.AutoFeatureExtractor
     try:
-        with _quiet():
+        with quiet_loading():
             return cls.from_pretrained(str(path), local_files_only=True)
     except Exception:  # a processor of the other kind, or one this transformers cannot build: the config decides
         return None
@@ -352,7 +334,7 @@ def _sentence_transformer(folder: str, path: Path, sentences: int) -> Workload:
         raise Tf32LabError(f"workload 'hf:{folder}' is a sentence-transformers folder (modules.json) and needs "
                            f"sentence-transformers: pip install sentence-transformers") from None
     try:
-        with _quiet():
+        with quiet_loading():
             st = SentenceTransformer(str(path), device="cpu", local_files_only=True)
     except Exception as exc:
         raise Tf32LabError(f"workload 'hf:{folder}': loading it as a sentence-transformers folder failed: "

