@@ -90,7 +90,8 @@ def test_a_defaulted_tolerance_is_called_the_default(tmp_path):
 @pytest.fixture(scope="module")
 def train_runs(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("train")
-    args = ("check", f"{MODELS}:deep_training", "--train", "--levels", "highest,high")
+    # medium computes as high on the default target (a100): its row is named "medium=high"
+    args = ("check", f"{MODELS}:deep_training", "--train", "--levels", "highest,high,medium")
     runs = {240: tf32lab(*args, "--json", "t.json", "--html", "t.html", columns=240, cwd=cwd),
             80: tf32lab(*args, columns=80, cwd=cwd)}
     return runs, json.loads((cwd / "t.json").read_text()), cwd
@@ -99,6 +100,14 @@ def train_runs(tmp_path_factory):
 def test_check_train_at_80_columns_cuts_no_number(train_runs):
     runs, _, _ = train_runs
     assert_nothing_cut(runs[240], runs[80])
+
+
+def test_a_row_computed_as_another_keeps_its_name_on_one_line_at_80_columns(train_runs):
+    runs, data, _ = train_runs
+    assert data["levels"][-1]["same_as"] == "high"
+    for out in runs.values():
+        rows = [line for line in out.splitlines() if re.match(r"[│ ]*medium=high\b", line)]
+        assert len(rows) == 3, out  # the loss path, the gradients, the weights: each whole on one line
 
 
 def test_the_float32_row_names_its_worst_weight_in_text_json_and_html(train_runs, tmp_path):

@@ -79,7 +79,8 @@ def renderables(report: TrainingReport) -> Iterator[Any]:
         diverges = f"step {lv.divergence_step}" if lv.divergence_step is not None else "never"
         if lv.failure is not None:  # the loss may have left the tolerance before the step that raised
             diverges = (f"{diverges}, " if lv.divergence_step is not None else "") + f"step {lv.failed_step}: failed"
-        label = _label(lv) + (f" (= {lv.same_as})" if lv.same_as else "")
+        # one word, as the check's level table writes it: a key column wraps between words at 80 columns
+        label = _label(lv) + (f"={lv.same_as}" if lv.same_as else "")
         cells = [label, f"{lv.losses[-1]:.6g}" if lv.losses else "-", fmt(lv.drift if lv.failure is None else None),
                  f"{lv.multiple:.1f}x" if math.isfinite(lv.multiple) else "-", diverges]
         if speed:
