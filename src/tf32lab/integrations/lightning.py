@@ -51,11 +51,9 @@ import torch
 
 from tf32lab.errors import Tf32LabError
 from tf32lab.integrations import _loop
-from tf32lab.know.levels import check_levels
 from tf32lab.know.targets import Target
 from tf32lab.measure.training import random_state_kept
 from tf32lab.report.training import TrainingReport
-from tf32lab.workloads.training import check_steps
 
 L = _loop.require("pytorch_lightning", "PyTorch Lightning", "lightning")
 
@@ -82,11 +80,11 @@ class Tf32Check(L.Callback):
     def __init__(self, target: Union[str, Target] = "a100", steps: int = 20, levels: Optional[Iterable[str]] = None,
                  tolerance: Optional[float] = None, on_fail: str = "warn") -> None:
         super().__init__()
-        self.target, self.steps = _loop.check_target(target), check_steps(steps)
-        self.levels = check_levels(_loop.default_levels(levels))
-        self.tolerance, self.on_fail = _loop.check_tolerance(tolerance), _loop.check_on_fail(on_fail)
+        self.target, self.steps, self.levels, self.tolerance, self.on_fail = _loop.Options.checked(
+            target, steps, levels, tolerance, on_fail)
         self.report: Optional[TrainingReport] = None
         self.passed: Optional[bool] = None
+        self._writing: Optional[_loop.Written] = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.passed is not None:
@@ -124,8 +122,21 @@ class Tf32Check(L.Callback):
         numbers = {k: v for k, v in _loop.headline(report).items() if math.isfinite(v)}
         for logger in trainer.loggers:  # at the run's current step: no step of its own
             logger.log_metrics(numbers, step=trainer.global_step)
-        _loop.written(report, folder)
+        self._writing = _loop.Written(report, folder)
+        if not report.passed and self.on_fail == "raise":
+            self._wait()  # the run stops here: the files first
         _loop.said(report, self.on_fail)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._wait()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._wait()
+
+    def _wait(self) -> None:
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            writing.wait()
 
     # -- the run as a training workload --------------------------------------------------------------------------
     def _check(self, trainer: Any, module: Any) -> TrainingReport:
