@@ -5,10 +5,10 @@ class and arguments), at the same levels and target. Goal: at most 1x, the accep
 where the callback is not in `callbacks`: importing the integrations adds no callback to a Trainer and no hook to
 a module.
 
-The three are timed side by side in one process (without, with, check; then again), the ratio the median of the rounds' own;
-only `fit` / `train` and `check_training` are timed (the Trainer, its module and arguments made beforehand, alike
-for both runs), on one torch thread. The callback's hook is timed too: the part of its cost spent before the run's
-first step (the report's files are synced to disk in a thread, while the run trains on).
+The three are timed side by side in one process (without, with, check; then again), the ratio the median of the
+rounds' own; only `fit` / `train` and `check_training` are timed (the Trainer, its module and arguments made
+beforehand, alike for both runs), on one torch thread. The callback's hook is timed too: the part of its cost
+spent before the run's first step (the report's files are synced to disk in a thread, while the run trains on).
 
     .venv/bin/python benchmarks/integrations.py [--rounds 7] [--steps 10]
 """
