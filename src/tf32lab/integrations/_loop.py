@@ -136,20 +136,23 @@ def stepping_copy(module: torch.nn.Module, members: Optional[Mapping[str, Any]] 
 
 class Steps(torch.optim.Optimizer):
     """The framework's optimizer step as one optimizer: gradients clipped (``clip``: ``(value, "norm" | "value")``),
-    each optimizer stepped, then each scheduler that is due (``(scheduler, every)``: every so many steps). Its
+    each optimizer stepped (by ``stepper(optimizer)`` where the framework's hook steps it), then each scheduler
+    that is due (``(scheduler, every)``: every so many steps). Its
     param groups and state are its optimizers' own. ``manual``: the module steps its optimizers itself (Lightning's
     manual optimization), and this one's ``step`` and ``zero_grad`` do nothing."""
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[tuple[Any, int]] = (),
-                 clip: Optional[tuple[float, str]] = None, manual: bool = False) -> None:
+                 clip: Optional[tuple[float, str]] = None, manual: bool = False,
+                 stepper: Optional[Callable[[torch.optim.Optimizer], None]] = None) -> None:
         # not Optimizer.__init__: the groups are the optimizers' own (a scheduler changes their lr in place)
         self.optimizers, self.schedulers, self.clip, self.manual = list(optimizers), list(schedulers), clip, manual
+        self.stepper = stepper
         self.param_groups = [group for optimizer in self.optimizers for group in optimizer.param_groups]
         self.defaults: dict[str, Any] = {}
         self.steps = 0
         # stepped outside the emulator where its optimizers' steps are element-wise: clipping runs norms and
         # products by a scalar, schedulers Python's arithmetic on learning rates, and manual optimization none
-        self.elementwise_step = manual or all(elementwise_step(o) for o in self.optimizers)
+        self.elementwise_step = manual or (stepper is None and all(elementwise_step(o) for o in self.optimizers))
 
     @property
     def state(self) -> dict[Any, Any]:  # type: ignore[override]
@@ -169,7 +172,10 @@ class Steps(torch.optim.Optimizer):
         if self.clip is not None:
             clip_gradients([p for g in self.param_groups for p in g["params"]], *self.clip)
         for optimizer in self.optimizers:
-            optimizer.step()
+            if self.stepper is not None:  # the framework's own hook steps it (and clips)
+                self.stepper(optimizer)
+            else:
+                optimizer.step()
         self.steps += 1
         self.scheduled()
 
@@ -246,10 +252,16 @@ def _generators(loader: Any) -> list[torch.Generator]:
 
 
 @contextlib.contextmanager
-def loader_kept(loader: Any) -> Iterator[None]:
-    """The dataloader's own generators as they were on exit (the process's random streams are kept apart)."""
+def loader_kept(loader: Any) -> Iterator[Callable[[], None]]:
+    """The dataloader's own generators as they were on exit (the process's random streams are kept apart); it
+    gives the function that puts them back at once."""
     generators = _generators(loader)
     states = [g.get_state() for g in generators]
+
+    def put_back() -> None:
+        for generator, state in zip(generators, states):
+            generator.set_state(state)
+
     # a loader with persistent workers keeps one iterator (and its workers' random streams, which a dataset's
     # augmentation draws from) for every pass, the run's already made when training starts: the check's pass gets
     # its own, ended here, and the run's goes on untouched (a pass over the loader would reset it)
@@ -260,7 +272,7 @@ def loader_kept(loader: Any) -> Iterator[None]:
     try:
         for one in persistent:
             one._iterator = None
-        yield
+        yield put_back
     finally:
         for generator, state in zip(generators, states):
             generator.set_state(state)
@@ -280,14 +292,22 @@ def _with_bases(loader: Any) -> list[Any]:
     return found
 
 
-def first_batches(loader: Any, count: int, move: Callable[[Any], Any], iterate: Callable[[Any], Iterator[Any]] = iter
-                  ) -> list[Any]:
+def first_batches(loader: Any, count: int, move: Callable[[Any], Any], iterate: Callable[[Any], Iterator[Any]] = iter,
+                  made: Optional[torch.Tensor] = None) -> list[Any]:
     """The first ``count`` batches of a fresh pass over ``loader`` (each through ``move``), the loader's
-    generators put back afterwards; fewer when it has fewer."""
+    generators put back afterwards; fewer when it has fewer.
+
+    ``made``: the run made its pass's iterator already (Lightning makes it before ``on_train_start``), which drew
+    its seed, and its sampler has not drawn its order yet, which it will draw from the loader's generators as
+    they are and from PyTorch's CPU generator at the state ``made``: the check's pass draws its order from the
+    same states, put back between its iterator's making and its first batch."""
     _read_again(loader)
     found: list[Any] = []
-    with loader_kept(loader):
+    with loader_kept(loader) as put_back:
         batches = iterate(loader)
+        if made is not None:
+            put_back()
+            torch.random.set_rng_state(made)
         try:
             for batch in batches:
                 found.append(move(_plain(batch)))
