@@ -192,7 +192,7 @@ class Tf32Check(L.Callback):
         hooked = not manual and any(_overrides(module, hook) for hook in ("optimizer_step",
                                                                         "configure_gradient_clipping"))
         at: dict[str, Any] = {}  # the row's copy and step being trained (the hooks are called with them)
-        stepper = (lambda optimizer: _hooked_step(at, optimizer, trainer, clip, accumulate)) if hooked else None
+        stepper = (lambda optimizer: _hooked_step(at, optimizer, trainer, accumulate)) if hooked else None
         plain = not manual and not hooked and clip is None and len(optimizers) == 1 and not configs
         bundles: dict[int, _loop.Steps] = {}
 
@@ -289,15 +289,15 @@ class _RowOptimizer:
         return result
 
 
-def _hooked_step(at: dict[str, Any], optimizer: torch.optim.Optimizer, trainer: Any,
-                 clip: Optional[tuple[float, str]], accumulate: int) -> None:
+def _hooked_step(at: dict[str, Any], optimizer: torch.optim.Optimizer, trainer: Any, accumulate: int) -> None:
     """One optimizer of a row stepped through the module's ``optimizer_step(epoch, batch_idx, optimizer,
-    closure)``, with its ``configure_gradient_clipping`` before the step (Lightning's order)."""
+    closure)``, with its ``configure_gradient_clipping`` given the Trainer's own arguments before the step
+    (Lightning's order)."""
     model, step = at["model"], at["step"]
-    value, algorithm = clip if clip is not None else (None, None)
 
     def clipped() -> None:
-        model.configure_gradient_clipping(optimizer, gradient_clip_val=value, gradient_clip_algorithm=algorithm)
+        model.configure_gradient_clipping(optimizer, gradient_clip_val=trainer.gradient_clip_val,
+                                          gradient_clip_algorithm=trainer.gradient_clip_algorithm)
 
     model.optimizer_step(trainer.current_epoch, (step + 1) * accumulate - 1, _RowOptimizer(optimizer, clipped),
                          lambda: at["loss"])
