@@ -5,14 +5,16 @@ A framework trains its module through its own hooks (Lightning's ``training_step
 copies of a model with ``loss(output, batch)`` and ``optimizer(params)``. Here the one is put in the terms of the
 other, without touching the run:
 
-- the model is a copy of the user's module whose class answers one more call, ``model(StepCall, micro_batches)``:
+- the model is a view of the user's module (``check_training`` makes the one copy of it that its rows start
+  from) whose class answers one more call, ``model(StepCall, micro_batches)``:
   the loss of one optimizer step, the framework's losses of its micro-batches summed as it scales them for
   gradient accumulation (the sum has the gradient the framework accumulates); any other call is the module's own
   ``forward``;
 - the optimizer of a row is the run's own optimizers and schedulers, deep-copied onto the row's parameters
   (:class:`Steps`: clipping, each optimizer's step, the schedulers due);
 - the batches are the run's first ones, read from its dataloader with every random stream and sampler generator
-  put back afterwards (:func:`first_batches`), so that the run reads the same batches in the same order.
+  put back afterwards (:func:`first_batches`), so that the run reads the same batches in the same order;
+- the report's files are written in a thread while the run trains (:class:`Written`).
 
 Example:
 
