@@ -160,7 +160,8 @@ def test_the_check_trains_the_runs_own_schedule_and_clipping(tmp_path):
     tight = Tf32Check(steps=3, levels=("highest",))
     fit(tmp_path / "b", callback=tight, max_epochs=1, gradient_clip_val=1e-3)
     assert loose.report.reference_losses[0] == pytest.approx(tight.report.reference_losses[0], rel=1e-6)
-    assert loose.report.reference_losses[2] != pytest.approx(tight.report.reference_losses[2], rel=1e-3)
+    # two AdamW steps of lr 1e-2 apart on the run's own batches: 5e-4 apart at step 3 here
+    assert loose.report.reference_losses[2] != pytest.approx(tight.report.reference_losses[2], rel=1e-4)
 
 
 def test_a_model_whose_training_tf32_ruins_fails_and_says_so(tmp_path, caplog):
@@ -365,3 +366,57 @@ def test_under_ddp_rank_0_checks_and_every_rank_ends_with_its_verdict(tmp_path):
     ranks = sorted(re.findall(r"rank (\d): passed=(True|False|None) report=(True|False)", out.stdout))
     assert ranks == [("0", "True", "True"), ("1", "True", "False")], out.stdout
     assert "same weights: True" in out.stdout.splitlines()
+
+
+class Plain(L.LightningModule):
+    """No dropout, plain SGD: the check's float64 losses follow the run's own logged ones closely."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        loss = (self(batch[0]) - batch[1]).pow(2).mean()
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class WarmsUp(Plain):
+    """A learning-rate warm-up in its own optimizer_step, read from self.global_step (a common override)."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        for group in optimizer.param_groups:
+            group["lr"] = 0.1 * min(1.0, (self.global_step + 1) / 4)
+        optimizer.step(closure=optimizer_closure)
+
+
+class ClipsItself(Plain):
+    """Its own clipping, whatever the Trainer's gradient_clip_val (configure_gradient_clipping)."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=1e-3, gradient_clip_algorithm="value")
+
+
+@pytest.mark.parametrize("module_class", [Plain, WarmsUp, ClipsItself])
+def test_the_check_trains_as_the_runs_own_hooks_do(tmp_path, module_class):
+    # the check's float64 losses are the run's own logged ones (float32) at the same steps: the module's
+    # optimizer_step (with self.global_step) and configure_gradient_clipping are followed as the Trainer follows them
+    check = Tf32Check(steps=6, levels=("highest",))
+    clipped = {} if module_class is ClipsItself else {"gradient_clip_val": 0.05}  # Lightning refuses both
+    _, losses, _, _ = fit(tmp_path, module_class, callback=check, max_epochs=1, **clipped)
+    logged = [float(value) for _, value in losses[:6]]
+    assert check.report.reference_losses == pytest.approx(logged, rel=1e-4)
+
+
+def test_limit_train_batches_caps_the_steps_checked(tmp_path):
+    # the run trains 2 batches an epoch, again and again: the check trains those 2, not batches the run never reads
+    check = Tf32Check(steps=5, levels=("highest",))
+    fit(tmp_path, Plain, callback=check, max_epochs=3, limit_train_batches=2)
+    assert check.report.steps == 2
+    assert any("limit_train_batches" in note for note in check.report.notes)

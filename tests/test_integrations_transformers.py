@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -188,3 +190,17 @@ def test_without_transformers_the_integration_names_its_extra():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "pip install 'tf32lab[transformers]'" in out.stdout and len(out.stdout.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_under_ddp_process_zero_checks_and_every_process_ends_with_its_verdict(tmp_path):
+    # torchrun, two CPU processes (gloo), a loss that takes the token count gathered across processes: about a
+    # minute on a loaded 2-core machine (the check on process zero alone once waited forever in that gather)
+    job = Path(__file__).with_name("transformers_ddp_job.py")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(job), str(tmp_path), "warn"], capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # the two processes print to one pipe: their lines may land in either order, even on one line
+    found = sorted(re.findall(r"process (\d): passed=(True|False|None) report=(True|False)", out.stdout))
+    assert found == [("0", "True", "True"), ("1", "True", "False")], out.stdout
+    assert "same weights: True" in out.stdout.splitlines()

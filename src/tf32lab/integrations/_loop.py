@@ -5,14 +5,16 @@ A framework trains its module through its own hooks (Lightning's ``training_step
 copies of a model with ``loss(output, batch)`` and ``optimizer(params)``. Here the one is put in the terms of the
 other, without touching the run:
 
-- the model is a copy of the user's module whose class answers one more call, ``model(StepCall, micro_batches)``:
+- the model is a view of the user's module (``check_training`` makes the one copy of it that its rows start
+  from) whose class answers one more call, ``model(StepCall, micro_batches)``:
   the loss of one optimizer step, the framework's losses of its micro-batches summed as it scales them for
   gradient accumulation (the sum has the gradient the framework accumulates); any other call is the module's own
   ``forward``;
 - the optimizer of a row is the run's own optimizers and schedulers, deep-copied onto the row's parameters
   (:class:`Steps`: clipping, each optimizer's step, the schedulers due);
 - the batches are the run's first ones, read from its dataloader with every random stream and sampler generator
-  put back afterwards (:func:`first_batches`), so that the run reads the same batches in the same order.
+  put back afterwards (:func:`first_batches`), so that the run reads the same batches in the same order;
+- the report's files are written in a thread while the run trains (:class:`Written`).
 
 Example:
 
@@ -32,20 +34,22 @@ import contextlib
 import copy
 import importlib
 import logging
+import threading
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
 from tf32lab.errors import Tf32LabError
-from tf32lab.know.levels import LEVELS
+from tf32lab.know.levels import LEVELS, check_levels
 from tf32lab.know.targets import NATIVE, Target
 from tf32lab.machine.hardware import resolve_target
-from tf32lab.measure.training import check_training, training_tolerance
+from tf32lab.measure.training import check_training, elementwise_step, training_tolerance
+from tf32lab.numbers.files import write_atomically
 from tf32lab.report.training import TrainingReport
-from tf32lab.workloads.training import TrainingWorkload
+from tf32lab.workloads.training import TrainingWorkload, check_steps
 
 LOG = logging.getLogger("tf32lab.integrations")
 
@@ -64,6 +68,27 @@ def require(module: str, framework: str, extra: str) -> Any:
     except ImportError:
         raise Tf32LabError(f"tf32lab's {framework} integration needs {framework} ({module} is not installed): "
                            f"pip install 'tf32lab[{extra}]'") from None
+
+
+class Options(NamedTuple):
+    """What both callbacks are given, checked at once in this order (one line naming the first bad value): not
+    when training starts, after the run has loaded its model and data.
+
+    >>> Options.checked(target="h100", steps=5, levels="high", tolerance=None, on_fail="warn").levels
+    ('high',)
+    """
+
+    target: Union[str, Target]
+    steps: int
+    levels: tuple[str, ...]
+    tolerance: Optional[float]
+    on_fail: str
+
+    @classmethod
+    def checked(cls, target: Any, steps: Any, levels: Optional[Iterable[str]], tolerance: Any,
+                on_fail: Any) -> Options:
+        return cls(check_target(target), check_steps(steps), check_levels(default_levels(levels)),
+                   check_tolerance(tolerance), check_on_fail(on_fail))
 
 
 def check_on_fail(on_fail: Any) -> str:
@@ -87,10 +112,13 @@ class StepCall:
             return self.loss(model, micro, self.step)
 
 
-def stepping_copy(module: torch.nn.Module, memo: Optional[dict[int, Any]] = None,
-                  members: Optional[Mapping[str, Any]] = None) -> torch.nn.Module:
-    """A copy of ``module`` whose class is the module's own with one more call, ``model(StepCall, micro)``, and
-    ``members`` (class attributes: they outlive the check's own copies of it, which instance attributes may not)."""
+def stepping_copy(module: torch.nn.Module, members: Optional[Mapping[str, Any]] = None) -> torch.nn.Module:
+    """A view of ``module`` whose class is the module's own with one more call, ``model(StepCall, micro)``, and
+    ``members`` (class attributes: they outlive the check's own copies of it, which instance attributes may not).
+
+    A view, not a copy: it shares the module's parameters, buffers and submodules, and is never trained itself;
+    ``check_training`` makes the one snapshot every row starts from (its deep copy of the workload's model), so
+    the run's weights are copied once, as a hand-written check copies them."""
     base = type(module)
 
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -100,9 +128,8 @@ def stepping_copy(module: torch.nn.Module, memo: Optional[dict[int, Any]] = None
 
     stepping = type(base.__name__, (base,), {**(members or {}), "forward": forward,
                                              "__qualname__": base.__qualname__, "__module__": base.__module__})
-    with torch.no_grad():
-        made = copy.deepcopy(module, memo if memo is not None else {})
-    made.__class__ = stepping
+    made = object.__new__(stepping)
+    made.__dict__.update(module.__dict__)
     # a forward set on the instance (accelerate's autocast wrapper under bf16/fp16) would hide the class's: the
     # check trains in float32, without autocast
     made.__dict__.pop("forward", None)
@@ -111,17 +138,23 @@ def stepping_copy(module: torch.nn.Module, memo: Optional[dict[int, Any]] = None
 
 class Steps(torch.optim.Optimizer):
     """The framework's optimizer step as one optimizer: gradients clipped (``clip``: ``(value, "norm" | "value")``),
-    each optimizer stepped, then each scheduler that is due (``(scheduler, every)``: every so many steps). Its
+    each optimizer stepped (by ``stepper(optimizer)`` where the framework's hook steps it), then each scheduler
+    that is due (``(scheduler, every)``: every so many steps). Its
     param groups and state are its optimizers' own. ``manual``: the module steps its optimizers itself (Lightning's
     manual optimization), and this one's ``step`` and ``zero_grad`` do nothing."""
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[tuple[Any, int]] = (),
-                 clip: Optional[tuple[float, str]] = None, manual: bool = False) -> None:
+                 clip: Optional[tuple[float, str]] = None, manual: bool = False,
+                 stepper: Optional[Callable[[torch.optim.Optimizer], None]] = None) -> None:
         # not Optimizer.__init__: the groups are the optimizers' own (a scheduler changes their lr in place)
         self.optimizers, self.schedulers, self.clip, self.manual = list(optimizers), list(schedulers), clip, manual
+        self.stepper = stepper
         self.param_groups = [group for optimizer in self.optimizers for group in optimizer.param_groups]
         self.defaults: dict[str, Any] = {}
         self.steps = 0
+        # stepped outside the emulator where its optimizers' steps are element-wise: clipping runs norms and
+        # products by a scalar, schedulers Python's arithmetic on learning rates, and manual optimization none
+        self.elementwise_step = manual or (stepper is None and all(elementwise_step(o) for o in self.optimizers))
 
     @property
     def state(self) -> dict[Any, Any]:  # type: ignore[override]
@@ -141,7 +174,10 @@ class Steps(torch.optim.Optimizer):
         if self.clip is not None:
             clip_gradients([p for g in self.param_groups for p in g["params"]], *self.clip)
         for optimizer in self.optimizers:
-            optimizer.step()
+            if self.stepper is not None:  # the framework's own hook steps it (and clips)
+                self.stepper(optimizer)
+            else:
+                optimizer.step()
         self.steps += 1
         self.scheduled()
 
@@ -149,8 +185,7 @@ class Steps(torch.optim.Optimizer):
         """Each scheduler due after ``steps`` optimizer steps, stepped."""
         for scheduler, every in self.schedulers:
             if every and self.steps % every == 0:
-                with quiet():
-                    scheduler.step()
+                scheduler.step()  # inside run_check's quiet(): a copied scheduler's warnings are silenced there
 
     def __repr__(self) -> str:
         return f"Steps({', '.join(type(o).__name__ for o in self.optimizers)})"
@@ -219,10 +254,16 @@ def _generators(loader: Any) -> list[torch.Generator]:
 
 
 @contextlib.contextmanager
-def loader_kept(loader: Any) -> Iterator[None]:
-    """The dataloader's own generators as they were on exit (the process's random streams are kept apart)."""
+def loader_kept(loader: Any) -> Iterator[Callable[[], None]]:
+    """The dataloader's own generators as they were on exit (the process's random streams are kept apart); it
+    gives the function that puts them back at once."""
     generators = _generators(loader)
     states = [g.get_state() for g in generators]
+
+    def put_back() -> None:
+        for generator, state in zip(generators, states):
+            generator.set_state(state)
+
     # a loader with persistent workers keeps one iterator (and its workers' random streams, which a dataset's
     # augmentation draws from) for every pass, the run's already made when training starts: the check's pass gets
     # its own, ended here, and the run's goes on untouched (a pass over the loader would reset it)
@@ -233,7 +274,7 @@ def loader_kept(loader: Any) -> Iterator[None]:
     try:
         for one in persistent:
             one._iterator = None
-        yield
+        yield put_back
     finally:
         for generator, state in zip(generators, states):
             generator.set_state(state)
@@ -253,14 +294,22 @@ def _with_bases(loader: Any) -> list[Any]:
     return found
 
 
-def first_batches(loader: Any, count: int, move: Callable[[Any], Any], iterate: Callable[[Any], Iterator[Any]] = iter
-                  ) -> list[Any]:
+def first_batches(loader: Any, count: int, move: Callable[[Any], Any], iterate: Callable[[Any], Iterator[Any]] = iter,
+                  made: Optional[torch.Tensor] = None) -> list[Any]:
     """The first ``count`` batches of a fresh pass over ``loader`` (each through ``move``), the loader's
-    generators put back afterwards; fewer when it has fewer."""
+    generators put back afterwards; fewer when it has fewer.
+
+    ``made``: the run made its pass's iterator already (Lightning makes it before ``on_train_start``), which drew
+    its seed, and its sampler has not drawn its order yet, which it will draw from the loader's generators as
+    they are and from PyTorch's CPU generator at the state ``made``: the check's pass draws its order from the
+    same states, put back between its iterator's making and its first batch."""
     _read_again(loader)
     found: list[Any] = []
-    with loader_kept(loader):
+    with loader_kept(loader) as put_back:
         batches = iterate(loader)
+        if made is not None:
+            put_back()
+            torch.random.set_rng_state(made)
         try:
             for batch in batches:
                 found.append(move(_plain(batch)))
@@ -339,15 +388,44 @@ def headline(report: TrainingReport) -> dict[str, float]:
     return out
 
 
-def written(report: TrainingReport, folder: Optional[str]) -> list[Path]:
-    """The report as ``tf32lab-training.json`` and ``.html`` in ``folder`` (none: not written)."""
-    if not folder:
-        return []
-    path = Path(folder)
-    path.mkdir(parents=True, exist_ok=True)
-    report.to_json(path / "tf32lab-training.json")
-    report.save_html(path / "tf32lab-training.html")
-    return [path / "tf32lab-training.json", path / "tf32lab-training.html"]
+class Written:
+    """The report as ``tf32lab-training.json`` and ``.html`` in ``folder`` (none: not written): both texts made
+    here, in the caller's kept random state (the first HTML rendering draws from Python's stream), and written to
+    disk in a thread. Each file is written whole or not at all, synced with its folder (tens of milliseconds of
+    waiting on the disk, the callback's largest cost beyond the check itself): the run's first steps go on
+    meanwhile. :meth:`wait` ends the writing, raising what it raised; the callbacks wait when training ends."""
+
+    def __init__(self, report: TrainingReport, folder: Optional[str]) -> None:
+        self.paths: list[Path] = []
+        self._error: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+        if not folder:
+            return
+        path = Path(folder)
+        texts = {path / "tf32lab-training.json": report.to_json(), path / "tf32lab-training.html": report.to_html()}
+        self.paths = list(texts)
+
+        def write() -> None:
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+                for where, text in texts.items():
+                    write_atomically(where, text)
+            except BaseException as exc:  # raised again by wait(), in the run's own thread
+                self._error = exc
+
+        # not a daemon: a run that ends without waiting (an error in its loop) still gets whole files
+        self._thread = threading.Thread(target=write, name="tf32lab-report-writer")
+        self._thread.start()
+
+    def wait(self) -> list[Path]:
+        """The paths written, once both files are on disk; the writing's error raised (once)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return self.paths
 
 
 def said(report: TrainingReport, on_fail: str, advice: Sequence[str] = ()) -> None:

@@ -51,11 +51,9 @@ import torch
 
 from tf32lab.errors import Tf32LabError
 from tf32lab.integrations import _loop
-from tf32lab.know.levels import check_levels
 from tf32lab.know.targets import Target
 from tf32lab.measure.training import random_state_kept
 from tf32lab.report.training import TrainingReport
-from tf32lab.workloads.training import check_steps
 
 L = _loop.require("pytorch_lightning", "PyTorch Lightning", "lightning")
 
@@ -82,17 +80,19 @@ class Tf32Check(L.Callback):
     def __init__(self, target: Union[str, Target] = "a100", steps: int = 20, levels: Optional[Iterable[str]] = None,
                  tolerance: Optional[float] = None, on_fail: str = "warn") -> None:
         super().__init__()
-        self.target, self.steps = _loop.check_target(target), check_steps(steps)
-        self.levels = check_levels(_loop.default_levels(levels))
-        self.tolerance, self.on_fail = _loop.check_tolerance(tolerance), _loop.check_on_fail(on_fail)
+        self.target, self.steps, self.levels, self.tolerance, self.on_fail = _loop.Options.checked(
+            target, steps, levels, tolerance, on_fail)
         self.report: Optional[TrainingReport] = None
         self.passed: Optional[bool] = None
+        self._writing: Optional[_loop.Written] = None
+        self._drawn: Optional[torch.Tensor] = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.passed is not None:
             return  # once per callback: a second fit is the same run's continuation
         # every random stream as it was afterwards (the check's reading of the batches, its rows, the report's
         # writing): the run draws as it would without the check
+        self._drawn = torch.random.get_rng_state()  # what the run's sampler draws its first order from
         with random_state_kept(pl_module, "Tf32Check"):
             self._run(trainer, pl_module)
 
@@ -124,8 +124,21 @@ class Tf32Check(L.Callback):
         numbers = {k: v for k, v in _loop.headline(report).items() if math.isfinite(v)}
         for logger in trainer.loggers:  # at the run's current step: no step of its own
             logger.log_metrics(numbers, step=trainer.global_step)
-        _loop.written(report, folder)
+        self._writing = _loop.Written(report, folder)
+        if not report.passed and self.on_fail == "raise":
+            self._wait()  # the run stops here: the files first
         _loop.said(report, self.on_fail)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._wait()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._wait()
+
+    def _wait(self) -> None:
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            writing.wait()
 
     # -- the run as a training workload --------------------------------------------------------------------------
     def _check(self, trainer: Any, module: Any) -> TrainingReport:
@@ -136,16 +149,21 @@ class Tf32Check(L.Callback):
         if loader is None:
             raise Tf32LabError("Tf32Check: the trainer has no train dataloader at on_train_start")
         device = module.device
-        batches = _loop.first_batches(loader, self.steps * accumulate,
+        # the run trains num_training_batches an epoch (limit_train_batches), then reads the loader again
+        per_epoch = trainer.num_training_batches
+        limited = math.isfinite(per_epoch) and per_epoch < self.steps * accumulate
+        batches = _loop.first_batches(loader, int(per_epoch) if limited else self.steps * accumulate,
                                       lambda b: L.utilities.move_data_to_device(b, device),
-                                      iterate=lambda one: _combined(trainer, one))
+                                      iterate=lambda one: _combined(trainer, one), made=self._drawn)
         steps = _loop.grouped(batches, accumulate, self.steps)
         if not steps:
             raise Tf32LabError(f"Tf32Check: the train dataloader has {len(batches)} batches, fewer than one "
                                f"optimizer step's {accumulate} (accumulate_grad_batches)")
         if len(steps) < self.steps:
-            notes.append(f"the train dataloader has {len(batches)} batches: {len(steps)} of the {self.steps} "
-                         f"steps asked for were checked")
+            where = f"the run trains {len(batches)} batches an epoch (limit_train_batches)" if limited else \
+                f"the train dataloader has {len(batches)} batches"
+            notes.append(f"{where}: {len(steps)} of the {self.steps} steps asked for were checked, the first "
+                         f"epoch's")
         precision = str(trainer.precision)
         if precision in _MIXED:
             notes.append(f"the run trains at precision {precision!r}: its matmuls run in {_MIXED[precision]}, "
@@ -154,7 +172,6 @@ class Tf32Check(L.Callback):
         original = _loop.trainable(module)
         optimizers = list(trainer.optimizers)
         configs = list(trainer.lr_scheduler_configs)
-        per_epoch = trainer.num_training_batches
         per_epoch = math.ceil(per_epoch / accumulate) if math.isfinite(per_epoch) else 0
         schedule = []
         for config in configs:
@@ -171,12 +188,17 @@ class Tf32Check(L.Callback):
         if not manual and trainer.gradient_clip_val:
             clip = (float(trainer.gradient_clip_val), str(getattr(trainer.gradient_clip_algorithm, "value",
                                                                   trainer.gradient_clip_algorithm) or "norm"))
-        plain = not manual and clip is None and len(optimizers) == 1 and not configs
+        # the module's own optimizer_step / configure_gradient_clipping, called as the Trainer calls them
+        hooked = not manual and any(_overrides(module, hook) for hook in ("optimizer_step",
+                                                                        "configure_gradient_clipping"))
+        at: dict[str, Any] = {}  # the row's copy and step being trained (the hooks are called with them)
+        stepper = (lambda optimizer: _hooked_step(at, optimizer, trainer, accumulate)) if hooked else None
+        plain = not manual and not hooked and clip is None and len(optimizers) == 1 and not configs
         bundles: dict[int, _loop.Steps] = {}
 
         def optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
             made, schedulers = _loop.rebound(optimizers, [c.scheduler for c in configs], original, params)
-            bundle = _loop.Steps(made, list(zip(schedulers, schedule)), clip, manual)
+            bundle = _loop.Steps(made, list(zip(schedulers, schedule)), None if hooked else clip, manual, stepper)
             bundles[id(params[0])] = bundle
             return made[0] if plain else bundle
 
@@ -207,12 +229,15 @@ class Tf32Check(L.Callback):
         def loss(model: Any, micro: list[Any], step: int) -> torch.Tensor:
             # Lightning backpropagates each micro-batch's loss over accumulate_grad_batches (their mean's gradient);
             # a micro-batch whose training_step returned None is skipped, backpropagating nothing
+            model.__dict__[_STEP] = step  # the copy's global_step: the run's at the check's step
             values = [one(model, batch, step * len(micro) + i) for i, batch in enumerate(micro)]
             kept = [v for v in values if v is not None]
             if not kept:
                 raise Tf32LabError(f"Tf32Check: training_step returned None (a skipped step) for every batch of "
                                    f"step {step + 1}: the check needs a loss at each of its steps")
-            return values[0] if len(values) == 1 else torch.stack(kept).sum() / len(values)
+            total = values[0] if len(values) == 1 else torch.stack(kept).sum() / len(values)
+            at.update(model=model, step=step, loss=total)
+            return total
 
         around = (lambda model: _manual(model, bundle_of(model), recorded)) if manual else None
         model = _loop.stepping_copy(module, members=_outside_the_run(trainer))
@@ -227,6 +252,55 @@ def _combined(trainer: Any, loader: Any) -> Iterator[Any]:
         return iter(loader)
     mode = getattr(getattr(trainer.fit_loop, "_combined_loader", None), "_mode", "max_size_cycle")
     return (batch for batch, *_ in L.utilities.CombinedLoader(loader, mode))
+
+
+_STEP = "_tf32lab_step"  # where a row's copy keeps the check's step
+
+
+def _overrides(module: Any, hook: str) -> bool:
+    """Whether the module's class has its own ``hook``, not LightningModule's."""
+    return getattr(type(module), hook, None) is not getattr(L.LightningModule, hook)
+
+
+class _RowOptimizer:
+    """What a module's ``optimizer_step`` is given (Lightning's ``LightningOptimizer``), over a row's optimizer:
+    ``step(closure)`` runs the closure (the step's loss, already backpropagated), then the module's
+    ``configure_gradient_clipping`` with the Trainer's ``gradient_clip_val``, then the row's optimizer step, as
+    the Trainer's precision plugin does."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, clipped: Any) -> None:
+        self.optimizer, self._clipped = optimizer, clipped
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Any = None, **kwargs: Any) -> Any:
+        result = closure() if closure is not None else None
+        self._clipped()
+        self.optimizer.step(**kwargs)
+        return result
+
+
+def _hooked_step(at: dict[str, Any], optimizer: torch.optim.Optimizer, trainer: Any, accumulate: int) -> None:
+    """One optimizer of a row stepped through the module's ``optimizer_step(epoch, batch_idx, optimizer,
+    closure)``, with its ``configure_gradient_clipping`` given the Trainer's own arguments before the step
+    (Lightning's order)."""
+    model, step = at["model"], at["step"]
+
+    def clipped() -> None:
+        model.configure_gradient_clipping(optimizer, gradient_clip_val=trainer.gradient_clip_val,
+                                          gradient_clip_algorithm=trainer.gradient_clip_algorithm)
+
+    model.optimizer_step(trainer.current_epoch, (step + 1) * accumulate - 1, _RowOptimizer(optimizer, clipped),
+                         lambda: at["loss"])
 
 
 def _outside_the_run(trainer: Any) -> dict[str, Any]:
@@ -244,7 +318,18 @@ def _outside_the_run(trainer: Any) -> dict[str, Any]:
     def unlogged(self: Any, *args: Any, **kwargs: Any) -> None:
         return None
 
-    return {"trainer": property(attached, unattached), "log": unlogged, "log_dict": unlogged}
+    def global_step(self: Any) -> int:
+        return int(trainer.global_step) + self.__dict__.get(_STEP, 0)
+
+    def clip_gradients(self: Any, optimizer: Any, gradient_clip_val: Optional[float] = None,
+                       gradient_clip_algorithm: Any = None) -> None:
+        if gradient_clip_val:
+            algorithm = getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm) or "norm"
+            _loop.clip_gradients([p for g in optimizer.param_groups for p in g["params"]], float(gradient_clip_val),
+                                 str(algorithm))
+
+    return {"trainer": property(attached, unattached), "log": unlogged, "log_dict": unlogged,
+            "global_step": property(global_step), "clip_gradients": clip_gradients}
 
 
 def _takes_index(module: Any) -> bool:

@@ -44,22 +44,21 @@ The callback is made once, its arguments checked at once:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Optional, Union
 
 import torch
 
 from tf32lab.errors import Tf32LabError
 from tf32lab.integrations import _loop
-from tf32lab.know.levels import check_levels
 from tf32lab.know.targets import Target
 from tf32lab.measure.training import random_state_kept
 from tf32lab.numbers.trees import map_tensors
 from tf32lab.report.training import TrainingReport
-from tf32lab.workloads.training import check_steps
 
 transformers = _loop.require("transformers", "Hugging Face transformers", "transformers")
 
@@ -83,12 +82,12 @@ class Tf32CheckCallback(transformers.TrainerCallback):
 
     def __init__(self, target: Union[str, Target] = "a100", steps: int = 20, levels: Optional[Iterable[str]] = None,
                  tolerance: Optional[float] = None, on_fail: str = "warn", trainer: Any = None) -> None:
-        self.target, self.steps = _loop.check_target(target), check_steps(steps)
-        self.levels = check_levels(_loop.default_levels(levels))
-        self.tolerance, self.on_fail = _loop.check_tolerance(tolerance), _loop.check_on_fail(on_fail)
+        self.target, self.steps, self.levels, self.tolerance, self.on_fail = _loop.Options.checked(
+            target, steps, levels, tolerance, on_fail)
         self.trainer = trainer
         self.report: Optional[TrainingReport] = None
         self.passed: Optional[bool] = None
+        self._writing: Optional[_loop.Written] = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.passed is not None:
@@ -123,8 +122,18 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         numbers = {k: v for k, v in _loop.headline(self.report).items() if math.isfinite(v)}
         if trainer is not None:
             trainer.log(numbers)
-        _loop.written(self.report, args.output_dir)
+        self._writing = _loop.Written(self.report, args.output_dir)
+        if not self.report.passed and self.on_fail == "raise":
+            self._wait()  # the run stops here: the files first
         _loop.said(self.report, self.on_fail)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._wait()
+
+    def _wait(self) -> None:
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            writing.wait()
 
     def _check(self, args: Any, trainer: Any, model: Any = None, optimizer: Any = None, lr_scheduler: Any = None,
                train_dataloader: Any = None, **_: Any) -> TrainingReport:
@@ -162,12 +171,18 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         if trainer is None:
             notes.append("no Trainer found: the loss is the model output's own .loss (Trainer.compute_loss's "
                          "default), not a subclass's compute_loss")
+        counts: dict[int, Any] = {}  # each step's token count, the same for every row: counted once
+        takes_count = trainer is not None and "num_items_in_batch" in inspect.signature(trainer.compute_loss).parameters
+
         def loss(copy: Any, micro: list[Any], step: int) -> torch.Tensor:
             copy.train()  # as Trainer.training_step does, whatever mode the model was loaded in
             if trainer is None:
                 outs = [copy(**batch) for batch in micro]
                 return torch.stack([out["loss"] if isinstance(out, dict) else out[0] for out in outs]).mean()
-            return _trainers_loss(trainer, copy, micro)
+            with _tokens_of_this_process(trainer):
+                if step not in counts:
+                    counts[step] = _token_count(trainer, micro, device)
+                return _trainers_loss(trainer, copy, micro, counts[step], takes_count)
 
         stepping = _loop.stepping_copy(model)
         report = _loop.run_check(stepping, type(model).__name__, steps, loss, make, levels=self.levels,
@@ -175,14 +190,34 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         return dataclasses.replace(report, notes=(*report.notes, tf32_advice(report, args)))
 
 
-def _trainers_loss(trainer: Any, model: Any, micro: list[Any]) -> torch.Tensor:
-    """One optimizer step's loss as ``Trainer.training_step`` backpropagates it over its micro-batches: each one's
-    ``compute_loss`` given the token count of them all (``get_batch_samples``), divided by their number unless that
-    count already scaled it."""
-    device = next(model.parameters()).device
-    count = trainer.get_batch_samples(iter(micro), len(micro), device)[1] if hasattr(trainer, "get_batch_samples") \
+@contextlib.contextmanager
+def _tokens_of_this_process(trainer: Any) -> Iterator[None]:
+    """Under DDP with ``average_tokens_across_devices``, the Trainer gathers each step's token count from every
+    process and scales the loss by their number: a collective that the processes waiting for process zero's
+    verdict never join (the check would hang). The check trains process zero's shard as one process would: its own
+    tokens, unscaled. The run's arguments are put back on every exit."""
+    args = trainer.args
+    if not (getattr(args, "average_tokens_across_devices", False) and getattr(args, "world_size", 1) > 1):
+        yield
+        return
+    args.average_tokens_across_devices = False
+    try:
+        yield
+    finally:
+        args.average_tokens_across_devices = True
+
+
+def _token_count(trainer: Any, micro: list[Any], device: torch.device) -> Any:
+    """The token count of one step's micro-batches, as ``Trainer.training_step`` gives ``compute_loss`` it
+    (``get_batch_samples``; None where this Trainer has none)."""
+    return trainer.get_batch_samples(iter(micro), len(micro), device)[1] if hasattr(trainer, "get_batch_samples") \
         else None
-    takes_count = "num_items_in_batch" in inspect.signature(trainer.compute_loss).parameters
+
+
+def _trainers_loss(trainer: Any, model: Any, micro: list[Any], count: Any, takes_count: bool) -> torch.Tensor:
+    """One optimizer step's loss as ``Trainer.training_step`` backpropagates it over its micro-batches: each one's
+    ``compute_loss`` given the token count of them all (``count``, where it takes one), divided by their number
+    unless that count already scaled it."""
     total = None
     for batch in micro:
         value = trainer.compute_loss(model, dict(batch), num_items_in_batch=count) if takes_count else \

@@ -84,6 +84,17 @@ _ELEMENTWISE_OPTIMIZERS = frozenset(
                                             "Adagrad", "Adadelta", "ASGD", "Rprop") if hasattr(torch.optim, name))
 
 
+def elementwise_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s step runs no matmul-family op, so that the check steps it outside the emulator:
+    one of PyTorch's element-wise optimizers (by exact type: a subclass may do more), or one that says so of
+    itself with ``elementwise_step = True`` (the training-loop callbacks' bundle of such optimizers).
+
+    >>> elementwise_step(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+    True
+    """
+    return type(optimizer) in _ELEMENTWISE_OPTIMIZERS or getattr(optimizer, "elementwise_step", False) is True
+
+
 def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS, target: Union[str, Target] = "a100",
                    steps: Optional[int] = None, tolerance: Optional[float] = None, policy: Optional[Policy] = None,
                    progress: bool = False, accumulation: Optional[str] = None, speed: bool = True,
@@ -427,7 +438,7 @@ class TrainingSession:
         applied = policy.policy.applied(model) if policy is not None else contextlib.nullcontext()
         # PyTorch's own element-wise optimizers run no matmul-family op: their step runs outside the emulator,
         # whose dispatch costs more than the step itself (any other optimizer's step is emulated like the rest)
-        step_emu = emu if type(optimizer) not in _ELEMENTWISE_OPTIMIZERS else None
+        step_emu = emu if not elementwise_step(optimizer) else None
         release_buffers()
         step = 0
         with scoped, applied:
