@@ -204,3 +204,16 @@ def test_under_ddp_process_zero_checks_and_every_process_ends_with_its_verdict(t
     found = sorted(re.findall(r"process (\d): passed=(True|False|None) report=(True|False)", out.stdout))
     assert found == [("0", "True", "True"), ("1", "True", "False")], out.stdout
     assert "same weights: True" in out.stdout.splitlines()
+
+
+def test_a_report_file_that_cannot_be_written_is_warned_of_and_the_run_is_kept(tmp_path):
+    # the JSON's path is taken by a folder: the writing (in a thread) fails; the run's own training must not
+    (tmp_path / "b" / "tf32lab-training.json").mkdir(parents=True)
+    plain, plain_losses, _, _ = train(tmp_path / "a", gpt2(), tokens(8))
+    check = Tf32CheckCallback(target="a100", steps=1, levels=("highest", "high"))
+    checked, losses, trainer, _ = train(tmp_path / "b", gpt2(), tokens(8), callback=check)
+    assert all(torch.equal(p, q) for p, q in zip(plain.state_dict().values(), checked.state_dict().values()))
+    assert losses == plain_losses and check.report is not None and check.report.passed
+    said = [w for w in trainer.warned if "report could not be written" in w]
+    assert len(said) == 1 and str(tmp_path / "b") in said[0], trainer.warned
+

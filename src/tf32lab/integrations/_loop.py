@@ -393,7 +393,10 @@ class Written:
     here, in the caller's kept random state (the first HTML rendering draws from Python's stream), and written to
     disk in a thread. Each file is written whole or not at all, synced with its folder (tens of milliseconds of
     waiting on the disk, the callback's largest cost beyond the check itself): the run's first steps go on
-    meanwhile. :meth:`wait` ends the writing, raising what it raised; the callbacks wait when training ends."""
+    meanwhile. The folder is made here, so that one that cannot be made fails before the run trains on; an
+    error of the writing itself (a full disk) is warned of by :meth:`wait`, which the callbacks call when training
+    ends or raises: by then the run's work is done, and neither it nor the run's own exception is lost to a
+    report file (the report stays on the callback)."""
 
     def __init__(self, report: TrainingReport, folder: Optional[str]) -> None:
         self.paths: list[Path] = []
@@ -402,15 +405,15 @@ class Written:
         if not folder:
             return
         path = Path(folder)
+        path.mkdir(parents=True, exist_ok=True)
         texts = {path / "tf32lab-training.json": report.to_json(), path / "tf32lab-training.html": report.to_html()}
         self.paths = list(texts)
 
         def write() -> None:
             try:
-                path.mkdir(parents=True, exist_ok=True)
                 for where, text in texts.items():
                     write_atomically(where, text)
-            except BaseException as exc:  # raised again by wait(), in the run's own thread
+            except Exception as exc:  # told by wait(), in the run's own thread
                 self._error = exc
 
         # not a daemon: a run that ends without waiting (an error in its loop) still gets whole files
@@ -418,13 +421,16 @@ class Written:
         self._thread.start()
 
     def wait(self) -> list[Path]:
-        """The paths written, once both files are on disk; the writing's error raised (once)."""
+        """The paths written, once both files are on disk; none, with a warning naming the error, when the
+        writing failed."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
-            raise error
+            warnings.warn(f"tf32lab: the training check's report could not be written to "
+                          f"{self.paths[0].parent}: {error} (the callback's .report holds it)", stacklevel=2)
+            self.paths = []
         return self.paths
 
 
