@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from tf32lab.numbers import formats
+from tf32lab.numbers.compiled import kernels
 
 __all__ = ["Kit", "assembled", "layers"]
 
@@ -253,12 +254,8 @@ def _lstm_backward(ctx, d_out, d_h, d_c):
     size = h0.size(-1)
     d_out = _in_order(d_out, reverse) if d_out is not None else torch.zeros_like(out)
     # the pointwise derivatives of every step at once; the loop then does what depends on the next step
-    i, f, o = acts[..., :size], acts[..., size:2 * size], acts[..., 3 * size:]
-    tanh_c = torch.tanh(c)
-    c_before = _before(c0, c)
-    from_h = o * (1 - tanh_c * tanh_c)  # d c / d h through h = o tanh(c)
-    gate_factors = torch.cat((g * i * (1 - i), c_before * f * (1 - f), i * (1 - g * g), tanh_c * o * (1 - o)),
-                             -1)
+    f = acts[..., size:2 * size]
+    from_h, gate_factors = _lstm_factors(acts, g, c, c0, kit.nan_free)
     w = kit.round(w_hh)
     steps = out.size(0)
     d_gates = torch.empty_like(acts)
@@ -284,6 +281,25 @@ def _lstm_backward(ctx, d_out, d_h, d_c):
         d_w = d_gates_rounded.reshape(-1, 4 * size).t() @ h_before.reshape(-1, size)
     kit.count("aten::mm", steps + (d_w is not None))
     return _in_order(d_gates, reverse), dh, dc, d_w, None, None
+
+
+def _lstm_factors(acts, g, c, c0, nan_free: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``d c / d h`` through h = o tanh(c), and each gate's factor of the step's (dc, dc, dc, dh), for every
+    step: in one compiled pass where numba is installed and nothing holds a NaN (whose payload a compiled
+    product may take from the other operand), else the tensor code."""
+    tanh_c = torch.tanh(c)
+    compiled = kernels("recurrent_kernels") if nan_free and acts.is_cpu else None
+    if compiled is not None:
+        acts, g, c, c0 = (t.detach().contiguous() for t in (acts, g, c, c0))
+        from_h, factors = torch.empty_like(c), torch.empty_like(acts)
+        compiled.lstm_factors(acts.numpy(), g.numpy(), tanh_c.numpy(), c.numpy(), c0.numpy(), from_h.numpy(),
+                              factors.numpy())
+        return from_h, factors
+    size = c.size(-1)
+    i, f, o = acts[..., :size], acts[..., size:2 * size], acts[..., 3 * size:]
+    c_before = _before(c0, c)
+    from_h = o * (1 - tanh_c * tanh_c)
+    return from_h, torch.cat((g * i * (1 - i), c_before * f * (1 - f), i * (1 - g * g), tanh_c * o * (1 - o)), -1)
 
 
 # -- GRU ----------------------------------------------------------------------------------------------------
