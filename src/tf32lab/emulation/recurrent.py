@@ -31,6 +31,7 @@ Example (the emulator calls it; a user meets it as an LSTM under ``emulate``):
 from __future__ import annotations
 
 import math as _pymath
+import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -285,10 +286,11 @@ def _lstm_backward(ctx, d_out, d_h, d_c):
 
 def _lstm_factors(acts, g, c, c0, nan_free: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``d c / d h`` through h = o tanh(c), and each gate's factor of the step's (dc, dc, dc, dh), for every
-    step: in one compiled pass where numba is installed and nothing holds a NaN (whose payload a compiled
-    product may take from the other operand), else the tensor code."""
+    step: in one compiled pass where numba is loaded (as ``formats`` loads it: at once where the run is known to be
+    long, else once the tensor code has rounded enough to pay for numba's import) and nothing holds a NaN (whose
+    payload a compiled product may take from the other operand), else the tensor code."""
     tanh_c = torch.tanh(c)
-    compiled = kernels("recurrent_kernels") if nan_free and acts.is_cpu else None
+    compiled = kernels("recurrent_kernels") if nan_free and acts.is_cpu and "numba" in sys.modules else None
     if compiled is not None:
         acts, g, c, c0 = (t.detach().contiguous() for t in (acts, g, c, c0))
         from_h, factors = torch.empty_like(c), torch.empty_like(acts)
