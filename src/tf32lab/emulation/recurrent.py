@@ -12,7 +12,7 @@ kernels it can (the same kernels, in the same order, as :func:`tf32lab.emulation
 step, so a forward gives the bits it gave before), and keeps what the backward needs; its backward runs the
 sequence backwards with the pointwise derivatives computed for all steps at once, one rounding and one GEMM per
 step, and the weight gradient as one GEMM. Per-step autograd nodes (thousands for a speaker encoder) cost 8x a
-native forward and backward of an LSTM, 5x of a GRU; this costs about 1.8x and 0.9x (docs/benchmarks.md).
+native forward and backward of an LSTM, 5x of a GRU; this costs about 1.6x and 0.9x (docs/benchmarks.md).
 
 Covered: ``lstm`` without ``proj_size`` and ``gru``, float32, in a math rounded once per operand (``tf32``,
 ``bf16``). :func:`layers` answers ``None`` for anything else, which :func:`~tf32lab.emulation.rules.run_rnn` runs.
