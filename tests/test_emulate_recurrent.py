@@ -3,12 +3,16 @@ whose GEMMs round their operands as cuDNN's RNN kernel does, and the shape of th
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 from torch import nn
 
 import tf32lab
+from tf32lab.emulation import recurrent
 from tf32lab.numbers import formats
+from tf32lab.numbers.compiled import kernels
 
 
 def _tf32(t: torch.Tensor) -> torch.Tensor:
@@ -162,3 +166,57 @@ def test_the_hot_rounder_gives_the_bits_of_the_checked_rounding(name, rounding):
     hot(in_place, in_place)
     assert torch.equal(into.view(torch.int32), checked.view(torch.int32))
     assert torch.equal(in_place.view(torch.int32), checked.view(torch.int32))
+
+
+def _ops(steps: int, grad: bool) -> collections.Counter:
+    """The aten ops an emulated LSTM's forward (and backward) records, by name, less those ``unbind`` runs (the
+    per-step views, made once)."""
+    torch.manual_seed(0)
+    lstm = nn.LSTM(4, 8)
+    x = torch.randn(steps, 2, 4, requires_grad=grad)
+
+    def run() -> None:
+        if grad:
+            lstm(x)[0].sum().backward()
+        else:
+            with torch.inference_mode():
+                lstm(x)
+
+    with tf32lab.precision("high"), tf32lab.emulate("a100"):
+        run()  # the rounded weights cached
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            run()
+
+    def in_unbind(event) -> bool:
+        while event is not None:
+            if event.name == "aten::unbind":
+                return True
+            event = event.cpu_parent
+        return False
+
+    return collections.Counter(e.name for e in prof.events() if not in_unbind(e))
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "forward-and-backward"])
+def test_an_lstm_step_runs_its_kernels_and_makes_no_view(grad):
+    # a Python-level view or allocation costs as much as a step's pointwise kernel on an 8 x 256 state
+    short, long = _ops(5, grad), _ops(25, grad)
+    per_step = {name: (long[name] - short[name]) / 20 for name in long | short if long[name] != short[name]}
+    assert per_step["aten::addmm"] == 1 + grad, per_step
+    made = {"aten::view", "aten::select", "aten::slice", "aten::split", "aten::chunk", "aten::empty",
+            "aten::empty_like", "aten::zeros_like", "aten::clone"}
+    assert not made & per_step.keys(), per_step
+
+
+def test_the_compiled_lstm_derivatives_give_the_tensor_code_bits():
+    if kernels("recurrent_kernels") is None:
+        pytest.skip("numba is not installed")
+    torch.manual_seed(0)
+    steps, batch, size = 7, 3, 5  # odd sizes: no vector lane lines up with a gate
+    acts = torch.cat((torch.randn(steps, batch, 4 * size).sigmoid(), torch.randn(steps, batch, 4 * size) * 4))
+    g, c = torch.randn(2 * steps, batch, size).tanh(), torch.randn(2 * steps, batch, size) * 3
+    c0 = torch.randn(batch, size)
+    compiled = recurrent._lstm_factors(acts, g, c, c0, nan_free=True)
+    tensor_code = recurrent._lstm_factors(acts, g, c, c0, nan_free=False)
+    for a, b in zip(compiled, tensor_code):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))

@@ -12,7 +12,7 @@ kernels it can (the same kernels, in the same order, as :func:`tf32lab.emulation
 step, so a forward gives the bits it gave before), and keeps what the backward needs; its backward runs the
 sequence backwards with the pointwise derivatives computed for all steps at once, one rounding and one GEMM per
 step, and the weight gradient as one GEMM. Per-step autograd nodes (thousands for a speaker encoder) cost 8x a
-native forward and backward of an LSTM, 5x of a GRU; this costs about 1.8x and 0.9x (docs/benchmarks.md).
+native forward and backward of an LSTM, 5x of a GRU; this costs about 1.6x and 0.9x (docs/benchmarks.md).
 
 Covered: ``lstm`` without ``proj_size`` and ``gru``, float32, in a math rounded once per operand (``tf32``,
 ``bf16``). :func:`layers` answers ``None`` for anything else, which :func:`~tf32lab.emulation.rules.run_rnn` runs.
@@ -31,6 +31,7 @@ Example (the emulator calls it; a user meets it as an LSTM under ``emulate``):
 from __future__ import annotations
 
 import math as _pymath
+import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -38,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from tf32lab.numbers import formats
+from tf32lab.numbers.compiled import kernels
 
 __all__ = ["Kit", "assembled", "layers"]
 
@@ -76,6 +78,30 @@ class Kit:
             return fn(x, self.rounding, out=out, default_nans=nan_free)
 
         return round_into
+
+    def step_rounder(self, nan_free: bool, source: torch.Tensor, into: torch.Tensor
+                     ) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """``fn(k, x)``: ``x`` (which is ``source[k]``; any tensor when ``k`` is -1) rounded into ``into[k]`` when
+        ``into`` is a slab of ``source``'s shape, else into ``into`` itself, and returned; for a loop over the
+        steps of ``source``. On the CPU the checks-free kernel runs on int32 views of every step made once (the
+        views cost as much as the rounding), elsewhere :meth:`rounder`'s."""
+        round_into = self.rounder(nan_free)
+        slab = into.dim() == source.dim()
+        outs = into.unbind(0) if slab else None
+        if not (nan_free and source.is_cpu and source.is_contiguous() and into.is_contiguous()):
+            return lambda k, x: round_into(x, outs[k] if slab else into)
+        on_bits = formats.hot_bits_rounder(self.name, self.rounding)
+        steps = source.view(torch.int32).unbind(0)
+        bits = into.view(torch.int32).unbind(0) if slab else None
+        one = into.view(torch.int32)
+
+        def round_step(k: int, x: torch.Tensor) -> torch.Tensor:
+            if k < 0:
+                return round_into(x, outs[k] if slab else into)
+            on_bits(steps[k], bits[k] if slab else one)
+            return outs[k] if slab else into
+
+        return round_step
 
     def round(self, x: torch.Tensor) -> torch.Tensor:
         """A rounded copy of ``x`` (NaNs kept)."""
@@ -165,28 +191,41 @@ def _before(first: torch.Tensor, ran: torch.Tensor) -> torch.Tensor:
 def _lstm_forward(gates_x, h, c, w_hh, kit: Kit, reverse: bool, saved: Optional[list]):
     """The steps of one layer and direction; ``saved`` (a list) receives the activations (i, f, ·, o after the
     sigmoid), g and c of every step, in run order. The kernels and their order are the fused step's of
-    ``rules.run_rnn`` (the same bits); each writes into a preallocated slab, so that nothing is stacked after."""
+    ``rules.run_rnn`` (the same bits); each writes into a preallocated slab through views made once (``unbind``),
+    so that a step makes no tensor and nothing is stacked after: a step's pointwise work is a few microseconds,
+    as much as a Python-level view or allocation costs."""
     steps = gates_x.size(0)
     size = h.size(-1)
     w_t = kit.weight(w_hh).t().contiguous()  # rounded once per call, transposed once
-    round_h = kit.rounder(kit.nan_free)
-    held = torch.empty_like(h)  # the rounded hidden state
+    held = torch.empty_like(h, memory_format=torch.contiguous_format)  # the rounded hidden state
     out = gates_x.new_empty(steps, *h.shape)
+    round_h = kit.step_rounder(kit.nan_free, out, held)
     keep = saved is not None
     acts = gates_x.new_empty(gates_x.shape if keep else gates_x.shape[1:])
-    slots = [acts[..., j * size:(j + 1) * size] for j in range(4)]  # i, f, g, o: views made once, not per step
-    gs = gates_x.new_empty(out.shape) if keep else torch.empty_like(h)
-    cs = gates_x.new_empty(out.shape) if keep else None
-    c = c if keep else c.clone()  # without a history, each state is written over the last
+    gs = gates_x.new_empty(out.shape) if keep else torch.empty_like(held)
+    cs = gates_x.new_empty(out.shape) if keep else c.clone(memory_format=torch.contiguous_format)
+    fc, tanh_c = torch.empty_like(held), torch.empty_like(held)  # f c and tanh(c) of the step
+    x_at, out_at = gates_x.unbind(0), out.unbind(0)
+    slots = [acts[..., j * size:(j + 1) * size] for j in range(4)]  # i, f, g, o
+    if keep:
+        act_at, g_at, c_at = acts.unbind(0), gs.unbind(0), cs.unbind(0)
+        i_at, f_at, g_in_at, o_at = (slot.unbind(0) for slot in slots)
     act, (i, f, g_in, o), g = acts, slots, gs
+    last = -1  # the step whose h the next GEMM rounds (-1: the initial state)
     for k, t in enumerate(_order(steps, reverse)):
         if keep:
-            act, i, f, g_in, o, g = acts[k], slots[0][k], slots[1][k], slots[2][k], slots[3][k], gs[k]
-        torch.addmm(gates_x[t], round_h(h, held), w_t, out=act)
+            act, i, f, g_in, o, g = act_at[k], i_at[k], f_at[k], g_in_at[k], o_at[k], g_at[k]
+            c_before, c = c, c_at[k]
+        else:
+            c_before = c = cs
+        torch.addmm(x_at[t], round_h(last, h), w_t, out=act)
         torch.tanh(g_in, out=g)
         act.sigmoid_()  # i, f, o (g's slot unused)
-        c = torch.addcmul(f * c, i, g, out=cs[k] if keep else c)
-        h = torch.mul(o, torch.tanh(c), out=out[t])
+        torch.mul(f, c_before, out=fc)
+        torch.addcmul(fc, i, g, out=c)
+        torch.tanh(c, out=tanh_c)
+        h = torch.mul(o, tanh_c, out=out_at[t])
+        last = t
     kit.count("aten::linear", steps)
     if keep:
         saved += [acts, gs, cs]
@@ -216,31 +255,53 @@ def _lstm_backward(ctx, d_out, d_h, d_c):
     size = h0.size(-1)
     d_out = _in_order(d_out, reverse) if d_out is not None else torch.zeros_like(out)
     # the pointwise derivatives of every step at once; the loop then does what depends on the next step
-    i, f, o = acts[..., :size], acts[..., size:2 * size], acts[..., 3 * size:]
-    tanh_c = torch.tanh(c)
-    c_before = _before(c0, c)
-    from_h = o * (1 - tanh_c * tanh_c)  # d c / d h through h = o tanh(c)
-    gate_factors = torch.cat((g * i * (1 - i), c_before * f * (1 - f), i * (1 - g * g), tanh_c * o * (1 - o)),
-                             -1)
-    rounder = kit.rounder(_nan_free(d_out, d_h, d_c))
+    f = acts[..., size:2 * size]
+    from_h, gate_factors = _lstm_factors(acts, g, c, c0, kit.nan_free)
     w = kit.round(w_hh)
     steps = out.size(0)
     d_gates = torch.empty_like(acts)
     d_gates_rounded = torch.empty_like(acts)
-    dh = d_out[-1] if d_h is None else d_out[-1] + d_h
-    dc = torch.zeros_like(c0) if d_c is None else d_c
+    rounder = kit.step_rounder(_nan_free(d_out, d_h, d_c), d_gates, d_gates_rounded)
+    # every step's views made once; dh and dc written over in place (the kernels and their order as before)
+    d_out_at, from_h_at, factors_at, f_at = d_out.unbind(0), from_h.unbind(0), gate_factors.unbind(0), f.unbind(0)
+    d_gates_at = d_gates.unbind(0)
+    both = torch.empty_like(acts[0])  # (dc, dc, dc, dh) of the step
+    dh = d_out_at[-1] if d_h is None else d_out_at[-1] + d_h
+    dc = torch.zeros_like(c0) if d_c is None else d_c.clone()
+    dh_next = torch.empty_like(dc)
     for k in range(steps - 1, -1, -1):
-        dc = torch.addcmul(dc, dh, from_h[k])
-        torch.mul(torch.cat((dc, dc, dc, dh), -1), gate_factors[k], out=d_gates[k])
-        dc = dc * f[k]
-        rounder(d_gates[k], d_gates_rounded[k])
-        dh = torch.addmm(d_out[k - 1], d_gates_rounded[k], w) if k else d_gates_rounded[k] @ w
+        torch.addcmul(dc, dh, from_h_at[k], out=dc)
+        torch.cat((dc, dc, dc, dh), -1, out=both)
+        torch.mul(both, factors_at[k], out=d_gates_at[k])
+        torch.mul(dc, f_at[k], out=dc)
+        rounded = rounder(k, d_gates_at[k])
+        dh = torch.addmm(d_out_at[k - 1], rounded, w, out=dh_next) if k else torch.mm(rounded, w, out=dh_next)
     d_w = None
     if ctx.needs_input_grad[3]:  # the whole sequence in one GEMM
         h_before = kit.round(_before(h0, _in_order(out, reverse)))
         d_w = d_gates_rounded.reshape(-1, 4 * size).t() @ h_before.reshape(-1, size)
     kit.count("aten::mm", steps + (d_w is not None))
     return _in_order(d_gates, reverse), dh, dc, d_w, None, None
+
+
+def _lstm_factors(acts, g, c, c0, nan_free: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``d c / d h`` through h = o tanh(c), and each gate's factor of the step's (dc, dc, dc, dh), for every
+    step: in one compiled pass where numba is loaded (as ``formats`` loads it: at once where the run is known to be
+    long, else once the tensor code has rounded enough to pay for numba's import) and nothing holds a NaN (whose
+    payload a compiled product may take from the other operand), else the tensor code."""
+    tanh_c = torch.tanh(c)
+    compiled = kernels("recurrent_kernels") if nan_free and acts.is_cpu and "numba" in sys.modules else None
+    if compiled is not None:
+        acts, g, c, c0 = (t.detach().contiguous() for t in (acts, g, c, c0))
+        from_h, factors = torch.empty_like(c), torch.empty_like(acts)
+        compiled.lstm_factors(acts.numpy(), g.numpy(), tanh_c.numpy(), c.numpy(), c0.numpy(), from_h.numpy(),
+                              factors.numpy())
+        return from_h, factors
+    size = c.size(-1)
+    i, f, o = acts[..., :size], acts[..., size:2 * size], acts[..., 3 * size:]
+    c_before = _before(c0, c)
+    from_h = o * (1 - tanh_c * tanh_c)
+    return from_h, torch.cat((g * i * (1 - i), c_before * f * (1 - f), i * (1 - g * g), tanh_c * o * (1 - o)), -1)
 
 
 # -- GRU ----------------------------------------------------------------------------------------------------

@@ -234,6 +234,27 @@ def hot_rounder(name: str, rounding: str) -> Callable[[torch.Tensor, torch.Tenso
     """``fn(x, out)``: ``x`` rounded to ``name`` ("tf32" or "bf16") into ``out``, with no checks, for a loop that
     rounds many small tensors it made itself (an RNN's hidden states): ``x`` and ``out`` float32 of one shape on
     the CPU, every NaN in ``x`` the default one (see ``round_tf32``'s ``default_nans``)."""
+    on_bits = hot_bits_rounder(name, rounding)
+
+    def fn(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        on_bits(_bits(x), out.view(torch.int32))
+        return out
+
+    return fn
+
+
+def hot_bits_rounder(name: str, rounding: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``fn(u, bits)``: :func:`hot_rounder` on int32 views made once by the caller (``u`` the float32 values'
+    bits, ``bits`` the output's), for a loop whose per-call views cost as much as the rounding (an LSTM's steps).
+
+    Example:
+
+        >>> x = torch.tensor([1.0 + 2.0 ** -11])
+        >>> out = torch.empty_like(x)
+        >>> _ = hot_bits_rounder("tf32", "rna")(x.view(torch.int32), out.view(torch.int32))
+        >>> out.item() == 1.0 + 2.0 ** -10
+        True
+    """
     drop = {"tf32": _TF32_DROP, "bf16": _BF16_DROP}[name]
     _check_rounding(rounding, f"round_{name}")
     # ``_round_bits``'s arithmetic with 0-dim tensors: a Python number is made a tensor at every call, which
@@ -241,11 +262,9 @@ def hot_rounder(name: str, rounding: str) -> Callable[[torch.Tensor, torch.Tenso
     mask, half, below, one, shift = (torch.tensor(v, dtype=torch.int32)
                                      for v in (-(1 << drop), 1 << (drop - 1), (1 << (drop - 1)) - 1, 1, drop))
 
-    def fn(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        u, bits = _bits(x), out.view(torch.int32)
+    def fn(u: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
         if rounding == "rz":
-            torch.bitwise_and(u, mask, out=bits)
-            return out
+            return torch.bitwise_and(u, mask, out=bits)
         if rounding == "rna":
             torch.add(u, half, out=bits)
         elif bits.data_ptr() != u.data_ptr():  # rne, as ``_round_bits``
@@ -253,8 +272,7 @@ def hot_rounder(name: str, rounding: str) -> Callable[[torch.Tensor, torch.Tenso
         else:
             odd = torch.bitwise_right_shift(u, shift).bitwise_and_(one)
             torch.add(u, odd, out=bits).add_(below)
-        bits.bitwise_and_(mask)
-        return out
+        return bits.bitwise_and_(mask)
 
     return fn
 
