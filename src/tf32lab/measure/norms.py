@@ -72,17 +72,23 @@ def _sums(output: Any, reference: Any, norms: dict[str, float],
           scratch: torch.Tensor) -> tuple[float, float, Optional[str]]:
     """‖y − r‖², ‖r‖² and a mismatch of structure, if any."""
     refs = {key: r for key, r in named_leaves(reference) if isinstance(r, (torch.Tensor, Spilled))}
+    ys = list(named_tensors(output))
+    with bare(scratch, *(y for _, y in ys), *(r for r in refs.values() if isinstance(r, torch.Tensor))):
+        return _summed(ys, refs, norms, scratch)
+
+
+def _summed(ys: list[tuple[str, torch.Tensor]], refs: dict[str, Any], norms: dict[str, float],
+            scratch: torch.Tensor) -> tuple[float, float, Optional[str]]:
     read, work = scratch[:CHUNK], scratch[CHUNK:]
     diff2 = ref2 = 0.0
-    for name, y in named_tensors(output):
+    for name, y in ys:
         r = refs.get(name)
         if r is None or name not in norms:
             continue
         if r.shape != y.shape:
             what = "its output" if name == "output" else f"its output {name}"
             return math.nan, math.nan, f"{what} has shape {tuple(y.shape)}, the reference's {tuple(r.shape)}"
-        with bare(y, *((r,) if isinstance(r, torch.Tensor) else ())):
-            diff2 = _diff2(y, r, read, work, diff2)
+        diff2 = _diff2(y, r, read, work, diff2)
         ref2 += norms[name]
     return diff2, ref2, None
 
