@@ -26,13 +26,14 @@ from typing import Any, Optional, Union
 
 import torch
 
+from tf32lab.control import modestack
 from tf32lab.control.scope import conv_math, precision
 from tf32lab.emulation.emulator import emulate
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
 from tf32lab.know.targets import Target
 from tf32lab.measure.draws import Streams, random_op
-from tf32lab.measure.norms import scratch, tree_normwise
+from tf32lab.measure.norms import bare, scratch, tree_normwise
 from tf32lab.measure.reference import Float64Run
 from tf32lab.measure.sharded import local
 from tf32lab.measure.spill import Spilled, SpillFile
@@ -213,6 +214,7 @@ class Recorder:
         self.called: set[str] = set()  # the modules whose forward ran (one whose parent uses its weights did not)
         self.by_family: collections.Counter[str] = collections.Counter()  # the reference's family ops, per family
         self.streams: Optional[Streams] = None  # set by check: each rerun draws from its call's random state
+        self.quiet: list[Any] = []  # the caller's own modes over the reference run, lifted while a layer reruns
 
     def __enter__(self) -> Recorder:
         try:
@@ -292,8 +294,11 @@ class Recorder:
             self.mode.paused = True  # our own arithmetic, in float64 already
             try:
                 output = map_tensors(local, output)  # a DTensor's shard: what this rank holds
-                norms = {key: float(torch.linalg.vector_norm(t)) ** 2 for key, t in named_tensors(output)
-                         if t.is_floating_point() or t.is_complex()}
+                norms = {}
+                for key, t in named_tensors(output):
+                    if t.is_floating_point() or t.is_complex():
+                        with bare(t):
+                            norms[key] = float(torch.linalg.vector_norm(t)) ** 2
                 reference = self._keep(name, i, output)
                 self.outputs[(name, i)] = (reference, norms)
                 self._introduce(name, module, frame, i)
@@ -331,34 +336,49 @@ class Recorder:
     def _reruns(self, name: str, module: torch.nn.Module, frame: _Frame, reference: Any, norms: dict[str, float],
                 inner: dict[torch.nn.Module, list[Any]], pin: Optional[tuple[str, str]], cudnn: bool,
                 streams: Optional[Streams]) -> None:
-        for level, conv in [(level, None) for level in self.levels] + ([pin] if pin and cudnn else []):
-            args, kwargs = map_tensors(_to_float32, frame.args), map_tensors(_to_float32, frame.kwargs)
-            if streams is not None:  # a call that drew: each rerun draws what the reference's call drew
-                streams.put(frame.state)
-            self.rerunning = True
-            try:
-                with state_kept(module), _originals(self.swapped), _answering(inner), \
-                        level_context(level, self.target, self.accumulation, self.ranks is None), \
-                        conv_math(conv), torch.inference_mode():
-                    output = module(*args, **kwargs)
-                error = self._normwise(output, reference, norms)
-                why = None
-            except (Tf32LabError, KeyboardInterrupt):
+        # the reference run's own modes off the stack meanwhile: paused, they would pass each op through as it is,
+        # at the cost of Python calls per op (the float32 inputs made once, again only where a rerun wrote into them)
+        with contextlib.ExitStack() as quiet:
+            for mode in (*self.mode.modes, *self.quiet):
+                quiet.enter_context(modestack.lifted(mode))
+            fed: Optional[tuple[Any, Any, list[Optional[int]]]] = None
+            for level, conv in [(level, None) for level in self.levels] + ([pin] if pin and cudnn else []):
+                if fed is None or _versions(fed[:2]) != fed[2]:
+                    made = map_tensors(_to_float32, frame.args), map_tensors(_to_float32, frame.kwargs)
+                    fed = (*made, _versions(made))
+                self._rerun(name, module, frame, reference, norms, inner, pin, cudnn, streams, level, conv,
+                            fed[0], fed[1])
+
+    def _rerun(self, name: str, module: torch.nn.Module, frame: _Frame, reference: Any, norms: dict[str, float],
+               inner: dict[torch.nn.Module, list[Any]], pin: Optional[tuple[str, str]], cudnn: bool,
+               streams: Optional[Streams], level: str, conv: Optional[str], args: Any, kwargs: Any) -> None:
+        """One rerun of a layer's call at ``level`` (and cuDNN conv math ``conv``), fed ``args`` and ``kwargs``."""
+        if streams is not None:  # a call that drew: each rerun draws what the reference's call drew
+            streams.put(frame.state)
+        self.rerunning = True
+        try:
+            with state_kept(module), _originals(self.swapped), _answering(inner), \
+                    level_context(level, self.target, self.accumulation, self.ranks is None), \
+                    conv_math(conv), torch.inference_mode():
+                output = module(*args, **kwargs)
+            error = self._normwise(output, reference, norms)
+            why = None
+        except (Tf32LabError, KeyboardInterrupt):
+            raise
+        except BaseException as exc:  # sys.exit() included: as a level's run, a finding about this layer
+            if out_of_memory(exc) or self.ranks is not None:  # sharded: the other ranks wait in a collective
                 raise
-            except BaseException as exc:  # sys.exit() included: as a level's run, a finding about this layer
-                if out_of_memory(exc) or self.ranks is not None:  # sharded: the other ranks wait in a collective
-                    raise
-                at = f"level {level!r}" + (f" and cuDNN's conv math {conv!r}" if conv else "")
-                bug = internal_error(exc, f"rerunning layer {name!r} alone at {at}")
-                if bug is not None:
-                    raise bug from exc
-                error, why = math.nan, f"raised when run alone at {'its pinned conv math' if conv else 'this level'}" \
-                                       f": {described(exc)}"
-            finally:
-                self.rerunning = False
-            self._worst(name, error, why, level, conv)
-            if pin and not cudnn and conv is None and level == pin[0]:  # no cuDNN op: the same at any conv math
-                self._worst(name, error, why, level, pin[1])
+            at = f"level {level!r}" + (f" and cuDNN's conv math {conv!r}" if conv else "")
+            bug = internal_error(exc, f"rerunning layer {name!r} alone at {at}")
+            if bug is not None:
+                raise bug from exc
+            error, why = math.nan, f"raised when run alone at {'its pinned conv math' if conv else 'this level'}" \
+                                   f": {described(exc)}"
+        finally:
+            self.rerunning = False
+        self._worst(name, error, why, level, conv)
+        if pin and not cudnn and conv is None and level == pin[0]:  # no cuDNN op: the same at any conv math
+            self._worst(name, error, why, level, pin[1])
 
     def _worst(self, name: str, error: float, why: Optional[str], level: Optional[str] = None,
                conv: Optional[str] = None) -> None:

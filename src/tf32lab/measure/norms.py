@@ -12,7 +12,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -26,6 +28,27 @@ CHUNK = 1 << 16  # elements: a chunk's difference stays in the L2 cache between 
 def scratch(device: torch.device) -> torch.Tensor:
     """The buffer :func:`tree_normwise` works in: a chunk read back from a spill file, and a chunk's difference."""
     return torch.empty(2 * CHUNK, dtype=torch.float64, device=device)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+@contextlib.contextmanager
+def bare(*tensors: Any) -> Iterator[None]:
+    """No torch-function or dispatch mode sees the block's ops, where every tensor it reads is a plain tensor (a
+    subclass may need its own handlers, and keeps them). ``check``'s own arithmetic runs inside its runs (the
+    float64 reference's modes, the emulator): through them, each of a comparison's many small ops cost several
+    Python calls, a third of its time, for the same bits (each mode passes float64 arithmetic through as it is).
+
+        >>> with bare(torch.ones(2)):
+        ...     float(torch.ones(2).sum())
+        2.0
+    """
+    if not all(type(t) in _PLAIN for t in tensors):
+        yield
+        return
+    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        yield
 
 
 def tree_normwise(output: Any, reference: Any, norms: dict[str, float],
@@ -49,29 +72,42 @@ def _sums(output: Any, reference: Any, norms: dict[str, float],
           scratch: torch.Tensor) -> tuple[float, float, Optional[str]]:
     """‖y − r‖², ‖r‖² and a mismatch of structure, if any."""
     refs = {key: r for key, r in named_leaves(reference) if isinstance(r, (torch.Tensor, Spilled))}
+    ys = list(named_tensors(output))
+    with bare(scratch, *(y for _, y in ys), *(r for r in refs.values() if isinstance(r, torch.Tensor))):
+        return _summed(ys, refs, norms, scratch)
+
+
+def _summed(ys: list[tuple[str, torch.Tensor]], refs: dict[str, Any], norms: dict[str, float],
+            scratch: torch.Tensor) -> tuple[float, float, Optional[str]]:
     read, work = scratch[:CHUNK], scratch[CHUNK:]
     diff2 = ref2 = 0.0
-    for name, y in named_tensors(output):
+    for name, y in ys:
         r = refs.get(name)
         if r is None or name not in norms:
             continue
         if r.shape != y.shape:
             what = "its output" if name == "output" else f"its output {name}"
             return math.nan, math.nan, f"{what} has shape {tuple(y.shape)}, the reference's {tuple(r.shape)}"
-        if isinstance(r, Spilled):
-            parts = r.chunks(read)
-        else:
-            if y.is_complex():
-                y, r = torch.view_as_real(y), torch.view_as_real(r)
-            flat = r.reshape(-1)
-            parts = (flat[start:start + CHUNK] for start in range(0, flat.numel(), CHUNK))
-        y = y.reshape(-1)
-        start = 0
-        for part in parts:
-            d = work[:part.numel()]
-            d.copy_(y[start:start + part.numel()])  # widened exactly; then a float64-only subtraction (fast path)
-            d.sub_(part)
-            diff2 += float(torch.dot(d, d))
-            start += part.numel()
+        diff2 = _diff2(y, r, read, work, diff2)
         ref2 += norms[name]
     return diff2, ref2, None
+
+
+def _diff2(y: torch.Tensor, r: Any, read: torch.Tensor, work: torch.Tensor, diff2: float) -> float:
+    """``diff2`` plus ‖y − r‖² in float64, a chunk at a time through ``work`` (summed on, in the same order)."""
+    if isinstance(r, Spilled):
+        parts = r.chunks(read)
+    else:
+        if y.is_complex():
+            y, r = torch.view_as_real(y), torch.view_as_real(r)
+        flat = r.reshape(-1)
+        parts = (flat[start:start + CHUNK] for start in range(0, flat.numel(), CHUNK))
+    y = y.reshape(-1)
+    start = 0
+    for part in parts:
+        d = work[:part.numel()]
+        d.copy_(y[start:start + part.numel()])  # widened exactly; then a float64-only subtraction (fast path)
+        d.sub_(part)
+        diff2 += float(torch.dot(d, d))
+        start += part.numel()
+    return diff2

@@ -304,6 +304,11 @@ class Float64Run:
         self.own_float64: dict[int, weakref.ref] = {}
         self._modes = (_Functions(self), _Ops(self))
 
+    @property
+    def modes(self) -> tuple[Any, ...]:
+        """Its two modes (a function mode, a dispatch mode): what to lift off the stack to run without it."""
+        return self._modes
+
     def __enter__(self) -> Float64Run:
         functions, ops = self._modes
         modestack.push(functions)

@@ -130,6 +130,11 @@ class Formed:
         self._mode = _Mode(self)
         self._memo: dict[int, Optional[tuple[torch.Tensor, str]]] = {}  # during scales(): id(tensor) -> formed
 
+    @property
+    def mode(self) -> Any:
+        """Its dispatch mode: what to lift off the stack to run without it."""
+        return self._mode
+
     def keep(self, entry: _Entry) -> None:
         kept = self.kept
         if any(not e.alive() for e in kept):

@@ -1,0 +1,61 @@
+"""What check's own arithmetic costs: its comparisons and layer reruns run outside the modes of the runs they sit
+in (the float64 reference's, the emulator's), with the same bits as through them."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tf32lab
+from tf32lab.measure import layers, reference
+from tf32lab.measure.norms import scratch, tree_normwise
+
+
+class _Seen(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_comparison_passes_no_mode_and_keeps_its_bits():
+    torch.manual_seed(0)
+    ys = {"a": torch.randn(300_000), "b": torch.randn(7, 5)}  # several chunks, then a second output summed on
+    refs = {k: v.double() + 1e-3 * torch.randn(v.shape, dtype=torch.float64) for k, v in ys.items()}
+    norms = {k: float(torch.linalg.vector_norm(r)) ** 2 for k, r in refs.items()}
+    work = scratch(torch.device("cpu"))
+    plain = tree_normwise(ys, refs, norms, work)
+    seen = _Seen()
+    with seen:
+        inside = tree_normwise(ys, refs, norms, work)
+    assert seen.ops == 0
+    assert inside == plain
+    assert 1e-4 < plain[0] < 1e-2
+
+
+def test_layer_reruns_pass_no_op_through_the_float64_run(monkeypatch):
+    passed, rerunning = [], []
+    original, reruns = reference._Ops.__torch_dispatch__, layers.Recorder._reruns
+
+    def counting(self, func, types, args=(), kwargs=None):
+        if rerunning:
+            passed.append(func)
+        return original(self, func, types, args, kwargs)
+
+    def flagged(self, *args, **kwargs):
+        rerunning.append(True)
+        try:
+            return reruns(self, *args, **kwargs)
+        finally:
+            rerunning.pop()
+
+    monkeypatch.setattr(reference._Ops, "__torch_dispatch__", counting)
+    monkeypatch.setattr(layers.Recorder, "_reruns", flagged)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    report = tf32lab.check(tf32lab.Workload(model, torch.randn(8, 32), name="mlp"), levels=("highest", "high"))
+    assert passed == []
+    introduced = {layer.name: layer.introduced for layer in report.level("high").layers}
+    assert set(introduced) == {"0", "2"} and all(0 < v < 1e-2 for v in introduced.values())
