@@ -1,6 +1,6 @@
-"""`tf32lab check` as a multiple of one native forward pass: wall time (goal <= 10x on the default target, a100,
-for all-MiniLM-L6-v2 and the LSTM) and peak memory (goal <= 2.5x one forward's extra memory, peak RSS over an idle
-interpreter that has imported torch and tf32lab, for MiniLM, the MLP and the conv net), on all-MiniLM-L6-v2
+"""`tf32lab check` as a multiple of one native forward pass: wall time (goal <= 6x on the default target, a100,
+for all-MiniLM-L6-v2, the LSTM and the conv net) and peak memory (goal <= 2x one forward's extra memory, peak RSS
+over an idle interpreter that has imported torch and tf32lab, for the same three), on all-MiniLM-L6-v2
 (64 sentences), a 200M-parameter MLP (batch 8), a conv net shaped like torchcrepe's tiny model (batch 512 x 1024
 samples, random weights) and an LSTM speaker encoder (3 layers, hidden 256, 8 x 160 frames).
 
@@ -84,8 +84,9 @@ def workload(name: str) -> tf32lab.Workload:
 
 
 WORKLOADS = ("minilm", "mlp200m", "crepe-tiny", "lstm")
-TIME_GOAL = ("minilm", "lstm")
-MEMORY_GOAL = ("minilm", "mlp200m", "crepe-tiny")
+# the default levels on the default target; the MLP is weight-bound (its 200M weights rounded per run): no goal
+TIME_GOAL, MEMORY_GOAL = 6.0, 2.0
+GOALS = ("minilm", "crepe-tiny", "lstm")
 
 
 def _child(name: str, what: str) -> None:
@@ -128,6 +129,7 @@ def main() -> None:
     header("tf32lab check as a multiple of one native forward (time: interleaved medians; memory: peak RSS over "
            "an idle interpreter, fresh processes)")
     idle = _peak("none", "idle")
+    verdicts = []
     for name in args.only.split(","):
         w = workload(name)
 
@@ -146,10 +148,15 @@ def main() -> None:
         print(f"{name:<11} forward {base * 1e3:8.1f} ms, {native:7.0f} MiB extra")
         for variant in variants:
             if variant != "forward":
-                goal = "  (goal <= 10x)" if name in TIME_GOAL and variant == "check a100" else ""
-                print(f"{'':<11} {variant:<14} {times[variant] / base:6.2f}x time{goal}")
-        goal = "  (goal <= 2.5x)" if name in MEMORY_GOAL else ""
-        print(f"{'':<11} {'check a100':<14} {checked / native:6.2f}x memory, {checked:.0f} MiB extra{goal}")
+                print(f"{'':<11} {variant:<14} {times[variant] / base:6.2f}x time")
+        print(f"{'':<11} {'check a100':<14} {checked / native:6.2f}x memory, {checked:.0f} MiB extra")
+        if name in GOALS:
+            time_ratio, memory_ratio = times["check a100"] / base, checked / native
+            verdicts += [f"{'PASSED' if time_ratio <= TIME_GOAL else 'FAILED'} | {name} | check {time_ratio:.2f}x "
+                         f"one forward's time (goal <= {TIME_GOAL:g}x)",
+                         f"{'PASSED' if memory_ratio <= MEMORY_GOAL else 'FAILED'} | {name} | check "
+                         f"{memory_ratio:.2f}x one forward's memory (goal <= {MEMORY_GOAL:g}x)"]
+    print("\n".join(verdicts))
 
 
 if __name__ == "__main__":
