@@ -43,6 +43,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "setup to teardown) and the CPU seconds of each test file; 0 prints only the files. Wall time misleads on "
         "a loaded machine; CPU time does not.",
     )
+    parser.addoption("--cpu-log", default=None, metavar="FILE",
+                     help="with --cpu-durations: append each test's CPU seconds to FILE as it ends (a long run cut "
+                     "short still tells)")
 
 
 def _cpu_seconds() -> float:
@@ -56,6 +59,7 @@ def _cpu_seconds() -> float:
 
 _cpu_start: dict[str, float] = {}
 _cpu_costs: dict[str, float] = {}
+_cpu_log: list[str] = []
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -76,6 +80,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         for name, value in report.user_properties:
             if name == "cpu_seconds":
                 _cpu_costs[report.nodeid] = value
+                if _cpu_log:
+                    with open(_cpu_log[0], "a") as log:
+                        log.write(f"{value:.3f} {report.nodeid}\n")
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
@@ -96,6 +103,8 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("cpu_log") and not hasattr(config, "workerinput"):
+        _cpu_log.append(config.getoption("cpu_log"))
     # Each xdist worker takes its share of the CPUs: 2 workers x 2 intra-op threads on 2 CPUs oversubscribe, and
     # OpenMP's spinning threads then slow every matmul. Set once, before any test, so the per-test check holds.
     workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
