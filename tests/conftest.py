@@ -6,6 +6,10 @@ of the intra-op threads, so tests must not share files, ports or environment wit
 
 from __future__ import annotations
 
+import resource
+import sys
+from collections import defaultdict
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -29,7 +33,78 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return detect().usable_cpus
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--cpu-durations",
+        type=int,
+        default=None,
+        metavar="N",
+        help="print the N tests that cost the most CPU seconds (the worker and the child processes it waited for, "
+        "setup to teardown) and the CPU seconds of each test file; 0 prints only the files. Wall time misleads on "
+        "a loaded machine; CPU time does not.",
+    )
+    parser.addoption("--cpu-log", default=None, metavar="FILE",
+                     help="with --cpu-durations: append each test's CPU seconds to FILE as it ends (a long run cut "
+                     "short still tells)")
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and of its waited-for children, plus those of the CLI runs that
+    tests/cli_runner.py forked from its server (children of the server, not of this process)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    runner = sys.modules.get("cli_runner")
+    forked = runner.forked_cpu_seconds() if runner is not None else 0.0
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + forked
+
+
+_cpu_start: dict[str, float] = {}
+_cpu_costs: dict[str, float] = {}
+_cpu_log: list[str] = []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_logstart(nodeid: str, location) -> None:
+    _cpu_start[nodeid] = _cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    # The teardown report carries the test's CPU seconds to the controller (xdist sends user_properties along).
+    if call.when == "teardown" and item.config.getoption("cpu_durations") is not None and item.nodeid in _cpu_start:
+        item.user_properties.append(("cpu_seconds", _cpu_seconds() - _cpu_start.pop(item.nodeid)))
+    yield
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "teardown":
+        for name, value in report.user_properties:
+            if name == "cpu_seconds":
+                _cpu_costs[report.nodeid] = value
+                if _cpu_log:
+                    with open(_cpu_log[0], "a") as log:
+                        log.write(f"{value:.3f} {report.nodeid}\n")
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    count = config.getoption("cpu_durations")
+    if count is None or not _cpu_costs or hasattr(config, "workerinput"):
+        return
+    write = terminalreporter.write_line
+    total = sum(_cpu_costs.values())
+    terminalreporter.section(f"CPU seconds: {total:.1f} over {len(_cpu_costs)} tests")
+    for nodeid, cost in sorted(_cpu_costs.items(), key=lambda kv: -kv[1])[:count]:
+        write(f"{cost:9.2f}s  {nodeid}")
+    per_file: dict[str, float] = defaultdict(float)
+    for nodeid, cost in _cpu_costs.items():
+        per_file[nodeid.split("::")[0]] += cost
+    terminalreporter.section("CPU seconds per file")
+    for path, cost in sorted(per_file.items(), key=lambda kv: -kv[1]):
+        write(f"{cost:9.2f}s  {path}")
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("cpu_log") and not hasattr(config, "workerinput"):
+        _cpu_log.append(config.getoption("cpu_log"))
     # Each xdist worker takes its share of the CPUs: 2 workers x 2 intra-op threads on 2 CPUs oversubscribe, and
     # OpenMP's spinning threads then slow every matmul. Set once, before any test, so the per-test check holds.
     workers = int(getattr(config, "workerinput", {}).get("workercount", 1))

@@ -5,13 +5,12 @@ by doctor. The suite's conftest checks that every flag is as before after each t
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import jsonschema
 import pytest
 import torch
 
+import cli_runner
 import tf32lab
 from tf32lab import Policy, TrainingWorkload, Workload, check, check_training, predict
 from tf32lab.control import flags
@@ -120,13 +119,12 @@ def test_the_training_check_takes_it():
 
 
 def test_the_cli_and_the_pytest_option_take_it(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "tf32lab.workloads.builtin:covariance",
-                           "--levels", "highest,bfx9", "--target", "b200", "--json", "-"],
-                          capture_output=True, text=True, timeout=300)
+    done = cli_runner.run("check", "tf32lab.workloads.builtin:covariance", "--levels", "highest,bfx9", "--target",
+                          "b200", "--json", "-", module="tf32lab.cli", timeout=300)
     assert done.returncode == 0, done.stderr
     assert [lv["level"] for lv in json.loads(done.stdout)["levels"]] == ["highest", "bfx9"]
-    bad = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "tf32lab.workloads.builtin:covariance",
-                          "--levels", "bfx9", "--target", "a100"], capture_output=True, text=True, timeout=300)
+    bad = cli_runner.run("check", "tf32lab.workloads.builtin:covariance", "--levels", "bfx9", "--target", "a100",
+                         module="tf32lab.cli", timeout=300)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "needs compute capability" in bad.stderr
     from tf32lab.pytest_plugin import _parse
 

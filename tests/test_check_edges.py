@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import math
 import random
-import subprocess
-import sys
 import textwrap
 import threading
 
 import pytest
 import torch
 
+import cli_runner
 import tf32lab
 from tf32lab.control import flags
 from tf32lab.errors import Tf32LabError
@@ -67,8 +66,7 @@ def test_products_with_no_rows_no_k_or_no_columns_are_predicted_checked_and_tune
 
 def test_speed_command_predicts_an_expert_that_got_no_tokens(tmp_path):
     (tmp_path / "experts.py").write_text(EXPERTS)
-    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "speed", "experts.py:make"], capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path)
+    done = cli_runner.run("speed", "experts.py:make", module="tf32lab.cli", timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "predicted (a100)" in done.stdout
 
@@ -142,8 +140,7 @@ def test_check_of_a_nan_reference_exits_2_with_one_line(tmp_path):
         def make():
             return torch.nn.Linear(4, 4), torch.full((2, 4), float("nan"))
     """))
-    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "nan_model.py:make"], capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path)
+    done = cli_runner.run("check", "nan_model.py:make", module="tf32lab.cli", timeout=300, cwd=tmp_path)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "the float64 reference itself is NaN" in done.stderr and "PASSED" not in done.stdout
     assert len(done.stderr.strip().splitlines()) == 1
@@ -237,8 +234,7 @@ def test_the_commands_refuse_all_threaded_products_and_say_partly_threaded_ones_
     (tmp_path / "threaded.py").write_text(THREADED)
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "tf32lab.cli", *args], capture_output=True, text=True,
-                              timeout=300, cwd=tmp_path)
+        return cli_runner.run(*args, module="tf32lab.cli", timeout=300, cwd=tmp_path)
 
     for command in ("check", "tune", "speed"):
         done = cli(command, "threaded.py:every")
@@ -310,8 +306,7 @@ def test_bench_puts_back_the_flags_a_model_sets_in_its_forward_and_says_so(how, 
 
 # -- a Hugging Face Hub id where a folder is expected ----------------------------------------------------------------
 def test_a_hub_id_is_told_how_to_get_a_local_folder(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "hf:someorg/some-model"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    done = cli_runner.run("check", "hf:someorg/some-model", module="tf32lab.cli", timeout=300, cwd=tmp_path)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "huggingface-cli download someorg/some-model --local-dir DIR" in done.stderr
     assert "snapshot_download('someorg/some-model', local_dir=DIR)" in done.stderr and "hf:DIR" in done.stderr
@@ -381,8 +376,7 @@ def test_a_sampling_model_gets_one_recommendation_seed_it_and_no_tune_advice(tmp
         def make():
             return M(), torch.randn(8, 16)
     """))
-    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "sampling.py:make"], capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path)
+    done = cli_runner.run("check", "sampling.py:make", module="tf32lab.cli", timeout=300, cwd=tmp_path)
     assert done.returncode == 1 and "not deterministic" in done.stdout
     assert "tune" not in done.stdout and "Keep `highest`" not in done.stdout, done.stdout
 
@@ -422,8 +416,7 @@ def test_check_does_not_point_to_tune_when_highest_fails_too(tmp_path):
         def make():
             return M(), torch.randn(8, 16)
     """))
-    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "overflow.py:make"], capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path)
+    done = cli_runner.run("check", "overflow.py:make", module="tf32lab.cli", timeout=300, cwd=tmp_path)
     assert done.returncode == 1 and "float32's range" in done.stdout, done.stdout + done.stderr
     assert "tf32lab tune" not in done.stdout
 
@@ -490,8 +483,8 @@ def test_speed_check_and_tune_commands_take_empty_convolutions(tmp_path):
             return M(), torch.randn(8, 16)
     """))
     for command in (["speed"], ["check", "--target", "a100"], ["tune", "--target", "a100"]):
-        done = subprocess.run([sys.executable, "-m", "tf32lab.cli", command[0], "empty_conv.py:make", *command[1:]],
-                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        done = cli_runner.run(command[0], "empty_conv.py:make", *command[1:], module="tf32lab.cli", timeout=300,
+                              cwd=tmp_path)
         assert done.returncode == 0, (command, done.stdout, done.stderr)
         assert "raise" not in done.stdout + done.stderr, done.stdout
 
@@ -534,8 +527,7 @@ def test_an_error_in_tf32labs_own_code_is_reported_as_tf32labs_not_the_models(br
 def test_the_commands_say_an_error_of_tf32labs_is_tf32labs_with_exit_2(tmp_path):
     (tmp_path / "broken.py").write_text(BROKEN_COUNTING)
     for command in ("speed", "check", "tune"):
-        done = subprocess.run([sys.executable, "-m", "tf32lab.cli", command, "broken.py:make"], capture_output=True,
-                              text=True, timeout=300, cwd=tmp_path)
+        done = cli_runner.run(command, "broken.py:make", module="tf32lab.cli", timeout=300, cwd=tmp_path)
         assert done.returncode == 2, (command, done.stdout, done.stderr)
         assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr
         assert "internal error in tf32lab" in done.stderr and "please report" in done.stderr

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+import cli_runner
 import tf32lab
 from tf32lab import Workload
 from tf32lab.errors import Tf32LabError
@@ -98,8 +99,7 @@ def _valid(report) -> dict:
 
 
 def _cli(spec: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", spec, *extra], capture_output=True,
-                          text=True, timeout=300)
+    return cli_runner.run("check", spec, *extra, module="tf32lab.cli", timeout=300)
 
 
 # -- TorchScript -------------------------------------------------------------------------------------------------
@@ -234,9 +234,8 @@ def test_nan_and_inf_held_alike_are_compared_by_position_and_value():
 
 
 # -- the command line, as a user meets it ------------------------------------------------------------------------
-def _run(*args: str, cwd=None, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tf32lab.cli", *args], capture_output=True, text=True, timeout=300,
-                          cwd=cwd, **kw)
+def _run(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return cli_runner.run(*args, module="tf32lab.cli", timeout=300, cwd=cwd)
 
 
 def _one_line_error(done: subprocess.CompletedProcess) -> str:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 
 import jsonschema
 import pytest
 import torch
 
+import cli_runner
 import tf32lab
 from tf32lab import Policy
 from tf32lab.errors import Tf32LabError
@@ -83,8 +82,7 @@ def test_the_policy_is_off_the_model_after_check(workload):
 
 # -- the command line ----------------------------------------------------------------------------------------
 def cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "tf32lab.cli", *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
+    return cli_runner.run(*args, module="tf32lab.cli", timeout=300, cwd=cwd)
 
 
 def test_check_with_a_policy_file_adds_the_row_in_every_format(tmp_path):

@@ -1,13 +1,12 @@
 """The command line, through real subprocesses."""
 
-import subprocess
-import sys
 
+import cli_runner
 import tf32lab
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "tf32lab.cli", *args], capture_output=True, text=True, timeout=120)
+    return cli_runner.run(*args, module="tf32lab.cli", timeout=120)
 
 
 def test_version():

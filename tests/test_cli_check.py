@@ -10,12 +10,12 @@ import textwrap
 import jsonschema
 import pytest
 
+import cli_runner
 from tf32lab.report import schema
 
 
 def run(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
+    return cli_runner.run("check", *args, module="tf32lab.cli", timeout=300, cwd=cwd)
 
 
 def test_a_passing_workload_exits_0_and_writes_its_files(tmp_path):

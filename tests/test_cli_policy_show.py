@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
+
+import cli_runner
 
 
 def test_policy_show_is_a_tree_that_fits_80_columns(tmp_path):
@@ -23,9 +23,8 @@ def test_policy_show_is_a_tree_that_fits_80_columns(tmp_path):
     """), encoding="utf-8")
     (tmp_path / "p.json").write_text('{"schema_version": 1, "default": "high", "rules": '
                                      '[{"pattern": "*.value_projection_head", "level": "highest"}]}', encoding="utf-8")
-    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "policy", "show", "p.json", "--model", "deep.py:make"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "COLUMNS": "80"})
+    done = cli_runner.run("policy", "show", "p.json", "--model", "deep.py:make", module="tf32lab.cli", cwd=tmp_path,
+                          timeout=120, env={**os.environ, "COLUMNS": "80"})
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert max(len(line) for line in lines) <= 80
@@ -46,8 +45,8 @@ def test_policy_show_names_each_modules_conv_math_when_the_policy_pins_one(tmp_p
                                      'conv = "ieee"\n', encoding="utf-8")
 
     def show(*args):
-        return subprocess.run([sys.executable, "-m", "tf32lab.cli", "policy", "show", "p.toml", *args], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "80"})
+        return cli_runner.run("policy", "show", "p.toml", *args, module="tf32lab.cli", cwd=tmp_path, timeout=120,
+                              env={**os.environ, "COLUMNS": "80"})
 
     done = show("--model", "convs.py:make")
     assert done.returncode == 0, done.stderr

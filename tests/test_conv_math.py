@@ -5,13 +5,12 @@ checks every flag after each test, too)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
+import cli_runner
 import tf32lab
 from tf32lab import Workload, check
 from tf32lab.control import flags
@@ -142,9 +141,8 @@ def test_the_cli_takes_conv(tmp_path):
     (tmp_path / "convmodel.py").write_text(textwrap.dedent(MODEL))
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "convmodel:make", "--levels", "highest",
-                               "--target", "a100", "--no-speed", "--tolerance", "1e-4", *args], capture_output=True,
-                              text=True, timeout=300, cwd=tmp_path)
+        return cli_runner.run("check", "convmodel:make", "--levels", "highest", "--target", "a100", "--no-speed",
+                              "--tolerance", "1e-4", *args, module="tf32lab.cli", timeout=300, cwd=tmp_path)
 
     ieee, tf32 = run("--conv", "ieee"), run("--conv", "tf32")
     assert ieee.returncode == 0, ieee.stderr

@@ -7,8 +7,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jsonschema
@@ -17,6 +15,7 @@ import torch
 from rich.console import Console
 from torch import nn
 
+import cli_runner
 import tf32lab
 from small_resnet import resnet
 from tf32lab.report import schema
@@ -149,9 +148,9 @@ def test_the_text_report_states_the_conv_math(resnet_report):
 
 def test_the_cli_states_the_conv_math_in_text_json_and_html(tmp_path):
     path = Path(__file__).with_name("small_resnet.py")
-    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", f"{path}:resnet", "--levels",
-                           "highest,high", "--json", str(tmp_path / "r.json"), "--html", str(tmp_path / "r.html")],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "80"})
+    done = cli_runner.run("check", f"{path}:resnet", "--levels", "highest,high", "--json", str(tmp_path / "r.json"),
+                          "--html", str(tmp_path / "r.html"), module="tf32lab.cli", timeout=300,
+                          env={**os.environ, "COLUMNS": "80"})
     assert done.returncode == 0, done.stderr
     assert "Convolutions ran TF32 at every level, `highest` included" in done.stdout
     assert "convolutions," in done.stdout and "but they are small" not in done.stdout

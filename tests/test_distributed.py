@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import cli_runner
 from distributed_jobs import run_job
 from tf32lab.errors import Tf32LabError
 
@@ -262,16 +263,14 @@ def test_a_check_of_a_model_without_fsdp_does_not_import_it():
                                      ["check", "examples/value_head/train.py:workload", "--train"]])
 def test_commands_of_one_process_are_refused_under_torchrun(command):
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-m", "tf32lab", *command], capture_output=True, text=True, timeout=120,
-                          cwd=root, env={**os.environ, "RANK": "1", "WORLD_SIZE": "2"})
+    done = cli_runner.run(*command, timeout=120, cwd=root, env={**os.environ, "RANK": "1", "WORLD_SIZE": "2"})
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "rank 1/2: " in done.stderr and "runs in one process, not under torchrun" in done.stderr
 
 
 @pytest.mark.parametrize("bad", ["0", "-1", "nan", "inf", "abc", "0.001"])
 def test_a_timeout_no_collective_could_meet_is_refused(bad):
-    done = subprocess.run([sys.executable, "-m", "tf32lab", "check", "--timeout", bad], capture_output=True,
-                          text=True, timeout=120)
+    done = cli_runner.run("check", "--timeout", bad, timeout=120)
     assert done.returncode == 2 and "bad timeout" in done.stderr and "seconds >= 1" in done.stderr, done.stderr
 
 

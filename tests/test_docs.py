@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import cli_runner
 import tf32lab
 
 # every module of the package (a new one cannot be forgotten), but those with no public API to show: the command
@@ -54,8 +55,7 @@ COMMANDS = [line.split("  #")[0].strip() for line in re.findall(r"^    ((?:tf32l
 
 
 def _cli(*args, cwd=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "tf32lab", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=timeout, env={**os.environ, "COLUMNS": "120", **_pythonpath()})
+    return cli_runner.run(*args, cwd=cwd, timeout=timeout, env={**os.environ, "COLUMNS": "120", **_pythonpath()})
 
 
 def _pythonpath():

@@ -14,6 +14,7 @@ import pytest
 import rich.console
 import torch
 
+import cli_runner
 import tf32lab
 from tf32lab import Tf32LabError
 from tf32lab.control import flags
@@ -29,8 +30,7 @@ def _codes(d) -> set[str]:
 
 
 def _tf32lab(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tf32lab.cli", *args], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, **(env or {})})
+    return cli_runner.run(*args, module="tf32lab.cli", timeout=120, env={**os.environ, **(env or {})})
 
 
 def test_doctor_is_right_about_this_machine():

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+import cli_runner
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -21,8 +23,7 @@ def test_the_value_head_example_pins_the_head_and_keeps_the_bodys_tf32():
 
 
 def _check_train(spec: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tf32lab", "check", spec, "--train", "--levels", "highest,high",
-                           *args], capture_output=True, text=True, timeout=900)
+    return cli_runner.run("check", spec, "--train", "--levels", "highest,high", *args, timeout=900)
 
 
 def test_the_value_head_as_a_training_workload_pinned_and_not():

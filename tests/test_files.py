@@ -19,6 +19,7 @@ import threading
 
 import pytest
 
+import cli_runner
 import tf32lab
 from tf32lab.numbers import files
 
@@ -32,9 +33,8 @@ def make():
 '''
 
 
-def _run(*args: str, cwd, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tf32lab.cli", *args], capture_output=True, text=True, timeout=300,
-                          cwd=cwd, **kw)
+def _run(*args: str, cwd) -> subprocess.CompletedProcess:
+    return cli_runner.run(*args, module="tf32lab.cli", timeout=300, cwd=cwd)
 
 
 def _one_line_error(done: subprocess.CompletedProcess) -> str:

@@ -15,13 +15,13 @@ import json
 import math
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import jsonschema
 import pytest
 import torch
 
+import cli_runner
 import tf32lab
 from tf32lab.errors import Tf32LabError
 from tf32lab.report.generation import Criterion, generation_schema
@@ -244,8 +244,7 @@ def test_a_row_that_raises_is_a_finding(trained):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tf32lab", "check", *args], capture_output=True, text=True,
-                          timeout=300)
+    return cli_runner.run("check", *args, timeout=300)
 
 
 def test_cli_generate_writes_each_levels_divergence_and_agreement(gpt2_folder, tmp_path):

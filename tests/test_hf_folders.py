@@ -4,12 +4,11 @@ trained on the sample sentences, processors saved from their classes), nothing d
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
+import cli_runner
 import tf32lab
 from tf32lab.errors import Tf32LabError
 from tf32lab.workloads import hf, samples, specs
@@ -106,8 +105,7 @@ def folders(tmp_path_factory):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "tf32lab", "check", *args], capture_output=True, text=True,
-                          timeout=300)
+    return cli_runner.run("check", *args, timeout=300)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])

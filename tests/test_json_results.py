@@ -10,14 +10,13 @@ import dataclasses
 import json
 import math
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
+import cli_runner
 import tf32lab
 from tf32lab.machine.hardware import Hardware
 from tf32lab.machine.probe import ProbeResult
@@ -91,8 +90,7 @@ def test_the_speed_command_writes_strict_json_to_stdout_and_to_a_file(tmp_path):
     """))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     for out in ("-", "speed.json"):
-        done = subprocess.run([sys.executable, "-m", "tf32lab", "speed", "idle.py:make", "--json", out],
-                              capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
+        done = cli_runner.run("speed", "idle.py:make", "--json", out, cwd=tmp_path, timeout=300, env=env)
         assert done.returncode == 0, done.stderr[-2000:]
         text = done.stdout if out == "-" else (tmp_path / out).read_text()
         assert strict(text)["predicted"]["levels"][0]["speedup"] == "nan"

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.utils.checkpoint
 
+import cli_runner
 import tf32lab
 from tf32lab import Policy
 from tf32lab.control import flags
@@ -575,8 +576,7 @@ def test_a_file_nested_very_deep_is_one_line(tmp_path, name):
 
 def test_policy_show_on_a_file_nested_very_deep_exits_2_with_one_line(tmp_path):
     (tmp_path / "p.json").write_text("[" * 100_000 + "]" * 100_000)
-    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "policy", "show", str(tmp_path / "p.json")],
-                          capture_output=True, text=True, timeout=120)
+    done = cli_runner.run("policy", "show", str(tmp_path / "p.json"), module="tf32lab.cli", timeout=120)
     assert done.returncode == 2 and done.stdout == ""
     assert len(done.stderr.strip().splitlines()) == 1 and "nested too deeply" in done.stderr
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import cli_runner
 import tf32lab
 from test_conv_math import conv_training_workload
 from tf32lab import Policy
@@ -506,8 +507,6 @@ def test_a_write_of_cudnns_flag_made_while_blocks_were_open_is_kept_when_the_las
 
 
 def test_the_report_names_conv_pins_and_measures_a_pinned_layer_at_its_math(tmp_path):
-    import subprocess
-    import sys
 
     (tmp_path / "convs.py").write_text(
         "import torch, tf32lab\n"
@@ -518,9 +517,9 @@ def test_the_report_names_conv_pins_and_measures_a_pinned_layer_at_its_math(tmp_
         "    return tf32lab.Workload(model, 8.0 + torch.randn(2, 3, 12, 12), name='convs')\n")
     (tmp_path / "policy.json").write_text('{"schema_version": 2, "default": "high", "conv": "tf32", '
                                           '"rules": [{"pattern": "2", "conv": "ieee"}]}')
-    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", str(tmp_path / "convs.py") + ":make",
-                           "--levels", "highest", "--policy", str(tmp_path / "policy.json"), "--conv", "tf32"],
-                          capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
+    done = cli_runner.run("check", str(tmp_path / "convs.py") + ":make", "--levels", "highest", "--policy",
+                          str(tmp_path / "policy.json"), "--conv", "tf32", module="tf32lab.cli", timeout=300,
+                          env={**__import__("os").environ,
                                                                              "COLUMNS": "400"})
     assert done.returncode == 0, done.stderr
     text = done.stdout

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+import cli_runner
 import tf32lab
 
 
@@ -156,16 +157,14 @@ def test_check_with_a_policy_names_a_rule_that_did_not_act():
 
 def test_policy_show_names_a_rule_that_cannot_act(tmp_path):
     import os
-    import subprocess
-    import sys
 
     (tmp_path / "kept.py").write_text(_SPEC)
     (tmp_path / "policy.json").write_text(tf32lab.Policy(
         "high", [("*.self_attn.out_proj", "highest"), ("spare", "highest")]).to_json())
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__),
                                                          os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "policy", "show", "policy.json", "--model",
-                           "kept.py:make"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    done = cli_runner.run("policy", "show", "policy.json", "--model", "kept.py:make", module="tf32lab.cli",
+                          cwd=tmp_path, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stdout.splitlines() if "did not act" in line]
     assert len(lines) == 1 and "'spare' -> highest" in lines[0] and "out_proj" not in lines[0], done.stdout

@@ -4,12 +4,17 @@ fixtures of wider scope, bad markers, and that it costs nothing when off; ``tf32
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
 from importlib.metadata import version
 
 import pytest
+
+import cli_runner
 
 pytest_plugins = ["pytester"]
 
@@ -104,8 +109,17 @@ LEAK = textwrap.dedent("""
 """)
 
 
-def _run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly", *args, timeout=600)
+def _run(pytester: pytest.Pytester, *args: str, fresh: bool = False) -> pytest.RunResult:
+    """What ``pytester.runpytest_subprocess`` does, the child forked from the suite's CLI server (torch already
+    imported) unless ``fresh``: a real process each time, without paying torch's import each time."""
+    basetemp = tempfile.mkdtemp(prefix="runpytest-", dir=pytester.path)
+    path = os.pathsep.join(filter(None, [str(pytester.path), os.environ.get("PYTHONPATH")]))  # as pytester's popen
+    env = {**os.environ, "PYTHONPATH": path}
+    start = time.monotonic()
+    done = cli_runner.run(f"--basetemp={basetemp}", "-p", "no:cacheprovider", "-p", "no:randomly", *args,
+                          module="pytest", cwd=pytester.path, env=env, timeout=600, fresh=fresh)
+    return pytest.RunResult(done.returncode, done.stdout.splitlines(), done.stderr.splitlines(),
+                            time.monotonic() - start)
 
 
 def test_a_suite_as_an_a100_computes_it(pytester: pytest.Pytester):
@@ -229,7 +243,7 @@ def test_loaded_but_off_it_imports_no_torch(pytester: pytest.Pytester):
             assert "torch" not in sys.modules, "the plugin imported torch while off"
     """))
     pytester.makepyfile(test_plain="def test_nothing():\n    pass\n")
-    _run(pytester).assert_outcomes(passed=1)
+    _run(pytester, fresh=True).assert_outcomes(passed=1)  # fresh: the server has imported torch
     done = subprocess.run([sys.executable, "-m", "pytest", "--help"], capture_output=True, text=True, timeout=120,
                           cwd=pytester.path)
     assert done.returncode == 0 and "--tf32lab=TARGET[:LEVEL]" in done.stdout

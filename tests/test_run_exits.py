@@ -4,13 +4,13 @@ float64 reference is bad input (exit 2, one line); anywhere else, one ``Tf32LabE
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
 
+import cli_runner
 import tf32lab
 from tf32lab import TrainingWorkload, Workload, check, check_training, tune
 from tf32lab.control import flags
@@ -236,8 +236,7 @@ MODELS = textwrap.dedent("""
 
 def _cli(tmp_path, *args):
     (tmp_path / "exits.py").write_text(MODELS)
-    return subprocess.run([sys.executable, "-m", "tf32lab.cli", *args], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path)
+    return cli_runner.run(*args, module="tf32lab.cli", timeout=300, cwd=tmp_path)
 
 
 @pytest.mark.parametrize("args", [

@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 
+import cli_runner
 import tf32lab
 from kernel_levels import KernelLevels as Recorder
 from tf32lab import Tf32LabError, precision
@@ -321,8 +322,8 @@ def test_a_bad_guard_setting_is_one_clear_line():
     done = run_python("import tf32lab\ntry:\n    tf32lab.precision('high').__enter__()\n"
                       "except tf32lab.Tf32LabError as exc:\n    print(exc)", TF32LAB_SCOPE_GUARD="sometimes")
     assert done.stdout.strip() == message
-    cli = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "builtin"], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "TF32LAB_SCOPE_GUARD": "sometimes"})
+    cli = cli_runner.run("check", "builtin", module="tf32lab.cli", timeout=120,
+                         env={**os.environ, "TF32LAB_SCOPE_GUARD": "sometimes"})
     assert cli.returncode == 2 and cli.stdout == ""
     assert cli.stderr.strip().splitlines() == [f"tf32lab check: error: {message}"]
 

@@ -16,6 +16,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import cli_runner
 import tf32lab
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import targets as known_targets
@@ -215,7 +216,7 @@ def test_check_without_speed_or_on_a_cpu_target_predicts_nothing():
 
 # -- the command line ---------------------------------------------------------------------------------------
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "tf32lab.cli", *args], capture_output=True, text=True, timeout=300)
+    return cli_runner.run(*args, module="tf32lab.cli", timeout=300)
 
 
 def test_speed_command_prints_the_prediction_and_with_measure_both():

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+import cli_runner
 import tf32lab
 from tf32lab import Tf32LabError
 from tf32lab.measure.spill import Spilled, SpillFile, min_bytes_from_env
@@ -96,8 +95,7 @@ def test_check_gives_the_same_report_with_every_layer_written_out(monkeypatch):
 
 @pytest.mark.parametrize("raw", ["lots", "inf"])
 def test_a_bad_spill_size_through_the_cli_is_one_line_and_exit_2(raw):
-    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "tf32lab.workloads.builtin:covariance"],
-                          capture_output=True, text=True, timeout=300,
+    done = cli_runner.run("check", "tf32lab.workloads.builtin:covariance", module="tf32lab.cli", timeout=300,
                           env={**os.environ, "TF32LAB_SPILL_MIB": raw})
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()

@@ -10,13 +10,13 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from rich.console import Console
 
+import cli_runner
 import tf32lab as tf32lab_api
 from browser import visit
 from tf32lab.report.tables import Column, Fitted, as_lines
@@ -32,8 +32,7 @@ def tf32lab(*args: str, columns: int, cwd: Path, check: bool = True) -> str:
     """The command's stdout through a pipe (as `| cat` sees it), the terminal ``columns`` wide."""
     env = {**os.environ, "COLUMNS": str(columns)}
     env.pop("LINES", None)
-    done = subprocess.run([sys.executable, "-m", "tf32lab", *args], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=600)
+    done = cli_runner.run(*args, cwd=cwd, env=env, timeout=600)
     assert done.returncode in ((0,) if check else (0, 1)), done.stderr
     return done.stdout
 

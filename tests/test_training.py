@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -12,6 +10,7 @@ import jsonschema
 import pytest
 import torch
 
+import cli_runner
 import tf32lab
 from tf32lab import Policy, TrainingWorkload, check_training
 from tf32lab.control import flags
@@ -351,8 +350,7 @@ CLI_MODEL = textwrap.dedent("""
 def _cli(tmp_path, *args):
     (tmp_path / "trainmodel.py").write_text(CLI_MODEL)
     env = {"PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'tests'}", "PATH": "/usr/bin:/bin"}
-    return subprocess.run([sys.executable, "-m", "tf32lab", "check", *args], capture_output=True, text=True,
-                          cwd=tmp_path, env=env, timeout=300)
+    return cli_runner.run("check", *args, cwd=tmp_path, env=env, timeout=300)
 
 
 def test_cli_check_train_exit_codes_and_outputs(tmp_path):
@@ -418,9 +416,8 @@ def test_tune_takes_no_pins_that_buy_too_little():
 def test_tune_cli_train_writes_the_policy(tmp_path):
     (tmp_path / "trainmodel.py").write_text(CLI_MODEL)
     env = {"PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'tests'}", "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([sys.executable, "-m", "tf32lab", "tune", "trainmodel.py:offset", "--train", "--out",
-                           "policy.json", "--conv", "ieee", "--json", "tuning.json"],
-                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    done = cli_runner.run("tune", "trainmodel.py:offset", "--train", "--out", "policy.json", "--conv", "ieee", "--json",
+                          "tuning.json", cwd=tmp_path, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "policy.json").read_text())["rules"] == [{"pattern": "3.lin", "level": "highest"}]
     assert "high, pinned: 3.lin" in done.stdout and "cudnn.allow_tf32" not in done.stdout  # no convolution in it
@@ -597,8 +594,8 @@ def test_a_batch_the_model_cannot_be_called_with_is_one_line_naming_inputs():
 def test_speed_predicts_a_training_workloads_step(tmp_path):
     (tmp_path / "trainmodel.py").write_text(CLI_MODEL)
     env = {"PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'tests'}", "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([sys.executable, "-m", "tf32lab", "speed", "trainmodel.py:good", "--target", "h100",
-                           "--json", "-"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    done = cli_runner.run("speed", "trainmodel.py:good", "--target", "h100", "--json", "-", cwd=tmp_path, env=env,
+                          timeout=300)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["predicted"]["step"] == "training"
 

@@ -4,13 +4,12 @@ the fastest level), every candidate verified; the CLI's exit codes and files; th
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import cli_runner
 import tf32lab
 from browser import visit
 from tf32lab.control import flags
@@ -85,8 +84,7 @@ def test_minilm_is_tuned_to_high_everywhere():
 
 # -- the command line and the page -------------------------------------------------------------------------
 def cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "tf32lab.cli", "tune", *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
+    return cli_runner.run("tune", *args, module="tf32lab.cli", timeout=300, cwd=cwd)
 
 
 def test_tune_writes_the_policy_its_json_and_its_page(tmp_path):
@@ -113,8 +111,8 @@ def test_tune_exit_codes(tmp_path):
 
 
 def test_check_points_to_tune_when_a_level_fails(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "tf32lab.workloads.builtin:covariance",
-                           "--levels", "highest,high"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    done = cli_runner.run("check", "tf32lab.workloads.builtin:covariance", "--levels", "highest,high",
+                          module="tf32lab.cli", timeout=300, cwd=tmp_path)
     assert done.returncode == 1
     assert "next: tf32lab tune tf32lab.workloads.builtin:covariance --target a100 --out policy.json" in done.stdout
 

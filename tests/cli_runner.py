@@ -1,0 +1,264 @@
+"""The command line in a real child process, without paying Python's and PyTorch's start-up for each run.
+
+``run("check", "builtin", cwd=tmp_path)`` runs what ``python -m tf32lab check builtin`` runs, in a separate process
+with its own exit code, signals, stdout and stderr bytes (through pipes, as ``subprocess.run(capture_output=True)``
+gives them), and returns the same ``subprocess.CompletedProcess``. The process is forked from a server that this
+test worker started once and that has imported torch and tf32lab (a zygote, as Android's, or the ``forkserver``
+start method of :mod:`multiprocessing` with a preload): each run then costs the command's own work, not the 2-3 CPU
+seconds of importing torch. Nothing in the server runs a torch operation before it forks: OpenMP's thread pool does
+not survive a fork, and a child of a process that started it hangs in its first parallel region.
+
+What the server read at its start, its child reads too. So a run gets a fresh interpreter (``fresh=True``, or by
+itself) when its environment differs from the server's in a variable that Python, PyTorch, OpenMP, numba or CUDA
+read at start-up (``PYTHON*`` but ``PYTHONPATH``, ``TORCH*``, ``OMP_*``...), when its ``PYTHONPATH`` would import
+another torch or tf32lab than the server's, or when a test means the genuine entry point (the console script, ``-m``
+as Python runs it, Ctrl-C). Children share the server's hash seed (a fresh interpreter draws one per run); Python's
+and numpy's global random generators are reseeded in each child, and torch's is still at its start-up seed.
+
+Forked runs are children of the server, not of the test worker, so the worker's ``RUSAGE_CHILDREN`` does not see
+them: :func:`forked_cpu_seconds` adds them up (and the server's own start) for ``--cpu-durations`` (conftest.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from importlib.machinery import PathFinder
+from pathlib import Path
+
+# read once, at start-up, by the interpreter or a library the server has imported: a run that changes one of these
+# needs a fresh interpreter to see it
+_READ_AT_START = re.compile(r"^(PYTHON(?!PATH$)|TORCH|PYTORCH|OMP_|KMP_|GOMP_|MKL|OPENBLAS|NUMBA_|CUDA|NVIDIA|"
+                            r"LD_|MALLOC|ATEN|DNNL|ONEDNN|XLA|HF_|TRANSFORMERS|TOKENIZERS|LC_|LANG$)")
+_PRELOAD = ("torch", "numpy", "tf32lab", "tf32lab.cli")
+
+_server: _Server | None = None
+_forked_cpu = 0.0
+
+
+def forked_cpu_seconds() -> float:
+    """CPU seconds of the forked runs so far, and of the server's start, in this process."""
+    return _forked_cpu
+
+
+def run(*args: str, cwd: str | Path | None = None, env: dict[str, str] | None = None, timeout: float = 300,
+        module: str = "tf32lab", fresh: bool = False, input: str | None = None) -> subprocess.CompletedProcess:
+    """``python -m <module> <args>`` in ``cwd`` with ``env`` (default: this process's), its output as text."""
+    cmd = [sys.executable, "-m", module, *args]
+    env = dict(os.environ if env is None else env)
+    server = None if fresh else _the_server()
+    if server is None or not server.can_run(env):
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout, input=input)
+    return server.run(cmd, module, list(args), str(Path(cwd or os.getcwd()).resolve()), env, timeout, input)
+
+
+def _the_server() -> _Server | None:
+    global _server
+    if _server is None or not _server.alive():
+        _server = _Server()
+    return _server
+
+
+class _Server:
+    def __init__(self) -> None:
+        global _forked_cpu
+        self.env = dict(os.environ)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (the server's output while it lives)
+        self.process = subprocess.Popen([sys.executable, __file__, str(theirs.fileno())], pass_fds=[theirs.fileno()],
+                                        cwd=os.path.dirname(os.path.abspath(__file__)),
+                                        stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, env=self.env)
+        theirs.close()
+        self.sock = ours
+        hello = self.sock.recv(1 << 20)
+        if not hello:
+            self.process.wait()
+            self.log.seek(0)
+            raise RuntimeError(f"the CLI's fork server did not start: {self.log.read().decode(errors='replace')}")
+        hello = json.loads(hello)
+        self.sys_path, self.origins = hello["sys_path"], hello["origins"]
+        _forked_cpu += hello["cpu"]
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def child_path(self, env: dict[str, str], cwd: str) -> list[str]:
+        """sys.path as ``python -m`` in ``cwd`` with ``env`` would have it."""
+        theirs = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        ours = [p for p in self.env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        rest = list(self.sys_path[1:])
+        for entry in ours:  # the server's own PYTHONPATH entries come right after its sys.path[0]
+            if rest and rest[0] == os.path.abspath(entry):
+                rest.pop(0)
+        return [cwd, *(os.path.abspath(os.path.join(cwd, p)) for p in theirs), *rest]
+
+    def can_run(self, env: dict[str, str]) -> bool:
+        keys = {k for k in (*env, *self.env) if _READ_AT_START.match(k)}
+        if any(env.get(k) != self.env.get(k) for k in keys):
+            return False
+        if env.get("PYTHONPATH", "") == self.env.get("PYTHONPATH", ""):
+            return True
+        # another PYTHONPATH is fine while it finds the very torch and tf32lab the server imported
+        path = self.child_path(env, os.getcwd())
+        for name, origin in self.origins.items():
+            spec = PathFinder.find_spec(name, path)
+            if spec is None or spec.origin != origin:
+                return False
+        return True
+
+    def run(self, cmd, module, args, cwd, env, timeout, input) -> subprocess.CompletedProcess:
+        global _forked_cpu
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        in_r, in_w = os.pipe() if input is not None else (os.open(os.devnull, os.O_RDONLY), None)
+        request = {"module": module, "argv": args, "cwd": cwd, "env": env, "path": self.child_path(env, cwd)}
+        socket.send_fds(self.sock, [json.dumps(request).encode()], [in_r, out_w, err_w])
+        for fd in (in_r, out_w, err_w):
+            os.close(fd)
+        pid = json.loads(self.sock.recv(1 << 16))["pid"]
+        if in_w is not None:
+            try:
+                os.write(in_w, input.encode())
+            finally:
+                os.close(in_w)
+        chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+        deadline = time.monotonic() + timeout
+        killed = False
+        with selectors.DefaultSelector() as selector:
+            for fd in chunks:
+                selector.register(fd, selectors.EVENT_READ)
+            while selector.get_map():
+                left = deadline - time.monotonic()
+                if left <= 0 and not killed:
+                    os.kill(pid, signal.SIGKILL)
+                    killed = True
+                for key, _ in selector.select(timeout=max(left, 0.1) if not killed else 1):
+                    data = os.read(key.fd, 1 << 16)
+                    if data:
+                        chunks[key.fd].append(data)
+                    else:
+                        selector.unregister(key.fd)
+                        os.close(key.fd)
+        done = json.loads(self.sock.recv(1 << 16))
+        _forked_cpu += done["cpu"]
+        stdout, stderr = (b"".join(chunks[fd]).decode(errors="replace") for fd in (out_r, err_r))
+        if killed:
+            raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
+        return subprocess.CompletedProcess(cmd, done["returncode"], stdout, stderr)
+
+
+# -- the server ------------------------------------------------------------------------------------------------------
+def _serve(fd: int) -> None:
+    import importlib
+
+    start = time.process_time()
+    said = (io.StringIO(), io.StringIO())  # what the imports print, each child prints again (as a fresh one would)
+    with contextlib.redirect_stdout(said[0]), contextlib.redirect_stderr(said[1]):
+        for name in _PRELOAD:  # imports only: no torch operation may run before a fork
+            importlib.import_module(name)
+    sock = socket.socket(fileno=fd)
+    origins = {name: sys.modules[name].__spec__.origin for name in ("torch", "tf32lab")}
+    sock.send(json.dumps({"sys_path": sys.path, "origins": origins, "cpu": time.process_time() - start}).encode())
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
+        except OSError:
+            return
+        if not message:  # the test worker has gone
+            return
+        pid = os.fork()
+        if pid == 0:
+            sock.close()
+            _child(json.loads(message), *fds, said=(said[0].getvalue(), said[1].getvalue()))
+        for child_fd in fds:
+            os.close(child_fd)
+        sock.send(json.dumps({"pid": pid}).encode())
+        _, status, usage = os.wait4(pid, 0)
+        sock.send(json.dumps({"returncode": _returncode(status), "cpu": usage.ru_utime + usage.ru_stime}).encode())
+
+
+def _returncode(status: int) -> int:
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def _child(request: dict, stdin: int, stdout: int, stderr: int, said: tuple[str, str]) -> None:
+    """Become ``python -m <module> <argv>``: never returns."""
+    import atexit
+    import random
+    import runpy
+    import threading
+    import traceback
+
+    code = 1
+    try:
+        for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.path[:] = request["path"]
+        # the streams a fresh interpreter would open on fds 0-2, open until the child ends
+        sys.stdin = sys.__stdin__ = open(0, closefd=False, encoding=sys.stdin.encoding, errors=sys.stdin.errors)  # noqa: SIM115
+        sys.stdout = sys.__stdout__ = open(1, "w", closefd=False, encoding=sys.stdout.encoding,  # noqa: SIM115
+                                           errors=sys.stdout.errors)
+        sys.stderr = sys.__stderr__ = open(2, "w", closefd=False, encoding=sys.stderr.encoding,  # noqa: SIM115
+                                           errors="backslashreplace", buffering=1)
+        sys.stdout.write(said[0])
+        sys.stderr.write(said[1])
+        random.seed()
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
+        sys.argv = ["-m", *request["argv"]]
+        # as ``-m`` does: the module runs as __main__, and anything importing it by name imports it anew
+        sys.modules.pop(request["module"], None)
+        try:
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exit_:
+            if exit_.code is None:
+                code = 0
+            elif isinstance(exit_.code, int):
+                code = exit_.code
+            else:
+                print(exit_.code, file=sys.stderr)
+                code = 1
+        except KeyboardInterrupt:
+            traceback.print_exc()
+            _flush()
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # as Python ends on an unhandled Ctrl-C
+            os.kill(os.getpid(), signal.SIGINT)
+        except BaseException:
+            sys.excepthook(*sys.exc_info())
+            code = 1
+        threading._shutdown()  # as at a normal exit: wait for the threads that are not daemons, then atexit
+        atexit._run_exitfuncs()
+        if not _flush():
+            code = 120  # Python's own exit code when stdout cannot be flushed at exit
+    except BaseException:  # the runner's own failure: said on the child's stderr, never lost
+        os.write(2, traceback.format_exc().encode())
+    finally:
+        os._exit(code)
+
+
+def _flush() -> bool:
+    ok = True
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            ok = False
+    return ok
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]))

@@ -1,0 +1,67 @@
+"""The suite's CLI runner (tests/cli_runner.py): a forked run is the command a fresh interpreter runs, byte for
+byte, exit code and signal included; what only a fresh interpreter can see gets one."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import cli_runner
+import tf32lab
+
+
+def _fresh(*args, **kw):
+    return cli_runner.run(*args, fresh=True, **kw)
+
+
+@pytest.mark.parametrize("args", [["--version"], ["check", "builtin", "--target", "nope"], ["levels"]],
+                         ids=["version", "bad-target", "levels"])
+def test_a_forked_run_is_the_fresh_interpreters_run(args, tmp_path):
+    forked, fresh = cli_runner.run(*args, cwd=tmp_path), _fresh(*args, cwd=tmp_path)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+    assert forked.args == fresh.args == [sys.executable, "-m", "tf32lab", *args]
+
+
+def test_the_console_script_and_python_m_agree():
+    script = Path(sys.executable).with_name("tf32lab")
+    if not script.exists():
+        pytest.skip(f"no console script beside {sys.executable}")
+    done = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == f"tf32lab {tf32lab.__version__}"
+
+
+def test_exit_codes_signals_stdin_cwd_and_the_environment_are_the_childs_own(tmp_path):
+    (tmp_path / "probe.py").write_text(
+        "import os, signal, sys\n"
+        "print(sys.stdin.read().upper(), os.getcwd(), sys.path[0], os.environ.get('PROBE'), flush=True)\n"
+        "print('to stderr', file=sys.stderr)\n"
+        "if sys.argv[1] == 'kill':\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "sys.exit(int(sys.argv[1]))\n")
+    env = {**os.environ, "PROBE": "yes"}
+    done = cli_runner.run("3", module="probe", cwd=tmp_path, env=env, input="abc")
+    assert done.returncode == 3 and done.stderr == "to stderr\n"
+    assert done.stdout == f"ABC {tmp_path} {tmp_path} yes\n"
+    assert cli_runner.run("kill", module="probe", cwd=tmp_path, env=env).returncode == -signal.SIGTERM
+    assert "PROBE" not in os.environ and os.getcwd() != str(tmp_path)  # nothing leaks back
+    (tmp_path / "sleeper.py").write_text("import time\ntime.sleep(60)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        cli_runner.run(module="sleeper", cwd=tmp_path, timeout=1)
+
+
+def test_what_is_read_at_start_up_gets_a_fresh_interpreter(tmp_path):
+    (tmp_path / "threads.py").write_text("import torch\nprint(torch.get_num_threads(), torch.ones(64, 64).sum())\n")
+    one = cli_runner.run(module="threads", cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert one.returncode == 0 and one.stdout.split()[0] == "1", one.stderr
+    assert cli_runner.run(module="threads", cwd=tmp_path).returncode == 0  # a torch op after the fork: no hang
+
+
+def test_forked_runs_count_their_cpu_seconds(tmp_path):
+    (tmp_path / "spin.py").write_text("sum(range(3_000_000))\n")
+    cli_runner.run(module="spin", cwd=tmp_path)  # the server's start counts too: then only the run
+    before = cli_runner.forked_cpu_seconds()
+    cli_runner.run(module="spin", cwd=tmp_path)
+    assert cli_runner.forked_cpu_seconds() > before
