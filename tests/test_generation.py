@@ -101,25 +101,19 @@ def test_a_trained_decoder_leaves_float64s_tokens_at_high_and_not_earlier_at_hig
     assert Criterion.parse("perplexity<0.5", 32).passes(high)
 
 
-def test_the_emulators_scratch_does_not_pile_up_over_the_steps(trained):
-    # each step reads a longer sequence: a scratch pool matching buffers by exact size never took one forward's
-    # buffers again, and piled them up, step after step, to its cap (the check's peak memory three times native
-    # generation's); pooled by size class, the steps reuse them
+def test_no_forward_inherits_the_emulators_scratch_of_the_last(trained):
+    # each step reads a longer sequence: a size-pooled scratch kept from one forward is never taken again, and
+    # piled up, step after step, to the pool's cap (the check's peak memory three times native generation's)
     from tf32lab.emulation import emulator
 
     held: list[int] = []
     hook = trained.register_forward_pre_hook(lambda module, args: held.append(emulator._SCRATCH.bytes))
     try:
-        tf32lab.check_generation(trained, new_tokens=24, prompts=_prompts()[:2], levels=("high",), use_cache=False)
+        tf32lab.check_generation(trained, new_tokens=6, prompts=_prompts()[:2], levels=("high",))
     finally:
         hook.remove()
-    # 24 steps and the teacher-forced forward per row: float64's, `high`'s (none leaves float64's), float32's
-    assert len(held) == 3 * 25
-    emulated = held[25:50]  # before each forward: what the last ones left in the pool
-    first = len(_prompts()[0])
-    # this model's scratch grows with the sequence: the pool may hold what the longest step needed, with room to
-    # spare, not the sum of every step's (30 times the first step's at the last)
-    assert 0 < emulated[-1] <= 2 * emulated[1] * (first + 23) / first, emulated
+    assert len(held) >= 2 * 6  # the float64 row's steps, then the emulated row's
+    assert max(held) == 0, held
     assert emulator._SCRATCH.bytes == 0  # nor does the caller inherit the last row's
 
 

@@ -212,6 +212,10 @@ class _Decoder:
             if use_cache and cache is not None:
                 kwargs[self.cache_arg] = cache
             out = self.model(input_ids=ids, **kwargs)
+        # Released after every forward: pooled by size class, a decoder's steps would take the same buffers again,
+        # but the pool keeps every class a forward used (the teacher-forced forward's largest ones too), and the
+        # rows' peak memory measured higher with it kept (benchmarks/generation.py) than with it released.
+        release_buffers()
         logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
         if logits is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
             logits = out[0]
