@@ -146,3 +146,40 @@ def test_a_data_swap_inside_one_block_is_not_served_stale():
     with torch.no_grad(), tf32lab.precision("high"), tf32lab.emulate("a100"):
         fresh = layer(x)
     assert torch.equal(after, fresh)
+
+
+def test_the_scratch_pool_serves_a_growing_sequence_from_the_same_buffers():
+    # a decoder's step reads a sequence one token longer than the last: pooled by exact size, every length left
+    # buffers no later step took, 64 steps piling up hundreds of times the longest step's own scratch
+    torch.manual_seed(0)
+    attention = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+    tokens = randn(2, 64, 32, seed=2)
+
+    def held(lengths) -> int:
+        emulator.release_buffers()
+        most = 0
+        with torch.no_grad(), tf32lab.precision("high"), tf32lab.emulate("a100"):
+            for length in lengths:
+                x = tokens[:, :length]
+                attention(x, x, x, need_weights=False)
+                most = max(most, emulator._SCRATCH.bytes)
+        return most
+
+    try:
+        longest = held([64])  # what the longest step needs
+        assert 0 < held(range(1, 65)) <= 2 * longest
+    finally:
+        emulator.release_buffers()
+
+
+def test_pooled_scratch_gives_the_same_bits_as_fresh_buffers():
+    lin = torch.nn.Linear(48, 24)
+    x = randn(5, 48, seed=3)
+    emulator.release_buffers()
+    with torch.no_grad(), tf32lab.precision("high"), tf32lab.emulate("a100"):
+        fresh = lin(x)
+        for length in (7, 9, 6, 5):  # buffers of other sizes in the pool: a view of a bigger one serves 5 rows
+            lin(randn(length, 48, seed=length))
+        pooled = lin(x)
+    emulator.release_buffers()
+    assert torch.equal(fresh, tf32_linear(x, lin)) and torch.equal(pooled, fresh)

@@ -261,35 +261,67 @@ class _Scratch(threading.local):
     Fresh multi-MB temporaries cost page faults on every op (the allocator hands large blocks back to the OS),
     measured as costly as the rounding itself; so they are reused, across ``emulate`` blocks too, up to ``CAP``
     bytes per thread. They hold no values between ops, only memory. :func:`release_buffers` frees them.
+
+    Buffers come in size classes (a quarter power of two apart: at most 25% unused), and a request takes the
+    smallest free buffer of its class or up to twice it, as a view of its first elements. A shape that grows a
+    little at a time (a sequence one token longer at each step of a generation) so keeps taking the same buffers;
+    pooled by exact size, it left one buffer per length, never taken again, piling up to the cap. A request that
+    finds none drops the free buffers it has outgrown (under its class, down to half of it): what a growing shape
+    held before.
     """
 
     CAP = 256 << 20
+    REACH = 2  # a request takes a free buffer up to this many times its class
 
     def __init__(self) -> None:
-        self.free: dict[tuple, list[torch.Tensor]] = {}
+        self.free: dict[tuple, dict[int, list[torch.Tensor]]] = {}  # (dtype, device) -> class -> buffers
         self.bytes = 0
         self.leased: list[torch.Tensor] = []  # handed out to the op running now
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        free = self.free.get((numel, dtype, device))
-        if free:
-            buf = free.pop()
-            self.bytes -= buf.numel() * buf.element_size()
-            return buf
-        return torch.empty(numel, dtype=dtype, device=device)
+        """A flat buffer of at least ``numel`` elements (its first ``numel`` serve; the holder gives back the
+        buffer itself: views made below autograd, as the emulator's are, do not know their base)."""
+        want = _size_class(numel)
+        classes = self.free.get((dtype, device))
+        if classes:
+            size = want
+            while size <= self.REACH * want:
+                free = classes.get(size)
+                if free:
+                    buf = free.pop()
+                    self.bytes -= buf.numel() * buf.element_size()
+                    return buf
+                size = _size_class(size + 1)
+            for size in [s for s in classes if self.REACH * s >= want > s]:  # outgrown
+                self.bytes -= sum(b.numel() * b.element_size() for b in classes.pop(size))
+        return torch.empty(want, dtype=dtype, device=device)
 
     def give(self, views: list[torch.Tensor]) -> None:
         for view in views:
             buf = view._base if view._base is not None else view
             size = buf.numel() * buf.element_size()
-            if buf.dim() == 1 and self.bytes + size <= self.CAP:  # only the pool's own flat buffers
-                self.free.setdefault((buf.numel(), buf.dtype, buf.device), []).append(buf)
+            # only the pool's own flat buffers, whole classes
+            if buf.dim() == 1 and _size_class(buf.numel()) == buf.numel() and self.bytes + size <= self.CAP:
+                self.free.setdefault((buf.dtype, buf.device), {}).setdefault(buf.numel(), []).append(buf)
                 self.bytes += size
 
     def release(self, mark: int) -> None:
         if len(self.leased) > mark:
             self.give(self.leased[mark:])
             del self.leased[mark:]
+
+
+def _size_class(numel: int) -> int:
+    """The size of the pooled buffer that serves ``numel`` elements: ``numel`` rounded up to a quarter power of
+    two (5, 6, 7 or 8 times a power of two), itself below 8.
+
+    >>> [_size_class(n) for n in (3, 9, 10, 11, 100, 1000, 1024, 1025)]
+    [3, 10, 10, 12, 112, 1024, 1024, 1280]
+    """
+    if numel <= 8:
+        return numel
+    step = 1 << ((numel - 1).bit_length() - 3)
+    return -(-numel // step) * step
 
 
 _SCRATCH = _Scratch()
@@ -650,7 +682,7 @@ def _buffer_like(t: torch.Tensor, holder: Optional[list] = None) -> torch.Tensor
         shape = t.mT.shape if transposed else t.shape
     buf = _SCRATCH.take(t.numel(), t.dtype, t.device)
     (_SCRATCH.leased if holder is None else holder).append(buf)
-    view = buf.view(shape)
+    view = buf[:t.numel()].view(shape)
     return view.mT if transposed else view
 
 

@@ -216,9 +216,9 @@ class _Decoder:
             if use_cache and cache is not None:
                 kwargs[self.cache_arg] = cache
             out = self.model(input_ids=ids, **kwargs)
-        # The emulator pools its scratch by size, and no two forwards of a row read sequences of one length
-        # (each step's is one longer; the teacher-forced forward's is the longest): what one forward leaves
-        # in the pool is never taken again, and would pile up to the pool's cap (256 MiB).
+        # Released after every forward: pooled by size class, a decoder's steps would take the same buffers again,
+        # but the pool keeps every class a forward used (the teacher-forced forward's largest ones too), and the
+        # rows' peak memory measured higher with it kept (benchmarks/generation.py) than with it released.
         release_buffers()
         logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
         if logits is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
@@ -280,7 +280,8 @@ def _forced(decoder: _Decoder, batch: _Batch, reference: torch.Tensor) -> tuple[
         total, count = float(losses[counted].sum()), int(counted.sum())
     else:
         total, count = 0.0, 0
-    return logits[:, length - 1:length - 1 + n], total, count
+    # a copy: a view would hold the logits of the whole sequence (the prompt's too) until the check ends
+    return logits[:, length - 1:length - 1 + n].clone(), total, count
 
 
 class _Generation:
