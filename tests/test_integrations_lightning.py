@@ -403,12 +403,28 @@ class ClipsItself(Plain):
         self.clip_gradients(optimizer, gradient_clip_val=1e-3, gradient_clip_algorithm="value")
 
 
-@pytest.mark.parametrize("module_class", [Plain, WarmsUp, ClipsItself])
+class ClipsAsTheTrainerSays(Plain):
+    """Its own configure_gradient_clipping, clipping by the Trainer's gradient_clip_val (``clip_gradients``'s
+    default) after the first step."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        if self.global_step > 0:
+            self.clip_gradients(optimizer)
+
+
+class ClipsItselfInCapitals(ClipsItself):
+    """The algorithm named as Lightning takes it too, in any case ("Value")."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=1e-3, gradient_clip_algorithm="Value")
+
+
+@pytest.mark.parametrize("module_class", [Plain, WarmsUp, ClipsItself, ClipsAsTheTrainerSays, ClipsItselfInCapitals])
 def test_the_check_trains_as_the_runs_own_hooks_do(tmp_path, module_class):
     # the check's float64 losses are the run's own logged ones (float32) at the same steps: the module's
     # optimizer_step (with self.global_step) and configure_gradient_clipping are followed as the Trainer follows them
     check = Tf32Check(steps=6, levels=("highest",))
-    clipped = {} if module_class is ClipsItself else {"gradient_clip_val": 0.05}  # Lightning refuses both
+    clipped = {} if issubclass(module_class, ClipsItself) else {"gradient_clip_val": 0.05}  # Lightning refuses both
     _, losses, _, _ = fit(tmp_path, module_class, callback=check, max_epochs=1, **clipped)
     logged = [float(value) for _, value in losses[:6]]
     assert check.report.reference_losses == pytest.approx(logged, rel=1e-4)

@@ -323,10 +323,15 @@ def _outside_the_run(trainer: Any) -> dict[str, Any]:
 
     def clip_gradients(self: Any, optimizer: Any, gradient_clip_val: Optional[float] = None,
                        gradient_clip_algorithm: Any = None) -> None:
+        # LightningModule.clip_gradients's defaults: the Trainer's value and algorithm, the algorithm's name lowered
+        if gradient_clip_val is None:
+            gradient_clip_val = trainer.gradient_clip_val
+        if gradient_clip_algorithm is None:
+            gradient_clip_algorithm = trainer.gradient_clip_algorithm
         if gradient_clip_val:
             algorithm = getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm) or "norm"
             _loop.clip_gradients([p for g in optimizer.param_groups for p in g["params"]], float(gradient_clip_val),
-                                 str(algorithm))
+                                 str(algorithm).lower())
 
     return {"trainer": property(attached, unattached), "log": unlogged, "log_dict": unlogged,
             "global_step": property(global_step), "clip_gradients": clip_gradients}
