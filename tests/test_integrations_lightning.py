@@ -430,6 +430,30 @@ def test_the_check_trains_as_the_runs_own_hooks_do(tmp_path, module_class):
     assert check.report.reference_losses == pytest.approx(logged, rel=1e-4)
 
 
+class ClipsByValueByHand(Plain):
+    """Manual optimization clipping by value, the algorithm given as Lightning's enum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        loss = (self(batch[0]) - batch[1]).pow(2).mean()
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=1e-3,
+                            gradient_clip_algorithm=L.utilities.enums.GradClipAlgorithmType.VALUE)
+        optimizer.step()
+        self.log("train_loss", loss)
+
+
+def test_manual_clipping_by_the_enum_clips_by_value(tmp_path):
+    check = Tf32Check(steps=6, levels=("highest",))
+    _, losses, _, _ = fit(tmp_path, ClipsByValueByHand, callback=check, max_epochs=1)
+    assert check.report.reference_losses == pytest.approx([float(v) for _, v in losses[:6]], rel=1e-4)
+
+
 def test_limit_train_batches_caps_the_steps_checked(tmp_path):
     # the run trains 2 batches an epoch, again and again: the check trains those 2, not batches the run never reads
     check = Tf32Check(steps=5, levels=("highest",))

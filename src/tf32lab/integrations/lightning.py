@@ -377,8 +377,9 @@ def _manual(model: Any, bundle: _loop.Steps, recorded: list[torch.Tensor]) -> It
     def clip(optimizer: Any, gradient_clip_val: Optional[float] = None,
              gradient_clip_algorithm: Optional[str] = None) -> None:
         if gradient_clip_val:
+            algorithm = getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm) or "norm"  # an enum too
             _loop.clip_gradients([p for g in optimizer.param_groups for p in g["params"]], float(gradient_clip_val),
-                                 str(gradient_clip_algorithm or "norm"))
+                                 str(algorithm).lower())
 
     bound = {
         "optimizers": lambda use_pl_optimizer=True: optimizers[0] if len(optimizers) == 1 else list(optimizers),
