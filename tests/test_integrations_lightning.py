@@ -323,6 +323,23 @@ def test_persistent_workers_keep_the_runs_iterator_and_their_random_streams(tmp_
     assert same_weights(*runs)
 
 
+def test_a_loader_with_workers_is_read_in_the_runs_order_with_the_runs_augmentation(tmp_path):
+    # the run's iterator, made before on_train_start, drew its seed and its first order then (its workers are
+    # handed their first indices as it is made): the check trains the run's own first batches, noise and all
+    torch.manual_seed(0)
+    module = Plain()
+    check = Tf32Check(steps=4, levels=("highest",))
+    logger = L.loggers.CSVLogger(tmp_path, name="run")
+    trainer = L.Trainer(callbacks=[check], default_root_dir=tmp_path, logger=logger, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False, max_epochs=1, log_every_n_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on the number of workers
+        trainer.fit(module, DataLoader(Augmented(), batch_size=8, shuffle=True, num_workers=1))
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        logged = [float(row["train_loss"]) for row in csv.DictReader(f) if row.get("train_loss")]
+    assert check.report.reference_losses == pytest.approx(logged[:4], rel=1e-4)
+
+
 def test_mixed_precision_is_said_not_to_be_float32(tmp_path):
     check = Tf32Check(steps=2, levels=("highest", "high"))
     fit(tmp_path, callback=check, max_epochs=1, precision="bf16-mixed")

@@ -295,17 +295,23 @@ def _with_bases(loader: Any) -> list[Any]:
 
 
 def first_batches(loader: Any, count: int, move: Callable[[Any], Any], iterate: Callable[[Any], Iterator[Any]] = iter,
-                  made: Optional[torch.Tensor] = None) -> list[Any]:
+                  made: Optional[torch.Tensor] = None, before: Optional[torch.Tensor] = None) -> list[Any]:
     """The first ``count`` batches of a fresh pass over ``loader`` (each through ``move``), the loader's
     generators put back afterwards; fewer when it has fewer.
 
     ``made``: the run made its pass's iterator already (Lightning makes it before ``on_train_start``), which drew
     its seed, and its sampler has not drawn its order yet, which it will draw from the loader's generators as
     they are and from PyTorch's CPU generator at the state ``made``: the check's pass draws its order from the
-    same states, put back between its iterator's making and its first batch."""
+    same states, put back between its iterator's making and its first batch.
+
+    ``before``: the run made its pass's iterator already, from PyTorch's CPU generator at the state ``before``, and
+    that iterator drew its order too (a loader with workers hands its first indices out as it is made): the
+    check's pass is made from the same state."""
     _read_again(loader)
     found: list[Any] = []
     with loader_kept(loader) as put_back:
+        if before is not None:
+            torch.random.set_rng_state(before)
         batches = iterate(loader)
         if made is not None:
             put_back()

@@ -86,6 +86,12 @@ class Tf32Check(L.Callback):
         self.passed: Optional[bool] = None
         self._writing: Optional[_loop.Written] = None
         self._drawn: Optional[torch.Tensor] = None
+        self._before: Optional[torch.Tensor] = None
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        # the state the run's train iterator is made from (after this hook, the sanity check runs in its own
+        # random state): a loader with workers draws its seed and its first order as its iterator is made
+        self._before = torch.random.get_rng_state()
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.passed is not None:
@@ -152,9 +158,13 @@ class Tf32Check(L.Callback):
         # the run trains num_training_batches an epoch (limit_train_batches), then reads the loader again
         per_epoch = trainer.num_training_batches
         limited = math.isfinite(per_epoch) and per_epoch < self.steps * accumulate
+        # a loader with workers drew its order as the run's iterator was made (before on_train_start): the check's
+        # pass is made from the state the run's was; one without draws it at its first batch, from the state now
+        workers = self._before is not None and any(getattr(one, "num_workers", 0) > 0 for one in _loop.loaders(loader))
         batches = _loop.first_batches(loader, int(per_epoch) if limited else self.steps * accumulate,
                                       lambda b: L.utilities.move_data_to_device(b, device),
-                                      iterate=lambda one: _combined(trainer, one), made=self._drawn)
+                                      iterate=lambda one: _combined(trainer, one),
+                                      made=None if workers else self._drawn, before=self._before if workers else None)
         steps = _loop.grouped(batches, accumulate, self.steps)
         if not steps:
             raise Tf32LabError(f"Tf32Check: the train dataloader has {len(batches)} batches, fewer than one "
