@@ -304,9 +304,10 @@ def first_batches(loader: Any, count: int, move: Callable[[Any], Any], iterate: 
     they are and from PyTorch's CPU generator at the state ``made``: the check's pass draws its order from the
     same states, put back between its iterator's making and its first batch.
 
-    ``before``: the run made its pass's iterator already, from PyTorch's CPU generator at the state ``before``, and
-    that iterator drew its order too (a loader with workers hands its first indices out as it is made): the
-    check's pass is made from the same state."""
+    ``before``: the state of PyTorch's CPU generator that the run's pass is made from (Hugging Face's, made after
+    the hook) or was made from (Lightning's with workers, which drew its order then too: its first indices are
+    handed out as it is made): the check's pass is made from the same state, its seed, order and augmentations
+    drawn as the run's are (the check's own kept streams have drawn a seed since)."""
     _read_again(loader)
     found: list[Any] = []
     with loader_kept(loader) as put_back:
