@@ -471,6 +471,15 @@ def test_manual_clipping_by_the_enum_clips_by_value(tmp_path):
     assert check.report.reference_losses == pytest.approx([float(v) for _, v in losses[:6]], rel=1e-4)
 
 
+def test_a_short_loader_is_named_as_such_not_as_limit_train_batches(tmp_path):
+    # 32 rows of 8: 4 batches, all the run trains an epoch, without limit_train_batches
+    check = Tf32Check(steps=5, levels=("highest",))
+    fit(tmp_path, Plain, callback=check, dataset=data(32), max_epochs=1)
+    assert check.report.steps == 4
+    assert any("the train dataloader has 4 batches" in note for note in check.report.notes), check.report.notes
+    assert not any("limit_train_batches" in note for note in check.report.notes)
+
+
 def test_limit_train_batches_caps_the_steps_checked(tmp_path):
     # the run trains 2 batches an epoch, again and again: the check trains those 2, not batches the run never reads
     check = Tf32Check(steps=5, levels=("highest",))
