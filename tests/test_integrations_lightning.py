@@ -323,6 +323,23 @@ def test_persistent_workers_keep_the_runs_iterator_and_their_random_streams(tmp_
     assert same_weights(*runs)
 
 
+def test_a_loader_with_workers_is_read_in_the_runs_order_with_the_runs_augmentation(tmp_path):
+    # the run's iterator, made before on_train_start, drew its seed and its first order then (its workers are
+    # handed their first indices as it is made): the check trains the run's own first batches, noise and all
+    torch.manual_seed(0)
+    module = Plain()
+    check = Tf32Check(steps=4, levels=("highest",))
+    logger = L.loggers.CSVLogger(tmp_path, name="run")
+    trainer = L.Trainer(callbacks=[check], default_root_dir=tmp_path, logger=logger, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False, max_epochs=1, log_every_n_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on the number of workers
+        trainer.fit(module, DataLoader(Augmented(), batch_size=8, shuffle=True, num_workers=1))
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        logged = [float(row["train_loss"]) for row in csv.DictReader(f) if row.get("train_loss")]
+    assert check.report.reference_losses == pytest.approx(logged[:4], rel=1e-4)
+
+
 def test_mixed_precision_is_said_not_to_be_float32(tmp_path):
     check = Tf32Check(steps=2, levels=("highest", "high"))
     fit(tmp_path, callback=check, max_epochs=1, precision="bf16-mixed")
@@ -403,15 +420,64 @@ class ClipsItself(Plain):
         self.clip_gradients(optimizer, gradient_clip_val=1e-3, gradient_clip_algorithm="value")
 
 
-@pytest.mark.parametrize("module_class", [Plain, WarmsUp, ClipsItself])
+class ClipsAsTheTrainerSays(Plain):
+    """Its own configure_gradient_clipping, clipping by the Trainer's gradient_clip_val (``clip_gradients``'s
+    default) after the first step."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        if self.global_step > 0:
+            self.clip_gradients(optimizer)
+
+
+class ClipsItselfInCapitals(ClipsItself):
+    """The algorithm named as Lightning takes it too, in any case ("Value")."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=1e-3, gradient_clip_algorithm="Value")
+
+
+@pytest.mark.parametrize("module_class", [Plain, WarmsUp, ClipsItself, ClipsAsTheTrainerSays, ClipsItselfInCapitals])
 def test_the_check_trains_as_the_runs_own_hooks_do(tmp_path, module_class):
     # the check's float64 losses are the run's own logged ones (float32) at the same steps: the module's
     # optimizer_step (with self.global_step) and configure_gradient_clipping are followed as the Trainer follows them
     check = Tf32Check(steps=6, levels=("highest",))
-    clipped = {} if module_class is ClipsItself else {"gradient_clip_val": 0.05}  # Lightning refuses both
+    clipped = {} if issubclass(module_class, ClipsItself) else {"gradient_clip_val": 0.05}  # Lightning refuses both
     _, losses, _, _ = fit(tmp_path, module_class, callback=check, max_epochs=1, **clipped)
     logged = [float(value) for _, value in losses[:6]]
     assert check.report.reference_losses == pytest.approx(logged, rel=1e-4)
+
+
+class ClipsByValueByHand(Plain):
+    """Manual optimization clipping by value, the algorithm given as Lightning's enum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        loss = (self(batch[0]) - batch[1]).pow(2).mean()
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=1e-3,
+                            gradient_clip_algorithm=L.utilities.enums.GradClipAlgorithmType.VALUE)
+        optimizer.step()
+        self.log("train_loss", loss)
+
+
+def test_manual_clipping_by_the_enum_clips_by_value(tmp_path):
+    check = Tf32Check(steps=6, levels=("highest",))
+    _, losses, _, _ = fit(tmp_path, ClipsByValueByHand, callback=check, max_epochs=1)
+    assert check.report.reference_losses == pytest.approx([float(v) for _, v in losses[:6]], rel=1e-4)
+
+
+def test_a_short_loader_is_named_as_such_not_as_limit_train_batches(tmp_path):
+    # 32 rows of 8: 4 batches, all the run trains an epoch, without limit_train_batches
+    check = Tf32Check(steps=5, levels=("highest",))
+    fit(tmp_path, Plain, callback=check, dataset=data(32), max_epochs=1)
+    assert check.report.steps == 4
+    assert any("the train dataloader has 4 batches" in note for note in check.report.notes), check.report.notes
+    assert not any("limit_train_batches" in note for note in check.report.notes)
 
 
 def test_limit_train_batches_caps_the_steps_checked(tmp_path):

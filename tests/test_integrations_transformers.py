@@ -171,6 +171,17 @@ def test_persistent_workers_keep_the_runs_iterator_and_their_random_streams(tmp_
     assert losses == plain_losses
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_augmentation_draws_in_the_check_as_in_the_run(tmp_path, workers):
+    # the run's iterator is made after the hook, from the state the hook was entered with: the check's pass is made
+    # from it too (the main process's draws, or the workers' seeds drawn from it), not from one its own check drew
+    # from first
+    check = Tf32CheckCallback(steps=1, levels=("highest",))
+    _, losses, _, _ = train(tmp_path, dataset=Augmented(), callback=check, max_steps=1,
+                            dataloader_num_workers=workers)
+    assert check.report.floor.losses[0] == pytest.approx(losses[0][1], rel=1e-5)
+
+
 def test_bad_arguments_are_one_line():
     with pytest.raises(Tf32LabError, match="on_fail must be 'raise' or 'warn', not 'ignore'"):
         Tf32CheckCallback(on_fail="ignore")

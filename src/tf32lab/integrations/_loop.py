@@ -295,17 +295,24 @@ def _with_bases(loader: Any) -> list[Any]:
 
 
 def first_batches(loader: Any, count: int, move: Callable[[Any], Any], iterate: Callable[[Any], Iterator[Any]] = iter,
-                  made: Optional[torch.Tensor] = None) -> list[Any]:
+                  made: Optional[torch.Tensor] = None, before: Optional[torch.Tensor] = None) -> list[Any]:
     """The first ``count`` batches of a fresh pass over ``loader`` (each through ``move``), the loader's
     generators put back afterwards; fewer when it has fewer.
 
     ``made``: the run made its pass's iterator already (Lightning makes it before ``on_train_start``), which drew
     its seed, and its sampler has not drawn its order yet, which it will draw from the loader's generators as
     they are and from PyTorch's CPU generator at the state ``made``: the check's pass draws its order from the
-    same states, put back between its iterator's making and its first batch."""
+    same states, put back between its iterator's making and its first batch.
+
+    ``before``: the state of PyTorch's CPU generator that the run's pass is made from (Hugging Face's, made after
+    the hook) or was made from (Lightning's with workers, which drew its order then too: its first indices are
+    handed out as it is made): the check's pass is made from the same state, its seed, order and augmentations
+    drawn as the run's are (the check's own kept streams have drawn a seed since)."""
     _read_again(loader)
     found: list[Any] = []
     with loader_kept(loader) as put_back:
+        if before is not None:
+            torch.random.set_rng_state(before)
         batches = iterate(loader)
         if made is not None:
             put_back()

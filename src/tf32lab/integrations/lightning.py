@@ -86,6 +86,12 @@ class Tf32Check(L.Callback):
         self.passed: Optional[bool] = None
         self._writing: Optional[_loop.Written] = None
         self._drawn: Optional[torch.Tensor] = None
+        self._before: Optional[torch.Tensor] = None
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        # the state the run's train iterator is made from (after this hook, the sanity check runs in its own
+        # random state): a loader with workers draws its seed and its first order as its iterator is made
+        self._before = torch.random.get_rng_state()
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.passed is not None:
@@ -152,15 +158,21 @@ class Tf32Check(L.Callback):
         # the run trains num_training_batches an epoch (limit_train_batches), then reads the loader again
         per_epoch = trainer.num_training_batches
         limited = math.isfinite(per_epoch) and per_epoch < self.steps * accumulate
+        # a loader with workers drew its order as the run's iterator was made (before on_train_start): the check's
+        # pass is made from the state the run's was; one without draws it at its first batch, from the state now
+        workers = self._before is not None and any(getattr(one, "num_workers", 0) > 0 for one in _loop.loaders(loader))
         batches = _loop.first_batches(loader, int(per_epoch) if limited else self.steps * accumulate,
                                       lambda b: L.utilities.move_data_to_device(b, device),
-                                      iterate=lambda one: _combined(trainer, one), made=self._drawn)
+                                      iterate=lambda one: _combined(trainer, one),
+                                      made=None if workers else self._drawn, before=self._before if workers else None)
         steps = _loop.grouped(batches, accumulate, self.steps)
         if not steps:
             raise Tf32LabError(f"Tf32Check: the train dataloader has {len(batches)} batches, fewer than one "
                                f"optimizer step's {accumulate} (accumulate_grad_batches)")
         if len(steps) < self.steps:
-            where = f"the run trains {len(batches)} batches an epoch (limit_train_batches)" if limited else \
+            # limit_train_batches named only where it is set (1.0, its default, takes the whole loader)
+            where = f"the run trains {len(batches)} batches an epoch (limit_train_batches)" \
+                if limited and trainer.limit_train_batches != 1.0 else \
                 f"the train dataloader has {len(batches)} batches"
             notes.append(f"{where}: {len(steps)} of the {self.steps} steps asked for were checked, the first "
                          f"epoch's")
@@ -323,10 +335,15 @@ def _outside_the_run(trainer: Any) -> dict[str, Any]:
 
     def clip_gradients(self: Any, optimizer: Any, gradient_clip_val: Optional[float] = None,
                        gradient_clip_algorithm: Any = None) -> None:
+        # LightningModule.clip_gradients's defaults: the Trainer's value and algorithm, the algorithm's name lowered
+        if gradient_clip_val is None:
+            gradient_clip_val = trainer.gradient_clip_val
+        if gradient_clip_algorithm is None:
+            gradient_clip_algorithm = trainer.gradient_clip_algorithm
         if gradient_clip_val:
             algorithm = getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm) or "norm"
             _loop.clip_gradients([p for g in optimizer.param_groups for p in g["params"]], float(gradient_clip_val),
-                                 str(algorithm))
+                                 str(algorithm).lower())
 
     return {"trainer": property(attached, unattached), "log": unlogged, "log_dict": unlogged,
             "global_step": property(global_step), "clip_gradients": clip_gradients}
@@ -372,8 +389,9 @@ def _manual(model: Any, bundle: _loop.Steps, recorded: list[torch.Tensor]) -> It
     def clip(optimizer: Any, gradient_clip_val: Optional[float] = None,
              gradient_clip_algorithm: Optional[str] = None) -> None:
         if gradient_clip_val:
+            algorithm = getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm) or "norm"  # an enum too
             _loop.clip_gradients([p for g in optimizer.param_groups for p in g["params"]], float(gradient_clip_val),
-                                 str(gradient_clip_algorithm or "norm"))
+                                 str(algorithm).lower())
 
     bound = {
         "optimizers": lambda use_pl_optimizer=True: optimizers[0] if len(optimizers) == 1 else list(optimizers),

@@ -88,12 +88,14 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         self.report: Optional[TrainingReport] = None
         self.passed: Optional[bool] = None
         self._writing: Optional[_loop.Written] = None
+        self._drawn: Optional[torch.Tensor] = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.passed is not None:
             return
         # every random stream as it was afterwards (the check's reading of the batches, its rows, the report's
         # writing): the run draws as it would without the check
+        self._drawn = torch.random.get_rng_state()  # what the run's iterator, made after this hook, draws from
         with random_state_kept(kwargs["model"], "Tf32CheckCallback"):
             self._run(args, state, self.trainer or _calling_trainer(), kwargs)
 
@@ -143,8 +145,9 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         accumulate = int(args.gradient_accumulation_steps)
         notes = []
         device = next(model.parameters()).device
+        # from the state the run's pass will start from (random_state_kept has drawn its seed since)
         batches = _loop.first_batches(train_dataloader, self.steps * accumulate, lambda b: _moved(b, device),
-                                      iterate=_fresh_pass)
+                                      iterate=_fresh_pass, before=self._drawn)
         steps = _loop.grouped(batches, accumulate, self.steps)
         if not steps:
             raise Tf32LabError(f"Tf32CheckCallback: the train dataloader has {len(batches)} batches, fewer than one "
