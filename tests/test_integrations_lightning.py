@@ -486,3 +486,25 @@ def test_limit_train_batches_caps_the_steps_checked(tmp_path):
     fit(tmp_path, Plain, callback=check, max_epochs=3, limit_train_batches=2)
     assert check.report.steps == 2
     assert any("limit_train_batches" in note for note in check.report.notes)
+
+
+class RaisesMidRun(Regression):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 6:  # the check reads batches 0 and 1 only
+            raise RuntimeError("the run's own error")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_report_that_cannot_be_written_never_replaces_the_runs_own_exception(tmp_path):
+    # the JSON's path is taken by a folder, and warnings are errors (pytest -W error): the run's error must surface
+    (tmp_path / "run" / "version_0" / "tf32lab-training.json").mkdir(parents=True)
+    check = Tf32Check(target="a100", steps=2, levels=("highest", "high"))
+    torch.manual_seed(0)
+    logger = L.loggers.CSVLogger(tmp_path, name="run", version=0)
+    trainer = L.Trainer(callbacks=[check], default_root_dir=tmp_path, logger=logger, max_epochs=1,
+                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="tf32lab: the training check's report could not be written")
+        with pytest.raises(RuntimeError, match="the run's own error"):
+            trainer.fit(RaisesMidRun(), DataLoader(data(), batch_size=8))
+    assert check.report is not None and check.report.passed

@@ -139,7 +139,10 @@ class Tf32Check(L.Callback):
         self._wait()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self._wait()
+        try:
+            self._wait()
+        except Exception:  # the write-failure warning raised (warnings as errors): the run's own error goes on
+            _loop.LOG.warning("tf32lab: the training check's report could not be written", exc_info=True)
 
     def _wait(self) -> None:
         writing, self._writing = self._writing, None
