@@ -34,6 +34,9 @@ LEVELS = ("highest", "high")
 TARGET = "a100"
 
 
+WIDTH = 256  # the MLP's hidden width (--width): at 256 a step is a millisecond, and fixed costs weigh most
+
+
 def data() -> TensorDataset:
     g = torch.Generator().manual_seed(1)
     return TensorDataset(torch.randn(256, 64, generator=g), torch.randn(256, 1, generator=g))
@@ -41,7 +44,7 @@ def data() -> TensorDataset:
 
 def mlp() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1))
+    return torch.nn.Sequential(torch.nn.Linear(64, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, 1))
 
 
 class Hooked:
@@ -154,18 +157,21 @@ def side_by_side(runs: dict, rounds: int) -> dict[str, float]:
 
 
 def main() -> None:
+    global WIDTH
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--width", type=int, default=WIDTH, help="the MLP's hidden width (default 256)")
     args = parser.parse_args()
+    WIDTH = args.width
     warnings.simplefilter("ignore")
     for name in ("pytorch_lightning", "lightning.pytorch", "transformers", "tf32lab.integrations"):
         logging.getLogger(name).setLevel(logging.ERROR)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the work itself, steadier on a shared machine than all threads
     try:
-        header(f"integrations: callback overhead over check_training, {args.steps} steps, levels "
-               f"{', '.join(LEVELS)}, target {TARGET}; medians of {args.rounds} rounds, one thread", WALL)
+        header(f"integrations: callback overhead over check_training, an MLP of width {WIDTH}, {args.steps} steps, "
+               f"levels {', '.join(LEVELS)}, target {TARGET}; medians of {args.rounds} rounds, one thread", WALL)
         failed = False
         with tempfile.TemporaryDirectory() as folder:
             for framework, make in (("lightning", lightning), ("transformers", transformers_)):
