@@ -567,3 +567,32 @@ def test_where_an_exception_was_raised_is_read_from_its_frames():
     with pytest.raises(AttributeError) as raised:
         Covariance()("not a tensor")  # a built-in workload's model is a model, not tf32lab
     assert raised_by_tf32lab(raised.value) is None
+
+
+class _WritesIntoInner(torch.nn.Module):
+    """A layer (its own product) that writes in place into a nested layer's output, as ``nn.ReLU(inplace=True)``
+    after a Linear does: rerun alone, the nested layer answers with its recorded output, which the write changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(16, 16)
+        self.w = torch.nn.Parameter(torch.randn(16, 16) / 4)
+
+    def forward(self, x):
+        h = self.inner(x)
+        torch.relu_(h)
+        h.mul_(2)
+        return h @ self.w
+
+
+def test_a_layer_writing_into_a_nested_layers_output_is_measured_the_same_at_every_level():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_WritesIntoInner(), torch.nn.Linear(16, 4))
+    x = torch.randn(8, 16)
+    alone = tf32lab.check(tf32lab.Workload(model, x, name="m"), levels=("high",))
+    after = tf32lab.check(tf32lab.Workload(model, x, name="m"), levels=("highest", "high"))
+    want = {layer.name: layer.introduced for layer in alone.level("high").layers}
+    got = {layer.name: layer.introduced for layer in after.level("high").layers}
+    # the same rerun either way: fed the nested layer's recorded output, not what an earlier level's rerun left
+    assert got == pytest.approx(want, rel=1e-6)
+    assert 0 < got["0"] < 1e-2

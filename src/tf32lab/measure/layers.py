@@ -337,15 +337,18 @@ class Recorder:
                 inner: dict[torch.nn.Module, list[Any]], pin: Optional[tuple[str, str]], cudnn: bool,
                 streams: Optional[Streams]) -> None:
         # the reference run's own modes off the stack meanwhile: paused, they would pass each op through as it is,
-        # at the cost of Python calls per op (the float32 inputs made once, again only where a rerun wrote into them)
+        # at the cost of Python calls per op (the float32 inputs made once, again only where a rerun wrote into them:
+        # the nested layers' answers too, which a layer may write into, as nn.ReLU(inplace=True) does)
         with contextlib.ExitStack() as quiet:
             for mode in (*self.mode.modes, *self.quiet):
                 quiet.enter_context(modestack.lifted(mode))
             fed: Optional[tuple[Any, Any, list[Optional[int]]]] = None
             for level, conv in [(level, None) for level in self.levels] + ([pin] if pin and cudnn else []):
-                if fed is None or _versions(fed[:2]) != fed[2]:
+                if fed is None or _versions((*fed[:2], list(inner.values()))) != fed[2]:
+                    if fed is not None:
+                        inner = self._inner_outputs(frame)
                     made = map_tensors(_to_float32, frame.args), map_tensors(_to_float32, frame.kwargs)
-                    fed = (*made, _versions(made))
+                    fed = (*made, _versions((*made, list(inner.values()))))
                 self._rerun(name, module, frame, reference, norms, inner, pin, cudnn, streams, level, conv,
                             fed[0], fed[1])
 
