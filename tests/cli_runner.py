@@ -219,8 +219,13 @@ def _child(request: dict, stdin: int, stdout: int, stderr: int, said: tuple[str,
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
         sys.argv = ["-m", *request["argv"]]
-        # as ``-m`` does: the module runs as __main__, and anything importing it by name imports it anew
-        sys.modules.pop(request["module"], None)
+        # as ``-m`` does: the module runs as __main__, and anything importing it by name imports it anew; of a
+        # package, that module is its __main__ (the package itself is imported once: popped, a second package
+        # object would lack the submodules the server imported, and ``import tf32lab.errors`` not attach them)
+        name = request["module"]
+        if hasattr(sys.modules.get(name), "__path__"):
+            name += ".__main__"
+        sys.modules.pop(name, None)
         try:
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
             code = 0

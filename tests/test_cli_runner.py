@@ -65,3 +65,17 @@ def test_forked_runs_count_their_cpu_seconds(tmp_path):
     before = cli_runner.forked_cpu_seconds()
     cli_runner.run(module="spin", cwd=tmp_path)
     assert cli_runner.forked_cpu_seconds() > before
+
+
+def test_a_forked_tf32lab_command_keeps_the_one_tf32lab_package(tmp_path):
+    # `python -m tf32lab` runs tf32lab.__main__ as __main__ and imports the package once: a second package object
+    # would lack the submodules the server had imported (tf32lab.errors), which `import tf32lab.errors` then
+    # does not attach to it
+    (tmp_path / "mymodel.py").write_text(
+        "import torch\n"
+        "import tf32lab.errors\n\n\n"
+        "def make():\n"
+        "    assert tf32lab.errors.Tf32LabError is tf32lab.Tf32LabError\n"
+        "    return torch.nn.Linear(8, 8), torch.randn(4, 8)\n")
+    done = cli_runner.run("check", "mymodel.py:make", "--levels", "highest", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
