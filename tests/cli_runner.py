@@ -11,7 +11,8 @@ not survive a fork, and a child of a process that started it hangs in its first 
 What the server read at its start, its child reads too. So a run gets a fresh interpreter (``fresh=True``, or by
 itself) when its environment differs from the server's in a variable that Python, PyTorch, OpenMP, numba or CUDA
 read at start-up (``PYTHON*`` but ``PYTHONPATH``, ``TORCH*``, ``OMP_*``...), when its ``PYTHONPATH`` would import
-another torch or tf32lab than the server's, or when a test means the genuine entry point (the console script, ``-m``
+another torch or tf32lab than the server's, when its working directory (or ``PYTHONPATH``) holds another copy of a
+module the server imported, or when a test means the genuine entry point (the console script, ``-m``
 as Python runs it, Ctrl-C). Children share the server's hash seed (a fresh interpreter draws one per run); Python's
 and numpy's global random generators are reseeded in each child, and torch's is still at its start-up seed.
 
@@ -56,7 +57,7 @@ def run(*args: str, cwd: str | Path | None = None, env: dict[str, str] | None = 
     cmd = [sys.executable, "-m", module, *args]
     env = dict(os.environ if env is None else env)
     server = None if fresh else _the_server()
-    if server is None or not server.can_run(env):
+    if server is None or not server.can_run(env, str(Path(cwd or os.getcwd()).resolve())):
         return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout, input=input)
     return server.run(cmd, module, list(args), str(Path(cwd or os.getcwd()).resolve()), env, timeout, input)
 
@@ -86,6 +87,7 @@ class _Server:
             raise RuntimeError(f"the CLI's fork server did not start: {self.log.read().decode(errors='replace')}")
         hello = json.loads(hello)
         self.sys_path, self.origins = hello["sys_path"], hello["origins"]
+        self.imported: dict[str, str] = hello["imported"]  # top-level modules the server imported: their files
         _forked_cpu += hello["cpu"]
 
     def alive(self) -> bool:
@@ -93,27 +95,48 @@ class _Server:
 
     def child_path(self, env: dict[str, str], cwd: str) -> list[str]:
         """sys.path as ``python -m`` in ``cwd`` with ``env`` would have it."""
-        theirs = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         ours = [p for p in self.env.get("PYTHONPATH", "").split(os.pathsep) if p]
         rest = list(self.sys_path[1:])
         for entry in ours:  # the server's own PYTHONPATH entries come right after its sys.path[0]
             if rest and rest[0] == os.path.abspath(entry):
                 rest.pop(0)
-        return [cwd, *(os.path.abspath(os.path.join(cwd, p)) for p in theirs), *rest]
+        return [*self.first_path(env, cwd), *rest]
 
-    def can_run(self, env: dict[str, str]) -> bool:
+    @staticmethod
+    def first_path(env: dict[str, str], cwd: str) -> list[str]:
+        """The folders ``python -m`` in ``cwd`` with ``env`` puts before the installed packages."""
+        theirs = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        return [cwd, *(os.path.abspath(os.path.join(cwd, p)) for p in theirs)]
+
+    def can_run(self, env: dict[str, str], cwd: str) -> bool:
         keys = {k for k in (*env, *self.env) if _READ_AT_START.match(k)}
         if any(env.get(k) != self.env.get(k) for k in keys):
+            return False
+        if self._shadowed(self.first_path(env, cwd)):
             return False
         if env.get("PYTHONPATH", "") == self.env.get("PYTHONPATH", ""):
             return True
         # another PYTHONPATH is fine while it finds the very torch and tf32lab the server imported
-        path = self.child_path(env, os.getcwd())
+        path = self.child_path(env, cwd)
         for name, origin in self.origins.items():
             spec = PathFinder.find_spec(name, path)
             if spec is None or spec.origin != origin:
                 return False
         return True
+
+    def _shadowed(self, folders: list[str]) -> bool:
+        """Whether a folder the child's sys.path puts first holds another copy of a module the server imported
+        (a fresh interpreter would import the folder's: the run's cwd first, as ``-m`` puts it)."""
+        for folder in folders:
+            try:
+                names = {entry.split(".")[0] for entry in os.listdir(folder)} & self.imported.keys()
+            except OSError:
+                continue
+            for name in names:
+                spec = PathFinder.find_spec(name, [folder])
+                if spec is not None and spec.origin is not None and spec.origin != self.imported[name]:
+                    return True
+        return False
 
     def run(self, cmd, module, args, cwd, env, timeout, input) -> subprocess.CompletedProcess:
         global _forked_cpu
@@ -167,7 +190,10 @@ def _serve(fd: int) -> None:
             importlib.import_module(name)
     sock = socket.socket(fileno=fd)
     origins = {name: sys.modules[name].__spec__.origin for name in ("torch", "tf32lab")}
-    sock.send(json.dumps({"sys_path": sys.path, "origins": origins, "cpu": time.process_time() - start}).encode())
+    imported = {name: m.__spec__.origin for name, m in list(sys.modules.items())
+                if "." not in name and getattr(m, "__file__", None) and getattr(m, "__spec__", None)}
+    sock.send(json.dumps({"sys_path": sys.path, "origins": origins, "imported": imported,
+                          "cpu": time.process_time() - start}).encode())
     while True:
         try:
             message, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)

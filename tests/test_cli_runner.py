@@ -79,3 +79,15 @@ def test_a_forked_tf32lab_command_keeps_the_one_tf32lab_package(tmp_path):
         "    return torch.nn.Linear(8, 8), torch.randn(4, 8)\n")
     done = cli_runner.run("check", "mymodel.py:make", "--levels", "highest", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_folder_that_shadows_a_module_the_server_imported_gets_a_fresh_interpreter(tmp_path):
+    # `python -m` puts the folder first on sys.path: its own tf32lab is the one a fresh interpreter runs, not the
+    # server's (nor may the forked child quietly keep the server's copy of any module the folder shadows)
+    package = tmp_path / "tf32lab"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "__main__.py").write_text("print('the folder\\'s own tf32lab')\n")
+    forked, fresh = cli_runner.run("--version", cwd=tmp_path), _fresh("--version", cwd=tmp_path)
+    assert fresh.stdout == "the folder's own tf32lab\n"
+    assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
