@@ -220,3 +220,14 @@ def test_the_compiled_lstm_derivatives_give_the_tensor_code_bits():
     tensor_code = recurrent._lstm_factors(acts, g, c, c0, nan_free=False)
     for a, b in zip(compiled, tensor_code):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("kind", [torch.nn.LSTM, torch.nn.GRU], ids=["lstm", "gru"])
+def test_a_second_derivative_is_refused_in_words_and_a_first_one_still_runs(kind):
+    torch.manual_seed(0)
+    layer, x = kind(4, 8, 1), torch.randn(5, 2, 4, requires_grad=True)
+    with tf32lab.precision("high"), tf32lab.emulate("a100"):
+        first, = torch.autograd.grad(layer(x)[0].pow(2).sum(), x)  # no graph asked: as before
+        assert torch.isfinite(first).all()
+        with pytest.raises(tf32lab.Tf32LabError, match=r"first derivatives only.*create_graph=True"):
+            torch.autograd.grad(layer(x)[0].pow(2).sum(), x, create_graph=True)

@@ -38,6 +38,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from tf32lab.errors import Tf32LabError
 from tf32lab.numbers import formats
 from tf32lab.numbers.compiled import kernels
 
@@ -232,6 +233,15 @@ def _lstm_forward(gates_x, h, c, w_hh, kit: Kit, reverse: bool, saved: Optional[
     return out, h, c
 
 
+def _first_order_only(kind: str) -> None:
+    """The layer's derivatives are written by hand (into buffers, ``out=``), so they have no derivative of their
+    own: a backward asked to build one (``create_graph=True``) is refused in words, not by an ``out=`` error."""
+    if torch.is_grad_enabled():
+        raise Tf32LabError(f"emulate(): an emulated {kind}'s backward gives first derivatives only; a second one "
+                           f"(create_graph=True, e.g. a gradient penalty) is not supported: run that backward "
+                           f"outside emulate(), or at level 'highest' natively")
+
+
 class _Lstm(torch.autograd.Function):
     """One LSTM layer and direction over the whole sequence: ``(gates_x, h0, c0, w_hh) -> (out, h_n, c_n)``,
     where ``gates_x`` holds the input projection of every step with both biases."""
@@ -246,6 +256,7 @@ class _Lstm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, d_h, d_c):
+        _first_order_only("LSTM")
         return ctx.kit.quietly(lambda: _lstm_backward(ctx, d_out, d_h, d_c))
 
 
@@ -349,6 +360,7 @@ class _Gru(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, d_h):
+        _first_order_only("GRU")
         return ctx.kit.quietly(lambda: _gru_backward(ctx, d_out, d_h))
 
 
