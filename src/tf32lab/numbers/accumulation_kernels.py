@@ -32,12 +32,21 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from tf32lab.numbers.compiled import one_signature
+
 __all__ = ["NARROW_LOWEST", "fma_gemm", "nvidia_gemm", "nvidia_gemm_narrow"]
 
 _KEEP24 = ~np.int64((1 << 29) - 1)  # a float64's sign, exponent and top 24 significand bits
 _RECIPROCAL = np.int64(2046) << 52  # bits(2^e) + bits(2^-e), for normal powers of two
 _LOWEST, _HIGHEST = np.int64(1023 - 126), np.int64(1023 + 128)  # float32's exponent range, biased as float64's
 _OPTIONS = {"cache": True, "error_model": "numpy", "boundscheck": False}  # no fastmath: every bit counts
+# One signature per kernel (compiled.one_signature): read-only inputs take writable arrays too. nvidia_gemm reads
+# its operands once, into dense copies, so any strides cost nothing there; the others loop over their inputs, which
+# vectorises only over C-contiguous arrays.
+_ANY32 = types.Array(types.float32, 3, "A", readonly=True)
+_DENSE32 = types.Array(types.float32, 3, "C", readonly=True)
+_DENSE64 = types.Array(types.float64, 3, "C", readonly=True)
+_I64, _BOOL = types.int64, types.boolean
 
 
 def _bitcast(source, target, llvm_target):
@@ -196,6 +205,7 @@ def _four_rows_k4(a, ea, b, eb, c, out, q, rows, n0, n1, bits, accs, emaxs, norm
         out[q, i3, n0 + x] = acc3[x]
 
 
+@one_signature(_ANY32, _ANY32, _ANY32, _I64, _I64, _I64, _I64, _BOOL)
 @nb.njit(parallel=True, **_OPTIONS)
 def nvidia_gemm(a, b, c, chunk, bits, tile, band, normal=False):  # pragma: no cover - compiled
     """c + a @ b per GEMM of the batch, chunks of ``chunk`` products fused as accumulation's "nvidia" kind.
@@ -509,6 +519,7 @@ def _fits32(a, b, c, la, ma, lb, mb):  # pragma: no cover - compiled
             and np.int64(lc) - 127 >= NARROW_LOWEST)
 
 
+@one_signature(_DENSE32, _DENSE32, _DENSE32, _I64, _I64, _I64, _I64)
 @nb.njit(parallel=True, **_OPTIONS)
 def nvidia_gemm_narrow(a, b, c, chunk, bits, tile, band):  # pragma: no cover - compiled
     """:func:`nvidia_gemm` in 32-bit lanes, for chunks of 4 or 8, where it applies: (output, True), or
@@ -543,6 +554,7 @@ def nvidia_gemm_narrow(a, b, c, chunk, bits, tile, band):  # pragma: no cover - 
     return out, True
 
 
+@one_signature(_DENSE64, _DENSE64, _DENSE32, _I64)
 @nb.njit(parallel=True, **_OPTIONS)
 def fma_gemm(a, b, c, tile):  # pragma: no cover - compiled
     """c + a @ b per GEMM of the batch as one float32 FMA per product in K order (a (B, M, K), b (B, K, N):

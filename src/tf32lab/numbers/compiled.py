@@ -1,5 +1,6 @@
 """The compiled kernels (numba, the optional extra ``tf32lab[fast]``): each module loaded once, or None where it
 cannot be: numba missing, or unable to cache its code (a read-only install with no writable cache directory).
+Each kernel is compiled for one signature (:func:`one_signature`), once per process, at its first call.
 
 Example:
 
@@ -13,11 +14,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import Optional
+from typing import Any, Optional
 
-__all__ = ["kernels", "torch_threads"]
+import numpy as np
+
+__all__ = ["kernels", "one_signature", "torch_threads"]
 
 
 @functools.cache
@@ -48,3 +52,66 @@ def torch_threads() -> Iterator[None]:
         numba.set_num_threads(numba_threads)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+
+
+class _OneSignature:
+    """A numba dispatcher compiled for one signature at its first call, and never again (see
+    :func:`one_signature`); ``dispatcher`` is numba's own."""
+
+    def __init__(self, dispatcher: Any, argtypes: tuple) -> None:
+        functools.update_wrapper(self, dispatcher.py_func)
+        self.dispatcher = dispatcher
+        self._argtypes = argtypes
+        # inputs that must be C-contiguous: made so here (numba would refuse an 'A' array once compiling is off)
+        self._dense = [i for i, t in enumerate(argtypes) if getattr(t, "layout", None) == "C" and not t.mutable]
+        self._ready = False
+        self._lock = threading.Lock()
+
+    def _compile(self) -> None:
+        with self._lock:
+            if not self._ready:
+                self.dispatcher.compile(self._argtypes)  # or loaded from numba's cache
+                self.dispatcher.disable_compile()
+                self._ready = True
+
+    def __call__(self, *args: Any) -> Any:
+        if not self._ready:
+            self._compile()
+        if self._dense:
+            args = list(args)
+            for i in self._dense:
+                if not args[i].flags.c_contiguous:
+                    args[i] = np.ascontiguousarray(args[i])
+        return self.dispatcher(*args)
+
+
+def one_signature(*argtypes: Any) -> Callable[[Any], Any]:
+    """A decorator for a numba kernel (put above ``@numba.njit``): compiled for ``argtypes`` (numba types) alone,
+    at its first call rather than at import, and never for another signature.
+
+    numba compiles a dispatcher anew for each combination of argument types it meets (an array C-contiguous or
+    not, read-only or not; an int or a bool): tens of seconds for each GEMM kernel, in every process where its
+    on-disk cache misses (a fresh clone or install: the cache is keyed on the source file's modification time).
+    With compiling off after the first, numba converts what it can to that signature (an int32 to an int64, a
+    writable array to a read-only one, a C array to an 'A' one), and the wrapper copies an input given in another
+    layout to the C-contiguous one that a read-only C array type asks for; an output (mutable) must come as
+    typed. A kernel that loops over an input takes it C-contiguous: numba's loops over 'A' arrays do not vectorise
+    (the 32-bit GEMM kernel ran 7x slower).
+
+    Example (where numba is installed): a strided view is copied, and the one signature serves both calls.
+
+        >>> import importlib.util
+        >>> import numpy as np
+        >>> if importlib.util.find_spec("numba"):
+        ...     import numba
+        ...     @one_signature(numba.types.Array(numba.types.float64, 1, "C", readonly=True))
+        ...     @numba.njit
+        ...     def total(x):
+        ...         return x.sum()
+        ...     assert total(np.ones(4)) == total(np.ones(8)[::2]) == 4.0
+        ...     assert len(total.dispatcher.signatures) == 1
+    """
+    def wrap(dispatcher: Any) -> _OneSignature:
+        return _OneSignature(dispatcher, argtypes)
+
+    return wrap

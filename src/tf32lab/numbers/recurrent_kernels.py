@@ -23,13 +23,20 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
+from numba import types
+
+from tf32lab.numbers.compiled import one_signature
 
 __all__ = ["lstm_factors"]
 
 _OPTIONS = {"cache": True, "error_model": "numpy", "boundscheck": False, "nogil": True}  # no fastmath
 
 
-@nb.njit(**_OPTIONS)
+_IN3, _OUT3 = types.Array(types.float32, 3, "C", readonly=True), types.Array(types.float32, 3, "C")
+
+
+@one_signature(_IN3, _IN3, _IN3, _IN3, types.Array(types.float32, 2, "C", readonly=True), _OUT3, _OUT3)
+@nb.njit(**_OPTIONS)  # compiled once, for C-contiguous arrays (compiled.one_signature)
 def lstm_factors(acts, g, tanh_c, c, c0, from_h, factors):  # pragma: no cover - compiled
     """An LSTM layer's derivatives, every step (``acts``: i, f, ·, o after the sigmoid, ``[steps, batch, 4
     hidden]``; ``g``, ``tanh_c`` and ``c``: ``[steps, batch, hidden]``; ``c0``: ``[batch, hidden]``; all float32

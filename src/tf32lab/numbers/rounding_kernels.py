@@ -28,6 +28,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from tf32lab.numbers.compiled import one_signature
+
 __all__ = ["round_bits", "split_tf32x3"]
 
 _OPTIONS = {"cache": True, "error_model": "numpy", "boundscheck": False, "nogil": True}  # no fastmath
@@ -85,6 +87,12 @@ def _parts(u, summed):  # pragma: no cover - compiled
     return b, (_as_bits(_as_float(b) + _as_float(small)) if summed else small)
 
 
+_I64 = types.int64
+
+
+@one_signature(types.Array(types.int32, 1, "C", readonly=True), _I64, _I64, _I64, _I64,
+               types.Array(types.int32, 1, "C"), types.Array(types.int32, 1, "C"), _I64, _I64, _I64, _I64,
+               types.boolean, _I64, _I64, _I64, _I64, types.boolean)  # compiled once (compiled.one_signature)
 @nb.njit(**_OPTIONS)
 def _each(src, s0, s1, s2, s3, first, second, n0, n1, n2, n3, split, bias, odd, drop, mask,
           summed):  # pragma: no cover - compiled
