@@ -165,6 +165,47 @@ def test_compiled_kernels_keep_the_callers_thread_count(user_flags):
     assert torch.get_num_threads() == 1
 
 
+def _compiled_signatures(module) -> dict[str, int]:
+    """How many signatures numba compiled for each kernel of ``module`` in this process."""
+    from numba.core.dispatcher import Dispatcher
+
+    found = {name: getattr(f, "dispatcher", f) for name, f in vars(module).items()}
+    return {name: len(d.signatures) for name, d in found.items() if isinstance(d, Dispatcher)}
+
+
+@pytest.mark.skipif(not accumulation.compiled(), reason="numba not installed")
+def test_each_kernel_is_compiled_once_whatever_its_callers_pass():
+    # numba compiled nvidia_gemm anew (25 s of CPU) for each layout of its operands (a transposed weight, a
+    # broadcast batch, one column), and a kernel called with read-only arrays or numpy integers anew again
+    from tf32lab.numbers import accumulation_kernels as kernels
+
+    g = torch.Generator().manual_seed(8)
+    a, b = torch.randn(3, 12, 16, generator=g), torch.randn(16, 20, generator=g)  # unrounded: nvidia_gemm
+    tf32 = formats.round_tf32(a)
+    calls = [(a, b, None), (a, b.T.contiguous().T, torch.ones(20)), (a[:, :5], b, torch.ones(3, 5, 20)),
+             (a.transpose(1, 2).contiguous().transpose(1, 2)[:, :, :12], b[:12, :1], None), (tf32, b[:, ::2], None),
+             (tf32, formats.round_tf32(b), None), (tf32[:, :, :12], formats.round_tf32(b)[:12].T.contiguous().T, None)]
+    for model in (accumulation.AMPERE, accumulation.HOPPER, accumulation.FMA):
+        for x, y, c in calls:
+            want = accumulation.gemm(x, y, model, c=c, use_compiled=False)
+            assert _bits_equal(accumulation.gemm(x, y, model, c=c, use_compiled=True), want), (str(model), x.shape)
+    # the kernels called as they are, with read-only and strided arrays and numpy integers
+    frozen = [x.numpy().copy() for x in (tf32[:1], formats.round_tf32(b)[None], torch.zeros(1, 12, 20))]
+    for x in frozen:
+        x.flags.writeable = False
+    want = accumulation.gemm(tf32[:1], formats.round_tf32(b), accumulation.AMPERE, use_compiled=False)
+    got = kernels.nvidia_gemm(*frozen, np.int32(4), np.int64(24), 20, 12, False)
+    narrow, fitted = kernels.nvidia_gemm_narrow(frozen[0].transpose(0, 2, 1).copy().transpose(0, 2, 1), *frozen[1:],
+                                                4, np.int32(24), 20, 12)
+    assert fitted and _bits_equal(torch.from_numpy(got)[0], want) and _bits_equal(torch.from_numpy(narrow)[0], want)
+    fma = kernels.fma_gemm(frozen[0].astype(np.float64)[:, ::-1, :], frozen[1].astype(np.float64), frozen[2], 8)
+    want = accumulation.gemm(tf32[:1].flip(1), formats.round_tf32(b), accumulation.FMA, use_compiled=False)
+    assert _bits_equal(torch.from_numpy(fma), want)
+    counts = _compiled_signatures(kernels)
+    assert counts["nvidia_gemm"] == counts["nvidia_gemm_narrow"] == counts["fma_gemm"] == 1, counts
+    assert max(counts.values()) == 1, counts
+
+
 def _binade(shape: tuple[int, ...], exponent: int, g: torch.Generator) -> torch.Tensor:
     """TF32 values of random sign in [2^exponent, 2^(exponent + 1))."""
     signs = torch.randint(0, 2, shape, generator=g) * 2.0 - 1.0

@@ -222,6 +222,28 @@ def test_the_compiled_lstm_derivatives_give_the_tensor_code_bits():
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
+def test_the_compiled_lstm_derivatives_are_compiled_once_whatever_the_layout():
+    # numba compiled the kernel anew for a cell state laid out otherwise (its tangent, made as it lies, was
+    # passed as it came): once per process now, the same bits
+    if kernels("recurrent_kernels") is None:
+        pytest.skip("numba is not installed")
+    from numba.core.dispatcher import Dispatcher
+
+    from tf32lab.numbers import recurrent_kernels
+
+    torch.manual_seed(1)
+    steps, batch, size = 4, 3, 5
+    acts, g = torch.randn(steps, batch, 4 * size).sigmoid(), torch.randn(steps, batch, size).tanh()
+    c, c0 = torch.randn(steps, batch, size) * 3, torch.randn(batch, size)
+    for cell in (c, c.transpose(0, 1).contiguous().transpose(0, 1), c.transpose(1, 2).contiguous().transpose(1, 2)):
+        compiled = recurrent._lstm_factors(acts, g, cell, c0, nan_free=True)
+        tensor_code = recurrent._lstm_factors(acts, g, cell, c0, nan_free=False)
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(compiled, tensor_code))
+    found = {name: getattr(f, "dispatcher", f) for name, f in vars(recurrent_kernels).items()}
+    counts = {name: len(d.signatures) for name, d in found.items() if isinstance(d, Dispatcher)}
+    assert counts == {"lstm_factors": 1}, counts
+
+
 @pytest.mark.parametrize("kind", [torch.nn.LSTM, torch.nn.GRU], ids=["lstm", "gru"])
 def test_a_second_derivative_is_refused_in_words_and_a_first_one_still_runs(kind):
     torch.manual_seed(0)

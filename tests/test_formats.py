@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -320,6 +321,30 @@ def test_compiled_split_reads_strided_operands_in_place(summed):
     special = _many_patterns().view(4, 32, 32, 32).transpose(1, 2)  # an Inf or a NaN: the tensor code's parts
     want = _tensor_code(formats.split_tf32x3, special, summed=summed)
     assert all(_same_bits(g, w) for g, w in zip(formats.split_tf32x3(special, summed=summed), want))
+
+
+@numba_only
+def test_the_rounding_kernel_is_compiled_once_whatever_its_callers_pass():
+    # numba compiled a kernel anew for each type of argument it met: a read-only source, numpy integers, a flag
+    # given as an int, a transposed operand read in place
+    from numba.core.dispatcher import Dispatcher
+
+    from tf32lab.numbers import rounding_kernels
+
+    x = _many_patterns().view(256, 512)
+    for y in (x, x.T, x[:, ::2]):
+        assert _same_bits(formats.round_tf32(y, "rne"), _tensor_code(formats.round_tf32, y, "rne"))
+        got = formats.split_tf32x3(_many_patterns(finite=True).view(256, 512).T, summed=1)
+        want = _tensor_code(formats.split_tf32x3, _many_patterns(finite=True).view(256, 512).T, summed=True)
+        assert all(_same_bits(g, w) for g, w in zip(got, want))
+    frozen = x.view(torch.int32).reshape(-1).numpy().copy()
+    frozen.flags.writeable = False
+    got = rounding_kernels.round_bits(frozen, (np.int64(0), 0, 0, np.int32(1)), (1, 1, 1, np.int64(frozen.size)),
+                                      np.empty_like(frozen), np.int32(13), "rna")
+    assert _same_bits(torch.from_numpy(got).view(torch.float32), _tensor_code(formats.round_tf32, x, "rna").reshape(-1))
+    found = {name: getattr(f, "dispatcher", f) for name, f in vars(rounding_kernels).items()}
+    counts = {name: len(d.signatures) for name, d in found.items() if isinstance(d, Dispatcher)}
+    assert counts["_each"] == 1 and max(counts.values()) == 1, counts
 
 
 @numba_only
