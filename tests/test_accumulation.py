@@ -19,8 +19,8 @@ import torch
 
 from tf32lab.numbers import accumulation, formats
 
-# numba compiles the accumulation kernels once per operand layout (tens of seconds each) in a fresh clone:
-# these files run on one xdist worker, so that the other worker does not compile the same ones at the same time
+# numba compiles the accumulation kernels (tens of seconds each, once per process) in a fresh clone: these
+# files run on one xdist worker, so that the other worker does not compile the same ones at the same time
 pytestmark = pytest.mark.xdist_group("numba_accumulation")
 
 DATA = pathlib.Path(__file__).parent / "data"

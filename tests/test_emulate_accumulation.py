@@ -12,8 +12,8 @@ from tf32lab.emulation.emulator import emulate
 from tf32lab.errors import Tf32LabError
 from tf32lab.numbers import accumulation, formats
 
-# numba compiles the accumulation kernels once per operand layout (tens of seconds each) in a fresh clone:
-# these files run on one xdist worker, so that the other worker does not compile the same ones at the same time
+# numba compiles the accumulation kernels (tens of seconds each, once per process) in a fresh clone: these
+# files run on one xdist worker, so that the other worker does not compile the same ones at the same time
 pytestmark = pytest.mark.xdist_group("numba_accumulation")
 
 
