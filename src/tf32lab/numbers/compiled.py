@@ -54,37 +54,6 @@ def torch_threads() -> Iterator[None]:
             torch.set_num_threads(threads)
 
 
-class _OneSignature:
-    """A numba dispatcher compiled for one signature at its first call, and never again (see
-    :func:`one_signature`); ``dispatcher`` is numba's own."""
-
-    def __init__(self, dispatcher: Any, argtypes: tuple) -> None:
-        functools.update_wrapper(self, dispatcher.py_func)
-        self.dispatcher = dispatcher
-        self._argtypes = argtypes
-        # inputs that must be C-contiguous: made so here (numba would refuse an 'A' array once compiling is off)
-        self._dense = [i for i, t in enumerate(argtypes) if getattr(t, "layout", None) == "C" and not t.mutable]
-        self._ready = False
-        self._lock = threading.Lock()
-
-    def _compile(self) -> None:
-        with self._lock:
-            if not self._ready:
-                self.dispatcher.compile(self._argtypes)  # or loaded from numba's cache
-                self.dispatcher.disable_compile()
-                self._ready = True
-
-    def __call__(self, *args: Any) -> Any:
-        if not self._ready:
-            self._compile()
-        if self._dense:
-            args = list(args)
-            for i in self._dense:
-                if not args[i].flags.c_contiguous:
-                    args[i] = np.ascontiguousarray(args[i])
-        return self.dispatcher(*args)
-
-
 def one_signature(*argtypes: Any) -> Callable[[Any], Any]:
     """A decorator for a numba kernel (put above ``@numba.njit``): compiled for ``argtypes`` (numba types) alone,
     at its first call rather than at import, and never for another signature.
@@ -111,7 +80,31 @@ def one_signature(*argtypes: Any) -> Callable[[Any], Any]:
         ...     assert total(np.ones(4)) == total(np.ones(8)[::2]) == 4.0
         ...     assert len(total.dispatcher.signatures) == 1
     """
-    def wrap(dispatcher: Any) -> _OneSignature:
-        return _OneSignature(dispatcher, argtypes)
+    def wrap(dispatcher: Any) -> Callable[..., Any]:
+        # inputs that must come C-contiguous: made so here (numba refuses an 'A' array once compiling is off)
+        dense = tuple(i for i, t in enumerate(argtypes) if getattr(t, "layout", None) == "C" and not t.mutable)
+        lock = threading.Lock()
+        ready = False
+
+        def compile_once() -> None:
+            nonlocal ready
+            with lock:
+                if not ready:
+                    dispatcher.compile(argtypes)  # or loaded from numba's cache
+                    dispatcher.disable_compile()
+                    ready = True
+
+        @functools.wraps(dispatcher.py_func)
+        def kernel(*args: Any) -> Any:
+            if not ready:
+                compile_once()
+            for i in dense:
+                if not args[i].flags.c_contiguous:
+                    args = tuple(np.ascontiguousarray(x) if k in dense else x for k, x in enumerate(args))
+                    break
+            return dispatcher(*args)
+
+        kernel.dispatcher = dispatcher  # type: ignore[attr-defined]  # numba's own: its signatures, its overloads
+        return kernel
 
     return wrap
