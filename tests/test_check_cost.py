@@ -1,5 +1,6 @@
 """What check's own arithmetic costs: its comparisons and layer reruns run outside the modes of the runs they sit
-in (the float64 reference's, the emulator's), with the same bits as through them."""
+in (the float64 reference's, the emulator's), with the same bits as through them; and what its modes do per op of
+the model stays constant (no sweep of every kept op, no op-table lookup per op), for a decoder runs many small ops."""
 
 from __future__ import annotations
 
@@ -59,3 +60,50 @@ def test_layer_reruns_pass_no_op_through_the_float64_run(monkeypatch):
     assert passed == []
     introduced = {layer.name: layer.introduced for layer in report.level("high").layers}
     assert set(introduced) == {"0", "2"} and all(0 < v < 1e-2 for v in introduced.values())
+
+
+def test_the_kept_ops_are_swept_only_when_a_result_has_gone(monkeypatch):
+    from tf32lab.measure import scales
+
+    asked = []
+    alive = scales._Entry.alive
+    monkeypatch.setattr(scales._Entry, "alive", lambda entry: asked.append(1) or alive(entry))
+    x = torch.randn(8, dtype=torch.float64)
+    held = []
+    with scales.Formed() as formed:
+        for _ in range(200):  # every result held: nothing to sweep, whatever the number of ops
+            held.append(x * 2.0)
+    assert asked == []
+    assert len(formed.kept) == scales.KEPT
+    with scales.Formed() as formed:
+        kept = x * 3.0
+        for _ in range(40):
+            _ = x + 1.0  # results dropped at once: swept, and what the run still holds stays kept
+        last = x - 1.0
+    assert asked
+    assert formed.kept[-1].results[0]() is last
+    assert any(e.results[0]() is kept for e in formed.kept)
+    assert all(e.alive() for e in formed.kept)
+
+
+def test_counting_looks_an_op_up_once_and_counts_as_before(monkeypatch):
+    from tf32lab.know import optable
+    from tf32lab.speed import counting
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    x = torch.randn(5, 16)
+    with counting.Counting(model) as first, torch.inference_mode():
+        model(x)
+    looked = []
+    family = optable.family
+    monkeypatch.setattr(optable, "family", lambda name: looked.append(name) or family(name))
+    with counting.Counting(model) as again, torch.inference_mode():
+        for _ in range(10):
+            model(x)
+    assert looked == []  # each overload's name, family and kind known from the first run
+    assert again.ops[:len(first.ops)] == first.ops
+    assert [(c.op, c.layer, c.flops, c.bytes, c.gemms, c.kind) for c in first.ops] == [
+        ("aten::linear", "0", 2 * 5 * 16 * 16, (5 * 16 + 16 * 16 + 16 + 5 * 16) * 4.0, ((1, 1, 5, 16, 16),),
+         "gemm"),
+        ("aten::gelu", "1", 0.0, 2 * 5 * 16 * 4.0, (), "elementwise"),
+        ("aten::linear", "2", 2 * 5 * 16 * 4, (5 * 16 + 4 * 16 + 4 + 5 * 4) * 4.0, ((1, 1, 5, 4, 16),), "gemm")]

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tf32lab.control import modestack, scope
 from tf32lab.know import optable
-from tf32lab.numbers.trees import named_tensors
+from tf32lab.numbers.trees import named_tensors, operand_tensors
 from tf32lab.report.conclusion import ON_ANOTHER_THREAD, on_other_threads
 from tf32lab.speed.kinds import conv_kind, kind_of
 
@@ -173,9 +173,9 @@ def _rnn_gemms(a: dict[str, Any]) -> tuple[Gemm, ...]:
 def _bytes(name: str, args: tuple, kwargs: dict, out: Any) -> float:
     seen: set[tuple[int, int]] = set()
     total = 0.0
-    outputs = [t for _, t in named_tensors(out)]
+    outputs = operand_tensors((out,))
     written = sum(t.numel() * t.element_size() for t in outputs)
-    for _, t in named_tensors((args, kwargs)):
+    for t in operand_tensors((*args, *kwargs.values())):
         if t.is_sparse:
             continue
         key = (id(t) if t.device.type == "meta" else t.data_ptr(), t.numel())  # meta: shapes, no storage
@@ -235,6 +235,24 @@ class _Functions(TorchFunctionMode):
             counting.paused = False
         counting.record(op, args, kwargs, out)
         return out
+
+
+_NO_KERNEL = ("",) * 4  # a view or an allocation: not recorded
+
+
+def _op_of(func: Any) -> tuple[str, str, Optional[str], Optional[str]]:
+    """What :meth:`Counting.record` knows of ``func`` before its arguments: its bare name, the op it is counted as,
+    its family and its kind (None: a convolution's, read from its arguments); ``_NO_KERNEL`` for a view or an
+    allocation. Looked up once per op overload (every op of a run paid the string work and the op table)."""
+    name = func._schema.name.split("::")[-1]
+    if func.is_view or name in _FREE:
+        return _NO_KERNEL
+    qualified = f"aten::{name}" if func.namespace in _STANDS_FOR_ATEN else func._schema.name
+    family = optable.family(qualified)
+    return name, qualified, family, None if family == "conv" else kind_of(qualified, family)
+
+
+_OPS: dict[Any, tuple[str, str, Optional[str], Optional[str]]] = {}
 
 
 class Counting:
@@ -308,22 +326,25 @@ class Counting:
             todo.extend(next_node for next_node, _ in node.next_functions)
 
     def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        name = func._schema.name.split("::")[-1]
-        if func.is_view or name in _FREE:
+        known = _OPS.get(func)
+        if known is None:
+            known = _OPS[func] = _op_of(func)
+        if known is _NO_KERNEL:
             return
-        qualified = f"aten::{name}" if func.namespace in _STANDS_FOR_ATEN else func._schema.name
-        family = optable.family(qualified)
-        named = dict(zip((arg.name for arg in func._schema.arguments), args))
-        named.update(kwargs)
-        if func.namespace == "tf32lab":  # the emulator's stand-in for the aten op: counted as that op, so that a
-            named = {_ATEN_ARGUMENT.get(k, k): v for k, v in named.items()}  # run under emulate() counts the same
-        gemms = _gemms(name, family, named, out) if family is not None else None
-        if gemms is None and family is not None:
-            self.counts.uncounted[qualified] += 1
+        name, qualified, family, kind = known
+        gemms, named = None, None
+        if family is not None:  # only a family op's GEMMs and a convolution's kind read the arguments by name
+            named = dict(zip((arg.name for arg in func._schema.arguments), args))
+            named.update(kwargs)
+            if func.namespace == "tf32lab":  # the emulator's stand-in for the aten op: counted as that op, so that
+                named = {_ATEN_ARGUMENT.get(k, k): v for k, v in named.items()}  # a run under emulate() counts alike
+            gemms = _gemms(name, family, named, out)
+            if gemms is None:
+                self.counts.uncounted[qualified] += 1
         flops = float(sum(2 * c * b * m * n * k for c, b, m, n, k in gemms or ()))
         layer = self._stack[-1] if self._stack else self._backward_layer()
         self.counts.ops.append(OpCost(qualified, layer, family, flops, _bytes(name, args, kwargs, out),
-                                      tuple(gemms or ()), _kind(qualified, family, named)))
+                                      tuple(gemms or ()), kind or _kind(qualified, family, named or {})))
 
     def _backward_layer(self) -> str:
         """The layer whose forward made the autograd node running now (backward ops), else the model's."""
