@@ -47,7 +47,7 @@ from tf32lab.know.levels import LEVELS, check_levels
 from tf32lab.know.targets import NATIVE, Target
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.training import check_training, elementwise_step, training_tolerance
-from tf32lab.numbers.files import write_atomically
+from tf32lab.numbers.files import write_atomically, write_json
 from tf32lab.report.training import TrainingReport
 from tf32lab.workloads.training import TrainingWorkload, check_steps
 
@@ -413,7 +413,11 @@ class Written:
             return
         path = Path(folder)
         path.mkdir(parents=True, exist_ok=True)
-        texts = {path / "tf32lab-training.json": report.to_json(), path / "tf32lab-training.html": report.to_html()}
+        from tf32lab.report.training_render import html  # as to_html() imports it: when a page is made
+
+        data = report.to_dict()  # made once, for both texts
+        texts = {path / "tf32lab-training.json": write_json(None, data),
+                 path / "tf32lab-training.html": html(report, data)}
         self.paths = list(texts)
 
         def write() -> None:
