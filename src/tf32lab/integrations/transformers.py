@@ -178,7 +178,8 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         takes_count = trainer is not None and "num_items_in_batch" in inspect.signature(trainer.compute_loss).parameters
 
         def loss(copy: Any, micro: list[Any], step: int) -> torch.Tensor:
-            copy.train()  # as Trainer.training_step does, whatever mode the model was loaded in
+            if not all(module.training for module in copy.modules()):
+                copy.train()  # as Trainer.training_step does, whatever mode the model was loaded in
             if trainer is None:
                 outs = [copy(**batch) for batch in micro]
                 return torch.stack([out["loss"] if isinstance(out, dict) else out[0] for out in outs]).mean()
@@ -229,7 +230,7 @@ def _trainers_loss(trainer: Any, model: Any, micro: list[Any], count: Any, takes
         if scaled is None:
             scaled = (getattr(trainer, "model_accepts_loss_kwargs", False) and count is not None) or \
                 getattr(trainer, "compute_loss_func", None) is not None
-        if not scaled:
+        if not scaled and len(micro) > 1:  # a division by 1 is exact: the op (and its backward) left out
             value = value / len(micro)
         total = value if total is None else total + value
     assert total is not None

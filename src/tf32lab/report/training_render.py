@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 from rich.text import Text
 
@@ -177,8 +177,10 @@ def layer_chart(report: TrainingReport) -> dict[str, Any]:
             "height": 40 + len(names) * group}
 
 
-def html(report: TrainingReport) -> str:
-    data = report.to_dict()  # the constants as the JSON states them: this renderer does not import its report
+def html(report: TrainingReport, data: Optional[dict[str, Any]] = None) -> str:
+    """The report's page; ``data``: its ``to_dict()``, where the caller has made it already (for the JSON)."""
+    if data is None:
+        data = report.to_dict()  # the constants as the JSON states them: this renderer does not import its report
     return TEMPLATES.get_template("training.html.j2").render(
         report=report, rows=[report.floor, *report.levels], loss=loss_chart(report), layers=layer_chart(report),
         label=_label, top=TOP, inf=math.inf, floor_multiple=data["floor_multiple"],

@@ -1,0 +1,57 @@
+"""The callbacks' report files (`tf32lab.integrations._loop.Written`) and the training report's plain data they are
+rendered from: the same texts as `to_json()` and `to_html()`, made from one `to_dict()`, in the writer thread."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+import tf32lab
+from tf32lab.integrations._loop import Written
+from tf32lab.report.training import TrainingReport
+
+
+@pytest.fixture(scope="module")
+def report() -> TrainingReport:
+    torch.manual_seed(0)
+    data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(2)]
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    workload = tf32lab.TrainingWorkload(model, data, loss=lambda out, b: (out - b[1]).pow(2).mean(),
+                                        inputs=lambda b: b[0], name="mlp")
+    return tf32lab.check_training(workload, levels=("highest", "high"), target="h100")
+
+
+def test_the_files_are_the_reports_own_texts_from_one_to_dict(report, tmp_path, monkeypatch):
+    made = []
+    to_dict = TrainingReport.to_dict
+
+    def counted(self):
+        made.append(1)
+        return to_dict(self)
+
+    monkeypatch.setattr(TrainingReport, "to_dict", counted)
+    state = random.getstate()
+    paths = Written(report, str(tmp_path / "logs")).wait()
+    assert random.getstate() == state  # the run's Python stream as it was
+    assert [p.name for p in paths] == ["tf32lab-training.json", "tf32lab-training.html"]
+    assert len(made) == 1  # one to_dict for both texts (the page made its own for two constants)
+    monkeypatch.setattr(TrainingReport, "to_dict", to_dict)
+    assert paths[0].read_text(encoding="utf-8") == report.to_json()
+    assert paths[1].read_text(encoding="utf-8") == report.to_html()
+
+
+def test_a_rows_plain_data_is_its_own(report):
+    """Rows are turned into dicts field by field (no deep copy): every container of the data is new all the same,
+    so that editing the data leaves the report as it was."""
+    data = report.to_dict()
+    high = data["levels"][1]
+    assert high["level"] == "high" and high["maths"] and high["gradients"]
+    high["maths"].clear()
+    high["gradients"][0]["name"] = "edited"
+    high["losses"].append(0.0)
+    row = report.level("high")
+    assert row.maths and row.gradients[0].name != "edited" and len(row.losses) == report.steps
+    assert json.loads(report.to_json()) == report.to_dict()
