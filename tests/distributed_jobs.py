@@ -3,9 +3,10 @@ Python processes on gloo (CPU), each running ``scenario`` from ``tests/distribut
 rank's exit code and output. Every job has a hard timeout: a bug can never hang the suite (all its processes are
 killed there, and the test fails saying so).
 
-The ranks are forked from one process per job that has imported torch, ``torch.distributed`` and tf32lab (this
-file, run as a script: a zygote, as ``tests/cli_runner.py``'s server is), each with torchrun's environment of its
-rank: a job then pays one interpreter's start-up (2-3 CPU seconds with torch) instead of one per rank. Each rank is
+The ranks are forked from one process per job that has imported torch, ``torch.distributed``, tf32lab and what
+every rank of the scenario imports (this file, run as a script: a zygote, as ``tests/cli_runner.py``'s server is),
+each with torchrun's environment of its rank: a job then pays one interpreter's start-up (2-3 CPU seconds with
+torch, and up to 2 more for the check, FSDP and DTensor) instead of one per rank. Each rank is
 still its own process, with its own exit code, signals, stdout and stderr, and the zygote runs no torch operation
 before it forks (OpenMP's thread pool does not survive a fork). It reaps the ranks and writes their exit codes
 (a signal as a negative one, as ``subprocess`` gives it) for ``run_job`` to read.
@@ -83,14 +84,28 @@ def run_job(scenario: str, world: int, *args: str, timeout: float = 60.0, env: d
                      (Path(folder) / f"{rank}.err").read_text()) for rank in range(world)]
 
 
+def _preloaded(scenario: str, args: list[str]) -> list[str]:
+    """The modules every rank of ``scenario`` imports: a check imports the CLI and the check itself, a sharded
+    transformer FSDP, a tensor-parallel MLP DTensor's parallel API."""
+    names = ["torch", "torch.distributed", "tf32lab", "tf32lab.machine.distributed"]
+    if scenario in ("check", "cli", "fault"):
+        names += ["tf32lab.cli", "tf32lab.measure.check"]
+    if any("transformer" in arg for arg in args) or scenario == "fault":
+        names.append("torch.distributed.fsdp")
+    if any("tensor_parallel" in arg for arg in args):
+        names.append("torch.distributed.tensor.parallel")
+    return names
+
+
 def _zygote(folder: str, world: int, waited: set[int], scenario: str, args: list[str]) -> None:
     """Fork the job's ranks, wait for those in ``waited`` (then kill the rest), write every exit code."""
-    # what every rank imports first, once for all (no torch operation runs here)
-    import torch.distributed  # noqa: F401
+    import importlib
 
+    # what every rank of this scenario imports, once for all (no torch operation runs here)
     import distributed_scenarios
-    import tf32lab  # noqa: F401
 
+    for name in _preloaded(scenario, args):
+        importlib.import_module(name)
     pids = {}
     for rank in range(world):
         sys.stdout.flush()
