@@ -2,17 +2,26 @@
 Python processes on gloo (CPU), each running ``scenario`` from ``tests/distributed_scenarios.py``, and returns each
 rank's exit code and output. Every job has a hard timeout: a bug can never hang the suite (all its processes are
 killed there, and the test fails saying so).
+
+The ranks are forked from one process per job that has imported torch, ``torch.distributed``, tf32lab and what
+every rank of the scenario imports (this file, run as a script: a zygote, as ``tests/cli_runner.py``'s server is),
+each with torchrun's environment of its rank: a job then pays one interpreter's start-up (2-3 CPU seconds with
+torch, and up to 2 more for the check, FSDP and DTensor) instead of one per rank. Each rank is
+still its own process, with its own exit code, signals, stdout and stderr, and the zygote runs no torch operation
+before it forks (OpenMP's thread pool does not survive a fork). It reaps the ranks and writes their exit codes
+(a signal as a negative one, as ``subprocess`` gives it) for ``run_job`` to read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,34 +60,79 @@ def run_job(scenario: str, world: int, *args: str, timeout: float = 60.0, env: d
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
             "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]), **(env or {})}
-    waited = range(world) if wait_for is None else wait_for
+    waited = ",".join(map(str, range(world) if wait_for is None else wait_for))
     with tempfile.TemporaryDirectory() as folder:
-        procs, files = [], []
-        for rank in range(world):
-            # closed below, once the processes are done with them
-            out = open(os.path.join(folder, f"{rank}.out"), "w+")  # noqa: SIM115
-            err = open(os.path.join(folder, f"{rank}.err"), "w+")  # noqa: SIM115
-            files.append((out, err))
-            procs.append(subprocess.Popen([sys.executable, str(SCENARIOS), scenario, *args],
-                                          env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                                          stdout=out, stderr=err, text=True))
-        deadline = time.monotonic() + timeout
-        try:
-            for rank in waited:
-                procs[rank].wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"distributed job {scenario!r} on {world} ranks still running after {timeout} s: "
-                                 f"killed") from None
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                proc.wait()
-        ranks = []
-        for rank, (out, err) in enumerate(files):
-            out.seek(0)
-            err.seek(0)
-            ranks.append(Rank(rank, procs[rank].returncode, out.read(), err.read()))
-            out.close()
-            err.close()
-    return ranks
+        with open(os.path.join(folder, "zygote.err"), "w+") as said:
+            # its own session: a job past its timeout is killed whole, zygote and ranks
+            zygote = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), folder, str(world), waited,
+                                       scenario, *args], env=base, stdout=said, stderr=said, start_new_session=True)
+            try:
+                zygote.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"distributed job {scenario!r} on {world} ranks still running after {timeout} s: "
+                                     f"killed") from None
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(zygote.pid, signal.SIGKILL)
+                zygote.wait()
+            said.seek(0)
+            codes_file = Path(folder) / "codes.json"
+            assert zygote.returncode == 0 and codes_file.exists(), \
+                f"distributed job {scenario!r}: its zygote ended with {zygote.returncode}: {said.read()[-3000:]}"
+        codes = json.loads(codes_file.read_text())
+        return [Rank(rank, codes[rank], (Path(folder) / f"{rank}.out").read_text(),
+                     (Path(folder) / f"{rank}.err").read_text()) for rank in range(world)]
+
+
+def _preloaded(scenario: str, args: list[str]) -> list[str]:
+    """The modules every rank of ``scenario`` imports: a check imports the CLI and the check itself, a sharded
+    transformer FSDP, a tensor-parallel MLP DTensor's parallel API."""
+    names = ["torch", "torch.distributed", "tf32lab", "tf32lab.machine.distributed"]
+    if scenario in ("check", "cli", "fault"):
+        names += ["tf32lab.cli", "tf32lab.measure.check"]
+    if any("transformer" in arg for arg in args) or scenario == "fault":
+        names.append("torch.distributed.fsdp")
+    if any("tensor_parallel" in arg for arg in args):
+        names.append("torch.distributed.tensor.parallel")
+    return names
+
+
+def _zygote(folder: str, world: int, waited: set[int], scenario: str, args: list[str]) -> None:
+    """Fork the job's ranks, wait for those in ``waited`` (then kill the rest), write every exit code."""
+    import importlib
+
+    # what every rank of this scenario imports, once for all (no torch operation runs here)
+    import distributed_scenarios
+
+    for name in _preloaded(scenario, args):
+        importlib.import_module(name)
+    pids = {}
+    for rank in range(world):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the rank: torchrun's environment, its own output files; never returns into this loop
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+            for fd, name in ((1, f"{rank}.out"), (2, f"{rank}.err")):
+                target = os.open(os.path.join(folder, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                os.dup2(target, fd)
+                os.close(target)
+            sys.argv = [str(SCENARIOS), scenario, *args]
+            distributed_scenarios.main()
+            sys.exit(0)
+        pids[pid] = rank
+    codes: dict[int, int] = {}
+    while len(codes) < world:
+        pid, status = os.wait()
+        codes[pids[pid]] = os.waitstatus_to_exitcode(status)
+        if waited <= set(codes):  # the ranks that had to end have: the others are killed
+            for other, rank in pids.items():
+                if rank not in codes:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(other, signal.SIGKILL)
+    (Path(folder) / "codes.json").write_text(json.dumps([codes[rank] for rank in range(world)]))
+
+
+if __name__ == "__main__":
+    _zygote(sys.argv[1], int(sys.argv[2]), {int(r) for r in sys.argv[3].split(",") if r}, sys.argv[4],
+            sys.argv[5:])

@@ -3,6 +3,7 @@ not, ``autoconfig(agree=True)``; the sharded check (FSDP2, tensor parallel) agai
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -81,11 +82,16 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sharded" / "model.
 
 def _alone(factory: str, *args: str) -> dict:
     """The check of the same model, whole, in this one process (the example's factory outside a job)."""
+    return json.loads(_alone_json(factory, *args))
+
+
+@functools.cache
+def _alone_json(factory: str, *args: str) -> str:
+    # one check per model for the tests that compare with it (a worker's tests share it; each gets its own copy)
     import tf32lab
     from distributed_scenarios import LEVELS, example, numbers
 
-    report = tf32lab.check(example(factory, *args), levels=LEVELS, speed=False)
-    return json.loads(json.dumps(numbers(report)))
+    return json.dumps(numbers(tf32lab.check(example(factory, *args), levels=LEVELS, speed=False)))
 
 
 def _same(sharded, alone, path="report", rel=1e-9):

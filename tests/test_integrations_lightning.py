@@ -374,7 +374,8 @@ def test_without_lightning_the_integration_names_its_extra_and_tf32lab_never_imp
 
 @pytest.mark.slow
 def test_under_ddp_rank_0_checks_and_every_rank_ends_with_its_verdict(tmp_path):
-    # Lightning's own launcher, two CPU ranks (gloo): minutes (183 s on a loaded 2-core machine), each rank a process
+    # Lightning's own launcher, two CPU ranks (gloo), each a process forked from one that imported Lightning once
+    # (tests/lightning_ddp_job.py): 16 CPU seconds, a minute of wall time on a loaded 2-core machine
     job = Path(__file__).with_name("lightning_ddp_job.py")
     out = subprocess.run([sys.executable, str(job), str(tmp_path), "warn"], capture_output=True, text=True,
                          timeout=400)
