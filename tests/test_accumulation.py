@@ -206,6 +206,22 @@ def test_each_kernel_is_compiled_once_whatever_its_callers_pass():
     assert max(counts.values()) == 1, counts
 
 
+@pytest.mark.skipif(not accumulation.compiled(), reason="numba not installed")
+def test_a_kernel_called_directly_takes_its_defaults_and_keywords():
+    # compiled once for its whole signature, nvidia_gemm refused a call that left ``normal`` to its default (numba
+    # found no overload for an omitted argument) and one that named it (the wrapper took no keywords)
+    from tf32lab.numbers import accumulation_kernels as kernels
+
+    g = torch.Generator().manual_seed(9)
+    a, b = (formats.round_tf32(torch.randn(1, *shape, generator=g)) for shape in ((12, 16), (16, 20)))
+    operands = (a.numpy(), b.numpy(), np.zeros((1, 12, 20), np.float32), 4, 24, 20, 12)
+    want = accumulation.gemm(a, b, accumulation.AMPERE, use_compiled=False)
+    for got in (kernels.nvidia_gemm(*operands), kernels.nvidia_gemm(*operands, normal=True),
+                kernels.nvidia_gemm(*operands[:3], chunk=4, bits=24, tile=20, band=12, normal=False)):
+        assert _bits_equal(torch.from_numpy(got), want)
+    assert len(kernels.nvidia_gemm.dispatcher.signatures) == 1
+
+
 def _binade(shape: tuple[int, ...], exponent: int, g: torch.Generator) -> torch.Tensor:
     """TF32 values of random sign in [2^exponent, 2^(exponent + 1))."""
     signs = torch.randint(0, 2, shape, generator=g) * 2.0 - 1.0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import threading
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -64,8 +65,9 @@ def one_signature(*argtypes: Any) -> Callable[[Any], Any]:
     With compiling off after the first, numba converts what it can to that signature (an int32 to an int64, a
     writable array to a read-only one, a C array to an 'A' one), and the wrapper copies an input given in another
     layout to the C-contiguous one that a read-only C array type asks for; an output (mutable) must come as
-    typed. A kernel that loops over an input takes it C-contiguous: numba's loops over 'A' arrays do not vectorise
-    (the 32-bit GEMM kernel ran 7x slower).
+    typed; arguments given by keyword or left to their defaults are bound to their places first (numba has no
+    overload for an omitted one). A kernel that loops over an input takes it C-contiguous: numba's loops over 'A'
+    arrays do not vectorise (the 32-bit GEMM kernel ran 7x slower).
 
     Example (where numba is installed): a strided view is copied, and the one signature serves both calls.
 
@@ -94,10 +96,16 @@ def one_signature(*argtypes: Any) -> Callable[[Any], Any]:
                     dispatcher.disable_compile()
                     ready = True
 
+        signature = inspect.signature(dispatcher.py_func)
+
         @functools.wraps(dispatcher.py_func)
-        def kernel(*args: Any) -> Any:
+        def kernel(*args: Any, **kwargs: Any) -> Any:
             if not ready:
                 compile_once()
+            if kwargs or len(args) < len(argtypes):  # numba's dispatch took both; its one signature takes neither
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                args = bound.args
             for i in dense:
                 if not args[i].flags.c_contiguous:
                     args = tuple(np.ascontiguousarray(x) if k in dense else x for k, x in enumerate(args))
