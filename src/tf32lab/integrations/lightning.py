@@ -3,11 +3,12 @@
 When training starts (``on_train_start``: the optimizers, schedulers and dataloader made), it trains copies of the
 run's own ``LightningModule`` for ``steps`` optimizer steps at each level, as ``target`` computes it, against
 float64 and float32's own drift (:func:`tf32lab.check_training`): its ``training_step`` as the loss, the optimizers
-and schedulers its ``configure_optimizers`` gave, the Trainer's gradient accumulation and clipping, and the first
-batches of its train dataloader. The run itself is untouched: its module, optimizers and schedulers are never
-stepped (copies are), the batches are read again from a fresh pass (the random streams, PyTorch's, NumPy's and
-Python's, and the dataloader's own generators put back), and nothing is logged at a step of its own. A run with the
-callback ends with the same weights, bit for bit, as a run without it.
+and schedulers its ``configure_optimizers`` gave, the Trainer's gradient accumulation and clipping, the module's own
+hooks around the optimizer step in the Trainer's order (``optimizer_zero_grad``, ``on_after_backward``,
+``on_before_optimizer_step``, ...), and the first batches of its train dataloader. The run itself is untouched:
+its module, optimizers and schedulers are never stepped (copies are), the batches are read again from a fresh pass
+(the random streams, PyTorch's, NumPy's and Python's, and the dataloader's own generators put back), and nothing is
+logged at a step of its own. A run with the callback ends with the same weights, bit for bit, as a run without it.
 
 The report is kept on the callback (``cb.report``), written as ``tf32lab-training.json`` and ``.html`` into the
 trainer's log dir, its verdicts logged (``logging``, ``tf32lab.integrations``) and its headline numbers given to
