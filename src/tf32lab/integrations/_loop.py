@@ -141,14 +141,16 @@ class Steps(torch.optim.Optimizer):
     each optimizer stepped (by ``stepper(optimizer)`` where the framework's hook steps it), then each scheduler
     that is due (``(scheduler, every)``: every so many steps). Its
     param groups and state are its optimizers' own. ``manual``: the module steps its optimizers itself (Lightning's
-    manual optimization), and this one's ``step`` and ``zero_grad`` do nothing."""
+    manual optimization), and this one's ``step`` and ``zero_grad`` do nothing. ``zeroed``: the step's loss zeroed
+    the gradients and backpropagated itself (through the framework's own hooks around them), and ``zero_grad``
+    does nothing."""
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[tuple[Any, int]] = (),
                  clip: Optional[tuple[float, str]] = None, manual: bool = False,
-                 stepper: Optional[Callable[[torch.optim.Optimizer], None]] = None) -> None:
+                 stepper: Optional[Callable[[torch.optim.Optimizer], None]] = None, zeroed: bool = False) -> None:
         # not Optimizer.__init__: the groups are the optimizers' own (a scheduler changes their lr in place)
         self.optimizers, self.schedulers, self.clip, self.manual = list(optimizers), list(schedulers), clip, manual
-        self.stepper = stepper
+        self.stepper, self.zeroed = stepper, zeroed
         self.param_groups = [group for optimizer in self.optimizers for group in optimizer.param_groups]
         self.defaults: dict[str, Any] = {}
         self.steps = 0
@@ -164,7 +166,7 @@ class Steps(torch.optim.Optimizer):
         return merged
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if not self.manual:
+        if not self.manual and not self.zeroed:
             for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=set_to_none)
 

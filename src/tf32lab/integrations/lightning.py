@@ -3,11 +3,12 @@
 When training starts (``on_train_start``: the optimizers, schedulers and dataloader made), it trains copies of the
 run's own ``LightningModule`` for ``steps`` optimizer steps at each level, as ``target`` computes it, against
 float64 and float32's own drift (:func:`tf32lab.check_training`): its ``training_step`` as the loss, the optimizers
-and schedulers its ``configure_optimizers`` gave, the Trainer's gradient accumulation and clipping, and the first
-batches of its train dataloader. The run itself is untouched: its module, optimizers and schedulers are never
-stepped (copies are), the batches are read again from a fresh pass (the random streams, PyTorch's, NumPy's and
-Python's, and the dataloader's own generators put back), and nothing is logged at a step of its own. A run with the
-callback ends with the same weights, bit for bit, as a run without it.
+and schedulers its ``configure_optimizers`` gave, the Trainer's gradient accumulation and clipping, the module's own
+hooks around the optimizer step in the Trainer's order (``optimizer_zero_grad``, ``on_after_backward``,
+``on_before_optimizer_step``, ...), and the first batches of its train dataloader. The run itself is untouched:
+its module, optimizers and schedulers are never stepped (copies are), the batches are read again from a fresh pass
+(the random streams, PyTorch's, NumPy's and Python's, and the dataloader's own generators put back), and nothing is
+logged at a step of its own. A run with the callback ends with the same weights, bit for bit, as a run without it.
 
 The report is kept on the callback (``cb.report``), written as ``tf32lab-training.json`` and ``.html`` into the
 trainer's log dir, its verdicts logged (``logging``, ``tf32lab.integrations``) and its headline numbers given to
@@ -203,17 +204,19 @@ class Tf32Check(L.Callback):
         if not manual and trainer.gradient_clip_val:
             clip = (float(trainer.gradient_clip_val), str(getattr(trainer.gradient_clip_algorithm, "value",
                                                                   trainer.gradient_clip_algorithm) or "norm"))
-        # the module's own optimizer_step / configure_gradient_clipping, called as the Trainer calls them
-        hooked = not manual and any(_overrides(module, hook) for hook in ("optimizer_step",
-                                                                        "configure_gradient_clipping"))
+        # the module's own hooks, called as the Trainer calls them where the module overrides one: around the
+        # optimizer's step, and around each micro-batch's backward (the step's loss zeroes and backpropagates)
+        hooked = not manual and any(_overrides(module, hook) for hook in _STEP_HOOKS)
+        backward = not manual and any(_overrides(module, hook) for hook in _BACKWARD_HOOKS)
         at: dict[str, Any] = {}  # the row's copy and step being trained (the hooks are called with them)
         stepper = (lambda optimizer: _hooked_step(at, optimizer, trainer, accumulate)) if hooked else None
-        plain = not manual and not hooked and clip is None and len(optimizers) == 1 and not configs
+        plain = not manual and not hooked and not backward and clip is None and len(optimizers) == 1 and not configs
         bundles: dict[int, _loop.Steps] = {}
 
         def optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
             made, schedulers = _loop.rebound(optimizers, [c.scheduler for c in configs], original, params)
-            bundle = _loop.Steps(made, list(zip(schedulers, schedule)), None if hooked else clip, manual, stepper)
+            bundle = _loop.Steps(made, list(zip(schedulers, schedule)), None if hooked else clip, manual, stepper,
+                                 zeroed=backward)
             bundles[id(params[0])] = bundle
             return made[0] if plain else bundle
 
@@ -241,21 +244,44 @@ class Tf32Check(L.Callback):
                                                                 requires_grad=True)
             return value
 
+        def backpropagated(model: Any, micro: list[Any], step: int) -> list[Any]:
+            # Lightning's automatic optimization, micro-batch by micro-batch: training_step; at the step's first,
+            # on_before_zero_grad and optimizer_zero_grad (even where it returned None); then, where it gave a
+            # loss, on_before_backward, backward and on_after_backward of that loss over accumulate_grad_batches
+            values = []
+            for i, batch in enumerate(micro):
+                index = step * len(micro) + i
+                value = one(model, batch, index)
+                if i == 0:
+                    for opt in bundle_of(model).optimizers:
+                        model.on_before_zero_grad(opt)
+                        model.optimizer_zero_grad(trainer.current_epoch, index, opt)
+                if value is not None:
+                    scaled = value / len(micro)
+                    model.on_before_backward(scaled)
+                    model.backward(scaled)
+                    model.on_after_backward()
+                values.append(value)
+            return values
+
         def loss(model: Any, micro: list[Any], step: int) -> torch.Tensor:
             # Lightning backpropagates each micro-batch's loss over accumulate_grad_batches (their mean's gradient);
             # a micro-batch whose training_step returned None is skipped, backpropagating nothing
-            model.__dict__[_STEP] = step  # the copy's global_step: the run's at the check's step
-            values = [one(model, batch, step * len(micro) + i) for i, batch in enumerate(micro)]
+            model.__dict__[_STEP] = at["step"] = step  # global_step: the run's at the check's step
+            values = backpropagated(model, micro, step) if backward else \
+                [one(model, batch, step * len(micro) + i) for i, batch in enumerate(micro)]
             kept = [v for v in values if v is not None]
             if not kept:
                 raise Tf32LabError(f"Tf32Check: training_step returned None (a skipped step) for every batch of "
                                    f"step {step + 1}: the check needs a loss at each of its steps")
             total = values[0] if len(values) == 1 else torch.stack(kept).sum() / len(values)
-            at.update(model=model, step=step, loss=total)
+            if backward:  # backpropagated already: what the check backpropagates reaches no parameter
+                total = total.detach() + torch.zeros((), dtype=total.dtype, device=total.device, requires_grad=True)
+            at.update(model=model, loss=total)
             return total
 
         around = (lambda model: _manual(model, bundle_of(model), recorded)) if manual else None
-        model = _loop.stepping_copy(module, members=_outside_the_run(trainer))
+        model = _loop.stepping_copy(module, members=_outside_the_run(trainer, at))
         return _loop.run_check(model, type(module).__name__, steps, loss, optimizer, levels=self.levels,
                                target=self.target, tolerance=self.tolerance, around=around, notes=notes)
 
@@ -271,6 +297,12 @@ def _combined(trainer: Any, loader: Any) -> Iterator[Any]:
 
 _STEP = "_tf32lab_step"  # where a row's copy keeps the check's step
 
+# the module's hooks that change what a step computes, in Lightning's automatic optimization (its callbacks' own
+# hooks are the run's, and are left out: they see the run, not the check's copies)
+_STEP_HOOKS = ("optimizer_step", "on_before_optimizer_step", "configure_gradient_clipping")
+_BACKWARD_HOOKS = ("on_before_zero_grad", "optimizer_zero_grad", "on_before_backward", "backward",
+                   "on_after_backward")
+
 
 def _overrides(module: Any, hook: str) -> bool:
     """Whether the module's class has its own ``hook``, not LightningModule's."""
@@ -280,8 +312,8 @@ def _overrides(module: Any, hook: str) -> bool:
 class _RowOptimizer:
     """What a module's ``optimizer_step`` is given (Lightning's ``LightningOptimizer``), over a row's optimizer:
     ``step(closure)`` runs the closure (the step's loss, already backpropagated), then the module's
-    ``configure_gradient_clipping`` with the Trainer's ``gradient_clip_val``, then the row's optimizer step, as
-    the Trainer's precision plugin does."""
+    ``on_before_optimizer_step`` and ``configure_gradient_clipping`` with the Trainer's ``gradient_clip_val``, then
+    the row's optimizer step, as the Trainer's precision plugin does."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, clipped: Any) -> None:
         self.optimizer, self._clipped = optimizer, clipped
@@ -299,18 +331,19 @@ class _RowOptimizer:
 
     def step(self, closure: Any = None, **kwargs: Any) -> Any:
         result = closure() if closure is not None else None
-        self._clipped()
+        self._clipped()  # on_before_optimizer_step, then the clipping
         self.optimizer.step(**kwargs)
         return result
 
 
 def _hooked_step(at: dict[str, Any], optimizer: torch.optim.Optimizer, trainer: Any, accumulate: int) -> None:
     """One optimizer of a row stepped through the module's ``optimizer_step(epoch, batch_idx, optimizer,
-    closure)``, with its ``configure_gradient_clipping`` given the Trainer's own arguments before the step
-    (Lightning's order)."""
+    closure)``, with its ``on_before_optimizer_step`` and then its ``configure_gradient_clipping`` (given the
+    Trainer's own arguments) before the step (Lightning's order)."""
     model, step = at["model"], at["step"]
 
     def clipped() -> None:
+        model.on_before_optimizer_step(optimizer)
         model.configure_gradient_clipping(optimizer, gradient_clip_val=trainer.gradient_clip_val,
                                           gradient_clip_algorithm=trainer.gradient_clip_algorithm)
 
@@ -318,14 +351,16 @@ def _hooked_step(at: dict[str, Any], optimizer: torch.optim.Optimizer, trainer: 
                          lambda: at["loss"])
 
 
-def _outside_the_run(trainer: Any) -> dict[str, Any]:
+def _outside_the_run(trainer: Any, at: dict[str, Any]) -> dict[str, Any]:
     """What a row's copy answers where its ``training_step`` reaches for its trainer: ``self.trainer`` the run's
     (a copy is attached to none: Lightning drops ``_trainer`` on every copy, and ``self.trainer`` would raise), read
-    only; ``self.log`` and ``self.log_dict`` nothing, as on a module without a trainer (the run's logged metrics
-    and their steps stay its own)."""
+    only, its ``global_step`` the check's as the copy's own is (:func:`_at_the_checks_step`); ``self.log`` and
+    ``self.log_dict`` nothing, as on a module without a trainer (the run's logged metrics and their steps stay its
+    own, from ``training_step`` and from the module's hooks alike)."""
+    seen = _at_the_checks_step(trainer, at)
 
     def attached(self: Any) -> Any:
-        return trainer
+        return seen
 
     def unattached(self: Any, value: Any) -> None:
         self._trainer = value
@@ -350,6 +385,24 @@ def _outside_the_run(trainer: Any) -> dict[str, Any]:
 
     return {"trainer": property(attached, unattached), "log": unlogged, "log_dict": unlogged,
             "global_step": property(global_step), "clip_gradients": clip_gradients}
+
+
+def _at_the_checks_step(trainer: Any, at: dict[str, Any]) -> Any:
+    """The run's trainer as a row's copy sees it: the same object state (its ``__dict__`` itself: what is read is
+    the run's, what is written goes to the run's, as before), an instance of the run's Trainer class, whose
+    ``global_step`` is the run's plus the check's step being trained (``at["step"]``), as the copy's
+    ``self.global_step`` is. The run's trainer itself is not touched: its global step is its loops' progress, which
+    the check never writes."""
+    base = type(trainer)
+
+    def global_step(self: Any) -> int:
+        return int(trainer.global_step) + int(at.get("step", 0))
+
+    viewed = type(base.__name__, (base,), {"global_step": property(global_step), "__qualname__": base.__qualname__,
+                                           "__module__": base.__module__})
+    seen = object.__new__(viewed)
+    object.__setattr__(seen, "__dict__", trainer.__dict__)
+    return seen
 
 
 def _takes_index(module: Any) -> bool:
