@@ -226,3 +226,29 @@ def test_self_trainer_global_step_is_the_checks_step_as_self_global_step_is(tmp_
     assert {a for a, _ in in_check} == {0, 1, 2}
     assert all(a == b for a, b in in_check)
     assert steps_seen[-3:] == [(0, 0), (1, 1), (2, 2)] and trainer.global_step == 3
+
+
+class StopsOnANonFiniteLoss(Plain):
+    """A divergence guard: a non-finite loss stops the run (`self.trainer.should_stop`). Its loss has a term that
+    is infinite where a matmul rounds its input to TF32 (1 + 2^-12 becomes 1), and tiny where it does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("one", torch.ones(1, 1))
+
+    def training_step(self, batch, batch_idx):
+        gap = (torch.full((1, 1), 1 + 2.0 ** -12, dtype=self.one.dtype) @ self.one - 1).squeeze()
+        return super().training_step(batch, batch_idx) + 1e-30 / gap
+
+    def on_before_backward(self, loss):
+        if not torch.isfinite(loss):
+            self.trainer.should_stop = True
+
+
+def test_a_hook_that_stops_a_diverging_row_stops_the_check_not_the_run(tmp_path):
+    # `high` diverges (an infinite loss) and its copy's guard sets should_stop: on the check's trainer, not the run's
+    check = Tf32Check(steps=2, levels=("highest", "high"))
+    _, trainer, _ = fit(tmp_path, StopsOnANonFiniteLoss, [check], max_steps=4)
+    high = check.report.level("high")
+    assert check.report.level("highest").passed and high.failure == "the loss is inf"
+    assert trainer.global_step == 4 and not trainer.should_stop

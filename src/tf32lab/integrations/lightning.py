@@ -388,11 +388,11 @@ def _outside_the_run(trainer: Any, at: dict[str, Any]) -> dict[str, Any]:
 
 
 def _at_the_checks_step(trainer: Any, at: dict[str, Any]) -> Any:
-    """The run's trainer as a row's copy sees it: the same object state (its ``__dict__`` itself: what is read is
-    the run's, what is written goes to the run's, as before), an instance of the run's Trainer class, whose
-    ``global_step`` is the run's plus the check's step being trained (``at["step"]``), as the copy's
-    ``self.global_step`` is. The run's trainer itself is not touched: its global step is its loops' progress, which
-    the check never writes."""
+    """The run's trainer as a row's copy sees it: an instance of the run's Trainer class over a copy of its
+    attributes (what is read is the run's; what a hook sets, ``self.trainer.should_stop = True`` where a row's loss
+    diverged, stays in the check: the run's trainer would stop the run), whose ``global_step`` is the run's plus
+    the check's step being trained (``at["step"]``), as the copy's ``self.global_step`` is. The run's trainer
+    itself is not touched: its global step is its loops' progress, which the check never writes."""
     base = type(trainer)
 
     def global_step(self: Any) -> int:
@@ -401,7 +401,7 @@ def _at_the_checks_step(trainer: Any, at: dict[str, Any]) -> Any:
     viewed = type(base.__name__, (base,), {"global_step": property(global_step), "__qualname__": base.__qualname__,
                                            "__module__": base.__module__})
     seen = object.__new__(viewed)
-    object.__setattr__(seen, "__dict__", trainer.__dict__)
+    object.__setattr__(seen, "__dict__", dict(trainer.__dict__))  # its objects (strategy, loops) the run's own
     return seen
 
 
