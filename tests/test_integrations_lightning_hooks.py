@@ -252,3 +252,46 @@ def test_a_hook_that_stops_a_diverging_row_stops_the_check_not_the_run(tmp_path)
     high = check.report.level("high")
     assert check.report.level("highest").passed and high.failure == "the loss is inf"
     assert trainer.global_step == 4 and not trainer.should_stop
+
+
+class Manual(Plain):
+    """Manual optimization: Lightning's manual_backward calls on_before_backward, backward and on_after_backward,
+    and the optimizer's step on_before_optimizer_step, as automatic optimization does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = (self(batch[0]) - batch[1]).pow(2).mean()
+        self.seen.append(float(loss))
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+
+class ManualClampsAfterBackward(Manual):
+    def on_after_backward(self):
+        for p in self.parameters():
+            p.grad.clamp_(-0.02, 0.02)
+
+
+class ManualScalesItsBackward(Manual):
+    def backward(self, loss, *args, **kwargs):
+        (2.0 * loss).backward(*args, **kwargs)
+
+
+class ManualHalvesGrads(Manual):
+    def on_before_optimizer_step(self, optimizer):
+        for p in self.parameters():
+            p.grad.mul_(0.5)
+
+
+@pytest.mark.parametrize("module_class", [ManualClampsAfterBackward, ManualScalesItsBackward, ManualHalvesGrads])
+def test_manual_optimization_trains_as_the_modules_own_hooks_do(tmp_path, module_class):
+    check = Tf32Check(steps=6, levels=("highest",))
+    module, _, _ = fit(tmp_path, module_class, [check])
+    assert check.report.passed
+    assert check.report.reference_losses == pytest.approx(module.seen[:6], rel=1e-4)

@@ -418,14 +418,20 @@ def _takes_index(module: Any) -> bool:
 def _manual(model: Any, bundle: _loop.Steps, recorded: list[torch.Tensor]) -> Iterator[None]:
     """A row's copy in manual optimization: ``self.optimizers()``, ``self.lr_schedulers()``,
     ``self.manual_backward``, ``toggle_optimizer``/``untoggle_optimizer`` and ``clip_gradients`` bound to the row's
-    own optimizers and schedulers (the copy has no trainer)."""
-    optimizers = bundle.optimizers
+    own optimizers and schedulers (the copy has no trainer); ``manual_backward`` and the optimizers' ``step``
+    call the module's own hooks around them as Lightning's do."""
+    optimizers: list[Any] = list(bundle.optimizers)
+    if _overrides(model, "on_before_optimizer_step"):  # Lightning's optimizer calls it after the step's closure
+        optimizers = [_RowOptimizer(o, lambda o=o: model.on_before_optimizer_step(o)) for o in optimizers]
     schedulers = [s for s, _ in bundle.schedulers]
     toggled: dict[torch.Tensor, bool] = {}
 
     def backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        # Lightning's manual_backward: the module's own on_before_backward, backward and on_after_backward
         recorded.append(loss)
-        loss.backward(*args, **kwargs)
+        model.on_before_backward(loss)
+        model.backward(loss, *args, **kwargs)
+        model.on_after_backward()
 
     def toggle(optimizer: Any) -> None:
         for opt in optimizers:
