@@ -55,7 +55,11 @@ def widen(t: Any) -> Any:
 
 def _narrow_in(args: Any, kwargs: dict) -> bool:
     """Whether a float32 (complex64) tensor is among the arguments: most ops of a float64 run have none."""
-    for a in (*args, *kwargs.values()):
+    return _narrow_among(args) or (bool(kwargs) and _narrow_among(kwargs.values()))
+
+
+def _narrow_among(values: Any) -> bool:
+    for a in values:
         if isinstance(a, torch.Tensor):
             if a.dtype in _WIDER:
                 return True
@@ -128,14 +132,28 @@ class _Functions(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        run = self.run
+        if run.paused:  # a dtype read included: as it is
+            return func(*args, **kwargs)
+        plan = _CALLS.get(func) if func.__hash__ is not None else _ASKS
+        if plan is None:
+            plan = _call_plan(func)
+        if plan is not _ASKS and kwargs.get("dtype") not in _FLOAT64:  # the usual call: what it is, known per call
+            if plan is _AS_IS or "out" in kwargs:
+                return func(*args, **kwargs)
+            return _widened_call(func, args, kwargs, selecting=plan is _SELECTS)
+        return self._asked(func, args, kwargs)
+
+    def _asked(self, func, args: tuple, kwargs: dict) -> Any:
+        """A call whose name alone does not say what to do: a dtype read, a cast or a draw that may ask for
+        float64, an RNN."""
         if getattr(func, "__self__", None) is _DTYPE:  # Python-level dtype checks see the widened model
             found = func(*args, **kwargs)
-            return found if self.run.paused else _WIDER.get(found, found)
+            return _WIDER.get(found, found)
         name = getattr(func, "__name__", "")
-        run = self.run
-        if not run.paused and self._asks_float64(name, args, kwargs):
+        if self._asks_float64(name, args, kwargs):
             return self._own_float64(func, name, args, kwargs)
-        if run.paused or name in _PASS or name.endswith("_") or "out" in kwargs or moves_data(func):
+        if name in _PASS or name.endswith("_") or "out" in kwargs or moves_data(func):
             return func(*args, **kwargs)
         rnn = _RNN_OPS.get(func)
         if rnn is not None:
@@ -190,10 +208,17 @@ class _Ops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         run = self.run
-        if run.paused or moves_data(func):
+        if run.paused:
+            return func(*args, **kwargs)
+        plan = _OPS.get(func)
+        if plan is None:
+            plan = _op_plan(func)
+        if plan is _AS_IS:
             return func(*args, **kwargs)
         if run.on_op is not None:
             run.on_op(func)
+        if plan is not _ASKS:  # writes nothing, draws nothing, no convolution: most ops
+            return _widened_call(func, args, kwargs, selecting=plan is _SELECTS)
         written = _written(func)
         if written:
             targets = _targets(func, written, args, kwargs)
@@ -209,12 +234,51 @@ class _Ops(TorchDispatchMode):
         return _widened_call(func, args, kwargs, selecting=func.overloadpacket in _SELECTING_OPS)
 
 
+# What a mode does with a call or an op, known from the call or op alone and kept per call or op overload (the
+# names, schema and tables were read again at every op: a decoder runs hundreds of small ops per forward).
+_AS_IS, _WIDENS, _SELECTS, _ASKS = "as is", "widens", "selects", "asks"
+_CALLS: dict[Any, str] = {}  # Python-level call -> plan
+_OPS: dict[Any, str] = {}  # aten op overload -> plan
+_MOST = 1 << 14  # calls kept at most: a program that makes new callables as it runs must not grow the table
+
+
+def _call_plan(func) -> str:
+    """The function mode's plan for ``func``: ``_ASKS`` where its arguments decide more than the dtype keyword and
+    ``out=`` (a dtype read, a cast, a draw, an RNN); else as is (metadata, a write), or widened (selecting)."""
+    name = getattr(func, "__name__", "")
+    if getattr(func, "__self__", None) is _DTYPE or name in ("double", "to", "type") or name in _DRAWING \
+            or random_name(name) or func in _RNN_OPS:
+        plan = _ASKS
+    elif name in _PASS or name.endswith("_") or moves_data(func):
+        plan = _AS_IS
+    else:
+        plan = _SELECTS if name in _SELECTING else _WIDENS
+    if len(_CALLS) < _MOST:
+        _CALLS[func] = plan
+    return plan
+
+
+def _op_plan(func) -> str:
+    """The dispatch mode's plan for ``func``: as is (a rank's data mover), ``_ASKS`` for a write, a draw or the
+    convolution, else widened (selecting)."""
+    if moves_data(func):
+        plan = _AS_IS
+    elif _written(func) or random_op(func) or func is _CONVOLUTION:
+        plan = _ASKS
+    else:
+        plan = _SELECTS if func.overloadpacket in _SELECTING_OPS else _WIDENS
+    _OPS[func] = plan
+    return plan
+
+
 def _widened_call(func, args: Any, kwargs: dict, selecting: bool) -> Any:
     """``func`` computed in float64, its float32 results widened: as it is when nothing it reads is float32;
     on its float32 inputs when it only selects values (exact, and cheaper); else on widened inputs."""
-    dtype = kwargs.get("dtype")
+    dtype = kwargs.get("dtype") if kwargs else None
     if dtype in _WIDER:
         kwargs = {**kwargs, "dtype": _WIDER[dtype]}
+    elif dtype in _FLOAT64 and func is _TO_COPY:  # a cast up (every float32 operand widened): exact as it is
+        return func(*args, **kwargs)
     elif not _narrow_in(args, kwargs):  # already float64, the usual case: as it is
         return _widen_result(func(*args, **kwargs))
     if selecting and _only_float32(args, kwargs):
@@ -246,6 +310,7 @@ def _only_float32(args: Any, kwargs: dict) -> bool:
 
 
 _CONVOLUTION = torch.ops.aten.convolution.default
+_TO_COPY = torch.ops.aten._to_copy.default
 # Bytes of im2col buffer one float64 convolution call may take. Above glibc's largest mmap threshold (32 MiB), so
 # every such buffer is mapped and handed back whole: at 16 MiB the slices landed on the heap and the peak grew 4x.
 UNFOLD_BUDGET = 64 << 20

@@ -73,6 +73,7 @@ _PASSED = _packets("abs", "relu", "clamp", "clamp_min", "clamp_max", "hardtanh")
 _DIFFERENCES = _packets("sub", "rsub")
 _VIEWS = _packets("view", "_unsafe_view")
 _KEPT_OPS = SUMS | MOVES | SAME | TRAILS
+_KEEPS: dict[Any, bool] = {}  # op overload -> whether its packet is kept (the packet is a new lookup per op)
 
 
 class _Entry:
@@ -111,8 +112,11 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        kept = _KEEPS.get(func)
+        if kept is None:
+            kept = _KEEPS[func] = func.overloadpacket in _KEPT_OPS
         formed = self.formed
-        if func.overloadpacket in _KEPT_OPS and formed.active():
+        if kept and formed.active():
             results = [out] if isinstance(out, torch.Tensor) else (
                 [t for t in out if isinstance(t, torch.Tensor)] if isinstance(out, (list, tuple)) else [])
             if results:
