@@ -28,8 +28,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
+from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import torch
@@ -161,7 +163,7 @@ class _Functions(TorchFunctionMode):
             # (the inputs are widened here). Told as the one family op it is, run without the op-level mode.
             if self.run.on_op is not None:
                 self.run.on_op(rnn)
-            with modestack.lifted(self.run._modes[1]):
+            with modestack.lifted(self.run._modes[1]), _told(self.run):
                 return _widened_call(func, args, kwargs, selecting=False)
         return _widened_call(func, args, kwargs, selecting=name in _SELECTING)
 
@@ -218,7 +220,16 @@ class _Ops(TorchDispatchMode):
         if run.on_op is not None:
             run.on_op(func)
         if plan is not _ASKS:  # writes nothing, draws nothing, no convolution: most ops
-            return _widened_call(func, args, kwargs, selecting=plan is _SELECTS)
+            out = _widened_call(func, args, kwargs, selecting=plan is _SELECTS)
+        else:
+            out = self._asked(func, args, kwargs)
+        if run.on_result is not None:
+            run.on_result(func, args, kwargs, out)
+        return out
+
+    def _asked(self, func, args: tuple, kwargs: dict) -> Any:
+        """A write, a draw or the convolution."""
+        run = self.run
         written = _written(func)
         if written:
             targets = _targets(func, written, args, kwargs)
@@ -269,6 +280,36 @@ def _op_plan(func) -> str:
         plan = _SELECTS if func.overloadpacket in _SELECTING_OPS else _WIDENS
     _OPS[func] = plan
     return plan
+
+
+@modestack.skips_dynamo_lazily
+class _Told(TorchDispatchMode):
+    """In the op-level mode's place while an RNN's steps run without it: ``on_result`` is still told of them, as a
+    mode of its own above the run's would be."""
+
+    def __init__(self, run: Float64Run) -> None:
+        super().__init__()
+        self.run = run
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.run.on_result is not None:
+            self.run.on_result(func, args, kwargs, out)
+        return out
+
+
+@contextlib.contextmanager
+def _told(run: Float64Run) -> Iterator[None]:
+    if run.on_result is None:
+        yield
+        return
+    mode = _Told(run)
+    modestack.push(mode)
+    try:
+        yield
+    finally:
+        modestack.remove(mode)
 
 
 def _widened_call(func, args: Any, kwargs: dict, selecting: bool) -> Any:
@@ -354,14 +395,18 @@ class Float64Run:
 
     ``on_op(func)``, when given, is told of each aten op before it runs (``check`` notes which modules run
     matmul-family ops); ``on_write(tensors)`` of the tensors an op is about to write into (``check`` keeps
-    layer outputs without copying them, and copies one only before the model overwrites it). ``paused`` lets
-    everything through untouched (a float32 run nested inside the reference run). A ``torch.jit.ScriptModule``
-    checks dtypes inside itself where no mode can widen: give it float64 weights (``check`` runs a float64 copy).
+    layer outputs without copying them, and copies one only before the model overwrites it);
+    ``on_result(func, args, kwargs, out)`` of each op's float64 result, with its arguments as the model gave them
+    (``measure.scales.Formed`` keeps the summing ones: a callback here costs a fraction of a mode of its own).
+    ``paused`` lets everything through untouched (a float32 run nested inside the reference run). A
+    ``torch.jit.ScriptModule`` checks dtypes inside itself where no mode can widen: give it float64 weights
+    (``check`` runs a float64 copy).
     """
 
     def __init__(self, on_op: Optional[Callable[[Any], None]] = None,
                  on_write: Optional[Callable[[list[torch.Tensor]], None]] = None) -> None:
         self.on_op, self.on_write = on_op, on_write
+        self.on_result: Optional[Callable[[Any, tuple, dict, Any], None]] = None
         self.paused = False
         self.float32_writes = 0
         self.native_draws = False  # a draw the model asks for in float64 itself: drawn so, as its float32 rows do
