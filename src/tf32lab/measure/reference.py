@@ -264,7 +264,7 @@ def _call_plan(func) -> str:
         plan = _AS_IS
     else:
         plan = _SELECTS if name in _SELECTING else _WIDENS
-    if len(_CALLS) < _MOST:
+    if len(_CALLS) < _MOST and not isinstance(getattr(func, "__self__", None), torch.Tensor):  # holds no tensor
         _CALLS[func] = plan
     return plan
 
