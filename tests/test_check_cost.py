@@ -107,3 +107,57 @@ def test_counting_looks_an_op_up_once_and_counts_as_before(monkeypatch):
          "gemm"),
         ("aten::gelu", "1", 0.0, 2 * 5 * 16 * 4.0, (), "elementwise"),
         ("aten::linear", "2", 2 * 5 * 16 * 4, (5 * 16 + 4 * 16 + 4 + 5 * 4) * 4.0, ((1, 1, 5, 4, 16),), "gemm")]
+
+
+def test_the_float64_run_reads_an_op_once_and_the_scale_recorder_rides_in_its_mode(monkeypatch):
+    """A decoder runs hundreds of small ops per forward, each through every mode of the reference run: the
+    recorder's family lookup, the run's data-mover and write tests are made once per op overload (or call), and the
+    scale recorder is told by the run's own mode, not through a second one; the scales found are the same."""
+    from tf32lab.know import optable
+    from tf32lab.measure import scales
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    asked = {"family": 0, "moves": 0, "written": 0, "mode": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            asked[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    recorder = layers.Recorder(model, ["highest"], tf32lab.targets.get("a100"))
+    formed = scales.Formed(lambda: not (recorder.rerunning or recorder.mode.paused), recorder.mode)
+    x = torch.randn(5, 16)
+    with torch.no_grad(), recorder, formed:
+        model(x)  # every op and call seen once
+        monkeypatch.setattr(optable, "family", counted("family", optable.family))
+        monkeypatch.setattr(reference, "moves_data", counted("moves", reference.moves_data))
+        monkeypatch.setattr(reference, "_written", counted("written", reference._written))
+        monkeypatch.setattr(scales._Mode, "__torch_dispatch__", counted("mode", scales._Mode.__torch_dispatch__))
+        for _ in range(5):
+            out = model(x)
+    assert asked == {"family": 0, "moves": 0, "written": 0, "mode": 0}
+    assert out.dtype == torch.float64 and recorder.family_ops == 12  # two linears a forward, told as before
+    found = formed.scales(out)
+    assert list(found) == ["output"] and found["output"].op == "aten::addmm"
+    first, last = model[0], model[2]
+    with torch.no_grad():
+        hidden = torch.nn.functional.gelu(torch.nn.functional.linear(x.double(), first.weight.double(),
+                                                                     first.bias.double()))
+        magnitudes = torch.nn.functional.linear(hidden.abs(), last.weight.double().abs(), last.bias.double().abs())
+    assert abs(found["output"].norm - float(torch.linalg.vector_norm(magnitudes))) < 1e-9 * found["output"].norm
+
+
+def test_an_op_the_emulator_does_not_compute_costs_no_lookup(monkeypatch):
+    from tf32lab.emulation import emulator
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    x = torch.randn(5, 16)
+    with tf32lab.emulate("a100"), tf32lab.precision("high"), torch.no_grad():
+        expected = model(x)
+        looked = []
+        treatment = emulator.treatment
+        monkeypatch.setattr(emulator, "treatment", lambda func: looked.append(func) or treatment(func))
+        again = [model(x) for _ in range(5)]
+    assert looked == []  # each op's treatment known from the first forward
+    assert all(torch.equal(y, expected) for y in again)

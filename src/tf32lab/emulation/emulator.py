@@ -768,11 +768,19 @@ class _Mode(TorchDispatchMode):
                 return NotImplemented
             if "FakeTensor" in names:  # shapes without values (DTensor infers a sharding on them): as it is
                 return _passed_on(func, args, kwargs)
-        classified = treatment(func)
+        classified = _TREATMENTS.get(func, _UNSEEN)
+        if classified is _UNSEEN:
+            classified = treatment(func)
         if classified is None or not (_float32_in(args) or _float32_in(kwargs.values())):
-            if (entry.cache.entries or entry.cache.recent) and _mutates(func):  # a write (maybe via .data): copies go
-                entry.cache.written(operand_tensors(args) + operand_tensors(kwargs.values()))
-            return _passed_on(func, args, kwargs)
+            cache = entry.cache
+            if (cache.entries or cache.recent) and _mutates(func):  # a write (maybe via .data): copies go
+                cache.written(operand_tensors(args) + operand_tensors(kwargs.values()))
+            if _get_tracing_state() is None:  # _passed_on's usual case, inline: most ops a model runs end here
+                try:
+                    return func(*args, **kwargs)
+                except RuntimeError as error:
+                    return _with_numbers_unwrapped(func, args, kwargs, error)
+            return _recorded(func, args, kwargs)
         tracing = _get_tracing_state()
         if tracing is None:
             return self._emulated(entry, classified, func, args, kwargs)
@@ -973,6 +981,7 @@ class Treatment(NamedTuple):
 
 
 _TREATMENTS: dict[Any, Optional[Treatment]] = {}
+_UNSEEN = object()  # an op not yet in _TREATMENTS (None there: an op no target's math changes)
 _MUTATING: dict[Any, bool] = {}
 
 

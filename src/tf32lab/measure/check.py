@@ -304,8 +304,8 @@ class Session:
         self.bar.step(f"{workload.name}: float64 reference, each layer at {len(self.measured)} level(s)")
         # the model's own ops only (not the layers' reruns, nor the recorder's arithmetic); not sharded: a rank's
         # part of an output is not formed by its own operands alone
-        formed = Formed(lambda: not (recorder.rerunning or recorder.mode.paused)) if self.ranks is None else None
-        recorder.quiet = [formed.mode] if formed is not None else []
+        formed = Formed(lambda: not (recorder.rerunning or recorder.mode.paused), recorder.mode) \
+            if self.ranks is None else None
         try:
             # not inference mode: its tensors keep no version counters
             with float64_scripted(workload, recorder) as model, torch.inference_mode(False), \

@@ -181,6 +181,11 @@ class _Frame:
         self.inner: list[tuple[str, int]] = []  # layer calls made inside this one: (name, call index)
 
 
+# op overload -> (whether it draws, its family): known once per overload, for the reference run tells the recorder of
+# every op it runs
+_OPS: dict[Any, tuple[bool, Optional[str]]] = {}
+
+
 class Recorder:
     """Hooks and a float64 mode for the reference run (see the module's docstring)."""
 
@@ -241,17 +246,21 @@ class Recorder:
         self.handles.clear()
 
     def _op(self, func) -> None:
-        if not self.rerunning and self.stack and random_op(func):
+        if self.rerunning:
+            return
+        known = _OPS.get(func)
+        if known is None:
+            known = _OPS[func] = (random_op(func), optable.family(func.name()))
+        drew, family = known
+        if drew and self.stack:
             for frame in self.stack:
                 frame.drew = True
-        if not self.rerunning:
-            family = optable.family(func.name())
-            if family is not None:
-                self.family_ops += 1
-                self.by_family[family] += 1
-                if self.stack:
-                    self.stack[-1].ran = True
-                    self.stack[-1].families.add(family)
+        if family is not None:
+            self.family_ops += 1
+            self.by_family[family] += 1
+            if self.stack:
+                self.stack[-1].ran = True
+                self.stack[-1].families.add(family)
 
     def _written(self, tensors: list[torch.Tensor]) -> None:
         """Copy-on-write: a kept output is copied only when the model is about to write into its storage."""

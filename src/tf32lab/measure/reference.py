@@ -28,8 +28,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
+from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import torch
@@ -55,7 +57,11 @@ def widen(t: Any) -> Any:
 
 def _narrow_in(args: Any, kwargs: dict) -> bool:
     """Whether a float32 (complex64) tensor is among the arguments: most ops of a float64 run have none."""
-    for a in (*args, *kwargs.values()):
+    return _narrow_among(args) or (bool(kwargs) and _narrow_among(kwargs.values()))
+
+
+def _narrow_among(values: Any) -> bool:
+    for a in values:
         if isinstance(a, torch.Tensor):
             if a.dtype in _WIDER:
                 return True
@@ -128,14 +134,28 @@ class _Functions(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        run = self.run
+        if run.paused:  # a dtype read included: as it is
+            return func(*args, **kwargs)
+        plan = _CALLS.get(func) if func.__hash__ is not None else _ASKS
+        if plan is None:
+            plan = _call_plan(func)
+        if plan is not _ASKS and kwargs.get("dtype") not in _FLOAT64:  # the usual call: what it is, known per call
+            if plan is _AS_IS or "out" in kwargs:
+                return func(*args, **kwargs)
+            return _widened_call(func, args, kwargs, selecting=plan is _SELECTS)
+        return self._asked(func, args, kwargs)
+
+    def _asked(self, func, args: tuple, kwargs: dict) -> Any:
+        """A call whose name alone does not say what to do: a dtype read, a cast or a draw that may ask for
+        float64, an RNN."""
         if getattr(func, "__self__", None) is _DTYPE:  # Python-level dtype checks see the widened model
             found = func(*args, **kwargs)
-            return found if self.run.paused else _WIDER.get(found, found)
+            return _WIDER.get(found, found)
         name = getattr(func, "__name__", "")
-        run = self.run
-        if not run.paused and self._asks_float64(name, args, kwargs):
+        if self._asks_float64(name, args, kwargs):
             return self._own_float64(func, name, args, kwargs)
-        if run.paused or name in _PASS or name.endswith("_") or "out" in kwargs or moves_data(func):
+        if name in _PASS or name.endswith("_") or "out" in kwargs or moves_data(func):
             return func(*args, **kwargs)
         rnn = _RNN_OPS.get(func)
         if rnn is not None:
@@ -143,7 +163,7 @@ class _Functions(TorchFunctionMode):
             # (the inputs are widened here). Told as the one family op it is, run without the op-level mode.
             if self.run.on_op is not None:
                 self.run.on_op(rnn)
-            with modestack.lifted(self.run._modes[1]):
+            with modestack.lifted(self.run._modes[1]), _told(self.run):
                 return _widened_call(func, args, kwargs, selecting=False)
         return _widened_call(func, args, kwargs, selecting=name in _SELECTING)
 
@@ -190,10 +210,26 @@ class _Ops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         run = self.run
-        if run.paused or moves_data(func):
+        if run.paused:
+            return func(*args, **kwargs)
+        plan = _OPS.get(func)
+        if plan is None:
+            plan = _op_plan(func)
+        if plan is _AS_IS:
             return func(*args, **kwargs)
         if run.on_op is not None:
             run.on_op(func)
+        if plan is not _ASKS:  # writes nothing, draws nothing, no convolution: most ops
+            out = _widened_call(func, args, kwargs, selecting=plan is _SELECTS)
+        else:
+            out = self._asked(func, args, kwargs)
+        if run.on_result is not None:
+            run.on_result(func, args, kwargs, out)
+        return out
+
+    def _asked(self, func, args: tuple, kwargs: dict) -> Any:
+        """A write, a draw or the convolution."""
+        run = self.run
         written = _written(func)
         if written:
             targets = _targets(func, written, args, kwargs)
@@ -209,12 +245,81 @@ class _Ops(TorchDispatchMode):
         return _widened_call(func, args, kwargs, selecting=func.overloadpacket in _SELECTING_OPS)
 
 
+# What a mode does with a call or an op, known from the call or op alone and kept per call or op overload (the
+# names, schema and tables were read again at every op: a decoder runs hundreds of small ops per forward).
+_AS_IS, _WIDENS, _SELECTS, _ASKS = "as is", "widens", "selects", "asks"
+_CALLS: dict[Any, str] = {}  # Python-level call -> plan
+_OPS: dict[Any, str] = {}  # aten op overload -> plan
+_MOST = 1 << 14  # calls kept at most: a program that makes new callables as it runs must not grow the table
+
+
+def _call_plan(func) -> str:
+    """The function mode's plan for ``func``: ``_ASKS`` where its arguments decide more than the dtype keyword and
+    ``out=`` (a dtype read, a cast, a draw, an RNN); else as is (metadata, a write), or widened (selecting)."""
+    name = getattr(func, "__name__", "")
+    if getattr(func, "__self__", None) is _DTYPE or name in ("double", "to", "type") or name in _DRAWING \
+            or random_name(name) or func in _RNN_OPS:
+        plan = _ASKS
+    elif name in _PASS or name.endswith("_") or moves_data(func):
+        plan = _AS_IS
+    else:
+        plan = _SELECTS if name in _SELECTING else _WIDENS
+    if len(_CALLS) < _MOST and not isinstance(getattr(func, "__self__", None), torch.Tensor):  # holds no tensor
+        _CALLS[func] = plan
+    return plan
+
+
+def _op_plan(func) -> str:
+    """The dispatch mode's plan for ``func``: as is (a rank's data mover), ``_ASKS`` for a write, a draw or the
+    convolution, else widened (selecting)."""
+    if moves_data(func):
+        plan = _AS_IS
+    elif _written(func) or random_op(func) or func is _CONVOLUTION:
+        plan = _ASKS
+    else:
+        plan = _SELECTS if func.overloadpacket in _SELECTING_OPS else _WIDENS
+    _OPS[func] = plan
+    return plan
+
+
+@modestack.skips_dynamo_lazily
+class _Told(TorchDispatchMode):
+    """In the op-level mode's place while an RNN's steps run without it: ``on_result`` is still told of them, as a
+    mode of its own above the run's would be."""
+
+    def __init__(self, run: Float64Run) -> None:
+        super().__init__()
+        self.run = run
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.run.on_result is not None:
+            self.run.on_result(func, args, kwargs, out)
+        return out
+
+
+@contextlib.contextmanager
+def _told(run: Float64Run) -> Iterator[None]:
+    if run.on_result is None:
+        yield
+        return
+    mode = _Told(run)
+    modestack.push(mode)
+    try:
+        yield
+    finally:
+        modestack.remove(mode)
+
+
 def _widened_call(func, args: Any, kwargs: dict, selecting: bool) -> Any:
     """``func`` computed in float64, its float32 results widened: as it is when nothing it reads is float32;
     on its float32 inputs when it only selects values (exact, and cheaper); else on widened inputs."""
-    dtype = kwargs.get("dtype")
+    dtype = kwargs.get("dtype") if kwargs else None
     if dtype in _WIDER:
         kwargs = {**kwargs, "dtype": _WIDER[dtype]}
+    elif dtype in _FLOAT64 and func is _TO_COPY:  # a cast up (every float32 operand widened): exact as it is
+        return func(*args, **kwargs)
     elif not _narrow_in(args, kwargs):  # already float64, the usual case: as it is
         return _widen_result(func(*args, **kwargs))
     if selecting and _only_float32(args, kwargs):
@@ -246,6 +351,7 @@ def _only_float32(args: Any, kwargs: dict) -> bool:
 
 
 _CONVOLUTION = torch.ops.aten.convolution.default
+_TO_COPY = torch.ops.aten._to_copy.default
 # Bytes of im2col buffer one float64 convolution call may take. Above glibc's largest mmap threshold (32 MiB), so
 # every such buffer is mapped and handed back whole: at 16 MiB the slices landed on the heap and the peak grew 4x.
 UNFOLD_BUDGET = 64 << 20
@@ -289,14 +395,18 @@ class Float64Run:
 
     ``on_op(func)``, when given, is told of each aten op before it runs (``check`` notes which modules run
     matmul-family ops); ``on_write(tensors)`` of the tensors an op is about to write into (``check`` keeps
-    layer outputs without copying them, and copies one only before the model overwrites it). ``paused`` lets
-    everything through untouched (a float32 run nested inside the reference run). A ``torch.jit.ScriptModule``
-    checks dtypes inside itself where no mode can widen: give it float64 weights (``check`` runs a float64 copy).
+    layer outputs without copying them, and copies one only before the model overwrites it);
+    ``on_result(func, args, kwargs, out)`` of each op's float64 result, with its arguments as the model gave them
+    (``measure.scales.Formed`` keeps the summing ones: a callback here costs a fraction of a mode of its own).
+    ``paused`` lets everything through untouched (a float32 run nested inside the reference run). A
+    ``torch.jit.ScriptModule`` checks dtypes inside itself where no mode can widen: give it float64 weights
+    (``check`` runs a float64 copy).
     """
 
     def __init__(self, on_op: Optional[Callable[[Any], None]] = None,
                  on_write: Optional[Callable[[list[torch.Tensor]], None]] = None) -> None:
         self.on_op, self.on_write = on_op, on_write
+        self.on_result: Optional[Callable[[Any, tuple, dict, Any], None]] = None
         self.paused = False
         self.float32_writes = 0
         self.native_draws = False  # a draw the model asks for in float64 itself: drawn so, as its float32 rows do

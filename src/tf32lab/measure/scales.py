@@ -73,6 +73,7 @@ _PASSED = _packets("abs", "relu", "clamp", "clamp_min", "clamp_max", "hardtanh")
 _DIFFERENCES = _packets("sub", "rsub")
 _VIEWS = _packets("view", "_unsafe_view")
 _KEPT_OPS = SUMS | MOVES | SAME | TRAILS
+_KEEPS: dict[Any, bool] = {}  # op overload -> whether its packet is kept (the packet is a new lookup per op)
 
 
 class _Entry:
@@ -111,21 +112,22 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formed = self.formed
-        if func.overloadpacket in _KEPT_OPS and formed.active():
-            results = [out] if isinstance(out, torch.Tensor) else (
-                [t for t in out if isinstance(t, torch.Tensor)] if isinstance(out, (list, tuple)) else [])
-            if results:
-                formed.keep(_Entry(func, args, kwargs, results, formed.died))
+        self.formed.record(func, args, kwargs, out)
         return out
 
 
 class Formed:
     """A dispatch mode over a run that keeps its last summing and moving ops (see the module's docstring).
-    ``active()``: whether an op now belongs to the run (False while the caller runs its own ops inside it)."""
+    ``active()``: whether an op now belongs to the run (False while the caller runs its own ops inside it).
 
-    def __init__(self, active: Optional[Callable[[], bool]] = None) -> None:
+    ``run``: a float64 run (``measure.reference.Float64Run``) this one sits directly above: told of each op's
+    result by the run's own dispatch mode (its ``on_result``) instead of through a mode of its own, which costs
+    every op of the run a second Python dispatch. It keeps the same ops: those reach the run's mode as they reach
+    a mode above it."""
+
+    def __init__(self, active: Optional[Callable[[], bool]] = None, run: Any = None) -> None:
         self.active = active or (lambda: True)
+        self.run = run
         self.kept: deque[_Entry] = deque(maxlen=KEPT)
         self._dead = False  # a kept op's result went since the kept ops were last swept
         self._mode = _Mode(self)
@@ -133,8 +135,20 @@ class Formed:
 
     @property
     def mode(self) -> Any:
-        """Its dispatch mode: what to lift off the stack to run without it."""
+        """Its dispatch mode: what to lift off the stack to run without it (with a ``run``: on no stack, lifted
+        with the run's own)."""
         return self._mode
+
+    def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """``func`` ran on ``args`` and ``kwargs`` and gave ``out``: kept where it sums or moves values."""
+        kept = _KEEPS.get(func)
+        if kept is None:
+            kept = _KEEPS[func] = func.overloadpacket in _KEPT_OPS
+        if kept and self.active():
+            results = [out] if isinstance(out, torch.Tensor) else (
+                [t for t in out if isinstance(t, torch.Tensor)] if isinstance(out, (list, tuple)) else [])
+            if results:
+                self.keep(_Entry(func, args, kwargs, results, self.died))
 
     def keep(self, entry: _Entry) -> None:
         # swept only when a result went (told by its weak reference), not every entry asked at every op: the
@@ -149,11 +163,19 @@ class Formed:
         self._dead = True
 
     def __enter__(self) -> Formed:
-        modestack.push(self._mode)
+        if self.run is None:
+            modestack.push(self._mode)
+        else:
+            if self.run.on_result is not None:
+                raise RuntimeError("the float64 run already tells another of its results")
+            self.run.on_result = self.record
         return self
 
     def __exit__(self, *exc: object) -> None:
-        modestack.remove(self._mode)
+        if self.run is None:
+            modestack.remove(self._mode)
+        else:
+            self.run.on_result = None
 
     def scales(self, outputs: Any) -> dict[str, Scale]:
         """Output name (as ``trees.named_leaves`` names it) -> the magnitudes that formed it, for the float

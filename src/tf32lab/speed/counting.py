@@ -171,19 +171,27 @@ def _rnn_gemms(a: dict[str, Any]) -> tuple[Gemm, ...]:
 
 
 def _bytes(name: str, args: tuple, kwargs: dict, out: Any) -> float:
+    # plain loops over the operands as they come (no generator, no device object per tensor): every op of the run
+    # that is not a view pays this
+    if isinstance(out, torch.Tensor):
+        written = out.numel() * out.element_size()
+    else:
+        written = 0
+        for t in operand_tensors((out,)):
+            written += t.numel() * t.element_size()
+    gather = name in _GATHER
     seen: set[tuple[int, int]] = set()
     total = 0.0
-    outputs = operand_tensors((out,))
-    written = sum(t.numel() * t.element_size() for t in outputs)
-    for t in operand_tensors((*args, *kwargs.values())):
+    for t in operand_tensors(args) + operand_tensors(kwargs.values()) if kwargs else operand_tensors(args):
         if t.is_sparse:
             continue
-        key = (id(t) if t.device.type == "meta" else t.data_ptr(), t.numel())  # meta: shapes, no storage
+        numel = t.numel()
+        key = (id(t) if t.is_meta else t.data_ptr(), numel)  # meta: shapes, no storage
         if key in seen:
             continue
         seen.add(key)
-        size = t.numel() * t.element_size()
-        total += min(size, written) if name in _GATHER else size
+        size = numel * t.element_size()
+        total += min(size, written) if gather else size
     return total + written
 
 
@@ -221,8 +229,10 @@ class _Functions(TorchFunctionMode):
         self.counting = counting
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        op = _RNNS.get(func) if func.__hash__ is not None else None
+        if op is None:  # every call but an RNN's: as it is
+            return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
-        op = _RNNS.get(func)
         counting = self.counting
         # args[3] is has_biases in the unpacked call (a packed sequence's is the params)
         if op is None or counting.paused or kwargs or len(args) < 4 or not isinstance(args[3], bool) \

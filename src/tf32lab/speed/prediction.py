@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -94,10 +95,20 @@ def gemm_seconds(gemm: Gemm, math_name: str, p: Peaks, fit: Optional[GemmFit] = 
     kernels, it does not force them, and cuBLAS's heuristics pick the faster (a small product's fixed costs)."""
     if fallback and math_kind(math_name) == "tensor":
         return min(gemm_seconds(gemm, math_name, p, fit, False), gemm_seconds(gemm, "ieee", p, None, False))
+    fit = fit or gemm_fit(p.target, math_name)
+    try:
+        return _gemm_seconds(tuple(gemm), math_name, p, fit)
+    except TypeError:  # a shape or peaks that cannot be a key (unhashable): computed as it is
+        return _gemm_seconds.__wrapped__(tuple(gemm), math_name, p, fit)
+
+
+# A model's GEMMs repeat per layer, and each is asked once per level, policy row and math: the tile search is the
+# same for the same shape on the same GPU (a small Llama's check searched 193 products of 14 shapes)
+@functools.lru_cache(maxsize=1 << 12)
+def _gemm_seconds(gemm: Gemm, math_name: str, p: Peaks, fit: GemmFit) -> float:
     count, batch, m, n, k = gemm
     if min(count, batch, m, n, k) <= 0:  # no tile to run (a wave loop over zero tiles would never end)
         return 0.0
-    fit = fit or gemm_fit(p.target, math_name)
     per_sm = p.flops(math_name) / p.sms * fit.efficiency
     best = math.inf
     for rows, columns in TILES:
