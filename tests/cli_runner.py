@@ -68,7 +68,8 @@ def run(*args: str, cwd: str | Path | None = None, env: dict[str, str] | None = 
         stderr: Any = None, server: _Server | None = None) -> subprocess.CompletedProcess:
     """``python -m <module> <args>`` in ``cwd`` with ``env`` (default: this process's), its output as text.
 
-    ``stdout``/``stderr``: None (captured), an open file (the child writes to it; not captured), or :data:`CLOSED`.
+    ``stdout``/``stderr``: None (captured), an open file or a file descriptor (the child writes to it; not
+    captured), or :data:`CLOSED`.
     ``server``: one from :func:`server`, which runs every run it is given (never a fresh interpreter instead)."""
     cmd = [sys.executable, "-m", module, *args]
     env = dict(os.environ if env is None else env)
@@ -200,7 +201,7 @@ class _Server:
             else:
                 readers.append(None)
                 if stream is not CLOSED:
-                    given.append(os.dup(stream.fileno()))
+                    given.append(os.dup(stream if isinstance(stream, int) else stream.fileno()))
         closed = [fd for fd, stream in ((1, stdout), (2, stderr)) if stream is CLOSED]
         request = {"module": module, "argv": args, "cwd": cwd, "env": env, "path": self.child_path(env, cwd),
                    "closed": closed}

@@ -7,8 +7,7 @@ import contextlib
 import json
 import math
 import re
-import subprocess
-import sys
+import threading
 
 import jsonschema
 import pytest
@@ -220,7 +219,7 @@ def cli(*args):
 
 
 def test_speed_command_prints_the_prediction_and_with_measure_both():
-    done = cli("speed", "builtin", "--target", "h100", "--measure", "--rounds", "2")
+    done = cli("speed", "builtin", "--target", "h100", "--measure", "--rounds", "1")
     assert done.returncode == 0, done.stderr
     assert "predicted (h100)" in done.stdout and "measured (cpu:" in done.stdout
     assert "layers taking the most predicted time" in done.stdout
@@ -277,18 +276,25 @@ def test_native_measure_prints_no_nan_share_and_shows_progress_only_on_a_termina
     assert "nan" not in quiet.stdout and "measured (cpu:" in quiet.stdout
     assert "round" not in quiet.stderr  # stderr is no terminal: no bar
     main, other = pty.openpty()
-    with subprocess.Popen([sys.executable, "-m", "tf32lab.cli", *args], stdout=subprocess.DEVNULL, stderr=other,
-                          env={**os.environ, "COLUMNS": "120", "TERM": "xterm"}) as child:
+    shown = []
+
+    def read():  # as it comes: a full terminal buffer would block the child
+        with contextlib.suppress(OSError):  # the child closed its end
+            while chunk := os.read(main, 65536):
+                shown.append(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        with open(os.devnull, "w") as devnull:
+            done = cli_runner.run(*args, module="tf32lab.cli", stdout=devnull, stderr=other, timeout=300,
+                                  env={**os.environ, "COLUMNS": "120", "TERM": "xterm"})
+    finally:
         os.close(other)
-        shown = b""
-        try:
-            while chunk := os.read(main, 65536):  # read as it comes: a full terminal buffer would block the child
-                shown += chunk
-        except OSError:  # the child closed its end
-            pass
-        finally:
-            os.close(main)
-        assert child.wait(timeout=300) == 0
+    reader.join(60)
+    os.close(main)
+    assert done.returncode == 0
+    shown = b"".join(shown)
     assert b"round 1/1 at highest" in shown or b"warm-up at highest" in shown, shown[-500:]
 
 
