@@ -347,22 +347,33 @@ def _child(request: dict, fds: list[int], said: tuple[str, str]) -> None:
 
 
 def _stream(fd: int, encoding: str, errors: str) -> io.TextIOWrapper:
+    """The stream Python opens on fd 1 or 2: named and buffered as its own (stderr line-buffered, stdout only on a
+    terminal; PYTHONUNBUFFERED, the same in the server, writes through to an unbuffered file)."""
     if os.environ.get("PYTHONUNBUFFERED"):
-        return io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=encoding, errors=errors,
-                                write_through=True)
-    # stderr is line-buffered, stdout only on a terminal
-    return open(fd, "w", closefd=False, encoding=encoding, errors=errors, buffering=1 if fd == 2 else -1)
+        stream = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=encoding, errors=errors,
+                                  write_through=True)
+        stream.mode = "w"
+    else:
+        stream = open(fd, "w", closefd=False, encoding=encoding, errors=errors, buffering=1 if fd == 2 else -1)  # noqa: SIM115
+    getattr(stream.buffer, "raw", stream.buffer).name = "<stdout>" if fd == 1 else "<stderr>"
+    return stream
 
 
 def _flush() -> bool:
+    """Flush stdout and stderr as Python does at exit: False (exit code 120) when either fails, and a failed stdout
+    said on stderr."""
     ok = True
     for stream in (sys.stdout, sys.stderr):
         if stream is None:
             continue
         try:
             stream.flush()
-        except Exception:
+        except Exception as exc:
             ok = False
+            if stream is sys.stdout and sys.stderr is not None:
+                with contextlib.suppress(Exception):
+                    sys.stderr.write(f"Exception ignored in: {stream!r}\n{type(exc).__name__}: {exc}\n")
+                    sys.stderr.flush()
     return ok
 
 
