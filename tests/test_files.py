@@ -163,8 +163,8 @@ def test_a_named_pipe_and_a_device_are_written_in_place(tmp_path):
 def test_json_to_a_link_to_stdout_lands_in_the_redirected_file(spec_dir, tmp_path):
     (spec_dir / "mystdout").symlink_to("/proc/self/fd/1")
     with open(tmp_path / "out.txt", "w") as out:
-        done = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "tiny.py:make", "--json", "mystdout"],
-                              stdout=out, stderr=subprocess.PIPE, text=True, cwd=spec_dir, timeout=300)
+        done = cli_runner.run("check", "tiny.py:make", "--json", "mystdout", module="tf32lab.cli", stdout=out,
+                              cwd=spec_dir)
     assert done.returncode == 0, done.stderr
     text = (tmp_path / "out.txt").read_text()
     assert "PASSED |" in text and '"schema_version"' in text  # the tables, then the report
@@ -243,10 +243,11 @@ def test_one_file_named_twice_is_a_usage_error_before_any_run(spec_dir, args):
 def test_check_never_writes_through_links_planted_at_its_old_temporary_names(spec_dir):
     victim = spec_dir / "victim"
     victim.write_text("precious\n")
-    planted = ("import os, sys; pid = os.getpid(); "
-               "[os.symlink('victim', f'.r.json.{pid}.{end}') for end in ('probe', 'tmp')]; "
-               "from tf32lab.cli import main; sys.exit(main(['check', 'tiny.py:make', '--json', 'r.json']))")
-    done = subprocess.run([sys.executable, "-c", planted], capture_output=True, text=True, cwd=spec_dir, timeout=300)
+    (spec_dir / "planted.py").write_text(
+        "import os, sys\npid = os.getpid()\n"
+        "for end in ('probe', 'tmp'):\n    os.symlink('victim', f'.r.json.{pid}.{end}')\n"
+        "from tf32lab.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    done = cli_runner.run("check", "tiny.py:make", "--json", "r.json", module="planted", cwd=spec_dir)
     assert done.returncode == 0, done.stderr
     assert victim.read_text() == "precious\n"
     assert not (spec_dir / "r.json").is_symlink() and json.loads((spec_dir / "r.json").read_text())["levels"]
@@ -269,10 +270,11 @@ def test_a_full_disk_is_one_line_exit_2_and_the_old_file_stays(spec_dir, command
     """A file size limit (RLIMIT_FSIZE): the kernel refuses the write (EFBIG) as a full disk would, for any user."""
     name, flag, out = command
     (spec_dir / out).write_text("old\n")
-    limited = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
-               "resource.setrlimit(resource.RLIMIT_FSIZE, (16, 16)); from tf32lab.cli import main; "
-               f"sys.exit(main([{name!r}, 'tiny.py:make', {flag!r}, {out!r}]))")
-    done = subprocess.run([sys.executable, "-c", limited], capture_output=True, text=True, cwd=spec_dir, timeout=300)
+    (spec_dir / "limited.py").write_text(
+        "import resource, signal, sys\nsignal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (16, 16))\nfrom tf32lab.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n")
+    done = cli_runner.run(name, "tiny.py:make", flag, out, module="limited", cwd=spec_dir)
     assert _one_line_error(done) == f"tf32lab {name}: error: cannot write out: {os.strerror(errno.EFBIG)}"
     assert (spec_dir / out).read_text() == "old\n"
     assert _leftovers(spec_dir) == []
@@ -289,22 +291,28 @@ def _tmpfs_works() -> bool:
 @pytest.mark.skipif(not _tmpfs_works(), reason="this machine lets no user mount a tmpfs in its own namespace")
 def test_a_really_full_disk(spec_dir):
     """A 64 KiB tmpfs, filled up, in a mount namespace of the test's own (``unshare -rm``: no root needed where
-    user namespaces are allowed); the commands write to it for real and meet ENOSPC."""
+    user namespaces are allowed); the commands write to it for real and meet ENOSPC. Each runs in a process of its
+    own, forked from a CLI server started in that namespace (one interpreter's start-up, not one per command)."""
     disk = spec_dir / "disk"
     disk.mkdir()
+    (spec_dir / "listing.py").write_text("import os\nprint(' '.join(sorted(os.listdir('disk'))))\n")
+    setup = " && ".join([f"mount -t tmpfs -o size=64k tmpfs {shlex.quote(str(disk))}",
+                         f"echo old > {shlex.quote(str(disk / 'r.json'))}",
+                         f"{{ dd if=/dev/zero of={shlex.quote(str(disk / 'fill'))} bs=4k 2>/dev/null; true; }}",
+                         'exec "$0" "$@"'])
     commands = ["check tiny.py:make --json disk/r.json", "tune tiny.py:make --json disk/r.json",
                 "speed tiny.py:make --json disk/r.json", "tune tiny.py:make --out disk/r.json"]
-    python = shlex.quote(sys.executable)
-    script = " ; ".join(["mount -t tmpfs -o size=64k tmpfs disk || exit 99", "echo old > disk/r.json",
-                         "dd if=/dev/zero of=disk/fill bs=4k 2>/dev/null"]
-                        + [f"{python} -m tf32lab.cli {c} >/dev/null; echo rc=$?; ls -A disk" for c in commands])
-    done = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, cwd=spec_dir,
-                          timeout=300)
-    errors = done.stderr.strip().splitlines()
-    assert "Traceback" not in done.stderr
-    assert errors == [f"tf32lab {c.split()[0]}: error: cannot write disk/r.json: {os.strerror(errno.ENOSPC)}"
-                      for c in commands], done.stderr
-    assert done.stdout.split() == ["rc=2", "fill", "r.json"] * len(commands), done.stdout  # no temporary left
+    with cli_runner.server(["unshare", "-rm", "sh", "-c", setup]) as inside:
+        for command in commands:
+            done = cli_runner.run(*command.split(), module="tf32lab.cli", cwd=spec_dir, server=inside)
+            assert "Traceback" not in done.stderr
+            assert done.stderr.strip().splitlines() == [
+                f"tf32lab {command.split()[0]}: error: cannot write disk/r.json: {os.strerror(errno.ENOSPC)}"
+            ], done.stderr
+            assert done.returncode == 2, (command, done.returncode)
+            listing = cli_runner.run(module="listing", cwd=spec_dir, server=inside)
+            assert listing.stdout.split() == ["fill", "r.json"], listing  # no temporary left, the tmpfs seen
+    assert os.listdir(disk) == []  # the tmpfs was the namespace's own
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
@@ -314,8 +322,7 @@ def test_a_really_full_disk(spec_dir):
 ])
 def test_stdout_on_a_full_disk_is_one_line_exit_2(spec_dir, args):
     with open("/dev/full", "w") as full:
-        done = subprocess.run([sys.executable, "-m", "tf32lab.cli", *args], stdout=full, stderr=subprocess.PIPE,
-                              text=True, cwd=spec_dir, timeout=300)
+        done = cli_runner.run(*args, module="tf32lab.cli", stdout=full, cwd=spec_dir)
     assert _one_line_error(done) == f"tf32lab {args[0]}: error: cannot write to stdout: {os.strerror(errno.ENOSPC)}"
 
 
@@ -333,12 +340,11 @@ def test_output_paths_are_checked_before_the_model_runs(spec_dir, command):
 
 
 def test_a_closed_stdout_and_a_full_stderr_keep_exit_code_2(spec_dir):
-    closed = subprocess.run(f"{shlex.quote(sys.executable)} -m tf32lab.cli targets >&-", shell=True, cwd=spec_dir,
-                            capture_output=False, stderr=subprocess.PIPE, text=True, timeout=300)
+    closed = cli_runner.run("targets", module="tf32lab.cli", stdout=cli_runner.CLOSED, cwd=spec_dir)
     assert _one_line_error(closed) == "tf32lab targets: error: cannot write to stdout: it is closed"
     with open("/dev/full", "w") as full:
-        bad = subprocess.run([sys.executable, "-m", "tf32lab.cli", "check", "tiny.py:make", "--target", "nope"],
-                             cwd=spec_dir, stdout=subprocess.PIPE, stderr=full, text=True, timeout=300)
+        bad = cli_runner.run("check", "tiny.py:make", "--target", "nope", module="tf32lab.cli", stderr=full,
+                             cwd=spec_dir)
     assert bad.returncode == 2 and bad.stdout == ""
 
 

@@ -96,6 +96,13 @@ def train_runs(tmp_path_factory):
     return runs, json.loads((cwd / "t.json").read_text()), cwd
 
 
+@pytest.fixture(scope="module")
+def train_page(train_runs, tmp_path_factory):
+    """The training page as the browser shows it: one launch for the tests that read it."""
+    _, _, cwd = train_runs
+    return visit(cwd / "t.html", tmp_path_factory.mktemp("train_page") / "t.png")
+
+
 def test_check_train_at_80_columns_cuts_no_number(train_runs):
     runs, _, _ = train_runs
     assert_nothing_cut(runs[240], runs[80])
@@ -109,8 +116,8 @@ def test_a_row_computed_as_another_keeps_its_name_on_one_line_at_80_columns(trai
         assert len(rows) == 3, out  # the loss path, the gradients, the weights: each whole on one line
 
 
-def test_the_float32_row_names_its_worst_weight_in_text_json_and_html(train_runs, tmp_path):
-    runs, data, cwd = train_runs
+def test_the_float32_row_names_its_worst_weight_in_text_json_and_html(train_runs, train_page):
+    runs, data, _ = train_runs
     worst = data["floor"]["weights"][0]  # the JSON lists every parameter, the worst first
     assert worst["normwise"] == max(w["normwise"] for w in data["floor"]["weights"])
     tail = ".".join(worst["name"].split(".")[-4:])  # its end (and stage) survive any shortening
@@ -118,14 +125,12 @@ def test_the_float32_row_names_its_worst_weight_in_text_json_and_html(train_runs
         floor = [line for line in out.splitlines() if re.match(r"[│ ]*float32\b", line) and tail in line]
         assert floor, (width, out)
         assert any(f"{worst['normwise']:.2e}" in line for line in floor), (width, floor)
-    seen = visit(cwd / "t.html", tmp_path / "t.png")
-    row = next(line for line in seen.text.splitlines() if line.startswith("float32") and worst["name"] in line)
+    row = next(line for line in train_page.text.splitlines() if line.startswith("float32") and worst["name"] in line)
     assert f"{worst['normwise']:.2e}" in row
 
 
-def test_the_training_page_fits_1200_px_and_shows_no_markdown(train_runs, tmp_path):
-    _, _, cwd = train_runs
-    seen = visit(cwd / "t.html", tmp_path / "t.png")
+def test_the_training_page_fits_1200_px_and_shows_no_markdown(train_page):
+    seen = train_page
     assert not seen.console_errors and seen.svg_count >= 1
     assert seen.scroll_width <= 1200, seen.scroll_width
     assert "`" not in seen.text and "**" not in seen.text

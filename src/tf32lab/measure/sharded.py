@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
@@ -132,14 +133,13 @@ def _waited(value: Any) -> Any:
 
 
 def _dtensor_type() -> Any:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch < 2.5 keeps it under _tensor
-        try:
-            from torch.distributed._tensor import DTensor
-        except ImportError:
-            return None
-    return DTensor
+    # No tensor is a DTensor before its module is imported; importing it to learn that would cost every check about
+    # a CPU second (torch.distributed.tensor pulls in sympy). torch < 2.5 keeps it under _tensor.
+    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        dtensor = getattr(sys.modules.get(name), "DTensor", None)
+        if dtensor is not None:
+            return dtensor
+    return None
 
 
 def type_name(module: torch.nn.Module) -> str:
