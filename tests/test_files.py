@@ -348,6 +348,19 @@ def test_a_closed_stdout_and_a_full_stderr_keep_exit_code_2(spec_dir):
     assert bad.returncode == 2 and bad.stdout == ""
 
 
+@pytest.mark.parametrize("unbuffered", ["1", None])
+def test_a_full_stderr_keeps_exit_code_2_with_stderr_buffered_or_not(spec_dir, unbuffered):
+    # without PYTHONUNBUFFERED the unwritten line stayed in stderr's buffer, and Python's flush at exit failed
+    # again: exit 120, not 2
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = unbuffered
+    with open("/dev/full", "w") as full:
+        bad = cli_runner.run("check", "tiny.py:make", "--target", "nope", module="tf32lab.cli", stderr=full,
+                             cwd=spec_dir, env=env)
+    assert bad.returncode == 2 and bad.stdout == ""
+
+
 @pytest.mark.parametrize("args, message", [
     (["check", "tiny.py:make", "--json", ""], "--json '': give a file name, or - for standard output"),
     (["tune", "tiny.py:make", "--out", "p.yaml"], "--out p.yaml: a policy is written as JSON (.json, or no suffix) "

@@ -839,8 +839,13 @@ def _say(line: str) -> None:
     traceback and exit 1: the exit code still says what happened."""
     if sys.stderr is None:
         return
-    with contextlib.suppress(OSError):
+    try:
         print(line, file=sys.stderr, flush=True)
+    except OSError:
+        # the line stays in stderr's buffer, and Python's flush at exit would fail on it again (exit 120): what is
+        # left goes to the null device, as Python's docs do for stdout on a broken pipe (library/signal.html)
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
 
 
 class _Stdout:
