@@ -780,7 +780,7 @@ class _Mode(TorchDispatchMode):
                     return func(*args, **kwargs)
                 except RuntimeError as error:
                     return _with_numbers_unwrapped(func, args, kwargs, error)
-            return _recorded(func, args, kwargs)
+            return _passed_on(func, args, kwargs)  # under the tracer: the one place that knows what it needs
         tracing = _get_tracing_state()
         if tracing is None:
             return self._emulated(entry, classified, func, args, kwargs)
