@@ -68,20 +68,20 @@ _bits32 = _bitcast(types.float32, types.int32, ir.IntType(32))
 _float32 = _bitcast(types.int32, types.float32, ir.FloatType())
 
 
-@nb.njit(inline="always", **_OPTIONS)
+@nb.njit(**_OPTIONS)
 def _exponent(r):  # pragma: no cover - compiled
     """MMA-Sim's exponent of the float32 value ``r`` (held in a float64): floor(log2|r|), -126 for zero and
     subnormals, 128 for Inf/NaN; as a float32, so that a step's maximum runs eight lanes to a vector."""
     return np.float32(min(max((_bits(r) >> 52) & 0x7FF, _LOWEST), _HIGHEST) - 1023)
 
 
-@nb.njit(inline="always", **_OPTIONS)
+@nb.njit(**_OPTIONS)
 def _scale(bits, emax):  # pragma: no cover - compiled
     """2^(bits - emax) in float64, from its bits."""
     return _float((bits + 1023 - np.int64(emax)) << 52)
 
 
-@nb.njit(inline="always", **_OPTIONS)
+@nb.njit(**_OPTIONS)
 def _toward_zero(units, scale):  # pragma: no cover - compiled
     """units / scale (exact: scale is a power of two) rounded toward zero to float32 (subnormals on their grid;
     at or above 2^128: Inf; a zero is +0), and that float32's exponent as :func:`_exponent` gives it (the
@@ -94,7 +94,7 @@ def _toward_zero(units, scale):  # pragma: no cover - compiled
     return r + 0.0, np.float32(min(max(field, _LOWEST), _HIGHEST) - 1023)  # a zero is +0, as in MMA-Sim
 
 
-@nb.njit(inline="always", **_OPTIONS)
+@nb.njit(**_OPTIONS)
 def _toward_zero_normal(units, scale):  # pragma: no cover - compiled
     """:func:`_toward_zero` for a GEMM whose sums stay normal float32 or zero (``nvidia_gemm``'s ``normal``): no
     subnormal or overflowing lane to choose, only zero's exponent to clamp."""
@@ -103,7 +103,7 @@ def _toward_zero_normal(units, scale):  # pragma: no cover - compiled
     return _float(_bits(s) & _KEEP24) + 0.0, np.float32(max(field, _LOWEST) - 1023)
 
 
-@nb.njit(inline="always", **_OPTIONS)
+@nb.njit(**_OPTIONS)
 def _larger(x, y):  # pragma: no cover - compiled
     return x if x > y else y  # one max instruction of the operands' type (exponents are never NaN)
 
@@ -123,14 +123,14 @@ def _operands(x):  # pragma: no cover - compiled
     return values, exponents
 
 
-@nb.njit(inline="always", **_OPTIONS)
+@nb.njit(**_OPTIONS)
 def _start(acc, emax, x, value):  # pragma: no cover - compiled
     r = np.float64(value)
     acc[x] = r
     emax[x] = _exponent(r)
 
 
-@nb.njit(inline="always", **_OPTIONS)
+@nb.njit(**_OPTIONS)
 def _sum_k4(acc, emax, x, v0, v1, v2, v3, p0, p1, p2, p3, bits):  # pragma: no cover - compiled
     """One fused step of 4 products for output column x of one row: its aligned sum, in units, and the scale."""
     s = _scale(bits, emax[x])
@@ -138,7 +138,7 @@ def _sum_k4(acc, emax, x, v0, v1, v2, v3, p0, p1, p2, p3, bits):  # pragma: no c
             + np.trunc(v3 * p3 * s)), s
 
 
-@nb.njit(inline="always", **_OPTIONS)
+@nb.njit(**_OPTIONS)
 def _step_k4(acc, emax, x, v0, v1, v2, v3, p0, p1, p2, p3, bits):  # pragma: no cover - compiled
     units, scale = _sum_k4(acc, emax, x, v0, v1, v2, v3, p0, p1, p2, p3, bits)
     r, e = _toward_zero(units, scale)
@@ -146,7 +146,7 @@ def _step_k4(acc, emax, x, v0, v1, v2, v3, p0, p1, p2, p3, bits):  # pragma: no 
     emax[x] = e
 
 
-@nb.njit(inline="always", **_OPTIONS)
+@nb.njit(**_OPTIONS)
 def _step_k4_normal(acc, emax, x, v0, v1, v2, v3, p0, p1, p2, p3, bits):  # pragma: no cover - compiled
     units, scale = _sum_k4(acc, emax, x, v0, v1, v2, v3, p0, p1, p2, p3, bits)
     r, e = _toward_zero_normal(units, scale)
@@ -154,12 +154,12 @@ def _step_k4_normal(acc, emax, x, v0, v1, v2, v3, p0, p1, p2, p3, bits):  # prag
     emax[x] = e
 
 
-@nb.njit(inline="always", **_OPTIONS)
+@nb.njit(**_OPTIONS)
 def _largest_k4(emax, x, f0, f1, f2, f3, e0, e1, e2, e3):  # pragma: no cover - compiled
     emax[x] = _larger(_larger(emax[x], _larger(f0 + e0, f1 + e1)), _larger(f2 + e2, f3 + e3))
 
 
-@nb.njit(inline="always", **_OPTIONS)
+@nb.njit(**_OPTIONS)
 def _four_rows_k4(a, ea, b, eb, c, out, q, rows, n0, n1, bits, accs, emaxs, normal):  # pragma: no cover - compiled
     """Four rows (``rows``; repeats allowed) of one GEMM, columns n0..n1, chunks of 4: each b row read once."""
     w = n1 - n0
@@ -351,12 +351,12 @@ _I32 = np.int32
 _BIASED_LOWEST = _I32(NARROW_LOWEST + 127)
 
 
-@nb.njit(inline="always", **_OPTIONS)
+@nb.njit(**_OPTIONS)
 def _min32(x, y):  # pragma: no cover - compiled
     return x if x < y else y
 
 
-@nb.njit(inline="always", **_OPTIONS)
+@nb.njit(**_OPTIONS)
 def _field32(r):  # pragma: no cover - compiled
     """The biased exponent field of the float32 ``r`` (0 for zero and subnormals)."""
     return _and32(_shr32(_bits32(r), _I32(23)), _I32(0xFF))
@@ -383,7 +383,7 @@ def _survey32(x, bias):  # pragma: no cover - compiled
     return exponents, least, most, long != 0
 
 
-@nb.njit(inline="always", **_OPTIONS)
+@nb.njit(**_OPTIONS)
 def _aligned32(r, terms, bits):  # pragma: no cover - compiled
     """A step's alignment: the bits of the scale s = 2^(bits - e), s, and the accumulator ``r``'s units at it,
     where e, the step's exponent, is the larger of r's and ``terms`` (the products' largest, biased), and at
@@ -394,7 +394,7 @@ def _aligned32(r, terms, bits):  # pragma: no cover - compiled
     return scale, s, np.int32(r * s)
 
 
-@nb.njit(inline="always", **_OPTIONS)
+@nb.njit(**_OPTIONS)
 def _toward_zero32(units, scale):  # pragma: no cover - compiled
     """units / s rounded toward zero to float32: int32 -> float32 rounds to nearest, so where that went away
     from zero, one ulp back (the bits count magnitudes); 1/s from the bits of s; the division is exact (the sum
@@ -405,7 +405,7 @@ def _toward_zero32(units, scale):  # pragma: no cover - compiled
     return _float32(back) * _float32(_sub32(_I32(254 << 23), scale))
 
 
-@nb.njit(inline="always", **_OPTIONS)
+@nb.njit(**_OPTIONS)
 def _units4(v0, v1, v2, v3, p0, p1, p2, p3, s):  # pragma: no cover - compiled
     """The aligned units of 4 products at the scale s, summed (``v``, ``p``: the row's and the column's values;
     each product is exact in float32 and its units below 2^27)."""
@@ -413,13 +413,13 @@ def _units4(v0, v1, v2, v3, p0, p1, p2, p3, s):  # pragma: no cover - compiled
                   _add32(np.int32(v2 * p2 * s), np.int32(v3 * p3 * s)))
 
 
-@nb.njit(inline="always", **_OPTIONS)
+@nb.njit(**_OPTIONS)
 def _top4(f0, f1, f2, f3, e0, e1, e2, e3):  # pragma: no cover - compiled
     """The largest biased exponent of 4 products (``f``, ``e``: the row's and the column's exponents)."""
     return _larger(_larger(_add32(f0, e0), _add32(f1, e1)), _larger(_add32(f2, e2), _add32(f3, e3)))
 
 
-@nb.njit(inline="always", **_OPTIONS)
+@nb.njit(**_OPTIONS)
 def _step32_k4(acc, x, f, v, e, p, bits):  # pragma: no cover - compiled
     """One fused step of 4 products into output column x of one row, all in registers: ``f``, ``v`` the row's
     4 exponents and values, ``e``, ``p`` the column's (tuples: read through arrays, each store to acc would
@@ -429,7 +429,7 @@ def _step32_k4(acc, x, f, v, e, p, bits):  # pragma: no cover - compiled
     acc[x] = _toward_zero32(units, scale)
 
 
-@nb.njit(inline="always", **_OPTIONS)
+@nb.njit(**_OPTIONS)
 def _step32_k8(acc, x, f, v, e, p, bits):  # pragma: no cover - compiled
     """:func:`_step32_k4` for 8 products (Hopper and Blackwell): 9 terms below 2^27 sum below 2^31."""
     top = _larger(_top4(f[0], f[1], f[2], f[3], e[0], e[1], e[2], e[3]),

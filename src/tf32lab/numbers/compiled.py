@@ -60,7 +60,7 @@ def one_signature(*argtypes: Any) -> Callable[[Any], Any]:
     at its first call rather than at import, and never for another signature.
 
     numba compiles a dispatcher anew for each combination of argument types it meets (an array C-contiguous or
-    not, read-only or not; an int or a bool): tens of seconds for each GEMM kernel, in every process where its
+    not, read-only or not; an int or a bool): about 10 s of CPU for each GEMM kernel, in every process where its
     on-disk cache misses (a fresh clone or install: the cache is keyed on the source file's modification time).
     With compiling off after the first, numba converts what it can to that signature (an int32 to an int64, a
     writable array to a read-only one, a C array to an 'A' one), and the wrapper copies an input given in another
