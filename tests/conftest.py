@@ -6,6 +6,7 @@ of the intra-op threads, so tests must not share files, ports or environment wit
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 import warnings
@@ -123,7 +124,12 @@ def pytest_configure(config: pytest.Config) -> None:
     # OpenMP's spinning threads then slow every matmul. Set once, before any test, so the per-test check holds.
     workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
     if workers > 1:
-        torch.set_num_threads(max(1, torch.get_num_threads() // workers))
+        share = max(1, torch.get_num_threads() // workers)
+        torch.set_num_threads(share)
+        # and so do the processes it starts (CLI runs, servers, examples), which otherwise start one OpenMP thread
+        # per CPU: a CLI check of all-MiniLM-L6-v2 beside a busy worker took 26-38 s of CPU with 2 threads on 2
+        # CPUs, 9.5 s with one (the spinning threads of one process wait for the other's)
+        os.environ["OMP_NUM_THREADS"] = str(share)
 
 
 @pytest.fixture(autouse=True)

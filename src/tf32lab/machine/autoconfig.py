@@ -404,8 +404,8 @@ def autoconfig(level: str = "auto", *, workers: int = 1, threads: Union[str, int
 
         >>> import tf32lab
         >>> decisions = tf32lab.autoconfig(threads=1)
-        >>> decisions["threads"].new, decisions["threads"].reason
-        (1, 'asked for')
+        >>> decisions["threads"].new, decisions["threads"].reason  # "; overrides OMP_NUM_THREADS=..." if set
+        (1, 'asked for...')
         >>> decisions.undo()
     """
     check_level(level, also=("auto",), torch_only=True)  # applied process-wide through PyTorch's setter
