@@ -154,7 +154,9 @@ def _module_copy(module: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Modu
     state = module.__getstate__()
     copied: dict[str, Any] = {}
     for key, value in state.items():
-        if type(value) in _EMPTIED and not value:  # a hook dict: a new empty one (shared ones stay shared)
+        if type(value) in _ATOMIC:  # immutable: deepcopy gives the value itself (a device, an equal one)
+            copied[key] = value
+        elif type(value) in _EMPTIED and not value:  # a hook dict: a new empty one (shared ones stay shared)
             if id(value) not in memo:
                 memo[id(value)] = type(value)()
             copied[key] = memo[id(value)]
@@ -169,6 +171,7 @@ def _module_copy(module: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Modu
 
 
 _EMPTIED = (dict, collections.OrderedDict)
+_ATOMIC = frozenset((type(None), bool, int, float, str, bytes, torch.dtype, torch.device))
 _OWN_COPY = ("__deepcopy__", "__reduce__", "__reduce_ex__", "__slots__", "__new__")
 
 
