@@ -128,12 +128,22 @@ def transformers_(steps: int, folder: str) -> dict[str, object]:
         return trainer.train
 
     def check() -> Callable[[], object]:
-        # the Trainer's first batches (collated as its loader does), its model's loss, the optimizer it builds
-        loader = Trainer(model=Model(), args=args, train_dataset=rows).get_train_dataloader()
-        batches = [dict(batch) for _, batch in zip(range(steps), loader)]
+        # the Trainer's first batches (collated as its loader does), its model's loss, the optimizer it builds: its
+        # class and arguments over its two parameter groups (Trainer.create_optimizer: weight decay on the weights,
+        # none on the biases; one group, before, was one fused call a step fewer than the run's optimizer makes)
+        trainer = Trainer(model=Model(), args=args, train_dataset=rows)
+        batches = [dict(batch) for _, batch in zip(range(steps), trainer.get_train_dataloader())]
         kind, options = Trainer.get_optimizer_cls_and_kwargs(args)
+        decay = set(trainer.get_decay_parameter_names(trainer.model))
+        names = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+
+        def optimizer(params: list) -> torch.optim.Optimizer:
+            groups = [[p for n, p in zip(names, params) if (n in decay) == wanted] for wanted in (True, False)]
+            return kind([{"params": groups[0], "weight_decay": args.weight_decay},
+                         {"params": groups[1], "weight_decay": 0.0}], **options)
+
         workload = tf32lab.TrainingWorkload(Model(), batches, loss=lambda out, b: out["loss"], inputs=lambda b: b,
-                                            optimizer=lambda p: kind(p, weight_decay=args.weight_decay, **options))
+                                            optimizer=optimizer)
         return lambda: tf32lab.check_training(workload, levels=LEVELS, target=TARGET)
 
     return {"without": lambda: train([]), "with": lambda: train([Tf32CheckCallback(TARGET, steps=steps,
