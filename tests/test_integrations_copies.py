@@ -27,6 +27,24 @@ class Copied(torch.nn.Linear):
         return out
 
 
+class Packed(torch.nn.Module):
+    """A submodule whose state is its own (a tuple, not its __dict__'s entries): given back through __setstate__."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(2.0))
+
+    def __getstate__(self):
+        return ("packed", dict(self.__dict__))
+
+    def __setstate__(self, state):
+        assert state[0] == "packed"
+        self.__dict__.update(state[1])
+
+    def forward(self, x):
+        return x * self.scale
+
+
 class Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -41,13 +59,14 @@ class Net(torch.nn.Module):
         self.register_buffer("scratch", torch.arange(3.0), persistent=False)
         self.rnn = torch.nn.LSTM(4, 3, batch_first=True)  # its own __setstate__ (its flat weights)
         self.own = Copied(2, 2)
+        self.packed = Packed()
         self.seen = []
         self.head.register_forward_hook(lambda module, args, out: self.seen.append(out.shape))
         self.empty = torch.nn.ModuleList()  # falsy (len 0): copied all the same
 
     def forward(self, x):
         h = self.head(torch.tanh(self.again(self.norm(x))))
-        return self.frozen(h).sum() + self.rnn(h.unsqueeze(0))[0].sum() + self.own(h[:, :2]).sum()
+        return self.frozen(h).sum() + self.rnn(h.unsqueeze(0))[0].sum() + self.own(self.packed(h[:, :2])).sum()
 
 
 def test_a_copy_of_the_view_is_the_copy_deepcopy_makes():
@@ -75,6 +94,7 @@ def test_a_copy_of_the_view_is_the_copy_deepcopy_makes():
     made.shared.register_forward_hook(lambda *a: None)
     assert not net.shared._forward_hooks and not copy.deepcopy(view).shared._forward_hooks
     assert made.rnn._flat_weights[0] is made.rnn.weight_ih_l0  # the LSTM's own __setstate__ ran
+    assert made.packed.scale is not net.packed.scale and float(made.packed.scale) == 2.0
     out.backward()
     assert net.shared.weight.grad is None  # the run's parameters untouched
 

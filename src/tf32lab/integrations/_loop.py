@@ -152,6 +152,10 @@ def _module_copy(module: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Modu
     made = type(module).__new__(type(module))
     memo[id(module)] = made
     state = module.__getstate__()
+    if type(state) is not dict:  # a class's own state (not its __dict__'s entries): as deepcopy copies it
+        if state is not None:
+            made.__setstate__(copy.deepcopy(state, memo))
+        return made
     copied: dict[str, Any] = {}
     for key, value in state.items():
         if type(value) in _ATOMIC:  # immutable: deepcopy gives the value itself (a device, an equal one)
