@@ -30,8 +30,10 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
+import functools
 import importlib
 import logging
 import threading
@@ -126,14 +128,70 @@ def stepping_copy(module: torch.nn.Module, members: Optional[Mapping[str, Any]] 
             return args[0].run(self, args[1])
         return base.forward(self, *args, **kwargs)
 
-    stepping = type(base.__name__, (base,), {**(members or {}), "forward": forward,
-                                             "__qualname__": base.__qualname__, "__module__": base.__module__})
+    own = {"forward": forward, "__qualname__": base.__qualname__, "__module__": base.__module__}
+    if _copied_plainly(base):  # the check's copies of it (one a row and probe) made faster, alike
+        own["__deepcopy__"] = _module_copy
+    stepping = type(base.__name__, (base,), {**(members or {}), **own})
     made = object.__new__(stepping)
     made.__dict__.update(module.__dict__)
     # a forward set on the instance (accelerate's autocast wrapper under bf16/fp16) would hide the class's: the
     # check trains in float32, without autocast
     made.__dict__.pop("forward", None)
     return made
+
+
+def _module_copy(module: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Module:
+    """``copy.deepcopy(module, memo)``, the same copy made faster: the check copies the run's module once for its
+    snapshot and again for each row and probe (about ten times), and a module's empty hook dicts (a dozen on each
+    submodule), which ``deepcopy`` rebuilds through ``__reduce_ex__`` one by one, are most of a small model's copy
+    (a LightningModule over a three-layer MLP: 0.41 ms by ``deepcopy``, 0.13 ms so). Each submodule is made as
+    ``deepcopy`` makes it (``__new__``, its ``__getstate__`` copied, ``__setstate__``); any other value, the
+    parameters and buffers included, is ``deepcopy``'s own copy, sharing ``memo``. A module whose class copies
+    itself some other way (its own ``__deepcopy__``, ``__reduce__``, ``__reduce_ex__`` or slots) is left to
+    ``deepcopy``."""
+    made = type(module).__new__(type(module))
+    memo[id(module)] = made
+    state = module.__getstate__()
+    if type(state) is not dict:  # a class's own state (not its __dict__'s entries): as deepcopy copies it
+        if state is not None:
+            made.__setstate__(copy.deepcopy(state, memo))
+        return made
+    copied: dict[str, Any] = {}
+    for key, value in state.items():
+        if type(value) in _ATOMIC:  # immutable: deepcopy gives the value itself (a device, an equal one)
+            copied[key] = value
+        elif type(value) in _EMPTIED and not value:  # a hook dict: a new empty one (shared ones stay shared)
+            if id(value) not in memo:
+                memo[id(value)] = type(value)()
+            copied[key] = memo[id(value)]
+        elif key == "_modules" and type(value) is dict:
+            if id(value) not in memo:
+                memo[id(value)] = {name: _submodule_copy(sub, memo) for name, sub in value.items()}
+            copied[key] = memo[id(value)]
+        else:
+            copied[key] = copy.deepcopy(value, memo)
+    made.__setstate__(copied)
+    return made
+
+
+_EMPTIED = (dict, collections.OrderedDict)
+_ATOMIC = frozenset((type(None), bool, int, float, str, bytes, torch.dtype, torch.device))
+_OWN_COPY = ("__deepcopy__", "__reduce__", "__reduce_ex__", "__slots__", "__new__")
+
+
+@functools.lru_cache(maxsize=512)
+def _copied_plainly(cls: type) -> bool:
+    """Whether ``deepcopy`` copies instances of ``cls`` by ``__new__``, ``__getstate__`` and ``__setstate__``
+    (no class of its MRO copies or makes them its own way)."""
+    return all(not any(name in c.__dict__ for name in _OWN_COPY) for c in cls.__mro__ if c is not object)
+
+
+def _submodule_copy(module: Optional[torch.nn.Module], memo: dict[int, Any]) -> Optional[torch.nn.Module]:
+    if module is None:
+        return None
+    if id(module) in memo:  # shared: one copy, as deepcopy's memo makes it
+        return memo[id(module)]
+    return _module_copy(module, memo) if _copied_plainly(type(module)) else copy.deepcopy(module, memo)
 
 
 class Steps(torch.optim.Optimizer):
