@@ -710,9 +710,12 @@ def _against(x: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> tuple[fl
     if not math.isfinite(x_norm):
         return math.inf, math.nan
     cosine = float(x @ ref) / (x_norm * ref_norm) if x_norm > 0 and ref_norm > 0 else math.nan
+    diff = float((x - ref).norm())
     if ref_norm < floor:
-        return float((x - ref).norm()) / floor, cosine
-    return metrics.normwise(x, ref), cosine
+        return diff / floor, cosine
+    if ref_norm == 0.0:  # as metrics.normwise: 0 when both are zero, inf when only the reference is
+        return (0.0 if diff == 0.0 else math.inf), cosine
+    return diff / ref_norm, cosine
 
 
 def _ranked(found: dict[str, tuple[float, float]]) -> tuple[ParameterError, ...]:
@@ -724,8 +727,7 @@ def _tree_error(found: list[torch.Tensor], reference: list[torch.Tensor]) -> flo
     """The normwise error of several tensors taken as one vector."""
     if any(x.shape != r.shape for x, r in zip(found, reference)):
         return math.nan
-    flat = [torch.cat([t.detach().double().reshape(-1) for t in ts]) for ts in (found, reference)]
-    return metrics.normwise(*flat) if flat[1].numel() else 0.0
+    return metrics.normwise_over(found, reference)
 
 
 def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

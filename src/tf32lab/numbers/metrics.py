@@ -35,7 +35,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -44,7 +44,7 @@ import torch
 from tf32lab.errors import Tf32LabError
 
 __all__ = ["ABSENT", "CANCELLED", "DEFAULT_TOLERANCE", "HISTOGRAM_EDGES", "OPERANDS", "REFERENCE", "OutputError",
-           "Scale", "comparable", "compare", "multiple", "normwise", "output_error"]
+           "Scale", "comparable", "compare", "multiple", "normwise", "normwise_over", "output_error"]
 
 # The default verdict: normwise relative error at most 1e-2, i.e. the output keeps two significant digits as a
 # whole. A well-conditioned network stays well below it at every reduced level (TF32's unit roundoff is
@@ -124,6 +124,24 @@ def normwise(y: torch.Tensor, r: torch.Tensor) -> float:
     if ref == 0.0:
         return 0.0 if diff == 0.0 else math.inf
     return diff / ref
+
+
+def normwise_over(found: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> float:
+    """:func:`normwise` of several tensors taken as one vector, without joining them into one: each difference
+    is made in float64 as it is read (a float32 tensor is not copied to float64 first), and the squared norms are
+    summed. An optimizer's state over a 22M-parameter model was four float64 copies of 45M numbers.
+
+    >>> normwise_over([torch.ones(3), torch.zeros(1)], [torch.full((3,), 2.0, dtype=torch.float64), torch.zeros(1)])
+    0.5
+    """
+    diff = ref = 0.0
+    for y, r in zip(found, reference):
+        r64 = r.detach().double()  # the same tensor when it is float64 already
+        diff += float(torch.linalg.vector_norm(torch.sub(r64, y.detach()))) ** 2
+        ref += float(torch.linalg.vector_norm(r64)) ** 2
+    if ref == 0.0:
+        return 0.0 if diff == 0.0 else math.inf
+    return math.sqrt(diff) / math.sqrt(ref)
 
 
 def output_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float = DEFAULT_TOLERANCE,
