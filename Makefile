@@ -18,10 +18,13 @@ $(DEMO): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --progress-bar off -c constraints.txt -e '.[demo]'
 	touch $(DEMO)
 
-$(STAMP): $(DEMO)
-	@echo "make test: installing the serving and test extras"
+# On a fresh machine one pip run installs everything (a second run costs pip's start and the editable build again).
+$(STAMP): pyproject.toml constraints.txt
+	@if [ -f $(DEMO) ]; then echo "make test: installing the serving and test extras"; else \
+		echo "make test: creating $(VENV) and installing tf32lab with its demo, serving and test extras (a few minutes the first time)"; \
+		$(PYTHON) -m venv $(VENV) && $(BIN)/python -m pip install --quiet --upgrade pip; fi
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[demo,serving,test]'
-	touch $(STAMP)
+	touch $(DEMO) $(STAMP)
 
 # The main job on the default workload (all-MiniLM-L6-v2): tables on the terminal, report.html beside them.
 # It ends with the next command to try, whatever the verdict (the exit code stays the check's).
