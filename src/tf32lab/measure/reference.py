@@ -318,7 +318,7 @@ def _widened_call(func, args: Any, kwargs: dict, selecting: bool) -> Any:
     dtype = kwargs.get("dtype") if kwargs else None
     # A cast up (``_to_copy`` to float64 of a float32 weight, as the function mode widens it) takes the widening
     # below like any op: a copy, then the op's own. Run as it is, in one copy, it left glibc's heap holding the float64
-    # run's freed blocks: a generation check's peak RSS 10-14 MiB higher in most processes (benchmarks/generation.py).
+    # run's freed blocks: a generation check's peak RSS 7-14 MiB higher in most processes (benchmarks/generation.py).
     if dtype in _WIDER:
         kwargs = {**kwargs, "dtype": _WIDER[dtype]}
     elif not _narrow_in(args, kwargs):  # already float64, the usual case: as it is
