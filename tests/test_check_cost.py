@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import tf32lab
 from tf32lab.measure import layers, reference
 from tf32lab.measure.norms import scratch, tree_normwise
+from tf32lab.numbers import metrics
 
 
 class _Seen(TorchDispatchMode):
@@ -35,6 +36,41 @@ def test_a_comparison_passes_no_mode_and_keeps_its_bits():
     assert seen.ops == 0
     assert inside == plain
     assert 1e-4 < plain[0] < 1e-2
+
+
+class _Sized(TorchDispatchMode):
+    """The new tensors of ``n`` elements that ops make (not views, not writes into an operand)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.made = n, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.numel() == self.n and not func.is_view \
+                and not func._schema.is_mutable:
+            self.made.append(func.overloadpacket.__name__)
+        return out
+
+
+def test_an_output_compare_forms_its_difference_once_and_keeps_its_numbers():
+    # each output-sized buffer of a large output (logits) is fresh pages to fault in: the compare made 22, 3 of
+    # them y - r formed again, and 5 for the histogram's steps
+    torch.manual_seed(0)
+    r = torch.randn(64, 500, dtype=torch.float64)
+    y = (r + 1e-4 * torch.randn(64, 500, dtype=torch.float64)).float()
+    sized = _Sized(r.numel())
+    with sized:
+        found = metrics.output_error("logits", y, r)
+    assert sized.made.count("sub") == 1, sized.made
+    assert len(sized.made) <= 14, sized.made
+    d = y.double() - r
+    assert found.normwise == float(torch.linalg.vector_norm(d)) / float(torch.linalg.vector_norm(r))
+    assert found.normwise == metrics.normwise(y, r)
+    assert found.max_abs == float(d.abs().max())
+    assert found.bias == float(d.mean()) / float(r.abs().mean())
+    assert sum(found.histogram) == r.numel() and found.top1 == 1.0
+    assert 1e-5 < found.normwise < 1e-3
 
 
 def test_layer_reruns_pass_no_op_through_the_float64_run(monkeypatch):

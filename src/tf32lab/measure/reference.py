@@ -316,10 +316,11 @@ def _widened_call(func, args: Any, kwargs: dict, selecting: bool) -> Any:
     """``func`` computed in float64, its float32 results widened: as it is when nothing it reads is float32;
     on its float32 inputs when it only selects values (exact, and cheaper); else on widened inputs."""
     dtype = kwargs.get("dtype") if kwargs else None
+    # A cast up (``_to_copy`` to float64 of a float32 weight, as the function mode widens it) takes the widening
+    # below like any op: a copy, then the op's own. Run as it is, in one copy, it left glibc's heap holding the float64
+    # run's freed blocks: a generation check's peak RSS 7-14 MiB higher in most processes (benchmarks/generation.py).
     if dtype in _WIDER:
         kwargs = {**kwargs, "dtype": _WIDER[dtype]}
-    elif dtype in _FLOAT64 and func is _TO_COPY:  # a cast up (every float32 operand widened): exact as it is
-        return func(*args, **kwargs)
     elif not _narrow_in(args, kwargs):  # already float64, the usual case: as it is
         return _widen_result(func(*args, **kwargs))
     if selecting and _only_float32(args, kwargs):
@@ -351,7 +352,6 @@ def _only_float32(args: Any, kwargs: dict) -> bool:
 
 
 _CONVOLUTION = torch.ops.aten.convolution.default
-_TO_COPY = torch.ops.aten._to_copy.default
 # Bytes of im2col buffer one float64 convolution call may take. Above glibc's largest mmap threshold (32 MiB), so
 # every such buffer is mapped and handed back whole: at 16 MiB the slices landed on the heap and the peak grew 4x.
 UNFOLD_BUDGET = 64 << 20

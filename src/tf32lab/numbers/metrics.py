@@ -119,8 +119,12 @@ class OutputError:
 
 def normwise(y: torch.Tensor, r: torch.Tensor) -> float:
     """‖y − r‖ / ‖r‖ in float64; 0 when both are zero, inf when only the reference is."""
-    diff = float(torch.linalg.vector_norm(y.double() - r.double()))
-    ref = float(torch.linalg.vector_norm(r.double()))
+    return _normwise_of(y.double() - r.double(), r.double())
+
+
+def _normwise_of(difference: torch.Tensor, r64: torch.Tensor) -> float:
+    diff = float(torch.linalg.vector_norm(difference))
+    ref = float(torch.linalg.vector_norm(r64))
     if ref == 0.0:
         return 0.0 if diff == 0.0 else math.inf
     return diff / ref
@@ -157,12 +161,18 @@ def output_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float =
     if y.shape != r.shape:
         raise ValueError(f"output {name!r} has shape {tuple(y.shape)}, its reference {tuple(r.shape)}")
     y64, r64 = y.detach().double(), r.detach().double()
-    diff = (y64 - r64).abs()
-    ref_abs = r64.abs()
     if y64.numel() == 0:
         return OutputError(name, tuple(y.shape), 0.0, 0.0, 0.0, 0.0, 1.0, None, (0,) * len(HISTOGRAM_EDGES), tolerance)
+    # y − r is formed once (it was formed three times) and made absolute in place once its norm and mean are
+    # taken: the same operations on the same values, with fewer output-sized buffers (a logits output's are MiBs,
+    # and each fresh one costs its pages' faults, most of a compare's time)
+    difference = y64 - r64
+    signed = float(difference.mean())
+    error, over, note = _normwise_of(difference, r64), REFERENCE, None
+    diff = difference.abs_()
+    ref_abs = r64.abs()
     big = ref_abs >= REL_FLOOR * ref_abs.max()
-    rel = diff[big] / ref_abs[big]
+    rel = diff[big].div_(ref_abs[big])
     max_rel = float(rel.max()) if rel.numel() else 0.0
     mean_rel = float(rel.mean()) if rel.numel() else 0.0
     rows_y = y64.reshape(-1, y64.shape[-1]) if y64.dim() else y64.reshape(1, 1)
@@ -173,14 +183,12 @@ def output_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float =
         top1 = float((rows_y.argmax(-1) == rows_r.argmax(-1)).double().mean())
     magnitude = float(ref_abs.mean())
     rms = None
-    error, over, note = normwise(y64, r64), REFERENCE, None
     if scale is not None and scale.norm > 0 and math.isfinite(scale.norm):
         ref = float(torch.linalg.vector_norm(r64))
         if ref <= CANCELLED * scale.norm:  # the bias and the histogram over those magnitudes too
             error, over = float(torch.linalg.vector_norm(y64 - r64)) / scale.norm, OPERANDS
             note = scale_note(ref, scale)
             magnitude = rms = scale.norm / math.sqrt(y64.numel())
-    signed = float((y64 - r64).mean())
     bias = signed / magnitude if magnitude > 0 else (0.0 if signed == 0 else math.copysign(math.inf, signed))
     return OutputError(name, tuple(y.shape), float(diff.max()), max_rel, mean_rel, error, cosine, top1,
                        histogram(diff, r64, rms), tolerance, note=note, bias=bias, scale=over)
@@ -216,9 +224,9 @@ def histogram(diff: torch.Tensor, r: torch.Tensor, rms: Optional[float] = None) 
     the last everything above; ``rms``: another scale than rms(r) (the magnitudes that formed a cancelling one)."""
     rms = float(r.pow(2).mean().sqrt()) if rms is None else rms
     scaled = diff / (rms if rms > 0 else 1.0)
-    decade = torch.floor(torch.log10(scaled.clamp_min(1e-300)))
     lo, hi = HISTOGRAM_EDGES[0], HISTOGRAM_EDGES[-1]
-    index = (decade.clamp(lo, hi) - lo).long().flatten()
+    # in place after the first: one buffer where there were five
+    index = scaled.clamp_min(1e-300).log10_().floor_().clamp_(lo, hi).sub_(lo).long().flatten()
     index[torch.isnan(scaled.flatten())] = len(HISTOGRAM_EDGES) - 1  # NaN errors count as the largest
     return tuple(int(c) for c in torch.bincount(index, minlength=len(HISTOGRAM_EDGES)))
 
