@@ -94,7 +94,7 @@ def test_a_copy_of_the_view_is_the_copy_deepcopy_makes():
     made.shared.register_forward_hook(lambda *a: None)
     assert not net.shared._forward_hooks and not copy.deepcopy(view).shared._forward_hooks
     assert made.rnn._flat_weights[0] is made.rnn.weight_ih_l0  # the LSTM's own __setstate__ ran
-    assert made.packed.scale is not net.packed.scale and float(made.packed.scale) == 2.0
+    assert made.packed.scale is not net.packed.scale and float(made.packed.scale.detach()) == 2.0
     out.backward()
     assert net.shared.weight.grad is None  # the run's parameters untouched
 
