@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import copyreg
 
 import pytest
 import torch
@@ -129,3 +130,84 @@ def test_a_lightning_modules_copy_drops_its_trainer():
     made = copy.deepcopy(stepping_copy(module))
     assert made._trainer is None and module._trainer is not None
     assert torch.equal(made.net.weight, module.net.weight) and made.net.weight is not module.net.weight
+
+
+class Pickled(torch.nn.Module):
+    """A submodule whose ``__getstate__`` builds new containers (its submodules and hooks as pickling should see
+    them): deepcopy keeps that state alive while it copies, so no later object takes one of their ids."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = torch.nn.Linear(4, 4)
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["_modules"] = dict(self._modules)
+        state["_forward_hooks"] = collections.OrderedDict()  # a hook is no pickle's
+        state["cache"] = {}
+        return state
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_a_state_built_by_getstate_is_copied_as_deepcopy_copies_it():
+    net = torch.nn.Sequential(*[Pickled(seed) for seed in range(6)])
+    made, plain = copy.deepcopy(stepping_copy(net)), copy.deepcopy(net)
+    assert [sorted(block._modules) for block in made] == [["lin"]] * 6  # each block its own submodules
+    for name in ("_modules", "_forward_hooks", "cache"):  # none of them one block's and another's
+        assert len({id(getattr(block, name)) for block in made}) == 6, name
+    x = torch.randn(3, 4)
+    assert torch.equal(made(x), plain(x))
+
+
+class Registered(torch.nn.Linear):
+    """A submodule class whose copies copyreg makes (deepcopy asks copyreg's table before the class itself)."""
+
+
+def test_a_class_copyreg_reduces_and_an_instances_own_deepcopy_are_left_to_deepcopy(monkeypatch):
+    monkeypatch.setitem(copyreg.dispatch_table, Registered,
+                        lambda m: (torch.nn.Linear, (m.in_features, m.out_features), m.__getstate__()))
+    net = torch.nn.Sequential(Registered(4, 4), torch.nn.Linear(4, 4))
+
+    def own(memo):  # set on the instance: deepcopy calls it as it would the class's
+        out = torch.nn.Linear(4, 4)
+        out.load_state_dict(net[1].state_dict())
+        out.marked = True
+        memo[id(net[1])] = out
+        return out
+
+    net[1].__dict__["__deepcopy__"] = own
+    made, plain = copy.deepcopy(stepping_copy(net)), copy.deepcopy(net)
+    assert type(made[0]) is type(plain[0]) is torch.nn.Linear
+    assert getattr(made[1], "marked", False) and getattr(plain[1], "marked", False)
+
+
+def test_a_hook_bound_to_the_run_module_is_bound_to_the_copy():
+    """A hook that is a method of the run's module (``self.layer.register_forward_hook(self.keep)``): deepcopy binds
+    it to the copy, and so must a copy of the view (not to a second copy of the run's module)."""
+
+    class Kept(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = torch.nn.Linear(4, 4)
+            self.layer.register_forward_hook(self.keep)
+            self.last = None
+
+        def keep(self, module, args, out):
+            self.last = out
+
+        def forward(self, x):
+            self.layer(x)
+            return self.last * 2
+
+    net = Kept()
+    made, plain = copy.deepcopy(stepping_copy(net)), copy.deepcopy(net)
+    assert next(iter(made.layer._forward_hooks.values())).__self__ is made
+    x = torch.randn(3, 4)
+    assert torch.equal(made(x), plain(x)) and net.last is None
+    made.last = None  # a graph's tensor: no deepcopy's
+    again = copy.deepcopy(made)  # a copy of a copy: bound to itself
+    assert next(iter(again.layer._forward_hooks.values())).__self__ is again

@@ -33,11 +33,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import copyreg
 import functools
 import importlib
 import logging
 import threading
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional, Union
@@ -129,10 +131,18 @@ def stepping_copy(module: torch.nn.Module, members: Optional[Mapping[str, Any]] 
         return base.forward(self, *args, **kwargs)
 
     own = {"forward": forward, "__qualname__": base.__qualname__, "__module__": base.__module__}
+    refs: list[weakref.ref] = []  # the view and the run's module, once made
     if _copied_plainly(base):  # the check's copies of it (one a row and probe) made faster, alike
-        own["__deepcopy__"] = _module_copy
+
+        def __deepcopy__(self: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Module:
+            # what refers to the run's module itself (a hook that is one of its methods) refers to the copy, as
+            # in deepcopy(module), not to a second copy of it
+            return _module_copy(self, memo, refs[1]() if refs and self is refs[0]() else None)
+
+        own["__deepcopy__"] = __deepcopy__
     stepping = type(base.__name__, (base,), {**(members or {}), **own})
     made = object.__new__(stepping)
+    refs[:] = [weakref.ref(made), weakref.ref(module)]
     made.__dict__.update(module.__dict__)
     # a forward set on the instance (accelerate's autocast wrapper under bf16/fp16) would hide the class's: the
     # check trains in float32, without autocast
@@ -140,7 +150,8 @@ def stepping_copy(module: torch.nn.Module, members: Optional[Mapping[str, Any]] 
     return made
 
 
-def _module_copy(module: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Module:
+def _module_copy(module: torch.nn.Module, memo: dict[int, Any], viewed: Optional[torch.nn.Module] = None
+                 ) -> torch.nn.Module:
     """``copy.deepcopy(module, memo)``, the same copy made faster: the check copies the run's module once for its
     snapshot and again for each row and probe (about ten times), and a module's empty hook dicts (a dozen on each
     submodule), which ``deepcopy`` rebuilds through ``__reduce_ex__`` one by one, are most of a small model's copy
@@ -148,10 +159,17 @@ def _module_copy(module: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Modu
     ``deepcopy`` makes it (``__new__``, its ``__getstate__`` copied, ``__setstate__``); any other value, the
     parameters and buffers included, is ``deepcopy``'s own copy, sharing ``memo``. A module whose class copies
     itself some other way (its own ``__deepcopy__``, ``__reduce__``, ``__reduce_ex__`` or slots) is left to
-    ``deepcopy``."""
+    ``deepcopy``, and so is one that ``copyreg`` copies or with its own ``__deepcopy__`` set on the instance.
+    ``viewed``: the module ``module`` is a view of, copied as ``module`` is."""
     made = type(module).__new__(type(module))
     memo[id(module)] = made
+    if viewed is not None and id(viewed) not in memo:
+        memo[id(viewed)] = made
+        memo.setdefault(id(memo), []).append(viewed)
     state = module.__getstate__()
+    # kept alive as deepcopy keeps what it copies: a container __getstate__ made afresh (and the new empty dict
+    # memo maps it to) must not pass its id on to a later one
+    memo.setdefault(id(memo), []).append(state)
     if type(state) is not dict:  # a class's own state (not its __dict__'s entries): as deepcopy copies it
         if state is not None:
             made.__setstate__(copy.deepcopy(state, memo))
@@ -191,7 +209,10 @@ def _submodule_copy(module: Optional[torch.nn.Module], memo: dict[int, Any]) -> 
         return None
     if id(module) in memo:  # shared: one copy, as deepcopy's memo makes it
         return memo[id(module)]
-    return _module_copy(module, memo) if _copied_plainly(type(module)) else copy.deepcopy(module, memo)
+    cls = type(module)
+    if _copied_plainly(cls) and cls not in copyreg.dispatch_table and vars(module).keys().isdisjoint(_OWN_COPY):
+        return _module_copy(module, memo)
+    return copy.deepcopy(module, memo)  # deepcopy asks copyreg's table and the instance first
 
 
 class Steps(torch.optim.Optimizer):
