@@ -725,7 +725,7 @@ def _ranked(found: dict[str, tuple[float, float]]) -> tuple[ParameterError, ...]
 
 def _tree_error(found: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
     """The normwise error of several tensors taken as one vector."""
-    if any(x.shape != r.shape for x, r in zip(found, reference)):
+    if len(found) != len(reference) or any(x.shape != r.shape for x, r in zip(found, reference)):
         return math.nan
     return metrics.normwise_over(found, reference)
 
