@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+import xdist_groups
 from tf32lab.control import flags
 
 settings.register_profile(
@@ -27,6 +28,7 @@ settings.register_profile(
 settings.load_profile("default")
 
 
+@pytest.hookimpl(optionalhook=True)  # `-p no:xdist` runs the suite too
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: one worker per CPU this process may keep busy (affinity and cgroup quota), not per core the
     host has: a container limited to 2 CPUs of 64 gets 2."""
@@ -107,10 +109,12 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # pytest-xdist marks a grouped test by appending "@group" to its id; pytest 9.2 ignores that (its ids are
-    # structured), and the groups are then spread over the workers without a word (pytest-dev/pytest-xdist#1386)
+    # structured), and the groups are then spread over the workers without a word (pytest-dev/pytest-xdist#1386).
+    # Only a worker of `--dist loadgroup` has the option set; the suffix checked is the one xdist builds, so a "@"
+    # in a parameter's id does not hide a lost group.
     if not getattr(config.option, "loadgroup", False):
         return
-    lost = [item.nodeid for item in items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    lost = xdist_groups.ungrouped((item.nodeid, item.iter_markers("xdist_group")) for item in items)
     if lost:
         warnings.warn(pytest.PytestWarning(
             f"--dist loadgroup: {len(lost)} tests marked xdist_group (e.g. {lost[0]}) are not grouped by this "
@@ -118,6 +122,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):  # `-p no:xdist`: the marks stay, --strict-markers knows them
+        config.addinivalue_line("markers", "xdist_group(name): run on one xdist worker under --dist loadgroup")
     if config.getoption("cpu_log") and not hasattr(config, "workerinput"):
         _cpu_log.append(config.getoption("cpu_log"))
     # Each xdist worker takes its share of the CPUs: 2 workers x 2 intra-op threads on 2 CPUs oversubscribe, and
