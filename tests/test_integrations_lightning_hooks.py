@@ -61,20 +61,29 @@ class AccumulatesByHand(Plain):
             optimizer.zero_grad(set_to_none=False)
 
 
-class ClampsAfterBackward(Plain):
+class _ClampsAfterBackward:
     """Each backward's gradients clamped in on_after_backward (under accumulation: each micro-batch's sum so far)."""
 
     def on_after_backward(self):
-        self.log("clamped", 1.0)
         for p in self.parameters():
             p.grad.clamp_(-0.02, 0.02)
 
 
-class ScalesItsBackward(Plain):
+class _ScalesItsBackward:
     """Its own backward, which doubles the loss it is given."""
 
     def backward(self, loss, *args, **kwargs):
         (2.0 * loss).backward(*args, **kwargs)
+
+
+class ClampsAfterBackward(_ClampsAfterBackward, Plain):
+    def on_after_backward(self):
+        self.log("clamped", 1.0)
+        super().on_after_backward()
+
+
+class ScalesItsBackward(_ScalesItsBackward, Plain):
+    pass
 
 
 class WarmsUpByTheTrainer(Plain):
@@ -272,15 +281,12 @@ class Manual(Plain):
         return loss
 
 
-class ManualClampsAfterBackward(Manual):
-    def on_after_backward(self):
-        for p in self.parameters():
-            p.grad.clamp_(-0.02, 0.02)
+class ManualClampsAfterBackward(_ClampsAfterBackward, Manual):
+    pass
 
 
-class ManualScalesItsBackward(Manual):
-    def backward(self, loss, *args, **kwargs):
-        (2.0 * loss).backward(*args, **kwargs)
+class ManualScalesItsBackward(_ScalesItsBackward, Manual):
+    pass
 
 
 class ManualHalvesGrads(Manual):
