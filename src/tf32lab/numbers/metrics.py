@@ -119,12 +119,12 @@ class OutputError:
 
 def normwise(y: torch.Tensor, r: torch.Tensor) -> float:
     """‖y − r‖ / ‖r‖ in float64; 0 when both are zero, inf when only the reference is."""
-    return _normwise_of(y.double() - r.double(), r.double())
+    r64 = r.double()
+    return _ratio(float(torch.linalg.vector_norm(y.double() - r64)), float(torch.linalg.vector_norm(r64)))
 
 
-def _normwise_of(difference: torch.Tensor, r64: torch.Tensor) -> float:
-    diff = float(torch.linalg.vector_norm(difference))
-    ref = float(torch.linalg.vector_norm(r64))
+def _ratio(diff: float, ref: float) -> float:
+    """``diff / ref``, the norms of the difference and the reference: 0 when both are zero, inf when only ``ref``."""
     if ref == 0.0:
         return 0.0 if diff == 0.0 else math.inf
     return diff / ref
@@ -151,10 +151,7 @@ def normwise_over(found: Sequence[torch.Tensor], reference: Sequence[torch.Tenso
         y = y.detach() if y.is_floating_point() and not r.is_complex() else y.detach().to(wide)
         diffs.append(float(torch.linalg.vector_norm(torch.sub(r64, y))))
         refs.append(float(torch.linalg.vector_norm(r64)))
-    diff, ref = _combined(diffs), _combined(refs)
-    if ref == 0.0:
-        return 0.0 if diff == 0.0 else math.inf
-    return diff / ref
+    return _ratio(_combined(diffs), _combined(refs))
 
 
 def _combined(norms: list[float]) -> float:
@@ -183,7 +180,8 @@ def output_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float =
     # and each fresh one costs its pages' faults, most of a compare's time)
     difference = y64 - r64
     signed = float(difference.mean())
-    error, over, note = _normwise_of(difference, r64), REFERENCE, None
+    diff_norm, ref_norm = float(torch.linalg.vector_norm(difference)), float(torch.linalg.vector_norm(r64))
+    error, over, note = _ratio(diff_norm, ref_norm), REFERENCE, None
     diff = difference.abs_()
     ref_abs = r64.abs()
     big = ref_abs >= REL_FLOOR * ref_abs.max()
@@ -198,12 +196,12 @@ def output_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float =
         top1 = float((rows_y.argmax(-1) == rows_r.argmax(-1)).double().mean())
     magnitude = float(ref_abs.mean())
     rms = None
-    if scale is not None and scale.norm > 0 and math.isfinite(scale.norm):
-        ref = float(torch.linalg.vector_norm(r64))
-        if ref <= CANCELLED * scale.norm:  # the bias and the histogram over those magnitudes too
-            error, over = float(torch.linalg.vector_norm(y64 - r64)) / scale.norm, OPERANDS
-            note = scale_note(ref, scale)
-            magnitude = rms = scale.norm / math.sqrt(y64.numel())
+    cancelled = scale is not None and scale.norm > 0 and math.isfinite(scale.norm) and \
+        ref_norm <= CANCELLED * scale.norm
+    if cancelled:  # the bias and the histogram over those magnitudes too
+        error, over = diff_norm / scale.norm, OPERANDS
+        note = scale_note(ref_norm, scale)
+        magnitude = rms = scale.norm / math.sqrt(y64.numel())
     bias = signed / magnitude if magnitude > 0 else (0.0 if signed == 0 else math.copysign(math.inf, signed))
     return OutputError(name, tuple(y.shape), float(diff.max()), max_rel, mean_rel, error, cosine, top1,
                        histogram(diff, r64, rms), tolerance, note=note, bias=bias, scale=over)
