@@ -9,15 +9,16 @@ from __future__ import annotations
 import os
 import resource
 import sys
-import warnings
 from collections import defaultdict
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-import xdist_groups
 from tf32lab.control import flags
+
+# the lost-group warning: a hook of its own module, so that its test runs it in a pytest without this suite
+from xdist_groups import pytest_collection_modifyitems  # noqa: F401
 
 settings.register_profile(
     "default", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -104,21 +105,6 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     terminalreporter.section("CPU seconds per file")
     for path, cost in sorted(per_file.items(), key=lambda kv: -kv[1]):
         write(f"{cost:9.2f}s  {path}")
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # pytest-xdist marks a grouped test by appending "@group" to its id; pytest 9.2 ignores that (its ids are
-    # structured), and the groups are then spread over the workers without a word (pytest-dev/pytest-xdist#1386).
-    # Only a worker of `--dist loadgroup` has the option set; the suffix checked is the one xdist builds, so a "@"
-    # in a parameter's id does not hide a lost group.
-    if not getattr(config.option, "loadgroup", False):
-        return
-    lost = xdist_groups.ungrouped((item.nodeid, item.iter_markers("xdist_group")) for item in items)
-    if lost:
-        warnings.warn(pytest.PytestWarning(
-            f"--dist loadgroup: {len(lost)} tests marked xdist_group (e.g. {lost[0]}) are not grouped by this "
-            f"pytest {pytest.__version__} and pytest-xdist: constraints.txt keeps pytest below 9.2"), stacklevel=1)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -55,16 +55,22 @@ def pytest_collection_modifyitems(config, items):
 """
 
 
+def test_the_suite_registers_the_warning(pytestconfig):
+    found = pytestconfig.pluginmanager.hook.pytest_collection_modifyitems.get_hookimpls()
+    assert xdist_groups.pytest_collection_modifyitems in [impl.function for impl in found]
+
+
 @pytest.mark.parametrize("lost", [False, True])
 def test_the_suites_warning_counts_each_lost_group(tmp_path, lost):
     (tmp_path / "test_grouped.py").write_text(GROUPED)
     (tmp_path / "as_pytest_9_2.py").write_text(AS_PYTEST_9_2)
     here = Path(__file__).parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    # the suite's conftest as a plugin, registered after the stand-in for pytest 9.2 so that its check runs after
+    # the suite's hook as a plugin, registered after the stand-in for pytest 9.2 so that its check runs after; the
+    # rest of the suite's set-up (torch, tf32lab, hypothesis) is not this test's
     plugins = ["-p", "as_pytest_9_2"] if lost else []
-    run = subprocess.run([sys.executable, "-m", "pytest", *plugins, "-p", "conftest", "-n", "1", "--dist", "loadgroup",
-                          "-p", "no:cacheprovider", "-q", "test_grouped.py"],
+    run = subprocess.run([sys.executable, "-m", "pytest", *plugins, "-p", "xdist_groups", "-p", "no:hypothesispytest",
+                          "-n", "1", "--dist", "loadgroup", "-p", "no:cacheprovider", "-q", "test_grouped.py"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "2 passed" in run.stdout, run.stdout + run.stderr
     if lost:  # test_f's parameter has a "@" of its own, and is lost all the same
