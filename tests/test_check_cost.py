@@ -4,6 +4,9 @@ the model stays constant (no sweep of every kept op, no op-table lookup per op),
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -71,6 +74,46 @@ def test_an_output_compare_forms_its_difference_once_and_keeps_its_numbers():
     assert found.bias == float(d.mean()) / float(r.abs().mean())
     assert sum(found.histogram) == r.numel() and found.top1 == 1.0
     assert 1e-5 < found.normwise < 1e-3
+
+
+def test_a_large_output_is_compared_in_chunks_with_no_buffer_its_size_and_the_numbers_of_one_pass():
+    # logits of tens of millions of numbers made about fifteen float64 buffers their size (GBs for a language
+    # model's vocabulary); 3 chunks of rows here, each widened as it is read
+    torch.manual_seed(0)
+    rows, width = 3 * metrics.CHUNK // 2000 + 7, 2000
+    r = torch.randn(rows, width, dtype=torch.float64)
+    r[5, :] = 0.0  # elements below the relative floor
+    y = (r + 1e-4 * torch.randn(rows, width, dtype=torch.float64)).float()
+    y[-1, 3] = y[-1, 3] + 1.0  # the largest error, in the last chunk
+    sized = _Sized(r.numel())
+    with sized:
+        found = metrics.output_error("logits", y, r)
+    assert sized.made == []
+    # the same metrics, each one reduction over the whole output
+    d = y.double() - r
+    a, ref_abs = d.abs(), r.abs()
+    big = ref_abs >= metrics.REL_FLOOR * ref_abs.max()
+    rel = a[big] / ref_abs[big]
+    assert found.max_abs == float(a.max()) and found.max_rel == float(rel.max())
+    assert found.mean_rel == pytest.approx(float(rel.mean()), rel=1e-12)
+    assert found.normwise == pytest.approx(float(torch.linalg.vector_norm(d) / torch.linalg.vector_norm(r)),
+                                           rel=1e-12)
+    assert found.bias == pytest.approx(float(d.mean() / ref_abs.mean()), rel=1e-9)
+    cosine = torch.nn.functional.cosine_similarity(y.double(), r, dim=-1, eps=1e-300)
+    assert found.cosine == float(cosine.min())
+    assert found.top1 == float((y.argmax(-1) == r.argmax(-1)).double().mean()) < 1.0
+    rms = float(torch.linalg.vector_norm(r)) / r.numel() ** 0.5
+    decade = (a / rms).clamp_min(1e-300).log10().floor().clamp(-10, 1).add(10).long().flatten()
+    assert found.histogram == tuple(int(c) for c in torch.bincount(decade, minlength=12))
+
+
+def test_a_nan_in_one_chunk_of_an_output_is_the_largest_error_of_the_whole():
+    r = torch.ones(3 * metrics.CHUNK // 1000, 1000, dtype=torch.float64)
+    y = r.clone()
+    y[1, 0] = math.nan  # the first chunk: later chunks' maxima must not hide it
+    found = metrics.output_error("out", y, r)
+    assert math.isnan(found.max_abs) and math.isnan(found.max_rel) and math.isnan(found.normwise)
+    assert found.histogram[-1] == 1 and sum(found.histogram) == r.numel()
 
 
 def test_layer_reruns_pass_no_op_through_the_float64_run(monkeypatch):

@@ -211,45 +211,29 @@ def _joined(parts: list[Any]) -> Any:
 
 
 def _split_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float, ranks: Ranks) -> metrics.OutputError:
-    """``metrics.output_error`` of an output split by batch rows over the ranks, from sums, maxima and minima."""
-    y64, r64 = y.detach().double(), r.detach().double()
-    diff, ref_abs = (y64 - r64).abs(), r64.abs()
+    """``metrics.output_error`` of an output split by batch rows over the ranks: each rank's ``metrics.Partial``
+    of its rows, summed or maximised over the ranks."""
+    y, r = y.detach(), r.detach()
     shapes = ranks.gather(tuple(y.shape))
     if any(s[1:] != shapes[0][1:] for s in shapes):
         raise Tf32LabError(f"output {name!r}: the ranks' parts have shapes {shapes}; accepted: parts of one batch "
                            f"(the same shape but for dim 0)")
     shape = (sum(s[0] for s in shapes), *shapes[0][1:])
-    (top,) = ranks.max([float(ref_abs.max())])
-    big = ref_abs >= metrics.REL_FLOOR * top
-    rel = diff[big] / ref_abs[big]
-    rows_y, rows_r = y64.reshape(-1, y64.shape[-1]), r64.reshape(-1, r64.shape[-1])
-    cosine = float(torch.nn.functional.cosine_similarity(rows_y, rows_r, dim=-1, eps=1e-300).min())
-    logits = "logit" in name.lower() and y64.shape[-1] > 1
-    agree = float((rows_y.argmax(-1) == rows_r.argmax(-1)).sum()) if logits else 0.0
-    n, r2 = float(r64.numel()), float(torch.dot(r64.reshape(-1), r64.reshape(-1)))
-    d = (y64 - r64).reshape(-1)
-    sums = ranks.sum([n, r2, float(torch.dot(d, d)), float(rel.sum()), float(rel.numel()), float(ref_abs.sum()),
-                      float(d.sum()), agree, float(rows_y.shape[0])])
-    total_n, total_r2, total_d2, rel_sum, rel_n, abs_sum, signed, agreed, rows = sums
+    rows_y, rows_r = metrics.rows_of(y), metrics.rows_of(r)
+    ref_norm, top = metrics.reference_extent(rows_r)
+    (top,) = ranks.max([top])
+    total_n, total_r2, rows = ranks.sum([float(r.numel()), ref_norm ** 2, float(rows_y.shape[0])])
     rms = math.sqrt(total_r2 / total_n)
-    counts = ranks.sum(_histogram(diff, rms))
-    max_abs, max_rel, neg_cosine = ranks.max([float(diff.max()), float(rel.max()) if rel.numel() else 0.0,
-                                              -cosine])
+    logits = metrics.is_logits(name, y)
+    part = metrics.Partial().add(rows_y, rows_r, metrics.REL_FLOOR * top, rms, logits)
+    total_d2, rel_sum, rel_n, abs_sum, signed, agreed = ranks.sum(
+        [part.diff_norm ** 2, part.rel, float(part.rel_n), part.magnitude, part.signed, float(part.agree)])
+    counts = ranks.sum([float(c) for c in part.counts])
+    max_abs, max_rel, neg_cosine = ranks.max([part.max_abs, part.max_rel, -part.cosine])
     normwise = math.sqrt(total_d2) / math.sqrt(total_r2) if total_r2 else (0.0 if total_d2 == 0.0 else math.inf)
-    scale, mean_signed = abs_sum / total_n, signed / total_n
-    bias = mean_signed / scale if scale > 0 else (0.0 if mean_signed == 0 else math.copysign(math.inf, mean_signed))
     return metrics.OutputError(name, shape, max_abs, max_rel, rel_sum / rel_n if rel_n else 0.0, normwise,
                                -neg_cosine, agreed / rows if logits else None, tuple(int(c) for c in counts),
-                               tolerance, bias=bias)
-
-
-def _histogram(diff: torch.Tensor, rms: float) -> list[float]:
-    """``metrics.histogram``'s counts of this rank's part, scaled by the whole output's rms."""
-    scaled = diff / (rms if rms > 0 else 1.0)
-    decade = torch.floor(torch.log10(scaled.clamp_min(1e-300)))
-    lo, hi = metrics.HISTOGRAM_EDGES[0], metrics.HISTOGRAM_EDGES[-1]
-    index = (decade.clamp(lo, hi) - lo).long().flatten()
-    return [float(c) for c in torch.bincount(index, minlength=len(metrics.HISTOGRAM_EDGES))]
+                               tolerance, bias=metrics.bias(signed / total_n, abs_sum / total_n))
 
 
 # -- faults ---------------------------------------------------------------------------------------------------

@@ -44,7 +44,8 @@ import torch
 from tf32lab.errors import Tf32LabError
 
 __all__ = ["ABSENT", "CANCELLED", "DEFAULT_TOLERANCE", "HISTOGRAM_EDGES", "OPERANDS", "REFERENCE", "OutputError",
-           "Scale", "comparable", "compare", "multiple", "normwise", "normwise_over", "output_error"]
+           "Partial", "Scale", "bias", "comparable", "compare", "is_logits", "multiple", "normwise", "normwise_over",
+           "output_error", "reference_extent", "row_chunks", "rows_of"]
 
 # The default verdict: normwise relative error at most 1e-2, i.e. the output keeps two significant digits as a
 # whole. A well-conditioned network stays well below it at every reduced level (TF32's unit roundoff is
@@ -165,6 +166,11 @@ def output_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float =
     """The metrics of the module docstring for output ``name``; ``scale``: the magnitudes that formed it, over
     which ``normwise`` is taken where the reference cancels to at most :data:`CANCELLED` of them.
 
+    Computed over chunks of whole rows (:data:`CHUNK` elements or one row), each widened to float64 as it is read:
+    a language model's logits (tens of millions of numbers) made about fifteen float64 buffers their size before,
+    GBs of pages to fault in, and a boolean gather over all of them. Sums and norms are combined over the chunks
+    (the norms with :func:`math.hypot`), so they may differ from one reduction over the whole in their last bits.
+
     >>> r = torch.zeros(4, dtype=torch.float64)                 # a residual whose reference is exactly zero
     >>> e = output_error("residual", r + 1e-5, r, scale=Scale(2000.0, "aten::sub"))
     >>> e.scale, f"{e.normwise:.0e}", e.passed
@@ -172,39 +178,155 @@ def output_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float =
     """
     if y.shape != r.shape:
         raise ValueError(f"output {name!r} has shape {tuple(y.shape)}, its reference {tuple(r.shape)}")
-    y64, r64 = y.detach().double(), r.detach().double()
-    if y64.numel() == 0:
+    y, r = y.detach(), r.detach()
+    n = y.numel()
+    if n == 0:
         return OutputError(name, tuple(y.shape), 0.0, 0.0, 0.0, 0.0, 1.0, None, (0,) * len(HISTOGRAM_EDGES), tolerance)
-    # y − r is formed once (it was formed three times) and made absolute in place once its norm and mean are
-    # taken: the same operations on the same values, with fewer output-sized buffers (a logits output's are MiBs,
-    # and each fresh one costs its pages' faults, most of a compare's time)
-    difference = y64 - r64
-    signed = float(difference.mean())
-    diff_norm, ref_norm = float(torch.linalg.vector_norm(difference)), float(torch.linalg.vector_norm(r64))
-    error, over, note = _ratio(diff_norm, ref_norm), REFERENCE, None
-    diff = difference.abs_()
-    ref_abs = r64.abs()
-    big = ref_abs >= REL_FLOOR * ref_abs.max()
-    rel = diff[big].div_(ref_abs[big])
-    max_rel = float(rel.max()) if rel.numel() else 0.0
-    mean_rel = float(rel.mean()) if rel.numel() else 0.0
-    rows_y = y64.reshape(-1, y64.shape[-1]) if y64.dim() else y64.reshape(1, 1)
-    rows_r = r64.reshape(-1, r64.shape[-1]) if r64.dim() else r64.reshape(1, 1)
-    cosine = float(torch.nn.functional.cosine_similarity(rows_y, rows_r, dim=-1, eps=1e-300).min())
-    top1 = None
-    if "logit" in name.lower() and y64.dim() >= 1 and y64.shape[-1] > 1:
-        top1 = float((rows_y.argmax(-1) == rows_r.argmax(-1)).double().mean())
-    magnitude = float(ref_abs.mean())
-    rms = None
+    rows_y, rows_r = rows_of(y), rows_of(r)
+    # the reference alone first: its norm (is it cancelled?) and largest magnitude (which elements have a relative
+    # error) come before the errors
+    ref_norm, top = reference_extent(rows_r)
+    over, note, rms = REFERENCE, None, ref_norm / math.sqrt(n)
     cancelled = scale is not None and scale.norm > 0 and math.isfinite(scale.norm) and \
         ref_norm <= CANCELLED * scale.norm
     if cancelled:  # the bias and the histogram over those magnitudes too
-        error, over = diff_norm / scale.norm, OPERANDS
-        note = scale_note(ref_norm, scale)
-        magnitude = rms = scale.norm / math.sqrt(y64.numel())
-    bias = signed / magnitude if magnitude > 0 else (0.0 if signed == 0 else math.copysign(math.inf, signed))
-    return OutputError(name, tuple(y.shape), float(diff.max()), max_rel, mean_rel, error, cosine, top1,
-                       histogram(diff, r64, rms), tolerance, note=note, bias=bias, scale=over)
+        over, note, rms = OPERANDS, scale_note(ref_norm, scale), scale.norm / math.sqrt(n)
+    logits = is_logits(name, y)
+    part = Partial().add(rows_y, rows_r, REL_FLOOR * top, rms, logits)
+    error = part.diff_norm / scale.norm if cancelled else _ratio(part.diff_norm, ref_norm)
+    magnitude = rms if cancelled else part.magnitude / n
+    return OutputError(name, tuple(y.shape), part.max_abs, part.max_rel, part.rel / part.rel_n if part.rel_n else 0.0,
+                       error, part.cosine, part.agree / rows_y.shape[0] if logits else None,
+                       tuple(int(c) for c in part.counts), tolerance, note=note,
+                       bias=bias(part.signed / n, magnitude), scale=over)
+
+
+def bias(signed: float, magnitude: float) -> float:
+    """The mean signed error over the mean magnitude, signed infinity where the magnitude is zero."""
+    if magnitude > 0:
+        return signed / magnitude
+    return 0.0 if signed == 0 else math.copysign(math.inf, signed)
+
+
+def is_logits(name: str, y: torch.Tensor) -> bool:
+    """Whether output ``name`` gets ``top1``: named like logits, with more than one per row."""
+    return "logit" in name.lower() and y.dim() >= 1 and y.shape[-1] > 1
+
+
+def rows_of(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as rows of its last dimension (a 0-d tensor as one row of one)."""
+    return t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)
+
+
+# Elements in a chunk of an output's compare (whole rows: one row where a row is longer): 2 MiB of float64, so
+# that a chunk's few buffers stay in the caches between the passes over it
+CHUNK = 1 << 18
+
+
+def row_chunks(rows: torch.Tensor) -> list[slice]:
+    """Slices of whole rows of ``rows`` (a :func:`rows_of` view), about :data:`CHUNK` elements each."""
+    step = max(1, CHUNK // max(1, rows.shape[1]))
+    return [slice(start, start + step) for start in range(0, rows.shape[0], step)]
+
+
+def reference_extent(rows_r: torch.Tensor) -> tuple[float, float]:
+    """The norm of a reference (:func:`rows_of`) and its largest magnitude (NaN where it holds NaN), in float64
+    a chunk at a time."""
+    norms, top = [], []
+    for rows in row_chunks(rows_r):
+        part = _wide(rows_r[rows])
+        norms.append(float(torch.linalg.vector_norm(part)))
+        low, high = torch.aminmax(part)
+        top.append(_largest(-float(low), float(high)))
+    return _combined(norms), _largest(*top)
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float64 (itself when it is)."""
+    return t if t.dtype == torch.float64 else t.double()
+
+
+def _largest(*values: float) -> float:
+    """The largest of ``values``, NaN where one is NaN (as a tensor's ``max`` says; Python's ``max`` does not)."""
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
+
+
+class Partial:
+    """What an output's metrics add up, or take the largest of, over chunks of its rows (or over the ranks that
+    each hold some rows: ``measure.sharded``): the signed error, the magnitude, the relative errors and their
+    count, the rows whose argmax agrees, the histogram's counts; and the norm of the error, its largest magnitude
+    and relative value, the smallest cosine.
+
+    >>> r = torch.ones(2, 3, dtype=torch.float64)
+    >>> part = Partial().add(rows_of(r + 0.5), r, threshold=1e-6, rms=1.0, logits=False)
+    >>> part.max_rel, part.rel / part.rel_n, part.cosine
+    (0.5, 0.5, 1.0)
+    """
+
+    def __init__(self) -> None:
+        self._diff_norms: list[float] = []
+        self._max_abs: list[float] = []
+        self._max_rel: list[float] = []
+        self._cosine: list[float] = []
+        self.signed = self.magnitude = self.rel = 0.0
+        self.rel_n = self.agree = 0
+        self.counts = torch.zeros(len(HISTOGRAM_EDGES), dtype=torch.int64)
+
+    @property
+    def diff_norm(self) -> float:
+        return _combined(self._diff_norms)
+
+    @property
+    def max_abs(self) -> float:
+        return _largest(*self._max_abs)
+
+    @property
+    def max_rel(self) -> float:
+        """0 where no element has a relative error."""
+        return _largest(*self._max_rel) if self._max_rel else 0.0
+
+    @property
+    def cosine(self) -> float:
+        return -_largest(*(-c for c in self._cosine))
+
+    def add(self, rows_y: torch.Tensor, rows_r: torch.Tensor, threshold: float, rms: float,
+            logits: bool) -> Partial:
+        """Rows of an output and of its reference (:func:`rows_of`), a chunk at a time; ``threshold``: the smallest
+        |r| with a relative error; ``rms``: the histogram's scale; ``logits``: count the rows whose argmax agrees."""
+        for rows in row_chunks(rows_r):
+            self._chunk(_wide(rows_y[rows]), _wide(rows_r[rows]), threshold, rms, logits)
+        return self
+
+    def _chunk(self, y: torch.Tensor, r: torch.Tensor, threshold: float, rms: float, logits: bool) -> None:
+        diff = y - r
+        self.signed += float(diff.sum())
+        self._diff_norms.append(float(torch.linalg.vector_norm(diff)))
+        self._cosine.append(float(torch.nn.functional.cosine_similarity(y, r, dim=-1, eps=1e-300).min()))
+        if logits:
+            self.agree += int((y.argmax(-1) == r.argmax(-1)).sum())
+        diff.abs_()
+        self._max_abs.append(float(diff.max()))
+        work = r.abs()
+        self.magnitude += float(work.sum())
+        big = work >= threshold
+        count = int(big.sum())
+        if count:
+            # |y - r| / |r| where |r| is large enough, 0 elsewhere: the sum and the largest of those
+            rel = torch.div(diff, work, out=work).masked_fill_(big.logical_not_(), 0.0)
+            self.rel += float(rel.sum())
+            self.rel_n += count
+            self._max_rel.append(float(rel.max()))
+        self.counts += _decades(diff, rms, work)
+
+
+def _decades(diff: torch.Tensor, rms: float, work: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Counts of ``diff / rms`` per decade of :data:`HISTOGRAM_EDGES`, NaN in the last; in ``work`` (``diff``'s
+    shape and dtype) where given."""
+    scaled = torch.div(diff, rms if rms > 0 else 1.0, out=work)
+    lo, hi = HISTOGRAM_EDGES[0], HISTOGRAM_EDGES[-1]
+    scaled.masked_fill_(torch.isnan(scaled), 10.0 ** (hi + 1))  # NaN errors count as the largest
+    index = scaled.clamp_min_(1e-300).log10_().floor_().clamp_(lo, hi).sub_(lo).long().flatten()
+    return torch.bincount(index, minlength=len(HISTOGRAM_EDGES))
 
 
 def scale_note(reference: float, scale: Scale) -> str:
@@ -234,14 +356,14 @@ def multiple(error: float, floor: float) -> float:
 
 def histogram(diff: torch.Tensor, r: torch.Tensor, rms: Optional[float] = None) -> tuple[int, ...]:
     """Counts of ``diff / rms(r)`` per decade: bin i holds [10^e_i, 10^e_(i+1)), the first also everything below,
-    the last everything above; ``rms``: another scale than rms(r) (the magnitudes that formed a cancelling one)."""
-    rms = float(r.pow(2).mean().sqrt()) if rms is None else rms
-    scaled = diff / (rms if rms > 0 else 1.0)
-    lo, hi = HISTOGRAM_EDGES[0], HISTOGRAM_EDGES[-1]
-    # in place after the first: one buffer where there were five
-    index = scaled.clamp_min(1e-300).log10_().floor_().clamp_(lo, hi).sub_(lo).long().flatten()
-    index[torch.isnan(scaled.flatten())] = len(HISTOGRAM_EDGES) - 1  # NaN errors count as the largest
-    return tuple(int(c) for c in torch.bincount(index, minlength=len(HISTOGRAM_EDGES)))
+    the last everything above (and NaN); ``rms``: another scale than rms(r) (the magnitudes that formed a cancelling
+    one).
+
+    >>> histogram(torch.tensor([1e-3, 2e-3, float("nan")]), torch.ones(3))[7:]
+    (2, 0, 0, 0, 1)
+    """
+    rms = float(r.double().pow(2).mean().sqrt()) if rms is None else rms
+    return tuple(int(c) for c in _decades(diff.double(), rms))
 
 
 _NO_HISTOGRAM = (0,) * len(HISTOGRAM_EDGES)
