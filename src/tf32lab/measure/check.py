@@ -58,12 +58,12 @@ from tf32lab.measure.layers import (
     float64_scripted,
     level_context,
     out_of_memory,
-    state_kept,
 )
 from tf32lab.measure.reference import widen
 from tf32lab.measure.scales import Formed
 from tf32lab.measure.sharded import Ranks, collective_failure, ranks_fail
 from tf32lab.measure.spill import SpillFile, min_bytes_from_env
+from tf32lab.measure.state import state_kept, stateful_note
 from tf32lab.numbers import metrics
 from tf32lab.numbers.metrics import tolerances_of
 from tf32lab.numbers.origin import internal_error
@@ -335,16 +335,17 @@ class Session:
             self.scales = formed.scales(self.ref_out)
 
     def notes(self) -> list[str]:
-        """What the report must say about the runs."""
+        """What the report must say about the runs (after them: the model's state put back last included)."""
         found = [*self._lazy, *self.recorder.notes()]
         threads = self.threads.note("not emulated, counted or measured by layer in any run (the float64 "
                                     "reference included), so their error is not in this report")
         found = [*found, threads] if threads else found
-        return [*found, *self.idle]
+        stateful = [stateful_note(self.reset.changed)] if self.reset.changed else []
+        return [*found, *stateful, *self.idle]
 
     def _fresh(self, what: str) -> Optional[Counting]:
         self.bar.step(what)
-        self.reset()  # every run starts from the state the model had (a buffer it updates as it runs)
+        self.reset()  # every run starts from the state the model had (a buffer it updates, an attribute it sets)
         release_buffers()  # the reruns' scratch sizes are not this run's: memory the peak need not hold
         self.streams.seeded()  # the draws of the reference, and of every other run
         self.runs += 1

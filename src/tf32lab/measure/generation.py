@@ -52,8 +52,9 @@ from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.check import alike_levels, refuse_native_levels, rows_of_alike
 from tf32lab.measure.draws import Streams, cuda_devices
-from tf32lab.measure.layers import described, level_context, out_of_memory, state_kept
+from tf32lab.measure.layers import described, level_context, out_of_memory
 from tf32lab.measure.reference import Float64Run
+from tf32lab.measure.state import state_kept, stateful_note
 from tf32lab.numbers.origin import internal_error
 from tf32lab.report.generation import FLOOR, Criterion, GenerationLevel, GenerationReport
 from tf32lab.workloads import samples
@@ -312,6 +313,8 @@ class _Generation:
             bar.step(f"highest: float32's own, {self.n} tokens")
             floor = self._row("highest", label=FLOOR)
         rows_of_alike(self.levels, alike, rows, floor)
+        if self.reset.changed:
+            self.notes.append(stateful_note(self.reset.changed))
         if not self.decoder.hf and self.use_cache:
             self.notes.append(f"model {self.decoder.name!r} takes no key/value cache: every step ran the whole "
                               f"sequence")
@@ -327,7 +330,7 @@ class _Generation:
             seconds=time.perf_counter() - started, notes=tuple(self.notes))
 
     def _fresh(self) -> None:
-        self.reset()  # every row from the buffers the model had
+        self.reset()  # every row from the state the model had (its buffers, attributes it sets)
         release_buffers()  # the emulator's scratch of the last row: memory the next need not hold
         self.streams.seeded()
 

@@ -37,6 +37,7 @@ from tf32lab.measure.norms import bare, scratch, tree_normwise
 from tf32lab.measure.reference import Float64Run
 from tf32lab.measure.sharded import local
 from tf32lab.measure.spill import Spilled, SpillFile
+from tf32lab.measure.state import state_kept
 from tf32lab.numbers.origin import exit_call, internal_error
 from tf32lab.numbers.trees import map_tensors, named_tensors
 from tf32lab.speed.counting import ROOT, Counting
@@ -76,29 +77,6 @@ def level_context(level: str, target: Target, accumulation: Optional[str] = None
 
 
 _MISSING = object()
-
-
-@contextlib.contextmanager
-def state_kept(model: torch.nn.Module):
-    """The model's buffers as they were, put back on every exit; yields ``reset()``, which puts them back now.
-    A model that updates a buffer as it runs (a running average, a cache) would otherwise start each of
-    check's runs from another state, and keep the last one."""
-    kept = []
-    with torch.no_grad():
-        for buffer in model.buffers():
-            if not buffer.is_inference():
-                kept.append((buffer, buffer.detach().clone()))
-
-    def reset() -> None:
-        with torch.no_grad():
-            for buffer, value in kept:
-                if buffer.shape == value.shape:
-                    buffer.copy_(value)
-
-    try:
-        yield reset
-    finally:
-        reset()
 
 
 # -- the reference run: which modules are layers, their outputs, the error each introduces -----------------------

@@ -1,0 +1,115 @@
+"""A model that keeps state between calls: every run of check starts from the state the model had, the report
+says the model keeps state, and the model has that state again afterwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tf32lab
+from tf32lab.measure.state import state_kept
+
+
+class _Streaming(torch.nn.Module):
+    """A streaming layer that carries its last output into the next call, as an attribute (not a buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+        self.carry = torch.zeros(16)
+        self.calls = 0
+        self.seen: list[int] = []
+
+    def forward(self, x):
+        self.calls += 1
+        self.seen.append(self.calls)
+        out = self.linear(x) + self.carry
+        self.carry = out.detach().mean(0)
+        return out
+
+
+class _Counting(torch.nn.Module):
+    """A counter written in place into a tensor attribute, and a cache made at the first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+        self.count = torch.zeros(())
+
+    def forward(self, x):
+        self.count.add_(1.0)
+        if not hasattr(self, "scale"):
+            self.scale = x.abs().mean()  # float64 at the reference: kept, it would reach the float32 rows
+        return self.linear(x) * self.count * self.scale
+
+
+def _check(model: torch.nn.Module) -> tf32lab.CheckReport:
+    torch.manual_seed(0)
+    return tf32lab.check(tf32lab.Workload(model, torch.randn(8, 16), name="stateful"), levels=("highest",),
+                         target="a100")
+
+
+@pytest.mark.parametrize("make", [_Streaming, _Counting], ids=["attribute", "in-place-and-cache"])
+def test_each_run_starts_from_the_models_state_and_the_report_says_it_keeps_state(make):
+    torch.manual_seed(0)
+    model = make()
+    before = {k: (v, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in vars(model).items()
+              if not k.startswith("_")}
+    report = _check(model)
+    (output,) = report.levels[0].outputs
+    # float32 at `highest` against the float64 reference of the same call: float32's own rounding, nothing more
+    assert output.normwise < 1e-5, output
+    assert any(note.startswith("the model keeps state between calls") for note in report.notes), report.notes
+    for key, (value, copy) in before.items():  # the same objects, holding what they held
+        assert getattr(model, key) is value, key
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, copy), key
+    assert not hasattr(model, "scale")
+    assert model.seen == [] if isinstance(model, _Streaming) else True
+
+
+def test_a_model_without_state_gets_no_note():
+    torch.manual_seed(0)
+    report = _check(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()))
+    assert not any("keeps state" in note for note in report.notes)
+
+
+class _Scripted(torch.nn.Module):
+    """A TorchScript model with its state in attributes, as Silero VAD keeps its LSTM state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+        self.state = torch.zeros(16)
+        self.steps = 0
+
+    def forward(self, x):
+        self.steps += 1
+        out = self.linear(x) + self.state
+        self.state = out.mean(0)
+        return out
+
+
+def test_a_torchscript_models_attributes_are_put_back_between_runs():
+    torch.manual_seed(0)
+    model = torch.jit.script(_Scripted())
+    state = model.state
+    report = _check(model)
+    assert report.levels[0].outputs[0].normwise < 1e-5
+    assert any("state, steps changed as it ran" in note for note in report.notes), report.notes
+    assert model.state is state and torch.equal(state, torch.zeros(16)) and model.steps == 0
+
+
+def test_reset_puts_back_lists_and_dicts_in_the_same_objects():
+    module = torch.nn.Linear(2, 2)
+    module.history, module.table = [1], {"a": 1}
+    history, table = module.history, module.table
+    with state_kept(module) as reset:
+        module.history.append(2)
+        module.table["b"] = 2
+        module.fresh = torch.ones(1)
+        module.helper = print  # code, not state: left alone
+        changed = reset()
+        assert module.history is history and history == [1] and table == {"a": 1}
+        assert not hasattr(module, "fresh") and module.helper is print
+    assert sorted(changed) == ["fresh", "history", "table"]
