@@ -454,9 +454,10 @@ def _plain(batch: Any) -> Any:
     return dict(batch.items()) if isinstance(batch, Mapping) and not isinstance(batch, dict) else batch
 
 
-def within(steps: int, max_steps: Any, done: Any, notes: list[str]) -> int:
+def within(steps: int, max_steps: Any, done: Any, notes: list[str], why: str = "max_steps") -> int:
     """The steps to check: ``steps``, or fewer where the run itself trains fewer (``max_steps`` in all, ``done``
-    of them done already), with a note saying so: the check trains no step the run does not.
+    of them done already; ``why``: what sets that number), with a note saying so: the check trains no step the run
+    does not.
 
     >>> notes = []
     >>> within(20, 5, 0, notes), notes
@@ -466,7 +467,7 @@ def within(steps: int, max_steps: Any, done: Any, notes: list[str]) -> int:
     """
     left = int(max_steps) - int(done or 0) if isinstance(max_steps, int) and max_steps > 0 else steps
     if 0 < left < steps:
-        notes.append(f"the run trains {left} optimizer steps (max_steps): {left} of the {steps} steps asked for were "
+        notes.append(f"the run trains {left} optimizer steps ({why}): {left} of the {steps} steps asked for were "
                      f"checked")
         return left
     return steps

@@ -199,7 +199,7 @@ class Tf32Check(L.Callback):
             where = f"the run trains {len(batches)} batches an epoch (limit_train_batches)" \
                 if limited and trainer.limit_train_batches != 1.0 else \
                 f"the train dataloader has {len(batches)} batches"
-            notes.append(f"{where}: {len(steps)} of the {wanted} steps asked for were checked, the first "
+            notes.append(f"{where}: {len(steps)} of the {self.steps} steps asked for were checked, the first "
                          f"epoch's")
         precision = str(trainer.precision)
         if precision in _MIXED:

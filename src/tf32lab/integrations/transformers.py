@@ -104,7 +104,7 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         error = None
         if state.is_world_process_zero:
             try:
-                self.report = self._check(args, trainer, **hooked)
+                self.report = self._check(args, state, trainer, **hooked)
                 self.passed = self.report.passed
             except Exception as exc:
                 if not distributed and self.on_fail == "raise":
@@ -137,8 +137,8 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         if writing is not None:
             writing.wait()
 
-    def _check(self, args: Any, trainer: Any, model: Any = None, optimizer: Any = None, lr_scheduler: Any = None,
-               train_dataloader: Any = None, **_: Any) -> TrainingReport:
+    def _check(self, args: Any, state: Any, trainer: Any, model: Any = None, optimizer: Any = None,
+               lr_scheduler: Any = None, train_dataloader: Any = None, **_: Any) -> TrainingReport:
         if model is None or optimizer is None or train_dataloader is None:
             raise Tf32LabError("Tf32CheckCallback: on_train_begin came without the model, optimizer or train "
                                "dataloader")
@@ -146,13 +146,16 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         notes = []
         device = next(model.parameters()).device
         # from the state the run's pass will start from (random_state_kept has drawn its seed since)
-        batches = _loop.first_batches(train_dataloader, self.steps * accumulate, lambda b: _moved(b, device),
+        # the Trainer's whole run, from max_steps or else num_train_epochs
+        wanted = _loop.within(self.steps, state.max_steps, state.global_step, notes,
+                              "max_steps" if args.max_steps > 0 else "num_train_epochs")
+        batches = _loop.first_batches(train_dataloader, wanted * accumulate, lambda b: _moved(b, device),
                                       iterate=_fresh_pass, before=self._drawn)
-        steps = _loop.grouped(batches, accumulate, self.steps)
+        steps = _loop.grouped(batches, accumulate, wanted)
         if not steps:
             raise Tf32LabError(f"Tf32CheckCallback: the train dataloader has {len(batches)} batches, fewer than one "
                                f"optimizer step's {accumulate} (gradient_accumulation_steps)")
-        if len(steps) < self.steps:
+        if len(steps) < wanted:
             notes.append(f"the train dataloader has {len(batches)} batches: {len(steps)} of the {self.steps} "
                          f"steps asked for were checked")
         for flag, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
