@@ -607,3 +607,13 @@ def test_a_run_resumed_from_its_checkpoint_is_checked_and_untouched(tmp_path):
         runs.append(module)
     assert callback.report is not None and callback.report.steps == 2
     assert same_weights(*runs)
+
+
+def test_a_run_without_float32_weights_is_said_to_have_nothing_to_check_and_trains_on(tmp_path):
+    # bf16-true trains bfloat16 weights: no float32 matmul for the level to decide, and no failure to raise
+    check = Tf32Check(steps=2, levels=("highest", "high"), on_fail="raise")
+    trainer = fit(tmp_path, Plain, callback=check, max_epochs=1, precision="bf16-true")[3]
+    assert check.report is None and trainer.global_step == 12
+    said = [w for w in trainer.warned if w.startswith("tf32lab")]
+    assert said == ["tf32lab training check (precision 'bf16-true'): nothing to check, the run trains its weights in "
+                    "bfloat16, not float32, and the float32 matmul precision reaches only float32 matmuls"]

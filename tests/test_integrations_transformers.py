@@ -255,3 +255,13 @@ def test_a_run_resumed_from_its_checkpoint_is_checked_and_untouched(tmp_path):
         runs.append(model)
     assert callback.report is not None and callback.report.steps == 2
     assert all(torch.equal(p, q) for p, q in zip(runs[0].state_dict().values(), runs[1].state_dict().values()))
+
+
+def test_a_model_without_float32_weights_is_said_to_have_nothing_to_check_and_trains_on(tmp_path):
+    # a model loaded in bfloat16 trains no float32 matmul: tf32=... changes nothing, and no failure is raised
+    check = Tf32CheckCallback(steps=2, levels=("highest", "high"), on_fail="raise")
+    trainer = train(tmp_path, gpt2().to(torch.bfloat16), callback=check, max_steps=2)[2]
+    assert check.report is None and trainer.state.global_step == 2
+    assert [w for w in trainer.warned if w.startswith("tf32lab")] == [
+        "tf32lab training check (TrainingArguments(tf32=...) changes nothing here): nothing to check, the run trains "
+        "its weights in bfloat16, not float32, and the float32 matmul precision reaches only float32 matmuls"]

@@ -579,6 +579,21 @@ def said(report: TrainingReport, on_fail: str, advice: Sequence[str] = ()) -> No
     warnings.warn(message, stacklevel=3)
 
 
+def unreached(model: torch.nn.Module, where: str) -> bool:
+    """Whether the run trains no float32 weight (``bf16-true``, a model loaded in bfloat16): its matmuls are not
+    float32 ones, which the float32 matmul precision alone decides, and there is nothing to check. Said in one
+    line (a warning), and the run goes on, whatever ``on_fail`` (it asks what a failed check does)."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if len(dtypes) != 1 or torch.float32 in dtypes:
+        return False
+    dtype = str(dtypes.pop()).replace("torch.", "")
+    message = (f"tf32lab training check{where}: nothing to check, the run trains its weights in {dtype}, not "
+               f"float32, and the float32 matmul precision reaches only float32 matmuls")
+    LOG.warning("%s", message)
+    warnings.warn(message, stacklevel=3)
+    return True
+
+
 def not_run(where: str, error: str, on_fail: str) -> None:
     """A check that could not run: ``on_fail="raise"`` raises; ``"warn"`` logs and warns, and the run trains on
     without a verdict (the callback is advice: its own failure does not end the user's run)."""

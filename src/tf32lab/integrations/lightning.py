@@ -109,6 +109,8 @@ class Tf32Check(L.Callback):
             self._run(trainer, pl_module)
 
     def _run(self, trainer: Any, pl_module: Any) -> None:
+        if _loop.unreached(pl_module, f" (precision {str(trainer.precision)!r})"):  # every rank alike
+            return
         distributed = trainer.world_size > 1
         folder = trainer.log_dir  # a collective under DDP (rank 0's folder, broadcast): every rank asks
         error = None
