@@ -265,3 +265,15 @@ def test_a_model_without_float32_weights_is_said_to_have_nothing_to_check_and_tr
     assert [w for w in trainer.warned if w.startswith("tf32lab")] == [
         "tf32lab training check (TrainingArguments(tf32=...) changes nothing here): nothing to check, the run trains "
         "its weights in bfloat16, not float32, and the float32 matmul precision reaches only float32 matmuls"]
+
+
+def test_gradient_checkpointing_is_checked_and_the_run_untouched(tmp_path):
+    # the recompute inside the backward is outside the emulator's attention rule: the emulated rows' copies train
+    # without checkpointing (the same values), and no row fails with a CheckpointError
+    plain = train(tmp_path / "a", gradient_checkpointing=True, max_steps=2)[0]
+    check = Tf32CheckCallback(steps=2, levels=("highest", "high"), on_fail="raise")
+    checked, losses, _, _ = train(tmp_path / "b", callback=check, gradient_checkpointing=True, max_steps=2)
+    assert check.report.passed and check.report.floor.failure is None
+    assert check.report.floor.losses[0] == pytest.approx(losses[0][1], rel=1e-5)
+    assert any("gradient checkpointing" in note for note in check.report.notes)
+    assert all(torch.equal(p, q) for p, q in zip(plain.state_dict().values(), checked.state_dict().values()))

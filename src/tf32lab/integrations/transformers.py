@@ -56,6 +56,7 @@ import torch
 from tf32lab.errors import Tf32LabError
 from tf32lab.integrations import _loop
 from tf32lab.know.targets import Target
+from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.training import random_state_kept
 from tf32lab.numbers.trees import map_tensors
 from tf32lab.report.training import TrainingReport
@@ -183,9 +184,23 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         counts: dict[int, Any] = {}  # each step's token count, the same for every row: counted once
         takes_count = trainer is not None and "num_items_in_batch" in inspect.signature(trainer.compute_loss).parameters
 
+        # gradient checkpointing recomputes a layer's forward inside the backward, where PyTorch runs no torch
+        # function mode: the emulator's attention (SDPA) rule is off there, the recompute saves other tensors than
+        # the forward did, and every emulated row failed (CheckpointError). The emulated rows' copies train without
+        # it: the same values, their activations kept.
+        unchecked = _checkpointed(model) and _emulated(self.target)
+        if unchecked:
+            notes.append("the run trains with gradient checkpointing; the check's emulated rows trained without it "
+                         "(the same values: a recomputed forward inside the backward is outside the emulator's "
+                         "attention rule)")
+
         def loss(copy: Any, micro: list[Any], step: int) -> torch.Tensor:
             if not all(module.training for module in copy.modules()):
                 copy.train()  # as Trainer.training_step does, whatever mode the model was loaded in
+            if unchecked:
+                for module in copy.modules():  # the row's copy only (never the run's model: the view is not trained)
+                    if getattr(module, "gradient_checkpointing", False):
+                        module.gradient_checkpointing = False
             if trainer is None:
                 outs = [copy(**batch) for batch in micro]
                 return torch.stack([out["loss"] if isinstance(out, dict) else out[0] for out in outs]).mean()
@@ -257,6 +272,17 @@ def tf32_advice(report: TrainingReport, args: Any) -> str:
                 f"level 'high', which passed){now}")
     return (f"keep TrainingArguments(tf32=False): TF32 (the level 'high') fails this run's training on "
             f"{report.target}{now}")
+
+
+def _emulated(target: Any) -> bool:
+    """Whether the check emulates ``target`` (not ``"native"``: the machine's own kernels, no mode)."""
+    return (target if isinstance(target, Target) else resolve_target(target)).emulated
+
+
+def _checkpointed(model: Any) -> bool:
+    """Whether the model recomputes its layers in the backward (``activation_checkpointing_enable``, formerly
+    ``gradient_checkpointing_enable``): any module's ``gradient_checkpointing`` flag, which its layers read."""
+    return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
 
 
 def _calling_trainer() -> Any:
