@@ -509,3 +509,111 @@ def test_a_report_that_cannot_be_written_never_replaces_the_runs_own_exception(t
         with pytest.raises(RuntimeError, match="the run's own error"):
             trainer.fit(RaisesMidRun(), DataLoader(data(), batch_size=8))
     assert check.report is not None and check.report.passed
+
+
+class DrawsAsItIsMade(torch.utils.data.Sampler):
+    """A batch sampler that draws its order from PyTorch's stream as a pass is made (its __iter__ is no generator)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        order = torch.randperm(self.n).tolist()
+        return iter([order[i:i + 8] for i in range(0, self.n, 8)])
+
+    def __len__(self) -> int:
+        return self.n // 8
+
+
+class NoisyStream(torch.utils.data.IterableDataset):
+    """A stream without a length whose rows draw noise from PyTorch's stream (Lightning reads one batch ahead)."""
+
+    def __iter__(self):
+        for x, y in data(48):
+            yield x + 0.1 * torch.rand(8), y
+
+
+LOADERS = {
+    "workers and a seeded generator": lambda: DataLoader(data(48), batch_size=8, shuffle=True, num_workers=1,
+                                                         generator=torch.Generator().manual_seed(5)),
+    "a batch sampler that draws as a pass is made": lambda: DataLoader(data(48), batch_sampler=DrawsAsItIsMade(48)),
+    "a stream without a length": lambda: DataLoader(NoisyStream(), batch_size=8),
+}
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_the_check_trains_the_runs_own_first_batches_however_its_loader_draws(tmp_path, loader):
+    # the run makes its pass before on_train_start (its generators and PyTorch's stream as at on_fit_start) and
+    # reads what it reads ahead then: the check's pass is made so, and its losses are the run's
+    torch.manual_seed(0)
+    module = Plain()
+    check = Tf32Check(steps=3, levels=("highest",))
+    logger = L.loggers.CSVLogger(tmp_path, name="run")
+    trainer = L.Trainer(callbacks=[check], default_root_dir=tmp_path, logger=logger, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False, max_epochs=1, log_every_n_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on the number of workers
+        trainer.fit(module, LOADERS[loader]())
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        logged = [float(row["train_loss"]) for row in csv.DictReader(f) if row.get("train_loss")]
+    assert check.report.reference_losses == pytest.approx(logged[:3], rel=1e-4)
+    assert not any("not the run's own" in note for note in check.report.notes)
+
+
+class MakesItsLoader(Plain):
+    """Its train_dataloader makes the loader, with workers and its own seeded generator, after the fit starts."""
+
+    def train_dataloader(self):
+        return DataLoader(data(48), batch_size=8, shuffle=True, num_workers=1,
+                          generator=torch.Generator().manual_seed(5))
+
+
+def test_a_loader_whose_first_order_cannot_be_read_again_is_said_to_be_another_pass(tmp_path):
+    check = Tf32Check(steps=2, levels=("highest",))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on the number of workers
+        L.Trainer(callbacks=[check], default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+                  enable_checkpointing=False, enable_model_summary=False, max_epochs=1).fit(MakesItsLoader())
+    assert any("not the run's own" in note for note in check.report.notes), check.report.notes
+
+
+def test_max_steps_caps_the_steps_checked(tmp_path):
+    # the run trains 2 steps: the check trains those, not steps the run never takes
+    check = Tf32Check(steps=5, levels=("highest",))
+    fit(tmp_path, Plain, callback=check, max_steps=2)
+    assert check.report.steps == 2
+    assert any("the run trains 2 optimizer steps (max_steps)" in note for note in check.report.notes)
+
+
+def test_a_run_resumed_from_its_checkpoint_is_checked_and_untouched(tmp_path):
+    # the resumed optimizer has state (Adam's moments, float32): the float64 row steps its own float64 copy of it
+    first = L.Trainer(default_root_dir=tmp_path, logger=False, enable_progress_bar=False, max_steps=3,
+                      enable_model_summary=False)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first.fit(Regression(), DataLoader(data(), batch_size=8))
+    saved = next(Path(tmp_path).rglob("*.ckpt"))
+    runs = []
+    for callback in (None, Tf32Check(steps=2, levels=("highest", "high"), on_fail="raise")):
+        torch.manual_seed(0)
+        module = Regression()
+        trainer = L.Trainer(callbacks=[callback] if callback else [], default_root_dir=tmp_path / "again",
+                            logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                            enable_model_summary=False, max_steps=6)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module, DataLoader(data(), batch_size=8), ckpt_path=saved)
+        runs.append(module)
+    assert callback.report is not None and callback.report.steps == 2
+    assert same_weights(*runs)
+
+
+def test_a_run_without_float32_weights_is_said_to_have_nothing_to_check_and_trains_on(tmp_path):
+    # bf16-true trains bfloat16 weights: no float32 matmul for the level to decide, and no failure to raise
+    check = Tf32Check(steps=2, levels=("highest", "high"), on_fail="raise")
+    trainer = fit(tmp_path, Plain, callback=check, max_epochs=1, precision="bf16-true")[3]
+    assert check.report is None and trainer.global_step == 12
+    said = [w for w in trainer.warned if w.startswith("tf32lab")]
+    assert said == ["tf32lab training check (precision 'bf16-true'): nothing to check, the run trains its weights in "
+                    "bfloat16, not float32, and the float32 matmul precision reaches only float32 matmuls"]

@@ -228,3 +228,52 @@ def test_a_report_file_that_cannot_be_written_is_warned_of_and_the_run_is_kept(t
     said = [w for w in trainer.warned if "report could not be written" in w]
     assert len(said) == 1 and str(tmp_path / "b") in said[0], trainer.warned
 
+
+
+def test_max_steps_caps_the_steps_checked(tmp_path):
+    # the run trains 2 steps: the check trains those, not steps the run never takes
+    check = Tf32CheckCallback(steps=5, levels=("highest",))
+    train(tmp_path, callback=check, max_steps=2)
+    assert check.report.steps == 2
+    assert any("the run trains 2 optimizer steps (max_steps)" in note for note in check.report.notes)
+
+
+def test_a_run_resumed_from_its_checkpoint_is_checked_and_untouched(tmp_path):
+    # the resumed optimizer has state (AdamW's moments, float32): the float64 row steps its own float64 copy of it
+    train(tmp_path / "first", max_steps=3, save_strategy="steps", save_steps=3)
+    saved = str(tmp_path / "first" / "checkpoint-3")
+    runs = []
+    for callback in (None, Tf32CheckCallback(steps=2, levels=("highest", "high"), on_fail="raise")):
+        np.random.seed(0)
+        random.seed(0)
+        model = gpt2()
+        args = TrainingArguments(str(tmp_path / ("b" if callback else "a")), per_device_train_batch_size=4,
+                                 max_steps=6, report_to=[], save_strategy="no", disable_tqdm=True,
+                                 learning_rate=1e-3, use_cpu=True, seed=3)
+        Trainer(model=model, args=args, train_dataset=tokens(),
+                callbacks=[callback] if callback else []).train(resume_from_checkpoint=saved)
+        runs.append(model)
+    assert callback.report is not None and callback.report.steps == 2
+    assert all(torch.equal(p, q) for p, q in zip(runs[0].state_dict().values(), runs[1].state_dict().values()))
+
+
+def test_a_model_without_float32_weights_is_said_to_have_nothing_to_check_and_trains_on(tmp_path):
+    # a model loaded in bfloat16 trains no float32 matmul: tf32=... changes nothing, and no failure is raised
+    check = Tf32CheckCallback(steps=2, levels=("highest", "high"), on_fail="raise")
+    trainer = train(tmp_path, gpt2().to(torch.bfloat16), callback=check, max_steps=2)[2]
+    assert check.report is None and trainer.state.global_step == 2
+    assert [w for w in trainer.warned if w.startswith("tf32lab")] == [
+        "tf32lab training check (TrainingArguments(tf32=...) changes nothing here): nothing to check, the run trains "
+        "its weights in bfloat16, not float32, and the float32 matmul precision reaches only float32 matmuls"]
+
+
+def test_gradient_checkpointing_is_checked_and_the_run_untouched(tmp_path):
+    # the recompute inside the backward is outside the emulator's attention rule: the emulated rows' copies train
+    # without checkpointing (the same values), and no row fails with a CheckpointError
+    plain = train(tmp_path / "a", gradient_checkpointing=True, max_steps=2)[0]
+    check = Tf32CheckCallback(steps=2, levels=("highest", "high"), on_fail="raise")
+    checked, losses, _, _ = train(tmp_path / "b", callback=check, gradient_checkpointing=True, max_steps=2)
+    assert check.report.passed and check.report.floor.failure is None
+    assert check.report.floor.losses[0] == pytest.approx(losses[0][1], rel=1e-5)
+    assert any("gradient checkpointing" in note for note in check.report.notes)
+    assert all(torch.equal(p, q) for p, q in zip(plain.state_dict().values(), checked.state_dict().values()))

@@ -36,6 +36,7 @@ import copy
 import copyreg
 import functools
 import importlib
+import itertools
 import logging
 import threading
 import warnings
@@ -293,7 +294,19 @@ def rebound(optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[An
     for optimizer in made:  # a frozen parameter in a group is no row's: the check steps the trainable ones
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) in kept]
+        _state_as_params(optimizer)
     return made, [copy.deepcopy(scheduler, memo) for scheduler in schedulers]
+
+
+def _state_as_params(optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer's state (a resumed run's moments, loaded from its checkpoint) in its parameters' dtype and on
+    their device, as ``Optimizer.load_state_dict`` casts it (all but ``step``): a float64 row's copy steps float64
+    moments, not the run's float32 ones."""
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if key != "step" and isinstance(value, torch.Tensor) and param.is_floating_point() and \
+                    value.is_floating_point() and (value.dtype, value.device) != (param.dtype, param.device):
+                state[key] = value.to(dtype=param.dtype, device=param.device)
 
 
 def trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -376,7 +389,8 @@ def _with_bases(loader: Any) -> list[Any]:
 
 
 def first_batches(loader: Any, count: int, move: Callable[[Any], Any], iterate: Callable[[Any], Iterator[Any]] = iter,
-                  made: Optional[torch.Tensor] = None, before: Optional[torch.Tensor] = None) -> list[Any]:
+                  made: Optional[torch.Tensor] = None, before: Optional[torch.Tensor] = None,
+                  generators: Sequence[tuple[torch.Generator, torch.Tensor]] = (), prefetch: int = 0) -> list[Any]:
     """The first ``count`` batches of a fresh pass over ``loader`` (each through ``move``), the loader's
     generators put back afterwards; fewer when it has fewer.
 
@@ -388,18 +402,26 @@ def first_batches(loader: Any, count: int, move: Callable[[Any], Any], iterate: 
     ``before``: the state of PyTorch's CPU generator that the run's pass is made from (Hugging Face's, made after
     the hook) or was made from (Lightning's with workers, which drew its order then too: its first indices are
     handed out as it is made): the check's pass is made from the same state, its seed, order and augmentations
-    drawn as the run's are (the check's own kept streams have drawn a seed since)."""
+    drawn as the run's are (the check's own kept streams have drawn a seed since).
+
+    ``generators``: ``(generator, state)`` of the loader's own generators as they were when the run made its
+    iterator (it drew its workers' seed from them, and a sampler with workers its first order), set before the
+    check's pass is made. ``prefetch``: batches the run read as it made its iterator (Lightning reads one ahead
+    from a loader without a length), read so here too, before ``made``."""
     _read_again(loader)
     found: list[Any] = []
     with loader_kept(loader) as put_back:
+        for generator, state in generators:
+            generator.set_state(state)
         if before is not None:
             torch.random.set_rng_state(before)
         batches = iterate(loader)
-        if made is not None:
-            put_back()
-            torch.random.set_rng_state(made)
         try:
-            for batch in batches:
+            early = list(itertools.islice(batches, min(prefetch, count)))
+            if made is not None:
+                put_back()
+                torch.random.set_rng_state(made)
+            for batch in itertools.chain(early, batches):
                 found.append(move(_plain(batch)))
                 if len(found) == count:
                     break
@@ -430,6 +452,25 @@ def _one_read_again(loader: Any) -> None:
 def _plain(batch: Any) -> Any:
     """A mapping batch (``BatchEncoding``, a ``UserDict``) as a dict, which the check's copies keep as such."""
     return dict(batch.items()) if isinstance(batch, Mapping) and not isinstance(batch, dict) else batch
+
+
+def within(steps: int, max_steps: Any, done: Any, notes: list[str], why: str = "max_steps") -> int:
+    """The steps to check: ``steps``, or fewer where the run itself trains fewer (``max_steps`` in all, ``done``
+    of them done already; ``why``: what sets that number), with a note saying so: the check trains no step the run
+    does not.
+
+    >>> notes = []
+    >>> within(20, 5, 0, notes), notes
+    (5, ['the run trains 5 optimizer steps (max_steps): 5 of the 20 steps asked for were checked'])
+    >>> within(20, -1, 0, [])   # no max_steps
+    20
+    """
+    left = int(max_steps) - int(done or 0) if isinstance(max_steps, int) and max_steps > 0 else steps
+    if 0 < left < steps:
+        notes.append(f"the run trains {left} optimizer steps ({why}): {left} of the {steps} steps asked for were "
+                     f"checked")
+        return left
+    return steps
 
 
 def grouped(batches: list[Any], accumulate: int, steps: int) -> list[tuple[int, list[Any]]]:
@@ -536,6 +577,21 @@ def said(report: TrainingReport, on_fail: str, advice: Sequence[str] = ()) -> No
     if on_fail == "raise":
         raise Tf32LabError(message)
     warnings.warn(message, stacklevel=3)
+
+
+def unreached(model: torch.nn.Module, where: str) -> bool:
+    """Whether the run trains no float32 weight (``bf16-true``, a model loaded in bfloat16): its matmuls are not
+    float32 ones, which the float32 matmul precision alone decides, and there is nothing to check. Said in one
+    line (a warning), and the run goes on, whatever ``on_fail`` (it asks what a failed check does)."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if len(dtypes) != 1 or torch.float32 in dtypes:
+        return False
+    dtype = str(dtypes.pop()).replace("torch.", "")
+    message = (f"tf32lab training check{where}: nothing to check, the run trains its weights in {dtype}, not "
+               f"float32, and the float32 matmul precision reaches only float32 matmuls")
+    LOG.warning("%s", message)
+    warnings.warn(message, stacklevel=3)
+    return True
 
 
 def not_run(where: str, error: str, on_fail: str) -> None:

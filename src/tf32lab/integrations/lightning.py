@@ -88,11 +88,16 @@ class Tf32Check(L.Callback):
         self._writing: Optional[_loop.Written] = None
         self._drawn: Optional[torch.Tensor] = None
         self._before: Optional[torch.Tensor] = None
+        self._generators: list[tuple[torch.Generator, torch.Tensor]] = []
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         # the state the run's train iterator is made from (after this hook, the sanity check runs in its own
         # random state): a loader with workers draws its seed and its first order as its iterator is made
         self._before = torch.random.get_rng_state()
+        # and the loader's own generators, where fit was given the loader itself (one a hook makes is made later)
+        source = getattr(getattr(trainer.fit_loop, "_data_source", None), "instance", None)
+        given = source is not None and not isinstance(source, (L.LightningModule, L.LightningDataModule))
+        self._generators = [(g, g.get_state()) for g in _loop._generators(source)] if given else []
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.passed is not None:
@@ -104,6 +109,8 @@ class Tf32Check(L.Callback):
             self._run(trainer, pl_module)
 
     def _run(self, trainer: Any, pl_module: Any) -> None:
+        if _loop.unreached(pl_module, f" (precision {str(trainer.precision)!r})"):  # every rank alike
+            return
         distributed = trainer.world_size > 1
         folder = trainer.log_dir  # a collective under DDP (rank 0's folder, broadcast): every rank asks
         error = None
@@ -161,19 +168,35 @@ class Tf32Check(L.Callback):
         device = module.device
         # the run trains num_training_batches an epoch (limit_train_batches), then reads the loader again
         per_epoch = trainer.num_training_batches
-        limited = math.isfinite(per_epoch) and per_epoch < self.steps * accumulate
-        # a loader with workers drew its order as the run's iterator was made (before on_train_start): the check's
-        # pass is made from the state the run's was; one without draws it at its first batch, from the state now
-        workers = self._before is not None and any(getattr(one, "num_workers", 0) > 0 for one in _loop.loaders(loader))
-        batches = _loop.first_batches(loader, int(per_epoch) if limited else self.steps * accumulate,
-                                      lambda b: L.utilities.move_data_to_device(b, device),
-                                      iterate=lambda one: _combined(trainer, one),
-                                      made=None if workers else self._drawn, before=self._before if workers else None)
-        steps = _loop.grouped(batches, accumulate, self.steps)
+        # max_steps counts each optimizer's steps, which a manual training_step may take several of
+        wanted = self.steps if manual else _loop.within(self.steps, trainer.max_steps, trainer.global_step, notes)
+        limited = math.isfinite(per_epoch) and per_epoch < wanted * accumulate
+        # the run made its pass before on_train_start, from the states of on_fit_start: it drew its workers' seed
+        # then, and what its sampler draws as a pass is made (a loader with workers its first order, a batch sampler
+        # its own), and read the batches it reads ahead (a loader without a length, one); the rest it draws from
+        # the states now. The check's pass is made and read so.
+        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+        seeds: list[Any] = []
+
+        def iterate(one: Any) -> Iterator[Any]:
+            made = _combined(trainer, one)
+            seeds.append(getattr(made, "_base_seed", None))
+            return made
+
+        batches = _loop.first_batches(loader, int(per_epoch) if limited else wanted * accumulate,
+                                      lambda b: L.utilities.move_data_to_device(b, device), iterate=iterate,
+                                      made=self._drawn, before=self._before, generators=self._generators,
+                                      prefetch=len(getattr(fetcher, "batches", ()) or ()))
+        if _made_elsewhere(trainer, loader, seeds):
+            notes.append("the train dataloader's own generator was made after the fit started (in a "
+                         "train_dataloader hook) and its workers draw the order as a pass is made: the check's "
+                         "batches are a pass of the loader like the run's, not the run's own; give fit the "
+                         "DataLoader itself for the run's own batches")
+        steps = _loop.grouped(batches, accumulate, wanted)
         if not steps:
             raise Tf32LabError(f"Tf32Check: the train dataloader has {len(batches)} batches, fewer than one "
                                f"optimizer step's {accumulate} (accumulate_grad_batches)")
-        if len(steps) < self.steps:
+        if len(steps) < wanted:
             # limit_train_batches named only where it is set (1.0, its default, takes the whole loader)
             where = f"the run trains {len(batches)} batches an epoch (limit_train_batches)" \
                 if limited and trainer.limit_train_batches != 1.0 else \
@@ -284,6 +307,16 @@ class Tf32Check(L.Callback):
         model = _loop.stepping_copy(module, members=_outside_the_run(trainer, at))
         return _loop.run_check(model, type(module).__name__, steps, loss, optimizer, levels=self.levels,
                                target=self.target, tolerance=self.tolerance, around=around, notes=notes)
+
+
+def _made_elsewhere(trainer: Any, loader: Any, seeds: list[Any]) -> bool:
+    """Whether the check's pass drew another workers' seed, and so another first order, than the run's pass (its
+    loader's generator at another state than the run's was at)."""
+    if isinstance(loader, (Mapping, list, tuple)) or getattr(loader, "num_workers", 0) == 0:
+        return False
+    combined = getattr(getattr(trainer.fit_loop, "_combined_loader", None), "_iterator", None)
+    runs = [getattr(one, "_base_seed", None) for one in getattr(combined, "iterators", ())]
+    return len(runs) == 1 and len(seeds) == 1 and None not in (runs[0], seeds[0]) and runs[0] != seeds[0]
 
 
 def _combined(trainer: Any, loader: Any) -> Iterator[Any]:

@@ -56,6 +56,7 @@ import torch
 from tf32lab.errors import Tf32LabError
 from tf32lab.integrations import _loop
 from tf32lab.know.targets import Target
+from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.training import random_state_kept
 from tf32lab.numbers.trees import map_tensors
 from tf32lab.report.training import TrainingReport
@@ -100,11 +101,14 @@ class Tf32CheckCallback(transformers.TrainerCallback):
             self._run(args, state, self.trainer or _calling_trainer(), kwargs)
 
     def _run(self, args: Any, state: Any, trainer: Any, hooked: dict[str, Any]) -> None:
+        if hooked.get("model") is not None and _loop.unreached(hooked["model"], " (TrainingArguments(tf32=...) "
+                                                               "changes nothing here)"):  # every process alike
+            return
         distributed = args.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
         error = None
         if state.is_world_process_zero:
             try:
-                self.report = self._check(args, trainer, **hooked)
+                self.report = self._check(args, state, trainer, **hooked)
                 self.passed = self.report.passed
             except Exception as exc:
                 if not distributed and self.on_fail == "raise":
@@ -137,8 +141,8 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         if writing is not None:
             writing.wait()
 
-    def _check(self, args: Any, trainer: Any, model: Any = None, optimizer: Any = None, lr_scheduler: Any = None,
-               train_dataloader: Any = None, **_: Any) -> TrainingReport:
+    def _check(self, args: Any, state: Any, trainer: Any, model: Any = None, optimizer: Any = None,
+               lr_scheduler: Any = None, train_dataloader: Any = None, **_: Any) -> TrainingReport:
         if model is None or optimizer is None or train_dataloader is None:
             raise Tf32LabError("Tf32CheckCallback: on_train_begin came without the model, optimizer or train "
                                "dataloader")
@@ -146,13 +150,16 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         notes = []
         device = next(model.parameters()).device
         # from the state the run's pass will start from (random_state_kept has drawn its seed since)
-        batches = _loop.first_batches(train_dataloader, self.steps * accumulate, lambda b: _moved(b, device),
+        # the Trainer's whole run, from max_steps or else num_train_epochs
+        wanted = _loop.within(self.steps, state.max_steps, state.global_step, notes,
+                              "max_steps" if args.max_steps > 0 else "num_train_epochs")
+        batches = _loop.first_batches(train_dataloader, wanted * accumulate, lambda b: _moved(b, device),
                                       iterate=_fresh_pass, before=self._drawn)
-        steps = _loop.grouped(batches, accumulate, self.steps)
+        steps = _loop.grouped(batches, accumulate, wanted)
         if not steps:
             raise Tf32LabError(f"Tf32CheckCallback: the train dataloader has {len(batches)} batches, fewer than one "
                                f"optimizer step's {accumulate} (gradient_accumulation_steps)")
-        if len(steps) < self.steps:
+        if len(steps) < wanted:
             notes.append(f"the train dataloader has {len(batches)} batches: {len(steps)} of the {self.steps} "
                          f"steps asked for were checked")
         for flag, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
@@ -177,9 +184,23 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         counts: dict[int, Any] = {}  # each step's token count, the same for every row: counted once
         takes_count = trainer is not None and "num_items_in_batch" in inspect.signature(trainer.compute_loss).parameters
 
+        # gradient checkpointing recomputes a layer's forward inside the backward, where PyTorch runs no torch
+        # function mode: the emulator's attention (SDPA) rule is off there, the recompute saves other tensors than
+        # the forward did, and every emulated row failed (CheckpointError). The emulated rows' copies train without
+        # it: the same values, their activations kept.
+        unchecked = _checkpointed(model) and _emulated(self.target)
+        if unchecked:
+            notes.append("the run trains with gradient checkpointing; the check's emulated rows trained without it "
+                         "(the same values: a recomputed forward inside the backward is outside the emulator's "
+                         "attention rule)")
+
         def loss(copy: Any, micro: list[Any], step: int) -> torch.Tensor:
             if not all(module.training for module in copy.modules()):
                 copy.train()  # as Trainer.training_step does, whatever mode the model was loaded in
+            if unchecked:
+                for module in copy.modules():  # the row's copy only (never the run's model: the view is not trained)
+                    if getattr(module, "gradient_checkpointing", False):
+                        module.gradient_checkpointing = False
             if trainer is None:
                 outs = [copy(**batch) for batch in micro]
                 return torch.stack([out["loss"] if isinstance(out, dict) else out[0] for out in outs]).mean()
@@ -251,6 +272,17 @@ def tf32_advice(report: TrainingReport, args: Any) -> str:
                 f"level 'high', which passed){now}")
     return (f"keep TrainingArguments(tf32=False): TF32 (the level 'high') fails this run's training on "
             f"{report.target}{now}")
+
+
+def _emulated(target: Any) -> bool:
+    """Whether the check emulates ``target`` (not ``"native"``: the machine's own kernels, no mode)."""
+    return (target if isinstance(target, Target) else resolve_target(target)).emulated
+
+
+def _checkpointed(model: Any) -> bool:
+    """Whether the model recomputes its layers in the backward (``activation_checkpointing_enable``, formerly
+    ``gradient_checkpointing_enable``): any module's ``gradient_checkpointing`` flag, which its layers read."""
+    return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
 
 
 def _calling_trainer() -> Any:
