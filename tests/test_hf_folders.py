@@ -4,6 +4,8 @@ trained on the sample sentences, processors saved from their classes), nothing d
 from __future__ import annotations
 
 import json
+import shutil
+import warnings
 
 import pytest
 import torch
@@ -70,6 +72,13 @@ def _models():
             decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, num_mel_bins=8,
             max_source_positions=16, max_target_positions=16, decoder_start_token_id=1, pad_token_id=0,
             bos_token_id=1, eos_token_id=2, suppress_tokens=None, begin_suppress_tokens=None)), None),
+        # a text tower and an image tower: its main input is input_ids, yet it needs pixels as well
+        "clip": (t.CLIPModel(t.CLIPConfig(
+            text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                             max_position_embeddings=64, **_TEXT),
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                               image_size=16, patch_size=8), projection_dim=16)),
+                 dict(eos_token="<|endoftext|>", bos_token="<|startoftext|>", pad_token="<|endoftext|>")),
     }
 
 
@@ -101,6 +110,31 @@ def folders(tmp_path_factory):
     unknown.mkdir()
     (unknown / "config.json").write_text(json.dumps({"model_type": "tf32lab-no-such-model"}))
     made["unknown"] = unknown
+    # what a user's folder may lack or hold broken: weights, a tokenizer, a class transformers has, a processor
+    llama = made["llama"]
+    made["config only"] = root / "config only"
+    transformers.AutoConfig.from_pretrained(str(llama)).save_pretrained(made["config only"])
+    made["corrupt"] = root / "corrupt weights"
+    shutil.copytree(llama, made["corrupt"])
+    weights = (llama / "model.safetensors").read_bytes()
+    (made["corrupt"] / "model.safetensors").write_bytes(weights[: len(weights) // 2])  # a download cut short
+    made["llama bare"] = root / "llama no tokenizer"
+    made["llama bare"].mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(llama / name, made["llama bare"])
+    made["own class"] = root / "own class"
+    shutil.copytree(llama, made["own class"])
+    config = json.loads((llama / "config.json").read_text())
+    config.pop("dtype", None)  # as a hand-written config.json often is
+    (made["own class"] / "config.json").write_text(json.dumps({**config, "architectures": ["MyLlamaForEverything"]}))
+    made["vit odd processor"] = root / "vit odd processor"
+    shutil.copytree(made["vit"], made["vit odd processor"])
+    (made["vit odd processor"] / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "NoSuchImageProcessor"}))
+    made["wav2vec2 bare"] = root / "wav2vec2 no extractor"
+    made["wav2vec2 bare"].mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(made["wav2vec2"] / name, made["wav2vec2 bare"])
     return made
 
 
@@ -236,3 +270,49 @@ def test_the_sentences_are_cut_to_the_models_context(folders, tmp_path):
     assert w.inputs["input_ids"].size(1) == 8  # the sentences are longer: an index error past position 8 before
     row = tf32lab.check(w, levels=("high",), speed=False).level("high")
     assert row.error is None and row.unhandled == {}
+
+
+def test_a_text_image_model_gets_sentences_and_images(folders):
+    w = hf.workload(str(folders["clip"]), sentences=4)  # it raised on pixel_values None at the reference before
+    assert w.inputs["input_ids"].size(0) == 4 and tuple(w.inputs["pixel_values"].shape) == (4, 3, 16, 16)
+    assert "pixel_values 4x3x16x16" in w.notes[0]
+    report = tf32lab.check(w, levels=("highest", "high"), speed=False)
+    for row in report.levels:
+        assert row.error is None and row.unhandled == {}, (row.level, row.error, row.unhandled)
+    assert {"logits_per_image", "text_embeds", "image_embeds"} <= {o.name for o in report.level("high").outputs}
+    assert report.level("highest").passed
+
+
+@pytest.mark.parametrize("name, args, line", [
+    ("config only", (), r"no weights in .*config only \(found: config\.json\); accepted: model\.safetensors, "),
+    ("corrupt", (), r"its weights could not be read \(a truncated or corrupt file\?\): SafetensorError: "),
+    ("corrupt", ("--generate", "4"), r"its weights could not be read \(a truncated or corrupt file\?\)"),
+    ("llama bare", ("--generate", "4"), r"a text model \(model type 'llama'\) with no tokenizer in .*save one"),
+])
+def test_what_a_folder_lacks_is_one_line_and_exit_2(folders, name, args, line):
+    import re
+
+    done = _cli(f"hf:{folders[name]}", "--levels", "high", *args)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert re.search(line, lines[0]), lines[0]
+
+
+def test_a_class_transformers_lacks_is_checked_as_automodel_and_said(folders):
+    done = _cli(f"hf:{folders['own class']}", "--levels", "high")
+    assert done.returncode in (0, 1) and "Traceback" not in done.stderr, done.stderr[-2000:]
+    out = " ".join(done.stdout.split())
+    assert "its config names MyLlamaForEverything, a class this transformers does not have: checked as " \
+           "LlamaModel (AutoModel)" in out, out[-2000:]
+    assert "deprecated" not in done.stderr, done.stderr  # no line of transformers' from reading the config
+
+
+def test_a_processor_not_used_is_named_and_no_warning_on_the_way(folders):
+    vit = hf.workload(str(folders["vit odd processor"]), sentences=2)
+    assert tuple(vit.inputs["pixel_values"].shape) == (2, 3, 32, 32)
+    assert "seeded normalized pixels of the config's size; its image processor not used: " in vit.notes[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a list of arrays made into a tensor warned "extremely slow"
+        audio = hf.workload(str(folders["wav2vec2 bare"]), sentences=2)
+    assert tuple(audio.inputs["input_values"].shape) == (2, 16000)
+    assert "one second of seeded noise at 16 kHz" in audio.notes[0]

@@ -50,12 +50,14 @@ from tf32lab.workloads.workload import Workload
 __all__ = ["SUPPORTED", "CausalLM", "causal_lm", "workload"]
 
 SUPPORTED = ("text encoders (BERT-like), decoders (GPT-2, Llama, Qwen2, Mistral), encoder-decoders (T5, BART), "
-             "vision (ViT, ConvNeXt, ResNet) and audio (wav2vec2, Whisper) models: a main input of input_ids, "
-             "pixel_values, input_values or input_features")
+             "vision (ViT, ConvNeXt, ResNet), text-image (CLIP, SigLIP) and audio (wav2vec2, Whisper) models: a main "
+             "input of input_ids, pixel_values, input_values or input_features")
 
 # The files a saved tokenizer leaves; without any, transformers builds an empty-vocabulary tokenizer silently
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
                     "tokenizer.model", "sentencepiece.bpe.model", "merges.txt")
+# what save_pretrained writes (or a sharded index of it): transformers 5 reads no TensorFlow or Flax weights
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 _SEED = 0
 _IMAGES = 4  # at most this many images or audio clips: a batch of 4 already fills a vision model's GEMMs
 _RATE = 16_000  # audio models' usual sampling rate, when no feature extractor says otherwise
@@ -100,6 +102,25 @@ def _has_tokenizer(path: Path) -> bool:
     return any((path / name).is_file() for name in _TOKENIZER_FILES)
 
 
+def _no_tokenizer(folder: str, path: Path, model_type: Optional[str]) -> Tf32LabError:
+    return Tf32LabError(f"workload 'hf:{folder}': a text model (model type {model_type!r}) with no tokenizer in "
+                        f"{path} (tokenizer.json or vocabulary files): save one there with tokenizer.save_pretrained")
+
+
+def _found(path: Path, most: int = 6) -> str:
+    """The folder's file names, for a line that says what is there: ``config.json, tf_model.h5``."""
+    names = sorted(entry.name for entry in path.iterdir())
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _weights(folder: str, path: Path) -> None:
+    """Refuses a folder with no weights transformers reads, naming what it holds: transformers' own line names one
+    file only, and a config alone would be a model of random weights nobody trained."""
+    if not any((path / name).is_file() for name in _WEIGHTS):
+        raise Tf32LabError(f"workload 'hf:{folder}': no weights in {path} (found: {_found(path)}); accepted: "
+                           f"{', '.join(_WEIGHTS)}, as save_pretrained writes them")
+
+
 def _tokenizer(folder: str, path: Path) -> Any:
     from transformers import AutoTokenizer
 
@@ -127,6 +148,16 @@ def _transformers(folder: str) -> None:
         raise Tf32LabError(f"workload 'hf:{folder}' needs transformers: pip install transformers") from None
 
 
+_UNREADABLE = "its weights could not be read (a truncated or corrupt file?)"
+
+
+def _unreadable(exc: BaseException) -> bool:
+    """Whether loading failed on the weights' bytes (safetensors' header, a pickle), not on the model."""
+    import pickle
+
+    return "safetensor" in type(exc).__name__.lower() or isinstance(exc, (pickle.UnpicklingError, EOFError))
+
+
 def _load(cls: Any, path: Path) -> torch.nn.Module:
     """``cls.from_pretrained`` from the folder only, quietly. A mixture of experts runs its experts one GEMM each
     ("eager"), not transformers' default grouped GEMM (``torch._grouped_mm``): that has no float64 kernel for the
@@ -146,11 +177,16 @@ def causal_lm(folder: str) -> CausalLM:
     _transformers(folder)
     from transformers import AutoModelForCausalLM
 
+    if not _has_tokenizer(path):  # transformers' own error named a backend, not the missing files
+        raise _no_tokenizer(folder, path, _model_type(path))
     tokenizer = _tokenizer(folder, path)
     tokenizer.padding_side = "left"  # new tokens follow each prompt's last token
+    _weights(folder, path)
     try:
         model = _load(AutoModelForCausalLM, path)
     except Exception as exc:
+        if _unreadable(exc):
+            raise Tf32LabError(f"workload 'hf:{folder}': {_UNREADABLE}: {_line(exc)}") from exc
         raise Tf32LabError(f"workload 'hf:{folder}': not a causal language model, or loading failed: "
                            f"{_line(exc)}") from exc
     return CausalLM(model.float().eval(), tokenizer, path.name)
@@ -192,12 +228,15 @@ def _model_type(path: Path) -> Optional[str]:
     return found if isinstance(found, str) else None
 
 
-def _model(folder: str, path: Path, config: Any) -> torch.nn.Module:
-    """The class ``config.architectures`` names, as the folder's weights were saved from; else ``AutoModel``."""
+def _model(folder: str, path: Path, config: Any) -> tuple[torch.nn.Module, Optional[str]]:
+    """The class ``config.architectures`` names, as the folder's weights were saved from; else ``AutoModel``, with a
+    note naming the class asked for and the one checked (a bare model: no head, hidden states compared)."""
     import transformers
 
-    names = [name for name in (getattr(config, "architectures", None) or []) if hasattr(transformers, name)]
+    asked = [name for name in (getattr(config, "architectures", None) or []) if isinstance(name, str)]
+    names = [name for name in asked if hasattr(transformers, name)]
     cls = getattr(transformers, names[0]) if names else transformers.AutoModel
+    _weights(folder, path)
     try:
         model = _load(cls, path)
     except ValueError as exc:
@@ -206,8 +245,14 @@ def _model(folder: str, path: Path, config: Any) -> torch.nn.Module:
                                f"supported: {SUPPORTED}") from None
         raise Tf32LabError(f"workload 'hf:{folder}': loading failed: {_line(exc)}") from exc
     except Exception as exc:
+        if _unreadable(exc):
+            raise Tf32LabError(f"workload 'hf:{folder}': {_UNREADABLE}: {_line(exc)}") from exc
         raise Tf32LabError(f"workload 'hf:{folder}': loading failed: {_line(exc)}") from exc
-    return model.float().eval()
+    note = None
+    if asked and not names:
+        note = (f"its config names {', '.join(asked)}, a class this transformers does not have: checked as "
+                f"{type(model).__name__} (AutoModel), without that class's head")
+    return model.float().eval(), note
 
 
 def _parameters(model: torch.nn.Module) -> dict[str, inspect.Parameter]:
@@ -220,12 +265,12 @@ def _parameters(model: torch.nn.Module) -> dict[str, inspect.Parameter]:
 
 def _text(folder: str, path: Path, config: Any, sentences: int) -> dict[str, torch.Tensor]:
     if not _has_tokenizer(path):
-        raise Tf32LabError(f"workload 'hf:{folder}': a text model (model type {config.model_type!r}) with no "
-                           f"tokenizer in {path} (tokenizer.json or vocabulary files): save one there with "
-                           f"tokenizer.save_pretrained")
+        raise _no_tokenizer(folder, path, config.model_type)
     tokenizer = _tokenizer(folder, path)
-    # no longer than the model's positions: a longer sentence indexed past its position table
-    limit = next((found for found in (getattr(config, name, None) for name in ("max_position_embeddings",
+    # no longer than the model's positions: a longer sentence indexed past its position table (a CLIP keeps them
+    # in its text sub-config)
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    limit = next((found for found in (getattr(text, name, None) for name in ("max_position_embeddings",
                   "n_positions")) if isinstance(found, int) and found > 0), None)
     cut = {"truncation": True, "max_length": limit} if limit is not None else {}
     features = tokenizer(list(samples.SENTENCES[:sentences]), padding=True, return_tensors="pt", **cut)
@@ -245,18 +290,19 @@ def _start_token(config: Any, default: Optional[int]) -> int:
     return 0
 
 
-def _processor(path: Path, kind: str) -> Any:
-    """The folder's image processor or feature extractor, if it has a saved one (``preprocessor_config.json``)."""
+def _processor(path: Path, kind: str) -> tuple[Any, str]:
+    """The folder's image processor or feature extractor, if it has a saved one (``preprocessor_config.json``), and
+    else why not, for the note: a saved processor that is not used must not pass unsaid (no Pillow, say)."""
     if not (path / "preprocessor_config.json").is_file():
-        return None
+        return None, ""
     import transformers
 
     cls = transformers.AutoImageProcessor if kind == "image" else transformers.AutoFeatureExtractor
     try:
         with quiet_loading():
-            return cls.from_pretrained(str(path), local_files_only=True)
-    except Exception:  # a processor of the other kind, or one this transformers cannot build: the config decides
-        return None
+            return cls.from_pretrained(str(path), local_files_only=True), ""
+    except Exception as exc:  # a processor of the other kind, or one this transformers cannot build: the config decides
+        return None, f"; its {kind} processor not used: {_line(exc).rstrip(':')}"
 
 
 def _size(value: Any, default: int = 224) -> tuple[int, int]:
@@ -269,15 +315,16 @@ def _size(value: Any, default: int = 224) -> tuple[int, int]:
 
 def _pixels(path: Path, config: Any, count: int) -> tuple[dict[str, torch.Tensor], str]:
     draw = torch.Generator().manual_seed(_SEED)
+    config = getattr(config, "vision_config", None) or config  # a CLIP's image size is its vision tower's
     channels = getattr(config, "num_channels", 3)
     height, width = _size(getattr(config, "image_size", None))
-    processor = _processor(path, "image")
+    processor, unused = _processor(path, "image")
     if processor is not None and channels == 3:
         images = torch.randint(0, 256, (count, height, width, 3), dtype=torch.uint8, generator=draw)
         found = processor(images=list(images.numpy()), return_tensors="pt")
         return {"pixel_values": found["pixel_values"].float()}, "seeded random images through its image processor"
     pixels = torch.randn(count, channels, height, width, generator=draw)
-    return {"pixel_values": pixels}, "seeded normalized pixels of the config's size"
+    return {"pixel_values": pixels}, f"seeded normalized pixels of the config's size{unused}"
 
 
 def _waves(count: int, samples_: int) -> list[Any]:
@@ -290,7 +337,7 @@ def _waves(count: int, samples_: int) -> list[Any]:
 
 
 def _audio(folder: str, path: Path, config: Any, main: str, count: int) -> tuple[dict[str, torch.Tensor], str]:
-    extractor = _processor(path, "audio")
+    extractor, unused = _processor(path, "audio")
     if extractor is not None:
         rate = getattr(extractor, "sampling_rate", _RATE)
         length = getattr(extractor, "n_samples", rate)  # Whisper's extractor pads to its chunk (30 s)
@@ -298,7 +345,8 @@ def _audio(folder: str, path: Path, config: Any, main: str, count: int) -> tuple
         if main in found:
             return {main: found[main].float()}, "seeded noise through its feature extractor"
     if main == "input_values":
-        return {main: torch.tensor(_waves(count, _RATE))}, "one second of seeded noise at 16 kHz"
+        waves = torch.stack([torch.from_numpy(wave) for wave in _waves(count, _RATE)])  # one array, not a list
+        return {main: waves}, f"one second of seeded noise at 16 kHz{unused}"
     bins, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
     if not (isinstance(bins, int) and isinstance(positions, int)):
         raise Tf32LabError(f"workload 'hf:{folder}': model type {config.model_type!r} takes input_features but the "
@@ -307,7 +355,14 @@ def _audio(folder: str, path: Path, config: Any, main: str, count: int) -> tuple
     draw = torch.Generator().manual_seed(_SEED)
     # Whisper's encoder takes exactly 2 * max_source_positions frames (its convolutions halve them)
     features = torch.randn(count, bins, 2 * positions, generator=draw).mul_(0.5).clamp_(-1.5, 1.5)
-    return {main: features}, "seeded log-mel-like features of the config's size"
+    return {main: features}, f"seeded log-mel-like features of the config's size{unused}"
+
+
+def _dual_encoder(model: torch.nn.Module) -> bool:
+    """A text tower and an image tower side by side (CLIP, SigLIP, ALIGN): both features are what it computes, so
+    both inputs are needed. A vision-language decoder (LLaVA) also takes pixels but places them at image tokens
+    of the text, which the sample sentences do not have."""
+    return all(callable(getattr(model, name, None)) for name in ("get_text_features", "get_image_features"))
 
 
 def _decoder_ids(config: Any, count: int) -> torch.Tensor:
@@ -355,12 +410,18 @@ def workload(folder: str, sentences: int = 16) -> Workload:
     if (path / "modules.json").is_file():
         return _sentence_transformer(folder, path, sentences)
     config = _config(folder, path)
-    model = _model(folder, path, config)
+    model, fallback = _model(folder, path, config)
     accepted = _parameters(model)
     main = getattr(model, "main_input_name", "input_ids")
     count = max(1, min(sentences, _IMAGES))
     if main == "input_ids":
         inputs, how = _text(folder, path, config, sentences), "the sample sentences through its tokenizer"
+        if "pixel_values" in accepted and _dual_encoder(model):
+            # a text-image model (CLIP, SigLIP) scores each image against each sentence: it needs both, and
+            # raised on pixel_values None at the reference
+            pixels, seen = _pixels(path, config, count)
+            inputs.update(pixels)
+            how += f", {seen}"
     elif main == "pixel_values":
         inputs, how = _pixels(path, config, count)
     elif main in ("input_values", "input_features"):
@@ -380,9 +441,10 @@ def workload(folder: str, sentences: int = 16) -> Workload:
     if "use_cache" in accepted:
         inputs["use_cache"] = False  # compare what the forward computes, not the next step's cache
     note = f"inputs: {shapes} ({how}{', use_cache=False' if 'use_cache' in inputs else ''})"
-    saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    # read from the instance: transformers 5's torch_dtype property logs a deprecation line to stderr
+    saved = vars(config).get("dtype") or vars(config).get("torch_dtype")
     if isinstance(saved, str):
         saved = getattr(torch, saved, None)
     if isinstance(saved, torch.dtype) and saved != torch.float32:  # TF32 is a float32 question: weights upcast
         note += f"; weights saved as {str(saved).removeprefix('torch.')}, checked in float32"
-    return Workload(model, inputs, name=path.name, notes=(note,))
+    return Workload(model, inputs, name=path.name, notes=(note,) if fallback is None else (note, fallback))
