@@ -79,6 +79,18 @@ def _models():
             vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                                image_size=16, patch_size=8), projection_dim=16)),
                  dict(eos_token="<|endoftext|>", bos_token="<|startoftext|>", pad_token="<|endoftext|>")),
+        # a vision-language decoder: use_cache reaches its language model through **kwargs
+        "llava": (t.LlavaForConditionalGeneration(t.LlavaConfig(
+            text_config=t.LlamaConfig(**{**_DECODER, "vocab_size": 1010, "num_hidden_layers": 1}),
+            vision_config=t.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=4, image_size=16, patch_size=8),
+            image_token_index=1005)), dict(eos_token="</s>", bos_token="<s>")),
+        # an image-to-text encoder-decoder: its image size is in its encoder's config
+        "image to text": (t.VisionEncoderDecoderModel(t.VisionEncoderDecoderConfig.from_encoder_decoder_configs(
+            t.ViTConfig(image_size=16, patch_size=8, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                        intermediate_size=64),
+            t.GPT2Config(n_embd=32, n_layer=1, n_head=4, add_cross_attention=True, is_decoder=True, **_TEXT),
+            decoder_start_token_id=0, pad_token_id=0)), None),
     }
 
 
@@ -131,6 +143,14 @@ def folders(tmp_path_factory):
     shutil.copytree(made["vit"], made["vit odd processor"])
     (made["vit odd processor"] / "preprocessor_config.json").write_text(json.dumps(
         {"image_processor_type": "NoSuchImageProcessor"}))
+    for name, text in (("empty config", "{}"), ("list config", "[]")):
+        made[name] = root / name
+        made[name].mkdir()
+        (made[name] / "config.json").write_text(text)
+    made["no architectures"] = root / "no architectures"
+    shutil.copytree(made["bert"], made["no architectures"])
+    config = json.loads((made["bert"] / "config.json").read_text())
+    (made["no architectures"] / "config.json").write_text(json.dumps({**config, "architectures": None}))
     made["wav2vec2 bare"] = root / "wav2vec2 no extractor"
     made["wav2vec2 bare"].mkdir()
     for name in ("config.json", "model.safetensors"):
@@ -288,6 +308,9 @@ def test_a_text_image_model_gets_sentences_and_images(folders):
     ("corrupt", (), r"its weights could not be read \(a truncated or corrupt file\?\): SafetensorError: "),
     ("corrupt", ("--generate", "4"), r"its weights could not be read \(a truncated or corrupt file\?\)"),
     ("llama bare", ("--generate", "4"), r"a text model \(model type 'llama'\) with no tokenizer in .*save one"),
+    ("empty config", (), r"its config\.json has no model_type \(its keys: none\); accepted: a config\.json as "
+                         r"save_pretrained writes it"),
+    ("list config", (), r"its config\.json is a JSON list, not an object; accepted: "),
 ])
 def test_what_a_folder_lacks_is_one_line_and_exit_2(folders, name, args, line):
     import re
@@ -316,3 +339,24 @@ def test_a_processor_not_used_is_named_and_no_warning_on_the_way(folders):
         audio = hf.workload(str(folders["wav2vec2 bare"]), sentences=2)
     assert tuple(audio.inputs["input_values"].shape) == (2, 16000)
     assert "one second of seeded noise at 16 kHz" in audio.notes[0]
+
+
+def test_a_vision_language_decoder_is_checked_on_its_logits_and_says_what_it_was_fed(folders):
+    w = hf.workload(str(folders["llava"]), sentences=2)
+    assert w.inputs["use_cache"] is False and "pixel_values" not in w.inputs
+    assert "no images: they go at image tokens the sentences do not have" in w.notes[0]
+    row = tf32lab.check(w, levels=("highest",), speed=False).level("highest")
+    # its cache was an output, compared exactly: "differs" at highest
+    assert row.error is None and [o.name for o in row.outputs] == ["logits"] and row.passed
+
+
+def test_an_image_to_text_model_gets_images_of_its_encoders_size(folders):
+    w = hf.workload(str(folders["image to text"]), sentences=2)
+    assert tuple(w.inputs["pixel_values"].shape) == (2, 3, 16, 16)  # 224 raised "doesn't match model (16*16)"
+    row = tf32lab.check(w, levels=("high",), speed=False).level("high")
+    assert row.error is None and row.unhandled == {}
+
+
+def test_a_config_naming_no_architectures_is_said(folders):
+    w = hf.workload(str(folders["no architectures"]), sentences=2)
+    assert "its config names no architectures: checked as BertModel (AutoModel), without a head" in w.notes

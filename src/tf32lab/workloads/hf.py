@@ -200,6 +200,10 @@ def _config(folder: str, path: Path) -> Any:
             return AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:
         model_type = _model_type(path)
+        shape = _config_shape(path)
+        if shape:
+            raise Tf32LabError(f"workload 'hf:{folder}': its config.json {shape}; accepted: a config.json as "
+                               f"save_pretrained writes it, with the model_type transformers builds it by") from None
         if model_type is not None and "does not recognize" in str(exc):
             raise Tf32LabError(f"workload 'hf:{folder}': model type {model_type!r} is unknown to this transformers; "
                                f"supported: {SUPPORTED}") from None
@@ -207,6 +211,22 @@ def _config(folder: str, path: Path) -> Any:
             raise Tf32LabError(f"workload 'hf:{folder}': its config.json names the folder's own code (auto_map), "
                                f"which tf32lab never runs; supported: {SUPPORTED}") from None
         raise Tf32LabError(f"workload 'hf:{folder}': reading its config.json failed: {_line(exc)}") from None
+
+
+def _config_shape(path: Path) -> str:
+    """What is wrong with the shape of a config.json that parses (empty: nothing found wrong)."""
+    import json
+
+    try:
+        found = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(found, dict):
+        return f"is a JSON {type(found).__name__}, not an object"
+    if "model_type" not in found and "auto_map" not in found:
+        keys = ", ".join(sorted(found)[:6]) + (" ..." if len(found) > 6 else "")
+        return f"has no model_type (its keys: {keys or 'none'})"
+    return ""
 
 
 def _custom_code(path: Path) -> bool:
@@ -249,9 +269,10 @@ def _model(folder: str, path: Path, config: Any) -> tuple[torch.nn.Module, Optio
             raise Tf32LabError(f"workload 'hf:{folder}': {_UNREADABLE}: {_line(exc)}") from exc
         raise Tf32LabError(f"workload 'hf:{folder}': loading failed: {_line(exc)}") from exc
     note = None
-    if asked and not names:
-        note = (f"its config names {', '.join(asked)}, a class this transformers does not have: checked as "
-                f"{type(model).__name__} (AutoModel), without that class's head")
+    if not names:
+        named = (f"names {', '.join(asked)}, a class this transformers does not have" if asked else
+                 "names no architectures")
+        note = f"its config {named}: checked as {type(model).__name__} (AutoModel), without a head"
     return model.float().eval(), note
 
 
@@ -261,6 +282,17 @@ def _parameters(model: torch.nn.Module) -> dict[str, inspect.Parameter]:
     except (TypeError, ValueError):
         return {}
     return {name: p for name, p in found.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+
+
+def _cache_through_kwargs(model: torch.nn.Module, config: Any) -> bool:
+    """Whether a model passes ``use_cache`` on to a language model inside through ``**kwargs`` (LLaVA): its forward
+    does not name it, and its cache would be compared as an output, "differing" at every level."""
+    try:
+        found = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    return any(p.kind is p.VAR_KEYWORD for p in found) and isinstance(getattr(text, "use_cache", None), bool)
 
 
 def _text(folder: str, path: Path, config: Any, sentences: int) -> dict[str, torch.Tensor]:
@@ -315,7 +347,9 @@ def _size(value: Any, default: int = 224) -> tuple[int, int]:
 
 def _pixels(path: Path, config: Any, count: int) -> tuple[dict[str, torch.Tensor], str]:
     draw = torch.Generator().manual_seed(_SEED)
-    config = getattr(config, "vision_config", None) or config  # a CLIP's image size is its vision tower's
+    # a CLIP's image size is its vision tower's, an image-to-text encoder-decoder's its encoder's
+    config = next((sub for sub in (getattr(config, name, None) for name in ("vision_config", "encoder"))
+                   if hasattr(sub, "image_size")), config)
     channels = getattr(config, "num_channels", 3)
     height, width = _size(getattr(config, "image_size", None))
     processor, unused = _processor(path, "image")
@@ -422,6 +456,8 @@ def workload(folder: str, sentences: int = 16) -> Workload:
             pixels, seen = _pixels(path, config, count)
             inputs.update(pixels)
             how += f", {seen}"
+        elif "pixel_values" in accepted:
+            how += ", no images: they go at image tokens the sentences do not have, so its text path is checked"
     elif main == "pixel_values":
         inputs, how = _pixels(path, config, count)
     elif main in ("input_values", "input_features"):
@@ -438,7 +474,7 @@ def workload(folder: str, sentences: int = 16) -> Workload:
         raise Tf32LabError(f"workload 'hf:{folder}': model type {config.model_type!r} ({type(model).__name__}) also "
                            f"needs {', '.join(missing)}; supported: {SUPPORTED}")
     shapes = _shapes(inputs)
-    if "use_cache" in accepted:
+    if "use_cache" in accepted or _cache_through_kwargs(model, config):
         inputs["use_cache"] = False  # compare what the forward computes, not the next step's cache
     note = f"inputs: {shapes} ({how}{', use_cache=False' if 'use_cache' in inputs else ''})"
     # read from the instance: transformers 5's torch_dtype property logs a deprecation line to stderr
