@@ -311,6 +311,11 @@ def test_a_text_image_model_gets_sentences_and_images(folders):
     ("empty config", (), r"its config\.json has no model_type \(its keys: none\); accepted: a config\.json as "
                          r"save_pretrained writes it"),
     ("list config", (), r"its config\.json is a JSON list, not an object; accepted: "),
+    # --generate on what is not a decoder-only causal LM: BART's decoder alone was decoded, exit 0
+    ("t5", ("--generate", "4"), r"model type 't5' is an encoder-decoder; the generation check decodes a "
+                                r"decoder-only causal language model \(GPT-2, .*check it without --generate"),
+    ("vit", ("--generate", "4"), r"model type 'vit' is not a causal language model; "),  # was: "with no tokenizer"
+    ("bert", ("--generate", "4"), r"model type 'bert' is saved as BertModel, not a causal language model; "),
 ])
 def test_what_a_folder_lacks_is_one_line_and_exit_2(folders, name, args, line):
     import re

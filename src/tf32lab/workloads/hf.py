@@ -177,6 +177,7 @@ def causal_lm(folder: str) -> CausalLM:
     _transformers(folder)
     from transformers import AutoModelForCausalLM
 
+    _decoder_only(folder, _config(folder, path))
     if not _has_tokenizer(path):  # transformers' own error named a backend, not the missing files
         raise _no_tokenizer(folder, path, _model_type(path))
     tokenizer = _tokenizer(folder, path)
@@ -190,6 +191,34 @@ def causal_lm(folder: str) -> CausalLM:
         raise Tf32LabError(f"workload 'hf:{folder}': not a causal language model, or loading failed: "
                            f"{_line(exc)}") from exc
     return CausalLM(model.float().eval(), tokenizer, path.name)
+
+
+def _decoder_only(folder: str, config: Any) -> None:
+    """Refuses what the generation check cannot decode, before its tokenizer is asked for: an encoder-decoder
+    (``AutoModelForCausalLM`` gave BART's decoder alone, without the encoder its cross-attention reads), a model
+    type with no causal-LM class (a ViT was "a text model with no tokenizer", a BERT a transformers line naming
+    configuration classes) and a masked LM's weights (a RoBERTa saved as ``RobertaForMaskedLM`` loaded as
+    ``RobertaForCausalLM``: an encoder, attending both ways, decoded as if it were a decoder)."""
+    import transformers
+
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal
+    except ImportError:  # another layout: loading says what is wrong
+        return
+    model_type = getattr(config, "model_type", None)
+    known = [name for name in getattr(config, "architectures", None) or [] if hasattr(transformers, name)]
+    classes = {name for found in causal.values() for name in ((found,) if isinstance(found, str) else found)}
+    if getattr(config, "is_encoder_decoder", False):
+        why = "an encoder-decoder"
+    elif model_type not in causal:
+        why = "not a causal language model"
+    elif known and not classes.intersection(known):
+        why = f"saved as {', '.join(known)}, not a causal language model"
+    else:
+        return
+    raise Tf32LabError(f"workload 'hf:{folder}': model type {model_type!r} is {why}; the generation check decodes "
+                       f"a decoder-only causal language model (GPT-2, Llama, Qwen2, Mistral, Phi, Gemma: "
+                       f"AutoModelForCausalLM's model types); check it without --generate")
 
 
 def _config(folder: str, path: Path) -> Any:
