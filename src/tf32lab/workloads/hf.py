@@ -13,6 +13,10 @@
 - ``input_features`` (Whisper): log-mel-like seeded features of the config's ``num_mel_bins`` and
   ``2 * max_source_positions`` frames, or the folder's feature extractor on 30 seconds of noise.
 
+A text-image model (CLIP, SigLIP) gets the sentences and seeded images; a vision-language decoder (LLaVA) its text
+path only, as its note says. What a folder lacks (weights, readable weights, a tokenizer, a ``model_type``) is one
+line naming what is there.
+
 A sentence-transformers folder (``modules.json``) runs its whole pipeline and is compared on ``sentence_embedding``,
 as ``minilm`` is. An encoder-decoder (T5, BART, Whisper) also gets ``decoder_input_ids``: the text's ids shifted
 right behind the decoder's start token (seeded ids for audio). A model that takes a cache runs with
