@@ -233,6 +233,13 @@ def test_an_empty_folder_is_refused_not_the_working_directory(folders, monkeypat
             specs.load(spec)
 
 
+def test_the_working_directory_as_folder_is_named_as_itself(folders, monkeypatch):
+    monkeypatch.chdir(folders["llama"])
+    assert hf.workload(".", sentences=2).name == "llama"  # the report's header read "tf32lab check " before
+    monkeypatch.chdir(folders["llama"] / "..")
+    assert hf.causal_lm("llama/").name == "llama"
+
+
 def test_a_folder_with_its_own_code_is_refused_and_its_code_not_run(tmp_path):
     folder, marker = tmp_path / "remote", tmp_path / "ran"
     folder.mkdir()

@@ -96,6 +96,11 @@ def _folder(folder: str) -> Path:
     return path
 
 
+def _name(path: Path) -> str:
+    """The folder's own name, also for ``hf:.`` or ``hf:..``, whose ``Path.name`` is empty or ``..``."""
+    return path.resolve().name or str(path.resolve())
+
+
 def _line(exc: BaseException) -> str:
     """An exception as one line: its type and the first line of its message."""
     text = str(exc).strip().splitlines()
@@ -194,7 +199,7 @@ def causal_lm(folder: str) -> CausalLM:
             raise Tf32LabError(f"workload 'hf:{folder}': {_UNREADABLE}: {_line(exc)}") from exc
         raise Tf32LabError(f"workload 'hf:{folder}': not a causal language model, or loading failed: "
                            f"{_line(exc)}") from exc
-    return CausalLM(model.float().eval(), tokenizer, path.name)
+    return CausalLM(model.float().eval(), tokenizer, _name(path))
 
 
 def _decoder_only(folder: str, config: Any) -> None:
@@ -465,7 +470,7 @@ def _sentence_transformer(folder: str, path: Path, sentences: int) -> Workload:
     found = preprocess(list(samples.SENTENCES[:sentences]))
     inputs = {name: value for name, value in found.items() if isinstance(value, torch.Tensor)}
     note = f"inputs: {_shapes(inputs)} (the sample sentences through its sentence-transformers pipeline)"
-    return Workload(SentenceEmbedder(st.eval()), inputs, name=path.name, notes=(note,))
+    return Workload(SentenceEmbedder(st.eval()), inputs, name=_name(path), notes=(note,))
 
 
 def workload(folder: str, sentences: int = 16) -> Workload:
@@ -516,4 +521,4 @@ def workload(folder: str, sentences: int = 16) -> Workload:
         saved = getattr(torch, saved, None)
     if isinstance(saved, torch.dtype) and saved != torch.float32:  # TF32 is a float32 question: weights upcast
         note += f"; weights saved as {str(saved).removeprefix('torch.')}, checked in float32"
-    return Workload(model, inputs, name=path.name, notes=(note,) if fallback is None else (note, fallback))
+    return Workload(model, inputs, name=_name(path), notes=(note,) if fallback is None else (note, fallback))
