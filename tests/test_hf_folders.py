@@ -233,6 +233,18 @@ def test_an_empty_folder_is_refused_not_the_working_directory(folders, monkeypat
             specs.load(spec)
 
 
+def test_a_path_near_a_model_folder_says_where_the_folder_is(folders, tmp_path):
+    cache = tmp_path / "models--someone--llama"  # the Hugging Face cache's layout
+    shutil.copytree(folders["llama"], cache / "snapshots" / "0123abc")
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / "llama-q4.gguf").write_bytes(b"GGUF")
+    for spec, line in ((cache, r"a Hugging Face cache folder: give a snapshot in it, such as hf:.*snapshots/0123abc$"),
+                       (folders["llama"] / "model.safetensors", r"model\.safetensors is a file: give the folder"),
+                       (tmp_path / "gguf", r"llama-q4\.gguf is a GGUF file \(llama\.cpp's format\)")):
+        with pytest.raises(Tf32LabError, match=line):
+            specs.load(f"hf:{spec}")
+
+
 def test_the_working_directory_as_folder_is_named_as_itself(folders, monkeypatch):
     monkeypatch.chdir(folders["llama"])
     assert hf.workload(".", sentences=2).name == "llama"  # the report's header read "tf32lab check " before

@@ -81,13 +81,31 @@ def _looks_like_hub_id(text: str) -> bool:
     return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", text)) and not text.endswith((".", "-"))
 
 
+def _near_miss(path: Path) -> str:
+    """What a path without a config.json is instead, where a user's folder often is: a file in the model's folder,
+    the Hugging Face cache's folder of a model (its snapshots hold the files), llama.cpp's GGUF files."""
+    if path.is_file():
+        return f"; {path.name} is a file: give the folder that holds it and its config.json"
+    try:
+        snapshots = sorted(p for p in (path / "snapshots").glob("*") if (p / "config.json").is_file())
+        gguf = sorted(p.name for p in path.glob("*.gguf"))
+    except OSError:  # unreadable: the line without a hint
+        return ""
+    if snapshots:
+        return f"; a Hugging Face cache folder: give a snapshot in it, such as hf:{snapshots[-1]}"
+    if gguf:
+        return (f"; {gguf[0]} is a GGUF file (llama.cpp's format), which transformers does not load here: give the "
+                f"model's transformers folder (config.json and safetensors)")
+    return ""
+
+
 def _folder(folder: str) -> Path:
     if not folder.strip():  # Path("") is the working directory: a model there would load unasked
         raise Tf32LabError(f"workload 'hf:{folder}': no folder given; accepted: hf:FOLDER, a local transformers "
                            f"model folder (its config.json and weights)")
     path = Path(folder).expanduser()
     if not (path / "config.json").is_file():
-        hub = "" if path.exists() or not _looks_like_hub_id(folder) else (
+        hub = _near_miss(path) if path.exists() else "" if not _looks_like_hub_id(folder) else (
             f"; for a Hugging Face Hub id, download it once (`huggingface-cli download {folder} --local-dir DIR`, "
             f"or `huggingface_hub.snapshot_download({folder!r}, local_dir=DIR)`) and pass hf:DIR: nothing is "
             f"downloaded at run time")
