@@ -238,9 +238,12 @@ def test_a_path_near_a_model_folder_says_where_the_folder_is(folders, tmp_path):
     shutil.copytree(folders["llama"], cache / "snapshots" / "0123abc")
     (tmp_path / "gguf").mkdir()
     (tmp_path / "gguf" / "llama-q4.gguf").write_bytes(b"GGUF")
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "lora" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
     for spec, line in ((cache, r"a Hugging Face cache folder: give a snapshot in it, such as hf:.*snapshots/0123abc$"),
                        (folders["llama"] / "model.safetensors", r"model\.safetensors is a file: give the folder"),
-                       (tmp_path / "gguf", r"llama-q4\.gguf is a GGUF file \(llama\.cpp's format\)")):
+                       (tmp_path / "gguf", r"llama-q4\.gguf is a GGUF file \(llama\.cpp's format\)"),
+                       (tmp_path / "lora", r"a PEFT adapter \(adapter_config\.json\): merge it into its base model")):
         with pytest.raises(Tf32LabError, match=line):
             specs.load(f"hf:{spec}")
 

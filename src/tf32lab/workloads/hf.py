@@ -83,9 +83,13 @@ def _looks_like_hub_id(text: str) -> bool:
 
 def _near_miss(path: Path) -> str:
     """What a path without a config.json is instead, where a user's folder often is: a file in the model's folder,
-    the Hugging Face cache's folder of a model (its snapshots hold the files), llama.cpp's GGUF files."""
+    a PEFT adapter, the Hugging Face cache's folder of a model (its snapshots hold the files), llama.cpp's GGUF
+    files."""
     if path.is_file():
         return f"; {path.name} is a file: give the folder that holds it and its config.json"
+    if (path / "adapter_config.json").is_file():
+        return ("; a PEFT adapter (adapter_config.json): merge it into its base model (merge_and_unload, then "
+                "save_pretrained) and give that folder")
     try:
         snapshots = sorted(p for p in (path / "snapshots").glob("*") if (p / "config.json").is_file())
         gguf = sorted(p.name for p in path.glob("*.gguf"))
