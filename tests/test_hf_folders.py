@@ -339,13 +339,19 @@ def test_a_text_image_model_gets_sentences_and_images(folders):
     ("vit", ("--generate", "4"), r"model type 'vit' is not a causal language model; "),  # was: "with no tokenizer"
     ("bert", ("--generate", "4"), r"model type 'bert' is saved as BertModel, not a causal language model; "),
 ])
-def test_what_a_folder_lacks_is_one_line_and_exit_2(folders, name, args, line):
-    import re
+def test_what_a_folder_lacks_is_one_line(folders, name, args, line):
+    load = hf.causal_lm if args else hf.workload  # what check and check --generate load
+    with pytest.raises(Tf32LabError, match=line) as raised:
+        load(str(folders[name]))
+    assert "\n" not in str(raised.value)
 
+
+@pytest.mark.parametrize("name, args", [("config only", ()), ("t5", ("--generate", "4"))])
+def test_what_a_folder_lacks_is_exit_2_on_the_command_line(folders, name, args):
     done = _cli(f"hf:{folders[name]}", "--levels", "high", *args)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
-    assert re.search(line, lines[0]), lines[0]
+    assert lines[0].startswith(f"tf32lab check: error: workload 'hf:{folders[name]}': "), lines[0]
 
 
 def test_a_class_transformers_lacks_is_checked_as_automodel_and_said(folders):
