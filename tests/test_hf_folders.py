@@ -4,6 +4,8 @@ trained on the sample sentences, processors saved from their classes), nothing d
 from __future__ import annotations
 
 import json
+import shutil
+import warnings
 
 import pytest
 import torch
@@ -70,6 +72,25 @@ def _models():
             decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, num_mel_bins=8,
             max_source_positions=16, max_target_positions=16, decoder_start_token_id=1, pad_token_id=0,
             bos_token_id=1, eos_token_id=2, suppress_tokens=None, begin_suppress_tokens=None)), None),
+        # a text tower and an image tower: its main input is input_ids, yet it needs pixels as well
+        "clip": (t.CLIPModel(t.CLIPConfig(
+            text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                             max_position_embeddings=64, **_TEXT),
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                               image_size=16, patch_size=8), projection_dim=16)),
+                 dict(eos_token="<|endoftext|>", bos_token="<|startoftext|>", pad_token="<|endoftext|>")),
+        # a vision-language decoder: use_cache reaches its language model through **kwargs
+        "llava": (t.LlavaForConditionalGeneration(t.LlavaConfig(
+            text_config=t.LlamaConfig(**{**_DECODER, "vocab_size": 1010, "num_hidden_layers": 1}),
+            vision_config=t.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=4, image_size=16, patch_size=8),
+            image_token_index=1005)), dict(eos_token="</s>", bos_token="<s>")),
+        # an image-to-text encoder-decoder: its image size is in its encoder's config
+        "image to text": (t.VisionEncoderDecoderModel(t.VisionEncoderDecoderConfig.from_encoder_decoder_configs(
+            t.ViTConfig(image_size=16, patch_size=8, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                        intermediate_size=64),
+            t.GPT2Config(n_embd=32, n_layer=1, n_head=4, add_cross_attention=True, is_decoder=True, **_TEXT),
+            decoder_start_token_id=0, pad_token_id=0)), None),
     }
 
 
@@ -101,6 +122,39 @@ def folders(tmp_path_factory):
     unknown.mkdir()
     (unknown / "config.json").write_text(json.dumps({"model_type": "tf32lab-no-such-model"}))
     made["unknown"] = unknown
+    # what a user's folder may lack or hold broken: weights, a tokenizer, a class transformers has, a processor
+    llama = made["llama"]
+    made["config only"] = root / "config only"
+    transformers.AutoConfig.from_pretrained(str(llama)).save_pretrained(made["config only"])
+    made["corrupt"] = root / "corrupt weights"
+    shutil.copytree(llama, made["corrupt"])
+    weights = (llama / "model.safetensors").read_bytes()
+    (made["corrupt"] / "model.safetensors").write_bytes(weights[: len(weights) // 2])  # a download cut short
+    made["llama bare"] = root / "llama no tokenizer"
+    made["llama bare"].mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(llama / name, made["llama bare"])
+    made["own class"] = root / "own class"
+    shutil.copytree(llama, made["own class"])
+    config = json.loads((llama / "config.json").read_text())
+    config.pop("dtype", None)  # as a hand-written config.json often is
+    (made["own class"] / "config.json").write_text(json.dumps({**config, "architectures": ["MyLlamaForEverything"]}))
+    made["vit odd processor"] = root / "vit odd processor"
+    shutil.copytree(made["vit"], made["vit odd processor"])
+    (made["vit odd processor"] / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "NoSuchImageProcessor"}))
+    for name, text in (("empty config", "{}"), ("list config", "[]")):
+        made[name] = root / name
+        made[name].mkdir()
+        (made[name] / "config.json").write_text(text)
+    made["no architectures"] = root / "no architectures"
+    shutil.copytree(made["bert"], made["no architectures"])
+    config = json.loads((made["bert"] / "config.json").read_text())
+    (made["no architectures"] / "config.json").write_text(json.dumps({**config, "architectures": None}))
+    made["wav2vec2 bare"] = root / "wav2vec2 no extractor"
+    made["wav2vec2 bare"].mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(made["wav2vec2"] / name, made["wav2vec2 bare"])
     return made
 
 
@@ -179,6 +233,28 @@ def test_an_empty_folder_is_refused_not_the_working_directory(folders, monkeypat
             specs.load(spec)
 
 
+def test_a_path_near_a_model_folder_says_where_the_folder_is(folders, tmp_path):
+    cache = tmp_path / "models--someone--llama"  # the Hugging Face cache's layout
+    shutil.copytree(folders["llama"], cache / "snapshots" / "0123abc")
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / "llama-q4.gguf").write_bytes(b"GGUF")
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "lora" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
+    for spec, line in ((cache, r"a Hugging Face cache folder: give a snapshot in it, such as hf:.*snapshots/0123abc$"),
+                       (folders["llama"] / "model.safetensors", r"model\.safetensors is a file: give the folder"),
+                       (tmp_path / "gguf", r"llama-q4\.gguf is a GGUF file \(llama\.cpp's format\)"),
+                       (tmp_path / "lora", r"a PEFT adapter \(adapter_config\.json\): merge it into its base model")):
+        with pytest.raises(Tf32LabError, match=line):
+            specs.load(f"hf:{spec}")
+
+
+def test_the_working_directory_as_folder_is_named_as_itself(folders, monkeypatch):
+    monkeypatch.chdir(folders["llama"])
+    assert hf.workload(".", sentences=2).name == "llama"  # the report's header read "tf32lab check " before
+    monkeypatch.chdir(folders["llama"] / "..")
+    assert hf.causal_lm("llama/").name == "llama"
+
+
 def test_a_folder_with_its_own_code_is_refused_and_its_code_not_run(tmp_path):
     folder, marker = tmp_path / "remote", tmp_path / "ran"
     folder.mkdir()
@@ -236,3 +312,84 @@ def test_the_sentences_are_cut_to_the_models_context(folders, tmp_path):
     assert w.inputs["input_ids"].size(1) == 8  # the sentences are longer: an index error past position 8 before
     row = tf32lab.check(w, levels=("high",), speed=False).level("high")
     assert row.error is None and row.unhandled == {}
+
+
+def test_a_text_image_model_gets_sentences_and_images(folders):
+    w = hf.workload(str(folders["clip"]), sentences=4)  # it raised on pixel_values None at the reference before
+    assert w.inputs["input_ids"].size(0) == 4 and tuple(w.inputs["pixel_values"].shape) == (4, 3, 16, 16)
+    assert "pixel_values 4x3x16x16" in w.notes[0]
+    report = tf32lab.check(w, levels=("highest", "high"), speed=False)
+    for row in report.levels:
+        assert row.error is None and row.unhandled == {}, (row.level, row.error, row.unhandled)
+    assert {"logits_per_image", "text_embeds", "image_embeds"} <= {o.name for o in report.level("high").outputs}
+    assert report.level("highest").passed
+
+
+@pytest.mark.parametrize("name, args, line", [
+    ("config only", (), r"no weights in .*config only \(found: config\.json\); accepted: model\.safetensors, "),
+    ("corrupt", (), r"its weights could not be read \(a truncated or corrupt file\?\): SafetensorError: "),
+    ("corrupt", ("--generate", "4"), r"its weights could not be read \(a truncated or corrupt file\?\)"),
+    ("llama bare", ("--generate", "4"), r"a text model \(model type 'llama'\) with no tokenizer in .*save one"),
+    ("empty config", (), r"its config\.json has no model_type \(its keys: none\); accepted: a config\.json as "
+                         r"save_pretrained writes it"),
+    ("list config", (), r"its config\.json is a JSON list, not an object; accepted: "),
+    # --generate on what is not a decoder-only causal LM: BART's decoder alone was decoded, exit 0
+    ("t5", ("--generate", "4"), r"model type 't5' is an encoder-decoder; the generation check decodes a "
+                                r"decoder-only causal language model \(GPT-2, .*check it without --generate"),
+    ("vit", ("--generate", "4"), r"model type 'vit' is not a causal language model; "),  # was: "with no tokenizer"
+    ("bert", ("--generate", "4"), r"model type 'bert' is saved as BertModel, not a causal language model; "),
+])
+def test_what_a_folder_lacks_is_one_line(folders, name, args, line):
+    load = hf.causal_lm if args else hf.workload  # what check and check --generate load
+    with pytest.raises(Tf32LabError, match=line) as raised:
+        load(str(folders[name]))
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("name, args", [("config only", ()), ("t5", ("--generate", "4"))])
+def test_what_a_folder_lacks_is_exit_2_on_the_command_line(folders, name, args):
+    done = _cli(f"hf:{folders[name]}", "--levels", "high", *args)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert lines[0].startswith(f"tf32lab check: error: workload 'hf:{folders[name]}': "), lines[0]
+
+
+def test_a_class_transformers_lacks_is_checked_as_automodel_and_said(folders):
+    done = _cli(f"hf:{folders['own class']}", "--levels", "high")
+    assert done.returncode in (0, 1) and "Traceback" not in done.stderr, done.stderr[-2000:]
+    out = " ".join(done.stdout.split())
+    assert "its config names MyLlamaForEverything, a class this transformers does not have: checked as " \
+           "LlamaModel (AutoModel)" in out, out[-2000:]
+    assert "deprecated" not in done.stderr, done.stderr  # no line of transformers' from reading the config
+
+
+def test_a_processor_not_used_is_named_and_no_warning_on_the_way(folders):
+    vit = hf.workload(str(folders["vit odd processor"]), sentences=2)
+    assert tuple(vit.inputs["pixel_values"].shape) == (2, 3, 32, 32)
+    assert "seeded normalized pixels of the config's size; its image processor not used: " in vit.notes[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a list of arrays made into a tensor warned "extremely slow"
+        audio = hf.workload(str(folders["wav2vec2 bare"]), sentences=2)
+    assert tuple(audio.inputs["input_values"].shape) == (2, 16000)
+    assert "one second of seeded noise at 16 kHz" in audio.notes[0]
+
+
+def test_a_vision_language_decoder_is_checked_on_its_logits_and_says_what_it_was_fed(folders):
+    w = hf.workload(str(folders["llava"]), sentences=2)
+    assert w.inputs["use_cache"] is False and "pixel_values" not in w.inputs
+    assert "no images: they go at image tokens the sentences do not have" in w.notes[0]
+    row = tf32lab.check(w, levels=("highest",), speed=False).level("highest")
+    # its cache was an output, compared exactly: "differs" at highest
+    assert row.error is None and [o.name for o in row.outputs] == ["logits"] and row.passed
+
+
+def test_an_image_to_text_model_gets_images_of_its_encoders_size(folders):
+    w = hf.workload(str(folders["image to text"]), sentences=2)
+    assert tuple(w.inputs["pixel_values"].shape) == (2, 3, 16, 16)  # 224 raised "doesn't match model (16*16)"
+    row = tf32lab.check(w, levels=("high",), speed=False).level("high")
+    assert row.error is None and row.unhandled == {}
+
+
+def test_a_config_naming_no_architectures_is_said(folders):
+    w = hf.workload(str(folders["no architectures"]), sentences=2)
+    assert "its config names no architectures: checked as BertModel (AutoModel), without a head" in w.notes

@@ -13,6 +13,10 @@
 - ``input_features`` (Whisper): log-mel-like seeded features of the config's ``num_mel_bins`` and
   ``2 * max_source_positions`` frames, or the folder's feature extractor on 30 seconds of noise.
 
+A text-image model (CLIP, SigLIP) gets the sentences and seeded images; a vision-language decoder (LLaVA) its text
+path only, as its note says. What a folder lacks (weights, readable weights, a tokenizer, a ``model_type``) is one
+line naming what is there.
+
 A sentence-transformers folder (``modules.json``) runs its whole pipeline and is compared on ``sentence_embedding``,
 as ``minilm`` is. An encoder-decoder (T5, BART, Whisper) also gets ``decoder_input_ids``: the text's ids shifted
 right behind the decoder's start token (seeded ids for audio). A model that takes a cache runs with
@@ -50,12 +54,14 @@ from tf32lab.workloads.workload import Workload
 __all__ = ["SUPPORTED", "CausalLM", "causal_lm", "workload"]
 
 SUPPORTED = ("text encoders (BERT-like), decoders (GPT-2, Llama, Qwen2, Mistral), encoder-decoders (T5, BART), "
-             "vision (ViT, ConvNeXt, ResNet) and audio (wav2vec2, Whisper) models: a main input of input_ids, "
-             "pixel_values, input_values or input_features")
+             "vision (ViT, ConvNeXt, ResNet), text-image (CLIP, SigLIP) and audio (wav2vec2, Whisper) models: a main "
+             "input of input_ids, pixel_values, input_values or input_features")
 
 # The files a saved tokenizer leaves; without any, transformers builds an empty-vocabulary tokenizer silently
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
                     "tokenizer.model", "sentencepiece.bpe.model", "merges.txt")
+# what save_pretrained writes (or a sharded index of it): transformers 5 reads no TensorFlow or Flax weights
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 _SEED = 0
 _IMAGES = 4  # at most this many images or audio clips: a batch of 4 already fills a vision model's GEMMs
 _RATE = 16_000  # audio models' usual sampling rate, when no feature extractor says otherwise
@@ -75,19 +81,46 @@ def _looks_like_hub_id(text: str) -> bool:
     return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", text)) and not text.endswith((".", "-"))
 
 
+def _near_miss(path: Path) -> str:
+    """What a path without a config.json is instead, where a user's folder often is: a file in the model's folder,
+    a PEFT adapter, the Hugging Face cache's folder of a model (its snapshots hold the files), llama.cpp's GGUF
+    files."""
+    if path.is_file():
+        return f"; {path.name} is a file: give the folder that holds it and its config.json"
+    if (path / "adapter_config.json").is_file():
+        return ("; a PEFT adapter (adapter_config.json): merge it into its base model (merge_and_unload, then "
+                "save_pretrained) and give that folder")
+    try:
+        snapshots = sorted(p for p in (path / "snapshots").glob("*") if (p / "config.json").is_file())
+        gguf = sorted(p.name for p in path.glob("*.gguf"))
+    except OSError:  # unreadable: the line without a hint
+        return ""
+    if snapshots:
+        return f"; a Hugging Face cache folder: give a snapshot in it, such as hf:{snapshots[-1]}"
+    if gguf:
+        return (f"; {gguf[0]} is a GGUF file (llama.cpp's format), which transformers does not load here: give the "
+                f"model's transformers folder (config.json and safetensors)")
+    return ""
+
+
 def _folder(folder: str) -> Path:
     if not folder.strip():  # Path("") is the working directory: a model there would load unasked
         raise Tf32LabError(f"workload 'hf:{folder}': no folder given; accepted: hf:FOLDER, a local transformers "
                            f"model folder (its config.json and weights)")
     path = Path(folder).expanduser()
     if not (path / "config.json").is_file():
-        hub = "" if path.exists() or not _looks_like_hub_id(folder) else (
+        hub = _near_miss(path) if path.exists() else "" if not _looks_like_hub_id(folder) else (
             f"; for a Hugging Face Hub id, download it once (`huggingface-cli download {folder} --local-dir DIR`, "
             f"or `huggingface_hub.snapshot_download({folder!r}, local_dir=DIR)`) and pass hf:DIR: nothing is "
             f"downloaded at run time")
         raise Tf32LabError(f"workload 'hf:{folder}': no config.json in {path} (a local transformers model "
                            f"folder){hub}")
     return path
+
+
+def _name(path: Path) -> str:
+    """The folder's own name, also for ``hf:.`` or ``hf:..``, whose ``Path.name`` is empty or ``..``."""
+    return path.resolve().name or str(path.resolve())
 
 
 def _line(exc: BaseException) -> str:
@@ -98,6 +131,25 @@ def _line(exc: BaseException) -> str:
 
 def _has_tokenizer(path: Path) -> bool:
     return any((path / name).is_file() for name in _TOKENIZER_FILES)
+
+
+def _no_tokenizer(folder: str, path: Path, model_type: Optional[str]) -> Tf32LabError:
+    return Tf32LabError(f"workload 'hf:{folder}': a text model (model type {model_type!r}) with no tokenizer in "
+                        f"{path} (tokenizer.json or vocabulary files): save one there with tokenizer.save_pretrained")
+
+
+def _found(path: Path, most: int = 6) -> str:
+    """The folder's file names, for a line that says what is there: ``config.json, tf_model.h5``."""
+    names = sorted(entry.name for entry in path.iterdir())
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _weights(folder: str, path: Path) -> None:
+    """Refuses a folder with no weights transformers reads, naming what it holds: transformers' own line names one
+    file only, and a config alone would be a model of random weights nobody trained."""
+    if not any((path / name).is_file() for name in _WEIGHTS):
+        raise Tf32LabError(f"workload 'hf:{folder}': no weights in {path} (found: {_found(path)}); accepted: "
+                           f"{', '.join(_WEIGHTS)}, as save_pretrained writes them")
 
 
 def _tokenizer(folder: str, path: Path) -> Any:
@@ -127,6 +179,16 @@ def _transformers(folder: str) -> None:
         raise Tf32LabError(f"workload 'hf:{folder}' needs transformers: pip install transformers") from None
 
 
+_UNREADABLE = "its weights could not be read (a truncated or corrupt file?)"
+
+
+def _unreadable(exc: BaseException) -> bool:
+    """Whether loading failed on the weights' bytes (safetensors' header, a pickle), not on the model."""
+    import pickle
+
+    return "safetensor" in type(exc).__name__.lower() or isinstance(exc, (pickle.UnpicklingError, EOFError))
+
+
 def _load(cls: Any, path: Path) -> torch.nn.Module:
     """``cls.from_pretrained`` from the folder only, quietly. A mixture of experts runs its experts one GEMM each
     ("eager"), not transformers' default grouped GEMM (``torch._grouped_mm``): that has no float64 kernel for the
@@ -146,14 +208,48 @@ def causal_lm(folder: str) -> CausalLM:
     _transformers(folder)
     from transformers import AutoModelForCausalLM
 
+    _decoder_only(folder, _config(folder, path))
+    if not _has_tokenizer(path):  # transformers' own error named a backend, not the missing files
+        raise _no_tokenizer(folder, path, _model_type(path))
     tokenizer = _tokenizer(folder, path)
     tokenizer.padding_side = "left"  # new tokens follow each prompt's last token
+    _weights(folder, path)
     try:
         model = _load(AutoModelForCausalLM, path)
     except Exception as exc:
+        if _unreadable(exc):
+            raise Tf32LabError(f"workload 'hf:{folder}': {_UNREADABLE}: {_line(exc)}") from exc
         raise Tf32LabError(f"workload 'hf:{folder}': not a causal language model, or loading failed: "
                            f"{_line(exc)}") from exc
-    return CausalLM(model.float().eval(), tokenizer, path.name)
+    return CausalLM(model.float().eval(), tokenizer, _name(path))
+
+
+def _decoder_only(folder: str, config: Any) -> None:
+    """Refuses what the generation check cannot decode, before its tokenizer is asked for: an encoder-decoder
+    (``AutoModelForCausalLM`` gave BART's decoder alone, without the encoder its cross-attention reads), a model
+    type with no causal-LM class (a ViT was "a text model with no tokenizer", a BERT a transformers line naming
+    configuration classes) and a masked LM's weights (a RoBERTa saved as ``RobertaForMaskedLM`` loaded as
+    ``RobertaForCausalLM``: an encoder, attending both ways, decoded as if it were a decoder)."""
+    import transformers
+
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal
+    except ImportError:  # another layout: loading says what is wrong
+        return
+    model_type = getattr(config, "model_type", None)
+    known = [name for name in getattr(config, "architectures", None) or [] if hasattr(transformers, name)]
+    classes = {name for found in causal.values() for name in ((found,) if isinstance(found, str) else found)}
+    if getattr(config, "is_encoder_decoder", False):
+        why = "an encoder-decoder"
+    elif model_type not in causal:
+        why = "not a causal language model"
+    elif known and not classes.intersection(known):
+        why = f"saved as {', '.join(known)}, not a causal language model"
+    else:
+        return
+    raise Tf32LabError(f"workload 'hf:{folder}': model type {model_type!r} is {why}; the generation check decodes "
+                       f"a decoder-only causal language model (GPT-2, Llama, Qwen2, Mistral, Phi, Gemma: "
+                       f"AutoModelForCausalLM's model types); check it without --generate")
 
 
 def _config(folder: str, path: Path) -> Any:
@@ -164,6 +260,10 @@ def _config(folder: str, path: Path) -> Any:
             return AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:
         model_type = _model_type(path)
+        shape = _config_shape(path)
+        if shape:
+            raise Tf32LabError(f"workload 'hf:{folder}': its config.json {shape}; accepted: a config.json as "
+                               f"save_pretrained writes it, with the model_type transformers builds it by") from None
         if model_type is not None and "does not recognize" in str(exc):
             raise Tf32LabError(f"workload 'hf:{folder}': model type {model_type!r} is unknown to this transformers; "
                                f"supported: {SUPPORTED}") from None
@@ -171,6 +271,22 @@ def _config(folder: str, path: Path) -> Any:
             raise Tf32LabError(f"workload 'hf:{folder}': its config.json names the folder's own code (auto_map), "
                                f"which tf32lab never runs; supported: {SUPPORTED}") from None
         raise Tf32LabError(f"workload 'hf:{folder}': reading its config.json failed: {_line(exc)}") from None
+
+
+def _config_shape(path: Path) -> str:
+    """What is wrong with the shape of a config.json that parses (empty: nothing found wrong)."""
+    import json
+
+    try:
+        found = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(found, dict):
+        return f"is a JSON {type(found).__name__}, not an object"
+    if "model_type" not in found and "auto_map" not in found:
+        keys = ", ".join(sorted(found)[:6]) + (" ..." if len(found) > 6 else "")
+        return f"has no model_type (its keys: {keys or 'none'})"
+    return ""
 
 
 def _custom_code(path: Path) -> bool:
@@ -192,12 +308,15 @@ def _model_type(path: Path) -> Optional[str]:
     return found if isinstance(found, str) else None
 
 
-def _model(folder: str, path: Path, config: Any) -> torch.nn.Module:
-    """The class ``config.architectures`` names, as the folder's weights were saved from; else ``AutoModel``."""
+def _model(folder: str, path: Path, config: Any) -> tuple[torch.nn.Module, Optional[str]]:
+    """The class ``config.architectures`` names, as the folder's weights were saved from; else ``AutoModel``, with a
+    note naming the class asked for and the one checked (a bare model: no head, hidden states compared)."""
     import transformers
 
-    names = [name for name in (getattr(config, "architectures", None) or []) if hasattr(transformers, name)]
+    asked = [name for name in (getattr(config, "architectures", None) or []) if isinstance(name, str)]
+    names = [name for name in asked if hasattr(transformers, name)]
     cls = getattr(transformers, names[0]) if names else transformers.AutoModel
+    _weights(folder, path)
     try:
         model = _load(cls, path)
     except ValueError as exc:
@@ -206,8 +325,15 @@ def _model(folder: str, path: Path, config: Any) -> torch.nn.Module:
                                f"supported: {SUPPORTED}") from None
         raise Tf32LabError(f"workload 'hf:{folder}': loading failed: {_line(exc)}") from exc
     except Exception as exc:
+        if _unreadable(exc):
+            raise Tf32LabError(f"workload 'hf:{folder}': {_UNREADABLE}: {_line(exc)}") from exc
         raise Tf32LabError(f"workload 'hf:{folder}': loading failed: {_line(exc)}") from exc
-    return model.float().eval()
+    note = None
+    if not names:
+        named = (f"names {', '.join(asked)}, a class this transformers does not have" if asked else
+                 "names no architectures")
+        note = f"its config {named}: checked as {type(model).__name__} (AutoModel), without a head"
+    return model.float().eval(), note
 
 
 def _parameters(model: torch.nn.Module) -> dict[str, inspect.Parameter]:
@@ -218,14 +344,25 @@ def _parameters(model: torch.nn.Module) -> dict[str, inspect.Parameter]:
     return {name: p for name, p in found.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
 
 
+def _cache_through_kwargs(model: torch.nn.Module, config: Any) -> bool:
+    """Whether a model passes ``use_cache`` on to a language model inside through ``**kwargs`` (LLaVA): its forward
+    does not name it, and its cache would be compared as an output, "differing" at every level."""
+    try:
+        found = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    return any(p.kind is p.VAR_KEYWORD for p in found) and isinstance(getattr(text, "use_cache", None), bool)
+
+
 def _text(folder: str, path: Path, config: Any, sentences: int) -> dict[str, torch.Tensor]:
     if not _has_tokenizer(path):
-        raise Tf32LabError(f"workload 'hf:{folder}': a text model (model type {config.model_type!r}) with no "
-                           f"tokenizer in {path} (tokenizer.json or vocabulary files): save one there with "
-                           f"tokenizer.save_pretrained")
+        raise _no_tokenizer(folder, path, config.model_type)
     tokenizer = _tokenizer(folder, path)
-    # no longer than the model's positions: a longer sentence indexed past its position table
-    limit = next((found for found in (getattr(config, name, None) for name in ("max_position_embeddings",
+    # no longer than the model's positions: a longer sentence indexed past its position table (a CLIP keeps them
+    # in its text sub-config)
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    limit = next((found for found in (getattr(text, name, None) for name in ("max_position_embeddings",
                   "n_positions")) if isinstance(found, int) and found > 0), None)
     cut = {"truncation": True, "max_length": limit} if limit is not None else {}
     features = tokenizer(list(samples.SENTENCES[:sentences]), padding=True, return_tensors="pt", **cut)
@@ -245,18 +382,19 @@ def _start_token(config: Any, default: Optional[int]) -> int:
     return 0
 
 
-def _processor(path: Path, kind: str) -> Any:
-    """The folder's image processor or feature extractor, if it has a saved one (``preprocessor_config.json``)."""
+def _processor(path: Path, kind: str) -> tuple[Any, str]:
+    """The folder's image processor or feature extractor, if it has a saved one (``preprocessor_config.json``), and
+    else why not, for the note: a saved processor that is not used must not pass unsaid (no Pillow, say)."""
     if not (path / "preprocessor_config.json").is_file():
-        return None
+        return None, ""
     import transformers
 
     cls = transformers.AutoImageProcessor if kind == "image" else transformers.AutoFeatureExtractor
     try:
         with quiet_loading():
-            return cls.from_pretrained(str(path), local_files_only=True)
-    except Exception:  # a processor of the other kind, or one this transformers cannot build: the config decides
-        return None
+            return cls.from_pretrained(str(path), local_files_only=True), ""
+    except Exception as exc:  # a processor of the other kind, or one this transformers cannot build: the config decides
+        return None, f"; its {kind} processor not used: {_line(exc).rstrip(':')}"
 
 
 def _size(value: Any, default: int = 224) -> tuple[int, int]:
@@ -269,15 +407,18 @@ def _size(value: Any, default: int = 224) -> tuple[int, int]:
 
 def _pixels(path: Path, config: Any, count: int) -> tuple[dict[str, torch.Tensor], str]:
     draw = torch.Generator().manual_seed(_SEED)
+    # a CLIP's image size is its vision tower's, an image-to-text encoder-decoder's its encoder's
+    config = next((sub for sub in (getattr(config, name, None) for name in ("vision_config", "encoder"))
+                   if hasattr(sub, "image_size")), config)
     channels = getattr(config, "num_channels", 3)
     height, width = _size(getattr(config, "image_size", None))
-    processor = _processor(path, "image")
+    processor, unused = _processor(path, "image")
     if processor is not None and channels == 3:
         images = torch.randint(0, 256, (count, height, width, 3), dtype=torch.uint8, generator=draw)
         found = processor(images=list(images.numpy()), return_tensors="pt")
         return {"pixel_values": found["pixel_values"].float()}, "seeded random images through its image processor"
     pixels = torch.randn(count, channels, height, width, generator=draw)
-    return {"pixel_values": pixels}, "seeded normalized pixels of the config's size"
+    return {"pixel_values": pixels}, f"seeded normalized pixels of the config's size{unused}"
 
 
 def _waves(count: int, samples_: int) -> list[Any]:
@@ -290,7 +431,7 @@ def _waves(count: int, samples_: int) -> list[Any]:
 
 
 def _audio(folder: str, path: Path, config: Any, main: str, count: int) -> tuple[dict[str, torch.Tensor], str]:
-    extractor = _processor(path, "audio")
+    extractor, unused = _processor(path, "audio")
     if extractor is not None:
         rate = getattr(extractor, "sampling_rate", _RATE)
         length = getattr(extractor, "n_samples", rate)  # Whisper's extractor pads to its chunk (30 s)
@@ -298,7 +439,8 @@ def _audio(folder: str, path: Path, config: Any, main: str, count: int) -> tuple
         if main in found:
             return {main: found[main].float()}, "seeded noise through its feature extractor"
     if main == "input_values":
-        return {main: torch.tensor(_waves(count, _RATE))}, "one second of seeded noise at 16 kHz"
+        waves = torch.stack([torch.from_numpy(wave) for wave in _waves(count, _RATE)])  # one array, not a list
+        return {main: waves}, f"one second of seeded noise at 16 kHz{unused}"
     bins, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
     if not (isinstance(bins, int) and isinstance(positions, int)):
         raise Tf32LabError(f"workload 'hf:{folder}': model type {config.model_type!r} takes input_features but the "
@@ -307,7 +449,14 @@ def _audio(folder: str, path: Path, config: Any, main: str, count: int) -> tuple
     draw = torch.Generator().manual_seed(_SEED)
     # Whisper's encoder takes exactly 2 * max_source_positions frames (its convolutions halve them)
     features = torch.randn(count, bins, 2 * positions, generator=draw).mul_(0.5).clamp_(-1.5, 1.5)
-    return {main: features}, "seeded log-mel-like features of the config's size"
+    return {main: features}, f"seeded log-mel-like features of the config's size{unused}"
+
+
+def _dual_encoder(model: torch.nn.Module) -> bool:
+    """A text tower and an image tower side by side (CLIP, SigLIP, ALIGN): both features are what it computes, so
+    both inputs are needed. A vision-language decoder (LLaVA) also takes pixels but places them at image tokens
+    of the text, which the sample sentences do not have."""
+    return all(callable(getattr(model, name, None)) for name in ("get_text_features", "get_image_features"))
 
 
 def _decoder_ids(config: Any, count: int) -> torch.Tensor:
@@ -343,7 +492,7 @@ def _sentence_transformer(folder: str, path: Path, sentences: int) -> Workload:
     found = preprocess(list(samples.SENTENCES[:sentences]))
     inputs = {name: value for name, value in found.items() if isinstance(value, torch.Tensor)}
     note = f"inputs: {_shapes(inputs)} (the sample sentences through its sentence-transformers pipeline)"
-    return Workload(SentenceEmbedder(st.eval()), inputs, name=path.name, notes=(note,))
+    return Workload(SentenceEmbedder(st.eval()), inputs, name=_name(path), notes=(note,))
 
 
 def workload(folder: str, sentences: int = 16) -> Workload:
@@ -355,12 +504,20 @@ def workload(folder: str, sentences: int = 16) -> Workload:
     if (path / "modules.json").is_file():
         return _sentence_transformer(folder, path, sentences)
     config = _config(folder, path)
-    model = _model(folder, path, config)
+    model, fallback = _model(folder, path, config)
     accepted = _parameters(model)
     main = getattr(model, "main_input_name", "input_ids")
     count = max(1, min(sentences, _IMAGES))
     if main == "input_ids":
         inputs, how = _text(folder, path, config, sentences), "the sample sentences through its tokenizer"
+        if "pixel_values" in accepted and _dual_encoder(model):
+            # a text-image model (CLIP, SigLIP) scores each image against each sentence: it needs both, and
+            # raised on pixel_values None at the reference
+            pixels, seen = _pixels(path, config, count)
+            inputs.update(pixels)
+            how += f", {seen}"
+        elif "pixel_values" in accepted:
+            how += ", no images: they go at image tokens the sentences do not have, so its text path is checked"
     elif main == "pixel_values":
         inputs, how = _pixels(path, config, count)
     elif main in ("input_values", "input_features"):
@@ -377,12 +534,13 @@ def workload(folder: str, sentences: int = 16) -> Workload:
         raise Tf32LabError(f"workload 'hf:{folder}': model type {config.model_type!r} ({type(model).__name__}) also "
                            f"needs {', '.join(missing)}; supported: {SUPPORTED}")
     shapes = _shapes(inputs)
-    if "use_cache" in accepted:
+    if "use_cache" in accepted or _cache_through_kwargs(model, config):
         inputs["use_cache"] = False  # compare what the forward computes, not the next step's cache
     note = f"inputs: {shapes} ({how}{', use_cache=False' if 'use_cache' in inputs else ''})"
-    saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    # read from the instance: transformers 5's torch_dtype property logs a deprecation line to stderr
+    saved = vars(config).get("dtype") or vars(config).get("torch_dtype")
     if isinstance(saved, str):
         saved = getattr(torch, saved, None)
     if isinstance(saved, torch.dtype) and saved != torch.float32:  # TF32 is a float32 question: weights upcast
         note += f"; weights saved as {str(saved).removeprefix('torch.')}, checked in float32"
-    return Workload(model, inputs, name=path.name, notes=(note,))
+    return Workload(model, inputs, name=_name(path), notes=(note,) if fallback is None else (note, fallback))
