@@ -54,7 +54,7 @@ from tf32lab.numbers import accumulation as _accumulation
 from tf32lab.numbers import formats
 from tf32lab.numbers.trees import operand_tensors
 
-__all__ = ["ACCUMULATIONS", "Treatment", "check_accumulation", "emulate", "maths", "treatment"]
+__all__ = ["ACCUMULATIONS", "RECOMPUTES_EMULATED", "Treatment", "check_accumulation", "emulate", "maths", "treatment"]
 
 # How emulate() sums a GEMM's products: "ideal" (exact products, float32 sums as the CPU's BLAS orders them) or
 # "hardware" (the target's unit, bit for bit, chained along K: tf32lab.numbers.accumulation).
@@ -1041,6 +1041,15 @@ def _no_tf32_backward() -> bool:
 
 _RNN_FUNCTIONS = rules.RNN_FUNCTIONS
 _SDPA = rules.SDPA_FUNCTION
+# The entries of a backward pass. A mode is off inside its own handler, and the autograd engine keeps the function
+# mode stack it was called with: a backward started from the handler ran without this mode, so the forward that
+# torch.utils.checkpoint recomputes inside it took PyTorch's own SDPA path, not the forward's op (other tensors
+# saved: CheckpointError; reentrant: other gradients). ``redispatch_function`` (newer PyTorch, pytorch#177530)
+# calls the function past this one handler, so the mode can stay on for the whole backward.
+_BACKWARDS = frozenset({torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad})
+_redispatch: Optional[Callable] = getattr(torch.overrides, "redispatch_function", None)
+RECOMPUTES_EMULATED = _redispatch is not None
+"""Whether a checkpointed forward recomputed inside an emulated backward runs as the forward did (this PyTorch)."""
 
 
 class _FunctionMode(TorchFunctionMode):
@@ -1060,6 +1069,9 @@ class _FunctionMode(TorchFunctionMode):
                         return rules.sdpa_function(call, func, args, kwargs)
                 elif _float32_in(args):
                     return _rnn(entry, func, args, kwargs)
+        if func in _BACKWARDS and _redispatch is not None:
+            with self:  # the backward, and any forward it recomputes, under this mode as the forward was
+                return _redispatch(func, types, args, kwargs)
         # Known limit: the mode is off inside its own handler, so a call made *inside* another Python-level torch
         # function (F.multi_head_attention_forward) is not seen here; the dispatch mode still emulates what it
         # decomposes into (docs/design.md).

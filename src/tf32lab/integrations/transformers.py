@@ -53,6 +53,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from tf32lab.emulation.emulator import RECOMPUTES_EMULATED
 from tf32lab.errors import Tf32LabError
 from tf32lab.integrations import _loop
 from tf32lab.know.targets import Target
@@ -184,11 +185,12 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         counts: dict[int, Any] = {}  # each step's token count, the same for every row: counted once
         takes_count = trainer is not None and "num_items_in_batch" in inspect.signature(trainer.compute_loss).parameters
 
-        # gradient checkpointing recomputes a layer's forward inside the backward, where PyTorch runs no torch
-        # function mode: the emulator's attention (SDPA) rule is off there, the recompute saves other tensors than
-        # the forward did, and every emulated row failed (CheckpointError). The emulated rows' copies train without
-        # it: the same values, their activations kept.
-        unchecked = _checkpointed(model) and _emulated(self.target)
+        # gradient checkpointing recomputes a layer's forward inside the backward. A PyTorch without
+        # torch.overrides.redispatch_function runs that backward without the emulator's function mode: its attention
+        # (SDPA) rule is off there, the recompute saves other tensors than the forward did, and every emulated row
+        # failed (CheckpointError). There the emulated rows' copies train without it: the same values, their
+        # activations kept. A newer PyTorch recomputes under the emulator as the forward ran: nothing to change.
+        unchecked = _checkpointed(model) and _emulated(self.target) and not RECOMPUTES_EMULATED
         if unchecked:
             notes.append("the run trains with gradient checkpointing; the check's emulated rows trained without it "
                          "(the same values: a recomputed forward inside the backward is outside the emulator's "
