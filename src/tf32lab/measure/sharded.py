@@ -221,19 +221,32 @@ def _split_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float, 
     shape = (sum(s[0] for s in shapes), *shapes[0][1:])
     rows_y, rows_r = metrics.rows_of(y), metrics.rows_of(r)
     ref_norm, top = metrics.reference_extent(rows_r)
-    (top,) = ranks.max([top])
-    total_n, total_r2, rows = ranks.sum([float(r.numel()), ref_norm ** 2, float(rows_y.shape[0])])
-    rms = math.sqrt(total_r2 / total_n)
+    top, ref_top = ranks.max([top, ref_norm])
+    total_n, ref_sum, rows = ranks.sum([float(r.numel()), _scaled(ref_norm, ref_top), float(rows_y.shape[0])])
+    total_ref = _unscaled(ref_sum, ref_top)
+    rms = total_ref / math.sqrt(total_n)
     logits = metrics.is_logits(name, y)
     part = metrics.Partial().add(rows_y, rows_r, metrics.REL_FLOOR * top, rms, logits)
-    total_d2, rel_sum, rel_n, abs_sum, signed, agreed = ranks.sum(
-        [part.diff_norm ** 2, part.rel, float(part.rel_n), part.magnitude, part.signed, float(part.agree)])
+    max_abs, max_rel, neg_cosine, diff_top = ranks.max([part.max_abs, part.max_rel, -part.cosine, part.diff_norm])
+    diff_sum, rel_sum, rel_n, abs_sum, signed, agreed = ranks.sum(
+        [_scaled(part.diff_norm, diff_top), part.rel, float(part.rel_n), part.magnitude, part.signed,
+         float(part.agree)])
     counts = ranks.sum([float(c) for c in part.counts])
-    max_abs, max_rel, neg_cosine = ranks.max([part.max_abs, part.max_rel, -part.cosine])
-    normwise = math.sqrt(total_d2) / math.sqrt(total_r2) if total_r2 else (0.0 if total_d2 == 0.0 else math.inf)
+    total_diff = _unscaled(diff_sum, diff_top)
+    normwise = total_diff / total_ref if total_ref else (0.0 if total_diff == 0.0 else math.inf)
     return metrics.OutputError(name, shape, max_abs, max_rel, rel_sum / rel_n if rel_n else 0.0, normwise,
                                -neg_cosine, agreed / rows if logits else None, tuple(int(c) for c in counts),
                                tolerance, bias=metrics.bias(signed / total_n, abs_sum / total_n))
+
+
+# The ranks' norms are combined as ‖(n₁, n₂, ...)‖ = top · sqrt(Σ (nᵢ / top)²), top the largest: their squares
+# would overflow at 1e200 and underflow at 1e-300 (metrics.norm)
+def _scaled(norm: float, top: float) -> float:
+    return (norm / top) ** 2 if 0 < top < math.inf else 0.0
+
+
+def _unscaled(total: float, top: float) -> float:
+    return top * math.sqrt(total) if 0 < top < math.inf else top
 
 
 # -- faults ---------------------------------------------------------------------------------------------------

@@ -38,6 +38,8 @@ from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 __all__ = ["KeptState", "state_kept", "stateful_note"]
 
@@ -45,6 +47,7 @@ __all__ = ["KeptState", "state_kept", "stateful_note"]
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 _SCALARS = (int, float, complex, bool, str, bytes, type(None), tuple, torch.dtype, torch.device)
 _MISSING = object()
+_DEPTH = 3  # how far into lists, dicts and tuples the contents are kept (a list of (h, c) pairs is two levels)
 
 
 class KeptState:
@@ -79,27 +82,38 @@ Restore = Callable[[], list[str]]  # puts some state back; the names of what had
 def _kept(model: torch.nn.Module) -> list[tuple[str, Restore]]:
     """(prefix, restore) pairs, one for each piece of the model's state."""
     found: list[tuple[str, Restore]] = []
+    copies: dict[int, torch.Tensor] = {}  # a buffer shared by several modules is copied once
     with torch.no_grad():
-        for name, buffer in model.named_buffers(remove_duplicate=True):
-            if not buffer.is_inference():
-                found.append(("", _buffer(name, buffer)))
         for prefix, module in model.named_modules(remove_duplicate=True):
             where = f"{prefix}." if prefix else ""
-            if isinstance(module, torch.jit.ScriptModule):
+            scripted = isinstance(module, torch.jit.ScriptModule)
+            for key, buffer in module._buffers.items():
+                if buffer is None or (scripted and buffer.is_inference()):
+                    continue
+                if not buffer.is_inference() and id(buffer) not in copies:
+                    copies[id(buffer)] = buffer.detach().clone()
+                found.append((where, _buffer(module, key, buffer, copies.get(id(buffer)), scripted)))
+            if scripted:
                 found += [(where, restore) for restore in _script_attributes(module)]
             else:
                 found += [(where, restore) for restore in _attributes(module)]
     return found
 
 
-def _buffer(name: str, buffer: torch.Tensor) -> Restore:
-    value = buffer.detach().clone()
+def _buffer(module: torch.nn.Module, key: str, buffer: torch.Tensor, value: Any, scripted: bool) -> Restore:
+    """Put back buffer ``key`` of ``module``: the same tensor where the run registered another under its name
+    (a rotary embedding's ``inv_freq`` made anew for a longer input), and the values it had (``value``; None for
+    an inference tensor, which cannot be written)."""
 
     def restore() -> list[str]:
-        if buffer.shape != value.shape or torch.equal(buffer, value):
-            return []
-        buffer.copy_(value)
-        return [name]
+        changed = False
+        if not scripted and module._buffers.get(key) is not buffer:
+            module._buffers[key] = buffer
+            changed = True
+        if value is not None and buffer.shape == value.shape and not torch.equal(buffer, value):
+            buffer.copy_(value)
+            changed = True
+        return [key] if changed else []
 
     return restore
 
@@ -108,18 +122,25 @@ def _attributes(module: torch.nn.Module) -> Iterator[Restore]:
     """A Python module's data attributes, and the data attributes a run adds (removed again)."""
     held = vars(module)
     before = set(held)
+    derived = _derived(module)
     for key, value in list(held.items()):
-        if key not in _MODULE_INTERNALS and _is_data(value):
+        if key not in _MODULE_INTERNALS and key not in derived and _is_data(value):
             yield _attribute(key, value, lambda key=key: held.get(key, _MISSING),
                              lambda value, key=key: held.__setitem__(key, value))
 
     def added() -> list[str]:
-        new = [key for key in held if key not in before and _is_data(held[key])]
+        new = [key for key in held if key not in before and key not in derived and _is_data(held[key])]
         for key in new:
             del held[key]
         return new
 
     yield added
+
+
+def _derived(module: torch.nn.Module) -> set[str]:
+    """The attributes a forward pre-hook makes anew from the parameters before every call, not state: the
+    ``weight`` of ``torch.nn.utils.weight_norm`` and ``spectral_norm`` (their ``u`` and ``v`` are buffers)."""
+    return {hook.name for hook in module._forward_pre_hooks.values() if isinstance(hook, (WeightNorm, SpectralNorm))}
 
 
 def _is_data(value: Any) -> bool:
@@ -154,13 +175,21 @@ def _same(a: Any, b: Any) -> bool:
     return isinstance(a, _SCALARS) and a == b
 
 
-def _contents(value: Any) -> Any:
+def _contents(value: Any, depth: int = 0) -> Any:
+    """What :func:`_put_back` needs to put ``value``'s contents back: a tensor's version and values, a list's or
+    dict's items, and the contents of the items of a list, dict or tuple (a list of tensors updated in place:
+    ``self.state[0].add_(h)``), a few levels down."""
     if isinstance(value, torch.Tensor):
         return None if value.is_inference() else (value._version, value.detach().clone())
+    if depth >= _DEPTH:
+        return None
     if isinstance(value, list):
-        return list(value)
+        return list(value), [_contents(item, depth + 1) for item in value]
     if isinstance(value, dict):
-        return dict(value)
+        return dict(value), {key: _contents(item, depth + 1) for key, item in value.items()}
+    if isinstance(value, tuple):
+        inner = [_contents(item, depth + 1) for item in value]
+        return inner if any(c is not None for c in inner) else None
     return None
 
 
@@ -174,16 +203,25 @@ def _put_back(value: Any, contents: Any) -> bool:
             return False
         value.copy_(copy)
         return True
+    if isinstance(value, tuple):
+        return _inner_put_back(value, contents)
+    items, inner = contents
     if isinstance(value, list):
-        if len(value) == len(contents) and all(a is b for a, b in zip(value, contents)):
-            return False
-        value[:] = contents
-        return True
-    if value.keys() == contents.keys() and all(value[k] is contents[k] for k in contents):
-        return False
-    value.clear()
-    value.update(contents)
-    return True
+        changed = not (len(value) == len(items) and all(a is b for a, b in zip(value, items)))
+        if changed:
+            value[:] = items
+        return _inner_put_back(items, inner) or changed
+    changed = not (value.keys() == items.keys() and all(value[k] is items[k] for k in items))
+    if changed:
+        value.clear()
+        value.update(items)
+    return _inner_put_back(list(items.values()), list(inner.values())) or changed
+
+
+def _inner_put_back(items: Any, inner: list[Any]) -> bool:
+    """The contents of each of ``items`` put back; whether any had changed (each one put back, not only the
+    first changed)."""
+    return any([_put_back(item, kept) for item, kept in zip(items, inner)])
 
 
 def _script_attributes(module: torch.jit.ScriptModule) -> Iterator[Restore]:
@@ -197,7 +235,7 @@ def _script_attributes(module: torch.jit.ScriptModule) -> Iterator[Restore]:
     for name, value in found["named_attributes"]:
         if name not in skip and _is_data(value):
             # a list or dict read from TorchScript is a copy: its kept contents are compared, and set back whole
-            kept = _contents(value) if isinstance(value, (list, dict)) else value
+            kept = list(value) if isinstance(value, list) else dict(value) if isinstance(value, dict) else value
             yield _attribute(name, kept, lambda name=name: module._c.getattr(name),
                              lambda value, name=name: module._c.setattr(name, value))
 

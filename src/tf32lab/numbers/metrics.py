@@ -44,8 +44,8 @@ import torch
 from tf32lab.errors import Tf32LabError
 
 __all__ = ["ABSENT", "CANCELLED", "DEFAULT_TOLERANCE", "HISTOGRAM_EDGES", "OPERANDS", "REFERENCE", "OutputError",
-           "Partial", "Scale", "bias", "comparable", "compare", "is_logits", "multiple", "normwise", "normwise_over",
-           "output_error", "reference_extent", "row_chunks", "rows_of"]
+           "Partial", "Scale", "bias", "comparable", "compare", "is_logits", "multiple", "norm", "normwise",
+           "normwise_over", "output_error", "pairs", "reference_extent", "row_chunks", "rows_of"]
 
 # The default verdict: normwise relative error at most 1e-2, i.e. the output keeps two significant digits as a
 # whole. A well-conditioned network stays well below it at every reduced level (TF32's unit roundoff is
@@ -121,7 +121,29 @@ class OutputError:
 def normwise(y: torch.Tensor, r: torch.Tensor) -> float:
     """‖y − r‖ / ‖r‖ in float64; 0 when both are zero, inf when only the reference is."""
     r64 = r.double()
-    return _ratio(float(torch.linalg.vector_norm(y.double() - r64)), float(torch.linalg.vector_norm(r64)))
+    return _ratio(norm(y.double() - r64), norm(r64))
+
+
+# Where a float64 norm lies in these bounds, no square in its sum overflowed, and the squares that underflowed
+# (of elements below ~1e-154) are below 1e-28 of it per element: the plain norm is exact to float64's rounding
+_SAFE_NORMS = (1e-140, 1e140)
+
+
+def norm(t: torch.Tensor) -> float:
+    """‖t‖₂ in ``t``'s precision, over the largest magnitude where the squares of the elements would overflow or
+    underflow (1e200 and 1e-300 have a norm; torch's is inf and 0 there, as its BLAS-free sum of squares is
+    unscaled).
+
+    >>> norm(torch.full((4,), 1e200, dtype=torch.float64)), norm(torch.full((4,), 1e-300, dtype=torch.float64))
+    (2e+200, 2e-300)
+    """
+    found = float(torch.linalg.vector_norm(t))
+    if math.isnan(found) or _SAFE_NORMS[0] <= found <= _SAFE_NORMS[1] or t.numel() == 0:
+        return found
+    top = float(t.abs().max())
+    if top == 0 or not math.isfinite(top):
+        return top
+    return top * float(torch.linalg.vector_norm(t / top))
 
 
 def _ratio(diff: float, ref: float) -> float:
@@ -150,8 +172,8 @@ def normwise_over(found: Sequence[torch.Tensor], reference: Sequence[torch.Tenso
         r64 = r.detach().to(wide)  # the same tensor when it is float64 already
         # a bool or integer tensor cannot be subtracted from as it is (bool) or is promoted anyway: widen it
         y = y.detach() if y.is_floating_point() and not r.is_complex() else y.detach().to(wide)
-        diffs.append(float(torch.linalg.vector_norm(torch.sub(r64, y))))
-        refs.append(float(torch.linalg.vector_norm(r64)))
+        diffs.append(norm(torch.sub(r64, y)))
+        refs.append(norm(r64))
     return _ratio(_combined(diffs), _combined(refs))
 
 
@@ -178,10 +200,11 @@ def output_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float =
     """
     if y.shape != r.shape:
         raise ValueError(f"output {name!r} has shape {tuple(y.shape)}, its reference {tuple(r.shape)}")
-    y, r = y.detach(), r.detach()
+    shape = tuple(y.shape)
+    y, r = pairs(y.detach()), pairs(r.detach())
     n = y.numel()
     if n == 0:
-        return OutputError(name, tuple(y.shape), 0.0, 0.0, 0.0, 0.0, 1.0, None, (0,) * len(HISTOGRAM_EDGES), tolerance)
+        return OutputError(name, shape, 0.0, 0.0, 0.0, 0.0, 1.0, None, (0,) * len(HISTOGRAM_EDGES), tolerance)
     rows_y, rows_r = rows_of(y), rows_of(r)
     # the reference alone first: its norm (is it cancelled?) and largest magnitude (which elements have a relative
     # error) come before the errors
@@ -195,7 +218,7 @@ def output_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float =
     part = Partial().add(rows_y, rows_r, REL_FLOOR * top, rms, logits)
     error = part.diff_norm / scale.norm if cancelled else _ratio(part.diff_norm, ref_norm)
     magnitude = rms if cancelled else part.magnitude / n
-    return OutputError(name, tuple(y.shape), part.max_abs, part.max_rel, part.rel / part.rel_n if part.rel_n else 0.0,
+    return OutputError(name, shape, part.max_abs, part.max_rel, part.rel / part.rel_n if part.rel_n else 0.0,
                        error, part.cosine, part.agree / rows_y.shape[0] if logits else None,
                        tuple(int(c) for c in part.counts), tolerance, note=note,
                        bias=bias(part.signed / n, magnitude), scale=over)
@@ -206,6 +229,12 @@ def bias(signed: float, magnitude: float) -> float:
     if magnitude > 0:
         return signed / magnitude
     return 0.0 if signed == 0 else math.copysign(math.inf, signed)
+
+
+def pairs(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as (real, imaginary) pairs in float64 (a last dimension of 2), as :func:`compare` takes
+    it; any other as it is."""
+    return torch.view_as_real(t.to(torch.complex128)) if t.is_complex() else t
 
 
 def is_logits(name: str, y: torch.Tensor) -> bool:
@@ -235,7 +264,7 @@ def reference_extent(rows_r: torch.Tensor) -> tuple[float, float]:
     norms, top = [], []
     for rows in row_chunks(rows_r):
         part = _wide(rows_r[rows])
-        norms.append(float(torch.linalg.vector_norm(part)))
+        norms.append(norm(part))
         low, high = torch.aminmax(part)
         top.append(_largest(-float(low), float(high)))
     return _combined(norms), _largest(*top)
@@ -300,8 +329,8 @@ class Partial:
     def _chunk(self, y: torch.Tensor, r: torch.Tensor, threshold: float, rms: float, logits: bool) -> None:
         diff = y - r
         self.signed += float(diff.sum())
-        self._diff_norms.append(float(torch.linalg.vector_norm(diff)))
-        self._cosine.append(float(torch.nn.functional.cosine_similarity(y, r, dim=-1, eps=1e-300).min()))
+        self._diff_norms.append(norm(diff))
+        self._cosine.append(float(_cosines(y, r).min()))
         if logits:
             self.agree += int((y.argmax(-1) == r.argmax(-1)).sum())
         diff.abs_()
@@ -317,6 +346,22 @@ class Partial:
             self.rel_n += count
             self._max_rel.append(float(rel.max()))
         self.counts += _decades(diff, rms, work)
+
+
+def _cosines(y: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """The cosine similarity of each row of ``y`` with its row of ``r`` (0 where either is zero, as
+    ``cosine_similarity``'s), rows whose norms are out of :data:`_SAFE_NORMS` taken over their largest magnitudes:
+    ``cosine_similarity`` says 0 for rows of 1e200 and 13.7 for rows of 1e-300."""
+    found = torch.nn.functional.cosine_similarity(y, r, dim=-1, eps=1e-300)
+    low, high = _SAFE_NORMS
+    ny, nr = torch.linalg.vector_norm(y, dim=-1), torch.linalg.vector_norm(r, dim=-1)
+    odd = (ny < low) | (ny > high) | (nr < low) | (nr > high)  # a norm of 0 included: its squares may underflow
+    if bool(odd.any()):
+        ys, rs = y[odd], r[odd]
+        ys = ys / ys.abs().amax(-1, keepdim=True).clamp_min(1e-300)  # a zero row stays zero
+        rs = rs / rs.abs().amax(-1, keepdim=True).clamp_min(1e-300)
+        found[odd] = torch.nn.functional.cosine_similarity(ys, rs, dim=-1, eps=1e-300)
+    return found
 
 
 def _decades(diff: torch.Tensor, rms: float, work: Optional[torch.Tensor] = None) -> torch.Tensor:
