@@ -112,3 +112,18 @@ def test_predict_works_on_a_model_built_on_the_meta_device():
     high = report.level("high")
     assert high.speedup > 2 and high.band[0] < high.speedup < high.band[1]
     assert report.flops > 2 * 4 * 256 * 2 * 4096 * (4 * 4096 + 3 * 11008) * 0.9
+
+
+@pytest.mark.parametrize("spectral", [torch.nn.utils.parametrizations.spectral_norm, torch.nn.utils.spectral_norm],
+                         ids=["parametrizations", "legacy"])
+def test_a_matrix_vector_product_is_counted_and_spectral_norm_checks(spectral):
+    # spectral_norm's power iteration calls torch.mv, whose matrix is its `self` (addmv's is `mat`): the count
+    # raised KeyError, and check stopped with an internal error at its first level
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(spectral(torch.nn.Linear(8, 8)), torch.nn.Tanh())
+    counting = Counting(model)
+    with counting:
+        torch.mv(torch.randn(6, 8), torch.randn(8))
+    assert (1, 1, 6, 1, 8) in [g for op in counting.counts.ops for g in (op.gemms or ())]
+    report = tf32lab.check(tf32lab.Workload(model, torch.randn(4, 8)), levels=("highest", "high"), target="a100")
+    assert report.levels[0].passed and report.levels[1].passed

@@ -98,7 +98,7 @@ def _gemms(name: str, family: Optional[str], a: dict[str, Any], out: Any) -> Opt
         batch = _shape_prod(out.shape[:-2]) if x.dim() > 1 and y.dim() > 1 else 1
         return ((1, batch, m, n, int(x.shape[-1])),)
     if name in ("mv", "addmv", "addmv_"):
-        mat = a["mat"]
+        mat = a["mat"] if "mat" in a else a["self"]  # mv(self, vec); addmv(self, mat, vec)
         return ((1, 1, int(mat.shape[0]), 1, int(mat.shape[1])),)
     if name in ("dot", "vdot"):
         return ((1, 1, 1, 1, int(a["self"].shape[0])),)
