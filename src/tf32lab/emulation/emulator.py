@@ -54,7 +54,8 @@ from tf32lab.numbers import accumulation as _accumulation
 from tf32lab.numbers import formats
 from tf32lab.numbers.trees import operand_tensors
 
-__all__ = ["ACCUMULATIONS", "RECOMPUTES_EMULATED", "Treatment", "check_accumulation", "emulate", "maths", "treatment"]
+__all__ = ["ACCUMULATIONS", "COMPOSITES_EMULATED", "RECOMPUTES_EMULATED", "Treatment", "check_accumulation", "emulate",
+           "maths", "treatment"]
 
 # How emulate() sums a GEMM's products: "ideal" (exact products, float32 sums as the CPU's BLAS orders them) or
 # "hardware" (the target's unit, bit for bit, chained along K: tf32lab.numbers.accumulation).
@@ -1050,6 +1051,14 @@ _BACKWARDS = frozenset({torch.Tensor.backward, torch.autograd.backward, torch.au
 _redispatch: Optional[Callable] = getattr(torch.overrides, "redispatch_function", None)
 RECOMPUTES_EMULATED = _redispatch is not None
 """Whether a checkpointed forward recomputed inside an emulated backward runs as the forward did (this PyTorch)."""
+# Python-level torch functions that call F.scaled_dot_product_attention themselves (nn.MultiheadAttention and
+# nn.TransformerEncoderLayer with autograd on, need_weights=False). Called from the handler with the mode off, their
+# SDPA took this machine's path (the CPU's fused flash kernel, or its math path's bmm GEMMs); kept on, it is the
+# target's attention kernel, as a direct call. Only these: every call the mode sees inside costs a handler.
+_CALLS_SDPA = frozenset({F.multi_head_attention_forward})
+_KEEP_ON = _BACKWARDS | _CALLS_SDPA
+COMPOSITES_EMULATED = _redispatch is not None
+"""Whether an SDPA inside ``F.multi_head_attention_forward`` is emulated as a direct call is (this PyTorch)."""
 
 
 class _FunctionMode(TorchFunctionMode):
@@ -1069,12 +1078,14 @@ class _FunctionMode(TorchFunctionMode):
                         return rules.sdpa_function(call, func, args, kwargs)
                 elif _float32_in(args):
                     return _rnn(entry, func, args, kwargs)
-        if func in _BACKWARDS and _redispatch is not None:
-            with self:  # the backward, and any forward it recomputes, under this mode as the forward was
+        if func in _KEEP_ON and _redispatch is not None:
+            # a backward, and any forward it recomputes, under this mode as the forward was; a composite's SDPA seen
+            # here as a direct call is
+            with self:
                 return _redispatch(func, types, args, kwargs)
-        # Known limit: the mode is off inside its own handler, so a call made *inside* another Python-level torch
-        # function (F.multi_head_attention_forward) is not seen here; the dispatch mode still emulates what it
-        # decomposes into (docs/design.md).
+        # Known limit without redispatch_function (older PyTorch): the mode is off inside its own handler, so a call
+        # made *inside* another Python-level torch function (F.multi_head_attention_forward) is not seen here; the
+        # dispatch mode still emulates what it decomposes into (docs/design.md).
         return func(*args, **kwargs)
 
 
