@@ -672,7 +672,7 @@ def _speed(args: argparse.Namespace) -> int:
     first = predicted or measured
     what = "one training step (forward, backward, the optimizer's update)" if args.training else "one forward"
     print(f"tf32lab speed {_shown(loaded.name)}: {what}")
-    for line in first.lines(measured if predicted else None):
+    for line in first.lines(measured if predicted else None, width=_console().width):
         print(line)
     if predicted is not None and predicted.layers:
         worst = sorted(predicted.layers, key=lambda layer: -layer.seconds["highest"])[:8]
