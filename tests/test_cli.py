@@ -35,3 +35,13 @@ def test_bad_option_exits_2_without_traceback():
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert "unrecognized arguments: --no-such-option" in done.stderr
+
+
+def test_a_subcommands_bad_option_is_named_by_that_subcommand():
+    # tune takes no --levels: the line names tune and its --help, where the options it does take are listed
+    done = run("tune", "minilm", "--levels", "bfx9")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == ("tf32lab tune: error: unrecognized arguments: --levels bfx9 "
+                                   "(see tf32lab tune --help)")
+    nested = run("policy", "show", "p.json", "--no-such-option")
+    assert nested.returncode == 2 and nested.stderr.startswith("tf32lab policy show: error: unrecognized")

@@ -502,3 +502,18 @@ def test_a_model_of_small_gemms_is_told_its_gemms_are_small_not_that_they_are_fe
     assert share >= 0.5 and "buys little" in sentence
     assert f"matmul-family ops are {share:.0%} of its predicted time, but they are small" in sentence
     assert "only 1.0" in sentence.split("but they are small")[1]
+
+
+def test_a_prediction_beside_a_measurement_fits_the_width_asked_or_comes_as_two_tables():
+    from tf32lab.speed.prediction import LevelSpeed, SpeedReport
+
+    predicted = predict_counts(_mm(4096, 4096, 4096), "mm", known_targets.get("h100"))
+    measured = SpeedReport(workload="mm", target="cpu:x86_64", kind="measured", levels=tuple(
+        LevelSpeed(level=lv, seconds=s, speedup=0.012 / s, family_share=math.nan, spread=0.12)
+        for lv, s in (("highest", 0.012), ("high", 0.0123), ("medium", 0.0121))))
+    wide = predicted.lines(measured, width=200)
+    assert wide == predicted.lines(measured) and len(wide) == 4 and "measured (cpu:x86_64)" in wide[0]
+    narrow = predicted.lines(measured, width=80)
+    assert max(len(line) for line in narrow) <= 80
+    assert narrow == [*predicted.lines(), "", *measured.lines()]
+    assert "12.000 ms ±12%" in "\n".join(narrow)  # the measurement's spread stays in its own table

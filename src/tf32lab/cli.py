@@ -25,7 +25,11 @@ from tf32lab.know.levels import CONV_MATHS  # a table: no torch import, so --hel
 
 
 class _Parser(argparse.ArgumentParser):
-    """Bad arguments: one line naming the problem, exit code 2."""
+    """Bad arguments: one line naming the problem, exit code 2, from the (sub)command that was given them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.set_defaults(_parser=self)  # a subcommand's own overrides its parent's: main() names the innermost
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -672,7 +676,7 @@ def _speed(args: argparse.Namespace) -> int:
     first = predicted or measured
     what = "one training step (forward, backward, the optimizer's update)" if args.training else "one forward"
     print(f"tf32lab speed {_shown(loaded.name)}: {what}")
-    for line in first.lines(measured if predicted else None):
+    for line in first.lines(measured if predicted else None, width=_console().width):
         print(line)
     if predicted is not None and predicted.layers:
         worst = sorted(predicted.layers, key=lambda layer: -layer.seconds["highest"])[:8]
@@ -888,7 +892,9 @@ class _Stdout:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # argparse would name the top command, whose --help does not list a subcommand's options
+        args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(args, "run", None) is None:
         parser.print_help()
         return 0

@@ -208,14 +208,24 @@ class SpeedReport:
         (whole or not at all)."""
         return write_json(path, self.to_dict())
 
-    def lines(self, other: Optional[SpeedReport] = None) -> list[str]:
-        """A plain table, one line per level; with ``other`` (a measurement of the same workload), both."""
+    def lines(self, other: Optional[SpeedReport] = None, width: Optional[int] = None) -> list[str]:
+        """A plain table, one line per level; with ``other`` (a measurement of the same workload), both: side by
+        side, or where that is wider than ``width`` characters, this table and then ``other``'s."""
+        if other is not None and width is not None:
+            both = self.lines(other)
+            if max(len(line) for line in both) > width:
+                return [*self.lines(), "", *other.lines()]
+            return both
+        times = {lv.level: _time(lv.seconds) + (f" ±{lv.spread:.0%}" if lv.spread is not None else "")
+                 for lv in self.levels}
+        title = self.kind + " (" + self.target + ")"
+        column = max([len(title)] + [len(time) for time in times.values()])
         width = max([len(lv.likely()) for lv in self.levels] + [7])
-        head = f"{'level':<8} {self.kind + ' (' + self.target + ')':>24}  {'speedup':<{width}}  matmul share"
+        head = f"{'level':<8} {title:>{column}}  {'speedup':<{width}}  matmul share"
         rows = [head + (f"  {other.kind + ' (' + other.target + ')':>24}  speedup" if other else "")]
         for lv in self.levels:
             share = "-" if math.isnan(lv.family_share) else f"{lv.family_share:.0%}"  # a measurement has none
-            row = f"{lv.level:<8} {_time(lv.seconds):>24}  {lv.likely():<{width}}  {share:>11}"
+            row = f"{lv.level:<8} {times[lv.level]:>{column}}  {lv.likely():<{width}}  {share:>11}"
             if other is not None:
                 found = next((o for o in other.levels if o.level == lv.level), None)
                 if found is not None:
