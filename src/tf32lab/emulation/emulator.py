@@ -1061,6 +1061,25 @@ COMPOSITES_EMULATED = _redispatch is not None
 """Whether an SDPA inside ``F.multi_head_attention_forward`` is emulated as a direct call is (this PyTorch)."""
 
 
+_function_mode_stack = getattr(torch.overrides, "_get_current_function_mode_stack", lambda: ())
+# torch.device(...) as a context manager: a function mode that changes factory calls only
+try:
+    from torch.utils._device import DeviceContext as _DeviceContext
+except ImportError:  # older PyTorch: no such mode
+    _DeviceContext = None
+
+
+def _skips_none_but_this(types) -> bool:
+    """Whether ``redispatch_function`` skips only this mode. It skips every ``__torch_function__`` of the call: a
+    tensor subclass's and those of the user's modes below this one would not see a backward or an MHA call they
+    may handle, as they do outside ``emulate()``. Then the call goes on as any other, under the known limit below.
+    A mode that only passes such calls on (``torch.device`` as a context, or one marked ``passes_composites_on``)
+    loses nothing."""
+    return all(t is torch.Tensor for t in types) and all(
+        getattr(mode, "passes_composites_on", False) or (_DeviceContext is not None and type(mode) is _DeviceContext)
+        for mode in _function_mode_stack())
+
+
 class _FunctionMode(TorchFunctionMode):
     """Per thread: calls that PyTorch decomposes above the dispatcher into kernels of *this* machine: RNNs (whose
     GEMMs belong to cuDNN's RNN kernel on the target) and scaled_dot_product_attention (the target's kernel)."""
@@ -1078,7 +1097,7 @@ class _FunctionMode(TorchFunctionMode):
                         return rules.sdpa_function(call, func, args, kwargs)
                 elif _float32_in(args):
                     return _rnn(entry, func, args, kwargs)
-        if func in _KEEP_ON and _redispatch is not None:
+        if func in _KEEP_ON and _redispatch is not None and _skips_none_but_this(types):
             # a backward, and any forward it recomputes, under this mode as the forward was; a composite's SDPA seen
             # here as a direct call is
             with self:

@@ -224,6 +224,8 @@ class _Functions(TorchFunctionMode):
     the target runs one cuDNN kernel. Counted as that one op; its steps are not (thousands of handler calls that
     made counting cost 5 forwards of an LSTM)."""
 
+    passes_composites_on = True  # a backward or an MHA call below emulate()'s mode: nothing to see (emulator)
+
     def __init__(self, counting: Counting) -> None:
         super().__init__()
         self.counting = counting
