@@ -42,8 +42,9 @@ class Said(L.Callback):
         self.check = check
 
     def on_train_end(self, trainer, module):
-        print(f"rank {trainer.global_rank}: passed={self.check.passed} report={self.check.report is not None}",
-              flush=True)
+        sys.stdout.write(f"rank {trainer.global_rank}: passed={self.check.passed} "
+                         f"report={self.check.report is not None}\n")  # one write (see below)
+        sys.stdout.flush()
 
 
 def fit(folder, check):
@@ -63,4 +64,8 @@ if __name__ == "__main__":
     multiprocessing.set_forkserver_preload(["pytorch_lightning", "tf32lab.integrations.lightning"])
     plain = fit(sys.argv[1] + "/a", None)
     checked = fit(sys.argv[1] + "/b", Tf32Check(steps=2, levels=("highest", "high"), on_fail=sys.argv[2]))
-    print("same weights:", all(torch.equal(p, q) for p, q in zip(plain.parameters(), checked.parameters())))
+    # one write: the processes share one pipe, and print() writes its parts apart (another's output could land
+    # inside the line)
+    same = all(torch.equal(p, q) for p, q in zip(plain.parameters(), checked.parameters()))
+    sys.stdout.write(f"same weights: {same}\n")
+    sys.stdout.flush()

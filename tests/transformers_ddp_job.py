@@ -13,13 +13,19 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 from tf32lab.integrations.transformers import Tf32CheckCallback
 
 
+def said(line: str) -> None:
+    """``line`` in one write: the processes share one pipe, and print() writes its parts and its newline apart,
+    so that another process's output could land inside the line (seen: "same weights:", then another's newline)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 class Said(TrainerCallback):
     def __init__(self, check):
         self.check = check
 
     def on_train_end(self, args, state, control, **kwargs):
-        print(f"process {args.process_index}: passed={self.check.passed} report={self.check.report is not None}",
-              flush=True)
+        said(f"process {args.process_index}: passed={self.check.passed} report={self.check.report is not None}")
 
 
 def train(folder, check):
@@ -42,5 +48,4 @@ if __name__ == "__main__":
     plain = train(sys.argv[1] + "/a", None)
     checked = train(sys.argv[1] + "/b", Tf32CheckCallback(steps=2, levels=("highest", "high"), on_fail=sys.argv[2]))
     if torch.distributed.get_rank() == 0:
-        print("same weights:", all(torch.equal(p, q) for p, q in zip(plain.parameters(), checked.parameters())),
-              flush=True)
+        said(f"same weights: {all(torch.equal(p, q) for p, q in zip(plain.parameters(), checked.parameters()))}")
