@@ -326,18 +326,25 @@ def test_persistent_workers_keep_the_runs_iterator_and_their_random_streams(tmp_
 def test_a_loader_with_workers_is_read_in_the_runs_order_with_the_runs_augmentation(tmp_path):
     # the run's iterator, made before on_train_start, drew its seed and its first order then (its workers are
     # handed their first indices as it is made): the check trains the run's own first batches, noise and all
+    check, logged = _checked_and_logged(tmp_path, 4, DataLoader(Augmented(), batch_size=8, shuffle=True,
+                                                                num_workers=1))
+    assert check.report.reference_losses == pytest.approx(logged[:4], rel=1e-4)
+
+
+def _checked_and_logged(tmp_path, steps: int, loader) -> tuple:
+    """A run of ``Plain`` over ``loader`` with a check of ``steps`` steps at `highest`: the callback and the
+    losses the run logged."""
     torch.manual_seed(0)
     module = Plain()
-    check = Tf32Check(steps=4, levels=("highest",))
+    check = Tf32Check(steps=steps, levels=("highest",))
     logger = L.loggers.CSVLogger(tmp_path, name="run")
     trainer = L.Trainer(callbacks=[check], default_root_dir=tmp_path, logger=logger, enable_progress_bar=False,
                         enable_checkpointing=False, enable_model_summary=False, max_epochs=1, log_every_n_steps=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's advice on the number of workers
-        trainer.fit(module, DataLoader(Augmented(), batch_size=8, shuffle=True, num_workers=1))
+        trainer.fit(module, loader)
     with open(f"{logger.log_dir}/metrics.csv") as f:
-        logged = [float(row["train_loss"]) for row in csv.DictReader(f) if row.get("train_loss")]
-    assert check.report.reference_losses == pytest.approx(logged[:4], rel=1e-4)
+        return check, [float(row["train_loss"]) for row in csv.DictReader(f) if row.get("train_loss")]
 
 
 def test_mixed_precision_is_said_not_to_be_float32(tmp_path):
@@ -545,17 +552,7 @@ LOADERS = {
 def test_the_check_trains_the_runs_own_first_batches_however_its_loader_draws(tmp_path, loader):
     # the run makes its pass before on_train_start (its generators and PyTorch's stream as at on_fit_start) and
     # reads what it reads ahead then: the check's pass is made so, and its losses are the run's
-    torch.manual_seed(0)
-    module = Plain()
-    check = Tf32Check(steps=3, levels=("highest",))
-    logger = L.loggers.CSVLogger(tmp_path, name="run")
-    trainer = L.Trainer(callbacks=[check], default_root_dir=tmp_path, logger=logger, enable_progress_bar=False,
-                        enable_checkpointing=False, enable_model_summary=False, max_epochs=1, log_every_n_steps=1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Lightning's advice on the number of workers
-        trainer.fit(module, LOADERS[loader]())
-    with open(f"{logger.log_dir}/metrics.csv") as f:
-        logged = [float(row["train_loss"]) for row in csv.DictReader(f) if row.get("train_loss")]
+    check, logged = _checked_and_logged(tmp_path, 3, LOADERS[loader]())
     assert check.report.reference_losses == pytest.approx(logged[:3], rel=1e-4)
     assert not any("not the run's own" in note for note in check.report.notes)
 
