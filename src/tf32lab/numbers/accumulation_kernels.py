@@ -20,7 +20,9 @@ Example:
 
     >>> import numpy as np
     >>> from tf32lab.numbers.accumulation_kernels import fma_gemm
-    >>> fma_gemm(np.ones((1, 1, 3)), np.ones((1, 3, 2)), np.zeros((1, 1, 2), np.float32), 64).tolist()
+    >>> from tf32lab.numbers.compiled import torch_threads
+    >>> with torch_threads():  # as tf32lab calls them: numba's first parallel launch set torch's thread count
+    ...     fma_gemm(np.ones((1, 1, 3)), np.ones((1, 3, 2)), np.zeros((1, 1, 2), np.float32), 64).tolist()
     [[[3.0, 3.0]]]
 """
 
