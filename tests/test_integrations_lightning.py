@@ -390,7 +390,13 @@ def test_under_ddp_rank_0_checks_and_every_rank_ends_with_its_verdict(tmp_path):
     # the two ranks print to one pipe: their lines may land in either order, even on one line
     ranks = sorted(re.findall(r"rank (\d): passed=(True|False|None) report=(True|False)", out.stdout))
     assert ranks == [("0", "True", "True"), ("1", "True", "False")], out.stdout
-    assert "same weights: True" in out.stdout.splitlines()
+    assert "same weights: True" in out.stdout.splitlines(), out.stdout
+    # and every rank ends both fits with the same weights (DDP keeps its ranks alike; the check is on rank 0 only)
+    traces = re.findall(r"trace of rank (\d), (with|without): threads \d+, weights (\w+), steps ([^\n]*)", out.stdout)
+    assert sorted((rank, fit) for rank, fit, _, _ in traces) == [(r, f) for r in "01" for f in ("with", "without")]
+    assert len({weights for _, _, weights, _ in traces}) == 1, out.stdout
+    for rank in "01":  # each rank trained the same batches to the same losses with the check as without it
+        assert len({steps for r, _, _, steps in traces if r == rank}) == 1, out.stdout
 
 
 class Plain(L.LightningModule):
