@@ -130,3 +130,13 @@ def test_the_layers_are_the_folders():
     # every module lives in a layer (or is a face, a leaf or the package): a new folder must be placed in ORDER
     for module in _modules():
         assert module == "tf32lab" or _layer(module) is not None, f"{module}: in no layer of ORDER"
+
+
+def test_every_module_over_700_lines_is_argued_in_the_design():
+    # a module is one idea; one past 700 lines says why in docs/design.md ("Modules over 700 lines"), or splits
+    design = (SRC.parents[1] / "docs" / "design.md").read_text(encoding="utf-8")
+    section = design.split("### Modules over 700 lines", 1)[1].split("\n## ", 1)[0]
+    long = {str(path.relative_to(SRC)): len(path.read_text(encoding="utf-8").splitlines())
+            for path in SRC.rglob("*.py")}
+    unargued = {name: lines for name, lines in long.items() if lines > 700 and f"**`{name}` (" not in section}
+    assert not unargued, f"modules over 700 lines not argued in docs/design.md: {unargued}"
