@@ -23,14 +23,13 @@ from typing import Any, Optional
 
 from rich.text import Text
 
-from tf32lab.report.html import COLORS, TEMPLATES
+from tf32lab.report.html import TEMPLATES, row_color
 from tf32lab.report.tables import Column, Fitted
 from tf32lab.report.text import fmt, inert
 
 # report.generation's classes, named without importing them: the report calls this renderer (no circle)
 GenerationReport = GenerationLevel = Any
 
-FLOOR_COLOR = "#555"
 PROMPT_CHARS = 40  # a prompt as a table shows it
 PLOT_W, LABEL_W, LINE_H = 560, 300, 22
 
@@ -104,10 +103,6 @@ def renderables(report: GenerationReport) -> Iterator[Any]:
 
 
 # -- HTML -------------------------------------------------------------------------------------------------------
-def _color(lv: GenerationLevel) -> str:
-    return FLOOR_COLOR if lv.level == "float32" else COLORS.get(lv.level, "#9467bd")
-
-
 def divergence_chart(report: GenerationReport) -> dict[str, Any]:
     """One line per prompt, its new tokens from 1 to N; a mark per row at the step where its tokens leave
     float64's (an open mark past the end where they never do)."""
@@ -126,13 +121,13 @@ def divergence_chart(report: GenerationReport) -> dict[str, Any]:
                 continue
             step = lv.divergence[i]
             marks.append({"x": x(n + 1 if step is None else step), "y": y + (j - (len(shown) - 1) / 2) * 4,
-                          "color": _color(lv), "never": step is None,
+                          "color": row_color(lv.level), "never": step is None,
                           "title": f"{lv.level}: {'never leaves' if step is None else f'leaves at step {step}'}"})
         lines.append({"label": short(prompt), "y": y, "marks": marks})
     ticks = [{"x": x(s), "label": str(s)} for s in sorted({1, (n + 1) // 2, n})]
     return {"lines": lines, "ticks": ticks, "x0": x(1), "x1": x(n), "never_x": x(n + 1), "label_w": LABEL_W,
             "w": LABEL_W + PLOT_W, "h": 50 + len(report.prompts) * LINE_H,
-            "legend": [{"label": lv.level, "color": _color(lv)} for lv in shown]}
+            "legend": [{"label": lv.level, "color": row_color(lv.level)} for lv in shown]}
 
 
 def html(report: GenerationReport) -> str:

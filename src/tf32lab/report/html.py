@@ -22,6 +22,17 @@ from tf32lab.report.wording import given, tolerance_words
 Report = Any
 
 COLORS = {"highest": "#4c78a8", "high": "#f58518", "medium": "#e45756"}
+FLOOR_COLOR = "#555"  # float32 `highest`'s own row, the floor beside the levels
+OTHER_COLOR = "#9467bd"  # a level without a color of its own (bfx9)
+
+
+def row_color(level: str) -> str:
+    """The color a row of a chart is drawn in: its level's, the floor's for ``"float32"``.
+
+    >>> row_color("high"), row_color("float32")
+    ('#f58518', '#555')
+    """
+    return FLOOR_COLOR if level == "float32" else COLORS.get(level, OTHER_COLOR)
 CHART_LAYERS = 25
 LOG_LO, LOG_HI = -10.0, 1.0  # the error axis of the layer chart, in decades
 

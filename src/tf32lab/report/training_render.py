@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from rich.text import Text
 
-from tf32lab.report.html import COLORS, TEMPLATES
+from tf32lab.report.html import TEMPLATES, row_color
 from tf32lab.report.tables import Column, Fitted
 from tf32lab.report.text import fmt, inert
 from tf32lab.report.wording import given
@@ -33,7 +33,6 @@ from tf32lab.report.wording import given
 TrainingReport = TrainingLevel = Any
 
 TOP = 8  # parameters and modules listed
-FLOOR_COLOR = "#555"
 PLOT_W, PLOT_H = 620, 240
 LOG_LO = -12  # the deviation axis starts at 1e-12 (an exact match is drawn there)
 
@@ -143,7 +142,7 @@ def loss_chart(report: TrainingReport) -> dict[str, Any]:
     for lv in shown:
         points = " ".join(f"{x(k + 1):.1f},{_y(d, hi):.1f}" for k, d in enumerate(lv.deviations))
         lines.append({"label": _label(lv), "points": points, "dashed": lv.level == "float32",
-                      "color": FLOOR_COLOR if lv.level == "float32" else COLORS.get(lv.level, "#9467bd"),
+                      "color": row_color(lv.level),
                       "failed_x": x(lv.failed_step) if lv.failed_step else None})
     yticks = [{"y": _y(10.0**e, hi), "label": f"1e{e}"} for e in range(LOG_LO, hi + 1, 2)]
     xticks = [{"x": x(s), "label": str(s)} for s in sorted({1, (steps + 1) // 2, steps})]
@@ -170,7 +169,7 @@ def layer_chart(report: TrainingReport) -> dict[str, Any]:
         for j, lv in enumerate(shown):
             value = next((e.introduced for e in lv.layers if e.name == name), math.nan)
             bars.append({"y": 20 + i * group + j * bar_h, "w": w(value), "title": f"{_label(lv)}: {fmt(value)}",
-                         "color": FLOOR_COLOR if lv.level == "float32" else COLORS.get(lv.level, "#9467bd")})
+                         "color": row_color(lv.level)})
         groups.append({"name": name, "y": 20 + i * group + group / 2, "bars": bars})
     ticks = [{"x": w(10.0**e), "label": f"1e{e}"} for e in range(LOG_LO, 1, 2)]
     return {"groups": groups, "plot_w": plot_w, "label_w": 260, "bar_h": bar_h - 1, "ticks": ticks,
