@@ -11,8 +11,8 @@ the suite's CLI server (``tests/cli_runner.py``, which has imported torch and tf
 where that server cannot stand in for one: a job then pays only what its scenario imports beyond the server's.
 Each rank is still its own process, with its own exit code, signals, stdout and stderr, and the zygote runs no
 torch operation before it forks (OpenMP's thread pool does not survive a fork). It reaps the ranks and writes their
-exit codes (a signal as a negative one, as ``subprocess`` gives it) for ``run_job`` to read; a job is its own
-session, which ``run_job`` kills whole once it has ended or run past its timeout.
+exit codes (a signal as a negative one, as ``subprocess`` gives it) for ``run_job`` to read; a job is a process
+group of its own, which ``run_job`` kills whole once it has ended or run past its timeout.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def run_job(scenario: str, world: int, *args: str, timeout: float = 60.0, env: d
     with tempfile.TemporaryDirectory() as folder:
         try:
             # the zygote forked from the suite's CLI server (torch and tf32lab imported there once), or a fresh
-            # interpreter where that server cannot stand in for one; a session of its own either way
+            # interpreter where that server cannot stand in for one; a process group of its own either way
             zygote = cli_runner.run(folder, str(world), waited, scenario, *args, module="distributed_jobs",
                                     cwd=folder, env=base, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -104,8 +104,8 @@ def _zygote(folder: str, world: int, waited: set[int], scenario: str, args: list
     """Fork the job's ranks, wait for those in ``waited`` (then kill the rest), write every exit code."""
     import importlib
 
-    # a session of its own, named in the folder: run_job kills the job whole, zygote and ranks
-    with contextlib.suppress(PermissionError):  # already a session's leader
+    # a process group of its own (setsid), named in the folder: run_job kills the job whole, zygote and ranks
+    with contextlib.suppress(PermissionError):  # already leading one
         os.setsid()
     if os.getpgrp() == os.getpid():  # never the group of the process that started it
         (Path(folder) / "zygote.pid").write_text(str(os.getpid()))
