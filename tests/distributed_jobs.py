@@ -6,10 +6,13 @@ killed there, and the test fails saying so).
 The ranks are forked from one process per job that has imported torch, ``torch.distributed``, tf32lab and what
 every rank of the scenario imports (this file, run as a script: a zygote, as ``tests/cli_runner.py``'s server is),
 each with torchrun's environment of its rank: a job then pays one interpreter's start-up (2-3 CPU seconds with
-torch, and up to 2 more for the check, FSDP and DTensor) instead of one per rank. Each rank is
-still its own process, with its own exit code, signals, stdout and stderr, and the zygote runs no torch operation
-before it forks (OpenMP's thread pool does not survive a fork). It reaps the ranks and writes their exit codes
-(a signal as a negative one, as ``subprocess`` gives it) for ``run_job`` to read.
+torch, and up to 2 more for the check, FSDP and DTensor) instead of one per rank. The zygote itself is forked from
+the suite's CLI server (``tests/cli_runner.py``, which has imported torch and tf32lab), or is a fresh interpreter
+where that server cannot stand in for one: a job then pays only what its scenario imports beyond the server's.
+Each rank is still its own process, with its own exit code, signals, stdout and stderr, and the zygote runs no
+torch operation before it forks (OpenMP's thread pool does not survive a fork). It reaps the ranks and writes their
+exit codes (a signal as a negative one, as ``subprocess`` gives it) for ``run_job`` to read; a job is a process
+group of its own, which ``run_job`` kills whole once it has ended or run past its timeout.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import cli_runner
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
@@ -59,26 +64,24 @@ def run_job(scenario: str, world: int, *args: str, timeout: float = 60.0, env: d
     port = free_port()
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
             "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]), **(env or {})}
+            "PYTHONPATH": os.pathsep.join([str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")]), **(env or {})}
     waited = ",".join(map(str, range(world) if wait_for is None else wait_for))
     with tempfile.TemporaryDirectory() as folder:
-        with open(os.path.join(folder, "zygote.err"), "w+") as said:
-            # its own session: a job past its timeout is killed whole, zygote and ranks
-            zygote = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), folder, str(world), waited,
-                                       scenario, *args], env=base, stdout=said, stderr=said, start_new_session=True)
-            try:
-                zygote.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"distributed job {scenario!r} on {world} ranks still running after {timeout} s: "
-                                     f"killed") from None
-            finally:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(zygote.pid, signal.SIGKILL)
-                zygote.wait()
-            said.seek(0)
-            codes_file = Path(folder) / "codes.json"
-            assert zygote.returncode == 0 and codes_file.exists(), \
-                f"distributed job {scenario!r}: its zygote ended with {zygote.returncode}: {said.read()[-3000:]}"
+        try:
+            # the zygote forked from the suite's CLI server (torch and tf32lab imported there once), or a fresh
+            # interpreter where that server cannot stand in for one; a process group of its own either way
+            zygote = cli_runner.run(folder, str(world), waited, scenario, *args, module="distributed_jobs",
+                                    cwd=folder, env=base, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"distributed job {scenario!r} on {world} ranks still running after {timeout} s: "
+                                 f"killed") from None
+        finally:  # the job is killed whole: its ranks too (a rank that hangs on purpose, or past the timeout)
+            with contextlib.suppress(FileNotFoundError, ValueError, ProcessLookupError):
+                os.killpg(int((Path(folder) / "zygote.pid").read_text()), signal.SIGKILL)
+        codes_file = Path(folder) / "codes.json"
+        assert zygote.returncode == 0 and codes_file.exists(), \
+            f"distributed job {scenario!r}: its zygote ended with {zygote.returncode}: " \
+            f"{(zygote.stdout + zygote.stderr)[-3000:]}"
         codes = json.loads(codes_file.read_text())
         return [Rank(rank, codes[rank], (Path(folder) / f"{rank}.out").read_text(),
                      (Path(folder) / f"{rank}.err").read_text()) for rank in range(world)]
@@ -100,6 +103,12 @@ def _preloaded(scenario: str, args: list[str]) -> list[str]:
 def _zygote(folder: str, world: int, waited: set[int], scenario: str, args: list[str]) -> None:
     """Fork the job's ranks, wait for those in ``waited`` (then kill the rest), write every exit code."""
     import importlib
+
+    # a process group of its own (setsid), named in the folder: run_job kills the job whole, zygote and ranks
+    with contextlib.suppress(PermissionError):  # already leading one
+        os.setsid()
+    if os.getpgrp() == os.getpid():  # never the group of the process that started it
+        (Path(folder) / "zygote.pid").write_text(str(os.getpid()))
 
     # what every rank of this scenario imports, once for all (no torch operation runs here)
     import distributed_scenarios

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import cli_runner
+import inner_pytest
 import tf32lab
 from tf32lab import Policy, TrainingWorkload, Workload, check, check_training, predict
 from tf32lab.control import flags
@@ -158,9 +159,9 @@ def test_at_bfx9():
     assert unit_roundoff() == (2.0**-24, "bfx9")
     assert_close(a @ b, a.double() @ b.double(), operands=(a, b))
 """)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--tf32lab", "b200:bfx9", timeout=300)
+    result = inner_pytest.run(pytester, "--tf32lab", "b200:bfx9")
     result.assert_outcomes(passed=1)
-    bad = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--tf32lab", "h100:bfx9", timeout=300)
+    bad = inner_pytest.run(pytester, "--tf32lab", "h100:bfx9")
     assert bad.ret == pytest.ExitCode.USAGE_ERROR
 
 

@@ -10,15 +10,17 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
+import tempfile
 import textwrap
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+import cli_runner
 import tf32lab
 from dynamo_state import compiling_restored
 from kernel_levels import KernelLevels
@@ -36,8 +38,11 @@ def native(level: str) -> torch.Tensor:
 
 
 def run_python(code: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **env})
+    """``code`` in a process of its own, forked from the suite's CLI server (torch and tf32lab imported, no scope
+    ever entered, one thread), as ``python -c`` runs it in a fresh interpreter: the scope's state is the same."""
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "snippet.py").write_text(textwrap.dedent(code))
+        return cli_runner.run(module="snippet", cwd=folder, env={**os.environ, **env}, timeout=timeout)
 
 
 def in_thread(fn, *args):

@@ -7,8 +7,6 @@ import os
 import pkgutil
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -91,9 +89,9 @@ def test_readme_factory_file_runs_with_the_command_shown(tmp_path):
 def test_readme_test_file_passes_under_the_plugin_as_shown(tmp_path):
     (tmp_path / "test_numerics.py").write_text(FILES["test_numerics.py"])
     command = next(c for c in COMMANDS if c.startswith("pytest --tf32lab"))
-    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *shlex.split(command)[1:]],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                          env={**os.environ, **_pythonpath()})
+    # `python -m pytest` in a process forked from the suite's CLI server (torch imported once)
+    done = cli_runner.run("-p", "no:cacheprovider", *shlex.split(command)[1:], module="pytest", cwd=tmp_path,
+                          timeout=300, env={**os.environ, **_pythonpath()})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "3 passed" in done.stdout and "tf32lab: each test runs at precision 'high'" in done.stdout
 

@@ -533,7 +533,7 @@ def test_without_a_compile_neither_emulate_nor_check_imports_dynamo_and_a_compil
     # torch._dynamo costs 71 MiB and a second to import: a program that never compiles does not pay it. One that
     # compiles inside the block (importing dynamo there) is still emulated: Dynamo runs eagerly under the mode.
     code = textwrap.dedent("""
-        import sys, torch, tf32lab
+        import sys, threading, torch, tf32lab
         def escaping_backend(graph, example_inputs):
             def run(*args):
                 with torch._C._DisableTorchDispatch():
@@ -545,6 +545,14 @@ def test_without_a_compile_neither_emulate_nor_check_imports_dynamo_and_a_compil
         with tf32lab.precision("high"), tf32lab.emulate("a100"):
             emulated = layer(x)
         tf32lab.check(tf32lab.Workload(layer, x, name="one layer"))
+        class Helped(torch.nn.Module):  # part of its forward on a helper thread, which the check watches
+            def forward(self, x):
+                out = []
+                helper = threading.Thread(target=lambda: out.append(layer(x)))
+                helper.start()
+                helper.join()
+                return layer(x) + out[0]
+        tf32lab.check(tf32lab.Workload(Helped(), x, name="a helper thread"), levels=("high",), speed=False)
         print("dynamo after emulate and check:", "torch._dynamo" in sys.modules)
         with tf32lab.precision("high"), tf32lab.emulate("a100"):
             compiled = torch.compile(layer, backend=escaping_backend)

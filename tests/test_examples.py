@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +15,8 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def test_the_value_head_example_pins_the_head_and_keeps_the_bodys_tf32():
-    done = subprocess.run([sys.executable, str(EXAMPLES / "value_head" / "train.py"), "--steps", "8"],
-                          capture_output=True, text=True, timeout=300)
+    # the script in its folder, as `python train.py` runs it, in a process forked from the suite's CLI server
+    done = cli_runner.run("--steps", "8", module="train", cwd=EXAMPLES / "value_head", timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "the head's error is float32's, the body's is TF32's" in done.stdout
     assert "The policy (`high` by default, 'v_head' → `highest`) is within tolerance" in done.stdout

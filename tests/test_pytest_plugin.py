@@ -4,17 +4,14 @@ fixtures of wider scope, bad markers, and that it costs nothing when off; ``tf32
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import tempfile
 import textwrap
-import time
 from importlib.metadata import version
 
 import pytest
 
-import cli_runner
+from inner_pytest import run as _run
 
 pytest_plugins = ["pytester"]
 
@@ -109,25 +106,6 @@ LEAK = textwrap.dedent("""
 """)
 
 
-# Plugins of other packages that the inner runs leave out, as they do pytest-randomly's: hypothesis's imports
-# hypothesis at the end of every session and anyio's imports anyio, and pytest rewrites the asserts of a plugin's
-# whole distribution as it is imported (about 100 modules, 1.2-2 CPU seconds a run; its cache is off where
-# PYTHONDONTWRITEBYTECODE is set). None of them meets tf32lab's plugin: no inner test uses hypothesis or anyio.
-UNRELATED_PLUGINS = ("no:randomly", "no:hypothesispytest", "no:anyio")
-
-
-def _run(pytester: pytest.Pytester, *args: str, fresh: bool = False) -> pytest.RunResult:
-    """What ``pytester.runpytest_subprocess`` does, the child forked from the suite's CLI server (torch already
-    imported) unless ``fresh``: a real process each time, without paying torch's import each time."""
-    basetemp = tempfile.mkdtemp(prefix="runpytest-", dir=pytester.path)
-    path = os.pathsep.join(filter(None, [str(pytester.path), os.environ.get("PYTHONPATH")]))  # as pytester's popen
-    env = {**os.environ, "PYTHONPATH": path}
-    start = time.monotonic()
-    unrelated = [arg for name in UNRELATED_PLUGINS for arg in ("-p", name)]
-    done = cli_runner.run(f"--basetemp={basetemp}", "-p", "no:cacheprovider", *unrelated, *args,
-                          module="pytest", cwd=pytester.path, env=env, timeout=600, fresh=fresh)
-    return pytest.RunResult(done.returncode, done.stdout.splitlines(), done.stderr.splitlines(),
-                            time.monotonic() - start)
 
 
 def test_a_suite_as_an_a100_computes_it(pytester: pytest.Pytester):

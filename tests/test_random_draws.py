@@ -3,14 +3,13 @@ lazy modules start every row from one set of weights; two checks at once in two 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 import threading
 
 import pytest
 import torch
 
+import cli_runner
 import tf32lab
 from tf32lab.errors import Tf32LabError
 from tf32lab.measure.draws import RANDOM_OPS, SameDraws
@@ -182,16 +181,16 @@ def test_cli_check_and_check_train_of_a_sampling_model(tmp_path):
             return tf32lab.TrainingWorkload(model, [(x,)] * 2, inputs=lambda b: b[0],
                                             loss=lambda out, b: (out - b[0]).pow(2).mean())
     """))
-    run = [sys.executable, "-m", "tf32lab.cli", "check"]
-    done = subprocess.run([*run, "vae.py:make", "--levels", "highest", "--json", "out.json"], capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path)
+    def check(*args):  # a real process each, forked from the suite's CLI server (torch imported once)
+        return cli_runner.run("check", *args, module="tf32lab.cli", timeout=300, cwd=tmp_path)
+
+    done = check("vae.py:make", "--levels", "highest", "--json", "out.json")
     assert done.returncode == 0, done.stdout + done.stderr
     import json
 
     found = json.loads((tmp_path / "out.json").read_text())
     assert found["levels"][0]["outputs"][0]["normwise"] < 1e-6
-    done = subprocess.run([*run, "vae.py:train", "--train", "--levels", "highest"], capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path)
+    done = check("vae.py:train", "--train", "--levels", "highest")
     assert done.returncode == 0 and "PASSED" in done.stdout, done.stdout + done.stderr
 
 

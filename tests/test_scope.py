@@ -7,7 +7,9 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -293,9 +295,16 @@ def test_a_users_mode_entered_inside_a_scope_leaves_with_its_block_when_tasks_ad
     assert modes() == before and scope.census()["guards"] == 0
 
 
-def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **env})
+def run_python(code: str, fresh: bool = False, **env: str) -> subprocess.CompletedProcess:
+    """``code`` in a process of its own: forked from the suite's CLI server (torch and tf32lab imported, no scope
+    ever entered, one thread; TF32LAB_SCOPE_GUARD is read at the first scope), or a fresh interpreter where the
+    test is about what happens at import."""
+    if fresh:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, **env})
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "snippet.py").write_text(code)
+        return cli_runner.run(module="snippet", cwd=folder, env={**os.environ, **env}, timeout=120)
 
 
 def test_guard_always_lets_any_thread_contradict_the_main_thread():
@@ -316,7 +325,7 @@ def test_guard_always_lets_any_thread_contradict_the_main_thread():
 
 
 def test_a_bad_guard_setting_is_one_clear_line():
-    done = run_python("import tf32lab; print('imported')", TF32LAB_SCOPE_GUARD="sometimes")
+    done = run_python("import tf32lab; print('imported')", fresh=True, TF32LAB_SCOPE_GUARD="sometimes")
     assert done.returncode == 0 and done.stdout.strip() == "imported", done.stderr  # importing never fails
     message = "TF32LAB_SCOPE_GUARD='sometimes' is not understood; accepted: 'auto', 'always'"
     done = run_python("import tf32lab\ntry:\n    tf32lab.precision('high').__enter__()\n"
@@ -387,6 +396,6 @@ def test_a_forked_child_sees_its_own_threads():
         "_, status = os.waitpid(pid, 0)\n"
         "print(parent, os.waitstatus_to_exitcode(status) == 0)\n"
     )
-    done = run_python(code)
+    done = run_python(code, fresh=True)  # tf32lab imported in this very process, before its fork
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "True"]

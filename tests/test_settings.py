@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import inner_pytest
 import tf32lab
 from tf32lab import settings
 from tf32lab.control import flags
@@ -131,11 +132,11 @@ def test_level(tf32lab_level):
 def test_a_blank_plugin_variable_is_unset_and_a_set_one_turns_the_plugin_on(pytester, monkeypatch):
     pytester.makepyfile(test_suite=PLUGIN_SUITE)
     monkeypatch.setenv("TF32LAB_PYTEST", "   ")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly", "-s", timeout=600)
+    result = inner_pytest.run(pytester, "-s")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*LEVEL None*"])
     monkeypatch.setenv("TF32LAB_PYTEST", " A100:Medium ")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly", "-s", timeout=600)
+    result = inner_pytest.run(pytester, "-s")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*precision 'medium' as a100 computes them*", "*LEVEL medium*"])
 

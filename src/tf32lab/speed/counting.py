@@ -367,6 +367,7 @@ class Counting:
         return ROOT if node is None else self._nodes.get(node, ROOT)
 
 
+@modestack.skips_dynamo_lazily
 class _Watching(TorchDispatchMode):
     """On the stack of a thread that :class:`OtherThreads` watches: counts its matmul-family ops, changes nothing."""
 
