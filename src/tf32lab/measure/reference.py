@@ -70,6 +70,13 @@ def _narrow_among(values: Any) -> bool:
     return False
 
 
+def _writes_out(kwargs: dict) -> bool:
+    """Whether a call writes into an ``out=`` tensor: PyTorch's own ``torch.tensordot`` passes ``out=None`` on to
+    the function mode, a call like any other (taken for a write, its float32 operands met float64 ones unwidened:
+    e3nn's tensor products raised "both inputs should have same dtype")."""
+    return kwargs.get("out") is not None
+
+
 def _widen_args(args: Any) -> Any:
     return [type(a)(map(widen, a)) if isinstance(a, (list, tuple)) else widen(a) for a in args]
 
@@ -141,7 +148,7 @@ class _Functions(TorchFunctionMode):
         if plan is None:
             plan = _call_plan(func)
         if plan is not _ASKS and kwargs.get("dtype") not in _FLOAT64:  # the usual call: what it is, known per call
-            if plan is _AS_IS or "out" in kwargs:
+            if plan is _AS_IS or _writes_out(kwargs):
                 return func(*args, **kwargs)
             return _widened_call(func, args, kwargs, selecting=plan is _SELECTS)
         return self._asked(func, args, kwargs)
@@ -155,7 +162,7 @@ class _Functions(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if self._asks_float64(name, args, kwargs):
             return self._own_float64(func, name, args, kwargs)
-        if name in _PASS or name.endswith("_") or "out" in kwargs or moves_data(func):
+        if name in _PASS or name.endswith("_") or _writes_out(kwargs) or moves_data(func):
             return func(*args, **kwargs)
         rnn = _RNN_OPS.get(func)
         if rnn is not None:
