@@ -235,6 +235,9 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
     if predicted is not None:
         rows = [dataclasses.replace(r, speedup=session.speedup(r, predicted, row)) for r in rows]
     notes = [*workload.notes, *session.notes()]
+    counted = next((r for r in rows if r.same_as is None), None)  # the first end-to-end run: the one counted
+    work = _work_note(rows, counted) if predicted is not None and counted is not None else None
+    notes += [work] if work else []
     if ranks is not None:
         notes.append(f"sharded over {ranks.world} ranks: every error is the whole model's, reduced over the ranks "
                      f"(sums of squares, maxima); the speed prediction counts rank {ranks.rank}'s share of the work")
@@ -244,6 +247,22 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
         seconds=time.perf_counter() - started, notes=tuple(notes), speed=predicted,
         cudnn=cudnn.families(session.recorder.by_family, rows, target, cells, conv, predicted),
     )
+
+
+def _work_note(rows: list[LevelResult], counted: LevelResult) -> Optional[str]:
+    """What the report says where the levels ran different numbers of matmul-family ops (control flow that depends
+    on the values: an adaptive ODE solver takes more steps where TF32's error fails its estimate): the speed
+    prediction counts ``counted``'s run only, and a level doing more work is slower than it says."""
+    base = sum(counted.coverage.values())
+    other = [(r.level, sum(r.coverage.values())) for r in rows
+             if r.same_as is None and r.error is None and r is not counted]
+    other = [(level, ops) for level, ops in other if abs(ops - base) > 0.1 * max(base, 1)]
+    if not other or counted.error is not None:
+        return None
+    shown = ", ".join(f"at `{level}` {ops}" for level, ops in other)
+    return (f"the levels did different work: {shown} matmul-family ops, at `{counted.level}` {base} (control flow "
+            f"that depends on the values, such as an adaptive solver's steps); the predicted speedups count "
+            f"`{counted.level}`'s work only")
 
 
 def _noted(report: Report, changed: list[str]) -> Report:

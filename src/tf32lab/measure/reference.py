@@ -70,6 +70,13 @@ def _narrow_among(values: Any) -> bool:
     return False
 
 
+def _writes_out(kwargs: dict) -> bool:
+    """Whether a call writes into an ``out=`` tensor: PyTorch's own ``torch.tensordot`` passes ``out=None`` on to
+    the function mode, a call like any other (taken for a write, its float32 operands met float64 ones unwidened:
+    e3nn's tensor products raised "both inputs should have same dtype")."""
+    return kwargs.get("out") is not None
+
+
 def _widen_args(args: Any) -> Any:
     return [type(a)(map(widen, a)) if isinstance(a, (list, tuple)) else widen(a) for a in args]
 
@@ -141,8 +148,9 @@ class _Functions(TorchFunctionMode):
         if plan is None:
             plan = _call_plan(func)
         if plan is not _ASKS and kwargs.get("dtype") not in _FLOAT64:  # the usual call: what it is, known per call
-            if plan is _AS_IS or "out" in kwargs:
+            if plan is _AS_IS or _writes_out(kwargs):
                 return func(*args, **kwargs)
+            run.read_wider = False  # arithmetic since the last dtype read: a float64 asked for later is the model's
             return _widened_call(func, args, kwargs, selecting=plan is _SELECTS)
         return self._asked(func, args, kwargs)
 
@@ -151,11 +159,12 @@ class _Functions(TorchFunctionMode):
         float64, an RNN."""
         if getattr(func, "__self__", None) is _DTYPE:  # Python-level dtype checks see the widened model
             found = func(*args, **kwargs)
+            self.run.read_wider = found in _WIDER or (found in _FLOAT64 and not self._made_float64(args))
             return _WIDER.get(found, found)
         name = getattr(func, "__name__", "")
         if self._asks_float64(name, args, kwargs):
             return self._own_float64(func, name, args, kwargs)
-        if name in _PASS or name.endswith("_") or "out" in kwargs or moves_data(func):
+        if name in _PASS or name.endswith("_") or _writes_out(kwargs) or moves_data(func):
             return func(*args, **kwargs)
         rnn = _RNN_OPS.get(func)
         if rnn is not None:
@@ -167,10 +176,22 @@ class _Functions(TorchFunctionMode):
                 return _widened_call(func, args, kwargs, selecting=False)
         return _widened_call(func, args, kwargs, selecting=name in _SELECTING)
 
+    def _made_float64(self, args: tuple) -> bool:
+        """Whether the tensor whose dtype is read is one the model made float64 itself (every other float64 tensor
+        of the reference is float32 in the rows: a weight widened, or a result computed from one)."""
+        tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        ref = self.run.own_float64.get(id(tensor)) if tensor is not None else None
+        return ref is not None and ref() is tensor
+
     def _asks_float64(self, name: str, args: tuple, kwargs: dict) -> bool:
         """Whether the model itself asks for float64 here: ``dtype=torch.float64``, ``.double()``,
         ``.to(torch.float64)``, or a draw on a tensor it made so (``torch.rand_like(h.double())``)."""
-        if kwargs.get("dtype") in _FLOAT64 or name == "double":
+        if kwargs.get("dtype") in _FLOAT64:
+            # ``dtype=self.loc.dtype`` (torch.distributions' ``rsample``), read just before off a tensor that is
+            # float32 in the rows, is the float32 they make and draw at, not a float64 of the model's own
+            widened, self.run.read_wider = self.run.read_wider, False
+            return not widened
+        if name == "double":
             return True
         if name in ("to", "type"):
             return any(a in _FLOAT64 for a in args[1:])
@@ -410,6 +431,7 @@ class Float64Run:
         self.paused = False
         self.float32_writes = 0
         self.native_draws = False  # a draw the model asks for in float64 itself: drawn so, as its float32 rows do
+        self.read_wider = False  # the last dtype read, with no arithmetic since, was float32 in the rows
         # the tensors the model made float64 itself (id -> weak reference: a tensor's == is elementwise)
         self.own_float64: dict[int, weakref.ref] = {}
         self._modes = (_Functions(self), _Ops(self))

@@ -12,6 +12,9 @@ precision. What is kept:
   in place), a number, string, ``None`` or tuple (the same value put back), a list or dict (its items put back in
   the same object); one the run added is removed. Callables and other objects are the model's code and
   configuration, not its state: they are left alone (a policy's pinned ``forward`` among them);
+- the attributes of a plain object a module holds that holds nothing but data, as a module's (nflows' and
+  normflows' LU layers keep their eval-mode weight and inverse in such a ``_LinearCache``, empty until the first
+  call: the float64 reference filled it with float64 tensors, and every float32 row then raised at its product);
 - a TorchScript module's attributes likewise (parameters and buffers aside), through
   ``torch._C._jit_debug_module_iterators`` (where a torch lacks it, only the buffers).
 
@@ -34,8 +37,9 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any, Callable
+import types
+from collections.abc import Collection, Iterator
+from typing import Any, Callable, Optional
 
 import torch
 from torch.nn.utils.spectral_norm import SpectralNorm
@@ -84,6 +88,7 @@ def _kept(model: torch.nn.Module) -> list[tuple[str, Restore]]:
     found: list[tuple[str, Restore]] = []
     copies: dict[int, torch.Tensor] = {}  # a buffer shared by several modules is copied once
     with torch.no_grad():
+        holders: set[int] = set()  # a data object several modules hold (a shared config) is kept once
         for prefix, module in model.named_modules(remove_duplicate=True):
             where = f"{prefix}." if prefix else ""
             scripted = isinstance(module, torch.jit.ScriptModule)
@@ -96,7 +101,7 @@ def _kept(model: torch.nn.Module) -> list[tuple[str, Restore]]:
             if scripted:
                 found += [(where, restore) for restore in _script_attributes(module)]
             else:
-                found += [(where, restore) for restore in _attributes(module)]
+                found += [(where, restore) for restore in _attributes(module, holders)]
     return found
 
 
@@ -118,23 +123,47 @@ def _buffer(module: torch.nn.Module, key: str, buffer: torch.Tensor, value: Any,
     return restore
 
 
-def _attributes(module: torch.nn.Module) -> Iterator[Restore]:
-    """A Python module's data attributes, and the data attributes a run adds (removed again)."""
-    held = vars(module)
+def _attributes(module: torch.nn.Module, holders: set[int]) -> Iterator[Restore]:
+    """A Python module's data attributes, and the data attributes a run adds (removed again); and those of the
+    data objects it holds (``holders``: the ids of those already kept)."""
+    yield from _data_attributes(vars(module), _MODULE_INTERNALS | _derived(module), holders)
+
+
+def _data_attributes(held: dict[str, Any], skip: Collection[str], holders: Optional[set[int]]) -> Iterator[Restore]:
+    """The data entries of ``held`` (a module's or a data object's ``__dict__``) but ``skip``, and the ones a run
+    adds (removed again); with ``holders``, the attributes of the data objects among them too, one level down."""
     before = set(held)
-    derived = _derived(module)
     for key, value in list(held.items()):
-        if key not in _MODULE_INTERNALS and key not in derived and _is_data(value):
+        if key in skip:
+            continue
+        if _is_data(value):
             yield _attribute(key, value, lambda key=key: held.get(key, _MISSING),
                              lambda value, key=key: held.__setitem__(key, value))
+        elif holders is not None and id(value) not in holders and _holds_only_data(value):
+            holders.add(id(value))
+            yield from (_named(key, restore) for restore in _data_attributes(vars(value), (), None))
 
     def added() -> list[str]:
-        new = [key for key in held if key not in before and key not in derived and _is_data(held[key])]
+        new = [key for key in held if key not in before and key not in skip and _is_data(held[key])]
         for key in new:
             del held[key]
         return new
 
     yield added
+
+
+def _holds_only_data(value: Any) -> bool:
+    """A plain object (not a module, class or function) whose attributes are all data: a cache such as nflows'
+    ``_LinearCache``, not an object with parts of its own (a Lightning trainer, a gpytorch prediction strategy)."""
+    if isinstance(value, (torch.nn.Module, type, types.ModuleType)) or callable(value):
+        return False
+    attributes = getattr(value, "__dict__", None)
+    return isinstance(attributes, dict) and bool(attributes) and all(map(_is_data, attributes.values()))
+
+
+def _named(key: str, restore: Restore) -> Restore:
+    """``restore`` with the names it returns under ``key``: ``cache.weight``."""
+    return lambda: [f"{key}.{name}" for name in restore()]
 
 
 def _derived(module: torch.nn.Module) -> set[str]:

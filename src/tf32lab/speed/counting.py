@@ -183,7 +183,7 @@ def _bytes(name: str, args: tuple, kwargs: dict, out: Any) -> float:
     seen: set[tuple[int, int]] = set()
     total = 0.0
     for t in operand_tensors(args) + operand_tensors(kwargs.values()) if kwargs else operand_tensors(args):
-        if t.is_sparse:
+        if t.layout is not torch.strided:  # sparse COO, CSR, CSC, BSR: no storage of their own to key by
             continue
         numel = t.numel()
         key = (id(t) if t.is_meta else t.data_ptr(), numel)  # meta: shapes, no storage
