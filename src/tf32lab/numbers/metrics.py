@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -216,12 +217,31 @@ def output_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float =
         over, note, rms = OPERANDS, scale_note(ref_norm, scale), scale.norm / math.sqrt(n)
     logits = is_logits(name, y)
     part = Partial().add(rows_y, rows_r, REL_FLOOR * top, rms, logits)
+    if not (math.isfinite(ref_norm) and math.isfinite(part.diff_norm)) and math.isfinite(top):
+        shift = _overflow_shift(y, top, n)
+        if shift:
+            # finite values whose norm (or difference) is past float64's largest, 1.7e308 each: an infinite norm
+            # made a 1e-3 error 0.0 (and -r NaN). Every metric but max_abs is the same over both scaled down by a
+            # power of two (exact); max_abs is scaled back (inf where it is past float64's largest itself)
+            down = 2.0 ** -shift
+            small = Scale(scale.norm * down, scale.op) if scale is not None else None
+            found = output_error(name, y.double() * down, r.double() * down, tolerance, small)
+            return dataclasses.replace(found, shape=shape, max_abs=found.max_abs / down)
     error = part.diff_norm / scale.norm if cancelled else _ratio(part.diff_norm, ref_norm)
     magnitude = rms if cancelled else part.magnitude / n
     return OutputError(name, shape, part.max_abs, part.max_rel, part.rel / part.rel_n if part.rel_n else 0.0,
                        error, part.cosine, part.agree / rows_y.shape[0] if logits else None,
                        tuple(int(c) for c in part.counts), tolerance, note=note,
                        bias=bias(part.signed / n, magnitude), scale=over)
+
+
+def _overflow_shift(y: torch.Tensor, top: float, n: int) -> int:
+    """The power of two to scale an output and its reference (largest magnitude ``top``) down by, so that their
+    norms and differences stay in float64's range; 0 where ``y`` holds NaN or Inf, or no scaling helps."""
+    peak = max(top, float(y.abs().max()))
+    if not math.isfinite(peak):
+        return 0
+    return max(0, math.frexp(peak)[1] + math.frexp(math.sqrt(n))[1] + 2 - 1023)
 
 
 def bias(signed: float, magnitude: float) -> float:
