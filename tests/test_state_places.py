@@ -143,3 +143,22 @@ def test_a_buffer_on_the_meta_device_is_no_crash():
     model = _Meta()
     assert _error(_check(model)) < 1e-5  # torch.equal raised NotImplementedError on it
     assert model.placeholder.is_meta
+
+
+class _TurnsDropoutOn(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropout = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        out = self.dropout(self.linear(x))
+        self.dropout.train()  # as a model that turns its own dropout on (Monte Carlo dropout) after a call
+        return out
+
+
+def test_a_mode_a_run_changes_is_put_back_before_the_next():
+    model = _TurnsDropoutOn()
+    report = _check(model)
+    assert _error(report) < 1e-5  # was 1.0: every row after the reference ran with the dropout on
+    assert any("dropout.training" in note for note in report.notes), report.notes
+    assert model.training and model.dropout.training  # as it was: check's eval mode ends too

@@ -8,8 +8,9 @@ then each level) would start where the last one stopped, and compare calls that 
 precision. What is kept:
 
 - every buffer (its values, written back in place; whole where a run gave it another shape or dtype);
-- every module's submodules and parameters, as the same objects: one a run made or replaced is removed, the one
-  it replaced put back (a submodule made at the first call is made in the float64 reference run, in float64);
+- every module's ``training`` flag, and its submodules and parameters as the same objects: one a run made or
+  replaced is removed, the one it replaced put back (a submodule made at the first call is made in the float64
+  reference run, in float64);
 - every data attribute of every module: a tensor (the same object put back, and its values if they were written
   in place or it was given another, ``.data = ...``), a number, string, ``None`` or tuple (the same value put
   back), a list, deque, set, dict or dataclass (its items put back in the same object), a random generator
@@ -103,7 +104,8 @@ def _kept(model: torch.nn.Module) -> list[tuple[str, Restore]]:
             if scripted:
                 found += [(where, restore) for restore in _script_attributes(module)]
             else:
-                found += [(where, _members(module._modules)), (where, _members(module._parameters))]
+                found += [(where, _members(module._modules)), (where, _members(module._parameters)),
+                          (where, _mode(module))]
                 found += [(where, restore) for restore in _attributes(module)]
     return found
 
@@ -120,6 +122,20 @@ def _members(held: dict[str, Any]) -> Restore:
             held.clear()
             held.update(items)
         return changed
+
+    return restore
+
+
+def _mode(module: torch.nn.Module) -> Restore:
+    """Put back a module's ``training`` flag: a model that turns a dropout on as it runs had every later row
+    run with it on (check's eval mode is put back only at its end)."""
+    training = module.training
+
+    def restore() -> list[str]:
+        if module.training == training:
+            return []
+        module.training = training
+        return ["training"]
 
     return restore
 
