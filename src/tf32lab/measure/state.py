@@ -10,7 +10,7 @@ precision. What is kept:
 - every buffer (its values, written back in place; whole where a run gave it another shape or dtype);
 - every module's ``training`` flag, and its submodules and parameters as the same objects: one a run made or
   replaced is removed, the one it replaced put back (a submodule made at the first call is made in the float64
-  reference run, in float64);
+  reference run, in float64); the parameters not where FSDP manages them (it swaps them itself);
 - every data attribute of every module: a tensor (the same object put back, and its values if they were written
   in place or it was given another, ``.data = ...``), a number, string, ``None`` or tuple (the same value put
   back), a list, deque, set, dict or dataclass (its items put back in the same object), a random generator
@@ -42,6 +42,7 @@ import collections
 import contextlib
 import dataclasses
 import random
+import sys
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
@@ -91,6 +92,7 @@ def _kept(model: torch.nn.Module) -> list[tuple[str, Restore]]:
     """(prefix, restore) pairs, one for each piece of the model's state."""
     found: list[tuple[str, Restore]] = []
     copies: dict[int, torch.Tensor] = {}  # a buffer shared by several modules is copied once
+    sharded = _fsdp(model)
     with torch.no_grad():
         for prefix, module in model.named_modules(remove_duplicate=True):
             where = f"{prefix}." if prefix else ""
@@ -104,10 +106,20 @@ def _kept(model: torch.nn.Module) -> list[tuple[str, Restore]]:
             if scripted:
                 found += [(where, restore) for restore in _script_attributes(module)]
             else:
-                found += [(where, _members(module._modules)), (where, _members(module._parameters)),
-                          (where, _mode(module))]
+                found += [(where, _members(module._modules)), (where, _mode(module))]
+                if not sharded:  # FSDP swaps a module's parameters for their unsharded ones, and back, itself
+                    found.append((where, _members(module._parameters)))
                 found += [(where, restore) for restore in _attributes(module)]
     return found
+
+
+def _fsdp(model: torch.nn.Module) -> bool:
+    """Whether FSDP (``fully_shard``, ``FullyShardedDataParallel``) manages some of ``model``'s parameters (not
+    imported here where the model's code has not)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    kinds = tuple(k for k in (getattr(fsdp, "FSDPModule", None), getattr(fsdp, "FullyShardedDataParallel", None))
+                  if k is not None)
+    return bool(kinds) and any(isinstance(module, kinds) for module in model.modules())
 
 
 def _members(held: dict[str, Any]) -> Restore:
