@@ -9,6 +9,7 @@ import dataclasses
 import torch
 
 import tf32lab
+import tf32lab.measure.state
 
 
 def _check(model: torch.nn.Module) -> tf32lab.CheckReport:
@@ -162,3 +163,18 @@ def test_a_mode_a_run_changes_is_put_back_before_the_next():
     assert _error(report) < 1e-5  # was 1.0: every row after the reference ran with the dropout on
     assert any("dropout.training" in note for note in report.notes), report.notes
     assert model.training and model.dropout.training  # as it was: check's eval mode ends too
+
+
+def test_sparse_and_nested_tensors_are_put_back():
+    # torch.equal has no sparse kernel and a nested tensor no sizes: the reset raised on either
+    model = torch.nn.Linear(4, 4)
+    model.register_buffer("adjacency", torch.eye(3).to_sparse())
+    model.table = torch.eye(3).to_sparse()
+    model.ragged = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with tf32lab.measure.state.state_kept(model) as reset:
+        model.adjacency.mul_(2)
+        model.table = model.table * 2
+        model.ragged.mul_(2)
+        assert sorted(reset()) == ["adjacency", "ragged", "table"]
+    assert torch.equal(model.adjacency.to_dense(), torch.eye(3)) and torch.equal(model.table.to_dense(), torch.eye(3))
+    assert all(torch.equal(piece, torch.ones(n)) for piece, n in zip(model.ragged.unbind(), (2, 3)))

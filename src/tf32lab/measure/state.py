@@ -173,13 +173,41 @@ def _values_put_back(tensor: torch.Tensor, value: Optional[torch.Tensor]) -> boo
     values to compare."""
     if value is None:
         return False
-    if (tensor.shape, tensor.dtype, tensor.device) != (value.shape, value.dtype, value.device):
-        tensor.data = value.clone()
-        return True
-    if tensor.is_meta or torch.equal(tensor, value):
+    same = _signature(tensor) == _signature(value)
+    if same and _equal(tensor, value):
         return False
-    tensor.copy_(value)
+    if same and tensor.layout == torch.strided and not tensor.is_nested:
+        tensor.copy_(value)
+    else:
+        tensor.data = value.clone()
     return True
+
+
+def _signature(t: torch.Tensor) -> tuple:
+    """What must agree for one tensor's values to be copied into another (a nested tensor has no shape)."""
+    return t.layout, t.dtype, t.device, t.is_nested, None if t.is_nested else t.shape
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal`` of two tensors of one :func:`_signature`, for any layout (it has no sparse or nested kernel);
+    meta tensors have no values."""
+    if a.is_meta:
+        return True
+    if a.is_nested:
+        return a.size(0) == b.size(0) and all(torch.equal(x, y) for x, y in zip(a.unbind(), b.unbind()))
+    if a.layout != torch.strided:
+        return torch.equal(a.to_dense(), b.to_dense())
+    return torch.equal(a, b)
+
+
+def _pointer(t: torch.Tensor) -> Optional[int]:
+    """Where a tensor's values are (another after ``.data = ...``); None where it has no single storage."""
+    if t.layout != torch.strided or t.is_nested:
+        return None
+    try:
+        return t.data_ptr()
+    except RuntimeError:  # a tensor subclass or wrapper without storage
+        return None
 
 
 def _attributes(module: torch.nn.Module) -> Iterator[Restore]:
@@ -268,7 +296,7 @@ def _contents(value: Any, depth: int = 0) -> Any:
     dict's items, and the contents of the items of a list, dict or tuple (a list of tensors updated in place:
     ``self.state[0].add_(h)``), a few levels down."""
     if isinstance(value, torch.Tensor):
-        return None if value.is_inference() else (value._version, value.data_ptr(), value.detach().clone())
+        return None if value.is_inference() else (value._version, _pointer(value), value.detach().clone())
     access = _random_state(value)
     if access is not None:
         return access[0]()
@@ -294,7 +322,8 @@ def _put_back(value: Any, contents: Any) -> bool:
         return False
     if isinstance(value, torch.Tensor):
         version, pointer, copy = contents
-        if value._version == version and value.data_ptr() == pointer and value.dtype == copy.dtype:
+        if value._version == version and pointer is not None and _pointer(value) == pointer and \
+                value.dtype == copy.dtype:
             return False
         return _values_put_back(value, copy)
     access = _random_state(value)
