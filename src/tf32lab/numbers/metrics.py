@@ -242,7 +242,7 @@ def output_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float =
 def _overflow_shift(y: torch.Tensor, top: float, n: int) -> int:
     """The power of two to scale an output and its reference (largest magnitude ``top``) down by, so that their
     norms and differences stay in float64's range; 0 where ``y`` holds NaN or Inf, or no scaling helps."""
-    peak = max(top, float(y.abs().max()))
+    peak = _largest(top, float(y.abs().max()))  # NaN where y holds one
     if not math.isfinite(peak):
         return 0
     return max(0, math.frexp(peak)[1] + math.frexp(math.sqrt(n))[1] + 2 - 1023)
