@@ -322,20 +322,24 @@ def test_a_path_that_is_not_there_is_not_taken_for_a_hub_id(folder):
 
 
 # -- a model that samples ------------------------------------------------------------------------------------------
+# a generator the model draws from but does not hold (one it holds is its state, put back before every row:
+# tests/test_state_places.py)
+_STREAM = torch.Generator().manual_seed(1)
+
+
 class _Sampling(torch.nn.Module):
     """Draws from a stream no run of check seeds (PyTorch's own generators are: tests/test_random_draws.py)."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
         self.linear, self.how = torch.nn.Linear(16, 16), how
-        self.generator = torch.Generator().manual_seed(1)
 
     def forward(self, x):
         y = self.linear(x)
         if self.how == "python":
             # one draw per element: one scalar draw within 1% of the reference's passed at `highest` (1% odds)
             return y + torch.tensor([random.gauss(0.0, 1.0) for _ in range(y.numel())], dtype=y.dtype).view(y.shape)
-        return y + torch.randn(y.shape, generator=self.generator)  # a generator of its own
+        return y + torch.randn(y.shape, generator=_STREAM)  # a generator outside the model
 
 
 @pytest.mark.parametrize("how", ["python", "generator"])
@@ -363,15 +367,16 @@ def test_a_sampling_model_gets_one_recommendation_seed_it_and_no_tune_advice(tmp
     (tmp_path / "sampling.py").write_text(textwrap.dedent("""
         import torch
 
+        STREAM = torch.Generator().manual_seed(1)
+
         class M(torch.nn.Module):
             def __init__(self):
                 super().__init__()
                 self.linear = torch.nn.Linear(16, 16)
-                self.generator = torch.Generator().manual_seed(1)
 
             def forward(self, x):
                 y = self.linear(x)
-                return y + torch.randn(y.shape, generator=self.generator)
+                return y + torch.randn(y.shape, generator=STREAM)
 
         def make():
             return M(), torch.randn(8, 16)

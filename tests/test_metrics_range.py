@@ -97,3 +97,19 @@ def test_a_split_output_gets_the_same_numbers_at_the_ends_of_the_range(one_rank,
     found = sharded._split_error("out", y, r, 1e-2, one_rank)
     _assert_defined(found, y, r)  # the ranks' squared norms overflowed or underflowed in their sum
 
+
+
+@pytest.mark.parametrize("factor", [0.999, -1.0])
+def test_an_output_whose_norm_leaves_float64s_range_keeps_its_error(factor):
+    # each value finite, but ‖r‖ (and for -r, each difference) is past float64's largest: the error was
+    # 0.0 over an infinite norm (a 1e-3 error passed as none), and NaN for -r
+    r = torch.full((4, 4), 1.7e308, dtype=torch.float64)
+    y = r * factor
+    found = metrics.output_error("out", y, r)
+    want = abs(factor - 1.0)
+    assert found.normwise == pytest.approx(want, rel=1e-9)
+    assert found.max_rel == pytest.approx(want, rel=1e-9) and found.mean_rel == pytest.approx(want, rel=1e-9)
+    assert found.bias == pytest.approx(factor - 1.0, rel=1e-9)
+    assert found.cosine == pytest.approx(1.0 if factor > 0 else -1.0)
+    assert found.max_abs == pytest.approx(1.7e308 * want, rel=1e-9) if factor > 0 else found.max_abs == math.inf
+    assert found.passed == (factor > 0)

@@ -7,11 +7,16 @@ Silero VAD keeps its LSTM state and audio context in TorchScript attributes, so 
 then each level) would start where the last one stopped, and compare calls that differ for reasons other than
 precision. What is kept:
 
-- every buffer (its values, written back in place);
+- every buffer (its values, written back in place; whole where a run gave it another shape or dtype);
+- every module's ``training`` flag, and its submodules and parameters as the same objects: one a run made or
+  replaced is removed, the one it replaced put back (a submodule made at the first call is made in the float64
+  reference run, in float64); the parameters not where FSDP manages them (it swaps them itself);
 - every data attribute of every module: a tensor (the same object put back, and its values if they were written
-  in place), a number, string, ``None`` or tuple (the same value put back), a list or dict (its items put back in
-  the same object); one the run added is removed. Callables and other objects are the model's code and
-  configuration, not its state: they are left alone (a policy's pinned ``forward`` among them);
+  in place or it was given another, ``.data = ...``), a number, string, ``None`` or tuple (the same value put
+  back), a list, deque, set, dict or dataclass (its items put back in the same object), a random generator
+  (``torch.Generator``, NumPy's, ``random.Random``: its state put back); one the run added is removed.
+  Callables and other objects are the model's code and configuration, not its state: they are left alone (a
+  policy's pinned ``forward`` among them);
 - the attributes of a plain object a module holds that holds nothing but data, as a module's (nflows' and
   normflows' LU layers keep their eval-mode weight and inverse in such a ``_LinearCache``, empty until the first
   call: the float64 reference filled it with float64 tensors, and every float32 row then raised at its product);
@@ -36,7 +41,11 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
+import random
+import sys
 import types
 from collections.abc import Collection, Iterator
 from typing import Any, Callable, Optional
@@ -87,6 +96,7 @@ def _kept(model: torch.nn.Module) -> list[tuple[str, Restore]]:
     """(prefix, restore) pairs, one for each piece of the model's state."""
     found: list[tuple[str, Restore]] = []
     copies: dict[int, torch.Tensor] = {}  # a buffer shared by several modules is copied once
+    sharded = _fsdp(model)
     with torch.no_grad():
         holders: set[int] = set()  # a data object several modules hold (a shared config) is kept once
         for prefix, module in model.named_modules(remove_duplicate=True):
@@ -101,8 +111,50 @@ def _kept(model: torch.nn.Module) -> list[tuple[str, Restore]]:
             if scripted:
                 found += [(where, restore) for restore in _script_attributes(module)]
             else:
+                found += [(where, _members(module._modules)), (where, _mode(module))]
+                if not sharded:  # FSDP swaps a module's parameters for their unsharded ones, and back, itself
+                    found.append((where, _members(module._parameters)))
                 found += [(where, restore) for restore in _attributes(module, holders)]
     return found
+
+
+def _fsdp(model: torch.nn.Module) -> bool:
+    """Whether FSDP (``fully_shard``, ``FullyShardedDataParallel``) manages some of ``model``'s parameters (not
+    imported here where the model's code has not)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    kinds = tuple(k for k in (getattr(fsdp, "FSDPModule", None), getattr(fsdp, "FullyShardedDataParallel", None))
+                  if k is not None)
+    return bool(kinds) and any(isinstance(module, kinds) for module in model.modules())
+
+
+def _members(held: dict[str, Any]) -> Restore:
+    """Put back a module's submodules or parameters (``_modules``, ``_parameters``) as the same objects: one made
+    or replaced as it runs (``self.cache = nn.Linear(...)`` at the first call, made in float64 in the reference
+    run) is removed, the one it replaced put back."""
+    items = dict(held)
+
+    def restore() -> list[str]:
+        changed = [k for k in {**held, **items} if held.get(k, _MISSING) is not items.get(k, _MISSING)]
+        if changed:
+            held.clear()
+            held.update(items)
+        return changed
+
+    return restore
+
+
+def _mode(module: torch.nn.Module) -> Restore:
+    """Put back a module's ``training`` flag: a model that turns a dropout on as it runs had every later row
+    run with it on (check's eval mode is put back only at its end)."""
+    training = module.training
+
+    def restore() -> list[str]:
+        if module.training == training:
+            return []
+        module.training = training
+        return ["training"]
+
+    return restore
 
 
 def _buffer(module: torch.nn.Module, key: str, buffer: torch.Tensor, value: Any, scripted: bool) -> Restore:
@@ -115,12 +167,52 @@ def _buffer(module: torch.nn.Module, key: str, buffer: torch.Tensor, value: Any,
         if not scripted and module._buffers.get(key) is not buffer:
             module._buffers[key] = buffer
             changed = True
-        if value is not None and buffer.shape == value.shape and not torch.equal(buffer, value):
-            buffer.copy_(value)
-            changed = True
-        return [key] if changed else []
+        return [key] if _values_put_back(buffer, value) or changed else []
 
     return restore
+
+
+def _values_put_back(tensor: torch.Tensor, value: Optional[torch.Tensor]) -> bool:
+    """``value``'s values (a copy) in ``tensor``; whether they had changed. Another shape or dtype (``resize_``, or
+    ``.data`` set to another tensor: in the reference run a float64 one) is put back whole; a meta tensor has no
+    values to compare."""
+    if value is None:
+        return False
+    same = _signature(tensor) == _signature(value)
+    if same and _equal(tensor, value):
+        return False
+    if same and tensor.layout == torch.strided and not tensor.is_nested:
+        tensor.copy_(value)
+    else:
+        tensor.data = value.clone()
+    return True
+
+
+def _signature(t: torch.Tensor) -> tuple:
+    """What must agree for one tensor's values to be copied into another (a nested tensor has no shape)."""
+    return t.layout, t.dtype, t.device, t.is_nested, None if t.is_nested else t.shape
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal`` of two tensors of one :func:`_signature`, for any layout (it has no sparse or nested kernel);
+    meta tensors have no values."""
+    if a.is_meta:
+        return True
+    if a.is_nested:
+        return a.size(0) == b.size(0) and all(torch.equal(x, y) for x, y in zip(a.unbind(), b.unbind()))
+    if a.layout != torch.strided:
+        return torch.equal(a.to_dense(), b.to_dense())
+    return torch.equal(a, b)
+
+
+def _pointer(t: torch.Tensor) -> Optional[int]:
+    """Where a tensor's values are (another after ``.data = ...``); None where it has no single storage."""
+    if t.layout != torch.strided or t.is_nested:
+        return None
+    try:
+        return t.data_ptr()
+    except RuntimeError:  # a tensor subclass or wrapper without storage
+        return None
 
 
 def _attributes(module: torch.nn.Module, holders: set[int]) -> Iterator[Restore]:
@@ -173,7 +265,31 @@ def _derived(module: torch.nn.Module) -> set[str]:
 
 
 def _is_data(value: Any) -> bool:
-    return isinstance(value, (torch.Tensor, *_SCALARS, list, dict)) and not isinstance(value, torch.nn.Parameter)
+    if isinstance(value, torch.nn.Parameter):
+        return False
+    return isinstance(value, (torch.Tensor, *_SCALARS, list, dict, collections.deque, set)) or \
+        _random_state(value) is not None or _is_dataclass(value)
+
+
+def _is_dataclass(value: Any) -> bool:
+    """A dataclass instance with a ``__dict__`` (its fields are kept as a dict's items)."""
+    return dataclasses.is_dataclass(value) and not isinstance(value, type) and hasattr(value, "__dict__")
+
+
+def _random_state(value: Any) -> Optional[tuple[Callable[[], Any], Callable[[Any], None]]]:
+    """How to read and set the state of a random generator a module holds (``torch.Generator``, NumPy's
+    ``Generator`` and ``RandomState``, ``random.Random``): each run draws from where the check started."""
+    if isinstance(value, torch.Generator):
+        return value.get_state, value.set_state
+    if isinstance(value, random.Random):
+        return value.getstate, value.setstate
+    if type(value).__module__.startswith("numpy.random"):
+        if hasattr(value, "bit_generator"):  # numpy.random.Generator
+            generator = value.bit_generator
+            return (lambda: generator.state), (lambda state: setattr(generator, "state", state))
+        if hasattr(value, "get_state") and hasattr(value, "set_state"):  # numpy.random.RandomState
+            return value.get_state, value.set_state
+    return None
 
 
 def _attribute(key: str, value: Any, get: Callable[[], Any], put: Callable[[Any], None]) -> Restore:
@@ -209,11 +325,18 @@ def _contents(value: Any, depth: int = 0) -> Any:
     dict's items, and the contents of the items of a list, dict or tuple (a list of tensors updated in place:
     ``self.state[0].add_(h)``), a few levels down."""
     if isinstance(value, torch.Tensor):
-        return None if value.is_inference() else (value._version, value.detach().clone())
+        return None if value.is_inference() else (value._version, _pointer(value), value.detach().clone())
+    access = _random_state(value)
+    if access is not None:
+        return access[0]()
+    if _is_dataclass(value):
+        return _contents(vars(value), depth)
     if depth >= _DEPTH:
         return None
-    if isinstance(value, list):
+    if isinstance(value, (list, collections.deque)):
         return list(value), [_contents(item, depth + 1) for item in value]
+    if isinstance(value, set):
+        return list(value), [None] * len(value)
     if isinstance(value, dict):
         return dict(value), {key: _contents(item, depth + 1) for key, item in value.items()}
     if isinstance(value, tuple):
@@ -227,24 +350,54 @@ def _put_back(value: Any, contents: Any) -> bool:
     if contents is None:
         return False
     if isinstance(value, torch.Tensor):
-        version, copy = contents
-        if value._version == version or value.shape != copy.shape:
+        version, pointer, copy = contents
+        if value._version == version and pointer is not None and _pointer(value) == pointer and \
+                value.dtype == copy.dtype:
             return False
-        value.copy_(copy)
-        return True
+        return _values_put_back(value, copy)
+    access = _random_state(value)
+    if access is not None:
+        return _random_put_back(access, contents)
+    if _is_dataclass(value):
+        return _put_back(vars(value), contents)
     if isinstance(value, tuple):
         return _inner_put_back(value, contents)
     items, inner = contents
-    if isinstance(value, list):
+    if isinstance(value, (list, collections.deque, set)):
         changed = not (len(value) == len(items) and all(a is b for a, b in zip(value, items)))
+        if isinstance(value, set):
+            changed = {id(item) for item in value} != {id(item) for item in items}
         if changed:
-            value[:] = items
+            value.clear()
+            value.update(items) if isinstance(value, set) else value.extend(items)
         return _inner_put_back(items, inner) or changed
     changed = not (value.keys() == items.keys() and all(value[k] is items[k] for k in items))
     if changed:
         value.clear()
         value.update(items)
     return _inner_put_back(list(items.values()), list(inner.values())) or changed
+
+
+def _random_put_back(access: tuple[Callable[[], Any], Callable[[Any], None]], state: Any) -> bool:
+    """A random generator's ``state`` put back (read and set by ``access``); whether it had drawn since."""
+    now = access[0]()
+    if _same_state(now, state):
+        return False
+    access[1](state)
+    return True
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    """Whether two random states are equal: a tensor (torch), or dicts and tuples of numbers and arrays (NumPy)."""
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    if hasattr(a, "tolist"):  # a NumPy array
+        return a.tolist() == b.tolist()
+    return a == b
 
 
 def _inner_put_back(items: Any, inner: list[Any]) -> bool:

@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -184,9 +185,11 @@ def _combined(norms: list[float]) -> float:
 
 
 def output_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float = DEFAULT_TOLERANCE,
-                 scale: Optional[Scale] = None) -> OutputError:
+                 scale: Optional[Scale] = None, *, held: int = 0) -> OutputError:
     """The metrics of the module docstring for output ``name``; ``scale``: the magnitudes that formed it, over
-    which ``normwise`` is taken where the reference cancels to at most :data:`CANCELLED` of them.
+    which ``normwise`` is taken where the reference cancels to at most :data:`CANCELLED` of them; ``held``: how
+    many positions are zero in both in place of a NaN or Inf they both hold (:func:`compare`), left out of the
+    counts (the histogram's, the mean magnitude's).
 
     Computed over chunks of whole rows (:data:`CHUNK` elements or one row), each widened to float64 as it is read:
     a language model's logits (tens of millions of numbers) made about fifteen float64 buffers their size before,
@@ -209,19 +212,40 @@ def output_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float =
     # the reference alone first: its norm (is it cancelled?) and largest magnitude (which elements have a relative
     # error) come before the errors
     ref_norm, top = reference_extent(rows_r)
-    over, note, rms = REFERENCE, None, ref_norm / math.sqrt(n)
+    count = n - held  # the positions with values
+    over, note, rms = REFERENCE, None, ref_norm / math.sqrt(count)
     cancelled = scale is not None and scale.norm > 0 and math.isfinite(scale.norm) and \
         ref_norm <= CANCELLED * scale.norm
     if cancelled:  # the bias and the histogram over those magnitudes too
-        over, note, rms = OPERANDS, scale_note(ref_norm, scale), scale.norm / math.sqrt(n)
+        over, note, rms = OPERANDS, scale_note(ref_norm, scale), scale.norm / math.sqrt(count)
     logits = is_logits(name, y)
     part = Partial().add(rows_y, rows_r, REL_FLOOR * top, rms, logits)
+    if not (math.isfinite(ref_norm) and math.isfinite(part.diff_norm)) and math.isfinite(top):
+        shift = _overflow_shift(y, top, n)
+        if shift:
+            # finite values whose norm (or difference) is past float64's largest, 1.7e308 each: an infinite norm
+            # made a 1e-3 error 0.0 (and -r NaN). Every metric but max_abs is the same over both scaled down by a
+            # power of two (exact); max_abs is scaled back (inf where it is past float64's largest itself)
+            down = 2.0 ** -shift
+            small = Scale(scale.norm * down, scale.op) if scale is not None else None
+            found = output_error(name, y.double() * down, r.double() * down, tolerance, small, held=held)
+            return dataclasses.replace(found, shape=shape, max_abs=found.max_abs / down)
     error = part.diff_norm / scale.norm if cancelled else _ratio(part.diff_norm, ref_norm)
-    magnitude = rms if cancelled else part.magnitude / n
+    magnitude = rms if cancelled else part.magnitude / count
+    part.counts[0] -= held  # their errors, zero, counted in the first bin
     return OutputError(name, shape, part.max_abs, part.max_rel, part.rel / part.rel_n if part.rel_n else 0.0,
                        error, part.cosine, part.agree / rows_y.shape[0] if logits else None,
                        tuple(int(c) for c in part.counts), tolerance, note=note,
-                       bias=bias(part.signed / n, magnitude), scale=over)
+                       bias=bias(part.signed / count, magnitude), scale=over)
+
+
+def _overflow_shift(y: torch.Tensor, top: float, n: int) -> int:
+    """The power of two to scale an output and its reference (largest magnitude ``top``) down by, so that their
+    norms and differences stay in float64's range; 0 where ``y`` holds NaN or Inf, or no scaling helps."""
+    peak = _largest(top, float(y.abs().max()))  # NaN where y holds one
+    if not math.isfinite(peak):
+        return 0
+    return max(0, math.frexp(peak)[1] + math.frexp(math.sqrt(n))[1] + 2 - 1023)
 
 
 def bias(signed: float, magnitude: float) -> float:
@@ -480,13 +504,33 @@ def compare(name: str, y: Any, r: Any, tolerance: float = DEFAULT_TOLERANCE,
                                                   f"reference's same ones: the metrics cover the finite rest")
         if held == r.numel():
             return _fixed(name, shape, tolerance, note=note)
-        y, r = y[finite_r], r[finite_r]
-    found = output_error(name, y, r, tolerance, scale)
+        found = _finite_rest(name, y, r, finite_r, held, tolerance, scale)
+    else:
+        found = output_error(name, y, r, tolerance, scale)
     if note is None:
         return found
     note = note if found.note is None else f"{note}; {found.note}"
     return OutputError(name, shape, found.max_abs, found.max_rel, found.mean_rel, found.normwise, found.cosine,
                        found.top1, found.histogram, tolerance, None, note, bias=found.bias, scale=found.scale)
+
+
+def _finite_rest(name: str, y: torch.Tensor, r: torch.Tensor, finite: torch.Tensor, held: int, tolerance: float,
+                 scale: Optional[Scale]) -> OutputError:
+    """:func:`output_error` of ``y`` against ``r`` over ``finite``, the positions where they hold values (both hold
+    the same NaN or Inf at the ``held`` others). Those are taken as zero in both, so that the rows keep their shape:
+    the finite rest flattened into one row made the cosine that of the whole (a reversed row, -1, said 0.98) and
+    top1 one argmax (0 or 1). A row's cosine is over its values (a row of none has none); its argmax as PyTorch's
+    is, over its values and infinities (a NaN left out)."""
+    y0, r0 = y.masked_fill(~finite, 0.0), r.masked_fill(~finite, 0.0)
+    found = output_error(name, y0, r0, tolerance, scale, held=held)
+    live = rows_of(finite).any(-1)
+    cosine = float(_cosines(_wide(rows_of(y0)[live]), _wide(rows_of(r0)[live])).min())
+    top1 = found.top1
+    if top1 is not None:
+        nan = torch.isnan(r)
+        agree = y.masked_fill(nan, -math.inf).argmax(-1) == r.masked_fill(nan, -math.inf).argmax(-1)
+        top1 = int(agree.sum()) / agree.numel()
+    return dataclasses.replace(found, cosine=cosine, top1=top1)
 
 
 def _as_tensor(value: Any) -> Any:

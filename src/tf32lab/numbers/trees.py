@@ -1,4 +1,5 @@
-"""Nested inputs and outputs (tensors in tuples, lists, dicts, ``ModelOutput``s): name them, map over them.
+"""Nested inputs and outputs (tensors in tuples, lists, dicts, ``ModelOutput``s, dataclasses): name them, map
+over them.
 
 Example:
 
@@ -13,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Union
 
@@ -31,6 +33,8 @@ def named_tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tens
     elif isinstance(tree, (tuple, list)):
         for i, value in enumerate(tree):
             yield from named_tensors(value, f"{prefix}.{i}" if prefix else str(i))
+    elif _is_dataclass(tree):
+        yield from named_tensors(_fields(tree), prefix)
 
 
 def named_leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -41,6 +45,8 @@ def named_leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     elif isinstance(tree, (tuple, list)) and not isinstance(tree, torch.Size):
         for i, value in enumerate(tree):
             yield from named_leaves(value, f"{prefix}.{i}" if prefix else str(i))
+    elif _is_dataclass(tree):  # compared with ==, a dataclass of tensors raised (no single truth value)
+        yield from named_leaves(_fields(tree), prefix)
     else:
         yield (prefix or "output"), tree
 
@@ -60,7 +66,22 @@ def map_tensors(fn: Callable[[Any], Any], tree: Any, types: Union[type, tuple[ty
         return type(tree)(*(map_tensors(fn, value, types) for value in tree))
     if isinstance(tree, (tuple, list)):
         return type(tree)(map_tensors(fn, value, types) for value in tree)
+    if _is_dataclass(tree):
+        changed = {f.name: map_tensors(fn, getattr(tree, f.name), types) for f in dataclasses.fields(tree) if f.init}
+        try:
+            return dataclasses.replace(tree, **changed)
+        except (TypeError, ValueError):  # a __post_init__ that does not take its own fields back
+            return tree
     return tree
+
+
+def _is_dataclass(value: Any) -> bool:
+    """A dataclass instance (a ``ModelOutput`` is a Mapping, taken as one first)."""
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def _fields(value: Any) -> dict[str, Any]:
+    return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
 
 
 def operand_tensors(args: Any) -> list[torch.Tensor]:

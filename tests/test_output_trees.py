@@ -1,0 +1,45 @@
+"""An output that is a dataclass (not a ``ModelOutput``): compared field by field, as a dict's items are."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import tf32lab
+from tf32lab.numbers import trees
+
+
+@dataclasses.dataclass
+class _Prediction:
+    scores: torch.Tensor
+    labels: torch.Tensor
+    extra: object = None
+
+
+class _ReturnsDataclass(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return _Prediction(y, y.argmax(-1))
+
+
+def test_a_dataclass_output_is_compared_field_by_field():
+    # it was one leaf compared with ==, which raised "Boolean value of Tensor ... is ambiguous" out of check
+    torch.manual_seed(0)
+    report = tf32lab.check(tf32lab.Workload(_ReturnsDataclass(), torch.randn(8, 16)), levels=("highest",))
+    outputs = {o.name: o for o in report.levels[0].outputs}
+    assert set(outputs) == {"scores", "labels"}
+    assert outputs["scores"].normwise < 1e-5 and outputs["labels"].exact and outputs["labels"].passed
+
+
+def test_trees_name_and_map_a_dataclass_by_its_fields():
+    found = _Prediction(torch.ones(1), torch.zeros(1), extra=3)
+    assert [name for name, _ in trees.named_tensors(found)] == ["scores", "labels"]
+    assert [name for name, _ in trees.named_leaves(found)] == ["scores", "labels", "extra"]
+    widened = trees.map_tensors(lambda t: t.double(), found)
+    assert isinstance(widened, _Prediction) and widened.scores.dtype == torch.float64 and widened.extra == 3
+    assert found.scores.dtype == torch.float32  # a new one, the model's own left alone

@@ -1,0 +1,180 @@
+"""State a model keeps in more places: a submodule or parameter it adds or replaces as it runs, a buffer or tensor
+it resizes or gives another dtype, a random generator, a deque or a dataclass; and a buffer on the meta device."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import torch
+
+import tf32lab
+import tf32lab.measure.state
+
+
+def _check(model: torch.nn.Module) -> tf32lab.CheckReport:
+    torch.manual_seed(0)
+    return tf32lab.check(tf32lab.Workload(model, torch.randn(8, 16), name="stateful"), levels=("highest",),
+                         target="a100")
+
+
+def _error(report: tf32lab.CheckReport) -> float:
+    (level,) = report.levels
+    assert level.error is None, level.error
+    (output,) = level.outputs
+    return output.normwise
+
+
+class _Base(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+
+class _AddsModule(_Base):
+    def forward(self, x):
+        if not hasattr(self, "cache"):
+            self.cache = torch.nn.Linear(16, 16)  # made at the first call: in the reference run, in float64
+        return self.linear(x) + self.cache(x)
+
+
+class _ReplacesModule(_Base):
+    def forward(self, x):
+        out = self.linear(x)
+        self.linear = torch.nn.Linear(16, 16)
+        return out
+
+
+class _ReplacesParameter(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.ones(16))
+
+    def forward(self, x):
+        out = self.linear(x) * self.gain
+        self.gain = torch.nn.Parameter(self.gain.detach() * 1.5)
+        return out
+
+
+def test_a_submodule_or_parameter_added_or_replaced_as_it_runs_is_put_back():
+    # the module made in the float64 reference run had float64 weights: every row raised a dtype error (a level
+    # FAILED for no precision reason), and the model kept it, in float64
+    model = _AddsModule()
+    assert _error(_check(model)) < 1e-5
+    assert not hasattr(model, "cache")
+    model = _ReplacesModule()
+    linear = model.linear
+    assert _error(_check(model)) < 1e-5
+    assert model.linear is linear and linear.weight.dtype == torch.float32
+    # a parameter made anew, scaled: each row started from the last one's (normwise 0.5 at highest)
+    model = _ReplacesParameter()
+    gain = model.gain
+    report = _check(model)
+    assert _error(report) < 1e-5
+    assert model.gain is gain and torch.equal(gain, torch.ones(16))
+    assert any("gain" in note for note in report.notes), report.notes
+
+
+class _Resized(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(16))
+        self.total = torch.zeros(16)
+
+    def forward(self, x):
+        out = self.linear(x) + self.seen.sum() + self.total.sum()
+        self.seen.resize_(self.seen.numel() + 1).fill_(1.0)  # in place, another shape
+        self.total.data = self.total + 1  # another tensor under the same object: float64 in the reference run
+        return out
+
+
+def test_a_buffer_or_tensor_given_another_shape_or_dtype_is_put_back():
+    model = _Resized()
+    seen, total = model.seen, model.total
+    assert _error(_check(model)) < 1e-5  # was 32 at highest: each row added the last one's ones
+    assert model.seen is seen and model.total is total
+    for held in (seen, total):
+        assert held.dtype == torch.float32 and torch.equal(held, torch.zeros(16))
+
+
+class _Noisy(_Base):
+    """Noise from a generator of its own, and a history in a deque and in a dataclass."""
+
+    @dataclasses.dataclass
+    class Memory:
+        last: torch.Tensor
+        calls: int = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(1)
+        self.history = collections.deque([torch.zeros(16)], maxlen=2)
+        self.memory = self.Memory(torch.zeros(16))
+
+    def forward(self, x):
+        out = self.linear(x) + 1e-3 * torch.randn(16, generator=self.generator)
+        out = out + self.history[-1] + self.memory.last
+        self.history.append(out.detach().mean(0))
+        self.memory.last = out.detach().mean(0)
+        self.memory.calls += 1
+        return out
+
+
+def test_a_generator_deque_or_dataclass_of_its_own_is_put_back():
+    model = _Noisy()
+    state = model.generator.get_state()
+    history, first = model.history, model.history[0]
+    memory, last = model.memory, model.memory.last
+    assert _error(_check(model)) < 1e-5  # was 1.1: each row drew other noise and added another history
+    assert torch.equal(model.generator.get_state(), state)
+    assert model.history is history and list(history) == [first]
+    assert model.memory is memory and memory.last is last and memory.calls == 0
+
+
+class _Meta(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("placeholder", torch.empty(4, device="meta"), persistent=False)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def test_a_buffer_on_the_meta_device_is_no_crash():
+    model = _Meta()
+    assert _error(_check(model)) < 1e-5  # torch.equal raised NotImplementedError on it
+    assert model.placeholder.is_meta
+
+
+class _TurnsDropoutOn(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropout = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        out = self.dropout(self.linear(x))
+        self.dropout.train()  # as a model that turns its own dropout on (Monte Carlo dropout) after a call
+        return out
+
+
+def test_a_mode_a_run_changes_is_put_back_before_the_next():
+    model = _TurnsDropoutOn()
+    report = _check(model)
+    assert _error(report) < 1e-5  # was 1.0: every row after the reference ran with the dropout on
+    assert any("dropout.training" in note for note in report.notes), report.notes
+    assert model.training and model.dropout.training  # as it was: check's eval mode ends too
+
+
+def test_sparse_and_nested_tensors_are_put_back():
+    # torch.equal has no sparse kernel and a nested tensor no sizes: the reset raised on either
+    model = torch.nn.Linear(4, 4)
+    model.register_buffer("adjacency", torch.eye(3).to_sparse())
+    model.table = torch.eye(3).to_sparse()
+    model.ragged = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with tf32lab.measure.state.state_kept(model) as reset:
+        model.adjacency.mul_(2)
+        model.table = model.table * 2
+        model.ragged.mul_(2)
+        assert sorted(reset()) == ["adjacency", "ragged", "table"]
+    assert torch.equal(model.adjacency.to_dense(), torch.eye(3)) and torch.equal(model.table.to_dense(), torch.eye(3))
+    assert all(torch.equal(piece, torch.ones(n)) for piece, n in zip(model.ragged.unbind(), (2, 3)))
