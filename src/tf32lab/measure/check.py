@@ -69,7 +69,7 @@ from tf32lab.numbers.metrics import tolerances_of
 from tf32lab.numbers.origin import internal_error
 from tf32lab.numbers.trees import map_tensors, named_leaves, named_tensors
 from tf32lab.report import LayerError, LevelResult, Report, cudnn
-from tf32lab.report.conclusion import BEYOND_FLOAT32, PINNED_CONV
+from tf32lab.report.conclusion import BEYOND_FLOAT32, DRAWS_UNMATCHED, PINNED_CONV
 from tf32lab.speed.counting import Counting, OtherThreads
 from tf32lab.speed.prediction import SpeedReport, predict_counts, seconds_at
 from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags, refuse_applied
@@ -381,7 +381,7 @@ class Session:
         plan, differing = draw_plan(self.ref_drawn, log.drawn)
         if differing < 0:
             self._draw_notes.append(
-                f"the random draws could not be matched: the float64 reference made {len(self.ref_drawn)} and "
+                f"{DRAWS_UNMATCHED}: the float64 reference made {len(self.ref_drawn)} and "
                 f"{where} {len(log.drawn)}, not the same ops at float32 or float64 one for one (control flow "
                 f"that depends on the values, or a draw of other shape or dtype), so the errors may be the "
                 f"draws' difference, not float32's")
@@ -394,7 +394,7 @@ class Session:
         self._reference(plan)
         if [kind for _, kind in self.ref_drawn] != plan:  # the second reference drew otherwise again
             self._draw_notes.append(
-                f"the random draws could not be matched: the float64 reference, run again drawing as {where} "
+                f"{DRAWS_UNMATCHED}: the float64 reference, run again drawing as {where} "
                 f"did, made other draws than it, so the errors may be the draws' difference, not float32's")
             return run()
         wide = plan.count("float64")
