@@ -11,6 +11,8 @@ weights are widened one op at a time (no second model in memory), and a ``torch.
 
 Random ops draw at float32, from the generator's state, and their values are cast up
 (``tf32lab.measure.draws``): a float32 row seeded alike draws the same numbers, which a float64 draw would not.
+Each draw's op and dtype kind is kept in :attr:`Float64Run.drawn`; where a dtype cannot tell which the rows draw
+at, ``check`` learns it from a row and runs the reference again with :attr:`Float64Run.plan`.
 
 Two things stay float32 on purpose, counted in :attr:`Float64Run.float32_writes`: a write into a tensor the model
 owns in float32 (a buffer it updates, a cache) keeps that tensor's dtype, as PyTorch's type promotion would.
@@ -205,7 +207,8 @@ class _Functions(TorchFunctionMode):
         ``torch.rand_like(h.double())``, ``torch.empty(n, dtype=torch.float64).normal_()``. Its float32 rows draw
         those at float64, so the reference does too (every other draw is made at float32 and cast up,
         ``measure.draws``). The tensors the model makes float64 itself are remembered for that (not through
-        arithmetic: ``torch.rand_like(h.double() * 2)`` is drawn at float32, as any other)."""
+        arithmetic: ``torch.rand_like(h.double() * 2)`` is drawn at float32 here, and ``check``'s plan learnt
+        from a row corrects it)."""
         run = self.run
         if name in _DRAWING or random_name(name):
             before, run.native_draws = run.native_draws, True
