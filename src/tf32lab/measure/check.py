@@ -35,11 +35,11 @@ import math
 import time
 import warnings
 from collections.abc import Iterable, Mapping
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
 
-from tf32lab.control import flags
+from tf32lab.control import flags, modestack
 from tf32lab.control.policy import Policy
 from tf32lab.control.scope import conv_math, get_float32_matmul_precision
 from tf32lab.emulation.emulator import check_accumulation, context_cells, release_buffers
@@ -49,7 +49,7 @@ from tf32lab.know.targets import Target
 from tf32lab.machine.distributed import agree, policy_digest
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure import sharded
-from tf32lab.measure.draws import Streams, cuda_devices, lazy_note, materialised
+from tf32lab.measure.draws import DrawLog, Streams, cuda_devices, draw_plan, lazy_note, materialised
 from tf32lab.measure.layers import (
     ROOT,
     Accumulated,
@@ -69,7 +69,7 @@ from tf32lab.numbers.metrics import tolerances_of
 from tf32lab.numbers.origin import internal_error
 from tf32lab.numbers.trees import map_tensors, named_leaves, named_tensors
 from tf32lab.report import LayerError, LevelResult, Report, cudnn
-from tf32lab.report.conclusion import BEYOND_FLOAT32, PINNED_CONV
+from tf32lab.report.conclusion import BEYOND_FLOAT32, DRAWS_UNMATCHED, PINNED_CONV
 from tf32lab.speed.counting import Counting, OtherThreads
 from tf32lab.speed.prediction import SpeedReport, predict_counts, seconds_at
 from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags, refuse_applied
@@ -78,6 +78,7 @@ from tf32lab.workloads.workload import Workload, eval_mode
 __all__ = ["PolicyRow", "Session", "alike_levels", "check", "policy_maths", "rows_of_alike"]
 
 REFERENCES = ("float64",)
+_T = TypeVar("_T")
 
 
 
@@ -286,12 +287,16 @@ class Session:
         self.measured = list(measured)
         self.bar = bar or Progress(False, 0)
         self.spill = SpillFile(min_bytes_from_env())
-        self.recorder = Recorder(workload.model, self.measured, target, self.spill, accumulation, ranks, pins)
+        self._recording = (workload.model, self.measured, target, self.spill, accumulation, ranks, pins)
+        self.recorder = Recorder(*self._recording)
         self.counting = Counting(workload.model) if speed and target.peaks is not None else None
         self.runs = 0  # end-to-end runs so far
         self.idle: list[str] = []  # a policy's rules that did not act in its run (their notes)
         self.scales: dict[str, metrics.Scale] = {}  # output -> the magnitudes that formed it (measure.scales)
         self._stack = contextlib.ExitStack()
+        self.ref_drawn: list[tuple[str, Optional[str]]] = []  # the reference's draws: op, dtype kind
+        self._draws_learnt = False  # whether a float32 row's draws were compared with the reference's
+        self._draw_notes: list[str] = []
 
     def __enter__(self) -> Session:
         stack, workload = self._stack, self.workload
@@ -318,8 +323,9 @@ class Session:
     def __exit__(self, *exc: object) -> None:
         self._stack.__exit__(*exc)
 
-    def _reference(self) -> None:
+    def _reference(self, plan: Optional[list[Optional[str]]] = None) -> None:
         workload, recorder = self.workload, self.recorder
+        recorder.mode.plan = plan
         self.bar.step(f"{workload.name}: float64 reference, each layer at {len(self.measured)} level(s)")
         # the model's own ops only (not the layers' reruns, nor the recorder's arithmetic); not sharded: a rank's
         # part of an output is not formed by its own operands alone
@@ -352,10 +358,55 @@ class Session:
         _warn_unknown(self.tolerances, self.ref_out)
         if formed is not None:
             self.scales = formed.scales(self.ref_out)
+        self.ref_drawn = list(recorder.mode.drawn)
+
+    def _as_drawn(self, run: Callable[[], _T], where: str) -> _T:
+        """``run()``, the session's first end-to-end run (``where``: what it is, for a note). Where the reference
+        drew random values, this run's draws are kept and compared with the reference's: the reference decides
+        per draw whether the model asks for float64 itself (``measure.reference``), but a ``torch.dtype`` read off
+        a widened tensor and kept (torchsde's ``BrownianInterval(dtype=y0.dtype)``) cannot say where it came from,
+        and a float64 draw where the rows draw float32 is other noise, not rounding. Where the two runs made the
+        same draws at other dtypes, the reference is run again drawing each as this run did, and so is this run;
+        where they made other draws, a note says so. A model that draws nothing pays nothing."""
+        if self._draws_learnt or not self.ref_drawn or self.ranks is not None:  # sharded: every rank would rerun
+            self._draws_learnt = True
+            return run()
+        self._draws_learnt = True
+        log = DrawLog()
+        modestack.push(log)
+        try:
+            result = run()
+        finally:
+            modestack.remove(log)
+        plan, differing = draw_plan(self.ref_drawn, log.drawn)
+        if differing < 0:
+            self._draw_notes.append(
+                f"{DRAWS_UNMATCHED}: the float64 reference made {len(self.ref_drawn)} and "
+                f"{where} {len(log.drawn)}, not the same ops at float32 or float64 one for one (control flow "
+                f"that depends on the values, or a draw of other shape or dtype), so the errors may be the "
+                f"draws' difference, not float32's")
+            return result
+        if plan is None:
+            return result
+        self.recorder = Recorder(*self._recording)
+        self.recorder.streams = self.streams
+        self.reset()
+        self._reference(plan)
+        if [kind for _, kind in self.ref_drawn] != plan:  # the second reference drew otherwise again
+            self._draw_notes.append(
+                f"{DRAWS_UNMATCHED}: the float64 reference, run again drawing as {where} "
+                f"did, made other draws than it, so the errors may be the draws' difference, not float32's")
+            return run()
+        wide = plan.count("float64")
+        self._draw_notes.append(
+            f"{differing} of the {len(plan)} random draw(s) were made at another dtype by the float64 reference "
+            f"than by {where} (a dtype read off a widened tensor and kept); the reference was run again drawing "
+            f"each as the rows do ({wide} at float64, the rest at float32 and cast up)")
+        return run()
 
     def notes(self) -> list[str]:
         """What the report must say about the runs (after them: the model's state put back last included)."""
-        found = [*self._lazy, *self.recorder.notes()]
+        found = [*self._lazy, *self.recorder.notes(), *self._draw_notes]
         threads = self.threads.note("not emulated, counted or measured by layer in any run (the float64 "
                                     "reference included), so their error is not in this report")
         found = [*found, threads] if threads else found
@@ -373,13 +424,19 @@ class Session:
 
     def level(self, level: str) -> LevelResult:
         """One end-to-end run at ``level`` (one of ``measured``)."""
-        counting = self._fresh(f"{level}: end to end")
-        return _check_level(self.workload, level, self.target, self.recorder, self.ref_out, self.tolerances,
-                            counting=counting, scales=self.scales)
+        def run() -> LevelResult:
+            counting = self._fresh(f"{level}: end to end")
+            return _check_level(self.workload, level, self.target, self.recorder, self.ref_out, self.tolerances,
+                                counting=counting, scales=self.scales)
+
+        return self._as_drawn(run, f"the `{level}` row")
 
     def floor(self) -> Optional[tuple[metrics.OutputError, ...]]:
         """float32 `highest`'s outputs on the target, for the rows' multiples of its error, where no row computes
         them: one end-to-end run, its layers not measured. None where it raises (the multiples are then unknown)."""
+        return self._as_drawn(self._floor, "float32's `highest` run")
+
+    def _floor(self) -> Optional[tuple[metrics.OutputError, ...]]:
         self._fresh("highest: float32's own error, end to end")
         recorder = self.recorder
         try:
@@ -411,9 +468,12 @@ class Session:
 
     def policy(self, row: PolicyRow, alike: dict[str, Optional[str]]) -> LevelResult:
         """One end-to-end run with ``row``'s policy applied (its levels among ``measured``, or ``alike`` them)."""
-        counting = self._fresh("policy: end to end")
-        return _check_level(self.workload, row.base, self.target, self.recorder, self.ref_out, self.tolerances,
-                            row=row, alike=alike, counting=counting, idle=self.idle, scales=self.scales)
+        def run() -> LevelResult:
+            counting = self._fresh("policy: end to end")
+            return _check_level(self.workload, row.base, self.target, self.recorder, self.ref_out, self.tolerances,
+                                row=row, alike=alike, counting=counting, idle=self.idle, scales=self.scales)
+
+        return self._as_drawn(run, "the policy's row")
 
     def predicted(self, levels: Iterable[str]) -> Optional[SpeedReport]:
         """The speed report of the counted run, when one was counted."""

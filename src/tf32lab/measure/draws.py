@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -45,8 +45,8 @@ from tf32lab.control import modestack
 from tf32lab.control.scope import precision
 from tf32lab.errors import Tf32LabError
 
-__all__ = ["RANDOM_OPS", "SameDraws", "Streams", "drawn_at_float32", "lazy_note", "materialised", "random_name",
-           "random_op", "seeded"]
+__all__ = ["NARROW", "RANDOM_OPS", "WIDE", "DrawLog", "SameDraws", "Streams", "draw_kind", "draw_plan",
+           "drawn_at_float32", "lazy_note", "materialised", "random_name", "random_op", "seeded"]
 
 aten = torch.ops.aten
 
@@ -238,6 +238,55 @@ class SameDraws(TorchDispatchMode):
             self.drawn += 1
             return drawn_at_float32(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+# -- which dtype each draw is made at ---------------------------------------------------------------------------
+# A draw's dtype kind: float32 (complex64) or float64 (complex128); another dtype (float16, an integer) as its name.
+NARROW, WIDE = "float32", "float64"
+
+
+def draw_kind(out: Any) -> Optional[str]:
+    """The kind of dtype a draw's values were made in: that of its first floating (complex) result, None where it
+    has none (``randperm``)."""
+    for t in (out if isinstance(out, (list, tuple)) else (out,)):
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
+            if t.dtype in _WIDE:
+                return NARROW
+            return WIDE if t.dtype in _NARROW else str(t.dtype).removeprefix("torch.")
+    return None
+
+
+@modestack.skips_dynamo_lazily
+class DrawLog(TorchDispatchMode):
+    """Keeps each draw of a float32 row, in order: its op and dtype kind (:func:`draw_kind`), in :attr:`drawn`.
+    ``check`` compares them with its float64 reference's (:func:`draw_plan`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drawn: list[tuple[str, Optional[str]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if random_op(func):
+            self.drawn.append((func.name(), draw_kind(out)))
+        return out
+
+
+def draw_plan(reference: list[tuple[str, Optional[str]]],
+              row: list[tuple[str, Optional[str]]]) -> tuple[Optional[list[Optional[str]]], int]:
+    """What the reference must draw at, learnt from a float32 row's draws: ``(plan, differing)``. ``plan`` is the
+    row's dtype kind per draw, to draw the reference again with, where the two runs made the same draws and only
+    ``differing`` (> 0) of them at another of float32 and float64; ``(None, 0)`` where they agree; ``(None, -1)``
+    where the draws cannot be matched (other ops, another count, another dtype)."""
+    if len(reference) != len(row) or any(a[0] != b[0] for a, b in zip(reference, row)):
+        return None, -1
+    differing = 0
+    for (_, ours), (_, theirs) in zip(reference, row):
+        if ours != theirs:
+            if {ours, theirs} != {NARROW, WIDE}:
+                return None, -1
+            differing += 1
+    return ([kind for _, kind in row], differing) if differing else (None, 0)
 
 
 # -- one state per row, and one check at a time -----------------------------------------------------------------

@@ -11,6 +11,8 @@ weights are widened one op at a time (no second model in memory), and a ``torch.
 
 Random ops draw at float32, from the generator's state, and their values are cast up
 (``tf32lab.measure.draws``): a float32 row seeded alike draws the same numbers, which a float64 draw would not.
+Each draw's op and dtype kind is kept in :attr:`Float64Run.drawn`; where a dtype cannot tell which the rows draw
+at, ``check`` learns it from a row and runs the reference again with :attr:`Float64Run.plan`.
 
 Two things stay float32 on purpose, counted in :attr:`Float64Run.float32_writes`: a write into a tensor the model
 owns in float32 (a buffer it updates, a cache) keeps that tensor's dtype, as PyTorch's type promotion would.
@@ -39,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tf32lab.control import modestack
-from tf32lab.measure.draws import drawn_at_float32, random_name, random_op
+from tf32lab.measure.draws import NARROW, WIDE, draw_kind, drawn_at_float32, random_name, random_op
 
 __all__ = ["Float64Run", "widen"]
 
@@ -205,7 +207,8 @@ class _Functions(TorchFunctionMode):
         ``torch.rand_like(h.double())``, ``torch.empty(n, dtype=torch.float64).normal_()``. Its float32 rows draw
         those at float64, so the reference does too (every other draw is made at float32 and cast up,
         ``measure.draws``). The tensors the model makes float64 itself are remembered for that (not through
-        arithmetic: ``torch.rand_like(h.double() * 2)`` is drawn at float32, as any other)."""
+        arithmetic: ``torch.rand_like(h.double() * 2)`` is drawn at float32 here, and ``check``'s plan learnt
+        from a row corrects it)."""
         run = self.run
         if name in _DRAWING or random_name(name):
             before, run.native_draws = run.native_draws, True
@@ -252,18 +255,39 @@ class _Ops(TorchDispatchMode):
         """A write, a draw or the convolution."""
         run = self.run
         written = _written(func)
+        drawing = random_op(func)
         if written:
             targets = _targets(func, written, args, kwargs)
             if run.on_write is not None:
                 run.on_write(targets)
             if any(t.dtype in _WIDER for t in targets):
                 run.float32_writes += 1
-                return _write_float32(func, args, kwargs)
-        if random_op(func) and not run.native_draws:  # the values a float32 row draws (measure.draws), cast up
-            return _widen_result(drawn_at_float32(func, args, kwargs))
+                out = _write_float32(func, args, kwargs)
+                if drawing:  # into a float32 tensor of the model's: drawn at float32, as in the rows
+                    run.drawn.append((func.name(), draw_kind(out)))
+                return out
+        if drawing:
+            return self._draw(func, args, kwargs)
         if func is _CONVOLUTION:
             return _convolution(_widen_args(args), {k: widen(v) for k, v in kwargs.items()})
         return _widened_call(func, args, kwargs, selecting=func.overloadpacket in _SELECTING_OPS)
+
+    def _draw(self, func, args: tuple, kwargs: dict) -> Any:
+        """A draw: at float32 and cast up (the values a float32 row draws, ``measure.draws``), or at float64 where
+        the model asks for float64 itself; where the run has a :attr:`Float64Run.plan` (what the rows drew, learnt
+        from one of them), as that says. Each draw's dtype kind is kept in :attr:`Float64Run.drawn`."""
+        run = self.run
+        k = len(run.drawn)
+        planned = run.plan[k] if run.plan is not None and k < len(run.plan) else None
+        narrow = planned == NARROW if planned in (NARROW, WIDE) else not run.native_draws
+        if narrow:
+            out = _widen_result(drawn_at_float32(func, args, kwargs))
+            kind = draw_kind(out)
+            run.drawn.append((func.name(), NARROW if kind == WIDE else kind))
+        else:
+            out = _widened_call(func, args, kwargs, selecting=False)
+            run.drawn.append((func.name(), draw_kind(out)))
+        return out
 
 
 # What a mode does with a call or an op, known from the call or op alone and kept per call or op overload (the
@@ -434,6 +458,10 @@ class Float64Run:
         self.read_wider = False  # the last dtype read, with no arithmetic since, was float32 in the rows
         # the tensors the model made float64 itself (id -> weak reference: a tensor's == is elementwise)
         self.own_float64: dict[int, weakref.ref] = {}
+        # each draw's op and dtype kind (measure.draws.draw_kind), in order; and, where given, the kind each draw is
+        # made at (``check`` learns it from a float32 row where the two runs drew at different dtypes)
+        self.drawn: list[tuple[str, Optional[str]]] = []
+        self.plan: Optional[list[Optional[str]]] = None
         self._modes = (_Functions(self), _Ops(self))
 
     @property

@@ -31,8 +31,8 @@ from tf32lab.report.wording import given
 # (tests/test_layers.py: no import circle, TYPE_CHECKING imports included).
 Report = LevelResult = Any
 
-__all__ = ["AMPLIFIED", "MAX_REL_NOTE", "ON_ANOTHER_THREAD", "PINNED_CONV", "WORTH", "amplified", "conclusion",
-           "on_other_threads", "pinned_and_diverged", "policy_summary", "unmeasured"]
+__all__ = ["AMPLIFIED", "DRAWS_UNMATCHED", "MAX_REL_NOTE", "ON_ANOTHER_THREAD", "PINNED_CONV", "WORTH", "amplified",
+           "conclusion", "on_other_threads", "pinned_and_diverged", "policy_summary", "unmeasured"]
 
 # The smallest predicted speedup worth acting on: a level is advised for its speed (here, and for a training step
 # in report.training), and tune takes a mixed or pinned policy over a uniform level, only when predicted at least
@@ -48,6 +48,8 @@ MAX_REL_NOTE = ("max rel is over the elements whose reference is at least 1e-6 o
 # in an output's failure (``compare``): float32 overflowed where the float64 reference is finite and larger than
 # float32 can hold
 BEYOND_FLOAT32 = "beyond float32's range"
+# the note check adds where the float64 reference's random draws and its rows' could not be matched one for one
+DRAWS_UNMATCHED = "the random draws could not be matched"
 # how ``metrics.compare`` begins the failure of an output that is NaN/Inf where its reference is not
 _NOT_FINITE = "NaN/Inf at"
 _DEFAULT_CONV_TF32 = ("conv", "rnn")  # cuDNN's allow_tf32 is on by default: TF32 even at `highest` on CUDA
@@ -120,10 +122,11 @@ def conclusion(report: Report, policy_file: Optional[str] = None) -> list[str]:
     top = by_name.get("highest")
     # at `highest` the model samples, or float32 itself overflows: no level is the answer, and saying "keep
     # `highest`" (or "safe") first would contradict the sentence that explains it
+    unmatched = any(DRAWS_UNMATCHED in note for note in report.notes)
     blocked = row is None and top is not None and not top.passed and (
-        top.unstable is not None or _overflowed(top) is not None)
+        top.unstable is not None or _overflowed(top) is not None or unmatched)
     if blocked:
-        lines.append(_highest_failed(top, report.target))
+        lines.append(_highest_failed(top, report.target, unmatched))
     elif row is not None:
         lines.append(_policy_sentence(row, where, policy_file))
         lines += _levels_beside(row, best, failing)
@@ -347,9 +350,14 @@ def _overflowed(top: LevelResult) -> Optional[str]:
                  if o.failure is not None and o.failure.startswith(_NOT_FINITE)), None)
 
 
-def _highest_failed(top: LevelResult, target: str) -> str:
+def _highest_failed(top: LevelResult, target: str, unmatched: bool = False) -> str:
     if top.unstable is not None:
         return nondeterministic(top)
+    if unmatched and top.error is None:
+        return (f"Even `highest` fails ({_why_failed(top)}), but the float64 reference and the rows made other "
+                f"random draws (see the notes), so the error is their noise's difference, not float32's: make the "
+                f"model draw alike in every run (a torch.Generator it seeds, the same number of draws), or take "
+                f"the sampling out of what is checked.")
     overflow = _overflowed(top)
     if overflow is not None and BEYOND_FLOAT32 in overflow:
         return (f"Even `highest` fails, and no precision level fixes it: the values exceed float32's range (finite "
