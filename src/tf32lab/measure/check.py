@@ -63,7 +63,7 @@ from tf32lab.measure.reference import widen
 from tf32lab.measure.scales import Formed
 from tf32lab.measure.sharded import Ranks, collective_failure, ranks_fail
 from tf32lab.measure.spill import SpillFile, min_bytes_from_env
-from tf32lab.measure.state import state_kept, stateful_note
+from tf32lab.measure.state import state_kept, stateful_note, written_note
 from tf32lab.numbers import metrics
 from tf32lab.numbers.metrics import tolerances_of
 from tf32lab.numbers.origin import internal_error
@@ -411,6 +411,7 @@ class Session:
                                     "reference included), so their error is not in this report")
         found = [*found, threads] if threads else found
         stateful = [stateful_note(self.reset.changed)] if self.reset.changed else []
+        stateful += [written_note(self.reset.written)] if self.reset.written else []
         return [*found, *stateful, *self.idle]
 
     def _fresh(self, what: str) -> Optional[Counting]:

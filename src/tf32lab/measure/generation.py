@@ -54,7 +54,7 @@ from tf32lab.measure.check import alike_levels, refuse_native_levels, rows_of_al
 from tf32lab.measure.draws import Streams, cuda_devices
 from tf32lab.measure.layers import described, level_context, out_of_memory
 from tf32lab.measure.reference import Float64Run
-from tf32lab.measure.state import state_kept, stateful_note
+from tf32lab.measure.state import state_kept, stateful_note, written_note
 from tf32lab.numbers.origin import internal_error
 from tf32lab.report.generation import FLOOR, Criterion, GenerationLevel, GenerationReport
 from tf32lab.workloads import samples
@@ -315,6 +315,8 @@ class _Generation:
         rows_of_alike(self.levels, alike, rows, floor)
         if self.reset.changed:
             self.notes.append(stateful_note(self.reset.changed))
+        if self.reset.written:
+            self.notes.append(written_note(self.reset.written))
         if not self.decoder.hf and self.use_cache:
             self.notes.append(f"model {self.decoder.name!r} takes no key/value cache: every step ran the whole "
                               f"sequence")

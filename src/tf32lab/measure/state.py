@@ -20,6 +20,8 @@ precision. What is kept:
 - the attributes of a plain object a module holds that holds nothing but data, as a module's (nflows' and
   normflows' LU layers keep their eval-mode weight and inverse in such a ``_LinearCache``, empty until the first
   call: the float64 reference filled it with float64 tensors, and every float32 row then raised at its product);
+- not the parameters' values (a copy would double the model's memory): a write into one, seen by its version
+  counter, is said (``KeptState.written``, :func:`written_note`), not undone;
 - a TorchScript module's attributes likewise (parameters and buffers aside), through
   ``torch._C._jit_debug_module_iterators`` (where a torch lacks it, only the buffers).
 
@@ -54,7 +56,7 @@ import torch
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
-__all__ = ["KeptState", "state_kept", "stateful_note"]
+__all__ = ["KeptState", "state_kept", "stateful_note", "written_note"]
 
 # what nn.Module.__init__ sets: hooks, parameters, buffers, submodules, the training flag (eval_mode's)
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
@@ -70,11 +72,20 @@ class KeptState:
     def __init__(self, model: torch.nn.Module) -> None:
         self._kept = _kept(model)
         self.changed: list[str] = []
+        # the parameters' values are not copied (that would double the model's memory): a write into one is seen
+        # by its version counter, and said (``written``), not undone
+        self._versions = [(name, p, p._version) for name, p in model.named_parameters() if not p.is_inference()]
+        self.written: list[str] = []
 
     def __call__(self) -> list[str]:
         with torch.no_grad():
             found = [where + name for where, restore in self._kept for name in restore()]
         self.changed += [name for name in found if name not in self.changed]
+        for i, (name, parameter, version) in enumerate(self._versions):
+            if parameter._version != version:
+                self._versions[i] = (name, parameter, parameter._version)
+                if name not in self.written:
+                    self.written.append(name)
         return found
 
 
@@ -420,6 +431,20 @@ def _script_attributes(module: torch.jit.ScriptModule) -> Iterator[Restore]:
             kept = list(value) if isinstance(value, list) else dict(value) if isinstance(value, dict) else value
             yield _attribute(name, kept, lambda name=name: module._c.getattr(name),
                              lambda value, name=name: module._c.setattr(name, value))
+
+
+def written_note(written: list[str]) -> str:
+    """What a report says of a model that writes into its own parameters as it runs (``written``: their names,
+    from :class:`KeptState`).
+
+    >>> written_note(["teacher.weight"])[:70]
+    'the model writes into its own parameters as it runs (teacher.weight): '
+    """
+    shown = ", ".join(written[:4]) + (f" and {len(written) - 4} more" if len(written) > 4 else "")
+    return (f"the model writes into its own parameters as it runs ({shown}): each run started from the weights the "
+            f"last one left, so the levels' differences are not precision's alone, and the model keeps the last "
+            f"run's weights (an EMA or momentum update, a weight normalised in place: check a model whose forward "
+            f"leaves its parameters alone)")
 
 
 def stateful_note(changed: list[str]) -> str:
