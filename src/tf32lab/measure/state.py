@@ -56,6 +56,8 @@ import torch
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
+from tf32lab.report.conclusion import WRITES_PARAMETERS
+
 __all__ = ["KeptState", "state_kept", "stateful_note", "written_note"]
 
 # what nn.Module.__init__ sets: hooks, parameters, buffers, submodules, the training flag (eval_mode's)
@@ -441,7 +443,7 @@ def written_note(written: list[str]) -> str:
     'the model writes into its own parameters as it runs (teacher.weight): '
     """
     shown = ", ".join(written[:4]) + (f" and {len(written) - 4} more" if len(written) > 4 else "")
-    return (f"the model writes into its own parameters as it runs ({shown}): each run started from the weights the "
+    return (f"{WRITES_PARAMETERS} ({shown}): each run started from the weights the "
             f"last one left, so the levels' differences are not precision's alone, and the model keeps the last "
             f"run's weights (an EMA or momentum update, a weight normalised in place: check a model whose forward "
             f"leaves its parameters alone)")

@@ -31,8 +31,9 @@ from tf32lab.report.wording import given
 # (tests/test_layers.py: no import circle, TYPE_CHECKING imports included).
 Report = LevelResult = Any
 
-__all__ = ["AMPLIFIED", "DRAWS_UNMATCHED", "MAX_REL_NOTE", "ON_ANOTHER_THREAD", "PINNED_CONV", "WORTH", "amplified",
-           "conclusion", "on_other_threads", "pinned_and_diverged", "policy_summary", "unmeasured"]
+__all__ = ["AMPLIFIED", "DRAWS_UNMATCHED", "MAX_REL_NOTE", "ON_ANOTHER_THREAD", "PINNED_CONV", "WORTH",
+           "WRITES_PARAMETERS", "amplified", "conclusion", "on_other_threads", "pinned_and_diverged", "policy_summary",
+           "unmeasured"]
 
 # The smallest predicted speedup worth acting on: a level is advised for its speed (here, and for a training step
 # in report.training), and tune takes a mixed or pinned policy over a uniform level, only when predicted at least
@@ -50,6 +51,8 @@ MAX_REL_NOTE = ("max rel is over the elements whose reference is at least 1e-6 o
 BEYOND_FLOAT32 = "beyond float32's range"
 # the note check adds where the float64 reference's random draws and its rows' could not be matched one for one
 DRAWS_UNMATCHED = "the random draws could not be matched"
+# the note check adds where the model wrote into its own parameters as it ran (every run started from other weights)
+WRITES_PARAMETERS = "the model writes into its own parameters as it runs"
 # how ``metrics.compare`` begins the failure of an output that is NaN/Inf where its reference is not
 _NOT_FINITE = "NaN/Inf at"
 _DEFAULT_CONV_TF32 = ("conv", "rnn")  # cuDNN's allow_tf32 is on by default: TF32 even at `highest` on CUDA
@@ -123,10 +126,11 @@ def conclusion(report: Report, policy_file: Optional[str] = None) -> list[str]:
     # at `highest` the model samples, or float32 itself overflows: no level is the answer, and saying "keep
     # `highest`" (or "safe") first would contradict the sentence that explains it
     unmatched = any(DRAWS_UNMATCHED in note for note in report.notes)
+    rewritten = any(WRITES_PARAMETERS in note for note in report.notes)
     blocked = row is None and top is not None and not top.passed and (
-        top.unstable is not None or _overflowed(top) is not None or unmatched)
+        top.unstable is not None or _overflowed(top) is not None or unmatched or rewritten)
     if blocked:
-        lines.append(_highest_failed(top, report.target, unmatched))
+        lines.append(_highest_failed(top, report.target, unmatched, rewritten))
     elif row is not None:
         lines.append(_policy_sentence(row, where, policy_file))
         lines += _levels_beside(row, best, failing)
@@ -350,7 +354,12 @@ def _overflowed(top: LevelResult) -> Optional[str]:
                  if o.failure is not None and o.failure.startswith(_NOT_FINITE)), None)
 
 
-def _highest_failed(top: LevelResult, target: str, unmatched: bool = False) -> str:
+def _highest_failed(top: LevelResult, target: str, unmatched: bool = False, rewritten: bool = False) -> str:
+    if rewritten and top.error is None:  # before "not deterministic": its two runs differ for this reason
+        return (f"Even `highest` fails ({_why_failed(top)}), but the model writes into its own parameters as it "
+                f"runs (see the notes): each run started from the weights the last one left, so the error is "
+                f"their difference, not float32's: check a model whose forward leaves its parameters alone (an EMA "
+                f"or momentum update made outside it).")
     if top.unstable is not None:
         return nondeterministic(top)
     if unmatched and top.error is None:
