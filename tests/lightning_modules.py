@@ -1,0 +1,190 @@
+"""The LightningModules of tests/test_integrations_lightning.py, in a module of their own: each subclasses Lightning's,
+so defining them imports Lightning (about 3 CPU seconds), which the test file's collection on every pytest-xdist
+worker should not pay; the test file imports this module where a test first reads it (tests/lazy_import.py)."""
+
+from __future__ import annotations
+
+import pytorch_lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+
+class Regression(L.LightningModule):
+    """A small MLP regression with a step scheduler; it logs its loss every step."""
+
+    def __init__(self, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Tanh(),
+                                       torch.nn.Linear(16, 1))
+        self.lr = lr
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = (self(x) - y).pow(2).mean()
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2),
+                                                         "interval": "step"}}
+
+
+class Offset(L.LightningModule):
+    """TF32 breaks its training (tests/test_training.py's `Offset`): the gradient of `lin` is a difference of two
+    large, TF32-rounded products."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16, bias=False)
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(self.lin(x + 1000.0) - self.lin(torch.full_like(x, 1000.0)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return (self(x) - y).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+class TwoOptimizers(Regression):
+    """Manual optimization: the two layers stepped by two optimizers, the second one's scheduler stepped by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        first, second = self.optimizers()
+        x, y = batch
+        for optimizer in (first, second):
+            with self.toggled_optimizer(optimizer):
+                loss = (self(x) - y).pow(2).mean()
+                optimizer.zero_grad()
+                self.manual_backward(loss)
+                self.clip_gradients(optimizer, gradient_clip_val=0.5)
+                optimizer.step()
+        self.lr_schedulers().step()
+        self.log("train_loss", loss)
+
+    def configure_optimizers(self):
+        first = torch.optim.SGD(self.net[0].parameters(), lr=1e-2, momentum=0.9)
+        second = torch.optim.Adam(self.net[3].parameters(), lr=1e-2)
+        return [first, second], [torch.optim.lr_scheduler.StepLR(second, 1, gamma=0.5)]
+
+
+class ReadsItsTrainer(Regression):
+    """A training_step that reads `self.trainer`, `self.global_step` and `self.current_epoch`, as many do."""
+
+    def training_step(self, batch, batch_idx):
+        scale = 1.0 + 0.0 * (self.trainer.num_training_batches + self.global_step + self.current_epoch)
+        return super().training_step(batch, batch_idx) * scale
+
+
+class TwoLoaders(Regression):
+    """Trained on two dataloaders at once: Lightning gives each step a dict of their batches."""
+
+    def training_step(self, batch, batch_idx):
+        return sum((self(x) - y).pow(2).mean() for x, y in batch.values())
+
+
+class SkipsSome(Regression):
+    """Skips a batch now and then (`training_step` returns None), as Lightning allows."""
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx % 4 == 1 else super().training_step(batch, batch_idx)
+
+
+class Plain(L.LightningModule):
+    """No dropout, plain SGD: the check's float64 losses follow the run's own logged ones closely."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        loss = (self(batch[0]) - batch[1]).pow(2).mean()
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class WarmsUp(Plain):
+    """A learning-rate warm-up in its own optimizer_step, read from self.global_step (a common override)."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        for group in optimizer.param_groups:
+            group["lr"] = 0.1 * min(1.0, (self.global_step + 1) / 4)
+        optimizer.step(closure=optimizer_closure)
+
+
+class ClipsItself(Plain):
+    """Its own clipping, whatever the Trainer's gradient_clip_val (configure_gradient_clipping)."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=1e-3, gradient_clip_algorithm="value")
+
+
+class ClipsAsTheTrainerSays(Plain):
+    """Its own configure_gradient_clipping, clipping by the Trainer's gradient_clip_val (``clip_gradients``'s
+    default) after the first step."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        if self.global_step > 0:
+            self.clip_gradients(optimizer)
+
+
+class ClipsItselfInCapitals(ClipsItself):
+    """The algorithm named as Lightning takes it too, in any case ("Value")."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=1e-3, gradient_clip_algorithm="Value")
+
+
+class ClipsByValueByHand(Plain):
+    """Manual optimization clipping by value, the algorithm given as Lightning's enum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        loss = (self(batch[0]) - batch[1]).pow(2).mean()
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=1e-3,
+                            gradient_clip_algorithm=L.utilities.enums.GradClipAlgorithmType.VALUE)
+        optimizer.step()
+        self.log("train_loss", loss)
+
+
+class RaisesMidRun(Regression):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 6:  # the check reads batches 0 and 1 only
+            raise RuntimeError("the run's own error")
+        return super().training_step(batch, batch_idx)
+
+
+class MakesItsLoader(Plain):
+    """Its train_dataloader makes the loader of ``rows``, with workers and its own seeded generator, after the fit
+    starts."""
+
+    def __init__(self, rows) -> None:
+        super().__init__()
+        self.rows = rows
+
+    def train_dataloader(self):
+        return DataLoader(self.rows, batch_size=8, shuffle=True, num_workers=1,
+                          generator=torch.Generator().manual_seed(5))
