@@ -40,9 +40,12 @@ chromium:
 
 # The suite on one pytest-xdist worker per usable CPU (tests/conftest.py; docs/design.md, "The test suite");
 # the 15 slowest tests close the output.
+# PYTHONDONTWRITEBYTECODE set empty: where the environment sets it, every process of the suite (workers, CLI
+# servers, the processes tests start) compiled tf32lab's sources and the test modules' assertions anew, about a
+# second of CPU each; the bytecode goes to __pycache__ folders, which git ignores.
 test: $(STAMP) chromium
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -n auto --dist loadgroup --durations=15
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -n auto --dist loadgroup --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
