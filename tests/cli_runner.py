@@ -100,7 +100,14 @@ def server(wrapper: list[str]) -> Iterator[_Server]:
 
 
 def _the_server() -> _Server | None:
+    """This process's server, started anew where this process's environment has changed since in a variable read
+    at start-up: importing sentence-transformers sets ``KMP_DUPLICATE_LIB_OK``, ``KMP_INIT_AT_FORK`` and
+    ``TORCHINDUCTOR_CACHE_DIR``, and a worker that imported it after its server started sent every later run to a
+    fresh interpreter (a suite's CPU time nearly doubled)."""
     global _server
+    if _server is not None and _server.alive() and not _server.can_run(dict(os.environ), _server.cwd):
+        _server.close()
+        _server = None
     if _server is None or not _server.alive():
         _server = _Server()
     return _server
@@ -112,9 +119,9 @@ class _Server:
         self.env = dict(os.environ)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (the server's output while it lives)
+        self.cwd = os.path.dirname(os.path.abspath(__file__))
         self.process = subprocess.Popen([*wrapper, sys.executable, __file__, str(theirs.fileno())],
-                                        pass_fds=[theirs.fileno()],
-                                        cwd=os.path.dirname(os.path.abspath(__file__)),
+                                        pass_fds=[theirs.fileno()], cwd=self.cwd,
                                         stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, env=self.env)
         theirs.close()
         self.sock = ours

@@ -107,3 +107,17 @@ def test_a_stdout_or_stderr_given_is_the_childs_own_as_a_fresh_interpreters_is(t
                 done = cli_runner.run(module="say", cwd=tmp_path, fresh=fresh, **streams)
             runs.append((done.returncode, done.stdout, done.stderr and done.stderr.splitlines()[-1]))
         assert runs[0] == runs[1], (given, runs)
+
+
+def test_a_variable_read_at_start_set_in_this_process_later_restarts_the_server(tmp_path, monkeypatch):
+    # as importing sentence-transformers sets KMP_* after the server started: later runs still fork, from a
+    # server started with this process's environment, instead of each taking a fresh interpreter
+    (tmp_path / "spin.py").write_text("import os\nprint(os.environ.get('KMP_TF32LAB_PROBE'))\n")
+    cli_runner.run(module="spin", cwd=tmp_path)
+    monkeypatch.setenv("KMP_TF32LAB_PROBE", "set")
+    before = cli_runner.forked_cpu_seconds()
+    done = cli_runner.run(module="spin", cwd=tmp_path)
+    assert done.stdout.strip() == "set" and cli_runner.forked_cpu_seconds() > before
+    before = cli_runner.forked_cpu_seconds()  # the new server's start counted above: now the run alone
+    assert cli_runner.run(module="spin", cwd=tmp_path).stdout.strip() == "set"
+    assert cli_runner.forked_cpu_seconds() > before
