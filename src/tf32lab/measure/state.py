@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import random
 import sys
 import types
@@ -56,6 +55,7 @@ import torch
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
+from tf32lab.numbers.trees import is_dataclass_instance
 from tf32lab.report.conclusion import WRITES_PARAMETERS
 
 __all__ = ["KeptState", "state_kept", "stateful_note", "written_note"]
@@ -286,7 +286,7 @@ def _is_data(value: Any) -> bool:
 
 def _is_dataclass(value: Any) -> bool:
     """A dataclass instance with a ``__dict__`` (its fields are kept as a dict's items)."""
-    return dataclasses.is_dataclass(value) and not isinstance(value, type) and hasattr(value, "__dict__")
+    return is_dataclass_instance(value) and hasattr(value, "__dict__")
 
 
 def _random_state(value: Any) -> Optional[tuple[Callable[[], Any], Callable[[Any], None]]]:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Union
 
 import torch
 
-__all__ = ["map_tensors", "named_leaves", "named_tensors", "operand_tensors"]
+__all__ = ["is_dataclass_instance", "map_tensors", "named_leaves", "named_tensors", "operand_tensors"]
 
 
 def named_tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -33,7 +33,7 @@ def named_tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tens
     elif isinstance(tree, (tuple, list)):
         for i, value in enumerate(tree):
             yield from named_tensors(value, f"{prefix}.{i}" if prefix else str(i))
-    elif _is_dataclass(tree):
+    elif is_dataclass_instance(tree):
         yield from named_tensors(_fields(tree), prefix)
 
 
@@ -45,7 +45,7 @@ def named_leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     elif isinstance(tree, (tuple, list)) and not isinstance(tree, torch.Size):
         for i, value in enumerate(tree):
             yield from named_leaves(value, f"{prefix}.{i}" if prefix else str(i))
-    elif _is_dataclass(tree):  # compared with ==, a dataclass of tensors raised (no single truth value)
+    elif is_dataclass_instance(tree):  # compared with ==, a dataclass of tensors raised (no single truth value)
         yield from named_leaves(_fields(tree), prefix)
     else:
         yield (prefix or "output"), tree
@@ -66,7 +66,7 @@ def map_tensors(fn: Callable[[Any], Any], tree: Any, types: Union[type, tuple[ty
         return type(tree)(*(map_tensors(fn, value, types) for value in tree))
     if isinstance(tree, (tuple, list)):
         return type(tree)(map_tensors(fn, value, types) for value in tree)
-    if _is_dataclass(tree):
+    if is_dataclass_instance(tree):
         changed = {f.name: map_tensors(fn, getattr(tree, f.name), types) for f in dataclasses.fields(tree) if f.init}
         try:
             return dataclasses.replace(tree, **changed)
@@ -75,8 +75,13 @@ def map_tensors(fn: Callable[[Any], Any], tree: Any, types: Union[type, tuple[ty
     return tree
 
 
-def _is_dataclass(value: Any) -> bool:
-    """A dataclass instance (a ``ModelOutput`` is a Mapping, taken as one first)."""
+def is_dataclass_instance(value: Any) -> bool:
+    """A dataclass instance, not a dataclass itself (a ``ModelOutput`` is a Mapping, taken as one first).
+
+    >>> import dataclasses
+    >>> is_dataclass_instance(dataclasses.make_dataclass("P", ["x"])(1))
+    True
+    """
     return dataclasses.is_dataclass(value) and not isinstance(value, type)
 
 
