@@ -11,16 +11,19 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 .PHONY: demo test lint sweep bench clean chromium compat
 
 # `make demo` installs only what the demo needs; `make test` adds the serving and test extras.
+# --no-compile: pip would byte-compile all ~14,000 modules it installs, one at a time (about 45 s here); the demo
+# and the suite import a few thousand of them, compiled on first import instead (both run with
+# PYTHONDONTWRITEBYTECODE set empty, so that the bytecode is kept for the next run).
 $(DEMO): pyproject.toml constraints.txt
 	@echo "make demo: creating $(VENV) and installing tf32lab with its demo extra (torch, sentence-transformers, all-MiniLM-L6-v2; a few minutes the first time)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --progress-bar off -c constraints.txt -e '.[demo]'
+	$(BIN)/python -m pip install --no-compile --progress-bar off -c constraints.txt -e '.[demo]'
 	touch $(DEMO)
 
 $(STAMP): $(DEMO)
 	@echo "make test: installing the serving and test extras"
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[demo,serving,test]'
+	$(BIN)/python -m pip install --no-compile --quiet -c constraints.txt -e '.[demo,serving,test]'
 	touch $(STAMP)
 
 # The main job on the default workload (all-MiniLM-L6-v2): tables on the terminal, report.html beside them.
@@ -28,7 +31,7 @@ $(STAMP): $(DEMO)
 demo: $(DEMO)
 	@echo "make demo: checking all-MiniLM-L6-v2 at every precision level, as an A100 computes it"
 	@echo "$(BIN)/tf32lab check --html report.html"
-	@$(BIN)/tf32lab check --html report.html; status=$$?; \
+	@PYTHONDONTWRITEBYTECODE= $(BIN)/tf32lab check --html report.html; status=$$?; \
 	echo; \
 	echo "next: open report.html (every output and layer, in a browser); then find the fastest policy within tolerance:"; \
 	echo "  $(BIN)/tf32lab tune --out policy.json --html tune.html"; \
