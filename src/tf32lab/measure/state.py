@@ -75,20 +75,48 @@ class KeptState:
         self._kept = _kept(model)
         self.changed: list[str] = []
         # the parameters' values are not copied (that would double the model's memory): a write into one is seen
-        # by its version counter, and said (``written``), not undone
-        self._versions = [(name, p, p._version) for name, p in model.named_parameters() if not p.is_inference()]
+        # by its version counter or, where it went through ``.data`` (which has a counter of its own: an EMA's
+        # ``p.data.mul_(decay)``), by a digest of its bits; and said (``written``), not undone
+        parameters = [(name, p) for name, p in model.named_parameters() if not p.is_inference()]
+        self._versions = [(name, p, p._version, digest)
+                          for (name, p), digest in zip(parameters, _digests([p for _, p in parameters]))]
         self.written: list[str] = []
 
     def __call__(self) -> list[str]:
         with torch.no_grad():
             found = [where + name for where, restore in self._kept for name in restore()]
         self.changed += [name for name in found if name not in self.changed]
-        for i, (name, parameter, version) in enumerate(self._versions):
-            if parameter._version != version:
-                self._versions[i] = (name, parameter, parameter._version)
+        digests = _digests([parameter for _, parameter, _, _ in self._versions])
+        for i, ((name, parameter, version, digest), now) in enumerate(zip(self._versions, digests)):
+            if parameter._version != version or digest != now:
+                self._versions[i] = (name, parameter, parameter._version, now)
                 if name not in self.written:
                     self.written.append(name)
         return found
+
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an element's bits as an integer
+
+
+def _digests(tensors: list[torch.Tensor]) -> list[Optional[int]]:
+    """The sum of each tensor's bits, read as integers (no copy; one transfer per device): a change of any value
+    changes it but for a collision. None where a tensor has no plain values (meta, sparse, nested, a wrapper)."""
+    sums: list[Optional[torch.Tensor]] = []
+    with torch.no_grad():
+        for t in tensors:
+            bits = _BITS.get(t.element_size())
+            try:
+                usable = bits is not None and t.layout == torch.strided and not t.is_nested and not t.is_meta \
+                    and type(t) in (torch.Tensor, torch.nn.Parameter)
+                sums.append(t.detach().view(bits).sum(dtype=torch.int64) if usable else None)
+            except (RuntimeError, TypeError, NotImplementedError):
+                sums.append(None)
+    found: list[Optional[int]] = [None] * len(sums)
+    for device in {s.device for s in sums if s is not None}:
+        where = [i for i, s in enumerate(sums) if s is not None and s.device == device]
+        for i, value in zip(where, torch.stack([sums[i] for i in where]).tolist()):
+            found[i] = value
+    return found
 
 
 @contextlib.contextmanager
