@@ -221,3 +221,28 @@ def test_a_write_into_parameters_through_data_is_said_too():
     report = tf32lab.check(tf32lab.Workload(Ema(), torch.randn(16, 8)), levels=("highest",), speed=False)
     said = [note for note in report.notes if "writes into its own parameters" in note]
     assert len(said) == 1 and "(teacher.weight, teacher.bias)" in said[0], report.notes
+
+
+def test_a_tensor_attribute_written_through_data_or_numpy_is_put_back():
+    # .data and .numpy() write the values without moving the tensor's version counter: the attribute was taken
+    # as unchanged, every row after the reference started from its last value (high failed at 1.6), and the
+    # model kept it
+    class Writes(_Base):
+        def __init__(self, through: str) -> None:
+            super().__init__()
+            self.through, self.state = through, torch.zeros(16)
+
+        def forward(self, x):
+            out = self.linear(x) + self.state
+            if self.through == "data":
+                self.state.data.add_(1.0)
+            else:
+                self.state.numpy()[:] += 1.0
+            return out
+
+    for through in ("data", "numpy"):
+        model = Writes(through)
+        report = tf32lab.check(tf32lab.Workload(model, torch.randn(8, 16)), levels=("highest", "high"),
+                               target="a100", speed=False)
+        assert all(output.normwise < 1e-2 for level in report.levels for output in level.outputs), through
+        assert torch.equal(model.state, torch.zeros(16)), through

@@ -246,16 +246,6 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def _pointer(t: torch.Tensor) -> Optional[int]:
-    """Where a tensor's values are (another after ``.data = ...``); None where it has no single storage."""
-    if t.layout != torch.strided or t.is_nested:
-        return None
-    try:
-        return t.data_ptr()
-    except RuntimeError:  # a tensor subclass or wrapper without storage
-        return None
-
-
 def _attributes(module: torch.nn.Module, holders: set[int]) -> Iterator[Restore]:
     """A Python module's data attributes, and the data attributes a run adds (removed again); and those of the
     data objects it holds (``holders``: the ids of those already kept)."""
@@ -362,11 +352,11 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _contents(value: Any, depth: int = 0) -> Any:
-    """What :func:`_put_back` needs to put ``value``'s contents back: a tensor's version and values, a list's or
+    """What :func:`_put_back` needs to put ``value``'s contents back: a tensor's values, a list's or
     dict's items, and the contents of the items of a list, dict or tuple (a list of tensors updated in place:
     ``self.state[0].add_(h)``), a few levels down."""
     if isinstance(value, torch.Tensor):
-        return None if value.is_inference() else (value._version, _pointer(value), value.detach().clone())
+        return None if value.is_inference() else value.detach().clone()
     access = _random_state(value)
     if access is not None:
         return access[0]()
@@ -391,11 +381,9 @@ def _put_back(value: Any, contents: Any) -> bool:
     if contents is None:
         return False
     if isinstance(value, torch.Tensor):
-        version, pointer, copy = contents
-        if value._version == version and pointer is not None and _pointer(value) == pointer and \
-                value.dtype == copy.dtype:
-            return False
-        return _values_put_back(value, copy)
+        # compared by value, as a buffer is: a write through ``.data`` or ``.numpy()`` (``self.h.data.add_(1)``)
+        # leaves the tensor's version counter alone
+        return _values_put_back(value, contents)
     access = _random_state(value)
     if access is not None:
         return _random_put_back(access, contents)
