@@ -47,3 +47,14 @@ def test_top1_counts_rows_where_a_logit_is_nan():
     r[50, 3] = y[50, 3] = math.nan
     found = metrics.compare("logits", y, r)
     assert found.top1 == 0.9  # it was 0.0 or 1.0: the argmax of the finite rest as one row
+
+
+def test_a_complex_number_with_one_part_nan_is_held_whole():
+    # nan+0j: its real part was held and its imaginary 0 kept as a pair of zeros, whose cosine is 0: an output
+    # equal to its reference said cosine 0.0
+    r = torch.tensor([[complex(math.nan, 0.0), 1 + 1j, 2 - 3j]], dtype=torch.complex128)
+    found = metrics.compare("z", r.to(torch.complex64), r)
+    assert found.passed and found.cosine > 0.999, found
+    other = r.clone()
+    other[0, 0] = complex(math.nan, 1.0)  # the same NaN, another imaginary part: still no finite value to compare
+    assert metrics.compare("z", other.to(torch.complex64), r).failure is None

@@ -20,6 +20,8 @@ precision. What is kept:
 - the attributes of a plain object a module holds that holds nothing but data, as a module's (nflows' and
   normflows' LU layers keep their eval-mode weight and inverse in such a ``_LinearCache``, empty until the first
   call: the float64 reference filled it with float64 tensors, and every float32 row then raised at its product);
+  such objects and dataclasses (slotted ones too) inside lists, dicts and each other are kept likewise, up to
+  eight levels down (a per-layer cache object in a list, a list of dicts of lists of tensors);
 - not the parameters' values (a copy would double the model's memory): a write into one, seen by its version
   counter, is said (``KeptState.written``, :func:`written_note`), not undone;
 - a TorchScript module's attributes likewise (parameters and buffers aside), through
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import random
 import sys
 import types
@@ -64,7 +67,9 @@ __all__ = ["KeptState", "state_kept", "stateful_note", "written_note"]
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 _SCALARS = (int, float, complex, bool, str, bytes, type(None), tuple, torch.dtype, torch.device)
 _MISSING = object()
-_DEPTH = 3  # how far into lists, dicts and tuples the contents are kept (a list of (h, c) pairs is two levels)
+# how far into lists, dicts, tuples and data objects the contents are kept (a list of (h, c) pairs is two levels;
+# a list of per-layer dicts of lists of tensors four); it also ends a structure that holds itself
+_DEPTH = 8
 
 
 class KeptState:
@@ -75,20 +80,48 @@ class KeptState:
         self._kept = _kept(model)
         self.changed: list[str] = []
         # the parameters' values are not copied (that would double the model's memory): a write into one is seen
-        # by its version counter, and said (``written``), not undone
-        self._versions = [(name, p, p._version) for name, p in model.named_parameters() if not p.is_inference()]
+        # by its version counter or, where it went through ``.data`` (which has a counter of its own: an EMA's
+        # ``p.data.mul_(decay)``), by a digest of its bits; and said (``written``), not undone
+        parameters = [(name, p) for name, p in model.named_parameters() if not p.is_inference()]
+        self._versions = [(name, p, p._version, digest)
+                          for (name, p), digest in zip(parameters, _digests([p for _, p in parameters]))]
         self.written: list[str] = []
 
     def __call__(self) -> list[str]:
         with torch.no_grad():
             found = [where + name for where, restore in self._kept for name in restore()]
         self.changed += [name for name in found if name not in self.changed]
-        for i, (name, parameter, version) in enumerate(self._versions):
-            if parameter._version != version:
-                self._versions[i] = (name, parameter, parameter._version)
+        digests = _digests([parameter for _, parameter, _, _ in self._versions])
+        for i, ((name, parameter, version, digest), now) in enumerate(zip(self._versions, digests)):
+            if parameter._version != version or digest != now:
+                self._versions[i] = (name, parameter, parameter._version, now)
                 if name not in self.written:
                     self.written.append(name)
         return found
+
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an element's bits as an integer
+
+
+def _digests(tensors: list[torch.Tensor]) -> list[Optional[int]]:
+    """The sum of each tensor's bits, read as integers (no copy; one transfer per device): a change of any value
+    changes it but for a collision. None where a tensor has no plain values (meta, sparse, nested, a wrapper)."""
+    sums: list[Optional[torch.Tensor]] = []
+    with torch.no_grad():
+        for t in tensors:
+            bits = _BITS.get(t.element_size())
+            try:
+                usable = bits is not None and t.layout == torch.strided and not t.is_nested and not t.is_meta \
+                    and type(t) in (torch.Tensor, torch.nn.Parameter)
+                sums.append(t.detach().view(bits).sum(dtype=torch.int64) if usable else None)
+            except (RuntimeError, TypeError, NotImplementedError):
+                sums.append(None)
+    found: list[Optional[int]] = [None] * len(sums)
+    for device in {s.device for s in sums if s is not None}:
+        where = [i for i, s in enumerate(sums) if s is not None and s.device == device]
+        for i, value in zip(where, torch.stack([sums[i] for i in where]).tolist()):
+            found[i] = value
+    return found
 
 
 @contextlib.contextmanager
@@ -218,16 +251,6 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def _pointer(t: torch.Tensor) -> Optional[int]:
-    """Where a tensor's values are (another after ``.data = ...``); None where it has no single storage."""
-    if t.layout != torch.strided or t.is_nested:
-        return None
-    try:
-        return t.data_ptr()
-    except RuntimeError:  # a tensor subclass or wrapper without storage
-        return None
-
-
 def _attributes(module: torch.nn.Module, holders: set[int]) -> Iterator[Restore]:
     """A Python module's data attributes, and the data attributes a run adds (removed again); and those of the
     data objects it holds (``holders``: the ids of those already kept)."""
@@ -241,7 +264,7 @@ def _data_attributes(held: dict[str, Any], skip: Collection[str], holders: Optio
     for key, value in list(held.items()):
         if key in skip:
             continue
-        if _is_data(value):
+        if _is_data(value) or (holders is None and _holds_only_data(value)):  # a data object in a data object
             yield _attribute(key, value, lambda key=key: held.get(key, _MISSING),
                              lambda value, key=key: held.__setitem__(key, value))
         elif holders is not None and id(value) not in holders and _holds_only_data(value):
@@ -257,13 +280,15 @@ def _data_attributes(held: dict[str, Any], skip: Collection[str], holders: Optio
     yield added
 
 
-def _holds_only_data(value: Any) -> bool:
-    """A plain object (not a module, class or function) whose attributes are all data: a cache such as nflows'
-    ``_LinearCache``, not an object with parts of its own (a Lightning trainer, a gpytorch prediction strategy)."""
-    if isinstance(value, (torch.nn.Module, type, types.ModuleType)) or callable(value):
+def _holds_only_data(value: Any, depth: int = 0) -> bool:
+    """A plain object (not a module, class or function) whose attributes are all data, or such objects in turn: a
+    cache such as nflows' ``_LinearCache``, not an object with parts of its own (a Lightning trainer, a gpytorch
+    prediction strategy)."""
+    if depth >= _DEPTH or isinstance(value, (torch.nn.Module, type, types.ModuleType)) or callable(value):
         return False
     attributes = getattr(value, "__dict__", None)
-    return isinstance(attributes, dict) and bool(attributes) and all(map(_is_data, attributes.values()))
+    return isinstance(attributes, dict) and bool(attributes) and \
+        all(_is_data(v) or _holds_only_data(v, depth + 1) for v in attributes.values())
 
 
 def _named(key: str, restore: Restore) -> Restore:
@@ -285,8 +310,28 @@ def _is_data(value: Any) -> bool:
 
 
 def _is_dataclass(value: Any) -> bool:
-    """A dataclass instance with a ``__dict__`` (its fields are kept as a dict's items)."""
-    return is_dataclass_instance(value) and hasattr(value, "__dict__")
+    """A dataclass instance (its fields are kept as a dict's items; a slotted one's field by field)."""
+    return is_dataclass_instance(value)
+
+
+class _Fields:
+    """The kept contents of a data object (a dataclass, or a plain object of data: :func:`_holds_only_data`), as
+    found when kept: its ``__dict__``'s, or a slotted dataclass's fields (``slots=True``: no ``__dict__``)."""
+
+    def __init__(self, value: Any, depth: int) -> None:
+        self.slotted = not hasattr(value, "__dict__")
+        held = {f.name: getattr(value, f.name, _MISSING) for f in dataclasses.fields(value)} if self.slotted \
+            else vars(value)
+        self.contents = _contents(held, depth)
+
+    def put_back(self, value: Any) -> bool:
+        if not self.slotted:
+            return _put_back(vars(value), self.contents)
+        items, inner = self.contents
+        changed = [key for key, item in items.items() if getattr(value, key, _MISSING) is not item]
+        for key in changed:  # object's own: a frozen dataclass's fields too
+            object.__setattr__(value, key, items[key]) if items[key] is not _MISSING else object.__delattr__(value, key)
+        return _inner_put_back(list(items.values()), list(inner.values())) or bool(changed)
 
 
 def _random_state(value: Any) -> Optional[tuple[Callable[[], Any], Callable[[Any], None]]]:
@@ -334,18 +379,18 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _contents(value: Any, depth: int = 0) -> Any:
-    """What :func:`_put_back` needs to put ``value``'s contents back: a tensor's version and values, a list's or
+    """What :func:`_put_back` needs to put ``value``'s contents back: a tensor's values, a list's or
     dict's items, and the contents of the items of a list, dict or tuple (a list of tensors updated in place:
     ``self.state[0].add_(h)``), a few levels down."""
     if isinstance(value, torch.Tensor):
-        return None if value.is_inference() else (value._version, _pointer(value), value.detach().clone())
+        return None if value.is_inference() else value.detach().clone()
     access = _random_state(value)
     if access is not None:
         return access[0]()
-    if _is_dataclass(value):
-        return _contents(vars(value), depth)
     if depth >= _DEPTH:
         return None
+    if _is_dataclass(value) or _holds_only_data(value):
+        return _Fields(value, depth + 1)
     if isinstance(value, (list, collections.deque)):
         return list(value), [_contents(item, depth + 1) for item in value]
     if isinstance(value, set):
@@ -363,16 +408,14 @@ def _put_back(value: Any, contents: Any) -> bool:
     if contents is None:
         return False
     if isinstance(value, torch.Tensor):
-        version, pointer, copy = contents
-        if value._version == version and pointer is not None and _pointer(value) == pointer and \
-                value.dtype == copy.dtype:
-            return False
-        return _values_put_back(value, copy)
+        # compared by value, as a buffer is: a write through ``.data`` or ``.numpy()`` (``self.h.data.add_(1)``)
+        # leaves the tensor's version counter alone
+        return _values_put_back(value, contents)
     access = _random_state(value)
     if access is not None:
         return _random_put_back(access, contents)
-    if _is_dataclass(value):
-        return _put_back(vars(value), contents)
+    if isinstance(contents, _Fields):
+        return contents.put_back(value)
     if isinstance(value, tuple):
         return _inner_put_back(value, contents)
     items, inner = contents

@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Union
@@ -67,11 +68,14 @@ def map_tensors(fn: Callable[[Any], Any], tree: Any, types: Union[type, tuple[ty
     if isinstance(tree, (tuple, list)):
         return type(tree)(map_tensors(fn, value, types) for value in tree)
     if is_dataclass_instance(tree):
-        changed = {f.name: map_tensors(fn, getattr(tree, f.name), types) for f in dataclasses.fields(tree) if f.init}
-        try:
-            return dataclasses.replace(tree, **changed)
-        except (TypeError, ValueError):  # a __post_init__ that does not take its own fields back
-            return tree
+        # a copy with every field mapped, its __init__ and __post_init__ not run again: dataclasses.replace ran a
+        # __post_init__ that transforms a field (self.y = self.y * 3) on the mapped value once more, so a layer's
+        # kept reference was three times its output; and it gave back the tree unmapped where one refused
+        made = copy.copy(tree)
+        for f in dataclasses.fields(tree):
+            if hasattr(tree, f.name):
+                object.__setattr__(made, f.name, map_tensors(fn, getattr(tree, f.name), types))
+        return made
     return tree
 
 
