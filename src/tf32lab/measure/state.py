@@ -104,8 +104,9 @@ _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an el
 
 
 def _digests(tensors: list[torch.Tensor]) -> list[Optional[int]]:
-    """The sum of each tensor's bits, read as integers (no copy; one transfer per device): a change of any value
-    changes it but for a collision. None where a tensor has no plain values (meta, sparse, nested, a wrapper)."""
+    """The sum of each tensor's bits, read as integers of its elements' width and wrapping (no copy; one transfer
+    per device): a change of any value changes it but for a collision. None where a tensor has no plain values
+    (meta, sparse, nested, a wrapper)."""
     sums: list[Optional[torch.Tensor]] = []
     with torch.no_grad():
         for t in tensors:
@@ -113,13 +114,16 @@ def _digests(tensors: list[torch.Tensor]) -> list[Optional[int]]:
             try:
                 usable = bits is not None and t.layout == torch.strided and not t.is_nested and not t.is_meta \
                     and type(t) in (torch.Tensor, torch.nn.Parameter)
-                sums.append(t.detach().view(bits).sum(dtype=torch.int64) if usable else None)
+                # summed in the elements' own width, wrapping: a digest all the same (a sum modulo 2^n, in any
+                # order), and vectorised, where an int32 tensor summed into int64 takes 20x as long (0.66 s for
+                # all-MiniLM-L6-v2's 22M weights on one thread, at every row)
+                sums.append(t.detach().view(bits).sum(dtype=bits) if usable else None)
             except (RuntimeError, TypeError, NotImplementedError):
                 sums.append(None)
     found: list[Optional[int]] = [None] * len(sums)
     for device in {s.device for s in sums if s is not None}:
         where = [i for i, s in enumerate(sums) if s is not None and s.device == device]
-        for i, value in zip(where, torch.stack([sums[i] for i in where]).tolist()):
+        for i, value in zip(where, torch.stack([sums[i].long() for i in where]).tolist()):
             found[i] = value
     return found
 
