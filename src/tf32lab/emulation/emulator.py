@@ -79,6 +79,8 @@ def check_accumulation(value: Optional[str]) -> str:
 _GEMM_KEYS = ("matmul", "attention.math", "matmul.gemv")
 
 _F32 = torch.float32
+_C64 = torch.complex64
+_COMPLEX_GEMMS = (torch.ops.aten.mm, torch.ops.aten.bmm)  # complex products computed by parts
 _SPARSE = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
 _SINGLE_ROUND = {"tf32": formats.round_tf32, "bf16": formats.round_bf16}
 _SPLIT = {"tf32x3": formats.split_tf32x3, "bf16x3": formats.split_bf16x3, "bfx9": formats.split_bf16x9}
@@ -701,6 +703,26 @@ def _float32_in(args: Any) -> bool:
     return False
 
 
+def _complex64_in(args: Any) -> bool:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.dtype == _C64:
+                return True
+        elif isinstance(a, (list, tuple)) and _complex64_in(a):
+            return True
+    return False
+
+
+def _by_parts(product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], a: torch.Tensor,
+              b: torch.Tensor) -> torch.Tensor:
+    """The complex product ``a b`` from four real ``product``s of the parts, as a complex GEMM's tensor cores take
+    them (each part rounded to the math on its own). A lazily conjugated or negated operand (autograd's backward
+    multiplies by the conjugate) is read as its values first: its ``.imag`` alone would drop the sign."""
+    a, b = a.resolve_conj().resolve_neg(), b.resolve_conj().resolve_neg()
+    real = product(a.real, b.real) - product(a.imag, b.imag)
+    return torch.complex(real, product(a.real, b.imag) + product(a.imag, b.real))
+
+
 def _sparse_in(args: Any) -> bool:
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -773,6 +795,9 @@ class _Mode(TorchDispatchMode):
         if classified is _UNSEEN:
             classified = treatment(func)
         if classified is None or not (_float32_in(args) or _float32_in(kwargs.values())):
+            if classified is not None and _get_tracing_state() is None and \
+                    (_complex64_in(args) or _complex64_in(kwargs.values())):
+                return self._complex(entry, classified, func, args, kwargs)
             cache = entry.cache
             if (cache.entries or cache.recent) and _mutates(func):  # a write (maybe via .data): copies go
                 cache.written(operand_tensors(args) + operand_tensors(kwargs.values()))
@@ -806,7 +831,25 @@ class _Mode(TorchDispatchMode):
             _put_tracing_state(tracing)
         return traced
 
-    def _emulated(self, entry: _Entry, classified: Treatment, func, args, kwargs):
+    def _complex(self, entry: _Entry, classified: Treatment, func, args, kwargs):
+        """A family op on complex64 operands. cuBLAS's CGEMM follows the matmul flag as SGEMM does (PyTorch's own
+        tests run complex64 matmuls under TF32 at TF32's tolerance: ``tf32_on_and_off``, torch/testing/_internal/
+        common_cuda.py): ``mm`` and ``bmm`` (what complex ``@``, ``matmul`` and ``einsum`` come to) are computed
+        from their real and imaginary parts, four real products each in the target's math; a composite (``einsum``
+        as ``inference_mode`` dispatches it) broken down into them. On a CPU, MKL's CGEMM, which no oneDNN flag
+        reaches: IEEE. Any other (a complex ``addmm``, convolution): unhandled, and said."""
+        emu = entry.emu
+        if emu.math is None and emu.target.device != "cuda":
+            _Call(entry, func.name(), self.pinned or _OpCells()).count(IEEE)
+            return func(*args, **kwargs)
+        if func.overloadpacket in _COMPLEX_GEMMS and classified.rule is not None and len(args) == 2 \
+                and all(isinstance(a, torch.Tensor) and a.dtype == _C64 for a in args):
+            return self._emulated(entry, classified, func, args, kwargs, parts=True)
+        # broken down where it is a composite (einsum, matmul: into the products above), else unhandled
+        call = _Call(entry, func.name(), self.pinned or _OpCells())
+        return self._no_rule(call, func, classified.family, classified.how, args, kwargs)
+
+    def _emulated(self, entry: _Entry, classified: Treatment, func, args, kwargs, parts: bool = False):
         family, how, rule, _ = classified
         emu = entry.emu
         cells = self.pinned or _OpCells()
@@ -837,6 +880,8 @@ class _Mode(TorchDispatchMode):
                 call.no_tf32 = True
 
             def run():
+                if parts:
+                    return _by_parts(lambda x, y: rule(call, ruled, (x, y), kwargs), args[0], args[1])
                 return rule(call, ruled, args, kwargs)
 
             # The rounded operands must not be rounded again by the native GEMM: IEEE for this device's cell.
@@ -1201,7 +1246,9 @@ class emulate(contextlib.ContextDecorator):
     Results match the GPU within float32 accumulation error, not bit for bit; convolutions and RNNs only within
     rounding-mode noise too, as cuDNN picks each kernel's operand rounding (RNE, RNA or no TF32) and a target
     models one (``tf32lab.know.targets``). Products with a sparse operand compute IEEE on every target (cuSPARSE: the
-    TF32 flags do not reach it) and are counted as ``ieee``. Exiting in another thread than the one that entered
+    TF32 flags do not reach it) and are counted as ``ieee``. complex64 ``mm`` / ``bmm`` compute from their real and
+    imaginary parts in the target's math (cuBLAS's CGEMM follows the matmul flag; a CPU target's MKL CGEMM: IEEE).
+    Exiting in another thread than the one that entered
     raises ``Tf32LabError`` (the block is closed all the same).
 
     Example:
