@@ -67,15 +67,30 @@ def test_a_conjugated_operand_keeps_its_sign_and_the_backward_is_emulated():
     assert emu.coverage[("aten::mm", "tf32-rna")] >= 3 and not emu.unhandled
 
 
-def test_complex64_on_a_cpu_target_is_ieee_and_other_complex_family_ops_are_counted_unhandled():
-    a, b, c = _complex(8, 16, seed=6), _complex(16, 4, seed=7), _complex(8, 4, seed=8)
+def test_a_complex64_linear_with_its_bias_is_emulated_and_a_gemv_is_ieee():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 8, dtype=torch.complex64)
+    x = _complex(16, 64, seed=10)
+    with torch.no_grad():
+        exact = torch.nn.functional.linear(x.to(torch.complex128), lin.weight.to(torch.complex128),
+                                           lin.bias.to(torch.complex128))
+    with torch.no_grad(), tf32lab.precision("high"), tf32lab.emulate("a100") as emu:
+        found = lin(x)
+        vector = x @ _complex(64, seed=11)  # cuBLAS's CGEMV: no tensor-core path
+    assert 1e-4 < _relative(found, exact) < 1e-2
+    assert torch.equal(vector, x @ _complex(64, seed=11))
+    assert emu.coverage == {("aten::addmm", "tf32-rna"): 1, ("aten::mv", "ieee"): 1} and not emu.unhandled
+
+
+def test_complex64_on_a_cpu_target_is_ieee_and_a_family_op_without_parts_is_counted_unhandled():
+    a, b = _complex(8, 16, seed=6), _complex(16, 4, seed=7)
     with tf32lab.precision("medium"), tf32lab.emulate("cpu-amx") as emu:
         cpu = a @ b  # MKL's CGEMM: no oneDNN flag reaches it
     assert {math for (_, math) in emu.coverage} == {"ieee"}
     assert torch.equal(cpu, a @ b)
     with tf32lab.precision("high"), tf32lab.emulate("a100") as emu:
-        torch.addmm(c, a, b)
-    assert emu.unhandled == {"aten::addmm": 1}
+        torch.addbmm(_complex(8, 4, seed=8), a.expand(2, 8, 16), b.expand(2, 16, 4))
+    assert emu.unhandled == {"aten::addbmm": 1}
 
 
 class _Spectral(torch.nn.Module):

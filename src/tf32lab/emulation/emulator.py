@@ -80,7 +80,9 @@ _GEMM_KEYS = ("matmul", "attention.math", "matmul.gemv")
 
 _F32 = torch.float32
 _C64 = torch.complex64
-_COMPLEX_GEMMS = (torch.ops.aten.mm, torch.ops.aten.bmm)  # complex products computed by parts
+# complex products computed by parts: each with the real product its parts take
+_COMPLEX_GEMMS = {torch.ops.aten.mm: torch.ops.aten.mm, torch.ops.aten.bmm: torch.ops.aten.bmm,
+                  torch.ops.aten.addmm: torch.ops.aten.mm, torch.ops.aten.baddbmm: torch.ops.aten.bmm}
 _SPARSE = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
 _SINGLE_ROUND = {"tf32": formats.round_tf32, "bf16": formats.round_bf16}
 _SPLIT = {"tf32x3": formats.split_tf32x3, "bf16x3": formats.split_bf16x3, "bfx9": formats.split_bf16x9}
@@ -713,6 +715,24 @@ def _complex64_in(args: Any) -> bool:
     return False
 
 
+def _complex_gemm(call: _Call, func, args: tuple, kwargs: dict) -> torch.Tensor:
+    """A complex64 ``mm`` / ``bmm`` (or ``addmm`` / ``baddbmm``: ``beta C + alpha AB``) by parts, each real
+    product computed by the real op's rule."""
+    real = _COMPLEX_GEMMS[func.overloadpacket]
+    rule, plain = rules.RULES[real], real.default
+
+    def product(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return rule(call, plain, (x, y), {})
+
+    if func.overloadpacket is real:
+        return _by_parts(product, args[0], args[1])
+    c, a, b = args[:3]
+    alpha, beta = kwargs.get("alpha", 1), kwargs.get("beta", 1)
+    p = _by_parts(product, a, b)
+    p = p if alpha == 1 else p * alpha
+    return p if beta == 0 else p + (c if beta == 1 else c * beta)
+
+
 def _by_parts(product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], a: torch.Tensor,
               b: torch.Tensor) -> torch.Tensor:
     """The complex product ``a b`` from four real ``product``s of the parts, as a complex GEMM's tensor cores take
@@ -834,19 +854,22 @@ class _Mode(TorchDispatchMode):
     def _complex(self, entry: _Entry, classified: Treatment, func, args, kwargs):
         """A family op on complex64 operands. cuBLAS's CGEMM follows the matmul flag as SGEMM does (PyTorch's own
         tests run complex64 matmuls under TF32 at TF32's tolerance: ``tf32_on_and_off``, torch/testing/_internal/
-        common_cuda.py): ``mm`` and ``bmm`` (what complex ``@``, ``matmul`` and ``einsum`` come to) are computed
-        from their real and imaginary parts, four real products each in the target's math; a composite (``einsum``
-        as ``inference_mode`` dispatches it) broken down into them. On a CPU, MKL's CGEMM, which no oneDNN flag
-        reaches: IEEE. Any other (a complex ``addmm``, convolution): unhandled, and said."""
+        common_cuda.py): ``mm``, ``bmm``, ``addmm`` and ``baddbmm`` (what complex ``@``, ``matmul``, ``linear``
+        and ``einsum`` come to) are computed from their real and imaginary parts, four real products each in the
+        target's math; a composite (``einsum`` as ``inference_mode`` dispatches it) broken down into them. On a
+        CPU, MKL's CGEMM, which no oneDNN flag reaches, and a GPU's CGEMV (no tensor-core path): IEEE. Any other
+        op of a family: broken down where it can be, else unhandled, and said."""
         emu = entry.emu
-        if emu.math is None and emu.target.device != "cuda":
-            _Call(entry, func.name(), self.pinned or _OpCells()).count(IEEE)
+        call = _Call(entry, func.name(), self.pinned or _OpCells())
+        if emu.math is None and (emu.target.device != "cuda" or
+                                 (classified.family == "matvec" and call.math("matvec") == IEEE)):
+            call.count(IEEE)  # a CPU's CGEMM, a GPU's CGEMV: IEEE, as natively here
             return func(*args, **kwargs)
-        if func.overloadpacket in _COMPLEX_GEMMS and classified.rule is not None and len(args) == 2 \
-                and all(isinstance(a, torch.Tensor) and a.dtype == _C64 for a in args):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if func.overloadpacket in _COMPLEX_GEMMS and len(tensors) == len(args) and \
+                all(t.dtype == _C64 and t.layout == torch.strided for t in tensors):
             return self._emulated(entry, classified, func, args, kwargs, parts=True)
         # broken down where it is a composite (einsum, matmul: into the products above), else unhandled
-        call = _Call(entry, func.name(), self.pinned or _OpCells())
         return self._no_rule(call, func, classified.family, classified.how, args, kwargs)
 
     def _emulated(self, entry: _Entry, classified: Treatment, func, args, kwargs, parts: bool = False):
@@ -881,7 +904,7 @@ class _Mode(TorchDispatchMode):
 
             def run():
                 if parts:
-                    return _by_parts(lambda x, y: rule(call, ruled, (x, y), kwargs), args[0], args[1])
+                    return _complex_gemm(call, ruled, args, kwargs)
                 return rule(call, ruled, args, kwargs)
 
             # The rounded operands must not be rounded again by the native GEMM: IEEE for this device's cell.
@@ -1246,8 +1269,8 @@ class emulate(contextlib.ContextDecorator):
     Results match the GPU within float32 accumulation error, not bit for bit; convolutions and RNNs only within
     rounding-mode noise too, as cuDNN picks each kernel's operand rounding (RNE, RNA or no TF32) and a target
     models one (``tf32lab.know.targets``). Products with a sparse operand compute IEEE on every target (cuSPARSE: the
-    TF32 flags do not reach it) and are counted as ``ieee``. complex64 ``mm`` / ``bmm`` compute from their real and
-    imaginary parts in the target's math (cuBLAS's CGEMM follows the matmul flag; a CPU target's MKL CGEMM: IEEE).
+    TF32 flags do not reach it) and are counted as ``ieee``. complex64 GEMMs compute from their real and imaginary
+    parts in the target's math (cuBLAS's CGEMM follows the matmul flag; a CPU target's MKL CGEMM: IEEE).
     Exiting in another thread than the one that entered
     raises ``Tf32LabError`` (the block is closed all the same).
 
