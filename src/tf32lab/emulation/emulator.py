@@ -805,9 +805,10 @@ class _Mode(TorchDispatchMode):
             return _passed_on(func, args, kwargs)
         if types:
             names = {t.__name__ for t in types}
-            if "DTensor" in names:
-                # A tensor subclass that computes through its own dispatch (DTensor: a sharded model's parameters):
-                # it runs the op on its local shards, which come back here as plain tensors and are emulated.
+            if "DTensor" in names or "NestedTensor" in names:
+                # A tensor subclass that computes through its own dispatch (DTensor: a sharded model's parameters;
+                # a jagged nested tensor, NaViT's images of several sizes): it runs the op on its local shards or
+                # packed values, which come back here as plain tensors and are emulated.
                 return NotImplemented
             if "FakeTensor" in names:  # shapes without values (DTensor infers a sharding on them): as it is
                 return _passed_on(func, args, kwargs)
@@ -1162,6 +1163,12 @@ class _FunctionMode(TorchFunctionMode):
                 if func is _SDPA:
                     if _float32_in(args) or _float32_in(kwargs.values()):
                         call = _Call(entry, "aten::scaled_dot_product_attention", _OpCells())
+                        if any(t.__name__ == "NestedTensor" for t in types):
+                            # jagged: the target runs a fused kernel on the packed values, a CPU PyTorch's math
+                            # path on each sequence; neither is the target's kernel: native, and said
+                            call.unhandled()
+                            with modestack.lifted(_thread_modes().dispatch):
+                                return func(*args, **kwargs)
                         return rules.sdpa_function(call, func, args, kwargs)
                 elif _float32_in(args):
                     return _rnn(entry, func, args, kwargs)
