@@ -116,3 +116,21 @@ def test_check_measures_a_spectral_convolution_at_tf32():
     highest, high = report.level("highest"), report.level("high")
     assert not high.unhandled and any(op.endswith("tf32-rna") for op in high.coverage)
     assert high.worst.normwise > 10 * highest.worst.normwise
+
+
+# "Casting complex values to real discards the imaginary part": the gradients compared without it
+@pytest.mark.filterwarnings("error:Casting complex values to real")
+def test_training_a_model_with_complex64_weights_runs_its_float64_reference_in_complex128():
+    # Module.double() casts floating-point tensors only: the float64 reference kept complex64 weights, and its
+    # first backward raised "expected dtype ComplexFloat but got c10::complex<double>" (said as the model failing
+    # in float64, before any level ran)
+    torch.manual_seed(0)
+    data = [(torch.randn(4, 8, 32), torch.randn(4, 8, 32)) for _ in range(2)]
+    workload = tf32lab.TrainingWorkload(_Spectral(), data, loss=lambda out, batch: (out - batch[1]).pow(2).mean(),
+                                        inputs=lambda batch: batch[0])
+    report = tf32lab.check_training(workload, levels=("highest", "high"), target="a100", speed=False)
+    high = report.level("high")
+    assert high.failure is None and report.level("highest").failure is None and not high.unhandled
+    assert any(op.endswith("tf32-rna") for op in high.coverage)
+    weight = next(g for g in high.gradients if g.name == "weight")
+    assert 1e-5 < weight.normwise < 1e-2  # TF32-sized, over real and imaginary parts
