@@ -79,6 +79,10 @@ def check_accumulation(value: Optional[str]) -> str:
 _GEMM_KEYS = ("matmul", "attention.math", "matmul.gemv")
 
 _F32 = torch.float32
+_C64 = torch.complex64
+# complex products computed by parts: each with the real product its parts take
+_COMPLEX_GEMMS = {torch.ops.aten.mm: torch.ops.aten.mm, torch.ops.aten.bmm: torch.ops.aten.bmm,
+                  torch.ops.aten.addmm: torch.ops.aten.mm, torch.ops.aten.baddbmm: torch.ops.aten.bmm}
 _SPARSE = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
 _SINGLE_ROUND = {"tf32": formats.round_tf32, "bf16": formats.round_bf16}
 _SPLIT = {"tf32x3": formats.split_tf32x3, "bf16x3": formats.split_bf16x3, "bfx9": formats.split_bf16x9}
@@ -701,6 +705,44 @@ def _float32_in(args: Any) -> bool:
     return False
 
 
+def _complex64_in(args: Any) -> bool:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.dtype == _C64:
+                return True
+        elif isinstance(a, (list, tuple)) and _complex64_in(a):
+            return True
+    return False
+
+
+def _complex_gemm(call: _Call, func, args: tuple, kwargs: dict) -> torch.Tensor:
+    """A complex64 ``mm`` / ``bmm`` (or ``addmm`` / ``baddbmm``: ``beta C + alpha AB``) by parts, each real
+    product computed by the real op's rule."""
+    real = _COMPLEX_GEMMS[func.overloadpacket]
+    rule, plain = rules.RULES[real], real.default
+
+    def product(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return rule(call, plain, (x, y), {})
+
+    if func.overloadpacket is real:
+        return _by_parts(product, args[0], args[1])
+    c, a, b = args[:3]
+    alpha, beta = kwargs.get("alpha", 1), kwargs.get("beta", 1)
+    p = _by_parts(product, a, b)
+    p = p if alpha == 1 else p * alpha
+    return p if beta == 0 else p + (c if beta == 1 else c * beta)
+
+
+def _by_parts(product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], a: torch.Tensor,
+              b: torch.Tensor) -> torch.Tensor:
+    """The complex product ``a b`` from four real ``product``s of the parts, as a complex GEMM's tensor cores take
+    them (each part rounded to the math on its own). A lazily conjugated or negated operand (autograd's backward
+    multiplies by the conjugate) is read as its values first: its ``.imag`` alone would drop the sign."""
+    a, b = a.resolve_conj().resolve_neg(), b.resolve_conj().resolve_neg()
+    real = product(a.real, b.real) - product(a.imag, b.imag)
+    return torch.complex(real, product(a.real, b.imag) + product(a.imag, b.real))
+
+
 def _sparse_in(args: Any) -> bool:
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -763,9 +805,10 @@ class _Mode(TorchDispatchMode):
             return _passed_on(func, args, kwargs)
         if types:
             names = {t.__name__ for t in types}
-            if "DTensor" in names:
-                # A tensor subclass that computes through its own dispatch (DTensor: a sharded model's parameters):
-                # it runs the op on its local shards, which come back here as plain tensors and are emulated.
+            if "DTensor" in names or "NestedTensor" in names:
+                # A tensor subclass that computes through its own dispatch (DTensor: a sharded model's parameters;
+                # a jagged nested tensor, NaViT's images of several sizes): it runs the op on its local shards or
+                # packed values, which come back here as plain tensors and are emulated.
                 return NotImplemented
             if "FakeTensor" in names:  # shapes without values (DTensor infers a sharding on them): as it is
                 return _passed_on(func, args, kwargs)
@@ -773,6 +816,9 @@ class _Mode(TorchDispatchMode):
         if classified is _UNSEEN:
             classified = treatment(func)
         if classified is None or not (_float32_in(args) or _float32_in(kwargs.values())):
+            if classified is not None and _get_tracing_state() is None and \
+                    (_complex64_in(args) or _complex64_in(kwargs.values())):
+                return self._complex(entry, classified, func, args, kwargs)
             cache = entry.cache
             if (cache.entries or cache.recent) and _mutates(func):  # a write (maybe via .data): copies go
                 cache.written(operand_tensors(args) + operand_tensors(kwargs.values()))
@@ -806,7 +852,28 @@ class _Mode(TorchDispatchMode):
             _put_tracing_state(tracing)
         return traced
 
-    def _emulated(self, entry: _Entry, classified: Treatment, func, args, kwargs):
+    def _complex(self, entry: _Entry, classified: Treatment, func, args, kwargs):
+        """A family op on complex64 operands. cuBLAS's CGEMM follows the matmul flag as SGEMM does (PyTorch's own
+        tests run complex64 matmuls under TF32 at TF32's tolerance: ``tf32_on_and_off``, torch/testing/_internal/
+        common_cuda.py): ``mm``, ``bmm``, ``addmm`` and ``baddbmm`` (what complex ``@``, ``matmul``, ``linear``
+        and ``einsum`` come to) are computed from their real and imaginary parts, four real products each in the
+        target's math; a composite (``einsum`` as ``inference_mode`` dispatches it) broken down into them. On a
+        CPU, MKL's CGEMM, which no oneDNN flag reaches, and a GPU's CGEMV (no tensor-core path): IEEE. Any other
+        op of a family: broken down where it can be, else unhandled, and said."""
+        emu = entry.emu
+        call = _Call(entry, func.name(), self.pinned or _OpCells())
+        if emu.math is None and (emu.target.device != "cuda" or
+                                 (classified.family == "matvec" and call.math("matvec") == IEEE)):
+            call.count(IEEE)  # a CPU's CGEMM, a GPU's CGEMV: IEEE, as natively here
+            return func(*args, **kwargs)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if func.overloadpacket in _COMPLEX_GEMMS and len(tensors) == len(args) and \
+                all(t.dtype == _C64 and t.layout == torch.strided for t in tensors):
+            return self._emulated(entry, classified, func, args, kwargs, parts=True)
+        # broken down where it is a composite (einsum, matmul: into the products above), else unhandled
+        return self._no_rule(call, func, classified.family, classified.how, args, kwargs)
+
+    def _emulated(self, entry: _Entry, classified: Treatment, func, args, kwargs, parts: bool = False):
         family, how, rule, _ = classified
         emu = entry.emu
         cells = self.pinned or _OpCells()
@@ -837,6 +904,8 @@ class _Mode(TorchDispatchMode):
                 call.no_tf32 = True
 
             def run():
+                if parts:
+                    return _complex_gemm(call, ruled, args, kwargs)
                 return rule(call, ruled, args, kwargs)
 
             # The rounded operands must not be rounded again by the native GEMM: IEEE for this device's cell.
@@ -1094,6 +1163,12 @@ class _FunctionMode(TorchFunctionMode):
                 if func is _SDPA:
                     if _float32_in(args) or _float32_in(kwargs.values()):
                         call = _Call(entry, "aten::scaled_dot_product_attention", _OpCells())
+                        if any(t.__name__ == "NestedTensor" for t in types):
+                            # jagged: the target runs a fused kernel on the packed values, a CPU PyTorch's math
+                            # path on each sequence; neither is the target's kernel: native, and said
+                            call.unhandled()
+                            with modestack.lifted(_thread_modes().dispatch):
+                                return func(*args, **kwargs)
                         return rules.sdpa_function(call, func, args, kwargs)
                 elif _float32_in(args):
                     return _rnn(entry, func, args, kwargs)
@@ -1201,7 +1276,9 @@ class emulate(contextlib.ContextDecorator):
     Results match the GPU within float32 accumulation error, not bit for bit; convolutions and RNNs only within
     rounding-mode noise too, as cuDNN picks each kernel's operand rounding (RNE, RNA or no TF32) and a target
     models one (``tf32lab.know.targets``). Products with a sparse operand compute IEEE on every target (cuSPARSE: the
-    TF32 flags do not reach it) and are counted as ``ieee``. Exiting in another thread than the one that entered
+    TF32 flags do not reach it) and are counted as ``ieee``. complex64 GEMMs compute from their real and imaginary
+    parts in the target's math (cuBLAS's CGEMM follows the matmul flag; a CPU target's MKL CGEMM: IEEE).
+    Exiting in another thread than the one that entered
     raises ``Tf32LabError`` (the block is closed all the same).
 
     Example:

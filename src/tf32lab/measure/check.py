@@ -358,6 +358,7 @@ class Session:
         _warn_unknown(self.tolerances, self.ref_out)
         if formed is not None:
             self.scales = formed.scales(self.ref_out)
+            _check_measurable(workload, self.ref_out, self.scales)
         self.ref_drawn = list(recorder.mode.drawn)
 
     def _as_drawn(self, run: Callable[[], _T], where: str) -> _T:
@@ -804,6 +805,28 @@ def _check_judgeable(workload: Workload, ref_out: Any) -> None:
             raise Tf32LabError(f"workload {workload.name!r}: the float64 reference itself is {what} of output "
                                f"{name!r}: cannot judge any level against it (it is there without reduced "
                                f"precision); fix the model or its inputs, or leave that output out")
+
+
+def _check_measurable(workload: Workload, ref_out: Any, scales: Mapping[str, metrics.Scale]) -> None:
+    """Every float output zero at every element of the float64 reference, and formed by products that are zero
+    too (no :class:`~tf32lab.numbers.metrics.Scale`, or one of norm 0): a layer whose weights are zero (a
+    classifier head initialised to zero before training). Every level computes exactly zero there, and a check
+    would pass having measured nothing; said before any level runs, as bad input (``Tf32LabError``). An output
+    that cancels to zero from products that are not zero is judged over them, and one output with values is
+    enough to judge a level."""
+    zero = []
+    for name, value in named_leaves(ref_out):
+        if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()) and value.numel():
+            scale = scales.get(name)
+            if bool(value.any()) or (scale is not None and scale.norm != 0):
+                return
+            zero.append(name)
+    if zero:
+        which = ", ".join(repr(name) for name in zero)
+        raise Tf32LabError(f"workload {workload.name!r}: the float64 reference is zero at every element of output "
+                           f"{which}, from products that are zero too: no level can change it, so a check would "
+                           f"measure nothing (zero weights: a layer initialised to zero before training?); check "
+                           f"it with trained weights, or return an output the model's matmuls form")
 
 
 def _warn_unknown(tolerances: dict[str, float], ref_out: Any) -> None:

@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tf32lab.control import modestack
 from tf32lab.measure.draws import NARROW, WIDE, draw_kind, drawn_at_float32, random_name, random_op
 
-__all__ = ["Float64Run", "widen"]
+__all__ = ["Float64Run", "widen", "widened_model"]
 
 _WIDER = {torch.float32: torch.float64, torch.complex64: torch.complex128}
 
@@ -55,6 +55,21 @@ def widen(t: Any) -> Any:
         if wider is not None:
             return t.to(wider)
     return t
+
+
+def widened_model(model: torch.nn.Module) -> torch.nn.Module:
+    """``model.double()`` (in place: every floating-point parameter and buffer as float64), its complex64 ones as
+    complex128 too. ``Module.double()`` casts floating-point tensors only: a Fourier layer's complex64 weights stayed
+    complex64, and a float64 training step's backward raised ("expected dtype ComplexFloat but got
+    c10::complex<double>").
+
+    >>> layer = torch.nn.Linear(2, 2)
+    >>> layer.register_parameter("spectral", torch.nn.Parameter(torch.ones(2, dtype=torch.complex64)))
+    >>> widened = widened_model(layer)
+    >>> widened.weight.dtype, widened.spectral.dtype
+    (torch.float64, torch.complex128)
+    """
+    return model._apply(lambda t: t.double() if t.is_floating_point() else widen(t))
 
 
 def _narrow_in(args: Any, kwargs: dict) -> bool:

@@ -60,7 +60,7 @@ from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.check import ConvRun, PolicyRow, alike_levels, policy_maths, refuse_native_levels, rows_of_alike
 from tf32lab.measure.draws import SameDraws, Streams, lazy_note, materialised, seeded
 from tf32lab.measure.layers import ROOT, described, out_of_memory
-from tf32lab.measure.reference import Float64Run, widen
+from tf32lab.measure.reference import Float64Run, widen, widened_model
 from tf32lab.numbers import metrics
 from tf32lab.numbers.origin import internal_error
 from tf32lab.numbers.trees import map_tensors, named_tensors
@@ -277,10 +277,11 @@ class TrainingSession:
                                f"ran: step {reference.failed_step}: {reference.failure}"
                                + (f"; {reached}" if reached else ""))
         self.reference = reference
-        self.ref_grads = {n: g.double() for n, g in reference.grads.items()}
+        self.ref_grads = {n: g.to(torch.complex128) if g.is_complex() else g.double()
+                          for n, g in reference.grads.items()}
         # a parameter whose float64 gradient is a negligible part of the whole (a key bias, which softmax cannot
         # see: its gradient is 0 but for rounding) is measured against this, not against its own near-zero norm
-        total = math.sqrt(sum(float(g.pow(2).sum()) for g in self.ref_grads.values()))
+        total = math.sqrt(sum(float(g.abs().pow(2).sum()) for g in self.ref_grads.values()))
         self.grad_floor = GRADIENT_FLOOR * total / math.sqrt(max(1, len(self.ref_grads)))
         self.ref_params = dict(reference.model.named_parameters())
         self.ref_state = _optimizer_state(reference.model, reference.optimizer)
@@ -416,7 +417,7 @@ class TrainingSession:
         workload = self.workload
         model = copy.deepcopy(self.saved)  # train/eval modes as the caller's model has them
         if dtype == torch.float64:
-            model = model.double()
+            model = widened_model(model)  # complex64 weights too: Module.double() leaves them
         optimizer = self._optimizer(model)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         run = _Run([], {}, model, optimizer)
@@ -488,7 +489,7 @@ class TrainingSession:
         (the model made a float32 tensor) does every step run inside it."""
         found = []
         for widen_ops in (True, False):
-            model = copy.deepcopy(self.saved).double()
+            model = widened_model(copy.deepcopy(self.saved))
             _seeded(self.seed, model)
             batch = self.batch(0, torch.float64)
             try:
@@ -577,7 +578,7 @@ class _Attribution:
 
     def __init__(self, workload: TrainingWorkload, saved: torch.nn.Module, seed: int, batch: Any) -> None:
         self.saved, self.seed, self.notes = saved, seed, []
-        model = copy.deepcopy(saved).double()
+        model = widened_model(copy.deepcopy(saved))
         self.kinds = {}
         calls: dict[str, list[Any]] = {}
         handles = []
@@ -704,8 +705,11 @@ def _deviation(value: float, reference: float) -> float:
 
 
 def _against(x: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> tuple[float, float]:
-    """(normwise error, cosine) of ``x`` against ``ref``, in float64; the error over ``max(‖ref‖, floor)``."""
-    x, ref = x.detach().double().reshape(-1), ref.detach().double().reshape(-1)
+    """(normwise error, cosine) of ``x`` against ``ref``, in float64; the error over ``max(‖ref‖, floor)``. A complex
+    gradient (a Fourier layer's weights) as (real, imaginary) pairs: ``.double()`` drops the imaginary part."""
+    x, ref = (metrics.pairs(t.detach().to(torch.complex128)) if t.is_complex() else t.detach().double()
+              for t in (x, ref))
+    x, ref = x.reshape(-1), ref.reshape(-1)
     ref_norm, x_norm = float(ref.norm()), float(x.norm())
     if not math.isfinite(x_norm):
         return math.inf, math.nan
