@@ -172,6 +172,44 @@ def _tokenizer(folder: str, path: Path) -> Any:
     return tokenizer
 
 
+def _embeddings(model: torch.nn.Module) -> Optional[int]:
+    """How many token ids the model's input embedding has (None where it does not say)."""
+    try:
+        found = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+    size = getattr(found, "num_embeddings", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def _pad_in_range(tokenizer: Any, model: torch.nn.Module) -> None:
+    """A pad id the model's embedding has. transformers 5 builds a folder's tokenizer as its model type's class,
+    which may add a pad token of its own past the vocabulary (a Qwen2 folder's ``<|endoftext|>`` got id 300 beside
+    300 embeddings), as does a pad token added to a tokenizer without resizing the model. Masked out either way,
+    the pad still goes through the embedding, which raised "index out of range" at the float64 reference."""
+    size = _embeddings(model)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if size is None or not isinstance(pad, int) or pad < size:
+        return
+    for token in (tokenizer.eos_token, tokenizer.bos_token, tokenizer.unk_token):
+        found = tokenizer.convert_tokens_to_ids(token) if token is not None else None
+        if isinstance(found, int) and 0 <= found < size:
+            tokenizer.pad_token = token
+            return
+    tokenizer.pad_token = tokenizer.convert_ids_to_tokens(0)
+
+
+def _ids_in_range(folder: str, ids: torch.Tensor, model: torch.nn.Module) -> None:
+    """Refuses text the model cannot embed: a tokenizer of more ids than the model's embedding (another model's
+    tokenizer, or tokens added without ``resize_token_embeddings``) raised "index out of range in self" at the
+    float64 reference, as if the model were at fault."""
+    size = _embeddings(model)
+    if size is not None and ids.numel() and int(ids.max()) >= size:
+        raise Tf32LabError(f"workload 'hf:{folder}': its tokenizer gives token id {int(ids.max())}, past the "
+                           f"model's {size} input embeddings: a tokenizer of another model, or tokens added "
+                           f"without resize_token_embeddings")
+
+
 def _transformers(folder: str) -> None:
     try:
         import transformers  # noqa: F401
@@ -221,6 +259,7 @@ def causal_lm(folder: str) -> CausalLM:
             raise Tf32LabError(f"workload 'hf:{folder}': {_UNREADABLE}: {_line(exc)}") from exc
         raise Tf32LabError(f"workload 'hf:{folder}': not a causal language model, or loading failed: "
                            f"{_line(exc)}") from exc
+    _pad_in_range(tokenizer, model)
     return CausalLM(model.float().eval(), tokenizer, _name(path))
 
 
@@ -355,10 +394,11 @@ def _cache_through_kwargs(model: torch.nn.Module, config: Any) -> bool:
     return any(p.kind is p.VAR_KEYWORD for p in found) and isinstance(getattr(text, "use_cache", None), bool)
 
 
-def _text(folder: str, path: Path, config: Any, sentences: int) -> dict[str, torch.Tensor]:
+def _text(folder: str, path: Path, config: Any, model: torch.nn.Module, sentences: int) -> dict[str, torch.Tensor]:
     if not _has_tokenizer(path):
         raise _no_tokenizer(folder, path, config.model_type)
     tokenizer = _tokenizer(folder, path)
+    _pad_in_range(tokenizer, model)
     # no longer than the model's positions: a longer sentence indexed past its position table (a CLIP keeps them
     # in its text sub-config)
     text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
@@ -367,6 +407,7 @@ def _text(folder: str, path: Path, config: Any, sentences: int) -> dict[str, tor
     cut = {"truncation": True, "max_length": limit} if limit is not None else {}
     features = tokenizer(list(samples.SENTENCES[:sentences]), padding=True, return_tensors="pt", **cut)
     inputs = {key: value for key, value in features.items() if isinstance(value, torch.Tensor)}
+    _ids_in_range(folder, inputs["input_ids"], model)
     if getattr(config, "is_encoder_decoder", False):
         ids, mask = inputs["input_ids"], inputs.get("attention_mask", torch.ones_like(inputs["input_ids"]))
         start = _start_token(config, tokenizer.pad_token_id)
@@ -438,6 +479,13 @@ def _audio(folder: str, path: Path, config: Any, main: str, count: int) -> tuple
         found = extractor(_waves(count, length), sampling_rate=rate, return_tensors="pt")
         if main in found:
             return {main: found[main].float()}, "seeded noise through its feature extractor"
+    bins, frames = getattr(config, "num_mel_bins", None), getattr(config, "max_length", None)
+    if main == "input_values" and isinstance(bins, int) and isinstance(frames, int):
+        # a spectrogram transformer (AST) names its filter-bank frames input_values too, [batch, frames, bins]:
+        # a waveform raised "Dimension out of range" at the reference
+        draw = torch.Generator().manual_seed(_SEED)
+        features = torch.randn(count, frames, bins, generator=draw).mul_(0.5).clamp_(-1.5, 1.5)
+        return {main: features}, f"seeded filter-bank-like features of the config's size{unused}"
     if main == "input_values":
         waves = torch.stack([torch.from_numpy(wave) for wave in _waves(count, _RATE)])  # one array, not a list
         return {main: waves}, f"one second of seeded noise at 16 kHz{unused}"
@@ -509,7 +557,7 @@ def workload(folder: str, sentences: int = 16) -> Workload:
     main = getattr(model, "main_input_name", "input_ids")
     count = max(1, min(sentences, _IMAGES))
     if main == "input_ids":
-        inputs, how = _text(folder, path, config, sentences), "the sample sentences through its tokenizer"
+        inputs, how = _text(folder, path, config, model, sentences), "the sample sentences through its tokenizer"
         if "pixel_values" in accepted and _dual_encoder(model):
             # a text-image model (CLIP, SigLIP) scores each image against each sentence: it needs both, and
             # raised on pixel_values None at the reference

@@ -1,0 +1,53 @@
+"""``hf:FOLDER`` on what users' folders hold beyond GPT-2, Llama and BERT: a tokenizer whose pad token the model
+cannot embed, a tokenizer of more ids than the model, a spectrogram transformer's inputs. Each folder is the
+smallest that shows it, made in the test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_builders
+import tf32lab
+from tf32lab.errors import Tf32LabError
+from tf32lab.workloads import hf
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+
+def test_a_pad_token_past_the_embedding_pads_with_one_it_has(tmp_path):
+    # a pad token added to the tokenizer without resizing the model (transformers 5 also gives a Qwen2 folder's
+    # tokenizer a pad token of its own past the vocabulary): masked out, yet it went through the embedding
+    tok = hf_builders.tokenizer(added=("[PAD]",), eos_token="</s>", bos_token="<s>")
+    tok.pad_token = "[PAD]"
+    assert tok.pad_token_id == hf_builders.VOCAB
+    folder = hf_builders.folder(tmp_path / "llama", hf_builders.llama(), tok)
+    w = hf.workload(str(folder), sentences=3)
+    assert int(w.inputs["input_ids"].max()) < hf_builders.VOCAB
+    report = tf32lab.check(w, levels=("highest",), speed=False)
+    row = report.level("highest")
+    assert row.error is None and row.passed and row.unhandled == {}, (row.error, row.unhandled)
+    generated = tf32lab.check_generation(hf.causal_lm(str(folder)), new_tokens=2, levels=("highest",),
+                                         prompts=["the cat", "a model of the sky is"])
+    assert generated.floor.failure is None and len(generated.reference_tokens[0]) == 2
+
+
+def test_a_tokenizer_of_more_ids_than_the_model_is_one_line(tmp_path):
+    folder = hf_builders.folder(tmp_path / "llama", hf_builders.llama(vocab=120),
+                                hf_builders.tokenizer(eos_token="</s>"))
+    with pytest.raises(Tf32LabError, match=r"its tokenizer gives token id \d+, past the model's 120 input "
+                                           r"embeddings: a tokenizer of another model"):
+        hf.workload(str(folder), sentences=2)
+
+
+def test_a_spectrogram_transformer_gets_frames_by_bins_without_its_extractor(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.ASTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                    intermediate_size=64, num_mel_bins=16, max_length=32, patch_size=8)
+    folder = hf_builders.folder(tmp_path / "ast", transformers.ASTForAudioClassification(config))
+    w = hf.workload(str(folder), sentences=2)
+    assert tuple(w.inputs["input_values"].shape) == (2, 32, 16)  # a waveform raised "Dimension out of range"
+    assert w.notes[0].startswith("inputs: input_values 2x32x16 (seeded filter-bank-like features")
+    row = tf32lab.check(w, levels=("highest",), speed=False).level("highest")
+    assert row.error is None and row.passed and row.unhandled == {}, (row.error, row.unhandled)
