@@ -51,3 +51,15 @@ def test_a_spectrogram_transformer_gets_frames_by_bins_without_its_extractor(tmp
     assert w.notes[0].startswith("inputs: input_values 2x32x16 (seeded filter-bank-like features")
     row = tf32lab.check(w, levels=("highest",), speed=False).level("highest")
     assert row.error is None and row.passed and row.unhandled == {}, (row.error, row.unhandled)
+
+
+def test_a_prompt_past_a_decoders_positions_is_named():
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2,
+                                                                 n_positions=32))
+    # 30 tokens and 4 new ones: GPT-2's position table ends at 32 ("index out of range in self" said no more)
+    with pytest.raises(Tf32LabError, match=r"its longest prompt \(30 tokens\) and 4 new tokens run past its 32 "
+                                           r"positions: give shorter prompts or fewer new tokens"):
+        tf32lab.check_generation(gpt2, new_tokens=4, levels=("highest",), prompts=[list(range(30)), [1, 2]])
+    report = tf32lab.check_generation(gpt2, new_tokens=4, levels=("highest",), prompts=[list(range(28))])
+    assert report.floor.failure is None  # 28 + 4 fit
