@@ -63,3 +63,32 @@ def test_a_prompt_past_a_decoders_positions_is_named():
         tf32lab.check_generation(gpt2, new_tokens=4, levels=("highest",), prompts=[list(range(30)), [1, 2]])
     report = tf32lab.check_generation(gpt2, new_tokens=4, levels=("highest",), prompts=[list(range(28))])
     assert report.floor.failure is None  # 28 + 4 fit
+
+
+def _decoders():
+    t = transformers
+    size = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64)
+    return {
+        # a window of 4 on prompts of 10 and 7 tokens (Gemma2's first layer slides too): the cache drops keys that
+        # the full sequence masks out
+        "mistral sliding window": lambda: t.MistralForCausalLM(t.MistralConfig(**size, sliding_window=4)),
+        "gemma2 soft-capping": lambda: t.Gemma2ForCausalLM(t.Gemma2Config(
+            **size, head_dim=8, sliding_window=4, attn_logit_softcapping=20.0, final_logit_softcapping=10.0)),
+        "phi partial rotary": lambda: t.PhiForCausalLM(t.PhiConfig(**size, partial_rotary_factor=0.5)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_decoders()))
+def test_the_cache_on_or_off_decodes_the_same_tokens(name):
+    torch.manual_seed(0)
+    model = _decoders()[name]()
+    prompts = [[3, 14, 15, 9, 26, 5, 35, 8, 9, 7], [2, 7, 18, 28, 18, 28, 4]]
+    # natively: the rows' maths are not the question, what the cache changes is
+    on, off = (tf32lab.check_generation(model, new_tokens=6, levels=("highest",), prompts=prompts, use_cache=cache,
+                                        target="native") for cache in (True, False))
+    assert on.use_cache and not off.use_cache
+    assert on.reference_tokens == off.reference_tokens and len(on.reference_tokens[0]) == 6
+    for a, b in ((on.floor, off.floor), (on.level("highest"), off.level("highest"))):
+        assert a.failure is None and b.failure is None and a.unhandled == {} == b.unhandled, (a.failure, b.failure)
+        assert a.divergence == b.divergence and a.agreement == b.agreement
