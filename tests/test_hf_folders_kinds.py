@@ -92,3 +92,18 @@ def test_the_cache_on_or_off_decodes_the_same_tokens(name):
     for a, b in ((on.floor, off.floor), (on.level("highest"), off.level("highest"))):
         assert a.failure is None and b.failure is None and a.unhandled == {} == b.unhandled, (a.failure, b.failure)
         assert a.divergence == b.divergence and a.agreement == b.agreement
+
+
+def test_a_model_that_reads_its_hidden_states_runs_at_every_level(tmp_path):
+    # transformers 5 captures hidden states through hooks it installs at the first call, marking the model; the
+    # check put the mark back between runs, the hooks were installed again and each stage captured twice
+    torch.manual_seed(0)
+    config = transformers.SegformerConfig(image_size=32, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
+                                          hidden_sizes=[8, 16], num_attention_heads=[1, 2], decoder_hidden_size=16,
+                                          num_labels=3)
+    folder = hf_builders.folder(tmp_path / "segformer", transformers.SegformerForSemanticSegmentation(config))
+    report = tf32lab.check(hf.workload(str(folder), sentences=2), levels=("highest", "high"), speed=False)
+    for row in report.levels:
+        assert row.error is None and row.unhandled == {}, (row.level, row.error, row.unhandled)
+    assert report.level("highest").passed
+    assert not any("keeps state" in note for note in report.notes), report.notes

@@ -210,6 +210,27 @@ def _ids_in_range(folder: str, ids: torch.Tensor, model: torch.nn.Module) -> Non
                            f"without resize_token_embeddings")
 
 
+def _capturing_hooks_installed(model: torch.nn.Module) -> None:
+    """transformers 5's output-capturing hooks installed now, as its first call would install them. The call
+    marks the model (``_output_capturing_hooks_installed``) as it adds them; the check puts back every attribute a
+    run adds, so the next run installed them again and each hidden state was captured twice: a SegFormer's decode
+    head, which reads every stage's, then fed a stage to another's projection, and every level raised "mat1 and
+    mat2 shapes cannot be multiplied" where the reference had run. Installed before the check, the mark is the
+    model's own state."""
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:  # an earlier transformers: outputs are returned, not captured by hooks
+        return
+    for module in model.modules():
+        forward = getattr(type(module), "forward", None)
+        while forward is not None:  # the models whose forward is wrapped by transformers' capture_outputs
+            # (functools.wraps gives the wrapper the model's __qualname__: its code object keeps its own)
+            if "capture_outputs" in getattr(getattr(forward, "__code__", None), "co_qualname", ""):
+                maybe_install_capturing_hooks(module)
+                break
+            forward = getattr(forward, "__wrapped__", None)
+
+
 def _transformers(folder: str) -> None:
     try:
         import transformers  # noqa: F401
@@ -553,6 +574,7 @@ def workload(folder: str, sentences: int = 16) -> Workload:
         return _sentence_transformer(folder, path, sentences)
     config = _config(folder, path)
     model, fallback = _model(folder, path, config)
+    _capturing_hooks_installed(model)
     accepted = _parameters(model)
     main = getattr(model, "main_input_name", "input_ids")
     count = max(1, min(sentences, _IMAGES))
