@@ -107,3 +107,15 @@ def test_a_model_that_reads_its_hidden_states_runs_at_every_level(tmp_path):
         assert row.error is None and row.unhandled == {}, (row.level, row.error, row.unhandled)
     assert report.level("highest").passed
     assert not any("keeps state" in note for note in report.notes), report.notes
+
+
+def test_a_mask_made_from_the_widened_dtypes_limit_runs_in_float64(tmp_path):
+    # XGLM masks with torch.full((), torch.finfo(weights.dtype).min) and no dtype: float64's least value, made
+    # at float32's default, overflowed, and the reference raised before any level ran
+    torch.manual_seed(0)
+    config = transformers.XGLMConfig(vocab_size=hf_builders.VOCAB, d_model=16, num_layers=1, attention_heads=2,
+                                     ffn_dim=32, max_position_embeddings=128)
+    folder = hf_builders.folder(tmp_path / "xglm", transformers.XGLMForCausalLM(config),
+                                hf_builders.tokenizer(pad_token="<pad>", eos_token="</s>"))
+    row = tf32lab.check(hf.workload(str(folder), sentences=2), levels=("highest",), speed=False).level("highest")
+    assert row.error is None and row.passed and row.unhandled == {}, (row.error, row.unhandled)
