@@ -9,7 +9,8 @@
 - ``pixel_values`` (ViT, ConvNeXt, ResNet, ...): seeded random images through the folder's image processor, or,
   without one, seeded normalized pixels of the config's ``num_channels`` and ``image_size`` (224 if it has none);
 - ``input_values`` (wav2vec2, HuBERT, ...): one second of seeded noise at 16 kHz, through the folder's feature
-  extractor if it has one;
+  extractor if it has one; a spectrogram transformer's (AST: a config with ``num_mel_bins`` and ``max_length``)
+  are seeded filter-bank-like frames, ``max_length`` by ``num_mel_bins``;
 - ``input_features`` (Whisper): log-mel-like seeded features of the config's ``num_mel_bins`` and
   ``2 * max_source_positions`` frames, or the folder's feature extractor on 30 seconds of noise.
 
