@@ -119,3 +119,16 @@ def test_a_mask_made_from_the_widened_dtypes_limit_runs_in_float64(tmp_path):
                                 hf_builders.tokenizer(pad_token="<pad>", eos_token="</s>"))
     row = tf32lab.check(hf.workload(str(folder), sentences=2), levels=("highest",), speed=False).level("highest")
     assert row.error is None and row.passed and row.unhandled == {}, (row.error, row.unhandled)
+
+
+def test_a_speech_to_text_model_gets_frames_of_its_filter_banks_without_its_extractor(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.Speech2TextConfig(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1,
+                                            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                            decoder_ffn_dim=32, input_feat_per_channel=8, conv_channels=8,
+                                            max_source_positions=16, max_target_positions=16)
+    folder = hf_builders.folder(tmp_path / "s2t", transformers.Speech2TextForConditionalGeneration(config))
+    w = hf.workload(str(folder), sentences=2)  # was refused: "takes input_features but ... no feature extractor"
+    assert tuple(w.inputs["input_features"].shape) == (2, 32, 8)  # frames by filter banks, within its positions
+    row = tf32lab.check(w, levels=("highest",), speed=False).level("highest")
+    assert row.error is None and row.passed and row.unhandled == {}, (row.error, row.unhandled)

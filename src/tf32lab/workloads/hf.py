@@ -12,7 +12,8 @@
   extractor if it has one; a spectrogram transformer's (AST: a config with ``num_mel_bins`` and ``max_length``)
   are seeded filter-bank-like frames, ``max_length`` by ``num_mel_bins``;
 - ``input_features`` (Whisper): log-mel-like seeded features of the config's ``num_mel_bins`` and
-  ``2 * max_source_positions`` frames, or the folder's feature extractor on 30 seconds of noise.
+  ``2 * max_source_positions`` frames, or the folder's feature extractor on 30 seconds of noise; Speech2Text's
+  are frames (up to 400) by its ``input_feat_per_channel`` filter banks.
 
 A text-image model (CLIP, SigLIP) gets the sentences and seeded images; a vision-language decoder (LLaVA) its text
 path only, as its note says. What a folder lacks (weights, readable weights, a tokenizer, a ``model_type``) is one
@@ -512,6 +513,16 @@ def _audio(folder: str, path: Path, config: Any, main: str, count: int) -> tuple
         waves = torch.stack([torch.from_numpy(wave) for wave in _waves(count, _RATE)])  # one array, not a list
         return {main: waves}, f"one second of seeded noise at 16 kHz{unused}"
     bins, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
+    per_channel = getattr(config, "input_feat_per_channel", None)
+    if isinstance(per_channel, int):
+        # Speech2Text: [batch, frames, filter banks], any number of frames its subsampling convolutions leave
+        # within its positions (each halves them); 4 s at the usual 10 ms hop
+        channels = getattr(config, "input_channels", 1)
+        width = per_channel * (channels if isinstance(channels, int) and channels > 0 else 1)
+        frames = min(400, 2 * positions) if isinstance(positions, int) and positions > 0 else 400
+        draw = torch.Generator().manual_seed(_SEED)
+        features = torch.randn(count, frames, width, generator=draw).mul_(0.5).clamp_(-1.5, 1.5)
+        return {main: features}, f"seeded filter-bank-like features of the config's size{unused}"
     if not (isinstance(bins, int) and isinstance(positions, int)):
         raise Tf32LabError(f"workload 'hf:{folder}': model type {config.model_type!r} takes input_features but the "
                            f"folder has no feature extractor (preprocessor_config.json) to make them; supported: "
