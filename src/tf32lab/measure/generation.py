@@ -364,11 +364,23 @@ class _Generation:
             if bug is not None:
                 raise bug from exc
             raise Tf32LabError(f"model {self.decoder.name!r} raised in float64, before any level ran: "
-                               f"{described(exc)}") from exc
+                               f"{described(exc)}{self._too_long()}") from exc
         self.reference_count = run.loss_count
         self.ref_ids = [torch.tensor([run.tokens[i] for i in b.where], device=self.decoder.device)
                         for b in self.batches]
         return run
+
+    def _too_long(self) -> str:
+        """Why a model raised, where its prompts and new tokens run past its position table: an absolute-position
+        decoder (GPT-2, OPT) indexes past it, and "index out of range in self" named no prompt."""
+        config = getattr(self.decoder.model, "config", None)
+        limit = next((found for found in (getattr(config, name, None) for name in ("n_positions",
+                      "max_position_embeddings")) if isinstance(found, int) and found > 0), None)
+        longest = max(int(b.ids.shape[1] if b.mask is None else b.mask.sum(1).max()) for b in self.batches)
+        if limit is None or longest + self.n <= limit:
+            return ""
+        return (f"; its longest prompt ({longest} tokens) and {self.n} new tokens run past its {limit} positions: "
+                f"give shorter prompts or fewer new tokens")
 
     def _loss(self, run: _Run) -> float:
         return run.loss_sum / run.loss_count if run.loss_count else math.nan

@@ -382,10 +382,26 @@ def _widened_call(func, args: Any, kwargs: dict, selecting: bool) -> Any:
     if dtype in _WIDER:
         kwargs = {**kwargs, "dtype": _WIDER[dtype]}
     elif not _narrow_in(args, kwargs):  # already float64, the usual case: as it is
-        return _widen_result(func(*args, **kwargs))
+        try:
+            return _widen_result(func(*args, **kwargs))
+        except RuntimeError as exc:
+            return _made_wider(func, args, kwargs, exc)
     if selecting and _only_float32(args, kwargs):
         return _widen_result(func(*args, **kwargs))
     return _widen_result(func(*_widen_args(args), **{k: widen(v) for k, v in kwargs.items()}))
+
+
+def _made_wider(func, args: Any, kwargs: dict, exc: RuntimeError) -> Any:
+    """A tensor made at the default dtype from a value only float64 holds, made in float64: the model read a dtype,
+    saw the widened one and took its limit (XGLM's ``torch.full((), torch.finfo(w.dtype).min)``, no dtype given:
+    float64's least value overflowed float32's default, "value cannot be converted to type float without
+    overflow", and the reference raised). The rows make it at float32's limit; either masks alike."""
+    if kwargs.get("dtype") is not None or "without overflow" not in str(exc):
+        raise exc
+    try:
+        return func(*args, **{**kwargs, "dtype": torch.float64})
+    except Exception:
+        raise exc from None
 
 
 # Ops that only pick or rearrange values: widened after, not before (exact either way). An embedding lookup then

@@ -9,9 +9,11 @@
 - ``pixel_values`` (ViT, ConvNeXt, ResNet, ...): seeded random images through the folder's image processor, or,
   without one, seeded normalized pixels of the config's ``num_channels`` and ``image_size`` (224 if it has none);
 - ``input_values`` (wav2vec2, HuBERT, ...): one second of seeded noise at 16 kHz, through the folder's feature
-  extractor if it has one;
+  extractor if it has one; a spectrogram transformer's (AST: a config with ``num_mel_bins`` and ``max_length``)
+  are seeded filter-bank-like frames, ``max_length`` by ``num_mel_bins``;
 - ``input_features`` (Whisper): log-mel-like seeded features of the config's ``num_mel_bins`` and
-  ``2 * max_source_positions`` frames, or the folder's feature extractor on 30 seconds of noise.
+  ``2 * max_source_positions`` frames, or the folder's feature extractor on 30 seconds of noise; Speech2Text's
+  are frames (up to 400) by its ``input_feat_per_channel`` filter banks.
 
 A text-image model (CLIP, SigLIP) gets the sentences and seeded images; a vision-language decoder (LLaVA) its text
 path only, as its note says. What a folder lacks (weights, readable weights, a tokenizer, a ``model_type``) is one
@@ -172,6 +174,65 @@ def _tokenizer(folder: str, path: Path) -> Any:
     return tokenizer
 
 
+def _embeddings(model: torch.nn.Module) -> Optional[int]:
+    """How many token ids the model's input embedding has (None where it does not say)."""
+    try:
+        found = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+    size = getattr(found, "num_embeddings", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def _pad_in_range(tokenizer: Any, model: torch.nn.Module) -> None:
+    """A pad id the model's embedding has. transformers 5 builds a folder's tokenizer as its model type's class,
+    which may add a pad token of its own past the vocabulary (a Qwen2 folder's ``<|endoftext|>`` got id 300 beside
+    300 embeddings), as does a pad token added to a tokenizer without resizing the model. Masked out either way,
+    the pad still goes through the embedding, which raised "index out of range" at the float64 reference."""
+    size = _embeddings(model)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if size is None or not isinstance(pad, int) or pad < size:
+        return
+    for token in (tokenizer.eos_token, tokenizer.bos_token, tokenizer.unk_token):
+        found = tokenizer.convert_tokens_to_ids(token) if token is not None else None
+        if isinstance(found, int) and 0 <= found < size:
+            tokenizer.pad_token = token
+            return
+    tokenizer.pad_token = tokenizer.convert_ids_to_tokens(0)
+
+
+def _ids_in_range(folder: str, ids: torch.Tensor, model: torch.nn.Module) -> None:
+    """Refuses text the model cannot embed: a tokenizer of more ids than the model's embedding (another model's
+    tokenizer, or tokens added without ``resize_token_embeddings``) raised "index out of range in self" at the
+    float64 reference, as if the model were at fault."""
+    size = _embeddings(model)
+    if size is not None and ids.numel() and int(ids.max()) >= size:
+        raise Tf32LabError(f"workload 'hf:{folder}': its tokenizer gives token id {int(ids.max())}, past the "
+                           f"model's {size} input embeddings: a tokenizer of another model, or tokens added "
+                           f"without resize_token_embeddings")
+
+
+def _capturing_hooks_installed(model: torch.nn.Module) -> None:
+    """transformers 5's output-capturing hooks installed now, as its first call would install them. The call
+    marks the model (``_output_capturing_hooks_installed``) as it adds them; the check puts back every attribute a
+    run adds, so the next run installed them again and each hidden state was captured twice: a SegFormer's decode
+    head, which reads every stage's, then fed a stage to another's projection, and every level raised "mat1 and
+    mat2 shapes cannot be multiplied" where the reference had run. Installed before the check, the mark is the
+    model's own state."""
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:  # an earlier transformers: outputs are returned, not captured by hooks
+        return
+    for module in model.modules():
+        forward = getattr(type(module), "forward", None)
+        while forward is not None:  # the models whose forward is wrapped by transformers' capture_outputs
+            # (functools.wraps gives the wrapper the model's __qualname__: its code object keeps its own)
+            if "capture_outputs" in getattr(getattr(forward, "__code__", None), "co_qualname", ""):
+                maybe_install_capturing_hooks(module)
+                break
+            forward = getattr(forward, "__wrapped__", None)
+
+
 def _transformers(folder: str) -> None:
     try:
         import transformers  # noqa: F401
@@ -221,6 +282,7 @@ def causal_lm(folder: str) -> CausalLM:
             raise Tf32LabError(f"workload 'hf:{folder}': {_UNREADABLE}: {_line(exc)}") from exc
         raise Tf32LabError(f"workload 'hf:{folder}': not a causal language model, or loading failed: "
                            f"{_line(exc)}") from exc
+    _pad_in_range(tokenizer, model)
     return CausalLM(model.float().eval(), tokenizer, _name(path))
 
 
@@ -355,10 +417,11 @@ def _cache_through_kwargs(model: torch.nn.Module, config: Any) -> bool:
     return any(p.kind is p.VAR_KEYWORD for p in found) and isinstance(getattr(text, "use_cache", None), bool)
 
 
-def _text(folder: str, path: Path, config: Any, sentences: int) -> dict[str, torch.Tensor]:
+def _text(folder: str, path: Path, config: Any, model: torch.nn.Module, sentences: int) -> dict[str, torch.Tensor]:
     if not _has_tokenizer(path):
         raise _no_tokenizer(folder, path, config.model_type)
     tokenizer = _tokenizer(folder, path)
+    _pad_in_range(tokenizer, model)
     # no longer than the model's positions: a longer sentence indexed past its position table (a CLIP keeps them
     # in its text sub-config)
     text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
@@ -367,6 +430,7 @@ def _text(folder: str, path: Path, config: Any, sentences: int) -> dict[str, tor
     cut = {"truncation": True, "max_length": limit} if limit is not None else {}
     features = tokenizer(list(samples.SENTENCES[:sentences]), padding=True, return_tensors="pt", **cut)
     inputs = {key: value for key, value in features.items() if isinstance(value, torch.Tensor)}
+    _ids_in_range(folder, inputs["input_ids"], model)
     if getattr(config, "is_encoder_decoder", False):
         ids, mask = inputs["input_ids"], inputs.get("attention_mask", torch.ones_like(inputs["input_ids"]))
         start = _start_token(config, tokenizer.pad_token_id)
@@ -438,10 +502,27 @@ def _audio(folder: str, path: Path, config: Any, main: str, count: int) -> tuple
         found = extractor(_waves(count, length), sampling_rate=rate, return_tensors="pt")
         if main in found:
             return {main: found[main].float()}, "seeded noise through its feature extractor"
+    bins, frames = getattr(config, "num_mel_bins", None), getattr(config, "max_length", None)
+    if main == "input_values" and isinstance(bins, int) and isinstance(frames, int):
+        # a spectrogram transformer (AST) names its filter-bank frames input_values too, [batch, frames, bins]:
+        # a waveform raised "Dimension out of range" at the reference
+        draw = torch.Generator().manual_seed(_SEED)
+        features = torch.randn(count, frames, bins, generator=draw).mul_(0.5).clamp_(-1.5, 1.5)
+        return {main: features}, f"seeded filter-bank-like features of the config's size{unused}"
     if main == "input_values":
         waves = torch.stack([torch.from_numpy(wave) for wave in _waves(count, _RATE)])  # one array, not a list
         return {main: waves}, f"one second of seeded noise at 16 kHz{unused}"
     bins, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
+    per_channel = getattr(config, "input_feat_per_channel", None)
+    if isinstance(per_channel, int):
+        # Speech2Text: [batch, frames, filter banks], any number of frames its subsampling convolutions leave
+        # within its positions (each halves them); 4 s at the usual 10 ms hop
+        channels = getattr(config, "input_channels", 1)
+        width = per_channel * (channels if isinstance(channels, int) and channels > 0 else 1)
+        frames = min(400, 2 * positions) if isinstance(positions, int) and positions > 0 else 400
+        draw = torch.Generator().manual_seed(_SEED)
+        features = torch.randn(count, frames, width, generator=draw).mul_(0.5).clamp_(-1.5, 1.5)
+        return {main: features}, f"seeded filter-bank-like features of the config's size{unused}"
     if not (isinstance(bins, int) and isinstance(positions, int)):
         raise Tf32LabError(f"workload 'hf:{folder}': model type {config.model_type!r} takes input_features but the "
                            f"folder has no feature extractor (preprocessor_config.json) to make them; supported: "
@@ -505,11 +586,12 @@ def workload(folder: str, sentences: int = 16) -> Workload:
         return _sentence_transformer(folder, path, sentences)
     config = _config(folder, path)
     model, fallback = _model(folder, path, config)
+    _capturing_hooks_installed(model)
     accepted = _parameters(model)
     main = getattr(model, "main_input_name", "input_ids")
     count = max(1, min(sentences, _IMAGES))
     if main == "input_ids":
-        inputs, how = _text(folder, path, config, sentences), "the sample sentences through its tokenizer"
+        inputs, how = _text(folder, path, config, model, sentences), "the sample sentences through its tokenizer"
         if "pixel_values" in accepted and _dual_encoder(model):
             # a text-image model (CLIP, SigLIP) scores each image against each sentence: it needs both, and
             # raised on pixel_values None at the reference
