@@ -109,6 +109,21 @@ def test_a_model_that_reads_its_hidden_states_runs_at_every_level(tmp_path):
     assert not any("keeps state" in note for note in report.notes), report.notes
 
 
+def test_a_model_that_reads_its_hidden_states_runs_at_every_level_through_the_python_api():
+    # not loaded from a folder, so not prepared: the hooks a run installs are removed with the mark it leaves
+    torch.manual_seed(0)
+    config = transformers.SegformerConfig(image_size=32, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
+                                          hidden_sizes=[8, 16], num_attention_heads=[1, 2], decoder_hidden_size=16,
+                                          num_labels=3)
+    model = transformers.SegformerForSemanticSegmentation(config).eval()
+    hooks = [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()]
+    report = tf32lab.check(tf32lab.Workload(model, {"pixel_values": torch.randn(2, 3, 32, 32)}, name="segformer"),
+                           levels=("highest", "high"), speed=False)
+    for row in report.levels:
+        assert row.error is None and row.passed, (row.level, row.error)
+    assert [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()] == hooks
+
+
 def test_a_mask_made_from_the_widened_dtypes_limit_runs_in_float64(tmp_path):
     # XGLM masks with torch.full((), torch.finfo(weights.dtype).min) and no dtype: float64's least value, made
     # at float32's default, overflowed, and the reference raised before any level ran

@@ -8,7 +8,8 @@ then each level) would start where the last one stopped, and compare calls that 
 precision. What is kept:
 
 - every buffer (its values, written back in place; whole where a run gave it another shape or dtype);
-- every module's ``training`` flag, and its submodules and parameters as the same objects: one a run made or
+- every module's ``training`` flag, its forward and backward hooks (one a run registers is removed), and its
+  submodules and parameters as the same objects: one a run made or
   replaced is removed, the one it replaced put back (a submodule made at the first call is made in the float64
   reference run, in float64); the parameters not where FSDP manages them (it swaps them itself);
 - every data attribute of every module: a tensor (the same object put back, and its values if they were written
@@ -161,7 +162,7 @@ def _kept(model: torch.nn.Module) -> list[tuple[str, Restore]]:
             if scripted:
                 found += [(where, restore) for restore in _script_attributes(module)]
             else:
-                found += [(where, _members(module._modules)), (where, _mode(module))]
+                found += [(where, _members(module._modules)), (where, _mode(module)), (where, _hooks(module))]
                 if not sharded:  # FSDP swaps a module's parameters for their unsharded ones, and back, itself
                     found.append((where, _members(module._parameters)))
                 found += [(where, restore) for restore in _attributes(module, holders)]
@@ -189,6 +190,31 @@ def _members(held: dict[str, Any]) -> Restore:
             held.clear()
             held.update(items)
         return changed
+
+    return restore
+
+
+# a module's forward and backward hooks (the state-dict hooks are no run's business)
+_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+          "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _hooks(module: torch.nn.Module) -> Restore:
+    """Put back a module's forward and backward hooks: one a run registers is removed (one it removes, put back).
+    transformers 5 installs its output-capturing hooks at a model's first call and marks the model with an
+    attribute; with the mark put back and the hooks left, every later row installed them again and captured each
+    hidden state twice."""
+    held = {name: dict(getattr(module, name)) for name in _HOOKS if isinstance(getattr(module, name, None), dict)}
+
+    def restore() -> list[str]:
+        changed = False
+        for name, items in held.items():
+            now = getattr(module, name)
+            if len(now) != len(items) or any(items.get(k, _MISSING) is not v for k, v in now.items()):
+                now.clear()
+                now.update(items)
+                changed = True
+        return ["hooks"] if changed else []
 
     return restore
 

@@ -214,11 +214,11 @@ def _ids_in_range(folder: str, ids: torch.Tensor, model: torch.nn.Module) -> Non
 
 def _capturing_hooks_installed(model: torch.nn.Module) -> None:
     """transformers 5's output-capturing hooks installed now, as its first call would install them. The call
-    marks the model (``_output_capturing_hooks_installed``) as it adds them; the check puts back every attribute a
-    run adds, so the next run installed them again and each hidden state was captured twice: a SegFormer's decode
-    head, which reads every stage's, then fed a stage to another's projection, and every level raised "mat1 and
-    mat2 shapes cannot be multiplied" where the reference had run. Installed before the check, the mark is the
-    model's own state."""
+    marks the model (``_output_capturing_hooks_installed``) as it adds them; the check puts back every attribute
+    and hook a run adds (``measure.state``; before it put back the mark alone, each run installed the hooks again
+    and a SegFormer's decode head, which reads every stage's hidden state, got each twice: every level raised).
+    Installed before the check, the mark and the hooks are the model's own state, not something each run does,
+    which the report would call state the model keeps."""
     try:
         from transformers.utils.output_capturing import maybe_install_capturing_hooks
     except ImportError:  # an earlier transformers: outputs are returned, not captured by hooks
