@@ -263,9 +263,11 @@ class _Counter:
         self.total = torch.zeros(16)
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass
 class _Slotted:
-    calls: int = 0
+    # what dataclass(slots=True) makes (Python 3.10 on; the package runs on 3.9): fields, no __dict__
+    __slots__ = ("calls",)
+    calls: int
 
 
 def test_data_objects_in_lists_in_each_other_slotted_or_deep_are_put_back():
@@ -276,7 +278,7 @@ def test_data_objects_in_lists_in_each_other_slotted_or_deep_are_put_back():
             super().__init__()
             self.caches = [_Cache()]  # a per-layer cache object in a list
             self.holder = _Holder()  # a data object held by a data object
-            self.slotted = _Slotted()  # a dataclass without __dict__
+            self.slotted = _Slotted(0)  # a dataclass without __dict__
             self.deep = [{"layers": [{"h": torch.zeros(16)}]}]  # four levels of lists and dicts
 
         def forward(self, x):

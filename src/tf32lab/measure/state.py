@@ -124,7 +124,7 @@ def _digests(tensors: list[torch.Tensor]) -> list[Optional[int]]:
     found: list[Optional[int]] = [None] * len(sums)
     for device in {s.device for s in sums if s is not None}:
         where = [i for i, s in enumerate(sums) if s is not None and s.device == device]
-        for i, value in zip(where, torch.stack([sums[i].long() for i in where]).tolist()):
+        for i, value in zip(where, torch.stack([sums[i].to(torch.int64) for i in where]).tolist()):
             found[i] = value
     return found
 
