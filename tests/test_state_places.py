@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+import pytest
 import torch
 
 import tf32lab
@@ -204,13 +205,15 @@ def test_a_model_that_writes_into_its_parameters_is_said_to():
     assert not any("parameters" in note for note in report.notes), report.notes
 
 
-def test_a_write_into_parameters_through_data_is_said_too():
+@pytest.mark.parametrize("width", [8, 1024], ids=["small", "summed-at-its-ends"])
+def test_a_write_into_parameters_through_data_is_said_too(width):
     # the common EMA form, p.data.mul_(d).add_(q.data, ...): .data has a version counter of its own, so the
-    # parameter's did not move and highest failed unexplained; the digest of its bits sees the write
+    # parameter's did not move and highest failed unexplained; the digest of its bits sees the write (a weight of
+    # a million elements summed at its two ends, not paged in whole at every row)
     class Ema(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.student, self.teacher = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+            self.student, self.teacher = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
 
         def forward(self, x):
             for t, s in zip(self.teacher.parameters(), self.student.parameters()):
@@ -218,7 +221,9 @@ def test_a_write_into_parameters_through_data_is_said_too():
             return self.teacher(x)
 
     torch.manual_seed(0)
-    report = tf32lab.check(tf32lab.Workload(Ema(), torch.randn(16, 8)), levels=("highest",), speed=False)
+    model = Ema()
+    assert (model.teacher.weight.numel() > 2 * tf32lab.measure.state._ENDS) == (width > 8)
+    report = tf32lab.check(tf32lab.Workload(model, torch.randn(16, width)), levels=("highest",), speed=False)
     said = [note for note in report.notes if "writes into its own parameters" in note]
     assert len(said) == 1 and "(teacher.weight, teacher.bias)" in said[0], report.notes
 

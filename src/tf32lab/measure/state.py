@@ -24,7 +24,8 @@ precision. What is kept:
   such objects and dataclasses (slotted ones too) inside lists, dicts and each other are kept likewise, up to
   eight levels down (a per-layer cache object in a list, a list of dicts of lists of tensors);
 - not the parameters' values (a copy would double the model's memory): a write into one, seen by its version
-  counter, is said (``KeptState.written``, :func:`written_note`), not undone;
+  counter (or, for a write through ``.data``, by a sum of its bits: whole, or at both ends of a large one), is
+  said (``KeptState.written``, :func:`written_note`), not undone;
 - a TorchScript module's attributes likewise (parameters and buffers aside), through
   ``torch._C._jit_debug_module_iterators`` (where a torch lacks it, only the buffers).
 
@@ -102,11 +103,16 @@ class KeptState:
 
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an element's bits as an integer
+# elements: a parameter up to twice this is summed whole, a larger one over this many at each end. Summed whole,
+# every page of every parameter was read at every row where a forward reads only the rows of an embedding it looks
+# up: all-MiniLM-L6-v2's word embeddings, mapped from their file, then took 41 MiB more of the check's memory
+_ENDS = 1 << 18
 
 
 def _digests(tensors: list[torch.Tensor]) -> list[Optional[int]]:
     """The sum of each tensor's bits, read as integers of its elements' width and wrapping (no copy; one transfer
-    per device): a change of any value changes it but for a collision. None where a tensor has no plain values
+    per device), over the whole tensor or, past ``2 * _ENDS`` elements, over each end: a write into the whole
+    tensor (an EMA's) or into either end changes it but for a collision. None where a tensor has no plain values
     (meta, sparse, nested, a wrapper)."""
     sums: list[Optional[torch.Tensor]] = []
     with torch.no_grad():
@@ -115,10 +121,7 @@ def _digests(tensors: list[torch.Tensor]) -> list[Optional[int]]:
             try:
                 usable = bits is not None and t.layout == torch.strided and not t.is_nested and not t.is_meta \
                     and type(t) in (torch.Tensor, torch.nn.Parameter)
-                # summed in the elements' own width, wrapping: a digest all the same (a sum modulo 2^n, in any
-                # order), and vectorised, where an int32 tensor summed into int64 takes 20x as long (0.66 s for
-                # all-MiniLM-L6-v2's 22M weights on one thread, at every row)
-                sums.append(t.detach().view(bits).sum(dtype=bits) if usable else None)
+                sums.append(_digest(t.detach().view(bits)) if usable else None)
             except (RuntimeError, TypeError, NotImplementedError):
                 sums.append(None)
     found: list[Optional[int]] = [None] * len(sums)
@@ -127,6 +130,16 @@ def _digests(tensors: list[torch.Tensor]) -> list[Optional[int]]:
         for i, value in zip(where, torch.stack([sums[i].to(torch.int64) for i in where]).tolist()):
             found[i] = value
     return found
+
+
+def _digest(bits: torch.Tensor) -> torch.Tensor:
+    # summed in the elements' own width, wrapping: a digest all the same (a sum modulo 2^n, in any order), and
+    # vectorised, where an int32 tensor summed into int64 takes 20x as long (0.66 s for all-MiniLM-L6-v2's 22M
+    # weights on one thread, at every row)
+    if bits.numel() <= 2 * _ENDS or not bits.is_contiguous():
+        return bits.sum(dtype=bits.dtype)
+    flat = bits.reshape(-1)
+    return torch.stack((flat[:_ENDS].sum(dtype=bits.dtype), flat[-_ENDS:].sum(dtype=bits.dtype))).sum(dtype=bits.dtype)
 
 
 @contextlib.contextmanager
