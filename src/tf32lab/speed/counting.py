@@ -152,6 +152,12 @@ def _kind(op: str, family: Optional[str], a: dict[str, Any]) -> str:
     return conv_kind(int(a.get("groups", 1) or 1), int(x.shape[1]), transposed)
 
 
+def _complex(out: Any) -> bool:
+    """Whether an op's (first) result is complex."""
+    first = out[0] if isinstance(out, (tuple, list)) and out else out
+    return isinstance(first, torch.Tensor) and first.is_complex()
+
+
 def _gemm(x: torch.Tensor, y: torch.Tensor) -> Gemm:
     return (1, int(x.shape[0]) if x.dim() == 3 else 1, int(x.shape[-2]), int(y.shape[-1]), int(x.shape[-1]))
 
@@ -353,6 +359,8 @@ class Counting:
             gemms = _gemms(name, family, named, out)
             if gemms is None:
                 self.counts.uncounted[qualified] += 1
+            elif _complex(out):  # a complex multiply-add is four real ones: one kernel (cuBLAS's CGEMM) of 4x the work
+                gemms = tuple((c, b, m, n, 4 * k) for c, b, m, n, k in gemms)
         flops = float(sum(2 * c * b * m * n * k for c, b, m, n, k in gemms or ()))
         layer = self._stack[-1] if self._stack else self._backward_layer()
         self.counts.ops.append(OpCost(qualified, layer, family, flops, _bytes(name, args, kwargs, out),
