@@ -406,6 +406,31 @@ def test_float32_overflow_is_named_as_its_range_not_its_rounding():
     assert "loosen the tolerance" not in joined and "amplifies" not in joined and "Keep `highest`" not in joined
 
 
+class _Underflows(torch.nn.Module):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.linear, self.scale = torch.nn.Linear(16, 16), scale
+
+    def forward(self, x):
+        return self.linear(x) * self.scale
+
+
+def test_values_below_float32s_normal_range_are_named_not_blamed_on_a_layer():
+    # an untrained model's logits at 1e-41 (a random-weight MobileViT): float32 keeps a few bits there, at every
+    # level; the conclusion said a layer's error was amplified and sent the user to `tf32lab tune`
+    report = tf32lab.check(tf32lab.Workload(_Underflows(1e-44), torch.randn(8, 16)), levels=("highest", "high"))
+    output = report.level("highest").outputs[0]
+    assert not output.passed and "below float32's normal range" in output.note and "(1.2e-38)" in output.note
+    said = report.conclusion()
+    assert said[0].startswith("Even `highest` fails, and no precision level fixes it: output 'output' lies below "
+                              "float32's normal range"), said
+    joined = " ".join(said)
+    assert "tune" not in joined and "amplified" not in joined and "Keep `highest`" not in joined, said
+    # small values that float32 still holds well enough pass, and nothing is said of them
+    passing = tf32lab.check(tf32lab.Workload(_Underflows(1e-39), torch.randn(8, 16)), levels=("highest",))
+    assert passing.passed and passing.level("highest").outputs[0].note is None
+
+
 def test_check_does_not_point_to_tune_when_highest_fails_too(tmp_path):
     (tmp_path / "overflow.py").write_text(textwrap.dedent("""
         import torch

@@ -69,7 +69,7 @@ from tf32lab.numbers.metrics import tolerances_of
 from tf32lab.numbers.origin import internal_error
 from tf32lab.numbers.trees import map_tensors, named_leaves, named_tensors
 from tf32lab.report import LayerError, LevelResult, Report, cudnn
-from tf32lab.report.conclusion import BEYOND_FLOAT32, DRAWS_UNMATCHED, PINNED_CONV
+from tf32lab.report.conclusion import BELOW_FLOAT32, BEYOND_FLOAT32, DRAWS_UNMATCHED, PINNED_CONV
 from tf32lab.speed.counting import Counting, OtherThreads
 from tf32lab.speed.prediction import SpeedReport, predict_counts, seconds_at
 from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags, refuse_applied
@@ -760,10 +760,14 @@ def with_multiples(row: LevelResult, floor: Optional[tuple[metrics.OutputError, 
 
 def _range_said(found: metrics.OutputError, y: Any, r: Any) -> metrics.OutputError:
     """A float32 output that is Inf (or NaN) where its float64 reference is finite but larger than float32 can
-    hold: its failure says so, for it is float32's range, not its rounding, that no precision level fixes."""
-    if found.failure is None or not (isinstance(y, torch.Tensor) and isinstance(r, torch.Tensor)) \
-            or y.dtype != torch.float32 or y.shape != r.shape or r.is_complex():
+    hold: its failure says so, for it is float32's range, not its rounding, that no precision level fixes. One that
+    fails where its reference lies wholly below float32's least normal number: its note says so (an untrained
+    model's logits at 1e-41: float32 keeps a few bits there, at every level)."""
+    if not (isinstance(y, torch.Tensor) and isinstance(r, torch.Tensor)) or y.dtype != torch.float32 \
+            or y.shape != r.shape or r.is_complex():
         return found
+    if found.failure is None:
+        return _underflow_said(found, r)
     lost = ~torch.isfinite(y) & torch.isfinite(r)
     if not bool(lost.any()):
         return found
@@ -772,6 +776,19 @@ def _range_said(found: metrics.OutputError, y: Any, r: Any) -> metrics.OutputErr
         return found
     return dataclasses.replace(found, failure=f"{found.failure}; the reference reaches {largest:.1e} there, "
                                               f"{BEYOND_FLOAT32} (largest finite {torch.finfo(torch.float32).max:.1e})")
+
+
+def _underflow_said(found: metrics.OutputError, r: torch.Tensor) -> metrics.OutputError:
+    if found.passed or found.exact or r.numel() == 0 or not r.is_floating_point():
+        return found
+    finite = r[torch.isfinite(r)]
+    largest = float(finite.double().abs().max()) if finite.numel() else 0.0
+    tiny = torch.finfo(torch.float32).tiny
+    if not 0.0 < largest < tiny:
+        return found
+    said = (f"{BELOW_FLOAT32}: the reference's largest magnitude is {largest:.1e}, under float32's least normal "
+            f"number ({tiny:.1e})")
+    return dataclasses.replace(found, note=f"{found.note}; {said}" if found.note else said)
 
 
 def _comparable(ref_out: Any) -> bool:

@@ -49,6 +49,9 @@ MAX_REL_NOTE = ("max rel is over the elements whose reference is at least 1e-6 o
 # in an output's failure (``compare``): float32 overflowed where the float64 reference is finite and larger than
 # float32 can hold
 BEYOND_FLOAT32 = "beyond float32's range"
+# in an output's note (``check``): a failing float32 output whose float64 reference lies wholly below float32's
+# least normal number, where float32 keeps fewer significant bits the smaller a value is
+BELOW_FLOAT32 = "below float32's normal range"
 # the note check adds where the float64 reference's random draws and its rows' could not be matched one for one
 DRAWS_UNMATCHED = "the random draws could not be matched"
 # the note check adds where the model wrote into its own parameters as it ran (every run started from other weights)
@@ -128,7 +131,8 @@ def conclusion(report: Report, policy_file: Optional[str] = None) -> list[str]:
     unmatched = any(DRAWS_UNMATCHED in note for note in report.notes)
     rewritten = any(WRITES_PARAMETERS in note for note in report.notes)
     blocked = row is None and top is not None and not top.passed and (
-        top.unstable is not None or _overflowed(top) is not None or unmatched or rewritten)
+        top.unstable is not None or _overflowed(top) is not None or _underflowed(top) is not None or unmatched
+        or rewritten)
     if blocked:
         lines.append(_highest_failed(top, report.target, unmatched, rewritten))
     elif row is not None:
@@ -354,6 +358,13 @@ def _overflowed(top: LevelResult) -> Optional[str]:
                  if o.failure is not None and o.failure.startswith(_NOT_FINITE)), None)
 
 
+def _underflowed(top: LevelResult) -> Optional[str]:
+    """``output 'x': below float32's normal range …``: a failing output whose reference float32 cannot hold with
+    its full precision, if any."""
+    return next((f"output {o.name!r} lies {o.note[o.note.index(BELOW_FLOAT32):]}" for o in top.outputs
+                 if not o.passed and o.note is not None and BELOW_FLOAT32 in o.note), None)
+
+
 def _highest_failed(top: LevelResult, target: str, unmatched: bool = False, rewritten: bool = False) -> str:
     if rewritten and top.error is None:  # before "not deterministic": its two runs differ for this reason
         return (f"Even `highest` fails ({_why_failed(top)}), but the model writes into its own parameters as it "
@@ -377,6 +388,11 @@ def _highest_failed(top: LevelResult, target: str, unmatched: bool = False, rewr
                 f"finite ({overflow}), which rounding alone does not do: most likely a value on the way exceeds "
                 f"float32's range (finite only up to ~3.4e38), or underflows to zero before a division; rescale "
                 f"the computation or compute that part in float64.")
+    underflow = _underflowed(top)
+    if underflow is not None:
+        return (f"Even `highest` fails, and no precision level fixes it: {underflow}, where float32 keeps fewer "
+                f"significant bits the smaller a value is; rescale the computation into range (a scale factor, log "
+                f"space) or compute that part in float64.")
     tf32_by_default = [f for f in _DEFAULT_CONV_TF32 if top.maths.get(f, "").startswith("tf32")]
     ops = [op for op in top.coverage if op.endswith(("tf32-rna", "tf32-rne"))]
     if tf32_by_default and ops:
