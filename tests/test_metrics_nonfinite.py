@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from tf32lab.numbers import metrics
@@ -58,3 +59,17 @@ def test_a_complex_number_with_one_part_nan_is_held_whole():
     other = r.clone()
     other[0, 0] = complex(math.nan, 1.0)  # the same NaN, another imaginary part: still no finite value to compare
     assert metrics.compare("z", other.to(torch.complex64), r).failure is None
+
+
+def test_a_row_of_zeros_on_both_sides_has_cosine_one():
+    # a padded position's row, zero in the output and in its reference: cosine_similarity says 0 there, and a
+    # report's smallest cosine read 0.000000 for an output equal to its reference
+    r = torch.randn(4, 8, dtype=torch.float64)
+    r[1] = 0
+    assert metrics.compare("x", r.clone(), r, 1e-2).cosine == pytest.approx(1.0)
+    y = r.clone()
+    y[1, 0] = 1e-3  # a row of zeros against one that is not: no direction in common
+    assert metrics.compare("x", y, r, 1e-2).cosine == 0.0
+    tiny = torch.full((2, 8), 1e-300, dtype=torch.float64)  # a norm that underflows is not a row of zeros
+    assert metrics.compare("x", tiny, tiny, 1e-2).cosine == pytest.approx(1.0)
+    assert metrics.compare("x", tiny, -tiny, 1e-2).cosine == pytest.approx(-1.0)

@@ -8,7 +8,8 @@ All are computed in float64 from the output ``y`` and the reference ``r`` (same 
 - ``normwise``: ‖y − r‖₂ / ‖r‖₂ over the whole output, the number verdicts use (:data:`DEFAULT_TOLERANCE`); where
   the reference is zero or cancels (‖r‖ at most :data:`CANCELLED` of the magnitudes that formed it, a
   :class:`Scale` recorded by the caller), ‖y − r‖₂ over those magnitudes instead, and ``scale`` says so;
-- ``cosine``: the smallest cosine similarity of a row (the last dimension) with its reference row;
+- ``cosine``: the smallest cosine similarity of a row (the last dimension) with its reference row (1 for a row
+  of zeros in both);
 - ``top1``: for outputs named like logits, the fraction of rows whose argmax agrees;
 - ``histogram``: counts of |y − r| / rms(r) in decades (:data:`HISTOGRAM_EDGES`).
 
@@ -373,9 +374,10 @@ class Partial:
 
 
 def _cosines(y: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """The cosine similarity of each row of ``y`` with its row of ``r`` (0 where either is zero, as
-    ``cosine_similarity``'s), rows whose norms are out of :data:`_SAFE_NORMS` taken over their largest magnitudes:
-    ``cosine_similarity`` says 0 for rows of 1e200 and 13.7 for rows of 1e-300."""
+    """The cosine similarity of each row of ``y`` with its row of ``r`` (1 where both are zero: the same row, such
+    as a padded position's, where ``cosine_similarity`` says 0 and a report's smallest cosine read 0.0 for an
+    output equal to its reference; 0 where one alone is), rows whose norms are out of :data:`_SAFE_NORMS` taken
+    over their largest magnitudes: ``cosine_similarity`` says 0 for rows of 1e200 and 13.7 for rows of 1e-300."""
     found = torch.nn.functional.cosine_similarity(y, r, dim=-1, eps=1e-300)
     low, high = _SAFE_NORMS
     ny, nr = torch.linalg.vector_norm(y, dim=-1), torch.linalg.vector_norm(r, dim=-1)
@@ -385,6 +387,9 @@ def _cosines(y: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         ys = ys / ys.abs().amax(-1, keepdim=True).clamp_min(1e-300)  # a zero row stays zero
         rs = rs / rs.abs().amax(-1, keepdim=True).clamp_min(1e-300)
         found[odd] = torch.nn.functional.cosine_similarity(ys, rs, dim=-1, eps=1e-300)
+        zero = odd.clone()  # rows of zeros on both sides (a norm of 0 may be an underflow: the values are read)
+        zero[odd] = (ys == 0).all(-1) & (rs == 0).all(-1)
+        found[zero] = 1.0
     return found
 
 
