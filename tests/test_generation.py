@@ -207,7 +207,7 @@ def test_the_json_follows_its_schema_and_the_page_its_chart(trained, tmp_path):
     ({"new_tokens": 0}, "new_tokens 0"),
     ({"new_tokens": 2.5}, "new_tokens 2.5"),
     ({"temperature": 0.7}, "temperature 0.7"),
-    ({"criterion": "divergence>99"}, "must be 0 to"),
+    ({"criterion": "divergence>99"}, r"divergence>K takes K from 0 to 4 with 4 new tokens"),
     ({"criterion": "tokens>3"}, "not understood"),
     ({"prompts": []}, "non-empty list"),
     ({"prompts": [[]]}, "has no tokens"),

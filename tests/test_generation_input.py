@@ -66,6 +66,29 @@ def test_a_vocabulary_masked_to_minus_inf_has_finite_logit_errors(masked):
     assert "nan" not in data["levels"][0]["logit_errors"]
 
 
+@pytest.mark.parametrize("text, said", [
+    ("divergence>=0", r"divergence>=K takes K from 1 to 9 with 8 new tokens"),  # named a K of -1
+    ("divergence>9", r"divergence>K takes K from 0 to 8 with 8 new tokens"),
+])
+def test_a_divergence_out_of_range_names_the_range_in_the_form_given(text, said):
+    with pytest.raises(Tf32LabError, match=said):
+        Criterion.parse(text, new_tokens=8)
+
+
+@pytest.mark.parametrize("prompt, said", [
+    ([3, -1], r"prompt 2 \('3 -1'\) has token id -1; model 'Masked' takes ids 0 or more"),
+])
+def test_a_negative_token_id_names_its_prompt(masked, prompt, said):
+    with pytest.raises(Tf32LabError, match=said):  # "index out of range in self" at the float64 reference
+        tf32lab.check_generation(masked, new_tokens=2, prompts=[[1, 2], prompt], levels=("high",))
+
+
+def test_a_numpy_count_of_new_tokens_is_taken(masked):
+    numpy = pytest.importorskip("numpy")
+    report = tf32lab.check_generation(masked, new_tokens=numpy.int64(3), prompts=[[1, 2]], levels=("highest",))
+    assert report.new_tokens == 3 and type(report.new_tokens) is int  # "new_tokens 3: a whole number" before
+
+
 def test_token_ids_that_are_not_whole_numbers_are_refused(masked):
     with pytest.raises(Tf32LabError, match=r"prompt 1 \(\[1\.7, 2\]\): a text or a list of token ids \(whole "
                                            r"numbers\)"):
@@ -101,3 +124,14 @@ def test_an_empty_generation_flag_without_generate_is_one_line_exit_2(flag):
     done = cli_runner.run("check", "builtin", flag, "", timeout=120)  # a StopIteration traceback, exit 1
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert f"{flag} goes with --generate N" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_token_id_past_a_transformers_models_embedding_names_its_prompt():
+    transformers = pytest.importorskip("transformers")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2,
+                                                                     n_positions=32))
+    with pytest.raises(Tf32LabError, match=r"prompt 2 \('4 50'\) has token id 50; model 'GPT2LMHeadModel' takes "
+                                           r"ids 0 to 49, its input embeddings"):
+        tf32lab.check_generation(gpt2, new_tokens=2, prompts=[[1, 2], [4, 50]], levels=("high",))

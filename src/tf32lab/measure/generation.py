@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import numbers
 import operator
 import time
 from collections.abc import Iterable, Sequence
@@ -64,7 +65,7 @@ from tf32lab.measure.state import state_kept, stateful_note, written_note
 from tf32lab.numbers.origin import internal_error
 from tf32lab.report.generation import FLOOR, Criterion, GenerationLevel, GenerationReport
 from tf32lab.workloads import samples
-from tf32lab.workloads.hf import CausalLM
+from tf32lab.workloads.hf import CausalLM, _embeddings
 from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags
 from tf32lab.workloads.workload import Workload, check_float32, eval_mode
 
@@ -108,9 +109,11 @@ def check_generation(workload: Union[CausalLM, torch.nn.Module], *, new_tokens: 
     Returns a :class:`~tf32lab.report.generation.GenerationReport`; ``bool(report)`` is the verdict. Raises
     ``Tf32LabError`` for bad arguments or a model that raises in float64.
     """
-    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or not 1 <= new_tokens <= _MAX_NEW_TOKENS:
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, numbers.Integral) or \
+            not 1 <= new_tokens <= _MAX_NEW_TOKENS:
         raise Tf32LabError(f"new_tokens {new_tokens!r}: a whole number of tokens to generate, 1 to "
                            f"{_MAX_NEW_TOKENS}")
+    new_tokens = int(new_tokens)  # a NumPy integer too
     if temperature != 0:
         raise Tf32LabError(f"temperature {temperature!r}: the generation check decodes greedily (temperature 0); "
                            f"sampling would make rows differ by chance, not by precision")
@@ -162,6 +165,7 @@ class _Decoder:
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad = int(pad) if pad is not None else 0  # masked out: any id the embedding has
         self.ends = _end_tokens(model, tokenizer)
+        self.vocab = _embeddings(model)  # None: a module that does not say
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
 
     @classmethod
@@ -205,6 +209,12 @@ class _Decoder:
                 shown.append(" ".join(map(str, found)) if self.tokenizer is None else self.tokenizer.decode(found))
             if not found:
                 raise Tf32LabError(f"prompt {i + 1} ({shown[-1]!r}) has no tokens")
+            # an id the embedding lacks raised "index out of range in self" at the float64 reference, naming no prompt
+            bad = next((t for t in found if t < 0 or (self.vocab is not None and t >= self.vocab)), None)
+            if bad is not None:
+                has = "0 or more" if self.vocab is None else f"0 to {self.vocab - 1}, its input embeddings"
+                raise Tf32LabError(f"prompt {i + 1} ({shown[-1][:60]!r}) has token id {bad}; model {self.name!r} "
+                                   f"takes ids {has}")
             ids.append(found)
         return tuple(shown), self._batches(ids)
 

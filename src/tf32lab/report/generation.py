@@ -74,9 +74,10 @@ class Criterion:
                 raise Tf32LabError(f"criterion {text!r}: divergence takes > or >= and a whole number of tokens; "
                                    f"accepted: {_FORMS}")
             k = int(value) - (op == ">=")
-            if not 0 <= k <= new_tokens:
-                raise Tf32LabError(f"criterion {text!r}: the tokens that must equal float64's ({k}) must be 0 to "
-                                   f"the new tokens generated ({new_tokens})")
+            if not 0 <= k <= new_tokens:  # the range in the form given: divergence>=0 named a K of -1
+                low = int(op == ">=")
+                raise Tf32LabError(f"criterion {text!r}: divergence{op}K takes K from {low} to {new_tokens + low} "
+                                   f"with {new_tokens} new tokens")
             return cls("divergence", k)
         if kind == "agreement":
             # ``>`` is not ``>=``: taken as ``>=``, agreement>1 passed a row of full agreement
