@@ -492,8 +492,9 @@ def _emit(args: argparse.Namespace, report: Any, show: Callable[[], None]) -> in
 def _check_generation(args: argparse.Namespace, levels: tuple[str, ...], target: Any) -> int:
     """``check SPEC --generate N``: the generation check of a causal language model (``hf:FOLDER``)."""
     if args.generate is None:
+        # ``is not None``: an empty --criterion "" or --prompts "" is given too (StopIteration before)
         given = next(f for f, v in (("--prompts", args.prompts), ("--criterion", args.criterion),
-                                    ("--no-cache", args.no_cache)) if v)
+                                    ("--no-cache", args.no_cache or None)) if v is not None)
         raise Tf32LabError(f"{given} goes with --generate N (the generation check)")
     for flag, value in (("--train", args.train), ("--policy", args.policy), ("--tolerance", args.tolerance),
                         ("--conv", args.conv)):
@@ -521,14 +522,16 @@ def _check_generation(args: argparse.Namespace, levels: tuple[str, ...], target:
 
 
 def _prompt_file(path: str) -> list[str]:
-    """The prompts in ``path``, one per line, blank lines left out; one line when it cannot give any."""
+    """The prompts in ``path``, one per line, blank lines left out; one line when it cannot give any. A byte-order
+    mark (Windows editors write one) is not part of the first prompt; a line ends at a newline only (``\r\n`` and
+    ``\r`` read as one), not at the form feeds and separators ``str.splitlines`` also splits at."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8-sig")
     except FileNotFoundError:
         raise Tf32LabError(f"--prompts {_shown(path)}: no such file (a text file, one prompt per line)") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise Tf32LabError(f"--prompts {_shown(path)}: cannot be read as UTF-8 text ({exc})") from None
-    prompts = [line.strip() for line in text.splitlines() if line.strip()]
+    prompts = [line.strip() for line in text.split("\n") if line.strip()]
     if not prompts:
         raise Tf32LabError(f"--prompts {_shown(path)} holds no prompt (a text file, one prompt per line)")
     return prompts

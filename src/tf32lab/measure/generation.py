@@ -15,6 +15,11 @@ of steps whose top-1 token is float64's, the largest logit error at each step, a
 prompts' own text (its change from float64's; perplexity is its exponential). A row stops decoding once every
 prompt has left float64's tokens: what it would generate after that is another text, not a measure.
 
+A prompt's text ends where float64's writes an end-of-text token (the tokenizer's ``eos_token_id`` and the model's
+``generation_config.eos_token_id``, where ``generate()`` stops): a row's tokens are compared up to it, that token
+included, and teacher-forced agreement counts those steps only. What a model writes after its end of text is no
+text a user sees, and a row that ended there too has not left float64's text.
+
 Greedy decoding only: sampling (``temperature > 0``) draws from distributions that differ by rounding, so two
 rows would differ by chance as much as by precision; it is refused.
 
@@ -38,6 +43,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import numbers
+import operator
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional, Union
@@ -58,7 +65,7 @@ from tf32lab.measure.state import state_kept, stateful_note, written_note
 from tf32lab.numbers.origin import internal_error
 from tf32lab.report.generation import FLOOR, Criterion, GenerationLevel, GenerationReport
 from tf32lab.workloads import samples
-from tf32lab.workloads.hf import CausalLM
+from tf32lab.workloads.hf import CausalLM, _embeddings
 from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags
 from tf32lab.workloads.workload import Workload, check_float32, eval_mode
 
@@ -102,9 +109,11 @@ def check_generation(workload: Union[CausalLM, torch.nn.Module], *, new_tokens: 
     Returns a :class:`~tf32lab.report.generation.GenerationReport`; ``bool(report)`` is the verdict. Raises
     ``Tf32LabError`` for bad arguments or a model that raises in float64.
     """
-    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or not 1 <= new_tokens <= _MAX_NEW_TOKENS:
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, numbers.Integral) or \
+            not 1 <= new_tokens <= _MAX_NEW_TOKENS:
         raise Tf32LabError(f"new_tokens {new_tokens!r}: a whole number of tokens to generate, 1 to "
                            f"{_MAX_NEW_TOKENS}")
+    new_tokens = int(new_tokens)  # a NumPy integer too
     if temperature != 0:
         raise Tf32LabError(f"temperature {temperature!r}: the generation check decodes greedily (temperature 0); "
                            f"sampling would make rows differ by chance, not by precision")
@@ -114,6 +123,11 @@ def check_generation(workload: Union[CausalLM, torch.nn.Module], *, new_tokens: 
     judge = Criterion.parse(criterion, new_tokens)
     decoder = _Decoder.of(workload)
     texts, batches = decoder.prompts(prompts)
+    if judge.kind == "perplexity" and all((b.ids.shape[1] if b.mask is None else int(b.mask.sum(1).max())) < 2
+                                          for b in batches):
+        # the loss is on the prompts' own text: no prompt of two tokens gives none, and every row failed
+        raise Tf32LabError(f"criterion {judge.text!r} judges the loss on the prompts' own text, and no prompt has "
+                           f"two tokens or more: give longer prompts, or a divergence or agreement criterion")
     with exits_refused(decoder.name, "check_generation"), kept_flags() as changed:
         report = _Generation(decoder, batches, texts, new_tokens, levels, target, judge, bool(use_cache),
                              accumulation, progress).run()
@@ -150,6 +164,8 @@ class _Decoder:
         self.positions = self.hf and "position_ids" in takes
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad = int(pad) if pad is not None else 0  # masked out: any id the embedding has
+        self.ends = _end_tokens(model, tokenizer)
+        self.vocab = _embeddings(model)  # None: a module that does not say
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
 
     @classmethod
@@ -170,7 +186,9 @@ class _Decoder:
             prompts = list(DEFAULT_PROMPTS)
         if isinstance(prompts, torch.Tensor):
             prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
-        if isinstance(prompts, str) or not len(prompts):
+        if not isinstance(prompts, str) and isinstance(prompts, Iterable) and not isinstance(prompts, Sequence):
+            prompts = list(prompts)  # a generator: len() raised TypeError
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not len(prompts):
             raise Tf32LabError(f"prompts {prompts!r}: a non-empty list of texts or of token-id lists")
         ids: list[list[int]] = []
         shown: list[str] = []
@@ -182,13 +200,21 @@ class _Decoder:
                 found = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
                 shown.append(prompt)
             else:
-                try:
-                    found = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
+                try:  # operator.index: a token id 1.7 is no id (int() made it 1)
+                    found = [operator.index(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor)
+                                                         else prompt)]
                 except (TypeError, ValueError):
-                    raise Tf32LabError(f"prompt {i + 1} ({prompt!r}): a text or a list of token ids") from None
+                    raise Tf32LabError(f"prompt {i + 1} ({prompt!r}): a text or a list of token ids (whole "
+                                       f"numbers)") from None
                 shown.append(" ".join(map(str, found)) if self.tokenizer is None else self.tokenizer.decode(found))
             if not found:
                 raise Tf32LabError(f"prompt {i + 1} ({shown[-1]!r}) has no tokens")
+            # an id the embedding lacks raised "index out of range in self" at the float64 reference, naming no prompt
+            bad = next((t for t in found if t < 0 or (self.vocab is not None and t >= self.vocab)), None)
+            if bad is not None:
+                has = "0 or more" if self.vocab is None else f"0 to {self.vocab - 1}, its input embeddings"
+                raise Tf32LabError(f"prompt {i + 1} ({shown[-1][:60]!r}) has token id {bad}; model {self.name!r} "
+                                   f"takes ids {has}")
             ids.append(found)
         return tuple(shown), self._batches(ids)
 
@@ -244,9 +270,9 @@ class _Run:
 
 
 def _greedy(decoder: _Decoder, batch: _Batch, n: int, use_cache: bool,
-            reference: Optional[torch.Tensor]) -> torch.Tensor:
-    """``[b, <= n]`` greedy tokens; with ``reference`` (float64's ``[b, n]``), it stops once every prompt has left
-    it."""
+            reference: Optional[torch.Tensor], ends: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[b, <= n]`` greedy tokens; with ``reference`` (float64's ``[b, n]``) and ``ends`` (its text's length per
+    prompt), it stops once every prompt has left it or reached the end of float64's text."""
     seq, mask, cache = batch.ids, batch.mask, None
     found: list[torch.Tensor] = []
     left = torch.zeros(seq.shape[0], dtype=torch.bool, device=seq.device)
@@ -257,7 +283,7 @@ def _greedy(decoder: _Decoder, batch: _Batch, n: int, use_cache: bool,
         found.append(token)
         if reference is not None:
             left |= token != reference[:, step]
-            if bool(left.all()):
+            if bool((left | (ends <= step + 1)).all()):
                 break
         seq = torch.cat([seq, token[:, None]], dim=1)
         if mask is not None:
@@ -322,11 +348,18 @@ class _Generation:
                               f"sequence")
         if self.reference_count == 0:
             self.notes.append("no prompt has two tokens or more: there is no loss on the prompts' own text")
+        ended = [i for i, end in enumerate(self.ends) if end < self.n]
+        if ended:
+            steps = ", ".join(f"{self.ends[i]}" for i in ended[:8]) + (", ..." if len(ended) > 8 else "")
+            self.notes.append(f"float64's text ends (an end-of-text token) before {self.n} new tokens on "
+                              f"{len(ended)} of {len(self.texts)} prompts (at step {steps}): each row's tokens are "
+                              f"compared up to there, as generate() stops there")
         ref = self.reference
         return GenerationReport(
             workload=self.decoder.name, target=self.target.name, new_tokens=self.n, prompts=self.texts,
             criterion=self.criterion, use_cache=self.use_cache,
             reference_tokens=tuple(tuple(t) for t in ref.tokens), reference_loss=self._loss(ref), floor=floor,
+            reference_ends=tuple(self.ends),
             levels=tuple(rows[level] for level in self.levels),
             environment=environment_of(Workload(model, torch.zeros(0), name=self.decoder.name)),
             seconds=time.perf_counter() - started, notes=tuple(self.notes))
@@ -341,7 +374,8 @@ class _Generation:
         step_logits, total, count = [], 0.0, 0
         for k, batch in enumerate(self.batches):
             ref = None if references is None else references[k]
-            found = _greedy(self.decoder, batch, self.n, self.use_cache, ref)
+            ends = None if references is None else self.ref_ends[k]
+            found = _greedy(self.decoder, batch, self.n, self.use_cache, ref, ends)
             for row, i in enumerate(batch.where):
                 tokens[i] = found[row].tolist()
             forced, loss, counted = _forced(self.decoder, batch, found if ref is None else ref)
@@ -368,6 +402,11 @@ class _Generation:
         self.reference_count = run.loss_count
         self.ref_ids = [torch.tensor([run.tokens[i] for i in b.where], device=self.decoder.device)
                         for b in self.batches]
+        # where float64's text ends, per prompt: its first end-of-text token, counted (else all n)
+        self.ends = [next((s + 1 for s, t in enumerate(tokens) if t in self.decoder.ends), self.n)
+                     for tokens in run.tokens]
+        self.ref_ends = [torch.tensor([self.ends[i] for i in b.where], device=self.decoder.device)
+                         for b in self.batches]
         return run
 
     def _too_long(self) -> str:
@@ -413,18 +452,21 @@ class _Generation:
             self.families |= {optable.family(op) for op, _ in emu.coverage} | \
                 {optable.family(op.split()[0]) for op in emu.unhandled}
         ref = self.reference
-        divergence = tuple(next((s + 1 for s, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
-                           for mine, theirs in zip(run.tokens, ref.tokens))
+        divergence = tuple(next((s + 1 for s, (a, b) in enumerate(zip(mine[:end], theirs[:end])) if a != b), None)
+                           for mine, theirs, end in zip(run.tokens, ref.tokens, self.ends))
         agree, errors = 0, torch.zeros(self.n, dtype=torch.float64)
-        for forced, reference, ids in zip(run.step_logits, ref.step_logits, self.ref_ids):
-            agree += int((forced.argmax(-1) == ids).sum())
-            worst = (forced.double() - reference).abs().amax(dim=(0, 2)).cpu()
-            errors = torch.maximum(errors, worst)
+        for forced, reference, ids, ends in zip(run.step_logits, ref.step_logits, self.ref_ids, self.ref_ends):
+            within = torch.arange(self.n, device=ends.device)[None, :] < ends[:, None]  # float64's text
+            agree += int(((forced.argmax(-1) == ids) & within).sum())
+            wide = forced.double()
+            # equal logits differ by 0: a vocabulary masked to -inf in both gave inf - inf = nan at every step
+            gap = torch.where(wide == reference, torch.zeros_like(wide), (wide - reference).abs())
+            errors = torch.maximum(errors, gap.amax(dim=(0, 2)).cpu())
         loss = self._loss(run)
         change = loss - self._loss(ref)
         row = GenerationLevel(
             label or level, maths, tuple(tuple(t) for t in run.tokens), divergence,
-            agree / (self.n * len(self.texts)), tuple(errors.tolist()), loss, change,
+            agree / sum(self.ends), tuple(errors.tolist()), loss, change,
             math.expm1(change) if math.isfinite(change) else math.nan, False, _counts(emu, "coverage"),
             _counts(emu, "unhandled"), time.perf_counter() - started)
         return dataclasses.replace(row, passed=self.criterion.passes(row))
@@ -440,6 +482,18 @@ class _Generation:
             return False
         maths = self.target.maths_at("highest", context_cells())
         return all(m == "ieee" for key, m in maths.items() if key.split(".")[0] in self.families)
+
+
+def _end_tokens(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
+    """The tokens that end a text: the tokenizer's end-of-sequence token and those of the model's generation config
+    (what ``generate()`` stops at); none for a plain module without either."""
+    found: set[int] = set()
+    for said in (getattr(tokenizer, "eos_token_id", None),
+                 getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        for token in said if isinstance(said, (list, tuple, set, frozenset)) else (said,):
+            if isinstance(token, int) and not isinstance(token, bool) and token >= 0:
+                found.add(token)
+    return frozenset(found)
 
 
 def _counts(emu: Any, what: str) -> dict[str, int]:

@@ -1,0 +1,137 @@
+"""The generation check on what a hostile user hands it: criteria in forms the docs do not list, a vocabulary
+masked to -inf, token ids that are not whole numbers, prompts from a generator, a prompt file from a Windows editor,
+and flags that take an empty value. Plain-torch decoders made here, each a few milliseconds a step."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jsonschema
+import pytest
+import torch
+
+import cli_runner
+import tf32lab
+from tf32lab.errors import Tf32LabError
+from tf32lab.report.generation import Criterion, generation_schema, median_divergence
+
+
+class Masked(torch.nn.Module):
+    """A decoder whose last ``masked`` vocabulary entries are never allowed: their logits are -inf, as a
+    vocabulary padded to a multiple of 64 or a constrained decoder masks them."""
+
+    def __init__(self, vocab: int = 50, masked: int = 10) -> None:
+        super().__init__()
+        self.masked = masked
+        self.embed = torch.nn.Embedding(vocab, 32)
+        self.out = torch.nn.Linear(32, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.out(torch.tanh(self.embed(ids)) * 3)
+        return torch.cat([logits[..., :-self.masked], torch.full_like(logits[..., -self.masked:], -math.inf)], -1)
+
+
+@pytest.fixture
+def masked() -> Masked:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return Masked()
+
+
+def test_a_median_is_a_step_some_prompt_took_or_none():
+    # a prompt that never leaves float64's tokens was counted as step new_tokens + 1 and averaged: steps 2 and
+    # none gave 6 at 8 new tokens and 18 at 32, a step neither prompt took
+    assert median_divergence((2, None), 8) is None and median_divergence((2, None), 32) is None
+    assert median_divergence((2, 4, None), 32) == 4.0 and median_divergence((2, 4), 32) == 3.0
+    assert median_divergence((2, None, None), 32) is None and median_divergence((5, 2, 9), 9) == 5.0
+
+
+@pytest.mark.parametrize("text", ["agreement>0.9", "agreement>1", "perplexity<=0.01"])
+def test_a_criterion_the_docs_do_not_list_is_refused_not_read_as_another(text):
+    # agreement>1 was read as agreement>=1 and passed a row of full agreement; perplexity<= as <
+    with pytest.raises(Tf32LabError, match=r"takes (>=|<) and") as raised:
+        Criterion.parse(text, new_tokens=8)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_vocabulary_masked_to_minus_inf_has_finite_logit_errors(masked):
+    report = tf32lab.check_generation(masked, new_tokens=4, prompts=[[1, 2, 3], [4, 5, 6]], levels=("high",))
+    for row in (report.floor, report.level("high")):
+        # -inf - -inf is nan: every step's error was nan, and the JSON said "nan" where the rows agree exactly
+        assert all(math.isfinite(e) for e in row.logit_errors), row.logit_errors
+        assert 0 < row.worst_logit_error < 0.1
+    data = json.loads(report.to_json())
+    jsonschema.validate(data, generation_schema())
+    assert "nan" not in data["levels"][0]["logit_errors"]
+
+
+@pytest.mark.parametrize("text, said", [
+    ("divergence>=0", r"divergence>=K takes K from 1 to 9 with 8 new tokens"),  # named a K of -1
+    ("divergence>9", r"divergence>K takes K from 0 to 8 with 8 new tokens"),
+])
+def test_a_divergence_out_of_range_names_the_range_in_the_form_given(text, said):
+    with pytest.raises(Tf32LabError, match=said):
+        Criterion.parse(text, new_tokens=8)
+
+
+@pytest.mark.parametrize("prompt, said", [
+    ([3, -1], r"prompt 2 \('3 -1'\) has token id -1; model 'Masked' takes ids 0 or more"),
+])
+def test_a_negative_token_id_names_its_prompt(masked, prompt, said):
+    with pytest.raises(Tf32LabError, match=said):  # "index out of range in self" at the float64 reference
+        tf32lab.check_generation(masked, new_tokens=2, prompts=[[1, 2], prompt], levels=("high",))
+
+
+def test_a_numpy_count_of_new_tokens_is_taken(masked):
+    numpy = pytest.importorskip("numpy")
+    report = tf32lab.check_generation(masked, new_tokens=numpy.int64(3), prompts=[[1, 2]], levels=("highest",))
+    assert report.new_tokens == 3 and type(report.new_tokens) is int  # "new_tokens 3: a whole number" before
+
+
+def test_token_ids_that_are_not_whole_numbers_are_refused(masked):
+    with pytest.raises(Tf32LabError, match=r"prompt 1 \(\[1\.7, 2\]\): a text or a list of token ids \(whole "
+                                           r"numbers\)"):
+        tf32lab.check_generation(masked, new_tokens=2, prompts=[[1.7, 2]], levels=("high",))  # was read as [1, 2]
+
+
+def test_prompts_from_a_generator_are_taken(masked):
+    report = tf32lab.check_generation(masked, new_tokens=2, prompts=([i, i + 1] for i in range(3)),
+                                      levels=("highest",))  # len() of a generator raised TypeError
+    assert len(report.prompts) == 3 and report.prompts[2] == "2 3"
+
+
+def test_a_perplexity_criterion_with_no_prompt_of_two_tokens_is_refused(masked):
+    # no loss on the prompts' own text: every row failed, and float32 was said to ask for a looser criterion
+    with pytest.raises(Tf32LabError, match=r"criterion 'perplexity<0.1' judges the loss on the prompts' own text, "
+                                           r"and no prompt has two tokens or more"):
+        tf32lab.check_generation(masked, new_tokens=2, prompts=[[1], [2]], levels=("high",),
+                                 criterion="perplexity<0.1")
+    assert tf32lab.get_float32_matmul_precision() == "highest"
+
+
+def test_a_prompt_file_from_a_windows_editor_reads_as_written(tmp_path):
+    from tf32lab.cli import _prompt_file
+
+    path = tmp_path / "prompts.txt"
+    # a byte-order mark was kept as the first prompt's first character; a form feed split a line in two
+    path.write_bytes("\ufeffThe river ferry\r\n\r\nA page\x0cbreak inside\r\n  \rLast\n".encode())
+    assert _prompt_file(str(path)) == ["The river ferry", "A page\x0cbreak inside", "Last"]
+
+
+@pytest.mark.parametrize("flag", ["--criterion", "--prompts"])
+def test_an_empty_generation_flag_without_generate_is_one_line_exit_2(flag):
+    done = cli_runner.run("check", "builtin", flag, "", timeout=120)  # a StopIteration traceback, exit 1
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"{flag} goes with --generate N" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_token_id_past_a_transformers_models_embedding_names_its_prompt():
+    transformers = pytest.importorskip("transformers")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2,
+                                                                     n_positions=32))
+    with pytest.raises(Tf32LabError, match=r"prompt 2 \('4 50'\) has token id 50; model 'GPT2LMHeadModel' takes "
+                                           r"ids 0 to 49, its input embeddings"):
+        tf32lab.check_generation(gpt2, new_tokens=2, prompts=[[1, 2], [4, 50]], levels=("high",))
