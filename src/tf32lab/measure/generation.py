@@ -65,7 +65,7 @@ from tf32lab.measure.state import state_kept, stateful_note, written_note
 from tf32lab.numbers.origin import internal_error
 from tf32lab.report.generation import FLOOR, Criterion, GenerationLevel, GenerationReport
 from tf32lab.workloads import samples
-from tf32lab.workloads.hf import CausalLM, _embeddings
+from tf32lab.workloads.hf import CausalLM, embedding_rows
 from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags
 from tf32lab.workloads.workload import Workload, check_float32, eval_mode
 
@@ -165,7 +165,7 @@ class _Decoder:
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad = int(pad) if pad is not None else 0  # masked out: any id the embedding has
         self.ends = _end_tokens(model, tokenizer)
-        self.vocab = _embeddings(model)  # None: a module that does not say
+        self.vocab = embedding_rows(model)  # None: a module that does not say
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
 
     @classmethod

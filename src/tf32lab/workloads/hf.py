@@ -53,7 +53,7 @@ from tf32lab.workloads import samples
 from tf32lab.workloads.quiet import quiet_loading
 from tf32lab.workloads.workload import Workload
 
-__all__ = ["SUPPORTED", "CausalLM", "causal_lm", "workload"]
+__all__ = ["SUPPORTED", "CausalLM", "causal_lm", "embedding_rows", "workload"]
 
 SUPPORTED = ("text encoders (BERT-like), decoders (GPT-2, Llama, Qwen2, Mistral), encoder-decoders (T5, BART), "
              "vision (ViT, ConvNeXt, ResNet), text-image (CLIP, SigLIP) and audio (wav2vec2, Whisper) models: a main "
@@ -174,8 +174,13 @@ def _tokenizer(folder: str, path: Path) -> Any:
     return tokenizer
 
 
-def _embeddings(model: torch.nn.Module) -> Optional[int]:
-    """How many token ids the model's input embedding has (None where it does not say)."""
+def embedding_rows(model: torch.nn.Module) -> Optional[int]:
+    """How many token ids the model's input embedding has (None where it does not say).
+
+    >>> import transformers
+    >>> embedding_rows(transformers.GPT2Model(transformers.GPT2Config(vocab_size=300, n_embd=8, n_layer=1, n_head=1)))
+    300
+    """
     try:
         found = model.get_input_embeddings()
     except (AttributeError, NotImplementedError, TypeError):
@@ -189,7 +194,7 @@ def _pad_in_range(tokenizer: Any, model: torch.nn.Module) -> None:
     which may add a pad token of its own past the vocabulary (a Qwen2 folder's ``<|endoftext|>`` got id 300 beside
     300 embeddings), as does a pad token added to a tokenizer without resizing the model. Masked out either way,
     the pad still goes through the embedding, which raised "index out of range" at the float64 reference."""
-    size = _embeddings(model)
+    size = embedding_rows(model)
     pad = getattr(tokenizer, "pad_token_id", None)
     if size is None or not isinstance(pad, int) or pad < size:
         return
@@ -205,7 +210,7 @@ def _ids_in_range(folder: str, ids: torch.Tensor, model: torch.nn.Module) -> Non
     """Refuses text the model cannot embed: a tokenizer of more ids than the model's embedding (another model's
     tokenizer, or tokens added without ``resize_token_embeddings``) raised "index out of range in self" at the
     float64 reference, as if the model were at fault."""
-    size = _embeddings(model)
+    size = embedding_rows(model)
     if size is not None and ids.numel() and int(ids.max()) >= size:
         raise Tf32LabError(f"workload 'hf:{folder}': its tokenizer gives token id {int(ids.max())}, past the "
                            f"model's {size} input embeddings: a tokenizer of another model, or tokens added "
