@@ -177,9 +177,14 @@ def _tokenizer(folder: str, path: Path) -> Any:
 def embedding_rows(model: torch.nn.Module) -> Optional[int]:
     """How many token ids the model's input embedding has (None where it does not say).
 
-    >>> import transformers
-    >>> embedding_rows(transformers.GPT2Model(transformers.GPT2Config(vocab_size=300, n_embd=8, n_layer=1, n_head=1)))
-    300
+    >>> class Tiny(torch.nn.Module):  # as a transformers model says it
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.tokens = torch.nn.Embedding(300, 8)
+    ...     def get_input_embeddings(self):
+    ...         return self.tokens
+    >>> embedding_rows(Tiny()), embedding_rows(torch.nn.Linear(2, 2))
+    (300, None)
     """
     try:
         found = model.get_input_embeddings()
