@@ -695,22 +695,13 @@ def _is_parameter(t: torch.Tensor) -> bool:
     return isinstance(t._base if t._base is not None else t, torch.nn.Parameter)
 
 
-def _float32_in(args: Any) -> bool:
+def _holds(args: Any, dtype: torch.dtype = _F32) -> bool:
+    """Whether a tensor of ``dtype`` is among ``args`` (lists and tuples of them included)."""
     for a in args:
         if isinstance(a, torch.Tensor):
-            if a.dtype == _F32:
+            if a.dtype == dtype:
                 return True
-        elif isinstance(a, (list, tuple)) and _float32_in(a):
-            return True
-    return False
-
-
-def _complex64_in(args: Any) -> bool:
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            if a.dtype == _C64:
-                return True
-        elif isinstance(a, (list, tuple)) and _complex64_in(a):
+        elif isinstance(a, (list, tuple)) and _holds(a, dtype):
             return True
     return False
 
@@ -815,9 +806,9 @@ class _Mode(TorchDispatchMode):
         classified = _TREATMENTS.get(func, _UNSEEN)
         if classified is _UNSEEN:
             classified = treatment(func)
-        if classified is None or not (_float32_in(args) or _float32_in(kwargs.values())):
+        if classified is None or not (_holds(args) or _holds(kwargs.values())):
             if classified is not None and _get_tracing_state() is None and \
-                    (_complex64_in(args) or _complex64_in(kwargs.values())):
+                    (_holds(args, _C64) or _holds(kwargs.values(), _C64)):
                 return self._complex(entry, classified, func, args, kwargs)
             cache = entry.cache
             if (cache.entries or cache.recent) and _mutates(func):  # a write (maybe via .data): copies go
@@ -1161,7 +1152,7 @@ class _FunctionMode(TorchFunctionMode):
             entry = scope.current_emulation()
             if entry is not None:
                 if func is _SDPA:
-                    if _float32_in(args) or _float32_in(kwargs.values()):
+                    if _holds(args) or _holds(kwargs.values()):
                         call = _Call(entry, "aten::scaled_dot_product_attention", _OpCells())
                         if any(t.__name__ == "NestedTensor" for t in types):
                             # jagged: the target runs a fused kernel on the packed values, a CPU PyTorch's math
@@ -1170,7 +1161,7 @@ class _FunctionMode(TorchFunctionMode):
                             with modestack.lifted(_thread_modes().dispatch):
                                 return func(*args, **kwargs)
                         return rules.sdpa_function(call, func, args, kwargs)
-                elif _float32_in(args):
+                elif _holds(args):
                     return _rnn(entry, func, args, kwargs)
         if func in _KEEP_ON and _redispatch is not None and _skips_none_but_this(types):
             # a backward, and any forward it recomputes, under this mode as the forward was; a composite's SDPA seen
