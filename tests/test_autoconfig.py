@@ -449,3 +449,25 @@ def test_a_trusted_artifact_loads_into_the_folder(tmp_path, restore_env):
         assert (folder / "triton" / "ok.best_config").is_file()
     finally:
         decisions.undo()
+
+
+def test_a_cache_dir_variable_that_names_a_file_is_one_line_and_changes_nothing(tmp_path):
+    # PyTorch's compiler makes TORCHINDUCTOR_CACHE_DIR when it is imported: a file there raised FileExistsError
+    # from inside torch._dynamo's import, a traceback where one line naming the variable is due
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    code = ("import torch, tf32lab\n"
+            "from tf32lab.control import flags\n"
+            "before, threads = flags.snapshot(), torch.get_num_threads()\n"
+            "try:\n"
+            f"    tf32lab.autoconfig(compile_cache={str(tmp_path / 'cache')!r})\n"
+            "except tf32lab.Tf32LabError as exc:\n"
+            "    print('ERROR', exc)\n"
+            "print(flags.snapshot() == before, torch.get_num_threads() == threads)\n")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(taken))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    error, same = done.stdout.strip().splitlines()
+    assert error.startswith("ERROR compile_cache: PyTorch's compiler cannot start with TORCHINDUCTOR_CACHE_DIR=")
+    assert str(taken) in error and same == "True True"
+    assert not (tmp_path / "cache").exists()  # refused before anything changed

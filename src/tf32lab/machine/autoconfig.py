@@ -318,9 +318,24 @@ def _threads(threads: Union[str, int], interop_threads: Union[str, int, None], w
 
 
 # -- compile cache -----------------------------------------------------------------------------------------------
-def _compile_cache(folder: Path, found: compile_cache.Loaded) -> list[tuple[Decision, Optional[_Undo]]]:
-    old_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # before inductor's import, which sets its default
-    import torch._inductor.config as inductor_config
+def _inductor_config() -> Any:
+    """``torch._inductor.config``, imported. PyTorch's import makes its cache folder (``TORCHINDUCTOR_CACHE_DIR``)
+    and raised ``FileExistsError`` for one that is a file (``PermissionError`` for one it may not write): one line
+    naming the variable, before anything changes."""
+    try:
+        import torch._inductor.config as inductor_config
+    except OSError as exc:
+        value = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        named = f"TORCHINDUCTOR_CACHE_DIR={value!r}" if value is not None else "its default cache folder"
+        raise Tf32LabError(f"compile_cache: PyTorch's compiler cannot start with {named}: "
+                           f"{exc.strerror or exc} ({exc.filename}); name a folder it may write, or unset it") from None
+    return inductor_config
+
+
+def _compile_cache(folder: Path, found: compile_cache.Loaded,
+                   old_dir: Optional[str]) -> list[tuple[Decision, Optional[_Undo]]]:
+    """``old_dir``: ``TORCHINDUCTOR_CACHE_DIR`` as it was before inductor's import, which sets its default."""
+    inductor_config = _inductor_config()
 
     out: list[tuple[Decision, Optional[_Undo]]] = []
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -434,6 +449,11 @@ def autoconfig(level: str = "auto", *, workers: int = 1, threads: Union[str, int
     if scope.live_scopes():
         raise Tf32LabError("autoconfig() sets process-wide settings; call it outside precision() scopes")
     found = None if folder is None else _read_cache(folder)  # every refusal before anything changes
+    old_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # before inductor's import, which sets its default
+    if folder is not None:
+        _inductor_config()
+        if old_dir is None:  # the default its import wrote: the decision below sets the folder, undo() unsets it
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
 
     steps: list[tuple[Decision, Optional[_Undo]]] = []
     try:
@@ -441,7 +461,7 @@ def autoconfig(level: str = "auto", *, workers: int = 1, threads: Union[str, int
         steps.append((decision, undo))
         steps += _threads(threads, interop_threads, workers, hw)
         if folder is not None:
-            steps += _compile_cache(folder, found)
+            steps += _compile_cache(folder, found, old_dir)
         if agree:
             agreement = distributed.agree()
             steps.append((Decision("agreement", None, agreement.ranks,
