@@ -184,17 +184,15 @@ class _Owners(TorchDispatchMode):
         top = frames[-1]
         pins = {(entry[1], entry[2]) for entry in found}
         if pins == {(top.level, top.conv)}:  # run inside their own module, or at its level anyway
-            for entry in found:
-                tree.reached.add(entry[3])
+            tree.reached.update(entry[3] for entry in found)
             return func(*args, **kwargs)
         levels = [level for level, _ in pins if level is not None]
         level = min(levels, key=_PRECISION.__getitem__) if levels else top.level
         convs = {conv for _, conv in pins if conv is not None}
         conv = ("ieee" if "ieee" in convs else convs.pop()) if convs else top.conv
         cudnn_op = _follows_cudnn(func)
-        for entry in found:  # reached where the op runs at its module's pin, not at a more accurate module's
-            if (entry[1] is None or entry[1] == level) and (entry[2] is None or not cudnn_op or entry[2] == conv):
-                tree.reached.add(entry[3])
+        tree.reached.update(entry[3] for entry in found  # where the op runs at its module's pin, not another's
+                            if entry[1] in (None, level) and (entry[2] is None or not cudnn_op or entry[2] == conv))
         if (level, conv) == (top.level, top.conv):
             return func(*args, **kwargs)
         tree.foreign.add(top.module)  # this frame needs the mode at later calls too
@@ -560,9 +558,8 @@ class PolicyHandle:
     def idle(self) -> list[Rule]:
         """The rules that have not acted in the model's calls so far: no module that takes its level or conv math
         from the rule (itself or through its parent) ran its forward, and no matmul-family op ran at its pin with
-        its parameters (a module kept but never called; or one whose weights only a fused op used, at another
-        module's more accurate level: ``nn.TransformerEncoderLayer``'s fast path in eval runs one kernel for the
-        whole layer). Empty before the model's first call.
+        its parameters (a module kept but never called; or weights only a fused op used, at a more accurate
+        module's level: ``nn.TransformerEncoderLayer``'s eval fast path). Empty before the model's first call.
 
         Example:
 
