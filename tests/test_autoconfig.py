@@ -101,6 +101,16 @@ def test_torchrun_local_world_size_shares_the_cpus():
     assert decisions["threads"].new == 1  # never 0
 
 
+@pytest.mark.parametrize("bad", ["abc", "0", "-2", "4.5"])
+def test_a_local_world_size_that_is_not_a_count_is_said_not_taken_silently(bad, caplog):
+    # read as 1 without a word: every torchrun process on the machine would take all of its CPUs
+    with caplog.at_level(logging.WARNING, logger="tf32lab"):
+        decisions, _ = _apply(Hardware.simulated("h100", cpus=16, env={"LOCAL_WORLD_SIZE": bad}))
+    assert decisions["threads"].new == 16
+    assert f"LOCAL_WORLD_SIZE={bad!r} is not a number >= 1: counted as 1" in decisions["threads"].reason
+    assert any(f"LOCAL_WORLD_SIZE={bad!r}" in r.getMessage() for r in caplog.records)
+
+
 def test_explicit_thread_env_is_honoured_and_explained():
     decisions, state = _apply(Hardware.simulated("a100", cpus=8, env={"OMP_NUM_THREADS": "3"}))
     assert decisions["threads"].new == 3 and state["threads"] == 3

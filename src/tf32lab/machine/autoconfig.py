@@ -253,6 +253,11 @@ def decide_threads(threads: Union[str, int], workers: int, hw: Hardware) -> tupl
     if hw.cpu_quota is not None:
         usable += f" (quota {hw.cpu_quota:g} of {hw.affinity_cpus})"
     split = f"{workers} worker(s) x {hw.local_world_size} local process(es)"
+    given = hw.env.get("LOCAL_WORLD_SIZE", "").strip()
+    if given and hw.local_world_size == 1 and given.lstrip("+0") != "1":  # read as hardware reads it (int())
+        # torchrun's count of processes on this machine, read as 1 (all the CPUs to each) without a word
+        log.warning("LOCAL_WORLD_SIZE=%r is not a number of processes >= 1; counted as 1", given)
+        split += f" (LOCAL_WORLD_SIZE={given!r} is not a number >= 1: counted as 1)"
     env = _env_threads(hw)
     if threads != "auto":
         reason = "asked for"
