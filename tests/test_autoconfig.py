@@ -101,6 +101,16 @@ def test_torchrun_local_world_size_shares_the_cpus():
     assert decisions["threads"].new == 1  # never 0
 
 
+@pytest.mark.parametrize("bad", ["abc", "0", "-2", "4.5"])
+def test_a_local_world_size_that_is_not_a_count_is_said_not_taken_silently(bad, caplog):
+    # read as 1 without a word: every torchrun process on the machine would take all of its CPUs
+    with caplog.at_level(logging.WARNING, logger="tf32lab"):
+        decisions, _ = _apply(Hardware.simulated("h100", cpus=16, env={"LOCAL_WORLD_SIZE": bad}))
+    assert decisions["threads"].new == 16
+    assert f"LOCAL_WORLD_SIZE={bad!r} is not a number >= 1: counted as 1" in decisions["threads"].reason
+    assert any(f"LOCAL_WORLD_SIZE={bad!r}" in r.getMessage() for r in caplog.records)
+
+
 def test_explicit_thread_env_is_honoured_and_explained():
     decisions, state = _apply(Hardware.simulated("a100", cpus=8, env={"OMP_NUM_THREADS": "3"}))
     assert decisions["threads"].new == 3 and state["threads"] == 3
@@ -449,3 +459,25 @@ def test_a_trusted_artifact_loads_into_the_folder(tmp_path, restore_env):
         assert (folder / "triton" / "ok.best_config").is_file()
     finally:
         decisions.undo()
+
+
+def test_a_cache_dir_variable_that_names_a_file_is_one_line_and_changes_nothing(tmp_path):
+    # PyTorch's compiler makes TORCHINDUCTOR_CACHE_DIR when it is imported: a file there raised FileExistsError
+    # from inside torch._dynamo's import, a traceback where one line naming the variable is due
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    code = ("import torch, tf32lab\n"
+            "from tf32lab.control import flags\n"
+            "before, threads = flags.snapshot(), torch.get_num_threads()\n"
+            "try:\n"
+            f"    tf32lab.autoconfig(compile_cache={str(tmp_path / 'cache')!r})\n"
+            "except tf32lab.Tf32LabError as exc:\n"
+            "    print('ERROR', exc)\n"
+            "print(flags.snapshot() == before, torch.get_num_threads() == threads)\n")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(taken))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    error, same = done.stdout.strip().splitlines()
+    assert error.startswith("ERROR compile_cache: PyTorch's compiler cannot start with TORCHINDUCTOR_CACHE_DIR=")
+    assert str(taken) in error and same == "True True"
+    assert not (tmp_path / "cache").exists()  # refused before anything changed

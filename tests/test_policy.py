@@ -601,6 +601,10 @@ BAD = {
     "rule key": ('{"schema_version": 1, "rules": [{"pattern": "a", "levle": "high"}]}', "unknown key 'levle'"),
     "rule missing": ('{"schema_version": 1, "rules": [{"pattern": "a"}]}', "rule 1: missing 'level'"),
     "pattern type": ('{"schema_version": 1, "rules": [[3, "high"]]}', "the pattern 3 is not a string"),
+    # a file edited by hand: Python's JSON reader kept the last of two equal keys without a word (ran at `high`)
+    "twice": ('{"schema_version": 1, "default": "highest", "default": "high"}', "the key 'default' appears twice"),
+    "twice in a rule": ('{"schema_version": 1, "rules": [{"pattern": "a", "level": "highest", "level": "medium"}]}',
+                        "the key 'level' appears twice in one object; keep one"),
 }
 
 

@@ -168,3 +168,20 @@ def test_policy_show_names_a_rule_that_cannot_act(tmp_path):
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stdout.splitlines() if "did not act" in line]
     assert len(lines) == 1 and "'spare' -> highest" in lines[0] and "out_proj" not in lines[0], done.stdout
+
+
+def test_a_pin_a_fused_layer_overrides_is_named_and_one_it_honours_is_not():
+    # In eval without gradients nn.TransformerEncoderLayer runs one fused op for the whole layer, at the most
+    # accurate level among its weights' modules: a pin of linear1 below the layer's level changes nothing, yet
+    # idle() counted linear1 as reached by that op and named nothing (policy show and check said it acted).
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    for default, level, idle in (("highest", "high", [("linear1", "high")]), ("high", "highest", [])):
+        with tf32lab.Policy(default, [("linear1", level)]).applied(layer) as handle, torch.no_grad():
+            layer(x)
+            assert handle.idle() == idle, (default, level)
+    # with gradients PyTorch leaves the fast path: linear1 runs its own forward, at its own level
+    with tf32lab.Policy("highest", [("linear1", "high")]).applied(layer) as handle:
+        layer(x)
+        assert handle.idle() == []

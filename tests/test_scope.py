@@ -94,10 +94,23 @@ def test_decorator_on_an_async_function():
 
 
 def test_decorator_refuses_generators():
-    with pytest.raises(TypeError, match="generator function"):
+    with pytest.raises(TypeError, match="generator function") as info:
         @precision("high")
         def gen():
             yield 1
+    # the advice must not be the same leak: a `with` block that spans a yield is seen by the caller as well
+    assert "not across a yield" in str(info.value)
+
+    def spanning():
+        with precision("high"):
+            yield 1
+
+    before = flags.snapshot()
+    g = spanning()
+    next(g)
+    assert tf32lab.get_float32_matmul_precision() == "high"  # the caller, between two next() calls
+    g.close()
+    assert tf32lab.get_float32_matmul_precision() == "highest" and flags.snapshot() == before
 
 
 @pytest.mark.parametrize("bad", ["fast", "HIGH", None, 3])

@@ -182,22 +182,24 @@ class _Owners(TorchDispatchMode):
         if not found or not frames:
             return func(*args, **kwargs)
         top = frames[-1]
-        for entry in found:
-            tree.reached.add(entry[3])
         pins = {(entry[1], entry[2]) for entry in found}
         if pins == {(top.level, top.conv)}:  # run inside their own module, or at its level anyway
+            tree.reached.update(entry[3] for entry in found)
             return func(*args, **kwargs)
         levels = [level for level, _ in pins if level is not None]
         level = min(levels, key=_PRECISION.__getitem__) if levels else top.level
         convs = {conv for _, conv in pins if conv is not None}
         conv = ("ieee" if "ieee" in convs else convs.pop()) if convs else top.conv
+        cudnn_op = _follows_cudnn(func)
+        tree.reached.update(entry[3] for entry in found  # where the op runs at its module's pin, not another's
+                            if entry[1] in (None, level) and (entry[2] is None or not cudnn_op or entry[2] == conv))
         if (level, conv) == (top.level, top.conv):
             return func(*args, **kwargs)
         tree.foreign.add(top.module)  # this frame needs the mode at later calls too
         if torch.is_grad_enabled() and any(t.requires_grad for t in operand_tensors(args)):
             # autograd made this op's node just before it reached the modes: its backward runs at the same level
             _OPEN.elevated[_sequence_nr() - 1] = (level, conv)
-        cudnn = conv if conv is not None and _follows_cudnn(func) else None
+        cudnn = conv if conv is not None and cudnn_op else None
         with (precision(level) if level is not None else contextlib.nullcontext()), \
                 (conv_math(cudnn) if cudnn is not None else contextlib.nullcontext()):
             return func(*args, **kwargs)
@@ -555,8 +557,9 @@ class PolicyHandle:
 
     def idle(self) -> list[Rule]:
         """The rules that have not acted in the model's calls so far: no module that takes its level or conv math
-        from the rule (itself or through its parent) ran its forward, and no matmul-family op used its parameters
-        (a module kept but used functionally, or never called). Empty before the model's first call.
+        from the rule (itself or through its parent) ran its forward, and no matmul-family op ran at its pin with
+        its parameters (a module kept but never called; or weights only a fused op used, at a more accurate
+        module's level: ``nn.TransformerEncoderLayer``'s eval fast path). Empty before the model's first call.
 
         Example:
 

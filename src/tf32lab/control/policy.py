@@ -459,12 +459,31 @@ class Policy:
             data = _read_toml(text, where)
         else:
             try:
-                data = json.loads(text)
+                data = json.loads(text, object_pairs_hook=_no_duplicates)
+            except _Duplicate as exc:
+                raise Tf32LabError(f"{where}: {exc}") from None
             except (ValueError, UnicodeDecodeError) as exc:
                 raise Tf32LabError(f"{where}: not JSON: {exc}") from None
             except RecursionError:
                 raise Tf32LabError(f"{where}: not a policy: arrays or objects nested too deeply to read") from None
         return cls.from_dict(data, where)
+
+
+class _Duplicate(Exception):
+    """A key written twice in one JSON object of a policy file."""
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all different: Python's reader keeps the last of two equal keys without a
+    word, so a file edited by hand to ``"default": "highest"`` above an old ``"default": "high"`` ran at ``high``.
+    TOML refuses such a file itself."""
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise _Duplicate(f"the key {key!r} appears twice in one object; keep one (JSON readers take the last "
+                             "silently)")
+        found[key] = value
+    return found
 
 
 def explain(policy: Policy, model: torch.nn.Module) -> list[Assignment]:

@@ -722,7 +722,8 @@ class precision:
         if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
             raise TypeError(
                 f"precision() cannot decorate the generator function {fn.__qualname__}: a scope open across "
-                "yields would leak into the caller; enter it inside the generator with `with precision(...)`"
+                "yields would leak into the caller (a generator runs in its caller's context); enter "
+                "`with precision(...)` inside the generator around the work between two yields, not across a yield"
             )
         if inspect.iscoroutinefunction(fn):
 

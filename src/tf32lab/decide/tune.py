@@ -354,11 +354,16 @@ class _Search:
         self.results: dict[frozenset[str], LevelResult] = {}
         model = workload.model
         called = session.recorder.called  # (the float64 reference run's)
-        self.children: dict[str, list[str]] = {}  # each module's children whose forward ran: the ones a rule can keep
+        # each layer's nearest descendants whose forward ran: the ones a rule can keep at the fast level. Nearest
+        # through modules that never run (a ModuleList of blocks): counted under the direct parent only, the blocks
+        # inherited a pinned model's level, and pinning the model's own head pinned every block with it.
+        self.children: dict[str, list[str]] = {}
         for name, _ in model.named_modules():
             if name and name in called:
-                parent = name.rpartition(".")[0] or ROOT
-                self.children.setdefault(parent, []).append(name)
+                parent = name.rpartition(".")[0]
+                while parent and parent not in called:
+                    parent = parent.rpartition(".")[0]
+                self.children.setdefault(parent or ROOT, []).append(name)
 
     def seconds(self, level: str) -> float:
         return self.predicted.level(level).seconds
@@ -454,13 +459,36 @@ class _Search:
                 high = mid
             else:
                 low = mid
-        if high == len(order):  # only every layer pinned passes: that is `safe` everywhere, measured already
-            return None
-        best = self.tried[frozenset(order[:high])]
+        if high == len(order):  # from the front, only every layer pinned passes: search from the back
+            best = self._from_the_back(fast, safe, order)
+            if best is None:  # only every layer pinned passes: that is `safe` everywhere, measured already
+                return None
+        else:
+            best = self.tried[frozenset(order[:high])]
         # un-pin what the workload does not need, the most time-costly first
         pinned = sorted(best.pinned, key=lambda n: -gains.get(n, 0.0))
         best = self._unpin(fast, safe, pinned, best)
         return best
+
+    def _from_the_back(self, fast: str, safe: str, order: list[str]) -> Optional[Candidate]:
+        """The shortest suffix of ``order`` that passes pinned (galloping, then bisection), or None when only all of
+        it does. Where every prefix but the whole fails, the ranking missed the layer that matters: an error a
+        layer's products make that only its parent's own ops reveal (``x + c`` through a layer, then the parent's
+        subtraction of ``layer(c)``) is measured as the layer's ordinary rounding, and such a costly layer ranks
+        last. log2(layers) runs more, as the front's search."""
+        low, high, k = 0, len(order), 1
+        while k < len(order):
+            if self._try(fast, safe, order[-k:], f"pin the last {k} by error per lost time").passed:
+                high = k
+                break
+            low, k = k, k * 2
+        while high - low > 1:
+            mid = (low + high) // 2
+            if self._try(fast, safe, order[-mid:], f"pin the last {mid} (bisection)").passed:
+                high = mid
+            else:
+                low = mid
+        return None if high == len(order) else self.tried[frozenset(order[-high:])]
 
     def _unchanged(self, fast: str, safe: str) -> set[str]:
         """Layers whose own ops all get the same math at ``fast`` and ``safe`` on the target (cuDNN keeps
@@ -480,8 +508,11 @@ class _Search:
         while groups:
             group = groups.pop(0)
             trial = [n for n in keep if n not in group]
-            if not trial:
-                continue  # un-pinning everything is the fast level, which failed
+            if not trial:  # un-pinning every one is the fast level, which failed: try each half
+                if len(group) > 1:
+                    half = len(group) // 2
+                    groups[:0] = [group[:half], group[half:]]
+                continue
             names = ", ".join(repr(n) for n in group[:2]) + (" …" if len(group) > 2 else "")
             candidate = self._try(fast, safe, trial, f"un-pin {names}")
             if candidate.passed:

@@ -253,6 +253,11 @@ def decide_threads(threads: Union[str, int], workers: int, hw: Hardware) -> tupl
     if hw.cpu_quota is not None:
         usable += f" (quota {hw.cpu_quota:g} of {hw.affinity_cpus})"
     split = f"{workers} worker(s) x {hw.local_world_size} local process(es)"
+    given = hw.env.get("LOCAL_WORLD_SIZE", "").strip()
+    if given and hw.local_world_size == 1 and given.lstrip("+0") != "1":  # read as hardware reads it (int())
+        # torchrun's count of processes on this machine, read as 1 (all the CPUs to each) without a word
+        log.warning("LOCAL_WORLD_SIZE=%r is not a number of processes >= 1; counted as 1", given)
+        split += f" (LOCAL_WORLD_SIZE={given!r} is not a number >= 1: counted as 1)"
     env = _env_threads(hw)
     if threads != "auto":
         reason = "asked for"
@@ -318,9 +323,24 @@ def _threads(threads: Union[str, int], interop_threads: Union[str, int, None], w
 
 
 # -- compile cache -----------------------------------------------------------------------------------------------
-def _compile_cache(folder: Path, found: compile_cache.Loaded) -> list[tuple[Decision, Optional[_Undo]]]:
-    old_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # before inductor's import, which sets its default
-    import torch._inductor.config as inductor_config
+def _inductor_config() -> Any:
+    """``torch._inductor.config``, imported. PyTorch's import makes its cache folder (``TORCHINDUCTOR_CACHE_DIR``)
+    and raised ``FileExistsError`` for one that is a file (``PermissionError`` for one it may not write): one line
+    naming the variable, before anything changes."""
+    try:
+        import torch._inductor.config as inductor_config
+    except OSError as exc:
+        value = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        named = f"TORCHINDUCTOR_CACHE_DIR={value!r}" if value is not None else "its default cache folder"
+        raise Tf32LabError(f"compile_cache: PyTorch's compiler cannot start with {named}: "
+                           f"{exc.strerror or exc} ({exc.filename}); name a folder it may write, or unset it") from None
+    return inductor_config
+
+
+def _compile_cache(folder: Path, found: compile_cache.Loaded,
+                   old_dir: Optional[str]) -> list[tuple[Decision, Optional[_Undo]]]:
+    """``old_dir``: ``TORCHINDUCTOR_CACHE_DIR`` as it was before inductor's import, which sets its default."""
+    inductor_config = _inductor_config()
 
     out: list[tuple[Decision, Optional[_Undo]]] = []
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -434,6 +454,11 @@ def autoconfig(level: str = "auto", *, workers: int = 1, threads: Union[str, int
     if scope.live_scopes():
         raise Tf32LabError("autoconfig() sets process-wide settings; call it outside precision() scopes")
     found = None if folder is None else _read_cache(folder)  # every refusal before anything changes
+    old_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # before inductor's import, which sets its default
+    if folder is not None:
+        _inductor_config()
+        if old_dir is None:  # the default its import wrote: the decision below sets the folder, undo() unsets it
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
 
     steps: list[tuple[Decision, Optional[_Undo]]] = []
     try:
@@ -441,7 +466,7 @@ def autoconfig(level: str = "auto", *, workers: int = 1, threads: Union[str, int
         steps.append((decision, undo))
         steps += _threads(threads, interop_threads, workers, hw)
         if folder is not None:
-            steps += _compile_cache(folder, found)
+            steps += _compile_cache(folder, found, old_dir)
         if agree:
             agreement = distributed.agree()
             steps.append((Decision("agreement", None, agreement.ranks,

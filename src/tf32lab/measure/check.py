@@ -634,7 +634,9 @@ def idle_note(rules: Iterable[Any]) -> list[str]:
         return []
     named = ", ".join(f"{rule.pattern!r} -> {rule.level or rule.conv}" for rule in rules)
     return [f"the policy's rule(s) {named} did not act in the run: no module they set ran its forward, and no "
-            f"matmul-family op used their parameters (a module kept but never called), so they change nothing"]
+            f"matmul-family op ran at their level with their parameters (a module kept but never called, or weights "
+            f"only a fused op used at another module's more accurate level, as nn.TransformerEncoderLayer's fast "
+            f"path in eval does), so they change nothing"]
 
 
 def _pinned_conv(row: Optional[PolicyRow], name: str, families: Iterable[str], target: Target,
