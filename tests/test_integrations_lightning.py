@@ -454,3 +454,21 @@ def test_a_run_without_float32_weights_is_said_to_have_nothing_to_check_and_trai
     said = [w for w in trainer.warned if w.startswith("tf32lab")]
     assert said == ["tf32lab training check (precision 'bf16-true'): nothing to check, the run trains its weights in "
                     "bfloat16, not float32, and the float32 matmul precision reaches only float32 matmuls"]
+
+
+def test_a_step_schedulers_frequency_counts_batches_as_lightning_does_under_accumulation(tmp_path):
+    # Lightning steps an interval="step" scheduler where frequency divides batch_idx + 1: with two batches a step,
+    # frequency 2 steps it after every optimizer step, as frequency 1 does (the runs end alike); the check trains
+    # the run's schedule, not one of every other optimizer step
+    runs, checks = [], []
+    for frequency in (1, 2):
+        torch.manual_seed(0)
+        module = type("Every", (modules.StepsItsScheduleEvery,), {"frequency": frequency})()
+        check = lightning.Tf32Check(steps=4, levels=("highest",))
+        L.Trainer(callbacks=[check], default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+                  enable_checkpointing=False, enable_model_summary=False, max_epochs=1,
+                  accumulate_grad_batches=2).fit(module, DataLoader(data(64), batch_size=8))
+        runs.append(module)
+        checks.append(check.report.reference_losses)
+    assert same_weights(*runs)
+    assert checks[0] == pytest.approx(checks[1], rel=1e-12)

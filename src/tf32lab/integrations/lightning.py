@@ -220,8 +220,10 @@ class Tf32Check(L.Callback):
                 every = 0
                 notes.append(f"{type(config.scheduler).__name__} steps on a monitored metric, which the check does "
                              f"not compute: its learning rate is held")
+            elif config.interval == "step":
+                every = _steps_between(config.frequency, accumulate)
             else:
-                every = config.frequency * (1 if config.interval == "step" else per_epoch)
+                every = config.frequency * per_epoch
             schedule.append(every)
         clip = None
         if not manual and trainer.gradient_clip_val:
@@ -307,6 +309,18 @@ class Tf32Check(L.Callback):
         model = _loop.stepping_copy(module, members=_outside_the_run(trainer, at))
         return _loop.run_check(model, type(module).__name__, steps, loss, optimizer, levels=self.levels,
                                target=self.target, tolerance=self.tolerance, around=around, notes=notes)
+
+
+def _steps_between(frequency: int, accumulate: int) -> int:
+    """The optimizer steps between two steps of an ``interval="step"`` scheduler: Lightning steps it after an
+    optimizer step when the batch's ``batch_idx + 1`` is a multiple of ``frequency``
+    (``TrainingEpochLoop._update_learning_rates``), batches, not optimizer steps, so with gradient accumulation the
+    ``k``-th optimizer step (batch ``k * accumulate``) steps it where ``frequency`` divides ``k * accumulate``.
+
+    >>> _steps_between(2, 1), _steps_between(2, 2), _steps_between(3, 2), _steps_between(4, 2)
+    (2, 1, 3, 2)
+    """
+    return frequency // math.gcd(frequency, accumulate)
 
 
 def _made_elsewhere(trainer: Any, loader: Any, seeds: list[Any]) -> bool:
