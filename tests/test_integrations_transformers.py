@@ -290,3 +290,30 @@ def test_gradient_checkpointing_is_checked_and_the_run_untouched(tmp_path):
     noted = any("gradient checkpointing" in note for note in check.report.notes)
     assert noted is not RECOMPUTES_EMULATED
     assert all(torch.equal(p, q) for p, q in zip(plain.state_dict().values(), checked.state_dict().values()))
+
+
+@pytest.mark.parametrize("kind", ["reduce_lr_on_plateau", "greedy"])
+def test_a_scheduler_stepped_on_evaluation_metrics_is_held_and_the_run_untouched(tmp_path, kind):
+    # the Trainer steps ReduceLROnPlateau (and GreedyLR) after an evaluation, with its metric, in no training step:
+    # the check holds its learning rate, as the run does until its first evaluation (here after the check's steps)
+    if kind == "greedy" and not hasattr(transformers.optimization, "GreedyLR"):
+        pytest.skip("this transformers has no GreedyLR")
+    runs = []
+    for callback in (None, integration.Tf32CheckCallback(steps=2, levels=("highest", "high"), on_fail="raise")):
+        np.random.seed(0)
+        random.seed(0)
+        model = gpt2()
+        args = transformers.TrainingArguments(str(tmp_path / ("b" if callback else "a")), per_device_train_batch_size=4,
+                                              max_steps=4, report_to=[], save_strategy="no", disable_tqdm=True,
+                                              learning_rate=1e-3, use_cpu=True, seed=3, logging_steps=1,
+                                              lr_scheduler_type=kind, eval_strategy="steps", eval_steps=2)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=tokens(16), eval_dataset=tokens(4),
+                                       callbacks=[callback] if callback else [])
+        trainer.train()
+        runs.append((model, [h["loss"] for h in trainer.state.log_history if "loss" in h]))
+    report = callback.report
+    assert report is not None and report.passed and report.steps == 2
+    assert any("steps on an evaluation metric, which the check does not compute" in n for n in report.notes)
+    assert report.floor.losses[1] == pytest.approx(runs[0][1][1], rel=1e-5)
+    assert all(torch.equal(p, q) for p, q in zip(runs[0][0].state_dict().values(), runs[1][0].state_dict().values()))
+    assert runs[0][1] == runs[1][1]

@@ -171,6 +171,10 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
         scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)
         schedulers = [scheduler] if scheduler is not None else []
+        if isinstance(scheduler, _on_metrics()):
+            schedulers = []  # the Trainer steps it after an evaluation, with its metric: in no training step
+            notes.append(f"{type(scheduler).__name__} steps on an evaluation metric, which the check does not "
+                         f"compute: its learning rate is held")
         clip = (float(args.max_grad_norm), "norm") if args.max_grad_norm and args.max_grad_norm > 0 else None
         original = _loop.trainable(model)
         plain = clip is None and not schedulers
@@ -274,6 +278,18 @@ def tf32_advice(report: TrainingReport, args: Any) -> str:
                 f"level 'high', which passed){now}")
     return (f"keep TrainingArguments(tf32=False): TF32 (the level 'high') fails this run's training on "
             f"{report.target}{now}")
+
+
+def _on_metrics() -> tuple[type, ...]:
+    """The schedulers the Trainer steps after an evaluation, given its metric, and never in a training step
+    (``Trainer._inner_training_loop`` leaves them out): ``ReduceLROnPlateau``, and transformers' ``GreedyLR`` where
+    this transformers has it.
+
+    >>> torch.optim.lr_scheduler.ReduceLROnPlateau in _on_metrics()
+    True
+    """
+    greedy = getattr(transformers.optimization, "GreedyLR", None)
+    return (torch.optim.lr_scheduler.ReduceLROnPlateau, *([greedy] if isinstance(greedy, type) else []))
 
 
 def _emulated(target: Any) -> bool:
