@@ -472,3 +472,10 @@ def test_a_step_schedulers_frequency_counts_batches_as_lightning_does_under_accu
         checks.append(check.report.reference_losses)
     assert same_weights(*runs)
     assert checks[0] == pytest.approx(checks[1], rel=1e-12)
+
+
+def test_levels_that_are_no_collection_of_names_are_one_line():
+    # refused as the callback is made, in one line, not a TypeError's traceback
+    for levels in (5, b"high"):
+        with pytest.raises(Tf32LabError, match=r"^levels must be a level's name or a collection of them .*, not "):
+            lightning.Tf32Check(levels=levels)

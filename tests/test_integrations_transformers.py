@@ -317,3 +317,10 @@ def test_a_scheduler_stepped_on_evaluation_metrics_is_held_and_the_run_untouched
     assert report.floor.losses[1] == pytest.approx(runs[0][1][1], rel=1e-5)
     assert all(torch.equal(p, q) for p, q in zip(runs[0][0].state_dict().values(), runs[1][0].state_dict().values()))
     assert runs[0][1] == runs[1][1]
+
+
+def test_levels_that_are_no_collection_of_names_are_one_line():
+    # refused as the callback is made, in one line, not a TypeError's traceback
+    for levels in (5, b"high"):
+        with pytest.raises(Tf32LabError, match=r"^levels must be a level's name or a collection of them .*, not "):
+            integration.Tf32CheckCallback(levels=levels)

@@ -609,9 +609,24 @@ def _verdict_line(report: TrainingReport, failed: Any) -> str:
 
 
 def default_levels(levels: Optional[Iterable[str]]) -> tuple[str, ...]:
-    if isinstance(levels, str):  # one level named alone ("high"), not its letters
+    """The levels asked for: all of them (None), one named alone, or a collection of names; anything else refused
+    in one line (``check_levels`` then names a bad level).
+
+    >>> default_levels("high")   # one level named alone, not its letters
+    ('high',)
+    >>> default_levels(5)
+    Traceback (most recent call last):
+    ...
+    tf32lab.errors.Tf32LabError: levels must be a level's name or a collection of them (e.g. ("highest", "high")), not 5
+    """
+    if isinstance(levels, str):
         return (levels,)
-    return tuple(LEVELS) if levels is None else tuple(levels)
+    if levels is None:
+        return tuple(LEVELS)
+    if isinstance(levels, bytes) or not isinstance(levels, Iterable):
+        raise Tf32LabError(f"levels must be a level's name or a collection of them (e.g. (\"highest\", \"high\")), "
+                           f"not {levels!r}")
+    return tuple(levels)
 
 
 def check_target(target: Any) -> Any:
