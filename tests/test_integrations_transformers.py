@@ -324,3 +324,21 @@ def test_levels_that_are_no_collection_of_names_are_one_line():
     for levels in (5, b"high"):
         with pytest.raises(Tf32LabError, match=r"^levels must be a level's name or a collection of them .*, not "):
             integration.Tf32CheckCallback(levels=levels)
+
+
+def test_a_run_resumed_mid_epoch_is_checked_on_the_batches_it_trains_next(tmp_path):
+    # 8 batches an epoch, resumed at step 3: the Trainer skips the epoch's 3 batches trained before the checkpoint;
+    # the check's float32 row trains the run's next ones (it trained the first 3 again, and lost 0.05 less)
+    train(tmp_path / "first", max_steps=3, save_strategy="steps", save_steps=3)
+    check = integration.Tf32CheckCallback(steps=2, levels=("highest",))
+    np.random.seed(0)
+    random.seed(0)
+    args = transformers.TrainingArguments(str(tmp_path / "b"), per_device_train_batch_size=4, max_steps=5,
+                                          report_to=[], save_strategy="no", disable_tqdm=True, learning_rate=1e-3,
+                                          use_cpu=True, seed=3, logging_steps=1)
+    trainer = transformers.Trainer(model=gpt2(), args=args, train_dataset=tokens(), callbacks=[check])
+    trainer.train(resume_from_checkpoint=str(tmp_path / "first" / "checkpoint-3"))
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h and h["step"] > 3]
+    assert check.report.steps == 2 and len(logged) == 2
+    assert check.report.floor.losses == pytest.approx(logged, rel=1e-5)
+    assert any("the run resumes at step 3, 3 batches into its epoch" in note for note in check.report.notes)
