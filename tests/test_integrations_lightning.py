@@ -479,3 +479,19 @@ def test_levels_that_are_no_collection_of_names_are_one_line():
     for levels in (5, b"high"):
         with pytest.raises(Tf32LabError, match=r"^levels must be a level's name or a collection of them .*, not "):
             lightning.Tf32Check(levels=levels)
+
+
+def test_an_epoch_shorter_than_one_accumulation_is_checked_as_lightning_steps_it(tmp_path):
+    # 4 batches an epoch, accumulate_grad_batches=6: Lightning steps at the epoch's last batch, each of the 4
+    # micro-batches' losses over 6; the check trains that step (it refused: "fewer than one optimizer step's 6")
+    check = lightning.Tf32Check(steps=2, levels=("highest", "high"), on_fail="raise")
+    plain = fit(tmp_path / "a", modules.Plain, dataset=data(32), max_epochs=2, accumulate_grad_batches=6)[0]
+    checked = fit(tmp_path / "b", modules.Plain, callback=check, dataset=data(32), max_epochs=2,
+                  accumulate_grad_batches=6)[0]
+    assert same_weights(plain, checked)
+    assert check.report.passed and check.report.steps == 1
+    # the step's loss: its 4 batches' mean losses over 6, in whatever order they come: 4/6 of the mean over all rows
+    torch.manual_seed(0)  # the run's first weights (fit seeds 0 before making the module)
+    x, y = data(32).tensors
+    first = float((modules.Plain()(x) - y).pow(2).mean()) * 4 / 6
+    assert check.report.reference_losses[0] == pytest.approx(first, rel=1e-5)

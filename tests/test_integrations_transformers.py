@@ -342,3 +342,12 @@ def test_a_run_resumed_mid_epoch_is_checked_on_the_batches_it_trains_next(tmp_pa
     assert check.report.steps == 2 and len(logged) == 2
     assert check.report.floor.losses == pytest.approx(logged, rel=1e-5)
     assert any("the run resumes at step 3, 3 batches into its epoch" in note for note in check.report.notes)
+
+
+def test_an_epochs_last_shorter_accumulation_is_checked_as_the_trainer_steps_it(tmp_path):
+    # 5 batches an epoch, gradient_accumulation_steps=3: the Trainer's second step is the epoch's last 2 batches,
+    # their losses over 2; the check trains it too (it trained 1 step of the 2 asked for)
+    check = integration.Tf32CheckCallback(steps=2, levels=("highest",))
+    _, losses, _, _ = train(tmp_path, dataset=tokens(20), callback=check, gradient_accumulation_steps=3)
+    assert check.report.steps == 2 and len(losses) == 2
+    assert check.report.floor.losses == pytest.approx([loss for _, loss in losses], rel=1e-5)

@@ -473,10 +473,19 @@ def within(steps: int, max_steps: Any, done: Any, notes: list[str], why: str = "
     return steps
 
 
-def grouped(batches: list[Any], accumulate: int, steps: int) -> list[tuple[int, list[Any]]]:
-    """``(step, micro_batches)`` for each optimizer step the batches make whole."""
+def grouped(batches: list[Any], accumulate: int, steps: int, ended: bool = False) -> list[tuple[int, list[Any]]]:
+    """``(step, micro_batches)`` for each optimizer step the batches make whole; ``ended``: the batches are all the
+    run's epoch has, and the ones left over make one more step, as both frameworks step the optimizer at an epoch's
+    last batch whatever the accumulation.
+
+    >>> [(step, len(micro)) for step, micro in grouped(list(range(5)), accumulate=3, steps=4, ended=True)]
+    [(0, 3), (1, 2)]
+    """
     whole = min(steps, len(batches) // accumulate)
-    return [(k, batches[k * accumulate:(k + 1) * accumulate]) for k in range(whole)]
+    made = [(k, batches[k * accumulate:(k + 1) * accumulate]) for k in range(whole)]
+    if ended and whole < steps and len(batches) > whole * accumulate:
+        made.append((whole, batches[whole * accumulate:]))
+    return made
 
 
 def run_check(model: torch.nn.Module, name: str, batches: list[Any], loss: Callable[..., Any],

@@ -192,7 +192,9 @@ class Tf32Check(L.Callback):
                          "train_dataloader hook) and its workers draw the order as a pass is made: the check's "
                          "batches are a pass of the loader like the run's, not the run's own; give fit the "
                          "DataLoader itself for the run's own batches")
-        steps = _loop.grouped(batches, accumulate, wanted)
+        # the epoch ends at the batches read (limit_train_batches, or a pass shorter than asked): Lightning steps
+        # the optimizer at its last batch, over the micro-batches left
+        steps = _loop.grouped(batches, accumulate, wanted, ended=limited or len(batches) < wanted * accumulate)
         if not steps:
             raise Tf32LabError(f"Tf32Check: the train dataloader has {len(batches)} batches, fewer than one "
                                f"optimizer step's {accumulate} (accumulate_grad_batches)")
@@ -275,14 +277,14 @@ class Tf32Check(L.Callback):
             # loss, on_before_backward, backward and on_after_backward of that loss over accumulate_grad_batches
             values = []
             for i, batch in enumerate(micro):
-                index = step * len(micro) + i
+                index = step * accumulate + i
                 value = one(model, batch, index)
                 if i == 0:
                     for opt in bundle_of(model).optimizers:
                         model.on_before_zero_grad(opt)
                         model.optimizer_zero_grad(trainer.current_epoch, index, opt)
                 if value is not None:
-                    scaled = value / len(micro)
+                    scaled = value / accumulate
                     model.on_before_backward(scaled)
                     model.backward(scaled)
                     model.on_after_backward()
@@ -294,12 +296,13 @@ class Tf32Check(L.Callback):
             # a micro-batch whose training_step returned None is skipped, backpropagating nothing
             model.__dict__[_STEP] = at["step"] = step  # global_step: the run's at the check's step
             values = backpropagated(model, micro, step) if backward else \
-                [one(model, batch, step * len(micro) + i) for i, batch in enumerate(micro)]
+                [one(model, batch, step * accumulate + i) for i, batch in enumerate(micro)]
             kept = [v for v in values if v is not None]
             if not kept:
                 raise Tf32LabError(f"Tf32Check: training_step returned None (a skipped step) for every batch of "
                                    f"step {step + 1}: the check needs a loss at each of its steps")
-            total = values[0] if len(values) == 1 else torch.stack(kept).sum() / len(values)
+            # over accumulate_grad_batches even at an epoch's last step, of fewer micro-batches (Lightning's closure)
+            total = values[0] if accumulate == 1 else torch.stack(kept).sum() / accumulate
             if backward:  # backpropagated already: what the check backpropagates reaches no parameter
                 total = total.detach() + torch.zeros((), dtype=total.dtype, device=total.device, requires_grad=True)
             at.update(model=model, loss=total)

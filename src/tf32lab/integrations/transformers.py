@@ -164,7 +164,8 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         if skipped:
             notes.append(f"the run resumes at step {state.global_step}, {skipped} batches into its epoch: the check "
                          f"trained the batches it trains next, past those")
-        steps = _loop.grouped(batches, accumulate, wanted)
+        # a pass shorter than asked is the epoch's end: the Trainer steps its last, shorter accumulation too
+        steps = _loop.grouped(batches, accumulate, wanted, ended=len(read) < skipped + wanted * accumulate)
         left = f"the train dataloader has {len(read)} batches" + (f", {len(batches)} past the {skipped} the resumed "
                                                                      f"run skips" if skipped else "")
         if not steps:
