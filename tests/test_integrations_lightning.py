@@ -495,3 +495,18 @@ def test_an_epoch_shorter_than_one_accumulation_is_checked_as_lightning_steps_it
     x, y = data(32).tensors
     first = float((modules.Plain()(x) - y).pow(2).mean()) * 4 / 6
     assert check.report.reference_losses[0] == pytest.approx(first, rel=1e-5)
+
+
+def test_a_gradient_accumulation_scheduler_is_followed_as_the_run_follows_it(tmp_path):
+    # GradientAccumulationScheduler sets accumulate_grad_batches as each epoch starts, after the check: the check
+    # trains the run's accumulation of 4, as a Trainer given accumulate_grad_batches=4 does, not steps of 1 batch
+    checks = []
+    for callbacks, options in (([L.callbacks.GradientAccumulationScheduler({0: 4})], {}),
+                               ([], {"accumulate_grad_batches": 4})):
+        torch.manual_seed(0)
+        check = lightning.Tf32Check(steps=2, levels=("highest",))
+        L.Trainer(callbacks=[check, *callbacks], default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+                  enable_checkpointing=False, enable_model_summary=False, max_epochs=1,
+                  **options).fit(modules.Plain(), DataLoader(data(64), batch_size=8))
+        checks.append(check.report.reference_losses)
+    assert checks[0] == pytest.approx(checks[1], rel=1e-12)

@@ -160,7 +160,7 @@ class Tf32Check(L.Callback):
     # -- the run as a training workload --------------------------------------------------------------------------
     def _check(self, trainer: Any, module: Any) -> TrainingReport:
         manual = not module.automatic_optimization
-        accumulate = 1 if manual else int(trainer.accumulate_grad_batches)
+        accumulate = 1 if manual else _accumulated(trainer)
         notes = []
         loader = trainer.train_dataloader
         if loader is None:
@@ -312,6 +312,16 @@ class Tf32Check(L.Callback):
         model = _loop.stepping_copy(module, members=_outside_the_run(trainer, at))
         return _loop.run_check(model, type(module).__name__, steps, loss, optimizer, levels=self.levels,
                                target=self.target, tolerance=self.tolerance, around=around, notes=notes)
+
+
+def _accumulated(trainer: Any) -> int:
+    """The batches each optimizer step of the run's epoch accumulates: the Trainer's ``accumulate_grad_batches``,
+    or what a ``GradientAccumulationScheduler`` sets it to as the epoch starts (``on_train_epoch_start``, after the
+    check: at ``on_train_start`` the Trainer still holds its own value)."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, L.callbacks.GradientAccumulationScheduler):
+            return int(callback.get_accumulate_grad_batches(trainer.current_epoch))
+    return int(trainer.accumulate_grad_batches)
 
 
 def _steps_between(frequency: int, accumulate: int) -> int:
