@@ -188,3 +188,16 @@ class MakesItsLoader(Plain):
     def train_dataloader(self):
         return DataLoader(self.rows, batch_size=8, shuffle=True, num_workers=1,
                           generator=torch.Generator().manual_seed(5))
+
+
+class StepsItsScheduleEvery(Plain):
+    """A step-interval scheduler stepped every ``frequency`` batches (Lightning counts batches, not optimizer steps),
+    the learning rate cut hard at each step of it."""
+
+    frequency = 1
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.3)
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": self.frequency}}

@@ -4,6 +4,7 @@ would be without it."""
 from __future__ import annotations
 
 import csv
+import importlib
 import importlib.util
 import json
 import logging
@@ -42,6 +43,9 @@ def data(n: int = 96, offset: bool = False) -> TensorDataset:
 def fit(tmp_path, module_class=None, callback=None, dataset=None, generator=None, **options):
     """A seeded `Trainer.fit` (shuffled batches, dropout), and what it leaves: the module, the losses it logged and
     the random streams' next draws."""
+    # Lightning's first Trainer imports rich, which draws from Python's stream as it is imported (rich/style.py):
+    # imported before the seeding, or the first fit of a process (the run without the check, alone) draws once more
+    importlib.import_module("pytorch_lightning.callbacks.progress.rich_progress")
     torch.manual_seed(0)
     np.random.seed(0)
     random.seed(0)
@@ -454,3 +458,59 @@ def test_a_run_without_float32_weights_is_said_to_have_nothing_to_check_and_trai
     said = [w for w in trainer.warned if w.startswith("tf32lab")]
     assert said == ["tf32lab training check (precision 'bf16-true'): nothing to check, the run trains its weights in "
                     "bfloat16, not float32, and the float32 matmul precision reaches only float32 matmuls"]
+
+
+def test_a_step_schedulers_frequency_counts_batches_as_lightning_does_under_accumulation(tmp_path):
+    # Lightning steps an interval="step" scheduler where frequency divides batch_idx + 1: with two batches a step,
+    # frequency 2 steps it after every optimizer step, as frequency 1 does (the runs end alike); the check trains
+    # the run's schedule, not one of every other optimizer step
+    runs, checks = [], []
+    for frequency in (1, 2):
+        torch.manual_seed(0)
+        module = type("Every", (modules.StepsItsScheduleEvery,), {"frequency": frequency})()
+        check = lightning.Tf32Check(steps=4, levels=("highest",))
+        L.Trainer(callbacks=[check], default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+                  enable_checkpointing=False, enable_model_summary=False, max_epochs=1,
+                  accumulate_grad_batches=2).fit(module, DataLoader(data(64), batch_size=8))
+        runs.append(module)
+        checks.append(check.report.reference_losses)
+    assert same_weights(*runs)
+    assert checks[0] == pytest.approx(checks[1], rel=1e-12)
+
+
+def test_levels_that_are_no_collection_of_names_are_one_line():
+    # refused as the callback is made, in one line, not a TypeError's traceback
+    for levels in (5, b"high"):
+        with pytest.raises(Tf32LabError, match=r"^levels must be a level's name or a collection of them .*, not "):
+            lightning.Tf32Check(levels=levels)
+
+
+def test_an_epoch_shorter_than_one_accumulation_is_checked_as_lightning_steps_it(tmp_path):
+    # 4 batches an epoch, accumulate_grad_batches=6: Lightning steps at the epoch's last batch, each of the 4
+    # micro-batches' losses over 6; the check trains that step (it refused: "fewer than one optimizer step's 6")
+    check = lightning.Tf32Check(steps=2, levels=("highest", "high"), on_fail="raise")
+    plain = fit(tmp_path / "a", modules.Plain, dataset=data(32), max_epochs=2, accumulate_grad_batches=6)[0]
+    checked = fit(tmp_path / "b", modules.Plain, callback=check, dataset=data(32), max_epochs=2,
+                  accumulate_grad_batches=6)[0]
+    assert same_weights(plain, checked)
+    assert check.report.passed and check.report.steps == 1
+    # the step's loss: its 4 batches' mean losses over 6, in whatever order they come: 4/6 of the mean over all rows
+    torch.manual_seed(0)  # the run's first weights (fit seeds 0 before making the module)
+    x, y = data(32).tensors
+    first = float((modules.Plain()(x) - y).pow(2).mean()) * 4 / 6
+    assert check.report.reference_losses[0] == pytest.approx(first, rel=1e-5)
+
+
+def test_a_gradient_accumulation_scheduler_is_followed_as_the_run_follows_it(tmp_path):
+    # GradientAccumulationScheduler sets accumulate_grad_batches as each epoch starts, after the check: the check
+    # trains the run's accumulation of 4, as a Trainer given accumulate_grad_batches=4 does, not steps of 1 batch
+    checks = []
+    for callbacks, options in (([L.callbacks.GradientAccumulationScheduler({0: 4})], {}),
+                               ([], {"accumulate_grad_batches": 4})):
+        torch.manual_seed(0)
+        check = lightning.Tf32Check(steps=2, levels=("highest",))
+        L.Trainer(callbacks=[check, *callbacks], default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+                  enable_checkpointing=False, enable_model_summary=False, max_epochs=1,
+                  **options).fit(modules.Plain(), DataLoader(data(64), batch_size=8))
+        checks.append(check.report.reference_losses)
+    assert checks[0] == pytest.approx(checks[1], rel=1e-12)

@@ -290,3 +290,64 @@ def test_gradient_checkpointing_is_checked_and_the_run_untouched(tmp_path):
     noted = any("gradient checkpointing" in note for note in check.report.notes)
     assert noted is not RECOMPUTES_EMULATED
     assert all(torch.equal(p, q) for p, q in zip(plain.state_dict().values(), checked.state_dict().values()))
+
+
+@pytest.mark.parametrize("kind", ["reduce_lr_on_plateau", "greedy"])
+def test_a_scheduler_stepped_on_evaluation_metrics_is_held_and_the_run_untouched(tmp_path, kind):
+    # the Trainer steps ReduceLROnPlateau (and GreedyLR) after an evaluation, with its metric, in no training step:
+    # the check holds its learning rate, as the run does until its first evaluation (here after the check's steps)
+    if kind == "greedy" and not hasattr(transformers.optimization, "GreedyLR"):
+        pytest.skip("this transformers has no GreedyLR")
+    runs = []
+    for callback in (None, integration.Tf32CheckCallback(steps=2, levels=("highest", "high"), on_fail="raise")):
+        np.random.seed(0)
+        random.seed(0)
+        model = gpt2()
+        args = transformers.TrainingArguments(str(tmp_path / ("b" if callback else "a")), per_device_train_batch_size=4,
+                                              max_steps=4, report_to=[], save_strategy="no", disable_tqdm=True,
+                                              learning_rate=1e-3, use_cpu=True, seed=3, logging_steps=1,
+                                              lr_scheduler_type=kind, eval_strategy="steps", eval_steps=2)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=tokens(16), eval_dataset=tokens(4),
+                                       callbacks=[callback] if callback else [])
+        trainer.train()
+        runs.append((model, [h["loss"] for h in trainer.state.log_history if "loss" in h]))
+    report = callback.report
+    assert report is not None and report.passed and report.steps == 2
+    assert any("steps on an evaluation metric, which the check does not compute" in n for n in report.notes)
+    assert report.floor.losses[1] == pytest.approx(runs[0][1][1], rel=1e-5)
+    assert all(torch.equal(p, q) for p, q in zip(runs[0][0].state_dict().values(), runs[1][0].state_dict().values()))
+    assert runs[0][1] == runs[1][1]
+
+
+def test_levels_that_are_no_collection_of_names_are_one_line():
+    # refused as the callback is made, in one line, not a TypeError's traceback
+    for levels in (5, b"high"):
+        with pytest.raises(Tf32LabError, match=r"^levels must be a level's name or a collection of them .*, not "):
+            integration.Tf32CheckCallback(levels=levels)
+
+
+def test_a_run_resumed_mid_epoch_is_checked_on_the_batches_it_trains_next(tmp_path):
+    # 8 batches an epoch, resumed at step 3: the Trainer skips the epoch's 3 batches trained before the checkpoint;
+    # the check's float32 row trains the run's next ones (it trained the first 3 again, and lost 0.05 less)
+    train(tmp_path / "first", max_steps=3, save_strategy="steps", save_steps=3)
+    check = integration.Tf32CheckCallback(steps=2, levels=("highest",))
+    np.random.seed(0)
+    random.seed(0)
+    args = transformers.TrainingArguments(str(tmp_path / "b"), per_device_train_batch_size=4, max_steps=5,
+                                          report_to=[], save_strategy="no", disable_tqdm=True, learning_rate=1e-3,
+                                          use_cpu=True, seed=3, logging_steps=1)
+    trainer = transformers.Trainer(model=gpt2(), args=args, train_dataset=tokens(), callbacks=[check])
+    trainer.train(resume_from_checkpoint=str(tmp_path / "first" / "checkpoint-3"))
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h and h["step"] > 3]
+    assert check.report.steps == 2 and len(logged) == 2
+    assert check.report.floor.losses == pytest.approx(logged, rel=1e-5)
+    assert any("the run resumes at step 3, 3 batches into its epoch" in note for note in check.report.notes)
+
+
+def test_an_epochs_last_shorter_accumulation_is_checked_as_the_trainer_steps_it(tmp_path):
+    # 5 batches an epoch, gradient_accumulation_steps=3: the Trainer's second step is the epoch's last 2 batches,
+    # their losses over 2; the check trains it too (it trained 1 step of the 2 asked for)
+    check = integration.Tf32CheckCallback(steps=2, levels=("highest",))
+    _, losses, _, _ = train(tmp_path, dataset=tokens(20), callback=check, gradient_accumulation_steps=3)
+    assert check.report.steps == 2 and len(losses) == 2
+    assert check.report.floor.losses == pytest.approx([loss for _, loss in losses], rel=1e-5)

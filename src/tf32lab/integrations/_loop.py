@@ -473,10 +473,19 @@ def within(steps: int, max_steps: Any, done: Any, notes: list[str], why: str = "
     return steps
 
 
-def grouped(batches: list[Any], accumulate: int, steps: int) -> list[tuple[int, list[Any]]]:
-    """``(step, micro_batches)`` for each optimizer step the batches make whole."""
+def grouped(batches: list[Any], accumulate: int, steps: int, ended: bool = False) -> list[tuple[int, list[Any]]]:
+    """``(step, micro_batches)`` for each optimizer step the batches make whole; ``ended``: the batches are all the
+    run's epoch has, and the ones left over make one more step, as both frameworks step the optimizer at an epoch's
+    last batch whatever the accumulation.
+
+    >>> [(step, len(micro)) for step, micro in grouped(list(range(5)), accumulate=3, steps=4, ended=True)]
+    [(0, 3), (1, 2)]
+    """
     whole = min(steps, len(batches) // accumulate)
-    return [(k, batches[k * accumulate:(k + 1) * accumulate]) for k in range(whole)]
+    made = [(k, batches[k * accumulate:(k + 1) * accumulate]) for k in range(whole)]
+    if ended and whole < steps and len(batches) > whole * accumulate:
+        made.append((whole, batches[whole * accumulate:]))
+    return made
 
 
 def run_check(model: torch.nn.Module, name: str, batches: list[Any], loss: Callable[..., Any],
@@ -609,9 +618,24 @@ def _verdict_line(report: TrainingReport, failed: Any) -> str:
 
 
 def default_levels(levels: Optional[Iterable[str]]) -> tuple[str, ...]:
-    if isinstance(levels, str):  # one level named alone ("high"), not its letters
+    """The levels asked for: all of them (None), one named alone, or a collection of names; anything else refused
+    in one line (``check_levels`` then names a bad level).
+
+    >>> default_levels("high")   # one level named alone, not its letters
+    ('high',)
+    >>> default_levels(5)
+    Traceback (most recent call last):
+    ...
+    tf32lab.errors.Tf32LabError: levels must be a level's name or a collection of them (e.g. ("highest", "high")), not 5
+    """
+    if isinstance(levels, str):
         return (levels,)
-    return tuple(LEVELS) if levels is None else tuple(levels)
+    if levels is None:
+        return tuple(LEVELS)
+    if isinstance(levels, bytes) or not isinstance(levels, Iterable):
+        raise Tf32LabError(f"levels must be a level's name or a collection of them (e.g. (\"highest\", \"high\")), "
+                           f"not {levels!r}")
+    return tuple(levels)
 
 
 def check_target(target: Any) -> Any:

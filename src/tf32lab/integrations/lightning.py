@@ -160,7 +160,7 @@ class Tf32Check(L.Callback):
     # -- the run as a training workload --------------------------------------------------------------------------
     def _check(self, trainer: Any, module: Any) -> TrainingReport:
         manual = not module.automatic_optimization
-        accumulate = 1 if manual else int(trainer.accumulate_grad_batches)
+        accumulate = 1 if manual else _accumulated(trainer)
         notes = []
         loader = trainer.train_dataloader
         if loader is None:
@@ -192,7 +192,9 @@ class Tf32Check(L.Callback):
                          "train_dataloader hook) and its workers draw the order as a pass is made: the check's "
                          "batches are a pass of the loader like the run's, not the run's own; give fit the "
                          "DataLoader itself for the run's own batches")
-        steps = _loop.grouped(batches, accumulate, wanted)
+        # the epoch ends at the batches read (limit_train_batches, or a pass shorter than asked): Lightning steps
+        # the optimizer at its last batch, over the micro-batches left
+        steps = _loop.grouped(batches, accumulate, wanted, ended=limited or len(batches) < wanted * accumulate)
         if not steps:
             raise Tf32LabError(f"Tf32Check: the train dataloader has {len(batches)} batches, fewer than one "
                                f"optimizer step's {accumulate} (accumulate_grad_batches)")
@@ -220,8 +222,10 @@ class Tf32Check(L.Callback):
                 every = 0
                 notes.append(f"{type(config.scheduler).__name__} steps on a monitored metric, which the check does "
                              f"not compute: its learning rate is held")
+            elif config.interval == "step":
+                every = _steps_between(config.frequency, accumulate)
             else:
-                every = config.frequency * (1 if config.interval == "step" else per_epoch)
+                every = config.frequency * per_epoch
             schedule.append(every)
         clip = None
         if not manual and trainer.gradient_clip_val:
@@ -273,14 +277,14 @@ class Tf32Check(L.Callback):
             # loss, on_before_backward, backward and on_after_backward of that loss over accumulate_grad_batches
             values = []
             for i, batch in enumerate(micro):
-                index = step * len(micro) + i
+                index = step * accumulate + i
                 value = one(model, batch, index)
                 if i == 0:
                     for opt in bundle_of(model).optimizers:
                         model.on_before_zero_grad(opt)
                         model.optimizer_zero_grad(trainer.current_epoch, index, opt)
                 if value is not None:
-                    scaled = value / len(micro)
+                    scaled = value / accumulate
                     model.on_before_backward(scaled)
                     model.backward(scaled)
                     model.on_after_backward()
@@ -292,12 +296,13 @@ class Tf32Check(L.Callback):
             # a micro-batch whose training_step returned None is skipped, backpropagating nothing
             model.__dict__[_STEP] = at["step"] = step  # global_step: the run's at the check's step
             values = backpropagated(model, micro, step) if backward else \
-                [one(model, batch, step * len(micro) + i) for i, batch in enumerate(micro)]
+                [one(model, batch, step * accumulate + i) for i, batch in enumerate(micro)]
             kept = [v for v in values if v is not None]
             if not kept:
                 raise Tf32LabError(f"Tf32Check: training_step returned None (a skipped step) for every batch of "
                                    f"step {step + 1}: the check needs a loss at each of its steps")
-            total = values[0] if len(values) == 1 else torch.stack(kept).sum() / len(values)
+            # over accumulate_grad_batches even at an epoch's last step, of fewer micro-batches (Lightning's closure)
+            total = values[0] if accumulate == 1 else torch.stack(kept).sum() / accumulate
             if backward:  # backpropagated already: what the check backpropagates reaches no parameter
                 total = total.detach() + torch.zeros((), dtype=total.dtype, device=total.device, requires_grad=True)
             at.update(model=model, loss=total)
@@ -307,6 +312,28 @@ class Tf32Check(L.Callback):
         model = _loop.stepping_copy(module, members=_outside_the_run(trainer, at))
         return _loop.run_check(model, type(module).__name__, steps, loss, optimizer, levels=self.levels,
                                target=self.target, tolerance=self.tolerance, around=around, notes=notes)
+
+
+def _accumulated(trainer: Any) -> int:
+    """The batches each optimizer step of the run's epoch accumulates: the Trainer's ``accumulate_grad_batches``,
+    or what a ``GradientAccumulationScheduler`` sets it to as the epoch starts (``on_train_epoch_start``, after the
+    check: at ``on_train_start`` the Trainer still holds its own value)."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, L.callbacks.GradientAccumulationScheduler):
+            return int(callback.get_accumulate_grad_batches(trainer.current_epoch))
+    return int(trainer.accumulate_grad_batches)
+
+
+def _steps_between(frequency: int, accumulate: int) -> int:
+    """The optimizer steps between two steps of an ``interval="step"`` scheduler: Lightning steps it after an
+    optimizer step when the batch's ``batch_idx + 1`` is a multiple of ``frequency``
+    (``TrainingEpochLoop._update_learning_rates``), batches, not optimizer steps, so with gradient accumulation the
+    ``k``-th optimizer step (batch ``k * accumulate``) steps it where ``frequency`` divides ``k * accumulate``.
+
+    >>> _steps_between(2, 1), _steps_between(2, 2), _steps_between(3, 2), _steps_between(4, 2)
+    (2, 1, 3, 2)
+    """
+    return frequency // math.gcd(frequency, accumulate)
 
 
 def _made_elsewhere(trainer: Any, loader: Any, seeds: list[Any]) -> bool:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import math
 from collections.abc import Iterable, Iterator
@@ -154,15 +155,24 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         # the Trainer's whole run, from max_steps or else num_train_epochs
         wanted = _loop.within(self.steps, state.max_steps, state.global_step, notes,
                               "max_steps" if args.max_steps > 0 else "num_train_epochs")
-        batches = _loop.first_batches(train_dataloader, wanted * accumulate, lambda b: _moved(b, device),
-                                      iterate=_fresh_pass, before=self._drawn)
-        steps = _loop.grouped(batches, accumulate, wanted)
+        # a run resumed mid-epoch skips the batches of its epoch it trained before its checkpoint: the check trains
+        # the ones the run trains next, at the run's epoch (the sampler's order of that epoch)
+        epoch, skipped = _resumed_at(args, state, train_dataloader)
+        read = _loop.first_batches(train_dataloader, skipped + wanted * accumulate, lambda b: _moved(b, device),
+                                   iterate=functools.partial(_fresh_pass, epoch=epoch), before=self._drawn)
+        batches = read[skipped:]
+        if skipped:
+            notes.append(f"the run resumes at step {state.global_step}, {skipped} batches into its epoch: the check "
+                         f"trained the batches it trains next, past those")
+        # a pass shorter than asked is the epoch's end: the Trainer steps its last, shorter accumulation too
+        steps = _loop.grouped(batches, accumulate, wanted, ended=len(read) < skipped + wanted * accumulate)
+        left = f"the train dataloader has {len(read)} batches" + (f", {len(batches)} past the {skipped} the resumed "
+                                                                     f"run skips" if skipped else "")
         if not steps:
-            raise Tf32LabError(f"Tf32CheckCallback: the train dataloader has {len(batches)} batches, fewer than one "
-                               f"optimizer step's {accumulate} (gradient_accumulation_steps)")
+            raise Tf32LabError(f"Tf32CheckCallback: {left}, fewer than one optimizer step's {accumulate} "
+                               f"(gradient_accumulation_steps)")
         if len(steps) < wanted:
-            notes.append(f"the train dataloader has {len(batches)} batches: {len(steps)} of the {self.steps} "
-                         f"steps asked for were checked")
+            notes.append(f"{left}: {len(steps)} of the {self.steps} steps asked for were checked")
         for flag, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
             if getattr(args, flag, False):
                 notes.append(f"the run trains with {flag}=True: autocast runs its matmuls in {dtype}, which the "
@@ -171,6 +181,10 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
         scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)
         schedulers = [scheduler] if scheduler is not None else []
+        if isinstance(scheduler, _on_metrics()):
+            schedulers = []  # the Trainer steps it after an evaluation, with its metric: in no training step
+            notes.append(f"{type(scheduler).__name__} steps on an evaluation metric, which the check does not "
+                         f"compute: its learning rate is held")
         clip = (float(args.max_grad_norm), "norm") if args.max_grad_norm and args.max_grad_norm > 0 else None
         original = _loop.trainable(model)
         plain = clip is None and not schedulers
@@ -276,6 +290,18 @@ def tf32_advice(report: TrainingReport, args: Any) -> str:
             f"{report.target}{now}")
 
 
+def _on_metrics() -> tuple[type, ...]:
+    """The schedulers the Trainer steps after an evaluation, given its metric, and never in a training step
+    (``Trainer._inner_training_loop`` leaves them out): ``ReduceLROnPlateau``, and transformers' ``GreedyLR`` where
+    this transformers has it.
+
+    >>> torch.optim.lr_scheduler.ReduceLROnPlateau in _on_metrics()
+    True
+    """
+    greedy = getattr(transformers.optimization, "GreedyLR", None)
+    return (torch.optim.lr_scheduler.ReduceLROnPlateau, *([greedy] if isinstance(greedy, type) else []))
+
+
 def _emulated(target: Any) -> bool:
     """Whether the check emulates ``target`` (not ``"native"``: the machine's own kernels, no mode)."""
     return (target if isinstance(target, Target) else resolve_target(target)).emulated
@@ -303,15 +329,39 @@ def _calling_trainer() -> Any:
         del frame
 
 
-def _fresh_pass(loader: Any) -> Any:
+def _resumed_at(args: Any, state: Any, loader: Any) -> tuple[Optional[int], int]:
+    """The epoch a run resumed from a checkpoint trains first and the batches of it that the run skips, as
+    ``Trainer._init_training_state`` counts them from the resumed ``global_step`` (none with
+    ``ignore_data_skip``); ``(None, 0)`` for a run that starts afresh (its ``global_step`` 0 when training begins).
+
+    >>> from types import SimpleNamespace as Args
+    >>> _resumed_at(Args(gradient_accumulation_steps=2, ignore_data_skip=False), Args(global_step=5, max_steps=9),
+    ...             list(range(8)))   # 4 steps an epoch: epoch 1, its first step's 2 batches done
+    (1, 2)
+    """
+    if not state.global_step:
+        return None, 0
+    accumulate = int(args.gradient_accumulation_steps)
+    try:
+        length: Optional[int] = len(loader)
+    except TypeError:  # a stream without a length: the Trainer counts max_steps as one epoch
+        length = None
+    per_epoch = max(length // accumulate + int(length % accumulate > 0), 1) if length else max(state.max_steps, 1)
+    skipped = 0 if args.ignore_data_skip else (state.global_step % per_epoch) * accumulate
+    return state.global_step // per_epoch, skipped
+
+
+def _fresh_pass(loader: Any, epoch: Optional[int] = None) -> Any:
     """A pass over accelerate's prepared dataloader as its own ``__iter__`` would read it (its sampler at the epoch
-    it is at), without its bookkeeping: the gradient state's active dataloader and the pass count stay the
-    run's."""
+    it is at, or at ``epoch``, the one a resumed run sets first), without its bookkeeping: the gradient state's
+    active dataloader and the pass count stay the run's."""
     base = getattr(loader, "base_dataloader", None)
     if base is None:
+        if epoch is not None and hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
         return iter(loader)
     if hasattr(loader, "set_epoch") and hasattr(loader, "iteration"):
-        loader.set_epoch(loader.iteration)  # what the run's own pass sets first
+        loader.set_epoch(loader.iteration if epoch is None else epoch)  # what the run's own pass sets first
     return iter(base)
 
 
