@@ -179,6 +179,9 @@ def test_tolerances_per_output_and_errors():
             tf32lab.check(w, tolerance=bad)
     with pytest.raises(Tf32LabError, match="unknown level 'fast'"):
         tf32lab.check(w, levels=("high", "fast"))
+    for bad in (5, {"high": 1}, b"high"):  # a TypeError's traceback for 5; a mapping's keys taken as its levels
+        with pytest.raises(Tf32LabError, match=r"^levels must be a level's name or a collection of them"):
+            tf32lab.check(w, levels=bad)
     with pytest.raises(Tf32LabError, match=r"unknown target 'b900'.*'native'"):
         tf32lab.check(w, target="b900")
     with pytest.raises(Tf32LabError, match="unknown reference"):

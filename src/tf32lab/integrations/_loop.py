@@ -619,7 +619,7 @@ def _verdict_line(report: TrainingReport, failed: Any) -> str:
 
 def default_levels(levels: Optional[Iterable[str]]) -> tuple[str, ...]:
     """The levels asked for: all of them (None), one named alone, or a collection of names; anything else refused
-    in one line (``check_levels`` then names a bad level).
+    in one line (``check_levels``).
 
     >>> default_levels("high")   # one level named alone, not its letters
     ('high',)
@@ -628,14 +628,7 @@ def default_levels(levels: Optional[Iterable[str]]) -> tuple[str, ...]:
     ...
     tf32lab.errors.Tf32LabError: levels must be a level's name or a collection of them (e.g. ("highest", "high")), not 5
     """
-    if isinstance(levels, str):
-        return (levels,)
-    if levels is None:
-        return tuple(LEVELS)
-    if isinstance(levels, bytes) or not isinstance(levels, Iterable):
-        raise Tf32LabError(f"levels must be a level's name or a collection of them (e.g. (\"highest\", \"high\")), "
-                           f"not {levels!r}")
-    return tuple(levels)
+    return tuple(LEVELS) if levels is None else check_levels(levels)
 
 
 def check_target(target: Any) -> Any:

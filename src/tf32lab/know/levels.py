@@ -138,9 +138,16 @@ def check_levels(levels: Iterable[str]) -> tuple[str, ...]:
 
     >>> check_levels(["high", "highest", "high"])
     ('high', 'highest')
+    >>> check_levels(5)
+    Traceback (most recent call last):
+    ...
+    tf32lab.errors.Tf32LabError: levels must be a level's name or a collection of them (e.g. ("highest", "high")), not 5
     """
     if isinstance(levels, str):
         levels = (levels,)
+    elif isinstance(levels, (bytes, Mapping)) or not isinstance(levels, Iterable):  # a mapping's keys are no list
+        raise Tf32LabError(f"levels must be a level's name or a collection of them (e.g. (\"highest\", \"high\")), "
+                           f"not {reprlib.repr(levels)}")
     chosen = []
     for level in levels:
         check_level(level)
