@@ -250,23 +250,31 @@ def test_max_steps_caps_the_steps_checked(tmp_path):
     assert any("the run trains 2 optimizer steps (max_steps)" in note for note in check.report.notes)
 
 
+def _without_and_with(tmp_path, callback, dataset, train_options: dict, eval_dataset=None, **arguments) -> list:
+    """The same seeded run of a fresh GPT-2 without the callback, then with it: each run's model and logged losses."""
+    runs = []
+    for given in (None, callback):
+        np.random.seed(0)
+        random.seed(0)
+        model = gpt2()
+        args = transformers.TrainingArguments(str(tmp_path / ("b" if given else "a")), per_device_train_batch_size=4,
+                                              report_to=[], save_strategy="no", disable_tqdm=True,
+                                              learning_rate=1e-3, use_cpu=True, seed=3, **arguments)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset,
+                                       callbacks=[given] if given else [])
+        trainer.train(**train_options)
+        runs.append((model, [h["loss"] for h in trainer.state.log_history if "loss" in h]))
+    return runs
+
+
 def test_a_run_resumed_from_its_checkpoint_is_checked_and_untouched(tmp_path):
     # the resumed optimizer has state (AdamW's moments, float32): the float64 row steps its own float64 copy of it
     train(tmp_path / "first", max_steps=3, save_strategy="steps", save_steps=3)
     saved = str(tmp_path / "first" / "checkpoint-3")
-    runs = []
-    for callback in (None, integration.Tf32CheckCallback(steps=2, levels=("highest", "high"), on_fail="raise")):
-        np.random.seed(0)
-        random.seed(0)
-        model = gpt2()
-        args = transformers.TrainingArguments(str(tmp_path / ("b" if callback else "a")), per_device_train_batch_size=4,
-                                 max_steps=6, report_to=[], save_strategy="no", disable_tqdm=True,
-                                 learning_rate=1e-3, use_cpu=True, seed=3)
-        transformers.Trainer(model=model, args=args, train_dataset=tokens(),
-                callbacks=[callback] if callback else []).train(resume_from_checkpoint=saved)
-        runs.append(model)
+    callback = integration.Tf32CheckCallback(steps=2, levels=("highest", "high"), on_fail="raise")
+    runs = _without_and_with(tmp_path, callback, tokens(), {"resume_from_checkpoint": saved}, max_steps=6)
     assert callback.report is not None and callback.report.steps == 2
-    assert all(torch.equal(p, q) for p, q in zip(runs[0].state_dict().values(), runs[1].state_dict().values()))
+    assert all(torch.equal(p, q) for p, q in zip(runs[0][0].state_dict().values(), runs[1][0].state_dict().values()))
 
 
 def test_a_model_without_float32_weights_is_said_to_have_nothing_to_check_and_trains_on(tmp_path):
@@ -298,19 +306,9 @@ def test_a_scheduler_stepped_on_evaluation_metrics_is_held_and_the_run_untouched
     # the check holds its learning rate, as the run does until its first evaluation (here after the check's steps)
     if kind == "greedy" and not hasattr(transformers.optimization, "GreedyLR"):
         pytest.skip("this transformers has no GreedyLR")
-    runs = []
-    for callback in (None, integration.Tf32CheckCallback(steps=2, levels=("highest", "high"), on_fail="raise")):
-        np.random.seed(0)
-        random.seed(0)
-        model = gpt2()
-        args = transformers.TrainingArguments(str(tmp_path / ("b" if callback else "a")), per_device_train_batch_size=4,
-                                              max_steps=4, report_to=[], save_strategy="no", disable_tqdm=True,
-                                              learning_rate=1e-3, use_cpu=True, seed=3, logging_steps=1,
-                                              lr_scheduler_type=kind, eval_strategy="steps", eval_steps=2)
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=tokens(16), eval_dataset=tokens(4),
-                                       callbacks=[callback] if callback else [])
-        trainer.train()
-        runs.append((model, [h["loss"] for h in trainer.state.log_history if "loss" in h]))
+    callback = integration.Tf32CheckCallback(steps=2, levels=("highest", "high"), on_fail="raise")
+    runs = _without_and_with(tmp_path, callback, tokens(16), {}, max_steps=4, logging_steps=1,
+                             lr_scheduler_type=kind, eval_strategy="steps", eval_steps=2, eval_dataset=tokens(4))
     report = callback.report
     assert report is not None and report.passed and report.steps == 2
     assert any("steps on an evaluation metric, which the check does not compute" in n for n in report.notes)
