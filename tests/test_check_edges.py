@@ -431,6 +431,39 @@ def test_values_below_float32s_normal_range_are_named_not_blamed_on_a_layer():
     assert passing.passed and passing.level("highest").outputs[0].note is None
 
 
+class _Cached:
+    """What a language model returns beside its logits: a cache object of its own (transformers' DynamicCache)."""
+
+    def __init__(self, keys: torch.Tensor) -> None:
+        self.keys = keys
+
+
+class _ReturnsCache(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return {"logits": y, "cache": _Cached(y)}
+
+
+def test_an_object_with_no_equality_of_its_own_is_said_not_compared_not_failed():
+    # each run makes another cache object, equal only to itself: "compared exactly", every level, highest
+    # included, failed, and the conclusion blamed float32 for amplifying its own rounding
+    report = tf32lab.check(tf32lab.Workload(_ReturnsCache(), torch.randn(8, 16)), levels=("highest", "high"))
+    assert report.passed, report.verdicts()
+    cache = next(o for o in report.level("highest").outputs if o.name == "cache")
+    assert "not compared" in cache.verdict() and "compared exactly" not in cache.verdict()
+    with pytest.raises(tf32lab.Tf32LabError):  # nothing else to compare: refused, not passed
+        tf32lab.check(tf32lab.Workload(_OnlyCache(), torch.randn(8, 16)), levels=("highest",))
+
+
+class _OnlyCache(_ReturnsCache):
+    def forward(self, x):
+        return _Cached(self.linear(x))
+
+
 def test_check_does_not_point_to_tune_when_highest_fails_too(tmp_path):
     (tmp_path / "overflow.py").write_text(textwrap.dedent("""
         import torch
