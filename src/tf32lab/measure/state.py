@@ -349,12 +349,7 @@ def _is_data(value: Any) -> bool:
     if isinstance(value, torch.nn.Parameter):
         return False
     return isinstance(value, (torch.Tensor, *_SCALARS, list, dict, collections.deque, set)) or \
-        _random_state(value) is not None or _is_dataclass(value)
-
-
-def _is_dataclass(value: Any) -> bool:
-    """A dataclass instance (its fields are kept as a dict's items; a slotted one's field by field)."""
-    return is_dataclass_instance(value)
+        _random_state(value) is not None or is_dataclass_instance(value)
 
 
 class _Fields:
@@ -373,7 +368,10 @@ class _Fields:
         items, inner = self.contents
         changed = [key for key, item in items.items() if getattr(value, key, _MISSING) is not item]
         for key in changed:  # object's own: a frozen dataclass's fields too
-            object.__setattr__(value, key, items[key]) if items[key] is not _MISSING else object.__delattr__(value, key)
+            if items[key] is _MISSING:
+                object.__delattr__(value, key)
+            else:
+                object.__setattr__(value, key, items[key])
         return _inner_put_back(list(items.values()), list(inner.values())) or bool(changed)
 
 
@@ -432,7 +430,7 @@ def _contents(value: Any, depth: int = 0) -> Any:
         return access[0]()
     if depth >= _DEPTH:
         return None
-    if _is_dataclass(value) or _holds_only_data(value):
+    if is_dataclass_instance(value) or _holds_only_data(value):
         return _Fields(value, depth + 1)
     if isinstance(value, (list, collections.deque)):
         return list(value), [_contents(item, depth + 1) for item in value]
