@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from drifting_models import offset_forward, offset_layers
 from lazy_import import lazy
 from tf32lab.emulation.emulator import RECOMPUTES_EMULATED
 from tf32lab.errors import Tf32LabError
@@ -36,11 +37,10 @@ class Offset(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin = torch.nn.Linear(16, 16, bias=False)
-        self.head = torch.nn.Linear(16, 1)
+        offset_layers(self)
 
     def forward(self, x, labels=None):
-        out = self.head(self.lin(x + 1000.0) - self.lin(torch.full_like(x, 1000.0)))
+        out = offset_forward(self, x)
         return {"loss": (out - labels).pow(2).mean(), "logits": out}
 
 

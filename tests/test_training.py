@@ -13,6 +13,7 @@ import torch
 
 import cli_runner
 import tf32lab
+from drifting_models import Offset
 from tf32lab import Policy, TrainingWorkload, check_training
 from tf32lab.control import flags
 from tf32lab.errors import Tf32LabError
@@ -31,19 +32,6 @@ def regression(steps: int = 6, model: torch.nn.Module | None = None, **kwargs) -
     torch.manual_seed(0)
     model = model or torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
     return TrainingWorkload(model, data, loss=mse, inputs=lambda b: b[0], name="regression", **kwargs)
-
-
-class Offset(torch.nn.Module):
-    """TF32 breaks it: the input rides on an offset that the product takes away again, so the gradient of `lin` is
-    a difference of two large, TF32-rounded products."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(16, 16, bias=False)
-        self.head = torch.nn.Linear(16, 1)
-
-    def forward(self, x):
-        return self.head(self.lin(x + 1000.0) - self.lin(torch.full_like(x, 1000.0)))
 
 
 def offset_batches(step: int):
