@@ -426,6 +426,15 @@ def test_max_steps_caps_the_steps_checked(tmp_path):
     assert any("the run trains 2 optimizer steps (max_steps)" in note for note in check.report.notes)
 
 
+def test_max_steps_caps_the_batches_checked_in_manual_optimization(tmp_path):
+    # max_steps counts each optimizer's steps: two optimizers stepped a batch, max_steps=4 is the run's 2 batches
+    check = lightning.Tf32Check(steps=5, levels=("highest",))
+    _, losses, _, trainer = fit(tmp_path, modules.TwoOptimizers, callback=check, max_steps=4)
+    assert trainer.global_step == 4 and len(losses) == 2
+    assert check.report.steps == 2
+    assert any("the run trains 2 batches (max_steps=4" in note for note in check.report.notes), check.report.notes
+
+
 def test_a_run_resumed_from_its_checkpoint_is_checked_and_untouched(tmp_path):
     # the resumed optimizer has state (Adam's moments, float32): the float64 row steps its own float64 copy of it
     first = L.Trainer(default_root_dir=tmp_path, logger=False, enable_progress_bar=False, max_steps=3,

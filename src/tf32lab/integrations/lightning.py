@@ -43,6 +43,7 @@ The callback is made once, its arguments checked at once:
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import math
 from collections.abc import Iterable, Iterator, Mapping
@@ -310,8 +311,47 @@ class Tf32Check(L.Callback):
 
         around = (lambda model: _manual(model, bundle_of(model), recorded)) if manual else None
         model = _loop.stepping_copy(module, members=_outside_the_run(trainer, at))
+        if manual and isinstance(trainer.max_steps, int) and trainer.max_steps > 0:
+            left = trainer.max_steps - int(trainer.global_step)
+            ran = _manual_batches(model, steps, left, bundle_of, recorded, one, at)
+            if ran < len(steps):
+                notes.append(f"the run trains {ran} batches (max_steps={trainer.max_steps} counts each optimizer's "
+                             f"steps, {left} left, and a float32 pass of training_step stepped them so): {ran} of "
+                             f"the {self.steps} steps asked for were checked")
+                steps = steps[:ran]
         return _loop.run_check(model, type(module).__name__, steps, loss, optimizer, levels=self.levels,
                                target=self.target, tolerance=self.tolerance, around=around, notes=notes)
+
+
+def _manual_batches(model: Any, steps: list[tuple[int, list[Any]]], left: int, bundle_of: Any,
+                    recorded: list[torch.Tensor], one: Any, at: dict[str, Any]) -> int:
+    """The batches of ``steps`` a run in manual optimization trains before its ``max_steps`` (``left`` of them to
+    go): Lightning counts every optimizer's ``step`` (two optimizers stepped a batch: two), and stops before the
+    batch at which the count has reached it. How many a ``training_step`` takes is the module's own (one a batch,
+    several, none while it accumulates): a copy of the module trains the batches in float32, at the run's own
+    flags, counting its optimizers' steps, and stops where the run stops."""
+    copied = copy.deepcopy(model)
+    bundle = bundle_of(copied)
+    stepped = [0]
+
+    def counted(optimizer: Any, args: Any, kwargs: Any) -> None:
+        stepped[0] += 1
+
+    handles = [optimizer.register_step_post_hook(counted) for optimizer in bundle.optimizers]
+    try:
+        with _loop.quiet(), torch.enable_grad():
+            for ran, (step, micro) in enumerate(steps):
+                if stepped[0] >= left:
+                    return ran
+                copied.__dict__[_STEP] = at["step"] = step
+                with _manual(copied, bundle, recorded):
+                    for i, batch in enumerate(micro):
+                        one(copied, batch, step * len(micro) + i)
+    finally:
+        for handle in handles:
+            handle.remove()
+        at.pop("step", None)
+    return len(steps)
 
 
 def _accumulated(trainer: Any) -> int:
