@@ -201,3 +201,12 @@ class StepsItsScheduleEvery(Plain):
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.3)
         return {"optimizer": optimizer,
                 "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": self.frequency}}
+
+
+class SchedulesItsOwnWay(StepsItsScheduleEvery):
+    """Its own lr_scheduler_step: the scheduler stepped after every other optimizer step only (read from
+    self.global_step, the run's step after the optimizer's)."""
+
+    def lr_scheduler_step(self, scheduler, metric):
+        if self.global_step % 2 == 0:
+            scheduler.step()

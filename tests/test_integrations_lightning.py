@@ -487,6 +487,15 @@ def test_a_step_schedulers_frequency_counts_batches_as_lightning_does_under_accu
     assert checks[0] == pytest.approx(checks[1], rel=1e-12)
 
 
+def test_a_modules_own_lr_scheduler_step_steps_the_checks_schedulers(tmp_path):
+    # the module steps its scheduler after every other optimizer step: the check's float32 losses are the run's
+    # own logged ones (stepped after every step, the third differed by a third)
+    check = lightning.Tf32Check(steps=4, levels=("highest",))
+    _, losses, _, _ = fit(tmp_path, modules.SchedulesItsOwnWay, callback=check, max_epochs=1)
+    run = [float(loss) for _, loss in losses[:4]]
+    assert check.report.level("highest").losses == pytest.approx(run, rel=1e-5)
+
+
 def test_levels_that_are_no_collection_of_names_are_one_line():
     # refused as the callback is made, in one line, not a TypeError's traceback
     for levels in (5, b"high"):

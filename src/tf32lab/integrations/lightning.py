@@ -241,8 +241,14 @@ class Tf32Check(L.Callback):
         plain = not manual and not hooked and not backward and clip is None and len(optimizers) == 1 and not configs
         bundles: dict[int, _loop.Steps] = {}
 
+        # a module's own lr_scheduler_step steps the schedulers as the run's loop calls it (timm's schedulers,
+        # a rule of its own)
+        own_schedule = not manual and _overrides(module, "lr_scheduler_step")
+
         def optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
             made, schedulers = _loop.rebound(optimizers, [c.scheduler for c in configs], original, params)
+            if own_schedule:
+                schedulers = [_ModuleScheduled(one, at) for one in schedulers]
             bundle = _loop.Steps(made, list(zip(schedulers, schedule)), None if hooked else clip, manual, stepper,
                                  zeroed=backward)
             bundles[id(params[0])] = bundle
@@ -434,6 +440,23 @@ class _RowOptimizer:
         self._clipped()  # on_before_optimizer_step, then the clipping
         self.optimizer.step(**kwargs)
         return result
+
+
+class _ModuleScheduled:
+    """A row's scheduler stepped through the module's own ``lr_scheduler_step(scheduler, metric)`` (no metric: a
+    monitored one is held), called as Lightning calls it after the optimizer step: ``self.global_step`` reads the
+    step after it (the run's ``global_step`` has counted that optimizer step by then)."""
+
+    def __init__(self, scheduler: Any, at: dict[str, Any]) -> None:
+        self.scheduler, self._at = scheduler, at
+
+    def step(self) -> None:
+        model, step = self._at["model"], self._at["step"]
+        model.__dict__[_STEP] = self._at["step"] = step + 1
+        try:
+            model.lr_scheduler_step(self.scheduler, None)
+        finally:
+            model.__dict__[_STEP] = self._at["step"] = step
 
 
 def _hooked_step(at: dict[str, Any], optimizer: torch.optim.Optimizer, trainer: Any, accumulate: int) -> None:
