@@ -56,6 +56,22 @@ def doubled_trainer() -> type:
     return Doubled
 
 
+@functools.cache
+def penalized_trainer() -> type:
+    """A Trainer whose own training_step adds a penalty on the weights to the loss it backpropagates."""
+
+    class Penalized(transformers.Trainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            model.train()
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+            loss = loss / self.current_gradient_accumulation_steps + 0.01 * sum(p.pow(2).sum()
+                                                                                for p in model.parameters())
+            self.accelerator.backward(loss)
+            return loss.detach()
+
+    return Penalized
+
+
 def gpt2(dropout: float = 0.0) -> transformers.GPT2LMHeadModel:
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2,
@@ -129,6 +145,18 @@ def test_the_check_trains_the_runs_own_batches_and_compute_loss(tmp_path):
     doubled = integration.Tf32CheckCallback(steps=1, levels=("highest",))
     train(tmp_path / "b", callback=doubled, trainer_class=doubled_trainer(), max_steps=1)
     assert doubled.report.reference_losses[0] == pytest.approx(2 * check.report.reference_losses[0], rel=1e-9)
+
+
+def test_a_trainers_own_training_step_is_the_checks_step_and_the_run_untouched(tmp_path):
+    # the subclass's training_step backpropagates a penalty besides compute_loss: the check's float32 losses are
+    # the run's logged ones (the compute_loss alone gave 3.30 where the run logged 3.55)
+    options = {"trainer_class": penalized_trainer(), "max_steps": 3, "gradient_accumulation_steps": 2}
+    plain, plain_losses, _, _ = train(tmp_path / "a", **options)
+    check = integration.Tf32CheckCallback(steps=3, levels=("highest",))
+    checked, losses, _, _ = train(tmp_path / "b", callback=check, **options)
+    assert all(torch.equal(p, q) for p, q in zip(plain.state_dict().values(), checked.state_dict().values()))
+    assert losses == plain_losses
+    assert check.report.floor.losses == pytest.approx([loss for _, loss in losses], rel=1e-5)
 
 
 def test_a_model_whose_training_tf32_ruins_fails_and_names_the_tf32_argument(tmp_path, caplog):

@@ -187,11 +187,14 @@ class Tf32CheckCallback(transformers.TrainerCallback):
                          f"compute: its learning rate is held")
         clip = (float(args.max_grad_norm), "norm") if args.max_grad_norm and args.max_grad_norm > 0 else None
         original = _loop.trainable(model)
-        plain = clip is None and not schedulers
+        # a Trainer subclass's own training_step (a penalty added, its own backward) is the run's step: the check
+        # calls it, and it backpropagates itself
+        own_step = trainer is not None and _overrides_training_step(trainer)
+        plain = clip is None and not schedulers and not own_step
 
         def make(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
             made, rescheduled = _loop.rebound([inner], schedulers, original, params)
-            return made[0] if plain else _loop.Steps(made, [(s, 1) for s in rescheduled], clip)
+            return made[0] if plain else _loop.Steps(made, [(s, 1) for s in rescheduled], clip, zeroed=own_step)
 
         if trainer is None:
             notes.append("no Trainer found: the loss is the model output's own .loss (Trainer.compute_loss's "
@@ -223,6 +226,8 @@ class Tf32CheckCallback(transformers.TrainerCallback):
             with _tokens_of_this_process(trainer):
                 if step not in counts:
                     counts[step] = _token_count(trainer, micro, device)
+                if own_step:
+                    return _trainers_step(trainer, copy, micro, counts[step])
                 return _trainers_loss(trainer, copy, micro, counts[step], takes_count)
 
         stepping = _loop.stepping_copy(model)
@@ -272,6 +277,34 @@ def _trainers_loss(trainer: Any, model: Any, micro: list[Any], count: Any, takes
         total = value if total is None else total + value
     assert total is not None
     return total
+
+
+def _overrides_training_step(trainer: Any) -> bool:
+    """Whether the trainer's class has a ``training_step`` of its own, not ``transformers.Trainer``'s."""
+    return getattr(type(trainer), "training_step", None) is not transformers.Trainer.training_step
+
+
+def _trainers_step(trainer: Any, model: Any, micro: list[Any], count: Any) -> torch.Tensor:
+    """One optimizer step of a Trainer whose class has its own ``training_step``, as ``Trainer._inner_training_loop``
+    runs it on the row's copy: the gradients zeroed (the loop's ``model.zero_grad()`` after each step), then each
+    micro-batch's ``training_step(model, inputs, num_items_in_batch)``, which backpropagates itself, with
+    ``current_gradient_accumulation_steps`` the step's micro-batches (put back after). The step's loss is the sum
+    of what it returned (what the Trainer logs), plus a zero that reaches no parameter: backpropagated already."""
+    model.zero_grad(set_to_none=True)
+    takes_count = len(inspect.signature(trainer.training_step).parameters) >= 3
+    missing = object()
+    before = trainer.__dict__.get("current_gradient_accumulation_steps", missing)
+    trainer.current_gradient_accumulation_steps = len(micro)
+    try:
+        values = [trainer.training_step(model, dict(batch), count) if takes_count else
+                  trainer.training_step(model, dict(batch)) for batch in micro]
+    finally:
+        if before is missing:
+            trainer.__dict__.pop("current_gradient_accumulation_steps", None)
+        else:
+            trainer.current_gradient_accumulation_steps = before
+    total = torch.stack([v.detach().reshape(()) for v in values]).sum()
+    return total + torch.zeros((), dtype=total.dtype, device=total.device, requires_grad=True)
 
 
 def tf32_advice(report: TrainingReport, args: Any) -> str:
