@@ -210,3 +210,11 @@ class SchedulesItsOwnWay(StepsItsScheduleEvery):
     def lr_scheduler_step(self, scheduler, metric):
         if self.global_step % 2 == 0:
             scheduler.step()
+
+
+class SkipsItsSecond(Plain):
+    """Skips its second batch (`training_step` returns None): Lightning steps no parameter there."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx == 1 else loss

@@ -262,6 +262,7 @@ class Tf32Check(L.Callback):
 
         recorded: list[torch.Tensor] = []
         takes_index = _takes_index(module)
+        skipped: set[int] = set()  # the steps all of whose batches training_step skipped, noted once
 
         def one(model: Any, batch: Any, index: int) -> torch.Tensor:
             recorded.clear()
@@ -306,11 +307,20 @@ class Tf32Check(L.Callback):
                 [one(model, batch, step * accumulate + i) for i, batch in enumerate(micro)]
             kept = [v for v in values if v is not None]
             if not kept:
-                raise Tf32LabError(f"Tf32Check: training_step returned None (a skipped step) for every batch of "
-                                   f"step {step + 1}: the check needs a loss at each of its steps")
-            # over accumulate_grad_batches even at an epoch's last step, of fewer micro-batches (Lightning's closure)
-            total = values[0] if accumulate == 1 else torch.stack(kept).sum() / accumulate
-            if backward:  # backpropagated already: what the check backpropagates reaches no parameter
+                # Lightning's closure backpropagates nothing and its optimizer step moves no parameter (none has a
+                # gradient), its schedulers stepping as at any step; so here: no loss reaches a parameter. Refused,
+                # a row at a reduced level whose non-finite loss the module skips ended the whole check unjudged.
+                if step not in skipped:
+                    skipped.add(step)
+                    notes.append(f"step {step + 1}: training_step returned None for every batch (a skipped step, "
+                                 f"in at least one row): no parameter was updated there, as in the run, and its "
+                                 f"loss is recorded as 0")
+                total = torch.zeros((), device=device, requires_grad=True)
+            elif accumulate == 1:
+                total = values[0]
+            else:  # over accumulate_grad_batches even at an epoch's last step of fewer batches (Lightning's closure)
+                total = torch.stack(kept).sum() / accumulate
+            if backward and kept:  # backpropagated already: what the check backpropagates reaches no parameter
                 total = total.detach() + torch.zeros((), dtype=total.dtype, device=total.device, requires_grad=True)
             at.update(model=model, loss=total)
             return total
