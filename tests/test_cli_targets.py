@@ -50,3 +50,18 @@ def test_targets_table_names_every_target():
         assert any(line.startswith(f"│ {name} ") and target.title in line for line in lines), name
     a100 = next(line for line in lines if line.startswith("│ a100 "))
     assert [cell.strip() for cell in a100.split("│")[3:7]] == ["ieee", "tf32-rna", "tf32-rna", "tf32-rna"]
+
+
+def test_every_help_that_takes_a_target_points_to_the_targets_command():
+    # a user reading --help has the command, not the module: `tf32lab targets` lists what --target accepts
+    for command in (("check",), ("doctor",)):
+        done = run(*command, "--help")
+        assert done.returncode == 0, done.stderr
+        text = " ".join(done.stdout.split())
+        assert "tf32lab targets" in text, (command, text)
+        assert "tf32lab.targets" not in text and "tf32lab.know.targets" not in text, (command, text)
+
+
+def test_levels_help_says_what_the_command_prints():
+    text = " ".join(run("levels", "--help").stdout.split())
+    assert "cuda.matmul" in text and "bfx9" in text, text
