@@ -294,11 +294,13 @@ def _targets(args: argparse.Namespace) -> int:
         Column("TFLOP/s", "text", justify="right")],
         caption="conv follows cuDNN's own flag (torch.backends.cudnn.allow_tf32, on by default), not the level. "
                 "TFLOP/s: dense peaks, fp32/tf32; CPU targets are measured, not predicted.")
-    for row in rows:
+    for row, target in zip(rows, TARGETS.values()):
         cap, peaks = row["capability"], row["peaks"]
         convs = [row["maths"][level]["conv"] for level in LEVELS]
+        # an sm number is NVIDIA's; an AMD GPU's title names its gfx architecture (torch reports gfx942 as 9.4)
+        sm = f", sm{cap[0]}{cap[1]}" if cap and target.vendor == "nvidia" else ""
         table.add_row(
-            row["name"], row["title"] + (f", sm{cap[0]}{cap[1]}" if cap else ""),
+            row["name"], row["title"] + sm,
             *(row["maths"][level]["matmul"] for level in LEVELS),
             convs[0] if len(set(convs)) == 1 else "/".join(convs),
             # one token, never split across lines, and narrow enough to leave the hardware three lines at 80 columns
