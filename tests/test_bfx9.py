@@ -108,6 +108,18 @@ def test_check_predict_tune_and_policy_take_it():
     assert tuning.policy.default == "bfx9"  # the fastest within tolerance
 
 
+def test_where_bfx9_is_the_fastest_level_within_tolerance_the_conclusion_says_so_and_how_to_enable_it():
+    # high fails the covariance (5e-2 against 1e-2) while bfx9 keeps float32's accuracy (3e-5): the answer is bfx9,
+    # enabled the way PyTorch takes it (its set_float32_matmul_precision knows only its three levels)
+    report = check(_covariance(), levels=("highest", "bfx9", "high"), target="b200")
+    assert report.level("bfx9").passed and not report.level("high").passed
+    said = report.conclusion()
+    assert said[0].startswith("`bfx9` is safe for this workload on b200"), said
+    assert 'tf32lab.precision("bfx9")' in said[0] and 'fp32_precision = "bfx9"' in said[0], said
+    assert not any("Keep `highest`" in line or 'set_float32_matmul_precision("bfx9")' in line for line in said)
+    assert any(line.startswith("Not `high`: at `high` the output 'output' is off by") for line in said), said
+
+
 def test_the_training_check_takes_it():
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)) for _ in range(2)]

@@ -50,3 +50,27 @@ def test_targets_table_names_every_target():
         assert any(line.startswith(f"│ {name} ") and target.title in line for line in lines), name
     a100 = next(line for line in lines if line.startswith("│ a100 "))
     assert [cell.strip() for cell in a100.split("│")[3:7]] == ["ieee", "tf32-rna", "tf32-rna", "tf32-rna"]
+
+
+def test_every_help_that_takes_a_target_points_to_the_targets_command():
+    # a user reading --help has the command, not the module: `tf32lab targets` lists what --target accepts
+    for command in (("check",), ("doctor",)):
+        done = run(*command, "--help")
+        assert done.returncode == 0, done.stderr
+        text = " ".join(done.stdout.split())
+        assert "tf32lab targets" in text, (command, text)
+        assert "tf32lab.targets" not in text and "tf32lab.know.targets" not in text, (command, text)
+
+
+def test_levels_help_says_what_the_command_prints():
+    text = " ".join(run("levels", "--help").stdout.split())
+    assert "cuda.matmul" in text and "bfx9" in text, text
+
+
+def test_the_table_gives_nvidia_targets_their_sm_and_amd_ones_their_gfx_name_only():
+    # "sm94" is no name of an MI300X: its capability (9, 4) is how torch reports gfx942, which the title names
+    lines = run("targets").stdout.splitlines()
+    row = {name: next(line for line in lines if line.startswith(f"│ {name} ")) for name in ("a100", "mi300", "mi355")}
+    assert "sm80" in row["a100"]
+    assert "gfx942" in row["mi300"] and "gfx950" in row["mi355"]
+    assert not any("sm9" in row[name] for name in ("mi300", "mi355")), row

@@ -129,6 +129,27 @@ def test_a_trained_decoder_leaves_float64s_tokens_at_high_and_not_earlier_at_hig
     assert Criterion.parse("perplexity<0.5", 32).passes(high)
 
 
+def test_the_conclusion_says_what_to_do_next(trained):
+    # a level that passes: how to turn it on; none that passes, float32 meeting the criterion: keep `highest`
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 64), torch.nn.Linear(64, 100))
+    report = tf32lab.check_generation(model, new_tokens=4, prompts=[[1, 2, 3], [4, 5, 6]],
+                                      criterion="agreement>=0.99")
+    assert report.level("high").passed
+    said = report.conclusion()
+    assert said[0].startswith("TF32 (`high`) passes for generating with Sequential on a100"), said
+    assert said[0].endswith('Enable it with `torch.set_float32_matmul_precision("high")` or '
+                            '`tf32lab.precision("high")`.'), said
+    first = tf32lab.check_generation(trained, new_tokens=32, prompts=_prompts(), levels=("high",)).level("high").first
+    assert first is not None
+    strict = tf32lab.check_generation(trained, new_tokens=32, prompts=_prompts(), levels=("highest", "high"),
+                                      criterion=f"divergence>={first + 1}")
+    assert not strict.level("high").passed and strict.criterion.passes(strict.floor)
+    said = strict.conclusion()
+    assert not any("Enable it" in line for line in said), said
+    assert said[-1].startswith("Keep `highest` (PyTorch's default) for generating with"), said
+
+
 def test_no_forward_inherits_the_emulators_scratch_of_the_last(trained):
     # each step reads a longer sequence: a size-pooled scratch kept from one forward is never taken again, and
     # piled up, step after step, to the pool's cap (the check's peak memory three times native generation's)

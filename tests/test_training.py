@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import textwrap
@@ -147,6 +148,22 @@ def test_a_step_that_raises_only_under_tf32_fails_its_level_at_that_step():
     assert high.losses and len(high.losses) == 2 and high.weights == () and high.drift == float("inf")
     assert report.conclusion()[0].startswith("TF32 (`high`) fails at step 3 on a100: LinAlgError")
     assert "FAILED | level 'high' | training 5 steps | step 3: LinAlgError" in str(report)
+
+
+def test_the_conclusion_says_how_to_enable_a_level_that_is_safe_and_worth_it_and_what_to_do_when_one_fails():
+    report = check_training(regression(), levels=("highest", "high"), target="a100")
+    # the same rows with the step predicted 2x as fast (this small model's own prediction buys little: its words
+    # say so, and name no setting to change)
+    high = report.level("high")
+    worth = dataclasses.replace(report, levels=tuple(
+        dataclasses.replace(lv, speedup=2.0, speedup_band=(1.8, 2.2)) if lv is high else lv for lv in report.levels))
+    said = worth.conclusion()[0]
+    assert said.startswith("TF32 (`high`) is safe for training regression") and "predicted 2.00x" in said, said
+    assert said.endswith('Enable it with `torch.set_float32_matmul_precision("high")` or '
+                         '`tf32lab.precision("high")`.'), said
+    failed = check_training(kernel_workload(name="kernel"), levels=("highest", "high"), target="a100").conclusion()
+    assert failed[0].startswith("TF32 (`high`) fails at step 3 on a100: LinAlgError"), failed
+    assert "keep `highest`" in failed[0] and "tf32lab tune SPEC --train" in failed[0], failed
 
 
 def test_dropout_draws_the_same_masks_in_every_row():

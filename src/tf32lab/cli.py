@@ -57,7 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"tf32lab {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    levels = sub.add_parser("levels", help="list the precision levels and what each asks of PyTorch's backends")
+    levels = sub.add_parser(
+        "levels", help="list the precision levels and what each asks of PyTorch's backends",
+        description="Each level and the values it writes to PyTorch's per-backend cells (cuda.matmul, "
+                    "mkldnn.matmul): PyTorch's three, as its set_float32_matmul_precision writes them, and bfx9, "
+                    "which only the per-backend cells hold (Blackwell, CUDA 12.9+).",
+    )
     levels.set_defaults(run=_levels)
     targets = sub.add_parser(
         "targets", help="list the hardware targets and the math each level gives matmuls and convolutions there",
@@ -77,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="minilm | builtin | hf:FOLDER | package.module:factory | path/file.py:factory "
                             "(default: minilm when the demo extra is installed, else builtin)")
     check.add_argument("--target", default="a100", type=str.lower,
-                       help="hardware to emulate (see tf32lab.targets), or 'native' for this machine's own hardware "
-                            "(default: a100)")
+                       help="hardware to emulate (`tf32lab targets` lists them), or 'native' for this machine's own "
+                            "hardware (default: a100)")
     check.add_argument("--levels", default="highest,high,medium", type=str.lower,
                        help="comma-separated levels (default: PyTorch's three; name bfx9 to add it, on a "
                             "target that has it: b200)")
@@ -190,8 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("--json", action="store_true", help="print JSON instead (docs/doctor-schema.md)")
     doctor.add_argument("--simulate", metavar="TARGET",
-                        help="answer for another machine: a target of tf32lab.know.targets (a100, h100, v100, t4, "
-                             "cpu-amx, ...); this environment's overriding variables are kept")
+                        help="answer for another machine: a target as `tf32lab targets` lists them (a100, h100, v100, "
+                             "t4, cpu-amx, ...); this environment's overriding variables are kept")
     doctor.add_argument("--cpus", type=_positive_int, help="with --simulate: its visible cores (default 8)")
     doctor.add_argument("--quota", type=_quota, help="with --simulate: its cgroup CPU quota, in CPUs")
     doctor.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -282,21 +287,23 @@ def _targets(args: argparse.Namespace) -> int:
         return 0
     from tf32lab.report.tables import Column, Fitted
 
-    # maths and peaks whole, the hardware's name wrapped: a row on one or two lines at 80 columns
+    # maths and peaks whole, the hardware's name wrapped: a row on one to three lines at 80 columns
     table = Fitted("tf32lab targets: float32 matmuls at each level, and convolutions", [
         Column("target", "text", key=True), Column("hardware", "text"),
         *(Column(name, "number", justify="left") for name in (*LEVELS, "conv")),
         Column("TFLOP/s", "text", justify="right")],
         caption="conv follows cuDNN's own flag (torch.backends.cudnn.allow_tf32, on by default), not the level. "
                 "TFLOP/s: dense peaks, fp32/tf32; CPU targets are measured, not predicted.")
-    for row in rows:
+    for row, target in zip(rows, TARGETS.values()):
         cap, peaks = row["capability"], row["peaks"]
         convs = [row["maths"][level]["conv"] for level in LEVELS]
+        # an sm number is NVIDIA's; an AMD GPU's title names its gfx architecture (torch reports gfx942 as 9.4)
+        sm = f", sm{cap[0]}{cap[1]}" if cap and target.vendor == "nvidia" else ""
         table.add_row(
-            row["name"], row["title"] + (f", sm{cap[0]}{cap[1]}" if cap else ""),
+            row["name"], row["title"] + sm,
             *(row["maths"][level]["matmul"] for level in LEVELS),
             convs[0] if len(set(convs)) == 1 else "/".join(convs),
-            # one token, never split across lines, and narrow enough to leave the hardware two lines at 80 columns
+            # one token, never split across lines, and narrow enough to leave the hardware three lines at 80 columns
             "-" if peaks is None else f"{peaks['fp32_tflops']:g}/{peaks['tf32_tflops'] or '-'}",
         )
     _console().print(table)

@@ -61,7 +61,18 @@ _NOT_FINITE = "NaN/Inf at"
 _DEFAULT_CONV_TF32 = ("conv", "rnn")  # cuDNN's allow_tf32 is on by default: TF32 even at `highest` on CUDA
 
 
-def _enable(level: str) -> str:
+# the levels below `highest` a conclusion weighs, the fastest first (bfx9, float32-accurate, is the slowest of them)
+REDUCED = ("medium", "high", "bfx9")
+
+
+def enable(level: str) -> str:
+    """The code that turns ``level`` on, as the advice quotes it.
+
+    >>> enable("high")
+    '`torch.set_float32_matmul_precision("high")` or `tf32lab.precision("high")`'
+    """
+    if level == "bfx9":  # torch's set_float32_matmul_precision knows only its three levels; the per-backend cell does
+        return '`tf32lab.precision("bfx9")` or `torch.backends.cuda.matmul.fp32_precision = "bfx9"`'
     return f'`torch.set_float32_matmul_precision("{level}")` or `tf32lab.precision("{level}")`'
 
 
@@ -118,7 +129,7 @@ def conclusion(report: Report, policy_file: Optional[str] = None) -> list[str]:
     lines: list[str] = []
     native = report.target == NATIVE
     where = "on this machine" if native else f"on {report.target}"
-    reduced = [by_name[name] for name in ("medium", "high") if name in by_name]
+    reduced = [by_name[name] for name in REDUCED if name in by_name]
     passing = [lv for lv in reduced if lv.passed]
     failing = [lv for lv in reduced if not lv.passed]
     best = passing[0] if passing else None
@@ -143,9 +154,12 @@ def conclusion(report: Report, policy_file: Optional[str] = None) -> list[str]:
         measured = (f"worst normwise {worst.normwise:.1e} (output {worst.name!r}) against tolerance "
                     f"{given(worst.tolerance)}" if worst is not None and not worst.exact else "every output equal")
         lines.append(_safe(report, best, where, measured))
-        slower = [lv for lv in failing if lv.level == "medium" and lv.same_as is None]
-        if slower:
-            lines.append(f"Not `medium`: {_why_failed(slower[0])}.")
+        # a faster level that fails (`medium` where it differs from `high`; `high` where bfx9 is the answer)
+        rank = {name: i for i, name in enumerate(REDUCED)}  # `best` may be `highest` (a target where high is IEEE)
+        passed_over = [lv for lv in failing
+                       if lv.same_as is None and rank[lv.level] < rank.get(best.level, len(REDUCED))]
+        if passed_over:
+            lines.append(f"Not `{passed_over[0].level}`: {_why_failed(passed_over[0])}.")
     elif failing:
         lines.append(f"Keep `highest`: {_why_failed(failing[-1])}.")
     lines += amplified(report)
@@ -194,7 +208,7 @@ def amplified(report: Report) -> list[str]:
     by_name = {lv.level: lv for lv in report.levels}
     row = report.policy_row
     if row is None:
-        row = next((by_name[name] for name in ("medium", "high") if name in by_name and by_name[name].passed), None)
+        row = next((by_name[name] for name in REDUCED if name in by_name and by_name[name].passed), None)
         if row is not None and row.same_as is not None:
             row = by_name.get(row.same_as, row)
     if row is None or not row.passed:
@@ -242,8 +256,8 @@ def _levels_beside(row: LevelResult, best: Optional[LevelResult], failing: list[
         faster = f", predicted {best.speedup:.2f}x faster than `highest`" if best.speedup is not None else ""
         if row.passed:
             return [f"For comparison, {name} everywhere is within tolerance too{faster}: "
-                    f"{_enable(best.level)} needs no policy."]
-        return [f"{name} everywhere is within tolerance{faster}: use it instead, {_enable(best.level)}."]
+                    f"{enable(best.level)} needs no policy."]
+        return [f"{name} everywhere is within tolerance{faster}: use it instead, {enable(best.level)}."]
     if failing:
         because = _why_failed(failing[-1])
         if row.passed:
@@ -311,15 +325,15 @@ def _safe(report: Report, best: LevelResult, where: str, measured: str) -> str:
     """The advice for the fastest level within tolerance, weighed by its predicted speedup when there is one."""
     name = _name(best).split(" (")[0]
     if best.speedup is None:
-        return f"{name} is safe for this workload {where}: {measured}. Enable it with {_enable(best.level)}."
+        return f"{name} is safe for this workload {where}: {measured}. Enable it with {enable(best.level)}."
     if best.speedup >= WORTH:
         return (f"{name} is safe for this workload {where} and predicted {best.speedup:.2f}x faster there: "
-                f"{measured}. Enable it with {_enable(best.level)}.")
+                f"{measured}. Enable it with {enable(best.level)}.")
     share = ""
     if report.speed is not None:
         share = cudnn.why_little(report, best.level) or _why_little(report.speed, best.level, name)
     return (f"{name} is safe for this workload {where}, but predicted only {best.speedup:.2f}x faster there"
-            f"{share}. It buys little here; if you enable it anyway: {_enable(best.level)} ({measured}).")
+            f"{share}. It buys little here; if you enable it anyway: {enable(best.level)} ({measured}).")
 
 
 def _why_little(speed: Any, level: str, name: str) -> str:

@@ -36,6 +36,7 @@ from tf32lab.errors import Tf32LabError
 from tf32lab.know.targets import NATIVE
 from tf32lab.numbers.files import finite
 from tf32lab.report import Rows
+from tf32lab.report.conclusion import REDUCED, enable
 from tf32lab.report.wording import one_line
 
 __all__ = ["FLOOR", "GENERATION_SCHEMA_VERSION", "Criterion", "GenerationLevel", "GenerationReport",
@@ -292,6 +293,9 @@ def conclusion(report: GenerationReport) -> list[str]:
     n = len(report.prompts)
     rule = report.criterion.words()
     lines: list[str] = []
+    # the level to turn on: the fastest that passes and computes otherwise than `highest`
+    reduced = [lv for level in REDUCED for lv in report.levels if lv.level == level and lv.same_as is None]
+    best = next((lv for lv in reduced if lv.passed and lv.failure is None), None)
     for lv in report.levels:
         if lv.same_as is not None and lv.same_as != "highest":
             continue
@@ -301,7 +305,8 @@ def conclusion(report: GenerationReport) -> list[str]:
         if lv.failure is not None:
             lines.append(f"{called} fails {where}: its run raised {_one_line(lv.failure)}.")
         elif lv.passed:
-            lines.append(f"{called} passes for generating with {name} {where} ({rule}): {_facts(lv, n)}.")
+            advice = f" Enable it with {enable(lv.level)}." if lv is best else ""
+            lines.append(f"{called} passes for generating with {name} {where} ({rule}): {_facts(lv, n)}.{advice}")
         else:
             lines.append(f"{called} fails for generating with {name} {where} (criterion: {rule}): "
                          f"{_facts(lv, n)}.")
@@ -313,6 +318,8 @@ def conclusion(report: GenerationReport) -> list[str]:
         lines.append(f"float32 itself (`highest`): {_facts(floor, n)}; it "
                      f"{'meets' if own else 'does not meet'} the criterion"
                      f"{'' if own else ', so it asks more than float32 gives: name a looser one'}.")
+        if own and reduced and best is None:
+            lines.append(f"Keep `highest` (PyTorch's default) for generating with {name}.")
     unhandled = {op: k for lv in (floor, *report.levels) if lv.same_as is None for op, k in lv.unhandled.items()}
     if unhandled:
         ops = ", ".join(f"{op} x{k}" for op, k in sorted(unhandled.items()))

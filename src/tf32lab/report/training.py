@@ -33,7 +33,7 @@ from typing import Any, Optional
 from tf32lab.know.targets import NATIVE
 from tf32lab.numbers.files import finite
 from tf32lab.report import Rows
-from tf32lab.report.conclusion import WORTH
+from tf32lab.report.conclusion import WORTH, enable
 from tf32lab.report.wording import given, one_line
 
 __all__ = ["FLOOR_MULTIPLE", "TRAINING_SCHEMA_VERSION", "BackwardLayer", "ParameterError", "TrainingLevel",
@@ -253,6 +253,21 @@ def _gradient_clause(lv: TrainingLevel) -> str:
     return text
 
 
+# what to do where a level fails and no single module is to blame
+_KEEP = ("; keep `highest` (PyTorch's default) for this training, or let `tf32lab tune SPEC --train` search for "
+         "modules to pin")
+
+
+def _enable(lv: TrainingLevel, target: str) -> str:
+    """`` Enable it with ...`` where a level (not a policy) is safe, unless its step is predicted to buy little
+    on the target, as the sentence before it says (no prediction: the machine at hand, or none asked for)."""
+    if lv.level in ("policy", "highest") or lv.same_as is not None:
+        return ""
+    if target != NATIVE and lv.speedup is not None and lv.speedup < WORTH:
+        return ""
+    return f" Enable it with {enable(lv.level)}."
+
+
 def _pin(lv: TrainingLevel) -> str:
     """Pin the module that owns the worst gradient (its parameter's name less the last part)."""
     worst = lv.worst_gradient
@@ -277,20 +292,21 @@ def conclusion(report: TrainingReport) -> list[str]:
             continue
         called = _called(lv)
         if lv.failure is not None:
-            lines.append(f"{called} fails at step {lv.failed_step} {where}: {_one_line(lv.failure)}.")
+            lines.append(f"{called} fails at step {lv.failed_step} {where}: {_one_line(lv.failure)}{_KEEP}.")
         elif lv.passed and lv.divergence_step is None:
             lines.append(f"{called} is safe for training {name} for {steps} {where}: its loss stays within "
                          f"{lv.drift:.1e} of float64's ({_times(lv.multiple)} float32's own drift; tolerance "
-                         f"{given(report.tolerance)}){faster(lv, report.target)}.")
+                         f"{given(report.tolerance)}){faster(lv, report.target)}.{_enable(lv, report.target)}")
         elif lv.passed:
             lines.append(f"{called} is safe for training {name} for {steps} {where}: its loss stays within "
                          f"{lv.multiple:.1f}x of float32's own drift, though both leave float64's path by more than "
-                         f"{given(report.tolerance)} (from step {lv.divergence_step}){faster(lv, report.target)}.")
+                         f"{given(report.tolerance)} (from step {lv.divergence_step}){faster(lv, report.target)}."
+                         f"{_enable(lv, report.target)}")
         else:
             clause = _gradient_clause(lv)
             lines.append(f"{called} diverges at step {lv.divergence_step} {where}: its loss is "
                          f"{lv.drift:.1e} from float64's, {_times(lv.multiple)} float32's own drift"
-                         f"{'; ' + clause if clause else ''}{_pin(lv)}.")
+                         f"{'; ' + clause if clause else ''}{_pin(lv) or _KEEP}.")
     unhandled = {op: n for lv in report.levels if lv.same_as is None for op, n in lv.unhandled.items()}
     if unhandled:
         ops = ", ".join(f"{op} x{n}" for op, n in sorted(unhandled.items()))
