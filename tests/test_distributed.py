@@ -173,6 +173,17 @@ def test_cli_under_torchrun_writes_one_report(tmp_path):
         assert row["outputs"][0]["normwise"] == pytest.approx(alone[row["level"]]["outputs"]["output"][4], rel=1e-9)
 
 
+def test_sharded_outputs_of_huge_tiny_zero_and_empty_parts_equal_one_process():
+    # one job for every case: each output split over two ranks, against the whole compared in one process
+    ranks = run_job("sharded_outputs", 2, timeout=120)
+    assert [r.returncode for r in ranks] == [0, 0], [r.stdout[-2000:] + r.stderr[-3000:] for r in ranks]
+    found = ranks[0].result
+    for name, (sharded, alone) in found.items():
+        _same(sharded, alone, name)
+    assert not found["f64 1.7e308"][1][0][9]  # an error of 0.1 fails (it was 0.0 sharded, and passed)
+    assert "below float32's normal range" in found["subnormal beside zero"][1][0][10]
+
+
 # -- faults -----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", [pytest.param("raise", marks=pytest.mark.slow), "kill",
                                   pytest.param("hang", marks=pytest.mark.slow)])

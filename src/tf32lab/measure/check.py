@@ -450,7 +450,7 @@ class Session:
                 raise
             return None
         return _outputs(out, self.ref_out, self.tolerances, self.scales) if recorder.ranks is None else \
-            sharded.outputs(out, self.ref_out, self.tolerances, recorder.ranks, _outputs)
+            sharded.outputs(out, self.ref_out, self.tolerances, recorder.ranks, _outputs, _below_float32)
 
     def steady(self, result: LevelResult) -> LevelResult:
         """``result`` (a level that fails without raising) run once more: when the outputs' errors differ, the
@@ -601,7 +601,7 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
     metric = None
     if error is None:
         outputs = _outputs(out, ref_out, tolerances, scales) if recorder.ranks is None else \
-            sharded.outputs(out, ref_out, tolerances, recorder.ranks, _outputs)
+            sharded.outputs(out, ref_out, tolerances, recorder.ranks, _outputs, _below_float32)
         if workload.metric is not None:
             try:
                 metric = float(workload.metric(out, ref_out))
@@ -784,7 +784,14 @@ def _underflow_said(found: metrics.OutputError, r: torch.Tensor) -> metrics.Outp
     if found.passed or found.exact or r.numel() == 0 or not r.is_floating_point():
         return found
     finite = r[torch.isfinite(r)]
-    largest = float(finite.double().abs().max()) if finite.numel() else 0.0
+    return _below_float32(found, float(finite.double().abs().max()) if finite.numel() else 0.0)
+
+
+def _below_float32(found: metrics.OutputError, largest: float) -> metrics.OutputError:
+    """``found`` (a float32 output's error), with a note where it fails and its reference's ``largest`` magnitude
+    is below float32's least normal number (also a sharded output's, over every rank's part)."""
+    if found.passed or found.exact:
+        return found
     tiny = torch.finfo(torch.float32).tiny
     if not 0.0 < largest < tiny:
         return found

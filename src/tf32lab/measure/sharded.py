@@ -35,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import math
 import sys
@@ -172,9 +173,11 @@ def _splittable(y: Any, r: Any) -> bool:
 
 # -- outputs --------------------------------------------------------------------------------------------------
 def outputs(out: Any, ref_out: Any, tolerances: dict[str, float], ranks: Ranks,
-            compare_local: Any) -> tuple[metrics.OutputError, ...]:
+            compare_local: Any, underflow: Any = None) -> tuple[metrics.OutputError, ...]:
     """Every output's error over all ranks (see the module's docstring); ``compare_local(out, ref_out,
-    tolerances)`` is the one-process comparison, used for what every rank holds whole and what is gathered."""
+    tolerances)`` is the one-process comparison, used for what every rank holds whole and what is gathered;
+    ``underflow(error, largest)``: what it adds to a float32 output's error whose reference's largest magnitude
+    is ``largest`` (a note where that is below float32's normal range), given to a split output's error too."""
     refs = {name: plain(v) for name, v in named_leaves(ref_out)}
     found = {name: plain(v) for name, v in named_leaves(out)}
     names = list(refs) + [n for n in found if n not in refs]
@@ -192,7 +195,10 @@ def outputs(out: Any, ref_out: Any, tolerances: dict[str, float], ranks: Ranks,
         if all(k[:2] == kinds[0][:2] for k in kinds):  # replicated: every rank holds the same output
             results.extend(compare_local({name: y}, {name: r}, {**tolerances, "default": tolerance}))
         elif all(k[2] for k in kinds):
-            results.append(_split_error(name, y, r, tolerance, ranks))
+            found, largest = _split_error(name, y, r, tolerance, ranks)
+            if underflow is not None and y.dtype == torch.float32:
+                found = underflow(found, largest)
+            results.append(found)
         else:
             gathered = ranks.gather((y, r))
             ys, rs = [g[0] for g in gathered], [g[1] for g in gathered]
@@ -210,9 +216,10 @@ def _joined(parts: list[Any]) -> Any:
     return parts[0] if all(repr(p) == repr(parts[0]) for p in parts) else parts
 
 
-def _split_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float, ranks: Ranks) -> metrics.OutputError:
+def _split_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float,
+                 ranks: Ranks) -> tuple[metrics.OutputError, float]:
     """``metrics.output_error`` of an output split by batch rows over the ranks: each rank's ``metrics.Partial``
-    of its rows, summed or maximised over the ranks."""
+    of its rows, summed or maximised over the ranks; and the reference's largest magnitude over the ranks."""
     y, r = y.detach(), r.detach()
     shapes = ranks.gather(tuple(y.shape))
     if any(s[1:] != shapes[0][1:] for s in shapes):
@@ -221,7 +228,7 @@ def _split_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float, 
     shape = (sum(s[0] for s in shapes), *shapes[0][1:])
     rows_y, rows_r = metrics.rows_of(y), metrics.rows_of(r)
     ref_norm, top = metrics.reference_extent(rows_r)
-    top, ref_top = ranks.max([top, ref_norm])
+    top, ref_top, peak = ranks.max([top, ref_norm, float(y.abs().max())])
     total_n, ref_sum, rows = ranks.sum([float(r.numel()), _scaled(ref_norm, ref_top), float(rows_y.shape[0])])
     total_ref = _unscaled(ref_sum, ref_top)
     rms = total_ref / math.sqrt(total_n)
@@ -233,10 +240,19 @@ def _split_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float, 
          float(part.agree)])
     counts = ranks.sum([float(c) for c in part.counts])
     total_diff = _unscaled(diff_sum, diff_top)
+    if not (math.isfinite(total_ref) and math.isfinite(total_diff)):
+        # as metrics.output_error does (every rank decides alike, on reduced numbers): finite values whose norm
+        # or difference is past float64's largest made the error 0.0 (inf over inf parts); over both scaled down
+        # by a power of two (exact) every metric is the same, max_abs scaled back
+        shift = metrics.overflow_shift(max(top, peak), int(total_n))
+        if shift:
+            down = 2.0 ** -shift
+            found, _ = _split_error(name, y.double() * down, r.double() * down, tolerance, ranks)
+            return dataclasses.replace(found, max_abs=found.max_abs / down), top
     normwise = total_diff / total_ref if total_ref else (0.0 if total_diff == 0.0 else math.inf)
     return metrics.OutputError(name, shape, max_abs, max_rel, rel_sum / rel_n if rel_n else 0.0, normwise,
                                -neg_cosine, agreed / rows if logits else None, tuple(int(c) for c in counts),
-                               tolerance, bias=metrics.bias(signed / total_n, abs_sum / total_n))
+                               tolerance, bias=metrics.bias(signed / total_n, abs_sum / total_n)), top
 
 
 # The ranks' norms are combined as ‖(n₁, n₂, ...)‖ = top · sqrt(Σ (nᵢ / top)²), top the largest: their squares
