@@ -220,6 +220,24 @@ def sharded_outputs(*args: str) -> None:
         _result(found)
 
 
+def hostile(spec: str, *factories: str) -> None:
+    """``tf32lab.check`` of each of ``factories`` (in ``spec``, a file) in turn, in one job: each one's numbers, or
+    its error line, on every rank."""
+    import tf32lab
+    from tf32lab.workloads import specs
+    _init()
+    found = {}
+    for factory in factories:
+        before = tf32lab.flags.snapshot()
+        try:
+            found[factory] = numbers(tf32lab.check(specs.load(f"{spec}:{factory}"), levels=("highest", "high"),
+                                                   speed=False))
+        except tf32lab.Tf32LabError as exc:
+            found[factory] = str(exc)
+        assert not tf32lab.flags.snapshot().diff(before)
+    _result(found)
+
+
 def main() -> None:
     name, *args = sys.argv[1:]
     try:
@@ -237,3 +255,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+

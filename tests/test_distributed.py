@@ -184,6 +184,32 @@ def test_sharded_outputs_of_huge_tiny_zero_and_empty_parts_equal_one_process():
     assert "below float32's normal range" in found["subnormal beside zero"][1][0][10]
 
 
+MODELS = Path(__file__).resolve().parent / "sharded_models.py"
+
+
+def test_ranks_that_run_the_model_differently_end_alike_or_say_so():
+    # one job, four checks in turn: each ends with the one-process answer, or with one line on every rank
+    ranks = run_job("hostile", 2, str(MODELS), "nan_part", "widened", "branch", "narrow", timeout=180)
+    assert [r.returncode for r in ranks] == [0, 0], [r.stdout[-2000:] + r.stderr[-3000:] for r in ranks]
+    found = [r.result for r in ranks]
+    import tf32lab
+    from distributed_scenarios import numbers
+    from tf32lab.workloads import specs
+
+    for factory in ("nan_part", "widened"):  # a rank's rows all NaN; a rank's part in float64
+        alone = json.loads(json.dumps(numbers(tf32lab.check(specs.load(f"{MODELS}:{factory}"),
+                                                            levels=("highest", "high"), speed=False))))
+        _same(found[0][factory], alone, factory)
+    # a layer called on one rank only: each rank says where it was, none waits for the group's timeout
+    assert found[0]["branch"].startswith("rank 0/2: the ranks ran the model differently: this rank was at the "
+                                         "comparison of the outputs, another elsewhere")
+    assert found[1]["branch"].startswith("rank 1/2: the ranks ran the model differently: this rank was at call 2 "
+                                         "of layer 'lin', another elsewhere")
+    for rank, line in enumerate(r["narrow"] for r in found):
+        assert line == (f"rank {rank}/2: output 'output': the ranks' parts have shapes [(2, 4), (2, 3)]; accepted: "
+                        f"parts of one batch (the same shape but for dim 0)")
+
+
 # -- faults -----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", [pytest.param("raise", marks=pytest.mark.slow), "kill",
                                   pytest.param("hang", marks=pytest.mark.slow)])

@@ -140,8 +140,8 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
                 "check policy": policy_digest(policy), "check speed": str(speed)})
         report = _check(workload, levels, target, reference, tolerances, progress and (ranks is None or
                         ranks.rank == 0), policy, speed, accumulation, ranks, conv)
-        if ranks is not None:  # every rank done before any leaves, or writes the report
-            torch.distributed.barrier(group=ranks.group)
+        if ranks is not None:  # every rank done before any leaves, or writes the report (and none ran more)
+            ranks.meet("the end of the check")
     if conv is not None:
         report = dataclasses.replace(report, notes=(*report.notes, conv_scope.note(policy)))
     return _noted(report, changed)
@@ -353,8 +353,10 @@ class Session:
                                f"{described(exc)}") from exc
         # sharded: a rank may hold an empty part of an output (its rows of a small batch); the whole must compare
         here = _comparable(self.ref_out)
-        _check_comparable(workload, self.ref_out, here if self.ranks is None else any(self.ranks.gather(here)))
-        _check_judgeable(workload, self.ref_out)
+        if self.ranks is not None:
+            here = any(self.ranks.gather(here, "the end of the float64 reference"))
+        _check_comparable(workload, self.ref_out, here)
+        _check_judgeable(workload, self.ref_out, self.ranks)
         _warn_unknown(self.tolerances, self.ref_out)
         if formed is not None:
             self.scales = formed.scales(self.ref_out)
@@ -812,22 +814,33 @@ def _check_comparable(workload: Workload, ref_out: Any, comparable: bool) -> Non
                            f"return the tensors to check (a tensor, or a tuple/dict of them)")
 
 
-def _check_judgeable(workload: Workload, ref_out: Any) -> None:
+def _check_judgeable(workload: Workload, ref_out: Any, ranks: Optional[Ranks] = None) -> None:
     """A float64 reference with no finite value cannot judge any level: the model makes it without any reduced
     precision, and an output that is NaN at every level would compare as equal (normwise 0, "safe"). Said before
     any level runs, as bad input (``Tf32LabError``: the CLI's exit code 2), never as a pass. Where only some
     elements are NaN or Inf, the rest is compared and the non-finite ones must be held alike, position and value
-    (``metrics.compare``; the output's note counts them): a masked logit is ``-inf`` on purpose."""
+    (``metrics.compare``; the output's note counts them): a masked logit is ``-inf`` on purpose. Sharded
+    (``ranks``), over every rank's part: a rank whose rows are NaN beside another's finite ones is that case, and
+    every rank says the same or none does (one rank alone raised, and the others stopped at their next collective)."""
+    unjudgeable = {}
     for name, value in named_leaves(ref_out):
         if isinstance(value, float):
             value = torch.tensor(value)
-        if not isinstance(value, torch.Tensor) or not (value.is_floating_point() or value.is_complex()) \
-                or value.numel() == 0:
+        if not isinstance(value, torch.Tensor) or not (value.is_floating_point() or value.is_complex()):
             continue
         real = torch.view_as_real(value) if value.is_complex() else value
-        if not bool(torch.isfinite(real).any()):
+        if real.numel() == 0:  # nothing to judge with here; another rank's part may have it
+            unjudgeable[name] = None
+        elif not bool(torch.isfinite(real).any()):
             nan = int(torch.isnan(real).sum())
-            what = "NaN at every element" if nan == real.numel() else f"NaN or Inf at every element ({nan} NaN)"
+            unjudgeable[name] = "NaN at every element" if nan == real.numel() else \
+                f"NaN or Inf at every element ({nan} NaN)"
+    if ranks is not None:
+        parts = ranks.gather(unjudgeable, "the float64 reference's outputs")
+        unjudgeable = {name: next((p[name] for p in parts if p.get(name)), None) for name in unjudgeable
+                       if all(name in p for p in parts)}
+    for name, what in unjudgeable.items():
+        if what is not None:
             raise Tf32LabError(f"workload {workload.name!r}: the float64 reference itself is {what} of output "
                                f"{name!r}: cannot judge any level against it (it is there without reduced "
                                f"precision); fix the model or its inputs, or leave that output out")

@@ -39,6 +39,7 @@ import dataclasses
 import hashlib
 import math
 import sys
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
@@ -50,6 +51,9 @@ from tf32lab.numbers import metrics
 from tf32lab.numbers.trees import named_leaves
 
 __all__ = ["Ranks", "collective_failure", "local", "outputs", "plain", "ranks_fail", "type_name"]
+
+
+_TAGS = 4096  # sites told apart by Ranks.meet (two sites share a tag once in 4096)
 
 
 class Ranks:
@@ -87,16 +91,39 @@ class Ranks:
         n = len(values)
         return [math.nan if found[n + i] else found[i] for i in range(n)]
 
-    def gather(self, value: Any) -> list[Any]:
-        """Every rank's ``value`` (a picklable object), in rank order."""
+    def gather(self, value: Any, site: str = "the comparison of the outputs") -> list[Any]:
+        """Every rank's ``value`` (a picklable object), in rank order, once every rank is at ``site``
+        (:meth:`meet`)."""
+        self.meet(site)
         self.calls += 1
         found: list[Any] = [None] * self.world
         torch.distributed.all_gather_object(found, value, group=self.group)
         return found
 
-    def normwise(self, diff2: float, ref2: float, mismatch: Optional[str]) -> tuple[float, Optional[str]]:
-        """A layer call's normwise error from every rank's ‖y − r‖² and ‖r‖², and a mismatch seen on any rank."""
-        total_diff, total_ref, bad = self.sum([diff2, ref2, 0.0 if mismatch is None else 1.0])
+    def meet(self, site: str) -> None:
+        """Every rank at ``site``, or one ``Tf32LabError`` on every rank that is not where the others are."""
+        self._at(site, [0.0, 0.0, 0.0])
+
+    def _at(self, site: str, values: list[float]) -> list[float]:
+        """``values`` summed over the ranks, each rank at ``site``: its tag t (1..4096) goes with them as t and
+        t², and Σt² · ranks = (Σt)² holds only where every t is the same (Cauchy-Schwarz; exact in float64 up to
+        16384 ranks). A model that calls a layer on some ranks only (a branch on the data) put each rank's
+        collectives out of step: one rank's layer error was summed with another's output comparison, or the
+        job stopped at the group's timeout saying another rank had failed. Every site's collective is three
+        sums and the tag, so ranks at different sites still meet, and see it."""
+        tag = float(zlib.crc32(site.encode()) % _TAGS + 1)
+        *found, tags, squares = self.sum([*values, tag, tag * tag])
+        if squares * self.world != tags * tags:
+            raise Tf32LabError(f"the ranks ran the model differently: this rank was at {site}, another elsewhere; "
+                               f"a sharded check needs every rank to call the same layers the same number of times "
+                               f"and return outputs of the same names (only the data may differ)")
+        return found
+
+    def normwise(self, diff2: float, ref2: float, mismatch: Optional[str],
+                 site: str = "a layer call") -> tuple[float, Optional[str]]:
+        """A layer call's normwise error from every rank's ‖y − r‖² and ‖r‖², and a mismatch seen on any rank;
+        every rank at ``site`` (:meth:`meet`)."""
+        total_diff, total_ref, bad = self._at(site, [diff2, ref2, 0.0 if mismatch is None else 1.0])
         if bad:
             return math.nan, mismatch or "its output's structure differs from the reference's on another rank"
         if total_ref == 0.0:
