@@ -245,6 +245,27 @@ def test_disagreement_names_ranks_and_settings():
                     "policy: ranks 0,1 'none'; rank 2 'abc'")
 
 
+def test_a_group_of_one_rank_checks_as_one_process():
+    import torch
+    import torch.distributed as dist
+
+    import tf32lab
+
+    def report():
+        torch.manual_seed(0)
+        workload = tf32lab.Workload(torch.nn.Linear(8, 4), torch.randn(4, 8))
+        return tf32lab.check(workload, levels=("high",), speed=False)
+
+    alone = report()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        found = report()
+    finally:
+        dist.destroy_process_group()
+    assert found.level("high").outputs == alone.level("high").outputs
+    assert not any("sharded" in note for note in found.notes)
+
+
 def test_a_sharded_checks_arguments_are_compared_too():
     import torch.distributed as dist
 
