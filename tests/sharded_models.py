@@ -66,3 +66,11 @@ def narrow():
     """Rank 1's part of the output has fewer columns."""
     torch.manual_seed(0)
     return tf32lab.Workload(_Narrow(8, 4), (_part(torch.randn(4, 8)),), name="narrow")
+
+
+def zero():
+    """A head initialised to zero: the float64 reference is zero on every rank."""
+    model = torch.nn.Linear(8, 4)
+    torch.nn.init.zeros_(model.weight)
+    torch.nn.init.zeros_(model.bias)
+    return tf32lab.Workload(model, (_part(torch.randn(4, 8)),), name="zero")

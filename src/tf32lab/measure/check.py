@@ -361,6 +361,8 @@ class Session:
         if formed is not None:
             self.scales = formed.scales(self.ref_out)
             _check_measurable(workload, self.ref_out, self.scales)
+        else:
+            _check_measurable_sharded(workload, self.ref_out, self.ranks)
         self.ref_drawn = list(recorder.mode.drawn)
 
     def _as_drawn(self, run: Callable[[], _T], where: str) -> _T:
@@ -866,6 +868,28 @@ def _check_measurable(workload: Workload, ref_out: Any, scales: Mapping[str, met
                            f"{which}, from products that are zero too: no level can change it, so a check would "
                            f"measure nothing (zero weights: a layer initialised to zero before training?); check "
                            f"it with trained weights, or return an output the model's matmuls form")
+
+
+def _check_measurable_sharded(workload: Workload, ref_out: Any, ranks: Optional[Ranks]) -> None:
+    """:func:`_check_measurable` of a sharded check, over every rank's part: with no magnitudes that formed the
+    outputs (a rank's part is not formed by its own operands alone), every float output zero at every element on
+    every rank is refused on every rank (a check passed it, having measured nothing; one process refuses a zero
+    head, and judges a difference that cancels to zero over what cancelled, which only it can)."""
+    zero, values = [], False
+    for name, value in named_leaves(ref_out):
+        if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+            values = values or bool(value.any())
+            zero.append(name)
+    if ranks is None:
+        return
+    parts = ranks.gather((values, zero), "the float64 reference's zeros")  # every rank, whatever it holds
+    if any(v for v, _ in parts) or not any(z for _, z in parts):
+        return
+    which = ", ".join(repr(name) for name in next(z for _, z in parts if z))
+    raise Tf32LabError(f"workload {workload.name!r}: the float64 reference is zero at every element of output "
+                       f"{which} on every rank: no level can change it, so a check would measure nothing (zero "
+                       f"weights: a layer initialised to zero before training?); check it with trained weights, "
+                       f"or in one process, where a difference that cancels to zero is judged over what cancelled")
 
 
 def _warn_unknown(tolerances: dict[str, float], ref_out: Any) -> None:
