@@ -222,10 +222,7 @@ def outputs(out: Any, ref_out: Any, tolerances: dict[str, float], ranks: Ranks,
         if all(k[:2] == kinds[0][:2] for k in kinds):  # replicated: every rank holds the same output
             results.extend(compare_local({name: y}, {name: r}, {**tolerances, "default": tolerance}))
         elif all(k[2] for k in kinds):
-            found, largest = _split_error(name, y, r, tolerance, ranks)
-            if underflow is not None and y.dtype == torch.float32:
-                found = underflow(found, largest)
-            results.append(found)
+            results.append(_split_error(name, y, r, tolerance, ranks, underflow))
         else:
             gathered = ranks.gather((y, r))
             ys, rs = [g[0] for g in gathered], [g[1] for g in gathered]
@@ -243,10 +240,17 @@ def _joined(parts: list[Any]) -> Any:
     return parts[0] if all(repr(p) == repr(parts[0]) for p in parts) else parts
 
 
-def _split_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float,
-                 ranks: Ranks) -> tuple[metrics.OutputError, float]:
+def _split_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float, ranks: Ranks,
+                 underflow: Any = None) -> metrics.OutputError:
     """``metrics.output_error`` of an output split by batch rows over the ranks: each rank's ``metrics.Partial``
-    of its rows, summed or maximised over the ranks; and the reference's largest magnitude over the ranks."""
+    of its rows, summed or maximised over the ranks; ``underflow``: as :func:`outputs` takes it."""
+    found, largest = _split(name, y, r, tolerance, ranks)
+    return underflow(found, largest) if underflow is not None and y.dtype == torch.float32 else found
+
+
+def _split(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float,
+           ranks: Ranks) -> tuple[metrics.OutputError, float]:
+    """:func:`_split_error`, and the reference's largest magnitude over the ranks."""
     y, r = y.detach(), r.detach()
     shapes = ranks.gather(tuple(y.shape))
     if any(s[1:] != shapes[0][1:] for s in shapes):
@@ -274,7 +278,7 @@ def _split_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float,
         shift = metrics.overflow_shift(max(top, peak), int(total_n))
         if shift:
             down = 2.0 ** -shift
-            found, _ = _split_error(name, y.double() * down, r.double() * down, tolerance, ranks)
+            found, _ = _split(name, y.double() * down, r.double() * down, tolerance, ranks)
             return dataclasses.replace(found, max_abs=found.max_abs / down), top
     normwise = total_diff / total_ref if total_ref else (0.0 if total_diff == 0.0 else math.inf)
     return metrics.OutputError(name, shape, max_abs, max_rel, rel_sum / rel_n if rel_n else 0.0, normwise,
