@@ -74,3 +74,14 @@ def zero():
     torch.nn.init.zeros_(model.weight)
     torch.nn.init.zeros_(model.bias)
     return tf32lab.Workload(model, (_part(torch.randn(4, 8)),), name="zero")
+
+
+class _Loss(torch.nn.Linear):
+    def forward(self, x):
+        return super().forward(x).square().mean()
+
+
+def loss():
+    """A 0-d output, each rank's own: compared as the vector of the ranks' values."""
+    torch.manual_seed(0)
+    return tf32lab.Workload(_Loss(8, 4), (_part(torch.randn(4, 8)),), name="loss")

@@ -189,7 +189,8 @@ MODELS = Path(__file__).resolve().parent / "sharded_models.py"
 
 def test_ranks_that_run_the_model_differently_end_alike_or_say_so():
     # one job, four checks in turn: each ends with the one-process answer, or with one line on every rank
-    ranks = run_job("hostile", 2, str(MODELS), "nan_part", "widened", "branch", "narrow", "zero", timeout=180)
+    ranks = run_job("hostile", 2, str(MODELS), "nan_part", "widened", "branch", "narrow", "zero", "loss",
+                    timeout=180)
     assert [r.returncode for r in ranks] == [0, 0], [r.stdout[-2000:] + r.stderr[-3000:] for r in ranks]
     found = [r.result for r in ranks]
     import tf32lab
@@ -208,6 +209,10 @@ def test_ranks_that_run_the_model_differently_end_alike_or_say_so():
     for rank, line in enumerate(r["narrow"] for r in found):
         assert line == (f"rank {rank}/2: output 'output': the ranks' parts have shapes [(2, 4), (2, 3)]; accepted: "
                         f"parts of one batch (the same shape but for dim 0)")
+    # a 0-d output (a loss), each rank's own: the ranks' values as one vector (a 0-d tensor has no byte view: the
+    # check said the workload raised)
+    loss = found[0]["loss"]
+    assert loss["high"]["outputs"]["output"][0] == [2] and loss["highest"]["outputs"]["output"][9]
     # zero on every rank: refused as in one process (it passed, having measured nothing)
     for rank, line in enumerate(r["zero"] for r in found):
         assert line.startswith(f"rank {rank}/2: workload 'zero': the float64 reference is zero at every element of "
