@@ -23,6 +23,9 @@ as the hardware running it would see them.
 
 A rank that raises ends its check (its exception goes up); the others meet an error in their next collective
 (its connection closed) or at the group's timeout, and :func:`ranks_fail` turns it into one ``Tf32LabError``.
+Ranks that run the model differently (a layer called on some ranks only) are out of step: each collective carries
+a tag of its site (:meth:`Ranks.meet`), and each rank raises one ``Tf32LabError`` at the first one where they
+differ.
 
 Example:
 
