@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import sys
 
@@ -164,6 +165,79 @@ def fault(kind: str, *args: str) -> None:
     sys.exit(code)
 
 
+
+def output_cases():
+    """``(name, output, reference, rows of rank 0)``: whole outputs of a batch of two ranks (rank 0 holds the first
+    rows, rank 1 the rest) at magnitudes whose squares leave float64's range, beside zero, subnormal and empty parts."""
+    g = torch.Generator().manual_seed(0)
+
+    def pair(shape, scale, dtype=torch.float32, rel=1e-4):
+        r = torch.randn(*shape, generator=g, dtype=torch.float64) * scale
+        return (r * (1 + rel * torch.randn(*shape, generator=g, dtype=torch.float64))).to(dtype), r
+
+    found = [(f"f32 {s:.0e}", *pair((6, 5), s), 3) for s in (1e20, 1e-20, 1e37, 1e-38)]
+    (y1, r1), (y2, r2) = pair((3, 5), 1e30), pair((3, 5), 1.0)
+    found.append(("1e30 beside 1", torch.cat([y1, y2]), torch.cat([r1, r2]), 3))
+    zero_y, zero_r = torch.zeros(3, 5), torch.zeros(3, 5, dtype=torch.float64)
+    found.append(("zero beside 1", torch.cat([zero_y, y2]), torch.cat([zero_r, r2]), 3))
+    y, r = pair((3, 5), 1e-42, rel=0.1)  # subnormal only, beside zeros: fails, and says why
+    found.append(("subnormal beside zero", torch.cat([y, zero_y]), torch.cat([r, zero_r]), 3))
+    found.append(("f64 1e-300", *pair((8, 4), 1e-300, torch.float64, 1e-3), 4))
+    # float64 values whose norm is past float64's largest: the error of 0.1 was 0.0 (a pass)
+    y = 1.7e308 * torch.linspace(0.5, 1, 16, dtype=torch.float64).reshape(8, 2)
+    found.append(("f64 1.7e308", y, y * (1 - 0.1 * torch.rand(8, 2, generator=g, dtype=torch.float64)), 4))
+    found.append(("logits", *pair((6, 5), 1e35), 3))
+    found.append(("empty part", *pair((4, 5), 1e30), 0))
+    y, r = pair((6, 5), 1e30)
+    y[4, 1] = r[4, 1] = math.nan  # held alike, on rank 1 only
+    found.append(("nan on one rank", y, r, 3))
+    y, r = pair((6, 5), 1.0)
+    y[4, 1] = math.inf  # where the reference is finite, on rank 1 only
+    found.append(("inf on one rank", y, r, 3))
+    return found
+
+
+def sharded_outputs(*args: str) -> None:
+    """``measure.sharded.outputs`` of each case of :func:`output_cases` and the one-process comparison of the whole
+    (on rank 0, both)."""
+    from tf32lab.measure import check, sharded
+    rank = _init()
+    ranks = sharded.Ranks.of_job()
+    tolerances = {"default": 1e-2}
+
+    def said(o):
+        return [list(o.shape), o.max_abs, o.max_rel, o.mean_rel, o.normwise, o.cosine, o.top1, list(o.histogram),
+                o.bias, o.passed, o.note, o.failure]
+
+    found = {}
+    for name, y, r, first in output_cases():
+        part = slice(0, first) if rank == 0 else slice(first, None)
+        mine = sharded.outputs({name: y[part]}, {name: r[part]}, tolerances, ranks, check._outputs,
+                               check._below_float32)
+        alone = check._outputs({name: y}, {name: r}, tolerances)
+        found[name] = [said(o) for o in mine], [said(o) for o in alone]
+    if rank == 0:
+        _result(found)
+
+
+def hostile(spec: str, *factories: str) -> None:
+    """``tf32lab.check`` of each of ``factories`` (in ``spec``, a file) in turn, in one job: each one's numbers, or
+    its error line, on every rank."""
+    import tf32lab
+    from tf32lab.workloads import specs
+    _init()
+    found = {}
+    for factory in factories:
+        before = tf32lab.flags.snapshot()
+        try:
+            found[factory] = numbers(tf32lab.check(specs.load(f"{spec}:{factory}"), levels=("highest", "high"),
+                                                   speed=False))
+        except tf32lab.Tf32LabError as exc:
+            found[factory] = str(exc)
+        assert not tf32lab.flags.snapshot().diff(before)
+    _result(found)
+
+
 def main() -> None:
     name, *args = sys.argv[1:]
     try:
@@ -181,3 +255,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+

@@ -173,6 +173,52 @@ def test_cli_under_torchrun_writes_one_report(tmp_path):
         assert row["outputs"][0]["normwise"] == pytest.approx(alone[row["level"]]["outputs"]["output"][4], rel=1e-9)
 
 
+def test_sharded_outputs_of_huge_tiny_zero_and_empty_parts_equal_one_process():
+    # one job for every case: each output split over two ranks, against the whole compared in one process
+    ranks = run_job("sharded_outputs", 2, timeout=120)
+    assert [r.returncode for r in ranks] == [0, 0], [r.stdout[-2000:] + r.stderr[-3000:] for r in ranks]
+    found = ranks[0].result
+    for name, (sharded, alone) in found.items():
+        _same(sharded, alone, name)
+    assert not found["f64 1.7e308"][1][0][9]  # an error of 0.1 fails (it was 0.0 sharded, and passed)
+    assert "below float32's normal range" in found["subnormal beside zero"][1][0][10]
+
+
+MODELS = Path(__file__).resolve().parent / "sharded_models.py"
+
+
+def test_ranks_that_run_the_model_differently_end_alike_or_say_so():
+    # one job, four checks in turn: each ends with the one-process answer, or with one line on every rank
+    ranks = run_job("hostile", 2, str(MODELS), "nan_part", "widened", "branch", "narrow", "zero", "loss",
+                    timeout=180)
+    assert [r.returncode for r in ranks] == [0, 0], [r.stdout[-2000:] + r.stderr[-3000:] for r in ranks]
+    found = [r.result for r in ranks]
+    import tf32lab
+    from distributed_scenarios import numbers
+    from tf32lab.workloads import specs
+
+    for factory in ("nan_part", "widened"):  # a rank's rows all NaN; a rank's part in float64
+        alone = json.loads(json.dumps(numbers(tf32lab.check(specs.load(f"{MODELS}:{factory}"),
+                                                            levels=("highest", "high"), speed=False))))
+        _same(found[0][factory], alone, factory)
+    # a layer called on one rank only: each rank says where it was, none waits for the group's timeout
+    assert found[0]["branch"].startswith("rank 0/2: the ranks ran the model differently: this rank was at the "
+                                         "comparison of the outputs, another elsewhere")
+    assert found[1]["branch"].startswith("rank 1/2: the ranks ran the model differently: this rank was at call 2 "
+                                         "of layer 'lin', another elsewhere")
+    for rank, line in enumerate(r["narrow"] for r in found):
+        assert line == (f"rank {rank}/2: output 'output': the ranks' parts have shapes [(2, 4), (2, 3)]; accepted: "
+                        f"parts of one batch (the same shape but for dim 0)")
+    # a 0-d output (a loss), each rank's own: the ranks' values as one vector (a 0-d tensor has no byte view: the
+    # check said the workload raised)
+    loss = found[0]["loss"]
+    assert loss["high"]["outputs"]["output"][0] == [2] and loss["highest"]["outputs"]["output"][9]
+    # zero on every rank: refused as in one process (it passed, having measured nothing)
+    for rank, line in enumerate(r["zero"] for r in found):
+        assert line.startswith(f"rank {rank}/2: workload 'zero': the float64 reference is zero at every element of "
+                               f"output 'output' on every rank"), line
+
+
 # -- faults -----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", [pytest.param("raise", marks=pytest.mark.slow), "kill",
                                   pytest.param("hang", marks=pytest.mark.slow)])
@@ -206,6 +252,27 @@ def test_disagreement_names_ranks_and_settings():
     line = disagreement(states)
     assert line == ("ranks disagree on precision (3 ranks): cell cuda.matmul: ranks 0,1 'ieee'; rank 2 'tf32' | "
                     "policy: ranks 0,1 'none'; rank 2 'abc'")
+
+
+def test_a_group_of_one_rank_checks_as_one_process():
+    import torch
+    import torch.distributed as dist
+
+    import tf32lab
+
+    def report():
+        torch.manual_seed(0)
+        workload = tf32lab.Workload(torch.nn.Linear(8, 4), torch.randn(4, 8))
+        return tf32lab.check(workload, levels=("high",), speed=False)
+
+    alone = report()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        found = report()
+    finally:
+        dist.destroy_process_group()
+    assert found.level("high").outputs == alone.level("high").outputs
+    assert not any("sharded" in note for note in found.notes)
 
 
 def test_a_sharded_checks_arguments_are_compared_too():

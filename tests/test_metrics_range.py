@@ -113,3 +113,15 @@ def test_an_output_whose_norm_leaves_float64s_range_keeps_its_error(factor):
     assert found.cosine == pytest.approx(1.0 if factor > 0 else -1.0)
     assert found.max_abs == pytest.approx(1.7e308 * want, rel=1e-9) if factor > 0 else found.max_abs == math.inf
     assert found.passed == (factor > 0)
+
+
+@pytest.mark.parametrize("factor", [0.999, -1.0])
+def test_a_split_output_whose_norm_leaves_float64s_range_keeps_its_error(one_rank, factor):
+    # as one process's (above): the ranks' norms were inf, and the error 0.0 (a pass) or NaN
+    r = torch.full((4, 4), 1.7e308, dtype=torch.float64)
+    y = r * factor
+    found = sharded._split_error("out", y, r, 1e-2, one_rank)
+    alone = metrics.output_error("out", y, r)
+    for field in ("normwise", "max_abs", "max_rel", "mean_rel", "cosine", "bias"):
+        assert getattr(found, field) == pytest.approx(getattr(alone, field), rel=1e-12), field
+    assert found.histogram == alone.histogram and found.normwise == pytest.approx(abs(factor - 1.0), rel=1e-9)

@@ -140,8 +140,8 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
                 "check policy": policy_digest(policy), "check speed": str(speed)})
         report = _check(workload, levels, target, reference, tolerances, progress and (ranks is None or
                         ranks.rank == 0), policy, speed, accumulation, ranks, conv)
-        if ranks is not None:  # every rank done before any leaves, or writes the report
-            torch.distributed.barrier(group=ranks.group)
+        if ranks is not None:  # every rank done before any leaves, or writes the report (and none ran more)
+            ranks.meet("the end of the check")
     if conv is not None:
         report = dataclasses.replace(report, notes=(*report.notes, conv_scope.note(policy)))
     return _noted(report, changed)
@@ -353,12 +353,16 @@ class Session:
                                f"{described(exc)}") from exc
         # sharded: a rank may hold an empty part of an output (its rows of a small batch); the whole must compare
         here = _comparable(self.ref_out)
-        _check_comparable(workload, self.ref_out, here if self.ranks is None else any(self.ranks.gather(here)))
-        _check_judgeable(workload, self.ref_out)
+        if self.ranks is not None:
+            here = any(self.ranks.gather(here, "the end of the float64 reference"))
+        _check_comparable(workload, self.ref_out, here)
+        _check_judgeable(workload, self.ref_out, self.ranks)
         _warn_unknown(self.tolerances, self.ref_out)
         if formed is not None:
             self.scales = formed.scales(self.ref_out)
             _check_measurable(workload, self.ref_out, self.scales)
+        else:
+            _check_measurable_sharded(workload, self.ref_out, self.ranks)
         self.ref_drawn = list(recorder.mode.drawn)
 
     def _as_drawn(self, run: Callable[[], _T], where: str) -> _T:
@@ -450,7 +454,7 @@ class Session:
                 raise
             return None
         return _outputs(out, self.ref_out, self.tolerances, self.scales) if recorder.ranks is None else \
-            sharded.outputs(out, self.ref_out, self.tolerances, recorder.ranks, _outputs)
+            sharded.outputs(out, self.ref_out, self.tolerances, recorder.ranks, _outputs, _below_float32)
 
     def steady(self, result: LevelResult) -> LevelResult:
         """``result`` (a level that fails without raising) run once more: when the outputs' errors differ, the
@@ -601,7 +605,7 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
     metric = None
     if error is None:
         outputs = _outputs(out, ref_out, tolerances, scales) if recorder.ranks is None else \
-            sharded.outputs(out, ref_out, tolerances, recorder.ranks, _outputs)
+            sharded.outputs(out, ref_out, tolerances, recorder.ranks, _outputs, _below_float32)
         if workload.metric is not None:
             try:
                 metric = float(workload.metric(out, ref_out))
@@ -784,7 +788,14 @@ def _underflow_said(found: metrics.OutputError, r: torch.Tensor) -> metrics.Outp
     if found.passed or found.exact or r.numel() == 0 or not r.is_floating_point():
         return found
     finite = r[torch.isfinite(r)]
-    largest = float(finite.double().abs().max()) if finite.numel() else 0.0
+    return _below_float32(found, float(finite.double().abs().max()) if finite.numel() else 0.0)
+
+
+def _below_float32(found: metrics.OutputError, largest: float) -> metrics.OutputError:
+    """``found`` (a float32 output's error), with a note where it fails and its reference's ``largest`` magnitude
+    is below float32's least normal number (also a sharded output's, over every rank's part)."""
+    if found.passed or found.exact:
+        return found
     tiny = torch.finfo(torch.float32).tiny
     if not 0.0 < largest < tiny:
         return found
@@ -805,22 +816,33 @@ def _check_comparable(workload: Workload, ref_out: Any, comparable: bool) -> Non
                            f"return the tensors to check (a tensor, or a tuple/dict of them)")
 
 
-def _check_judgeable(workload: Workload, ref_out: Any) -> None:
+def _check_judgeable(workload: Workload, ref_out: Any, ranks: Optional[Ranks] = None) -> None:
     """A float64 reference with no finite value cannot judge any level: the model makes it without any reduced
     precision, and an output that is NaN at every level would compare as equal (normwise 0, "safe"). Said before
     any level runs, as bad input (``Tf32LabError``: the CLI's exit code 2), never as a pass. Where only some
     elements are NaN or Inf, the rest is compared and the non-finite ones must be held alike, position and value
-    (``metrics.compare``; the output's note counts them): a masked logit is ``-inf`` on purpose."""
+    (``metrics.compare``; the output's note counts them): a masked logit is ``-inf`` on purpose. Sharded
+    (``ranks``), over every rank's part: a rank whose rows are NaN beside another's finite ones is that case, and
+    every rank says the same or none does (one rank alone raised, and the others stopped at their next collective)."""
+    unjudgeable = {}
     for name, value in named_leaves(ref_out):
         if isinstance(value, float):
             value = torch.tensor(value)
-        if not isinstance(value, torch.Tensor) or not (value.is_floating_point() or value.is_complex()) \
-                or value.numel() == 0:
+        if not isinstance(value, torch.Tensor) or not (value.is_floating_point() or value.is_complex()):
             continue
         real = torch.view_as_real(value) if value.is_complex() else value
-        if not bool(torch.isfinite(real).any()):
+        if real.numel() == 0:  # nothing to judge with here; another rank's part may have it
+            unjudgeable[name] = None
+        elif not bool(torch.isfinite(real).any()):
             nan = int(torch.isnan(real).sum())
-            what = "NaN at every element" if nan == real.numel() else f"NaN or Inf at every element ({nan} NaN)"
+            unjudgeable[name] = "NaN at every element" if nan == real.numel() else \
+                f"NaN or Inf at every element ({nan} NaN)"
+    if ranks is not None:
+        parts = ranks.gather(unjudgeable, "the float64 reference's outputs")
+        unjudgeable = {name: next((p[name] for p in parts if p.get(name)), None) for name in unjudgeable
+                       if all(name in p for p in parts)}
+    for name, what in unjudgeable.items():
+        if what is not None:
             raise Tf32LabError(f"workload {workload.name!r}: the float64 reference itself is {what} of output "
                                f"{name!r}: cannot judge any level against it (it is there without reduced "
                                f"precision); fix the model or its inputs, or leave that output out")
@@ -846,6 +868,28 @@ def _check_measurable(workload: Workload, ref_out: Any, scales: Mapping[str, met
                            f"{which}, from products that are zero too: no level can change it, so a check would "
                            f"measure nothing (zero weights: a layer initialised to zero before training?); check "
                            f"it with trained weights, or return an output the model's matmuls form")
+
+
+def _check_measurable_sharded(workload: Workload, ref_out: Any, ranks: Optional[Ranks]) -> None:
+    """:func:`_check_measurable` of a sharded check, over every rank's part: with no magnitudes that formed the
+    outputs (a rank's part is not formed by its own operands alone), every float output zero at every element on
+    every rank is refused on every rank (a check passed it, having measured nothing; one process refuses a zero
+    head, and judges a difference that cancels to zero over what cancelled, which only it can)."""
+    zero, values = [], False
+    for name, value in named_leaves(ref_out):
+        if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+            values = values or bool(value.any())
+            zero.append(name)
+    if ranks is None:
+        return
+    parts = ranks.gather((values, zero), "the float64 reference's zeros")  # every rank, whatever it holds
+    if any(v for v, _ in parts) or not any(z for _, z in parts):
+        return
+    which = ", ".join(repr(name) for name in next(z for _, z in parts if z))
+    raise Tf32LabError(f"workload {workload.name!r}: the float64 reference is zero at every element of output "
+                       f"{which} on every rank: no level can change it, so a check would measure nothing (zero "
+                       f"weights: a layer initialised to zero before training?); check it with trained weights, "
+                       f"or in one process, where a difference that cancels to zero is judged over what cancelled")
 
 
 def _warn_unknown(tolerances: dict[str, float], ref_out: Any) -> None:

@@ -351,7 +351,7 @@ class Recorder:
                     level_context(level, self.target, self.accumulation, self.ranks is None), \
                     conv_math(conv), torch.inference_mode():
                 output = module(*args, **kwargs)
-            error = self._normwise(output, reference, norms)
+            error = self._normwise(output, reference, norms, f"layer {name!r} run alone")
             why = None
         except (Tf32LabError, KeyboardInterrupt):
             raise
@@ -392,10 +392,10 @@ class Recorder:
                 map_tensors(_to_float32, self.outputs[(name, i)][0], (torch.Tensor, Spilled)))
         return answers
 
-    def _normwise(self, output: Any, reference: Any, norms: dict[str, float]) -> float:
+    def _normwise(self, output: Any, reference: Any, norms: dict[str, float], site: str) -> float:
         if self.scratch is None:
             self.scratch = scratch(_device_of(reference))
-        error, _ = tree_normwise(map_tensors(local, output), reference, norms, self.scratch, self.ranks)
+        error, _ = tree_normwise(map_tensors(local, output), reference, norms, self.scratch, self.ranks, site)
         return error
 
     def notes(self) -> list[str]:
@@ -536,7 +536,7 @@ class Accumulated:
         if self.scratch is None:
             self.scratch = scratch(_device_of(reference))
         error, mismatch = tree_normwise(map_tensors(local, output), reference, norms, self.scratch,
-                                        self.recorder.ranks)
+                                        self.recorder.ranks, f"call {i + 1} of layer {name!r}")
         if (name, i) in self.recorder.as_accumulated:
             self.per_call[(name, i)] = error
         if mismatch is not None:

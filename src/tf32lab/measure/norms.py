@@ -52,15 +52,16 @@ def bare(*tensors: Any) -> Iterator[None]:
 
 
 def tree_normwise(output: Any, reference: Any, norms: dict[str, float],
-                   scratch: torch.Tensor, ranks: Any = None) -> tuple[float, Optional[str]]:
+                   scratch: torch.Tensor, ranks: Any = None, site: str = "a layer call") -> tuple[float, Optional[str]]:
     """‖y − r‖ / ‖r‖ over the float tensors of a module's output, in float64 (``norms``: each ‖r‖², from the
     reference run), and what does not match the reference's structure, if anything. The difference goes through a
     reused chunk buffer (:func:`scratch`): fresh multi-MB temporaries cost page faults that dwarf the arithmetic.
     A reference kept in memory and one read back from a spill file give the same bits. With ``ranks``
-    (``measure.sharded.Ranks``) the sums of squares are those of every rank: one collective per call."""
+    (``measure.sharded.Ranks``) the sums of squares are those of every rank: one collective per call, which every
+    rank makes at the same ``site`` (the layer and its call, named)."""
     diff2, ref2, mismatch = _sums(output, reference, norms, scratch)
     if ranks is not None:
-        return ranks.normwise(diff2, ref2, mismatch)
+        return ranks.normwise(diff2, ref2, mismatch, site)
     if mismatch is not None:
         return math.nan, mismatch
     if ref2 == 0.0:

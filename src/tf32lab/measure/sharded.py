@@ -23,6 +23,9 @@ as the hardware running it would see them.
 
 A rank that raises ends its check (its exception goes up); the others meet an error in their next collective
 (its connection closed) or at the group's timeout, and :func:`ranks_fail` turns it into one ``Tf32LabError``.
+Ranks that run the model differently (a layer called on some ranks only) are out of step: each collective carries
+a tag of its site (:meth:`Ranks.meet`), and each rank raises one ``Tf32LabError`` at the first one where they
+differ.
 
 Example:
 
@@ -35,9 +38,11 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import math
 import sys
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
@@ -49,6 +54,9 @@ from tf32lab.numbers import metrics
 from tf32lab.numbers.trees import named_leaves
 
 __all__ = ["Ranks", "collective_failure", "local", "outputs", "plain", "ranks_fail", "type_name"]
+
+
+_TAGS = 4096  # sites told apart by Ranks.meet (two sites share a tag once in 4096)
 
 
 class Ranks:
@@ -86,16 +94,39 @@ class Ranks:
         n = len(values)
         return [math.nan if found[n + i] else found[i] for i in range(n)]
 
-    def gather(self, value: Any) -> list[Any]:
-        """Every rank's ``value`` (a picklable object), in rank order."""
+    def gather(self, value: Any, site: str = "the comparison of the outputs") -> list[Any]:
+        """Every rank's ``value`` (a picklable object), in rank order, once every rank is at ``site``
+        (:meth:`meet`)."""
+        self.meet(site)
         self.calls += 1
         found: list[Any] = [None] * self.world
         torch.distributed.all_gather_object(found, value, group=self.group)
         return found
 
-    def normwise(self, diff2: float, ref2: float, mismatch: Optional[str]) -> tuple[float, Optional[str]]:
-        """A layer call's normwise error from every rank's ‖y − r‖² and ‖r‖², and a mismatch seen on any rank."""
-        total_diff, total_ref, bad = self.sum([diff2, ref2, 0.0 if mismatch is None else 1.0])
+    def meet(self, site: str) -> None:
+        """Every rank at ``site``, or one ``Tf32LabError`` on every rank that is not where the others are."""
+        self._at(site, [0.0, 0.0, 0.0])
+
+    def _at(self, site: str, values: list[float]) -> list[float]:
+        """``values`` summed over the ranks, each rank at ``site``: its tag t (1..4096) goes with them as t and
+        t², and Σt² · ranks = (Σt)² holds only where every t is the same (Cauchy-Schwarz; exact in float64 up to
+        16384 ranks). A model that calls a layer on some ranks only (a branch on the data) put each rank's
+        collectives out of step: one rank's layer error was summed with another's output comparison, or the
+        job stopped at the group's timeout saying another rank had failed. Every site's collective is three
+        sums and the tag, so ranks at different sites still meet, and see it."""
+        tag = float(zlib.crc32(site.encode()) % _TAGS + 1)
+        *found, tags, squares = self.sum([*values, tag, tag * tag])
+        if squares * self.world != tags * tags:
+            raise Tf32LabError(f"the ranks ran the model differently: this rank was at {site}, another elsewhere; "
+                               f"a sharded check needs every rank to call the same layers the same number of times "
+                               f"and return outputs of the same names (only the data may differ)")
+        return found
+
+    def normwise(self, diff2: float, ref2: float, mismatch: Optional[str],
+                 site: str = "a layer call") -> tuple[float, Optional[str]]:
+        """A layer call's normwise error from every rank's ‖y − r‖² and ‖r‖², and a mismatch seen on any rank;
+        every rank at ``site`` (:meth:`meet`)."""
+        total_diff, total_ref, bad = self._at(site, [diff2, ref2, 0.0 if mismatch is None else 1.0])
         if bad:
             return math.nan, mismatch or "its output's structure differs from the reference's on another rank"
         if total_ref == 0.0:
@@ -158,7 +189,8 @@ def _fingerprint(value: Any) -> str:
         head = f"{t.dtype}{tuple(t.shape)}"
         if t.is_complex():
             t = torch.view_as_real(t)
-        data = t.cpu().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        # reshaped first: a 0-d tensor (a loss) has no byte view, and the check blamed the workload for it
+        data = t.cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
         return head + hashlib.sha256(data).hexdigest()
     return repr(value)
 
@@ -172,9 +204,11 @@ def _splittable(y: Any, r: Any) -> bool:
 
 # -- outputs --------------------------------------------------------------------------------------------------
 def outputs(out: Any, ref_out: Any, tolerances: dict[str, float], ranks: Ranks,
-            compare_local: Any) -> tuple[metrics.OutputError, ...]:
+            compare_local: Any, underflow: Any = None) -> tuple[metrics.OutputError, ...]:
     """Every output's error over all ranks (see the module's docstring); ``compare_local(out, ref_out,
-    tolerances)`` is the one-process comparison, used for what every rank holds whole and what is gathered."""
+    tolerances)`` is the one-process comparison, used for what every rank holds whole and what is gathered;
+    ``underflow(error, largest)``: what it adds to a float32 output's error whose reference's largest magnitude
+    is ``largest`` (a note where that is below float32's normal range), given to a split output's error too."""
     refs = {name: plain(v) for name, v in named_leaves(ref_out)}
     found = {name: plain(v) for name, v in named_leaves(out)}
     names = list(refs) + [n for n in found if n not in refs]
@@ -192,7 +226,7 @@ def outputs(out: Any, ref_out: Any, tolerances: dict[str, float], ranks: Ranks,
         if all(k[:2] == kinds[0][:2] for k in kinds):  # replicated: every rank holds the same output
             results.extend(compare_local({name: y}, {name: r}, {**tolerances, "default": tolerance}))
         elif all(k[2] for k in kinds):
-            results.append(_split_error(name, y, r, tolerance, ranks))
+            results.append(_split_error(name, y, r, tolerance, ranks, underflow))
         else:
             gathered = ranks.gather((y, r))
             ys, rs = [g[0] for g in gathered], [g[1] for g in gathered]
@@ -210,9 +244,17 @@ def _joined(parts: list[Any]) -> Any:
     return parts[0] if all(repr(p) == repr(parts[0]) for p in parts) else parts
 
 
-def _split_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float, ranks: Ranks) -> metrics.OutputError:
+def _split_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float, ranks: Ranks,
+                 underflow: Any = None) -> metrics.OutputError:
     """``metrics.output_error`` of an output split by batch rows over the ranks: each rank's ``metrics.Partial``
-    of its rows, summed or maximised over the ranks."""
+    of its rows, summed or maximised over the ranks; ``underflow``: as :func:`outputs` takes it."""
+    found, largest = _split(name, y, r, tolerance, ranks)
+    return underflow(found, largest) if underflow is not None and y.dtype == torch.float32 else found
+
+
+def _split(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float,
+           ranks: Ranks) -> tuple[metrics.OutputError, float]:
+    """:func:`_split_error`, and the reference's largest magnitude over the ranks."""
     y, r = y.detach(), r.detach()
     shapes = ranks.gather(tuple(y.shape))
     if any(s[1:] != shapes[0][1:] for s in shapes):
@@ -221,7 +263,8 @@ def _split_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float, 
     shape = (sum(s[0] for s in shapes), *shapes[0][1:])
     rows_y, rows_r = metrics.rows_of(y), metrics.rows_of(r)
     ref_norm, top = metrics.reference_extent(rows_r)
-    top, ref_top = ranks.max([top, ref_norm])
+    low, high = torch.aminmax(y)  # its largest magnitude without a copy of its size (logits: tens of millions)
+    top, ref_top, peak = ranks.max([top, ref_norm, max(-float(low), float(high))])
     total_n, ref_sum, rows = ranks.sum([float(r.numel()), _scaled(ref_norm, ref_top), float(rows_y.shape[0])])
     total_ref = _unscaled(ref_sum, ref_top)
     rms = total_ref / math.sqrt(total_n)
@@ -233,10 +276,19 @@ def _split_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float, 
          float(part.agree)])
     counts = ranks.sum([float(c) for c in part.counts])
     total_diff = _unscaled(diff_sum, diff_top)
+    if not (math.isfinite(total_ref) and math.isfinite(total_diff)):
+        # as metrics.output_error does (every rank decides alike, on reduced numbers): finite values whose norm
+        # or difference is past float64's largest made the error 0.0 (inf over inf parts); over both scaled down
+        # by a power of two (exact) every metric is the same, max_abs scaled back
+        shift = metrics.overflow_shift(max(top, peak), int(total_n))
+        if shift:
+            down = 2.0 ** -shift
+            found, _ = _split(name, y.double() * down, r.double() * down, tolerance, ranks)
+            return dataclasses.replace(found, max_abs=found.max_abs / down), top
     normwise = total_diff / total_ref if total_ref else (0.0 if total_diff == 0.0 else math.inf)
     return metrics.OutputError(name, shape, max_abs, max_rel, rel_sum / rel_n if rel_n else 0.0, normwise,
                                -neg_cosine, agreed / rows if logits else None, tuple(int(c) for c in counts),
-                               tolerance, bias=metrics.bias(signed / total_n, abs_sum / total_n))
+                               tolerance, bias=metrics.bias(signed / total_n, abs_sum / total_n)), top
 
 
 # The ranks' norms are combined as ‖(n₁, n₂, ...)‖ = top · sqrt(Σ (nᵢ / top)²), top the largest: their squares

@@ -48,7 +48,7 @@ from tf32lab.errors import Tf32LabError
 
 __all__ = ["ABSENT", "CANCELLED", "DEFAULT_TOLERANCE", "HISTOGRAM_EDGES", "OPERANDS", "REFERENCE", "OutputError",
            "Partial", "Scale", "bias", "comparable", "compare", "is_logits", "multiple", "norm", "normwise",
-           "normwise_over", "output_error", "pairs", "reference_extent", "row_chunks", "rows_of"]
+           "normwise_over", "output_error", "overflow_shift", "pairs", "reference_extent", "row_chunks", "rows_of"]
 
 # The default verdict: normwise relative error at most 1e-2, i.e. the output keeps two significant digits as a
 # whole. A well-conditioned network stays well below it at every reduced level (TF32's unit roundoff is
@@ -246,7 +246,17 @@ def output_error(name: str, y: torch.Tensor, r: torch.Tensor, tolerance: float =
 def _overflow_shift(y: torch.Tensor, top: float, n: int) -> int:
     """The power of two to scale an output and its reference (largest magnitude ``top``) down by, so that their
     norms and differences stay in float64's range; 0 where ``y`` holds NaN or Inf, or no scaling helps."""
-    peak = _largest(top, float(y.abs().max()))  # NaN where y holds one
+    return overflow_shift(_largest(top, float(y.abs().max())), n)  # NaN where y holds one
+
+
+def overflow_shift(peak: float, n: int) -> int:
+    """The power of two that brings ``n`` values of largest magnitude ``peak`` (an output and its reference)
+    down far enough that their norms and differences stay in float64's range; 0 where ``peak`` is not finite
+    or no scaling is needed.
+
+    >>> overflow_shift(1.0, 16), overflow_shift(1.7e308, 16)
+    (0, 6)
+    """
     if not math.isfinite(peak):
         return 0
     return max(0, math.frexp(peak)[1] + math.frexp(math.sqrt(n))[1] + 2 - 1023)
