@@ -123,6 +123,7 @@ def check_generation(workload: Union[CausalLM, torch.nn.Module], *, new_tokens: 
     judge = Criterion.parse(criterion, new_tokens)
     decoder = _Decoder.of(workload)
     texts, batches = decoder.prompts(prompts)
+    decoder.refuse_past_positions(batches, new_tokens)  # before the float64 row allocates a step of them
     if judge.kind == "perplexity" and all((b.ids.shape[1] if b.mask is None else int(b.mask.sum(1).max())) < 2
                                           for b in batches):
         # the loss is on the prompts' own text: no prompt of two tokens gives none, and every row failed
@@ -217,6 +218,25 @@ class _Decoder:
                                    f"takes ids {has}")
             ids.append(found)
         return tuple(shown), self._batches(ids)
+
+    def refuse_past_positions(self, batches: list[_Batch], n: int) -> None:
+        """Refuses prompts that, with ``n`` new tokens, run past the model's position table: an absolute-position
+        decoder (GPT-2) indexes past it and raises, a rotary one (Llama) runs on at positions it never learnt,
+        the float64 row's memory growing with the length (a 15k-token prompt on a two-layer Llama took 7.6 GB
+        before anything was said). The last new token is never fed: ``longest + n - 1`` positions."""
+        found = _positions(getattr(self.model, "config", None))
+        if found is None:
+            return
+        limit, said = found
+        longest, which = max(((int(b.ids.shape[1] if b.mask is None else b.mask[row].sum()), where)
+                              for b in batches for row, where in enumerate(b.where)), key=lambda found: found[0])
+        if longest + n - 1 <= limit:
+            return
+        hint = f"give at most {limit - longest + 1} new tokens, or shorter prompts" if longest <= limit else \
+            f"give prompts of at most {limit - n + 1} tokens" if n <= limit else \
+            "give fewer new tokens and shorter prompts"
+        raise Tf32LabError(f"prompt {which + 1} ({longest} tokens, the longest) and {n} new tokens need "
+                           f"{longest + n - 1} positions; model {self.name!r} has {limit} ({said}): {hint}")
 
     def _batches(self, ids: list[list[int]]) -> list[_Batch]:
         if self.hf:  # one batch, left-padded: new tokens follow each prompt's last token
@@ -398,7 +418,7 @@ class _Generation:
             if bug is not None:
                 raise bug from exc
             raise Tf32LabError(f"model {self.decoder.name!r} raised in float64, before any level ran: "
-                               f"{described(exc)}{self._too_long()}") from exc
+                               f"{described(exc)}") from exc
         self.reference_count = run.loss_count
         self.ref_ids = [torch.tensor([run.tokens[i] for i in b.where], device=self.decoder.device)
                         for b in self.batches]
@@ -408,18 +428,6 @@ class _Generation:
         self.ref_ends = [torch.tensor([self.ends[i] for i in b.where], device=self.decoder.device)
                          for b in self.batches]
         return run
-
-    def _too_long(self) -> str:
-        """Why a model raised, where its prompts and new tokens run past its position table: an absolute-position
-        decoder (GPT-2, OPT) indexes past it, and "index out of range in self" named no prompt."""
-        config = getattr(self.decoder.model, "config", None)
-        limit = next((found for found in (getattr(config, name, None) for name in ("n_positions",
-                      "max_position_embeddings")) if isinstance(found, int) and found > 0), None)
-        longest = max(int(b.ids.shape[1] if b.mask is None else b.mask.sum(1).max()) for b in self.batches)
-        if limit is None or longest + self.n <= limit:
-            return ""
-        return (f"; its longest prompt ({longest} tokens) and {self.n} new tokens run past its {limit} positions: "
-                f"give shorter prompts or fewer new tokens")
 
     def _loss(self, run: _Run) -> float:
         return run.loss_sum / run.loss_count if run.loss_count else math.nan
@@ -482,6 +490,33 @@ class _Generation:
             return False
         maths = self.target.maths_at("highest", context_cells())
         return all(m == "ieee" for key, m in maths.items() if key.split(".")[0] in self.families)
+
+
+def _positions(config: Any) -> Optional[tuple[int, str]]:
+    """How many positions a transformers decoder has, and the config field that says so: GPT-2's ``n_positions``,
+    else ``max_position_embeddings``; a scaled rotary embedding (linear, YaRN, LongRoPE) reaches ``factor`` times
+    its original length, and a dynamic one (NTK-aware, rescaled as the sequence grows) has no limit; None where
+    the config says none (ALiBi models, plain modules)."""
+    if config is None:
+        return None
+    if callable(getattr(config, "get_text_config", None)):
+        config = config.get_text_config()
+    field, limit = next(((name, found) for name, found in ((name, getattr(config, name, None)) for name in
+                         ("n_positions", "max_position_embeddings"))
+                         if isinstance(found, int) and not isinstance(found, bool) and found > 0), (None, None))
+    if limit is None:
+        return None
+    # transformers 5 names the rotary embedding's settings rope_parameters, earlier versions rope_scaling
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    kind = (rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else None
+    if kind == "dynamic":
+        return None
+    factor = rope.get("factor") if isinstance(rope, dict) else None
+    if kind not in (None, "default") and isinstance(factor, (int, float)) and factor > 1:
+        original = rope.get("original_max_position_embeddings") or limit
+        if isinstance(original, int) and original * factor > limit:
+            return int(original * factor), f"{original} x {factor:g}, its {kind} rotary scaling"
+    return limit, f"config.{field}"
 
 
 def _end_tokens(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:

@@ -1,0 +1,98 @@
+"""The generation check on ``hf:`` folders as users keep them: prompts past the position table refused before any
+forward. Two-layer folders, 32 wide."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import cli_runner
+import hf_builders
+import tf32lab
+from tf32lab.errors import Tf32LabError
+from tf32lab.workloads import hf
+
+transformers = pytest.importorskip("transformers")
+
+_POSITIONS = 32  # a short table: a prompt past it is a few dozen tokens
+
+
+def _bos_tokenizer() -> object:
+    """A tokenizer that adds its beginning-of-text token to every text, as Llama's do (tokenizer.json's template)."""
+    from tokenizers import processors
+
+    tok = hf_builders.tokenizer(bos_token="<s>", eos_token="</s>")
+    bos = tok.bos_token_id
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    return tok
+
+
+@pytest.fixture(scope="session")
+def llama_folder(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("llama_bos")
+    return hf_builders.folder(path, hf_builders.llama(max_position_embeddings=_POSITIONS, tie_word_embeddings=True),
+                              _bos_tokenizer())
+
+
+@pytest.fixture(scope="session")
+def gpt2_folder(tmp_path_factory) -> Path:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=hf_builders.VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=_POSITIONS))
+    return hf_builders.folder(tmp_path_factory.mktemp("gpt2"), model,
+                              hf_builders.tokenizer(eos_token="<|endoftext|>"))
+
+
+def _forwards(model: torch.nn.Module) -> list[int]:
+    """A list that grows by one at each forward of ``model``."""
+    calls: list[int] = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_prompt_past_the_position_table_is_refused_before_any_forward(kind, llama_folder, gpt2_folder):
+    # a rotary decoder (Llama) ran on past its table, the float64 row taking memory with the length (7.6 GB for
+    # a 15k-token prompt on a two-layer Llama), and an absolute one (GPT-2) raised in float64 before it was said
+    lm = hf.causal_lm(str(llama_folder if kind == "llama" else gpt2_folder))
+    calls = _forwards(lm.model)
+    field = "max_position_embeddings" if kind == "llama" else "n_positions"
+    with pytest.raises(Tf32LabError, match=rf"^prompt 2 \(30 tokens, the longest\) and 4 new tokens need 33 "
+                                           rf"positions; model '\w+' has 32 \(config.{field}\): give at most 3 "
+                                           rf"new tokens, or shorter prompts$"):
+        tf32lab.check_generation(lm, new_tokens=4, prompts=[[5, 6], [7] * 30], levels=("high",))
+    assert not calls
+    assert tf32lab.get_float32_matmul_precision() == "highest"
+
+
+def test_a_prompt_and_new_tokens_that_fill_the_table_exactly_run(gpt2_folder):
+    # the last new token is never fed: 29 + 4 tokens use 32 positions, GPT-2's whole table
+    lm = hf.causal_lm(str(gpt2_folder))
+    report = tf32lab.check_generation(lm, new_tokens=4, prompts=[[7] * 29], levels=("highest",))
+    assert len(report.reference_tokens[0]) == 4
+
+
+def test_a_scaled_rotary_table_reaches_its_factor_and_a_dynamic_one_has_no_limit():
+    from tf32lab.measure.generation import _positions
+
+    yarn = transformers.LlamaConfig(max_position_embeddings=32, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
+    assert _positions(yarn) == (128, "32 x 4, its yarn rotary scaling")
+    dynamic = transformers.LlamaConfig(max_position_embeddings=32, rope_scaling={"rope_type": "dynamic",
+                                                                                  "factor": 2.0})
+    assert _positions(dynamic) is None
+    assert _positions(transformers.LlamaConfig(max_position_embeddings=32)) == (32, "config.max_position_embeddings")
+
+
+def test_cli_a_prompt_file_past_the_table_is_one_line_exit_2(llama_folder, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The cat\n" + " ".join(["river"] * 40) + "\n")
+    done = cli_runner.run("check", f"hf:{llama_folder}", "--generate", "8", "--prompts", str(prompts),
+                          "--levels", "high", timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    line = done.stderr.strip()
+    assert len(line.splitlines()) == 1 and "prompt 2 (" in line and "8 new tokens" in line and "has 32" in line
