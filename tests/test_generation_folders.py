@@ -1,8 +1,10 @@
-"""The generation check on ``hf:`` folders as users keep them: prompts past the position table refused before any
-forward. Two-layer folders, 32 wide."""
+"""The generation check on ``hf:`` folders as users keep them: prompts tokenized as ``model.generate(**tokenizer(
+prompt))`` sees them (a Llama tokenizer's beginning-of-text token), and prompts past the position table refused
+before any forward. Two-layer folders, 32 wide."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -96,3 +98,47 @@ def test_cli_a_prompt_file_past_the_table_is_one_line_exit_2(llama_folder, tmp_p
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     line = done.stderr.strip()
     assert len(line.splitlines()) == 1 and "prompt 2 (" in line and "8 new tokens" in line and "has 32" in line
+
+
+def _prompt_ids(lm, prompts: list[str]) -> list[list[int]]:
+    """The token ids of each prompt at the model's first forward (the float64 row's), padding left out."""
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def record(module, args, kwargs):
+        if not seen:
+            seen.append((kwargs["input_ids"].clone(), kwargs["attention_mask"].clone()))
+
+    handle = lm.model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        tf32lab.check_generation(lm, new_tokens=2, prompts=prompts, levels=("highest",))
+    finally:
+        handle.remove()
+    ids, mask = seen[0]
+    return [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_prompts_are_tokenized_as_generate_sees_them(kind, llama_folder, gpt2_folder):
+    # a Llama tokenizer adds its beginning-of-text token to what a user feeds generate(); the check left it out,
+    # so every row decoded from a text the model is never given
+    lm = hf.causal_lm(str(llama_folder if kind == "llama" else gpt2_folder))
+    prompts = ["The river ferry", "A tired engineer was late again"]
+    users = [lm.tokenizer(p)["input_ids"] for p in prompts]
+    assert (users[0][0] == lm.tokenizer.bos_token_id) == (kind == "llama")  # the folders are what they say
+    assert _prompt_ids(lm, prompts) == users
+
+
+def test_the_loss_on_a_prompt_is_the_one_a_user_computes(llama_folder):
+    # a one-word prompt after the beginning-of-text token has a loss of its own (the word given the start); the
+    # check had none and said "no prompt has two tokens or more"
+    lm = hf.causal_lm(str(llama_folder))
+    report = tf32lab.check_generation(lm, new_tokens=2, prompts=["The", "River"], levels=("highest",))
+    wide = transformers.LlamaForCausalLM.from_pretrained(str(llama_folder)).double().eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for prompt in ("The", "River"):  # transformers' loss is a prompt's mean: the check's is every token's
+            ids = lm.tokenizer(prompt, return_tensors="pt")["input_ids"]
+            total += float(wide(input_ids=ids, labels=ids).loss) * (ids.shape[1] - 1)
+            count += ids.shape[1] - 1
+    # transformers takes the loss of logits cast to float32: equal to its rounding
+    assert math.isclose(report.reference_loss, total / count, rel_tol=1e-6)

@@ -93,7 +93,8 @@ def check_generation(workload: Union[CausalLM, torch.nn.Module], *, new_tokens: 
         new_tokens: tokens generated per prompt (at least 1).
         levels: precision levels to check, in order.
         target: a hardware profile from ``tf32lab.targets`` (emulated here), or ``"native"``.
-        prompts: texts (with a tokenizer) or lists of token ids; by default
+        prompts: texts (with a tokenizer: tokenized as ``tokenizer(text)`` does for ``generate()``, its special
+            tokens included) or lists of token ids (taken as given); by default
             ``DEFAULT_PROMPTS``, 8 sample sentences that share no subject and no ending (with a tokenizer; a plain
             model needs prompts).
         criterion: what a level must do to pass (``tf32lab.report.generation.Criterion``): ``"divergence>K"``,
@@ -198,7 +199,9 @@ class _Decoder:
                 if self.tokenizer is None:
                     raise Tf32LabError(f"prompt {i + 1} is text, and model {self.name!r} has no tokenizer: give "
                                        f"token ids")
-                found = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+                # as a user's model.generate(**tokenizer(prompt)) sees it: with the special tokens the tokenizer
+                # adds (a Llama tokenizer's beginning-of-text token; a GPT-2's adds none)
+                found = list(self.tokenizer(prompt)["input_ids"])
                 shown.append(prompt)
             else:
                 try:  # operator.index: a token id 1.7 is no id (int() made it 1)
