@@ -1,9 +1,10 @@
 """The generation check on ``hf:`` folders as users keep them: prompts tokenized as ``model.generate(**tokenizer(
-prompt))`` sees them (a Llama tokenizer's beginning-of-text token), and prompts past the position table refused
-before any forward. Two-layer folders, 32 wide."""
+prompt))`` sees them (a Llama tokenizer's beginning-of-text token), prompts past the position table refused before
+any forward, and a generation config whose settings the check does not apply said. Two-layer folders, 32 wide."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -142,3 +143,23 @@ def test_the_loss_on_a_prompt_is_the_one_a_user_computes(llama_folder):
             count += ids.shape[1] - 1
     # transformers takes the loss of logits cast to float32: equal to its rounding
     assert math.isclose(report.reference_loss, total / count, rel_tol=1e-6)
+
+
+def test_generation_config_settings_the_check_does_not_apply_are_said(llama_folder, tmp_path):
+    # a repetition penalty, an n-gram ban or a forced end token in generation_config.json change the tokens
+    # generate() writes; the check compared the raw greedy tokens without a word
+    folder = tmp_path / "penalised"
+    folder.mkdir()
+    for item in llama_folder.iterdir():
+        (folder / item.name).write_bytes(item.read_bytes())
+    config = json.loads((folder / "generation_config.json").read_text())
+    config.update(repetition_penalty=1.3, no_repeat_ngram_size=3, eos_token_id=[2, 5], num_beams=1)
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    report = tf32lab.check_generation(hf.causal_lm(str(folder)), new_tokens=2,
+                                      prompts=["The river"], levels=("highest",))
+    said = [note for note in report.notes if "generation config" in note]
+    assert len(said) == 1 and "repetition_penalty=1.3, no_repeat_ngram_size=3, which generate() applies" in said[0]
+    assert "num_beams" not in said[0]  # one beam is greedy: nothing unapplied
+    plain = tf32lab.check_generation(hf.causal_lm(str(llama_folder)), new_tokens=2,
+                                     prompts=["The river"], levels=("highest",))
+    assert not [note for note in plain.notes if "generation config" in note]

@@ -369,6 +369,9 @@ class _Generation:
         if not self.decoder.hf and self.use_cache:
             self.notes.append(f"model {self.decoder.name!r} takes no key/value cache: every step ran the whole "
                               f"sequence")
+        unapplied = _unapplied(model)
+        if unapplied is not None:
+            self.notes.append(unapplied)
         if self.reference_count == 0:
             self.notes.append("no prompt has two tokens or more: there is no loss on the prompts' own text")
         ended = [i for i, end in enumerate(self.ends) if end < self.n]
@@ -520,6 +523,37 @@ def _positions(config: Any) -> Optional[tuple[int, str]]:
         if isinstance(original, int) and original * factor > limit:
             return int(original * factor), f"{original} x {factor:g}, its {kind} rotary scaling"
     return limit, f"config.{field}"
+
+
+# generate()'s settings that change which token it writes (logits processors, beams, sampling), and the value at
+# which each changes nothing: a model's generation_config.json that sets one makes generate() write other tokens
+# than the raw greedy top-1 this check compares
+_NEUTRAL: dict[str, Any] = {"do_sample": False, "num_beams": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+                            "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+                            "forced_bos_token_id": None, "forced_eos_token_id": None, "min_length": 0,
+                            "min_new_tokens": 0, "sequence_bias": None, "penalty_alpha": None,
+                            "exponential_decay_length_penalty": None, "guidance_scale": 1.0, "dola_layers": None,
+                            "watermarking_config": None}
+
+
+def _unapplied(model: torch.nn.Module) -> Optional[str]:
+    """A note naming the settings of the model's generation config that ``generate()`` applies and the check does
+    not: it decodes by the raw top-1 of the logits, so a model that ships a ``repetition_penalty`` (or forced
+    tokens, a ban on repeated n-grams, beams, sampling) writes other text through ``generate()``; said, not
+    silently measured as if it were that text."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return None
+    found = []
+    for name, neutral in _NEUTRAL.items():
+        value = getattr(config, name, None)
+        if value is not None and value != neutral and value != [] and value != {}:
+            found.append(f"{name}={value!r}")
+    if not found:
+        return None
+    return (f"the model's generation config sets {', '.join(found)}, which generate() applies and this check does "
+            f"not: every row decodes by the raw greedy top-1 of the logits, so its tokens are the model's own, not "
+            f"those generate() writes with these settings")
 
 
 def _end_tokens(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
