@@ -163,3 +163,32 @@ def test_generation_config_settings_the_check_does_not_apply_are_said(llama_fold
     plain = tf32lab.check_generation(hf.causal_lm(str(llama_folder)), new_tokens=2,
                                      prompts=["The river"], levels=("highest",))
     assert not [note for note in plain.notes if "generation config" in note]
+
+
+class _Wide(torch.nn.Module):
+    """A decoder of a million-token vocabulary and two dimensions: a few MB of weights, logits of a million
+    floats a token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(1_000_000, 2)
+        self.out = torch.nn.Linear(2, 1_000_000)
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.embed
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embed(ids))
+
+
+def test_logits_past_the_memory_available_are_refused_before_any_forward():
+    # 2 prompts x 100000 new tokens x a million ids: terabytes of float64 logits kept to compare every row with;
+    # the float64 row started, and the machine's out-of-memory killer was what ended it
+    model = _Wide()
+    calls = _forwards(model)
+    with pytest.raises(Tf32LabError, match=r"^2 prompts and 100000 new tokens over model '_Wide''s vocabulary of "
+                                           r"1000000 need about \d+\.\d GiB for the logits the check compares "
+                                           r"\(float64's kept for every row\), more than the [\d.]+ GiB available "
+                                           r"on cpu: give fewer new tokens or fewer prompts$"):
+        tf32lab.check_generation(model, new_tokens=100_000, prompts=[[1, 2, 3], [4]], levels=("high",))
+    assert not calls

@@ -125,6 +125,7 @@ def check_generation(workload: Union[CausalLM, torch.nn.Module], *, new_tokens: 
     decoder = _Decoder.of(workload)
     texts, batches = decoder.prompts(prompts)
     decoder.refuse_past_positions(batches, new_tokens)  # before the float64 row allocates a step of them
+    decoder.refuse_past_memory(batches, new_tokens)
     if judge.kind == "perplexity" and all((b.ids.shape[1] if b.mask is None else int(b.mask.sum(1).max())) < 2
                                           for b in batches):
         # the loss is on the prompts' own text: no prompt of two tokens gives none, and every row failed
@@ -221,6 +222,25 @@ class _Decoder:
                                    f"takes ids {has}")
             ids.append(found)
         return tuple(shown), self._batches(ids)
+
+    def refuse_past_memory(self, batches: list[_Batch], n: int) -> None:
+        """Refuses prompts and ``n`` whose logits cannot fit in the memory available, before any forward: the
+        float64 row keeps its teacher-forced logits of every new token (``[prompts, n, vocab]`` in float64) for
+        every row to compare with, and each teacher-forced forward gives the logits of the whole sequence. At a
+        large vocabulary this dwarfs a small model (8 prompts, 1024 new tokens and Qwen2's 151936 ids: 10 GB kept,
+        as much again at the float64 forward), and the operating system's out-of-memory killer ends a process
+        without a line."""
+        if self.vocab is None:
+            return
+        free = _available_bytes(self.device)
+        need = sum(len(b.where) * (b.ids.shape[1] + 2 * n) for b in batches) * self.vocab * 8
+        if free is None or need <= free:
+            return
+        prompts = sum(len(b.where) for b in batches)
+        raise Tf32LabError(f"{prompts} prompts and {n} new tokens over model {self.name!r}'s vocabulary of "
+                           f"{self.vocab} need about {need / 2**30:.1f} GiB for the logits the check compares "
+                           f"(float64's kept for every row), more than the {free / 2**30:.1f} GiB available on "
+                           f"{self.device.type}: give fewer new tokens or fewer prompts")
 
     def refuse_past_positions(self, batches: list[_Batch], n: int) -> None:
         """Refuses prompts that, with ``n`` new tokens, run past the model's position table: an absolute-position
@@ -472,10 +492,11 @@ class _Generation:
         for forced, reference, ids, ends in zip(run.step_logits, ref.step_logits, self.ref_ids, self.ref_ends):
             within = torch.arange(self.n, device=ends.device)[None, :] < ends[:, None]  # float64's text
             agree += int(((forced.argmax(-1) == ids) & within).sum())
-            wide = forced.double()
-            # equal logits differ by 0: a vocabulary masked to -inf in both gave inf - inf = nan at every step
-            gap = torch.where(wide == reference, torch.zeros_like(wide), (wide - reference).abs())
-            errors = torch.maximum(errors, gap.amax(dim=(0, 2)).cpu())
+            for mine, theirs in zip(forced, reference):  # a prompt at a time: the temporaries of one [n, vocab]
+                wide = mine.double()
+                # equal logits differ by 0: a vocabulary masked to -inf in both gave inf - inf = nan at every step
+                gap = torch.where(wide == theirs, torch.zeros_like(wide), (wide - theirs).abs())
+                errors = torch.maximum(errors, gap.amax(dim=1).cpu())
         loss = self._loss(run)
         change = loss - self._loss(ref)
         row = GenerationLevel(
@@ -496,6 +517,22 @@ class _Generation:
             return False
         maths = self.target.maths_at("highest", context_cells())
         return all(m == "ieee" for key, m in maths.items() if key.split(".")[0] in self.families)
+
+
+def _available_bytes(device: torch.device) -> Optional[int]:
+    """The memory a new tensor on ``device`` can take: CUDA's free memory, or Linux's ``MemAvailable`` (what can
+    be allocated without swapping); None where neither says."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0])
+        if device.type == "cpu":
+            with open("/proc/meminfo", encoding="ascii") as info:
+                for line in info:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+    except (OSError, ValueError, RuntimeError):
+        return None
+    return None
 
 
 def _positions(config: Any) -> Optional[tuple[int, str]]:
