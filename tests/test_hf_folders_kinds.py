@@ -76,6 +76,10 @@ def _decoders():
         "gemma2 soft-capping": lambda: t.Gemma2ForCausalLM(t.Gemma2Config(
             **size, head_dim=8, sliding_window=4, attn_logit_softcapping=20.0, final_logit_softcapping=10.0)),
         "phi partial rotary": lambda: t.PhiForCausalLM(t.PhiConfig(**size, partial_rotary_factor=0.5)),
+        # a state-space decoder multiplies the tokens fed by the mask: the whole sequence's beside one cached token
+        # broadcast it to every position, and its cached tokens left the full sequence's at the third
+        "mamba state space": lambda: t.MambaForCausalLM(t.MambaConfig(
+            vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2, initializer_range=0.5)),
     }
 
 

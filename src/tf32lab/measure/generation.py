@@ -76,6 +76,10 @@ __all__ = ["DEFAULT_PROMPTS", "check_generation"]
 # subject, and their text and loss said less about a model than 8 different openings do.
 DEFAULT_PROMPTS: tuple[str, ...] = samples.SENTENCES[::9]
 _MAX_NEW_TOKENS = 100_000
+# state-space decoders whose mixers multiply the tokens fed by the attention mask ([batch, fed]): generate() gives
+# them the mask at the first forward only (their prepare_inputs_for_generation drops it after), and the whole
+# sequence's mask beside one cached token broadcast it to every position (a Mamba's cached tokens were not its own)
+_MASK_AT_PREFILL = frozenset({"mamba", "mamba2", "falcon_mamba"})
 
 
 def check_generation(workload: Union[CausalLM, torch.nn.Module], *, new_tokens: int = 32,
@@ -165,6 +169,7 @@ class _Decoder:
         self.cache_arg = next((k for k in ("cache", "past_key_values") if k in takes), None)
         self.hf = self.cache_arg is not None and "attention_mask" in takes
         self.positions = self.hf and "position_ids" in takes
+        self.mask_once = getattr(getattr(model, "config", None), "model_type", None) in _MASK_AT_PREFILL
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad = int(pad) if pad is not None else 0  # masked out: any id the embedding has
         self.ends = _end_tokens(model, tokenizer)
@@ -280,10 +285,12 @@ class _Decoder:
         if not self.hf:
             out = self.model(ids)
         else:
-            kwargs: dict[str, Any] = {"attention_mask": mask, "use_cache": use_cache}
+            step = use_cache and cache is not None
+            kwargs: dict[str, Any] = {"attention_mask": None if step and self.mask_once else mask,
+                                      "use_cache": use_cache}
             if self.positions:  # left padding: a prompt's first real token is at position 0
                 kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-            if use_cache and cache is not None:
+            if step:
                 kwargs[self.cache_arg] = cache
             out = self.model(input_ids=ids, **kwargs)
         # Released after every forward: pooled by size class, a decoder's steps would take the same buffers again,
