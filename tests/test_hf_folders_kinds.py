@@ -58,8 +58,8 @@ def test_a_prompt_past_a_decoders_positions_is_named():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2,
                                                                  n_positions=32))
     # 30 tokens and 4 new ones: GPT-2's position table ends at 32 ("index out of range in self" said no more)
-    with pytest.raises(Tf32LabError, match=r"its longest prompt \(30 tokens\) and 4 new tokens run past its 32 "
-                                           r"positions: give shorter prompts or fewer new tokens"):
+    with pytest.raises(Tf32LabError, match=r"prompt 1 \(30 tokens, the longest\) and 4 new tokens need 33 "
+                                           r"positions; model 'GPT2LMHeadModel' has 32 \(config.n_positions\)"):
         tf32lab.check_generation(gpt2, new_tokens=4, levels=("highest",), prompts=[list(range(30)), [1, 2]])
     report = tf32lab.check_generation(gpt2, new_tokens=4, levels=("highest",), prompts=[list(range(28))])
     assert report.floor.failure is None  # 28 + 4 fit
@@ -76,6 +76,10 @@ def _decoders():
         "gemma2 soft-capping": lambda: t.Gemma2ForCausalLM(t.Gemma2Config(
             **size, head_dim=8, sliding_window=4, attn_logit_softcapping=20.0, final_logit_softcapping=10.0)),
         "phi partial rotary": lambda: t.PhiForCausalLM(t.PhiConfig(**size, partial_rotary_factor=0.5)),
+        # a state-space decoder multiplies the tokens fed by the mask: the whole sequence's beside one cached token
+        # broadcast it to every position, and its cached tokens left the full sequence's at the third
+        "mamba state space": lambda: t.MambaForCausalLM(t.MambaConfig(
+            vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2, initializer_range=0.5)),
     }
 
 

@@ -76,6 +76,10 @@ __all__ = ["DEFAULT_PROMPTS", "check_generation"]
 # subject, and their text and loss said less about a model than 8 different openings do.
 DEFAULT_PROMPTS: tuple[str, ...] = samples.SENTENCES[::9]
 _MAX_NEW_TOKENS = 100_000
+# state-space decoders whose mixers multiply the tokens fed by the attention mask ([batch, fed]): generate() gives
+# them the mask at the first forward only (their prepare_inputs_for_generation drops it after), and the whole
+# sequence's mask beside one cached token broadcast it to every position (a Mamba's cached tokens were not its own)
+_MASK_AT_PREFILL = frozenset({"mamba", "mamba2", "falcon_mamba"})
 
 
 def check_generation(workload: Union[CausalLM, torch.nn.Module], *, new_tokens: int = 32,
@@ -93,7 +97,8 @@ def check_generation(workload: Union[CausalLM, torch.nn.Module], *, new_tokens: 
         new_tokens: tokens generated per prompt (at least 1).
         levels: precision levels to check, in order.
         target: a hardware profile from ``tf32lab.targets`` (emulated here), or ``"native"``.
-        prompts: texts (with a tokenizer) or lists of token ids; by default
+        prompts: texts (with a tokenizer: tokenized as ``tokenizer(text)`` does for ``generate()``, its special
+            tokens included) or lists of token ids (taken as given); by default
             ``DEFAULT_PROMPTS``, 8 sample sentences that share no subject and no ending (with a tokenizer; a plain
             model needs prompts).
         criterion: what a level must do to pass (``tf32lab.report.generation.Criterion``): ``"divergence>K"``,
@@ -123,6 +128,8 @@ def check_generation(workload: Union[CausalLM, torch.nn.Module], *, new_tokens: 
     judge = Criterion.parse(criterion, new_tokens)
     decoder = _Decoder.of(workload)
     texts, batches = decoder.prompts(prompts)
+    decoder.refuse_past_positions(batches, new_tokens)  # before the float64 row allocates a step of them
+    decoder.refuse_past_memory(batches, new_tokens)
     if judge.kind == "perplexity" and all((b.ids.shape[1] if b.mask is None else int(b.mask.sum(1).max())) < 2
                                           for b in batches):
         # the loss is on the prompts' own text: no prompt of two tokens gives none, and every row failed
@@ -162,6 +169,7 @@ class _Decoder:
         self.cache_arg = next((k for k in ("cache", "past_key_values") if k in takes), None)
         self.hf = self.cache_arg is not None and "attention_mask" in takes
         self.positions = self.hf and "position_ids" in takes
+        self.mask_once = getattr(getattr(model, "config", None), "model_type", None) in _MASK_AT_PREFILL
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad = int(pad) if pad is not None else 0  # masked out: any id the embedding has
         self.ends = _end_tokens(model, tokenizer)
@@ -197,7 +205,9 @@ class _Decoder:
                 if self.tokenizer is None:
                     raise Tf32LabError(f"prompt {i + 1} is text, and model {self.name!r} has no tokenizer: give "
                                        f"token ids")
-                found = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+                # as a user's model.generate(**tokenizer(prompt)) sees it: with the special tokens the tokenizer
+                # adds (a Llama tokenizer's beginning-of-text token; a GPT-2's adds none)
+                found = list(self.tokenizer(prompt)["input_ids"])
                 shown.append(prompt)
             else:
                 try:  # operator.index: a token id 1.7 is no id (int() made it 1)
@@ -218,6 +228,44 @@ class _Decoder:
             ids.append(found)
         return tuple(shown), self._batches(ids)
 
+    def refuse_past_memory(self, batches: list[_Batch], n: int) -> None:
+        """Refuses prompts and ``n`` whose logits cannot fit in the memory available, before any forward: the
+        float64 row keeps its teacher-forced logits of every new token (``[prompts, n, vocab]`` in float64) for
+        every row to compare with, and each teacher-forced forward gives the logits of the whole sequence. At a
+        large vocabulary this dwarfs a small model (8 prompts, 1024 new tokens and Qwen2's 151936 ids: 10 GB kept,
+        as much again at the float64 forward), and the operating system's out-of-memory killer ends a process
+        without a line."""
+        if self.vocab is None:
+            return
+        free = _available_bytes(self.device)
+        need = sum(len(b.where) * (b.ids.shape[1] + 2 * n) for b in batches) * self.vocab * 8
+        if free is None or need <= free:
+            return
+        prompts = sum(len(b.where) for b in batches)
+        raise Tf32LabError(f"{prompts} prompts and {n} new tokens over model {self.name!r}'s vocabulary of "
+                           f"{self.vocab} need about {need / 2**30:.1f} GiB for the logits the check compares "
+                           f"(float64's kept for every row), more than the {free / 2**30:.1f} GiB available on "
+                           f"{self.device.type}: give fewer new tokens or fewer prompts")
+
+    def refuse_past_positions(self, batches: list[_Batch], n: int) -> None:
+        """Refuses prompts that, with ``n`` new tokens, run past the model's position table: an absolute-position
+        decoder (GPT-2) indexes past it and raises, a rotary one (Llama) runs on at positions it never learnt,
+        the float64 row's memory growing with the length (a 15k-token prompt on a two-layer Llama took 7.6 GB
+        before anything was said). The last new token is never fed: ``longest + n - 1`` positions."""
+        found = _positions(getattr(self.model, "config", None))
+        if found is None:
+            return
+        limit, said = found
+        longest, which = max(((int(b.ids.shape[1] if b.mask is None else b.mask[row].sum()), where)
+                              for b in batches for row, where in enumerate(b.where)), key=lambda found: found[0])
+        if longest + n - 1 <= limit:
+            return
+        hint = f"give at most {limit - longest + 1} new tokens, or shorter prompts" if longest <= limit else \
+            f"give prompts of at most {limit - n + 1} tokens" if n <= limit else \
+            "give fewer new tokens and shorter prompts"
+        raise Tf32LabError(f"prompt {which + 1} ({longest} tokens, the longest) and {n} new tokens need "
+                           f"{longest + n - 1} positions; model {self.name!r} has {limit} ({said}): {hint}")
+
     def _batches(self, ids: list[list[int]]) -> list[_Batch]:
         if self.hf:  # one batch, left-padded: new tokens follow each prompt's last token
             longest = max(map(len, ids))
@@ -237,10 +285,12 @@ class _Decoder:
         if not self.hf:
             out = self.model(ids)
         else:
-            kwargs: dict[str, Any] = {"attention_mask": mask, "use_cache": use_cache}
+            step = use_cache and cache is not None
+            kwargs: dict[str, Any] = {"attention_mask": None if step and self.mask_once else mask,
+                                      "use_cache": use_cache}
             if self.positions:  # left padding: a prompt's first real token is at position 0
                 kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-            if use_cache and cache is not None:
+            if step:
                 kwargs[self.cache_arg] = cache
             out = self.model(input_ids=ids, **kwargs)
         # Released after every forward: pooled by size class, a decoder's steps would take the same buffers again,
@@ -346,6 +396,9 @@ class _Generation:
         if not self.decoder.hf and self.use_cache:
             self.notes.append(f"model {self.decoder.name!r} takes no key/value cache: every step ran the whole "
                               f"sequence")
+        unapplied = _unapplied(model)
+        if unapplied is not None:
+            self.notes.append(unapplied)
         if self.reference_count == 0:
             self.notes.append("no prompt has two tokens or more: there is no loss on the prompts' own text")
         ended = [i for i, end in enumerate(self.ends) if end < self.n]
@@ -398,7 +451,7 @@ class _Generation:
             if bug is not None:
                 raise bug from exc
             raise Tf32LabError(f"model {self.decoder.name!r} raised in float64, before any level ran: "
-                               f"{described(exc)}{self._too_long()}") from exc
+                               f"{described(exc)}") from exc
         self.reference_count = run.loss_count
         self.ref_ids = [torch.tensor([run.tokens[i] for i in b.where], device=self.decoder.device)
                         for b in self.batches]
@@ -408,18 +461,6 @@ class _Generation:
         self.ref_ends = [torch.tensor([self.ends[i] for i in b.where], device=self.decoder.device)
                          for b in self.batches]
         return run
-
-    def _too_long(self) -> str:
-        """Why a model raised, where its prompts and new tokens run past its position table: an absolute-position
-        decoder (GPT-2, OPT) indexes past it, and "index out of range in self" named no prompt."""
-        config = getattr(self.decoder.model, "config", None)
-        limit = next((found for found in (getattr(config, name, None) for name in ("n_positions",
-                      "max_position_embeddings")) if isinstance(found, int) and found > 0), None)
-        longest = max(int(b.ids.shape[1] if b.mask is None else b.mask.sum(1).max()) for b in self.batches)
-        if limit is None or longest + self.n <= limit:
-            return ""
-        return (f"; its longest prompt ({longest} tokens) and {self.n} new tokens run past its {limit} positions: "
-                f"give shorter prompts or fewer new tokens")
 
     def _loss(self, run: _Run) -> float:
         return run.loss_sum / run.loss_count if run.loss_count else math.nan
@@ -458,10 +499,11 @@ class _Generation:
         for forced, reference, ids, ends in zip(run.step_logits, ref.step_logits, self.ref_ids, self.ref_ends):
             within = torch.arange(self.n, device=ends.device)[None, :] < ends[:, None]  # float64's text
             agree += int(((forced.argmax(-1) == ids) & within).sum())
-            wide = forced.double()
-            # equal logits differ by 0: a vocabulary masked to -inf in both gave inf - inf = nan at every step
-            gap = torch.where(wide == reference, torch.zeros_like(wide), (wide - reference).abs())
-            errors = torch.maximum(errors, gap.amax(dim=(0, 2)).cpu())
+            for mine, theirs in zip(forced, reference):  # a prompt at a time: the temporaries of one [n, vocab]
+                wide = mine.double()
+                # equal logits differ by 0: a vocabulary masked to -inf in both gave inf - inf = nan at every step
+                gap = torch.where(wide == theirs, torch.zeros_like(wide), (wide - theirs).abs())
+                errors = torch.maximum(errors, gap.amax(dim=1).cpu())
         loss = self._loss(run)
         change = loss - self._loss(ref)
         row = GenerationLevel(
@@ -482,6 +524,80 @@ class _Generation:
             return False
         maths = self.target.maths_at("highest", context_cells())
         return all(m == "ieee" for key, m in maths.items() if key.split(".")[0] in self.families)
+
+
+def _available_bytes(device: torch.device) -> Optional[int]:
+    """The memory a new tensor on ``device`` can take: CUDA's free memory, or Linux's ``MemAvailable`` (what can
+    be allocated without swapping); None where neither says."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0])
+        if device.type == "cpu":
+            with open("/proc/meminfo", encoding="ascii") as info:
+                for line in info:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+    except (OSError, ValueError, RuntimeError):
+        return None
+    return None
+
+
+def _positions(config: Any) -> Optional[tuple[int, str]]:
+    """How many positions a transformers decoder has, and the config field that says so: GPT-2's ``n_positions``,
+    else ``max_position_embeddings``; a scaled rotary embedding (linear, YaRN, LongRoPE) reaches ``factor`` times
+    its original length, and a dynamic one (NTK-aware, rescaled as the sequence grows) has no limit; None where
+    the config says none (ALiBi models, plain modules)."""
+    if config is None:
+        return None
+    if callable(getattr(config, "get_text_config", None)):
+        config = config.get_text_config()
+    field, limit = next(((name, found) for name, found in ((name, getattr(config, name, None)) for name in
+                         ("n_positions", "max_position_embeddings"))
+                         if isinstance(found, int) and not isinstance(found, bool) and found > 0), (None, None))
+    if limit is None:
+        return None
+    # transformers 5 names the rotary embedding's settings rope_parameters, earlier versions rope_scaling
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    kind = (rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else None
+    if kind == "dynamic":
+        return None
+    factor = rope.get("factor") if isinstance(rope, dict) else None
+    if kind not in (None, "default") and isinstance(factor, (int, float)) and factor > 1:
+        original = rope.get("original_max_position_embeddings") or limit
+        if isinstance(original, int) and original * factor > limit:
+            return int(original * factor), f"{original} x {factor:g}, its {kind} rotary scaling"
+    return limit, f"config.{field}"
+
+
+# generate()'s settings that change which token it writes (logits processors, beams, sampling), and the value at
+# which each changes nothing: a model's generation_config.json that sets one makes generate() write other tokens
+# than the raw greedy top-1 this check compares
+_NEUTRAL: dict[str, Any] = {"do_sample": False, "num_beams": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+                            "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+                            "forced_bos_token_id": None, "forced_eos_token_id": None, "min_length": 0,
+                            "min_new_tokens": 0, "sequence_bias": None, "penalty_alpha": None,
+                            "exponential_decay_length_penalty": None, "guidance_scale": 1.0, "dola_layers": None,
+                            "watermarking_config": None}
+
+
+def _unapplied(model: torch.nn.Module) -> Optional[str]:
+    """A note naming the settings of the model's generation config that ``generate()`` applies and the check does
+    not: it decodes by the raw top-1 of the logits, so a model that ships a ``repetition_penalty`` (or forced
+    tokens, a ban on repeated n-grams, beams, sampling) writes other text through ``generate()``; said, not
+    silently measured as if it were that text."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return None
+    found = []
+    for name, neutral in _NEUTRAL.items():
+        value = getattr(config, name, None)
+        if value is not None and value != neutral and value != [] and value != {}:
+            found.append(f"{name}={value!r}")
+    if not found:
+        return None
+    return (f"the model's generation config sets {', '.join(found)}, which generate() applies and this check does "
+            f"not: every row decodes by the raw greedy top-1 of the logits, so its tokens are the model's own, not "
+            f"those generate() writes with these settings")
 
 
 def _end_tokens(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:

@@ -1,0 +1,194 @@
+"""The generation check on ``hf:`` folders as users keep them: prompts tokenized as ``model.generate(**tokenizer(
+prompt))`` sees them (a Llama tokenizer's beginning-of-text token), prompts past the position table refused before
+any forward, and a generation config whose settings the check does not apply said. Two-layer folders, 32 wide."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import cli_runner
+import hf_builders
+import tf32lab
+from tf32lab.errors import Tf32LabError
+from tf32lab.workloads import hf
+
+transformers = pytest.importorskip("transformers")
+
+_POSITIONS = 32  # a short table: a prompt past it is a few dozen tokens
+
+
+def _bos_tokenizer() -> object:
+    """A tokenizer that adds its beginning-of-text token to every text, as Llama's do (tokenizer.json's template)."""
+    from tokenizers import processors
+
+    tok = hf_builders.tokenizer(bos_token="<s>", eos_token="</s>")
+    bos = tok.bos_token_id
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    return tok
+
+
+@pytest.fixture(scope="session")
+def llama_folder(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("llama_bos")
+    return hf_builders.folder(path, hf_builders.llama(max_position_embeddings=_POSITIONS, tie_word_embeddings=True),
+                              _bos_tokenizer())
+
+
+@pytest.fixture(scope="session")
+def gpt2_folder(tmp_path_factory) -> Path:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=hf_builders.VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=_POSITIONS))
+    return hf_builders.folder(tmp_path_factory.mktemp("gpt2"), model,
+                              hf_builders.tokenizer(eos_token="<|endoftext|>"))
+
+
+def _forwards(model: torch.nn.Module) -> list[int]:
+    """A list that grows by one at each forward of ``model``."""
+    calls: list[int] = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_prompt_past_the_position_table_is_refused_before_any_forward(kind, llama_folder, gpt2_folder):
+    # a rotary decoder (Llama) ran on past its table, the float64 row taking memory with the length (7.6 GB for
+    # a 15k-token prompt on a two-layer Llama), and an absolute one (GPT-2) raised in float64 before it was said
+    lm = hf.causal_lm(str(llama_folder if kind == "llama" else gpt2_folder))
+    calls = _forwards(lm.model)
+    field = "max_position_embeddings" if kind == "llama" else "n_positions"
+    with pytest.raises(Tf32LabError, match=rf"^prompt 2 \(30 tokens, the longest\) and 4 new tokens need 33 "
+                                           rf"positions; model '\w+' has 32 \(config.{field}\): give at most 3 "
+                                           rf"new tokens, or shorter prompts$"):
+        tf32lab.check_generation(lm, new_tokens=4, prompts=[[5, 6], [7] * 30], levels=("high",))
+    assert not calls
+    assert tf32lab.get_float32_matmul_precision() == "highest"
+
+
+def test_a_prompt_and_new_tokens_that_fill_the_table_exactly_run(gpt2_folder):
+    # the last new token is never fed: 29 + 4 tokens use 32 positions, GPT-2's whole table
+    lm = hf.causal_lm(str(gpt2_folder))
+    report = tf32lab.check_generation(lm, new_tokens=4, prompts=[[7] * 29], levels=("highest",))
+    assert len(report.reference_tokens[0]) == 4
+
+
+def test_a_scaled_rotary_table_reaches_its_factor_and_a_dynamic_one_has_no_limit():
+    from tf32lab.measure.generation import _positions
+
+    yarn = transformers.LlamaConfig(max_position_embeddings=32, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
+    assert _positions(yarn) == (128, "32 x 4, its yarn rotary scaling")
+    dynamic = transformers.LlamaConfig(max_position_embeddings=32, rope_scaling={"rope_type": "dynamic",
+                                                                                  "factor": 2.0})
+    assert _positions(dynamic) is None
+    assert _positions(transformers.LlamaConfig(max_position_embeddings=32)) == (32, "config.max_position_embeddings")
+
+
+def test_cli_a_prompt_file_past_the_table_is_one_line_exit_2(llama_folder, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The cat\n" + " ".join(["river"] * 40) + "\n")
+    done = cli_runner.run("check", f"hf:{llama_folder}", "--generate", "8", "--prompts", str(prompts),
+                          "--levels", "high", timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    line = done.stderr.strip()
+    assert len(line.splitlines()) == 1 and "prompt 2 (" in line and "8 new tokens" in line and "has 32" in line
+
+
+def _prompt_ids(lm, prompts: list[str]) -> list[list[int]]:
+    """The token ids of each prompt at the model's first forward (the float64 row's), padding left out."""
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def record(module, args, kwargs):
+        if not seen:
+            seen.append((kwargs["input_ids"].clone(), kwargs["attention_mask"].clone()))
+
+    handle = lm.model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        tf32lab.check_generation(lm, new_tokens=2, prompts=prompts, levels=("highest",))
+    finally:
+        handle.remove()
+    ids, mask = seen[0]
+    return [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_prompts_are_tokenized_as_generate_sees_them(kind, llama_folder, gpt2_folder):
+    # a Llama tokenizer adds its beginning-of-text token to what a user feeds generate(); the check left it out,
+    # so every row decoded from a text the model is never given
+    lm = hf.causal_lm(str(llama_folder if kind == "llama" else gpt2_folder))
+    prompts = ["The river ferry", "A tired engineer was late again"]
+    users = [lm.tokenizer(p)["input_ids"] for p in prompts]
+    assert (users[0][0] == lm.tokenizer.bos_token_id) == (kind == "llama")  # the folders are what they say
+    assert _prompt_ids(lm, prompts) == users
+
+
+def test_the_loss_on_a_prompt_is_the_one_a_user_computes(llama_folder):
+    # a one-word prompt after the beginning-of-text token has a loss of its own (the word given the start); the
+    # check had none and said "no prompt has two tokens or more"
+    lm = hf.causal_lm(str(llama_folder))
+    report = tf32lab.check_generation(lm, new_tokens=2, prompts=["The", "River"], levels=("highest",))
+    wide = transformers.LlamaForCausalLM.from_pretrained(str(llama_folder)).double().eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for prompt in ("The", "River"):  # transformers' loss is a prompt's mean: the check's is every token's
+            ids = lm.tokenizer(prompt, return_tensors="pt")["input_ids"]
+            total += float(wide(input_ids=ids, labels=ids).loss) * (ids.shape[1] - 1)
+            count += ids.shape[1] - 1
+    # transformers takes the loss of logits cast to float32: equal to its rounding
+    assert math.isclose(report.reference_loss, total / count, rel_tol=1e-6)
+
+
+def test_generation_config_settings_the_check_does_not_apply_are_said(llama_folder, tmp_path):
+    # a repetition penalty, an n-gram ban or a forced end token in generation_config.json change the tokens
+    # generate() writes; the check compared the raw greedy tokens without a word
+    folder = tmp_path / "penalised"
+    folder.mkdir()
+    for item in llama_folder.iterdir():
+        (folder / item.name).write_bytes(item.read_bytes())
+    config = json.loads((folder / "generation_config.json").read_text())
+    config.update(repetition_penalty=1.3, no_repeat_ngram_size=3, eos_token_id=[2, 5], num_beams=1)
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    report = tf32lab.check_generation(hf.causal_lm(str(folder)), new_tokens=2,
+                                      prompts=["The river"], levels=("highest",))
+    said = [note for note in report.notes if "generation config" in note]
+    assert len(said) == 1 and "repetition_penalty=1.3, no_repeat_ngram_size=3, which generate() applies" in said[0]
+    assert "num_beams" not in said[0]  # one beam is greedy: nothing unapplied
+    plain = tf32lab.check_generation(hf.causal_lm(str(llama_folder)), new_tokens=2,
+                                     prompts=["The river"], levels=("highest",))
+    assert not [note for note in plain.notes if "generation config" in note]
+
+
+class _Wide(torch.nn.Module):
+    """A decoder of a million-token vocabulary and two dimensions: a few MB of weights, logits of a million
+    floats a token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(1_000_000, 2)
+        self.out = torch.nn.Linear(2, 1_000_000)
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.embed
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embed(ids))
+
+
+def test_logits_past_the_memory_available_are_refused_before_any_forward():
+    # 2 prompts x 100000 new tokens x a million ids: terabytes of float64 logits kept to compare every row with;
+    # the float64 row started, and the machine's out-of-memory killer was what ended it
+    model = _Wide()
+    calls = _forwards(model)
+    with pytest.raises(Tf32LabError, match=r"^2 prompts and 100000 new tokens over model '_Wide''s vocabulary of "
+                                           r"1000000 need about \d+\.\d GiB for the logits the check compares "
+                                           r"\(float64's kept for every row\), more than the [\d.]+ GiB available "
+                                           r"on cpu: give fewer new tokens or fewer prompts$"):
+        tf32lab.check_generation(model, new_tokens=100_000, prompts=[[1, 2, 3], [4]], levels=("high",))
+    assert not calls
