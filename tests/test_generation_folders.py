@@ -192,3 +192,18 @@ def test_logits_past_the_memory_available_are_refused_before_any_forward():
                                            r"on cpu: give fewer new tokens or fewer prompts$"):
         tf32lab.check_generation(model, new_tokens=100_000, prompts=[[1, 2, 3], [4]], levels=("high",))
     assert not calls
+
+
+def test_an_alibi_falcon_runs_past_its_max_position_embeddings():
+    # ALiBi makes its biases for any length: a Falcon with alibi=True has max_position_embeddings but no table
+    # (it was refused, valid input); a rotary Falcon keeps the limit
+    from tf32lab.measure.generation import _positions
+
+    config = dict(vocab_size=hf_builders.VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=8)
+    assert _positions(transformers.FalconConfig(**config, alibi=False)) == (8, "config.max_position_embeddings")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = transformers.FalconForCausalLM(transformers.FalconConfig(**config, alibi=True)).eval()
+    report = tf32lab.check_generation(model, new_tokens=4, prompts=[[5] * 12, [7, 8, 9]], levels=("high",))
+    assert [len(tokens) for tokens in report.reference_tokens] == [4, 4]

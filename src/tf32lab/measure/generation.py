@@ -546,11 +546,15 @@ def _positions(config: Any) -> Optional[tuple[int, str]]:
     """How many positions a transformers decoder has, and the config field that says so: GPT-2's ``n_positions``,
     else ``max_position_embeddings``; a scaled rotary embedding (linear, YaRN, LongRoPE) reaches ``factor`` times
     its original length, and a dynamic one (NTK-aware, rescaled as the sequence grows) has no limit; None where
-    the config says none (ALiBi models, plain modules)."""
+    the config says none (ALiBi models, a Falcon's ``alibi=True`` among them; plain modules)."""
     if config is None:
         return None
     if callable(getattr(config, "get_text_config", None)):
         config = config.get_text_config()
+    if getattr(config, "alibi", False) is True:
+        # ALiBi's biases are made for any length (Press et al., 2022): Falcon's max_position_embeddings beside
+        # alibi=True sizes no table, and a falcon-rw model runs past it (refused, it was valid input)
+        return None
     field, limit = next(((name, found) for name, found in ((name, getattr(config, name, None)) for name in
                          ("n_positions", "max_position_embeddings"))
                          if isinstance(found, int) and not isinstance(found, bool) and found > 0), (None, None))
