@@ -207,3 +207,19 @@ def test_an_alibi_falcon_runs_past_its_max_position_embeddings():
         model = transformers.FalconForCausalLM(transformers.FalconConfig(**config, alibi=True)).eval()
     report = tf32lab.check_generation(model, new_tokens=4, prompts=[[5] * 12, [7, 8, 9]], levels=("high",))
     assert [len(tokens) for tokens in report.reference_tokens] == [4, 4]
+
+
+def test_a_tokenizer_that_appends_its_end_token_gives_prompts_without_it(llama_folder):
+    # a tokenizer that ends every text with its end-of-text token (add_eos_token, a BERT tokenizer's [SEP]): each
+    # prompt ended there, every row wrote a new text after it, and the prompts' loss took in their end
+    from tokenizers import processors
+
+    lm = hf.causal_lm(str(llama_folder))
+    tok = lm.tokenizer
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> $B </s>", special_tokens=[("<s>", bos), ("</s>", eos)])
+    prompts = ["The river ferry", "A tired engineer was late again"]
+    users = [tok(p)["input_ids"] for p in prompts]
+    assert all(ids[0] == bos and ids[-1] == eos for ids in users)  # the tokenizer is what it says
+    assert _prompt_ids(lm, prompts) == [ids[:-1] for ids in users]

@@ -97,8 +97,9 @@ def check_generation(workload: Union[CausalLM, torch.nn.Module], *, new_tokens: 
         new_tokens: tokens generated per prompt (at least 1).
         levels: precision levels to check, in order.
         target: a hardware profile from ``tf32lab.targets`` (emulated here), or ``"native"``.
-        prompts: texts (with a tokenizer: tokenized as ``tokenizer(text)`` does for ``generate()``, its special
-            tokens included) or lists of token ids (taken as given); by default
+        prompts: texts (with a tokenizer: tokenized as ``tokenizer(text)`` does for ``generate()``, with the
+            special tokens it puts before the text, not those it appends after it) or lists of token ids (taken
+            as given); by default
             ``DEFAULT_PROMPTS``, 8 sample sentences that share no subject and no ending (with a tokenizer; a plain
             model needs prompts).
         criterion: what a level must do to pass (``tf32lab.report.generation.Criterion``): ``"divergence>K"``,
@@ -205,9 +206,7 @@ class _Decoder:
                 if self.tokenizer is None:
                     raise Tf32LabError(f"prompt {i + 1} is text, and model {self.name!r} has no tokenizer: give "
                                        f"token ids")
-                # as a user's model.generate(**tokenizer(prompt)) sees it: with the special tokens the tokenizer
-                # adds (a Llama tokenizer's beginning-of-text token; a GPT-2's adds none)
-                found = list(self.tokenizer(prompt)["input_ids"])
+                found = _prompt_ids(self.tokenizer, prompt)
                 shown.append(prompt)
             else:
                 try:  # operator.index: a token id 1.7 is no id (int() made it 1)
@@ -524,6 +523,23 @@ class _Generation:
             return False
         maths = self.target.maths_at("highest", context_cells())
         return all(m == "ieee" for key, m in maths.items() if key.split(".")[0] in self.families)
+
+
+def _prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """``text``'s token ids as a user's ``model.generate(**tokenizer(text))`` sees them, with the special tokens the
+    tokenizer puts before the text (a Llama tokenizer's beginning-of-text token; a GPT-2's adds none), less those
+    it appends after the text (an end-of-text or separator token: a Llama tokenizer with ``add_eos_token``, a BERT
+    tokenizer's ``[SEP]``). A prompt is a text to continue: ending in its end-of-text token, every row wrote a new
+    text after it, and the prompts' loss took in a prediction of their end."""
+    try:
+        encoded = tokenizer(text, return_special_tokens_mask=True)
+    except TypeError:  # a tokenizer of the user's own that takes no such argument
+        return list(tokenizer(text)["input_ids"])
+    ids, special = list(encoded["input_ids"]), encoded.get("special_tokens_mask")
+    if special is None or len(special) != len(ids) or all(special):
+        return ids
+    end = max(i for i, flag in enumerate(special) if not flag) + 1
+    return ids[:end]
 
 
 def _available_bytes(device: torch.device) -> Optional[int]:
