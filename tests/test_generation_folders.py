@@ -223,3 +223,20 @@ def test_a_tokenizer_that_appends_its_end_token_gives_prompts_without_it(llama_f
     users = [tok(p)["input_ids"] for p in prompts]
     assert all(ids[0] == bos and ids[-1] == eos for ids in users)  # the tokenizer is what it says
     assert _prompt_ids(lm, prompts) == [ids[:-1] for ids in users]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="PyTorch's CUDA caching allocator")
+def test_cuda_memory_pytorch_caches_unused_counts_as_available():
+    # mem_get_info counts the blocks PyTorch's caching allocator keeps after a tensor is freed as taken; a new
+    # tensor takes them first, and a process that had run a big forward before was refused logits it could hold
+    from tf32lab.measure.generation import _available_bytes
+
+    device = torch.device("cuda")
+    block = torch.empty(1 << 28, dtype=torch.uint8, device=device)  # 256 MiB, kept in the cache once freed
+    del block
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    assert cached >= 1 << 28
+    found = _available_bytes(device)
+    # a margin for another process on the same GPU between the two readings
+    assert found is not None and found >= torch.cuda.mem_get_info(device)[0] + (1 << 28) - (1 << 26)
+    torch.cuda.empty_cache()

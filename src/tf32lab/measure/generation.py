@@ -543,11 +543,13 @@ def _prompt_ids(tokenizer: Any, text: str) -> list[int]:
 
 
 def _available_bytes(device: torch.device) -> Optional[int]:
-    """The memory a new tensor on ``device`` can take: CUDA's free memory, or Linux's ``MemAvailable`` (what can
-    be allocated without swapping); None where neither says."""
+    """The memory a new tensor on ``device`` can take: CUDA's free memory and what PyTorch's caching allocator
+    holds unused (reserved, not allocated: mem_get_info counts it as taken, yet a new tensor takes it first), or
+    Linux's ``MemAvailable`` (what can be allocated without swapping); None where neither says."""
     try:
         if device.type == "cuda":
-            return int(torch.cuda.mem_get_info(device)[0])
+            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+            return int(torch.cuda.mem_get_info(device)[0]) + max(0, int(cached))
         if device.type == "cpu":
             with open("/proc/meminfo", encoding="ascii") as info:
                 for line in info:
