@@ -166,6 +166,26 @@ def test_the_conclusion_says_how_to_enable_a_level_that_is_safe_and_worth_it_and
     assert "keep `highest`" in failed[0] and "tf32lab tune SPEC --train" in failed[0], failed
 
 
+def test_a_level_that_fails_where_float32_fails_too_is_not_told_to_keep_highest():
+    # float32 itself fails at step 1 (a loss that refuses float32 outputs): keeping `highest` is no answer, and
+    # the conclusion said it beside "float32 itself (`highest`) fails"
+    def float64_only(out, batch):
+        if out.dtype != torch.float64:
+            raise ValueError(f"a {out.dtype} output")
+        return mse(out, batch)
+
+    workload = regression(steps=2)
+    workload = TrainingWorkload(workload.model, workload.batches, loss=float64_only, inputs=lambda b: b[0],
+                                name="regression")
+    report = check_training(workload, levels=("highest", "high"), target="a100")
+    assert report.floor.failure is not None and report.level("high").failure is not None
+    said = report.conclusion()
+    assert any(line.startswith("float32 itself (`highest`) fails at step 1") for line in said), said
+    assert not any("keep `highest`" in line for line in said), said
+    alone = check_training(workload, levels=("highest",), target="a100").conclusion()
+    assert not any("keep `highest`" in line for line in alone), alone
+
+
 def test_dropout_draws_the_same_masks_in_every_row():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Dropout(0.5),

@@ -258,6 +258,12 @@ _KEEP = ("; keep `highest` (PyTorch's default) for this training, or let `tf32la
          "modules to pin")
 
 
+def _keep(lv: TrainingLevel, keep: str) -> str:
+    """``keep`` (the advice to keep `highest`) for a reduced level's row, not for `highest`'s own or one computed
+    as it is."""
+    return "" if lv.level == "highest" or lv.same_as == "highest" else keep
+
+
 def _enable(lv: TrainingLevel, target: str) -> str:
     """`` Enable it with ...`` where a level (not a policy) is safe, unless its step is predicted to buy little
     on the target, as the sentence before it says (no prediction: the machine at hand, or none asked for)."""
@@ -287,12 +293,14 @@ def conclusion(report: TrainingReport) -> list[str]:
     name, steps = " ".join(str(report.workload).split()), _steps(report.steps)  # one line, whatever the name holds
     lines: list[str] = []
     rows = [lv for lv in report.levels if lv.level != "highest"] or list(report.levels)
+    # keeping `highest` is an answer only where float32 itself trains: not for its own row, nor where it fails too
+    keep = _KEEP if report.floor.failure is None else ""
     for lv in rows:
         if lv.same_as is not None and lv.same_as != "highest":
             continue
         called = _called(lv)
         if lv.failure is not None:
-            lines.append(f"{called} fails at step {lv.failed_step} {where}: {_one_line(lv.failure)}{_KEEP}.")
+            lines.append(f"{called} fails at step {lv.failed_step} {where}: {_one_line(lv.failure)}{_keep(lv, keep)}.")
         elif lv.passed and lv.divergence_step is None:
             lines.append(f"{called} is safe for training {name} for {steps} {where}: its loss stays within "
                          f"{lv.drift:.1e} of float64's ({_times(lv.multiple)} float32's own drift; tolerance "
@@ -306,7 +314,7 @@ def conclusion(report: TrainingReport) -> list[str]:
             clause = _gradient_clause(lv)
             lines.append(f"{called} diverges at step {lv.divergence_step} {where}: its loss is "
                          f"{lv.drift:.1e} from float64's, {_times(lv.multiple)} float32's own drift"
-                         f"{'; ' + clause if clause else ''}{_pin(lv) or _KEEP}.")
+                         f"{'; ' + clause if clause else ''}{_pin(lv) or _keep(lv, keep)}.")
     unhandled = {op: n for lv in report.levels if lv.same_as is None for op, n in lv.unhandled.items()}
     if unhandled:
         ops = ", ".join(f"{op} x{n}" for op, n in sorted(unhandled.items()))
