@@ -291,7 +291,7 @@ def _trainers_step(trainer: Any, model: Any, micro: list[Any], count: Any) -> to
     ``current_gradient_accumulation_steps`` the step's micro-batches (put back after). The step's loss is the sum
     of what it returned (what the Trainer logs), plus a zero that reaches no parameter: backpropagated already."""
     model.zero_grad(set_to_none=True)
-    takes_count = len(inspect.signature(trainer.training_step).parameters) >= 3
+    takes_count = _takes(trainer.training_step, 3)  # as the loop calls it; (*args, **kwargs) takes three too
     missing = object()
     before = trainer.__dict__.get("current_gradient_accumulation_steps", missing)
     trainer.current_gradient_accumulation_steps = len(micro)
@@ -305,6 +305,18 @@ def _trainers_step(trainer: Any, model: Any, micro: list[Any], count: Any) -> to
             trainer.current_gradient_accumulation_steps = before
     total = torch.stack([v.detach().reshape(()) for v in values]).sum()
     return total + torch.zeros((), dtype=total.dtype, device=total.device, requires_grad=True)
+
+
+def _takes(function: Any, n: int) -> bool:
+    """Whether ``function`` can be called with ``n`` positional arguments (its parameters' count is not that: a
+    ``*args`` takes any number)."""
+    try:
+        inspect.signature(function).bind(*([None] * n))
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read: called as the loop calls it
+        return True
+    return True
 
 
 def tf32_advice(report: TrainingReport, args: Any) -> str:
