@@ -223,6 +223,9 @@ def test_a_tokenizer_that_appends_its_end_token_gives_prompts_without_it(llama_f
     users = [tok(p)["input_ids"] for p in prompts]
     assert all(ids[0] == bos and ids[-1] == eos for ids in users)  # the tokenizer is what it says
     assert _prompt_ids(lm, prompts) == [ids[:-1] for ids in users]
+    # an end token the prompt's own text holds is the user's: kept
+    assert _prompt_ids(lm, ["The river ferry</s>"]) == [tok("The river ferry</s>")["input_ids"][:-1]]
+    assert _prompt_ids(lm, ["The river ferry</s>"])[0][-1] == eos
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="PyTorch's CUDA caching allocator")
