@@ -160,26 +160,34 @@ def test_a_trainers_own_training_step_is_the_checks_step_and_the_run_untouched(t
 
 
 @functools.cache
-def forwarding_trainer() -> type:
-    """A Trainer whose own training_step takes what the loop gives as ``*args, **kwargs`` and hands it on."""
+def forwarding_trainer(method: str = "training_step") -> type:
+    """A Trainer whose own ``method`` takes what the loop gives as ``*args, **kwargs`` and hands it on."""
 
     class Forwarding(transformers.Trainer):
         def training_step(self, *args, **kwargs):
             return super().training_step(*args, **kwargs)
 
+        def compute_loss(self, *args, **kwargs):
+            return super().compute_loss(*args, **kwargs)
+
+    # the other method stays the Trainer's own
+    delattr(Forwarding, "compute_loss" if method == "training_step" else "training_step")
     return Forwarding
 
 
-def test_a_training_step_of_args_and_kwargs_is_given_the_step_s_token_count(tmp_path):
-    # the loop calls training_step(model, inputs, num_items_in_batch): a subclass taking *args, **kwargs was
-    # called with two (its parameters counted, two), its loss each micro-batch's mean over the accumulation, not
-    # the step's tokens' sum over their count as the run's: with uneven labels its float32 losses were not the run's
+@pytest.mark.parametrize("method", ["training_step", "compute_loss"])
+def test_a_training_step_of_args_and_kwargs_is_given_the_step_s_token_count(tmp_path, method):
+    # the loop calls training_step(model, inputs, num_items_in_batch), which calls compute_loss(model, inputs,
+    # num_items_in_batch=...): a subclass's step or loss taking *args, **kwargs was called without the count (its
+    # parameters counted, or the keyword's name looked for), its loss each micro-batch's mean over the
+    # accumulation, not the step's tokens' sum over their count as the run's: with uneven labels its float32
+    # losses were not the run's
     g = torch.Generator().manual_seed(1)
     data = []
     for i in range(16):
         ids = torch.randint(0, 40, (10,), generator=g)
         data.append({"input_ids": ids, "labels": torch.where(torch.arange(10) < 2 + (i * 5) % 8, -100, ids)})
-    options = {"trainer_class": forwarding_trainer(), "max_steps": 2, "gradient_accumulation_steps": 2}
+    options = {"trainer_class": forwarding_trainer(method), "max_steps": 2, "gradient_accumulation_steps": 2}
     check = integration.Tf32CheckCallback(steps=2, levels=("highest",))
     _, losses, _, _ = train(tmp_path, dataset=data, callback=check, **options)
     assert check.report.floor.losses == pytest.approx([loss for _, loss in losses], rel=1e-5)

@@ -200,7 +200,8 @@ class Tf32CheckCallback(transformers.TrainerCallback):
             notes.append("no Trainer found: the loss is the model output's own .loss (Trainer.compute_loss's "
                          "default), not a subclass's compute_loss")
         counts: dict[int, Any] = {}  # each step's token count, the same for every row: counted once
-        takes_count = trainer is not None and "num_items_in_batch" in inspect.signature(trainer.compute_loss).parameters
+        # as the Trainer's training_step calls it: by keyword, which a compute_loss(model, inputs, **kwargs) takes too
+        takes_count = trainer is not None and _takes(trainer.compute_loss, 2, "num_items_in_batch")
 
         # gradient checkpointing recomputes a layer's forward inside the backward. A PyTorch without
         # torch.overrides.redispatch_function runs that backward without the emulator's function mode: its attention
@@ -307,11 +308,11 @@ def _trainers_step(trainer: Any, model: Any, micro: list[Any], count: Any) -> to
     return total + torch.zeros((), dtype=total.dtype, device=total.device, requires_grad=True)
 
 
-def _takes(function: Any, n: int) -> bool:
-    """Whether ``function`` can be called with ``n`` positional arguments (its parameters' count is not that: a
-    ``*args`` takes any number)."""
+def _takes(function: Any, n: int, *keywords: str) -> bool:
+    """Whether ``function`` can be called with ``n`` positional arguments and ``keywords`` (its parameters' count
+    and names are not that: a ``*args`` takes any number, a ``**kwargs`` any name)."""
     try:
-        inspect.signature(function).bind(*([None] * n))
+        inspect.signature(function).bind(*([None] * n), **dict.fromkeys(keywords))
     except TypeError:
         return False
     except ValueError:  # no signature to read: called as the loop calls it
