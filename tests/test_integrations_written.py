@@ -55,3 +55,25 @@ def test_a_rows_plain_data_is_its_own(report):
     row = report.level("high")
     assert row.maths and row.gradients[0].name != "edited" and len(row.losses) == report.steps
     assert json.loads(report.to_json()) == report.to_dict()
+
+
+def test_both_files_are_synced_with_one_flush_of_their_folder(report, tmp_path, monkeypatch):
+    """Each file is flushed to disk before its rename, and the folder once after both renames (a folder's flush is
+    a journal commit: milliseconds of the writer thread's waiting, which a short run then waits for)."""
+    import os
+    import stat
+
+    from tf32lab.numbers import files
+
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def counted(fd: int) -> None:
+        synced.append("folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        fsync(fd)
+
+    monkeypatch.setattr(files.os, "fsync", counted)
+    paths = Written(report, str(tmp_path)).wait()
+    assert synced == ["file", "file", "folder"]
+    assert paths[0].read_text(encoding="utf-8") == report.to_json()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tf32lab-training.html", "tf32lab-training.json"]
