@@ -70,7 +70,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Union
 
-__all__ = ["check_writable", "finite", "is_stream", "same_file", "sync_folder", "write_atomically", "write_json"]
+__all__ = ["check_writable", "finite", "is_stream", "json_text", "same_file", "sync_folder", "write_atomically",
+           "write_json"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -153,10 +154,21 @@ def write_json(path: Optional[PathLike], data: Any, *, indent: int = 2, private:
     >>> text
     '{\\n  "normwise": "nan"\\n}\\n'
     """
-    text = json.dumps(finite(data), indent=indent, allow_nan=False) + "\n"
+    text = json_text(finite(data), indent=indent)
     if path is not None:
         write_atomically(path, text, private=private)
     return text
+
+
+def json_text(data: Any, *, indent: int = 2) -> str:
+    """:func:`write_json`'s text of ``data`` that is :func:`finite` already (a report's ``to_dict()``): the same
+    text without walking the data a second time (a training report's walk is a quarter of its JSON's making).
+    Raises ``ValueError`` for a non-finite float left in it, never writing a bare ``NaN``.
+
+    >>> json_text(finite({"x": float("nan")})) == write_json(None, {"x": float("nan")})
+    True
+    """
+    return json.dumps(data, indent=indent, allow_nan=False) + "\n"
 
 
 def check_writable(path: PathLike) -> Path:
