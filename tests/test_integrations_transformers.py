@@ -411,3 +411,39 @@ def test_an_epochs_last_shorter_accumulation_is_checked_as_the_trainer_steps_it(
     _, losses, _, _ = train(tmp_path, dataset=tokens(20), callback=check, gradient_accumulation_steps=3)
     assert check.report.steps == 2 and len(losses) == 2
     assert check.report.floor.losses == pytest.approx([loss for _, loss in losses], rel=1e-5)
+
+
+def test_a_constant_schedule_is_not_stepped_in_the_rows_and_changes_no_number(tmp_path, monkeypatch):
+    # lr_scheduler_type="constant" sets every lr to the same float at every step: the rows step their optimizer
+    # alone; a schedule that moves the lr (linear, here) is still stepped in them
+    stepped = []
+    step, begin = torch.optim.lr_scheduler.LambdaLR.step, integration.Tf32CheckCallback.on_train_begin
+
+    def counted(self, *args, **kwargs):
+        stepped[-1] += 1
+        return step(self, *args, **kwargs)
+
+    def checked(self, *args, **kwargs):
+        stepped.append(0)
+        monkeypatch.setattr(torch.optim.lr_scheduler.LambdaLR, "step", counted)
+        try:
+            return begin(self, *args, **kwargs)
+        finally:
+            monkeypatch.setattr(torch.optim.lr_scheduler.LambdaLR, "step", step)
+
+    monkeypatch.setattr(integration.Tf32CheckCallback, "on_train_begin", checked)
+    reports = []
+    for kind in ("constant", "linear"):
+        check = integration.Tf32CheckCallback(target="a100", steps=2, levels=("highest", "high"))
+        train(tmp_path / kind, callback=check, max_steps=2, lr_scheduler_type=kind)
+        reports.append(check.report)
+    assert stepped[0] == 0 and stepped[1] > 0
+    # the constant schedule stepped as before: the same numbers, bit for bit
+    monkeypatch.setattr("tf32lab.integrations.transformers._holds_lr", lambda scheduler, optimizer: False)
+    check = integration.Tf32CheckCallback(target="a100", steps=2, levels=("highest", "high"))
+    train(tmp_path / "stepped", callback=check, max_steps=2, lr_scheduler_type="constant")
+    assert stepped[2] > 0
+    for made, before in zip(reports[0].to_dict()["levels"], check.report.to_dict()["levels"]):
+        assert made["losses"] == before["losses"] and made["drift"] == before["drift"]
+    assert reports[0].floor.losses == check.report.floor.losses
+    assert reports[0].reference_losses == check.report.reference_losses

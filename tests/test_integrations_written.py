@@ -55,3 +55,47 @@ def test_a_rows_plain_data_is_its_own(report):
     row = report.level("high")
     assert row.maths and row.gradients[0].name != "edited" and len(row.losses) == report.steps
     assert json.loads(report.to_json()) == report.to_dict()
+
+
+def test_both_files_are_synced_with_one_flush_of_their_folder(report, tmp_path, monkeypatch):
+    """Each file is flushed to disk before its rename, and the folder once after both renames (a folder's flush is
+    a journal commit: milliseconds of the writer thread's waiting, which a short run then waits for)."""
+    import os
+    import stat
+
+    from tf32lab.numbers import files
+
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def counted(fd: int) -> None:
+        synced.append("folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        fsync(fd)
+
+    monkeypatch.setattr(files.os, "fsync", counted)
+    paths = Written(report, str(tmp_path)).wait()
+    assert synced == ["file", "file", "folder"]
+    assert paths[0].read_text(encoding="utf-8") == report.to_json()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tf32lab-training.html", "tf32lab-training.json"]
+
+
+def test_the_json_is_made_from_the_reports_finite_data_without_a_second_walk(report, tmp_path, monkeypatch):
+    """`to_dict()` is finite already (its own `finite` walk): the writer makes the JSON text of it as it is, the
+    same text as `to_json()`, without `write_json`'s second walk of it (a quarter of the JSON's making)."""
+    from tf32lab.numbers import files
+    from tf32lab.report import training
+
+    walks = []
+    finite = files.finite
+
+    def counted(data):
+        if isinstance(data, dict) and "levels" in data:  # a walk of the whole report (it recurses)
+            walks.append(1)
+        return finite(data)
+
+    for module in (files, training):
+        monkeypatch.setattr(module, "finite", counted)
+    paths = Written(report, str(tmp_path)).wait()
+    assert len(walks) == 1  # to_dict's own
+    monkeypatch.undo()
+    assert paths[0].read_text(encoding="utf-8") == report.to_json()

@@ -52,7 +52,7 @@ from tf32lab.know.levels import LEVELS, check_levels
 from tf32lab.know.targets import NATIVE, Target
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.training import check_training, elementwise_step, training_tolerance
-from tf32lab.numbers.files import write_atomically, write_json
+from tf32lab.numbers.files import json_text, sync_folder, write_atomically
 from tf32lab.report.training import TrainingReport
 from tf32lab.workloads.training import TrainingWorkload, check_steps
 
@@ -551,9 +551,11 @@ class Written:
 
         def write() -> None:
             try:
-                data = report.to_dict()  # made once, for both texts
-                write_atomically(self.paths[0], write_json(None, data))
-                write_atomically(self.paths[1], html(report, data))
+                data = report.to_dict()  # made once, for both texts; finite already (write_json's walk, not again)
+                # both renamed, then their folder flushed once (a flush is a journal commit: milliseconds)
+                write_atomically(self.paths[0], json_text(data), sync_folder=False)
+                write_atomically(self.paths[1], html(report, data), sync_folder=False)
+                sync_folder(path)
             except Exception as exc:  # told by wait(), in the run's own thread
                 self._error = exc
 

@@ -185,6 +185,9 @@ class Tf32CheckCallback(transformers.TrainerCallback):
             schedulers = []  # the Trainer steps it after an evaluation, with its metric: in no training step
             notes.append(f"{type(scheduler).__name__} steps on an evaluation metric, which the check does not "
                          f"compute: its learning rate is held")
+        # a schedule that holds every learning rate where it is (lr_scheduler_type="constant") sets each group's lr
+        # to the same float at every step: the rows' optimizers step alone, without a scheduler stepped each step
+        schedulers = [one for one in schedulers if not _holds_lr(one, inner)]
         clip = (float(args.max_grad_norm), "norm") if args.max_grad_norm and args.max_grad_norm > 0 else None
         original = _loop.trainable(model)
         # a Trainer subclass's own training_step (a penalty added, its own backward) is the run's step: the check
@@ -334,6 +337,29 @@ def tf32_advice(report: TrainingReport, args: Any) -> str:
                 f"level 'high', which passed){now}")
     return (f"keep TrainingArguments(tf32=False): TF32 (the level 'high') fails this run's training on "
             f"{report.target}{now}")
+
+
+def _holds_lr(scheduler: Any, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether stepping ``scheduler`` leaves every learning rate of ``optimizer`` as it is: transformers' constant
+    schedule (``get_constant_schedule``: a ``LambdaLR`` whose every factor is 1), over groups whose lr is still
+    its base lr (``base_lr * 1``, the same float); any other scheduler, or a group whose lr was changed since, is
+    stepped as the run steps it.
+
+    >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    >>> _holds_lr(transformers.get_constant_schedule(opt), opt)
+    True
+    >>> _holds_lr(transformers.get_linear_schedule_with_warmup(opt, 0, 10), opt)
+    False
+    """
+    constant = getattr(transformers.optimization, "_get_constant_lambda", None)
+    if type(scheduler) is not torch.optim.lr_scheduler.LambdaLR or constant is None:
+        return False
+    groups = scheduler.optimizer.param_groups  # what its step sets (the run's optimizer, or accelerate's wrapper)
+    if [id(g) for g in groups] != [id(g) for g in optimizer.param_groups] or len(scheduler.lr_lambdas) != len(groups):
+        return False
+    return all(fn is constant for fn in scheduler.lr_lambdas) and all(
+        type(group["lr"]) is float and type(base) is float and group["lr"] == base
+        for group, base in zip(groups, scheduler.base_lrs))
 
 
 def _on_metrics() -> tuple[type, ...]:
