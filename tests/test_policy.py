@@ -9,8 +9,6 @@ import inspect
 import json
 import pickle
 import re
-import subprocess
-import sys
 import threading
 import warnings
 import weakref
@@ -256,11 +254,13 @@ print(gap(got, eager), gap(eager, all_medium), gap(got, all_medium))
 """
 
 
-def test_torch_compile_breaks_the_graph_at_policy_boundaries_and_keeps_the_levels():
-    # In a child process: what torch.compile leaves in a process (its caches) is not this suite's to keep.
+def test_torch_compile_breaks_the_graph_at_policy_boundaries_and_keeps_the_levels(tmp_path):
+    # In a child process: what torch.compile leaves in a process (its caches) is not this suite's to keep. Forked
+    # from the suite's CLI server (torch and tf32lab imported, nothing compiled), as a fresh one without the 2-3 CPU
+    # seconds of importing torch again.
     # Compiled code fuses pointwise ops (float32 rounding differs by ~1e-7); the levels' effect is ~1e-4 (bf16).
-    done = subprocess.run([sys.executable, "-c", COMPILED.format(tests=str(Path(__file__).parent))],
-                          capture_output=True, text=True, timeout=300)
+    (tmp_path / "compiled_policy.py").write_text(COMPILED.format(tests=str(Path(__file__).parent)))
+    done = cli_runner.run(module="compiled_policy", cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     compiled_vs_eager, eager_vs_all_medium, compiled_vs_all_medium = map(float, done.stdout.split()[-3:])
     assert compiled_vs_eager < 2e-6
