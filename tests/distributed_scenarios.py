@@ -238,6 +238,13 @@ def hostile(spec: str, *factories: str) -> None:
     _result(found)
 
 
+def trainer(folder: str, on_fail: str) -> None:
+    """A Hugging Face Trainer run without the check, then with it (``tests/transformers_ddp_job.py``)."""
+    import transformers_ddp_job
+
+    transformers_ddp_job.main(folder, on_fail)
+
+
 def main() -> None:
     name, *args = sys.argv[1:]
     try:

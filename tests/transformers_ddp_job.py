@@ -1,5 +1,9 @@
-"""Two CPU processes under torchrun (gloo): a Hugging Face Trainer run without the check, then one with it; each
-process says its verdict, and process zero whether the weights are the same (tests/test_integrations_transformers.py).
+"""Two CPU processes under torchrun's environment (gloo): a Hugging Face Trainer run without the check, then one with
+it; each process says its verdict, and process zero whether the weights are the same
+(tests/test_integrations_transformers.py). ``python -m torch.distributed.run --nproc_per_node 2
+transformers_ddp_job.py FOLDER warn`` runs it; the test forks both processes from one that imported transformers
+once (``tests/distributed_jobs.py``'s ``trainer`` scenario), where torchrun made three interpreters, each importing
+torch and two of them transformers' Trainer.
 
 A tiny GPT-2, whose loss takes the token count (`num_items_in_batch`): with `average_tokens_across_devices` the
 Trainer gathers that count from every process, a collective the check on process zero alone must not enter."""
@@ -43,12 +47,16 @@ def train(folder, check):
     return model
 
 
-if __name__ == "__main__":
+def main(folder: str, on_fail: str) -> None:
     warnings.simplefilter("ignore")
-    plain = train(sys.argv[1] + "/a", None)
-    checked = train(sys.argv[1] + "/b", Tf32CheckCallback(steps=2, levels=("highest", "high"), on_fail=sys.argv[2]))
+    plain = train(folder + "/a", None)
+    checked = train(folder + "/b", Tf32CheckCallback(steps=2, levels=("highest", "high"), on_fail=on_fail))
     if torch.distributed.get_rank() == 0:
         said(f"same weights: {all(torch.equal(p, q) for p, q in zip(plain.parameters(), checked.parameters()))}")
     # the Trainer leaves its process group open: its gloo threads, torn down by the interpreter's exit, once aborted
     # a process ("terminate called without an active exception")
     torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
