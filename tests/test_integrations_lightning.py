@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+import cli_runner
 from lazy_import import lazy
 from tf32lab.errors import Tf32LabError
 
@@ -303,10 +304,10 @@ def test_without_lightning_the_integration_names_its_extra_and_tf32lab_never_imp
 @pytest.mark.slow
 def test_under_ddp_rank_0_checks_and_every_rank_ends_with_its_verdict(tmp_path):
     # Lightning's own launcher, two CPU ranks (gloo), each a process forked from one that imported Lightning once
-    # (tests/lightning_ddp_job.py): 16 CPU seconds, a minute of wall time on a loaded 2-core machine
-    job = Path(__file__).with_name("lightning_ddp_job.py")
-    out = subprocess.run([sys.executable, str(job), str(tmp_path), "warn"], capture_output=True, text=True,
-                         timeout=400)
+    # (tests/lightning_ddp_job.py): 16 CPU seconds, a minute of wall time on a loaded 2-core machine. The job
+    # itself is forked from the suite's CLI server, as `python -m lightning_ddp_job` in tests/: torch imported
+    # there already (its forkserver is a fresh interpreter all the same)
+    out = cli_runner.run(str(tmp_path), "warn", module="lightning_ddp_job", cwd=Path(__file__).parent, timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]
     # the two ranks print to one pipe: their lines may land in either order, even on one line
     ranks = sorted(re.findall(r"rank (\d): passed=(True|False|None) report=(True|False)", out.stdout))
