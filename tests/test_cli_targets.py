@@ -2,16 +2,16 @@
 
 import json
 import os
-import subprocess
-import sys
 
+import cli_runner
 from tf32lab.know import targets
 
 
 def run(*args, module="tf32lab"):
+    # forked from the suite's CLI server, as `python -m <module>` runs (tests/cli_runner.py): a fresh interpreter
+    # for each of the file's 12 runs cost ~1 CPU second apiece
     env = {**os.environ, "COLUMNS": "160"}
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120,
-                          env=env)
+    return cli_runner.run(*args, module=module, env=env, timeout=120)
 
 
 def test_python_dash_m_tf32lab_is_the_command():
