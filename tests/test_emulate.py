@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 import textwrap
 import threading
 
@@ -12,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import cli_runner
 import tf32lab
 from dynamo_state import compiling_restored
 from emulation_reference import bilinear, bound, check, emulated, randn
@@ -529,9 +528,12 @@ def test_compiled_model_runs_eagerly_inside_emulate():
     assert compiling_restored()
 
 
-def test_without_a_compile_neither_emulate_nor_check_imports_dynamo_and_a_compile_inside_the_block_is_emulated():
+def test_without_a_compile_neither_emulate_nor_check_imports_dynamo_and_a_compile_inside_the_block_is_emulated(
+        tmp_path):
     # torch._dynamo costs 71 MiB and a second to import: a program that never compiles does not pay it. One that
     # compiles inside the block (importing dynamo there) is still emulated: Dynamo runs eagerly under the mode.
+    # The process is forked from the suite's CLI server (torch and tf32lab imported, Dynamo not: were it, the
+    # first line would say so), without the 2-3 CPU seconds of a fresh interpreter's import of torch.
     code = textwrap.dedent("""
         import sys, threading, torch, tf32lab
         def escaping_backend(graph, example_inputs):
@@ -559,7 +561,8 @@ def test_without_a_compile_neither_emulate_nor_check_imports_dynamo_and_a_compil
             inside = compiled(x)
         print("compiled inside:", torch.equal(inside, emulated), not torch.equal(inside, layer(x)))
     """)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    (tmp_path / "without_a_compile.py").write_text(code)
+    done = cli_runner.run(module="without_a_compile", cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines() == ["dynamo after emulate and check: False", "compiled inside: True True"]
 
