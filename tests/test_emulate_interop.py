@@ -7,8 +7,6 @@ which a pytest run at a reduced level would otherwise have blamed on TF32.
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import textwrap
 import warnings
 from pathlib import Path
@@ -17,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import cli_runner
 import tf32lab
 from emulation_reference import emulated, randn
 
@@ -227,10 +226,11 @@ def test_writes_to_sparse_tensors_next_to_rounded_weights_and_their_gradients():
 
 
 # -- torch.compile ----------------------------------------------------------------------------------------------
-def test_fullgraph_compile_inside_emulate_runs_eagerly_and_leaves_dynamo_clean_for_a_native_compile():
+def test_fullgraph_compile_inside_emulate_runs_eagerly_and_leaves_dynamo_clean_for_a_native_compile(tmp_path):
     # Dynamo skipped the frame (a dispatch mode was on the stack), raised "found no compiled frames", and remembered
     # the skip: the same function compiled natively afterwards raised "Compilation was not attempted". Both orders:
-    # dynamo imported inside the block, then already loaded.
+    # dynamo imported inside the block, then already loaded. The process is forked from the suite's CLI server
+    # (torch and tf32lab imported, Dynamo not: the first line says so), not a fresh interpreter importing torch.
     code = textwrap.dedent("""
         import sys, torch, tf32lab
         def f(a, b):
@@ -251,7 +251,8 @@ def test_fullgraph_compile_inside_emulate_runs_eagerly_and_leaves_dynamo_clean_f
             native = torch.compile(f, fullgraph=True, backend="eager")(a, b)
             print("native after:", torch.equal(native, f(a, b)))
     """).replace("{tests!r}", repr(str(Path(__file__).parent)))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    (tmp_path / "compile_inside_emulate.py").write_text(code)
+    done = cli_runner.run(module="compile_inside_emulate", cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines() == [
         "dynamo imported inside False", "inside emulated: True 1", "stance: default",
