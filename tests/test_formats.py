@@ -15,6 +15,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import cli_runner
 import reference as R
 from tf32lab.numbers import compiled, formats
 
@@ -416,9 +417,10 @@ def test_the_compiled_kernels_missing_or_unusable_leave_the_tensor_code(monkeypa
 
 
 @numba_only
-def test_the_kernel_loads_only_when_worth_it():
-    # a fresh process: numba's import and the kernel's cached code (~0.6 s) wait until the tensor code has
-    # rounded COMPILE_AFTER elements of large tensors; small tensors never count
+def test_the_kernel_loads_only_when_worth_it(tmp_path):
+    # a process of its own: numba's import and the kernel's cached code (~0.6 s) wait until the tensor code has
+    # rounded COMPILE_AFTER elements of large tensors; small tensors never count. Forked from the suite's CLI
+    # server (torch and tf32lab imported, numba not: the first False says so), not a fresh interpreter.
     script = textwrap.dedent("""
         import sys, torch
         from tf32lab.numbers import compiled, formats
@@ -433,7 +435,8 @@ def test_the_kernel_loads_only_when_worth_it():
             seen.append("numba" in sys.modules)
         print(small, seen)
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+    (tmp_path / "loads_when_worth_it.py").write_text(script)
+    done = cli_runner.run(module="loads_when_worth_it", cwd=tmp_path, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[0] == "False [False, False, False, True]", done.stdout
