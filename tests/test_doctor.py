@@ -6,7 +6,6 @@ import io
 import json
 import os
 import subprocess
-import sys
 import threading
 
 import jsonschema
@@ -315,8 +314,11 @@ assert "torch._inductor.config" not in sys.modules  # read from the environment,
 """
 
 
-def test_inductor_settings_from_the_environment_without_importing_inductor():
-    done = subprocess.run([sys.executable, "-c", INDUCTOR_ENV], capture_output=True, text=True, timeout=120)
+def test_inductor_settings_from_the_environment_without_importing_inductor(tmp_path):
+    # forked from the suite's CLI server (torch and tf32lab imported, Inductor and Dynamo not: the script's first
+    # assert says so), not a fresh interpreter
+    (tmp_path / "inductor_env.py").write_text(INDUCTOR_ENV)
+    done = cli_runner.run(module="inductor_env", cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     found = json.loads(done.stdout)
     assert found["default"] == [] and found["padding off"] == [] and found["padding asked, no TF32"] == []
