@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import struct
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -206,12 +204,11 @@ def test_unknown_rounding_lists_the_accepted_ones():
 
 
 def test_sweep_script_on_a_slice():
-    # The all-patterns sweep, run for real on the slice around FLT_MAX, Inf and the NaNs.
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "sweep_formats.py"), "--start", "0x7F7F8000", "--count", "0x10000",
-         "--workers", "1"],
-        capture_output=True, text=True, timeout=300,
-    )
+    # The all-patterns sweep, run for real on the slice around FLT_MAX, Inf and the NaNs: as `python -m
+    # sweep_formats` in scripts/ (its folder first on the path, as running the file puts it), forked from the
+    # suite's CLI server, torch imported there
+    done = cli_runner.run("--start", "0x7F7F8000", "--count", "0x10000", "--workers", "1", module="sweep_formats",
+                          cwd=ROOT / "scripts", timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [ln for ln in done.stdout.splitlines() if "mismatches" in ln]
     assert len(lines) == 10 and all(ln.split()[-1] == "0" for ln in lines), done.stdout
