@@ -9,13 +9,12 @@ from __future__ import annotations
 import logging
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import cli_runner
 import inner_pytest
 import tf32lab
 from tf32lab import settings
@@ -113,10 +112,12 @@ def test_a_bad_spill_size_stops_check_before_it_runs_with_a_clear_error(monkeypa
         tf32lab.check(builtin.small(), levels=("high",))
 
 
-def test_a_bad_scope_guard_is_said_by_the_first_scope_in_a_fresh_process():
+def test_a_bad_scope_guard_is_said_by_the_first_scope_in_a_fresh_process(tmp_path):
     code = ("import tf32lab\ntry:\n    tf32lab.precision('high').__enter__()\n"
             "except tf32lab.Tf32LabError as exc:\n    print(exc)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+    # a process forked from the suite's CLI server, where no scope was ever entered (the guard is read at the first)
+    (tmp_path / "first_scope.py").write_text(code)
+    done = cli_runner.run(module="first_scope", cwd=tmp_path, timeout=120,
                           env={**os.environ, "TF32LAB_SCOPE_GUARD": "Never", "PYTHONPATH": str(ROOT / "src")})
     assert done.stdout.strip() == "TF32LAB_SCOPE_GUARD='Never' is not understood; accepted: 'auto', 'always'"
 
