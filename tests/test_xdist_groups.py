@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import cli_runner
 import xdist_groups
 
 A, B = pytest.mark.xdist_group("a").mark, pytest.mark.xdist_group(name="b").mark
@@ -82,7 +83,7 @@ def test_the_suites_warning_counts_each_lost_group(tmp_path, lost):
 def test_the_suite_runs_without_pytest_xdist():
     root = Path(__file__).parent.parent
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q",
-                          "tests/test_xdist_groups.py", "-k", "suffix or reported"],
-                         cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    # forked from the suite's CLI server (torch imported, as the suite's conftest imports it), as `python -m pytest`
+    run = cli_runner.run("-p", "no:xdist", "-p", "no:cacheprovider", "-q", "tests/test_xdist_groups.py", "-k",
+                         "suffix or reported", module="pytest", cwd=root, env=env, timeout=300)
     assert run.returncode == 0 and "3 passed" in run.stdout, run.stdout + run.stderr
