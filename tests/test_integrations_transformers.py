@@ -9,14 +9,13 @@ import json
 import logging
 import random
 import re
-import subprocess
-import sys
 import warnings
 
 import numpy as np
 import pytest
 import torch
 
+import cli_runner
 from distributed_jobs import run_job
 from drifting_models import offset_forward, offset_layers
 from lazy_import import lazy
@@ -269,10 +268,12 @@ def test_bad_arguments_are_one_line():
     assert integration.Tf32CheckCallback(levels="high").levels == ("high",)  # one level named alone, not its letters
 
 
-def test_without_transformers_the_integration_names_its_extra():
+def test_without_transformers_the_integration_names_its_extra(tmp_path):
     code = ("import sys; sys.modules['transformers'] = None; import tf32lab\n"
             "try:\n    import tf32lab.integrations.transformers\nexcept tf32lab.Tf32LabError as e:\n    print(e)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    # forked from the suite's CLI server (tf32lab imported there, transformers and the integration not)
+    (tmp_path / "without_transformers.py").write_text(code)
+    out = cli_runner.run(module="without_transformers", cwd=tmp_path, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "pip install 'tf32lab[transformers]'" in out.stdout and len(out.stdout.strip().splitlines()) == 1
 
