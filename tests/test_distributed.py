@@ -6,8 +6,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -321,13 +319,15 @@ def test_fsdp_wrapper_classes_are_named_as_written():
     assert type_name(torch.nn.Linear(2, 2)) == "Linear"
 
 
-def test_a_check_of_a_model_without_fsdp_does_not_import_it():
+def test_a_check_of_a_model_without_fsdp_does_not_import_it(tmp_path):
     # torch.distributed.fsdp costs 0.9 s of CPU to import, half of torch's own import: only a model sharded with
-    # FSDP2 needs its hooks, and that model's code has imported the package already
+    # FSDP2 needs its hooks, and that model's code has imported the package already. The process is forked from the
+    # suite's CLI server (torch and check imported there, FSDP not: were it, the test would fail).
     code = ("import sys, torch, tf32lab\n"
             "tf32lab.check(tf32lab.Workload(torch.nn.Linear(8, 4), torch.randn(2, 8)), levels=('high',), speed=False)\n"
             "print('torch.distributed.fsdp' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    (tmp_path / "without_fsdp.py").write_text(code)
+    done = cli_runner.run(module="without_fsdp", cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["False"], done.stdout
 
