@@ -80,6 +80,14 @@ def _decoders():
         # broadcast it to every position, and its cached tokens left the full sequence's at the third
         "mamba state space": lambda: t.MambaForCausalLM(t.MambaConfig(
             vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2, initializer_range=0.5)),
+        # a state-space layer then an attention layer with two experts (at the default initializer range every prompt
+        # decoded the same tokens, and a mask or a cache that went wrong changed none)
+        "jamba hybrid": lambda: t.JambaForCausalLM(t.JambaConfig(
+            **{**size, "num_hidden_layers": 2}, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+            expert_layer_offset=1, num_experts=2, num_experts_per_tok=1, mamba_d_state=8, mamba_dt_rank=4,
+            initializer_range=0.5)),
+        "mixtral experts": lambda: t.MixtralForCausalLM(t.MixtralConfig(**size, num_local_experts=4,
+                                                                         num_experts_per_tok=2)),
     }
 
 
@@ -96,6 +104,32 @@ def test_the_cache_on_or_off_decodes_the_same_tokens(name):
     for a, b in ((on.floor, off.floor), (on.level("highest"), off.level("highest"))):
         assert a.failure is None and b.failure is None and a.unhandled == {} == b.unhandled, (a.failure, b.failure)
         assert a.divergence == b.divergence and a.agreement == b.agreement
+
+
+@pytest.mark.parametrize("name", list(_decoders()))
+def test_prompts_batched_or_alone_decode_the_same_tokens(name):
+    # the prompts are decoded as one left-padded batch: the padding must change no prompt's tokens (its positions
+    # count from its own first token, the mask hides the padding from attention and from a state-space mixer)
+    torch.manual_seed(0)
+    model = _decoders()[name]()
+    prompts = [[3, 14, 15, 9, 26, 5, 35, 8, 9, 7], [2, 7, 18, 28, 18, 28, 4]]
+    batched = tf32lab.check_generation(model, new_tokens=6, levels=("highest",), prompts=prompts, target="native")
+    alone = [tf32lab.check_generation(model, new_tokens=6, levels=("highest",), prompts=[p],
+                                      target="native").reference_tokens[0] for p in prompts]
+    assert batched.reference_tokens == tuple(alone)
+    assert len(set(alone)) == 2  # prompts that decode alike would hide padding that leaks
+
+
+def test_a_mixture_of_experts_built_in_python_decodes_in_float64_and_keeps_its_experts_implementation():
+    # transformers 5 runs experts by torch._grouped_mm, which has no float64 kernel: a model not loaded from a folder
+    # (loading asks for "eager") was refused at the float64 reference, "Expected mat_a to be Float32..."
+    torch.manual_seed(0)
+    model = _decoders()["jamba hybrid"]()
+    assert model.config._experts_implementation == "grouped_mm"
+    report = tf32lab.check_generation(model, new_tokens=3, levels=("highest",), prompts=[[3, 14, 15, 9]],
+                                      target="native")
+    assert report.floor.failure is None and len(report.reference_tokens[0]) == 3
+    assert model.config._experts_implementation == "grouped_mm"  # the caller's model as it was
 
 
 def test_a_model_that_reads_its_hidden_states_runs_at_every_level(tmp_path):
