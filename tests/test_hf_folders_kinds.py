@@ -132,6 +132,23 @@ def test_a_mixture_of_experts_built_in_python_decodes_in_float64_and_keeps_its_e
     assert model.config._experts_implementation == "grouped_mm"  # the caller's model as it was
 
 
+def test_a_mixture_of_experts_built_in_python_is_checked_and_trained_in_float64():
+    # the same grouped GEMM stopped check() and check_training() at their float64 rows, a refusal of valid input
+    torch.manual_seed(0)
+    model = _decoders()["mixtral experts"]()
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    report = tf32lab.check(tf32lab.Workload(model, {"input_ids": ids, "use_cache": False}),
+                           levels=("highest", "high"), target="a100", speed=False)
+    assert report.level("highest").passed and report.level("high").error is None
+    assert model.config._experts_implementation == "grouped_mm"
+    training = tf32lab.TrainingWorkload(model, [ids, ids], loss=lambda out, b: out.logits.float().square().mean(),
+                                        inputs=lambda b: {"input_ids": b, "use_cache": False},
+                                        optimizer=lambda p: torch.optim.SGD(p, lr=1e-2))
+    trained = tf32lab.check_training(training, levels=("highest",), target="native", speed=False)
+    assert trained.floor.failure is None and trained.passed
+    assert model.config._experts_implementation == "grouped_mm"
+
+
 def test_a_model_that_reads_its_hidden_states_runs_at_every_level(tmp_path):
     # transformers 5 captures hidden states through hooks it installs at the first call, marking the model; the
     # check put the mark back between runs, the hooks were installed again and each stage captured twice

@@ -72,6 +72,7 @@ from tf32lab.report import LayerError, LevelResult, Report, cudnn
 from tf32lab.report.conclusion import BELOW_FLOAT32, BEYOND_FLOAT32, DRAWS_UNMATCHED, PINNED_CONV
 from tf32lab.speed.counting import Counting, OtherThreads
 from tf32lab.speed.prediction import SpeedReport, predict_counts, seconds_at
+from tf32lab.workloads.experts import experts_eager
 from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.workload import Workload, eval_mode
 
@@ -132,7 +133,8 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
     conv_scope = ConvRun(conv)
     refuse_applied(workload, "check")
     ranks = Ranks.of_job()  # in a job of several ranks: the model is sharded over them, the errors reduced
-    with exits_refused(workload.name, "check"), kept_flags() as changed, ranks_fail(ranks), conv_scope:
+    with exits_refused(workload.name, "check"), kept_flags() as changed, ranks_fail(ranks), conv_scope, \
+            experts_eager(workload.model):
         if ranks is not None:  # ranks at other levels would measure other things, and run other collectives
             agree(ranks.group, model=workload.model, also={
                 "check levels": ",".join(levels), "check target": target.name, "check reference": reference,

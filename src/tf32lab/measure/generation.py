@@ -40,14 +40,13 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import math
 import numbers
 import operator
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -66,6 +65,7 @@ from tf32lab.measure.state import state_kept, stateful_note, written_note
 from tf32lab.numbers.origin import internal_error
 from tf32lab.report.generation import FLOOR, Criterion, GenerationLevel, GenerationReport
 from tf32lab.workloads import samples
+from tf32lab.workloads.experts import experts_eager
 from tf32lab.workloads.hf import CausalLM, embedding_rows
 from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags
 from tf32lab.workloads.workload import Workload, check_float32, eval_mode
@@ -137,7 +137,7 @@ def check_generation(workload: Union[CausalLM, torch.nn.Module], *, new_tokens: 
         # the loss is on the prompts' own text: no prompt of two tokens gives none, and every row failed
         raise Tf32LabError(f"criterion {judge.text!r} judges the loss on the prompts' own text, and no prompt has "
                            f"two tokens or more: give longer prompts, or a divergence or agreement criterion")
-    with exits_refused(decoder.name, "check_generation"), kept_flags() as changed, _experts_eager(decoder.model):
+    with exits_refused(decoder.name, "check_generation"), kept_flags() as changed, experts_eager(decoder.model):
         report = _Generation(decoder, batches, texts, new_tokens, levels, target, judge, bool(use_cache),
                              accumulation, progress).run()
     if changed:
@@ -541,30 +541,6 @@ def _prompt_ids(tokenizer: Any, text: str) -> list[int]:
         return ids
     end = max(i for i, flag in enumerate(special) if not flag) + 1
     return ids[:end]
-
-
-@contextlib.contextmanager
-def _experts_eager(model: torch.nn.Module) -> Iterator[None]:
-    """A transformers mixture of experts runs its experts one GEMM each (``"eager"``) while the check runs, its own
-    implementation put back after: transformers 5's default grouped GEMM (``torch._grouped_mm``) has no float64
-    kernel, so a model built in Python (``hf.causal_lm`` loads a folder's eager) raised at the float64 reference,
-    and each expert's GEMM is then one the emulator rounds as the hardware's."""
-    before = getattr(getattr(model, "config", None), "_experts_implementation", None)
-    switch = getattr(model, "set_experts_implementation", None)
-    if before in (None, "eager") or not callable(switch):
-        yield
-        return
-    try:
-        switch("eager")
-    except (RuntimeError, ValueError):  # an implementation fixed at load time (transformers' DeepGEMM MegaMoE)
-        switched = False
-    else:
-        switched = True
-    try:
-        yield
-    finally:
-        if switched:
-            switch(before)
 
 
 def _available_bytes(device: torch.device) -> Optional[int]:

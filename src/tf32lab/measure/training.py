@@ -67,6 +67,7 @@ from tf32lab.numbers.trees import map_tensors, named_tensors
 from tf32lab.report.training import FLOOR, FLOOR_MULTIPLE, BackwardLayer, ParameterError, TrainingLevel, TrainingReport
 from tf32lab.speed.counting import Counting
 from tf32lab.speed.prediction import optimizer_ops, predict_counts, seconds_at
+from tf32lab.workloads.experts import experts_eager
 from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.training import TrainingWorkload, check_steps
 
@@ -141,7 +142,7 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     refuse_applied(workload, "check")  # type: ignore[arg-type]  # it reads .model and .name
     row = PolicyRow.of(policy, workload.model) if policy is not None else None
     with exits_refused(workload.name, "check_training"), kept_flags() as changed, \
-            random_state_kept(workload.model), conv_scope:
+            random_state_kept(workload.model), conv_scope, experts_eager(workload.model):
         session = TrainingSession(workload, target, steps, tolerance, accumulation)
         report = _Training(session, levels, row, progress, speed).run()
     if conv is not None:
