@@ -15,6 +15,10 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # and the suite import a few thousand of them, compiled on first import instead (both run with
 # PYTHONDONTWRITEBYTECODE set empty, so that the bytecode is kept for the next run).
 
+# Every target here runs alone, even under `make -j`: `make -j2 demo test` ran the demo's and the suite's pip
+# installs into one venv at once (pytest spreads the suite over the CPUs itself).
+.NOTPARALLEL:
+
 # The venv alone; each stamp below installs into it what its target needs, in one pip run.
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

@@ -1,0 +1,47 @@
+"""The Makefile's set-up, run by GNU make itself with a stand-in interpreter that records what it is asked to do:
+every install is one pip run, and no two of them run at once into the same venv, even under ``make -j``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# a stand-in for python3 and the venv's python: `-m venv DIR` makes DIR/bin/python (itself); anything else is
+# logged as a start and an end, half a second apart, so that two runs at once overlap in the log
+STAND_IN = """#!/bin/sh
+if [ "$1" = "-m" ] && [ "$2" = "venv" ]; then
+    mkdir -p "$3/bin" && cp "$0" "$3/bin/python" && exit 0
+fi
+echo "start $*" >> "$LOG"
+sleep 0.5
+echo "end $*" >> "$LOG"
+"""
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
+def test_the_two_installs_never_run_at_once_and_the_suites_is_one_pip_run(tmp_path):
+    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
+    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / "constraints.txt").write_text("")
+    python = tmp_path / "python3"
+    python.write_text(STAND_IN)
+    python.chmod(0o755)
+    log = tmp_path / "log"
+    done = subprocess.run(["make", "-j2", f"PYTHON={python}", ".venv/.installed-demo", ".venv/.installed"],
+                          cwd=tmp_path, env={**os.environ, "LOG": str(log)}, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = log.read_text().splitlines()
+    running = 0
+    for line in lines:  # each start followed by its own end: never two at once
+        running += 1 if line.startswith("start") else -1
+        assert running in (0, 1), lines
+    installs = [line for line in lines if line.startswith("start") and " install " in line and "-e" in line]
+    assert any(".[demo,serving,test]" in line for line in installs), lines
+    assert all((tmp_path / ".venv" / name).exists() for name in (".installed-demo", ".installed"))
