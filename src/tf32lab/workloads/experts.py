@@ -18,7 +18,9 @@ def experts_eager(model: torch.nn.Module) -> Iterator[None]:
     """A transformers mixture of experts runs its experts one GEMM each (``"eager"``) while the check runs, its own
     implementation put back after: transformers 5's default grouped GEMM (``torch._grouped_mm``) has no float64
     kernel, so a model built in Python (``hf.causal_lm`` loads a folder's eager) raised at the float64 reference,
-    and each expert's GEMM is then one the emulator rounds as the hardware's.
+    and each expert's GEMM is then one the emulator rounds as the hardware's. Every transformers model in
+    ``model`` is switched (one held by the user's own module too), and each submodel's implementation (a
+    vision-language model's text model has a config of its own) is put back as it was, on every exit.
 
     Example (a module without experts is run as it is):
 
@@ -27,19 +29,26 @@ def experts_eager(model: torch.nn.Module) -> Iterator[None]:
         >>> with experts_eager(torch.nn.Linear(2, 2)):
         ...     pass
     """
-    before = getattr(getattr(model, "config", None), "_experts_implementation", None)
-    switch = getattr(model, "set_experts_implementation", None)
-    if before in (None, "eager") or not callable(switch):
+    # every transformers model in it (the workload's model may be the user's module holding one), and each
+    # submodel's config (a vision-language model's text model has its own): as they were, to be put back each
+    configs = {id(m.config): m.config for m in model.modules()
+               if callable(getattr(m, "set_experts_implementation", None)) and hasattr(m, "config")}
+    before = {key: getattr(config, "_experts_implementation", None) for key, config in configs.items()}
+    if all(value in (None, "eager") for value in before.values()):
         yield
         return
     try:
-        switch("eager")
-    except (RuntimeError, ValueError):  # an implementation fixed at load time (transformers' DeepGEMM MegaMoE)
-        switched = False
-    else:
-        switched = True
-    try:
+        for m in model.modules():
+            config = getattr(m, "config", None)
+            if id(config) in configs and getattr(config, "_experts_implementation", None) not in (None, "eager"):
+                # an implementation fixed at load time (transformers' DeepGEMM MegaMoE) raises: kept as it is
+                with contextlib.suppress(RuntimeError, ValueError):
+                    m.set_experts_implementation("eager")
         yield
     finally:
-        if switched:
-            switch(before)
+        # written back as each config had it: set_experts_implementation(top's) would give every submodel the top
+        # config's (transformers validated each when it was set)
+        for key, config in configs.items():
+            if getattr(config, "_experts_implementation", None) != before[key]:
+                name = "_experts_implementation_internal"  # the property's own field, not its recursive setter
+                setattr(config, name if hasattr(config, name) else "_experts_implementation", before[key])
