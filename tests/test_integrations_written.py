@@ -99,3 +99,31 @@ def test_the_json_is_made_from_the_reports_finite_data_without_a_second_walk(rep
     assert len(walks) == 1  # to_dict's own
     monkeypatch.undo()
     assert paths[0].read_text(encoding="utf-8") == report.to_json()
+
+
+def test_a_page_that_cannot_be_rendered_leaves_the_json_synced_with_its_folder(report, tmp_path, monkeypatch):
+    """The folder's one flush comes after both files: a page whose rendering raised left the JSON renamed but its
+    rename not flushed, where each file written alone was (the error is warned of, the JSON kept)."""
+    import os
+    import stat
+
+    from tf32lab.numbers import files
+    from tf32lab.report import training_render
+
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def counted(fd: int) -> None:
+        synced.append("folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        fsync(fd)
+
+    def unrenderable(*args, **kwargs):
+        raise RuntimeError("no page")
+
+    monkeypatch.setattr(files.os, "fsync", counted)
+    monkeypatch.setattr(training_render, "html", unrenderable)
+    written = Written(report, str(tmp_path))
+    with pytest.warns(UserWarning, match="no page"):
+        assert written.wait() == []
+    assert synced == ["file", "folder"]
+    assert (tmp_path / "tf32lab-training.json").read_text(encoding="utf-8") == report.to_json()

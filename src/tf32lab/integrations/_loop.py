@@ -552,10 +552,13 @@ class Written:
         def write() -> None:
             try:
                 data = report.to_dict()  # made once, for both texts; finite already (write_json's walk, not again)
-                # both renamed, then their folder flushed once (a flush is a journal commit: milliseconds)
-                write_atomically(self.paths[0], json_text(data), sync_folder=False)
-                write_atomically(self.paths[1], html(report, data), sync_folder=False)
-                sync_folder(path)
+                # both renamed, then their folder flushed once (a flush is a journal commit: milliseconds); flushed
+                # too where the page failed, so that the JSON renamed before it is on disk as if written alone
+                try:
+                    write_atomically(self.paths[0], json_text(data), sync_folder=False)
+                    write_atomically(self.paths[1], html(report, data), sync_folder=False)
+                finally:
+                    sync_folder(path)
             except Exception as exc:  # told by wait(), in the run's own thread
                 self._error = exc
 
