@@ -4,6 +4,8 @@ worker should not pay; the test file imports this module where a test first read
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytorch_lightning as L
 import torch
 from torch.utils.data import DataLoader
@@ -218,3 +220,17 @@ class SkipsItsSecond(Plain):
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
         return None if batch_idx == 1 else loss
+
+
+class Counted(Regression):
+    """Regression counting, at each of its training steps, the optimizers alive (the run's, and the check's of
+    each row it has trained)."""
+
+    alive: ClassVar[list[int]] = []
+
+    def training_step(self, batch, batch_idx):
+        import gc
+
+        gc.collect()  # what is reachable, not what a cycle keeps until the collector's next pass
+        Counted.alive.append(sum(isinstance(o, torch.optim.Optimizer) for o in gc.get_objects()))
+        return super().training_step(batch, batch_idx)

@@ -251,7 +251,8 @@ class Tf32Check(L.Callback):
                 schedulers = [_ModuleScheduled(one, at) for one in schedulers]
             bundle = _loop.Steps(made, list(zip(schedulers, schedule)), None if hooked else clip, manual, stepper,
                                  zeroed=backward)
-            bundles[id(params[0])] = bundle
+            if backward or manual:  # bundle_of's only callers; kept past its row, a row's optimizers and their
+                bundles[id(params[0])] = bundle  # state (float64's Adam moments) stayed alive until the check ended
             return made[0] if plain else bundle
 
         def bundle_of(model: torch.nn.Module) -> _loop.Steps:
