@@ -10,8 +10,8 @@ sum float32 products and reductions in other orders, and give other bits. One ma
 - ``ATEN_CPU_CAPABILITY`` (``default``, ``avx2``, ``avx512``): which of ATen's vectorized kernels run (softmax,
   layer_norm, reductions, elementwise maths, SDPA's CPU kernel; PyTorch's README and
   ``aten/src/ATen/native/DispatchStub.cpp``);
-- ``ONEDNN_MAX_CPU_ISA`` (``SSE41``, ``AVX2``, ``AVX512_CORE``, ...): oneDNN's kernels (convolutions); oneDNN's
-  docs, "CPU Dispatcher Control";
+- ``ONEDNN_MAX_CPU_ISA`` (``SSE41``, ``AVX2``, ``AVX512_CORE_BF16``, ``AVX512_CORE_AMX``, ...): oneDNN's
+  kernels (convolutions); oneDNN's docs, "CPU Dispatcher Control";
 - ``MKL_ENABLE_INSTRUCTIONS`` (``SSE4_2``, ``AVX2``, ``AVX512``): MKL's kernels; oneMKL's developer guide,
   "Instruction Set Specific Dispatching on Intel Architectures", which says the variable has no effect on
   non-Intel processors (on an AMD EPYC it changed no bit).
@@ -37,6 +37,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # name -> the environment that holds the libraries to an instruction set ({}: as this CPU runs them)
 SETTINGS: dict[str, dict[str, str]] = {
     "native": {},
+    # an AVX-512 CPU without AMX, stood in for on an AMX one
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+               "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    # ATen's AVX-512 kernels beside MKL's AVX2 ones: MKL picks its code path by the CPU's vendor as well as its
+    # instruction sets (oneMKL's developer guide, as above), so an AVX-512 CPU may run this mix
+    "avx512-mkl-avx2": {"ATEN_CPU_CAPABILITY": "avx512", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
     "sse4": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
     # one library at a time, to tell which one changes the bits
