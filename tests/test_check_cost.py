@@ -240,3 +240,70 @@ def test_an_op_the_emulator_does_not_compute_costs_no_lookup(monkeypatch):
         again = [model(x) for _ in range(5)]
     assert looked == []  # each op's treatment known from the first forward
     assert all(torch.equal(y, expected) for y in again)
+
+
+class _Recurrent(torch.nn.Module):
+    """An LSTM's output through a ReLU (a trailing op: its scale is the output's magnitudes), a GRU's states."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = torch.nn.LSTM(6, 8, 2, bidirectional=True, batch_first=True)
+        self.gru = torch.nn.GRU(16, 5)
+
+    def forward(self, x):
+        out, (_, c) = self.lstm(x)
+        states, last = self.gru(out.transpose(0, 1))
+        return {"relu": torch.relu(out), "c": c, "states": states, "last": last}
+
+
+def test_an_rnns_steps_are_not_told_to_the_scale_recorder_and_its_results_scales_are_their_own(monkeypatch):
+    """A float64 RNN runs its steps without the run's op-level mode; the scale recorder was still told of every
+    step (an LSTM of 160 steps: thousands of Python calls, more than its float64 forward cost). Each result of an
+    RNN is a stack or cat of its steps' states, so its magnitudes are its own values': told once per result, each
+    result's scale is what the step-by-step telling found, where the steps of a later RNN had not pushed it out
+    of the kept ops (here they had: the LSTM's results got no scale)."""
+    from tf32lab.measure import scales
+
+    model = _Recurrent()
+    x = torch.randn(3, 40, 6)
+    kept = []
+    monkeypatch.setattr(scales.Formed, "keep", lambda self, entry, keep=scales.Formed.keep: (
+        kept.append(entry.func), keep(self, entry))[1])
+    recorder = layers.Recorder(model, ["highest"], tf32lab.targets.get("a100"))
+    formed = scales.Formed(lambda: not (recorder.rerunning or recorder.mode.paused), recorder.mode)
+    with torch.no_grad(), recorder, formed:
+        out = model(x)
+    assert len(kept) < 20, f"{len(kept)} ops kept for two RNNs"
+    found = formed.scales(out)
+    with torch.no_grad():
+        own = {name: float(torch.linalg.vector_norm(value.abs().double())) for name, value in out.items()}
+        lstm_out = model.lstm.double()(x.double())[0]
+    own["relu"] = float(torch.linalg.vector_norm(lstm_out.abs()))  # the ReLU trails the LSTM's output
+    assert set(found) == set(own)
+    for name, scale in found.items():
+        assert abs(scale.norm - own[name]) <= 1e-12 * own[name], name
+
+
+def test_the_float64_reference_runs_an_lstm_and_a_gru_by_whole_sequence_loops():
+    """ATen's float64 LSTM has no oneDNN kernel and dispatches a dozen ops a step (5x a float32 forward of an
+    LSTM encoder); the reference runs LSTMs and GRUs by the emulator's whole-sequence loops with nothing rounded,
+    and PyTorch's own kernel where those do not cover the call (a projection, a packed sequence). The results are
+    float64's to its last bits' order."""
+    torch.manual_seed(0)
+    model = _Recurrent()
+    projected = torch.nn.LSTM(6, 8, proj_size=3, batch_first=True)
+    x = torch.randn(3, 40, 6)
+    recorder = layers.Recorder(model, ["highest"], tf32lab.targets.get("a100"))
+    with torch.no_grad(), torch.profiler.profile() as profile, recorder:
+        out = model(x)
+        fallback = projected(x)[0]
+    ran = {event.name for event in profile.events()}
+    assert "aten::gru" not in ran and ran & {"aten::lstm"} == {"aten::lstm"}  # the projected one's only
+    assert sum(event.name == "aten::lstm" for event in profile.events()) == 1
+    with torch.no_grad():
+        expected = _Recurrent.forward(model.double(), x.double())
+        expected_projected = projected.double()(x.double())[0]
+    for name, value in out.items():
+        assert value.dtype == torch.float64
+        torch.testing.assert_close(value, expected[name], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(fallback, expected_projected, rtol=1e-12, atol=1e-14)

@@ -88,6 +88,21 @@ def test_an_emulated_rnn_is_counted_as_the_one_kernel_it_is_on_the_target():
         ("aten::gru", ((1, 1, 40, 48, 8), (4, 1, 10, 48, 16)))]
 
 
+def test_an_emulated_rnns_steps_do_not_pass_the_counting_mode(monkeypatch):
+    """The steps of an emulated recurrence are not counted (the RNN is one op); they also do not go through the
+    counting mode at all: paused, it still cost each of an LSTM encoder's ~4600 step ops a Python dispatch."""
+    from tf32lab.speed import counting
+
+    lstm = torch.nn.LSTM(8, 32, num_layers=2, batch_first=True)
+    seen = []
+    monkeypatch.setattr(counting._Mode, "__torch_dispatch__", lambda self, func, types, args=(), kwargs=None: (
+        seen.append(func), func(*args, **(kwargs or {})))[1])
+    with tf32lab.emulate("a100"), tf32lab.precision("high"), Counting() as counts, torch.inference_mode():
+        lstm(torch.randn(4, 40, 8))
+    assert [c.op for c in counts.ops if c.family is not None] == ["aten::lstm"]
+    assert len(seen) < 20, f"{len(seen)} ops through the counting mode"
+
+
 def test_counting_with_autograd_on_sees_what_the_cpu_runs():
     lstm = torch.nn.LSTM(8, 32)
     with Counting(lstm) as counts:

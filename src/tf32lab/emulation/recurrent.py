@@ -16,6 +16,8 @@ native forward and backward of an LSTM, 5x of a GRU; this costs about 1.6x and 0
 
 Covered: ``lstm`` without ``proj_size`` and ``gru``, float32, in a math rounded once per operand (``tf32``,
 ``bf16``). :func:`layers` answers ``None`` for anything else, which :func:`~tf32lab.emulation.rules.run_rnn` runs.
+The same loops with nothing rounded (:func:`exact_layers`) run the float64 reference's recurrences
+(``measure.reference``): ATen's float64 LSTM, with no oneDNN kernel for float64, took 2.5-3x as long a step.
 
 Example (the emulator calls it; a user meets it as an LSTM under ``emulate``):
 
@@ -42,9 +44,10 @@ from tf32lab.errors import Tf32LabError
 from tf32lab.numbers import formats
 from tf32lab.numbers.compiled import kernels
 
-__all__ = ["Kit", "assembled", "layers"]
+__all__ = ["EXACT", "Kit", "assembled", "exact_layers", "layers"]
 
 _ROUND = {"tf32": formats.round_tf32, "bf16": formats.round_bf16}
+EXACT = "exact"  # a kit's math that rounds nothing: the recurrence in its operands' own precision
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,10 @@ class Kit:
     quietly: Callable[[Callable], object]
 
     def rounder(self, nan_free: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """``fn(x, out)``: ``x`` rounded into ``out``; the checks-free kernel where every NaN is a default one."""
+        """``fn(x, out)``: ``x`` rounded into ``out``; the checks-free kernel where every NaN is a default one
+        (``x`` itself, unrounded, for the exact kit)."""
+        if self.name == EXACT:
+            return lambda x, out: x
         fn = _ROUND[self.name]
         hot = formats.hot_rounder(self.name, self.rounding) if nan_free else None
 
@@ -86,6 +92,8 @@ class Kit:
         ``into`` is a slab of ``source``'s shape, else into ``into`` itself, and returned; for a loop over the
         steps of ``source``. On the CPU the checks-free kernel runs on int32 views of every step made once (the
         views cost as much as the rounding), elsewhere :meth:`rounder`'s."""
+        if self.name == EXACT:
+            return lambda k, x: x
         round_into = self.rounder(nan_free)
         slab = into.dim() == source.dim()
         outs = into.unbind(0) if slab else None
@@ -106,13 +114,39 @@ class Kit:
 
     def round(self, x: torch.Tensor) -> torch.Tensor:
         """A rounded copy of ``x`` (NaNs kept)."""
-        return _ROUND[self.name](x.contiguous(), self.rounding)
+        return x.clone() if self.name == EXACT else _ROUND[self.name](x.contiguous(), self.rounding)
 
 
 def covered(mode: str, name: str, params, per: int) -> bool:
-    """Whether :func:`layers` runs this RNN: an LSTM without projection or a GRU, float32, a single-round math."""
-    return (mode in ("lstm", "gru") and name in _ROUND and per in (2, 4)
-            and all(p.dtype == torch.float32 for p in params))
+    """Whether :func:`layers` runs this RNN: an LSTM without projection or a GRU, float32 in a single-round math,
+    or float64 with the exact kit."""
+    return (mode in ("lstm", "gru") and (name in _ROUND or name == EXACT) and per in (2, 4)
+            and all(p.dtype == _dtype(name) for p in params))
+
+
+def _dtype(name: str) -> torch.dtype:
+    return torch.float64 if name == EXACT else torch.float32
+
+
+def exact_layers(mode: str, x, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
+    """:func:`layers` in float64 with nothing rounded and no autograd graph, for a reference run (``None`` where
+    :func:`covered` says no, and for dropout between layers, whose draws ATen's own kernel makes).
+
+    Example:
+
+        >>> import torch
+        >>> lstm, x = torch.nn.LSTM(3, 4, 2).double(), torch.randn(5, 2, 3, dtype=torch.float64)
+        >>> h0 = torch.zeros(2, 2, 4, dtype=torch.float64)
+        >>> with torch.no_grad():
+        ...     out, h, c = exact_layers("lstm", x, (h0, h0), lstm._flat_weights, True, 2, 0.0, False, False, False)
+        ...     torch.allclose(out, lstm(x)[0], rtol=0, atol=1e-14)
+        True
+    """
+    if dropout and train and num_layers > 1:
+        return None
+    kit = Kit(F.linear, F.linear, lambda w: w, EXACT, "", True, lambda op, n: None, lambda fn: fn())
+    return layers(mode, kit, x, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first,
+                  grad=False)
 
 
 def layers(mode: str, kit: Kit, x, hx, params, has_biases, num_layers, dropout, train, bidirectional,
@@ -122,7 +156,7 @@ def layers(mode: str, kit: Kit, x, hx, params, has_biases, num_layers, dropout, 
     direction). ``None`` when :func:`covered` says no."""
     dirs = 2 if bidirectional else 1
     per = len(params) // (num_layers * dirs)
-    if not covered(mode, kit.name, params, per) or x.dtype != torch.float32:
+    if not covered(mode, kit.name, params, per) or x.dtype != _dtype(kit.name):
         return None
     if batch_first:
         x = x.transpose(0, 1)

@@ -30,10 +30,8 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import math
 import weakref
-from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import torch
@@ -41,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tf32lab.control import modestack
+from tf32lab.emulation import recurrent
 from tf32lab.measure.draws import NARROW, WIDE, draw_kind, drawn_at_float32, random_name, random_op
 
 __all__ = ["Float64Run", "widen", "widened_model"]
@@ -146,6 +145,30 @@ _DRAWING = frozenset({"dropout", "alpha_dropout", "feature_alpha_dropout", "feat
 _DTYPE = torch.Tensor.dtype  # its __get__, as the mode sees it, is a new object each time
 _RNN_OPS = {getattr(torch._C._VariableFunctions, name): getattr(torch.ops.aten, name).input
             for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")}
+_CAT = torch.ops.aten.cat.default
+
+
+def _float64_rnn(func: Callable) -> Callable:
+    """``torch._VF.lstm`` or ``gru`` run by ``emulation.recurrent``'s whole-sequence loops, nothing rounded, where
+    they cover the call (on the CPU; no packed sequence, no projection, no autograd graph, no dropout between
+    layers); else ``func`` itself. ATen's float64 LSTM has no oneDNN kernel and makes each step of a dozen
+    dispatched ops: the loops' step, one GEMM on a weight transposed once and pointwise kernels into buffers, took
+    a third to a half of its time (an LSTM encoder's check, benchmarks/check.py)."""
+    mode = func.__name__
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        tensors = [t for t in args if isinstance(t, torch.Tensor)] + [
+            t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
+        # on the CPU only: cuDNN runs a float64 RNN as one kernel
+        if (mode in ("lstm", "gru") and not kwargs and len(args) == 9 and not isinstance(args[3], (list, tuple))
+                and all(t.device.type == "cpu" for t in tensors)
+                and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
+            whole = recurrent.exact_layers(mode, *args)
+            if whole is not None:
+                return whole
+        return func(*args, **kwargs)
+
+    return run
 
 
 class _Functions(TorchFunctionMode):
@@ -189,8 +212,16 @@ class _Functions(TorchFunctionMode):
             # (the inputs are widened here). Told as the one family op it is, run without the op-level mode.
             if self.run.on_op is not None:
                 self.run.on_op(rnn)
-            with modestack.lifted(self.run._modes[1]), _told(self.run):
-                return _widened_call(func, args, kwargs, selecting=False)
+            with modestack.lifted(self.run._modes[1]):
+                out = _widened_call(_float64_rnn(func), args, kwargs, selecting=False)
+            if self.run.on_result is not None:
+                # Every result of an RNN is a stack or cat of its steps' states (aten/src/ATen/native/RNN.cpp),
+                # whose magnitudes for ``measure.scales`` are the values' own: told as one cat each, not step by
+                # step (which cost an LSTM's check more than its float64 forward), the scales are the same.
+                for result in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(result, torch.Tensor):
+                        self.run.on_result(_CAT, ([result], 0), {}, result)
+            return out
         return _widened_call(func, args, kwargs, selecting=name in _SELECTING)
 
     def _made_float64(self, args: tuple) -> bool:
@@ -340,36 +371,6 @@ def _op_plan(func) -> str:
         plan = _SELECTS if func.overloadpacket in _SELECTING_OPS else _WIDENS
     _OPS[func] = plan
     return plan
-
-
-@modestack.skips_dynamo_lazily
-class _Told(TorchDispatchMode):
-    """In the op-level mode's place while an RNN's steps run without it: ``on_result`` is still told of them, as a
-    mode of its own above the run's would be."""
-
-    def __init__(self, run: Float64Run) -> None:
-        super().__init__()
-        self.run = run
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if self.run.on_result is not None:
-            self.run.on_result(func, args, kwargs, out)
-        return out
-
-
-@contextlib.contextmanager
-def _told(run: Float64Run) -> Iterator[None]:
-    if run.on_result is None:
-        yield
-        return
-    mode = _Told(run)
-    modestack.push(mode)
-    try:
-        yield
-    finally:
-        modestack.remove(mode)
 
 
 def _widened_call(func, args: Any, kwargs: dict, selecting: bool) -> Any:
