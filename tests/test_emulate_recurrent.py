@@ -253,3 +253,48 @@ def test_a_second_derivative_is_refused_in_words_and_a_first_one_still_runs(kind
         assert torch.isfinite(first).all()
         with pytest.raises(tf32lab.Tf32LabError, match=r"first derivatives only.*create_graph=True"):
             torch.autograd.grad(layer(x)[0].pow(2).sum(), x, create_graph=True)
+
+
+@pytest.mark.parametrize("kind,layers,bidirectional,batch_first,unbatched,bias,given", [
+    ("lstm", 1, False, False, False, True, False),
+    ("lstm", 2, True, True, False, True, True),
+    ("lstm", 2, False, False, True, False, True),
+    ("gru", 1, False, True, False, True, False),
+    ("gru", 2, True, False, False, False, True),
+    ("gru", 1, True, False, True, True, True),
+])
+def test_the_exact_layers_give_atens_float64_results(kind, layers, bidirectional, batch_first, unbatched, bias,
+                                                     given):
+    """The float64 reference's recurrences (nothing rounded) against PyTorch's own float64 kernel, in every
+    layout ``nn.LSTM`` and ``nn.GRU`` call ``torch._VF`` with: to float64's last bits' order."""
+    torch.manual_seed(0)
+    module = (nn.LSTM if kind == "lstm" else nn.GRU)(5, 6, layers, bias=bias, batch_first=batch_first,
+                                                     bidirectional=bidirectional, dropout=0.3 if layers > 1 else 0.0)
+    module = module.double().eval()  # dropout between layers is off outside training
+    shape = (7, 5) if unbatched else ((3, 7, 5) if batch_first else (7, 3, 5))
+    x = torch.randn(*shape, dtype=torch.float64)
+    states = (layers * (2 if bidirectional else 1), *(() if unbatched else (3,)), 6)
+    h0 = torch.randn(states, dtype=torch.float64) if given else torch.zeros(states, dtype=torch.float64)
+    hx = (h0, torch.randn_like(h0) if given else torch.zeros_like(h0)) if kind == "lstm" else h0
+    with torch.no_grad():
+        expected = module(x, hx)
+        found = recurrent.exact_layers(kind, x, hx, module._flat_weights, bias, layers, module.dropout, False,
+                                       bidirectional, batch_first)
+    expected = [expected[0], *(expected[1] if kind == "lstm" else (expected[1],))]
+    assert len(found) == len(expected)
+    for got, want in zip(found, expected):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_the_exact_layers_leave_dropout_in_training_and_other_rnns_to_pytorch():
+    lstm = nn.LSTM(5, 6, 2, dropout=0.5).double()
+    x, h0 = torch.randn(4, 2, 5, dtype=torch.float64), torch.zeros(2, 2, 6, dtype=torch.float64)
+    assert recurrent.exact_layers("lstm", x, (h0, h0), lstm._flat_weights, True, 2, 0.5, True, False, False) is None
+    projected = nn.LSTM(5, 6, proj_size=3).double()
+    h0, c0 = torch.zeros(1, 2, 3, dtype=torch.float64), torch.zeros(1, 2, 6, dtype=torch.float64)
+    assert recurrent.exact_layers("lstm", x, (h0, c0), projected._flat_weights, True, 1, 0.0, False, False,
+                                  False) is None
+    rnn = nn.RNN(5, 6).double()
+    assert recurrent.exact_layers("rnn_tanh", x, h0, rnn._flat_weights, True, 1, 0.0, False, False, False) is None
+    assert recurrent.exact_layers("lstm", x.float(), (h0.float(), h0.float()), [p.float() for p in
+                                  lstm._flat_weights], True, 2, 0.0, False, False, False) is None
