@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tf32lab.control import modestack
 from tf32lab.emulation import recurrent
+from tf32lab.measure import unfolded
 from tf32lab.measure.draws import NARROW, WIDE, draw_kind, drawn_at_float32, random_name, random_op
 
 __all__ = ["Float64Run", "widen", "widened_model"]
@@ -435,13 +436,14 @@ UNFOLD_BUDGET = 64 << 20
 
 
 def _convolution(args: list, kwargs: dict) -> torch.Tensor:
-    """A float64 convolution, in slices of the batch when it is large. PyTorch's CPU float64 convolution unfolds
-    the whole batch at once (im2col): torchcrepe's tiny model took 4.5 GB for what float32 (oneDNN) does in
-    0.2 GB. Samples are independent, so the slices give the same values."""
+    """A float64 convolution, in slices of the batch when it is large, each one GEMM over its unfolded input
+    where ``measure.unfolded`` covers it. PyTorch's CPU float64 convolution unfolds the whole batch at once
+    (im2col): torchcrepe's tiny model took 4.5 GB for what float32 (oneDNN) does in 0.2 GB. Samples are
+    independent, so the slices give the same values."""
     x, weight = args[0], args[1]
     transposed = args[6] if len(args) > 6 else kwargs.get("transposed", False)
     if x.device.type != "cpu" or x.dim() < 3 or x.size(0) < 2:
-        return _CONVOLUTION(*args, **kwargs)
+        return _one_convolution(args, kwargs)
     # one sample's unfolded input: (channels per group x kernel) x output positions, bounded by input positions
     stride = args[3] if len(args) > 3 else kwargs.get("stride", [1])
     positions = math.prod(x.shape[2:]) // (1 if transposed else max(1, math.prod(stride)))
@@ -452,19 +454,32 @@ def _convolution(args: list, kwargs: dict) -> torch.Tensor:
         per_sample = weight.shape[0] * math.prod(weight.shape[2:]) * max(1, positions) * x.element_size()
     chunk = max(1, UNFOLD_BUDGET // max(1, per_sample))
     if chunk >= x.size(0):
-        return _CONVOLUTION(*args, **kwargs)
-    rest = args[1:]
+        return _one_convolution(args, kwargs)
+    rest = list(args[1:])
     parts = x.split(chunk)
-    first = _CONVOLUTION(parts[0], *rest, **kwargs)
+    first = _one_convolution([parts[0], *rest], kwargs)
     # into one preallocated result: a list of slices and a cat would hold the output twice at its peak
     out = first.new_empty((x.size(0), *first.shape[1:]))
     out[:first.size(0)].copy_(first)
     start = first.size(0)
     del first
     for part in parts[1:]:
-        out[start:start + part.size(0)].copy_(_CONVOLUTION(part, *rest, **kwargs))
+        out[start:start + part.size(0)].copy_(_one_convolution([part, *rest], kwargs))
         start += part.size(0)
     return out
+
+
+_CONVOLUTION_ARGS = [a.name for a in _CONVOLUTION._schema.arguments]
+
+
+def _one_convolution(args: list, kwargs: dict) -> torch.Tensor:
+    """``aten.convolution`` of ``args``: by ``measure.unfolded`` where it covers the call, else PyTorch's."""
+    named = {**dict(zip(_CONVOLUTION_ARGS, args)), **kwargs}
+    if len(named) == len(_CONVOLUTION_ARGS):
+        found = unfolded.convolution(*(named[name] for name in _CONVOLUTION_ARGS))
+        if found is not None:
+            return found
+    return _CONVOLUTION(*args, **kwargs)
 
 
 class Float64Run:

