@@ -352,31 +352,39 @@ def _lstm_factors(acts, g, c, c0, nan_free: bool) -> tuple[torch.Tensor, torch.T
 # -- GRU ----------------------------------------------------------------------------------------------------
 def _gru_forward(gates_x, h, w_hh, b_hh, kit: Kit, reverse: bool, saved: Optional[list]):
     """The steps of one GRU layer and direction; ``saved`` receives r, z, n and the hidden product's n part of
-    every step, in run order. The kernels and their order are ``rules.run_rnn``'s (the same bits)."""
+    every step, in run order. The kernels and their order are ``rules.run_rnn``'s (the same bits: a sum or product
+    of two operands in either order is one rounding); each writes into a buffer made once, through views made
+    once, as the LSTM's steps do."""
     steps = gates_x.size(0)
     size = h.size(-1)
     w_view = kit.weight(w_hh).t()  # as F.linear passes it: the same GEMM kernel
     round_h = kit.rounder(kit.nan_free)
-    held = torch.empty_like(h)
+    held = torch.empty_like(h, memory_format=torch.contiguous_format)
     out = gates_x.new_empty(steps, *h.shape)
     keep = saved is not None
-    rs, zs, ns, hns = [], [], [], []
-    for t in _order(steps, reverse):
+    slabs = [gates_x.new_empty((steps, *h.shape) if keep else h.shape) for _ in range(4)]  # r, z, n, h_n
+    r_at, z_at, n_at, hn_at = (slab.unbind(0) if keep else [slab] * steps for slab in slabs)
+    gates_h = gates_x.new_empty(*h.shape[:-1], 3 * size)  # the hidden product of the step
+    h_r, h_z, h_n = gates_h.split(size, -1)
+    x_at, out_at = [x.split(size, -1) for x in gates_x.unbind(0)], out.unbind(0)
+    between = torch.empty_like(held)  # z (h - n)
+    for k, t in enumerate(_order(steps, reverse)):
         hr = round_h(h, held)
-        gates_h = torch.mm(hr, w_view) if b_hh is None else torch.addmm(b_hh, hr, w_view)
-        x_r, x_z, x_n = gates_x[t].split(size, -1)
-        h_r, h_z, h_n = gates_h.split(size, -1)
-        r, z = torch.sigmoid(x_r + h_r), torch.sigmoid(x_z + h_z)
-        n = torch.tanh(x_n + r * h_n)
-        h = torch.add(n, z * (h - n), out=out[t])
+        if b_hh is None:
+            torch.mm(hr, w_view, out=gates_h)
+        else:
+            torch.addmm(b_hh, hr, w_view, out=gates_h)
+        (x_r, x_z, x_n), r, z, n = x_at[t], r_at[k], z_at[k], n_at[k]
+        torch.add(x_r, h_r, out=r).sigmoid_()
+        torch.add(x_z, h_z, out=z).sigmoid_()
+        torch.mul(r, h_n, out=n).add_(x_n).tanh_()  # tanh(x_n + r h_n)
+        torch.sub(h, n, out=between).mul_(z)
+        h = torch.add(n, between, out=out_at[t])
         if keep:
-            rs.append(r)
-            zs.append(z)
-            ns.append(n)
-            hns.append(h_n)
+            hn_at[k].copy_(h_n)
     kit.count("aten::linear", steps)
     if keep:
-        saved += [torch.stack(rs), torch.stack(zs), torch.stack(ns), torch.stack(hns)]
+        saved += slabs
     return out, h
 
 
