@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from tf32lab.know.levels import ALL_LEVELS
-from tf32lab.know.targets import NATIVE
+from tf32lab.know.targets import NATIVE, TARGETS
 
 if TYPE_CHECKING:
     from tf32lab.know.targets import Target
@@ -149,11 +149,9 @@ _CPU_WHY = {
 
 def _on_cpu(report: Report) -> bool:
     """Whether the report's hardware computed on a CPU: the target's device, or on ``native`` the model's."""
-    from tf32lab.know import targets
-
     if report.target == NATIVE:
         return str(report.environment.get("device", "cpu")).startswith("cpu")
-    return report.target in targets.TARGETS and targets.get(report.target).device == "cpu"
+    return report.target in TARGETS and TARGETS[report.target].device == "cpu"
 
 
 def _why(entry: CudnnFamily, target: str, cpu: bool = False) -> str:
