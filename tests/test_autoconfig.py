@@ -136,6 +136,19 @@ def test_an_explicit_level_is_applied_as_asked():
     assert state["level"] == "highest" and not decisions["precision"].changed
 
 
+def test_a_level_that_changes_nothing_on_a_cpu_is_said_to():
+    # no oneDNN TF32 without AMX-FP16: 'high' is the bits of 'highest' on an AMX-BF16 CPU (docs/gpu-results.md)
+    decisions, state = _apply(Hardware.simulated("cpu-amx"), level="high")
+    assert state["level"] == "high" and "no AMX-FP16 on this CPU, so it changes nothing" in \
+        decisions["precision"].reason
+    decisions, _ = _apply(Hardware.simulated("cpu-amx"), level="medium")
+    assert decisions["precision"].reason == "asked for"  # bf16 on AMX
+    decisions, _ = _apply(Hardware.simulated("cpu"), level="medium")
+    assert "no AMX on this CPU, so it changes (almost) nothing" in decisions["precision"].reason
+    fp16 = Hardware.simulated("cpu-amx", isa=("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_fp16"))
+    assert _apply(fp16, level="high")[0]["precision"].reason == "asked for"
+
+
 def test_undo_is_exact_from_a_users_own_settings(user_flags):
     if flags.NEW_API:
         torch.backends.mkldnn.matmul.fp32_precision = "bf16"

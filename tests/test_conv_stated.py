@@ -171,3 +171,30 @@ def test_a_policy_that_pins_a_conv_math_is_stated_beside_the_levels():
                                "cuDNN's own flag sets their math, not the level")
     assert "the policy sets it for its modules" in sentence
     jsonschema.validate(report.to_dict(), schema())
+
+
+class _Recurrent(nn.Module):
+    """A GRU or an LSTM and a linear head."""
+
+    def __init__(self, kind: type[nn.RNNBase]) -> None:
+        super().__init__()
+        self.rnn = kind(64, 64, batch_first=True)
+        self.head = nn.Linear(64, 5)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+@pytest.mark.parametrize("kind", [nn.GRU, nn.LSTM], ids=["gru", "lstm"])
+def test_rnns_on_a_cpu_target_are_stated_with_onednn_and_a_gru_at_the_level(kind):
+    # on a CPU a GRU runs as aten GEMMs, at the level's math (bf16 at 'medium' on cpu-amx); an LSTM runs oneDNN's
+    # RNN kernel, under mkldnn.rnn, which no level sets; cuDNN's flag decides neither
+    torch.manual_seed(0)
+    workload = tf32lab.Workload(_Recurrent(kind).eval(), torch.randn(4, 20, 64))
+    report = tf32lab.check(workload, levels=("highest", "medium"), target="cpu-amx")
+    (rnn,) = report.cudnn
+    assert rnn.maths == {"highest": "ieee", "medium": "bf16-rne" if kind is nn.GRU else "ieee"}
+    sentence = _sentence(report, "RNNs ran")
+    assert "torch.backends.mkldnn.rnn.fp32_precision" in sentence and "cudnn" not in sentence, sentence
+    native = tf32lab.check(workload, levels=("highest", "medium"), target="native")
+    assert "cudnn" not in _sentence(native, "RNNs ran")  # this CPU's, whichever it is

@@ -60,7 +60,7 @@ def test_doctor_changes_nothing():
     ("h100", "ieee", "tf32-rne", "tf32-rne", {"conv-tf32-at-highest", "medium-equals-high"}),
     ("v100", "ieee", "ieee", "ieee", set()),
     ("t4", "ieee", "ieee", "ieee", set()),
-    ("cpu-amx", "ieee", "tf32-rne", "bf16-rne", set()),
+    ("cpu-amx", "ieee", "ieee", "bf16-rne", set()),  # no TF32 without AMX-FP16 (tests/test_cpu_amx.py)
     ("cpu", "ieee", "ieee", "ieee", set()),
 ])
 def test_what_each_level_does_on_simulated_machines(name, highest, high, medium, codes):
@@ -386,3 +386,15 @@ def test_doctor_knows_the_rank():
     for part in doctor_text.render(d):
         console.print(part)
     assert "1 of 2 (torchrun)" in console.export_text()
+
+
+@pytest.mark.parametrize("name", ["cpu-amx", "cpu", "a100"])
+def test_the_rnn_column_says_on_a_cpu_that_a_gru_runs_as_matmuls(name):
+    # the rnn column is oneDNN's LSTM kernel's (mkldnn.rnn); on a CPU a GRU runs as aten GEMMs, bf16 at 'medium'
+    # on an AMX CPU where the column says ieee (docs/gpu-results.md); cuDNN runs every RNN on a GPU
+    console = rich.console.Console(width=200, record=True, file=io.StringIO())
+    for part in doctor_text.render(tf32lab.doctor(Hardware.simulated(name))):
+        console.print(part)
+    text = " ".join(console.export_text().split())  # the caption wraps at the table's width
+    said = "on a CPU a GRU or Elman RNN runs as matmuls, at the matmul column's math" in text
+    assert said == (name != "a100")

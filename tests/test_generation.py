@@ -328,7 +328,7 @@ def _printed(report, width: int) -> list[str]:
     return out.getvalue().splitlines()
 
 
-@pytest.mark.parametrize("target", ["a100", "cpu-amx"])  # medium computed as high; medium a row of its own
+@pytest.mark.parametrize("target", ["a100", "cpu-amx", "v100"])  # medium computed as high; medium a row of its own
 def test_the_text_tables_fit_80_columns_one_line_a_row(trained, target):
     from tf32lab.report.generation_render import short
 

@@ -564,6 +564,25 @@ def test_assert_close_takes_the_math_of_the_emulation_and_the_scope_it_runs_in()
         assert_close(y, exact, operands=(a, b), level="fast")
 
 
+@pytest.mark.parametrize("shapes", [((256, 512), (512,)), ((512,), (512, 32)), ((512,), (512,)),
+                                    ((3, 64, 512), (512,))], ids=["mv", "vecmat", "dot", "batched-mv"])
+def test_assert_close_takes_a_product_with_a_vector_operand(shapes):
+    import torch
+
+    import tf32lab
+    from tf32lab.testing import assert_close, tolerance
+
+    torch.manual_seed(0)
+    a, b = torch.randn(shapes[0]), torch.randn(shapes[1])
+    exact = a.double() @ b.double()
+    assert tolerance(a, b).shape == exact.shape
+    assert_close((a @ b).float(), exact, operands=(a, b), level="highest", target="cpu")
+    with pytest.raises(AssertionError, match="exceed the tolerance"):
+        assert_close(exact + 1.0, exact, operands=(a, b), level="highest", target="cpu")
+    with tf32lab.precision("medium"), tf32lab.emulate("cpu-amx"):
+        assert_close(a @ b, exact, operands=(a, b))  # bf16's tolerance where the product is emulated in bf16
+
+
 BIASED = """
 import torch
 

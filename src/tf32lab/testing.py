@@ -115,6 +115,12 @@ def _tolerance(a: torch.Tensor, b: torch.Tensor, math_name: str, factor: float) 
     rows = a.detach().abs().amax(dim=-1, keepdim=True).double()  # (..., M, 1)
     cols = b.detach().abs().amax(dim=-2 if b.dim() > 1 else 0, keepdim=True).double()  # (..., 1, N)
     bound = factor * math.sqrt(k) * (2 * u + FLOAT32) * rows * cols
+    # shaped as torch.matmul shapes a @ b: a vector operand's dimension is dropped (mv: (M,), a vector times a
+    # matrix: (N,), dot: a scalar), so the bound meets the values it is compared with
+    if b.dim() == 1:
+        bound = bound.squeeze(-1)
+    if a.dim() == 1 and b.dim() > 1:
+        bound = bound.squeeze(-2)
     return bound.to(torch.promote_types(a.dtype, torch.float32)) if a.dim() > 1 and b.dim() > 1 else bound
 
 

@@ -852,12 +852,19 @@ def _is_packed(args) -> bool:
     return len(args) > 3 and isinstance(args[3], (list, tuple))
 
 
+def _rnn_key(call, mode: str) -> str:
+    """The target key of an RNN's GEMMs. On a GPU cuDNN's RNN kernel runs them all (``rnn``); on a CPU only an LSTM
+    has a oneDNN RNN kernel (aten RNN.cpp: ``lstm_mkldnn_stub``, under ``mkldnn.rnn``), while a GRU or an Elman RNN
+    runs as aten GEMMs under ``mkldnn.matmul`` (bf16 at 'medium' on an AMX CPU, docs/gpu-results.md)."""
+    return "matmul" if call.emu.target.device == "cpu" and mode != "lstm" else "rnn"
+
+
 @rule(aten.lstm, aten.gru, aten.rnn_tanh, aten.rnn_relu)
 def _rnn_op(call, func, args, kwargs):
     if _is_packed(args):
         return NotImplemented
     mode = func.name().split("::")[-1]
-    key = "rnn"
+    key = _rnn_key(call, mode)
 
     def linear(x, w, b):
         return _linear(call, key, x, w, b)
@@ -867,23 +874,24 @@ def _rnn_op(call, func, args, kwargs):
 
 
 class _RnnLinear(torch.autograd.Function):
-    """x wᵀ + b whose forward and backward GEMMs are all rnn-family ops (cuDNN's RNN kernel). The forward is
-    ``product(x, w, b)`` (rounded by the caller); the backward's GEMMs go through the emulator's mode."""
+    """x wᵀ + b whose forward and backward GEMMs are all ops of the key ``key`` (``rnn``: cuDNN's RNN kernel). The
+    forward is ``product(x, w, b)`` (rounded by the caller); the backward's GEMMs go through the emulator's mode."""
 
     @staticmethod
-    def forward(ctx, x, w, b, product):
+    def forward(ctx, x, w, b, product, key):
         ctx.save_for_backward(x, w)
         ctx.has_bias = b is not None
+        ctx.key = key
         return product(x, w, b)
 
     @staticmethod
     def backward(ctx, grad):
         x, w = ctx.saved_tensors
-        with as_family("rnn"):
+        with as_family(ctx.key):
             grad_x = grad @ w
             grad_w = grad.reshape(-1, grad.size(-1)).t() @ x.reshape(-1, x.size(-1))
         grad_b = grad.reshape(-1, grad.size(-1)).sum(0) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 RNN_FUNCTIONS = {getattr(torch._C._VariableFunctions, name): name for name in _MODES}
@@ -898,18 +906,19 @@ def rnn_function(call, func, args, kwargs, quietly: Callable[[Callable], Any] = 
         call.unhandled(f"{call.op} (packed sequence)")
         return func(*args, **kwargs)
 
-    if call.math("rnn").name == "ieee":  # nothing to round: PyTorch's own fused kernel, at IEEE (the caller's scope)
-        call.count(call.math("rnn"))
+    key = _rnn_key(call, mode)
+    if call.math(key).name == "ieee":  # nothing to round: PyTorch's own fused kernel, at IEEE (the caller's scope)
+        call.count(call.math(key))
         return func(*args, **kwargs)
     x, hx, params = args[0], args[1], args[2]
     nan_free = all(_pymath.isfinite(float(t.detach().sum())) for t in (x, *hx, *params) if t.device.type == "cpu")
-    product, step, done = call.many_linears("rnn", nan_free)
-    math = call.math("rnn")
+    product, step, done = call.many_linears(key, nan_free)
+    math = call.math(key)
     grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                            for t in (x, *hx, *params))
 
     def linear(x, w, b):
-        return _RnnLinear.apply(x, w, b, product)
+        return _RnnLinear.apply(x, w, b, product, key)
 
     def count(op: str, n: int) -> None:
         call.emu._count(op, math, n)

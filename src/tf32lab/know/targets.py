@@ -236,8 +236,13 @@ _S_EFFICIENT_SIMT = ("PyTorch's mem_eff_attention (CUTLASS): before sm80 the mem
                      "without tensor cores")
 _S_ONEDNN_BF16 = ("PyTorch MKLDNN notes: mkldnn fp32_precision=bf16 -> oneDNN bf16 (AMX), RNE conversion; matmul "
                   "verified on a Sapphire Rapids CPU within float32 accumulation (docs/gpu-results.md)")
-_S_ONEDNN_TF32 = ("PyTorch MKLDNN notes: mkldnn fp32_precision=tf32 where the CPU has it; rounding assumed RNE, "
-                  "unverified")
+_S_ONEDNN_TF32 = ("mkldnn fp32_precision=tf32: PyTorch asks oneDNN for TF32 only on a CPU with AMX-FP16 "
+                  "(aten/src/ATen/native/mkldnn/Matmul.cpp, use_mkldnn_tf32_matmul); without it the same bits as "
+                  "IEEE, measured for matmul and conv on a Sapphire Rapids CPU (docs/gpu-results.md); a CPU with "
+                  "AMX-FP16 is unmeasured (doctor's probe tells)")
+_S_ONEDNN_MV = ("mv/addmv follow mkldnn.matmul (aten's CPU gemm tries oneDNN first): bf16 at 'medium' on a Sapphire "
+                "Rapids CPU for all but the smallest (docs/gpu-results.md); dot and addr measured IEEE there, so "
+                "emulating them in bf16 overstates their error")
 _S_CPU = "aten/src/ATen/Context.cpp: a CPU without reduced-precision units computes IEEE float32 at every level"
 
 
@@ -296,14 +301,15 @@ def _onednn(reduced: bool) -> dict[str, Entry]:
         entries = {key: fixed for key in ("matmul", "conv", "rnn", "matvec")}
     else:
         entries = {
-            op: _by(f"mkldnn.{op}", f"{_S_ONEDNN_BF16}; {_S_ONEDNN_TF32}", bf16=BF16_RNE, tf32=TF32_RNE, ieee=IEEE)
+            op: _by(f"mkldnn.{op}", f"{_S_ONEDNN_BF16}; {_S_ONEDNN_TF32}", bf16=BF16_RNE, tf32=IEEE, ieee=IEEE)
             for op in ("matmul", "conv", "rnn")
         }
-        entries["matvec"] = _fixed(IEEE, "mv/addmv/dot use BLAS gemv, not oneDNN; verify on an AMX CPU")
+        entries["matvec"] = _by("mkldnn.matmul", _S_ONEDNN_MV, **{"*": "matmul"})
     return {
         **entries,
         "linalg": _fixed(IEEE, _S_SOLVER),
-        "matmul.gemv": _by("mkldnn.matmul", "a one-row product is a matmul like any other to oneDNN; unmeasured",
+        "matmul.gemv": _by("mkldnn.matmul", "a one-row product is a matmul to PyTorch; measured IEEE at 'medium' "
+                           "on a Sapphire Rapids CPU (oneDNN's own choice), so bf16 here overstates its error",
                            **{"*": "matmul"}),
         "linalg.trsm": _fixed(IEEE, "LAPACK trsm: no reduced-precision path on a CPU"),
         "attention": _by("mkldnn.matmul", "CPU flash attention uses the CPU GEMM: follows the matmul flag",

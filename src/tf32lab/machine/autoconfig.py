@@ -212,6 +212,13 @@ def _precision(level: str, hw: Hardware) -> tuple[Decision, Optional[_Undo], Opt
         new, reason = level, "asked for"
         if hw.gpus and level != "highest" and not min(g.capability for g in hw.gpus) >= (8, 0):
             reason += "; no TF32 on this GPU, so it changes nothing here"
+        elif not hw.gpus and not hw.rocm and not hw.mps:
+            # PyTorch asks oneDNN for TF32 only with AMX-FP16 and for bf16 with AMX (use_mkldnn_tf32_matmul,
+            # Matmul.cpp); measured: 'high' the bits of 'highest' on an AMX-BF16 CPU (docs/gpu-results.md)
+            if level == "high" and "amx_fp16" not in hw.isa:
+                reason += "; no GPU and no AMX-FP16 on this CPU, so it changes nothing here (oneDNN's TF32 needs it)"
+            elif level == "medium" and "amx_bf16" not in hw.isa:
+                reason += "; no GPU and no AMX on this CPU, so it changes (almost) nothing here"
     override = hw.tf32_override()
     if override and hw.gpus and override not in reason:
         reason += (f"; {override} is set: it only makes 'high' PyTorch's default, the level set here decides"

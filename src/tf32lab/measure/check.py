@@ -248,7 +248,8 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
         workload=str(workload.name), target=target.name, reference=reference, tolerance=dict(tolerances),
         levels=tuple(rows), environment=environment_of(workload),
         seconds=time.perf_counter() - started, notes=tuple(notes), speed=predicted,
-        cudnn=cudnn.families(session.recorder.by_family, rows, target, cells, conv, predicted),
+        cudnn=cudnn.families(session.recorder.by_family, rows, target, cells, conv, predicted,
+                             rnn_ops=session.recorder.rnn_ops),
     )
 
 

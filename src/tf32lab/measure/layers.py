@@ -196,6 +196,7 @@ class Recorder:
         self.families: dict[str, set[str]] = {}  # layer -> the op families of its own ops (conv, rnn, ...)
         self.called: set[str] = set()  # the modules whose forward ran (one whose parent uses its weights did not)
         self.by_family: collections.Counter[str] = collections.Counter()  # the reference's family ops, per family
+        self.rnn_ops: set[str] = set()  # the reference's RNN ops by name (aten::lstm, aten::gru, ...)
         self.streams: Optional[Streams] = None  # set by check: each rerun draws from its call's random state
         self.quiet: list[Any] = []  # the caller's own modes over the reference run, lifted while a layer reruns
 
@@ -236,6 +237,8 @@ class Recorder:
         if family is not None:
             self.family_ops += 1
             self.by_family[family] += 1
+            if family == "rnn":
+                self.rnn_ops.add(func.name())
             if self.stack:
                 self.stack[-1].ran = True
                 self.stack[-1].families.add(family)

@@ -23,12 +23,12 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from tf32lab.know.levels import ALL_LEVELS
-from tf32lab.know.targets import NATIVE
+from tf32lab.know.targets import NATIVE, TARGETS
 
 if TYPE_CHECKING:
     from tf32lab.know.targets import Target
@@ -76,19 +76,25 @@ class CudnnFamily:
 
 
 def families(ops: Mapping[str, int], rows: Sequence[LevelResult], target: Target, cells: Mapping[str, str],
-             asked: Optional[str] = None, speed: Any = None) -> tuple[CudnnFamily, ...]:
+             asked: Optional[str] = None, speed: Any = None,
+             rnn_ops: Collection[str] = ()) -> tuple[CudnnFamily, ...]:
     """The report's :class:`CudnnFamily` entries: one per family of ``CUDNN_FAMILIES`` that ran (``ops``: op count
     per family), each row's math (the row's own; on ``native``, where nothing is emulated, the target's table at
-    the level), ``cells``: the flag cells in force for the run, ``speed``: the report's predicted ``SpeedReport``."""
+    the level), ``cells``: the flag cells in force for the run, ``speed``: the report's predicted ``SpeedReport``,
+    ``rnn_ops``: the RNN ops that ran, by name (on a CPU a GRU or Elman RNN runs as GEMMs, in the matmul math)."""
     found = []
+    # on a CPU only an LSTM has an RNN kernel of its own (oneDNN's); a GRU or an Elman RNN runs as aten GEMMs,
+    # under the matmul flag and so the level (tf32lab.emulation.rules._rnn_key, docs/gpu-results.md)
+    as_gemms = target.device == "cpu" and any("lstm" not in name for name in rnn_ops)
     for family in CUDNN_FAMILIES:
         if not ops.get(family):
             continue
         maths, shares = {}, {}
+        key = "matmul" if family == "rnn" and as_gemms else family
         for lv in rows:
-            m = lv.maths.get(family)
+            m = lv.maths.get(key)
             if m is None and lv.level in ALL_LEVELS:  # native: run for real, the table says what the level computes
-                m = target.maths_at(lv.level, cells).get(family)
+                m = target.maths_at(lv.level, cells).get(key)
             if m is not None:
                 maths[lv.level] = m
             share = _share(speed, lv.level, family)
@@ -133,7 +139,24 @@ def _per_row(entry: CudnnFamily, report: Report) -> str:
     return ", ".join(f"{word} {'with' if rows == ['policy'] else 'at'} {_rows(rows)}" for word, rows in groups.items())
 
 
-def _why(entry: CudnnFamily, target: str) -> str:
+# on a CPU oneDNN computes them, under its own flags (PyTorch's torch.backends.mkldnn fp32_precision cells)
+_CPU_WHY = {
+    "conv": "on a CPU oneDNN's own flag sets their math, not the level (`torch.backends.mkldnn.conv.fp32_precision`)",
+    "rnn": "on a CPU an LSTM runs oneDNN's RNN kernel, whose math its own flag sets "
+           "(`torch.backends.mkldnn.rnn.fp32_precision`), and a GRU or Elman RNN runs as GEMMs, at the level's math",
+}
+
+
+def _on_cpu(report: Report) -> bool:
+    """Whether the report's hardware computed on a CPU: the target's device, or on ``native`` the model's."""
+    if report.target == NATIVE:
+        return str(report.environment.get("device", "cpu")).startswith("cpu")
+    return report.target in TARGETS and TARGETS[report.target].device == "cpu"
+
+
+def _why(entry: CudnnFamily, target: str, cpu: bool = False) -> str:
+    if cpu:
+        return _CPU_WHY[entry.family]
     flag = f"`{FLAGS[entry.family]}`"
     tf32 = any(_word(m) != "IEEE float32" for m in entry.maths.values())
     if not tf32 and entry.flag == "tf32":  # the flag allows TF32, the target has none (V100, a CPU)
@@ -156,11 +179,12 @@ def stated(report: Report, hint: bool = True) -> list[str]:
     level, its share of ``highest``'s predicted time, and (``hint``, where it ran TF32 by default) how to check it
     in IEEE float32."""
     lines = []
+    cpu = _on_cpu(report)
     for entry in report.cudnn:
         if not entry.maths:
             continue
         name = entry.title
-        text = f"{name[0].upper()}{name[1:]} ran {_per_row(entry, report)}: {_why(entry, report.target)}"
+        text = f"{name[0].upper()}{name[1:]} ran {_per_row(entry, report)}: {_why(entry, report.target, cpu)}"
         first = next(iter(entry.shares), None)
         if first is not None:
             text += f"; they are {entry.shares[first]:.0%} of `{first}`'s predicted time on {report.target}"

@@ -69,7 +69,7 @@ def renderables(report: GenerationReport) -> Iterator[Any]:
     row = Column("row", "text", key=True)
     table = Fitted("greedy decoding against float64's tokens (agreement and logits teacher-forced)", [
         row, Column("first diverges"), Column("median"), Column("prompts left"), Column("agreement"),
-        Column("max logit err"), Column("perplexity"), Column("verdict", "text")])
+        Column("max logit err"), Column("ppl change"), Column("verdict", "text")])
     for lv in [report.floor, *report.levels]:
         # one word, as the check's level table writes it: a key column wraps between words, and ``(= high)``
         # took a line of its own at 80 columns
