@@ -48,6 +48,17 @@ def test_check_names_the_conv_math_and_puts_the_flag_back():
     assert default.level("highest").outputs[0].normwise == e_tf32
 
 
+def test_on_a_cpu_target_the_conv_note_does_not_say_the_convolutions_ran_at_cudnns_flag():
+    """A CPU does not read cuDNN's flag: the note said "convolutions ran at cudnn.conv 'tf32'" beside the report's
+    own line that they ran IEEE at every level."""
+    before = flags.snapshot()
+    report = check(_convs(), levels=("highest", "high"), target="cpu-amx", conv="tf32", speed=False)
+    assert flags.snapshot() == before
+    note = next(note for note in report.notes if "conv='tf32'" in note)
+    assert "ran at cudnn.conv" not in note and "torch.backends.mkldnn.conv.fp32_precision" in note
+    assert report.level("highest").outputs[0].normwise == report.level("high").outputs[0].normwise
+
+
 def test_conv_math_is_scoped_and_restored_on_every_exit_path():
     before = flags.snapshot()
     with conv_math("ieee"):

@@ -145,7 +145,8 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
         if ranks is not None:  # every rank done before any leaves, or writes the report (and none ran more)
             ranks.meet("the end of the check")
     if conv is not None:
-        report = dataclasses.replace(report, notes=(*report.notes, conv_scope.note(policy)))
+        report = dataclasses.replace(report, notes=(*report.notes, conv_scope.note(policy,
+                                                                                   cpu=target.device == "cpu")))
     return _noted(report, changed)
 
 
@@ -161,10 +162,16 @@ def refuse_native_levels(levels: Iterable[str], target: Target) -> None:
                                f"target that has it computes it emulated on any torch (target 'b200')")
 
 
-def conv_note(conv: str, policy: Optional[Policy] = None, searched: bool = False, moved: Optional[str] = None) -> str:
+def conv_note(conv: str, policy: Optional[Policy] = None, searched: bool = False, moved: Optional[str] = None,
+              cpu: bool = False) -> str:
     """The report's note on a conv math named by the caller (``searched``: chosen by ``tune`` itself); ``policy``:
     the policy row's, whose pins of another conv math it names (the row ran those modules at theirs); ``moved``:
-    the math the workload wrote into the flag meanwhile (:class:`ConvRun`)."""
+    the math the workload wrote into the flag meanwhile (:class:`ConvRun`); ``cpu``: the target is a CPU, which
+    does not read cuDNN's flag."""
+    if cpu:  # the flag was set all the same; saying the convolutions ran at it contradicted the report's own line
+        return (f"conv={conv!r} set cuDNN's convolution flag (torch.backends.cudnn.conv.fp32_precision), which a "
+                f"CPU does not read: a CPU's convolutions follow torch.backends.mkldnn.conv.fp32_precision, which "
+                f"no level sets either")
     pins = [] if policy is None else [
         *([f"the model → {policy.conv}"] if policy.conv not in (None, conv) else []),
         *(f"{r.pattern!r} → {r.conv}" for r in policy.rules if r.conv not in (None, conv))]
@@ -199,8 +206,8 @@ class ConvRun:
         finally:
             self.scope.__exit__(*exc)
 
-    def note(self, policy: Optional[Policy] = None, searched: bool = False) -> str:
-        return conv_note(self.conv, policy, searched, self.moved)
+    def note(self, policy: Optional[Policy] = None, searched: bool = False, cpu: bool = False) -> str:
+        return conv_note(self.conv, policy, searched, self.moved, cpu)
 
 
 def _check(workload: Workload, levels: tuple[str, ...], target: Target, reference: str, tolerances: dict[str, float],

@@ -146,7 +146,8 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
         session = TrainingSession(workload, target, steps, tolerance, accumulation)
         report = _Training(session, levels, row, progress, speed).run()
     if conv is not None:
-        report = dataclasses.replace(report, notes=(*report.notes, conv_scope.note(policy)))
+        report = dataclasses.replace(report, notes=(*report.notes, conv_scope.note(policy,
+                                                                                   cpu=target.device == "cpu")))
     if changed:
         report = dataclasses.replace(report, notes=(*report.notes, changed_note(changed)))
     return report
