@@ -544,3 +544,14 @@ def test_a_prediction_beside_a_measurement_fits_the_width_asked_or_comes_as_two_
     assert max(len(line) for line in narrow) <= 80
     assert narrow == [*predicted.lines(), "", *measured.lines()]
     assert "12.000 ms ±12%" in "\n".join(narrow)  # the measurement's spread stays in its own table
+
+
+def test_a_measured_cpu_is_named_by_its_model_not_its_architecture():
+    """``platform.processor()`` is ``x86_64`` on Linux: the measured column said ``cpu:x86_64`` on every machine."""
+    from tf32lab.machine import hardware
+    from tf32lab.speed import bench
+
+    name = bench.device_name(tf32lab.Workload(torch.nn.Linear(2, 2), torch.randn(1, 2)))
+    assert name == f"cpu:{bench._short(hardware.detect().cpu)}"
+    assert bench._short("Intel(R) Xeon(R) Platinum 8480+ CPU @ 2.00GHz") == "Intel Xeon Platinum 8480+"
+    assert bench._short("AMD EPYC 7B13 64-Core Processor") == "AMD EPYC 7B13 64-Core"

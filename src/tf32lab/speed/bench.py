@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import platform
+import re
 import statistics
 import time
 from collections.abc import Iterable
@@ -30,6 +31,7 @@ from torch.utils.benchmark import Timer
 from tf32lab.control.scope import precision
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import LEVELS
+from tf32lab.machine import hardware
 from tf32lab.numbers.origin import run_error
 from tf32lab.numbers.trees import named_tensors
 from tf32lab.speed.prediction import LevelSpeed, SpeedReport, speed_levels
@@ -45,7 +47,16 @@ def device_name(workload: Workload) -> str:
     device = tensors[0].device if tensors else torch.device("cpu")
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
+    if device.type == "cpu":  # the model's name (``platform.processor()`` is ``x86_64`` on Linux)
+        return f"cpu:{_short(hardware.detect().cpu)}"
     return f"{device.type}:{platform.processor() or platform.machine()}"
+
+
+def _short(cpu: str) -> str:
+    """A CPU's model name without its marks, clock and filler words, for a column header:
+    ``Intel(R) Xeon(R) Platinum 8480+ CPU @ 2.00GHz`` -> ``Intel Xeon Platinum 8480+``."""
+    name = re.sub(r"\((R|TM|tm|r)\)|\bCPU\b|\bProcessor\b|@\s*[\d.]+\s*GHz", " ", cpu)
+    return " ".join(name.split()) or cpu
 
 
 def bench(workload: Workload, levels: Iterable[str] = LEVELS, *, rounds: int = 7,
