@@ -243,3 +243,27 @@ def test_cuda_memory_pytorch_caches_unused_counts_as_available():
     # a margin for another process on the same GPU between the two readings
     assert found is not None and found >= torch.cuda.mem_get_info(device)[0] + (1 << 28) - (1 << 26)
     torch.cuda.empty_cache()
+
+
+
+
+def test_cli_an_output_never_replaces_a_file_of_the_model_folder(llama_folder, tmp_path):
+    # the spec's folder is read as a .py spec is: --json FOLDER/config.json wrote the report over the model's config,
+    # and the folder loaded no more
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The cat\n")
+    before = {p.name: p.read_bytes() for p in llama_folder.iterdir()}
+    for args, name in ((["--generate", "1", "--prompts", str(prompts), "--json"], "config.json"),
+                       (["--no-speed", "--html"], "model.safetensors")):
+        done = cli_runner.run("check", f"hf:{llama_folder}", "--levels", "high", *args, f"{llama_folder}/./{name}",
+                              timeout=300)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        line = done.stderr.strip()
+        assert len(line.splitlines()) == 1 and f"{name} is a file of the model folder" in line, line
+        assert done.stdout == "" and {p.name: p.read_bytes() for p in llama_folder.iterdir()} == before
+    # a report written there before replaces nothing of the model's (hf:. from inside the folder, run again)
+    (llama_folder / "report.json").write_text("{}\n")
+    done = cli_runner.run("check", f"hf:{llama_folder}", "--levels", "high", "--generate", "1", "--prompts",
+                          str(prompts), "--json", str(llama_folder / "report.json"), timeout=300)
+    assert done.returncode in (0, 1) and "levels" in (llama_folder / "report.json").read_text(), done.stderr
+    (llama_folder / "report.json").unlink()  # the session's folder as the other tests find it
