@@ -4,6 +4,7 @@ and flags that take an empty value. Plain-torch decoders made here, each a few m
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -135,3 +136,19 @@ def test_a_token_id_past_a_transformers_models_embedding_names_its_prompt():
     with pytest.raises(Tf32LabError, match=r"prompt 2 \('4 50'\) has token id 50; model 'GPT2LMHeadModel' takes "
                                            r"ids 0 to 49, its input embeddings"):
         tf32lab.check_generation(gpt2, new_tokens=2, prompts=[[1, 2], [4, 50]], levels=("high",))
+
+
+def test_a_criterion_and_a_share_are_never_shown_rounded_to_what_they_are_not(masked):
+    # agreement>=0.9999 read "at least 100.0%", and a row of 99.995% showed 100.0% beside FAILED: one decimal of a
+    # percent said what neither was
+    assert Criterion.parse("agreement>=0.9999", 8).words().endswith("at least 99.99%")
+    assert Criterion.parse("agreement>=0.95", 8).words().endswith("at least 95%")
+    assert Criterion.parse("agreement>=-0", 8).text == "agreement>=0"
+    report = tf32lab.check_generation(masked, new_tokens=2, prompts=[[1, 2, 3]], levels=("high",),
+                                      criterion="agreement>=0.99999")
+    row = dataclasses.replace(report.level("high"), agreement=0.99995, passed=False)
+    report = dataclasses.replace(report, levels=(row,))
+    (verdict,), first = report.verdicts(), report.conclusion()[0]
+    assert "agreement 99.995%;" in verdict and "FAILED" in verdict
+    assert "on 99.995% of teacher-forced steps" in first and "at least 99.999%" in first
+    assert ">99.995%</td>" in report.to_html()
