@@ -267,3 +267,17 @@ def test_cli_an_output_never_replaces_a_file_of_the_model_folder(llama_folder, t
                           str(prompts), "--json", str(llama_folder / "report.json"), timeout=300)
     assert done.returncode in (0, 1) and "levels" in (llama_folder / "report.json").read_text(), done.stderr
     (llama_folder / "report.json").unlink()  # the session's folder as the other tests find it
+
+
+def test_half_precision_weights_are_decoded_in_float32_and_the_report_says_so(llama_folder, tmp_path):
+    # the check of the same folder says so; the generation check said nothing, and a model served in bfloat16
+    # (no TF32 in its matmuls) read as a float32 model's answer
+    folder = tmp_path / "bf16"
+    transformers.LlamaForCausalLM.from_pretrained(str(llama_folder)).to(torch.bfloat16).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(str(llama_folder)).save_pretrained(folder)
+    report = tf32lab.check_generation(hf.causal_lm(str(folder)), new_tokens=1, prompts=["The cat"],
+                                      levels=("high",))
+    assert any("weights saved as bfloat16, decoded in float32" in note for note in report.notes), report.notes
+    plain = tf32lab.check_generation(hf.causal_lm(str(llama_folder)), new_tokens=1, prompts=["The cat"],
+                                     levels=("high",))
+    assert not any("saved as" in note for note in plain.notes)

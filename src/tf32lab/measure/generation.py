@@ -140,8 +140,10 @@ def check_generation(workload: Union[CausalLM, torch.nn.Module], *, new_tokens: 
     with exits_refused(decoder.name, "check_generation"), kept_flags() as changed, experts_eager(decoder.model):
         report = _Generation(decoder, batches, texts, new_tokens, levels, target, judge, bool(use_cache),
                              accumulation, progress).run()
-    if changed:
-        report = dataclasses.replace(report, notes=(*report.notes, changed_note(changed)))
+    said = workload.notes if isinstance(workload, CausalLM) else ()
+    if said or changed:
+        report = dataclasses.replace(report, notes=(*said, *report.notes,
+                                                    *([changed_note(changed)] if changed else [])))
     return report
 
 
