@@ -152,3 +152,20 @@ def test_a_criterion_and_a_share_are_never_shown_rounded_to_what_they_are_not(ma
     assert "agreement 99.995%;" in verdict and "FAILED" in verdict
     assert "on 99.995% of teacher-forced steps" in first and "at least 99.999%" in first
     assert ">99.995%</td>" in report.to_html()
+
+
+def test_bytes_and_text_a_tokenizer_cannot_take_are_one_line_naming_the_prompt():
+    import hf_builders
+    from tf32lab.workloads.hf import CausalLM
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        lm = CausalLM(Masked(vocab=hf_builders.VOCAB), hf_builders.tokenizer(eos_token="</s>"), "masked")
+    # bytes were read as token ids (b"hi" as [104, 105]): a text read in binary is not a list of ids
+    with pytest.raises(Tf32LabError, match=r"^prompt 2 \(b'hi'\) is bytes: give text \(decoded\) or a list of "
+                                           r"token ids$"):
+        tf32lab.check_generation(lm, new_tokens=2, prompts=["The cat", b"hi"], levels=("high",))
+    # a lone surrogate (a file name's undecodable byte) raised the tokenizer's TypeError
+    with pytest.raises(Tf32LabError, match=r"^prompt 1 \('\\ud800 hi'\): the tokenizer cannot take it \("):
+        tf32lab.check_generation(lm, new_tokens=2, prompts=["\ud800 hi"], levels=("high",))
+    assert tf32lab.get_float32_matmul_precision() == "highest"

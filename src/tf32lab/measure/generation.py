@@ -209,8 +209,17 @@ class _Decoder:
                 if self.tokenizer is None:
                     raise Tf32LabError(f"prompt {i + 1} is text, and model {self.name!r} has no tokenizer: give "
                                        f"token ids")
-                found = _prompt_ids(self.tokenizer, prompt)
+                try:
+                    found = _prompt_ids(self.tokenizer, prompt)
+                except Exception as exc:  # a lone surrogate raised the tokenizer's TypeError, naming no prompt
+                    raise Tf32LabError(f"prompt {i + 1} ({prompt[:60]!r}): the tokenizer cannot take it "
+                                       f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+                                       ) from None
                 shown.append(prompt)
+            elif isinstance(prompt, (bytes, bytearray, memoryview)):
+                # a sequence of whole numbers, and read as token ids: b"hi" was [104, 105]
+                raise Tf32LabError(f"prompt {i + 1} ({bytes(prompt)[:60]!r}) is bytes: give text (decoded) or a list "
+                                   f"of token ids")
             else:
                 try:  # operator.index: a token id 1.7 is no id (int() made it 1)
                     found = [operator.index(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor)
