@@ -169,3 +169,23 @@ def test_bytes_and_text_a_tokenizer_cannot_take_are_one_line_naming_the_prompt()
     with pytest.raises(Tf32LabError, match=r"^prompt 1 \('\\ud800 hi'\): the tokenizer cannot take it \("):
         tf32lab.check_generation(lm, new_tokens=2, prompts=["\ud800 hi"], levels=("high",))
     assert tf32lab.get_float32_matmul_precision() == "highest"
+
+
+@pytest.mark.parametrize("ids, said", [([-5, 3], "-5"), ([2 ** 70], str(2 ** 70)), ([10 ** 6], str(10 ** 6))])
+def test_a_token_id_out_of_range_with_a_tokenizer_names_its_prompt_by_its_ids(ids, said):
+    import hf_builders
+    from tf32lab.workloads.hf import CausalLM
+
+    class Embedded(Masked):  # says its vocabulary, as a transformers model does
+        def get_input_embeddings(self) -> torch.nn.Embedding:
+            return self.embed
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        lm = CausalLM(Embedded(vocab=hf_builders.VOCAB), hf_builders.tokenizer(eos_token="</s>"), "masked")
+    # the tokenizer's decode() of the prompt, to show it, raised OverflowError before the range was checked (and
+    # an id past the vocabulary was shown as the prompt '')
+    shown = " ".join(map(str, ids))
+    with pytest.raises(Tf32LabError, match=rf"^prompt 2 \('{shown}'\) has token id {said}; model 'masked' takes "
+                                           rf"ids 0 to 299, its input embeddings$"):
+        tf32lab.check_generation(lm, new_tokens=2, prompts=[[1, 2], ids], levels=("high",))

@@ -227,13 +227,17 @@ class _Decoder:
                 except (TypeError, ValueError):
                     raise Tf32LabError(f"prompt {i + 1} ({prompt!r}): a text or a list of token ids (whole "
                                        f"numbers)") from None
-                shown.append(" ".join(map(str, found)) if self.tokenizer is None else self.tokenizer.decode(found))
+                shown.append(" ".join(map(str, found)))  # decoded below, once every id is in range
             if not found:
                 raise Tf32LabError(f"prompt {i + 1} ({shown[-1]!r}) has no tokens")
             # an id the embedding lacks raised "index out of range in self" at the float64 reference, naming no prompt
-            bad = next((t for t in found if t < 0 or (self.vocab is not None and t >= self.vocab)), None)
+            bad = next((t for t in found if not 0 <= t < (2 ** 63 if self.vocab is None else self.vocab)), None)
+            if bad is None and not isinstance(prompt, str) and self.tokenizer is not None:
+                # only now: decode() of a negative or huge id raised OverflowError, of one past the vocabulary gave ''
+                shown[-1] = self.tokenizer.decode(found)
             if bad is not None:
-                has = "0 or more" if self.vocab is None else f"0 to {self.vocab - 1}, its input embeddings"
+                has = f"0 to {self.vocab - 1}, its input embeddings" if self.vocab is not None else \
+                    "0 or more" if bad < 0 else "below 2**63 (int64)"
                 raise Tf32LabError(f"prompt {i + 1} ({shown[-1][:60]!r}) has token id {bad}; model {self.name!r} "
                                    f"takes ids {has}")
             ids.append(found)
