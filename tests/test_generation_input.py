@@ -189,3 +189,9 @@ def test_a_token_id_out_of_range_with_a_tokenizer_names_its_prompt_by_its_ids(id
     with pytest.raises(Tf32LabError, match=rf"^prompt 2 \('{shown}'\) has token id {said}; model 'masked' takes "
                                            rf"ids 0 to 299, its input embeddings$"):
         tf32lab.check_generation(lm, new_tokens=2, prompts=[[1, 2], ids], levels=("high",))
+
+
+def test_a_criterion_of_one_token_reads_as_one():
+    # "within the first 1 new tokens"
+    assert Criterion.parse("divergence>=2", 8).words() == "no prompt leaves float64's tokens at the first new token"
+    assert Criterion.parse("divergence>2", 8).words().endswith("within the first 2 new tokens")

@@ -100,6 +100,8 @@ class Criterion:
     def words(self) -> str:
         """The criterion in a sentence's words."""
         if self.kind == "divergence":
+            if self.value == 1:  # "within the first 1 new tokens"
+                return "no prompt leaves float64's tokens at the first new token"
             return f"no prompt leaves float64's tokens within the first {int(self.value)} new tokens"
         if self.kind == "agreement":
             # every digit given: at one decimal, agreement>=0.9999 read "at least 100.0%"
