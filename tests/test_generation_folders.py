@@ -281,3 +281,18 @@ def test_half_precision_weights_are_decoded_in_float32_and_the_report_says_so(ll
     plain = tf32lab.check_generation(hf.causal_lm(str(llama_folder)), new_tokens=1, prompts=["The cat"],
                                      levels=("high",))
     assert not any("saved as" in note for note in plain.notes)
+
+
+
+def test_cli_a_prompt_past_the_tokenizers_max_length_is_one_line(tmp_path):
+    # GPT-2's tokenizer says model_max_length 1024, its table's length: transformers' "Token indices sequence length
+    # is longer than the specified maximum ... will result in indexing errors" came before the check's own line
+    tok = hf_builders.tokenizer(eos_token="</s>")
+    tok.model_max_length = _POSITIONS
+    folder = hf_builders.folder(tmp_path / "gpt2_like", hf_builders.llama(max_position_embeddings=_POSITIONS), tok)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(" ".join(["river"] * 40) + "\n")
+    done = cli_runner.run("check", f"hf:{folder}", "--generate", "2", "--prompts", str(prompts), "--levels", "high",
+                          timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "has 32" in done.stderr, done.stderr

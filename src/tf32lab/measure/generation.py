@@ -40,6 +40,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -67,6 +68,7 @@ from tf32lab.report.generation import FLOOR, Criterion, GenerationLevel, Generat
 from tf32lab.workloads import samples
 from tf32lab.workloads.experts import experts_eager
 from tf32lab.workloads.hf import CausalLM, embedding_rows
+from tf32lab.workloads.quiet import quiet_loading
 from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags
 from tf32lab.workloads.workload import Workload, check_float32, eval_mode
 
@@ -547,10 +549,14 @@ def _prompt_ids(tokenizer: Any, text: str) -> list[int]:
     it appends after the text (an end-of-text or separator token: a Llama tokenizer with ``add_eos_token``, a BERT
     tokenizer's ``[SEP]``). A prompt is a text to continue: ending in its end-of-text token, every row wrote a new
     text after it, and the prompts' loss took in a prediction of their end."""
-    try:
-        encoded = tokenizer(text, return_special_tokens_mask=True)
-    except TypeError:  # a tokenizer of the user's own that takes no such argument
-        return list(tokenizer(text)["input_ids"])
+    # transformers' tokenizers warn of a text past their model_max_length ("will result in indexing errors"): the
+    # model's positions are what a prompt must fit, refused in one line of the check's own before any row
+    quiet = quiet_loading() if type(tokenizer).__module__.startswith("transformers.") else contextlib.nullcontext()
+    with quiet:
+        try:
+            encoded = tokenizer(text, return_special_tokens_mask=True)
+        except TypeError:  # a tokenizer of the user's own that takes no such argument
+            return list(tokenizer(text)["input_ids"])
     ids, special = list(encoded["input_ids"]), encoded.get("special_tokens_mask")
     if special is None or len(special) != len(ids) or all(special):
         return ids
