@@ -243,3 +243,56 @@ def test_cuda_memory_pytorch_caches_unused_counts_as_available():
     # a margin for another process on the same GPU between the two readings
     assert found is not None and found >= torch.cuda.mem_get_info(device)[0] + (1 << 28) - (1 << 26)
     torch.cuda.empty_cache()
+
+
+
+
+def test_cli_an_output_never_replaces_a_file_of_the_model_folder(llama_folder, tmp_path):
+    # the spec's folder is read as a .py spec is: --json FOLDER/config.json wrote the report over the model's config,
+    # and the folder loaded no more
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The cat\n")
+    before = {p.name: p.read_bytes() for p in llama_folder.iterdir()}
+    for args, name in ((["--generate", "1", "--prompts", str(prompts), "--json"], "config.json"),
+                       (["--no-speed", "--html"], "model.safetensors")):
+        done = cli_runner.run("check", f"hf:{llama_folder}", "--levels", "high", *args, f"{llama_folder}/./{name}",
+                              timeout=300)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        line = done.stderr.strip()
+        assert len(line.splitlines()) == 1 and f"{name} is a file of the model folder" in line, line
+        assert done.stdout == "" and {p.name: p.read_bytes() for p in llama_folder.iterdir()} == before
+    # a report written there before replaces nothing of the model's (hf:. from inside the folder, run again)
+    (llama_folder / "report.json").write_text("{}\n")
+    done = cli_runner.run("check", f"hf:{llama_folder}", "--levels", "high", "--generate", "1", "--prompts",
+                          str(prompts), "--json", str(llama_folder / "report.json"), timeout=300)
+    assert done.returncode in (0, 1) and "levels" in (llama_folder / "report.json").read_text(), done.stderr
+    (llama_folder / "report.json").unlink()  # the session's folder as the other tests find it
+
+
+def test_half_precision_weights_are_decoded_in_float32_and_the_report_says_so(llama_folder, tmp_path):
+    # the check of the same folder says so; the generation check said nothing, and a model served in bfloat16
+    # (no TF32 in its matmuls) read as a float32 model's answer
+    folder = tmp_path / "bf16"
+    transformers.LlamaForCausalLM.from_pretrained(str(llama_folder)).to(torch.bfloat16).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(str(llama_folder)).save_pretrained(folder)
+    report = tf32lab.check_generation(hf.causal_lm(str(folder)), new_tokens=1, prompts=["The cat"],
+                                      levels=("high",))
+    assert any("weights saved as bfloat16, decoded in float32" in note for note in report.notes), report.notes
+    plain = tf32lab.check_generation(hf.causal_lm(str(llama_folder)), new_tokens=1, prompts=["The cat"],
+                                     levels=("high",))
+    assert not any("saved as" in note for note in plain.notes)
+
+
+
+def test_cli_a_prompt_past_the_tokenizers_max_length_is_one_line(tmp_path):
+    # GPT-2's tokenizer says model_max_length 1024, its table's length: transformers' "Token indices sequence length
+    # is longer than the specified maximum ... will result in indexing errors" came before the check's own line
+    tok = hf_builders.tokenizer(eos_token="</s>")
+    tok.model_max_length = _POSITIONS
+    folder = hf_builders.folder(tmp_path / "gpt2_like", hf_builders.llama(max_position_embeddings=_POSITIONS), tok)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(" ".join(["river"] * 40) + "\n")
+    done = cli_runner.run("check", f"hf:{folder}", "--generate", "2", "--prompts", str(prompts), "--levels", "high",
+                          timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "has 32" in done.stderr, done.stderr

@@ -4,6 +4,7 @@ and flags that take an empty value. Plain-torch decoders made here, each a few m
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -135,3 +136,62 @@ def test_a_token_id_past_a_transformers_models_embedding_names_its_prompt():
     with pytest.raises(Tf32LabError, match=r"prompt 2 \('4 50'\) has token id 50; model 'GPT2LMHeadModel' takes "
                                            r"ids 0 to 49, its input embeddings"):
         tf32lab.check_generation(gpt2, new_tokens=2, prompts=[[1, 2], [4, 50]], levels=("high",))
+
+
+def test_a_criterion_and_a_share_are_never_shown_rounded_to_what_they_are_not(masked):
+    # agreement>=0.9999 read "at least 100.0%", and a row of 99.995% showed 100.0% beside FAILED: one decimal of a
+    # percent said what neither was
+    assert Criterion.parse("agreement>=0.9999", 8).words().endswith("at least 99.99%")
+    assert Criterion.parse("agreement>=0.95", 8).words().endswith("at least 95%")
+    assert Criterion.parse("agreement>=-0", 8).text == "agreement>=0"
+    report = tf32lab.check_generation(masked, new_tokens=2, prompts=[[1, 2, 3]], levels=("high",),
+                                      criterion="agreement>=0.99999")
+    row = dataclasses.replace(report.level("high"), agreement=0.99995, passed=False)
+    report = dataclasses.replace(report, levels=(row,))
+    (verdict,), first = report.verdicts(), report.conclusion()[0]
+    assert "agreement 99.995%;" in verdict and "FAILED" in verdict
+    assert "on 99.995% of teacher-forced steps" in first and "at least 99.999%" in first
+    assert ">99.995%</td>" in report.to_html()
+
+
+def test_bytes_and_text_a_tokenizer_cannot_take_are_one_line_naming_the_prompt():
+    import hf_builders
+    from tf32lab.workloads.hf import CausalLM
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        lm = CausalLM(Masked(vocab=hf_builders.VOCAB), hf_builders.tokenizer(eos_token="</s>"), "masked")
+    # bytes were read as token ids (b"hi" as [104, 105]): a text read in binary is not a list of ids
+    with pytest.raises(Tf32LabError, match=r"^prompt 2 \(b'hi'\) is bytes: give text \(decoded\) or a list of "
+                                           r"token ids$"):
+        tf32lab.check_generation(lm, new_tokens=2, prompts=["The cat", b"hi"], levels=("high",))
+    # a lone surrogate (a file name's undecodable byte) raised the tokenizer's TypeError
+    with pytest.raises(Tf32LabError, match=r"^prompt 1 \('\\ud800 hi'\): the tokenizer cannot take it \("):
+        tf32lab.check_generation(lm, new_tokens=2, prompts=["\ud800 hi"], levels=("high",))
+    assert tf32lab.get_float32_matmul_precision() == "highest"
+
+
+@pytest.mark.parametrize("ids, said", [([-5, 3], "-5"), ([2 ** 70], str(2 ** 70)), ([10 ** 6], str(10 ** 6))])
+def test_a_token_id_out_of_range_with_a_tokenizer_names_its_prompt_by_its_ids(ids, said):
+    import hf_builders
+    from tf32lab.workloads.hf import CausalLM
+
+    class Embedded(Masked):  # says its vocabulary, as a transformers model does
+        def get_input_embeddings(self) -> torch.nn.Embedding:
+            return self.embed
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        lm = CausalLM(Embedded(vocab=hf_builders.VOCAB), hf_builders.tokenizer(eos_token="</s>"), "masked")
+    # the tokenizer's decode() of the prompt, to show it, raised OverflowError before the range was checked (and
+    # an id past the vocabulary was shown as the prompt '')
+    shown = " ".join(map(str, ids))
+    with pytest.raises(Tf32LabError, match=rf"^prompt 2 \('{shown}'\) has token id {said}; model 'masked' takes "
+                                           rf"ids 0 to 299, its input embeddings$"):
+        tf32lab.check_generation(lm, new_tokens=2, prompts=[[1, 2], ids], levels=("high",))
+
+
+def test_a_criterion_of_one_token_reads_as_one():
+    # "within the first 1 new tokens"
+    assert Criterion.parse("divergence>=2", 8).words() == "no prompt leaves float64's tokens at the first new token"
+    assert Criterion.parse("divergence>2", 8).words().endswith("within the first 2 new tokens")

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import math
 import os
+import re
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -336,7 +337,14 @@ def _outputs(args: argparse.Namespace, *flags: str, reads: Sequence[tuple[str, s
         if path == "-":
             continue
         for what, source in reads:
-            if source and os.path.exists(source) and same_file(path, source):
+            if source and os.path.isdir(source) and os.path.isfile(path) and _model_file(path) and \
+                    os.path.commonpath([os.path.realpath(path), os.path.realpath(source)]) == \
+                    os.path.realpath(source):
+                # an hf: folder: its config, weights or tokenizer; a report written there before, or a new file
+                # beside them, replaces nothing the model loads from
+                raise Tf32LabError(f"{flag} {_shown(path)} is a file of the model folder {what} reads; give the "
+                                   f"output another path")
+            if source and os.path.isfile(source) and same_file(path, source):
                 raise Tf32LabError(f"{flag} {_shown(path)} is the file {what} reads; give the output another path")
         try:
             check_writable(path)
@@ -344,10 +352,26 @@ def _outputs(args: argparse.Namespace, *flags: str, reads: Sequence[tuple[str, s
             raise Tf32LabError(f"{flag} {_shown(path)}: {exc.strerror or exc}") from None
 
 
+# the files a transformers or sentence-transformers folder loads from, by name: configs (config.json,
+# generation_config.json, tokenizer_config.json, preprocessor_config.json, config_sentence_transformers.json, ...),
+# tokenizers, weights (their shard indexes too) and a folder's own code
+_MODEL_FILE = re.compile(r"(.*config.*\.json|tokenizer.*|special_tokens_map\.json|added_tokens\.json|chat_template.*|"
+                         r"vocab.*|merges\.txt|modules\.json|.*\.index\.json|.*\.(safetensors|bin|pt|pth|model|"
+                         r"tiktoken|msgpack|h5|gguf|py))", re.IGNORECASE)
+
+
+def _model_file(path: str) -> bool:
+    """Whether ``path`` names a file a model folder loads from (see ``_MODEL_FILE``)."""
+    return _MODEL_FILE.fullmatch(os.path.basename(os.path.realpath(path))) is not None
+
+
 def _spec_file(spec: str | None) -> str | None:
-    """The file a ``path/file.py:factory`` spec names, when it is one (an output must not replace it)."""
+    """The file a ``path/file.py:factory`` spec names, or the folder of an ``hf:FOLDER`` spec, when it is one (an
+    output must not replace it, or a file in it)."""
     if not spec:
         return None
+    if spec.startswith("hf:"):
+        return spec[3:] if os.path.isdir(spec[3:]) else None
     name = spec.rpartition(":")[0] or spec
     return next((p for p in (name, name + ".py") if os.path.isfile(p)), None)
 

@@ -40,6 +40,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -67,6 +68,7 @@ from tf32lab.report.generation import FLOOR, Criterion, GenerationLevel, Generat
 from tf32lab.workloads import samples
 from tf32lab.workloads.experts import experts_eager
 from tf32lab.workloads.hf import CausalLM, embedding_rows
+from tf32lab.workloads.quiet import quiet_loading
 from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags
 from tf32lab.workloads.workload import Workload, check_float32, eval_mode
 
@@ -140,8 +142,10 @@ def check_generation(workload: Union[CausalLM, torch.nn.Module], *, new_tokens: 
     with exits_refused(decoder.name, "check_generation"), kept_flags() as changed, experts_eager(decoder.model):
         report = _Generation(decoder, batches, texts, new_tokens, levels, target, judge, bool(use_cache),
                              accumulation, progress).run()
-    if changed:
-        report = dataclasses.replace(report, notes=(*report.notes, changed_note(changed)))
+    said = workload.notes if isinstance(workload, CausalLM) else ()
+    if said or changed:
+        report = dataclasses.replace(report, notes=(*said, *report.notes,
+                                                    *([changed_note(changed)] if changed else [])))
     return report
 
 
@@ -207,8 +211,17 @@ class _Decoder:
                 if self.tokenizer is None:
                     raise Tf32LabError(f"prompt {i + 1} is text, and model {self.name!r} has no tokenizer: give "
                                        f"token ids")
-                found = _prompt_ids(self.tokenizer, prompt)
+                try:
+                    found = _prompt_ids(self.tokenizer, prompt)
+                except Exception as exc:  # a lone surrogate raised the tokenizer's TypeError, naming no prompt
+                    raise Tf32LabError(f"prompt {i + 1} ({prompt[:60]!r}): the tokenizer cannot take it "
+                                       f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+                                       ) from None
                 shown.append(prompt)
+            elif isinstance(prompt, (bytes, bytearray, memoryview)):
+                # a sequence of whole numbers, and read as token ids: b"hi" was [104, 105]
+                raise Tf32LabError(f"prompt {i + 1} ({bytes(prompt)[:60]!r}) is bytes: give text (decoded) or a list "
+                                   f"of token ids")
             else:
                 try:  # operator.index: a token id 1.7 is no id (int() made it 1)
                     found = [operator.index(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor)
@@ -216,13 +229,17 @@ class _Decoder:
                 except (TypeError, ValueError):
                     raise Tf32LabError(f"prompt {i + 1} ({prompt!r}): a text or a list of token ids (whole "
                                        f"numbers)") from None
-                shown.append(" ".join(map(str, found)) if self.tokenizer is None else self.tokenizer.decode(found))
+                shown.append(" ".join(map(str, found)))  # decoded below, once every id is in range
             if not found:
                 raise Tf32LabError(f"prompt {i + 1} ({shown[-1]!r}) has no tokens")
             # an id the embedding lacks raised "index out of range in self" at the float64 reference, naming no prompt
-            bad = next((t for t in found if t < 0 or (self.vocab is not None and t >= self.vocab)), None)
+            bad = next((t for t in found if not 0 <= t < (2 ** 63 if self.vocab is None else self.vocab)), None)
+            if bad is None and not isinstance(prompt, str) and self.tokenizer is not None:
+                # only now: decode() of a negative or huge id raised OverflowError, of one past the vocabulary gave ''
+                shown[-1] = self.tokenizer.decode(found)
             if bad is not None:
-                has = "0 or more" if self.vocab is None else f"0 to {self.vocab - 1}, its input embeddings"
+                has = f"0 to {self.vocab - 1}, its input embeddings" if self.vocab is not None else \
+                    "0 or more" if bad < 0 else "below 2**63 (int64)"
                 raise Tf32LabError(f"prompt {i + 1} ({shown[-1][:60]!r}) has token id {bad}; model {self.name!r} "
                                    f"takes ids {has}")
             ids.append(found)
@@ -532,10 +549,14 @@ def _prompt_ids(tokenizer: Any, text: str) -> list[int]:
     it appends after the text (an end-of-text or separator token: a Llama tokenizer with ``add_eos_token``, a BERT
     tokenizer's ``[SEP]``). A prompt is a text to continue: ending in its end-of-text token, every row wrote a new
     text after it, and the prompts' loss took in a prediction of their end."""
-    try:
-        encoded = tokenizer(text, return_special_tokens_mask=True)
-    except TypeError:  # a tokenizer of the user's own that takes no such argument
-        return list(tokenizer(text)["input_ids"])
+    # transformers' tokenizers warn of a text past their model_max_length ("will result in indexing errors"): the
+    # model's positions are what a prompt must fit, refused in one line of the check's own before any row
+    quiet = quiet_loading() if type(tokenizer).__module__.startswith("transformers.") else contextlib.nullcontext()
+    with quiet:
+        try:
+            encoded = tokenizer(text, return_special_tokens_mask=True)
+        except TypeError:  # a tokenizer of the user's own that takes no such argument
+            return list(tokenizer(text)["input_ids"])
     ids, special = list(encoded["input_ids"]), encoded.get("special_tokens_mask")
     if special is None or len(special) != len(ids) or all(special):
         return ids

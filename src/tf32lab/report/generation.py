@@ -40,7 +40,7 @@ from tf32lab.report.conclusion import REDUCED, enable
 from tf32lab.report.wording import one_line
 
 __all__ = ["FLOOR", "GENERATION_SCHEMA_VERSION", "Criterion", "GenerationLevel", "GenerationReport",
-           "generation_schema", "median_divergence"]
+           "generation_schema", "median_divergence", "share"]
 
 GENERATION_SCHEMA_VERSION = 1
 FLOOR = "float32"  # the row of float32 `highest` on the target: float32's own distance from float64's tokens
@@ -84,7 +84,7 @@ class Criterion:
             # ``>`` is not ``>=``: taken as ``>=``, agreement>1 passed a row of full agreement
             if op != ">=" or not 0 <= value <= 1:
                 raise Tf32LabError(f"criterion {text!r}: agreement takes >= and a share from 0 to 1 (0.95 is 95%)")
-            return cls("agreement", value)
+            return cls("agreement", value + 0.0)  # -0 is 0: "agreement>=-0" read "at least -0.0%"
         if op != "<" or not value > 0 or not math.isfinite(value):
             raise Tf32LabError(f"criterion {text!r}: perplexity takes < and a relative change above 0 "
                                f"(0.01 is 1%)")
@@ -100,9 +100,12 @@ class Criterion:
     def words(self) -> str:
         """The criterion in a sentence's words."""
         if self.kind == "divergence":
+            if self.value == 1:  # "within the first 1 new tokens"
+                return "no prompt leaves float64's tokens at the first new token"
             return f"no prompt leaves float64's tokens within the first {int(self.value)} new tokens"
         if self.kind == "agreement":
-            return f"the teacher-forced top-1 agreement with float64 is at least {self.value:.1%}"
+            # every digit given: at one decimal, agreement>=0.9999 read "at least 100.0%"
+            return f"the teacher-forced top-1 agreement with float64 is at least {self.value * 100:.6g}%"
         return f"the perplexity on the prompts moves by less than {self.value * 100:.4g}%"
 
     def passes(self, row: GenerationLevel) -> bool:
@@ -113,6 +116,20 @@ class Criterion:
         if self.kind == "agreement":
             return row.agreement >= self.value
         return math.isfinite(row.perplexity_change) and abs(row.perplexity_change) < self.value
+
+
+def share(value: float) -> str:
+    """A share (0 to 1) as a percentage with one decimal, or as many more as it takes not to round a share below 1
+    up to 100.0% (a row of 99.995% read 100.0% beside FAILED against agreement>=0.99999).
+
+    >>> share(0.96875), share(1.0), share(0.99995)
+    ('96.9%', '100.0%', '99.995%')
+    """
+    for digits in range(1, 16):
+        text = f"{value:.{digits}%}"
+        if not (value < 1 and text.startswith("100.")):
+            return text
+    return text
 
 
 def median_divergence(steps: tuple[Optional[int], ...], new_tokens: int) -> Optional[float]:
@@ -267,7 +284,7 @@ def _verdict(lv: GenerationLevel, report: GenerationReport) -> str:
             f"{len(report.prompts)} prompts")
     if lv.failure is not None:
         return f"{head} | raised: {_one_line(lv.failure)}"
-    return (f"{head} | {_diverges(lv, len(report.prompts))}; agreement {lv.agreement:.1%}; "
+    return (f"{head} | {_diverges(lv, len(report.prompts))}; agreement {share(lv.agreement)}; "
             f"{_perplexity(lv.perplexity_change)} | criterion {report.criterion.text}")
 
 
@@ -282,7 +299,7 @@ def _called(lv: GenerationLevel) -> str:
 
 
 def _facts(lv: GenerationLevel, n_prompts: int) -> str:
-    return (f"it {_diverges(lv, n_prompts)}, agrees with float64's top-1 token on {lv.agreement:.1%} of "
+    return (f"it {_diverges(lv, n_prompts)}, agrees with float64's top-1 token on {share(lv.agreement)} of "
             f"teacher-forced steps and moves the {_perplexity(lv.perplexity_change)}")
 
 

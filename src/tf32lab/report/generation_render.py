@@ -57,6 +57,12 @@ def _perplexity(change: float) -> str:
     return "-" if not math.isfinite(change) else f"{change:+.3%}"
 
 
+def share(value: float) -> str:
+    from tf32lab.report.generation import share as shown
+
+    return shown(value)
+
+
 def renderables(report: GenerationReport) -> Iterator[Any]:
     env = report.environment
     yield Text.assemble(
@@ -80,7 +86,7 @@ def renderables(report: GenerationReport) -> Iterator[Any]:
             table.add_row(label, "raised", "-", "-", "-", "-", "-", verdict)
             continue
         left = sum(s is not None for s in lv.divergence)
-        table.add_row(label, _step(lv.first), _median(lv), f"{left}/{len(lv.divergence)}", f"{lv.agreement:.1%}",
+        table.add_row(label, _step(lv.first), _median(lv), f"{left}/{len(lv.divergence)}", share(lv.agreement),
                       fmt(lv.worst_logit_error), _perplexity(lv.perplexity_change), verdict)
     yield table
     shown = rows(report)
@@ -134,4 +140,4 @@ def html(report: GenerationReport) -> str:
     data = report.to_dict()  # the constants as the JSON states them: this renderer does not import its report
     return TEMPLATES.get_template("generation.html.j2").render(
         report=report, rows=[report.floor, *report.levels], chart=divergence_chart(report), step=_step,
-        median=_median, perplexity=_perplexity, short=short, schema_version=data["schema_version"])
+        median=_median, perplexity=_perplexity, short=short, share=share, schema_version=data["schema_version"])

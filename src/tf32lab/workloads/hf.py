@@ -76,6 +76,7 @@ class CausalLM:
     model: torch.nn.Module
     tokenizer: Any
     name: str
+    notes: tuple[str, ...] = ()  # what the report says of the folder (weights saved in another dtype)
 
 
 def _looks_like_hub_id(text: str) -> bool:
@@ -293,7 +294,23 @@ def causal_lm(folder: str) -> CausalLM:
         raise Tf32LabError(f"workload 'hf:{folder}': not a causal language model, or loading failed: "
                            f"{_line(exc)}") from exc
     _pad_in_range(tokenizer, model)
-    return CausalLM(model.float().eval(), tokenizer, _name(path))
+    saved = _saved_dtype(model.config)
+    # a model served in bfloat16 runs no TF32: the rows are the float32 model's text, said as the check says it
+    notes = () if saved is None else (f"weights saved as {saved}, decoded in float32: TF32 changes float32 "
+                                      f"matmuls, so these are the float32 model's tokens",)
+    return CausalLM(model.float().eval(), tokenizer, _name(path), notes)
+
+
+def _saved_dtype(config: Any) -> Optional[str]:
+    """The dtype the folder's weights are saved in (``bfloat16``), where not float32; None where float32 or not
+    said. TF32 is a float32 question: the weights are upcast."""
+    # read from the instance: transformers 5's torch_dtype property logs a deprecation line to stderr
+    saved = vars(config).get("dtype") or vars(config).get("torch_dtype")
+    if isinstance(saved, str):
+        saved = getattr(torch, saved, None)
+    if isinstance(saved, torch.dtype) and saved != torch.float32:
+        return str(saved).removeprefix("torch.")
+    return None
 
 
 def _decoder_only(folder: str, config: Any) -> None:
@@ -629,10 +646,7 @@ def workload(folder: str, sentences: int = 16) -> Workload:
     if "use_cache" in accepted or _cache_through_kwargs(model, config):
         inputs["use_cache"] = False  # compare what the forward computes, not the next step's cache
     note = f"inputs: {shapes} ({how}{', use_cache=False' if 'use_cache' in inputs else ''})"
-    # read from the instance: transformers 5's torch_dtype property logs a deprecation line to stderr
-    saved = vars(config).get("dtype") or vars(config).get("torch_dtype")
-    if isinstance(saved, str):
-        saved = getattr(torch, saved, None)
-    if isinstance(saved, torch.dtype) and saved != torch.float32:  # TF32 is a float32 question: weights upcast
-        note += f"; weights saved as {str(saved).removeprefix('torch.')}, checked in float32"
+    saved = _saved_dtype(config)
+    if saved is not None:
+        note += f"; weights saved as {saved}, checked in float32"
     return Workload(model, inputs, name=_name(path), notes=(note,) if fallback is None else (note, fallback))
