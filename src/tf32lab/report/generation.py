@@ -37,10 +37,10 @@ from tf32lab.know.targets import NATIVE
 from tf32lab.numbers.files import finite
 from tf32lab.report import Rows
 from tf32lab.report.conclusion import REDUCED, enable
-from tf32lab.report.wording import one_line
+from tf32lab.report.wording import one_line, share
 
 __all__ = ["FLOOR", "GENERATION_SCHEMA_VERSION", "Criterion", "GenerationLevel", "GenerationReport",
-           "generation_schema", "median_divergence", "share"]
+           "generation_schema", "median_divergence"]
 
 GENERATION_SCHEMA_VERSION = 1
 FLOOR = "float32"  # the row of float32 `highest` on the target: float32's own distance from float64's tokens
@@ -116,20 +116,6 @@ class Criterion:
         if self.kind == "agreement":
             return row.agreement >= self.value
         return math.isfinite(row.perplexity_change) and abs(row.perplexity_change) < self.value
-
-
-def share(value: float) -> str:
-    """A share (0 to 1) as a percentage with one decimal, or as many more as it takes not to round a share below 1
-    up to 100.0% (a row of 99.995% read 100.0% beside FAILED against agreement>=0.99999).
-
-    >>> share(0.96875), share(1.0), share(0.99995)
-    ('96.9%', '100.0%', '99.995%')
-    """
-    for digits in range(1, 16):
-        text = f"{value:.{digits}%}"
-        if not (value < 1 and text.startswith("100.")):
-            return text
-    return text
 
 
 def median_divergence(steps: tuple[Optional[int], ...], new_tokens: int) -> Optional[float]:

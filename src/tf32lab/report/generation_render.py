@@ -26,6 +26,7 @@ from rich.text import Text
 from tf32lab.report.html import TEMPLATES, row_color
 from tf32lab.report.tables import Column, Fitted
 from tf32lab.report.text import fmt, inert
+from tf32lab.report.wording import share
 
 # report.generation's classes, named without importing them: the report calls this renderer (no circle)
 GenerationReport = GenerationLevel = Any
@@ -55,12 +56,6 @@ def _median(lv: GenerationLevel) -> str:
 
 def _perplexity(change: float) -> str:
     return "-" if not math.isfinite(change) else f"{change:+.3%}"
-
-
-def share(value: float) -> str:
-    from tf32lab.report.generation import share as shown
-
-    return shown(value)
 
 
 def renderables(report: GenerationReport) -> Iterator[Any]:

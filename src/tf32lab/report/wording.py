@@ -8,7 +8,7 @@ import re
 
 from tf32lab.numbers.metrics import DEFAULT_TOLERANCE
 
-__all__ = ["given", "inert", "one_line", "tolerance_words"]
+__all__ = ["given", "inert", "one_line", "share", "tolerance_words"]
 
 # C0 controls but tab and newline, DEL, C1 controls, lone surrogates (which no terminal encoding can write)
 _NOT_INERT = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
@@ -56,3 +56,17 @@ def given(value: float) -> str:
         return str(value)
     mantissa, exponent = f"{value:.2e}".split("e")
     return f"{mantissa.rstrip('0').rstrip('.')}e{exponent}"
+
+
+def share(value: float) -> str:
+    """A share (0 to 1) as a percentage with one decimal, or as many more as it takes not to round a share below 1
+    up to 100.0% (a row of 99.995% read 100.0% beside FAILED against agreement>=0.99999).
+
+    >>> share(0.96875), share(1.0), share(0.99995)
+    ('96.9%', '100.0%', '99.995%')
+    """
+    for digits in range(1, 16):
+        text = f"{value:.{digits}%}"
+        if not (value < 1 and text.startswith("100.")):
+            return text
+    return text
