@@ -195,3 +195,23 @@ def test_a_criterion_of_one_token_reads_as_one():
     # "within the first 1 new tokens"
     assert Criterion.parse("divergence>=2", 8).words() == "no prompt leaves float64's tokens at the first new token"
     assert Criterion.parse("divergence>2", 8).words().endswith("within the first 2 new tokens")
+
+
+def test_a_prompt_file_keeps_each_lines_spaces(tmp_path):
+    from tf32lab.cli import _prompt_file
+
+    path = tmp_path / "code.txt"
+    path.write_text("def f(x):\n    return x  \n\n   \n")  # stripped, the second prompt lost its indentation
+    assert _prompt_file(str(path)) == ["def f(x):", "    return x  "]
+
+
+@pytest.mark.parametrize("value", ["no", 0.0, None])
+def test_use_cache_takes_true_or_false_only(masked, value):
+    with pytest.raises(Tf32LabError, match=r"use_cache .*: True or False"):  # bool("no") decoded with the cache
+        tf32lab.check_generation(masked, new_tokens=2, prompts=[[1, 2]], levels=("high",), use_cache=value)
+
+
+def test_one_prompt_reads_as_one(masked):
+    report = tf32lab.check_generation(masked, new_tokens=2, prompts=[[1, 2]], levels=("high",))
+    (verdict,) = report.verdicts()
+    assert "tokens x 1 prompt |" in verdict  # "x 1 prompts"

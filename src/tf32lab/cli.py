@@ -553,7 +553,8 @@ def _check_generation(args: argparse.Namespace, levels: tuple[str, ...], target:
 
 
 def _prompt_file(path: str) -> list[str]:
-    """The prompts in ``path``, one per line, blank lines left out; one line when it cannot give any. A byte-order
+    """The prompts in ``path``, one per line as it is (its spaces kept), blank lines left out; one line when it
+    cannot give any. A byte-order
     mark (Windows editors write one) is not part of the first prompt; a line ends at a newline only (``\r\n`` and
     ``\r`` read as one), not at the form feeds and separators ``str.splitlines`` also splits at."""
     try:
@@ -562,7 +563,8 @@ def _prompt_file(path: str) -> list[str]:
         raise Tf32LabError(f"--prompts {_shown(path)}: no such file (a text file, one prompt per line)") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise Tf32LabError(f"--prompts {_shown(path)}: cannot be read as UTF-8 text ({exc})") from None
-    prompts = [line.strip() for line in text.split("\n") if line.strip()]
+    # each line as it is: a code prompt keeps its indentation (stripped, "    return x" lost its four spaces)
+    prompts = [line for line in text.split("\n") if line.strip()]
     if not prompts:
         raise Tf32LabError(f"--prompts {_shown(path)} holds no prompt (a text file, one prompt per line)")
     return prompts

@@ -123,6 +123,8 @@ def check_generation(workload: Union[CausalLM, torch.nn.Module], *, new_tokens: 
         raise Tf32LabError(f"new_tokens {new_tokens!r}: a whole number of tokens to generate, 1 to "
                            f"{_MAX_NEW_TOKENS}")
     new_tokens = int(new_tokens)  # a NumPy integer too
+    if not isinstance(use_cache, bool) and type(use_cache).__name__ != "bool_":  # bool("no") was True
+        raise Tf32LabError(f"use_cache {use_cache!r}: True or False")
     if temperature != 0:
         raise Tf32LabError(f"temperature {temperature!r}: the generation check decodes greedily (temperature 0); "
                            f"sampling would make rows differ by chance, not by precision")

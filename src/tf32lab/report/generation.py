@@ -258,7 +258,11 @@ def _diverges(lv: GenerationLevel, n_prompts: int) -> str:
         return "never leaves float64's tokens"
     left = sum(s is not None for s in lv.divergence)
     median = "none" if lv.median is None else f"{lv.median:g}"
-    return f"leaves float64's tokens at step {lv.first} ({left} of {n_prompts} prompts; median {median})"
+    return f"leaves float64's tokens at step {lv.first} ({left} of {_prompts(n_prompts)}; median {median})"
+
+
+def _prompts(count: int) -> str:
+    return f"{count} prompt{'' if count == 1 else 's'}"
 
 
 def _perplexity(change: float) -> str:
@@ -267,7 +271,7 @@ def _perplexity(change: float) -> str:
 
 def _verdict(lv: GenerationLevel, report: GenerationReport) -> str:
     head = (f"{'PASSED' if lv.passed else 'FAILED'} | level {lv.level!r} | generation {report.new_tokens} tokens x "
-            f"{len(report.prompts)} prompts")
+            f"{_prompts(len(report.prompts))}")
     if lv.failure is not None:
         return f"{head} | raised: {_one_line(lv.failure)}"
     return (f"{head} | {_diverges(lv, len(report.prompts))}; agreement {share(lv.agreement)}; "
