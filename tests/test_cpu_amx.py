@@ -64,13 +64,13 @@ def test_high_changes_nothing_here_and_the_probe_agrees_with_the_table():
     assert not [w for w in d.warnings if w.code == "probe-disagrees" and "'high'" in w.message]
 
 
-def _rnn_errors(kind: type[nn.RNNBase], train: bool) -> dict[str, float]:
+def _rnn_errors(kind: type[nn.RNNBase], train: bool, **options: int) -> dict[str, float]:
     """The output's (and with ``train`` the input gradient's) error at 'medium', natively and emulated on cpu-amx,
     against float64."""
     torch.manual_seed(0)
-    rnn = kind(64, 64, num_layers=2, batch_first=True)
+    rnn = kind(64, 64, num_layers=2, batch_first=True, **options)
     x = torch.randn(4, 20, 64, requires_grad=train)
-    wide = kind(64, 64, num_layers=2, batch_first=True).double()
+    wide = kind(64, 64, num_layers=2, batch_first=True, **options).double()
     wide.load_state_dict(rnn.state_dict())
     xd = x.detach().double().requires_grad_(train)
     out = {"exact": wide(xd)[0]}
@@ -105,3 +105,17 @@ def test_an_lstm_emulated_on_cpu_amx_follows_the_rnn_cell_not_the_level():
     assert found["emulated"] < 1e-5  # oneDNN's LSTM kernel: mkldnn.rnn, which no level sets
     if "amx_bf16" in _HERE:
         assert found["native"] < 1e-5
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["forward", "backward"])
+def test_an_lstm_with_projections_emulated_on_a_cpu_runs_its_gemms_as_matmuls(train):
+    """oneDNN's LSTM kernel takes no projection: PyTorch runs an LSTM with ``proj_size`` on a CPU as aten GEMMs,
+    bf16 at 'medium' on an AMX CPU (3.3e-03), where emulate('cpu-amx') gave float32's 2.8e-07 (the rnn key)."""
+    found = _rnn_errors(nn.LSTM, train, proj_size=32)
+    assert found["emulated"] > 1e-4
+    if train:
+        assert found["emulated-grad"] > 1e-4
+    if "amx_bf16" in _HERE:  # the machine itself agrees
+        assert 0.25 < found["emulated"] / found["native"] < 4
+        if train:
+            assert 0.25 < found["emulated-grad"] / found["native-grad"] < 4

@@ -215,3 +215,12 @@ def test_one_prompt_reads_as_one(masked):
     report = tf32lab.check_generation(masked, new_tokens=2, prompts=[[1, 2]], levels=("high",))
     (verdict,) = report.verdicts()
     assert "tokens x 1 prompt |" in verdict  # "x 1 prompts"
+
+
+def test_use_cache_takes_numpys_bools(masked):
+    """A NumPy bool is a bool here, as a NumPy integer is a number of new tokens: NumPy 2 names its type ``bool``
+    (``bool_`` in NumPy 1), and ``np.True_`` was refused as neither True nor False."""
+    import numpy as np
+
+    report = tf32lab.check_generation(masked, new_tokens=2, prompts=[[1, 2]], levels=("high",), use_cache=np.True_)
+    assert report.levels

@@ -57,3 +57,66 @@ def test_the_reference_run_convolves_by_unfolded_gemms_with_float64s_values():
         expected = model.double()(x.double())
     assert out.dtype == torch.float64
     torch.testing.assert_close(out, expected, rtol=1e-13, atol=1e-13)
+
+
+_LAYOUTS = [((3, 4, 11, 9), (6, 4, 3, 2), 1), ((3, 1, 7, 5), (6, 1, 3, 3), 1), ((3, 4, 1, 1), (6, 4, 1, 1), 1),
+            ((2, 4, 7, 6), (8, 1, 3, 3), 4)]
+
+
+@pytest.mark.parametrize("x_shape,w_shape,groups", _LAYOUTS)
+@pytest.mark.parametrize("x_last,w_last", [(False, False), (True, False), (False, True), (True, True)])
+def test_an_unfolded_convolution_is_laid_out_as_pytorchs(x_shape, w_shape, groups, x_last, w_last):
+    """A channels-last input or weight gives PyTorch's CPU convolution a channels-last result (size-1 channels
+    and positions included, where the strides tell it); the unfolded one answered contiguous."""
+    x, weight = torch.randn(x_shape, dtype=torch.float64), torch.randn(w_shape, dtype=torch.float64)
+    x = x.to(memory_format=torch.channels_last) if x_last else x
+    weight = weight.to(memory_format=torch.channels_last) if w_last else weight
+    expected = F.conv2d(x, weight, groups=groups)
+    found = unfolded.convolution(x, weight, None, [1, 1], [0, 0], [1, 1], False, [0, 0], groups)
+    assert found.stride() == expected.stride()
+    torch.testing.assert_close(found, expected, rtol=1e-13, atol=1e-13)
+
+
+class _Nhwc(torch.nn.Module):
+    """A convolution whose channels-last result is flattened as NHWC by a view (valid on PyTorch's layout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        return y.permute(0, 2, 3, 1).view(y.size(0), -1)
+
+
+@pytest.mark.parametrize("sliced", [False, True])
+def test_the_reference_keeps_a_channels_last_convolutions_layout(sliced, monkeypatch):
+    """The reference run of a channels-last model that views its convolution's result as NHWC raised 'view size
+    is not compatible with input tensor's size and stride' (the float32 model runs); a batch convolved in slices
+    (a budget of one sample) lost the layout too."""
+    from tf32lab.measure import reference
+    if sliced:
+        monkeypatch.setattr(reference, "UNFOLD_BUDGET", 1)
+    torch.manual_seed(0)
+    model = _Nhwc()
+    x = torch.randn(3, 4, 11, 9).to(memory_format=torch.channels_last)
+    with torch.no_grad(), reference.Float64Run():
+        out = model(x)
+    with torch.no_grad():
+        expected = model.double()(x.double())
+    torch.testing.assert_close(out, expected, rtol=1e-13, atol=1e-13)
+
+
+def test_a_grouped_convolutions_slices_keep_to_the_budget(monkeypatch):
+    """The unfolded GEMM unfolds every group's channels at once, but the batch was sliced for one group's (PyTorch's
+    path, group by group): a depthwise convolution's slices held ``groups`` times the budget (648 MiB for 64 MiB,
+    64 channels)."""
+    from tf32lab.measure import reference
+    budget = 2 << 20
+    monkeypatch.setattr(reference, "UNFOLD_BUDGET", budget)
+    conv = torch.nn.Conv2d(16, 16, 3, padding=1, groups=16)
+    x = torch.randn(16, 16, 24, 24)  # the unfolded batch: 16 x 576 positions x 16 x 9 float64s, 10.1 MiB
+    with torch.no_grad(), torch.profiler.profile(profile_memory=True) as profile, reference.Float64Run():
+        conv(x)
+    largest = max(event.cpu_memory_usage for event in profile.events() if event.name != "aten::convolution")
+    assert largest <= budget, largest

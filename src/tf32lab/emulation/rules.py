@@ -852,11 +852,15 @@ def _is_packed(args) -> bool:
     return len(args) > 3 and isinstance(args[3], (list, tuple))
 
 
-def _rnn_key(call, mode: str) -> str:
+def _rnn_key(call, mode: str, hx) -> str:
     """The target key of an RNN's GEMMs. On a GPU cuDNN's RNN kernel runs them all (``rnn``); on a CPU only an LSTM
-    has a oneDNN RNN kernel (aten RNN.cpp: ``lstm_mkldnn_stub``, under ``mkldnn.rnn``), while a GRU or an Elman RNN
-    runs as aten GEMMs under ``mkldnn.matmul`` (bf16 at 'medium' on an AMX CPU, docs/gpu-results.md)."""
-    return "matmul" if call.emu.target.device == "cpu" and mode != "lstm" else "rnn"
+    without projections has a oneDNN RNN kernel (aten RNN.cpp: ``lstm_mkldnn_stub``, under ``mkldnn.rnn``), while a
+    GRU, an Elman RNN or an LSTM with ``proj_size`` (whose h and c differ in size) runs as aten GEMMs under
+    ``mkldnn.matmul`` (bf16 at 'medium' on an AMX CPU, docs/gpu-results.md)."""
+    if call.emu.target.device != "cpu":
+        return "rnn"
+    projected = mode == "lstm" and isinstance(hx, (list, tuple)) and len(hx) == 2 and hx[0].size(-1) != hx[1].size(-1)
+    return "matmul" if mode != "lstm" or projected else "rnn"
 
 
 @rule(aten.lstm, aten.gru, aten.rnn_tanh, aten.rnn_relu)
@@ -864,7 +868,7 @@ def _rnn_op(call, func, args, kwargs):
     if _is_packed(args):
         return NotImplemented
     mode = func.name().split("::")[-1]
-    key = _rnn_key(call, mode)
+    key = _rnn_key(call, mode, args[1])
 
     def linear(x, w, b):
         return _linear(call, key, x, w, b)
@@ -906,7 +910,7 @@ def rnn_function(call, func, args, kwargs, quietly: Callable[[Callable], Any] = 
         call.unhandled(f"{call.op} (packed sequence)")
         return func(*args, **kwargs)
 
-    key = _rnn_key(call, mode)
+    key = _rnn_key(call, mode, args[1])
     if call.math(key).name == "ieee":  # nothing to round: PyTorch's own fused kernel, at IEEE (the caller's scope)
         call.count(call.math(key))
         return func(*args, **kwargs)

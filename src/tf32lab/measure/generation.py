@@ -123,7 +123,9 @@ def check_generation(workload: Union[CausalLM, torch.nn.Module], *, new_tokens: 
         raise Tf32LabError(f"new_tokens {new_tokens!r}: a whole number of tokens to generate, 1 to "
                            f"{_MAX_NEW_TOKENS}")
     new_tokens = int(new_tokens)  # a NumPy integer too
-    if not isinstance(use_cache, bool) and type(use_cache).__name__ != "bool_":  # bool("no") was True
+    # bool("no") was True; a NumPy bool is one (its type is numpy.bool in NumPy 2, numpy.bool_ in NumPy 1)
+    if not isinstance(use_cache, bool) and not (type(use_cache).__module__ == "numpy"
+                                                and type(use_cache).__name__ in ("bool", "bool_")):
         raise Tf32LabError(f"use_cache {use_cache!r}: True or False")
     if temperature != 0:
         raise Tf32LabError(f"temperature {temperature!r}: the generation check decodes greedily (temperature 0); "

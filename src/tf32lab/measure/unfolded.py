@@ -6,9 +6,10 @@ output positions, both small for a GEMM. Here the whole slice of the batch is on
 (channels x kernel) times the weight, M in the tens of thousands. torchcrepe's tiny model (batch 512 x 1024
 samples): its 128-to-16-channel convolution took 5.7 s in float64, 1.3 s so; its float32 forward takes 1.9 s.
 
-The unfolded input is read from a strided view of the (padded) input, one copy; the result is returned contiguous,
-as PyTorch's is. The sums run in another order than PyTorch's slow path, so the last bits of a float64 result
-differ (relative 1e-16 of its terms' magnitudes), as between any two float64 GEMMs. Covered: one or two spatial
+The unfolded input is read from a strided view of the (padded) input, one copy; the result is laid out as
+PyTorch's is: channels last where a 2-D convolution's input or weight is so, else contiguous. The sums run in
+another order than PyTorch's slow path, so the last bits of a float64 result differ (relative 1e-16 of its terms'
+magnitudes), as between any two float64 GEMMs. Covered: one or two spatial
 dimensions, any stride, padding, dilation and groups, not transposed; :func:`convolution` answers ``None`` for the
 rest, which PyTorch computes.
 
@@ -29,7 +30,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["convolution"]
+__all__ = ["channels_last", "convolution"]
 
 
 def convolution(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], stride: Sequence[int],
@@ -42,6 +43,9 @@ def convolution(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
             or (bias is not None and (bias.dtype != torch.float64 or bias.device.type != "cpu"))):
         return None
     flat = x.dim() == 3
+    # PyTorch's CPU convolution of four dimensions answers channels last where its input or weight is so
+    # (thnn_conv_use_channels_last, aten/src/ATen/native/ConvUtils.h): a model's NHWC view of it must hold here
+    last = not flat and (channels_last(x) or channels_last(weight))
     spatial = len(weight.shape) - 2
     if flat:  # conv1d: a 2-D one of width 1
         x, weight = x.unsqueeze(-1), weight.unsqueeze(-1)
@@ -73,7 +77,12 @@ def convolution(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         out = torch.bmm(parts, weights).transpose(0, 1).reshape(-1, out_channels)
         if bias is not None:
             out += bias
-    out = out.view(n, height, width, out_channels).permute(0, 3, 1, 2).contiguous()
+    out = out.view(n, height, width, out_channels).permute(0, 3, 1, 2)  # channels-last strides
+    if last:
+        return out
+    # a fresh contiguous tensor: ``contiguous()`` keeps the channels-last strides of a size-1 position dimension,
+    # which PyTorch's layout inference then reads as channels last
+    out = out.clone(memory_format=torch.contiguous_format)
     return out.squeeze(-1) if flat else out
 
 
@@ -86,3 +95,17 @@ def _two(values: Sequence[int], spatial: int, width: int) -> Optional[tuple[int,
     if len(found) != spatial:
         return None
     return (found[0], width) if spatial == 1 else (found[0], found[1])
+
+
+def channels_last(t: torch.Tensor) -> bool:
+    """Whether a 4-D tensor's strides are channels last as ``Tensor.suggest_memory_format`` reads them in C++
+    (``is_channels_last_strides_2d_s4``, c10/core/MemoryFormat.h): a size-1 dimension's stride decides where
+    the shape alone cannot (an (N, 1, H, W) input made ``channels_last``)."""
+    if t.dim() != 4 or t.stride(1) == 0:
+        return False
+    least = 0
+    for d in (1, 3, 2, 0):
+        if t.size(d) == 0 or t.stride(d) < least or (d == 0 and least == t.stride(1)):
+            return False
+        least = t.stride(d) * (t.size(d) if t.size(d) > 1 else 1)
+    return True
