@@ -41,13 +41,25 @@ def test_what_is_not_unfolded_is_left_to_pytorch():
     assert unfolded.convolution(x2, w2, None, [1, 1], [0, 0], [9, 9], False, [0, 0], 1) is None  # no output
 
 
-def test_the_reference_run_convolves_by_unfolded_gemms_with_float64s_values():
-    """A conv net's float64 reference ran PyTorch's slow CPU path, per sample; it now runs one GEMM per slice of
-    the batch (no ``_slow_conv2d_forward``), with float64's values."""
+class _Tall(torch.nn.Module):
+    """A pitch tracker's convolutions: tall kernels one position wide, a conv1d's and a 2-D one's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Conv1d(1, 8, 40, stride=2)
+        self.second = torch.nn.Conv2d(8, 4, (32, 1), padding=(3, 0))
+
+    def forward(self, x):
+        return self.second(torch.relu(self.first(x)).unsqueeze(-1))
+
+
+def test_the_reference_run_convolves_tall_kernels_by_unfolded_gemms_with_float64s_values():
+    """A pitch tracker's float64 reference ran PyTorch's slow CPU path, a small GEMM per sample; its tall,
+    one-wide convolutions now run one GEMM per slice of the batch (no ``_slow_conv2d_forward``), with float64's
+    values."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
-                                torch.nn.Conv2d(8, 4, (5, 1), stride=(2, 1), groups=4))
-    x = torch.randn(6, 3, 16, 9)
+    model = _Tall()
+    x = torch.randn(6, 1, 200)
     recorder = layers.Recorder(model, ["highest"], tf32lab.targets.get("a100"))
     with torch.no_grad(), torch.profiler.profile() as profile, recorder:
         out = model(x)
@@ -57,6 +69,19 @@ def test_the_reference_run_convolves_by_unfolded_gemms_with_float64s_values():
         expected = model.double()(x.double())
     assert out.dtype == torch.float64
     torch.testing.assert_close(out, expected, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,groups", [
+    ((2, 32, 48, 48), (32, 32, 3, 3), 1),  # an image's 3x3: PyTorch's path was 1.2-2x the faster
+    ((2, 16, 127), (16, 1, 64), 16),  # depthwise: 5x
+    ((2, 16, 127), (16, 16, 3), 1),  # a short conv1d kernel
+    ((2, 8, 200, 4), (8, 8, 40, 1), 1),  # tall, but four positions wide
+])
+def test_where_pytorchs_path_is_the_faster_it_stays(x_shape, w_shape, groups):
+    x, weight = torch.zeros(x_shape, dtype=torch.float64), torch.zeros(w_shape, dtype=torch.float64)
+    assert not unfolded.faster(x, weight, groups)
+    assert unfolded.faster(torch.zeros(2, 8, 200, 1, dtype=torch.float64),
+                           torch.zeros(8, 8, 40, 1, dtype=torch.float64), 1)
 
 
 _LAYOUTS = [((3, 4, 11, 9), (6, 4, 3, 2), 1), ((3, 1, 7, 5), (6, 1, 3, 3), 1), ((3, 4, 1, 1), (6, 4, 1, 1), 1),
