@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 import cli_runner
 import hf_builders
 import tf32lab
+from tf32lab import cli
 from tf32lab.errors import Tf32LabError
 from tf32lab.workloads import hf
 
@@ -296,3 +298,23 @@ def test_cli_a_prompt_past_the_tokenizers_max_length_is_one_line(tmp_path):
                           timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "has 32" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+def test_cli_an_output_never_replaces_a_file_of_a_hub_cache_snapshot(tmp_path, capsys, name):
+    # a hub cache's snapshot folder links each file to a blob named by its hash: the name (a hash) and place
+    # (blobs/) of the file the link leads to said it was no file of the folder, and --json SNAPSHOT/config.json
+    # replaced the link with the report (the folder loaded no more); the blob by its own path is refused too
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "0123abc"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    for file, blob in (("config.json", "9f2c41"), ("model.safetensors", "77ab03")):
+        (blobs / blob).write_text("{}\n")
+        (snapshot / file).symlink_to(os.path.relpath(blobs / blob, snapshot))
+    before = {p.name: p.read_bytes() for p in blobs.iterdir()}
+    blob = os.path.realpath(snapshot / name)
+    for path in (snapshot / name, blob):
+        assert cli.main(["check", f"hf:{snapshot}", "--levels", "high", "--json", str(path)]) == 2
+        line = capsys.readouterr().err.strip()
+        assert len(line.splitlines()) == 1 and "is a file of the model folder" in line, line
+    assert {p.name: p.read_bytes() for p in blobs.iterdir()} == before

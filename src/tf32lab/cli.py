@@ -337,9 +337,7 @@ def _outputs(args: argparse.Namespace, *flags: str, reads: Sequence[tuple[str, s
         if path == "-":
             continue
         for what, source in reads:
-            if source and os.path.isdir(source) and os.path.isfile(path) and _model_file(path) and \
-                    os.path.commonpath([os.path.realpath(path), os.path.realpath(source)]) == \
-                    os.path.realpath(source):
+            if source and os.path.isdir(source) and os.path.isfile(path) and _of_model_folder(path, source):
                 # an hf: folder: its config, weights or tokenizer; a report written there before, or a new file
                 # beside them, replaces nothing the model loads from
                 raise Tf32LabError(f"{flag} {_shown(path)} is a file of the model folder {what} reads; give the "
@@ -362,7 +360,22 @@ _MODEL_FILE = re.compile(r"(.*config.*\.json|tokenizer.*|special_tokens_map\.jso
 
 def _model_file(path: str) -> bool:
     """Whether ``path`` names a file a model folder loads from (see ``_MODEL_FILE``)."""
-    return _MODEL_FILE.fullmatch(os.path.basename(os.path.realpath(path))) is not None
+    return _MODEL_FILE.fullmatch(os.path.basename(path)) is not None
+
+
+def _of_model_folder(path: str, folder: str) -> bool:
+    """Whether the existing file ``path`` is one ``folder`` loads from: by its name in the folder (or a folder in
+    it), or by what it is, reached by another name. A hub cache's snapshot folder links each of its files to a blob
+    named by its hash (``snapshots/REV/config.json`` -> ``blobs/9f2c...``): the name and place of the path itself,
+    not of the file it leads to, say what it is (the output would replace the link, or the blob, with the report)."""
+    from tf32lab.numbers.files import same_file
+
+    real = os.path.realpath(folder)
+    place = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    if _model_file(path) and os.path.commonpath([place, real]) == real:
+        return True
+    return any(_model_file(name) and same_file(path, os.path.join(root, name))
+               for root, _, names in os.walk(folder) for name in names)
 
 
 def _spec_file(spec: str | None) -> str | None:
