@@ -143,6 +143,10 @@ def test_a_criterion_and_a_share_are_never_shown_rounded_to_what_they_are_not(ma
     # percent said what neither was
     assert Criterion.parse("agreement>=0.9999", 8).words().endswith("at least 99.99%")
     assert Criterion.parse("agreement>=0.95", 8).words().endswith("at least 95%")
+    # at six digits, agreement>=0.9999999 read "at least 100%" and perplexity<0.0123456 "less than 1.235%"
+    assert Criterion.parse("agreement>=0.9999999", 8).words().endswith("at least 99.99999%")
+    assert Criterion.parse("agreement>=0.57", 8).words().endswith("at least 57%")
+    assert Criterion.parse("perplexity<0.0123456", 8).words().endswith("less than 1.23456%")
     assert Criterion.parse("agreement>=-0", 8).text == "agreement>=0"
     report = tf32lab.check_generation(masked, new_tokens=2, prompts=[[1, 2, 3]], levels=("high",),
                                       criterion="agreement>=0.99999")

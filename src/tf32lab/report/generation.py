@@ -104,9 +104,9 @@ class Criterion:
                 return "no prompt leaves float64's tokens at the first new token"
             return f"no prompt leaves float64's tokens within the first {int(self.value)} new tokens"
         if self.kind == "agreement":
-            # every digit given: at one decimal, agreement>=0.9999 read "at least 100.0%"
-            return f"the teacher-forced top-1 agreement with float64 is at least {self.value * 100:.6g}%"
-        return f"the perplexity on the prompts moves by less than {self.value * 100:.4g}%"
+            # every digit given: at one decimal, agreement>=0.9999 read "at least 100.0%" (at six, 0.9999999 did)
+            return f"the teacher-forced top-1 agreement with float64 is at least {_every_digit(self.value)}"
+        return f"the perplexity on the prompts moves by less than {_every_digit(self.value)}"
 
     def passes(self, row: GenerationLevel) -> bool:
         if row.failure is not None:
@@ -259,6 +259,12 @@ def _diverges(lv: GenerationLevel, n_prompts: int) -> str:
     left = sum(s is not None for s in lv.divergence)
     median = "none" if lv.median is None else f"{lv.median:g}"
     return f"leaves float64's tokens at step {lv.first} ({left} of {_prompts(n_prompts)}; median {median})"
+
+
+def _every_digit(value: float) -> str:
+    """A criterion's share as a percentage with every digit it was given (15 significant digits: 0.57 is 57%, not
+    the 56.99999999999999% its product with 100 is)."""
+    return f"{value * 100:.15g}%"
 
 
 def _prompts(count: int) -> str:
