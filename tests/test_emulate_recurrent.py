@@ -298,3 +298,18 @@ def test_the_exact_layers_leave_dropout_in_training_and_other_rnns_to_pytorch():
     assert recurrent.exact_layers("rnn_tanh", x, h0, rnn._flat_weights, True, 1, 0.0, False, False, False) is None
     assert recurrent.exact_layers("lstm", x.float(), (h0.float(), h0.float()), [p.float() for p in
                                   lstm._flat_weights], True, 2, 0.0, False, False, False) is None
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("kind", [nn.LSTM, nn.GRU])
+def test_the_float64_reference_of_an_empty_sequence_raises_as_pytorch_does(kind, batch_first):
+    # ATen refuses a sequence of no steps; the exact layers returned an empty output, and check then said the
+    # final state, zeros, was "zero at every element ... from products that are zero too" (zero weights?)
+    from tf32lab.measure.reference import Float64Run
+
+    module = kind(3, 4, batch_first=batch_first)
+    x = torch.randn(2, 0, 3) if batch_first else torch.randn(0, 2, 3)
+    with pytest.raises(RuntimeError, match="sequence length"):
+        module(x)
+    with pytest.raises(RuntimeError, match="sequence length"), torch.no_grad(), Float64Run():
+        module(x)

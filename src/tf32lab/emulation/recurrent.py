@@ -130,7 +130,8 @@ def _dtype(name: str) -> torch.dtype:
 
 def exact_layers(mode: str, x, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
     """:func:`layers` in float64 with nothing rounded and no autograd graph, for a reference run (``None`` where
-    :func:`covered` says no, and for dropout between layers, whose draws ATen's own kernel makes).
+    :func:`covered` says no, for dropout between layers, whose draws ATen's own kernel makes, and for a sequence of
+    no steps, which ATen refuses: "Expected sequence length to be larger than 0 in RNN").
 
     Example:
 
@@ -142,7 +143,7 @@ def exact_layers(mode: str, x, hx, params, has_biases, num_layers, dropout, trai
         ...     torch.allclose(out, lstm(x)[0], rtol=0, atol=1e-14)
         True
     """
-    if dropout and train and num_layers > 1:
+    if (dropout and train and num_layers > 1) or x.size(1 if batch_first and x.dim() == 3 else 0) == 0:
         return None
     kit = Kit(F.linear, F.linear, lambda w: w, EXACT, "", True, lambda op, n: None, lambda fn: fn())
     return layers(mode, kit, x, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first,
