@@ -396,5 +396,5 @@ def test_the_rnn_column_says_on_a_cpu_that_a_gru_runs_as_matmuls(name):
     for part in doctor_text.render(tf32lab.doctor(Hardware.simulated(name))):
         console.print(part)
     text = " ".join(console.export_text().split())  # the caption wraps at the table's width
-    said = "on a CPU a GRU or Elman RNN runs as matmuls, at the matmul column's math" in text
+    said = "on a CPU a GRU, an Elman RNN or an LSTM with proj_size runs as matmuls, at the matmul column's math" in text
     assert said == (name != "a100")

@@ -143,7 +143,8 @@ def _per_row(entry: CudnnFamily, report: Report) -> str:
 _CPU_WHY = {
     "conv": "on a CPU oneDNN's own flag sets their math, not the level (`torch.backends.mkldnn.conv.fp32_precision`)",
     "rnn": "on a CPU an LSTM runs oneDNN's RNN kernel, whose math its own flag sets "
-           "(`torch.backends.mkldnn.rnn.fp32_precision`), and a GRU or Elman RNN runs as GEMMs, at the level's math",
+           "(`torch.backends.mkldnn.rnn.fp32_precision`), and a GRU, an Elman RNN or an LSTM with proj_size runs "
+           "as GEMMs, at the level's math",
 }
 
 

@@ -62,7 +62,8 @@ def _levels(d: Diagnosis) -> Fitted:
                "even), bf16-rne, tf32x3 (3 passes), bfx9 (9 bf16 passes)")
     if not d.hardware.gpus and "rnn" in families:
         # oneDNN's RNN kernel is the LSTM's only (aten RNN.cpp); the others are aten GEMMs (docs/gpu-results.md)
-        caption += "\nrnn: an LSTM's; on a CPU a GRU or Elman RNN runs as matmuls, at the matmul column's math"
+        caption += ("\nrnn: an LSTM's; on a CPU a GRU, an Elman RNN or an LSTM with proj_size runs as matmuls, at the "
+                    "matmul column's math")
     for level, refusal in d.native_levels.items():
         shown = "" if level in d.levels else f" (no row: {d.hardware.target} cannot compute it)"
         caption += f"\n{level}{shown}: " + ("this torch sets it natively" if refusal is None else
