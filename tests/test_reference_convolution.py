@@ -32,6 +32,12 @@ def test_an_unfolded_convolution_gives_float64s_values(dims, groups, stride, pad
     torch.testing.assert_close(found, expected, rtol=1e-13, atol=1e-13)
 
 
+def test_an_input_of_no_channels_is_left_to_pytorch():
+    x, weight = torch.zeros(2, 0, 50, dtype=torch.float64), torch.zeros(4, 0, 40, dtype=torch.float64)
+    bias = torch.ones(4, dtype=torch.float64)
+    assert unfolded.convolution(x, weight, bias, [1], [0], [1], False, [0], 1) is None  # was the bias, (2, 4, 11)
+
+
 def test_what_is_not_unfolded_is_left_to_pytorch():
     x, weight = torch.randn(2, 3, 5, 5, 5, dtype=torch.float64), torch.randn(4, 3, 2, 2, 2, dtype=torch.float64)
     assert unfolded.convolution(x, weight, None, [1] * 3, [0] * 3, [1] * 3, False, [0] * 3, 1) is None  # 3-D

@@ -77,8 +77,8 @@ def convolution(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         return None
     n, channels = x.shape[:2]
     out_channels, per_group, kh, kw = weight.shape
-    if channels != per_group * groups or out_channels % groups:
-        return None
+    if channels != per_group * groups or out_channels % groups or channels == 0:
+        return None  # no channels: PyTorch's result is empty, a product over nothing would be the bias
     x = F.pad(x, (padding[1], padding[1], padding[0], padding[0])).contiguous()
     height = (x.size(2) - dilation[0] * (kh - 1) - 1) // stride[0] + 1
     width = (x.size(3) - dilation[1] * (kw - 1) - 1) // stride[1] + 1
