@@ -139,9 +139,9 @@ def test_the_reference_keeps_a_channels_last_convolutions_layout(sliced, monkeyp
 
 
 def test_a_grouped_convolutions_slices_keep_to_the_budget(monkeypatch):
-    """The unfolded GEMM unfolds every group's channels at once, but the batch was sliced for one group's (PyTorch's
-    path, group by group): a depthwise convolution's slices held ``groups`` times the budget (648 MiB for 64 MiB,
-    64 channels)."""
+    """A depthwise convolution's slices keep to the budget: unfolded all groups at once, they held ``groups``
+    times it (648 MiB for 64 MiB, 64 channels); PyTorch's path, which grouped convolutions take, unfolds a group at
+    a time, so the batch is sliced for one group's channels."""
     from tf32lab.measure import reference
     budget = 2 << 20
     monkeypatch.setattr(reference, "UNFOLD_BUDGET", budget)

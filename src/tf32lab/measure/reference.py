@@ -444,14 +444,13 @@ def _convolution(args: list, kwargs: dict) -> torch.Tensor:
     transposed = args[6] if len(args) > 6 else kwargs.get("transposed", False)
     if x.device.type != "cpu" or x.dim() < 3 or x.size(0) < 2:
         return _one_convolution(args, kwargs)
-    # one sample's unfolded input: (channels x kernel) x output positions, bounded by input positions. Every
-    # group's channels at once: ``measure.unfolded`` unfolds them together (PyTorch's path, group by group, a
-    # group's; a depthwise convolution's slices held ``groups`` times the budget before)
+    # one sample's unfolded input: (a group's channels x kernel) x output positions, bounded by input positions
+    # (PyTorch's path unfolds group by group; ``measure.unfolded`` takes ungrouped convolutions only)
     stride = args[3] if len(args) > 3 else kwargs.get("stride", [1])
     positions = math.prod(x.shape[2:]) // (1 if transposed else max(1, math.prod(stride)))
     if transposed:
         positions *= max(1, math.prod(stride))
-    per_sample = x.shape[1] * math.prod(weight.shape[2:]) * max(1, positions) * x.element_size()
+    per_sample = weight.shape[1] * math.prod(weight.shape[2:]) * max(1, positions) * x.element_size()
     if transposed:
         per_sample = weight.shape[0] * math.prod(weight.shape[2:]) * max(1, positions) * x.element_size()
     chunk = max(1, UNFOLD_BUDGET // max(1, per_sample))
