@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from tf32lab import settings
 from tf32lab.control import flags, modestack, scope
 from tf32lab.emulation import rules
+from tf32lab.emulation.reuse import Handoff
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
 from tf32lab.know.levels import level_cells
@@ -809,6 +810,10 @@ class _Mode(TorchDispatchMode):
         if classified is None or not (_holds(args) or _holds(kwargs.values())):
             if classified is not None and _get_tracing_state() is None and \
                     (_holds(args, _C64) or _holds(kwargs.values(), _C64)):
+                if entry.emu.handoff is not None:
+                    return entry.emu.handoff.run(func.name(), classified.family, args, kwargs, entry.emu.coverage,
+                                                 entry.emu.unhandled,
+                                                 lambda: self._complex(entry, classified, func, args, kwargs))
                 return self._complex(entry, classified, func, args, kwargs)
             cache = entry.cache
             if (cache.entries or cache.recent) and _mutates(func):  # a write (maybe via .data): copies go
@@ -821,7 +826,13 @@ class _Mode(TorchDispatchMode):
             return _passed_on(func, args, kwargs)  # under the tracer: the one place that knows what it needs
         tracing = _get_tracing_state()
         if tracing is None:
+            handoff = entry.emu.handoff
+            if handoff is not None:
+                return handoff.run(func.name(), classified.family, args, kwargs, entry.emu.coverage,
+                                   entry.emu.unhandled, lambda: self._emulated(entry, classified, func, args, kwargs))
             return self._emulated(entry, classified, func, args, kwargs)
+        if entry.emu.handoff is not None:  # the tracer's own run of the op: nothing handed over past it
+            entry.emu.handoff.stop()
         # Under torch.jit.trace. The tracer records most ops above this mode and clears its state for what runs
         # below (then ``tracing`` is None here). For the few it leaves to their kernel (convolution records the
         # ``_convolution`` it calls), the native op runs first, so that the user's graph holds what PyTorch
@@ -1158,11 +1169,15 @@ class _FunctionMode(TorchFunctionMode):
                             # jagged: the target runs a fused kernel on the packed values, a CPU PyTorch's math
                             # path on each sequence; neither is the target's kernel: native, and said
                             call.unhandled()
+                            if entry.emu.handoff is not None:  # computed natively, at this thread's own flags
+                                entry.emu.handoff.stop()
                             with modestack.lifted(_thread_modes().dispatch):
                                 return func(*args, **kwargs)
-                        return rules.sdpa_function(call, func, args, kwargs)
+                        return _handed(entry, call.op, "attention", args, kwargs,
+                                       lambda: rules.sdpa_function(call, func, args, kwargs))
                 elif _holds(args):
-                    return _rnn(entry, func, args, kwargs)
+                    return _handed(entry, f"aten::{rules.RNN_FUNCTIONS[func]}", "rnn", args, kwargs,
+                                   lambda: _rnn(entry, func, args, kwargs))
         if func in _KEEP_ON and _redispatch is not None and _skips_none_but_this(types):
             # a backward, and any forward it recomputes, under this mode as the forward was; a composite's SDPA seen
             # here as a direct call is
@@ -1172,6 +1187,14 @@ class _FunctionMode(TorchFunctionMode):
         # made *inside* another Python-level torch function (F.multi_head_attention_forward) is not seen here; the
         # dispatch mode still emulates what it decomposes into (docs/design.md).
         return func(*args, **kwargs)
+
+
+def _handed(entry: _Entry, op: str, family: str, args: Any, kwargs: Any, compute: Callable[[], Any]) -> Any:
+    """``compute()``, or what the block's hand-off gives for it (``tf32lab.emulation.reuse``)."""
+    handoff = entry.emu.handoff
+    if handoff is None:
+        return compute()
+    return handoff.run(op, family, args, kwargs, entry.emu.coverage, entry.emu.unhandled, compute)
 
 
 def _rnn(entry: _Entry, func, args, kwargs):
@@ -1257,6 +1280,8 @@ class emulate(contextlib.ContextDecorator):
         weight_cache: keep a rounded copy of each parameter for the block (True), or round it at every use and
             keep nothing (False): for a model sharded with FSDP2, whose gathered parameters are freed after each
             module, where copies kept for the block would hold the whole model on every rank.
+        handoff: a ``tf32lab.emulation.reuse.Handoff`` that two blocks at different levels share, one after the
+            other: the second takes the first's results of the leading ops both compute alike.
 
     ``coverage`` counts ``(op, math)`` pairs and ``unhandled`` the family ops that ran natively. The block is local
     to its thread and asyncio task, like ``precision()``: another task on the same thread, and threads started
@@ -1284,8 +1309,9 @@ class emulate(contextlib.ContextDecorator):
 
     def __init__(self, target: str | Target = "a100", *, math: Optional[str] = None,
                  rounding: Optional[str] = None, strict: bool = False, accumulation: Optional[str] = None,
-                 weight_cache: bool = True) -> None:
+                 weight_cache: bool = True, handoff: Optional[Handoff] = None) -> None:
         self.target = get(target)
+        self.handoff = handoff
         self.weight_cache = bool(weight_cache)
         self.accumulation = check_accumulation(accumulation)
         if math is not None and math not in MATHS:

@@ -43,6 +43,7 @@ from tf32lab.control import flags, modestack
 from tf32lab.control.policy import Policy
 from tf32lab.control.scope import conv_math, get_float32_matmul_precision
 from tf32lab.emulation.emulator import check_accumulation, context_cells, release_buffers
+from tf32lab.emulation.reuse import KEPT, Handoff, alike
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels, with_conv
 from tf32lab.know.targets import Target
@@ -307,6 +308,8 @@ class Session:
         self.ref_drawn: list[tuple[str, Optional[str]]] = []  # the reference's draws: op, dtype kind
         self._draws_learnt = False  # whether a float32 row's draws were compared with the reference's
         self._draw_notes: list[str] = []
+        self.handed: Optional[tuple[str, Handoff]] = None  # the next level, what the run before it kept for it
+        self.ran: set[str] = set()  # the levels run end to end so far
 
     def __enter__(self) -> Session:
         stack, workload = self._stack, self.workload
@@ -331,6 +334,9 @@ class Session:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.handed is not None:  # the run it was kept for never came
+            self.handed[1].close()
+            self.handed = None
         self._stack.__exit__(*exc)
 
     def _reference(self, plan: Optional[list[Optional[str]]] = None) -> None:
@@ -439,13 +445,41 @@ class Session:
         return counting if counting is not None and not counting.counts.ops else None
 
     def level(self, level: str) -> LevelResult:
-        """One end-to-end run at ``level`` (one of ``measured``)."""
+        """One end-to-end run at ``level`` (one of ``measured``). The first measured level's run keeps, for the
+        second's, the results of the leading convolutions and RNNs both compute alike (``emulation.reuse``)."""
+        handoff, replaying = self._handoff(level)
+
         def run() -> LevelResult:
             counting = self._fresh(f"{level}: end to end")
+            if handoff is not None:
+                handoff.replay() if replaying else handoff.record()
             return _check_level(self.workload, level, self.target, self.recorder, self.ref_out, self.tolerances,
-                                counting=counting, scales=self.scales)
+                                counting=counting, scales=self.scales, handoff=handoff)
 
-        return self._as_drawn(run, f"the `{level}` row")
+        try:
+            return self._as_drawn(run, f"the `{level}` row")
+        finally:
+            self.ran.add(level)
+            if replaying:
+                handoff.close()
+
+    def _handoff(self, level: str) -> tuple[Optional[Handoff], bool]:
+        """The hand-off this run of ``level`` replays (True: the one the run before recorded for it) or records
+        for the next measured level (False), where that level has not run yet and the two compute a kept family
+        alike; None where nothing would be kept (sharded: each rank computes its own part, for the collectives)."""
+        handed, self.handed = self.handed, None
+        if handed is not None and handed[0] == level:
+            return handed[1], True
+        if handed is not None:
+            handed[1].close()
+        if not self.target.emulated or self.ranks is not None or level not in self.measured:
+            return None, False
+        later = self.measured[self.measured.index(level) + 1:]
+        same = alike(self.target, level, later[0], context_cells()) if later and later[0] not in self.ran else None
+        if not same or not KEPT & same:
+            return None, False
+        self.handed = (later[0], Handoff(same))
+        return self.handed[1], False
 
     def floor(self) -> Optional[tuple[metrics.OutputError, ...]]:
         """float32 `highest`'s outputs on the target, for the rows' multiples of its error, where no row computes
@@ -576,18 +610,21 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
                  tolerances: dict[str, float], row: Optional[PolicyRow] = None,
                  alike: Optional[dict[str, Optional[str]]] = None, counting: Optional[Counting] = None,
                  idle: Optional[list[str]] = None,
-                 scales: Optional[Mapping[str, metrics.Scale]] = None) -> LevelResult:
+                 scales: Optional[Mapping[str, metrics.Scale]] = None, handoff: Optional[Handoff] = None
+                 ) -> LevelResult:
     """One end-to-end run at ``level`` (with ``row``: the policy applied, ``level`` its base) and its result;
     ``counting``: the run's work is counted too (for the speed prediction); ``idle``: a note on the policy's rules
     that did not act in the run is added to it; ``scales``: the magnitudes that formed the outputs
-    (``measure.scales``)."""
+    (``measure.scales``); ``handoff``: what this run keeps for the next or takes from the one before
+    (``emulation.reuse``)."""
     started = time.perf_counter()
     accumulated = Accumulated(recorder, counting)
     out, error = None, None
     applied = row.policy.applied(workload.model) if row else contextlib.nullcontext()
     cells = context_cells()  # the caller's cells: those a level leaves alone (convs, RNNs, the SDPA kernel)
     # sharded: no rounded copies of the gathered parameters kept for the run (they would hold the whole model)
-    with level_context(level, target, recorder.accumulation, recorder.ranks is None) as emu, applied as handle:
+    with level_context(level, target, recorder.accumulation, recorder.ranks is None, handoff) as emu, \
+            applied as handle:
         level_maths = {} if emu is None else (
             policy_maths(row, target, cells) if row else target.maths_at(level, cells))
         try:

@@ -28,7 +28,8 @@ import torch
 
 from tf32lab.control import modestack
 from tf32lab.control.scope import conv_math, precision
-from tf32lab.emulation.emulator import emulate
+from tf32lab.emulation.emulator import context_cells, emulate
+from tf32lab.emulation.reuse import KEPT, Handoff, alike
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
 from tf32lab.know.targets import Target
@@ -65,12 +66,14 @@ def described(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def level_context(level: str, target: Target, accumulation: Optional[str] = None, weight_cache: bool = True):
+def level_context(level: str, target: Target, accumulation: Optional[str] = None, weight_cache: bool = True,
+                  handoff: Optional[Handoff] = None):
     if not target.emulated:
         with precision(level):
             yield None
     else:  # emulate() first: a scope inside it never writes the flag (a level this torch cannot set, bfx9, runs)
-        with emulate(target, accumulation=accumulation, weight_cache=weight_cache) as emu, precision(level):
+        with emulate(target, accumulation=accumulation, weight_cache=weight_cache, handoff=handoff) as emu, \
+                precision(level):
             yield emu
 
 
@@ -199,6 +202,7 @@ class Recorder:
         self.rnn_ops: set[str] = set()  # the reference's RNN ops by name (aten::lstm, aten::gru, ...)
         self.streams: Optional[Streams] = None  # set by check: each rerun draws from its call's random state
         self.quiet: list[Any] = []  # the caller's own modes over the reference run, lifted while a layer reruns
+        self.alike: dict[tuple[str, str], frozenset[str]] = {}  # two levels -> the families computed alike
 
     def __enter__(self) -> Recorder:
         try:
@@ -333,19 +337,38 @@ class Recorder:
             for mode in (*self.mode.modes, *self.quiet):
                 quiet.enter_context(modestack.lifted(mode))
             fed: Optional[tuple[Any, Any, list[Optional[int]]]] = None
+            done: list[tuple[str, float, Optional[str]]] = []  # the levels rerun so far: error, why
             for level, conv in [(level, None) for level in self.levels] + ([pin] if pin and cudnn else []):
+                # a call whose own ops are all kept families the target computes alike at a level rerun before
+                # gives the same bits again (emulation.reuse): that level's error, not a second run
+                same = next((d for d in done if conv is None and frame.families <= KEPT & self._alike(d[0], level)),
+                            None)
+                if same is not None:
+                    self._worst(name, same[1], same[2], level)
+                    continue
                 if fed is None or _versions((*fed[:2], list(inner.values()))) != fed[2]:
                     if fed is not None:
                         inner = self._inner_outputs(frame)
                     made = map_tensors(_to_float32, frame.args), map_tensors(_to_float32, frame.kwargs)
                     fed = (*made, _versions((*made, list(inner.values()))))
-                self._rerun(name, module, frame, reference, norms, inner, pin, cudnn, streams, level, conv,
-                            fed[0], fed[1])
+                error, why = self._rerun(name, module, frame, reference, norms, inner, pin, cudnn, streams, level,
+                                         conv, fed[0], fed[1])
+                if conv is None:
+                    done.append((level, error, why))
+
+    def _alike(self, first: str, second: str) -> frozenset[str]:
+        known = self.alike.get((first, second))
+        if known is None:
+            known = self.alike[(first, second)] = alike(self.target, first, second, context_cells()) \
+                if self.target.emulated else frozenset()
+        return known
 
     def _rerun(self, name: str, module: torch.nn.Module, frame: _Frame, reference: Any, norms: dict[str, float],
                inner: dict[torch.nn.Module, list[Any]], pin: Optional[tuple[str, str]], cudnn: bool,
-               streams: Optional[Streams], level: str, conv: Optional[str], args: Any, kwargs: Any) -> None:
-        """One rerun of a layer's call at ``level`` (and cuDNN conv math ``conv``), fed ``args`` and ``kwargs``."""
+               streams: Optional[Streams], level: str, conv: Optional[str], args: Any, kwargs: Any
+               ) -> tuple[float, Optional[str]]:
+        """One rerun of a layer's call at ``level`` (and cuDNN conv math ``conv``), fed ``args`` and ``kwargs``: its
+        error and why it has none."""
         if streams is not None:  # a call that drew: each rerun draws what the reference's call drew
             streams.put(frame.state)
         self.rerunning = True
@@ -372,6 +395,7 @@ class Recorder:
         self._worst(name, error, why, level, conv)
         if pin and not cudnn and conv is None and level == pin[0]:  # no cuDNN op: the same at any conv math
             self._worst(name, error, why, level, pin[1])
+        return error, why
 
     def _worst(self, name: str, error: float, why: Optional[str], level: Optional[str] = None,
                conv: Optional[str] = None) -> None:

@@ -1,0 +1,167 @@
+"""What one emulated run of a model hands to the next run of it at another level: the results of the family ops
+that both levels compute alike, up to the first op whose math differs.
+
+Emulation is deterministic, so two runs of one model on the same inputs agree bit for bit up to the first op
+whose math the two levels set differently: every op before it got the same operands and computed the same math.
+On a GPU target, cuDNN's convolutions and RNNs follow cuDNN's own flag, not the matmul level
+(``torch.backends.cudnn.allow_tf32``, on by default: https://pytorch.org/docs/stable/notes/cuda.html#tensorfloat-32-tf32-on-ampere-and-later-devices),
+so a conv net's or an LSTM's rows at `highest` and `high` differ only from their first matmul on. ``check`` runs
+its levels one after another: the first run keeps (:meth:`Handoff.record`) the results of those leading ops, and
+the next (:meth:`Handoff.replay`) takes them instead of computing them again, in the same order, each op checked
+against the one kept (its name, its operands' shapes and dtypes, its other arguments) and its coverage counted
+as the first run counted it. The first op that does not match, or whose family the two levels compute apart,
+ends the hand-off for the rest of the run.
+
+Only convolutions and RNNs are kept (``KEPT``): the ops whose math cuDNN's flags set, and the costly ones a level
+leaves alone. Other families computed alike are computed again (the same bits). What is kept is a copy (the model
+may write into its own), within ``budget`` bytes.
+
+    >>> import torch
+    >>> from tf32lab.emulation.reuse import Handoff
+    >>> handoff = Handoff(frozenset({"conv", "rnn"}))
+    >>> handoff.record(); handoff.replay(); handoff.taken
+    0
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Mapping
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from tf32lab.know.targets import Target
+
+__all__ = ["KEPT", "Handoff", "alike"]
+
+KEPT = frozenset({"conv", "rnn"})  # the families kept (see the module's docstring)
+# What a run keeps for the next at most. The largest kept on the benchmarked models is a conv net's first layer
+# (64 MiB); a model whose leading convolutions make more is handed what fits, the rest computed again.
+BUDGET = 512 << 20
+
+
+def alike(target: Target, a: str, b: str, cells: Mapping[str, str]) -> frozenset[str]:
+    """The op families ``target`` computes alike at levels ``a`` and ``b`` under ``cells`` (those a level leaves
+    alone): every key of the family gets the same math at both (its sub-keys too: ``matmul.gemv``); an RNN on a CPU
+    target also ``matmul``'s, whose GEMMs a GRU runs there (``rules._rnn_key``).
+
+    >>> from tf32lab.know.targets import get
+    >>> sorted(alike(get("a100"), "highest", "high", {"cuda.conv": "tf32", "cuda.rnn": "tf32", "sdpa": "math"}))
+    ['conv', 'matvec', 'rnn']
+    """
+    first, second = target.maths_at(a, cells), target.maths_at(b, cells)
+    families = {key.split(".")[0] for key in (*first, *second)}
+    found = {f for f in families
+             if all(first.get(k) == second.get(k) for k in (*first, *second) if k == f or k.startswith(f + "."))}
+    if target.device == "cpu" and "matmul" not in found:
+        found.discard("rnn")
+    return frozenset(found)
+
+
+class _Kept(NamedTuple):
+    op: str
+    signature: tuple
+    result: Any
+    coverage: collections.Counter
+    unhandled: collections.Counter
+
+
+def _signature(args: Any, kwargs: Any) -> tuple:
+    """What an op's call must share with the one kept: each tensor's shape, dtype and device, and every other
+    argument's value (strides, padding, flags)."""
+    leaves, spec = tree_flatten((args, kwargs))
+    return (str(spec), *((tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else
+                         v if isinstance(v, (int, float, bool, str, type(None), torch.dtype, torch.device))
+                         else type(v).__name__ for v in leaves))
+
+
+def _copied(result: Any) -> Any:
+    leaves, spec = tree_flatten(result)
+    return spec, [v.clone() if isinstance(v, torch.Tensor) else v for v in leaves]
+
+
+def _nbytes(result: Any) -> int:
+    return sum(v.numel() * v.element_size() for v in tree_flatten(result)[0] if isinstance(v, torch.Tensor))
+
+
+class Handoff:
+    """The results one run keeps for the next; ``alike``: the op families the two runs' levels compute alike.
+
+    The emulator calls :meth:`run` for each family op it computes; the session says which run records and which
+    replays. One thread: another thread's ops are computed as they come, and none is kept or taken.
+    """
+
+    def __init__(self, alike: frozenset[str], budget: int = BUDGET) -> None:
+        self.alike, self.budget = frozenset(alike), budget
+        self.kept: collections.deque[_Kept] = collections.deque()
+        self.state: Optional[str] = None  # "record", "replay" or None (nothing to do)
+        self.taken = 0  # ops the replaying run took
+        self.bytes = 0
+        self.depth = 0  # inside an op being recorded: its own ops are its own
+        self.thread: Optional[int] = None
+
+    def record(self) -> None:
+        """The next run keeps what it can (anything kept before is dropped: a run may be run again)."""
+        self.kept, self.bytes, self.state, self.thread = collections.deque(), 0, "record", threading.get_ident()
+
+    def replay(self) -> None:
+        """The next run takes what the recorded run kept."""
+        self.taken = 0
+        self.state = "replay" if self.kept else None
+
+    def close(self) -> None:
+        """Nothing more is kept or taken; what was kept is freed."""
+        self.kept, self.bytes, self.state = collections.deque(), 0, None
+
+    def run(self, op: str, family: str, args: Any, kwargs: Any, coverage: collections.Counter,
+            unhandled: collections.Counter, compute: Callable[[], Any]) -> Any:
+        """``compute()``'s result for this call of ``op``: the one kept for it (replaying), or computed (and kept,
+        recording); ``coverage`` and ``unhandled`` are the block's counters, which the call's counts go to."""
+        if self.state is None or self.depth or threading.get_ident() != self.thread:
+            return compute()
+        if family not in self.alike:  # the levels part here: nothing after it is the same
+            self.stop()
+            return compute()
+        if self.state == "replay":
+            return self._take(op, family, args, kwargs, coverage, unhandled, compute)
+        if family not in KEPT:
+            return compute()
+        counted, missed = collections.Counter(coverage), collections.Counter(unhandled)
+        self.depth += 1
+        try:
+            result = compute()
+        finally:
+            self.depth -= 1
+        missed = unhandled - missed
+        size = _nbytes(result)
+        if missed or self.bytes + size > self.budget:  # run natively (the level's own flags), or too much to keep
+            self.stop()
+            return result
+        self.bytes += size
+        self.kept.append(_Kept(op, _signature(args, kwargs), _copied(result), coverage - counted, missed))
+        return result
+
+    def _take(self, op: str, family: str, args: Any, kwargs: Any, coverage: collections.Counter,
+              unhandled: collections.Counter, compute: Callable[[], Any]) -> Any:
+        if family not in KEPT:
+            return compute()
+        kept = self.kept[0] if self.kept else None
+        if kept is None or kept.op != op or kept.signature != _signature(args, kwargs):
+            self.stop()
+            return compute()
+        self.kept.popleft()  # handed over: the run holds it now
+        self.taken += 1
+        coverage.update(kept.coverage)
+        unhandled.update(kept.unhandled)
+        spec, leaves = kept.result
+        return tree_unflatten(leaves, spec)
+
+    def stop(self) -> None:
+        """The hand-off ends here for this run: replaying, what is left is freed; recording, what was kept stays."""
+        if self.state == "replay":
+            self.close()
+        else:
+            self.state = None  # recording stops; what was kept stays for the replay

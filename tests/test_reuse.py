@@ -1,0 +1,167 @@
+"""One emulated run hands the next, at another level, the leading convolutions and RNNs both compute alike
+(tf32lab.emulation.reuse): the second run's values and counts are those it computes on its own, bit for bit."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import tf32lab
+from tf32lab.emulation.reuse import Handoff, alike
+from tf32lab.know.targets import get
+
+
+class ConvNet(torch.nn.Module):
+    def __init__(self, inplace: bool = False) -> None:
+        super().__init__()
+        self.a = torch.nn.Conv1d(3, 8, 5)
+        self.b = torch.nn.Conv1d(8, 8, 3)
+        self.inplace = inplace
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        y = y.add_(1.0) if self.inplace else y + 1.0
+        y = torch.relu(y)
+        y = self.b(y)
+        y = torch.relu(y.add_(1.0) if self.inplace else y + 1.0)
+        return self.head(y.mean(-1))
+
+
+class HeadFirst(torch.nn.Module):
+    """A matmul before the convolution: the levels part at once, and nothing is kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.conv = torch.nn.Conv1d(3, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(self.lin(x))
+
+
+def _run(model: torch.nn.Module, x: torch.Tensor, level: str, handoff: Handoff | None = None):
+    with tf32lab.emulate("a100", handoff=handoff) as emu, tf32lab.precision(level), torch.inference_mode():
+        out = model(x)
+    return out, dict(emu.coverage), dict(emu.unhandled)
+
+
+def _handoff() -> Handoff:
+    return Handoff(alike(get("a100"), "highest", "high", tf32lab.emulation.emulator.context_cells()))
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_the_second_run_takes_the_convolutions_and_gets_its_own_bits(inplace: bool) -> None:
+    torch.manual_seed(0)
+    model, x = ConvNet(inplace), torch.randn(4, 3, 40)
+    alone = _run(model, x, "high")
+    handoff = _handoff()
+    handoff.record()
+    first = _run(model, x, "highest", handoff)
+    assert len(handoff.kept) == 2  # both convolutions; the Linear ends what is kept
+    handoff.replay()
+    second = _run(model, x, "high", handoff)
+    assert handoff.taken == 2
+    # add_ wrote into the first run's conv outputs: what was kept is a copy
+    assert torch.equal(second[0], alone[0]) and second[1:] == alone[1:]
+    assert not torch.equal(first[0], second[0])  # the Linear differs between the levels: the runs do
+    assert not handoff.kept  # handed over, nothing left held
+
+
+def test_a_matmul_first_keeps_nothing() -> None:
+    torch.manual_seed(0)
+    model, x = HeadFirst(), torch.randn(2, 3, 16)
+    handoff = _handoff()
+    handoff.record()
+    _run(model, x, "highest", handoff)
+    assert not handoff.kept
+    handoff.replay()
+    assert torch.equal(_run(model, x, "high", handoff)[0], _run(model, x, "high")[0]) and handoff.taken == 0
+
+
+def test_a_call_that_is_not_the_one_kept_is_computed_and_ends_the_handoff() -> None:
+    torch.manual_seed(0)
+    model = ConvNet()
+    handoff = _handoff()
+    handoff.record()
+    _run(model, torch.randn(4, 3, 40), "highest", handoff)
+    handoff.replay()
+    other = torch.randn(4, 3, 41)  # another shape: not the run that kept
+    out = _run(model, other, "high", handoff)
+    assert handoff.taken == 0 and handoff.state is None and not handoff.kept
+    assert torch.equal(out[0], _run(model, other, "high")[0])
+
+
+def test_nothing_past_the_budget_is_kept() -> None:
+    torch.manual_seed(0)
+    model, x = ConvNet(), torch.randn(4, 3, 40)
+    handoff = Handoff(frozenset({"conv"}), budget=4 * 8 * 36 * 4)  # the first conv's output, not the second's
+    handoff.record()
+    _run(model, x, "highest", handoff)
+    assert len(handoff.kept) == 1 and handoff.bytes == 4 * 8 * 36 * 4
+
+
+def test_another_threads_ops_are_neither_kept_nor_taken() -> None:
+    torch.manual_seed(0)
+    model, x = ConvNet(), torch.randn(4, 3, 40)
+    handoff = _handoff()
+    handoff.record()
+    done = []
+    thread = threading.Thread(target=lambda: done.append(_run(model, x, "highest", handoff)))
+    thread.start()
+    thread.join()
+    assert done and not handoff.kept
+
+
+def test_alike_families_follow_the_target_table() -> None:
+    cells = {"cuda.conv": "tf32", "cuda.rnn": "tf32", "sdpa": "math", "mkldnn.matmul": "ieee"}
+    assert {"conv", "rnn"} <= alike(get("a100"), "highest", "high", cells)
+    assert "matmul" not in alike(get("a100"), "highest", "high", cells)
+    off = {**cells, "cuda.conv": "ieee"}
+    assert "conv" in alike(get("a100"), "highest", "high", off)  # IEEE at both: alike too
+    # a CPU target's GRU runs aten GEMMs, which `medium` rounds to bf16: not alike there
+    assert "rnn" not in alike(get("cpu-amx"), "highest", "medium", cells)
+
+
+def _lstm() -> tf32lab.Workload:
+    class Encoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm = torch.nn.LSTM(6, 16, 2, batch_first=True)
+            self.conv = torch.nn.Conv1d(16, 16, 3)
+            self.head = torch.nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y, _ = self.lstm(x)
+            y = self.conv(y.transpose(1, 2) + 0.01 * torch.randn(1))  # a draw between the kept ops
+            return self.head(y.mean(-1))
+
+    torch.manual_seed(0)
+    return tf32lab.Workload(Encoder(), torch.randn(3, 20, 6), name="encoder")
+
+
+@pytest.mark.parametrize(("target", "levels"), [("a100", ("highest", "high")), ("h100", ("high", "highest")),
+                                               ("cpu-amx", ("highest", "medium"))])
+def test_check_rows_are_what_each_level_gives_measured_alone(target: str, levels: tuple[str, str]) -> None:
+    workload = _lstm()
+    both = tf32lab.check(workload, levels=levels, target=target, speed=False)
+    alone = tf32lab.check(workload, levels=levels[1:], target=target, speed=False)
+    high, solo = both.levels[1], alone.levels[0]
+    assert high.outputs == solo.outputs and high.coverage == solo.coverage
+    assert [(e.name, e.introduced, e.accumulated) for e in high.layers] == \
+        [(e.name, e.introduced, e.accumulated) for e in solo.layers]
+
+
+def test_check_hands_the_lstm_and_conv_to_the_second_row(monkeypatch) -> None:
+    taken = []
+    close = Handoff.close
+
+    def closing(self: Handoff) -> None:
+        taken.append(self.taken)
+        close(self)
+
+    monkeypatch.setattr(Handoff, "close", closing)
+    tf32lab.check(_lstm(), levels=("highest", "high"), speed=False)
+    assert max(taken) == 2  # aten::lstm and the convolution, not the Linear after them
