@@ -165,3 +165,26 @@ def test_check_hands_the_lstm_and_conv_to_the_second_row(monkeypatch) -> None:
     monkeypatch.setattr(Handoff, "close", closing)
     tf32lab.check(_lstm(), levels=("highest", "high"), speed=False)
     assert max(taken) == 2  # aten::lstm and the convolution, not the Linear after them
+
+
+class _McDropout(torch.nn.Module):
+    """Monte Carlo dropout: an LSTM's dropout between its layers, and one after it, on at inference."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = torch.nn.LSTM(4, 8, 2, dropout=0.5, batch_first=True)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.lstm.train()
+        y, _ = self.lstm(x)
+        return self.head(torch.nn.functional.dropout(y[:, -1], 0.5, training=True))
+
+
+def test_an_rnn_that_draws_is_not_handed_over() -> None:
+    # taken, the LSTM would not draw its dropout masks: the dropout after it would draw other ones
+    torch.manual_seed(0)
+    workload = tf32lab.Workload(_McDropout(), torch.randn(3, 6, 4), name="mc-dropout")
+    both = tf32lab.check(workload, levels=("highest", "high"), speed=False).levels[1]
+    alone = tf32lab.check(workload, levels=("high",), speed=False).levels[0]
+    assert both.outputs == alone.outputs and both.passed == alone.passed

@@ -10,7 +10,8 @@ its levels one after another: the first run keeps (:meth:`Handoff.record`) the r
 the next (:meth:`Handoff.replay`) takes them instead of computing them again, in the same order, each op checked
 against the one kept (its name, its operands' shapes and dtypes, its other arguments) and its coverage counted
 as the first run counted it. The first op that does not match, or whose family the two levels compute apart,
-ends the hand-off for the rest of the run.
+ends the hand-off for the rest of the run. So does an op that draws random numbers (an RNN's dropout between its
+layers, in train mode): taken, it would not draw, and every later draw of the run would be another.
 
 Only convolutions and RNNs are kept (``KEPT``): the ops whose math cuDNN's flags set, and the costly ones a level
 leaves alone. Other families computed alike are computed again (the same bits). What is kept is a copy (the model
@@ -78,6 +79,14 @@ def _signature(args: Any, kwargs: Any) -> tuple:
                          else type(v).__name__ for v in leaves))
 
 
+def _random_states(args: Any) -> list[torch.Tensor]:
+    """The states of the generators an op on ``args`` may draw from: the CPU's, and those of its CUDA devices."""
+    devices = {t.device.index if t.device.index is not None else torch.cuda.current_device()
+               for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.device.type == "cuda"}
+    return [torch.random.default_generator.get_state(),
+            *(torch.cuda.default_generators[d].get_state() for d in sorted(devices))]
+
+
 def _copied(result: Any) -> Any:
     leaves, spec = tree_flatten(result)
     return spec, [v.clone() if isinstance(v, torch.Tensor) else v for v in leaves]
@@ -130,6 +139,7 @@ class Handoff:
         if family not in KEPT:
             return compute()
         counted, missed = collections.Counter(coverage), collections.Counter(unhandled)
+        states = _random_states(args)
         self.depth += 1
         try:
             result = compute()
@@ -137,7 +147,9 @@ class Handoff:
             self.depth -= 1
         missed = unhandled - missed
         size = _nbytes(result)
-        if missed or self.bytes + size > self.budget:  # run natively (the level's own flags), or too much to keep
+        drew = any(not torch.equal(a, b) for a, b in zip(states, _random_states(args)))
+        # run natively (the level's own flags), drew (taken, it would not), or too much to keep
+        if missed or drew or self.bytes + size > self.budget:
             self.stop()
             return result
         self.bytes += size
