@@ -188,3 +188,19 @@ def test_an_rnn_that_draws_is_not_handed_over() -> None:
     both = tf32lab.check(workload, levels=("highest", "high"), speed=False).levels[1]
     alone = tf32lab.check(workload, levels=("high",), speed=False).levels[0]
     assert both.outputs == alone.outputs and both.passed == alone.passed
+
+
+def test_nothing_is_kept_for_a_level_whose_layers_only_are_rerun(monkeypatch) -> None:
+    # the policy's level is measured layer by layer, never run end to end: what was kept for it was held to the end
+    recorded = []
+    record = Handoff.record
+
+    def recording(self: Handoff) -> None:
+        recorded.append(self)
+        record(self)
+
+    monkeypatch.setattr(Handoff, "record", recording)
+    torch.manual_seed(0)
+    workload = tf32lab.Workload(ConvNet(), torch.randn(4, 3, 40), name="convnet")
+    report = tf32lab.check(workload, levels=("highest",), policy=tf32lab.Policy(default="high"), speed=False)
+    assert [row.level for row in report.levels] == ["highest", "policy"] and not recorded
