@@ -204,3 +204,31 @@ def test_nothing_is_kept_for_a_level_whose_layers_only_are_rerun(monkeypatch) ->
     workload = tf32lab.Workload(ConvNet(), torch.randn(4, 3, 40), name="convnet")
     report = tf32lab.check(workload, levels=("highest",), policy=tf32lab.Policy(default="high"), speed=False)
     assert [row.level for row in report.levels] == ["highest", "policy"] and not recorded
+
+
+class _Cells(torch.nn.Module):
+    """An RNN cell run step by step: aten::lstm_cell (the rnn family) breaks down into aten::linear, whose GEMMs a GPU
+    computes at the matmul level, not cuDNN's RNN flag."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.cell = getattr(torch.nn, kind)(6, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = None
+        for t in range(x.size(1)):
+            h = self.cell(x[:, t], h)
+        return h[0] if isinstance(h, tuple) else h
+
+
+@pytest.mark.parametrize("kind", ["LSTMCell", "GRUCell", "RNNCell"])
+def test_an_op_that_breaks_down_into_ops_the_levels_compute_apart_is_not_handed_over(kind: str) -> None:
+    torch.manual_seed(0)
+    model, x = _Cells(kind), torch.randn(3, 5, 6)
+    alone = _run(model, x, "high")
+    handoff = _handoff()
+    handoff.record()
+    _run(model, x, "highest", handoff)
+    handoff.replay()
+    second = _run(model, x, "high", handoff)
+    assert torch.equal(second[0], alone[0]) and second[1:] == alone[1:] and handoff.taken == 0

@@ -10,8 +10,10 @@ its levels one after another: the first run keeps (:meth:`Handoff.record`) the r
 the next (:meth:`Handoff.replay`) takes them instead of computing them again, in the same order, each op checked
 against the one kept (its name, its operands' shapes and dtypes, its other arguments) and its coverage counted
 as the first run counted it. The first op that does not match, or whose family the two levels compute apart,
-ends the hand-off for the rest of the run. So does an op that draws random numbers (an RNN's dropout between its
-layers, in train mode): taken, it would not draw, and every later draw of the run would be another.
+ends the hand-off for the rest of the run; so does one of a family computed alike that breaks down into ops of
+another (``aten::lstm_cell`` into ``aten::linear``, GEMMs at the matmul level), and one that draws random numbers
+(an RNN's dropout between its layers, in train mode): taken, it would not draw, and every later draw of the run
+would be another.
 
 Only convolutions and RNNs are kept (``KEPT``): the ops whose math cuDNN's flags set, and the costly ones a level
 leaves alone. Other families computed alike are computed again (the same bits). What is kept is a copy (the model
@@ -110,6 +112,7 @@ class Handoff:
         self.taken = 0  # ops the replaying run took
         self.bytes = 0
         self.depth = 0  # inside an op being recorded: its own ops are its own
+        self.parted = False  # the op being recorded ran an op of a family the levels compute apart
         self.thread: Optional[int] = None
 
     def record(self) -> None:
@@ -129,7 +132,10 @@ class Handoff:
             unhandled: collections.Counter, compute: Callable[[], Any]) -> Any:
         """``compute()``'s result for this call of ``op``: the one kept for it (replaying), or computed (and kept,
         recording); ``coverage`` and ``unhandled`` are the block's counters, which the call's counts go to."""
-        if self.state is None or self.depth or threading.get_ident() != self.thread:
+        if self.state is None or threading.get_ident() != self.thread:
+            return compute()
+        if self.depth:  # inside an op being recorded (an RNN cell broken down into aten::linear): kept only if alike
+            self.parted = self.parted or family not in self.alike
             return compute()
         if family not in self.alike:  # the levels part here: nothing after it is the same
             self.stop()
@@ -140,6 +146,7 @@ class Handoff:
             return compute()
         counted, missed = collections.Counter(coverage), collections.Counter(unhandled)
         states = _random_states(args)
+        self.parted = False
         self.depth += 1
         try:
             result = compute()
@@ -148,8 +155,9 @@ class Handoff:
         missed = unhandled - missed
         size = _nbytes(result)
         drew = any(not torch.equal(a, b) for a, b in zip(states, _random_states(args)))
-        # run natively (the level's own flags), drew (taken, it would not), or too much to keep
-        if missed or drew or self.bytes + size > self.budget:
+        # run natively (the level's own flags), broken down into ops the levels compute apart, drew (taken, it
+        # would not), or too much to keep
+        if missed or self.parted or drew or self.bytes + size > self.budget:
             self.stop()
             return result
         self.bytes += size
