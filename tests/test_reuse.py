@@ -232,3 +232,39 @@ def test_an_op_that_breaks_down_into_ops_the_levels_compute_apart_is_not_handed_
     handoff.replay()
     second = _run(model, x, "high", handoff)
     assert torch.equal(second[0], alone[0]) and second[1:] == alone[1:] and handoff.taken == 0
+
+
+class _Mixer(torch.nn.Module):
+    """A convolution, then in float32 a channel-mixing matmul (a fast path), at any other dtype the same sum written
+    out: the float64 reference sees a convolution only, a rerun in float32 a matmul too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 6, 3) / 4)
+        self.mix = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.conv1d(x, self.w).transpose(1, 2)
+        if y.dtype == torch.float32:
+            return y @ self.mix
+        return (y.unsqueeze(-1) * self.mix).sum(-2)
+
+
+def test_a_layer_is_rerun_where_its_rerun_met_a_family_the_levels_compute_apart(monkeypatch) -> None:
+    from tf32lab.measure.layers import Recorder
+
+    reruns: list[str] = []
+    rerun = Recorder._rerun
+
+    def counted(self: Recorder, name: str, *args, **kwargs):
+        reruns.append(name)
+        return rerun(self, name, *args, **kwargs)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv1d(6, 6, 1), torch.nn.Conv1d(6, 6, 1), _Mixer())
+    workload = tf32lab.Workload(model, torch.randn(3, 6, 20), name="mixer")
+    monkeypatch.setattr(Recorder, "_rerun", counted)
+    both = tf32lab.check(workload, levels=("highest", "high"), speed=False).levels[1]
+    assert sorted(reruns) == ["1", "2", "2"]  # the second convolution once for both levels, the mixer at each
+    alone = tf32lab.check(workload, levels=("high",), speed=False).levels[0]
+    assert {e.name: e.introduced for e in both.layers} == {e.name: e.introduced for e in alone.layers}

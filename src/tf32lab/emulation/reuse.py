@@ -108,12 +108,13 @@ class Handoff:
     def __init__(self, alike: frozenset[str], budget: int = BUDGET) -> None:
         self.alike, self.budget = frozenset(alike), budget
         self.kept: collections.deque[_Kept] = collections.deque()
-        self.state: Optional[str] = None  # "record", "replay" or None (nothing to do)
+        self.state: Optional[str] = None  # "record", "replay", "watch" or None (nothing to do)
         self.taken = 0  # ops the replaying run took
         self.bytes = 0
         self.depth = 0  # inside an op being recorded: its own ops are its own
         self.parted = False  # the op being recorded ran an op of a family the levels compute apart
         self.thread: Optional[int] = None
+        self.seen: set[str] = set()  # watching: the families of the ops the run computed, those inside ops too
 
     def record(self) -> None:
         """The next run keeps what it can (anything kept before is dropped: a run may be run again)."""
@@ -124,6 +125,13 @@ class Handoff:
         self.taken = 0
         self.state = "replay" if self.kept else None
 
+    def watch(self) -> None:
+        """The next run keeps nothing, and notes in ``seen`` the family of every op it computes (a layer's rerun:
+        another level computes it alike where every family it met is computed alike there, and it ran to its
+        end still watched, nothing done natively under the tracer or the level's own flags)."""
+        self.kept, self.bytes, self.seen = collections.deque(), 0, set()
+        self.state, self.thread = "watch", threading.get_ident()
+
     def close(self) -> None:
         """Nothing more is kept or taken; what was kept is freed."""
         self.kept, self.bytes, self.state = collections.deque(), 0, None
@@ -133,6 +141,9 @@ class Handoff:
         """``compute()``'s result for this call of ``op``: the one kept for it (replaying), or computed (and kept,
         recording); ``coverage`` and ``unhandled`` are the block's counters, which the call's counts go to."""
         if self.state is None or threading.get_ident() != self.thread:
+            return compute()
+        if self.state == "watch":
+            self.seen.add(family)
             return compute()
         if self.depth:  # inside an op being recorded (an RNN cell broken down into aten::linear): kept only if alike
             self.parted = self.parted or family not in self.alike
