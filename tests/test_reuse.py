@@ -268,3 +268,32 @@ def test_a_layer_is_rerun_where_its_rerun_met_a_family_the_levels_compute_apart(
     assert sorted(reruns) == ["1", "2", "2"]  # the second convolution once for both levels, the mixer at each
     alone = tf32lab.check(workload, levels=("high",), speed=False).levels[0]
     assert {e.name: e.introduced for e in both.layers} == {e.name: e.introduced for e in alone.layers}
+
+
+class _Nested(torch.nn.Module):
+    """The model's own emulate() block between two convolutions: its Linear runs at the level in force, unseen by the
+    block around the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Conv1d(6, 6, 3), torch.nn.Conv1d(6, 6, 3)
+        self.lin = torch.nn.Linear(18, 18)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        with tf32lab.emulate("a100"):
+            y = self.lin(y)
+        return self.b(y)
+
+
+def test_an_emulate_block_inside_the_model_ends_the_handoff() -> None:
+    torch.manual_seed(0)
+    model, x = _Nested(), torch.randn(3, 6, 20)
+    alone = _run(model, x, "high")
+    handoff = _handoff()
+    handoff.record()
+    _run(model, x, "highest", handoff)
+    assert len(handoff.kept) == 1  # the first convolution, not the one after the block
+    handoff.replay()
+    second = _run(model, x, "high", handoff)
+    assert torch.equal(second[0], alone[0]) and second[1:] == alone[1:]
