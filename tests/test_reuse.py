@@ -297,3 +297,31 @@ def test_an_emulate_block_inside_the_model_ends_the_handoff() -> None:
     handoff.replay()
     second = _run(model, x, "high", handoff)
     assert torch.equal(second[0], alone[0]) and second[1:] == alone[1:]
+
+
+class _Saliency(torch.nn.Module):
+    """The gradient of an LSTM's output with respect to its input, taken inside the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = torch.nn.LSTM(6, 8, 1, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode(False), torch.enable_grad():
+            x = x.clone().requires_grad_()
+            y, _ = self.lstm(x)
+            return torch.autograd.grad(y.square().sum(), x)[0]
+
+
+def test_a_result_in_an_autograd_graph_is_not_handed_over() -> None:
+    # taken, the LSTM's output would hang from the first run's graph, not from this run's input
+    torch.manual_seed(0)
+    model, x = _Saliency(), torch.randn(3, 5, 6)
+    alone = _run(model, x, "high")
+    handoff = _handoff()
+    handoff.record()
+    _run(model, x, "highest", handoff)
+    assert not handoff.kept
+    handoff.replay()
+    second = _run(model, x, "high", handoff)
+    assert torch.equal(second[0], alone[0]) and second[1:] == alone[1:]

@@ -13,7 +13,7 @@ as the first run counted it. The first op that does not match, or whose family t
 ends the hand-off for the rest of the run; so does one of a family computed alike that breaks down into ops of
 another (``aten::lstm_cell`` into ``aten::linear``, GEMMs at the matmul level), and one that draws random numbers
 (an RNN's dropout between its layers, in train mode): taken, it would not draw, and every later draw of the run
-would be another.
+would be another; and one whose result is in an autograd graph (a gradient taken inside the forward).
 
 Only convolutions and RNNs are kept (``KEPT``): the ops whose math cuDNN's flags set, and the costly ones a level
 leaves alone. Other families computed alike are computed again (the same bits). What is kept is a copy (the model
@@ -166,9 +166,12 @@ class Handoff:
         missed = unhandled - missed
         size = _nbytes(result)
         drew = any(not torch.equal(a, b) for a, b in zip(states, _random_states(args)))
+        # an RNN computed above autograd (the function mode): its result hangs from this run's graph, which a
+        # copy would hand the next run instead of its own (a gradient taken inside the forward)
+        graphed = any(isinstance(v, torch.Tensor) and v.requires_grad for v in tree_flatten(result)[0])
         # run natively (the level's own flags), broken down into ops the levels compute apart, drew (taken, it
-        # would not), or too much to keep
-        if missed or self.parted or drew or self.bytes + size > self.budget:
+        # would not), in a graph, or too much to keep
+        if missed or self.parted or drew or graphed or self.bytes + size > self.budget:
             self.stop()
             return result
         self.bytes += size
