@@ -126,9 +126,9 @@ class Handoff:
         self.state = "replay" if self.kept else None
 
     def watch(self) -> None:
-        """The next run keeps nothing, and notes in ``seen`` the family of every op it computes (a layer's rerun:
-        another level computes it alike where every family it met is computed alike there, and it ran to its
-        end still watched, nothing done natively under the tracer or the level's own flags)."""
+        """The next run keeps nothing, and notes in ``seen`` the family of every op it computes, those inside ops
+        too (a layer's rerun: another level computes it alike where every family it met is computed alike there
+        and nothing stopped the watch: the tracer, a jagged attention, an emulate() block of the model's own)."""
         self.kept, self.bytes, self.seen = collections.deque(), 0, set()
         self.state, self.thread = "watch", threading.get_ident()
 
