@@ -165,3 +165,163 @@ def test_check_hands_the_lstm_and_conv_to_the_second_row(monkeypatch) -> None:
     monkeypatch.setattr(Handoff, "close", closing)
     tf32lab.check(_lstm(), levels=("highest", "high"), speed=False)
     assert max(taken) == 2  # aten::lstm and the convolution, not the Linear after them
+
+
+class _McDropout(torch.nn.Module):
+    """Monte Carlo dropout: an LSTM's dropout between its layers, and one after it, on at inference."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = torch.nn.LSTM(4, 8, 2, dropout=0.5, batch_first=True)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.lstm.train()
+        y, _ = self.lstm(x)
+        return self.head(torch.nn.functional.dropout(y[:, -1], 0.5, training=True))
+
+
+def test_an_rnn_that_draws_is_not_handed_over() -> None:
+    # taken, the LSTM would not draw its dropout masks: the dropout after it would draw other ones
+    torch.manual_seed(0)
+    workload = tf32lab.Workload(_McDropout(), torch.randn(3, 6, 4), name="mc-dropout")
+    both = tf32lab.check(workload, levels=("highest", "high"), speed=False).levels[1]
+    alone = tf32lab.check(workload, levels=("high",), speed=False).levels[0]
+    assert both.outputs == alone.outputs and both.passed == alone.passed
+
+
+def test_nothing_is_kept_for_a_level_whose_layers_only_are_rerun(monkeypatch) -> None:
+    # the policy's level is measured layer by layer, never run end to end: what was kept for it was held to the end
+    recorded = []
+    record = Handoff.record
+
+    def recording(self: Handoff) -> None:
+        recorded.append(self)
+        record(self)
+
+    monkeypatch.setattr(Handoff, "record", recording)
+    torch.manual_seed(0)
+    workload = tf32lab.Workload(ConvNet(), torch.randn(4, 3, 40), name="convnet")
+    report = tf32lab.check(workload, levels=("highest",), policy=tf32lab.Policy(default="high"), speed=False)
+    assert [row.level for row in report.levels] == ["highest", "policy"] and not recorded
+
+
+class _Cells(torch.nn.Module):
+    """An RNN cell run step by step: aten::lstm_cell (the rnn family) breaks down into aten::linear, whose GEMMs a GPU
+    computes at the matmul level, not cuDNN's RNN flag."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.cell = getattr(torch.nn, kind)(6, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = None
+        for t in range(x.size(1)):
+            h = self.cell(x[:, t], h)
+        return h[0] if isinstance(h, tuple) else h
+
+
+@pytest.mark.parametrize("kind", ["LSTMCell", "GRUCell", "RNNCell"])
+def test_an_op_that_breaks_down_into_ops_the_levels_compute_apart_is_not_handed_over(kind: str) -> None:
+    torch.manual_seed(0)
+    model, x = _Cells(kind), torch.randn(3, 5, 6)
+    alone = _run(model, x, "high")
+    handoff = _handoff()
+    handoff.record()
+    _run(model, x, "highest", handoff)
+    handoff.replay()
+    second = _run(model, x, "high", handoff)
+    assert torch.equal(second[0], alone[0]) and second[1:] == alone[1:] and handoff.taken == 0
+
+
+class _Mixer(torch.nn.Module):
+    """A convolution, then in float32 a channel-mixing matmul (a fast path), at any other dtype the same sum written
+    out: the float64 reference sees a convolution only, a rerun in float32 a matmul too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 6, 3) / 4)
+        self.mix = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.conv1d(x, self.w).transpose(1, 2)
+        if y.dtype == torch.float32:
+            return y @ self.mix
+        return (y.unsqueeze(-1) * self.mix).sum(-2)
+
+
+def test_a_layer_is_rerun_where_its_rerun_met_a_family_the_levels_compute_apart(monkeypatch) -> None:
+    from tf32lab.measure.layers import Recorder
+
+    reruns: list[str] = []
+    rerun = Recorder._rerun
+
+    def counted(self: Recorder, name: str, *args, **kwargs):
+        reruns.append(name)
+        return rerun(self, name, *args, **kwargs)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv1d(6, 6, 1), torch.nn.Conv1d(6, 6, 1), _Mixer())
+    workload = tf32lab.Workload(model, torch.randn(3, 6, 20), name="mixer")
+    monkeypatch.setattr(Recorder, "_rerun", counted)
+    both = tf32lab.check(workload, levels=("highest", "high"), speed=False).levels[1]
+    assert sorted(reruns) == ["1", "2", "2"]  # the second convolution once for both levels, the mixer at each
+    alone = tf32lab.check(workload, levels=("high",), speed=False).levels[0]
+    assert {e.name: e.introduced for e in both.layers} == {e.name: e.introduced for e in alone.layers}
+
+
+class _Nested(torch.nn.Module):
+    """The model's own emulate() block between two convolutions: its Linear runs at the level in force, unseen by the
+    block around the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Conv1d(6, 6, 3), torch.nn.Conv1d(6, 6, 3)
+        self.lin = torch.nn.Linear(18, 18)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        with tf32lab.emulate("a100"):
+            y = self.lin(y)
+        return self.b(y)
+
+
+def test_an_emulate_block_inside_the_model_ends_the_handoff() -> None:
+    torch.manual_seed(0)
+    model, x = _Nested(), torch.randn(3, 6, 20)
+    alone = _run(model, x, "high")
+    handoff = _handoff()
+    handoff.record()
+    _run(model, x, "highest", handoff)
+    assert len(handoff.kept) == 1  # the first convolution, not the one after the block
+    handoff.replay()
+    second = _run(model, x, "high", handoff)
+    assert torch.equal(second[0], alone[0]) and second[1:] == alone[1:]
+
+
+class _Saliency(torch.nn.Module):
+    """The gradient of an LSTM's output with respect to its input, taken inside the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = torch.nn.LSTM(6, 8, 1, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode(False), torch.enable_grad():
+            x = x.clone().requires_grad_()
+            y, _ = self.lstm(x)
+            return torch.autograd.grad(y.square().sum(), x)[0]
+
+
+def test_a_result_in_an_autograd_graph_is_not_handed_over() -> None:
+    # taken, the LSTM's output would hang from the first run's graph, not from this run's input
+    torch.manual_seed(0)
+    model, x = _Saliency(), torch.randn(3, 5, 6)
+    alone = _run(model, x, "high")
+    handoff = _handoff()
+    handoff.record()
+    _run(model, x, "highest", handoff)
+    assert not handoff.kept
+    handoff.replay()
+    second = _run(model, x, "high", handoff)
+    assert torch.equal(second[0], alone[0]) and second[1:] == alone[1:]

@@ -1361,6 +1361,9 @@ class emulate(contextlib.ContextDecorator):
         except BaseException:
             _release_eager()
             raise
+        outer = scope.current_emulation()
+        if outer is not None and outer.emu.handoff is not None:  # its ops are this block's, unseen by the outer's
+            outer.emu.handoff.stop()
         entry = _Entry(self, modes)
         try:
             scope.enter_emulation(self, entry, _closed)

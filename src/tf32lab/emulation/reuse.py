@@ -10,7 +10,10 @@ its levels one after another: the first run keeps (:meth:`Handoff.record`) the r
 the next (:meth:`Handoff.replay`) takes them instead of computing them again, in the same order, each op checked
 against the one kept (its name, its operands' shapes and dtypes, its other arguments) and its coverage counted
 as the first run counted it. The first op that does not match, or whose family the two levels compute apart,
-ends the hand-off for the rest of the run.
+ends the hand-off for the rest of the run; so does one of a family computed alike that breaks down into ops of
+another (``aten::lstm_cell`` into ``aten::linear``, GEMMs at the matmul level), and one that draws random numbers
+(an RNN's dropout between its layers, in train mode): taken, it would not draw, and every later draw of the run
+would be another; and one whose result is in an autograd graph (a gradient taken inside the forward).
 
 Only convolutions and RNNs are kept (``KEPT``): the ops whose math cuDNN's flags set, and the costly ones a level
 leaves alone. Other families computed alike are computed again (the same bits). What is kept is a copy (the model
@@ -79,6 +82,14 @@ def _signature(args: Any, kwargs: Any) -> tuple:
                          else type(v).__name__ for v in leaves))
 
 
+def _random_states(args: Any) -> list[torch.Tensor]:
+    """The states of the generators an op on ``args`` may draw from: the CPU's, and those of its CUDA devices."""
+    devices = {t.device.index if t.device.index is not None else torch.cuda.current_device()
+               for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.device.type == "cuda"}
+    return [torch.random.default_generator.get_state(),
+            *(torch.cuda.default_generators[d].get_state() for d in sorted(devices))]
+
+
 def _copied(result: Any) -> Any:
     leaves, spec = tree_flatten(result)
     return spec, [v.clone() if isinstance(v, torch.Tensor) else v for v in leaves]
@@ -98,11 +109,13 @@ class Handoff:
     def __init__(self, alike: frozenset[str], budget: int = BUDGET) -> None:
         self.alike, self.budget = frozenset(alike), budget
         self.kept: collections.deque[_Kept] = collections.deque()
-        self.state: Optional[str] = None  # "record", "replay" or None (nothing to do)
+        self.state: Optional[str] = None  # "record", "replay", "watch" or None (nothing to do)
         self.taken = 0  # ops the replaying run took
         self.bytes = 0
         self.depth = 0  # inside an op being recorded: its own ops are its own
+        self.parted = False  # the op being recorded ran an op of a family the levels compute apart
         self.thread: Optional[int] = None
+        self.seen: set[str] = set()  # watching: the families of the ops the run computed, those inside ops too
 
     def record(self) -> None:
         """The next run keeps what it can (anything kept before is dropped: a run may be run again)."""
@@ -113,6 +126,13 @@ class Handoff:
         self.taken = 0
         self.state = "replay" if self.kept else None
 
+    def watch(self) -> None:
+        """The next run keeps nothing, and notes in ``seen`` the family of every op it computes, those inside ops
+        too (a layer's rerun: another level computes it alike where every family it met is computed alike there
+        and nothing stopped the watch: the tracer, a jagged attention, an emulate() block of the model's own)."""
+        self.kept, self.bytes, self.seen = collections.deque(), 0, set()
+        self.state, self.thread = "watch", threading.get_ident()
+
     def close(self) -> None:
         """Nothing more is kept or taken; what was kept is freed."""
         self.kept, self.bytes, self.state = collections.deque(), 0, None
@@ -121,7 +141,13 @@ class Handoff:
             unhandled: collections.Counter, compute: Callable[[], Any]) -> Any:
         """``compute()``'s result for this call of ``op``: the one kept for it (replaying), or computed (and kept,
         recording); ``coverage`` and ``unhandled`` are the block's counters, which the call's counts go to."""
-        if self.state is None or self.depth or threading.get_ident() != self.thread:
+        if self.state is None or threading.get_ident() != self.thread:
+            return compute()
+        if self.state == "watch":
+            self.seen.add(family)
+            return compute()
+        if self.depth:  # inside an op being recorded (an RNN cell broken down into aten::linear): kept only if alike
+            self.parted = self.parted or family not in self.alike
             return compute()
         if family not in self.alike:  # the levels part here: nothing after it is the same
             self.stop()
@@ -131,6 +157,8 @@ class Handoff:
         if family not in KEPT:
             return compute()
         counted, missed = collections.Counter(coverage), collections.Counter(unhandled)
+        states = _random_states(args)
+        self.parted = False
         self.depth += 1
         try:
             result = compute()
@@ -138,7 +166,13 @@ class Handoff:
             self.depth -= 1
         missed = unhandled - missed
         size = _nbytes(result)
-        if missed or self.bytes + size > self.budget:  # run natively (the level's own flags), or too much to keep
+        drew = any(not torch.equal(a, b) for a, b in zip(states, _random_states(args)))
+        # an RNN computed above autograd (the function mode): its result hangs from this run's graph, which a
+        # copy would hand the next run instead of its own (a gradient taken inside the forward)
+        graphed = any(isinstance(v, torch.Tensor) and v.requires_grad for v in tree_flatten(result)[0])
+        # run natively (the level's own flags), broken down into ops the levels compute apart, drew (taken, it
+        # would not), in a graph, or too much to keep
+        if missed or self.parted or drew or graphed or self.bytes + size > self.budget:
             self.stop()
             return result
         self.bytes += size

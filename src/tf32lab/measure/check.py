@@ -226,7 +226,7 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
     pins = {} if row is None else _pins(row, target, alike)
     with Progress(progress, steps=1 + runs) as bar, \
             Session(workload, measured, target, tolerances, speed=speed, bar=bar, accumulation=accumulation,
-                    ranks=ranks, pins=pins) as session:
+                    ranks=ranks, pins=pins, rows=[level for level in levels if alike[level] is None]) as session:
         results: dict[str, LevelResult] = {}
         for level in levels:
             same = alike[level]
@@ -292,10 +292,13 @@ class Session:
 
     def __init__(self, workload: Workload, measured: list[str], target: Target, tolerances: dict[str, float], *,
                  speed: bool = True, bar: Optional[Progress] = None, accumulation: Optional[str] = None,
-                 ranks: Optional[Ranks] = None, pins: Optional[dict[str, tuple[str, str]]] = None) -> None:
+                 ranks: Optional[Ranks] = None, pins: Optional[dict[str, tuple[str, str]]] = None,
+                 rows: Optional[Iterable[str]] = None) -> None:
         self.workload, self.target, self.tolerances = workload, target, tolerances
         self.ranks = ranks
         self.measured = list(measured)
+        # the measured levels :meth:`level` runs end to end (None: all); the others' layers are only rerun
+        self.rows = set(self.measured if rows is None else rows)
         self.bar = bar or Progress(False, 0)
         self.spill = SpillFile(min_bytes_from_env())
         self._recording = (workload.model, self.measured, target, self.spill, accumulation, ranks, pins)
@@ -474,7 +477,8 @@ class Session:
             handed[1].close()
         if not self.target.emulated or self.ranks is not None or level not in self.measured:
             return None, False
-        later = self.measured[self.measured.index(level) + 1:]
+        # a level whose layers only are rerun (a policy's, not a row) never takes what is kept
+        later = [other for other in self.measured[self.measured.index(level) + 1:] if other in self.rows]
         same = alike(self.target, level, later[0], context_cells()) if later and later[0] not in self.ran else None
         if not same or not KEPT & same:
             return None, False

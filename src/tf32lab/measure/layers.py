@@ -337,12 +337,14 @@ class Recorder:
             for mode in (*self.mode.modes, *self.quiet):
                 quiet.enter_context(modestack.lifted(mode))
             fed: Optional[tuple[Any, Any, list[Optional[int]]]] = None
-            done: list[tuple[str, float, Optional[str]]] = []  # the levels rerun so far: error, why
+            # the levels rerun so far: error, why, and the families the rerun computed (None: not all seen)
+            done: list[tuple[str, float, Optional[str], Optional[frozenset[str]]]] = []
             for level, conv in [(level, None) for level in self.levels] + ([pin] if pin and cudnn else []):
                 # a call whose own ops are all kept families the target computes alike at a level rerun before
-                # gives the same bits again (emulation.reuse): that level's error, not a second run
-                same = next((d for d in done if conv is None and frame.families <= KEPT & self._alike(d[0], level)),
-                            None)
+                # gives the same bits again (emulation.reuse): that level's error, not a second run. Its own ops
+                # in the reference and in that rerun both: float32 may take another path than float64 did
+                same = next((d for d in done if conv is None and d[3] is not None and
+                             frame.families | d[3] <= KEPT & self._alike(d[0], level)), None)
                 if same is not None:
                     self._worst(name, same[1], same[2], level)
                     continue
@@ -351,10 +353,14 @@ class Recorder:
                         inner = self._inner_outputs(frame)
                     made = map_tensors(_to_float32, frame.args), map_tensors(_to_float32, frame.kwargs)
                     fed = (*made, _versions((*made, list(inner.values()))))
+                # sharded: every rank reruns, for the collectives in the rerun and in its error's reduction
+                watch = Handoff(frozenset()) if conv is None and self.ranks is None and self.target.emulated \
+                    else None
                 error, why = self._rerun(name, module, frame, reference, norms, inner, pin, cudnn, streams, level,
-                                         conv, fed[0], fed[1])
+                                         conv, fed[0], fed[1], watch)
                 if conv is None:
-                    done.append((level, error, why))
+                    done.append((level, error, why, frozenset(watch.seen) if watch is not None and
+                                 watch.state == "watch" and watch.seen else None))
 
     def _alike(self, first: str, second: str) -> frozenset[str]:
         known = self.alike.get((first, second))
@@ -365,17 +371,19 @@ class Recorder:
 
     def _rerun(self, name: str, module: torch.nn.Module, frame: _Frame, reference: Any, norms: dict[str, float],
                inner: dict[torch.nn.Module, list[Any]], pin: Optional[tuple[str, str]], cudnn: bool,
-               streams: Optional[Streams], level: str, conv: Optional[str], args: Any, kwargs: Any
-               ) -> tuple[float, Optional[str]]:
+               streams: Optional[Streams], level: str, conv: Optional[str], args: Any, kwargs: Any,
+               watch: Optional[Handoff] = None) -> tuple[float, Optional[str]]:
         """One rerun of a layer's call at ``level`` (and cuDNN conv math ``conv``), fed ``args`` and ``kwargs``: its
-        error and why it has none."""
+        error and why it has none; ``watch``: notes the families the rerun computes (``Handoff.watch``)."""
         if streams is not None:  # a call that drew: each rerun draws what the reference's call drew
             streams.put(frame.state)
         self.rerunning = True
         try:
             with state_kept(module), _originals(self.swapped), _answering(inner), \
-                    level_context(level, self.target, self.accumulation, self.ranks is None), \
+                    level_context(level, self.target, self.accumulation, self.ranks is None, watch), \
                     conv_math(conv), torch.inference_mode():
+                if watch is not None:
+                    watch.watch()
                 output = module(*args, **kwargs)
             error = self._normwise(output, reference, norms, f"layer {name!r} run alone")
             why = None
