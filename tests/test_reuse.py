@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 
 import pytest
@@ -325,3 +326,16 @@ def test_a_result_in_an_autograd_graph_is_not_handed_over() -> None:
     handoff.replay()
     second = _run(model, x, "high", handoff)
     assert torch.equal(second[0], alone[0]) and second[1:] == alone[1:]
+
+
+def test_a_result_on_a_device_is_not_kept() -> None:
+    # a device's memory is the model's: a copy kept there could leave the next run short of it
+    handoff = Handoff(frozenset({"conv"}))
+    handoff.record()
+    handoff.run("aten::convolution", "conv", (), {}, collections.Counter(), collections.Counter(),
+                lambda: torch.empty(4, device="meta"))
+    assert not handoff.kept and handoff.state is None
+    handoff.record()
+    handoff.run("aten::convolution", "conv", (), {}, collections.Counter(), collections.Counter(),
+                lambda: torch.zeros(4))
+    assert len(handoff.kept) == 1

@@ -169,10 +169,14 @@ class Handoff:
         drew = any(not torch.equal(a, b) for a, b in zip(states, _random_states(args)))
         # an RNN computed above autograd (the function mode): its result hangs from this run's graph, which a
         # copy would hand the next run instead of its own (a gradient taken inside the forward)
-        graphed = any(isinstance(v, torch.Tensor) and v.requires_grad for v in tree_flatten(result)[0])
+        tensors = [v for v in tree_flatten(result)[0] if isinstance(v, torch.Tensor)]
+        graphed = any(v.requires_grad for v in tensors)
+        # a device's memory is the model's: a copy there could leave the next run short of it (an emulated CUDA
+        # run is quick anyway); a CPU's holds far more than the budget
+        elsewhere = any(v.device.type != "cpu" for v in tensors)
         # run natively (the level's own flags), broken down into ops the levels compute apart, drew (taken, it
-        # would not), in a graph, or too much to keep
-        if missed or self.parted or drew or graphed or self.bytes + size > self.budget:
+        # would not), in a graph, on a device, or too much to keep
+        if missed or self.parted or drew or graphed or elsewhere or self.bytes + size > self.budget:
             self.stop()
             return result
         self.bytes += size
