@@ -64,7 +64,7 @@ from tf32lab.measure.reference import widen
 from tf32lab.measure.scales import Formed
 from tf32lab.measure.sharded import Ranks, collective_failure, ranks_fail
 from tf32lab.measure.spill import SpillFile, min_bytes_from_env
-from tf32lab.measure.state import state_kept, stateful_note, written_note
+from tf32lab.measure.state import KeptInputs, inputs_note, state_kept, stateful_note, written_note
 from tf32lab.numbers import metrics
 from tf32lab.numbers.metrics import tolerances_of
 from tf32lab.numbers.origin import internal_error
@@ -328,6 +328,9 @@ class Session:
             made = materialised(workload.model, lambda model: workload.run(model), f"workload {workload.name!r}")
             self._lazy = [lazy_note(made)] if made else []
             self.reset = stack.enter_context(state_kept(workload.model))
+            # every run is given the inputs as they were, and the caller has them so again at the end
+            self.inputs_kept = KeptInputs(workload.inputs)
+            stack.callback(self.inputs_kept)
             self._reference()
             if self.threads.ops and not self.recorder.family_ops:  # a report of nothing would call it safe
                 raise Tf32LabError(self.threads.refusal(str(self.workload.name)))
@@ -430,17 +433,20 @@ class Session:
 
     def notes(self) -> list[str]:
         """What the report must say about the runs (after them: the model's state put back last included)."""
+        self.inputs_kept()  # the last run's writes into the inputs, if any: undone, and said
         found = [*self._lazy, *self.recorder.notes(), *self._draw_notes]
         threads = self.threads.note("not emulated, counted or measured by layer in any run (the float64 "
                                     "reference included), so their error is not in this report")
         found = [*found, threads] if threads else found
         stateful = [stateful_note(self.reset.changed)] if self.reset.changed else []
         stateful += [written_note(self.reset.written)] if self.reset.written else []
+        stateful += [inputs_note()] if self.inputs_kept.written else []
         return [*found, *stateful, *self.idle]
 
     def _fresh(self, what: str) -> Optional[Counting]:
         self.bar.step(what)
         self.reset()  # every run starts from the state the model had (a buffer it updates, an attribute it sets)
+        self.inputs_kept()  # and from the inputs it was given (a model that scales its input in place)
         release_buffers()  # the reruns' scratch sizes are not this run's: memory the peak need not hold
         self.streams.seeded()  # the draws of the reference, and of every other run
         self.runs += 1

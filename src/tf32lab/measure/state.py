@@ -60,10 +60,10 @@ import torch
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
-from tf32lab.numbers.trees import is_dataclass_instance
+from tf32lab.numbers.trees import is_dataclass_instance, named_tensors
 from tf32lab.report.conclusion import WRITES_PARAMETERS
 
-__all__ = ["KeptState", "state_kept", "stateful_note", "written_note"]
+__all__ = ["KeptInputs", "KeptState", "inputs_note", "state_kept", "stateful_note", "written_note"]
 
 # what nn.Module.__init__ sets: hooks, parameters, buffers, submodules, the training flag (eval_mode's)
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
@@ -100,6 +100,60 @@ class KeptState:
                 if name not in self.written:
                     self.written.append(name)
         return found
+
+
+class KeptInputs:
+    """A workload's input tensors as they were; calling it puts back any that a run wrote into (a model that
+    scales its input in place, ``x.mul_(2)``: each run saw the last one's result, every row failed for no
+    precision reason, and the caller's tensor was changed) and returns whether one had been. A copy of each is
+    kept: inputs are small beside a forward's activations, and one made under ``inference_mode`` has no version
+    counter to tell a write by.
+
+        >>> x = torch.ones(2)
+        >>> kept = KeptInputs((x,))
+        >>> _ = x.mul_(3)
+        >>> kept(), x.tolist()
+        (True, [1.0, 1.0])
+    """
+
+    def __init__(self, inputs: Any) -> None:
+        self._kept = [(t, t.detach().clone()) for t in _plain_tensors(inputs)]
+        self.written = False
+
+    def __call__(self) -> bool:
+        changed = False
+        with torch.no_grad():
+            for t, copy in self._kept:
+                if t.shape != copy.shape or t.dtype != copy.dtype or not _same_bits(t, copy):
+                    if t.shape != copy.shape:
+                        t.resize_(copy.shape)
+                    t.copy_(copy)
+                    changed = True
+        self.written = self.written or changed
+        return changed
+
+
+def _plain_tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for _, t in named_tensors(tree) if type(t) in (torch.Tensor, torch.nn.Parameter)
+            and t.layout == torch.strided and not t.is_meta and not t.is_nested]
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # by bits, not values: NaN is not equal to itself, and -0.0 is equal to 0.0
+    bits = _BITS.get(a.element_size())
+    if bits is None or a.dtype == torch.bool:
+        return torch.equal(a, b)
+    return torch.equal(a.detach().contiguous().view(bits), b.contiguous().view(bits))
+
+
+def inputs_note() -> str:
+    """What a report says of a model that wrote into its own inputs (:class:`KeptInputs`).
+
+    >>> inputs_note()[:46]
+    'the model writes into its inputs as it runs: e'
+    """
+    return ("the model writes into its inputs as it runs: each run was given them as they were before the check, "
+            "and they are so again now")
 
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an element's bits as an integer
