@@ -379,7 +379,7 @@ class Recorder:
             streams.put(frame.state)
         self.rerunning = True
         try:
-            with state_kept(module), _originals(self.swapped), _answering(inner), \
+            with state_kept(module, parameters=False), _originals(self.swapped), _answering(inner), \
                     level_context(level, self.target, self.accumulation, self.ranks is None, watch), \
                     conv_math(conv), torch.inference_mode():
                 if watch is not None:

@@ -78,13 +78,16 @@ class KeptState:
     """A model's state as it was (:func:`state_kept`); calling it puts the state back now and returns the names
     of what had changed (``"encoder.calls"``; a buffer by its name); ``changed``: every name that ever had."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, parameters: bool = True) -> None:
         self._kept = _kept(model)
         self.changed: list[str] = []
         # the parameters' values are not copied (that would double the model's memory): a write into one is seen
         # by its version counter or, where it went through ``.data`` (which has a counter of its own: an EMA's
-        # ``p.data.mul_(decay)``), by a digest of its bits; and said (``written``), not undone
-        parameters = [(name, p) for name, p in model.named_parameters() if not p.is_inference()]
+        # ``p.data.mul_(decay)``), by a digest of its bits; and said (``written``), not undone. Not watched where
+        # the caller says nothing of them (``parameters=False``: a layer's rerun, inside a check whose own
+        # KeptState over the whole model sees such a write at its next reset)
+        parameters = [(name, p) for name, p in model.named_parameters() if not p.is_inference()] if parameters \
+            else []
         self._versions = [(name, p, p._version, digest)
                           for (name, p), digest in zip(parameters, _digests([p for _, p in parameters]))]
         self.written: list[str] = []
@@ -197,10 +200,10 @@ def _digest(bits: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def state_kept(model: torch.nn.Module) -> Iterator[KeptState]:
+def state_kept(model: torch.nn.Module, parameters: bool = True) -> Iterator[KeptState]:
     """The model's buffers and data attributes as they were, put back on every exit; yields a
-    :class:`KeptState`, which puts them back when called."""
-    kept = KeptState(model)
+    :class:`KeptState`, which puts them back when called (``parameters``: writes into the parameters watched too)."""
+    kept = KeptState(model, parameters)
     try:
         yield kept
     finally:
