@@ -448,6 +448,12 @@ def test_tokens_after_float64s_end_of_text_are_not_compared(trained):
     assert now == tuple(None if step is None or step > end else step for step, end in zip(was, ends))
     assert any(step is not None and step > end for step, end in zip(was, ends))  # the finding, ended
     assert any("end-of-text token" in note for note in lines.notes)
+    # the logits' error too, step by step: the largest over the prompts whose text goes on there (over all of
+    # them, a step after every prompt's end gave the error of logits no user sees)
+    mine, every = lines.level("high").logit_errors, plain.level("high").logit_errors
+    assert mine[:min(ends)] == every[:min(ends)]
+    assert all(a <= b for a, b in zip(mine, every)) and all(e == 0.0 for e in mine[max(ends):])
+    assert mine != every
     data = json.loads(lines.to_json())
     jsonschema.validate(data, generation_schema())
     assert data["reference"]["ends"] == list(ends)

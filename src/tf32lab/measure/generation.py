@@ -520,11 +520,11 @@ class _Generation:
         for forced, reference, ids, ends in zip(run.step_logits, ref.step_logits, self.ref_ids, self.ref_ends):
             within = torch.arange(self.n, device=ends.device)[None, :] < ends[:, None]  # float64's text
             agree += int(((forced.argmax(-1) == ids) & within).sum())
-            for mine, theirs in zip(forced, reference):  # a prompt at a time: the temporaries of one [n, vocab]
-                wide = mine.double()
+            for mine, theirs, end in zip(forced, reference, ends.tolist()):  # a prompt at a time: one [n, vocab]
+                wide = mine[:end].double()  # float64's text: no step after its end-of-text token is a user's
                 # equal logits differ by 0: a vocabulary masked to -inf in both gave inf - inf = nan at every step
-                gap = torch.where(wide == theirs, torch.zeros_like(wide), (wide - theirs).abs())
-                errors = torch.maximum(errors, gap.amax(dim=1).cpu())
+                gap = torch.where(wide == theirs[:end], torch.zeros_like(wide), (wide - theirs[:end]).abs())
+                errors[:end] = torch.maximum(errors[:end], gap.amax(dim=1).cpu())
         loss = self._loss(run)
         change = loss - self._loss(ref)
         row = GenerationLevel(

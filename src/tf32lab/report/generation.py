@@ -143,7 +143,7 @@ class GenerationLevel:
     tokens: tuple[tuple[int, ...], ...]  # per prompt, the new tokens generated (up to the divergence, at least)
     divergence: tuple[Optional[int], ...]  # per prompt: the first new token (1-based) not float64's; None: never
     agreement: float  # teacher-forced: the share of steps whose top-1 token is float64's
-    logit_errors: tuple[float, ...]  # per step, teacher-forced: max |logit - float64's| over the prompts
+    logit_errors: tuple[float, ...]  # per step, teacher-forced: max |logit - float64's| over the prompts not ended
     loss: float  # mean token cross-entropy on the prompts' own text (nats)
     loss_change: float  # loss - float64's
     perplexity_change: float  # exp(loss_change) - 1
