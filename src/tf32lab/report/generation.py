@@ -75,10 +75,13 @@ class Criterion:
                 raise Tf32LabError(f"criterion {text!r}: divergence takes > or >= and a whole number of tokens; "
                                    f"accepted: {_FORMS}")
             k = int(value) - (op == ">=")
-            if not 0 <= k <= new_tokens:  # the range in the form given: divergence>=0 named a K of -1
+            # the range in the form given (divergence>=0 named a K of -1); K 0 is none: no step comes before the
+            # first, so divergence>0 passed every row that ran
+            if not 1 <= k <= new_tokens:
                 low = int(op == ">=")
-                raise Tf32LabError(f"criterion {text!r}: divergence{op}K takes K from {low} to {new_tokens + low} "
-                                   f"with {new_tokens} new tokens")
+                why = " (K 0 holds for any row: no step comes before the first)" if k == 0 else ""
+                raise Tf32LabError(f"criterion {text!r}: divergence{op}K takes K from {low + 1} to "
+                                   f"{new_tokens + low} with {new_tokens} new tokens{why}")
             return cls("divergence", k)
         if kind == "agreement":
             # ``>`` is not ``>=``: taken as ``>=``, agreement>1 passed a row of full agreement
