@@ -53,6 +53,18 @@ def _handoff() -> Handoff:
     return Handoff(alike(get("a100"), "highest", "high", tf32lab.emulation.emulator.context_cells()))
 
 
+def _handed(model: torch.nn.Module, x: torch.Tensor):
+    """``model`` at `high` alone, and at `high` after a `highest` run that recorded for it: (the hand-off, what
+    the first run kept, the run alone, the run that replayed)."""
+    alone = _run(model, x, "high")
+    handoff = _handoff()
+    handoff.record()
+    _run(model, x, "highest", handoff)
+    kept = len(handoff.kept)
+    handoff.replay()
+    return handoff, kept, alone, _run(model, x, "high", handoff)
+
+
 @pytest.mark.parametrize("inplace", [False, True])
 def test_the_second_run_takes_the_convolutions_and_gets_its_own_bits(inplace: bool) -> None:
     torch.manual_seed(0)
@@ -73,13 +85,8 @@ def test_the_second_run_takes_the_convolutions_and_gets_its_own_bits(inplace: bo
 
 def test_a_matmul_first_keeps_nothing() -> None:
     torch.manual_seed(0)
-    model, x = HeadFirst(), torch.randn(2, 3, 16)
-    handoff = _handoff()
-    handoff.record()
-    _run(model, x, "highest", handoff)
-    assert not handoff.kept
-    handoff.replay()
-    assert torch.equal(_run(model, x, "high", handoff)[0], _run(model, x, "high")[0]) and handoff.taken == 0
+    handoff, kept, alone, second = _handed(HeadFirst(), torch.randn(2, 3, 16))
+    assert kept == 0 and handoff.taken == 0 and torch.equal(second[0], alone[0])
 
 
 def test_a_call_that_is_not_the_one_kept_is_computed_and_ends_the_handoff() -> None:
@@ -225,13 +232,7 @@ class _Cells(torch.nn.Module):
 @pytest.mark.parametrize("kind", ["LSTMCell", "GRUCell", "RNNCell"])
 def test_an_op_that_breaks_down_into_ops_the_levels_compute_apart_is_not_handed_over(kind: str) -> None:
     torch.manual_seed(0)
-    model, x = _Cells(kind), torch.randn(3, 5, 6)
-    alone = _run(model, x, "high")
-    handoff = _handoff()
-    handoff.record()
-    _run(model, x, "highest", handoff)
-    handoff.replay()
-    second = _run(model, x, "high", handoff)
+    handoff, _, alone, second = _handed(_Cells(kind), torch.randn(3, 5, 6))
     assert torch.equal(second[0], alone[0]) and second[1:] == alone[1:] and handoff.taken == 0
 
 
@@ -289,14 +290,8 @@ class _Nested(torch.nn.Module):
 
 def test_an_emulate_block_inside_the_model_ends_the_handoff() -> None:
     torch.manual_seed(0)
-    model, x = _Nested(), torch.randn(3, 6, 20)
-    alone = _run(model, x, "high")
-    handoff = _handoff()
-    handoff.record()
-    _run(model, x, "highest", handoff)
-    assert len(handoff.kept) == 1  # the first convolution, not the one after the block
-    handoff.replay()
-    second = _run(model, x, "high", handoff)
+    _, kept, alone, second = _handed(_Nested(), torch.randn(3, 6, 20))
+    assert kept == 1  # the first convolution, not the one after the block
     assert torch.equal(second[0], alone[0]) and second[1:] == alone[1:]
 
 
@@ -317,14 +312,8 @@ class _Saliency(torch.nn.Module):
 def test_a_result_in_an_autograd_graph_is_not_handed_over() -> None:
     # taken, the LSTM's output would hang from the first run's graph, not from this run's input
     torch.manual_seed(0)
-    model, x = _Saliency(), torch.randn(3, 5, 6)
-    alone = _run(model, x, "high")
-    handoff = _handoff()
-    handoff.record()
-    _run(model, x, "highest", handoff)
-    assert not handoff.kept
-    handoff.replay()
-    second = _run(model, x, "high", handoff)
+    _, kept, alone, second = _handed(_Saliency(), torch.randn(3, 5, 6))
+    assert kept == 0
     assert torch.equal(second[0], alone[0]) and second[1:] == alone[1:]
 
 
