@@ -198,3 +198,30 @@ def test_rnns_on_a_cpu_target_are_stated_with_onednn_and_a_gru_at_the_level(kind
     assert "torch.backends.mkldnn.rnn.fp32_precision" in sentence and "cudnn" not in sentence, sentence
     native = tf32lab.check(workload, levels=("highest", "medium"), target="native")
     assert "cudnn" not in _sentence(native, "RNNs ran")  # this CPU's, whichever it is
+
+
+class _Both(nn.Module):
+    """An LSTM (oneDNN's kernel on a CPU) and then a GRU (aten GEMMs there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm, self.gru = nn.LSTM(16, 16, batch_first=True), nn.GRU(16, 16, batch_first=True)
+
+    def forward(self, x):
+        return self.gru(self.lstm(x)[0])[0]
+
+
+@pytest.mark.parametrize(("kind", "medium"), [(nn.GRU, "bf16-rne"), (nn.LSTM, "ieee"), (None, "ieee/bf16-rne")],
+                         ids=["gru", "lstm", "both"])
+def test_a_rows_rnn_math_is_the_one_its_rnns_ran_in(kind, medium):
+    # the level table said `rnn ieee` at 'medium' beside a note that the GRU ran bf16 there: the row's math was the
+    # rnn key's, which a CPU's GRU does not take
+    torch.manual_seed(0)
+    model = _Recurrent(kind).eval() if kind is not None else _Both().eval()
+    x = torch.randn(4, 20, 64 if kind is not None else 16)
+    report = tf32lab.check(tf32lab.Workload(model, x), levels=("highest", "medium"), target="cpu-amx", speed=False)
+    assert [row.maths["rnn"] for row in report.levels] == ["ieee", medium]
+    (rnn,) = report.cudnn
+    assert rnn.maths == {"highest": "ieee", "medium": medium}
+    if kind is None:
+        assert "IEEE float32 and bf16 at `medium`" in _sentence(report, "RNNs ran")

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from tf32lab.emulation import recurrent
 from tf32lab.errors import Tf32LabError
+from tf32lab.know.targets import rnn_key
 
 __all__ = ["RNN_FUNCTIONS", "RULES", "as_family", "forced_family", "no_tf32", "rnn_function", "rule",
            "tf32_is_off"]
@@ -853,14 +854,10 @@ def _is_packed(args) -> bool:
 
 
 def _rnn_key(call, mode: str, hx) -> str:
-    """The target key of an RNN's GEMMs. On a GPU cuDNN's RNN kernel runs them all (``rnn``); on a CPU only an LSTM
-    without projections has a oneDNN RNN kernel (aten RNN.cpp: ``lstm_mkldnn_stub``, under ``mkldnn.rnn``), while a
-    GRU, an Elman RNN or an LSTM with ``proj_size`` (whose h and c differ in size) runs as aten GEMMs under
-    ``mkldnn.matmul`` (bf16 at 'medium' on an AMX CPU, docs/gpu-results.md)."""
-    if call.emu.target.device != "cpu":
-        return "rnn"
+    """The target key of this RNN call's GEMMs (``know.targets.rnn_key``): an LSTM with ``proj_size`` is known
+    here by its states, whose h and c differ in size (docs/gpu-results.md)."""
     projected = mode == "lstm" and isinstance(hx, (list, tuple)) and len(hx) == 2 and hx[0].size(-1) != hx[1].size(-1)
-    return "matmul" if mode != "lstm" or projected else "rnn"
+    return rnn_key(call.emu.target.device, mode, projected)
 
 
 @rule(aten.lstm, aten.gru, aten.rnn_tanh, aten.rnn_relu)

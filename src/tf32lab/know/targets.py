@@ -30,7 +30,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Optional, Union
@@ -42,7 +42,7 @@ from tf32lab.numbers import accumulation_models as acc
 from tf32lab.numbers.accumulation_models import Accumulation
 
 __all__ = ["CELL_VALUES", "KEYS", "MATHS", "NATIVE", "TARGETS", "Entry", "Math", "Target", "check_value", "get",
-           "native", "speed_targets", "table"]
+           "native", "rnn_key", "rnn_math", "speed_targets", "table"]
 
 NATIVE = "native"  # the name of this machine's own hardware as a target: run, never emulated
 
@@ -244,6 +244,37 @@ _S_ONEDNN_MV = ("mv/addmv follow mkldnn.matmul (aten's CPU gemm tries oneDNN fir
                 "Rapids CPU for all but the smallest (docs/gpu-results.md); dot and addr measured IEEE there, so "
                 "emulating them in bf16 overstates their error")
 _S_CPU = "aten/src/ATen/Context.cpp: a CPU without reduced-precision units computes IEEE float32 at every level"
+
+
+def rnn_key(device: str, mode: str, projected: bool = False) -> str:
+    """The key whose math an RNN's GEMMs take on a target of ``device``: on a GPU cuDNN's RNN kernel runs them all
+    (``rnn``); on a CPU only an LSTM without projections has a kernel of its own (oneDNN's: aten RNN.cpp,
+    ``lstm_mkldnn_stub``, under ``mkldnn.rnn``), while a GRU, an Elman RNN or an LSTM with ``proj_size`` runs as
+    aten GEMMs under ``mkldnn.matmul`` (``matmul``: bf16 at `medium` on an AMX CPU). ``mode``: ``lstm``, ``gru``,
+    ``rnn_tanh`` or ``rnn_relu``, or an op's name (``aten::gru.input``). The emulator's one answer, which the
+    reports read too.
+
+    >>> rnn_key("cuda", "gru"), rnn_key("cpu", "aten::lstm.input"), rnn_key("cpu", "gru")
+    ('rnn', 'rnn', 'matmul')
+    """
+    mode = mode.split("::")[-1].split(".")[0]
+    if device != "cpu":
+        return "rnn"
+    return "matmul" if mode != "lstm" or projected else "rnn"
+
+
+def rnn_math(maths: Mapping[str, str], device: str, rnn_ops: Iterable[str]) -> Optional[str]:
+    """The math the RNNs ``rnn_ops`` (op names) ran in, from a level's ``maths`` (:meth:`Target.maths_at`): one
+    math, or the LSTMs' and the others' joined by ``/`` where a CPU target gives them two (an LSTM IEEE at
+    `medium`, a GRU bf16); None where no RNN ran. An LSTM with ``proj_size`` is known by its call, not its name:
+    here it counts as an LSTM.
+
+    >>> rnn_math({"rnn": "ieee", "matmul": "bf16-rne"}, "cpu", ["aten::lstm.input", "aten::gru.input"])
+    'ieee/bf16-rne'
+    """
+    keys = sorted({rnn_key(device, op) for op in rnn_ops}, key=("rnn", "matmul").index)
+    found = list(dict.fromkeys(maths[k] for k in keys if k in maths))
+    return "/".join(found) if found else None
 
 
 def check_value(target: Target, cell: str, value: str) -> None:

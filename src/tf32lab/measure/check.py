@@ -46,7 +46,7 @@ from tf32lab.emulation.emulator import check_accumulation, context_cells, releas
 from tf32lab.emulation.reuse import KEPT, Handoff, alike
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels, with_conv
-from tf32lab.know.targets import Target
+from tf32lab.know.targets import Target, rnn_math
 from tf32lab.machine.distributed import agree, policy_digest
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure import sharded
@@ -637,6 +637,9 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
             applied as handle:
         level_maths = {} if emu is None else (
             policy_maths(row, target, cells) if row else target.maths_at(level, cells))
+        ran = rnn_math(level_maths, target.device, recorder.rnn_ops) if level_maths else None
+        if ran is not None:  # on a CPU target a GRU runs in the matmul's math, not the rnn key's
+            level_maths = {**level_maths, "rnn": ran}
         try:
             with accumulated, (counting or contextlib.nullcontext()), torch.inference_mode():
                 out = workload.run()

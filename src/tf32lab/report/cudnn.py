@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from tf32lab.know.levels import ALL_LEVELS
-from tf32lab.know.targets import NATIVE, TARGETS
+from tf32lab.know.targets import NATIVE, TARGETS, rnn_math
 
 if TYPE_CHECKING:
     from tf32lab.know.targets import Target
@@ -83,18 +83,15 @@ def families(ops: Mapping[str, int], rows: Sequence[LevelResult], target: Target
     the level), ``cells``: the flag cells in force for the run, ``speed``: the report's predicted ``SpeedReport``,
     ``rnn_ops``: the RNN ops that ran, by name (on a CPU a GRU or Elman RNN runs as GEMMs, in the matmul math)."""
     found = []
-    # on a CPU only an LSTM has an RNN kernel of its own (oneDNN's); a GRU or an Elman RNN runs as aten GEMMs,
-    # under the matmul flag and so the level (tf32lab.emulation.rules._rnn_key, docs/gpu-results.md)
-    as_gemms = target.device == "cpu" and any("lstm" not in name for name in rnn_ops)
     for family in CUDNN_FAMILIES:
         if not ops.get(family):
             continue
         maths, shares = {}, {}
-        key = "matmul" if family == "rnn" and as_gemms else family
         for lv in rows:
-            m = lv.maths.get(key)
+            m = lv.maths.get(family)  # an RNN's as it ran (know.targets.rnn_math: a CPU's GRU in the matmul's)
             if m is None and lv.level in ALL_LEVELS:  # native: run for real, the table says what the level computes
-                m = target.maths_at(lv.level, cells).get(key)
+                table = target.maths_at(lv.level, cells)
+                m = rnn_math(table, target.device, rnn_ops) if family == "rnn" and rnn_ops else table.get(family)
             if m is not None:
                 maths[lv.level] = m
             share = _share(speed, lv.level, family)
@@ -116,7 +113,8 @@ def _share(speed: Any, level: str, family: str) -> Optional[float]:
 
 
 def _word(math_name: str) -> str:
-    return _WORDS.get(math_name.split("-")[0], math_name)
+    # "ieee/bf16-rne": a CPU's LSTMs' math and its GRUs' (know.targets.rnn_math)
+    return " and ".join(_WORDS.get(m.split("-")[0], m) for m in math_name.split("/"))
 
 
 def _rows(names: Sequence[str]) -> str:
