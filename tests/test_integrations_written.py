@@ -127,3 +127,33 @@ def test_a_page_that_cannot_be_rendered_leaves_the_json_synced_with_its_folder(r
         assert written.wait() == []
     assert synced == ["file", "folder"]
     assert (tmp_path / "tf32lab-training.json").read_text(encoding="utf-8") == report.to_json()
+
+
+def test_the_run_goes_on_while_the_writer_renders(report, tmp_path, monkeypatch):
+    # Thread.start() waits until the thread has started; a writer that then rendered in Python held the GIL until
+    # the interpreter's switch interval made it let go (5 ms by default, a twentieth of a small model's check)
+    import sys
+    import threading
+    import time
+
+    to_dict = TrainingReport.to_dict
+    rendering = threading.Event()
+
+    def slow(self):  # Python that holds the GIL, as a large report's rendering does
+        rendering.set()
+        deadline = time.perf_counter() + 0.3
+        while time.perf_counter() < deadline:
+            pass
+        return to_dict(self)
+
+    monkeypatch.setattr(TrainingReport, "to_dict", slow)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)  # a writer that keeps the GIL keeps it for a second
+    try:
+        started = time.perf_counter()
+        written = Written(report, str(tmp_path))
+        returned = time.perf_counter() - started
+        assert written.wait()
+    finally:
+        sys.setswitchinterval(interval)
+    assert rendering.is_set() and returned < 0.25, returned

@@ -549,7 +549,13 @@ class Written:
 
         self.paths = [path / "tf32lab-training.json", path / "tf32lab-training.html"]
 
+        # Thread.start() waits until the thread has started: a thread that went on to render in Python held the
+        # GIL until the switch interval made it let go (5 ms: 4-5% of a small model's check) before start()
+        # returned. It waits, without the GIL, until start() has returned.
+        go = threading.Event()
+
         def write() -> None:
+            go.wait()
             try:
                 data = report.to_dict()  # made once, for both texts; finite already (write_json's walk, not again)
                 # both renamed, then their folder flushed once (a flush is a journal commit: milliseconds); flushed
@@ -565,6 +571,7 @@ class Written:
         # not a daemon: a run that ends without waiting (an error in its loop) still gets whole files
         self._thread = threading.Thread(target=write, name="tf32lab-report-writer")
         self._thread.start()
+        go.set()
 
     def wait(self) -> list[Path]:
         """The paths written, once both files are on disk; none, with a warning naming the error, when the
