@@ -266,7 +266,8 @@ def test_a_row_that_raises_is_a_finding(trained):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return cli_runner.run("check", *args, timeout=300)
+    # forked from a server that has imported transformers, as a run of an hf: folder imports it
+    return cli_runner.run("check", *args, timeout=300, preload=cli_runner.HF)
 
 
 def test_cli_generate_writes_each_levels_divergence_and_agreement(gpt2_folder, tmp_path):

@@ -159,7 +159,8 @@ def folders(tmp_path_factory):
 
 
 def _cli(*args):
-    return cli_runner.run("check", *args, timeout=300)
+    # forked from a server that has imported transformers, as every run here imports it
+    return cli_runner.run("check", *args, timeout=300, preload=cli_runner.HF)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
