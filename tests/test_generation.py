@@ -29,6 +29,8 @@ from tf32lab.report.generation import Criterion, generation_schema
 from tf32lab.workloads import samples
 from tf32lab.workloads.hf import CausalLM
 
+pytestmark = pytest.mark.xdist_group("hf_cli")  # with test_hf_folders.py: one server that imported transformers
+
 TEXT = "\n".join(samples.SENTENCES) + "\n"
 CHARS = sorted(set(TEXT))
 STEPS = 300

@@ -20,6 +20,7 @@ from tf32lab.errors import Tf32LabError
 from tf32lab.workloads import hf
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.xdist_group("hf_cli")  # with test_hf_folders.py: one server that imported transformers
 
 _POSITIONS = 32  # a short table: a prompt past it is a few dozen tokens
 
