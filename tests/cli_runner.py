@@ -261,13 +261,17 @@ class _Server:
 # -- the server ------------------------------------------------------------------------------------------------------
 def _serve(fd: int, preload: tuple[str, ...] = ()) -> None:
     import importlib
+    import importlib.util
 
     start = time.process_time()
     said = (io.StringIO(), io.StringIO())  # what the imports print, each child prints again (as a fresh one would)
     before = dict(os.environ)
     with contextlib.redirect_stdout(said[0]), contextlib.redirect_stderr(said[1]):
-        for name in (*_PRELOAD, *preload):  # imports only: no torch operation may run before a fork
+        for name in _PRELOAD:  # imports only: no torch operation may run before a fork
             importlib.import_module(name)
+        for name in preload:  # those installed (the test extra alone has transformers, not sentence-transformers)
+            if importlib.util.find_spec(name.split(".")[0]) is not None:
+                importlib.import_module(name)
     # what the imports set in the environment (sentence-transformers' KMP_*, Inductor's TORCHINDUCTOR_CACHE_DIR),
     # each child sets again where its own environment lacks it, as a fresh interpreter's imports would
     set_by_imports = {k: v for k, v in os.environ.items() if k not in before}
