@@ -268,8 +268,8 @@ def test_a_row_that_raises_is_a_finding(trained):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    # forked from a server that has imported transformers, as a run of an hf: folder imports it
-    return cli_runner.run("check", *args, timeout=300, preload=cli_runner.HF)
+    # a run of an hf: folder forks from a server that has imported transformers, as the run imports it
+    return cli_runner.run("check", *args, timeout=300, preload=cli_runner.HF if args[0].startswith("hf:") else ())
 
 
 def test_cli_generate_writes_each_levels_divergence_and_agreement(gpt2_folder, tmp_path):
