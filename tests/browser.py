@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import queue
 import shutil
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -31,15 +34,75 @@ class Visit:
     measured: Any = None  # what the caller's script found in the laid-out page (element boxes, say)
 
 
+class _Chromium:
+    """One headless Chromium for this process (its launch costs 1.5 CPU seconds; a page in a fresh context of a
+    running one, 0.6), driven from a thread of its own: Playwright's sync API leaves an asyncio loop running in the
+    thread that started it, and ``asyncio.run()`` in a later test of that thread raised "cannot be called from a
+    running event loop"."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._serve, name="chromium", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        try:
+            with sync_playwright() as p:
+                browser = p.chromium.launch(executable_path=chromium(), args=ARGS)
+                try:
+                    while (job := self.jobs.get()) is not None:
+                        work, answer = job
+                        if not browser.is_connected():  # it crashed or was closed: a new one for this page
+                            browser = p.chromium.launch(executable_path=chromium(), args=ARGS)
+                        try:
+                            answer.put((True, work(browser)))
+                        except BaseException as exc:  # the visit's own failure, raised in the test
+                            answer.put((False, exc))
+                finally:
+                    browser.close()
+        except BaseException as exc:  # Chromium did not start: every visit says why
+            while (job := self.jobs.get()) is not None:
+                job[1].put((False, exc))
+
+    def run(self, work: Callable[[Any], Any], timeout: float = 300) -> Any:
+        answer: queue.Queue = queue.Queue(maxsize=1)
+        self.jobs.put((work, answer))
+        try:
+            ok, value = answer.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"Chromium did not answer within {timeout} s") from None
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(60)
+
+
+_chromium: Optional[_Chromium] = None
+
+
+def close() -> None:
+    """Close this process's Chromium (the suite's conftest, at the end of the session)."""
+    global _chromium
+    if _chromium is not None:
+        _chromium.close()
+        _chromium = None
+
+
 def visit(page_file: Path, screenshot: Path, measure: Optional[str] = None) -> Visit:
-    """Open ``page_file`` as a reader would; ``measure``: a JavaScript function (``() => ...``) run in the page
-    once it has loaded, its JSON-able result kept as ``measured``."""
+    """Open ``page_file`` as a reader would, in a fresh browser context (nothing kept from another page);
+    ``measure``: a JavaScript function (``() => ...``) run in the page once it has loaded, its JSON-able result kept
+    as ``measured``."""
+    global _chromium
     seen = Visit()
     url = page_file.resolve().as_uri()
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium(), args=ARGS)
+
+    def open_page(browser: Any) -> Visit:
+        context = browser.new_context(viewport={"width": 1200, "height": 900})
         try:
-            page = browser.new_page(viewport={"width": 1200, "height": 900})
+            page = context.new_page()
             page.on("console", lambda m: seen.console_errors.append(m.text) if m.type == "error" else None)
             page.on("pageerror", lambda e: seen.console_errors.append(str(e)))
             page.on("dialog", lambda d: (seen.dialogs.append(d.message), d.dismiss()))
@@ -52,5 +115,9 @@ def visit(page_file: Path, screenshot: Path, measure: Optional[str] = None) -> V
             if measure is not None:
                 seen.measured = page.evaluate(measure)
         finally:
-            browser.close()
-    return seen
+            context.close()
+        return seen
+
+    if _chromium is None or not _chromium.thread.is_alive():
+        _chromium = _Chromium()
+    return _chromium.run(open_page)

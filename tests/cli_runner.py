@@ -52,9 +52,13 @@ _READ_AT_START = re.compile(r"^(PYTHON(?!PATH$)|TORCH|PYTORCH|OMP_|KMP_|GOMP_|MK
 _PRELOAD = ("torch", "numpy", "tf32lab", "tf32lab.cli", "rich.console", "jinja2", "tf32lab.workloads.specs",
             "tf32lab.measure.check", "tf32lab.measure.training", "tf32lab.report.text", "tf32lab.report.html",
             "tf32lab.report.training", "tf32lab.report.tune_html", "tf32lab.decide.tune", "tf32lab.machine.doctor")
+# what a run of an ``hf:`` folder or of all-MiniLM-L6-v2 imports beyond the above (``run(preload=HF)``): transformers
+# (with Dynamo and Inductor) costs about 4.5 CPU seconds a process, sentence-transformers 0.9 more; a server of its own
+# imports them once, the default one never (tests check that a run imports neither)
+HF = ("transformers", "transformers.modeling_utils", "sentence_transformers")
 CLOSED = "closed"  # a run's stdout or stderr closed, as `>&-` leaves it
 
-_server: _Server | None = None
+_servers: dict[tuple[str, ...], _Server] = {}
 _forked_cpu = 0.0
 
 
@@ -65,12 +69,16 @@ def forked_cpu_seconds() -> float:
 
 def run(*args: str, cwd: str | Path | None = None, env: dict[str, str] | None = None, timeout: float = 300,
         module: str = "tf32lab", fresh: bool = False, input: str | None = None, stdout: Any = None,
-        stderr: Any = None, server: _Server | None = None) -> subprocess.CompletedProcess:
+        stderr: Any = None, server: _Server | None = None,
+        preload: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """``python -m <module> <args>`` in ``cwd`` with ``env`` (default: this process's), its output as text.
 
     ``stdout``/``stderr``: None (captured), an open file or a file descriptor (the child writes to it; not
     captured), or :data:`CLOSED`.
-    ``server``: one from :func:`server`, which runs every run it is given (never a fresh interpreter instead)."""
+    ``server``: one from :func:`server`, which runs every run it is given (never a fresh interpreter instead).
+    ``preload``: modules the run would import anyway (:data:`HF`), imported once by a server of this worker's that
+    has imported them besides the default's: for runs that mean to import them, never for one that checks what a
+    run imports."""
     cmd = [sys.executable, "-m", module, *args]
     env = dict(os.environ if env is None else env)
     where = str(Path(cwd or os.getcwd()).resolve())
@@ -78,7 +86,7 @@ def run(*args: str, cwd: str | Path | None = None, env: dict[str, str] | None = 
         if fresh or not server.can_run(env, where):
             raise ValueError("this server cannot run that: its child would not be what a fresh interpreter runs")
         return server.run(cmd, module, list(args), where, env, timeout, input, stdout, stderr)
-    server = None if fresh else _the_server()
+    server = None if fresh else _the_server(preload)
     if server is None or not server.can_run(env, where):
         closed = [fd for fd, stream in ((1, stdout), (2, stderr)) if stream is CLOSED]
         pipe = [subprocess.PIPE if stream is None else None if stream is CLOSED else stream
@@ -99,28 +107,28 @@ def server(wrapper: list[str]) -> Iterator[_Server]:
         own.close()
 
 
-def _the_server() -> _Server | None:
-    """This process's server, started anew where this process's environment has changed since in a variable read
-    at start-up: importing sentence-transformers sets ``KMP_DUPLICATE_LIB_OK``, ``KMP_INIT_AT_FORK`` and
-    ``TORCHINDUCTOR_CACHE_DIR``, and a worker that imported it after its server started sent every later run to a
-    fresh interpreter (a suite's CPU time nearly doubled)."""
-    global _server
-    if _server is not None and _server.alive() and not _server.can_run(dict(os.environ), _server.cwd):
-        _server.close()
-        _server = None
-    if _server is None or not _server.alive():
-        _server = _Server()
-    return _server
+def _the_server(preload: tuple[str, ...] = ()) -> _Server | None:
+    """This process's server (of those ``preload`` modules), started anew where this process's environment has
+    changed since in a variable read at start-up: importing sentence-transformers sets ``KMP_DUPLICATE_LIB_OK``,
+    ``KMP_INIT_AT_FORK`` and ``TORCHINDUCTOR_CACHE_DIR``, and a worker that imported it after its server started
+    sent every later run to a fresh interpreter (a suite's CPU time nearly doubled)."""
+    found = _servers.get(preload)
+    if found is not None and found.alive() and not found.can_run(dict(os.environ), found.cwd):
+        found.close()
+        found = None
+    if found is None or not found.alive():
+        found = _servers[preload] = _Server(preload=preload)
+    return found
 
 
 class _Server:
-    def __init__(self, wrapper: list[str] | tuple[str, ...] = ()) -> None:
+    def __init__(self, wrapper: list[str] | tuple[str, ...] = (), preload: tuple[str, ...] = ()) -> None:
         global _forked_cpu
         self.env = dict(os.environ)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (the server's output while it lives)
         self.cwd = os.path.dirname(os.path.abspath(__file__))
-        self.process = subprocess.Popen([*wrapper, sys.executable, __file__, str(theirs.fileno())],
+        self.process = subprocess.Popen([*wrapper, sys.executable, __file__, str(theirs.fileno()), *preload],
                                         pass_fds=[theirs.fileno()], cwd=self.cwd,
                                         stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, env=self.env)
         theirs.close()
@@ -133,6 +141,7 @@ class _Server:
         hello = json.loads(hello)
         self.sys_path, self.origins = hello["sys_path"], hello["origins"]
         self.imported: dict[str, str] = hello["imported"]  # top-level modules the server imported: their files
+        self.set_by_imports: dict[str, str] = hello["set_by_imports"]  # each child sets them where it lacks them
         _forked_cpu += hello["cpu"]
 
     def alive(self) -> bool:
@@ -165,7 +174,10 @@ class _Server:
 
     def can_run(self, env: dict[str, str], cwd: str) -> bool:
         keys = {k for k in (*env, *self.env) if _READ_AT_START.match(k)}
-        if any(env.get(k) != self.env.get(k) for k in keys):
+        # a variable the preloaded imports set is, in a fresh interpreter, set by the same imports where the
+        # environment lacks it: a worker that has since imported sentence-transformers itself (KMP_*) still forks
+        implied = self.set_by_imports
+        if any(env.get(k, implied.get(k)) != self.env.get(k, implied.get(k)) for k in keys):
             return False
         if self._shadowed(self.first_path(env, cwd)):
             return False
@@ -247,20 +259,28 @@ class _Server:
 
 
 # -- the server ------------------------------------------------------------------------------------------------------
-def _serve(fd: int) -> None:
+def _serve(fd: int, preload: tuple[str, ...] = ()) -> None:
     import importlib
+    import importlib.util
 
     start = time.process_time()
     said = (io.StringIO(), io.StringIO())  # what the imports print, each child prints again (as a fresh one would)
+    before = dict(os.environ)
     with contextlib.redirect_stdout(said[0]), contextlib.redirect_stderr(said[1]):
         for name in _PRELOAD:  # imports only: no torch operation may run before a fork
             importlib.import_module(name)
+        for name in preload:  # those installed (the test extra alone has transformers, not sentence-transformers)
+            if importlib.util.find_spec(name.split(".")[0]) is not None:
+                importlib.import_module(name)
+    # what the imports set in the environment (sentence-transformers' KMP_*, Inductor's TORCHINDUCTOR_CACHE_DIR),
+    # each child sets again where its own environment lacks it, as a fresh interpreter's imports would
+    set_by_imports = {k: v for k, v in os.environ.items() if k not in before}
     sock = socket.socket(fileno=fd)
     origins = {name: sys.modules[name].__spec__.origin for name in ("torch", "tf32lab")}
     imported = {name: m.__spec__.origin for name, m in list(sys.modules.items())
                 if "." not in name and getattr(m, "__file__", None) and getattr(m, "__spec__", None)}
     sock.send(json.dumps({"sys_path": sys.path, "origins": origins, "imported": imported,
-                          "cpu": time.process_time() - start}).encode())
+                          "set_by_imports": set_by_imports, "cpu": time.process_time() - start}).encode())
     while True:
         try:
             message, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
@@ -271,7 +291,8 @@ def _serve(fd: int) -> None:
         pid = os.fork()
         if pid == 0:
             sock.close()
-            _child(json.loads(message), fds, said=(said[0].getvalue(), said[1].getvalue()))
+            _child(json.loads(message), fds, said=(said[0].getvalue(), said[1].getvalue()),
+                   set_by_imports=set_by_imports)
         for child_fd in fds:
             os.close(child_fd)
         sock.send(json.dumps({"pid": pid}).encode())
@@ -283,7 +304,7 @@ def _returncode(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def _child(request: dict, fds: list[int], said: tuple[str, str]) -> None:
+def _child(request: dict, fds: list[int], said: tuple[str, str], set_by_imports: dict[str, str] | None = None) -> None:
     """Become ``python -m <module> <argv>``: never returns."""
     import atexit
     import random
@@ -302,6 +323,8 @@ def _child(request: dict, fds: list[int], said: tuple[str, str]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        for key, value in (set_by_imports or {}).items():
+            os.environ.setdefault(key, value)
         sys.path[:] = request["path"]
         # the streams a fresh interpreter would open on fds 0-2, open until the child ends
         sys.stdin = sys.__stdin__ = open(0, closefd=False, encoding=sys.stdin.encoding, errors=sys.stdin.errors)  # noqa: SIM115
@@ -385,4 +408,4 @@ def _flush() -> bool:
 
 
 if __name__ == "__main__":
-    _serve(int(sys.argv[1]))
+    _serve(int(sys.argv[1]), tuple(sys.argv[2:]))

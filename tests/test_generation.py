@@ -29,6 +29,8 @@ from tf32lab.report.generation import Criterion, generation_schema
 from tf32lab.workloads import samples
 from tf32lab.workloads.hf import CausalLM
 
+pytestmark = pytest.mark.xdist_group("hf_cli")  # with test_hf_folders.py: one server that imported transformers
+
 TEXT = "\n".join(samples.SENTENCES) + "\n"
 CHARS = sorted(set(TEXT))
 STEPS = 300
@@ -267,7 +269,8 @@ def test_a_row_that_raises_is_a_finding(trained):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return cli_runner.run("check", *args, timeout=300)
+    # a run of an hf: folder forks from a server that has imported transformers, as the run imports it
+    return cli_runner.run("check", *args, timeout=300, preload=cli_runner.HF if args[0].startswith("hf:") else ())
 
 
 def test_cli_generate_writes_each_levels_divergence_and_agreement(gpt2_folder, tmp_path):

@@ -20,6 +20,7 @@ from tf32lab.errors import Tf32LabError
 from tf32lab.workloads import hf
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.xdist_group("hf_cli")  # with test_hf_folders.py: one server that imported transformers
 
 _POSITIONS = 32  # a short table: a prompt past it is a few dozen tokens
 
@@ -97,7 +98,7 @@ def test_cli_a_prompt_file_past_the_table_is_one_line_exit_2(llama_folder, tmp_p
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The cat\n" + " ".join(["river"] * 40) + "\n")
     done = cli_runner.run("check", f"hf:{llama_folder}", "--generate", "8", "--prompts", str(prompts),
-                          "--levels", "high", timeout=300)
+                          "--levels", "high", timeout=300, preload=cli_runner.HF)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     line = done.stderr.strip()
     assert len(line.splitlines()) == 1 and "prompt 2 (" in line and "8 new tokens" in line and "has 32" in line
@@ -258,7 +259,7 @@ def test_cli_an_output_never_replaces_a_file_of_the_model_folder(llama_folder, t
     for args, name in ((["--generate", "1", "--prompts", str(prompts), "--json"], "config.json"),
                        (["--no-speed", "--html"], "model.safetensors")):
         done = cli_runner.run("check", f"hf:{llama_folder}", "--levels", "high", *args, f"{llama_folder}/./{name}",
-                              timeout=300)
+                              timeout=300, preload=cli_runner.HF)
         assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
         line = done.stderr.strip()
         assert len(line.splitlines()) == 1 and f"{name} is a file of the model folder" in line, line
@@ -266,7 +267,8 @@ def test_cli_an_output_never_replaces_a_file_of_the_model_folder(llama_folder, t
     # a report written there before replaces nothing of the model's (hf:. from inside the folder, run again)
     (llama_folder / "report.json").write_text("{}\n")
     done = cli_runner.run("check", f"hf:{llama_folder}", "--levels", "high", "--generate", "1", "--prompts",
-                          str(prompts), "--json", str(llama_folder / "report.json"), timeout=300)
+                          str(prompts), "--json", str(llama_folder / "report.json"), timeout=300,
+                          preload=cli_runner.HF)
     assert done.returncode in (0, 1) and "levels" in (llama_folder / "report.json").read_text(), done.stderr
     (llama_folder / "report.json").unlink()  # the session's folder as the other tests find it
 
@@ -295,7 +297,7 @@ def test_cli_a_prompt_past_the_tokenizers_max_length_is_one_line(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(" ".join(["river"] * 40) + "\n")
     done = cli_runner.run("check", f"hf:{folder}", "--generate", "2", "--prompts", str(prompts), "--levels", "high",
-                          timeout=300)
+                          timeout=300, preload=cli_runner.HF)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "has 32" in done.stderr, done.stderr
 

@@ -18,6 +18,11 @@ from tf32lab.workloads import hf, samples, specs
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
+# one worker runs this file, test_generation.py and test_generation_folders.py: their CLI runs fork from one server
+# that has imported transformers (about 7 CPU seconds to start, once instead of on each worker), and the model
+# folders they build for the session are built once
+pytestmark = pytest.mark.xdist_group("hf_cli")
+
 
 def _tokenizer(**special):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -159,7 +164,8 @@ def folders(tmp_path_factory):
 
 
 def _cli(*args):
-    return cli_runner.run("check", *args, timeout=300)
+    # forked from a server that has imported transformers, as every run here imports it
+    return cli_runner.run("check", *args, timeout=300, preload=cli_runner.HF)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
