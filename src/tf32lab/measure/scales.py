@@ -20,7 +20,9 @@ An output made by another op (``exp``, ``softmax``: never zero by cancellation),
 none and is judged over its own norm.
 
 Cost: a membership test and a deque append per op, one op per output at the end. Memory: the operands of the
-last ``KEPT`` summing or moving ops whose results the run still holds (an entry goes with its result).
+last ``KEPT`` summing or moving ops whose results the run still holds (an entry goes with its result); an op that
+only moves, copies or trails a value is kept only where that value is a kept op's result (a ReLU after a
+convolution is not: it would hold the convolution's output for nothing).
 
 Example:
 
@@ -147,8 +149,19 @@ class Formed:
         if kept and self.active():
             results = [out] if isinstance(out, torch.Tensor) else (
                 [t for t in out if isinstance(t, torch.Tensor)] if isinstance(out, (list, tuple)) else [])
-            if results:
+            if results and (func.overloadpacket in SUMS or self._continues(func.overloadpacket, args)):
                 self.keep(_Entry(func, args, kwargs, results, self.died))
+
+    def _continues(self, packet: Any, args: tuple) -> bool:
+        """Whether an op that only moves, copies or trails values ran on a result of an op kept: only then can it
+        carry magnitudes to an output (:meth:`_formed` steps back through it to that op). One on anything else
+        (a convolution's result, a ReLU after it) is not kept, nor its operand held: a conv net's reference held
+        each ReLU's input, a float64 activation, as long as the ReLU's output lived (its check's peak memory)."""
+        operands = operand_tensors(args[:1 if packet in MOVES or packet in SAME or packet in _PASSED else 2])
+        if not operands:
+            return False
+        made = {id(r()) for e in self.kept for r in e.results if r() is not None}
+        return any(id(t) in made for t in operands)
 
     def keep(self, entry: _Entry) -> None:
         # swept only when a result went (told by its weak reference), not every entry asked at every op: the
