@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Optional
 
 import pytest
 import torch
@@ -346,3 +347,48 @@ def test_a_model_that_writes_into_its_inputs_is_given_them_as_they_were_at_every
     assert all(row.passed for row in report.levels)
     assert torch.equal(x, before[0]) and torch.equal(ids, before[1])
     assert any("writes into its inputs" in note for note in report.notes)
+
+
+class _LazyScalesItsInput(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.LazyLinear(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return self.lin(x)
+
+
+def test_a_lazy_model_that_writes_into_its_inputs_leaves_the_callers_tensor_as_it_was() -> None:
+    # the call that makes the lazy modules ran before the inputs were kept: the caller's tensor stayed doubled
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    before = x.clone()
+    report = tf32lab.check(tf32lab.Workload(_LazyScalesItsInput(), (x,), name="lazy"), levels=("highest",),
+                           speed=False)
+    assert report.levels[0].passed
+    assert torch.equal(x, before)
+    assert any("writes into its inputs" in note for note in report.notes)
+
+
+class _KeepsADtypeAndScalesItsInput(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 4)
+        self.dtype: Optional[torch.dtype] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dtype is None:  # a dtype read off the (widened) input and kept: the reference is run again
+            self.dtype = x.dtype
+        x.mul_(2)
+        return self.lin(x) + 1e-3 * torch.randn(8, 4, dtype=self.dtype).to(x.dtype)
+
+
+def test_the_reference_run_again_for_the_draws_is_given_the_inputs_as_they_were() -> None:
+    # it was given them as the first row had left them (doubled): every row failed against a reference of 2x
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    report = tf32lab.check(tf32lab.Workload(_KeepsADtypeAndScalesItsInput(), (x,), name="draws"),
+                           levels=("highest", "high"), speed=False)
+    assert any("run again drawing" in note for note in report.notes)
+    assert all(row.passed for row in report.levels)
