@@ -392,3 +392,13 @@ def test_the_reference_run_again_for_the_draws_is_given_the_inputs_as_they_were(
                            levels=("highest", "high"), speed=False)
     assert any("run again drawing" in note for note in report.notes)
     assert all(row.passed for row in report.levels)
+
+
+def test_inputs_made_under_inference_mode_are_checked() -> None:
+    # the reference's layer frames read their version counters, which inference tensors have none of: it raised
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        x = torch.randn(8, 16)
+    report = tf32lab.check(tf32lab.Workload(torch.nn.Linear(16, 4), (x,), name="inference"), levels=("highest",),
+                           speed=False)
+    assert report.levels[0].passed

@@ -99,7 +99,10 @@ def hookable(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]],
 
 def _versions(tree: Any) -> list[Optional[int]]:
     """Each tensor's version counter (how many in-place writes it has had); None for inference tensors."""
-    return [None if t.is_inference() else t._version for _, t in named_tensors(tree)]
+    # read past the float64 reference's function mode, which answers for the widened copy of an input made
+    # under inference mode (not one), whose own counter then raises
+    with torch._C.DisableTorchFunction():
+        return [None if t.is_inference() else t._version for _, t in named_tensors(tree)]
 
 
 @contextlib.contextmanager
