@@ -225,3 +225,28 @@ def test_a_rows_rnn_math_is_the_one_its_rnns_ran_in(kind, medium):
     assert rnn.maths == {"highest": "ieee", "medium": medium}
     if kind is None:
         assert "IEEE float32 and bf16 at `medium`" in _sentence(report, "RNNs ran")
+
+
+class _Projected(nn.Module):
+    """An LSTM with proj_size (aten GEMMs on a CPU, at the matmul's math) and one without (oneDNN's kernel)."""
+
+    def __init__(self, plain: bool) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(64, 64, proj_size=16, batch_first=True)
+        self.plain = nn.LSTM(16, 16, batch_first=True) if plain else None
+
+    def forward(self, x):
+        y = self.lstm(x)[0]
+        return self.plain(y)[0] if self.plain is not None else y
+
+
+@pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
+@pytest.mark.parametrize(("plain", "medium"), [(False, "bf16-rne"), (True, "ieee/bf16-rne")], ids=["alone", "both"])
+def test_an_lstm_with_projections_is_stated_in_the_math_it_ran_in(plain, medium):
+    # its row said `rnn ieee` at 'medium' on cpu-amx, where its GEMMs ran bf16 (error 16605 times highest's)
+    torch.manual_seed(0)
+    report = tf32lab.check(tf32lab.Workload(_Projected(plain).eval(), torch.randn(4, 20, 64)),
+                           levels=("highest", "medium"), target="cpu-amx", speed=False)
+    assert [row.maths["rnn"] for row in report.levels] == ["ieee", medium]
+    (rnn,) = report.cudnn
+    assert rnn.maths == {"highest": "ieee", "medium": medium}

@@ -32,7 +32,7 @@ from tf32lab.emulation.emulator import context_cells, emulate
 from tf32lab.emulation.reuse import KEPT, Handoff, alike
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
-from tf32lab.know.targets import Target
+from tf32lab.know.targets import PROJECTED, Target
 from tf32lab.measure.draws import Streams, random_op
 from tf32lab.measure.norms import bare, scratch, tree_normwise
 from tf32lab.measure.reference import Float64Run
@@ -245,7 +245,7 @@ class Recorder:
             self.family_ops += 1
             self.by_family[family] += 1
             if family == "rnn":
-                self.rnn_ops.add(func.name())
+                self.rnn_ops.add(func.name() + (PROJECTED if self.mode.rnn_projected else ""))
             if self.stack:
                 self.stack[-1].ran = True
                 self.stack[-1].families.add(family)
