@@ -250,3 +250,15 @@ def test_an_lstm_with_projections_is_stated_in_the_math_it_ran_in(plain, medium)
     assert [row.maths["rnn"] for row in report.levels] == ["ieee", medium]
     (rnn,) = report.cudnn
     assert rnn.maths == {"highest": "ieee", "medium": medium}
+
+
+def test_a_cpu_targets_page_names_onednns_flags_not_cudnns():
+    # the page said "their math is cuDNN's flag's, not the level's" beside torch.backends.cudnn.rnn.fp32_precision
+    # on cpu-amx, where cuDNN computes nothing and a GRU's math is the level's (bf16 at 'medium')
+    torch.manual_seed(0)
+    report = tf32lab.check(tf32lab.Workload(_Both().eval(), torch.randn(4, 20, 16)), levels=("highest", "medium"),
+                           target="cpu-amx", speed=False)
+    page = report.to_html()
+    assert "cuDNN" not in page and "torch.backends.cudnn" not in page
+    assert "<code>torch.backends.mkldnn.rnn.fp32_precision</code>" in page
+    assert "<td>ieee/bf16-rne</td>" in page

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 # (tests/test_layers.py: no import circle, TYPE_CHECKING imports included).
 Report = LevelResult = Any
 
-__all__ = ["CUDNN_FAMILIES", "FLAGS", "CudnnFamily", "families", "level_share", "stated", "why_little"]
+__all__ = ["CUDNN_FAMILIES", "FLAGS", "CudnnFamily", "families", "level_share", "on_cpu", "stated", "why_little"]
 
 CUDNN_FAMILIES = ("conv", "rnn")
 # the flag that sets each family's float32 math (torch >= 2.9; the legacy torch.backends.cudnn.allow_tf32 sets both)
@@ -146,7 +146,7 @@ _CPU_WHY = {
 }
 
 
-def _on_cpu(report: Report) -> bool:
+def on_cpu(report: Report) -> bool:
     """Whether the report's hardware computed on a CPU: the target's device, or on ``native`` the model's."""
     if report.target == NATIVE:
         return str(report.environment.get("device", "cpu")).startswith("cpu")
@@ -178,7 +178,7 @@ def stated(report: Report, hint: bool = True) -> list[str]:
     level, its share of ``highest``'s predicted time, and (``hint``, where it ran TF32 by default) how to check it
     in IEEE float32."""
     lines = []
-    cpu = _on_cpu(report)
+    cpu = on_cpu(report)
     for entry in report.cudnn:
         if not entry.maths:
             continue
