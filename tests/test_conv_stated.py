@@ -262,3 +262,22 @@ def test_a_cpu_targets_page_names_onednns_flags_not_cudnns():
     assert "cuDNN" not in page and "torch.backends.cudnn" not in page
     assert "<code>torch.backends.mkldnn.rnn.fp32_precision</code>" in page
     assert "<td>ieee/bf16-rne</td>" in page
+
+
+class _GruHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru, self.head = nn.GRU(16, 16, batch_first=True), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.head(self.gru(x)[0])
+
+
+def test_a_policys_mixed_math_on_a_cpu_target_is_not_called_tf32():
+    # "TF32 or IEEE float32 by module with the policy" on cpu-amx, which has no TF32: its levels mix bf16 and IEEE
+    torch.manual_seed(0)
+    report = tf32lab.check(tf32lab.Workload(_GruHead().eval(), torch.randn(4, 20, 16)), levels=("highest", "medium"),
+                           target="cpu-amx", speed=False,
+                           policy=tf32lab.Policy(default="medium", rules=[("head", "highest")]))
+    sentence = _sentence(report, "RNNs ran")
+    assert "bf16 or IEEE float32 by module with the policy" in sentence and "TF32" not in sentence, sentence
