@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from typing import Optional
 
 import pytest
@@ -402,3 +403,14 @@ def test_inputs_made_under_inference_mode_are_checked() -> None:
     report = tf32lab.check(tf32lab.Workload(torch.nn.Linear(16, 4), (x,), name="inference"), levels=("highest",),
                            speed=False)
     assert report.levels[0].passed
+
+
+@pytest.mark.parametrize("dtype", [torch.complex128, torch.complex64, torch.float64])
+def test_an_input_holding_nan_that_no_run_writes_is_not_said_written(dtype) -> None:
+    # complex128 (16 bytes an element) was compared by value, and NaN is not equal to itself: every run "wrote" it
+    x = torch.tensor([complex(math.nan, 1.0), 2.0], dtype=dtype) if dtype.is_complex else \
+        torch.tensor([math.nan, 2.0], dtype=dtype)
+    kept = tf32lab.measure.state.KeptInputs((x, x[0]))
+    assert not kept() and not kept.written
+    x.mul_(2)
+    assert kept() and kept.written and x[1].item() == 2  # put back

@@ -143,10 +143,12 @@ def _plain_tensors(tree: Any) -> list[torch.Tensor]:
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     # by bits, not values: NaN is not equal to itself, and -0.0 is equal to 0.0
-    bits = _BITS.get(a.element_size())
+    # (complex128, 16 bytes an element, as twice as many 8-byte integers)
+    size = a.element_size()
+    bits = _BITS.get(size, torch.int64 if size % 8 == 0 else None)
     if bits is None or a.dtype == torch.bool:
         return torch.equal(a, b)
-    return torch.equal(a.detach().contiguous().view(bits), b.contiguous().view(bits))
+    return torch.equal(a.detach().contiguous().reshape(-1).view(bits), b.contiguous().reshape(-1).view(bits))
 
 
 def inputs_note() -> str:
