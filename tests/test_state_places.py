@@ -414,3 +414,10 @@ def test_an_input_holding_nan_that_no_run_writes_is_not_said_written(dtype) -> N
     assert not kept() and not kept.written
     x.mul_(2)
     assert kept() and kept.written and x[1].item() == 2  # put back
+
+
+def test_a_lazy_model_that_does_not_write_into_its_inputs_is_not_said_to() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.LazyLinear(4))
+    report = tf32lab.check(tf32lab.Workload(model, torch.randn(8, 16), name="lazy"), levels=("highest",), speed=False)
+    assert not any("writes into its inputs" in note for note in report.notes)
