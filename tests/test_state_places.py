@@ -421,3 +421,27 @@ def test_a_lazy_model_that_does_not_write_into_its_inputs_is_not_said_to() -> No
     model = torch.nn.Sequential(torch.nn.LazyLinear(4))
     report = tf32lab.check(tf32lab.Workload(model, torch.randn(8, 16), name="lazy"), levels=("highest",), speed=False)
     assert not any("writes into its inputs" in note for note in report.notes)
+
+
+class _AppendsToItsInput(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, cache: list, extra: dict) -> torch.Tensor:
+        y = self.lin(x)
+        cache.append(y)
+        extra["seen"] = extra.get("seen", 0) + 1
+        return sum(cache) * extra["seen"]
+
+
+def test_a_model_that_appends_to_a_list_it_is_given_gets_the_list_as_it_was_at_every_run() -> None:
+    # each run saw the last one's entries: `high` failed at normwise 1.0 with no note, and the caller's list grew
+    torch.manual_seed(0)
+    cache: list = []
+    extra: dict = {}
+    report = tf32lab.check(tf32lab.Workload(_AppendsToItsInput(), (torch.randn(8, 16), cache, extra), name="appends"),
+                           levels=("highest", "high"), speed=False)
+    assert all(row.passed for row in report.levels)
+    assert cache == [] and extra == {}
+    assert any("writes into its inputs" in note for note in report.notes)
