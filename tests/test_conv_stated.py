@@ -225,3 +225,59 @@ def test_a_rows_rnn_math_is_the_one_its_rnns_ran_in(kind, medium):
     assert rnn.maths == {"highest": "ieee", "medium": medium}
     if kind is None:
         assert "IEEE float32 and bf16 at `medium`" in _sentence(report, "RNNs ran")
+
+
+class _Projected(nn.Module):
+    """An LSTM with proj_size (aten GEMMs on a CPU, at the matmul's math) and one without (oneDNN's kernel)."""
+
+    def __init__(self, plain: bool) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(64, 64, proj_size=16, batch_first=True)
+        self.plain = nn.LSTM(16, 16, batch_first=True) if plain else None
+
+    def forward(self, x):
+        y = self.lstm(x)[0]
+        return self.plain(y)[0] if self.plain is not None else y
+
+
+@pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
+@pytest.mark.parametrize(("plain", "medium"), [(False, "bf16-rne"), (True, "ieee/bf16-rne")], ids=["alone", "both"])
+def test_an_lstm_with_projections_is_stated_in_the_math_it_ran_in(plain, medium):
+    # its row said `rnn ieee` at 'medium' on cpu-amx, where its GEMMs ran bf16 (error 16605 times highest's)
+    torch.manual_seed(0)
+    report = tf32lab.check(tf32lab.Workload(_Projected(plain).eval(), torch.randn(4, 20, 64)),
+                           levels=("highest", "medium"), target="cpu-amx", speed=False)
+    assert [row.maths["rnn"] for row in report.levels] == ["ieee", medium]
+    (rnn,) = report.cudnn
+    assert rnn.maths == {"highest": "ieee", "medium": medium}
+
+
+def test_a_cpu_targets_page_names_onednns_flags_not_cudnns():
+    # the page said "their math is cuDNN's flag's, not the level's" beside torch.backends.cudnn.rnn.fp32_precision
+    # on cpu-amx, where cuDNN computes nothing and a GRU's math is the level's (bf16 at 'medium')
+    torch.manual_seed(0)
+    report = tf32lab.check(tf32lab.Workload(_Both().eval(), torch.randn(4, 20, 16)), levels=("highest", "medium"),
+                           target="cpu-amx", speed=False)
+    page = report.to_html()
+    assert "cuDNN" not in page and "torch.backends.cudnn" not in page
+    assert "<code>torch.backends.mkldnn.rnn.fp32_precision</code>" in page
+    assert "<td>ieee/bf16-rne</td>" in page
+
+
+class _GruHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru, self.head = nn.GRU(16, 16, batch_first=True), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.head(self.gru(x)[0])
+
+
+def test_a_policys_mixed_math_on_a_cpu_target_is_not_called_tf32():
+    # "TF32 or IEEE float32 by module with the policy" on cpu-amx, which has no TF32: its levels mix bf16 and IEEE
+    torch.manual_seed(0)
+    report = tf32lab.check(tf32lab.Workload(_GruHead().eval(), torch.randn(4, 20, 16)), levels=("highest", "medium"),
+                           target="cpu-amx", speed=False,
+                           policy=tf32lab.Policy(default="medium", rules=[("head", "highest")]))
+    sentence = _sentence(report, "RNNs ran")
+    assert "bf16 or IEEE float32 by module with the policy" in sentence and "TF32" not in sentence, sentence

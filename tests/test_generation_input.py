@@ -71,8 +71,10 @@ def test_a_vocabulary_masked_to_minus_inf_has_finite_logit_errors(masked):
     ("divergence>=0", r"divergence>=K takes K from 2 to 9 with 8 new tokens$"),  # named a K of -1
     ("divergence>9", r"divergence>K takes K from 1 to 8 with 8 new tokens$"),
     # K 0 passed every row that ran, however early its tokens left float64's
-    ("divergence>0", r"divergence>K takes K from 1 to 8 with 8 new tokens \(K 0 holds for any row"),
-    ("divergence>=1", r"divergence>=K takes K from 2 to 9 with 8 new tokens \(K 0 holds for any row"),
+    ("divergence>0", r"divergence>K takes K from 1 to 8 with 8 new tokens \(divergence>0 holds for any row"),
+    # named by the K given: 'K 0' beside 'divergence>=K takes K from 2' read as if 0 had been given
+    ("divergence>=1", r"divergence>=K takes K from 2 to 9 with 8 new tokens \(divergence>=1 holds for any row"),
+    ("divergence >= 1", r"new tokens \(divergence>=1 holds for any row"),
 ])
 def test_a_divergence_out_of_range_names_the_range_in_the_form_given(text, said):
     with pytest.raises(Tf32LabError, match=said):

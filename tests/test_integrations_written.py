@@ -157,3 +157,25 @@ def test_the_run_goes_on_while_the_writer_renders(report, tmp_path, monkeypatch)
     finally:
         sys.setswitchinterval(interval)
     assert rendering.is_set() and returned < 0.25, returned
+
+
+def test_an_interrupt_in_start_leaves_no_writer_waiting(report, tmp_path, monkeypatch):
+    """Ctrl-C that lands in ``Thread.start()`` (its wait for the thread to start) comes after the thread has started:
+    the writer, not a daemon, waited for a signal that start() never gave, and the process could not exit."""
+    import threading
+
+    start = threading.Thread.start
+    started: list[threading.Thread] = []
+
+    def interrupted(self) -> None:
+        start(self)
+        started.append(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        Written(report, str(tmp_path))
+    monkeypatch.undo()
+    (writer,) = started
+    writer.join(timeout=10)
+    assert not writer.is_alive()

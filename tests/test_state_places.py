@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
+from typing import Optional
 
 import pytest
 import torch
@@ -345,4 +347,101 @@ def test_a_model_that_writes_into_its_inputs_is_given_them_as_they_were_at_every
     report = tf32lab.check(tf32lab.Workload(_ScalesItsInput(), (x, ids), name="scales"), levels=levels, speed=False)
     assert all(row.passed for row in report.levels)
     assert torch.equal(x, before[0]) and torch.equal(ids, before[1])
+    assert any("writes into its inputs" in note for note in report.notes)
+
+
+class _LazyScalesItsInput(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.LazyLinear(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return self.lin(x)
+
+
+def test_a_lazy_model_that_writes_into_its_inputs_leaves_the_callers_tensor_as_it_was() -> None:
+    # the call that makes the lazy modules ran before the inputs were kept: the caller's tensor stayed doubled
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    before = x.clone()
+    report = tf32lab.check(tf32lab.Workload(_LazyScalesItsInput(), (x,), name="lazy"), levels=("highest",),
+                           speed=False)
+    assert report.levels[0].passed
+    assert torch.equal(x, before)
+    assert any("writes into its inputs" in note for note in report.notes)
+
+
+class _KeepsADtypeAndScalesItsInput(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 4)
+        self.dtype: Optional[torch.dtype] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dtype is None:  # a dtype read off the (widened) input and kept: the reference is run again
+            self.dtype = x.dtype
+        x.mul_(2)
+        return self.lin(x) + 1e-3 * torch.randn(8, 4, dtype=self.dtype).to(x.dtype)
+
+
+def test_the_reference_run_again_for_the_draws_is_given_the_inputs_as_they_were() -> None:
+    # it was given them as the first row had left them (doubled): every row failed against a reference of 2x
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    report = tf32lab.check(tf32lab.Workload(_KeepsADtypeAndScalesItsInput(), (x,), name="draws"),
+                           levels=("highest", "high"), speed=False)
+    assert any("run again drawing" in note for note in report.notes)
+    assert all(row.passed for row in report.levels)
+
+
+def test_inputs_made_under_inference_mode_are_checked() -> None:
+    # the reference's layer frames read their version counters, which inference tensors have none of: it raised
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        x = torch.randn(8, 16)
+    report = tf32lab.check(tf32lab.Workload(torch.nn.Linear(16, 4), (x,), name="inference"), levels=("highest",),
+                           speed=False)
+    assert report.levels[0].passed
+
+
+@pytest.mark.parametrize("dtype", [torch.complex128, torch.complex64, torch.float64])
+def test_an_input_holding_nan_that_no_run_writes_is_not_said_written(dtype) -> None:
+    # complex128 (16 bytes an element) was compared by value, and NaN is not equal to itself: every run "wrote" it
+    x = torch.tensor([complex(math.nan, 1.0), 2.0], dtype=dtype) if dtype.is_complex else \
+        torch.tensor([math.nan, 2.0], dtype=dtype)
+    kept = tf32lab.measure.state.KeptInputs((x, x[0]))
+    assert not kept() and not kept.written
+    x.mul_(2)
+    assert kept() and kept.written and x[1].item() == 2  # put back
+
+
+def test_a_lazy_model_that_does_not_write_into_its_inputs_is_not_said_to() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.LazyLinear(4))
+    report = tf32lab.check(tf32lab.Workload(model, torch.randn(8, 16), name="lazy"), levels=("highest",), speed=False)
+    assert not any("writes into its inputs" in note for note in report.notes)
+
+
+class _AppendsToItsInput(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, cache: list, extra: dict) -> torch.Tensor:
+        y = self.lin(x)
+        cache.append(y)
+        extra["seen"] = extra.get("seen", 0) + 1
+        return sum(cache) * extra["seen"]
+
+
+def test_a_model_that_appends_to_a_list_it_is_given_gets_the_list_as_it_was_at_every_run() -> None:
+    # each run saw the last one's entries: `high` failed at normwise 1.0 with no note, and the caller's list grew
+    torch.manual_seed(0)
+    cache: list = []
+    extra: dict = {}
+    report = tf32lab.check(tf32lab.Workload(_AppendsToItsInput(), (torch.randn(8, 16), cache, extra), name="appends"),
+                           levels=("highest", "high"), speed=False)
+    assert all(row.passed for row in report.levels)
+    assert cache == [] and extra == {}
     assert any("writes into its inputs" in note for note in report.notes)

@@ -570,8 +570,10 @@ class Written:
 
         # not a daemon: a run that ends without waiting (an error in its loop) still gets whole files
         self._thread = threading.Thread(target=write, name="tf32lab-report-writer")
-        self._thread.start()
-        go.set()
+        try:
+            self._thread.start()
+        finally:  # an interrupt in start() comes after the thread has started: it must not wait for ever
+            go.set()
 
     def wait(self) -> list[Path]:
         """The paths written, once both files are on disk; none, with a warning naming the error, when the

@@ -41,8 +41,8 @@ from tf32lab.know.peaks import DATASHEET, SMS, Peaks
 from tf32lab.numbers import accumulation_models as acc
 from tf32lab.numbers.accumulation_models import Accumulation
 
-__all__ = ["CELL_VALUES", "KEYS", "MATHS", "NATIVE", "TARGETS", "Entry", "Math", "Target", "check_value", "get",
-           "native", "rnn_key", "rnn_math", "speed_targets", "table"]
+__all__ = ["CELL_VALUES", "KEYS", "MATHS", "NATIVE", "PROJECTED", "TARGETS", "Entry", "Math", "Target", "check_value",
+           "get", "native", "rnn_key", "rnn_math", "speed_targets", "table"]
 
 NATIVE = "native"  # the name of this machine's own hardware as a target: run, never emulated
 
@@ -246,6 +246,9 @@ _S_ONEDNN_MV = ("mv/addmv follow mkldnn.matmul (aten's CPU gemm tries oneDNN fir
 _S_CPU = "aten/src/ATen/Context.cpp: a CPU without reduced-precision units computes IEEE float32 at every level"
 
 
+PROJECTED = " with proj_size"  # the mark on an RNN op's name (rnn_math) where it is an LSTM with projections
+
+
 def rnn_key(device: str, mode: str, projected: bool = False) -> str:
     """The key whose math an RNN's GEMMs take on a target of ``device``: on a GPU cuDNN's RNN kernel runs them all
     (``rnn``); on a CPU only an LSTM without projections has a kernel of its own (oneDNN's: aten RNN.cpp,
@@ -267,12 +270,12 @@ def rnn_math(maths: Mapping[str, str], device: str, rnn_ops: Iterable[str]) -> O
     """The math the RNNs ``rnn_ops`` (op names) ran in, from a level's ``maths`` (:meth:`Target.maths_at`): one
     math, or the LSTMs' and the others' joined by ``/`` where a CPU target gives them two (an LSTM IEEE at
     `medium`, a GRU bf16); None where no RNN ran. An LSTM with ``proj_size`` is known by its call, not its name:
-    here it counts as an LSTM.
+    its name is marked with :data:`PROJECTED` (``aten::lstm.input with proj_size``).
 
     >>> rnn_math({"rnn": "ieee", "matmul": "bf16-rne"}, "cpu", ["aten::lstm.input", "aten::gru.input"])
     'ieee/bf16-rne'
     """
-    keys = sorted({rnn_key(device, op) for op in rnn_ops}, key=("rnn", "matmul").index)
+    keys = sorted({rnn_key(device, op, op.endswith(PROJECTED)) for op in rnn_ops}, key=("rnn", "matmul").index)
     found = list(dict.fromkeys(maths[k] for k in keys if k in maths))
     return "/".join(found) if found else None
 

@@ -325,12 +325,14 @@ class Session:
             stack.enter_context(_released())
             stack.enter_context(self.spill)
             self.threads = stack.enter_context(OtherThreads())
-            made = materialised(workload.model, lambda model: workload.run(model), f"workload {workload.name!r}")
-            self._lazy = [lazy_note(made)] if made else []
-            self.reset = stack.enter_context(state_kept(workload.model))
-            # every run is given the inputs as they were, and the caller has them so again at the end
+            # every run is given the inputs as they were, and the caller has them so again at the end; kept before
+            # the call that makes lazy modules, which may write into them too
             self.inputs_kept = KeptInputs(workload.inputs)
             stack.callback(self.inputs_kept)
+            made = materialised(workload.model, lambda model: workload.run(model), f"workload {workload.name!r}")
+            self._lazy = [lazy_note(made)] if made else []
+            self.inputs_kept()
+            self.reset = stack.enter_context(state_kept(workload.model))
             self._reference()
             if self.threads.ops and not self.recorder.family_ops:  # a report of nothing would call it safe
                 raise Tf32LabError(self.threads.refusal(str(self.workload.name)))
@@ -418,6 +420,7 @@ class Session:
         self.recorder = Recorder(*self._recording)
         self.recorder.streams = self.streams
         self.reset()
+        self.inputs_kept()  # the reference again from the inputs as they were, not as the row left them
         self._reference(plan)
         if [kind for _, kind in self.ref_drawn] != plan:  # the second reference drew otherwise again
             self._draw_notes.append(

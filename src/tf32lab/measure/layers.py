@@ -32,7 +32,7 @@ from tf32lab.emulation.emulator import context_cells, emulate
 from tf32lab.emulation.reuse import KEPT, Handoff, alike
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
-from tf32lab.know.targets import Target
+from tf32lab.know.targets import PROJECTED, Target
 from tf32lab.measure.draws import Streams, random_op
 from tf32lab.measure.norms import bare, scratch, tree_normwise
 from tf32lab.measure.reference import Float64Run
@@ -99,7 +99,10 @@ def hookable(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]],
 
 def _versions(tree: Any) -> list[Optional[int]]:
     """Each tensor's version counter (how many in-place writes it has had); None for inference tensors."""
-    return [None if t.is_inference() else t._version for _, t in named_tensors(tree)]
+    # read past the float64 reference's function mode, which answers for the widened copy of an input made
+    # under inference mode (not one), whose own counter then raises
+    with torch._C.DisableTorchFunction():
+        return [None if t.is_inference() else t._version for _, t in named_tensors(tree)]
 
 
 @contextlib.contextmanager
@@ -242,7 +245,7 @@ class Recorder:
             self.family_ops += 1
             self.by_family[family] += 1
             if family == "rnn":
-                self.rnn_ops.add(func.name())
+                self.rnn_ops.add(func.name() + (PROJECTED if self.mode.rnn_projected else ""))
             if self.stack:
                 self.stack[-1].ran = True
                 self.stack[-1].families.add(family)

@@ -172,6 +172,16 @@ def _float64_rnn(func: Callable) -> Callable:
     return run
 
 
+def _projected_lstm(op: Any, args: tuple) -> bool:
+    """Whether the RNN call ``op(*args)`` is an LSTM with ``proj_size``: its states h and c differ in size (its
+    hx, a pair, comes before its parameters in both of ``torch._VF.lstm``'s forms)."""
+    if not op.name().startswith("aten::lstm"):
+        return False
+    hx = next((a for a in args if isinstance(a, (list, tuple)) and len(a) == 2
+               and all(isinstance(t, torch.Tensor) for t in a)), None)
+    return hx is not None and hx[0].size(-1) != hx[1].size(-1)
+
+
 class _Functions(TorchFunctionMode):
     """Widens at the level of Python calls, where composite ops check dtypes before any kernel (``conv2d``
     refuses a float64 input beside a float32 weight)."""
@@ -212,7 +222,12 @@ class _Functions(TorchFunctionMode):
             # float64 RNNs decompose into a few ops per step: thousands of handler calls with nothing to widen
             # (the inputs are widened here). Told as the one family op it is, run without the op-level mode.
             if self.run.on_op is not None:
-                self.run.on_op(rnn)
+                # an LSTM with proj_size takes another key on a CPU than one without (know.targets.rnn_key)
+                self.run.rnn_projected = _projected_lstm(rnn, args)
+                try:
+                    self.run.on_op(rnn)
+                finally:
+                    self.run.rnn_projected = False
             with modestack.lifted(self.run._modes[1]):
                 out = _widened_call(_float64_rnn(func), args, kwargs, selecting=False)
             if self.run.on_result is not None:
@@ -505,6 +520,7 @@ class Float64Run:
         self.on_result: Optional[Callable[[Any, tuple, dict, Any], None]] = None
         self.paused = False
         self.float32_writes = 0
+        self.rnn_projected = False  # while on_op is told of an RNN op: whether it is an LSTM with proj_size
         self.native_draws = False  # a draw the model asks for in float64 itself: drawn so, as its float32 rows do
         self.read_wider = False  # the last dtype read, with no arithmetic since, was float32 in the rows
         # the tensors the model made float64 itself (id -> weak reference: a tensor's == is elementwise)

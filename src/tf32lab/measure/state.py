@@ -53,7 +53,7 @@ import dataclasses
 import random
 import sys
 import types
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping, MutableMapping
 from typing import Any, Callable, Optional
 
 import torch
@@ -110,7 +110,8 @@ class KeptInputs:
     scales its input in place, ``x.mul_(2)``: each run saw the last one's result, every row failed for no
     precision reason, and the caller's tensor was changed) and returns whether one had been. A copy of each is
     kept: inputs are small beside a forward's activations, and one made under ``inference_mode`` has no version
-    counter to tell a write by.
+    counter to tell a write by. The lists and dicts among the inputs are kept by their entries too (a model that
+    appends to a cache it is given: each run saw the last one's entries).
 
         >>> x = torch.ones(2)
         >>> kept = KeptInputs((x,))
@@ -121,10 +122,22 @@ class KeptInputs:
 
     def __init__(self, inputs: Any) -> None:
         self._kept = [(t, t.detach().clone()) for t in _plain_tensors(inputs)]
+        # the lists and dicts among them, by their entries (a model that appends to a cache it is given)
+        self._containers: list[tuple[Any, Any]] = []
+        _containers(inputs, self._containers, set())
         self.written = False
 
     def __call__(self) -> bool:
         changed = False
+        for container, entries in self._containers:
+            if isinstance(container, list):
+                if len(container) != len(entries) or any(a is not b for a, b in zip(container, entries)):
+                    container[:] = entries
+                    changed = True
+            elif container.keys() != entries.keys() or any(container[k] is not v for k, v in entries.items()):
+                container.clear()
+                container.update(entries)
+                changed = True
         with torch.no_grad():
             for t, copy in self._kept:
                 if t.shape != copy.shape or t.dtype != copy.dtype or not _same_bits(t, copy):
@@ -136,6 +149,30 @@ class KeptInputs:
         return changed
 
 
+def _containers(tree: Any, found: list[tuple[Any, Any]], seen: set[int]) -> None:
+    # each list and mutable mapping in ``tree`` with a shallow copy of its entries (each container once)
+    if isinstance(tree, torch.Tensor) or id(tree) in seen:
+        return
+    if isinstance(tree, list):
+        seen.add(id(tree))
+        found.append((tree, list(tree)))
+        values: Any = tree
+    elif isinstance(tree, MutableMapping):
+        seen.add(id(tree))
+        found.append((tree, dict(tree)))
+        values = list(tree.values())
+    elif isinstance(tree, Mapping):
+        values = list(tree.values())
+    elif isinstance(tree, tuple):
+        values = tree
+    elif is_dataclass_instance(tree):
+        values = [getattr(tree, f.name) for f in dataclasses.fields(tree)]
+    else:
+        return
+    for value in values:
+        _containers(value, found, seen)
+
+
 def _plain_tensors(tree: Any) -> list[torch.Tensor]:
     return [t for _, t in named_tensors(tree) if type(t) in (torch.Tensor, torch.nn.Parameter)
             and t.layout == torch.strided and not t.is_meta and not t.is_nested]
@@ -143,10 +180,12 @@ def _plain_tensors(tree: Any) -> list[torch.Tensor]:
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     # by bits, not values: NaN is not equal to itself, and -0.0 is equal to 0.0
-    bits = _BITS.get(a.element_size())
+    # (complex128, 16 bytes an element, as twice as many 8-byte integers)
+    size = a.element_size()
+    bits = _BITS.get(size, torch.int64 if size % 8 == 0 else None)
     if bits is None or a.dtype == torch.bool:
         return torch.equal(a, b)
-    return torch.equal(a.detach().contiguous().view(bits), b.contiguous().view(bits))
+    return torch.equal(a.detach().contiguous().reshape(-1).view(bits), b.contiguous().reshape(-1).view(bits))
 
 
 def inputs_note() -> str:

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 # (tests/test_layers.py: no import circle, TYPE_CHECKING imports included).
 Report = LevelResult = Any
 
-__all__ = ["CUDNN_FAMILIES", "FLAGS", "CudnnFamily", "families", "level_share", "stated", "why_little"]
+__all__ = ["CUDNN_FAMILIES", "FLAGS", "CudnnFamily", "families", "level_share", "on_cpu", "stated", "why_little"]
 
 CUDNN_FAMILIES = ("conv", "rnn")
 # the flag that sets each family's float32 math (torch >= 2.9; the legacy torch.backends.cudnn.allow_tf32 sets both)
@@ -46,6 +46,7 @@ FLAGS = {"conv": "torch.backends.cudnn.conv.fp32_precision", "rnn": "torch.backe
 _NAMES = {"conv": "convolutions", "rnn": "RNNs"}
 _WORDS = {"tf32": "TF32", "ieee": "IEEE float32", "bf16": "bf16", "tf32x3": "3xTF32", "bf16x3": "bf16x3",
           "mixed": "TF32 or IEEE float32 by module"}
+_CPU_MIXED = "bf16 or IEEE float32 by module"
 
 
 @dataclass(frozen=True)
@@ -112,9 +113,11 @@ def _share(speed: Any, level: str, family: str) -> Optional[float]:
     return shares.get(family, 0.0) if shares else None
 
 
-def _word(math_name: str) -> str:
-    # "ieee/bf16-rne": a CPU's LSTMs' math and its GRUs' (know.targets.rnn_math)
-    return " and ".join(_WORDS.get(m.split("-")[0], m) for m in math_name.split("/"))
+def _word(math_name: str, cpu: bool = False) -> str:
+    # "ieee/bf16-rne": a CPU's LSTMs' math and its GRUs' (know.targets.rnn_math); a policy's levels mix bf16 and
+    # IEEE on a CPU, which has no TF32
+    words = {**_WORDS, "mixed": _CPU_MIXED} if cpu else _WORDS
+    return " and ".join(words.get(m.split("-")[0], m) for m in math_name.split("/"))
 
 
 def _rows(names: Sequence[str]) -> str:
@@ -122,11 +125,11 @@ def _rows(names: Sequence[str]) -> str:
     return said[0] if len(said) == 1 else f"{', '.join(said[:-1])} and {said[-1]}"
 
 
-def _per_row(entry: CudnnFamily, report: Report) -> str:
+def _per_row(entry: CudnnFamily, report: Report, cpu: bool = False) -> str:
     """``TF32 at every level, `highest` included`` or ``TF32 at `highest`, IEEE float32 with the policy``."""
     groups: dict[str, list[str]] = {}
     for row, m in entry.maths.items():
-        groups.setdefault(_word(m), []).append(row)
+        groups.setdefault(_word(m, cpu), []).append(row)
     if len(groups) == 1:
         word, rows = next(iter(groups.items()))
         levels = [r for r in rows if r != "policy"]
@@ -146,7 +149,7 @@ _CPU_WHY = {
 }
 
 
-def _on_cpu(report: Report) -> bool:
+def on_cpu(report: Report) -> bool:
     """Whether the report's hardware computed on a CPU: the target's device, or on ``native`` the model's."""
     if report.target == NATIVE:
         return str(report.environment.get("device", "cpu")).startswith("cpu")
@@ -178,12 +181,12 @@ def stated(report: Report, hint: bool = True) -> list[str]:
     level, its share of ``highest``'s predicted time, and (``hint``, where it ran TF32 by default) how to check it
     in IEEE float32."""
     lines = []
-    cpu = _on_cpu(report)
+    cpu = on_cpu(report)
     for entry in report.cudnn:
         if not entry.maths:
             continue
         name = entry.title
-        text = f"{name[0].upper()}{name[1:]} ran {_per_row(entry, report)}: {_why(entry, report.target, cpu)}"
+        text = f"{name[0].upper()}{name[1:]} ran {_per_row(entry, report, cpu)}: {_why(entry, report.target, cpu)}"
         first = next(iter(entry.shares), None)
         if first is not None:
             text += f"; they are {entry.shares[first]:.0%} of `{first}`'s predicted time on {report.target}"

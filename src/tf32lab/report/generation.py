@@ -79,7 +79,8 @@ class Criterion:
             # first, so divergence>0 passed every row that ran
             if not 1 <= k <= new_tokens:
                 low = int(op == ">=")
-                why = " (K 0 holds for any row: no step comes before the first)" if k == 0 else ""
+                # named as given: the K of divergence>=1 is 1, not the 0 it is read as
+                why = f" (divergence{op}{low} holds for any row: no step comes before the first)" if k == 0 else ""
                 raise Tf32LabError(f"criterion {text!r}: divergence{op}K takes K from {low + 1} to "
                                    f"{new_tokens + low} with {new_tokens} new tokens{why}")
             return cls("divergence", k)
