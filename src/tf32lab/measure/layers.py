@@ -445,8 +445,10 @@ class Recorder:
                          f"ScriptModule); its ops count toward the module that calls it, and the outputs are "
                          f"measured end to end; its reference ran on a float64 copy of it")
         if self.mode.float32_writes:
-            found.append(f"the reference wrote {self.mode.float32_writes} time(s) into tensors the model holds in "
-                         f"float32 (buffers it updates): those values are rounded to float32 in the reference too")
+            # a buffer it updates, or an input it scales in place (x.mul_(2)): "buffers" alone misled for an input
+            found.append(f"the reference wrote {self.mode.float32_writes} time(s) into float32 tensors the model "
+                         f"holds or is given (a buffer it updates, an input it writes into): those values are "
+                         f"rounded to float32 in the reference too")
         return found
 
 
