@@ -36,7 +36,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from tf32lab.know.targets import Target
+from tf32lab.know.targets import Target, rnn_key
 
 __all__ = ["KEPT", "Handoff", "alike"]
 
@@ -50,7 +50,7 @@ BUDGET = 256 << 20
 def alike(target: Target, a: str, b: str, cells: Mapping[str, str]) -> frozenset[str]:
     """The op families ``target`` computes alike at levels ``a`` and ``b`` under ``cells`` (those a level leaves
     alone): every key of the family gets the same math at both (its sub-keys too: ``matmul.gemv``); an RNN on a CPU
-    target also ``matmul``'s, whose GEMMs a GRU runs there (``rules._rnn_key``).
+    target also ``matmul``'s, whose GEMMs a GRU runs there (``know.targets.rnn_key``).
 
     >>> from tf32lab.know.targets import get
     >>> sorted(alike(get("a100"), "highest", "high", {"cuda.conv": "tf32", "cuda.rnn": "tf32", "sdpa": "math"}))
@@ -60,7 +60,8 @@ def alike(target: Target, a: str, b: str, cells: Mapping[str, str]) -> frozenset
     families = {key.split(".")[0] for key in (*first, *second)}
     found = {f for f in families
              if all(first.get(k) == second.get(k) for k in (*first, *second) if k == f or k.startswith(f + "."))}
-    if target.device == "cpu" and "matmul" not in found:
+    # an RNN's GEMMs take the keys rnn_key gives them on this target (a CPU's GRU: matmul's): alike if those are
+    if not {rnn_key(target.device, mode) for mode in ("lstm", "gru")} <= found:
         found.discard("rnn")
     return frozenset(found)
 
