@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import tf32lab
+import tf32lab.measure.given
 import tf32lab.measure.state
 
 
@@ -410,7 +411,7 @@ def test_an_input_holding_nan_that_no_run_writes_is_not_said_written(dtype) -> N
     # complex128 (16 bytes an element) was compared by value, and NaN is not equal to itself: every run "wrote" it
     x = torch.tensor([complex(math.nan, 1.0), 2.0], dtype=dtype) if dtype.is_complex else \
         torch.tensor([math.nan, 2.0], dtype=dtype)
-    kept = tf32lab.measure.state.KeptInputs((x, x[0]))
+    kept = tf32lab.measure.given.KeptInputs((x, x[0]))
     assert not kept() and not kept.written
     x.mul_(2)
     assert kept() and kept.written and x[1].item() == 2  # put back
@@ -445,3 +446,69 @@ def test_a_model_that_appends_to_a_list_it_is_given_gets_the_list_as_it_was_at_e
     assert all(row.passed for row in report.levels)
     assert cache == [] and extra == {}
     assert any("writes into its inputs" in note for note in report.notes)
+
+
+class _KeysOfALayer:  # a plain object holding a layer's cached keys, as transformers' DynamicLayer
+    def __init__(self, keys: torch.Tensor) -> None:
+        self.keys = keys
+
+
+class _KeyCache:  # as transformers' DynamicCache: its layers, and a class (code, not data) beside them
+    def __init__(self, keys: torch.Tensor) -> None:
+        self.layers = [_KeysOfALayer(keys)]
+        self.layer_class = _KeysOfALayer
+
+
+class _Attends(torch.nn.Module):
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.q, self.k, self.in_place = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), in_place
+
+    def forward(self, x: torch.Tensor, cache: _KeyCache) -> torch.Tensor:
+        layer, k = cache.layers[0], self.k(x)
+        if self.in_place:  # a static cache: its last rows written over
+            layer.keys[-k.size(0):].copy_(k)
+        else:  # a dynamic one: appended to
+            layer.keys = torch.cat((layer.keys, k))
+        return self.q(x) @ layer.keys.t()
+
+
+class _Decodes(torch.nn.Module):
+    def __init__(self, in_place: bool = False) -> None:
+        super().__init__()
+        self.attn = _Attends(in_place)
+
+    def forward(self, x: torch.Tensor, cache: _KeyCache) -> torch.Tensor:
+        return torch.tanh(self.attn(x, cache))
+
+
+def test_a_cache_object_the_model_appends_to_is_given_as_it_was_to_every_run_and_every_layer_rerun() -> None:
+    # each run appended to the caller's cache, the float64 reference its float64 keys among them: every row raised
+    # "expected scalar type Double but found Float" and FAILED; the cache grew. Then each layer's rerun was given
+    # the cache as its call had left it (its own keys appended): the attention's introduced error was NaN
+    torch.manual_seed(0)
+    keys = torch.randn(12, 16)
+    cache = _KeyCache(keys)
+    report = tf32lab.check(tf32lab.Workload(_Decodes(), (torch.randn(4, 16), cache), name="decodes"),
+                           levels=("highest", "high"), speed=False)
+    assert all(row.passed and row.error is None for row in report.levels)
+    assert cache.layers[0].keys is keys and cache.layer_class is _KeysOfALayer
+    assert any("writes into its inputs" in note for note in report.notes)
+    for row in report.levels:
+        attn = next(layer for layer in row.layers if layer.name == "attn")
+        assert attn.diverged is None and 0 < attn.introduced < (1e-6 if row.level == "highest" else 1e-2)
+
+
+def test_a_cache_object_written_in_place_leaves_the_layer_unfed_and_the_rows_right() -> None:
+    # a static cache's rows written over in place cannot be put back by reference for a layer's rerun: it was
+    # rerun on the keys its call had written, and said nothing
+    torch.manual_seed(0)
+    keys = torch.randn(12, 16)
+    before = keys.clone()
+    cache = _KeyCache(keys)
+    report = tf32lab.check(tf32lab.Workload(_Decodes(in_place=True), (torch.randn(4, 16), cache), name="static"),
+                           levels=("highest", "high"), speed=False)
+    assert all(row.passed for row in report.levels)
+    assert cache.layers[0].keys is keys and torch.equal(keys, before)
+    attn = next(layer for layer in report.level("high").layers if layer.name == "attn")
+    assert math.isnan(attn.introduced) and "not fed" in attn.diverged

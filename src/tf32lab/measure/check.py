@@ -51,6 +51,7 @@ from tf32lab.machine.distributed import agree, policy_digest
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure import sharded
 from tf32lab.measure.draws import DrawLog, Streams, cuda_devices, draw_plan, lazy_note, materialised
+from tf32lab.measure.given import KeptInputs, inputs_note
 from tf32lab.measure.layers import (
     ROOT,
     Accumulated,
@@ -64,7 +65,7 @@ from tf32lab.measure.reference import widen
 from tf32lab.measure.scales import Formed
 from tf32lab.measure.sharded import Ranks, collective_failure, ranks_fail
 from tf32lab.measure.spill import SpillFile, min_bytes_from_env
-from tf32lab.measure.state import KeptInputs, inputs_note, state_kept, stateful_note, written_note
+from tf32lab.measure.state import state_kept, stateful_note, written_note
 from tf32lab.numbers import metrics
 from tf32lab.numbers.metrics import tolerances_of
 from tf32lab.numbers.origin import internal_error

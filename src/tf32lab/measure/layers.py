@@ -34,6 +34,7 @@ from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
 from tf32lab.know.targets import PROJECTED, Target
 from tf32lab.measure.draws import Streams, random_op
+from tf32lab.measure.given import Held
 from tf32lab.measure.norms import bare, scratch, tree_normwise
 from tf32lab.measure.reference import Float64Run
 from tf32lab.measure.sharded import local
@@ -155,13 +156,14 @@ def _scripted_twin(module: torch.nn.Module, workload: str, name: str) -> torch.n
 class _Frame:
     """A module call in progress in the reference run."""
 
-    __slots__ = ("args", "drew", "families", "inner", "kwargs", "name", "ran", "state", "versions")
+    __slots__ = ("args", "drew", "families", "held", "inner", "kwargs", "name", "ran", "state", "versions")
 
     def __init__(self, name: str, args: tuple, kwargs: dict, state: Any = None) -> None:
         self.name, self.args, self.kwargs, self.ran = name, args, kwargs, False
         self.state, self.drew = state, False  # the random streams' state at the call, and whether it drew
         self.families: set[str] = set()  # the op families this call ran itself (not its nested layers')
         self.versions = _versions((args, kwargs))
+        self.held = Held.among((args, kwargs))  # the objects it is given (a cache), as they were
         self.inner: list[tuple[str, int]] = []  # layer calls made inside this one: (name, call index)
 
 
@@ -310,7 +312,7 @@ class Recorder:
     def _introduce(self, name: str, module: torch.nn.Module, frame: _Frame, i: int) -> None:
         """Run ``module`` again under each level, fed the inputs of this call, its inner layers answering with
         their reference outputs; its output's error against the reference is what it introduces."""
-        if _versions((frame.args, frame.kwargs)) != frame.versions:
+        if _versions((frame.args, frame.kwargs)) != frame.versions or (frame.held and frame.held.written()):
             self._worst(name, math.nan, "not fed: it changes its own inputs in place")
             return
         tensors = [id(t) for _, t in named_tensors((frame.args, frame.kwargs))]
@@ -324,11 +326,14 @@ class Recorder:
         cudnn = bool(frame.families & {"conv", "rnn"})
         streams = self.streams if frame.drew and frame.state is not None else None
         after = streams.state() if streams is not None else None  # the reference run goes on from here
+        left = Held(frame.held.objects) if frame.held is not None else None  # the objects as the call left them
         try:
             self._reruns(name, module, frame, reference, norms, inner, pin, cudnn, streams)
         finally:
             if streams is not None:
                 streams.put(after)
+            if left is not None:
+                left.put_back()
 
     def _reruns(self, name: str, module: torch.nn.Module, frame: _Frame, reference: Any, norms: dict[str, float],
                 inner: dict[torch.nn.Module, list[Any]], pin: Optional[tuple[str, str]], cudnn: bool,
@@ -380,6 +385,8 @@ class Recorder:
         error and why it has none; ``watch``: notes the families the rerun computes (``Handoff.watch``)."""
         if streams is not None:  # a call that drew: each rerun draws what the reference's call drew
             streams.put(frame.state)
+        if frame.held is not None:  # and is given the objects (a cache) as the call was given them
+            frame.held.put_back()
         self.rerunning = True
         try:
             with state_kept(module, parameters=False), _originals(self.swapped), _answering(inner), \

@@ -53,17 +53,17 @@ import dataclasses
 import random
 import sys
 import types
-from collections.abc import Collection, Iterator, Mapping, MutableMapping
+from collections.abc import Collection, Iterator
 from typing import Any, Callable, Optional
 
 import torch
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
-from tf32lab.numbers.trees import is_dataclass_instance, named_tensors
+from tf32lab.numbers.trees import is_dataclass_instance
 from tf32lab.report.conclusion import WRITES_PARAMETERS
 
-__all__ = ["KeptInputs", "KeptState", "inputs_note", "state_kept", "stateful_note", "written_note"]
+__all__ = ["BITS", "DEPTH", "KeptState", "data_attributes", "state_kept", "stateful_note", "written_note"]
 
 # what nn.Module.__init__ sets: hooks, parameters, buffers, submodules, the training flag (eval_mode's)
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
@@ -71,7 +71,7 @@ _SCALARS = (int, float, complex, bool, str, bytes, type(None), tuple, torch.dtyp
 _MISSING = object()
 # how far into lists, dicts, tuples and data objects the contents are kept (a list of (h, c) pairs is two levels;
 # a list of per-layer dicts of lists of tensors four); it also ends a structure that holds itself
-_DEPTH = 8
+DEPTH = 8
 
 
 class KeptState:
@@ -105,100 +105,7 @@ class KeptState:
         return found
 
 
-class KeptInputs:
-    """A workload's input tensors as they were; calling it puts back any that a run wrote into (a model that
-    scales its input in place, ``x.mul_(2)``: each run saw the last one's result, every row failed for no
-    precision reason, and the caller's tensor was changed) and returns whether one had been. A copy of each is
-    kept: inputs are small beside a forward's activations, and one made under ``inference_mode`` has no version
-    counter to tell a write by. The lists and dicts among the inputs are kept by their entries too (a model that
-    appends to a cache it is given: each run saw the last one's entries).
-
-        >>> x = torch.ones(2)
-        >>> kept = KeptInputs((x,))
-        >>> _ = x.mul_(3)
-        >>> kept(), x.tolist()
-        (True, [1.0, 1.0])
-    """
-
-    def __init__(self, inputs: Any) -> None:
-        self._kept = [(t, t.detach().clone()) for t in _plain_tensors(inputs)]
-        # the lists and dicts among them, by their entries (a model that appends to a cache it is given)
-        self._containers: list[tuple[Any, Any]] = []
-        _containers(inputs, self._containers, set())
-        self.written = False
-
-    def __call__(self) -> bool:
-        changed = False
-        for container, entries in self._containers:
-            if isinstance(container, list):
-                if len(container) != len(entries) or any(a is not b for a, b in zip(container, entries)):
-                    container[:] = entries
-                    changed = True
-            elif container.keys() != entries.keys() or any(container[k] is not v for k, v in entries.items()):
-                container.clear()
-                container.update(entries)
-                changed = True
-        with torch.no_grad():
-            for t, copy in self._kept:
-                if t.shape != copy.shape or t.dtype != copy.dtype or not _same_bits(t, copy):
-                    if t.shape != copy.shape:
-                        t.resize_(copy.shape)
-                    t.copy_(copy)
-                    changed = True
-        self.written = self.written or changed
-        return changed
-
-
-def _containers(tree: Any, found: list[tuple[Any, Any]], seen: set[int]) -> None:
-    # each list and mutable mapping in ``tree`` with a shallow copy of its entries (each container once)
-    if isinstance(tree, torch.Tensor) or id(tree) in seen:
-        return
-    if isinstance(tree, list):
-        seen.add(id(tree))
-        found.append((tree, list(tree)))
-        values: Any = tree
-    elif isinstance(tree, MutableMapping):
-        seen.add(id(tree))
-        found.append((tree, dict(tree)))
-        values = list(tree.values())
-    elif isinstance(tree, Mapping):
-        values = list(tree.values())
-    elif isinstance(tree, tuple):
-        values = tree
-    elif is_dataclass_instance(tree):
-        values = [getattr(tree, f.name) for f in dataclasses.fields(tree)]
-    else:
-        return
-    for value in values:
-        _containers(value, found, seen)
-
-
-def _plain_tensors(tree: Any) -> list[torch.Tensor]:
-    return [t for _, t in named_tensors(tree) if type(t) in (torch.Tensor, torch.nn.Parameter)
-            and t.layout == torch.strided and not t.is_meta and not t.is_nested]
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    # by bits, not values: NaN is not equal to itself, and -0.0 is equal to 0.0
-    # (complex128, 16 bytes an element, as twice as many 8-byte integers)
-    size = a.element_size()
-    bits = _BITS.get(size, torch.int64 if size % 8 == 0 else None)
-    if bits is None or a.dtype == torch.bool:
-        return torch.equal(a, b)
-    return torch.equal(a.detach().contiguous().reshape(-1).view(bits), b.contiguous().reshape(-1).view(bits))
-
-
-def inputs_note() -> str:
-    """What a report says of a model that wrote into its own inputs (:class:`KeptInputs`).
-
-    >>> inputs_note()[:46]
-    'the model writes into its inputs as it runs: e'
-    """
-    return ("the model writes into its inputs as it runs: each run was given them as they were before the check, "
-            "and they are so again now")
-
-
-_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an element's bits as an integer
+BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an element's bits as an integer
 # elements: a parameter up to twice this is summed whole, a larger one over this many at each end. Summed whole,
 # every page of every parameter was read at every row where a forward reads only the rows of an embedding it looks
 # up: all-MiniLM-L6-v2's word embeddings, mapped from their file, then took 41 MiB more of the check's memory
@@ -213,7 +120,7 @@ def _digests(tensors: list[torch.Tensor]) -> list[Optional[int]]:
     sums: list[Optional[torch.Tensor]] = []
     with torch.no_grad():
         for t in tensors:
-            bits = _BITS.get(t.element_size())
+            bits = BITS.get(t.element_size())
             try:
                 usable = bits is not None and t.layout == torch.strided and not t.is_nested and not t.is_meta \
                     and type(t) in (torch.Tensor, torch.nn.Parameter)
@@ -393,10 +300,10 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _attributes(module: torch.nn.Module, holders: set[int]) -> Iterator[Restore]:
     """A Python module's data attributes, and the data attributes a run adds (removed again); and those of the
     data objects it holds (``holders``: the ids of those already kept)."""
-    yield from _data_attributes(vars(module), _MODULE_INTERNALS | _derived(module), holders)
+    yield from data_attributes(vars(module), _MODULE_INTERNALS | _derived(module), holders)
 
 
-def _data_attributes(held: dict[str, Any], skip: Collection[str], holders: Optional[set[int]]) -> Iterator[Restore]:
+def data_attributes(held: dict[str, Any], skip: Collection[str], holders: Optional[set[int]]) -> Iterator[Restore]:
     """The data entries of ``held`` (a module's or a data object's ``__dict__``) but ``skip``, and the ones a run
     adds (removed again); with ``holders``, the attributes of the data objects among them too, one level down."""
     before = set(held)
@@ -408,7 +315,7 @@ def _data_attributes(held: dict[str, Any], skip: Collection[str], holders: Optio
                              lambda value, key=key: held.__setitem__(key, value))
         elif holders is not None and id(value) not in holders and _holds_only_data(value):
             holders.add(id(value))
-            yield from (_named(key, restore) for restore in _data_attributes(vars(value), (), None))
+            yield from (_named(key, restore) for restore in data_attributes(vars(value), (), None))
 
     def added() -> list[str]:
         new = [key for key in held if key not in before and key not in skip and _is_data(held[key])]
@@ -423,7 +330,7 @@ def _holds_only_data(value: Any, depth: int = 0) -> bool:
     """A plain object (not a module, class or function) whose attributes are all data, or such objects in turn: a
     cache such as nflows' ``_LinearCache``, not an object with parts of its own (a Lightning trainer, a gpytorch
     prediction strategy)."""
-    if depth >= _DEPTH or isinstance(value, (torch.nn.Module, type, types.ModuleType)) or callable(value):
+    if depth >= DEPTH or isinstance(value, (torch.nn.Module, type, types.ModuleType)) or callable(value):
         return False
     attributes = getattr(value, "__dict__", None)
     return isinstance(attributes, dict) and bool(attributes) and \
@@ -524,7 +431,7 @@ def _contents(value: Any, depth: int = 0) -> Any:
     access = _random_state(value)
     if access is not None:
         return access[0]()
-    if depth >= _DEPTH:
+    if depth >= DEPTH:
         return None
     if is_dataclass_instance(value) or _holds_only_data(value):
         return _Fields(value, depth + 1)

@@ -1,0 +1,225 @@
+"""What a run is given, kept and put back: the workload's inputs before each of check's runs (:class:`KeptInputs`),
+and the objects a layer's call is given before each of its reruns (:class:`Held`).
+
+A model may write into what it is given: scale its input in place, append to a list or to a cache object
+(Hugging Face's ``DynamicCache``), write a static cache's rows. Each of check's runs must start from the inputs as
+the caller gave them, and each rerun of a layer from what its call was given; the caller has them so again at the
+end. The model's own state (its buffers and attributes) is :mod:`tf32lab.measure.state`'s.
+
+Example:
+
+    >>> import torch
+    >>> x = torch.ones(2)
+    >>> kept = KeptInputs((x,))
+    >>> _ = x.mul_(3)
+    >>> kept(), x.tolist()
+    (True, [1.0, 1.0])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Mapping, MutableMapping
+from typing import Any, Optional
+
+import torch
+
+from tf32lab.measure.state import BITS, DEPTH, data_attributes
+from tf32lab.numbers.trees import is_dataclass_instance, named_tensors
+
+__all__ = ["Held", "KeptInputs", "inputs_note"]
+
+
+class KeptInputs:
+    """A workload's input tensors as they were; calling it puts back any that a run wrote into (a model that
+    scales its input in place, ``x.mul_(2)``: each run saw the last one's result, every row failed for no
+    precision reason, and the caller's tensor was changed) and returns whether one had been. A copy of each is
+    kept: inputs are small beside a forward's activations, and one made under ``inference_mode`` has no version
+    counter to tell a write by. The lists and dicts among the inputs are kept by their entries too (a model that
+    appends to a cache it is given: each run saw the last one's entries), and so are the data attributes of the
+    other objects among them, as a module's are (a Hugging Face ``DynamicCache`` given as ``past_key_values``:
+    each run appended its keys and values, the float64 reference's float64 ones among them, and every row then
+    raised "expected scalar type Double but found Float" at the cache's concatenation).
+
+        >>> x = torch.ones(2)
+        >>> kept = KeptInputs((x,))
+        >>> _ = x.mul_(3)
+        >>> kept(), x.tolist()
+        (True, [1.0, 1.0])
+    """
+
+    def __init__(self, inputs: Any) -> None:
+        self._kept = [(t, t.detach().clone()) for t in _plain_tensors(inputs)]
+        # the lists and dicts among them, by their entries (a model that appends to a cache it is given)
+        self._containers: list[tuple[Any, Any]] = []
+        objects: list[Any] = []
+        _containers(inputs, self._containers, set(), objects)
+        holders: set[int] = set()
+        self._objects = [restore for obj in objects for restore in data_attributes(vars(obj), (), holders)]
+        self.written = False
+
+    def __call__(self) -> bool:
+        changed = False
+        for container, entries in self._containers:
+            if isinstance(container, list):
+                if len(container) != len(entries) or any(a is not b for a, b in zip(container, entries)):
+                    container[:] = entries
+                    changed = True
+            elif container.keys() != entries.keys() or any(container[k] is not v for k, v in entries.items()):
+                container.clear()
+                container.update(entries)
+                changed = True
+        with torch.no_grad():
+            for t, copy in self._kept:
+                if t.shape != copy.shape or t.dtype != copy.dtype or not _same_bits(t, copy):
+                    if t.shape != copy.shape:
+                        t.resize_(copy.shape)
+                    t.copy_(copy)
+                    changed = True
+            for restore in self._objects:
+                changed = bool(restore()) or changed
+        self.written = self.written or changed
+        return changed
+
+
+class Held:
+    """The objects among a layer call's arguments (found as :class:`KeptInputs` finds them: a Hugging Face
+    ``DynamicCache``) as they were, their attributes kept by reference, not copied; :meth:`put_back` sets them so
+    again. A layer's reruns are each given them as the call was, not as it left them (an attention layer appends
+    its keys to the cache it is given: its rerun, fed the reference's appended float64 keys, raised "expected
+    scalar type Double but found Float"). Kept by reference, a cache costs nothing to keep; a tensor among them
+    that the call wrote into in place (a static cache's ``index_copy_``) cannot be put back so: :meth:`written`.
+
+        >>> class Cache:
+        ...     def __init__(self):
+        ...         self.keys = torch.zeros(1)
+        >>> cache = Cache()
+        >>> held = Held.among(((torch.ones(1), cache), {}))
+        >>> cache.keys = torch.cat((cache.keys, torch.ones(1)))
+        >>> held.put_back(), cache.keys.tolist()
+        (None, [0.0])
+    """
+
+    def __init__(self, objects: list[Any]) -> None:
+        self.objects = objects
+        self._kept = [(obj, _by_reference(obj, 0)) for obj in objects]
+
+    @classmethod
+    def among(cls, tree: Any) -> Optional[Held]:
+        """The objects among ``tree`` held, or None where it has none (the usual call: tensors alone)."""
+        objects: list[Any] = []
+        _containers(tree, [], set(), objects)
+        return cls(objects) if objects else None
+
+    def written(self) -> bool:
+        """Whether a tensor among them, as kept, was written into in place since."""
+        return any(_written_since(kept) for _, kept in self._kept)
+
+    def put_back(self) -> None:
+        for obj, kept in self._kept:
+            _put_back_references(obj, kept)
+
+
+def _by_reference(value: Any, depth: int) -> Any:
+    """``value``'s structure with its items by reference (a tensor by its version counter), a few levels down."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value, None if value.is_inference() else value._version)
+    if depth >= DEPTH:
+        return None
+    if isinstance(value, list):
+        return ("list", list(value), [_by_reference(item, depth + 1) for item in value])
+    if isinstance(value, dict):
+        return ("dict", dict(value), {key: _by_reference(item, depth + 1) for key, item in value.items()})
+    if isinstance(value, tuple):
+        return ("tuple", None, [_by_reference(item, depth + 1) for item in value])
+    attributes = getattr(value, "__dict__", None)
+    if isinstance(attributes, dict) and not callable(value) and \
+            not isinstance(value, (torch.nn.Module, type, types.ModuleType)):
+        return ("object", dict(attributes), {key: _by_reference(item, depth + 1) for key, item in attributes.items()})
+    return None
+
+
+def _written_since(kept: Any) -> bool:
+    if kept is None:
+        return False
+    kind, items, inner = kept
+    if kind == "tensor":
+        return inner is not None and not items.is_inference() and items._version != inner
+    return any(_written_since(k) for k in (inner.values() if isinstance(inner, dict) else inner))
+
+
+def _put_back_references(value: Any, kept: Any) -> None:
+    if kept is None or kept[0] == "tensor":
+        return
+    kind, items, inner = kept
+    if kind == "list":
+        value[:] = items
+        pairs = zip(items, inner)
+    elif kind == "dict":
+        value.clear()
+        value.update(items)
+        pairs = ((items[key], k) for key, k in inner.items())
+    elif kind == "object":
+        attributes = vars(value)
+        attributes.clear()
+        attributes.update(items)
+        pairs = ((items[key], k) for key, k in inner.items())
+    else:  # a tuple: its items' contents only
+        pairs = zip(value, inner)
+    for item, k in pairs:
+        _put_back_references(item, k)
+
+
+def _containers(tree: Any, found: list[tuple[Any, Any]], seen: set[int], objects: list[Any]) -> None:
+    # each list and mutable mapping in ``tree`` with a shallow copy of its entries (each container once), and each
+    # other object with attributes of its own (not a module: the model's, kept as its state; not code)
+    if isinstance(tree, torch.Tensor) or id(tree) in seen:
+        return
+    if isinstance(tree, list):
+        seen.add(id(tree))
+        found.append((tree, list(tree)))
+        values: Any = tree
+    elif isinstance(tree, MutableMapping):
+        seen.add(id(tree))
+        found.append((tree, dict(tree)))
+        values = list(tree.values())
+    elif isinstance(tree, Mapping):
+        values = list(tree.values())
+    elif isinstance(tree, tuple):
+        values = tree
+    elif is_dataclass_instance(tree):
+        values = [getattr(tree, f.name) for f in dataclasses.fields(tree)]
+    else:
+        if isinstance(getattr(tree, "__dict__", None), dict) and not callable(tree) and \
+                not isinstance(tree, (torch.nn.Module, type, types.ModuleType)):
+            seen.add(id(tree))
+            objects.append(tree)
+        return
+    for value in values:
+        _containers(value, found, seen, objects)
+
+
+def _plain_tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for _, t in named_tensors(tree) if type(t) in (torch.Tensor, torch.nn.Parameter)
+            and t.layout == torch.strided and not t.is_meta and not t.is_nested]
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # by bits, not values: NaN is not equal to itself, and -0.0 is equal to 0.0
+    # (complex128, 16 bytes an element, as twice as many 8-byte integers)
+    size = a.element_size()
+    bits = BITS.get(size, torch.int64 if size % 8 == 0 else None)
+    if bits is None or a.dtype == torch.bool:
+        return torch.equal(a, b)
+    return torch.equal(a.detach().contiguous().reshape(-1).view(bits), b.contiguous().reshape(-1).view(bits))
+
+
+def inputs_note() -> str:
+    """What a report says of a model that wrote into its own inputs (:class:`KeptInputs`).
+
+    >>> inputs_note()[:46]
+    'the model writes into its inputs as it runs: e'
+    """
+    return ("the model writes into its inputs as it runs: each run was given them as they were before the check, "
+            "and they are so again now")
