@@ -512,3 +512,22 @@ def test_a_cache_object_written_in_place_leaves_the_layer_unfed_and_the_rows_rig
     assert cache.layers[0].keys is keys and torch.equal(keys, before)
     attn = next(layer for layer in report.level("high").layers if layer.name == "attn")
     assert math.isnan(attn.introduced) and "not fed" in attn.diverged
+
+
+def test_held_puts_back_what_a_call_changed_and_tells_a_write_in_place() -> None:
+    import types
+
+    from tf32lab.measure.given import Held
+
+    keys = torch.zeros(2, 16)
+    cache, config = _KeyCache(keys), types.SimpleNamespace(width=16)
+    held = Held.among(((torch.ones(2), cache), {"config": config, "mask": None}))
+    assert held is not None and Held.among(((torch.ones(2),), {"mask": None})) is None  # tensors alone: nothing
+    cache.layers[0].keys = torch.cat((keys, torch.ones(1, 16)))  # appended, as a dynamic cache is
+    cache.layers.append(_KeysOfALayer(keys))
+    config.width = 32
+    assert not held.written()
+    held.put_back()
+    assert cache.layers[0].keys is keys and len(cache.layers) == 1 and config.width == 16
+    keys.add_(1)  # written in place, as a static cache is: references cannot undo that
+    assert held.written()

@@ -154,16 +154,15 @@ def _put_back_references(value: Any, kept: Any) -> None:
         return
     kind, items, inner = kept
     if kind == "list":
-        value[:] = items
+        if len(value) != len(items) or any(a is not b for a, b in zip(value, items)):
+            value[:] = items
         pairs = zip(items, inner)
-    elif kind == "dict":
-        value.clear()
-        value.update(items)
-        pairs = ((items[key], k) for key, k in inner.items())
-    elif kind == "object":
-        attributes = vars(value)
-        attributes.clear()
-        attributes.update(items)
+    elif kind in ("dict", "object"):
+        held = value if kind == "dict" else vars(value)
+        # set again only where a call changed it (a config or an enum among the arguments is left untouched)
+        if held.keys() != items.keys() or any(held[key] is not item for key, item in items.items()):
+            held.clear()
+            held.update(items)
         pairs = ((items[key], k) for key, k in inner.items())
     else:  # a tuple: its items' contents only
         pairs = zip(value, inner)
