@@ -531,3 +531,33 @@ def test_held_puts_back_what_a_call_changed_and_tells_a_write_in_place() -> None
     assert cache.layers[0].keys is keys and len(cache.layers) == 1 and config.width == 16
     keys.add_(1)  # written in place, as a static cache is: references cannot undo that
     assert held.written()
+
+
+class _Decoder(torch.nn.Module):
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor, cache: Optional[object] = None) -> torch.Tensor:
+        return self.lm(ids, past_key_values=cache, use_cache=True).logits
+
+
+def test_a_transformers_decoders_attention_layers_are_measured_with_its_own_cache_and_with_one_given() -> None:
+    # with use_cache (a causal LM's default) the model makes a DynamicCache and hands it to every attention layer,
+    # which appends to it: each rerun was given the cache as its call had left it, the reference's float64 keys in
+    # it, and raised "expected scalar type Double but found Float": every attention layer's introduced error NaN
+    import hf_builders
+
+    lm = hf_builders.llama().eval()
+    torch.manual_seed(0)
+    ids = torch.randint(0, hf_builders.VOCAB, (2, 6))
+    with torch.no_grad():
+        cache = lm(ids, use_cache=True).past_key_values
+    length = cache.get_seq_length()
+    for inputs in ((ids,), (ids[:, -1:], cache)):
+        report = tf32lab.check(tf32lab.Workload(_Decoder(lm), inputs, name="decoder"), levels=("highest", "high"),
+                               speed=False)
+        assert all(row.passed and row.error is None for row in report.levels)
+        attention = [layer for layer in report.level("high").layers if layer.name.endswith("self_attn")]
+        assert len(attention) == 2 and all(0 < layer.introduced < 1e-3 for layer in attention), attention
+    assert cache.get_seq_length() == length
