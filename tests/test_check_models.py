@@ -113,6 +113,18 @@ def test_a_script_module_is_measured_against_a_real_float64_reference(models):
     _valid(report)
 
 
+def test_a_frozen_script_module_is_measured_not_refused_with_a_traceback():
+    """``torch.jit.freeze`` (and ``optimize_for_inference``, the usual way to ship a TorchScript model) drops the
+    ``training`` attribute: check raised PyTorch's AttributeError from setting eval mode."""
+    torch.manual_seed(0)
+    frozen = torch.jit.freeze(torch.jit.script(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).eval()))
+    assert not hasattr(frozen, "training")
+    report = tf32lab.check(Workload(frozen, torch.randn(16, 64), name="frozen"), levels=("highest", "high"))
+    highest, high = (report.level(name).outputs[0].normwise for name in ("highest", "high"))
+    assert 0 < highest < 1e-5 < high < 1e-2
+    assert not hasattr(frozen, "training")
+
+
 def test_scripted_parts_of_a_python_model_are_said_and_the_rest_broken_down():
     class Host(nn.Module):
         def __init__(self) -> None:

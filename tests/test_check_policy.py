@@ -195,3 +195,18 @@ def test_the_api_verdict_with_a_policy_is_the_policys(sensitive, monkeypatch):
     assert report.to_dict()["passed"] is True
     assert any("Apply it with `policy.apply(model)`" in line for line in report.conclusion())
     assert any("For comparison, without the policy: at `high`" in line for line in report.conclusion())
+
+
+def test_a_policy_slower_than_highest_is_called_slower_not_0_8x_faster():
+    """Convolutions pinned to IEEE float32 where `highest` runs them in TF32 (cuDNN's default): the policy is slower
+    than `highest`, which the conclusion called "predicted 0.83x faster than `highest`"."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv1d(1, 64, 63), torch.nn.ReLU(), torch.nn.Conv1d(64, 64, 31),
+                                torch.nn.Flatten(), torch.nn.LazyLinear(16))
+    workload = tf32lab.Workload(model, torch.randn(64, 1, 512), name="convs")
+    report = tf32lab.check(workload, levels=("highest",), policy=Policy("high", [("0", None, "ieee"),
+                                                                                  ("2", None, "ieee")]))
+    row = report.level("policy")
+    assert row.passed and row.speedup < 0.95, row.speedup
+    sentence = next(line for line in report.conclusion() if line.startswith("The policy ("))
+    assert "faster" not in sentence and f"{1 / row.speedup:.2f}x slower than `highest`" in sentence, sentence

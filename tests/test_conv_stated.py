@@ -281,3 +281,22 @@ def test_a_policys_mixed_math_on_a_cpu_target_is_not_called_tf32():
                            policy=tf32lab.Policy(default="medium", rules=[("head", "highest")]))
     sentence = _sentence(report, "RNNs ran")
     assert "bf16 or IEEE float32 by module with the policy" in sentence and "TF32" not in sentence, sentence
+
+
+class ConvThenLstm(nn.Module):
+    """No matmul at all: a level's own share is 0, but the families' shares summed in another order left -1e-16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.conv2, self.lstm = nn.Conv1d(8, 24, 5), nn.Conv1d(24, 24, 3), nn.LSTM(24, 48, batch_first=True)
+
+    def forward(self, x):
+        return self.lstm(self.conv2(self.conv(x)).transpose(1, 2))[0]
+
+
+def test_a_model_with_no_matmul_is_told_its_level_changes_0_percent_not_minus_0():
+    torch.manual_seed(0)
+    report = tf32lab.check(tf32lab.Workload(ConvThenLstm(), torch.randn(2, 8, 50), name="conv-lstm"),
+                           levels=("highest", "high"))
+    advice = report.conclusion()[0]
+    assert "the level changes only the matmul-family ops, 0% of its predicted time" in advice, advice

@@ -233,3 +233,26 @@ def test_use_cache_takes_numpys_bools(masked):
 
     report = tf32lab.check_generation(masked, new_tokens=2, prompts=[[1, 2]], levels=("high",), use_cache=np.True_)
     assert report.levels
+
+
+class RecurrentDecoder(torch.nn.Module):
+    """An LSTM language model: ids [batch, seq] -> logits, every step run over the whole sequence."""
+
+    def __init__(self, vocab: int = 40) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, 16)
+        self.lstm = torch.nn.LSTM(16, 64, batch_first=True)
+        self.out = torch.nn.Linear(64, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.lstm(self.embed(ids))[0])
+
+
+def test_the_floor_of_an_lstm_decoder_runs_at_cudnns_rnn_math_not_natively():
+    """An emulated LSTM's GEMMs are counted as ``aten::linear``: the rows seemed to meet the matmul family only,
+    IEEE at `highest` on an A100, so the floor ran natively, the LSTM in IEEE float32 where cuDNN's RNN flag (TF32
+    by default) makes an A100 run it in TF32 at `highest`."""
+    torch.manual_seed(0)
+    report = tf32lab.check_generation(RecurrentDecoder(), new_tokens=3, prompts=[[1, 2, 3, 4]],
+                                      levels=("highest", "high"))
+    assert report.floor.coverage, report.floor

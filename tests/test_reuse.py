@@ -215,8 +215,8 @@ def test_nothing_is_kept_for_a_level_whose_layers_only_are_rerun(monkeypatch) ->
 
 
 class _Cells(torch.nn.Module):
-    """An RNN cell run step by step: aten::lstm_cell (the rnn family) breaks down into aten::linear, whose GEMMs a GPU
-    computes at the matmul level, not cuDNN's RNN flag."""
+    """An RNN cell run step by step: aten::lstm_cell breaks down into aten::linear, whose GEMMs a GPU computes at the
+    matmul level, not cuDNN's RNN flag (the matmul family in the op table)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()

@@ -103,6 +103,40 @@ def test_an_emulated_rnns_steps_do_not_pass_the_counting_mode(monkeypatch):
     assert len(seen) < 20, f"{len(seen)} ops through the counting mode"
 
 
+@pytest.mark.parametrize(("kind", "gates"), [("LSTMCell", 4), ("GRUCell", 3), ("RNNCell", 1)])
+def test_an_rnn_cell_is_counted_as_the_two_cublas_gemms_it_is_at_the_matmul_level(kind, gates):
+    """``nn.LSTMCell`` & co. run ``aten::lstm_cell``, which PyTorch breaks down into two ``linear``s (cuBLAS, the
+    matmul flag) and a fused pointwise kernel: no cuDNN. Seen whole under inference mode, it was counted as the rnn
+    family by its bytes only, and a model of LSTM cells was predicted no faster at `high` ("RNNs, 97%, run at
+    cuDNN's own flag") while its GEMMs ran TF32 there."""
+    cell = getattr(torch.nn, kind)(256, 512)
+    with Counting() as counts, torch.inference_mode():
+        cell(torch.randn(64, 256))
+    family = [c for c in counts.ops if c.family is not None]
+    assert [(c.family, c.gemms) for c in family] == [
+        ("matmul", ((1, 1, 64, gates * 512, 256), (1, 1, 64, gates * 512, 512)))]
+    assert not counts.uncounted
+
+
+def test_a_model_of_lstm_cells_is_predicted_faster_at_high_and_its_cells_not_called_cudnns():
+    class Cells(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cell = torch.nn.LSTMCell(1024, 1024)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = c = torch.zeros(x.shape[1], 1024)
+            for t in range(x.shape[0]):
+                h, c = self.cell(x[t], (h, c))
+            return h
+
+    torch.manual_seed(0)
+    report = tf32lab.check(tf32lab.Workload(Cells(), torch.randn(4, 512, 1024), name="cells"),
+                           levels=("highest", "high"))
+    assert report.level("high").speedup > 1.5
+    assert "rnn" not in report.speed.levels[0].shares and "RNNs" not in report.conclusion()[0]
+
+
 def test_counting_with_autograd_on_sees_what_the_cpu_runs():
     lstm = torch.nn.LSTM(8, 32)
     with Counting(lstm) as counts:

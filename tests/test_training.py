@@ -652,3 +652,30 @@ def test_ops_that_ran_without_emulation_are_said_in_the_conclusion():
     assert report.level("high").unhandled
     assert any(line.startswith("Some matmul-family ops ran without emulation (aten::scaled_dot_product_attention")
                for line in report.conclusion())
+
+
+class Recurrent(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = torch.nn.LSTM(8, 32, batch_first=True)
+        self.head = torch.nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0][:, -1])
+
+
+@pytest.mark.parametrize("conv", [None, "ieee"])
+def test_the_floor_of_an_lstm_runs_at_cudnns_rnn_math_not_natively(conv):
+    """An emulated LSTM's GEMMs are counted as ``aten::linear``/``aten::mm``: the rows seemed to meet the matmul
+    family only, which an A100 computes IEEE at `highest`, so the floor (and `highest`, computed alike) ran natively
+    in IEEE float32, where cuDNN's RNN flag (TF32 by default) makes an A100 run the LSTM in TF32 at `highest`."""
+    torch.manual_seed(0)
+    batches = [(torch.randn(16, 20, 8), torch.randn(16, 1)) for _ in range(2)]
+    workload = TrainingWorkload(Recurrent(), batches, loss=lambda out, b: (out - b[1]).pow(2).mean(),
+                                inputs=lambda b: b[0], optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    report = check_training(workload, levels=("highest", "high"), target="a100", speed=False, conv=conv)
+    lstm = {g.name: g.normwise for g in report.level("highest").gradients if g.name.startswith("lstm.")}
+    if conv is None:  # TF32 in the LSTM at `highest`, emulated: its gradients a TF32 rounding away from float64's
+        assert report.floor.coverage and min(lstm.values()) > 1e-5, lstm
+    else:  # IEEE at `highest` for every family met: native float32 may stand for it
+        assert max(lstm.values()) < 1e-5, lstm

@@ -56,7 +56,7 @@ from tf32lab.numbers import formats
 from tf32lab.numbers.trees import operand_tensors
 
 __all__ = ["ACCUMULATIONS", "COMPOSITES_EMULATED", "RECOMPUTES_EMULATED", "Treatment", "check_accumulation", "emulate",
-           "maths", "treatment"]
+           "families_met", "maths", "treatment"]
 
 # How emulate() sums a GEMM's products: "ideal" (exact products, float32 sums as the CPU's BLAS orders them) or
 # "hardware" (the target's unit, bit for bit, chained along K: tf32lab.numbers.accumulation).
@@ -1176,6 +1176,7 @@ class _FunctionMode(TorchFunctionMode):
                         return _handed(entry, call.op, "attention", args, kwargs,
                                        lambda: rules.sdpa_function(call, func, args, kwargs))
                 elif _holds(args):
+                    entry.emu.rnns_met = True  # its GEMMs are counted as aten::linear / aten::mm (families_met)
                     return _handed(entry, f"aten::{rules.RNN_FUNCTIONS[func]}", "rnn", args, kwargs,
                                    lambda: _rnn(entry, func, args, kwargs))
         if func in _KEEP_ON and _redispatch is not None and _skips_none_but_this(types):
@@ -1328,6 +1329,7 @@ class emulate(contextlib.ContextDecorator):
         self.strict = bool(strict)
         self.coverage: collections.Counter[tuple[str, str]] = collections.Counter()
         self.unhandled: collections.Counter[str] = collections.Counter()
+        self.rnns_met = False  # an RNN ran whole: at the rnn key's math, its GEMMs in coverage as aten::linear/mm
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -1390,6 +1392,22 @@ class emulate(contextlib.ContextDecorator):
             raise Tf32LabError(
                 f"emulate(strict=True): {op} belongs to a precision-sensitive family but has no emulation rule "
                 "and does not decompose; it would run with the native math")
+
+
+def families_met(emu: emulate) -> set[Optional[str]]:
+    """The op families a block computed (None: an op of no family, unhandled): those of its ``coverage`` and
+    ``unhandled`` ops, and ``rnn`` where an RNN ran whole, whose GEMMs its coverage counts as ``aten::linear`` and
+    ``aten::mm`` at the RNN's math (cuDNN's flag on a GPU), not the matmul level's.
+
+    >>> import torch
+    >>> lstm = torch.nn.LSTM(4, 8)
+    >>> with emulate("a100") as emu:
+    ...     _ = lstm(torch.randn(3, 2, 4))
+    >>> sorted(families_met(emu)), sorted(op for op, _ in emu.coverage)
+    (['matmul', 'rnn'], ['aten::linear'])
+    """
+    found = {optable.family(op) for op, _ in emu.coverage} | {optable.family(op.split()[0]) for op in emu.unhandled}
+    return found | {"rnn"} if emu.rnns_met else found
 
 
 def _closed(node: scope.Emulation) -> None:

@@ -10,8 +10,9 @@ its levels one after another: the first run keeps (:meth:`Handoff.record`) the r
 the next (:meth:`Handoff.replay`) takes them instead of computing them again, in the same order, each op checked
 against the one kept (its name, its operands' shapes and dtypes, its other arguments) and its coverage counted
 as the first run counted it. The first op that does not match, or whose family the two levels compute apart,
-ends the hand-off for the rest of the run; so does one of a family computed alike that breaks down into ops of
-another (``aten::lstm_cell`` into ``aten::linear``, GEMMs at the matmul level), and one that draws random numbers
+ends the hand-off for the rest of the run (``aten::lstm_cell``: two ``aten::linear``, GEMMs at the matmul level,
+so of the matmul family, ``know.optable``); so does one of a family computed alike inside which an op of a family
+computed apart ran, and one that draws random numbers
 (an RNN's dropout between its layers, in train mode): taken, it would not draw, and every later draw of the run
 would be another; and one whose result is in an autograd graph (a gradient taken inside the forward).
 

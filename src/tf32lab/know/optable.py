@@ -78,6 +78,9 @@ OPS: dict[str, Op] = {
     **_group("matmul", "decomposes", """
         matmul linalg_matmul einsum tensordot inner bilinear chain_matmul linalg_multi_dot cdist matrix_power
         linalg_matrix_power conv_tbc_backward matrix_exp matrix_exp_backward"""),
+    # an RNN cell is two ``linear``s (cuBLAS) and a fused pointwise kernel, no cuDNN: aten/src/ATen/native/RNN.cpp
+    # (``LSTMCell``, ``GRUCell``, ``SimpleCell``: ``params.linear_ih(input)``, ``params.linear_hh(hx)``)
+    **_group("matmul", "decomposes", "lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell"),
     **_group("matmul", "no_tf32", "linalg_pinv pinverse"),
     **_group("matmul", "kernel", "linalg_matrix_exp _foreach_mm _grouped_mm", _INSIDE),
     **_group("matmul", "kernel", """
@@ -104,7 +107,6 @@ OPS: dict[str, Op] = {
         convolution_overrideable convolution_backward_overrideable""", _BACKEND),
     # -- recurrent: cuDNN RNN kernels (the cuDNN rnn flag) -----------------------------------------------------
     **_group("rnn", "kernel", "lstm gru rnn_tanh rnn_relu"),
-    **_group("rnn", "decomposes", "lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell"),
     **_group("rnn", "kernel", """
         _cudnn_rnn _cudnn_rnn_backward miopen_rnn miopen_rnn_backward mkldnn_rnn_layer mkldnn_rnn_layer_backward
         _lstm_mps lstm_mps_backward""", _BACKEND),

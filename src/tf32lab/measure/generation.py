@@ -52,9 +52,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from tf32lab.emulation.emulator import check_accumulation, context_cells, release_buffers
+from tf32lab.emulation.emulator import check_accumulation, context_cells, families_met, release_buffers
 from tf32lab.errors import Tf32LabError
-from tf32lab.know import optable
 from tf32lab.know.levels import LEVELS, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
@@ -511,8 +510,7 @@ class _Generation:
                                    _counts(emu, "coverage"), _counts(emu, "unhandled"),
                                    time.perf_counter() - started, failure=described(exc))
         if emu is not None:
-            self.families |= {optable.family(op) for op, _ in emu.coverage} | \
-                {optable.family(op.split()[0]) for op in emu.unhandled}
+            self.families |= families_met(emu)
         ref = self.reference
         divergence = tuple(next((s + 1 for s, (a, b) in enumerate(zip(mine[:end], theirs[:end])) if a != b), None)
                            for mine, theirs, end in zip(run.tokens, ref.tokens, self.ends))

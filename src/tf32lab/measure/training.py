@@ -51,9 +51,8 @@ import torch
 from tf32lab.control import flags
 from tf32lab.control.policy import Policy
 from tf32lab.control.scope import precision, set_float32_matmul_precision
-from tf32lab.emulation.emulator import check_accumulation, context_cells, emulate, release_buffers
+from tf32lab.emulation.emulator import check_accumulation, context_cells, emulate, families_met, release_buffers
 from tf32lab.errors import Tf32LabError
-from tf32lab.know import optable
 from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
@@ -243,6 +242,7 @@ class _Run:
     failed_step: Optional[int] = None
     coverage: dict[str, int] = dataclasses.field(default_factory=dict)
     unhandled: dict[str, int] = dataclasses.field(default_factory=dict)
+    families: set[Optional[str]] = dataclasses.field(default_factory=set)  # emulator.families_met
 
 
 class TrainingSession:
@@ -259,7 +259,7 @@ class TrainingSession:
         self.seed = int(torch.randint(0, 2**31 - 1, ()))  # drawn inside the kept random state: the caller's is intact
         self.names = [name for name, p in self.saved.named_parameters() if p.requires_grad]
         self.runs = 0  # float32 rows trained
-        self.families: set[str] = set()  # the op families the emulated rows ran (None: an op of no family)
+        self.families: set[Optional[str]] = set()  # the op families the emulated rows ran (None: an op of no family)
         self._floor: Optional[TrainingLevel] = None
         self._batches: dict[int, Any] = {}
         self._speed_notes: list[str] = []
@@ -389,7 +389,7 @@ class TrainingSession:
         self.runs += 1
         cells = context_cells()
         run = self._train(torch.float32, level, policy, emulated=emulated)
-        self.families |= {optable.family(key.split()[0]) for key in (*run.coverage, *run.unhandled)}
+        self.families |= run.families
         maths = {} if not self.target.emulated else (
             policy_maths(policy, self.target, cells) if policy else self.target.maths_at(level, cells))
         deviations = tuple(_deviation(x, r) for x, r in zip(run.losses, self.reference.losses)
@@ -480,6 +480,7 @@ class TrainingSession:
         if emu is not None:
             run.coverage = {f"{op} {m}": n for (op, m), n in sorted(emu.coverage.items())}
             run.unhandled = dict(sorted(emu.unhandled.items()))
+            run.families = families_met(emu)
         if run.failure is not None:
             run.model = run.optimizer = None
         return run

@@ -307,11 +307,23 @@ def _policy_sentence(row: LevelResult, where: str, policy_file: Optional[str] = 
         worst = row.worst
         measured = (f"worst normwise {worst.normwise:.1e} (output {worst.name!r}) against tolerance "
                     f"{given(worst.tolerance)}" if worst is not None and not worst.exact else "every output equal")
-        faster = f" and predicted {row.speedup:.2f}x faster than `highest` there" if row.speedup is not None else ""
+        faster = "" if row.speedup is None else f" and predicted {_than_highest(row.speedup)} there"
         apply = (f"`tf32lab.Policy.load({_quoted(policy_file)}).apply(model)`" if policy_file is not None
                  else "`policy.apply(model)` (the Policy given to check)")
         return f"The policy ({summary}) is within tolerance {where}{faster}: {measured}. Apply it with {apply}."
     return f"The policy ({summary}) fails: {_why_failed(row)}."
+
+
+def _than_highest(speedup: float) -> str:
+    """A predicted speedup over `highest` in words; below 1 (a policy that pins convolutions to IEEE where
+    `highest` runs them in TF32) as a slowdown, not "0.36x faster".
+
+    >>> _than_highest(1.5), _than_highest(0.5)
+    ('1.50x faster than `highest`', '2.00x slower than `highest`')
+    """
+    if speedup < 1:
+        return f"{1 / speedup:.2f}x slower than `highest`"
+    return f"{speedup:.2f}x faster than `highest`"
 
 
 def _quoted(path: str) -> str:

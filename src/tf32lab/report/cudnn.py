@@ -205,7 +205,8 @@ def _cudnn_shares(speed_level: Any) -> dict[str, float]:
 def level_share(speed_level: Any) -> float:
     """The share of a level's predicted time in the families a level sets: its ``family_share`` less the
     convolutions' and RNNs' (cuDNN's flag sets those), where the shares are known."""
-    return speed_level.family_share - sum(_cudnn_shares(speed_level).values())
+    # at least 0: the shares summed in another order than ``family_share`` left -1e-16 ("-0%") with no matmul at all
+    return max(0.0, speed_level.family_share - sum(_cudnn_shares(speed_level).values()))
 
 
 def why_little(report: Report, level: str) -> Optional[str]:

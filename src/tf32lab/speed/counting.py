@@ -82,6 +82,9 @@ def _shape_prod(shape: Any) -> int:
     return math.prod(int(s) for s in shape)
 
 
+_CELLS = frozenset(["lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell"])
+
+
 def _gemms(name: str, family: Optional[str], a: dict[str, Any], out: Any) -> Optional[tuple[Gemm, ...]]:
     """The GEMMs of a product op (``a``: its arguments by name), or None when no formula covers it."""
     if name in ("mm", "bmm"):
@@ -132,6 +135,11 @@ def _gemms(name: str, family: Optional[str], a: dict[str, Any], out: Any) -> Opt
         return ((1, batch, length, keys, e), (1, batch, length, ev, keys))
     if family == "attention" and name.endswith("backward") and isinstance(a.get("query"), torch.Tensor):
         return None
+    if name in _CELLS:  # one step: the input's and the hidden state's products, each ``linear`` (RNN.cpp)
+        x, h, w_ih, w_hh = a["input"], a["hx"], a["w_ih"], a["w_hh"]
+        h = h[0] if isinstance(h, (list, tuple)) else h  # an LSTM cell's (h, c)
+        rows, gates = _shape_prod(x.shape[:-1]), int(w_ih.shape[0])
+        return ((1, 1, rows, gates, int(w_ih.shape[1])), (1, 1, _shape_prod(h.shape[:-1]), gates, int(w_hh.shape[1])))
     if name in ("lstm", "gru", "rnn_tanh", "rnn_relu") and "params" in a:
         return _rnn_gemms(a)
     if name == "mkldnn_rnn_layer":  # one layer of a CPU LSTM with autograd on: what cuDNN's RNN would run

@@ -82,8 +82,13 @@ def check_float32(model: torch.nn.Module, name: str) -> None:
 @contextlib.contextmanager
 def eval_mode(model: torch.nn.Module) -> Iterator[None]:
     """Eval mode while measuring (dropout would make runs differ), each module's own mode restored after."""
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
+    # a frozen TorchScript module (torch.jit.freeze, optimize_for_inference) has no ``training``: frozen in eval mode
+    modes = [(module, module.training) for module in model.modules() if hasattr(module, "training")]
+    if hasattr(model, "training"):
+        model.eval()
+    else:
+        for module, _ in modes:
+            module.eval()
     try:
         yield
     finally:
