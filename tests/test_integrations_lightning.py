@@ -546,3 +546,26 @@ def test_a_gradient_accumulation_scheduler_is_followed_as_the_run_follows_it(tmp
                   **options).fit(modules.Plain(), DataLoader(data(64), batch_size=8))
         checks.append(check.report.reference_losses)
     assert checks[0] == pytest.approx(checks[1], rel=1e-12)
+
+
+def test_a_run_resumed_at_a_later_epoch_is_checked_on_that_epochs_order(tmp_path):
+    # a sampler with set_epoch (the DistributedSampler Lightning puts in under DDP) shuffles by epoch, which the fit
+    # loop sets as the epoch starts, after on_train_start: resumed after epoch 0, the run reads epoch 1's order, and
+    # the check read epoch 0's (its float64 first loss 1.136 where the run logged 0.797)
+    def loader():
+        return DataLoader(data(64), batch_size=8, sampler=torch.utils.data.DistributedSampler(
+            data(64), num_replicas=1, rank=0, shuffle=True, seed=0))
+
+    options = {"default_root_dir": tmp_path, "enable_progress_bar": False, "enable_model_summary": False}
+    torch.manual_seed(0)
+    L.Trainer(logger=False, max_epochs=1, **options).fit(modules.Plain(), loader())
+    saved = next(Path(tmp_path).rglob("*.ckpt"))
+    check = lightning.Tf32Check(steps=3, levels=("highest",))
+    logger = L.loggers.CSVLogger(tmp_path, name="run")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on workers
+        L.Trainer(callbacks=[check], logger=logger, max_epochs=2, enable_checkpointing=False, log_every_n_steps=1,
+                  **options).fit(modules.Plain(), loader(), ckpt_path=saved)
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        logged = [float(row["train_loss"]) for row in csv.DictReader(f) if row.get("train_loss")]
+    assert check.report.reference_losses == pytest.approx(logged[:3], rel=1e-4)

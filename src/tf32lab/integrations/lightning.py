@@ -178,6 +178,7 @@ class Tf32Check(L.Callback):
         # the states now. The check's pass is made and read so.
         fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
         seeds: list[Any] = []
+        _at_the_runs_epoch(loader, trainer.fit_loop.epoch_progress.current.processed)
 
         def iterate(one: Any) -> Iterator[Any]:
             made = _combined(trainer, one)
@@ -391,6 +392,23 @@ def _steps_between(frequency: int, accumulate: int) -> int:
     (2, 1, 3, 2)
     """
     return frequency // math.gcd(frequency, accumulate)
+
+
+def _at_the_runs_epoch(loader: Any, epoch: int) -> None:
+    """Each sampler of ``loader`` with a ``set_epoch`` (``DistributedSampler``, the one Lightning puts in under DDP)
+    set to the epoch the run trains first, as Lightning's fit loop sets it as the epoch starts
+    (``FitLoop.on_advance_start``, after ``on_train_start``), before the run reads its first batch: a run resumed
+    at epoch 2 reads epoch 2's order, and so does the check (it read epoch 0's). The same value as the loop sets
+    next, so the run is untouched. A loader with workers is left alone: its iterator, made before
+    ``on_train_start``, drew its first order at the epoch its sampler was at then."""
+    for one in _loop.loaders(loader):
+        if getattr(one, "num_workers", 0) > 0:
+            continue
+        samplers = {id(s): s for s in (getattr(one, "sampler", None),
+                                       getattr(getattr(one, "batch_sampler", None), "sampler", None)) if s is not None}
+        for sampler in samplers.values():
+            if callable(getattr(sampler, "set_epoch", None)):
+                sampler.set_epoch(epoch)
 
 
 def _made_elsewhere(trainer: Any, loader: Any, seeds: list[Any]) -> bool:
