@@ -234,3 +234,10 @@ class Counted(Regression):
         gc.collect()  # what is reachable, not what a cycle keeps until the collector's next pass
         Counted.alive.append(sum(isinstance(o, torch.optim.Optimizer) for o in gc.get_objects()))
         return super().training_step(batch, batch_idx)
+
+
+class FreezesAtTrainStart(Plain):
+    """Freezes its first layer in its own on_train_start, which Lightning calls after the callbacks'."""
+
+    def on_train_start(self):
+        self.net[0].requires_grad_(False)

@@ -207,6 +207,14 @@ class Tf32Check(L.Callback):
                 f"the train dataloader has {len(batches)} batches"
             notes.append(f"{where}: {len(steps)} of the {self.steps} steps asked for were checked, the first "
                          f"epoch's")
+        # Lightning calls the callbacks' on_train_start before the module's, and the module's on_train_epoch_start
+        # after it (FitLoop.on_run_start, on_advance_start): what the module sets there comes after the check
+        later = [hook for hook in _LATER_HOOKS if _overrides(module, hook)]
+        if later:
+            notes.append(f"the module's own {' and '.join(later)} ran after the check (Lightning calls the "
+                         f"callbacks' on_train_start first): what it changes before the first step (a layer "
+                         f"frozen, a learning rate) is not in the check; change it in setup or on_fit_start to "
+                         f"have it checked")
         precision = str(trainer.precision)
         if precision in _MIXED:
             notes.append(f"the run trains at precision {precision!r}: its matmuls run in {_MIXED[precision]}, "
@@ -434,6 +442,8 @@ _STEP = "_tf32lab_step"  # where a row's copy keeps the check's step
 
 # the module's hooks that change what a step computes, in Lightning's automatic optimization (its callbacks' own
 # hooks are the run's, and are left out: they see the run, not the check's copies)
+# the module's hooks that Lightning calls after the callbacks' on_train_start and before the first step
+_LATER_HOOKS = ("on_train_start", "on_train_epoch_start")
 _STEP_HOOKS = ("optimizer_step", "on_before_optimizer_step", "configure_gradient_clipping")
 _BACKWARD_HOOKS = ("on_before_zero_grad", "optimizer_zero_grad", "on_before_backward", "backward",
                    "on_after_backward")
