@@ -241,3 +241,43 @@ class FreezesAtTrainStart(Plain):
 
     def on_train_start(self):
         self.net[0].requires_grad_(False)
+
+
+class TwoManual(Plain):
+    """Manual optimization of its two layers by two optimizers (the base of the two below)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
+
+
+class UsesItsLightningOptimizers(TwoManual):
+    """Uses what `self.optimizers()` gives beyond a torch optimizer: `toggle_model()` and `.optimizer`."""
+
+    def training_step(self, batch, batch_idx):
+        loss = (self(batch[0]) - batch[1]).pow(2).mean()
+        self.manual_backward(loss)
+        for optimizer in self.optimizers():
+            with optimizer.toggle_model():
+                for group in optimizer.optimizer.param_groups:
+                    group["lr"] = 0.05
+                optimizer.step()
+                optimizer.zero_grad()
+        self.log("train_loss", loss)
+        return loss
+
+
+class ScalesByItsGlobalStep(TwoManual):
+    """Reads `self.global_step`, which Lightning counts each optimizer's step in manual optimization: two a batch."""
+
+    def training_step(self, batch, batch_idx):
+        loss = (self(batch[0]) - batch[1]).pow(2).mean() * (1.0 + self.global_step)
+        self.manual_backward(loss)
+        for optimizer in self.optimizers():
+            optimizer.step()
+            optimizer.zero_grad()
+        self.log("train_loss", loss)
+        return loss

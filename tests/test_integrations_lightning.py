@@ -578,3 +578,13 @@ def test_what_the_modules_own_on_train_start_changes_after_the_check_is_said(tmp
     fit(tmp_path, modules.FreezesAtTrainStart, callback=check, dataset=data(64), max_epochs=1)
     assert any("the module's own on_train_start ran after the check" in note for note in check.report.notes), \
         check.report.notes
+
+
+@pytest.mark.parametrize("name", ["UsesItsLightningOptimizers", "ScalesByItsGlobalStep"])
+def test_manual_optimization_is_checked_as_lightnings_optimizers_and_global_step_are(tmp_path, name):
+    # self.optimizers() gives LightningOptimizers (toggle_model(), .optimizer): the copies' had neither, and the
+    # check could not run; self.global_step counts each optimizer's step (two a batch here): the check's counted
+    # batches (its third loss 1.71 where the run logged 3.20)
+    check = lightning.Tf32Check(steps=3, levels=("highest",), on_fail="raise")
+    _, losses, _, _ = fit(tmp_path, getattr(modules, name), callback=check, dataset=data(64), max_epochs=1)
+    assert check.report.reference_losses == pytest.approx([float(v) for _, v in losses[:3]], rel=1e-4)

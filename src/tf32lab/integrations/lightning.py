@@ -46,7 +46,7 @@ import contextlib
 import copy
 import inspect
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Optional, Union
 
 import torch
@@ -312,7 +312,9 @@ class Tf32Check(L.Callback):
         def loss(model: Any, micro: list[Any], step: int) -> torch.Tensor:
             # Lightning backpropagates each micro-batch's loss over accumulate_grad_batches (their mean's gradient);
             # a micro-batch whose training_step returned None is skipped, backpropagating nothing
-            model.__dict__[_STEP] = at["step"] = step  # global_step: the run's at the check's step
+            # global_step: the run's at the check's step; in manual optimization Lightning counts each optimizer's
+            # step (two optimizers stepped a batch: two), as the row's own optimizers have counted them
+            model.__dict__[_STEP] = at["step"] = bundle_of(model).steps if manual else step
             values = backpropagated(model, micro, step) if backward else \
                 [one(model, batch, step * accumulate + i) for i, batch in enumerate(micro)]
             kept = [v for v in values if v is not None]
@@ -335,7 +337,7 @@ class Tf32Check(L.Callback):
             at.update(model=model, loss=total)
             return total
 
-        around = (lambda model: _manual(model, bundle_of(model), recorded)) if manual else None
+        around = (lambda model: _manual(model, bundle_of(model), recorded, at)) if manual else None
         model = _loop.stepping_copy(module, members=_outside_the_run(trainer, at))
         if manual and isinstance(trainer.max_steps, int) and trainer.max_steps > 0:
             left = trainer.max_steps - int(trainer.global_step)
@@ -369,8 +371,8 @@ def _manual_batches(model: Any, steps: list[tuple[int, list[Any]]], left: int, b
             for ran, (step, micro) in enumerate(steps):
                 if stepped[0] >= left:
                     return ran
-                copied.__dict__[_STEP] = at["step"] = step
-                with _manual(copied, bundle, recorded):
+                copied.__dict__[_STEP] = at["step"] = bundle.steps
+                with _manual(copied, bundle, recorded, at):
                     for i, batch in enumerate(micro):
                         one(copied, batch, step * len(micro) + i)
     finally:
@@ -455,13 +457,16 @@ def _overrides(module: Any, hook: str) -> bool:
 
 
 class _RowOptimizer:
-    """What a module's ``optimizer_step`` is given (Lightning's ``LightningOptimizer``), over a row's optimizer:
-    ``step(closure)`` runs the closure (the step's loss, already backpropagated), then the module's
-    ``on_before_optimizer_step`` and ``configure_gradient_clipping`` with the Trainer's ``gradient_clip_val``, then
-    the row's optimizer step, as the Trainer's precision plugin does."""
+    """What a module's ``optimizer_step`` is given, and its ``self.optimizers()`` in manual optimization (Lightning's
+    ``LightningOptimizer``), over a row's optimizer: ``step(closure)`` runs the closure (the step's loss, already
+    backpropagated), then ``clipped()`` (the module's ``on_before_optimizer_step`` and, in automatic optimization,
+    ``configure_gradient_clipping`` with the Trainer's ``gradient_clip_val``), then the row's optimizer step, as
+    the Trainer's precision plugin does, then ``stepped()``; ``optimizer`` is the row's optimizer and
+    ``toggle_model()`` toggles it on ``model`` (the row's copy), as Lightning's do."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, clipped: Any) -> None:
-        self.optimizer, self._clipped = optimizer, clipped
+    def __init__(self, optimizer: torch.optim.Optimizer, clipped: Any, model: Any = None,
+                 stepped: Optional[Callable[[], None]] = None) -> None:
+        self.optimizer, self._clipped, self._model, self._stepped = optimizer, clipped, model, stepped
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -474,11 +479,27 @@ class _RowOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
     def step(self, closure: Any = None, **kwargs: Any) -> Any:
         result = closure() if closure is not None else None
         self._clipped()  # on_before_optimizer_step, then the clipping
         self.optimizer.step(**kwargs)
+        if self._stepped is not None:
+            self._stepped()
         return result
+
+    @contextlib.contextmanager
+    def toggle_model(self, sync_grad: bool = True) -> Iterator[None]:
+        """``LightningOptimizer.toggle_model``: the row's copy's ``toggle_optimizer`` around the block
+        (``sync_grad`` holds DDP's gradient sync, which a copy has none of)."""
+        self._model.toggle_optimizer(self)
+        try:
+            yield
+        finally:
+            self._model.untoggle_optimizer(self)
 
 
 class _ModuleScheduled:
@@ -577,14 +598,20 @@ def _takes_index(module: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _manual(model: Any, bundle: _loop.Steps, recorded: list[torch.Tensor]) -> Iterator[None]:
+def _manual(model: Any, bundle: _loop.Steps, recorded: list[torch.Tensor], at: dict[str, Any]) -> Iterator[None]:
     """A row's copy in manual optimization: ``self.optimizers()``, ``self.lr_schedulers()``,
     ``self.manual_backward``, ``toggle_optimizer``/``untoggle_optimizer`` and ``clip_gradients`` bound to the row's
     own optimizers and schedulers (the copy has no trainer); ``manual_backward`` and the optimizers' ``step``
     call the module's own hooks around them as Lightning's do."""
-    optimizers: list[Any] = list(bundle.optimizers)
-    if _overrides(model, "on_before_optimizer_step"):  # Lightning's optimizer calls it after the step's closure
-        optimizers = [_RowOptimizer(o, lambda o=o: model.on_before_optimizer_step(o)) for o in optimizers]
+    raw: list[Any] = list(bundle.optimizers)
+    hooked = _overrides(model, "on_before_optimizer_step")  # Lightning's optimizer calls it after the step's closure
+
+    def stepped() -> None:  # Lightning's global_step counts each optimizer's step, at once (its optimizer's hook)
+        bundle.steps += 1  # Steps.step does nothing in manual optimization: its count is these steps
+        model.__dict__[_STEP] = at["step"] = bundle.steps
+
+    optimizers = [_RowOptimizer(o, (lambda o=o: model.on_before_optimizer_step(o)) if hooked else (lambda: None),
+                                model, stepped) for o in raw]
     schedulers = [s for s, _ in bundle.schedulers]
     toggled: dict[torch.Tensor, bool] = {}
 
@@ -618,7 +645,7 @@ def _manual(model: Any, bundle: _loop.Steps, recorded: list[torch.Tensor]) -> It
                                  str(algorithm).lower())
 
     bound = {
-        "optimizers": lambda use_pl_optimizer=True: optimizers[0] if len(optimizers) == 1 else list(optimizers),
+        "optimizers": lambda use_pl_optimizer=True: _one_or_all(optimizers if use_pl_optimizer else raw),
         "lr_schedulers": lambda: None if not schedulers else schedulers[0] if len(schedulers) == 1 else schedulers,
         "manual_backward": backward, "toggle_optimizer": toggle, "untoggle_optimizer": untoggle,
         "clip_gradients": clip,
@@ -631,3 +658,8 @@ def _manual(model: Any, bundle: _loop.Steps, recorded: list[torch.Tensor]) -> It
         for name in bound:
             model.__dict__.pop(name, None)
         untoggle(None)
+
+
+def _one_or_all(items: list[Any]) -> Any:
+    """What ``LightningModule.optimizers()`` returns: the one optimizer, or the list of them."""
+    return items[0] if len(items) == 1 else list(items)
