@@ -588,3 +588,19 @@ def test_manual_optimization_is_checked_as_lightnings_optimizers_and_global_step
     check = lightning.Tf32Check(steps=3, levels=("highest",), on_fail="raise")
     _, losses, _, _ = fit(tmp_path, getattr(modules, name), callback=check, dataset=data(64), max_epochs=1)
     assert check.report.reference_losses == pytest.approx([float(v) for _, v in losses[:3]], rel=1e-4)
+
+
+def test_an_augmentation_in_the_main_process_beside_dropout_is_said_to_draw_otherwise(tmp_path):
+    # the run reads a batch, trains a step (its dropout draws), reads the next: the check reads its batches at once,
+    # and its second batch was augmented with other draws than the run's (a row sum of 29.44 where the run's was
+    # 31.69), without a word; with workers (streams of their own) it reads the run's own, and says nothing
+    notes = []
+    for workers in (0, 1):
+        check = lightning.Tf32Check(steps=2, levels=("highest",))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Lightning's advice on the number of workers
+            L.Trainer(callbacks=[check], default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+                      enable_checkpointing=False, enable_model_summary=False, max_steps=2).fit(
+                modules.Regression(), DataLoader(Augmented(), batch_size=8, num_workers=workers))
+        notes.append(any("augmented with other draws" in note for note in check.report.notes))
+    assert notes == [True, False]

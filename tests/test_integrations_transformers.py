@@ -448,3 +448,14 @@ def test_a_constant_schedule_is_not_stepped_in_the_rows_and_changes_no_number(tm
         assert made["losses"] == before["losses"] and made["drift"] == before["drift"]
     assert reports[0].floor.losses == check.report.floor.losses
     assert reports[0].reference_losses == check.report.reference_losses
+
+
+def test_an_augmentation_in_the_main_process_beside_dropout_is_said_to_draw_otherwise(tmp_path):
+    # the Trainer reads a batch, trains a step (its dropout draws), reads the next: the check reads its batches at
+    # once, its second batch shifted with other draws than the run's, without a word; without dropout, no note
+    notes = []
+    for dropout in (0.1, 0.0):
+        check = integration.Tf32CheckCallback(steps=2, levels=("highest",))
+        train(tmp_path / str(dropout), gpt2(dropout), dataset=Augmented(), callback=check, max_steps=2)
+        notes.append(any("augmented with other draws" in note for note in check.report.notes))
+    assert notes == [True, False]

@@ -178,6 +178,7 @@ class Tf32Check(L.Callback):
         # the states now. The check's pass is made and read so.
         fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
         seeds: list[Any] = []
+        per_batch: list[bool] = []
         _at_the_runs_epoch(loader, trainer.fit_loop.epoch_progress.current.processed)
 
         def iterate(one: Any) -> Iterator[Any]:
@@ -188,7 +189,10 @@ class Tf32Check(L.Callback):
         batches = _loop.first_batches(loader, int(per_epoch) if limited else wanted * accumulate,
                                       lambda b: L.utilities.move_data_to_device(b, device), iterate=iterate,
                                       made=self._drawn, before=self._before, generators=self._generators,
-                                      prefetch=len(getattr(fetcher, "batches", ()) or ()))
+                                      prefetch=len(getattr(fetcher, "batches", ()) or ()), per_batch=per_batch)
+        drawn = _loop.interleaved(module, per_batch)
+        if drawn:
+            notes.append(drawn)
         if _made_elsewhere(trainer, loader, seeds):
             notes.append("the train dataloader's own generator was made after the fit started (in a "
                          "train_dataloader hook) and its workers draw the order as a pass is made: the check's "

@@ -158,8 +158,13 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         # a run resumed mid-epoch skips the batches of its epoch it trained before its checkpoint: the check trains
         # the ones the run trains next, at the run's epoch (the sampler's order of that epoch)
         epoch, skipped = _resumed_at(args, state, train_dataloader)
+        per_batch: list[bool] = []
         read = _loop.first_batches(train_dataloader, skipped + wanted * accumulate, lambda b: _moved(b, device),
-                                   iterate=functools.partial(_fresh_pass, epoch=epoch), before=self._drawn)
+                                   iterate=functools.partial(_fresh_pass, epoch=epoch), before=self._drawn,
+                                   per_batch=per_batch)
+        drawn = _loop.interleaved(model, per_batch)
+        if drawn:
+            notes.append(drawn)
         batches = read[skipped:]
         if skipped:
             notes.append(f"the run resumes at step {state.global_step}, {skipped} batches into its epoch: the check "
