@@ -604,3 +604,12 @@ def test_an_augmentation_in_the_main_process_beside_dropout_is_said_to_draw_othe
                 modules.Regression(), DataLoader(Augmented(), batch_size=8, num_workers=workers))
         notes.append(any("augmented with other draws" in note for note in check.report.notes))
     assert notes == [True, False]
+
+
+def test_numpy_numbers_are_taken_and_an_array_for_on_fail_is_one_line():
+    # a sweep's NumPy numbers were refused as what they are ("steps must be a whole number >= 1, not
+    # np.int64(3)"), and an array given as on_fail raised NumPy's ValueError, not one line naming it
+    check = lightning.Tf32Check(steps=np.int64(3), tolerance=np.float32(0.5))
+    assert (check.steps, check.tolerance) == (3, 0.5) and type(check.steps) is int
+    with pytest.raises(Tf32LabError, match=r"^on_fail must be 'raise' or 'warn', not array\("):
+        lightning.Tf32Check(on_fail=np.array(["raise", "warn"]))

@@ -97,7 +97,7 @@ class Options(NamedTuple):
 
 
 def check_on_fail(on_fail: Any) -> str:
-    if on_fail not in ON_FAIL:
+    if not isinstance(on_fail, str) or on_fail not in ON_FAIL:  # an array's == is no bool
         raise Tf32LabError(f"on_fail must be 'raise' or 'warn', not {on_fail!r}")
     return on_fail
 
