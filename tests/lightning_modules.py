@@ -281,3 +281,14 @@ class ScalesByItsGlobalStep(TwoManual):
             optimizer.zero_grad()
         self.log("train_loss", loss)
         return loss
+
+
+class LogsThroughItsLogger(Plain):
+    """Writes to its logger itself (`self.logger`, and the experiment of `self.trainer.logger`), as a training_step
+    logging an image or a histogram does."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.logger.log_metrics({"direct": float(loss)}, step=self.global_step)
+        self.trainer.logger.experiment.log_metrics({"through": float(loss)}, self.global_step)
+        return loss

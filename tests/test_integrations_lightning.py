@@ -613,3 +613,17 @@ def test_numpy_numbers_are_taken_and_an_array_for_on_fail_is_one_line():
     assert (check.steps, check.tolerance) == (3, 0.5) and type(check.steps) is int
     with pytest.raises(Tf32LabError, match=r"^on_fail must be 'raise' or 'warn', not array\("):
         lightning.Tf32Check(on_fail=np.array(["raise", "warn"]))
+
+
+def test_a_training_step_writing_to_its_logger_is_checked_and_the_runs_logs_untouched(tmp_path):
+    # a copy's self.logger was None (the check could not run: no verdict), and self.trainer.logger the run's own
+    # (the check's rows wrote their losses into the run's metrics.csv)
+    def written(trainer) -> list:
+        with open(f"{trainer.logger.log_dir}/metrics.csv") as f:
+            return [(row["step"], row["direct"], row["through"]) for row in csv.DictReader(f)
+                    if row.get("direct") or row.get("through")]
+
+    plain = fit(tmp_path / "a", modules.LogsThroughItsLogger, dataset=data(32), max_epochs=1)[3]
+    check = lightning.Tf32Check(steps=2, levels=("highest",), on_fail="raise")
+    checked = fit(tmp_path / "b", modules.LogsThroughItsLogger, callback=check, dataset=data(32), max_epochs=1)[3]
+    assert check.report.passed and written(checked) == written(plain) and len(written(plain)) == 8

@@ -570,8 +570,54 @@ def _outside_the_run(trainer: Any, at: dict[str, Any]) -> dict[str, Any]:
             _loop.clip_gradients([p for g in optimizer.param_groups for p in g["params"]], float(gradient_clip_val),
                                  str(algorithm).lower())
 
+    def logger(self: Any) -> Any:
+        return seen.logger
+
+    def loggers(self: Any) -> list[Any]:
+        return seen.loggers
+
     return {"trainer": property(attached, unattached), "log": unlogged, "log_dict": unlogged,
-            "global_step": property(global_step), "clip_gradients": clip_gradients}
+            "global_step": property(global_step), "clip_gradients": clip_gradients, "logger": property(logger),
+            "loggers": property(loggers)}
+
+
+class _Unlogged:
+    """The run's logger as a row's copy sees it (``self.logger``, ``self.trainer.logger``): what it is (its
+    ``name``, ``version``, ``save_dir``, ``log_dir``) read from the run's, what writes (``log_metrics``,
+    ``log_hyperparams``, ``log_graph``, ``save``, ``finalize``, and anything called on its ``experiment``: a
+    TensorBoard ``add_scalar``, a W&B ``log``) does nothing, as the copy's ``self.log`` does: the run's logs and
+    their steps stay its own."""
+
+    _WRITES = frozenset(("log_metrics", "log_hyperparams", "log_graph", "save", "finalize", "after_save_checkpoint"))
+
+    def __init__(self, logger: Any) -> None:
+        self._logger = logger
+
+    @property
+    def experiment(self) -> Any:
+        return _Nothing()
+
+    def __getattr__(self, name: str) -> Any:  # only what the class lacks: the run's logger's own reads
+        if name.startswith("__") or name == "_logger":  # a copy's protocol (deepcopy, pickle): no recursion
+            raise AttributeError(name)
+        if name in _Unlogged._WRITES:
+            return _Nothing()
+        return getattr(self._logger, name)
+
+
+class _Nothing:
+    """What a row's copy writes its logs to: any call, attribute or item of it is itself, and does nothing."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Nothing:
+        return self
+
+    def __getattr__(self, name: str) -> _Nothing:
+        if name.startswith("__"):  # a copy's protocol (deepcopy, pickle) is object's
+            raise AttributeError(name)
+        return self
+
+    def __getitem__(self, key: Any) -> _Nothing:
+        return self
 
 
 def _at_the_checks_step(trainer: Any, at: dict[str, Any]) -> Any:
@@ -589,6 +635,7 @@ def _at_the_checks_step(trainer: Any, at: dict[str, Any]) -> Any:
                                            "__module__": base.__module__})
     seen = object.__new__(viewed)
     object.__setattr__(seen, "__dict__", dict(trainer.__dict__))  # its objects (strategy, loops) the run's own
+    seen.__dict__["_loggers"] = [_Unlogged(one) for one in trainer.loggers]  # but its loggers write nothing
     return seen
 
 
