@@ -3,6 +3,7 @@ the run as it would be without it."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib.util
 import json
@@ -69,6 +70,33 @@ def penalized_trainer() -> type:
             return loss.detach()
 
     return Penalized
+
+
+@functools.cache
+def metering_trainer() -> type:
+    """A Trainer whose compute_loss logs and keeps metrics on itself, as TRL's trainers do (their ``_metrics``, a
+    token count), and whose log adds the metrics' mean to the losses it logs."""
+
+    class Metering(transformers.Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._metrics = {"train": collections.defaultdict(list)}
+            self._tokens = 0
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            self._tokens += int(inputs["input_ids"].numel())
+            self._metrics["train"]["aux"].append(float(loss))
+            self.log({"aux": float(loss)})
+            return loss
+
+        def log(self, logs, start_time=None):
+            if "loss" in logs:
+                aux = self._metrics["train"].pop("aux")
+                logs = {**logs, "aux_mean": sum(aux) / len(aux), "aux_n": len(aux), "tokens": self._tokens}
+            super().log(logs, start_time)
+
+    return Metering
 
 
 def gpt2(dropout: float = 0.0) -> transformers.GPT2LMHeadModel:
@@ -459,3 +487,19 @@ def test_an_augmentation_in_the_main_process_beside_dropout_is_said_to_draw_othe
         train(tmp_path / str(dropout), gpt2(dropout), dataset=Augmented(), callback=check, max_steps=2)
         notes.append(any("augmented with other draws" in note for note in check.report.notes))
     assert notes == [True, False]
+
+
+def test_what_a_compute_loss_logs_and_counts_on_its_trainer_stays_in_the_check(tmp_path):
+    # the check called the run's own trainer: its self.log put each row's losses into the run's log_history (and
+    # every report_to) at step 0, and the metrics it kept were averaged into the run's first logged ones (aux_n 7
+    # where the run's was 1, its token count 280 where the run's was 40)
+    def logged(trainer) -> list:
+        return [h for h in trainer.state.log_history  # not the check's own, nor the run's timings
+                if not any(k.startswith("tf32lab") for k in h) and "train_runtime" not in h]
+
+    plain = train(tmp_path / "a", dataset=tokens(4), trainer_class=metering_trainer(), max_steps=1)[2]
+    check = integration.Tf32CheckCallback(steps=1, levels=("highest",), on_fail="raise")
+    checked = train(tmp_path / "b", dataset=tokens(4), callback=check, trainer_class=metering_trainer(),
+                    max_steps=1)[2]
+    assert check.report.passed
+    assert logged(checked) == logged(plain) and [h["aux_n"] for h in logged(plain) if "loss" in h] == [1]

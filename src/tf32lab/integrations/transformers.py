@@ -44,7 +44,9 @@ The callback is made once, its arguments checked at once:
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
@@ -198,6 +200,9 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         # a Trainer subclass's own training_step (a penalty added, its own backward) is the run's step: the check
         # calls it, and it backpropagates itself
         own_step = trainer is not None and _overrides_training_step(trainer)
+        # what its compute_loss or training_step logs or counts on the trainer (self.log, TRL's self._metrics and
+        # token count) stays in the check: they are called on a trainer aside
+        aside = _aside(trainer) if trainer is not None else None
         plain = clip is None and not schedulers and not own_step
 
         def make(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -232,17 +237,49 @@ class Tf32CheckCallback(transformers.TrainerCallback):
             if trainer is None:
                 outs = [copy(**batch) for batch in micro]
                 return torch.stack([out["loss"] if isinstance(out, dict) else out[0] for out in outs]).mean()
-            with _tokens_of_this_process(trainer):
+            with _tokens_of_this_process(aside):
                 if step not in counts:
-                    counts[step] = _token_count(trainer, micro, device)
+                    counts[step] = _token_count(aside, micro, device)
                 if own_step:
-                    return _trainers_step(trainer, copy, micro, counts[step])
-                return _trainers_loss(trainer, copy, micro, counts[step], takes_count)
+                    return _trainers_step(aside, copy, micro, counts[step])
+                return _trainers_loss(aside, copy, micro, counts[step], takes_count)
 
         stepping = _loop.stepping_copy(model)
         report = _loop.run_check(stepping, type(model).__name__, steps, loss, make, levels=self.levels,
                                  target=self.target, tolerance=self.tolerance, notes=notes)
         return dataclasses.replace(report, notes=(*report.notes, tf32_advice(report, args)))
+
+
+def _aside(trainer: Any) -> Any:
+    """The run's Trainer as the check calls its ``compute_loss`` and ``training_step``: an instance of its class
+    over a copy of its attributes, those that are plain data (dicts and lists of numbers and strings: TRL's
+    ``self._metrics``, which its ``compute_loss`` appends to) copied too, and whose ``log`` does nothing. What they
+    log (``self.log({...})`` in a ``compute_loss``: the run's ``log_history`` and every ``report_to``), append or
+    count (``self._total_train_tokens += ...``) stays in the check; the objects it holds (the model, accelerator,
+    arguments) are the run's own."""
+    base = type(trainer)
+
+    def log(self: Any, logs: dict[str, float], start_time: Optional[float] = None) -> None:
+        return None
+
+    viewed = type(base.__name__, (base,), {"log": log, "__qualname__": base.__qualname__,
+                                           "__module__": base.__module__})
+    seen = object.__new__(viewed)
+    attributes = {key: copy.deepcopy(value) if _plain_data(value) else value for key, value in vars(trainer).items()}
+    object.__setattr__(seen, "__dict__", attributes)
+    return seen
+
+
+_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+
+
+def _plain_data(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is a container (a dict, list, tuple, set or deque, of any subclass: a ``defaultdict``)
+    of Python numbers and strings only, nested at most four deep: copied whole at the cost of its data."""
+    if depth > 4 or not isinstance(value, (dict, list, tuple, set, frozenset, collections.deque)):
+        return False
+    items = [*value.keys(), *value.values()] if isinstance(value, dict) else list(value)
+    return all(isinstance(item, _SCALARS) or _plain_data(item, depth + 1) for item in items)
 
 
 @contextlib.contextmanager
