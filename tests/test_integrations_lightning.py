@@ -627,3 +627,23 @@ def test_a_training_step_writing_to_its_logger_is_checked_and_the_runs_logs_unto
     check = lightning.Tf32Check(steps=2, levels=("highest",), on_fail="raise")
     checked = fit(tmp_path / "b", modules.LogsThroughItsLogger, callback=check, dataset=data(32), max_epochs=1)[3]
     assert check.report.passed and written(checked) == written(plain) and len(written(plain)) == 8
+
+
+def test_a_callback_kept_for_another_run_checks_that_run_and_a_second_fit_continues(tmp_path):
+    # a cross-validation's next fold (a new Trainer and module) was left unchecked, the callback's report still the
+    # first fold's; a second fit of the same trainer and module continues the run checked
+    check = lightning.Tf32Check(steps=2, levels=("highest",))
+    reports = []
+    for lr in (0.1, 0.01):
+        torch.manual_seed(0)
+        module = type("Slower", (modules.Plain,), {"configure_optimizers": lambda self, lr=lr: torch.optim.SGD(
+            self.parameters(), lr=lr)})()
+        trainer = L.Trainer(callbacks=[check], default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+                            enable_checkpointing=False, enable_model_summary=False, max_epochs=1)
+        trainer.fit(module, DataLoader(data(32), batch_size=8))
+        reports.append(check.report)
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(module, DataLoader(data(32), batch_size=8))
+    assert check.report is reports[1] and trainer.global_step == 8
+    first, second = (report.reference_losses for report in reports)
+    assert first[0] == pytest.approx(second[0], rel=1e-12) and first[1] != pytest.approx(second[1], rel=1e-3)

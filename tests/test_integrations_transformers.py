@@ -503,3 +503,14 @@ def test_what_a_compute_loss_logs_and_counts_on_its_trainer_stays_in_the_check(t
                     max_steps=1)[2]
     assert check.report.passed
     assert logged(checked) == logged(plain) and [h["aux_n"] for h in logged(plain) if "loss" in h] == [1]
+
+
+def test_a_callback_kept_for_another_run_checks_that_run(tmp_path):
+    # a second Trainer given the same callback (a hyperparameter sweep) was left unchecked, the report the first's
+    check = integration.Tf32CheckCallback(steps=2, levels=("highest",))
+    reports = []
+    for lr in (1e-2, 1e-4):
+        train(tmp_path / str(lr), dataset=tokens(8), callback=check, max_steps=2, learning_rate=lr)
+        reports.append(check.report)
+    first, second = (report.reference_losses for report in reports)
+    assert first[0] == pytest.approx(second[0], rel=1e-12) and first[1] != pytest.approx(second[1], rel=1e-3)

@@ -536,6 +536,30 @@ def run_check(model: torch.nn.Module, name: str, batches: list[Any], loss: Calla
     return dataclasses.replace(report, notes=(*report.notes, *notes)) if notes else report
 
 
+class Checked:
+    """Which run a callback checked: its trainer and model, by weak reference (never kept alive by the callback,
+    and left out where the callback is pickled, as a spawned DDP process gets it). The same trainer and model
+    again (a second ``fit`` or ``train`` of them) is that run's continuation, not checked again; a callback kept
+    for another run (a new Trainer, a cross-validation's next fold) checks that one anew, rather than keep the
+    first run's report as if it were the new one's."""
+
+    def __init__(self) -> None:
+        self._refs: Optional[tuple[Callable[[], Any], Callable[[], Any]]] = None
+
+    def same(self, trainer: Any, model: Any) -> bool:
+        return self._refs is not None and self._refs[0]() is trainer and self._refs[1]() is model
+
+    def now(self, trainer: Any, model: Any) -> None:
+        self._refs = (_ref(trainer), _ref(model))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_refs": None}
+
+
+def _ref(value: Any) -> Callable[[], Any]:
+    return weakref.ref(value) if value is not None else type(None)
+
+
 def headline(report: TrainingReport) -> dict[str, float]:
     """The numbers a framework's loggers get: the verdict (1 passed, 0 failed), and per level its loss drift from
     float64, that drift over float32's own, and its divergence step (0: none)."""

@@ -90,6 +90,7 @@ class Tf32Check(L.Callback):
         self._drawn: Optional[torch.Tensor] = None
         self._before: Optional[torch.Tensor] = None
         self._generators: list[tuple[torch.Generator, torch.Tensor]] = []
+        self._checked = _loop.Checked()
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         # the state the run's train iterator is made from (after this hook, the sanity check runs in its own
@@ -101,8 +102,11 @@ class Tf32Check(L.Callback):
         self._generators = [(g, g.get_state()) for g in _loop._generators(source)] if given else []
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.passed is not None:
-            return  # once per callback: a second fit is the same run's continuation
+        if self.passed is not None and self._checked.same(trainer, pl_module):
+            return  # a second fit of the same trainer and module is the same run's continuation
+        self._wait()
+        self.report, self.passed = None, None  # another run: its own check, not the last one's report
+        self._checked.now(trainer, pl_module)
         # every random stream as it was afterwards (the check's reading of the batches, its rows, the report's
         # writing): the run draws as it would without the check
         self._drawn = torch.random.get_rng_state()  # what the run's sampler draws its first order from

@@ -94,15 +94,20 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         self.passed: Optional[bool] = None
         self._writing: Optional[_loop.Written] = None
         self._drawn: Optional[torch.Tensor] = None
+        self._checked = _loop.Checked()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.passed is not None:
-            return
+        trainer = self.trainer or _calling_trainer()
+        if self.passed is not None and self._checked.same(trainer, kwargs.get("model")):
+            return  # a second train() of the same Trainer and model is the same run's continuation
+        self._wait()
+        self.report, self.passed = None, None  # another run: its own check, not the last one's report
+        self._checked.now(trainer, kwargs.get("model"))
         # every random stream as it was afterwards (the check's reading of the batches, its rows, the report's
         # writing): the run draws as it would without the check
         self._drawn = torch.random.get_rng_state()  # what the run's iterator, made after this hook, draws from
         with random_state_kept(kwargs["model"], "Tf32CheckCallback"):
-            self._run(args, state, self.trainer or _calling_trainer(), kwargs)
+            self._run(args, state, trainer, kwargs)
 
     def _run(self, args: Any, state: Any, trainer: Any, hooked: dict[str, Any]) -> None:
         if hooked.get("model") is not None and _loop.unreached(hooked["model"], " (TrainingArguments(tf32=...) "
