@@ -99,6 +99,17 @@ def metering_trainer() -> type:
     return Metering
 
 
+@functools.cache
+def self_model_trainer() -> type:
+    """A Trainer whose compute_loss runs `self.model`, the model being trained, not the one it is given."""
+
+    class SelfModel(transformers.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return self.model(**inputs).loss
+
+    return SelfModel
+
+
 def gpt2(dropout: float = 0.0) -> transformers.GPT2LMHeadModel:
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2,
@@ -514,3 +525,12 @@ def test_a_callback_kept_for_another_run_checks_that_run(tmp_path):
         reports.append(check.report)
     first, second = (report.reference_losses for report in reports)
     assert first[0] == pytest.approx(second[0], rel=1e-12) and first[1] != pytest.approx(second[1], rel=1e-3)
+
+
+def test_a_compute_loss_running_self_model_trains_the_rows_copy(tmp_path):
+    # self.model was the run's model in every row (float32, whatever the row): the float64 row failed, and the
+    # check could not run ("the inputs function uses the workload's own model ... inputs=lambda batch, model")
+    check = integration.Tf32CheckCallback(steps=2, levels=("highest",), on_fail="raise")
+    _, losses, _, _ = train(tmp_path, dataset=tokens(8), callback=check, trainer_class=self_model_trainer(),
+                            max_steps=2)
+    assert check.report.floor.losses == pytest.approx([loss for _, loss in losses], rel=1e-5)

@@ -243,6 +243,9 @@ class Tf32CheckCallback(transformers.TrainerCallback):
                 outs = [copy(**batch) for batch in micro]
                 return torch.stack([out["loss"] if isinstance(out, dict) else out[0] for out in outs]).mean()
             with _tokens_of_this_process(aside):
+                # self.model (and model_wrapped) in a compute_loss or training_step: the model being trained, as in
+                # the run, here the row's copy (the run's would train in every row's place, in float32)
+                aside.__dict__.update(model=copy, model_wrapped=copy)
                 if step not in counts:
                     counts[step] = _token_count(aside, micro, device)
                 if own_step:
@@ -258,7 +261,8 @@ class Tf32CheckCallback(transformers.TrainerCallback):
 def _aside(trainer: Any) -> Any:
     """The run's Trainer as the check calls its ``compute_loss`` and ``training_step``: an instance of its class
     over a copy of its attributes, those that are plain data (dicts and lists of numbers and strings: TRL's
-    ``self._metrics``, which its ``compute_loss`` appends to) copied too, and whose ``log`` does nothing. What they
+    ``self._metrics``, which its ``compute_loss`` appends to) copied too, and whose ``log`` does nothing (its
+    ``model`` is set to the row's copy at each step). What they
     log (``self.log({...})`` in a ``compute_loss``: the run's ``log_history`` and every ``report_to``), append or
     count (``self._total_train_tokens += ...``) stays in the check; the objects it holds (the model, accelerator,
     arguments) are the run's own."""
