@@ -292,3 +292,12 @@ class LogsThroughItsLogger(Plain):
         self.logger.log_metrics({"direct": float(loss)}, step=self.global_step)
         self.trainer.logger.experiment.log_metrics({"through": float(loss)}, self.global_step)
         return loss
+
+
+class WarmsUpInItsStep(Plain):
+    """A learning-rate warm-up set in training_step through self.optimizers(), in automatic optimization."""
+
+    def training_step(self, batch, batch_idx):
+        for group in self.optimizers().param_groups:
+            group["lr"] = 0.1 * min(1.0, (self.global_step + 1) / 4)
+        return super().training_step(batch, batch_idx)

@@ -46,6 +46,7 @@ import contextlib
 import copy
 import inspect
 import math
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Optional, Union
 
@@ -270,7 +271,25 @@ class Tf32Check(L.Callback):
                                  zeroed=backward)
             if backward or manual:  # bundle_of's only callers; kept past its row, a row's optimizers and their
                 bundles[id(params[0])] = bundle  # state (float64's Adam moments) stayed alive until the check ended
-            return made[0] if plain else bundle
+            given = made[0] if plain else bundle
+            made_for[id(params[0])] = given  # for the copy's self.optimizers(), while its row holds it
+            return given
+
+        made_for: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+        def row_of(model: torch.nn.Module) -> tuple[list[Any], list[Any]]:
+            # the row's own optimizers and schedulers, for automatic optimization's self.optimizers() and
+            # self.lr_schedulers() (a warm-up in training_step setting the lr): the run's, through its trainer, took
+            # the warm-up in the rows' place
+            params = _loop.trainable(model)
+            given = made_for.get(id(params[0]))
+            if given is None:  # a probe's copy: its own
+                given = optimizer(params)
+            if not isinstance(given, _loop.Steps):
+                return [given], []
+            return list(given.optimizers), [getattr(one, "scheduler", one) for one, _ in given.schedulers]
+
+        at["row_of"] = row_of
 
         def bundle_of(model: torch.nn.Module) -> _loop.Steps:
             params = _loop.trainable(model)
@@ -574,6 +593,14 @@ def _outside_the_run(trainer: Any, at: dict[str, Any]) -> dict[str, Any]:
             _loop.clip_gradients([p for g in optimizer.param_groups for p in g["params"]], float(gradient_clip_val),
                                  str(algorithm).lower())
 
+    def optimizers(self: Any, use_pl_optimizer: bool = True) -> Any:
+        made = at["row_of"](self)[0]  # the row's own (manual optimization binds its own in its step)
+        return _one_or_all([_RowOptimizer(o, lambda: None, self) for o in made] if use_pl_optimizer else made)
+
+    def lr_schedulers(self: Any) -> Any:
+        made = at["row_of"](self)[1]
+        return _one_or_all(made) if made else None
+
     def logger(self: Any) -> Any:
         return seen.logger
 
@@ -582,7 +609,7 @@ def _outside_the_run(trainer: Any, at: dict[str, Any]) -> dict[str, Any]:
 
     return {"trainer": property(attached, unattached), "log": unlogged, "log_dict": unlogged,
             "global_step": property(global_step), "clip_gradients": clip_gradients, "logger": property(logger),
-            "loggers": property(loggers)}
+            "loggers": property(loggers), "optimizers": optimizers, "lr_schedulers": lr_schedulers}
 
 
 class _Unlogged:
