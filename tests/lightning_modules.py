@@ -301,3 +301,12 @@ class WarmsUpInItsStep(Plain):
         for group in self.optimizers().param_groups:
             group["lr"] = 0.1 * min(1.0, (self.global_step + 1) / 4)
         return super().training_step(batch, batch_idx)
+
+
+class WarmsUpThroughItsTrainer(Plain):
+    """The same warm-up set in training_step through self.trainer.optimizers."""
+
+    def training_step(self, batch, batch_idx):
+        for group in self.trainer.optimizers[0].param_groups:
+            group["lr"] = 0.1 * min(1.0, (self.global_step + 1) / 4)
+        return super().training_step(batch, batch_idx)

@@ -334,11 +334,12 @@ def test_under_ddp_rank_0_checks_and_every_rank_ends_with_its_verdict(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["Plain", "WarmsUp", "ClipsItself", "ClipsAsTheTrainerSays", "ClipsItselfInCapitals",
-                                  "WarmsUpInItsStep"])
+                                  "WarmsUpInItsStep", "WarmsUpThroughItsTrainer"])
 def test_the_check_trains_as_the_runs_own_hooks_do(tmp_path, name):
     # the check's float64 losses are the run's own logged ones (float32) at the same steps: the module's
     # optimizer_step (with self.global_step) and configure_gradient_clipping are followed as the Trainer follows them;
-    # a warm-up set in training_step through self.optimizers() sets the row's learning rate (it set the run's)
+    # a warm-up set in training_step through self.optimizers() or self.trainer.optimizers sets the row's learning
+    # rate (it set the run's)
     check, module_class = lightning.Tf32Check(steps=6, levels=("highest",)), getattr(modules, name)
     # Lightning refuses both
     clipped = {} if issubclass(module_class, modules.ClipsItself) else {"gradient_clip_val": 0.05}

@@ -342,6 +342,7 @@ class Tf32Check(L.Callback):
             # global_step: the run's at the check's step; in manual optimization Lightning counts each optimizer's
             # step (two optimizers stepped a batch: two), as the row's own optimizers have counted them
             model.__dict__[_STEP] = at["step"] = bundle_of(model).steps if manual else step
+            at["model"] = model  # the copy being trained (self.trainer.optimizers reads its row's)
             values = backpropagated(model, micro, step) if backward else \
                 [one(model, batch, step * accumulate + i) for i, batch in enumerate(micro)]
             kept = [v for v in values if v is not None]
@@ -399,6 +400,7 @@ def _manual_batches(model: Any, steps: list[tuple[int, list[Any]]], left: int, b
                 if stepped[0] >= left:
                     return ran
                 copied.__dict__[_STEP] = at["step"] = bundle.steps
+                at["model"] = copied
                 with _manual(copied, bundle, recorded, at):
                     for i, batch in enumerate(micro):
                         one(copied, batch, step * len(micro) + i)
@@ -662,8 +664,12 @@ def _at_the_checks_step(trainer: Any, at: dict[str, Any]) -> Any:
     def global_step(self: Any) -> int:
         return int(trainer.global_step) + int(at.get("step", 0))
 
-    viewed = type(base.__name__, (base,), {"global_step": property(global_step), "__qualname__": base.__qualname__,
-                                           "__module__": base.__module__})
+    def optimizers(self: Any) -> list[Any]:
+        # the row's own, as the copy's self.optimizers() (a warm-up setting the lr sets the row's, not the run's)
+        return at["row_of"](at["model"])[0] if "model" in at else trainer.optimizers
+
+    viewed = type(base.__name__, (base,), {"global_step": property(global_step), "optimizers": property(optimizers),
+                                           "__qualname__": base.__qualname__, "__module__": base.__module__})
     seen = object.__new__(viewed)
     object.__setattr__(seen, "__dict__", dict(trainer.__dict__))  # its objects (strategy, loops) the run's own
     seen.__dict__["_loggers"] = [_Unlogged(one) for one in trainer.loggers]  # but its loggers write nothing
