@@ -442,16 +442,17 @@ def interleaved(model: torch.nn.Module, per_batch: Sequence[bool]) -> Optional[s
     """A note where the loader draws from PyTorch's CPU stream as it reads each batch (``per_batch``, from
     :func:`first_batches`: a random augmentation in the main process) and the model draws from it as it trains (a
     dropout of p > 0): the run reads a batch, then trains a step drawing its dropout, then reads the next, where the
-    check reads its batches at once, so its batches after the first are the run's rows in the run's order, drawn
-    with other numbers. Workers draw from streams of their own, and a model without dropout draws nothing between
-    batches: no note."""
+    check reads its batches at once, so its batches after the first are drawn with other numbers (the run's rows
+    in the run's order where the sampler draws its order as a pass begins, as PyTorch's do). Workers draw from
+    streams of their own, and a model without dropout draws nothing between batches: no note."""
     dropout = any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
     if not (any(per_batch) and dropout):
         return None
     return ("the train dataloader draws from PyTorch's random stream as it reads each batch (an augmentation in "
             "the main process) and the model's dropout draws from it between the run's batches: the check read its "
-            "batches at once, so its batches after the first are the run's rows, in the run's order, augmented with "
-            "other draws; give the loader num_workers >= 1 (their streams are their own) for the run's own")
+            "batches at once, so its batches after the first were augmented with other draws than the run's (their "
+            "rows and order the run's where the sampler draws its order as a pass begins, as PyTorch's do); give "
+            "the loader num_workers >= 1 (their streams are their own) for the run's own")
 
 
 def _read_again(loader: Any) -> None:
