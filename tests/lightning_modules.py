@@ -234,3 +234,79 @@ class Counted(Regression):
         gc.collect()  # what is reachable, not what a cycle keeps until the collector's next pass
         Counted.alive.append(sum(isinstance(o, torch.optim.Optimizer) for o in gc.get_objects()))
         return super().training_step(batch, batch_idx)
+
+
+class FreezesAtTrainStart(Plain):
+    """Freezes its first layer in its own on_train_start, which Lightning calls after the callbacks'."""
+
+    def on_train_start(self):
+        self.net[0].requires_grad_(False)
+
+
+class TwoManual(Plain):
+    """Manual optimization of its two layers by two optimizers (the base of the two below)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
+
+
+class UsesItsLightningOptimizers(TwoManual):
+    """Uses what `self.optimizers()` gives beyond a torch optimizer: `toggle_model()` and `.optimizer`."""
+
+    def training_step(self, batch, batch_idx):
+        loss = (self(batch[0]) - batch[1]).pow(2).mean()
+        self.manual_backward(loss)
+        for optimizer in self.optimizers():
+            with optimizer.toggle_model():
+                for group in optimizer.optimizer.param_groups:
+                    group["lr"] = 0.05
+                optimizer.step()
+                optimizer.zero_grad()
+        self.log("train_loss", loss)
+        return loss
+
+
+class ScalesByItsGlobalStep(TwoManual):
+    """Reads `self.global_step`, which Lightning counts each optimizer's step in manual optimization: two a batch."""
+
+    def training_step(self, batch, batch_idx):
+        loss = (self(batch[0]) - batch[1]).pow(2).mean() * (1.0 + self.global_step)
+        self.manual_backward(loss)
+        for optimizer in self.optimizers():
+            optimizer.step()
+            optimizer.zero_grad()
+        self.log("train_loss", loss)
+        return loss
+
+
+class LogsThroughItsLogger(Plain):
+    """Writes to its logger itself (`self.logger`, and the experiment of `self.trainer.logger`), as a training_step
+    logging an image or a histogram does."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.logger.log_metrics({"direct": float(loss)}, step=self.global_step)
+        self.trainer.logger.experiment.log_metrics({"through": float(loss)}, self.global_step)
+        return loss
+
+
+class WarmsUpInItsStep(Plain):
+    """A learning-rate warm-up set in training_step through self.optimizers(), in automatic optimization."""
+
+    def training_step(self, batch, batch_idx):
+        for group in self.optimizers().param_groups:
+            group["lr"] = 0.1 * min(1.0, (self.global_step + 1) / 4)
+        return super().training_step(batch, batch_idx)
+
+
+class WarmsUpThroughItsTrainer(Plain):
+    """The same warm-up set in training_step through self.trainer.optimizers."""
+
+    def training_step(self, batch, batch_idx):
+        for group in self.trainer.optimizers[0].param_groups:
+            group["lr"] = 0.1 * min(1.0, (self.global_step + 1) / 4)
+        return super().training_step(batch, batch_idx)

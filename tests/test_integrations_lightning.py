@@ -333,10 +333,13 @@ def test_under_ddp_rank_0_checks_and_every_rank_ends_with_its_verdict(tmp_path):
         assert len({steps for r, _, _, steps in traces if r == rank}) == 1, out.stdout
 
 
-@pytest.mark.parametrize("name", ["Plain", "WarmsUp", "ClipsItself", "ClipsAsTheTrainerSays", "ClipsItselfInCapitals"])
+@pytest.mark.parametrize("name", ["Plain", "WarmsUp", "ClipsItself", "ClipsAsTheTrainerSays", "ClipsItselfInCapitals",
+                                  "WarmsUpInItsStep", "WarmsUpThroughItsTrainer"])
 def test_the_check_trains_as_the_runs_own_hooks_do(tmp_path, name):
     # the check's float64 losses are the run's own logged ones (float32) at the same steps: the module's
-    # optimizer_step (with self.global_step) and configure_gradient_clipping are followed as the Trainer follows them
+    # optimizer_step (with self.global_step) and configure_gradient_clipping are followed as the Trainer follows them;
+    # a warm-up set in training_step through self.optimizers() or self.trainer.optimizers sets the row's learning
+    # rate (it set the run's)
     check, module_class = lightning.Tf32Check(steps=6, levels=("highest",)), getattr(modules, name)
     # Lightning refuses both
     clipped = {} if issubclass(module_class, modules.ClipsItself) else {"gradient_clip_val": 0.05}
@@ -546,3 +549,104 @@ def test_a_gradient_accumulation_scheduler_is_followed_as_the_run_follows_it(tmp
                   **options).fit(modules.Plain(), DataLoader(data(64), batch_size=8))
         checks.append(check.report.reference_losses)
     assert checks[0] == pytest.approx(checks[1], rel=1e-12)
+
+
+def test_a_run_resumed_at_a_later_epoch_is_checked_on_that_epochs_order(tmp_path):
+    # a sampler with set_epoch (the DistributedSampler Lightning puts in under DDP) shuffles by epoch, which the fit
+    # loop sets as the epoch starts, after on_train_start: resumed after epoch 0, the run reads epoch 1's order, and
+    # the check read epoch 0's (its float64 first loss 1.136 where the run logged 0.797)
+    def loader():
+        return DataLoader(data(64), batch_size=8, sampler=torch.utils.data.DistributedSampler(
+            data(64), num_replicas=1, rank=0, shuffle=True, seed=0))
+
+    options = {"default_root_dir": tmp_path, "enable_progress_bar": False, "enable_model_summary": False}
+    torch.manual_seed(0)
+    L.Trainer(logger=False, max_epochs=1, **options).fit(modules.Plain(), loader())
+    saved = next(Path(tmp_path).rglob("*.ckpt"))
+    check = lightning.Tf32Check(steps=3, levels=("highest",))
+    logger = L.loggers.CSVLogger(tmp_path, name="run")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on workers
+        L.Trainer(callbacks=[check], logger=logger, max_epochs=2, enable_checkpointing=False, log_every_n_steps=1,
+                  **options).fit(modules.Plain(), loader(), ckpt_path=saved)
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        logged = [float(row["train_loss"]) for row in csv.DictReader(f) if row.get("train_loss")]
+    assert check.report.reference_losses == pytest.approx(logged[:3], rel=1e-4)
+
+
+def test_what_the_modules_own_on_train_start_changes_after_the_check_is_said(tmp_path):
+    # the module freezes a layer in on_train_start, which Lightning calls after the callbacks' own: the run trains
+    # one layer, the check trained both (its second float64 loss 0.712 where the run logged 0.720), without a word
+    check = lightning.Tf32Check(steps=3, levels=("highest",))
+    fit(tmp_path, modules.FreezesAtTrainStart, callback=check, dataset=data(64), max_epochs=1)
+    assert any("the module's own on_train_start ran after the check" in note for note in check.report.notes), \
+        check.report.notes
+
+
+@pytest.mark.parametrize("name", ["UsesItsLightningOptimizers", "ScalesByItsGlobalStep"])
+def test_manual_optimization_is_checked_as_lightnings_optimizers_and_global_step_are(tmp_path, name):
+    # self.optimizers() gives LightningOptimizers (toggle_model(), .optimizer): the copies' had neither, and the
+    # check could not run; self.global_step counts each optimizer's step (two a batch here): the check's counted
+    # batches (its third loss 1.71 where the run logged 3.20)
+    check = lightning.Tf32Check(steps=3, levels=("highest",), on_fail="raise")
+    _, losses, _, _ = fit(tmp_path, getattr(modules, name), callback=check, dataset=data(64), max_epochs=1)
+    assert check.report.reference_losses == pytest.approx([float(v) for _, v in losses[:3]], rel=1e-4)
+
+
+def test_an_augmentation_in_the_main_process_beside_dropout_is_said_to_draw_otherwise(tmp_path):
+    # the run reads a batch, trains a step (its dropout draws), reads the next: the check reads its batches at once,
+    # and its second batch was augmented with other draws than the run's (a row sum of 29.44 where the run's was
+    # 31.69), without a word; with workers (streams of their own) it reads the run's own, and says nothing
+    notes = []
+    for workers in (0, 1):
+        check = lightning.Tf32Check(steps=2, levels=("highest",))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Lightning's advice on the number of workers
+            L.Trainer(callbacks=[check], default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+                      enable_checkpointing=False, enable_model_summary=False, max_steps=2).fit(
+                modules.Regression(), DataLoader(Augmented(), batch_size=8, num_workers=workers))
+        notes.append(any("augmented with other draws" in note for note in check.report.notes))
+    assert notes == [True, False]
+
+
+def test_numpy_numbers_are_taken_and_an_array_for_on_fail_is_one_line():
+    # a sweep's NumPy numbers were refused as what they are ("steps must be a whole number >= 1, not
+    # np.int64(3)"), and an array given as on_fail raised NumPy's ValueError, not one line naming it
+    check = lightning.Tf32Check(steps=np.int64(3), tolerance=np.float32(0.5))
+    assert (check.steps, check.tolerance) == (3, 0.5) and type(check.steps) is int
+    with pytest.raises(Tf32LabError, match=r"^on_fail must be 'raise' or 'warn', not array\("):
+        lightning.Tf32Check(on_fail=np.array(["raise", "warn"]))
+
+
+def test_a_training_step_writing_to_its_logger_is_checked_and_the_runs_logs_untouched(tmp_path):
+    # a copy's self.logger was None (the check could not run: no verdict), and self.trainer.logger the run's own
+    # (the check's rows wrote their losses into the run's metrics.csv)
+    def written(trainer) -> list:
+        with open(f"{trainer.logger.log_dir}/metrics.csv") as f:
+            return [(row["step"], row["direct"], row["through"]) for row in csv.DictReader(f)
+                    if row.get("direct") or row.get("through")]
+
+    plain = fit(tmp_path / "a", modules.LogsThroughItsLogger, dataset=data(32), max_epochs=1)[3]
+    check = lightning.Tf32Check(steps=2, levels=("highest",), on_fail="raise")
+    checked = fit(tmp_path / "b", modules.LogsThroughItsLogger, callback=check, dataset=data(32), max_epochs=1)[3]
+    assert check.report.passed and written(checked) == written(plain) and len(written(plain)) == 8
+
+
+def test_a_callback_kept_for_another_run_checks_that_run_and_a_second_fit_continues(tmp_path):
+    # a cross-validation's next fold (a new Trainer and module) was left unchecked, the callback's report still the
+    # first fold's; a second fit of the same trainer and module continues the run checked
+    check = lightning.Tf32Check(steps=2, levels=("highest",))
+    reports = []
+    for lr in (0.1, 0.01):
+        torch.manual_seed(0)
+        module = type("Slower", (modules.Plain,), {"configure_optimizers": lambda self, lr=lr: torch.optim.SGD(
+            self.parameters(), lr=lr)})()
+        trainer = L.Trainer(callbacks=[check], default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+                            enable_checkpointing=False, enable_model_summary=False, max_epochs=1)
+        trainer.fit(module, DataLoader(data(32), batch_size=8))
+        reports.append(check.report)
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(module, DataLoader(data(32), batch_size=8))
+    assert check.report is reports[1] and trainer.global_step == 8
+    first, second = (report.reference_losses for report in reports)
+    assert first[0] == pytest.approx(second[0], rel=1e-12) and first[1] != pytest.approx(second[1], rel=1e-3)

@@ -3,6 +3,7 @@ the run as it would be without it."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib.util
 import json
@@ -69,6 +70,44 @@ def penalized_trainer() -> type:
             return loss.detach()
 
     return Penalized
+
+
+@functools.cache
+def metering_trainer() -> type:
+    """A Trainer whose compute_loss logs and keeps metrics on itself, as TRL's trainers do (their ``_metrics``, a
+    token count), and whose log adds the metrics' mean to the losses it logs."""
+
+    class Metering(transformers.Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._metrics = {"train": collections.defaultdict(list)}
+            self._tokens = 0
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            self._tokens += int(inputs["input_ids"].numel())
+            self._metrics["train"]["aux"].append(float(loss))
+            self.log({"aux": float(loss)})
+            return loss
+
+        def log(self, logs, start_time=None):
+            if "loss" in logs:
+                aux = self._metrics["train"].pop("aux")
+                logs = {**logs, "aux_mean": sum(aux) / len(aux), "aux_n": len(aux), "tokens": self._tokens}
+            super().log(logs, start_time)
+
+    return Metering
+
+
+@functools.cache
+def self_model_trainer() -> type:
+    """A Trainer whose compute_loss runs `self.model`, the model being trained, not the one it is given."""
+
+    class SelfModel(transformers.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return self.model(**inputs).loss
+
+    return SelfModel
 
 
 def gpt2(dropout: float = 0.0) -> transformers.GPT2LMHeadModel:
@@ -448,3 +487,50 @@ def test_a_constant_schedule_is_not_stepped_in_the_rows_and_changes_no_number(tm
         assert made["losses"] == before["losses"] and made["drift"] == before["drift"]
     assert reports[0].floor.losses == check.report.floor.losses
     assert reports[0].reference_losses == check.report.reference_losses
+
+
+def test_an_augmentation_in_the_main_process_beside_dropout_is_said_to_draw_otherwise(tmp_path):
+    # the Trainer reads a batch, trains a step (its dropout draws), reads the next: the check reads its batches at
+    # once, its second batch shifted with other draws than the run's, without a word; without dropout, no note
+    notes = []
+    for dropout in (0.1, 0.0):
+        check = integration.Tf32CheckCallback(steps=2, levels=("highest",))
+        train(tmp_path / str(dropout), gpt2(dropout), dataset=Augmented(), callback=check, max_steps=2)
+        notes.append(any("augmented with other draws" in note for note in check.report.notes))
+    assert notes == [True, False]
+
+
+def test_what_a_compute_loss_logs_and_counts_on_its_trainer_stays_in_the_check(tmp_path):
+    # the check called the run's own trainer: its self.log put each row's losses into the run's log_history (and
+    # every report_to) at step 0, and the metrics it kept were averaged into the run's first logged ones (aux_n 7
+    # where the run's was 1, its token count 280 where the run's was 40)
+    def logged(trainer) -> list:
+        return [h for h in trainer.state.log_history  # not the check's own, nor the run's timings
+                if not any(k.startswith("tf32lab") for k in h) and "train_runtime" not in h]
+
+    plain = train(tmp_path / "a", dataset=tokens(4), trainer_class=metering_trainer(), max_steps=1)[2]
+    check = integration.Tf32CheckCallback(steps=1, levels=("highest",), on_fail="raise")
+    checked = train(tmp_path / "b", dataset=tokens(4), callback=check, trainer_class=metering_trainer(),
+                    max_steps=1)[2]
+    assert check.report.passed
+    assert logged(checked) == logged(plain) and [h["aux_n"] for h in logged(plain) if "loss" in h] == [1]
+
+
+def test_a_callback_kept_for_another_run_checks_that_run(tmp_path):
+    # a second Trainer given the same callback (a hyperparameter sweep) was left unchecked, the report the first's
+    check = integration.Tf32CheckCallback(steps=2, levels=("highest",))
+    reports = []
+    for lr in (1e-2, 1e-4):
+        train(tmp_path / str(lr), dataset=tokens(8), callback=check, max_steps=2, learning_rate=lr)
+        reports.append(check.report)
+    first, second = (report.reference_losses for report in reports)
+    assert first[0] == pytest.approx(second[0], rel=1e-12) and first[1] != pytest.approx(second[1], rel=1e-3)
+
+
+def test_a_compute_loss_running_self_model_trains_the_rows_copy(tmp_path):
+    # self.model was the run's model in every row (float32, whatever the row): the float64 row failed, and the
+    # check could not run ("the inputs function uses the workload's own model ... inputs=lambda batch, model")
+    check = integration.Tf32CheckCallback(steps=2, levels=("highest",), on_fail="raise")
+    _, losses, _, _ = train(tmp_path, dataset=tokens(8), callback=check, trainer_class=self_model_trainer(),
+                            max_steps=2)
+    assert check.report.floor.losses == pytest.approx([loss for _, loss in losses], rel=1e-5)

@@ -97,7 +97,7 @@ class Options(NamedTuple):
 
 
 def check_on_fail(on_fail: Any) -> str:
-    if on_fail not in ON_FAIL:
+    if not isinstance(on_fail, str) or on_fail not in ON_FAIL:  # an array's == is no bool
         raise Tf32LabError(f"on_fail must be 'raise' or 'warn', not {on_fail!r}")
     return on_fail
 
@@ -390,7 +390,8 @@ def _with_bases(loader: Any) -> list[Any]:
 
 def first_batches(loader: Any, count: int, move: Callable[[Any], Any], iterate: Callable[[Any], Iterator[Any]] = iter,
                   made: Optional[torch.Tensor] = None, before: Optional[torch.Tensor] = None,
-                  generators: Sequence[tuple[torch.Generator, torch.Tensor]] = (), prefetch: int = 0) -> list[Any]:
+                  generators: Sequence[tuple[torch.Generator, torch.Tensor]] = (), prefetch: int = 0,
+                  per_batch: Optional[list[bool]] = None) -> list[Any]:
     """The first ``count`` batches of a fresh pass over ``loader`` (each through ``move``), the loader's
     generators put back afterwards; fewer when it has fewer.
 
@@ -407,7 +408,9 @@ def first_batches(loader: Any, count: int, move: Callable[[Any], Any], iterate: 
     ``generators``: ``(generator, state)`` of the loader's own generators as they were when the run made its
     iterator (it drew its workers' seed from them, and a sampler with workers its first order), set before the
     check's pass is made. ``prefetch``: batches the run read as it made its iterator (Lightning reads one ahead
-    from a loader without a length), read so here too, before ``made``."""
+    from a loader without a length), read so here too, before ``made``. ``per_batch``: given a list, whether
+    reading the batches after the first drew from PyTorch's CPU stream (an augmentation in the main process) is
+    appended to it (:func:`interleaved`)."""
     _read_again(loader)
     found: list[Any] = []
     with loader_kept(loader) as put_back:
@@ -421,13 +424,35 @@ def first_batches(loader: Any, count: int, move: Callable[[Any], Any], iterate: 
             if made is not None:
                 put_back()
                 torch.random.set_rng_state(made)
+            first: Optional[torch.Tensor] = None
             for batch in itertools.chain(early, batches):
                 found.append(move(_plain(batch)))
+                if len(found) == 1 and per_batch is not None:
+                    first = torch.random.get_rng_state()
                 if len(found) == count:
                     break
+            if per_batch is not None:
+                per_batch.append(first is not None and not torch.equal(first, torch.random.get_rng_state()))
         finally:
             del batches  # a multi-process loader's workers end here
     return found
+
+
+def interleaved(model: torch.nn.Module, per_batch: Sequence[bool]) -> Optional[str]:
+    """A note where the loader draws from PyTorch's CPU stream as it reads each batch (``per_batch``, from
+    :func:`first_batches`: a random augmentation in the main process) and the model draws from it as it trains (a
+    dropout of p > 0): the run reads a batch, then trains a step drawing its dropout, then reads the next, where the
+    check reads its batches at once, so its batches after the first are drawn with other numbers (the run's rows
+    in the run's order where the sampler draws its order as a pass begins, as PyTorch's do). Workers draw from
+    streams of their own, and a model without dropout draws nothing between batches: no note."""
+    dropout = any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+    if not (any(per_batch) and dropout):
+        return None
+    return ("the train dataloader draws from PyTorch's random stream as it reads each batch (an augmentation in "
+            "the main process) and the model's dropout draws from it between the run's batches: the check read its "
+            "batches at once, so its batches after the first were augmented with other draws than the run's (their "
+            "rows and order the run's where the sampler draws its order as a pass begins, as PyTorch's do); give "
+            "the loader num_workers >= 1 (their streams are their own) for the run's own")
 
 
 def _read_again(loader: Any) -> None:
@@ -510,6 +535,30 @@ def run_check(model: torch.nn.Module, name: str, batches: list[Any], loss: Calla
     with quiet():
         report = check_training(workload, levels=levels, target=target, tolerance=tolerance)
     return dataclasses.replace(report, notes=(*report.notes, *notes)) if notes else report
+
+
+class Checked:
+    """Which run a callback checked: its trainer and model, by weak reference (never kept alive by the callback,
+    and left out where the callback is pickled, as a spawned DDP process gets it). The same trainer and model
+    again (a second ``fit`` or ``train`` of them) is that run's continuation, not checked again; a callback kept
+    for another run (a new Trainer, a cross-validation's next fold) checks that one anew, rather than keep the
+    first run's report as if it were the new one's."""
+
+    def __init__(self) -> None:
+        self._refs: Optional[tuple[Callable[[], Any], Callable[[], Any]]] = None
+
+    def same(self, trainer: Any, model: Any) -> bool:
+        return self._refs is not None and self._refs[0]() is trainer and self._refs[1]() is model
+
+    def now(self, trainer: Any, model: Any) -> None:
+        self._refs = (_ref(trainer), _ref(model))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_refs": None}
+
+
+def _ref(value: Any) -> Callable[[], Any]:
+    return weakref.ref(value) if value is not None else type(None)
 
 
 def headline(report: TrainingReport) -> dict[str, float]:

@@ -46,7 +46,8 @@ import contextlib
 import copy
 import inspect
 import math
-from collections.abc import Iterable, Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Optional, Union
 
 import torch
@@ -90,6 +91,7 @@ class Tf32Check(L.Callback):
         self._drawn: Optional[torch.Tensor] = None
         self._before: Optional[torch.Tensor] = None
         self._generators: list[tuple[torch.Generator, torch.Tensor]] = []
+        self._checked = _loop.Checked()
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         # the state the run's train iterator is made from (after this hook, the sanity check runs in its own
@@ -101,8 +103,11 @@ class Tf32Check(L.Callback):
         self._generators = [(g, g.get_state()) for g in _loop._generators(source)] if given else []
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.passed is not None:
-            return  # once per callback: a second fit is the same run's continuation
+        if self.passed is not None and self._checked.same(trainer, pl_module):
+            return  # a second fit of the same trainer and module is the same run's continuation
+        self._wait()
+        self.report, self.passed = None, None  # another run: its own check, not the last one's report
+        self._checked.now(trainer, pl_module)
         # every random stream as it was afterwards (the check's reading of the batches, its rows, the report's
         # writing): the run draws as it would without the check
         self._drawn = torch.random.get_rng_state()  # what the run's sampler draws its first order from
@@ -178,6 +183,8 @@ class Tf32Check(L.Callback):
         # the states now. The check's pass is made and read so.
         fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
         seeds: list[Any] = []
+        per_batch: list[bool] = []
+        _at_the_runs_epoch(loader, trainer.fit_loop.epoch_progress.current.processed)
 
         def iterate(one: Any) -> Iterator[Any]:
             made = _combined(trainer, one)
@@ -187,7 +194,10 @@ class Tf32Check(L.Callback):
         batches = _loop.first_batches(loader, int(per_epoch) if limited else wanted * accumulate,
                                       lambda b: L.utilities.move_data_to_device(b, device), iterate=iterate,
                                       made=self._drawn, before=self._before, generators=self._generators,
-                                      prefetch=len(getattr(fetcher, "batches", ()) or ()))
+                                      prefetch=len(getattr(fetcher, "batches", ()) or ()), per_batch=per_batch)
+        drawn = _loop.interleaved(module, per_batch)
+        if drawn:
+            notes.append(drawn)
         if _made_elsewhere(trainer, loader, seeds):
             notes.append("the train dataloader's own generator was made after the fit started (in a "
                          "train_dataloader hook) and its workers draw the order as a pass is made: the check's "
@@ -206,6 +216,14 @@ class Tf32Check(L.Callback):
                 f"the train dataloader has {len(batches)} batches"
             notes.append(f"{where}: {len(steps)} of the {self.steps} steps asked for were checked, the first "
                          f"epoch's")
+        # Lightning calls the callbacks' on_train_start before the module's, and the module's on_train_epoch_start
+        # after it (FitLoop.on_run_start, on_advance_start): what the module sets there comes after the check
+        later = [hook for hook in _LATER_HOOKS if _overrides(module, hook)]
+        if later:
+            notes.append(f"the module's own {' and '.join(later)} ran after the check (Lightning calls the "
+                         f"callbacks' on_train_start first): what it changes before the first step (a layer "
+                         f"frozen, a learning rate) is not in the check; change it in setup or on_fit_start to "
+                         f"have it checked")
         precision = str(trainer.precision)
         if precision in _MIXED:
             notes.append(f"the run trains at precision {precision!r}: its matmuls run in {_MIXED[precision]}, "
@@ -253,7 +271,25 @@ class Tf32Check(L.Callback):
                                  zeroed=backward)
             if backward or manual:  # bundle_of's only callers; kept past its row, a row's optimizers and their
                 bundles[id(params[0])] = bundle  # state (float64's Adam moments) stayed alive until the check ended
-            return made[0] if plain else bundle
+            given = made[0] if plain else bundle
+            made_for[id(params[0])] = given  # for the copy's self.optimizers(), while its row holds it
+            return given
+
+        made_for: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+        def row_of(model: torch.nn.Module) -> tuple[list[Any], list[Any]]:
+            # the row's own optimizers and schedulers, for automatic optimization's self.optimizers() and
+            # self.lr_schedulers() (a warm-up in training_step setting the lr): the run's, through its trainer, took
+            # the warm-up in the rows' place
+            params = _loop.trainable(model)
+            given = made_for.get(id(params[0]))
+            if given is None:  # a probe's copy: its own
+                given = optimizer(params)
+            if not isinstance(given, _loop.Steps):
+                return [given], []
+            return list(given.optimizers), [getattr(one, "scheduler", one) for one, _ in given.schedulers]
+
+        at["row_of"] = row_of
 
         def bundle_of(model: torch.nn.Module) -> _loop.Steps:
             params = _loop.trainable(model)
@@ -303,7 +339,10 @@ class Tf32Check(L.Callback):
         def loss(model: Any, micro: list[Any], step: int) -> torch.Tensor:
             # Lightning backpropagates each micro-batch's loss over accumulate_grad_batches (their mean's gradient);
             # a micro-batch whose training_step returned None is skipped, backpropagating nothing
-            model.__dict__[_STEP] = at["step"] = step  # global_step: the run's at the check's step
+            # global_step: the run's at the check's step; in manual optimization Lightning counts each optimizer's
+            # step (two optimizers stepped a batch: two), as the row's own optimizers have counted them
+            model.__dict__[_STEP] = at["step"] = bundle_of(model).steps if manual else step
+            at["model"] = model  # the copy being trained (self.trainer.optimizers reads its row's)
             values = backpropagated(model, micro, step) if backward else \
                 [one(model, batch, step * accumulate + i) for i, batch in enumerate(micro)]
             kept = [v for v in values if v is not None]
@@ -326,7 +365,7 @@ class Tf32Check(L.Callback):
             at.update(model=model, loss=total)
             return total
 
-        around = (lambda model: _manual(model, bundle_of(model), recorded)) if manual else None
+        around = (lambda model: _manual(model, bundle_of(model), recorded, at)) if manual else None
         model = _loop.stepping_copy(module, members=_outside_the_run(trainer, at))
         if manual and isinstance(trainer.max_steps, int) and trainer.max_steps > 0:
             left = trainer.max_steps - int(trainer.global_step)
@@ -360,8 +399,9 @@ def _manual_batches(model: Any, steps: list[tuple[int, list[Any]]], left: int, b
             for ran, (step, micro) in enumerate(steps):
                 if stepped[0] >= left:
                     return ran
-                copied.__dict__[_STEP] = at["step"] = step
-                with _manual(copied, bundle, recorded):
+                copied.__dict__[_STEP] = at["step"] = bundle.steps
+                at["model"] = copied
+                with _manual(copied, bundle, recorded, at):
                     for i, batch in enumerate(micro):
                         one(copied, batch, step * len(micro) + i)
     finally:
@@ -393,6 +433,23 @@ def _steps_between(frequency: int, accumulate: int) -> int:
     return frequency // math.gcd(frequency, accumulate)
 
 
+def _at_the_runs_epoch(loader: Any, epoch: int) -> None:
+    """Each sampler of ``loader`` with a ``set_epoch`` (``DistributedSampler``, the one Lightning puts in under DDP)
+    set to the epoch the run trains first, as Lightning's fit loop sets it as the epoch starts
+    (``FitLoop.on_advance_start``, after ``on_train_start``), before the run reads its first batch: a run resumed
+    at epoch 2 reads epoch 2's order, and so does the check (it read epoch 0's). The same value as the loop sets
+    next, so the run is untouched. A loader with workers is left alone: its iterator, made before
+    ``on_train_start``, drew its first order at the epoch its sampler was at then."""
+    for one in _loop.loaders(loader):
+        if getattr(one, "num_workers", 0) > 0:
+            continue
+        samplers = {id(s): s for s in (getattr(one, "sampler", None),
+                                       getattr(getattr(one, "batch_sampler", None), "sampler", None)) if s is not None}
+        for sampler in samplers.values():
+            if callable(getattr(sampler, "set_epoch", None)):
+                sampler.set_epoch(epoch)
+
+
 def _made_elsewhere(trainer: Any, loader: Any, seeds: list[Any]) -> bool:
     """Whether the check's pass drew another workers' seed, and so another first order, than the run's pass (its
     loader's generator at another state than the run's was at)."""
@@ -416,6 +473,8 @@ _STEP = "_tf32lab_step"  # where a row's copy keeps the check's step
 
 # the module's hooks that change what a step computes, in Lightning's automatic optimization (its callbacks' own
 # hooks are the run's, and are left out: they see the run, not the check's copies)
+# the module's hooks that Lightning calls after the callbacks' on_train_start and before the first step
+_LATER_HOOKS = ("on_train_start", "on_train_epoch_start")
 _STEP_HOOKS = ("optimizer_step", "on_before_optimizer_step", "configure_gradient_clipping")
 _BACKWARD_HOOKS = ("on_before_zero_grad", "optimizer_zero_grad", "on_before_backward", "backward",
                    "on_after_backward")
@@ -427,13 +486,16 @@ def _overrides(module: Any, hook: str) -> bool:
 
 
 class _RowOptimizer:
-    """What a module's ``optimizer_step`` is given (Lightning's ``LightningOptimizer``), over a row's optimizer:
-    ``step(closure)`` runs the closure (the step's loss, already backpropagated), then the module's
-    ``on_before_optimizer_step`` and ``configure_gradient_clipping`` with the Trainer's ``gradient_clip_val``, then
-    the row's optimizer step, as the Trainer's precision plugin does."""
+    """What a module's ``optimizer_step`` is given, and its ``self.optimizers()`` in manual optimization (Lightning's
+    ``LightningOptimizer``), over a row's optimizer: ``step(closure)`` runs the closure (the step's loss, already
+    backpropagated), then ``clipped()`` (the module's ``on_before_optimizer_step`` and, in automatic optimization,
+    ``configure_gradient_clipping`` with the Trainer's ``gradient_clip_val``), then the row's optimizer step, as
+    the Trainer's precision plugin does, then ``stepped()``; ``optimizer`` is the row's optimizer and
+    ``toggle_model()`` toggles it on ``model`` (the row's copy), as Lightning's do."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, clipped: Any) -> None:
-        self.optimizer, self._clipped = optimizer, clipped
+    def __init__(self, optimizer: torch.optim.Optimizer, clipped: Any, model: Any = None,
+                 stepped: Optional[Callable[[], None]] = None) -> None:
+        self.optimizer, self._clipped, self._model, self._stepped = optimizer, clipped, model, stepped
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -446,11 +508,27 @@ class _RowOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
     def step(self, closure: Any = None, **kwargs: Any) -> Any:
         result = closure() if closure is not None else None
         self._clipped()  # on_before_optimizer_step, then the clipping
         self.optimizer.step(**kwargs)
+        if self._stepped is not None:
+            self._stepped()
         return result
+
+    @contextlib.contextmanager
+    def toggle_model(self, sync_grad: bool = True) -> Iterator[None]:
+        """``LightningOptimizer.toggle_model``: the row's copy's ``toggle_optimizer`` around the block
+        (``sync_grad`` holds DDP's gradient sync, which a copy has none of)."""
+        self._model.toggle_optimizer(self)
+        try:
+            yield
+        finally:
+            self._model.untoggle_optimizer(self)
 
 
 class _ModuleScheduled:
@@ -517,8 +595,62 @@ def _outside_the_run(trainer: Any, at: dict[str, Any]) -> dict[str, Any]:
             _loop.clip_gradients([p for g in optimizer.param_groups for p in g["params"]], float(gradient_clip_val),
                                  str(algorithm).lower())
 
+    def optimizers(self: Any, use_pl_optimizer: bool = True) -> Any:
+        made = at["row_of"](self)[0]  # the row's own (manual optimization binds its own in its step)
+        return _one_or_all([_RowOptimizer(o, lambda: None, self) for o in made] if use_pl_optimizer else made)
+
+    def lr_schedulers(self: Any) -> Any:
+        made = at["row_of"](self)[1]
+        return _one_or_all(made) if made else None
+
+    def logger(self: Any) -> Any:
+        return seen.logger
+
+    def loggers(self: Any) -> list[Any]:
+        return seen.loggers
+
     return {"trainer": property(attached, unattached), "log": unlogged, "log_dict": unlogged,
-            "global_step": property(global_step), "clip_gradients": clip_gradients}
+            "global_step": property(global_step), "clip_gradients": clip_gradients, "logger": property(logger),
+            "loggers": property(loggers), "optimizers": optimizers, "lr_schedulers": lr_schedulers}
+
+
+class _Unlogged:
+    """The run's logger as a row's copy sees it (``self.logger``, ``self.trainer.logger``): what it is (its
+    ``name``, ``version``, ``save_dir``, ``log_dir``) read from the run's, what writes (``log_metrics``,
+    ``log_hyperparams``, ``log_graph``, ``save``, ``finalize``, and anything called on its ``experiment``: a
+    TensorBoard ``add_scalar``, a W&B ``log``) does nothing, as the copy's ``self.log`` does: the run's logs and
+    their steps stay its own."""
+
+    _WRITES = frozenset(("log_metrics", "log_hyperparams", "log_graph", "save", "finalize", "after_save_checkpoint"))
+
+    def __init__(self, logger: Any) -> None:
+        self._logger = logger
+
+    @property
+    def experiment(self) -> Any:
+        return _Nothing()
+
+    def __getattr__(self, name: str) -> Any:  # only what the class lacks: the run's logger's own reads
+        if name.startswith("__") or name == "_logger":  # a copy's protocol (deepcopy, pickle): no recursion
+            raise AttributeError(name)
+        if name in _Unlogged._WRITES:
+            return _Nothing()
+        return getattr(self._logger, name)
+
+
+class _Nothing:
+    """What a row's copy writes its logs to: any call, attribute or item of it is itself, and does nothing."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Nothing:
+        return self
+
+    def __getattr__(self, name: str) -> _Nothing:
+        if name.startswith("__"):  # a copy's protocol (deepcopy, pickle) is object's
+            raise AttributeError(name)
+        return self
+
+    def __getitem__(self, key: Any) -> _Nothing:
+        return self
 
 
 def _at_the_checks_step(trainer: Any, at: dict[str, Any]) -> Any:
@@ -532,10 +664,15 @@ def _at_the_checks_step(trainer: Any, at: dict[str, Any]) -> Any:
     def global_step(self: Any) -> int:
         return int(trainer.global_step) + int(at.get("step", 0))
 
-    viewed = type(base.__name__, (base,), {"global_step": property(global_step), "__qualname__": base.__qualname__,
-                                           "__module__": base.__module__})
+    def optimizers(self: Any) -> list[Any]:
+        # the row's own, as the copy's self.optimizers() (a warm-up setting the lr sets the row's, not the run's)
+        return at["row_of"](at["model"])[0] if "model" in at else trainer.optimizers
+
+    viewed = type(base.__name__, (base,), {"global_step": property(global_step), "optimizers": property(optimizers),
+                                           "__qualname__": base.__qualname__, "__module__": base.__module__})
     seen = object.__new__(viewed)
     object.__setattr__(seen, "__dict__", dict(trainer.__dict__))  # its objects (strategy, loops) the run's own
+    seen.__dict__["_loggers"] = [_Unlogged(one) for one in trainer.loggers]  # but its loggers write nothing
     return seen
 
 
@@ -549,14 +686,20 @@ def _takes_index(module: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _manual(model: Any, bundle: _loop.Steps, recorded: list[torch.Tensor]) -> Iterator[None]:
+def _manual(model: Any, bundle: _loop.Steps, recorded: list[torch.Tensor], at: dict[str, Any]) -> Iterator[None]:
     """A row's copy in manual optimization: ``self.optimizers()``, ``self.lr_schedulers()``,
     ``self.manual_backward``, ``toggle_optimizer``/``untoggle_optimizer`` and ``clip_gradients`` bound to the row's
     own optimizers and schedulers (the copy has no trainer); ``manual_backward`` and the optimizers' ``step``
     call the module's own hooks around them as Lightning's do."""
-    optimizers: list[Any] = list(bundle.optimizers)
-    if _overrides(model, "on_before_optimizer_step"):  # Lightning's optimizer calls it after the step's closure
-        optimizers = [_RowOptimizer(o, lambda o=o: model.on_before_optimizer_step(o)) for o in optimizers]
+    raw: list[Any] = list(bundle.optimizers)
+    hooked = _overrides(model, "on_before_optimizer_step")  # Lightning's optimizer calls it after the step's closure
+
+    def stepped() -> None:  # Lightning's global_step counts each optimizer's step, at once (its optimizer's hook)
+        bundle.steps += 1  # Steps.step does nothing in manual optimization: its count is these steps
+        model.__dict__[_STEP] = at["step"] = bundle.steps
+
+    optimizers = [_RowOptimizer(o, (lambda o=o: model.on_before_optimizer_step(o)) if hooked else (lambda: None),
+                                model, stepped) for o in raw]
     schedulers = [s for s, _ in bundle.schedulers]
     toggled: dict[torch.Tensor, bool] = {}
 
@@ -590,7 +733,7 @@ def _manual(model: Any, bundle: _loop.Steps, recorded: list[torch.Tensor]) -> It
                                  str(algorithm).lower())
 
     bound = {
-        "optimizers": lambda use_pl_optimizer=True: optimizers[0] if len(optimizers) == 1 else list(optimizers),
+        "optimizers": lambda use_pl_optimizer=True: _one_or_all(optimizers if use_pl_optimizer else raw),
         "lr_schedulers": lambda: None if not schedulers else schedulers[0] if len(schedulers) == 1 else schedulers,
         "manual_backward": backward, "toggle_optimizer": toggle, "untoggle_optimizer": untoggle,
         "clip_gradients": clip,
@@ -603,3 +746,8 @@ def _manual(model: Any, bundle: _loop.Steps, recorded: list[torch.Tensor]) -> It
         for name in bound:
             model.__dict__.pop(name, None)
         untoggle(None)
+
+
+def _one_or_all(items: list[Any]) -> Any:
+    """What ``LightningModule.optimizers()`` returns: the one optimizer, or the list of them."""
+    return items[0] if len(items) == 1 else list(items)

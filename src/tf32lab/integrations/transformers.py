@@ -44,7 +44,9 @@ The callback is made once, its arguments checked at once:
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
@@ -92,15 +94,20 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         self.passed: Optional[bool] = None
         self._writing: Optional[_loop.Written] = None
         self._drawn: Optional[torch.Tensor] = None
+        self._checked = _loop.Checked()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.passed is not None:
-            return
+        trainer = self.trainer or _calling_trainer()
+        if self.passed is not None and self._checked.same(trainer, kwargs.get("model")):
+            return  # a second train() of the same Trainer and model is the same run's continuation
+        self._wait()
+        self.report, self.passed = None, None  # another run: its own check, not the last one's report
+        self._checked.now(trainer, kwargs.get("model"))
         # every random stream as it was afterwards (the check's reading of the batches, its rows, the report's
         # writing): the run draws as it would without the check
         self._drawn = torch.random.get_rng_state()  # what the run's iterator, made after this hook, draws from
         with random_state_kept(kwargs["model"], "Tf32CheckCallback"):
-            self._run(args, state, self.trainer or _calling_trainer(), kwargs)
+            self._run(args, state, trainer, kwargs)
 
     def _run(self, args: Any, state: Any, trainer: Any, hooked: dict[str, Any]) -> None:
         if hooked.get("model") is not None and _loop.unreached(hooked["model"], " (TrainingArguments(tf32=...) "
@@ -158,8 +165,13 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         # a run resumed mid-epoch skips the batches of its epoch it trained before its checkpoint: the check trains
         # the ones the run trains next, at the run's epoch (the sampler's order of that epoch)
         epoch, skipped = _resumed_at(args, state, train_dataloader)
+        per_batch: list[bool] = []
         read = _loop.first_batches(train_dataloader, skipped + wanted * accumulate, lambda b: _moved(b, device),
-                                   iterate=functools.partial(_fresh_pass, epoch=epoch), before=self._drawn)
+                                   iterate=functools.partial(_fresh_pass, epoch=epoch), before=self._drawn,
+                                   per_batch=per_batch)
+        drawn = _loop.interleaved(model, per_batch)
+        if drawn:
+            notes.append(drawn)
         batches = read[skipped:]
         if skipped:
             notes.append(f"the run resumes at step {state.global_step}, {skipped} batches into its epoch: the check "
@@ -193,6 +205,9 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         # a Trainer subclass's own training_step (a penalty added, its own backward) is the run's step: the check
         # calls it, and it backpropagates itself
         own_step = trainer is not None and _overrides_training_step(trainer)
+        # what its compute_loss or training_step logs or counts on the trainer (self.log, TRL's self._metrics and
+        # token count) stays in the check: they are called on a trainer aside
+        aside = _aside(trainer) if trainer is not None else None
         plain = clip is None and not schedulers and not own_step
 
         def make(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -227,17 +242,53 @@ class Tf32CheckCallback(transformers.TrainerCallback):
             if trainer is None:
                 outs = [copy(**batch) for batch in micro]
                 return torch.stack([out["loss"] if isinstance(out, dict) else out[0] for out in outs]).mean()
-            with _tokens_of_this_process(trainer):
+            with _tokens_of_this_process(aside):
+                # self.model (and model_wrapped) in a compute_loss or training_step: the model being trained, as in
+                # the run, here the row's copy (the run's would train in every row's place, in float32)
+                aside.__dict__.update(model=copy, model_wrapped=copy)
                 if step not in counts:
-                    counts[step] = _token_count(trainer, micro, device)
+                    counts[step] = _token_count(aside, micro, device)
                 if own_step:
-                    return _trainers_step(trainer, copy, micro, counts[step])
-                return _trainers_loss(trainer, copy, micro, counts[step], takes_count)
+                    return _trainers_step(aside, copy, micro, counts[step])
+                return _trainers_loss(aside, copy, micro, counts[step], takes_count)
 
         stepping = _loop.stepping_copy(model)
         report = _loop.run_check(stepping, type(model).__name__, steps, loss, make, levels=self.levels,
                                  target=self.target, tolerance=self.tolerance, notes=notes)
         return dataclasses.replace(report, notes=(*report.notes, tf32_advice(report, args)))
+
+
+def _aside(trainer: Any) -> Any:
+    """The run's Trainer as the check calls its ``compute_loss`` and ``training_step``: an instance of its class
+    over a copy of its attributes, those that are plain data (dicts and lists of numbers and strings: TRL's
+    ``self._metrics``, which its ``compute_loss`` appends to) copied too, and whose ``log`` does nothing (its
+    ``model`` is set to the row's copy at each step). What they
+    log (``self.log({...})`` in a ``compute_loss``: the run's ``log_history`` and every ``report_to``), append or
+    count (``self._total_train_tokens += ...``) stays in the check; the objects it holds (the model, accelerator,
+    arguments) are the run's own."""
+    base = type(trainer)
+
+    def log(self: Any, logs: dict[str, float], start_time: Optional[float] = None) -> None:
+        return None
+
+    viewed = type(base.__name__, (base,), {"log": log, "__qualname__": base.__qualname__,
+                                           "__module__": base.__module__})
+    seen = object.__new__(viewed)
+    attributes = {key: copy.deepcopy(value) if _plain_data(value) else value for key, value in vars(trainer).items()}
+    object.__setattr__(seen, "__dict__", attributes)
+    return seen
+
+
+_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+
+
+def _plain_data(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is a container (a dict, list, tuple, set or deque, of any subclass: a ``defaultdict``)
+    of Python numbers and strings only, nested at most four deep: copied whole at the cost of its data."""
+    if depth > 4 or not isinstance(value, (dict, list, tuple, set, frozenset, collections.deque)):
+        return False
+    items = [*value.keys(), *value.values()] if isinstance(value, dict) else list(value)
+    return all(isinstance(item, _SCALARS) or _plain_data(item, depth + 1) for item in items)
 
 
 @contextlib.contextmanager

@@ -42,6 +42,7 @@ import copy
 import dataclasses
 import inspect
 import math
+import numbers
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any, Callable, Optional, Union
@@ -165,8 +166,8 @@ def training_tolerance(tolerance: Optional[float]) -> float:
     """The training check's tolerance: ``None`` for the default, else one finite number >= 0."""
     if tolerance is None:
         return metrics.DEFAULT_TOLERANCE
-    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not math.isfinite(tolerance) \
-            or tolerance < 0:
+    if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real) or not math.isfinite(tolerance) \
+            or tolerance < 0:  # a NumPy number is one (numbers.Real), a tensor is not
         raise Tf32LabError(f"a training check's tolerance is one number >= 0 (the loss's relative deviation), "
                            f"not {tolerance!r}")
     return float(tolerance)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import numbers
 import traceback
 import types
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -338,7 +339,7 @@ def _call_refused(exc: TypeError) -> bool:
 
 
 def check_steps(steps: Any) -> int:
-    """A step count: a whole number >= 1 (a one-line error naming the value otherwise)."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    """A step count: a whole number >= 1, a NumPy one too (a one-line error naming the value otherwise)."""
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
         raise Tf32LabError(f"steps must be a whole number >= 1, not {steps!r}")
-    return steps
+    return int(steps)
