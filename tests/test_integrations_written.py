@@ -1,4 +1,4 @@
-"""The callbacks' report files (`tf32lab.integrations._loop.Written`) and the training report's plain data they are
+"""The callbacks' report files (`tf32lab.integrations.written.Written`) and the training report's plain data they are
 rendered from: the same texts as `to_json()` and `to_html()`, made from one `to_dict()`, in the writer thread."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tf32lab
-from tf32lab.integrations._loop import Written
+from tf32lab.integrations.written import Written
 from tf32lab.report.training import TrainingReport
 
 

@@ -14,7 +14,7 @@ other, without touching the run:
   (:class:`Steps`: clipping, each optimizer's step, the schedulers due);
 - the batches are the run's first ones, read from its dataloader with every random stream and sampler generator
   put back afterwards (:func:`first_batches`), so that the run reads the same batches in the same order;
-- the report's files are written in a thread while the run trains (:class:`Written`).
+- the report's files are written in a thread while the run trains (:class:`tf32lab.integrations.written.Written`).
 
 Example:
 
@@ -38,11 +38,9 @@ import functools
 import importlib
 import itertools
 import logging
-import threading
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
@@ -52,7 +50,6 @@ from tf32lab.know.levels import LEVELS, check_levels
 from tf32lab.know.targets import NATIVE, Target
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.training import check_training, elementwise_step, training_tolerance
-from tf32lab.numbers.files import json_text, sync_folder, write_atomically
 from tf32lab.report.training import TrainingReport
 from tf32lab.workloads.training import TrainingWorkload, check_steps
 
@@ -573,69 +570,6 @@ def headline(report: TrainingReport) -> dict[str, float]:
         out[f"tf32lab/{row.level}/multiple"] = row.multiple
         out[f"tf32lab/{row.level}/divergence_step"] = float(row.divergence_step or 0)
     return out
-
-
-class Written:
-    """The report as ``tf32lab-training.json`` and ``.html`` in ``folder`` (none: not written), made and written in
-    a thread while the run trains: the report object is the callback's at once, and the run's first steps go on
-    while its texts are rendered (from one ``to_dict``: about 1.5 ms, the first page of a process 80 ms more, as
-    jinja2 compiles its template) and synced to disk. Rendering draws from no random stream, so the run's draw as
-    they would. Each file is written whole or not at all, synced with its folder (tens of milliseconds of waiting
-    on the disk). The folder is made here, so that one that cannot be made fails before the run trains on; an
-    error of the rendering or writing (a full disk) is warned of by :meth:`wait`, which the callbacks call when
-    training ends or raises: by then the run's work is done, and neither it nor the run's own exception is lost to
-    a report file (the report stays on the callback)."""
-
-    def __init__(self, report: TrainingReport, folder: Optional[str]) -> None:
-        self.paths: list[Path] = []
-        self._error: Optional[BaseException] = None
-        self._thread: Optional[threading.Thread] = None
-        if not folder:
-            return
-        path = Path(folder)
-        path.mkdir(parents=True, exist_ok=True)
-        from tf32lab.report.training_render import html  # imported here, not in the thread: as to_html() does
-
-        self.paths = [path / "tf32lab-training.json", path / "tf32lab-training.html"]
-
-        # Thread.start() waits until the thread has started: a thread that went on to render in Python held the
-        # GIL until the switch interval made it let go (5 ms: 4-5% of a small model's check) before start()
-        # returned. It waits, without the GIL, until start() has returned.
-        go = threading.Event()
-
-        def write() -> None:
-            go.wait()
-            try:
-                data = report.to_dict()  # made once, for both texts; finite already (write_json's walk, not again)
-                # both renamed, then their folder flushed once (a flush is a journal commit: milliseconds); flushed
-                # too where the page failed, so that the JSON renamed before it is on disk as if written alone
-                try:
-                    write_atomically(self.paths[0], json_text(data), sync_folder=False)
-                    write_atomically(self.paths[1], html(report, data), sync_folder=False)
-                finally:
-                    sync_folder(path)
-            except Exception as exc:  # told by wait(), in the run's own thread
-                self._error = exc
-
-        # not a daemon: a run that ends without waiting (an error in its loop) still gets whole files
-        self._thread = threading.Thread(target=write, name="tf32lab-report-writer")
-        try:
-            self._thread.start()
-        finally:  # an interrupt in start() comes after the thread has started: it must not wait for ever
-            go.set()
-
-    def wait(self) -> list[Path]:
-        """The paths written, once both files are on disk; none, with a warning naming the error, when the
-        writing failed."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            warnings.warn(f"tf32lab: the training check's report could not be written to "
-                          f"{self.paths[0].parent}: {error} (the callback's .report holds it)", stacklevel=2)
-            self.paths = []
-        return self.paths
 
 
 def said(report: TrainingReport, on_fail: str, advice: Sequence[str] = ()) -> None:

@@ -59,6 +59,7 @@ import torch
 from tf32lab.emulation.emulator import RECOMPUTES_EMULATED
 from tf32lab.errors import Tf32LabError
 from tf32lab.integrations import _loop
+from tf32lab.integrations.written import Written
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.training import random_state_kept
@@ -92,7 +93,7 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         self.trainer = trainer
         self.report: Optional[TrainingReport] = None
         self.passed: Optional[bool] = None
-        self._writing: Optional[_loop.Written] = None
+        self._writing: Optional[Written] = None
         self._drawn: Optional[torch.Tensor] = None
         self._checked = _loop.Checked()
 
@@ -137,7 +138,7 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         numbers = {k: v for k, v in _loop.headline(self.report).items() if math.isfinite(v)}
         if trainer is not None:
             trainer.log(numbers)
-        self._writing = _loop.Written(self.report, args.output_dir)
+        self._writing = Written(self.report, args.output_dir)
         if not self.report.passed and self.on_fail == "raise":
             self._wait()  # the run stops here: the files first
         _loop.said(self.report, self.on_fail)
