@@ -36,7 +36,7 @@ from tf32lab.know.targets import PROJECTED, Target
 from tf32lab.measure.draws import Streams, random_op
 from tf32lab.measure.given import Held
 from tf32lab.measure.norms import bare, scratch, tree_normwise
-from tf32lab.measure.reference import Float64Run
+from tf32lab.measure.reference import Float64Run, widen
 from tf32lab.measure.sharded import local
 from tf32lab.measure.spill import Spilled, SpillFile
 from tf32lab.measure.state import state_kept
@@ -261,8 +261,11 @@ class Recorder:
                 self.outputs[key] = (map_tensors(torch.clone, reference), norms)
 
     def _keep(self, name: str, i: int, output: Any) -> Any:
-        """The output as kept: a large float64 tensor written out (``measure.spill``), the rest without a copy."""
-        kept = map_tensors(lambda t: self.spill.put(t.detach()), output)
+        """The output as kept: a large float64 tensor written out (``measure.spill``), the rest without a copy; a
+        float32 one as a float64 copy. The reference computes every result in float64: a float32 output is the
+        model's own state or a view of it (``return self.cache.t()``), which the layer's reruns write into and the
+        rows' state put back (its introduced error read 0.0, its accumulated one NaN)."""
+        kept = map_tensors(lambda t: self.spill.put(widen(t.detach())), output)
         for _, t in named_tensors(kept):
             self.shared.setdefault(_address(t), []).append((name, i))
         return kept
