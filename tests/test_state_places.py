@@ -531,3 +531,47 @@ def test_held_puts_back_what_a_call_changed_and_tells_a_write_in_place() -> None
     assert cache.layers[0].keys is keys and len(cache.layers) == 1 and config.width == 16
     keys.add_(1)  # written in place, as a static cache is: references cannot undo that
     assert held.written()
+
+
+def test_a_cache_object_made_under_inference_mode_is_held_for_the_reruns() -> None:
+    # a cache prefilled under torch.inference_mode() (as a generation loop's is): holding it for a layer's reruns
+    # asked is_inference() through the reference's function mode, which answered for a float64 copy of the keys
+    # (not an inference tensor), and reading their version counter then raised: "workload 'decodes' raised at the
+    # float64 reference: Inference tensors do not track version counter"
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        keys = torch.randn(12, 16)
+    cache = _KeyCache(keys)
+    report = tf32lab.check(tf32lab.Workload(_Decodes(), (torch.randn(4, 16), cache), name="decodes"),
+                           levels=("highest", "high"), speed=False)
+    assert all(row.passed and row.error is None for row in report.levels)
+    assert cache.layers[0].keys is keys
+    attn = next(layer for layer in report.level("high").layers if layer.name == "attn")
+    assert attn.diverged is None and 0 < attn.introduced < 1e-2
+
+
+class _DecodesTwice(torch.nn.Module):
+    """Two decoding steps in one forward: the second attends over the keys the first appended to the cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _Attends(in_place=False)
+
+    def forward(self, x: torch.Tensor, cache: _KeyCache) -> torch.Tensor:
+        return torch.tanh(self.attn(torch.tanh(self.attn(x, cache)[:, :16]), cache))
+
+
+def test_a_layers_rerun_is_given_the_cache_its_call_was_given_in_float32() -> None:
+    # the second call was given the cache as the reference had left it, float64 keys appended; its float32
+    # reruns then raised "expected scalar type Float but found Double" at the concatenation (introduced NaN)
+    torch.manual_seed(0)
+    keys = torch.randn(12, 16)
+    cache = _KeyCache(keys)
+    report = tf32lab.check(tf32lab.Workload(_DecodesTwice(), (torch.randn(4, 16), cache), name="twice"),
+                           levels=("highest", "high"), speed=False)
+    assert all(row.passed and row.error is None for row in report.levels)
+    assert cache.layers[0].keys is keys
+    for row in report.levels:
+        attn = next(layer for layer in row.layers if layer.name == "attn")
+        assert attn.calls == 2 and attn.diverged is None, attn
+        assert 0 < attn.introduced < (1e-6 if row.level == "highest" else 1e-2), attn

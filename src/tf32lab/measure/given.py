@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import types
 from collections.abc import Mapping, MutableMapping
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -103,7 +103,12 @@ class Held:
 
     def __init__(self, objects: list[Any]) -> None:
         self.objects = objects
-        self._kept = [(obj, _by_reference(obj, 0)) for obj in objects]
+        self._narrow: dict[int, torch.Tensor] = {}  # id of a kept float64 tensor -> its float32 copy (kept alive)
+        # past the float64 reference's function mode (a layer's pre-hook runs under it): it answers is_inference()
+        # for a float64 copy of a float32 tensor, not an inference tensor where the cache's keys are one (prefilled
+        # under torch.inference_mode()), and their version counter then raised; and each such copy cost a widening
+        with torch._C.DisableTorchFunction():
+            self._kept = [(obj, _by_reference(obj, 0)) for obj in objects]
 
     @classmethod
     def among(cls, tree: Any) -> Optional[Held]:
@@ -114,11 +119,31 @@ class Held:
 
     def written(self) -> bool:
         """Whether a tensor among them, as kept, was written into in place since."""
-        return any(_written_since(kept) for _, kept in self._kept)
+        with torch._C.DisableTorchFunction():  # as in __init__
+            return any(_written_since(kept) for _, kept in self._kept)
 
-    def put_back(self) -> None:
+    def put_back(self, narrow: bool = False) -> None:
+        """Set the objects as kept; ``narrow``: their float64 (complex128) tensors as float32 (complex64) copies,
+        made once, as a layer's float32 rerun is given its tensor arguments (a second decoding step's call is given
+        the cache the reference appended float64 keys to: its reruns raised at their float32 product with them)."""
+        cast = self._narrowed if narrow else None
         for obj, kept in self._kept:
-            _put_back_references(obj, kept)
+            _put_back_references(obj, kept, cast)
+
+    def _narrowed(self, value: Any) -> Any:
+        if type(value) is tuple:  # a pair of keys and values
+            narrowed = tuple(self._narrowed(item) for item in value)
+            return value if all(a is b for a, b in zip(narrowed, value)) else narrowed
+        if not isinstance(value, torch.Tensor) or value.dtype not in _NARROWER:
+            return value
+        found = self._narrow.get(id(value))
+        if found is None:
+            with torch._C.DisableTorchFunction(), torch.no_grad():
+                found = self._narrow[id(value)] = value.detach().to(_NARROWER[value.dtype])
+        return found
+
+
+_NARROWER = {torch.float64: torch.float32, torch.complex128: torch.complex64}
 
 
 def _by_reference(value: Any, depth: int) -> Any:
@@ -149,25 +174,27 @@ def _written_since(kept: Any) -> bool:
     return any(_written_since(k) for k in (inner.values() if isinstance(inner, dict) else inner))
 
 
-def _put_back_references(value: Any, kept: Any) -> None:
+def _put_back_references(value: Any, kept: Any, cast: Optional[Callable[[Any], Any]] = None) -> None:
     if kept is None or kept[0] == "tensor":
         return
     kind, items, inner = kept
     if kind == "list":
-        if len(value) != len(items) or any(a is not b for a, b in zip(value, items)):
-            value[:] = items
+        wanted = items if cast is None else [cast(item) for item in items]
+        if len(value) != len(wanted) or any(a is not b for a, b in zip(value, wanted)):
+            value[:] = wanted
         pairs = zip(items, inner)
     elif kind in ("dict", "object"):
         held = value if kind == "dict" else vars(value)
+        wanted = items if cast is None else {key: cast(item) for key, item in items.items()}
         # set again only where a call changed it (a config or an enum among the arguments is left untouched)
-        if held.keys() != items.keys() or any(held[key] is not item for key, item in items.items()):
+        if held.keys() != wanted.keys() or any(held[key] is not item for key, item in wanted.items()):
             held.clear()
-            held.update(items)
+            held.update(wanted)
         pairs = ((items[key], k) for key, k in inner.items())
     else:  # a tuple: its items' contents only
         pairs = zip(value, inner)
     for item, k in pairs:
-        _put_back_references(item, k)
+        _put_back_references(item, k, cast)
 
 
 def _containers(tree: Any, found: list[tuple[Any, Any]], seen: set[int], objects: list[Any]) -> None:

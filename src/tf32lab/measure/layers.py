@@ -388,8 +388,8 @@ class Recorder:
         error and why it has none; ``watch``: notes the families the rerun computes (``Handoff.watch``)."""
         if streams is not None:  # a call that drew: each rerun draws what the reference's call drew
             streams.put(frame.state)
-        if frame.held is not None:  # and is given the objects (a cache) as the call was given them
-            frame.held.put_back()
+        if frame.held is not None:  # and is given the objects (a cache) as the call was given them, in float32
+            frame.held.put_back(narrow=True)
         self.rerunning = True
         try:
             with state_kept(module, parameters=False), _originals(self.swapped), _answering(inner), \
