@@ -575,3 +575,41 @@ def test_a_layers_rerun_is_given_the_cache_its_call_was_given_in_float32() -> No
         attn = next(layer for layer in row.layers if layer.name == "attn")
         assert attn.calls == 2 and attn.diverged is None, attn
         assert 0 < attn.introduced < (1e-6 if row.level == "highest" else 1e-2), attn
+
+
+class _Frames:  # a streaming model's ring of past frames' keys
+    def __init__(self, first: torch.Tensor) -> None:
+        self.frames = collections.deque([first], maxlen=3)
+
+
+class _AttendsToFrames(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, ring: _Frames) -> torch.Tensor:
+        ring.frames.append(self.k(x))
+        return self.q(x) @ torch.cat(list(ring.frames)).t()
+
+
+class _Streams(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _AttendsToFrames()
+
+    def forward(self, x: torch.Tensor, ring: _Frames) -> torch.Tensor:
+        return torch.tanh(self.attn(x, ring))
+
+
+def test_a_deque_among_a_layers_objects_is_given_to_its_reruns_as_the_call_was() -> None:
+    # a deque was not held: each rerun was given the ring with its call's float64 keys appended, and raised at
+    # its float32 product with them ("expected m1 and m2 to have the same dtype"): introduced NaN
+    torch.manual_seed(0)
+    first = torch.randn(4, 16)
+    ring = _Frames(first)
+    report = tf32lab.check(tf32lab.Workload(_Streams(), (torch.randn(4, 16), ring), name="ring"),
+                           levels=("highest", "high"), speed=False)
+    assert list(ring.frames) == [first]
+    for row in report.levels:
+        attn = next(layer for layer in row.layers if layer.name == "attn")
+        assert attn.diverged is None and 0 < attn.introduced < (1e-6 if row.level == "highest" else 1e-2), attn

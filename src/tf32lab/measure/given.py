@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import types
 from collections.abc import Mapping, MutableMapping
@@ -152,7 +153,7 @@ def _by_reference(value: Any, depth: int) -> Any:
         return ("tensor", value, None if value.is_inference() else value._version)
     if depth >= DEPTH:
         return None
-    if isinstance(value, list):
+    if isinstance(value, (list, collections.deque)):  # a deque: a streaming model's ring of past frames
         return ("list", list(value), [_by_reference(item, depth + 1) for item in value])
     if isinstance(value, dict):
         return ("dict", dict(value), {key: _by_reference(item, depth + 1) for key, item in value.items()})
@@ -181,7 +182,11 @@ def _put_back_references(value: Any, kept: Any, cast: Optional[Callable[[Any], A
     if kind == "list":
         wanted = items if cast is None else [cast(item) for item in items]
         if len(value) != len(wanted) or any(a is not b for a, b in zip(value, wanted)):
-            value[:] = wanted
+            if isinstance(value, list):
+                value[:] = wanted
+            else:  # a deque, its maxlen kept
+                value.clear()
+                value.extend(wanted)
         pairs = zip(items, inner)
     elif kind in ("dict", "object"):
         held = value if kind == "dict" else vars(value)
