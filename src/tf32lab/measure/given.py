@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from tf32lab.measure.state import BITS, DEPTH, data_attributes
+from tf32lab.measure.state import BITS, DEPTH, _contents, _put_back, _random_state, data_attributes
 from tf32lab.numbers.trees import is_dataclass_instance, named_tensors
 
 __all__ = ["Held", "KeptInputs", "inputs_note"]
@@ -57,7 +57,8 @@ class KeptInputs:
         objects: list[Any] = []
         _containers(inputs, self._containers, set(), objects)
         holders: set[int] = set()
-        self._objects = [restore for obj in objects for restore in data_attributes(vars(obj), (), holders)]
+        self._objects = [restore for obj in objects for restore in (
+            (_drawn(obj),) if _random_state(obj) is not None else data_attributes(vars(obj), (), holders))]
         self.written = False
 
     def __call__(self) -> bool:
@@ -147,10 +148,20 @@ class Held:
 _NARROWER = {torch.float64: torch.float32, torch.complex128: torch.complex64}
 
 
+def _drawn(generator: Any) -> Callable[[], bool]:
+    """Puts a random generator's state back as it is now (``torch.Generator``, ``random.Random``, NumPy's); whether
+    it had drawn since."""
+    state = _contents(generator)
+    return lambda: _put_back(generator, state)
+
+
 def _by_reference(value: Any, depth: int) -> Any:
-    """``value``'s structure with its items by reference (a tensor by its version counter), a few levels down."""
+    """``value``'s structure with its items by reference (a tensor by its version counter, a random generator by
+    its state), a few levels down."""
     if isinstance(value, torch.Tensor):
         return ("tensor", value, None if value.is_inference() else value._version)
+    if _random_state(value) is not None:
+        return ("random", value, _contents(value))
     if depth >= DEPTH:
         return None
     if isinstance(value, (list, collections.deque)):  # a deque: a streaming model's ring of past frames
@@ -172,6 +183,8 @@ def _written_since(kept: Any) -> bool:
     kind, items, inner = kept
     if kind == "tensor":
         return inner is not None and not items.is_inference() and items._version != inner
+    if kind == "random":
+        return False
     return any(_written_since(k) for k in (inner.values() if isinstance(inner, dict) else inner))
 
 
@@ -179,6 +192,9 @@ def _put_back_references(value: Any, kept: Any, cast: Optional[Callable[[Any], A
     if kept is None or kept[0] == "tensor":
         return
     kind, items, inner = kept
+    if kind == "random":  # a generator's state, as the call found or left it
+        _put_back(value, inner)
+        return
     if kind == "list":
         wanted = items if cast is None else [cast(item) for item in items]
         if len(value) != len(wanted) or any(a is not b for a, b in zip(value, wanted)):
@@ -206,6 +222,10 @@ def _containers(tree: Any, found: list[tuple[Any, Any]], seen: set[int], objects
     # each list and mutable mapping in ``tree`` with a shallow copy of its entries (each container once), and each
     # other object with attributes of its own (not a module: the model's, kept as its state; not code)
     if isinstance(tree, torch.Tensor) or id(tree) in seen:
+        return
+    if _random_state(tree) is not None:  # a generator the model draws from: kept by its state
+        seen.add(id(tree))
+        objects.append(tree)
         return
     if isinstance(tree, list):
         seen.add(id(tree))
