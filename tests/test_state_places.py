@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import math
 import random
 from typing import Any, Optional
@@ -658,3 +659,27 @@ def test_a_random_generator_among_the_inputs_draws_alike_in_every_run_and_every_
     assert noisy.introduced < 1e-6, noisy
     draw = (lambda g: float(torch.rand((), generator=g))) if kind == "torch" else (lambda g: float(g.random()))
     assert draw(generator) == draw(fresh)  # the caller's generator as it was
+
+
+def test_each_float64_tensor_among_the_layers_objects_is_narrowed_once_for_all_their_reruns() -> None:
+    # every layer call's reruns made float32 copies of every float64 tensor in the cache it was given: each
+    # attention layer is given the whole cache, so every earlier layer's keys were copied again at every layer
+    # (quadratic in the layers); a copy goes with its tensor (a decoding loop replaces its keys at every step)
+    cache = _KeyCache(torch.randn(12, 16, dtype=torch.float64))
+    narrowed = tf32lab.measure.given.Narrowed()
+    first, second = _held_among(cache), _held_among(cache)
+    first.put_back(narrowed)
+    copy = cache.layers[0].keys
+    second.put_back(narrowed)
+    assert copy.dtype == torch.float32 and cache.layers[0].keys is copy
+    first.put_back()
+    assert cache.layers[0].keys.dtype == torch.float64
+    del first, second, cache, copy
+    gc.collect()
+    assert not narrowed._copies
+
+
+def _held_among(cache: _KeyCache) -> tf32lab.measure.given.Held:
+    held = tf32lab.measure.given.Held.among(((torch.ones(1), cache), {}))
+    assert held is not None
+    return held

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import types
+import weakref
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Callable, Optional
 
@@ -29,7 +30,7 @@ import torch
 from tf32lab.measure.state import BITS, DEPTH, _contents, _put_back, _random_state, data_attributes
 from tf32lab.numbers.trees import is_dataclass_instance, named_tensors
 
-__all__ = ["Held", "KeptInputs", "inputs_note"]
+__all__ = ["Held", "KeptInputs", "Narrowed", "inputs_note"]
 
 
 class KeptInputs:
@@ -105,7 +106,6 @@ class Held:
 
     def __init__(self, objects: list[Any]) -> None:
         self.objects = objects
-        self._narrow: dict[int, torch.Tensor] = {}  # id of a kept float64 tensor -> its float32 copy (kept alive)
         # past the float64 reference's function mode (a layer's pre-hook runs under it): it answers is_inference()
         # for a float64 copy of a float32 tensor, not an inference tensor where the cache's keys are one (prefilled
         # under torch.inference_mode()), and their version counter then raised; and each such copy cost a widening
@@ -124,25 +124,43 @@ class Held:
         with torch._C.DisableTorchFunction():  # as in __init__
             return any(_written_since(kept) for _, kept in self._kept)
 
-    def put_back(self, narrow: bool = False) -> None:
-        """Set the objects as kept; ``narrow``: their float64 (complex128) tensors as float32 (complex64) copies,
-        made once, as a layer's float32 rerun is given its tensor arguments (a second decoding step's call is given
+    def put_back(self, narrowed: Optional[Narrowed] = None) -> None:
+        """Set the objects as kept; with ``narrowed``, their float64 (complex128) tensors as its float32 (complex64)
+        copies, as a layer's float32 rerun is given its tensor arguments (a second decoding step's call is given
         the cache the reference appended float64 keys to: its reruns raised at their float32 product with them)."""
-        cast = self._narrowed if narrow else None
         for obj, kept in self._kept:
-            _put_back_references(obj, kept, cast)
+            _put_back_references(obj, kept, narrowed)
 
-    def _narrowed(self, value: Any) -> Any:
+
+class Narrowed:
+    """Float32 (complex64) copies of float64 (complex128) tensors, each made once while it lives: what a layer's
+    reruns are given for the float64 tensors among its objects. One for the reference run, not one per call: each
+    attention layer's call is given the whole cache, and copies made per call narrowed every earlier layer's keys
+    again at every layer (quadratic in the layers, in time and in memory held).
+
+        >>> narrowed, keys = Narrowed(), torch.ones(2, dtype=torch.float64)
+        >>> narrowed(keys).dtype, narrowed(keys) is narrowed(keys)
+        (torch.float32, True)
+    """
+
+    def __init__(self) -> None:
+        self._copies: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+    def __call__(self, value: Any) -> Any:
         if type(value) is tuple:  # a pair of keys and values
-            narrowed = tuple(self._narrowed(item) for item in value)
+            narrowed = tuple(self(item) for item in value)
             return value if all(a is b for a, b in zip(narrowed, value)) else narrowed
         if not isinstance(value, torch.Tensor) or value.dtype not in _NARROWER:
             return value
-        found = self._narrow.get(id(value))
-        if found is None:
-            with torch._C.DisableTorchFunction(), torch.no_grad():
-                found = self._narrow[id(value)] = value.detach().to(_NARROWER[value.dtype])
-        return found
+        key = id(value)
+        found = self._copies.get(key)
+        if found is not None and found[0]() is value:
+            return found[1]
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            copy = value.detach().to(_NARROWER[value.dtype])
+        # gone with the tensor: a decoding loop's caches replaced step by step are not held in float32 beside
+        self._copies[key] = (weakref.ref(value, lambda _, key=key: self._copies.pop(key, None)), copy)
+        return copy
 
 
 _NARROWER = {torch.float64: torch.float32, torch.complex128: torch.complex64}

@@ -34,7 +34,7 @@ from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
 from tf32lab.know.targets import PROJECTED, Target
 from tf32lab.measure.draws import Streams, random_op
-from tf32lab.measure.given import Held
+from tf32lab.measure.given import Held, Narrowed
 from tf32lab.measure.norms import bare, scratch, tree_normwise
 from tf32lab.measure.reference import Float64Run, widen
 from tf32lab.measure.sharded import local
@@ -208,6 +208,7 @@ class Recorder:
         self.streams: Optional[Streams] = None  # set by check: each rerun draws from its call's random state
         self.quiet: list[Any] = []  # the caller's own modes over the reference run, lifted while a layer reruns
         self.alike: dict[tuple[str, str], frozenset[str]] = {}  # two levels -> the families computed alike
+        self.narrowed = Narrowed()  # the float32 copies of the float64 tensors in the objects reruns are given
 
     def __enter__(self) -> Recorder:
         try:
@@ -389,7 +390,7 @@ class Recorder:
         if streams is not None:  # a call that drew: each rerun draws what the reference's call drew
             streams.put(frame.state)
         if frame.held is not None:  # and is given the objects (a cache) as the call was given them, in float32
-            frame.held.put_back(narrow=True)
+            frame.held.put_back(self.narrowed)
         self.rerunning = True
         try:
             with state_kept(module, parameters=False), _originals(self.swapped), _answering(inner), \
