@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import math
-from typing import Optional
+import random
+from typing import Any, Optional
 
+import numpy as np
 import pytest
 import torch
 
@@ -561,3 +564,152 @@ def test_a_transformers_decoders_attention_layers_are_measured_with_its_own_cach
         attention = [layer for layer in report.level("high").layers if layer.name.endswith("self_attn")]
         assert len(attention) == 2 and all(0 < layer.introduced < 1e-3 for layer in attention), attention
     assert cache.get_seq_length() == length
+
+
+def test_a_cache_object_made_under_inference_mode_is_held_for_the_reruns() -> None:
+    # a cache prefilled under torch.inference_mode() (as a generation loop's is): holding it for a layer's reruns
+    # asked is_inference() through the reference's function mode, which answered for a float64 copy of the keys
+    # (not an inference tensor), and reading their version counter then raised: "workload 'decodes' raised at the
+    # float64 reference: Inference tensors do not track version counter"
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        keys = torch.randn(12, 16)
+    cache = _KeyCache(keys)
+    report = tf32lab.check(tf32lab.Workload(_Decodes(), (torch.randn(4, 16), cache), name="decodes"),
+                           levels=("highest", "high"), speed=False)
+    assert all(row.passed and row.error is None for row in report.levels)
+    assert cache.layers[0].keys is keys
+    attn = next(layer for layer in report.level("high").layers if layer.name == "attn")
+    assert attn.diverged is None and 0 < attn.introduced < 1e-2
+
+
+class _DecodesTwice(torch.nn.Module):
+    """Two decoding steps in one forward: the second attends over the keys the first appended to the cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _Attends(in_place=False)
+
+    def forward(self, x: torch.Tensor, cache: _KeyCache) -> torch.Tensor:
+        return torch.tanh(self.attn(torch.tanh(self.attn(x, cache)[:, :16]), cache))
+
+
+def test_a_layers_rerun_is_given_the_cache_its_call_was_given_in_float32() -> None:
+    # the second call was given the cache as the reference had left it, float64 keys appended; its float32
+    # reruns then raised "expected scalar type Float but found Double" at the concatenation (introduced NaN)
+    torch.manual_seed(0)
+    keys = torch.randn(12, 16)
+    cache = _KeyCache(keys)
+    report = tf32lab.check(tf32lab.Workload(_DecodesTwice(), (torch.randn(4, 16), cache), name="twice"),
+                           levels=("highest", "high"), speed=False)
+    assert all(row.passed and row.error is None for row in report.levels)
+    assert cache.layers[0].keys is keys
+    for row in report.levels:
+        attn = next(layer for layer in row.layers if layer.name == "attn")
+        assert attn.calls == 2 and attn.diverged is None, attn
+        assert 0 < attn.introduced < (1e-6 if row.level == "highest" else 1e-2), attn
+
+
+class _Frames:  # a streaming model's ring of past frames' keys
+    def __init__(self, first: torch.Tensor) -> None:
+        self.frames = collections.deque([first], maxlen=3)
+
+
+class _AttendsToFrames(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, ring: _Frames) -> torch.Tensor:
+        ring.frames.append(self.k(x))
+        return self.q(x) @ torch.cat(list(ring.frames)).t()
+
+
+class _Streams(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _AttendsToFrames()
+
+    def forward(self, x: torch.Tensor, ring: _Frames) -> torch.Tensor:
+        return torch.tanh(self.attn(x, ring))
+
+
+def test_a_deque_among_a_layers_objects_is_given_to_its_reruns_as_the_call_was() -> None:
+    # a deque was not held: each rerun was given the ring with its call's float64 keys appended, and raised at
+    # its float32 product with them ("expected m1 and m2 to have the same dtype"): introduced NaN
+    torch.manual_seed(0)
+    first = torch.randn(4, 16)
+    ring = _Frames(first)
+    report = tf32lab.check(tf32lab.Workload(_Streams(), (torch.randn(4, 16), ring), name="ring"),
+                           levels=("highest", "high"), speed=False)
+    assert list(ring.frames) == [first]
+    for row in report.levels:
+        attn = next(layer for layer in row.layers if layer.name == "attn")
+        assert attn.diverged is None and 0 < attn.introduced < (1e-6 if row.level == "highest" else 1e-2), attn
+
+
+class _NoisyLayer(torch.nn.Module):
+    """A layer that scales its product by a number drawn from the generator it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(16, 16) / 4)
+
+    def forward(self, x: torch.Tensor, generator: Any) -> torch.Tensor:
+        if isinstance(generator, torch.Generator):
+            drawn = float(torch.rand((), generator=generator))
+        else:  # random.Random, numpy.random.Generator
+            drawn = float(generator.random())
+        return torch.nn.functional.linear(x, self.weight) * (1 + drawn)
+
+
+class _DrawsFromAGivenGenerator(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.noisy = _NoisyLayer()
+
+    def forward(self, x: torch.Tensor, generator: Any) -> torch.Tensor:
+        return torch.tanh(self.noisy(x, generator))
+
+
+@pytest.mark.parametrize("kind", ["torch", "random", "numpy"])
+def test_a_random_generator_among_the_inputs_draws_alike_in_every_run_and_every_rerun(kind: str) -> None:
+    # a generator given among the inputs was not kept: each run drew the next numbers from it (normwise 0.1 to 0.6
+    # at `highest`, FAILED and blamed on precision), each rerun of the layer drawing from it too, and the caller's
+    # generator was left advanced
+    torch.manual_seed(0)
+    generator = {"torch": lambda: torch.Generator().manual_seed(1), "random": lambda: random.Random(1),
+                 "numpy": lambda: np.random.default_rng(1)}[kind]()
+    fresh = {"torch": lambda: torch.Generator().manual_seed(1), "random": lambda: random.Random(1),
+             "numpy": lambda: np.random.default_rng(1)}[kind]()
+    report = tf32lab.check(tf32lab.Workload(_DrawsFromAGivenGenerator(), (torch.randn(4, 16), generator),
+                                            name="draws"), levels=("highest", "high"), speed=False)
+    assert report.level("highest").outputs[0].normwise < 1e-6 and all(row.passed for row in report.levels)
+    noisy = next(layer for layer in report.level("highest").layers if layer.name == "noisy")
+    assert noisy.introduced < 1e-6, noisy
+    draw = (lambda g: float(torch.rand((), generator=g))) if kind == "torch" else (lambda g: float(g.random()))
+    assert draw(generator) == draw(fresh)  # the caller's generator as it was
+
+
+def test_each_float64_tensor_among_the_layers_objects_is_narrowed_once_for_all_their_reruns() -> None:
+    # every layer call's reruns made float32 copies of every float64 tensor in the cache it was given: each
+    # attention layer is given the whole cache, so every earlier layer's keys were copied again at every layer
+    # (quadratic in the layers); a copy goes with its tensor (a decoding loop replaces its keys at every step)
+    cache = _KeyCache(torch.randn(12, 16, dtype=torch.float64))
+    narrowed = tf32lab.measure.given.Narrowed()
+    first, second = _held_among(cache), _held_among(cache)
+    first.put_back(narrowed)
+    copy = cache.layers[0].keys
+    second.put_back(narrowed)
+    assert copy.dtype == torch.float32 and cache.layers[0].keys is copy
+    first.put_back()
+    assert cache.layers[0].keys.dtype == torch.float64
+    del first, second, cache, copy
+    gc.collect()
+    assert not narrowed._copies
+
+
+def _held_among(cache: _KeyCache) -> tf32lab.measure.given.Held:
+    held = tf32lab.measure.given.Held.among(((torch.ones(1), cache), {}))
+    assert held is not None
+    return held

@@ -389,6 +389,7 @@ class Session:
         else:
             _check_measurable_sharded(workload, self.ref_out, self.ranks)
         self.ref_drawn = list(recorder.mode.drawn)
+        self.ref_out = _owned(self.ref_out, workload.model)
 
     def _as_drawn(self, run: Callable[[], _T], where: str) -> _T:
         """``run()``, the session's first end-to-end run (``where``: what it is, for a note). Where the reference
@@ -866,6 +867,30 @@ def _below_float32(found: metrics.OutputError, largest: float) -> metrics.Output
     said = (f"{BELOW_FLOAT32}: the reference's largest magnitude is {largest:.1e}, under float32's least normal "
             f"number ({tiny:.1e})")
     return dataclasses.replace(found, note=f"{found.note}; {said}" if found.note else said)
+
+
+def _owned(ref_out: Any, model: torch.nn.Module) -> Any:
+    """The reference's outputs in tensors of their own: an output that is the model's state (a buffer it writes,
+    ``return self.cache``, or a float32 view of one, ``self.cache.view(-1)``, which the reference keeps float32) is
+    put back with the state before each row, and the row's writes then made it that row's own output (every
+    level's error 0.0). A float32 output is always such a one (every result the reference computes is float64)."""
+    state = {_address(t) for t in (*model.parameters(), *model.buffers())} - {None}
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        if _address(t) is None:  # a sharded tensor (a wrapper with no storage of its own): as it is
+            return t
+        if t.dtype in (torch.float32, torch.complex64):
+            return widen(t.detach())
+        return t.detach().clone() if _address(t) in state else t
+
+    return map_tensors(own, ref_out)
+
+
+def _address(t: torch.Tensor) -> Optional[int]:
+    try:
+        return t.untyped_storage().data_ptr() if t.device.type != "meta" else None
+    except (RuntimeError, NotImplementedError):  # a wrapper subclass (DTensor) has no storage of its own
+        return None
 
 
 def _comparable(ref_out: Any) -> bool:

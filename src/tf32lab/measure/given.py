@@ -18,17 +18,19 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import types
+import weakref
 from collections.abc import Mapping, MutableMapping
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-from tf32lab.measure.state import BITS, DEPTH, data_attributes
+from tf32lab.measure.state import BITS, DEPTH, _contents, _put_back, _random_state, data_attributes
 from tf32lab.numbers.trees import is_dataclass_instance, named_tensors
 
-__all__ = ["Held", "KeptInputs", "inputs_note"]
+__all__ = ["Held", "KeptInputs", "Narrowed", "inputs_note"]
 
 
 class KeptInputs:
@@ -56,7 +58,8 @@ class KeptInputs:
         objects: list[Any] = []
         _containers(inputs, self._containers, set(), objects)
         holders: set[int] = set()
-        self._objects = [restore for obj in objects for restore in data_attributes(vars(obj), (), holders)]
+        self._objects = [restore for obj in objects for restore in (
+            (_drawn(obj),) if _random_state(obj) is not None else data_attributes(vars(obj), (), holders))]
         self.written = False
 
     def __call__(self) -> bool:
@@ -103,7 +106,11 @@ class Held:
 
     def __init__(self, objects: list[Any]) -> None:
         self.objects = objects
-        self._kept = [(obj, _by_reference(obj, 0)) for obj in objects]
+        # past the float64 reference's function mode (a layer's pre-hook runs under it): it answers is_inference()
+        # for a float64 copy of a float32 tensor, not an inference tensor where the cache's keys are one (prefilled
+        # under torch.inference_mode()), and their version counter then raised; and each such copy cost a widening
+        with torch._C.DisableTorchFunction():
+            self._kept = [(obj, _by_reference(obj, 0)) for obj in objects]
 
     @classmethod
     def among(cls, tree: Any) -> Optional[Held]:
@@ -114,20 +121,68 @@ class Held:
 
     def written(self) -> bool:
         """Whether a tensor among them, as kept, was written into in place since."""
-        return any(_written_since(kept) for _, kept in self._kept)
+        with torch._C.DisableTorchFunction():  # as in __init__
+            return any(_written_since(kept) for _, kept in self._kept)
 
-    def put_back(self) -> None:
+    def put_back(self, narrowed: Optional[Narrowed] = None) -> None:
+        """Set the objects as kept; with ``narrowed``, their float64 (complex128) tensors as its float32 (complex64)
+        copies, as a layer's float32 rerun is given its tensor arguments (a second decoding step's call is given
+        the cache the reference appended float64 keys to: its reruns raised at their float32 product with them)."""
         for obj, kept in self._kept:
-            _put_back_references(obj, kept)
+            _put_back_references(obj, kept, narrowed)
+
+
+class Narrowed:
+    """Float32 (complex64) copies of float64 (complex128) tensors, each made once while it lives: what a layer's
+    reruns are given for the float64 tensors among its objects. One for the reference run, not one per call: each
+    attention layer's call is given the whole cache, and copies made per call narrowed every earlier layer's keys
+    again at every layer (quadratic in the layers, in time and in memory held).
+
+        >>> narrowed, keys = Narrowed(), torch.ones(2, dtype=torch.float64)
+        >>> narrowed(keys).dtype, narrowed(keys) is narrowed(keys)
+        (torch.float32, True)
+    """
+
+    def __init__(self) -> None:
+        self._copies: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+    def __call__(self, value: Any) -> Any:
+        if type(value) is tuple:  # a pair of keys and values
+            narrowed = tuple(self(item) for item in value)
+            return value if all(a is b for a, b in zip(narrowed, value)) else narrowed
+        if not isinstance(value, torch.Tensor) or value.dtype not in _NARROWER:
+            return value
+        key = id(value)
+        found = self._copies.get(key)
+        if found is not None and found[0]() is value:
+            return found[1]
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            copy = value.detach().to(_NARROWER[value.dtype])
+        # gone with the tensor: a decoding loop's caches replaced step by step are not held in float32 beside
+        self._copies[key] = (weakref.ref(value, lambda _, key=key: self._copies.pop(key, None)), copy)
+        return copy
+
+
+_NARROWER = {torch.float64: torch.float32, torch.complex128: torch.complex64}
+
+
+def _drawn(generator: Any) -> Callable[[], bool]:
+    """Puts a random generator's state back as it is now (``torch.Generator``, ``random.Random``, NumPy's); whether
+    it had drawn since."""
+    state = _contents(generator)
+    return lambda: _put_back(generator, state)
 
 
 def _by_reference(value: Any, depth: int) -> Any:
-    """``value``'s structure with its items by reference (a tensor by its version counter), a few levels down."""
+    """``value``'s structure with its items by reference (a tensor by its version counter, a random generator by
+    its state), a few levels down."""
     if isinstance(value, torch.Tensor):
         return ("tensor", value, None if value.is_inference() else value._version)
+    if _random_state(value) is not None:
+        return ("random", value, _contents(value))
     if depth >= DEPTH:
         return None
-    if isinstance(value, list):
+    if isinstance(value, (list, collections.deque)):  # a deque: a streaming model's ring of past frames
         return ("list", list(value), [_by_reference(item, depth + 1) for item in value])
     if isinstance(value, dict):
         return ("dict", dict(value), {key: _by_reference(item, depth + 1) for key, item in value.items()})
@@ -146,34 +201,49 @@ def _written_since(kept: Any) -> bool:
     kind, items, inner = kept
     if kind == "tensor":
         return inner is not None and not items.is_inference() and items._version != inner
+    if kind == "random":
+        return False
     return any(_written_since(k) for k in (inner.values() if isinstance(inner, dict) else inner))
 
 
-def _put_back_references(value: Any, kept: Any) -> None:
+def _put_back_references(value: Any, kept: Any, cast: Optional[Callable[[Any], Any]] = None) -> None:
     if kept is None or kept[0] == "tensor":
         return
     kind, items, inner = kept
+    if kind == "random":  # a generator's state, as the call found or left it
+        _put_back(value, inner)
+        return
     if kind == "list":
-        if len(value) != len(items) or any(a is not b for a, b in zip(value, items)):
-            value[:] = items
+        wanted = items if cast is None else [cast(item) for item in items]
+        if len(value) != len(wanted) or any(a is not b for a, b in zip(value, wanted)):
+            if isinstance(value, list):
+                value[:] = wanted
+            else:  # a deque, its maxlen kept
+                value.clear()
+                value.extend(wanted)
         pairs = zip(items, inner)
     elif kind in ("dict", "object"):
         held = value if kind == "dict" else vars(value)
+        wanted = items if cast is None else {key: cast(item) for key, item in items.items()}
         # set again only where a call changed it (a config or an enum among the arguments is left untouched)
-        if held.keys() != items.keys() or any(held[key] is not item for key, item in items.items()):
+        if held.keys() != wanted.keys() or any(held[key] is not item for key, item in wanted.items()):
             held.clear()
-            held.update(items)
+            held.update(wanted)
         pairs = ((items[key], k) for key, k in inner.items())
     else:  # a tuple: its items' contents only
         pairs = zip(value, inner)
     for item, k in pairs:
-        _put_back_references(item, k)
+        _put_back_references(item, k, cast)
 
 
 def _containers(tree: Any, found: list[tuple[Any, Any]], seen: set[int], objects: list[Any]) -> None:
     # each list and mutable mapping in ``tree`` with a shallow copy of its entries (each container once), and each
     # other object with attributes of its own (not a module: the model's, kept as its state; not code)
     if isinstance(tree, torch.Tensor) or id(tree) in seen:
+        return
+    if _random_state(tree) is not None:  # a generator the model draws from: kept by its state
+        seen.add(id(tree))
+        objects.append(tree)
         return
     if isinstance(tree, list):
         seen.add(id(tree))

@@ -34,9 +34,9 @@ from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
 from tf32lab.know.targets import PROJECTED, Target
 from tf32lab.measure.draws import Streams, random_op
-from tf32lab.measure.given import Held
+from tf32lab.measure.given import Held, Narrowed
 from tf32lab.measure.norms import bare, scratch, tree_normwise
-from tf32lab.measure.reference import Float64Run
+from tf32lab.measure.reference import Float64Run, widen
 from tf32lab.measure.sharded import local
 from tf32lab.measure.spill import Spilled, SpillFile
 from tf32lab.measure.state import state_kept
@@ -208,6 +208,7 @@ class Recorder:
         self.streams: Optional[Streams] = None  # set by check: each rerun draws from its call's random state
         self.quiet: list[Any] = []  # the caller's own modes over the reference run, lifted while a layer reruns
         self.alike: dict[tuple[str, str], frozenset[str]] = {}  # two levels -> the families computed alike
+        self.narrowed = Narrowed()  # the float32 copies of the float64 tensors in the objects reruns are given
 
     def __enter__(self) -> Recorder:
         try:
@@ -261,8 +262,11 @@ class Recorder:
                 self.outputs[key] = (map_tensors(torch.clone, reference), norms)
 
     def _keep(self, name: str, i: int, output: Any) -> Any:
-        """The output as kept: a large float64 tensor written out (``measure.spill``), the rest without a copy."""
-        kept = map_tensors(lambda t: self.spill.put(t.detach()), output)
+        """The output as kept: a large float64 tensor written out (``measure.spill``), the rest without a copy; a
+        float32 one as a float64 copy. The reference computes every result in float64: a float32 output is the
+        model's own state or a view of it (``return self.cache.t()``), which the layer's reruns write into and the
+        rows' state put back (its introduced error read 0.0, its accumulated one NaN)."""
+        kept = map_tensors(lambda t: self.spill.put(widen(t.detach())), output)
         for _, t in named_tensors(kept):
             self.shared.setdefault(_address(t), []).append((name, i))
         return kept
@@ -385,8 +389,8 @@ class Recorder:
         error and why it has none; ``watch``: notes the families the rerun computes (``Handoff.watch``)."""
         if streams is not None:  # a call that drew: each rerun draws what the reference's call drew
             streams.put(frame.state)
-        if frame.held is not None:  # and is given the objects (a cache) as the call was given them
-            frame.held.put_back()
+        if frame.held is not None:  # and is given the objects (a cache) as the call was given them, in float32
+            frame.held.put_back(self.narrowed)
         self.rerunning = True
         try:
             with state_kept(module, parameters=False), _originals(self.swapped), _answering(inner), \
