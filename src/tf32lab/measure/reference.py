@@ -384,19 +384,9 @@ def _op_plan(func) -> str:
     elif _written(func) or random_op(func) or func is _CONVOLUTION:
         plan = _ASKS
     else:
-        plan = _SELECTS if func.overloadpacket in _SELECTING_OPS or _gives_a_view(func) else _WIDENS
+        plan = _SELECTS if func.overloadpacket in _SELECTING_OPS else _WIDENS
     _OPS[func] = plan
     return plan
-
-
-_SHAPED_AS = frozenset({"view_as", "expand_as", "reshape_as"})
-
-
-def _gives_a_view(func) -> bool:
-    """Whether an op's result aliases its input, by its schema (``diagonal(Tensor(a) self) -> Tensor(a)``): a view
-    op, each one of them, not those named in ``_SELECTING_OPS`` alone (``aten.diagonal``, ``aten.as_strided``)."""
-    schema = getattr(func, "_schema", None)
-    return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
 def _widened_call(func, args: Any, kwargs: dict, selecting: bool) -> Any:
@@ -413,8 +403,7 @@ def _widened_call(func, args: Any, kwargs: dict, selecting: bool) -> Any:
             return _widen_result(func(*args, **kwargs))
         except RuntimeError as exc:
             return _made_wider(func, args, kwargs, exc)
-    # view_as(other), expand_as(other): ``other`` gives a shape alone, whatever its dtype
-    if selecting and _only_float32(args[:1] if getattr(func, "__name__", "") in _SHAPED_AS else args, kwargs):
+    if selecting and _only_float32(args, kwargs):
         picked = func(*args, **kwargs)
         # a view of a float32 tensor stays one: a float64 copy of it took the model's writes through it (a static
         # cache's ``keys[-n:].copy_(k)``), which the rows make into the tensor itself, and the reference's output
@@ -439,15 +428,9 @@ def _made_wider(func, args: Any, kwargs: dict, exc: RuntimeError) -> Any:
 
 # Ops that only pick or rearrange values: widened after, not before (exact either way). An embedding lookup then
 # widens the rows it picks, not the whole table (MiniLM's 30522 x 384 on every call: a third of check's time).
-# The calls that give a view, or the tensor itself, are among them (PyTorch's list of view ops,
-# https://pytorch.org/docs/stable/tensor_view.html, and contiguous(), float(), to() of what is already so): a write
-# through one reaches the float32 tensor (``state.diagonal().copy_(h)``, ``state.contiguous()[0] = h``).
 _SELECTING = frozenset({"embedding", "index_select", "gather", "take", "__getitem__", "narrow", "select", "view",
                         "reshape", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze", "flatten",
-                        "split", "chunk", "unbind", "detach", "diagonal", "as_strided", "unfold", "movedim",
-                        "moveaxis", "swapaxes", "swapdims", "view_as", "expand_as", "reshape_as", "unflatten",
-                        "tensor_split", "hsplit", "vsplit", "dsplit", "split_with_sizes", "adjoint", "ravel",
-                        "view_as_real", "view_as_complex", "contiguous", "float", "to", "cpu", "cuda"})
+                        "split", "chunk", "unbind", "detach"})
 _SELECTING_OPS = frozenset(getattr(torch.ops.aten, name) for name in (
     "embedding", "index_select", "gather", "take", "index", "slice", "select", "view", "_unsafe_view", "t",
     "transpose", "permute", "expand", "unsqueeze", "squeeze", "split", "split_with_sizes", "unbind", "alias",
