@@ -10,9 +10,10 @@ math (TF32 at ``high`` on an A100), so the hidden state is rounded at every step
 Each layer and direction is one ``torch.autograd.Function`` here: its forward runs the steps with the fewest
 kernels it can (the same kernels, in the same order, as :func:`tf32lab.emulation.rules.run_rnn` with a fused
 step, so a forward gives the bits it gave before), and keeps what the backward needs; its backward runs the
-sequence backwards with the pointwise derivatives computed for all steps at once, one rounding and one GEMM per
-step, and the weight gradient as one GEMM. Per-step autograd nodes (thousands for a speaker encoder) cost 8x a
-native forward and backward of an LSTM, 5x of a GRU; this costs about 1.6x and 0.9x (docs/benchmarks.md).
+sequence backwards with the pointwise derivatives computed for all steps at once (or, compiled, within each
+step's one call), one rounding and one GEMM per step, and the weight gradient as one GEMM. Per-step autograd
+nodes (thousands for a speaker encoder) cost 8x a native forward and backward of an LSTM, 5x of a GRU; this costs
+about 1.4x and 0.9x (docs/benchmarks.md).
 
 Covered: ``lstm`` without ``proj_size`` and ``gru``, float32, in a math rounded once per operand (``tf32``,
 ``bf16``). :func:`layers` answers ``None`` for anything else, which :func:`~tf32lab.emulation.rules.run_rnn` runs.
