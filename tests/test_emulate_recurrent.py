@@ -11,6 +11,7 @@ from torch import nn
 
 import tf32lab
 from tf32lab.emulation import recurrent
+from tf32lab.emulation.emulator import release_buffers
 from tf32lab.numbers import formats
 from tf32lab.numbers.compiled import kernels
 
@@ -197,12 +198,18 @@ def _ops(steps: int, grad: bool) -> collections.Counter:
     return collections.Counter(e.name for e in prof.events() if not in_unbind(e))
 
 
+@pytest.mark.parametrize("steps", ["tensor", "compiled"])
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "forward-and-backward"])
-def test_an_lstm_step_runs_its_kernels_and_makes_no_view(grad):
+def test_an_lstm_step_runs_its_kernels_and_makes_no_view(monkeypatch, grad, steps):
     # a Python-level view or allocation costs as much as a step's pointwise kernel on an 8 x 256 state
+    if steps == "compiled":
+        _compiled_steps_or_skip()
+    else:
+        monkeypatch.setattr(recurrent, "_compiled_steps", lambda kit, like: None)
     short, long = _ops(5, grad), _ops(25, grad)
     per_step = {name: (long[name] - short[name]) / 20 for name in long | short if long[name] != short[name]}
-    assert per_step["aten::addmm"] == 1 + grad, per_step
+    # (the compiled forward without gradients accumulates into the input projection: addmm_)
+    assert per_step.get("aten::addmm", 0) + per_step.get("aten::addmm_", 0) == 1 + grad, per_step
     made = {"aten::view", "aten::select", "aten::slice", "aten::split", "aten::chunk", "aten::empty",
             "aten::empty_like", "aten::zeros_like", "aten::clone"}
     assert not made & per_step.keys(), per_step
@@ -324,6 +331,9 @@ def _compiled_steps_or_skip() -> None:
 
 def _lstm_runs(module: nn.LSTM, x: torch.Tensor, hx, math: str) -> list[torch.Tensor]:
     """The output and states without gradients, then with them, and every gradient of a weighted sum."""
+    # the thread's pooled scratch buffers may hold one that an earlier test made under inference mode, into which
+    # a weight's BF16 rounding (run outside inference mode) then cannot copy: a fresh pool here
+    release_buffers()
     with tf32lab.precision("high"), tf32lab.emulate("a100", math=math):
         with torch.inference_mode():
             plain = module(x, hx)

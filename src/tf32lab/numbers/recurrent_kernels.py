@@ -1,8 +1,10 @@
-"""A compiled kernel for the emulated LSTM's backward (:mod:`tf32lab.emulation.recurrent`): the pointwise
-derivatives of every step in one pass (numba, the optional extra ``tf32lab[fast]``).
+"""Compiled kernels for the emulated LSTM (:mod:`tf32lab.emulation.recurrent`; numba, the optional extra
+``tf32lab[fast]``): the pointwise derivatives of every step in one pass (:func:`lstm_factors`), and a step's
+pointwise work between its tensor kernels, forward (:func:`lstm_cell`, :func:`lstm_hidden`) and backward
+(:func:`lstm_back`), each bit for bit what the tensor kernels compute.
 
 The tensor code makes them with seventeen passes over memory, one per product or difference, and a
-concatenation: a sixth of an LSTM layer's backward on one thread. This kernel reads each saved activation once
+concatenation: a sixth of an LSTM layer's backward on one thread. :func:`lstm_factors` reads each saved activation once
 and writes each factor once, with the same float32 operations in the same order and no contraction into fused
 multiply-adds (no ``fastmath``), so that it gives the tensor code's bits (the tests compare the two). The
 tangents stay the caller's (torch's vectorised tanh; this kernel takes them). Imported only when numba is
