@@ -11,6 +11,7 @@ from torch import nn
 
 import tf32lab
 from tf32lab.emulation import recurrent
+from tf32lab.emulation.emulator import release_buffers
 from tf32lab.numbers import formats
 from tf32lab.numbers.compiled import kernels
 
@@ -197,12 +198,18 @@ def _ops(steps: int, grad: bool) -> collections.Counter:
     return collections.Counter(e.name for e in prof.events() if not in_unbind(e))
 
 
+@pytest.mark.parametrize("steps", ["tensor", "compiled"])
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "forward-and-backward"])
-def test_an_lstm_step_runs_its_kernels_and_makes_no_view(grad):
+def test_an_lstm_step_runs_its_kernels_and_makes_no_view(monkeypatch, grad, steps):
     # a Python-level view or allocation costs as much as a step's pointwise kernel on an 8 x 256 state
+    if steps == "compiled":
+        _compiled_steps_or_skip()
+    else:
+        monkeypatch.setattr(recurrent, "_compiled_steps", lambda kit, like: None)
     short, long = _ops(5, grad), _ops(25, grad)
     per_step = {name: (long[name] - short[name]) / 20 for name in long | short if long[name] != short[name]}
-    assert per_step["aten::addmm"] == 1 + grad, per_step
+    # (the compiled forward without gradients accumulates into the input projection: addmm_)
+    assert per_step.get("aten::addmm", 0) + per_step.get("aten::addmm_", 0) == 1 + grad, per_step
     made = {"aten::view", "aten::select", "aten::slice", "aten::split", "aten::chunk", "aten::empty",
             "aten::empty_like", "aten::zeros_like", "aten::clone"}
     assert not made & per_step.keys(), per_step
@@ -241,7 +248,7 @@ def test_the_compiled_lstm_derivatives_are_compiled_once_whatever_the_layout():
         assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(compiled, tensor_code))
     found = {name: getattr(f, "dispatcher", f) for name, f in vars(recurrent_kernels).items()}
     counts = {name: len(d.signatures) for name, d in found.items() if isinstance(d, Dispatcher)}
-    assert counts == {"lstm_factors": 1}, counts
+    assert counts["lstm_factors"] == 1 and all(n <= 1 for n in counts.values()), counts
 
 
 @pytest.mark.parametrize("kind", [torch.nn.LSTM, torch.nn.GRU], ids=["lstm", "gru"])
@@ -313,3 +320,84 @@ def test_the_float64_reference_of_an_empty_sequence_raises_as_pytorch_does(kind,
         module(x)
     with pytest.raises(RuntimeError, match="sequence length"), torch.no_grad(), Float64Run():
         module(x)
+
+
+def _compiled_steps_or_skip() -> None:
+    if kernels("recurrent_kernels") is None:
+        pytest.skip("numba is not installed")
+    if not recurrent._addcmul_is_fused():
+        pytest.skip("this PyTorch's addcmul is not one fused multiply-add: the LSTM's steps run the tensor kernels")
+
+
+def _lstm_runs(module: nn.LSTM, x: torch.Tensor, hx, math: str) -> list[torch.Tensor]:
+    """The output and states without gradients, then with them, and every gradient of a weighted sum."""
+    # the thread's pooled scratch buffers may hold one that an earlier test made under inference mode, into which
+    # a weight's BF16 rounding (run outside inference mode) then cannot copy: a fresh pool here
+    release_buffers()
+    with tf32lab.precision("high"), tf32lab.emulate("a100", math=math):
+        with torch.inference_mode():
+            plain = module(x, hx)
+        module.zero_grad()
+        xg = x.clone().requires_grad_()
+        hxg = tuple(t.clone().requires_grad_() for t in hx)
+        out, (h, c) = module(xg, hxg)
+        weights = torch.linspace(-1, 2, out.numel()).view(out.shape)
+        ((out * weights).sum() + h.sum() + 0.5 * c.sum()).backward()
+    grads = [xg.grad, hxg[0].grad, hxg[1].grad, *(p.grad for p in module.parameters())]
+    return [*_flat(plain), out.detach(), h.detach(), c.detach(), *grads]
+
+
+@pytest.mark.parametrize("math", ["tf32", "bf16"])
+@pytest.mark.parametrize("size,big", [(5, False), (32, False), (4, True)], ids=["odd", "vector", "overflowing"])
+def test_the_compiled_lstm_steps_give_the_tensor_steps_bits(monkeypatch, size, big, math):
+    # the steps' pointwise work after the activations, and the backward's derivatives, compiled: the same bits as
+    # the tensor kernels, forward and backward; "overflowing" weights make NaNs mid-run (inf - inf in a step's
+    # GEMM) from NaN-free inputs, which the compiled steps leave to the tensor kernels
+    _compiled_steps_or_skip()
+    torch.manual_seed(3)
+    module = nn.LSTM(3, size, 2, bidirectional=True)
+    if big:
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                if name.startswith("weight"):
+                    p.zero_()
+                    p[::2, 0], p[1::2, 0] = 3e38, -3e38  # finite, and summing to a finite number
+    x = torch.randn(6, 3, 3) * (4 if big else 1)
+    hx = (torch.randn(4, 3, size), torch.randn(4, 3, size))
+    called = collections.Counter()
+    compiled_steps = recurrent._compiled_steps
+
+    def counted(kit, like):
+        found = compiled_steps(kit, like)
+        called[found is not None] += 1
+        return found
+
+    monkeypatch.setattr(recurrent, "_compiled_steps", counted)
+    compiled = _lstm_runs(module, x, hx, math)
+    assert called[True] and not called[False], called
+    monkeypatch.setattr(recurrent, "_compiled_steps", lambda kit, like: None)
+    tensor_code = _lstm_runs(module, x, hx, math)
+    assert any(bool(torch.isnan(t).any()) for t in compiled) == big
+    for a, b in zip(compiled, tensor_code):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("rounding", ["rna", "rne", "rz"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_compiled_lstm_steps_leave_a_step_with_a_nan_to_the_tensor_kernels(monkeypatch, reverse, rounding):
+    # a NaN in a run said to be NaN-free: the steps it reaches run the tensor kernels, the others compiled
+    _compiled_steps_or_skip()
+    torch.manual_seed(4)
+    kit = recurrent.Kit(None, None, lambda w: formats.round_tf32(w, rounding), "tf32", rounding, True,
+                        lambda op, n: None, lambda fn: fn())
+    gates, h0, c0, w = torch.randn(6, 3, 20), torch.randn(3, 5), torch.randn(3, 5), torch.randn(20, 5)
+    gates[2, 1, 3] = gates[4, 0, 17] = float("nan")
+    runs = []
+    for steps in (recurrent._compiled_steps, lambda kit, like: None):
+        monkeypatch.setattr(recurrent, "_compiled_steps", steps)
+        saved: list = []
+        kept = recurrent._lstm_forward(gates.clone(), h0, c0, w, kit, reverse, saved)
+        plain = recurrent._lstm_forward(gates.clone(), h0, c0, w, kit, reverse, None)
+        runs.append([*kept, *saved, *plain])
+    for a, b in zip(*runs):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))

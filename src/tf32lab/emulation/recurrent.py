@@ -10,9 +10,10 @@ math (TF32 at ``high`` on an A100), so the hidden state is rounded at every step
 Each layer and direction is one ``torch.autograd.Function`` here: its forward runs the steps with the fewest
 kernels it can (the same kernels, in the same order, as :func:`tf32lab.emulation.rules.run_rnn` with a fused
 step, so a forward gives the bits it gave before), and keeps what the backward needs; its backward runs the
-sequence backwards with the pointwise derivatives computed for all steps at once, one rounding and one GEMM per
-step, and the weight gradient as one GEMM. Per-step autograd nodes (thousands for a speaker encoder) cost 8x a
-native forward and backward of an LSTM, 5x of a GRU; this costs about 1.6x and 0.9x (docs/benchmarks.md).
+sequence backwards with the pointwise derivatives computed for all steps at once (or, compiled, within each
+step's one call), one rounding and one GEMM per step, and the weight gradient as one GEMM. Per-step autograd
+nodes (thousands for a speaker encoder) cost 8x a native forward and backward of an LSTM, 5x of a GRU; this costs
+about 1.4x and 0.9x (docs/benchmarks.md).
 
 Covered: ``lstm`` without ``proj_size`` and ``gru``, float32, in a math rounded once per operand (``tf32``,
 ``bf16``). :func:`layers` answers ``None`` for anything else, which :func:`~tf32lab.emulation.rules.run_rnn` runs.
@@ -32,6 +33,7 @@ Example (the emulator calls it; a user meets it as an LSTM under ``emulate``):
 
 from __future__ import annotations
 
+import functools
 import math as _pymath
 import sys
 from dataclasses import dataclass
@@ -229,7 +231,8 @@ def _lstm_forward(gates_x, h, c, w_hh, kit: Kit, reverse: bool, saved: Optional[
     sigmoid), g and c of every step, in run order. The kernels and their order are the fused step's of
     ``rules.run_rnn`` (the same bits); each writes into a preallocated slab through views made once (``unbind``),
     so that a step makes no tensor and nothing is stacked after: a step's pointwise work is a few microseconds,
-    as much as a Python-level view or allocation costs."""
+    as much as a Python-level view or allocation costs. Where :func:`_compiled_steps` allows, the steps run in
+    :func:`_lstm_compiled_forward`: the same kernels, those after each step's activations compiled."""
     steps = gates_x.size(0)
     size = h.size(-1)
     w_t = kit.weight(w_hh).t().contiguous()  # rounded once per call, transposed once
@@ -237,6 +240,9 @@ def _lstm_forward(gates_x, h, c, w_hh, kit: Kit, reverse: bool, saved: Optional[
     out = gates_x.new_empty(steps, *h.shape)
     round_h = kit.step_rounder(kit.nan_free, out, held)
     keep = saved is not None
+    compiled = _compiled_steps(kit, gates_x) if kit.nan_free and h.dim() == 2 else None
+    if compiled is not None:
+        return _lstm_compiled_forward(compiled, gates_x, h, c, w_t, kit, reverse, saved, held, out, round_h)
     acts = gates_x.new_empty(gates_x.shape if keep else gates_x.shape[1:])
     gs = gates_x.new_empty(out.shape) if keep else torch.empty_like(held)
     cs = gates_x.new_empty(out.shape) if keep else c.clone(memory_format=torch.contiguous_format)
@@ -266,6 +272,56 @@ def _lstm_forward(gates_x, h, c, w_hh, kit: Kit, reverse: bool, saved: Optional[
     if keep:
         saved += [acts, gs, cs]
     return out, h, c
+
+
+def _lstm_compiled_forward(compiled, gates_x, h, c, w_t, kit: Kit, reverse: bool, saved: Optional[list], held,
+                           out, round_h):
+    """:func:`_lstm_forward`'s steps with the work after the activations compiled: a step's GEMM, ``tanh`` of g
+    and the sigmoid as before, then one compiled call for the cell state (``f c`` and ``addcmul``), ``tanh`` of
+    it, and one for the hidden state and its rounding into ``held`` (``numbers.recurrent_kernels``; the tensor
+    kernels where a result is a NaN). Without ``saved``, the GEMM accumulates into ``gates_x`` itself where it is
+    contiguous (the caller's projection, made for this call): ``addmm`` had copied each step's rows into a
+    buffer first."""
+    steps, size = gates_x.size(0), h.size(-1)
+    keep = saved is not None
+    in_place = not keep and gates_x.is_contiguous()
+    if keep:
+        acts, gs, cs = gates_x.new_empty(gates_x.shape), gates_x.new_empty(out.shape), gates_x.new_empty(out.shape)
+    else:  # one step's buffers, and two cell states taken in turn (the kernel writes the new one beside the old)
+        acts = gates_x if in_place else gates_x.new_empty(1, *gates_x.shape[1:])
+        gs, cs = gates_x.new_empty(1, *h.shape), gates_x.new_empty(2, *h.shape)
+        cs[1].copy_(c)
+    first = c.clone(memory_format=torch.contiguous_format).numpy()[None] if keep else None
+    acts3, gs3, cs3, out3 = (t.numpy() for t in (acts, gs, cs, out))
+    fc, tanh_c = torch.empty_like(held), torch.empty_like(held)  # f c and tanh(c) of the step
+    tanh2, held2 = tanh_c.numpy(), held.numpy()
+    x_at, out_at, g_at, c_at = (t.unbind(0) for t in (gates_x, out, gs, cs))
+    act_at = x_at if in_place else acts.unbind(0)
+    g_in_at = acts[..., 2 * size:3 * size].unbind(0)
+    # each step's t, its activations' index, g's, the new state's, and the old state's slab and index
+    where = [(t, k if keep else (t if in_place else 0), k if keep else 0, k if keep else k % 2,
+              *((first, 0) if keep and k == 0 else (cs3, k - 1) if keep else (cs3, (k + 1) % 2)))
+             for k, t in enumerate(_order(steps, reverse))]
+    cell, hidden, rounding = compiled.lstm_cell.dispatcher, compiled.lstm_hidden.dispatcher, _constants(kit)
+    round_h(-1, h)
+    for t, ka, kg, kc, before, kb in where:
+        act, g, c = act_at[ka], g_at[kg], c_at[kc]
+        if in_place:
+            act.addmm_(held, w_t)
+        else:
+            torch.addmm(x_at[t], held, w_t, out=act)
+        torch.tanh(g_in_at[ka], out=g)
+        act.sigmoid_()  # i, f, o (g's slot unused)
+        if not cell(acts3, ka, gs3, kg, before, kb, cs3, kc):
+            torch.mul(act[..., size:2 * size], torch.from_numpy(before[kb]), out=fc)
+            torch.addcmul(fc, act[..., :size], g, out=c)
+        torch.tanh(c, out=tanh_c)
+        if not hidden(acts3, ka, tanh2, out3, t, held2, *rounding):
+            round_h(t, torch.mul(act[..., 3 * size:], tanh_c, out=out_at[t]))
+    kit.count("aten::linear", steps)
+    if keep:
+        saved += [acts, gs, cs]
+    return out, out_at[t], c
 
 
 def _first_order_only(kind: str) -> None:
@@ -300,27 +356,46 @@ def _lstm_backward(ctx, d_out, d_h, d_c):
     h0, c0, w_hh, out, acts, g, c = ctx.saved_tensors
     size = h0.size(-1)
     d_out = _in_order(d_out, reverse) if d_out is not None else torch.zeros_like(out)
-    # the pointwise derivatives of every step at once; the loop then does what depends on the next step
-    f = acts[..., size:2 * size]
-    from_h, gate_factors = _lstm_factors(acts, g, c, c0, kit.nan_free)
     w = kit.round(w_hh)
     steps = out.size(0)
     d_gates = torch.empty_like(acts)
     d_gates_rounded = torch.empty_like(acts)
-    rounder = kit.step_rounder(_nan_free(d_out, d_h, d_c), d_gates, d_gates_rounded)
+    nan_free = _nan_free(d_out, d_h, d_c)
+    rounder = kit.step_rounder(nan_free, d_gates, d_gates_rounded)
     # every step's views made once; dh and dc written over in place (the kernels and their order as before)
-    d_out_at, from_h_at, factors_at, f_at = d_out.unbind(0), from_h.unbind(0), gate_factors.unbind(0), f.unbind(0)
-    d_gates_at = d_gates.unbind(0)
+    d_out_at, d_gates_at, rounded_at = d_out.unbind(0), d_gates.unbind(0), d_gates_rounded.unbind(0)
     both = torch.empty_like(acts[0])  # (dc, dc, dc, dh) of the step
-    dh = d_out_at[-1] if d_h is None else d_out_at[-1] + d_h
-    dc = torch.zeros_like(c0) if d_c is None else d_c.clone()
-    dh_next = torch.empty_like(dc)
+    dh_next = torch.empty_like(h0, memory_format=torch.contiguous_format)
+    dh = d_out_at[-1] if d_h is None else torch.add(d_out_at[-1], d_h, out=dh_next)
+    dc = torch.zeros_like(dh_next) if d_c is None else d_c.clone(memory_format=torch.contiguous_format)
+    compiled = _compiled_steps(kit, acts) if nan_free and h0.dim() == 2 else None
+    derivatives: list = []  # (from_h, factors, f) of every step, each unbound: made when first asked for
+    if compiled is None:
+        derivatives = _lstm_derivatives(acts, g, c, c0, kit.nan_free)
+    else:  # one compiled call a step: its derivatives, its pointwise work and rounding (_compiled_steps)
+        back, rounding = compiled.lstm_back.dispatcher, _constants(kit)
+        if d_h is None:
+            dh = dh_next.copy_(dh)
+        dcs = (dc, torch.empty_like(dc))  # the kernel writes dc anew beside the one it reads
+        dcs2 = tuple(t.numpy() for t in dcs)
+        dh2, gates3, rounded3 = dh_next.numpy(), d_gates.numpy(), d_gates_rounded.numpy()
+        slabs = [t.detach().contiguous().numpy() for t in (acts, g, torch.tanh(c), c)]
+        c0_2 = c0.detach().contiguous().numpy()
+        now = 0
     for k in range(steps - 1, -1, -1):
-        torch.addcmul(dc, dh, from_h_at[k], out=dc)
-        torch.cat((dc, dc, dc, dh), -1, out=both)
-        torch.mul(both, factors_at[k], out=d_gates_at[k])
-        torch.mul(dc, f_at[k], out=dc)
-        rounded = rounder(k, d_gates_at[k])
+        if compiled is not None and back(dh2, dcs2[now], dcs2[1 - now], *slabs, c0_2, k, gates3, rounded3,
+                                         *rounding):
+            now = 1 - now
+            dc, rounded = dcs[now], rounded_at[k]
+        else:
+            if not derivatives:  # a NaN: this step as the tensor kernels compute it
+                derivatives = _lstm_derivatives(acts, g, c, c0, kit.nan_free)
+            from_h_at, factors_at, f_at = derivatives
+            torch.addcmul(dc, dh, from_h_at[k], out=dc)
+            torch.cat((dc, dc, dc, dh), -1, out=both)
+            torch.mul(both, factors_at[k], out=d_gates_at[k])
+            torch.mul(dc, f_at[k], out=dc)
+            rounded = rounder(k, d_gates_at[k])
         dh = torch.addmm(d_out_at[k - 1], rounded, w, out=dh_next) if k else torch.mm(rounded, w, out=dh_next)
     d_w = None
     if ctx.needs_input_grad[3]:  # the whole sequence in one GEMM
@@ -328,6 +403,13 @@ def _lstm_backward(ctx, d_out, d_h, d_c):
         d_w = d_gates_rounded.reshape(-1, 4 * size).t() @ h_before.reshape(-1, size)
     kit.count("aten::mm", steps + (d_w is not None))
     return _in_order(d_gates, reverse), dh, dc, d_w, None, None
+
+
+def _lstm_derivatives(acts, g, c, c0, nan_free: bool) -> list:
+    """:func:`_lstm_factors` and ``f`` of every step, each as a list of the steps' views."""
+    size = c.size(-1)
+    from_h, gate_factors = _lstm_factors(acts, g, c, c0, nan_free)
+    return [from_h.unbind(0), gate_factors.unbind(0), acts[..., size:2 * size].unbind(0)]
 
 
 def _lstm_factors(acts, g, c, c0, nan_free: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,6 +430,39 @@ def _lstm_factors(acts, g, c, c0, nan_free: bool) -> tuple[torch.Tensor, torch.T
     c_before = _before(c0, c)
     from_h = o * (1 - tanh_c * tanh_c)
     return from_h, torch.cat((g * i * (1 - i), c_before * f * (1 - f), i * (1 - g * g), tanh_c * o * (1 - o)), -1)
+
+
+def _compiled_steps(kit: Kit, like: torch.Tensor):
+    """The compiled step kernels (``numbers.recurrent_kernels``) for an LSTM's loops in ``kit``'s math over tensors
+    like ``like``, or None where the tensor kernels run: not float32 on the CPU in a math rounded once, numba not
+    loaded (as :func:`_lstm_factors` asks), or this PyTorch's ``addcmul`` not one fused multiply-add
+    (:func:`_addcmul_is_fused`)."""
+    if (kit.name not in _ROUND or not like.is_cpu or like.dtype != torch.float32
+            or "numba" not in sys.modules):
+        return None
+    compiled = kernels("recurrent_kernels")
+    return compiled if compiled is not None and _addcmul_is_fused() else None
+
+
+@functools.cache
+def _addcmul_is_fused() -> bool:
+    """Whether ``torch.addcmul`` on the CPU gives the bits of ``a + b c`` rounded once (its kernels are compiled
+    with floating-point contraction; the step kernels compute it so, and must give the same bits), in its vectorised
+    loop and in a loop's scalar tail alike: asked once, on values where one and two roundings differ."""
+    compiled = kernels("recurrent_kernels")
+    gen = torch.Generator().manual_seed(0)
+    for rows, row in ((3, 1027), (16, 31)):  # rows of the vectorised loop and 3 left over; the scalar loop alone
+        a, b, c = (torch.randn(rows, row + 4, generator=gen)[:, 4:] for _ in range(3))
+        expected, got = torch.addcmul(a, b, c), torch.empty(rows * row)
+        compiled.fused.dispatcher(*(t.flatten().numpy() for t in (b, c, a)), got.numpy())
+        if not torch.equal(expected.flatten().view(torch.int32), got.view(torch.int32)):
+            return False
+    return True
+
+
+def _constants(kit: Kit) -> tuple[int, int, int, int]:
+    """The step kernels' rounding constants for ``kit``'s math (``recurrent_kernels.constants``)."""
+    return kernels("recurrent_kernels").constants(formats.MANTISSA_DROP[kit.name], kit.rounding)
 
 
 # -- GRU ----------------------------------------------------------------------------------------------------

@@ -55,6 +55,8 @@ ROUNDINGS = ("rna", "rne", "rz")
 # Mantissa bits dropped from float32's 23 to reach each format.
 _TF32_DROP = 13
 _BF16_DROP = 16
+MANTISSA_DROP = {"tf32": _TF32_DROP, "bf16": _BF16_DROP}  # the same, by format name
+
 
 def _check_input(x: torch.Tensor, fn: str, out: Optional[torch.Tensor] = None) -> None:
     if not isinstance(x, torch.Tensor):
@@ -255,7 +257,7 @@ def hot_bits_rounder(name: str, rounding: str) -> Callable[[torch.Tensor, torch.
         >>> out.item() == 1.0 + 2.0 ** -10
         True
     """
-    drop = {"tf32": _TF32_DROP, "bf16": _BF16_DROP}[name]
+    drop = MANTISSA_DROP[name]
     _check_rounding(rounding, f"round_{name}")
     # ``_round_bits``'s arithmetic with 0-dim tensors: a Python number is made a tensor at every call, which
     # doubled the cost of rounding an LSTM's 8 x 256 hidden state
