@@ -189,3 +189,19 @@ def test_pooled_scratch_gives_the_same_bits_as_fresh_buffers():
         pooled = lin(x)
     emulator.release_buffers()
     assert torch.equal(fresh, tf32_linear(x, lin)) and torch.equal(pooled, fresh)
+
+
+def test_a_pooled_buffer_made_under_inference_mode_takes_writes_outside_it():
+    # a scratch buffer first made under inference mode was an inference tensor: an emulated op outside inference
+    # mode that took it from the pool and rounded into it raised "Inplace update to inference tensor outside
+    # InferenceMode" (an LSTM run under inference_mode, then with gradients, in one process)
+    emulator.release_buffers()
+    pool = emulator._SCRATCH
+    with torch.inference_mode():
+        made = pool.take(1 << 14, torch.float32, torch.device("cpu"))
+        pool.give([made])
+    taken = pool.take(1 << 14, torch.float32, torch.device("cpu"))
+    assert taken is made and not taken.is_inference()
+    taken.add_(1.0)
+    pool.give([taken])
+    emulator.release_buffers()

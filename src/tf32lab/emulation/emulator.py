@@ -300,7 +300,11 @@ class _Scratch(threading.local):
                 size = _size_class(size + 1)
             for size in [s for s in classes if self.REACH * s >= want > s]:  # outgrown
                 self.bytes -= sum(b.numel() * b.element_size() for b in classes.pop(size))
-        return torch.empty(want, dtype=dtype, device=device)
+        # a normal tensor even under inference mode: one made there is an inference tensor, and an op outside it
+        # that took it from the pool and rounded into it raised "Inplace update to inference tensor outside
+        # InferenceMode" (an emulated LSTM run under inference mode, then with gradients)
+        with torch.inference_mode(False):
+            return torch.empty(want, dtype=dtype, device=device)
 
     def give(self, views: list[torch.Tensor]) -> None:
         for view in views:
