@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
-from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
 from tf32lab.numbers.compiled import one_signature
+from tf32lab.numbers.rounding_kernels import as_bits, as_float
 
 __all__ = ["constants", "fused", "lstm_back", "lstm_cell", "lstm_factors", "lstm_hidden"]
 
@@ -80,29 +80,11 @@ def _fma(typingctx, a, b, c):  # pragma: no cover - compiled
     return types.float32(types.float32, types.float32, types.float32), codegen
 
 
-@intrinsic
-def _as_float(typingctx, u):  # pragma: no cover - compiled
-    """The float32 with the bits of the int32 ``u``."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return types.float32(types.int32), codegen
-
-
-@intrinsic
-def _as_bits(typingctx, x):  # pragma: no cover - compiled
-    """The bits of the float32 ``x`` as an int32."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.int32(types.float32), codegen
-
-
 @nb.njit(**_OPTIONS, inline="always")
 def _rounded(x, bias, odd, drop, mask):  # pragma: no cover - compiled
     """``x`` rounded as ``formats.hot_bits_rounder`` rounds it (int32 constants; no NaN kept)."""
-    u = _as_bits(x)
-    return _as_float((u + bias + ((u >> drop) & odd)) & mask)
+    u = as_bits(x)
+    return as_float((u + bias + ((u >> drop) & odd)) & mask)
 
 
 _F2, _F3, _I = types.Array(types.float32, 2, "C"), types.Array(types.float32, 3, "C"), types.int64

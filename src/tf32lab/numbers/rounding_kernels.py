@@ -30,7 +30,7 @@ from numba.extending import intrinsic
 
 from tf32lab.numbers.compiled import one_signature
 
-__all__ = ["round_bits", "split_tf32x3"]
+__all__ = ["as_bits", "as_float", "round_bits", "split_tf32x3"]
 
 _OPTIONS = {"cache": True, "error_model": "numpy", "boundscheck": False, "nogil": True}  # no fastmath
 
@@ -57,7 +57,7 @@ def _row_starts(s0, s1, s2, n0, n1, n2):  # pragma: no cover - compiled
 
 
 @intrinsic
-def _as_float(typingctx, u):  # pragma: no cover - compiled
+def as_float(typingctx, u):  # pragma: no cover - compiled
     """The float32 with the bits of the int32 ``u`` (a register move)."""
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.FloatType())
@@ -66,7 +66,7 @@ def _as_float(typingctx, u):  # pragma: no cover - compiled
 
 
 @intrinsic
-def _as_bits(typingctx, x):  # pragma: no cover - compiled
+def as_bits(typingctx, x):  # pragma: no cover - compiled
     """The bits of the float32 ``x`` as an int32."""
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.IntType(32))
@@ -82,9 +82,9 @@ def _special(u):  # pragma: no cover - compiled
 @nb.njit(**_OPTIONS, inline="always")
 def _parts(u, summed):  # pragma: no cover - compiled
     b = u & np.int32(-8192)  # toward zero: the bits below TF32's cleared
-    d = _as_bits(_as_float(u) - _as_float(b))  # exact in float32 (and finite for a finite u)
+    d = as_bits(as_float(u) - as_float(b))  # exact in float32 (and finite for a finite u)
     small = (d + np.int32(4096)) & np.int32(-8192)  # to nearest, ties away
-    return b, (_as_bits(_as_float(b) + _as_float(small)) if summed else small)
+    return b, (as_bits(as_float(b) + as_float(small)) if summed else small)
 
 
 _I64 = types.int64
