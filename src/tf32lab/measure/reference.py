@@ -428,13 +428,17 @@ def _made_wider(func, args: Any, kwargs: dict, exc: RuntimeError) -> Any:
 
 # Ops that only pick or rearrange values: widened after, not before (exact either way). An embedding lookup then
 # widens the rows it picks, not the whole table (MiniLM's 30522 x 384 on every call: a third of check's time).
+# The calls that give a view are among them (PyTorch's list of view ops, https://pytorch.org/docs/stable/
+# tensor_view.html): a write through one reaches the float32 tensor (``state.diagonal().copy_(h)``).
 _SELECTING = frozenset({"embedding", "index_select", "gather", "take", "__getitem__", "narrow", "select", "view",
                         "reshape", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze", "flatten",
-                        "split", "chunk", "unbind", "detach"})
+                        "split", "chunk", "unbind", "detach", "diagonal", "as_strided", "unfold", "movedim",
+                        "moveaxis", "swapaxes", "swapdims", "unflatten", "tensor_split", "hsplit", "vsplit",
+                        "dsplit", "split_with_sizes", "adjoint", "view_as_real", "view_as_complex"})
 _SELECTING_OPS = frozenset(getattr(torch.ops.aten, name) for name in (
     "embedding", "index_select", "gather", "take", "index", "slice", "select", "view", "_unsafe_view", "t",
     "transpose", "permute", "expand", "unsqueeze", "squeeze", "split", "split_with_sizes", "unbind", "alias",
-    "detach", "narrow"))
+    "detach", "narrow", "diagonal", "as_strided", "unfold", "view_as_real", "view_as_complex"))
 
 
 def _views_of(result: Any, args: Any) -> bool:
