@@ -61,7 +61,7 @@ from tf32lab.measure.layers import (
     level_context,
     out_of_memory,
 )
-from tf32lab.measure.reference import widen
+from tf32lab.measure.reference import storage_address, widen
 from tf32lab.measure.scales import Formed
 from tf32lab.measure.sharded import Ranks, collective_failure, ranks_fail
 from tf32lab.measure.spill import SpillFile, min_bytes_from_env
@@ -874,23 +874,16 @@ def _owned(ref_out: Any, model: torch.nn.Module) -> Any:
     ``return self.cache``, or a float32 view of one, ``self.cache.view(-1)``, which the reference keeps float32) is
     put back with the state before each row, and the row's writes then made it that row's own output (every
     level's error 0.0). A float32 output is always such a one (every result the reference computes is float64)."""
-    state = {_address(t) for t in (*model.parameters(), *model.buffers())} - {None}
+    state = {storage_address(t) for t in (*model.parameters(), *model.buffers())} - {None}
 
     def own(t: torch.Tensor) -> torch.Tensor:
-        if _address(t) is None:  # a sharded tensor (a wrapper with no storage of its own): as it is
+        if storage_address(t) is None:  # a sharded tensor (a wrapper with no storage of its own): as it is
             return t
         if t.dtype in (torch.float32, torch.complex64):
             return widen(t.detach())
-        return t.detach().clone() if _address(t) in state else t
+        return t.detach().clone() if storage_address(t) in state else t
 
     return map_tensors(own, ref_out)
-
-
-def _address(t: torch.Tensor) -> Optional[int]:
-    try:
-        return t.untyped_storage().data_ptr() if t.device.type != "meta" else None
-    except (RuntimeError, NotImplementedError):  # a wrapper subclass (DTensor) has no storage of its own
-        return None
 
 
 def _comparable(ref_out: Any) -> bool:

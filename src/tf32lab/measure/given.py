@@ -20,14 +20,21 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import types
 import weakref
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Callable, Optional
 
 import torch
 
-from tf32lab.measure.state import BITS, DEPTH, _contents, _put_back, _random_state, data_attributes
+from tf32lab.measure.state import (
+    BITS,
+    DEPTH,
+    data_attributes,
+    kept_contents,
+    plain_object,
+    put_back_contents,
+    random_state,
+)
 from tf32lab.numbers.trees import is_dataclass_instance, named_tensors
 
 __all__ = ["Held", "KeptInputs", "Narrowed", "inputs_note"]
@@ -59,7 +66,7 @@ class KeptInputs:
         _containers(inputs, self._containers, set(), objects)
         holders: set[int] = set()
         self._objects = [restore for obj in objects for restore in (
-            (_drawn(obj),) if _random_state(obj) is not None else data_attributes(vars(obj), (), holders))]
+            (_drawn(obj),) if random_state(obj) is not None else data_attributes(vars(obj), (), holders))]
         self.written = False
 
     def __call__(self) -> bool:
@@ -169,8 +176,8 @@ _NARROWER = {torch.float64: torch.float32, torch.complex128: torch.complex64}
 def _drawn(generator: Any) -> Callable[[], bool]:
     """Puts a random generator's state back as it is now (``torch.Generator``, ``random.Random``, NumPy's); whether
     it had drawn since."""
-    state = _contents(generator)
-    return lambda: _put_back(generator, state)
+    state = kept_contents(generator)
+    return lambda: put_back_contents(generator, state)
 
 
 def _by_reference(value: Any, depth: int) -> Any:
@@ -178,8 +185,8 @@ def _by_reference(value: Any, depth: int) -> Any:
     its state), a few levels down."""
     if isinstance(value, torch.Tensor):
         return ("tensor", value, None if value.is_inference() else value._version)
-    if _random_state(value) is not None:
-        return ("random", value, _contents(value))
+    if random_state(value) is not None:
+        return ("random", value, kept_contents(value))
     if depth >= DEPTH:
         return None
     if isinstance(value, (list, collections.deque)):  # a deque: a streaming model's ring of past frames
@@ -188,9 +195,8 @@ def _by_reference(value: Any, depth: int) -> Any:
         return ("dict", dict(value), {key: _by_reference(item, depth + 1) for key, item in value.items()})
     if isinstance(value, tuple):
         return ("tuple", None, [_by_reference(item, depth + 1) for item in value])
-    attributes = getattr(value, "__dict__", None)
-    if isinstance(attributes, dict) and not callable(value) and \
-            not isinstance(value, (torch.nn.Module, type, types.ModuleType)):
+    if plain_object(value):
+        attributes = vars(value)
         return ("object", dict(attributes), {key: _by_reference(item, depth + 1) for key, item in attributes.items()})
     return None
 
@@ -211,7 +217,7 @@ def _put_back_references(value: Any, kept: Any, cast: Optional[Callable[[Any], A
         return
     kind, items, inner = kept
     if kind == "random":  # a generator's state, as the call found or left it
-        _put_back(value, inner)
+        put_back_contents(value, inner)
         return
     if kind == "list":
         wanted = items if cast is None else [cast(item) for item in items]
@@ -241,7 +247,7 @@ def _containers(tree: Any, found: list[tuple[Any, Any]], seen: set[int], objects
     # other object with attributes of its own (not a module: the model's, kept as its state; not code)
     if isinstance(tree, torch.Tensor) or id(tree) in seen:
         return
-    if _random_state(tree) is not None:  # a generator the model draws from: kept by its state
+    if random_state(tree) is not None:  # a generator the model draws from: kept by its state
         seen.add(id(tree))
         objects.append(tree)
         return
@@ -260,8 +266,7 @@ def _containers(tree: Any, found: list[tuple[Any, Any]], seen: set[int], objects
     elif is_dataclass_instance(tree):
         values = [getattr(tree, f.name) for f in dataclasses.fields(tree)]
     else:
-        if isinstance(getattr(tree, "__dict__", None), dict) and not callable(tree) and \
-                not isinstance(tree, (torch.nn.Module, type, types.ModuleType)):
+        if plain_object(tree):
             seen.add(id(tree))
             objects.append(tree)
         return

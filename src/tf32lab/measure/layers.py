@@ -36,7 +36,7 @@ from tf32lab.know.targets import PROJECTED, Target
 from tf32lab.measure.draws import Streams, random_op
 from tf32lab.measure.given import Held, Narrowed
 from tf32lab.measure.norms import bare, scratch, tree_normwise
-from tf32lab.measure.reference import Float64Run, widen
+from tf32lab.measure.reference import Float64Run, storage_address, widen
 from tf32lab.measure.sharded import local
 from tf32lab.measure.spill import Spilled, SpillFile
 from tf32lab.measure.state import state_kept
@@ -256,7 +256,7 @@ class Recorder:
     def _written(self, tensors: list[torch.Tensor]) -> None:
         """Copy-on-write: a kept output is copied only when the model is about to write into its storage."""
         for t in tensors:
-            keys = self.shared.pop(_address(t), None) if self.shared else None
+            keys = self.shared.pop(storage_address(t), None) if self.shared else None
             for key in keys or ():
                 reference, norms = self.outputs[key]
                 self.outputs[key] = (map_tensors(torch.clone, reference), norms)
@@ -268,7 +268,7 @@ class Recorder:
         rows' state put back (its introduced error read 0.0, its accumulated one NaN)."""
         kept = map_tensors(lambda t: self.spill.put(widen(t.detach())), output)
         for _, t in named_tensors(kept):
-            self.shared.setdefault(_address(t), []).append((name, i))
+            self.shared.setdefault(storage_address(t), []).append((name, i))
         return kept
 
     def _pre(self, name: str):
@@ -535,10 +535,6 @@ def _to_float32(t: Union[torch.Tensor, Spilled]) -> torch.Tensor:
     if t.dtype == torch.float64:
         return t.float()
     return t.to(torch.complex64) if t.dtype == torch.complex128 else t.clone()
-
-
-def _address(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
 
 
 class Accumulated:

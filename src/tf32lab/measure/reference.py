@@ -43,7 +43,7 @@ from tf32lab.emulation import recurrent
 from tf32lab.measure import unfolded
 from tf32lab.measure.draws import NARROW, WIDE, draw_kind, drawn_at_float32, random_name, random_op
 
-__all__ = ["Float64Run", "widen", "widened_model"]
+__all__ = ["Float64Run", "storage_address", "widen", "widened_model"]
 
 _WIDER = {torch.float32: torch.float64, torch.complex64: torch.complex128}
 
@@ -450,14 +450,16 @@ def _views_of(result: Any, args: Any) -> bool:
     for a in args:
         for t in (a if isinstance(a, (list, tuple)) else (a,)):
             if isinstance(t, torch.Tensor):
-                sources.add(_storage(t))
-    return any(_storage(t) in sources for t in results) and None not in sources
+                sources.add(storage_address(t))
+    return any(storage_address(t) in sources for t in results) and None not in sources
 
 
-def _storage(t: torch.Tensor) -> Optional[int]:
+def storage_address(t: torch.Tensor) -> Optional[int]:
+    """Where ``t``'s storage starts (tensors that share one are views of each other); None for a tensor with no
+    storage of its own (a wrapper subclass: a DTensor) or on the meta device."""
     try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # a tensor with no storage of its own (a wrapper subclass)
+        return t.untyped_storage().data_ptr() if t.device.type != "meta" else None
+    except (RuntimeError, NotImplementedError):
         return None
 
 

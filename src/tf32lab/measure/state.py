@@ -63,7 +63,8 @@ from torch.nn.utils.weight_norm import WeightNorm
 from tf32lab.numbers.trees import is_dataclass_instance
 from tf32lab.report.conclusion import WRITES_PARAMETERS
 
-__all__ = ["BITS", "DEPTH", "KeptState", "data_attributes", "state_kept", "stateful_note", "written_note"]
+__all__ = ["BITS", "DEPTH", "KeptState", "data_attributes", "kept_contents", "plain_object", "put_back_contents",
+           "random_state", "state_kept", "stateful_note", "written_note"]
 
 # what nn.Module.__init__ sets: hooks, parameters, buffers, submodules, the training flag (eval_mode's)
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
@@ -326,15 +327,19 @@ def data_attributes(held: dict[str, Any], skip: Collection[str], holders: Option
     yield added
 
 
+def plain_object(value: Any) -> bool:
+    """Whether ``value`` is an object with attributes of its own (a ``__dict__``), not a module, class, function or
+    other callable: its attributes are data, not code."""
+    return isinstance(getattr(value, "__dict__", None), dict) and not callable(value) and \
+        not isinstance(value, (torch.nn.Module, type, types.ModuleType))
+
+
 def _holds_only_data(value: Any, depth: int = 0) -> bool:
-    """A plain object (not a module, class or function) whose attributes are all data, or such objects in turn: a
-    cache such as nflows' ``_LinearCache``, not an object with parts of its own (a Lightning trainer, a gpytorch
-    prediction strategy)."""
-    if depth >= DEPTH or isinstance(value, (torch.nn.Module, type, types.ModuleType)) or callable(value):
-        return False
-    attributes = getattr(value, "__dict__", None)
-    return isinstance(attributes, dict) and bool(attributes) and \
-        all(_is_data(v) or _holds_only_data(v, depth + 1) for v in attributes.values())
+    """A plain object (:func:`plain_object`) whose attributes are all data, or such objects in turn: a cache such
+    as nflows' ``_LinearCache``, not an object with parts of its own (a Lightning trainer, a gpytorch prediction
+    strategy)."""
+    return depth < DEPTH and plain_object(value) and bool(vars(value)) and \
+        all(_is_data(v) or _holds_only_data(v, depth + 1) for v in vars(value).values())
 
 
 def _named(key: str, restore: Restore) -> Restore:
@@ -352,7 +357,7 @@ def _is_data(value: Any) -> bool:
     if isinstance(value, torch.nn.Parameter):
         return False
     return isinstance(value, (torch.Tensor, *_SCALARS, list, dict, collections.deque, set)) or \
-        _random_state(value) is not None or is_dataclass_instance(value)
+        random_state(value) is not None or is_dataclass_instance(value)
 
 
 class _Fields:
@@ -363,11 +368,11 @@ class _Fields:
         self.slotted = not hasattr(value, "__dict__")
         held = {f.name: getattr(value, f.name, _MISSING) for f in dataclasses.fields(value)} if self.slotted \
             else vars(value)
-        self.contents = _contents(held, depth)
+        self.contents = kept_contents(held, depth)
 
     def put_back(self, value: Any) -> bool:
         if not self.slotted:
-            return _put_back(vars(value), self.contents)
+            return put_back_contents(vars(value), self.contents)
         items, inner = self.contents
         changed = [key for key, item in items.items() if getattr(value, key, _MISSING) is not item]
         for key in changed:  # object's own: a frozen dataclass's fields too
@@ -378,7 +383,7 @@ class _Fields:
         return _inner_put_back(list(items.values()), list(inner.values())) or bool(changed)
 
 
-def _random_state(value: Any) -> Optional[tuple[Callable[[], Any], Callable[[Any], None]]]:
+def random_state(value: Any) -> Optional[tuple[Callable[[], Any], Callable[[Any], None]]]:
     """How to read and set the state of a random generator a module holds (``torch.Generator``, NumPy's
     ``Generator`` and ``RandomState``, ``random.Random``): each run draws from where the check started."""
     if isinstance(value, torch.Generator):
@@ -397,13 +402,13 @@ def _random_state(value: Any) -> Optional[tuple[Callable[[], Any], Callable[[Any
 def _attribute(key: str, value: Any, get: Callable[[], Any], put: Callable[[Any], None]) -> Restore:
     """Put back attribute ``key``'s ``value`` (``get`` reads it, ``put`` writes it): the same object, and its
     contents where it is a tensor, list or dict."""
-    contents = _contents(value)
+    contents = kept_contents(value)
 
     def restore() -> list[str]:
         changed = not _same(get(), value)
         if changed:
             put(value)
-        return [key] if _put_back(value, contents) or changed else []
+        return [key] if put_back_contents(value, contents) or changed else []
 
     return restore
 
@@ -422,13 +427,13 @@ def _same(a: Any, b: Any) -> bool:
     return isinstance(a, _SCALARS) and a == b
 
 
-def _contents(value: Any, depth: int = 0) -> Any:
-    """What :func:`_put_back` needs to put ``value``'s contents back: a tensor's values, a list's or
+def kept_contents(value: Any, depth: int = 0) -> Any:
+    """What :func:`put_back_contents` needs to put ``value``'s contents back: a tensor's values, a list's or
     dict's items, and the contents of the items of a list, dict or tuple (a list of tensors updated in place:
     ``self.state[0].add_(h)``), a few levels down."""
     if isinstance(value, torch.Tensor):
         return None if value.is_inference() else value.detach().clone()
-    access = _random_state(value)
+    access = random_state(value)
     if access is not None:
         return access[0]()
     if depth >= DEPTH:
@@ -436,26 +441,26 @@ def _contents(value: Any, depth: int = 0) -> Any:
     if is_dataclass_instance(value) or _holds_only_data(value):
         return _Fields(value, depth + 1)
     if isinstance(value, (list, collections.deque)):
-        return list(value), [_contents(item, depth + 1) for item in value]
+        return list(value), [kept_contents(item, depth + 1) for item in value]
     if isinstance(value, set):
         return list(value), [None] * len(value)
     if isinstance(value, dict):
-        return dict(value), {key: _contents(item, depth + 1) for key, item in value.items()}
+        return dict(value), {key: kept_contents(item, depth + 1) for key, item in value.items()}
     if isinstance(value, tuple):
-        inner = [_contents(item, depth + 1) for item in value]
+        inner = [kept_contents(item, depth + 1) for item in value]
         return inner if any(c is not None for c in inner) else None
     return None
 
 
-def _put_back(value: Any, contents: Any) -> bool:
-    """``value``'s contents as :func:`_contents` kept them; whether they had changed."""
+def put_back_contents(value: Any, contents: Any) -> bool:
+    """``value``'s contents as :func:`kept_contents` kept them; whether they had changed."""
     if contents is None:
         return False
     if isinstance(value, torch.Tensor):
         # compared by value, as a buffer is: a write through ``.data`` or ``.numpy()`` (``self.h.data.add_(1)``)
         # leaves the tensor's version counter alone
         return _values_put_back(value, contents)
-    access = _random_state(value)
+    access = random_state(value)
     if access is not None:
         return _random_put_back(access, contents)
     if isinstance(contents, _Fields):
@@ -503,7 +508,7 @@ def _same_state(a: Any, b: Any) -> bool:
 def _inner_put_back(items: Any, inner: list[Any]) -> bool:
     """The contents of each of ``items`` put back; whether any had changed (each one put back, not only the
     first changed)."""
-    return any([_put_back(item, kept) for item, kept in zip(items, inner)])
+    return any([put_back_contents(item, kept) for item, kept in zip(items, inner)])
 
 
 def _script_attributes(module: torch.jit.ScriptModule) -> Iterator[Restore]:
