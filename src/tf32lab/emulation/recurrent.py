@@ -180,6 +180,13 @@ def layers(mode: str, kit: Kit, x, hx, params, has_biases, num_layers, dropout, 
             p = params[idx * per:(idx + 1) * per]
             w_ih, w_hh = p[0], p[1]
             b_ih, b_hh = (p[2], p[3]) if has_biases else (None, None)
+            if kit.name == EXACT and not grad:
+                out, h, c = _exact_direction(lstm, kit, layer_in, w_ih, w_hh, b_ih, b_hh, h0[idx],
+                                             c0[idx] if lstm else None, bool(d))
+                outs.append(out)
+                hs.append(h)
+                cs.append(c)
+                continue
             gates_x = linear(layer_in, w_ih, b_ih)  # all steps at once, as cuDNN does
             if lstm:
                 if b_hh is not None:  # the hidden bias once for all steps (in place: a fresh product)
@@ -191,12 +198,38 @@ def layers(mode: str, kit: Kit, x, hx, params, has_biases, num_layers, dropout, 
                 out, h = _Gru.apply(*args) if grad else _gru_forward(*args, None)
                 c = None
             outs.append(out)
-            hs.append(h)
+            hs.append(h if grad else h.clone())  # not a view that keeps the layer's whole output alive
             cs.append(c)
+            del gates_x, args  # not alive beside the next layer's projection
         layer_in = torch.cat(outs, -1) if dirs == 2 else outs[0]
+        del outs
         if dropout and train and layer < num_layers - 1:
             layer_in = F.dropout(layer_in, dropout, True)
     return assembled(layer_in, hs, cs, lstm, unbatched, batch_first)
+
+
+# steps whose input projection the float64 reference makes at once: the whole sequence's, 8 bytes a gate of every
+# step, was the largest tensor of an LSTM encoder's check (10 MiB of 8 x 160 x 1024), at its peak memory
+_EXACT_STEPS = 32
+
+
+def _exact_direction(lstm: bool, kit: Kit, layer_in, w_ih, w_hh, b_ih, b_hh, h, c, reverse: bool):
+    """One layer and direction in the exact kit, the input projection made :data:`_EXACT_STEPS` steps at a time
+    (nothing is rounded: no order of cuDNN's to follow); ``(out, h, c)``, ``c`` None for a GRU."""
+    steps = layer_in.size(0)
+    out = layer_in.new_empty(steps, *h.shape)
+    starts = range(0, steps, _EXACT_STEPS)
+    for start in reversed(starts) if reverse else starts:
+        part = slice(start, min(start + _EXACT_STEPS, steps))
+        gates_x = kit.product(layer_in[part], w_ih, b_ih)
+        if lstm:
+            if b_hh is not None:
+                gates_x.add_(b_hh)
+            ran, h, c = _lstm_forward(gates_x, h, c, w_hh, kit, reverse, None)
+        else:
+            ran, h = _gru_forward(gates_x, h, w_hh, b_hh, kit, reverse, None)
+        out[part] = ran
+    return out, h.clone(), c
 
 
 def assembled(layer_in, hs, cs, lstm: bool, unbatched: bool, batch_first: bool):
