@@ -56,6 +56,7 @@ import types
 from collections.abc import Collection, Iterator
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
@@ -356,7 +357,7 @@ def _derived(module: torch.nn.Module) -> set[str]:
 def _is_data(value: Any) -> bool:
     if isinstance(value, torch.nn.Parameter):
         return False
-    return isinstance(value, (torch.Tensor, *_SCALARS, list, dict, collections.deque, set)) or \
+    return isinstance(value, (torch.Tensor, np.ndarray, *_SCALARS, list, dict, collections.deque, set)) or \
         random_state(value) is not None or is_dataclass_instance(value)
 
 
@@ -433,6 +434,8 @@ def kept_contents(value: Any, depth: int = 0) -> Any:
     ``self.state[0].add_(h)``), a few levels down."""
     if isinstance(value, torch.Tensor):
         return None if value.is_inference() else value.detach().clone()
+    if isinstance(value, np.ndarray):  # of numbers: an array of objects is left to its objects
+        return None if value.dtype.hasobject else value.copy()
     access = random_state(value)
     if access is not None:
         return access[0]()
@@ -460,6 +463,8 @@ def put_back_contents(value: Any, contents: Any) -> bool:
         # compared by value, as a buffer is: a write through ``.data`` or ``.numpy()`` (``self.h.data.add_(1)``)
         # leaves the tensor's version counter alone
         return _values_put_back(value, contents)
+    if isinstance(value, np.ndarray):
+        return _array_put_back(value, contents)
     access = random_state(value)
     if access is not None:
         return _random_put_back(access, contents)
@@ -481,6 +486,18 @@ def put_back_contents(value: Any, contents: Any) -> bool:
         value.clear()
         value.update(items)
     return _inner_put_back(list(items.values()), list(inner.values())) or changed
+
+
+def _array_put_back(array: np.ndarray, kept: np.ndarray) -> bool:
+    """A NumPy array's values put back in place (the model holds the array itself); whether they had changed,
+    compared bit for bit (a NaN is its own value). One resized or made read-only since is left as it is."""
+    if array.shape != kept.shape or array.dtype != kept.dtype:
+        return True
+    if array.tobytes() == kept.tobytes():
+        return False
+    if array.flags.writeable:
+        np.copyto(array, kept)
+    return True
 
 
 def _random_put_back(access: tuple[Callable[[], Any], Callable[[Any], None]], state: Any) -> bool:
