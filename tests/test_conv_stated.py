@@ -110,6 +110,37 @@ def test_an_lstms_rnn_math_and_share_are_stated():
     jsonschema.validate(report.to_dict(), schema())
 
 
+class PackedTagger(Tagger):
+    """Tagger over sentences of other lengths, packed (what a speech or text encoder does with a padded batch)."""
+
+    def forward(self, x):
+        from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+        lengths = torch.tensor([12, 5])
+        out = self.lstm(pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False))[0]
+        return self.head(pad_packed_sequence(out, batch_first=True)[0])
+
+
+def test_a_packed_lstm_is_measured_and_stated_as_an_unpacked_one():
+    # a packed sequence ran natively (IEEE float32) at every level, its steps counted as matmul-family GEMMs: a
+    # normwise of 1e-7 at `high`, and "matmul-family ops are 40% of its predicted time"
+    reports = []
+    for cls in (Tagger, PackedTagger):
+        torch.manual_seed(0)
+        x = torch.randn(2, 12, 16)
+        x[1, 5:] = 0.0  # the padding: the unpacked model reads it as steps of zeros
+        reports.append(tf32lab.check(tf32lab.Workload(cls().eval(), x, name="tagger"), levels=("highest", "high")))
+    plain, packed = reports
+    assert not any("unhandled" in note for note in packed.notes), packed.notes
+    (rnn,) = packed.cudnn
+    assert rnn.family == "rnn" and rnn.maths == {"highest": "tf32-rna", "high": "tf32-rna"}
+    assert packed.speed.level("highest").shares["rnn"] > 0.5
+    for level in ("highest", "high"):
+        error = packed.level(level).outputs[0].normwise
+        assert error > 1e-5  # TF32's, as for the unpacked batch
+        assert error < 10 * plain.level(level).outputs[0].normwise
+
+
 def test_conv_ieee_and_a_target_without_tf32_are_stated_as_ieee():
     report = tf32lab.check(resnet(), levels=("highest", "high"), conv="ieee")
     (conv,) = report.cudnn

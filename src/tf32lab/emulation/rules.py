@@ -848,6 +848,92 @@ def run_rnn(mode: str, linear: Callable, x, hx, params, has_biases, num_layers, 
     return recurrent.assembled(layer_in, hs, cs, lstm, unbatched, batch_first)
 
 
+def run_packed_rnn(mode: str, linear: Callable, data, batch_sizes, hx, params, has_biases, num_layers, dropout,
+                   train, bidirectional, step: Optional[Callable] = None):
+    """:func:`run_rnn` over a packed sequence (``torch._VF.lstm(data, batch_sizes, hx, ...)``, what ``nn.LSTM``
+    calls with a ``PackedSequence``): ``data`` holds step 0's rows, then step 1's..., ``batch_sizes[t]`` of them,
+    the longest sequences first. Step t runs the first ``batch_sizes[t]`` sequences; a sequence's final state is
+    its state after its own last step; the reverse direction starts each sequence at its own last step, from its
+    initial state (ATen's ``PackedLayer`` and ``ReversedPackedLayer``, aten/src/ATen/native/RNN.cpp). Every GEMM is
+    ``linear``'s (the input projection of all rows at once, as for a padded batch), the same math as there."""
+    sizes = [int(n) for n in batch_sizes.tolist()]
+    offsets = [0]
+    for n in sizes:
+        offsets.append(offsets[-1] + n)
+    dirs = 2 if bidirectional else 1
+    per = len(params) // (num_layers * dirs)
+    lstm = mode == "lstm"
+    h0, c0 = (hx[0], hx[1]) if lstm else (hx, None)
+    fused = step is not None and mode != "gru"
+    hs, cs = [], []
+    layer_in = data
+    for layer in range(num_layers):
+        outs = []
+        for d in range(dirs):
+            idx = layer * dirs + d
+            p = params[idx * per:(idx + 1) * per]
+            w_ih, w_hh = p[0], p[1]
+            b_ih, b_hh = (p[2], p[3]) if has_biases else (None, None)
+            w_hr = p[-1] if per in (3, 5) else None  # LSTM with proj_size
+            gates_x = linear(layer_in, w_ih, b_ih)
+            if fused and b_hh is not None:
+                gates_x = gates_x + b_hh
+            cell = _Cell(mode, linear, step if fused else None, w_hh, b_hh, w_hr)
+            out: list = [None] * len(sizes)
+            if d == 0:  # sequences drop out as they end: their rows keep their last state
+                h, c = h0[idx], (c0[idx] if lstm else None)
+                for t, n in enumerate(sizes):
+                    h_t, c_t = cell(gates_x[offsets[t]:offsets[t + 1]], h[:n], c[:n] if lstm else None)
+                    out[t] = h_t
+                    h = torch.cat((h_t, h[n:])) if n < h.size(0) else h_t
+                    c = (torch.cat((c_t, c[n:])) if n < c.size(0) else c_t) if lstm else None
+            else:  # sequences join as the steps go back to their own last step, from their initial state
+                h, c = h0[idx][:0], (c0[idx][:0] if lstm else None)
+                for t in range(len(sizes) - 1, -1, -1):
+                    n = sizes[t]
+                    if n > h.size(0):
+                        h = torch.cat((h, h0[idx][h.size(0):n]))
+                        c = torch.cat((c, c0[idx][c.size(0):n])) if lstm else None
+                    h, c = cell(gates_x[offsets[t]:offsets[t + 1]], h, c)
+                    out[t] = h
+            outs.append(torch.cat(out))
+            hs.append(h)
+            cs.append(c)
+        layer_in = torch.cat(outs, -1) if dirs == 2 else outs[0]
+        if dropout and train and layer < num_layers - 1:
+            layer_in = F.dropout(layer_in, dropout, True)
+    h_n = torch.stack(hs)
+    return (layer_in, h_n, torch.stack(cs)) if lstm else (layer_in, h_n)
+
+
+class _Cell:
+    """One step of an LSTM, GRU or plain RNN on the rows it is given, as :func:`run_rnn`'s loop computes it:
+    ``cell(gates_x, h, c) -> (h, c)`` (``c`` None but for an LSTM)."""
+
+    def __init__(self, mode: str, linear: Callable, step: Optional[Callable], w_hh, b_hh, w_hr) -> None:
+        self.mode, self.linear, self.step, self.w_hh, self.b_hh, self.w_hr = mode, linear, step, w_hh, b_hh, w_hr
+
+    def __call__(self, gates_x, h, c):
+        linear, step, w_hh, b_hh = self.linear, self.step, self.w_hh, self.b_hh
+        if self.mode == "lstm":
+            gates = step(gates_x, h, w_hh) if step is not None else gates_x + linear(h, w_hh, b_hh)
+            size = gates.size(-1) // 4
+            g = torch.tanh(gates[..., 2 * size:3 * size])
+            act = gates.sigmoid_() if step is not None else torch.sigmoid(gates)  # i, f, o (g's slot unused)
+            c = torch.addcmul(act[..., size:2 * size] * c, act[..., :size], g)
+            h = act[..., 3 * size:] * torch.tanh(c)
+            return (linear(h, self.w_hr, None) if self.w_hr is not None else h), c
+        if self.mode == "gru":
+            hidden = h.size(-1)
+            x_r, x_z, x_n = gates_x.split(hidden, -1)
+            h_r, h_z, h_n = linear(h, w_hh, b_hh).split(hidden, -1)
+            r, z = torch.sigmoid(x_r + h_r), torch.sigmoid(x_z + h_z)
+            n = torch.tanh(x_n + r * h_n)
+            return n + z * (h - n), None
+        pre = step(gates_x, h, w_hh) if step is not None else gates_x + linear(h, w_hh, b_hh)
+        return (torch.tanh(pre) if self.mode == "rnn_tanh" else torch.relu(pre)), None
+
+
 def _is_packed(args) -> bool:
     # input variant: (input, hx, params, has_biases, ...); packed: (data, batch_sizes, hx, params, has_biases, ...)
     return len(args) > 3 and isinstance(args[3], (list, tuple))
@@ -862,16 +948,15 @@ def _rnn_key(call, mode: str, hx) -> str:
 
 @rule(aten.lstm, aten.gru, aten.rnn_tanh, aten.rnn_relu)
 def _rnn_op(call, func, args, kwargs):
-    if _is_packed(args):
-        return NotImplemented
-    mode = func.name().split("::")[-1]
-    key = _rnn_key(call, mode, args[1])
+    mode = func.name().split("::")[-1].split(".")[0]  # aten::lstm.input, aten::lstm.data (packed)
+    packed = _is_packed(args)
+    key = _rnn_key(call, mode, args[2] if packed else args[1])
 
     def linear(x, w, b):
         return _linear(call, key, x, w, b)
 
     call.math(key)
-    return run_rnn(mode, linear, *args)
+    return run_packed_rnn(mode, linear, *args) if packed else run_rnn(mode, linear, *args)
 
 
 class _RnnLinear(torch.autograd.Function):
@@ -903,15 +988,16 @@ def rnn_function(call, func, args, kwargs, quietly: Callable[[Callable], Any] = 
     (the emulator runs this without its dispatch mode, and a whole-sequence layer's backward in ``quietly(fn)``,
     which runs ``fn`` so too)."""
     mode = RNN_FUNCTIONS[func]
-    if kwargs or _is_packed(args):
-        call.unhandled(f"{call.op} (packed sequence)")
+    if kwargs:
+        call.unhandled(f"{call.op} (keyword arguments)")
         return func(*args, **kwargs)
-
-    key = _rnn_key(call, mode, args[1])
+    packed = _is_packed(args)
+    key = _rnn_key(call, mode, args[2] if packed else args[1])
     if call.math(key).name == "ieee":  # nothing to round: PyTorch's own fused kernel, at IEEE (the caller's scope)
         call.count(call.math(key))
         return func(*args, **kwargs)
-    x, hx, params = args[0], args[1], args[2]
+    x, hx, params = (args[0], args[2], args[3]) if packed else (args[0], args[1], args[2])
+    hx = hx if isinstance(hx, (list, tuple)) else (hx,)
     nan_free = all(_pymath.isfinite(float(t.detach().sum())) for t in (x, *hx, *params) if t.device.type == "cpu")
     product, step, done = call.many_linears(key, nan_free)
     math = call.math(key)
@@ -927,6 +1013,8 @@ def rnn_function(call, func, args, kwargs, quietly: Callable[[Callable], Any] = 
     kit = recurrent.Kit(linear, product, lambda w: call.round(w, math), math.name, math.rounding, nan_free, count,
                         quietly)
     try:
+        if packed:
+            return run_packed_rnn(mode, linear, *args) if grad else run_packed_rnn(mode, product, *args, step=step)
         whole = recurrent.layers(mode, kit, *args, grad=grad)
         if whole is not None:
             return whole

@@ -171,9 +171,15 @@ def _gemm(x: torch.Tensor, y: torch.Tensor) -> Gemm:
 
 
 def _rnn_gemms(a: dict[str, Any]) -> tuple[Gemm, ...]:
-    x, params = a["input"], list(a["params"])
-    batch_first, directions = bool(a.get("batch_first")), 2 if a.get("bidirectional") else 1
-    steps, batch = (int(x.shape[1]), int(x.shape[0])) if batch_first else (int(x.shape[0]), int(x.shape[1]))
+    params = list(a["params"])
+    directions = 2 if a.get("bidirectional") else 1
+    if "batch_sizes" in a:  # a packed sequence: the rows of every step in one tensor, fewer as sequences end
+        rows, steps = int(a["data"].shape[0]), int(a["batch_sizes"].numel())
+        batch = -(-rows // max(steps, 1))  # a step's rows on average (its GEMM's m)
+    else:
+        x = a["input"]
+        steps, batch = (int(x.shape[1]), int(x.shape[0])) if a.get("batch_first") else (int(x.shape[0]),
+                                                                                         int(x.shape[1]))
     per = 4 if a.get("has_biases", True) else 2
     gemms: list[Gemm] = []
     for i in range(int(a.get("num_layers", 1)) * directions):
@@ -228,8 +234,9 @@ class _Mode(TorchDispatchMode):
 _STANDS_FOR_ATEN = frozenset(["aten", "tf32lab"])
 _ATEN_ARGUMENT = {"q": "query", "k": "key", "v": "value"}
 
-# torch._VF.lstm & co. -> their aten op (its ``.input`` overload: the unpacked call)
-_RNNS = {getattr(torch._C._VariableFunctions, name): getattr(torch.ops.aten, name).input
+# torch._VF.lstm & co. -> their aten ops: the ``.input`` overload (the unpacked call) and ``.data`` (a packed one)
+_RNNS = {getattr(torch._C._VariableFunctions, name): (getattr(torch.ops.aten, name).input,
+                                                      getattr(torch.ops.aten, name).data)
          for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")}
 
 
@@ -245,15 +252,15 @@ class _Functions(TorchFunctionMode):
         self.counting = counting
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        op = _RNNS.get(func) if func.__hash__ is not None else None
-        if op is None:  # every call but an RNN's: as it is
+        ops = _RNNS.get(func) if func.__hash__ is not None else None
+        if ops is None:  # every call but an RNN's: as it is
             return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         counting = self.counting
-        # args[3] is has_biases in the unpacked call (a packed sequence's is the params)
-        if op is None or counting.paused or kwargs or len(args) < 4 or not isinstance(args[3], bool) \
-                or scope.current_emulation() is None:
+        if counting.paused or kwargs or len(args) < 4 or scope.current_emulation() is None:
             return func(*args, **kwargs)
+        # args[3] is has_biases in the unpacked call, the params in a packed sequence's
+        op = ops[0] if isinstance(args[3], bool) else ops[1]
         counting.paused = True
         try:
             # off the stack, not only paused: each step's ops through a paused mode cost a Python dispatch each
