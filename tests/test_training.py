@@ -641,10 +641,11 @@ def test_ops_that_ran_without_emulation_are_said_in_the_conclusion():
         def __init__(self) -> None:
             super().__init__()
             self.q = torch.nn.Linear(16, 16)
+            self.bias = torch.nn.Parameter(torch.zeros(8, 8))  # a learnt additive mask: no emulation rule has one
 
         def forward(self, x):
             q = self.q(x).view(2, 4, 8, 16)
-            return torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.5).sum()
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=self.bias).sum()
 
     torch.manual_seed(0)
     report = check_training(TrainingWorkload(Attention(), [torch.randn(64, 16)] * 2, loss=lambda out, batch: out),

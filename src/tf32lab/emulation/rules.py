@@ -525,22 +525,26 @@ def _scores(call, key, q, k, attn_mask, is_causal, scale):
     return s, scale
 
 
-def _attention(call, key, q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, lse=False):
-    """softmax(q kᵀ · scale + mask) v with both products in the math of ``key``: (out, logsumexp, weights)."""
+def _attention(call, key, q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, lse=False,
+               noise=None):
+    """softmax(q kᵀ · scale + mask) v with both products in the math of ``key``: (out, logsumexp, weights);
+    ``noise``: dropout's kept weights, scaled (:func:`dropout_noise`), multiplying the weights before v."""
     k, v = _expand_gqa(q, k, v, enable_gqa)
     s, _ = _scores(call, key, q, k, attn_mask, is_causal, scale)
     lse = torch.logsumexp(s, -1) if lse else None
     p = _attention_softmax(s, -1)
-    return _product(call, key, p, v), lse, p
+    return _product(call, key, p if noise is None else p * noise, v), lse, p
 
 
-def _attention_backward(call, key, grad, q, k, v, out, attn_mask, is_causal, scale, enable_gqa=False):
+def _attention_backward(call, key, grad, q, k, v, out, attn_mask, is_causal, scale, enable_gqa=False, noise=None):
     heads_k = k.size(-3)
     k_full, v_full = _expand_gqa(q, k, v, enable_gqa)
     s, scale = _scores(call, key, q, k_full, attn_mask, is_causal, scale)
     p = _attention_softmax(s, -1)
-    grad_v = _product(call, key, p.transpose(-2, -1), grad)
+    grad_v = _product(call, key, (p if noise is None else p * noise).transpose(-2, -1), grad)
     grad_p = _product(call, key, grad, v_full.transpose(-2, -1))
+    if noise is not None:  # out = (p m) v: the weights' gradient is m (grad vᵀ), and Σ p grad_p is still grad·out
+        grad_p = grad_p * noise
     grad_s = p * (grad_p - (grad * out).sum(-1, keepdim=True))
     if _math_backend(call, key):
         q_root, k_root = _roots(scale)
@@ -629,43 +633,68 @@ def _sdpa_efficient_backward(call, func, args, kwargs):
 # Under autograd, F.scaled_dot_product_attention decomposes before a dispatch mode sees it, into whatever kernel
 # *this* machine picks (often the math path: plain bmm). The emulator's function mode routes it to this op pair
 # instead, which reaches the dispatch mode whole, forward and backward, and is emulated as the target's kernel.
-def _sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa):
+def _sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa, noise=None):
+    if noise is not None:  # PyTorch's math path, its dropout's draw given
+        k, v = _expand_gqa(q, k, v, enable_gqa)
+        s = q @ k.transpose(-2, -1) * (1.0 / _pymath.sqrt(q.size(-1)) if scale is None else scale)
+        if is_causal:
+            s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
+        if attn_mask is not None:
+            s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+        return (_attention_softmax(s, -1) * noise) @ v
     # enable_gqa exists from torch 2.5; before it no caller can ask for it
     extra = {"enable_gqa": True} if enable_gqa else {}
     return F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale=scale, **extra)
 
 
+def dropout_noise(q: torch.Tensor, k: torch.Tensor, p: float, enable_gqa: bool = False) -> torch.Tensor:
+    """Attention dropout's kept weights over 1 - p, drawn as PyTorch's math path draws them (``at::dropout``'s
+    ``empty_like(attn).bernoulli_(1 - p)``, then ``div_(1 - p)``; nothing drawn at p = 1), so that a run and its
+    float64 reference draw the same weights (aten/src/ATen/native/Dropout.cpp). Shaped as the weights: a
+    grouped-query call's keys count once per query head."""
+    if enable_gqa and q.dim() >= 3 and k.dim() >= 3:
+        batch = (*torch.broadcast_shapes(q.shape[:-3], k.shape[:-3]), q.size(-3))
+    else:
+        batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    shape = (*batch, q.size(-2), k.size(-2))
+    if p >= 1:
+        return torch.zeros(shape, dtype=q.dtype, device=q.device)
+    return torch.empty(shape, dtype=q.dtype, device=q.device).bernoulli_(1 - p).div_(1 - p)
+
+
 # Explicit schemas: this module's annotations are strings (``from __future__ import annotations``), which schema
 # inference before torch 2.5 cannot read.
 @torch.library.custom_op("tf32lab::scaled_dot_product_attention", mutates_args=(), schema=(
-    "(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, bool is_causal, float? scale, bool enable_gqa) -> Tensor"))
+    "(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, bool is_causal, float? scale, bool enable_gqa, "
+    "Tensor? noise) -> Tensor"))
 def _sdpa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
-             is_causal: bool, scale: Optional[float], enable_gqa: bool) -> torch.Tensor:
-    return _sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+             is_causal: bool, scale: Optional[float], enable_gqa: bool, noise: Optional[torch.Tensor]) -> torch.Tensor:
+    return _sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa, noise)
 
 
 @torch.library.custom_op("tf32lab::scaled_dot_product_attention_backward", mutates_args=(), schema=(
     "(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor? attn_mask, bool is_causal, float? scale, "
-    "bool enable_gqa) -> (Tensor, Tensor, Tensor)"))
+    "bool enable_gqa, Tensor? noise) -> (Tensor, Tensor, Tensor)"))
 def _sdpa_backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       attn_mask: Optional[torch.Tensor], is_causal: bool, scale: Optional[float],
-                      enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      enable_gqa: bool, noise: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                               torch.Tensor]:
     # the native backward, outside emulate() (a forward emulated, its backward run after the block): a custom
     # op's implementation runs below autograd, where torch.autograd.grad finds no graph; torch.func's vjp has its own
-    _, vjp = torch.func.vjp(lambda *qkv: _sdpa(*qkv, attn_mask, is_causal, scale, enable_gqa), q, k, v)
+    _, vjp = torch.func.vjp(lambda *qkv: _sdpa(*qkv, attn_mask, is_causal, scale, enable_gqa, noise), q, k, v)
     return vjp(grad)
 
 
 def _sdpa_setup(ctx, inputs, output):
-    q, k, v, attn_mask, is_causal, scale, enable_gqa = inputs
+    q, k, v, attn_mask, is_causal, scale, enable_gqa, noise = inputs
     ctx.save_for_backward(q, k, v, output)
-    ctx.options = (attn_mask, is_causal, scale, enable_gqa)
+    ctx.options = (attn_mask, is_causal, scale, enable_gqa, noise)
 
 
 def _sdpa_backward(ctx, grad):
     q, k, v, out = ctx.saved_tensors
     grads = torch.ops.tf32lab.scaled_dot_product_attention_backward(grad, q, k, v, out, *ctx.options)
-    return (*grads, None, None, None, None)
+    return (*grads, None, None, None, None, None)
 
 
 _sdpa_op.register_autograd(_sdpa_backward, setup_context=_sdpa_setup)
@@ -673,14 +702,15 @@ _sdpa_op.register_autograd(_sdpa_backward, setup_context=_sdpa_setup)
 
 @rule(torch.ops.tf32lab.scaled_dot_product_attention)
 def _tf32lab_sdpa(call, func, args, kwargs):
-    q, k, v, attn_mask, is_causal, scale, enable_gqa = args
-    return _attention(call, "attention", q, k, v, attn_mask, is_causal, scale, enable_gqa)[0]
+    q, k, v, attn_mask, is_causal, scale, enable_gqa, noise = args
+    return _attention(call, "attention", q, k, v, attn_mask, is_causal, scale, enable_gqa, noise=noise)[0]
 
 
 @rule(torch.ops.tf32lab.scaled_dot_product_attention_backward)
 def _tf32lab_sdpa_backward(call, func, args, kwargs):
-    grad, q, k, v, out, attn_mask, is_causal, scale, enable_gqa = args
-    return _attention_backward(call, "attention", grad, q, k, v, out, attn_mask, is_causal, scale, enable_gqa)
+    grad, q, k, v, out, attn_mask, is_causal, scale, enable_gqa, noise = args
+    return _attention_backward(call, "attention", grad, q, k, v, out, attn_mask, is_causal, scale, enable_gqa,
+                               noise)
 
 
 SDPA_FUNCTION = torch._C._nn.scaled_dot_product_attention
@@ -688,15 +718,20 @@ _SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 
 
 def sdpa_function(call, func, args, kwargs):
-    """``F.scaled_dot_product_attention``: through ``tf32lab::scaled_dot_product_attention``."""
+    """``F.scaled_dot_product_attention``: through ``tf32lab::scaled_dot_product_attention``. With dropout (a
+    transformer in training: BERT's attention dropout), its weights are drawn first, as PyTorch's CPU kernel (the
+    math path) draws them, and the products are the target's kernel's."""
     bound = dict(zip(_SDPA_NAMES, args), **kwargs)
     mask = bound.get("attn_mask")
-    if bound.get("dropout_p", 0.0) or (mask is not None and mask.requires_grad):
-        call.unhandled(f"{call.op} (dropout or trainable mask)")
+    if mask is not None and mask.requires_grad:
+        call.unhandled(f"{call.op} (trainable mask)")
         return func(*args, **kwargs)
+    q, k, v = bound["query"], bound["key"], bound["value"]
+    p = float(bound.get("dropout_p", 0.0) or 0.0)
+    enable_gqa = bool(bound.get("enable_gqa", False))
+    noise = dropout_noise(q, k, p, enable_gqa) if p > 0 else None
     return torch.ops.tf32lab.scaled_dot_product_attention(
-        bound["query"], bound["key"], bound["value"], mask, bool(bound.get("is_causal", False)),
-        bound.get("scale"), bool(bound.get("enable_gqa", False)))
+        q, k, v, mask, bool(bound.get("is_causal", False)), bound.get("scale"), enable_gqa, noise)
 
 
 def _mha_mask(mask, mask_type, batch, heads):
