@@ -536,7 +536,10 @@ def _attention(call, key, q, k, v, attn_mask=None, is_causal=False, scale=None, 
     return _product(call, key, p if noise is None else p * noise, v), lse, p
 
 
-def _attention_backward(call, key, grad, q, k, v, out, attn_mask, is_causal, scale, enable_gqa=False, noise=None):
+def _attention_backward(call, key, grad, q, k, v, out, attn_mask, is_causal, scale, enable_gqa=False, noise=None,
+                        mask_grad=False):
+    """q's, k's and v's gradients; with ``mask_grad``, the additive mask's too (a learnt bias: the scores'
+    gradient, summed over the dims the mask was broadcast along)."""
     heads_k = k.size(-3)
     k_full, v_full = _expand_gqa(q, k, v, enable_gqa)
     s, scale = _scores(call, key, q, k_full, attn_mask, is_causal, scale)
@@ -555,6 +558,8 @@ def _attention_backward(call, key, grad, q, k, v, out, attn_mask, is_causal, sca
         grad_k = _product(call, key, grad_s.transpose(-2, -1), q).mul_(scale)
     if grad_k.size(-3) != heads_k:  # grouped-query attention: sum the gradient of each shared head
         grad_k, grad_v = _shared_heads(grad_k, heads_k), _shared_heads(grad_v, heads_k)
+    if mask_grad:
+        return grad_q, grad_k, grad_v, grad_s.sum_to_size(attn_mask.shape).to(attn_mask.dtype)
     return grad_q, grad_k, grad_v
 
 
@@ -674,27 +679,34 @@ def _sdpa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optio
 
 @torch.library.custom_op("tf32lab::scaled_dot_product_attention_backward", mutates_args=(), schema=(
     "(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor? attn_mask, bool is_causal, float? scale, "
-    "bool enable_gqa, Tensor? noise) -> (Tensor, Tensor, Tensor)"))
+    "bool enable_gqa, Tensor? noise, bool mask_grad) -> (Tensor, Tensor, Tensor, Tensor)"))
 def _sdpa_backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       attn_mask: Optional[torch.Tensor], is_causal: bool, scale: Optional[float],
-                      enable_gqa: bool, noise: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
-                                                                               torch.Tensor]:
+                      enable_gqa: bool, noise: Optional[torch.Tensor],
+                      mask_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # the native backward, outside emulate() (a forward emulated, its backward run after the block): a custom
     # op's implementation runs below autograd, where torch.autograd.grad finds no graph; torch.func's vjp has its own
+    if mask_grad:
+        _, vjp = torch.func.vjp(lambda q, k, v, m: _sdpa(q, k, v, m, is_causal, scale, enable_gqa, noise), q, k, v,
+                                attn_mask)
+        return vjp(grad)
     _, vjp = torch.func.vjp(lambda *qkv: _sdpa(*qkv, attn_mask, is_causal, scale, enable_gqa, noise), q, k, v)
-    return vjp(grad)
+    return (*vjp(grad), grad.new_empty(0))
 
 
 def _sdpa_setup(ctx, inputs, output):
     q, k, v, attn_mask, is_causal, scale, enable_gqa, noise = inputs
     ctx.save_for_backward(q, k, v, output)
-    ctx.options = (attn_mask, is_causal, scale, enable_gqa, noise)
+    # a learnt additive mask (a relative-position bias) has a gradient too; the op's fourth, else an empty tensor
+    mask_grad = attn_mask is not None and attn_mask.requires_grad and attn_mask.is_floating_point()
+    ctx.options = (attn_mask, is_causal, scale, enable_gqa, noise, mask_grad)
 
 
 def _sdpa_backward(ctx, grad):
     q, k, v, out = ctx.saved_tensors
-    grads = torch.ops.tf32lab.scaled_dot_product_attention_backward(grad, q, k, v, out, *ctx.options)
-    return (*grads, None, None, None, None, None)
+    grad_q, grad_k, grad_v, grad_mask = torch.ops.tf32lab.scaled_dot_product_attention_backward(
+        grad, q, k, v, out, *ctx.options)
+    return grad_q, grad_k, grad_v, (grad_mask if ctx.options[-1] else None), None, None, None, None
 
 
 _sdpa_op.register_autograd(_sdpa_backward, setup_context=_sdpa_setup)
@@ -708,9 +720,10 @@ def _tf32lab_sdpa(call, func, args, kwargs):
 
 @rule(torch.ops.tf32lab.scaled_dot_product_attention_backward)
 def _tf32lab_sdpa_backward(call, func, args, kwargs):
-    grad, q, k, v, out, attn_mask, is_causal, scale, enable_gqa, noise = args
-    return _attention_backward(call, "attention", grad, q, k, v, out, attn_mask, is_causal, scale, enable_gqa,
-                               noise)
+    grad, q, k, v, out, attn_mask, is_causal, scale, enable_gqa, noise, mask_grad = args
+    grads = _attention_backward(call, "attention", grad, q, k, v, out, attn_mask, is_causal, scale, enable_gqa,
+                                noise, mask_grad)
+    return grads if mask_grad else (*grads, grad.new_empty(0))
 
 
 SDPA_FUNCTION = torch._C._nn.scaled_dot_product_attention
@@ -723,9 +736,6 @@ def sdpa_function(call, func, args, kwargs):
     math path) draws them, and the products are the target's kernel's."""
     bound = dict(zip(_SDPA_NAMES, args), **kwargs)
     mask = bound.get("attn_mask")
-    if mask is not None and mask.requires_grad:
-        call.unhandled(f"{call.op} (trainable mask)")
-        return func(*args, **kwargs)
     q, k, v = bound["query"], bound["key"], bound["value"]
     p = float(bound.get("dropout_p", 0.0) or 0.0)
     enable_gqa = bool(bound.get("enable_gqa", False))
