@@ -8,7 +8,7 @@ performance of recurrent neural networks on GPUs", arXiv:1604.01946, describe th
 math (TF32 at ``high`` on an A100), so the hidden state is rounded at every step.
 
 Each layer and direction is one ``torch.autograd.Function`` here: its forward runs the steps with the fewest
-kernels it can (the same kernels, in the same order, as :func:`tf32lab.emulation.rules.run_rnn` with a fused
+kernels it can (the same kernels, in the same order, as :func:`tf32lab.emulation.rnn_steps.run_rnn` with a fused
 step, so a forward gives the bits it gave before), and keeps what the backward needs; its backward runs the
 sequence backwards with the pointwise derivatives computed for all steps at once (or, compiled, within each
 step's one call), one rounding and one GEMM per step, and the weight gradient as one GEMM. Per-step autograd
@@ -16,7 +16,7 @@ nodes (thousands for a speaker encoder) cost 8x a native forward and backward of
 about 1.4x and 0.9x (docs/benchmarks.md).
 
 Covered: ``lstm`` without ``proj_size`` and ``gru``, float32, in a math rounded once per operand (``tf32``,
-``bf16``). :func:`layers` answers ``None`` for anything else, which :func:`~tf32lab.emulation.rules.run_rnn` runs.
+``bf16``). :func:`layers` answers ``None`` for anything else, which :func:`~tf32lab.emulation.rnn_steps.run_rnn` runs.
 The same loops with nothing rounded (:func:`exact_layers`) run the float64 reference's recurrences
 (``measure.reference``): ATen's float64 LSTM, with no oneDNN kernel for float64, took 2.5-3x as long a step.
 
@@ -262,7 +262,7 @@ def _before(first: torch.Tensor, ran: torch.Tensor) -> torch.Tensor:
 def _lstm_forward(gates_x, h, c, w_hh, kit: Kit, reverse: bool, saved: Optional[list]):
     """The steps of one layer and direction; ``saved`` (a list) receives the activations (i, f, ·, o after the
     sigmoid), g and c of every step, in run order. The kernels and their order are the fused step's of
-    ``rules.run_rnn`` (the same bits); each writes into a preallocated slab through views made once (``unbind``),
+    ``rnn_steps.run_rnn`` (the same bits); each writes into a preallocated slab through views made once (``unbind``),
     so that a step makes no tensor and nothing is stacked after: a step's pointwise work is a few microseconds,
     as much as a Python-level view or allocation costs. Where :func:`_compiled_steps` allows, the steps run in
     :func:`_lstm_compiled_forward`: the same kernels, those after each step's activations compiled."""
@@ -501,7 +501,7 @@ def _constants(kit: Kit) -> tuple[int, int, int, int]:
 # -- GRU ----------------------------------------------------------------------------------------------------
 def _gru_forward(gates_x, h, w_hh, b_hh, kit: Kit, reverse: bool, saved: Optional[list]):
     """The steps of one GRU layer and direction; ``saved`` receives r, z, n and the hidden product's n part of
-    every step, in run order. The kernels and their order are ``rules.run_rnn``'s (the same bits: a sum or product
+    every step, in run order. The kernels and their order are ``rnn_steps.run_rnn``'s (the same bits: a sum or product
     of two operands in either order is one rounding); each writes into a buffer made once, through views made
     once, as the LSTM's steps do."""
     steps = gates_x.size(0)
