@@ -285,6 +285,9 @@ class Recorder:
             if self.rerunning:
                 return None
             frame = self.stack.pop()
+            if not frame.drew and frame.state is not None and self.streams is not None and \
+                    self.streams.drew_since(frame.state):
+                frame.drew = True  # from NumPy's or Python's generator: its reruns draw what it drew too
             if not frame.ran:
                 if self.stack:
                     self.stack[-1].inner += frame.inner
