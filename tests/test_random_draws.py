@@ -306,3 +306,73 @@ def test_a_draw_the_model_makes_in_float64_is_the_same_in_every_row(how):
                                 inputs=lambda batch: batch[0])
     floor = tf32lab.check_training(workload, levels=("high",), tolerance=1e-6).floor
     assert floor.deviations[0] < 1e-6, floor.deviations  # float32's own drift: 1.2e-2 with other draws
+
+
+class _SeededByNumpy(torch.nn.Module):
+    """Noise from a generator seeded off NumPy's global stream, as torchsde's ``sdeint`` seeds its Brownian motion
+    (``entropy = np.random.randint(0, 2**31 - 1)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        import numpy as np
+
+        generator = torch.Generator().manual_seed(int(np.random.randint(0, 2**31 - 1)))
+        return self.linear(x + torch.randn(x.shape, generator=generator))
+
+
+class _PythonAndNumpyNoise(torch.nn.Module):
+    """A layer whose own call draws from NumPy's and Python's global streams, and no PyTorch random op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(16, 16) / 4)
+
+    def forward(self, x):
+        import random
+
+        import numpy as np
+
+        noise = torch.from_numpy(np.random.standard_normal(tuple(x.shape)).astype("float32"))
+        return (x + noise) @ self.weight * random.uniform(0.5, 2.0)
+
+
+def test_every_row_draws_from_numpy_and_python_where_the_others_do():
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(0)
+    np.random.seed(3)
+    random.seed(3)
+    before = np.random.get_state(), random.getstate()
+    report = tf32lab.check(tf32lab.Workload(_SeededByNumpy(), torch.randn(8, 16)), levels=("highest", "high"),
+                           target="a100", speed=False)
+    highest = report.level("highest")
+    assert highest.outputs[0].normwise < 1e-6 and highest.unstable is None  # 1.07: each row had another seed
+    assert report.passed
+    assert _same(np.random.get_state(), before[0]) and random.getstate() == before[1]  # the caller's, as they were
+
+
+def _same(a, b) -> bool:
+    return all(bool((x == y).all()) if hasattr(x == y, "all") else x == y for x, y in zip(a, b))
+
+
+def test_a_layer_drawing_from_numpy_and_python_reruns_on_what_its_call_drew():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), _PythonAndNumpyNoise(), torch.nn.Linear(16, 4))
+    report = tf32lab.check(tf32lab.Workload(model, torch.randn(8, 16)), levels=("highest",), target="a100",
+                           speed=False)
+    introduced = {layer.name: layer.introduced for layer in report.level("highest").layers}
+    assert introduced["1"] < 1e-6, introduced  # 1.7: its reruns drew other numbers than its reference call
+
+
+def test_check_training_rows_draw_from_numpy_alike():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), _PythonAndNumpyNoise(), torch.nn.Linear(16, 4))
+    batches = [torch.randn(8, 16) for _ in range(3)]
+    workload = tf32lab.TrainingWorkload(model, batches, loss=lambda out, b: out.pow(2).mean())
+    report = tf32lab.check_training(workload, levels=("highest",), target="a100", speed=False)
+    assert report.floor.deviations[0] < 1e-6, report.floor.deviations  # 2.0: float64 and float32 drew apart

@@ -82,6 +82,52 @@ def test_a_submodule_or_parameter_added_or_replaced_as_it_runs_is_put_back():
     assert any("gain" in note for note in report.notes), report.notes
 
 
+class _DrawsOnce(_Base):
+    """Draws its samples at the first call into a buffer registered as None, as botorch's MCSampler draws its
+    ``base_samples``, and registers a buffer of a new name then too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("base", None)
+
+    def forward(self, x):
+        if self.base is None:
+            self.base = torch.randn(x.shape, generator=torch.Generator().manual_seed(0), dtype=x.dtype)
+            self.register_buffer("scale", x.detach().abs().mean(0))
+        return self.linear(x) * self.base * self.scale
+
+
+def test_a_buffer_registered_as_none_or_anew_as_it_runs_is_put_back():
+    # the float64 reference's samples were kept: every row drew nothing (a note said the draws could not be
+    # matched) and multiplied its float32 products by them in float64, and the model kept them after the check
+    model = _DrawsOnce()
+    report = _check(model)
+    assert _error(report) < 1e-5
+    assert model.base is None and "scale" not in model._buffers and not hasattr(model, "scale")
+    assert not any("could not be matched" in note for note in report.notes), report.notes
+    assert any("keeps state between calls" in note and "base" in note for note in report.notes), report.notes
+
+
+class _ToInput(_Base):
+    """Moves itself to its input's dtype, as botorch's analytic acquisition functions do (``self.to(X)``)."""
+
+    def forward(self, x):
+        self.to(x)
+        return self.linear(x)
+
+
+def test_a_model_that_converts_itself_to_its_inputs_dtype_is_not_said_to_write_its_parameters():
+    # in the float64 reference its parameters became float64: said to be written as it runs ("the levels'
+    # differences are not precision's alone"), where each row's self.to(x) gave float32 the same values back
+    model = _ToInput()
+    weight = model.linear.weight
+    data = weight.detach()
+    report = _check(model)
+    assert _error(report) < 1e-5
+    assert not any("writes into its own parameters" in note for note in report.notes), report.notes
+    assert model.linear.weight is weight and weight.dtype == torch.float32 and weight.data_ptr() == data.data_ptr()
+
+
 class _Resized(_Base):
     def __init__(self) -> None:
         super().__init__()

@@ -62,7 +62,7 @@ def test_module_and_file_specs(tmp_path, monkeypatch):
     ("wrong", "the factory returned an object of type list; accepted: a tf32lab.Workload, a (model, inputs) "
               "pair or a tf32lab.TrainingWorkload"),
     ("bad_inputs", "the factory's inputs are a list; accepted: a tensor, a tuple or a dict"),
-    ("half", "the model holds float16 tensors; tf32lab checks float32 models"),
+    ("half", "the model holds float16 tensors ('weight', 'bias'); tf32lab checks float32 models"),
     ("nothing", "has no attribute 'nothing'"),
     ("not_callable", "'not_callable' is not callable (int)"),
 ])
@@ -167,3 +167,14 @@ def test_loading_models_leaves_the_environment_as_it_was(tmp_path):
     done = cli_runner.run(module="loads_models", cwd=tmp_path, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [True, False]
+
+
+def test_a_float64_buffer_among_float32_weights_is_named():
+    # nflows' StandardNormal keeps its log-normalizer as a float64 buffer inside an otherwise float32 flow
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[1].register_buffer("log_z", torch.tensor(1.5, dtype=torch.float64))
+    with pytest.raises(Tf32LabError, match=re.escape("the model holds float64 tensors ('1.log_z'); tf32lab "
+                                                     "checks float32 models (call model.float() first)")):
+        Workload(model, torch.ones(3, 4))
+    with pytest.raises(Tf32LabError, match=re.escape("('0.weight', '0.bias', '1.weight' and 2 more)")):
+        Workload(model.double(), torch.ones(3, 4))

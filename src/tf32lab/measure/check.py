@@ -506,7 +506,7 @@ class Session:
         recorder = self.recorder
         try:
             with level_context("highest", self.target, recorder.accumulation, recorder.ranks is None), \
-                    torch.inference_mode():
+                    recorder.grad_mode():
                 out = self.workload.run()
         except Exception as exc:
             if recorder.ranks is not None or out_of_memory(exc):
@@ -646,7 +646,7 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
         if ran is not None:  # on a CPU target a GRU runs in the matmul's math, not the rnn key's
             level_maths = {**level_maths, "rnn": ran}
         try:
-            with accumulated, (counting or contextlib.nullcontext()), torch.inference_mode():
+            with accumulated, (counting or contextlib.nullcontext()), recorder.grad_mode():
                 out = workload.run()
         except (Tf32LabError, KeyboardInterrupt):  # Ctrl-C stops the check
             raise

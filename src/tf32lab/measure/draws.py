@@ -8,7 +8,8 @@ precision's. One rule, here, for every run:
 
 - **one state per row**: every row (each level, the policy, float32's floor, the float64 reference, a layer's
   reruns) starts from one seed, drawn once inside :class:`Streams`, which puts the caller's random state back
-  (PyTorch's CPU generator and the model's CUDA devices', NumPy's and Python's) on every exit;
+  (PyTorch's CPU generator and the model's CUDA devices', NumPy's and Python's global ones, which the seed seeds
+  too) on every exit;
 - **drawn at float32**: in a float64 run (``Float64Run``, or a ``.double()`` copy under :class:`SameDraws`),
   each op of :data:`RANDOM_OPS` draws at float32 from the generator's state, the call a float32 row makes, and the
   values are cast up (:func:`drawn_at_float32`); where a draw is combined with the input (dropout, ``rrelu``,
@@ -34,6 +35,8 @@ Example:
 
 from __future__ import annotations
 
+import random
+import sys
 import threading
 from collections.abc import Iterable
 from typing import Any, Callable, Optional
@@ -368,31 +371,53 @@ class Streams:
         """Every stream at the start of a row."""
         seeded(self.seed, self.devices)
 
-    def state(self) -> tuple[torch.Tensor, ...]:
-        """The generators' present state (the CPU's, then each device's)."""
+    def state(self) -> tuple[Any, ...]:
+        """The generators' present state (the CPU's, then each device's, then Python's and NumPy's global ones)."""
         return (torch.random.default_generator.get_state(),
-                *(torch.cuda.default_generators[d].get_state() for d in self.devices))
+                *(torch.cuda.default_generators[d].get_state() for d in self.devices),
+                *(state for _, state in _python_states()))
 
-    def put(self, state: tuple[torch.Tensor, ...]) -> None:
+    def drew_since(self, state: tuple[Any, ...]) -> bool:
+        """Whether Python's or NumPy's global generator moved since ``state`` (from :meth:`state`): a call that
+        drew from them runs no PyTorch random op to say so (``np.random.standard_normal`` made into a tensor)."""
+        return any(not _same_state(now, then)
+                   for (_, now), then in zip(_python_states(), state[1 + len(self.devices):]))
+
+    def put(self, state: tuple[Any, ...]) -> None:
         """The generators back at ``state`` (from :meth:`state`)."""
         torch.random.default_generator.set_state(state[0])
         for device, s in zip(self.devices, state[1:]):
             torch.cuda.default_generators[device].set_state(s)
+        for (setter, _), s in zip(_python_states(), state[1 + len(self.devices):]):
+            setter(s)
 
 
 def seeded(seed: int, devices: Iterable[int]) -> None:
     """The CPU generator and those of ``devices`` seeded with ``seed`` (never another device's: the caller's
-    streams there would change)."""
+    streams there would change), and NumPy's and Python's global generators too: a model may draw from them
+    (torchsde's ``sdeint`` takes its Brownian motion's entropy from ``numpy.random.randint``), and each row must
+    draw what the others draw. Called inside :class:`Streams`, which puts the caller's states back."""
     torch.random.default_generator.manual_seed(seed)
     for device in devices:
         torch.cuda.default_generators[device].manual_seed(seed)
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")  # never imported here: a model that draws from it has imported it
+    if numpy is not None:
+        numpy.random.seed(seed)
+
+
+def _same_state(a: tuple, b: tuple) -> bool:
+    """Two states of one generator alike: ``random.getstate()``'s or ``numpy.random.get_state()``'s tuples (NumPy's
+    holds an array, which ``==`` compares element by element)."""
+    def same(x: Any, y: Any) -> bool:
+        equal = x == y
+        return bool(equal.all()) if hasattr(equal, "all") else bool(equal)
+
+    return len(a) == len(b) and all(x is y or same(x, y) for x, y in zip(a, b))
 
 
 def _python_states() -> list[tuple[Callable[[Any], None], Any]]:
-    """NumPy's and Python's global random states, with their setters (a batches function may draw from them)."""
-    import random
-    import sys
-
+    """Python's and NumPy's global random states, with their setters (a batches function may draw from them)."""
     saved: list[tuple[Callable[[Any], None], Any]] = [(random.setstate, random.getstate())]
     numpy = sys.modules.get("numpy")
     if numpy is not None:

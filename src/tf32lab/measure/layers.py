@@ -201,6 +201,10 @@ class Recorder:
         self.model_inputs: set[int] = set()  # ids of the (widened) workload inputs
         self.as_accumulated: set[tuple[str, int]] = set()  # calls whose introduced error is their accumulated one
         self.family_ops = 0  # matmul-family ops the reference saw on this thread (not another's: see OtherThreads)
+        # whether the model turned autograd on inside the reference run (which runs under no_grad): a forward that
+        # differentiates (torch.enable_grad() and autograd.grad) cannot run under inference mode, where nothing
+        # is recorded, so the rows and reruns then run under no_grad as the reference did (:meth:`grad_mode`)
+        self.grad_used = False
         self.families: dict[str, set[str]] = {}  # layer -> the op families of its own ops (conv, rnn, ...)
         self.called: set[str] = set()  # the modules whose forward ran (one whose parent uses its weights did not)
         self.by_family: collections.Counter[str] = collections.Counter()  # the reference's family ops, per family
@@ -237,6 +241,8 @@ class Recorder:
     def _op(self, func) -> None:
         if self.rerunning:
             return
+        if not self.grad_used and torch.is_grad_enabled():
+            self.grad_used = True
         known = _OPS.get(func)
         if known is None:
             known = _OPS[func] = (random_op(func), optable.family(func.name()))
@@ -285,6 +291,9 @@ class Recorder:
             if self.rerunning:
                 return None
             frame = self.stack.pop()
+            if not frame.drew and frame.state is not None and self.streams is not None and \
+                    self.streams.drew_since(frame.state):
+                frame.drew = True  # from NumPy's or Python's generator: its reruns draw what it drew too
             if not frame.ran:
                 if self.stack:
                     self.stack[-1].inner += frame.inner
@@ -301,7 +310,8 @@ class Recorder:
                 for key, t in named_tensors(output):
                     if t.is_floating_point() or t.is_complex():
                         with bare(t):
-                            norms[key] = float(torch.linalg.vector_norm(t)) ** 2
+                            # detached: a layer's output inside a forward that differentiates requires grad
+                            norms[key] = float(torch.linalg.vector_norm(t.detach())) ** 2
                 reference = self._keep(name, i, output)
                 self.outputs[(name, i)] = (reference, norms)
                 self._introduce(name, module, frame, i)
@@ -374,6 +384,11 @@ class Recorder:
                     done.append((level, error, why, frozenset(watch.seen) if watch is not None and
                                  watch.state == "watch" and watch.seen else None))
 
+    def grad_mode(self) -> Any:
+        """The grad mode a float32 run of the model runs in: inference mode (cheaper), or no_grad where the model
+        turned autograd on in the reference run (:attr:`grad_used`)."""
+        return torch.no_grad() if self.grad_used else torch.inference_mode()
+
     def _alike(self, first: str, second: str) -> frozenset[str]:
         known = self.alike.get((first, second))
         if known is None:
@@ -395,7 +410,7 @@ class Recorder:
         try:
             with state_kept(module, parameters=False), _originals(self.swapped), _answering(inner), \
                     level_context(level, self.target, self.accumulation, self.ranks is None, watch), \
-                    conv_math(conv), torch.inference_mode():
+                    conv_math(conv), self.grad_mode():
                 if watch is not None:
                     watch.watch()
                 output = module(*args, **kwargs)

@@ -96,6 +96,7 @@ def _summed(ys: list[tuple[str, torch.Tensor]], refs: dict[str, Any], norms: dic
 
 def _diff2(y: torch.Tensor, r: Any, read: torch.Tensor, work: torch.Tensor, diff2: float) -> float:
     """``diff2`` plus ‖y − r‖² in float64, a chunk at a time through ``work`` (summed on, in the same order)."""
+    y = y.detach()  # an output of a forward that differentiates requires grad: copied into work, it made a graph
     if isinstance(r, Spilled):
         parts = r.chunks(read)
     else:

@@ -140,6 +140,12 @@ def moves_data(func: Any) -> bool:
     return isinstance(name, str) and name.partition("::")[0] in _DATA_MOVING
 
 
+# autograd's entry points, called inside a forward (an energy model's forces, a CNF's exact trace, a PINN's
+# residual): run as they are, without the op-level mode. Widening their inputs handed autograd.grad float64
+# copies that are not in the graph ("the differentiated Tensor appears to not have been used in the graph"); the
+# graph is float64 already (the function mode widened each float32 operand by a recorded cast), and widening its
+# backward made the casts' own backward return float64 for a float32 weight, which autograd refuses
+_AUTOGRAD = frozenset({torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward})
 _FLOAT64 = (torch.float64, torch.complex128)
 # Python-level calls that draw under names of their own (their aten ops are in measure.draws.RANDOM_OPS)
 _DRAWING = frozenset({"dropout", "alpha_dropout", "feature_alpha_dropout", "feature_dropout", "dropout_"})
@@ -198,6 +204,9 @@ class _Functions(TorchFunctionMode):
         plan = _CALLS.get(func) if func.__hash__ is not None else _ASKS
         if plan is None:
             plan = _call_plan(func)
+        if plan is _LIFTED:
+            with modestack.lifted(run._modes[1]):
+                return func(*args, **kwargs)
         if plan is not _ASKS and kwargs.get("dtype") not in _FLOAT64:  # the usual call: what it is, known per call
             if plan is _AS_IS or _writes_out(kwargs):
                 return func(*args, **kwargs)
@@ -354,7 +363,7 @@ class _Ops(TorchDispatchMode):
 
 # What a mode does with a call or an op, known from the call or op alone and kept per call or op overload (the
 # names, schema and tables were read again at every op: a decoder runs hundreds of small ops per forward).
-_AS_IS, _WIDENS, _SELECTS, _ASKS = "as is", "widens", "selects", "asks"
+_AS_IS, _WIDENS, _SELECTS, _ASKS, _LIFTED = "as is", "widens", "selects", "asks", "lifted"
 _CALLS: dict[Any, str] = {}  # Python-level call -> plan
 _OPS: dict[Any, str] = {}  # aten op overload -> plan
 _MOST = 1 << 14  # calls kept at most: a program that makes new callables as it runs must not grow the table
@@ -367,6 +376,8 @@ def _call_plan(func) -> str:
     if getattr(func, "__self__", None) is _DTYPE or name in ("double", "to", "type") or name in _DRAWING \
             or random_name(name) or func in _RNN_OPS:
         plan = _ASKS
+    elif func in _AUTOGRAD:
+        plan = _LIFTED
     elif name in _PASS or name.endswith("_") or moves_data(func):
         plan = _AS_IS
     else:

@@ -7,7 +7,8 @@ Silero VAD keeps its LSTM state and audio context in TorchScript attributes, so 
 then each level) would start where the last one stopped, and compare calls that differ for reasons other than
 precision. What is kept:
 
-- every buffer (its values, written back in place; whole where a run gave it another shape or dtype);
+- every buffer (its values, written back in place; whole where a run gave it another shape or dtype), and which
+  buffers there are (one a run registered is removed, one registered as None is None again);
 - every module's ``training`` flag, its forward and backward hooks (one a run registers is removed), and its
   submodules and parameters as the same objects: one a run made or
   replaced is removed, the one it replaced put back (a submodule made at the first call is made in the float64
@@ -25,7 +26,8 @@ precision. What is kept:
   eight levels down (a per-layer cache object in a list, a list of dicts of lists of tensors);
 - not the parameters' values (a copy would double the model's memory): a write into one, seen by its version
   counter (or, for a write through ``.data``, by a sum of its bits: whole, or at both ends of a large one), is
-  said (``KeptState.written``, :func:`written_note`), not undone;
+  said (``KeptState.written``, :func:`written_note`), not undone; but a parameter converted to another dtype
+  (``self.to(X)`` in a forward, float64 in the reference run) is given its own tensor back;
 - a TorchScript module's attributes likewise (parameters and buffers aside), through
   ``torch._C._jit_debug_module_iterators`` (where a torch lacks it, only the buffers).
 
@@ -92,14 +94,27 @@ class KeptState:
             else []
         self._versions = [(name, p, p._version, digest)
                           for (name, p), digest in zip(parameters, _digests([p for _, p in parameters]))]
+        # each parameter's tensor as it was (an alias, no copy): one converted to another dtype as it ran, such as
+        # botorch's acquisition functions' ``self.to(X)``, which in the float64 reference made the model's
+        # parameters float64, is given it back
+        self._originals = [p.detach() for _, p in parameters]
         self.written: list[str] = []
 
     def __call__(self) -> list[str]:
         with torch.no_grad():
             found = [where + name for where, restore in self._kept for name in restore()]
+            converted = set()
+            for i, ((name, parameter, _, _), original) in enumerate(zip(self._versions, self._originals)):
+                if parameter.dtype != original.dtype:
+                    parameter.data = original
+                    converted.add(i)
+                    found.append(name)
         self.changed += [name for name in found if name not in self.changed]
         digests = _digests([parameter for _, parameter, _, _ in self._versions])
         for i, ((name, parameter, version, digest), now) in enumerate(zip(self._versions, digests)):
+            if i in converted and digest == now:  # its values as they were: a conversion undone, not a write
+                self._versions[i] = (name, parameter, parameter._version, now)
+                continue
             if parameter._version != version or digest != now:
                 self._versions[i] = (name, parameter, parameter._version, now)
                 if name not in self.written:
@@ -180,7 +195,8 @@ def _kept(model: torch.nn.Module) -> list[tuple[str, Restore]]:
             if scripted:
                 found += [(where, restore) for restore in _script_attributes(module)]
             else:
-                found += [(where, _members(module._modules)), (where, _mode(module)), (where, _hooks(module))]
+                found += [(where, _members(module._modules)), (where, _mode(module)), (where, _hooks(module)),
+                          (where, _buffer_names(module._buffers))]
                 if not sharded:  # FSDP swaps a module's parameters for their unsharded ones, and back, itself
                     found.append((where, _members(module._parameters)))
                 found += [(where, restore) for restore in _attributes(module, holders)]
@@ -262,6 +278,27 @@ def _buffer(module: torch.nn.Module, key: str, buffer: torch.Tensor, value: Any,
             module._buffers[key] = buffer
             changed = True
         return [key] if _values_put_back(buffer, value) or changed else []
+
+    return restore
+
+
+def _buffer_names(held: dict[str, Optional[torch.Tensor]]) -> Restore:
+    """Put back which buffers a module has: one a run registered under a new name is removed, and one registered
+    as None is None again (botorch's ``MCSampler`` draws its ``base_samples`` at the first call into a buffer
+    registered as None: the float64 reference's draw was kept, every row drew nothing and multiplied by float64
+    samples, and a layer's rerun raised "expected m1 and m2 to have the same dtype"). The tensors a module had
+    are :func:`_buffer`'s."""
+    empty = {key for key, buffer in held.items() if buffer is None}
+    names = set(held)
+
+    def restore() -> list[str]:
+        changed = [key for key in held if key not in names or (key in empty and held[key] is not None)]
+        for key in changed:
+            if key in names:
+                held[key] = None
+            else:
+                del held[key]
+        return changed
 
     return restore
 

@@ -49,7 +49,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from tf32lab.control import flags
+from tf32lab.control import flags, modestack
 from tf32lab.control.policy import Policy
 from tf32lab.control.scope import precision, set_float32_matmul_precision
 from tf32lab.emulation.emulator import check_accumulation, context_cells, emulate, families_met, release_buffers
@@ -58,7 +58,7 @@ from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.check import ConvRun, PolicyRow, alike_levels, policy_maths, refuse_native_levels, rows_of_alike
-from tf32lab.measure.draws import SameDraws, Streams, lazy_note, materialised, seeded
+from tf32lab.measure.draws import DrawLog, SameDraws, Streams, draw_plan, lazy_note, materialised, seeded
 from tf32lab.measure.layers import ROOT, described, out_of_memory
 from tf32lab.measure.reference import Float64Run, widen, widened_model
 from tf32lab.numbers import metrics
@@ -269,6 +269,10 @@ class TrainingSession:
         made = materialised(self.saved, lambda model: workload.run(model, self.batch(0)),
                             f"training workload {workload.name!r}")
         self._lazy_notes = [lazy_note(made)] if made else []
+        # the dtype kind each draw of a step is made at in the float64 row, learnt from step 1 of a float32 copy
+        # where the float64 row would draw otherwise (None: as Float64Run decides); see _plan
+        self.plan: Optional[list[Optional[str]]] = None
+        self._draw_notes: list[str] = []
 
     def start(self, bar: Progress) -> None:
         """The float64 reference, then step 1's backward per module in float64."""
@@ -289,7 +293,8 @@ class TrainingSession:
         self.ref_params = dict(reference.model.named_parameters())
         self.ref_state = _optimizer_state(reference.model, reference.optimizer)
         bar.step("backward of each module at step 1, float64")
-        self.attribution = _Attribution(self.workload, self.saved, self.seed, self.batch(0, torch.float64))
+        self.attribution = _Attribution(self.workload, self.saved, self.seed, self.batch(0, torch.float64),
+                                        self._float64_run)
 
     def floor(self, bar: Optional[Progress] = None) -> TrainingLevel:
         """float32 at ``highest`` on the target, judged against itself (trained on the first call).
@@ -328,7 +333,8 @@ class TrainingSession:
 
     @property
     def notes(self) -> tuple[str, ...]:
-        return tuple(self._lazy_notes) + tuple(self.attribution.notes) + tuple(self._speed_notes)
+        return tuple(self._lazy_notes) + tuple(self._draw_notes) + tuple(self.attribution.notes) + \
+            tuple(self._speed_notes)
 
     def with_speed(self, rows: list[TrainingLevel], policy: Optional[PolicyRow]) -> list[TrainingLevel]:
         """``rows`` with each one's predicted speedup of a training step on the target over ``highest``
@@ -433,7 +439,7 @@ class TrainingSession:
         # widened (a tensor the model makes in float32 on the fly too) where step 1 shows it matters
         if dtype == torch.float64:
             widened = self._widening()  # before the row's seed: the probe draws from the streams too
-            forward = Float64Run if widened else SameDraws
+            forward = self._float64_run if widened else SameDraws
         elif emu is not None:
             forward = lambda: _inside(emu, level)  # noqa: E731
         else:
@@ -490,22 +496,68 @@ class TrainingSession:
         """Whether the float64 row needs ``Float64Run`` beyond the ``.double()`` copy (whose random ops draw at
         float32 under ``SameDraws``). Its per-op handlers cost more than a small model's step, and most models make
         no float32 tensor of their own: step 1 is run both ways, and only when loss and gradients differ in a bit
-        (the model made a float32 tensor) does every step run inside it."""
-        found = []
-        for widen_ops in (True, False):
-            model = widened_model(copy.deepcopy(self.saved))
-            _seeded(self.seed, model)
-            batch = self.batch(0, torch.float64)
-            try:
-                with Float64Run() if widen_ops else SameDraws():
-                    loss = self.workload.loss_of(self.workload.run(model, batch), batch, model)
-                    loss.backward()
-            except (Tf32LabError, KeyboardInterrupt):
-                raise
-            except BaseException:  # sys.exit() included
-                return True  # the row itself says what fails, with every op widened
-            found.append([loss.detach()] + [p.grad for p in model.parameters() if p.grad is not None])
-        return len(found[0]) != len(found[1]) or not all(torch.equal(a, b) for a, b in zip(*found))
+        (the model made a float32 tensor) does every step run inside it. Where step 1 drew, the draws' dtypes are
+        learnt first (:meth:`_plan`)."""
+        wide = self._step_one(self._float64_run)
+        if wide is not None and wide[1]:
+            self.plan = self._plan(wide[1])
+            if self.plan is not None:
+                wide = self._step_one(self._float64_run)
+        same = self._step_one(SameDraws)
+        if wide is None or same is None:
+            return True  # the row itself says what fails, with every op widened
+        return len(wide[0]) != len(same[0]) or not all(torch.equal(a, b) for a, b in zip(wide[0], same[0]))
+
+    def _step_one(self, mode: Callable[[], Any], dtype: torch.dtype = torch.float64
+                  ) -> Optional[tuple[list[torch.Tensor], list[tuple[str, Optional[str]]]]]:
+        """Step 1's loss and gradients in a fresh copy in ``dtype``, inside ``mode()`` (a ``Float64Run``, or a
+        ``DrawLog`` pushed on the stack), and the draws it kept; None where it raises."""
+        model = copy.deepcopy(self.saved)
+        model = widened_model(model) if dtype == torch.float64 else model
+        _seeded(self.seed, model)
+        batch = self.batch(0, dtype)
+        run = mode()
+        try:
+            with contextlib.ExitStack() as stack:
+                if isinstance(run, DrawLog):  # a mode of its own, not a context manager of ours
+                    modestack.push(run)
+                    stack.callback(modestack.remove, run)
+                else:
+                    stack.enter_context(run)
+                loss = self.workload.loss_of(self.workload.run(model, batch), batch, model)
+                loss.backward()
+        except (Tf32LabError, KeyboardInterrupt):
+            raise
+        except BaseException:  # sys.exit() included
+            return None
+        grads = [loss.detach()] + [p.grad for p in model.parameters() if p.grad is not None]
+        return grads, list(run.drawn) if isinstance(run, (Float64Run, DrawLog)) else []
+
+    def _float64_run(self) -> Float64Run:
+        """``Float64Run`` for one step of the float64 row: each draw at the dtype the float32 rows make it at, where
+        step 1 showed that it would not be (:meth:`_plan`)."""
+        run = Float64Run()
+        run.plan = self.plan
+        return run
+
+    def _plan(self, drawn: list[tuple[str, Optional[str]]]) -> Optional[list[Optional[str]]]:
+        """The dtype kind of each draw of a step as the float32 rows make them, where ``Float64Run`` made some of
+        step 1's (``drawn``) at the other of float32 and float64 (None where they agree). In the float64 row's
+        ``.double()`` copy a dtype read off its weights or inputs and kept (torchsde's Brownian motion takes
+        ``y0.dtype``) cannot be told from the model's own float64 (``torch.randn(n, dtype=torch.float64)``), and
+        a float64 draw where the rows draw float32 made float32's own drift noise (0.86 at step 1), beside which
+        every level passed. Step 1 is run once more in float32 (as ``check`` learns its reference's draws from its
+        first row); each step is assumed to draw as step 1 did."""
+        rows = self._step_one(DrawLog, torch.float32)
+        if rows is None:
+            return None
+        plan, differing = draw_plan(drawn, rows[1])
+        if plan is not None:
+            self._draw_notes.append(
+                f"{differing} of the {len(plan)} random draw(s) of step 1 were made at another dtype in float64 than "
+                f"in float32 (a dtype read off a widened tensor and kept); the float64 row draws each step's as the "
+                f"float32 rows do ({plan.count('float64')} at float64, the rest at float32 and cast up)")
+        return plan
 
     def batch(self, step: int, dtype: torch.dtype = torch.float32) -> Any:
         """Step ``step``'s batch, fetched once for every row (a function that draws from a random stream gives
@@ -580,7 +632,8 @@ class _Attribution:
     the gradients its own backward computes from them. :meth:`introduced` reruns each one in float32 under a
     level (fed those float64 inputs and output gradients, rounded to float32) and measures its own gradients."""
 
-    def __init__(self, workload: TrainingWorkload, saved: torch.nn.Module, seed: int, batch: Any) -> None:
+    def __init__(self, workload: TrainingWorkload, saved: torch.nn.Module, seed: int, batch: Any,
+                 run: Callable[[], Float64Run] = Float64Run) -> None:
         self.saved, self.seed, self.notes = saved, seed, []
         model = widened_model(copy.deepcopy(saved))
         self.kinds = {}
@@ -592,7 +645,7 @@ class _Attribution:
                 handles.append(module.register_forward_hook(self._keep(name, calls), with_kwargs=True))
         _seeded(seed, model)
         try:
-            with Float64Run():
+            with run():  # step 1's draws as the float64 row makes them
                 loss = workload.loss_of(workload.run(model, batch), batch, model)
                 loss.backward()
         finally:

@@ -70,13 +70,17 @@ class Workload:
 
 
 def check_float32(model: torch.nn.Module, name: str) -> None:
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    dtypes |= {b.dtype for b in model.buffers() if b.is_floating_point()}
-    other = sorted(str(d).replace("torch.", "") for d in dtypes - {torch.float32})
-    if other:
+    # named: one float64 buffer among float32 weights (nflows' StandardNormal keeps its log-normalizer so) is
+    # otherwise hard to find
+    found = [(key, t.dtype) for key, t in (*model.named_parameters(), *model.named_buffers())
+             if t.is_floating_point() and t.dtype != torch.float32]
+    if found:
+        other = sorted({str(d).replace("torch.", "") for _, d in found})
+        names = ", ".join(f"{key!r}" for key, _ in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3
+                                                                  else "")
         raise Tf32LabError(
-            f"workload {name!r}: the model holds {', '.join(other)} tensors; tf32lab checks float32 models "
-            f"(call model.float() first)")
+            f"workload {name!r}: the model holds {', '.join(other)} tensors ({names}); tf32lab checks float32 "
+            f"models (call model.float() first)")
 
 
 @contextlib.contextmanager
