@@ -140,12 +140,14 @@ def moves_data(func: Any) -> bool:
     return isinstance(name, str) and name.partition("::")[0] in _DATA_MOVING
 
 
-# autograd's entry points, called inside a forward (an energy model's forces, a CNF's exact trace, a PINN's
-# residual): run as they are, without the op-level mode. Widening their inputs handed autograd.grad float64
-# copies that are not in the graph ("the differentiated Tensor appears to not have been used in the graph"); the
-# graph is float64 already (the function mode widened each float32 operand by a recorded cast), and widening its
-# backward made the casts' own backward return float64 for a float32 weight, which autograd refuses
-_AUTOGRAD = frozenset({torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward})
+# autograd.grad called inside a forward (an energy model's forces, a CNF's exact trace, a PINN's residual): run as
+# it is, without the op-level mode. Widening its inputs handed it float64 copies that are not in the graph ("the
+# differentiated Tensor appears to not have been used in the graph"); the graph is float64 already (the function
+# mode widened each float32 operand by a recorded cast). Not ``backward``: a training row's ``loss.backward()``
+# must still refuse a float32 tensor from outside the row's float64 copy (a loss that closes over the workload's
+# own model, which would train nothing of the row's and leave gradients on the caller's weights): widened, the
+# casts' own backward returns float64 for it, which autograd refuses, and the training check says what to write
+_AUTOGRAD = frozenset({torch.autograd.grad})
 _FLOAT64 = (torch.float64, torch.complex128)
 # Python-level calls that draw under names of their own (their aten ops are in measure.draws.RANDOM_OPS)
 _DRAWING = frozenset({"dropout", "alpha_dropout", "feature_alpha_dropout", "feature_dropout", "dropout_"})
