@@ -146,6 +146,11 @@ def test_the_run_goes_on_while_the_writer_renders(report, tmp_path, monkeypatch)
             pass
         return to_dict(self)
 
+    # Written imports the page's renderer in the run's thread, once a process (0.05 to 0.7 s where no test before
+    # this one in its process had imported it, on a loaded 2-core machine: alone, 4 runs of 18 failed the bound on
+    # that import): imported here first, the clock times the thread's start alone
+    from tf32lab.report import training_render  # noqa: F401
+
     monkeypatch.setattr(TrainingReport, "to_dict", slow)
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1.0)  # a writer that keeps the GIL keeps it for a second
