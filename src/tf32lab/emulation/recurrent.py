@@ -152,6 +152,15 @@ def exact_layers(mode: str, x, hx, params, has_biases, num_layers, dropout, trai
                   grad=False)
 
 
+def direction_weights(params, idx: int, per: int, has_biases: bool) -> tuple:
+    """One layer and direction's weights in ``torch._VF.lstm``'s flat list (``per`` a direction: w_ih, w_hh, then
+    b_ih, b_hh where there are biases, then an LSTM's projection w_hr): ``(w_ih, w_hh, b_ih, b_hh, w_hr)``, the
+    missing ones None."""
+    p = params[idx * per:(idx + 1) * per]
+    b_ih, b_hh = (p[2], p[3]) if has_biases else (None, None)
+    return p[0], p[1], b_ih, b_hh, (p[-1] if per in (3, 5) else None)
+
+
 def layers(mode: str, kit: Kit, x, hx, params, has_biases, num_layers, dropout, train, bidirectional,
            batch_first, grad: bool):
     """PyTorch's multi-layer (bi)directional LSTM or GRU (``torch._VF.lstm``'s arguments), each layer and
@@ -177,9 +186,7 @@ def layers(mode: str, kit: Kit, x, hx, params, has_biases, num_layers, dropout, 
         outs = []
         for d in range(dirs):
             idx = layer * dirs + d
-            p = params[idx * per:(idx + 1) * per]
-            w_ih, w_hh = p[0], p[1]
-            b_ih, b_hh = (p[2], p[3]) if has_biases else (None, None)
+            w_ih, w_hh, b_ih, b_hh, _ = direction_weights(params, idx, per, has_biases)
             if kit.name == EXACT and not grad:
                 out, h, c = _exact_direction(lstm, kit, layer_in, w_ih, w_hh, b_ih, b_hh, h0[idx],
                                              c0[idx] if lstm else None, bool(d))

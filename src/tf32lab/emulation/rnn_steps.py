@@ -49,10 +49,7 @@ def run_rnn(mode: str, linear: Callable, x, hx, params, has_biases, num_layers, 
         outs = []
         for d in range(dirs):
             idx = layer * dirs + d
-            p = params[idx * per:(idx + 1) * per]
-            w_ih, w_hh = p[0], p[1]
-            b_ih, b_hh = (p[2], p[3]) if has_biases else (None, None)
-            w_hr = p[-1] if per in (3, 5) else None  # LSTM with proj_size
+            w_ih, w_hh, b_ih, b_hh, w_hr = recurrent.direction_weights(params, idx, per, has_biases)
             h, c = h0[idx], (c0[idx] if lstm else None)
             gates_x = linear(layer_in, w_ih, b_ih)  # all steps at once, as cuDNN does
             if fused and b_hh is not None:
@@ -95,10 +92,7 @@ def run_packed_rnn(mode: str, linear: Callable, data, batch_sizes, hx, params, h
         outs = []
         for d in range(dirs):
             idx = layer * dirs + d
-            p = params[idx * per:(idx + 1) * per]
-            w_ih, w_hh = p[0], p[1]
-            b_ih, b_hh = (p[2], p[3]) if has_biases else (None, None)
-            w_hr = p[-1] if per in (3, 5) else None  # LSTM with proj_size
+            w_ih, w_hh, b_ih, b_hh, w_hr = recurrent.direction_weights(params, idx, per, has_biases)
             gates_x = linear(layer_in, w_ih, b_ih)
             if fused and b_hh is not None:
                 gates_x = gates_x + b_hh
