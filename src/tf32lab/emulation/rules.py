@@ -654,9 +654,10 @@ def _sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa, noise=None):
 
 
 def dropout_noise(q: torch.Tensor, k: torch.Tensor, p: float, enable_gqa: bool = False) -> torch.Tensor:
-    """Attention dropout's kept weights over 1 - p, drawn as PyTorch's math path draws them (``at::dropout``'s
-    ``empty_like(attn).bernoulli_(1 - p)``, then ``div_(1 - p)``; nothing drawn at p = 1), so that a run and its
-    float64 reference draw the same weights (aten/src/ATen/native/Dropout.cpp). Shaped as the weights: a
+    """Attention dropout's kept weights over 1 - p, drawn as PyTorch's math path draws them (``at::dropout``: on the
+    CPU ``empty_like(attn).bernoulli_(1 - p)``, then ``div_(1 - p)``; on CUDA its fused ``native_dropout``; nothing
+    drawn at p = 1), so that a run and its float64 reference draw the same weights
+    (aten/src/ATen/native/Dropout.cpp). Shaped as the weights: a
     grouped-query call's keys count once per query head."""
     if enable_gqa and q.dim() >= 3 and k.dim() >= 3:
         batch = (*torch.broadcast_shapes(q.shape[:-3], k.shape[:-3]), q.size(-3))
@@ -665,6 +666,8 @@ def dropout_noise(q: torch.Tensor, k: torch.Tensor, p: float, enable_gqa: bool =
     shape = (*batch, q.size(-2), k.size(-2))
     if p >= 1:
         return torch.zeros(shape, dtype=q.dtype, device=q.device)
+    if q.device.type in ("cuda", "xpu", "privateuseone"):  # at::dropout's fused kernel there: its own draws
+        return torch.native_dropout(torch.ones(shape, dtype=q.dtype, device=q.device), p, True)[0]
     return torch.empty(shape, dtype=q.dtype, device=q.device).bernoulli_(1 - p).div_(1 - p)
 
 
