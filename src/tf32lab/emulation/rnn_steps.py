@@ -49,12 +49,8 @@ def run_rnn(mode: str, linear: Callable, x, hx, params, has_biases, num_layers, 
         outs = []
         for d in range(dirs):
             idx = layer * dirs + d
-            w_ih, w_hh, b_ih, b_hh, w_hr = recurrent.direction_weights(params, idx, per, has_biases)
             h, c = h0[idx], (c0[idx] if lstm else None)
-            gates_x = linear(layer_in, w_ih, b_ih)  # all steps at once, as cuDNN does
-            if fused and b_hh is not None:
-                gates_x = gates_x + b_hh
-            cell = _Cell(mode, linear, step if fused else None, w_hh, b_hh, w_hr)
+            gates_x, cell = _direction(mode, linear, step if fused else None, layer_in, params, idx, per, has_biases)
             steps = range(layer_in.size(0) - 1, -1, -1) if d else range(layer_in.size(0))
             out = [None] * layer_in.size(0)
             for t in steps:
@@ -92,11 +88,7 @@ def run_packed_rnn(mode: str, linear: Callable, data, batch_sizes, hx, params, h
         outs = []
         for d in range(dirs):
             idx = layer * dirs + d
-            w_ih, w_hh, b_ih, b_hh, w_hr = recurrent.direction_weights(params, idx, per, has_biases)
-            gates_x = linear(layer_in, w_ih, b_ih)
-            if fused and b_hh is not None:
-                gates_x = gates_x + b_hh
-            cell = _Cell(mode, linear, step if fused else None, w_hh, b_hh, w_hr)
+            gates_x, cell = _direction(mode, linear, step if fused else None, layer_in, params, idx, per, has_biases)
             out: list = [None] * len(sizes)
             if d == 0:  # sequences drop out as they end: their rows keep their last state
                 h, c = h0[idx], (c0[idx] if lstm else None)
@@ -122,6 +114,17 @@ def run_packed_rnn(mode: str, linear: Callable, data, batch_sizes, hx, params, h
             layer_in = F.dropout(layer_in, dropout, True)
     h_n = torch.stack(hs)
     return (layer_in, h_n, torch.stack(cs)) if lstm else (layer_in, h_n)
+
+
+def _direction(mode: str, linear: Callable, step: Optional[Callable], layer_in, params, idx: int, per: int,
+               has_biases: bool):
+    """One layer and direction's input projection of every row at once (as cuDNN makes it; with ``step``, the
+    hidden bias added once here) and its :class:`_Cell`."""
+    w_ih, w_hh, b_ih, b_hh, w_hr = recurrent.direction_weights(params, idx, per, has_biases)
+    gates_x = linear(layer_in, w_ih, b_ih)
+    if step is not None and b_hh is not None:
+        gates_x = gates_x + b_hh
+    return gates_x, _Cell(mode, linear, step, w_hh, b_hh, w_hr)
 
 
 class _Cell:
