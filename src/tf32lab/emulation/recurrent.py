@@ -226,13 +226,14 @@ def _exact_direction(lstm: bool, kit: Kit, layer_in, w_ih, w_hh, b_ih, b_hh, h, 
     steps = layer_in.size(0)
     out = layer_in.new_empty(steps, *h.shape)
     starts = range(0, steps, _EXACT_STEPS)
+    w_t = kit.weight(w_hh).t().contiguous() if lstm else None  # once for every part (2 MiB at 1024 x 256)
     for start in reversed(starts) if reverse else starts:
         part = slice(start, min(start + _EXACT_STEPS, steps))
         gates_x = kit.product(layer_in[part], w_ih, b_ih)
         if lstm:
             if b_hh is not None:
                 gates_x.add_(b_hh)
-            ran, h, c = _lstm_forward(gates_x, h, c, w_hh, kit, reverse, None)
+            ran, h, c = _lstm_forward(gates_x, h, c, w_hh, kit, reverse, None, w_t)
         else:
             ran, h = _gru_forward(gates_x, h, w_hh, b_hh, kit, reverse, None)
         out[part] = ran
@@ -266,16 +267,19 @@ def _before(first: torch.Tensor, ran: torch.Tensor) -> torch.Tensor:
 
 
 # -- LSTM ---------------------------------------------------------------------------------------------------
-def _lstm_forward(gates_x, h, c, w_hh, kit: Kit, reverse: bool, saved: Optional[list]):
+def _lstm_forward(gates_x, h, c, w_hh, kit: Kit, reverse: bool, saved: Optional[list],
+                  w_t: Optional[torch.Tensor] = None):
     """The steps of one layer and direction; ``saved`` (a list) receives the activations (i, f, ·, o after the
     sigmoid), g and c of every step, in run order. The kernels and their order are the fused step's of
     ``rnn_steps.run_rnn`` (the same bits); each writes into a preallocated slab through views made once (``unbind``),
     so that a step makes no tensor and nothing is stacked after: a step's pointwise work is a few microseconds,
     as much as a Python-level view or allocation costs. Where :func:`_compiled_steps` allows, the steps run in
-    :func:`_lstm_compiled_forward`: the same kernels, those after each step's activations compiled."""
+    :func:`_lstm_compiled_forward`: the same kernels, those after each step's activations compiled. ``w_t``:
+    ``w_hh`` rounded and transposed (contiguous) already, by a caller that runs a direction in parts."""
     steps = gates_x.size(0)
     size = h.size(-1)
-    w_t = kit.weight(w_hh).t().contiguous()  # rounded once per call, transposed once
+    if w_t is None:
+        w_t = kit.weight(w_hh).t().contiguous()  # rounded once per call, transposed once
     held = torch.empty_like(h, memory_format=torch.contiguous_format)  # the rounded hidden state
     out = gates_x.new_empty(steps, *h.shape)
     round_h = kit.step_rounder(kit.nan_free, out, held)
