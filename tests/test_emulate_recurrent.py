@@ -293,6 +293,25 @@ def test_the_exact_layers_give_atens_float64_results(kind, layers, bidirectional
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_the_exact_layers_widen_float32_weights_as_each_direction_runs(kind):
+    """The float64 reference hands the loops the RNN's own float32 weights (its float64 copies of all of them at
+    once were a third of an LSTM encoder's check memory): each direction's are widened as it runs, to the same
+    bits as float64 weights given whole."""
+    torch.manual_seed(0)
+    module = (nn.LSTM if kind == "lstm" else nn.GRU)(5, 6, 2, bidirectional=True).eval()
+    x = torch.randn(70, 3, 5, dtype=torch.float64)  # more steps than one part of the input projection
+    h0 = torch.randn(4, 3, 6, dtype=torch.float64)
+    hx = (h0, torch.randn_like(h0)) if kind == "lstm" else h0
+    wide = [w.double() for w in module._flat_weights]
+    with torch.no_grad():
+        given = recurrent.exact_layers(kind, x, hx, module._flat_weights, True, 2, 0.0, False, True, False)
+        widened = recurrent.exact_layers(kind, x, hx, wide, True, 2, 0.0, False, True, False)
+    assert given is not None and all(w.dtype == torch.float32 for w in module._flat_weights)
+    for got, want in zip(given, widened):
+        assert got.dtype == torch.float64 and torch.equal(got, want)
+
+
 def test_the_exact_layers_leave_dropout_in_training_and_other_rnns_to_pytorch():
     lstm = nn.LSTM(5, 6, 2, dropout=0.5).double()
     x, h0 = torch.randn(4, 2, 5, dtype=torch.float64), torch.zeros(2, 2, 6, dtype=torch.float64)

@@ -123,7 +123,7 @@ def covered(mode: str, name: str, params, per: int) -> bool:
     """Whether :func:`layers` runs this RNN: an LSTM without projection or a GRU, float32 in a single-round math,
     or float64 with the exact kit."""
     return (mode in ("lstm", "gru") and (name in _ROUND or name == EXACT) and per in (2, 4)
-            and all(p.dtype == _dtype(name) for p in params))
+            and all(p.dtype == _dtype(name) or (name == EXACT and p.dtype == torch.float32) for p in params))
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -133,7 +133,8 @@ def _dtype(name: str) -> torch.dtype:
 def exact_layers(mode: str, x, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
     """:func:`layers` in float64 with nothing rounded and no autograd graph, for a reference run (``None`` where
     :func:`covered` says no, for dropout between layers, whose draws ATen's own kernel makes, and for a sequence of
-    no steps, which ATen refuses: "Expected sequence length to be larger than 0 in RNN").
+    no steps, which ATen refuses: "Expected sequence length to be larger than 0 in RNN"). ``params`` may be float32:
+    each direction's are widened as it runs.
 
     Example:
 
@@ -147,9 +148,15 @@ def exact_layers(mode: str, x, hx, params, has_biases, num_layers, dropout, trai
     """
     if (dropout and train and num_layers > 1) or x.size(1 if batch_first and x.dim() == 3 else 0) == 0:
         return None
-    kit = Kit(F.linear, F.linear, lambda w: w, EXACT, "", True, lambda op, n: None, lambda fn: fn())
+    kit = Kit(F.linear, F.linear, _float64, EXACT, "", True, lambda op, n: None, lambda fn: fn())
     return layers(mode, kit, x, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first,
                   grad=False)
+
+
+def _float64(w: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The exact kit's weight: a float32 one widened as its direction runs (the reference's float64 copies of a
+    whole RNN's weights at once were a third of an LSTM encoder's check memory over its forward)."""
+    return w.double() if w is not None and w.dtype == torch.float32 else w
 
 
 def direction_weights(params, idx: int, per: int, has_biases: bool) -> tuple:
@@ -226,7 +233,8 @@ def _exact_direction(lstm: bool, kit: Kit, layer_in, w_ih, w_hh, b_ih, b_hh, h, 
     steps = layer_in.size(0)
     out = layer_in.new_empty(steps, *h.shape)
     starts = range(0, steps, _EXACT_STEPS)
-    w_t = kit.weight(w_hh).t().contiguous() if lstm else None  # once for every part (2 MiB at 1024 x 256)
+    w_ih, w_hh, b_ih, b_hh = (kit.weight(w) for w in (w_ih, w_hh, b_ih, b_hh))  # this direction's, for its run
+    w_t = w_hh.t().contiguous() if lstm else None  # once for every part
     for start in reversed(starts) if reverse else starts:
         part = slice(start, min(start + _EXACT_STEPS, steps))
         gates_x = kit.product(layer_in[part], w_ih, b_ih)

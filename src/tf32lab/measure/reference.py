@@ -162,7 +162,8 @@ def _float64_rnn(func: Callable) -> Callable:
     they cover the call (on the CPU; no packed sequence, no projection, no autograd graph, no dropout between
     layers); else ``func`` itself. ATen's float64 LSTM has no oneDNN kernel and makes each step of a dozen
     dispatched ops: the loops' step, one GEMM on a weight transposed once and pointwise kernels into buffers, took
-    a third to a half of its time (an LSTM encoder's check, benchmarks/check.py)."""
+    a third to a half of its time (an LSTM encoder's check, benchmarks/check.py). Given the call's float32
+    arguments: the loops widen each direction's weights as it runs, not the whole RNN's at once."""
     mode = func.__name__
 
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -172,10 +173,11 @@ def _float64_rnn(func: Callable) -> Callable:
         if (mode in ("lstm", "gru") and not kwargs and len(args) == 9 and not isinstance(args[3], (list, tuple))
                 and all(t.device.type == "cpu" for t in tensors)
                 and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
-            whole = recurrent.exact_layers(mode, *args)
+            x, hx, params, *rest = args
+            whole = recurrent.exact_layers(mode, widen(x), _widen_result(hx), params, *rest)
             if whole is not None:
                 return whole
-        return func(*args, **kwargs)
+        return _widened_call(func, args, kwargs, selecting=False)
 
     return run
 
@@ -240,7 +242,7 @@ class _Functions(TorchFunctionMode):
                 finally:
                     self.run.rnn_projected = False
             with modestack.lifted(self.run._modes[1]):
-                out = _widened_call(_float64_rnn(func), args, kwargs, selecting=False)
+                out = _float64_rnn(func)(*args, **kwargs)
             if self.run.on_result is not None:
                 # Every result of an RNN is a stack or cat of its steps' states (aten/src/ATen/native/RNN.cpp),
                 # whose magnitudes for ``measure.scales`` are the values' own: told as one cat each, not step by
