@@ -39,7 +39,7 @@ from tf32lab.measure.norms import bare, scratch, tree_normwise
 from tf32lab.measure.reference import Float64Run, storage_address, widen
 from tf32lab.measure.sharded import local
 from tf32lab.measure.spill import Spilled, SpillFile
-from tf32lab.measure.state import state_kept
+from tf32lab.measure.state import KeptState
 from tf32lab.numbers.origin import exit_call, internal_error
 from tf32lab.numbers.trees import map_tensors, named_tensors
 from tf32lab.speed.counting import ROOT, Counting
@@ -359,6 +359,7 @@ class Recorder:
             for mode in (*self.mode.modes, *self.quiet):
                 quiet.enter_context(modestack.lifted(mode))
             fed: Optional[tuple[Any, Any, list[Optional[int]]]] = None
+            kept: Optional[KeptState] = None  # the layer's state, taken once and put back after each rerun
             # the levels rerun so far: error, why, and the families the rerun computed (None: not all seen)
             done: list[tuple[str, float, Optional[str], Optional[frozenset[str]]]] = []
             for level, conv in [(level, None) for level in self.levels] + ([pin] if pin and cudnn else []):
@@ -378,8 +379,9 @@ class Recorder:
                 # sharded: every rank reruns, for the collectives in the rerun and in its error's reduction
                 watch = Handoff(frozenset()) if conv is None and self.ranks is None and self.target.emulated \
                     else None
+                kept = kept or KeptState(module, parameters=False)
                 error, why = self._rerun(name, module, frame, reference, norms, inner, pin, cudnn, streams, level,
-                                         conv, fed[0], fed[1], watch)
+                                         conv, fed[0], fed[1], kept, watch)
                 if conv is None:
                     done.append((level, error, why, frozenset(watch.seen) if watch is not None and
                                  watch.state == "watch" and watch.seen else None))
@@ -399,16 +401,17 @@ class Recorder:
     def _rerun(self, name: str, module: torch.nn.Module, frame: _Frame, reference: Any, norms: dict[str, float],
                inner: dict[torch.nn.Module, list[Any]], pin: Optional[tuple[str, str]], cudnn: bool,
                streams: Optional[Streams], level: str, conv: Optional[str], args: Any, kwargs: Any,
-               watch: Optional[Handoff] = None) -> tuple[float, Optional[str]]:
+               kept: KeptState, watch: Optional[Handoff] = None) -> tuple[float, Optional[str]]:
         """One rerun of a layer's call at ``level`` (and cuDNN conv math ``conv``), fed ``args`` and ``kwargs``: its
-        error and why it has none; ``watch``: notes the families the rerun computes (``Handoff.watch``)."""
+        error and why it has none; ``kept``: the layer's state before its reruns, put back after this one;
+        ``watch``: notes the families the rerun computes (``Handoff.watch``)."""
         if streams is not None:  # a call that drew: each rerun draws what the reference's call drew
             streams.put(frame.state)
         if frame.held is not None:  # and is given the objects (a cache) as the call was given them, in float32
             frame.held.put_back(self.narrowed)
         self.rerunning = True
         try:
-            with state_kept(module, parameters=False), _originals(self.swapped), _answering(inner), \
+            with kept, _originals(self.swapped), _answering(inner), \
                     level_context(level, self.target, self.accumulation, self.ranks is None, watch), \
                     conv_math(conv), self.grad_mode():
                 if watch is not None:

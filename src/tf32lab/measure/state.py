@@ -100,6 +100,12 @@ class KeptState:
         self._originals = [p.detach() for _, p in parameters]
         self.written: list[str] = []
 
+    def __enter__(self) -> KeptState:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self()  # put back on every exit: one snapshot serves several runs in turn (a layer's rerun at each level)
+
     def __call__(self) -> list[str]:
         with torch.no_grad():
             found = [where + name for where, restore in self._kept for name in restore()]
