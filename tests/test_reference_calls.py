@@ -133,6 +133,10 @@ _THROUGH = {  # a call that gives a view of the tensor, then a write through it
     "tensor_split": lambda s, h: s.tensor_split(4)[0][0].copy_(h),
     "as_strided": lambda s, h: s.as_strided((16,), (1,)).copy_(h),
     "unfold": lambda s, h: s.view(-1).unfold(0, 16, 16)[0].copy_(h),
+    # shaped as another tensor (float64 in the reference): each is a view of the tensor itself, as in the rows
+    "view_as": lambda s, h: s.view(-1)[16:32].view_as(h).copy_(h),
+    "reshape_as": lambda s, h: s[2].reshape_as(h).copy_(h),
+    "expand_as": lambda s, h: s[3].expand_as(h).copy_(h),
 }
 
 

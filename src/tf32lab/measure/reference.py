@@ -211,6 +211,11 @@ class _Functions(TorchFunctionMode):
         if plan is _LIFTED:
             with modestack.lifted(run._modes[1]):
                 return func(*args, **kwargs)
+        if plan is _SHAPED and len(args) + len(kwargs) == 2:  # x.view_as(other): x.view(other.size()), a view of x
+            other = args[1] if len(args) == 2 else kwargs.get("other")
+            # not a tensor shaped as itself: DTensor's own alias of its local shard (``to_local``), as before
+            if other is not args[0] and type(args[0]) in _PLAIN and type(other) in _PLAIN:
+                return _widened_call(_SHAPED_AS[func.__name__], (args[0], other.size()), {}, selecting=True)
         if plan is not _ASKS and kwargs.get("dtype") not in _FLOAT64:  # the usual call: what it is, known per call
             if plan is _AS_IS or _writes_out(kwargs):
                 return func(*args, **kwargs)
@@ -367,7 +372,15 @@ class _Ops(TorchDispatchMode):
 
 # What a mode does with a call or an op, known from the call or op alone and kept per call or op overload (the
 # names, schema and tables were read again at every op: a decoder runs hundreds of small ops per forward).
-_AS_IS, _WIDENS, _SELECTS, _ASKS, _LIFTED = "as is", "widens", "selects", "asks", "lifted"
+_AS_IS, _WIDENS, _SELECTS, _ASKS, _LIFTED, _SHAPED = "as is", "widens", "selects", "asks", "lifted", "shaped"
+# The calls that take only another tensor's shape, each what PyTorch defines it as (``view_as(other)`` is
+# ``view(other.size())``, https://pytorch.org/docs/stable/generated/torch.Tensor.view_as.html; likewise
+# ``expand_as`` and ``reshape_as``). Widened with the other tensor (float64 in the reference), the result was a
+# view of a float64 copy, and a write through it (``self.acc.view_as(y).add_(y)``) never reached the model's
+# float32 tensor: every row then differed from the reference by what was written.
+_SHAPED_AS = {"view_as": torch.Tensor.view, "expand_as": torch.Tensor.expand, "reshape_as": torch.Tensor.reshape}
+_PLAIN = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer) if hasattr(torch.nn, "Buffer") else \
+    (torch.Tensor, torch.nn.Parameter)
 _CALLS: dict[Any, str] = {}  # Python-level call -> plan
 _OPS: dict[Any, str] = {}  # aten op overload -> plan
 _MOST = 1 << 14  # calls kept at most: a program that makes new callables as it runs must not grow the table
@@ -382,6 +395,8 @@ def _call_plan(func) -> str:
         plan = _ASKS
     elif func in _AUTOGRAD:
         plan = _LIFTED
+    elif name in _SHAPED_AS and getattr(func, "__self__", None) is None:
+        plan = _SHAPED
     elif name in _PASS or name.endswith("_") or moves_data(func):
         plan = _AS_IS
     else:
