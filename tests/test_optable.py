@@ -102,6 +102,42 @@ def test_bilinear_is_emulated_as_two_gemms(grad):
         assert x1.grad is not None
 
 
+def _base_grid(n: int, spatial: list[int], align_corners: bool) -> torch.Tensor:
+    """F.affine_grid's base grid (x along the last dim, then y, z; a 1 last), as ATen builds it."""
+    lines = []
+    for steps in reversed(spatial):
+        line = torch.linspace(-1, 1, steps) if steps > 1 else torch.zeros(1)
+        lines.append(line if align_corners or steps <= 1 else line * (steps - 1) / steps)
+    grids = torch.meshgrid(*reversed(lines), indexing="ij")
+    return torch.stack([*reversed(grids), torch.ones(spatial)], -1).expand(n, *spatial, len(spatial) + 1)
+
+
+@pytest.mark.filterwarnings("ignore:Since version 1.3.0")  # align_corners with a one-step dim: PyTorch warns
+@pytest.mark.parametrize("spatial", [[7, 9], [3, 5, 6], [1, 4]], ids=["2d", "3d", "one_step"])
+@pytest.mark.parametrize("align_corners", [False, True])
+def test_affine_grid_is_one_bmm_in_the_matmul_math(spatial, align_corners):
+    # ATen's affine_grid_generator (no CompositeImplicitAutograd kernel, so the mode never sees inside it) is
+    # base_grid.view(N, HW, 3).bmm(theta.mT): one cuBLAS GEMM on a GPU. It ran natively, counted nowhere.
+    dims = len(spatial)
+    theta = randn(2, dims, dims + 1, seed=11)
+    size = [2, 3, *spatial]
+    out, emu = emulated(F.affine_grid, theta, size, align_corners, strict=True)
+    assert dict(emu.coverage) == {("aten::affine_grid_generator", "tf32-rna"): 1} and not emu.unhandled
+    base = _base_grid(2, spatial, align_corners).reshape(2, -1, dims + 1)
+
+    def f(b, t):
+        return (b @ t.mT).view(2, *spatial, dims)
+
+    check(out, F.affine_grid(theta, size, align_corners), bilinear(f, base, theta, "tf32"),
+          bound(f, base, theta, dims + 1) + 1e-6)
+    highest, _ = emulated(F.affine_grid, theta, size, align_corners, level="highest")
+    assert torch.equal(highest, F.affine_grid(theta, size, align_corners))  # the native op's bits at IEEE
+    grad = theta.clone().requires_grad_()
+    with tf32lab.precision("high"), tf32lab.emulate("a100", strict=True) as emu:
+        F.affine_grid(grad, size, align_corners).square().sum().backward()
+    assert {op for op, _ in emu.coverage} == {"aten::affine_grid_generator", "aten::bmm"}
+
+
 def test_conv_tbc_follows_the_matmul_flag():
     x, w, bias = randn(12, 3, 5, seed=5), randn(3, 5, 7, seed=6), randn(7, seed=7)
     out, emu = emulated(aten.conv_tbc, x, w, bias, 1, strict=True)

@@ -749,6 +749,18 @@ def _sparse_in(args: Any) -> bool:
     return False
 
 
+def _nested_in(args: Any) -> bool:
+    """Whether a nested tensor of the strided layout (``torch.nested.nested_tensor``'s default: a C++ tensor, no
+    Python subclass, whose ``shape`` raises) is among ``args``."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.is_nested and a.layout == torch.strided:
+                return True
+        elif isinstance(a, (list, tuple)) and _nested_in(a):
+            return True
+    return False
+
+
 def _native_cell(args: Any) -> str:
     """The flag cell a native GEMM on these operands obeys."""
     device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
@@ -895,6 +907,11 @@ class _Mode(TorchDispatchMode):
                 call.count(IEEE)
                 return scope.run_at("highest", lambda: func(*args, **kwargs), cell=_native_cell(args),
                                     refused=lambda: _in_float64(lambda: func(*args, **kwargs)))
+            if _nested_in(args) or _nested_in(kwargs.values()):
+                # A strided nested tensor: PyTorch computes in the nested tensor's own kernel, on sizes that a rule
+                # (or a composite's decomposition) cannot read, and raised there. Native, and said.
+                call.unhandled(f"{call.op} (nested tensor)")
+                return func(*args, **kwargs)
             if how == "no_tf32" and emu.math is None and emu.target.device == "cuda":
                 # an op inside which PyTorch turns TF32 off: counted, IEEE
                 call.count(call.math("linalg"))
@@ -1169,10 +1186,12 @@ class _FunctionMode(TorchFunctionMode):
                 if func is _SDPA:
                     if _holds(args) or _holds(kwargs.values()):
                         call = _Call(entry, "aten::scaled_dot_product_attention", _OpCells())
-                        if any(t.__name__ == "NestedTensor" for t in types):
+                        strided = _nested_in(args) or _nested_in(kwargs.values())
+                        if strided or any(t.__name__ == "NestedTensor" for t in types):
                             # jagged: the target runs a fused kernel on the packed values, a CPU PyTorch's math
-                            # path on each sequence; neither is the target's kernel: native, and said
-                            call.unhandled()
+                            # path on each sequence; neither is the target's kernel: native, and said. Strided
+                            # nested tensors (no Python subclass) have no sizes a rule could read.
+                            call.unhandled(f"{call.op} (nested tensor)" if strided else None)
                             if entry.emu.handoff is not None:  # computed natively, at this thread's own flags
                                 entry.emu.handoff.stop()
                             with modestack.lifted(_thread_modes().dispatch):

@@ -219,6 +219,34 @@ def _cdist_backward(call, func, args, kwargs):
     return func(*args, **kwargs)
 
 
+def _base_line(theta: torch.Tensor, steps: int, align_corners: bool) -> torch.Tensor:
+    """ATen's ``linspace_from_neg_one`` (AffineGridGenerator.cpp): the grid's coordinates along one dim."""
+    if steps <= 1:
+        return theta.new_zeros(())
+    line = torch.linspace(-1, 1, steps, dtype=theta.dtype, device=theta.device)
+    return line if align_corners else line * (steps - 1) / steps
+
+
+@rule(aten.affine_grid_generator)
+def _affine_grid_generator(call, func, args, kwargs):
+    """``F.affine_grid``: ATen builds the base grid (x, y[, z], 1 at each point) and multiplies it by theta's
+    transpose in one ``bmm`` (aten/src/ATen/native/AffineGridGenerator.cpp), a cuBLAS GEMM on a GPU; the op has
+    no CompositeImplicitAutograd kernel, so a dispatch mode never sees that ``bmm``."""
+    theta, size = args[0], list(_arg(args, kwargs, 1, "size"))
+    align_corners = bool(_arg(args, kwargs, 2, "align_corners"))
+    dims = len(size) - 2
+    if dims not in (2, 3) or theta.dim() != 3 or list(theta.shape) != [size[0], dims, dims + 1]:
+        return func(*args, **kwargs)  # PyTorch's own error for a bad size or theta
+    spatial = size[2:]
+    base = theta.new_empty(size[0], *spatial, dims + 1)
+    for i, steps in enumerate(reversed(spatial)):  # x along the last spatial dim (W), then y (H), z (D)
+        base.select(-1, i).copy_(_base_line(theta, steps, align_corners).reshape(-1, *[1] * i))
+    base.select(-1, dims).fill_(1)
+    flat = base.view(size[0], -1, dims + 1)
+    grid = call.product(_gemm_key(flat.size(1), dims), torch.bmm, flat, theta.transpose(1, 2), as_gemm=_plain)
+    return grid.view(*size[:1], *spatial, dims)
+
+
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 

@@ -75,6 +75,9 @@ OPS: dict[str, Op] = {
     **_group("matmul", "kernel", """
         mm bmm addmm addmm_ baddbmm baddbmm_ addbmm addbmm_ _addmm_activation linear
         _euclidean_dist _cdist_forward _cdist_backward _trilinear conv_tbc"""),
+    # F.affine_grid: one bmm of the base grid and theta inside a CompositeExplicitAutograd kernel
+    # (aten/src/ATen/native/AffineGridGenerator.cpp); its backward is composite and decomposes into a bmm
+    **_group("matmul", "kernel", "affine_grid_generator"),
     **_group("matmul", "decomposes", """
         matmul linalg_matmul einsum tensordot inner bilinear chain_matmul linalg_multi_dot cdist matrix_power
         linalg_matrix_power conv_tbc_backward matrix_exp matrix_exp_backward"""),
