@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from tf32lab.emulation import recurrent
 from tf32lab.emulation.rnn_steps import run_packed_rnn, run_rnn
 from tf32lab.errors import Tf32LabError
-from tf32lab.know.targets import rnn_key
+from tf32lab.know.targets import IEEE, rnn_key
 
 __all__ = ["RNN_FUNCTIONS", "RULES", "as_family", "forced_family", "no_tf32", "rnn_function", "rule",
            "tf32_is_off"]
@@ -458,10 +458,36 @@ def _native_conv_is_ieee(call, x) -> None:
             "torch.backends.cudnn.conv.fp32_precision = 'ieee' (or cudnn.allow_tf32 = False) around emulate()")
 
 
+def _cuda_depthwise(call, x, w, transposed: bool, groups: int) -> bool:
+    """Whether a GPU target runs this float32 convolution in PyTorch's own depthwise kernels, which no TF32 flag
+    reaches (``aten/src/ATen/native/Convolution.cpp``: ``is_depthwise``, one input channel a group, 2-D or 3-D,
+    a 1-D one as 2-D; ``use_cudnn_depthwise`` sends it to cuDNN only where cuDNN's suggested memory format is
+    channels-last, or for FP16; else ``ConvBackend::CudaDepthwise2d`` / ``CudaDepthwise3d``). If so, the call is
+    counted in IEEE: a MobileNet's, EfficientNet's or ConvNeXt's depthwise convolutions in NCHW."""
+    if call.emu.target.device != "cuda" or call.emu.math is not None or transposed or x.dtype != torch.float32:
+        return False
+    if x.dim() not in (3, 4, 5) or groups <= 1 or x.size(1) != groups or w.size(0) % groups:
+        return False
+    return not any(t.dim() >= 4 and _memory_format(t) in (torch.channels_last, torch.channels_last_3d)
+                   for t in (x, w))
+
+
+def _memory_format(t: torch.Tensor) -> torch.memory_format:
+    """PyTorch's ``suggest_memory_format`` of ``t`` (contiguous where it cannot tell)."""
+    try:
+        from torch._prims_common import suggest_memory_format  # private: read where it exists
+        return suggest_memory_format(t)
+    except (ImportError, RuntimeError, TypeError):  # an older torch, or a tensor whose strides it cannot read
+        return torch.contiguous_format
+
+
 @rule(aten.convolution, aten._convolution)
 def _convolution(call, func, args, kwargs):
     x, w, bias, *rest = args
     _native_conv_is_ieee(call, x)
+    if _cuda_depthwise(call, x, w, bool(_arg(args, kwargs, 6, "transposed")), int(_arg(args, kwargs, 8, "groups"))):
+        call.math_seen = IEEE
+        return func(*args, **kwargs)
     return call.product("conv", lambda a, b: func(a, b, bias, *rest, **kwargs), x, w,
                         bare=lambda a, b: func(a, b, None, *rest, **kwargs))
 
@@ -470,6 +496,9 @@ def _convolution(call, func, args, kwargs):
 def _convolution_backward(call, func, args, kwargs):
     grad, x, w, bias_sizes, *rest, mask = args
     _native_conv_is_ieee(call, x)
+    if _cuda_depthwise(call, x, w, bool(_arg(args, kwargs, 7, "transposed")), int(_arg(args, kwargs, 9, "groups"))):
+        call.math_seen = IEEE  # the depthwise kernels' backward too
+        return func(*args, **kwargs)
     math = call.math("conv")
 
     def run(g, i, k, want):

@@ -1,0 +1,78 @@
+"""Depthwise convolutions on a GPU target: PyTorch runs a float32 NCHW one in its own CUDA kernels
+(``ConvBackend::CudaDepthwise2d`` / ``CudaDepthwise3d``, aten/src/ATen/native/Convolution.cpp), which no TF32 flag
+reaches, and sends it to cuDNN only where cuDNN's memory format is channels-last. The emulator computes the first in
+IEEE at every level, forward and backward, and counts it so; the second, and any convolution with more than one
+input channel a group, at cuDNN's math (MobileNet's, EfficientNet's and ConvNeXt's depthwise layers read TF32's
+error at `highest` before)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tf32lab
+
+
+def _operands(dims: int, channels: int = 8, multiplier: int = 1):
+    torch.manual_seed(0)
+    x = torch.randn(2, channels, *([9] * dims), requires_grad=True)
+    w = torch.randn(channels * multiplier, 1, *([3] * dims), requires_grad=True)
+    return x, w
+
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+def _run(conv, x, w, groups, target=None, level="high"):
+    """The output and the gradients of x and w, emulated on ``target`` at ``level`` (None: natively), and the
+    block's coverage."""
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    if target is None:
+        y = conv(x, w, groups=groups, padding=1)
+        y.pow(2).sum().backward()
+        return y.detach(), x.grad, w.grad, {}
+    with tf32lab.precision(level), tf32lab.emulate(target) as emu:
+        y = conv(x, w, groups=groups, padding=1)
+        y.pow(2).sum().backward()
+    return y.detach(), x.grad, w.grad, dict(emu.coverage)
+
+
+@pytest.mark.parametrize("target", ["a100", "h100"])
+@pytest.mark.parametrize("dims,multiplier", [(1, 1), (2, 1), (2, 2), (3, 1)])
+def test_an_nchw_depthwise_convolution_is_ieee_on_a_gpu_target_at_every_level(target, dims, multiplier):
+    x, w = _operands(dims, multiplier=multiplier)
+    native = _run(_CONV[dims], x, w, groups=8)
+    for level in ("highest", "high", "medium"):
+        found = _run(_CONV[dims], x, w, groups=8, target=target, level=level)
+        for got, want in zip(found[:3], native[:3]):
+            assert torch.equal(got, want), (level, dims)
+        assert {math for _, math in found[3]} == {"ieee"}, found[3]
+
+
+def test_a_channels_last_depthwise_convolution_goes_to_cudnn_at_its_tf32():
+    x, w = _operands(2)
+    x = x.detach().to(memory_format=torch.channels_last)
+    native = _run(F.conv2d, x, w, groups=8)
+    found = _run(F.conv2d, x, w, groups=8, target="a100")
+    assert not torch.equal(found[0], native[0])
+    assert ("aten::convolution", "tf32-rna") in found[3]
+
+
+def test_a_grouped_convolution_with_several_channels_a_group_stays_at_cudnns_math():
+    x, w = _operands(2)
+    w = torch.randn(8, 2, 3, 3)  # 4 groups of 2 input channels: not depthwise
+    native = _run(F.conv2d, x, w, groups=4)
+    found = _run(F.conv2d, x, w, groups=4, target="a100")
+    assert not torch.equal(found[0], native[0])
+    assert ("aten::convolution", "tf32-rna") in found[3]
+
+
+def test_check_measures_a_depthwise_block_at_float32s_own_error_where_only_the_depthwise_conv_computes():
+    # a ConvNeXt-like depthwise 7x7 alone: every level computes it as float32 does, so every row is the floor
+    torch.manual_seed(0)
+    model = torch.nn.Conv2d(16, 16, 7, padding=3, groups=16)
+    report = tf32lab.check(tf32lab.Workload(model, torch.randn(2, 16, 12, 12), name="depthwise"),
+                           target="a100", speed=False)
+    errors = {row.level: row.outputs[0].normwise for row in report.levels}
+    assert errors["high"] == errors["highest"] < 1e-6, errors
