@@ -35,7 +35,7 @@ from tf32lab.know import optable
 from tf32lab.know.targets import PROJECTED, Target
 from tf32lab.measure.draws import Streams, random_op
 from tf32lab.measure.given import Held, Narrowed
-from tf32lab.measure.norms import bare, scratch, tree_normwise
+from tf32lab.measure.norms import bare, reference_norm2, scratch, tree_normwise
 from tf32lab.measure.reference import Float64Run, storage_address, widen
 from tf32lab.measure.sharded import local
 from tf32lab.measure.spill import Spilled, SpillFile
@@ -311,7 +311,7 @@ class Recorder:
                     if t.is_floating_point() or t.is_complex():
                         with bare(t):
                             # detached: a layer's output inside a forward that differentiates requires grad
-                            norms[key] = float(torch.linalg.vector_norm(t.detach())) ** 2
+                            norms[key] = reference_norm2(t.detach())
                 reference = self._keep(name, i, output)
                 self.outputs[(name, i)] = (reference, norms)
                 self._introduce(name, module, frame, i)

@@ -47,8 +47,9 @@ import torch
 from tf32lab.errors import Tf32LabError
 
 __all__ = ["ABSENT", "CANCELLED", "DEFAULT_TOLERANCE", "HISTOGRAM_EDGES", "OPERANDS", "REFERENCE", "OutputError",
-           "Partial", "Scale", "bias", "comparable", "compare", "is_logits", "multiple", "norm", "normwise",
-           "normwise_over", "output_error", "overflow_shift", "pairs", "reference_extent", "row_chunks", "rows_of"]
+           "Partial", "Scale", "bias", "comparable", "compare", "dtype_limits", "is_logits", "multiple", "norm",
+           "normwise", "normwise_over", "output_error", "overflow_shift", "pairs", "reference_extent", "row_chunks",
+           "rows_of"]
 
 # The default verdict: normwise relative error at most 1e-2, i.e. the output keeps two significant digits as a
 # whole. A well-conditioned network stays well below it at every reduced level (TF32's unit roundoff is
@@ -516,9 +517,14 @@ def compare(name: str, y: Any, r: Any, tolerance: float = DEFAULT_TOLERANCE,
         y, r = torch.view_as_real(y.to(torch.complex128)), torch.view_as_real(r.to(torch.complex128))
         note = "complex: compared as (real, imaginary) pairs"
     finite_y, finite_r = torch.isfinite(y), torch.isfinite(r)
+    limits = dtype_limits(y, r)
+    if limits is not None:  # held as a NaN or Inf both hold is: taken out of the values on both sides
+        finite_y, finite_r = finite_y & ~limits, finite_r & ~limits
     if not (bool(finite_y.all()) and bool(finite_r.all())):
         where = finite_y != finite_r
         other = ~finite_y & ~finite_r & (y.double() != r.double()) & ~(torch.isnan(y) & torch.isnan(r))
+        if limits is not None:
+            other &= ~limits
         wrong = int(where.sum()) + int(other.sum())
         if pairs:  # complex: a number with one part NaN or Inf is held whole (its other part, often 0, left
             # alone made a live pair of zeros: cosine 0.0 for an output equal to its reference)
@@ -528,8 +534,15 @@ def compare(name: str, y: Any, r: Any, tolerance: float = DEFAULT_TOLERANCE,
             return OutputError(name, shape, math.inf, math.inf, math.inf, math.inf, math.nan, None, _NO_HISTOGRAM,
                                tolerance, f"NaN/Inf at {wrong} positions where the reference has "
                                           f"{'finite values or other ones' if held else 'finite values'}")
-        note = ((note + "; ") if note else "") + (f"holds NaN/Inf at {held} of {r.numel()} positions, the "
-                                                  f"reference's same ones: the metrics cover the finite rest")
+        at_limit = 0 if limits is None else int(limits.sum())
+        said = []
+        if held > at_limit:
+            said.append(f"holds NaN/Inf at {held - at_limit} of {r.numel()} positions, the reference's same ones")
+        if at_limit:
+            said.append(f"holds its dtype's largest magnitude at {at_limit} of {r.numel()} positions, where the "
+                        f"reference holds float64's (a mask made with torch.finfo(dtype).min or -max, whose dtype "
+                        f"reads float64 there)")
+        note = ((note + "; ") if note else "") + f"{'; '.join(said)}: the metrics cover the finite rest"
         if held == r.numel():
             return _fixed(name, shape, tolerance, note=note)
         found = _finite_rest(name, y, r, finite_r, held, tolerance, scale)
@@ -540,6 +553,29 @@ def compare(name: str, y: Any, r: Any, tolerance: float = DEFAULT_TOLERANCE,
     note = note if found.note is None else f"{note}; {found.note}"
     return OutputError(name, shape, found.max_abs, found.max_rel, found.mean_rel, found.normwise, found.cosine,
                        found.top1, found.histogram, tolerance, None, note, bias=found.bias, scale=found.scale)
+
+
+_FLOAT32_MAX, _FLOAT64_MAX = torch.finfo(torch.float32).max, torch.finfo(torch.float64).max
+
+
+def dtype_limits(y: torch.Tensor, r: torch.Tensor) -> Optional[torch.Tensor]:
+    """Where float32 ``y`` holds float32's largest magnitude and its float64 reference ``r`` float64's, with the
+    same sign (None where there is no such position): the value a model reads off its tensor's dtype
+    (``-torch.finfo(t.dtype).max``, x-transformers' mask; ``torch.finfo(dtype).min``, Hugging Face's), which is
+    float64's in the reference, where every dtype reads float64, and float32's in the rows. Neither is a rounding
+    of the other: both are "the most negative number", held as a NaN or Inf both hold is.
+
+    >>> y = torch.tensor([1.0, -torch.finfo(torch.float32).max])
+    >>> dtype_limits(y, torch.tensor([1.0, -torch.finfo(torch.float64).max], dtype=torch.float64))
+    tensor([False,  True])
+    """
+    if y.dtype != torch.float32 or r.dtype != torch.float64 or r.numel() == 0:
+        return None
+    lo, hi = (float(t) for t in torch.aminmax(r))  # no buffer the output's size where none holds the limit
+    if lo > -_FLOAT64_MAX and hi < _FLOAT64_MAX:  # NaN compares False: looked for
+        return None
+    limits = ((r == _FLOAT64_MAX) & (y == _FLOAT32_MAX)) | ((r == -_FLOAT64_MAX) & (y == -_FLOAT32_MAX))
+    return limits if bool(limits.any()) else None
 
 
 def _finite_rest(name: str, y: torch.Tensor, r: torch.Tensor, finite: torch.Tensor, held: int, tolerance: float,

@@ -1,0 +1,65 @@
+"""A mask made with the dtype's own limit (``-torch.finfo(t.dtype).max``, x-transformers' ``max_neg_value``;
+``torch.finfo(dtype).min``, Hugging Face's masks): float64's in the reference, which reads every dtype as float64,
+float32's in the rows. Held where both hold their dtype's limit, as a NaN or Inf both hold is: an output holding
+it failed every level, `highest` too, at normwise 1.0 (called float32's amplified rounding), and a layer returning
+it, or -inf, had no error at all (NaN: ‖r‖² overflowed), left out of the layers table."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import tf32lab
+from tf32lab.numbers import metrics
+
+F32, F64 = torch.finfo(torch.float32).max, torch.finfo(torch.float64).max
+
+
+class Scores(torch.nn.Module):
+    """Causal attention scores masked as x-transformers' ``Attend`` masks them, or with -inf."""
+
+    def __init__(self, fill: str) -> None:
+        super().__init__()
+        self.q, self.k, self.fill = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32), fill
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.q(x) @ self.k(x).transpose(-1, -2)
+        future = torch.ones(s.shape[-2:], dtype=torch.bool).triu(1)
+        return s.masked_fill(future, -torch.finfo(s.dtype).max if self.fill == "limit" else -math.inf)
+
+
+class Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.limit, self.inf, self.v = Scores("limit"), Scores("inf"), torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.limit(x)
+        return (s.softmax(-1) + self.inf(x).softmax(-1)) @ self.v(x), s
+
+
+def test_the_dtypes_limit_in_both_is_held_as_inf_is():
+    r = torch.randn(4, 6, dtype=torch.float64)
+    y = r.float()
+    r[:, 3:], y[:, 3:] = -F64, -F32
+    found = metrics.compare("scores", y, r)
+    assert found.passed and found.normwise < 1e-6, found
+    assert "its dtype's largest" in found.note, found.note
+    y[0, 4] = 0.0  # a value where the reference holds the limit: not held
+    assert not metrics.compare("scores", y, r).passed
+
+
+def test_a_check_of_scores_masked_with_the_dtypes_limit_holds_the_mask():
+    torch.manual_seed(0)
+    model = Attention()
+    report = tf32lab.check(tf32lab.Workload(model, torch.randn(2, 24, 32), name="masked"),
+                           levels=("highest", "high"), speed=False)
+    highest, high = report.level("highest"), report.level("high")
+    assert highest.passed and high.passed, report.verdicts()
+    scores = {o.name: o for o in high.outputs}["1"]
+    assert 1e-5 < scores.normwise < 1e-2 and "dtype's largest" in scores.note, scores
+    for name in ("limit", "inf"):  # each layer's error is the finite rest's, as an output's is
+        at = {lv.level: next(e for e in lv.layers if e.name == name) for lv in report.levels}
+        assert 0 < at["highest"].introduced < 1e-6 and 1e-5 < at["high"].introduced < 1e-2, (name, at)
+        assert 0 < at["highest"].accumulated < 1e-6 and 1e-5 < at["high"].accumulated < 1e-2, (name, at)
