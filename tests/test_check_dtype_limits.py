@@ -63,3 +63,32 @@ def test_a_check_of_scores_masked_with_the_dtypes_limit_holds_the_mask():
         at = {lv.level: next(e for e in lv.layers if e.name == name) for lv in report.levels}
         assert 0 < at["highest"].introduced < 1e-6 and 1e-5 < at["high"].introduced < 1e-2, (name, at)
         assert 0 < at["highest"].accumulated < 1e-6 and 1e-5 < at["high"].accumulated < 1e-2, (name, at)
+
+
+def test_a_nan_where_the_reference_holds_a_value_is_an_error_without_bound_not_an_unmeasured_layer():
+    # float32 overflows into inf - inf where float64 does not: the layer after it was "nan" (not measured, shown
+    # as "-"), where the output it feeds failed at inf
+    from tf32lab.measure.norms import scratch, tree_normwise
+
+    r = torch.zeros(8, dtype=torch.float64)
+    y = torch.ones(8)
+    y[3] = math.nan
+    assert tree_normwise(y, r + 1.0, {"output": 8.0}, scratch(r.device)) == (math.inf, None)
+    both = r.clone()
+    both[3] = math.nan  # the same NaN on both sides is held, as before
+    assert tree_normwise(y, both + 1.0, {"output": 7.0}, scratch(r.device)) == (0.0, None)
+
+    class Blows(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.out = torch.nn.Linear(16, 16), torch.nn.Linear(16, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            big = torch.exp(self.lin(x) * 88.0)
+            return self.out(torch.tanh(big - big))
+
+    torch.manual_seed(0)
+    report = tf32lab.check(tf32lab.Workload(Blows(), torch.randn(4, 16), name="blows"), levels=("highest",),
+                           speed=False)
+    out = next(e for e in report.levels[0].layers if e.name == "out")
+    assert out.accumulated == math.inf and not report.levels[0].passed

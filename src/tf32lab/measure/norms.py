@@ -129,7 +129,10 @@ def _over_values(d: torch.Tensor, y: torch.Tensor, r: torch.Tensor) -> float:
     if limits is not None:
         held |= limits
     d = d.masked_fill(held, 0.0)
-    return float(torch.dot(d, d))
+    found = float(torch.dot(d, d))
+    # a NaN left is one where one side holds a value and the other NaN (a row that overflowed into inf - inf): an
+    # error without bound, as an output's is (metrics.compare), not a layer that could not be measured (NaN)
+    return math.inf if math.isnan(found) else found
 
 
 def reference_norm2(r: torch.Tensor) -> float:
