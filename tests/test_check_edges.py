@@ -656,3 +656,22 @@ def test_a_layer_writing_into_a_nested_layers_output_is_measured_the_same_at_eve
     # the same rerun either way: fed the nested layer's recorded output, not what an earlier level's rerun left
     assert got == pytest.approx(want, rel=1e-6)
     assert 0 < got["0"] < 1e-2
+
+
+def test_a_model_given_in_training_mode_is_checked_in_eval_mode_and_the_report_says_so():
+    # a model built and handed over without .eval() (TabNet's ghost batch norm, a dropout): check measures
+    # inference, as before, and now says that its training-mode modules ran in eval mode
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.3), torch.nn.BatchNorm1d(8),
+                                torch.nn.Linear(8, 2))
+    x = torch.randn(16, 8)
+    trained = tf32lab.check(tf32lab.Workload(model, x, name="train-mode"), levels=("high",), speed=False)
+    said = [note for note in trained.notes if "training mode" in note]
+    assert len(said) == 1 and "'1' Dropout" in said[0] and "'2' BatchNorm1d" in said[0] and "--train" in said[0]
+    assert model.training and all(m.training for m in model.modules())  # its modes as they were
+    inferred = tf32lab.check(tf32lab.Workload(model.eval(), x, name="eval-mode"), levels=("high",), speed=False)
+    assert not any("training mode" in note for note in inferred.notes)
+    assert inferred.levels[0].outputs[0].normwise == trained.levels[0].outputs[0].normwise
+    quiet = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.0))  # nothing that computes otherwise
+    assert not any("training mode" in n for n in tf32lab.check(tf32lab.Workload(quiet, x), levels=("high",),
+                                                                speed=False).notes)

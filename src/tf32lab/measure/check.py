@@ -76,7 +76,7 @@ from tf32lab.speed.counting import Counting, OtherThreads
 from tf32lab.speed.prediction import SpeedReport, predict_counts, seconds_at
 from tf32lab.workloads.experts import experts_eager
 from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags, refuse_applied
-from tf32lab.workloads.workload import Workload, eval_mode
+from tf32lab.workloads.workload import Workload, eval_mode, training_note
 
 __all__ = ["PolicyRow", "Session", "alike_levels", "check", "policy_maths", "rows_of_alike"]
 
@@ -322,6 +322,7 @@ class Session:
             self.streams = stack.enter_context(Streams(
                 cuda_devices(workload.model, [t for _, t in named_tensors(workload.inputs)]), "check"))
             self.recorder.streams = self.streams
+            self._training = training_note(workload.model)
             stack.enter_context(eval_mode(workload.model))
             stack.enter_context(_released())
             stack.enter_context(self.spill)
@@ -439,7 +440,8 @@ class Session:
     def notes(self) -> list[str]:
         """What the report must say about the runs (after them: the model's state put back last included)."""
         self.inputs_kept()  # the last run's writes into the inputs, if any: undone, and said
-        found = [*self._lazy, *self.recorder.notes(), *self._draw_notes]
+        found = [*self._lazy, *([self._training] if self._training else []), *self.recorder.notes(),
+                 *self._draw_notes]
         threads = self.threads.note("not emulated, counted or measured by layer in any run (the float64 "
                                     "reference included), so their error is not in this report")
         found = [*found, threads] if threads else found

@@ -372,9 +372,9 @@ def _why_little(speed: Any, level: str, name: str) -> str:
 def nondeterministic(top: LevelResult) -> str:
     """Why a failure at `highest` is the model's randomness, not precision."""
     return (f"Even `highest` fails, but two runs at `highest` differ ({top.unstable}): the model is not "
-            f"deterministic (unseeded sampling such as torch.randn, or dropout left in train mode), so its error is "
-            f"chance, not precision; seed it where it samples (torch.manual_seed in the forward, or a "
-            f"torch.Generator) or take the sampling out of what is checked.")
+            f"deterministic (it samples from a generator no run seeds: one outside the model, such as a "
+            f"module-level torch.Generator or numpy.random.default_rng()), so its error is chance, not precision; "
+            f"seed it where it samples or take the sampling out of what is checked.")
 
 
 def _overflowed(top: LevelResult) -> Optional[str]:

@@ -21,7 +21,7 @@ import torch
 
 from tf32lab.errors import Tf32LabError
 
-__all__ = ["Workload", "eval_mode"]
+__all__ = ["Workload", "eval_mode", "training_note"]
 
 Inputs = Union[torch.Tensor, tuple, Mapping]
 Metric = Callable[[Any, Any], float]
@@ -81,6 +81,40 @@ def check_float32(model: torch.nn.Module, name: str) -> None:
         raise Tf32LabError(
             f"workload {name!r}: the model holds {', '.join(other)} tensors ({names}); tf32lab checks float32 "
             f"models (call model.float() first)")
+
+
+def training_note(model: torch.nn.Module) -> Optional[str]:
+    """What a report must say where ``model`` comes in training mode with modules that compute otherwise in eval
+    mode (dropout, batch norm, an instance norm that tracks running statistics, an RNN with dropout between its
+    layers, attention with dropout), which :func:`eval_mode` turns off; None where none does.
+
+    >>> training_note(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))).split(":")[0]
+    "1 module(s) in training mode compute otherwise in eval mode ('1' Dropout)"
+    >>> training_note(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1)).eval()) is None
+    True
+    """
+    found = [(name, type(m).__name__) for name, m in model.named_modules()
+             if getattr(m, "training", False) and _modal(m)]
+    if not found:
+        return None
+    named = ", ".join(f"{name or 'the model'!r} {kind}" for name, kind in found[:3]) + (" …" if len(found) > 3 else "")
+    return (f"{len(found)} module(s) in training mode compute otherwise in eval mode ({named}): check runs the model "
+            f"in eval mode, as inference does (no dropout, batch norm on its running statistics, and any "
+            f"`if self.training` branch on its eval side); a training step's error is `check --train`'s "
+            f"(tf32lab.check_training)")
+
+
+def _modal(module: torch.nn.Module) -> bool:
+    """Whether PyTorch makes ``module``'s forward depend on its training flag."""
+    if isinstance(module, (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm)):
+        return module.track_running_stats  # batch statistics in training, running ones in eval
+    if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+        return module.p > 0
+    if isinstance(module, torch.nn.RNNBase):
+        return module.dropout > 0 and module.num_layers > 1
+    if isinstance(module, torch.nn.MultiheadAttention):
+        return module.dropout > 0
+    return False
 
 
 @contextlib.contextmanager
