@@ -92,3 +92,35 @@ def test_a_nan_where_the_reference_holds_a_value_is_an_error_without_bound_not_a
                            speed=False)
     out = next(e for e in report.levels[0].layers if e.name == "out")
     assert out.accumulated == math.inf and not report.levels[0].passed
+
+
+def test_a_layer_whose_reference_squares_overflow_float64_has_an_error_without_bound_not_nan():
+    # a float64 value float32 cannot hold, past 1.3e154 (exp(600 x)): the row holds inf there, and its difference's
+    # square and the reference's ‖r‖² both overflow float64; Inf / Inf was NaN, the layer left out as not measured
+    from tf32lab.measure.norms import reference_norm2, scratch, tree_normwise
+
+    r = torch.tensor([1e170, 1.0, 2.0], dtype=torch.float64)
+    y = torch.tensor([math.inf, 1.0, 2.0])
+    assert tree_normwise(y, r, {"output": reference_norm2(r)}, scratch(r.device)) == (math.inf, None)
+
+    class Exp(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(16, 16) / 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # its own product: a layer of the table
+            return torch.exp((x @ self.w) * 600.0)
+
+    class Grows(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.exp, self.out = Exp(), torch.nn.Linear(16, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(torch.tanh(self.exp(x) * 1e-300))
+
+    torch.manual_seed(0)
+    report = tf32lab.check(tf32lab.Workload(Grows(), torch.randn(4, 16), name="grows"), levels=("highest",),
+                           speed=False)
+    exp = next((e for e in report.levels[0].layers if e.name == "exp"), None)
+    assert exp is not None and exp.introduced == math.inf, report.levels[0].layers

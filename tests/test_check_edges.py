@@ -675,3 +675,13 @@ def test_a_model_given_in_training_mode_is_checked_in_eval_mode_and_the_report_s
     quiet = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.0))  # nothing that computes otherwise
     assert not any("training mode" in n for n in tf32lab.check(tf32lab.Workload(quiet, x), levels=("high",),
                                                                 speed=False).notes)
+
+
+def test_the_training_mode_note_names_a_randomized_relu_and_the_model_itself_unquoted():
+    # nn.RReLU draws its slope in training mode and takes the bounds' mean in eval mode: it computes otherwise
+    from tf32lab.workloads.workload import training_note
+
+    said = training_note(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.RReLU()))
+    assert said is not None and "'1' RReLU" in said, said
+    assert training_note(torch.nn.Sequential(torch.nn.RReLU(0.2, 0.2))) is None  # one slope: alike in both modes
+    assert "(the model Dropout)" in training_note(torch.nn.Dropout(0.5))

@@ -133,6 +133,18 @@ def test_a_trained_decoder_leaves_float64s_tokens_at_high_and_not_earlier_at_hig
     assert Criterion.parse("perplexity<0.5", 32).passes(high)
 
 
+def test_a_decoder_given_in_training_mode_is_run_in_eval_mode_and_the_report_says_so():
+    # as check says it: its dropout was off in every run, and the model keeps its own modes
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 64), torch.nn.Dropout(0.5), torch.nn.Linear(64, 100))
+    report = tf32lab.check_generation(model, new_tokens=4, prompts=[[1, 2, 3], [4, 5, 6]], levels=("high",))
+    said = [note for note in report.notes if "training mode" in note]
+    assert len(said) == 1 and "'1' Dropout" in said[0], report.notes
+    assert all(m.training for m in model.modules())
+    assert not any("training mode" in note for note in tf32lab.check_generation(
+        model.eval(), new_tokens=4, prompts=[[1, 2, 3], [4, 5, 6]], levels=("high",)).notes)
+
+
 def test_the_conclusion_says_what_to_do_next(trained):
     # a level that passes: how to turn it on; none that passes, float32 meeting the criterion: keep `highest`
     torch.manual_seed(0)

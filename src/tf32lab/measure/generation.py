@@ -69,7 +69,7 @@ from tf32lab.workloads.experts import experts_eager
 from tf32lab.workloads.hf import CausalLM, embedding_rows
 from tf32lab.workloads.quiet import quiet_loading
 from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags
-from tf32lab.workloads.workload import Workload, check_float32, eval_mode
+from tf32lab.workloads.workload import Workload, check_float32, eval_mode, training_note
 
 __all__ = ["DEFAULT_PROMPTS", "check_generation"]
 
@@ -396,6 +396,9 @@ class _Generation:
         alike = alike_levels(("highest", *[lv for lv in self.levels if lv != "highest"]), self.target)
         measured = [lv for lv in self.levels if lv != "highest" and alike[lv] is None]
         model = self.decoder.model
+        training = training_note(model)  # before eval_mode: what came in training mode, said as check says it
+        if training:
+            self.notes.append(training)
         with Progress(self.progress, steps=2 + len(measured)) as bar, \
                 Streams(cuda_devices(model), "check_generation") as streams, eval_mode(model), \
                 state_kept(model) as reset, torch.no_grad():

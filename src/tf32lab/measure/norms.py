@@ -65,9 +65,23 @@ def tree_normwise(output: Any, reference: Any, norms: dict[str, float],
         return ranks.normwise(diff2, ref2, mismatch, site)
     if mismatch is not None:
         return math.nan, mismatch
+    return squares_ratio(diff2, ref2), None
+
+
+def squares_ratio(diff2: float, ref2: float) -> float:
+    """‖y − r‖ / ‖r‖ from the squares: 0 where both are 0, Inf where only ‖r‖ is, and Inf where both squares
+    overflowed float64 (Inf / Inf was NaN, a layer not measured): ‖r‖² overflows only where the reference holds
+    values beyond 1.3e154, which float32 cannot hold, so the row holds Inf (or its own limit) there, an error
+    without bound, as an output's is (``metrics.compare``: NaN/Inf where the reference has finite values).
+
+    >>> squares_ratio(4.0, 16.0), squares_ratio(math.inf, math.inf)
+    (0.5, inf)
+    """
     if ref2 == 0.0:
-        return (0.0 if diff2 == 0.0 else math.inf), None
-    return math.sqrt(diff2 / ref2), None
+        return 0.0 if diff2 == 0.0 else math.inf
+    if math.isinf(ref2) and math.isinf(diff2):
+        return math.inf
+    return math.sqrt(diff2 / ref2)
 
 
 def _sums(output: Any, reference: Any, norms: dict[str, float],

@@ -50,6 +50,7 @@ import torch
 
 from tf32lab.errors import Tf32LabError
 from tf32lab.machine.distributed import initialized
+from tf32lab.measure.norms import squares_ratio
 from tf32lab.numbers import metrics
 from tf32lab.numbers.trees import named_leaves
 
@@ -129,9 +130,7 @@ class Ranks:
         total_diff, total_ref, bad = self._at(site, [diff2, ref2, 0.0 if mismatch is None else 1.0])
         if bad:
             return math.nan, mismatch or "its output's structure differs from the reference's on another rank"
-        if total_ref == 0.0:
-            return (0.0 if total_diff == 0.0 else math.inf), None
-        return math.sqrt(total_diff / total_ref), None
+        return squares_ratio(total_diff, total_ref), None
 
 
 # -- what a rank holds ----------------------------------------------------------------------------------------

@@ -97,7 +97,8 @@ def training_note(model: torch.nn.Module) -> Optional[str]:
              if getattr(m, "training", False) and _modal(m)]
     if not found:
         return None
-    named = ", ".join(f"{name or 'the model'!r} {kind}" for name, kind in found[:3]) + (" …" if len(found) > 3 else "")
+    named = ", ".join(f"{repr(name) if name else 'the model'} {kind}" for name, kind in found[:3]) + \
+        (" …" if len(found) > 3 else "")
     return (f"{len(found)} module(s) in training mode compute otherwise in eval mode ({named}): check runs the model "
             f"in eval mode, as inference does (no dropout, batch norm on its running statistics, and any "
             f"`if self.training` branch on its eval side); a training step's error is `check --train`'s "
@@ -114,6 +115,8 @@ def _modal(module: torch.nn.Module) -> bool:
         return module.dropout > 0 and module.num_layers > 1
     if isinstance(module, torch.nn.MultiheadAttention):
         return module.dropout > 0
+    if isinstance(module, torch.nn.RReLU):  # a slope drawn from [lower, upper] in training, their mean in eval
+        return module.lower != module.upper  # (https://pytorch.org/docs/stable/generated/torch.nn.RReLU.html)
     return False
 
 
