@@ -415,12 +415,12 @@ def test_a_linear_backward_rounds_its_output_gradient_once_for_both_gemms(monkey
         return layer.weight.grad, x.grad
 
     kept = grads(seen := [])
-    # grad_input = grad @ W and grad_weight = grad.T @ x: grad rounded once for both, x once, and W, which the
-    # forward (reading W.T) rounded for its own op alone, rounded again and kept (a weight's second use)
-    assert sorted(seen) == sorted([grad.numel(), x.numel(), layer.weight.numel()])
+    # grad_input = grad @ W and grad_weight = grad.T @ x: grad rounded once for both, x once, W (the forward read
+    # W.T) kept from the forward
+    assert sorted(seen) == sorted([grad.numel(), x.numel()])
     monkeypatch.setattr(emulator._WeightCache, "RECENT_BYTES", 0)  # no copy kept: every operand rounded afresh
     fresh = grads(seen := [])
-    assert sorted(seen) == sorted([grad.numel(), grad.numel(), x.numel(), layer.weight.numel()])
+    assert sorted(seen) == sorted([grad.numel(), grad.numel(), x.numel()])  # W is a parameter: still kept
     assert all(torch.equal(a, b) for a, b in zip(kept, fresh))  # the same bits either way
 
 
@@ -484,7 +484,7 @@ def _counting_into(seen: list):
     return counting
 
 
-def test_parameter_copies_are_kept_from_their_second_use_and_dropped_with_the_block(monkeypatch):
+def test_parameter_copies_are_rounded_once_per_block_and_dropped_with_it(monkeypatch):
     rounded = []
     original = emulator._SINGLE_ROUND["tf32"]
 
@@ -497,16 +497,13 @@ def test_parameter_copies_are_kept_from_their_second_use_and_dropped_with_the_bl
     x = randn(8, 64, seed=70)
     with tf32lab.precision("high"), tf32lab.emulate("a100"):
         first = layer(x)
+        again = layer(x)  # the weight's rounded copy is reused ...
         block = current_emulation()
-        # the first use rounds for its op alone (a block that reads each weight once keeps no copy of the model) ...
-        assert len(block.cache.entries) == 0 and rounded.count(layer.weight.numel()) == 1
-        again = layer(x)
-        layer(x)  # ... the second rounds it again and keeps it, and every later use reuses it ...
-        assert len(block.cache.entries) == 1 and rounded.count(layer.weight.numel()) == 2
+        assert len(block.cache.entries) == 1 and rounded.count(layer.weight.numel()) == 1
         with torch.no_grad():
             layer.weight.mul_(2)  # ... until it changes: the version counter moves, the copy is rounded again
         doubled = layer(x)
-        assert rounded.count(layer.weight.numel()) == 3
+        assert rounded.count(layer.weight.numel()) == 2
     assert torch.equal(first, again)
     assert torch.allclose(doubled - layer.bias, 2 * (first - layer.bias), atol=1e-5)
     assert len(block.cache) == 0  # nothing outlives the block

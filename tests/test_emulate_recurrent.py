@@ -184,8 +184,7 @@ def _ops(steps: int, grad: bool) -> collections.Counter:
                 lstm(x)
 
     with tf32lab.precision("high"), tf32lab.emulate("a100"):
-        run()
-        run()  # the rounded weights kept (from a weight's second use in the block)
+        run()  # the rounded weights cached
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             run()
 

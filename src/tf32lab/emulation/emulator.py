@@ -347,18 +347,12 @@ def release_buffers() -> None:
     _SCRATCH.bytes = 0
 
 
-def _dead() -> None:  # what a dead weak reference gives
-    return None
-
-
 def _version(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
 class _WeightCache:
-    """Rounded copies of parameters for one ``emulate`` block: a weight is rounded for its first op alone, and at
-    its second use rounded again and kept for every later use (a weight used by several ops is rounded twice). A
-    block that reads each weight once (``check``'s rows and reruns, one forward each) keeps no copy of the model.
+    """Rounded copies of parameters for one ``emulate`` block: a weight used by several ops is rounded once.
 
     An entry is valid while the parameter's version counter and storage are unchanged (``p.data = other`` swaps
     the storage and keeps the counter) and no write to its storage was seen.
@@ -368,7 +362,7 @@ class _WeightCache:
     (a numpy view of a weight) are the one thing not seen (docs/design.md).
     """
 
-    __slots__ = ("buffers", "entries", "recent", "recent_bytes", "seen", "storages")
+    __slots__ = ("buffers", "entries", "recent", "recent_bytes", "storages")
 
     # Other operands: inside one backward formula, the last few rounded copies are kept too, as long as they are
     # small (a linear layer's backward reads its output gradient in both of its GEMMs).
@@ -376,8 +370,6 @@ class _WeightCache:
 
     def __init__(self) -> None:
         self.entries: dict[tuple, tuple[weakref.ref, int, Any]] = {}
-        # keys rounded once already (a weight a block uses once is not kept: see get)
-        self.seen: dict[tuple, weakref.ref] = {}
         self.storages: dict[int, set[tuple]] = {}  # storage address -> keys of entries made from it
         # Copies live in scratch buffers (fresh multi-MB tensors cost page faults: 3x the rounding of MiniLM's
         # weights); they go back to the thread's pool when the block ends, never earlier (an op may hold one).
@@ -398,14 +390,6 @@ class _WeightCache:
         hit = self.entries.get(key)
         if hit is not None and hit[0]() is base and hit[1] == version:
             value = hit[2]
-        elif self.seen.get(key, _dead)() is not base:
-            # the first use in the block: rounded for this op alone, and kept from the second use on. A block that
-            # uses each weight once (a check's row, a layer's rerun) held a rounded copy of every weight of the
-            # model until its end: an LSTM's, rounded layer by layer, at the row's peak memory.
-            self.seen[key] = weakref.ref(base)
-            with torch.inference_mode(False):
-                value = fn(read.detach(), [torch.empty(read.shape, dtype=read.dtype, device=read.device)
-                                           for _ in range(parts)])
         else:
             with torch.inference_mode(False):  # a copy made under inference_mode must still serve autograd later
                 out = [_buffer_like(read, self.buffers) for _ in range(parts)]
@@ -1317,8 +1301,7 @@ class emulate(contextlib.ContextDecorator):
             float32 at ``highest`` as an SGEMM's FMA chain). Slower (the compiled kernels of ``tf32lab[fast]``
             help); ops whose kernel order is unknown (convolutions, gemv, split maths) stay ideal, and their
             coverage line says ``ideal sum``.
-        weight_cache: keep a rounded copy of each parameter used more than once in the block (True), or round it
-            at every use and
+        weight_cache: keep a rounded copy of each parameter for the block (True), or round it at every use and
             keep nothing (False): for a model sharded with FSDP2, whose gathered parameters are freed after each
             module, where copies kept for the block would hold the whole model on every rank.
         handoff: a ``tf32lab.emulation.reuse.Handoff`` that two blocks at different levels share, one after the
