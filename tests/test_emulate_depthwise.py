@@ -76,3 +76,19 @@ def test_check_measures_a_depthwise_block_at_float32s_own_error_where_only_the_d
                            target="a100", speed=False)
     errors = {row.level: row.outputs[0].normwise for row in report.levels}
     assert errors["high"] == errors["highest"] < 1e-6, errors
+
+
+@pytest.mark.parametrize("level", ["highest", "high"])
+def test_an_emulated_convolution_keeps_a_channels_last_output_so_the_next_depthwise_one_goes_to_cudnn(level):
+    # ConvNeXt's downsampling conv on a channels-last input (its LayerNorm permutes back), then a depthwise conv:
+    # natively the first gives a channels-last output, so on a GPU the second reaches cuDNN, at its TF32
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(8, 16, 2, stride=2), torch.nn.Conv2d(16, 16, 7, padding=3, groups=16))
+    x = torch.randn(2, 8, 16, 16).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        assert model[0](x).is_contiguous(memory_format=torch.channels_last)  # natively
+        with tf32lab.precision(level), tf32lab.emulate("a100") as emu:
+            y = model[0](x)
+            model[1](y)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    assert dict(emu.coverage) == {("aten::convolution", "tf32-rna"): 2}

@@ -488,8 +488,25 @@ def _convolution(call, func, args, kwargs):
     if _cuda_depthwise(call, x, w, bool(_arg(args, kwargs, 6, "transposed")), int(_arg(args, kwargs, 8, "groups"))):
         call.math_seen = IEEE
         return func(*args, **kwargs)
-    return call.product("conv", lambda a, b: func(a, b, bias, *rest, **kwargs), x, w,
-                        bare=lambda a, b: func(a, b, None, *rest, **kwargs))
+    out = call.product("conv", lambda a, b: func(a, b, bias, *rest, **kwargs), x, w,
+                       bare=lambda a, b: func(a, b, None, *rest, **kwargs))
+    # The rounded operands are contiguous copies; the native convolution gives a channels-last output where
+    # either operand is channels-last (cudnn_conv_suggest_memory_format, aten/src/ATen/native/ConvUtils.h; the CPU
+    # kernels alike), and a next depthwise conv reads that format to pick cuDNN over PyTorch's own kernels.
+    wanted = _conv_output_format(x, w)
+    if wanted is not torch.contiguous_format and _memory_format(out) is not wanted:
+        out = out.contiguous(memory_format=wanted)
+    return out
+
+
+def _conv_output_format(x: torch.Tensor, w: torch.Tensor) -> torch.memory_format:
+    """The memory format of a native convolution's output: channels-last where ``x`` or ``w`` is."""
+    for t in (x, w):
+        if t.dim() >= 4:
+            fmt = _memory_format(t)
+            if fmt in (torch.channels_last, torch.channels_last_3d):
+                return fmt
+    return torch.contiguous_format
 
 
 @rule(aten.convolution_backward)
