@@ -18,7 +18,7 @@ from torch import nn
 import cli_runner
 import tf32lab
 from small_resnet import resnet
-from tf32lab.report import schema
+from tf32lab.report import cudnn, schema
 
 
 class Tagger(nn.Module):
@@ -331,3 +331,41 @@ def test_a_model_with_no_matmul_is_told_its_level_changes_0_percent_not_minus_0(
                            levels=("highest", "high"))
     advice = report.conclusion()[0]
     assert "the level changes only the matmul-family ops, 0% of its predicted time" in advice, advice
+
+
+class Depthwise(nn.Module):
+    """A depthwise conv (NCHW) and, with ``dense``, a 1x1 conv after it: MobileNet's block."""
+
+    def __init__(self, dense: bool) -> None:
+        super().__init__()
+        self.dw = nn.Conv2d(8, 8, 7, padding=3, groups=8)
+        self.pw = nn.Conv2d(8, 8, 1) if dense else nn.Identity()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.pw(self.dw(x)).mean((2, 3)))
+
+
+def _depthwise_report(dense: bool):
+    torch.manual_seed(0)
+    return tf32lab.check(tf32lab.Workload(Depthwise(dense).eval(), torch.randn(2, 8, 16, 16)),
+                         levels=("highest", "high"), speed=False)
+
+
+def test_a_model_whose_only_convolutions_are_depthwise_is_not_told_they_ran_tf32():
+    report = _depthwise_report(dense=False)
+    assert {lv.level: lv.maths["conv"] for lv in report.levels} == {"highest": "ieee", "high": "ieee"}
+    (said,) = cudnn.stated(report)
+    assert said.startswith("Convolutions ran IEEE float32 at every level: they are depthwise"), said
+    assert "TF32" not in said.split(":")[0] and "no TF32 for them" not in said, said
+
+
+def test_a_model_with_depthwise_and_dense_convolutions_is_told_both_maths():
+    report = _depthwise_report(dense=True)
+    assert {lv.maths["conv"] for lv in report.levels} == {"tf32-rna/ieee"}
+    (said,) = cudnn.stated(report)
+    assert said.startswith("Convolutions ran TF32 and IEEE float32 at every level"), said
+    assert "the IEEE float32 ones: they are depthwise" in said and "--conv ieee" in said, said
+    out = io.StringIO()
+    report.print(Console(file=out, width=120, highlight=False))
+    assert "tf32/ieee" in out.getvalue()

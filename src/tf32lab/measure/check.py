@@ -45,6 +45,7 @@ from tf32lab.control.scope import conv_math, get_float32_matmul_precision
 from tf32lab.emulation.emulator import check_accumulation, context_cells, release_buffers
 from tf32lab.emulation.reuse import KEPT, Handoff, alike
 from tf32lab.errors import Tf32LabError
+from tf32lab.know import optable
 from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels, with_conv
 from tf32lab.know.targets import Target, rnn_math
 from tf32lab.machine.distributed import agree, policy_digest
@@ -692,6 +693,8 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
         layers.append(LayerError(name, sharded.type_name(module), recorder.count[name], introduced, acc,
                                  reasons or None))
     ranked = sorted(layers, key=lambda e: -math.inf if math.isnan(e.introduced) else -e.introduced)
+    if emu is not None and level_maths.get("conv") not in (None, "ieee", "mixed"):
+        level_maths = {**level_maths, "conv": conv_ran(level_maths["conv"], emu.coverage)}
     coverage = {} if emu is None else {f"{op} {m}": n for (op, m), n in sorted(emu.coverage.items())}
     unhandled = {} if emu is None else dict(sorted(emu.unhandled.items()))
     return LevelResult("policy" if row else level, level_maths, outputs, tuple(ranked), metric, coverage, unhandled,
@@ -733,6 +736,16 @@ def _pins(row: PolicyRow, target: Target, alike: Mapping[str, Optional[str]]) ->
             level = row.by_name.get(name, row.base)
             pins[name] = (alike.get(level) or level, conv)
     return pins
+
+
+def conv_ran(table: str, coverage: Mapping[tuple[str, str], int]) -> str:
+    """The convolutions' math as a run computed them: the target's ``table`` math for its cuDNN convolutions,
+    ``ieee`` where every one ran IEEE (a GPU runs a float32 NCHW depthwise conv in PyTorch's own kernels, which no
+    TF32 flag reaches: ``emulation.rules._cuda_depthwise``), ``table/ieee`` where some did."""
+    ran = {m for (op, m), n in coverage.items() if n and optable.family(op) == "conv"}
+    if "ieee" not in ran:
+        return table
+    return "ieee" if ran == {"ieee"} else f"{table}/ieee"
 
 
 def policy_maths(row: PolicyRow, target: Target, cells: Mapping[str, str]) -> dict[str, str]:

@@ -156,11 +156,25 @@ def on_cpu(report: Report) -> bool:
     return report.target in TARGETS and TARGETS[report.target].device == "cpu"
 
 
+# PyTorch's own CUDA kernels for a float32 NCHW depthwise conv (aten/src/ATen/native/Convolution.cpp,
+# ConvBackend::CudaDepthwise2d/3d): counted IEEE by the emulator (emulation.rules._cuda_depthwise)
+_DEPTHWISE = ("they are depthwise (one input channel a group) in NCHW, which a GPU runs in PyTorch's own CUDA kernels, "
+              "not cuDNN's, so no TF32 flag reaches them")
+
+
+def _has_tf32_conv(target: str) -> bool:
+    """Whether ``target``'s cuDNN computes convolutions in TF32 under PyTorch's default flag."""
+    return target in TARGETS and TARGETS[target].device == "cuda" and \
+        TARGETS[target].maths_at("highest", {"cuda.conv": "tf32"}).get("conv", "ieee") != "ieee"
+
+
 def _why(entry: CudnnFamily, target: str, cpu: bool = False) -> str:
     if cpu:
         return _CPU_WHY[entry.family]
     flag = f"`{FLAGS[entry.family]}`"
     tf32 = any(_word(m) != "IEEE float32" for m in entry.maths.values())
+    if not tf32 and entry.flag == "tf32" and entry.family == "conv" and _has_tf32_conv(target):
+        return _DEPTHWISE
     if not tf32 and entry.flag == "tf32":  # the flag allows TF32, the target has none (V100, a CPU)
         where = "this machine" if target == NATIVE else target
         return f"{where} has no TF32 for them, whatever a level or {flag} says"
@@ -187,11 +201,13 @@ def stated(report: Report, hint: bool = True) -> list[str]:
             continue
         name = entry.title
         text = f"{name[0].upper()}{name[1:]} ran {_per_row(entry, report, cpu)}: {_why(entry, report.target, cpu)}"
+        if entry.family == "conv" and any(m.endswith("/ieee") for m in entry.maths.values()):
+            text += f"; the IEEE float32 ones: {_DEPTHWISE}"
         first = next(iter(entry.shares), None)
         if first is not None:
             text += f"; they are {entry.shares[first]:.0%} of `{first}`'s predicted time on {report.target}"
         if hint and entry.asked is None and entry.flag == "tf32" and \
-                any(_word(m) == "TF32" for m in entry.maths.values()):
+                any("TF32" in _word(m).split(" and ") for m in entry.maths.values()):
             text += ". To see them in IEEE float32, check with conv='ieee' (`--conv ieee`)"
         lines.append(text + ".")
     return lines

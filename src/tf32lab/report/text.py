@@ -138,7 +138,8 @@ def _levels(report: Report) -> Fitted:
             value = Text(fmt(worst.normwise if worst else None))
         faster = [f"{lv.speedup:.2f}x" if lv.speedup is not None else "-"] if speed else []
         table.add_row(
-            name, *(lv.maths.get(key, "native").split("-")[0] for key in ("matmul", "conv", "rnn", "attention")),
+            name, *("/".join(m.split("-")[0] for m in lv.maths.get(key, "native").split("/"))
+                   for key in ("matmul", "conv", "rnn", "attention")),
             value, *faster, _verdict(lv.passed),
         )
     return table
