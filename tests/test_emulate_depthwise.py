@@ -92,3 +92,24 @@ def test_an_emulated_convolution_keeps_a_channels_last_output_so_the_next_depthw
             model[1](y)
     assert y.is_contiguous(memory_format=torch.channels_last)
     assert dict(emu.coverage) == {("aten::convolution", "tf32-rna"): 2}
+
+
+def test_a_check_of_a_channels_last_model_that_views_a_convs_output_as_nhwc_runs_as_natively():
+    # natively the conv's output is channels-last, so its NHWC permute is contiguous and .view() works; a contiguous
+    # emulated output made .view() raise at every level ("Even `highest` fails")
+    class Patches(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(8, 16, 3, padding=1)
+            self.head = torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            y = self.conv(x)
+            n, c, h, w = y.shape
+            return self.head(y.permute(0, 2, 3, 1).view(n * h * w, c))
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 8, 8).contiguous(memory_format=torch.channels_last)
+    report = tf32lab.check(tf32lab.Workload(Patches().eval(), x), levels=("highest", "high"), speed=False)
+    assert [lv.error for lv in report.levels] == [None, None]
+    assert report.passed
