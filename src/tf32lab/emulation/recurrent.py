@@ -187,38 +187,25 @@ def layers(mode: str, kit: Kit, x, hx, params, has_biases, num_layers, dropout, 
     if unbatched:
         h0, c0 = h0.unsqueeze(1), (c0.unsqueeze(1) if c0 is not None else None)
     linear = kit.linear if grad else kit.product
-    hs, cs = [], []
-    layer_in = x
-    for layer in range(num_layers):
-        outs = []
-        for d in range(dirs):
-            idx = layer * dirs + d
-            w_ih, w_hh, b_ih, b_hh, _ = direction_weights(params, idx, per, has_biases)
-            if kit.name == EXACT and not grad:
-                out, h, c = _exact_direction(lstm, kit, layer_in, w_ih, w_hh, b_ih, b_hh, h0[idx],
-                                             c0[idx] if lstm else None, bool(d))
-                outs.append(out)
-                hs.append(h)
-                cs.append(c)
-                continue
-            gates_x = linear(layer_in, w_ih, b_ih)  # all steps at once, as cuDNN does
-            if lstm:
-                if b_hh is not None:  # the hidden bias once for all steps (in place: a fresh product)
-                    gates_x = gates_x + b_hh if grad else gates_x.add_(b_hh)
-                args = (gates_x, h0[idx], c0[idx], w_hh, kit, bool(d))
-                out, h, c = _Lstm.apply(*args) if grad else _lstm_forward(*args, None)
-            else:
-                args = (gates_x, h0[idx], w_hh, b_hh, kit, bool(d))
-                out, h = _Gru.apply(*args) if grad else _gru_forward(*args, None)
-                c = None
-            outs.append(out)
-            hs.append(h if grad else h.clone())  # not a view that keeps the layer's whole output alive
-            cs.append(c)
-            del gates_x, args  # not alive beside the next layer's projection
-        layer_in = torch.cat(outs, -1) if dirs == 2 else outs[0]
-        del outs
-        if dropout and train and layer < num_layers - 1:
-            layer_in = F.dropout(layer_in, dropout, True)
+
+    def direction(layer_in, idx: int, reverse: bool):
+        w_ih, w_hh, b_ih, b_hh, _ = direction_weights(params, idx, per, has_biases)
+        if kit.name == EXACT and not grad:
+            return _exact_direction(lstm, kit, layer_in, w_ih, w_hh, b_ih, b_hh, h0[idx],
+                                    c0[idx] if lstm else None, reverse)
+        gates_x = linear(layer_in, w_ih, b_ih)  # all steps at once, as cuDNN does
+        if lstm:
+            if b_hh is not None:  # the hidden bias once for all steps (in place: a fresh product)
+                gates_x = gates_x + b_hh if grad else gates_x.add_(b_hh)
+            args = (gates_x, h0[idx], c0[idx], w_hh, kit, reverse)
+            out, h, c = _Lstm.apply(*args) if grad else _lstm_forward(*args, None)
+        else:
+            args = (gates_x, h0[idx], w_hh, b_hh, kit, reverse)
+            out, h = _Gru.apply(*args) if grad else _gru_forward(*args, None)
+            c = None
+        return out, (h if grad else h.clone()), c  # not a view that keeps the layer's whole output alive
+
+    layer_in, hs, cs = stacked(x, num_layers, dirs, dropout, train, direction)
     return assembled(layer_in, hs, cs, lstm, unbatched, batch_first)
 
 
@@ -246,6 +233,26 @@ def _exact_direction(lstm: bool, kit: Kit, layer_in, w_ih, w_hh, b_ih, b_hh, h, 
             ran, h = _gru_forward(gates_x, h, w_hh, b_hh, kit, reverse, None)
         out[part] = ran
     return out, h.clone(), c
+
+
+def stacked(layer_in, num_layers: int, dirs: int, dropout: float, train: bool, direction: Callable):
+    """A multi-layer (bi)directional RNN's layers in PyTorch's order: ``direction(layer_in, idx, reverse)`` runs
+    one layer and direction (``idx`` its place in ``torch._VF.lstm``'s weight list) to ``(out, h, c)``; a layer's
+    directions' outputs are concatenated, then dropped out (in training) as the next layer's input. Returns the
+    last layer's output and every direction's final states, in order."""
+    hs, cs = [], []
+    for layer in range(num_layers):
+        outs = []
+        for d in range(dirs):
+            out, h, c = direction(layer_in, layer * dirs + d, bool(d))
+            outs.append(out)
+            hs.append(h)
+            cs.append(c)
+        layer_in = torch.cat(outs, -1) if dirs == 2 else outs[0]
+        del outs  # not alive beside the next layer's projection
+        if dropout and train and layer < num_layers - 1:
+            layer_in = F.dropout(layer_in, dropout, True)
+    return layer_in, hs, cs
 
 
 def assembled(layer_in, hs, cs, lstm: bool, unbatched: bool, batch_first: bool):

@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from tf32lab.emulation import recurrent
 
@@ -42,26 +41,18 @@ def run_rnn(mode: str, linear: Callable, x, hx, params, has_biases, num_layers, 
     h0, c0 = (hx[0], hx[1]) if lstm else (hx, None)
     if unbatched:
         h0, c0 = h0.unsqueeze(1), (c0.unsqueeze(1) if c0 is not None else None)
-    hs, cs = [], []
-    layer_in = x
     fused = step is not None and mode != "gru"  # a GRU needs h wᵀ on its own (r scales its n part)
-    for layer in range(num_layers):
-        outs = []
-        for d in range(dirs):
-            idx = layer * dirs + d
-            h, c = h0[idx], (c0[idx] if lstm else None)
-            gates_x, cell = _direction(mode, linear, step if fused else None, layer_in, params, idx, per, has_biases)
-            steps = range(layer_in.size(0) - 1, -1, -1) if d else range(layer_in.size(0))
-            out = [None] * layer_in.size(0)
-            for t in steps:
-                h, c = cell(gates_x[t], h, c)
-                out[t] = h
-            outs.append(torch.stack(out))
-            hs.append(h)
-            cs.append(c)
-        layer_in = torch.cat(outs, -1) if dirs == 2 else outs[0]
-        if dropout and train and layer < num_layers - 1:
-            layer_in = F.dropout(layer_in, dropout, True)
+
+    def direction(layer_in, idx: int, reverse: bool):
+        h, c = h0[idx], (c0[idx] if lstm else None)
+        gates_x, cell = _direction(mode, linear, step if fused else None, layer_in, params, idx, per, has_biases)
+        out = [None] * layer_in.size(0)
+        for t in range(layer_in.size(0) - 1, -1, -1) if reverse else range(layer_in.size(0)):
+            h, c = cell(gates_x[t], h, c)
+            out[t] = h
+        return torch.stack(out), h, c
+
+    layer_in, hs, cs = recurrent.stacked(x, num_layers, dirs, dropout, train, direction)
     return recurrent.assembled(layer_in, hs, cs, lstm, unbatched, batch_first)
 
 
@@ -82,36 +73,29 @@ def run_packed_rnn(mode: str, linear: Callable, data, batch_sizes, hx, params, h
     lstm = mode == "lstm"
     h0, c0 = (hx[0], hx[1]) if lstm else (hx, None)
     fused = step is not None and mode != "gru"
-    hs, cs = [], []
-    layer_in = data
-    for layer in range(num_layers):
-        outs = []
-        for d in range(dirs):
-            idx = layer * dirs + d
-            gates_x, cell = _direction(mode, linear, step if fused else None, layer_in, params, idx, per, has_biases)
-            out: list = [None] * len(sizes)
-            if d == 0:  # sequences drop out as they end: their rows keep their last state
-                h, c = h0[idx], (c0[idx] if lstm else None)
-                for t, n in enumerate(sizes):
-                    h_t, c_t = cell(gates_x[offsets[t]:offsets[t + 1]], h[:n], c[:n] if lstm else None)
-                    out[t] = h_t
-                    h = torch.cat((h_t, h[n:])) if n < h.size(0) else h_t
-                    c = (torch.cat((c_t, c[n:])) if n < c.size(0) else c_t) if lstm else None
-            else:  # sequences join as the steps go back to their own last step, from their initial state
-                h, c = h0[idx][:0], (c0[idx][:0] if lstm else None)
-                for t in range(len(sizes) - 1, -1, -1):
-                    n = sizes[t]
-                    if n > h.size(0):
-                        h = torch.cat((h, h0[idx][h.size(0):n]))
-                        c = torch.cat((c, c0[idx][c.size(0):n])) if lstm else None
-                    h, c = cell(gates_x[offsets[t]:offsets[t + 1]], h, c)
-                    out[t] = h
-            outs.append(torch.cat(out))
-            hs.append(h)
-            cs.append(c)
-        layer_in = torch.cat(outs, -1) if dirs == 2 else outs[0]
-        if dropout and train and layer < num_layers - 1:
-            layer_in = F.dropout(layer_in, dropout, True)
+
+    def direction(layer_in, idx: int, reverse: bool):
+        gates_x, cell = _direction(mode, linear, step if fused else None, layer_in, params, idx, per, has_biases)
+        out: list = [None] * len(sizes)
+        if not reverse:  # sequences drop out as they end: their rows keep their last state
+            h, c = h0[idx], (c0[idx] if lstm else None)
+            for t, n in enumerate(sizes):
+                h_t, c_t = cell(gates_x[offsets[t]:offsets[t + 1]], h[:n], c[:n] if lstm else None)
+                out[t] = h_t
+                h = torch.cat((h_t, h[n:])) if n < h.size(0) else h_t
+                c = (torch.cat((c_t, c[n:])) if n < c.size(0) else c_t) if lstm else None
+        else:  # sequences join as the steps go back to their own last step, from their initial state
+            h, c = h0[idx][:0], (c0[idx][:0] if lstm else None)
+            for t in range(len(sizes) - 1, -1, -1):
+                n = sizes[t]
+                if n > h.size(0):
+                    h = torch.cat((h, h0[idx][h.size(0):n]))
+                    c = torch.cat((c, c0[idx][c.size(0):n])) if lstm else None
+                h, c = cell(gates_x[offsets[t]:offsets[t + 1]], h, c)
+                out[t] = h
+        return torch.cat(out), h, c
+
+    layer_in, hs, cs = recurrent.stacked(data, num_layers, dirs, dropout, train, direction)
     h_n = torch.stack(hs)
     return (layer_in, h_n, torch.stack(cs)) if lstm else (layer_in, h_n)
 
