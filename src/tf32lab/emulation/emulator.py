@@ -739,26 +739,22 @@ def _by_parts(product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], a: 
     return torch.complex(real, product(a.real, b.imag) + product(a.imag, b.real))
 
 
-def _sparse_in(args: Any) -> bool:
+def _native_layout(args: Any) -> Optional[str]:
+    """``"sparse"`` where a sparse tensor is among ``args``, ``"nested"`` where a nested tensor of the strided layout
+    is (``torch.nested.nested_tensor``'s default: a C++ tensor, no Python subclass, whose ``shape`` raises), else
+    None: the operands no rule reads, in one pass over them (every family op asks)."""
     for a in args:
         if isinstance(a, torch.Tensor):
-            if a.layout in _SPARSE:
-                return True
-        elif isinstance(a, (list, tuple)) and _sparse_in(a):
-            return True
-    return False
-
-
-def _nested_in(args: Any) -> bool:
-    """Whether a nested tensor of the strided layout (``torch.nested.nested_tensor``'s default: a C++ tensor, no
-    Python subclass, whose ``shape`` raises) is among ``args``."""
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            if a.is_nested and a.layout == torch.strided:
-                return True
-        elif isinstance(a, (list, tuple)) and _nested_in(a):
-            return True
-    return False
+            layout = a.layout
+            if layout in _SPARSE:
+                return "sparse"
+            if layout is torch.strided and a.is_nested:
+                return "nested"
+        elif isinstance(a, (list, tuple)):
+            found = _native_layout(a)
+            if found is not None:
+                return found
+    return None
 
 
 def _native_cell(args: Any) -> str:
@@ -899,7 +895,8 @@ class _Mode(TorchDispatchMode):
         pinned, self.pinned = self.pinned, cells
         mark = len(_SCRATCH.leased)
         try:
-            if _sparse_in(args) or _sparse_in(kwargs.values()):
+            layout = _native_layout(args) or (_native_layout(kwargs.values()) if kwargs else None)
+            if layout == "sparse":
                 # A sparse operand (COO, CSR, CSC, BSR, BSC): on a GPU PyTorch hands the product to cuSPARSE
                 # (SpMM / SpGEMM, computed in the operands' type, CUDA_R_32F for float32), which the TF32 flags
                 # do not reach (they govern cuBLAS and cuDNN); on a CPU to MKL's sparse BLAS or its own loops, not
@@ -907,7 +904,7 @@ class _Mode(TorchDispatchMode):
                 call.count(IEEE)
                 return scope.run_at("highest", lambda: func(*args, **kwargs), cell=_native_cell(args),
                                     refused=lambda: _in_float64(lambda: func(*args, **kwargs)))
-            if _nested_in(args) or _nested_in(kwargs.values()):
+            if layout == "nested":
                 # A strided nested tensor: PyTorch computes in the nested tensor's own kernel, on sizes that a rule
                 # (or a composite's decomposition) cannot read, and raised there. Native, and said.
                 call.unhandled(f"{call.op} (nested tensor)")
@@ -1186,7 +1183,7 @@ class _FunctionMode(TorchFunctionMode):
                 if func is _SDPA:
                     if _holds(args) or _holds(kwargs.values()):
                         call = _Call(entry, "aten::scaled_dot_product_attention", _OpCells())
-                        strided = _nested_in(args) or _nested_in(kwargs.values())
+                        strided = (_native_layout(args) or _native_layout(kwargs.values())) == "nested"
                         if strided or any(t.__name__ == "NestedTensor" for t in types):
                             # jagged: the target runs a fused kernel on the packed values, a CPU PyTorch's math
                             # path on each sequence; neither is the target's kernel: native, and said. Strided
