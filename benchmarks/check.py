@@ -5,8 +5,9 @@ over an idle interpreter that has imported torch and tf32lab, for the same three
 samples, random weights) and an LSTM speaker encoder (3 layers, hidden 256, 8 x 160 frames).
 
 Times are interleaved medians in this process, timed by torch.utils.benchmark (one thread, its default); each
-memory figure is a fresh child process (its VmHWM). On an A100 `medium` is computed exactly as `high` (cuBLAS
-has no bf16 path), so `check` measures it once; the cpu-amx line shows MiniLM's cost when all three levels differ.
+memory figure is the median of three fresh child processes (their VmHWM). On an A100 `medium` is computed exactly
+as `high` (cuBLAS has no bf16 path), so `check` measures it once; the cpu-amx line shows MiniLM's cost when all three
+levels differ.
 
     .venv/bin/python benchmarks/check.py [--rounds 5] [--only minilm,lstm]
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import statistics
 import subprocess
 import sys
 
@@ -111,10 +113,18 @@ def _high_water_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+# fresh children per memory figure, their median taken: one child's peak swings by 5-10 MiB with the allocator's
+# timing (an LSTM encoder's check read 1.9x to 2.6x its forward in single children of the same code)
+MEMORY_ROUNDS = 3
+
+
 def _peak(name: str, what: str) -> float:
-    done = subprocess.run([sys.executable, __file__, "--child", name, what], capture_output=True, text=True,
-                          check=True)
-    return float(done.stdout.strip().splitlines()[-1])
+    peaks = []
+    for _ in range(MEMORY_ROUNDS):
+        done = subprocess.run([sys.executable, __file__, "--child", name, what], capture_output=True, text=True,
+                              check=True)
+        peaks.append(float(done.stdout.strip().splitlines()[-1]))
+    return statistics.median(peaks)
 
 
 def main() -> None:

@@ -83,6 +83,22 @@ def test_no_rounded_copy_outlives_its_emulate_block():
     assert len(block.cache) == 0 and current_emulation() is None
 
 
+def test_checks_rows_and_reruns_hold_no_rounded_copy_of_a_model_that_reads_each_weight_once(monkeypatch):
+    kept = []  # at each emulate block's end: the rounded parameter copies it held
+    clear = emulator._WeightCache.clear
+
+    def counting(cache):
+        kept.append(len(cache.entries))
+        clear(cache)
+
+    monkeypatch.setattr(emulator._WeightCache, "clear", counting)
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    report = tf32lab.check(tf32lab.Workload(model, randn(16, 64, seed=9)), levels=("high",))
+    assert report.level("high").layers and len(kept) >= 3  # the row at high, the floor and the layers' reruns
+    assert kept == [0] * len(kept)
+
+
 @pytest.mark.slow
 def test_check_of_a_100m_parameter_mlp_retains_no_rounded_weights():
     # RSS in a fresh process: before building the model, after building it, peak, and after check().

@@ -509,6 +509,31 @@ def test_parameter_copies_are_rounded_once_per_block_and_dropped_with_it(monkeyp
     assert len(block.cache) == 0  # nothing outlives the block
 
 
+def test_a_reused_weight_cache_keeps_a_copy_from_the_second_use_on(monkeypatch):
+    rounded = []
+    monkeypatch.setitem(emulator._SINGLE_ROUND, "tf32", _counting_into(rounded))
+    layer = torch.nn.Linear(64, 32)
+    x = randn(8, 64, seed=71)
+    with tf32lab.precision("high"), tf32lab.emulate("a100", weight_cache="reused"):
+        first = layer(x)
+        block = current_emulation()
+        # one forward reads each weight once: rounded for its op alone, no copy of the model held to the end
+        assert len(block.cache.entries) == 0 and rounded.count(layer.weight.numel()) == 1
+        again = layer(x)
+        layer(x)  # rounded again and kept at the second use, the kept copy read at the third
+        assert len(block.cache.entries) == 1 and rounded.count(layer.weight.numel()) == 2
+    with tf32lab.precision("high"), tf32lab.emulate("a100"):
+        kept = layer(x)
+    assert torch.equal(first, kept) and torch.equal(again, kept)  # the same bits as a block that keeps every copy
+    assert len(block.cache) == 0 and not block.cache.seen
+
+
+@pytest.mark.parametrize("bad", ["yes", "Reused", None])
+def test_an_unknown_weight_cache_is_refused_by_name(bad):
+    with pytest.raises(tf32lab.Tf32LabError, match=rf"unknown weight_cache {bad!r}; accepted: True, False, 'reused'"):
+        tf32lab.emulate("a100", weight_cache=bad)
+
+
 def test_compiled_model_runs_eagerly_inside_emulate():
     def escaping_backend(graph, example_inputs):
         # A compiled kernel never comes back through the dispatcher: stand-in that hides its ops the same way.

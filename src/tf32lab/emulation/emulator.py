@@ -347,12 +347,22 @@ def release_buffers() -> None:
     _SCRATCH.bytes = 0
 
 
+# emulate(weight_cache=REUSED): a parameter's rounded copy kept from its second use in the block on
+REUSED = "reused"
+
+
+def _dead() -> None:  # what a dead weak reference gives
+    return None
+
+
 def _version(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
 class _WeightCache:
-    """Rounded copies of parameters for one ``emulate`` block: a weight used by several ops is rounded once.
+    """Rounded copies of parameters for one ``emulate`` block: a weight used by several ops is rounded once. With
+    ``from_second``, a weight is rounded for its first op alone and kept from its second use on (rounded twice): a
+    block that reads each weight once (``check``'s rows and reruns, one forward each) keeps no copy of the model.
 
     An entry is valid while the parameter's version counter and storage are unchanged (``p.data = other`` swaps
     the storage and keeps the counter) and no write to its storage was seen.
@@ -362,14 +372,17 @@ class _WeightCache:
     (a numpy view of a weight) are the one thing not seen (docs/design.md).
     """
 
-    __slots__ = ("buffers", "entries", "recent", "recent_bytes", "storages")
+    __slots__ = ("buffers", "entries", "from_second", "recent", "recent_bytes", "seen", "storages")
 
     # Other operands: inside one backward formula, the last few rounded copies are kept too, as long as they are
     # small (a linear layer's backward reads its output gradient in both of its GEMMs).
     RECENT, RECENT_BYTES = 4, 32 << 20
 
-    def __init__(self) -> None:
+    def __init__(self, from_second: bool = False) -> None:
         self.entries: dict[tuple, tuple[weakref.ref, int, Any]] = {}
+        self.from_second = from_second
+        # with from_second, the keys rounded once already (a weight a block uses once is not kept: see get)
+        self.seen: dict[tuple, weakref.ref] = {}
         self.storages: dict[int, set[tuple]] = {}  # storage address -> keys of entries made from it
         # Copies live in scratch buffers (fresh multi-MB tensors cost page faults: 3x the rounding of MiniLM's
         # weights); they go back to the thread's pool when the block ends, never earlier (an op may hold one).
@@ -390,6 +403,14 @@ class _WeightCache:
         hit = self.entries.get(key)
         if hit is not None and hit[0]() is base and hit[1] == version:
             value = hit[2]
+        elif self.from_second and self.seen.get(key, _dead)() is not base:
+            # the first use in the block: rounded for this op alone, and kept from the second use on. A block that
+            # uses each weight once (a check's row, a layer's rerun) held a rounded copy of every weight of the
+            # model until its end: an LSTM's, rounded layer by layer, at the row's peak memory.
+            self.seen[key] = weakref.ref(base)
+            with torch.inference_mode(False):
+                value = fn(read.detach(), [torch.empty(read.shape, dtype=read.dtype, device=read.device)
+                                           for _ in range(parts)])
         else:
             with torch.inference_mode(False):  # a copy made under inference_mode must still serve autograd later
                 out = [_buffer_like(read, self.buffers) for _ in range(parts)]
@@ -452,6 +473,7 @@ class _WeightCache:
 
     def clear(self) -> None:
         self.entries.clear()
+        self.seen.clear()
         self.storages.clear()
         buffers, self.buffers = self.buffers, []
         for entry in self.recent.values():
@@ -471,7 +493,7 @@ class _Entry:
 
     def __init__(self, emu: emulate, modes: _ThreadModes) -> None:
         self.emu, self.modes, self.thread = emu, modes, threading.get_ident()
-        self.cache = _WeightCache()  # this block's rounded parameter copies; emptied when the block ends
+        self.cache = _WeightCache(emu.from_second)  # this block's rounded parameter copies; emptied at its end
 
 
 class _Call:
@@ -1298,9 +1320,12 @@ class emulate(contextlib.ContextDecorator):
             float32 at ``highest`` as an SGEMM's FMA chain). Slower (the compiled kernels of ``tf32lab[fast]``
             help); ops whose kernel order is unknown (convolutions, gemv, split maths) stay ideal, and their
             coverage line says ``ideal sum``.
-        weight_cache: keep a rounded copy of each parameter for the block (True), or round it at every use and
-            keep nothing (False): for a model sharded with FSDP2, whose gathered parameters are freed after each
-            module, where copies kept for the block would hold the whole model on every rank.
+        weight_cache: keep a rounded copy of each parameter for the block (True); ``"reused"``: keep one from a
+            parameter's second use in the block on, its first use rounded for that op alone (for a block that runs
+            one forward: it then holds no rounded copy of the model, and a weight it reads twice is rounded twice);
+            or round it at every use and keep nothing (False): for a model sharded with FSDP2, whose gathered
+            parameters are freed after each module, where copies kept for the block would hold the whole model on
+            every rank.
         handoff: a ``tf32lab.emulation.reuse.Handoff`` that two blocks at different levels share, one after the
             other: the second takes the first's results of the leading ops both compute alike.
 
@@ -1330,10 +1355,13 @@ class emulate(contextlib.ContextDecorator):
 
     def __init__(self, target: str | Target = "a100", *, math: Optional[str] = None,
                  rounding: Optional[str] = None, strict: bool = False, accumulation: Optional[str] = None,
-                 weight_cache: bool = True, handoff: Optional[Handoff] = None) -> None:
+                 weight_cache: bool | str = True, handoff: Optional[Handoff] = None) -> None:
+        if weight_cache not in (True, False, REUSED):
+            raise Tf32LabError(f"unknown weight_cache {weight_cache!r}; accepted: True, False, {REUSED!r}")
         self.target = get(target)
         self.handoff = handoff
         self.weight_cache = bool(weight_cache)
+        self.from_second = weight_cache == REUSED  # rounded copies kept from a weight's second use in the block
         self.accumulation = check_accumulation(accumulation)
         if math is not None and math not in MATHS:
             raise Tf32LabError(f"unknown math {math!r}; accepted: {', '.join(map(repr, MATHS))}")

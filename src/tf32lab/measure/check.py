@@ -508,7 +508,7 @@ class Session:
         self._fresh("highest: float32's own error, end to end")
         recorder = self.recorder
         try:
-            with level_context("highest", self.target, recorder.accumulation, recorder.ranks is None), \
+            with level_context("highest", self.target, recorder.accumulation, recorder.weight_cache()), \
                     recorder.grad_mode():
                 out = self.workload.run()
         except Exception as exc:
@@ -640,8 +640,7 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
     out, error = None, None
     applied = row.policy.applied(workload.model) if row else contextlib.nullcontext()
     cells = context_cells()  # the caller's cells: those a level leaves alone (convs, RNNs, the SDPA kernel)
-    # sharded: no rounded copies of the gathered parameters kept for the run (they would hold the whole model)
-    with level_context(level, target, recorder.accumulation, recorder.ranks is None, handoff) as emu, \
+    with level_context(level, target, recorder.accumulation, recorder.weight_cache(), handoff) as emu, \
             applied as handle:
         level_maths = {} if emu is None else (
             policy_maths(row, target, cells) if row else target.maths_at(level, cells))

@@ -28,7 +28,7 @@ import torch
 
 from tf32lab.control import modestack
 from tf32lab.control.scope import conv_math, precision
-from tf32lab.emulation.emulator import context_cells, emulate
+from tf32lab.emulation.emulator import REUSED, context_cells, emulate
 from tf32lab.emulation.reuse import KEPT, Handoff, alike
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
@@ -67,7 +67,7 @@ def described(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def level_context(level: str, target: Target, accumulation: Optional[str] = None, weight_cache: bool = True,
+def level_context(level: str, target: Target, accumulation: Optional[str] = None, weight_cache: bool | str = True,
                   handoff: Optional[Handoff] = None):
     if not target.emulated:
         with precision(level):
@@ -386,6 +386,12 @@ class Recorder:
                     done.append((level, error, why, frozenset(watch.seen) if watch is not None and
                                  watch.state == "watch" and watch.seen else None))
 
+    def weight_cache(self) -> bool | str:
+        """``emulate()``'s ``weight_cache`` for a row or a rerun, each one run of the model: a rounded copy kept
+        from a parameter's second use on (a copy of every weight held to the run's end was an LSTM encoder's peak
+        memory); sharded, none (the gathered parameters would stay whole on every rank)."""
+        return REUSED if self.ranks is None else False
+
     def grad_mode(self) -> Any:
         """The grad mode a float32 run of the model runs in: inference mode (cheaper), or no_grad where the model
         turned autograd on in the reference run (:attr:`grad_used`)."""
@@ -412,7 +418,7 @@ class Recorder:
         self.rerunning = True
         try:
             with kept, _originals(self.swapped), _answering(inner), \
-                    level_context(level, self.target, self.accumulation, self.ranks is None, watch), \
+                    level_context(level, self.target, self.accumulation, self.weight_cache(), watch), \
                     conv_math(conv), self.grad_mode():
                 if watch is not None:
                     watch.watch()
