@@ -369,3 +369,33 @@ def test_a_model_with_depthwise_and_dense_convolutions_is_told_both_maths():
     out = io.StringIO()
     report.print(Console(file=out, width=120, highlight=False))
     assert "tf32/ieee" in out.getvalue()
+
+
+class DepthwiseStack(nn.Module):
+    """Three depthwise convs (NCHW) that hold most of the predicted time, and a small head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = nn.Sequential(*(nn.Conv2d(16, 16, 5, padding=2, groups=16) for _ in range(3)))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.convs(x).mean((2, 3)))
+
+
+def test_a_level_that_buys_little_for_depthwise_convolutions_says_what_runs_them():
+    torch.manual_seed(0)
+    report = tf32lab.check(tf32lab.Workload(DepthwiseStack().eval(), torch.randn(8, 16, 96, 96)),
+                           levels=("highest", "high"))
+    advice = report.conclusion()[0]
+    conv = report.speed.level("highest").shares["conv"]
+    assert (f"convolutions, {conv:.0%} (IEEE float32 at every level), run in PyTorch's own depthwise kernels, "
+            "which no level changes") in advice, advice
+    assert "cuDNN" not in advice, advice
+    # with a dense conv beside them, both are named
+    torch.manual_seed(0)
+    mixed = tf32lab.check(tf32lab.Workload(Depthwise(dense=True).eval(), torch.randn(2, 8, 16, 16)),
+                          levels=("highest", "high"))
+    advice = mixed.conclusion()[0]
+    assert "run at cuDNN's own flag (the depthwise convolutions in PyTorch's own kernels), which no level " \
+           "changes" in advice, advice

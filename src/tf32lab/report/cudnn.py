@@ -242,8 +242,22 @@ def why_little(report: Report, level: str) -> Optional[str]:
     held = " and ".join(f"{_NAMES[f]}, {share:.0%}{_ran(maths.get(f, {}))}" for f, share in cudnn.items())
     rest = 1.0 - base.family_share
     tail = f"; the rest, {rest:.0%}, is memory traffic and kernel launches" if rest >= 0.05 else ""
-    return (f": the level changes only the matmul-family ops, {own:.0%} of its predicted time; {held}, run at "
-            f"cuDNN's own flag, which no level changes{tail}")
+    return (f": the level changes only the matmul-family ops, {own:.0%} of its predicted time; {held}, run "
+            f"{_run_by(report, cudnn)}, which no level changes{tail}")
+
+
+def _run_by(report: Report, held: Collection[str]) -> str:
+    """What sets the math of the families ``held``: cuDNN's flag, and for a GPU's NCHW depthwise convolutions
+    PyTorch's own kernels (:data:`_DEPTHWISE`)."""
+    conv = next((e for e in report.cudnn if e.family == "conv" and e.maths), None)
+    if "conv" not in held or conv is None:
+        return "at cuDNN's own flag"
+    if _why(conv, report.target) == _DEPTHWISE:  # every convolution depthwise
+        return "in PyTorch's own depthwise kernels" if len(held) == 1 else \
+            "at cuDNN's own flag (the depthwise convolutions in PyTorch's own kernels)"
+    if any(m.endswith("/ieee") for m in conv.maths.values()):
+        return "at cuDNN's own flag (the depthwise convolutions in PyTorch's own kernels)"
+    return "at cuDNN's own flag"
 
 
 def _ran(maths: Mapping[str, str]) -> str:
