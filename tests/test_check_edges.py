@@ -685,3 +685,39 @@ def test_the_training_mode_note_names_a_randomized_relu_and_the_model_itself_unq
     assert said is not None and "'1' RReLU" in said, said
     assert training_note(torch.nn.Sequential(torch.nn.RReLU(0.2, 0.2))) is None  # one slope: alike in both modes
     assert "(the model Dropout)" in training_note(torch.nn.Dropout(0.5))
+
+
+class _OwnDropout(torch.nn.Module):
+    """Dropout written as a function call of the module's own: no nn.Dropout anywhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.nn.functional.dropout(self.lin(x), 0.3, self.training)
+
+
+class _Plain(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x).relu()
+
+
+def test_the_training_mode_note_names_a_users_module_that_reads_its_training_flag():
+    from tf32lab.workloads.workload import training_note
+
+    said = training_note(_OwnDropout())
+    assert said is not None and "(the model _OwnDropout)" in said, said
+    assert training_note(_OwnDropout().eval()) is None and training_note(_Plain()) is None
+    scripted = torch.jit.script(_OwnDropout())  # TorchScript: read from its code
+    assert "(the model _OwnDropout)" in training_note(scripted)
+    assert training_note(torch.jit.script(_Plain())) is None
+    # PyTorch's own modules say it where they can: a module of the user's beside them is not guessed at
+    both = torch.nn.Sequential(_OwnDropout(), torch.nn.Dropout(0.1))
+    assert "('1' Dropout)" in training_note(both)
+    report = tf32lab.check(tf32lab.Workload(_OwnDropout(), torch.randn(4, 8)), levels=("high",), speed=False)
+    assert any("_OwnDropout" in note and "--train" in note for note in report.notes), report.notes

@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
@@ -86,15 +87,17 @@ def check_float32(model: torch.nn.Module, name: str) -> None:
 def training_note(model: torch.nn.Module) -> Optional[str]:
     """What a report must say where ``model`` comes in training mode with modules that compute otherwise in eval
     mode (dropout, batch norm, an instance norm that tracks running statistics, an RNN with dropout between its
-    layers, attention with dropout), which :func:`eval_mode` turns off; None where none does.
+    layers, attention with dropout), which :func:`eval_mode` turns off; where none of PyTorch's own does, the
+    user's modules whose forward reads ``self.training``; None where nothing does.
 
     >>> training_note(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))).split(":")[0]
     "1 module(s) in training mode compute otherwise in eval mode ('1' Dropout)"
     >>> training_note(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1)).eval()) is None
     True
     """
-    found = [(name, type(m).__name__) for name, m in model.named_modules()
-             if getattr(m, "training", False) and _modal(m)]
+    training = [(name, m) for name, m in model.named_modules() if getattr(m, "training", False)]
+    found = [(name, _kind(m)) for name, m in training if _modal(m)] or \
+        [(name, _kind(m)) for name, m in training if _reads_training(m)]
     if not found:
         return None
     named = ", ".join(f"{repr(name) if name else 'the model'} {kind}" for name, kind in found[:3]) + \
@@ -103,6 +106,32 @@ def training_note(model: torch.nn.Module) -> Optional[str]:
             f"in eval mode, as inference does (no dropout, batch norm on its running statistics, and any "
             f"`if self.training` branch on its eval side); a training step's error is `check --train`'s "
             f"(tf32lab.check_training)")
+
+
+def _kind(module: torch.nn.Module) -> str:
+    """The module's class name; a TorchScript module's, the class it was scripted from."""
+    return getattr(module, "original_name", None) or type(module).__name__ \
+        if isinstance(module, torch.jit.ScriptModule) else type(module).__name__
+
+
+def _reads_training(module: torch.nn.Module) -> bool:
+    """Whether a module of the user's (a class from outside ``torch``) or a TorchScript one reads its training
+    flag in its forward (``F.dropout(x, self.p, self.training)``, ``if self.training:``); a guess, taken only where
+    no module of PyTorch's own says so (a Hugging Face layer reads it for gradient checkpointing too)."""
+    if isinstance(module, torch.jit.ScriptModule):
+        try:
+            return "training" in module.code  # TorchScript's own text of forward
+        except (AttributeError, RuntimeError):  # a frozen or method-less script module
+            return False
+    if type(module).__module__.startswith("torch."):
+        return False
+    code = getattr(getattr(type(module), "forward", None), "__code__", None)
+    return code is not None and _names_training(code)
+
+
+def _names_training(code: types.CodeType) -> bool:
+    return "training" in code.co_names or any(_names_training(c) for c in code.co_consts
+                                              if isinstance(c, types.CodeType))  # its closures' too
 
 
 def _modal(module: torch.nn.Module) -> bool:
