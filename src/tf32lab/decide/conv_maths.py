@@ -21,7 +21,7 @@ import torch
 
 from tf32lab.control.policy import Policy
 from tf32lab.know.levels import with_conv
-from tf32lab.know.targets import Target
+from tf32lab.know.targets import CUDNN_CELL, Target, cudnn_cell
 
 __all__ = ["IEEE_CONV_FLAGS", "conv_matters", "with_conv_math"]
 
@@ -33,10 +33,11 @@ IEEE_CONV_FLAGS = ("`torch.backends.cudnn.allow_tf32 = False` (on torch 2.9 and 
 
 def conv_matters(model: torch.nn.Module, target: Target) -> bool:
     """Whether ``model`` has cuDNN modules (convolutions, RNNs) that ``target`` computes differently at TF32 and
-    IEEE convolutions. Functional convolutions outside modules are not looked for."""
+    IEEE convolutions (none where cuDNN is off). Functional convolutions outside modules are not looked for."""
     kinds = {"conv": torch.nn.modules.conv._ConvNd, "rnn": torch.nn.RNNBase}
     found = [family for family, kind in kinds.items() if any(isinstance(m, kind) for m in model.modules())]
-    return any(target.math(f, with_conv({}, "tf32")) != target.math(f, with_conv({}, "ieee")) for f in found)
+    cells = {CUDNN_CELL: cudnn_cell()}  # cuDNN off: the conv flag sets nothing
+    return any(target.math(f, with_conv(cells, "tf32")) != target.math(f, with_conv(cells, "ieee")) for f in found)
 
 
 def with_conv_math(policy: Optional[Policy], conv: str) -> Optional[Policy]:

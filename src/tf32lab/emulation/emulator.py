@@ -50,7 +50,7 @@ from tf32lab.emulation.reuse import Handoff
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
 from tf32lab.know.levels import level_cells
-from tf32lab.know.targets import IEEE, MATHS, Math, Target, check_value, get, sdpa_kernel
+from tf32lab.know.targets import CUDNN_CELL, IEEE, MATHS, Math, Target, check_value, cudnn_cell, get, sdpa_kernel
 from tf32lab.numbers import accumulation as _accumulation
 from tf32lab.numbers import formats
 from tf32lab.numbers.trees import operand_tensors
@@ -209,8 +209,8 @@ def _release_eager() -> None:
 
 # -- context cells: which flag values apply to this thread/task now ----------------------------------------------
 def context_cells() -> dict[str, str]:
-    """The flag cells in force for this thread or task: its scope's level over the process's cells, and the SDPA
-    kernel PyTorch would pick (read, never written)."""
+    """The flag cells in force for this thread or task: its scope's level over the process's cells, the SDPA
+    kernel PyTorch would pick, and whether cuDNN is on (read, never written)."""
     return dict(_OpCells())
 
 
@@ -229,6 +229,8 @@ class _OpCells(Mapping):
         if value is None:
             if name == "sdpa":
                 value = sdpa_kernel()
+            elif name == CUDNN_CELL:
+                value = cudnn_cell()
             elif name in _LEVEL_CELLS:
                 # this context's scope decides the matmul cells, whatever the process flags hold; outside scopes,
                 # the process level, not another thread's scope that the flags may hold now
@@ -241,10 +243,10 @@ class _OpCells(Mapping):
         return value
 
     def __iter__(self) -> Any:
-        return iter((*flags.CELL_NAMES, "sdpa"))
+        return iter((*flags.CELL_NAMES, "sdpa", CUDNN_CELL))
 
     def __len__(self) -> int:
-        return len(flags.CELL_NAMES) + 1
+        return len(flags.CELL_NAMES) + 2
 
 
 _LEVEL_CELLS = frozenset(level_cells("highest"))

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from tf32lab.emulation import recurrent
 from tf32lab.emulation.rnn_steps import run_packed_rnn, run_rnn
 from tf32lab.errors import Tf32LabError
-from tf32lab.know.targets import IEEE, rnn_key
+from tf32lab.know.targets import CUDNN_CELL, IEEE, rnn_key
 
 __all__ = ["RNN_FUNCTIONS", "RULES", "as_family", "forced_family", "no_tf32", "rnn_function", "rule",
            "tf32_is_off"]
@@ -462,12 +462,15 @@ def _cuda_depthwise(call, x, w, transposed: bool, groups: int) -> bool:
     """Whether a GPU target runs this float32 convolution in PyTorch's own depthwise kernels, which no TF32 flag
     reaches (``aten/src/ATen/native/Convolution.cpp``: ``is_depthwise``, one input channel a group, 2-D or 3-D,
     a 1-D one as 2-D; ``use_cudnn_depthwise`` sends it to cuDNN only where cuDNN's suggested memory format is
-    channels-last, or for FP16; else ``ConvBackend::CudaDepthwise2d`` / ``CudaDepthwise3d``). If so, the call is
-    counted in IEEE: a MobileNet's, EfficientNet's or ConvNeXt's depthwise convolutions in NCHW."""
+    channels-last, or for FP16, and with cuDNN on; else ``ConvBackend::CudaDepthwise2d`` / ``CudaDepthwise3d``). If
+    so, the call is counted in IEEE: a MobileNet's, EfficientNet's or ConvNeXt's depthwise convolutions in NCHW, and
+    every depthwise one where ``torch.backends.cudnn.enabled`` is False."""
     if call.emu.target.device != "cuda" or call.emu.math is not None or transposed or x.dtype != torch.float32:
         return False
     if x.dim() not in (3, 4, 5) or groups <= 1 or x.size(1) != groups or w.size(0) % groups:
         return False
+    if call.cells.get(CUDNN_CELL) == "off":  # use_cudnn_depthwise needs cuDNN on: its own kernels in any format
+        return True
     return not any(t.dim() >= 4 and _memory_format(t) in (torch.channels_last, torch.channels_last_3d)
                    for t in (x, w))
 

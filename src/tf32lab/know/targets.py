@@ -103,6 +103,15 @@ class Entry:
     source: str
 
 
+# ``torch.backends.cudnn.enabled`` as a cell, "on" or "off". Off, a GPU runs no convolution or RNN in cuDNN (or
+# MIOpen): a convolution goes to PyTorch's Slow2d / SlowDilated / SlowTranspose backends, im2col and a cuBLAS GEMM
+# under the matmul flag (a depthwise one to its own CUDA kernels, IEEE: aten/src/ATen/native/Convolution.cpp,
+# _select_conv_backend), and an RNN to its native layers of at::linear GEMMs (aten/src/ATen/native/RNN.cpp,
+# cudnn_is_acceptable): both at the level's math, as matmuls are.
+CUDNN_CELL = "cudnn"
+CUDNN_KEYS = ("conv", "rnn")
+
+
 def _fixed(math: Math, source: str) -> Entry:
     return Entry(None, MappingProxyType({"*": math}), source)
 
@@ -138,7 +147,10 @@ class Target:
             raise Tf32LabError(f"unknown key {key!r}; accepted: {', '.join(map(repr, KEYS))}") from None
 
     def math(self, key: str, cells: Mapping[str, str]) -> Math:
-        """The math for ``key`` when the flag cells hold ``cells`` (``flags.read_cells()`` plus ``sdpa``)."""
+        """The math for ``key`` when the flag cells hold ``cells`` (``flags.read_cells()`` plus ``sdpa`` and
+        ``cudnn``)."""
+        if key in CUDNN_KEYS and self.device == "cuda" and cells.get(CUDNN_CELL) == "off":
+            key = "matmul"  # cuDNN off: PyTorch's own kernels, their GEMMs cuBLAS's (see CUDNN_CELL)
         seen = []
         while True:
             entry = self.entry(key)
@@ -486,6 +498,13 @@ def sdpa_kernel() -> str:
     import torch  # here only: the table itself imports no torch (the CLI lists targets in its help)
 
     return "efficient" if torch.backends.cuda.mem_efficient_sdp_enabled() else "math"
+
+
+def cudnn_cell() -> str:
+    """:data:`CUDNN_CELL`'s value now: ``"on"``, or ``"off"`` where ``torch.backends.cudnn.enabled`` is False."""
+    import torch  # here only, as in sdpa_kernel
+
+    return "on" if torch.backends.cudnn.enabled else "off"
 
 
 def table() -> list[dict[str, str]]:

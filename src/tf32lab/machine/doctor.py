@@ -133,13 +133,13 @@ def _legacy() -> tuple[dict[str, Any], list[str]]:
 
 def _level_table(hw: Hardware, cells: dict[str, str]) -> dict[str, dict[str, str]]:
     target = targets.get(hw.target)
-    sdpa = targets.sdpa_kernel()
+    sdpa, cudnn = targets.sdpa_kernel(), targets.cudnn_cell()
     table = {}
     for level in ALL_LEVELS:
         if level in EXTRA_LEVELS and not _gives(target, level):
             continue  # bfx9 before Blackwell: PyTorch raises there, no row of maths to show
         asked = {**cells, **level_cells(level)}
-        obeyed = {**hw.cells_in_force(asked), "sdpa": sdpa}
+        obeyed = {**hw.cells_in_force(asked), "sdpa": sdpa, targets.CUDNN_CELL: cudnn}
         table[level] = {family: target.math_name(family, obeyed) for family in FAMILIES}
     return table
 

@@ -19,7 +19,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any, Optional
 
 from tf32lab.know.targets import NATIVE
@@ -343,24 +343,25 @@ def _safe(report: Report, best: LevelResult, where: str, measured: str) -> str:
                 f"{measured}. Enable it with {enable(best.level)}.")
     share = ""
     if report.speed is not None:
-        share = cudnn.why_little(report, best.level) or _why_little(report.speed, best.level, name)
+        share = cudnn.why_little(report, best.level) or _why_little(report.speed, best.level, name,
+                                                                    cudnn.held(report))
     return (f"{name} is safe for this workload {where}, but predicted only {best.speedup:.2f}x faster there"
             f"{share}. It buys little here; if you enable it anyway: {enable(best.level)} ({measured}).")
 
 
-def _why_little(speed: Any, level: str, name: str) -> str:
+def _why_little(speed: Any, level: str, name: str, held: Collection[str] = cudnn.CUDNN_FAMILIES) -> str:
     """Why a level buys little: few matmul-family ops, or matmul-family ops too small to gain themselves
-    (``speed``: the report's ``SpeedReport``)."""
+    (``speed``: the report's ``SpeedReport``; ``held``: the families whose math no level sets, left out)."""
     base = speed.level("highest")
     try:
         at = speed.level(level)
     except KeyError:
         at = None
-    share = cudnn.level_share(base)  # convolutions and RNNs, which cuDNN's flag sets, left out
+    share = cudnn.level_share(base, held)  # convolutions and RNNs, which cuDNN's flag sets, left out
     if math.isnan(share):
         return ""
     if at is not None and share >= 0.5 and not math.isnan(at.family_share) and at.seconds > 0:
-        at_share = cudnn.level_share(at)
+        at_share = cudnn.level_share(at, held)
         own = (base.seconds * share) / (at.seconds * at_share) if at_share > 0 else math.inf
         return (f": matmul-family ops are {share:.0%} of its predicted time, but they are small, so each is bound "
                 f"by kernel launch and memory traffic rather than arithmetic; {name} makes them only {own:.2f}x "

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from tf32lab.know.levels import ALL_LEVELS
-from tf32lab.know.targets import NATIVE, TARGETS, rnn_math
+from tf32lab.know.targets import CUDNN_CELL, NATIVE, TARGETS, rnn_math
 
 if TYPE_CHECKING:
     from tf32lab.know.targets import Target
@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 # (tests/test_layers.py: no import circle, TYPE_CHECKING imports included).
 Report = LevelResult = Any
 
-__all__ = ["CUDNN_FAMILIES", "FLAGS", "CudnnFamily", "families", "level_share", "on_cpu", "stated", "why_little"]
+__all__ = ["CUDNN_FAMILIES", "FLAGS", "OFF", "CudnnFamily", "families", "held", "level_share", "on_cpu", "stated",
+           "why_little"]
 
 CUDNN_FAMILIES = ("conv", "rnn")
 # the flag that sets each family's float32 math (torch >= 2.9; the legacy torch.backends.cudnn.allow_tf32 sets both)
@@ -53,10 +54,10 @@ _CPU_MIXED = "bf16 or IEEE float32 by module"
 class CudnnFamily:
     """An op family that cuDNN's flag sets, not the level (``conv``: convolutions, ``rnn``: RNNs), as a check ran
     it: ``ops`` in one forward (the float64 reference's count); ``flag``: the value cuDNN's flag held for the run
-    (``"tf32"``, PyTorch's default, or ``"ieee"``); ``asked``: the conv math the check was given (``conv=``,
-    ``--conv``), None where the process's flag was left as it was; ``maths``: per row (level, or ``policy``), the
-    math the target computed the family in; ``shares``: per row, the family's share of the row's predicted time
-    (empty when not predicted; no policy row)."""
+    (``"tf32"``, PyTorch's default, or ``"ieee"``; ``"off"`` where cuDNN was off and the level set the math);
+    ``asked``: the conv math the check was given (``conv=``, ``--conv``), None where the process's flag was left as
+    it was; ``maths``: per row (level, or ``policy``), the math the target computed the family in; ``shares``: per
+    row, the family's share of the row's predicted time (empty when not predicted; no policy row)."""
 
     family: str
     ops: int
@@ -67,7 +68,7 @@ class CudnnFamily:
 
     @property
     def flag_name(self) -> str:
-        """The setting that sets the family's math: ``torch.backends.cudnn.conv.fp32_precision``."""
+        """The setting that sets the family's math: ``torch.backends.cudnn.conv.fp32_precision`` (where cuDNN is on)."""
         return FLAGS[self.family]
 
     @property
@@ -98,8 +99,9 @@ def families(ops: Mapping[str, int], rows: Sequence[LevelResult], target: Target
             share = _share(speed, lv.level, family)
             if share is not None:
                 shares[lv.level] = share
-        found.append(CudnnFamily(family, int(ops[family]), cells.get(f"cuda.{family}", "tf32"), asked, maths,
-                                 shares))
+        flag = OFF if target.device == "cuda" and cells.get(CUDNN_CELL) == "off" else \
+            cells.get(f"cuda.{family}", "tf32")
+        found.append(CudnnFamily(family, int(ops[family]), flag, asked, maths, shares))
     return tuple(found)
 
 
@@ -162,6 +164,25 @@ _DEPTHWISE = ("they are depthwise (one input channel a group) in NCHW, which a G
               "not cuDNN's, so no TF32 flag reaches them")
 
 
+# a family's ``flag`` where ``torch.backends.cudnn.enabled`` was False for the run: no cuDNN, the level sets its math
+# (tf32lab.know.targets.CUDNN_CELL)
+OFF = "off"
+_OFF_WHY = {
+    "conv": "cuDNN is off (`torch.backends.cudnn.enabled = False`), so a GPU runs them in PyTorch's own kernels, "
+            "as cuBLAS GEMMs under the matmul flag: the level sets their math (a depthwise one's own kernel: IEEE "
+            "float32)",
+    "rnn": "cuDNN is off (`torch.backends.cudnn.enabled = False`), so a GPU runs them as PyTorch's own layers of "
+           "cuBLAS GEMMs under the matmul flag: the level sets their math",
+}
+
+
+def held(report: Report) -> tuple[str, ...]:
+    """The families of ``CUDNN_FAMILIES`` whose math no level sets in ``report``: all but those that ran with cuDNN
+    off."""
+    off = {e.family for e in report.cudnn if e.flag == OFF}
+    return tuple(f for f in CUDNN_FAMILIES if f not in off)
+
+
 def _has_tf32_conv(target: str) -> bool:
     """Whether ``target``'s cuDNN computes convolutions in TF32 under PyTorch's default flag."""
     return target in TARGETS and TARGETS[target].device == "cuda" and \
@@ -171,6 +192,8 @@ def _has_tf32_conv(target: str) -> bool:
 def _why(entry: CudnnFamily, target: str, cpu: bool = False) -> str:
     if cpu:
         return _CPU_WHY[entry.family]
+    if entry.flag == OFF:
+        return _OFF_WHY[entry.family]
     flag = f"`{FLAGS[entry.family]}`"
     tf32 = any(_word(m) != "IEEE float32" for m in entry.maths.values())
     if not tf32 and entry.flag == "tf32" and entry.family == "conv" and _has_tf32_conv(target):
@@ -201,7 +224,7 @@ def stated(report: Report, hint: bool = True) -> list[str]:
             continue
         name = entry.title
         text = f"{name[0].upper()}{name[1:]} ran {_per_row(entry, report, cpu)}: {_why(entry, report.target, cpu)}"
-        if entry.family == "conv" and any(m.endswith("/ieee") for m in entry.maths.values()):
+        if entry.family == "conv" and entry.flag != OFF and any(m.endswith("/ieee") for m in entry.maths.values()):
             text += f"; the IEEE float32 ones: {_DEPTHWISE}"
         first = next(iter(entry.shares), None)
         if first is not None:
@@ -213,16 +236,17 @@ def stated(report: Report, hint: bool = True) -> list[str]:
     return lines
 
 
-def _cudnn_shares(speed_level: Any) -> dict[str, float]:
+def _cudnn_shares(speed_level: Any, families: Collection[str] = CUDNN_FAMILIES) -> dict[str, float]:
     shares = getattr(speed_level, "shares", None) or {}
-    return {f: shares[f] for f in CUDNN_FAMILIES if shares.get(f, 0.0) > 0}
+    return {f: shares[f] for f in families if shares.get(f, 0.0) > 0}
 
 
-def level_share(speed_level: Any) -> float:
-    """The share of a level's predicted time in the families a level sets: its ``family_share`` less the
-    convolutions' and RNNs' (cuDNN's flag sets those), where the shares are known."""
+def level_share(speed_level: Any, families: Collection[str] = CUDNN_FAMILIES) -> float:
+    """The share of a level's predicted time in the families a level sets: its ``family_share`` less that of
+    ``families`` (the convolutions' and RNNs', whose math cuDNN's flag sets: :func:`held`), where the shares are
+    known."""
     # at least 0: the shares summed in another order than ``family_share`` left -1e-16 ("-0%") with no matmul at all
-    return max(0.0, speed_level.family_share - sum(_cudnn_shares(speed_level).values()))
+    return max(0.0, speed_level.family_share - sum(_cudnn_shares(speed_level, families).values()))
 
 
 def why_little(report: Report, level: str) -> Optional[str]:
@@ -232,28 +256,29 @@ def why_little(report: Report, level: str) -> Optional[str]:
     if speed is None:
         return None
     base = speed.level("highest")
-    cudnn = _cudnn_shares(base)
+    families = held(report)
+    cudnn = _cudnn_shares(base, families)
     if not cudnn or math.isnan(base.family_share):
         return None
-    own = level_share(base)
+    own = level_share(base, families)
     if own >= sum(cudnn.values()):
         return None
     maths = {e.family: e.maths for e in report.cudnn}
-    held = " and ".join(f"{_NAMES[f]}, {share:.0%}{_ran(maths.get(f, {}))}" for f, share in cudnn.items())
+    named = " and ".join(f"{_NAMES[f]}, {share:.0%}{_ran(maths.get(f, {}))}" for f, share in cudnn.items())
     rest = 1.0 - base.family_share
     tail = f"; the rest, {rest:.0%}, is memory traffic and kernel launches" if rest >= 0.05 else ""
-    return (f": the level changes only the matmul-family ops, {own:.0%} of its predicted time; {held}, run "
+    return (f": the level changes only the matmul-family ops, {own:.0%} of its predicted time; {named}, run "
             f"{_run_by(report, cudnn)}, which no level changes{tail}")
 
 
-def _run_by(report: Report, held: Collection[str]) -> str:
-    """What sets the math of the families ``held``: cuDNN's flag, and for a GPU's NCHW depthwise convolutions
+def _run_by(report: Report, shown: Collection[str]) -> str:
+    """What sets the math of the families ``shown``: cuDNN's flag, and for a GPU's NCHW depthwise convolutions
     PyTorch's own kernels (:data:`_DEPTHWISE`)."""
     conv = next((e for e in report.cudnn if e.family == "conv" and e.maths), None)
-    if "conv" not in held or conv is None:
+    if "conv" not in shown or conv is None:
         return "at cuDNN's own flag"
     if _why(conv, report.target) == _DEPTHWISE:  # every convolution depthwise
-        return "in PyTorch's own depthwise kernels" if len(held) == 1 else \
+        return "in PyTorch's own depthwise kernels" if len(shown) == 1 else \
             "at cuDNN's own flag (the depthwise convolutions in PyTorch's own kernels)"
     if any(m.endswith("/ieee") for m in conv.maths.values()):
         return "at cuDNN's own flag (the depthwise convolutions in PyTorch's own kernels)"

@@ -1,0 +1,99 @@
+"""``torch.backends.cudnn.enabled = False``: a GPU then runs convolutions and RNNs outside cuDNN, as cuBLAS GEMMs
+under the matmul flag (a depthwise convolution in PyTorch's own kernel), so the level sets their math. The emulator
+computes them so, and a check's report says so instead of naming cuDNN's flag."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tf32lab
+from emulation_reference import randn
+from tf32lab.decide.conv_maths import conv_matters
+from tf32lab.know.targets import get
+from tf32lab.numbers import formats
+from tf32lab.report import schema
+
+
+def _conv_at(level: str, conv: nn.Module, x: torch.Tensor, enabled: bool):
+    with torch.backends.cudnn.flags(enabled=enabled), tf32lab.precision(level), \
+            tf32lab.emulate("a100") as emu, torch.no_grad():
+        out = conv(x)
+    return out, {math for (op, math) in emu.coverage if "convolution" in op}
+
+
+def test_a_convolution_without_cudnn_runs_at_the_levels_math():
+    torch.manual_seed(0)
+    conv, x = nn.Conv2d(4, 6, 3), randn(2, 4, 9, 9, seed=1)
+    native = conv(x).detach()
+    tf32 = F.conv2d(formats.round_tf32(x), formats.round_tf32(conv.weight.detach()), conv.bias.detach())
+    highest, maths = _conv_at("highest", conv, x, enabled=False)
+    assert torch.equal(highest, native) and maths == {"ieee"}  # cuBLAS at `highest`: IEEE
+    high, maths = _conv_at("high", conv, x, enabled=False)
+    assert torch.equal(high, tf32) and maths == {"tf32-rna"}
+    with_cudnn, maths = _conv_at("highest", conv, x, enabled=True)  # cuDNN's flag: TF32 at every level
+    assert torch.equal(with_cudnn, tf32) and maths == {"tf32-rna"}
+    assert torch.backends.cudnn.enabled
+
+
+def test_a_channels_last_depthwise_convolution_without_cudnn_runs_in_its_own_kernel():
+    torch.manual_seed(0)
+    conv = nn.Conv2d(8, 8, 5, padding=2, groups=8).to(memory_format=torch.channels_last)
+    x = randn(2, 8, 12, 12, seed=2).contiguous(memory_format=torch.channels_last)
+    _, on = _conv_at("high", conv, x, enabled=True)  # channels-last: cuDNN takes it, at its flag
+    _, off = _conv_at("high", conv, x, enabled=False)
+    assert on == {"tf32-rna"} and off == {"ieee"}
+
+
+def test_an_lstm_without_cudnn_runs_at_the_levels_math():
+    torch.manual_seed(0)
+    lstm, x = nn.LSTM(6, 8), randn(5, 2, 6, seed=3)
+    maths = {}
+    for enabled in (True, False):
+        with torch.backends.cudnn.flags(enabled=enabled), tf32lab.precision("highest"), \
+                tf32lab.emulate("a100") as emu, torch.no_grad():
+            lstm(x)
+        maths[enabled] = {math for _, math in emu.coverage}
+    assert maths == {True: {"tf32-rna"}, False: {"ieee"}}
+
+
+class _Convs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1))
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(self.body(x).mean((2, 3)))
+
+
+def test_a_check_without_cudnn_says_the_level_sets_the_convolutions_math():
+    torch.manual_seed(0)
+    workload = tf32lab.Workload(_Convs().eval(), torch.randn(8, 16, 24, 24), name="convs")
+    with torch.backends.cudnn.flags(enabled=False):
+        report = tf32lab.check(workload, levels=("highest", "high"))
+    assert torch.backends.cudnn.enabled  # the user's setting, as it was
+    (conv,) = report.cudnn
+    assert conv.flag == "off" and conv.maths == {"highest": "ieee", "high": "tf32-rna"}
+    said = next(line for line in report.conclusion() if line.startswith("Convolutions ran"))
+    assert said.startswith("Convolutions ran IEEE float32 at `highest`, TF32 at `high`: cuDNN is off "
+                           "(`torch.backends.cudnn.enabled = False`)"), said
+    assert "--conv ieee" not in said and "cuDNN's own flag" not in " ".join(report.conclusion())
+    # the speed model times them at each level's math: `high` gains on them, as it cannot with cuDNN's TF32
+    with_cudnn = tf32lab.check(workload, levels=("highest", "high"))
+    assert report.level("high").speedup > with_cudnn.level("high").speedup > 0
+    page = report.to_html()
+    assert "<h3>Convolutions and RNNs: cuDNN is off, so the level sets their math</h3>" in page
+    assert "<code>torch.backends.cudnn.enabled = False</code>" in page
+    jsonschema.validate(json.loads(report.to_json()), schema())
+
+
+def test_a_tune_does_not_weigh_the_conv_flag_where_cudnn_is_off():
+    conv = nn.Conv1d(2, 2, 3)
+    assert conv_matters(conv, get("a100"))
+    with torch.backends.cudnn.flags(enabled=False):
+        assert not conv_matters(conv, get("a100"))
