@@ -23,11 +23,11 @@ __all__ = ["Written"]
 
 class Written:
     """The report as ``tf32lab-training.json`` and ``.html`` in ``folder`` (none: not written): rendered in the
-    caller's thread (from one ``to_dict``: about 2 ms; the first page of a process about 35 ms more, as jinja2
+    caller's thread (from one ``to_dict``: about 2 ms; the first page of a process about 33 ms more, as jinja2
     compiles its template), then written and synced to disk in a thread while the run trains. Rendering is Python
     that holds the GIL: in the thread, it held it against the run's own steps, which a small model's loop (Python
     between short ops, each letting go of the GIL and waiting to take it back) paid for with more than the rendering's
-    own time (an MLP's ten Lightning steps: 1-2 ms of CPU and 2-4 ms of wall clock more than rendering first). The
+    own time (an MLP's ten steps: 0.9-1.8 ms of CPU and 0.2-3.9 ms of wall clock more than rendering first). The
     writes wait on the disk without the GIL (tens of milliseconds of syncing on a slow disk), and the run trains on
     meanwhile. Rendering draws from no random stream, so the run's draws are as they would be. Each file is written
     whole or not at all, synced with its folder. The folder is made here, so that one that cannot be made fails
