@@ -7,11 +7,12 @@ a module.
 
 The three are timed side by side in one process (without, with, check; then again), the ratio the median of the
 rounds' own; only `fit` / `train` and `check_training` are timed (the Trainer, its module and arguments made
-beforehand, alike for both runs), on one torch thread. The callback's hook is timed too: the part of its cost
-spent before the run's first step (the report's files are synced to disk in a thread, while the run trains on).
-Each is timed on two clocks: the wall clock (the verdict, as the acceptance reads) and the process's CPU time
-(`time.process_time`, every thread of it: the report's writer thread included), which another job on a shared
-machine moves much less than the wall clock.
+beforehand, alike for both runs), on one torch thread. The callback's hook is timed too: the part of its cost spent
+before the run's first step (the report's files are synced to disk in a thread, while the run trains on). What the
+process holds after the warm-up is frozen out of Python's collections (`gc.freeze`: Hugging Face's `train` begins
+with a full collection, see `side_by_side`). Each is timed on two clocks: the wall clock (the verdict, as the
+acceptance reads) and the process's CPU time (`time.process_time`, every thread of it: the report's writer thread
+included), which another job on a shared machine moves much less than the wall clock.
 
     .venv/bin/python benchmarks/integrations.py [--rounds 11] [--steps 10]
 """
@@ -19,6 +20,7 @@ machine moves much less than the wall clock.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import statistics
 import tempfile
@@ -154,10 +156,20 @@ def transformers_(steps: int, folder: str) -> dict[str, object]:
 def side_by_side(runs: dict, rounds: int) -> dict[str, float]:
     """Median seconds of each variant, timed in turn (without, with, check; again) after one warm-up round, and
     the median of each round's own ratio (a shared machine's load changes between rounds more than within one);
-    ``cpu ratio`` the same ratio in the process's CPU time."""
+    ``cpu ratio`` the same ratio in the process's CPU time.
+
+    After the warm-up, what the process holds is collected and frozen (``gc.freeze``): Hugging Face's ``train``
+    begins with a full collection (accelerate's ``free_memory``, ``gc.collect()``), which walks every object the
+    process holds (torch's, transformers' and Lightning's modules: about 400,000) in 175-225 ms, three times the
+    check, with and without the callback alike; its swings were most of a round's difference (the rounds' ratios
+    spread by 0.5-0.7x). Frozen, that walk and Python's automatic collections skip the objects made before the
+    timing, and each run's collections walk what the runs make themselves, the callback's check included."""
     samples: dict[str, list[float]] = {name: [] for name in ("without", "with", "check")}
     cpu: dict[str, list[float]] = {name: [] for name in samples}
     for round_ in range(rounds + 1):
+        if round_ == 1:
+            gc.collect()
+            gc.freeze()
         for name in samples:
             timed = runs[name]()
             start, started = time.perf_counter(), time.process_time()
@@ -165,9 +177,13 @@ def side_by_side(runs: dict, rounds: int) -> dict[str, float]:
             if round_:
                 samples[name].append(time.perf_counter() - start)
                 cpu[name].append(time.process_time() - started)
+    gc.unfreeze()  # the next framework's runs are timed from a collection of their own
     hooked = runs["hook"].seconds[1:]  # the warm-up's first
+    ratios = sorted((w - o) / c for o, w, c in zip(samples["without"], samples["with"], samples["check"]))
     return {**{name: statistics.median(v) for name, v in samples.items()}, "hook": statistics.median(hooked),
-            "ratio": _ratio(samples), "cpu ratio": _ratio(cpu), "hook ratio": statistics.median(
+            "ratio": _ratio(samples), "cpu ratio": _ratio(cpu), "spread": (ratios[len(ratios) // 4],
+                                                                           ratios[(3 * len(ratios)) // 4]),
+            "hook ratio": statistics.median(
                 [h / c for h, c in zip(hooked, samples["check"])])}
 
 
@@ -201,7 +217,8 @@ def main() -> None:
                 print(f"{'PASSED' if ok else 'FAILED'} | {framework} | run {times['without']:.3f} s, with the "
                       f"callback {times['with']:.3f} s: the callback costs {ratio:.2f}x check_training's "
                       f"{times['check']:.3f} s (goal <= {GOAL:.2f}x); its hook {times['hook']:.3f} s "
-                      f"({times['hook ratio']:.2f}x); in CPU time {times['cpu ratio']:.2f}x")
+                      f"({times['hook ratio']:.2f}x); in CPU time {times['cpu ratio']:.2f}x; the rounds' ratios' "
+                      f"quartiles {times['spread'][0]:.2f}x-{times['spread'][1]:.2f}x")
     finally:
         torch.set_num_threads(threads)
     import pytorch_lightning as L

@@ -1,5 +1,6 @@
 """The callbacks' report files (`tf32lab.integrations.written.Written`) and the training report's plain data they are
-rendered from: the same texts as `to_json()` and `to_html()`, made from one `to_dict()`, in the writer thread."""
+rendered from: the same texts as `to_json()` and `to_html()`, made from one `to_dict()` in the caller's thread, and
+written by the writer thread."""
 
 from __future__ import annotations
 
@@ -129,29 +130,48 @@ def test_a_page_that_cannot_be_rendered_leaves_the_json_synced_with_its_folder(r
     assert (tmp_path / "tf32lab-training.json").read_text(encoding="utf-8") == report.to_json()
 
 
-def test_the_run_goes_on_while_the_writer_renders(report, tmp_path, monkeypatch):
-    # Thread.start() waits until the thread has started; a writer that then rendered in Python held the GIL until
-    # the interpreter's switch interval made it let go (5 ms by default, a twentieth of a small model's check)
-    import sys
+def test_the_texts_are_rendered_before_the_run_trains_on(report, tmp_path, monkeypatch):
+    """Rendering is Python that holds the GIL: in the writer thread it held it against the run's own steps (a small
+    model's loop, Python between short ops, paid more than the rendering's own time); it is done in the caller's
+    thread, before Written returns, and the thread only writes."""
     import threading
-    import time
 
+    threads: list[str] = []
     to_dict = TrainingReport.to_dict
-    rendering = threading.Event()
 
-    def slow(self):  # Python that holds the GIL, as a large report's rendering does
-        rendering.set()
-        deadline = time.perf_counter() + 0.3
-        while time.perf_counter() < deadline:
-            pass
+    def seen(self):
+        threads.append(threading.current_thread().name)
         return to_dict(self)
 
-    # Written imports the page's renderer in the run's thread, once a process (0.05 to 0.7 s where no test before
-    # this one in its process had imported it, on a loaded 2-core machine: alone, 4 runs of 18 failed the bound on
-    # that import): imported here first, the clock times the thread's start alone
-    from tf32lab.report import training_render  # noqa: F401
+    monkeypatch.setattr(TrainingReport, "to_dict", seen)
+    written = Written(report, str(tmp_path))
+    assert threads == [threading.current_thread().name]
+    monkeypatch.undo()
+    assert [p.read_text(encoding="utf-8") for p in written.wait()] == [report.to_json(), report.to_html()]
 
-    monkeypatch.setattr(TrainingReport, "to_dict", slow)
+
+def test_the_run_goes_on_while_the_writer_waits_on_the_disk(report, tmp_path, monkeypatch):
+    # Thread.start() waits until the thread has started; a writer that then ran Python held the GIL until the
+    # interpreter's switch interval made it let go (5 ms by default, a twentieth of a small model's check); and
+    # the disk's syncs (tens of milliseconds on a slow one) are waited for in the thread, not by the run
+    import os
+    import sys
+    import time
+
+    from tf32lab.numbers import files
+
+    # Written imports the page's renderer and compiles its template once a process (0.05 to 0.7 s on a loaded
+    # 2-core machine): done here first, the clock times the writer's start alone
+    Written(report, str(tmp_path / "first")).wait()
+    fsync = os.fsync
+    syncing = []
+
+    def slow(fd: int) -> None:  # a slow disk
+        syncing.append(1)
+        time.sleep(0.1)
+        fsync(fd)
+
+    monkeypatch.setattr(files.os, "fsync", slow)
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1.0)  # a writer that keeps the GIL keeps it for a second
     try:
@@ -161,7 +181,7 @@ def test_the_run_goes_on_while_the_writer_renders(report, tmp_path, monkeypatch)
         assert written.wait()
     finally:
         sys.setswitchinterval(interval)
-    assert rendering.is_set() and returned < 0.25, returned
+    assert len(syncing) == 3 and returned < 0.25, returned
 
 
 def test_an_interrupt_in_start_leaves_no_writer_waiting(report, tmp_path, monkeypatch):

@@ -14,7 +14,8 @@ other, without touching the run:
   (:class:`Steps`: clipping, each optimizer's step, the schedulers due);
 - the batches are the run's first ones, read from its dataloader with every random stream and sampler generator
   put back afterwards (:func:`first_batches`), so that the run reads the same batches in the same order;
-- the report's files are written in a thread while the run trains (:class:`tf32lab.integrations.written.Written`).
+- the report's files are rendered in the hook and written in a thread while the run trains
+  (:class:`tf32lab.integrations.written.Written`).
 
 Example:
 
