@@ -493,9 +493,9 @@ class Recorder:
                          f"measured end to end; its reference ran on a float64 copy of it")
         if self.transformed:
             names = ", ".join(repr(s) for s in self.transformed[:5]) + (" …" if len(self.transformed) > 5 else "")
-            found.append(f"not broken down into layers: {names} (called inside a torch.func transform, such as "
-                         f"vmap or grad, whose batched tensors a layer's rerun cannot be fed); its ops count toward "
-                         f"the module that calls it")
+            found.append(f"not broken down into layers where called inside a torch.func transform (vmap, grad, "
+                         f"whose batched tensors a layer's rerun cannot be fed): {names}; the ops of those calls "
+                         f"count toward the module that makes them")
         if self.mode.float32_writes:
             # a buffer it updates, or an input it scales in place (x.mul_(2)): "buffers" alone misled for an input
             found.append(f"the reference wrote {self.mode.float32_writes} time(s) into float32 tensors the model "
@@ -562,6 +562,8 @@ def _answering(answers: dict[torch.nn.Module, list[Any]]):
 
 
 def _next_or_run(pending, original, args, kwargs) -> Any:
+    if _transformed():  # a call inside vmap was no layer call of the reference: it computes, as its caller's ops
+        return original(*args, **kwargs)
     answer = next(pending, _MISSING)
     return original(*args, **kwargs) if answer is _MISSING else answer
 
@@ -604,6 +606,8 @@ class Accumulated:
 
     def _post(self, name: str):
         def hook(module, args, output):
+            if _transformed():  # not a layer call in the reference either (Recorder._pre)
+                return None
             if self.counting is None:
                 return self._measure(name, output)
             self.counting.paused = True  # our arithmetic is not the model's work
