@@ -7,6 +7,7 @@ it, or -inf, had no error at all (NaN: ‖r‖² overflowed), left out of the la
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -124,3 +125,23 @@ def test_a_layer_whose_reference_squares_overflow_float64_has_an_error_without_b
                            speed=False)
     exp = next((e for e in report.levels[0].layers if e.name == "exp"), None)
     assert exp is not None and exp.introduced == math.inf, report.levels[0].layers
+
+
+def test_an_output_that_requires_grad_is_compared_without_a_warning():
+    # a physics-informed net's input gradient, made with create_graph=True: the output requires grad, and reading
+    # its extremes for the dtype's limit warned the user "Converting a tensor with requires_grad=True to a scalar"
+    class Gradient(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(2, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.enable_grad():
+                x = x.clone().requires_grad_(True)
+                return torch.autograd.grad(self.net(x).sum(), x, create_graph=True)[0]
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = tf32lab.check(tf32lab.Workload(Gradient(), torch.rand(16, 2)), levels=("highest",))
+    assert report.passed
