@@ -722,6 +722,36 @@ def test_ops_that_ran_without_emulation_are_said_in_the_conclusion():
                for line in report.conclusion())
 
 
+class Laplacian(torch.nn.Module):
+    """A physics-informed net: its value and its Laplacian (torch.func.hessian under vmap), the same net called
+    inside the transform, then outside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(2, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
+                                       torch.nn.Tanh(), torch.nn.Linear(64, 1))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        u = lambda p: self.net(p).squeeze(-1)  # noqa: E731
+        laplacian = torch.func.vmap(torch.func.hessian(u))(x).diagonal(dim1=-2, dim2=-1).sum(-1)
+        return self.net(x).squeeze(-1), laplacian
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch.func's own
+def test_a_module_called_inside_vmap_is_attributed_at_its_call_outside():
+    # the backward attribution kept each module's first call: the one inside vmap, whose batched tensors escaped
+    # the transform and raised a RuntimeError out of check_training
+    torch.manual_seed(0)
+    batches = [torch.rand(64, 2) for _ in range(2)]
+    workload = TrainingWorkload(Laplacian(), batches, inputs=lambda b: b,
+                                loss=lambda out, b: (out[1] + 1).pow(2).mean() + out[0].pow(2).mean())
+    report = check_training(workload, levels=("highest", "high"), target="a100", speed=False)
+    high = report.level("high")
+    assert report.level("highest").passed and report.floor.drift < 1e-5
+    assert sorted(layer.name for layer in high.layers) == ["net.0", "net.2", "net.4"]
+    assert all(1e-5 < layer.introduced < 1e-2 for layer in high.layers), high.layers
+
+
 class Recurrent(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -153,7 +153,7 @@ def _scripted_twin(module: torch.nn.Module, workload: str, name: str) -> torch.n
                            f"for the reference: {type(exc).__name__}: {exc}") from exc
 
 
-def _transformed() -> bool:
+def transformed() -> bool:
     """Whether a torch.func transform (vmap, grad, jvp) is running: a module called inside one is given wrapped
     tensors, which cannot be read out (``.item()`` raises) nor kept for its reruns outside the transform."""
     peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
@@ -287,7 +287,7 @@ class Recorder:
 
     def _pre(self, name: str):
         def hook(module, args, kwargs):
-            if not self.rerunning and _transformed():  # its ops count toward the module that calls it
+            if not self.rerunning and transformed():  # its ops count toward the module that calls it
                 self.called.add(name)
                 if not any(name == t or name.startswith(t + ".") for t in self.transformed):  # the outermost
                     self.transformed.append(name)
@@ -300,7 +300,7 @@ class Recorder:
 
     def _post(self, name: str, module: torch.nn.Module):
         def hook(module, args, kwargs, output):
-            if self.rerunning or _transformed():
+            if self.rerunning or transformed():
                 return None
             frame = self.stack.pop()
             if not frame.drew and frame.state is not None and self.streams is not None and \
@@ -562,7 +562,7 @@ def _answering(answers: dict[torch.nn.Module, list[Any]]):
 
 
 def _next_or_run(pending, original, args, kwargs) -> Any:
-    if _transformed():  # a call inside vmap was no layer call of the reference: it computes, as its caller's ops
+    if transformed():  # a call inside vmap was no layer call of the reference: it computes, as its caller's ops
         return original(*args, **kwargs)
     answer = next(pending, _MISSING)
     return original(*args, **kwargs) if answer is _MISSING else answer
@@ -606,7 +606,7 @@ class Accumulated:
 
     def _post(self, name: str):
         def hook(module, args, output):
-            if _transformed():  # not a layer call in the reference either (Recorder._pre)
+            if transformed():  # not a layer call in the reference either (Recorder._pre)
                 return None
             if self.counting is None:
                 return self._measure(name, output)
