@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import pytest
 import torch
 
 import tf32lab
@@ -145,3 +146,30 @@ def test_an_output_that_requires_grad_is_compared_without_a_warning():
         warnings.simplefilter("error")
         report = tf32lab.check(tf32lab.Workload(Gradient(), torch.rand(16, 2)), levels=("highest",))
     assert report.passed
+
+
+class Floored(torch.nn.Module):
+    """A log kept finite by the dtype's own resolution (``torch.finfo(x.dtype).eps``; torch.distributions'
+    ``clamp_probs`` and ``probs_to_logits`` do it) over a ReLU's exact zeros."""
+
+    def __init__(self, attribute: str) -> None:
+        super().__init__()
+        self.linear, self.attribute = torch.nn.Linear(32, 32), attribute
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.linear(x))
+        floor = getattr(torch.finfo(h.dtype), self.attribute)
+        logits = torch.distributions.Categorical(probs=h / h.sum(-1, keepdim=True)).logits
+        return torch.log(h + floor), logits
+
+
+@pytest.mark.parametrize("attribute", ["eps", "tiny", "smallest_normal", "resolution"])
+def test_the_dtypes_resolution_read_in_the_reference_is_the_rows_float32s(attribute):
+    # the reference read float64's eps (log 2.2e-16 = -36 where the rows have log 1.2e-7 = -16 at every zero): every
+    # level failed at normwise 0.56, `highest` too, said to be float32 rounding amplified by the computation
+    torch.manual_seed(0)
+    report = tf32lab.check(tf32lab.Workload(Floored(attribute), torch.randn(16, 32)), levels=("highest", "high"))
+    highest = report.level("highest")
+    assert highest.passed and all(o.normwise < 1e-5 for o in highest.outputs), highest.outputs
+    assert not any("amplifies float32 rounding itself" in line for line in report.conclusion())
+    assert torch.finfo is torch.finfo(torch.float32).__class__ and torch.finfo(torch.float64).eps < 1e-15
