@@ -195,3 +195,17 @@ def test_a_training_reference_reads_the_rows_resolution_too():
     report = tf32lab.check_training(workload, levels=("highest", "high"), target="a100", speed=False)
     assert report.floor.drift < 1e-5 and report.level("highest").passed
     assert not report.level("high").passed
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_compiled_model_reads_the_rows_resolution_and_dynamo_keeps_pytorchs_finfo():
+    # the compiled forward reads the dtype's eps in the reference as the eager one does; and TorchDynamo's cache of
+    # the classes whose calls it folds, were its first use inside the reference run, holds PyTorch's finfo
+    user_defined = pytest.importorskip("torch._dynamo.variables.user_defined")
+    folds = getattr(user_defined.UserDefinedClassVariable, "_constant_fold_classes", None)
+    if folds is None:
+        pytest.skip("this torch's TorchDynamo keeps no such cache")
+    torch.manual_seed(0)
+    model = torch.compile(Floored("eps"), backend="eager")
+    report = tf32lab.check(tf32lab.Workload(model, torch.randn(16, 32)), levels=("highest",))
+    assert report.passed and torch.finfo in folds()

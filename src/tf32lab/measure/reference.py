@@ -30,7 +30,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 import threading
 import weakref
 from typing import Any, Callable, Optional
@@ -598,6 +600,16 @@ def _finfo(type: Any = None) -> Any:
     return found
 
 
+def _dynamo_folds() -> None:
+    """TorchDynamo caches the classes whose calls it folds (``torch.finfo`` among them) at its first use: where it
+    is loaded, that use is made now, so that it holds PyTorch's ``finfo``, not ``_finfo``."""
+    module = sys.modules.get("torch._dynamo.variables.user_defined")
+    folds = getattr(getattr(module, "UserDefinedClassVariable", None), "_constant_fold_classes", None)
+    if callable(folds):
+        with contextlib.suppress(Exception):  # primed or not, never a reason for the reference not to run
+            folds()
+
+
 def _on_stack(mode: TorchFunctionMode) -> bool:
     """Whether ``mode`` is on this thread's function-mode stack (not lifted off it for a layer's float32 rerun)."""
     return any(torch._C._get_function_stack_at(i) is mode for i in range(torch._C._len_torch_function_stack()))
@@ -651,7 +663,9 @@ class Float64Run:
         _active.runs.append(self)
         with _installing:
             _installed[0] += 1
-            torch.finfo = _finfo
+            if torch.finfo is _FINFO:
+                _dynamo_folds()
+                torch.finfo = _finfo
         return self
 
     def __exit__(self, *exc: object) -> None:
