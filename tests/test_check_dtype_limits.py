@@ -7,7 +7,9 @@ it, or -inf, had no error at all (NaN: ‖r‖² overflowed), left out of the la
 from __future__ import annotations
 
 import math
+import warnings
 
+import pytest
 import torch
 
 import tf32lab
@@ -124,3 +126,86 @@ def test_a_layer_whose_reference_squares_overflow_float64_has_an_error_without_b
                            speed=False)
     exp = next((e for e in report.levels[0].layers if e.name == "exp"), None)
     assert exp is not None and exp.introduced == math.inf, report.levels[0].layers
+
+
+def test_an_output_that_requires_grad_is_compared_without_a_warning():
+    # a physics-informed net's input gradient, made with create_graph=True: the output requires grad, and reading
+    # its extremes for the dtype's limit warned the user "Converting a tensor with requires_grad=True to a scalar"
+    class Gradient(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(2, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.enable_grad():
+                x = x.clone().requires_grad_(True)
+                return torch.autograd.grad(self.net(x).sum(), x, create_graph=True)[0]
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = tf32lab.check(tf32lab.Workload(Gradient(), torch.rand(16, 2)), levels=("highest",))
+    assert report.passed
+
+
+class Floored(torch.nn.Module):
+    """A log kept finite by the dtype's own resolution (``torch.finfo(x.dtype).eps``; torch.distributions'
+    ``clamp_probs`` and ``probs_to_logits`` do it) over a ReLU's exact zeros."""
+
+    def __init__(self, attribute: str) -> None:
+        super().__init__()
+        self.linear, self.attribute = torch.nn.Linear(32, 32), attribute
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.linear(x))
+        floor = getattr(torch.finfo(h.dtype), self.attribute)
+        logits = torch.distributions.Categorical(probs=h / h.sum(-1, keepdim=True)).logits
+        return torch.log(h + floor), logits
+
+
+@pytest.mark.parametrize("attribute", ["eps", "tiny", "smallest_normal", "resolution"])
+def test_the_dtypes_resolution_read_in_the_reference_is_the_rows_float32s(attribute):
+    # the reference read float64's eps (log 2.2e-16 = -36 where the rows have log 1.2e-7 = -16 at every zero): every
+    # level failed at normwise 0.56, `highest` too, said to be float32 rounding amplified by the computation
+    torch.manual_seed(0)
+    report = tf32lab.check(tf32lab.Workload(Floored(attribute), torch.randn(16, 32)), levels=("highest", "high"))
+    highest = report.level("highest")
+    assert highest.passed and all(o.normwise < 1e-5 for o in highest.outputs), highest.outputs
+    assert not any("amplifies float32 rounding itself" in line for line in report.conclusion())
+    assert torch.finfo is torch.finfo(torch.float32).__class__ and torch.finfo(torch.float64).eps < 1e-15
+
+
+def test_a_training_reference_reads_the_rows_resolution_too():
+    # torch.distributions' clamp_probs in the loss path: float64's eps put float64's loss 18.2 where float32's is
+    # 8.5, float32 "drifted" by 0.54, and `high` passed within 3x of that drift where it diverges by 6e-2
+    class Classifier(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(32, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.cat([torch.relu(self.linear(x)), torch.ones(len(x), 1)], -1)
+            return torch.distributions.Categorical(probs=h / h.sum(-1, keepdim=True)).logits[:, :8]
+
+    torch.manual_seed(0)
+    data = [(torch.randn(64, 32), torch.randint(0, 8, (64,))) for _ in range(3)]
+    workload = tf32lab.TrainingWorkload(Classifier(), data, inputs=lambda b: b[0],
+                                        loss=lambda out, b: torch.nn.functional.cross_entropy(out, b[1]),
+                                        optimizer=lambda p: torch.optim.SGD(p, lr=0.01))
+    report = tf32lab.check_training(workload, levels=("highest", "high"), target="a100", speed=False)
+    assert report.floor.drift < 1e-5 and report.level("highest").passed
+    assert not report.level("high").passed
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_compiled_model_reads_the_rows_resolution_and_dynamo_keeps_pytorchs_finfo():
+    # the compiled forward reads the dtype's eps in the reference as the eager one does; and TorchDynamo's cache of
+    # the classes whose calls it folds, were its first use inside the reference run, holds PyTorch's finfo
+    user_defined = pytest.importorskip("torch._dynamo.variables.user_defined")
+    folds = getattr(user_defined.UserDefinedClassVariable, "_constant_fold_classes", None)
+    if folds is None:
+        pytest.skip("this torch's TorchDynamo keeps no such cache")
+    torch.manual_seed(0)
+    model = torch.compile(Floored("eps"), backend="eager")
+    report = tf32lab.check(tf32lab.Workload(model, torch.randn(16, 32)), levels=("highest",))
+    assert report.passed and torch.finfo in folds()

@@ -143,6 +143,60 @@ def test_scripted_parts_of_a_python_model_are_said_and_the_rest_broken_down():
     assert model.inner.weight.dtype == torch.float32 and model._modules["inner"] is model.inner  # put back
 
 
+def test_a_module_called_inside_vmap_is_said_and_its_ops_count_toward_its_caller():
+    class PerSample(nn.Module):
+        """A hypernetwork: one first-layer weight per sample, applied by torch.func.vmap over functional_call."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
+            self.hyper = nn.Linear(8, 64 * 32)
+
+        def forward(self, x, z):
+            weights = self.hyper(z).view(-1, 64, 32) * 0.1
+            params = dict(self.net.named_parameters())
+            one = lambda w, x0: torch.func.functional_call(self.net, {**params, "0.weight": w}, (x0,))  # noqa: E731
+            return torch.func.vmap(one)(weights, x)
+
+    torch.manual_seed(0)
+    model, x, z = PerSample(), torch.randn(16, 32), torch.randn(16, 8)
+    expected = model(x, z)
+    report = tf32lab.check(Workload(model, (x, z)), levels=("highest", "high"))
+    high = report.level("high")
+    # every GEMM emulated (the vmapped ones batched into one bmm); the model's own rows hold the vmapped net's
+    assert high.coverage == {"aten::linear tf32-rna": 1, "aten::bmm tf32-rna": 1, "aten::mm tf32-rna": 1}, \
+        high.coverage
+    assert sorted(layer.name for layer in high.layers) == ["(model)", "hyper"]
+    assert 1e-5 < high.outputs[0].normwise < 1e-2 and report.level("highest").outputs[0].normwise < 1e-5
+    assert any(note.startswith("not broken down into layers where called inside a torch.func transform")
+               and note.count("'net") == 1 and "'net'" in note for note in report.notes), report.notes
+    assert torch.equal(model(x, z), expected)
+
+
+def test_a_module_called_both_inside_and_outside_vmap_is_measured_at_its_calls_outside():
+    class Laplacian(nn.Module):
+        """A physics-informed net's value and Laplacian (torch.func.hessian under vmap): the same net is called
+        inside the transform, then outside it."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(2, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+
+        def forward(self, x):
+            u = lambda p: self.net(p).squeeze(-1)  # noqa: E731
+            laplacian = torch.func.vmap(torch.func.hessian(u))(x).diagonal(dim1=-2, dim2=-1).sum(-1)
+            return self.net(x).squeeze(-1), laplacian
+
+    torch.manual_seed(0)
+    report = tf32lab.check(Workload(Laplacian(), torch.rand(32, 2)), levels=("highest", "high"))
+    for level in report.levels:
+        # the calls outside vmap matched with the reference's one for one; the model's own row holds the rest
+        assert sorted(layer.name for layer in level.layers) == ["(model)", "net.0", "net.2", "net.4"]
+        assert all(layer.diverged is None and layer.calls == 1 and not math.isnan(layer.introduced)
+                   and not math.isnan(layer.accumulated) for layer in level.layers), level.layers
+    assert 1e-5 < report.level("high").layers[0].introduced < 1e-2
+
+
 # -- data-dependent control flow ---------------------------------------------------------------------------------
 def test_a_cascade_that_keeps_other_rows_is_reported_with_its_diverged_layer(models):
     module, path = models

@@ -74,6 +74,33 @@ def test_a_model_without_state_gets_no_note():
     assert not any("keeps state" in note for note in report.notes)
 
 
+class _Moved(torch.nn.Module):
+    """Moves a constant mask to its input's device at every call, as a buffer and as a plain attribute
+    (speechbrain's LiGRU: ``self.drop_mask_te = self.drop_mask_te.to(w.device)``): in float32 the very same
+    tensors, no state; the float64 reference's ops widen what they return, so there it assigns float64 copies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+        self.register_buffer("mask", torch.ones(16))
+        self.scale = torch.full((16,), 0.5)
+
+    def forward(self, x):
+        self.mask = self.mask.to(x.device)
+        self.scale = self.scale.to(x.device)
+        return self.linear(x) * self.mask * self.scale
+
+
+def test_a_model_that_only_moves_its_tensors_to_the_inputs_device_gets_no_note():
+    torch.manual_seed(0)
+    model = _Moved()
+    mask, scale = model.mask, model.scale
+    report = _check(model)
+    assert report.levels[0].outputs[0].normwise < 1e-5
+    assert not any("keeps state" in note for note in report.notes), report.notes
+    assert model.mask is mask and model.scale is scale and mask.dtype == scale.dtype == torch.float32
+
+
 class _Scripted(torch.nn.Module):
     """A TorchScript model with its state in attributes, as Silero VAD keeps its LSTM state."""
 

@@ -14,7 +14,7 @@ import torch
 
 import cli_runner
 import tf32lab
-from drifting_models import Offset
+from drifting_models import Offset, offset_forward, offset_layers
 from tf32lab import Policy, TrainingWorkload, check_training
 from tf32lab.control import flags
 from tf32lab.errors import Tf32LabError
@@ -138,6 +138,48 @@ def test_gradients_that_tf32_ruins_diverge_at_a_step_and_fail():
     assert f"diverges at step {high.divergence_step} on a100" in text
     assert "gradients of 'lin.weight' are off by" in text and 'Policy("high", [("lin", "highest")])' in text
     assert f"FAILED | level 'high' | training 20 steps | diverges at step {high.divergence_step}" in str(report)
+
+
+class Tagged(torch.nn.Module):
+    """`Offset` fed a learnt embedding of a tag beside its input, its `lin` and `head` frozen: the only gradient is
+    the embedding's, which TF32 ruins through `lin`'s forward, while the embedding itself computes alike at every
+    level (a lookup, no matmul-family op)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(4, 16)
+        offset_layers(self)
+        self.lin.requires_grad_(False)
+        self.head.requires_grad_(False)
+
+    def forward(self, tag: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return offset_forward(self, x + self.emb(tag))
+
+
+def tagged_batches(step: int):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(32, 16, generator=g)
+    return (torch.randint(0, 4, (32,), generator=g), x), x.sum(-1, keepdim=True)
+
+
+def test_a_failing_level_is_not_told_to_pin_a_module_it_computes_alike():
+    # the worst gradient is the embedding's, but pinning `emb` to highest changes nothing: the advice must not
+    # name it, nor call it the module whose backward adds the most error
+    torch.manual_seed(0)
+    workload = TrainingWorkload(Tagged(), tagged_batches, loss=mse, inputs=lambda b: b[0], steps=10,
+                                optimizer=lambda p: torch.optim.SGD(p, lr=0.2), name="tagged")
+    report = check_training(workload, levels=("highest", "high"), target="a100", tolerance=5e-3, speed=False)
+    high = report.level("high")
+    assert not high.passed and high.gradients[0].name == "emb.weight" and high.gradients[0].normwise > 1e-2
+    emb = {layer.name: layer.introduced for layer in high.layers}["emb"]
+    assert emb == {layer.name: layer.introduced for layer in report.floor.layers}["emb"]
+    said = report.conclusion()[0]
+    assert said.startswith("TF32 (`high`) diverges at step"), said
+    assert "'emb'" not in said and "keep `highest`" in said, said
+    # what that advice would have bought: the very same path
+    pinned = check_training(workload, levels=("high",), target="a100", tolerance=5e-3, speed=False,
+                            policy=Policy("high", [("emb", "highest")]))
+    assert pinned.policy_row.losses == high.losses
 
 
 def test_a_step_that_raises_only_under_tf32_fails_its_level_at_that_step():
@@ -428,6 +470,33 @@ def test_tune_pins_the_module_whose_gradients_tf32_ruins_and_trains_it():
     assert json.loads(tuning.to_json())["candidates"][0]["pinned"] == ["3.head"]
 
 
+def test_tune_pins_no_module_that_the_level_computes_alike():
+    # `heavy_offset` behind a learnt embedding of a tag, only the embedding trained: its gradient is the only one
+    # and TF32 ruins it (through the frozen `lin`'s forward), but the embedding computes alike at every level, so
+    # no pin can help, and none is trained
+    class HeavyTagged(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(4, 256)
+            self.body = heavy_offset(0.5).model.requires_grad_(False)
+
+        def forward(self, tag: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x + self.emb(tag))
+
+    def batches(step: int):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(1024, 256, generator=g)
+        return (torch.randint(0, 4, (1024,), generator=g), x), x[:, :16].sum(-1, keepdim=True)
+
+    workload = TrainingWorkload(HeavyTagged(), batches, loss=mse, inputs=lambda b: b[0], steps=8,
+                                optimizer=lambda p: torch.optim.SGD(p, lr=0.5), name="heavy_tagged")
+    tuning = tf32lab.tune(workload, target="a100", tolerance=5e-4)
+    assert not tuning.report.level("high").passed and tuning.level == "highest"
+    assert tuning.report.level("high").gradients[0].name == "emb.weight"
+    assert tuning.candidates == (), tuning.candidates
+    assert "no module to pin" in tuning.reason, tuning.reason
+
+
 def test_tune_keeps_a_level_that_trains_within_tolerance():
     tuning = tf32lab.tune(heavy_offset(3e-3, steps=8), target="a100")
     assert tuning.passed and tuning.level == "high" and tuning.candidates == ()
@@ -651,6 +720,36 @@ def test_ops_that_ran_without_emulation_are_said_in_the_conclusion():
     assert report.level("high").unhandled
     assert any(line.startswith("Some matmul-family ops ran without emulation (aten::linalg_matrix_exp")
                for line in report.conclusion())
+
+
+class Laplacian(torch.nn.Module):
+    """A physics-informed net: its value and its Laplacian (torch.func.hessian under vmap), the same net called
+    inside the transform, then outside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(2, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
+                                       torch.nn.Tanh(), torch.nn.Linear(64, 1))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        u = lambda p: self.net(p).squeeze(-1)  # noqa: E731
+        laplacian = torch.func.vmap(torch.func.hessian(u))(x).diagonal(dim1=-2, dim2=-1).sum(-1)
+        return self.net(x).squeeze(-1), laplacian
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch.func's own
+def test_a_module_called_inside_vmap_is_attributed_at_its_call_outside():
+    # the backward attribution kept each module's first call: the one inside vmap, whose batched tensors escaped
+    # the transform and raised a RuntimeError out of check_training
+    torch.manual_seed(0)
+    batches = [torch.rand(64, 2) for _ in range(2)]
+    workload = TrainingWorkload(Laplacian(), batches, inputs=lambda b: b,
+                                loss=lambda out, b: (out[1] + 1).pow(2).mean() + out[0].pow(2).mean())
+    report = check_training(workload, levels=("highest", "high"), target="a100", speed=False)
+    high = report.level("high")
+    assert report.level("highest").passed and report.floor.drift < 1e-5
+    assert sorted(layer.name for layer in high.layers) == ["net.0", "net.2", "net.4"]
+    assert all(1e-5 < layer.introduced < 1e-2 for layer in high.layers), high.layers
 
 
 class Recurrent(torch.nn.Module):

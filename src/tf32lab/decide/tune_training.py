@@ -54,7 +54,7 @@ from tf32lab.measure.check import ConvRun, PolicyRow, alike_levels
 from tf32lab.measure.training import TrainingSession, random_state_kept, training_steps, training_tolerance
 from tf32lab.report import Document
 from tf32lab.report.conclusion import WORTH
-from tf32lab.report.training import TrainingLevel, TrainingReport, faster
+from tf32lab.report.training import TrainingLevel, TrainingReport, changed_layers, faster
 from tf32lab.report.wording import tolerance_words
 from tf32lab.workloads.running import Progress, changed_note, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.training import TrainingWorkload
@@ -251,7 +251,7 @@ class _Search:
                     f"{WORTH:.2f}x), so no pinned policy is worth trying"))
             last, pinned = uniform[fast], []
             for _ in range(MAX_PINS):
-                module = _culprit(last, pinned)
+                module = _culprit(last, pinned, uniform["highest"])
                 if module is None:
                     break
                 pinned.append(module)
@@ -273,8 +273,10 @@ class _Search:
                             f"at `highest` on {target.name} (tune's threshold: {WORTH:.2f}x)"))
                     return _Found(policy, None, tuple(pinned), passes + ".", (*rows, row))
                 last = row
-            return self._uniform_fallback(uniform, rows, f"`{fast}` fails ({_why(uniform[fast])}) and no policy of "
-                                                         f"up to {MAX_PINS} pinned modules passes")
+            tried = (f"no policy of up to {MAX_PINS} pinned modules passes" if pinned else
+                     f"no module to pin (none below the model has parameters and computes otherwise at `{fast}` "
+                     f"than in float32)")
+            return self._uniform_fallback(uniform, rows, f"`{fast}` fails ({_why(uniform[fast])}) and {tried}")
 
     def _trained(self, fast: str, pinned: list[str], bar: Progress, why: str = "") -> tuple[Policy, TrainingLevel]:
         """``fast`` with the modules ``pinned`` at ``highest``, trained and judged; recorded as a candidate."""
@@ -307,9 +309,12 @@ def _why(row: TrainingLevel) -> str:
     return f"diverges at step {row.divergence_step}, {row.multiple:.0f}x float32's own drift"
 
 
-def _culprit(row: TrainingLevel, pinned: list[str]) -> Optional[str]:
+def _culprit(row: TrainingLevel, pinned: list[str], floor: TrainingLevel) -> Optional[str]:
     """The module owning the worst step-1 gradient not yet pinned; without gradients, the module whose backward
-    introduces the most error."""
-    names = [g.name.rpartition(".")[0] for g in row.gradients] + [e.name for e in row.layers]
-    return next((name for name in names if name and name not in pinned), None)
+    introduces the most error. A module the level computes as float32 does (an embedding, a norm: no
+    matmul-family op of its own; ``changed_layers``) is never one: pinning it would change nothing."""
+    changed = changed_layers(row, floor)
+    alike = {e.name for e in row.layers} - {e.name for e in changed}
+    names = [g.name.rpartition(".")[0] for g in row.gradients] + [e.name for e in changed]
+    return next((name for name in names if name and name not in pinned and name not in alike), None)
 

@@ -153,6 +153,13 @@ def _scripted_twin(module: torch.nn.Module, workload: str, name: str) -> torch.n
                            f"for the reference: {type(exc).__name__}: {exc}") from exc
 
 
+def transformed() -> bool:
+    """Whether a torch.func transform (vmap, grad, jvp) is running: a module called inside one is given wrapped
+    tensors, which cannot be read out (``.item()`` raises) nor kept for its reruns outside the transform."""
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
 class _Frame:
     """A module call in progress in the reference run."""
 
@@ -207,6 +214,7 @@ class Recorder:
         self.grad_used = False
         self.families: dict[str, set[str]] = {}  # layer -> the op families of its own ops (conv, rnn, ...)
         self.called: set[str] = set()  # the modules whose forward ran (one whose parent uses its weights did not)
+        self.transformed: list[str] = []  # modules called inside a torch.func transform: not measured as layers
         self.by_family: collections.Counter[str] = collections.Counter()  # the reference's family ops, per family
         self.rnn_ops: set[str] = set()  # the reference's RNN ops by name (aten::lstm, aten::gru, ...)
         self.streams: Optional[Streams] = None  # set by check: each rerun draws from its call's random state
@@ -279,7 +287,11 @@ class Recorder:
 
     def _pre(self, name: str):
         def hook(module, args, kwargs):
-            if not self.rerunning:
+            if not self.rerunning and transformed():  # its ops count toward the module that calls it
+                self.called.add(name)
+                if not any(name == t or name.startswith(t + ".") for t in self.transformed):  # the outermost
+                    self.transformed.append(name)
+            elif not self.rerunning:
                 self.called.add(name)
                 state = self.streams.state() if self.streams is not None else None
                 self.stack.append(_Frame(name, args, kwargs, state))
@@ -288,7 +300,7 @@ class Recorder:
 
     def _post(self, name: str, module: torch.nn.Module):
         def hook(module, args, kwargs, output):
-            if self.rerunning:
+            if self.rerunning or transformed():
                 return None
             frame = self.stack.pop()
             if not frame.drew and frame.state is not None and self.streams is not None and \
@@ -479,6 +491,11 @@ class Recorder:
             found.append(f"not broken down into layers: {names} (TorchScript: PyTorch takes no hooks on a "
                          f"ScriptModule); its ops count toward the module that calls it, and the outputs are "
                          f"measured end to end; its reference ran on a float64 copy of it")
+        if self.transformed:
+            names = ", ".join(repr(s) for s in self.transformed[:5]) + (" …" if len(self.transformed) > 5 else "")
+            found.append(f"not broken down into layers where called inside a torch.func transform (vmap, grad, "
+                         f"whose batched tensors a layer's rerun cannot be fed): {names}; the ops of those calls "
+                         f"count toward the module that makes them")
         if self.mode.float32_writes:
             # a buffer it updates, or an input it scales in place (x.mul_(2)): "buffers" alone misled for an input
             found.append(f"the reference wrote {self.mode.float32_writes} time(s) into float32 tensors the model "
@@ -545,6 +562,8 @@ def _answering(answers: dict[torch.nn.Module, list[Any]]):
 
 
 def _next_or_run(pending, original, args, kwargs) -> Any:
+    if transformed():  # a call inside vmap was no layer call of the reference: it computes, as its caller's ops
+        return original(*args, **kwargs)
     answer = next(pending, _MISSING)
     return original(*args, **kwargs) if answer is _MISSING else answer
 
@@ -587,6 +606,8 @@ class Accumulated:
 
     def _post(self, name: str):
         def hook(module, args, output):
+            if transformed():  # not a layer call in the reference either (Recorder._pre)
+                return None
             if self.counting is None:
                 return self._measure(name, output)
             self.counting.paused = True  # our arithmetic is not the model's work

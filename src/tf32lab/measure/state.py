@@ -8,7 +8,9 @@ then each level) would start where the last one stopped, and compare calls that 
 precision. What is kept:
 
 - every buffer (its values, written back in place; whole where a run gave it another shape or dtype), and which
-  buffers there are (one a run registered is removed, one registered as None is None again);
+  buffers there are (one a run registered is removed, one registered as None is None again); a buffer or tensor
+  attribute a run replaced by a float64 copy of itself (``self.mask = self.mask.to(x.device)``, which the float64
+  reference's ops widen) is put back but not called state: the float32 runs keep the very same tensor;
 - every module's ``training`` flag, its forward and backward hooks (one a run registers is removed), and its
   submodules and parameters as the same objects: one a run made or
   replaced is removed, the one it replaced put back (a submodule made at the first call is made in the float64
@@ -280,9 +282,10 @@ def _buffer(module: torch.nn.Module, key: str, buffer: torch.Tensor, value: Any,
 
     def restore() -> list[str]:
         changed = False
-        if not scripted and module._buffers.get(key) is not buffer:
+        now = module._buffers.get(key)
+        if not scripted and now is not buffer:
             module._buffers[key] = buffer
-            changed = True
+            changed = not _widened(now, buffer if value is None else value)
         return [key] if _values_put_back(buffer, value) or changed else []
 
     return restore
@@ -449,12 +452,26 @@ def _attribute(key: str, value: Any, get: Callable[[], Any], put: Callable[[Any]
     contents = kept_contents(value)
 
     def restore() -> list[str]:
-        changed = not _same(get(), value)
+        now = get()
+        changed = not _same(now, value)
         if changed:
             put(value)
+            changed = not _widened(now, value)
         return [key] if put_back_contents(value, contents) or changed else []
 
     return restore
+
+
+def _widened(now: Any, was: Any) -> bool:
+    """Whether tensor ``now`` is ``was`` as float64 (complex128), its values alike: what a model that moves a
+    constant to its input's device at every call (speechbrain's LiGRU: ``self.drop_mask_te =
+    self.drop_mask_te.to(w.device)``) assigns in the float64 reference, whose ops return float64, where its float32
+    runs keep the very same tensor. Put back all the same, but not the model's state."""
+    return (isinstance(now, torch.Tensor) and isinstance(was, torch.Tensor)
+            and now.dtype == {torch.float32: torch.float64, torch.complex64: torch.complex128}.get(was.dtype)
+            and now.layout == was.layout == torch.strided and not (now.is_nested or was.is_nested)
+            and now.device == was.device and now.device.type != "meta" and now.shape == was.shape
+            and torch.equal(now, was.to(now.dtype)))
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -59,7 +59,7 @@ from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.check import ConvRun, PolicyRow, alike_levels, policy_maths, refuse_native_levels, rows_of_alike
 from tf32lab.measure.draws import DrawLog, SameDraws, Streams, draw_plan, lazy_note, materialised, seeded
-from tf32lab.measure.layers import ROOT, described, out_of_memory
+from tf32lab.measure.layers import ROOT, described, out_of_memory, transformed
 from tf32lab.measure.reference import Float64Run, widen, widened_model
 from tf32lab.numbers import metrics
 from tf32lab.numbers.origin import internal_error
@@ -668,6 +668,8 @@ class _Attribution:
 
     def _keep(self, name: str, calls: dict[str, list[Any]]) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if transformed():  # inside vmap or grad: its tensors cannot leave the transform; its caller's ops
+                return
             if name in calls:
                 calls[name][3][0] += 1
                 return

@@ -572,7 +572,7 @@ def dtype_limits(y: torch.Tensor, r: torch.Tensor) -> Optional[torch.Tensor]:
     if y.dtype != torch.float32 or r.dtype != torch.float64 or r.numel() == 0:
         return None
     # read on the float32 side (half the bytes of the reference's); no buffer the output's size where none holds it
-    lo, hi = (float(t) for t in torch.aminmax(y))
+    lo, hi = (float(t) for t in torch.aminmax(y.detach()))  # an output may require grad: no warning
     if lo > -_FLOAT32_MAX and hi < _FLOAT32_MAX:  # NaN compares False: looked for
         return None
     limits = ((r == _FLOAT64_MAX) & (y == _FLOAT32_MAX)) | ((r == -_FLOAT64_MAX) & (y == -_FLOAT32_MAX))

@@ -242,12 +242,21 @@ def _called(lv: TrainingLevel) -> str:
     return f"{word} (`{lv.level}`)" if word and lv.level != "highest" else f"`{lv.level}`"
 
 
-def _gradient_clause(lv: TrainingLevel) -> str:
+def changed_layers(lv: TrainingLevel, floor: TrainingLevel) -> list[BackwardLayer]:
+    """``lv``'s backward rows whose own error the level raises past float32's own (the floor's, in the same
+    module), the most first: a module that runs no matmul-family op (an embedding, a norm) computes alike at every
+    level, so pinning it to `highest` changes nothing. A module the floor has no number for counts as changed."""
+    own = {layer.name: layer.introduced for layer in floor.layers}
+    return [layer for layer in lv.layers if not math.isnan(layer.introduced)
+            and not layer.introduced <= own.get(layer.name, math.nan)]
+
+
+def _gradient_clause(lv: TrainingLevel, floor: TrainingLevel) -> str:
     worst = lv.worst_gradient
     if worst is None:
         return ""
     text = f"gradients of {worst.name!r} are off by {worst.normwise:.0e} at step 1"
-    layer = lv.worst_layer
+    layer = next(iter(changed_layers(lv, floor)), None)
     if layer is not None and layer.introduced > 0:
         text += f" (the module whose own backward adds the most error: {layer.name!r}, {layer.introduced:.0e})"
     return text
@@ -274,12 +283,17 @@ def _enable(lv: TrainingLevel, target: str) -> str:
     return f" Enable it with {enable(lv.level)}."
 
 
-def _pin(lv: TrainingLevel) -> str:
-    """Pin the module that owns the worst gradient (its parameter's name less the last part)."""
+def _pin(lv: TrainingLevel, floor: TrainingLevel) -> str:
+    """Pin the module that owns the worst gradient (its parameter's name less the last part); where the level
+    leaves that module's own computation as float32's (its gradient is wrong only by what reaches it), the module
+    whose own backward the level changes most; none where it changes no module's."""
     worst = lv.worst_gradient
     if worst is None or lv.level not in ("high", "medium"):
         return ""
     module = worst.name.rpartition(".")[0]
+    changed = changed_layers(lv, floor)
+    if module in {layer.name for layer in lv.layers} - {layer.name for layer in changed}:
+        module = changed[0].name if changed else ""
     if not module:
         return ""
     return (f'; pin {module!r} with `tf32lab.Policy("{lv.level}", [("{module}", "highest")])` and check again '
@@ -311,10 +325,10 @@ def conclusion(report: TrainingReport) -> list[str]:
                          f"{given(report.tolerance)} (from step {lv.divergence_step}){faster(lv, report.target)}."
                          f"{_enable(lv, report.target)}")
         else:
-            clause = _gradient_clause(lv)
+            clause = _gradient_clause(lv, report.floor)
             lines.append(f"{called} diverges at step {lv.divergence_step} {where}: its loss is "
                          f"{lv.drift:.1e} from float64's, {_times(lv.multiple)} float32's own drift"
-                         f"{'; ' + clause if clause else ''}{_pin(lv) or _keep(lv, keep)}.")
+                         f"{'; ' + clause if clause else ''}{_pin(lv, report.floor) or _keep(lv, keep)}.")
     unhandled = {op: n for lv in report.levels if lv.same_as is None for op, n in lv.unhandled.items()}
     if unhandled:
         ops = ", ".join(f"{op} x{n}" for op, n in sorted(unhandled.items()))
