@@ -209,3 +209,20 @@ def test_a_compiled_model_reads_the_rows_resolution_and_dynamo_keeps_pytorchs_fi
     model = torch.compile(Floored("eps"), backend="eager")
     report = tf32lab.check(tf32lab.Workload(model, torch.randn(16, 32)), levels=("highest",))
     assert report.passed and torch.finfo in folds()
+
+
+def test_torch_finfo_stays_a_type_while_a_reference_runs():
+    # torch.finfo is swapped while the float64 reference runs: isinstance against it, on the run's thread or
+    # another, still answers as PyTorch's own (a function in its place raised TypeError)
+    seen = []
+
+    class Checks(torch.nn.Module):
+        def forward(self, x):
+            info = torch.finfo(x.dtype)
+            seen.append((isinstance(info, torch.finfo), isinstance(torch.finfo(torch.float16), torch.finfo),
+                         isinstance(1.0, torch.finfo)))
+            return x * info.eps
+
+    tf32lab.check(tf32lab.Workload(Checks(), torch.randn(3)), levels=("high",), speed=False)
+    assert seen and all(s == (True, True, False) for s in seen), seen
+    assert isinstance(torch.finfo(torch.float32), torch.finfo)

@@ -591,13 +591,25 @@ class _Float32Resolution:
         return f"finfo(float32's resolution, eps={self.eps}, float64's max={self.max}, dtype={self.dtype})"
 
 
-def _finfo(type: Any = None) -> Any:
-    found = _FINFO() if type is None else _FINFO(type)
-    runs = getattr(_active, "runs", None)
-    run = runs[-1] if runs else None
-    if run is not None and not run.paused and run.read_wider and type in _FLOAT64 and _on_stack(run.modes[0]):
-        return _Float32Resolution()
-    return found
+class _FinfoType(type):
+    """The type of :class:`_finfo`: ``isinstance(x, torch.finfo)`` keeps PyTorch's answer while it is swapped in
+    (on any thread: a function there raised TypeError), a :class:`_Float32Resolution` counted as one."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, (_FINFO, _Float32Resolution))
+
+
+class _finfo(metaclass=_FinfoType):
+    """``torch.finfo`` while a Float64Run is active: PyTorch's own answer, but :class:`_Float32Resolution` for a
+    float64 dtype read off a tensor that is float32 in the rows, on the run's own thread."""
+
+    def __new__(cls, type: Any = None) -> Any:
+        found = _FINFO() if type is None else _FINFO(type)
+        runs = getattr(_active, "runs", None)
+        run = runs[-1] if runs else None
+        if run is not None and not run.paused and run.read_wider and type in _FLOAT64 and _on_stack(run.modes[0]):
+            return _Float32Resolution()
+        return found
 
 
 def _dynamo_folds() -> None:
