@@ -97,3 +97,14 @@ def test_a_tune_does_not_weigh_the_conv_flag_where_cudnn_is_off():
     assert conv_matters(conv, get("a100"))
     with torch.backends.cudnn.flags(enabled=False):
         assert not conv_matters(conv, get("a100"))
+
+
+def test_conv_asked_for_where_cudnn_is_off_is_not_said_to_have_set_the_convolutions():
+    torch.manual_seed(0)
+    workload = tf32lab.Workload(_Convs().eval(), torch.randn(4, 16, 12, 12), name="convs")
+    with torch.backends.cudnn.flags(enabled=False):
+        report = tf32lab.check(workload, levels=("highest", "high"), conv="ieee", speed=False)
+    assert report.cudnn[0].maths == {"highest": "ieee", "high": "tf32-rna"}  # the level's, not conv='ieee'
+    (note,) = [n for n in report.notes if "conv=" in n or "cudnn.conv" in n]
+    assert "ran at cudnn.conv" not in note and "cuDNN is off" in note, note
+
