@@ -108,3 +108,14 @@ def test_conv_asked_for_where_cudnn_is_off_is_not_said_to_have_set_the_convoluti
     (note,) = [n for n in report.notes if "conv=" in n or "cudnn.conv" in n]
     assert "ran at cudnn.conv" not in note and "cuDNN is off" in note, note
 
+
+def test_a_prediction_under_a_conv_math_where_cudnn_is_off_gives_that_flag_no_gain():
+    from tf32lab.speed.prediction import predict
+
+    torch.manual_seed(0)
+    workload = tf32lab.Workload(_Convs().eval(), torch.randn(8, 16, 48, 48), name="convs")
+    with torch.backends.cudnn.flags(enabled=False):
+        speed = predict(workload, "a100", ("highest", "high"), conv="tf32")
+    (note,) = [n for n in speed.notes if "cudnn.conv" in n or "conv=" in n]
+    assert "likely" not in note and "cuDNN is off" in note, note
+
