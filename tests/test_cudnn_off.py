@@ -119,3 +119,27 @@ def test_a_prediction_under_a_conv_math_where_cudnn_is_off_gives_that_flag_no_ga
     (note,) = [n for n in speed.notes if "cudnn.conv" in n or "conv=" in n]
     assert "likely" not in note and "cuDNN is off" in note, note
 
+
+class _Depthwise(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = nn.Sequential(*(nn.Conv2d(16, 16, 5, padding=2, groups=16) for _ in range(3)))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.convs(x).mean((2, 3)))
+
+
+def test_depthwise_convolutions_where_cudnn_is_off_are_not_counted_as_set_by_the_level():
+    torch.manual_seed(0)
+    workload = tf32lab.Workload(_Depthwise().eval(), torch.randn(8, 16, 96, 96), name="depthwise")
+    with torch.backends.cudnn.flags(enabled=False):
+        report = tf32lab.check(workload, levels=("highest", "high"))
+    (conv,) = report.cudnn
+    assert conv.flag == "off" and conv.maths == {"highest": "ieee", "high": "ieee"}
+    advice = report.conclusion()[0]
+    share = report.speed.level("highest").shares["conv"]
+    assert f"convolutions, {share:.0%} (IEEE float32 at every level), run in PyTorch's own depthwise kernels, " \
+           "which no level changes" in advice, advice
+    said = next(line for line in report.conclusion() if line.startswith("Convolutions ran"))
+    assert "the level sets their math" not in said and "depthwise" in said, said
