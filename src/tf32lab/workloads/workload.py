@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import types
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -116,8 +117,9 @@ def _kind(module: torch.nn.Module) -> str:
 
 def _reads_training(module: torch.nn.Module) -> bool:
     """Whether a module of the user's (a class from outside ``torch``) or a TorchScript one reads its training
-    flag in its forward (``F.dropout(x, self.p, self.training)``, ``if self.training:``); a guess, taken only where
-    no module of PyTorch's own says so (a Hugging Face layer reads it for gradient checkpointing too)."""
+    flag in its forward (``F.dropout(x, self.p, self.training)``, ``if self.training:``), the forward a decorator
+    wraps read, and not where every dropout rate it holds is 0; a guess, taken only where no module of PyTorch's
+    own says so (a Hugging Face layer reads it for gradient checkpointing too)."""
     if isinstance(module, torch.jit.ScriptModule):
         try:
             return "training" in module.code  # TorchScript's own text of forward
@@ -125,8 +127,20 @@ def _reads_training(module: torch.nn.Module) -> bool:
             return False
     if type(module).__module__.startswith("torch."):
         return False
-    code = getattr(getattr(type(module), "forward", None), "__code__", None)
-    return code is not None and _names_training(code)
+    forward = getattr(type(module), "forward", None)
+    # the forward a decorator wraps (functools.wraps): Hugging Face's gradient-checkpointing wrapper reads
+    # self.training for itself, and a deprecation wrapper hides the attention's dropout behind it
+    with contextlib.suppress(ValueError):  # a cycle of __wrapped__: the wrapper as it is
+        forward = inspect.unwrap(forward) if forward is not None else None
+    code = getattr(forward, "__code__", None)
+    if code is None or not _names_training(code):
+        return False
+    # the dropout rates it holds, all 0: alike in both modes (a Hugging Face attention passes attention_dropout,
+    # or its nn.Dropout's p, to the attention kernel only in training)
+    rates = [v for k, v in vars(module).items() if "drop" in k.lower() and isinstance(v, (int, float))
+             and not isinstance(v, bool)]
+    rates += [m.p for m in module.children() if isinstance(m, torch.nn.modules.dropout._DropoutNd)]
+    return not rates or any(r != 0 for r in rates)
 
 
 def _names_training(code: types.CodeType) -> bool:
