@@ -774,3 +774,18 @@ def test_the_training_mode_note_reads_a_decorated_forward_and_a_dropout_rate_of_
                 x, x, x, dropout_p=0.0 if not self.training else self.dropout.p)
 
     assert training_note(Sdpa(0.0)) is None and "Dropout" in training_note(Sdpa(0.1))
+
+
+def test_the_training_mode_note_reads_a_scripted_pytorch_module_as_its_class():
+    # a scripted nn.Dropout or nn.BatchNorm1d reads self.training in its code, as any does: PyTorch's own rule decides
+    from tf32lab.workloads.workload import training_note
+
+    def scripted(*modules):
+        return torch.jit.script(torch.nn.Sequential(torch.nn.Linear(2, 2), *modules))
+
+    assert training_note(scripted(torch.nn.Dropout(0.0))) is None
+    assert training_note(scripted(torch.nn.BatchNorm1d(2, track_running_stats=False))) is None
+    assert "('1' Dropout)" in training_note(scripted(torch.nn.Dropout(0.1)))
+    assert "('1' BatchNorm1d)" in training_note(scripted(torch.nn.BatchNorm1d(2)))
+    said = training_note(scripted(torch.nn.Dropout(0.0), _OwnDropout()))  # a class of the user's: its code read
+    assert said is not None and "('2' _OwnDropout)" in said, said
