@@ -143,3 +143,29 @@ def test_depthwise_convolutions_where_cudnn_is_off_are_not_counted_as_set_by_the
            "which no level changes" in advice, advice
     said = next(line for line in report.conclusion() if line.startswith("Convolutions ran"))
     assert "the level sets their math" not in said and "depthwise" in said, said
+
+
+class _TurnsCudnnOff(nn.Module):
+    """A model that turns cuDNN off in its forward (for determinism) and leaves it so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(4, 8, 3), nn.Linear(8, 2)
+
+    def forward(self, x):
+        torch.backends.cudnn.enabled = False
+        return self.head(self.conv(x).mean((2, 3)))
+
+
+def test_a_workload_that_turns_cudnn_off_has_it_put_back_and_said():
+    torch.manual_seed(0)
+    try:
+        report = tf32lab.check(tf32lab.Workload(_TurnsCudnnOff().eval(), torch.randn(2, 4, 8, 8), name="m"),
+                               levels=("highest", "high"), speed=False)
+        assert torch.backends.cudnn.enabled  # put back, as every precision flag is
+        assert any("cudnn.enabled" in note for note in report.notes), report.notes
+        # its rows ran with cuDNN off, at the level's math: the family says so, not that cuDNN's flag set them
+        (conv,) = report.cudnn
+        assert conv.flag == "off" and conv.maths == {"highest": "ieee", "high": "tf32-rna"}, conv
+    finally:
+        torch.backends.cudnn.enabled = True

@@ -47,7 +47,7 @@ from tf32lab.emulation.reuse import KEPT, Handoff, alike
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
 from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels, with_conv
-from tf32lab.know.targets import Target, cudnn_cell, rnn_math
+from tf32lab.know.targets import CUDNN_CELL, Target, cudnn_cell, rnn_math
 from tf32lab.machine.distributed import agree, policy_digest
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure import sharded
@@ -251,6 +251,8 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
         floor = results[floor_from].outputs if floor_from is not None and results[floor_from].error is None \
             else session.floor() if floor_from is None else None
     rows = [with_multiples(r, floor) for r in rows]
+    # cuDNN as the rows ran: a workload that turned it off (kept_flags puts it back, and says so) ran them without
+    cells = {**cells, CUDNN_CELL: cudnn_cell()}
     predicted = session.predicted(levels)
     if predicted is not None:
         rows = [dataclasses.replace(r, speedup=session.speedup(r, predicted, row)) for r in rows]
