@@ -169,3 +169,13 @@ def test_a_workload_that_turns_cudnn_off_has_it_put_back_and_said():
         assert conv.flag == "off" and conv.maths == {"highest": "ieee", "high": "tf32-rna"}, conv
     finally:
         torch.backends.cudnn.enabled = True
+
+
+def test_the_page_of_depthwise_convolutions_without_cudnn_does_not_say_the_level_sets_them():
+    torch.manual_seed(0)
+    workload = tf32lab.Workload(_Depthwise().eval(), torch.randn(2, 16, 12, 12), name="depthwise")
+    with torch.backends.cudnn.flags(enabled=False):
+        page = tf32lab.check(workload, levels=("highest", "high"), speed=False).to_html()
+    assert "the level sets their math</h3>" not in page
+    assert "<h3>Convolutions and RNNs: cuDNN is off, and the convolutions are depthwise: PyTorch's own kernels run " \
+           "them in IEEE float32 at every level</h3>" in page

@@ -38,8 +38,8 @@ if TYPE_CHECKING:
 # (tests/test_layers.py: no import circle, TYPE_CHECKING imports included).
 Report = LevelResult = Any
 
-__all__ = ["CUDNN_FAMILIES", "FLAGS", "OFF", "CudnnFamily", "families", "held", "level_share", "on_cpu", "stated",
-           "why_little"]
+__all__ = ["CUDNN_FAMILIES", "FLAGS", "OFF", "CudnnFamily", "families", "held", "level_share", "off_depthwise",
+           "on_cpu", "stated", "why_little"]
 
 CUDNN_FAMILIES = ("conv", "rnn")
 # the flag that sets each family's float32 math (torch >= 2.9; the legacy torch.backends.cudnn.allow_tf32 sets both)
@@ -186,6 +186,12 @@ def _off_depthwise(entry: CudnnFamily, report: Report) -> bool:
     if entry.family != "conv" or entry.flag != OFF or any(m != "ieee" for m in entry.maths.values()):
         return False
     return any(lv.maths.get("matmul", "ieee") != "ieee" for lv in report.levels if lv.level in entry.maths)
+
+
+def off_depthwise(report: Report) -> bool:
+    """Whether cuDNN was off for the run and every convolution of ``report`` was depthwise: PyTorch's own kernels ran
+    them in IEEE float32 at every level, which no level reaches (the page's heading says so)."""
+    return any(_off_depthwise(e, report) for e in report.cudnn)
 
 
 def held(report: Report) -> tuple[str, ...]:
