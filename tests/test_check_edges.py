@@ -721,3 +721,71 @@ def test_the_training_mode_note_names_a_users_module_that_reads_its_training_fla
     assert "('1' Dropout)" in training_note(both)
     report = tf32lab.check(tf32lab.Workload(_OwnDropout(), torch.randn(4, 8)), levels=("high",), speed=False)
     assert any("_OwnDropout" in note and "--train" in note for note in report.notes), report.notes
+
+
+def test_the_training_mode_note_reads_a_decorated_forward_and_a_dropout_rate_of_zero():
+    # Hugging Face wraps forward (deprecation, gradient checkpointing, output capturing): the wrapper reads
+    # self.training for checkpointing, the forward it wraps for its dropout; a rate of 0 drops nothing
+    import functools
+
+    from tf32lab.workloads.workload import training_note
+
+    def checkpointing(forward):
+        @functools.wraps(forward)
+        def wrapper(self, *args, **kwargs):
+            if getattr(self, "gradient_checkpointing", False) and self.training:
+                raise AssertionError("not reached")
+            return forward(self, *args, **kwargs)
+        return wrapper
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        @checkpointing
+        def forward(self, x):
+            return self.lin(x).relu()
+
+    class Attention(torch.nn.Module):
+        def __init__(self, attention_dropout: float) -> None:
+            super().__init__()
+            self.attention_dropout = attention_dropout
+            self.lin = torch.nn.Linear(8, 8)
+
+        @checkpointing
+        def forward(self, x):
+            p = 0.0 if not self.training else self.attention_dropout
+            return torch.nn.functional.dropout(self.lin(x), p, self.training)
+
+    assert training_note(Layer()) is None
+    assert training_note(Attention(0.0)) is None
+    said = training_note(Attention(0.1))
+    assert said is not None and "(the model Attention)" in said, said
+    # its rate in a child nn.Dropout read in forward (BERT's self-attention passes self.dropout.p to SDPA)
+
+    class Sdpa(torch.nn.Module):
+        def __init__(self, p: float) -> None:
+            super().__init__()
+            self.dropout = torch.nn.Dropout(p)
+
+        def forward(self, x):
+            return torch.nn.functional.scaled_dot_product_attention(
+                x, x, x, dropout_p=0.0 if not self.training else self.dropout.p)
+
+    assert training_note(Sdpa(0.0)) is None and "Dropout" in training_note(Sdpa(0.1))
+
+
+def test_the_training_mode_note_reads_a_scripted_pytorch_module_as_its_class():
+    # a scripted nn.Dropout or nn.BatchNorm1d reads self.training in its code, as any does: PyTorch's own rule decides
+    from tf32lab.workloads.workload import training_note
+
+    def scripted(*modules):
+        return torch.jit.script(torch.nn.Sequential(torch.nn.Linear(2, 2), *modules))
+
+    assert training_note(scripted(torch.nn.Dropout(0.0))) is None
+    assert training_note(scripted(torch.nn.BatchNorm1d(2, track_running_stats=False))) is None
+    assert "('1' Dropout)" in training_note(scripted(torch.nn.Dropout(0.1)))
+    assert "('1' BatchNorm1d)" in training_note(scripted(torch.nn.BatchNorm1d(2)))
+    said = training_note(scripted(torch.nn.Dropout(0.0), _OwnDropout()))  # a class of the user's: its code read
+    assert said is not None and "('2' _OwnDropout)" in said, said

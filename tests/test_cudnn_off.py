@@ -97,3 +97,85 @@ def test_a_tune_does_not_weigh_the_conv_flag_where_cudnn_is_off():
     assert conv_matters(conv, get("a100"))
     with torch.backends.cudnn.flags(enabled=False):
         assert not conv_matters(conv, get("a100"))
+
+
+def test_conv_asked_for_where_cudnn_is_off_is_not_said_to_have_set_the_convolutions():
+    torch.manual_seed(0)
+    workload = tf32lab.Workload(_Convs().eval(), torch.randn(4, 16, 12, 12), name="convs")
+    with torch.backends.cudnn.flags(enabled=False):
+        report = tf32lab.check(workload, levels=("highest", "high"), conv="ieee", speed=False)
+    assert report.cudnn[0].maths == {"highest": "ieee", "high": "tf32-rna"}  # the level's, not conv='ieee'
+    (note,) = [n for n in report.notes if "conv=" in n or "cudnn.conv" in n]
+    assert "ran at cudnn.conv" not in note and "cuDNN is off" in note, note
+
+
+def test_a_prediction_under_a_conv_math_where_cudnn_is_off_gives_that_flag_no_gain():
+    from tf32lab.speed.prediction import predict
+
+    torch.manual_seed(0)
+    workload = tf32lab.Workload(_Convs().eval(), torch.randn(8, 16, 48, 48), name="convs")
+    with torch.backends.cudnn.flags(enabled=False):
+        speed = predict(workload, "a100", ("highest", "high"), conv="tf32")
+    (note,) = [n for n in speed.notes if "cudnn.conv" in n or "conv=" in n]
+    assert "likely" not in note and "cuDNN is off" in note, note
+
+
+class _Depthwise(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = nn.Sequential(*(nn.Conv2d(16, 16, 5, padding=2, groups=16) for _ in range(3)))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.convs(x).mean((2, 3)))
+
+
+def test_depthwise_convolutions_where_cudnn_is_off_are_not_counted_as_set_by_the_level():
+    torch.manual_seed(0)
+    workload = tf32lab.Workload(_Depthwise().eval(), torch.randn(8, 16, 96, 96), name="depthwise")
+    with torch.backends.cudnn.flags(enabled=False):
+        report = tf32lab.check(workload, levels=("highest", "high"))
+    (conv,) = report.cudnn
+    assert conv.flag == "off" and conv.maths == {"highest": "ieee", "high": "ieee"}
+    advice = report.conclusion()[0]
+    share = report.speed.level("highest").shares["conv"]
+    assert f"convolutions, {share:.0%} (IEEE float32 at every level), run in PyTorch's own depthwise kernels, " \
+           "which no level changes" in advice, advice
+    said = next(line for line in report.conclusion() if line.startswith("Convolutions ran"))
+    assert "the level sets their math" not in said and "depthwise" in said, said
+
+
+class _TurnsCudnnOff(nn.Module):
+    """A model that turns cuDNN off in its forward (for determinism) and leaves it so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(4, 8, 3), nn.Linear(8, 2)
+
+    def forward(self, x):
+        torch.backends.cudnn.enabled = False
+        return self.head(self.conv(x).mean((2, 3)))
+
+
+def test_a_workload_that_turns_cudnn_off_has_it_put_back_and_said():
+    torch.manual_seed(0)
+    try:
+        report = tf32lab.check(tf32lab.Workload(_TurnsCudnnOff().eval(), torch.randn(2, 4, 8, 8), name="m"),
+                               levels=("highest", "high"), speed=False)
+        assert torch.backends.cudnn.enabled  # put back, as every precision flag is
+        assert any("cudnn.enabled" in note for note in report.notes), report.notes
+        # its rows ran with cuDNN off, at the level's math: the family says so, not that cuDNN's flag set them
+        (conv,) = report.cudnn
+        assert conv.flag == "off" and conv.maths == {"highest": "ieee", "high": "tf32-rna"}, conv
+    finally:
+        torch.backends.cudnn.enabled = True
+
+
+def test_the_page_of_depthwise_convolutions_without_cudnn_does_not_say_the_level_sets_them():
+    torch.manual_seed(0)
+    workload = tf32lab.Workload(_Depthwise().eval(), torch.randn(2, 16, 12, 12), name="depthwise")
+    with torch.backends.cudnn.flags(enabled=False):
+        page = tf32lab.check(workload, levels=("highest", "high"), speed=False).to_html()
+    assert "the level sets their math</h3>" not in page
+    assert "<h3>Convolutions and RNNs: cuDNN is off, and the convolutions are depthwise: PyTorch's own kernels run " \
+           "them in IEEE float32 at every level</h3>" in page

@@ -147,6 +147,8 @@ def _other_flags() -> tuple[_Flag, ...]:
         _plain_flag("cpu.allow_fp16_reduced_precision_reduction",
                     "_get_cpu_allow_fp16_reduced_precision_reduction",
                     "_set_cpu_allow_fp16_reduced_precision_reduction"),
+        # off, a GPU computes convolutions and RNNs at the matmul flag's math (know.targets.CUDNN_CELL)
+        _plain_flag("cudnn.enabled", "_get_cudnn_enabled", "_set_cudnn_enabled"),
     ]
     if not NEW_API:  # on the new API these are views of the cells above; reading them there can raise
         found += [

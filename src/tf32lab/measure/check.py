@@ -47,7 +47,7 @@ from tf32lab.emulation.reuse import KEPT, Handoff, alike
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
 from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels, with_conv
-from tf32lab.know.targets import Target, rnn_math
+from tf32lab.know.targets import CUDNN_CELL, Target, cudnn_cell, rnn_math
 from tf32lab.machine.distributed import agree, policy_digest
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure import sharded
@@ -166,11 +166,16 @@ def refuse_native_levels(levels: Iterable[str], target: Target) -> None:
 
 
 def conv_note(conv: str, policy: Optional[Policy] = None, searched: bool = False, moved: Optional[str] = None,
-              cpu: bool = False) -> str:
+              cpu: bool = False, cudnn_off: bool = False) -> str:
     """The report's note on a conv math named by the caller (``searched``: chosen by ``tune`` itself); ``policy``:
     the policy row's, whose pins of another conv math it names (the row ran those modules at theirs); ``moved``:
     the math the workload wrote into the flag meanwhile (:class:`ConvRun`); ``cpu``: the target is a CPU, which
-    does not read cuDNN's flag."""
+    does not read cuDNN's flag; ``cudnn_off``: ``torch.backends.cudnn.enabled`` was False for the run, so no GPU
+    reads it either."""
+    if cudnn_off and not cpu:  # the rows ran them at each level's math: saying conv= set them contradicted the table
+        return (f"conv={conv!r} set cuDNN's convolution flag (torch.backends.cudnn.conv.fp32_precision), which "
+                f"nothing read: cuDNN is off (torch.backends.cudnn.enabled = False), so a GPU runs convolutions and "
+                f"RNNs as cuBLAS GEMMs under the matmul flag, at each level's math")
     if cpu:  # the flag was set all the same; saying the convolutions ran at it contradicted the report's own line
         return (f"conv={conv!r} set cuDNN's convolution flag (torch.backends.cudnn.conv.fp32_precision), which a "
                 f"CPU does not read: a CPU's convolutions follow torch.backends.mkldnn.conv.fp32_precision, which "
@@ -196,8 +201,10 @@ class ConvRun:
     def __init__(self, conv: Optional[str]) -> None:
         self.scope = conv_math(conv)  # validates conv
         self.conv, self.moved = self.scope.conv, None
+        self.cudnn = cudnn_cell()  # cuDNN on or off for the run (know.targets.CUDNN_CELL)
 
     def __enter__(self) -> ConvRun:
+        self.cudnn = cudnn_cell()
         self.scope.__enter__()
         return self
 
@@ -210,7 +217,7 @@ class ConvRun:
             self.scope.__exit__(*exc)
 
     def note(self, policy: Optional[Policy] = None, searched: bool = False, cpu: bool = False) -> str:
-        return conv_note(self.conv, policy, searched, self.moved, cpu)
+        return conv_note(self.conv, policy, searched, self.moved, cpu, self.cudnn == "off")
 
 
 def _check(workload: Workload, levels: tuple[str, ...], target: Target, reference: str, tolerances: dict[str, float],
@@ -244,6 +251,8 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
         floor = results[floor_from].outputs if floor_from is not None and results[floor_from].error is None \
             else session.floor() if floor_from is None else None
     rows = [with_multiples(r, floor) for r in rows]
+    # cuDNN as the rows ran: a workload that turned it off (kept_flags puts it back, and says so) ran them without
+    cells = {**cells, CUDNN_CELL: cudnn_cell()}
     predicted = session.predicted(levels)
     if predicted is not None:
         rows = [dataclasses.replace(r, speedup=session.speedup(r, predicted, row)) for r in rows]

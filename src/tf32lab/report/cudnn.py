@@ -38,8 +38,8 @@ if TYPE_CHECKING:
 # (tests/test_layers.py: no import circle, TYPE_CHECKING imports included).
 Report = LevelResult = Any
 
-__all__ = ["CUDNN_FAMILIES", "FLAGS", "OFF", "CudnnFamily", "families", "held", "level_share", "on_cpu", "stated",
-           "why_little"]
+__all__ = ["CUDNN_FAMILIES", "FLAGS", "OFF", "CudnnFamily", "families", "held", "level_share", "off_depthwise",
+           "on_cpu", "stated", "why_little"]
 
 CUDNN_FAMILIES = ("conv", "rnn")
 # the flag that sets each family's float32 math (torch >= 2.9; the legacy torch.backends.cudnn.allow_tf32 sets both)
@@ -174,12 +174,31 @@ _OFF_WHY = {
     "rnn": "cuDNN is off (`torch.backends.cudnn.enabled = False`), so a GPU runs them as PyTorch's own layers of "
            "cuBLAS GEMMs under the matmul flag: the level sets their math",
 }
+# every convolution depthwise, cuDNN off: PyTorch's own kernels in any memory format (emulation.rules._cuda_depthwise)
+_OFF_DEPTHWISE = ("cuDNN is off (`torch.backends.cudnn.enabled = False`), and they are depthwise (one input channel a "
+                  "group), which a GPU then runs in PyTorch's own CUDA kernels in any memory format, so neither the "
+                  "level nor a TF32 flag reaches them")
+
+
+def _off_depthwise(entry: CudnnFamily, report: Report) -> bool:
+    """Whether ``entry`` is convolutions run with cuDNN off that are all depthwise: IEEE float32 in every row, where
+    some row's level gave the matmuls another math (the others would have taken it)."""
+    if entry.family != "conv" or entry.flag != OFF or any(m != "ieee" for m in entry.maths.values()):
+        return False
+    return any(lv.maths.get("matmul", "ieee") != "ieee" for lv in report.levels if lv.level in entry.maths)
+
+
+def off_depthwise(report: Report) -> bool:
+    """Whether cuDNN was off for the run and every convolution of ``report`` was depthwise: PyTorch's own kernels ran
+    them in IEEE float32 at every level, which no level reaches (the page's heading says so)."""
+    return any(_off_depthwise(e, report) for e in report.cudnn)
 
 
 def held(report: Report) -> tuple[str, ...]:
     """The families of ``CUDNN_FAMILIES`` whose math no level sets in ``report``: all but those that ran with cuDNN
     off."""
-    off = {e.family for e in report.cudnn if e.flag == OFF}
+    # depthwise convolutions, in PyTorch's own kernels, are IEEE at every level: held all the same
+    off = {e.family for e in report.cudnn if e.flag == OFF and not _off_depthwise(e, report)}
     return tuple(f for f in CUDNN_FAMILIES if f not in off)
 
 
@@ -189,11 +208,12 @@ def _has_tf32_conv(target: str) -> bool:
         TARGETS[target].maths_at("highest", {"cuda.conv": "tf32"}).get("conv", "ieee") != "ieee"
 
 
-def _why(entry: CudnnFamily, target: str, cpu: bool = False) -> str:
+def _why(entry: CudnnFamily, target: str, cpu: bool = False, depthwise: bool = False) -> str:
+    """Why ``entry`` ran at its maths; ``depthwise``: cuDNN was off and every convolution depthwise."""
     if cpu:
         return _CPU_WHY[entry.family]
     if entry.flag == OFF:
-        return _OFF_WHY[entry.family]
+        return _OFF_DEPTHWISE if depthwise else _OFF_WHY[entry.family]
     flag = f"`{FLAGS[entry.family]}`"
     tf32 = any(_word(m) != "IEEE float32" for m in entry.maths.values())
     if not tf32 and entry.flag == "tf32" and entry.family == "conv" and _has_tf32_conv(target):
@@ -223,7 +243,8 @@ def stated(report: Report, hint: bool = True) -> list[str]:
         if not entry.maths:
             continue
         name = entry.title
-        text = f"{name[0].upper()}{name[1:]} ran {_per_row(entry, report, cpu)}: {_why(entry, report.target, cpu)}"
+        why = _why(entry, report.target, cpu, _off_depthwise(entry, report))
+        text = f"{name[0].upper()}{name[1:]} ran {_per_row(entry, report, cpu)}: {why}"
         if entry.family == "conv" and entry.flag != OFF and any(m.endswith("/ieee") for m in entry.maths.values()):
             text += f"; the IEEE float32 ones: {_DEPTHWISE}"
         first = next(iter(entry.shares), None)
@@ -277,6 +298,8 @@ def _run_by(report: Report, shown: Collection[str]) -> str:
     conv = next((e for e in report.cudnn if e.family == "conv" and e.maths), None)
     if "conv" not in shown or conv is None:
         return "at cuDNN's own flag"
+    if conv.flag == OFF:  # held with cuDNN off only where every convolution is depthwise (held)
+        return "in PyTorch's own depthwise kernels"
     if _why(conv, report.target) == _DEPTHWISE:  # every convolution depthwise
         return "in PyTorch's own depthwise kernels" if len(shown) == 1 else \
             "at cuDNN's own flag (the depthwise convolutions in PyTorch's own kernels)"

@@ -13,7 +13,7 @@ import jinja2
 import markupsafe
 
 from tf32lab.numbers.metrics import HISTOGRAM_EDGES
-from tf32lab.report.cudnn import on_cpu
+from tf32lab.report.cudnn import off_depthwise, on_cpu
 from tf32lab.report.text import fmt, notes, ranked_layers, short_name, times
 from tf32lab.report.wording import given, tolerance_words
 
@@ -75,7 +75,7 @@ def render(report: Report, fragment: bool = False, context: Optional[str] = None
         report=report, fragment=fragment, context=context, colors=COLORS, layer_chart=layer_chart(report),
         histograms=histograms(report), data=report.to_dict(), notes=notes(report),
         # on a CPU oneDNN computes the convolutions and RNNs, under its own flags (torch.backends.mkldnn)
-        cudnn_cpu=on_cpu(report),
+        cudnn_cpu=on_cpu(report), cudnn_off_depthwise=off_depthwise(report),
     )
 
 

@@ -61,7 +61,7 @@ from tf32lab.errors import Tf32LabError
 from tf32lab.know import peaks
 from tf32lab.know.levels import CONV_MATHS, LEVELS, check_conv, check_levels, with_conv  # noqa: F401 (CONV_MATHS: its old home)
 from tf32lab.know.peaks import GemmFit, Peaks, gemm_fit, math_kind
-from tf32lab.know.targets import Target
+from tf32lab.know.targets import CUDNN_CELL, Target
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.numbers.files import write_json
 from tf32lab.numbers.origin import run_error
@@ -399,6 +399,10 @@ def _shares(ops: Sequence[OpCost], times: Sequence[float], total: float) -> dict
 
 def _conv_note(counts: Counts, target: Target, conv: str, times: Sequence[float], host: float = 0.0) -> str:
     """What cuDNN's TF32 flag buys at ``highest``: the other conv math's time against this one's."""
+    if target.device == "cuda" and context_cells()[CUDNN_CELL] == "off":
+        # no cuDNN: the flag changes no op, and a band drawn around the convolutions' kinds said it might
+        return (f"conv={conv!r} sets cuDNN's convolution flag, which nothing reads here: cuDNN is off "
+                f"(torch.backends.cudnn.enabled = False), so the level sets the convolutions' math")
     p = target.speed_peaks()
     maths = level_maths(target, ("highest",), "ieee" if conv == "tf32" else "tf32")["highest"]
     other = [op_seconds(op, maths.get(op.family or "", "ieee"), p) for op in counts.ops]

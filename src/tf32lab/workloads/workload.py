@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import types
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -116,17 +117,32 @@ def _kind(module: torch.nn.Module) -> str:
 
 def _reads_training(module: torch.nn.Module) -> bool:
     """Whether a module of the user's (a class from outside ``torch``) or a TorchScript one reads its training
-    flag in its forward (``F.dropout(x, self.p, self.training)``, ``if self.training:``); a guess, taken only where
-    no module of PyTorch's own says so (a Hugging Face layer reads it for gradient checkpointing too)."""
+    flag in its forward (``F.dropout(x, self.p, self.training)``, ``if self.training:``), the forward a decorator
+    wraps read, and not where every dropout rate it holds is 0; a guess, taken only where no module of PyTorch's
+    own says so (a Hugging Face layer reads it for gradient checkpointing too)."""
     if isinstance(module, torch.jit.ScriptModule):
+        if _modal_rule(module) is not None:  # PyTorch's own, scripted: _modal's rule decided, as for the eager one
+            return False
         try:
             return "training" in module.code  # TorchScript's own text of forward
         except (AttributeError, RuntimeError):  # a frozen or method-less script module
             return False
     if type(module).__module__.startswith("torch."):
         return False
-    code = getattr(getattr(type(module), "forward", None), "__code__", None)
-    return code is not None and _names_training(code)
+    forward = getattr(type(module), "forward", None)
+    # the forward a decorator wraps (functools.wraps): Hugging Face's gradient-checkpointing wrapper reads
+    # self.training for itself, and a deprecation wrapper hides the attention's dropout behind it
+    with contextlib.suppress(ValueError):  # a cycle of __wrapped__: the wrapper as it is
+        forward = inspect.unwrap(forward) if forward is not None else None
+    code = getattr(forward, "__code__", None)
+    if code is None or not _names_training(code):
+        return False
+    # the dropout rates it holds, all 0: alike in both modes (a Hugging Face attention passes attention_dropout,
+    # or its nn.Dropout's p, to the attention kernel only in training)
+    rates = [v for k, v in vars(module).items() if "drop" in k.lower() and isinstance(v, (int, float))
+             and not isinstance(v, bool)]
+    rates += [m.p for m in module.children() if isinstance(m, torch.nn.modules.dropout._DropoutNd)]
+    return not rates or any(r != 0 for r in rates)
 
 
 def _names_training(code: types.CodeType) -> bool:
@@ -134,18 +150,39 @@ def _names_training(code: types.CodeType) -> bool:
                                               if isinstance(c, types.CodeType))  # its closures' too
 
 
+def _pytorch_class(module: torch.nn.Module) -> Optional[type]:
+    """The class of PyTorch's own that ``module`` is: its type, or a TorchScript module's original class where
+    ``torch.nn`` has one by that name; None for a class of the user's."""
+    if not isinstance(module, torch.jit.ScriptModule):
+        return type(module)
+    cls = getattr(torch.nn, getattr(module, "original_name", "") or "", None)
+    return cls if isinstance(cls, type) and issubclass(cls, torch.nn.Module) else None
+
+
 def _modal(module: torch.nn.Module) -> bool:
-    """Whether PyTorch makes ``module``'s forward depend on its training flag."""
-    if isinstance(module, (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm)):
-        return module.track_running_stats  # batch statistics in training, running ones in eval
-    if isinstance(module, torch.nn.modules.dropout._DropoutNd):
-        return module.p > 0
-    if isinstance(module, torch.nn.RNNBase):
-        return module.dropout > 0 and module.num_layers > 1
-    if isinstance(module, torch.nn.MultiheadAttention):
-        return module.dropout > 0
-    if isinstance(module, torch.nn.RReLU):  # a slope drawn from [lower, upper] in training, their mean in eval
-        return module.lower != module.upper  # (https://pytorch.org/docs/stable/generated/torch.nn.RReLU.html)
+    """Whether PyTorch makes ``module``'s forward depend on its training flag (a scripted module of PyTorch's own
+    by its class and attributes, which TorchScript keeps)."""
+    return bool(_modal_rule(module))
+
+
+def _modal_rule(module: torch.nn.Module) -> Optional[bool]:
+    """:func:`_modal`'s answer; None where PyTorch's classes cannot tell (a class of the user's)."""
+    cls = _pytorch_class(module)
+    if cls is None:
+        return None
+    try:
+        if issubclass(cls, (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm)):
+            return bool(module.track_running_stats)  # batch statistics in training, running ones in eval
+        if issubclass(cls, torch.nn.modules.dropout._DropoutNd):
+            return module.p > 0
+        if issubclass(cls, torch.nn.RNNBase):
+            return module.dropout > 0 and module.num_layers > 1
+        if issubclass(cls, torch.nn.MultiheadAttention):
+            return module.dropout > 0
+        if issubclass(cls, torch.nn.RReLU):  # a slope drawn from [lower, upper] in training, their mean in eval
+            return module.lower != module.upper  # (https://pytorch.org/docs/stable/generated/torch.nn.RReLU.html)
+    except AttributeError:  # a scripted class of the user's named as one of PyTorch's: its code is read instead
+        return None
     return False
 
 
