@@ -30,10 +30,7 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import math
-import sys
-import threading
 import weakref
 from typing import Any, Callable, Optional
 
@@ -43,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tf32lab.control import modestack
 from tf32lab.emulation import recurrent
-from tf32lab.measure import unfolded
+from tf32lab.measure import resolution, unfolded
 from tf32lab.measure.draws import NARROW, WIDE, draw_kind, drawn_at_float32, random_name, random_op
 
 __all__ = ["Float64Run", "storage_address", "widen", "widened_model"]
@@ -565,68 +562,6 @@ def _one_convolution(args: list, kwargs: dict) -> torch.Tensor:
     return _CONVOLUTION(*args, **kwargs)
 
 
-# torch.finfo as PyTorch has it; while a Float64Run is active on some thread, torch.finfo is _finfo, which answers
-# every other thread, and a paused run, as this does
-_FINFO = torch.finfo
-_RESOLUTION = ("eps", "tiny", "smallest_normal", "resolution")
-_active = threading.local()  # .runs: the Float64Runs entered on this thread, innermost last
-_installed = [0]  # runs active on any thread: torch.finfo is _finfo while there is one
-_installing = threading.Lock()
-
-
-class _Float32Resolution:
-    """``torch.finfo(torch.float64)`` where the model read the dtype off a tensor that is float32 in the rows
-    (``torch.finfo(h.dtype).eps``): float32's resolution (``eps``, ``tiny``, ``smallest_normal``, ``resolution``),
-    the constant the rows add or clamp at, computed with in float64; float64's limits (``max``, ``min``: held as
-    limits where both hold their own, ``numbers.metrics.dtype_limits``). torch.distributions' ``clamp_probs``
-    reads it so: float64's eps gave log(2.2e-16) = -36 at every zero probability where the rows have -16, and
-    every level failed, `highest` too."""
-
-    def __init__(self) -> None:
-        wide, narrow = _FINFO(torch.float64), _FINFO(torch.float32)
-        self.bits, self.dtype, self.max, self.min = wide.bits, wide.dtype, wide.max, wide.min
-        self.eps, self.tiny, self.smallest_normal, self.resolution = (getattr(narrow, a) for a in _RESOLUTION)
-
-    def __repr__(self) -> str:
-        return f"finfo(float32's resolution, eps={self.eps}, float64's max={self.max}, dtype={self.dtype})"
-
-
-class _FinfoType(type):
-    """The type of :class:`_finfo`: ``isinstance(x, torch.finfo)`` keeps PyTorch's answer while it is swapped in
-    (on any thread: a function there raised TypeError), a :class:`_Float32Resolution` counted as one."""
-
-    def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, (_FINFO, _Float32Resolution))
-
-
-class _finfo(metaclass=_FinfoType):
-    """``torch.finfo`` while a Float64Run is active: PyTorch's own answer, but :class:`_Float32Resolution` for a
-    float64 dtype read off a tensor that is float32 in the rows, on the run's own thread."""
-
-    def __new__(cls, type: Any = None) -> Any:
-        found = _FINFO() if type is None else _FINFO(type)
-        runs = getattr(_active, "runs", None)
-        run = runs[-1] if runs else None
-        if run is not None and not run.paused and run.read_wider and type in _FLOAT64 and _on_stack(run.modes[0]):
-            return _Float32Resolution()
-        return found
-
-
-def _dynamo_folds() -> None:
-    """TorchDynamo caches the classes whose calls it folds (``torch.finfo`` among them) at its first use: where it
-    is loaded, that use is made now, so that it holds PyTorch's ``finfo``, not ``_finfo``."""
-    module = sys.modules.get("torch._dynamo.variables.user_defined")
-    folds = getattr(getattr(module, "UserDefinedClassVariable", None), "_constant_fold_classes", None)
-    if callable(folds):
-        with contextlib.suppress(Exception):  # primed or not, never a reason for the reference not to run
-            folds()
-
-
-def _on_stack(mode: TorchFunctionMode) -> bool:
-    """Whether ``mode`` is on this thread's function-mode stack (not lifted off it for a layer's float32 rerun)."""
-    return any(torch._C._get_function_stack_at(i) is mode for i in range(torch._C._len_torch_function_stack()))
-
-
 class Float64Run:
     """Every op of the block in float64 (see the module's docstring).
 
@@ -670,26 +605,13 @@ class Float64Run:
         except BaseException:
             modestack.remove(functions)
             raise
-        if not hasattr(_active, "runs"):
-            _active.runs = []
-        _active.runs.append(self)
-        with _installing:
-            _installed[0] += 1
-            if torch.finfo is _FINFO:
-                _dynamo_folds()
-                torch.finfo = _finfo
+        resolution.enter(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
         functions, ops = self._modes
         self.own_float64.clear()
-        with _installing:
-            _installed[0] -= 1
-            if not _installed[0]:
-                torch.finfo = _FINFO
-        runs = getattr(_active, "runs", [])
-        if self in runs:
-            runs.remove(self)
+        resolution.exit(self)
         try:
             modestack.remove(ops)
         finally:
