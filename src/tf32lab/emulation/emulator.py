@@ -588,11 +588,8 @@ class _Call:
             return self.product(key, torch.matmul, a, b)
         k = a.size(-1)
         split = _SPLIT[math.name]
-        left = _leased(a.numel() * 2, a.device).view(*a.shape[:-1], 2 * k)
-        if b.stride(-2) == 1 and b.stride(-1) != 1:  # b by columns (keys transposed): split as it lies
-            right = _leased(b.numel() * 2, b.device).view(*b.shape[:-2], b.size(-1), 2 * k).mT
-        else:
-            right = _leased(b.numel() * 2, b.device).view(*b.shape[:-2], 2 * k, b.size(-1))
+        left = _concatenated(a, a.shape[:-1], 2 * k)
+        right = _concatenated(b, (*b.shape[:-2], 2 * k), b.size(-1))
         split(a.detach(), out=(left[..., :k], left[..., k:]))
         split(b.detach(), out=(right[..., k:, :], right[..., :k, :]), summed=True)
         return torch.matmul(left, right)
@@ -744,6 +741,15 @@ def _buffer_like(t: torch.Tensor, holder: Optional[list] = None) -> torch.Tensor
     (_SCRATCH.leased if holder is None else holder).append(buf)
     view = buf[:t.numel()].view(shape)
     return view.mT if transposed else view
+
+
+def _concatenated(t: torch.Tensor, rows: tuple, cols: int) -> torch.Tensor:
+    """A scratch operand of ``(*rows, cols)`` for ``t``'s parts side by side, laid out by columns where ``t`` is
+    (a transposed view), so that the split reads ``t`` as it lies."""
+    buf = _leased(t.numel() * 2, t.device)
+    if t.stride(-2) == 1 and t.stride(-1) != 1:
+        return buf.view(*rows[:-1], cols, rows[-1]).mT
+    return buf.view(*rows, cols)
 
 
 def _leased(numel: int, device: torch.device) -> torch.Tensor:
