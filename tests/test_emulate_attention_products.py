@@ -101,7 +101,15 @@ MASKS = {
                                      > 0.5},
     "boolean broadcasting the scores": lambda n: {"attn_mask": torch.rand(3, 2, 4, n, n) > 0.3},
     "grouped-query": lambda n: {"is_causal": True, "enable_gqa": True},
+    "rows fully masked": lambda n: {"attn_mask": torch.ones(n, n, dtype=torch.bool).tril().index_fill(0,
+                                                                                          torch.tensor([0, 5]), False)},
 }
+
+
+def _keys_fully_masked(n: int) -> torch.Tensor:
+    keep = torch.ones(2, 1, n, n, dtype=torch.bool)
+    keep[1, :, 3:7] = False  # padding's query rows: no key left, zeros from torch 2.5 (pytorch#131060)
+    return keep
 
 
 @pytest.mark.parametrize("name", list(MASKS))
@@ -127,3 +135,22 @@ def test_a_masked_out_score_that_overflows_is_masked_as_pytorch_masks_it(monkeyp
     assert torch.isfinite(fast[0]).all()
     monkeypatch.setattr(rules, "_BIAS_MASKS", False)
     assert _bitwise(fast[:1], _forward_backward(q, k, v, is_causal=True)[:1])
+
+
+def test_fully_masked_rows_take_the_bias_path_alone(monkeypatch):
+    # padding's rows are -inf throughout either way: no second computation of the scores for them
+    q, k, v = _heads(2, 12, 2, 16, seed=7)
+    calls = []
+    real = rules._scores
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("exact", True))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rules, "_scores", counted)
+    keep = _keys_fully_masked(12)
+    out = _forward_backward(q, k, v, attn_mask=keep)
+    assert calls == [False, False]  # the forward's and the backward's, each once, by the bias
+    assert torch.equal(out[0][1, :, 3:7], torch.zeros_like(out[0][1, :, 3:7]))
+    monkeypatch.setattr(rules, "_BIAS_MASKS", False)
+    assert _bitwise(out, _forward_backward(q, k, v, attn_mask=keep))

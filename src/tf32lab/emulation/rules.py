@@ -646,15 +646,16 @@ def _biased(s: torch.Tensor, scale: float, bias: Optional[torch.Tensor],
 
 def _weights(call, key, q, k, attn_mask, is_causal, scale):
     """The scores, their softmax and the scale used: (s, p, scale). The scores are masked by a bias first
-    (:func:`_scores`' ``exact=False``); a NaN in the softmax (one in a score, a fully masked row, or a masked-out
-    score that the bias made NaN) has them computed again as PyTorch masks them, and :func:`_attention_softmax`
-    follows."""
+    (:func:`_scores`' ``exact=False``); a NaN in the softmax (a fully masked row, or a NaN or +inf score) is
+    looked into: a NaN score (one in the operands', or a masked-out one that the bias made NaN) has the scores
+    computed again as PyTorch masks them (a fully masked row alone, padding's, does not: the bias gives it -inf
+    throughout, as ``masked_fill``), and :func:`_attention_softmax` follows."""
     fast = _BIAS_MASKS and (is_causal or (attn_mask is not None and attn_mask.dtype == torch.bool))
     s, scale = _scores(call, key, q, k, attn_mask, is_causal, scale, exact=not fast)
     p = torch.softmax(s, -1)
     if not _SAFE_SOFTMAX or not _pymath.isnan(p.sum().item()):  # probabilities are finite: a NaN sum is a NaN
         return s, p, scale
-    if fast:
+    if fast and bool(torch.isnan(s).any()):
         s, scale = _scores(call, key, q, k, attn_mask, is_causal, scale)
         p = torch.softmax(s, -1)
     return s, _zero_masked_rows(p, s, -1), scale
