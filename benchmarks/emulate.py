@@ -15,9 +15,9 @@
    numba's kernels included (before 2026-11-26 they ran on all cores against a one-thread native side). The
    GEMM's two compiled kernels (32-bit and float64) are also printed side by side.
 
-``--hardware`` runs only 6, ``--rnn`` only 4 and 5. ``--cpu`` adds to 4, 5 and 6 the CPU time per call with one
-thread each (torch and numba; interleaved medians): the work itself, which a shared machine's load does not
-inflate (informative, no goal).
+``--hardware`` runs only 6, ``--rnn`` only 4 and 5, ``--minilm`` only 3. ``--cpu`` adds to 3, 4, 5 and 6 the CPU time
+per call with one thread each (torch and numba; interleaved medians): the work itself, which a shared machine's load
+does not inflate (informative, no goal).
 """
 
 from __future__ import annotations
@@ -183,6 +183,8 @@ def main() -> int:
         return verdicts(hardware_rows(rounds))
     if "--rnn" in sys.argv:
         return verdicts(rnn_rows(rounds))
+    if "--minilm" in sys.argv:
+        return verdicts(minilm_rows(rounds)[0])
     torch.manual_seed(0)
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
 
@@ -194,6 +196,15 @@ def main() -> int:
     ratios = {"gemm tf32": times["tf32"] / times["native"], "gemm bf16x3": times["bf16x3"] / times["native"]}
     print(f"2048^2 GEMM native {times['native'] * 1e3:.1f} ms")
 
+    minilm, model = minilm_rows(rounds)
+    ratios.update(minilm)
+    ratios.update(rnn_rows(rounds))
+    ratios.update(hardware_rows(rounds, model))
+    return verdicts(ratios)
+
+
+def minilm_rows(rounds: int) -> tuple[dict[str, float], object]:
+    """all-MiniLM-L6-v2 encoding 64 sentences, native and under TF32 emulation; the ratio, and the model."""
     model = samples.minilm()
     sentences = list(samples.SENTENCES)
 
@@ -201,12 +212,9 @@ def main() -> int:
         return model.encode(sentences, batch_size=64, convert_to_tensor=True)
 
     times = interleaved({"native": encode, "tf32": emulated(encode)}, rounds=rounds, number=1)
-    ratios["minilm tf32"] = times["tf32"] / times["native"]
     print(f"MiniLM 64 sentences native {times['native'] * 1e3:.1f} ms")
-
-    ratios.update(rnn_rows(rounds))
-    ratios.update(hardware_rows(rounds, model))
-    return verdicts(ratios)
+    print_cpu("MiniLM 64 sentences", {"native": encode, "tf32": emulated(encode)}, rounds)
+    return {"minilm tf32": times["tf32"] / times["native"]}, model
 
 
 def verdicts(ratios: dict[str, float]) -> int:

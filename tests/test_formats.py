@@ -322,6 +322,43 @@ def test_compiled_split_reads_strided_operands_in_place(summed):
 
 
 @numba_only
+@pytest.mark.parametrize("summed", [False, True], ids=["parts", "summed"])
+def test_compiled_split_writes_the_halves_of_a_concatenated_operand(summed):
+    # an emulated attention's products are one GEMM over K doubled: the parts go straight into the two halves of
+    # one buffer, with gaps between the rows of each; in one pass, the tensor code's bits
+    x = _many_patterns(finite=True)
+    heads = x[:4 * 32 * 3 * 8 * 32].view(4, 32, 3, 8, 32)[:, :, 0].transpose(1, 2)  # (4, 8, 32, 32), by rows
+    keys = heads.mT  # by columns
+    for name, t, halves in (("left", heads, lambda buf: (buf[..., :32], buf[..., 32:])),
+                            ("right", heads, lambda buf: (buf[..., 32:, :], buf[..., :32, :])),
+                            ("right by columns", keys, lambda buf: (buf.mT[..., 32:], buf.mT[..., :32]))):
+        shape = (4, 8, 32, 64) if name == "left" else (4, 8, 64, 32)
+        want = _tensor_code(formats.split_tf32x3, t, summed=summed)
+        got = formats.split_tf32x3(t, out=halves(torch.full(shape, float("nan"))), summed=summed)
+        assert formats._strided(t, *halves(torch.empty(shape))) is not None, name  # the kernel, not the tensor code
+        assert all(_same_bits(g, w) for g, w in zip(got, want)), name
+    special = _many_patterns().view(4, 32, 32, 32).transpose(1, 2)  # an Inf or a NaN: the tensor code's parts
+    buf = torch.empty(4, 32, 32, 64)
+    got = formats.split_tf32x3(special, out=(buf[..., :32], buf[..., 32:]), summed=summed)
+    want = _tensor_code(formats.split_tf32x3, special, summed=summed)
+    assert all(_same_bits(g, w) for g, w in zip(got, want))
+
+
+@numba_only
+def test_compiled_split_refuses_outputs_that_share_elements():
+    x = _many_patterns(finite=True)[:32 * 32 * 64].view(32, 32, 64)[..., :32]
+    buf = torch.empty(32, 32, 64)
+    first = buf[..., :32]
+    assert formats._strided(x, first, buf[..., 32:]) is not None  # the halves: apart
+    assert formats._strided(x[1:], buf[1:, :, :32], buf[:-1, :, 32:]) is not None  # a matrix apart, and a half
+    assert formats._strided(x, first, buf[..., 16:48]) is None  # rows that meet: the tensor code writes them
+    assert formats._strided(x, first, buf[..., 31:63]) is None  # one element of each row in common
+    assert formats._meets(32 * 64, [32, 32, 32], [32 * 64, 64, 1])  # the next matrix's first row
+    assert formats._meets(31, [32, 32, 32], [32 * 64, 64, 1])
+    assert not formats._meets(32, [32, 32, 32], [32 * 64, 64, 1])  # the other half of each row
+
+
+@numba_only
 def test_the_rounding_kernel_is_compiled_once_whatever_its_callers_pass():
     # numba compiled a kernel anew for each type of argument it met: a read-only source, numpy integers, a flag
     # given as an int, a transposed operand read in place

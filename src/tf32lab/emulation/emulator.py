@@ -87,6 +87,7 @@ _COMPLEX_GEMMS = {torch.ops.aten.mm: torch.ops.aten.mm, torch.ops.aten.bmm: torc
 _SPARSE = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
 _SINGLE_ROUND = {"tf32": formats.round_tf32, "bf16": formats.round_bf16}
 _SPLIT = {"tf32x3": formats.split_tf32x3, "bf16x3": formats.split_bf16x3, "bfx9": formats.split_bf16x9}
+_PAIRED = ("tf32x3", "bf16x3")  # split maths of two parts: _Call.matmul's one GEMM over K doubled
 
 # the keys that cuBLAS computes under PyTorch's handle
 _CUBLAS_KEYS = ("matmul", "matvec", "attention.math", "matmul.gemv", "linalg.trsm")
@@ -571,6 +572,30 @@ class _Call:
         b_big, b_sum = self.split(b, math, summed=True)
         return full(a_big, b_sum).add_((bare or full)(a_small, b_big))
 
+    def matmul(self, key: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a @ b`` (batches of matrices, broadcast as ``torch.matmul``) computed with the math of ``key``: a fused
+        kernel's product, no epilogue, no ``"hardware"`` sum (attention's on the memory-efficient and flash
+        kernels).
+
+        A two-part split math (3xTF32, bf16x3) is one GEMM over K doubled, ``[big | small] @ [big' + small' ;
+        big']``: the terms of :meth:`product`'s two GEMMs summed in one accumulation (float32 accumulation order
+        apart, the same sum; an Inf or NaN gives what it gives there, a NaN or Inf term being in either). The parts
+        are split straight into the halves of the two operands, read as they lie: the right one is laid out by
+        columns where ``b`` is (an attention's keys, ``k.transpose(-2, -1)``), as splitting them into rows would
+        transpose them, which cost more than the GEMM loses reading them so (docs/design.md).
+        """
+        math = self.math(key)
+        if math.name not in _PAIRED or a.dtype != _F32 or b.dtype != _F32 or a.dim() < 2 or b.dim() < 2 \
+                or a.size(-1) != b.size(-2):  # other maths, and torch.matmul's own error for a mismatch
+            return self.product(key, torch.matmul, a, b)
+        k = a.size(-1)
+        split = _SPLIT[math.name]
+        left = _concatenated(a, a.shape[:-1], 2 * k)
+        right = _concatenated(b, (*b.shape[:-2], 2 * k), b.size(-1))
+        split(a.detach(), out=(left[..., :k], left[..., k:]))
+        split(b.detach(), out=(right[..., k:, :], right[..., :k, :]), summed=True)
+        return torch.matmul(left, right)
+
     def _summed_by(self, key: str, math: Math) -> Optional[_accumulation.Accumulation]:
         """The target's accumulation model for a GEMM of ``key`` in ``math``, in a ``"hardware"`` block."""
         emu = self.emu
@@ -718,6 +743,22 @@ def _buffer_like(t: torch.Tensor, holder: Optional[list] = None) -> torch.Tensor
     (_SCRATCH.leased if holder is None else holder).append(buf)
     view = buf[:t.numel()].view(shape)
     return view.mT if transposed else view
+
+
+def _concatenated(t: torch.Tensor, rows: tuple, cols: int) -> torch.Tensor:
+    """A scratch operand of ``(*rows, cols)`` for ``t``'s parts side by side, laid out by columns where ``t`` is
+    (a transposed view), so that the split reads ``t`` as it lies."""
+    buf = _leased(t.numel() * 2, t.device)
+    if t.stride(-2) == 1 and t.stride(-1) != 1:
+        return buf.view(*rows[:-1], cols, rows[-1]).mT
+    return buf.view(*rows, cols)
+
+
+def _leased(numel: int, device: torch.device) -> torch.Tensor:
+    """A flat float32 scratch buffer of ``numel`` elements, leased to the op running now."""
+    buf = _SCRATCH.take(numel, _F32, device)
+    _SCRATCH.leased.append(buf)
+    return buf[:numel]
 
 
 def _is_parameter(t: torch.Tensor) -> bool:

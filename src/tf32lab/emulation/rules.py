@@ -561,10 +561,10 @@ def _math_backend(call, key) -> bool:
 def _product(call, key, a, b):
     """a @ b, one of attention's products, in the math of ``key``. The math backend's are cuBLAS bmm calls, K in
     order: a ``"hardware"`` block sums them as the target's unit does. A fused kernel's order is not public: the
-    ideal sum."""
+    ideal sum, as one GEMM for a split math (``_Call.matmul``)."""
     if _math_backend(call, key):
         return call.product("attention.math", torch.matmul, a, b, as_gemm=_plain)
-    return call.product(key, torch.matmul, a, b)
+    return call.matmul(key, a, b)
 
 
 def _roots(scale: float) -> tuple[float, float]:
@@ -576,6 +576,9 @@ def _roots(scale: float) -> tuple[float, float]:
 # PyTorch's softmax for attention from 2.5 (pytorch#131060): a row with every score -inf (fully masked) gives
 # zeros, not NaN, in every backend; before, NaN
 _SAFE_SOFTMAX = hasattr(torch.ops.aten, "_safe_softmax")
+# Boolean and causal masks applied as an additive bias of 0 and -inf (_weights); needs the NaN test that
+# _SAFE_SOFTMAX brings
+_BIAS_MASKS = _SAFE_SOFTMAX
 
 
 def _attention_softmax(s: torch.Tensor, dim: int) -> torch.Tensor:
@@ -583,18 +586,31 @@ def _attention_softmax(s: torch.Tensor, dim: int) -> torch.Tensor:
     no row is (its own passes cost 3x a softmax); a NaN row it leaves is one such row, or a NaN score's."""
     p = torch.softmax(s, dim)
     if _SAFE_SOFTMAX and _pymath.isnan(p.sum().item()):  # probabilities are finite: a sum is NaN only with a NaN
-        p = p.masked_fill(torch.isneginf(s).all(dim, keepdim=True), 0.0)
+        p = _zero_masked_rows(p, s, dim)
     return p
 
 
-def _scores(call, key, q, k, attn_mask, is_causal, scale):
+def _zero_masked_rows(p: torch.Tensor, s: torch.Tensor, dim: int) -> torch.Tensor:
+    return p.masked_fill(torch.isneginf(s).all(dim, keepdim=True), 0.0)
+
+
+def _scores(call, key, q, k, attn_mask, is_causal, scale, exact=True):
+    """The masked scores and the scale used. ``exact=False`` masks by adding a bias of 0 and -inf (a tenth of
+    ``masked_fill``'s cost with a broadcast boolean mask, and the fused kernels' scale in the same pass): the
+    same scores, except that a masked-out score that is NaN or +inf becomes NaN instead of -inf, which the
+    caller tells by a NaN in its softmax (:func:`_weights`)."""
     if scale is None:  # no head dim: every score is an empty sum, 0, whatever the scale (PyTorch's 1/sqrt(0))
         scale = 1.0 / _pymath.sqrt(q.size(-1)) if q.size(-1) else 1.0
-    if _math_backend(call, key):  # PyTorch's math backend scales both operands by sqrt(scale) before the GEMM
+    math_backend = _math_backend(call, key)
+    if math_backend:  # PyTorch's math backend scales both operands by sqrt(scale) before the GEMM
         q_root, k_root = _roots(scale)
         s = _product(call, key, q * q_root, k.transpose(-2, -1) * k_root)
     else:  # the fused kernels scale the accumulator
-        s = _product(call, key, q, k.transpose(-2, -1)).mul_(scale)
+        s = _product(call, key, q, k.transpose(-2, -1))
+    if not exact:
+        return _biased(s, 1.0 if math_backend else scale, _bias(s, attn_mask, is_causal), attn_mask), scale
+    if not math_backend:
+        s.mul_(scale)
     if is_causal:
         keep = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
         s.masked_fill_(~keep, float("-inf"))
@@ -603,14 +619,58 @@ def _scores(call, key, q, k, attn_mask, is_causal, scale):
     return s, scale
 
 
+def _bias(s: torch.Tensor, attn_mask: Optional[torch.Tensor], is_causal: bool) -> Optional[torch.Tensor]:
+    """The causal and boolean masks as one additive bias of 0 (kept) and -inf (masked out), or None."""
+    bias = None
+    if is_causal:
+        rows, cols = s.shape[-2:]
+        bias = torch.full((rows, cols), float("-inf"), dtype=s.dtype, device=s.device).triu_(1)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        keep = torch.zeros(attn_mask.shape, dtype=s.dtype, device=s.device).masked_fill_(~attn_mask, float("-inf"))
+        bias = keep if bias is None else bias + keep
+    return bias
+
+
+def _biased(s: torch.Tensor, scale: float, bias: Optional[torch.Tensor],
+            attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """``s * scale + bias`` (then ``+ attn_mask``, an additive one), in place where the shapes allow. The bias is 0
+    or -inf, so one fused multiply-add rounds as the product alone: the scores of :func:`_scores`'s exact path
+    wherever that is not -inf."""
+    if bias is None:
+        s = s.mul_(scale) if scale != 1.0 else s
+    elif bias.dim() <= s.dim() and all(n in (1, m) for n, m in zip(reversed(bias.shape), reversed(s.shape))):
+        s = torch.add(bias, s, alpha=scale, out=s)
+    else:  # the mask broadcasts the scores to more dims
+        s = torch.add(bias, s, alpha=scale)
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        s = s + attn_mask
+    return s
+
+
+def _weights(call, key, q, k, attn_mask, is_causal, scale):
+    """The scores, their softmax and the scale used: (s, p, scale). The scores are masked by a bias first
+    (:func:`_scores`' ``exact=False``); a NaN in the softmax (a fully masked row, or a NaN or +inf score) is
+    looked into: a NaN score (one in the operands', or a masked-out one that the bias made NaN) has the scores
+    computed again as PyTorch masks them (a fully masked row alone, padding's, does not: the bias gives it -inf
+    throughout, as ``masked_fill``), and :func:`_attention_softmax` follows."""
+    fast = _BIAS_MASKS and (is_causal or (attn_mask is not None and attn_mask.dtype == torch.bool))
+    s, scale = _scores(call, key, q, k, attn_mask, is_causal, scale, exact=not fast)
+    p = torch.softmax(s, -1)
+    if not _SAFE_SOFTMAX or not _pymath.isnan(p.sum().item()):  # probabilities are finite: a NaN sum is a NaN
+        return s, p, scale
+    if fast and bool(torch.isnan(s).any()):
+        s, scale = _scores(call, key, q, k, attn_mask, is_causal, scale)
+        p = torch.softmax(s, -1)
+    return s, _zero_masked_rows(p, s, -1), scale
+
+
 def _attention(call, key, q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, lse=False,
                noise=None):
     """softmax(q kᵀ · scale + mask) v with both products in the math of ``key``: (out, logsumexp, weights);
     ``noise``: dropout's kept weights, scaled (:func:`dropout_noise`), multiplying the weights before v."""
     k, v = _expand_gqa(q, k, v, enable_gqa)
-    s, _ = _scores(call, key, q, k, attn_mask, is_causal, scale)
+    s, p, _ = _weights(call, key, q, k, attn_mask, is_causal, scale)
     lse = torch.logsumexp(s, -1) if lse else None
-    p = _attention_softmax(s, -1)
     return _product(call, key, p if noise is None else p * noise, v), lse, p
 
 
@@ -620,8 +680,7 @@ def _attention_backward(call, key, grad, q, k, v, out, attn_mask, is_causal, sca
     gradient, summed over the dims the mask was broadcast along)."""
     heads_k = k.size(-3)
     k_full, v_full = _expand_gqa(q, k, v, enable_gqa)
-    s, scale = _scores(call, key, q, k_full, attn_mask, is_causal, scale)
-    p = _attention_softmax(s, -1)
+    _, p, scale = _weights(call, key, q, k_full, attn_mask, is_causal, scale)
     grad_v = _product(call, key, (p if noise is None else p * noise).transpose(-2, -1), grad)
     grad_p = _product(call, key, grad, v_full.transpose(-2, -1))
     if noise is not None:  # out = (p m) v: the weights' gradient is m (grad vᵀ), and Σ p grad_p is still grad·out

@@ -90,8 +90,10 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     """The bytes ``t`` may touch: [first, last)."""
     if t.numel() == 0:
         return 0, 0
-    start = t.data_ptr()
-    return start, start + (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+    start, last = t.data_ptr(), 1
+    for n, st in zip(t.shape, t.stride()):
+        last += (n - 1) * st
+    return start, start + last * t.element_size()
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -167,47 +169,77 @@ def _kernels(count: int = 0) -> Optional[ModuleType]:
 
 
 def _strided(x: torch.Tensor, *outs: torch.Tensor) -> Optional[tuple]:
-    """For the compiled kernels: ``(src, strides, shape, *outs)``, ``x``'s bits as a flat int32 array that the
-    4-D ``shape`` indexes with ``strides``, and each of ``outs`` (dense, alike) as a flat array in that shape's
-    order. The dims are ordered as the outputs lie in memory and merged where ``x`` allows, so that a permuted
-    view (attention's heads) is read in place, row by row. None where the kernels do not apply: numba missing, a
-    small tensor, one off the CPU, outputs with gaps or sharing memory with ``x`` or each other (an output that is
-    ``x`` itself, rounded in place, excepted), or an ``x`` that needs more than four dims."""
-    first = outs[0]
-    if (x.numel() < max(COMPILED_FROM, 1) or x.device.type != "cpu" or any(o.device.type != "cpu" for o in outs)
+    """For the compiled kernels: ``(src, strides, shape, out_strides, *outs)``, ``x``'s bits as a flat int32 array
+    that the 4-D ``shape`` indexes with ``strides``, the row strides of the outputs (alike) in that shape's first
+    three dims, and each of ``outs`` as a flat array from its first element. The dims are ordered as the outputs
+    lie in memory and merged where ``x`` and the outputs allow, so that a permuted view (attention's heads) is
+    read in place, row by row; the outputs' rows are dense, with gaps between them allowed (the two halves of a
+    concatenated operand). None where the kernels do not apply: numba missing, a small tensor, one off the CPU,
+    outputs that overlap themselves, each other or ``x`` (an output that is ``x`` itself, rounded in place,
+    excepted), or an ``x`` that needs more than four dims."""
+    first, numel = outs[0], x.numel()
+    if (numel < max(COMPILED_FROM, 1) or x.device.type != "cpu" or any(o.device.type != "cpu" for o in outs)
             or any(o.stride() != first.stride() for o in outs)):
         return None
     if x.is_contiguous() and first.is_contiguous():  # the common case, a weight or an activation: flat, at once
-        size = x.numel() * 4
+        size = numel * 4
         spans = [(t.data_ptr(), t.data_ptr() + size) for t in (x, *outs)]
         if any(a0 < b1 and b0 < a1 and not (i == 0 and a0 == b0) for i, (a0, a1) in enumerate(spans)
                for b0, b1 in spans[i + 1:]) or _kernels(x.numel()) is None:
             return None
-        return (_bits(x).numpy().reshape(-1), (0, 0, 0, 1), (1, 1, 1, x.numel()),
+        return (_bits(x).numpy().reshape(-1), (0, 0, 0, 1), (1, 1, 1, x.numel()), (0, 0, 0),
                 *(_bits(o).numpy().reshape(-1) for o in outs))
-    if any(_overlap(x, o) and (o.data_ptr() != x.data_ptr() or o.stride() != x.stride()) for o in outs) \
-            or any(_overlap(o, p) for i, o in enumerate(outs) for p in outs[i + 1:]):
-        return None
-    order = sorted(range(x.dim()), key=lambda d: -first.stride(d))
-    dense = [o.permute(order) for o in outs]
-    if not dense[0].is_contiguous():  # outputs with gaps, or overlapping themselves
+    size, stride, out = x.shape, x.stride(), first.stride()
+    if any(_overlap(x, o) and (o.data_ptr() != x.data_ptr() or out != stride) for o in outs):
         return None
     shape: list[int] = []
     strides: list[int] = []
-    for d in order:
-        n, st = x.size(d), x.stride(d)
-        if shape and (strides[-1] == st * n or shape[-1] == 1):
-            shape[-1], strides[-1] = shape[-1] * n, st
-        elif n != 1 or not shape:
+    out_strides: list[int] = []
+    for d in sorted(range(len(size)), key=lambda d: -out[d]):
+        n, st, ot = size[d], stride[d], out[d]
+        if n == 1:
+            continue
+        if shape and strides[-1] == st * n and out_strides[-1] == ot * n:
+            shape[-1], strides[-1], out_strides[-1] = shape[-1] * n, st, ot
+        else:
             shape.append(n)
             strides.append(st)
-    if len(shape) > 4 or _kernels(x.numel()) is None:
+            out_strides.append(ot)
+    if not shape:  # one value
+        shape, strides, out_strides = [1], [1], [1]
+    # rows dense in the outputs, each dim's stride past the dims inside it (no output overlaps itself)
+    if len(shape) > 4 or out_strides[-1] != 1 or any(
+            out_strides[j] < out_strides[j + 1] * shape[j + 1] for j in range(len(shape) - 1)) \
+            or not _apart(outs, shape, out_strides) or _kernels(numel) is None:
         return None
     pad = 4 - len(shape)
     span = 1 + sum((n - 1) * st for n, st in zip(shape, strides))
-    src = _bits(torch.as_strided(x, (span,), (1,))).numpy()
-    return (src, (0,) * pad + tuple(strides), (1,) * pad + tuple(shape),
-            *(_bits(o).numpy().reshape(-1) for o in dense))
+    out_span = (1 + sum((n - 1) * st for n, st in zip(shape, out_strides)),)
+    src = _bits(x.as_strided((span,), (1,))).numpy()
+    return (src, (0,) * pad + tuple(strides), (1,) * pad + tuple(shape), ((0,) * pad + tuple(out_strides))[:3],
+            *(_bits(o.as_strided(out_span, (1,))).numpy() for o in outs))
+
+
+def _apart(outs: tuple[torch.Tensor, ...], sizes: list[int], strides: list[int]) -> bool:
+    """Whether float32 outputs laid out alike (``sizes`` at ``strides``, elements, each stride past the dims
+    inside it) share no element: the gap between any two is no difference of two of their indices."""
+    for i, o in enumerate(outs):
+        for p in outs[i + 1:]:
+            gap = p.data_ptr() - o.data_ptr()
+            if (_meets(gap // 4, sizes, strides) if gap % 4 == 0 else _overlap(o, p)):
+                return False
+    return True
+
+
+def _meets(delta: int, sizes: list[int], strides: list[int]) -> bool:
+    """Whether ``delta = Σ d_j strides_j`` for some ``|d_j| < sizes_j``: of the outermost dim's ``d``, at most two
+    leave what the inner dims can reach (its stride is past their span), so this looks at most 2^dims ways."""
+    if len(sizes) == 1:  # the rows: dense
+        return abs(delta) < sizes[0]
+    n, step = sizes[0], strides[0]
+    reach = sum((m - 1) * st for m, st in zip(sizes[1:], strides[1:]))
+    lo, hi = max(-(n - 1), -((reach - delta) // step)), min(n - 1, (delta + reach) // step)
+    return any(_meets(delta - d * step, sizes[1:], strides[1:]) for d in range(lo, hi + 1))
 
 
 def _round(x: torch.Tensor, drop: int, rounding: str, out: Optional[torch.Tensor] = None,
@@ -216,8 +248,8 @@ def _round(x: torch.Tensor, drop: int, rounding: str, out: Optional[torch.Tensor
     out = torch.empty_like(x) if out is None else out
     strided = _strided(x, out)
     if strided is not None:  # one pass, NaNs kept on the way
-        src, strides, shape, dst = strided
-        _kernels().round_bits(src, strides, shape, dst, drop, rounding)
+        src, strides, shape, out_strides, dst = strided
+        _kernels().round_bits(src, strides, shape, dst, drop, rounding, out_strides)
         return out
     # A NaN needs mending only where one went in (its payload may sit in the dropped bits, or carry into the
     # sign). On the CPU one read-only pass tells: a sum is finite only if no NaN is in it; otherwise (and on
@@ -429,7 +461,8 @@ def split_tf32x3(x: torch.Tensor, *, out: Optional[tuple[torch.Tensor, torch.Ten
     x = _check_parts(x, "split_tf32x3", out, 2)
     big, small = out if out is not None else (torch.empty_like(x), torch.empty_like(x))
     strided = _strided(x, big, small)
-    if strided is not None and _kernels().split_tf32x3(*strided, summed=summed):
+    if strided is not None and _kernels().split_tf32x3(*strided[:3], *strided[4:], summed=summed,
+                                                       out_strides=strided[3]):
         return big, small
     if x.device.type == "cpu" and math.isfinite(x.sum().item()):
         # No NaN or Inf in x, so none in big or x - big: one check instead of one per rounding.

@@ -22,6 +22,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numba as nb
 import numpy as np
 from llvmlite import ir
@@ -91,21 +93,24 @@ _I64 = types.int64
 
 
 @one_signature(types.Array(types.int32, 1, "C", readonly=True), _I64, _I64, _I64, _I64,
-               types.Array(types.int32, 1, "C"), types.Array(types.int32, 1, "C"), _I64, _I64, _I64, _I64,
-               types.boolean, _I64, _I64, _I64, _I64, types.boolean)  # compiled once (compiled.one_signature)
+               types.Array(types.int32, 1, "C"), types.Array(types.int32, 1, "C"), _I64, _I64, _I64,
+               _I64, _I64, _I64, _I64, types.boolean, _I64, _I64, _I64, _I64,
+               types.boolean)  # compiled once (compiled.one_signature)
 @nb.njit(**_OPTIONS)
-def _each(src, s0, s1, s2, s3, first, second, n0, n1, n2, n3, split, bias, odd, drop, mask,
+def _each(src, s0, s1, s2, s3, first, second, o0, o1, o2, n0, n1, n2, n3, split, bias, odd, drop, mask,
           summed):  # pragma: no cover - compiled
     """Every value of a strided 4-D source, in row-major order: rounded into ``first`` (``split`` False; the
     rounding's constants as :func:`round_bits` gives them), or split into ``first`` and ``second`` (True;
-    whether a value was Inf or NaN is returned). The branches are loop-invariant: LLVM makes a vectorised loop of
-    each where the source's rows are dense."""
+    whether a value was Inf or NaN is returned). Each row of ``n3`` values lands where the outputs' row strides
+    ``o0, o1, o2`` put it (dense rows, gaps between them allowed: halves of a concatenated operand). The
+    branches are loop-invariant: LLVM makes a vectorised loop of each where the source's rows are dense."""
     bias, odd, drop, mask = np.int32(bias), np.int32(odd), np.int32(drop), np.int32(mask)  # int32 lanes
     special = np.int32(0)
     row, step = np.uint64(n3), np.uint64(s3)
     starts = _row_starts(s0, s1, s2, n0, n1, n2)
+    outs = starts if (o0, o1, o2) == (s0, s1, s2) else _row_starts(o0, o1, o2, n0, n1, n2)
     for r in range(starts.size):
-        s, d = starts[r], np.uint64(r) * row  # (unsigned throughout: numba makes int64 times uint64 a float)
+        s, d = starts[r], outs[r]  # (unsigned throughout: numba makes int64 times uint64 a float)
         for i in range(row):
             u = src[s + i] if s3 == 1 else src[s + i * step]
             if split:
@@ -116,23 +121,31 @@ def _each(src, s0, s1, s2, s3, first, second, n0, n1, n2, n3, split, bias, odd, 
     return special == 0
 
 
+def _dense(shape: tuple) -> tuple:
+    """The row strides (elements) of a dense row-major array of the 4-D ``shape``."""
+    return shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3]
+
+
 def split_tf32x3(src: np.ndarray, strides: tuple, shape: tuple, big: np.ndarray, second: np.ndarray,
-                 summed: bool = False) -> bool:
+                 summed: bool = False, out_strides: Optional[tuple] = None) -> bool:
     """``formats.split_tf32x3`` of a strided 4-D operand in one pass: ``src`` is a flat int32 array (float32
-    bits) that ``shape`` indexes with ``strides`` (elements); ``big`` and ``second`` are flat arrays of
-    ``shape``'s size, filled in its row-major order with ``big = rz(x)`` and ``small = rna(x - big)`` (or
-    ``big + small`` in float32 when ``summed``). None of them may overlap. False where ``src`` holds an Inf or a
-    NaN: what was written is then not the tensor code's, which the caller runs instead."""
-    return _each(src, *strides, big, second, *shape, True, 0, 0, 0, 0, summed)
+    bits) that ``shape`` indexes with ``strides`` (elements); ``big`` and ``second`` are flat arrays where
+    ``shape``'s rows go, dense in its row-major order (or each row where the row strides ``out_strides`` of its
+    first three dims put it), filled with ``big = rz(x)`` and ``small = rna(x - big)`` (or ``big + small`` in
+    float32 when ``summed``). None of the values written may overlap another or ``src``. False where ``src``
+    holds an Inf or a NaN: what was written is then not the tensor code's, which the caller runs instead."""
+    return _each(src, *strides, big, second, *(out_strides or _dense(shape)), *shape, True, 0, 0, 0, 0, summed)
 
 
 def round_bits(src: np.ndarray, strides: tuple, shape: tuple, dst: np.ndarray, drop: int,
-               rounding: str) -> np.ndarray:
+               rounding: str, out_strides: Optional[tuple] = None) -> np.ndarray:
     """A strided 4-D operand rounded to ``23 - drop`` mantissa bits in one pass: ``src`` is a flat int32 array
     (float32 bits) that ``shape`` indexes with ``strides`` (elements); ``dst``, a flat array of ``shape``'s size,
-    is filled in its row-major order and returned (it may be ``src`` itself, laid out alike). ``rounding``
-    ``"rna"``, ``"rne"`` or ``"rz"`` as ``formats._round_bits``, and every NaN as it was."""
+    is filled in its row-major order (or each row where ``out_strides`` puts it, as :func:`split_tf32x3`) and
+    returned (it may be ``src`` itself, laid out alike). ``rounding`` ``"rna"``, ``"rne"`` or ``"rz"`` as
+    ``formats._round_bits``, and every NaN as it was."""
     half = 1 << (drop - 1)
     bias, odd = {"rna": (half, 0), "rne": (half - 1, 1), "rz": (0, 0)}[rounding]
-    _each(src, *strides, dst, dst, *shape, False, bias, odd, drop, -(1 << drop), False)
+    _each(src, *strides, dst, dst, *(out_strides or _dense(shape)), *shape, False, bias, odd, drop, -(1 << drop),
+          False)
     return dst
