@@ -17,6 +17,7 @@ from torch import nn
 
 import cli_runner
 import tf32lab
+from depthwise_stack import DepthwiseStack
 from small_resnet import resnet
 from tf32lab.report import cudnn, schema
 
@@ -369,18 +370,6 @@ def test_a_model_with_depthwise_and_dense_convolutions_is_told_both_maths():
     out = io.StringIO()
     report.print(Console(file=out, width=120, highlight=False))
     assert "tf32/ieee" in out.getvalue()
-
-
-class DepthwiseStack(nn.Module):
-    """Three depthwise convs (NCHW) that hold most of the predicted time, and a small head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.convs = nn.Sequential(*(nn.Conv2d(16, 16, 5, padding=2, groups=16) for _ in range(3)))
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.head(self.convs(x).mean((2, 3)))
 
 
 def test_a_level_that_buys_little_for_depthwise_convolutions_says_what_runs_them():

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tf32lab
+from depthwise_stack import DepthwiseStack
 from emulation_reference import randn
 from tf32lab.decide.conv_maths import conv_matters
 from tf32lab.know.targets import get
@@ -120,19 +121,9 @@ def test_a_prediction_under_a_conv_math_where_cudnn_is_off_gives_that_flag_no_ga
     assert "likely" not in note and "cuDNN is off" in note, note
 
 
-class _Depthwise(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.convs = nn.Sequential(*(nn.Conv2d(16, 16, 5, padding=2, groups=16) for _ in range(3)))
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.head(self.convs(x).mean((2, 3)))
-
-
 def test_depthwise_convolutions_where_cudnn_is_off_are_not_counted_as_set_by_the_level():
     torch.manual_seed(0)
-    workload = tf32lab.Workload(_Depthwise().eval(), torch.randn(8, 16, 96, 96), name="depthwise")
+    workload = tf32lab.Workload(DepthwiseStack().eval(), torch.randn(8, 16, 96, 96), name="depthwise")
     with torch.backends.cudnn.flags(enabled=False):
         report = tf32lab.check(workload, levels=("highest", "high"))
     (conv,) = report.cudnn
@@ -173,7 +164,7 @@ def test_a_workload_that_turns_cudnn_off_has_it_put_back_and_said():
 
 def test_the_page_of_depthwise_convolutions_without_cudnn_does_not_say_the_level_sets_them():
     torch.manual_seed(0)
-    workload = tf32lab.Workload(_Depthwise().eval(), torch.randn(2, 16, 12, 12), name="depthwise")
+    workload = tf32lab.Workload(DepthwiseStack().eval(), torch.randn(2, 16, 12, 12), name="depthwise")
     with torch.backends.cudnn.flags(enabled=False):
         page = tf32lab.check(workload, levels=("highest", "high"), speed=False).to_html()
     assert "the level sets their math</h3>" not in page
