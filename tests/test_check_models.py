@@ -512,3 +512,19 @@ def test_a_model_that_updates_a_buffer_starts_every_run_from_its_state_and_keeps
     assert report and report.level("highest").outputs[0].normwise < 1e-6
     assert torch.equal(model.mean, torch.zeros(8))  # the user's state, as it was
     assert any("float32" in note for note in report.notes)
+
+
+def test_an_output_tf32lab_cannot_read_is_named_for_what_it_is():
+    class Gaussian(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return torch.distributions.Normal(self.lin(x), 1.0)
+
+    with pytest.raises(Tf32LabError, match=r"nothing to compare \(a torch.distributions Normal, whose parameters "
+                                           r"\(such as its mean\) are the tensors\)"):
+        tf32lab.check(tf32lab.Workload(Gaussian(), torch.randn(3, 4)), levels=("high",), speed=False)
+    with pytest.raises(Tf32LabError, match=r"nothing to compare \(an empty tensor\)"):
+        _check(lambda y: y[:0])

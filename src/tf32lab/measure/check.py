@@ -916,9 +916,22 @@ def _comparable(ref_out: Any) -> bool:
 def _check_comparable(workload: Workload, ref_out: Any, comparable: bool) -> None:
     leaves = list(named_leaves(ref_out))
     if not comparable:
-        kinds = ", ".join(sorted({"None" if v is None else f"an empty {type(v).__name__}" for _, v in leaves}))
+        kinds = ", ".join(sorted({_leaf_kind(v) for _, v in leaves}))
         raise Tf32LabError(f"workload {workload.name!r}: its output has nothing to compare ({kinds or 'nothing'}); "
                            f"return the tensors to check (a tensor, or a tuple/dict of them)")
+
+
+def _leaf_kind(value: Any) -> str:
+    """An output leaf that holds nothing to compare, in words: ``None``, an empty tensor, or an object whose values
+    tf32lab cannot read (a ``torch.distributions`` one: its parameters or a sample are tensors to return)."""
+    if value is None:
+        return "None"
+    if isinstance(value, torch.Tensor):
+        return "an empty tensor"
+    kind = type(value)
+    if kind.__module__.startswith("torch.distributions"):
+        return f"a torch.distributions {kind.__name__}, whose parameters (such as its mean) are the tensors"
+    return f"a {kind.__name__} object, with no tensors tf32lab can read in it"
 
 
 def _check_judgeable(workload: Workload, ref_out: Any, ranks: Optional[Ranks] = None) -> None:
