@@ -59,6 +59,21 @@ def test_on_a_cpu_target_the_conv_note_does_not_say_the_convolutions_ran_at_cudn
     assert report.level("highest").outputs[0].normwise == report.level("high").outputs[0].normwise
 
 
+def test_a_model_without_convolutions_is_not_told_its_convolutions_ran_at_the_asked_math():
+    class Tagger(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm, self.head = torch.nn.LSTM(8, 16), torch.nn.Linear(16, 2)
+
+        def forward(self, x):
+            return self.head(self.lstm(x)[0])
+
+    torch.manual_seed(0)
+    report = check(Workload(Tagger(), torch.randn(5, 2, 8)), levels=("highest", "high"), conv="ieee", speed=False)
+    (note,) = [note for note in report.notes if "conv='ieee'" in note]
+    assert "ran at cudnn.conv" not in note and note.endswith("the model ran no convolution"), note
+
+
 def test_conv_math_is_scoped_and_restored_on_every_exit_path():
     before = flags.snapshot()
     with conv_math("ieee"):

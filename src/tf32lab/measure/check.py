@@ -148,8 +148,9 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
         if ranks is not None:  # every rank done before any leaves, or writes the report (and none ran more)
             ranks.meet("the end of the check")
     if conv is not None:
-        report = dataclasses.replace(report, notes=(*report.notes, conv_scope.note(policy,
-                                                                                   cpu=target.device == "cpu")))
+        ran = any(family.family == "conv" for family in report.cudnn)
+        report = dataclasses.replace(report, notes=(*report.notes, conv_scope.note(
+            policy, cpu=target.device == "cpu", convolutions=ran)))
     return _noted(report, changed)
 
 
@@ -166,12 +167,16 @@ def refuse_native_levels(levels: Iterable[str], target: Target) -> None:
 
 
 def conv_note(conv: str, policy: Optional[Policy] = None, searched: bool = False, moved: Optional[str] = None,
-              cpu: bool = False, cudnn_off: bool = False) -> str:
+              cpu: bool = False, cudnn_off: bool = False, convolutions: bool = True) -> str:
     """The report's note on a conv math named by the caller (``searched``: chosen by ``tune`` itself); ``policy``:
     the policy row's, whose pins of another conv math it names (the row ran those modules at theirs); ``moved``:
     the math the workload wrote into the flag meanwhile (:class:`ConvRun`); ``cpu``: the target is a CPU, which
     does not read cuDNN's flag; ``cudnn_off``: ``torch.backends.cudnn.enabled`` was False for the run, so no GPU
-    reads it either."""
+    reads it either; ``convolutions``: whether the model ran any (False: the note says none ran, not that they
+    ran at the flag)."""
+    if not convolutions:
+        return (f"conv={conv!r} set cuDNN's convolution flag (torch.backends.cudnn.conv.fp32_precision) for the "
+                f"run; the model ran no convolution")
     if cudnn_off and not cpu:  # the rows ran them at each level's math: saying conv= set them contradicted the table
         return (f"conv={conv!r} set cuDNN's convolution flag (torch.backends.cudnn.conv.fp32_precision), which "
                 f"nothing read: cuDNN is off (torch.backends.cudnn.enabled = False), so a GPU runs convolutions and "
@@ -216,8 +221,9 @@ class ConvRun:
         finally:
             self.scope.__exit__(*exc)
 
-    def note(self, policy: Optional[Policy] = None, searched: bool = False, cpu: bool = False) -> str:
-        return conv_note(self.conv, policy, searched, self.moved, cpu, self.cudnn == "off")
+    def note(self, policy: Optional[Policy] = None, searched: bool = False, cpu: bool = False,
+             convolutions: bool = True) -> str:
+        return conv_note(self.conv, policy, searched, self.moved, cpu, self.cudnn == "off", convolutions)
 
 
 def _check(workload: Workload, levels: tuple[str, ...], target: Target, reference: str, tolerances: dict[str, float],
