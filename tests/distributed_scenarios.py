@@ -53,13 +53,15 @@ def agree_subgroup(*args: str) -> None:
 
 
 def disagree(*args: str) -> None:
-    """The odd ranks set ``high`` (as a library that runs on some ranks only would): every rank raises."""
+    """The odd ranks set ``high`` and turn cuDNN off (as a library that runs on some ranks only would): every rank
+    raises."""
     import tf32lab
     from tf32lab.machine import distributed
     rank = _init()
     before = tf32lab.flags.snapshot()
     if rank % 2:
         torch.set_float32_matmul_precision("high")
+        torch.backends.cudnn.enabled = False
     try:
         distributed.agree()
     finally:

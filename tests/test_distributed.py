@@ -38,6 +38,7 @@ def test_disagreement_is_one_line_on_every_rank(world):
         assert (f"ranks {who} " if "," in who else f"rank {who} ") in line
     assert "level:" in line and "'high'" in line and "'highest'" in line
     assert "cell mkldnn.matmul:" in line
+    assert "cell cudnn:" in line and "'off'" in line  # cuDNN off sets a GPU's convolution math
 
 
 @pytest.mark.slow

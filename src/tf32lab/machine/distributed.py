@@ -38,6 +38,7 @@ from tf32lab.control import flags
 from tf32lab.control.policy import Policy, applied_policies, applied_to
 from tf32lab.control.scope import get_float32_matmul_precision
 from tf32lab.errors import Tf32LabError
+from tf32lab.know.targets import CUDNN_CELL, cudnn_cell
 
 __all__ = ["Agreement", "RankState", "agree", "initialized", "policy_digest", "rank_of", "rank_prefix"]
 
@@ -93,7 +94,9 @@ class RankState:
         else:
             policies = applied_policies()
         from tf32lab import __version__  # the package's face holds the version; a string, no import of layers
-        return cls(rank, flags.read_cells(), get_float32_matmul_precision(), _digest(policies), __version__,
+        # cuDNN on or off sets a GPU's convolution and RNN math as the cells do (know.targets.CUDNN_CELL)
+        cells = {**flags.read_cells(), CUDNN_CELL: cudnn_cell()}
+        return cls(rank, cells, get_float32_matmul_precision(), _digest(policies), __version__,
                    torch.__version__, {str(k): str(v) for k, v in (also or {}).items()})
 
     def settings(self) -> dict[str, str]:
