@@ -17,7 +17,8 @@ import tf32lab
 # every module of the package (a new one cannot be forgotten), but those with no public API to show: the command
 # and the plugin (shown in README.md, run by their own tests), renderers of data types, the op rules, the exception
 INTERNAL = {"tf32lab.__main__", "tf32lab.cli", "tf32lab.pytest_plugin", "tf32lab.report.doctor_text", "tf32lab.errors",
-            "tf32lab.report.html", "tf32lab.report.text", "tf32lab.report.tune_html", "tf32lab.emulation.rules"}
+            "tf32lab.report.html", "tf32lab.report.text", "tf32lab.report.tune_html", "tf32lab.emulation.rules",
+            "tf32lab.emulation.attention_rules", "tf32lab.emulation.registry"}
 MODULES = ["tf32lab", *sorted(info.name for info in pkgutil.walk_packages(tf32lab.__path__, "tf32lab.")
                               if info.name not in INTERNAL)]
 

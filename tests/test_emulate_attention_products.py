@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import tf32lab
-from tf32lab.emulation import rules
+from tf32lab.emulation import attention_rules
 from tf32lab.numbers import formats
 
 SPLITS = {"tf32x3": formats.split_tf32x3, "bf16x3": formats.split_bf16x3}
@@ -119,7 +119,7 @@ def test_masks_added_as_a_bias_give_the_filled_masks_results_bit_for_bit(name, m
         k, v = k[:, :2], v[:, :2]
     options = MASKS[name](24)
     fast = _forward_backward(q, k, v, **options)
-    monkeypatch.setattr(rules, "_BIAS_MASKS", False)  # masked_fill, as PyTorch's math path masks
+    monkeypatch.setattr(attention_rules, "_BIAS_MASKS", False)  # masked_fill, as PyTorch's math path masks
     filled = _forward_backward(q, k, v, **options)
     assert _bitwise(fast, filled), name
     assert all(torch.isfinite(t).all() for t in fast)
@@ -133,7 +133,7 @@ def test_a_masked_out_score_that_overflows_is_masked_as_pytorch_masks_it(monkeyp
     k[0, 0, 6, 0] = 3e19  # a later token: out of the causal mask of row 2
     fast = _forward_backward(q, k, v, is_causal=True)
     assert torch.isfinite(fast[0]).all()
-    monkeypatch.setattr(rules, "_BIAS_MASKS", False)
+    monkeypatch.setattr(attention_rules, "_BIAS_MASKS", False)
     assert _bitwise(fast[:1], _forward_backward(q, k, v, is_causal=True)[:1])
 
 
@@ -141,16 +141,16 @@ def test_fully_masked_rows_take_the_bias_path_alone(monkeypatch):
     # padding's rows are -inf throughout either way: no second computation of the scores for them
     q, k, v = _heads(2, 12, 2, 16, seed=7)
     calls = []
-    real = rules._scores
+    real = attention_rules._scores
 
     def counted(*args, **kwargs):
         calls.append(kwargs.get("exact", True))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(rules, "_scores", counted)
+    monkeypatch.setattr(attention_rules, "_scores", counted)
     keep = _keys_fully_masked(12)
     out = _forward_backward(q, k, v, attn_mask=keep)
     assert calls == [False, False]  # the forward's and the backward's, each once, by the bias
     assert torch.equal(out[0][1, :, 3:7], torch.zeros_like(out[0][1, :, 3:7]))
-    monkeypatch.setattr(rules, "_BIAS_MASKS", False)
+    monkeypatch.setattr(attention_rules, "_BIAS_MASKS", False)
     assert _bitwise(out, _forward_backward(q, k, v, attn_mask=keep))

@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from tf32lab import settings
 from tf32lab.control import flags, modestack, scope
-from tf32lab.emulation import rules
+from tf32lab.emulation import attention_rules, rules
 from tf32lab.emulation.reuse import Handoff
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
@@ -1195,7 +1195,7 @@ def _no_tf32_backward() -> bool:
 
 
 _RNN_FUNCTIONS = rules.RNN_FUNCTIONS
-_SDPA = rules.SDPA_FUNCTION
+_SDPA = attention_rules.SDPA_FUNCTION
 # The entries of a backward pass. A mode is off inside its own handler, and the autograd engine keeps the function
 # mode stack it was called with: a backward started from the handler ran without this mode, so the forward that
 # torch.utils.checkpoint recomputes inside it took PyTorch's own SDPA path, not the forward's op (other tensors
@@ -1259,7 +1259,7 @@ class _FunctionMode(TorchFunctionMode):
                             with modestack.lifted(_thread_modes().dispatch):
                                 return func(*args, **kwargs)
                         return _handed(entry, call.op, "attention", args, kwargs,
-                                       lambda: rules.sdpa_function(call, func, args, kwargs))
+                                       lambda: attention_rules.sdpa_function(call, func, args, kwargs))
                 elif _holds(args):
                     entry.emu.rnns_met = True  # its GEMMs are counted as aten::linear / aten::mm (families_met)
                     return _handed(entry, f"aten::{rules.RNN_FUNCTIONS[func]}", "rnn", args, kwargs,
