@@ -409,7 +409,7 @@ class _WeightCache:
         elif self.from_second and self.seen.get(key, _dead)() is not base:
             # the first use in the block: rounded for this op alone, and kept from the second use on. A block that
             # uses each weight once (a check's row, a layer's rerun) held a rounded copy of every weight of the
-            # model until its end: an LSTM's, rounded layer by layer, at the row's peak memory.
+            # model until its end (all-MiniLM-L6-v2's check: 838 -> 812 MiB peak without them).
             self.seen[key] = weakref.ref(base)
             with torch.inference_mode(False):
                 value = fn(read.detach(), [torch.empty(read.shape, dtype=read.dtype, device=read.device)
