@@ -12,6 +12,7 @@ import torch
 import tf32lab
 from tf32lab.emulation.reuse import Handoff, alike
 from tf32lab.know.targets import get
+from tf32lab.measure.spill import SpillFile
 
 
 class ConvNet(torch.nn.Module):
@@ -81,6 +82,25 @@ def test_the_second_run_takes_the_convolutions_and_gets_its_own_bits(inplace: bo
     assert torch.equal(second[0], alone[0]) and second[1:] == alone[1:]
     assert not torch.equal(first[0], second[0])  # the Linear differs between the levels: the runs do
     assert not handoff.kept  # handed over, nothing left held
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_with_a_spill_file_the_kept_results_are_written_out_and_come_back_bit_for_bit(inplace: bool) -> None:
+    # held in memory, a conv net's first activation stayed alive across the whole first row (torchcrepe's: 64 MiB
+    # over the check's reference peak); written out, the first run holds nothing of it
+    torch.manual_seed(0)
+    model, x = ConvNet(inplace), torch.randn(4, 3, 40)
+    alone = _run(model, x, "high")
+    with SpillFile(min_bytes=4 * 8 * 36 * 4) as spill:  # the first conv's output, not the smaller second's
+        handoff = Handoff(_handoff().alike, spill=spill)
+        handoff.record()
+        _run(model, x, "highest", handoff)
+        assert len(handoff.kept) == 2 and spill.written == 4 * 8 * 36 * 4
+        first, second = (kept.result[1][0] for kept in handoff.kept)
+        assert not isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor)  # only the first written
+        handoff.replay()
+        replayed = _run(model, x, "high", handoff)
+    assert handoff.taken == 2 and torch.equal(replayed[0], alone[0]) and replayed[1:] == alone[1:]
 
 
 def test_a_matmul_first_keeps_nothing() -> None:

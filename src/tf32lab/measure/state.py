@@ -26,7 +26,8 @@ precision. What is kept:
   call: the float64 reference filled it with float64 tensors, and every float32 row then raised at its product);
   such objects and dataclasses (slotted ones too) inside lists, dicts and each other are kept likewise, up to
   eight levels down (a per-layer cache object in a list, a list of dicts of lists of tensors);
-- not the parameters' values (a copy would double the model's memory): a write into one, seen by its version
+- not the parameters' values (a copy would double the model's memory), nor those of a parameter a list holds (an
+  LSTM's ``_flat_weights``, which copied doubled its weights in a check): a write into one, seen by its version
   counter (or, for a write through ``.data``, by a sum of its bits: whole, or at both ends of a large one), is
   said (``KeptState.written``, :func:`written_note`), not undone; but a parameter converted to another dtype
   (``self.to(X)`` in a forward, float64 in the reference run) is given its own tensor back;
@@ -492,6 +493,8 @@ def kept_contents(value: Any, depth: int = 0) -> Any:
     """What :func:`put_back_contents` needs to put ``value``'s contents back: a tensor's values, a list's or
     dict's items, and the contents of the items of a list, dict or tuple (a list of tensors updated in place:
     ``self.state[0].add_(h)``), a few levels down."""
+    if isinstance(value, torch.nn.Parameter):  # a weight: watched, not copied (see the module's docstring)
+        return None
     if isinstance(value, torch.Tensor):
         return None if value.is_inference() else value.detach().clone()
     if isinstance(value, np.ndarray):  # of numbers: an array of objects is left to its objects
