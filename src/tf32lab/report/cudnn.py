@@ -180,12 +180,31 @@ _OFF_DEPTHWISE = ("cuDNN is off (`torch.backends.cudnn.enabled = False`), and th
                   "level nor a TF32 flag reaches them")
 
 
+# how many of a family's convolutions a GPU ran in PyTorch's own depthwise kernels (:func:`_depthwise`)
+_ALL, _SOME, _NONE = "all", "some", "none"
+
+
+def _depthwise(entry: CudnnFamily, report: Report) -> str:
+    """Which of ``entry``'s convolutions a GPU ran in PyTorch's own depthwise kernels, not cuDNN's: ``"all"``,
+    ``"some"`` or ``"none"`` (another family, or a CPU). Read off the maths the emulator counted them at (IEEE
+    float32, ``emulation.rules._cuda_depthwise``): with cuDNN on, IEEE where cuDNN's flag gave TF32 on a target
+    whose cuDNN has it; with cuDNN off, IEEE in every row where some row's level gave the matmuls another math (the
+    other convolutions would have taken it)."""
+    if entry.family != "conv" or not entry.maths or on_cpu(report):
+        return _NONE
+    maths = list(entry.maths.values())
+    if entry.flag == OFF:
+        if all(m == "ieee" for m in maths) and any(lv.maths.get("matmul", "ieee") != "ieee" for lv in report.levels
+                                                   if lv.level in entry.maths):
+            return _ALL
+    elif all(_word(m) == "IEEE float32" for m in maths) and entry.flag == "tf32" and _has_tf32_conv(report.target):
+        return _ALL
+    return _SOME if any(m.endswith("/ieee") for m in maths) else _NONE  # the IEEE ones beside others in a row
+
+
 def _off_depthwise(entry: CudnnFamily, report: Report) -> bool:
-    """Whether ``entry`` is convolutions run with cuDNN off that are all depthwise: IEEE float32 in every row, where
-    some row's level gave the matmuls another math (the others would have taken it)."""
-    if entry.family != "conv" or entry.flag != OFF or any(m != "ieee" for m in entry.maths.values()):
-        return False
-    return any(lv.maths.get("matmul", "ieee") != "ieee" for lv in report.levels if lv.level in entry.maths)
+    """Whether ``entry`` is convolutions run with cuDNN off that are all depthwise: IEEE float32 in every row."""
+    return entry.flag == OFF and _depthwise(entry, report) == _ALL
 
 
 def off_depthwise(report: Report) -> bool:
@@ -208,18 +227,19 @@ def _has_tf32_conv(target: str) -> bool:
         TARGETS[target].maths_at("highest", {"cuda.conv": "tf32"}).get("conv", "ieee") != "ieee"
 
 
-def _why(entry: CudnnFamily, target: str, cpu: bool = False, depthwise: bool = False) -> str:
-    """Why ``entry`` ran at its maths; ``depthwise``: cuDNN was off and every convolution depthwise."""
+def _why(entry: CudnnFamily, report: Report, cpu: bool = False) -> str:
+    """Why ``entry`` ran at its maths."""
     if cpu:
         return _CPU_WHY[entry.family]
+    depthwise = _depthwise(entry, report)
     if entry.flag == OFF:
-        return _OFF_DEPTHWISE if depthwise else _OFF_WHY[entry.family]
+        return _OFF_DEPTHWISE if depthwise == _ALL else _OFF_WHY[entry.family]
+    if depthwise == _ALL:
+        return _DEPTHWISE
     flag = f"`{FLAGS[entry.family]}`"
     tf32 = any(_word(m) != "IEEE float32" for m in entry.maths.values())
-    if not tf32 and entry.flag == "tf32" and entry.family == "conv" and _has_tf32_conv(target):
-        return _DEPTHWISE
     if not tf32 and entry.flag == "tf32":  # the flag allows TF32, the target has none (V100, a CPU)
-        where = "this machine" if target == NATIVE else target
+        where = "this machine" if report.target == NATIVE else report.target
         return f"{where} has no TF32 for them, whatever a level or {flag} says"
     if entry.asked is not None:
         why = f"{flag} = '{entry.asked}', as conv='{entry.asked}' set it for the check"
@@ -243,9 +263,8 @@ def stated(report: Report, hint: bool = True) -> list[str]:
         if not entry.maths:
             continue
         name = entry.title
-        why = _why(entry, report.target, cpu, _off_depthwise(entry, report))
-        text = f"{name[0].upper()}{name[1:]} ran {_per_row(entry, report, cpu)}: {why}"
-        if entry.family == "conv" and entry.flag != OFF and any(m.endswith("/ieee") for m in entry.maths.values()):
+        text = f"{name[0].upper()}{name[1:]} ran {_per_row(entry, report, cpu)}: {_why(entry, report, cpu)}"
+        if entry.flag != OFF and _depthwise(entry, report) == _SOME:
             text += f"; the IEEE float32 ones: {_DEPTHWISE}"
         first = next(iter(entry.shares), None)
         if first is not None:
@@ -298,12 +317,11 @@ def _run_by(report: Report, shown: Collection[str]) -> str:
     conv = next((e for e in report.cudnn if e.family == "conv" and e.maths), None)
     if "conv" not in shown or conv is None:
         return "at cuDNN's own flag"
-    if conv.flag == OFF:  # held with cuDNN off only where every convolution is depthwise (held)
+    depthwise = _depthwise(conv, report)
+    # cuDNN off, the convolutions are held only where every one is depthwise (held): shown alone
+    if depthwise == _ALL and (conv.flag == OFF or len(shown) == 1):
         return "in PyTorch's own depthwise kernels"
-    if _why(conv, report.target) == _DEPTHWISE:  # every convolution depthwise
-        return "in PyTorch's own depthwise kernels" if len(shown) == 1 else \
-            "at cuDNN's own flag (the depthwise convolutions in PyTorch's own kernels)"
-    if any(m.endswith("/ieee") for m in conv.maths.values()):
+    if depthwise != _NONE:
         return "at cuDNN's own flag (the depthwise convolutions in PyTorch's own kernels)"
     return "at cuDNN's own flag"
 
