@@ -35,6 +35,7 @@ from tf32lab.know import optable
 from tf32lab.numbers.trees import named_tensors, operand_tensors
 from tf32lab.report.conclusion import ON_ANOTHER_THREAD, on_other_threads
 from tf32lab.speed.kinds import conv_kind, kind_of
+from tf32lab.speed.unfolded_conv import Unfolded, unfolded
 
 __all__ = ["Counting", "Counts", "OpCost", "OtherThreads", "on_other_threads"]
 
@@ -51,7 +52,9 @@ _GATHER = frozenset(["embedding", "index_select", "gather", "index", "take"])
 class OpCost(NamedTuple):
     """One op of the run: ``op`` (``aten::addmm``), the ``layer`` that ran it, its ``family`` (None: not
     precision-sensitive), FLOPs, bytes read and written, the GEMMs it amounts to, and its ``kind``: what limits it
-    on a GPU (``tf32lab.speed.kinds``; empty: found from ``op`` and ``family`` when timed)."""
+    on a GPU (``tf32lab.speed.kinds``; empty: found from ``op`` and ``family`` when timed); ``kernels``: its kernel
+    launches (0: one, or one per GEMM); ``unfolded``: for a convolution, the ops a GPU runs for it with cuDNN off
+    (``speed.unfolded_conv``)."""
 
     op: str
     layer: str
@@ -60,6 +63,8 @@ class OpCost(NamedTuple):
     bytes: float
     gemms: tuple[Gemm, ...]
     kind: str = ""
+    kernels: int = 0
+    unfolded: tuple[Unfolded, ...] = ()
 
 
 class Counts:
@@ -382,7 +387,8 @@ class Counting:
         flops = float(sum(2 * c * b * m * n * k for c, b, m, n, k in gemms or ()))
         layer = self._stack[-1] if self._stack else self._backward_layer()
         self.counts.ops.append(OpCost(qualified, layer, family, flops, _bytes(name, args, kwargs, out),
-                                      tuple(gemms or ()), kind or _kind(qualified, family, named or {})))
+                                      tuple(gemms or ()), kind or _kind(qualified, family, named or {}),
+                                      unfolded=unfolded(name, named, out) if family == "conv" else ()))
 
     def _backward_layer(self) -> str:
         """The layer whose forward made the autograd node running now (backward ops), else the model's."""

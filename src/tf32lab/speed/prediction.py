@@ -68,6 +68,7 @@ from tf32lab.numbers.origin import run_error
 from tf32lab.numbers.trees import named_tensors
 from tf32lab.speed.counting import ROOT, Counting, Counts, Gemm, OpCost, OtherThreads
 from tf32lab.speed.kinds import TIME_BAND, gain_band, kind_of
+from tf32lab.speed.unfolded_conv import as_run
 from tf32lab.workloads.running import changed_note, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.workload import Workload, eval_mode
 
@@ -265,13 +266,22 @@ def seconds_at(counts: Counts, target: Target, level_of: Callable[[str], str],
     its convolutions at cuDNN's ``conv_of(layer)`` math where that gives one (None: this context's flag)."""
     p = target.speed_peaks()
     conv_of = conv_of or (lambda layer: None)
-    pairs = {(level_of(op.layer), conv_of(op.layer)) for op in counts.ops}
+    ops = _as_run(counts.ops, target)
+    pairs = {(level_of(op.layer), conv_of(op.layer)) for op in ops}
     maths = {(level, conv): level_maths(target, [level], conv)[level] for level, conv in pairs}
-    return queued_seconds(counts.ops, [op_seconds(op, maths[level_of(op.layer), conv_of(op.layer)].get(
-        op.family or "", "ieee"), p) for op in counts.ops])
+    return queued_seconds(ops, [op_seconds(op, maths[level_of(op.layer), conv_of(op.layer)].get(
+        op.family or "", "ieee"), p) for op in ops])
+
+
+def _as_run(ops: Sequence[OpCost], target: Target) -> list[OpCost]:
+    """The counted ops as ``target`` runs them: on a GPU with cuDNN off, each convolution as PyTorch's own slow
+    backends run it (``speed.unfolded_conv``)."""
+    return as_run(ops, target.device == "cuda" and context_cells()[CUDNN_CELL] == "off")
 
 
 def _kernels(op: OpCost) -> int:
+    if op.kernels:
+        return op.kernels
     return sum(g[0] for g in op.gemms) if op.gemms else 1  # an RNN's steps are kernels of their own
 
 
@@ -328,32 +338,33 @@ def predict_counts(counts: Counts, workload: str, target: Target, levels: Iterab
     cuDNN convolution math (default: as this context's flags hold it)."""
     p = target.speed_peaks()
     levels = speed_levels(levels)
+    ops = _as_run(counts.ops, target)
     by_level = level_maths(target, levels, conv)
-    per_op = {level: [op_seconds(op, by_level[level].get(op.family or "", "ieee"), p) for op in counts.ops]
+    per_op = {level: [op_seconds(op, by_level[level].get(op.family or "", "ieee"), p) for op in ops]
               for level in levels}
-    totals = {level: queued_seconds(counts.ops, times, host) for level, times in per_op.items()}
+    totals = {level: queued_seconds(ops, times, host) for level, times in per_op.items()}
     changed = {level: [by_level[level].get(op.family or "", "ieee") != by_level["highest"].get(op.family or "", "ieee")
-                       for op in counts.ops] for level in levels}
+                       for op in ops] for level in levels}
     layers: dict[str, dict[str, float]] = {}
-    for i, op in enumerate(counts.ops):
+    for i, op in enumerate(ops):
         for level in levels:
             layer = layers.setdefault(op.layer, dict.fromkeys(levels, 0.0))
             layer[level] += per_op[level][i]
-    family_layers = {op.layer for op in counts.ops if op.family is not None}
+    family_layers = {op.layer for op in ops if op.family is not None}
     rows = tuple(LevelSpeed(level, totals[level], _ratio(totals["highest"], totals[level]),
-                            _ratio(sum(t for t, op in zip(per_op[level], counts.ops) if op.family is not None),
+                            _ratio(sum(t for t, op in zip(per_op[level], ops) if op.family is not None),
                                    sum(per_op[level])),
-                            band=_band(counts.ops, per_op["highest"], per_op[level], changed[level], p, host),
-                            shares=_shares(counts.ops, per_op[level], sum(per_op[level])))
+                            band=_band(ops, per_op["highest"], per_op[level], changed[level], p, host),
+                            shares=_shares(ops, per_op[level], sum(per_op[level])))
                  for level in levels)
     notes = []
     if counts.uncounted:
-        ops = ", ".join(f"{op} x{n}" for op, n in counts.uncounted.most_common(4))
-        notes.append(f"counted by their bytes only (no FLOP formula): {ops}")
-    if conv is not None and any(op.family == "conv" for op in counts.ops):
-        notes.append(_conv_note(counts, target, conv, per_op["highest"], host))
+        named = ", ".join(f"{op} x{n}" for op, n in counts.uncounted.most_common(4))
+        notes.append(f"counted by their bytes only (no FLOP formula): {named}")
+    if conv is not None and any(op.family == "conv" for op in ops):
+        notes.append(_conv_note(ops, target, conv, per_op["highest"], host))
     widest = max(rows, key=lambda lv: lv.band[1] / lv.band[0] if lv.band and lv.band[0] > 0 else 0.0)
-    wide = _wide_note(counts.ops, per_op["highest"], totals["highest"], widest, f"at {widest.level}")
+    wide = _wide_note(ops, per_op["highest"], totals["highest"], widest, f"at {widest.level}")
     if wide:
         notes.append(wide)
     return SpeedReport(workload, target.name, "predicted", rows,
@@ -397,7 +408,7 @@ def _shares(ops: Sequence[OpCost], times: Sequence[float], total: float) -> dict
     return {family: _ratio(seconds, total) for family, seconds in sorted(found.items())}
 
 
-def _conv_note(counts: Counts, target: Target, conv: str, times: Sequence[float], host: float = 0.0) -> str:
+def _conv_note(ops: Sequence[OpCost], target: Target, conv: str, times: Sequence[float], host: float = 0.0) -> str:
     """What cuDNN's TF32 flag buys at ``highest``: the other conv math's time against this one's."""
     if target.device == "cuda" and context_cells()[CUDNN_CELL] == "off":
         # no cuDNN: the flag changes no op, and a band drawn around the convolutions' kinds said it might
@@ -405,12 +416,12 @@ def _conv_note(counts: Counts, target: Target, conv: str, times: Sequence[float]
                 f"(torch.backends.cudnn.enabled = False), so the level sets the convolutions' math")
     p = target.speed_peaks()
     maths = level_maths(target, ("highest",), "ieee" if conv == "tf32" else "tf32")["highest"]
-    other = [op_seconds(op, maths.get(op.family or "", "ieee"), p) for op in counts.ops]
+    other = [op_seconds(op, maths.get(op.family or "", "ieee"), p) for op in ops]
     ieee, tf32 = (other, list(times)) if conv == "tf32" else (list(times), other)
-    ieee_total, tf32_total = queued_seconds(counts.ops, ieee, host), queued_seconds(counts.ops, tf32, host)
+    ieee_total, tf32_total = queued_seconds(ops, ieee, host), queued_seconds(ops, tf32, host)
     gain = LevelSpeed("highest", tf32_total, _ratio(ieee_total, tf32_total), math.nan,
-                      band=_band(counts.ops, ieee, tf32, [op.family == "conv" for op in counts.ops], p, host))
-    wide = _wide_note(counts.ops, ieee, ieee_total, gain, "of cuDNN's TF32 flag")
+                      band=_band(ops, ieee, tf32, [op.family == "conv" for op in ops], p, host))
+    wide = _wide_note(ops, ieee, ieee_total, gain, "of cuDNN's TF32 flag")
     return (f"convolutions at cudnn.conv tf32 instead of ieee (at highest): {gain.likely()} "
             f"(cuDNN picks its algorithm per shape: a wide band)" + (f"; {wide}" if wide else ""))
 
