@@ -52,6 +52,17 @@ def test_a_tensor_laid_out_otherwise_or_a_subclass_is_not_held():
         assert SpillFile(min_bytes=41).hold(small) is small  # under the size: as it is
 
 
+def test_a_lazily_conjugated_or_negated_tensor_is_not_held_and_a_strided_one_comes_back_so():
+    # a conjugate or negative view has no plain bits to write (viewing it as bytes raises): its caller copies it
+    with SpillFile(min_bytes=1) as spill:
+        conjugated = torch.randn(6, dtype=torch.complex64).conj()
+        negated = torch._neg_view(torch.randn(6))
+        assert spill.hold(conjugated) is conjugated and spill.hold(negated) is negated and spill.written == 0
+        odd = torch.randn(5, 1, 7).transpose(0, 1)  # contiguous, its size-1 dimension's stride 7, not 35
+        back = spill.hold(odd).load()
+        assert back.stride() == odd.stride() == (7, 7, 1) and torch.equal(back, odd)
+
+
 def test_below_the_size_or_with_no_size_a_tensor_stays_in_memory():
     t = torch.randn(100, dtype=torch.float64)
     assert SpillFile(min_bytes=801).put(t) is t
