@@ -191,3 +191,17 @@ def test_a_parameter_the_model_does_not_register_is_put_back_and_said():
     report = tf32lab.check(workload, levels=("highest", "high"), speed=False)
     assert all(row.passed for row in report.levels) and any("keeps state" in note for note in report.notes)
     assert torch.equal(workload.model.scales[0], torch.ones(8))
+
+
+def test_a_torchscript_models_buffers_are_put_back():
+    # a scripted module's _buffers is TorchScript's wrapper, which has no .get(): every check of a scripted model
+    # with a buffer (a BatchNorm's running statistics) raised AttributeError at the first reset
+    model = torch.jit.script(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
+    running = model[1].running_mean.clone()
+    with state_kept(model) as reset:
+        model(torch.randn(8, 4) + 3)  # train mode: the running statistics move
+        assert {"running_mean", "running_var"} <= {name.split(".")[-1] for name in reset()}
+        assert torch.equal(model[1].running_mean, running)
+    torch.manual_seed(0)
+    report = _check(torch.jit.script(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16))))
+    assert report.levels[0].outputs[0].normwise < 1e-5

@@ -286,8 +286,9 @@ def _buffer(module: torch.nn.Module, key: str, buffer: torch.Tensor, value: Any,
 
     def restore() -> list[str]:
         changed = False
-        now = module._buffers.get(key)
-        if not scripted and now is not buffer:
+        # a scripted module's buffers are its own (TorchScript's _buffers is a wrapper, without .get())
+        now = buffer if scripted else module._buffers.get(key)
+        if now is not buffer:
             module._buffers[key] = buffer
             changed = not _widened(now, buffer if value is None else value)
         return [key] if _values_put_back(buffer, value) or changed else []
