@@ -205,3 +205,19 @@ def test_a_torchscript_models_buffers_are_put_back():
     torch.manual_seed(0)
     report = _check(torch.jit.script(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16))))
     assert report.levels[0].outputs[0].normwise < 1e-5
+
+
+def test_a_parameter_in_an_object_the_model_is_given_is_put_back():
+    # an input object's attributes are kept as a module's are, with no parameters of the model's to skip: a write
+    # into a parameter in its list is undone and said, as into any tensor there
+    from tf32lab.measure.given import KeptInputs
+
+    class Holder:
+        def __init__(self) -> None:
+            self.items = [torch.nn.Parameter(torch.ones(3))]
+
+    holder = Holder()
+    kept = KeptInputs((torch.ones(1), holder))
+    with torch.no_grad():
+        holder.items[0].mul_(2)
+    assert kept() and torch.equal(holder.items[0], torch.ones(3))
