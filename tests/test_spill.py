@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
@@ -73,6 +74,26 @@ def test_a_folder_that_cannot_be_written_keeps_everything_in_memory(tmp_path):
     t = torch.randn(100, dtype=torch.float64)
     spill = SpillFile(min_bytes=1, directory=tmp_path / "missing")
     assert spill.put(t) is t and spill.put(t) is t and spill.written == 0
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="a file size limit is POSIX's")
+def test_a_file_that_fills_up_keeps_the_rest_in_memory_and_closes_quietly():
+    # a write that the disk refused stayed in the file object's buffer, and close() tried it again: every check
+    # whose spill file filled up (a small TF32LAB_SPILL_MIB) ended in "OSError: [Errno 27] File too large"
+    resource = pytest.importorskip("resource")
+    tensors = [torch.randn(256) for _ in range(4)]  # 1 KiB each: the third does not fit in 2500 bytes
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the limit's signal would end the process
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2500, hard))
+        spill = SpillFile(min_bytes=1)
+        held = [spill.hold(t) for t in tensors]
+        spill.close()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    assert [isinstance(h, Spilled) for h in held] == [True, True, False, False] and spill.written == 2048
+    assert held[2] is tensors[2] and held[3] is tensors[3]
 
 
 @pytest.mark.parametrize("raw, expected", [("", 32 << 20), ("0", None), ("0.5", 1 << 19), ("64", 64 << 20)])

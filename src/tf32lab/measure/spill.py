@@ -137,11 +137,14 @@ class SpillFile:
     def _write(self, t: torch.Tensor) -> Union[Spilled, torch.Tensor]:
         try:
             if self._file is None:
-                self._file = tempfile.TemporaryFile(dir=self.directory)  # noqa: SIM115 (closed by close())
+                # unbuffered: a write the disk refused stayed in a buffer, and close() raised it again
+                self._file = tempfile.TemporaryFile(dir=self.directory, buffering=0)  # noqa: SIM115 (close())
             offset = self._file.seek(0, os.SEEK_END)
             data = t.detach().contiguous().view(-1)
-            self._file.write(memoryview(_bytes(data)))
-            self._file.flush()
+            view = memoryview(_bytes(data))
+            done = 0
+            while done < len(view):  # a raw write may take part of it (a full disk's last bytes, 2 GiB at most)
+                done += self._file.write(view[done:])
         except OSError:  # a full or unwritable disk: memory it is, from now on
             self._broken = True
             return t
