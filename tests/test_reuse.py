@@ -348,3 +348,32 @@ def test_a_result_on_a_device_is_not_kept() -> None:
     handoff.run("aten::convolution", "conv", (), {}, collections.Counter(), collections.Counter(),
                 lambda: torch.zeros(4))
     assert len(handoff.kept) == 1
+
+
+class _Recurrent(torch.nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.rnn = getattr(torch.nn, kind)(6, 16, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y, h = self.rnn(x)
+        return (y, *(h if isinstance(h, tuple) else (h,)))
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_a_result_written_out_comes_back_with_the_strides_it_had(kind: str) -> None:
+    # batch-first, one sequence: the output is (1, T, H) transposed from (T, 1, H), contiguous but with the strides
+    # of its size-1 dimension its own (H, not T*H); read back as a plain view, it had another stride there than the
+    # same run alone
+    torch.manual_seed(0)
+    model, x = _Recurrent(kind), torch.randn(1, 20, 6)
+    alone = _run(model, x, "high")[0]
+    with SpillFile(min_bytes=1) as spill:
+        handoff = Handoff(_handoff().alike, spill=spill)
+        handoff.record()
+        _run(model, x, "highest", handoff)
+        handoff.replay()
+        replayed = _run(model, x, "high", handoff)[0]
+        assert handoff.taken == 1 and spill.written > 0
+    assert [t.stride() for t in replayed] == [t.stride() for t in alone]
+    assert all(torch.equal(a, b) for a, b in zip(replayed, alone))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
@@ -52,6 +53,17 @@ def test_a_tensor_laid_out_otherwise_or_a_subclass_is_not_held():
         assert SpillFile(min_bytes=41).hold(small) is small  # under the size: as it is
 
 
+def test_a_lazily_conjugated_or_negated_tensor_is_not_held_and_a_strided_one_comes_back_so():
+    # a conjugate or negative view has no plain bits to write (viewing it as bytes raises): its caller copies it
+    with SpillFile(min_bytes=1) as spill:
+        conjugated = torch.randn(6, dtype=torch.complex64).conj()
+        negated = torch._neg_view(torch.randn(6))
+        assert spill.hold(conjugated) is conjugated and spill.hold(negated) is negated and spill.written == 0
+        odd = torch.randn(5, 1, 7).transpose(0, 1)  # contiguous, its size-1 dimension's stride 7, not 35
+        back = spill.hold(odd).load()
+        assert back.stride() == odd.stride() == (7, 7, 1) and torch.equal(back, odd)
+
+
 def test_below_the_size_or_with_no_size_a_tensor_stays_in_memory():
     t = torch.randn(100, dtype=torch.float64)
     assert SpillFile(min_bytes=801).put(t) is t
@@ -62,6 +74,26 @@ def test_a_folder_that_cannot_be_written_keeps_everything_in_memory(tmp_path):
     t = torch.randn(100, dtype=torch.float64)
     spill = SpillFile(min_bytes=1, directory=tmp_path / "missing")
     assert spill.put(t) is t and spill.put(t) is t and spill.written == 0
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="a file size limit is POSIX's")
+def test_a_file_that_fills_up_keeps_the_rest_in_memory_and_closes_quietly():
+    # a write that the disk refused stayed in the file object's buffer, and close() tried it again: every check
+    # whose spill file filled up (a small TF32LAB_SPILL_MIB) ended in "OSError: [Errno 27] File too large"
+    resource = pytest.importorskip("resource")
+    tensors = [torch.randn(256) for _ in range(4)]  # 1 KiB each: the third does not fit in 2500 bytes
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the limit's signal would end the process
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2500, hard))
+        spill = SpillFile(min_bytes=1)
+        held = [spill.hold(t) for t in tensors]
+        spill.close()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    assert [isinstance(h, Spilled) for h in held] == [True, True, False, False] and spill.written == 2048
+    assert held[2] is tensors[2] and held[3] is tensors[3]
 
 
 @pytest.mark.parametrize("raw, expected", [("", 32 << 20), ("0", None), ("0.5", 1 << 19), ("64", 64 << 20)])

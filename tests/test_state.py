@@ -148,7 +148,7 @@ def test_a_parameter_a_list_holds_is_watched_not_copied():
     from tf32lab.measure.state import kept_contents
 
     lstm = torch.nn.LSTM(4, 8, 2)
-    items, inner = kept_contents(lstm._flat_weights)
+    items, inner = kept_contents(lstm._flat_weights, weights={id(p) for p in lstm.parameters()})
     assert items == lstm._flat_weights and inner == [None] * len(items)
     buffer = torch.ones(3)
     assert torch.equal(kept_contents([buffer])[1][0], buffer)  # a plain tensor's values are still kept
@@ -159,3 +159,65 @@ def test_a_parameter_a_list_holds_is_watched_not_copied():
             lstm.weight_hh_l0.add_(1.0)  # a write into a weight: said, not undone
         assert reset() == ["_flat_weights"] and lstm._flat_weights is flat
         assert reset.written == ["weight_hh_l0"]
+
+
+class _Unregistered(torch.nn.Module):
+    """Parameters in a plain list and a dict (not a ParameterList: the module never registers them), scaled in
+    place at every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.scales = [torch.nn.Parameter(torch.ones(8))]
+        self.table = {"shift": torch.nn.Parameter(torch.zeros(8))}
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.scales[0].mul_(1.5)
+            self.table["shift"].add_(1.0)
+        return self.linear(x) * self.scales[0] + self.table["shift"]
+
+
+def test_a_parameter_the_model_does_not_register_is_put_back_and_said():
+    # no version counter watches it (it is none of the model's parameters): left alone, every row started from the
+    # last one's values (the `high` row 125% off, no note) and the caller's model kept the check's writes
+    module = _Unregistered()
+    with state_kept(module) as reset:
+        module(torch.ones(2, 8))
+        assert sorted(reset()) == ["scales", "table"] and not reset.written
+        assert torch.equal(module.scales[0], torch.ones(8)) and torch.equal(module.table["shift"], torch.zeros(8))
+    torch.manual_seed(0)
+    workload = tf32lab.Workload(_Unregistered(), torch.randn(4, 8), name="unregistered")
+    report = tf32lab.check(workload, levels=("highest", "high"), speed=False)
+    assert all(row.passed for row in report.levels) and any("keeps state" in note for note in report.notes)
+    assert torch.equal(workload.model.scales[0], torch.ones(8))
+
+
+def test_a_torchscript_models_buffers_are_put_back():
+    # a scripted module's _buffers is TorchScript's wrapper, which has no .get(): every check of a scripted model
+    # with a buffer (a BatchNorm's running statistics) raised AttributeError at the first reset
+    model = torch.jit.script(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
+    running = model[1].running_mean.clone()
+    with state_kept(model) as reset:
+        model(torch.randn(8, 4) + 3)  # train mode: the running statistics move
+        assert {"running_mean", "running_var"} <= {name.split(".")[-1] for name in reset()}
+        assert torch.equal(model[1].running_mean, running)
+    torch.manual_seed(0)
+    report = _check(torch.jit.script(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16))))
+    assert report.levels[0].outputs[0].normwise < 1e-5
+
+
+def test_a_parameter_in_an_object_the_model_is_given_is_put_back():
+    # an input object's attributes are kept as a module's are, with no parameters of the model's to skip: a write
+    # into a parameter in its list is undone and said, as into any tensor there
+    from tf32lab.measure.given import KeptInputs
+
+    class Holder:
+        def __init__(self) -> None:
+            self.items = [torch.nn.Parameter(torch.ones(3))]
+
+    holder = Holder()
+    kept = KeptInputs((torch.ones(1), holder))
+    with torch.no_grad():
+        holder.items[0].mul_(2)
+    assert kept() and torch.equal(holder.items[0], torch.ones(3))

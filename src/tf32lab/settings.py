@@ -93,8 +93,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "sums) or `hardware` (the target's matrix unit, bit for bit; slower). Reaches `check` and the pytest "
             "plugin's emulated tests."),
     Setting("TF32LAB_SPILL_MIB", _mib, 32.0, "a finite number of MiB >= 0 (0: never write out)",
-            "`check` writes a float64 layer output of this many MiB or more to an unlinked temporary file until it "
-            "is compared; 0 keeps all in memory."),
+            "`check` writes a float64 layer output, or a result one row keeps for the next, of this many MiB or "
+            "more to an unlinked temporary file until it is compared or taken; 0 keeps all in memory."),
     Setting("TF32LAB_PYTEST", _text, None, "TARGET[:LEVEL], e.g. a100:high",
             "The pytest plugin's `--tf32lab TARGET[:LEVEL]` when the option is not given (the plugin checks the "
             "target and level: a bad one is a usage error naming this variable)."),

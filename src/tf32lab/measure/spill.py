@@ -51,12 +51,14 @@ def min_bytes_from_env() -> Optional[int]:
 
 
 class Spilled:
-    """A tensor written to a :class:`SpillFile`: its shape and dtype, and where its elements lie."""
+    """A tensor written to a :class:`SpillFile`: its shape and dtype, and where its elements lie; ``strides``: the
+    strides it comes back with (None: a plain contiguous tensor's; not ``stride``, a tensor's method)."""
 
-    __slots__ = ("dtype", "file", "numel", "offset", "shape")
+    __slots__ = ("dtype", "file", "numel", "offset", "shape", "strides")
 
-    def __init__(self, file: SpillFile, offset: int, shape: torch.Size, dtype: torch.dtype = torch.float64) -> None:
-        self.file, self.offset, self.shape, self.dtype = file, offset, shape, dtype
+    def __init__(self, file: SpillFile, offset: int, shape: torch.Size, dtype: torch.dtype = torch.float64,
+                 strides: Optional[tuple[int, ...]] = None) -> None:
+        self.file, self.offset, self.shape, self.dtype, self.strides = file, offset, shape, dtype, strides
         self.numel = shape.numel()
 
     @property
@@ -75,8 +77,8 @@ class Spilled:
             yield part
 
     def load(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """The whole tensor back, as ``dtype`` (None: its own), contiguous (read in chunks: no full-width copy when
-        ``dtype`` is narrower)."""
+        """The whole tensor back, as ``dtype`` (None: its own), contiguous, with the strides it had (read in chunks:
+        no full-width copy when ``dtype`` is narrower)."""
         dtype = self.dtype if dtype is None else dtype
         out = torch.empty(self.numel, dtype=dtype)
         if dtype == self.dtype:
@@ -85,11 +87,12 @@ class Spilled:
             buffer = torch.empty(min(self.numel, 1 << 20), dtype=self.dtype)
             for i, part in enumerate(self.chunks(buffer)):
                 out[i * buffer.numel():i * buffer.numel() + part.numel()].copy_(part)
-        return out.view(self.shape)
+        return out.view(self.shape) if self.strides is None else out.as_strided(self.shape, self.strides)
 
 
 class SpillFile:
-    """An unlinked temporary file that large float64 CPU tensors are written to (see the module's docstring)."""
+    """An unlinked temporary file that large CPU tensors are written to: float64 reference outputs (:meth:`put`),
+    and what one run hands the next (:meth:`hold`; see the module's docstring)."""
 
     def __init__(self, min_bytes: Optional[int] = None, directory: Union[str, os.PathLike, None] = None) -> None:
         self.min_bytes = min_bytes
@@ -124,23 +127,29 @@ class SpillFile:
 
     def hold(self, t: torch.Tensor) -> Union[Spilled, torch.Tensor]:
         """A contiguous tensor of any dtype, written out as it is where it is worth it (``min_bytes``), a
-        :class:`Spilled` whose ``load()`` gives it back bit for bit; ``t`` itself otherwise (its caller copies
-        it): a tensor laid out otherwise (a channels-last one) would come back contiguous."""
-        return self._write(t) if type(t) is torch.Tensor and t.is_contiguous() and self._worth(t) else t
+        :class:`Spilled` whose ``load()`` gives it back bit for bit, strides too (a contiguous tensor's size-1
+        dimension may have any: a batch-first RNN's output for one sequence, ``(1, T, H)`` transposed from
+        ``(T, 1, H)``); ``t`` itself otherwise (its caller copies it): a tensor laid out otherwise (a channels-last
+        one) would come back contiguous, and a lazily conjugated or negated one has no plain bits to write."""
+        plain = type(t) is torch.Tensor and t.is_contiguous() and not (t.is_conj() or t.is_neg())
+        return self._write(t) if plain and self._worth(t) else t
 
     def _write(self, t: torch.Tensor) -> Union[Spilled, torch.Tensor]:
         try:
             if self._file is None:
-                self._file = tempfile.TemporaryFile(dir=self.directory)  # noqa: SIM115 (closed by close())
+                # unbuffered: a write the disk refused stayed in a buffer, and close() raised it again
+                self._file = tempfile.TemporaryFile(dir=self.directory, buffering=0)  # noqa: SIM115 (close())
             offset = self._file.seek(0, os.SEEK_END)
             data = t.detach().contiguous().view(-1)
-            self._file.write(memoryview(_bytes(data)))
-            self._file.flush()
+            view = memoryview(_bytes(data))
+            done = 0
+            while done < len(view):  # a raw write may take part of it (a full disk's last bytes, 2 GiB at most)
+                done += self._file.write(view[done:])
         except OSError:  # a full or unwritable disk: memory it is, from now on
             self._broken = True
             return t
         self.written += data.numel() * data.element_size()
-        return Spilled(self, offset, t.shape, t.dtype)
+        return Spilled(self, offset, t.shape, t.dtype, t.stride() if t.is_contiguous() else None)
 
     def read_into(self, out: torch.Tensor, offset: int) -> None:
         if self._file is None:

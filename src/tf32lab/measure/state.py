@@ -26,11 +26,13 @@ precision. What is kept:
   call: the float64 reference filled it with float64 tensors, and every float32 row then raised at its product);
   such objects and dataclasses (slotted ones too) inside lists, dicts and each other are kept likewise, up to
   eight levels down (a per-layer cache object in a list, a list of dicts of lists of tensors);
-- not the parameters' values (a copy would double the model's memory), nor those of a parameter a list holds (an
+- not the parameters' values (a copy would double the model's memory), nor those of one of them a list holds (an
   LSTM's ``_flat_weights``, which copied doubled its weights in a check): a write into one, seen by its version
   counter (or, for a write through ``.data``, by a sum of its bits: whole, or at both ends of a large one), is
   said (``KeptState.written``, :func:`written_note`), not undone; but a parameter converted to another dtype
-  (``self.to(X)`` in a forward, float64 in the reference run) is given its own tensor back;
+  (``self.to(X)`` in a forward, float64 in the reference run) is given its own tensor back. A parameter the model
+  does not register (one in a plain list, not a ``ParameterList``) has no version counter watched: it is kept and
+  put back as any tensor attribute is;
 - a TorchScript module's attributes likewise (parameters and buffers aside), through
   ``torch._C._jit_debug_module_iterators`` (where a torch lacks it, only the buffers).
 
@@ -190,6 +192,7 @@ def _kept(model: torch.nn.Module) -> list[tuple[str, Restore]]:
     found: list[tuple[str, Restore]] = []
     copies: dict[int, torch.Tensor] = {}  # a buffer shared by several modules is copied once
     sharded = _fsdp(model)
+    weights = frozenset(id(p) for p in model.parameters())  # watched by KeptState, not copied
     with torch.no_grad():
         holders: set[int] = set()  # a data object several modules hold (a shared config) is kept once
         for prefix, module in model.named_modules(remove_duplicate=True):
@@ -202,13 +205,13 @@ def _kept(model: torch.nn.Module) -> list[tuple[str, Restore]]:
                     copies[id(buffer)] = buffer.detach().clone()
                 found.append((where, _buffer(module, key, buffer, copies.get(id(buffer)), scripted)))
             if scripted:
-                found += [(where, restore) for restore in _script_attributes(module)]
+                found += [(where, restore) for restore in _script_attributes(module, weights)]
             else:
                 found += [(where, _members(module._modules)), (where, _mode(module)), (where, _hooks(module)),
                           (where, _buffer_names(module._buffers))]
                 if not sharded:  # FSDP swaps a module's parameters for their unsharded ones, and back, itself
                     found.append((where, _members(module._parameters)))
-                found += [(where, restore) for restore in _attributes(module, holders)]
+                found += [(where, restore) for restore in _attributes(module, holders, weights)]
     return found
 
 
@@ -283,8 +286,9 @@ def _buffer(module: torch.nn.Module, key: str, buffer: torch.Tensor, value: Any,
 
     def restore() -> list[str]:
         changed = False
-        now = module._buffers.get(key)
-        if not scripted and now is not buffer:
+        # a scripted module's buffers are its own (TorchScript's _buffers is a wrapper, without .get())
+        now = buffer if scripted else module._buffers.get(key)
+        if now is not buffer:
             module._buffers[key] = buffer
             changed = not _widened(now, buffer if value is None else value)
         return [key] if _values_put_back(buffer, value) or changed else []
@@ -346,25 +350,27 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def _attributes(module: torch.nn.Module, holders: set[int]) -> Iterator[Restore]:
+def _attributes(module: torch.nn.Module, holders: set[int], weights: Collection[int]) -> Iterator[Restore]:
     """A Python module's data attributes, and the data attributes a run adds (removed again); and those of the
     data objects it holds (``holders``: the ids of those already kept)."""
-    yield from data_attributes(vars(module), _MODULE_INTERNALS | _derived(module), holders)
+    yield from data_attributes(vars(module), _MODULE_INTERNALS | _derived(module), holders, weights)
 
 
-def data_attributes(held: dict[str, Any], skip: Collection[str], holders: Optional[set[int]]) -> Iterator[Restore]:
+def data_attributes(held: dict[str, Any], skip: Collection[str], holders: Optional[set[int]],
+                    weights: Collection[int] = frozenset()) -> Iterator[Restore]:
     """The data entries of ``held`` (a module's or a data object's ``__dict__``) but ``skip``, and the ones a run
-    adds (removed again); with ``holders``, the attributes of the data objects among them too, one level down."""
+    adds (removed again); with ``holders``, the attributes of the data objects among them too, one level down
+    (``weights``: :func:`kept_contents`'s)."""
     before = set(held)
     for key, value in list(held.items()):
         if key in skip:
             continue
         if _is_data(value) or (holders is None and _holds_only_data(value)):  # a data object in a data object
             yield _attribute(key, value, lambda key=key: held.get(key, _MISSING),
-                             lambda value, key=key: held.__setitem__(key, value))
+                             lambda value, key=key: held.__setitem__(key, value), weights)
         elif holders is not None and id(value) not in holders and _holds_only_data(value):
             holders.add(id(value))
-            yield from (_named(key, restore) for restore in data_attributes(vars(value), (), None))
+            yield from (_named(key, restore) for restore in data_attributes(vars(value), (), None, weights))
 
     def added() -> list[str]:
         new = [key for key in held if key not in before and key not in skip and _is_data(held[key])]
@@ -412,11 +418,11 @@ class _Fields:
     """The kept contents of a data object (a dataclass, or a plain object of data: :func:`_holds_only_data`), as
     found when kept: its ``__dict__``'s, or a slotted dataclass's fields (``slots=True``: no ``__dict__``)."""
 
-    def __init__(self, value: Any, depth: int) -> None:
+    def __init__(self, value: Any, depth: int, weights: Collection[int]) -> None:
         self.slotted = not hasattr(value, "__dict__")
         held = {f.name: getattr(value, f.name, _MISSING) for f in dataclasses.fields(value)} if self.slotted \
             else vars(value)
-        self.contents = kept_contents(held, depth)
+        self.contents = kept_contents(held, depth, weights)
 
     def put_back(self, value: Any) -> bool:
         if not self.slotted:
@@ -447,10 +453,11 @@ def random_state(value: Any) -> Optional[tuple[Callable[[], Any], Callable[[Any]
     return None
 
 
-def _attribute(key: str, value: Any, get: Callable[[], Any], put: Callable[[Any], None]) -> Restore:
+def _attribute(key: str, value: Any, get: Callable[[], Any], put: Callable[[Any], None],
+               weights: Collection[int]) -> Restore:
     """Put back attribute ``key``'s ``value`` (``get`` reads it, ``put`` writes it): the same object, and its
-    contents where it is a tensor, list or dict."""
-    contents = kept_contents(value)
+    contents where it is a tensor, list or dict (``weights``: :func:`kept_contents`'s)."""
+    contents = kept_contents(value, weights=weights)
 
     def restore() -> list[str]:
         now = get()
@@ -489,11 +496,13 @@ def _same(a: Any, b: Any) -> bool:
     return isinstance(a, _SCALARS) and a == b
 
 
-def kept_contents(value: Any, depth: int = 0) -> Any:
+def kept_contents(value: Any, depth: int = 0, weights: Collection[int] = frozenset()) -> Any:
     """What :func:`put_back_contents` needs to put ``value``'s contents back: a tensor's values, a list's or
     dict's items, and the contents of the items of a list, dict or tuple (a list of tensors updated in place:
-    ``self.state[0].add_(h)``), a few levels down."""
-    if isinstance(value, torch.nn.Parameter):  # a weight: watched, not copied (see the module's docstring)
+    ``self.state[0].add_(h)``), a few levels down. ``weights``: the ids of the model's parameters, whose values
+    are watched, not copied (see the module's docstring); a parameter it does not register is copied as any
+    tensor."""
+    if id(value) in weights:
         return None
     if isinstance(value, torch.Tensor):
         return None if value.is_inference() else value.detach().clone()
@@ -505,15 +514,15 @@ def kept_contents(value: Any, depth: int = 0) -> Any:
     if depth >= DEPTH:
         return None
     if is_dataclass_instance(value) or _holds_only_data(value):
-        return _Fields(value, depth + 1)
+        return _Fields(value, depth + 1, weights)
     if isinstance(value, (list, collections.deque)):
-        return list(value), [kept_contents(item, depth + 1) for item in value]
+        return list(value), [kept_contents(item, depth + 1, weights) for item in value]
     if isinstance(value, set):
         return list(value), [None] * len(value)
     if isinstance(value, dict):
-        return dict(value), {key: kept_contents(item, depth + 1) for key, item in value.items()}
+        return dict(value), {key: kept_contents(item, depth + 1, weights) for key, item in value.items()}
     if isinstance(value, tuple):
-        inner = [kept_contents(item, depth + 1) for item in value]
+        inner = [kept_contents(item, depth + 1, weights) for item in value]
         return inner if any(c is not None for c in inner) else None
     return None
 
@@ -591,7 +600,7 @@ def _inner_put_back(items: Any, inner: list[Any]) -> bool:
     return any([put_back_contents(item, kept) for item, kept in zip(items, inner)])
 
 
-def _script_attributes(module: torch.jit.ScriptModule) -> Iterator[Restore]:
+def _script_attributes(module: torch.jit.ScriptModule, weights: Collection[int]) -> Iterator[Restore]:
     """A TorchScript module's own data attributes (not its submodules, parameters or buffers)."""
     iterators = getattr(torch._C, "_jit_debug_module_iterators", None)
     if iterators is None:
@@ -604,7 +613,7 @@ def _script_attributes(module: torch.jit.ScriptModule) -> Iterator[Restore]:
             # a list or dict read from TorchScript is a copy: its kept contents are compared, and set back whole
             kept = list(value) if isinstance(value, list) else dict(value) if isinstance(value, dict) else value
             yield _attribute(name, kept, lambda name=name: module._c.getattr(name),
-                             lambda value, name=name: module._c.setattr(name, value))
+                             lambda value, name=name: module._c.setattr(name, value), weights)
 
 
 def written_note(written: list[str]) -> str:
