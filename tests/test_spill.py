@@ -43,12 +43,28 @@ def test_a_held_tensor_of_any_dtype_comes_back_bit_for_bit(dtype):
             next(held.chunks(torch.empty(4, dtype=torch.float64 if dtype != torch.float64 else torch.float32)))
 
 
-def test_a_tensor_laid_out_otherwise_or_a_subclass_is_not_held():
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),  # a channels-last conv's output
+    lambda: torch.randn(2, 3, 4, 5, 6).to(memory_format=torch.channels_last_3d),
+    lambda: torch.randn(6, 7).t(),
+    lambda: torch.randn(3, 1, 4, 5).permute(0, 2, 1, 3),
+])
+def test_a_tensor_that_fills_its_memory_comes_back_laid_out_as_it_was(make):
+    t = make()
     with SpillFile(min_bytes=1) as spill:
-        channels_last = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+        held = spill.hold(t)
+        assert isinstance(held, Spilled) and spill.written == t.numel() * 4
+        back = held.load()
+        assert back.stride() == t.stride() and torch.equal(back, t)
+
+
+def test_a_view_with_gaps_or_a_subclass_is_not_held():
+    with SpillFile(min_bytes=1) as spill:
+        sliced = torch.randn(4, 6)[:, ::2]
+        overlapping = torch.randn(3).expand(4, 3)
         parameter = torch.nn.Parameter(torch.randn(10))
-        assert spill.hold(channels_last) is channels_last and spill.hold(parameter) is parameter
-        assert spill.hold(torch.randn(10).t()) is not None and spill.written == 40  # 1-d: contiguous
+        assert spill.hold(sliced) is sliced and spill.hold(overlapping) is overlapping
+        assert spill.hold(parameter) is parameter and spill.written == 0
         small = torch.randn(10)
         assert SpillFile(min_bytes=41).hold(small) is small  # under the size: as it is
 

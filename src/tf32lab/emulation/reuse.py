@@ -44,7 +44,7 @@ from tf32lab.know.targets import Target, rnn_key
 __all__ = ["KEPT", "Handoff", "alike"]
 
 KEPT = frozenset({"conv", "rnn"})  # the families kept (see the module's docstring)
-# What a run keeps for the next at most, written out and held together (a bound on the spill file's growth too); a
+# What a run keeps for the next at most, written out and held together (what one recording adds to the spill file); a
 # model whose leading convolutions make more is handed what fits, the rest computed again.
 BUDGET = 256 << 20
 
@@ -150,7 +150,8 @@ class Handoff:
         self.state, self.thread = "watch", threading.get_ident()
 
     def close(self) -> None:
-        """Nothing more is kept or taken; what was kept is freed."""
+        """Nothing more is kept or taken; what was kept in memory is freed (what was written out stays in the spill
+        file, which ends with the check)."""
         self.kept, self.bytes, self.state = collections.deque(), 0, None
 
     def run(self, op: str, family: str, args: Any, kwargs: Any, coverage: collections.Counter,

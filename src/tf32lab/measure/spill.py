@@ -126,21 +126,24 @@ class SpillFile:
         return self._write(t) if self.wants(t) else t
 
     def hold(self, t: torch.Tensor) -> Union[Spilled, torch.Tensor]:
-        """A contiguous tensor of any dtype, written out as it is where it is worth it (``min_bytes``), a
-        :class:`Spilled` whose ``load()`` gives it back bit for bit, strides too (a contiguous tensor's size-1
-        dimension may have any: a batch-first RNN's output for one sequence, ``(1, T, H)`` transposed from
-        ``(T, 1, H)``); ``t`` itself otherwise (its caller copies it): a tensor laid out otherwise (a channels-last
-        one) would come back contiguous, and a lazily conjugated or negated one has no plain bits to write."""
-        plain = type(t) is torch.Tensor and t.is_contiguous() and not (t.is_conj() or t.is_neg())
-        return self._write(t) if plain and self._worth(t) else t
+        """A tensor of any dtype whose elements fill a span of memory (contiguous, channels-last, a transposed
+        matrix), written out as they lie where it is worth it (``min_bytes``): a :class:`Spilled` whose ``load()``
+        gives it back bit for bit, strides too (a size-1 dimension's included: a batch-first RNN's output for one
+        sequence, ``(1, T, H)`` transposed from ``(T, 1, H)``); ``t`` itself otherwise (its caller copies it): a
+        view with gaps or overlaps, a subclass, and a lazily conjugated or negated tensor, which has no plain bits
+        to write."""
+        lying = _memory_order(t) if type(t) is torch.Tensor and not (t.is_conj() or t.is_neg()) else None
+        return self._write(t, lying) if lying is not None and self._worth(t) else t
 
-    def _write(self, t: torch.Tensor) -> Union[Spilled, torch.Tensor]:
+    def _write(self, t: torch.Tensor, lying: Optional[torch.Tensor] = None) -> Union[Spilled, torch.Tensor]:
+        """``t`` written out: its elements in order, or ``lying``, the same elements as they lie in memory (then
+        read back into ``t``'s strides)."""
         try:
             if self._file is None:
                 # unbuffered: a write the disk refused stayed in a buffer, and close() raised it again
                 self._file = tempfile.TemporaryFile(dir=self.directory, buffering=0)  # noqa: SIM115 (close())
             offset = self._file.seek(0, os.SEEK_END)
-            data = t.detach().contiguous().view(-1)
+            data = t.detach().contiguous().view(-1) if lying is None else lying
             view = memoryview(_bytes(data))
             done = 0
             while done < len(view):  # a raw write may take part of it (a full disk's last bytes, 2 GiB at most)
@@ -149,7 +152,7 @@ class SpillFile:
             self._broken = True
             return t
         self.written += data.numel() * data.element_size()
-        return Spilled(self, offset, t.shape, t.dtype, t.stride() if t.is_contiguous() else None)
+        return Spilled(self, offset, t.shape, t.dtype, t.stride() if lying is not None or t.is_contiguous() else None)
 
     def read_into(self, out: torch.Tensor, offset: int) -> None:
         if self._file is None:
@@ -162,6 +165,13 @@ class SpillFile:
             if n <= 0:
                 raise Tf32LabError(f"the spill file ended {len(view) - done} bytes early at offset {offset}")
             done += n
+
+
+def _memory_order(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """``t``'s elements flat, as they lie in memory (a view), where they fill a span of it with no gap and no
+    overlap; None otherwise. Its dims ordered by stride, such a tensor is contiguous."""
+    lying = t.detach().permute(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    return lying.view(-1) if lying.is_contiguous() else None
 
 
 def _bytes(t: torch.Tensor) -> Any:
