@@ -178,3 +178,13 @@ def test_a_float64_buffer_among_float32_weights_is_named():
         Workload(model, torch.ones(3, 4))
     with pytest.raises(Tf32LabError, match=re.escape("('0.weight', '0.bias', '1.weight' and 2 more)")):
         Workload(model.double(), torch.ones(3, 4))
+
+
+def test_a_model_made_mkldnn_is_refused_in_one_line():
+    # its weights are MKLDNN's opaque tensors: the check ended in a NotImplementedError from aten::empty_strided
+    from torch.utils import mkldnn
+
+    model = mkldnn.to_mkldnn(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).eval())
+    with pytest.raises(Tf32LabError, match=re.escape("workload 'fast': the model holds MKLDNN tensors ('0.weight', "
+                                                     "'0.bias'), as torch.utils.mkldnn.to_mkldnn makes them")):
+        tf32lab.Workload(model, torch.randn(2, 4), name="fast")

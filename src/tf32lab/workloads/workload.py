@@ -72,9 +72,18 @@ class Workload:
 
 
 def check_float32(model: torch.nn.Module, name: str) -> None:
+    held = (*model.named_parameters(), *model.named_buffers())
+    # MKLDNN's opaque tensors (torch.utils.mkldnn.to_mkldnn): no GPU runs them, and no float64 copy can be made
+    opaque = [key for key, t in held if t.layout == torch._mkldnn]
+    if opaque:
+        names = ", ".join(f"{key!r}" for key in opaque[:3]) + (f" and {len(opaque) - 3} more" if len(opaque) > 3
+                                                               else "")
+        raise Tf32LabError(
+            f"workload {name!r}: the model holds MKLDNN tensors ({names}), as torch.utils.mkldnn.to_mkldnn makes "
+            f"them; tf32lab checks the float32 model a GPU would run: give it the model before to_mkldnn")
     # named: one float64 buffer among float32 weights (nflows' StandardNormal keeps its log-normalizer so) is
     # otherwise hard to find
-    found = [(key, t.dtype) for key, t in (*model.named_parameters(), *model.named_buffers())
+    found = [(key, t.dtype) for key, t in held
              if t.is_floating_point() and t.dtype != torch.float32]
     if found:
         other = sorted({str(d).replace("torch.", "") for _, d in found})
