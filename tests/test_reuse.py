@@ -377,3 +377,35 @@ def test_a_result_written_out_comes_back_with_the_strides_it_had(kind: str) -> N
         assert handoff.taken == 1 and spill.written > 0
     assert [t.stride() for t in replayed] == [t.stride() for t in alone]
     assert all(torch.equal(a, b) for a, b in zip(replayed, alone))
+
+
+_CALLS = [0]
+
+
+class _CountsItsCalls(torch.nn.Module):
+    """Python state outside the model (a module-level counter, which no reset puts back) that scales the input
+    before the first convolution: its input differs between the rows, in the same shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv1d(3, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _CALLS[0] += 1
+        return self.conv(x * _CALLS[0])
+
+
+def test_a_convolution_fed_other_values_at_the_next_level_is_computed_not_taken() -> None:
+    torch.manual_seed(0)
+    model, x = _CountsItsCalls(), torch.randn(2, 3, 16)
+    _CALLS[0] = 1
+    alone = _run(model, x, "high")  # as the second call
+    _CALLS[0] = 0
+    handoff = _handoff()
+    handoff.record()
+    _run(model, x, "highest", handoff)
+    assert len(handoff.kept) == 1
+    handoff.replay()
+    second = _run(model, x, "high", handoff)
+    assert handoff.taken == 0  # the shapes alike, the bits not
+    assert torch.equal(second[0], alone[0])

@@ -8,7 +8,7 @@ On a GPU target, cuDNN's convolutions and RNNs follow cuDNN's own flag, not the 
 so a conv net's or an LSTM's rows at `highest` and `high` differ only from their first matmul on. ``check`` runs
 its levels one after another: the first run keeps (:meth:`Handoff.record`) the results of those leading ops, and
 the next (:meth:`Handoff.replay`) takes them instead of computing them again, in the same order, each op checked
-against the one kept (its name, its operands' shapes and dtypes, its other arguments) and its coverage counted
+against the one kept (its name, its operands' shapes, dtypes and bits, its other arguments) and its coverage counted
 as the first run counted it. The first op that does not match, or whose family the two levels compute apart,
 ends the hand-off for the rest of the run (``aten::lstm_cell``: two ``aten::linear``, GEMMs at the matmul level,
 so of the matmul family, ``know.optable``); so does one of a family computed alike inside which an op of a family
@@ -77,12 +77,28 @@ class _Kept(NamedTuple):
 
 
 def _signature(args: Any, kwargs: Any) -> tuple:
-    """What an op's call must share with the one kept: each tensor's shape, dtype and device, and every other
-    argument's value (strides, padding, flags)."""
+    """What an op's call must share with the one kept: each tensor's shape, dtype, device and a digest of its
+    bits, and every other argument's value (strides, padding, flags). The digest: a model whose Python state
+    outside it (a module-level step counter, which no reset puts back) changes its input before its first
+    convolution feeds it other values in each run, in tensors of the same shapes."""
     leaves, spec = tree_flatten((args, kwargs))
-    return (str(spec), *((tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else
+    return (str(spec), *((tuple(v.shape), v.dtype, v.device, _digest(v)) if isinstance(v, torch.Tensor) else
                          v if isinstance(v, (int, float, bool, str, type(None), torch.dtype, torch.device))
                          else type(v).__name__ for v in leaves))
+
+
+_AS_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _digest(t: torch.Tensor) -> Optional[int]:
+    """The sum of a tensor's elements read as integers of their width: any one changed bit changes it, in one
+    pass over the tensor (a convolution's input, whose product costs far more); None where it has no plain bits
+    to read (a sparse or meta tensor, a subclass)."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.is_meta or \
+            t.element_size() not in _AS_INTEGERS or t.numel() == 0:
+        return None
+    t = t.detach().resolve_conj().resolve_neg()
+    return int(t.view(_AS_INTEGERS[t.element_size()]).sum(dtype=torch.int64))
 
 
 def _random_states(args: Any) -> list[torch.Tensor]:
