@@ -22,7 +22,7 @@ import copy
 import math
 import sys
 import warnings
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 
@@ -41,7 +41,8 @@ from tf32lab.measure.sharded import local
 from tf32lab.measure.spill import Spilled, SpillFile
 from tf32lab.measure.state import KeptState
 from tf32lab.numbers.origin import exit_call, internal_error
-from tf32lab.numbers.trees import map_tensors, named_tensors
+from tf32lab.numbers.trees import map_tensors, named_leaves, named_tensors
+from tf32lab.report.conclusion import NO_TENSOR
 from tf32lab.speed.counting import ROOT, Counting
 from tf32lab.workloads.workload import Workload
 
@@ -81,6 +82,8 @@ def level_context(level: str, target: Target, accumulation: Optional[str] = None
 
 
 _MISSING = object()
+_OBJECTS = (torch.distributions.Distribution, torch.distributions.Transform)
+_ANSWERED = (torch.Tensor, Spilled, *_OBJECTS)  # what a nested layer's answer narrows to float32
 
 
 # -- the reference run: which modules are layers, their outputs, the error each introduces -----------------------
@@ -345,12 +348,16 @@ class Recorder:
         if _versions((frame.args, frame.kwargs)) != frame.versions or (frame.held and frame.held.written()):
             self._worst(name, math.nan, "not fed: it changes its own inputs in place")
             return
+        reference, norms = self.outputs[(name, i)]
+        if not any(isinstance(leaf, (torch.Tensor, Spilled)) for _, leaf in named_leaves(reference)):
+            # a torch.distributions object: its tensors are attributes no comparison reads (it read 0.0)
+            self._worst(name, math.nan, f"{NO_TENSOR} (a {type(reference).__name__})")
+            return
         tensors = [id(t) for _, t in named_tensors((frame.args, frame.kwargs))]
         if not frame.inner and tensors and all(t in self.model_inputs for t in tensors):
             # fed the model's own inputs and nothing nested: the end-to-end run computes exactly this call
             self.as_accumulated.add((name, i))
             return
-        reference, norms = self.outputs[(name, i)]
         inner = self._inner_outputs(frame)
         pin = self.pins.get(name)
         cudnn = bool(frame.families & {"conv", "rnn"})
@@ -478,7 +485,7 @@ class Recorder:
         answers: dict[torch.nn.Module, list[Any]] = {}
         for name, i in frame.inner:
             answers.setdefault(modules[name], []).append(
-                map_tensors(_to_float32, self.outputs[(name, i)][0], (torch.Tensor, Spilled)))
+                map_tensors(_to_float32, self.outputs[(name, i)][0], _ANSWERED))
         return answers
 
     def _normwise(self, output: Any, reference: Any, norms: dict[str, float], site: str) -> float:
@@ -576,7 +583,14 @@ def _device_of(tree: Any) -> torch.device:
     return next((t.device for _, t in named_tensors(tree)), torch.device("cpu"))
 
 
-def _to_float32(t: Union[torch.Tensor, Spilled]) -> torch.Tensor:
+def _to_float32(t: Any) -> Any:
+    if isinstance(t, _OBJECTS):
+        # a layer's answer as a torch.distributions object (zuko's flows return transforms): its tensors are its
+        # attributes, narrowed on a copy; the reference's own, float64, made its caller's rerun raise
+        made = copy.copy(t)
+        for key, value in vars(t).items():
+            made.__dict__[key] = map_tensors(_to_float32, value, _ANSWERED)
+        return made
     if isinstance(t, Spilled):
         return t.load(torch.float32)
     if t.dtype == torch.float64:
