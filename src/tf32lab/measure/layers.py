@@ -42,7 +42,7 @@ from tf32lab.measure.spill import Spilled, SpillFile
 from tf32lab.measure.state import KeptState
 from tf32lab.numbers.origin import exit_call, internal_error
 from tf32lab.numbers.trees import map_tensors, named_leaves, named_tensors
-from tf32lab.report.conclusion import NO_TENSOR
+from tf32lab.report.conclusion import NO_TENSOR, UNMEASURED
 from tf32lab.speed.counting import ROOT, Counting
 from tf32lab.workloads.workload import Workload
 
@@ -459,6 +459,10 @@ class Recorder:
                 raise bug from exc
             error, why = math.nan, f"raised when run alone at {'its pinned conv math' if conv else 'this level'}" \
                                    f": {described(exc)}"
+            if _float64_met(exc):  # fed float32, in a float32 model: a value the reference run left (a cache)
+                why = f"{UNMEASURED} run alone, it met a float64 value the float64 reference left where it reads " \
+                      f"it (a draw or result the model caches within a call, as pyro's PyroSample does): " \
+                      f"{described(exc)}"
         finally:
             self.rerunning = False
         self._worst(name, error, why, level, conv)
@@ -570,6 +574,14 @@ def _answering(answers: dict[torch.nn.Module, list[Any]]):
                 del module.forward
             else:
                 module.forward = before
+
+
+def _float64_met(exc: BaseException) -> bool:
+    """PyTorch's refusal of a float64 operand beside a float32 one ("expected m1 and m2 to have the same dtype, but
+    got: float != double", "expected scalar type Double but found Float", "Input type (double) and bias type
+    (float) should be the same")."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and "double" in text and "float" in text and "type" in text
 
 
 def _next_or_run(pending, original, args, kwargs) -> Any:
