@@ -22,7 +22,7 @@ import copy
 import math
 import sys
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -201,6 +201,7 @@ class Recorder:
         self.spill = spill or SpillFile()
         self.modules, self.scripted = hookable(model)
         self.mode = Float64Run(self._op, self._written)
+        self.before_write: Optional[Callable[[list[torch.Tensor]], None]] = None  # the model's state's copy-on-write
         self.shared: dict[int, list[tuple[str, int]]] = {}  # storage address -> outputs kept without a copy
         self.stack: list[_Frame] = []
         self.outputs: dict[tuple[str, int], tuple[Any, dict[str, float]]] = {}  # float64 output, each ‖r‖²
@@ -276,6 +277,8 @@ class Recorder:
 
     def _written(self, tensors: list[torch.Tensor]) -> None:
         """Copy-on-write: a kept output is copied only when the model is about to write into its storage."""
+        if self.before_write is not None:
+            self.before_write(tensors)
         for t in tensors:
             keys = self.shared.pop(storage_address(t), None) if self.shared else None
             for key in keys or ():
