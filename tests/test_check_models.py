@@ -612,3 +612,31 @@ def test_a_layer_reading_a_draw_the_reference_cached_is_not_said_to_raise():
         assert math.isnan(head.introduced) and head.diverged.startswith("not measured") and \
             "float64" in head.diverged, head
     assert not any("could not be matched" in line for line in report.conclusion()), report.conclusion()
+
+
+def test_a_layer_that_returns_none_is_not_measured_rather_than_exact():
+    class Side(nn.Module):
+        """Writes its product into a buffer its caller reads, and returns nothing."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.register_buffer("last", torch.zeros(4, 8))
+
+        def forward(self, h):
+            self.last.copy_(h @ self.lin.weight.T)  # its own product: a layer
+
+    class Caller(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.side = nn.Linear(8, 8), Side()
+
+        def forward(self, x):
+            h = self.a(x)
+            self.side(h)
+            return h + self.side.last @ self.a.weight
+
+    torch.manual_seed(0)
+    report = tf32lab.check(Workload(Caller(), torch.randn(4, 8)), levels=("high",))
+    side = {layer.name: layer for layer in report.level("high").layers}["side"]
+    assert math.isnan(side.introduced) and side.diverged.endswith("(None)"), side  # it read 0.0

@@ -353,8 +353,10 @@ class Recorder:
             return
         reference, norms = self.outputs[(name, i)]
         if not any(isinstance(leaf, (torch.Tensor, Spilled)) for _, leaf in named_leaves(reference)):
-            # a torch.distributions object: its tensors are attributes no comparison reads (it read 0.0)
-            self._worst(name, math.nan, f"{NO_TENSOR} (a {type(reference).__name__})")
+            # a torch.distributions object, or None (a layer that writes a buffer): no tensor a comparison reads
+            # (it read 0.0)
+            held = "None" if reference is None else f"a {type(reference).__name__}"
+            self._worst(name, math.nan, f"{NO_TENSOR} ({held})")
             return
         tensors = [id(t) for _, t in named_tensors((frame.args, frame.kwargs))]
         if not frame.inner and tensors and all(t in self.model_inputs for t in tensors):
