@@ -528,3 +528,115 @@ def test_an_output_tf32lab_cannot_read_is_named_for_what_it_is():
         tf32lab.check(tf32lab.Workload(Gaussian(), torch.randn(3, 4)), levels=("high",), speed=False)
     with pytest.raises(Tf32LabError, match=r"nothing to compare \(an empty tensor\)"):
         _check(lambda y: y[:0])
+
+
+class _Rotate(torch.distributions.Transform):
+    """x -> x R^T, a torch.distributions transform holding its matrix (as zuko's RotationTransform does)."""
+
+    bijective = True
+
+    def __init__(self, r: torch.Tensor) -> None:
+        super().__init__()
+        self.r = r
+
+    def _call(self, x):
+        return x @ self.r.T
+
+
+class _Rotation(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(n, n))
+
+    def forward(self):
+        return _Rotate(torch.linalg.matrix_exp(self.a - self.a.T))
+
+
+class _RotatedFlow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.rot = nn.Linear(8, 8), _Rotation(8)
+
+    def forward(self, x):
+        return self.rot()(self.lin(x))  # the rotation's product runs in this module, on the object's matrix
+
+
+def test_a_layer_returning_a_distributions_object_feeds_its_caller_in_float32():
+    torch.manual_seed(0)
+    report = tf32lab.check(Workload(_RotatedFlow(), torch.randn(64, 8)), levels=("highest", "high"))
+    for level in report.levels:
+        layers = {layer.name: layer for layer in level.layers}
+        # the caller reran with the rotation's reference object in float32, not float64's (which raised there)
+        assert layers["(model)"].diverged is None and 0 < layers["(model)"].introduced < 1e-2, layers
+        # an object with no tensor to compare is not measured, not a layer that introduces exactly 0
+        assert math.isnan(layers["rot"].introduced) and "no tensor" in layers["rot"].diverged, layers
+    highest, high = ({layer.name: layer.introduced for layer in report.level(lv).layers}["(model)"]
+                     for lv in ("highest", "high"))
+    assert highest < 1e-5 < high, (highest, high)
+    assert not any("could not be matched" in line for line in report.conclusion()), report.conclusion()
+
+
+class _Drawn(nn.Module):
+    """A weight drawn at its first use in a call of the model and kept for the rest of it in a cache the model
+    holds (pyro's PyroSample keeps its draws so)."""
+
+    def __init__(self, cache: dict) -> None:
+        super().__init__()
+        self.cache = cache
+
+    def forward(self, h):
+        w = self.cache.get("w")
+        if w is None:
+            w = self.cache["w"] = 0.1 * torch.randn(8, 64)
+        return h @ w.T
+
+
+class _Bayesian(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache: dict = {}
+        self.body, self.head = nn.Linear(16, 64), _Drawn(self.cache)
+
+    def forward(self, x):
+        self.cache.clear()
+        return self.head(torch.tanh(self.body(x)))
+
+
+def test_a_layer_reading_a_draw_the_reference_cached_is_not_said_to_raise():
+    torch.manual_seed(0)
+    report = tf32lab.check(Workload(_Bayesian(), torch.randn(32, 16)), levels=("highest", "high"))
+    assert report.passed
+    for level in report.levels:
+        head = {layer.name: layer for layer in level.layers}["head"]
+        # run alone inside the reference's call, it reads the float64 draw cached there: not the level's doing
+        assert math.isnan(head.introduced) and head.diverged.startswith("not measured") and \
+            "float64" in head.diverged, head
+    assert not any("could not be matched" in line for line in report.conclusion()), report.conclusion()
+
+
+def test_a_layer_that_returns_none_is_not_measured_rather_than_exact():
+    class Side(nn.Module):
+        """Writes its product into a buffer its caller reads, and returns nothing."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.register_buffer("last", torch.zeros(4, 8))
+
+        def forward(self, h):
+            self.last.copy_(h @ self.lin.weight.T)  # its own product: a layer
+
+    class Caller(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.side = nn.Linear(8, 8), Side()
+
+        def forward(self, x):
+            h = self.a(x)
+            self.side(h)
+            return h + self.side.last @ self.a.weight
+
+    torch.manual_seed(0)
+    report = tf32lab.check(Workload(Caller(), torch.randn(4, 8)), levels=("high",))
+    side = {layer.name: layer for layer in report.level("high").layers}["side"]
+    assert math.isnan(side.introduced) and side.diverged.endswith("(None)"), side  # it read 0.0

@@ -473,3 +473,28 @@ def test_tokens_after_float64s_end_of_text_are_not_compared(trained):
     data = json.loads(lines.to_json())
     jsonschema.validate(data, generation_schema())
     assert data["reference"]["ends"] == list(ends)
+
+
+def test_a_model_that_rescales_its_weights_once_decodes_from_its_weights_at_every_row():
+    # RWKV's eval mode: at its first call it divides a weight in place and marks itself; the mark was put back
+    # before every row and the weight was not, so every row divided it again: `highest` left float64's tokens at
+    # step 1 (logits off by 1.1) and the model was left divided and unmarked
+    class Rescales(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(50, 32), torch.nn.Linear(32, 50)
+            self.rescaled = False
+
+        def forward(self, ids):
+            if not self.training and not self.rescaled:
+                with torch.no_grad():
+                    self.head.weight.mul_(4.0)
+                self.rescaled = True
+            return self.head(torch.tanh(self.embed(ids)))
+
+    torch.manual_seed(0)
+    model = Rescales().eval()
+    weight = model.head.weight.detach().clone()
+    report = tf32lab.check_generation(model, new_tokens=8, prompts=[[1, 2, 3], [4, 5, 6]], levels=("highest",))
+    assert report.level("highest").divergence == (None, None) and max(report.level("highest").logit_errors) < 1e-4
+    assert not model.rescaled and torch.equal(model.head.weight, weight)

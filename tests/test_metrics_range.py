@@ -125,3 +125,18 @@ def test_a_split_output_whose_norm_leaves_float64s_range_keeps_its_error(one_ran
     for field in ("normwise", "max_abs", "max_rel", "mean_rel", "cosine", "bias"):
         assert getattr(found, field) == pytest.approx(getattr(alone, field), rel=1e-12), field
     assert found.histogram == alone.histogram and found.normwise == pytest.approx(abs(factor - 1.0), rel=1e-9)
+
+
+def test_an_output_of_one_value_per_row_has_its_column_s_cosine():
+    # a regression or value head's (N, 1): a row of one value has no direction, its cosine only its sign, so one
+    # value near zero that TF32 moved across it read min cos -1.000000 beside a normwise error of 2e-4 (a KAN)
+    r = torch.linspace(-1, 1, 256, dtype=torch.float64)[:, None]
+    r[100] = 1e-6
+    y = r.clone()
+    y[100] = -1e-6
+    column = metrics.compare("v", y, r, 1e-2)
+    assert column.normwise < 1e-5
+    assert column.cosine == pytest.approx(metrics.compare("v", y[:, 0], r[:, 0], 1e-2).cosine) and \
+        column.cosine > 0.999999
+    rows = torch.randn(256, 2, dtype=torch.float64)  # two values a row: still the rows' own cosines
+    assert metrics.compare("v", -rows, rows, 1e-2).cosine == pytest.approx(-1.0)

@@ -368,6 +368,7 @@ class Session:
     def _reference(self, plan: Optional[list[Optional[str]]] = None) -> None:
         workload, recorder = self.workload, self.recorder
         recorder.mode.plan = plan
+        recorder.before_write = self.reset.before_write  # a parameter it writes into: copied first, put back
         self.bar.step(f"{workload.name}: float64 reference, each layer at {len(self.measured)} level(s)")
         # the model's own ops only (not the layers' reruns, nor the recorder's arithmetic); not sharded: a rank's
         # part of an output is not formed by its own operands alone

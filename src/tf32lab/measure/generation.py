@@ -462,7 +462,7 @@ class _Generation:
     def _reference(self) -> _Run:
         self._fresh()
         try:
-            with Float64Run():
+            with Float64Run(on_write=self.reset.before_write):  # a parameter it writes into: copied, put back
                 run = self._decode(None)
         except (Tf32LabError, KeyboardInterrupt):
             raise

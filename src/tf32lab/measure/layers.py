@@ -22,7 +22,7 @@ import copy
 import math
 import sys
 import warnings
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -41,7 +41,8 @@ from tf32lab.measure.sharded import local
 from tf32lab.measure.spill import Spilled, SpillFile
 from tf32lab.measure.state import KeptState
 from tf32lab.numbers.origin import exit_call, internal_error
-from tf32lab.numbers.trees import map_tensors, named_tensors
+from tf32lab.numbers.trees import map_tensors, named_leaves, named_tensors
+from tf32lab.report.conclusion import NO_TENSOR, UNMEASURED
 from tf32lab.speed.counting import ROOT, Counting
 from tf32lab.workloads.workload import Workload
 
@@ -81,6 +82,8 @@ def level_context(level: str, target: Target, accumulation: Optional[str] = None
 
 
 _MISSING = object()
+_OBJECTS = (torch.distributions.Distribution, torch.distributions.Transform)
+_ANSWERED = (torch.Tensor, Spilled, *_OBJECTS)  # what a nested layer's answer narrows to float32
 
 
 # -- the reference run: which modules are layers, their outputs, the error each introduces -----------------------
@@ -198,6 +201,7 @@ class Recorder:
         self.spill = spill or SpillFile()
         self.modules, self.scripted = hookable(model)
         self.mode = Float64Run(self._op, self._written)
+        self.before_write: Optional[Callable[[list[torch.Tensor]], None]] = None  # the model's state's copy-on-write
         self.shared: dict[int, list[tuple[str, int]]] = {}  # storage address -> outputs kept without a copy
         self.stack: list[_Frame] = []
         self.outputs: dict[tuple[str, int], tuple[Any, dict[str, float]]] = {}  # float64 output, each ‖r‖²
@@ -273,6 +277,8 @@ class Recorder:
 
     def _written(self, tensors: list[torch.Tensor]) -> None:
         """Copy-on-write: a kept output is copied only when the model is about to write into its storage."""
+        if self.before_write is not None:
+            self.before_write(tensors)
         for t in tensors:
             keys = self.shared.pop(storage_address(t), None) if self.shared else None
             for key in keys or ():
@@ -345,12 +351,18 @@ class Recorder:
         if _versions((frame.args, frame.kwargs)) != frame.versions or (frame.held and frame.held.written()):
             self._worst(name, math.nan, "not fed: it changes its own inputs in place")
             return
+        reference, norms = self.outputs[(name, i)]
+        if not any(isinstance(leaf, (torch.Tensor, Spilled)) for _, leaf in named_leaves(reference)):
+            # a torch.distributions object, or None (a layer that writes a buffer): no tensor a comparison reads
+            # (it read 0.0)
+            held = "None" if reference is None else f"a {type(reference).__name__}"
+            self._worst(name, math.nan, f"{NO_TENSOR} ({held})")
+            return
         tensors = [id(t) for _, t in named_tensors((frame.args, frame.kwargs))]
         if not frame.inner and tensors and all(t in self.model_inputs for t in tensors):
             # fed the model's own inputs and nothing nested: the end-to-end run computes exactly this call
             self.as_accumulated.add((name, i))
             return
-        reference, norms = self.outputs[(name, i)]
         inner = self._inner_outputs(frame)
         pin = self.pins.get(name)
         cudnn = bool(frame.families & {"conv", "rnn"})
@@ -452,6 +464,10 @@ class Recorder:
                 raise bug from exc
             error, why = math.nan, f"raised when run alone at {'its pinned conv math' if conv else 'this level'}" \
                                    f": {described(exc)}"
+            if _float64_met(exc):  # fed float32, in a float32 model: a value the reference run left (a cache)
+                why = f"{UNMEASURED} run alone, it met a float64 value the float64 reference left where it reads " \
+                      f"it (a draw or result the model caches within a call, as pyro's PyroSample does): " \
+                      f"{described(exc)}"
         finally:
             self.rerunning = False
         self._worst(name, error, why, level, conv)
@@ -478,7 +494,7 @@ class Recorder:
         answers: dict[torch.nn.Module, list[Any]] = {}
         for name, i in frame.inner:
             answers.setdefault(modules[name], []).append(
-                map_tensors(_to_float32, self.outputs[(name, i)][0], (torch.Tensor, Spilled)))
+                map_tensors(_to_float32, self.outputs[(name, i)][0], _ANSWERED))
         return answers
 
     def _normwise(self, output: Any, reference: Any, norms: dict[str, float], site: str) -> float:
@@ -565,6 +581,14 @@ def _answering(answers: dict[torch.nn.Module, list[Any]]):
                 module.forward = before
 
 
+def _float64_met(exc: BaseException) -> bool:
+    """PyTorch's refusal of a float64 operand beside a float32 one ("expected m1 and m2 to have the same dtype, but
+    got: float != double", "expected scalar type Double but found Float", "Input type (double) and bias type
+    (float) should be the same")."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and "double" in text and "float" in text and "type" in text
+
+
 def _next_or_run(pending, original, args, kwargs) -> Any:
     if transformed():  # a call inside vmap was no layer call of the reference: it computes, as its caller's ops
         return original(*args, **kwargs)
@@ -576,7 +600,14 @@ def _device_of(tree: Any) -> torch.device:
     return next((t.device for _, t in named_tensors(tree)), torch.device("cpu"))
 
 
-def _to_float32(t: Union[torch.Tensor, Spilled]) -> torch.Tensor:
+def _to_float32(t: Any) -> Any:
+    if isinstance(t, _OBJECTS):
+        # a layer's answer as a torch.distributions object (zuko's flows return transforms): its tensors are its
+        # attributes, narrowed on a copy; the reference's own, float64, made its caller's rerun raise
+        made = copy.copy(t)
+        for key, value in vars(t).items():
+            made.__dict__[key] = map_tensors(_to_float32, value, _ANSWERED)
+        return made
     if isinstance(t, Spilled):
         return t.load(torch.float32)
     if t.dtype == torch.float64:

@@ -27,9 +27,11 @@ precision. What is kept:
   such objects and dataclasses (slotted ones too) inside lists, dicts and each other are kept likewise, up to
   eight levels down (a per-layer cache object in a list, a list of dicts of lists of tensors);
 - not the parameters' values (a copy would double the model's memory), nor those of one of them a list holds (an
-  LSTM's ``_flat_weights``, which copied doubled its weights in a check): a write into one, seen by its version
-  counter (or, for a write through ``.data``, by a sum of its bits: whole, or at both ends of a large one), is
-  said (``KeptState.written``, :func:`written_note`), not undone; but a parameter converted to another dtype
+  LSTM's ``_flat_weights``, which copied doubled its weights in a check), but a copy of each parameter the float64
+  reference is about to write into (:meth:`KeptState.before_write`: RWKV's eval-mode rescaling, an EMA in
+  forward), taken then and put back after every run; a write into another, seen by its version counter (or, for a
+  write through ``.data``, by a sum of its bits: whole, or at both ends of a large one), is said
+  (``KeptState.written``, :func:`written_note`), not undone; but a parameter converted to another dtype
   (``self.to(X)`` in a forward, float64 in the reference run) is given its own tensor back. A parameter the model
   does not register (one in a plain list, not a ``ParameterList``) has no version counter watched: it is kept and
   put back as any tensor attribute is;
@@ -104,6 +106,26 @@ class KeptState:
         # parameters float64, is given it back
         self._originals = [p.detach() for _, p in parameters]
         self.written: list[str] = []
+        # copy-on-write: a parameter the reference run is about to write into (RWKV's eval-mode rescaling, an EMA in
+        # forward), copied then and put back after every run; the rest are never copied
+        self._copies: dict[int, torch.Tensor] = {}
+        self._storages: Optional[dict[int, int]] = None
+
+    def before_write(self, tensors: list[torch.Tensor]) -> None:
+        """Told of the tensors an op is about to write into (``Float64Run``'s ``on_write``): a watched parameter
+        among them (or a view of it, ``.data`` included) is copied once, before its first write."""
+        if not self._versions:
+            return
+        if self._storages is None:
+            self._storages = {}
+            for i, (_, parameter, _, _) in enumerate(self._versions):
+                address = _storage(parameter)
+                if address is not None:
+                    self._storages.setdefault(address, i)
+        for t in tensors:
+            i = self._storages.get(_storage(t))
+            if i is not None and i not in self._copies:
+                self._copies[i] = self._versions[i][1].detach().clone()
 
     def __enter__(self) -> KeptState:
         return self
@@ -120,10 +142,14 @@ class KeptState:
                     parameter.data = original
                     converted.add(i)
                     found.append(name)
+                copy = self._copies.get(i)
+                if copy is not None and not torch.equal(parameter.detach(), copy):
+                    parameter.detach().copy_(copy)  # its values before the reference wrote: put back
+                    found.append(name)
         self.changed += [name for name in found if name not in self.changed]
         digests = _digests([parameter for _, parameter, _, _ in self._versions])
         for i, ((name, parameter, version, digest), now) in enumerate(zip(self._versions, digests)):
-            if i in converted and digest == now:  # its values as they were: a conversion undone, not a write
+            if (i in converted or i in self._copies) and digest == now:  # its values as they were: put back
                 self._versions[i] = (name, parameter, parameter._version, now)
                 continue
             if parameter._version != version or digest != now:
@@ -131,6 +157,13 @@ class KeptState:
                 if name not in self.written:
                     self.written.append(name)
         return found
+
+
+def _storage(t: torch.Tensor) -> Optional[int]:
+    try:
+        return t.untyped_storage().data_ptr() if t.device.type != "meta" else None
+    except (RuntimeError, NotImplementedError):  # a wrapper subclass (DTensor): no storage of its own
+        return None
 
 
 BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an element's bits as an integer

@@ -9,7 +9,7 @@ All are computed in float64 from the output ``y`` and the reference ``r`` (same 
   the reference is zero or cancels (‖r‖ at most :data:`CANCELLED` of the magnitudes that formed it, a
   :class:`Scale` recorded by the caller), ‖y − r‖₂ over those magnitudes instead, and ``scale`` says so;
 - ``cosine``: the smallest cosine similarity of a row (the last dimension) with its reference row (1 for a row
-  of zeros in both);
+  of zeros in both; rows of one value, an ``(N, 1)``, as one row: their column);
 - ``top1``: for outputs named like logits, the fraction of rows whose argmax agrees;
 - ``histogram``: counts of |y − r| / rms(r) in decades (:data:`HISTOGRAM_EDGES`).
 
@@ -391,7 +391,11 @@ def _cosines(y: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """The cosine similarity of each row of ``y`` with its row of ``r`` (1 where both are zero: the same row, such
     as a padded position's, where ``cosine_similarity`` says 0 and a report's smallest cosine read 0.0 for an
     output equal to its reference; 0 where one alone is), rows whose norms are out of :data:`_SAFE_NORMS` taken
-    over their largest magnitudes: ``cosine_similarity`` says 0 for rows of 1e200 and 13.7 for rows of 1e-300."""
+    over their largest magnitudes: ``cosine_similarity`` says 0 for rows of 1e200 and 13.7 for rows of 1e-300.
+    Rows of one value (a regression or value head's ``(N, 1)``) have no direction, a cosine that is only their sign
+    (-1 for a value near zero moved across it): their column is taken as one row, as an ``(N,)`` output is."""
+    if y.dim() == 2 and y.shape[-1] == 1:
+        y, r = y.T, r.T
     found = torch.nn.functional.cosine_similarity(y, r, dim=-1, eps=1e-300)
     low, high = _SAFE_NORMS
     ny, nr = torch.linalg.vector_norm(y, dim=-1), torch.linalg.vector_norm(r, dim=-1)

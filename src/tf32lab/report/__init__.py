@@ -40,7 +40,8 @@ class LayerError:
     rounding; a module's sub-layers run fed their reference inputs too). ``accumulated``: normwise error of its
     output in the end-to-end run (everything upstream included). Both are the worst over its ``calls``; NaN when
     not measured. ``diverged``: why some call could not be measured (data-dependent control flow: another output
-    shape, another number of calls; or it raised when run alone at the level), or, first, in a policy row, why its
+    shape, another number of calls; or it raised when run alone at the level; ``not measured: ...``: its output holds
+    no tensor, or run alone it met a float64 value the reference left), or, first, in a policy row, why its
     introduced error is not measured: the policy pins it to a conv math its reruns did not run at
     (``conclusion.PINNED_CONV``).
     """

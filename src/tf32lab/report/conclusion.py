@@ -31,9 +31,9 @@ from tf32lab.report.wording import given
 # (tests/test_layers.py: no import circle, TYPE_CHECKING imports included).
 Report = LevelResult = Any
 
-__all__ = ["AMPLIFIED", "DRAWS_UNMATCHED", "MAX_REL_NOTE", "ON_ANOTHER_THREAD", "PINNED_CONV", "WORTH",
-           "WRITES_PARAMETERS", "amplified", "conclusion", "on_other_threads", "pinned_and_diverged", "policy_summary",
-           "unmeasured"]
+__all__ = ["AMPLIFIED", "DRAWS_UNMATCHED", "MAX_REL_NOTE", "NO_TENSOR", "ON_ANOTHER_THREAD", "PINNED_CONV",
+           "UNMEASURED", "WORTH", "WRITES_PARAMETERS", "amplified", "conclusion", "on_other_threads",
+           "pinned_and_diverged", "policy_summary", "unmeasured"]
 
 # The smallest predicted speedup worth acting on: a level is advised for its speed (here, and for a training step
 # in report.training), and tune takes a mixed or pinned policy over a uniform level, only when predicted at least
@@ -175,7 +175,7 @@ def conclusion(report: Report, policy_file: Optional[str] = None) -> list[str]:
         lines.append(f"{len(pinned)} layer(s) pinned by the policy to another conv math ({names}) have no introduced "
                      f"error in the policy row: they were not rerun at it (a session made without the policy's "
                      f"pins); their accumulated error, from the run under the policy, is measured.")
-    diverged = sorted({name for name, (_, rest) in reasons if rest and not rest.startswith("raised")})
+    diverged = sorted({name for name, (_, rest) in reasons if rest and not rest.startswith(("raised", UNMEASURED))})
     if diverged:
         names = ", ".join(repr(n) for n in diverged[:3]) + (" …" if len(diverged) > 3 else "")
         lines.append(f"{len(diverged)} layer(s) could not be matched with the reference at every call ({names}): "
@@ -270,6 +270,9 @@ def _levels_beside(row: LevelResult, best: Optional[LevelResult], failing: list[
 # starts with it; measure/ writes it from this constant, as the report layer must not import upward). check()
 # reruns pinned layers at their math; a session made without the pins (``measure.check.Session``) cannot.
 PINNED_CONV = "the policy pins its conv math to"
+# a layer the reruns cannot measure (no control flow of the model's, nothing the level did): said so, not matched
+UNMEASURED = "not measured:"
+NO_TENSOR = f"{UNMEASURED} its output holds no tensor to compare"  # a torch.distributions object
 
 
 def pinned_and_diverged(reason: Optional[str]) -> tuple[Optional[str], Optional[str]]:
