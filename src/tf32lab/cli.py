@@ -446,12 +446,26 @@ def _shown(path: object) -> str:
     return inert(os.fspath(path)).replace("\n", "\\n").replace("\t", "\\t")
 
 
-def _check(args: argparse.Namespace) -> int:
+def _level_list(text: str) -> tuple[str, ...]:
+    """``--levels``' comma-separated names, validated. Names run together with spaces or semicolons (``--levels
+    'highest high'``, a newcomer's first try) are an error that gives the comma-separated form."""
     from tf32lab.know.levels import check_levels
+
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    try:
+        return check_levels(parts)
+    except Tf32LabError as exc:
+        words = re.split(r"[\s,;]+", text.strip())
+        if len(words) > len(parts):
+            raise Tf32LabError(f"{exc} (--levels takes them comma-separated: --levels {','.join(words)})") from None
+        raise
+
+
+def _check(args: argparse.Namespace) -> int:
     from tf32lab.machine.hardware import resolve_target
     from tf32lab.workloads import specs
 
-    levels = check_levels(part.strip() for part in args.levels.split(",") if part.strip())
+    levels = _level_list(args.levels)
     target = resolve_target(args.target)  # before the workload loads: a bad argument fails fast
     _outputs(args, "--json", "--html", reads=(("--policy", args.policy), ("the spec", _spec_file(args.spec)),
                                               ("--prompts", args.prompts)))
@@ -681,14 +695,13 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _speed(args: argparse.Namespace) -> int:
-    from tf32lab.know.levels import check_levels
     from tf32lab.know.targets import NATIVE
     from tf32lab.machine.hardware import resolve_target
     from tf32lab.workloads import specs
     from tf32lab.workloads.training import TrainingWorkload
 
     _one_process("speed")
-    levels = check_levels(part.strip() for part in args.levels.split(",") if part.strip())
+    levels = _level_list(args.levels)
     native = args.target == NATIVE  # this machine: nothing to predict, only to measure
     target = resolve_target(args.target, speed=not native)  # before the workload loads
     if native and not args.measure:

@@ -118,6 +118,16 @@ def _is_file(path: str) -> bool:
 def _unknown_spec(spec: str) -> str:
     base = f"workload spec {spec!r} is not one of: minilm, builtin, hf:FOLDER, package.module:factory, " \
            f"path/to/file.py:factory"
+    # a level or a target where the spec goes: `check --levels highest high` makes 'high' the spec
+    from tf32lab.know.levels import ALL_LEVELS
+    from tf32lab.know.targets import NATIVE, TARGETS
+
+    name = spec.strip().lower()
+    if name in ALL_LEVELS:
+        return (f"{base} ({spec!r} is a precision level: --levels takes them comma-separated, e.g. "
+                f"--levels highest,high)")
+    if name in TARGETS or name == NATIVE:
+        return f"{base} ({spec!r} is a target: --target {name})"
     try:
         path = Path(spec)
         if spec.endswith(".py") and path.is_file():
