@@ -86,6 +86,16 @@ def test_bad_specs_get_one_line(spec, message):
         specs.load(spec)
 
 
+def test_a_file_named_without_py_or_factory_is_told_the_spec(tmp_path, monkeypatch):
+    # a newcomer's `tf32lab check mymodel` beside mymodel.py: the spec the error suggests loads
+    _module(tmp_path, "wl_named", GOOD)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(Tf32LabError, match=re.escape("(add the factory's name: wl_named.py:make, for a function "
+                                                     "make() in wl_named.py)")):
+        specs.load("wl_named")
+    assert specs.load("wl_named.py:pair").model.in_features == 8
+
+
 def test_a_file_that_fails_to_import(tmp_path):
     path = _module(tmp_path, "wl_broken", "import torch\nraise ImportError('needs a GPU library')\n")
     with pytest.raises(Tf32LabError, match=r"running .*wl_broken\.py raised ImportError: needs a GPU library"):

@@ -135,6 +135,8 @@ def _unknown_spec(spec: str) -> str:
         if path.is_dir():
             hint = f"hf:{spec}" if (path / "config.json").is_file() else f"{spec}/file.py:factory"
             return f"{base} ({spec} is a folder: try {hint})"
+        if Path(f"{spec}.py").is_file():  # `check mymodel` beside mymodel.py
+            return f"{base} (add the factory's name: {spec}.py:make, for a function make() in {spec}.py)"
     except (OSError, ValueError):
         pass
     return base
