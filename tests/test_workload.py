@@ -44,6 +44,15 @@ def bad_inputs():
 def half():
     return torch.nn.Linear(8, 2).half(), torch.ones(3, 8).half()
 
+def model_alone():
+    return torch.nn.Linear(8, 2)
+
+def triple():
+    return torch.nn.Linear(8, 2), torch.ones(3, 8), torch.ones(3, 2)
+
+def list_pair():
+    return [torch.nn.Linear(8, 2), torch.ones(3, 8)]
+
 not_callable = 3
 """
 
@@ -59,8 +68,12 @@ def test_module_and_file_specs(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("factory, message", [
     ("raises", "the factory raised KeyError: 'no weights here'"),
-    ("wrong", "the factory returned an object of type list; accepted: a tf32lab.Workload, a (model, inputs) "
-              "pair or a tf32lab.TrainingWorkload"),
+    ("wrong", "the factory returned a list of 2 items; accepted: a tf32lab.Workload, a (model, inputs) "
+              "pair (a tuple) or a tf32lab.TrainingWorkload"),
+    # what a newcomer's factory returns: the error says what came back, not only its type
+    ("model_alone", "the factory returned a model alone (Linear), without its inputs; accepted:"),
+    ("triple", "the factory returned a tuple of 3 items; accepted:"),
+    ("list_pair", "the factory returned a list of 2 items; accepted: a tf32lab.Workload, a (model, inputs) pair"),
     ("bad_inputs", "the factory's inputs are a list; accepted: a tensor, a tuple or a dict"),
     ("half", "the model holds float16 tensors ('weight', 'bias'); tf32lab checks float32 models"),
     ("nothing", "has no attribute 'nothing'"),

@@ -195,9 +195,16 @@ def _as_workload(spec: str, made: Any, default_name: str) -> Any:
         return Workload(model, inputs, name=name)
     raise Tf32LabError(
         f"workload {spec!r}: the factory returned {_returned(made)}; accepted: a tf32lab.Workload, a "
-        f"(model, inputs) pair or a tf32lab.TrainingWorkload")
+        f"(model, inputs) pair{' (a tuple)' if isinstance(made, list) else ''} or a tf32lab.TrainingWorkload")
 
 
 def _returned(value: object) -> str:
-    """What a factory returned, for an error: "None" (a missing ``return``), else its type."""
-    return "None (no return statement?)" if value is None else f"an object of type {type(value).__name__}"
+    """What a factory returned, for an error: "None" (a missing ``return``), a model without its inputs, a sequence
+    by its length (``return model, x, y`` is a tuple of 3), else its type."""
+    if value is None:
+        return "None (no return statement?)"
+    if isinstance(value, torch.nn.Module):
+        return f"a model alone ({type(value).__name__}), without its inputs"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)} item{'' if len(value) == 1 else 's'}"
+    return f"an object of type {type(value).__name__}"
