@@ -167,10 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "prints what tf32 buys over ieee (default: as this process's flags hold it)")
     speed.add_argument("--training", action="store_true",
                        help="predict one training step: forward, backward and the optimizer's update")
-    speed.add_argument("--optimizer", type=_optimizer, default="adamw",
+    # no default (SUPPRESS): an --optimizer or --rounds given without its mode is refused, not silently unused
+    speed.add_argument("--optimizer", type=_optimizer, default=argparse.SUPPRESS,
                        help="with --training: the optimizer whose update is counted: adamw (default), adam, sgd, none")
     speed.add_argument("--measure", action="store_true", help="also time each level on this machine (bench)")
-    speed.add_argument("--rounds", type=_rounds, default=7, help="with --measure: interleaved rounds (7)")
+    speed.add_argument("--rounds", type=_rounds, default=argparse.SUPPRESS,
+                       help="with --measure: interleaved rounds (7)")
     speed.add_argument("--json", metavar="PATH", help="write the result as JSON; '-' for stdout, instead of the table")
     speed.add_argument("--debug", action="store_true", help="show tracebacks")
     speed.set_defaults(run=_speed)
@@ -708,6 +710,8 @@ def _speed(args: argparse.Namespace) -> int:
         raise Tf32LabError("--target native predicts nothing: add --measure to time this machine")
     if args.training and args.measure:
         raise Tf32LabError("--training is predicted only: --measure times one forward (leave one of them out)")
+    if hasattr(args, "rounds") and not args.measure:
+        raise Tf32LabError(f"--rounds {args.rounds} goes with --measure (the interleaved rounds of timing here)")
     _outputs(args, "--json", reads=(("the spec", _spec_file(args.spec)),))
     loaded = specs.load(args.spec or specs.default_spec(), training=None)
     if isinstance(loaded, TrainingWorkload):  # its step, with its first batch
@@ -715,17 +719,22 @@ def _speed(args: argparse.Namespace) -> int:
             raise Tf32LabError(f"workload {loaded.name!r} is a training workload: speed predicts its training step "
                                f"(--measure times one forward of a forward workload)")
         loaded, args.training = loaded.step_workload(), True
+    if hasattr(args, "optimizer") and not args.training:  # after the spec: a training workload implies --training
+        raise Tf32LabError(f"--optimizer {args.optimizer or 'none'} goes with --training (the optimizer whose update "
+                           f"a training step counts)")
+    optimizer = getattr(args, "optimizer", "adamw")
     predicted = measured = None
     if target.emulated:
         from tf32lab.speed.prediction import predict
 
-        predicted = predict(loaded, target, levels, training=args.training, optimizer=args.optimizer,
+        predicted = predict(loaded, target, levels, training=args.training, optimizer=optimizer,
                             conv=args.conv)
     if args.measure:
         from tf32lab.speed.bench import bench
 
         # a bar on stderr, as check shows one; none when stderr is no terminal or JSON is asked for
-        measured = bench(loaded, levels, rounds=args.rounds, progress=sys.stderr.isatty() and not args.json)
+        measured = bench(loaded, levels, rounds=getattr(args, "rounds", 7),
+                         progress=sys.stderr.isatty() and not args.json)
     if args.json:
         from tf32lab.numbers.files import write_atomically, write_json
 
