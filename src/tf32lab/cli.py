@@ -969,6 +969,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "run", None) is None:
         parser.print_help()
         return 0
+    # the command as argparse names it in its own errors: `policy show`, not `policy`
+    name = " ".join(filter(None, (args.command, getattr(args, "action", None))))
     stdout = sys.stdout
     # a closed stdout (``>&-``) is None: its first write is then one line and exit 2, as a full disk is
     sys.stdout = _Stdout(stdout if stdout is not None else _Closed())
@@ -989,12 +991,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         from tf32lab.report.text import inert
 
-        _say(f"tf32lab {args.command}: error: {' '.join(inert(exc).split(chr(10)))}")
+        _say(f"tf32lab {name}: error: {' '.join(inert(exc).split(chr(10)))}")
         return 2
     except KeyboardInterrupt:
         if getattr(args, "debug", False):
             raise
-        _say(f"tf32lab {args.command}: interrupted")
+        _say(f"tf32lab {name}: interrupted")
         return 130
     except SystemExit as exc:  # argparse's exits come before: this is the workload's own sys.exit(), never a verdict
         if getattr(args, "debug", False):
@@ -1003,7 +1005,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         from tf32lab.numbers.origin import exit_call
 
-        _say(f"tf32lab {args.command}: error: the workload called {exit_call(exc)} while it ran, so there is no "
+        _say(f"tf32lab {name}: error: the workload called {exit_call(exc)} while it ran, so there is no "
              f"verdict; a model, loss or factory must return, or raise an Exception, not end the program")
         return 2
     except BrokenPipeError:  # the reader went away (``| head``): not an error of ours
