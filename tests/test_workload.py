@@ -93,6 +93,11 @@ def test_bad_factories_get_one_line(tmp_path, factory, message):
     ("module:not-an-identifier", "is not one of"),
     ("", "empty workload spec"),
     ("hf:/no/such/folder", "no config.json in /no/such/folder"),
+    # the names a newcomer reads in the demo's header and the README: the error gives the spec that loads it
+    ("all-MiniLM-L6-v2", "(all-MiniLM-L6-v2 is the spec 'minilm')"),
+    ("sentence-transformers/all-MiniLM-L6-v2", "(all-MiniLM-L6-v2 is the spec 'minilm')"),
+    ("MiniLM", "(specs are lower case: 'minilm')"),
+    ("Builtin", "(specs are lower case: 'builtin')"),
 ])
 def test_bad_specs_get_one_line(spec, message):
     with pytest.raises(Tf32LabError, match=re.escape(message)):

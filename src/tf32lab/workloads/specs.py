@@ -118,16 +118,6 @@ def _is_file(path: str) -> bool:
 def _unknown_spec(spec: str) -> str:
     base = f"workload spec {spec!r} is not one of: minilm, builtin, hf:FOLDER, package.module:factory, " \
            f"path/to/file.py:factory"
-    # a level or a target where the spec goes: `check --levels highest high` makes 'high' the spec
-    from tf32lab.know.levels import ALL_LEVELS
-    from tf32lab.know.targets import NATIVE, TARGETS
-
-    name = spec.strip().lower()
-    if name in ALL_LEVELS:
-        return (f"{base} ({spec!r} is a precision level: --levels takes them comma-separated, e.g. "
-                f"--levels highest,high)")
-    if name in TARGETS or name == NATIVE:
-        return f"{base} ({spec!r} is a target: --target {name})"
     try:
         path = Path(spec)
         if spec.endswith(".py") and path.is_file():
@@ -139,6 +129,21 @@ def _unknown_spec(spec: str) -> str:
             return f"{base} (add the factory's name: {spec}.py:make, for a function make() in {spec}.py)"
     except (OSError, ValueError):
         pass
+    # not a path: a built-in's name as printed, or a level or a target where the spec goes (`check --levels
+    # highest high` makes 'high' the spec)
+    from tf32lab.know.levels import ALL_LEVELS
+    from tf32lab.know.targets import NATIVE, TARGETS
+
+    name = spec.strip().lower()
+    if name in ("minilm", "builtin"):
+        return f"{base} (specs are lower case: {name!r})"
+    if name.rpartition("/")[2] == "all-minilm-l6-v2":  # the name the demo's header and the README print
+        return f"{base} (all-MiniLM-L6-v2 is the spec 'minilm')"
+    if name in ALL_LEVELS:
+        return (f"{base} ({spec!r} is a precision level: --levels takes them comma-separated, e.g. "
+                f"--levels highest,high)")
+    if name in TARGETS or name == NATIVE:
+        return f"{base} ({spec!r} is a target: --target {name})"
     return base
 
 
