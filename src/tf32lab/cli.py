@@ -324,7 +324,8 @@ def _outputs(args: argparse.Namespace, *flags: str, reads: Sequence[tuple[str, s
 
     for flag in flags:
         if getattr(args, flag[2:]) == "":
-            raise Tf32LabError(f"{flag} '': give a file name, or - for standard output")
+            raise Tf32LabError(f"{flag} '': give a file name"
+                               + (" (the page goes to a file)" if flag == "--html" else ", or - for standard output"))
     out = getattr(args, "out", None)
     if "--out" in flags and out and out != "-" and Path(out).suffix.lower() not in _POLICY_SUFFIXES:
         raise Tf32LabError(f"--out {_shown(out)}: a policy is written as JSON (.json, or no suffix) or TOML "
@@ -586,10 +587,14 @@ def _prompt_file(path: str) -> list[str]:
     cannot give any. A byte-order
     mark (Windows editors write one) is not part of the first prompt; a line ends at a newline only (``\r\n`` and
     ``\r`` read as one), not at the form feeds and separators ``str.splitlines`` also splits at."""
+    if not path.strip():  # Path("") is the working folder
+        raise Tf32LabError(f"--prompts {path!r}: no path given (a text file, one prompt per line)")
     try:
         text = Path(path).read_text(encoding="utf-8-sig")
     except FileNotFoundError:
         raise Tf32LabError(f"--prompts {_shown(path)}: no such file (a text file, one prompt per line)") from None
+    except IsADirectoryError:
+        raise Tf32LabError(f"--prompts {_shown(path)}: is a folder (a text file, one prompt per line)") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise Tf32LabError(f"--prompts {_shown(path)}: cannot be read as UTF-8 text ({exc})") from None
     # each line as it is: a code prompt keeps its indentation (stripped, "    return x" lost its four spaces)
