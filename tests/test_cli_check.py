@@ -51,6 +51,10 @@ def test_a_looser_tolerance_lets_it_pass():
     # levels written as a newcomer types them: the error says the comma-separated form
     (["builtin", "--levels", "highest high"], "comma-separated: --levels highest,high"),
     (["builtin", "--levels", "highest;high"], "comma-separated: --levels highest,high"),
+    (["builtin", "--levels", " , "], "no levels to check; accepted: 'highest', 'bfx9', 'high', 'medium'\n"),
+    # no comma hint where commas would not fix it
+    (["builtin", "--levels", "hihg high"], "unknown level 'hihg high'; accepted: 'highest', 'bfx9', 'high', "
+                                           "'medium'\n"),
     (["--levels", "highest", "high"], "'high' is a precision level: --levels takes them comma-separated"),
     (["a100"], "'a100' is a target: --target a100"),
 ])

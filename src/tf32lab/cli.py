@@ -450,7 +450,7 @@ def _shown(path: object) -> str:
 
 
 def _level_list(text: str) -> tuple[str, ...]:
-    """``--levels``' comma-separated names, validated. Names run together with spaces or semicolons (``--levels
+    """``--levels``' comma-separated names, validated. Levels run together with spaces or semicolons (``--levels
     'highest high'``, a newcomer's first try) are an error that gives the comma-separated form."""
     from tf32lab.know.levels import check_levels
 
@@ -458,8 +458,12 @@ def _level_list(text: str) -> tuple[str, ...]:
     try:
         return check_levels(parts)
     except Tf32LabError as exc:
-        words = re.split(r"[\s,;]+", text.strip())
+        words = [word for word in re.split(r"[\s,;]+", text) if word]
         if len(words) > len(parts):
+            try:  # the hint only where it is the fix: every word a level
+                check_levels(words)
+            except Tf32LabError:
+                raise exc from None
             raise Tf32LabError(f"{exc} (--levels takes them comma-separated: --levels {','.join(words)})") from None
         raise
 
