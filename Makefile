@@ -81,4 +81,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/integrations.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis report.html
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis report.html tune.html

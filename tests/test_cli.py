@@ -45,3 +45,7 @@ def test_a_subcommands_bad_option_is_named_by_that_subcommand():
                                    "(see tf32lab tune --help)")
     nested = run("policy", "show", "p.json", "--no-such-option")
     assert nested.returncode == 2 and nested.stderr.startswith("tf32lab policy show: error: unrecognized")
+    # and so is its error after parsing: the same prefix as argparse's, not the parent command's
+    missing = run("policy", "show", "no_such_policy.json")
+    assert missing.returncode == 2 and missing.stderr.startswith(
+        "tf32lab policy show: error: policy file 'no_such_policy.json': cannot read it"), missing.stderr

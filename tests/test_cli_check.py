@@ -48,6 +48,15 @@ def test_a_looser_tolerance_lets_it_pass():
     (["tf32lab.workloads.builtin:nothing"], "has no attribute 'nothing'"),
     (["/no/such/file.py:make"], "no file /no/such/file.py"),
     (["builtin", "--json", "/no/such/dir/r.json", "--levels", "high"], "--json /no/such/dir/r.json: no folder"),
+    # levels written as a newcomer types them: the error says the comma-separated form
+    (["builtin", "--levels", "highest high"], "comma-separated: --levels highest,high"),
+    (["builtin", "--levels", "highest;high"], "comma-separated: --levels highest,high"),
+    (["builtin", "--levels", " , "], "no levels to check; accepted: 'highest', 'bfx9', 'high', 'medium'\n"),
+    # no comma hint where commas would not fix it
+    (["builtin", "--levels", "hihg high"], "unknown level 'hihg high'; accepted: 'highest', 'bfx9', 'high', "
+                                           "'medium'\n"),
+    (["--levels", "highest", "high"], "'high' is a precision level: --levels takes them comma-separated"),
+    (["a100"], "'a100' is a target: --target a100"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message):
     done = run(*args)

@@ -363,6 +363,8 @@ def test_a_full_stderr_keeps_exit_code_2_with_stderr_buffered_or_not(spec_dir, u
 
 @pytest.mark.parametrize("args, message", [
     (["check", "tiny.py:make", "--json", ""], "--json '': give a file name, or - for standard output"),
+    # --html takes no "-" (the page goes to a file): its empty value does not suggest one
+    (["check", "tiny.py:make", "--html", ""], "--html '': give a file name (the page goes to a file)"),
     (["tune", "tiny.py:make", "--out", "p.yaml"], "--out p.yaml: a policy is written as JSON (.json, or no suffix) "
                                                   "or TOML (.toml), not '.yaml'"),
     (["tune", "tiny.py:make", "--json", "-", "--out", "/dev/stdout"], "--out /dev/stdout and --json - name the "

@@ -309,6 +309,9 @@ def test_cli_generate_writes_each_levels_divergence_and_agreement(gpt2_folder, t
     (["--generate", "2.5"], "bad number of new tokens '2.5'"),
     (["--generate", "4", "--prompts", "/no/such/prompts.txt"], "no such file"),
     (["--generate", "4", "--prompts", "EMPTY"], "holds no prompt"),
+    # an empty path is the working folder to Path(): named as given; a folder is said so, not as an errno
+    (["--generate", "4", "--prompts", ""], "--prompts '': no path given (a text file, one prompt per line)"),
+    (["--generate", "4", "--prompts", "/"], "--prompts /: is a folder (a text file, one prompt per line)"),
     (["--generate", "4", "--criterion", "speed>2"], "not understood"),
     (["--prompts", "EMPTY"], "goes with --generate"),
 ])

@@ -625,6 +625,9 @@ def test_a_bad_toml_file_and_a_missing_file(tmp_path):
         Policy.load(tmp_path / "p.toml")
     with pytest.raises(Tf32LabError, match="cannot read it"):
         Policy.load(tmp_path / "none.json")
+    # an empty path is Path("."), the working folder: the error names what was given, not "."
+    with pytest.raises(Tf32LabError, match=re.escape("policy file '': no path given; accepted: a JSON or TOML file")):
+        Policy.load("")
 
 
 @pytest.mark.parametrize("rules,message", [

@@ -298,6 +298,10 @@ def test_speed_command_prints_the_prediction_and_with_measure_both():
     (["--target", "native"], "--target native predicts nothing"),
     (["--levels", "fast"], "unknown level 'fast'"),
     (["--measure", "--rounds", "0"], "argument --rounds: bad number of rounds '0'; accepted: an int >= 1"),
+    # an option of a mode not asked for is refused, as check's --steps without --train is, not silently unused
+    (["--rounds", "3"], "--rounds 3 goes with --measure"),
+    (["--optimizer", "sgd"], "--optimizer sgd goes with --training"),
+    (["--optimizer", "none"], "--optimizer none goes with --training"),
 ])
 def test_speed_command_bad_input_exits_2_with_one_line(args, message):
     done = cli("speed", "builtin", *args)

@@ -44,6 +44,15 @@ def bad_inputs():
 def half():
     return torch.nn.Linear(8, 2).half(), torch.ones(3, 8).half()
 
+def model_alone():
+    return torch.nn.Linear(8, 2)
+
+def triple():
+    return torch.nn.Linear(8, 2), torch.ones(3, 8), torch.ones(3, 2)
+
+def list_pair():
+    return [torch.nn.Linear(8, 2), torch.ones(3, 8)]
+
 not_callable = 3
 """
 
@@ -59,8 +68,12 @@ def test_module_and_file_specs(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("factory, message", [
     ("raises", "the factory raised KeyError: 'no weights here'"),
-    ("wrong", "the factory returned an object of type list; accepted: a tf32lab.Workload, a (model, inputs) "
-              "pair or a tf32lab.TrainingWorkload"),
+    ("wrong", "the factory returned a list of 2 items; accepted: a tf32lab.Workload, a (model, inputs) "
+              "pair (a tuple) or a tf32lab.TrainingWorkload"),
+    # what a newcomer's factory returns: the error says what came back, not only its type
+    ("model_alone", "the factory returned a model alone (Linear), without its inputs; accepted:"),
+    ("triple", "the factory returned a tuple of 3 items; accepted:"),
+    ("list_pair", "the factory returned a list of 2 items; accepted: a tf32lab.Workload, a (model, inputs) pair"),
     ("bad_inputs", "the factory's inputs are a list; accepted: a tensor, a tuple or a dict"),
     ("half", "the model holds float16 tensors ('weight', 'bias'); tf32lab checks float32 models"),
     ("nothing", "has no attribute 'nothing'"),
@@ -80,10 +93,25 @@ def test_bad_factories_get_one_line(tmp_path, factory, message):
     ("module:not-an-identifier", "is not one of"),
     ("", "empty workload spec"),
     ("hf:/no/such/folder", "no config.json in /no/such/folder"),
+    # the names a newcomer reads in the demo's header and the README: the error gives the spec that loads it
+    ("all-MiniLM-L6-v2", "(all-MiniLM-L6-v2 is the spec 'minilm')"),
+    ("sentence-transformers/all-MiniLM-L6-v2", "(all-MiniLM-L6-v2 is the spec 'minilm')"),
+    ("MiniLM", "(specs are lower case: 'minilm')"),
+    ("Builtin", "(specs are lower case: 'builtin')"),
 ])
 def test_bad_specs_get_one_line(spec, message):
     with pytest.raises(Tf32LabError, match=re.escape(message)):
         specs.load(spec)
+
+
+def test_a_file_named_without_py_or_factory_is_told_the_spec(tmp_path, monkeypatch):
+    # a newcomer's `tf32lab check mymodel` beside mymodel.py: the spec the error suggests loads
+    _module(tmp_path, "wl_named", GOOD)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(Tf32LabError, match=re.escape("(add the factory's name: wl_named.py:make, for a function "
+                                                     "make() in wl_named.py)")):
+        specs.load("wl_named")
+    assert specs.load("wl_named.py:pair").model.in_features == 8
 
 
 def test_a_file_that_fails_to_import(tmp_path):

@@ -167,10 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "prints what tf32 buys over ieee (default: as this process's flags hold it)")
     speed.add_argument("--training", action="store_true",
                        help="predict one training step: forward, backward and the optimizer's update")
-    speed.add_argument("--optimizer", type=_optimizer, default="adamw",
+    # no default (SUPPRESS): an --optimizer or --rounds given without its mode is refused, not silently unused
+    speed.add_argument("--optimizer", type=_optimizer, default=argparse.SUPPRESS,
                        help="with --training: the optimizer whose update is counted: adamw (default), adam, sgd, none")
     speed.add_argument("--measure", action="store_true", help="also time each level on this machine (bench)")
-    speed.add_argument("--rounds", type=_rounds, default=7, help="with --measure: interleaved rounds (7)")
+    speed.add_argument("--rounds", type=_rounds, default=argparse.SUPPRESS,
+                       help="with --measure: interleaved rounds (7)")
     speed.add_argument("--json", metavar="PATH", help="write the result as JSON; '-' for stdout, instead of the table")
     speed.add_argument("--debug", action="store_true", help="show tracebacks")
     speed.set_defaults(run=_speed)
@@ -322,7 +324,8 @@ def _outputs(args: argparse.Namespace, *flags: str, reads: Sequence[tuple[str, s
 
     for flag in flags:
         if getattr(args, flag[2:]) == "":
-            raise Tf32LabError(f"{flag} '': give a file name, or - for standard output")
+            raise Tf32LabError(f"{flag} '': give a file name"
+                               + (" (the page goes to a file)" if flag == "--html" else ", or - for standard output"))
     out = getattr(args, "out", None)
     if "--out" in flags and out and out != "-" and Path(out).suffix.lower() not in _POLICY_SUFFIXES:
         raise Tf32LabError(f"--out {_shown(out)}: a policy is written as JSON (.json, or no suffix) or TOML "
@@ -446,12 +449,30 @@ def _shown(path: object) -> str:
     return inert(os.fspath(path)).replace("\n", "\\n").replace("\t", "\\t")
 
 
-def _check(args: argparse.Namespace) -> int:
+def _level_list(text: str) -> tuple[str, ...]:
+    """``--levels``' comma-separated names, validated. Levels run together with spaces or semicolons (``--levels
+    'highest high'``, a newcomer's first try) are an error that gives the comma-separated form."""
     from tf32lab.know.levels import check_levels
+
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    try:
+        return check_levels(parts)
+    except Tf32LabError as exc:
+        words = [word for word in re.split(r"[\s,;]+", text) if word]
+        if len(words) > len(parts):
+            try:  # the hint only where it is the fix: every word a level
+                check_levels(words)
+            except Tf32LabError:
+                raise exc from None
+            raise Tf32LabError(f"{exc} (--levels takes them comma-separated: --levels {','.join(words)})") from None
+        raise
+
+
+def _check(args: argparse.Namespace) -> int:
     from tf32lab.machine.hardware import resolve_target
     from tf32lab.workloads import specs
 
-    levels = check_levels(part.strip() for part in args.levels.split(",") if part.strip())
+    levels = _level_list(args.levels)
     target = resolve_target(args.target)  # before the workload loads: a bad argument fails fast
     _outputs(args, "--json", "--html", reads=(("--policy", args.policy), ("the spec", _spec_file(args.spec)),
                                               ("--prompts", args.prompts)))
@@ -570,10 +591,14 @@ def _prompt_file(path: str) -> list[str]:
     cannot give any. A byte-order
     mark (Windows editors write one) is not part of the first prompt; a line ends at a newline only (``\r\n`` and
     ``\r`` read as one), not at the form feeds and separators ``str.splitlines`` also splits at."""
+    if not path.strip():  # Path("") is the working folder
+        raise Tf32LabError(f"--prompts {path!r}: no path given (a text file, one prompt per line)")
     try:
         text = Path(path).read_text(encoding="utf-8-sig")
     except FileNotFoundError:
         raise Tf32LabError(f"--prompts {_shown(path)}: no such file (a text file, one prompt per line)") from None
+    except IsADirectoryError:
+        raise Tf32LabError(f"--prompts {_shown(path)}: is a folder (a text file, one prompt per line)") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise Tf32LabError(f"--prompts {_shown(path)}: cannot be read as UTF-8 text ({exc})") from None
     # each line as it is: a code prompt keeps its indentation (stripped, "    return x" lost its four spaces)
@@ -681,20 +706,21 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _speed(args: argparse.Namespace) -> int:
-    from tf32lab.know.levels import check_levels
     from tf32lab.know.targets import NATIVE
     from tf32lab.machine.hardware import resolve_target
     from tf32lab.workloads import specs
     from tf32lab.workloads.training import TrainingWorkload
 
     _one_process("speed")
-    levels = check_levels(part.strip() for part in args.levels.split(",") if part.strip())
+    levels = _level_list(args.levels)
     native = args.target == NATIVE  # this machine: nothing to predict, only to measure
     target = resolve_target(args.target, speed=not native)  # before the workload loads
     if native and not args.measure:
         raise Tf32LabError("--target native predicts nothing: add --measure to time this machine")
     if args.training and args.measure:
         raise Tf32LabError("--training is predicted only: --measure times one forward (leave one of them out)")
+    if hasattr(args, "rounds") and not args.measure:
+        raise Tf32LabError(f"--rounds {args.rounds} goes with --measure (the interleaved rounds of timing here)")
     _outputs(args, "--json", reads=(("the spec", _spec_file(args.spec)),))
     loaded = specs.load(args.spec or specs.default_spec(), training=None)
     if isinstance(loaded, TrainingWorkload):  # its step, with its first batch
@@ -702,17 +728,22 @@ def _speed(args: argparse.Namespace) -> int:
             raise Tf32LabError(f"workload {loaded.name!r} is a training workload: speed predicts its training step "
                                f"(--measure times one forward of a forward workload)")
         loaded, args.training = loaded.step_workload(), True
+    if hasattr(args, "optimizer") and not args.training:  # after the spec: a training workload implies --training
+        raise Tf32LabError(f"--optimizer {args.optimizer or 'none'} goes with --training (the optimizer whose update "
+                           f"a training step counts)")
+    optimizer = getattr(args, "optimizer", "adamw")
     predicted = measured = None
     if target.emulated:
         from tf32lab.speed.prediction import predict
 
-        predicted = predict(loaded, target, levels, training=args.training, optimizer=args.optimizer,
+        predicted = predict(loaded, target, levels, training=args.training, optimizer=optimizer,
                             conv=args.conv)
     if args.measure:
         from tf32lab.speed.bench import bench
 
         # a bar on stderr, as check shows one; none when stderr is no terminal or JSON is asked for
-        measured = bench(loaded, levels, rounds=args.rounds, progress=sys.stderr.isatty() and not args.json)
+        measured = bench(loaded, levels, rounds=getattr(args, "rounds", 7),
+                         progress=sys.stderr.isatty() and not args.json)
     if args.json:
         from tf32lab.numbers.files import write_atomically, write_json
 
@@ -947,6 +978,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "run", None) is None:
         parser.print_help()
         return 0
+    # the command as argparse names it in its own errors: `policy show`, not `policy`
+    name = " ".join(filter(None, (args.command, getattr(args, "action", None))))
     stdout = sys.stdout
     # a closed stdout (``>&-``) is None: its first write is then one line and exit 2, as a full disk is
     sys.stdout = _Stdout(stdout if stdout is not None else _Closed())
@@ -967,12 +1000,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         from tf32lab.report.text import inert
 
-        _say(f"tf32lab {args.command}: error: {' '.join(inert(exc).split(chr(10)))}")
+        _say(f"tf32lab {name}: error: {' '.join(inert(exc).split(chr(10)))}")
         return 2
     except KeyboardInterrupt:
         if getattr(args, "debug", False):
             raise
-        _say(f"tf32lab {args.command}: interrupted")
+        _say(f"tf32lab {name}: interrupted")
         return 130
     except SystemExit as exc:  # argparse's exits come before: this is the workload's own sys.exit(), never a verdict
         if getattr(args, "debug", False):
@@ -981,7 +1014,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         from tf32lab.numbers.origin import exit_call
 
-        _say(f"tf32lab {args.command}: error: the workload called {exit_call(exc)} while it ran, so there is no "
+        _say(f"tf32lab {name}: error: the workload called {exit_call(exc)} while it ran, so there is no "
              f"verdict; a model, loss or factory must return, or raise an Exception, not end the program")
         return 2
     except BrokenPipeError:  # the reader went away (``| head``): not an error of ours

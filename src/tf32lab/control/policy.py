@@ -449,6 +449,8 @@ class Policy:
             >>> tf32lab.Policy.load(path) == tf32lab.Policy("high", [("v_head", "highest")])
             True
         """
+        if isinstance(path, str) and not path.strip():  # Path("") is the working folder: name what was given
+            raise Tf32LabError(f"policy file {path!r}: no path given; accepted: a JSON or TOML file")
         path = Path(path)
         where = f"policy file {str(path)!r}"
         try:

@@ -125,8 +125,25 @@ def _unknown_spec(spec: str) -> str:
         if path.is_dir():
             hint = f"hf:{spec}" if (path / "config.json").is_file() else f"{spec}/file.py:factory"
             return f"{base} ({spec} is a folder: try {hint})"
+        if Path(f"{spec}.py").is_file():  # `check mymodel` beside mymodel.py
+            return f"{base} (add the factory's name: {spec}.py:make, for a function make() in {spec}.py)"
     except (OSError, ValueError):
         pass
+    # not a path: a built-in's name as printed, or a level or a target where the spec goes (`check --levels
+    # highest high` makes 'high' the spec)
+    from tf32lab.know.levels import ALL_LEVELS
+    from tf32lab.know.targets import NATIVE, TARGETS
+
+    name = spec.strip().lower()
+    if name in ("minilm", "builtin"):
+        return f"{base} (specs are lower case: {name!r})"
+    if name.rpartition("/")[2] == "all-minilm-l6-v2":  # the name the demo's header and the README print
+        return f"{base} (all-MiniLM-L6-v2 is the spec 'minilm')"
+    if name in ALL_LEVELS:
+        return (f"{base} ({spec!r} is a precision level: --levels takes them comma-separated, e.g. "
+                f"--levels highest,high)")
+    if name in TARGETS or name == NATIVE:
+        return f"{base} ({spec!r} is a target: --target {name})"
     return base
 
 
@@ -183,9 +200,16 @@ def _as_workload(spec: str, made: Any, default_name: str) -> Any:
         return Workload(model, inputs, name=name)
     raise Tf32LabError(
         f"workload {spec!r}: the factory returned {_returned(made)}; accepted: a tf32lab.Workload, a "
-        f"(model, inputs) pair or a tf32lab.TrainingWorkload")
+        f"(model, inputs) pair{' (a tuple)' if isinstance(made, list) else ''} or a tf32lab.TrainingWorkload")
 
 
 def _returned(value: object) -> str:
-    """What a factory returned, for an error: "None" (a missing ``return``), else its type."""
-    return "None (no return statement?)" if value is None else f"an object of type {type(value).__name__}"
+    """What a factory returned, for an error: "None" (a missing ``return``), a model without its inputs, a sequence
+    by its length (``return model, x, y`` is a tuple of 3), else its type."""
+    if value is None:
+        return "None (no return statement?)"
+    if isinstance(value, torch.nn.Module):
+        return f"a model alone ({type(value).__name__}), without its inputs"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)} item{'' if len(value) == 1 else 's'}"
+    return f"an object of type {type(value).__name__}"
