@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import collections
+import os
 import threading
 
 import pytest
@@ -409,3 +410,19 @@ def test_a_convolution_fed_other_values_at_the_next_level_is_computed_not_taken(
     second = _run(model, x, "high", handoff)
     assert handoff.taken == 0  # the shapes alike, the bits not
     assert torch.equal(second[0], alone[0])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the peak from Linux's /proc")
+def test_the_digest_of_a_large_input_makes_no_copy_of_it() -> None:
+    # an integer sum makes an int64 copy of what it sums: whole, a conv net's 48 MiB input made 96 MiB at the
+    # check's peak; a chunk at a time, a few MiB (measured in a fresh process, whose peak is this one's alone)
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom tf32lab.emulation.reuse import _digest\n"
+            "def peak():\n"
+            "    return int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1])\n"
+            "x = torch.randn(16 << 20)\nbefore = peak()\n_digest(x)\n_digest(x.view(4096, -1).t())\n"
+            "print((peak() - before) >> 10)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert int(done.stdout.strip()) < 16, done.stdout  # MiB, of a 64 MiB tensor

@@ -90,15 +90,22 @@ def _signature(args: Any, kwargs: Any) -> tuple:
 _AS_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+_DIGEST_CHUNK = 1 << 16  # elements summed at once: an integer sum makes an int64 copy of what it sums (512 KiB)
+
+
 def _digest(t: torch.Tensor) -> Optional[int]:
     """The sum of a tensor's elements read as integers of their width: any one changed bit changes it, in one
-    pass over the tensor (a convolution's input, whose product costs far more); None where it has no plain bits
-    to read (a sparse or meta tensor, a subclass)."""
+    pass over the tensor (a convolution's input, whose product costs far more), a chunk at a time (summed whole,
+    torchcrepe's second convolution's input, 48 MiB, made a 96 MiB int64 copy: the check's peak); None where it
+    has no plain bits to read (a sparse or meta tensor, a subclass)."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.is_meta or \
             t.element_size() not in _AS_INTEGERS or t.numel() == 0:
         return None
     t = t.detach().resolve_conj().resolve_neg()
-    return int(t.view(_AS_INTEGERS[t.element_size()]).sum(dtype=torch.int64))
+    # its elements flat, as they lie in memory where they fill a span of it (no copy); else a copy
+    lying = t.permute(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    flat = (lying if lying.is_contiguous() else t.contiguous()).view(-1).view(_AS_INTEGERS[t.element_size()])
+    return sum(int(flat[i:i + _DIGEST_CHUNK].sum()) for i in range(0, flat.numel(), _DIGEST_CHUNK))
 
 
 def _random_states(args: Any) -> list[torch.Tensor]:
