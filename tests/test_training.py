@@ -777,3 +777,35 @@ def test_the_floor_of_an_lstm_runs_at_cudnns_rnn_math_not_natively(conv):
         assert report.floor.coverage and min(lstm.values()) > 1e-5, lstm
     else:  # IEEE at `highest` for every family met: native float32 may stand for it
         assert max(lstm.values()) < 1e-5, lstm
+
+
+class _Scale(torch.nn.Module):
+    """A module whose output holds no tensor: a distribution object its caller samples the loss from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log_scale = torch.nn.Parameter(torch.zeros(2))
+
+    def forward(self, loc):
+        return torch.distributions.Normal(loc, self.log_scale.exp())
+
+
+class _WithScale(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.loc, self.scale = torch.nn.Linear(4, 2), _Scale()
+
+    def forward(self, x):
+        return self.scale(self.loc(x)).mean
+
+
+def test_a_module_whose_output_holds_no_tensor_is_said_to_have_no_backward_row():
+    # zuko's flows return transform objects: no gradient can be hooked at their outputs, and their modules were left
+    # out of the backward table without a word
+    torch.manual_seed(0)
+    batches = [(torch.randn(8, 4), torch.randn(8, 2)) for _ in range(2)]
+    workload = TrainingWorkload(_WithScale(), batches, loss=mse, inputs=lambda b: b[0], steps=2, name="scaled")
+    report = tf32lab.check_training(workload, levels=("highest", "high"), target="a100", speed=False)
+    assert "loc" in {layer.name for layer in report.levels[-1].layers}
+    (note,) = [n for n in report.notes if "no backward row" in n]
+    assert note.startswith("1 module(s) with parameters have no backward row ('scale'): no gradient reached"), note

@@ -657,6 +657,12 @@ class _Attribution:
             names = ", ".join(repr(n) for n in again[:3]) + (" …" if len(again) > 3 else "")
             self.notes.append(f"{len(again)} module(s) run more than once a step ({names}): the backward of each is "
                               f"measured at its first call")
+        reached = [name for name, (_, _, grads, _) in calls.items() if not grads]
+        if reached:
+            names = ", ".join(repr(n) for n in reached[:3]) + (" …" if len(reached) > 3 else "")
+            self.notes.append(f"{len(reached)} module(s) with parameters have no backward row ({names}): no "
+                              f"gradient reached a tensor of their output (an output that holds none, such as a "
+                              f"transform or distribution object, or one off the loss's path)")
         for name, (args, kwargs, grads, _) in calls.items():
             if not grads:
                 continue
