@@ -40,6 +40,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tf32lab.know.targets import Target, rnn_key
+from tf32lab.numbers.layout import memory_order
 
 __all__ = ["KEPT", "Handoff", "alike"]
 
@@ -102,9 +103,8 @@ def _digest(t: torch.Tensor) -> Optional[int]:
             t.element_size() not in _AS_INTEGERS or t.numel() == 0:
         return None
     t = t.detach().resolve_conj().resolve_neg()
-    # its elements flat, as they lie in memory where they fill a span of it (no copy); else a copy
-    lying = t.permute(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
-    flat = (lying if lying.is_contiguous() else t.contiguous()).view(-1).view(_AS_INTEGERS[t.element_size()])
+    lying = memory_order(t)  # its elements flat, no copy, where they fill a span of memory; else a copy
+    flat = (lying if lying is not None else t.contiguous().view(-1)).view(_AS_INTEGERS[t.element_size()])
     return sum(int(flat[i:i + _DIGEST_CHUNK].sum()) for i in range(0, flat.numel(), _DIGEST_CHUNK))
 
 

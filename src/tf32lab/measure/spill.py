@@ -37,6 +37,7 @@ import torch
 
 from tf32lab import settings
 from tf32lab.errors import Tf32LabError
+from tf32lab.numbers.layout import memory_order
 
 __all__ = ["DEFAULT_MIB", "SpillFile", "Spilled", "min_bytes_from_env"]
 
@@ -132,7 +133,7 @@ class SpillFile:
         sequence, ``(1, T, H)`` transposed from ``(T, 1, H)``); ``t`` itself otherwise (its caller copies it): a
         view with gaps or overlaps, a subclass, and a lazily conjugated or negated tensor, which has no plain bits
         to write."""
-        lying = _memory_order(t) if type(t) is torch.Tensor and not (t.is_conj() or t.is_neg()) else None
+        lying = memory_order(t) if type(t) is torch.Tensor and not (t.is_conj() or t.is_neg()) else None
         return self._write(t, lying) if lying is not None and self._worth(t) else t
 
     def _write(self, t: torch.Tensor, lying: Optional[torch.Tensor] = None) -> Union[Spilled, torch.Tensor]:
@@ -165,13 +166,6 @@ class SpillFile:
             if n <= 0:
                 raise Tf32LabError(f"the spill file ended {len(view) - done} bytes early at offset {offset}")
             done += n
-
-
-def _memory_order(t: torch.Tensor) -> Optional[torch.Tensor]:
-    """``t``'s elements flat, as they lie in memory (a view), where they fill a span of it with no gap and no
-    overlap; None otherwise. Its dims ordered by stride, such a tensor is contiguous."""
-    lying = t.detach().permute(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
-    return lying.view(-1) if lying.is_contiguous() else None
 
 
 def _bytes(t: torch.Tensor) -> Any:
