@@ -7,6 +7,7 @@ import math
 import random
 import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -318,7 +319,8 @@ def test_a_path_that_is_not_there_is_not_taken_for_a_hub_id(folder):
 
     with pytest.raises(tf32lab.Tf32LabError) as caught:
         hf.workload(folder)
-    assert "no config.json" in str(caught.value) and "huggingface" not in str(caught.value)
+    said = "no config.json in" if Path(folder).expanduser().exists() else "no folder"  # a machine may have one
+    assert said in str(caught.value) and "huggingface" not in str(caught.value)
 
 
 # -- a model that samples ------------------------------------------------------------------------------------------

@@ -92,7 +92,7 @@ def test_bad_factories_get_one_line(tmp_path, factory, message):
     ("justaname", "is not one of: minilm, builtin, hf:FOLDER"),
     ("module:not-an-identifier", "is not one of"),
     ("", "empty workload spec"),
-    ("hf:/no/such/folder", "no config.json in /no/such/folder"),
+    ("hf:/no/such/folder", "no folder /no/such/folder (accepted: hf:FOLDER"),
     # the names a newcomer reads in the demo's header and the README: the error gives the spec that loads it
     ("all-MiniLM-L6-v2", "(all-MiniLM-L6-v2 is the spec 'minilm')"),
     ("sentence-transformers/all-MiniLM-L6-v2", "(all-MiniLM-L6-v2 is the spec 'minilm')"),

@@ -35,7 +35,7 @@ Example:
     ...     hf.workload("/no/such/folder")
     ... except Exception as exc:
     ...     print(str(exc).split(": ", 1)[1])
-    no config.json in /no/such/folder (a local transformers model folder)
+    no folder /no/such/folder (accepted: hf:FOLDER, a local transformers model folder with its config.json and weights)
 """
 
 from __future__ import annotations
@@ -111,14 +111,17 @@ def _folder(folder: str) -> Path:
         raise Tf32LabError(f"workload 'hf:{folder}': no folder given; accepted: hf:FOLDER, a local transformers "
                            f"model folder (its config.json and weights)")
     path = Path(folder).expanduser()
-    if not (path / "config.json").is_file():
-        hub = _near_miss(path) if path.exists() else "" if not _looks_like_hub_id(folder) else (
+    if (path / "config.json").is_file():
+        return path
+    if not path.exists():  # "no config.json in" a folder that is not there sent users looking inside it
+        accepted = "accepted: hf:FOLDER, a local transformers model folder with its config.json and weights"
+        hub = "" if not _looks_like_hub_id(folder) else (
             f"; for a Hugging Face Hub id, download it once (`huggingface-cli download {folder} --local-dir DIR`, "
             f"or `huggingface_hub.snapshot_download({folder!r}, local_dir=DIR)`) and pass hf:DIR: nothing is "
             f"downloaded at run time")
-        raise Tf32LabError(f"workload 'hf:{folder}': no config.json in {path} (a local transformers model "
-                           f"folder){hub}")
-    return path
+        raise Tf32LabError(f"workload 'hf:{folder}': no folder {path} ({accepted}){hub}")
+    raise Tf32LabError(f"workload 'hf:{folder}': no config.json in {path} (a local transformers model "
+                       f"folder){_near_miss(path)}")
 
 
 def _name(path: Path) -> str:
