@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 
@@ -426,3 +427,44 @@ def test_the_digest_of_a_large_input_makes_no_copy_of_it() -> None:
             "print((peak() - before) >> 10)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert int(done.stdout.strip()) < 16, done.stdout  # MiB, of a 64 MiB tensor
+
+
+class _Attend(torch.nn.Module):
+    """Attention over its own projections: on an A100 the efficient kernel is 3xTF32 at `highest` and `high`
+    alike, and the math kernel's GEMMs are TF32 at `high` only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+@pytest.mark.parametrize(("kernel", "times"), [("efficient", 1), ("math", 2)])
+def test_an_attention_the_levels_compute_alike_is_rerun_once_for_both(monkeypatch, kernel: str, times: int) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tf32lab.measure.layers import Recorder
+
+    reruns: list[str] = []
+    rerun = Recorder._rerun
+
+    def counted(self: Recorder, name: str, *args, **kwargs):
+        reruns.append(name)
+        return rerun(self, name, *args, **kwargs)
+
+    torch.manual_seed(0)
+    workload = tf32lab.Workload(_Attend(), torch.randn(3, 10, 16), name="attend")
+    # PyTorch's own choice (the float64 reference's CPU flash kernel), or the math kernel alone (its GEMMs)
+    with sdpa_kernel([SDPBackend.MATH]) if kernel == "math" else contextlib.nullcontext():
+        monkeypatch.setattr(Recorder, "_rerun", counted)
+        both = tf32lab.check(workload, levels=("highest", "high"), speed=False).levels[1]
+        # the projection is fed the model's inputs: the end-to-end run measures it; the attention is rerun
+        assert reruns == ["(model)"] * times
+        monkeypatch.undo()
+        alone = tf32lab.check(workload, levels=("high",), speed=False).levels[0]
+    assert both.maths["attention"] == ("tf32x3" if kernel == "efficient" else "tf32-rna")
+    assert [(e.name, e.introduced, e.accumulated) for e in both.layers] == \
+        [(e.name, e.introduced, e.accumulated) for e in alone.layers]

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from tf32lab.know.targets import Target, rnn_key
 from tf32lab.numbers.layout import memory_order
 
-__all__ = ["KEPT", "Handoff", "alike"]
+__all__ = ["KEPT", "Handoff", "alike", "computed_alike"]
 
 KEPT = frozenset({"conv", "rnn"})  # the families kept (see the module's docstring)
 # What a run keeps for the next at most, written out and held together (what one recording adds to the spill file); a
@@ -67,6 +67,36 @@ def alike(target: Target, a: str, b: str, cells: Mapping[str, str]) -> frozenset
     if not {rnn_key(target.device, mode) for mode in ("lstm", "gru")} <= found:
         found.discard("rnn")
     return frozenset(found)
+
+
+def computed_alike(target: Target, first: str, second: str, cells: Mapping[str, str],
+                   ops: Iterable[tuple[str, Iterable[Optional[str]]]], families: Iterable[str] = ()) -> bool:
+    """Whether a layer's call that computed ``ops`` at ``first`` (each op's family and the keys of the target's
+    table its math came from, as :meth:`Handoff.watch` notes them) gives the same bits at ``second``: every key it
+    met gives the same math at both (an SDPA call that ran the efficient kernel is 3xTF32 on an A100 at both
+    levels, though the math kernel's GEMMs part them); an op whose math came from no key, where its family is
+    computed alike. ``families``: those of the float64 reference's call, whose ops the call did not meet must be
+    alike too (float32 may take another path than float64 did).
+
+    >>> from tf32lab.know.targets import get
+    >>> cells = {"cuda.conv": "tf32", "cuda.rnn": "tf32", "sdpa": "efficient"}
+    >>> computed_alike(get("a100"), "highest", "high", cells, [("attention", {"attention.efficient"})])
+    True
+    >>> computed_alike(get("a100"), "highest", "high", cells, [("attention", {"attention.math"})])
+    False
+    """
+    together = alike(target, first, second, cells)
+    a, b = target.maths_at(first, cells), target.maths_at(second, cells)
+    met = set()
+    for family, keys in ops:
+        met.add(family)
+        keys = set(keys)
+        if not keys and family not in together:
+            return False
+        # None: the block's own math (emulate(math=...)), the same at every level
+        if any(k is not None and (k not in a or a[k] != b.get(k)) for k in keys):
+            return False
+    return set(families) - met <= together
 
 
 class _Kept(NamedTuple):
@@ -155,6 +185,10 @@ class Handoff:
         self.parted = False  # the op being recorded ran an op of a family the levels compute apart
         self.thread: Optional[int] = None
         self.seen: set[str] = set()  # watching: the families of the ops the run computed, those inside ops too
+        # watching: each op's family and the table keys its math came from (None: a math the block forces, the
+        # same at every level), those of the ops inside it too; and the ops being computed now, innermost last
+        self.ops: list[tuple[str, set[Optional[str]]]] = []
+        self.computing: list[set[Optional[str]]] = []
 
     def record(self) -> None:
         """The next run keeps what it can (anything kept before is dropped: a run may be run again)."""
@@ -167,10 +201,16 @@ class Handoff:
 
     def watch(self) -> None:
         """The next run keeps nothing, and notes in ``seen`` the family of every op it computes, those inside ops
-        too (a layer's rerun: another level computes it alike where every family it met is computed alike there
-        and nothing stopped the watch: the tracer, a jagged attention, an emulate() block of the model's own)."""
-        self.kept, self.bytes, self.seen = collections.deque(), 0, set()
+        too, and in ``ops`` each op's family and the keys of the target's table its math came from (a layer's
+        rerun: another level computes it alike where every key it met gives the same math there, and nothing
+        stopped the watch: the tracer, a jagged attention, an emulate() block of the model's own)."""
+        self.kept, self.bytes, self.seen, self.ops, self.computing = collections.deque(), 0, set(), [], []
         self.state, self.thread = "watch", threading.get_ident()
+
+    def met(self, key: Optional[str]) -> None:
+        """The op being computed (watching) took its math from ``key`` (None: from the block, at any level)."""
+        for keys in self.computing:
+            keys.add(key)
 
     def close(self) -> None:
         """Nothing more is kept or taken; what was kept in memory is freed (what was written out stays in the spill
@@ -185,7 +225,13 @@ class Handoff:
             return compute()
         if self.state == "watch":
             self.seen.add(family)
-            return compute()
+            keys: set[Optional[str]] = set()
+            self.ops.append((family, keys))
+            self.computing.append(keys)
+            try:
+                return compute()
+            finally:
+                self.computing.pop()
         if self.depth:  # inside an op being recorded (an RNN cell broken down into aten::linear): kept only if alike
             self.parted = self.parted or family not in self.alike
             return compute()

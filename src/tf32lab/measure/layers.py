@@ -29,7 +29,7 @@ import torch
 from tf32lab.control import modestack
 from tf32lab.control.scope import conv_math, precision
 from tf32lab.emulation.emulator import REUSED, context_cells, emulate
-from tf32lab.emulation.reuse import KEPT, Handoff, alike
+from tf32lab.emulation.reuse import Handoff, alike, computed_alike
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
 from tf32lab.know.targets import PROJECTED, Target
@@ -388,14 +388,14 @@ class Recorder:
                 quiet.enter_context(modestack.lifted(mode))
             fed: Optional[tuple[Any, Any, list[Optional[int]]]] = None
             kept: Optional[KeptState] = None  # the layer's state, taken once and put back after each rerun
-            # the levels rerun so far: error, why, and the families the rerun computed (None: not all seen)
-            done: list[tuple[str, float, Optional[str], Optional[frozenset[str]]]] = []
+            # the levels rerun so far: error, why, and the ops the rerun computed (None: not all seen)
+            done: list[tuple[str, float, Optional[str], Optional[tuple]]] = []
             for level, conv in [(level, None) for level in self.levels] + ([pin] if pin and cudnn else []):
-                # a call whose own ops are all kept families the target computes alike at a level rerun before
-                # gives the same bits again (emulation.reuse): that level's error, not a second run. Its own ops
-                # in the reference and in that rerun both: float32 may take another path than float64 did
+                # a call whose own ops all get the same math at a level rerun before gives the same bits again
+                # (emulation.reuse): that level's error, not a second run
                 same = next((d for d in done if conv is None and d[3] is not None and
-                             frame.families | d[3] <= KEPT & self._alike(d[0], level)), None)
+                             computed_alike(self.target, d[0], level, context_cells(), d[3], frame.families)),
+                            None)
                 if same is not None:
                     self._worst(name, same[1], same[2], level)
                     continue
@@ -411,8 +411,8 @@ class Recorder:
                 error, why = self._rerun(name, module, frame, reference, norms, inner, pin, cudnn, streams, level,
                                          conv, fed[0], fed[1], kept, watch)
                 if conv is None:
-                    done.append((level, error, why, frozenset(watch.seen) if watch is not None and
-                                 watch.state == "watch" and watch.seen else None))
+                    done.append((level, error, why, tuple(watch.ops) if watch is not None and
+                                 watch.state == "watch" and watch.ops else None))
 
     def weight_cache(self) -> bool | str:
         """``emulate()``'s ``weight_cache`` for a row or a rerun, each one run of the model: a rounded copy kept
