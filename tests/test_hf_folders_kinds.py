@@ -88,7 +88,21 @@ def _decoders():
             initializer_range=0.5)),
         "mixtral experts": lambda: t.MixtralForCausalLM(t.MixtralConfig(**size, num_local_experts=4,
                                                                          num_experts_per_tok=2)),
+        # a recurrent block whose temporal convolution takes no mask: left padding reached a short prompt's tokens
+        "recurrentgemma recurrent block": lambda: _widened(t.RecurrentGemmaForCausalLM(t.RecurrentGemmaConfig(
+            **{**size, "num_key_value_heads": 1, "num_hidden_layers": 2}, lru_width=32, attention_window_size=8,
+            block_types=["recurrent", "attention"])).float()),  # .float(): its normalizer buffer is bfloat16
     }
+
+
+def _widened(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with its matrices drawn wider than its initializer's (a pad token's embedding among them): at
+    RecurrentGemma's own every prompt decoded one token over and over, padded or not."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.3)
+    return model
 
 
 @pytest.mark.parametrize("name", list(_decoders()))

@@ -82,6 +82,11 @@ _MAX_NEW_TOKENS = 100_000
 # them the mask at the first forward only (their prepare_inputs_for_generation drops it after), and the whole
 # sequence's mask beside one cached token broadcast it to every position (a Mamba's cached tokens were not its own)
 _MASK_AT_PREFILL = frozenset({"mamba", "mamba2", "falcon_mamba"})
+# decoders with a layer that reads the padding whatever the mask says: RecurrentGemma's recurrent block runs its
+# temporal convolution over every position fed, with no mask (transformers' modeling_recurrent_gemma.py,
+# RecurrentGemmaRecurrentBlock.forward), so left padding reached a short prompt's first tokens and the check
+# measured a text the prompt alone does not write. Their prompts are decoded in batches of one length, unpadded.
+_PADDING_LEAKS = frozenset({"recurrent_gemma"})
 
 
 def check_generation(workload: Union[CausalLM, torch.nn.Module], *, new_tokens: int = 32,
@@ -178,7 +183,9 @@ class _Decoder:
         self.cache_arg = next((k for k in ("cache", "past_key_values") if k in takes), None)
         self.hf = self.cache_arg is not None and "attention_mask" in takes
         self.positions = self.hf and "position_ids" in takes
-        self.mask_once = getattr(getattr(model, "config", None), "model_type", None) in _MASK_AT_PREFILL
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        self.mask_once = model_type in _MASK_AT_PREFILL
+        self.unpadded = model_type in _PADDING_LEAKS
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad = int(pad) if pad is not None else 0  # masked out: any id the embedding has
         self.ends = _end_tokens(model, tokenizer)
@@ -287,17 +294,21 @@ class _Decoder:
                            f"{longest + n - 1} positions; model {self.name!r} has {limit} ({said}): {hint}")
 
     def _batches(self, ids: list[list[int]]) -> list[_Batch]:
-        if self.hf:  # one batch, left-padded: new tokens follow each prompt's last token
+        if self.hf and not self.unpadded:  # one batch, left-padded: new tokens follow each prompt's last token
             longest = max(map(len, ids))
             rows = [[self.pad] * (longest - len(p)) + p for p in ids]
             mask = [[0] * (longest - len(p)) + [1] * len(p) for p in ids]
             return [_Batch(list(range(len(ids))), torch.tensor(rows, device=self.device),
                            torch.tensor(mask, device=self.device))]
-        groups: dict[int, list[int]] = {}  # no mask: prompts of one length together
+        groups: dict[int, list[int]] = {}  # no padding: prompts of one length together
         for i, p in enumerate(ids):
             groups.setdefault(len(p), []).append(i)
-        return [_Batch(where, torch.tensor([ids[i] for i in where], device=self.device), None)
-                for where in groups.values()]
+        batches = [_Batch(where, torch.tensor([ids[i] for i in where], device=self.device), None)
+                   for where in groups.values()]
+        if self.hf:  # a transformers model is still fed its mask (all ones) and positions
+            for batch in batches:
+                batch.mask = torch.ones_like(batch.ids)
+        return batches
 
     def __call__(self, ids: torch.Tensor, mask: Optional[torch.Tensor], cache: Any,
                  use_cache: bool) -> tuple[torch.Tensor, Any]:
