@@ -174,6 +174,14 @@ class _Decoder:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, name: str) -> None:
         self.model, self.tokenizer, self.name = model, tokenizer, name
+        config = getattr(model, "config", None)
+        if getattr(config, "is_encoder_decoder", False) is True:
+            # its forward takes the prompt as the encoder's input and wants decoder inputs beside it: T5 raised "You
+            # must specify exactly one of input_ids or inputs_embeds" at the float64 row, as if the model were broken
+            raise Tf32LabError(f"model {name!r} is an encoder-decoder (model type "
+                               f"{getattr(config, 'model_type', None)!r}); the generation check decodes a "
+                               f"decoder-only causal language model (a module mapping input_ids [batch, seq] to "
+                               f"logits [batch, seq, vocab]); check it with tf32lab.check()")
         check_float32(model, name)
         try:
             takes = inspect.signature(model.forward).parameters
