@@ -92,6 +92,11 @@ def _decoders():
         "recurrentgemma recurrent block": lambda: _widened(t.RecurrentGemmaForCausalLM(t.RecurrentGemmaConfig(
             **{**size, "num_key_value_heads": 1, "num_hidden_layers": 2}, lru_width=32, attention_window_size=8,
             block_types=["recurrent", "attention"])).float()),  # .float(): its normalizer buffer is bfloat16
+        # a linear-attention layer first: the cache's length is its first layer's, none, and a padded prompt's
+        # cached steps built the full-attention layer's mask as if at position 0
+        "minimax linear attention": lambda: _widened(t.MiniMaxForCausalLM(t.MiniMaxConfig(
+            **{**size, "num_hidden_layers": 2}, head_dim=8, layer_types=["linear_attention", "full_attention"],
+            block_size=4, num_local_experts=2, num_experts_per_tok=1))),
     }
 
 

@@ -82,11 +82,6 @@ _MAX_NEW_TOKENS = 100_000
 # them the mask at the first forward only (their prepare_inputs_for_generation drops it after), and the whole
 # sequence's mask beside one cached token broadcast it to every position (a Mamba's cached tokens were not its own)
 _MASK_AT_PREFILL = frozenset({"mamba", "mamba2", "falcon_mamba"})
-# decoders with a layer that reads the padding whatever the mask says: RecurrentGemma's recurrent block runs its
-# temporal convolution over every position fed, with no mask (transformers' modeling_recurrent_gemma.py,
-# RecurrentGemmaRecurrentBlock.forward), so left padding reached a short prompt's first tokens and the check
-# measured a text the prompt alone does not write. Their prompts are decoded in batches of one length, unpadded.
-_PADDING_LEAKS = frozenset({"recurrent_gemma"})
 
 
 def check_generation(workload: Union[CausalLM, torch.nn.Module], *, new_tokens: int = 32,
@@ -175,13 +170,11 @@ class _Decoder:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, name: str) -> None:
         self.model, self.tokenizer, self.name = model, tokenizer, name
         config = getattr(model, "config", None)
-        if getattr(config, "is_encoder_decoder", False) is True:
-            # its forward takes the prompt as the encoder's input and wants decoder inputs beside it: T5 raised "You
-            # must specify exactly one of input_ids or inputs_embeds" at the float64 row, as if the model were broken
-            raise Tf32LabError(f"model {name!r} is an encoder-decoder (model type "
-                               f"{getattr(config, 'model_type', None)!r}); the generation check decodes a "
-                               f"decoder-only causal language model (a module mapping input_ids [batch, seq] to "
-                               f"logits [batch, seq, vocab]); check it with tf32lab.check()")
+        if getattr(config, "is_encoder_decoder", False) is True:  # T5 raised in float64, wanting decoder inputs
+            kind = getattr(config, "model_type", None)
+            raise Tf32LabError(f"model {name!r} is an encoder-decoder (model type {kind!r}); the generation "
+                               f"check decodes a decoder-only causal language model (a module mapping "
+                               f"input_ids [batch, seq] to logits [batch, seq, vocab]); check it with tf32lab.check()")
         check_float32(model, name)
         try:
             takes = inspect.signature(model.forward).parameters
@@ -191,9 +184,8 @@ class _Decoder:
         self.cache_arg = next((k for k in ("cache", "past_key_values") if k in takes), None)
         self.hf = self.cache_arg is not None and "attention_mask" in takes
         self.positions = self.hf and "position_ids" in takes
-        model_type = getattr(getattr(model, "config", None), "model_type", None)
-        self.mask_once = model_type in _MASK_AT_PREFILL
-        self.unpadded = model_type in _PADDING_LEAKS
+        self.mask_once = getattr(config, "model_type", None) in _MASK_AT_PREFILL
+        self.unpadded = _padding_leaks(config)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad = int(pad) if pad is not None else 0  # masked out: any id the embedding has
         self.ends = _end_tokens(model, tokenizer)
@@ -565,6 +557,18 @@ class _Generation:
             return False
         maths = self.target.maths_at("highest", context_cells())
         return all(m == "ieee" for key, m in maths.items() if key.split(".")[0] in self.families)
+
+
+def _padding_leaks(config: Any) -> bool:
+    """Whether the decoder's prompts, left-padded in one batch, write other tokens than each alone whatever the mask
+    says (a padded batch of ``generate()`` too): they are then decoded in batches of one length, unpadded.
+    RecurrentGemma's recurrent block runs its temporal convolution over every position fed, with no mask
+    (transformers' modeling_recurrent_gemma.py, ``RecurrentGemmaRecurrentBlock.forward``). MiniMax's cache keeps a
+    linear-attention layer's state apart and leaves it an empty key/value layer (modeling_minimax.py,
+    ``MiniMaxCache``), which masking_utils.py's ``find_first_full_attention_index`` takes for a full-attention one
+    when it is layer 0: each cached step sized the full-attention layers' mask by a layer that holds no keys."""
+    kind, layers = getattr(config, "model_type", None), getattr(config, "layer_types", None) or [None]
+    return kind == "recurrent_gemma" or (kind == "minimax" and layers[0] == "linear_attention")
 
 
 def _prompt_ids(tokenizer: Any, text: str) -> list[int]:
