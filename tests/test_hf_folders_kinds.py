@@ -221,3 +221,30 @@ def test_a_speech_to_text_model_gets_frames_of_its_filter_banks_without_its_extr
     assert tuple(w.inputs["input_features"].shape) == (2, 32, 8)  # frames by filter banks, within its positions
     row = tf32lab.check(w, levels=("highest",), speed=False).level("highest")
     assert row.error is None and row.passed and row.unhandled == {}, (row.error, row.unhandled)
+
+
+def test_a_decoder_that_returns_no_cache_is_said_to_run_the_whole_sequence_and_no_deprecation_is_logged():
+    # RecurrentGemma keeps its state in its modules and returns no cache: every step ran the whole sequence, and
+    # reading the output's past_key_values for one logged transformers 5's deprecation of that name, once a process
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    model = _decoders()["recurrentgemma recurrent block"]()
+    said: list[str] = []
+
+    class Kept(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    handler, logger = Kept(), logging.getLogger("transformers")
+    hf_logging.warning_once.cache_clear()  # a warning another test logged is logged again
+    logger.addHandler(handler)
+    try:
+        report = tf32lab.check_generation(model, new_tokens=2, levels=("highest",), prompts=[[3, 14, 15]],
+                                          target="native")
+    finally:
+        logger.removeHandler(handler)
+    assert not [line for line in said if "deprecated" in line], said
+    assert any("takes no key/value cache: every step ran the whole sequence" in note for note in report.notes), \
+        report.notes

@@ -186,6 +186,7 @@ class _Decoder:
         self.positions = self.hf and "position_ids" in takes
         self.mask_once = getattr(config, "model_type", None) in _MASK_AT_PREFILL
         self.unpadded = _padding_leaks(config)
+        self.cacheless = False  # a forward with use_cache gave no cache back
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad = int(pad) if pad is not None else 0  # masked out: any id the embedding has
         self.ends = _end_tokens(model, tokenizer)
@@ -337,8 +338,13 @@ class _Decoder:
                                f"{tuple(ids.shape)}, it gave {got}, not logits [batch, seq, vocab]")
         if not use_cache or not self.hf:
             return logits, None
-        return logits, getattr(out, "cache", None) if getattr(out, "cache", None) is not None else \
-            getattr(out, "past_key_values", None)
+        cache = getattr(out, "cache", None)
+        # transformers 4 names it past_key_values; in 5 that name is a property that logs its deprecation
+        if cache is None and not isinstance(getattr(type(out), "past_key_values", None), property):
+            cache = getattr(out, "past_key_values", None)
+        if cache is None:  # a model that keeps its state in its modules (RecurrentGemma): each step reads it all
+            self.cacheless = True
+        return logits, cache
 
 
 # -- one row ----------------------------------------------------------------------------------------------------
@@ -427,7 +433,7 @@ class _Generation:
             self.notes.append(stateful_note(self.reset.changed))
         if self.reset.written:
             self.notes.append(written_note(self.reset.written))
-        if not self.decoder.hf and self.use_cache:
+        if (not self.decoder.hf or self.decoder.cacheless) and self.use_cache:
             self.notes.append(f"model {self.decoder.name!r} takes no key/value cache: every step ran the whole "
                               f"sequence")
         unapplied = _unapplied(model)
