@@ -256,3 +256,24 @@ def test_the_floor_of_an_lstm_decoder_runs_at_cudnns_rnn_math_not_natively():
     report = tf32lab.check_generation(RecurrentDecoder(), new_tokens=3, prompts=[[1, 2, 3, 4]],
                                       levels=("highest", "high"))
     assert report.floor.coverage, report.floor
+
+
+@pytest.mark.parametrize("kind", ["t5", "bart"])
+def test_an_encoder_decoder_is_refused_in_one_line_before_any_forward(kind):
+    # T5 raised "You must specify exactly one of input_ids or inputs_embeds" in float64, BART a shape error at its
+    # second step: the prompt went to the encoder and no decoder input was given, said as if the model were broken
+    transformers = pytest.importorskip("transformers")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=50, d_model=16, d_ff=32, d_kv=4, num_layers=1, num_heads=4, decoder_start_token_id=0)) \
+            if kind == "t5" else transformers.BartForConditionalGeneration(transformers.BartConfig(
+                vocab_size=50, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                decoder_attention_heads=4, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32))
+    calls: list[int] = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    name = type(model).__name__
+    with pytest.raises(Tf32LabError, match=rf"^model {name!r} is an encoder-decoder \(model type {kind!r}\); the "
+                                           rf"generation check decodes a decoder-only causal language model"):
+        tf32lab.check_generation(model, new_tokens=2, prompts=[[1, 2, 3], [4, 5]], levels=("high",))
+    assert calls == []

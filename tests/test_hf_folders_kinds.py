@@ -88,7 +88,26 @@ def _decoders():
             initializer_range=0.5)),
         "mixtral experts": lambda: t.MixtralForCausalLM(t.MixtralConfig(**size, num_local_experts=4,
                                                                          num_experts_per_tok=2)),
+        # a recurrent block whose temporal convolution takes no mask: left padding reached a short prompt's tokens
+        "recurrentgemma recurrent block": lambda: _widened(t.RecurrentGemmaForCausalLM(t.RecurrentGemmaConfig(
+            **{**size, "num_key_value_heads": 1, "num_hidden_layers": 2}, lru_width=32, attention_window_size=8,
+            block_types=["recurrent", "attention"])).float()),  # .float(): its normalizer buffer is bfloat16
+        # a linear-attention layer first: the cache's length is its first layer's, none, and a padded prompt's
+        # cached steps built the full-attention layer's mask as if at position 0
+        "minimax linear attention": lambda: _widened(t.MiniMaxForCausalLM(t.MiniMaxConfig(
+            **{**size, "num_hidden_layers": 2}, head_dim=8, layer_types=["linear_attention", "full_attention"],
+            block_size=4, num_local_experts=2, num_experts_per_tok=1))),
     }
+
+
+def _widened(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with its matrices drawn wider than its initializer's (a pad token's embedding among them): at
+    RecurrentGemma's own every prompt decoded one token over and over, padded or not."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.3)
+    return model
 
 
 @pytest.mark.parametrize("name", list(_decoders()))
@@ -202,3 +221,30 @@ def test_a_speech_to_text_model_gets_frames_of_its_filter_banks_without_its_extr
     assert tuple(w.inputs["input_features"].shape) == (2, 32, 8)  # frames by filter banks, within its positions
     row = tf32lab.check(w, levels=("highest",), speed=False).level("highest")
     assert row.error is None and row.passed and row.unhandled == {}, (row.error, row.unhandled)
+
+
+def test_a_decoder_that_returns_no_cache_is_said_to_run_the_whole_sequence_and_no_deprecation_is_logged():
+    # RecurrentGemma keeps its state in its modules and returns no cache: every step ran the whole sequence, and
+    # reading the output's past_key_values for one logged transformers 5's deprecation of that name, once a process
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    model = _decoders()["recurrentgemma recurrent block"]()
+    said: list[str] = []
+
+    class Kept(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    handler, logger = Kept(), logging.getLogger("transformers")
+    hf_logging.warning_once.cache_clear()  # a warning another test logged is logged again
+    logger.addHandler(handler)
+    try:
+        report = tf32lab.check_generation(model, new_tokens=2, levels=("highest",), prompts=[[3, 14, 15]],
+                                          target="native")
+    finally:
+        logger.removeHandler(handler)
+    assert not [line for line in said if "deprecated" in line], said
+    assert any("takes no key/value cache: every step ran the whole sequence" in note for note in report.notes), \
+        report.notes

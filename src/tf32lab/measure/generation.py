@@ -169,6 +169,12 @@ class _Decoder:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, name: str) -> None:
         self.model, self.tokenizer, self.name = model, tokenizer, name
+        config = getattr(model, "config", None)
+        if getattr(config, "is_encoder_decoder", False) is True:  # T5 raised in float64, wanting decoder inputs
+            kind = getattr(config, "model_type", None)
+            raise Tf32LabError(f"model {name!r} is an encoder-decoder (model type {kind!r}); the generation "
+                               f"check decodes a decoder-only causal language model (a module mapping "
+                               f"input_ids [batch, seq] to logits [batch, seq, vocab]); check it with tf32lab.check()")
         check_float32(model, name)
         try:
             takes = inspect.signature(model.forward).parameters
@@ -178,7 +184,9 @@ class _Decoder:
         self.cache_arg = next((k for k in ("cache", "past_key_values") if k in takes), None)
         self.hf = self.cache_arg is not None and "attention_mask" in takes
         self.positions = self.hf and "position_ids" in takes
-        self.mask_once = getattr(getattr(model, "config", None), "model_type", None) in _MASK_AT_PREFILL
+        self.mask_once = getattr(config, "model_type", None) in _MASK_AT_PREFILL
+        self.unpadded = _padding_leaks(config)
+        self.cacheless = False  # a forward with use_cache gave no cache back
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad = int(pad) if pad is not None else 0  # masked out: any id the embedding has
         self.ends = _end_tokens(model, tokenizer)
@@ -287,17 +295,21 @@ class _Decoder:
                            f"{longest + n - 1} positions; model {self.name!r} has {limit} ({said}): {hint}")
 
     def _batches(self, ids: list[list[int]]) -> list[_Batch]:
-        if self.hf:  # one batch, left-padded: new tokens follow each prompt's last token
+        if self.hf and not self.unpadded:  # one batch, left-padded: new tokens follow each prompt's last token
             longest = max(map(len, ids))
             rows = [[self.pad] * (longest - len(p)) + p for p in ids]
             mask = [[0] * (longest - len(p)) + [1] * len(p) for p in ids]
             return [_Batch(list(range(len(ids))), torch.tensor(rows, device=self.device),
                            torch.tensor(mask, device=self.device))]
-        groups: dict[int, list[int]] = {}  # no mask: prompts of one length together
+        groups: dict[int, list[int]] = {}  # no padding: prompts of one length together
         for i, p in enumerate(ids):
             groups.setdefault(len(p), []).append(i)
-        return [_Batch(where, torch.tensor([ids[i] for i in where], device=self.device), None)
-                for where in groups.values()]
+        batches = [_Batch(where, torch.tensor([ids[i] for i in where], device=self.device), None)
+                   for where in groups.values()]
+        if self.hf:  # a transformers model is still fed its mask (all ones) and positions
+            for batch in batches:
+                batch.mask = torch.ones_like(batch.ids)
+        return batches
 
     def __call__(self, ids: torch.Tensor, mask: Optional[torch.Tensor], cache: Any,
                  use_cache: bool) -> tuple[torch.Tensor, Any]:
@@ -326,8 +338,13 @@ class _Decoder:
                                f"{tuple(ids.shape)}, it gave {got}, not logits [batch, seq, vocab]")
         if not use_cache or not self.hf:
             return logits, None
-        return logits, getattr(out, "cache", None) if getattr(out, "cache", None) is not None else \
-            getattr(out, "past_key_values", None)
+        cache = getattr(out, "cache", None)
+        # transformers 4 names it past_key_values; in 5 that name is a property that logs its deprecation
+        if cache is None and not isinstance(getattr(type(out), "past_key_values", None), property):
+            cache = getattr(out, "past_key_values", None)
+        if cache is None:  # a model that keeps its state in its modules (RecurrentGemma): each step reads it all
+            self.cacheless = True
+        return logits, cache
 
 
 # -- one row ----------------------------------------------------------------------------------------------------
@@ -416,7 +433,7 @@ class _Generation:
             self.notes.append(stateful_note(self.reset.changed))
         if self.reset.written:
             self.notes.append(written_note(self.reset.written))
-        if not self.decoder.hf and self.use_cache:
+        if (not self.decoder.hf or self.decoder.cacheless) and self.use_cache:
             self.notes.append(f"model {self.decoder.name!r} takes no key/value cache: every step ran the whole "
                               f"sequence")
         unapplied = _unapplied(model)
@@ -546,6 +563,18 @@ class _Generation:
             return False
         maths = self.target.maths_at("highest", context_cells())
         return all(m == "ieee" for key, m in maths.items() if key.split(".")[0] in self.families)
+
+
+def _padding_leaks(config: Any) -> bool:
+    """Whether the decoder's prompts, left-padded in one batch, write other tokens than each alone whatever the mask
+    says (a padded batch of ``generate()`` too): they are then decoded in batches of one length, unpadded.
+    RecurrentGemma's recurrent block runs its temporal convolution over every position fed, with no mask
+    (transformers' modeling_recurrent_gemma.py, ``RecurrentGemmaRecurrentBlock.forward``). MiniMax's cache keeps a
+    linear-attention layer's state apart and leaves it an empty key/value layer (modeling_minimax.py,
+    ``MiniMaxCache``), which masking_utils.py's ``find_first_full_attention_index`` takes for a full-attention one
+    when it is layer 0: each cached step sized the full-attention layers' mask by a layer that holds no keys."""
+    kind, layers = getattr(config, "model_type", None), getattr(config, "layer_types", None) or [None]
+    return kind == "recurrent_gemma" or (kind == "minimax" and layers[0] == "linear_attention")
 
 
 def _prompt_ids(tokenizer: Any, text: str) -> list[int]:
