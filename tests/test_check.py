@@ -257,3 +257,59 @@ def test_minilm_passes_at_every_level_with_every_linear_emulated():
     assert sum(n for op, n in high.coverage.items() if op.startswith("aten::linear tf32")) == 37
     assert 1e-5 < high.outputs[0].normwise < DEFAULT_TOLERANCE / 5
     assert len(high.layers) >= 37 and high.layers[0].introduced > 0
+
+
+class _Routed(nn.Module):
+    """Two experts and a hard router whose two scores nearly tie (the rows differ by 1e-3): TF32's rounding of the
+    scores sends some tokens to the other expert. ``own``: the routing is this module's own code around its
+    ``router`` layer (a mixture-of-experts block); else its caller's, between two layers."""
+
+    def __init__(self, g: torch.Generator) -> None:
+        super().__init__()
+        w = torch.randn(1, 32, generator=g)
+        self.router = nn.Linear(32, 2, bias=False)
+        with torch.no_grad():
+            self.router.weight.copy_(torch.cat([w, w + 1e-3 * torch.randn(1, 32, generator=g)]))
+        self.experts = nn.Parameter(torch.randn(2, 32, 32, generator=g) / 32 ** 0.5)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        choice = self.router(h).argmax(-1)
+        y = torch.einsum("ni,eio->neo", h, self.experts)
+        return y.gather(1, choice[:, None, None].expand(-1, 1, y.shape[-1])).squeeze(1)
+
+
+class _RoutedByItsCaller(nn.Module):
+    def __init__(self, g: torch.Generator) -> None:
+        super().__init__()
+        self.pre, self.moe, self.head = nn.Linear(32, 32), _Routed(g), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.pre(x))
+        choice = self.moe.router(h).argmax(-1)  # the routing in this module's own code, between its layers
+        y = torch.einsum("ni,eio->neo", h, self.moe.experts)
+        return self.head(y.gather(1, choice[:, None, None].expand(-1, 1, y.shape[-1])).squeeze(1))
+
+
+@pytest.mark.parametrize("where", ["in the block", "in the caller"])
+def test_an_error_that_jumps_where_tf32_flips_a_routing_choice_is_placed_there(where):
+    # seed 2: every token's two scores differ by at least 2.2e-4 in float64, so float32 itself routes none
+    # otherwise on any CPU, and TF32 routes about a third of them otherwise
+    g = torch.Generator().manual_seed(2)
+    torch.manual_seed(2)
+    if where == "in the block":
+        model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), _Routed(g), nn.Linear(32, 8))
+    else:
+        model = _RoutedByItsCaller(g)
+    report = tf32lab.check(Workload(model, torch.randn(64, 32, generator=g)), levels=("highest", "high"),
+                           target="a100", speed=False)
+    assert report.level("highest").passed and not report.level("high").passed
+    text = " ".join(report.conclusion())
+    assert "no layer introduces that much" in text and "such as a choice TF32 flips" in text, text
+    if where == "in the block":  # the block is a layer (its einsum): the error grows inside it, after its router
+        assert "at the output of '2' " in text and "inside '2' amplifies" in text, text
+    else:  # the caller's code between its two layers
+        assert "at the output of 'head' " in text and "in the code of '(model)' between 'moe.router' and it" in text
+    # the order of the calls is in the report: the router ends before the layer that reads its choice
+    order = {e.name: e.order for e in report.level("high").layers}
+    assert order[("2" if where == "in the block" else "head")] > order[("2.router" if where == "in the block"
+                                                                        else "moe.router")]

@@ -696,7 +696,7 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
                 raise Tf32LabError(
                     f"workload {workload.name!r}: its metric raised {type(exc).__name__}: {exc}") from exc
     layers = []
-    for name, module in recorder.layers:
+    for order, (name, module) in enumerate(recorder.layers):
         at = level
         if row is not None:  # the level the policy gives this layer, as measured (a level computed alike)
             at = row.by_name.get(name, level)
@@ -706,7 +706,7 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
         acc, diverged = accumulated.result(name, finished=error is None)
         reasons = "; ".join(r for r in (why, diverged) if r)
         layers.append(LayerError(name, sharded.type_name(module), recorder.count[name], introduced, acc,
-                                 reasons or None))
+                                 reasons or None, order))
     ranked = sorted(layers, key=lambda e: -math.inf if math.isnan(e.introduced) else -e.introduced)
     if emu is not None and level_maths.get("conv") not in (None, "ieee", "mixed"):
         level_maths = {**level_maths, "conv": conv_ran(level_maths["conv"], emu.coverage)}

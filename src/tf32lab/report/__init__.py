@@ -52,6 +52,7 @@ class LayerError:
     introduced: float
     accumulated: float
     diverged: Optional[str] = None
+    order: Optional[int] = None  # where its first call came among the layers' in the float64 reference (0: first)
 
 
 @dataclass(frozen=True)

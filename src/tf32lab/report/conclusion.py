@@ -29,7 +29,7 @@ from tf32lab.report.wording import given
 # A ``tf32lab.report.Report`` and one of its ``LevelResult`` rows: the package's own module calls this one
 # (``Report.conclusion()``), so they are named, not imported, not even for type checking
 # (tests/test_layers.py: no import circle, TYPE_CHECKING imports included).
-Report = LevelResult = Any
+Report = LevelResult = LayerError = Any
 
 __all__ = ["AMPLIFIED", "DRAWS_UNMATCHED", "MAX_REL_NOTE", "NO_TENSOR", "ON_ANOTHER_THREAD", "PINNED_CONV",
            "UNMEASURED", "WORTH", "WRITES_PARAMETERS", "amplified", "conclusion", "on_other_threads",
@@ -93,11 +93,64 @@ def _name(level: LevelResult) -> str:
 BEYOND_LAYERS = 100.0
 
 
+# A layer whose accumulated error is this many times both its own introduced error and every accumulated error
+# before it (the layers whose first call ended before its own ended, in the reference) amplifies what reaches it, or
+# the code between it and the layer before does: named where the output's error is over JUMPED_OUTPUT times the most
+# any layer introduces, which rounding alone does not explain. Layers that only round grow the accumulated error
+# 1-3x each (all-MiniLM-L6-v2, an MLP); a mixture of experts whose router's top-k TF32 flips grew it 9x and 26x in
+# one layer (Qwen2-MoE and GPT-OSS built from configs: 8.4e-4 to 2.2e-2).
+JUMP = 5.0
+JUMPED_OUTPUT = 10.0
+
+
+def _jump(level: LevelResult) -> Optional[tuple[LayerError, float, float, Optional[LayerError]]]:
+    """The layer whose accumulated error grows most past its own introduced error and the largest of the layers
+    that ended before it, by at least :data:`JUMP` times: (it, that growth, the largest before it, the layer that
+    ended just before it); None where none does or the order of the calls is not known (a report of an older
+    version)."""
+    ordered = sorted((e for e in level.layers if e.order is not None and math.isfinite(e.introduced) and
+                      math.isfinite(e.accumulated)), key=lambda e: e.order)
+    found, before, previous = None, 0.0, None
+    for e in ordered:
+        base = max(e.introduced, before)
+        if base > 0.0 and e.accumulated >= JUMP * base and (found is None or e.accumulated / base > found[1]):
+            found = (e, e.accumulated / base, before, previous)
+        before, previous = max(before, e.accumulated), e
+    return found
+
+
+def _around(a: str, b: str) -> str:
+    """The innermost module that holds both layers, neither inside the other (by their dotted names), ``(model)``
+    for the model itself.
+
+    >>> _around("model.layers.0.mlp.router", "model.layers.0.mlp.experts"), _around("pre", "head")
+    ('model.layers.0.mlp', '(model)')
+    """
+    common = []
+    for x, y in zip(a.split("."), b.split(".")):
+        if x != y:
+            break
+        common.append(x)
+    return ".".join(common) or "(model)"
+
+
 def _worst_layer(level: LevelResult) -> Optional[str]:
     layer = next((e for e in level.layers if not math.isnan(e.introduced)), None)
     if layer is None:
         return None
     worst = level.worst
+    jump = _jump(level) if worst is not None and worst.failure is None and \
+        worst.normwise > JUMPED_OUTPUT * layer.introduced else None
+    if jump is not None:
+        e, grown, before, previous = jump
+        inner = previous is None or e.name == "(model)" or previous.name.startswith(e.name + ".")
+        where = f"inside {e.name!r}" if inner else \
+            f"inside {e.name!r} or in the code of {_around(previous.name, e.name)!r} between {previous.name!r} and it"
+        return (f"no layer introduces that much (at most {layer.introduced:.1e}, in {layer.name!r}), but the error "
+                f"grows {grown:.0f}x to {e.accumulated:.1e} at the output of {e.name!r} (which introduces "
+                f"{e.introduced:.1e}; the layers before it reach {before:.1e}): something {where} amplifies small "
+                f"differences, such as a choice TF32 flips (an expert router's top-k, an argmax); pinning one layer "
+                f"may not do, as what feeds the choice is rounded too: `tf32lab tune` finds what to pin")
     if worst is not None and worst.failure is None and worst.normwise > BEYOND_LAYERS * layer.introduced:
         return (f"no layer introduces that much (at most {layer.introduced:.1e}, in {layer.name!r}): a layer's error "
                 f"is amplified after it (a cancellation, an ill-conditioned solve), which layer's this ranking cannot "
