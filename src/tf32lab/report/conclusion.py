@@ -105,15 +105,18 @@ JUMPED_OUTPUT = 10.0
 
 def _jump(level: LevelResult) -> Optional[tuple[LayerError, float, float, Optional[LayerError]]]:
     """The layer whose accumulated error grows most past its own introduced error and the largest of the layers
-    that ended before it, by at least :data:`JUMP` times: (it, that growth, the largest before it, the layer that
-    ended just before it); None where none does or the order of the calls is not known (a report of an older
-    version)."""
+    that ended before it, by at least :data:`JUMP` times, among the layers called once: (it, that growth, the
+    largest before it, the layer that ended just before it); None where none does or the order of the calls is not
+    known (a report of an older version)."""
     ordered = sorted((e for e in level.layers if e.order is not None and math.isfinite(e.introduced) and
                       math.isfinite(e.accumulated)), key=lambda e: e.order)
     found, before, previous = None, 0.0, None
     for e in ordered:
         base = max(e.introduced, before)
-        if base > 0.0 and e.accumulated >= JUMP * base and (found is None or e.accumulated / base > found[1]):
+        # a layer called again later (shared weights, a loop) has its worst call's error set against the layers
+        # before its first: only a layer called once is placed
+        if e.calls == 1 and base > 0.0 and e.accumulated >= JUMP * base and \
+                (found is None or e.accumulated / base > found[1]):
             found = (e, e.accumulated / base, before, previous)
         before, previous = max(before, e.accumulated), e
     return found
