@@ -650,3 +650,38 @@ def test_a_callback_kept_for_another_run_checks_that_run_and_a_second_fit_contin
     assert check.report is reports[1] and trainer.global_step == 8
     first, second = (report.reference_losses for report in reports)
     assert first[0] == pytest.approx(second[0], rel=1e-12) and first[1] != pytest.approx(second[1], rel=1e-3)
+
+
+def test_a_compiled_module_is_checked_eagerly_and_its_run_still_runs_its_compiled_graphs(tmp_path):
+    # the check's float64 reference traced the copy's compiled forward under its dispatch mode: Dynamo gave up on
+    # that code for good, and the run's compiled net ran eagerly from then on (with Inductor, other kernels than
+    # without the check: its weights no longer bit-identical)
+    torch._dynamo.reset()
+    graphs = {"compiled": 0, "ran": 0}
+
+    def counting(gm, example_inputs):
+        graphs["compiled"] += 1
+
+        def run(*args):
+            graphs["ran"] += 1
+            return gm.forward(*args)
+        return run
+
+    class Compiled(modules.Plain):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.compile(self.net, backend=counting)
+
+    class Seen(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.at_start = dict(graphs)
+
+    check, seen = lightning.Tf32Check(steps=2, levels=("highest", "high")), Seen()
+    trainer = L.Trainer(callbacks=[check, seen], default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False, max_epochs=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Compiled(), DataLoader(data(32), batch_size=8))
+    assert check.report.passed and seen.at_start == {"compiled": 0, "ran": 0}  # the check compiled and ran none
+    assert graphs["ran"] == 4  # the run's four steps, each through its compiled graph
+    torch._dynamo.reset()

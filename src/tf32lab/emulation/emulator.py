@@ -35,7 +35,7 @@ import importlib.machinery
 import sys
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -55,8 +55,8 @@ from tf32lab.numbers import accumulation as _accumulation
 from tf32lab.numbers import formats
 from tf32lab.numbers.trees import operand_tensors
 
-__all__ = ["ACCUMULATIONS", "COMPOSITES_EMULATED", "RECOMPUTES_EMULATED", "Treatment", "check_accumulation", "emulate",
-           "families_met", "maths", "treatment"]
+__all__ = ["ACCUMULATIONS", "COMPOSITES_EMULATED", "RECOMPUTES_EMULATED", "Treatment", "check_accumulation",
+           "compiled_eagerly", "emulate", "families_met", "maths", "treatment"]
 
 # How emulate() sums a GEMM's products: "ideal" (exact products, float32 sums as the CPU's BLAS orders them) or
 # "hardware" (the target's unit, bit for bit, chained along K: tf32lab.numbers.accumulation).
@@ -206,6 +206,21 @@ def _release_eager() -> None:
                 else:
                     eval_frame._set_stance(_stance_before)
                 _stance_before = None
+
+
+@contextlib.contextmanager
+def compiled_eagerly() -> Iterator[None]:
+    """Compiled code runs eagerly while this is open (Dynamo's eager stance, as inside :func:`emulate`), and Dynamo
+    compiles nothing and remembers nothing of it. For a whole check, whose float64 reference and native rows run
+    outside ``emulate()`` under dispatch modes of their own: there Dynamo traced a ``torch.compile``'d model into
+    the modes' handlers, and either failed (``check``: an ``InternalTorchDynamoError`` at the float64 reference) or
+    gave up on its frame for good, so that the model's own compiled calls after the check ran eagerly, other
+    kernels than without the check (torch 2.13, a compiled MLP: the run's weights no longer bit-identical)."""
+    _force_eager()
+    try:
+        yield
+    finally:
+        _release_eager()
 
 
 # -- context cells: which flag values apply to this thread/task now ----------------------------------------------

@@ -42,7 +42,7 @@ import torch
 from tf32lab.control import flags, modestack
 from tf32lab.control.policy import Policy
 from tf32lab.control.scope import conv_math, get_float32_matmul_precision
-from tf32lab.emulation.emulator import check_accumulation, context_cells, release_buffers
+from tf32lab.emulation.emulator import check_accumulation, compiled_eagerly, context_cells, release_buffers
 from tf32lab.emulation.reuse import KEPT, Handoff, alike
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
@@ -137,7 +137,7 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
     refuse_applied(workload, "check")
     ranks = Ranks.of_job()  # in a job of several ranks: the model is sharded over them, the errors reduced
     with exits_refused(workload.name, "check"), kept_flags() as changed, ranks_fail(ranks), conv_scope, \
-            experts_eager(workload.model):
+            experts_eager(workload.model), compiled_eagerly():
         if ranks is not None:  # ranks at other levels would measure other things, and run other collectives
             agree(ranks.group, model=workload.model, also={
                 "check levels": ",".join(levels), "check target": target.name, "check reference": reference,

@@ -52,7 +52,14 @@ import torch
 from tf32lab.control import flags, modestack
 from tf32lab.control.policy import Policy
 from tf32lab.control.scope import precision, set_float32_matmul_precision
-from tf32lab.emulation.emulator import check_accumulation, context_cells, emulate, families_met, release_buffers
+from tf32lab.emulation.emulator import (
+    check_accumulation,
+    compiled_eagerly,
+    context_cells,
+    emulate,
+    families_met,
+    release_buffers,
+)
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels
 from tf32lab.know.targets import Target
@@ -142,7 +149,7 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     refuse_applied(workload, "check")  # type: ignore[arg-type]  # it reads .model and .name
     row = PolicyRow.of(policy, workload.model) if policy is not None else None
     with exits_refused(workload.name, "check_training"), kept_flags() as changed, \
-            random_state_kept(workload.model), conv_scope, experts_eager(workload.model):
+            random_state_kept(workload.model), conv_scope, experts_eager(workload.model), compiled_eagerly():
         session = TrainingSession(workload, target, steps, tolerance, accumulation)
         report = _Training(session, levels, row, progress, speed).run()
     if conv is not None:
