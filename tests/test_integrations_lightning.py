@@ -371,6 +371,14 @@ def test_limit_train_batches_caps_the_steps_checked(tmp_path):
     assert any("limit_train_batches" in note for note in check.report.notes)
 
 
+def test_overfit_batches_caps_the_steps_checked_and_is_named(tmp_path):
+    # Lightning sets limit_train_batches to overfit_batches: the note named the argument the run never set
+    check = lightning.Tf32Check(steps=5, levels=("highest",))
+    fit(tmp_path, modules.Plain, callback=check, max_epochs=2, overfit_batches=2)
+    assert check.report.steps == 2
+    assert any(note.startswith("the run trains 2 batches an epoch (overfit_batches)") for note in check.report.notes)
+
+
 def test_a_report_that_cannot_be_written_never_replaces_the_runs_own_exception(tmp_path):
     # the JSON's path is taken by a folder, and warnings are errors (pytest -W error): the run's error must surface
     (tmp_path / "run" / "version_0" / "tf32lab-training.json").mkdir(parents=True)

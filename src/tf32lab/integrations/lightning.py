@@ -210,8 +210,10 @@ class Tf32Check(L.Callback):
             raise Tf32LabError(f"Tf32Check: the train dataloader has {len(batches)} batches, fewer than one "
                                f"optimizer step's {accumulate} (accumulate_grad_batches)")
         if len(steps) < wanted:
-            # limit_train_batches named only where it is set (1.0, its default, takes the whole loader)
-            where = f"the run trains {len(batches)} batches an epoch (limit_train_batches)" \
+            # limit_train_batches named only where it is set (1.0, its default, takes the whole loader);
+            # overfit_batches sets it (Trainer's _init_debugging_flags), and is the argument the run was given
+            argument = "overfit_batches" if trainer.overfit_batches else "limit_train_batches"
+            where = f"the run trains {len(batches)} batches an epoch ({argument})" \
                 if limited and trainer.limit_train_batches != 1.0 else \
                 f"the train dataloader has {len(batches)} batches"
             notes.append(f"{where}: {len(steps)} of the {self.steps} steps asked for were checked, the first "
