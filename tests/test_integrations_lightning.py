@@ -451,6 +451,16 @@ def test_max_steps_caps_the_steps_checked(tmp_path):
     assert any("the run trains 2 optimizer steps (max_steps)" in note for note in check.report.notes)
 
 
+def test_an_epoch_shorter_than_max_steps_is_the_one_note_on_the_steps_checked(tmp_path):
+    # max_steps=6 over epochs of 2 batches: the check trains the first epoch's 2, and said besides that it had
+    # checked the run's 6
+    check = lightning.Tf32Check(steps=10, levels=("highest",))
+    fit(tmp_path, modules.Plain, callback=check, dataset=data(16), max_epochs=3, max_steps=6)
+    assert check.report.steps == 2
+    assert [note for note in check.report.notes if "steps asked for" in note] == [
+        "the train dataloader has 2 batches: 2 of the 10 steps asked for were checked, the first epoch's"]
+
+
 def test_max_steps_caps_the_batches_checked_in_manual_optimization(tmp_path):
     # max_steps counts each optimizer's steps: two optimizers stepped a batch, max_steps=4 is the run's 2 batches
     check = lightning.Tf32Check(steps=5, levels=("highest",))

@@ -352,6 +352,15 @@ def test_max_steps_caps_the_steps_checked(tmp_path):
     assert any("the run trains 2 optimizer steps (max_steps)" in note for note in check.report.notes)
 
 
+def test_an_epoch_shorter_than_the_runs_steps_is_the_one_note_on_the_steps_checked(tmp_path):
+    # 3 epochs of 2 steps: the check trains the first epoch's 2, and said besides that it had checked the run's 6
+    check = integration.Tf32CheckCallback(steps=10, levels=("highest",))
+    train(tmp_path, callback=check, dataset=tokens()[:8], num_train_epochs=3)
+    assert check.report.steps == 2
+    assert [note for note in check.report.notes if "steps asked for" in note] == [
+        "the train dataloader has 2 batches: 2 of the 10 steps asked for were checked"]
+
+
 def _without_and_with(tmp_path, callback, dataset, train_options: dict, eval_dataset=None, **arguments) -> list:
     """The same seeded run of a fresh GPT-2 without the callback, then with it: each run's model and logged losses."""
     runs = []

@@ -175,7 +175,9 @@ class Tf32Check(L.Callback):
         # the run trains num_training_batches an epoch (limit_train_batches), then reads the loader again
         per_epoch = trainer.num_training_batches
         # max_steps counts each optimizer's steps, which a manual training_step may take several of
-        wanted = self.steps if manual else _loop.within(self.steps, trainer.max_steps, trainer.global_step, notes)
+        # max_steps's note, unless the epoch is shorter still (then that one's: the steps checked are its)
+        capped: list[str] = []
+        wanted = self.steps if manual else _loop.within(self.steps, trainer.max_steps, trainer.global_step, capped)
         limited = math.isfinite(per_epoch) and per_epoch < wanted * accumulate
         # the run made its pass before on_train_start, from the states of on_fit_start: it drew its workers' seed
         # then, and what its sampler draws as a pass is made (a loader with workers its first order, a batch sampler
@@ -218,6 +220,8 @@ class Tf32Check(L.Callback):
                 f"the train dataloader has {len(batches)} batches"
             notes.append(f"{where}: {len(steps)} of the {self.steps} steps asked for were checked, the first "
                          f"epoch's")
+        else:
+            notes.extend(capped)
         # Lightning calls the callbacks' on_train_start before the module's, and the module's on_train_epoch_start
         # after it (FitLoop.on_run_start, on_advance_start): what the module sets there comes after the check
         later = [hook for hook in rows.LATER_HOOKS if rows.overrides(module, hook)]

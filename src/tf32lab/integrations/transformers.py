@@ -161,7 +161,8 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         device = next(model.parameters()).device
         # from the state the run's pass will start from (random_state_kept has drawn its seed since)
         # the Trainer's whole run, from max_steps or else num_train_epochs
-        wanted = _loop.within(self.steps, state.max_steps, state.global_step, notes,
+        capped: list[str] = []  # its note, unless the loader's pass is shorter still (then that one's)
+        wanted = _loop.within(self.steps, state.max_steps, state.global_step, capped,
                               "max_steps" if args.max_steps > 0 else "num_train_epochs")
         # a run resumed mid-epoch skips the batches of its epoch it trained before its checkpoint: the check trains
         # the ones the run trains next, at the run's epoch (the sampler's order of that epoch)
@@ -184,8 +185,8 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         if not steps:
             raise Tf32LabError(f"Tf32CheckCallback: {left}, fewer than one optimizer step's {accumulate} "
                                f"(gradient_accumulation_steps)")
-        if len(steps) < wanted:
-            notes.append(f"{left}: {len(steps)} of the {self.steps} steps asked for were checked")
+        notes.extend([f"{left}: {len(steps)} of the {self.steps} steps asked for were checked"]
+                     if len(steps) < wanted else capped)
         for flag, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
             if getattr(args, flag, False):
                 notes.append(f"the run trains with {flag}=True: autocast runs its matmuls in {dtype}, which the "
