@@ -305,6 +305,10 @@ def test_bad_arguments_are_one_line():
     with pytest.raises(Tf32LabError, match=r"tolerance is one number >= 0.*not -1"):
         integration.Tf32CheckCallback(tolerance=-1)
     assert integration.Tf32CheckCallback(levels="high").levels == ("high",)  # one level named alone, not its letters
+    # another object as the trainer stopped the run with a TypeError from inside the callback, at on_train_begin
+    with pytest.raises(Tf32LabError, match=r"^trainer must be a transformers\.Trainer \(or None: the one whose "
+                                           r"train\(\) calls the callback\), not int$"):
+        integration.Tf32CheckCallback(trainer=42)
 
 
 def test_without_transformers_the_integration_names_its_extra(tmp_path):

@@ -90,6 +90,9 @@ class Tf32CheckCallback(transformers.TrainerCallback):
                  tolerance: Optional[float] = None, on_fail: str = "warn", trainer: Any = None) -> None:
         self.target, self.steps, self.levels, self.tolerance, self.on_fail = _loop.Options.checked(
             target, steps, levels, tolerance, on_fail)
+        if trainer is not None and not isinstance(trainer, transformers.Trainer):
+            raise Tf32LabError(f"trainer must be a transformers.Trainer (or None: the one whose train() calls the "
+                               f"callback), not {type(trainer).__name__}")
         self.trainer = trainer
         self.report: Optional[TrainingReport] = None
         self.passed: Optional[bool] = None
