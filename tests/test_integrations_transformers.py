@@ -254,6 +254,20 @@ def test_on_fail_raise_stops_the_run_before_its_first_step(tmp_path):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_a_loss_that_fails_in_float64_is_said_without_advice_on_a_function_the_user_never_wrote(tmp_path):
+    # the check's own step reaches the run's model through the Trainer, and the error went on with "the inputs
+    # function uses the workload's own model through 'loss' ...: take the row's copy as an argument, inputs=lambda
+    # batch, model: ..." (check_training's advice to one who wrote the workload)
+    class NotANumber(transformers.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch) * float("nan")
+
+    check = integration.Tf32CheckCallback(steps=1, levels=("highest",), on_fail="raise")
+    with pytest.raises(Tf32LabError) as raised:
+        train(tmp_path, callback=check, trainer_class=NotANumber, max_steps=1)
+    assert str(raised.value).endswith("fails in float64, before any level ran: step 1: the loss is nan")
+
+
 def test_mixed_precision_is_said_not_to_be_float32(tmp_path):
     check = integration.Tf32CheckCallback(steps=1, levels=("highest", "high"))
     train(tmp_path, callback=check, bf16=True, max_steps=1)

@@ -528,11 +528,20 @@ def run_check(model: torch.nn.Module, name: str, batches: list[Any], loss: Calla
             calls[step] = StepCall(step, loss, around)
         return calls[step], micro
 
-    workload = TrainingWorkload(model, batches, loss=lambda out, batch: out, optimizer=optimizer, inputs=inputs,
-                                name=name)
+    workload = _FrameworksStep(model, batches, loss=lambda out, batch: out, optimizer=optimizer, inputs=inputs,
+                               name=name)
     with quiet():
         report = check_training(workload, levels=levels, target=target, tolerance=tolerance)
     return dataclasses.replace(report, notes=(*report.notes, *notes)) if notes else report
+
+
+class _FrameworksStep(TrainingWorkload):
+    """The framework's own step as a workload: it is given each row's copy itself (``StepCall``), and what it
+    reaches besides (the run's trainer, and through it the run's model) is no sign of a loss computed on the run's
+    model, the advice ``reaching_model`` gives one who wrote a workload's functions."""
+
+    def reaching_model(self) -> Optional[str]:
+        return None
 
 
 class Checked:
