@@ -451,6 +451,17 @@ def test_max_steps_caps_the_steps_checked(tmp_path):
     assert any("the run trains 2 optimizer steps (max_steps)" in note for note in check.report.notes)
 
 
+def test_fast_dev_run_caps_the_steps_checked_and_is_named(tmp_path):
+    # Lightning sets max_steps to fast_dev_run's 1: the note named max_steps, which the run was never given
+    check = lightning.Tf32Check(steps=3, levels=("highest",))
+    trainer = L.Trainer(callbacks=[check], default_root_dir=tmp_path, enable_progress_bar=False,
+                        enable_model_summary=False, fast_dev_run=True)
+    trainer.fit(modules.Plain(), DataLoader(data(32), batch_size=8))
+    assert check.report.steps == 1
+    assert "the run trains 1 optimizer step (fast_dev_run): 1 of the 3 steps asked for were checked" in \
+        check.report.notes
+
+
 def test_an_epoch_shorter_than_max_steps_is_the_one_note_on_the_steps_checked(tmp_path):
     # max_steps=6 over epochs of 2 batches: the check trains the first epoch's 2, and said besides that it had
     # checked the run's 6

@@ -490,8 +490,8 @@ def within(steps: int, max_steps: Any, done: Any, notes: list[str], why: str = "
     """
     left = int(max_steps) - int(done or 0) if isinstance(max_steps, int) and max_steps > 0 else steps
     if 0 < left < steps:
-        notes.append(f"the run trains {left} optimizer steps ({why}): {left} of the {steps} steps asked for were "
-                     f"checked")
+        notes.append(f"the run trains {left} optimizer step{'s' if left > 1 else ''} ({why}): {left} of the {steps} "
+                     f"steps asked for were checked")
         return left
     return steps
 

@@ -177,7 +177,9 @@ class Tf32Check(L.Callback):
         # max_steps counts each optimizer's steps, which a manual training_step may take several of
         # max_steps's note, unless the epoch is shorter still (then that one's: the steps checked are its)
         capped: list[str] = []
-        wanted = self.steps if manual else _loop.within(self.steps, trainer.max_steps, trainer.global_step, capped)
+        # fast_dev_run sets max_steps (Trainer's _init_debugging_flags): the argument the run was given is named
+        wanted = self.steps if manual else _loop.within(self.steps, trainer.max_steps, trainer.global_step, capped,
+                                                        "fast_dev_run" if trainer.fast_dev_run else "max_steps")
         limited = math.isfinite(per_epoch) and per_epoch < wanted * accumulate
         # the run made its pass before on_train_start, from the states of on_fit_start: it drew its workers' seed
         # then, and what its sampler draws as a pass is made (a loader with workers its first order, a batch sampler
