@@ -296,6 +296,10 @@ def test_bad_arguments_are_one_line():
     with pytest.raises(Tf32LabError, match=r"tolerance is one number >= 0.*not 'x'"):
         lightning.Tf32Check(tolerance="x")
     assert lightning.Tf32Check(levels="high").levels == ("high",)
+    # a level the target cannot compute was refused only when training started, after the run loaded its data
+    with pytest.raises(Tf32LabError, match=r"^level 'bfx9' \(cuda.matmul = 'bfx9'\) needs compute capability 10.0"):
+        lightning.Tf32Check(target="a100", levels=("highest", "bfx9"))
+    assert lightning.Tf32Check(target="b200", levels=("bfx9",)).levels == ("bfx9",)
 
 
 def test_without_lightning_the_integration_names_its_extra_and_tf32lab_never_imports_it(tmp_path):

@@ -318,6 +318,8 @@ def test_bad_arguments_are_one_line():
         integration.Tf32CheckCallback(target="h999")
     with pytest.raises(Tf32LabError, match=r"tolerance is one number >= 0.*not -1"):
         integration.Tf32CheckCallback(tolerance=-1)
+    with pytest.raises(Tf32LabError, match=r"^level 'bfx9' \(cuda.matmul = 'bfx9'\) needs compute capability 10.0"):
+        integration.Tf32CheckCallback(target="h100", levels=("bfx9",))
     assert integration.Tf32CheckCallback(levels="high").levels == ("high",)  # one level named alone, not its letters
     # another object as the trainer stopped the run with a TypeError from inside the callback, at on_train_begin
     with pytest.raises(Tf32LabError, match=r"^trainer must be a transformers\.Trainer \(or None: the one whose "

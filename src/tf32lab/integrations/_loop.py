@@ -47,8 +47,8 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 import torch
 
 from tf32lab.errors import Tf32LabError
-from tf32lab.know.levels import LEVELS, check_levels
-from tf32lab.know.targets import NATIVE, Target
+from tf32lab.know.levels import LEVELS, check_levels, level_cells
+from tf32lab.know.targets import NATIVE, Target, check_value
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.training import check_training, elementwise_step, training_tolerance
 from tf32lab.report.training import TrainingReport
@@ -90,8 +90,27 @@ class Options(NamedTuple):
     @classmethod
     def checked(cls, target: Any, steps: Any, levels: Optional[Iterable[str]], tolerance: Any,
                 on_fail: Any) -> Options:
-        return cls(check_target(target), check_steps(steps), check_levels(default_levels(levels)),
-                   check_tolerance(tolerance), check_on_fail(on_fail))
+        target, levels = check_target(target), check_levels(default_levels(levels))
+        computable(target, levels)
+        return cls(target, check_steps(steps), levels, check_tolerance(tolerance), check_on_fail(on_fail))
+
+
+def computable(target: Union[str, Target], levels: Iterable[str]) -> None:
+    """A level an emulated ``target`` cannot compute (``bfx9`` before Blackwell), refused in the line the check
+    would give, at once; ``"native"`` is the run's machine's, known when the check runs.
+
+    >>> computable("b200", ("high", "bfx9"))
+    >>> computable("a100", ("bfx9",))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    tf32lab.errors.Tf32LabError: level 'bfx9' (cuda.matmul = 'bfx9') needs compute capability 10.0 ...
+    """
+    if isinstance(target, str) and target == NATIVE:
+        return
+    resolved = resolve_target(target)
+    for level in levels:
+        for cell, value in level_cells(level).items():
+            check_value(resolved, cell, value)
 
 
 def check_on_fail(on_fail: Any) -> str:
