@@ -184,6 +184,29 @@ def test_a_stream_that_cannot_be_read_again_is_refused_before_a_batch_is_consume
     assert left[0] == left[1] > 0  # the check read no row of what Lightning left for the run
 
 
+def test_a_generator_of_batches_is_refused_and_the_run_trains_all_of_them(tmp_path):
+    # Lightning trains on any iterable; a generator of batches is read once, and the check read its first 2 batches
+    # out of the run (which trained 6 of its 8 batches, other weights, other logged losses)
+    def run(callback) -> tuple:
+        batches = [(x.reshape(8, 8), y.reshape(8, 1)) for x, y in zip(data(64).tensors[0].split(8),
+                                                                      data(64).tensors[1].split(8))]
+        torch.manual_seed(0)
+        module = modules.Plain()
+        trainer = L.Trainer(callbacks=[callback] if callback else [], default_root_dir=tmp_path, logger=False,
+                            enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                            max_epochs=1)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            trainer.fit(module, (batch for batch in batches))
+        return module, trainer.global_step, [str(w.message) for w in seen if "tf32lab" in str(w.message)]
+
+    plain, plain_steps, _ = run(None)
+    check = lightning.Tf32Check(steps=2, levels=("highest",))
+    checked, steps, warned = run(check)
+    assert steps == plain_steps == 8 and same_weights(plain, checked)
+    assert check.passed is None and len(warned) == 1 and "the train dataloader is a generator, read once" in warned[0]
+
+
 def test_several_train_dataloaders_are_read_together_as_the_run_reads_them(tmp_path):
     def both():
         return {"a": DataLoader(data(), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1)),

@@ -32,11 +32,13 @@ Example:
 from __future__ import annotations
 
 import collections
+import collections.abc
 import contextlib
 import copy
 import copyreg
 import functools
 import importlib
+import inspect
 import itertools
 import logging
 import warnings
@@ -480,6 +482,14 @@ def _read_again(loader: Any) -> None:
 
 
 def _one_read_again(loader: Any) -> None:
+    # Lightning trains on any iterable: a generator of batches (or map, zip, iter(list)) is its own one pass. An
+    # iterator of a class of its own may make a fresh pass at each iter() (Lightning's CombinedLoader does)
+    if inspect.isgenerator(loader) or (isinstance(loader, collections.abc.Iterator)
+                                       and type(loader).__module__ in ("builtins", "itertools")):
+        kind = "a generator" if inspect.isgenerator(loader) else f"an iterator ({type(loader).__name__})"
+        raise Tf32LabError(f"the train dataloader is {kind}, read once: the batches the check read would be gone "
+                           f"from the run; give an iterable that makes a fresh pass at each iter() (a DataLoader, "
+                           f"a list), or leave the check out")
     dataset = getattr(getattr(loader, "base_dataloader", loader), "dataset", None)
     if not isinstance(dataset, torch.utils.data.IterableDataset):
         return
