@@ -542,6 +542,21 @@ def test_a_run_without_float32_weights_is_said_to_have_nothing_to_check_and_trai
                     "bfloat16, not float32, and the float32 matmul precision reaches only float32 matmuls"]
 
 
+def test_a_run_without_an_optimizer_is_said_to_have_none(tmp_path):
+    # configure_optimizers returned None (Lightning trains on, stepping nothing): the warning told the run to write
+    # its optimizer as "lambda params: torch.optim.AdamW(params)", check_training's advice on a function it never wrote
+    class Unoptimized(modules.Plain):
+        def configure_optimizers(self):
+            return None
+
+    check = lightning.Tf32Check(steps=2, levels=("highest",))
+    trainer = fit(tmp_path, Unoptimized, callback=check, max_epochs=1)[3]
+    said = [w for w in trainer.warned if w.startswith("tf32lab")]
+    assert check.passed is None and said == [
+        "tf32lab training check could not run: Tf32LabError: Tf32Check: the run has no optimizer "
+        "(configure_optimizers returned none): no step to check; the run goes on without a verdict"]
+
+
 def test_a_step_schedulers_frequency_counts_batches_as_lightning_does_under_accumulation(tmp_path):
     # Lightning steps an interval="step" scheduler where frequency divides batch_idx + 1: with two batches a step,
     # frequency 2 steps it after every optimizer step, as frequency 1 does (the runs end alike); the check trains

@@ -239,6 +239,11 @@ class Tf32Check(L.Callback):
                          f"float32 without autocast (what the level decides where the run keeps float32)")
         original = _loop.trainable(module)
         optimizers = list(trainer.optimizers)
+        # configure_optimizers returned None: Lightning trains on with a _MockOptimizer, stepping nothing
+        mock = getattr(getattr(getattr(L, "core", None), "optimizer", None), "_MockOptimizer", ())
+        if all(isinstance(one, mock) for one in optimizers):
+            raise Tf32LabError("Tf32Check: the run has no optimizer (configure_optimizers returned none): no step "
+                               "to check")
         configs = list(trainer.lr_scheduler_configs)
         per_epoch = math.ceil(per_epoch / accumulate) if math.isfinite(per_epoch) else 0
         schedule = []
