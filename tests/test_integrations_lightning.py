@@ -532,6 +532,28 @@ def test_a_run_resumed_from_its_checkpoint_is_checked_and_untouched(tmp_path):
     assert same_weights(*runs)
 
 
+def test_a_run_resumed_mid_epoch_is_checked_on_the_batches_left_in_its_epoch(tmp_path):
+    # a checkpoint 3 batches into a 4-batch epoch: Lightning reads its loader afresh and trains 1 batch more (a
+    # loader that is not resumable: its own warning), and the check trained 4 steps, 3 of them steps the run never
+    # takes
+    first = L.Trainer(default_root_dir=tmp_path, logger=False, enable_progress_bar=False, max_epochs=1,
+                      enable_model_summary=False, callbacks=[L.callbacks.ModelCheckpoint(
+                          dirpath=tmp_path, every_n_train_steps=3, filename="mid")])
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first.fit(modules.Plain(), DataLoader(data(32), batch_size=8))
+    check = lightning.Tf32Check(steps=4, levels=("highest",))
+    trainer = L.Trainer(callbacks=[check], default_root_dir=tmp_path / "again", logger=False, max_epochs=1,
+                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(modules.Plain(), DataLoader(data(32), batch_size=8), ckpt_path=tmp_path / "mid.ckpt")
+    assert trainer.global_step == 4 and check.report.steps == 1
+    assert "the run resumes 3 batches into its epoch of 4: 1 of the 4 steps asked for were checked, the ones " \
+        "it trains in that epoch (Lightning reads its loader afresh)" in check.report.notes
+
+
 def test_a_run_without_float32_weights_is_said_to_have_nothing_to_check_and_trains_on(tmp_path):
     # bf16-true trains bfloat16 weights: no float32 matmul for the level to decide, and no failure to raise
     check = lightning.Tf32Check(steps=2, levels=("highest", "high"), on_fail="raise")

@@ -174,6 +174,8 @@ class Tf32Check(L.Callback):
         device = module.device
         # the run trains num_training_batches an epoch (limit_train_batches), then reads the loader again
         per_epoch = trainer.num_training_batches
+        done = _done_in_epoch(trainer, loader, per_epoch)  # a mid-epoch resume trains the epoch's rest
+        per_epoch -= done
         # max_steps counts each optimizer's steps, which a manual training_step may take several of
         # max_steps's note, unless the epoch is shorter still (then that one's: the steps checked are its)
         capped: list[str] = []
@@ -220,7 +222,10 @@ class Tf32Check(L.Callback):
             where = f"the run trains {len(batches)} batches an epoch ({argument})" \
                 if limited and trainer.limit_train_batches != 1.0 else \
                 f"the train dataloader has {len(batches)} batches"
-            notes.append(f"{where}: {len(steps)} of the {self.steps} steps asked for were checked, the first "
+            notes.append(f"the run resumes {done} batches into its epoch of {done + per_epoch}: {len(steps)} of the "
+                         f"{self.steps} steps asked for were checked, the ones it trains in that epoch (Lightning "
+                         f"reads its loader afresh)" if done and limited else
+                         f"{where}: {len(steps)} of the {self.steps} steps asked for were checked, the first "
                          f"epoch's")
         else:
             notes.extend(capped)
@@ -422,6 +427,22 @@ def _manual_batches(model: Any, steps: list[tuple[int, list[Any]]], left: int, b
             handle.remove()
         at.pop("step", None)
     return len(steps)
+
+
+def _done_in_epoch(trainer: Any, loader: Any, per_epoch: float) -> int:
+    """The batches of its epoch that a run resumed from a mid-epoch checkpoint trained before it: Lightning reads
+    a loader that cannot resume its stream (no ``state_dict``/``load_state_dict``) afresh and trains the epoch's
+    rest, counting the batch the checkpoint was saved at the end of as done (``TrainingEpochLoop.reset``, which
+    runs after ``on_train_start``); 0 for a run that starts an epoch, or whose loader resumes its own stream."""
+    loop = trainer.fit_loop.epoch_loop
+    if not getattr(loop, "restarting", False) or not math.isfinite(per_epoch):
+        return 0
+    if all(callable(getattr(one, "state_dict", None)) and callable(getattr(one, "load_state_dict", None))
+           for one in _loop.loaders(loader)):
+        return 0
+    done = int(loop.batch_progress.current.completed) + int(bool(getattr(loop, "restarted_on_train_batch_end",
+                                                                         False)))
+    return done if 0 < done < per_epoch else 0
 
 
 def _accumulated(trainer: Any) -> int:
