@@ -809,3 +809,33 @@ def test_a_module_whose_output_holds_no_tensor_is_said_to_have_no_backward_row()
     assert "loc" in {layer.name for layer in report.levels[-1].layers}
     (note,) = [n for n in report.notes if "no backward row" in n]
     assert note.startswith("1 module(s) with parameters have no backward row ('scale'): no gradient reached"), note
+
+
+class _TwoHalves(torch.nn.Module):
+    """The whole model run once a half of the batch, as a step of two micro-batches runs it; ``shared``: one module
+    run once more besides."""
+
+    def __init__(self, shared: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.shared = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2), shared
+
+    def forward(self, x):
+        halves = [self.b(torch.tanh(self.a(h))) for h in x.chunk(2)]
+        if self.shared:
+            halves[0] = halves[0] + self.b(x[:1]).sum()
+        return torch.cat(halves)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_step_that_runs_every_module_as_often_is_said_so(shared):
+    # gradient accumulation through the callbacks runs every module once a micro-batch: "2 module(s) run more than
+    # once a step" read as if some modules were shared
+    torch.manual_seed(0)
+    batches = [(torch.randn(8, 4), torch.randn(8, 2)) for _ in range(2)]
+    workload = TrainingWorkload(_TwoHalves(shared), batches, loss=mse, inputs=lambda b: b[0], steps=2, name="halves")
+    report = tf32lab.check_training(workload, levels=("highest", "high"), target="a100", speed=False)
+    (note,) = [n for n in report.notes if "first call" in n]
+    if shared:  # 'b' three times, 'a' twice: named
+        assert note.startswith("2 module(s) run more than once a step ('a', 'b')"), note
+    else:
+        assert note.startswith("every module ran 2 times a step (once a micro-batch under gradient accumulation"), note

@@ -660,7 +660,12 @@ class _Attribution:
                 handle.remove()
         self.calls: dict[str, tuple[Any, Any, dict[str, torch.Tensor], list[torch.Tensor]]] = {}
         again = [name for name, (_, _, _, count) in calls.items() if count[0] > 1]
-        if again:
+        times = {count[0] for _, _, _, count in calls.values()}
+        if again and len(again) == len(calls) and len(times) == 1:  # a step of micro-batches, each the whole model
+            self.notes.append(f"every module ran {times.pop()} times a step (once a micro-batch under gradient "
+                              f"accumulation, or a forward called as often): the backward of each is measured at "
+                              f"its first call")
+        elif again:
             names = ", ".join(repr(n) for n in again[:3]) + (" …" if len(again) > 3 else "")
             self.notes.append(f"{len(again)} module(s) run more than once a step ({names}): the backward of each is "
                               f"measured at its first call")
