@@ -151,3 +151,25 @@ def user_flags():
     from tf32lab.control import scope
 
     scope.forget_flags_cache()
+
+
+@pytest.fixture
+def counted_graphs():
+    """A ``torch.compile`` backend that runs each graph Dynamo makes as it is and counts them, as
+    ``(backend, {"compiled": graphs made, "ran": graph calls})``; Dynamo starts and ends the test with nothing
+    cached."""
+    torch._dynamo.reset()
+    graphs = {"compiled": 0, "ran": 0}
+
+    def counting(gm, example_inputs):
+        graphs["compiled"] += 1
+
+        def run(*args):
+            graphs["ran"] += 1
+            return gm.forward(*args)
+        return run
+
+    try:
+        yield counting, graphs
+    finally:
+        torch._dynamo.reset()

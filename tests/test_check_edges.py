@@ -793,33 +793,20 @@ def test_the_training_mode_note_reads_a_scripted_pytorch_module_as_its_class():
     assert said is not None and "('2' _OwnDropout)" in said, said
 
 
-def test_a_compiled_model_is_checked_eagerly_and_its_own_calls_still_compile():
+def test_a_compiled_model_is_checked_eagerly_and_its_own_calls_still_compile(counted_graphs):
     # the float64 reference and native rows run under dispatch modes of their own, outside emulate()'s eager
     # stance: Dynamo traced the compiled model into them, check() failed at the float64 reference
     # (InternalTorchDynamoError) and check_training() left Dynamo skipping the model's code for good (its own
     # compiled calls ran eagerly afterwards)
-    torch._dynamo.reset()
-    graphs = {"compiled": 0, "ran": 0}
-
-    def counting(gm, example_inputs):
-        graphs["compiled"] += 1
-
-        def run(*args):
-            graphs["ran"] += 1
-            return gm.forward(*args)
-        return run
-
+    counting, graphs = counted_graphs
     torch.manual_seed(0)
     compiled = torch.compile(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)),
                              backend=counting)
     data = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(2)]
-    try:
-        assert tf32lab.check(tf32lab.Workload(compiled, data[0][0], name="compiled"), levels=("high",))
-        workload = tf32lab.TrainingWorkload(compiled, data, inputs=lambda b: b[0],
-                                            loss=lambda out, b: (out - b[1]).pow(2).mean())
-        assert tf32lab.check_training(workload, levels=("highest", "high"), speed=False)
-        assert graphs == {"compiled": 0, "ran": 0}  # the checks ran the model eagerly
-        compiled(data[0][0])
-        assert graphs == {"compiled": 1, "ran": 1}
-    finally:
-        torch._dynamo.reset()
+    assert tf32lab.check(tf32lab.Workload(compiled, data[0][0], name="compiled"), levels=("high",))
+    workload = tf32lab.TrainingWorkload(compiled, data, inputs=lambda b: b[0],
+                                        loss=lambda out, b: (out - b[1]).pow(2).mean())
+    assert tf32lab.check_training(workload, levels=("highest", "high"), speed=False)
+    assert graphs == {"compiled": 0, "ran": 0}  # the checks ran the model eagerly
+    compiled(data[0][0])
+    assert graphs == {"compiled": 1, "ran": 1}

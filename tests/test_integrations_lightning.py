@@ -745,20 +745,11 @@ def test_a_callback_kept_for_another_run_checks_that_run_and_a_second_fit_contin
     assert first[0] == pytest.approx(second[0], rel=1e-12) and first[1] != pytest.approx(second[1], rel=1e-3)
 
 
-def test_a_compiled_module_is_checked_eagerly_and_its_run_still_runs_its_compiled_graphs(tmp_path):
+def test_a_compiled_module_is_checked_eagerly_and_its_run_still_runs_its_compiled_graphs(tmp_path, counted_graphs):
     # the check's float64 reference traced the copy's compiled forward under its dispatch mode: Dynamo gave up on
     # that code for good, and the run's compiled net ran eagerly from then on (with Inductor, other kernels than
     # without the check: its weights no longer bit-identical)
-    torch._dynamo.reset()
-    graphs = {"compiled": 0, "ran": 0}
-
-    def counting(gm, example_inputs):
-        graphs["compiled"] += 1
-
-        def run(*args):
-            graphs["ran"] += 1
-            return gm.forward(*args)
-        return run
+    counting, graphs = counted_graphs
 
     class Compiled(modules.Plain):
         def __init__(self) -> None:
@@ -777,4 +768,3 @@ def test_a_compiled_module_is_checked_eagerly_and_its_run_still_runs_its_compile
         trainer.fit(Compiled(), DataLoader(data(32), batch_size=8))
     assert check.report.passed and seen.at_start == {"compiled": 0, "ran": 0}  # the check compiled and ran none
     assert graphs["ran"] == 4  # the run's four steps, each through its compiled graph
-    torch._dynamo.reset()

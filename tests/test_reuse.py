@@ -274,20 +274,26 @@ class _Mixer(torch.nn.Module):
         return (y.unsqueeze(-1) * self.mix).sum(-2)
 
 
-def test_a_layer_is_rerun_where_its_rerun_met_a_family_the_levels_compute_apart(monkeypatch) -> None:
+@pytest.fixture
+def reruns(monkeypatch) -> list[str]:
+    """The name of the layer of each rerun the test's checks make, in turn."""
     from tf32lab.measure.layers import Recorder
 
-    reruns: list[str] = []
+    names: list[str] = []
     rerun = Recorder._rerun
 
     def counted(self: Recorder, name: str, *args, **kwargs):
-        reruns.append(name)
+        names.append(name)
         return rerun(self, name, *args, **kwargs)
 
+    monkeypatch.setattr(Recorder, "_rerun", counted)
+    return names
+
+
+def test_a_layer_is_rerun_where_its_rerun_met_a_family_the_levels_compute_apart(reruns: list[str]) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv1d(6, 6, 1), torch.nn.Conv1d(6, 6, 1), _Mixer())
     workload = tf32lab.Workload(model, torch.randn(3, 6, 20), name="mixer")
-    monkeypatch.setattr(Recorder, "_rerun", counted)
     both = tf32lab.check(workload, levels=("highest", "high"), speed=False).levels[1]
     assert sorted(reruns) == ["1", "2", "2"]  # the second convolution once for both levels, the mixer at each
     alone = tf32lab.check(workload, levels=("high",), speed=False).levels[0]
@@ -443,27 +449,17 @@ class _Attend(torch.nn.Module):
 
 
 @pytest.mark.parametrize(("kernel", "times"), [("efficient", 1), ("math", 2)])
-def test_an_attention_the_levels_compute_alike_is_rerun_once_for_both(monkeypatch, kernel: str, times: int) -> None:
+def test_an_attention_the_levels_compute_alike_is_rerun_once_for_both(reruns: list[str], kernel: str,
+                                                                       times: int) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from tf32lab.measure.layers import Recorder
-
-    reruns: list[str] = []
-    rerun = Recorder._rerun
-
-    def counted(self: Recorder, name: str, *args, **kwargs):
-        reruns.append(name)
-        return rerun(self, name, *args, **kwargs)
 
     torch.manual_seed(0)
     workload = tf32lab.Workload(_Attend(), torch.randn(3, 10, 16), name="attend")
     # PyTorch's own choice (the float64 reference's CPU flash kernel), or the math kernel alone (its GEMMs)
     with sdpa_kernel([SDPBackend.MATH]) if kernel == "math" else contextlib.nullcontext():
-        monkeypatch.setattr(Recorder, "_rerun", counted)
         both = tf32lab.check(workload, levels=("highest", "high"), speed=False).levels[1]
         # the projection is fed the model's inputs: the end-to-end run measures it; the attention is rerun
         assert reruns == ["(model)"] * times
-        monkeypatch.undo()
         alone = tf32lab.check(workload, levels=("high",), speed=False).levels[0]
     assert both.maths["attention"] == ("tf32x3" if kernel == "efficient" else "tf32-rna")
     assert [(e.name, e.introduced, e.accumulated) for e in both.layers] == \
