@@ -3,6 +3,7 @@ the error first, and it leaves every setting as it was."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -304,7 +305,8 @@ def test_an_error_that_jumps_where_tf32_flips_a_routing_choice_is_placed_there(w
                            target="a100", speed=False)
     assert report.level("highest").passed and not report.level("high").passed
     text = " ".join(report.conclusion())
-    assert "no layer introduces that much" in text and "such as a choice TF32 flips" in text, text
+    assert "no layer introduces that much" in text and "choices the float64 reference made (aten::argmax) came out" \
+        " otherwise at `high`" in text, text
     if where == "in the block":  # the block is a layer (its einsum): the error grows inside it, after its router
         assert "at the output of '2' " in text and "inside '2' amplifies" in text, text
     else:  # the caller's code between its two layers
@@ -313,3 +315,25 @@ def test_an_error_that_jumps_where_tf32_flips_a_routing_choice_is_placed_there(w
     order = {e.name: e.order for e in report.level("high").layers}
     assert order[("2" if where == "in the block" else "head")] > order[("2.router" if where == "in the block"
                                                                         else "moe.router")]
+
+
+def test_the_choices_tf32_flips_are_counted_against_the_references():
+    g = torch.Generator().manual_seed(2)
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), _Routed(g), nn.Linear(32, 8))
+    report = tf32lab.check(Workload(model, torch.randn(64, 32, generator=g)), levels=("highest", "high"),
+                           target="a100", speed=False)
+    highest, high = report.level("highest").choices, report.level("high").choices
+    assert (highest.changed, highest.made, highest.comparable) == (0, 64, True)  # float32 routes every token alike
+    assert 0 < high.changed < 64 and high.ops == ("aten::argmax",) and high.comparable
+    text = " ".join(report.conclusion())
+    assert f"{high.changed} of the 64 choices the float64 reference made (aten::argmax) came out otherwise" in text
+    data = report.to_dict()
+    assert data["levels"][1]["choices"] == {"changed": high.changed, "made": 64, "ops": ["aten::argmax"],
+                                            "comparable": True}
+    # a report without them (the reference's indices over budget, or a report of an older version): the jump alone
+    blind = dataclasses.replace(report, levels=tuple(dataclasses.replace(lv, choices=None) for lv in report.levels))
+    assert "such as a choice TF32 flips (an expert router's top-k, an argmax)" in " ".join(blind.conclusion())
+    # a model that makes no choice pays nothing and reports none
+    plain = tf32lab.check(Workload(nn.Linear(4, 4), torch.randn(2, 4)), levels=("high",), speed=False)
+    assert plain.level("high").choices is None

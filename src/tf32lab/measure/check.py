@@ -51,6 +51,7 @@ from tf32lab.know.targets import CUDNN_CELL, Target, cudnn_cell, rnn_math
 from tf32lab.machine.distributed import agree, policy_digest
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure import sharded
+from tf32lab.measure.choices import ChoiceLog, compared
 from tf32lab.measure.draws import DrawLog, Streams, cuda_devices, draw_plan, lazy_note, materialised
 from tf32lab.measure.given import KeptInputs, inputs_note
 from tf32lab.measure.layers import (
@@ -663,6 +664,9 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
         ran = rnn_math(level_maths, target.device, recorder.rnn_ops) if level_maths else None
         if ran is not None:  # on a CPU target a GRU runs in the matmul's math, not the rnn key's
             level_maths = {**level_maths, "rnn": ran}
+        chosen = ChoiceLog(len(recorder.mode.choices.choices)) if recorder.mode.choices.choices else None
+        if chosen is not None:  # the reference made choices (a router's top-k): this run's are compared with them
+            modestack.push(chosen)
         try:
             with accumulated, (counting or contextlib.nullcontext()), recorder.grad_mode():
                 out = workload.run()
@@ -682,6 +686,9 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
             if bug is not None:  # tf32lab's own failure: not a finding about the level
                 raise bug from exc
             error = described(exc)  # the model cannot run at this level: that is the finding
+        finally:
+            if chosen is not None:
+                modestack.remove(chosen)
         if row is not None and idle is not None and error is None:
             idle.extend(idle_note(handle.idle()))
     outputs: tuple[metrics.OutputError, ...] = ()
@@ -712,8 +719,11 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
         level_maths = {**level_maths, "conv": conv_ran(level_maths["conv"], emu.coverage)}
     coverage = {} if emu is None else {f"{op} {m}": n for (op, m), n in sorted(emu.coverage.items())}
     unhandled = {} if emu is None else dict(sorted(emu.unhandled.items()))
+    choices = compared(recorder.mode.choices.choices, chosen.choices) if chosen is not None and error is None \
+        else None
     return LevelResult("policy" if row else level, level_maths, outputs, tuple(ranked), metric, coverage, unhandled,
-                       time.perf_counter() - started, error=error, policy=row.describe() if row else None)
+                       time.perf_counter() - started, error=error, policy=row.describe() if row else None,
+                       choices=choices)
 
 
 def idle_note(rules: Iterable[Any]) -> list[str]:

@@ -33,6 +33,7 @@ from tf32lab.emulation.reuse import Handoff, alike, computed_alike
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
 from tf32lab.know.targets import PROJECTED, Target
+from tf32lab.measure.choices import Kept
 from tf32lab.measure.draws import Streams, random_op
 from tf32lab.measure.given import Held, Narrowed
 from tf32lab.measure.norms import bare, reference_norm2, scratch, tree_normwise
@@ -201,6 +202,7 @@ class Recorder:
         self.spill = spill or SpillFile()
         self.modules, self.scripted = hookable(model)
         self.mode = Float64Run(self._op, self._written)
+        self.mode.choices = Kept()  # the reference's choices (top-k, argmax), for the rows' (measure.choices)
         self.before_write: Optional[Callable[[list[torch.Tensor]], None]] = None  # the model's state's copy-on-write
         self.shared: dict[int, list[tuple[str, int]]] = {}  # storage address -> outputs kept without a copy
         self.stack: list[_Frame] = []

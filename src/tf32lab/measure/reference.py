@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tf32lab.control import modestack
 from tf32lab.emulation import recurrent
 from tf32lab.measure import resolution, unfolded
+from tf32lab.measure.choices import CHOICE_OPS, Kept
 from tf32lab.measure.draws import NARROW, WIDE, draw_kind, drawn_at_float32, random_name, random_op
 
 __all__ = ["Float64Run", "storage_address", "widen", "widened_model"]
@@ -320,7 +321,10 @@ class _Ops(TorchDispatchMode):
         if plan is None:
             plan = _op_plan(func)
         if plan is _AS_IS:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if run.choices is not None and func.overloadpacket in CHOICE_OPS:  # the indices of an argmax, a top-k
+                run.choices.keep(func, args, kwargs, out)
+            return out
         if run.on_op is not None:
             run.on_op(func)
         if plan is not _ASKS:  # writes nothing, draws nothing, no convolution: most ops
@@ -329,6 +333,8 @@ class _Ops(TorchDispatchMode):
             out = self._asked(func, args, kwargs)
         if run.on_result is not None:
             run.on_result(func, args, kwargs, out)
+        if run.choices is not None and func.overloadpacket in CHOICE_OPS:
+            run.choices.keep(func, args, kwargs, out)
         return out
 
     def _asked(self, func, args: tuple, kwargs: dict) -> Any:
@@ -590,6 +596,7 @@ class Float64Run:
         # made at (``check`` learns it from a float32 row where the two runs drew at different dtypes)
         self.drawn: list[tuple[str, Optional[str]]] = []
         self.plan: Optional[list[Optional[str]]] = None
+        self.choices: Optional[Kept] = None  # where given, the indices of each choice op (measure.choices)
         self._modes = (_Functions(self), _Ops(self))
 
     @property

@@ -75,6 +75,9 @@ class LevelResult:
     # a second run at this level gave other outputs ("normwise 1.2e-01, then 9.8e-02"): the model is not
     # deterministic (unseeded sampling), so a failure says nothing about precision; only looked at when it fails
     unstable: Optional[str] = None
+    # how many of the float64 reference's discrete choices (a top-k's, an argmax's indices) this run made otherwise
+    # (tf32lab.measure.choices.Choices); None where the reference made none
+    choices: Any = None
 
     @property
     def passed(self) -> bool:
@@ -213,6 +216,7 @@ class Report(Rows):
                     "error": lv.error,
                     "policy": lv.policy,
                     "speedup": lv.speedup,
+                    "choices": None if lv.choices is None else lv.choices.to_dict(),
                 }
                 for lv in self.levels
             ],

@@ -122,6 +122,17 @@ def _jump(level: LevelResult) -> Optional[tuple[LayerError, float, float, Option
     return found
 
 
+def _flipped(level: LevelResult) -> Optional[str]:
+    """How many of the float64 reference's discrete choices (a top-k's, an argmax's indices) the level made
+    otherwise, as a clause; None where it made none otherwise or the reference made none."""
+    c = level.choices
+    if c is None or not c.changed:
+        return None
+    part = "" if c.comparable else ", compared up to where the two runs' choice ops part"
+    return (f"{c.changed} of the {c.made} choices the float64 reference made ({', '.join(c.ops)}) came out otherwise "
+            f"at `{level.level}`{part}")
+
+
 def _around(a: str, b: str) -> str:
     """The innermost module that holds both layers, neither inside the other (by their dotted names), ``(model)``
     for the model itself.
@@ -149,11 +160,16 @@ def _worst_layer(level: LevelResult) -> Optional[str]:
         inner = previous is None or e.name == "(model)" or previous.name.startswith(e.name + ".")
         where = f"inside {e.name!r}" if inner else \
             f"inside {e.name!r} or in the code of {_around(previous.name, e.name)!r} between {previous.name!r} and it"
+        flipped = _flipped(level)
+        what = f"amplifies small differences: {flipped}" if flipped else \
+            "amplifies small differences, such as a choice TF32 flips (an expert router's top-k, an argmax)"
         return (f"no layer introduces that much (at most {layer.introduced:.1e}, in {layer.name!r}), but the error "
                 f"grows {grown:.0f}x to {e.accumulated:.1e} at the output of {e.name!r} (which introduces "
-                f"{e.introduced:.1e}; the layers before it reach {before:.1e}): something {where} amplifies small "
-                f"differences, such as a choice TF32 flips (an expert router's top-k, an argmax); pinning one layer "
-                f"may not do, as what feeds the choice is rounded too: `tf32lab tune` finds what to pin")
+                f"{e.introduced:.1e}; the layers before it reach {before:.1e}): something {where} {what}; pinning "
+                f"one layer may not do, as what feeds the choice is rounded too: `tf32lab tune` finds what to pin")
+    flipped = _flipped(level)
+    if flipped and worst is not None and worst.failure is None:
+        return f"the layer that introduces the most error is {layer.name!r} ({layer.introduced:.1e}), and {flipped}"
     if worst is not None and worst.failure is None and worst.normwise > BEYOND_LAYERS * layer.introduced:
         return (f"no layer introduces that much (at most {layer.introduced:.1e}, in {layer.name!r}): a layer's error "
                 f"is amplified after it (a cancellation, an ill-conditioned solve), which layer's this ranking cannot "

@@ -1,0 +1,50 @@
+"""measure.choices: a top-k compared as a set, a row whose choice ops part from the reference's compared up to
+there, and the reference's indices kept within their budget."""
+
+from __future__ import annotations
+
+import torch
+
+from tf32lab.measure import choices
+from tf32lab.measure.choices import ChoiceLog, Kept, compared
+
+
+def _kept(run) -> Kept:
+    kept = Kept()
+    with ChoiceLog() as log:
+        run()
+    for name, indices in log.choices:
+        kept.choices.append((name, indices))
+    return kept
+
+
+def test_a_top_k_in_another_order_is_the_same_choice():
+    scores = torch.tensor([[0.1, 0.9, 0.8, 0.0]])
+    reference = _kept(lambda: scores.topk(2))
+    with ChoiceLog() as row:
+        torch.tensor([[0.1, 0.8, 0.9, 0.0]]).topk(2)  # the same two experts, the other first
+    assert compared(reference.choices, row.choices) == choices.Choices(0, 2, (), True)
+    with ChoiceLog() as row:
+        torch.tensor([[0.95, 0.8, 0.9, 0.0]]).topk(2)  # another expert in: one index of two differs
+    assert compared(reference.choices, row.choices) == choices.Choices(1, 2, ("aten::topk",), True)
+
+
+def test_a_row_whose_choice_ops_part_is_compared_up_to_there():
+    x = torch.tensor([[1.0, 2.0], [3.0, 0.0]])
+    reference = _kept(lambda: (x.argmax(1), x.sort(1)))
+    with ChoiceLog() as row:
+        x.argmax(1)
+        x.topk(1)  # another op where the reference sorted
+    assert compared(reference.choices, row.choices) == choices.Choices(0, 2, (), False)
+    assert compared([], row.choices) is None
+
+
+def test_the_reference_keeps_indices_within_its_budget(monkeypatch):
+    monkeypatch.setattr(choices, "BUDGET", 5)
+    kept = Kept()
+    x = torch.randn(2, 3)
+    for _ in range(3):
+        kept.keep(torch.ops.aten.argmax.default, (x, 1), {}, x.argmax(1))
+    assert len(kept.choices) == 2 and kept.full  # 2 + 2 of 5, the third left out
+    kept.keep(torch.ops.aten.max.default, (x,), {}, x.max())  # a value, not an index: no choice
+    assert len(kept.choices) == 2
