@@ -664,7 +664,8 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
         ran = rnn_math(level_maths, target.device, recorder.rnn_ops) if level_maths else None
         if ran is not None:  # on a CPU target a GRU runs in the matmul's math, not the rnn key's
             level_maths = {**level_maths, "rnn": ran}
-        chosen = ChoiceLog(len(recorder.mode.choices.choices)) if recorder.mode.choices.choices else None
+        made = recorder.mode.choices.choices if recorder.mode.choices is not None else None
+        chosen = ChoiceLog(len(made)) if made else None
         if chosen is not None:  # the reference made choices (a router's top-k): this run's are compared with them
             modestack.push(chosen)
         try:
@@ -719,8 +720,7 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
         level_maths = {**level_maths, "conv": conv_ran(level_maths["conv"], emu.coverage)}
     coverage = {} if emu is None else {f"{op} {m}": n for (op, m), n in sorted(emu.coverage.items())}
     unhandled = {} if emu is None else dict(sorted(emu.unhandled.items()))
-    choices = compared(recorder.mode.choices.choices, chosen.choices) if chosen is not None and error is None \
-        else None
+    choices = compared(made, chosen.choices) if chosen is not None and error is None else None
     return LevelResult("policy" if row else level, level_maths, outputs, tuple(ranked), metric, coverage, unhandled,
                        time.perf_counter() - started, error=error, policy=row.describe() if row else None,
                        choices=choices)
