@@ -328,6 +328,15 @@ def test_the_choices_tf32_flips_are_counted_against_the_references():
     assert 0 < high.changed < 64 and high.ops == ("aten::argmax",) and high.comparable
     text = " ".join(report.conclusion())
     assert f"{high.changed} of the 64 choices the float64 reference made (aten::argmax) came out otherwise" in text
+    from tf32lab.report.text import notes  # the lines under the tables, in the terminal and the HTML page
+
+    said = [line for line in notes(report) if line.startswith("choices: ")]
+    assert said == ["choices: all 64 choices the float64 reference made (indices of top-k, argmax, sort) came out "
+                    "alike at `highest`",
+                    f"choices: {high.changed} of the 64 choices the float64 reference made (aten::argmax) came out "
+                    f"otherwise at `high`"]
+    assert f"{high.changed} of the 64 choices the float64 reference made (aten::argmax) came out otherwise" in \
+        report.to_html()
     data = report.to_dict()
     assert data["levels"][1]["choices"] == {"changed": high.changed, "made": 64, "ops": ["aten::argmax"],
                                             "comparable": True}

@@ -32,7 +32,7 @@ from tf32lab.report.wording import given
 Report = LevelResult = LayerError = Any
 
 __all__ = ["AMPLIFIED", "DRAWS_UNMATCHED", "MAX_REL_NOTE", "NO_TENSOR", "ON_ANOTHER_THREAD", "PINNED_CONV",
-           "UNMEASURED", "WORTH", "WRITES_PARAMETERS", "amplified", "conclusion", "on_other_threads",
+           "UNMEASURED", "WORTH", "WRITES_PARAMETERS", "amplified", "choices_said", "conclusion", "on_other_threads",
            "pinned_and_diverged", "policy_summary", "unmeasured"]
 
 # The smallest predicted speedup worth acting on: a level is advised for its speed (here, and for a training step
@@ -126,9 +126,26 @@ def _flipped(level: LevelResult) -> Optional[str]:
     """How many of the float64 reference's discrete choices (a top-k's, an argmax's indices) the level made
     otherwise, as a clause; None where it made none otherwise or the reference made none."""
     c = level.choices
-    if c is None or not c.changed:
+    return choices_said(level) if c is not None and c.changed else None
+
+
+def choices_said(level: LevelResult) -> Optional[str]:
+    """The level's discrete choices against the float64 reference's, as a clause (the report's notes say it for
+    every level; the conclusion where the level fails); None where the reference made none.
+
+    >>> from types import SimpleNamespace as Level, SimpleNamespace as Choices
+    >>> choices_said(Level(level="high", choices=Choices(changed=6, made=64, ops=("aten::argmax",), comparable=True)))
+    '6 of the 64 choices the float64 reference made (aten::argmax) came out otherwise at `high`'
+    >>> choices_said(Level(level="highest", choices=Choices(changed=0, made=64, ops=(), comparable=True)))
+    'all 64 choices the float64 reference made (indices of top-k, argmax, sort) came out alike at `highest`'
+    """
+    c = level.choices
+    if c is None:
         return None
     part = "" if c.comparable else ", compared up to where the two runs' choice ops part"
+    if not c.changed:
+        return (f"all {c.made} choices the float64 reference made (indices of top-k, argmax, sort) came out alike at "
+                f"`{level.level}`{part}")
     return (f"{c.changed} of the {c.made} choices the float64 reference made ({', '.join(c.ops)}) came out otherwise "
             f"at `{level.level}`{part}")
 

@@ -72,7 +72,7 @@ def renderables(report: Report) -> Iterator[Any]:
 
 def notes(report: Report) -> list[str]:
     """The lines under the tables: the report's notes, what outputs and layers need said, the max rel footnote."""
-    from tf32lab.report.conclusion import MAX_REL_NOTE, pinned_and_diverged, policy_summary, unmeasured
+    from tf32lab.report.conclusion import MAX_REL_NOTE, choices_said, pinned_and_diverged, policy_summary, unmeasured
 
     # the note on products run on other threads qualifies the verdict: the conclusion says it, beside the verdict
     moved = unmeasured(report) is not None
@@ -84,6 +84,9 @@ def notes(report: Report) -> list[str]:
     for lv in report.levels:
         if lv.same_as is not None:  # its lines are the other level's
             continue
+        said = choices_said(lv)
+        if said is not None:  # the model's discrete choices (a router's top-k) against the reference's
+            lines.append(f"choices: {said}")
         for o in lv.outputs:
             if o.failure is not None:
                 lines.append(f"level {lv.level}, output {o.name!r}: {o.failure}")
