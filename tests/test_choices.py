@@ -48,3 +48,32 @@ def test_the_reference_keeps_indices_within_its_budget(monkeypatch):
     assert len(kept.choices) == 2 and kept.full  # 2 + 2 of 5, the third left out
     kept.keep(torch.ops.aten.max.default, (x,), {}, x.max())  # a value, not an index: no choice
     assert len(kept.choices) == 2
+
+
+class _Counting(torch.nn.Module):
+    """A linear layer beside integer maxima (no index chosen) and an argsort (the reference may run it as a sort)."""
+
+    def __init__(self, argsort: bool) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 8)
+        self.argsort = argsort
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        steps = torch.max(torch.arange(4), torch.arange(4).flip(0)).sum() + torch.tensor([1, 0, 2]).max()
+        h = self.linear(x) + steps
+        return h + torch.argsort(h, 1).float() if self.argsort else h
+
+
+def test_a_maximum_of_integers_is_no_choice():
+    import tf32lab
+
+    report = tf32lab.check(tf32lab.Workload(_Counting(False), torch.randn(4, 16)), levels=("highest", "high"),
+                           speed=False)
+    assert all(level.choices is None for level in report.levels), [level.choices for level in report.levels]
+
+
+def test_an_argsort_is_compared_with_the_references_however_it_ran():
+    import tf32lab
+
+    report = tf32lab.check(tf32lab.Workload(_Counting(True), torch.randn(4, 16)), levels=("highest",), speed=False)
+    assert report.level("highest").choices == choices.Choices(0, 32, (), True)
