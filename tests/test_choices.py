@@ -77,3 +77,15 @@ def test_an_argsort_is_compared_with_the_references_however_it_ran():
 
     report = tf32lab.check(tf32lab.Workload(_Counting(True), torch.randn(4, 16)), levels=("highest",), speed=False)
     assert report.level("highest").choices == choices.Choices(0, 32, (), True)
+
+
+def test_a_row_that_makes_more_choice_ops_than_the_reference_is_not_comparable():
+    x = torch.tensor([[1.0, 2.0], [3.0, 0.0]])
+    reference = _kept(lambda: x.argmax(1))
+    with ChoiceLog(len(reference.choices)) as row:  # as check logs a row: no more than the reference's kept
+        x.argmax(1)
+        x.argmax(1)  # one more (a loop that ran once more at this level)
+    assert compared(reference.choices, row.choices, row.more) == choices.Choices(0, 2, (), False)
+    with ChoiceLog(len(reference.choices)) as row:
+        x.argmax(1)
+    assert compared(reference.choices, row.choices, row.more) == choices.Choices(0, 2, (), True)

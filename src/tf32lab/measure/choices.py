@@ -94,13 +94,16 @@ class ChoiceLog(TorchDispatchMode):
         super().__init__()
         self.choices: list[tuple[str, torch.Tensor]] = []
         self.limit = limit
+        self.more = False  # a choice op past ``limit`` ran: the row made more than it kept
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.overloadpacket in CHOICE_OPS and (self.limit is None or len(self.choices) < self.limit):
+        if func.overloadpacket in CHOICE_OPS and not self.more:
             found = indices_of(func, args, kwargs, out)
-            if found is not None:
+            if found is not None and self.limit is not None and len(self.choices) >= self.limit:
+                self.more = True
+            elif found is not None:
                 self.choices.append((op_name(func), found.detach().clone()))
         return out
 
@@ -119,13 +122,16 @@ class Choices(NamedTuple):
         return {"changed": self.changed, "made": self.made, "ops": list(self.ops), "comparable": self.comparable}
 
 
-def compared(reference: list[tuple[str, torch.Tensor]], row: list[tuple[str, torch.Tensor]]) -> Optional[Choices]:
-    """The row's choices against the reference's, one op for one in order; None where the reference made none."""
+def compared(reference: list[tuple[str, torch.Tensor]], row: list[tuple[str, torch.Tensor]],
+             more: bool = False) -> Optional[Choices]:
+    """The row's choices against the reference's, one op for one in order; None where the reference made none.
+    ``more``: the row made more choice ops than ``row`` holds (its log's limit, the reference's count), where the
+    reference kept all of its own."""
     if not reference:
         return None
     changed = made = 0
     ops: list[str] = []
-    comparable = len(reference) == len(row)
+    comparable = len(reference) == len(row) and not more
     for (name, ours), (other, theirs) in zip(reference, row):
         if name != other or ours.shape != theirs.shape:
             comparable = False
