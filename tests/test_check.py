@@ -356,3 +356,14 @@ def test_a_layer_whose_introduced_error_is_not_measured_still_counts_before_the_
     quiet = dataclasses.replace(router, accumulated=1e-4)
     found = _jump(level(a, quiet, b))
     assert found is not None and found[0] is b and found[3] is quiet
+
+
+def test_a_level_whose_choice_ops_part_from_the_references_says_so():
+    from tf32lab.measure.choices import Choices
+    from tf32lab.report import LevelResult
+    from tf32lab.report.conclusion import _flipped
+
+    level = LevelResult("high", {}, (), (), None, {}, {}, 0.0, choices=Choices(0, 64, (), False))
+    # every index compared came out alike, but the row ran other choice ops (one more argmax: a loop that ran on)
+    assert "`high` made other choice ops than the float64 reference after 64 indices alike" in (_flipped(level) or "")
+    assert _flipped(dataclasses.replace(level, choices=Choices(0, 64, (), True))) is None

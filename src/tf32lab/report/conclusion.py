@@ -128,10 +128,14 @@ def _jump(level: LevelResult) -> Optional[tuple[LayerError, float, float, Option
 
 def _flipped(level: LevelResult) -> Optional[str]:
     """How many of the float64 reference's discrete choices (a top-k's, an argmax's indices) the level made
-    otherwise, as a clause; None where it made none otherwise or the reference made none."""
+    otherwise, or that its choice ops parted from the reference's, as a clause; None where it made them all alike or
+    the reference made none."""
     c = level.choices
-    if c is None or not c.changed:
+    if c is None or (not c.changed and c.comparable):
         return None
+    if not c.changed:  # alike up to where the runs' choice ops part: that they part is the flip
+        return (f"`{level.level}` made other choice ops than the float64 reference after {c.made} indices alike "
+                f"(another op, count or shape: control flow that depends on the values)")
     part = "" if c.comparable else ", compared up to where the two runs' choice ops part"
     return (f"{c.changed} of the {c.made} choices the float64 reference made ({', '.join(c.ops)}) came out otherwise "
             f"at `{level.level}`{part}")
