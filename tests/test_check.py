@@ -346,3 +346,33 @@ def test_the_choices_tf32_flips_are_counted_against_the_references():
     # a model that makes no choice pays nothing and reports none
     plain = tf32lab.check(Workload(nn.Linear(4, 4), torch.randn(2, 4)), levels=("high",), speed=False)
     assert plain.level("high").choices is None
+
+
+def test_a_layer_whose_introduced_error_is_not_measured_still_counts_before_the_next():
+    from tf32lab.report import LayerError, LevelResult
+    from tf32lab.report.conclusion import _jump
+
+    def level(*layers: LayerError) -> LevelResult:
+        return LevelResult("high", {}, (), layers, None, {}, {}, 0.0)
+
+    # 'router' could not be rerun alone (its introduced error NaN), yet its output carries 1e-2 end to end: the
+    # layer after it, which carries as much, is no jump
+    a = LayerError("a", "Linear", 1, 1e-4, 1e-4, None, 0)
+    router = LayerError("router", "Router", 1, math.nan, 1e-2, "raised when run alone", 1)
+    b = LayerError("b", "Linear", 1, 1e-4, 1.2e-2, None, 2)
+    assert _jump(level(a, router, b)) is None
+    # where it carries little, the next layer's jump is set against the layer just before it, 'router'
+    quiet = dataclasses.replace(router, accumulated=1e-4)
+    found = _jump(level(a, quiet, b))
+    assert found is not None and found[0] is b and found[3] is quiet
+
+
+def test_a_level_whose_choice_ops_part_from_the_references_says_so():
+    from tf32lab.measure.choices import Choices
+    from tf32lab.report import LevelResult
+    from tf32lab.report.conclusion import _flipped
+
+    level = LevelResult("high", {}, (), (), None, {}, {}, 0.0, choices=Choices(0, 64, (), False))
+    # every index compared came out alike, but the row ran other choice ops (one more argmax: a loop that ran on)
+    assert "`high` made other choice ops than the float64 reference after 64 indices alike" in (_flipped(level) or "")
+    assert _flipped(dataclasses.replace(level, choices=Choices(0, 64, (), True))) is None

@@ -48,3 +48,44 @@ def test_the_reference_keeps_indices_within_its_budget(monkeypatch):
     assert len(kept.choices) == 2 and kept.full  # 2 + 2 of 5, the third left out
     kept.keep(torch.ops.aten.max.default, (x,), {}, x.max())  # a value, not an index: no choice
     assert len(kept.choices) == 2
+
+
+class _Counting(torch.nn.Module):
+    """A linear layer beside integer maxima (no index chosen) and an argsort (the reference may run it as a sort)."""
+
+    def __init__(self, argsort: bool) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 8)
+        self.argsort = argsort
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        steps = torch.max(torch.arange(4), torch.arange(4).flip(0)).sum() + torch.tensor([1, 0, 2]).max()
+        h = self.linear(x) + steps
+        return h + torch.argsort(h, 1).float() if self.argsort else h
+
+
+def test_a_maximum_of_integers_is_no_choice():
+    import tf32lab
+
+    report = tf32lab.check(tf32lab.Workload(_Counting(False), torch.randn(4, 16)), levels=("highest", "high"),
+                           speed=False)
+    assert all(level.choices is None for level in report.levels), [level.choices for level in report.levels]
+
+
+def test_an_argsort_is_compared_with_the_references_however_it_ran():
+    import tf32lab
+
+    report = tf32lab.check(tf32lab.Workload(_Counting(True), torch.randn(4, 16)), levels=("highest",), speed=False)
+    assert report.level("highest").choices == choices.Choices(0, 32, (), True)
+
+
+def test_a_row_that_makes_more_choice_ops_than_the_reference_is_not_comparable():
+    x = torch.tensor([[1.0, 2.0], [3.0, 0.0]])
+    reference = _kept(lambda: x.argmax(1))
+    with ChoiceLog(len(reference.choices)) as row:  # as check logs a row: no more than the reference's kept
+        x.argmax(1)
+        x.argmax(1)  # one more (a loop that ran once more at this level)
+    assert compared(reference.choices, row.choices, row.more) == choices.Choices(0, 2, (), False)
+    with ChoiceLog(len(reference.choices)) as row:
+        x.argmax(1)
+    assert compared(reference.choices, row.choices, row.more) == choices.Choices(0, 2, (), True)

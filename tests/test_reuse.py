@@ -464,3 +464,28 @@ def test_an_attention_the_levels_compute_alike_is_rerun_once_for_both(reruns: li
     assert both.maths["attention"] == ("tf32x3" if kernel == "efficient" else "tf32-rna")
     assert [(e.name, e.introduced, e.accumulated) for e in both.layers] == \
         [(e.name, e.introduced, e.accumulated) for e in alone.layers]
+
+
+class _NoCudnn(torch.nn.Module):
+    """A convolution with cuDNN off inside the layer (PyTorch's own kernel: its GEMMs at the matmul level)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 8, 3) / 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.backends.cudnn.flags(enabled=False):
+            return torch.nn.functional.conv1d(x, self.weight, padding=1)
+
+
+def test_a_convolution_with_cudnn_off_is_computed_at_each_level_not_reused() -> None:
+    # cuDNN's flag leaves a convolution alike at highest and high on an A100; with cuDNN off it is a GEMM at the
+    # matmul's level: neither the layer's rerun nor the row's convolution may be the other level's
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv1d(8, 8, 3, padding=1), torch.nn.Tanh(), _NoCudnn(), torch.nn.Tanh(),
+                                torch.nn.Conv1d(8, 8, 3, padding=1))
+    workload = tf32lab.Workload(model, torch.randn(2, 8, 64), name="no-cudnn")
+    both = tf32lab.check(workload, levels=("highest", "high"), speed=False).levels[1]
+    alone = tf32lab.check(workload, levels=("high",), speed=False).levels[0]
+    assert both.outputs == alone.outputs and both.coverage == alone.coverage
+    assert [(e.name, e.introduced) for e in both.layers] == [(e.name, e.introduced) for e in alone.layers]

@@ -542,8 +542,9 @@ class _Call:
         if self.no_tf32 and emu.math is None and emu.target.device == "cuda" and key in _CUBLAS_KEYS:
             key = "linalg"  # PyTorch's NoTF32Guard: the cuBLAS handle computes IEEE here
         math = emu.math if emu.math is not None else emu.target.math(key, self.cells)
-        if emu.handoff is not None and emu.handoff.computing:  # a layer's rerun, watched: the keys it met
-            emu.handoff.met(key if emu.math is None else None)
+        if emu.handoff is not None and (emu.handoff.computing or emu.handoff.depth):  # watched or recorded
+            # the key whose entry gives the math (a convolution with cuDNN off: the matmul's)
+            emu.handoff.met(emu.target.table_key(key, self.cells) if emu.math is None else None)
         if emu.rounding is not None and math.rounding is not None and emu.math is None:
             math = Math(math.name, emu.rounding)
         if self.math_seen is None:

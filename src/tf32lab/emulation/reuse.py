@@ -208,9 +208,13 @@ class Handoff:
         self.state, self.thread = "watch", threading.get_ident()
 
     def met(self, key: Optional[str]) -> None:
-        """The op being computed (watching) took its math from ``key`` (None: from the block, at any level)."""
+        """The op being computed (watching or recording) took its math from ``key`` (None: from the block, at any
+        level). Recording, a key of a family the levels compute apart parts the op (a convolution with cuDNN off
+        is a GEMM at the matmul's level: kept, the next level would take this level's bits)."""
         for keys in self.computing:
             keys.add(key)
+        if self.depth and key is not None and key.split(".")[0] not in self.alike:
+            self.parted = True
 
     def close(self) -> None:
         """Nothing more is kept or taken; what was kept in memory is freed (what was written out stays in the spill

@@ -149,8 +149,7 @@ class Target:
     def math(self, key: str, cells: Mapping[str, str]) -> Math:
         """The math for ``key`` when the flag cells hold ``cells`` (``flags.read_cells()`` plus ``sdpa`` and
         ``cudnn``)."""
-        if key in CUDNN_KEYS and self.device == "cuda" and cells.get(CUDNN_CELL) == "off":
-            key = "matmul"  # cuDNN off: PyTorch's own kernels, their GEMMs cuBLAS's (see CUDNN_CELL)
+        key = self.table_key(key, cells)
         seen = []
         while True:
             entry = self.entry(key)
@@ -167,6 +166,15 @@ class Target:
             if math in seen:
                 raise Tf32LabError(f"target {self.name!r}: keys {seen} refer to each other")
             key = math
+
+    def table_key(self, key: str, cells: Mapping[str, str]) -> str:
+        """The key whose entry gives ``key``'s math under ``cells``: a convolution's or an RNN's with cuDNN off is
+        the matmul's (PyTorch's own kernels, their GEMMs cuBLAS's: see CUDNN_CELL).
+
+        >>> get("a100").table_key("conv", {"cudnn": "off"}), get("a100").table_key("conv", {"cudnn": "on"})
+        ('matmul', 'conv')
+        """
+        return "matmul" if key in CUDNN_KEYS and self.device == "cuda" and cells.get(CUDNN_CELL) == "off" else key
 
     def maths(self, cells: Mapping[str, str]) -> dict[str, str]:
         """The math of every key when the flag cells hold ``cells``, by key (a pure lookup)."""

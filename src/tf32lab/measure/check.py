@@ -720,7 +720,9 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
         level_maths = {**level_maths, "conv": conv_ran(level_maths["conv"], emu.coverage)}
     coverage = {} if emu is None else {f"{op} {m}": n for (op, m), n in sorted(emu.coverage.items())}
     unhandled = {} if emu is None else dict(sorted(emu.unhandled.items()))
-    choices = compared(made, chosen.choices) if chosen is not None and error is None else None
+    # past the reference's budget the row's log stops where the reference's kept ones end: no more to tell
+    choices = compared(made, chosen.choices, chosen.more and not recorder.mode.choices.full) \
+        if chosen is not None and error is None else None
     return LevelResult("policy" if row else level, level_maths, outputs, tuple(ranked), metric, coverage, unhandled,
                        time.perf_counter() - started, error=error, policy=row.describe() if row else None,
                        choices=choices)

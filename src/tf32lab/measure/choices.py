@@ -29,11 +29,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tf32lab.control import modestack
 
-__all__ = ["BUDGET", "CHOICE_OPS", "ChoiceLog", "Choices", "Kept", "compared", "indices_of"]
+__all__ = ["BUDGET", "CHOICE_OPS", "ChoiceLog", "Choices", "Kept", "compared", "indices_of", "op_name"]
 
 aten = torch.ops.aten
-CHOICE_OPS = frozenset((aten.topk, aten.argmax, aten.argmin, aten.sort, aten.argsort, aten.max, aten.min,
-                        aten.kthvalue))
+_PAIRED = frozenset((aten.topk, aten.sort, aten.max, aten.min, aten.kthvalue))  # (values, indices): max.dim
+_BARE = frozenset((aten.argmax, aten.argmin, aten.argsort))  # the indices alone
+CHOICE_OPS = _PAIRED | _BARE
 BUDGET = 1 << 22  # indices kept at most (32 MiB of int64): a model that sorts more is compared on the first ones
 
 
@@ -41,15 +42,25 @@ def indices_of(func: Any, args: tuple, kwargs: dict, out: Any) -> Optional[torch
     """The indices a choice op chose, as compared (a top-k's sorted along its dim: a set), or None where ``func``
     chose none (a ``max`` over everything returns a value, not an index)."""
     packet = func.overloadpacket
-    if packet not in CHOICE_OPS:
+    if packet in _BARE:
+        found = out
+    elif packet in _PAIRED and isinstance(out, (tuple, list)) and len(out) == 2:
+        found = out[1]
+    else:  # max/min over everything or of two tensors (max.other): a value, even of integers, not an index
         return None
-    found = out[1] if isinstance(out, (tuple, list)) and len(out) == 2 else out
     if not isinstance(found, torch.Tensor) or found.is_floating_point() or found.is_complex():
         return None
     if packet is aten.topk:
         dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
         found = found.sort(dim=dim).values if found.dim() else found
     return found
+
+
+def op_name(func: Any) -> str:
+    """The name a choice is compared under: its op's without the overload (the reference may run ``sort.stable``
+    where a row runs ``sort``), an argsort's a sort's (the reference's mode may see it decomposed into one)."""
+    name = func.name().split(".")[0]
+    return "aten::sort" if name == "aten::argsort" else name
 
 
 class Kept:
@@ -71,7 +82,7 @@ class Kept:
             self.full = True
             return
         self.elements += found.numel()
-        self.choices.append((func.name(), found.detach().clone()))
+        self.choices.append((op_name(func), found.detach().clone()))
 
 
 @modestack.skips_dynamo_lazily
@@ -83,14 +94,17 @@ class ChoiceLog(TorchDispatchMode):
         super().__init__()
         self.choices: list[tuple[str, torch.Tensor]] = []
         self.limit = limit
+        self.more = False  # a choice op past ``limit`` ran: the row made more than it kept
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.overloadpacket in CHOICE_OPS and (self.limit is None or len(self.choices) < self.limit):
+        if func.overloadpacket in CHOICE_OPS and not self.more:
             found = indices_of(func, args, kwargs, out)
-            if found is not None:
-                self.choices.append((func.name(), found.detach().clone()))
+            if found is not None and self.limit is not None and len(self.choices) >= self.limit:
+                self.more = True
+            elif found is not None:
+                self.choices.append((op_name(func), found.detach().clone()))
         return out
 
 
@@ -108,13 +122,16 @@ class Choices(NamedTuple):
         return {"changed": self.changed, "made": self.made, "ops": list(self.ops), "comparable": self.comparable}
 
 
-def compared(reference: list[tuple[str, torch.Tensor]], row: list[tuple[str, torch.Tensor]]) -> Optional[Choices]:
-    """The row's choices against the reference's, one op for one in order; None where the reference made none."""
+def compared(reference: list[tuple[str, torch.Tensor]], row: list[tuple[str, torch.Tensor]],
+             more: bool = False) -> Optional[Choices]:
+    """The row's choices against the reference's, one op for one in order; None where the reference made none.
+    ``more``: the row made more choice ops than ``row`` holds (its log's limit, the reference's count), where the
+    reference kept all of its own."""
     if not reference:
         return None
     changed = made = 0
     ops: list[str] = []
-    comparable = len(reference) == len(row)
+    comparable = len(reference) == len(row) and not more
     for (name, ours), (other, theirs) in zip(reference, row):
         if name != other or ours.shape != theirs.shape:
             comparable = False

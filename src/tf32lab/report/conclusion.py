@@ -108,25 +108,35 @@ def _jump(level: LevelResult) -> Optional[tuple[LayerError, float, float, Option
     that ended before it, by at least :data:`JUMP` times, among the layers called once: (it, that growth, the
     largest before it, the layer that ended just before it); None where none does or the order of the calls is not
     known (a report of an older version)."""
-    ordered = sorted((e for e in level.layers if e.order is not None and math.isfinite(e.introduced) and
-                      math.isfinite(e.accumulated)), key=lambda e: e.order)
+    # every layer with an order counts before the next, one whose introduced error is not measured (its rerun
+    # raised) too: what its output carries is not the next layer's jump
+    ordered = sorted((e for e in level.layers if e.order is not None), key=lambda e: e.order)
     found, before, previous = None, 0.0, None
     for e in ordered:
-        base = max(e.introduced, before)
+        measured = math.isfinite(e.introduced) and math.isfinite(e.accumulated)
+        base = max(e.introduced, before) if measured else 0.0
         # a layer called again later (shared weights, a loop) has its worst call's error set against the layers
         # before its first: only a layer called once is placed
-        if e.calls == 1 and base > 0.0 and e.accumulated >= JUMP * base and \
+        if measured and e.calls == 1 and base > 0.0 and e.accumulated >= JUMP * base and \
                 (found is None or e.accumulated / base > found[1]):
             found = (e, e.accumulated / base, before, previous)
-        before, previous = max(before, e.accumulated), e
+        if not math.isnan(e.accumulated):  # an infinite one: nothing after it jumps
+            before = max(before, e.accumulated)
+        previous = e
     return found
 
 
 def _flipped(level: LevelResult) -> Optional[str]:
     """How many of the float64 reference's discrete choices (a top-k's, an argmax's indices) the level made
-    otherwise, as a clause; None where it made none otherwise or the reference made none."""
+    otherwise, or that its choice ops parted from the reference's, as a clause; None where it made them all alike or
+    the reference made none."""
     c = level.choices
-    return choices_said(level) if c is not None and c.changed else None
+    if c is None or (not c.changed and c.comparable):
+        return None
+    if not c.changed:  # alike up to where the runs' choice ops part: that they part is the flip
+        return (f"`{level.level}` made other choice ops than the float64 reference after {c.made} indices alike "
+                f"(another op, count or shape: control flow that depends on the values)")
+    return choices_said(level)
 
 
 def choices_said(level: LevelResult) -> Optional[str]:
