@@ -89,3 +89,11 @@ def test_a_row_that_makes_more_choice_ops_than_the_reference_is_not_comparable()
     with ChoiceLog(len(reference.choices)) as row:
         x.argmax(1)
     assert compared(reference.choices, row.choices, row.more) == choices.Choices(0, 2, (), True)
+
+
+def test_a_median_mode_or_running_max_along_a_dim_is_a_choice_and_over_everything_is_not():
+    x = torch.tensor([[3.0, 1.0, 2.0], [0.0, 5.0, 4.0]])
+    for run in (lambda: x.median(1), lambda: x.nanmedian(1), lambda: x.mode(1), lambda: x.cummax(1),
+                lambda: x.cummin(1)):
+        assert len(_kept(run).choices) == 1
+    assert _kept(lambda: (x.median(), x.nanmedian())).choices == []  # a value: nothing chosen by index

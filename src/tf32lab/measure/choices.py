@@ -32,7 +32,9 @@ from tf32lab.control import modestack
 __all__ = ["BUDGET", "CHOICE_OPS", "ChoiceLog", "Choices", "Kept", "compared", "indices_of", "op_name"]
 
 aten = torch.ops.aten
-_PAIRED = frozenset((aten.topk, aten.sort, aten.max, aten.min, aten.kthvalue))  # (values, indices): max.dim
+# (values, indices): max.dim; a median's or mode's index along a dim, and a running max's, are choices too
+_PAIRED = frozenset((aten.topk, aten.sort, aten.max, aten.min, aten.kthvalue, aten.median, aten.nanmedian, aten.mode,
+                     aten.cummax, aten.cummin))
 _BARE = frozenset((aten.argmax, aten.argmin, aten.argsort))  # the indices alone
 CHOICE_OPS = _PAIRED | _BARE
 BUDGET = 1 << 22  # indices kept at most (32 MiB of int64): a model that sorts more is compared on the first ones
