@@ -173,3 +173,19 @@ def counted_graphs():
         yield counting, graphs
     finally:
         torch._dynamo.reset()
+
+
+@pytest.fixture
+def reruns(monkeypatch) -> list[str]:
+    """The name of the layer of each rerun the test's checks make, in turn."""
+    from tf32lab.measure.layers import Recorder
+
+    names: list[str] = []
+    rerun = Recorder._rerun
+
+    def counted(self: Recorder, name: str, *args, **kwargs):
+        names.append(name)
+        return rerun(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(Recorder, "_rerun", counted)
+    return names

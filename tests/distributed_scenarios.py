@@ -111,6 +111,13 @@ def example(factory: str, *args: str):
     return getattr(module, factory)(**{k: int(v) for k, v in (a.split("=") for a in args)})
 
 
+def check_options(args: tuple[str, ...]) -> dict:
+    """``check``'s options for a scenario's arguments: with ``failing``, a tolerance at which `high` fails (its
+    layers rerun by a second float64 pass, on every rank, after the rows); else every level's layers rerun in the
+    reference's own pass (``introduced="all"``)."""
+    return {"tolerance": 1e-6} if "failing" in args else {"introduced": "all"}
+
+
 def check(factory: str, *args: str) -> None:
     """``tf32lab.check`` of the example's sharded model (``factory``), through the Python API."""
     import tf32lab
@@ -119,9 +126,9 @@ def check(factory: str, *args: str) -> None:
     if "odd-high" in args and rank % 2:  # a library that set the level on some ranks only
         torch.set_float32_matmul_precision("high")
         before = tf32lab.flags.snapshot()
-    workload = example(factory, *(a for a in args if a != "odd-high"))
+    workload = example(factory, *(a for a in args if a not in ("odd-high", "failing")))
     try:
-        report = tf32lab.check(workload, levels=LEVELS, speed=False)
+        report = tf32lab.check(workload, levels=LEVELS, speed=False, **check_options(args))
     finally:
         assert not tf32lab.flags.snapshot().diff(before)
     if rank == 0:

@@ -94,7 +94,7 @@ def test_checks_rows_and_reruns_hold_no_rounded_copy_of_a_model_that_reads_each_
     monkeypatch.setattr(emulator._WeightCache, "clear", counting)
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
-    report = tf32lab.check(tf32lab.Workload(model, randn(16, 64, seed=9)), levels=("high",))
+    report = tf32lab.check(tf32lab.Workload(model, randn(16, 64, seed=9)), introduced="all", levels=("high",))
     assert report.level("high").layers and len(kept) >= 3  # the row at high, the floor and the layers' reruns
     assert kept == [0] * len(kept)
 

@@ -36,7 +36,8 @@ def test_a_forward_that_differentiates_is_checked_against_its_float64_forces():
     with tf32lab.precision("high"), tf32lab.emulate("a100"):
         tf32 = model(x)
     by_hand = float((tf32.double() - exact).norm() / exact.norm())
-    report = tf32lab.check(tf32lab.Workload(model, x), levels=("highest", "high"), target="a100", speed=False)
+    report = tf32lab.check(tf32lab.Workload(model, x), introduced="all",
+                           levels=("highest", "high"), target="a100", speed=False)
     highest, high = report.level("highest"), report.level("high")
     assert highest.error is None and high.error is None, (highest.error, high.error)
     assert highest.outputs[0].normwise < 1e-6 and report.passed

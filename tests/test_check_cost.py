@@ -135,7 +135,8 @@ def test_layer_reruns_pass_no_op_through_the_float64_run(monkeypatch):
     monkeypatch.setattr(reference._Ops, "__torch_dispatch__", counting)
     monkeypatch.setattr(layers.Recorder, "_reruns", flagged)
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
-    report = tf32lab.check(tf32lab.Workload(model, torch.randn(8, 32), name="mlp"), levels=("highest", "high"))
+    report = tf32lab.check(tf32lab.Workload(model, torch.randn(8, 32), name="mlp"), introduced="all",
+                           levels=("highest", "high"))
     assert passed == []
     introduced = {layer.name: layer.introduced for layer in report.level("high").layers}
     assert set(introduced) == {"0", "2"} and all(0 < v < 1e-2 for v in introduced.values())

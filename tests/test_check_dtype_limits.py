@@ -56,7 +56,7 @@ def test_a_check_of_scores_masked_with_the_dtypes_limit_holds_the_mask():
     torch.manual_seed(0)
     model = Attention()
     report = tf32lab.check(tf32lab.Workload(model, torch.randn(2, 24, 32), name="masked"),
-                           levels=("highest", "high"), speed=False)
+                           introduced="all", levels=("highest", "high"), speed=False)
     highest, high = report.level("highest"), report.level("high")
     assert highest.passed and high.passed, report.verdicts()
     scores = {o.name: o for o in high.outputs}["1"]

@@ -651,8 +651,8 @@ def test_a_layer_writing_into_a_nested_layers_output_is_measured_the_same_at_eve
     torch.manual_seed(0)
     model = torch.nn.Sequential(_WritesIntoInner(), torch.nn.Linear(16, 4))
     x = torch.randn(8, 16)
-    alone = tf32lab.check(tf32lab.Workload(model, x, name="m"), levels=("high",))
-    after = tf32lab.check(tf32lab.Workload(model, x, name="m"), levels=("highest", "high"))
+    alone = tf32lab.check(tf32lab.Workload(model, x, name="m"), introduced="all", levels=("high",))
+    after = tf32lab.check(tf32lab.Workload(model, x, name="m"), introduced="all", levels=("highest", "high"))
     want = {layer.name: layer.introduced for layer in alone.level("high").layers}
     got = {layer.name: layer.introduced for layer in after.level("high").layers}
     # the same rerun either way: fed the nested layer's recorded output, not what an earlier level's rerun left

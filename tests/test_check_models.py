@@ -188,7 +188,7 @@ def test_a_module_called_both_inside_and_outside_vmap_is_measured_at_its_calls_o
             return self.net(x).squeeze(-1), laplacian
 
     torch.manual_seed(0)
-    report = tf32lab.check(Workload(Laplacian(), torch.rand(32, 2)), levels=("highest", "high"))
+    report = tf32lab.check(Workload(Laplacian(), torch.rand(32, 2)), introduced="all", levels=("highest", "high"))
     for level in report.levels:
         # the calls outside vmap matched with the reference's one for one; the model's own row holds the rest
         assert sorted(layer.name for layer in level.layers) == ["(model)", "net.0", "net.2", "net.4"]
@@ -563,7 +563,7 @@ class _RotatedFlow(nn.Module):
 
 def test_a_layer_returning_a_distributions_object_feeds_its_caller_in_float32():
     torch.manual_seed(0)
-    report = tf32lab.check(Workload(_RotatedFlow(), torch.randn(64, 8)), levels=("highest", "high"))
+    report = tf32lab.check(Workload(_RotatedFlow(), torch.randn(64, 8)), introduced="all", levels=("highest", "high"))
     for level in report.levels:
         layers = {layer.name: layer for layer in level.layers}
         # the caller reran with the rotation's reference object in float32, not float64's (which raised there)
@@ -604,7 +604,7 @@ class _Bayesian(nn.Module):
 
 def test_a_layer_reading_a_draw_the_reference_cached_is_not_said_to_raise():
     torch.manual_seed(0)
-    report = tf32lab.check(Workload(_Bayesian(), torch.randn(32, 16)), levels=("highest", "high"))
+    report = tf32lab.check(Workload(_Bayesian(), torch.randn(32, 16)), introduced="all", levels=("highest", "high"))
     assert report.passed
     for level in report.levels:
         head = {layer.name: layer for layer in level.layers}["head"]
@@ -637,6 +637,6 @@ def test_a_layer_that_returns_none_is_not_measured_rather_than_exact():
             return h + self.side.last @ self.a.weight
 
     torch.manual_seed(0)
-    report = tf32lab.check(Workload(Caller(), torch.randn(4, 8)), levels=("high",))
+    report = tf32lab.check(Workload(Caller(), torch.randn(4, 8)), introduced="all", levels=("high",))
     side = {layer.name: layer for layer in report.level("high").layers}["side"]
     assert math.isnan(side.introduced) and side.diverged.endswith("(None)"), side  # it read 0.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -88,9 +89,10 @@ def _alone(factory: str, *args: str) -> dict:
 def _alone_json(factory: str, *args: str) -> str:
     # one check per model for the tests that compare with it (a worker's tests share it; each gets its own copy)
     import tf32lab
-    from distributed_scenarios import LEVELS, example, numbers
+    from distributed_scenarios import LEVELS, check_options, example, numbers
 
-    return json.dumps(numbers(tf32lab.check(example(factory, *args), levels=LEVELS, speed=False)))
+    return json.dumps(numbers(tf32lab.check(example(factory, *(a for a in args if a != "failing")), levels=LEVELS,
+                                            speed=False, **check_options(args))))
 
 
 def _same(sharded, alone, path="report", rel=1e-9):
@@ -140,6 +142,15 @@ def test_tensor_parallel_mlp_checked_sharded_equals_one_process(world):
     # float64 rounding of an output of size ~1, which is ~1e-9 of the float32 error (3e-7) at highest.
     _same(found["numbers"], alone, rel=1e-7)
     assert alone["high"]["layers"]["0"][2] > 1e-5 and found["numbers"]["high"]["unhandled"] == 0
+
+
+def test_a_failing_level_of_a_tensor_parallel_mlp_has_its_layers_rerun_by_every_rank_as_in_one_process():
+    # `high` fails at 1e-6: each rank runs the float64 reference again after the rows, rerunning the layers at it
+    found = _checked(run_job("check", 2, "tensor_parallel", "failing", timeout=120))
+    alone = _alone("tensor_parallel", "failing")
+    _same(found["numbers"], alone, rel=1e-7)
+    assert math.isnan(alone["highest"]["layers"]["0"][2]) and alone["high"]["layers"]["0"][2] > 1e-5
+    assert not alone["high"]["outputs"]["output"][-1]
 
 
 def test_a_tensor_parallel_check_at_a_reduced_level_alone_runs(tmp_path):

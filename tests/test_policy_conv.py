@@ -339,12 +339,13 @@ def test_a_bad_conv_in_a_file_is_one_line(tmp_path, text, message):
 # -- measured -----------------------------------------------------------------------------------------------------
 def test_check_measures_a_policy_that_pins_convolutions_to_ieee():
     workload = tf32lab.Workload(_convs(), _input(), name="convs")
-    report = tf32lab.check(workload, levels=("highest",), target="a100", conv="tf32", speed=False,
+    report = tf32lab.check(workload, introduced="all", levels=("highest",), target="a100", conv="tf32", speed=False,
                            policy=Policy("highest", conv="ieee"))
     tf32, pinned = report.level("highest"), report.level("policy")
     assert pinned.outputs[0].normwise < tf32.outputs[0].normwise / 100  # TF32 convolutions against IEEE ones
     assert pinned.maths["conv"] == "ieee" and tf32.maths["conv"] == "tf32-rna"
-    both = tf32lab.check(workload, levels=("highest",), target="a100", conv="tf32", speed=False, policy=PINNED)
+    both = tf32lab.check(workload, introduced="all",
+                         levels=("highest",), target="a100", conv="tf32", speed=False, policy=PINNED)
     mixed = both.level("policy")
     assert mixed.maths["conv"] == "mixed" and mixed.policy["rules"] == [{"pattern": "2", "level": None,
                                                                          "conv": "ieee"}]
@@ -358,7 +359,7 @@ def test_check_measures_a_policy_that_pins_convolutions_to_ieee():
     assert 0 < layers["2"].introduced < tf32_layers["2"].introduced / 100 and layers["2"].diverged is None
     assert layers["2"].accumulated < tf32_layers["2"].accumulated  # its own rounding no longer adds to its input's
     # the same layer alone at IEEE convolutions introduces what the pinned one does
-    alone = tf32lab.check(workload, levels=("highest",), target="a100", conv="ieee", speed=False)
+    alone = tf32lab.check(workload, introduced="all", levels=("highest",), target="a100", conv="ieee", speed=False)
     assert {layer.name: layer for layer in alone.level("highest").layers}["2"].introduced == layers["2"].introduced
 
 
@@ -385,9 +386,9 @@ def test_a_pinned_layer_whose_calls_run_a_convolution_or_not_is_measured_whole()
             return self.d(h, False), self.d(h.reshape(1, 4, 8, 8), True)
 
     workload = tf32lab.Workload(Model(), 8 + torch.randn(4, 64, generator=torch.Generator().manual_seed(1)))
-    pinned = tf32lab.check(workload, levels=("high",), target="a100", conv="tf32", speed=False,
+    pinned = tf32lab.check(workload, introduced="all", levels=("high",), target="a100", conv="tf32", speed=False,
                            policy=Policy("high", [("d", None, "ieee")]))
-    plain = tf32lab.check(workload, levels=("high",), target="a100", conv="ieee", speed=False)
+    plain = tf32lab.check(workload, introduced="all", levels=("high",), target="a100", conv="ieee", speed=False)
     got = {layer.name: layer for layer in pinned.level("policy").layers}["d"]
     want = {layer.name: layer for layer in plain.level("high").layers}["d"]
     assert got.introduced == want.introduced and got.diverged is None

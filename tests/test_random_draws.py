@@ -106,7 +106,7 @@ def _training(model: torch.nn.Module, x: torch.Tensor) -> tf32lab.TrainingWorklo
 
 def test_check_of_a_sampling_model_compares_the_same_noise():
     model, x = _vae()
-    report = tf32lab.check(tf32lab.Workload(model, x), levels=("highest", "high"), target="a100")
+    report = tf32lab.check(tf32lab.Workload(model, x), introduced="all", levels=("highest", "high"), target="a100")
     highest = report.level("highest")
     assert highest.outputs[0].normwise < 1e-6 and highest.unstable is None  # 1.2 when float64 drew its own noise
     assert report.level("high").outputs[0].normwise > 1e-5  # the level's own error is still seen
@@ -128,7 +128,8 @@ class _NoisyLayer(torch.nn.Module):
 def test_a_layer_rerun_draws_what_its_reference_call_drew():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), _NoisyLayer(), torch.nn.Linear(16, 4))
-    report = tf32lab.check(tf32lab.Workload(model, torch.randn(8, 16)), levels=("highest",), target="a100")
+    report = tf32lab.check(tf32lab.Workload(model, torch.randn(8, 16)), introduced="all",
+                           levels=("highest",), target="a100")
     introduced = {layer.name: layer.introduced for layer in report.level("highest").layers}
     assert introduced["1"] < 1e-6, introduced
 
@@ -363,7 +364,8 @@ def _same(a, b) -> bool:
 def test_a_layer_drawing_from_numpy_and_python_reruns_on_what_its_call_drew():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), _PythonAndNumpyNoise(), torch.nn.Linear(16, 4))
-    report = tf32lab.check(tf32lab.Workload(model, torch.randn(8, 16)), levels=("highest",), target="a100",
+    report = tf32lab.check(tf32lab.Workload(model, torch.randn(8, 16)), introduced="all",
+                           levels=("highest",), target="a100",
                            speed=False)
     introduced = {layer.name: layer.introduced for layer in report.level("highest").layers}
     assert introduced["1"] < 1e-6, introduced  # 1.7: its reruns drew other numbers than its reference call

@@ -119,7 +119,7 @@ def test_a_layer_whose_output_is_a_view_of_its_state_is_measured():
     torch.manual_seed(0)
     model = torch.nn.Sequential(_CachesThenViews(), torch.nn.Linear(8, 8))
     report = tf32lab.check(tf32lab.Workload(model, torch.randn(8, 64), name="cache-view"),
-                           levels=("highest", "medium"), target="a100", speed=False)
+                           introduced="all", levels=("highest", "medium"), target="a100", speed=False)
     for row, (low, high) in zip(report.levels, ((1e-8, 1e-6), (1e-5, 1e-2))):
         layer = next(layer for layer in row.layers if layer.name == "0")
         assert low < layer.introduced < high and low < layer.accumulated < high, (row.level, layer)

@@ -274,29 +274,13 @@ class _Mixer(torch.nn.Module):
         return (y.unsqueeze(-1) * self.mix).sum(-2)
 
 
-@pytest.fixture
-def reruns(monkeypatch) -> list[str]:
-    """The name of the layer of each rerun the test's checks make, in turn."""
-    from tf32lab.measure.layers import Recorder
-
-    names: list[str] = []
-    rerun = Recorder._rerun
-
-    def counted(self: Recorder, name: str, *args, **kwargs):
-        names.append(name)
-        return rerun(self, name, *args, **kwargs)
-
-    monkeypatch.setattr(Recorder, "_rerun", counted)
-    return names
-
-
 def test_a_layer_is_rerun_where_its_rerun_met_a_family_the_levels_compute_apart(reruns: list[str]) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv1d(6, 6, 1), torch.nn.Conv1d(6, 6, 1), _Mixer())
     workload = tf32lab.Workload(model, torch.randn(3, 6, 20), name="mixer")
-    both = tf32lab.check(workload, levels=("highest", "high"), speed=False).levels[1]
+    both = tf32lab.check(workload, introduced="all", levels=("highest", "high"), speed=False).levels[1]
     assert sorted(reruns) == ["1", "2", "2"]  # the second convolution once for both levels, the mixer at each
-    alone = tf32lab.check(workload, levels=("high",), speed=False).levels[0]
+    alone = tf32lab.check(workload, introduced="all", levels=("high",), speed=False).levels[0]
     assert {e.name: e.introduced for e in both.layers} == {e.name: e.introduced for e in alone.layers}
 
 
@@ -457,10 +441,10 @@ def test_an_attention_the_levels_compute_alike_is_rerun_once_for_both(reruns: li
     workload = tf32lab.Workload(_Attend(), torch.randn(3, 10, 16), name="attend")
     # PyTorch's own choice (the float64 reference's CPU flash kernel), or the math kernel alone (its GEMMs)
     with sdpa_kernel([SDPBackend.MATH]) if kernel == "math" else contextlib.nullcontext():
-        both = tf32lab.check(workload, levels=("highest", "high"), speed=False).levels[1]
+        both = tf32lab.check(workload, introduced="all", levels=("highest", "high"), speed=False).levels[1]
         # the projection is fed the model's inputs: the end-to-end run measures it; the attention is rerun
         assert reruns == ["(model)"] * times
-        alone = tf32lab.check(workload, levels=("high",), speed=False).levels[0]
+        alone = tf32lab.check(workload, introduced="all", levels=("high",), speed=False).levels[0]
     assert both.maths["attention"] == ("tf32x3" if kernel == "efficient" else "tf32-rna")
     assert [(e.name, e.introduced, e.accumulated) for e in both.layers] == \
         [(e.name, e.introduced, e.accumulated) for e in alone.layers]

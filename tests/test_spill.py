@@ -145,7 +145,7 @@ def _check(monkeypatch, mib: str) -> dict:
     monkeypatch.setenv("TF32LAB_SPILL_MIB", mib)
     torch.manual_seed(0)
     workload = tf32lab.Workload(_Front(), torch.randn(16, 2048) * 10 + 3, name="front")
-    report = tf32lab.check(workload, levels=("highest", "high"), speed=False).to_dict()
+    report = tf32lab.check(workload, introduced="all", levels=("highest", "high"), speed=False).to_dict()
     return {"levels": report["levels"], "notes": report["notes"]}
 
 

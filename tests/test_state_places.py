@@ -551,7 +551,7 @@ def test_a_cache_object_the_model_appends_to_is_given_as_it_was_to_every_run_and
     keys = torch.randn(12, 16)
     cache = _KeyCache(keys)
     report = tf32lab.check(tf32lab.Workload(_Decodes(), (torch.randn(4, 16), cache), name="decodes"),
-                           levels=("highest", "high"), speed=False)
+                           introduced="all", levels=("highest", "high"), speed=False)
     assert all(row.passed and row.error is None for row in report.levels)
     assert cache.layers[0].keys is keys and cache.layer_class is _KeysOfALayer
     assert any("writes into its inputs" in note for note in report.notes)
@@ -568,7 +568,7 @@ def test_a_cache_object_written_in_place_leaves_the_layer_unfed_and_the_rows_rig
     before = keys.clone()
     cache = _KeyCache(keys)
     report = tf32lab.check(tf32lab.Workload(_Decodes(in_place=True), (torch.randn(4, 16), cache), name="static"),
-                           levels=("highest", "high"), speed=False)
+                           introduced="all", levels=("highest", "high"), speed=False)
     assert all(row.passed for row in report.levels)
     assert cache.layers[0].keys is keys and torch.equal(keys, before)
     attn = next(layer for layer in report.level("high").layers if layer.name == "attn")
@@ -616,7 +616,8 @@ def test_a_transformers_decoders_attention_layers_are_measured_with_its_own_cach
         cache = lm(ids, use_cache=True).past_key_values
     length = cache.get_seq_length()
     for inputs in ((ids,), (ids[:, -1:], cache)):
-        report = tf32lab.check(tf32lab.Workload(_Decoder(lm), inputs, name="decoder"), levels=("highest", "high"),
+        report = tf32lab.check(tf32lab.Workload(_Decoder(lm), inputs, name="decoder"), introduced="all",
+                               levels=("highest", "high"),
                                speed=False)
         assert all(row.passed and row.error is None for row in report.levels)
         attention = [layer for layer in report.level("high").layers if layer.name.endswith("self_attn")]
@@ -634,7 +635,7 @@ def test_a_cache_object_made_under_inference_mode_is_held_for_the_reruns() -> No
         keys = torch.randn(12, 16)
     cache = _KeyCache(keys)
     report = tf32lab.check(tf32lab.Workload(_Decodes(), (torch.randn(4, 16), cache), name="decodes"),
-                           levels=("highest", "high"), speed=False)
+                           introduced="all", levels=("highest", "high"), speed=False)
     assert all(row.passed and row.error is None for row in report.levels)
     assert cache.layers[0].keys is keys
     attn = next(layer for layer in report.level("high").layers if layer.name == "attn")
@@ -659,7 +660,7 @@ def test_a_layers_rerun_is_given_the_cache_its_call_was_given_in_float32() -> No
     keys = torch.randn(12, 16)
     cache = _KeyCache(keys)
     report = tf32lab.check(tf32lab.Workload(_DecodesTwice(), (torch.randn(4, 16), cache), name="twice"),
-                           levels=("highest", "high"), speed=False)
+                           introduced="all", levels=("highest", "high"), speed=False)
     assert all(row.passed and row.error is None for row in report.levels)
     assert cache.layers[0].keys is keys
     for row in report.levels:
@@ -699,7 +700,7 @@ def test_a_deque_among_a_layers_objects_is_given_to_its_reruns_as_the_call_was()
     first = torch.randn(4, 16)
     ring = _Frames(first)
     report = tf32lab.check(tf32lab.Workload(_Streams(), (torch.randn(4, 16), ring), name="ring"),
-                           levels=("highest", "high"), speed=False)
+                           introduced="all", levels=("highest", "high"), speed=False)
     assert list(ring.frames) == [first]
     for row in report.levels:
         attn = next(layer for layer in row.layers if layer.name == "attn")
@@ -741,7 +742,7 @@ def test_a_random_generator_among_the_inputs_draws_alike_in_every_run_and_every_
     fresh = {"torch": lambda: torch.Generator().manual_seed(1), "random": lambda: random.Random(1),
              "numpy": lambda: np.random.default_rng(1)}[kind]()
     report = tf32lab.check(tf32lab.Workload(_DrawsFromAGivenGenerator(), (torch.randn(4, 16), generator),
-                                            name="draws"), levels=("highest", "high"), speed=False)
+                                            name="draws"), introduced="all", levels=("highest", "high"), speed=False)
     assert report.level("highest").outputs[0].normwise < 1e-6 and all(row.passed for row in report.levels)
     noisy = next(layer for layer in report.level("highest").layers if layer.name == "noisy")
     assert noisy.introduced < 1e-6, noisy

@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--no-speed", action="store_true",
                        help="do not predict each level's speedup on the target (predicting it counts the ops of one "
                             "more run, or training step)")
+    check.add_argument("--introduced", choices=("failing", "all"),
+                       help="at which levels each layer's introduced error (the layer rerun on the reference's "
+                            "inputs) is measured: 'failing' (the levels that fail, by one more float64 pass) or "
+                            "'all' (every level, one more run of each layer per level) (default: failing)")
     check.add_argument("--json", metavar="PATH",
                        help="write the report as JSON (docs/report-schema.md); '-' for stdout, instead of the tables")
     check.add_argument("--html", metavar="PATH", help="write the report as a self-contained HTML page")
@@ -485,6 +489,9 @@ def _check(args: argparse.Namespace) -> int:
         policy = Policy.load(args.policy)  # before the workload loads: a bad file fails fast
     if args.steps is not None and not args.train:
         raise Tf32LabError(f"--steps {args.steps} goes with --train (the number of training steps)")
+    if args.introduced is not None and (args.train or args.generate is not None):
+        raise Tf32LabError(f"--introduced {args.introduced} goes with a check of the forward (not with --train or "
+                           f"--generate, which measure no layer's introduced error)")
     if args.generate is not None or args.prompts is not None or args.criterion is not None or args.no_cache:
         return _check_generation(args, levels, target)
     if args.train:
@@ -518,7 +525,7 @@ def _check_loaded(args: argparse.Namespace, spec: str, levels: tuple[str, ...], 
         else:
             report = check(loaded, levels=levels, target=target, tolerance=args.tolerance,
                            progress=sys.stderr.isatty(), policy=policy, speed=not args.no_speed,
-                           accumulation=args.accumulation, conv=args.conv)
+                           accumulation=args.accumulation, conv=args.conv, introduced=args.introduced or "failing")
     if rank:  # rank 0 prints and writes the job's one report; every rank exits with its verdict
         return 0 if report.passed else 1
 

@@ -783,6 +783,16 @@ def _is_parameter(t: torch.Tensor) -> bool:
     return isinstance(t._base if t._base is not None else t, torch.nn.Parameter)
 
 
+def _on_meta(args: Any) -> bool:
+    """Whether the first tensor among ``args`` is a meta tensor (an op's operands are on one device)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device.type == "meta"
+        if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+            return a[0].device.type == "meta"
+    return False
+
+
 def _holds(args: Any, dtype: torch.dtype = _F32) -> bool:
     """Whether a tensor of ``dtype`` is among ``args`` (lists and tuples of them included)."""
     for a in args:
@@ -919,6 +929,8 @@ class _Mode(TorchDispatchMode):
                 except RuntimeError as error:
                     return _with_numbers_unwrapped(func, args, kwargs, error)
             return _passed_on(func, args, kwargs)  # under the tracer: the one place that knows what it needs
+        if _on_meta(args):  # shapes without values (DTensor's sharding propagation): as it is, and not counted
+            return _passed_on(func, args, kwargs)
         tracing = _get_tracing_state()
         if tracing is None:
             handoff = entry.emu.handoff

@@ -2,12 +2,13 @@
 
 One run of the model in float64 (``tf32lab.measure.reference``: the float32 model itself, every op widened, no copy)
 gives the reference. During it, each module that runs matmul-family ops itself (a *layer*) is hooked: its
-float64 output is kept, and right after each of its calls it is run again in float32 under each level, fed the
-inputs it just had, with the layers nested in it answering with their reference outputs: the error it
-*introduces* with its own ops. Then, per level, under ``precision(level)`` and ``emulate(target)`` (or on the real
+float64 output is kept. Then, per level, under ``precision(level)`` and ``emulate(target)`` (or on the real
 hardware with ``target="native"``), one end-to-end run gives the outputs' errors and each layer's *accumulated*
-error. No layer's inputs are stored, so the memory is the model's, one level's activations and the reference
-outputs of the layers.
+error. Where a level fails, the reference runs once more, and right after each layer call the layer is run again
+in float32 under that level, fed the inputs it just had, with the layers nested in it answering with their
+reference outputs: the error it *introduces* with its own ops, which says which layer to pin
+(``introduced="all"``: at every level, in the first pass). No layer's inputs are stored, so the memory is the
+model's, one level's activations and the reference outputs of the layers.
 
 A level at which the model raises is a result (``LevelResult.error``), not a crash: a Cholesky that fails under
 TF32 is what check is for. A model that raises at the reference, in float64, is bad input (``Tf32LabError``).
@@ -23,7 +24,7 @@ Example:
     >>> w = tf32lab.Workload(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4)),
     ...                      torch.randn(32, 256), name="mlp")
     >>> report = tf32lab.check(w, levels=("high",))
-    >>> sorted(layer.name for layer in report.level("high").layers), bool(report)   # ranked by introduced error
+    >>> sorted(layer.name for layer in report.level("high").layers), bool(report)   # its two layers, and the verdict
     (['0', '1'], True)
 """
 
@@ -83,6 +84,7 @@ from tf32lab.workloads.workload import Workload, eval_mode, training_note
 __all__ = ["PolicyRow", "Session", "alike_levels", "check", "policy_maths", "rows_of_alike"]
 
 REFERENCES = ("float64",)
+INTRODUCED = ("failing", "all")  # check(introduced=...): where the layers are rerun
 _T = TypeVar("_T")
 
 
@@ -91,7 +93,7 @@ _T = TypeVar("_T")
 def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[str, Target] = "a100",
           reference: str = "float64", tolerance: Union[float, Mapping[str, float], None] = None, progress: bool = False,
           policy: Optional[Policy] = None, speed: bool = True, accumulation: Optional[str] = None,
-          conv: Optional[str] = None) -> Report:
+          conv: Optional[str] = None, introduced: str = "failing") -> Report:
     """Measure ``workload`` at each level against a float64 reference, as ``target`` would compute it.
 
     Args:
@@ -113,6 +115,11 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
         conv: cuDNN's float32 convolution math for every row, ``"tf32"`` or ``"ieee"``
             (``torch.backends.cudnn.conv.fp32_precision``, which no level sets; None: as the process's flag holds
             it, PyTorch's default ``tf32``), set for the run and put back (``control.scope.conv_math``).
+        introduced: at which levels each layer's *introduced* error (its own ops' rounding: the layer run again
+            on the reference's inputs) is measured. ``"failing"`` (default): at the levels that fail, where it says
+            which layer to pin, by one more float64 pass after the rows; a level that passes reports each layer's
+            accumulated error only (``LevelResult.reruns`` False). ``"all"``: at every level, in the reference's
+            one pass, for one more run of every layer per level. With ``policy``, every level is rerun.
 
     Returns a :class:`~tf32lab.report.Report`; ``bool(report)`` is the verdict. Raises ``Tf32LabError`` for bad
     arguments, a model that raises at the float64 reference, an output with nothing to compare, or no memory.
@@ -134,6 +141,8 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
         raise Tf32LabError(f"unknown reference {reference!r}; accepted: {', '.join(map(repr, REFERENCES))}")
     tolerances = tolerances_of(tolerance)
     accumulation = check_accumulation(accumulation)
+    if not isinstance(introduced, str) or introduced not in INTRODUCED:  # an array's == is no bool
+        raise Tf32LabError(f"introduced must be {' or '.join(map(repr, INTRODUCED))}, not {introduced!r}")
     conv_scope = ConvRun(conv)
     refuse_applied(workload, "check")
     ranks = Ranks.of_job()  # in a job of several ranks: the model is sharded over them, the errors reduced
@@ -143,9 +152,9 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
             agree(ranks.group, model=workload.model, also={
                 "check levels": ",".join(levels), "check target": target.name, "check reference": reference,
                 "check tolerance": repr(tolerances), "check accumulation": accumulation, "check conv": str(conv),
-                "check policy": policy_digest(policy), "check speed": str(speed)})
+                "check policy": policy_digest(policy), "check speed": str(speed), "check introduced": introduced})
         report = _check(workload, levels, target, reference, tolerances, progress and (ranks is None or
-                        ranks.rank == 0), policy, speed, accumulation, ranks, conv)
+                        ranks.rank == 0), policy, speed, accumulation, ranks, conv, introduced)
         if ranks is not None:  # every rank done before any leaves, or writes the report (and none ran more)
             ranks.meet("the end of the check")
     if conv is not None:
@@ -229,34 +238,42 @@ class ConvRun:
 
 def _check(workload: Workload, levels: tuple[str, ...], target: Target, reference: str, tolerances: dict[str, float],
            progress: bool, policy: Optional[Policy], speed: bool, accumulation: Optional[str] = None,
-           ranks: Optional[Ranks] = None, conv: Optional[str] = None) -> Report:
+           ranks: Optional[Ranks] = None, conv: Optional[str] = None, introduced: str = "failing") -> Report:
     started = time.perf_counter()
     cells = context_cells()  # cuDNN's flag as the run holds it (conv=, else the process's)
     row = PolicyRow.of(policy, workload.model) if policy is not None else None
     extra = tuple(level for level in ALL_LEVELS if row is not None and level in row.levels and level not in levels)
     alike = alike_levels(levels + extra, target)  # level -> the earlier level the target computes identically, if any
     measured = [level for level in levels + extra if alike[level] is None]
+    # the levels whose layers the reference's own pass reruns; the others' only where they fail, by a second pass
+    # (a policy row reads its layers' errors at each of its levels: all rerun at once)
+    upfront = measured if introduced == "all" or row is not None else []
     # float32 `highest`'s own error, each row's multiple of it: a row, or one run more where no row computes it
     floor_from = _floor_row(levels, target)
     runs = len([level for level in levels if alike[level] is None]) + (row is not None) + (floor_from is None)
     pins = {} if row is None else _pins(row, target, alike)
     with Progress(progress, steps=1 + runs) as bar, \
             Session(workload, measured, target, tolerances, speed=speed, bar=bar, accumulation=accumulation,
-                    ranks=ranks, pins=pins, rows=[level for level in levels if alike[level] is None]) as session:
+                    ranks=ranks, pins=pins, rows=[level for level in levels if alike[level] is None],
+                    rerun=upfront) as session:
         results: dict[str, LevelResult] = {}
         for level in levels:
-            same = alike[level]
-            if same is not None:  # the target computes both levels alike: measured once
-                results[level] = dataclasses.replace(results[same], level=level, same_as=same, seconds=0.0)
-                continue
-            results[level] = session.level(level)
-        if "highest" in results and results["highest"].same_as is None:
+            if alike[level] is None:
+                results[level] = session.level(level)
+        if "highest" in results:
             results["highest"] = session.steady(results["highest"])
-        rows = [results[level] for level in levels]
-        if row is not None:
-            rows.append(session.policy(row, alike))
+        policy_result = session.policy(row, alike) if row is not None else None
         floor = results[floor_from].outputs if floor_from is not None and results[floor_from].error is None \
             else session.floor() if floor_from is None else None
+        failing = [level for level, result in results.items() if not result.reruns and not result.passed]
+        if failing and session.recorder.layers:  # which layer to pin: each rerun where the level failed
+            session.introduce(failing)
+            results.update({level: session.introduced_at(results[level]) for level in failing})
+    for level in levels:
+        same = alike[level]
+        if same is not None:  # the target computes both levels alike: measured once
+            results[level] = dataclasses.replace(results[same], level=level, same_as=same, seconds=0.0)
+    rows = [results[level] for level in levels] + ([policy_result] if policy_result is not None else [])
     rows = [with_multiples(r, floor) for r in rows]
     # cuDNN as the rows ran: a workload that turned it off (kept_flags puts it back, and says so) ran them without
     cells = {**cells, CUDNN_CELL: cudnn_cell()}
@@ -267,6 +284,8 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
     counted = next((r for r in rows if r.same_as is None), None)  # the first end-to-end run: the one counted
     work = _work_note(rows, counted) if predicted is not None and counted is not None else None
     notes += [work] if work else []
+    unrerun = _unrerun_note(rows) if session.recorder.layers else None
+    notes += [unrerun] if unrerun else []
     if ranks is not None:
         notes.append(f"sharded over {ranks.world} ranks: every error is the whole model's, reduced over the ranks "
                      f"(sums of squares, maxima); the speed prediction counts rank {ranks.rank}'s share of the work")
@@ -277,6 +296,17 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
         cudnn=cudnn.families(session.recorder.by_family, rows, target, cells, conv, predicted,
                              rnn_ops=session.recorder.rnn_ops),
     )
+
+
+def _unrerun_note(rows: list[LevelResult]) -> Optional[str]:
+    """What the report says where some level's layers were not rerun: why their introduced errors are blank."""
+    passed = [r.level for r in rows if not r.reruns and r.same_as is None]
+    if not passed:
+        return None
+    said = ", ".join(f"`{level}`" for level in passed)
+    return (f"the layers were not rerun at {said}, which passed: each layer's accumulated error is measured there, "
+            f"and its introduced error (the layer run again on the reference's inputs: its own rounding) where a "
+            f"level fails; check(introduced=\"all\") (CLI: --introduced all) measures it at every level")
 
 
 def _work_note(rows: list[LevelResult], counted: LevelResult) -> Optional[str]:
@@ -311,7 +341,7 @@ class Session:
     def __init__(self, workload: Workload, measured: list[str], target: Target, tolerances: dict[str, float], *,
                  speed: bool = True, bar: Optional[Progress] = None, accumulation: Optional[str] = None,
                  ranks: Optional[Ranks] = None, pins: Optional[dict[str, tuple[str, str]]] = None,
-                 rows: Optional[Iterable[str]] = None) -> None:
+                 rows: Optional[Iterable[str]] = None, rerun: Optional[Iterable[str]] = None) -> None:
         self.workload, self.target, self.tolerances = workload, target, tolerances
         self.ranks = ranks
         self.measured = list(measured)
@@ -319,7 +349,13 @@ class Session:
         self.rows = set(self.measured if rows is None else rows)
         self.bar = bar or Progress(False, 0)
         self.spill = SpillFile(min_bytes_from_env())
-        self._recording = (workload.model, self.measured, target, self.spill, accumulation, ranks, pins)
+        # the levels the reference's pass reruns each layer at (None: every measured one; the others' by
+        # :meth:`introduce`, where they fail)
+        rerun = self.measured if rerun is None else list(rerun)
+        self._recording = (workload.model, rerun, target, self.spill, accumulation, ranks, pins)
+        # level -> each call's accumulated error in its row, for the calls whose introduced error it is (a layer fed
+        # the model's own inputs), kept for a level whose layers :meth:`introduce` reruns after its row
+        self.fed: dict[str, dict[tuple[str, int], float]] = {}
         self.recorder = Recorder(*self._recording)
         self.counting = Counting(workload.model) if speed and target.peaks is not None else None
         self.runs = 0  # end-to-end runs so far
@@ -366,11 +402,12 @@ class Session:
             self.handed = None
         self._stack.__exit__(*exc)
 
-    def _reference(self, plan: Optional[list[Optional[str]]] = None) -> None:
+    def _reference(self, plan: Optional[list[Optional[str]]] = None, announce: bool = True) -> None:
         workload, recorder = self.workload, self.recorder
         recorder.mode.plan = plan
         recorder.before_write = self.reset.before_write  # a parameter it writes into: copied first, put back
-        self.bar.step(f"{workload.name}: float64 reference, each layer at {len(self.measured)} level(s)")
+        if announce:
+            self.bar.step(f"{workload.name}: float64 reference, each layer at {len(recorder.levels)} level(s)")
         # the model's own ops only (not the layers' reruns, nor the recorder's arithmetic); not sharded: a rank's
         # part of an output is not formed by its own operands alone
         formed = Formed(lambda: not (recorder.rerunning or recorder.mode.paused), recorder.mode) \
@@ -488,7 +525,8 @@ class Session:
             if handoff is not None:
                 handoff.replay() if replaying else handoff.record()
             return _check_level(self.workload, level, self.target, self.recorder, self.ref_out, self.tolerances,
-                                counting=counting, scales=self.scales, handoff=handoff)
+                                counting=counting, scales=self.scales, handoff=handoff,
+                                fed=self.fed.setdefault(level, {}))
 
         try:
             return self._as_drawn(run, f"the `{level}` row")
@@ -496,6 +534,32 @@ class Session:
             self.ran.add(level)
             if replaying:
                 handoff.close()
+
+    def introduce(self, levels: list[str]) -> None:
+        """Run the float64 reference again, each layer rerun at ``levels`` (rows run already, without their layers
+        rerun): their introduced errors, for :meth:`introduced_at`. The reference is deterministic (its draws from
+        one seed, as the first pass drew them), so this pass computes the same float64 values as the first; the
+        first's kept outputs are let go before it keeps its own."""
+        plan = self.recorder.mode.plan
+        self._recording = (self._recording[0], list(levels), *self._recording[2:])
+        self.recorder = Recorder(*self._recording)
+        self.recorder.streams = self.streams
+        self.bar.more(f"{self.workload.name}: float64 reference again, each layer at {len(levels)} level(s)")
+        self.reset()
+        self.inputs_kept()
+        release_buffers()
+        self._reference(plan, announce=False)
+
+    def introduced_at(self, result: LevelResult) -> LevelResult:
+        """``result``, a level's row run without its layers rerun, with each layer's introduced error from the
+        reruns of :meth:`introduce`, ranked by it."""
+        fed = self.fed.get(result.level, {})
+        layers = []
+        for layer in result.layers:
+            introduced, why = _introduced(self.recorder, fed, result.level, layer.name)
+            reasons = "; ".join(r for r in (why, layer.diverged) if r)
+            layers.append(dataclasses.replace(layer, introduced=introduced, diverged=reasons or None))
+        return dataclasses.replace(result, layers=_ranked(layers), reruns=True)
 
     def _handoff(self, level: str) -> tuple[Optional[Handoff], bool]:
         """The hand-off this run of ``level`` replays (True: the one the run before recorded for it) or records
@@ -645,13 +709,14 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
                  tolerances: dict[str, float], row: Optional[PolicyRow] = None,
                  alike: Optional[dict[str, Optional[str]]] = None, counting: Optional[Counting] = None,
                  idle: Optional[list[str]] = None,
-                 scales: Optional[Mapping[str, metrics.Scale]] = None, handoff: Optional[Handoff] = None
-                 ) -> LevelResult:
+                 scales: Optional[Mapping[str, metrics.Scale]] = None, handoff: Optional[Handoff] = None,
+                 fed: Optional[dict[tuple[str, int], float]] = None) -> LevelResult:
     """One end-to-end run at ``level`` (with ``row``: the policy applied, ``level`` its base) and its result;
     ``counting``: the run's work is counted too (for the speed prediction); ``idle``: a note on the policy's rules
     that did not act in the run is added to it; ``scales``: the magnitudes that formed the outputs
     (``measure.scales``); ``handoff``: what this run keeps for the next or takes from the one before
-    (``emulation.reuse``)."""
+    (``emulation.reuse``); ``fed``: filled with the accumulated errors of the calls whose introduced error they
+    are, for a level whose layers the reference's pass did not rerun (``Session.introduced_at``)."""
     started = time.perf_counter()
     accumulated = Accumulated(recorder, counting)
     out, error = None, None
@@ -704,18 +769,21 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
                 raise Tf32LabError(
                     f"workload {workload.name!r}: its metric raised {type(exc).__name__}: {exc}") from exc
     layers = []
+    reruns = row is not None or level in recorder.introduced  # else its introduced errors come later, if it fails
+    if fed is not None:
+        fed.update({key: accumulated.per_call.get(key, math.nan) for key in recorder.as_accumulated})
     for order, (name, module) in enumerate(recorder.layers):
         at = level
         if row is not None:  # the level the policy gives this layer, as measured (a level computed alike)
             at = row.by_name.get(name, level)
             at = (alike or {}).get(at) or at
-        introduced, why = _introduced(recorder, accumulated, at, name,
-                                      _pinned_conv(row, name, recorder.families.get(name, ()), target, cells))
+        introduced, why = _introduced(recorder, accumulated.per_call, at, name, _pinned_conv(
+            row, name, recorder.families.get(name, ()), target, cells)) if reruns else (math.nan, None)
         acc, diverged = accumulated.result(name, finished=error is None)
         reasons = "; ".join(r for r in (why, diverged) if r)
         layers.append(LayerError(name, sharded.type_name(module), recorder.count[name], introduced, acc,
                                  reasons or None, order))
-    ranked = sorted(layers, key=lambda e: -math.inf if math.isnan(e.introduced) else -e.introduced)
+    ranked = _ranked(layers)
     if emu is not None and level_maths.get("conv") not in (None, "ieee", "mixed"):
         level_maths = {**level_maths, "conv": conv_ran(level_maths["conv"], emu.coverage)}
     coverage = {} if emu is None else {f"{op} {m}": n for (op, m), n in sorted(emu.coverage.items())}
@@ -725,7 +793,12 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
         if chosen is not None and error is None else None
     return LevelResult("policy" if row else level, level_maths, outputs, tuple(ranked), metric, coverage, unhandled,
                        time.perf_counter() - started, error=error, policy=row.describe() if row else None,
-                       choices=choices)
+                       choices=choices, reruns=reruns)
+
+
+def _ranked(layers: list[LayerError]) -> tuple[LayerError, ...]:
+    """The largest introduced error first (one not measured last), else in the order they first ran."""
+    return tuple(sorted(layers, key=lambda e: -math.inf if math.isnan(e.introduced) else -e.introduced))
 
 
 def idle_note(rules: Iterable[Any]) -> list[str]:
@@ -786,11 +859,11 @@ def policy_maths(row: PolicyRow, target: Target, cells: Mapping[str, str]) -> di
     return {key: values.pop() if len(values) == 1 else "mixed" for key, values in found.items()}
 
 
-def _introduced(recorder: Recorder, accumulated: Accumulated, level: str, name: str,
+def _introduced(recorder: Recorder, per_call: Mapping[tuple[str, int], float], level: str, name: str,
                 conv: Optional[str] = None) -> tuple[float, Optional[str]]:
     """A layer's worst introduced error at ``level`` (and at the conv math ``conv`` a policy pins it to): from its
-    reruns, and from the end-to-end run for the calls that the end-to-end run computes exactly as a rerun would
-    (fed the model's own inputs)."""
+    reruns, and from the end-to-end run (``per_call``: its calls' accumulated errors) for the calls that the
+    end-to-end run computes exactly as a rerun would (fed the model's own inputs)."""
     if conv is None:
         found = [recorder.introduced[level][name]] if name in recorder.introduced[level] else []
     elif recorder.pins.get(name) == (level, conv):
@@ -798,7 +871,7 @@ def _introduced(recorder: Recorder, accumulated: Accumulated, level: str, name: 
     else:  # not rerun at that conv math (a session made without the pin): one clause, no "; "
         return math.nan, (f"{PINNED_CONV} {conv!r}, at which its reruns did not run, so its introduced error is "
                           "not measured (its accumulated error is)")
-    found += [(accumulated.per_call.get(key, math.nan), None) for key in recorder.as_accumulated if key[0] == name]
+    found += [(per_call.get(key, math.nan), None) for key in recorder.as_accumulated if key[0] == name]
     if not found:
         return math.nan, None
     why = next((w for _, w in found if w), None)

@@ -305,7 +305,9 @@ class Recorder:
                     self.transformed.append(name)
             elif not self.rerunning:
                 self.called.add(name)
-                state = self.streams.state() if self.streams is not None else None
+                # where it is rerun: the random streams as the call found them, for its reruns to draw alike
+                state = self.streams.state() if self.streams is not None and (self.levels or name in self.pins) \
+                    else None
                 self.stack.append(_Frame(name, args, kwargs, state))
 
         return hook
@@ -364,6 +366,8 @@ class Recorder:
         if not frame.inner and tensors and all(t in self.model_inputs for t in tensors):
             # fed the model's own inputs and nothing nested: the end-to-end run computes exactly this call
             self.as_accumulated.add((name, i))
+            return
+        if not self.levels and name not in self.pins:  # no level reruns its layers in this pass
             return
         inner = self._inner_outputs(frame)
         pin = self.pins.get(name)

@@ -78,6 +78,9 @@ class LevelResult:
     # how many of the float64 reference's discrete choices (a top-k's, an argmax's indices) this run made otherwise
     # (tf32lab.measure.choices.Choices); None where the reference made none
     choices: Any = None
+    # whether each layer was rerun at this level for its introduced error; False: a level that passed under
+    # check(introduced="failing"), whose layers' introduced errors are NaN (their accumulated ones are measured)
+    reruns: bool = True
 
     @property
     def passed(self) -> bool:
@@ -217,6 +220,7 @@ class Report(Rows):
                     "policy": lv.policy,
                     "speedup": lv.speedup,
                     "choices": None if lv.choices is None else lv.choices.to_dict(),
+                    "reruns": lv.reruns,
                 }
                 for lv in self.levels
             ],

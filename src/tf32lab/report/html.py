@@ -101,15 +101,19 @@ def layer_chart(report: Report) -> dict[str, Any]:
             layer = next((e for e in lv.layers if e.name == name), None)
             if layer is None:
                 continue
+            # a level whose layers were not rerun (it passed) has no introduced error: no bar, its dot only
             bars.append({
-                "y": y0 + j * bar_h, "w": _x(layer.introduced, plot_w), "color": COLORS.get(lv.level, "#888"),
-                "cx": _x(layer.accumulated, plot_w), "title": f"{lv.level}: introduced {fmt(layer.introduced)}, "
-                                                               f"accumulated {fmt(layer.accumulated)}",
+                "y": y0 + j * bar_h, "w": _x(layer.introduced, plot_w) if lv.reruns else 0.0,
+                "color": COLORS.get(lv.level, "#888"), "cx": _x(layer.accumulated, plot_w),
+                "title": (f"{lv.level}: introduced {fmt(layer.introduced)}, " if lv.reruns else
+                          f"{lv.level}: introduced not measured (the level passed), ")
+                + f"accumulated {fmt(layer.accumulated)}",
             })
         rows.append({"name": name, "y": y0 + group_h / 2 - gap / 2 + 4, "bars": bars})
     ticks = [{"x": _x(10.0**e, plot_w), "label": f"1e{e}"} for e in range(int(LOG_LO), int(LOG_HI) + 1, 2)]
     return {"rows": rows, "label_w": label_w, "plot_w": plot_w, "bar_h": bar_h - 1, "ticks": ticks,
             "height": 24 + len(names) * group_h + 24, "total": len(ranked_layers(report)),
+            "rerun": any(lv.reruns for lv in report.levels), "rerun_all": all(lv.reruns for lv in report.levels),
             "tolerance_x": _x(report.tolerance["default"], plot_w)}
 
 

@@ -187,17 +187,20 @@ def _layers(report: Report) -> Fitted | None:
     shown = min(TOP_LAYERS, len(ranked))
     levels = [lv for lv in report.levels if lv.same_as is None]  # a level computed as another adds nothing here
     headers = [" = ".join([lv.level, *(o.level for o in report.levels if o.same_as == lv.level)]) for lv in levels]
+    rerun = any(lv.reruns for lv in report.levels)  # else every level passed unrerun: accumulated errors only
     rows = []
     for name in ranked[:TOP_LAYERS]:
         cells = []
         for lv in levels:
             layer = next((e for e in lv.layers if e.name == name), None)
-            cell = "-" if layer is None else f"{_short(layer.introduced)} / {_short(layer.accumulated)}"
+            cell = "-" if layer is None else f"{_short(layer.introduced)} / {_short(layer.accumulated)}" if rerun \
+                else _short(layer.accumulated)
             pin, diverged = pinned_and_diverged(None if layer is None else layer.diverged)
             cells.append(cell + (" diverged" if diverged else " pinned" if pin else ""))
         rows.append((name, cells))
-    table = Fitted(f"Layers, most error introduced first ({shown} of {len(ranked)}): introduced / accumulated",
-                   [Column("layer", "name", key=True), *(Column(header) for header in headers)])
+    title = f"most error introduced first ({shown} of {len(ranked)}): introduced / accumulated" if rerun else \
+        f"most error accumulated first ({shown} of {len(ranked)}): accumulated"
+    table = Fitted(f"Layers, {title}", [Column("layer", "name", key=True), *(Column(header) for header in headers)])
     for name, cells in rows:
         table.add_row(Text(inert(name)), *cells)
     return table
@@ -210,12 +213,14 @@ def _short(value: float) -> str:
 
 
 def ranked_layers(report: Report) -> list[str]:
-    """Layer names, the largest introduced error at any level first."""
+    """Layer names, the largest introduced error at any level first; where no level's layers were rerun (every
+    level passed, ``check(introduced="failing")``), the largest accumulated error."""
+    rerun = any(lv.reruns for lv in report.levels)
     worst: dict[str, float] = {}
     for lv in report.levels:
         for layer in lv.layers:
-            value = -1.0 if math.isnan(layer.introduced) else layer.introduced
-            worst[layer.name] = max(worst.get(layer.name, 0.0), value)
+            value = layer.introduced if rerun else layer.accumulated
+            worst[layer.name] = max(worst.get(layer.name, 0.0), -1.0 if math.isnan(value) else value)
     return sorted(worst, key=lambda name: -worst[name])
 
 

@@ -138,6 +138,13 @@ class Progress:
                 self.bar.advance(self.task)
             self.bar.update(self.task, description=description)
 
+    def more(self, description: str) -> None:
+        """One step more than the bar was made with, begun now."""
+        if self.bar is not None:
+            self.steps += 1
+            self.bar.update(self.task, total=self.steps)
+        self.step(description)
+
     def __exit__(self, *exc: object) -> None:
         if self.bar is not None:
             self.bar.__exit__(*exc)

@@ -1,0 +1,120 @@
+"""``check(introduced=...)``: where each layer is rerun for the error it introduces. By default a level that passes
+reports its layers' accumulated errors only, and a level that fails has its layers rerun by a second float64 pass:
+the same errors, bit for bit, as a check that reruns every level in the reference's one pass."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import jsonschema
+import pytest
+import rich.console
+import torch
+
+import cli_runner
+import tf32lab
+from tf32lab.report import schema
+from tf32lab.report.html import layer_chart
+
+
+class _Noisy(torch.nn.Module):
+    """Draws noise inside a layer-free step between two layers: the second pass must draw what the first drew."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 0.01 * torch.randn_like(x)
+
+
+def _workload() -> tf32lab.Workload:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), _Noisy(), torch.nn.Tanh(), torch.nn.Linear(128, 32),
+                                torch.nn.Linear(32, 8))
+    return tf32lab.Workload(model, torch.randn(16, 64), name="mlp")
+
+
+def _layers(row) -> list[tuple]:
+    return [(e.name, e.kind, e.calls, e.introduced, e.accumulated, e.diverged, e.order) for e in row.layers]
+
+
+def test_only_a_failing_level_is_rerun_and_its_layers_errors_are_those_of_a_check_rerunning_every_level(reruns):
+    # 1e-5: float32 `highest` passes (~1e-7), TF32 fails (~1e-4)
+    found = tf32lab.check(_workload(), levels=("highest", "high"), tolerance=1e-5, speed=False)
+    highest, high = found.levels
+    assert highest.passed and not high.passed
+    # each layer once, at `high`, none at `highest`; the first, fed the model's own inputs, is its row's own call
+    assert sorted(reruns) == ["3", "4"]
+    assert not highest.reruns and all(math.isnan(e.introduced) and 0 < e.accumulated < 1e-5
+                                      for e in highest.layers)
+    assert high.reruns and all(1e-6 < e.introduced < 1e-2 for e in high.layers)
+    reruns.clear()
+    every = tf32lab.check(_workload(), levels=("highest", "high"), tolerance=1e-5, speed=False, introduced="all")
+    assert sorted(reruns) == ["3", "3", "4", "4"]
+    assert _layers(high) == _layers(every.level("high"))  # ranked alike, each number the same
+    assert {e.name: e.accumulated for e in highest.layers} == \
+        {e.name: e.accumulated for e in every.level("highest").layers}
+    assert found.conclusion() == every.conclusion()
+    said = [n for n in found.notes if n.startswith("the layers were not rerun at `highest`, which passed")]
+    assert len(said) == 1 and 'introduced="all"' in said[0]
+    assert not [n for n in every.notes if "were not rerun" in n]
+
+
+def test_a_check_where_every_level_passes_reruns_no_layer_and_says_what_it_measured(reruns):
+    report = tf32lab.check(_workload(), levels=("highest", "high"), speed=False)
+    assert report.passed and reruns == []
+    assert all(not row.reruns for row in report.levels)
+    console = rich.console.Console(width=200, record=True, file=io.StringIO())
+    report.print(console)
+    text = " ".join(console.export_text().split())  # the title wraps at the table's width
+    assert "Layers, most error accumulated first (3 of 3): accumulated" in text
+    data = report.to_dict()
+    jsonschema.validate(data, schema())
+    assert [row["reruns"] for row in data["levels"]] == [False, False]
+    assert all(layer["introduced"] == "nan" for row in data["levels"] for layer in row["layers"])
+    # the page draws no bar where nothing was rerun, only each layer's accumulated error
+    chart = layer_chart(report)
+    assert all(bar["w"] == 0.0 and bar["cx"] > 0 for row in chart["rows"] for bar in row["bars"])
+    assert "introduced not measured" in chart["rows"][0]["bars"][0]["title"]
+
+
+def test_a_policy_reruns_every_level_at_once(reruns):
+    policy = tf32lab.Policy(default="high", rules=[("4", "highest")])
+    report = tf32lab.check(_workload(), levels=("highest", "high"), speed=False, policy=policy)
+    assert all(row.reruns for row in report.levels)
+    assert sorted(reruns) == ["3", "3", "4", "4"]
+
+
+@pytest.mark.parametrize("bad", ["some", "", None, 1])
+def test_a_bad_introduced_is_one_clear_error(bad):
+    before = tf32lab.flags.snapshot()
+    with pytest.raises(tf32lab.Tf32LabError, match=r"^introduced must be 'failing' or 'all', not "):
+        tf32lab.check(_workload(), levels=("high",), introduced=bad)
+    assert tf32lab.flags.snapshot() == before
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--introduced", "every"], "argument --introduced: invalid choice: 'every' (choose from 'failing', 'all')"),
+    (["--introduced", "all", "--train"], "--introduced all goes with a check of the forward"),
+])
+def test_cli_introduced_bad_input_exits_2_in_one_line(args, message):
+    done = cli_runner.run("check", "builtin", *args, module="tf32lab.cli", timeout=300)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_cli_introduced_all_reruns_every_level():
+    done = cli_runner.run("check", "tf32lab.workloads.builtin:covariance", "--levels", "highest,high",
+                          "--introduced", "all", "--no-speed", "--json", "-", module="tf32lab.cli", timeout=300)
+    assert done.returncode == 1, done.stderr
+    rows = json.loads(done.stdout)["levels"]
+    assert [row["reruns"] for row in rows] == [True, True]
+    assert all(isinstance(layer["introduced"], float) for row in rows for layer in row["layers"])
+
+
+def test_an_emulated_op_on_meta_tensors_passes_through_uncounted():
+    # DTensor infers an op's sharding on meta tensors the first time it meets it: not an op the model computes
+    x, w = torch.empty(4, 8, device="meta"), torch.empty(3, 8, device="meta")
+    with tf32lab.precision("high"), tf32lab.emulate("a100") as emu:
+        out = torch.addmm(torch.empty(3, device="meta"), x, w.t())
+        linear = torch.nn.functional.linear(x, w)
+    assert out.device.type == "meta" and out.shape == (4, 3) and linear.shape == (4, 3)
+    assert not emu.coverage and not emu.unhandled
