@@ -118,3 +118,22 @@ def test_an_emulated_op_on_meta_tensors_passes_through_uncounted():
         linear = torch.nn.functional.linear(x, w)
     assert out.device.type == "meta" and out.shape == (4, 3) and linear.shape == (4, 3)
     assert not emu.coverage and not emu.unhandled
+
+
+def test_the_second_pass_keeps_no_output_of_the_first(monkeypatch):
+    # held beside the second pass's, the first pass's kept outputs raised a failing MiniLM check's peak by 60%
+    from tf32lab.measure.layers import Recorder
+
+    made: list[Recorder] = []
+    held_then: list[int] = []
+    init = Recorder.__init__
+
+    def recorded(self, *args, **kwargs):
+        held_then.extend(len(r.outputs) for r in made)  # what the earlier passes hold as this one begins
+        made.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(Recorder, "__init__", recorded)
+    report = tf32lab.check(_workload(), levels=("highest", "high"), tolerance=1e-5, speed=False)
+    assert not report.passed and len(made) == 2 and held_then == [0]
+    assert len(made[1].outputs) == 3  # the second pass's own: one per layer call

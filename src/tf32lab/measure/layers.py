@@ -251,6 +251,14 @@ class Recorder:
             self._unhook()
             self.scratch = None
 
+    def release(self) -> None:
+        """Let go of the kept outputs now, after the run: the recorder lives in a cycle (its mode's callbacks are
+        its own methods), which only a collection would free."""
+        self.outputs.clear()
+        self.shared.clear()
+        self.stack.clear()
+        self.mode.on_op = self.mode.on_write = self.mode.on_result = None
+
     def _unhook(self) -> None:
         for handle in self.handles:
             handle.remove()
