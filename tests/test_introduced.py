@@ -4,6 +4,7 @@ the same errors, bit for bit, as a check that reruns every level in the referenc
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import math
@@ -118,3 +119,28 @@ def test_an_emulated_op_on_meta_tensors_passes_through_uncounted():
         linear = torch.nn.functional.linear(x, w)
     assert out.device.type == "meta" and out.shape == (4, 3) and linear.shape == (4, 3)
     assert not emu.coverage and not emu.unhandled
+
+
+def test_the_second_pass_holds_none_of_the_first_pass_kept_outputs():
+    # the layers' float64 outputs the first pass kept, alive where the second begins: both passes' at once. The
+    # collector off: a reference cycle that only it frees counts as held (it runs at a time of its own choosing)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.Linear(48, 48), torch.nn.Linear(48, 8))
+    alive: list[int] = []
+
+    def at_a_float64_pass(module, args):
+        if args[0].dtype == torch.float64:
+            alive.append(sum(1 for o in gc.get_objects() if type(o) is torch.Tensor
+                             and o.dtype == torch.float64 and o.shape == (4, 48)))
+
+    model[0].register_forward_pre_hook(at_a_float64_pass)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        report = tf32lab.check(tf32lab.Workload(model, torch.randn(4, 16), name="mlp"), levels=("high",),
+                               tolerance=1e-7, speed=False)
+    finally:
+        if enabled:
+            gc.enable()
+    assert not report.passed and report.level("high").reruns
+    assert alive == [0, 0]  # the first pass, and the second, each beginning with no layer's output kept

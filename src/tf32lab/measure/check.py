@@ -475,8 +475,7 @@ class Session:
             return result
         if plan is None:
             return result
-        self.recorder = Recorder(*self._recording)
-        self.recorder.streams = self.streams
+        self._new_recorder()
         self.reset()
         self.inputs_kept()  # the reference again from the inputs as they were, not as the row left them
         self._reference(plan)
@@ -491,6 +490,16 @@ class Session:
             f"than by {where} (a dtype read off a widened tensor and kept); the reference was run again drawing "
             f"each as the rows do ({wide} at float64, the rest at float32 and cast up)")
         return run()
+
+    def _new_recorder(self) -> None:
+        """A fresh recorder for another float64 pass, the last pass's kept outputs let go first: a recorder and its
+        float64 mode refer to each other, a cycle that only the garbage collector frees, so dropped alone its
+        outputs would stay held through the next pass (both passes' at once)."""
+        self.recorder.outputs.clear()
+        self.recorder.shared.clear()
+        self.ref_out = None  # the model's output, as large as a layer's: the next pass keeps its own
+        self.recorder = Recorder(*self._recording)
+        self.recorder.streams = self.streams
 
     def notes(self) -> list[str]:
         """What the report must say about the runs (after them: the model's state put back last included)."""
@@ -542,8 +551,7 @@ class Session:
         first's kept outputs are let go before it keeps its own."""
         plan = self.recorder.mode.plan
         self._recording = (self._recording[0], list(levels), *self._recording[2:])
-        self.recorder = Recorder(*self._recording)
-        self.recorder.streams = self.streams
+        self._new_recorder()
         self.bar.more(f"{self.workload.name}: float64 reference again, each layer at {len(levels)} level(s)")
         self.reset()
         self.inputs_kept()
