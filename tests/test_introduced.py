@@ -144,3 +144,30 @@ def test_the_second_pass_holds_none_of_the_first_pass_kept_outputs():
             gc.enable()
     assert not report.passed and report.level("high").reruns
     assert alive == [0, 0]  # the first pass, and the second, each beginning with no layer's output kept
+
+
+class _SecondFloat64CallRaises(torch.nn.Module):
+    """Runs once in float64, then raises: a model that does not run the same way twice (an iterator it drains)."""
+
+    def __init__(self, calls: list[int]) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+        self.calls = lambda: calls  # held outside the model's state, which is put back before each run
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float64:
+            self.calls().append(1)
+            if len(self.calls()) > 1:
+                raise ValueError("drained")
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_a_model_that_raises_in_the_second_pass_is_told_so_not_that_it_raised_before_any_level_ran():
+    torch.manual_seed(0)
+    model, x = _SecondFloat64CallRaises([]), torch.randn(8, 16)
+    before, given = tf32lab.flags.snapshot(), x.clone()
+    with pytest.raises(tf32lab.Tf32LabError, match=r"^workload 'once' raised at the float64 reference, run again "
+                       r"after the rows, for the introduced errors at 'high', which failed \(check\(introduced="
+                       r"\"all\"\) measures them in the first\): ValueError: drained$"):
+        tf32lab.check(tf32lab.Workload(model, x, name="once"), levels=("high",), tolerance=1e-7, speed=False)
+    assert tf32lab.flags.snapshot() == before and torch.equal(x, given) and model.training

@@ -402,7 +402,10 @@ class Session:
             self.handed = None
         self._stack.__exit__(*exc)
 
-    def _reference(self, plan: Optional[list[Optional[str]]] = None, announce: bool = True) -> None:
+    def _reference(self, plan: Optional[list[Optional[str]]] = None, announce: bool = True,
+                   again: Optional[str] = None) -> None:
+        """The float64 pass (``plan``: each draw's dtype, learnt from a row); ``again``: why it runs once more, after
+        a row (None: the first, before any)."""
         workload, recorder = self.workload, self.recorder
         recorder.mode.plan = plan
         recorder.before_write = self.reset.before_write  # a parameter it writes into: copied first, put back
@@ -430,7 +433,8 @@ class Session:
             bug = internal_error(exc, f"running workload {workload.name!r} at the float64 reference")
             if bug is not None:
                 raise bug from exc
-            raise Tf32LabError(f"workload {workload.name!r} raised at the float64 reference, before any level ran: "
+            when = "before any level ran" if again is None else f"run again after the rows, {again}"
+            raise Tf32LabError(f"workload {workload.name!r} raised at the float64 reference, {when}: "
                                f"{described(exc)}") from exc
         # sharded: a rank may hold an empty part of an output (its rows of a small batch); the whole must compare
         here = _comparable(self.ref_out)
@@ -478,7 +482,7 @@ class Session:
         self._new_recorder()
         self.reset()
         self.inputs_kept()  # the reference again from the inputs as they were, not as the row left them
-        self._reference(plan)
+        self._reference(plan, again=f"drawing as {where} did")
         if [kind for _, kind in self.ref_drawn] != plan:  # the second reference drew otherwise again
             self._draw_notes.append(
                 f"{DRAWS_UNMATCHED}: the float64 reference, run again drawing as {where} "
@@ -556,7 +560,8 @@ class Session:
         self.reset()
         self.inputs_kept()
         release_buffers()
-        self._reference(plan, announce=False)
+        self._reference(plan, announce=False, again=f"for the introduced errors at {', '.join(map(repr, levels))}, "
+                        f"which failed (check(introduced=\"all\") measures them in the first)")
 
     def introduced_at(self, result: LevelResult) -> LevelResult:
         """``result``, a level's row run without its layers rerun, with each layer's introduced error from the
