@@ -556,6 +556,10 @@ class Session:
         plan = self.recorder.mode.plan
         self._recording = (self._recording[0], list(levels), *self._recording[2:])
         self._new_recorder()
+        if self.handed is not None:  # a row's hand-off no row will take
+            self.handed[1].close()
+            self.handed = None
+        self.spill.clear()  # the first pass's written-out outputs: nothing reads them now, and this pass writes its own
         self.bar.more(f"{self.workload.name}: float64 reference again, each layer at {len(levels)} level(s)")
         self.reset()
         self.inputs_kept()
