@@ -171,3 +171,32 @@ def test_a_model_that_raises_in_the_second_pass_is_told_so_not_that_it_raised_be
                        r"\"all\"\) measures them in the first\): ValueError: drained$"):
         tf32lab.check(tf32lab.Workload(model, x, name="once"), levels=("high",), tolerance=1e-7, speed=False)
     assert tf32lab.flags.snapshot() == before and torch.equal(x, given) and model.training
+
+
+_UNSEEDED = torch.Generator()  # a generator no run seeds: each run draws other noise
+
+
+class _OwnNoise(torch.nn.Module):
+    """Fed the model's input, nothing nested: its introduced error is its accumulated one in the row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16, 16) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.linear(x, self.w)
+        return y + 1e-3 * torch.randn(y.shape, generator=_UNSEEDED).to(y.dtype)
+
+
+def test_a_layer_fed_the_models_input_introduces_what_it_accumulated_in_the_row_reported_not_in_its_rerun():
+    # `highest` fails and is run once more (unstable: the noise differs): that second run's errors are not reported,
+    # and the layer's introduced error, read from the row, was read from it
+    torch.manual_seed(0)
+    _UNSEEDED.manual_seed(0)
+    model = torch.nn.Sequential(_OwnNoise(), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    report = tf32lab.check(tf32lab.Workload(model, torch.randn(8, 16), name="noisy"), levels=("highest",),
+                           tolerance=1e-7, speed=False)
+    row = report.level("highest")
+    assert row.unstable and row.reruns
+    layer = next(e for e in row.layers if e.name == "0")
+    assert layer.introduced == layer.accumulated
