@@ -200,3 +200,33 @@ def test_a_layer_fed_the_models_input_introduces_what_it_accumulated_in_the_row_
     assert row.unstable and row.reruns
     layer = next(e for e in row.layers if e.name == "0")
     assert layer.introduced == layer.accumulated
+
+
+class _Gram(torch.nn.Module):
+    """Its matmuls its own, fed the model's input: its one layer's introduced error is its accumulated one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(32, 32) / 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.w
+        return h.T @ h
+
+
+def test_where_no_layer_call_would_be_rerun_a_failing_level_takes_no_second_float64_pass(reruns):
+    float64_runs: list[int] = []
+
+    def make() -> tf32lab.Workload:
+        torch.manual_seed(0)
+        model = _Gram()
+        model.register_forward_pre_hook(lambda m, args: float64_runs.append(1) if args[0].dtype == torch.float64
+                                        else None)
+        return tf32lab.Workload(model, torch.randn(64, 32), name="gram")
+
+    found = tf32lab.check(make(), levels=("highest", "high"), tolerance=1e-5, speed=False)
+    assert len(float64_runs) == 1 and reruns == []  # the reference's one pass
+    every = tf32lab.check(make(), levels=("highest", "high"), tolerance=1e-5, speed=False, introduced="all")
+    assert not found.level("high").passed and found.level("high").reruns
+    assert _layers(found.level("high")) == _layers(every.level("high"))
+    assert found.level("high").layers[0].introduced == found.level("high").layers[0].accumulated > 0

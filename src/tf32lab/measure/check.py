@@ -267,7 +267,8 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
             else session.floor() if floor_from is None else None
         failing = [level for level, result in results.items() if not result.reruns and not result.passed]
         if failing and session.recorder.layers:  # which layer to pin: each rerun where the level failed
-            session.introduce(failing)
+            if not session.recorder.all_fed():  # else the rows' own calls are every layer's introduced error
+                session.introduce(failing)
             results.update({level: session.introduced_at(results[level]) for level in failing})
     for level in levels:
         same = alike[level]
@@ -884,7 +885,7 @@ def _introduced(recorder: Recorder, per_call: Mapping[tuple[str, int], float], l
     reruns, and from the end-to-end run (``per_call``: its calls' accumulated errors) for the calls that the
     end-to-end run computes exactly as a rerun would (fed the model's own inputs)."""
     if conv is None:
-        found = [recorder.introduced[level][name]] if name in recorder.introduced[level] else []
+        found = [recorder.introduced[level][name]] if name in recorder.introduced.get(level, {}) else []
     elif recorder.pins.get(name) == (level, conv):
         found = [recorder.pinned[name]] if name in recorder.pinned else []
     else:  # not rerun at that conv math (a session made without the pin): one clause, no "; "
