@@ -191,3 +191,23 @@ def test_check_writes_out_what_is_over_the_size_and_the_file_is_gone_after(monke
         assert session.spill.written == 16 * 32 * 993 * 8
         assert session.level("high").error is None
     assert session.spill._file is None
+
+
+def test_the_second_float64_pass_writes_its_outputs_over_the_first_ones_not_after_them(monkeypatch):
+    # where a level fails, the reference runs again: the first pass's written-out outputs, which nothing reads
+    # any more, took as much disk again (and a disk that filled up kept the second pass's in memory)
+    from tf32lab import targets
+    from tf32lab.measure.check import Session
+    from tf32lab.numbers.metrics import tolerances_of
+
+    monkeypatch.setenv("TF32LAB_SPILL_MIB", "1")
+    torch.manual_seed(0)
+    workload = tf32lab.Workload(_Front(), torch.randn(16, 2048), name="front")
+    one_pass = 16 * 32 * 993 * 8  # conv's output, the one over 1 MiB
+    with Session(workload, ["high"], targets.get("a100"), tolerances_of(None), speed=False, rerun=[]) as session:
+        assert os.fstat(session.spill._file.fileno()).st_size == one_pass
+        row = session.level("high")
+        session.introduce(["high"])
+        assert os.fstat(session.spill._file.fileno()).st_size == one_pass and session.spill.written == one_pass
+        assert isinstance(session.recorder.outputs[("conv", 0)][0], Spilled)
+        assert session.introduced_at(row).layers[0].introduced > 0

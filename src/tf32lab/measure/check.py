@@ -267,7 +267,8 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
             else session.floor() if floor_from is None else None
         failing = [level for level, result in results.items() if not result.reruns and not result.passed]
         if failing and session.recorder.layers:  # which layer to pin: each rerun where the level failed
-            session.introduce(failing)
+            if not session.recorder.all_fed():  # else the rows' own calls are every layer's introduced error
+                session.introduce(failing)
             results.update({level: session.introduced_at(results[level]) for level in failing})
     for level in levels:
         same = alike[level]
@@ -402,7 +403,10 @@ class Session:
             self.handed = None
         self._stack.__exit__(*exc)
 
-    def _reference(self, plan: Optional[list[Optional[str]]] = None, announce: bool = True) -> None:
+    def _reference(self, plan: Optional[list[Optional[str]]] = None, announce: bool = True,
+                   again: Optional[str] = None) -> None:
+        """The float64 pass (``plan``: each draw's dtype, learnt from a row); ``again``: why it runs once more, after
+        a row (None: the first, before any)."""
         workload, recorder = self.workload, self.recorder
         recorder.mode.plan = plan
         recorder.before_write = self.reset.before_write  # a parameter it writes into: copied first, put back
@@ -430,7 +434,8 @@ class Session:
             bug = internal_error(exc, f"running workload {workload.name!r} at the float64 reference")
             if bug is not None:
                 raise bug from exc
-            raise Tf32LabError(f"workload {workload.name!r} raised at the float64 reference, before any level ran: "
+            when = "before any level ran" if again is None else f"run again after the rows, {again}"
+            raise Tf32LabError(f"workload {workload.name!r} raised at the float64 reference, {when}: "
                                f"{described(exc)}") from exc
         # sharded: a rank may hold an empty part of an output (its rows of a small batch); the whole must compare
         here = _comparable(self.ref_out)
@@ -475,11 +480,10 @@ class Session:
             return result
         if plan is None:
             return result
-        self.recorder = Recorder(*self._recording)
-        self.recorder.streams = self.streams
+        self._new_recorder()
         self.reset()
         self.inputs_kept()  # the reference again from the inputs as they were, not as the row left them
-        self._reference(plan)
+        self._reference(plan, again=f"drawing as {where} did")
         if [kind for _, kind in self.ref_drawn] != plan:  # the second reference drew otherwise again
             self._draw_notes.append(
                 f"{DRAWS_UNMATCHED}: the float64 reference, run again drawing as {where} "
@@ -491,6 +495,16 @@ class Session:
             f"than by {where} (a dtype read off a widened tensor and kept); the reference was run again drawing "
             f"each as the rows do ({wide} at float64, the rest at float32 and cast up)")
         return run()
+
+    def _new_recorder(self) -> None:
+        """A fresh recorder for another float64 pass, the last pass's kept outputs let go first: a recorder and its
+        float64 mode refer to each other, a cycle that only the garbage collector frees, so dropped alone its
+        outputs would stay held through the next pass (both passes' at once: MiniLM's failing check 607 MiB over
+        the loaded model, against 374 with every level rerun in one pass)."""
+        self.recorder.release()
+        self.ref_out = None  # the model's output, as large as a layer's: the next pass keeps its own
+        self.recorder = Recorder(*self._recording)
+        self.recorder.streams = self.streams
 
     def notes(self) -> list[str]:
         """What the report must say about the runs (after them: the model's state put back last included)."""
@@ -541,18 +555,18 @@ class Session:
         one seed, as the first pass drew them), so this pass computes the same float64 values as the first; the
         first's kept outputs are let go before it keeps its own."""
         plan = self.recorder.mode.plan
-        # the first pass's kept outputs let go before the second pass keeps its own (MiniLM's failing check held
-        # both: 607 MiB over the loaded model, against 374 for every level rerun in one pass)
-        self.recorder.release()
-        self.ref_out = None
         self._recording = (self._recording[0], list(levels), *self._recording[2:])
-        self.recorder = Recorder(*self._recording)
-        self.recorder.streams = self.streams
+        self._new_recorder()
+        if self.handed is not None:  # a row's hand-off no row will take
+            self.handed[1].close()
+            self.handed = None
+        self.spill.clear()  # the first pass's written-out outputs: nothing reads them now, and this pass writes its own
         self.bar.more(f"{self.workload.name}: float64 reference again, each layer at {len(levels)} level(s)")
         self.reset()
         self.inputs_kept()
         release_buffers()
-        self._reference(plan, announce=False)
+        self._reference(plan, announce=False, again=f"for the introduced errors at {', '.join(map(repr, levels))}, "
+                        f"which failed (check(introduced=\"all\") measures them in the first)")
 
     def introduced_at(self, result: LevelResult) -> LevelResult:
         """``result``, a level's row run without its layers rerun, with each layer's introduced error from the
@@ -610,7 +624,9 @@ class Session:
         draws PyTorch's random ops from one seed (``measure.draws``), so the same model gives the same bits."""
         if result.passed or result.error is not None:
             return result
+        fed = dict(self.fed.get(result.level, {}))
         again = self.level(result.level)
+        self.fed[result.level] = fed  # ``result``'s calls, not this run's: the one whose errors are reported
         first = [(o.name, o.normwise) for o in result.outputs]
         second = [(o.name, o.normwise) for o in again.outputs]
         if first == second or again.error is not None:
@@ -869,7 +885,7 @@ def _introduced(recorder: Recorder, per_call: Mapping[tuple[str, int], float], l
     reruns, and from the end-to-end run (``per_call``: its calls' accumulated errors) for the calls that the
     end-to-end run computes exactly as a rerun would (fed the model's own inputs)."""
     if conv is None:
-        found = [recorder.introduced[level][name]] if name in recorder.introduced[level] else []
+        found = [recorder.introduced[level][name]] if name in recorder.introduced.get(level, {}) else []
     elif recorder.pins.get(name) == (level, conv):
         found = [recorder.pinned[name]] if name in recorder.pinned else []
     else:  # not rerun at that conv math (a session made without the pin): one clause, no "; "

@@ -428,6 +428,11 @@ class Recorder:
                     done.append((level, error, why, tuple(watch.ops) if watch is not None and
                                  watch.state == "watch" and watch.ops else None))
 
+    def all_fed(self) -> bool:
+        """Whether every layer call was fed the model's own inputs with nothing nested in it: a pass rerunning some
+        level would rerun none of them, each call's introduced error being its accumulated one in a row."""
+        return sum(self.count.values()) == len(self.as_accumulated)
+
     def weight_cache(self) -> bool | str:
         """``emulate()``'s ``weight_cache`` for a row or a rerun, each one run of the model: a rounded copy kept
         from a parameter's second use on (a copy of every weight, held to the run's end, raised MiniLM's check peak by

@@ -113,6 +113,14 @@ class SpillFile:
             self._file.close()
             self._file = None
 
+    def clear(self) -> None:
+        """Everything written so far let go (the file emptied, its disk space given back): for a caller that holds
+        none of it any more, before it writes as much again (check's second float64 pass)."""
+        if self._file is not None:
+            self._file.truncate(0)
+        self.written = 0
+        self._broken = False  # a disk that filled up has room again
+
     def wants(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is written out by :meth:`put`: a float64 CPU tensor of at least ``min_bytes``."""
         return t.dtype == torch.float64 and self._worth(t)
