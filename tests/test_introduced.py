@@ -78,6 +78,15 @@ def test_a_check_where_every_level_passes_reruns_no_layer_and_says_what_it_measu
     assert "introduced not measured" in chart["rows"][0]["bars"][0]["title"]
 
 
+def test_the_note_names_every_level_not_rerun_those_computed_alike_included():
+    # on an A100 `medium` computes as `high`: measured once, and not rerun at either
+    report = tf32lab.check(_workload(), speed=False)
+    assert [row.level for row in report.levels] == ["highest", "high", "medium"]
+    assert report.level("medium").same_as == "high" and not report.level("medium").reruns
+    assert any(n.startswith("the layers were not rerun at `highest`, `high`, `medium`, which passed")
+               for n in report.notes), report.notes
+
+
 def test_a_policy_reruns_every_level_at_once(reruns):
     policy = tf32lab.Policy(default="high", rules=[("4", "highest")])
     report = tf32lab.check(_workload(), levels=("highest", "high"), speed=False, policy=policy)

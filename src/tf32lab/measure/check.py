@@ -301,7 +301,7 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
 
 def _unrerun_note(rows: list[LevelResult]) -> Optional[str]:
     """What the report says where some level's layers were not rerun: why their introduced errors are blank."""
-    passed = [r.level for r in rows if not r.reruns and r.same_as is None]
+    passed = [r.level for r in rows if not r.reruns]  # those computed alike another level included, by name
     if not passed:
         return None
     said = ", ".join(f"`{level}`" for level in passed)
