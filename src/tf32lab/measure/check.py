@@ -266,9 +266,17 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
         floor = results[floor_from].outputs if floor_from is not None and results[floor_from].error is None \
             else session.floor() if floor_from is None else None
         failing = [level for level, result in results.items() if not result.reruns and not result.passed]
+        unmeasured = None
         if failing and session.recorder.layers:  # which layer to pin: each rerun where the level failed
             if not session.recorder.all_fed():  # else the rows' own calls are every layer's introduced error
-                session.introduce(failing)
+                try:
+                    session.introduce(failing)
+                except Tf32LabError as exc:
+                    if ranks is not None:  # every rank ends with the error, as at any other pass
+                        raise
+                    # the rows stand: their verdicts and accumulated errors are measured
+                    unmeasured, failing = f"each layer's introduced error at {_named(failing)} is not measured: " \
+                                          f"{exc}", []
             results.update({level: session.introduced_at(results[level]) for level in failing})
     for level in levels:
         same = alike[level]
@@ -286,7 +294,7 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
     work = _work_note(rows, counted) if predicted is not None and counted is not None else None
     notes += [work] if work else []
     unrerun = _unrerun_note(rows) if session.recorder.layers else None
-    notes += [unrerun] if unrerun else []
+    notes += [note for note in (unrerun, unmeasured) if note]
     if ranks is not None:
         notes.append(f"sharded over {ranks.world} ranks: every error is the whole model's, reduced over the ranks "
                      f"(sums of squares, maxima); the speed prediction counts rank {ranks.rank}'s share of the work")
@@ -301,13 +309,17 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
 
 def _unrerun_note(rows: list[LevelResult]) -> Optional[str]:
     """What the report says where some level's layers were not rerun: why their introduced errors are blank."""
-    passed = [r.level for r in rows if not r.reruns]  # those computed alike another level included, by name
+    # those computed alike another level included, by name
+    passed = [r.level for r in rows if not r.reruns and r.passed]
     if not passed:
         return None
-    said = ", ".join(f"`{level}`" for level in passed)
-    return (f"the layers were not rerun at {said}, which passed: each layer's accumulated error is measured there, "
-            f"and its introduced error (the layer run again on the reference's inputs: its own rounding) where a "
-            f"level fails; check(introduced=\"all\") (CLI: --introduced all) measures it at every level")
+    return (f"the layers were not rerun at {_named(passed)}, which passed: each layer's accumulated error is measured "
+            f"there, and its introduced error (the layer run again on the reference's inputs: its own rounding) "
+            f"where a level fails; check(introduced=\"all\") (CLI: --introduced all) measures it at every level")
+
+
+def _named(levels: Iterable[str]) -> str:
+    return ", ".join(f"`{level}`" for level in levels)
 
 
 def _work_note(rows: list[LevelResult], counted: LevelResult) -> Optional[str]:
@@ -554,7 +566,7 @@ class Session:
         rerun): their introduced errors, for :meth:`introduced_at`. The reference is deterministic (its draws from
         one seed, as the first pass drew them), so this pass computes the same float64 values as the first; the
         first's kept outputs are let go before it keeps its own."""
-        plan = self.recorder.mode.plan
+        plan, first = self.recorder.mode.plan, self.recorder
         self._recording = (self._recording[0], list(levels), *self._recording[2:])
         self._new_recorder()
         if self.handed is not None:  # a row's hand-off no row will take
@@ -565,8 +577,14 @@ class Session:
         self.reset()
         self.inputs_kept()
         release_buffers()
-        self._reference(plan, announce=False, again=f"for the introduced errors at {', '.join(map(repr, levels))}, "
-                        f"which failed (check(introduced=\"all\") measures them in the first)")
+        try:
+            self._reference(plan, announce=False, again=f"for the introduced errors at "
+                            f"{', '.join(map(repr, levels))}, which failed (check(introduced=\"all\") measures "
+                            f"them in the first)")
+        except Tf32LabError:
+            # the first pass's layers, op counts and notes stand for the report (its kept outputs are gone)
+            self.recorder = first
+            raise
 
     def introduced_at(self, result: LevelResult) -> LevelResult:
         """``result``, a level's row run without its layers rerun, with each layer's introduced error from the
