@@ -105,6 +105,9 @@ def test_a_bad_introduced_is_one_clear_error(bad):
 @pytest.mark.parametrize(("args", "message"), [
     (["--introduced", "every"], "argument --introduced: invalid choice: 'every' (choose from 'failing', 'all')"),
     (["--introduced", "all", "--train"], "--introduced all goes with a check of the forward"),
+    # the training check measures each module's backward at every level: not "no layer's introduced error"
+    (["--introduced", "all", "--train"], "--train measures each module's own backward error at every level"),
+    (["--introduced", "failing", "--generate", "2"], "--generate measures no layer's error"),
 ])
 def test_cli_introduced_bad_input_exits_2_in_one_line(args, message):
     done = cli_runner.run("check", "builtin", *args, module="tf32lab.cli", timeout=300)
