@@ -62,7 +62,7 @@ class LevelResult:
     level: str
     maths: dict[str, str]
     outputs: tuple[OutputError, ...]
-    layers: tuple[LayerError, ...]  # ranked: the largest introduced error first
+    layers: tuple[LayerError, ...]  # the largest introduced error first; where not ``reruns``: in the order they ran
     metric: Optional[float]
     coverage: dict[str, int]  # "aten::linear tf32-rna" -> ops emulated so
     unhandled: dict[str, int]  # family ops that ran without emulation
