@@ -92,6 +92,7 @@ class LevelResult:
         return max(self.outputs, key=lambda o: _ratio(o.normwise, o.tolerance), default=None)
 
     def top_layers(self, n: int = 3) -> tuple[LayerError, ...]:
+        """The first ``n`` layers: those that introduce the most error, or where not ``reruns``, the first to run."""
         return self.layers[:n]
 
 
