@@ -76,6 +76,9 @@ def test_a_check_where_every_level_passes_reruns_no_layer_and_says_what_it_measu
     chart = layer_chart(report)
     assert all(bar["w"] == 0.0 and bar["cx"] > 0 for row in chart["rows"] for bar in row["bars"])
     assert "introduced not measured" in chart["rows"][0]["bars"][0]["title"]
+    # with no bar to say whose it is, each dot takes its level's colour, as the page's legend gives it
+    assert [bar["dot"] for bar in chart["rows"][0]["bars"]] == ["#4c78a8", "#f58518"]
+    assert 'r="2.5" fill="#f58518"' in report.to_html()
 
 
 def test_the_note_names_every_level_not_rerun_those_computed_alike_included():
@@ -105,6 +108,9 @@ def test_a_bad_introduced_is_one_clear_error(bad):
 @pytest.mark.parametrize(("args", "message"), [
     (["--introduced", "every"], "argument --introduced: invalid choice: 'every' (choose from 'failing', 'all')"),
     (["--introduced", "all", "--train"], "--introduced all goes with a check of the forward"),
+    # the training check measures each module's backward at every level: not "no layer's introduced error"
+    (["--introduced", "all", "--train"], "--train measures each module's own backward error at every level"),
+    (["--introduced", "failing", "--generate", "2"], "--generate measures no layer's error"),
 ])
 def test_cli_introduced_bad_input_exits_2_in_one_line(args, message):
     done = cli_runner.run("check", "builtin", *args, module="tf32lab.cli", timeout=300)

@@ -83,3 +83,13 @@ def test_the_training_report_opens_in_chromium_with_its_charts(tmp_path):
     assert seen.svg_count == 1  # the loss paths (the model has no module with parameters but itself)
     assert "fails at step 3 on a100: LinAlgError" in seen.text and XSS in seen.text
     assert "Loss path: deviation from float64 per step" in seen.text
+
+
+def test_the_layer_chart_calls_a_given_tolerance_the_tolerance_not_the_default():
+    torch.manual_seed(0)
+    workload = Workload(nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)), torch.randn(8, 32))
+    given = " ".join(tf32lab.check(workload, levels=("high",), tolerance=2.5e-4, speed=False).to_html().split())
+    assert "The red line is the tolerance 2.5e-04: an output past it fails." in given
+    assert "default tolerance" not in given  # the header says "tolerance 2.5e-04" too
+    default = " ".join(tf32lab.check(workload, levels=("high",), speed=False).to_html().split())
+    assert "The red line is the default tolerance 1e-02: an output past it fails." in default

@@ -490,8 +490,8 @@ def _check(args: argparse.Namespace) -> int:
     if args.steps is not None and not args.train:
         raise Tf32LabError(f"--steps {args.steps} goes with --train (the number of training steps)")
     if args.introduced is not None and (args.train or args.generate is not None):
-        raise Tf32LabError(f"--introduced {args.introduced} goes with a check of the forward (not with --train or "
-                           f"--generate, which measure no layer's introduced error)")
+        raise Tf32LabError(f"--introduced {args.introduced} goes with a check of the forward: --train measures each "
+                           f"module's own backward error at every level, --generate measures no layer's error")
     if args.generate is not None or args.prompts is not None or args.criterion is not None or args.no_cache:
         return _check_generation(args, levels, target)
     if args.train:

@@ -62,7 +62,7 @@ class LevelResult:
     level: str
     maths: dict[str, str]
     outputs: tuple[OutputError, ...]
-    layers: tuple[LayerError, ...]  # ranked: the largest introduced error first
+    layers: tuple[LayerError, ...]  # the largest introduced error first; where not ``reruns``: in the order they ran
     metric: Optional[float]
     coverage: dict[str, int]  # "aten::linear tf32-rna" -> ops emulated so
     unhandled: dict[str, int]  # family ops that ran without emulation
@@ -92,6 +92,7 @@ class LevelResult:
         return max(self.outputs, key=lambda o: _ratio(o.normwise, o.tolerance), default=None)
 
     def top_layers(self, n: int = 3) -> tuple[LayerError, ...]:
+        """The first ``n`` layers: those that introduce the most error, or where not ``reruns``, the first to run."""
         return self.layers[:n]
 
 

@@ -101,10 +101,12 @@ def layer_chart(report: Report) -> dict[str, Any]:
             layer = next((e for e in lv.layers if e.name == name), None)
             if layer is None:
                 continue
-            # a level whose layers were not rerun (it passed) has no introduced error: no bar, its dot only
+            # a level whose layers were not rerun (it passed) has no introduced error: no bar, its dot only,
+            # in the level's colour (a dark dot on its bar where there is one)
+            color = COLORS.get(lv.level, "#888")
             bars.append({
                 "y": y0 + j * bar_h, "w": _x(layer.introduced, plot_w) if lv.reruns else 0.0,
-                "color": COLORS.get(lv.level, "#888"), "cx": _x(layer.accumulated, plot_w),
+                "color": color, "dot": "#222" if lv.reruns else color, "cx": _x(layer.accumulated, plot_w),
                 "title": (f"{lv.level}: introduced {fmt(layer.introduced)}, " if lv.reruns else
                           f"{lv.level}: introduced not measured (the level passed), ")
                 + f"accumulated {fmt(layer.accumulated)}",
