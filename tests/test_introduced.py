@@ -251,3 +251,15 @@ def test_where_no_layer_call_would_be_rerun_a_failing_level_takes_no_second_floa
     assert not found.level("high").passed and found.level("high").reruns
     assert _layers(found.level("high")) == _layers(every.level("high"))
     assert found.level("high").layers[0].introduced == found.level("high").layers[0].accumulated > 0
+
+
+def test_where_highest_fails_too_the_conclusion_does_not_say_keep_it():
+    # covariance at a tolerance float32 itself misses: "Keep `highest`" and then "Even `highest` fails" contradicted
+    from tf32lab.workloads import builtin
+
+    report = tf32lab.check(builtin.covariance(), levels=("highest", "high"), tolerance=1e-6, speed=False)
+    assert not report.level("highest").passed and not report.level("high").passed
+    first, *rest = report.conclusion()
+    assert first.startswith("No level passes: at `high` the output 'output' is off by")
+    assert any(line.startswith("Even `highest` fails") for line in rest)
+    assert not any("Keep `highest`" in line for line in report.conclusion())

@@ -313,9 +313,9 @@ def _unrerun_note(rows: list[LevelResult]) -> Optional[str]:
     passed = [r.level for r in rows if not r.reruns and r.passed]
     if not passed:
         return None
-    return (f"the layers were not rerun at {_named(passed)}, which passed: each layer's accumulated error is measured "
-            f"there, and its introduced error (the layer run again on the reference's inputs: its own rounding) "
-            f"where a level fails; check(introduced=\"all\") (CLI: --introduced all) measures it at every level")
+    return (f"the layers were not rerun at {_named(passed)}, which passed: only each layer's accumulated error is "
+            f"measured there; its introduced error (the layer run again on the reference's inputs: its own rounding) "
+            f"is measured where a level fails, and at every level with --introduced all (check(introduced=\"all\"))")
 
 
 def _named(levels: Iterable[str]) -> str:

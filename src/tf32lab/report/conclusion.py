@@ -259,8 +259,9 @@ def conclusion(report: Report, policy_file: Optional[str] = None) -> list[str]:
                        if lv.same_as is None and rank[lv.level] < rank.get(best.level, len(REDUCED))]
         if passed_over:
             lines.append(f"Not `{passed_over[0].level}`: {_why_failed(passed_over[0])}.")
-    elif failing:
-        lines.append(f"Keep `highest`: {_why_failed(failing[-1])}.")
+    elif failing:  # where `highest` fails too, the sentence on it (below) says what to do instead
+        keep = "No level passes" if top is not None and not top.passed else "Keep `highest`"
+        lines.append(f"{keep}: {_why_failed(failing[-1])}.")
     lines += amplified(report)
     if not native and "medium" in by_name and by_name["medium"].same_as == "high":
         lines.append(f"On {report.target} `medium` computes exactly as `high`: cuBLAS has no bf16 path for float32 "
