@@ -117,6 +117,14 @@ def test_check_points_to_tune_when_a_level_fails(tmp_path):
     assert "next: tf32lab tune tf32lab.workloads.builtin:covariance --target a100 --out policy.json" in done.stdout
 
 
+def test_check_points_to_tune_naming_the_level_medium_computes_as(tmp_path):
+    # on an A100 `medium` is `high` (measured once): the layers are kept at a safer level than `high`, not `medium`
+    done = cli_runner.run("check", "tf32lab.workloads.builtin:covariance", "--no-speed", module="tf32lab.cli",
+                          timeout=300, cwd=tmp_path)
+    assert done.returncode == 1
+    assert "(which layers to keep at a safer level than 'high')" in done.stdout, done.stdout
+
+
 def test_the_advice_names_the_policy_file_really_written(tmp_path):
     (tmp_path / "out").mkdir()
     done = cli(NET, "--out", "out/tuned.toml", "--html", "t.html", cwd=tmp_path)

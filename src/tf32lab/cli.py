@@ -636,7 +636,8 @@ def _workload_raises(args: argparse.Namespace, loaded: Any, doing: str) -> Itera
 
 def _next_step(report, spec: str, target) -> str:
     """When a reduced level fails: the command that finds the layers to keep at a safer level."""
-    failed = [lv.level for lv in report.levels if lv.level in ("high", "medium") and not lv.passed]
+    # a level the target computes as another is named as that one (`medium` on an A100 is `high`)
+    failed = [lv.same_as or lv.level for lv in report.levels if lv.level in ("high", "medium") and not lv.passed]
     if not failed or target.peaks is None or (report.policy_row is not None and report.passed):
         return ""  # nothing failed, no speed model, or the policy given passes: nothing to search for
     if any(lv.level == "highest" and not lv.passed for lv in report.levels):
