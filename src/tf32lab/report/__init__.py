@@ -170,6 +170,12 @@ class Report(Rows):
     # the convolutions and RNNs it ran, whose math cuDNN's flag sets, not the level (tf32lab.report.cudnn)
     cudnn: tuple[Any, ...] = ()
 
+    @property
+    def rerun(self) -> bool:
+        """Whether some level's layers were rerun for their introduced errors: False where every level passed
+        under ``check(introduced="failing")`` (each layer's accumulated error only)."""
+        return any(lv.reruns for lv in self.levels)
+
     def verdicts(self) -> list[str]:
         """Lines to grep, one per level and output: ``PASSED | level 'high' | output 'x' | normwise … <= …``;
         a level at which the model raised gets one: ``FAILED | level 'high' | raised NotPSDError: …``."""

@@ -115,7 +115,7 @@ def layer_chart(report: Report) -> dict[str, Any]:
     ticks = [{"x": _x(10.0**e, plot_w), "label": f"1e{e}"} for e in range(int(LOG_LO), int(LOG_HI) + 1, 2)]
     return {"rows": rows, "label_w": label_w, "plot_w": plot_w, "bar_h": bar_h - 1, "ticks": ticks,
             "height": 24 + len(names) * group_h + 24, "total": len(ranked_layers(report)),
-            "rerun": any(lv.reruns for lv in report.levels), "rerun_all": all(lv.reruns for lv in report.levels),
+            "rerun": report.rerun, "rerun_all": all(lv.reruns for lv in report.levels),
             "tolerance_x": _x(report.tolerance["default"], plot_w)}
 
 

@@ -187,7 +187,7 @@ def _layers(report: Report) -> Fitted | None:
     shown = min(TOP_LAYERS, len(ranked))
     levels = [lv for lv in report.levels if lv.same_as is None]  # a level computed as another adds nothing here
     headers = [" = ".join([lv.level, *(o.level for o in report.levels if o.same_as == lv.level)]) for lv in levels]
-    rerun = any(lv.reruns for lv in report.levels)  # else every level passed unrerun: accumulated errors only
+    rerun = report.rerun  # else every level passed unrerun: accumulated errors only
     rows = []
     for name in ranked[:TOP_LAYERS]:
         cells = []
@@ -215,7 +215,7 @@ def _short(value: float) -> str:
 def ranked_layers(report: Report) -> list[str]:
     """Layer names, the largest introduced error at any level first; where no level's layers were rerun (every
     level passed, ``check(introduced="failing")``), the largest accumulated error."""
-    rerun = any(lv.reruns for lv in report.levels)
+    rerun = report.rerun
     worst: dict[str, float] = {}
     for lv in report.levels:
         for layer in lv.layers:
