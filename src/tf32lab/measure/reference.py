@@ -429,9 +429,11 @@ def _widened_call(func, args: Any, kwargs: dict, selecting: bool) -> Any:
     """``func`` computed in float64, its float32 results widened: as it is when nothing it reads is float32;
     on its float32 inputs when it only selects values (exact, and cheaper); else on widened inputs."""
     dtype = kwargs.get("dtype") if kwargs else None
-    # A cast up (``_to_copy`` to float64 of a float32 weight, as the function mode widens it) takes the widening
-    # below like any op: a copy, then the op's own. Run as it is, in one copy, it left glibc's heap holding the float64
-    # run's freed blocks: a generation check's peak RSS 7-14 MiB higher in most processes (benchmarks/generation.py).
+    # A cast up (``_to_copy`` to float64 of a float32 weight, as the function mode widens it) is one copy (below).
+    # Widened first like any op, it was two: 3% of all-MiniLM-L6-v2's check. The one copy once left glibc's heap
+    # holding the float64 run's freed blocks (a generation check's peak 10-14 MiB higher); measured again with
+    # today's runs, the peak is the same either way (benchmarks/generation.py, 5-7 children: 72.7-74.4 MiB with two
+    # copies, 73.6-74.7 with one).
     if dtype in _WIDER:
         kwargs = {**kwargs, "dtype": _WIDER[dtype]}
     elif not _narrow_in(args, kwargs):  # already float64, the usual case: as it is
@@ -439,6 +441,9 @@ def _widened_call(func, args: Any, kwargs: dict, selecting: bool) -> Any:
             return _widen_result(func(*args, **kwargs))
         except RuntimeError as exc:
             return _made_wider(func, args, kwargs, exc)
+    if func is _TO_COPY and isinstance(args[0], torch.Tensor):  # a cast: straight to the wide dtype
+        wide = kwargs.get("dtype") or args[0].dtype
+        return func(args[0], **{**kwargs, "dtype": _WIDER.get(wide, wide)})
     if selecting and _only_float32(args, kwargs):
         picked = func(*args, **kwargs)
         # a view of a float32 tensor stays one: a float64 copy of it took the model's writes through it (a static
@@ -512,6 +517,7 @@ def _only_float32(args: Any, kwargs: dict) -> bool:
 
 
 _CONVOLUTION = torch.ops.aten.convolution.default
+_TO_COPY = torch.ops.aten._to_copy.default
 # Bytes of im2col buffer one float64 convolution call may take. Above glibc's largest mmap threshold (32 MiB), so
 # every such buffer is mapped and handed back whole: at 16 MiB the slices landed on the heap and the peak grew 4x.
 UNFOLD_BUDGET = 64 << 20
