@@ -44,3 +44,16 @@ def test_layer_names_fill_the_terminal_and_are_cut_from_the_left_only_when_neede
     narrow = _printed(report, 80)
     assert full not in narrow and "…" in narrow and "output_projection.dense" in narrow
     assert max(len(line) for line in narrow.splitlines() if "│" in line) <= 80
+
+
+def test_a_reports_repr_is_one_line_with_each_rows_verdict():
+    # a dataclass's own repr printed every output's and layer's errors: thousands of lines in a notebook
+    torch.manual_seed(0)
+    workload = tf32lab.Workload(_deep_model(), torch.randn(8, 32), name="deep")
+    failing = tf32lab.check(workload, levels=("highest", "high"), tolerance=1e-5)
+    assert repr(failing) == "<Report 'deep' on a100: FAILED (highest passed, high FAILED)>"
+    data = [(torch.ones(4, 3), torch.zeros(4, 1))] * 2
+    training = tf32lab.check_training(
+        tf32lab.TrainingWorkload(torch.nn.Linear(3, 1), data, inputs=lambda b: b[0], name="fit",
+                                 loss=lambda o, b: (o - b[1]).pow(2).mean()), levels=("high",), target="h100")
+    assert repr(training) == "<TrainingReport 'fit' on h100: PASSED (high passed)>"

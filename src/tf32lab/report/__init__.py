@@ -151,8 +151,21 @@ class Rows(Document):
     def __str__(self) -> str:
         return "\n".join(self.verdicts())
 
+    def __repr__(self) -> str:
+        """One line: the workload, the target and each row's verdict. Its fields (every output's and layer's
+        errors) run to thousands of lines for a real model: ``print(report)`` gives the verdict lines,
+        ``report.to_dict()`` every number.
 
-@dataclass(frozen=True)
+        >>> import torch, tf32lab
+        >>> tf32lab.check(tf32lab.Workload(torch.nn.Linear(4, 2), torch.ones(3, 4), name="probe"))
+        <Report 'probe' on a100: PASSED (highest passed, high passed, medium passed)>
+        """
+        rows = ", ".join(f"{lv.level} {'passed' if lv.passed else 'FAILED'}" for lv in self.levels)
+        return (f"<{type(self).__name__} {getattr(self, 'workload', None)!r} on {getattr(self, 'target', None)}: "
+                f"{'PASSED' if self.passed else 'FAILED'} ({rows})>")
+
+
+@dataclass(frozen=True, repr=False)  # Rows.__repr__: one line
 class Report(Rows):
     """The result of :func:`tf32lab.check`. ``bool(report)`` is the verdict: every level within tolerance; with a
     policy row (``check(policy=...)``), the policy's own verdict, the levels beside it being context (a tuned

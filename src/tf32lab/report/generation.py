@@ -173,7 +173,7 @@ class GenerationLevel:
         return max(self.logit_errors, default=0.0) if self.failure is None else math.inf
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)  # Rows.__repr__: one line
 class GenerationReport(Rows):
     """The result of :func:`tf32lab.check_generation`; ``bool(report)`` is the verdict: every level passes the
     criterion."""

@@ -112,7 +112,7 @@ class TrainingLevel:
         return next((layer for layer in self.layers if not math.isnan(layer.introduced)), None)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)  # Rows.__repr__: one line
 class TrainingReport(Rows):
     """The result of :func:`tf32lab.check_training`; ``bool(report)`` is the verdict (with a policy row, the
     policy's, the levels being context)."""
