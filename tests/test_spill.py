@@ -211,3 +211,37 @@ def test_the_second_float64_pass_writes_its_outputs_over_the_first_ones_not_afte
         assert os.fstat(session.spill._file.fileno()).st_size == one_pass and session.spill.written == one_pass
         assert isinstance(session.recorder.outputs[("conv", 0)][0], Spilled)
         assert session.introduced_at(row).layers[0].introduced > 0
+
+
+class _DrawingFront(_Front):
+    """``_Front`` fed noise drawn at a dtype read off a tensor made in the forward (float64 in the reference, float32
+    in the rows): the first row teaches the reference its draws, and the reference runs again."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kind = (x * 2).dtype  # read off a widened tensor in the reference, and kept
+        made = x * 2
+        noise = made * 0 + torch.randn(x.shape, dtype=kind, generator=torch.Generator().manual_seed(1))
+        return super().forward(x + 1e-3 * noise.float())
+
+
+def test_a_reference_run_again_for_its_draws_writes_over_the_first_one_not_after_it(monkeypatch):
+    # the first pass's written-out outputs and the first row's hand-off to the next (both run again) took as much
+    # disk again, and a disk that filled up kept the second pass's outputs in memory
+    from tf32lab import targets
+    from tf32lab.measure.check import Session
+    from tf32lab.numbers.metrics import tolerances_of
+
+    monkeypatch.setenv("TF32LAB_SPILL_MIB", "1")
+    torch.manual_seed(0)
+    workload = tf32lab.Workload(_DrawingFront(), torch.randn(16, 2048), name="front")
+    one_pass = 16 * 32 * 993 * 8  # conv's float64 output, the one over 1 MiB
+    handed = one_pass // 2  # the conv's float32 output, which `high` takes from the `highest` row (cuDNN's alike)
+    with Session(workload, ["highest", "high"], targets.get("a100"), tolerances_of(None), speed=False,
+                 rerun=[]) as session:
+        assert os.fstat(session.spill._file.fileno()).st_size == one_pass
+        first = session.level("highest")
+        assert any("run again drawing each as the rows do" in note for note in session.notes()), session.notes()
+        assert os.fstat(session.spill._file.fileno()).st_size == one_pass + handed
+        assert isinstance(session.recorder.outputs[("conv", 0)][0], Spilled)
+        second = session.level("high")
+    assert first.error is None and second.error is None and first.outputs[0].passed and second.outputs[0].passed

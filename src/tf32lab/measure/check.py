@@ -493,6 +493,9 @@ class Session:
         if plan is None:
             return result
         self._new_recorder()
+        if self.handed is not None:  # the run's hand-off to the next level: it runs again, and keeps it anew
+            self.handed[1].close()
+        self.spill.clear()  # the first pass's written-out outputs and that hand-off: nothing reads them now
         self.reset()
         self.inputs_kept()  # the reference again from the inputs as they were, not as the row left them
         self._reference(plan, again=f"drawing as {where} did")
