@@ -669,6 +669,15 @@ class _Attribution:
             names = ", ".join(repr(n) for n in again[:3]) + (" …" if len(again) > 3 else "")
             self.notes.append(f"{len(again)} module(s) run more than once a step ({names}): the backward of each is "
                               f"measured at its first call")
+        # a module a gradient reached whose forward no hook saw: a __call__ of its own runs forward past PyTorch's
+        # hooks (every gpytorch module's), so its own backward cannot be measured
+        unhooked = [name for name in self.kinds if name not in calls and
+                    any(p.grad is not None for p in model.get_submodule(name).parameters(recurse=False))]
+        if unhooked:
+            names = ", ".join(repr(n) for n in unhooked[:3]) + (" …" if len(unhooked) > 3 else "")
+            self.notes.append(f"{len(unhooked)} module(s) with parameters have no backward row ({names}): their "
+                              f"forward ran past PyTorch's module hooks (a __call__ of their own, as gpytorch's "
+                              f"modules have), so their own backward is not measured")
         reached = [name for name, (_, _, grads, _) in calls.items() if not grads]
         if reached:
             names = ", ".join(repr(n) for n in reached[:3]) + (" …" if len(reached) > 3 else "")
