@@ -266,3 +266,6 @@ def test_tune_searches_the_conv_math_of_convolutions_it_finds_no_module_for():
         assert tuning.passed and tuning.conv == "ieee" and tuning.conv_searched, (workload.name, tuning.advice())
         assert tuning.policy.conv == "ieee"
         assert "no precision setting fixes that" not in " ".join(tuning.advice())
+        # asked for, the math is written into the policy too: without it the policy fails where it is applied
+        told = tf32lab.tune(workload, target="a100", tolerance=1e-4, conv="ieee")
+        assert told.passed and told.conv == "ieee" and told.policy.conv == "ieee", (workload.name, told.advice())

@@ -265,7 +265,9 @@ def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Targ
                 run = _tune(workload, target, tolerances, everything, progress, convs[0])
             runs, seconds = runs + run.runs, seconds + run.seconds
     searched = chosen == "ieee" and convs[0] != "ieee"
-    matters = chosen is not None and conv_run.moved is None and (conv is None or conv_matters(workload.model, target))
+    # the conv math matters where the model's modules or the ops the reference ran (TorchScript's) say it does
+    matters = chosen is not None and conv_run.moved is None and \
+        (conv is None or conv_matters(workload.model, target) or families_matter(run.families, target))
     if matters and (searched or conv is not None):
         run = _stamped(run, chosen)  # a math chosen beyond PyTorch's default, or asked for: the policies set it
     # Built once, whole, here: only now is it known whether the workload changed the flags (a note of the report).
