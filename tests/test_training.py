@@ -140,6 +140,33 @@ def test_gradients_that_tf32_ruins_diverge_at_a_step_and_fail():
     assert f"FAILED | level 'high' | training 20 steps | diverges at step {high.divergence_step}" in str(report)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_a_scripted_models_parameters_are_trained_not_frozen_by_the_copy():
+    """The saved state every row starts from is a deep copy made under no_grad, and a ScriptModule's deep copy
+    under no_grad has parameters that no longer require grad: a scripted part of a model was silently frozen in
+    every row (its gradients and weights missing from the report, the verdict about the rest only), and a
+    scripted model refused ('optimizer got an empty parameter list')."""
+    class Host(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.front, self.back = torch.jit.script(torch.nn.Linear(32, 16)), torch.nn.Linear(16, 1)
+
+        def forward(self, x):
+            return self.back(torch.tanh(self.front(x)))
+
+    torch.manual_seed(0)
+    host = Host()
+    report = check_training(regression(model=host), levels=("highest",), target="a100", speed=False)
+    names = {g.name for g in report.floor.gradients}
+    assert names == {"front.weight", "front.bias", "back.weight", "back.bias"}, names
+    assert {w.name for w in report.floor.weights} == names
+    assert all(p.requires_grad for p in host.parameters())
+    torch.manual_seed(0)
+    scripted = torch.jit.script(torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)))
+    report = check_training(regression(model=scripted), levels=("highest",), target="a100", speed=False)
+    assert {g.name for g in report.floor.gradients} == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
 class _Unhooked(torch.nn.Linear):
     """A Linear whose ``__call__`` runs ``forward`` itself, past PyTorch's module hooks, as every gpytorch module
     does (``gpytorch.Module.__call__``)."""
