@@ -125,6 +125,32 @@ def test_a_frozen_script_module_is_measured_not_refused_with_a_traceback():
     assert not hasattr(frozen, "training")
 
 
+def test_a_script_module_that_convolves_its_input_first_gets_a_float64_input():
+    """A scripted or traced convolution checks its input's dtype against its weights' inside TorchScript, where no
+    mode widens: its float64 twin was handed the float32 input, and check refused the model ('raised at the
+    float64 reference ... Input type (float) and bias type (double) should be the same')."""
+    torch.manual_seed(0)
+    convs = nn.Sequential(nn.Conv1d(1, 8, 9, padding=4), nn.ReLU(), nn.Conv1d(8, 1, 9))
+    x = torch.randn(4, 1, 256)
+    before = x.clone()
+    for model in (torch.jit.script(convs), torch.jit.trace(convs, x)):
+        report = tf32lab.check(Workload(model, x, name="convs"), levels=("highest",), conv="ieee", speed=False)
+        assert 0 < report.level("highest").outputs[0].normwise < 1e-5  # IEEE convolutions: float32's own error
+        assert x.dtype == torch.float32 and torch.equal(x, before)
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+
+    class Host(nn.Module):  # a scripted part called first, on the model's own input
+        def __init__(self) -> None:
+            super().__init__()
+            self.front, self.head = torch.jit.script(nn.Conv1d(1, 4, 5)), nn.Linear(252, 2)
+
+        def forward(self, x):
+            return self.head(self.front(x))
+
+    report = tf32lab.check(Workload(Host(), x, name="host"), levels=("highest",), conv="ieee", speed=False)
+    assert 0 < report.level("highest").outputs[0].normwise < 1e-5
+
+
 def test_scripted_parts_of_a_python_model_are_said_and_the_rest_broken_down():
     class Host(nn.Module):
         def __init__(self) -> None:

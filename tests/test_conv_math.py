@@ -238,3 +238,34 @@ def test_a_model_that_reads_cudnn_allow_tf32_runs_under_a_named_conv_math():
             return self.conv(x)
 
     assert check(Workload(Reads(), torch.randn(1, 2, 5, 5)), levels=("highest",), conv="ieee", speed=False)
+
+
+def test_tune_searches_the_conv_math_of_convolutions_it_finds_no_module_for():
+    """A TorchScript model's convolutions are ScriptModules, not ``torch.nn.Conv2d``, and a functional
+    ``F.conv2d`` is no module at all: tune searched only under TF32 convolutions, found nothing passing, and said
+    'no precision setting fixes that' where IEEE convolutions pass (as check's conclusion says)."""
+    scripted = _convs()
+    scripted = Workload(torch.jit.script(scripted.model), scripted.inputs, name="scripted")
+
+    class Functional(torch.nn.Module):
+        def __init__(self, convs: torch.nn.Sequential) -> None:
+            super().__init__()
+            self.w0, self.b0 = convs[0].weight, convs[0].bias
+            self.w2, self.b2 = convs[2].weight, convs[2].bias
+
+        def forward(self, x):
+            return torch.nn.functional.conv2d(torch.relu(torch.nn.functional.conv2d(x, self.w0, self.b0, padding=1)),
+                                              self.w2, self.b2)
+
+    plain = _convs()
+    functional = Workload(Functional(plain.model), plain.inputs, name="functional")
+    before = flags.snapshot()
+    for workload in (scripted, functional):
+        tuning = tf32lab.tune(workload, target="a100", tolerance=1e-4)
+        assert flags.snapshot() == before
+        assert tuning.passed and tuning.conv == "ieee" and tuning.conv_searched, (workload.name, tuning.advice())
+        assert tuning.policy.conv == "ieee"
+        assert "no precision setting fixes that" not in " ".join(tuning.advice())
+        # asked for, the math is written into the policy too: without it the policy fails where it is applied
+        told = tf32lab.tune(workload, target="a100", tolerance=1e-4, conv="ieee")
+        assert told.passed and told.conv == "ieee" and told.policy.conv == "ieee", (workload.name, told.advice())

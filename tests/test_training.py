@@ -140,6 +140,60 @@ def test_gradients_that_tf32_ruins_diverge_at_a_step_and_fail():
     assert f"FAILED | level 'high' | training 20 steps | diverges at step {high.divergence_step}" in str(report)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_a_scripted_models_parameters_are_trained_not_frozen_by_the_copy():
+    """The saved state every row starts from is a deep copy made under no_grad, and a ScriptModule's deep copy
+    under no_grad has parameters that no longer require grad: a scripted part of a model was silently frozen in
+    every row (its gradients and weights missing from the report, the verdict about the rest only), and a
+    scripted model refused ('optimizer got an empty parameter list')."""
+    class Host(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.front, self.back = torch.jit.script(torch.nn.Linear(32, 16)), torch.nn.Linear(16, 1)
+
+        def forward(self, x):
+            return self.back(torch.tanh(self.front(x)))
+
+    torch.manual_seed(0)
+    host = Host()
+    report = check_training(regression(model=host), levels=("highest",), target="a100", speed=False)
+    names = {g.name for g in report.floor.gradients}
+    assert names == {"front.weight", "front.bias", "back.weight", "back.bias"}, names
+    assert {w.name for w in report.floor.weights} == names
+    assert all(p.requires_grad for p in host.parameters())
+    torch.manual_seed(0)
+    scripted = torch.jit.script(torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)))
+    report = check_training(regression(model=scripted), levels=("highest",), target="a100", speed=False)
+    assert {g.name for g in report.floor.gradients} == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
+class _Unhooked(torch.nn.Linear):
+    """A Linear whose ``__call__`` runs ``forward`` itself, past PyTorch's module hooks, as every gpytorch module
+    does (``gpytorch.Module.__call__``)."""
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+
+def test_no_module_is_named_to_pin_where_no_modules_backward_was_measured():
+    """gpytorch's exact GP fit read 'gradients of 'gp.mean.raw_constant' are off ...; pin 'gp.mean'': its modules
+    run past the hooks that measure each module's own backward, so no module had a row, and the advice named the
+    owner of the worst gradient, a constant mean that runs no matmul-family op (pinning it trained exactly as
+    `high`). With no module measured the advice names none, and a note says why there are no rows."""
+    torch.manual_seed(0)
+    model = Offset()
+    model.lin, model.head = _Unhooked(16, 16, bias=False), _Unhooked(16, 1)
+    workload = TrainingWorkload(model, offset_batches, loss=mse, inputs=lambda b: b[0], steps=20,
+                                optimizer=lambda p: torch.optim.SGD(p, lr=1e-2), name="offset")
+    report = check_training(workload, levels=("highest", "high"), target="a100")
+    high = report.level("high")
+    assert not high.passed and not high.layers and high.gradients[0].name == "lin.weight"
+    text = " ".join(report.conclusion())
+    assert "pin 'lin'" not in text and "keep `highest`" in text, text
+    (note,) = [note for note in report.notes if "hooks" in note]
+    assert "'lin', 'head'" in note
+
+
 class Tagged(torch.nn.Module):
     """`Offset` fed a learnt embedding of a tag beside its input, its `lin` and `head` frozen: the only gradient is
     the embedding's, which TF32 ruins through `lin`'s forward, while the embedding itself computes alike at every

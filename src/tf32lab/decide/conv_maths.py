@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Optional
 
 import torch
@@ -23,7 +24,7 @@ from tf32lab.control.policy import Policy
 from tf32lab.know.levels import with_conv
 from tf32lab.know.targets import CUDNN_CELL, Target, cudnn_cell
 
-__all__ = ["IEEE_CONV_FLAGS", "conv_matters", "with_conv_math"]
+__all__ = ["IEEE_CONV_FLAGS", "conv_matters", "families_matter", "with_conv_math"]
 
 # what a user sets for IEEE convolutions (and cuDNN's RNNs, which the legacy flag covers too), as advice names it
 IEEE_CONV_FLAGS = ("`torch.backends.cudnn.allow_tf32 = False` (on torch 2.9 and later, "
@@ -36,8 +37,15 @@ def conv_matters(model: torch.nn.Module, target: Target) -> bool:
     IEEE convolutions (none where cuDNN is off). Functional convolutions outside modules are not looked for."""
     kinds = {"conv": torch.nn.modules.conv._ConvNd, "rnn": torch.nn.RNNBase}
     found = [family for family, kind in kinds.items() if any(isinstance(m, kind) for m in model.modules())]
+    return families_matter(found, target)
+
+
+def families_matter(families: Iterable[str], target: Target) -> bool:
+    """Whether any of the cuDNN ``families`` (``"conv"``, ``"rnn"``) computes differently at TF32 and IEEE
+    convolutions on ``target`` (none where cuDNN is off)."""
     cells = {CUDNN_CELL: cudnn_cell()}  # cuDNN off: the conv flag sets nothing
-    return any(target.math(f, with_conv(cells, "tf32")) != target.math(f, with_conv(cells, "ieee")) for f in found)
+    return any(target.math(f, with_conv(cells, "tf32")) != target.math(f, with_conv(cells, "ieee"))
+               for f in families)
 
 
 def with_conv_math(policy: Optional[Policy], conv: str) -> Optional[Policy]:

@@ -38,8 +38,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Union
 
+from tf32lab.control import flags
 from tf32lab.control.policy import Policy, exact_pattern
-from tf32lab.decide.conv_maths import IEEE_CONV_FLAGS, conv_matters, with_conv_math
+from tf32lab.decide.conv_maths import IEEE_CONV_FLAGS, conv_matters, families_matter, with_conv_math
 from tf32lab.decide.tune_training import TrainingTuning, tune_training
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import ALL_LEVELS, check_conv, check_levels
@@ -225,8 +226,9 @@ def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Targ
     the search runs under ``"tf32"`` (faster) and, if nothing passes there, under ``"ieee"``, whose answer then
     gives back to ``"tf32"`` the convolution layers that still pass there (the policy pins them, a group at once,
     the largest predicted gain first); ``Tuning.conv`` says which math the answer needs for the rest (else
-    the flag is left as the process holds it). A training workload is searched under the ``conv`` named, or
-    as the flag holds it (``tune_training``).
+    the flag is left as the process holds it). Convolutions no module shows (TorchScript's, ``F.conv2d``) are
+    found as they run: where they ran TF32 and nothing passed, the search runs under ``"ieee"`` too. A training
+    workload is searched under the ``conv`` named, or as the flag holds it (``tune_training``).
     """
     conv = check_conv(conv, "tune")
     if isinstance(workload, TrainingWorkload):  # the fastest policy whose training passes
@@ -254,8 +256,18 @@ def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Targ
             runs, seconds = runs + run.runs, seconds + run.seconds
             if run.answer.policy is not None:
                 break
+        if run.answer.policy is None and convs == (None,) and flags.read_cells().get("cuda.conv") == "tf32" \
+                and families_matter(run.families, target):
+            # convolutions or RNNs no module showed (TorchScript's, a functional F.conv2d) ran TF32 and nothing
+            # passed: searched under IEEE too, as where the modules show them
+            convs, chosen = ("tf32", "ieee"), "ieee"
+            with ConvRun(chosen) as conv_run:
+                run = _tune(workload, target, tolerances, everything, progress, convs[0])
+            runs, seconds = runs + run.runs, seconds + run.seconds
     searched = chosen == "ieee" and convs[0] != "ieee"
-    matters = chosen is not None and conv_run.moved is None and (conv is None or conv_matters(workload.model, target))
+    # the conv math matters where the model's modules or the ops the reference ran (TorchScript's) say it does
+    matters = chosen is not None and conv_run.moved is None and \
+        (conv is None or conv_matters(workload.model, target) or families_matter(run.families, target))
     if matters and (searched or conv is not None):
         run = _stamped(run, chosen)  # a math chosen beyond PyTorch's default, or asked for: the policies set it
     # Built once, whole, here: only now is it known whether the workload changed the flags (a note of the report).
@@ -311,6 +323,7 @@ class _Run(NamedTuple):
     runs: int
     check_seconds: float
     seconds: float
+    families: tuple[str, ...]  # the cuDNN families (conv, rnn) the float64 reference ran
 
 
 def _tune(workload: Workload, target: Target, tolerances: dict[str, float], everything: tuple[str, ...],
@@ -327,6 +340,7 @@ def _tune(workload: Workload, target: Target, tolerances: dict[str, float], ever
         if predicted is None:
             raise Tf32LabError(f"workload {workload.name!r} ran no ops: nothing to tune")
         check_seconds = time.perf_counter() - started
+        families = tuple(family for family, ops in session.recorder.by_family.items() if ops)
         search = _Search(session, workload, alike, uniform, predicted)
         answer = search.run()
         if relax is not None and answer.policy is not None:
@@ -338,7 +352,7 @@ def _tune(workload: Workload, target: Target, tolerances: dict[str, float], ever
     levels = tuple(dataclasses.replace(uniform[alike[lv] or lv], level=lv, same_as=alike[lv],
                                        speedup=predicted.level(lv).speedup) for lv in everything)
     return _Run(answer, tuple(search.candidates), levels, tuple(session.notes()), predicted, environment_of(workload),
-                session.runs, check_seconds, time.perf_counter() - started)
+                session.runs, check_seconds, time.perf_counter() - started, families)
 
 
 class _Search:

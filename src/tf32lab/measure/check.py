@@ -432,7 +432,7 @@ class Session:
             # not inference mode: its tensors keep no version counters
             with float64_scripted(workload, recorder) as model, torch.inference_mode(False), \
                     torch.no_grad(), recorder, formed or contextlib.nullcontext():
-                ref_inputs = map_tensors(widen, workload.inputs)
+                ref_inputs = _reference_inputs(workload, recorder)
                 recorder.model_inputs = {id(t) for _, t in named_tensors(ref_inputs)}
                 self.streams.seeded()
                 self.ref_out = workload.run(model, ref_inputs)
@@ -835,6 +835,22 @@ def _check_level(workload: Workload, level: str, target: Target, recorder: Recor
     return LevelResult("policy" if row else level, level_maths, outputs, tuple(ranked), metric, coverage, unhandled,
                        time.perf_counter() - started, error=error, policy=row.describe() if row else None,
                        choices=choices, reruns=reruns)
+
+
+def _reference_inputs(workload: Workload, recorder: Recorder) -> Any:
+    """The inputs of the float64 reference. The modes widen each op's float32 operands as it runs, so the inputs
+    may stay float32 (no copy); but a TorchScript part checks dtypes inside itself where no mode can widen: a
+    scripted (or traced) convolution given the float32 input beside its float64 twin's weights raised "Input type
+    (float) and bias type (double) should be the same". Where the model has one, the inputs are float64 copies
+    (made with the modes paused: under them a dtype read answers float64 and ``widen`` copied nothing)."""
+    if not recorder.scripted:
+        return map_tensors(widen, workload.inputs)
+    mode = recorder.mode
+    paused, mode.paused = mode.paused, True
+    try:
+        return map_tensors(widen, workload.inputs)
+    finally:
+        mode.paused = paused
 
 
 def _ranked(layers: list[LayerError]) -> tuple[LayerError, ...]:

@@ -379,7 +379,7 @@ class TrainingSession:
         return out
 
     def _step_counts(self) -> Any:
-        model = copy.deepcopy(self.saved)
+        model = _trainable_copy(self.saved)
         batch = self.batch(0)
         with Counting(model, backward=True) as counts:
             loss = self.workload.loss_of(self.workload.run(model, batch), batch, model)
@@ -431,7 +431,7 @@ class TrainingSession:
         """``steps`` steps of a fresh copy in ``dtype``, at ``level`` on the target (float64: no level; not
         ``emulated``: natively, for a level the target computes in IEEE)."""
         workload = self.workload
-        model = copy.deepcopy(self.saved)  # train/eval modes as the caller's model has them
+        model = _trainable_copy(self.saved)  # train/eval modes as the caller's model has them
         if dtype == torch.float64:
             model = widened_model(model)  # complex64 weights too: Module.double() leaves them
         optimizer = self._optimizer(model)
@@ -519,7 +519,7 @@ class TrainingSession:
                   ) -> Optional[tuple[list[torch.Tensor], list[tuple[str, Optional[str]]]]]:
         """Step 1's loss and gradients in a fresh copy in ``dtype``, inside ``mode()`` (a ``Float64Run``, or a
         ``DrawLog`` pushed on the stack), and the draws it kept; None where it raises."""
-        model = copy.deepcopy(self.saved)
+        model = _trainable_copy(self.saved)
         model = widened_model(model) if dtype == torch.float64 else model
         _seeded(self.seed, model)
         batch = self.batch(0, dtype)
@@ -642,11 +642,13 @@ class _Attribution:
     def __init__(self, workload: TrainingWorkload, saved: torch.nn.Module, seed: int, batch: Any,
                  run: Callable[[], Float64Run] = Float64Run) -> None:
         self.saved, self.seed, self.notes = saved, seed, []
-        model = widened_model(copy.deepcopy(saved))
+        model = widened_model(_trainable_copy(saved))
         self.kinds = {}
         calls: dict[str, list[Any]] = {}
         handles = []
         for name, module in model.named_modules():
+            if isinstance(module, torch.jit.ScriptModule):  # takes no hooks (nor do its insides): no row
+                continue
             if name and any(p.requires_grad for p in module.parameters(recurse=False)):
                 self.kinds[name] = type(module).__name__
                 handles.append(module.register_forward_hook(self._keep(name, calls), with_kwargs=True))
@@ -669,6 +671,15 @@ class _Attribution:
             names = ", ".join(repr(n) for n in again[:3]) + (" …" if len(again) > 3 else "")
             self.notes.append(f"{len(again)} module(s) run more than once a step ({names}): the backward of each is "
                               f"measured at its first call")
+        # a module a gradient reached whose forward no hook saw: a __call__ of its own runs forward past PyTorch's
+        # hooks (every gpytorch module's), so its own backward cannot be measured
+        unhooked = [name for name in self.kinds if name not in calls and
+                    any(p.grad is not None for p in model.get_submodule(name).parameters(recurse=False))]
+        if unhooked:
+            names = ", ".join(repr(n) for n in unhooked[:3]) + (" …" if len(unhooked) > 3 else "")
+            self.notes.append(f"{len(unhooked)} module(s) with parameters have no backward row ({names}): their "
+                              f"forward ran past PyTorch's module hooks (a __call__ of their own, as gpytorch's "
+                              f"modules have), so their own backward is not measured")
         reached = [name for name, (_, _, grads, _) in calls.items() if not grads]
         if reached:
             names = ", ".join(repr(n) for n in reached[:3]) + (" …" if len(reached) > 3 else "")
@@ -703,7 +714,7 @@ class _Attribution:
     def introduced(self, level: str, target: Target, policy: Optional[PolicyRow],
                    accumulation: Optional[str]) -> tuple[BackwardLayer, ...]:
         """Each module's backward error at ``level``, emulated with ``accumulation`` (None: natively)."""
-        model = copy.deepcopy(self.saved)
+        model = _trainable_copy(self.saved)
         applied = policy.policy.applied(model) if policy is not None else contextlib.nullcontext()
         emulated = target.emulated and accumulation
         scoped = _inside(emulate(target, accumulation=accumulation), level) if emulated else \
@@ -759,11 +770,23 @@ def _narrowed(t: Any) -> Any:
 # -- numbers ----------------------------------------------------------------------------------------------------
 def _copied(model: torch.nn.Module, name: Any) -> torch.nn.Module:
     try:
-        with torch.no_grad():
-            return copy.deepcopy(model, _unmade_buffers(model))
+        return _trainable_copy(model)
     except Exception as exc:
         raise Tf32LabError(f"training workload {name!r}: the model cannot be copied ({type(exc).__name__}: {exc}); "
                            f"the training check trains copies, never the model itself") from exc
+
+
+def _trainable_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model`` whose parameters are leaves that require grad where the model's do. A
+    ScriptModule's deep copy clones its parameters as ops: under no_grad they no longer require grad (a scripted
+    part was frozen in every row), with grad on they are not leaves (no optimizer takes them)."""
+    with torch.no_grad():
+        copied = copy.deepcopy(model, _unmade_buffers(model))
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    for n, p in copied.named_parameters():
+        if n in trained and not p.requires_grad:
+            p.requires_grad_(True)
+    return copied
 
 
 def _unmade_buffers(model: torch.nn.Module) -> dict[int, Any]:

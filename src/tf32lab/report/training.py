@@ -286,9 +286,11 @@ def _enable(lv: TrainingLevel, target: str) -> str:
 def _pin(lv: TrainingLevel, floor: TrainingLevel) -> str:
     """Pin the module that owns the worst gradient (its parameter's name less the last part); where the level
     leaves that module's own computation as float32's (its gradient is wrong only by what reaches it), the module
-    whose own backward the level changes most; none where it changes no module's."""
+    whose own backward the level changes most; none where it changes no module's, nor where no module's own
+    backward was measured (gpytorch's modules run past the hooks that measure it: the worst gradient's owner, its
+    constant mean, runs no matmul-family op, and pinning it changed nothing)."""
     worst = lv.worst_gradient
-    if worst is None or lv.level not in ("high", "medium"):
+    if worst is None or lv.level not in ("high", "medium") or not lv.layers:
         return ""
     module = worst.name.rpartition(".")[0]
     changed = changed_layers(lv, floor)
