@@ -263,3 +263,27 @@ def test_where_highest_fails_too_the_conclusion_does_not_say_keep_it():
     assert first.startswith("No level passes: at `high` the output 'output' is off by")
     assert any(line.startswith("Even `highest` fails") for line in rest)
     assert not any("Keep `highest`" in line for line in report.conclusion())
+
+
+class _Exact(torch.nn.Module):
+    """An identity product of values float32 holds exactly: no error at `highest`, and at `high` the low bits go."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, bias=False)
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.eye(4))
+
+    def forward(self, x):
+        return self.lin(x) * 2
+
+
+@pytest.mark.parametrize("introduced", ["failing", "all"])
+def test_a_layer_without_error_has_an_accumulated_error_of_zero_not_nan(introduced):
+    # the largest error over a layer's calls started from 0 and kept only a larger one: an exact layer's stayed
+    # unset, NaN, which the chart and the table give as not measured ("accumulated nan")
+    report = tf32lab.check(tf32lab.Workload(_Exact(), torch.full((2, 4), 1 + 2 ** -12)), levels=("highest", "high"),
+                           tolerance=1e-6, introduced=introduced)
+    exact, lossy = report.level("highest").layers[0], report.level("high").layers[0]
+    assert exact.name == "lin" and exact.accumulated == 0.0, exact
+    assert lossy.accumulated > 1e-4 and lossy.introduced > 1e-4, lossy

@@ -687,7 +687,7 @@ class Accumulated:
             self.per_call[(name, i)] = error
         if mismatch is not None:
             self.diverged.setdefault(name, f"call {i + 1}: {mismatch}")
-        elif math.isnan(error) or error > self.errors.get(name, 0.0):
+        elif name not in self.errors or math.isnan(error) or error > self.errors[name]:  # 0 is measured too
             self.errors[name] = error
 
     def result(self, name: str, finished: bool) -> tuple[float, Optional[str]]:
