@@ -210,3 +210,11 @@ def test_a_policy_slower_than_highest_is_called_slower_not_0_8x_faster():
     assert row.passed and row.speedup < 0.95, row.speedup
     sentence = next(line for line in report.conclusion() if line.startswith("The policy ("))
     assert "faster" not in sentence and f"{1 / row.speedup:.2f}x slower than `highest`" in sentence, sentence
+
+
+def test_a_speedup_that_rounds_to_one_is_not_called_slower_or_faster():
+    # 0.996x read "1.00x slower than `highest`": a slowdown of nothing
+    from tf32lab.report.conclusion import _than_highest
+
+    assert _than_highest(0.996) == _than_highest(1.004) == "about as fast as `highest`"
+    assert _than_highest(0.99) == "1.01x slower than `highest`" and _than_highest(1.01) == "1.01x faster than `highest`"

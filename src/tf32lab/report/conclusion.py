@@ -264,8 +264,8 @@ def conclusion(report: Report, policy_file: Optional[str] = None) -> list[str]:
         lines.append(f"{keep}: {_why_failed(failing[-1])}.")
     lines += amplified(report)
     if not native and "medium" in by_name and by_name["medium"].same_as == "high":
-        lines.append(f"On {report.target} `medium` computes exactly as `high`: cuBLAS has no bf16 path for float32 "
-                     f"matmuls, so it was measured once.")
+        lines.append(f"On {report.target} `medium` computes exactly as `high`: on a GPU PyTorch asks the BLAS "
+                     f"(cuBLAS, hipBLASLt) for TF32 at both, never bf16 for float32 matmuls, so it was measured once.")
     if top is not None and not top.passed and not blocked:
         lines.append(_highest_failed(top, report.target))
     reasons = [(e.name, pinned_and_diverged(e.diverged)) for lv in levels for e in lv.layers if e.diverged]
@@ -353,7 +353,7 @@ def _levels_beside(row: LevelResult, best: Optional[LevelResult], failing: list[
     """The uniform levels as context for the policy's verdict, in words that agree with it."""
     if best is not None:
         name = _name(best).split(" (")[0]
-        faster = f", predicted {best.speedup:.2f}x faster than `highest`" if best.speedup is not None else ""
+        faster = f", predicted {_than_highest(best.speedup)}" if best.speedup is not None else ""
         if row.passed:
             return [f"For comparison, {name} everywhere is within tolerance too{faster}: "
                     f"{enable(best.level)} needs no policy."]
@@ -421,9 +421,11 @@ def _than_highest(speedup: float) -> str:
     """A predicted speedup over `highest` in words; below 1 (a policy that pins convolutions to IEEE where
     `highest` runs them in TF32) as a slowdown, not "0.36x faster".
 
-    >>> _than_highest(1.5), _than_highest(0.5)
-    ('1.50x faster than `highest`', '2.00x slower than `highest`')
+    >>> _than_highest(1.5), _than_highest(0.5), _than_highest(0.996)
+    ('1.50x faster than `highest`', '2.00x slower than `highest`', 'about as fast as `highest`')
     """
+    if f"{speedup:.2f}" == "1.00" or f"{1 / speedup:.2f}" == "1.00":  # 0.996x: "1.00x slower" said nothing
+        return "about as fast as `highest`"
     if speedup < 1:
         return f"{1 / speedup:.2f}x slower than `highest`"
     return f"{speedup:.2f}x faster than `highest`"
