@@ -269,3 +269,9 @@ def test_tune_searches_the_conv_math_of_convolutions_it_finds_no_module_for():
         # asked for, the math is written into the policy too: without it the policy fails where it is applied
         told = tf32lab.tune(workload, target="a100", tolerance=1e-4, conv="ieee")
         assert told.passed and told.conv == "ieee" and told.policy.conv == "ieee", (workload.name, told.advice())
+        # a policy applies to an eager model only: a TorchScript one takes no hooks, and applying it is refused
+        applies = "apply the policy, which sets it itself" in " ".join(told.advice())
+        assert applies == (workload is functional), (workload.name, told.advice())
+        if workload is scripted:
+            with pytest.raises(Tf32LabError, match="is TorchScript, which takes no hooks"):
+                told.policy.apply(workload.model)

@@ -38,6 +38,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Union
 
+import torch
+
 from tf32lab.control import flags
 from tf32lab.control.policy import Policy, exact_pattern
 from tf32lab.decide.conv_maths import IEEE_CONV_FLAGS, conv_matters, families_matter, with_conv_math
@@ -110,6 +112,7 @@ class Tuning(Document):
     policy_file: Optional[str] = None  # where the policy was written (tf32lab tune --out), named in the advice
     conv: Optional[str] = None  # cuDNN's conv math the answer needs ("tf32" / "ieee"); None: the flag left as it was
     conv_searched: bool = False  # the search chose ``conv`` itself (TF32 missed everywhere), rather than being told
+    scripted: bool = False  # the model is TorchScript, which takes no hooks: no policy applies to it
 
     def __bool__(self) -> bool:
         return self.passed
@@ -125,7 +128,8 @@ class Tuning(Document):
         lines = self._level_advice(policy_file, command)
         if self.passed and self.conv is not None:
             pins = [rule.pattern for rule in self.policy.rules if rule.conv not in (None, self.conv)]
-            sets = ", or apply the policy, which sets it itself" if self.policy.conv == self.conv else ""
+            sets = ", or apply the policy, which sets it itself" if self.policy.conv == self.conv and \
+                not self.scripted else ""
             lines.append(f"Convolutions (and cuDNN's RNNs) at {self.conv!r}" + (
                 " (PyTorch's default)." if self.conv == "tf32" else
                 ": " + IEEE_CONV_FLAGS
@@ -281,7 +285,8 @@ def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Targ
                   policy=answer.policy, level=answer.level, pinned=answer.pinned, outputs=answer.outputs,
                   speedup=answer.speedup, uniform=answer.uniform, speedup_over_uniform=answer.speedup_over_uniform,
                   candidates=run.candidates, runs=runs, seconds=seconds, check_seconds=run.check_seconds,
-                  reason=answer.reason, report=report, conv=chosen if matters else None, conv_searched=searched)
+                  reason=answer.reason, report=report, conv=chosen if matters else None, conv_searched=searched,
+                  scripted=isinstance(workload.model, torch.jit.ScriptModule))
 
 
 def _conv_choices(workload: Workload, target: Target) -> tuple[Optional[str], ...]:
