@@ -263,3 +263,31 @@ def test_where_highest_fails_too_the_conclusion_does_not_say_keep_it():
     assert first.startswith("No level passes: at `high` the output 'output' is off by")
     assert any(line.startswith("Even `highest` fails") for line in rest)
     assert not any("Keep `highest`" in line for line in report.conclusion())
+
+
+class _ScalesItsInput(torch.nn.Module):
+    """A layer that writes into its own input: it cannot be rerun fed what it had, so its introduced error is NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(32, 32) / 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(1.5)
+        return x @ self.w
+
+
+@pytest.mark.parametrize("introduced", ["failing", "all"])
+def test_a_layer_whose_introduced_error_is_not_measured_comes_last_in_a_failing_levels_ranking(introduced):
+    # its NaN ranked first: layers[0] and top_layers(), "those that introduce the most error", named the one layer
+    # whose introduced error is not known, as the text table (which ranks it last) did not
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), _ScalesItsInput(), torch.nn.Linear(32, 8))
+    report = tf32lab.check(tf32lab.Workload(model, torch.randn(8, 32), name="scales"), levels=("high",),
+                           tolerance=1e-6, speed=False, introduced=introduced)
+    high = report.level("high")
+    assert not high.passed and high.reruns
+    assert sorted(e.name for e in high.layers[:2]) == ["0", "3"] and high.layers[2].name == "2"
+    assert high.layers[0].introduced > high.layers[1].introduced > 0 and math.isnan(high.layers[2].introduced)
+    assert "not fed" in high.layers[2].diverged
+    assert [e.name for e in high.top_layers(2)] == [e.name for e in high.layers[:2]]
