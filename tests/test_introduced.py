@@ -291,3 +291,29 @@ def test_a_layer_whose_introduced_error_is_not_measured_comes_last_in_a_failing_
     assert high.layers[0].introduced > high.layers[1].introduced > 0 and math.isnan(high.layers[2].introduced)
     assert "not fed" in high.layers[2].diverged
     assert [e.name for e in high.top_layers(2)] == [e.name for e in high.layers[:2]]
+
+
+def test_a_layer_rerun_adds_nothing_to_the_outputs_transformers_captures_by_hooks():
+    # transformers 5 gathers a model's attentions with forward hooks on its attention modules, each appending the
+    # call's output to the forward's collection: every rerun of an attention (a layer) in the float64 pass appended
+    # its own, and the reference had 'attentions.2' (missing here, the reference has it) and its 'attentions.1' was
+    # another call's: every level failed
+    transformers = pytest.importorskip("transformers")
+
+    def make() -> tf32lab.Workload:
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                         bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+        model = transformers.GPT2LMHeadModel(config).eval()
+        return tf32lab.Workload(model, {"input_ids": torch.randint(0, 100, (2, 12)), "output_attentions": True},
+                                name="gpt2")
+
+    every = tf32lab.check(make(), levels=("highest", "high"), introduced="all", speed=False)
+    found = tf32lab.check(make(), levels=("highest", "high"), tolerance=1e-6, speed=False)
+    for report in (every, found):
+        highest = report.level("highest")
+        attentions = sorted(o.name for o in highest.outputs if o.name.startswith("attentions"))
+        assert attentions == ["attentions.0", "attentions.1"], highest.outputs
+        assert highest.passed and all(o.normwise < 1e-6 for o in highest.outputs), highest.outputs
+    assert not found.level("high").passed and found.level("high").reruns
+    assert [o.normwise for o in every.level("high").outputs] == [o.normwise for o in found.level("high").outputs]

@@ -464,7 +464,7 @@ class Recorder:
             frame.held.put_back(self.narrowed)
         self.rerunning = True
         try:
-            with kept, _originals(self.swapped), _answering(inner), \
+            with kept, _originals(self.swapped), _answering(inner), _uncaptured(), \
                     level_context(level, self.target, self.accumulation, self.weight_cache(), watch), \
                     conv_math(conv), self.grad_mode():
                 if watch is not None:
@@ -574,6 +574,26 @@ def _fsdp_module_type() -> Any:
     # FSDP2's class (torch >= 2.6) where a model can hold one: an FSDP2 module exists only once its package is
     # imported, and importing it here cost every check 0.9 s of CPU (half of `import torch`) for nothing
     return getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+
+
+@contextlib.contextmanager
+def _uncaptured():
+    """transformers 5's output-capturing hooks idle while a layer reruns. Its forward gathers the attentions (hidden
+    states, ...) it returns by forward hooks on their modules, each appending its call's output to the collection
+    the forward holds (``transformers.utils.output_capturing._active_collector``): a rerun of an attention, a layer,
+    appended its own, and the float64 reference returned one attention more than the rows, another call's in place
+    of the last. Not looked up where transformers was never imported."""
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(capturing, "_active_collector", None)
+    # under torch.compile it is a global its set and reset do not nest in (none of a rerun's business)
+    if collector is None or getattr(collector, "compiling", False) or collector.get() is None:
+        yield
+        return
+    token = collector.set(None)
+    try:
+        yield
+    finally:
+        collector.reset(token)
 
 
 @contextlib.contextmanager
