@@ -317,3 +317,29 @@ def test_a_layer_rerun_adds_nothing_to_the_outputs_transformers_captures_by_hook
         assert highest.passed and all(o.normwise < 1e-6 for o in highest.outputs), highest.outputs
     assert not found.level("high").passed and found.level("high").reruns
     assert [o.normwise for o in every.level("high").outputs] == [o.normwise for o in found.level("high").outputs]
+
+
+class _ShiftedIn(torch.nn.Module):
+    """Its middle layer's input shifted by a forward pre-hook of the model's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 8)
+        self.b.register_forward_pre_hook(lambda module, args: (args[0] + 1,))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+@pytest.mark.parametrize("introduced", ["failing", "all"])
+def test_a_layers_forward_pre_hook_is_applied_once_in_its_rerun(introduced):
+    # the rerun was fed the inputs as the hook had made them, and the hook ran again: b computed b(x + 2) against
+    # the reference's b(x + 1), its introduced error 0.8 at every level (its accumulated 1e-7 at `highest`), and
+    # it was the layer said to introduce the most error
+    torch.manual_seed(0)
+    report = tf32lab.check(tf32lab.Workload(_ShiftedIn(), torch.randn(8, 32), name="shifted"),
+                           levels=("highest", "high"), tolerance=1e-9, speed=False, introduced=introduced)
+    for row in report.levels:
+        b = next(e for e in row.layers if e.name == "b")
+        assert not row.passed and row.reruns and b.diverged is None
+        assert 0 < b.introduced < (1e-6 if row.level == "highest" else 1e-2), (row.level, b)

@@ -235,7 +235,10 @@ class Recorder:
     def __enter__(self) -> Recorder:
         try:
             for name, module in self.modules:
-                self.handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
+                # first of the module's pre-hooks: a call's inputs as it was given them, which its reruns run the
+                # module's own pre-hooks on again (taken after them, a hook that shifts its input shifted it twice)
+                self.handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True,
+                                                                     prepend=True))
                 self.handles.append(module.register_forward_hook(self._post(name, module), with_kwargs=True))
             self.handles += _around_sharding(self.model, self.mode)
             self.mode.__enter__()
