@@ -343,3 +343,15 @@ def test_a_layers_forward_pre_hook_is_applied_once_in_its_rerun(introduced):
         b = next(e for e in row.layers if e.name == "b")
         assert not row.passed and row.reruns and b.diverged is None
         assert 0 < b.introduced < (1e-6 if row.level == "highest" else 1e-2), (row.level, b)
+
+
+def test_a_layer_not_fed_is_not_said_to_follow_control_flow_that_depends_on_the_data():
+    # its reruns cannot be fed what its call had: nothing of the model's control flow, yet the conclusion said the
+    # layer "could not be matched with the reference at every call (...): control flow that depends on the data"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), _ScalesItsInput(), torch.nn.Linear(32, 8))
+    report = tf32lab.check(tf32lab.Workload(model, torch.randn(8, 32), name="scales"), levels=("high",),
+                           tolerance=1e-6, speed=False)
+    layer = next(e for e in report.level("high").layers if e.name == "2")
+    assert "not fed: it changes its own inputs in place" in layer.diverged
+    assert not [line for line in report.conclusion() if "control flow" in line], report.conclusion()

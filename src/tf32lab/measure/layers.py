@@ -364,7 +364,8 @@ class Recorder:
         """Run ``module`` again under each level, fed the inputs of this call, its inner layers answering with
         their reference outputs; its output's error against the reference is what it introduces."""
         if _versions((frame.args, frame.kwargs)) != frame.versions or (frame.held and frame.held.written()):
-            self._worst(name, math.nan, "not fed: it changes its own inputs in place")
+            # no control flow of the model's: said so (the conclusion names a layer whose calls diverged)
+            self._worst(name, math.nan, f"{UNMEASURED} not fed: it changes its own inputs in place")
             return
         reference, norms = self.outputs[(name, i)]
         if not any(isinstance(leaf, (torch.Tensor, Spilled)) for _, leaf in named_leaves(reference)):
