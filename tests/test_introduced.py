@@ -355,3 +355,29 @@ def test_a_layer_not_fed_is_not_said_to_follow_control_flow_that_depends_on_the_
     layer = next(e for e in report.level("high").layers if e.name == "2")
     assert "not fed: it changes its own inputs in place" in layer.diverged
     assert not [line for line in report.conclusion() if "control flow" in line], report.conclusion()
+
+
+class _DoublesItsPart(torch.nn.Module):
+    """A layer (its own product) around a layer whose output a forward hook of the model's doubles."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(32, 32) / 6)
+        self.part = torch.nn.Linear(32, 32)
+        self.part.register_forward_hook(lambda module, args, output: output * 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.part(x @ self.w)
+
+
+def test_a_nested_layer_answers_its_rerun_parent_with_its_output_as_its_hooks_left_it_not_hooked_again():
+    # the nested layer answered with its reference output, taken after its forward hook, and the hook ran on the
+    # answer again: the parent's introduced error was 1.0 at every level, and it was the layer named as the worst
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), _DoublesItsPart(), torch.nn.Linear(32, 8))
+    report = tf32lab.check(tf32lab.Workload(model, torch.randn(8, 32), name="doubles"), levels=("highest", "high"),
+                           tolerance=1e-9, speed=False)
+    for row in report.levels:
+        parent = next(e for e in row.layers if e.name == "2")
+        assert row.reruns and parent.diverged is None
+        assert 0 < parent.introduced < (1e-6 if row.level == "highest" else 1e-2), (row.level, parent)

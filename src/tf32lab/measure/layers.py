@@ -603,17 +603,25 @@ def _uncaptured():
 @contextlib.contextmanager
 def _answering(answers: dict[torch.nn.Module, list[Any]]):
     """The modules in ``answers`` return their next recorded output instead of computing (a layer's own error
-    leaves out the layers nested in it)."""
-    saved = {}
+    leaves out the layers nested in it). The output was kept as the module's forward hooks left it (a hook that
+    doubles it, its double): an answer is not given to them again, which still run (their other work, FSDP's
+    reshard), their result let go."""
+    saved, hooked = {}, {}
     for module, outputs in answers.items():
         pending = iter(outputs)
         original = module.forward
+        answered = [False]  # whether the module's call now running was answered
 
-        def forward(*args, _pending=pending, _original=original, **kwargs):
-            return _next_or_run(_pending, _original, args, kwargs)
+        def forward(*args, _pending=pending, _original=original, _answered=answered, **kwargs):
+            _answered[0] = False
+            return _next_or_run(_pending, _original, args, kwargs, _answered)
 
         saved[module] = module.__dict__.get("forward", _MISSING)
         module.forward = forward
+        if module._forward_hooks:
+            hooked[module] = module._forward_hooks
+            module._forward_hooks = collections.OrderedDict(
+                (key, _after_answer(hook, answered)) for key, hook in module._forward_hooks.items())
     try:
         yield
     finally:
@@ -622,6 +630,19 @@ def _answering(answers: dict[torch.nn.Module, list[Any]]):
                 del module.forward
             else:
                 module.forward = before
+        for module, hooks in hooked.items():
+            added = {key: hook for key, hook in module._forward_hooks.items() if key not in hooks}
+            module._forward_hooks = hooks
+            hooks.update(added)  # one registered meanwhile stays, as it would have
+
+
+def _after_answer(hook: Callable, answered: list[bool]) -> Callable:
+    """``hook``, whose result is let go where the call it follows was answered."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        out = hook(*args, **kwargs)
+        return None if answered[0] else out
+
+    return run
 
 
 def _float64_met(exc: BaseException) -> bool:
@@ -632,11 +653,14 @@ def _float64_met(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "double" in text and "float" in text and "type" in text
 
 
-def _next_or_run(pending, original, args, kwargs) -> Any:
+def _next_or_run(pending, original, args, kwargs, answered: list[bool]) -> Any:
     if transformed():  # a call inside vmap was no layer call of the reference: it computes, as its caller's ops
         return original(*args, **kwargs)
     answer = next(pending, _MISSING)
-    return original(*args, **kwargs) if answer is _MISSING else answer
+    if answer is _MISSING:
+        return original(*args, **kwargs)
+    answered[0] = True
+    return answer
 
 
 def _device_of(tree: Any) -> torch.device:
