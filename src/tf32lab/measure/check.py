@@ -855,7 +855,8 @@ def _reference_inputs(workload: Workload, recorder: Recorder) -> Any:
 
 def _ranked(layers: list[LayerError]) -> tuple[LayerError, ...]:
     """The largest introduced error first (one not measured last), else in the order they first ran."""
-    return tuple(sorted(layers, key=lambda e: -math.inf if math.isnan(e.introduced) else -e.introduced))
+    # NaN as +inf: after every measured one (as -inf it came first, and layers[0] named a layer of unknown error)
+    return tuple(sorted(layers, key=lambda e: math.inf if math.isnan(e.introduced) else -e.introduced))
 
 
 def idle_note(rules: Iterable[Any]) -> list[str]:

@@ -235,7 +235,10 @@ class Recorder:
     def __enter__(self) -> Recorder:
         try:
             for name, module in self.modules:
-                self.handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
+                # first of the module's pre-hooks: a call's inputs as it was given them, which its reruns run the
+                # module's own pre-hooks on again (taken after them, a hook that shifts its input shifted it twice)
+                self.handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True,
+                                                                     prepend=True))
                 self.handles.append(module.register_forward_hook(self._post(name, module), with_kwargs=True))
             self.handles += _around_sharding(self.model, self.mode)
             self.mode.__enter__()
@@ -361,7 +364,8 @@ class Recorder:
         """Run ``module`` again under each level, fed the inputs of this call, its inner layers answering with
         their reference outputs; its output's error against the reference is what it introduces."""
         if _versions((frame.args, frame.kwargs)) != frame.versions or (frame.held and frame.held.written()):
-            self._worst(name, math.nan, "not fed: it changes its own inputs in place")
+            # no control flow of the model's: said so (the conclusion names a layer whose calls diverged)
+            self._worst(name, math.nan, f"{UNMEASURED} not fed: it changes its own inputs in place")
             return
         reference, norms = self.outputs[(name, i)]
         if not any(isinstance(leaf, (torch.Tensor, Spilled)) for _, leaf in named_leaves(reference)):
@@ -464,7 +468,7 @@ class Recorder:
             frame.held.put_back(self.narrowed)
         self.rerunning = True
         try:
-            with kept, _originals(self.swapped), _answering(inner), \
+            with kept, _originals(self.swapped), _answering(inner), _uncaptured(), \
                     level_context(level, self.target, self.accumulation, self.weight_cache(), watch), \
                     conv_math(conv), self.grad_mode():
                 if watch is not None:
@@ -577,19 +581,47 @@ def _fsdp_module_type() -> Any:
 
 
 @contextlib.contextmanager
+def _uncaptured():
+    """transformers 5's output-capturing hooks idle while a layer reruns. Its forward gathers the attentions (hidden
+    states, ...) it returns by forward hooks on their modules, each appending its call's output to the collection
+    the forward holds (``transformers.utils.output_capturing._active_collector``): a rerun of an attention, a layer,
+    appended its own, and the float64 reference returned one attention more than the rows, another call's in place
+    of the last. Not looked up where transformers was never imported."""
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(capturing, "_active_collector", None)
+    # under torch.compile it is a global its set and reset do not nest in (none of a rerun's business)
+    if collector is None or getattr(collector, "compiling", False) or collector.get() is None:
+        yield
+        return
+    token = collector.set(None)
+    try:
+        yield
+    finally:
+        collector.reset(token)
+
+
+@contextlib.contextmanager
 def _answering(answers: dict[torch.nn.Module, list[Any]]):
     """The modules in ``answers`` return their next recorded output instead of computing (a layer's own error
-    leaves out the layers nested in it)."""
-    saved = {}
+    leaves out the layers nested in it). The output was kept as the module's forward hooks left it (a hook that
+    doubles it, its double): an answer is not given to them again, which still run (their other work, FSDP's
+    reshard), their result let go."""
+    saved, hooked = {}, {}
     for module, outputs in answers.items():
         pending = iter(outputs)
         original = module.forward
+        answered = [False]  # whether the module's call now running was answered
 
-        def forward(*args, _pending=pending, _original=original, **kwargs):
-            return _next_or_run(_pending, _original, args, kwargs)
+        def forward(*args, _pending=pending, _original=original, _answered=answered, **kwargs):
+            _answered[0] = False
+            return _next_or_run(_pending, _original, args, kwargs, _answered)
 
         saved[module] = module.__dict__.get("forward", _MISSING)
         module.forward = forward
+        if module._forward_hooks:
+            hooked[module] = module._forward_hooks
+            module._forward_hooks = collections.OrderedDict(
+                (key, _after_answer(hook, answered)) for key, hook in module._forward_hooks.items())
     try:
         yield
     finally:
@@ -598,6 +630,19 @@ def _answering(answers: dict[torch.nn.Module, list[Any]]):
                 del module.forward
             else:
                 module.forward = before
+        for module, hooks in hooked.items():
+            added = {key: hook for key, hook in module._forward_hooks.items() if key not in hooks}
+            module._forward_hooks = hooks
+            hooks.update(added)  # one registered meanwhile stays, as it would have
+
+
+def _after_answer(hook: Callable, answered: list[bool]) -> Callable:
+    """``hook``, whose result is let go where the call it follows was answered."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        out = hook(*args, **kwargs)
+        return None if answered[0] else out
+
+    return run
 
 
 def _float64_met(exc: BaseException) -> bool:
@@ -608,11 +653,14 @@ def _float64_met(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "double" in text and "float" in text and "type" in text
 
 
-def _next_or_run(pending, original, args, kwargs) -> Any:
+def _next_or_run(pending, original, args, kwargs, answered: list[bool]) -> Any:
     if transformed():  # a call inside vmap was no layer call of the reference: it computes, as its caller's ops
         return original(*args, **kwargs)
     answer = next(pending, _MISSING)
-    return original(*args, **kwargs) if answer is _MISSING else answer
+    if answer is _MISSING:
+        return original(*args, **kwargs)
+    answered[0] = True
+    return answer
 
 
 def _device_of(tree: Any) -> torch.device:
