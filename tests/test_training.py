@@ -609,6 +609,14 @@ def test_tune_of_a_training_searches_under_the_conv_math_named():
         assert tuning.policy.conv == conv  # the policy file sets the math it was trained under
         floors[conv] = tuning.report.floor.drift
     assert "allow_tf32 = False" in tuning.advice()[-1] and "which sets it itself" in tuning.advice()[-1]
+    # a TorchScript model takes no hooks, and applying a policy to it is refused: the flag alone is named
+    torch.manual_seed(0)
+    scripted = tf32lab.tune(TrainingWorkload(torch.jit.script(ConvHead()), data, loss=mse, inputs=lambda b: b[0],
+                                             name="scripted"), target="a100", conv="ieee")
+    # its convolutions are no module's: the math it was searched under is said and written into its policy too
+    assert scripted.passed and scripted.conv == "ieee" and scripted.policy.conv == "ieee", scripted.advice()
+    assert "allow_tf32 = False" in scripted.advice()[-1], scripted.advice()
+    assert "which sets it itself" not in scripted.advice()[-1]
     applied = check_training(workload, levels=("highest",), target="a100", policy=tuning.policy)
     assert applied.policy_row.drift == tuning.report.level("high").drift  # the answer, reproduced from its policy
     plain = tf32lab.tune(regression(steps=2), target="a100", conv="ieee")  # no convolution: nothing to set

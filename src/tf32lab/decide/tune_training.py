@@ -44,8 +44,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+import torch
+
 from tf32lab.control.policy import Policy, exact_pattern
-from tf32lab.decide.conv_maths import IEEE_CONV_FLAGS, conv_matters, with_conv_math
+from tf32lab.decide.conv_maths import IEEE_CONV_FLAGS, conv_matters, families_matter, with_conv_math
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import ALL_LEVELS, check_conv, check_levels
 from tf32lab.know.targets import Target
@@ -95,6 +97,7 @@ class TrainingTuning(Document):
     report: TrainingReport  # the uniform levels (and the chosen policy's row, when mixed)
     policy_file: Optional[str] = None
     conv: Optional[str] = None  # cuDNN's conv math the search ran under ("tf32" / "ieee"); None: the flag as it was
+    scripted: bool = False  # the model is TorchScript, which takes no hooks: no policy applies to it
 
     def __bool__(self) -> bool:
         return self.passed
@@ -115,7 +118,8 @@ class TrainingTuning(Document):
             lines.append(f"It holds with convolutions (and cuDNN's RNNs) at {self.conv!r}" + (
                 ", PyTorch's default." if self.conv == "tf32" else
                 ": " + IEEE_CONV_FLAGS
-                + (", or apply the policy, which sets it itself" if self.policy.conv == self.conv else "")
+                + (", or apply the policy, which sets it itself" if self.policy.conv == self.conv and
+                   not self.scripted else "")
                 + "; no level sets it."))
         return lines
 
@@ -188,8 +192,11 @@ def tune_training(workload: TrainingWorkload, *, target: Union[str, Target] = "a
         found = dataclasses.replace(found, reason=found.reason.rstrip(".") + faster(answer, target.name) + ".")
     report = search.session.report(found.rows, time.perf_counter() - started)
     notes = ([conv_run.note()] if conv is not None else []) + ([changed_note(changed)] if changed else [])
-    if conv is not None and (conv_run.moved is not None or not conv_matters(workload.model, target)):
-        conv = None  # the workload wrote another math (the note says so), or no module the math changes
+    # the math matters where the model's modules or the ops its rows ran (TorchScript's convolutions) say it does
+    matters = conv_matters(workload.model, target) or \
+        families_matter({f for f in search.session.families if f is not None}, target)
+    if conv is not None and (conv_run.moved is not None or not matters):
+        conv = None  # the workload wrote another math (the note says so), or no op the math changes
     elif conv is not None:  # the policies set the math they were trained under
         found = dataclasses.replace(found, policy=with_conv_math(found.policy, conv))
         search.candidates = [dataclasses.replace(c, policy=with_conv_math(c.policy, conv)) for c in search.candidates]
@@ -199,7 +206,7 @@ def tune_training(workload: TrainingWorkload, *, target: Union[str, Target] = "a
         workload=str(workload.name), target=target.name, steps=steps, passed=found.policy is not None,
         policy=found.policy, level=found.level, pinned=found.pinned, candidates=tuple(search.candidates),
         runs=search.session.runs, seconds=time.perf_counter() - started, reason=found.reason, report=report,
-        conv=conv)
+        conv=conv, scripted=isinstance(workload.model, torch.jit.ScriptModule))
 
 
 @dataclass(frozen=True)
