@@ -119,3 +119,28 @@ def test_every_command_the_readme_shows_exists_with_its_options():
             helps[key] = done.stdout
         for option in (w.split("=")[0] for w in words if w.startswith("--")):
             assert option in helps[key], f"{command!r}: {option} is not an option of tf32lab {' '.join(path)}"
+
+
+def _subparsers(parser):
+    """``{"check": its parser, ..., "policy show": its parser}``: every command that runs, nested ones by their path."""
+    import argparse
+    found = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                nested = _subparsers(sub)
+                found.update({f"{name} {k}": v for k, v in nested.items()} if nested else {name: sub})
+    return found
+
+
+def test_every_commands_heading_in_docs_cli_names_its_options():
+    from tf32lab.cli import build_parser
+    text = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    headings = dict(re.findall(r"^## `tf32lab ((?:policy )?[a-z]+)\b([^`]*)`", text, re.M))
+    commands = _subparsers(build_parser())
+    assert set(commands) <= set(headings), f"docs/cli.md has no heading for {sorted(set(commands) - set(headings))}"
+    for name, sub in commands.items():
+        options = {o for a in sub._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+        shown = set(re.findall(r"--[a-z][a-z-]*", headings[name]))
+        assert shown == options, f"docs/cli.md's heading of tf32lab {name}: {sorted(options - shown)} missing, " \
+                                 f"{sorted(shown - options)} not options"
