@@ -216,3 +216,28 @@ def test_a_model_made_mkldnn_is_refused_in_one_line():
     with pytest.raises(Tf32LabError, match=re.escape("workload 'fast': the model holds MKLDNN tensors ('0.weight', "
                                                      "'0.bias'), as torch.utils.mkldnn.to_mkldnn makes them")):
         tf32lab.Workload(model, torch.randn(2, 4), name="fast")
+
+
+@pytest.mark.parametrize(("inputs", "said"), [
+    ({"x": torch.ones(3, 8)}, "got an unexpected keyword argument 'x'"),
+    ((torch.ones(3, 8), torch.ones(3, 8)), "takes 2 positional arguments but 3 were given")])
+def test_inputs_that_do_not_fit_the_forward_are_the_workloads_error_not_tf32labs(inputs, said):
+    # a dict's keys or a tuple's length that forward() does not take was "internal error in tf32lab ... this is a
+    # bug in tf32lab, not in the model" (the call that failed to bind was Workload.run's)
+    workload = Workload(nn.Linear(8, 2), inputs, name="lin")
+    with pytest.raises(Tf32LabError, match=r"^workload 'lin': its inputs do not fit the model's forward\(input\): "
+                                           r"Linear\.forward\(\) " + re.escape(said)) as raised:
+        tf32lab.check(workload, levels=("highest",), target="a100")
+    assert "internal error" not in str(raised.value)
+    with pytest.raises(Tf32LabError, match="its inputs do not fit"):
+        tf32lab.predict(workload, target="a100")
+
+
+def test_a_type_error_inside_forward_is_still_the_models():
+    class Raises(nn.Module):
+        def forward(self, x):
+            return len(5)  # TypeError inside the model's own code
+
+    with pytest.raises(Tf32LabError) as raised:
+        tf32lab.check(Workload(Raises(), torch.ones(2)), levels=("highest",), target="a100")
+    assert "inputs do not fit" not in str(raised.value) and "internal error" not in str(raised.value)

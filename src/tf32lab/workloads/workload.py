@@ -64,11 +64,34 @@ class Workload:
         """Call ``model`` (default: the workload's) on ``inputs`` (default: the workload's)."""
         model = self.model if model is None else model
         inputs = self.inputs if inputs is None else inputs
-        if isinstance(inputs, Mapping):
-            return model(**inputs)
-        if isinstance(inputs, tuple):
-            return model(*inputs)
-        return model(inputs)
+        args, kwargs = ((), inputs) if isinstance(inputs, Mapping) else \
+            (inputs, {}) if isinstance(inputs, tuple) else ((inputs,), {})
+        try:
+            return model(*args, **kwargs)
+        except TypeError as exc:
+            # a dict's keys or a tuple's length forward() does not take fails to bind in this frame, before any of
+            # the model's: said as the inputs' error, not put down to tf32lab (numbers/origin.py)
+            signature = _unbound(model, args, kwargs)
+            if signature is None:
+                raise
+            raise Tf32LabError(f"workload {self.name!r}: its inputs do not fit the model's forward{signature}: "
+                               f"{exc} (a tuple is passed as positional arguments, a dict as keyword arguments, a "
+                               f"tensor as the only argument)") from exc
+
+
+def _unbound(model: torch.nn.Module, args: tuple, kwargs: Mapping) -> Optional[str]:
+    """``"(input)"``: the signature of ``model.forward`` where ``args`` and ``kwargs`` do not bind to it; None where
+    they do, or it has none to read (a TorchScript module)."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError:
+        bare = [p.replace(annotation=inspect.Parameter.empty) for p in signature.parameters.values()]
+        return str(signature.replace(parameters=bare, return_annotation=inspect.Signature.empty))
+    return None
 
 
 def check_float32(model: torch.nn.Module, name: str) -> None:
