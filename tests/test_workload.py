@@ -241,3 +241,29 @@ def test_a_type_error_inside_forward_is_still_the_models():
     with pytest.raises(Tf32LabError) as raised:
         tf32lab.check(Workload(Raises(), torch.ones(2)), levels=("highest",), target="a100")
     assert "inputs do not fit" not in str(raised.value) and "internal error" not in str(raised.value)
+
+
+class _Casts(nn.Module):
+    """Takes float64 inputs and casts them itself: runs at every level."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x.float())
+
+
+def test_float64_inputs_that_a_float32_model_refuses_are_named_as_the_reason():
+    # every row raised "mat1 and mat2 must have the same dtype", and the advice was "the model needs more than
+    # float32 here": its inputs, not its precision, were the matter
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    report = tf32lab.check(Workload(nn.Linear(8, 2), x), levels=("highest", "high"), target="a100")
+    said = " ".join(report.conclusion())
+    assert not report and "needs more than float32" not in said
+    assert "its inputs hold float64 tensors ('input')" in said and "float32 inputs (.float())" in said
+    assert any("the inputs hold float64 tensors ('input')" in note for note in report.notes)
+    # a model that casts them itself runs: nothing said
+    report = tf32lab.check(Workload(_Casts(), x), levels=("highest", "high"), target="a100")
+    assert report and not any("inputs hold" in note for note in report.notes)

@@ -74,7 +74,7 @@ from tf32lab.numbers.metrics import tolerances_of
 from tf32lab.numbers.origin import internal_error
 from tf32lab.numbers.trees import map_tensors, named_leaves, named_tensors
 from tf32lab.report import LayerError, LevelResult, Report, cudnn
-from tf32lab.report.conclusion import BELOW_FLOAT32, BEYOND_FLOAT32, DRAWS_UNMATCHED, PINNED_CONV
+from tf32lab.report.conclusion import BELOW_FLOAT32, BEYOND_FLOAT32, DRAWS_UNMATCHED, INPUTS_NOT_FLOAT32, PINNED_CONV
 from tf32lab.speed.counting import Counting, OtherThreads
 from tf32lab.speed.prediction import SpeedReport, predict_counts, seconds_at
 from tf32lab.workloads.experts import experts_eager
@@ -290,6 +290,8 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
     if predicted is not None:
         rows = [dataclasses.replace(r, speedup=session.speedup(r, predicted, row)) for r in rows]
     notes = [*workload.notes, *session.notes()]
+    raised = any(r.error is not None for r in rows)
+    notes += [note for note in [_inputs_note(workload.inputs) if raised else None] if note]
     counted = next((r for r in rows if r.same_as is None), None)  # the first end-to-end run: the one counted
     work = _work_note(rows, counted) if predicted is not None and counted is not None else None
     notes += [work] if work else []
@@ -1168,3 +1170,16 @@ def _warn_unknown(tolerances: dict[str, float], ref_out: Any) -> None:
                       f"its outputs: {', '.join(sorted(names))}", stacklevel=3)
 
 
+
+
+def _inputs_note(inputs: Any) -> Optional[str]:
+    """What to say where a level raised and the inputs hold floating tensors other than float32 (float64 ones a
+    float32 model's product refuses at every level); None where they hold none."""
+    found = [("input" if isinstance(inputs, torch.Tensor) else name, t.dtype) for name, t in named_tensors(inputs)
+             if t.is_floating_point() and t.dtype != torch.float32]
+    if not found:
+        return None
+    dtypes = ", ".join(sorted({str(d).replace("torch.", "") for _, d in found}))
+    names = ", ".join(repr(name) for name, _ in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    return (f"{INPUTS_NOT_FLOAT32} {dtypes} tensors ({names}): every row is fed them as given (the float64 "
+            f"reference widens them), so a float32 model that does not cast them itself raises at every level")

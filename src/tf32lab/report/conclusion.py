@@ -31,9 +31,9 @@ from tf32lab.report.wording import given
 # (tests/test_layers.py: no import circle, TYPE_CHECKING imports included).
 Report = LevelResult = LayerError = Any
 
-__all__ = ["AMPLIFIED", "DRAWS_UNMATCHED", "MAX_REL_NOTE", "NO_TENSOR", "ON_ANOTHER_THREAD", "PINNED_CONV",
-           "UNMEASURED", "WORTH", "WRITES_PARAMETERS", "amplified", "choices_said", "conclusion", "on_other_threads",
-           "pinned_and_diverged", "policy_summary", "unmeasured"]
+__all__ = ["AMPLIFIED", "DRAWS_UNMATCHED", "INPUTS_NOT_FLOAT32", "MAX_REL_NOTE", "NO_TENSOR", "ON_ANOTHER_THREAD",
+           "PINNED_CONV", "UNMEASURED", "WORTH", "WRITES_PARAMETERS", "amplified", "choices_said", "conclusion",
+           "on_other_threads", "pinned_and_diverged", "policy_summary", "unmeasured"]
 
 # The smallest predicted speedup worth acting on: a level is advised for its speed (here, and for a training step
 # in report.training), and tune takes a mixed or pinned policy over a uniform level, only when predicted at least
@@ -54,6 +54,9 @@ BEYOND_FLOAT32 = "beyond float32's range"
 BELOW_FLOAT32 = "below float32's normal range"
 # the note check adds where the float64 reference's random draws and its rows' could not be matched one for one
 DRAWS_UNMATCHED = "the random draws could not be matched"
+# the note check adds where a level raised and the workload's inputs hold floating tensors of another dtype than
+# float32 (float64 ones beside a float32 model's weights: every row raises, whatever its precision)
+INPUTS_NOT_FLOAT32 = "the inputs hold"
 # the note check adds where the model wrote into its own parameters as it ran (every run started from other weights)
 WRITES_PARAMETERS = "the model writes into its own parameters as it runs"
 # how ``metrics.compare`` begins the failure of an output that is NaN/Inf where its reference is not
@@ -267,7 +270,8 @@ def conclusion(report: Report, policy_file: Optional[str] = None) -> list[str]:
         lines.append(f"On {report.target} `medium` computes exactly as `high`: on a GPU PyTorch asks the BLAS "
                      f"(cuBLAS, hipBLASLt) for TF32 at both, never bf16 for float32 matmuls, so it was measured once.")
     if top is not None and not top.passed and not blocked:
-        lines.append(_highest_failed(top, report.target))
+        inputs = next((note for note in report.notes if note.startswith(INPUTS_NOT_FLOAT32)), None)
+        lines.append(_highest_failed(top, report.target, inputs=inputs))
     reasons = [(e.name, pinned_and_diverged(e.diverged)) for lv in levels for e in lv.layers if e.diverged]
     pinned = sorted({name for name, (pin, _) in reasons if pin})
     if pinned:
@@ -497,7 +501,9 @@ def _underflowed(top: LevelResult) -> Optional[str]:
                  if not o.passed and o.note is not None and BELOW_FLOAT32 in o.note), None)
 
 
-def _highest_failed(top: LevelResult, target: str, unmatched: bool = False, rewritten: bool = False) -> str:
+def _highest_failed(top: LevelResult, target: str, unmatched: bool = False, rewritten: bool = False,
+                    inputs: Optional[str] = None) -> str:
+    """Why `highest` fails and what to do; ``inputs``: check's note on inputs that are not float32, if any."""
     if rewritten and top.error is None:  # before "not deterministic": its two runs differ for this reason
         return (f"Even `highest` fails ({_why_failed(top)}), but the model writes into its own parameters as it "
                 f"runs (see the notes): each run started from the weights the last one left, so the error is "
@@ -533,6 +539,9 @@ def _highest_failed(top: LevelResult, target: str, unmatched: bool = False, rewr
                 f"unless told otherwise (cuDNN's default); set `torch.backends.cudnn.conv.fp32_precision = \"ieee\"` "
                 f"and `torch.backends.cudnn.rnn.fp32_precision = \"ieee\"` (or `torch.backends.cudnn.allow_tf32 = "
                 f"False`) for full float32.")
+    if top.error is not None and inputs is not None:
+        return (f"Even `highest` fails: {_why_failed(top)}; {inputs.split(':')[0].replace('the inputs', 'its inputs')}"
+                f" (see the notes): give the model float32 inputs (.float()); no precision level is the matter.")
     if top.error is not None:
         return (f"Even `highest` fails: {_why_failed(top)}; the model needs more than float32 here, whatever "
                 f"the matmul precision.")
