@@ -158,3 +158,15 @@ def test_layers_a_level_does_not_change_on_the_target_are_never_pinned(monkeypat
     assert tuning.report.level("high").maths["conv"] == tuning.report.level("highest").maths["conv"]
     assert tuning.passed and tuning.pinned == ("sens.lin",)
     assert not any("conv" in c.pinned for c in tuning.candidates), [c.pinned for c in tuning.candidates]
+
+
+def test_a_model_that_raises_at_its_first_op_in_float32_is_named_not_said_to_run_no_ops():
+    # float64 inputs beside float32 weights: the float64 reference ran, every float32 level raised at the first
+    # product, and tune said "workload 'Linear' ran no ops: nothing to tune"
+    workload = tf32lab.Workload(torch.nn.Linear(8, 2), torch.randn(4, 8, dtype=torch.float64), name="lin")
+    with pytest.raises(tf32lab.Tf32LabError) as raised:
+        tf32lab.tune(workload, target="a100")
+    said = str(raised.value)
+    assert "ran no ops" not in said
+    assert said.startswith("workload 'lin' raised at `highest` before its first op: RuntimeError: mat1 and mat2 ")
+    assert "its inputs hold float64 tensors ('input')" in said

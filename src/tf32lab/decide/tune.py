@@ -48,12 +48,12 @@ from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import ALL_LEVELS, check_conv, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
-from tf32lab.measure.check import ConvRun, PolicyRow, Session, alike_levels
+from tf32lab.measure.check import ConvRun, PolicyRow, Session, alike_levels, float_inputs_note
 from tf32lab.measure.layers import ROOT
 from tf32lab.numbers.metrics import OutputError, tolerances_of
 from tf32lab.report import Document, LevelResult, Report
 from tf32lab.report.conclusion import WORTH, nondeterministic, unmeasured
-from tf32lab.report.wording import tolerance_words
+from tf32lab.report.wording import one_line, tolerance_words
 from tf32lab.speed.prediction import seconds_at
 from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.training import TrainingWorkload
@@ -343,7 +343,15 @@ def _tune(workload: Workload, target: Target, tolerances: dict[str, float], ever
         uniform = {level: session.level(level) for level in distinct}
         predicted = session.predicted(everything)
         if predicted is None:
-            raise Tf32LabError(f"workload {workload.name!r} ran no ops: nothing to tune")
+            # the float64 reference ran, but no float32 op was counted: the rows raised before their first
+            raised = next((r for r in uniform.values() if r.error is not None), None)
+            if raised is None:
+                raise Tf32LabError(f"workload {workload.name!r} ran no ops: nothing to tune")
+            note = float_inputs_note(workload.inputs)
+            hint = f"; {note.split(':')[0].replace('the inputs', 'its inputs')}: give the model float32 inputs " \
+                   f"(.float())" if note else ""
+            raise Tf32LabError(f"workload {workload.name!r} raised at `{raised.level}` before its first op: "
+                               f"{one_line(raised.error)}{hint}")
         check_seconds = time.perf_counter() - started
         families = tuple(family for family, ops in session.recorder.by_family.items() if ops)
         search = _Search(session, workload, alike, uniform, predicted)

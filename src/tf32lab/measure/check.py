@@ -81,7 +81,7 @@ from tf32lab.workloads.experts import experts_eager
 from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.workload import Workload, eval_mode, training_note
 
-__all__ = ["PolicyRow", "Session", "alike_levels", "check", "policy_maths", "rows_of_alike"]
+__all__ = ["PolicyRow", "Session", "alike_levels", "check", "float_inputs_note", "policy_maths", "rows_of_alike"]
 
 REFERENCES = ("float64",)
 INTRODUCED = ("failing", "all")  # check(introduced=...): where the layers are rerun
@@ -291,7 +291,7 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
         rows = [dataclasses.replace(r, speedup=session.speedup(r, predicted, row)) for r in rows]
     notes = [*workload.notes, *session.notes()]
     raised = any(r.error is not None for r in rows)
-    notes += [note for note in [_inputs_note(workload.inputs) if raised else None] if note]
+    notes += [note for note in [float_inputs_note(workload.inputs) if raised else None] if note]
     counted = next((r for r in rows if r.same_as is None), None)  # the first end-to-end run: the one counted
     work = _work_note(rows, counted) if predicted is not None and counted is not None else None
     notes += [work] if work else []
@@ -1172,7 +1172,7 @@ def _warn_unknown(tolerances: dict[str, float], ref_out: Any) -> None:
 
 
 
-def _inputs_note(inputs: Any) -> Optional[str]:
+def float_inputs_note(inputs: Any) -> Optional[str]:
     """What to say where a level raised and the inputs hold floating tensors other than float32 (float64 ones a
     float32 model's product refuses at every level); None where they hold none."""
     found = [("input" if isinstance(inputs, torch.Tensor) else name, t.dtype) for name, t in named_tensors(inputs)
