@@ -105,13 +105,27 @@ def test_bad_specs_get_one_line(spec, message):
 
 
 def test_a_file_named_without_py_or_factory_is_told_the_spec(tmp_path, monkeypatch):
-    # a newcomer's `tf32lab check mymodel` beside mymodel.py: the spec the error suggests loads
+    # a newcomer's `tf32lab check mymodel` beside mymodel.py: the spec the error suggests loads (it suggested
+    # wl_named.py:make, which the file does not have)
     _module(tmp_path, "wl_named", GOOD)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(Tf32LabError, match=re.escape("(add the factory's name: wl_named.py:make, for a function "
-                                                     "make() in wl_named.py)")):
+    functions = "its functions that take no arguments: pair, full, raises, wrong, bad_inputs, and 4 more"
+    with pytest.raises(Tf32LabError, match=re.escape(f"(add the factory's name: wl_named.py:pair; {functions})")):
         specs.load("wl_named")
+    with pytest.raises(Tf32LabError, match=re.escape(f"(add the factory's name: wl_named.py:pair; {functions})")):
+        specs.load("wl_named.py")
+    with pytest.raises(Tf32LabError, match=re.escape(f"wl_named.py has no attribute 'make' ({functions})")):
+        specs.load("wl_named.py:make")
     assert specs.load("wl_named.py:pair").model.in_features == 8
+    # a file with make(), or none to name (a function that takes arguments is no factory): as before
+    _module(tmp_path, "wl_make", "def make():\n    pass\n\ndef helper(x):\n    pass\n")
+    _module(tmp_path, "wl_none", "def helper(x):\n    pass\n")
+    for name in ("wl_make", "wl_none"):
+        with pytest.raises(Tf32LabError, match=re.escape(f"(add the factory's name: {name}.py:make, for a "
+                                                         f"function make() in {name}.py)")):
+            specs.load(name)
+    with pytest.raises(Tf32LabError, match=re.escape("wl_none.py has no attribute 'make'") + "$"):
+        specs.load("wl_none.py:make")
 
 
 def test_a_file_that_fails_to_import(tmp_path):

@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib
 import importlib.util
@@ -93,7 +94,9 @@ def _load(spec: Optional[str]) -> Any:
         module = _import_module(spec, where)
     factory = getattr(module, factory_name, None)
     if factory is None:
-        raise Tf32LabError(f"workload {spec!r}: {where} has no attribute {factory_name!r}")
+        named = _factories_said(where if where.endswith(".py") else f"{where}.py")
+        raise Tf32LabError(f"workload {spec!r}: {where} has no attribute {factory_name!r}"
+                           + (f" ({named})" if named else ""))
     if not callable(factory):
         raise Tf32LabError(f"workload {spec!r}: {factory_name!r} is not callable ({type(factory).__name__})")
     try:
@@ -115,18 +118,47 @@ def _is_file(path: str) -> bool:
         return False
 
 
+def _factories(path: str) -> list[str]:
+    """The functions defined at the top of the file ``path`` that take no arguments, as a factory is called; read
+    from its source, not run (empty where it cannot be read or parsed)."""
+    try:
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError, SyntaxError):
+        return []
+    return [node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and not node.name.startswith("_") and not node.args.posonlyargs + node.args.args
+            and all(d is not None for d in node.args.kw_defaults)]
+
+
+def _factories_said(path: str) -> str:
+    """``"its functions that take no arguments: a, b"`` for the file ``path``; "" where it has none or has make()."""
+    found = _factories(path)
+    if not found or "make" in found:
+        return ""
+    more = f", and {len(found) - 5} more" if len(found) > 5 else ""
+    return f"its functions that take no arguments: {', '.join(found[:5])}{more}"
+
+
+def _add_factory(path: str, it: str) -> str:
+    """The hint for a file spec without its factory's name: the first function the file has that could be one."""
+    named = _factories_said(path)
+    if not named:
+        return f"add the factory's name: {path}:make, for a function make() in {it}"
+    return f"add the factory's name: {path}:{_factories(path)[0]}; {named}"
+
+
 def _unknown_spec(spec: str) -> str:
     base = f"workload spec {spec!r} is not one of: minilm, builtin, hf:FOLDER, package.module:factory, " \
            f"path/to/file.py:factory"
     try:
         path = Path(spec)
         if spec.endswith(".py") and path.is_file():
-            return f"{base} (add the factory's name: {spec}:make, for a function make() in it)"
+            return f"{base} ({_add_factory(spec, 'it')})"
         if path.is_dir():
             hint = f"hf:{spec}" if (path / "config.json").is_file() else f"{spec}/file.py:factory"
             return f"{base} ({spec} is a folder: try {hint})"
         if Path(f"{spec}.py").is_file():  # `check mymodel` beside mymodel.py
-            return f"{base} (add the factory's name: {spec}.py:make, for a function make() in {spec}.py)"
+            return f"{base} ({_add_factory(f'{spec}.py', f'{spec}.py')})"
     except (OSError, ValueError):
         pass
     # not a path: a built-in's name as printed, or a level or a target where the spec goes (`check --levels
