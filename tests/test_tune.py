@@ -170,3 +170,14 @@ def test_a_model_that_raises_at_its_first_op_in_float32_is_named_not_said_to_run
     assert "ran no ops" not in said
     assert said.startswith("workload 'lin' raised at `highest` before its first op: RuntimeError: mat1 and mat2 ")
     assert "its inputs hold float64 tensors ('input')" in said
+
+
+def test_keeping_highest_says_why_a_level_that_passes_too_is_not_taken():
+    # README's mymodel.py: `high` passed at 1.00x, and the reason read "`highest` everywhere is within tolerance.
+    # Its worst output is at 0.000 of the tolerance.", saying neither why `high` was left nor how small the error is
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 10))
+    tuning = tf32lab.tune(tf32lab.Workload(model, torch.randn(64, 128)), target="a100")
+    assert tuning.policy.default == "highest"
+    assert "(`high` passes too, predicted 1.00x: no faster)" in tuning.reason
+    assert "0.000 of the tolerance" not in tuning.reason and "e-05 of the tolerance" in tuning.reason

@@ -412,7 +412,8 @@ class _Search:
         if self.seconds(fastest) * WORTH > self.seconds(safe):  # the fastest level passes, or is not much faster
             return self._answer(Policy(default=safe), safe, (), self.uniform[safe], safe,
                                 f"`{safe}` everywhere is within tolerance"
-                                + ("." if safe == fastest else f" (`{fastest}` is at most {WORTH:.2f}x faster)."))
+                                + (self._not_faster(passing[1:]) if safe == fastest else
+                                   f" (`{fastest}` is at most {WORTH:.2f}x faster)."))
         mixed = self._mixed(fastest, safe)
         if mixed is not None and self.highest / mixed.seconds >= WORTH * self.highest / self.seconds(safe):
             pinned = ", ".join(repr(n) for n in mixed.pinned[:4]) + (" …" if len(mixed.pinned) > 4 else "")
@@ -423,6 +424,13 @@ class _Search:
         return self._answer(Policy(default=safe), safe, (), self.uniform[safe], safe,
                             f"`{safe}` everywhere is within tolerance; no mix with `{fastest}` that passes is "
                             f"predicted {WORTH:.2f}x faster.")
+
+    def _not_faster(self, others: list[str]) -> str:
+        """The end of the sentence that keeps the fastest level: why the other levels that pass are left (a table
+        row "uniform high PASSED 1.00x" beside "keep `highest`" asks it)."""
+        if not others:
+            return "."
+        return f" (`{others[0]}` passes too, predicted {self.highest / self.seconds(others[0]):.2f}x: no faster)."
 
     # -- candidates -------------------------------------------------------------------------------------------
     def _policy(self, fast: str, safe: str, pinned: Iterable[str]) -> Policy:
@@ -643,12 +651,15 @@ def margin(ratio: float) -> str:
     'Its worst output is at 0.050 of the tolerance.'
     >>> margin(0.9996)
     'Its worst output is at the tolerance itself (ratio 0.9996): a thin margin (another input or GPU may cross it).'
+    >>> margin(3.7e-05)
+    'Its worst output is at 3.7e-05 of the tolerance.'
     """
     thin = ": a thin margin (another input or GPU may cross it)" if ratio >= THIN else ""
     if f"{ratio:.3f}" == "1.000" and ratio != 1:  # 0.9996 passes, 1.0004 does not: the digits that tell them apart
         digits = next(n for n in range(4, 17) if float(f"{ratio:.{n}f}") != 1 or n == 16)
         return f"Its worst output is at the tolerance itself (ratio {ratio:.{digits}f}){thin}."
-    return f"Its worst output is at {ratio:.3f} of the tolerance{thin}."
+    shown = f"{ratio:.3f}" if ratio == 0 or ratio >= 0.001 else f"{ratio:.1e}"  # not 0.000 for a float32-sized error
+    return f"Its worst output is at {shown} of the tolerance{thin}."
 
 
 def _with_conv(policy: Policy, fast: Iterable[str], conv: str, children: dict[str, list[str]]) -> Policy:
