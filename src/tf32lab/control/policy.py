@@ -489,7 +489,12 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def explain(policy: Policy, model: torch.nn.Module) -> list[Assignment]:
-    """The level each module of ``model`` gets from ``policy``, and why (see :meth:`Policy.explain`)."""
+    """The level each module of ``model`` gets from ``policy``, and why (see :meth:`Policy.explain`).
+
+    >>> import torch, tf32lab
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    >>> [(a.name, a.level, a.source) for a in tf32lab.explain(tf32lab.Policy("high", [("1", "highest")]), model)]
+    [('', 'high', 'default'), ('0', 'high', 'inherited from the model'), ('1', 'highest', "rule 1 '1'")]"""
     return policy.explain(model)
 
 

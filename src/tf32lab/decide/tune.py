@@ -233,6 +233,14 @@ def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Targ
     the flag is left as the process holds it). Convolutions no module shows (TorchScript's, ``F.conv2d``) are
     found as they run: where they ran TF32 and nothing passed, the search runs under ``"ieee"`` too. A training
     workload is searched under the ``conv`` named, or as the flag holds it (``tune_training``).
+
+    Example (a covariance that TF32 breaks: `highest` is the answer):
+
+        >>> import tf32lab
+        >>> from tf32lab.workloads import builtin
+        >>> tuning = tf32lab.tune(builtin.covariance(), target="a100")
+        >>> tuning.passed, tuning.policy.default, tuning.policy.rules
+        (True, 'highest', ())
     """
     conv = check_conv(conv, "tune")
     if isinstance(workload, TrainingWorkload):  # the fastest policy whose training passes

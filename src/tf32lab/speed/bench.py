@@ -67,6 +67,14 @@ def bench(workload: Workload, levels: Iterable[str] = LEVELS, *, rounds: int = 7
         rounds: timings per level, interleaved; the median is reported.
         min_seconds: each timing repeats the forward until it lasts about this long.
         progress: show a progress bar on stderr (a measurement takes tens of seconds on a real model).
+
+    Example:
+
+        >>> import torch, tf32lab
+        >>> workload = tf32lab.Workload(torch.nn.Linear(64, 64), torch.randn(8, 64))
+        >>> report = tf32lab.bench(workload, levels=("highest", "high"), rounds=1, min_seconds=0.001)
+        >>> [lv.level for lv in report.levels]
+        ['highest', 'high']
     """
     if not isinstance(workload, Workload):
         raise Tf32LabError(f"bench() takes a tf32lab.Workload, not {type(workload).__name__}")
