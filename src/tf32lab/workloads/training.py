@@ -80,6 +80,13 @@ class TrainingWorkload:
 
     A function takes the model when it has one more positional parameter than the short form and that one has no
     default, or when it is named ``model``.
+
+    >>> import torch, tf32lab
+    >>> data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(3)]  # (inputs, targets) per step
+    >>> w = tf32lab.TrainingWorkload(torch.nn.Linear(4, 1), data, loss=lambda out, b: (out - b[1]).pow(2).mean(),
+    ...                              inputs=lambda b: b[0])
+    >>> w.steps, w.name
+    (3, 'Linear')
     """
 
     model: torch.nn.Module

@@ -36,6 +36,11 @@ class Workload:
     ``metric(output, reference_output) -> float`` is the workload's own measure of how far an output is from the
     reference (reported beside the built-in ones). ``name`` defaults to the model's class name. ``notes``: what a
     reader of its report must know about the workload (how its inputs were made), one line each.
+
+    >>> import torch, tf32lab
+    >>> w = tf32lab.Workload(torch.nn.Linear(4, 2), {"input": torch.ones(3, 4)}, name="tiny")  # model(input=...)
+    >>> w.run().shape, w.name
+    (torch.Size([3, 2]), 'tiny')
     """
 
     model: torch.nn.Module
