@@ -281,3 +281,17 @@ def test_float64_inputs_that_a_float32_model_refuses_are_named_as_the_reason():
     # a model that casts them itself runs: nothing said
     report = tf32lab.check(Workload(_Casts(), x), levels=("highest", "high"), target="a100")
     assert report and not any("inputs hold" in note for note in report.notes)
+
+
+@pytest.mark.parametrize("verb", ["check", "predict", "bench", "tune"])
+@pytest.mark.parametrize("given", ["model", "pair"])
+def test_a_model_or_pair_given_for_a_workload_is_told_how_to_wrap_it(verb, given):
+    # the factory of `tf32lab check file.py:f` may return (model, inputs); the API said only "check() takes a
+    # tf32lab.Workload, not tuple"
+    model = nn.Linear(4, 2)
+    what = model if given == "model" else (model, torch.ones(3, 4))
+    with pytest.raises(Tf32LabError, match=re.escape(
+            f"{verb}() takes a tf32lab.Workload") + ".*" + re.escape(
+            f", not {'Linear' if given == 'model' else 'tuple'}: wrap the model and its inputs as "
+            f"tf32lab.Workload(model, inputs)")):
+        getattr(tf32lab, verb)(what)

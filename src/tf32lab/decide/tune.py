@@ -57,7 +57,7 @@ from tf32lab.report.wording import one_line, tolerance_words
 from tf32lab.speed.prediction import seconds_at
 from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.training import TrainingWorkload
-from tf32lab.workloads.workload import Workload
+from tf32lab.workloads.workload import Workload, not_a_workload
 
 __all__ = ["Candidate", "Tuning", "tune"]
 
@@ -250,8 +250,7 @@ def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Targ
         return tune_training(workload, target=target, tolerance=tolerance, levels=levels, progress=progress,
                              conv=conv)
     if not isinstance(workload, Workload):
-        raise Tf32LabError(f"tune() takes a tf32lab.Workload or a tf32lab.TrainingWorkload, not "
-                           f"{type(workload).__name__}")
+        raise not_a_workload("tune", workload, "a tf32lab.Workload or a tf32lab.TrainingWorkload")
     target = resolve_target(target, speed=True)  # tune weighs predicted speed: GPU targets only
     levels = check_levels(levels)
     everything = tuple(level for level in ALL_LEVELS if level in levels or level == "highest")

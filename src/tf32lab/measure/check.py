@@ -79,7 +79,7 @@ from tf32lab.speed.counting import Counting, OtherThreads
 from tf32lab.speed.prediction import SpeedReport, predict_counts, seconds_at
 from tf32lab.workloads.experts import experts_eager
 from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags, refuse_applied
-from tf32lab.workloads.workload import Workload, eval_mode, training_note
+from tf32lab.workloads.workload import Workload, eval_mode, not_a_workload, training_note
 
 __all__ = ["PolicyRow", "Session", "alike_levels", "check", "float_inputs_note", "policy_maths", "rows_of_alike"]
 
@@ -133,7 +133,7 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
         (True, False)
     """
     if not isinstance(workload, Workload):
-        raise Tf32LabError(f"check() takes a tf32lab.Workload, not {type(workload).__name__}")
+        raise not_a_workload("check", workload)
     levels = check_levels(levels)
     target = resolve_target(target)
     refuse_native_levels(levels, target)

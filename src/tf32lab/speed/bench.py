@@ -36,7 +36,7 @@ from tf32lab.numbers.origin import run_error
 from tf32lab.numbers.trees import named_tensors
 from tf32lab.speed.prediction import LevelSpeed, SpeedReport, speed_levels
 from tf32lab.workloads.running import Progress, changed_note, exits_refused, kept_flags, refuse_applied
-from tf32lab.workloads.workload import Workload
+from tf32lab.workloads.workload import Workload, not_a_workload
 
 __all__ = ["bench", "device_name"]
 
@@ -77,7 +77,7 @@ def bench(workload: Workload, levels: Iterable[str] = LEVELS, *, rounds: int = 7
         ['highest', 'high']
     """
     if not isinstance(workload, Workload):
-        raise Tf32LabError(f"bench() takes a tf32lab.Workload, not {type(workload).__name__}")
+        raise not_a_workload("bench", workload)
     if not isinstance(rounds, int) or rounds < 1:
         raise Tf32LabError(f"rounds must be an int >= 1, not {rounds!r}")
     levels = speed_levels(levels)

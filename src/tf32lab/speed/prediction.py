@@ -70,7 +70,7 @@ from tf32lab.speed.counting import ROOT, Counting, Counts, Gemm, OpCost, OtherTh
 from tf32lab.speed.kinds import TIME_BAND, gain_band, kind_of
 from tf32lab.speed.unfolded_conv import as_run
 from tf32lab.workloads.running import changed_note, exits_refused, kept_flags, refuse_applied
-from tf32lab.workloads.workload import Workload, eval_mode
+from tf32lab.workloads.workload import Workload, eval_mode, not_a_workload
 
 __all__ = ["LayerSpeed", "LevelSpeed", "SpeedReport", "op_seconds", "optimizer_ops", "predict", "predict_counts",
            "seconds_at", "training_loss"]
@@ -500,7 +500,7 @@ def predict(workload: Workload, target: Union[str, Target] = "a100", levels: Ite
         ('training', True)
     """
     if not isinstance(workload, Workload):
-        raise Tf32LabError(f"predict() takes a tf32lab.Workload, not {type(workload).__name__}")
+        raise not_a_workload("predict", workload)
     target = resolve_target(target, speed=True)  # a target with no speed model fails before the model runs
     levels = speed_levels(levels)
     check_conv(conv)

@@ -23,7 +23,7 @@ import torch
 
 from tf32lab.errors import Tf32LabError
 
-__all__ = ["Workload", "eval_mode", "training_note"]
+__all__ = ["Workload", "eval_mode", "not_a_workload", "training_note"]
 
 Inputs = Union[torch.Tensor, tuple, Mapping]
 Metric = Callable[[Any, Any], float]
@@ -97,6 +97,19 @@ def _unbound(model: torch.nn.Module, args: tuple, kwargs: Mapping) -> Optional[s
         bare = [p.replace(annotation=inspect.Parameter.empty) for p in signature.parameters.values()]
         return str(signature.replace(parameters=bare, return_annotation=inspect.Signature.empty))
     return None
+
+
+def not_a_workload(verb: str, given: Any, accepted: str = "a tf32lab.Workload") -> Tf32LabError:
+    """The error of ``verb()`` given something other than a workload; a model, or the ``(model, inputs)`` pair a
+    CLI factory may return, is told how to wrap it.
+
+    >>> str(not_a_workload("check", torch.nn.Linear(2, 2)))
+    'check() takes a tf32lab.Workload, not Linear: wrap the model and its inputs as tf32lab.Workload(model, inputs)'
+    """
+    pair = isinstance(given, tuple) and len(given) == 2 and isinstance(given[0], torch.nn.Module)
+    hint = ": wrap the model and its inputs as tf32lab.Workload(model, inputs)" \
+        if isinstance(given, torch.nn.Module) or pair else ""
+    return Tf32LabError(f"{verb}() takes {accepted}, not {type(given).__name__}{hint}")
 
 
 def check_float32(model: torch.nn.Module, name: str) -> None:
