@@ -56,6 +56,10 @@ def test_a_looser_tolerance_lets_it_pass():
     (["builtin", "--levels", "hihg high"], "unknown level 'hihg high'; accepted: 'highest', 'bfx9', 'high', "
                                            "'medium'\n"),
     (["--levels", "highest", "high"], "'high' is a precision level: --levels takes them comma-separated"),
+    # the spec first, then levels spaced: 'medium' was only an unrecognized argument
+    (["builtin", "--levels", "high", "medium"], "unrecognized arguments: medium (--levels takes them "
+                                                "comma-separated: --levels high,medium)"),
+    (["builtin", "--levels", "high", "fast"], "unrecognized arguments: fast (see tf32lab check --help)"),
     (["a100"], "'a100' is a target: --target a100"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message):

@@ -978,11 +978,23 @@ class _Stdout:
         return self.stream.errors
 
 
+def _spaced_levels(argv: Sequence[str] | None, extra: list[str]) -> str:
+    """The comma hint where the words argparse left over are levels that followed ``--levels``' value
+    (``check SPEC --levels high medium``); "" otherwise."""
+    from tf32lab.know.levels import ALL_LEVELS
+
+    words = list(sys.argv[1:] if argv is None else argv)
+    at = max((i for i, word in enumerate(words) if word == "--levels"), default=None)
+    if at is None or words[at + 2:at + 2 + len(extra)] != extra or not all(w in ALL_LEVELS for w in extra):
+        return ""
+    return f" (--levels takes them comma-separated: --levels {','.join([words[at + 1], *extra])})"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # argparse would name the top command, whose --help does not list a subcommand's options
-        args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args._parser.error(f"unrecognized arguments: {' '.join(extra)}{_spaced_levels(argv, extra)}")
     if getattr(args, "run", None) is None:
         parser.print_help()
         return 0
