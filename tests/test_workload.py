@@ -295,3 +295,23 @@ def test_a_model_or_pair_given_for_a_workload_is_told_how_to_wrap_it(verb, given
             f", not {'Linear' if given == 'model' else 'tuple'}: wrap the model and its inputs as "
             f"tf32lab.Workload(model, inputs)")):
         getattr(tf32lab, verb)(what)
+
+
+class _CastsThenFails(nn.Module):
+    """Casts its float64 inputs itself, then meets a Cholesky that float32 cannot factor (float64 can)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.ones(3, 3) + 1e-9 * torch.eye(3)
+        return self.lin(x.float()) + torch.linalg.cholesky(a).sum()
+
+
+def test_float64_inputs_are_not_blamed_for_an_error_that_is_no_dtype_mismatch():
+    report = tf32lab.check(Workload(_CastsThenFails(), torch.randn(4, 8, dtype=torch.float64)),
+                           levels=("highest", "high"), target="a100")
+    said = " ".join(report.conclusion())
+    assert not report and "needs more than float32" in said and "float32 inputs" not in said
+    assert not any("inputs hold" in note for note in report.notes)

@@ -48,7 +48,7 @@ from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import ALL_LEVELS, check_conv, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
-from tf32lab.measure.check import ConvRun, PolicyRow, Session, alike_levels, float_inputs_note
+from tf32lab.measure.check import ConvRun, PolicyRow, Session, alike_levels, dtypes_refused, float_inputs_note
 from tf32lab.measure.layers import ROOT
 from tf32lab.numbers.metrics import OutputError, tolerances_of
 from tf32lab.report import Document, LevelResult, Report
@@ -354,7 +354,7 @@ def _tune(workload: Workload, target: Target, tolerances: dict[str, float], ever
             raised = next((r for r in uniform.values() if r.error is not None), None)
             if raised is None:
                 raise Tf32LabError(f"workload {workload.name!r} ran no ops: nothing to tune")
-            note = float_inputs_note(workload.inputs)
+            note = float_inputs_note(workload.inputs) if dtypes_refused(raised.error) else None
             hint = f"; {note.split(':')[0].replace('the inputs', 'its inputs')}: give the model float32 inputs " \
                    f"(.float())" if note else ""
             raise Tf32LabError(f"workload {workload.name!r} raised at `{raised.level}` before its first op: "

@@ -81,7 +81,8 @@ from tf32lab.workloads.experts import experts_eager
 from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.workload import Workload, eval_mode, not_a_workload, training_note
 
-__all__ = ["PolicyRow", "Session", "alike_levels", "check", "float_inputs_note", "policy_maths", "rows_of_alike"]
+__all__ = ["PolicyRow", "Session", "alike_levels", "check", "dtypes_refused", "float_inputs_note", "policy_maths",
+           "rows_of_alike"]
 
 REFERENCES = ("float64",)
 INTRODUCED = ("failing", "all")  # check(introduced=...): where the layers are rerun
@@ -290,8 +291,8 @@ def _check(workload: Workload, levels: tuple[str, ...], target: Target, referenc
     if predicted is not None:
         rows = [dataclasses.replace(r, speedup=session.speedup(r, predicted, row)) for r in rows]
     notes = [*workload.notes, *session.notes()]
-    raised = any(r.error is not None for r in rows)
-    notes += [note for note in [float_inputs_note(workload.inputs) if raised else None] if note]
+    refused = any(r.error is not None and dtypes_refused(r.error) for r in rows)
+    notes += [note for note in [float_inputs_note(workload.inputs) if refused else None] if note]
     counted = next((r for r in rows if r.same_as is None), None)  # the first end-to-end run: the one counted
     work = _work_note(rows, counted) if predicted is not None and counted is not None else None
     notes += [work] if work else []
@@ -1170,6 +1171,13 @@ def _warn_unknown(tolerances: dict[str, float], ref_out: Any) -> None:
                       f"its outputs: {', '.join(sorted(names))}", stacklevel=3)
 
 
+
+
+def dtypes_refused(error: str) -> bool:
+    """Whether a row's error is PyTorch refusing a float64 (or 16-bit) operand beside a float32 one ("mat1 and mat2
+    must have the same dtype, but got Double and Float", "expected scalar type Double but found Float")."""
+    text = error.lower()
+    return "type" in text and "float" in text and any(w in text for w in ("double", "half", "bfloat16"))
 
 
 def float_inputs_note(inputs: Any) -> Optional[str]:
