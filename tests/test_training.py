@@ -901,3 +901,18 @@ def test_a_step_that_runs_every_module_as_often_is_said_so(shared):
         assert note.startswith("2 module(s) run more than once a step ('a', 'b')"), note
     else:
         assert note.startswith("every module ran 2 times a step (once a micro-batch under gradient accumulation"), note
+
+
+def test_float64_batches_a_float32_model_refuses_are_said_to_be_the_batches_not_the_precision():
+    # "float32 itself (`highest`) fails at step 1: RuntimeError: mat1 and mat2 must have the same dtype" and
+    # "no level can be judged": nothing said the batches were float64
+    data = [(torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 1))] * 2
+    workload = TrainingWorkload(torch.nn.Linear(4, 1), data, loss=mse, inputs=lambda b: b[0], name="wide")
+    report = check_training(workload, levels=("highest", "high"), target="a100", speed=False)
+    assert not report.passed and report.floor.failure is not None
+    assert any(note.startswith("the inputs hold float64 tensors ('0')") for note in report.notes), report.notes
+    said = " ".join(report.conclusion())
+    assert "give the model float32 batches (.float())" in said and "no level can be judged" not in said, said
+    benign = TrainingWorkload(torch.nn.Linear(4, 1), [(torch.randn(8, 4), torch.randn(8, 1))] * 2, loss=mse,
+                              inputs=lambda b: b[0])
+    assert not any("inputs hold" in note for note in check_training(benign, levels=("high",), speed=False).notes)

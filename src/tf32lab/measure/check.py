@@ -1171,8 +1171,6 @@ def _warn_unknown(tolerances: dict[str, float], ref_out: Any) -> None:
                       f"its outputs: {', '.join(sorted(names))}", stacklevel=3)
 
 
-
-
 def dtypes_refused(error: str) -> bool:
     """Whether a row's error is PyTorch refusing a float64 (or 16-bit) operand beside a float32 one ("mat1 and mat2
     must have the same dtype, but got Double and Float", "expected scalar type Double but found Float")."""

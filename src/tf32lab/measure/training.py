@@ -64,7 +64,16 @@ from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
-from tf32lab.measure.check import ConvRun, PolicyRow, alike_levels, policy_maths, refuse_native_levels, rows_of_alike
+from tf32lab.measure.check import (
+    ConvRun,
+    PolicyRow,
+    alike_levels,
+    dtypes_refused,
+    float_inputs_note,
+    policy_maths,
+    refuse_native_levels,
+    rows_of_alike,
+)
 from tf32lab.measure.draws import DrawLog, SameDraws, Streams, draw_plan, lazy_note, materialised, seeded
 from tf32lab.measure.layers import ROOT, described, out_of_memory, transformed
 from tf32lab.measure.reference import Float64Run, widen, widened_model
@@ -152,6 +161,10 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
             random_state_kept(workload.model), conv_scope, experts_eager(workload.model), compiled_eagerly():
         session = TrainingSession(workload, target, steps, tolerance, accumulation)
         report = _Training(session, levels, row, progress, speed).run()
+    floor = report.floor.failure
+    fed = float_inputs_note(session.batch(0)) if floor is not None and dtypes_refused(floor) else None
+    if fed is not None:  # float64 batches a float32 model refuses at every row: the batches, not the precision
+        report = dataclasses.replace(report, notes=(*report.notes, fed))
     if conv is not None:
         report = dataclasses.replace(report, notes=(*report.notes, conv_scope.note(policy,
                                                                                    cpu=target.device == "cpu")))

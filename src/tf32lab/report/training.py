@@ -33,7 +33,7 @@ from typing import Any, Optional
 from tf32lab.know.targets import NATIVE
 from tf32lab.numbers.files import finite
 from tf32lab.report import Rows
-from tf32lab.report.conclusion import WORTH, enable
+from tf32lab.report.conclusion import INPUTS_NOT_FLOAT32, WORTH, enable
 from tf32lab.report.wording import given, one_line
 
 __all__ = ["FLOOR_MULTIPLE", "TRAINING_SCHEMA_VERSION", "BackwardLayer", "ParameterError", "TrainingLevel",
@@ -337,7 +337,12 @@ def conclusion(report: TrainingReport) -> list[str]:
         lines.append(f"Some matmul-family ops ran without emulation ({ops}): they computed as this machine does, "
                      f"so what the target would do to them is not in these paths.")
     floor = report.floor
-    if floor.failure is not None:
+    fed = next((note for note in report.notes if note.startswith(INPUTS_NOT_FLOAT32)), None)
+    if floor.failure is not None and fed is not None:
+        lines.append(f"float32 itself (`highest`) fails at step {floor.failed_step}: {_one_line(floor.failure)}; "
+                     f"{fed.split(':')[0].replace('the inputs', 'its batches')} (see the notes): give the model "
+                     f"float32 batches (.float()); no precision level is the matter.")
+    elif floor.failure is not None:
         lines.append(f"float32 itself (`highest`) fails at step {floor.failed_step}: {_one_line(floor.failure)}; "
                      f"no level can be judged against its drift.")
     elif floor.divergence_step is not None:
