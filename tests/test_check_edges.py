@@ -810,3 +810,16 @@ def test_a_compiled_model_is_checked_eagerly_and_its_own_calls_still_compile(cou
     assert graphs == {"compiled": 0, "ran": 0}  # the checks ran the model eagerly
     compiled(data[0][0])
     assert graphs == {"compiled": 1, "ran": 1}
+
+
+# -- a model no level changes -------------------------------------------------------------------------------------------
+def test_a_model_with_no_matmul_family_op_is_told_no_level_changes_it_not_to_enable_tf32():
+    # "TF32 is safe ... Enable it with torch.set_float32_matmul_precision('high')": advice about nothing
+    elementwise = tf32lab.Workload(torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Tanh()), torch.randn(4, 8))
+    report = tf32lab.check(elementwise, levels=("highest", "high"), speed=False)
+    assert report.passed and any(n.startswith("the model ran no matmul-family op") for n in report.notes)
+    said = " ".join(report.conclusion())
+    assert "changes nothing there" in said and "Enable it" not in said, said
+    product = tf32lab.check(tf32lab.Workload(torch.nn.Linear(8, 8), torch.randn(4, 8)), levels=("high",), speed=False)
+    assert not any("no matmul-family op" in n for n in product.notes)
+    assert "Enable it" in " ".join(product.conclusion())

@@ -74,7 +74,14 @@ from tf32lab.numbers.metrics import tolerances_of
 from tf32lab.numbers.origin import internal_error
 from tf32lab.numbers.trees import map_tensors, named_leaves, named_tensors
 from tf32lab.report import LayerError, LevelResult, Report, cudnn
-from tf32lab.report.conclusion import BELOW_FLOAT32, BEYOND_FLOAT32, DRAWS_UNMATCHED, INPUTS_NOT_FLOAT32, PINNED_CONV
+from tf32lab.report.conclusion import (
+    BELOW_FLOAT32,
+    BEYOND_FLOAT32,
+    DRAWS_UNMATCHED,
+    INPUTS_NOT_FLOAT32,
+    NO_FAMILY_OPS,
+    PINNED_CONV,
+)
 from tf32lab.speed.counting import Counting, OtherThreads
 from tf32lab.speed.prediction import SpeedReport, predict_counts, seconds_at
 from tf32lab.workloads.experts import experts_eager
@@ -532,6 +539,9 @@ class Session:
         threads = self.threads.note("not emulated, counted or measured by layer in any run (the float64 "
                                     "reference included), so their error is not in this report")
         found = [*found, threads] if threads else found
+        if not self.recorder.family_ops and not self.threads.ops:
+            found.append(f"{NO_FAMILY_OPS} (a matmul, convolution, attention, RNN or solver) in the float64 "
+                         f"reference: every level computes it alike, and the matmul precision does not reach it")
         stateful = [stateful_note(self.reset.changed)] if self.reset.changed else []
         stateful += [written_note(self.reset.written)] if self.reset.written else []
         stateful += [inputs_note()] if self.inputs_kept.written else []

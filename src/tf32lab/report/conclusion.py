@@ -31,9 +31,9 @@ from tf32lab.report.wording import given
 # (tests/test_layers.py: no import circle, TYPE_CHECKING imports included).
 Report = LevelResult = LayerError = Any
 
-__all__ = ["AMPLIFIED", "DRAWS_UNMATCHED", "INPUTS_NOT_FLOAT32", "MAX_REL_NOTE", "NO_TENSOR", "ON_ANOTHER_THREAD",
-           "PINNED_CONV", "UNMEASURED", "WORTH", "WRITES_PARAMETERS", "amplified", "choices_said", "conclusion",
-           "on_other_threads", "pinned_and_diverged", "policy_summary", "unmeasured"]
+__all__ = ["AMPLIFIED", "DRAWS_UNMATCHED", "INPUTS_NOT_FLOAT32", "MAX_REL_NOTE", "NO_FAMILY_OPS", "NO_TENSOR",
+           "ON_ANOTHER_THREAD", "PINNED_CONV", "UNMEASURED", "WORTH", "WRITES_PARAMETERS", "amplified", "choices_said",
+           "conclusion", "on_other_threads", "pinned_and_diverged", "policy_summary", "unmeasured"]
 
 # The smallest predicted speedup worth acting on: a level is advised for its speed (here, and for a training step
 # in report.training), and tune takes a mixed or pinned policy over a uniform level, only when predicted at least
@@ -57,6 +57,8 @@ DRAWS_UNMATCHED = "the random draws could not be matched"
 # the note check adds where a level raised and the workload's inputs hold floating tensors of another dtype than
 # float32 (float64 ones beside a float32 model's weights: every row raises, whatever its precision)
 INPUTS_NOT_FLOAT32 = "the inputs hold"
+# the note check adds where the float64 reference ran no matmul-family op: no level changes the model
+NO_FAMILY_OPS = "the model ran no matmul-family op"
 # the note check adds where the model wrote into its own parameters as it ran (every run started from other weights)
 WRITES_PARAMETERS = "the model writes into its own parameters as it runs"
 # how ``metrics.compare`` begins the failure of an output that is NaN/Inf where its reference is not
@@ -445,6 +447,9 @@ def _quoted(path: str) -> str:
 def _safe(report: Report, best: LevelResult, where: str, measured: str) -> str:
     """The advice for the fastest level within tolerance, weighed by its predicted speedup when there is one."""
     name = _name(best).split(" (")[0]
+    if any(note.startswith(NO_FAMILY_OPS) for note in report.notes):  # "Enable it" would be advice about nothing
+        return (f"{name} is safe for this workload {where} and changes nothing there: {NO_FAMILY_OPS} (see the "
+                f"notes), and those are all the float32 matmul precision reaches ({measured}).")
     if best.speedup is None:
         return f"{name} is safe for this workload {where}: {measured}. Enable it with {enable(best.level)}."
     if best.speedup >= WORTH:
