@@ -812,7 +812,7 @@ def test_a_compiled_model_is_checked_eagerly_and_its_own_calls_still_compile(cou
     assert graphs == {"compiled": 1, "ran": 1}
 
 
-# -- a model no level changes -------------------------------------------------------------------------------------------
+# -- a model no level changes ------------------------------------------------------------------------------------------
 def test_a_model_with_no_matmul_family_op_is_told_no_level_changes_it_not_to_enable_tf32():
     # "TF32 is safe ... Enable it with torch.set_float32_matmul_precision('high')": advice about nothing
     elementwise = tf32lab.Workload(torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Tanh()), torch.randn(4, 8))
