@@ -52,7 +52,7 @@ from tf32lab.measure.check import ConvRun, PolicyRow, Session, alike_levels, dty
 from tf32lab.measure.layers import ROOT
 from tf32lab.numbers.metrics import OutputError, tolerances_of
 from tf32lab.report import Document, LevelResult, Report
-from tf32lab.report.conclusion import WORTH, nondeterministic, unmeasured
+from tf32lab.report.conclusion import WORTH, inputs_held, nondeterministic, unmeasured
 from tf32lab.report.wording import one_line, tolerance_words
 from tf32lab.speed.prediction import seconds_at
 from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags, refuse_applied
@@ -355,7 +355,7 @@ def _tune(workload: Workload, target: Target, tolerances: dict[str, float], ever
             if raised is None:
                 raise Tf32LabError(f"workload {workload.name!r} ran no ops: nothing to tune")
             note = float_inputs_note(workload.inputs) if dtypes_refused(raised.error) else None
-            hint = f"; {note.split(':')[0].replace('the inputs', 'its inputs')}: give the model float32 inputs " \
+            hint = f"; {inputs_held(note)}: give the model float32 inputs " \
                    f"(.float())" if note else ""
             raise Tf32LabError(f"workload {workload.name!r} raised at `{raised.level}` before its first op: "
                                f"{one_line(raised.error)}{hint}")

@@ -33,7 +33,7 @@ Report = LevelResult = LayerError = Any
 
 __all__ = ["AMPLIFIED", "DRAWS_UNMATCHED", "INPUTS_NOT_FLOAT32", "MAX_REL_NOTE", "NO_FAMILY_OPS", "NO_TENSOR",
            "ON_ANOTHER_THREAD", "PINNED_CONV", "UNMEASURED", "WORTH", "WRITES_PARAMETERS", "amplified", "choices_said",
-           "conclusion", "on_other_threads", "pinned_and_diverged", "policy_summary", "unmeasured"]
+           "conclusion", "inputs_held", "on_other_threads", "pinned_and_diverged", "policy_summary", "unmeasured"]
 
 # The smallest predicted speedup worth acting on: a level is advised for its speed (here, and for a training step
 # in report.training), and tune takes a mixed or pinned policy over a uniform level, only when predicted at least
@@ -68,6 +68,15 @@ _DEFAULT_CONV_TF32 = ("conv", "rnn")  # cuDNN's allow_tf32 is on by default: TF3
 
 # the levels below `highest` a conclusion weighs, the fastest first (bfx9, float32-accurate, is the slowest of them)
 REDUCED = ("medium", "high", "bfx9")
+
+
+def inputs_held(note: str, what: str = "inputs") -> str:
+    """The head of an :data:`INPUTS_NOT_FLOAT32` note, said of the model's ``what`` (its inputs, its batches).
+
+    >>> inputs_held("the inputs hold float64 tensors ('x'): every row is fed them as given", "batches")
+    "its batches hold float64 tensors ('x')"
+    """
+    return note.split(":")[0].replace("the inputs", f"its {what}", 1)
 
 
 def enable(level: str) -> str:
@@ -545,7 +554,7 @@ def _highest_failed(top: LevelResult, target: str, unmatched: bool = False, rewr
                 f"and `torch.backends.cudnn.rnn.fp32_precision = \"ieee\"` (or `torch.backends.cudnn.allow_tf32 = "
                 f"False`) for full float32.")
     if top.error is not None and inputs is not None:
-        return (f"Even `highest` fails: {_why_failed(top)}; {inputs.split(':')[0].replace('the inputs', 'its inputs')}"
+        return (f"Even `highest` fails: {_why_failed(top)}; {inputs_held(inputs)}"
                 f" (see the notes): give the model float32 inputs (.float()); no precision level is the matter.")
     if top.error is not None:
         return (f"Even `highest` fails: {_why_failed(top)}; the model needs more than float32 here, whatever "

@@ -33,7 +33,7 @@ from typing import Any, Optional
 from tf32lab.know.targets import NATIVE
 from tf32lab.numbers.files import finite
 from tf32lab.report import Rows
-from tf32lab.report.conclusion import INPUTS_NOT_FLOAT32, WORTH, enable
+from tf32lab.report.conclusion import INPUTS_NOT_FLOAT32, WORTH, enable, inputs_held
 from tf32lab.report.wording import given, one_line
 
 __all__ = ["FLOOR_MULTIPLE", "TRAINING_SCHEMA_VERSION", "BackwardLayer", "ParameterError", "TrainingLevel",
@@ -340,7 +340,7 @@ def conclusion(report: TrainingReport) -> list[str]:
     fed = next((note for note in report.notes if note.startswith(INPUTS_NOT_FLOAT32)), None)
     if floor.failure is not None and fed is not None:
         lines.append(f"float32 itself (`highest`) fails at step {floor.failed_step}: {_one_line(floor.failure)}; "
-                     f"{fed.split(':')[0].replace('the inputs', 'its batches')} (see the notes): give the model "
+                     f"{inputs_held(fed, 'batches')} (see the notes): give the model "
                      f"float32 batches (.float()); no precision level is the matter.")
     elif floor.failure is not None:
         lines.append(f"float32 itself (`highest`) fails at step {floor.failed_step}: {_one_line(floor.failure)}; "
