@@ -502,10 +502,7 @@ class Session:
             return result
         if plan is None:
             return result
-        self._new_recorder()
-        if self.handed is not None:  # the run's hand-off to the next level: it runs again, and keeps it anew
-            self.handed[1].close()
-        self.spill.clear()  # the first pass's written-out outputs and that hand-off: nothing reads them now
+        self._new_recorder()  # the run's hand-off to the next level goes too: the run runs again, and keeps it anew
         self.reset()
         self.inputs_kept()  # the reference again from the inputs as they were, not as the row left them
         self._reference(plan, again=f"drawing as {where} did")
@@ -525,9 +522,13 @@ class Session:
         """A fresh recorder for another float64 pass, the last pass's kept outputs let go first: a recorder and its
         float64 mode refer to each other, a cycle that only the garbage collector frees, so dropped alone its
         outputs would stay held through the next pass (both passes' at once: MiniLM's failing check 607 MiB over
-        the loaded model, against 374 with every level rerun in one pass)."""
+        the loaded model, against 374 with every level rerun in one pass). The spill file is emptied too, and a
+        row's hand-off to the next level with it: nothing reads them now, and the pass writes its own."""
         self.recorder.release()
         self.ref_out = None  # the model's output, as large as a layer's: the next pass keeps its own
+        if self.handed is not None:
+            self.handed[1].close()
+        self.spill.clear()
         self.recorder = Recorder(*self._recording)
         self.recorder.streams = self.streams
 
@@ -585,10 +586,7 @@ class Session:
         plan, first = self.recorder.mode.plan, self.recorder
         self._recording = (self._recording[0], list(levels), *self._recording[2:])
         self._new_recorder()
-        if self.handed is not None:  # a row's hand-off no row will take
-            self.handed[1].close()
-            self.handed = None
-        self.spill.clear()  # the first pass's written-out outputs: nothing reads them now, and this pass writes its own
+        self.handed = None  # a row's hand-off no row will take
         self.bar.more(f"{self.workload.name}: float64 reference again, each layer at {len(levels)} level(s)")
         self.reset()
         self.inputs_kept()
