@@ -343,12 +343,13 @@ class Recorder:
             self.mode.paused = True  # our own arithmetic, in float64 already
             try:
                 output = map_tensors(local, output)  # a DTensor's shard: what this rank holds
-                norms = {}
+                norms: dict[str, Optional[float]] = {}
+                now = bool(self.levels) or name in self.pins  # else the first row's comparison sums them
                 for key, t in named_tensors(output):
                     if t.is_floating_point() or t.is_complex():
                         with bare(t):
                             # detached: a layer's output inside a forward that differentiates requires grad
-                            norms[key] = reference_norm2(t.detach())
+                            norms[key] = reference_norm2(t.detach()) if now else None
                 reference = self._keep(name, i, output)
                 self.outputs[(name, i)] = (reference, norms)
                 self._introduce(name, module, frame, i)

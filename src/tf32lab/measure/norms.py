@@ -23,6 +23,7 @@ from tf32lab.measure.spill import Spilled
 from tf32lab.numbers import metrics
 from tf32lab.numbers.trees import named_leaves, named_tensors
 
+_WIDER = {torch.float32: torch.float64, torch.complex64: torch.complex128}
 CHUNK = 1 << 16  # elements: a chunk's difference stays in the L2 cache between its two passes (3x faster than 1 Mi)
 
 
@@ -52,10 +53,11 @@ def bare(*tensors: Any) -> Iterator[None]:
         yield
 
 
-def tree_normwise(output: Any, reference: Any, norms: dict[str, float],
+def tree_normwise(output: Any, reference: Any, norms: dict[str, Optional[float]],
                    scratch: torch.Tensor, ranks: Any = None, site: str = "a layer call") -> tuple[float, Optional[str]]:
     """‖y − r‖ / ‖r‖ over the float tensors of a module's output, in float64 (``norms``: each ‖r‖², from the
-    reference run), and what does not match the reference's structure, if anything. The difference goes through a
+    reference run; None for one summed here on the way, in the chunks the difference reads, and filled in), and
+    what does not match the reference's structure, if anything. The difference goes through a
     reused chunk buffer (:func:`scratch`): fresh multi-MB temporaries cost page faults that dwarf the arithmetic.
     A reference kept in memory and one read back from a spill file give the same bits. With ``ranks``
     (``measure.sharded.Ranks``) the sums of squares are those of every rank: one collective per call, which every
@@ -84,7 +86,7 @@ def squares_ratio(diff2: float, ref2: float) -> float:
     return math.sqrt(diff2 / ref2)
 
 
-def _sums(output: Any, reference: Any, norms: dict[str, float],
+def _sums(output: Any, reference: Any, norms: dict[str, Optional[float]],
           scratch: torch.Tensor) -> tuple[float, float, Optional[str]]:
     """‖y − r‖², ‖r‖² and a mismatch of structure, if any."""
     refs = {key: r for key, r in named_leaves(reference) if isinstance(r, (torch.Tensor, Spilled))}
@@ -93,7 +95,7 @@ def _sums(output: Any, reference: Any, norms: dict[str, float],
         return _summed(ys, refs, norms, scratch)
 
 
-def _summed(ys: list[tuple[str, torch.Tensor]], refs: dict[str, Any], norms: dict[str, float],
+def _summed(ys: list[tuple[str, torch.Tensor]], refs: dict[str, Any], norms: dict[str, Optional[float]],
             scratch: torch.Tensor) -> tuple[float, float, Optional[str]]:
     read, work = scratch[:CHUNK], scratch[CHUNK:]
     diff2 = ref2 = 0.0
@@ -104,23 +106,29 @@ def _summed(ys: list[tuple[str, torch.Tensor]], refs: dict[str, Any], norms: dic
         if r.shape != y.shape:
             what = "its output" if name == "output" else f"its output {name}"
             return math.nan, math.nan, f"{what} has shape {tuple(y.shape)}, the reference's {tuple(r.shape)}"
-        diff2 = _diff2(y, r, read, work, diff2)
-        ref2 += norms[name]
+        known = norms[name]
+        diff2, found = _diff2(y, r, read, work, diff2, known is None)
+        if known is None:  # deferred: summed from the chunks the difference reads, and kept for the next row
+            known = norms[name] = found if math.isfinite(found) else \
+                reference_norm2(r.load() if isinstance(r, Spilled) else r)
+        ref2 += known
     return diff2, ref2, None
 
 
-def _diff2(y: torch.Tensor, r: Any, read: torch.Tensor, work: torch.Tensor, diff2: float) -> float:
-    """``diff2`` plus ‖y − r‖² in float64, a chunk at a time through ``work`` (summed on, in the same order)."""
+def _diff2(y: torch.Tensor, r: Any, read: torch.Tensor, work: torch.Tensor, diff2: float,
+           norm: bool = False) -> tuple[float, float]:
+    """``diff2`` plus ‖y − r‖² in float64, a chunk at a time through ``work`` (summed on, in the same order); and
+    with ``norm``, ‖r‖² summed as :func:`reference_norm2` sums it, from the chunks in the cache (else 0.0)."""
     y = y.detach()  # an output of a forward that differentiates requires grad: copied into work, it made a graph
     if isinstance(r, Spilled):
         parts = r.chunks(read)
     else:
         if y.is_complex():
             y, r = torch.view_as_real(y), torch.view_as_real(r)
-        flat = r.reshape(-1)
-        parts = (flat[start:start + CHUNK] for start in range(0, flat.numel(), CHUNK))
+        parts = _chunks(r)
     y = y.reshape(-1)
     start = 0
+    r2 = 0.0
     for part in parts:
         d = work[:part.numel()]
         piece = y[start:start + part.numel()]
@@ -130,8 +138,15 @@ def _diff2(y: torch.Tensor, r: Any, read: torch.Tensor, work: torch.Tensor, diff
         if not math.isfinite(found):  # rare: only then are the positions both hold alike looked for
             found = _over_values(d, piece, part)
         diff2 += found
+        if norm:
+            r2 += float(torch.dot(part, part))
         start += part.numel()
-    return diff2
+    return diff2, r2
+
+
+def _chunks(r: torch.Tensor) -> Iterator[torch.Tensor]:
+    flat = r.reshape(-1)
+    return (flat[start:start + CHUNK] for start in range(0, flat.numel(), CHUNK))
 
 
 def _over_values(d: torch.Tensor, y: torch.Tensor, r: torch.Tensor) -> float:
@@ -151,12 +166,16 @@ def _over_values(d: torch.Tensor, y: torch.Tensor, r: torch.Tensor) -> float:
 
 def reference_norm2(r: torch.Tensor) -> float:
     """‖r‖² of a layer's reference output over its values: without NaN, Inf and float64's largest magnitude, which
-    a row holds alike or fails on by its difference (:func:`_over_values`); the plain sum where it is finite.
+    a row holds alike or fails on by its difference (:func:`_over_values`); the plain sum where it is finite,
+    summed a chunk at a time as :func:`tree_normwise` sums a deferred one (None): the same bits either way.
 
     >>> reference_norm2(torch.tensor([3.0, -math.inf, 4.0, -torch.finfo(torch.float64).max], dtype=torch.float64))
     25.0
     """
-    found = float(torch.linalg.vector_norm(r)) ** 2
+    if r.dtype in _WIDER:  # a float32 output (the model's own state) is kept widened: its sum as the kept one's
+        r = r.to(_WIDER[r.dtype])
+    t = torch.view_as_real(r) if r.is_complex() else r
+    found = sum(float(torch.dot(part, part)) for part in _chunks(t))
     if math.isfinite(found):
         return found
     held = ~torch.isfinite(r)

@@ -1,0 +1,70 @@
+"""A layer output's ‖r‖² is summed when the first row compares with it, from the chunks the difference reads,
+unless the reference pass reruns layers (then at once, as the reruns need it). Either way it is the same number,
+so a layer's accumulated error does not depend on which pass measured it: in memory, spilled to disk, complex,
+float32 state, or holding values a row holds alike (Inf)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import tf32lab
+from tf32lab.measure.norms import reference_norm2, scratch, tree_normwise
+from tf32lab.measure.spill import SpillFile
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(64, 300)
+        self.b = torch.nn.Linear(300, 8)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _accumulated(report) -> dict[tuple[str, str], float]:
+    return {(row.level, layer.name): layer.accumulated for row in report.levels for layer in row.layers}
+
+
+@pytest.mark.parametrize("spill_mib", ["0", "0.01"])
+def test_a_layers_accumulated_error_is_the_same_whether_its_norm_was_deferred_or_not(monkeypatch, spill_mib):
+    monkeypatch.setenv("TF32LAB_SPILL_MIB", spill_mib)  # 0.01: the 300-wide output is written out
+    torch.manual_seed(0)
+    w = tf32lab.Workload(_Net(), torch.randn(512, 64), name="net")
+    kwargs = {"levels": ("highest", "high"), "target": "a100", "speed": False}
+    deferred = _accumulated(tf32lab.check(w, **kwargs))
+    at_once = _accumulated(tf32lab.check(w, introduced="all", **kwargs))
+    assert deferred == at_once
+    assert all(e > 0 for e in deferred.values()), deferred
+
+
+@pytest.mark.parametrize("r", [
+    torch.randn(200_003, dtype=torch.float64),  # more than one chunk, the last one short
+    torch.randn(300, 700, dtype=torch.float64).t(),  # not contiguous
+    torch.randn(1000, dtype=torch.complex128),
+    torch.tensor([3.0, math.inf, 4.0], dtype=torch.float64),  # a masked score: the row holds it alike
+], ids=["chunks", "transposed", "complex", "inf"])
+def test_a_deferred_norm_is_the_bits_of_reference_norm2(r):
+    y = (r * (1 + 1e-3)).to(torch.complex64 if r.is_complex() else torch.float32)
+    norms: dict = {"output": None}
+    work = scratch(r.device)
+    deferred = tree_normwise(y, r, norms, work)
+    assert norms["output"] == reference_norm2(r)
+    assert deferred == tree_normwise(y, r, {"output": reference_norm2(r)}, work)
+
+
+def test_a_spilled_reference_defers_its_norm_to_the_same_bits():
+    r = torch.randn(150_001, dtype=torch.float64)
+    with SpillFile(min_bytes=1) as spill:
+        kept = spill.put(r)
+        norms: dict = {"output": None}
+        error, _ = tree_normwise(r.float(), kept, norms, scratch(r.device))
+    assert norms["output"] == reference_norm2(r) and 0 < error < 1e-7
+
+
+def test_a_float32_output_kept_widened_has_the_norm_of_its_widened_values():
+    t = torch.randn(70_000)
+    assert reference_norm2(t) == reference_norm2(t.double())
