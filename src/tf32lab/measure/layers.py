@@ -37,6 +37,7 @@ from tf32lab.measure.choices import Kept
 from tf32lab.measure.draws import Streams, random_op
 from tf32lab.measure.given import Held, Narrowed
 from tf32lab.measure.norms import bare, reference_norm2, scratch, tree_normwise
+from tf32lab.measure.own_hooks import OwnHooks
 from tf32lab.measure.reference import Float64Run, storage_address, widen
 from tf32lab.measure.sharded import local
 from tf32lab.measure.spill import Spilled, SpillFile
@@ -231,6 +232,7 @@ class Recorder:
         self.quiet: list[Any] = []  # the caller's own modes over the reference run, lifted while a layer reruns
         self.alike: dict[tuple[str, str], frozenset[str]] = {}  # two levels -> the families computed alike
         self.narrowed = Narrowed()  # the float32 copies of the float64 tensors in the objects reruns are given
+        self.own_hooks: Optional[OwnHooks] = None  # the model's own forward hooks, while it records
 
     def __enter__(self) -> Recorder:
         try:
@@ -241,6 +243,8 @@ class Recorder:
                                                                      prepend=True))
                 self.handles.append(module.register_forward_hook(self._post(name, module), with_kwargs=True))
             self.handles += _around_sharding(self.model, self.mode)
+            self.own_hooks = OwnHooks([m for _, m in self.modules], {h.id for h in self.handles},
+                                      lambda: self.rerunning).__enter__()
             self.mode.__enter__()
         except BaseException:
             self._unhook()
@@ -263,6 +267,9 @@ class Recorder:
         self.mode.on_op = self.mode.on_write = self.mode.on_result = None
 
     def _unhook(self) -> None:
+        if self.own_hooks is not None:  # first: the hooks' own dicts back, before ours leave them
+            self.own_hooks.__exit__()
+            self.own_hooks = None
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
@@ -395,6 +402,8 @@ class Recorder:
                 streams.put(after)
             if left is not None:
                 left.put_back()
+            if self.own_hooks is not None:  # what the model's hooks kept from the reruns: the reference's again
+                self.own_hooks.put_back()
 
     def _reruns(self, name: str, module: torch.nn.Module, frame: _Frame, reference: Any, norms: dict[str, float],
                 inner: dict[torch.nn.Module, list[Any]], pin: Optional[tuple[str, str]], cudnn: bool,

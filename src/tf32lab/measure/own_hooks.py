@@ -1,0 +1,125 @@
+"""The model's own forward hooks around a layer's reruns: what a hook stored from a rerun is stored again from the
+reference call.
+
+A layer's rerun (``measure.layers``) runs the layer and everything inside it again, and with them the forward hooks
+the model registered on those modules: they must run, for the rerun computes what the model computes (a hook that
+scales its module's output; a parent that reads what its children's hooks gathered, as timm's ``FeatureHooks``
+feeds a feature pyramid). But a hook that only keeps what it is given, ``store["b"] = output``, then holds the
+rerun's float32 output, at the last level rerun, in place of the reference's: where the forward goes on to read
+the store, the reference's own output was a float32 row's, and every row was measured against it (a model that
+returns what its hooks gathered failed `highest` at 2.5e-4 under ``introduced="all"``; policy rows and ``tune``
+likewise).
+
+:class:`OwnHooks` wraps each such hook while the reference runs. A hook is an observer while each of its calls in
+the reference returns None and writes nothing into the output it is given (version counters); its last reference
+call's arguments are held. After a layer's reruns, each observer that ran in them is called once more with those
+arguments (:meth:`OwnHooks.put_back`), so that what it keeps is the reference's again. A hook that returns a
+value, or writes into its output, changes what the model computes: it is left as it is. A store that appends
+keeps the reruns' entries, and one more; PyTorch's own hooks (FSDP's) and transformers' output capturing (idle in
+the reruns) are not wrapped.
+
+Example:
+
+    >>> import torch
+    >>> layer, store = torch.nn.Linear(2, 2), {}
+    >>> _ = layer.register_forward_hook(lambda m, args, out: store.update(out=out))
+    >>> rerunning = [False]
+    >>> with OwnHooks([layer], set(), lambda: rerunning[0]) as hooks:
+    ...     y = layer(torch.ones(1, 2))
+    ...     rerunning[0] = True
+    ...     _ = layer(torch.zeros(1, 2))  # a rerun: the hook keeps its output
+    ...     rerunning[0] = False
+    ...     hooks.put_back()
+    >>> store["out"] is y
+    True
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Iterable
+from typing import Any, Callable
+
+import torch
+
+from tf32lab.numbers.trees import named_tensors
+
+__all__ = ["OwnHooks"]
+
+
+class OwnHooks:
+    """The forward hooks of ``modules`` other than those whose ids are in ``ours``, watched while the block runs
+    (``rerunning()``: whether a layer's rerun is running now)."""
+
+    def __init__(self, modules: Iterable[torch.nn.Module], ours: set[int], rerunning: Callable[[], bool]) -> None:
+        self.modules, self.ours, self.rerunning = list(modules), ours, rerunning
+        self.saved: dict[torch.nn.Module, collections.OrderedDict] = {}
+        self.last: dict[tuple[int, int], tuple[Callable, tuple]] = {}  # an observer's last reference call
+        self.changes: set[tuple[int, int]] = set()  # hooks that returned a value or wrote into their output
+        self.fired: list[tuple[int, int]] = []  # observers called in the reruns since the last put_back
+
+    def __enter__(self) -> OwnHooks:
+        for module in self.modules:
+            hooks = module._forward_hooks
+            if all(key in self.ours or _left_alone(hook) for key, hook in hooks.items()):
+                continue
+            self.saved[module] = hooks
+            module._forward_hooks = collections.OrderedDict(
+                (key, hook if key in self.ours or _left_alone(hook) else self._watched((id(module), key), hook))
+                for key, hook in hooks.items())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for module, hooks in self.saved.items():
+            added = {key: hook for key, hook in module._forward_hooks.items() if key not in hooks}
+            module._forward_hooks = hooks
+            hooks.update(added)  # one registered meanwhile stays, as it would have
+        self.saved.clear()
+        self.last.clear()
+        self.fired.clear()
+
+    def put_back(self) -> None:
+        """Call each observer that ran in the reruns since the last call once more, as the reference called it."""
+        fired, self.fired = self.fired, []
+        for key in dict.fromkeys(fired):
+            found = self.last.get(key)
+            if found is not None:
+                hook, args = found
+                hook(*args)
+
+    def _watched(self, key: tuple[int, int], hook: Callable) -> Callable:
+        @functools.wraps(hook)
+        def run(*args: Any) -> Any:
+            if self.rerunning():
+                if key in self.last:
+                    self.fired.append(key)
+                return hook(*args)
+            before = _versions(args[-1])
+            result = hook(*args)
+            if key not in self.changes and result is None and _versions(args[-1]) == before:
+                self.last[key] = (hook, args)
+            else:
+                self.changes.add(key)
+                self.last.pop(key, None)
+            return result
+
+        return run
+
+
+def _versions(tree: Any) -> list[int]:
+    # past the float64 reference's function mode, as measure.layers reads them
+    with torch._C.DisableTorchFunction():
+        return [-1 if t.is_inference() else t._version for _, t in named_tensors(tree)]
+
+
+# Hooks left to run as they are: PyTorch's own (FSDP's state machine), and transformers 5's output capturing, which
+# appends to a collection the forward holds and idles in the reruns (measure.layers._uncaptured): called again, it
+# appended the reference's attention twice
+_LEFT = ("torch.", "transformers.utils.output_capturing")
+
+
+def _left_alone(hook: Callable) -> bool:
+    """Whether ``hook`` is one of those :data:`_LEFT` to run as it is."""
+    inner = getattr(hook, "__func__", None) or getattr(hook, "func", None) or hook
+    return (getattr(inner, "__module__", None) or "").startswith(_LEFT)

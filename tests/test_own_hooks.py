@@ -1,0 +1,143 @@
+"""The model's own forward hooks in a layer's reruns (``measure.own_hooks``): they run there, as the model runs them,
+and what a hook keeps from a rerun is the reference call's again afterwards. A model that returns what a hook
+stored had its float64 reference replaced by a float32 rerun's output: under ``introduced="all"``, a policy row or
+``tune``, every row was measured against it (`highest` read 2.5e-4, not 2e-7)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+import tf32lab
+from tf32lab import Policy
+from tf32lab.measure.own_hooks import OwnHooks
+
+
+class _Stored(torch.nn.Module):
+    """Returns, through a head, what a forward hook on ``b`` stored: timm's ``FeatureHooks`` pattern."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(64, 64)
+        self.b = torch.nn.Linear(64, 64)
+        self.head = torch.nn.Linear(64, 8)
+        self.store: dict = {}
+        self.b.register_forward_hook(lambda module, args, output: self.store.__setitem__("b", output))
+
+    def forward(self, x):
+        self.b(torch.tanh(self.a(x)))
+        return self.head(self.store["b"])
+
+
+class _Plain(_Stored):
+    """The same model without the hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b._forward_hooks.clear()
+
+    def forward(self, x):
+        return self.head(self.b(torch.tanh(self.a(x))))
+
+
+def _workload(cls) -> tf32lab.Workload:
+    torch.manual_seed(0)
+    return tf32lab.Workload(cls(), torch.randn(256, 64), name=cls.__name__)
+
+
+def _errors(report) -> list[tuple[str, float]]:
+    return [(row.level, row.outputs[0].normwise) for row in report.levels]
+
+
+def _layers(report) -> dict[tuple[str, str], tuple[float, float]]:
+    return {(row.level, e.name): (e.introduced, e.accumulated) for row in report.levels for e in row.layers}
+
+
+@pytest.mark.parametrize("introduced", ["failing", "all"])
+def test_a_model_returning_what_its_hook_stored_is_measured_as_the_same_model_without_the_hook(introduced):
+    kwargs = {"levels": ("highest", "high"), "target": "a100", "speed": False, "introduced": introduced}
+    hooked = tf32lab.check(_workload(_Stored), **kwargs)
+    plain = tf32lab.check(_workload(_Plain), **kwargs)
+    assert _errors(hooked) == _errors(plain)
+    assert hooked.level("highest").outputs[0].normwise < 1e-6
+    assert _layers(hooked) == _layers(plain)
+
+
+def test_a_policy_row_of_a_model_returning_what_its_hook_stored_is_measured_against_the_reference():
+    policy = Policy("high", [("head", "highest")])
+    kwargs = {"levels": ("highest",), "target": "a100", "speed": False, "policy": policy}
+    hooked = tf32lab.check(_workload(_Stored), **kwargs)
+    plain = tf32lab.check(_workload(_Plain), **kwargs)
+    assert _errors(hooked) == _errors(plain)
+
+
+class _Gathers(torch.nn.Module):
+    """A parent whose own product reads what its children's hooks gathered in its forward: in its rerun the hooks
+    gather its children's answers, float32 (the reference's float64 outputs met a float32 weight there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(2))
+        self.out = torch.nn.Parameter(torch.randn(64, 64) / 8)
+        self.gathered: dict = {}
+        for i, stage in enumerate(self.stages):
+            stage.register_forward_hook(lambda module, args, output, i=i: self.gathered.__setitem__(i, output))
+
+    def forward(self, x):
+        h = x
+        for stage in self.stages:
+            h = torch.tanh(stage(h))
+        return torch.cat([self.gathered[0], self.gathered[1]], -1) @ self.out  # its own product: a layer
+
+
+def test_a_parent_reading_what_its_childrens_hooks_gathered_is_rerun_with_them_and_measured():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Gathers(), torch.nn.Linear(64, 8))
+    w = tf32lab.Workload(model, torch.randn(32, 32), name="gathers")
+    kwargs = {"levels": ("highest", "high"), "target": "a100", "speed": False}
+    failing, every = (tf32lab.check(w, introduced=i, tolerance=1e-9, **kwargs) for i in ("failing", "all"))
+    assert _errors(failing) == _errors(every) and every.level("highest").outputs[0].normwise < 1e-6
+    parent = next(e for e in every.level("high").layers if e.name == "0")
+    assert 1e-6 < parent.introduced < 1e-2, parent
+
+
+def test_own_hooks_calls_again_only_the_observers_and_puts_every_hook_back():
+    layer = torch.nn.Linear(4, 4)
+    calls: collections.Counter = collections.Counter()
+    kept: dict = {}
+
+    def observes(module, args, out):
+        calls["observes"] += 1
+        kept["out"] = out
+
+    def scales(module, args, out):
+        calls["scales"] += 1
+        return out * 2
+
+    def writes(module, args, out):
+        calls["writes"] += 1
+        out.mul_(1.0)
+
+    def fsdps(module, args, out):  # PyTorch's own: left to run as it is
+        calls["fsdps"] += 1
+
+    fsdps.__module__ = "torch.distributed.fsdp._fully_shard._fsdp_state"
+    for hook in (observes, scales, writes, fsdps):
+        layer.register_forward_hook(hook)
+    before = layer._forward_hooks
+    rerunning = [False]
+    with torch.no_grad(), OwnHooks([layer], set(), lambda: rerunning[0]) as hooks:
+        layer(torch.ones(1, 4))
+        first = kept["out"]
+        rerunning[0] = True
+        layer(torch.zeros(1, 4))  # a rerun
+        rerunning[0] = False
+        assert kept["out"] is not first
+        hooks.put_back()
+        late = layer.register_forward_hook(lambda module, args, out: None)
+    assert kept["out"] is first
+    assert calls == {"observes": 3, "scales": 2, "writes": 2, "fsdps": 2}, calls
+    assert layer._forward_hooks is before and late.id in before  # one registered meanwhile stays
+    assert list(before.values())[:4] == [observes, scales, writes, fsdps]
