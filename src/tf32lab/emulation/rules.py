@@ -524,6 +524,28 @@ def _rnn_op(call, func, args, kwargs):
     return run_packed_rnn(mode, linear, *args) if packed else run_rnn(mode, linear, *args)
 
 
+_MKLDNN_LSTM = 2  # mkldnn_rnn_layer's mode for an LSTM (PyTorch's RNN mode numbers: RNN_RELU, RNN_TANH, LSTM, GRU)
+
+
+@rule(aten.mkldnn_rnn_layer)
+def _mkldnn_rnn_layer(call, func, args, kwargs):
+    """One layer and direction of an LSTM as oneDNN computes it on a CPU: what a TorchScript (scripted or traced)
+    LSTM's ``aten::lstm`` decomposes into below autograd, where no function mode sees it (``nn.LSTM`` itself is
+    caught whole above). Time-major whatever ``batch_first`` says; its states one layer's ``(batch, hidden)``.
+    Where autograd records it (a grad-enabled call on weights that require grad), its backward reads oneDNN's
+    workspace, which no emulated forward gives: run natively, and said."""
+    x, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, batch_sizes, mode = args[:10]
+    has_biases = args[12]
+    if batch_sizes or mode != _MKLDNN_LSTM or (torch.is_grad_enabled() and any(
+            t.requires_grad for t in (x, w_ih, w_hh, b_ih, b_hh, hx, cx))):
+        return NotImplemented
+    params = [w_ih, w_hh, b_ih, b_hh] if has_biases else [w_ih, w_hh]
+    seq = x.flip(0) if reverse else x
+    out, hy, cy = _rnn_op(call, aten.lstm.input, (seq, (hx[None], cx[None]), params, has_biases, 1, 0.0, False, False,
+                                                  False), {})
+    return (out.flip(0) if reverse else out), hy[0], cy[0], None
+
+
 class _RnnLinear(torch.autograd.Function):
     """x wᵀ + b whose forward and backward GEMMs are all ops of the key ``key`` (``rnn``: cuDNN's RNN kernel). The
     forward is ``product(x, w, b)`` (rounded by the caller); the backward's GEMMs go through the emulator's mode."""

@@ -1,0 +1,47 @@
+"""A TorchScript (traced or scripted) LSTM on a CPU under ``emulate()``: its ``aten::lstm`` reaches the emulator
+whole only under inference mode; elsewhere PyTorch decomposes it below autograd into one
+``aten::mkldnn_rnn_layer`` per layer and direction, which ran natively, counted as unhandled (no TF32 error at
+all). Each is now emulated as that layer and direction of the LSTM, where no backward will read oneDNN's
+workspace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tf32lab
+
+pytestmark = pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+
+
+def _traced(bias: bool, bidirectional: bool, batch_first: bool):
+    torch.manual_seed(0)
+    model = torch.nn.LSTM(16, 32, 2, batch_first=batch_first, bidirectional=bidirectional, bias=bias)
+    x = torch.randn(4, 10, 16) if batch_first else torch.randn(10, 4, 16)
+    return model, torch.jit.trace(model, (x,)), x
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_a_traced_lstm_under_no_grad_is_emulated_as_under_inference_mode(bias, bidirectional, batch_first):
+    _, traced, x = _traced(bias, bidirectional, batch_first)
+    with torch.inference_mode(), tf32lab.emulate("a100") as whole:
+        want = traced(x)
+    with torch.no_grad(), tf32lab.emulate("a100") as layers:
+        got = traced(x)
+    layers_run = 2 * (2 if bidirectional else 1)
+    assert dict(layers.coverage) == {("aten::mkldnn_rnn_layer", "tf32-rna"): layers_run} and not layers.unhandled
+    assert dict(whole.coverage) == {("aten::lstm.input", "tf32-rna"): 1}
+    assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    native = traced(x)
+    assert not torch.equal(got[0], native[0])  # TF32's rounding is there
+
+
+def test_a_traced_lstm_whose_backward_autograd_records_runs_natively_and_is_said():
+    _, traced, x = _traced(True, False, True)
+    with tf32lab.emulate("a100") as emu:
+        out = traced(x)[0]
+    out.sum().backward()  # oneDNN's own backward, its workspace its forward's
+    assert dict(emu.unhandled) == {"aten::mkldnn_rnn_layer": 2} and not emu.coverage
+    assert torch.equal(out.detach(), traced(x)[0].detach())
