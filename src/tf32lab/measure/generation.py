@@ -116,6 +116,19 @@ def check_generation(workload: Union[CausalLM, torch.nn.Module], *, new_tokens: 
 
     Returns a :class:`~tf32lab.report.generation.GenerationReport`; ``bool(report)`` is the verdict. Raises
     ``Tf32LabError`` for bad arguments or a model that raises in float64.
+
+    Example (a plain causal model, token ids to logits):
+
+        >>> import torch
+        >>> class Tiny(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.embed, self.head = torch.nn.Embedding(50, 16), torch.nn.Linear(16, 50)
+        ...     def forward(self, input_ids):
+        ...         return self.head(self.embed(input_ids).cumsum(1))
+        >>> report = check_generation(Tiny(), new_tokens=4, prompts=[[1, 2, 3]], levels=("highest", "high"))
+        >>> [row.level for row in report.levels], len(report.reference_tokens[0])
+        (['highest', 'high'], 4)
     """
     if isinstance(new_tokens, bool) or not isinstance(new_tokens, numbers.Integral) or \
             not 1 <= new_tokens <= _MAX_NEW_TOKENS:
