@@ -182,3 +182,32 @@ def test_a_hook_registered_while_own_hooks_watches_is_removed_by_its_handle():
         late = layer.register_forward_hook(lambda module, args, out: None)
     late.remove()
     assert late.id not in layer._forward_hooks and len(layer._forward_hooks) == 1
+
+
+class _Computes(torch.nn.Module):
+    """A hook that keeps what it computes from ``b``'s output: a product with a float32 weight, or a float32 copy."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.b, self.head = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 4)
+        self.w = torch.nn.Parameter(torch.randn(32, 32) / 6)
+        self.store: dict = {}
+
+        def hook(module, args, out):
+            self.store["b"] = out @ self.w if how == "product" else out.float() * 1.0
+
+        self.b.register_forward_hook(hook)
+
+    def forward(self, x):
+        self.b(torch.tanh(self.a(x)))
+        return self.head(self.store["b"])
+
+
+@pytest.mark.parametrize("how", ["product", "float"])
+def test_a_hook_that_computes_what_it_keeps_is_called_again_in_the_float64_run(how):
+    """Called again with the float64 run paused, the product raised (double != float) and the copy was float32."""
+    torch.manual_seed(0)
+    w = tf32lab.Workload(_Computes(how), torch.randn(64, 32), name=how)
+    kwargs = {"levels": ("highest", "high"), "target": "a100", "speed": False}
+    failing, every = (tf32lab.check(w, introduced=i, **kwargs) for i in ("failing", "all"))
+    assert _errors(failing) == _errors(every) and every.level("highest").outputs[0].normwise < 1e-6
