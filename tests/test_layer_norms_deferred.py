@@ -68,3 +68,35 @@ def test_a_spilled_reference_defers_its_norm_to_the_same_bits():
 def test_a_float32_output_kept_widened_has_the_norm_of_its_widened_values():
     t = torch.randn(70_000)
     assert reference_norm2(t) == reference_norm2(t.double())
+
+
+class _Half(torch.nn.Module):
+    """A layer whose output is float16, its values past 256: ‖r‖ beyond float16's range."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(128, 1024) / 11)
+
+    def forward(self, x):
+        return (x @ self.w).half() * 300.0
+
+
+@pytest.mark.parametrize("introduced", ["failing", "all"])
+def test_a_half_precision_layer_output_past_float16s_range_has_an_error(introduced):
+    """Its ‖r‖ was summed in float16: Inf, and the layer's error 0.0 at every level."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Half(), torch.nn.Flatten(0))
+    report = tf32lab.check(tf32lab.Workload(model, torch.randn(128, 128), name="half"), levels=("highest", "high"),
+                           target="a100", speed=False, introduced=introduced)
+    errors = _accumulated(report)
+    assert 1e-6 < errors[("high", "0")] < 1e-2 and 0 < errors[("highest", "0")] < errors[("high", "0")], errors
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_outputs_norm_is_its_values_norm_in_float64(dtype):
+    torch.manual_seed(0)
+    r = (torch.rand(200_000) * 4).to(dtype)
+    assert math.isclose(reference_norm2(r), float((r.double() ** 2).sum()), rel_tol=1e-12)
+    norms: dict = {"output": None}
+    tree_normwise(r.float(), r, norms, scratch(r.device))
+    assert norms["output"] == reference_norm2(r)

@@ -141,3 +141,73 @@ def test_own_hooks_calls_again_only_the_observers_and_puts_every_hook_back():
     assert calls == {"observes": 3, "scales": 2, "writes": 2, "fsdps": 2}, calls
     assert layer._forward_hooks is before and late.id in before  # one registered meanwhile stays
     assert list(before.values())[:4] == [observes, scales, writes, fsdps]
+
+
+class _OneShot(torch.nn.Module):
+    """Keeps its first call of ``b`` by a hook that removes itself as it runs (a one-shot capture), and reads it."""
+
+    def __init__(self, with_kwargs: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.head = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+        self.first: dict = {}
+
+        def once(module, args, *rest):  # (kwargs,) output
+            self.first["b"] = rest[-1]
+            self.handle.remove()
+
+        self.handle = self.b.register_forward_hook(once, with_kwargs=with_kwargs)
+
+    def forward(self, x):
+        h = self.b(self.b(torch.tanh(self.a(x))))  # the second call: the hook removed itself at the first
+        return self.head(h) + self.head(self.first["b"])
+
+
+@pytest.mark.parametrize("with_kwargs", [False, True])
+@pytest.mark.parametrize("introduced", ["failing", "all"])
+def test_a_hook_that_removes_itself_as_it_runs_is_removed_in_the_reference_too(with_kwargs, introduced):
+    torch.manual_seed(0)
+    model = _OneShot(with_kwargs)
+    w = tf32lab.Workload(model, torch.randn(8, 16), name="one shot")
+    report = tf32lab.check(w, levels=("highest", "high"), target="a100", speed=False, introduced=introduced)
+    assert report.level("highest").outputs[0].normwise < 1e-6  # not the second call's output in the reference
+    hooks = list(model.b._forward_hooks.values())
+    assert len(hooks) == 1 and not hasattr(hooks[0], "__wrapped__")  # the model's own hook, as it was
+    assert dict(model.b._forward_hooks_with_kwargs) == ({model.handle.id: True} if with_kwargs else {})
+
+
+def test_a_hook_registered_while_own_hooks_watches_is_removed_by_its_handle():
+    layer = torch.nn.Linear(4, 4)
+    layer.register_forward_hook(lambda module, args, out: None)
+    with torch.no_grad(), OwnHooks([layer], set(), lambda: False):
+        late = layer.register_forward_hook(lambda module, args, out: None)
+    late.remove()
+    assert late.id not in layer._forward_hooks and len(layer._forward_hooks) == 1
+
+
+class _Computes(torch.nn.Module):
+    """A hook that keeps what it computes from ``b``'s output: a product with a float32 weight, or a float32 copy."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.b, self.head = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 4)
+        self.w = torch.nn.Parameter(torch.randn(32, 32) / 6)
+        self.store: dict = {}
+
+        def hook(module, args, out):
+            self.store["b"] = out @ self.w if how == "product" else out.float() * 1.0
+
+        self.b.register_forward_hook(hook)
+
+    def forward(self, x):
+        self.b(torch.tanh(self.a(x)))
+        return self.head(self.store["b"])
+
+
+@pytest.mark.parametrize("how", ["product", "float"])
+def test_a_hook_that_computes_what_it_keeps_is_called_again_in_the_float64_run(how):
+    """Called again with the float64 run paused, the product raised (double != float) and the copy was float32."""
+    torch.manual_seed(0)
+    w = tf32lab.Workload(_Computes(how), torch.randn(64, 32), name=how)
+    kwargs = {"levels": ("highest", "high"), "target": "a100", "speed": False}
+    failing, every = (tf32lab.check(w, introduced=i, **kwargs) for i in ("failing", "all"))
+    assert _errors(failing) == _errors(every) and every.level("highest").outputs[0].normwise < 1e-6

@@ -403,7 +403,21 @@ class Recorder:
             if left is not None:
                 left.put_back()
             if self.own_hooks is not None:  # what the model's hooks kept from the reruns: the reference's again
-                self.own_hooks.put_back()
+                self._hooks_again(self.own_hooks)
+
+    def _hooks_again(self, hooks: OwnHooks) -> None:
+        """The model's observer hooks that ran in the reruns, called again as the reference called them
+        (``OwnHooks.put_back``), in the float64 run as at that call. Paused (our own arithmetic's), a hook's product
+        of the float64 output and a float32 weight raised ("expected m1 and m2 to have the same dtype") and its
+        ``output.float()`` kept a float32 value. Not the model's work a second time: no op counted, no layer call
+        recorded, no choice kept."""
+        mode = self.mode
+        paused, choices, rerunning = mode.paused, mode.choices, self.rerunning
+        mode.paused, mode.choices, self.rerunning = False, None, True
+        try:
+            hooks.put_back()
+        finally:
+            mode.paused, mode.choices, self.rerunning = paused, choices, rerunning
 
     def _reruns(self, name: str, module: torch.nn.Module, frame: _Frame, reference: Any, norms: dict[str, float],
                 inner: dict[torch.nn.Module, list[Any]], pin: Optional[tuple[str, str]], cudnn: bool,

@@ -139,7 +139,8 @@ def _diff2(y: torch.Tensor, r: Any, read: torch.Tensor, work: torch.Tensor, diff
             found = _over_values(d, piece, part)
         diff2 += found
         if norm:
-            r2 += float(torch.dot(part, part))
+            wide = part if part.dtype == torch.float64 else part.double()  # as reference_norm2 sums it
+            r2 += float(torch.dot(wide, wide))
         start += part.numel()
     return diff2, r2
 
@@ -174,6 +175,10 @@ def reference_norm2(r: torch.Tensor) -> float:
     """
     if r.dtype in _WIDER:  # a float32 output (the model's own state) is kept widened: its sum as the kept one's
         r = r.to(_WIDER[r.dtype])
+    elif r.is_floating_point() and r.dtype != torch.float64:
+        # a half-precision output (``y.half()``): summed in its own dtype, a float16 one's ‖r‖ past 65504 was Inf
+        # (the layer's error then read 0.0 at every level), and a bfloat16 one's ‖r‖² 0.2% off
+        r = r.double()
     t = torch.view_as_real(r) if r.is_complex() else r
     found = sum(float(torch.dot(part, part)) for part in _chunks(t))
     if math.isfinite(found):

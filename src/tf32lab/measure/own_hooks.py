@@ -36,7 +36,6 @@ Example:
 
 from __future__ import annotations
 
-import collections
 import functools
 from collections.abc import Iterable
 from typing import Any, Callable
@@ -54,27 +53,34 @@ class OwnHooks:
 
     def __init__(self, modules: Iterable[torch.nn.Module], ours: set[int], rerunning: Callable[[], bool]) -> None:
         self.modules, self.ours, self.rerunning = list(modules), ours, rerunning
-        self.saved: dict[torch.nn.Module, collections.OrderedDict] = {}
+        # each wrapped hook: the dict it is in, its key, the hook and its wrapper
+        self.saved: list[tuple[dict, int, Callable, Callable]] = []
         self.last: dict[tuple[int, int], tuple[Callable, tuple]] = {}  # an observer's last reference call
         self.changes: set[tuple[int, int]] = set()  # hooks that returned a value or wrote into their output
         self.fired: list[tuple[int, int]] = []  # observers called in the reruns since the last put_back
 
     def __enter__(self) -> OwnHooks:
+        # Wrapped in the module's own dict, not a copy: a hook's handle holds that dict, and a hook that removed
+        # itself as it ran (a one-shot capture) was removed from the dict put aside, ran on at the module's next
+        # call, without its with_kwargs flag (a TypeError), and came back wrapped after the run.
+        seen: set[int] = set()
         for module in self.modules:
-            hooks = module._forward_hooks
-            if all(key in self.ours or _left_alone(hook) for key, hook in hooks.items()):
+            if id(module) in seen:
                 continue
-            self.saved[module] = hooks
-            module._forward_hooks = collections.OrderedDict(
-                (key, hook if key in self.ours or _left_alone(hook) else self._watched((id(module), key), hook))
-                for key, hook in hooks.items())
+            seen.add(id(module))
+            hooks = module._forward_hooks
+            for key, hook in list(hooks.items()):
+                if key in self.ours or _left_alone(hook):
+                    continue
+                wrapped = self._watched((id(module), key), hook)
+                hooks[key] = wrapped  # an existing key: its place in the order stays
+                self.saved.append((hooks, key, hook, wrapped))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for module, hooks in self.saved.items():
-            added = {key: hook for key, hook in module._forward_hooks.items() if key not in hooks}
-            module._forward_hooks = hooks
-            hooks.update(added)  # one registered meanwhile stays, as it would have
+        for hooks, key, hook, wrapped in reversed(self.saved):
+            if hooks.get(key) is wrapped:  # one removed meanwhile stays removed
+                hooks[key] = hook
         self.saved.clear()
         self.last.clear()
         self.fired.clear()
