@@ -211,3 +211,35 @@ def test_a_hook_that_computes_what_it_keeps_is_called_again_in_the_float64_run(h
     kwargs = {"levels": ("highest", "high"), "target": "a100", "speed": False}
     failing, every = (tf32lab.check(w, introduced=i, **kwargs) for i in ("failing", "all"))
     assert _errors(failing) == _errors(every) and every.level("highest").outputs[0].normwise < 1e-6
+
+
+class _Parent(torch.nn.Module):
+    """A layer (its own product) around a nested layer, which its rerun answers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(32, 32) / 6)
+        self.part = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.part(x @ self.w)
+
+
+def test_a_hook_that_removes_itself_in_a_rerun_is_the_models_again_after_the_check_and_unwrapped():
+    # a rerun is not the model's run: what it changes of the model is put back (measure.state), the hooks
+    # included; the wrappers of the reruns (an answered layer's) and of the reference's own hooks go with them
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), _Parent(), torch.nn.Linear(32, 8))
+    part = model[2].part
+    calls = []
+
+    def second_call_only(module, args, output):  # removes itself at its second call: its own first rerun
+        calls.append(len(calls))
+        if len(calls) == 2:
+            handle.remove()
+
+    handle = part.register_forward_hook(second_call_only)
+    tf32lab.check(tf32lab.Workload(model, torch.randn(8, 32), name="parent"), levels=("highest", "high"),
+                  target="a100", speed=False, introduced="all")
+    assert list(part._forward_hooks.values()) == [second_call_only]
+    assert all(not module._forward_hooks for module in model.modules() if module is not part)

@@ -630,7 +630,8 @@ def _answering(answers: dict[torch.nn.Module, list[Any]]):
     leaves out the layers nested in it). The output was kept as the module's forward hooks left it (a hook that
     doubles it, its double): an answer is not given to them again, which still run (their other work, FSDP's
     reshard), their result let go."""
-    saved, hooked = {}, {}
+    saved: dict = {}
+    hooked: list[tuple[dict, int, Callable, Callable]] = []  # (the module's hook dict, key, hook, its wrapper)
     for module, outputs in answers.items():
         pending = iter(outputs)
         original = module.forward
@@ -642,10 +643,11 @@ def _answering(answers: dict[torch.nn.Module, list[Any]]):
 
         saved[module] = module.__dict__.get("forward", _MISSING)
         module.forward = forward
-        if module._forward_hooks:
-            hooked[module] = module._forward_hooks
-            module._forward_hooks = collections.OrderedDict(
-                (key, _after_answer(hook, answered)) for key, hook in module._forward_hooks.items())
+        # wrapped in the module's own dict, which their handles hold (a hook that removes itself stays removed)
+        hooks = module._forward_hooks
+        for key, hook in list(hooks.items()):
+            hooks[key] = _after_answer(hook, answered)
+            hooked.append((hooks, key, hook, hooks[key]))
     try:
         yield
     finally:
@@ -654,10 +656,9 @@ def _answering(answers: dict[torch.nn.Module, list[Any]]):
                 del module.forward
             else:
                 module.forward = before
-        for module, hooks in hooked.items():
-            added = {key: hook for key, hook in module._forward_hooks.items() if key not in hooks}
-            module._forward_hooks = hooks
-            hooks.update(added)  # one registered meanwhile stays, as it would have
+        for hooks, key, hook, wrapped in reversed(hooked):
+            if hooks.get(key) is wrapped:  # one registered meanwhile stays, one removed stays removed
+                hooks[key] = hook
 
 
 def _after_answer(hook: Callable, answered: list[bool]) -> Callable:
