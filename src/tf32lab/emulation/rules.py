@@ -534,6 +534,8 @@ def _mkldnn_rnn_layer(call, func, args, kwargs):
     caught whole above). Time-major whatever ``batch_first`` says; its states one layer's ``(batch, hidden)``.
     Where autograd records it (a grad-enabled call on weights that require grad), its backward reads oneDNN's
     workspace, which no emulated forward gives: run natively, and said."""
+    if func._overloadname != "default":  # its out= variant writes four tensors: left to oneDNN, and said
+        return NotImplemented
     x, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, batch_sizes, mode = args[:10]
     has_biases = args[12]
     if batch_sizes or mode != _MKLDNN_LSTM or (torch.is_grad_enabled() and any(

@@ -109,9 +109,9 @@ OPS: dict[str, Op] = {
         slow_conv_dilated2d slow_conv_dilated3d slow_conv_transpose2d slow_conv_transpose3d thnn_conv2d
         convolution_overrideable convolution_backward_overrideable""", _BACKEND),
     # -- recurrent: cuDNN RNN kernels (the cuDNN rnn flag) -----------------------------------------------------
-    **_group("rnn", "kernel", "lstm gru rnn_tanh rnn_relu"),
+    **_group("rnn", "kernel", "lstm gru rnn_tanh rnn_relu mkldnn_rnn_layer"),  # the last: TorchScript's LSTM, CPU
     **_group("rnn", "kernel", """
-        _cudnn_rnn _cudnn_rnn_backward miopen_rnn miopen_rnn_backward mkldnn_rnn_layer mkldnn_rnn_layer_backward
+        _cudnn_rnn _cudnn_rnn_backward miopen_rnn miopen_rnn_backward mkldnn_rnn_layer_backward
         _lstm_mps lstm_mps_backward""", _BACKEND),
     # -- attention: fused kernels, or the math path's GEMMs ---------------------------------------------------------
     **_group("attention", "kernel", """
