@@ -45,3 +45,27 @@ def test_a_traced_lstm_whose_backward_autograd_records_runs_natively_and_is_said
     out.sum().backward()  # oneDNN's own backward, its workspace its forward's
     assert dict(emu.unhandled) == {"aten::mkldnn_rnn_layer": 2} and not emu.coverage
     assert torch.equal(out.detach(), traced(x)[0].detach())
+
+
+class _Regressor(torch.nn.Module):
+    def __init__(self, rnn: torch.nn.Module) -> None:
+        super().__init__()
+        self.rnn, self.head = rnn, torch.nn.Linear(32, 1)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_a_training_check_says_a_torchscript_rnns_gemms_are_not_the_targets_rnn_math(traced):
+    # a traced GRU trained under emulate() is broken into addmm and mm by PyTorch before the emulator sees it: its
+    # GEMMs ran in the matmul's math (IEEE at highest), and highest's drift read float32's own (9e-8, not 2e-5)
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 12, 8), torch.randn(16, 1)
+    gru = torch.nn.GRU(8, 32, batch_first=True)
+    model = _Regressor(torch.jit.trace(gru, (x,)) if traced else gru)
+    w = tf32lab.TrainingWorkload(model, [(x, y)] * 2, inputs=lambda b: b[0],
+                                 loss=lambda o, b: (o - b[1]).pow(2).mean())
+    report = tf32lab.check_training(w, levels=("highest",), target="a100", speed=False)
+    said = [n for n in report.notes if n.startswith("TorchScript with an RNN ('rnn')")]
+    assert len(said) == (1 if traced else 0), report.notes

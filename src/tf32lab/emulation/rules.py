@@ -29,7 +29,7 @@ from tf32lab.errors import Tf32LabError
 from tf32lab.know.targets import CUDNN_CELL, IEEE, rnn_key
 
 __all__ = ["RNN_FUNCTIONS", "RULES", "as_family", "forced_family", "no_tf32", "rnn_function", "rule",
-           "tf32_is_off"]
+           "scripted_rnns", "tf32_is_off"]
 
 
 class _OpContext(threading.local):
@@ -546,6 +546,34 @@ def _mkldnn_rnn_layer(call, func, args, kwargs):
     out, hy, cy = _rnn_op(call, aten.lstm.input, (seq, (hx[None], cx[None]), params, has_biases, 1, 0.0, False, False,
                                                   False), {})
     return (out.flip(0) if reverse else out), hy[0], cy[0], None
+
+
+# the RNN ops a TorchScript graph calls, which PyTorch breaks into plain GEMMs below autograd outside inference mode
+# (the LSTM's into mkldnn_rnn_layer on a CPU, above; the others into addmm and mm, which no rule can tell from a
+# Linear's)
+_SCRIPTED_RNN = ("aten::gru", "aten::rnn_tanh", "aten::rnn_relu", "aten::lstm")
+
+
+def scripted_rnns(model: torch.nn.Module) -> list[str]:
+    """The TorchScript parts of ``model`` (scripted or traced; their names, ``""`` for the model itself) whose
+    graph calls an RNN op: outside inference mode ``emulate()`` sees their GEMMs, not the RNN.
+
+    >>> lin = torch.jit.trace(torch.nn.Linear(2, 2), torch.ones(1, 2))
+    >>> gru = torch.jit.trace(torch.nn.GRU(2, 2), torch.ones(3, 1, 2), check_trace=False)
+    >>> scripted_rnns(torch.nn.ModuleDict({"proj": lin, "rnn": gru}))
+    ['rnn']
+    """
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.jit.ScriptModule) or any(name.startswith(f + ".") or f == "" for f in found):
+            continue
+        try:
+            graph = str(module.inlined_graph)
+        except (AttributeError, RuntimeError):  # a ScriptModule with no forward of its own
+            continue
+        if any(op + "(" in graph or op + "." in graph for op in _SCRIPTED_RNN):
+            found.append(name)
+    return found
 
 
 class _RnnLinear(torch.autograd.Function):

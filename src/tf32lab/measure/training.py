@@ -60,6 +60,7 @@ from tf32lab.emulation.emulator import (
     families_met,
     release_buffers,
 )
+from tf32lab.emulation.rules import scripted_rnns
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels
 from tf32lab.know.targets import Target
@@ -170,7 +171,18 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
                                                                                    cpu=target.device == "cpu")))
     if changed:
         report = dataclasses.replace(report, notes=(*report.notes, changed_note(changed)))
+    rnns = scripted_rnns(workload.model) if target.emulated else []
+    if rnns:  # not the target's RNN math, and no number says so: a traced GRU's drift read float32's own
+        report = dataclasses.replace(report, notes=(*report.notes, _scripted_rnn_note(rnns)))
     return report
+
+
+def _scripted_rnn_note(names: list[str]) -> str:
+    shown = ", ".join(repr(n or ROOT) for n in names[:3]) + (" …" if len(names) > 3 else "")
+    return (f"TorchScript with an RNN ({shown}): in training PyTorch breaks its aten::gru, rnn_tanh, rnn_relu or "
+            f"lstm into plain GEMMs before the emulator sees it, so its GEMMs ran in each level's matmul math, not "
+            f"the target's RNN math (cuDNN's, TF32 by its own flag on a GPU), or natively (oneDNN's LSTM, in "
+            f"unhandled); train the eager module to measure it, or check() its forward, whose rows see the RNN whole")
 
 
 def training_steps(workload: TrainingWorkload, steps: Optional[int]) -> int:
