@@ -243,3 +243,54 @@ def test_a_hook_that_removes_itself_in_a_rerun_is_the_models_again_after_the_che
                   target="a100", speed=False, introduced="all")
     assert list(part._forward_hooks.values()) == [second_call_only]
     assert all(not module._forward_hooks for module in model.modules() if module is not part)
+
+
+class _PreStored(torch.nn.Module):
+    """Returns, through a head, the input a forward pre-hook on ``b`` stored."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(64, 64)
+        self.b = torch.nn.Linear(64, 64)
+        self.head = torch.nn.Linear(64, 8)
+        self.store: dict = {}
+        self.b.register_forward_pre_hook(lambda module, args: self.store.__setitem__("b", args[0]))
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.head(self.b(h) + self.store["b"])
+
+
+class _PrePlain(_PreStored):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b._forward_pre_hooks.clear()
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.head(self.b(h) + h)
+
+
+class _GlobalStored(_Plain):
+    """Returns what a global forward hook stored for ``b``."""
+
+    def forward(self, x):
+        self.b(torch.tanh(self.a(x)))
+        return self.head(_GLOBAL[id(self.b)])
+
+
+_GLOBAL: dict = {}
+
+
+@pytest.mark.parametrize("stored, plain", [(_PreStored, _PrePlain), (_GlobalStored, _Plain)], ids=["pre", "global"])
+def test_a_pre_hook_or_a_global_hook_that_stores_is_measured_as_the_model_without_it(stored, plain):
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, output: _GLOBAL.__setitem__(id(module), output))
+    try:
+        kwargs = {"levels": ("highest", "high"), "target": "a100", "speed": False, "introduced": "all"}
+        hooked = tf32lab.check(_workload(stored), **kwargs)
+        without = tf32lab.check(_workload(plain), **kwargs)
+    finally:
+        handle.remove()
+        _GLOBAL.clear()
+    assert _errors(hooked) == _errors(without) and hooked.level("highest").outputs[0].normwise < 1e-6

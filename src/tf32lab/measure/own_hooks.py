@@ -1,5 +1,5 @@
 """The model's own forward hooks around a layer's reruns: what a hook stored from a rerun is stored again from the
-reference call.
+reference call (its forward hooks and pre-hooks, and the global ones).
 
 A layer's rerun (``measure.layers``) runs the layer and everything inside it again, and with them the forward hooks
 the model registered on those modules: they must run, for the rerun computes what the model computes (a hook that
@@ -10,11 +10,13 @@ the store, the reference's own output was a float32 row's, and every row was mea
 returns what its hooks gathered failed `highest` at 2.5e-4 under ``introduced="all"``; policy rows and ``tune``
 likewise).
 
-:class:`OwnHooks` wraps each such hook while the reference runs. A hook is an observer while each of its calls in
-the reference returns None and writes nothing into the output it is given (version counters); its last reference
-call's arguments are held. After a layer's reruns, each observer that ran in them is called once more with those
-arguments (:meth:`OwnHooks.put_back`), so that what it keeps is the reference's again. A hook that returns a
-value, or writes into its output, changes what the model computes: it is left as it is. A store that appends
+:class:`OwnHooks` wraps each such hook while the reference runs: forward hooks and pre-hooks, and the global
+ones (``register_module_forward_hook``, called for every module). A hook is an observer while each of its calls in
+the reference returns None and writes nothing into what it is given (a forward hook's output, a pre-hook's inputs;
+version counters); its last reference call's arguments on each module are held. After a layer's reruns, each
+observer that ran in them is called once more with those arguments (:meth:`OwnHooks.put_back`), so that what it
+keeps is the reference's again. A hook that returns a value, or writes into what it is given, changes what the
+model computes: it is left as it is. A store that appends
 keeps the reruns' entries, and one more; PyTorch's own hooks (FSDP's) and transformers' output capturing (idle in
 the reruns) are not wrapped.
 
@@ -41,6 +43,7 @@ from collections.abc import Iterable
 from typing import Any, Callable
 
 import torch
+import torch.nn.modules.module as _modules
 
 from tf32lab.numbers.trees import named_tensors
 
@@ -48,31 +51,34 @@ __all__ = ["OwnHooks"]
 
 
 class OwnHooks:
-    """The forward hooks of ``modules`` other than those whose ids are in ``ours``, watched while the block runs
-    (``rerunning()``: whether a layer's rerun is running now)."""
+    """The forward hooks and pre-hooks of ``modules`` and the global ones (``register_module_forward_hook``), other
+    than those whose ids are in ``ours``, watched while the block runs (``rerunning()``: whether a layer's rerun is
+    running now)."""
 
     def __init__(self, modules: Iterable[torch.nn.Module], ours: set[int], rerunning: Callable[[], bool]) -> None:
         self.modules, self.ours, self.rerunning = list(modules), ours, rerunning
         # each wrapped hook: the dict it is in, its key, the hook and its wrapper
         self.saved: list[tuple[dict, int, Callable, Callable]] = []
-        self.last: dict[tuple[int, int], tuple[Callable, tuple]] = {}  # an observer's last reference call
-        self.changes: set[tuple[int, int]] = set()  # hooks that returned a value or wrote into their output
-        self.fired: list[tuple[int, int]] = []  # observers called in the reruns since the last put_back
+        # an observer's last reference call on a module: (its dict, its key, the module) -> (the hook, its arguments)
+        self.last: dict[tuple[int, int, int], tuple[Callable, tuple]] = {}
+        self.changes: set[tuple[int, int]] = set()  # hooks that returned a value or wrote into what they were given
+        self.fired: list[tuple[int, int, int]] = []  # observers called in the reruns since the last put_back
 
     def __enter__(self) -> OwnHooks:
         # Wrapped in the module's own dict, not a copy: a hook's handle holds that dict, and a hook that removed
         # itself as it ran (a one-shot capture) was removed from the dict put aside, ran on at the module's next
         # call, without its with_kwargs flag (a TypeError), and came back wrapped after the run.
         seen: set[int] = set()
+        dicts = [(_modules._global_forward_pre_hooks, True), (_modules._global_forward_hooks, False)]
         for module in self.modules:
-            if id(module) in seen:
-                continue
-            seen.add(id(module))
-            hooks = module._forward_hooks
+            if id(module) not in seen:
+                seen.add(id(module))
+                dicts += [(module._forward_pre_hooks, True), (module._forward_hooks, False)]
+        for hooks, pre in dicts:
             for key, hook in list(hooks.items()):
                 if key in self.ours or _left_alone(hook):
                     continue
-                wrapped = self._watched((id(module), key), hook)
+                wrapped = self._watched(id(hooks), key, hook, pre)
                 hooks[key] = wrapped  # an existing key: its place in the order stays
                 self.saved.append((hooks, key, hook, wrapped))
         return self
@@ -94,20 +100,27 @@ class OwnHooks:
                 hook, args = found
                 hook(*args)
 
-    def _watched(self, key: tuple[int, int], hook: Callable) -> Callable:
+    def _watched(self, where: int, key: int, hook: Callable, pre: bool) -> Callable:
+        """``hook`` (a pre-hook where ``pre``: given the call's inputs, else its output too), watched."""
+        kind = (where, key)
+
         @functools.wraps(hook)
         def run(*args: Any) -> Any:
+            call = (where, key, id(args[0]))  # a global hook's calls are told apart by their module
+            given = args[1:] if pre else args[-1]
             if self.rerunning():
-                if key in self.last:
-                    self.fired.append(key)
+                if call in self.last:
+                    self.fired.append(call)
                 return hook(*args)
-            before = _versions(args[-1])
+            if kind in self.changes:
+                return hook(*args)
+            before = _versions(given)
             result = hook(*args)
-            if key not in self.changes and result is None and _versions(args[-1]) == before:
-                self.last[key] = (hook, args)
-            else:
-                self.changes.add(key)
-                self.last.pop(key, None)
+            if result is None and _versions(given) == before:
+                self.last[call] = (hook, args)
+            else:  # no observer, on any module: none of its calls is made again
+                self.changes.add(kind)
+                self.last = {k: v for k, v in self.last.items() if k[:2] != kind}
             return result
 
         return run
