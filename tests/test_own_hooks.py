@@ -294,3 +294,34 @@ def test_a_pre_hook_or_a_global_hook_that_stores_is_measured_as_the_model_withou
         handle.remove()
         _GLOBAL.clear()
     assert _errors(hooked) == _errors(without) and hooked.level("highest").outputs[0].normwise < 1e-6
+
+
+def _scale_data(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+    output.data.mul_(2.0)
+
+
+class _ScalesData(_Plain):
+    """A forward hook that scales its output in place through ``.data``, which bumps no version counter: called again
+    after the reruns as an observer, it scaled the reference's output twice (highest read 0.497 under "all")."""
+
+    def __init__(self, hooked: bool) -> None:
+        super().__init__()
+        self.hooked = hooked
+        if hooked:
+            self.b.register_forward_hook(_scale_data)
+
+    def forward(self, x):
+        y = self.b(torch.tanh(self.a(x)))
+        return self.head(y if self.hooked else 2.0 * y)
+
+
+@pytest.mark.parametrize("introduced", ["failing", "all"])
+def test_a_hook_that_writes_into_its_output_through_data_is_not_called_again(introduced):
+    kwargs = {"levels": ("highest", "high"), "target": "a100", "speed": False, "introduced": introduced}
+    torch.manual_seed(0)
+    x = torch.randn(256, 64)
+    torch.manual_seed(1)
+    hooked = tf32lab.check(tf32lab.Workload(_ScalesData(True), x, name="hooked"), **kwargs)
+    torch.manual_seed(1)
+    without = tf32lab.check(tf32lab.Workload(_ScalesData(False), x, name="without"), **kwargs)
+    assert _errors(hooked) == _errors(without) and hooked.level("highest").outputs[0].normwise < 1e-6

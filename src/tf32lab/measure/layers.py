@@ -299,6 +299,8 @@ class Recorder:
         """Copy-on-write: a kept output is copied only when the model is about to write into its storage."""
         if self.before_write is not None:
             self.before_write(tensors)
+        if self.own_hooks is not None:  # a hook of the model's writing into what it was given is no observer
+            self.own_hooks.written(tensors)
         for t in tensors:
             keys = self.shared.pop(storage_address(t), None) if self.shared else None
             for key in keys or ():

@@ -10,13 +10,13 @@ the store, the reference's own output was a float32 row's, and every row was mea
 returns what its hooks gathered failed `highest` at 2.5e-4 under ``introduced="all"``; policy rows and ``tune``
 likewise).
 
-:class:`OwnHooks` wraps each such hook while the reference runs: forward hooks and pre-hooks, and the global
-ones (``register_module_forward_hook``, called for every module). A hook is an observer while each of its calls in
-the reference returns None and writes nothing into what it is given (a forward hook's output, a pre-hook's inputs;
-version counters); its last reference call's arguments on each module are held. After a layer's reruns, each
-observer that ran in them is called once more with those arguments (:meth:`OwnHooks.put_back`), so that what it
-keeps is the reference's again. A hook that returns a value, or writes into what it is given, changes what the
-model computes: it is left as it is. A store that appends
+:class:`OwnHooks` wraps each such hook while the reference runs: forward hooks and pre-hooks, and the global ones
+(``register_module_forward_hook``, called for every module). A hook is an observer while each of its calls in the
+reference returns None and writes nothing into what it is given (a forward hook's output, a pre-hook's inputs;
+version counters, and the float64 run's writes, which see one through ``output.data``); its last reference call's
+arguments on each module are held. After a layer's reruns, each observer that ran in them is called once more with
+those arguments (:meth:`OwnHooks.put_back`), so that what it keeps is the reference's again. A hook that returns a
+value, or writes into what it is given, changes what the model computes: it is left as it is. A store that appends
 keeps the reruns' entries, and one more; PyTorch's own hooks (FSDP's) and transformers' output capturing (idle in
 the reruns) are not wrapped.
 
@@ -45,6 +45,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.modules.module as _modules
 
+from tf32lab.measure.reference import storage_address
 from tf32lab.numbers.trees import named_tensors
 
 __all__ = ["OwnHooks"]
@@ -63,6 +64,8 @@ class OwnHooks:
         self.last: dict[tuple[int, int, int], tuple[Callable, tuple]] = {}
         self.changes: set[tuple[int, int]] = set()  # hooks that returned a value or wrote into what they were given
         self.fired: list[tuple[int, int, int]] = []  # observers called in the reruns since the last put_back
+        # each reference hook call running now: the storages of what it was given, and whether an op wrote into one
+        self.watching: list[tuple[set[int], list[bool]]] = []
 
     def __enter__(self) -> OwnHooks:
         # Wrapped in the module's own dict, not a copy: a hook's handle holds that dict, and a hook that removed
@@ -91,6 +94,15 @@ class OwnHooks:
         self.last.clear()
         self.fired.clear()
 
+    def written(self, tensors: list[torch.Tensor]) -> None:
+        """Told of the tensors an op is about to write into (the float64 run's ``on_write``): a write through
+        ``output.data``, which bumps no version counter, is a write into what the hook was given all the same."""
+        if self.watching:
+            addresses = _addresses(tensors)
+            for given, wrote in self.watching:
+                if given & addresses:
+                    wrote[0] = True
+
     def put_back(self) -> None:
         """Call each observer that ran in the reruns since the last call once more, as the reference called it."""
         fired, self.fired = self.fired, []
@@ -114,9 +126,13 @@ class OwnHooks:
                 return hook(*args)
             if kind in self.changes:
                 return hook(*args)
-            before = _versions(given)
-            result = hook(*args)
-            if result is None and _versions(given) == before:
+            before, wrote = _versions(given), [False]
+            self.watching.append((_addresses(given), wrote))
+            try:
+                result = hook(*args)
+            finally:
+                self.watching.pop()
+            if result is None and not wrote[0] and _versions(given) == before:
                 self.last[call] = (hook, args)
             else:  # no observer, on any module: none of its calls is made again
                 self.changes.add(kind)
@@ -130,6 +146,11 @@ def _versions(tree: Any) -> list[int]:
     # past the float64 reference's function mode, as measure.layers reads them
     with torch._C.DisableTorchFunction():
         return [-1 if t.is_inference() else t._version for _, t in named_tensors(tree)]
+
+
+def _addresses(tree: Any) -> set[int]:
+    with torch._C.DisableTorchFunction():  # as _versions
+        return {a for _, t in named_tensors(tree) if (a := storage_address(t)) is not None}
 
 
 # Hooks left to run as they are: PyTorch's own (FSDP's state machine), and transformers 5's output capturing, which
