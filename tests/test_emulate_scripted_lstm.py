@@ -69,3 +69,35 @@ def test_a_training_check_says_a_torchscript_rnns_gemms_are_not_the_targets_rnn_
     report = tf32lab.check_training(w, levels=("highest",), target="a100", speed=False)
     said = [n for n in report.notes if n.startswith("TorchScript with an RNN ('rnn')")]
     assert len(said) == (1 if traced else 0), report.notes
+
+
+class _RunsGru(torch.nn.Module):
+    """A scripted part with no forward of its own: its exported ``run`` calls the GRU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = torch.nn.GRU(8, 32, batch_first=True)
+
+    @torch.jit.export
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gru(x)[0]
+
+
+class _CallsRun(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.head = torch.jit.script(_RunsGru()), torch.nn.Linear(32, 1)
+
+    def forward(self, x):
+        return self.head(self.rnn.run(x)[:, -1])
+
+
+def test_a_scripted_part_with_no_forward_whose_method_runs_an_rnn_is_said():
+    # its graph is its methods': forward's alone (none here) found nothing
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 12, 8), torch.randn(16, 1)
+    w = tf32lab.TrainingWorkload(_CallsRun(), [(x, y)] * 2, inputs=lambda b: b[0],
+                                 loss=lambda o, b: (o - b[1]).pow(2).mean())
+    report = tf32lab.check_training(w, levels=("highest",), target="a100", speed=False)
+    assert [n for n in report.notes if n.startswith("TorchScript with an RNN ('rnn')")], report.notes
+

@@ -564,16 +564,33 @@ def scripted_rnns(model: torch.nn.Module) -> list[str]:
     ['rnn']
     """
     found: list[str] = []
+    scripts: set[str] = set()
     for name, module in model.named_modules():
-        if not isinstance(module, torch.jit.ScriptModule) or any(name.startswith(f + ".") or f == "" for f in found):
+        if not isinstance(module, torch.jit.ScriptModule):
             continue
-        try:
-            graph = str(module.inlined_graph)
-        except (AttributeError, RuntimeError):  # a ScriptModule with no forward of its own
+        scripts.add(name)
+        if name and name.rpartition(".")[0] in scripts:  # what a scripted parent calls of it is in its graphs
             continue
+        graph = _methods_graphs(module)
         if any(op + "(" in graph or op + "." in graph for op in _SCRIPTED_RNN):
             found.append(name)
     return found
+
+
+def _methods_graphs(module: torch.jit.ScriptModule) -> str:
+    """The inlined graphs of each of ``module``'s methods: not forward's alone, for a part with no forward of its
+    own may be called through an exported method (``part.run(x)``)."""
+    try:
+        names = module._c._method_names()
+    except (AttributeError, RuntimeError):
+        names = ["forward"]
+    graphs = []
+    for name in names:
+        try:
+            graphs.append(str(module._c._get_method(name).inlined_graph))
+        except (AttributeError, RuntimeError):
+            continue
+    return "\n".join(graphs)
 
 
 class _RnnLinear(torch.autograd.Function):
