@@ -325,3 +325,16 @@ def test_a_hook_that_writes_into_its_output_through_data_is_not_called_again(int
     torch.manual_seed(1)
     without = tf32lab.check(tf32lab.Workload(_ScalesData(False), x, name="without"), **kwargs)
     assert _errors(hooked) == _errors(without) and hooked.level("highest").outputs[0].normwise < 1e-6
+
+
+def test_a_check_called_inside_a_checked_models_hook_is_refused_in_one_line():
+    # inside the float64 reference every tensor reads float64: the inner check blamed its model's float32 weights
+    inner = tf32lab.Workload(torch.nn.Linear(8, 8), torch.randn(4, 8), name="inner")
+    kwargs = {"levels": ("highest",), "target": "a100", "speed": False}
+    model = _Plain()
+    model.b.register_forward_hook(lambda module, args, output: tf32lab.check(inner, **kwargs) and None)
+    with pytest.raises(tf32lab.Tf32LabError, match="inside another check") as caught:
+        tf32lab.check(tf32lab.Workload(model, torch.randn(4, 64), name="outer"), **kwargs)
+    assert "\n" not in str(caught.value)
+    assert all(getattr(h, "__wrapped__", None) is None for h in model.b._forward_hooks.values())
+    assert tf32lab.check(inner, **kwargs).level("highest").outputs[0].normwise < 1e-6  # outside: as ever

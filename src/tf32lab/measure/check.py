@@ -51,7 +51,7 @@ from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels, with_conv
 from tf32lab.know.targets import CUDNN_CELL, Target, cudnn_cell, rnn_math
 from tf32lab.machine.distributed import agree, policy_digest
 from tf32lab.machine.hardware import resolve_target
-from tf32lab.measure import sharded
+from tf32lab.measure import resolution, sharded
 from tf32lab.measure.choices import ChoiceLog, compared
 from tf32lab.measure.draws import DrawLog, Streams, cuda_devices, draw_plan, lazy_note, materialised
 from tf32lab.measure.given import KeptInputs, inputs_note
@@ -142,6 +142,9 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
     """
     if not isinstance(workload, Workload):
         raise not_a_workload("check", workload)
+    if resolution.running():  # its every op widened by that run's modes: each level's error read 0.0
+        raise Tf32LabError(f"check of {workload.name!r} called inside another check's float64 reference run (from a "
+                           f"model's forward or one of its hooks); call it outside the checked workload")
     levels = check_levels(levels)
     target = resolve_target(target)
     refuse_native_levels(levels, target)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["FINFO", "enter", "exit"]
+__all__ = ["FINFO", "enter", "exit", "running"]
 
 _FLOAT64 = (torch.float64, torch.complex128)
 
@@ -92,6 +92,12 @@ def _dynamo_folds() -> None:
 def _on_stack(mode: TorchFunctionMode) -> bool:
     """Whether ``mode`` is on this thread's function-mode stack (not lifted off it for a layer's float32 rerun)."""
     return any(torch._C._get_function_stack_at(i) is mode for i in range(torch._C._len_torch_function_stack()))
+
+
+def running() -> bool:
+    """Whether a Float64Run runs on this thread now: on the mode stack (not lifted off it for a float32 rerun) and
+    not paused."""
+    return any(not run.paused and _on_stack(run.modes[0]) for run in getattr(_active, "runs", []))
 
 
 def enter(run: Any) -> None:
