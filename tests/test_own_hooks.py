@@ -338,3 +338,44 @@ def test_a_check_called_inside_a_checked_models_hook_is_refused_in_one_line():
     assert "\n" not in str(caught.value)
     assert all(getattr(h, "__wrapped__", None) is None for h in model.b._forward_hooks.values())
     assert tf32lab.check(inner, **kwargs).level("highest").outputs[0].normwise < 1e-6  # outside: as ever
+
+
+class _Twice(torch.nn.Module):
+    """A layer of its own product that calls ``b``, then ``c``, then ``b`` again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b, self.c = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+        self.w = torch.nn.Parameter(torch.randn(64, 64) / 8)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.c(torch.tanh(self.b(torch.tanh(x @ self.w))))))
+
+
+class _LastStored(torch.nn.Module):
+    """Returns, through a head, what the hooks on ``b`` and ``c`` stored last under one key: ``b``'s second output."""
+
+    def __init__(self, hooked: bool) -> None:
+        super().__init__()
+        self.inner, self.head, self.hooked, self.store = _Twice(), torch.nn.Linear(64, 8), hooked, {}
+        if hooked:
+            for module in (self.inner.b, self.inner.c):
+                module.register_forward_hook(lambda module, args, output: self.store.__setitem__("last", output))
+
+    def forward(self, x):
+        y = self.inner(x)
+        return self.head(self.store["last"] if self.hooked else y)
+
+
+@pytest.mark.parametrize("introduced", ["failing", "all"])
+def test_observers_are_called_again_in_the_order_of_their_last_reference_calls(introduced):
+    # called again in the order they first ran in the reruns (b, c), c's output was left where the reference left
+    # b's: highest read 1.10 under "all"
+    kwargs = {"levels": ("highest", "high"), "target": "a100", "speed": False, "introduced": introduced}
+    reports = []
+    for hooked in (True, False):
+        torch.manual_seed(1)
+        model = _LastStored(hooked)
+        torch.manual_seed(0)
+        reports.append(tf32lab.check(tf32lab.Workload(model, torch.randn(256, 64), name="last"), **kwargs))
+    assert _errors(reports[0]) == _errors(reports[1]) and reports[0].level("highest").outputs[0].normwise < 1e-6

@@ -60,8 +60,10 @@ class OwnHooks:
         self.modules, self.ours, self.rerunning = list(modules), ours, rerunning
         # each wrapped hook: the dict it is in, its key, the hook and its wrapper
         self.saved: list[tuple[dict, int, Callable, Callable]] = []
-        # an observer's last reference call on a module: (its dict, its key, the module) -> (the hook, its arguments)
-        self.last: dict[tuple[int, int, int], tuple[Callable, tuple]] = {}
+        # an observer's last reference call on a module: (its dict, its key, the module) -> (the hook, its arguments,
+        # the call's place in the reference's order of hook calls)
+        self.last: dict[tuple[int, int, int], tuple[Callable, tuple, int]] = {}
+        self.calls = 0
         self.changes: set[tuple[int, int]] = set()  # hooks that returned a value or wrote into what they were given
         self.fired: list[tuple[int, int, int]] = []  # observers called in the reruns since the last put_back
         # each reference hook call running now: the storages of what it was given, and whether an op wrote into one
@@ -104,13 +106,14 @@ class OwnHooks:
                     wrote[0] = True
 
     def put_back(self) -> None:
-        """Call each observer that ran in the reruns since the last call once more, as the reference called it."""
+        """Call each observer that ran in the reruns since the last call once more, as the reference called it, in the
+        order of those reference calls."""
         fired, self.fired = self.fired, []
-        for key in dict.fromkeys(fired):
-            found = self.last.get(key)
-            if found is not None:
-                hook, args = found
-                hook(*args)
+        # in the order of their reference calls: where several keep into one place (hooks on b and c, b called again
+        # after c), what is kept last is the reference's last, not the call that ran first in the reruns
+        found = sorted((self.last[key] for key in set(fired) if key in self.last), key=lambda kept: kept[2])
+        for hook, args, _ in found:
+            hook(*args)
 
     def _watched(self, where: int, key: int, hook: Callable, pre: bool) -> Callable:
         """``hook`` (a pre-hook where ``pre``: given the call's inputs, else its output too), watched."""
@@ -133,7 +136,8 @@ class OwnHooks:
             finally:
                 self.watching.pop()
             if result is None and not wrote[0] and _versions(given) == before:
-                self.last[call] = (hook, args)
+                self.calls += 1
+                self.last[call] = (hook, args, self.calls)
             else:  # no observer, on any module: none of its calls is made again
                 self.changes.add(kind)
                 self.last = {k: v for k, v in self.last.items() if k[:2] != kind}
