@@ -325,6 +325,8 @@ class Recorder:
                     self.transformed.append(name)
             elif not self.rerunning:
                 self.called.add(name)
+                if self.own_hooks is not None:  # hooks the forward registered since: watched too
+                    self.own_hooks.registered(module)
                 # where it is rerun: the random streams as the call found them, for its reruns to draw alike
                 state = self.streams.state() if self.streams is not None and (self.levels or name in self.pins) \
                     else None

@@ -11,7 +11,8 @@ returns what its hooks gathered failed `highest` at 2.5e-4 under ``introduced="a
 likewise).
 
 :class:`OwnHooks` wraps each such hook while the reference runs: forward hooks and pre-hooks, and the global ones
-(``register_module_forward_hook``, called for every module). A hook is an observer while each of its calls in the
+(``register_module_forward_hook``, called for every module), those the forward registers as it runs from the next
+module call on (:meth:`OwnHooks.registered`). A hook is an observer while each of its calls in the
 reference returns None and writes nothing into what it is given (a forward hook's output, a pre-hook's inputs;
 version counters, and the float64 run's writes, which see one through ``output.data``); its last reference call's
 arguments on each module are held. After a layer's reruns, each observer that ran in them is called once more with
@@ -68,31 +69,53 @@ class OwnHooks:
         self.fired: list[tuple[int, int, int]] = []  # observers called in the reruns since the last put_back
         # each reference hook call running now: the storages of what it was given, and whether an op wrote into one
         self.watching: list[tuple[set[int], list[bool]]] = []
+        self.wrapped: dict[int, set[int]] = {}  # each dict's keys seen (wrapped, ours or left alone)
 
     def __enter__(self) -> OwnHooks:
         # Wrapped in the module's own dict, not a copy: a hook's handle holds that dict, and a hook that removed
         # itself as it ran (a one-shot capture) was removed from the dict put aside, ran on at the module's next
         # call, without its with_kwargs flag (a TypeError), and came back wrapped after the run.
         seen: set[int] = set()
-        dicts = [(_modules._global_forward_pre_hooks, True), (_modules._global_forward_hooks, False)]
+        self._wrap_globals()
         for module in self.modules:
             if id(module) not in seen:
                 seen.add(id(module))
-                dicts += [(module._forward_pre_hooks, True), (module._forward_hooks, False)]
-        for hooks, pre in dicts:
-            for key, hook in list(hooks.items()):
-                if key in self.ours or _left_alone(hook):
-                    continue
-                wrapped = self._watched(id(hooks), key, hook, pre)
-                hooks[key] = wrapped  # an existing key: its place in the order stays
-                self.saved.append((hooks, key, hook, wrapped))
+                self._wrap(module._forward_pre_hooks, True)
+                self._wrap(module._forward_hooks, False)
         return self
+
+    def registered(self, module: torch.nn.Module) -> None:
+        """Watch the hooks registered since, global or ``module``'s, before ``module`` runs (its reference call):
+        a capture the forward opens registers a global hook there, which runs before the layer's own hooks, and
+        the layer's reruns left their float32 output in its store."""
+        self._wrap_globals()
+        self._wrap(module._forward_pre_hooks, True)
+        self._wrap(module._forward_hooks, False)
+
+    def _wrap_globals(self) -> None:
+        self._wrap(_modules._global_forward_pre_hooks, True)
+        self._wrap(_modules._global_forward_hooks, False)
+
+    def _wrap(self, hooks: dict, pre: bool) -> None:
+        done = self.wrapped.setdefault(id(hooks), set())
+        if hooks.keys() <= done:  # the usual call: nothing new
+            return
+        for key, hook in list(hooks.items()):
+            if key in done:
+                continue
+            done.add(key)
+            if key in self.ours or _left_alone(hook):
+                continue
+            wrapped = self._watched(id(hooks), key, hook, pre)
+            hooks[key] = wrapped  # an existing key: its place in the order stays
+            self.saved.append((hooks, key, hook, wrapped))
 
     def __exit__(self, *exc: object) -> None:
         for hooks, key, hook, wrapped in reversed(self.saved):
             if hooks.get(key) is wrapped:  # one removed meanwhile stays removed
                 hooks[key] = hook
         self.saved.clear()
+        self.wrapped.clear()
         self.last.clear()
         self.fired.clear()
 
