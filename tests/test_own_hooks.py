@@ -16,8 +16,8 @@ from tf32lab import Policy
 from tf32lab.measure.own_hooks import OwnHooks
 
 
-class _Stored(torch.nn.Module):
-    """Returns, through a head, what a forward hook on ``b`` stored: timm's ``FeatureHooks`` pattern."""
+class _Three(torch.nn.Module):
+    """Two layers and a head, and a store a hook keeps into."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -25,6 +25,13 @@ class _Stored(torch.nn.Module):
         self.b = torch.nn.Linear(64, 64)
         self.head = torch.nn.Linear(64, 8)
         self.store: dict = {}
+
+
+class _Stored(_Three):
+    """Returns, through a head, what a forward hook on ``b`` stored: timm's ``FeatureHooks`` pattern."""
+
+    def __init__(self) -> None:
+        super().__init__()
         self.b.register_forward_hook(lambda module, args, output: self.store.__setitem__("b", output))
 
     def forward(self, x):
@@ -246,15 +253,11 @@ def test_a_hook_that_removes_itself_in_a_rerun_is_the_models_again_after_the_che
     assert all(not module._forward_hooks for module in model.modules() if module is not part)
 
 
-class _PreStored(torch.nn.Module):
+class _PreStored(_Three):
     """Returns, through a head, the input a forward pre-hook on ``b`` stored."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.a = torch.nn.Linear(64, 64)
-        self.b = torch.nn.Linear(64, 64)
-        self.head = torch.nn.Linear(64, 8)
-        self.store: dict = {}
         self.b.register_forward_pre_hook(lambda module, args: self.store.__setitem__("b", args[0]))
 
     def forward(self, x):
