@@ -101,3 +101,13 @@ def test_a_scripted_part_with_no_forward_whose_method_runs_an_rnn_is_said():
     report = tf32lab.check_training(w, levels=("highest",), target="a100", speed=False)
     assert [n for n in report.notes if n.startswith("TorchScript with an RNN ('rnn')")], report.notes
 
+
+
+def test_tune_train_says_so_too():
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 12, 8), torch.randn(16, 1)
+    model = _Regressor(torch.jit.trace(torch.nn.GRU(8, 32, batch_first=True), (x,)))
+    w = tf32lab.TrainingWorkload(model, [(x, y)] * 2, inputs=lambda b: b[0],
+                                 loss=lambda o, b: (o - b[1]).pow(2).mean())
+    tuning = tf32lab.tune(w, target="a100", levels=("high", "highest"))
+    assert [n for n in tuning.report.notes if n.startswith("TorchScript with an RNN ('rnn')")], tuning.report.notes

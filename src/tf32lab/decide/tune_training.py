@@ -53,7 +53,13 @@ from tf32lab.know.levels import ALL_LEVELS, check_conv, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.check import ConvRun, PolicyRow, alike_levels
-from tf32lab.measure.training import TrainingSession, random_state_kept, training_steps, training_tolerance
+from tf32lab.measure.training import (
+    TrainingSession,
+    random_state_kept,
+    scripted_rnn_note,
+    training_steps,
+    training_tolerance,
+)
 from tf32lab.report import Document
 from tf32lab.report.conclusion import WORTH
 from tf32lab.report.training import TrainingLevel, TrainingReport, changed_layers, faster
@@ -191,7 +197,9 @@ def tune_training(workload: TrainingWorkload, *, target: Union[str, Target] = "a
     if answer is not None and found.level != "highest":
         found = dataclasses.replace(found, reason=found.reason.rstrip(".") + faster(answer, target.name) + ".")
     report = search.session.report(found.rows, time.perf_counter() - started)
-    notes = ([conv_run.note()] if conv is not None else []) + ([changed_note(changed)] if changed else [])
+    rnns = scripted_rnn_note(workload.model, target)
+    notes = ([conv_run.note()] if conv is not None else []) + ([changed_note(changed)] if changed else []) + \
+        ([rnns] if rnns is not None else [])
     # the math matters where the model's modules or the ops its rows ran (TorchScript's convolutions) say it does
     matters = conv_matters(workload.model, target) or \
         families_matter({f for f in search.session.families if f is not None}, target)

@@ -88,7 +88,8 @@ from tf32lab.workloads.experts import experts_eager
 from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.training import TrainingWorkload, check_steps
 
-__all__ = ["TrainingSession", "check_training", "random_state_kept", "training_steps", "training_tolerance"]
+__all__ = ["TrainingSession", "check_training", "random_state_kept", "scripted_rnn_note", "training_steps",
+           "training_tolerance"]
 
 # A parameter's step-1 gradient error is relative to its own float64 gradient's norm, or to this share of a typical
 # parameter's (the whole gradient's norm over the square root of the parameters' count) when its own is smaller:
@@ -171,13 +172,18 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
                                                                                    cpu=target.device == "cpu")))
     if changed:
         report = dataclasses.replace(report, notes=(*report.notes, changed_note(changed)))
-    rnns = scripted_rnns(workload.model) if target.emulated else []
-    if rnns:  # not the target's RNN math, and no number says so: a traced GRU's drift read float32's own
-        report = dataclasses.replace(report, notes=(*report.notes, _scripted_rnn_note(rnns)))
+    rnns = scripted_rnn_note(workload.model, target)
+    if rnns is not None:
+        report = dataclasses.replace(report, notes=(*report.notes, rnns))
     return report
 
 
-def _scripted_rnn_note(names: list[str]) -> str:
+def scripted_rnn_note(model: torch.nn.Module, target: Target) -> Optional[str]:
+    """The note for a model that trains a TorchScript part running an RNN on an emulated target, or None: not the
+    target's RNN math, and no number says so (a traced GRU's drift read float32's own)."""
+    names = scripted_rnns(model) if target.emulated else []
+    if not names:
+        return None
     shown = ", ".join(repr(n or ROOT) for n in names[:3]) + (" …" if len(names) > 3 else "")
     return (f"TorchScript with an RNN ({shown}): in training PyTorch breaks its aten::gru, rnn_tanh, rnn_relu or "
             f"lstm into plain GEMMs before the emulator sees it, so its GEMMs ran in each level's matmul math, not "
