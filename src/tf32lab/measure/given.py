@@ -37,7 +37,22 @@ from tf32lab.measure.state import (
 )
 from tf32lab.numbers.trees import is_dataclass_instance, named_tensors
 
-__all__ = ["Held", "KeptInputs", "Narrowed", "inputs_note"]
+__all__ = ["Held", "KeptInputs", "Narrowed", "inputs_note", "versions"]
+
+
+def versions(tree: Any) -> list[Optional[int]]:
+    """Each tensor's version counter in ``tree`` (how many in-place writes it has had); None for inference tensors.
+
+    >>> x = torch.zeros(2)
+    >>> before = versions((x,))
+    >>> _ = x.add_(1)
+    >>> before, versions((x,))
+    ([0], [1])
+    """
+    # read past the float64 reference's function mode, which answers for the widened copy of an input made
+    # under inference mode (not one), whose own counter then raises
+    with torch._C.DisableTorchFunction():
+        return [None if t.is_inference() else t._version for _, t in named_tensors(tree)]
 
 
 class KeptInputs:

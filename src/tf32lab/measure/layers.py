@@ -35,9 +35,9 @@ from tf32lab.know import optable
 from tf32lab.know.targets import PROJECTED, Target
 from tf32lab.measure.choices import Kept
 from tf32lab.measure.draws import Streams, random_op
-from tf32lab.measure.given import Held, Narrowed
+from tf32lab.measure.given import Held, Narrowed, versions
 from tf32lab.measure.norms import bare, reference_norm2, scratch, tree_normwise
-from tf32lab.measure.own_hooks import OwnHooks
+from tf32lab.measure.own_hooks import OwnHooks, unwrapped
 from tf32lab.measure.reference import Float64Run, storage_address, widen
 from tf32lab.measure.sharded import local
 from tf32lab.measure.spill import Spilled, SpillFile
@@ -101,14 +101,6 @@ def hookable(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]],
             continue
         found.append((name or ROOT, module))
     return found, scripted
-
-
-def _versions(tree: Any) -> list[Optional[int]]:
-    """Each tensor's version counter (how many in-place writes it has had); None for inference tensors."""
-    # read past the float64 reference's function mode, which answers for the widened copy of an input made
-    # under inference mode (not one), whose own counter then raises
-    with torch._C.DisableTorchFunction():
-        return [None if t.is_inference() else t._version for _, t in named_tensors(tree)]
 
 
 @contextlib.contextmanager
@@ -178,7 +170,7 @@ class _Frame:
         self.name, self.args, self.kwargs, self.ran = name, args, kwargs, False
         self.state, self.drew = state, False  # the random streams' state at the call, and whether it drew
         self.families: set[str] = set()  # the op families this call ran itself (not its nested layers')
-        self.versions = _versions((args, kwargs))
+        self.versions = versions((args, kwargs))
         self.held = Held.among((args, kwargs))  # the objects it is given (a cache), as they were
         self.inner: list[tuple[str, int]] = []  # layer calls made inside this one: (name, call index)
 
@@ -375,7 +367,7 @@ class Recorder:
     def _introduce(self, name: str, module: torch.nn.Module, frame: _Frame, i: int) -> None:
         """Run ``module`` again under each level, fed the inputs of this call, its inner layers answering with
         their reference outputs; its output's error against the reference is what it introduces."""
-        if _versions((frame.args, frame.kwargs)) != frame.versions or (frame.held and frame.held.written()):
+        if versions((frame.args, frame.kwargs)) != frame.versions or (frame.held and frame.held.written()):
             # no control flow of the model's: said so (the conclusion names a layer whose calls diverged)
             self._worst(name, math.nan, f"{UNMEASURED} not fed: it changes its own inputs in place")
             return
@@ -445,11 +437,11 @@ class Recorder:
                 if same is not None:
                     self._worst(name, same[1], same[2], level)
                     continue
-                if fed is None or _versions((*fed[:2], list(inner.values()))) != fed[2]:
+                if fed is None or versions((*fed[:2], list(inner.values()))) != fed[2]:
                     if fed is not None:
                         inner = self._inner_outputs(frame)
                     made = map_tensors(_to_float32, frame.args), map_tensors(_to_float32, frame.kwargs)
-                    fed = (*made, _versions((*made, list(inner.values()))))
+                    fed = (*made, versions((*made, list(inner.values()))))
                 # sharded: every rank reruns, for the collectives in the rerun and in its error's reduction
                 watch = Handoff(frozenset()) if conv is None and self.ranks is None and self.target.emulated \
                     else None
@@ -660,9 +652,7 @@ def _answering(answers: dict[torch.nn.Module, list[Any]]):
                 del module.forward
             else:
                 module.forward = before
-        for hooks, key, hook, wrapped in reversed(hooked):
-            if hooks.get(key) is wrapped:  # one registered meanwhile stays, one removed stays removed
-                hooks[key] = hook
+        unwrapped(hooked)
 
 
 def _after_answer(hook: Callable, answered: list[bool]) -> Callable:

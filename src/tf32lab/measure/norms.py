@@ -23,7 +23,6 @@ from tf32lab.measure.spill import Spilled
 from tf32lab.numbers import metrics
 from tf32lab.numbers.trees import named_leaves, named_tensors
 
-_WIDER = {torch.float32: torch.float64, torch.complex64: torch.complex128}
 CHUNK = 1 << 16  # elements: a chunk's difference stays in the L2 cache between its two passes (3x faster than 1 Mi)
 
 
@@ -173,12 +172,11 @@ def reference_norm2(r: torch.Tensor) -> float:
     >>> reference_norm2(torch.tensor([3.0, -math.inf, 4.0, -torch.finfo(torch.float64).max], dtype=torch.float64))
     25.0
     """
-    if r.dtype in _WIDER:  # a float32 output (the model's own state) is kept widened: its sum as the kept one's
-        r = r.to(_WIDER[r.dtype])
-    elif r.is_floating_point() and r.dtype != torch.float64:
-        # a half-precision output (``y.half()``): summed in its own dtype, a float16 one's ‖r‖ past 65504 was Inf
-        # (the layer's error then read 0.0 at every level), and a bfloat16 one's ‖r‖² 0.2% off
-        r = r.double()
+    if r.dtype not in (torch.float64, torch.complex128):
+        # summed in float64: a float32 output (the model's own state) as it is kept, widened; a half-precision one
+        # (``y.half()``) summed in its own dtype had a float16 ‖r‖ past 65504 Inf (the layer's error then read 0.0
+        # at every level) and a bfloat16 ‖r‖² 0.2% off
+        r = r.to(torch.complex128 if r.is_complex() else torch.float64)
     t = torch.view_as_real(r) if r.is_complex() else r
     found = sum(float(torch.dot(part, part)) for part in _chunks(t))
     if math.isfinite(found):

@@ -46,10 +46,11 @@ from typing import Any, Callable
 import torch
 import torch.nn.modules.module as _modules
 
+from tf32lab.measure.given import versions
 from tf32lab.measure.reference import storage_address
 from tf32lab.numbers.trees import named_tensors
 
-__all__ = ["OwnHooks"]
+__all__ = ["OwnHooks", "unwrapped"]
 
 
 class OwnHooks:
@@ -111,9 +112,7 @@ class OwnHooks:
             self.saved.append((hooks, key, hook, wrapped))
 
     def __exit__(self, *exc: object) -> None:
-        for hooks, key, hook, wrapped in reversed(self.saved):
-            if hooks.get(key) is wrapped:  # one removed meanwhile stays removed
-                hooks[key] = hook
+        unwrapped(self.saved)
         self.saved.clear()
         self.wrapped.clear()
         self.last.clear()
@@ -152,13 +151,13 @@ class OwnHooks:
                 return hook(*args)
             if kind in self.changes:
                 return hook(*args)
-            before, wrote = _versions(given), [False]
+            before, wrote = versions(given), [False]
             self.watching.append((_addresses(given), wrote))
             try:
                 result = hook(*args)
             finally:
                 self.watching.pop()
-            if result is None and not wrote[0] and _versions(given) == before:
+            if result is None and not wrote[0] and versions(given) == before:
                 self.calls += 1
                 self.last[call] = (hook, args, self.calls)
             else:  # no observer, on any module: none of its calls is made again
@@ -169,14 +168,16 @@ class OwnHooks:
         return run
 
 
-def _versions(tree: Any) -> list[int]:
-    # past the float64 reference's function mode, as measure.layers reads them
-    with torch._C.DisableTorchFunction():
-        return [-1 if t.is_inference() else t._version for _, t in named_tensors(tree)]
+def unwrapped(saved: list[tuple[dict, int, Callable, Callable]]) -> None:
+    """Each hook of ``saved`` (its dict, its key, the hook, its wrapper) back in place of its wrapper, where the wrapper
+    still is: one removed meanwhile stays removed, one registered meanwhile stays."""
+    for hooks, key, hook, wrapped in reversed(saved):
+        if hooks.get(key) is wrapped:
+            hooks[key] = hook
 
 
 def _addresses(tree: Any) -> set[int]:
-    with torch._C.DisableTorchFunction():  # as _versions
+    with torch._C.DisableTorchFunction():  # past the float64 reference's function mode, as given.versions
         return {a for _, t in named_tensors(tree) if (a := storage_address(t)) is not None}
 
 
