@@ -31,9 +31,17 @@ $(DEMO): pyproject.toml constraints.txt | $(BIN)/python
 
 # Every extra the suite needs in one pip run (the demo's included, so `make demo` after it installs nothing): one
 # resolve and one editable build, not the demo's and then the suite's.
+# Beside it, on the core pip's install leaves idle, numba's kernels are compiled into their cache (numba and numpy
+# installed first, 2 s; `python -m tf32lab.numbers.compiled` needs no torch): a fresh clone's suite compiled them
+# itself, about 25 s of CPU. Best effort: where that fails, the suite compiles them as before.
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	@echo "make test: installing tf32lab with its demo, serving and test extras into $(VENV)"
-	$(BIN)/python -m pip install --no-compile --progress-bar off --quiet -c constraints.txt -e '.[demo,serving,test]'
+	@$(BIN)/python -m pip install --no-compile --progress-bar off --quiet -c constraints.txt numba numpy \
+	  > $(VENV)/kernels.log 2>&1; \
+	PYTHONPATH=src $(BIN)/python -m tf32lab.numbers.compiled >> $(VENV)/kernels.log 2>&1 & kernels=$$!; \
+	$(BIN)/python -m pip install --no-compile --progress-bar off --quiet -c constraints.txt -e '.[demo,serving,test]'; \
+	installed=$$?; wait $$kernels || echo "make test: numba's kernels were not compiled ahead ($(VENV)/kernels.log)"; \
+	exit $$installed
 	touch $(DEMO) $(STAMP)
 
 # The main job on the default workload (all-MiniLM-L6-v2): tables on the terminal, report.html beside them.

@@ -1,5 +1,6 @@
 """The Makefile's set-up, run by GNU make itself with a stand-in interpreter that records what it is asked to do:
-every install is one pip run, and no two of them run at once into the same venv, even under ``make -j``."""
+every install is one pip run, and no two of them run at once into the same venv, even under ``make -j``; numba's
+kernels are compiled beside the suite's install."""
 
 from __future__ import annotations
 
@@ -39,9 +40,16 @@ def test_the_two_installs_never_run_at_once_and_the_suites_is_one_pip_run(tmp_pa
     assert done.returncode == 0, done.stdout + done.stderr
     lines = log.read_text().splitlines()
     running = 0
-    for line in lines:  # each start followed by its own end: never two at once
-        running += 1 if line.startswith("start") else -1
-        assert running in (0, 1), lines
+    for line in lines:  # each install's start followed by its own end: never two installs at once
+        if " install " in line:
+            running += 1 if line.startswith("start") else -1
+            assert running in (0, 1), lines
+    # numba's kernels are compiled beside the suite's install, after numba's own install has ended
+    kernels = "-m tf32lab.numbers.compiled"
+    assert lines.index(f"start {kernels}") > next(i for i, line in enumerate(lines)
+                                                  if line.startswith("end") and line.endswith("numba numpy")), lines
+    assert lines.index(f"start {kernels}") < next(i for i, line in enumerate(lines)
+                                                  if line.startswith("end") and ".[demo,serving,test]" in line), lines
     installs = [line for line in lines if line.startswith("start") and " install " in line and "-e" in line]
     assert any(".[demo,serving,test]" in line for line in installs), lines
     assert all((tmp_path / ".venv" / name).exists() for name in (".installed-demo", ".installed"))

@@ -1,0 +1,41 @@
+"""numba's kernels compiled ahead of their first call (`python -m tf32lab.numbers.compiled`), as `make test` does
+beside pip's install: every kernel of every kernel module, into the cache the suite then loads, without torch."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tf32lab.numbers import compiled
+
+# compiles (or loads) the kernels the accumulation tests compile: on their worker, not at once on both
+pytestmark = pytest.mark.xdist_group("numba_accumulation")
+
+NUMBERS = pathlib.Path(compiled.__file__).parent
+SRC = NUMBERS.parent.parent
+
+
+def test_every_kernel_module_is_compiled_ahead():
+    found = sorted(p.stem for p in NUMBERS.glob("*_kernels.py"))
+    assert found == sorted(compiled.KERNEL_MODULES)
+
+
+def test_the_script_compiles_every_kernel_into_the_cache_without_torch():
+    pytest.importorskip("numba")
+    kernels = sum(len(re.findall(r"^@one_signature\(", (NUMBERS / f"{name}.py").read_text(), re.MULTILINE))
+                  for name in compiled.KERNEL_MODULES)
+    script = ("import runpy, sys; runpy.run_module('tf32lab.numbers.compiled', run_name='__main__'); "
+              "print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"}, cwd=SRC.parent)
+    assert done.returncode == 0, done.stderr
+    # each kernel compiled, or loaded from the cache a run before wrote; in a process that never imported torch
+    assert done.stdout.splitlines() == [f"tf32lab: {kernels} compiled kernels in numba's cache", "False"]
+    for name in compiled.KERNEL_MODULES:
+        source = (NUMBERS / f"{name}.py").read_text()
+        for kernel in re.findall(r"^@one_signature\((?:.|\n)*?^def (\w+)", source, re.MULTILINE):
+            assert list((NUMBERS / "__pycache__").glob(f"{name}.{kernel}-*.nbi")), f"{name}.{kernel} not cached"
