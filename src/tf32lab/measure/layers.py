@@ -235,8 +235,9 @@ class Recorder:
                                                                      prepend=True))
                 self.handles.append(module.register_forward_hook(self._post(name, module), with_kwargs=True))
             self.handles += _around_sharding(self.model, self.mode)
-            self.own_hooks = OwnHooks([m for _, m in self.modules], {h.id for h in self.handles},
-                                      lambda: self.rerunning).__enter__()
+            if self.levels or self.pins:  # layers rerun in this pass: the model's own hooks watched around them
+                self.own_hooks = OwnHooks([m for _, m in self.modules], {h.id for h in self.handles},
+                                          lambda: self.rerunning).__enter__()
             self.mode.__enter__()
         except BaseException:
             self._unhook()
