@@ -39,3 +39,18 @@ def test_the_script_compiles_every_kernel_into_the_cache_without_torch():
         source = (NUMBERS / f"{name}.py").read_text()
         for kernel in re.findall(r"^@one_signature\((?:.|\n)*?^def (\w+)", source, re.MULTILINE):
             assert list((NUMBERS / "__pycache__").glob(f"{name}.{kernel}-*.nbi")), f"{name}.{kernel} not cached"
+
+
+def test_the_modules_examples_compile_no_kernel(monkeypatch):
+    # tests/test_docs.py runs these examples on any worker, outside this file's group: an example that compiled
+    # every kernel took 30 s of CPU there on a cold cache, beside the group's worker compiling the same kernels
+    import doctest
+
+    pytest.importorskip("numba")
+    for name in compiled.KERNEL_MODULES:  # imported first: their kernels registered in the list put aside below
+        compiled.kernels(name)
+    compiles: list[str] = []
+    monkeypatch.setattr(compiled, "_COMPILES", [lambda: compiles.append("compiled")])
+    result = doctest.testmod(compiled, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
+    assert compiles == []

@@ -53,3 +53,28 @@ def test_the_two_installs_never_run_at_once_and_the_suites_is_one_pip_run(tmp_pa
     installs = [line for line in lines if line.startswith("start") and " install " in line and "-e" in line]
     assert any(".[demo,serving,test]" in line for line in installs), lines
     assert all((tmp_path / ".venv" / name).exists() for name in (".installed-demo", ".installed"))
+
+
+# the stand-in, failing where $FAIL is in what it is asked to run (its end logged all the same)
+FAILING = STAND_IN.replace('echo "end $*" >> "$LOG"\n', 'echo "end $*" >> "$LOG"\n'
+                           'case "$*" in *"$FAIL"*) exit 3 ;; esac\n')
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
+@pytest.mark.parametrize("fail", ["demo,serving,test", "numba numpy", "tf32lab.numbers.compiled"])
+def test_only_the_suites_own_install_failing_fails_it(tmp_path, fail):
+    # numba's install and the kernels' compile are best effort; pip's install of the suite's extras is not: its
+    # failure is make's, with no stamp to say the venv is ready
+    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
+    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / "constraints.txt").write_text("")
+    python = tmp_path / "python3"
+    python.write_text(FAILING)
+    python.chmod(0o755)
+    done = subprocess.run(["make", f"PYTHON={python}", ".venv/.installed"], cwd=tmp_path,
+                          env={**os.environ, "LOG": str(tmp_path / "log"), "FAIL": fail}, capture_output=True,
+                          text=True, timeout=60)
+    suites = fail == "demo,serving,test"
+    assert (done.returncode != 0) == suites, done.stdout + done.stderr
+    assert (tmp_path / ".venv" / ".installed").exists() != suites
+    assert ("not compiled ahead" in done.stdout) == (fail == "tf32lab.numbers.compiled"), done.stdout
