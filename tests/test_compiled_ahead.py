@@ -3,6 +3,7 @@ beside pip's install: every kernel of every kernel module, into the cache the su
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import subprocess
@@ -31,7 +32,7 @@ def test_the_script_compiles_every_kernel_into_the_cache_without_torch():
     script = ("import runpy, sys; runpy.run_module('tf32lab.numbers.compiled', run_name='__main__'); "
               "print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"}, cwd=SRC.parent)
+                          env=_env(), cwd=SRC.parent)
     assert done.returncode == 0, done.stderr
     # each kernel compiled, or loaded from the cache a run before wrote; in a process that never imported torch
     assert done.stdout.splitlines() == [f"tf32lab: {kernels} compiled kernels in numba's cache", "False"]
@@ -54,3 +55,11 @@ def test_the_modules_examples_compile_no_kernel(monkeypatch):
     result = doctest.testmod(compiled, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
     assert compiles == []
+
+
+def _env() -> dict[str, str]:
+    """This process's environment with ``src`` first on the path, and numba's cache beside the kernels' sources
+    (where ``make test`` compiles them), whatever cache folder the environment names."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env["PYTHONPATH"] = str(SRC)
+    return env
