@@ -67,7 +67,7 @@ def test_a_check_where_every_level_passes_reruns_no_layer_and_says_what_it_measu
     console = rich.console.Console(width=200, record=True, file=io.StringIO())
     report.print(console)
     text = " ".join(console.export_text().split())  # the title wraps at the table's width
-    assert "Layers, most error accumulated first (3 of 3): accumulated" in text
+    assert "Layers, most error accumulated first (3 of 3) ┏" in text  # the title ends there: accumulated only
     data = report.to_dict()
     jsonschema.validate(data, schema())
     assert [row["reruns"] for row in data["levels"]] == [False, False]

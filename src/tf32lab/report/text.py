@@ -199,7 +199,7 @@ def _layers(report: Report) -> Fitted | None:
             cells.append(cell + (" diverged" if diverged else " pinned" if pin else ""))
         rows.append((name, cells))
     title = f"most error introduced first ({shown} of {len(ranked)}): introduced / accumulated" if rerun else \
-        f"most error accumulated first ({shown} of {len(ranked)}): accumulated"
+        f"most error accumulated first ({shown} of {len(ranked)})"
     table = Fitted(f"Layers, {title}", [Column("layer", "name", key=True), *(Column(header) for header in headers)])
     for name, cells in rows:
         table.add_row(Text(inert(name)), *cells)
