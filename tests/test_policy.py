@@ -581,6 +581,14 @@ def test_policy_show_on_a_file_nested_very_deep_exits_2_with_one_line(tmp_path):
     assert len(done.stderr.strip().splitlines()) == 1 and "nested too deeply" in done.stderr
 
 
+def test_policy_show_of_a_policy_without_rules_says_so_in_one_line(tmp_path):
+    # an empty table of rules said nothing
+    (tmp_path / "p.json").write_text(Policy("high", []).to_json())
+    done = cli_runner.run("policy", "show", str(tmp_path / "p.json"), module="tf32lab.cli", timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert " ".join(done.stdout.split()) == f"{tmp_path / 'p.json'}: high for every module (no rules)"  # no table
+
+
 def test_the_json_form_is_plain_and_versioned():
     data = json.loads(Policy("high", [("v_head", "Highest")]).to_json())
     assert data == {"schema_version": 1, "default": "high", "rules": [{"pattern": "v_head", "level": "highest"}]}

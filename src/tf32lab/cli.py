@@ -817,6 +817,10 @@ def _policy_show(args: argparse.Namespace) -> int:
     if convs:
         default += ", convolutions " + (policy.conv or "at the caller's cudnn flag")
     if args.model is None:
+        if not policy.rules:  # an empty table said nothing
+            console.print(f"{_shown(args.file)}: {default} for every module (no rules)", markup=False,
+                          highlight=False)
+            return 0
         console.print(f"{_shown(args.file)}: {default} by default; the first matching rule wins", markup=False,
                       highlight=False)
         table = Fitted(None, [Column("rule", key=True), Column("pattern", "text"), Column("level", "text"),

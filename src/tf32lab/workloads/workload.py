@@ -105,10 +105,16 @@ def not_a_workload(verb: str, given: Any, accepted: str = "a tf32lab.Workload") 
 
     >>> str(not_a_workload("check", torch.nn.Linear(2, 2)))
     'check() takes a tf32lab.Workload, not Linear: wrap the model and its inputs as tf32lab.Workload(model, inputs)'
+    >>> str(not_a_workload("check", "mymodel.py:make"))
+    "check() takes a tf32lab.Workload, not str: load the spec first, tf32lab.workloads.specs.load('mymodel.py:make')"
     """
     pair = isinstance(given, tuple) and len(given) == 2 and isinstance(given[0], torch.nn.Module)
-    hint = ": wrap the model and its inputs as tf32lab.Workload(model, inputs)" \
-        if isinstance(given, torch.nn.Module) or pair else ""
+    if isinstance(given, torch.nn.Module) or pair:
+        hint = ": wrap the model and its inputs as tf32lab.Workload(model, inputs)"
+    elif isinstance(given, str):  # a CLI spec, given to Python as it is given to the command
+        hint = f": load the spec first, tf32lab.workloads.specs.load({given!r})"
+    else:
+        hint = ""
     return Tf32LabError(f"{verb}() takes {accepted}, not {type(given).__name__}{hint}")
 
 
