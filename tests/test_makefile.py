@@ -25,14 +25,20 @@ echo "end $*" >> "$LOG"
 """
 
 
-@pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
-def test_the_two_installs_never_run_at_once_and_the_suites_is_one_pip_run(tmp_path):
+def _project(tmp_path: Path, stand_in: str) -> Path:
+    """The Makefile in an empty project, with ``stand_in`` for python3; returns the stand-in's path."""
     shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
     (tmp_path / "pyproject.toml").write_text("")
     (tmp_path / "constraints.txt").write_text("")
     python = tmp_path / "python3"
-    python.write_text(STAND_IN)
+    python.write_text(stand_in)
     python.chmod(0o755)
+    return python
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
+def test_the_two_installs_never_run_at_once_and_the_suites_is_one_pip_run(tmp_path):
+    python = _project(tmp_path, STAND_IN)
     log = tmp_path / "log"
     done = subprocess.run(["make", "-j2", f"PYTHON={python}", ".venv/.installed-demo", ".venv/.installed"],
                           cwd=tmp_path, env={**os.environ, "LOG": str(log)}, capture_output=True, text=True,
@@ -65,12 +71,7 @@ FAILING = STAND_IN.replace('echo "end $*" >> "$LOG"\n', 'echo "end $*" >> "$LOG"
 def test_only_the_suites_own_install_failing_fails_it(tmp_path, fail):
     # numba's install and the kernels' compile are best effort; pip's install of the suite's extras is not: its
     # failure is make's, with no stamp to say the venv is ready
-    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
-    (tmp_path / "pyproject.toml").write_text("")
-    (tmp_path / "constraints.txt").write_text("")
-    python = tmp_path / "python3"
-    python.write_text(FAILING)
-    python.chmod(0o755)
+    python = _project(tmp_path, FAILING)
     done = subprocess.run(["make", f"PYTHON={python}", ".venv/.installed"], cwd=tmp_path,
                           env={**os.environ, "LOG": str(tmp_path / "log"), "FAIL": fail}, capture_output=True,
                           text=True, timeout=60)
