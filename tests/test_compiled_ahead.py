@@ -63,3 +63,16 @@ def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
     env["PYTHONPATH"] = str(SRC)
     return env
+
+
+def test_a_kernel_of_another_module_is_not_compiled_ahead():
+    # one_signature's own example, a caller's kernel: compile_all compiles tf32lab's kernels, not every one made
+    numba = pytest.importorskip("numba")
+    before = list(compiled._COMPILES)
+
+    @compiled.one_signature(numba.types.float64)
+    @numba.njit
+    def same(x):
+        return x
+
+    assert len(compiled._COMPILES) == len(before)

@@ -26,6 +26,7 @@ __all__ = ["KERNEL_MODULES", "compile_all", "kernels", "one_signature", "torch_t
 
 # The modules of compiled kernels, each ``tf32lab.numbers.<name>``.
 KERNEL_MODULES = ("rounding_kernels", "accumulation_kernels", "recurrent_kernels")
+_KERNEL_MODULE_NAMES = frozenset(f"tf32lab.numbers.{name}" for name in KERNEL_MODULES)
 # Each kernel's compile (or load from numba's cache), registered by ``one_signature`` as its module is imported.
 _COMPILES: list[Callable[[], None]] = []
 
@@ -101,7 +102,8 @@ def one_signature(*argtypes: Any) -> Callable[[Any], Any]:
                     dispatcher.disable_compile()
                     ready = True
 
-        _COMPILES.append(compile_once)
+        if dispatcher.py_func.__module__ in _KERNEL_MODULE_NAMES:  # not a kernel of a caller's own (a doctest's)
+            _COMPILES.append(compile_once)
         signature = inspect.signature(dispatcher.py_func)
 
         @functools.wraps(dispatcher.py_func)
