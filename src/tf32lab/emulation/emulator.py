@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from tf32lab import settings
 from tf32lab.control import flags, modestack, scope
-from tf32lab.emulation import attention_rules, rules
+from tf32lab.emulation import attention_rules, backward_threads, rules
 from tf32lab.emulation.reuse import Handoff
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
@@ -899,6 +899,9 @@ class _Mode(TorchDispatchMode):
         kwargs = kwargs or {}
         entry = scope.current_emulation()
         if entry is None:
+            context = backward_threads.launcher()  # autograd's device thread, in a block's backward on a GPU
+            if context is not None:
+                return context.copy().run(self.__torch_dispatch__, func, types, args, kwargs)
             return _passed_on(func, args, kwargs)
         if types:
             names = {t.__name__ for t in types}
@@ -1270,6 +1273,17 @@ class _FunctionMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if backward_threads.LAUNCHED and scope.current_emulation() is None:
+            context = backward_threads.launcher()  # autograd's device thread, in a block's backward on a GPU
+            if context is not None:
+                return context.copy().run(self.__torch_function__, func, types, args, kwargs)
+        if func in _BACKWARDS and _on_a_device(args, kwargs) and scope.current_emulation() is not None:
+            # a GPU's backward runs on autograd's device thread: the block is made known there (backward_threads)
+            with backward_threads.launched():
+                if _redispatch is not None and _skips_none_but_this(types):
+                    with self:
+                        return _redispatch(func, types, args, kwargs)
+                return func(*args, **kwargs)
         # Under torch.jit.trace this mode runs above the tracer, which would record the emulation's own ops in the
         # user's graph: the call goes on to PyTorch, which records it, and the dispatch mode emulates its kernels.
         if (func is _SDPA or func in _RNN_FUNCTIONS) and _get_tracing_state() is None:
@@ -1303,6 +1317,13 @@ class _FunctionMode(TorchFunctionMode):
         # made *inside* another Python-level torch function (F.multi_head_attention_forward) is not seen here; the
         # dispatch mode still emulates what it decomposes into (docs/design.md).
         return func(*args, **kwargs)
+
+
+def _on_a_device(args: tuple, kwargs: dict) -> bool:
+    """Whether a backward call's first tensors (``Tensor.backward``'s self, ``autograd.backward``'s and ``grad``'s
+    outputs) are on a device other than the CPU, whose backward autograd runs on a thread of its own."""
+    first = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
+    return any(t.device.type != "cpu" for t in operand_tensors((first,)))
 
 
 def _handed(entry: _Entry, op: str, family: str, args: Any, kwargs: Any, compute: Callable[[], Any]) -> Any:

@@ -1,0 +1,74 @@
+"""An ``emulate()`` block seen from autograd's device threads.
+
+On a GPU the autograd engine runs a backward on a thread of its own per device. That thread keeps the launching
+thread's dispatch and function modes (PyTorch's ``ThreadLocalState``), so the emulator's modes see every op of the
+backward, but none of Python's context variables: the block (``scope.current_emulation``) and the level of its
+``precision()`` scope are not there, and each op ran as if no block were open. Measured on an H200 (torch 2.11):
+every emulated training row of a model with attention failed at its first step ("Cannot access storage of
+TensorWrapper": the attention's backward op ran its native fallback), and the GEMMs of every other backward ran
+natively, at the GPU's own math rather than the target's.
+
+:func:`launched` makes the launching thread's context known for as long as a backward it starts on a GPU tensor
+runs; :func:`launcher` gives it to an op that runs where no block is open. Each op runs in a copy of it (one
+``contextvars.Context`` cannot be entered by two device threads at once).
+
+Example:
+
+    >>> import threading
+    >>> with launched():
+    ...     seen = []
+    ...     worker = threading.Thread(target=lambda: seen.append(launcher() is not None))
+    ...     worker.start(); worker.join()
+    >>> seen, launcher() is None
+    ([True], True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from collections.abc import Iterator
+from typing import Optional
+
+from tf32lab.errors import Tf32LabError
+
+__all__ = ["LAUNCHED", "launched", "launcher"]
+
+# thread id -> the context of the backward that thread has running; empty but while one runs (read unlocked first)
+LAUNCHED: dict[int, contextvars.Context] = {}
+_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def launched() -> Iterator[None]:
+    """This thread's context made known to autograd's device threads while the block runs (nested: the inner)."""
+    me = threading.get_ident()
+    with _LOCK:
+        outer = LAUNCHED.get(me)
+        LAUNCHED[me] = contextvars.copy_context()
+    try:
+        yield
+    finally:
+        with _LOCK:
+            if outer is None:
+                LAUNCHED.pop(me, None)
+            else:
+                LAUNCHED[me] = outer
+
+
+def launcher() -> Optional[contextvars.Context]:
+    """The context of the backward running on this thread, for an op that finds no block open: None where no
+    backward was launched from a block, or this thread launched one (its own context is the block's). Two threads
+    with a backward each on a GPU at once cannot be told apart on a device thread, which both use: refused."""
+    if not LAUNCHED:
+        return None
+    with _LOCK:
+        if threading.get_ident() in LAUNCHED:
+            return None
+        contexts = list(LAUNCHED.values())
+    if len(contexts) > 1:
+        raise Tf32LabError(f"{len(contexts)} threads run an emulated backward on a GPU at once: autograd runs them on "
+                           f"one device thread, where an op cannot tell whose emulate() block it belongs to; run "
+                           f"them one after the other")
+    return contexts[0] if contexts else None

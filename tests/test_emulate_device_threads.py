@@ -1,0 +1,83 @@
+"""An emulate() block's backward on a GPU: autograd runs it on a device thread of its own, which carries the
+block's dispatch modes but not its context (the block, its precision scope). On an H200 every op there ran as if no
+block were open: the GEMMs natively, and attention's backward op failed. The launching thread's context now reaches
+them (``emulation.backward_threads``). No GPU here: a thread stands in for autograd's, carrying the mode as the
+engine does."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import tf32lab
+from emulation_reference import randn
+from tf32lab.emulation import backward_threads, emulator
+from tf32lab.errors import Tf32LabError
+
+
+def _on_a_device_thread(fn):
+    """``fn()`` on another thread that holds this thread's emulator dispatch mode and none of its context."""
+    mode, found = emulator._thread_modes().dispatch, []
+
+    def run():
+        try:
+            with mode:
+                found.append(fn())
+        except BaseException as exc:  # raised again on the caller's thread
+            found.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    if isinstance(found[0], BaseException):
+        raise found[0]
+    return found[0]
+
+
+def test_a_device_threads_op_is_emulated_as_the_launching_block_asks():
+    a, b = randn(16, 96, seed=1), randn(96, 16, seed=2)
+    with tf32lab.precision("high"), tf32lab.emulate("a100") as emu:
+        here = torch.mm(a, b)
+        with backward_threads.launched():
+            there = _on_a_device_thread(lambda: torch.mm(a, b))
+        unlaunched = _on_a_device_thread(lambda: torch.mm(a, b))
+    assert torch.equal(there, here) and not torch.equal(here, a @ b)  # TF32, at the block's level
+    assert dict(emu.coverage) == {("aten::mm", "tf32-rna"): 2}
+    assert torch.equal(unlaunched, a @ b)  # no backward launched: nothing to take the block from
+
+
+def test_two_threads_launching_at_once_are_refused_on_a_device_thread():
+    started, release = threading.Event(), threading.Event()
+
+    def other():
+        with backward_threads.launched():
+            started.set()
+            release.wait(10)
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    started.wait(10)
+    try:
+        with tf32lab.emulate("a100"), backward_threads.launched(), \
+                pytest.raises(Tf32LabError, match="2 threads run an emulated backward on a GPU at once"):
+            _on_a_device_thread(lambda: torch.mm(randn(4, 4, seed=5), randn(4, 4, seed=6)))
+    finally:
+        release.set()
+        worker.join()
+    assert not backward_threads.LAUNCHED
+
+
+def test_a_backward_on_the_cpu_registers_nothing():
+    x = randn(4, 8, seed=3).requires_grad_()
+    seen = []
+
+    def hook(grad):
+        seen.append(bool(backward_threads.LAUNCHED))
+        return grad
+
+    x.register_hook(hook)
+    with tf32lab.emulate("a100"):
+        (x @ randn(8, 2, seed=4)).sum().backward()
+    assert seen == [False] and x.grad is not None
