@@ -86,7 +86,9 @@ def test_emulating_it_on_a_gpu_without_it_is_refused():
 def _covariance() -> Workload:
     from tf32lab.workloads.builtin import covariance
 
-    return covariance(rows=512, cols=16)
+    # a mean of 30 against a spread of ~1: TF32 breaks the Gram term alone. On Hopper and Blackwell the mean's outer
+    # product (K = 1) takes no TF32 (measured on an H200), and at the built-in mean of 10 `high` passes there
+    return covariance(rows=512, cols=16, offset=30.0)
 
 
 def test_check_predict_tune_and_policy_take_it():
@@ -109,7 +111,7 @@ def test_check_predict_tune_and_policy_take_it():
 
 
 def test_where_bfx9_is_the_fastest_level_within_tolerance_the_conclusion_says_so_and_how_to_enable_it():
-    # high fails the covariance (5e-2 against 1e-2) while bfx9 keeps float32's accuracy (3e-5): the answer is bfx9,
+    # high fails the covariance (2e-2 against 1e-2) while bfx9 keeps float32's accuracy (3e-4): the answer is bfx9,
     # enabled the way PyTorch takes it (its set_float32_matmul_precision knows only its three levels)
     report = check(_covariance(), levels=("highest", "bfx9", "high"), target="b200")
     assert report.level("bfx9").passed and not report.level("high").passed

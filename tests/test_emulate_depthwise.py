@@ -1,9 +1,10 @@
 """Depthwise convolutions on a GPU target: PyTorch runs a float32 NCHW one in its own CUDA kernels
 (``ConvBackend::CudaDepthwise2d`` / ``CudaDepthwise3d``, aten/src/ATen/native/Convolution.cpp), which no TF32 flag
 reaches, and sends it to cuDNN only where cuDNN's memory format is channels-last. The emulator computes the first in
-IEEE at every level, forward and backward, and counts it so; the second, and any convolution with more than one
-input channel a group, at cuDNN's math (MobileNet's, EfficientNet's and ConvNeXt's depthwise layers read TF32's
-error at `highest` before)."""
+IEEE at every level, forward and backward, and counts it so; the second at the ``conv.depthwise`` key's math for
+its forward and input gradient (IEEE on Hopper, measured on an H200) and cuDNN's for its weight gradient; any
+convolution with more than one input channel a group at cuDNN's math (MobileNet's, EfficientNet's and ConvNeXt's
+depthwise layers read TF32's error at `highest` before)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,19 @@ def test_a_channels_last_depthwise_convolution_goes_to_cudnn_at_its_tf32():
     found = _run(F.conv2d, x, w, groups=8, target="a100")
     assert not torch.equal(found[0], native[0])
     assert ("aten::convolution", "tf32-rna") in found[3]
+
+
+@pytest.mark.parametrize("dims", [2, 3])
+def test_cudnns_depthwise_forward_and_input_gradient_take_no_tf32_on_hopper(dims):
+    # On an H200 (cuDNN 9.19) a channels-last depthwise convolution gave the same forward and input-gradient bits
+    # with cuDNN's TF32 flag on as off, in 8 shapes; its weight gradient took TF32 in 5 of them (conv's math)
+    x, w = _operands(dims)
+    x = x.detach().to(memory_format=torch.channels_last if dims == 2 else torch.channels_last_3d)
+    native = _run(_CONV[dims], x, w, groups=8)
+    found = _run(_CONV[dims], x, w, groups=8, target="h200", level="highest")
+    assert torch.equal(found[0], native[0]) and torch.equal(found[1], native[1])
+    assert not torch.equal(found[2], native[2])  # the weight gradient at cuDNN's TF32
+    assert found[3] == {("aten::convolution", "ieee"): 1, ("aten::convolution_backward", "tf32-rne"): 1}
 
 
 def test_a_grouped_convolution_with_several_channels_a_group_stays_at_cudnns_math():

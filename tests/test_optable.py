@@ -138,6 +138,19 @@ def test_affine_grid_is_one_bmm_in_the_matmul_math(spatial, align_corners):
     assert {op for op, _ in emu.coverage} == {"aten::affine_grid_generator", "aten::bmm"}
 
 
+@pytest.mark.parametrize("spatial", [[7, 9], [3, 5, 6]], ids=["2d", "3d"])
+def test_affine_grid_takes_no_tf32_on_hopper(spatial):
+    # An H200 gave F.affine_grid the same bits at 'high' as at 'highest' (its bmm has K = 3 or 4 and N = 2 or 3),
+    # 2-D and 3-D, align_corners either way; Ampere keeps the matmul flag's TF32 (unmeasured there)
+    dims = len(spatial)
+    theta, size = randn(2, dims, dims + 1, seed=12), [2, 3, *spatial]
+    out, emu = emulated(F.affine_grid, theta, size, False, target="h200", strict=True)
+    assert torch.equal(out, F.affine_grid(theta, size, False))
+    assert dict(emu.coverage) == {("aten::affine_grid_generator", "ieee"): 1}
+    _, emu = emulated(F.affine_grid, theta, size, False, target="a100")
+    assert dict(emu.coverage) == {("aten::affine_grid_generator", "tf32-rna"): 1}
+
+
 def test_conv_tbc_follows_the_matmul_flag():
     x, w, bias = randn(12, 3, 5, seed=5), randn(3, 5, 7, seed=6), randn(7, seed=7)
     out, emu = emulated(aten.conv_tbc, x, w, bias, 1, strict=True)

@@ -38,11 +38,11 @@ def op_arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) ->
     return kwargs.get(name, args[i] if len(args) > i else default)
 
 
-def gemm_key(m: int, n: int) -> str:
-    """The target key of an (m x k) @ (k x n) product (each matrix of a batch): one row or one column is
-    ``matmul.gemv``, as cuBLAS may hand it to a matrix-vector kernel without TF32 (measured on an H100), the rest
-    ``matmul``. ``tf32lab.know.targets`` says what each target does with it."""
-    return "matmul.gemv" if m == 1 or n == 1 else "matmul"
+def gemm_key(m: int, n: int, k: int) -> str:
+    """The target key of an (m x k) @ (k x n) product (each matrix of a batch): one row, one column or an inner
+    dimension of 1 (an outer product) is ``matmul.gemv``, as cuBLAS hands it to a kernel without TF32 (measured on
+    an H100 and an H200), the rest ``matmul``. ``tf32lab.know.targets`` says what each target does with it."""
+    return "matmul.gemv" if m == 1 or n == 1 or k == 1 else "matmul"
 
 
 def gemm_rows(x: torch.Tensor) -> int:
@@ -58,7 +58,7 @@ def linear_product(call, key: str, x, w, bias):
     """x wᵀ + bias, the product in the math of ``key`` (``matmul``: of ``matmul.gemv`` for one row or one output
     feature, batch dims folded into rows as cuBLAS gets them)."""
     if key == "matmul":
-        key = gemm_key(gemm_rows(x), w.size(0) if w.dim() == 2 else 1)
+        key = gemm_key(gemm_rows(x), w.size(0) if w.dim() == 2 else 1, x.size(-1) if x.dim() else 1)
     as_gemm = None
     if w.dim() == 2 and x.dim() >= 1:
         def as_gemm(gemm: Callable, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

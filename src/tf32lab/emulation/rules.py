@@ -76,7 +76,7 @@ def tf32_is_off() -> bool:
 @rule(aten.mm, aten.bmm)
 def _mm(call, func, args, kwargs):
     a, b = args[0], args[1]
-    return call.product(gemm_key(a.size(-2), b.size(-1)), lambda x, y: func(x, y), a, b, as_gemm=plain_gemm)
+    return call.product(gemm_key(a.size(-2), b.size(-1), a.size(-1)), lambda x, y: func(x, y), a, b, as_gemm=plain_gemm)
 
 
 def _gemm_epilogue(c: torch.Tensor, beta: Any, alpha: Any) -> Callable:
@@ -103,7 +103,7 @@ def _scaled_sum(default, key: str):
         c, a, b = args[:3]
         beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
         alpha = kwargs.get("alpha", args[4] if len(args) > 4 else 1)
-        of = gemm_key(a.size(-2), b.size(-1)) if key == "matmul" else key
+        of = gemm_key(a.size(-2), b.size(-1), a.size(-1)) if key == "matmul" else key
         gemm = default in (aten.addmm.default, aten.baddbmm.default)  # one GEMM (addbmm sums a batch of them)
         result = call.product(of, lambda x, y: default(c, x, y, beta=beta, alpha=alpha), a, b,
                               bare=lambda x, y: default(c, x, y, beta=0, alpha=alpha),
@@ -128,7 +128,7 @@ def _addmm_activation(call, func, args, kwargs):
     beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
     alpha = kwargs.get("alpha", args[4] if len(args) > 4 else 1)
     use_gelu = kwargs.get("use_gelu", args[5] if len(args) > 5 else False)
-    pre = call.product(gemm_key(a.size(-2), b.size(-1)),
+    pre = call.product(gemm_key(a.size(-2), b.size(-1), a.size(-1)),
                        lambda x, y: aten.addmm.default(c, x, y, beta=beta, alpha=alpha), a, b,
                        bare=lambda x, y: aten.addmm.default(c, x, y, beta=0, alpha=alpha))
     return F.gelu(pre) if use_gelu else F.relu(pre)
@@ -194,7 +194,9 @@ def _affine_grid_generator(call, func, args, kwargs):
         base.select(-1, i).copy_(_base_line(theta, steps, align_corners).reshape(-1, *[1] * i))
     base.select(-1, dims).fill_(1)
     flat = base.view(size[0], -1, dims + 1)
-    grid = call.product(gemm_key(flat.size(1), dims), torch.bmm, flat, theta.transpose(1, 2), as_gemm=plain_gemm)
+    # a thin product (K = 3 or 4, N = 2 or 3) that cuBLAS runs without TF32 at 'high', as a one-column one: the
+    # same bits at both levels on an H200 (docs/gpu-results.md)
+    grid = call.product("matmul.gemv", torch.bmm, flat, theta.transpose(1, 2), as_gemm=plain_gemm)
     return grid.view(*size[:1], *spatial, dims)
 
 
@@ -409,21 +411,26 @@ def _native_conv_is_ieee(call, x) -> None:
             "torch.backends.cudnn.conv.fp32_precision = 'ieee' (or cudnn.allow_tf32 = False) around emulate()")
 
 
-def _cuda_depthwise(call, x, w, transposed: bool, groups: int) -> bool:
-    """Whether a GPU target runs this float32 convolution in PyTorch's own depthwise kernels, which no TF32 flag
-    reaches (``aten/src/ATen/native/Convolution.cpp``: ``is_depthwise``, one input channel a group, 2-D or 3-D,
-    a 1-D one as 2-D; ``use_cudnn_depthwise`` sends it to cuDNN only where cuDNN's suggested memory format is
-    channels-last, or for FP16, and with cuDNN on; else ``ConvBackend::CudaDepthwise2d`` / ``CudaDepthwise3d``). If
-    so, the call is counted in IEEE: a MobileNet's, EfficientNet's or ConvNeXt's depthwise convolutions in NCHW, and
-    every depthwise one where ``torch.backends.cudnn.enabled`` is False."""
+OWN, CUDNN = "own", "cudnn"  # where a GPU runs a depthwise convolution: PyTorch's own kernels, or cuDNN's
+
+
+def _depthwise(call, x, w, transposed: bool, groups: int) -> Optional[str]:
+    """Where a GPU target runs this float32 depthwise convolution (None: not one, or not a GPU target).
+
+    ``aten/src/ATen/native/Convolution.cpp``: ``is_depthwise`` (one input channel a group, 2-D or 3-D, a 1-D one
+    as 2-D); ``use_cudnn_depthwise`` sends it to cuDNN only where cuDNN's suggested memory format is channels-last
+    (or for FP16), and with cuDNN on (:data:`CUDNN`); else ``ConvBackend::CudaDepthwise2d`` / ``CudaDepthwise3d``
+    (:data:`OWN`), which no TF32 flag reaches: a MobileNet's, EfficientNet's or ConvNeXt's depthwise convolutions
+    in NCHW, and every depthwise one where ``torch.backends.cudnn.enabled`` is False. cuDNN's own takes the
+    ``conv.depthwise`` key's math for the forward and input gradient, ``conv``'s for the weight gradient."""
     if call.emu.target.device != "cuda" or call.emu.math is not None or transposed or x.dtype != torch.float32:
-        return False
+        return None
     if x.dim() not in (3, 4, 5) or groups <= 1 or x.size(1) != groups or w.size(0) % groups:
-        return False
+        return None
     if call.cells.get(CUDNN_CELL) == "off":  # use_cudnn_depthwise needs cuDNN on: its own kernels in any format
-        return True
-    return not any(t.dim() >= 4 and _memory_format(t) in (torch.channels_last, torch.channels_last_3d)
-                   for t in (x, w))
+        return OWN
+    last = any(t.dim() >= 4 and _memory_format(t) in (torch.channels_last, torch.channels_last_3d) for t in (x, w))
+    return CUDNN if last else OWN
 
 
 def _memory_format(t: torch.Tensor) -> torch.memory_format:
@@ -439,10 +446,12 @@ def _memory_format(t: torch.Tensor) -> torch.memory_format:
 def _convolution(call, func, args, kwargs):
     x, w, bias, *rest = args
     _native_conv_is_ieee(call, x)
-    if _cuda_depthwise(call, x, w, bool(op_arg(args, kwargs, 6, "transposed")), int(op_arg(args, kwargs, 8, "groups"))):
+    where = _depthwise(call, x, w, bool(op_arg(args, kwargs, 6, "transposed")), int(op_arg(args, kwargs, 8, "groups")))
+    if where == OWN:
         call.math_seen = IEEE
         return func(*args, **kwargs)
-    out = call.product("conv", lambda a, b: func(a, b, bias, *rest, **kwargs), x, w,
+    out = call.product("conv.depthwise" if where == CUDNN else "conv", lambda a, b: func(a, b, bias, *rest, **kwargs),
+                       x, w,
                        bare=lambda a, b: func(a, b, None, *rest, **kwargs))
     # The rounded operands are contiguous copies; the native convolution gives a channels-last output where
     # either operand is channels-last (cudnn_conv_suggest_memory_format, aten/src/ATen/native/ConvUtils.h; the CPU
@@ -467,32 +476,44 @@ def _conv_output_format(x: torch.Tensor, w: torch.Tensor) -> torch.memory_format
 def _convolution_backward(call, func, args, kwargs):
     grad, x, w, bias_sizes, *rest, mask = args
     _native_conv_is_ieee(call, x)
-    if _cuda_depthwise(call, x, w, bool(op_arg(args, kwargs, 7, "transposed")), int(op_arg(args, kwargs, 9, "groups"))):
+    where = _depthwise(call, x, w, bool(op_arg(args, kwargs, 7, "transposed")), int(op_arg(args, kwargs, 9, "groups")))
+    if where == OWN:
         call.math_seen = IEEE  # the depthwise kernels' backward too
         return func(*args, **kwargs)
-    math = call.math("conv")
 
     def run(g, i, k, want):
         return func(g, i, k, bias_sizes, *rest, want)
 
-    want = [mask[0], mask[1], False]
-    if math.name == "ieee" or not (mask[0] or mask[1]):
+    if where == CUDNN and mask[0] and mask[1]:  # cuDNN's depthwise: dgrad at its own key's math, wgrad at conv's
+        math_w, math_x = call.math("conv"), call.math("conv.depthwise")  # the weight's first: coverage names it
+        grad_weight = _conv_grads(call, run, math_w, grad, x, w, [False, True, False])[1]
+        grad_input = _conv_grads(call, run, math_x, grad, x, w, [True, False, False])[0]
+    else:
+        math = call.math("conv.depthwise" if where == CUDNN and mask[0] else "conv")
+        grad_input, grad_weight = _conv_grads(call, run, math, grad, x, w, [mask[0], mask[1], False])
+    # The bias gradient is a plain sum of the incoming gradient, in float32 on every device.
+    grad_bias = run(grad, x, w, [False, False, True])[2] if mask[2] else None
+    return grad_input, grad_weight, grad_bias
+
+
+def _conv_grads(call, run, math, grad, x, w, want):
+    """A convolution's input and weight gradients (those ``want`` asks for; None for the rest) with ``math``'s
+    operands: ``run(grad, x, w, want)`` is the native backward."""
+    if math.name == "ieee" or not (want[0] or want[1]):
         grad_input, grad_weight, _ = run(grad, x, w, want)
     elif math.name in ("tf32", "bf16"):
         grad_input, grad_weight, _ = run(call.round(grad, math), call.round(x, math), call.round(w, math), want)
     elif math.name == "bfx9":  # every part of grad times the summed parts of x and w: all nine products
         x_sum, w_sum = call.split(x, math, summed=True)[-1], call.split(w, math, summed=True)[-1]
         parts = [run(g, x_sum, w_sum, want) for g in call.split(grad, math)]
-        grad_input, grad_weight = (parts[0][i].add_(parts[1][i]).add_(parts[2][i]) if mask[i] else None
+        grad_input, grad_weight = (parts[0][i].add_(parts[1][i]).add_(parts[2][i]) if want[i] else None
                                    for i in (0, 1))
     else:  # grad_input is bilinear in (grad, w), grad_weight in (grad, x): two calls give both, as in product()
         (g_big, g_small), (x_big, x_sum), (w_big, w_sum) = (
             call.split(grad, math), call.split(x, math, summed=True), call.split(w, math, summed=True))
         full, small = run(g_big, x_sum, w_sum, want), run(g_small, x_big, w_big, want)
-        grad_input, grad_weight = (full[i].add_(small[i]) if mask[i] else None for i in (0, 1))
-    # The bias gradient is a plain sum of the incoming gradient, in float32 on every device.
-    grad_bias = run(grad, x, w, [False, False, True])[2] if mask[2] else None
-    return grad_input, grad_weight, grad_bias
+        grad_input, grad_weight = (full[i].add_(small[i]) if want[i] else None for i in (0, 1))
+    return grad_input, grad_weight
 
 
 # -- recurrent networks ----------------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ is a reasoned assumption not yet measured on the device.
 
 Keys: ``matmul``, ``conv``, ``rnn``, ``matvec``, ``linalg``, ``attention`` (the kernel PyTorch picks for float32
 ``scaled_dot_product_attention``), ``attention.math`` and ``attention.efficient`` (the two kernels by name),
-``matmul.gemv`` (a product with one row or one column, which cuBLAS may hand to a matrix-vector kernel) and
+``matmul.gemv`` (a product with one row, one column or an inner dimension of 1, or ``F.affine_grid``'s thin
+one, which cuBLAS may hand to a kernel without tensor cores), ``conv.depthwise`` (the forward and input gradient of
+cuDNN's depthwise convolutions, which PyTorch sends there channels-last; their weight gradient is ``conv``'s) and
 ``linalg.trsm`` (the triangular solves under PyTorch's cuBLAS handle inside ``solve_triangular``, ``lu_solve``,
 ``linalg.solve``, ``inv`` and ``lstsq``).
 
@@ -52,7 +54,7 @@ MATHS = ("ieee", "tf32", "bf16", "bf16x3", "tf32x3", "bfx9")
 # this list comes from a torch newer than tf32lab: it is reported as unknown, never read as IEEE.
 CELL_VALUES = ("ieee", "tf32", "bf16", "bfx9")
 KEYS = ("matmul", "conv", "rnn", "matvec", "linalg", "attention", "attention.math", "attention.efficient",
-        "matmul.gemv", "linalg.trsm")
+        "matmul.gemv", "linalg.trsm", "conv.depthwise")
 
 _SINGLE = ("tf32", "bf16")  # one rounding of each operand; the rest are exact (ieee) or split (x3: two, x9: three)
 
@@ -235,8 +237,15 @@ _S_CUDNN_HOPPER = ("PyTorch CUDA notes: cudnn.conv / cudnn.rnn fp32_precision, d
                    "kernel, measured on an H100 (docs/gpu-results.md): RNE for 1x1, 3x3 with 256 channels, "
                    "channels_last, 5x5 and the RNN; RNA for 3x3 with 64 channels (NCHW), conv1d, conv3d; no TF32 for "
                    "3x3 with 8 channels and conv_transpose2d; RNE, the majority, is modelled")
-_S_GEMV_HOPPER = ("mm/addmm/linear/bmm with one row or one column: no TF32 at any level, as cuBLAS takes a "
-                  "matrix-vector path: measured on an H100 (docs/gpu-results.md)")
+_S_GEMV_HOPPER = ("mm/addmm/linear/bmm with one row, one column or an inner dimension of 1, and F.affine_grid's thin "
+                  "bmm: no TF32 at any level, as cuBLAS takes a kernel without tensor cores: measured on an H100 and "
+                  "an H200 (docs/gpu-results.md)")
+_S_DEPTHWISE_HOPPER = ("cuDNN's channels-last depthwise convolutions: no TF32 in the forward or the input gradient "
+                       "at either setting of cuDNN's flag, in 8 shapes (2-D and 3-D, 3x3 to 7x7, 32 to 256 channels, "
+                       "multipliers 1 and 2) measured on an H200, cuDNN 9.19 (docs/gpu-results.md); the weight "
+                       "gradient takes TF32 in 5 of them (conv's math)")
+_S_DEPTHWISE = ("cuDNN's channels-last depthwise convolutions follow cuDNN's flag, as a dense one; unmeasured before "
+                "Hopper (on an H200 its forward and input gradient took no TF32)")
 _S_GEMV_AMPERE = ("one-row products follow the matmul flag: pytorch#53635 (a 1x1 product rounded to TF32 on an RTX "
                   "3090, cuBLAS 11.1); unmeasured with a newer cuBLAS, which skips TF32 for them on an H100")
 _S_TRSM = ("cuBLAS trsm under PyTorch's handle follows the matmul flag: solve_triangular, lu_solve, linalg.solve, "
@@ -330,6 +339,8 @@ def _ampere_plus(capability: tuple[int, int]) -> dict[str, Entry]:
         "matmul.gemv": _fixed(IEEE, _S_GEMV_HOPPER) if hopper else _by("cuda.matmul", _S_GEMV_AMPERE,
                                                                        **{"*": "matmul"}),
         "linalg.trsm": _by("cuda.matmul", _S_TRSM, **{"*": "matmul"}),
+        "conv.depthwise": _fixed(IEEE, _S_DEPTHWISE_HOPPER) if hopper else _by("cuda.conv", _S_DEPTHWISE,
+                                                                                **{"*": "conv"}),
         "attention": _by("sdpa", _S_SDPA, efficient="attention.efficient", math="attention.math"),
         "attention.math": _by("cuda.matmul", _S_SDPA_MATH, **{"*": "matmul"}),
         "attention.efficient": _fixed(TF32X3, _S_EFFICIENT),
@@ -342,7 +353,7 @@ def _pre_ampere() -> dict[str, Entry]:
         "matmul": fixed, "conv": fixed, "rnn": fixed,
         "matvec": _fixed(IEEE, _S_GEMV),
         "linalg": _fixed(IEEE, _S_SOLVER),
-        "matmul.gemv": fixed, "linalg.trsm": fixed,
+        "matmul.gemv": fixed, "linalg.trsm": fixed, "conv.depthwise": fixed,
         "attention": _by("sdpa", _S_SDPA, efficient="attention.efficient", math="attention.math"),
         "attention.math": _by("cuda.matmul", _S_SDPA_MATH, **{"*": "matmul"}),
         "attention.efficient": _fixed(IEEE, _S_EFFICIENT_SIMT),
@@ -366,6 +377,7 @@ def _onednn(reduced: bool) -> dict[str, Entry]:
                            "on a Sapphire Rapids CPU (oneDNN's own choice), so bf16 here overstates its error",
                            **{"*": "matmul"}),
         "linalg.trsm": _fixed(IEEE, "LAPACK trsm: no reduced-precision path on a CPU"),
+        "conv.depthwise": entries["conv"],
         "attention": _by("mkldnn.matmul", "CPU flash attention uses the CPU GEMM: follows the matmul flag",
                          **{"*": "matmul"}),
         "attention.math": _by("mkldnn.matmul", _S_SDPA_MATH, **{"*": "matmul"}),
@@ -412,7 +424,7 @@ def _rocm(name: str, title: str, capability: tuple[int, int], tf32: Math, fp32: 
     ieee = _fixed(IEEE, _S_MIOPEN)
     entries = {
         "matmul": _by("cuda.matmul", matmul_source, tf32=tf32, ieee=IEEE),
-        "conv": ieee, "rnn": ieee,
+        "conv": ieee, "rnn": ieee, "conv.depthwise": ieee,
         "matvec": _fixed(IEEE, _S_ROCM_GEMV),
         "linalg": _fixed(IEEE, _S_SOLVER),
         "matmul.gemv": _by("cuda.matmul", "one-row products follow the matmul flag in hipBLASLt; unmeasured",

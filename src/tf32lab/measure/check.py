@@ -913,7 +913,7 @@ def _pins(row: PolicyRow, target: Target, alike: Mapping[str, Optional[str]]) ->
 def conv_ran(table: str, coverage: Mapping[tuple[str, str], int]) -> str:
     """The convolutions' math as a run computed them: the target's ``table`` math for its cuDNN convolutions,
     ``ieee`` where every one ran IEEE (a GPU runs a float32 NCHW depthwise conv in PyTorch's own kernels, which no
-    TF32 flag reaches: ``emulation.rules._cuda_depthwise``), ``table/ieee`` where some did."""
+    TF32 flag reaches: ``emulation.rules._depthwise``), ``table/ieee`` where some did."""
     ran = {m for (op, m), n in coverage.items() if n and optable.family(op) == "conv"}
     if "ieee" not in ran:
         return table

@@ -159,9 +159,11 @@ def on_cpu(report: Report) -> bool:
 
 
 # PyTorch's own CUDA kernels for a float32 NCHW depthwise conv (aten/src/ATen/native/Convolution.cpp,
-# ConvBackend::CudaDepthwise2d/3d): counted IEEE by the emulator (emulation.rules._cuda_depthwise)
-_DEPTHWISE = ("they are depthwise (one input channel a group) in NCHW, which a GPU runs in PyTorch's own CUDA kernels, "
-              "not cuDNN's, so no TF32 flag reaches them")
+# ConvBackend::CudaDepthwise2d/3d), and on Hopper cuDNN's channels-last ones: counted IEEE by the emulator
+# (emulation.rules._depthwise, the targets' conv.depthwise key)
+_DEPTHWISE = ("they are depthwise (one input channel a group), which a GPU runs in PyTorch's own CUDA kernels in NCHW "
+              "and in cuDNN's depthwise kernels channels-last, whose forward takes no TF32 on Hopper: no TF32 flag "
+              "reaches them")
 
 
 # a family's ``flag`` where ``torch.backends.cudnn.enabled`` was False for the run: no cuDNN, the level sets its math
@@ -174,7 +176,7 @@ _OFF_WHY = {
     "rnn": "cuDNN is off (`torch.backends.cudnn.enabled = False`), so a GPU runs them as PyTorch's own layers of "
            "cuBLAS GEMMs under the matmul flag: the level sets their math",
 }
-# every convolution depthwise, cuDNN off: PyTorch's own kernels in any memory format (emulation.rules._cuda_depthwise)
+# every convolution depthwise, cuDNN off: PyTorch's own kernels in any memory format (emulation.rules._depthwise)
 _OFF_DEPTHWISE = ("cuDNN is off (`torch.backends.cudnn.enabled = False`), and they are depthwise (one input channel a "
                   "group), which a GPU then runs in PyTorch's own CUDA kernels in any memory format, so neither the "
                   "level nor a TF32 flag reaches them")
@@ -187,7 +189,7 @@ _ALL, _SOME, _NONE = "all", "some", "none"
 def _depthwise(entry: CudnnFamily, report: Report) -> str:
     """Which of ``entry``'s convolutions a GPU ran in PyTorch's own depthwise kernels, not cuDNN's: ``"all"``,
     ``"some"`` or ``"none"`` (another family, or a CPU). Read off the maths the emulator counted them at (IEEE
-    float32, ``emulation.rules._cuda_depthwise``): with cuDNN on, IEEE where cuDNN's flag gave TF32 on a target
+    float32, ``emulation.rules._depthwise``): with cuDNN on, IEEE where cuDNN's flag gave TF32 on a target
     whose cuDNN has it; with cuDNN off, IEEE in every row where some row's level gave the matmuls another math (the
     other convolutions would have taken it)."""
     if entry.family != "conv" or not entry.maths or on_cpu(report):
