@@ -378,3 +378,51 @@ def test_check_training_rows_draw_from_numpy_alike():
     workload = tf32lab.TrainingWorkload(model, batches, loss=lambda out, b: out.pow(2).mean())
     report = tf32lab.check_training(workload, levels=("highest",), target="a100", speed=False)
     assert report.floor.deviations[0] < 1e-6, report.floor.deviations  # 2.0: float64 and float32 drew apart
+
+
+def test_attention_with_dropout_is_sent_to_the_math_path():
+    # A fused attention kernel on a GPU draws its dropout mask inside, from its own offsets: on an H200 the
+    # memory-efficient kernel kept other weights than the float64 reference's math path, and a BERT's float32 row
+    # drifted 8.6e-05 from float64 for it. Native GPU rows send such calls to the math path, the rest untouched.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tf32lab.measure.draws import MathPathDropout
+
+    efficient_on: list[bool] = []
+
+    class Backends(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.bmm.default:  # the math path's products
+                efficient_on.append(torch.backends.cuda.mem_efficient_sdp_enabled())
+            return func(*args, **(kwargs or {}))
+
+    q = torch.randn(2, 3, 8, 4, generator=torch.Generator().manual_seed(1))
+    assert torch.backends.cuda.mem_efficient_sdp_enabled()
+    with MathPathDropout() as route, Backends():
+        torch.manual_seed(0)
+        dropped = F.scaled_dot_product_attention(q, q, q, None, 0.5)
+        F.scaled_dot_product_attention(q, q, q, dropout_p=0.0)
+    assert route.rerouted == 1 and efficient_on == [False, False]  # only the call with dropout, on the math path
+    assert torch.backends.cuda.mem_efficient_sdp_enabled()  # the backends put back
+    torch.manual_seed(0)
+    assert torch.equal(dropped, F.scaled_dot_product_attention(q, q, q, dropout_p=0.5))  # the CPU's own path
+
+
+def test_a_check_on_the_cpu_sends_nothing_to_the_math_path():
+    torch.manual_seed(0)
+    attention = torch.nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = attention
+
+        def forward(self, x):
+            return self.attention(x, x, x, need_weights=False)[0]
+
+    x = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(2))
+    workload = tf32lab.TrainingWorkload(Net(), [(x, torch.zeros(4, 6, 8))] * 2, loss=lambda o, b: o.pow(2).mean(),
+                                        inputs=lambda b: b[0])
+    report = tf32lab.check_training(workload, levels=("highest",), target="native", speed=False)
+    assert not any("math path" in note for note in report.notes)
+    assert report.floor.drift < 1e-5  # on the CPU dropout's masks already match: float32's own drift

@@ -75,7 +75,17 @@ from tf32lab.measure.check import (
     refuse_native_levels,
     rows_of_alike,
 )
-from tf32lab.measure.draws import DrawLog, SameDraws, Streams, draw_plan, lazy_note, materialised, seeded
+from tf32lab.measure.draws import (
+    DrawLog,
+    MathPathDropout,
+    SameDraws,
+    Streams,
+    cuda_devices,
+    draw_plan,
+    lazy_note,
+    materialised,
+    seeded,
+)
 from tf32lab.measure.layers import ROOT, described, out_of_memory, transformed
 from tf32lab.measure.reference import Float64Run, widen, widened_model
 from tf32lab.numbers import metrics
@@ -284,6 +294,13 @@ class _Run:
     families: set[Optional[str]] = dataclasses.field(default_factory=set)  # emulator.families_met
 
 
+MATH_PATH_NOTE = (
+    "attention with dropout ran on PyTorch's math path in the native rows, as in float64: a fused kernel "
+    "(memory-efficient, flash, cuDNN) draws its dropout mask inside, where the float64 reference cannot draw the "
+    "same; the math path's products follow the level (TF32 at 'high') where the fused float32 kernel computes "
+    "3xTF32, so attention's error at 'high' is an upper bound")
+
+
 class TrainingSession:
     """A training workload's float64 reference and step 1's backward per module, run once on :meth:`start`; then
     rows trained against them: a level (:meth:`level`) or a policy (:meth:`policy`), and float32's floor
@@ -311,6 +328,8 @@ class TrainingSession:
         # where the float64 row would draw otherwise (None: as Float64Run decides); see _plan
         self.plan: Optional[list[Optional[str]]] = None
         self._draw_notes: list[str] = []
+        # native rows on a GPU: attention with dropout on the math path, whose draws float64 makes alike
+        self._math_dropout = MathPathDropout() if cuda_devices(self.saved) else None
 
     def start(self, bar: Progress) -> None:
         """The float64 reference, then step 1's backward per module in float64."""
@@ -371,7 +390,8 @@ class TrainingSession:
 
     @property
     def notes(self) -> tuple[str, ...]:
-        return tuple(self._lazy_notes) + tuple(self._draw_notes) + tuple(self.attribution.notes) + \
+        routed = (MATH_PATH_NOTE,) if self._math_dropout is not None and self._math_dropout.rerouted else ()
+        return tuple(self._lazy_notes) + tuple(self._draw_notes) + routed + tuple(self.attribution.notes) + \
             tuple(self._speed_notes)
 
     def with_speed(self, rows: list[TrainingLevel], policy: Optional[PolicyRow]) -> list[TrainingLevel]:
@@ -481,7 +501,7 @@ class TrainingSession:
         elif emu is not None:
             forward = lambda: _inside(emu, level)  # noqa: E731
         else:
-            forward = contextlib.nullcontext
+            forward = self._native
         _seeded(self.seed, model)
         applied = policy.policy.applied(model) if policy is not None else contextlib.nullcontext()
         # PyTorch's own element-wise optimizers run no matmul-family op: their step runs outside the emulator,
@@ -529,6 +549,11 @@ class TrainingSession:
         if run.failure is not None:
             run.model = run.optimizer = None
         return run
+
+    def _native(self) -> contextlib.AbstractContextManager:
+        """A native float32 row's forward and backward: on a GPU, attention with dropout on PyTorch's math path
+        (:class:`~tf32lab.measure.draws.MathPathDropout`)."""
+        return contextlib.nullcontext() if self._math_dropout is None else self._math_dropout
 
     def _widening(self) -> bool:
         """Whether the float64 row needs ``Float64Run`` beyond the ``.double()`` copy (whose random ops draw at
@@ -750,8 +775,10 @@ class _Attribution:
         emulated = target.emulated and accumulation
         scoped = _inside(emulate(target, accumulation=accumulation), level) if emulated else \
             _scoped(level, target, policy)
+        # natively on a GPU, attention with dropout on the math path, as in the rows (TrainingSession._native)
+        routed = MathPathDropout() if not emulated and cuda_devices(model) else contextlib.nullcontext()
         found = []
-        with scoped, applied:
+        with scoped, applied, routed:
             for name, (args, kwargs, grads, reference) in self.calls.items():
                 narrow = {k: g.float() if g.dtype == torch.float64 else g for k, g in grads.items()}
                 local = _local_grads(model.get_submodule(name), map_tensors(_narrowed, args),

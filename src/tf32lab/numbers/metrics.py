@@ -418,7 +418,9 @@ def _decades(diff: torch.Tensor, rms: float, work: Optional[torch.Tensor] = None
     lo, hi = HISTOGRAM_EDGES[0], HISTOGRAM_EDGES[-1]
     scaled.masked_fill_(torch.isnan(scaled), 10.0 ** (hi + 1))  # NaN errors count as the largest
     index = scaled.clamp_min_(1e-300).log10_().floor_().clamp_(lo, hi).sub_(lo).long().flatten()
-    return torch.bincount(index, minlength=len(HISTOGRAM_EDGES))
+    # on the CPU, where Partial sums them: a GPU output's counts are a GPU tensor (every check of a CUDA model
+    # raised "Expected all tensors to be on the same device" at its first output, on an H200)
+    return torch.bincount(index, minlength=len(HISTOGRAM_EDGES)).cpu()
 
 
 def scale_note(reference: float, scale: Scale) -> str:
