@@ -5,6 +5,7 @@
 #   phase 2: benchmarks/predict.py (speed model vs measurement), tf32lab check --target native vs h100
 #   phase 3: more kernels probed, the emulation with ties-to-even operands, solvers, env overrides, fixed costs
 #   phase 4: a Policy on CUDA (pinned backward, torch.compile), the compile cache's warm start on CUDA
+#   phase 5: the checks docs/gpu-results.md listed as waiting (pending_checks.py), check of two models on the GPU
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -39,6 +40,14 @@ elif [ "$phase" = 3 ]; then  # follow-ups: more kernels probed, the emulation wi
         --json "$OUT/checks3.json"
     step env3.log 120 $PY scripts/gpu/env_checks.py
     step speed3.log 120 $PY scripts/gpu/speed_overhead.py
+elif [ "$phase" = 5 ]; then  # what docs/gpu-results.md listed as waiting (2026-11-30), and check on the GPU
+    step pending5.log 300 $PY scripts/gpu/pending_checks.py --json "$OUT/pending5.json"
+    for target in native h200 a100; do
+        step check5.log 60 $PY -m tf32lab.cli check scripts/gpu/covariance_spec.py:cuda --target "$target" \
+            --levels highest,high --no-speed
+    done
+    step check5.log 150 $PY -m tf32lab.cli check scripts/gpu/training_spec.py:encoder_cuda --train --target h200 \
+        --levels highest,high --steps 5
 elif [ "$phase" = 4 ]; then  # a Policy on CUDA: pinned backward in autograd's device threads, torch.compile
     step policy4.log 200 $PY scripts/gpu/policy_checks.py
     step compile4.log 380 $PY scripts/gpu/compile_cache_cuda.py
