@@ -12,7 +12,14 @@
 - ``cudnn_off``: with ``torch.backends.cudnn.enabled = False``, a convolution, an LSTM and a channels-last depthwise
   convolution, forward and backward, at each level and cuDNN flag; and the time of a four-convolution net then
   (CUDA events) against cuDNN's;
-- ``affine_grid``: whether ``F.affine_grid``'s thin product takes TF32 at ``high``.
+- ``affine_grid``, ``affine_grid_bwd``: whether ``F.affine_grid``'s thin product (and its backward) takes TF32 at
+  ``high``, and the emulation beside it;
+- ``sdpa_bits``: the efficient kernel against the emulation, bit for bit (the one-key probe, random attention);
+- ``thin_gemm``: which thin products (small K, small N; ``mm`` and ``bmm``) take TF32 at ``high``;
+- ``depthwise_more``, ``depthwise_emu``: channels-last depthwise convolutions of more shapes, and the emulation of
+  their forward and gradients beside the GPU's;
+- ``emu_cuda``: ``emulate()`` on GPU tensors with a backward (autograd's device thread), and the training check
+  emulated on the GPU.
 
 Without a GPU it runs on the CPU on small sizes (a smoke test). Results also go to ``--json``.
 
@@ -451,52 +458,6 @@ def check_depthwise_more() -> None:
     record("depthwise_more", out)
 
 
-def check_emu_training_cuda() -> None:
-    """The training check emulated on CUDA tensors (no dropout), then natively with attention dropout routed to
-    the math path, as a fix would."""
-    from transformers import BertConfig, BertModel
-
-    torch.manual_seed(0)
-    config = BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
-                        hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
-    config._attn_implementation = "sdpa"
-    model = BertModel(config, add_pooling_layer=False).to(DEV)
-
-    def batch(step: int):
-        gen = torch.Generator().manual_seed(step)
-        return (torch.randint(1000, 30000, (n(16, 4), 32), generator=gen).to(DEV),
-                torch.randn(n(16, 4), 128, generator=gen).to(DEV))
-
-    def loss(o, b):
-        return (o.last_hidden_state.mean(1) - b[1]).pow(2).mean()
-
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    out: dict[str, Any] = {}
-    for label, target, backends in (("native, dropout, math backend", "native", [SDPBackend.MATH]),
-                                    ("emulated, no dropout", hw_target(), None)):
-        if label.startswith("emulated"):
-            for m in model.modules():
-                if isinstance(m, nn.Dropout):
-                    m.p = 0.0
-            model.config.attention_probs_dropout_prob = 0.0
-        workload = tf32lab.TrainingWorkload(model, batch, loss=loss, steps=4, inputs=lambda b: {"input_ids": b[0]},
-                                            optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), name=label)
-        try:
-            if backends:
-                with sdpa_kernel(backends):
-                    report = tf32lab.check_training(workload, levels=("highest", "high"), target=target, speed=False)
-            else:
-                report = tf32lab.check_training(workload, levels=("highest", "high"), target=target, speed=False)
-            out[label] = {"float32 drift": report.floor.drift, "worst step-1 gradient":
-                          report.floor.gradients[0].normwise, "high drift": report.level("high").drift}
-        except Exception as exc:
-            out[label] = {"failed": f"{type(exc).__name__}: {exc}"}
-            say(traceback.format_exc())
-        say(f"training {label}: {out[label]}")
-    record("emu_training_cuda", out)
-
-
 def check_depthwise_emu() -> None:
     """Channels-last depthwise convolutions: the GPU's output and gradients (cuDNN's TF32 flag at its default) against
     the emulation at ``highest``, and each against float64."""
@@ -665,7 +626,7 @@ SECTIONS: dict[str, Callable[[], None]] = {
     "sdpa_split": check_sdpa_split, "attn_dropout": check_attn_dropout, "conv_bwd": check_conv_bwd,
     "depthwise": check_depthwise, "cudnn_off": check_cudnn_off, "affine_grid": check_affine_grid,
     "sdpa_bits": check_sdpa_bits, "thin_gemm": check_thin_gemm, "depthwise_more": check_depthwise_more,
-    "emu_training_cuda": check_emu_training_cuda, "depthwise_emu": check_depthwise_emu, "emu_cuda": check_emu_cuda,
+    "depthwise_emu": check_depthwise_emu, "emu_cuda": check_emu_cuda,
     "affine_grid_bwd": check_affine_grid_bwd}
 
 
