@@ -62,8 +62,9 @@ def test_a_channels_last_depthwise_convolution_goes_to_cudnn_at_its_tf32():
 
 @pytest.mark.parametrize("dims", [2, 3])
 def test_cudnns_depthwise_forward_and_input_gradient_take_no_tf32_on_hopper(dims):
-    # On an H200 (cuDNN 9.19) a channels-last depthwise convolution gave the same forward and input-gradient bits
-    # with cuDNN's TF32 flag on as off, in 8 shapes; its weight gradient took TF32 in 5 of them (conv's math)
+    # On an H200 (cuDNN 9.19) a channels-last depthwise convolution gave the same forward bits with cuDNN's TF32
+    # flag on as off in 8 shapes, and input-gradient bits in 6 (two 3-D ones: other bits at float32's error, no
+    # TF32's); its weight gradient took TF32 in 5 of them (conv's math)
     x, w = _operands(dims)
     x = x.detach().to(memory_format=torch.channels_last if dims == 2 else torch.channels_last_3d)
     native = _run(_CONV[dims], x, w, groups=8)

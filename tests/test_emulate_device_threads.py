@@ -17,14 +17,20 @@ from tf32lab.emulation import backward_threads, emulator
 from tf32lab.errors import Tf32LabError
 
 
-def _on_a_device_thread(fn):
-    """``fn()`` on another thread that holds this thread's emulator dispatch mode and none of its context."""
+def _on_a_device_thread(fn, backward: bool = True):
+    """``fn()`` on another thread that holds this thread's emulator dispatch mode and none of its context, inside a
+    backward there as autograd's device thread runs one (``backward=False``: outside any, as another thread)."""
     mode, found = emulator._thread_modes().dispatch, []
+
+    def in_a_backward():
+        leaf = torch.zeros((), requires_grad=True)
+        leaf.register_hook(lambda grad: found.append(fn()))
+        (leaf * 1).backward()
 
     def run():
         try:
             with mode:
-                found.append(fn())
+                in_a_backward() if backward else found.append(fn())
         except BaseException as exc:  # raised again on the caller's thread
             found.append(exc)
 
@@ -81,3 +87,12 @@ def test_a_backward_on_the_cpu_registers_nothing():
     with tf32lab.emulate("a100"):
         (x @ randn(8, 2, seed=4)).sum().backward()
     assert seen == [False] and x.grad is not None
+
+
+def test_another_thread_outside_a_backward_keeps_its_own_math():
+    # A thread that holds the emulator's modes (another task of it has a block open) and runs an op while a GPU
+    # backward of this block runs: not autograd's device thread, it took this block before (emulated, counted here)
+    a, b = randn(16, 96, seed=7), randn(96, 16, seed=8)
+    with tf32lab.precision("high"), tf32lab.emulate("a100") as emu, backward_threads.launched():
+        there = _on_a_device_thread(lambda: torch.mm(a, b), backward=False)
+    assert torch.equal(there, a @ b) and not emu.coverage

@@ -426,3 +426,31 @@ def test_a_check_on_the_cpu_sends_nothing_to_the_math_path():
     report = tf32lab.check_training(workload, levels=("highest",), target="native", speed=False)
     assert not any("math path" in note for note in report.notes)
     assert report.floor.drift < 1e-5  # on the CPU dropout's masks already match: float32's own drift
+
+
+def test_multihead_attentions_dropout_is_sent_to_the_math_path():
+    # nn.MultiheadAttention (every nn.Transformer layer, dropout 0.1 by default) calls SDPA with its dropout inside
+    # F.multi_head_attention_forward, where a function mode is off: the mode sends the whole call
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tf32lab.measure.draws import MathPathDropout
+
+    efficient_on: list[bool] = []
+
+    class Backends(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.bmm.default:
+                efficient_on.append(torch.backends.cuda.mem_efficient_sdp_enabled())
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    attention = torch.nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(3))
+    with MathPathDropout() as route:
+        attention(x, x, x, need_weights=True)  # weights: bmm and F.dropout, no SDPA
+        attention.eval()(x, x, x, need_weights=False)  # no dropout
+        assert route.rerouted == 0
+        with Backends():
+            attention.train()(x, x, x, need_weights=False)
+    assert route.rerouted == 1 and efficient_on and not any(efficient_on)
+    assert torch.backends.cuda.mem_efficient_sdp_enabled()

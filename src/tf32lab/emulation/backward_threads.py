@@ -14,13 +14,20 @@ runs; :func:`launcher` gives it to an op that runs where no block is open. Each 
 
 Example:
 
-    >>> import threading
+    >>> import threading, torch
+    >>> def in_a_backward(seen):  # an op of a backward, as autograd's device thread runs it
+    ...     leaf = torch.zeros((), requires_grad=True)
+    ...     _ = leaf.register_hook(lambda g: seen.append(launcher() is not None))
+    ...     (leaf * 1).backward()
     >>> with launched():
     ...     seen = []
-    ...     worker = threading.Thread(target=lambda: seen.append(launcher() is not None))
+    ...     worker = threading.Thread(target=in_a_backward, args=(seen,))
     ...     worker.start(); worker.join()
-    >>> seen, launcher() is None
-    ([True], True)
+    ...     outside = []
+    ...     worker = threading.Thread(target=lambda: outside.append(launcher() is not None))
+    ...     worker.start(); worker.join()
+    >>> seen, outside, launcher() is None
+    ([True], [False], True)
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ import threading
 from collections.abc import Iterator
 from typing import Optional
 
+import torch
+
 from tf32lab.errors import Tf32LabError
 
 __all__ = ["LAUNCHED", "launched", "launcher"]
@@ -38,6 +47,7 @@ __all__ = ["LAUNCHED", "launched", "launcher"]
 # thread id -> the context of the backward that thread has running; empty but while one runs (read unlocked first)
 LAUNCHED: dict[int, contextvars.Context] = {}
 _LOCK = threading.Lock()
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)  # -1 outside a backward's graph task
 
 
 @contextlib.contextmanager
@@ -62,6 +72,10 @@ def launcher() -> Optional[contextvars.Context]:
     backward was launched from a block, or this thread launched one (its own context is the block's). Two threads
     with a backward each on a GPU at once cannot be told apart on a device thread, which both use: refused."""
     if not LAUNCHED:
+        return None
+    if _graph_task_id is not None and _graph_task_id() == -1:
+        # not running a backward's op: some other thread that holds the emulator's modes (a block of another task
+        # of its own), not autograd's device thread, whose every op runs in a graph task
         return None
     with _LOCK:
         if threading.get_ident() in LAUNCHED:

@@ -251,7 +251,9 @@ class MathPathDropout(TorchFunctionMode):
     2.11), the memory-efficient kernel kept other weights than the math path from the same state, and the training
     check of a BERT with attention dropout 0.1 then gave float32 a drift of 8.6e-05 and a step-1 gradient 1.6e-02
     from float64 (3.6e-08 and 1.4e-07 on the math path), beside which every level passed. The math path's dropout
-    is ``at::dropout``, whose draw :class:`SameDraws` makes alike in float64. ``rerouted`` counts the calls.
+    is ``at::dropout``, whose draw :class:`SameDraws` makes alike in float64. ``rerouted`` counts the calls,
+    ``nn.MultiheadAttention``'s among them (its ``F.multi_head_attention_forward`` calls SDPA where this mode is off:
+    the whole call is sent).
 
     Its products are then the math path's, at the level (TF32 at ``high``), where the fused float32 kernel computes
     3xTF32 at every level: attention's error at ``high`` is an upper bound.
@@ -273,14 +275,28 @@ class MathPathDropout(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention and \
-                (args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)):
+        if (func is torch.nn.functional.scaled_dot_product_attention and
+                (args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0))) or _mha_sdpa_dropout(func, args, kwargs):
+            # nn.MultiheadAttention (nn.Transformer*'s layers) calls SDPA inside F.multi_head_attention_forward,
+            # where this mode is off: the whole call goes to the math path
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             self.rerouted += 1
             with sdpa_kernel([SDPBackend.MATH]):
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _mha_sdpa_dropout(func, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func(*args, **kwargs)`` is ``F.multi_head_attention_forward`` calling SDPA with dropout: in training,
+    ``dropout_p > 0`` and ``need_weights=False`` (with weights it computes them with bmm and ``F.dropout``)."""
+    if func is not torch.nn.functional.multi_head_attention_forward:
+        return False
+
+    def arg(i: int, name: str, default: Any) -> Any:
+        return kwargs.get(name, args[i] if len(args) > i else default)
+
+    return bool(arg(10, "dropout_p", 0.0)) and bool(arg(13, "training", True)) and not arg(15, "need_weights", True)
 
 
 # -- which dtype each draw is made at ---------------------------------------------------------------------------
