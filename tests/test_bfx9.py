@@ -86,8 +86,8 @@ def test_emulating_it_on_a_gpu_without_it_is_refused():
 def _covariance() -> Workload:
     from tf32lab.workloads.builtin import covariance
 
-    # a mean of 30 against a spread of ~1: TF32 breaks the Gram term alone. On Hopper and Blackwell the mean's outer
-    # product (K = 1) takes no TF32 (measured on an H200), and at the built-in mean of 10 `high` passes there
+    # a mean of 30 against a spread of ~1: TF32 breaks the Gram term alone. The mean's outer product (K = 1) takes
+    # no TF32 on an H200, which the b200 target assumes too; at the built-in mean of 10 `high` passes there
     return covariance(rows=512, cols=16, offset=30.0)
 
 

@@ -6,6 +6,7 @@ engine does."""
 
 from __future__ import annotations
 
+import contextvars
 import threading
 
 import pytest
@@ -67,7 +68,7 @@ def test_two_threads_launching_at_once_are_refused_on_a_device_thread():
     started.wait(10)
     try:
         with tf32lab.emulate("a100"), backward_threads.launched(), \
-                pytest.raises(Tf32LabError, match="2 threads run an emulated backward on a GPU at once"):
+                pytest.raises(Tf32LabError, match="2 threads run an emulated backward at once"):
             _on_a_device_thread(lambda: torch.mm(randn(4, 4, seed=5), randn(4, 4, seed=6)))
     finally:
         release.set()
@@ -96,3 +97,40 @@ def test_another_thread_outside_a_backward_keeps_its_own_math():
     with tf32lab.precision("high"), tf32lab.emulate("a100") as emu, backward_threads.launched():
         there = _on_a_device_thread(lambda: torch.mm(a, b), backward=False)
     assert torch.equal(there, a @ b) and not emu.coverage
+
+
+def test_two_threads_in_one_block_are_one():
+    started, release = threading.Event(), threading.Event()
+    a, b = randn(16, 96, seed=9), randn(96, 16, seed=10)
+    with tf32lab.precision("high"), tf32lab.emulate("a100") as emu:
+        block = tf32lab.control.scope.current_emulation()
+
+        def other():
+            with backward_threads.launched(block):
+                started.set()
+                release.wait(10)
+
+        worker = threading.Thread(target=contextvars.copy_context().run, args=(other,))  # a thread of the block
+        worker.start()
+        started.wait(10)
+        try:
+            with backward_threads.launched(block):
+                there = _on_a_device_thread(lambda: torch.mm(a, b))
+        finally:
+            release.set()
+            worker.join()
+    assert not torch.equal(there, a @ b) and dict(emu.coverage) == {("aten::mm", "tf32-rna"): 1}
+
+
+def test_a_scope_entered_on_the_device_thread_governs_its_ops():
+    # a backward hook (or a custom Function's backward) that enters precision() runs its ops at that level, on
+    # autograd's device thread as on the launching one: each op ran in a copy of the launcher's context alone
+    a, b = randn(16, 96, seed=11), randn(96, 16, seed=12)
+
+    def pinned():
+        with tf32lab.precision("highest"):
+            return torch.mm(a, b)
+
+    with tf32lab.precision("high"), tf32lab.emulate("a100") as emu, backward_threads.launched():
+        there = _on_a_device_thread(pinned)
+    assert torch.equal(there, a @ b) and dict(emu.coverage) == {("aten::mm", "ieee"): 1}

@@ -36,27 +36,29 @@ import contextlib
 import contextvars
 import threading
 from collections.abc import Iterator
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from tf32lab.errors import Tf32LabError
 
-__all__ = ["LAUNCHED", "launched", "launcher"]
+__all__ = ["LAUNCHED", "launched", "launcher", "run_in"]
 
-# thread id -> the context of the backward that thread has running; empty but while one runs (read unlocked first)
-LAUNCHED: dict[int, contextvars.Context] = {}
+# thread id -> (the context of the backward that thread has running, the block it holds); empty but while one runs
+# (read unlocked first)
+LAUNCHED: dict[int, tuple[contextvars.Context, Any]] = {}
 _LOCK = threading.Lock()
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)  # -1 outside a backward's graph task
 
 
 @contextlib.contextmanager
-def launched() -> Iterator[None]:
-    """This thread's context made known to autograd's device threads while the block runs (nested: the inner)."""
+def launched(block: Any = None) -> Iterator[None]:
+    """This thread's context made known to autograd's device threads while the block runs (nested: the inner);
+    ``block``: what the context holds (the ``emulate()`` block), so that two threads in one block are one."""
     me = threading.get_ident()
     with _LOCK:
         outer = LAUNCHED.get(me)
-        LAUNCHED[me] = contextvars.copy_context()
+        LAUNCHED[me] = (contextvars.copy_context(), block)
     try:
         yield
     finally:
@@ -70,7 +72,7 @@ def launched() -> Iterator[None]:
 def launcher() -> Optional[contextvars.Context]:
     """The context of the backward running on this thread, for an op that finds no block open: None where no
     backward was launched from a block, or this thread launched one (its own context is the block's). Two threads
-    with a backward each on a GPU at once cannot be told apart on a device thread, which both use: refused."""
+    with a backward each in two blocks at once cannot be told apart on a device thread, which both use: refused."""
     if not LAUNCHED:
         return None
     if _graph_task_id is not None and _graph_task_id() == -1:
@@ -80,9 +82,22 @@ def launcher() -> Optional[contextvars.Context]:
     with _LOCK:
         if threading.get_ident() in LAUNCHED:
             return None
-        contexts = list(LAUNCHED.values())
-    if len(contexts) > 1:
-        raise Tf32LabError(f"{len(contexts)} threads run an emulated backward on a GPU at once: autograd runs them on "
+        found = list(LAUNCHED.values())
+    if not found:
+        return None
+    blocks = {id(block) for _, block in found if block is not None}
+    if len(blocks) > 1 or (not blocks and len(found) > 1):
+        raise Tf32LabError(f"{len(found)} threads run an emulated backward at once: autograd runs a GPU's on "
                            f"one device thread, where an op cannot tell whose emulate() block it belongs to; run "
                            f"them one after the other")
-    return contexts[0] if contexts else None
+    return found[0][0]
+
+
+def run_in(context: contextvars.Context, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a copy of ``context`` (one ``Context`` cannot be entered by two device threads at once),
+    with the context variables this thread set itself laid over it: a ``precision()`` scope that a backward hook or
+    a custom ``Function.backward`` entered here is the op's, as it would be on the launching thread."""
+    run = context.copy()
+    for variable, value in contextvars.copy_context().items():
+        run.run(variable.set, value)
+    return run.run(fn, *args)

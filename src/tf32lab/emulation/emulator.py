@@ -901,7 +901,7 @@ class _Mode(TorchDispatchMode):
         if entry is None:
             context = backward_threads.launcher()  # autograd's device thread, in a block's backward on a GPU
             if context is not None:
-                return context.copy().run(self.__torch_dispatch__, func, types, args, kwargs)
+                return backward_threads.run_in(context, self.__torch_dispatch__, func, types, args, kwargs)
             return _passed_on(func, args, kwargs)
         if types:
             names = {t.__name__ for t in types}
@@ -1276,10 +1276,10 @@ class _FunctionMode(TorchFunctionMode):
         if backward_threads.LAUNCHED and scope.current_emulation() is None:
             context = backward_threads.launcher()  # autograd's device thread, in a block's backward on a GPU
             if context is not None:
-                return context.copy().run(self.__torch_function__, func, types, args, kwargs)
-        if func in _BACKWARDS and _on_a_device(args, kwargs) and scope.current_emulation() is not None:
+                return backward_threads.run_in(context, self.__torch_function__, func, types, args, kwargs)
+        if func in _BACKWARDS and _through_a_device(args, kwargs) and scope.current_emulation() is not None:
             # a GPU's backward runs on autograd's device thread: the block is made known there (backward_threads)
-            with backward_threads.launched():
+            with backward_threads.launched(scope.current_emulation()):
                 if _redispatch is not None and _skips_none_but_this(types):
                     with self:
                         return _redispatch(func, types, args, kwargs)
@@ -1319,11 +1319,12 @@ class _FunctionMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _on_a_device(args: tuple, kwargs: dict) -> bool:
-    """Whether a backward call's first tensors (``Tensor.backward``'s self, ``autograd.backward``'s and ``grad``'s
-    outputs) are on a device other than the CPU, whose backward autograd runs on a thread of its own."""
+def _through_a_device(args: tuple, kwargs: dict) -> bool:
+    """Whether a backward call may run on autograd's device threads: its first tensors (``Tensor.backward``'s self,
+    ``autograd.backward``'s and ``grad``'s outputs) are on a device other than the CPU, or, on a GPU machine,
+    whatever they are (``loss.cpu().backward()`` goes back through a GPU's graph)."""
     first = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
-    return any(t.device.type != "cpu" for t in operand_tensors((first,)))
+    return any(t.device.type != "cpu" for t in operand_tensors((first,))) or torch.cuda.is_initialized()
 
 
 def _handed(entry: _Entry, op: str, family: str, args: Any, kwargs: Any, compute: Callable[[], Any]) -> Any:

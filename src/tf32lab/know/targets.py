@@ -239,11 +239,11 @@ _S_CUDNN_HOPPER = ("PyTorch CUDA notes: cudnn.conv / cudnn.rnn fp32_precision, d
                    "3x3 with 8 channels and conv_transpose2d; RNE, the majority, is modelled")
 _S_GEMV_HOPPER = ("mm/addmm/linear/bmm with one row, one column or an inner dimension of 1, and F.affine_grid's thin "
                   "bmm: no TF32 at any level, as cuBLAS takes a kernel without tensor cores: measured on an H100 and "
-                  "an H200 (docs/gpu-results.md)")
+                  "an H200 (docs/gpu-results.md); assumed on Blackwell")
 _S_DEPTHWISE_HOPPER = ("cuDNN's channels-last depthwise convolutions: no TF32 in the forward or the input gradient "
                        "at either setting of cuDNN's flag, in 8 shapes (2-D and 3-D, 3x3 to 7x7, 32 to 256 channels, "
-                       "multipliers 1 and 2) measured on an H200, cuDNN 9.19 (docs/gpu-results.md); the weight "
-                       "gradient takes TF32 in 5 of them (conv's math)")
+                       "multipliers 1 and 2) measured on an H200, cuDNN 9.19 (docs/gpu-results.md; assumed on "
+                       "Blackwell); the weight gradient takes TF32 in 5 of them (conv's math)")
 _S_DEPTHWISE = ("cuDNN's channels-last depthwise convolutions follow cuDNN's flag, as a dense one; unmeasured before "
                 "Hopper (on an H200 its forward and input gradient took no TF32)")
 _S_GEMV_AMPERE = ("one-row products follow the matmul flag: pytorch#53635 (a 1x1 product rounded to TF32 on an RTX "

@@ -250,7 +250,7 @@ class MathPathDropout(TorchFunctionMode):
     cuDNN), which draws its dropout mask inside the kernel from its own Philox offsets. Measured on an H200 (torch
     2.11), the memory-efficient kernel kept other weights than the math path from the same state, and the training
     check of a BERT with attention dropout 0.1 then gave float32 a drift of 8.6e-05 and a step-1 gradient 1.6e-02
-    from float64 (3.6e-08 and 1.4e-07 on the math path), beside which every level passed. The math path's dropout
+    from float64 (5.5e-08 and 1.4e-07 on the math path), beside which every level passed. The math path's dropout
     is ``at::dropout``, whose draw :class:`SameDraws` makes alike in float64. ``rerouted`` counts the calls,
     ``nn.MultiheadAttention``'s among them (its ``F.multi_head_attention_forward`` calls SDPA where this mode is off:
     the whole call is sent).
