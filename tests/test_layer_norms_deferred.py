@@ -100,3 +100,18 @@ def test_a_half_precision_outputs_norm_is_its_values_norm_in_float64(dtype):
     norms: dict = {"output": None}
     tree_normwise(r.float(), r, norms, scratch(r.device))
     assert norms["output"] == reference_norm2(r)
+
+
+@pytest.mark.parametrize("spilled", [False, True])
+def test_a_reference_on_another_device_than_the_scratch_is_read_through_a_buffer_on_its_own(spilled):
+    # a model spread over devices (layers on cuda:0 and cuda:1, or one left on the CPU) hands tree_normwise the
+    # scratch made for the first layer's device: a difference across two devices raised on a GPU; a buffer on
+    # another device (here the meta device, which the CPU can run) stands for it
+    r = torch.linspace(-1.0, 1.0, 5000, dtype=torch.float64)
+    y = (r * 1.5).float()
+    elsewhere = torch.empty_like(scratch(r.device), device="meta")
+    with SpillFile(min_bytes=1) as spill:
+        kept = spill.put(r) if spilled else r
+        found = tree_normwise(y, kept, {"output": None}, elsewhere)
+        here = tree_normwise(y, kept, {"output": None}, scratch(r.device))
+    assert found == here and found[1] is None and found[0] == pytest.approx(0.5, rel=1e-6)

@@ -96,7 +96,7 @@ def _sums(output: Any, reference: Any, norms: dict[str, Optional[float]],
 
 def _summed(ys: list[tuple[str, torch.Tensor]], refs: dict[str, Any], norms: dict[str, Optional[float]],
             scratch: torch.Tensor) -> tuple[float, float, Optional[str]]:
-    read, work = scratch[:CHUNK], scratch[CHUNK:]
+    buffers = {scratch.device: scratch}
     diff2 = ref2 = 0.0
     for name, y in ys:
         r = refs.get(name)
@@ -105,6 +105,12 @@ def _summed(ys: list[tuple[str, torch.Tensor]], refs: dict[str, Any], norms: dic
         if r.shape != y.shape:
             what = "its output" if name == "output" else f"its output {name}"
             return math.nan, math.nan, f"{what} has shape {tuple(y.shape)}, the reference's {tuple(r.shape)}"
+        # the chunks on the reference's device (a spilled one's: the CPU): a model spread over devices (a layer on
+        # cuda:1, one left on the CPU) made the difference of tensors on two devices, or read a file into a GPU buffer
+        buffer = buffers.get(r.device)
+        if buffer is None:
+            buffer = buffers[r.device] = torch.empty_like(scratch, device=r.device)
+        read, work = buffer[:CHUNK], buffer[CHUNK:]
         known = norms[name]
         diff2, found = _diff2(y, r, read, work, diff2, known is None)
         if known is None:  # deferred: summed from the chunks the difference reads, and kept for the next row
