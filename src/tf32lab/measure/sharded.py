@@ -68,6 +68,7 @@ class Ranks:
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.calls = 0  # collectives so far
+        self.device = _collective_device(group)
 
     @classmethod
     def of_job(cls, group: Any = None) -> Optional[Ranks]:
@@ -79,7 +80,7 @@ class Ranks:
 
     def _reduce(self, values: Sequence[float], op: Any) -> list[float]:
         self.calls += 1
-        t = torch.tensor(list(values), dtype=torch.float64)
+        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
         torch.distributed.all_reduce(t, op=op, group=self.group)
         return t.tolist()
 
@@ -131,6 +132,18 @@ class Ranks:
         if bad:
             return math.nan, mismatch or "its output's structure differs from the reference's on another rank"
         return squares_ratio(total_diff, total_ref), None
+
+
+def _collective_device(group: Any) -> torch.device:
+    """Where a tensor of ``group``'s collectives lies: the CPU where the group has a CPU backend (gloo; the CLI's
+    ``cpu:gloo,cuda:nccl``), else the current device of its one backend's kind. A group initialised with
+    ``init_process_group("nccl")`` alone has no CPU backend: every all_reduce of a CPU tensor raised there."""
+    found = getattr(torch.distributed.distributed_c10d, "_get_object_coll_device", None)
+    try:
+        kind = found(group) if found is not None else "cpu"
+    except (RuntimeError, ValueError):
+        kind = "cpu"
+    return torch.device(kind)
 
 
 # -- what a rank holds ----------------------------------------------------------------------------------------
@@ -227,7 +240,9 @@ def outputs(out: Any, ref_out: Any, tolerances: dict[str, float], ranks: Ranks,
         elif all(k[2] for k in kinds):
             results.append(_split_error(name, y, r, tolerance, ranks, underflow))
         else:
-            gathered = ranks.gather((y, r))
+            # as CPU copies: a CUDA tensor pickled comes back on the device it left (another rank's GPU), where
+            # the parts could not be joined, or could not be loaded at all on a rank that sees one GPU
+            gathered = ranks.gather(tuple(v.detach().cpu() if isinstance(v, torch.Tensor) else v for v in (y, r)))
             ys, rs = [g[0] for g in gathered], [g[1] for g in gathered]
             results.extend(compare_local({name: _joined(ys)}, {name: _joined(rs)},
                                          {**tolerances, "default": tolerance}))
