@@ -83,7 +83,10 @@ def bench(workload: Workload, levels: Iterable[str] = LEVELS, *, rounds: int = 7
     levels = speed_levels(levels)
     refuse_applied(workload, "bench")
     where = device_name(workload)
-    cuda = where.startswith("cuda")
+    # every CUDA device the workload is on, its inputs' and its parameters': a bare synchronize() waits for the
+    # current device only (cuda:0), and a model on cuda:1 was timed by its launches
+    cuda = sorted({t.device for t in (*(t for _, t in named_tensors(workload.inputs)), *workload.model.parameters())
+                   if t.device.type == "cuda"}, key=str)
 
     def at(level: str):
         scope = precision(level)
@@ -91,8 +94,8 @@ def bench(workload: Workload, levels: Iterable[str] = LEVELS, *, rounds: int = 7
         def run() -> None:
             with scope, torch.inference_mode():
                 workload.run()
-            if cuda:
-                torch.cuda.synchronize()
+            for device in cuda:
+                torch.cuda.synchronize(device)
 
         return run
 
