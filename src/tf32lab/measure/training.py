@@ -272,7 +272,8 @@ def _not_finite(named: list[tuple[str, torch.nn.Parameter]]) -> Optional[str]:
     if not grads:
         return None
     norms = torch._foreach_norm([g.detach() for _, g in grads])
-    if bool(torch.isfinite(torch.stack(norms)).all()):
+    # stacked on one device: each norm is on its gradient's, and a model spread over GPUs raised in torch.stack
+    if bool(torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms])).all()):
         return None
     return next((n for (n, g), norm in zip(grads, norms)
                  if not bool(torch.isfinite(norm)) and not bool(torch.isfinite(g).all())), None)
