@@ -138,12 +138,17 @@ def _collective_device(group: Any) -> torch.device:
     """Where a tensor of ``group``'s collectives lies: the CPU where the group has a CPU backend (gloo; the CLI's
     ``cpu:gloo,cuda:nccl``), else the current device of its one backend's kind. A group initialised with
     ``init_process_group("nccl")`` alone has no CPU backend: every all_reduce of a CPU tensor raised there."""
-    found = getattr(torch.distributed.distributed_c10d, "_get_object_coll_device", None)
+    c10d = torch.distributed.distributed_c10d
+    found = getattr(c10d, "_get_object_coll_device", None)
     try:
         kind = found(group) if found is not None else "cpu"
     except (RuntimeError, ValueError):
         kind = "cpu"
-    return torch.device(kind)
+    if kind == "cpu":
+        return torch.device("cpu")
+    # the device the group was bound to (init_process_group(device_id=...)), else this kind's current one
+    bound = getattr(group if group is not None else c10d._get_default_group(), "bound_device_id", None)
+    return bound if isinstance(bound, torch.device) and bound.type == kind else torch.device(kind)
 
 
 # -- what a rank holds ----------------------------------------------------------------------------------------
