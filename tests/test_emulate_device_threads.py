@@ -134,3 +134,51 @@ def test_a_scope_entered_on_the_device_thread_governs_its_ops():
     with tf32lab.precision("high"), tf32lab.emulate("a100") as emu, backward_threads.launched():
         there = _on_a_device_thread(pinned)
     assert torch.equal(there, a @ b) and dict(emu.coverage) == {("aten::mm", "ieee"): 1}
+
+
+def test_a_scope_left_on_the_device_thread_gives_its_ops_back_to_the_block():
+    # leaving precision() sets the device thread's own scope variable to None: laid over the launcher's context,
+    # it hid the block's scope from every later op there (the process level, not the block's)
+    a, b = randn(16, 96, seed=13), randn(96, 16, seed=14)
+
+    def pinned_then_not():
+        with tf32lab.precision("highest"):
+            torch.mm(a, b)
+        return torch.mm(a, b)
+
+    with tf32lab.precision("high"), tf32lab.emulate("a100") as emu, backward_threads.launched():
+        here = torch.mm(a, b)
+        there = _on_a_device_thread(pinned_then_not)
+    assert torch.equal(there, here) and dict(emu.coverage) == {("aten::mm", "ieee"): 1, ("aten::mm", "tf32-rna"): 2}
+
+
+def test_an_emulate_block_left_on_the_device_thread_gives_its_ops_back_to_the_block():
+    # leaving emulate() there set the thread's block variable to None: laid over the launcher's context, an op
+    # found no block, asked for the launcher's context again, and recursed until RecursionError
+    a, b = randn(16, 96, seed=15), randn(96, 16, seed=16)
+
+    def emulated_then_not():
+        with tf32lab.emulate("h100") as inner:
+            pinned = torch.mm(a, b)
+        return inner, pinned, torch.mm(a, b)
+
+    with tf32lab.precision("high"), tf32lab.emulate("a100") as emu, backward_threads.launched():
+        here = torch.mm(a, b)
+        inner, pinned, there = _on_a_device_thread(emulated_then_not)
+    assert torch.equal(there, here) and dict(emu.coverage) == {("aten::mm", "tf32-rna"): 2}
+    # the inner block holds no scope of the outer thread's: the process level there, IEEE
+    assert torch.equal(pinned, a @ b) and set(inner.coverage) == {("aten::mm", "ieee")}
+
+
+def test_a_launcher_context_without_an_open_block_passes_ops_on():
+    # a launcher's context whose block is gone (closed from elsewhere while its backward runs) made each op ask for
+    # that context again from inside it, until RecursionError: the op now runs natively
+    a, b = randn(16, 96, seed=17), randn(96, 16, seed=18)
+    blockless = contextvars.copy_context()
+    with tf32lab.precision("high"), tf32lab.emulate("a100") as emu:
+        backward_threads.LAUNCHED[-1] = (blockless, None)
+        try:
+            there = _on_a_device_thread(lambda: torch.mm(a, b))
+        finally:
+            del backward_threads.LAUNCHED[-1]
+    assert torch.equal(there, a @ b) and not emu.coverage

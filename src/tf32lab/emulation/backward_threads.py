@@ -49,6 +49,9 @@ __all__ = ["LAUNCHED", "launched", "launcher", "run_in"]
 LAUNCHED: dict[int, tuple[contextvars.Context, Any]] = {}
 _LOCK = threading.Lock()
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)  # -1 outside a backward's graph task
+# set inside run_in's copy: an op there that still finds no block (the block closed meanwhile) is passed on, not run
+# in the launcher's context again and again
+_RUNNING: contextvars.ContextVar[bool] = contextvars.ContextVar("tf32lab_backward_run", default=False)
 
 
 @contextlib.contextmanager
@@ -73,7 +76,7 @@ def launcher() -> Optional[contextvars.Context]:
     """The context of the backward running on this thread, for an op that finds no block open: None where no
     backward was launched from a block, or this thread launched one (its own context is the block's). Two threads
     with a backward each in two blocks at once cannot be told apart on a device thread, which both use: refused."""
-    if not LAUNCHED:
+    if not LAUNCHED or _RUNNING.get():
         return None
     if _graph_task_id is not None and _graph_task_id() == -1:
         # not running a backward's op: some other thread that holds the emulator's modes (a block of another task
@@ -99,5 +102,15 @@ def run_in(context: contextvars.Context, fn: Callable[..., Any], *args: Any) -> 
     a custom ``Function.backward`` entered here is the op's, as it would be on the launching thread."""
     run = context.copy()
     for variable, value in contextvars.copy_context().items():
-        run.run(variable.set, value)
+        value = _open(value)
+        if value is not None:  # a scope or block entered and left here leaves None (or a closed node): not laid over
+            run.run(variable.set, value)
+    run.run(_RUNNING.set, True)
     return run.run(fn, *args)
+
+
+def _open(value: Any) -> Any:
+    """``value``, or for a closed scope or block (a node with ``alive`` false) its innermost open parent, or None."""
+    while value is not None and getattr(value, "alive", True) is False:
+        value = getattr(value, "parent", None)
+    return value
