@@ -182,3 +182,28 @@ def test_a_launcher_context_without_an_open_block_passes_ops_on():
         finally:
             del backward_threads.LAUNCHED[-1]
     assert torch.equal(there, a @ b) and not emu.coverage
+
+
+def test_two_threads_in_one_block_at_two_levels_are_refused():
+    # one block, but each thread in its own precision() scope: the device thread's op took the level of whichever
+    # thread registered first (here the other's "highest", not this thread's "high"), silently
+    started, release = threading.Event(), threading.Event()
+    a, b = randn(16, 96, seed=19), randn(96, 16, seed=20)
+    with tf32lab.precision("high"), tf32lab.emulate("a100"):
+        block = tf32lab.control.scope.current_emulation()
+
+        def other():
+            with tf32lab.precision("highest"), backward_threads.launched(block):
+                started.set()
+                release.wait(10)
+
+        worker = threading.Thread(target=contextvars.copy_context().run, args=(other,))
+        worker.start()
+        started.wait(10)
+        try:
+            with backward_threads.launched(block), \
+                    pytest.raises(Tf32LabError, match="2 threads run an emulated backward at once"):
+                _on_a_device_thread(lambda: torch.mm(a, b))
+        finally:
+            release.set()
+            worker.join()

@@ -40,6 +40,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from tf32lab.control import scope
 from tf32lab.errors import Tf32LabError
 
 __all__ = ["LAUNCHED", "launched", "launcher", "run_in"]
@@ -88,11 +89,13 @@ def launcher() -> Optional[contextvars.Context]:
         found = list(LAUNCHED.values())
     if not found:
         return None
-    blocks = {id(block) for _, block in found if block is not None}
-    if len(blocks) > 1 or (not blocks and len(found) > 1):
+    if len(found) > 1 and (any(block is None for _, block in found) or len({id(block) for _, block in found}) > 1
+                           or len({id(scope._live(context.get(scope._SCOPE))) for context, _ in found}) > 1):
+        # one block entered by several threads is one only at one precision() scope: the op would take the level
+        # of whichever thread registered first
         raise Tf32LabError(f"{len(found)} threads run an emulated backward at once: autograd runs a GPU's on "
-                           f"one device thread, where an op cannot tell whose emulate() block it belongs to; run "
-                           f"them one after the other")
+                           f"one device thread, where an op cannot tell whose emulate() block and precision() "
+                           f"scope it belongs to; run them one after the other")
     return found[0][0]
 
 
