@@ -389,3 +389,20 @@ def test_a_rank_whose_part_of_the_batch_is_empty_still_checks_the_whole(tmp_path
     for level in ("highest", "high"):
         got = sharded[level]["outputs"][0]["normwise"]
         assert got == pytest.approx(alone.level(level).outputs[0].normwise, rel=1e-9)
+
+
+def test_a_group_without_a_cpu_backend_reduces_on_its_device_before_pytorch_2_6(monkeypatch):
+    # PyTorch 2.4 and 2.5 have no _get_object_coll_device: an nccl-only group's reductions were made on the CPU
+    # there, which such a group cannot take; _get_pg_default_device gives the same answer
+    from types import SimpleNamespace
+
+    import torch
+
+    from tf32lab.measure import sharded
+
+    c10d = torch.distributed.distributed_c10d
+    monkeypatch.delattr(c10d, "_get_object_coll_device", raising=False)
+    monkeypatch.setattr(c10d, "_get_pg_default_device", lambda group=None: torch.device("cuda"), raising=False)
+    assert sharded._collective_device(SimpleNamespace(bound_device_id=None)) == torch.device("cuda")
+    bound = SimpleNamespace(bound_device_id=torch.device("cuda", 1))
+    assert sharded._collective_device(bound) == torch.device("cuda", 1)

@@ -139,7 +139,9 @@ def _collective_device(group: Any) -> torch.device:
     ``cpu:gloo,cuda:nccl``), else the current device of its one backend's kind. A group initialised with
     ``init_process_group("nccl")`` alone has no CPU backend: every all_reduce of a CPU tensor raised there."""
     c10d = torch.distributed.distributed_c10d
-    found = getattr(c10d, "_get_object_coll_device", None)
+    found = getattr(c10d, "_get_object_coll_device", None)  # PyTorch 2.6 on
+    if found is None and hasattr(c10d, "_get_pg_default_device"):  # before: the same rules, as a device
+        found = lambda g: c10d._get_pg_default_device(g).type  # noqa: E731
     try:
         kind = found(group) if found is not None else "cpu"
     except (RuntimeError, ValueError):
