@@ -207,3 +207,15 @@ def test_two_threads_in_one_block_at_two_levels_are_refused():
         finally:
             release.set()
             worker.join()
+
+
+def test_on_a_machine_with_cuda_up_any_backward_in_a_block_registers(monkeypatch):
+    # loss.cpu().backward() goes back through a GPU's graph: its root on the CPU says nothing of the device thread
+    # its GPU nodes run on, so on a machine where CUDA is initialized every backward in a block registers
+    x = randn(4, 8, seed=13).requires_grad_()
+    seen = []
+    x.register_hook(lambda grad: seen.append(bool(backward_threads.LAUNCHED)))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with tf32lab.emulate("a100"):
+        (x @ randn(8, 2, seed=14)).sum().backward()
+    assert seen == [True] and not backward_threads.LAUNCHED
