@@ -3,9 +3,11 @@
 The model's parameters, buffers and inputs are tagged *device*; a tensor a factory makes without ``device=``
 (``torch.zeros``, ``torch.tensor``, ...) or a ``.cpu()`` copy is tagged *host*; results inherit their operands' tag.
 An op that combines a device tensor with a host tensor of more than 0 dims is what raises "Expected all tensors to
-be on the same device" on a GPU, and ``.numpy()`` of a device tensor raises there too: both are recorded with the
-tf32lab line that made them (:attr:`DeviceTags.mixed`). On an H200, every ``check`` of a model on the GPU raised
-so at its first output (an error histogram kept on the CPU), which no test on a CPU could see.
+be on the same device" on a GPU: it is recorded with the tf32lab line that made it (:attr:`DeviceTags.mixed`).
+``.numpy()`` of a device tensor would raise there too, but tf32lab's numpy paths (numba's kernels) are taken only
+for tensors that are on the CPU (``is_cpu``), which the simulated device cannot show: not recorded. On an H200,
+every ``check`` of a model on the GPU raised so at its first output (an error histogram kept on the CPU), which no
+test on a CPU could see.
 
 It is a function mode: tf32lab's own arithmetic under ``torch._C.DisableTorchFunction`` (``measure.norms.bare``)
 goes unseen, and ``.to(device)``/``copy_`` are where a value may cross, by design.
@@ -74,7 +76,7 @@ class DeviceTags(TorchFunctionMode):
         operands = _tensors(args, []) + _tensors(kwargs, [])
         on_device = any(self._of(t) == DEVICE for t in operands)
         on_host = any(self._of(t) == HOST and t.dim() > 0 for t in operands)
-        if on_device and ((on_host and name not in _CROSSING) or name == "numpy"):
+        if on_device and on_host and name not in _CROSSING:
             self.mixed.setdefault(name, set()).add(_site())
         out = func(*args, **kwargs)
         if func in _FACTORIES:
