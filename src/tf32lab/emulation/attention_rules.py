@@ -342,6 +342,15 @@ SDPA_FUNCTION = torch._C._nn.scaled_dot_product_attention
 _SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 
 
+def sdpa_dropout(args: tuple, kwargs: dict) -> float:
+    """The ``dropout_p`` of an ``F.scaled_dot_product_attention(*args, **kwargs)`` call (0.0 where none is given).
+
+    >>> sdpa_dropout((None, None, None, None, 0.1), {}), sdpa_dropout((), {"dropout_p": 0.2}), sdpa_dropout((), {})
+    (0.1, 0.2, 0.0)
+    """
+    return float(dict(zip(_SDPA_NAMES, args), **kwargs).get("dropout_p", 0.0) or 0.0)
+
+
 def sdpa_function(call, func, args, kwargs):
     """``F.scaled_dot_product_attention``: through ``tf32lab::scaled_dot_product_attention``. With dropout (a
     transformer in training: BERT's attention dropout), its weights are drawn first, as PyTorch's CPU kernel (the
@@ -349,7 +358,7 @@ def sdpa_function(call, func, args, kwargs):
     bound = dict(zip(_SDPA_NAMES, args), **kwargs)
     mask = bound.get("attn_mask")
     q, k, v = bound["query"], bound["key"], bound["value"]
-    p = float(bound.get("dropout_p", 0.0) or 0.0)
+    p = sdpa_dropout(args, kwargs)
     enable_gqa = bool(bound.get("enable_gqa", False))
     noise = dropout_noise(q, k, p, enable_gqa) if p > 0 else None
     return torch.ops.tf32lab.scaled_dot_product_attention(

@@ -47,6 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tf32lab.control import modestack
 from tf32lab.control.scope import precision
+from tf32lab.emulation.attention_rules import sdpa_dropout
 from tf32lab.errors import Tf32LabError
 
 __all__ = ["NARROW", "RANDOM_OPS", "WIDE", "DrawLog", "MathPathDropout", "SameDraws", "Streams", "draw_kind",
@@ -275,8 +276,8 @@ class MathPathDropout(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if (func is torch.nn.functional.scaled_dot_product_attention and
-                (args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0))) or _mha_sdpa_dropout(func, args, kwargs):
+        if (func is torch.nn.functional.scaled_dot_product_attention and sdpa_dropout(args, kwargs)) or \
+                _mha_sdpa_dropout(func, args, kwargs):
             # nn.MultiheadAttention (nn.Transformer*'s layers) calls SDPA inside F.multi_head_attention_forward,
             # where this mode is off: the whole call goes to the math path
             from torch.nn.attention import SDPBackend, sdpa_kernel
