@@ -426,7 +426,13 @@ class Session:
         if self.handed is not None:  # the run it was kept for never came
             self.handed[1].close()
             self.handed = None
-        self._stack.__exit__(*exc)
+        try:
+            self._stack.__exit__(*exc)
+        finally:
+            # the kept outputs let go as the check returns (the report keeps none of them), not at the garbage
+            # collector's next full pass: the recorder and its float64 mode refer to each other (``_new_recorder``)
+            self.recorder.release()
+            self.ref_out = None
 
     def _reference(self, plan: Optional[list[Optional[str]]] = None, announce: bool = True,
                    again: Optional[str] = None) -> None:

@@ -258,6 +258,7 @@ class Recorder:
         self.shared.clear()
         self.stack.clear()
         self.mode.on_op = self.mode.on_write = self.mode.on_result = None
+        self.before_write = None  # the model's kept state (its parameters' originals): the caller's to drop
 
     def _unhook(self) -> None:
         if self.own_hooks is not None:  # first: the hooks' own dicts back, before ours leave them

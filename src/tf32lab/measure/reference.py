@@ -199,7 +199,7 @@ class _Functions(TorchFunctionMode):
 
     def __init__(self, run: Float64Run) -> None:
         super().__init__()
-        self.run = run
+        self.run = weakref.proxy(run)  # no cycle: the run, its kept state and model go when its owner drops it
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -310,7 +310,7 @@ class _Ops(TorchDispatchMode):
 
     def __init__(self, run: Float64Run) -> None:
         super().__init__()
-        self.run = run
+        self.run = weakref.proxy(run)  # no cycle: the run, its kept state and model go when its owner drops it
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

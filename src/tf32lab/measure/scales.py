@@ -109,7 +109,7 @@ def _versions(args: tuple, kwargs: dict, results: list[torch.Tensor]) -> Optiona
 class _Mode(TorchDispatchMode):
     def __init__(self, formed: Formed) -> None:
         super().__init__()
-        self.formed = formed
+        self.formed = weakref.proxy(formed)  # no cycle: what it keeps goes when its owner drops it
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

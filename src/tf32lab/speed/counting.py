@@ -24,6 +24,7 @@ import collections
 import math
 import sys
 import threading
+import weakref
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -224,7 +225,7 @@ def _bytes(name: str, args: tuple, kwargs: dict, out: Any) -> float:
 class _Mode(TorchDispatchMode):
     def __init__(self, counting: Counting) -> None:
         super().__init__()
-        self.counting = counting
+        self.counting = weakref.proxy(counting)  # no cycle: the model it counts goes when its owner drops it
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -254,7 +255,7 @@ class _Functions(TorchFunctionMode):
 
     def __init__(self, counting: Counting) -> None:
         super().__init__()
-        self.counting = counting
+        self.counting = weakref.proxy(counting)  # no cycle: the model it counts goes when its owner drops it
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         ops = _RNNS.get(func) if func.__hash__ is not None else None
