@@ -1,0 +1,69 @@
+"""What ``check`` and ``check_training`` hold once they return: nothing. Their recorders and modes refer back to
+their owners; a cycle among them kept each layer's float64 output, the rows' model copies and the model itself
+alive until the garbage collector's next full pass, which comes at a time of its own choosing (rarely, in a
+process that holds many objects, and never where it is off: ``timeit`` turns it off). The collector is off here."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import tf32lab
+
+
+@pytest.fixture
+def no_collector() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.Tanh(), torch.nn.Linear(48, 8))
+
+
+def _elements(dtype: torch.dtype) -> int:
+    return sum(o.numel() for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter)
+               and o.dtype == dtype)
+
+
+@pytest.mark.parametrize("tolerance", [1e-7, 1.0], ids=["failing", "passing"])
+def test_a_check_holds_no_kept_output_once_it_returns(no_collector, tolerance):
+    # all-MiniLM-L6-v2's kept outputs: 212 MB a check, the process growing by as much at each check, and each
+    # check's reference paging its memory in afresh (55,000 page faults a check)
+    model = _mlp()
+    before = _elements(torch.float64)
+    report = tf32lab.check(tf32lab.Workload(model, torch.randn(4, 16), name="mlp"), levels=("highest", "high"),
+                           tolerance=tolerance, speed=False)
+    assert report.level("high").passed is (tolerance == 1.0)
+    assert _elements(torch.float64) == before
+
+
+def test_the_model_goes_when_its_owner_drops_it_after_a_check(no_collector):
+    model = _mlp()
+    tf32lab.check(tf32lab.Workload(model, torch.randn(4, 16), name="mlp"), levels=("highest", "high"))
+    gone = weakref.ref(model)
+    del model
+    assert gone() is None
+
+
+def test_a_training_check_holds_no_copy_of_the_model_once_it_returns(no_collector):
+    # each row trains a copy of the model: three copies a check were left to the collector
+    model = _mlp()
+    batches = [(torch.randn(4, 16), torch.randn(4, 8)) for _ in range(3)]
+    workload = tf32lab.TrainingWorkload(model, batches, loss=lambda out, b: (out - b[1]).pow(2).mean(),
+                                        inputs=lambda b: b[0], optimizer=lambda p: torch.optim.Adam(p, lr=1e-3))
+    tf32lab.check_training(workload, levels=("highest", "high"))  # the first: what a process loads once
+    before = _elements(torch.float32), _elements(torch.float64)
+    tf32lab.check_training(workload, levels=("highest", "high"))
+    assert (_elements(torch.float32), _elements(torch.float64)) == before
