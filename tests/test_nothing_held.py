@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import tf32lab
+from tf32lab.measure import resolution
 
 
 @pytest.fixture
@@ -67,3 +68,51 @@ def test_a_training_check_holds_no_copy_of_the_model_once_it_returns(no_collecto
     before = _elements(torch.float32), _elements(torch.float64)
     tf32lab.check_training(workload, levels=("highest", "high"))
     assert (_elements(torch.float32), _elements(torch.float64)) == before
+
+
+_PASSES: list[int] = []  # the float64 passes so far (not the model's: check puts its attributes back before each run)
+
+
+class _AtTheReference(torch.nn.Module):
+    """An MLP whose float64 reference raises (``raises``: at its ``at``-th float64 pass) or is NaN throughout."""
+
+    def __init__(self, how: str, at: int = 1) -> None:
+        super().__init__()
+        self.mlp, self.how, self.at = _mlp(), how, at
+        _PASSES.clear()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.mlp(x)
+        if resolution.running():
+            _PASSES.append(1)
+            if self.how == "nan":
+                return y * float("nan")
+            if len(_PASSES) % self.at == 0:
+                raise ValueError("no reference")
+        return y
+
+
+@pytest.mark.parametrize("how", ["raises", "nan"])
+def test_a_check_refused_at_the_float64_reference_holds_nothing(no_collector, how):
+    # the recorder and its float64 mode referred to each other, and the reference's kept ops (measure.scales) to
+    # their keeper: each cycle kept the model, and the layers' kept outputs, once the error was raised
+    model = _AtTheReference(how)
+    before = _elements(torch.float64)
+    with pytest.raises(tf32lab.Tf32LabError, match="float64 reference"):
+        tf32lab.check(tf32lab.Workload(model, torch.randn(4, 16), name="mlp"), levels=("highest", "high"))
+    gone = weakref.ref(model)
+    del model
+    assert gone() is None
+    assert _elements(torch.float64) == before
+
+
+def test_a_check_whose_second_reference_raises_holds_nothing(no_collector):
+    # the levels fail, and the second float64 pass (each layer's introduced error) raises: the report stands, and
+    # the second pass's recorder, dropped, held the model
+    model = _AtTheReference("raises", at=2)
+    report = tf32lab.check(tf32lab.Workload(model, torch.randn(4, 16), name="mlp"), levels=("highest", "high"),
+                           tolerance=1e-12, speed=False)
+    assert any("introduced error at" in note and "not measured" in note for note in report.notes)
+    gone = weakref.ref(model)
+    del model, report
+    assert gone() is None

@@ -429,8 +429,8 @@ class Session:
         try:
             self._stack.__exit__(*exc)
         finally:
-            # the kept outputs let go as the check returns (the report keeps none of them), not at the garbage
-            # collector's next full pass: the recorder and its float64 mode refer to each other (``_new_recorder``)
+            # the kept outputs let go as the check returns (the report keeps none of them), whoever still holds the
+            # session (the report is made from it after this)
             self.recorder.release()
             self.ref_out = None
 
@@ -448,40 +448,44 @@ class Session:
         formed = Formed(lambda: not (recorder.rerunning or recorder.mode.paused), recorder.mode) \
             if self.ranks is None else None
         try:
-            # not inference mode: its tensors keep no version counters
-            with float64_scripted(workload, recorder) as model, torch.inference_mode(False), \
-                    torch.no_grad(), recorder, formed or contextlib.nullcontext():
-                ref_inputs = _reference_inputs(workload, recorder)
-                recorder.model_inputs = {id(t) for _, t in named_tensors(ref_inputs)}
-                self.streams.seeded()
-                self.ref_out = workload.run(model, ref_inputs)
-        except (Tf32LabError, KeyboardInterrupt):
-            raise
-        except BaseException as exc:  # sys.exit() included: bad input, never a check that ends with no verdict
-            if out_of_memory(exc):
-                raise _no_memory(workload, "the float64 reference", exc) from exc
-            if self.ranks is not None and collective_failure(exc):
+            try:
+                # not inference mode: its tensors keep no version counters
+                with float64_scripted(workload, recorder) as model, torch.inference_mode(False), \
+                        torch.no_grad(), recorder, formed or contextlib.nullcontext():
+                    ref_inputs = _reference_inputs(workload, recorder)
+                    recorder.model_inputs = {id(t) for _, t in named_tensors(ref_inputs)}
+                    self.streams.seeded()
+                    self.ref_out = workload.run(model, ref_inputs)
+            except (Tf32LabError, KeyboardInterrupt):
                 raise
-            bug = internal_error(exc, f"running workload {workload.name!r} at the float64 reference")
-            if bug is not None:
-                raise bug from exc
-            when = "before any level ran" if again is None else f"run again after the rows, {again}"
-            raise Tf32LabError(f"workload {workload.name!r} raised at the float64 reference, {when}: "
-                               f"{described(exc)}") from exc
-        # sharded: a rank may hold an empty part of an output (its rows of a small batch); the whole must compare
-        here = _comparable(self.ref_out)
-        if self.ranks is not None:
-            here = any(self.ranks.gather(here, "the end of the float64 reference"))
-        _check_comparable(workload, self.ref_out, here)
-        _check_judgeable(workload, self.ref_out, self.ranks)
-        _warn_unknown(self.tolerances, self.ref_out)
-        if formed is not None:
-            self.scales = formed.scales(self.ref_out)
-            _check_measurable(workload, self.ref_out, self.scales)
-        else:
-            _check_measurable_sharded(workload, self.ref_out, self.ranks)
-        self.ref_drawn = list(recorder.mode.drawn)
-        self.ref_out = _owned(self.ref_out, workload.model)
+            except BaseException as exc:  # sys.exit() included: bad input, never a check that ends with no verdict
+                if out_of_memory(exc):
+                    raise _no_memory(workload, "the float64 reference", exc) from exc
+                if self.ranks is not None and collective_failure(exc):
+                    raise
+                bug = internal_error(exc, f"running workload {workload.name!r} at the float64 reference")
+                if bug is not None:
+                    raise bug from exc
+                when = "before any level ran" if again is None else f"run again after the rows, {again}"
+                raise Tf32LabError(f"workload {workload.name!r} raised at the float64 reference, {when}: "
+                                   f"{described(exc)}") from exc
+            # sharded: a rank may hold an empty part of an output (its rows of a small batch); the whole must compare
+            here = _comparable(self.ref_out)
+            if self.ranks is not None:
+                here = any(self.ranks.gather(here, "the end of the float64 reference"))
+            _check_comparable(workload, self.ref_out, here)
+            _check_judgeable(workload, self.ref_out, self.ranks)
+            _warn_unknown(self.tolerances, self.ref_out)
+            if formed is not None:
+                self.scales = formed.scales(self.ref_out)
+                _check_measurable(workload, self.ref_out, self.scales)
+            else:
+                _check_measurable_sharded(workload, self.ref_out, self.ranks)
+            self.ref_drawn = list(recorder.mode.drawn)
+            self.ref_out = _owned(self.ref_out, workload.model)
+        finally:
+            if formed is not None:  # its kept ops (operands held) and it refer to each other: let go on any exit
+                formed.kept.clear()
 
     def _as_drawn(self, run: Callable[[], _T], where: str) -> _T:
         """``run()``, the session's first end-to-end run (``where``: what it is, for a note). Where the reference
@@ -528,11 +532,11 @@ class Session:
         return run()
 
     def _new_recorder(self) -> None:
-        """A fresh recorder for another float64 pass, the last pass's kept outputs let go first: a recorder and its
-        float64 mode refer to each other, a cycle that only the garbage collector frees, so dropped alone its
-        outputs would stay held through the next pass (both passes' at once: MiniLM's failing check 607 MiB over
-        the loaded model, against 374 with every level rerun in one pass). The spill file is emptied too, and a
-        row's hand-off to the next level with it: nothing reads them now, and the pass writes its own."""
+        """A fresh recorder for another float64 pass, the last pass's kept outputs let go first: the last recorder
+        may stay (``introduce`` keeps it for the report, should the pass fail), and held its outputs through the
+        next pass (both passes' at once: MiniLM's failing check 607 MiB over the loaded model, against 374 with
+        every level rerun in one pass). The spill file is emptied too, and a row's hand-off to the next level with
+        it: nothing reads them now, and the pass writes its own."""
         self.recorder.release()
         self.ref_out = None  # the model's output, as large as a layer's: the next pass keeps its own
         if self.handed is not None:

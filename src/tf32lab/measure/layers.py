@@ -194,7 +194,9 @@ class Recorder:
         self.accumulation = accumulation  # emulate()'s: None for the TF32LAB_ACCUMULATION setting
         self.spill = spill or SpillFile()
         self.modules, self.scripted = hookable(model)
-        self.mode = Float64Run(self._op, self._written)
+        # told of each op and write only while the recorder is entered (:meth:`__enter__`): its callbacks are the
+        # recorder's own methods, and a recorder held by its mode outlived every error raised before its release
+        self.mode = Float64Run()
         self.mode.choices = Kept()  # the reference's choices (top-k, argmax), for the rows' (measure.choices)
         self.before_write: Optional[Callable[[list[torch.Tensor]], None]] = None  # the model's state's copy-on-write
         self.shared: dict[int, list[tuple[str, int]]] = {}  # storage address -> outputs kept without a copy
@@ -238,8 +240,10 @@ class Recorder:
             if self.levels or self.pins:  # layers rerun in this pass: the model's own hooks watched around them
                 self.own_hooks = OwnHooks([m for _, m in self.modules], {h.id for h in self.handles},
                                           lambda: self.rerunning).__enter__()
+            self.mode.on_op, self.mode.on_write = self._op, self._written
             self.mode.__enter__()
         except BaseException:
+            self.mode.on_op = self.mode.on_write = None
             self._unhook()
             raise
         return self
@@ -248,12 +252,13 @@ class Recorder:
         try:
             self.mode.__exit__(*exc)
         finally:
+            self.mode.on_op = self.mode.on_write = None  # no cycle: dropped, the recorder goes with what it keeps
             self._unhook()
             self.scratch = None
 
     def release(self) -> None:
-        """Let go of the kept outputs now, after the run: the recorder lives in a cycle (its mode's callbacks are
-        its own methods), which only a collection would free."""
+        """Let go of the kept outputs now, after the run, where the recorder itself stays (the session holds it for
+        the report: its layers, op counts and notes)."""
         self.outputs.clear()
         self.shared.clear()
         self.stack.clear()
