@@ -81,3 +81,12 @@ def test_each_submodels_own_implementation_is_put_back():
     with pytest.raises(KeyError), experts_eager(model):  # on every exit
         raise KeyError("x")
     assert _implementations(model) == before
+
+
+def test_a_mixture_of_experts_is_tuned_in_float64():
+    # as check: tune's float64 reference ran the grouped GEMM, which has no float64 kernel, and refused valid input
+    torch.manual_seed(0)
+    wrapped = Logits(_mixtral())
+    tuning = tf32lab.tune(tf32lab.Workload(wrapped, torch.randint(0, 64, (2, 8))), tolerance=0.1)
+    assert tuning.passed and tuning.report.level("highest").error is None
+    assert wrapped.inner.config._experts_implementation == "grouped_mm"

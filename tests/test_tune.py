@@ -181,3 +181,18 @@ def test_keeping_highest_says_why_a_level_that_passes_too_is_not_taken():
     assert tuning.policy.default == "highest"
     assert "(`high` passes too, predicted 1.00x: no faster)" in tuning.reason
     assert "0.000 of the tolerance" not in tuning.reason and "e-05 of the tolerance" in tuning.reason
+
+
+def test_a_compiled_model_is_tuned_eagerly_and_its_own_calls_still_compile(counted_graphs):
+    # check ran a compiled model eagerly, tune did not: Dynamo traced it into the float64 reference's modes, and
+    # tune refused it ("raised at the float64 reference ... InternalTorchDynamoError")
+    counting, graphs = counted_graphs
+    torch.manual_seed(0)
+    compiled = torch.compile(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)),
+                             backend=counting)
+    x = torch.randn(4, 8)
+    tuning = tf32lab.tune(tf32lab.Workload(compiled, x, name="compiled"), tolerance=1e-2)
+    assert tuning.passed and tuning.report.level("highest").error is None
+    assert graphs == {"compiled": 0, "ran": 0}  # the runs were eager
+    compiled(x)
+    assert graphs == {"compiled": 1, "ran": 1}
