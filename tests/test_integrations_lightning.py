@@ -4,6 +4,7 @@ would be without it."""
 from __future__ import annotations
 
 import csv
+import gc
 import importlib
 import importlib.util
 import json
@@ -102,6 +103,20 @@ def test_a_rows_optimizers_are_not_kept_past_its_row(tmp_path):
         max_steps=1)
     checked = modules.Counted.alive[:-1]  # the run's own step last
     assert len(checked) >= 6 and checked[-1] == checked[0], modules.Counted.alive
+
+
+def test_no_copy_of_the_module_is_left_once_the_check_is_done(tmp_path):
+    # the callback's record of the row being trained (its copy of the module and its last loss) and the closures
+    # that read it referred to each other: the last row's copy stayed until the collector's next full pass
+    gc.collect()
+    gc.disable()
+    try:
+        module = fit(tmp_path, callback=lightning.Tf32Check(steps=2, levels=("highest", "high")), max_steps=1)[0]
+        # by type: a copy is of a class made from the module's, and isinstance() on a dead weakref.proxy raises
+        copies = [o for o in gc.get_objects() if issubclass(type(o), modules.Regression) and o is not module]
+    finally:
+        gc.enable()
+    assert copies == []
 
 
 def test_the_check_trains_the_runs_own_schedule_and_clipping(tmp_path):

@@ -384,17 +384,22 @@ class Tf32Check(L.Callback):
             return total
 
         around = (lambda model: rows.manual(model, bundle_of(model), recorded, at)) if manual else None
-        model = _loop.stepping_copy(module, members=rows.outside_the_run(trainer, at))
-        if manual and isinstance(trainer.max_steps, int) and trainer.max_steps > 0:
-            left = trainer.max_steps - int(trainer.global_step)
-            ran = _manual_batches(model, steps, left, bundle_of, recorded, one, at)
-            if ran < len(steps):
-                notes.append(f"the run trains {ran} batches (max_steps={trainer.max_steps} counts each optimizer's "
-                             f"steps, {left} left, and a float32 pass of training_step stepped them so): {ran} of "
-                             f"the {self.steps} steps asked for were checked")
-                steps = steps[:ran]
-        return _loop.run_check(model, type(module).__name__, steps, loss, optimizer, levels=self.levels,
-                               target=self.target, tolerance=self.tolerance, around=around, notes=notes)
+        try:
+            model = _loop.stepping_copy(module, members=rows.outside_the_run(trainer, at))
+            if manual and isinstance(trainer.max_steps, int) and trainer.max_steps > 0:
+                left = trainer.max_steps - int(trainer.global_step)
+                ran = _manual_batches(model, steps, left, bundle_of, recorded, one, at)
+                if ran < len(steps):
+                    notes.append(f"the run trains {ran} batches (max_steps={trainer.max_steps} counts each "
+                                 f"optimizer's steps, {left} left, and a float32 pass of training_step stepped them "
+                                 f"so): {ran} of the {self.steps} steps asked for were checked")
+                    steps = steps[:ran]
+            return _loop.run_check(model, type(module).__name__, steps, loss, optimizer, levels=self.levels,
+                                   target=self.target, tolerance=self.tolerance, around=around, notes=notes)
+        finally:
+            # the last row's copy and loss: ``at`` and the closures that read it refer to each other, a cycle that
+            # kept them until the collector's next full pass
+            at.clear()
 
 
 def _manual_batches(model: Any, steps: list[tuple[int, list[Any]]], left: int, bundle_of: Any,
