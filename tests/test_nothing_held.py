@@ -116,3 +116,23 @@ def test_a_check_whose_second_reference_raises_holds_nothing(no_collector):
     gone = weakref.ref(model)
     del model, report
     assert gone() is None
+
+
+def test_counting_entered_by_hand_counts_while_its_modes_are_on_the_stack():
+    # its __enter__ gives its Counts, not itself: entered so, nothing but its modes held it, and their reference
+    # to it is weak (every op then raised ReferenceError); they hold it while they are on the stack
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from tf32lab.control import modestack
+    from tf32lab.speed.counting import Counting
+
+    before = [*_get_current_function_mode_stack(), *_get_current_dispatch_mode_stack()]
+    counts = Counting().__enter__()
+    try:
+        torch.nn.Linear(4, 4)(torch.ones(2, 4))
+    finally:
+        for mode in [*_get_current_dispatch_mode_stack(), *_get_current_function_mode_stack()]:
+            if not any(mode is other for other in before):
+                modestack.remove(mode)
+    assert any(op.family == "matmul" for op in counts.ops), counts.ops

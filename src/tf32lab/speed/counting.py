@@ -226,6 +226,9 @@ class _Mode(TorchDispatchMode):
     def __init__(self, counting: Counting) -> None:
         super().__init__()
         self.counting = weakref.proxy(counting)  # no cycle: the model it counts goes when its owner drops it
+        # its Counting while on the stack (``Counting.__enter__`` gives its Counts, not itself: entered by hand, no
+        # one else holds it), let go at its exit
+        self.held: Optional[Counting] = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -328,9 +331,11 @@ class Counting:
                 self._handles.append(module.register_forward_hook(self._post(), always_call=True))
         modestack.push(self._functions)
         modestack.push(self._mode)
+        self._mode.held = self
         return self.counts
 
     def __exit__(self, *exc: object) -> None:
+        self._mode.held = None
         self._nodes.clear()
         self._boundaries.clear()
         modestack.remove(self._mode)
