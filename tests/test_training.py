@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -916,3 +917,20 @@ def test_float64_batches_a_float32_model_refuses_are_said_to_be_the_batches_not_
     benign = TrainingWorkload(torch.nn.Linear(4, 1), [(torch.randn(8, 4), torch.randn(8, 1))] * 2, loss=mse,
                               inputs=lambda b: b[0])
     assert not any("inputs hold" in note for note in check_training(benign, levels=("high",), speed=False).notes)
+
+
+@pytest.mark.parametrize("off", [lambda: torch.set_grad_enabled(False), torch.no_grad])
+def test_training_runs_with_autograd_on_when_the_caller_turned_it_off(off):
+    # a library that loads its model can leave autograd off for the whole process (silero-stress's
+    # load_accentor calls torch.set_grad_enabled(False)); a training step needs it: the check turns it on for its
+    # own steps and leaves the caller's mode as it was, rather than blaming the loss for having no gradient
+    was = torch.is_grad_enabled()
+    try:
+        scope = off()
+        with scope if hasattr(scope, "__enter__") else contextlib.nullcontext():
+            report = check_training(regression(steps=2), levels=("highest", "high"), target="a100", speed=False)
+            tuning = tf32lab.tune(regression(steps=2), target="a100")
+            assert not torch.is_grad_enabled()
+        assert report.passed and report.level("high").losses and tuning.passed
+    finally:
+        torch.set_grad_enabled(was)

@@ -169,7 +169,9 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     conv_scope = ConvRun(conv)
     refuse_applied(workload, "check")  # type: ignore[arg-type]  # it reads .model and .name
     row = PolicyRow.of(policy, workload.model) if policy is not None else None
-    with exits_refused(workload.name, "check_training"), kept_flags() as changed, \
+    # training needs autograd: on for the check's own steps (a library's loader can leave it off for the whole
+    # process: silero-stress's), the caller's mode as it was after
+    with exits_refused(workload.name, "check_training"), kept_flags() as changed, torch.enable_grad(), \
             random_state_kept(workload.model), conv_scope, experts_eager(workload.model), compiled_eagerly():
         session = TrainingSession(workload, target, steps, tolerance, accumulation)
         report = _Training(session, levels, row, progress, speed).run()
