@@ -62,7 +62,7 @@ class Workload:
             raise Tf32LabError(f"a workload's notes must be a tuple of strings, not {self.notes!r}")
         self.notes = tuple(self.notes)
         if self.name is None:
-            self.name = type(self.model).__name__
+            self.name = default_name(self.model)
         check_float32(self.model, self.name)
 
     def run(self, model: Optional[torch.nn.Module] = None, inputs: Optional[Inputs] = None) -> Any:
@@ -163,6 +163,12 @@ def training_note(model: torch.nn.Module) -> Optional[str]:
             f"in eval mode, as inference does (no dropout, batch norm on its running statistics, and any "
             f"`if self.training` branch on its eval side); a training step's error is `check --train`'s "
             f"(tf32lab.check_training)")
+
+
+def default_name(model: torch.nn.Module) -> str:
+    """A workload's name when none is given: the model's class; a TorchScript model's, the class it was scripted
+    from (every scripted model is a ``RecursiveScriptModule``, which names none)."""
+    return _kind(model)
 
 
 def _kind(module: torch.nn.Module) -> str:
