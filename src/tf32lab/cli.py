@@ -831,13 +831,14 @@ def _policy_show(args: argparse.Namespace) -> int:
         console.print(table)
         return 0
     from tf32lab.workloads import specs
+    from tf32lab.workloads.workload import module_kind
 
     workload = specs.load(args.model, training=None)
     model = workload.model
     hooked = set(policy.hooked(model))
     modules = dict(model.named_modules())
     what = "the level and conv math" if convs else "the level"
-    console.print(f"{_shown(args.file)} on {inert(type(model).__name__)}: {what} of each module", markup=False,
+    console.print(f"{_shown(args.file)} on {inert(module_kind(model))}: {what} of each module", markup=False,
                   highlight=False)
     # a tree (each module by its own name under its parent) reads at 80 columns where dotted paths cannot
     table = Fitted(None, [Column("module", "text", key=True), Column("kind", "text"), Column("level", "text"),
@@ -856,7 +857,7 @@ def _policy_show(args: argparse.Namespace) -> int:
         if convs and short(a.conv_source) not in ("", source):
             source = " / ".join(s or "inherited" for s in (source, short(a.conv_source)))
         table.add_row(Text("  " * depth + inert(leaf) + (" *" if a.name in hooked else "")),
-                      Text(inert(type(modules[a.name]).__name__)), a.level or "caller's",
+                      Text(inert(module_kind(modules[a.name]))), a.level or "caller's",
                       *((a.conv or "caller's",) if convs else ()), Text(inert(source)))
     console.print(table)
     for i, rule in enumerate(policy.rules, 1):
