@@ -954,3 +954,24 @@ def test_the_same_command_gives_the_same_training_report_in_every_new_process(tm
     assert all(r.returncode == 0 for r in runs), runs[0].stderr
     first, again = (json.loads(r.stdout)["reference_losses"] for r in runs)
     assert first == again
+
+
+def _conv_training() -> TrainingWorkload:
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(4, 2, 64, generator=g), torch.randn(4, 1, generator=g)) for _ in range(2)]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv1d(2, 8, 9), torch.nn.Tanh(), torch.nn.Flatten(), torch.nn.Linear(448, 1))
+    return TrainingWorkload(model, data, loss=mse, inputs=lambda b: b[0], name="convs")
+
+
+def test_a_training_whose_convolutions_ran_tf32_in_every_row_says_float32s_floor_holds_them():
+    # no level sets cuDNN's flag: under PyTorch's default 'tf32' float32's own row ran the convolutions in TF32 too,
+    # and its drift, which every level is read against, is not IEEE float32's (pesto's encoder: 8e-3 against 8e-5)
+    said = check_training(_conv_training(), levels=("highest", "high"), target="a100", speed=False).notes
+    assert any("convolutions ran TF32 in every row, float32's own included" in n and "--conv ieee" in n for n in said)
+    for kwargs in ({"target": "a100", "conv": "ieee"}, {"target": "v100"}, {"target": "cpu"}):
+        said = check_training(_conv_training(), levels=("highest",), speed=False, **kwargs).notes
+        assert not any("ran TF32 in every row" in n for n in said), (kwargs, said)
+    # a model without convolutions is told nothing of them
+    said = check_training(regression(steps=2), levels=("highest",), target="a100", speed=False).notes
+    assert not any("ran TF32 in every row" in n for n in said)
