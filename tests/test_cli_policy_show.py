@@ -58,3 +58,30 @@ def test_policy_show_names_each_modules_conv_math_when_the_policy_pins_one(tmp_p
     assert "rule 1: 1 -> conv ieee" in done.stdout
     rules = show()
     assert rules.returncode == 0 and "inherited" in rules.stdout and "ieee" in rules.stdout
+
+
+def test_policy_show_names_torchscript_modules_by_the_class_they_were_scripted_from(tmp_path):
+    # silero-stress ships TorchScript models: every module of one is a RecursiveScriptModule, which names none
+    (tmp_path / "scripted.py").write_text(textwrap.dedent("""
+        import torch
+
+        class Tagger(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.head = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+
+            def forward(self, x):
+                return self.head(x)
+
+        def make():
+            return torch.jit.script(Tagger()), torch.randn(2, 4)
+    """), encoding="utf-8")
+    (tmp_path / "p.json").write_text('{"schema_version": 2, "default": "high", "rules": '
+                                     '[{"pattern": "head", "level": "highest"}]}', encoding="utf-8")
+    done = cli_runner.run("policy", "show", "p.json", "--model", "scripted.py:make", module="tf32lab.cli",
+                          cwd=tmp_path, timeout=120, env={**os.environ, "COLUMNS": "80"})
+    out = done.stdout + done.stderr
+    assert "RecursiveScriptModule" not in out, out
+    assert "on Tagger:" in out and "Sequential" in out and "Linear" in out
+    # the refusal to pin a TorchScript model names the model's class, not RecursiveScriptModule
+    assert "module 'Tagger' is TorchScript" in out

@@ -526,6 +526,17 @@ def test_predict_training_dilutes_the_gain_and_leaves_the_model_as_it_was():
         tf32lab.predict(tf32lab.Workload(frozen, torch.randn(4, 8), name="frozen"), "a100", training=True)
 
 
+
+def test_predict_training_counts_the_backward_when_the_caller_turned_autograd_off():
+    # a library's loader can leave autograd off for the whole process (silero-stress's does): a training step is
+    # counted with it on, and the caller's mode is left as it was
+    w = _heavy()
+    on = tf32lab.predict(w, "a100", training=True).level("high").speedup
+    with torch.no_grad():
+        off = tf32lab.predict(w, "a100", training=True).level("high").speedup
+        assert not torch.is_grad_enabled()
+    assert off == on
+
 @pytest.mark.slow
 def test_the_t5_base_training_row_is_predicted_within_30_percent():
     transformers = pytest.importorskip("transformers")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -916,3 +917,61 @@ def test_float64_batches_a_float32_model_refuses_are_said_to_be_the_batches_not_
     benign = TrainingWorkload(torch.nn.Linear(4, 1), [(torch.randn(8, 4), torch.randn(8, 1))] * 2, loss=mse,
                               inputs=lambda b: b[0])
     assert not any("inputs hold" in note for note in check_training(benign, levels=("high",), speed=False).notes)
+
+
+@pytest.mark.parametrize("off", [lambda: torch.set_grad_enabled(False), torch.no_grad])
+def test_training_runs_with_autograd_on_when_the_caller_turned_it_off(off):
+    # a library that loads its model can leave autograd off for the whole process (silero-stress's
+    # load_accentor calls torch.set_grad_enabled(False)); a training step needs it: the check turns it on for its
+    # own steps and leaves the caller's mode as it was, rather than blaming the loss for having no gradient
+    was = torch.is_grad_enabled()
+    try:
+        scope = off()
+        with scope if hasattr(scope, "__enter__") else contextlib.nullcontext():
+            report = check_training(regression(steps=2), levels=("highest", "high"), target="a100", speed=False)
+            tuning = tf32lab.tune(regression(steps=2), target="a100")
+            assert not torch.is_grad_enabled()
+        assert report.passed and report.level("high").losses and tuning.passed
+    finally:
+        torch.set_grad_enabled(was)
+
+
+def test_the_same_command_gives_the_same_training_report_in_every_new_process(tmp_path):
+    # a new process draws PyTorch's CPU seed from the operating system; the check's seed (its dropout masks) is drawn
+    # from that stream, so without the command seeding it, a dropout model's loss path changed on every run (pesto's
+    # encoder: a final loss of 0.27 in one run, 1.40 in the next)
+    (tmp_path / "drop.py").write_text(textwrap.dedent("""
+        import torch, tf32lab
+
+        def make():
+            model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.5), torch.nn.Linear(32, 1))
+            data = [(torch.randn(16, 8), torch.randn(16, 1)) for _ in range(2)]
+            return tf32lab.TrainingWorkload(model, data, loss=lambda o, b: (o - b[1]).pow(2).mean(),
+                                            inputs=lambda b: b[0])
+    """), encoding="utf-8")
+    runs = [cli_runner.run("check", "drop.py:make", "--train", "--levels", "highest", "--no-speed", "--json", "-",
+                           cwd=tmp_path, timeout=300, fresh=True) for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr
+    first, again = (json.loads(r.stdout)["reference_losses"] for r in runs)
+    assert first == again
+
+
+def _conv_training() -> TrainingWorkload:
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(4, 2, 64, generator=g), torch.randn(4, 1, generator=g)) for _ in range(2)]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv1d(2, 8, 9), torch.nn.Tanh(), torch.nn.Flatten(), torch.nn.Linear(448, 1))
+    return TrainingWorkload(model, data, loss=mse, inputs=lambda b: b[0], name="convs")
+
+
+def test_a_training_whose_convolutions_ran_tf32_in_every_row_says_float32s_floor_holds_them():
+    # no level sets cuDNN's flag: under PyTorch's default 'tf32' float32's own row ran the convolutions in TF32 too,
+    # and its drift, which every level is read against, is not IEEE float32's (pesto's encoder: 8e-3 against 8e-5)
+    said = check_training(_conv_training(), levels=("highest", "high"), target="a100", speed=False).notes
+    assert any("convolutions ran TF32 in every row, float32's own included" in n and "--conv ieee" in n for n in said)
+    for kwargs in ({"target": "a100", "conv": "ieee"}, {"target": "v100"}, {"target": "cpu"}):
+        said = check_training(_conv_training(), levels=("highest",), speed=False, **kwargs).notes
+        assert not any("ran TF32 in every row" in n for n in said), (kwargs, said)
+    # a model without convolutions is told nothing of them
+    said = check_training(regression(steps=2), levels=("highest",), target="a100", speed=False).notes
+    assert not any("ran TF32 in every row" in n for n in said)

@@ -146,6 +146,17 @@ def test_workload_validates_what_it_is_given():
     assert Workload(nn.Linear(2, 2), torch.ones(2)).name == "Linear"
 
 
+
+def test_a_torchscript_models_workload_is_named_after_the_class_it_was_scripted_from():
+    # silero-stress ships TorchScript models: every one is a RecursiveScriptModule, which names none of them
+    scripted = torch.jit.script(nn.Linear(4, 2))
+    assert Workload(scripted, torch.randn(3, 4)).name == "Linear"
+    data = [(torch.randn(3, 4), torch.randn(3, 2))]
+    training = tf32lab.TrainingWorkload(scripted, data, loss=lambda o, b: (o - b[1]).pow(2).mean(),
+                                        inputs=lambda b: b[0])
+    assert training.name == "Linear"
+    assert Workload(nn.Linear(4, 2), torch.randn(3, 4)).name == "Linear"
+
 def test_builtin_workloads_are_seeded_and_leave_the_global_rng_alone():
     state = torch.get_rng_state()
     a, b = specs.load("builtin"), specs.load("builtin")

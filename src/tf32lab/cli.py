@@ -509,12 +509,34 @@ def _check(args: argparse.Namespace) -> int:
         return _check_loaded(args, spec, levels, target, policy, rank)
 
 
+def _load_spec(spec: Optional[str], training: Optional[bool]) -> Any:
+    """The workload ``spec`` names, made after seeding the process's random streams (PyTorch's, Python's, NumPy's)
+    with 0: a new process draws PyTorch's CPU seed from the operating system, and the check's own seed (its dropout
+    masks, a model's samples) is drawn from that stream, as are a factory's random weights and inputs; unseeded, the
+    same command gave another report on every run (a dropout model's training loss path), and a verdict near the
+    tolerance could flip. A factory that seeds its own keeps its own."""
+    import random
+
+    import torch
+
+    from tf32lab.workloads import specs
+
+    torch.manual_seed(0)
+    random.seed(0)
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
+        pass
+    else:
+        numpy.random.seed(0)
+    return specs.load(spec, training=training)
+
+
 def _check_loaded(args: argparse.Namespace, spec: str, levels: tuple[str, ...], target: Any, policy: Any,
                   rank: Optional[int]) -> int:
     from tf32lab.measure.check import check
-    from tf32lab.workloads import specs
 
-    loaded = specs.load(spec, training=args.train)
+    loaded = _load_spec(spec, training=args.train)
     with _workload_raises(args, loaded, "checking"):
         if args.train:
             from tf32lab.measure.training import check_training
@@ -670,7 +692,7 @@ def _tune(args: argparse.Namespace) -> int:
     if args.train and args.spec is None:
         raise Tf32LabError("--train needs a spec: a factory that returns a tf32lab.TrainingWorkload")
     spec = args.spec or specs.default_spec()
-    loaded = specs.load(spec, training=args.train)
+    loaded = _load_spec(spec, training=args.train)
     if args.train:
         from tf32lab.decide.tune_training import tune_training
 
@@ -730,7 +752,7 @@ def _speed(args: argparse.Namespace) -> int:
     if hasattr(args, "rounds") and not args.measure:
         raise Tf32LabError(f"--rounds {args.rounds} goes with --measure (the interleaved rounds of timing here)")
     _outputs(args, "--json", reads=(("the spec", _spec_file(args.spec)),))
-    loaded = specs.load(args.spec or specs.default_spec(), training=None)
+    loaded = _load_spec(args.spec or specs.default_spec(), training=None)
     if isinstance(loaded, TrainingWorkload):  # its step, with its first batch
         if args.measure:
             raise Tf32LabError(f"workload {loaded.name!r} is a training workload: speed predicts its training step "
@@ -830,14 +852,14 @@ def _policy_show(args: argparse.Namespace) -> int:
                           *((rule.conv or "inherited",) if convs else ()))
         console.print(table)
         return 0
-    from tf32lab.workloads import specs
+    from tf32lab.workloads.workload import module_kind
 
-    workload = specs.load(args.model, training=None)
+    workload = _load_spec(args.model, training=None)
     model = workload.model
     hooked = set(policy.hooked(model))
     modules = dict(model.named_modules())
     what = "the level and conv math" if convs else "the level"
-    console.print(f"{_shown(args.file)} on {inert(type(model).__name__)}: {what} of each module", markup=False,
+    console.print(f"{_shown(args.file)} on {inert(module_kind(model))}: {what} of each module", markup=False,
                   highlight=False)
     # a tree (each module by its own name under its parent) reads at 80 columns where dotted paths cannot
     table = Fitted(None, [Column("module", "text", key=True), Column("kind", "text"), Column("level", "text"),
@@ -856,7 +878,7 @@ def _policy_show(args: argparse.Namespace) -> int:
         if convs and short(a.conv_source) not in ("", source):
             source = " / ".join(s or "inherited" for s in (source, short(a.conv_source)))
         table.add_row(Text("  " * depth + inert(leaf) + (" *" if a.name in hooked else "")),
-                      Text(inert(type(modules[a.name]).__name__)), a.level or "caller's",
+                      Text(inert(module_kind(modules[a.name]))), a.level or "caller's",
                       *((a.conv or "caller's",) if convs else ()), Text(inert(source)))
     console.print(table)
     for i, rule in enumerate(policy.rules, 1):

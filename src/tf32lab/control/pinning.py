@@ -638,7 +638,8 @@ class PolicyHandle:
                     inside = ", ".join(filter(None, (a.level and f"tf32lab.precision({a.level!r})",
                                                      a.conv and f"tf32lab.control.scope.conv_math({a.conv!r})")))
                     raise Tf32LabError(
-                        f"module {a.name or type(model).__name__!r} is TorchScript, which takes no hooks, so a "
+                        f"module {a.name or getattr(model, 'original_name', None) or type(model).__name__!r} is "
+                        f"TorchScript, which takes no hooks, so a "
                         f"policy cannot give it {what}: apply the policy to the eager model, or call it inside "
                         f"{inside}")
                 continue  # at its parent's level: runs inside its parent's scope (called directly: the caller's)

@@ -187,7 +187,7 @@ def tune_training(workload: TrainingWorkload, *, target: Union[str, Target] = "a
     conv = check_conv(conv, "tune")
     refuse_applied(workload, "tune")  # type: ignore[arg-type]  # it reads .model and .name
     started = time.perf_counter()
-    with exits_refused(workload.name, "tune"), kept_flags() as changed, \
+    with exits_refused(workload.name, "tune"), kept_flags() as changed, torch.enable_grad(), \
             random_state_kept(workload.model, "tune --train"), ConvRun(conv) as conv_run:
         search = _Search(TrainingSession(workload, target, steps, tolerance), levels, progress)
         found = search.run()

@@ -169,7 +169,9 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     conv_scope = ConvRun(conv)
     refuse_applied(workload, "check")  # type: ignore[arg-type]  # it reads .model and .name
     row = PolicyRow.of(policy, workload.model) if policy is not None else None
-    with exits_refused(workload.name, "check_training"), kept_flags() as changed, \
+    # training needs autograd: on for the check's own steps (a library's loader can leave it off for the whole
+    # process: silero-stress's), the caller's mode as it was after
+    with exits_refused(workload.name, "check_training"), kept_flags() as changed, torch.enable_grad(), \
             random_state_kept(workload.model), conv_scope, experts_eager(workload.model), compiled_eagerly():
         session = TrainingSession(workload, target, steps, tolerance, accumulation)
         report = _Training(session, levels, row, progress, speed).run()
@@ -182,10 +184,36 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
                                                                                    cpu=target.device == "cpu")))
     if changed:
         report = dataclasses.replace(report, notes=(*report.notes, changed_note(changed)))
+    floor_tf32 = None if conv is not None else cudnn_floor_note(session.families, target)
+    if floor_tf32 is not None:
+        report = dataclasses.replace(report, notes=(*report.notes, floor_tf32))
     rnns = scripted_rnn_note(workload.model, target)
     if rnns is not None:
         report = dataclasses.replace(report, notes=(*report.notes, rnns))
     return report
+
+
+def cudnn_floor_note(families: Iterable[Optional[str]], target: Target) -> Optional[str]:
+    """The note for a training whose convolutions or RNNs ran TF32 in every row under cuDNN's flag as the process
+    holds it (PyTorch's default 'tf32'), or None. No level sets that flag, so float32's own row ran them in TF32 too:
+    its drift, against which every level is read (``x fp32``, the 3x floor), is then not IEEE float32's, and nothing
+    in the tables said so (pesto's encoder: float32's drift 8e-3 with TF32 convolutions, 8e-5 with IEEE ones)."""
+    from tf32lab.control import flags
+    from tf32lab.know.targets import CUDNN_CELL, cudnn_cell
+
+    if not target.emulated or target.device != "cuda":
+        return None
+    cells = {**flags.read_cells(), CUDNN_CELL: cudnn_cell()}
+    ran = [f for f in ("conv", "rnn") if f in families and target.math(f, cells).name != "ieee"]
+    if not ran:
+        return None
+    what = " and ".join({"conv": "convolutions", "rnn": "cuDNN's RNNs"}[f] for f in ran)
+    flag = " and ".join(f"`torch.backends.cudnn.{f}.fp32_precision` = '{flags.read_cells().get('cuda.' + f)}'"
+                        for f in ran)
+    return (f"{what} ran TF32 in every row, float32's own included: cuDNN's own flag sets their math, not the level "
+            f"({flag}, as this process holds it), so float32's drift here carries their TF32 rounding and each "
+            f"level's multiple of it measures its matmuls alone; to see them in IEEE float32, train with conv='ieee' "
+            f"(`--conv ieee`)")
 
 
 def scripted_rnn_note(model: torch.nn.Module, target: Target) -> Optional[str]:

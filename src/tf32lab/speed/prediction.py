@@ -513,7 +513,7 @@ def predict(workload: Workload, target: Union[str, Target] = "a100", levels: Ite
     with exits_refused(workload.name, "predict"), kept_flags() as changed:
         try:
             with mode, OtherThreads() as threads, counting as counts, \
-                    (contextlib.nullcontext() if training else torch.inference_mode()):
+                    (torch.enable_grad() if training else torch.inference_mode()):
                 output = workload.run()
                 if training:
                     training_loss(output, str(workload.name)).backward()

@@ -48,7 +48,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from tf32lab.errors import Tf32LabError
-from tf32lab.workloads.workload import Inputs, Workload, check_float32
+from tf32lab.workloads.workload import Inputs, Workload, check_float32, module_kind
 
 __all__ = ["TrainingWorkload", "default_optimizer"]
 
@@ -121,7 +121,7 @@ class TrainingWorkload:
             raise Tf32LabError(f"a training workload of {len(self.batches)} batches cannot run {self.steps} steps; "
                                f"give more batches or a function step -> batch")
         if self.name is None:
-            self.name = type(self.model).__name__
+            self.name = module_kind(self.model)
         check_float32(self.model, self.name)
         if not any(p.requires_grad for p in self.model.parameters()):
             raise Tf32LabError(f"training workload {self.name!r}: the model has no parameter that requires grad: "

@@ -62,7 +62,7 @@ class Workload:
             raise Tf32LabError(f"a workload's notes must be a tuple of strings, not {self.notes!r}")
         self.notes = tuple(self.notes)
         if self.name is None:
-            self.name = type(self.model).__name__
+            self.name = module_kind(self.model)
         check_float32(self.model, self.name)
 
     def run(self, model: Optional[torch.nn.Module] = None, inputs: Optional[Inputs] = None) -> Any:
@@ -153,8 +153,8 @@ def training_note(model: torch.nn.Module) -> Optional[str]:
     True
     """
     training = [(name, m) for name, m in model.named_modules() if getattr(m, "training", False)]
-    found = [(name, _kind(m)) for name, m in training if _modal(m)] or \
-        [(name, _kind(m)) for name, m in training if _reads_training(m)]
+    found = [(name, module_kind(m)) for name, m in training if _modal(m)] or \
+        [(name, module_kind(m)) for name, m in training if _reads_training(m)]
     if not found:
         return None
     named = ", ".join(f"{repr(name) if name else 'the model'} {kind}" for name, kind in found[:3]) + \
@@ -165,8 +165,9 @@ def training_note(model: torch.nn.Module) -> Optional[str]:
             f"(tf32lab.check_training)")
 
 
-def _kind(module: torch.nn.Module) -> str:
-    """The module's class name; a TorchScript module's, the class it was scripted from."""
+def module_kind(module: torch.nn.Module) -> str:
+    """The module's class name; a TorchScript module's, the class it was scripted from (every scripted module is a
+    ``RecursiveScriptModule``, which names none). A workload given no name is called this."""
     return getattr(module, "original_name", None) or type(module).__name__ \
         if isinstance(module, torch.jit.ScriptModule) else type(module).__name__
 
