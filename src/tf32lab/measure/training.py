@@ -200,6 +200,7 @@ def cudnn_floor_note(families: Iterable[Optional[str]], target: Target) -> Optio
     in the tables said so (pesto's encoder: float32's drift 8e-3 with TF32 convolutions, 8e-5 with IEEE ones)."""
     from tf32lab.control import flags
     from tf32lab.know.targets import CUDNN_CELL, cudnn_cell
+    from tf32lab.report.cudnn import FLAGS
 
     if not target.emulated or target.device != "cuda":
         return None
@@ -208,8 +209,7 @@ def cudnn_floor_note(families: Iterable[Optional[str]], target: Target) -> Optio
     if not ran:
         return None
     what = " and ".join({"conv": "convolutions", "rnn": "cuDNN's RNNs"}[f] for f in ran)
-    flag = " and ".join(f"`torch.backends.cudnn.{f}.fp32_precision` = '{flags.read_cells().get('cuda.' + f)}'"
-                        for f in ran)
+    flag = " and ".join(f"`{FLAGS[f]}` = '{cells.get('cuda.' + f, 'tf32')}'" for f in ran)
     return (f"{what} ran TF32 in every row, float32's own included: cuDNN's own flag sets their math, not the level "
             f"({flag}, as this process holds it), so float32's drift here carries their TF32 rounding and each "
             f"level's multiple of it measures its matmuls alone; to see them in IEEE float32, train with conv='ieee' "
