@@ -44,7 +44,6 @@ from tf32lab.control import flags
 from tf32lab.control.policy import Policy, exact_pattern
 from tf32lab.decide.conv_maths import IEEE_CONV_FLAGS, conv_matters, families_matter, with_conv_math
 from tf32lab.decide.tune_training import TrainingTuning, tune_training
-from tf32lab.emulation.emulator import compiled_eagerly
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import ALL_LEVELS, check_conv, check_levels
 from tf32lab.know.targets import Target
@@ -56,7 +55,7 @@ from tf32lab.report import Document, LevelResult, Report
 from tf32lab.report.conclusion import WORTH, inputs_held, nondeterministic, unmeasured
 from tf32lab.report.wording import one_line, tolerance_words
 from tf32lab.speed.prediction import seconds_at
-from tf32lab.workloads.experts import experts_eager
+from tf32lab.workloads.eager import eager
 from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.training import TrainingWorkload
 from tf32lab.workloads.workload import Workload, not_a_workload
@@ -260,10 +259,7 @@ def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Targ
     refuse_applied(workload, "tune")
     convs = (conv,) if conv is not None else _conv_choices(workload, target)
     runs, seconds = 0, 0.0  # of every search made (two when TF32 convolutions leave nothing passing)
-    # as check: a compiled model run eagerly (Dynamo traced it into the float64 reference's modes), a mixture of
-    # experts one GEMM per expert (its grouped GEMM has no float64 kernel)
-    with exits_refused(workload.name, "tune"), kept_flags() as changed, experts_eager(workload.model), \
-            compiled_eagerly():
+    with exits_refused(workload.name, "tune"), kept_flags() as changed, eager(workload.model):
         for chosen in convs:  # the faster conv math first; the next only when nothing passes under it
             # under IEEE after TF32 failed everywhere: the answer's cuDNN layers go back to TF32 where they pass
             relax = convs[0] if chosen != convs[0] else None

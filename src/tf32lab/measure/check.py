@@ -43,7 +43,7 @@ import torch
 from tf32lab.control import flags, modestack
 from tf32lab.control.policy import Policy
 from tf32lab.control.scope import conv_math, get_float32_matmul_precision
-from tf32lab.emulation.emulator import check_accumulation, compiled_eagerly, context_cells, release_buffers
+from tf32lab.emulation.emulator import check_accumulation, context_cells, release_buffers
 from tf32lab.emulation.reuse import KEPT, Handoff, alike
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
@@ -84,7 +84,7 @@ from tf32lab.report.conclusion import (
 )
 from tf32lab.speed.counting import Counting, OtherThreads
 from tf32lab.speed.prediction import SpeedReport, predict_counts, seconds_at
-from tf32lab.workloads.experts import experts_eager
+from tf32lab.workloads.eager import eager
 from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.workload import Workload, eval_mode, not_a_workload, training_note
 
@@ -158,7 +158,7 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
     refuse_applied(workload, "check")
     ranks = Ranks.of_job()  # in a job of several ranks: the model is sharded over them, the errors reduced
     with exits_refused(workload.name, "check"), kept_flags() as changed, ranks_fail(ranks), conv_scope, \
-            experts_eager(workload.model), compiled_eagerly():
+            eager(workload.model):
         if ranks is not None:  # ranks at other levels would measure other things, and run other collectives
             agree(ranks.group, model=workload.model, also={
                 "check levels": ",".join(levels), "check target": target.name, "check reference": reference,

@@ -54,7 +54,6 @@ from tf32lab.control.policy import Policy
 from tf32lab.control.scope import precision, set_float32_matmul_precision
 from tf32lab.emulation.emulator import (
     check_accumulation,
-    compiled_eagerly,
     context_cells,
     emulate,
     families_met,
@@ -94,7 +93,7 @@ from tf32lab.numbers.trees import map_tensors, named_tensors
 from tf32lab.report.training import FLOOR, FLOOR_MULTIPLE, BackwardLayer, ParameterError, TrainingLevel, TrainingReport
 from tf32lab.speed.counting import Counting
 from tf32lab.speed.prediction import optimizer_ops, predict_counts, seconds_at
-from tf32lab.workloads.experts import experts_eager
+from tf32lab.workloads.eager import eager
 from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.training import TrainingWorkload, check_steps
 
@@ -172,7 +171,7 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     # training needs autograd: on for the check's own steps (a library's loader can leave it off for the whole
     # process: silero-stress's), the caller's mode as it was after
     with exits_refused(workload.name, "check_training"), kept_flags() as changed, torch.enable_grad(), \
-            random_state_kept(workload.model), conv_scope, experts_eager(workload.model), compiled_eagerly():
+            random_state_kept(workload.model), conv_scope, eager(workload.model):
         session = TrainingSession(workload, target, steps, tolerance, accumulation)
         report = _Training(session, levels, row, progress, speed).run()
     floor = report.floor.failure
