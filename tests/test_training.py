@@ -949,8 +949,10 @@ def test_the_same_command_gives_the_same_training_report_in_every_new_process(tm
             return tf32lab.TrainingWorkload(model, data, loss=lambda o, b: (o - b[1]).pow(2).mean(),
                                             inputs=lambda b: b[0])
     """), encoding="utf-8")
+    # one run in a fresh interpreter (its seed the operating system's), one forked from the test's server (its seed
+    # the server's start-up one): two processes, two seeds, for the cost of one start-up
     runs = [cli_runner.run("check", "drop.py:make", "--train", "--levels", "highest", "--no-speed", "--json", "-",
-                           cwd=tmp_path, timeout=300, fresh=True) for _ in range(2)]
+                           cwd=tmp_path, timeout=300, fresh=fresh) for fresh in (True, False)]
     assert all(r.returncode == 0 for r in runs), runs[0].stderr
     first, again = (json.loads(r.stdout)["reference_losses"] for r in runs)
     assert first == again
