@@ -977,3 +977,13 @@ def test_a_training_whose_convolutions_ran_tf32_in_every_row_says_float32s_floor
     # a model without convolutions is told nothing of them
     said = check_training(regression(steps=2), levels=("highest",), target="a100", speed=False).notes
     assert not any("ran TF32 in every row" in n for n in said)
+
+
+def test_a_training_with_cudnn_off_is_not_told_its_convolutions_ran_tf32_in_float32s_row(user_flags):
+    # with cuDNN off a convolution runs as PyTorch's own GEMMs at the level's matmul math: float32's row ran it in
+    # IEEE float32 whatever cuDNN's flag holds, so no note says it ran TF32 there (a process at 'high' had it said)
+    torch.backends.cudnn.enabled = False
+    torch.set_float32_matmul_precision("high")
+    report = check_training(_conv_training(), levels=("highest",), target="a100", speed=False)
+    assert report.floor.maths["conv"] == "ieee"
+    assert not any("ran TF32 in every row" in n for n in report.notes), report.notes

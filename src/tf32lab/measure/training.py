@@ -204,7 +204,10 @@ def cudnn_floor_note(families: Iterable[Optional[str]], target: Target) -> Optio
     if not target.emulated or target.device != "cuda":
         return None
     cells = {**flags.read_cells(), CUDNN_CELL: cudnn_cell()}
-    ran = [f for f in ("conv", "rnn") if f in families and target.math(f, cells).name != "ieee"]
+    # with cuDNN off they run as PyTorch's own GEMMs, at the level's matmul math (table_key): float32's row ran
+    # them in IEEE float32, and no flag of cuDNN's set anything
+    ran = [f for f in ("conv", "rnn") if f in families and target.table_key(f, cells) == f
+           and target.math(f, cells).name != "ieee"]
     if not ran:
         return None
     what = " and ".join({"conv": "convolutions", "rnn": "cuDNN's RNNs"}[f] for f in ran)
