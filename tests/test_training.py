@@ -919,7 +919,7 @@ def test_float64_batches_a_float32_model_refuses_are_said_to_be_the_batches_not_
     assert not any("inputs hold" in note for note in check_training(benign, levels=("high",), speed=False).notes)
 
 
-@pytest.mark.parametrize("off", [lambda: torch.set_grad_enabled(False), torch.no_grad])
+@pytest.mark.parametrize("off", [lambda: torch.set_grad_enabled(False), torch.no_grad, torch.inference_mode])
 def test_training_runs_with_autograd_on_when_the_caller_turned_it_off(off):
     # a library that loads its model can leave autograd off for the whole process (silero-stress's
     # load_accentor calls torch.set_grad_enabled(False)); a training step needs it: the check turns it on for its

@@ -94,7 +94,15 @@ from tf32lab.report.training import FLOOR, FLOOR_MULTIPLE, BackwardLayer, Parame
 from tf32lab.speed.counting import Counting
 from tf32lab.speed.prediction import optimizer_ops, predict_counts, seconds_at
 from tf32lab.workloads.eager import eager
-from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags, refuse_applied
+from tf32lab.workloads.running import (
+    Progress,
+    autograd_on,
+    changed_note,
+    environment_of,
+    exits_refused,
+    kept_flags,
+    refuse_applied,
+)
 from tf32lab.workloads.training import TrainingWorkload, check_steps
 
 __all__ = ["TrainingSession", "check_training", "random_state_kept", "scripted_rnn_note", "training_steps",
@@ -169,8 +177,8 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     refuse_applied(workload, "check")  # type: ignore[arg-type]  # it reads .model and .name
     row = PolicyRow.of(policy, workload.model) if policy is not None else None
     # training needs autograd: on for the check's own steps (a library's loader can leave it off for the whole
-    # process: silero-stress's), the caller's mode as it was after
-    with exits_refused(workload.name, "check_training"), kept_flags() as changed, torch.enable_grad(), \
+    # process: silero-stress's; a caller in inference mode), the caller's modes as they were after
+    with exits_refused(workload.name, "check_training"), kept_flags() as changed, autograd_on(), \
             random_state_kept(workload.model), conv_scope, eager(workload.model):
         session = TrainingSession(workload, target, steps, tolerance, accumulation)
         report = _Training(session, levels, row, progress, speed).run()
