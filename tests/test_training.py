@@ -987,3 +987,17 @@ def test_a_training_with_cudnn_off_is_not_told_its_convolutions_ran_tf32_in_floa
     report = check_training(_conv_training(), levels=("highest",), target="a100", speed=False)
     assert report.floor.maths["conv"] == "ieee"
     assert not any("ran TF32 in every row" in n for n in report.notes), report.notes
+
+
+def test_a_training_whose_convolutions_are_all_depthwise_is_not_told_they_ran_tf32_in_float32s_row():
+    # a GPU runs an NCHW depthwise convolution in PyTorch's own CUDA kernel, which no TF32 flag reaches: float32's row
+    # computed it in IEEE float32 (its coverage says so), so no note says it ran TF32 there
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(4, 2, 64, generator=g), torch.randn(4, 1, generator=g)) for _ in range(2)]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv1d(2, 2, 9, groups=2), torch.nn.Tanh(), torch.nn.Flatten(),
+                                torch.nn.Linear(112, 1))
+    depthwise = TrainingWorkload(model, data, loss=mse, inputs=lambda b: b[0], name="depthwise")
+    report = check_training(depthwise, levels=("highest",), target="a100", speed=False)
+    assert "aten::convolution ieee" in report.floor.coverage
+    assert not any("ran TF32 in every row" in n for n in report.notes), report.notes

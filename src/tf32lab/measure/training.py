@@ -44,7 +44,7 @@ import inspect
 import math
 import numbers
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -61,6 +61,7 @@ from tf32lab.emulation.emulator import (
 )
 from tf32lab.emulation.rules import scripted_rnns
 from tf32lab.errors import Tf32LabError
+from tf32lab.know import optable
 from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
@@ -191,7 +192,7 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
                                                                                    cpu=target.device == "cpu")))
     if changed:
         report = dataclasses.replace(report, notes=(*report.notes, changed_note(changed)))
-    floor_tf32 = None if conv is not None else cudnn_floor_note(session.families, target)
+    floor_tf32 = None if conv is not None else cudnn_floor_note(session.families, target, report.floor.coverage)
     if floor_tf32 is not None:
         report = dataclasses.replace(report, notes=(*report.notes, floor_tf32))
     rnns = scripted_rnn_note(workload.model, target)
@@ -200,11 +201,14 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     return report
 
 
-def cudnn_floor_note(families: Iterable[Optional[str]], target: Target) -> Optional[str]:
+def cudnn_floor_note(families: Iterable[Optional[str]], target: Target,
+                     floor_coverage: Mapping[str, int]) -> Optional[str]:
     """The note for a training whose convolutions or RNNs ran TF32 in every row under cuDNN's flag as the process
     holds it (PyTorch's default 'tf32'), or None. No level sets that flag, so float32's own row ran them in TF32 too:
     its drift, against which every level is read (``x fp32``, the 3x floor), is then not IEEE float32's, and nothing
-    in the tables said so (pesto's encoder: float32's drift 8e-3 with TF32 convolutions, 8e-5 with IEEE ones)."""
+    in the tables said so (pesto's encoder: float32's drift 8e-3 with TF32 convolutions, 8e-5 with IEEE ones).
+    ``floor_coverage``: float32's row's ops by math (``"aten::convolution tf32-rna"``), which say whether its
+    convolutions ran TF32: a depthwise one runs in PyTorch's own kernel, IEEE whatever the flag."""
     from tf32lab.control import flags
     from tf32lab.know.targets import CUDNN_CELL, cudnn_cell
     from tf32lab.report.cudnn import FLAGS
@@ -216,6 +220,10 @@ def cudnn_floor_note(families: Iterable[Optional[str]], target: Target) -> Optio
     # them in IEEE float32, and no flag of cuDNN's set anything
     ran = [f for f in ("conv", "rnn") if f in families and target.table_key(f, cells) == f
            and target.math(f, cells).name != "ieee"]
+    # a convolution as float32's row counted it: an NCHW depthwise one (PyTorch's own CUDA kernel) in IEEE float32
+    if "conv" in ran and not any(optable.family(op) == "conv" and math != "ieee"
+                                 for op, math in (key.rsplit(" ", 1) for key in floor_coverage if " " in key)):
+        ran.remove("conv")
     if not ran:
         return None
     what = " and ".join({"conv": "convolutions", "rnn": "cuDNN's RNNs"}[f] for f in ran)
