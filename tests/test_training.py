@@ -1001,3 +1001,14 @@ def test_a_training_whose_convolutions_are_all_depthwise_is_not_told_they_ran_tf
     report = check_training(depthwise, levels=("highest",), target="a100", speed=False)
     assert "aten::convolution ieee" in report.floor.coverage
     assert not any("ran TF32 in every row" in n for n in report.notes), report.notes
+
+
+def test_the_note_on_convolutions_in_tf32_leaves_out_a_policy_row_that_ran_them_in_ieee():
+    # a policy that gives the convolutions conv='ieee' ran them in IEEE float32 in its row: the note on float32's
+    # row says TF32 at every level, not in every row
+    policy = tf32lab.Policy.from_dict(
+        {"schema_version": 2, "default": "high", "rules": [{"pattern": "0", "level": "high", "conv": "ieee"}]})
+    report = check_training(_conv_training(), levels=("highest", "high"), target="a100", speed=False, policy=policy)
+    assert "aten::convolution ieee" in report.level("policy").coverage
+    said = [n for n in report.notes if "float32's own included" in n]
+    assert said and "in every row" not in said[0] and "ran TF32 at every level, float32's own included" in said[0]

@@ -192,7 +192,9 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
                                                                                    cpu=target.device == "cpu")))
     if changed:
         report = dataclasses.replace(report, notes=(*report.notes, changed_note(changed)))
-    floor_tf32 = None if conv is not None else cudnn_floor_note(session.families, target, report.floor.coverage)
+    policy_row = next((lv for lv in report.levels if lv.policy is not None), None)
+    floor_tf32 = None if conv is not None else cudnn_floor_note(
+        session.families, target, report.floor.coverage, policy_row.coverage if policy_row is not None else None)
     if floor_tf32 is not None:
         report = dataclasses.replace(report, notes=(*report.notes, floor_tf32))
     rnns = scripted_rnn_note(workload.model, target)
@@ -201,14 +203,15 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     return report
 
 
-def cudnn_floor_note(families: Iterable[Optional[str]], target: Target,
-                     floor_coverage: Mapping[str, int]) -> Optional[str]:
+def cudnn_floor_note(families: Iterable[Optional[str]], target: Target, floor_coverage: Mapping[str, int],
+                     policy_coverage: Optional[Mapping[str, int]] = None) -> Optional[str]:
     """The note for a training whose convolutions or RNNs ran TF32 in every row under cuDNN's flag as the process
     holds it (PyTorch's default 'tf32'), or None. No level sets that flag, so float32's own row ran them in TF32 too:
     its drift, against which every level is read (``x fp32``, the 3x floor), is then not IEEE float32's, and nothing
     in the tables said so (pesto's encoder: float32's drift 8e-3 with TF32 convolutions, 8e-5 with IEEE ones).
     ``floor_coverage``: float32's row's ops by math (``"aten::convolution tf32-rna"``), which say whether its
-    convolutions ran TF32: a depthwise one runs in PyTorch's own kernel, IEEE whatever the flag."""
+    convolutions ran TF32: a depthwise one runs in PyTorch's own kernel, IEEE whatever the flag;
+    ``policy_coverage``, the policy row's, where one ran (a policy's conv math can give them IEEE there)."""
     from tf32lab.control import flags
     from tf32lab.know.targets import CUDNN_CELL, cudnn_cell
     from tf32lab.report.cudnn import FLAGS
@@ -221,17 +224,25 @@ def cudnn_floor_note(families: Iterable[Optional[str]], target: Target,
     ran = [f for f in ("conv", "rnn") if f in families and target.table_key(f, cells) == f
            and target.math(f, cells).name != "ieee"]
     # a convolution as float32's row counted it: an NCHW depthwise one (PyTorch's own CUDA kernel) in IEEE float32
-    if "conv" in ran and not any(optable.family(op) == "conv" and math != "ieee"
-                                 for op, math in (key.rsplit(" ", 1) for key in floor_coverage if " " in key)):
+    if "conv" in ran and not _tf32_convs(floor_coverage):
         ran.remove("conv")
     if not ran:
         return None
     what = " and ".join({"conv": "convolutions", "rnn": "cuDNN's RNNs"}[f] for f in ran)
     flag = " and ".join(f"`{FLAGS[f]}` = '{cells.get('cuda.' + f, 'tf32')}'" for f in ran)
-    return (f"{what} ran TF32 in every row, float32's own included: cuDNN's own flag sets their math, not the level "
+    # a policy row that gave them IEEE float32 (its conv math) is no row they ran TF32 in
+    rows = "at every level" if policy_coverage is not None and not _tf32_convs(policy_coverage) else "in every row"
+    return (f"{what} ran TF32 {rows}, float32's own included: cuDNN's own flag sets their math, not the level "
             f"({flag}, as this process holds it), so float32's drift here carries their TF32 rounding and each "
             f"level's multiple of it measures its matmuls alone; to see them in IEEE float32, train with conv='ieee' "
             f"(`--conv ieee`)")
+
+
+def _tf32_convs(coverage: Mapping[str, int]) -> bool:
+    """Whether a row's coverage (``"aten::convolution tf32-rna"``: ops by math) counted a convolution in a math
+    other than IEEE float32."""
+    return any(optable.family(op) == "conv" and math != "ieee"
+               for op, math in (key.rsplit(" ", 1) for key in coverage if " " in key))
 
 
 def scripted_rnn_note(model: torch.nn.Module, target: Target) -> Optional[str]:
