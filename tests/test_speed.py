@@ -536,6 +536,10 @@ def test_predict_training_counts_the_backward_when_the_caller_turned_autograd_of
         off = tf32lab.predict(w, "a100", training=True).level("high").speedup
         assert not torch.is_grad_enabled()
     assert off == on
+    with torch.inference_mode():  # nor inside inference mode, where enable_grad alone records nothing
+        off = tf32lab.predict(w, "a100", training=True).level("high").speedup
+        assert torch.is_inference_mode_enabled()
+    assert off == on
 
 @pytest.mark.slow
 def test_the_t5_base_training_row_is_predicted_within_30_percent():

@@ -919,7 +919,7 @@ def test_float64_batches_a_float32_model_refuses_are_said_to_be_the_batches_not_
     assert not any("inputs hold" in note for note in check_training(benign, levels=("high",), speed=False).notes)
 
 
-@pytest.mark.parametrize("off", [lambda: torch.set_grad_enabled(False), torch.no_grad])
+@pytest.mark.parametrize("off", [lambda: torch.set_grad_enabled(False), torch.no_grad, torch.inference_mode])
 def test_training_runs_with_autograd_on_when_the_caller_turned_it_off(off):
     # a library that loads its model can leave autograd off for the whole process (silero-stress's
     # load_accentor calls torch.set_grad_enabled(False)); a training step needs it: the check turns it on for its
@@ -977,3 +977,38 @@ def test_a_training_whose_convolutions_ran_tf32_in_every_row_says_float32s_floor
     # a model without convolutions is told nothing of them
     said = check_training(regression(steps=2), levels=("highest",), target="a100", speed=False).notes
     assert not any("ran TF32 in every row" in n for n in said)
+
+
+def test_a_training_with_cudnn_off_is_not_told_its_convolutions_ran_tf32_in_float32s_row(user_flags):
+    # with cuDNN off a convolution runs as PyTorch's own GEMMs at the level's matmul math: float32's row ran it in
+    # IEEE float32 whatever cuDNN's flag holds, so no note says it ran TF32 there (a process at 'high' had it said)
+    torch.backends.cudnn.enabled = False
+    torch.set_float32_matmul_precision("high")
+    report = check_training(_conv_training(), levels=("highest",), target="a100", speed=False)
+    assert report.floor.maths["conv"] == "ieee"
+    assert not any("ran TF32 in every row" in n for n in report.notes), report.notes
+
+
+def test_a_training_whose_convolutions_are_all_depthwise_is_not_told_they_ran_tf32_in_float32s_row():
+    # a GPU runs an NCHW depthwise convolution in PyTorch's own CUDA kernel, which no TF32 flag reaches: float32's row
+    # computed it in IEEE float32 (its coverage says so), so no note says it ran TF32 there
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(4, 2, 64, generator=g), torch.randn(4, 1, generator=g)) for _ in range(2)]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv1d(2, 2, 9, groups=2), torch.nn.Tanh(), torch.nn.Flatten(),
+                                torch.nn.Linear(112, 1))
+    depthwise = TrainingWorkload(model, data, loss=mse, inputs=lambda b: b[0], name="depthwise")
+    report = check_training(depthwise, levels=("highest",), target="a100", speed=False)
+    assert "aten::convolution ieee" in report.floor.coverage
+    assert not any("ran TF32 in every row" in n for n in report.notes), report.notes
+
+
+def test_the_note_on_convolutions_in_tf32_leaves_out_a_policy_row_that_ran_them_in_ieee():
+    # a policy that gives the convolutions conv='ieee' ran them in IEEE float32 in its row: the note on float32's
+    # row says TF32 at every level, not in every row
+    policy = tf32lab.Policy.from_dict(
+        {"schema_version": 2, "default": "high", "rules": [{"pattern": "0", "level": "high", "conv": "ieee"}]})
+    report = check_training(_conv_training(), levels=("highest", "high"), target="a100", speed=False, policy=policy)
+    assert "aten::convolution ieee" in report.level("policy").coverage
+    said = [n for n in report.notes if "float32's own included" in n]
+    assert said and "in every row" not in said[0] and "ran TF32 at every level, float32's own included" in said[0]

@@ -64,7 +64,14 @@ from tf32lab.report import Document
 from tf32lab.report.conclusion import WORTH
 from tf32lab.report.training import TrainingLevel, TrainingReport, changed_layers, faster
 from tf32lab.report.wording import tolerance_words
-from tf32lab.workloads.running import Progress, changed_note, exits_refused, kept_flags, refuse_applied
+from tf32lab.workloads.running import (
+    Progress,
+    autograd_on,
+    changed_note,
+    exits_refused,
+    kept_flags,
+    refuse_applied,
+)
 from tf32lab.workloads.training import TrainingWorkload
 
 __all__ = ["MAX_PINS", "TrainingCandidate", "TrainingTuning", "tune_training"]
@@ -187,7 +194,7 @@ def tune_training(workload: TrainingWorkload, *, target: Union[str, Target] = "a
     conv = check_conv(conv, "tune")
     refuse_applied(workload, "tune")  # type: ignore[arg-type]  # it reads .model and .name
     started = time.perf_counter()
-    with exits_refused(workload.name, "tune"), kept_flags() as changed, torch.enable_grad(), \
+    with exits_refused(workload.name, "tune"), kept_flags() as changed, autograd_on(), \
             random_state_kept(workload.model, "tune --train"), ConvRun(conv) as conv_run:
         search = _Search(TrainingSession(workload, target, steps, tolerance), levels, progress)
         found = search.run()

@@ -44,7 +44,7 @@ import inspect
 import math
 import numbers
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -61,6 +61,7 @@ from tf32lab.emulation.emulator import (
 )
 from tf32lab.emulation.rules import scripted_rnns
 from tf32lab.errors import Tf32LabError
+from tf32lab.know import optable
 from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
@@ -94,7 +95,15 @@ from tf32lab.report.training import FLOOR, FLOOR_MULTIPLE, BackwardLayer, Parame
 from tf32lab.speed.counting import Counting
 from tf32lab.speed.prediction import optimizer_ops, predict_counts, seconds_at
 from tf32lab.workloads.eager import eager
-from tf32lab.workloads.running import Progress, changed_note, environment_of, exits_refused, kept_flags, refuse_applied
+from tf32lab.workloads.running import (
+    Progress,
+    autograd_on,
+    changed_note,
+    environment_of,
+    exits_refused,
+    kept_flags,
+    refuse_applied,
+)
 from tf32lab.workloads.training import TrainingWorkload, check_steps
 
 __all__ = ["TrainingSession", "check_training", "random_state_kept", "scripted_rnn_note", "training_steps",
@@ -169,8 +178,8 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     refuse_applied(workload, "check")  # type: ignore[arg-type]  # it reads .model and .name
     row = PolicyRow.of(policy, workload.model) if policy is not None else None
     # training needs autograd: on for the check's own steps (a library's loader can leave it off for the whole
-    # process: silero-stress's), the caller's mode as it was after
-    with exits_refused(workload.name, "check_training"), kept_flags() as changed, torch.enable_grad(), \
+    # process: silero-stress's; a caller in inference mode), the caller's modes as they were after
+    with exits_refused(workload.name, "check_training"), kept_flags() as changed, autograd_on(), \
             random_state_kept(workload.model), conv_scope, eager(workload.model):
         session = TrainingSession(workload, target, steps, tolerance, accumulation)
         report = _Training(session, levels, row, progress, speed).run()
@@ -183,7 +192,9 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
                                                                                    cpu=target.device == "cpu")))
     if changed:
         report = dataclasses.replace(report, notes=(*report.notes, changed_note(changed)))
-    floor_tf32 = None if conv is not None else cudnn_floor_note(session.families, target)
+    policy_row = next((lv for lv in report.levels if lv.policy is not None), None)
+    floor_tf32 = None if conv is not None else cudnn_floor_note(
+        session.families, target, report.floor.coverage, policy_row.coverage if policy_row is not None else None)
     if floor_tf32 is not None:
         report = dataclasses.replace(report, notes=(*report.notes, floor_tf32))
     rnns = scripted_rnn_note(workload.model, target)
@@ -192,11 +203,15 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     return report
 
 
-def cudnn_floor_note(families: Iterable[Optional[str]], target: Target) -> Optional[str]:
+def cudnn_floor_note(families: Iterable[Optional[str]], target: Target, floor_coverage: Mapping[str, int],
+                     policy_coverage: Optional[Mapping[str, int]] = None) -> Optional[str]:
     """The note for a training whose convolutions or RNNs ran TF32 in every row under cuDNN's flag as the process
     holds it (PyTorch's default 'tf32'), or None. No level sets that flag, so float32's own row ran them in TF32 too:
     its drift, against which every level is read (``x fp32``, the 3x floor), is then not IEEE float32's, and nothing
-    in the tables said so (pesto's encoder: float32's drift 8e-3 with TF32 convolutions, 8e-5 with IEEE ones)."""
+    in the tables said so (pesto's encoder: float32's drift 8e-3 with TF32 convolutions, 8e-5 with IEEE ones).
+    ``floor_coverage``: float32's row's ops by math (``"aten::convolution tf32-rna"``), which say whether its
+    convolutions ran TF32: a depthwise one runs in PyTorch's own kernel, IEEE whatever the flag;
+    ``policy_coverage``, the policy row's, where one ran (a policy's conv math can give them IEEE there)."""
     from tf32lab.control import flags
     from tf32lab.know.targets import CUDNN_CELL, cudnn_cell
     from tf32lab.report.cudnn import FLAGS
@@ -204,15 +219,30 @@ def cudnn_floor_note(families: Iterable[Optional[str]], target: Target) -> Optio
     if not target.emulated or target.device != "cuda":
         return None
     cells = {**flags.read_cells(), CUDNN_CELL: cudnn_cell()}
-    ran = [f for f in ("conv", "rnn") if f in families and target.math(f, cells).name != "ieee"]
+    # with cuDNN off they run as PyTorch's own GEMMs, at the level's matmul math (table_key): float32's row ran
+    # them in IEEE float32, and no flag of cuDNN's set anything
+    ran = [f for f in ("conv", "rnn") if f in families and target.table_key(f, cells) == f
+           and target.math(f, cells).name != "ieee"]
+    # a convolution as float32's row counted it: an NCHW depthwise one (PyTorch's own CUDA kernel) in IEEE float32
+    if "conv" in ran and not _tf32_convs(floor_coverage):
+        ran.remove("conv")
     if not ran:
         return None
     what = " and ".join({"conv": "convolutions", "rnn": "cuDNN's RNNs"}[f] for f in ran)
     flag = " and ".join(f"`{FLAGS[f]}` = '{cells.get('cuda.' + f, 'tf32')}'" for f in ran)
-    return (f"{what} ran TF32 in every row, float32's own included: cuDNN's own flag sets their math, not the level "
+    # a policy row that gave them IEEE float32 (its conv math) is no row they ran TF32 in
+    rows = "at every level" if policy_coverage is not None and not _tf32_convs(policy_coverage) else "in every row"
+    return (f"{what} ran TF32 {rows}, float32's own included: cuDNN's own flag sets their math, not the level "
             f"({flag}, as this process holds it), so float32's drift here carries their TF32 rounding and each "
             f"level's multiple of it measures its matmuls alone; to see them in IEEE float32, train with conv='ieee' "
             f"(`--conv ieee`)")
+
+
+def _tf32_convs(coverage: Mapping[str, int]) -> bool:
+    """Whether a row's coverage (``"aten::convolution tf32-rna"``: ops by math) counted a convolution in a math
+    other than IEEE float32."""
+    return any(optable.family(op) == "conv" and math != "ieee"
+               for op, math in (key.rsplit(" ", 1) for key in coverage if " " in key))
 
 
 def scripted_rnn_note(model: torch.nn.Module, target: Target) -> Optional[str]:

@@ -69,7 +69,7 @@ from tf32lab.numbers.trees import named_tensors
 from tf32lab.speed.counting import ROOT, Counting, Counts, Gemm, OpCost, OtherThreads
 from tf32lab.speed.kinds import TIME_BAND, gain_band, kind_of
 from tf32lab.speed.unfolded_conv import as_run
-from tf32lab.workloads.running import changed_note, exits_refused, kept_flags, refuse_applied
+from tf32lab.workloads.running import autograd_on, changed_note, exits_refused, kept_flags, refuse_applied
 from tf32lab.workloads.workload import Workload, eval_mode, not_a_workload
 
 __all__ = ["LayerSpeed", "LevelSpeed", "SpeedReport", "op_seconds", "optimizer_ops", "predict", "predict_counts",
@@ -513,7 +513,7 @@ def predict(workload: Workload, target: Union[str, Target] = "a100", levels: Ite
     with exits_refused(workload.name, "predict"), kept_flags() as changed:
         try:
             with mode, OtherThreads() as threads, counting as counts, \
-                    (torch.enable_grad() if training else torch.inference_mode()):
+                    (autograd_on() if training else torch.inference_mode()):
                 output = workload.run()
                 if training:
                     training_loss(output, str(workload.name)).backward()

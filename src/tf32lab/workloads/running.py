@@ -71,6 +71,16 @@ def kept_flags() -> Iterator[list[str]]:
 
 
 @contextlib.contextmanager
+def autograd_on() -> Iterator[None]:
+    """Autograd recording while a training step runs, whatever the caller's mode: a library that loads a model can
+    turn it off for the whole process (silero-stress's ``load_accentor`` calls ``torch.set_grad_enabled(False)``),
+    and a caller can call in from ``torch.inference_mode()``, where ``torch.enable_grad()`` alone records nothing
+    (the loss then depended on no parameter). The caller's modes are put back on every exit."""
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
+
+
+@contextlib.contextmanager
 def exits_refused(name: object, what: str) -> Iterator[None]:
     """A ``SystemExit`` (``sys.exit()`` in a model, its loss or a batches function), or any other BaseException
     that is not an Exception, that leaves ``what`` (``"check"``) where no row records it, as one ``Tf32LabError``:
