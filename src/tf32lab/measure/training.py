@@ -63,7 +63,7 @@ from tf32lab.emulation.rules import scripted_rnns
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
 from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels
-from tf32lab.know.targets import Target
+from tf32lab.know.targets import CUDNN_CELL, Target, cudnn_cell
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.check import (
     ConvRun,
@@ -91,6 +91,7 @@ from tf32lab.measure.reference import Float64Run, widen, widened_model
 from tf32lab.numbers import metrics
 from tf32lab.numbers.origin import internal_error
 from tf32lab.numbers.trees import map_tensors, named_tensors
+from tf32lab.report.cudnn import FLAGS
 from tf32lab.report.training import FLOOR, FLOOR_MULTIPLE, BackwardLayer, ParameterError, TrainingLevel, TrainingReport
 from tf32lab.speed.counting import Counting
 from tf32lab.speed.prediction import optimizer_ops, predict_counts, seconds_at
@@ -212,10 +213,6 @@ def cudnn_floor_note(families: Iterable[Optional[str]], target: Target, floor_co
     ``floor_coverage``: float32's row's ops by math (``"aten::convolution tf32-rna"``), which say whether its
     convolutions ran TF32: a depthwise one runs in PyTorch's own kernel, IEEE whatever the flag;
     ``policy_coverage``, the policy row's, where one ran (a policy's conv math can give them IEEE there)."""
-    from tf32lab.control import flags
-    from tf32lab.know.targets import CUDNN_CELL, cudnn_cell
-    from tf32lab.report.cudnn import FLAGS
-
     if not target.emulated or target.device != "cuda":
         return None
     cells = {**flags.read_cells(), CUDNN_CELL: cudnn_cell()}
