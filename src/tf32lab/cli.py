@@ -515,20 +515,10 @@ def _load_spec(spec: Optional[str], training: Optional[bool]) -> Any:
     masks, a model's samples) is drawn from that stream, as are a factory's random weights and inputs; unseeded, the
     same command gave another report on every run (a dropout model's training loss path), and a verdict near the
     tolerance could flip. A factory that seeds its own keeps its own."""
-    import random
-
-    import torch
-
+    from tf32lab.measure.draws import seeded
     from tf32lab.workloads import specs
 
-    torch.manual_seed(0)
-    random.seed(0)
-    try:
-        import numpy
-    except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
-        pass
-    else:
-        numpy.random.seed(0)
+    seeded(0, ())  # the CPU's streams (torch imports NumPy: it is seeded too); no device's
     return specs.load(spec, training=training)
 
 
