@@ -685,6 +685,26 @@ def test_a_pattern_that_matches_no_module_is_an_error_or_with_strict_false_a_war
     assert policy.unmatched(model) == [Rule("v_haed", "highest")]
 
 
+def test_the_refusals_name_a_torchscript_model_by_the_class_it_was_scripted_from():
+    # every scripted module is a RecursiveScriptModule, which names none: the refusals name the scripted class
+    def scripted():
+        return torch.jit.script(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+    model = scripted()
+    with pytest.raises(Tf32LabError, match=r"rule 1 'nope' matches no module of Sequential \(its modules: 0\)"):
+        Policy("high", [("nope", "highest")]).apply(model)
+    with Policy(rules=[]).applied(model):
+        with pytest.raises(Tf32LabError, match=r"module 'Sequential' already has a policy applied"):
+            Policy(rules=[]).apply(model)
+        outer = torch.nn.Sequential()
+        with Policy(rules=[]).applied(outer):
+            outer.add_module("s", model)  # one module, two policies
+            with pytest.raises(Tf32LabError, match=r"module 's' of Sequential is also in Sequential, which has "):
+                outer(torch.randn(2, 4))
+    with pytest.raises(Tf32LabError, match=r"module 'Sequential' is TorchScript"):
+        Policy("highest").apply(scripted())
+
+
 def test_a_rule_naming_a_module_by_its_other_name_matches_it():
     model, h = _model(), torch.randn(16, 48)
     model.critic = model.v_head  # one module, two names: named_modules() gives only the first

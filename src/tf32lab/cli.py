@@ -842,7 +842,7 @@ def _policy_show(args: argparse.Namespace) -> int:
                           *((rule.conv or "inherited",) if convs else ()))
         console.print(table)
         return 0
-    from tf32lab.workloads.workload import module_kind
+    from tf32lab.numbers.naming import module_kind
 
     workload = _load_spec(args.model, training=None)
     model = workload.model

@@ -26,6 +26,7 @@ from tf32lab.control.scope import conv_math, is_sensitive, precision
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
 from tf32lab.know.levels import ALL_LEVELS, CONV_MATHS
+from tf32lab.numbers.naming import module_kind
 from tf32lab.numbers.trees import named_tensors, operand_tensors
 
 __all__ = ["PolicyHandle", "applied_policies", "applied_to", "hooked_names"]
@@ -538,7 +539,7 @@ class PolicyHandle:
         with _APPLIED_LOCK:
             taken = next((name for name, m in model.named_modules() if _owner(m) is not None), None)
             if taken is not None:
-                raise Tf32LabError(f"module {taken or type(model).__name__!r} already has a policy applied; "
+                raise Tf32LabError(f"module {taken or module_kind(model)!r} already has a policy applied; "
                                    "remove it (handle.remove()) before applying another")
             try:
                 self._tree = self._match(model)
@@ -626,8 +627,8 @@ class PolicyHandle:
             if other is not None:
                 other_model = other._model()
                 raise Tf32LabError(
-                    f"module {a.name or type(model).__name__!r} of {type(model).__name__} is also in "
-                    f"{type(other_model).__name__ if other_model is not None else 'another model'}, which has "
+                    f"module {a.name or module_kind(model)!r} of {module_kind(model)} is also in "
+                    f"{module_kind(other_model) if other_model is not None else 'another model'}, which has "
                     "another policy applied: one module takes one policy; remove that one first")
             ref = weakref.ref(module, on_collect)
             tree.members[id(module)] = (ref, a.level, a.conv)
@@ -638,8 +639,7 @@ class PolicyHandle:
                     inside = ", ".join(filter(None, (a.level and f"tf32lab.precision({a.level!r})",
                                                      a.conv and f"tf32lab.control.scope.conv_math({a.conv!r})")))
                     raise Tf32LabError(
-                        f"module {a.name or getattr(model, 'original_name', None) or type(model).__name__!r} is "
-                        f"TorchScript, which takes no hooks, so a "
+                        f"module {a.name or module_kind(model)!r} is TorchScript, which takes no hooks, so a "
                         f"policy cannot give it {what}: apply the policy to the eager model, or call it inside "
                         f"{inside}")
                 continue  # at its parent's level: runs inside its parent's scope (called directly: the caller's)

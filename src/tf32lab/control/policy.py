@@ -62,6 +62,7 @@ from tf32lab.control.pinning import (
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import ALL_LEVELS, CONV_MATHS, check_conv, check_level
 from tf32lab.numbers.files import write_atomically, write_json
+from tf32lab.numbers.naming import module_kind
 
 __all__ = ["Assignment", "Policy", "PolicyHandle", "Rule", "applied_policies", "applied_to", "exact_pattern", "explain"]
 
@@ -353,7 +354,7 @@ class Policy:
             return None
         names = [name for name, _ in model.named_modules() if name][:6]
         return (f"policy rule {self.rules.index(missing[0]) + 1} {missing[0].pattern!r} matches no module of "
-                f"{type(model).__name__} (its modules: {', '.join(names) or 'none but itself'}"
+                f"{module_kind(model)} (its modules: {', '.join(names) or 'none but itself'}"
                 f"{', ...' if len(names) == 6 else ''})")
 
     # -- applying it -----------------------------------------------------------------------------------------------

@@ -48,7 +48,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from tf32lab.errors import Tf32LabError
-from tf32lab.workloads.workload import Inputs, Workload, check_float32, module_kind
+from tf32lab.numbers.naming import module_kind
+from tf32lab.workloads.workload import Inputs, Workload, check_float32
 
 __all__ = ["TrainingWorkload", "default_optimizer"]
 

@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from tf32lab.errors import Tf32LabError
+from tf32lab.numbers.naming import module_kind
 
 __all__ = ["Workload", "eval_mode", "not_a_workload", "training_note"]
 
@@ -163,13 +164,6 @@ def training_note(model: torch.nn.Module) -> Optional[str]:
             f"in eval mode, as inference does (no dropout, batch norm on its running statistics, and any "
             f"`if self.training` branch on its eval side); a training step's error is `check --train`'s "
             f"(tf32lab.check_training)")
-
-
-def module_kind(module: torch.nn.Module) -> str:
-    """The module's class name; a TorchScript module's, the class it was scripted from (every scripted module is a
-    ``RecursiveScriptModule``, which names none). A workload given no name is called this."""
-    return getattr(module, "original_name", None) or type(module).__name__ \
-        if isinstance(module, torch.jit.ScriptModule) else type(module).__name__
 
 
 def _reads_training(module: torch.nn.Module) -> bool:
