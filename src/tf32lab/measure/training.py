@@ -195,7 +195,8 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
         report = dataclasses.replace(report, notes=(*report.notes, changed_note(changed)))
     policy_row = next((lv for lv in report.levels if lv.policy is not None), None)
     floor_tf32 = None if conv is not None else cudnn_floor_note(
-        session.families, target, report.floor.coverage, policy_row.coverage if policy_row is not None else None)
+        session.families, target, session.op_maths.get(FLOOR, {}),
+        session.op_maths.get(policy_row.level) if policy_row is not None else None)
     if floor_tf32 is not None:
         report = dataclasses.replace(report, notes=(*report.notes, floor_tf32))
     rnns = scripted_rnn_note(workload.model, target)
@@ -204,13 +205,15 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     return report
 
 
-def cudnn_floor_note(families: Iterable[Optional[str]], target: Target, floor_coverage: Mapping[str, int],
-                     policy_coverage: Optional[Mapping[str, int]] = None) -> Optional[str]:
+def cudnn_floor_note(families: Iterable[Optional[str]], target: Target,
+                     floor_coverage: Mapping[tuple[str, str], int],
+                     policy_coverage: Optional[Mapping[tuple[str, str], int]] = None) -> Optional[str]:
     """The note for a training whose convolutions or RNNs ran TF32 in every row under cuDNN's flag as the process
     holds it (PyTorch's default 'tf32'), or None. No level sets that flag, so float32's own row ran them in TF32 too:
     its drift, against which every level is read (``x fp32``, the 3x floor), is then not IEEE float32's, and nothing
     in the tables said so (pesto's encoder: float32's drift 8e-3 with TF32 convolutions, 8e-5 with IEEE ones).
-    ``floor_coverage``: float32's row's ops by math (``"aten::convolution tf32-rna"``), which say whether its
+    ``floor_coverage``: float32's row's ops by math as the emulator counted them (``("aten::convolution",
+    "tf32-rna")``: :attr:`TrainingSession.op_maths`), which say whether its
     convolutions ran TF32: a depthwise one runs in PyTorch's own kernel, IEEE whatever the flag;
     ``policy_coverage``, the policy row's, where one ran (a policy's conv math can give them IEEE there)."""
     if not target.emulated or target.device != "cuda":
@@ -235,11 +238,10 @@ def cudnn_floor_note(families: Iterable[Optional[str]], target: Target, floor_co
             f"(`--conv ieee`)")
 
 
-def _tf32_convs(coverage: Mapping[str, int]) -> bool:
-    """Whether a row's coverage (``"aten::convolution tf32-rna"``: ops by math) counted a convolution in a math
-    other than IEEE float32."""
-    return any(optable.family(op) == "conv" and math != "ieee"
-               for op, math in (key.rsplit(" ", 1) for key in coverage if " " in key))
+def _tf32_convs(coverage: Mapping[tuple[str, str], int]) -> bool:
+    """Whether a row's coverage (``("aten::convolution", "tf32-rna")``: the emulator's ops by math) counted a
+    convolution in a math other than IEEE float32."""
+    return any(optable.family(op) == "conv" and math != "ieee" for op, math in coverage)
 
 
 def scripted_rnn_note(model: torch.nn.Module, target: Target) -> Optional[str]:
@@ -347,6 +349,7 @@ class _Run:
     coverage: dict[str, int] = dataclasses.field(default_factory=dict)
     unhandled: dict[str, int] = dataclasses.field(default_factory=dict)
     families: set[Optional[str]] = dataclasses.field(default_factory=set)  # emulator.families_met
+    op_maths: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)  # the emulator's (op, math) pairs
 
 
 MATH_PATH_NOTE = (
@@ -371,6 +374,9 @@ class TrainingSession:
         self.names = [name for name, p in self.saved.named_parameters() if p.requires_grad]
         self.runs = 0  # float32 rows trained
         self.families: set[Optional[str]] = set()  # the op families the emulated rows ran (None: an op of no family)
+        # each row's ops by math, the emulator's (op, math) pairs, by the row's label (float32's floor, "policy": the
+        # last row trained under it); the report's coverage is the same counts keyed "op math" for reading
+        self.op_maths: dict[str, dict[tuple[str, str], int]] = {}
         self._floor: Optional[TrainingLevel] = None
         self._batches: dict[int, Any] = {}
         self._speed_notes: list[str] = []
@@ -510,6 +516,7 @@ class TrainingSession:
         cells = context_cells()
         run = self._train(torch.float32, level, policy, emulated=emulated)
         self.families |= run.families
+        self.op_maths[label] = run.op_maths
         maths = {} if not self.target.emulated else (
             policy_maths(policy, self.target, cells) if policy else self.target.maths_at(level, cells))
         deviations = tuple(_deviation(x, r) for x, r in zip(run.losses, self.reference.losses)
@@ -598,7 +605,8 @@ class TrainingSession:
                     raise bug from exc
                 run.failure, run.failed_step = described(exc), step + 1
         if emu is not None:
-            run.coverage = {f"{op} {m}": n for (op, m), n in sorted(emu.coverage.items())}
+            run.op_maths = dict(sorted(emu.coverage.items()))
+            run.coverage = {f"{op} {m}": n for (op, m), n in run.op_maths.items()}
             run.unhandled = dict(sorted(emu.unhandled.items()))
             run.families = families_met(emu)
         if run.failure is not None:
