@@ -1003,6 +1003,24 @@ def test_a_training_whose_convolutions_are_all_depthwise_is_not_told_they_ran_tf
     assert not any("ran TF32 in every row" in n for n in report.notes), report.notes
 
 
+def test_depthwise_convolutions_summed_as_the_hardware_does_are_not_told_they_ran_tf32_in_float32s_row():
+    # accumulation="hardware" labels each count with its sum ("ieee, ideal sum"): the math is still IEEE float32's,
+    # so a float32 row that ran only depthwise convolutions ran none in TF32
+    from tf32lab.emulation.emulator import emulate
+    from tf32lab.machine.hardware import resolve_target
+    from tf32lab.measure.training import cudnn_floor_note
+
+    with emulate("a100", accumulation="hardware") as emu:
+        torch.nn.Conv1d(2, 2, 9, groups=2)(torch.randn(1, 2, 16))
+    assert dict(emu.coverage) == {("aten::convolution", "ieee, ideal sum"): 1}
+    a100 = resolve_target("a100")
+    assert cudnn_floor_note({"conv"}, a100, emu.coverage) is None
+    summed = {("aten::convolution", "tf32-rna, nvidia k4 f24"): 1}
+    assert "ran TF32 in every row" in cudnn_floor_note({"conv"}, a100, summed)
+    assert "ran TF32 at every level" in cudnn_floor_note({"conv"}, a100, {("aten::convolution", "tf32-rna"): 1},
+                                                         {("aten::convolution", "ieee, ideal sum"): 1})
+
+
 def test_the_note_on_convolutions_in_tf32_leaves_out_a_policy_row_that_ran_them_in_ieee():
     # a policy that gives the convolutions conv='ieee' ran them in IEEE float32 in its row: the note on float32's
     # row says TF32 at every level, not in every row

@@ -56,7 +56,7 @@ from tf32lab.numbers import formats
 from tf32lab.numbers.trees import operand_tensors
 
 __all__ = ["ACCUMULATIONS", "COMPOSITES_EMULATED", "RECOMPUTES_EMULATED", "Treatment", "check_accumulation",
-           "compiled_eagerly", "emulate", "families_met", "maths", "treatment"]
+           "compiled_eagerly", "counted_math", "emulate", "families_met", "maths", "treatment"]
 
 # How emulate() sums a GEMM's products: "ideal" (exact products, float32 sums as the CPU's BLAS orders them) or
 # "hardware" (the target's unit, bit for bit, chained along K: tf32lab.numbers.accumulation).
@@ -1523,8 +1523,8 @@ class emulate(contextlib.ContextDecorator):
     # -- bookkeeping ------------------------------------------------------------------------------------------
     def _count(self, op: str, math: Math, n: int = 1, summed: Optional[str] = None) -> None:
         label = str(math)
-        if self.accumulation == "hardware":  # say how the products were summed, known order or not
-            label = f"{label}, {summed}" if summed else f"{label}, ideal sum"
+        if self.accumulation == "hardware":  # say how the products were summed, known order or not (counted_math)
+            label = f"{label}{_SUMMED}{summed}" if summed else f"{label}{_SUMMED}ideal sum"
         with self._lock:
             self.coverage[(op, label)] += n
 
@@ -1535,6 +1535,19 @@ class emulate(contextlib.ContextDecorator):
             raise Tf32LabError(
                 f"emulate(strict=True): {op} belongs to a precision-sensitive family but has no emulation rule "
                 "and does not decompose; it would run with the native math")
+
+
+_SUMMED = ", "  # between a coverage label's math and how a "hardware" block summed its products
+
+
+def counted_math(label: str) -> str:
+    """The math of a ``coverage`` count's label (``"tf32-rna"``), without how the products were summed, which a
+    ``"hardware"`` block appends to it (``"tf32-rna, nvidia k4 f24"``, ``"ieee, ideal sum"``).
+
+    >>> counted_math("tf32-rna, nvidia k4 f24"), counted_math("ieee, ideal sum"), counted_math("ieee")
+    ('tf32-rna', 'ieee', 'ieee')
+    """
+    return label.partition(_SUMMED)[0]
 
 
 def families_met(emu: emulate) -> set[Optional[str]]:

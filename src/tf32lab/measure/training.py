@@ -55,6 +55,7 @@ from tf32lab.control.scope import precision, set_float32_matmul_precision
 from tf32lab.emulation.emulator import (
     check_accumulation,
     context_cells,
+    counted_math,
     emulate,
     families_met,
     release_buffers,
@@ -240,8 +241,9 @@ def cudnn_floor_note(families: Iterable[Optional[str]], target: Target,
 
 def _tf32_convs(coverage: Mapping[tuple[str, str], int]) -> bool:
     """Whether a row's coverage (``("aten::convolution", "tf32-rna")``: the emulator's ops by math) counted a
-    convolution in a math other than IEEE float32."""
-    return any(optable.family(op) == "conv" and math != "ieee" for op, math in coverage)
+    convolution in a math other than IEEE float32 (however a ``"hardware"`` row summed it: ``"ieee, ideal sum"``
+    is IEEE float32)."""
+    return any(optable.family(op) == "conv" and counted_math(math) != "ieee" for op, math in coverage)
 
 
 def scripted_rnn_note(model: torch.nn.Module, target: Target) -> Optional[str]:
