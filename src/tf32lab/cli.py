@@ -515,11 +515,18 @@ def _load_spec(spec: Optional[str], training: Optional[bool]) -> Any:
     masks, a model's samples) is drawn from that stream, as are a factory's random weights and inputs; unseeded, the
     same command gave another report on every run (a dropout model's training loss path), and a verdict near the
     tolerance could flip. A factory that seeds its own keeps its own."""
-    from tf32lab.measure.draws import seeded
     from tf32lab.workloads import specs
 
-    seeded(0, ())  # the CPU's streams (torch imports NumPy: it is seeded too); no device's
+    _seed_streams()
     return specs.load(spec, training=training)
+
+
+def _seed_streams() -> None:
+    """The process's random streams seeded with 0 before a command loads its model (:func:`_load_spec`, and
+    ``check --generate``'s folder, whose loading draws the weights a checkpoint lacks)."""
+    from tf32lab.measure.draws import seeded
+
+    seeded(0, ())  # the CPU's streams (torch imports NumPy: it is seeded too); no device's
 
 
 def _check_loaded(args: argparse.Namespace, spec: str, levels: tuple[str, ...], target: Any, policy: Any,
@@ -597,6 +604,7 @@ def _check_generation(args: argparse.Namespace, levels: tuple[str, ...], target:
         said = "no spec" if spec is None else f"not {_shown(spec)!r}"
         raise Tf32LabError(f"--generate checks a causal language model: give hf:FOLDER (a local transformers "
                            f"causal LM, e.g. GPT-2 or Llama), {said}")
+    _seed_streams()  # as _load_spec: the same command, the same report in every new process
     loaded = hf.causal_lm(spec[3:])
     with _workload_raises(args, loaded, "generating with"):
         report = check_generation(loaded, new_tokens=args.generate, levels=levels, target=target, prompts=prompts,
