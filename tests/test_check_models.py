@@ -475,10 +475,12 @@ def test_an_error_at_highest_from_tf32_convolutions_is_explained():
         def forward(self, x):
             return self.conv(x)
 
-    report = tf32lab.check(Workload(Edge(), torch.ones(1, 1, 8)), levels=("highest",))
-    assert not report
-    text = " ".join(report.conclusion())
-    assert "Even `highest` fails" in text and "convolutions" in text and "cudnn.conv.fp32_precision" in text
+    for accumulation in ("ideal", "hardware"):  # a "hardware" row's counts say how they were summed too
+        report = tf32lab.check(Workload(Edge(), torch.ones(1, 1, 8)), levels=("highest",), accumulation=accumulation)
+        assert not report
+        text = " ".join(report.conclusion())
+        assert "Even `highest` fails" in text and "convolutions" in text and "cudnn.conv.fp32_precision" in text, text
+        assert "run TF32 at every level unless told otherwise" in text, text
 
 
 def test_reports_are_written_whole_or_not_at_all(spec_dir):

@@ -347,14 +347,17 @@ class Depthwise(nn.Module):
         return self.head(self.pw(self.dw(x)).mean((2, 3)))
 
 
-def _depthwise_report(dense: bool):
+def _depthwise_report(dense: bool, accumulation: str = "ideal"):
     torch.manual_seed(0)
     return tf32lab.check(tf32lab.Workload(Depthwise(dense).eval(), torch.randn(2, 8, 16, 16)),
-                         levels=("highest", "high"), speed=False)
+                         levels=("highest", "high"), speed=False, accumulation=accumulation)
 
 
-def test_a_model_whose_only_convolutions_are_depthwise_is_not_told_they_ran_tf32():
-    report = _depthwise_report(dense=False)
+# "hardware": each count's label says how its products were summed too ("ieee, ideal sum"), and the convolutions
+# counted so were all taken for TF32 ones
+@pytest.mark.parametrize("accumulation", ["ideal", "hardware"])
+def test_a_model_whose_only_convolutions_are_depthwise_is_not_told_they_ran_tf32(accumulation):
+    report = _depthwise_report(dense=False, accumulation=accumulation)
     assert {lv.level: lv.maths["conv"] for lv in report.levels} == {"highest": "ieee", "high": "ieee"}
     (said,) = cudnn.stated(report)
     assert said.startswith("Convolutions ran IEEE float32 at every level: they are depthwise"), said

@@ -50,7 +50,19 @@ from tf32lab.emulation.reuse import Handoff
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
 from tf32lab.know.levels import level_cells
-from tf32lab.know.targets import CUDNN_CELL, IEEE, MATHS, Math, Target, check_value, cudnn_cell, get, sdpa_kernel
+from tf32lab.know.targets import (
+    CUDNN_CELL,
+    IEEE,
+    MATHS,
+    SUMMED,
+    Math,
+    Target,
+    check_value,
+    counted_math,
+    cudnn_cell,
+    get,
+    sdpa_kernel,
+)
 from tf32lab.numbers import accumulation as _accumulation
 from tf32lab.numbers import formats
 from tf32lab.numbers.trees import operand_tensors
@@ -1524,7 +1536,7 @@ class emulate(contextlib.ContextDecorator):
     def _count(self, op: str, math: Math, n: int = 1, summed: Optional[str] = None) -> None:
         label = str(math)
         if self.accumulation == "hardware":  # say how the products were summed, known order or not (counted_math)
-            label = f"{label}{_SUMMED}{summed}" if summed else f"{label}{_SUMMED}ideal sum"
+            label = f"{label}{SUMMED}{summed}" if summed else f"{label}{SUMMED}ideal sum"
         with self._lock:
             self.coverage[(op, label)] += n
 
@@ -1535,19 +1547,6 @@ class emulate(contextlib.ContextDecorator):
             raise Tf32LabError(
                 f"emulate(strict=True): {op} belongs to a precision-sensitive family but has no emulation rule "
                 "and does not decompose; it would run with the native math")
-
-
-_SUMMED = ", "  # between a coverage label's math and how a "hardware" block summed its products
-
-
-def counted_math(label: str) -> str:
-    """The math of a ``coverage`` count's label (``"tf32-rna"``), without how the products were summed, which a
-    ``"hardware"`` block appends to it (``"tf32-rna, nvidia k4 f24"``, ``"ieee, ideal sum"``).
-
-    >>> counted_math("tf32-rna, nvidia k4 f24"), counted_math("ieee, ideal sum"), counted_math("ieee")
-    ('tf32-rna', 'ieee', 'ieee')
-    """
-    return label.partition(_SUMMED)[0]
 
 
 def families_met(emu: emulate) -> set[Optional[str]]:

@@ -43,8 +43,8 @@ from tf32lab.know.peaks import DATASHEET, SMS, Peaks
 from tf32lab.numbers import accumulation_models as acc
 from tf32lab.numbers.accumulation_models import Accumulation
 
-__all__ = ["CELL_VALUES", "KEYS", "MATHS", "NATIVE", "PROJECTED", "TARGETS", "Entry", "Math", "Target", "check_value",
-           "get", "native", "rnn_key", "rnn_math", "speed_targets", "table"]
+__all__ = ["CELL_VALUES", "KEYS", "MATHS", "NATIVE", "PROJECTED", "SUMMED", "TARGETS", "Entry", "Math", "Target",
+           "check_value", "counted_math", "get", "native", "rnn_key", "rnn_math", "speed_targets", "table"]
 
 NATIVE = "native"  # the name of this machine's own hardware as a target: run, never emulated
 
@@ -103,6 +103,19 @@ class Entry:
     cell: Optional[str]
     math: Mapping[str, Union[Math, str]]
     source: str
+
+
+SUMMED = ", "  # between a coverage label's math and how a "hardware" block summed its products (the emulator's)
+
+
+def counted_math(label: str) -> str:
+    """The math of an emulator's ``coverage`` count's label (``"tf32-rna"``), without how the products were summed,
+    which a ``"hardware"`` block appends to it (``"tf32-rna, nvidia k4 f24"``, ``"ieee, ideal sum"``).
+
+    >>> counted_math("tf32-rna, nvidia k4 f24"), counted_math("ieee, ideal sum"), counted_math("ieee")
+    ('tf32-rna', 'ieee', 'ieee')
+    """
+    return label.partition(SUMMED)[0]
 
 
 # ``torch.backends.cudnn.enabled`` as a cell, "on" or "off". Off, a GPU runs no convolution or RNN in cuDNN (or

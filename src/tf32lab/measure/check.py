@@ -48,7 +48,7 @@ from tf32lab.emulation.reuse import KEPT, Handoff, alike
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
 from tf32lab.know.levels import ALL_LEVELS, LEVELS, check_levels, with_conv
-from tf32lab.know.targets import CUDNN_CELL, Target, cudnn_cell, rnn_math
+from tf32lab.know.targets import CUDNN_CELL, Target, counted_math, cudnn_cell, rnn_math
 from tf32lab.machine.distributed import agree, policy_digest
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure import resolution, sharded
@@ -924,7 +924,8 @@ def conv_ran(table: str, coverage: Mapping[tuple[str, str], int]) -> str:
     """The convolutions' math as a run computed them: the target's ``table`` math for its cuDNN convolutions,
     ``ieee`` where every one ran IEEE (a GPU runs a float32 NCHW depthwise conv in PyTorch's own kernels, which no
     TF32 flag reaches: ``emulation.rules._depthwise``), ``table/ieee`` where some did."""
-    ran = {m for (op, m), n in coverage.items() if n and optable.family(op) == "conv"}
+    # a "hardware" run's labels say how each count was summed too ("ieee, ideal sum"): its math is what came before
+    ran = {counted_math(m) for (op, m), n in coverage.items() if n and optable.family(op) == "conv"}
     if "ieee" not in ran:
         return table
     return "ieee" if ran == {"ieee"} else f"{table}/ieee"

@@ -22,7 +22,7 @@ import math
 from collections.abc import Collection, Iterable
 from typing import Any, Optional
 
-from tf32lab.know.targets import NATIVE
+from tf32lab.know.targets import NATIVE, counted_math
 from tf32lab.report import cudnn
 from tf32lab.report.wording import given
 
@@ -546,7 +546,8 @@ def _highest_failed(top: LevelResult, target: str, unmatched: bool = False, rewr
                 f"significant bits the smaller a value is; rescale the computation into range (a scale factor, log "
                 f"space) or compute that part in float64.")
     tf32_by_default = [f for f in _DEFAULT_CONV_TF32 if top.maths.get(f, "").startswith("tf32")]
-    ops = [op for op in top.coverage if op.endswith(("tf32-rna", "tf32-rne"))]
+    # "op math" keys; a "hardware" row's math says how it was summed too ("aten::mm tf32-rna, nvidia k4 f24")
+    ops = [op for op in top.coverage if counted_math(op).endswith(("tf32-rna", "tf32-rne"))]
     if tf32_by_default and ops:
         families = " and ".join({"conv": "convolutions", "rnn": "RNNs"}[f] for f in tf32_by_default)
         return (f"Even `highest` fails ({_why_failed(top)}): on {target} {families} run TF32 at every level "
