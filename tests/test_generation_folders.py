@@ -320,3 +320,37 @@ def test_cli_an_output_never_replaces_a_file_of_a_hub_cache_snapshot(tmp_path, c
         line = capsys.readouterr().err.strip()
         assert len(line.splitlines()) == 1 and "is a file of the model folder" in line, line
     assert {p.name: p.read_bytes() for p in blobs.iterdir()} == before
+
+
+def test_cli_generate_seeds_before_it_loads_a_folder_whose_checkpoint_lacks_a_weight(tmp_path, capsys):
+    # as every other command's spec (cli._load_spec): a new process draws PyTorch's seed from the operating system,
+    # and a checkpoint without its output head (untied, left out) gets one drawn as the folder loads: another head,
+    # and other tokens, in every run
+    import random
+
+    import numpy
+    from safetensors.torch import load_file, save_file
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = hf_builders.llama(max_position_embeddings=_POSITIONS, tie_word_embeddings=False)
+    folder = hf_builders.folder(tmp_path / "headless", model, hf_builders.tokenizer(eos_token="</s>"))
+    weights = folder / "model.safetensors"
+    kept = {k: v for k, v in load_file(weights).items() if k != "lm_head.weight"}
+    save_file(kept, weights, metadata={"format": "pt"})
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the river\n")
+    outputs = []
+    python, numpys = random.getstate(), numpy.random.get_state()
+    try:
+        with torch.random.fork_rng():
+            for seed in (1, 2):
+                torch.manual_seed(seed), random.seed(seed), numpy.random.seed(seed)
+                code = cli.main(["check", f"hf:{folder}", "--generate", "2", "--prompts", str(prompts), "--levels",
+                                 "high", "--json", "-"])
+                assert code in (0, 1)
+                outputs.append(json.loads(capsys.readouterr().out))
+    finally:
+        random.setstate(python), numpy.random.set_state(numpys)
+    found = [[(row["tokens"], row["logit_errors"]) for row in out["levels"]] for out in outputs]
+    assert found[0] == found[1]

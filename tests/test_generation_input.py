@@ -278,31 +278,3 @@ def test_an_encoder_decoder_is_refused_in_one_line_before_any_forward(kind):
         tf32lab.check_generation(model, new_tokens=2, prompts=[[1, 2, 3], [4, 5]], levels=("high",))
     assert calls == []
 
-
-def test_check_generate_seeds_the_random_streams_before_it_loads_the_folder(monkeypatch, capsys):
-    # as every other command's spec (cli._load_spec): a new process draws PyTorch's seed from the operating system,
-    # so the weights a checkpoint lacks, which loading draws, were other ones in every run, and so was the text
-    import random
-
-    import numpy
-
-    from tf32lab import cli
-    from tf32lab.workloads import hf
-
-    drawn = []
-
-    def causal_lm(folder):
-        drawn.append((torch.rand(2).tolist(), random.random(), float(numpy.random.random())))
-        raise Tf32LabError("loaded no model")
-
-    monkeypatch.setattr(hf, "causal_lm", causal_lm)
-    python, numpys = random.getstate(), numpy.random.get_state()
-    try:
-        with torch.random.fork_rng():
-            for seed in (1, 2):
-                torch.manual_seed(seed), random.seed(seed), numpy.random.seed(seed)
-                assert cli.main(["check", "hf:any", "--generate", "2", "--levels", "high"]) == 2
-    finally:
-        random.setstate(python), numpy.random.set_state(numpys)
-    assert "loaded no model" in capsys.readouterr().err
-    assert len(drawn) == 2 and drawn[0] == drawn[1], drawn
