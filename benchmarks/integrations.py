@@ -5,8 +5,12 @@ class and arguments), at the same levels and target. Goal: at most 1x, the accep
 where the callback is not in `callbacks`: importing the integrations adds no callback to a Trainer and no hook to
 a module.
 
-The three are timed side by side in one process (without, with, check; then again), the ratio the median of the
-rounds' own; only `fit` / `train` and `check_training` are timed (the Trainer, its module and arguments made
+For comparison only, not a goal: the same done by hand, as one who calls `check_training` themselves to get what the
+callback gives: the first batches read from the run's own loader, the check, and the report written as JSON and
+HTML (`to_json`, `save_html`). The callback does that too, so its cost over this is what the callback itself adds.
+
+The four are timed side by side in one process (without, with, check, by hand; then again), the ratio the median of
+the rounds' own; only `fit` / `train` and `check_training` are timed (the Trainer, its module and arguments made
 beforehand, alike for both runs), on one torch thread. The callback's hook is timed too: the part of its cost spent
 before the run's first step (the report's files are synced to disk in a thread, while the run trains on). What the
 process holds after the warm-up is frozen out of Python's collections (`gc.freeze`: Hugging Face's `train` begins
@@ -26,7 +30,7 @@ import statistics
 import tempfile
 import time
 import warnings
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from _common import WALL, header
@@ -96,15 +100,28 @@ def lightning(steps: int, folder: str) -> dict[str, Callable[[], Callable[[], ob
         module, loader = Module(), DataLoader(data(), batch_size=16)
         return lambda: trainer.fit(module, loader)
 
-    def check() -> Callable[[], object]:
+    def workload(batches: list, model: torch.nn.Module) -> tf32lab.TrainingWorkload:
         # the module's net, the loader's first batches (not shuffled), its training_step's loss, its optimizer
-        batches = [batch for _, batch in zip(range(steps), DataLoader(data(), batch_size=16))]
-        workload = tf32lab.TrainingWorkload(mlp(), batches, loss=lambda out, b: (out - b[1]).pow(2).mean(),
-                                            inputs=lambda b: b[0], optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
-        return lambda: tf32lab.check_training(workload, levels=LEVELS, target=TARGET)
+        return tf32lab.TrainingWorkload(model, batches, loss=lambda out, b: (out - b[1]).pow(2).mean(),
+                                        inputs=lambda b: b[0], optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+
+    def check() -> Callable[[], object]:
+        made = workload([batch for _, batch in zip(range(steps), DataLoader(data(), batch_size=16))], mlp())
+        return lambda: tf32lab.check_training(made, levels=LEVELS, target=TARGET)
+
+    def by_hand() -> Callable[[], object]:
+        loader, model = DataLoader(data(), batch_size=16), mlp()
+        return lambda: _written(tf32lab.check_training(
+            workload([batch for _, batch in zip(range(steps), loader)], model), levels=LEVELS, target=TARGET), folder)
 
     return {"without": lambda: fit([]), "with": lambda: fit([Tf32Check(TARGET, steps=steps, levels=LEVELS)]),
-            "check": check, "hook": Hooked(Tf32Check, "on_train_start")}
+            "check": check, "by hand": by_hand, "hook": Hooked(Tf32Check, "on_train_start")}
+
+
+def _written(report: tf32lab.TrainingReport, folder: str) -> None:
+    """The report written as a user writes it by hand: its JSON and its page, each whole or not at all."""
+    report.to_json(f"{folder}/by-hand.json")
+    report.save_html(f"{folder}/by-hand.html")
 
 
 def transformers_(steps: int, folder: str) -> dict[str, object]:
@@ -129,12 +146,11 @@ def transformers_(steps: int, folder: str) -> dict[str, object]:
         trainer = Trainer(model=Model(), args=args, train_dataset=rows, callbacks=callbacks)
         return trainer.train
 
-    def check() -> Callable[[], object]:
+    def made() -> tuple[Any, Callable]:
         # the Trainer's first batches (collated as its loader does), its model's loss, the optimizer it builds: its
         # class and arguments over its two parameter groups (Trainer.create_optimizer: weight decay on the weights,
         # none on the biases; one group, before, was one fused call a step fewer than the run's optimizer makes)
         trainer = Trainer(model=Model(), args=args, train_dataset=rows)
-        batches = [dict(batch) for _, batch in zip(range(steps), trainer.get_train_dataloader())]
         kind, options = Trainer.get_optimizer_cls_and_kwargs(args)
         decay = set(trainer.get_decay_parameter_names(trainer.model))
         names = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
@@ -144,17 +160,33 @@ def transformers_(steps: int, folder: str) -> dict[str, object]:
             return kind([{"params": groups[0], "weight_decay": args.weight_decay},
                          {"params": groups[1], "weight_decay": 0.0}], **options)
 
-        workload = tf32lab.TrainingWorkload(Model(), batches, loss=lambda out, b: out["loss"], inputs=lambda b: b,
-                                            optimizer=optimizer)
-        return lambda: tf32lab.check_training(workload, levels=LEVELS, target=TARGET)
+        return trainer, optimizer
+
+    def workload(batches: list, optimizer: Callable, model: torch.nn.Module) -> tf32lab.TrainingWorkload:
+        return tf32lab.TrainingWorkload(model, batches, loss=lambda out, b: out["loss"], inputs=lambda b: b,
+                                        optimizer=optimizer)
+
+    def check() -> Callable[[], object]:
+        trainer, optimizer = made()
+        batches = [dict(batch) for _, batch in zip(range(steps), trainer.get_train_dataloader())]
+        checked = workload(batches, optimizer, Model())
+        return lambda: tf32lab.check_training(checked, levels=LEVELS, target=TARGET)
+
+    def by_hand() -> Callable[[], object]:
+        trainer, optimizer = made()
+        loader, model = trainer.get_train_dataloader(), Model()
+        return lambda: _written(tf32lab.check_training(workload(
+            [dict(batch) for _, batch in zip(range(steps), loader)], optimizer, model), levels=LEVELS,
+            target=TARGET), folder)
 
     return {"without": lambda: train([]), "with": lambda: train([Tf32CheckCallback(TARGET, steps=steps,
                                                                                    levels=LEVELS)]),
-            "check": check, "hook": Hooked(Tf32CheckCallback, "on_train_begin")}
+            "check": check, "by hand": by_hand, "hook": Hooked(Tf32CheckCallback, "on_train_begin")}
 
 
 def side_by_side(runs: dict, rounds: int) -> dict[str, float]:
-    """Median seconds of each variant, timed in turn (without, with, check; again) after one warm-up round, and
+    """Median seconds of each variant, timed in turn (without, with, check, by hand; again) after one warm-up round,
+    and
     the median of each round's own ratio (a shared machine's load changes between rounds more than within one);
     ``cpu ratio`` the same ratio in the process's CPU time.
 
@@ -164,7 +196,7 @@ def side_by_side(runs: dict, rounds: int) -> dict[str, float]:
     check, with and without the callback alike; its swings were most of a round's difference (the rounds' ratios
     spread by 0.5-0.7x). Frozen, that walk and Python's automatic collections skip the objects made before the
     timing, and each run's collections walk what the runs make themselves, the callback's check included."""
-    samples: dict[str, list[float]] = {name: [] for name in ("without", "with", "check")}
+    samples: dict[str, list[float]] = {name: [] for name in ("without", "with", "check", "by hand")}
     cpu: dict[str, list[float]] = {name: [] for name in samples}
     for round_ in range(rounds + 1):
         if round_ == 1:
@@ -181,14 +213,15 @@ def side_by_side(runs: dict, rounds: int) -> dict[str, float]:
     hooked = runs["hook"].seconds[1:]  # the warm-up's first
     ratios = sorted((w - o) / c for o, w, c in zip(samples["without"], samples["with"], samples["check"]))
     return {**{name: statistics.median(v) for name, v in samples.items()}, "hook": statistics.median(hooked),
-            "ratio": _ratio(samples), "cpu ratio": _ratio(cpu), "spread": (ratios[len(ratios) // 4],
+            "ratio": _ratio(samples), "cpu ratio": _ratio(cpu), "by hand ratio": _ratio(samples, "by hand"),
+            "spread": (ratios[len(ratios) // 4],
                                                                            ratios[(3 * len(ratios)) // 4]),
             "hook ratio": statistics.median(
                 [h / c for h, c in zip(hooked, samples["check"])])}
 
 
-def _ratio(samples: dict[str, list[float]]) -> float:
-    return statistics.median([(w - o) / c for o, w, c in zip(samples["without"], samples["with"], samples["check"])])
+def _ratio(samples: dict[str, list[float]], over: str = "check") -> float:
+    return statistics.median([(w - o) / c for o, w, c in zip(samples["without"], samples["with"], samples[over])])
 
 
 def main() -> None:
@@ -219,6 +252,9 @@ def main() -> None:
                       f"{times['check']:.3f} s (goal <= {GOAL:.2f}x); its hook {times['hook']:.3f} s "
                       f"({times['hook ratio']:.2f}x); in CPU time {times['cpu ratio']:.2f}x; the rounds' ratios' "
                       f"quartiles {times['spread'][0]:.2f}x-{times['spread'][1]:.2f}x")
+                print(f"       | {framework} | the same done by hand (the first batches read from the run's loader, "
+                      f"check_training, the report written as JSON and HTML): {times['by hand']:.3f} s; the callback "
+                      f"costs {times['by hand ratio']:.2f}x that (for comparison, not a goal)")
     finally:
         torch.set_num_threads(threads)
     import pytorch_lightning as L
