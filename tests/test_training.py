@@ -979,6 +979,14 @@ def test_a_training_whose_convolutions_ran_tf32_in_every_row_says_float32s_floor
     assert not any("ran TF32 in every row" in n for n in said)
 
 
+def test_tune_train_whose_convolutions_ran_tf32_in_every_row_says_float32s_floor_holds_them():
+    # its search reads every policy against float32's own drift as check_training does, and no policy sets cuDNN's
+    # flag: the same note, in the lines the command prints
+    tuning = tf32lab.tune(_conv_training(), target="a100", levels=("high", "highest"))
+    said = [n for n in tuning.report.notes if "convolutions ran TF32 in every row, float32's own included" in n]
+    assert said and said[0] in " ".join(tuning.lines(width=10_000)), tuning.report.notes
+
+
 def test_a_training_with_cudnn_off_is_not_told_its_convolutions_ran_tf32_in_float32s_row(user_flags):
     # with cuDNN off a convolution runs as PyTorch's own GEMMs at the level's matmul math: float32's row ran it in
     # IEEE float32 whatever cuDNN's flag holds, so no note says it ran TF32 there (a process at 'high' had it said)

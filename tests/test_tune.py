@@ -196,3 +196,12 @@ def test_a_compiled_model_is_tuned_eagerly_and_its_own_calls_still_compile(count
     assert graphs == {"compiled": 0, "ran": 0}  # the runs were eager
     compiled(x)
     assert graphs == {"compiled": 1, "ran": 1}
+
+
+def test_the_terminal_summary_says_the_runs_notes_as_check_prints_them():
+    # the notes were in the JSON and the page alone: a search run under a conv math, or a workload that changed a
+    # flag, said nothing of it on the terminal
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv1d(2, 8, 9), torch.nn.Tanh(), torch.nn.Flatten(), torch.nn.Linear(448, 1))
+    tuning = tf32lab.tune(tf32lab.Workload(model, torch.randn(4, 2, 64)), target="a100", conv="ieee")
+    assert tuning.report.notes and all(note in tuning.lines(width=200) for note in tuning.report.notes)

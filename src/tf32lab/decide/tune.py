@@ -180,7 +180,8 @@ class Tuning(Document):
         out += as_lines(table, width)
         out.append(f"{self.runs} end-to-end runs besides the float64 reference; {self.seconds:.1f} s, "
                    f"{self.seconds / max(self.check_seconds, 1e-9):.2f}x the check of the uniform levels")
-        return out + self.advice(policy_file, command)
+        # what the runs need said (a flag the workload changed, the convolutions' math): as check prints them
+        return out + list(self.report.notes) + self.advice(policy_file, command)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -55,6 +55,7 @@ from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.check import ConvRun, PolicyRow, alike_levels
 from tf32lab.measure.training import (
     TrainingSession,
+    cudnn_floor_note,
     random_state_kept,
     scripted_rnn_note,
     training_steps,
@@ -62,7 +63,7 @@ from tf32lab.measure.training import (
 )
 from tf32lab.report import Document
 from tf32lab.report.conclusion import WORTH
-from tf32lab.report.training import TrainingLevel, TrainingReport, changed_layers, faster
+from tf32lab.report.training import FLOOR, TrainingLevel, TrainingReport, changed_layers, faster
 from tf32lab.report.wording import tolerance_words
 from tf32lab.workloads.running import (
     Progress,
@@ -155,7 +156,8 @@ class TrainingTuning(Document):
                 table.add_row(c.why, shown, f"{'PASSED' if c.passed else 'FAILED'}{chosen}")
             out += as_lines(table, width)
         out.append(f"{self.runs} float32 trainings besides the float64 reference; {self.seconds:.1f} s")
-        return out + self.advice(policy_file, command)
+        # what the runs need said (a flag the workload changed, the convolutions' math): as check prints them
+        return out + list(self.report.notes) + self.advice(policy_file, command)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -205,8 +207,11 @@ def tune_training(workload: TrainingWorkload, *, target: Union[str, Target] = "a
         found = dataclasses.replace(found, reason=found.reason.rstrip(".") + faster(answer, target.name) + ".")
     report = search.session.report(found.rows, time.perf_counter() - started)
     rnns = scripted_rnn_note(workload.model, target)
+    # the search's policies leave cuDNN's flag alone: float32's own row ran the convolutions as every row did
+    floor_tf32 = None if conv is not None else cudnn_floor_note(search.session.families, target,
+                                                                 search.session.op_maths.get(FLOOR, {}))
     notes = ([conv_run.note()] if conv is not None else []) + ([changed_note(changed)] if changed else []) + \
-        ([rnns] if rnns is not None else [])
+        ([rnns] if rnns is not None else []) + ([floor_tf32] if floor_tf32 is not None else [])
     # the math matters where the model's modules or the ops its rows ran (TorchScript's convolutions) say it does
     matters = conv_matters(workload.model, target) or \
         families_matter({f for f in search.session.families if f is not None}, target)
