@@ -60,6 +60,11 @@ def test_a_looser_tolerance_lets_it_pass():
     (["builtin", "--levels", "high", "medium"], "unrecognized arguments: medium (--levels takes them "
                                                 "comma-separated: --levels high,medium)"),
     (["builtin", "--levels", "high", "fast"], "unrecognized arguments: fast (see tf32lab check --help)"),
+    # a comma and a space, as in prose: the hint names each level once, one comma between them
+    (["builtin", "--levels", "highest,", "high"], "unrecognized arguments: high (--levels takes them "
+                                                  "comma-separated: --levels highest,high)"),
+    (["builtin", "--levels", "highest,", "high,", "medium"], "unrecognized arguments: high, medium (--levels takes "
+                                                             "them comma-separated: --levels highest,high,medium)"),
     (["a100"], "'a100' is a target: --target a100"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message):

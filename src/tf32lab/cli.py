@@ -1001,9 +1001,14 @@ def _spaced_levels(argv: Sequence[str] | None, extra: list[str]) -> str:
 
     words = list(sys.argv[1:] if argv is None else argv)
     at = max((i for i, word in enumerate(words) if word == "--levels"), default=None)
-    if at is None or words[at + 2:at + 2 + len(extra)] != extra or not all(w in ALL_LEVELS for w in extra):
+    if at is None or at + 1 >= len(words) or words[at + 2:at + 2 + len(extra)] != extra:
         return ""
-    return f" (--levels takes them comma-separated: --levels {','.join([words[at + 1], *extra])})"
+    # a comma before the space, as in prose (``--levels highest, high``): each level once, one comma between
+    later = [part for word in extra for part in word.split(",") if part]
+    if not later or not all(part in ALL_LEVELS for part in later):
+        return ""
+    levels = [part for part in words[at + 1].split(",") if part] + later
+    return f" (--levels takes them comma-separated: --levels {','.join(levels)})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
