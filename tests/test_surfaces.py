@@ -201,6 +201,16 @@ def test_targets_reads_at_80_columns(tmp_path):
             assert f"{t['peaks']['fp32_tflops']:g}/{t['peaks']['tf32_tflops'] or '-'}" in narrow.split()
 
 
+def test_targets_says_what_each_math_it_shows_means(tmp_path):
+    # tf32-rna, tf32-rz, bf16x3: names a reader meets first in this table, explained under it as doctor's are
+    wide = tf32lab("targets", columns=240, cwd=tmp_path)
+    data = json.loads(tf32lab("targets", "--json", columns=240, cwd=tmp_path))
+    shown = {maths[family] for t in data["targets"] for maths in t["maths"].values() for family in ("matmul", "conv")}
+    caption = wide[wide.index("conv follows"):]
+    assert {name for name in shown if name not in caption} == set(), caption
+    assert "ties away" in caption and "toward zero" in caption, caption
+
+
 def test_doctor_and_policy_show_cut_nothing_at_80_columns(tmp_path):
     assert_nothing_cut(tf32lab("doctor", "--simulate", "h100", columns=240, cwd=tmp_path),
                        tf32lab("doctor", "--simulate", "h100", columns=80, cwd=tmp_path))

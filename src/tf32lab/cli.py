@@ -300,7 +300,9 @@ def _targets(args: argparse.Namespace) -> int:
         *(Column(name, "number", justify="left") for name in (*LEVELS, "conv")),
         Column("TFLOP/s", "text", justify="right")],
         caption="conv follows cuDNN's own flag (torch.backends.cudnn.allow_tf32, on by default), not the level. "
-                "TFLOP/s: dense peaks, fp32/tf32; CPU targets are measured, not predicted.")
+                "TFLOP/s: dense peaks, fp32/tf32; CPU targets are measured, not predicted.\n"
+                "math: ieee (float32 as is), tf32-rna / tf32-rne / tf32-rz (operands rounded to TF32: ties away / "
+                "to even / toward zero), bf16-rne (operands rounded to bf16), bf16x3 (3 bf16 passes)")
     for row, target in zip(rows, TARGETS.values()):
         cap, peaks = row["capability"], row["peaks"]
         convs = [row["maths"][level]["conv"] for level in LEVELS]
