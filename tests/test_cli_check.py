@@ -65,6 +65,11 @@ def test_a_looser_tolerance_lets_it_pass():
                                                   "comma-separated: --levels highest,high)"),
     (["builtin", "--levels", "highest,", "high,", "medium"], "unrecognized arguments: high, medium (--levels takes "
                                                              "them comma-separated: --levels highest,high,medium)"),
+    # the options first, the spec last: argparse took 'high' as the spec and left the spec over
+    (["--levels", "highest,", "high", "builtin"], "unrecognized arguments: builtin (--levels takes them "
+                                                  "comma-separated: --levels highest,high)"),
+    (["--levels", "highest", "high", "medium", "builtin"], "unrecognized arguments: medium builtin (--levels takes "
+                                                           "them comma-separated: --levels highest,high,medium)"),
     (["a100"], "'a100' is a target: --target a100"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message):

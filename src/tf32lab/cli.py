@@ -996,20 +996,30 @@ class _Stdout:
         return self.stream.errors
 
 
-def _spaced_levels(argv: Sequence[str] | None, extra: list[str]) -> str:
-    """The comma hint where the words argparse left over are levels that followed ``--levels``' value
-    (``check SPEC --levels high medium``); "" otherwise."""
+def _spaced_levels(argv: Sequence[str] | None, extra: list[str], spec: str | None = None) -> str:
+    """The comma hint where levels followed ``--levels``' value spaced (``check SPEC --levels high medium``,
+    ``--levels highest, high``) and argparse left words over: those levels, or, with the options before the spec,
+    the words after the first one, which it took as the ``spec``; "" otherwise."""
     from tf32lab.know.levels import ALL_LEVELS
+
+    def parts(word: str) -> list[str]:  # a comma before the space, as in prose: each level once
+        return [part for part in word.split(",") if part]
 
     words = list(sys.argv[1:] if argv is None else argv)
     at = max((i for i, word in enumerate(words) if word == "--levels"), default=None)
-    if at is None or at + 1 >= len(words) or words[at + 2:at + 2 + len(extra)] != extra:
+    if at is None or at + 1 >= len(words):
         return ""
-    # a comma before the space, as in prose (``--levels highest, high``): each level once, one comma between
-    later = [part for word in extra for part in word.split(",") if part]
-    if not later or not all(part in ALL_LEVELS for part in later):
+    tail: list[str] = []  # the spaced levels after the value
+    for word in words[at + 2:]:
+        if not parts(word) or not all(part in ALL_LEVELS for part in parts(word)):
+            break
+        tail.append(word)
+    if not tail:
         return ""
-    levels = [part for part in words[at + 1].split(",") if part] + later
+    after = words[at + 2:]
+    if after[:len(extra)] != extra and not (spec == tail[0] and after[1:1 + len(extra)] == extra):
+        return ""
+    levels = [*parts(words[at + 1]), *(part for word in tail for part in parts(word))]
     return f" (--levels takes them comma-separated: --levels {','.join(levels)})"
 
 
@@ -1017,7 +1027,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # argparse would name the top command, whose --help does not list a subcommand's options
-        args._parser.error(f"unrecognized arguments: {' '.join(extra)}{_spaced_levels(argv, extra)}")
+        args._parser.error(f"unrecognized arguments: {' '.join(extra)}"
+                           f"{_spaced_levels(argv, extra, getattr(args, 'spec', None))}")
     if getattr(args, "run", None) is None:
         parser.print_help()
         return 0
