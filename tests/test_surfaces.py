@@ -244,6 +244,19 @@ def test_a_table_with_more_numbers_than_80_columns_hold_still_cuts_none():
             assert f"layer.{stage}." in out
 
 
+def test_a_title_wider_than_its_narrow_table_wraps_at_the_terminal_not_the_table():
+    # the layers table of a small model is three narrow columns: its title broke as "(7 of" / "7)" at 42 columns
+    table = Fitted("Layers, most error introduced first (7 of 7): introduced / accumulated",
+                   [Column("layer", "name", key=True), Column("highest"), Column("high")])
+    table.add_row("blocks.1.attention", "- / 3.6e-07", "3.5e-04 / 4.8e-04")
+    lines = as_lines(table, 80)
+    assert lines[0] == "Layers, most error introduced first (7 of 7): introduced / accumulated", lines
+    assert max(map(len, lines)) <= 80 and any("3.5e-04 / 4.8e-04" in line for line in lines), lines
+    narrow = as_lines(table, 50)  # past the terminal's width it wraps there, between words
+    assert narrow[:2] == ["Layers, most error introduced first (7 of 7):", "introduced / accumulated"], narrow
+    assert max(map(len, narrow)) <= 50
+
+
 def test_names_shorten_from_the_left_keeping_their_stage():
     from tf32lab.report.tables import Column, Fitted, as_lines, short_name
 
