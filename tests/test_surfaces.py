@@ -255,6 +255,14 @@ def test_a_title_wider_than_its_narrow_table_wraps_at_the_terminal_not_the_table
     narrow = as_lines(table, 50)  # past the terminal's width it wraps there, between words
     assert narrow[:2] == ["Layers, most error introduced first (7 of 7):", "introduced / accumulated"], narrow
     assert max(map(len, narrow)) <= 50
+    # a caption too: policy show's legend wrapped at its table's 46 columns
+    table = Fitted(None, [Column("module", "name", key=True), Column("level", "text")],
+                   caption="*: hooked (its level or conv differs from its parent's); 'from' left empty: inherited "
+                           "from the parent")
+    table.add_row("(model) *", "high")
+    lines = as_lines(table, 80)
+    assert lines[-2:] == ["*: hooked (its level or conv differs from its parent's); 'from' left empty:",
+                          "inherited from the parent"], lines
 
 
 def test_names_shorten_from_the_left_keeping_their_stage():

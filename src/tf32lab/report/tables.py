@@ -213,9 +213,12 @@ class Fitted:
             # the title above the table, wrapped at the terminal's width: rich wraps it at the table's, and a
             # narrow table broke it mid-phrase ("(7 of" / "7)")
             title, table.title = table.title, None
+            caption, table.caption = table.caption, None
             if title:
                 yield Text(title, style="table.title", justify="left")
             yield table
+            if caption:  # and its caption below it, likewise
+                yield Text(caption, style="table.caption", justify="left")
 
     # -- widths ----------------------------------------------------------------------------------------------------
     def _natural(self, i: int) -> int:
