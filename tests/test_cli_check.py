@@ -111,6 +111,8 @@ def test_a_raising_workload_exits_2_and_debug_shows_the_traceback(tmp_path):
     assert "Traceback" not in factory.stderr
     debug = run(f"{path}:make", "--debug")
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "shapes do not line up" in debug.stderr
+    # bad input is exit code 2 with --debug too: 1 is a verdict, a level past its tolerance
+    assert debug.returncode == 2 and debug.stderr.strip().splitlines()[-1].startswith("tf32lab check: error: ")
 
 
 def test_without_the_demo_extra_the_builtin_model_is_checked_and_said_so(tmp_path):

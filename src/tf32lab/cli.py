@@ -1050,8 +1050,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Tf32LabError as exc:
         if isinstance(exc, _StdoutError):
             _drop_stdout()  # what is still buffered would fail again when Python flushes at exit
-        if getattr(args, "debug", False):
-            raise
+        if getattr(args, "debug", False):  # the traceback, then the line and exit code 2 (1 is a verdict)
+            import traceback
+
+            traceback.print_exc()
         from tf32lab.report.text import inert
 
         _say(f"tf32lab {name}: error: {' '.join(inert(exc).split(chr(10)))}")
