@@ -319,6 +319,31 @@ def test_an_error_that_jumps_where_tf32_flips_a_routing_choice_is_placed_there(w
                                                                         else "moe.router")]
 
 
+class _Cancel(nn.Module):
+    """The input rides on a large offset that the product then takes away again (examples/tune's model)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.lin = nn.Linear(n, n, bias=False)
+
+    def forward(self, x):
+        return self.lin(x + 1000.0) - self.lin(torch.full_like(x, 1000.0))
+
+
+def test_an_error_that_jumps_in_a_model_without_choices_names_a_cancellation_too():
+    # no choice op anywhere: a hint at a router's top-k alone sends the reader after something the model lacks
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), _Cancel(32), nn.Linear(32, 8))
+    report = tf32lab.check(Workload(model, torch.randn(64, 32)), levels=("highest", "high"), target="a100",
+                           speed=False)
+    assert report.level("highest").passed and not report.level("high").passed
+    assert report.level("high").choices is None
+    text = " ".join(report.conclusion())
+    assert "no layer introduces that much" in text and "amplifies small differences" in text, text
+    assert "a cancellation (the difference of two nearly equal values)" in text, text
+    assert "what feeds the choice" not in text, text
+
+
 def test_the_choices_tf32_flips_are_counted_against_the_references():
     g = torch.Generator().manual_seed(2)
     torch.manual_seed(2)

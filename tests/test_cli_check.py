@@ -60,6 +60,16 @@ def test_a_looser_tolerance_lets_it_pass():
     (["builtin", "--levels", "high", "medium"], "unrecognized arguments: medium (--levels takes them "
                                                 "comma-separated: --levels high,medium)"),
     (["builtin", "--levels", "high", "fast"], "unrecognized arguments: fast (see tf32lab check --help)"),
+    # a comma and a space, as in prose: the hint names each level once, one comma between them
+    (["builtin", "--levels", "highest,", "high"], "unrecognized arguments: high (--levels takes them "
+                                                  "comma-separated: --levels highest,high)"),
+    (["builtin", "--levels", "highest,", "high,", "medium"], "unrecognized arguments: high, medium (--levels takes "
+                                                             "them comma-separated: --levels highest,high,medium)"),
+    # the options first, the spec last: argparse took 'high' as the spec and left the spec over
+    (["--levels", "highest,", "high", "builtin"], "unrecognized arguments: builtin (--levels takes them "
+                                                  "comma-separated: --levels highest,high)"),
+    (["--levels", "highest", "high", "medium", "builtin"], "unrecognized arguments: medium builtin (--levels takes "
+                                                           "them comma-separated: --levels highest,high,medium)"),
     (["a100"], "'a100' is a target: --target a100"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message):
@@ -101,6 +111,8 @@ def test_a_raising_workload_exits_2_and_debug_shows_the_traceback(tmp_path):
     assert "Traceback" not in factory.stderr
     debug = run(f"{path}:make", "--debug")
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "shapes do not line up" in debug.stderr
+    # bad input is exit code 2 with --debug too: 1 is a verdict, a level past its tolerance
+    assert debug.returncode == 2 and debug.stderr.strip().splitlines()[-1].startswith("tf32lab check: error: ")
 
 
 def test_without_the_demo_extra_the_builtin_model_is_checked_and_said_so(tmp_path):

@@ -57,6 +57,18 @@ def test_the_modules_examples_compile_no_kernel(monkeypatch):
     assert compiles == []
 
 
+def test_the_script_without_numba_says_so_and_fails():
+    # an image built with `python -m tf32lab.numbers.compiled` and no `fast` extra: "0 compiled kernels" and exit
+    # 0 read as success
+    script = ("import sys; sys.modules['numba'] = None; import runpy; "
+              "runpy.run_module('tf32lab.numbers.compiled', run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=_env(),
+                          cwd=SRC.parent)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert done.stdout == "" and "numba is not installed" in done.stderr and "tf32lab[fast]" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
 def _env() -> dict[str, str]:
     """This process's environment with ``src`` first on the path, and numba's cache beside the kernels' sources
     (where ``make test`` compiles them), whatever cache folder the environment names."""

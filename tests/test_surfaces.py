@@ -201,6 +201,16 @@ def test_targets_reads_at_80_columns(tmp_path):
             assert f"{t['peaks']['fp32_tflops']:g}/{t['peaks']['tf32_tflops'] or '-'}" in narrow.split()
 
 
+def test_targets_says_what_each_math_it_shows_means(tmp_path):
+    # tf32-rna, tf32-rz, bf16x3: names a reader meets first in this table, explained under it as doctor's are
+    wide = tf32lab("targets", columns=240, cwd=tmp_path)
+    data = json.loads(tf32lab("targets", "--json", columns=240, cwd=tmp_path))
+    shown = {maths[family] for t in data["targets"] for maths in t["maths"].values() for family in ("matmul", "conv")}
+    caption = wide[wide.index("conv follows"):]
+    assert {name for name in shown if name not in caption} == set(), caption
+    assert "ties away" in caption and "toward zero" in caption, caption
+
+
 def test_doctor_and_policy_show_cut_nothing_at_80_columns(tmp_path):
     assert_nothing_cut(tf32lab("doctor", "--simulate", "h100", columns=240, cwd=tmp_path),
                        tf32lab("doctor", "--simulate", "h100", columns=80, cwd=tmp_path))
@@ -232,6 +242,27 @@ def test_a_table_with_more_numbers_than_80_columns_hold_still_cuts_none():
         assert not CUT.search(out)
         for stage in range(3):
             assert f"layer.{stage}." in out
+
+
+def test_a_title_wider_than_its_narrow_table_wraps_at_the_terminal_not_the_table():
+    # the layers table of a small model is three narrow columns: its title broke as "(7 of" / "7)" at 42 columns
+    table = Fitted("Layers, most error introduced first (7 of 7): introduced / accumulated",
+                   [Column("layer", "name", key=True), Column("highest"), Column("high")])
+    table.add_row("blocks.1.attention", "- / 3.6e-07", "3.5e-04 / 4.8e-04")
+    lines = as_lines(table, 80)
+    assert lines[0] == "Layers, most error introduced first (7 of 7): introduced / accumulated", lines
+    assert max(map(len, lines)) <= 80 and any("3.5e-04 / 4.8e-04" in line for line in lines), lines
+    narrow = as_lines(table, 50)  # past the terminal's width it wraps there, between words
+    assert narrow[:2] == ["Layers, most error introduced first (7 of 7):", "introduced / accumulated"], narrow
+    assert max(map(len, narrow)) <= 50
+    # a caption too: policy show's legend wrapped at its table's 46 columns
+    table = Fitted(None, [Column("module", "name", key=True), Column("level", "text")],
+                   caption="*: hooked (its level or conv differs from its parent's); 'from' left empty: inherited "
+                           "from the parent")
+    table.add_row("(model) *", "high")
+    lines = as_lines(table, 80)
+    assert lines[-2:] == ["*: hooked (its level or conv differs from its parent's); 'from' left empty:",
+                          "inherited from the parent"], lines
 
 
 def test_names_shorten_from_the_left_keeping_their_stage():

@@ -300,7 +300,9 @@ def _targets(args: argparse.Namespace) -> int:
         *(Column(name, "number", justify="left") for name in (*LEVELS, "conv")),
         Column("TFLOP/s", "text", justify="right")],
         caption="conv follows cuDNN's own flag (torch.backends.cudnn.allow_tf32, on by default), not the level. "
-                "TFLOP/s: dense peaks, fp32/tf32; CPU targets are measured, not predicted.")
+                "TFLOP/s: dense peaks, fp32/tf32; CPU targets are measured, not predicted.\n"
+                "math: ieee (float32 as is), tf32-rna / tf32-rne / tf32-rz (operands rounded to TF32: ties away / "
+                "to even / toward zero), bf16-rne (operands rounded to bf16), bf16x3 (3 bf16 passes)")
     for row, target in zip(rows, TARGETS.values()):
         cap, peaks = row["capability"], row["peaks"]
         convs = [row["maths"][level]["conv"] for level in LEVELS]
@@ -1002,23 +1004,39 @@ class _Stdout:
         return self.stream.errors
 
 
-def _spaced_levels(argv: Sequence[str] | None, extra: list[str]) -> str:
-    """The comma hint where the words argparse left over are levels that followed ``--levels``' value
-    (``check SPEC --levels high medium``); "" otherwise."""
+def _spaced_levels(argv: Sequence[str] | None, extra: list[str], spec: str | None = None) -> str:
+    """The comma hint where levels followed ``--levels``' value spaced (``check SPEC --levels high medium``,
+    ``--levels highest, high``) and argparse left words over: those levels, or, with the options before the spec,
+    the words after the first one, which it took as the ``spec``; "" otherwise."""
     from tf32lab.know.levels import ALL_LEVELS
+
+    def parts(word: str) -> list[str]:  # a comma before the space, as in prose: each level once
+        return [part for part in word.split(",") if part]
 
     words = list(sys.argv[1:] if argv is None else argv)
     at = max((i for i, word in enumerate(words) if word == "--levels"), default=None)
-    if at is None or words[at + 2:at + 2 + len(extra)] != extra or not all(w in ALL_LEVELS for w in extra):
+    if at is None or at + 1 >= len(words):
         return ""
-    return f" (--levels takes them comma-separated: --levels {','.join([words[at + 1], *extra])})"
+    tail: list[str] = []  # the spaced levels after the value
+    for word in words[at + 2:]:
+        if not parts(word) or not all(part in ALL_LEVELS for part in parts(word)):
+            break
+        tail.append(word)
+    if not tail:
+        return ""
+    after = words[at + 2:]
+    if after[:len(extra)] != extra and not (spec == tail[0] and after[1:1 + len(extra)] == extra):
+        return ""
+    levels = [*parts(words[at + 1]), *(part for word in tail for part in parts(word))]
+    return f" (--levels takes them comma-separated: --levels {','.join(levels)})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # argparse would name the top command, whose --help does not list a subcommand's options
-        args._parser.error(f"unrecognized arguments: {' '.join(extra)}{_spaced_levels(argv, extra)}")
+        args._parser.error(f"unrecognized arguments: {' '.join(extra)}"
+                           f"{_spaced_levels(argv, extra, getattr(args, 'spec', None))}")
     if getattr(args, "run", None) is None:
         parser.print_help()
         return 0
@@ -1040,8 +1058,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Tf32LabError as exc:
         if isinstance(exc, _StdoutError):
             _drop_stdout()  # what is still buffered would fail again when Python flushes at exit
-        if getattr(args, "debug", False):
-            raise
+        if getattr(args, "debug", False):  # the traceback, then the line and exit code 2 (1 is a verdict)
+            import traceback
+
+            traceback.print_exc()
         from tf32lab.report.text import inert
 
         _say(f"tf32lab {name}: error: {' '.join(inert(exc).split(chr(10)))}")

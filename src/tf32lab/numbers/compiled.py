@@ -148,6 +148,18 @@ def compile_all() -> int:
 
 
 if __name__ == "__main__":  # run as a script, this file is not the module the kernels register with
+    import sys
+
     from tf32lab.numbers import compiled
 
-    print(f"tf32lab: {compiled.compile_all()} compiled kernels in numba's cache")
+    count = compiled.compile_all()
+    if not count:  # an image built without the extra: one line and a failure, not "0 compiled" and success
+        try:
+            import numba  # noqa: F401
+        except ImportError:
+            why = "numba is not installed (pip install 'tf32lab[fast]')"
+        else:
+            why = "numba cannot cache its code here (a read-only install without NUMBA_CACHE_DIR)"
+        print(f"tf32lab: no kernels compiled: {why}", file=sys.stderr)
+        sys.exit(1)
+    print(f"tf32lab: {count} compiled kernels in numba's cache")

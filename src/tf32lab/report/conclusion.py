@@ -203,11 +203,12 @@ def _worst_layer(level: LevelResult) -> Optional[str]:
             f"inside {e.name!r} or in the code of {_around(previous.name, e.name)!r} between {previous.name!r} and it"
         flipped = _flipped(level)
         what = f"amplifies small differences: {flipped}" if flipped else \
-            "amplifies small differences, such as a choice TF32 flips (an expert router's top-k, an argmax)"
+            ("amplifies small differences, such as a choice TF32 flips (an expert router's top-k, an argmax) or a "
+             "cancellation (the difference of two nearly equal values)")
         return (f"no layer introduces that much (at most {layer.introduced:.1e}, in {layer.name!r}), but the error "
                 f"grows {grown:.0f}x to {e.accumulated:.1e} at the output of {e.name!r} (which introduces "
                 f"{e.introduced:.1e}; the layers before it reach {before:.1e}): something {where} {what}; pinning "
-                f"one layer may not do, as what feeds the choice is rounded too: `tf32lab tune` finds what to pin")
+                f"one layer may not do, as what feeds it is rounded too: `tf32lab tune` finds what to pin")
     flipped = _flipped(level)
     if flipped and worst is not None and worst.failure is None:
         return f"the layer that introduces the most error is {layer.name!r} ({layer.introduced:.1e}), and {flipped}"

@@ -40,7 +40,7 @@ import functools
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from rich import box
 from rich.cells import cell_len
@@ -208,8 +208,17 @@ class Fitted:
             raise ValueError(f"a row of {len(cells)} cells in a table of {len(self.columns)} columns")
         self.rows.append(cells)
 
-    def __rich_console__(self, console: Console, options: ConsoleOptions) -> Iterator[Table]:
-        yield from self.tables(options.max_width)
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> Iterator[Union[Table, Text]]:
+        for table in self.tables(options.max_width):
+            # the title above the table, wrapped at the terminal's width: rich wraps it at the table's, and a
+            # narrow table broke it mid-phrase ("(7 of" / "7)")
+            title, table.title = table.title, None
+            caption, table.caption = table.caption, None
+            if title:
+                yield Text(title, style="table.title", justify="left")
+            yield table
+            if caption:  # and its caption below it, likewise
+                yield Text(caption, style="table.caption", justify="left")
 
     # -- widths ----------------------------------------------------------------------------------------------------
     def _natural(self, i: int) -> int:
