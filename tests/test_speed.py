@@ -241,6 +241,23 @@ def test_bench_times_each_level_interleaved_with_its_spread():
         tf32lab.bench(w, rounds=0)
 
 
+def test_a_measurement_says_which_speedups_are_noise_and_when_the_machine_was_busy():
+    # a busy machine printed "0.412 ms ±3773%" and speedups of 0.70x and 0.52x on a CPU whose levels are all IEEE,
+    # with nothing said
+    from tf32lab.speed.bench import noise_notes
+    from tf32lab.speed.prediction import LevelSpeed
+
+    rows = [LevelSpeed("highest", 4.1e-4, 1.0, math.nan, 37.7), LevelSpeed("high", 5.9e-4, 0.70, math.nan, 0.4),
+            LevelSpeed("medium", 2.0e-4, 2.05, math.nan, 0.1)]
+    said = noise_notes(rows, 7)
+    assert said[0].startswith("high's 0.70x is within the rounds' spread (±40%, ±3770% at highest)"), said
+    assert said[1].startswith("medium's 2.05x is within the rounds' spread (±10%, ±3770% at highest)"), said
+    assert said[2].startswith("the rounds spread by ±3770% at highest: the machine was busy"), said
+    assert len(said) == 3, said
+    steady = [LevelSpeed("highest", 1e-3, 1.0, math.nan, 0.01), LevelSpeed("medium", 0.5e-3, 2.0, math.nan, 0.01)]
+    assert noise_notes(steady, 7) == []
+
+
 # -- in check -------------------------------------------------------------------------------------------------
 def _heavy():
     torch.manual_seed(0)

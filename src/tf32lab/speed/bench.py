@@ -126,8 +126,38 @@ def bench(workload: Workload, levels: Iterable[str] = LEVELS, *, rounds: int = 7
     rows = tuple(LevelSpeed(level, medians[level], medians["highest"] / medians[level], math.nan,
                             _spread(samples[level])) for level in levels)
     notes = (f"{rounds} interleaved rounds of {number} call(s) per level, {torch.get_num_threads()} thread(s)",
-             *([changed_note(changed)] if changed else []))
+             *([changed_note(changed)] if changed else []), *noise_notes(rows, rounds))
     return SpeedReport(str(workload.name), where, "measured", rows, notes=notes)
+
+
+NOISY = 0.25  # a spread (interquartile range over the median) past which a machine's timings are called busy
+
+
+def noise_notes(rows: Iterable[LevelSpeed], rounds: int) -> list[str]:
+    """What the timings cannot tell: each level whose speedup over ``highest`` lies within the two levels' spreads
+    (a difference the rounds themselves differ by), and a spread past ``NOISY`` (another job on the machine).
+
+    >>> rows = [LevelSpeed("highest", 1e-3, 1.0, math.nan, 0.02), LevelSpeed("high", 0.99e-3, 1.01, math.nan, 0.03),
+    ...         LevelSpeed("medium", 0.5e-3, 2.0, math.nan, 0.02)]
+    >>> noise_notes(rows, 7)
+    ["high's 1.01x is within the rounds' spread (±3%, ±2% at highest): no speedup measured, only noise"]
+    """
+    rows = list(rows)
+    base = next((r for r in rows if r.level == "highest"), None)
+    if base is None:
+        return []
+    notes = []
+    for row in rows:
+        spread = max(row.spread or 0.0, base.spread or 0.0)
+        if row is not base and math.isfinite(row.speedup) and abs(row.speedup - 1.0) <= spread:
+            notes.append(f"{row.level}'s {row.speedup:.2f}x is within the rounds' spread (±{row.spread or 0.0:.0%}, "
+                         f"±{base.spread or 0.0:.0%} at highest): no speedup measured, only noise")
+    busy = max(rows, key=lambda r: r.spread or 0.0)
+    if (busy.spread or 0.0) > NOISY:
+        notes.append(f"the rounds spread by ±{busy.spread:.0%} at {busy.level}: the machine was busy while timed "
+                     f"(another job); time again when it is idle, or with more rounds than {rounds} (rounds=, "
+                     f"--rounds)")
+    return notes
 
 
 def _spread(values: list[float]) -> float:
