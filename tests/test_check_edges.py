@@ -823,3 +823,11 @@ def test_a_model_with_no_matmul_family_op_is_told_no_level_changes_it_not_to_ena
     product = tf32lab.check(tf32lab.Workload(torch.nn.Linear(8, 8), torch.randn(4, 8)), levels=("high",), speed=False)
     assert not any("no matmul-family op" in n for n in product.notes)
     assert "Enable it" in " ".join(product.conclusion())
+
+
+def test_tune_says_products_on_another_thread_once_beside_its_answer_not_among_the_notes_too():
+    # the note qualifies the answer, which says it; the notes the summary prints leave it out, as check's do
+    lines = tf32lab.tune(tf32lab.Workload(_Threaded(), torch.randn(8, 16)), target="a100",
+                         levels=("high",)).lines(width=200)
+    assert sum("ran on another thread" in line for line in lines) == 1, lines
+    assert lines[-1].startswith("Not all of the model was measured"), lines

@@ -52,7 +52,7 @@ from tf32lab.measure.check import ConvRun, PolicyRow, Session, alike_levels, dty
 from tf32lab.measure.layers import ROOT
 from tf32lab.numbers.metrics import OutputError, tolerances_of
 from tf32lab.report import Document, LevelResult, Report
-from tf32lab.report.conclusion import WORTH, inputs_held, nondeterministic, unmeasured
+from tf32lab.report.conclusion import WORTH, inputs_held, nondeterministic, notes_apart, unmeasured
 from tf32lab.report.wording import one_line, tolerance_words
 from tf32lab.speed.prediction import seconds_at
 from tf32lab.workloads.eager import eager
@@ -181,7 +181,7 @@ class Tuning(Document):
         out.append(f"{self.runs} end-to-end runs besides the float64 reference; {self.seconds:.1f} s, "
                    f"{self.seconds / max(self.check_seconds, 1e-9):.2f}x the check of the uniform levels")
         # what the runs need said (a flag the workload changed, the convolutions' math): as check prints them
-        return out + list(self.report.notes) + self.advice(policy_file, command)
+        return out + notes_apart(self.report) + self.advice(policy_file, command)
 
     def to_dict(self) -> dict[str, Any]:
         return {
