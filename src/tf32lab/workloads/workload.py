@@ -203,9 +203,16 @@ def _names_training(code: types.CodeType) -> bool:
 
 def _pytorch_class(module: torch.nn.Module) -> Optional[type]:
     """The class of PyTorch's own that ``module`` is: its type, or a TorchScript module's original class where
-    ``torch.nn`` has one by that name; None for a class of the user's."""
+    ``torch.nn`` has one by that name and the scripted class came from ``torch.nn``; None for a class of the
+    user's (a user's ``Linear`` or ``MultiheadAttention``, scripted, is called by its name alone)."""
     if not isinstance(module, torch.jit.ScriptModule):
         return type(module)
+    try:  # where the scripted class was defined: "__torch__.torch.nn.modules.linear.___torch_mangle_0.Linear"
+        defined = module._c._type().qualified_name()
+    except (AttributeError, RuntimeError):
+        return None
+    if not defined.startswith("__torch__.torch.nn."):
+        return None
     cls = getattr(torch.nn, getattr(module, "original_name", "") or "", None)
     return cls if isinstance(cls, type) and issubclass(cls, torch.nn.Module) else None
 
