@@ -348,7 +348,7 @@ def _tune(workload: Workload, target: Target, tolerances: dict[str, float], ever
     distinct = [level for level in everything if alike[level] is None]
     started = time.perf_counter()
     with Progress(progress, steps=1 + len(distinct)) as bar, \
-            Session(workload, distinct, target, tolerances, speed=True, bar=bar) as session:
+            Session(workload, distinct, target, tolerances, speed=True, bar=bar, command="tune") as session:
         uniform = {level: session.level(level) for level in distinct}
         predicted = session.predicted(everything)
         if predicted is None:
