@@ -215,3 +215,12 @@ def test_the_training_mode_note_tune_prints_names_tune_not_check():
     lines = tf32lab.tune(tf32lab.Workload(model, torch.randn(4, 8)), target="a100", levels=("high",)).lines(width=200)
     said = [line for line in lines if "in training mode compute otherwise in eval mode" in line]
     assert said and "tune --train" in said[0] and "check" not in said[0], said
+
+
+def test_a_conv_math_given_for_a_model_without_convolutions_is_said_to_have_set_the_flag_alone():
+    # as check says it: --conv set cuDNN's flag, and no convolution ran (tune said they ran at it)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    tuning = tf32lab.tune(tf32lab.Workload(model, torch.randn(4, 8)), target="a100", levels=("high",), conv="ieee")
+    assert any("the model ran no convolution" in n for n in tuning.report.notes), tuning.report.notes
+    assert not any("convolutions ran at cudnn.conv" in n for n in tuning.report.notes), tuning.report.notes

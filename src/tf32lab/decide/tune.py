@@ -286,9 +286,9 @@ def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Targ
     # Built once, whole, here: only now is it known whether the workload changed the flags (a note of the report).
     name, answer = str(workload.name), run.answer
     report = Report(workload=name, target=target.name, reference="float64", tolerance=dict(tolerances),
-                    levels=run.levels,
-                    environment=run.environment, seconds=run.check_seconds,
-                    notes=(*run.notes, *([conv_run.note(searched=conv is None)] if chosen else []),
+                    levels=run.levels, environment=run.environment, seconds=run.check_seconds,
+                    notes=(*run.notes, *([conv_run.note(searched=conv is None, convolutions="conv" in run.families)]
+                                         if chosen else []),
                            *([changed_note(changed)] if changed else [])), speed=run.speed)
     return Tuning(workload=name, target=target.name, tolerance=dict(tolerances), passed=answer.policy is not None,
                   policy=answer.policy, level=answer.level, pinned=answer.pinned, outputs=answer.outputs,
