@@ -823,3 +823,38 @@ def test_a_model_with_no_matmul_family_op_is_told_no_level_changes_it_not_to_ena
     product = tf32lab.check(tf32lab.Workload(torch.nn.Linear(8, 8), torch.randn(4, 8)), levels=("high",), speed=False)
     assert not any("no matmul-family op" in n for n in product.notes)
     assert "Enable it" in " ".join(product.conclusion())
+
+
+def test_tune_says_products_on_another_thread_once_beside_its_answer_not_among_the_notes_too():
+    # the note qualifies the answer, which says it; the notes the summary prints leave it out, as check's do
+    lines = tf32lab.tune(tf32lab.Workload(_Threaded(), torch.randn(8, 16)), target="a100",
+                         levels=("high",)).lines(width=200)
+    assert sum("ran on another thread" in line for line in lines) == 1, lines
+    assert lines[-1].startswith("Not all of the model was measured"), lines
+
+
+def _dropping_forward(self, x):
+    return torch.nn.functional.dropout(self.lin(x), 0.3, self.training)
+
+
+def _attention_forward(self, x):
+    return self.dropout(self.lin(x))
+
+
+def test_the_training_mode_note_reads_a_scripted_users_class_named_as_one_of_pytorchs_by_its_code():
+    # TorchScript keeps the class's name, not where it came from: a class of the user's called Linear (which reads
+    # self.training) or MultiheadAttention (whose dropout is a module, not a rate) is not PyTorch's own
+    from tf32lab.workloads.workload import training_note
+
+    def init(self):
+        torch.nn.Module.__init__(self)
+        self.lin, self.dropout = torch.nn.Linear(8, 8), torch.nn.Dropout(0.0)
+
+    linear = type("Linear", (torch.nn.Module,), {"__init__": init, "forward": _dropping_forward})
+    said = training_note(torch.jit.script(linear()))
+    assert said is not None and "(the model Linear)" in said, said
+    attention = type("MultiheadAttention", (torch.nn.Module,), {"__init__": init, "forward": _attention_forward})
+    assert training_note(torch.jit.script(attention())) is None  # its nn.Dropout(0.0) drops nothing
+    # PyTorch's own, scripted, still read by their class
+    assert "('0' Dropout)" in training_note(torch.jit.script(torch.nn.Sequential(torch.nn.Dropout(0.1))))
+    assert training_note(torch.jit.script(torch.nn.MultiheadAttention(8, 2))) is None

@@ -1038,3 +1038,15 @@ def test_the_note_on_convolutions_in_tf32_leaves_out_a_policy_row_that_ran_them_
     assert "aten::convolution ieee" in report.level("policy").coverage
     said = [n for n in report.notes if "float32's own included" in n]
     assert said and "in every row" not in said[0] and "ran TF32 at every level, float32's own included" in said[0]
+
+
+
+@pytest.mark.parametrize("run", [
+    lambda w: check_training(w, levels=("high",), target="a100", conv="ieee", speed=False),
+    lambda w: tf32lab.tune(w, target="a100", levels=("high",), conv="ieee").report,
+], ids=["check_training", "tune"])
+def test_a_conv_math_given_for_a_training_without_convolutions_is_said_to_have_set_the_flag_alone(run):
+    # as check says it: conv='ieee' set cuDNN's flag, and no convolution ran (the note said they ran at it)
+    said = run(regression(steps=1)).notes
+    assert any("the model ran no convolution" in n for n in said), said
+    assert not any("convolutions ran at cudnn.conv" in n for n in said), said

@@ -205,3 +205,22 @@ def test_the_terminal_summary_says_the_runs_notes_as_check_prints_them():
     model = torch.nn.Sequential(torch.nn.Conv1d(2, 8, 9), torch.nn.Tanh(), torch.nn.Flatten(), torch.nn.Linear(448, 1))
     tuning = tf32lab.tune(tf32lab.Workload(model, torch.randn(4, 2, 64)), target="a100", conv="ieee")
     assert tuning.report.notes and all(note in tuning.lines(width=200) for note in tuning.report.notes)
+
+
+def test_the_training_mode_note_tune_prints_names_tune_not_check():
+    # the note on modules that compute otherwise in training mode points to the command that measures a training
+    # step: for tune's user, tune --train, not check --train
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.1))
+    lines = tf32lab.tune(tf32lab.Workload(model, torch.randn(4, 8)), target="a100", levels=("high",)).lines(width=200)
+    said = [line for line in lines if "in training mode compute otherwise in eval mode" in line]
+    assert said and "tune --train" in said[0] and "check" not in said[0], said
+
+
+def test_a_conv_math_given_for_a_model_without_convolutions_is_said_to_have_set_the_flag_alone():
+    # as check says it: --conv set cuDNN's flag, and no convolution ran (tune said they ran at it)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    tuning = tf32lab.tune(tf32lab.Workload(model, torch.randn(4, 8)), target="a100", levels=("high",), conv="ieee")
+    assert any("the model ran no convolution" in n for n in tuning.report.notes), tuning.report.notes
+    assert not any("convolutions ran at cudnn.conv" in n for n in tuning.report.notes), tuning.report.notes

@@ -52,7 +52,7 @@ from tf32lab.measure.check import ConvRun, PolicyRow, Session, alike_levels, dty
 from tf32lab.measure.layers import ROOT
 from tf32lab.numbers.metrics import OutputError, tolerances_of
 from tf32lab.report import Document, LevelResult, Report
-from tf32lab.report.conclusion import WORTH, inputs_held, nondeterministic, unmeasured
+from tf32lab.report.conclusion import WORTH, inputs_held, nondeterministic, notes_apart, unmeasured
 from tf32lab.report.wording import one_line, tolerance_words
 from tf32lab.speed.prediction import seconds_at
 from tf32lab.workloads.eager import eager
@@ -181,7 +181,7 @@ class Tuning(Document):
         out.append(f"{self.runs} end-to-end runs besides the float64 reference; {self.seconds:.1f} s, "
                    f"{self.seconds / max(self.check_seconds, 1e-9):.2f}x the check of the uniform levels")
         # what the runs need said (a flag the workload changed, the convolutions' math): as check prints them
-        return out + list(self.report.notes) + self.advice(policy_file, command)
+        return out + notes_apart(self.report) + self.advice(policy_file, command)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -286,9 +286,9 @@ def tune(workload: Union[Workload, TrainingWorkload], *, target: Union[str, Targ
     # Built once, whole, here: only now is it known whether the workload changed the flags (a note of the report).
     name, answer = str(workload.name), run.answer
     report = Report(workload=name, target=target.name, reference="float64", tolerance=dict(tolerances),
-                    levels=run.levels,
-                    environment=run.environment, seconds=run.check_seconds,
-                    notes=(*run.notes, *([conv_run.note(searched=conv is None)] if chosen else []),
+                    levels=run.levels, environment=run.environment, seconds=run.check_seconds,
+                    notes=(*run.notes, *([conv_run.note(searched=conv is None, convolutions="conv" in run.families)]
+                                         if chosen else []),
                            *([changed_note(changed)] if changed else [])), speed=run.speed)
     return Tuning(workload=name, target=target.name, tolerance=dict(tolerances), passed=answer.policy is not None,
                   policy=answer.policy, level=answer.level, pinned=answer.pinned, outputs=answer.outputs,
@@ -348,7 +348,7 @@ def _tune(workload: Workload, target: Target, tolerances: dict[str, float], ever
     distinct = [level for level in everything if alike[level] is None]
     started = time.perf_counter()
     with Progress(progress, steps=1 + len(distinct)) as bar, \
-            Session(workload, distinct, target, tolerances, speed=True, bar=bar) as session:
+            Session(workload, distinct, target, tolerances, speed=True, bar=bar, command="tune") as session:
         uniform = {level: session.level(level) for level in distinct}
         predicted = session.predicted(everything)
         if predicted is None:

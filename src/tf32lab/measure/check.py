@@ -367,8 +367,10 @@ class Session:
     def __init__(self, workload: Workload, measured: list[str], target: Target, tolerances: dict[str, float], *,
                  speed: bool = True, bar: Optional[Progress] = None, accumulation: Optional[str] = None,
                  ranks: Optional[Ranks] = None, pins: Optional[dict[str, tuple[str, str]]] = None,
-                 rows: Optional[Iterable[str]] = None, rerun: Optional[Iterable[str]] = None) -> None:
+                 rows: Optional[Iterable[str]] = None, rerun: Optional[Iterable[str]] = None,
+                 command: str = "check") -> None:
         self.workload, self.target, self.tolerances = workload, target, tolerances
+        self.command = command  # the one whose session this is, as its notes name it ("check", "tune")
         self.ranks = ranks
         self.measured = list(measured)
         # the measured levels :meth:`level` runs end to end (None: all); the others' layers are only rerun
@@ -401,7 +403,7 @@ class Session:
             self.streams = stack.enter_context(Streams(
                 cuda_devices(workload.model, [t for _, t in named_tensors(workload.inputs)]), "check"))
             self.recorder.streams = self.streams
-            self._training = training_note(workload.model)
+            self._training = training_note(workload.model, self.command)
             stack.enter_context(eval_mode(workload.model))
             stack.enter_context(_released())
             stack.enter_context(self.spill)

@@ -189,9 +189,9 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     fed = float_inputs_note(session.batch(0)) if floor is not None and dtypes_refused(floor) else None
     if fed is not None:  # float64 batches a float32 model refuses at every row: the batches, not the precision
         report = dataclasses.replace(report, notes=(*report.notes, fed))
-    if conv is not None:
-        report = dataclasses.replace(report, notes=(*report.notes, conv_scope.note(policy,
-                                                                                   cpu=target.device == "cpu")))
+    if conv is not None:  # whether any convolution ran is known where the rows were emulated (as check says it)
+        report = dataclasses.replace(report, notes=(*report.notes, conv_scope.note(
+            policy, cpu=target.device == "cpu", convolutions=ran_convolutions(session))))
     if changed:
         report = dataclasses.replace(report, notes=(*report.notes, changed_note(changed)))
     policy_row = next((lv for lv in report.levels if lv.policy is not None), None)
@@ -204,6 +204,12 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     if rnns is not None:
         report = dataclasses.replace(report, notes=(*report.notes, rnns))
     return report
+
+
+def ran_convolutions(session: TrainingSession) -> bool:
+    """Whether the training ran a convolution, as far as its rows tell (the emulated rows' ops; a target not
+    emulated tells nothing, so True: the note on a conv math given then says they ran at it)."""
+    return not session.target.emulated or "conv" in session.families
 
 
 def cudnn_floor_note(families: Iterable[Optional[str]], target: Target,

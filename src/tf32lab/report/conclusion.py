@@ -365,6 +365,12 @@ def unmeasured(report: Report) -> Optional[str]:
     return None if note is None else f"Not all of the model was measured; this verdict covers only part of it: {note}."
 
 
+def notes_apart(report: Report) -> list[str]:
+    """The report's notes printed apart from its verdict: all but the one :func:`unmeasured` says beside it."""
+    partial = unmeasured(report)
+    return [note for note in report.notes if not (partial and note in partial)]
+
+
 def _levels_beside(row: LevelResult, best: Optional[LevelResult], failing: list[LevelResult]) -> list[str]:
     """The uniform levels as context for the policy's verdict, in words that agree with it."""
     if best is not None:

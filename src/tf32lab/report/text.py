@@ -72,11 +72,10 @@ def renderables(report: Report) -> Iterator[Any]:
 
 def notes(report: Report) -> list[str]:
     """The lines under the tables: the report's notes, what outputs and layers need said, the max rel footnote."""
-    from tf32lab.report.conclusion import MAX_REL_NOTE, choices_said, pinned_and_diverged, policy_summary, unmeasured
+    from tf32lab.report.conclusion import MAX_REL_NOTE, choices_said, notes_apart, pinned_and_diverged, policy_summary
 
     # the note on products run on other threads qualifies the verdict: the conclusion says it, beside the verdict
-    moved = unmeasured(report) is not None
-    lines = [note for note in report.notes if not (moved and note in unmeasured(report))]
+    lines = notes_apart(report)
     for lv in report.levels:
         if lv.policy is not None:
             lines.append(f"policy: {policy_summary(lv.policy)}; each layer's introduced error is the one at the "

@@ -142,11 +142,12 @@ def check_float32(model: torch.nn.Module, name: str) -> None:
             f"models (call model.float() first)")
 
 
-def training_note(model: torch.nn.Module) -> Optional[str]:
+def training_note(model: torch.nn.Module, command: str = "check") -> Optional[str]:
     """What a report must say where ``model`` comes in training mode with modules that compute otherwise in eval
     mode (dropout, batch norm, an instance norm that tracks running statistics, an RNN with dropout between its
     layers, attention with dropout), which :func:`eval_mode` turns off; where none of PyTorch's own does, the
-    user's modules whose forward reads ``self.training``; None where nothing does.
+    user's modules whose forward reads ``self.training``; None where nothing does. ``command``: the one that ran
+    the model (``"check"`` or ``"tune"``), whose ``--train`` measures a training step.
 
     >>> training_note(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))).split(":")[0]
     "1 module(s) in training mode compute otherwise in eval mode ('1' Dropout)"
@@ -160,10 +161,11 @@ def training_note(model: torch.nn.Module) -> Optional[str]:
         return None
     named = ", ".join(f"{repr(name) if name else 'the model'} {kind}" for name, kind in found[:3]) + \
         (" …" if len(found) > 3 else "")
-    return (f"{len(found)} module(s) in training mode compute otherwise in eval mode ({named}): check runs the model "
-            f"in eval mode, as inference does (no dropout, batch norm on its running statistics, and any "
-            f"`if self.training` branch on its eval side); a training step's error is `check --train`'s "
-            f"(tf32lab.check_training)")
+    step = "a training step's error is `check --train`'s (tf32lab.check_training)" if command == "check" else \
+        "a policy for a training step is `tune --train`'s (tf32lab.tune of a tf32lab.TrainingWorkload)"
+    return (f"{len(found)} module(s) in training mode compute otherwise in eval mode ({named}): {command} runs the "
+            f"model in eval mode, as inference does (no dropout, batch norm on its running statistics, and any "
+            f"`if self.training` branch on its eval side); {step}")
 
 
 def _reads_training(module: torch.nn.Module) -> bool:
@@ -203,9 +205,16 @@ def _names_training(code: types.CodeType) -> bool:
 
 def _pytorch_class(module: torch.nn.Module) -> Optional[type]:
     """The class of PyTorch's own that ``module`` is: its type, or a TorchScript module's original class where
-    ``torch.nn`` has one by that name; None for a class of the user's."""
+    ``torch.nn`` has one by that name and the scripted class came from ``torch.nn``; None for a class of the
+    user's (a user's ``Linear`` or ``MultiheadAttention``, scripted, is called by its name alone)."""
     if not isinstance(module, torch.jit.ScriptModule):
         return type(module)
+    try:  # where the scripted class was defined: "__torch__.torch.nn.modules.linear.___torch_mangle_0.Linear"
+        defined = module._c._type().qualified_name()
+    except (AttributeError, RuntimeError):
+        return None
+    if not defined.startswith("__torch__.torch.nn."):
+        return None
     cls = getattr(torch.nn, getattr(module, "original_name", "") or "", None)
     return cls if isinstance(cls, type) and issubclass(cls, torch.nn.Module) else None
 
