@@ -1006,9 +1006,12 @@ def test_a_training_whose_convolutions_are_all_depthwise_is_not_told_they_ran_tf
     model = torch.nn.Sequential(torch.nn.Conv1d(2, 2, 9, groups=2), torch.nn.Tanh(), torch.nn.Flatten(),
                                 torch.nn.Linear(112, 1))
     depthwise = TrainingWorkload(model, data, loss=mse, inputs=lambda b: b[0], name="depthwise")
-    report = check_training(depthwise, levels=("highest",), target="a100", speed=False)
+    report = check_training(depthwise, levels=("highest", "high"), target="a100", speed=False)
     assert "aten::convolution ieee" in report.floor.coverage
     assert not any("ran TF32 in every row" in n for n in report.notes), report.notes
+    # and each row's conv math says so, as check's rows do (the table's TF32, before)
+    assert {row.level: row.maths["conv"] for row in (report.floor, *report.levels)} == \
+        {"float32": "ieee", "highest": "ieee", "high": "ieee"}
 
 
 def test_depthwise_convolutions_summed_as_the_hardware_does_are_not_told_they_ran_tf32_in_float32s_row():

@@ -70,6 +70,7 @@ from tf32lab.measure.check import (
     ConvRun,
     PolicyRow,
     alike_levels,
+    conv_ran,
     dtypes_refused,
     float_inputs_note,
     policy_maths,
@@ -527,6 +528,8 @@ class TrainingSession:
         self.op_maths[label] = run.op_maths
         maths = {} if not self.target.emulated else (
             policy_maths(policy, self.target, cells) if policy else self.target.maths_at(level, cells))
+        if maths.get("conv") not in (None, "ieee", "mixed") and run.op_maths:  # as check's rows: depthwise ones IEEE
+            maths = {**maths, "conv": conv_ran(maths["conv"], run.op_maths)}
         deviations = tuple(_deviation(x, r) for x, r in zip(run.losses, self.reference.losses)
                            if math.isfinite(x))
         divergence = next((k + 1 for k, d in enumerate(deviations) if d > self.tolerance), None)
