@@ -10,13 +10,13 @@ callback gives: the first batches read from the run's own loader, the check, and
 HTML (`to_json`, `save_html`). The callback does that too, so its cost over this is what the callback itself adds.
 
 The four are timed side by side in one process (without, with, check, by hand; then again), the ratio the median of
-the rounds' own; only `fit` / `train` and `check_training` are timed (the Trainer, its module and arguments made
-beforehand, alike for both runs), on one torch thread. The callback's hook is timed too: the part of its cost spent
-before the run's first step (the report's files are synced to disk in a thread, while the run trains on). What the
-process holds after the warm-up is frozen out of Python's collections (`gc.freeze`: Hugging Face's `train` begins
-with a full collection, see `side_by_side`). Each is timed on two clocks: the wall clock (the verdict, as the
-acceptance reads) and the process's CPU time (`time.process_time`, every thread of it: the report's writer thread
-included), which another job on a shared machine moves much less than the wall clock.
+the rounds' own; only `fit` / `train`, `check_training` and what by hand does around it are timed (the Trainer, its
+module and arguments made beforehand, alike for both runs), on one torch thread. The callback's hook is timed too:
+the part of its cost spent before the run's first step (the report's files are synced to disk in a thread, while the
+run trains on). What the process holds after the warm-up is frozen out of Python's collections (`gc.freeze`: Hugging
+Face's `train` begins with a full collection, see `side_by_side`). Each is timed on two clocks: the wall clock (the
+verdict, as the acceptance reads) and the process's CPU time (`time.process_time`, every thread of it: the report's
+writer thread included), which another job on a shared machine moves much less than the wall clock.
 
     .venv/bin/python benchmarks/integrations.py [--rounds 11] [--steps 10]
 """
@@ -186,9 +186,8 @@ def transformers_(steps: int, folder: str) -> dict[str, object]:
 
 def side_by_side(runs: dict, rounds: int) -> dict[str, float]:
     """Median seconds of each variant, timed in turn (without, with, check, by hand; again) after one warm-up round,
-    and
-    the median of each round's own ratio (a shared machine's load changes between rounds more than within one);
-    ``cpu ratio`` the same ratio in the process's CPU time.
+    and the median of each round's own ratio (a shared machine's load changes between rounds more than within one);
+    ``cpu ratio`` the same ratio in the process's CPU time, ``by hand ratio`` the callback's cost over by hand's.
 
     After the warm-up, what the process holds is collected and frozen (``gc.freeze``): Hugging Face's ``train``
     begins with a full collection (accelerate's ``free_memory``, ``gc.collect()``), which walks every object the
