@@ -165,6 +165,9 @@ def test_native_runs_this_machines_own_modes():
     assert report.target == "native"
     assert all(not lv.coverage and not lv.maths and lv.same_as is None for lv in report.levels)
     assert report.level("highest").passed
+    # no speed model for this machine: a level that passes is safe, and whether it is faster is timed, not told
+    advice = report.conclusion()[0]
+    assert "is safe for this workload on this machine" in advice and "--target native --measure" in advice, advice
 
 
 def test_tolerances_per_output_and_errors():

@@ -466,6 +466,10 @@ def _safe(report: Report, best: LevelResult, where: str, measured: str) -> str:
     if any(note.startswith(NO_FAMILY_OPS) for note in report.notes):  # "Enable it" would be advice about nothing
         return (f"{name} is safe for this workload {where} and changes nothing there: {NO_FAMILY_OPS} (see the "
                 f"notes), and those are all the float32 matmul precision reaches ({measured}).")
+    if best.speedup is None and report.target == NATIVE:  # no speed model for this machine: whether it gains is timed
+        return (f"{name} is safe for this workload {where}: {measured}. Whether it is faster here is not predicted: "
+                f"`tf32lab speed --target native --measure` (or `tf32lab.bench(workload)`) times it; enable it with "
+                f"{enable(best.level)}.")
     if best.speedup is None:
         return f"{name} is safe for this workload {where}: {measured}. Enable it with {enable(best.level)}."
     if best.speedup >= WORTH:
