@@ -134,3 +134,17 @@ def test_the_default_workload_is_minilm_and_passes(tmp_path):
     assert "all-MiniLM-L6-v2" in done.stdout
     assert "PASSED | level 'medium' | output 'sentence_embedding'" in done.stdout
     assert (tmp_path / "report.html").stat().st_size > 10_000
+
+
+def test_json_to_dev_stdout_is_json_alone_and_the_wrote_line_goes_to_stderr(tmp_path, capfd):
+    # "wrote /dev/stdout" came after the JSON on the same stream: a reader of stdout got JSON and a trailing line
+    from tf32lab import cli
+
+    (tmp_path / "tiny.py").write_text("import torch, tf32lab\n"
+                                      "def make():\n"
+                                      "    return tf32lab.Workload(torch.nn.Linear(8, 8), torch.randn(4, 8))\n")
+    spec = f"{tmp_path / 'tiny.py'}:make"
+    assert cli.main(["check", spec, "--levels", "high", "--json", "/dev/stdout"]) in (0, 1)
+    out, err = capfd.readouterr()
+    assert json.loads(out[out.index("{"):])["levels"]  # the JSON, and nothing after it
+    assert "wrote /dev/stdout" in err

@@ -448,6 +448,14 @@ def _write(path: str, write: Callable[[str], object]) -> None:
         raise Tf32LabError(f"cannot write {_shown(path)}: {exc.strerror or exc}") from None
 
 
+def _wrote(path: str, aside: bool = False) -> None:
+    """"wrote PATH" on stdout, or on stderr where stdout holds JSON (``aside``) or the path is a stream (``--json
+    /dev/stdout``: the line came after the JSON, in the same stream)."""
+    from tf32lab.numbers.files import is_stream
+
+    print(f"wrote {_shown(path)}", file=sys.stderr if aside or is_stream(path) else sys.stdout)
+
+
 def _shown(path: object) -> str:
     """A path as one line of inert text (a newline, an escape sequence, bytes that are not UTF-8)."""
     from tf32lab.report.text import inert
@@ -578,7 +586,7 @@ def _emit(args: argparse.Namespace, report: Any, show: Callable[[], None]) -> in
     for path, write in ((args.json, report.to_json), (args.html, report.save_html)):
         if path and path != "-":
             _write(path, write)
-            print(f"wrote {_shown(path)}", file=sys.stderr if args.json == "-" else sys.stdout)
+            _wrote(path, aside=args.json == "-")
     return code
 
 
@@ -727,7 +735,7 @@ def _tune(args: argparse.Namespace) -> int:
         for line in tuning.lines(args.out, width=_console().width, command=True):
             print(inert(line))
         for path in written:
-            print(f"wrote {_shown(path)}")
+            _wrote(path)
         if tuning.policy is not None and tuning.pinned and not args.out:
             print("(no --out given: the policy above was not written; add --out policy.json)")
     except BrokenPipeError:
@@ -801,7 +809,7 @@ def _speed(args: argparse.Namespace) -> int:
         print(f"note: predicted for {predicted.target}, measured on {measured.target}: the two agree only when this "
               "machine is that GPU")
     if args.json and args.json != "-":
-        print(f"wrote {_shown(args.json)}")
+        _wrote(args.json)
     return 0
 
 
