@@ -783,9 +783,13 @@ class _Attribution:
             self.notes.append(f"{len(again)} module(s) run more than once a step ({names}): the backward of each is "
                               f"measured at its first call")
         # a module a gradient reached whose forward no hook saw: a __call__ of its own runs forward past PyTorch's
-        # hooks (every gpytorch module's), so its own backward cannot be measured
+        # hooks (every gpytorch module's), so its own backward cannot be measured. A parameter tied to a module
+        # that ran (T5's `shared`, whose weight is `encoder.embed_tokens`'s and `lm_head`'s, and which never runs
+        # itself) is measured in that module's row: its owner that did not run is no module past the hooks
+        ran = {id(p) for name in calls for p in model.get_submodule(name).parameters(recurse=False)}
         unhooked = [name for name in self.kinds if name not in calls and
-                    any(p.grad is not None for p in model.get_submodule(name).parameters(recurse=False))]
+                    any(p.grad is not None and id(p) not in ran
+                        for p in model.get_submodule(name).parameters(recurse=False))]
         if unhooked:
             names = ", ".join(repr(n) for n in unhooked[:3]) + (" …" if len(unhooked) > 3 else "")
             self.notes.append(f"{len(unhooked)} module(s) with parameters have no backward row ({names}): their "
