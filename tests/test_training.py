@@ -902,6 +902,22 @@ def test_a_module_whose_weights_are_tied_to_modules_that_ran_is_not_said_to_run_
     assert {"embed", "head"} <= {layer.name for layer in report.levels[-1].layers}
 
 
+def test_a_failing_level_is_not_told_to_pin_a_tied_module_that_never_runs():
+    # the worst gradient is named after the tied weight's first owner, `shared` (named_parameters' name for it),
+    # which never runs: pinning it changes nothing. The advice names a module that runs, as the sentence's
+    # "the module whose own backward adds the most error" does
+    torch.manual_seed(0)
+    batches = [torch.randint(0, 10, (4, 5)) for _ in range(2)]
+    workload = TrainingWorkload(_Tied(), batches, inputs=lambda b: b, steps=2, name="tied",
+                                loss=lambda out, b: torch.nn.functional.cross_entropy(out.reshape(-1, 10), b.reshape(-1)))
+    report = check_training(workload, levels=("highest", "high"), target="a100", tolerance=1e-9, speed=False)
+    high = report.level("high")
+    assert not high.passed and high.worst_gradient.name == "shared.weight"
+    text = " ".join(report.conclusion())
+    assert "pin 'shared'" not in text, text
+    assert "pin 'head'" in text or "pin 'embed'" in text, text
+
+
 class _TwoHalves(torch.nn.Module):
     """The whole model run once a half of the batch, as a step of two micro-batches runs it; ``shared``: one module
     run once more besides."""
