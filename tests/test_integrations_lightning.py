@@ -322,6 +322,20 @@ def test_mixed_precision_is_said_not_to_be_float32(tmp_path):
     assert any("'bf16-mixed': its matmuls run in bfloat16" in note for note in check.report.notes)
 
 
+def test_the_rnn_math_the_report_advises_is_an_argument_of_the_callback(tmp_path):
+    # an LSTM's report said "to see them in IEEE float32, train with conv='ieee' (`--conv ieee`)", which Tf32Check
+    # did not take: it takes conv, as check_training does, and with conv="ieee" its RNNs ran IEEE float32
+    notes = {}
+    before = torch.backends.cudnn.allow_tf32
+    for conv in (None, "ieee"):
+        check = lightning.Tf32Check(target="a100", steps=2, levels=("highest", "high"), conv=conv)
+        fit(tmp_path / str(conv), module_class=modules.Recurrent, callback=check, max_steps=2)
+        notes[conv] = " ".join(check.report.notes)
+    assert "RNNs ran TF32" in notes[None] and "conv='ieee'" in notes[None]
+    assert "RNNs ran TF32" not in notes["ieee"]
+    assert torch.backends.cudnn.allow_tf32 == before  # the run's own flag put back
+
+
 def test_bad_arguments_are_one_line():
     with pytest.raises(Tf32LabError, match="on_fail must be 'raise' or 'warn', not 'stop'"):
         lightning.Tf32Check(on_fail="stop")
@@ -333,6 +347,8 @@ def test_bad_arguments_are_one_line():
         lightning.Tf32Check(target="h999")
     with pytest.raises(Tf32LabError, match=r"tolerance is one number >= 0.*not 'x'"):
         lightning.Tf32Check(tolerance="x")
+    with pytest.raises(Tf32LabError, match="unknown conv math 'fast'"):
+        lightning.Tf32Check(conv="fast")
     assert lightning.Tf32Check(levels="high").levels == ("high",)
     # a level the target cannot compute was refused only when training started, after the run loaded its data
     with pytest.raises(Tf32LabError, match=r"^level 'bfx9' \(cuda.matmul = 'bfx9'\) needs compute capability 10.0"):

@@ -308,6 +308,29 @@ def test_an_augmentation_draws_in_the_check_as_in_the_run(tmp_path, workers):
     assert check.report.floor.losses[0] == pytest.approx(losses[0][1], rel=1e-5)
 
 
+class Recurrent(torch.nn.Module):
+    """A small LSTM over `offsets`' first 4 features as a sequence: a cuDNN RNN, whose float32 math cuDNN's flag
+    sets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = torch.nn.LSTM(1, 4, batch_first=True)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, x, labels=None):
+        out, _ = self.rnn(x[:, :4].unsqueeze(-1))
+        return {"loss": (self.head(out[:, -1]) - labels).pow(2).mean()}
+
+
+def test_the_rnn_math_the_report_advises_is_an_argument_of_the_callback(tmp_path):
+    # the report's advice for cuDNN's RNNs, "train with conv='ieee'" (in the report of this run without conv: they
+    # ran TF32 in every row), names an argument the callback takes; with it, they ran IEEE float32
+    check = integration.Tf32CheckCallback(target="a100", steps=1, levels=("highest", "high"), conv="ieee")
+    torch.manual_seed(0)
+    train(tmp_path, Recurrent(), offsets(8), callback=check, max_steps=1)
+    assert check.report is not None and not [n for n in check.report.notes if "RNNs ran" in n], check.report.notes
+
+
 def test_bad_arguments_are_one_line():
     with pytest.raises(Tf32LabError, match="on_fail must be 'raise' or 'warn', not 'ignore'"):
         integration.Tf32CheckCallback(on_fail="ignore")
@@ -318,6 +341,8 @@ def test_bad_arguments_are_one_line():
         integration.Tf32CheckCallback(target="h999")
     with pytest.raises(Tf32LabError, match=r"tolerance is one number >= 0.*not -1"):
         integration.Tf32CheckCallback(tolerance=-1)
+    with pytest.raises(Tf32LabError, match="unknown conv math 'fast'"):
+        integration.Tf32CheckCallback(conv="fast")
     with pytest.raises(Tf32LabError, match=r"^level 'bfx9' \(cuda.matmul = 'bfx9'\) needs compute capability 10.0"):
         integration.Tf32CheckCallback(target="h100", levels=("bfx9",))
     assert integration.Tf32CheckCallback(levels="high").levels == ("high",)  # one level named alone, not its letters

@@ -889,6 +889,10 @@ class _Tied(torch.nn.Module):
         return self.head(self.embed(ids))
 
 
+def _tied_loss(out, batch):
+    return torch.nn.functional.cross_entropy(out.reshape(-1, 10), batch.reshape(-1))
+
+
 def test_a_module_whose_weights_are_tied_to_modules_that_ran_is_not_said_to_run_past_the_hooks():
     # a tiny T5 trained by transformers' Trainer read "1 module(s) with parameters have no backward row ('shared'):
     # their forward ran past PyTorch's module hooks (a __call__ of their own, as gpytorch's modules have)": `shared`
@@ -896,7 +900,7 @@ def test_a_module_whose_weights_are_tied_to_modules_that_ran_is_not_said_to_run_
     torch.manual_seed(0)
     batches = [torch.randint(0, 10, (4, 5)) for _ in range(2)]
     workload = TrainingWorkload(_Tied(), batches, inputs=lambda b: b, steps=2, name="tied",
-                                loss=lambda out, b: torch.nn.functional.cross_entropy(out.reshape(-1, 10), b.reshape(-1)))
+                                loss=_tied_loss)
     report = check_training(workload, levels=("highest", "high"), target="a100", speed=False)
     assert not [n for n in report.notes if "no backward row" in n], report.notes
     assert {"embed", "head"} <= {layer.name for layer in report.levels[-1].layers}
@@ -909,7 +913,7 @@ def test_a_failing_level_is_not_told_to_pin_a_tied_module_that_never_runs():
     torch.manual_seed(0)
     batches = [torch.randint(0, 10, (4, 5)) for _ in range(2)]
     workload = TrainingWorkload(_Tied(), batches, inputs=lambda b: b, steps=2, name="tied",
-                                loss=lambda out, b: torch.nn.functional.cross_entropy(out.reshape(-1, 10), b.reshape(-1)))
+                                loss=_tied_loss)
     report = check_training(workload, levels=("highest", "high"), target="a100", tolerance=1e-9, speed=False)
     high = report.level("high")
     assert not high.passed and high.worst_gradient.name == "shared.weight"

@@ -49,7 +49,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 import torch
 
 from tf32lab.errors import Tf32LabError
-from tf32lab.know.levels import LEVELS, check_levels, level_cells
+from tf32lab.know.levels import LEVELS, check_conv, check_levels, level_cells
 from tf32lab.know.targets import NATIVE, Target, check_value
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.training import check_training, elementwise_step, training_tolerance
@@ -88,13 +88,15 @@ class Options(NamedTuple):
     levels: tuple[str, ...]
     tolerance: Optional[float]
     on_fail: str
+    conv: Optional[str] = None
 
     @classmethod
     def checked(cls, target: Any, steps: Any, levels: Optional[Iterable[str]], tolerance: Any,
-                on_fail: Any) -> Options:
+                on_fail: Any, conv: Any = None) -> Options:
         target, levels = check_target(target), check_levels(default_levels(levels))
         computable(target, levels)
-        return cls(target, check_steps(steps), levels, check_tolerance(tolerance), check_on_fail(on_fail))
+        return cls(target, check_steps(steps), levels, check_tolerance(tolerance), check_on_fail(on_fail),
+                   check_conv(conv))
 
 
 def computable(target: Union[str, Target], levels: Iterable[str]) -> None:
@@ -543,10 +545,11 @@ def grouped(batches: list[Any], accumulate: int, steps: int, ended: bool = False
 def run_check(model: torch.nn.Module, name: str, batches: list[Any], loss: Callable[..., Any],
               optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], *, levels: Iterable[str],
               target: Any, tolerance: Optional[float], around: Optional[Callable[[torch.nn.Module], Any]] = None,
-              notes: Sequence[str] = ()) -> TrainingReport:
+              notes: Sequence[str] = (), conv: Optional[str] = None) -> TrainingReport:
     """The training check of a framework's step: ``model`` a :func:`stepping_copy`, ``batches`` its
-    ``(step, micro_batches)``, ``loss(model, micro_batches, step)`` the framework's loss of one step. The
-    caller keeps the random streams (``random_state_kept``) around this and the batches' reading."""
+    ``(step, micro_batches)``, ``loss(model, micro_batches, step)`` the framework's loss of one step; ``conv``
+    cuDNN's float32 math in every row (``check_training``'s). The caller keeps the random streams
+    (``random_state_kept``) around this and the batches' reading."""
     import dataclasses
 
     calls = {}
@@ -560,7 +563,7 @@ def run_check(model: torch.nn.Module, name: str, batches: list[Any], loss: Calla
     workload = _FrameworksStep(model, batches, loss=lambda out, batch: out, optimizer=optimizer, inputs=inputs,
                                name=name)
     with quiet():
-        report = check_training(workload, levels=levels, target=target, tolerance=tolerance)
+        report = check_training(workload, levels=levels, target=target, tolerance=tolerance, conv=conv)
     return dataclasses.replace(report, notes=(*report.notes, *notes)) if notes else report
 
 

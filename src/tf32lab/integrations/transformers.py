@@ -81,15 +81,18 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         tolerance: the loss's largest relative deviation from float64's (default 1e-2).
         on_fail: ``"warn"`` (log and warn, train on) or ``"raise"`` (``Tf32LabError`` before the first step).
         trainer: the ``Trainer`` (by default the one whose ``train`` calls the callback).
+        conv: cuDNN's float32 math for the convolutions and RNNs in every row, ``"tf32"`` or ``"ieee"`` (no level
+            sets it; None: as this process's flag holds it, the run's own math), as ``check_training(conv=)``.
 
     After ``train``, :attr:`report` holds the :class:`~tf32lab.report.training.TrainingReport` (None on processes
     but zero under DDP) and :attr:`passed` the verdict (on every process).
     """
 
     def __init__(self, target: Union[str, Target] = "a100", steps: int = 20, levels: Optional[Iterable[str]] = None,
-                 tolerance: Optional[float] = None, on_fail: str = "warn", trainer: Any = None) -> None:
-        self.target, self.steps, self.levels, self.tolerance, self.on_fail = _loop.Options.checked(
-            target, steps, levels, tolerance, on_fail)
+                 tolerance: Optional[float] = None, on_fail: str = "warn", trainer: Any = None,
+                 conv: Optional[str] = None) -> None:
+        self.target, self.steps, self.levels, self.tolerance, self.on_fail, self.conv = _loop.Options.checked(
+            target, steps, levels, tolerance, on_fail, conv)
         if trainer is not None and not isinstance(trainer, transformers.Trainer):
             raise Tf32LabError(f"trainer must be a transformers.Trainer (or None: the one whose train() calls the "
                                f"callback), not {type(trainer).__name__}")
@@ -259,7 +262,7 @@ class Tf32CheckCallback(transformers.TrainerCallback):
 
         stepping = _loop.stepping_copy(model)
         report = _loop.run_check(stepping, type(model).__name__, steps, loss, make, levels=self.levels,
-                                 target=self.target, tolerance=self.tolerance, notes=notes)
+                                 target=self.target, tolerance=self.tolerance, notes=notes, conv=self.conv)
         return dataclasses.replace(report, notes=(*report.notes, tf32_advice(report, args)))
 
 
