@@ -189,8 +189,11 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     if fed is not None:  # float64 batches a float32 model refuses at every row: the batches, not the precision
         report = dataclasses.replace(report, notes=(*report.notes, fed))
     if conv is not None:
-        report = dataclasses.replace(report, notes=(*report.notes, conv_scope.note(policy,
-                                                                                   cpu=target.device == "cpu")))
+        # what ran at the flag, where the emulated rows tell (the op families they met): natively, convolutions
+        ran = {"convolutions": "conv" in session.families, "rnns": "rnn" in session.families} \
+            if target.emulated else {}
+        report = dataclasses.replace(report, notes=(*report.notes, conv_scope.note(
+            policy, cpu=target.device == "cpu", **ran)))
     if changed:
         report = dataclasses.replace(report, notes=(*report.notes, changed_note(changed)))
     policy_row = next((lv for lv in report.levels if lv.policy is not None), None)
