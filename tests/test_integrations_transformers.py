@@ -332,6 +332,18 @@ def test_the_rnn_math_the_report_advises_is_an_argument_of_the_callback(tmp_path
     assert not [n for n in notes if "RNNs ran TF32" in n] and any("RNNs ran at cudnn.rnn 'ieee'" in n for n in notes)
 
 
+def test_the_pin_the_report_advises_is_checked_by_the_callback(tmp_path):
+    # the report's advice, "pin 'lin' with tf32lab.Policy(...) and check again", is a policy the callback takes
+    import tf32lab
+
+    check = integration.Tf32CheckCallback(target="a100", steps=2, levels=("high",),
+                                          policy=tf32lab.Policy("high", [("lin", "highest")]))
+    torch.manual_seed(0)
+    train(tmp_path, Offset(), offsets(32), callback=check, max_steps=2, per_device_train_batch_size=16)
+    assert [lv.level for lv in check.report.levels] == ["high", "policy"]
+    assert check.passed is check.report.passed is check.report.level("policy").passed
+
+
 def test_bad_arguments_are_one_line():
     with pytest.raises(Tf32LabError, match="on_fail must be 'raise' or 'warn', not 'ignore'"):
         integration.Tf32CheckCallback(on_fail="ignore")
@@ -344,6 +356,8 @@ def test_bad_arguments_are_one_line():
         integration.Tf32CheckCallback(tolerance=-1)
     with pytest.raises(Tf32LabError, match="unknown conv math 'fast'"):
         integration.Tf32CheckCallback(conv="fast")
+    with pytest.raises(Tf32LabError, match=r"policy must be a tf32lab\.Policy, not str"):
+        integration.Tf32CheckCallback(policy="pins.json")
     with pytest.raises(Tf32LabError, match=r"^level 'bfx9' \(cuda.matmul = 'bfx9'\) needs compute capability 10.0"):
         integration.Tf32CheckCallback(target="h100", levels=("bfx9",))
     assert integration.Tf32CheckCallback(levels="high").levels == ("high",)  # one level named alone, not its letters

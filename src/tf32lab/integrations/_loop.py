@@ -48,6 +48,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
+from tf32lab.control.policy import Policy
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import LEVELS, check_conv, check_levels, level_cells
 from tf32lab.know.targets import NATIVE, Target, check_value
@@ -89,14 +90,18 @@ class Options(NamedTuple):
     tolerance: Optional[float]
     on_fail: str
     conv: Optional[str] = None
+    policy: Optional[Policy] = None
 
     @classmethod
     def checked(cls, target: Any, steps: Any, levels: Optional[Iterable[str]], tolerance: Any,
-                on_fail: Any, conv: Any = None) -> Options:
+                on_fail: Any, conv: Any = None, policy: Any = None) -> Options:
         target, levels = check_target(target), check_levels(default_levels(levels))
         computable(target, levels)
+        if policy is not None and not isinstance(policy, Policy):
+            raise Tf32LabError(f"policy must be a tf32lab.Policy, not {type(policy).__name__} (a saved one: "
+                               f"tf32lab.Policy.load(path))")
         return cls(target, check_steps(steps), levels, check_tolerance(tolerance), check_on_fail(on_fail),
-                   check_conv(conv))
+                   check_conv(conv), policy)
 
 
 def computable(target: Union[str, Target], levels: Iterable[str]) -> None:
@@ -545,11 +550,12 @@ def grouped(batches: list[Any], accumulate: int, steps: int, ended: bool = False
 def run_check(model: torch.nn.Module, name: str, batches: list[Any], loss: Callable[..., Any],
               optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], *, levels: Iterable[str],
               target: Any, tolerance: Optional[float], around: Optional[Callable[[torch.nn.Module], Any]] = None,
-              notes: Sequence[str] = (), conv: Optional[str] = None) -> TrainingReport:
+              notes: Sequence[str] = (), conv: Optional[str] = None, policy: Optional[Policy] = None
+              ) -> TrainingReport:
     """The training check of a framework's step: ``model`` a :func:`stepping_copy`, ``batches`` its
-    ``(step, micro_batches)``, ``loss(model, micro_batches, step)`` the framework's loss of one step; ``conv``
-    cuDNN's float32 math in every row (``check_training``'s). The caller keeps the random streams
-    (``random_state_kept``) around this and the batches' reading."""
+    ``(step, micro_batches)``, ``loss(model, micro_batches, step)`` the framework's loss of one step;
+    ``conv`` cuDNN's float32 math in every row and ``policy`` one more row (``check_training``'s). The caller
+    keeps the random streams (``random_state_kept``) around this and the batches' reading."""
     import dataclasses
 
     calls = {}
@@ -563,7 +569,8 @@ def run_check(model: torch.nn.Module, name: str, batches: list[Any], loss: Calla
     workload = _FrameworksStep(model, batches, loss=lambda out, batch: out, optimizer=optimizer, inputs=inputs,
                                name=name)
     with quiet():
-        report = check_training(workload, levels=levels, target=target, tolerance=tolerance, conv=conv)
+        report = check_training(workload, levels=levels, target=target, tolerance=tolerance, conv=conv,
+                                policy=policy)
     return dataclasses.replace(report, notes=(*report.notes, *notes)) if notes else report
 
 
@@ -620,7 +627,9 @@ def said(report: TrainingReport, on_fail: str, advice: Sequence[str] = ()) -> No
     LOG.log(logging.INFO if report.passed else logging.WARNING, "tf32lab training check:\n%s", "\n".join(lines))
     if report.passed:
         return
-    failed = next(lv for lv in report.levels if not lv.passed)
+    # the row of the verdict: a policy's where one ran (the report's verdict is its), else the first failed level
+    failed = report.policy_row if report.policy_row is not None else next(lv for lv in report.levels
+                                                                          if not lv.passed)
     message = f"tf32lab training check {_verdict_line(report, failed)}"
     if on_fail == "raise":
         raise Tf32LabError(message)

@@ -50,6 +50,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from tf32lab.control.policy import Policy
 from tf32lab.errors import Tf32LabError
 from tf32lab.integrations import _loop
 from tf32lab.integrations import lightning_rows as rows
@@ -77,16 +78,19 @@ class Tf32Check(L.Callback):
         on_fail: ``"warn"`` (log and warn, train on) or ``"raise"`` (``Tf32LabError`` before the first step).
         conv: cuDNN's float32 math for the convolutions and RNNs in every row, ``"tf32"`` or ``"ieee"`` (no level
             sets it; None: as this process's flag holds it, the run's own math), as ``check_training(conv=)``.
+        policy: a :class:`~tf32lab.Policy` (the pin a failed check advises) trained as one more row, ``"policy"``,
+            whose verdict is the report's and the callback's, as ``check_training(policy=)``.
 
     After ``fit``, :attr:`report` holds the :class:`~tf32lab.report.training.TrainingReport` (None on ranks but 0
     under DDP) and :attr:`passed` the verdict (on every rank).
     """
 
     def __init__(self, target: Union[str, Target] = "a100", steps: int = 20, levels: Optional[Iterable[str]] = None,
-                 tolerance: Optional[float] = None, on_fail: str = "warn", conv: Optional[str] = None) -> None:
+                 tolerance: Optional[float] = None, on_fail: str = "warn", conv: Optional[str] = None,
+                 policy: Optional[Policy] = None) -> None:
         super().__init__()
-        self.target, self.steps, self.levels, self.tolerance, self.on_fail, self.conv = _loop.Options.checked(
-            target, steps, levels, tolerance, on_fail, conv)
+        (self.target, self.steps, self.levels, self.tolerance, self.on_fail, self.conv,
+         self.policy) = _loop.Options.checked(target, steps, levels, tolerance, on_fail, conv, policy)
         self.report: Optional[TrainingReport] = None
         self.passed: Optional[bool] = None
         self._writing: Optional[Written] = None
@@ -398,7 +402,7 @@ class Tf32Check(L.Callback):
                     steps = steps[:ran]
             return _loop.run_check(model, type(module).__name__, steps, loss, optimizer, levels=self.levels,
                                    target=self.target, tolerance=self.tolerance, around=around, notes=notes,
-                                   conv=self.conv)
+                                   conv=self.conv, policy=self.policy)
         finally:
             # the last row's copy and loss: ``at`` and the closures that read it refer to each other, a cycle that
             # kept them until the collector's next full pass

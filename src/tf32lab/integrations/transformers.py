@@ -56,6 +56,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from tf32lab.control.policy import Policy
 from tf32lab.emulation.emulator import RECOMPUTES_EMULATED
 from tf32lab.errors import Tf32LabError
 from tf32lab.integrations import _loop
@@ -83,6 +84,8 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         trainer: the ``Trainer`` (by default the one whose ``train`` calls the callback).
         conv: cuDNN's float32 math for the convolutions and RNNs in every row, ``"tf32"`` or ``"ieee"`` (no level
             sets it; None: as this process's flag holds it, the run's own math), as ``check_training(conv=)``.
+        policy: a :class:`~tf32lab.Policy` (the pin a failed check advises) trained as one more row, ``"policy"``,
+            whose verdict is the report's and the callback's, as ``check_training(policy=)``.
 
     After ``train``, :attr:`report` holds the :class:`~tf32lab.report.training.TrainingReport` (None on processes
     but zero under DDP) and :attr:`passed` the verdict (on every process).
@@ -90,9 +93,9 @@ class Tf32CheckCallback(transformers.TrainerCallback):
 
     def __init__(self, target: Union[str, Target] = "a100", steps: int = 20, levels: Optional[Iterable[str]] = None,
                  tolerance: Optional[float] = None, on_fail: str = "warn", trainer: Any = None,
-                 conv: Optional[str] = None) -> None:
-        self.target, self.steps, self.levels, self.tolerance, self.on_fail, self.conv = _loop.Options.checked(
-            target, steps, levels, tolerance, on_fail, conv)
+                 conv: Optional[str] = None, policy: Optional[Policy] = None) -> None:
+        (self.target, self.steps, self.levels, self.tolerance, self.on_fail, self.conv,
+         self.policy) = _loop.Options.checked(target, steps, levels, tolerance, on_fail, conv, policy)
         if trainer is not None and not isinstance(trainer, transformers.Trainer):
             raise Tf32LabError(f"trainer must be a transformers.Trainer (or None: the one whose train() calls the "
                                f"callback), not {type(trainer).__name__}")
@@ -262,7 +265,8 @@ class Tf32CheckCallback(transformers.TrainerCallback):
 
         stepping = _loop.stepping_copy(model)
         report = _loop.run_check(stepping, type(model).__name__, steps, loss, make, levels=self.levels,
-                                 target=self.target, tolerance=self.tolerance, notes=notes, conv=self.conv)
+                                 target=self.target, tolerance=self.tolerance, notes=notes, conv=self.conv,
+                                 policy=self.policy)
         return dataclasses.replace(report, notes=(*report.notes, tf32_advice(report, args)))
 
 
