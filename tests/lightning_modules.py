@@ -329,3 +329,19 @@ class Recurrent(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+
+class StepsAHeadOutside(Regression):
+    """Its loss reaches a head it does not hold (in a list: no submodule of it), which its optimizer steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outside = [torch.nn.Linear(1, 1)]
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return (self.outside[0](self(x)) - y).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([*self.parameters(), *self.outside[0].parameters()], lr=1e-2)

@@ -166,6 +166,14 @@ def test_a_failed_policy_is_the_verdict_the_stopped_run_names(tmp_path):
         fit(tmp_path, callback=check, max_epochs=1)
 
 
+def test_an_optimizer_stepping_parameters_outside_the_module_is_refused_in_one_line(tmp_path):
+    # the rows trained copies of the module through the run's own head, and the check said the module "fails in
+    # float64 ... ToCopyBackward0 returned an invalid gradient"
+    check = lightning.Tf32Check(target="a100", steps=1, levels=("high",), on_fail="raise")
+    with pytest.raises(Tf32LabError, match=r"^Tf32Check: the optimizer steps 2 trainable parameters outside the model"):
+        fit(tmp_path, modules.StepsAHeadOutside, callback=check, max_steps=1)
+
+
 def test_on_fail_raise_stops_the_run_before_its_first_step(tmp_path):
     check = lightning.Tf32Check(target="a100", steps=20, levels=("highest", "high"), on_fail="raise")
     torch.manual_seed(0)

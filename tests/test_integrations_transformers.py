@@ -127,7 +127,7 @@ def offsets(n: int = 320) -> list[dict[str, torch.Tensor]]:
     return [{"x": (x := torch.randn(16, generator=g)), "labels": x.sum(-1, keepdim=True)} for _ in range(n)]
 
 
-def train(tmp_path, model=None, dataset=None, callback=None, trainer_class=None, **options):
+def train(tmp_path, model=None, dataset=None, callback=None, trainer_class=None, optimizers=(None, None), **options):
     """A seeded `Trainer.train` (shuffled batches) and what it leaves: the model, its logged losses, the trainer and
     the random streams' next draws."""
     np.random.seed(0)
@@ -138,7 +138,7 @@ def train(tmp_path, model=None, dataset=None, callback=None, trainer_class=None,
                **options}
     args = transformers.TrainingArguments(str(tmp_path), **options)
     trainer = (trainer_class or transformers.Trainer)(model=model, args=args, train_dataset=dataset or tokens(),
-                            callbacks=[callback] if callback else [])
+                            callbacks=[callback] if callback else [], optimizers=optimizers)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         trainer.train()
@@ -342,6 +342,31 @@ def test_the_pin_the_report_advises_is_checked_by_the_callback(tmp_path):
     train(tmp_path, Offset(), offsets(32), callback=check, max_steps=2, per_device_train_batch_size=16)
     assert [lv.level for lv in check.report.levels] == ["high", "policy"]
     assert check.passed is check.report.passed is check.report.level("policy").passed
+
+
+def test_an_optimizer_stepping_parameters_outside_the_model_is_refused_in_one_line(tmp_path):
+    # sentence-transformers' SoftmaxLoss keeps a classifier of its own, which its Trainer's optimizer steps beside
+    # the model: the rows trained copies of the model through the run's classifier, and the check said "training
+    # workload 'SentenceTransformer' fails in float64 ... ToCopyBackward0 returned an invalid gradient"
+    head = torch.nn.Linear(16, 1)
+
+    class WithAHead(transformers.Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.head = head
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return (self.head(model(**inputs)["logits"].expand(-1, 16)) - inputs["labels"]).pow(2).mean()
+
+    torch.manual_seed(0)
+    model = Offset()
+    optimizer = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=1e-2)
+    check = integration.Tf32CheckCallback(target="a100", steps=1, levels=("high",), on_fail="raise")
+    with pytest.raises(Tf32LabError, match=r"the optimizer steps 2 trainable parameters outside the model "
+                                           r"\(Linear's, the trainer's head\)"):
+        train(tmp_path, model, offsets(16), callback=check, trainer_class=WithAHead, max_steps=1,
+              optimizers=(optimizer, None))
+    assert head.weight.grad is None  # the run's own parameters untouched
 
 
 def test_bad_arguments_are_one_line():

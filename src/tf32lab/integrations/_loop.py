@@ -324,6 +324,35 @@ def rebound(optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[An
     return made, [copy.deepcopy(scheduler, memo) for scheduler in schedulers]
 
 
+def outside_the_model(optimizers: Sequence[torch.optim.Optimizer], model: torch.nn.Module,
+                      owner: Any = None) -> Optional[str]:
+    """Why the check cannot train this run, where its optimizers step trainable parameters that are not the
+    model's (sentence-transformers' ``SoftmaxLoss`` keeps a classifier of its own, which its Trainer's optimizer
+    steps beside the model): the rows train copies of the model alone, through a loss that reaches the run's own
+    parameters (float32's in the float64 row, where it failed: "expected dtype Float but got double"), and would
+    leave those out of every row. ``owner``: the object whose module attributes are searched for their holder
+    (the Trainer: its ``loss``); None where none stepped.
+
+    >>> model, head = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    >>> print(outside_the_model([torch.optim.SGD([*model.parameters(), *head.parameters()], lr=0.1)], model))
+    ... # doctest: +ELLIPSIS
+    the optimizer steps 2 trainable parameters outside the model: the check trains copies of the model alone...
+    """
+    own = {id(p) for p in model.parameters()}
+    foreign = {id(p): p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]
+               if isinstance(p, torch.Tensor) and p.requires_grad and id(p) not in own}
+    if not foreign:
+        return None
+    where = ""
+    for name, value in (vars(owner).items() if owner is not None else ()):
+        if isinstance(value, torch.nn.Module) and value is not model and \
+                any(id(p) in foreign for p in value.parameters()):
+            where = f" ({type(value).__name__}'s, the trainer's {name})"
+            break
+    return (f"the optimizer steps {len(foreign)} trainable parameters outside the model{where}: the check trains "
+            f"copies of the model alone, which cannot train those beside it (the loss would reach the run's own)")
+
+
 def _state_as_params(optimizer: torch.optim.Optimizer) -> None:
     """The optimizer's state (a resumed run's moments, loaded from its checkpoint) in its parameters' dtype and on
     their device, as ``Optimizer.load_state_dict`` casts it (all but ``step``): a float64 row's copy steps float64

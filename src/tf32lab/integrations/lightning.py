@@ -255,6 +255,9 @@ class Tf32Check(L.Callback):
         if all(isinstance(one, mock) for one in optimizers):
             raise Tf32LabError("Tf32Check: the run has no optimizer (configure_optimizers returned none): no step "
                                "to check")
+        outside = _loop.outside_the_model([one for one in optimizers if not isinstance(one, mock)], module)
+        if outside is not None:
+            raise Tf32LabError(f"Tf32Check: {outside}")
         configs = list(trainer.lr_scheduler_configs)
         per_epoch = math.ceil(per_epoch / accumulate) if math.isfinite(per_epoch) else 0
         schedule = []

@@ -202,6 +202,9 @@ class Tf32CheckCallback(transformers.TrainerCallback):
                              f"float32 matmul precision (TrainingArguments(tf32=...)) does not reach; the check "
                              f"trained the model in float32 without autocast")
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+        outside = _loop.outside_the_model([inner], model, trainer)
+        if outside is not None:
+            raise Tf32LabError(f"Tf32CheckCallback: {outside}")
         scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)
         schedulers = [scheduler] if scheduler is not None else []
         if isinstance(scheduler, _on_metrics()):
