@@ -267,9 +267,10 @@ class Tf32CheckCallback(transformers.TrainerCallback):
                 return _trainers_loss(aside, copy, micro, counts[step], takes_count)
 
         stepping = _loop.stepping_copy(model)
-        report = _loop.run_check(stepping, type(model).__name__, steps, loss, make, levels=self.levels,
-                                 target=self.target, tolerance=self.tolerance, notes=notes, conv=self.conv,
-                                 policy=self.policy)
+        with _submodules_kept(trainer):
+            report = _loop.run_check(stepping, type(model).__name__, steps, loss, make, levels=self.levels,
+                                     target=self.target, tolerance=self.tolerance, notes=notes, conv=self.conv,
+                                     policy=self.policy)
         return dataclasses.replace(report, notes=(*report.notes, tf32_advice(report, args)))
 
 
@@ -292,6 +293,26 @@ def _aside(trainer: Any) -> Any:
     attributes = {key: copy.deepcopy(value) if _plain_data(value) else value for key, value in vars(trainer).items()}
     object.__setattr__(seen, "__dict__", attributes)
     return seen
+
+
+@contextlib.contextmanager
+def _submodules_kept(trainer: Any) -> Iterator[None]:
+    """The submodules of the modules the run's Trainer holds (its ``loss``, which sentence-transformers' Trainer
+    keeps, a module holding the model) as they were, put back after the check: the Trainer aside shares those
+    modules with the run, and a ``compute_loss`` that puts the model it is given into them
+    (sentence-transformers' ``override_model_in_loss``: ``loss.model = model``) left the run's loss holding the
+    last row's copy of the model until the run's first step put its own back."""
+    held = [value for key, value in vars(trainer).items()
+            if isinstance(value, torch.nn.Module) and key not in ("model", "model_wrapped")] \
+        if trainer is not None else []
+    kept = [(module, dict(module._modules)) for one in held for module in one.modules()]
+    try:
+        yield
+    finally:
+        for module, submodules in kept:
+            if module._modules != submodules:
+                module._modules.clear()
+                module._modules.update(submodules)
 
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
