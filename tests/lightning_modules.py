@@ -311,3 +311,37 @@ class WarmsUpThroughItsTrainer(Plain):
         for group in self.trainer.optimizers[0].param_groups:
             group["lr"] = 0.1 * min(1.0, (self.global_step + 1) / 4)
         return super().training_step(batch, batch_idx)
+
+
+class Recurrent(L.LightningModule):
+    """A small LSTM over its 8 features as a sequence of 8 steps: a cuDNN RNN, whose float32 math cuDNN's flag
+    sets, not the level."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = torch.nn.LSTM(1, 8, batch_first=True)
+        self.head = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out, _ = self.rnn(x.unsqueeze(-1))
+        return (self.head(out[:, -1]) - y).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+
+class StepsAHeadOutside(Regression):
+    """Its loss reaches a head it does not hold (in a list: no submodule of it), which its optimizer steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outside = [torch.nn.Linear(1, 1)]
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return (self.outside[0](self(x)) - y).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([*self.parameters(), *self.outside[0].parameters()], lr=1e-2)

@@ -70,8 +70,31 @@ def test_a_model_without_convolutions_is_not_told_its_convolutions_ran_at_the_as
 
     torch.manual_seed(0)
     report = check(Workload(Tagger(), torch.randn(5, 2, 8)), levels=("highest", "high"), conv="ieee", speed=False)
-    (note,) = [note for note in report.notes if "conv='ieee'" in note]
-    assert "ran at cudnn.conv" not in note and note.endswith("the model ran no convolution"), note
+    (note,) = [note for note in report.notes if "conv=" in note]
+    # the flag sets cuDNN's RNNs too: they ran at it, and the note says so, not that nothing did
+    assert "ran at cudnn.conv" not in note and note.startswith("cuDNN's RNNs ran at cudnn.rnn 'ieee'"), note
+
+
+class _Tagger(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm, self.head = torch.nn.LSTM(4, 4), torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0])
+
+
+def test_a_training_check_of_an_rnn_names_the_rnns_as_what_ran_at_the_asked_math():
+    # an LSTM's training check with conv='ieee' (the math its note on RNNs that ran TF32 advises) said
+    # "convolutions ran at cudnn.conv 'ieee' in every row (conv=)": it has none; its RNNs ran at it
+    torch.manual_seed(0)
+    batches = [(torch.randn(3, 2, 4), torch.randn(3, 2, 1)) for _ in range(2)]
+    workload = tf32lab.TrainingWorkload(_Tagger(), batches, inputs=lambda b: b[0], steps=2,
+                                        loss=lambda out, b: (out - b[1]).pow(2).mean())
+    report = tf32lab.check_training(workload, levels=("highest", "high"), target="a100", conv="ieee", speed=False)
+    (note,) = [note for note in report.notes if "conv=" in note]
+    assert "convolutions ran" not in note and note.startswith("cuDNN's RNNs ran at cudnn.rnn 'ieee'"), note
+    assert "torch.backends.cudnn.rnn.fp32_precision = 'ieee'" in note
 
 
 def test_conv_math_is_scoped_and_restored_on_every_exit_path():

@@ -139,6 +139,41 @@ def test_a_model_whose_training_tf32_ruins_fails_and_says_so(tmp_path, caplog):
     assert "FAILED | level 'high' | training 20 steps | diverges at step" in caplog.text
 
 
+def test_the_pin_the_report_advises_is_checked_by_the_callback(tmp_path):
+    # a failed check advises "pin 'lin' with `tf32lab.Policy("high", [("lin", "highest")])` and check again": the
+    # callback had no policy to check (and a policy applied to the run's module is refused): it takes one, trained
+    # as one more row whose verdict is the report's
+    import tf32lab
+
+    check = lightning.Tf32Check(target="a100", steps=4, levels=("high",),
+                                policy=tf32lab.Policy("high", [("net.0", "highest")]))
+    module, losses = fit(tmp_path / "checked", callback=check, max_epochs=1)[:2]
+    assert [lv.level for lv in check.report.levels] == ["high", "policy"]
+    assert check.passed is check.report.passed is check.report.level("policy").passed
+    # the policy trained the row's copy: the run's module is not hooked, and trains as without the callback
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+    alone, alone_losses = fit(tmp_path / "alone", max_epochs=1)[:2]
+    assert same_weights(module, alone) and losses == alone_losses
+
+
+def test_a_failed_policy_is_the_verdict_the_stopped_run_names(tmp_path):
+    # with a policy, its row is the verdict: a run stopped by it named the first failed level instead
+    import tf32lab
+
+    check = lightning.Tf32Check(target="a100", steps=2, levels=("high",), tolerance=1e-12, on_fail="raise",
+                                policy=tf32lab.Policy("high"))
+    with pytest.raises(Tf32LabError, match=r"^tf32lab training check FAILED \| level 'policy'"):
+        fit(tmp_path, callback=check, max_epochs=1)
+
+
+def test_an_optimizer_stepping_parameters_outside_the_module_is_refused_in_one_line(tmp_path):
+    # the rows trained copies of the module through the run's own head, and the check said the module "fails in
+    # float64 ... ToCopyBackward0 returned an invalid gradient"
+    check = lightning.Tf32Check(target="a100", steps=1, levels=("high",), on_fail="raise")
+    with pytest.raises(Tf32LabError, match=r"^Tf32Check: the optimizer steps 2 trainable parameters outside the model"):
+        fit(tmp_path, modules.StepsAHeadOutside, callback=check, max_steps=1)
+
+
 def test_on_fail_raise_stops_the_run_before_its_first_step(tmp_path):
     check = lightning.Tf32Check(target="a100", steps=20, levels=("highest", "high"), on_fail="raise")
     torch.manual_seed(0)
@@ -322,6 +357,20 @@ def test_mixed_precision_is_said_not_to_be_float32(tmp_path):
     assert any("'bf16-mixed': its matmuls run in bfloat16" in note for note in check.report.notes)
 
 
+def test_the_rnn_math_the_report_advises_is_an_argument_of_the_callback(tmp_path):
+    # an LSTM's report said "to see them in IEEE float32, train with conv='ieee' (`--conv ieee`)", which Tf32Check
+    # did not take: it takes conv, as check_training does, and with conv="ieee" its RNNs ran IEEE float32
+    notes = {}
+    before = torch.backends.cudnn.allow_tf32
+    for conv in (None, "ieee"):
+        check = lightning.Tf32Check(target="a100", steps=2, levels=("highest", "high"), conv=conv)
+        fit(tmp_path / str(conv), module_class=modules.Recurrent, callback=check, max_steps=2)
+        notes[conv] = " ".join(check.report.notes)
+    assert "RNNs ran TF32" in notes[None] and "conv='ieee'" in notes[None]
+    assert "RNNs ran TF32" not in notes["ieee"]
+    assert torch.backends.cudnn.allow_tf32 == before  # the run's own flag put back
+
+
 def test_bad_arguments_are_one_line():
     with pytest.raises(Tf32LabError, match="on_fail must be 'raise' or 'warn', not 'stop'"):
         lightning.Tf32Check(on_fail="stop")
@@ -333,6 +382,10 @@ def test_bad_arguments_are_one_line():
         lightning.Tf32Check(target="h999")
     with pytest.raises(Tf32LabError, match=r"tolerance is one number >= 0.*not 'x'"):
         lightning.Tf32Check(tolerance="x")
+    with pytest.raises(Tf32LabError, match="unknown conv math 'fast'"):
+        lightning.Tf32Check(conv="fast")
+    with pytest.raises(Tf32LabError, match=r"policy must be a tf32lab\.Policy, not str"):
+        lightning.Tf32Check(policy="pins.json")
     assert lightning.Tf32Check(levels="high").levels == ("high",)
     # a level the target cannot compute was refused only when training started, after the run loaded its data
     with pytest.raises(Tf32LabError, match=r"^level 'bfx9' \(cuda.matmul = 'bfx9'\) needs compute capability 10.0"):

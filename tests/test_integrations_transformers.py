@@ -127,7 +127,7 @@ def offsets(n: int = 320) -> list[dict[str, torch.Tensor]]:
     return [{"x": (x := torch.randn(16, generator=g)), "labels": x.sum(-1, keepdim=True)} for _ in range(n)]
 
 
-def train(tmp_path, model=None, dataset=None, callback=None, trainer_class=None, **options):
+def train(tmp_path, model=None, dataset=None, callback=None, trainer_class=None, optimizers=(None, None), **options):
     """A seeded `Trainer.train` (shuffled batches) and what it leaves: the model, its logged losses, the trainer and
     the random streams' next draws."""
     np.random.seed(0)
@@ -138,7 +138,7 @@ def train(tmp_path, model=None, dataset=None, callback=None, trainer_class=None,
                **options}
     args = transformers.TrainingArguments(str(tmp_path), **options)
     trainer = (trainer_class or transformers.Trainer)(model=model, args=args, train_dataset=dataset or tokens(),
-                            callbacks=[callback] if callback else [])
+                            callbacks=[callback] if callback else [], optimizers=optimizers)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         trainer.train()
@@ -308,6 +308,102 @@ def test_an_augmentation_draws_in_the_check_as_in_the_run(tmp_path, workers):
     assert check.report.floor.losses[0] == pytest.approx(losses[0][1], rel=1e-5)
 
 
+class Recurrent(torch.nn.Module):
+    """A small LSTM over `offsets`' first 4 features as a sequence: a cuDNN RNN, whose float32 math cuDNN's flag
+    sets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = torch.nn.LSTM(1, 4, batch_first=True)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, x, labels=None):
+        out, _ = self.rnn(x[:, :4].unsqueeze(-1))
+        return {"loss": (self.head(out[:, -1]) - labels).pow(2).mean()}
+
+
+def test_the_rnn_math_the_report_advises_is_an_argument_of_the_callback(tmp_path):
+    # the report's advice for cuDNN's RNNs, "train with conv='ieee'" (in the report of this run without conv: they
+    # ran TF32 in every row), names an argument the callback takes; with it, they ran IEEE float32
+    check = integration.Tf32CheckCallback(target="a100", steps=1, levels=("highest", "high"), conv="ieee")
+    torch.manual_seed(0)
+    train(tmp_path, Recurrent(), offsets(8), callback=check, max_steps=1)
+    notes = check.report.notes
+    assert not [n for n in notes if "RNNs ran TF32" in n] and any("RNNs ran at cudnn.rnn 'ieee'" in n for n in notes)
+
+
+def test_the_pin_the_report_advises_is_checked_by_the_callback(tmp_path):
+    # the report's advice, "pin 'lin' with tf32lab.Policy(...) and check again", is a policy the callback takes
+    import tf32lab
+
+    check = integration.Tf32CheckCallback(target="a100", steps=2, levels=("high",),
+                                          policy=tf32lab.Policy("high", [("lin", "highest")]))
+    torch.manual_seed(0)
+    train(tmp_path, Offset(), offsets(32), callback=check, max_steps=2, per_device_train_batch_size=16)
+    assert [lv.level for lv in check.report.levels] == ["high", "policy"]
+    assert check.passed is check.report.passed is check.report.level("policy").passed
+
+
+def test_an_optimizer_stepping_parameters_outside_the_model_is_refused_in_one_line(tmp_path):
+    # sentence-transformers' SoftmaxLoss keeps a classifier of its own, which its Trainer's optimizer steps beside
+    # the model: the rows trained copies of the model through the run's classifier, and the check said "training
+    # workload 'SentenceTransformer' fails in float64 ... ToCopyBackward0 returned an invalid gradient"
+    head = torch.nn.Linear(16, 1)
+
+    class WithAHead(transformers.Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.head = head
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return (self.head(model(**inputs)["logits"].expand(-1, 16)) - inputs["labels"]).pow(2).mean()
+
+    torch.manual_seed(0)
+    model = Offset()
+    optimizer = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=1e-2)
+    check = integration.Tf32CheckCallback(target="a100", steps=1, levels=("high",), on_fail="raise")
+    with pytest.raises(Tf32LabError, match=r"the optimizer steps 2 trainable parameters outside the model "
+                                           r"\(Linear's, the trainer's head\)"):
+        train(tmp_path, model, offsets(16), callback=check, trainer_class=WithAHead, max_steps=1,
+              optimizers=(optimizer, None))
+    assert head.weight.grad is None  # the run's own parameters untouched
+
+
+def test_a_loss_module_that_holds_the_model_holds_the_runs_model_after_the_check(tmp_path):
+    # sentence-transformers' Trainer keeps its loss (a module holding the model) on itself, and its compute_loss
+    # puts the model it is given into it (override_model_in_loss): after the check, the run's loss held the last
+    # row's copy of the model until the run's first step put the run's back
+    class Loss(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, inputs):
+            return self.model(**inputs)["loss"]
+
+    class HoldsItsLoss(transformers.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            if model is self.model_wrapped and self.loss.model is not model:
+                self.loss.model = model
+            return self.loss(inputs)
+
+    seen = []
+
+    class Peek(transformers.TrainerCallback):  # a callback after the check's
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            seen.append(trainer.loss.model is model)
+
+    torch.manual_seed(0)
+    model = Offset()
+    check = integration.Tf32CheckCallback(target="a100", steps=1, levels=("high",))
+    args = transformers.TrainingArguments(str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to=[],
+                                          save_strategy="no", disable_tqdm=True, use_cpu=True)
+    trainer = HoldsItsLoss(model=model, args=args, train_dataset=offsets(8), callbacks=[check, Peek()])
+    trainer.loss = Loss(model)
+    trainer.train()
+    assert check.passed is not None and seen == [True]
+
+
 def test_bad_arguments_are_one_line():
     with pytest.raises(Tf32LabError, match="on_fail must be 'raise' or 'warn', not 'ignore'"):
         integration.Tf32CheckCallback(on_fail="ignore")
@@ -318,6 +414,10 @@ def test_bad_arguments_are_one_line():
         integration.Tf32CheckCallback(target="h999")
     with pytest.raises(Tf32LabError, match=r"tolerance is one number >= 0.*not -1"):
         integration.Tf32CheckCallback(tolerance=-1)
+    with pytest.raises(Tf32LabError, match="unknown conv math 'fast'"):
+        integration.Tf32CheckCallback(conv="fast")
+    with pytest.raises(Tf32LabError, match=r"policy must be a tf32lab\.Policy, not str"):
+        integration.Tf32CheckCallback(policy="pins.json")
     with pytest.raises(Tf32LabError, match=r"^level 'bfx9' \(cuda.matmul = 'bfx9'\) needs compute capability 10.0"):
         integration.Tf32CheckCallback(target="h100", levels=("bfx9",))
     assert integration.Tf32CheckCallback(levels="high").levels == ("high",)  # one level named alone, not its letters

@@ -874,6 +874,54 @@ def test_a_module_whose_output_holds_no_tensor_is_said_to_have_no_backward_row()
     assert note.startswith("1 module(s) with parameters have no backward row ('scale'): no gradient reached"), note
 
 
+class _Tied(torch.nn.Module):
+    """T5's ties: ``shared`` an embedding never called itself, its weight that of ``embed`` and ``head`` (which
+    run), as ``T5ForConditionalGeneration.shared`` is ``encoder.embed_tokens``'s and ``lm_head``'s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = torch.nn.Embedding(10, 8)
+        self.embed = torch.nn.Embedding(10, 8)
+        self.head = torch.nn.Linear(8, 10, bias=False)
+        self.embed.weight = self.head.weight = self.shared.weight
+
+    def forward(self, ids):
+        return self.head(self.embed(ids))
+
+
+def _tied_loss(out, batch):
+    return torch.nn.functional.cross_entropy(out.reshape(-1, 10), batch.reshape(-1))
+
+
+def test_a_module_whose_weights_are_tied_to_modules_that_ran_is_not_said_to_run_past_the_hooks():
+    # a tiny T5 trained by transformers' Trainer read "1 module(s) with parameters have no backward row ('shared'):
+    # their forward ran past PyTorch's module hooks (a __call__ of their own, as gpytorch's modules have)": `shared`
+    # never runs, its weight is tied to modules that do, whose rows measure it
+    torch.manual_seed(0)
+    batches = [torch.randint(0, 10, (4, 5)) for _ in range(2)]
+    workload = TrainingWorkload(_Tied(), batches, inputs=lambda b: b, steps=2, name="tied",
+                                loss=_tied_loss)
+    report = check_training(workload, levels=("highest", "high"), target="a100", speed=False)
+    assert not [n for n in report.notes if "no backward row" in n], report.notes
+    assert {"embed", "head"} <= {layer.name for layer in report.levels[-1].layers}
+
+
+def test_a_failing_level_is_not_told_to_pin_a_tied_module_that_never_runs():
+    # the worst gradient is named after the tied weight's first owner, `shared` (named_parameters' name for it),
+    # which never runs: pinning it changes nothing. The advice names a module that runs, as the sentence's
+    # "the module whose own backward adds the most error" does
+    torch.manual_seed(0)
+    batches = [torch.randint(0, 10, (4, 5)) for _ in range(2)]
+    workload = TrainingWorkload(_Tied(), batches, inputs=lambda b: b, steps=2, name="tied",
+                                loss=_tied_loss)
+    report = check_training(workload, levels=("highest", "high"), target="a100", tolerance=1e-9, speed=False)
+    high = report.level("high")
+    assert not high.passed and high.worst_gradient.name == "shared.weight"
+    text = " ".join(report.conclusion())
+    assert "pin 'shared'" not in text, text
+    assert "pin 'head'" in text or "pin 'embed'" in text, text
+
+
 class _TwoHalves(torch.nn.Module):
     """The whole model run once a half of the batch, as a step of two micro-batches runs it; ``shared``: one module
     run once more besides."""

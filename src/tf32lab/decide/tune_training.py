@@ -56,7 +56,7 @@ from tf32lab.measure.check import ConvRun, PolicyRow, alike_levels
 from tf32lab.measure.training import (
     TrainingSession,
     cudnn_floor_note,
-    ran_convolutions,
+    ran_at_the_flag,
     random_state_kept,
     scripted_rnn_note,
     training_steps,
@@ -211,7 +211,7 @@ def tune_training(workload: TrainingWorkload, *, target: Union[str, Target] = "a
     # the search's policies leave cuDNN's flag alone: float32's own row ran the convolutions as every row did
     floor_tf32 = None if conv is not None else cudnn_floor_note(search.session.families, target,
                                                                  search.session.op_maths.get(FLOOR, {}))
-    notes = ([conv_run.note(convolutions=ran_convolutions(search.session))] if conv is not None else []) + \
+    notes = ([conv_run.note(**ran_at_the_flag(search.session))] if conv is not None else []) + \
         ([changed_note(changed)] if changed else []) + ([rnns] if rnns is not None else []) + \
         ([floor_tf32] if floor_tf32 is not None else [])
     # the math matters where the model's modules or the ops its rows ran (TorchScript's convolutions) say it does

@@ -48,8 +48,9 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
+from tf32lab.control.policy import Policy
 from tf32lab.errors import Tf32LabError
-from tf32lab.know.levels import LEVELS, check_levels, level_cells
+from tf32lab.know.levels import LEVELS, check_conv, check_levels, level_cells
 from tf32lab.know.targets import NATIVE, Target, check_value
 from tf32lab.machine.hardware import resolve_target
 from tf32lab.measure.training import check_training, elementwise_step, training_tolerance
@@ -88,13 +89,19 @@ class Options(NamedTuple):
     levels: tuple[str, ...]
     tolerance: Optional[float]
     on_fail: str
+    conv: Optional[str] = None
+    policy: Optional[Policy] = None
 
     @classmethod
     def checked(cls, target: Any, steps: Any, levels: Optional[Iterable[str]], tolerance: Any,
-                on_fail: Any) -> Options:
+                on_fail: Any, conv: Any = None, policy: Any = None) -> Options:
         target, levels = check_target(target), check_levels(default_levels(levels))
         computable(target, levels)
-        return cls(target, check_steps(steps), levels, check_tolerance(tolerance), check_on_fail(on_fail))
+        if policy is not None and not isinstance(policy, Policy):
+            raise Tf32LabError(f"policy must be a tf32lab.Policy, not {type(policy).__name__} (a saved one: "
+                               f"tf32lab.Policy.load(path))")
+        return cls(target, check_steps(steps), levels, check_tolerance(tolerance), check_on_fail(on_fail),
+                   check_conv(conv), policy)
 
 
 def computable(target: Union[str, Target], levels: Iterable[str]) -> None:
@@ -315,6 +322,35 @@ def rebound(optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[An
             group["params"] = [p for p in group["params"] if id(p) in kept]
         _state_as_params(optimizer)
     return made, [copy.deepcopy(scheduler, memo) for scheduler in schedulers]
+
+
+def outside_the_model(optimizers: Sequence[torch.optim.Optimizer], model: torch.nn.Module,
+                      owner: Any = None) -> Optional[str]:
+    """Why the check cannot train this run, where its optimizers step trainable parameters that are not the
+    model's (sentence-transformers' ``SoftmaxLoss`` keeps a classifier of its own, which its Trainer's optimizer
+    steps beside the model): the rows train copies of the model alone, through a loss that reaches the run's own
+    parameters (float32's in the float64 row, where it failed: "expected dtype Float but got double"), and would
+    leave those out of every row. ``owner``: the object whose module attributes are searched for their holder
+    (the Trainer: its ``loss``); None where none stepped.
+
+    >>> model, head = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    >>> print(outside_the_model([torch.optim.SGD([*model.parameters(), *head.parameters()], lr=0.1)], model))
+    ... # doctest: +ELLIPSIS
+    the optimizer steps 2 trainable parameters outside the model: the check trains copies of the model alone...
+    """
+    own = {id(p) for p in model.parameters()}
+    foreign = {id(p): p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]
+               if isinstance(p, torch.Tensor) and p.requires_grad and id(p) not in own}
+    if not foreign:
+        return None
+    where = ""
+    for name, value in (vars(owner).items() if owner is not None else ()):
+        if isinstance(value, torch.nn.Module) and value is not model and \
+                any(id(p) in foreign for p in value.parameters()):
+            where = f" ({type(value).__name__}'s, the trainer's {name})"
+            break
+    return (f"the optimizer steps {len(foreign)} trainable parameters outside the model{where}: the check trains "
+            f"copies of the model alone, which cannot train those beside it (the loss would reach the run's own)")
 
 
 def _state_as_params(optimizer: torch.optim.Optimizer) -> None:
@@ -543,10 +579,12 @@ def grouped(batches: list[Any], accumulate: int, steps: int, ended: bool = False
 def run_check(model: torch.nn.Module, name: str, batches: list[Any], loss: Callable[..., Any],
               optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], *, levels: Iterable[str],
               target: Any, tolerance: Optional[float], around: Optional[Callable[[torch.nn.Module], Any]] = None,
-              notes: Sequence[str] = ()) -> TrainingReport:
+              notes: Sequence[str] = (), conv: Optional[str] = None, policy: Optional[Policy] = None
+              ) -> TrainingReport:
     """The training check of a framework's step: ``model`` a :func:`stepping_copy`, ``batches`` its
-    ``(step, micro_batches)``, ``loss(model, micro_batches, step)`` the framework's loss of one step. The
-    caller keeps the random streams (``random_state_kept``) around this and the batches' reading."""
+    ``(step, micro_batches)``, ``loss(model, micro_batches, step)`` the framework's loss of one step;
+    ``conv`` cuDNN's float32 math in every row and ``policy`` one more row (``check_training``'s). The caller
+    keeps the random streams (``random_state_kept``) around this and the batches' reading."""
     import dataclasses
 
     calls = {}
@@ -560,7 +598,8 @@ def run_check(model: torch.nn.Module, name: str, batches: list[Any], loss: Calla
     workload = _FrameworksStep(model, batches, loss=lambda out, batch: out, optimizer=optimizer, inputs=inputs,
                                name=name)
     with quiet():
-        report = check_training(workload, levels=levels, target=target, tolerance=tolerance)
+        report = check_training(workload, levels=levels, target=target, tolerance=tolerance, conv=conv,
+                                policy=policy)
     return dataclasses.replace(report, notes=(*report.notes, *notes)) if notes else report
 
 
@@ -617,7 +656,9 @@ def said(report: TrainingReport, on_fail: str, advice: Sequence[str] = ()) -> No
     LOG.log(logging.INFO if report.passed else logging.WARNING, "tf32lab training check:\n%s", "\n".join(lines))
     if report.passed:
         return
-    failed = next(lv for lv in report.levels if not lv.passed)
+    # the row of the verdict: a policy's where one ran (the report's verdict is its), else the first failed level
+    failed = report.policy_row if report.policy_row is not None else next(lv for lv in report.levels
+                                                                          if not lv.passed)
     message = f"tf32lab training check {_verdict_line(report, failed)}"
     if on_fail == "raise":
         raise Tf32LabError(message)

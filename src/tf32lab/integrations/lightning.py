@@ -50,6 +50,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from tf32lab.control.policy import Policy
 from tf32lab.errors import Tf32LabError
 from tf32lab.integrations import _loop
 from tf32lab.integrations import lightning_rows as rows
@@ -75,16 +76,21 @@ class Tf32Check(L.Callback):
         levels: the precision levels (default all three).
         tolerance: the loss's largest relative deviation from float64's (default 1e-2).
         on_fail: ``"warn"`` (log and warn, train on) or ``"raise"`` (``Tf32LabError`` before the first step).
+        conv: cuDNN's float32 math for the convolutions and RNNs in every row, ``"tf32"`` or ``"ieee"`` (no level
+            sets it; None: as this process's flag holds it, the run's own math), as ``check_training(conv=)``.
+        policy: a :class:`~tf32lab.Policy` (the pin a failed check advises) trained as one more row, ``"policy"``,
+            whose verdict is the report's and the callback's, as ``check_training(policy=)``.
 
     After ``fit``, :attr:`report` holds the :class:`~tf32lab.report.training.TrainingReport` (None on ranks but 0
     under DDP) and :attr:`passed` the verdict (on every rank).
     """
 
     def __init__(self, target: Union[str, Target] = "a100", steps: int = 20, levels: Optional[Iterable[str]] = None,
-                 tolerance: Optional[float] = None, on_fail: str = "warn") -> None:
+                 tolerance: Optional[float] = None, on_fail: str = "warn", conv: Optional[str] = None,
+                 policy: Optional[Policy] = None) -> None:
         super().__init__()
-        self.target, self.steps, self.levels, self.tolerance, self.on_fail = _loop.Options.checked(
-            target, steps, levels, tolerance, on_fail)
+        (self.target, self.steps, self.levels, self.tolerance, self.on_fail, self.conv,
+         self.policy) = _loop.Options.checked(target, steps, levels, tolerance, on_fail, conv, policy)
         self.report: Optional[TrainingReport] = None
         self.passed: Optional[bool] = None
         self._writing: Optional[Written] = None
@@ -249,6 +255,9 @@ class Tf32Check(L.Callback):
         if all(isinstance(one, mock) for one in optimizers):
             raise Tf32LabError("Tf32Check: the run has no optimizer (configure_optimizers returned none): no step "
                                "to check")
+        outside = _loop.outside_the_model([one for one in optimizers if not isinstance(one, mock)], module)
+        if outside is not None:
+            raise Tf32LabError(f"Tf32Check: {outside}")
         configs = list(trainer.lr_scheduler_configs)
         per_epoch = math.ceil(per_epoch / accumulate) if math.isfinite(per_epoch) else 0
         schedule = []
@@ -395,7 +404,8 @@ class Tf32Check(L.Callback):
                                  f"so): {ran} of the {self.steps} steps asked for were checked")
                     steps = steps[:ran]
             return _loop.run_check(model, type(module).__name__, steps, loss, optimizer, levels=self.levels,
-                                   target=self.target, tolerance=self.tolerance, around=around, notes=notes)
+                                   target=self.target, tolerance=self.tolerance, around=around, notes=notes,
+                                   conv=self.conv, policy=self.policy)
         finally:
             # the last row's copy and loss: ``at`` and the closures that read it refer to each other, a cycle that
             # kept them until the collector's next full pass

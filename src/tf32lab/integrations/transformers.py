@@ -56,6 +56,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from tf32lab.control.policy import Policy
 from tf32lab.emulation.emulator import RECOMPUTES_EMULATED
 from tf32lab.errors import Tf32LabError
 from tf32lab.integrations import _loop
@@ -81,15 +82,20 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         tolerance: the loss's largest relative deviation from float64's (default 1e-2).
         on_fail: ``"warn"`` (log and warn, train on) or ``"raise"`` (``Tf32LabError`` before the first step).
         trainer: the ``Trainer`` (by default the one whose ``train`` calls the callback).
+        conv: cuDNN's float32 math for the convolutions and RNNs in every row, ``"tf32"`` or ``"ieee"`` (no level
+            sets it; None: as this process's flag holds it, the run's own math), as ``check_training(conv=)``.
+        policy: a :class:`~tf32lab.Policy` (the pin a failed check advises) trained as one more row, ``"policy"``,
+            whose verdict is the report's and the callback's, as ``check_training(policy=)``.
 
     After ``train``, :attr:`report` holds the :class:`~tf32lab.report.training.TrainingReport` (None on processes
     but zero under DDP) and :attr:`passed` the verdict (on every process).
     """
 
     def __init__(self, target: Union[str, Target] = "a100", steps: int = 20, levels: Optional[Iterable[str]] = None,
-                 tolerance: Optional[float] = None, on_fail: str = "warn", trainer: Any = None) -> None:
-        self.target, self.steps, self.levels, self.tolerance, self.on_fail = _loop.Options.checked(
-            target, steps, levels, tolerance, on_fail)
+                 tolerance: Optional[float] = None, on_fail: str = "warn", trainer: Any = None,
+                 conv: Optional[str] = None, policy: Optional[Policy] = None) -> None:
+        (self.target, self.steps, self.levels, self.tolerance, self.on_fail, self.conv,
+         self.policy) = _loop.Options.checked(target, steps, levels, tolerance, on_fail, conv, policy)
         if trainer is not None and not isinstance(trainer, transformers.Trainer):
             raise Tf32LabError(f"trainer must be a transformers.Trainer (or None: the one whose train() calls the "
                                f"callback), not {type(trainer).__name__}")
@@ -196,6 +202,9 @@ class Tf32CheckCallback(transformers.TrainerCallback):
                              f"float32 matmul precision (TrainingArguments(tf32=...)) does not reach; the check "
                              f"trained the model in float32 without autocast")
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+        outside = _loop.outside_the_model([inner], model, trainer)
+        if outside is not None:
+            raise Tf32LabError(f"Tf32CheckCallback: {outside}")
         scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)
         schedulers = [scheduler] if scheduler is not None else []
         if isinstance(scheduler, _on_metrics()):
@@ -258,8 +267,10 @@ class Tf32CheckCallback(transformers.TrainerCallback):
                 return _trainers_loss(aside, copy, micro, counts[step], takes_count)
 
         stepping = _loop.stepping_copy(model)
-        report = _loop.run_check(stepping, type(model).__name__, steps, loss, make, levels=self.levels,
-                                 target=self.target, tolerance=self.tolerance, notes=notes)
+        with _submodules_kept(trainer):
+            report = _loop.run_check(stepping, type(model).__name__, steps, loss, make, levels=self.levels,
+                                     target=self.target, tolerance=self.tolerance, notes=notes, conv=self.conv,
+                                     policy=self.policy)
         return dataclasses.replace(report, notes=(*report.notes, tf32_advice(report, args)))
 
 
@@ -282,6 +293,26 @@ def _aside(trainer: Any) -> Any:
     attributes = {key: copy.deepcopy(value) if _plain_data(value) else value for key, value in vars(trainer).items()}
     object.__setattr__(seen, "__dict__", attributes)
     return seen
+
+
+@contextlib.contextmanager
+def _submodules_kept(trainer: Any) -> Iterator[None]:
+    """The submodules of the modules the run's Trainer holds (its ``loss``, which sentence-transformers' Trainer
+    keeps, a module holding the model) as they were, put back after the check: the Trainer aside shares those
+    modules with the run, and a ``compute_loss`` that puts the model it is given into them
+    (sentence-transformers' ``override_model_in_loss``: ``loss.model = model``) left the run's loss holding the
+    last row's copy of the model until the run's first step put its own back."""
+    held = [value for key, value in vars(trainer).items()
+            if isinstance(value, torch.nn.Module) and key not in ("model", "model_wrapped")] \
+        if trainer is not None else []
+    kept = [(module, dict(module._modules)) for one in held for module in one.modules()]
+    try:
+        yield
+    finally:
+        for module, submodules in kept:
+            if module._modules != submodules:
+                module._modules.clear()
+                module._modules.update(submodules)
 
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)

@@ -169,9 +169,9 @@ def check(workload: Workload, *, levels: Iterable[str] = LEVELS, target: Union[s
         if ranks is not None:  # every rank done before any leaves, or writes the report (and none ran more)
             ranks.meet("the end of the check")
     if conv is not None:
-        ran = any(family.family == "conv" for family in report.cudnn)
+        ran = {family.family for family in report.cudnn}
         report = dataclasses.replace(report, notes=(*report.notes, conv_scope.note(
-            policy, cpu=target.device == "cpu", convolutions=ran)))
+            policy, cpu=target.device == "cpu", convolutions="conv" in ran, rnns="rnn" in ran)))
     return _noted(report, changed)
 
 
@@ -188,14 +188,14 @@ def refuse_native_levels(levels: Iterable[str], target: Target) -> None:
 
 
 def conv_note(conv: str, policy: Optional[Policy] = None, searched: bool = False, moved: Optional[str] = None,
-              cpu: bool = False, cudnn_off: bool = False, convolutions: bool = True) -> str:
+              cpu: bool = False, cudnn_off: bool = False, convolutions: bool = True, rnns: bool = False) -> str:
     """The report's note on a conv math named by the caller (``searched``: chosen by ``tune`` itself); ``policy``:
     the policy row's, whose pins of another conv math it names (the row ran those modules at theirs); ``moved``:
     the math the workload wrote into the flag meanwhile (:class:`ConvRun`); ``cpu``: the target is a CPU, which
     does not read cuDNN's flag; ``cudnn_off``: ``torch.backends.cudnn.enabled`` was False for the run, so no GPU
     reads it either; ``convolutions``: whether the model ran any (False: the note says none ran, not that they
-    ran at the flag)."""
-    if not convolutions:
+    ran at the flag); ``rnns``: whether it ran cuDNN RNNs, which the flag sets too (named where they ran)."""
+    if not convolutions and not rnns:
         return (f"conv={conv!r} set cuDNN's convolution flag (torch.backends.cudnn.conv.fp32_precision) for the "
                 f"run; the model ran no convolution")
     if cudnn_off and not cpu:  # the rows ran them at each level's math: saying conv= set them contradicted the table
@@ -215,8 +215,12 @@ def conv_note(conv: str, policy: Optional[Policy] = None, searched: bool = False
     rows = "in every row" if moved is None else (
         f"until the workload wrote {moved!r} into the flag (it held that at the end of the run; what ran after the "
         f"write ran at {moved!r})")
-    return (f"convolutions ran at cudnn.conv {conv!r} {rows} ({said}){where}; a level does not set cuDNN's "
-            f"flag: torch.backends.cudnn.conv.fp32_precision = {conv!r}")
+    ran = [family for family, met in (("conv", convolutions), ("rnn", rnns)) if met]
+    what = " and ".join({"conv": "convolutions", "rnn": "cuDNN's RNNs"}[f] for f in ran)
+    cells = " and ".join(f"cudnn.{f}" for f in ran)
+    flag = ", ".join(f"torch.backends.cudnn.{f}.fp32_precision = {conv!r}" for f in ran)
+    return (f"{what} ran at {cells} {conv!r} {rows} ({said}){where}; a level does not set cuDNN's "
+            f"flag: {flag}")
 
 
 class ConvRun:
@@ -243,8 +247,8 @@ class ConvRun:
             self.scope.__exit__(*exc)
 
     def note(self, policy: Optional[Policy] = None, searched: bool = False, cpu: bool = False,
-             convolutions: bool = True) -> str:
-        return conv_note(self.conv, policy, searched, self.moved, cpu, self.cudnn == "off", convolutions)
+             convolutions: bool = True, rnns: bool = False) -> str:
+        return conv_note(self.conv, policy, searched, self.moved, cpu, self.cudnn == "off", convolutions, rnns)
 
 
 def _check(workload: Workload, levels: tuple[str, ...], target: Target, reference: str, tolerances: dict[str, float],

@@ -190,9 +190,9 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     fed = float_inputs_note(session.batch(0)) if floor is not None and dtypes_refused(floor) else None
     if fed is not None:  # float64 batches a float32 model refuses at every row: the batches, not the precision
         report = dataclasses.replace(report, notes=(*report.notes, fed))
-    if conv is not None:  # whether any convolution ran is known where the rows were emulated (as check says it)
+    if conv is not None:  # what ran at the flag, where the emulated rows tell (as check says it)
         report = dataclasses.replace(report, notes=(*report.notes, conv_scope.note(
-            policy, cpu=target.device == "cpu", convolutions=ran_convolutions(session))))
+            policy, cpu=target.device == "cpu", **ran_at_the_flag(session))))
     if changed:
         report = dataclasses.replace(report, notes=(*report.notes, changed_note(changed)))
     policy_row = next((lv for lv in report.levels if lv.policy is not None), None)
@@ -207,10 +207,13 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     return report
 
 
-def ran_convolutions(session: TrainingSession) -> bool:
-    """Whether the training ran a convolution, as far as its rows tell (the emulated rows' ops; a target not
-    emulated tells nothing, so True: the note on a conv math given then says they ran at it)."""
-    return not session.target.emulated or "conv" in session.families
+def ran_at_the_flag(session: TrainingSession) -> dict[str, bool]:
+    """What the training ran that cuDNN's flag sets, as far as its rows tell (the emulated rows' op families), as
+    ``ConvRun.note``'s ``convolutions`` and ``rnns``; a target not emulated tells nothing: the note's defaults (the
+    convolutions ran at it)."""
+    if not session.target.emulated:
+        return {}
+    return {"convolutions": "conv" in session.families, "rnns": "rnn" in session.families}
 
 
 def cudnn_floor_note(families: Iterable[Optional[str]], target: Target,
@@ -802,9 +805,13 @@ class _Attribution:
             self.notes.append(f"{len(again)} module(s) run more than once a step ({names}): the backward of each is "
                               f"measured at its first call")
         # a module a gradient reached whose forward no hook saw: a __call__ of its own runs forward past PyTorch's
-        # hooks (every gpytorch module's), so its own backward cannot be measured
+        # hooks (every gpytorch module's), so its own backward cannot be measured. A parameter tied to a module
+        # that ran (T5's `shared`, whose weight is `encoder.embed_tokens`'s and `lm_head`'s, and which never runs
+        # itself) is measured in that module's row: its owner that did not run is no module past the hooks
+        ran = {id(p) for name in calls for p in model.get_submodule(name).parameters(recurse=False)}
         unhooked = [name for name in self.kinds if name not in calls and
-                    any(p.grad is not None for p in model.get_submodule(name).parameters(recurse=False))]
+                    any(p.grad is not None and id(p) not in ran
+                        for p in model.get_submodule(name).parameters(recurse=False))]
         if unhooked:
             names = ", ".join(repr(n) for n in unhooked[:3]) + (" …" if len(unhooked) > 3 else "")
             self.notes.append(f"{len(unhooked)} module(s) with parameters have no backward row ({names}): their "

@@ -288,13 +288,16 @@ def _pin(lv: TrainingLevel, floor: TrainingLevel) -> str:
     leaves that module's own computation as float32's (its gradient is wrong only by what reaches it), the module
     whose own backward the level changes most; none where it changes no module's, nor where no module's own
     backward was measured (gpytorch's modules run past the hooks that measure it: the worst gradient's owner, its
-    constant mean, runs no matmul-family op, and pinning it changed nothing)."""
+    constant mean, runs no matmul-family op, and pinning it changed nothing). An owner with no row of its own
+    where other modules have rows is the most changed module's too: a module that never ran (T5's ``shared``,
+    the first name of a weight tied to the embeddings and head that run it) or whose own backward was not measured,
+    which pinning is not known to change."""
     worst = lv.worst_gradient
     if worst is None or lv.level not in ("high", "medium") or not lv.layers:
         return ""
     module = worst.name.rpartition(".")[0]
     changed = changed_layers(lv, floor)
-    if module in {layer.name for layer in lv.layers} - {layer.name for layer in changed}:
+    if module and module not in {layer.name for layer in changed}:
         module = changed[0].name if changed else ""
     if not module:
         return ""
