@@ -54,6 +54,7 @@ from tf32lab.control.policy import Policy
 from tf32lab.errors import Tf32LabError
 from tf32lab.integrations import _loop
 from tf32lab.integrations import lightning_rows as rows
+from tf32lab.integrations.batches import first_batches, grouped, interleaved, loader_generators, loaders, within
 from tf32lab.integrations.written import Written
 from tf32lab.know.targets import Target
 from tf32lab.measure.training import random_state_kept
@@ -106,7 +107,7 @@ class Tf32Check(L.Callback):
         # and the loader's own generators, where fit was given the loader itself (one a hook makes is made later)
         source = getattr(getattr(trainer.fit_loop, "_data_source", None), "instance", None)
         given = source is not None and not isinstance(source, (L.LightningModule, L.LightningDataModule))
-        self._generators = [(g, g.get_state()) for g in _loop._generators(source)] if given else []
+        self._generators = [(g, g.get_state()) for g in loader_generators(source)] if given else []
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.passed is not None and self._checked.same(trainer, pl_module):
@@ -186,8 +187,8 @@ class Tf32Check(L.Callback):
         # max_steps's note, unless the epoch is shorter still (then that one's: the steps checked are its)
         capped: list[str] = []
         # fast_dev_run sets max_steps (Trainer's _init_debugging_flags): the argument the run was given is named
-        wanted = self.steps if manual else _loop.within(self.steps, trainer.max_steps, trainer.global_step, capped,
-                                                        "fast_dev_run" if trainer.fast_dev_run else "max_steps")
+        wanted = self.steps if manual else within(self.steps, trainer.max_steps, trainer.global_step, capped,
+                                                  "fast_dev_run" if trainer.fast_dev_run else "max_steps")
         limited = math.isfinite(per_epoch) and per_epoch < wanted * accumulate
         # the run made its pass before on_train_start, from the states of on_fit_start: it drew its workers' seed
         # then, and what its sampler draws as a pass is made (a loader with workers its first order, a batch sampler
@@ -203,11 +204,11 @@ class Tf32Check(L.Callback):
             seeds.append(getattr(made, "_base_seed", None))
             return made
 
-        batches = _loop.first_batches(loader, int(per_epoch) if limited else wanted * accumulate,
-                                      lambda b: L.utilities.move_data_to_device(b, device), iterate=iterate,
-                                      made=self._drawn, before=self._before, generators=self._generators,
-                                      prefetch=len(getattr(fetcher, "batches", ()) or ()), per_batch=per_batch)
-        drawn = _loop.interleaved(module, per_batch)
+        batches = first_batches(loader, int(per_epoch) if limited else wanted * accumulate,
+                                lambda b: L.utilities.move_data_to_device(b, device), iterate=iterate,
+                                made=self._drawn, before=self._before, generators=self._generators,
+                                prefetch=len(getattr(fetcher, "batches", ()) or ()), per_batch=per_batch)
+        drawn = interleaved(module, per_batch)
         if drawn:
             notes.append(drawn)
         if _made_elsewhere(trainer, loader, seeds):
@@ -217,7 +218,7 @@ class Tf32Check(L.Callback):
                          "DataLoader itself for the run's own batches")
         # the epoch ends at the batches read (limit_train_batches, or a pass shorter than asked): Lightning steps
         # the optimizer at its last batch, over the micro-batches left
-        steps = _loop.grouped(batches, accumulate, wanted, ended=limited or len(batches) < wanted * accumulate)
+        steps = grouped(batches, accumulate, wanted, ended=limited or len(batches) < wanted * accumulate)
         if not steps:
             raise Tf32LabError(f"Tf32Check: the train dataloader has {len(batches)} batches, fewer than one "
                                f"optimizer step's {accumulate} (accumulate_grad_batches)")
@@ -453,7 +454,7 @@ def _done_in_epoch(trainer: Any, loader: Any, per_epoch: float) -> int:
     if not getattr(loop, "restarting", False) or not math.isfinite(per_epoch):
         return 0
     if all(callable(getattr(one, "state_dict", None)) and callable(getattr(one, "load_state_dict", None))
-           for one in _loop.loaders(loader)):
+           for one in loaders(loader)):
         return 0
     done = int(loop.batch_progress.current.completed) + int(bool(getattr(loop, "restarted_on_train_batch_end",
                                                                          False)))
@@ -489,7 +490,7 @@ def _at_the_runs_epoch(loader: Any, epoch: int) -> None:
     at epoch 2 reads epoch 2's order, and so does the check (it read epoch 0's). The same value as the loop sets
     next, so the run is untouched. A loader with workers is left alone: its iterator, made before
     ``on_train_start``, drew its first order at the epoch its sampler was at then."""
-    for one in _loop.loaders(loader):
+    for one in loaders(loader):
         if getattr(one, "num_workers", 0) > 0:
             continue
         samplers = {id(s): s for s in (getattr(one, "sampler", None),

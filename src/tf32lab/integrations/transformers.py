@@ -60,6 +60,7 @@ from tf32lab.control.policy import Policy
 from tf32lab.emulation.emulator import RECOMPUTES_EMULATED
 from tf32lab.errors import Tf32LabError
 from tf32lab.integrations import _loop
+from tf32lab.integrations.batches import first_batches, grouped, interleaved, within
 from tf32lab.integrations.written import Written
 from tf32lab.know.targets import Target
 from tf32lab.machine.hardware import resolve_target
@@ -171,16 +172,16 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         # from the state the run's pass will start from (random_state_kept has drawn its seed since)
         # the Trainer's whole run, from max_steps or else num_train_epochs
         capped: list[str] = []  # its note, unless the loader's pass is shorter still (then that one's)
-        wanted = _loop.within(self.steps, state.max_steps, state.global_step, capped,
-                              "max_steps" if args.max_steps > 0 else "num_train_epochs")
+        wanted = within(self.steps, state.max_steps, state.global_step, capped,
+                        "max_steps" if args.max_steps > 0 else "num_train_epochs")
         # a run resumed mid-epoch skips the batches of its epoch it trained before its checkpoint: the check trains
         # the ones the run trains next, at the run's epoch (the sampler's order of that epoch)
         epoch, skipped = _resumed_at(args, state, train_dataloader)
         per_batch: list[bool] = []
-        read = _loop.first_batches(train_dataloader, skipped + wanted * accumulate, lambda b: _moved(b, device),
-                                   iterate=functools.partial(_fresh_pass, epoch=epoch), before=self._drawn,
-                                   per_batch=per_batch)
-        drawn = _loop.interleaved(model, per_batch)
+        read = first_batches(train_dataloader, skipped + wanted * accumulate, lambda b: _moved(b, device),
+                             iterate=functools.partial(_fresh_pass, epoch=epoch), before=self._drawn,
+                             per_batch=per_batch)
+        drawn = interleaved(model, per_batch)
         if drawn:
             notes.append(drawn)
         batches = read[skipped:]
@@ -188,7 +189,7 @@ class Tf32CheckCallback(transformers.TrainerCallback):
             notes.append(f"the run resumes at step {state.global_step}, {skipped} batches into its epoch: the check "
                          f"trained the batches it trains next, past those")
         # a pass shorter than asked is the epoch's end: the Trainer steps its last, shorter accumulation too
-        steps = _loop.grouped(batches, accumulate, wanted, ended=len(read) < skipped + wanted * accumulate)
+        steps = grouped(batches, accumulate, wanted, ended=len(read) < skipped + wanted * accumulate)
         left = f"the train dataloader has {len(read)} batches" + (f", {len(batches)} past the {skipped} the resumed "
                                                                      f"run skips" if skipped else "")
         if not steps:
