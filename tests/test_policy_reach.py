@@ -118,9 +118,9 @@ def test_tune_says_why_it_passed_over_a_faster_passing_candidate():
     safe, mix = tf32lab.Policy("highest"), tf32lab.Policy("high", [("attn", "highest")])
     candidates = [Candidate(safe, (), True, 0.1, 1.0, 1.0, "uniform highest"),
                   Candidate(tf32lab.Policy("high"), (), False, 20.0, 0.9, 1.11, "uniform high"),
-                  Candidate(mix, ("attn",), True, 0.1, 0.95, 1.05, "pin the first 1 by error per lost time")]
+                  Candidate(mix, ("attn",), True, 0.1, 0.95, 1.05, "pin the 1 worst by error per time lost")]
     said = _Search._passed_over(SimpleNamespace(candidates=candidates), safe, 1.0)
-    assert "'pin the first 1 by error per lost time'" in said and "1.05x faster" in said and "1.10x" in said
+    assert "'pin the 1 worst by error per time lost'" in said and "1.05x faster" in said and "1.10x" in said
     assert _Search._passed_over(SimpleNamespace(candidates=candidates), mix, 0.95) == ""  # nothing faster passed
 
 

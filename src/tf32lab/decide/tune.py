@@ -493,13 +493,13 @@ class _Search:
         # galloping, then bisection, over the prefix length (all layers pinned is `safe` everywhere: it passes)
         low, high, k = 0, len(order), 1
         while k < len(order):
-            if self._try(fast, safe, order[:k], f"pin the first {k} by error per lost time").passed:
+            if self._try(fast, safe, order[:k], f"pin the {k} worst by error per time lost").passed:
                 high = k
                 break
             low, k = k, k * 2
         while high - low > 1:
             mid = (low + high) // 2
-            if self._try(fast, safe, order[:mid], f"pin the first {mid} (bisection)").passed:
+            if self._try(fast, safe, order[:mid], f"pin the {mid} worst (bisection)").passed:
                 high = mid
             else:
                 low = mid
@@ -522,13 +522,13 @@ class _Search:
         last. log2(layers) runs more, as the front's search."""
         low, high, k = 0, len(order), 1
         while k < len(order):
-            if self._try(fast, safe, order[-k:], f"pin the last {k} by error per lost time").passed:
+            if self._try(fast, safe, order[-k:], f"pin the {k} least by error per time lost").passed:
                 high = k
                 break
             low, k = k, k * 2
         while high - low > 1:
             mid = (low + high) // 2
-            if self._try(fast, safe, order[-mid:], f"pin the last {mid} (bisection)").passed:
+            if self._try(fast, safe, order[-mid:], f"pin the {mid} least (bisection)").passed:
                 high = mid
             else:
                 low = mid
