@@ -404,6 +404,41 @@ def test_a_loss_module_that_holds_the_model_holds_the_runs_model_after_the_check
     assert check.passed is not None and seen == [True]
 
 
+def test_losses_in_a_dict_on_the_trainer_hold_the_runs_model_after_the_check(tmp_path):
+    # sentence-transformers' Trainer keeps one loss per dataset in a dict (self.loss[dataset_name]), and its
+    # compute_loss puts the model it is given into the dataset's loss: the losses in the dict are the Trainer's too
+    class Loss(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, inputs):
+            return self.model(**inputs)["loss"]
+
+    class HoldsItsLosses(transformers.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = self.loss["a"]
+            if model is self.model_wrapped and loss.model is not model:
+                loss.model = model
+            return loss(inputs)
+
+    seen = []
+
+    class Peek(transformers.TrainerCallback):  # a callback after the check's
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            seen.append(trainer.loss["a"].model is model)
+
+    torch.manual_seed(0)
+    model = Offset()
+    check = integration.Tf32CheckCallback(target="a100", steps=1, levels=("high",))
+    args = transformers.TrainingArguments(str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to=[],
+                                          save_strategy="no", disable_tqdm=True, use_cpu=True)
+    trainer = HoldsItsLosses(model=model, args=args, train_dataset=offsets(8), callbacks=[check, Peek()])
+    trainer.loss = {"a": Loss(model)}
+    trainer.train()
+    assert check.passed is not None and seen == [True]
+
+
 def test_bad_arguments_are_one_line():
     with pytest.raises(Tf32LabError, match="on_fail must be 'raise' or 'warn', not 'ignore'"):
         integration.Tf32CheckCallback(on_fail="ignore")

@@ -302,10 +302,10 @@ def _submodules_kept(trainer: Any) -> Iterator[None]:
     keeps, a module holding the model) as they were, put back after the check: the Trainer aside shares those
     modules with the run, and a ``compute_loss`` that puts the model it is given into them
     (sentence-transformers' ``override_model_in_loss``: ``loss.model = model``) left the run's loss holding the
-    last row's copy of the model until the run's first step put its own back."""
-    held = [value for key, value in vars(trainer).items()
-            if isinstance(value, torch.nn.Module) and key not in ("model", "model_wrapped")] \
-        if trainer is not None else []
+    last row's copy of the model until the run's first step put its own back. The modules in a dict, list or
+    tuple the Trainer holds are held too (sentence-transformers' ``loss`` of several datasets: a dict of them)."""
+    held = [module for key, value in vars(trainer).items() if key not in ("model", "model_wrapped")
+            for module in _modules_in(value)] if trainer is not None else []
     kept = [(module, dict(module._modules)) for one in held for module in one.modules()]
     try:
         yield
@@ -314,6 +314,15 @@ def _submodules_kept(trainer: Any) -> Iterator[None]:
             if module._modules != submodules:
                 module._modules.clear()
                 module._modules.update(submodules)
+
+
+def _modules_in(value: Any) -> list[torch.nn.Module]:
+    """``value`` itself where it is a module, else the modules among a dict's values or a list's or tuple's items
+    (one level: a Trainer's dict of losses)."""
+    if isinstance(value, torch.nn.Module):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return [item for item in items if isinstance(item, torch.nn.Module)]
 
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
