@@ -174,6 +174,22 @@ def test_an_optimizer_stepping_parameters_outside_the_module_is_refused_in_one_l
         fit(tmp_path, modules.StepsAHeadOutside, callback=check, max_steps=1)
 
 
+def test_a_policy_applied_to_the_runs_module_is_refused_in_the_callbacks_words(tmp_path):
+    # check_training's refusal advised check(policy=...) and `tf32lab check --policy FILE`, neither of which the
+    # callback's user calls: the callback takes the policy itself
+    import tf32lab
+
+    class Applied(modules.Regression):
+        def __init__(self):
+            super().__init__()
+            tf32lab.Policy("high", [("net.0", "highest")]).apply(self)
+
+    check = lightning.Tf32Check(target="a100", steps=1, levels=("high",), on_fail="raise")
+    with pytest.raises(Tf32LabError, match=r"has a policy applied .*give it to the callback \(policy=\.\.\.\)") as e:
+        fit(tmp_path, module_class=Applied, callback=check, max_epochs=1)
+    assert "check(policy=" not in str(e.value) and "--policy" not in str(e.value)
+
+
 def test_on_fail_raise_stops_the_run_before_its_first_step(tmp_path):
     check = lightning.Tf32Check(target="a100", steps=20, levels=("highest", "high"), on_fail="raise")
     torch.manual_seed(0)

@@ -36,7 +36,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
-from tf32lab.control.policy import Policy
+from tf32lab.control.policy import Policy, applied_to
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import LEVELS, check_conv, check_levels, level_cells
 from tf32lab.know.targets import NATIVE, Target, check_value
@@ -376,6 +376,14 @@ def run_check(model: torch.nn.Module, name: str, batches: list[Any], loss: Calla
     keeps the random streams (``random_state_kept``) around this and the batches' reading."""
     import dataclasses
 
+    applied = applied_to(model)
+    if applied is not None:  # check_training's refusal names check(policy=...) and the CLI, not the callback
+        from tf32lab.report.conclusion import policy_summary
+
+        summary = policy_summary(dict(applied.to_dict(), base=torch.get_float32_matmul_precision()))
+        raise Tf32LabError(f"the run's model {name} has a policy applied ({summary}): the check would measure that "
+                           f"policy in every row instead of each level; remove it (handle.remove()) and give it to "
+                           f"the callback (policy=...), which checks it as one more row beside the levels")
     calls = {}
 
     def inputs(batch: Any) -> tuple[Any, Any]:
