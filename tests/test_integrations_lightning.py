@@ -388,6 +388,8 @@ def test_the_rnn_math_the_report_advises_is_an_argument_of_the_callback(tmp_path
 
 
 def test_bad_arguments_are_one_line():
+    import tf32lab
+
     with pytest.raises(Tf32LabError, match="on_fail must be 'raise' or 'warn', not 'stop'"):
         lightning.Tf32Check(on_fail="stop")
     with pytest.raises(Tf32LabError, match="steps must be a whole number >= 1, not 0"):
@@ -402,6 +404,8 @@ def test_bad_arguments_are_one_line():
         lightning.Tf32Check(conv="fast")
     with pytest.raises(Tf32LabError, match=r"policy must be a tf32lab\.Policy, not str"):
         lightning.Tf32Check(policy="pins.json")
+    with pytest.raises(Tf32LabError, match=r"^level 'bfx9' \(cuda.matmul = 'bfx9'\) needs compute capability 10.0"):
+        lightning.Tf32Check(target="h100", levels=("high",), policy=tf32lab.Policy("high", [("lin", "bfx9")]))
     assert lightning.Tf32Check(levels="high").levels == ("high",)
     # a level the target cannot compute was refused only when training started, after the run loaded its data
     with pytest.raises(Tf32LabError, match=r"^level 'bfx9' \(cuda.matmul = 'bfx9'\) needs compute capability 10.0"):

@@ -440,6 +440,8 @@ def test_losses_in_a_dict_on_the_trainer_hold_the_runs_model_after_the_check(tmp
 
 
 def test_bad_arguments_are_one_line():
+    import tf32lab
+
     with pytest.raises(Tf32LabError, match="on_fail must be 'raise' or 'warn', not 'ignore'"):
         integration.Tf32CheckCallback(on_fail="ignore")
     with pytest.raises(Tf32LabError, match="steps must be a whole number >= 1, not -1"):
@@ -453,6 +455,8 @@ def test_bad_arguments_are_one_line():
         integration.Tf32CheckCallback(conv="fast")
     with pytest.raises(Tf32LabError, match=r"policy must be a tf32lab\.Policy, not str"):
         integration.Tf32CheckCallback(policy="pins.json")
+    with pytest.raises(Tf32LabError, match=r"^level 'bfx9' \(cuda.matmul = 'bfx9'\) needs compute capability 10.0"):
+        integration.Tf32CheckCallback(target="h100", levels=("high",), policy=tf32lab.Policy("high", [("lin", "bfx9")]))
     with pytest.raises(Tf32LabError, match=r"^level 'bfx9' \(cuda.matmul = 'bfx9'\) needs compute capability 10.0"):
         integration.Tf32CheckCallback(target="h100", levels=("bfx9",))
     assert integration.Tf32CheckCallback(levels="high").levels == ("high",)  # one level named alone, not its letters

@@ -88,6 +88,9 @@ class Options(NamedTuple):
         if policy is not None and not isinstance(policy, Policy):
             raise Tf32LabError(f"policy must be a tf32lab.Policy, not {type(policy).__name__} (a saved one: "
                                f"tf32lab.Policy.load(path))")
+        if policy is not None:  # its levels too, at once: not when training starts, after the run loaded its data
+            computable(target, [level for level in (policy.default, *(rule.level for rule in policy.rules))
+                                if level is not None])
         return cls(target, check_steps(steps), levels, check_tolerance(tolerance), check_on_fail(on_fail),
                    check_conv(conv), policy)
 
