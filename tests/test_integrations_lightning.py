@@ -387,6 +387,16 @@ def test_the_rnn_math_the_report_advises_is_an_argument_of_the_callback(tmp_path
     assert torch.backends.cudnn.allow_tf32 == before  # the run's own flag put back
 
 
+def test_conv_given_for_a_model_without_convolutions_is_said_to_be_the_checks_not_the_runs(tmp_path):
+    # the note said conv='ieee' "set cuDNN's convolution flag ... for the run": the run's own flag is untouched
+    before = torch.backends.cudnn.conv.fp32_precision
+    check = lightning.Tf32Check(target="a100", steps=1, levels=("high",), conv="ieee")
+    fit(tmp_path, callback=check, max_steps=1)
+    note = next(n for n in check.report.notes if "the model ran no convolution" in n)
+    assert "for the run" not in note and "for the check's rows, and put it back" in note, note
+    assert torch.backends.cudnn.conv.fp32_precision == before
+
+
 def test_bad_arguments_are_one_line():
     import tf32lab
 
