@@ -344,6 +344,21 @@ def test_the_pin_the_report_advises_is_checked_by_the_callback(tmp_path):
     assert check.passed is check.report.passed is check.report.level("policy").passed
 
 
+def test_the_tf32_advice_does_not_contradict_a_policy_that_passed(tmp_path):
+    # 'high' fails, the policy pinning 'lin' passes (the callback's verdict): the advice said "keep
+    # TrainingArguments(tf32=False)" and nothing of the policy, beside a check that passed
+    import tf32lab
+
+    check = integration.Tf32CheckCallback(target="a100", steps=2, levels=("high",), tolerance=1e-4,
+                                          policy=tf32lab.Policy("high", [("lin", "highest")]))
+    torch.manual_seed(0)
+    train(tmp_path, Offset(), offsets(32), callback=check, max_steps=2, per_device_train_batch_size=16)
+    assert not check.report.level("high").passed and check.passed
+    advice = check.report.notes[-1]
+    assert not advice.startswith("keep TrainingArguments(tf32=False)"), advice
+    assert "the check's verdict is the policy's, which passed" in advice, advice
+
+
 def test_an_optimizer_stepping_parameters_outside_the_model_is_refused_in_one_line(tmp_path):
     # sentence-transformers' SoftmaxLoss keeps a classifier of its own, which its Trainer's optimizer steps beside
     # the model: the rows trained copies of the model through the run's classifier, and the check said "training

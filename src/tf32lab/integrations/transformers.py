@@ -429,11 +429,18 @@ def tf32_advice(report: TrainingReport, args: Any) -> str:
     except KeyError:
         return (f"TrainingArguments(tf32=True) is TF32, the level 'high', which this check did not run; add 'high' "
                 f"to levels to know whether it is safe here{now}")
+    # with a policy, the verdict is its row's: the advice on TF32 alone says so, not contradicting it unsaid
+    pinned = report.policy_row
+    verdict = "" if pinned is None else (f"; the check's verdict is the policy's, which "
+                                         f"{'passed' if pinned.passed else 'failed'}")
     if high.passed:
         return (f"TrainingArguments(tf32=True) trains this run within tolerance on {report.target} (TF32 is the "
-                f"level 'high', which passed){now}")
+                f"level 'high', which passed){now}{verdict}")
+    if pinned is not None and pinned.passed:
+        return (f"TF32 alone (TrainingArguments(tf32=True), the level 'high') fails this run's training on "
+                f"{report.target}{now}{verdict}: the policy's levels, its pins applied, train it within tolerance")
     return (f"keep TrainingArguments(tf32=False): TF32 (the level 'high') fails this run's training on "
-            f"{report.target}{now}")
+            f"{report.target}{now}{verdict}")
 
 
 def _holds_lr(scheduler: Any, optimizer: torch.optim.Optimizer) -> bool:
