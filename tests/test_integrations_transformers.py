@@ -359,6 +359,30 @@ def test_the_tf32_advice_does_not_contradict_a_policy_that_passed(tmp_path):
     assert "the check's verdict is the policy's, which passed" in advice, advice
 
 
+def test_a_policy_naming_modules_the_model_lacks_is_refused_before_a_batch_is_read(tmp_path):
+    # the refusal came after the check had read its 20 steps' batches again (workers, tokenizing), for nothing
+    import tf32lab
+
+    class Counted(torch.utils.data.Dataset):
+        def __init__(self):
+            self.items, self.read = offsets(32), 0
+
+        def __len__(self):
+            return len(self.items)
+
+        def __getitem__(self, i):
+            self.read += 1
+            return self.items[i]
+
+    dataset = Counted()
+    check = integration.Tf32CheckCallback(target="a100", steps=2, levels=("high",), on_fail="raise",
+                                          policy=tf32lab.Policy("high", [("nope", "highest")]))
+    torch.manual_seed(0)
+    with pytest.raises(Tf32LabError, match=r"^Tf32CheckCallback: policy rule 1 'nope' matches no module of Offset"):
+        train(tmp_path, Offset(), dataset, callback=check, max_steps=2, per_device_train_batch_size=16)
+    assert dataset.read == 0
+
+
 def test_an_optimizer_stepping_parameters_outside_the_model_is_refused_in_one_line(tmp_path):
     # sentence-transformers' SoftmaxLoss keeps a classifier of its own, which its Trainer's optimizer steps beside
     # the model: the rows trained copies of the model through the run's classifier, and the check said "training

@@ -368,6 +368,33 @@ def quiet() -> Iterator[None]:
         yield
 
 
+def policy_applied(model: torch.nn.Module, name: str) -> Optional[str]:
+    """Why the check cannot train ``model``, where a policy is applied to it (``Policy.apply``): in the callbacks'
+    words (check_training's refusal names check(policy=...) and the CLI's --policy), else None."""
+    applied = applied_to(model)
+    if applied is None:
+        return None
+    from tf32lab.report.conclusion import policy_summary
+
+    summary = policy_summary(dict(applied.to_dict(), base=torch.get_float32_matmul_precision()))
+    return (f"the run's model {name} has a policy applied ({summary}): the check would measure that policy in "
+            f"every row instead of each level; remove it (handle.remove()) and give it to the callback "
+            f"(policy=...), which checks it as one more row beside the levels")
+
+
+def refused(model: torch.nn.Module, name: str, optimizers: Sequence[torch.optim.Optimizer],
+            policy: Optional[Policy], owner: Any = None) -> Optional[str]:
+    """Why the check cannot train this run, known before a batch is read (the run's loader read again for
+    nothing, before a refusal that no batch decides): an optimizer stepping parameters outside the model
+    (:func:`outside_the_model`), a policy applied to the model, or the callback's policy naming modules the model
+    lacks; else None."""
+    for why in (outside_the_model(optimizers, model, owner), policy_applied(model, name),
+                policy.unmatched_message(model) if policy is not None else None):
+        if why is not None:
+            return why
+    return None
+
+
 def run_check(model: torch.nn.Module, name: str, batches: list[Any], loss: Callable[..., Any],
               optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], *, levels: Iterable[str],
               target: Any, tolerance: Optional[float], around: Optional[Callable[[torch.nn.Module], Any]] = None,
@@ -379,14 +406,9 @@ def run_check(model: torch.nn.Module, name: str, batches: list[Any], loss: Calla
     keeps the random streams (``random_state_kept``) around this and the batches' reading."""
     import dataclasses
 
-    applied = applied_to(model)
-    if applied is not None:  # check_training's refusal names check(policy=...) and the CLI, not the callback
-        from tf32lab.report.conclusion import policy_summary
-
-        summary = policy_summary(dict(applied.to_dict(), base=torch.get_float32_matmul_precision()))
-        raise Tf32LabError(f"the run's model {name} has a policy applied ({summary}): the check would measure that "
-                           f"policy in every row instead of each level; remove it (handle.remove()) and give it to "
-                           f"the callback (policy=...), which checks it as one more row beside the levels")
+    applied = policy_applied(model, name)
+    if applied is not None:
+        raise Tf32LabError(applied)
     calls = {}
 
     def inputs(batch: Any) -> tuple[Any, Any]:

@@ -166,6 +166,11 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         if model is None or optimizer is None or train_dataloader is None:
             raise Tf32LabError("Tf32CheckCallback: on_train_begin came without the model, optimizer or train "
                                "dataloader")
+        # what refuses the run whatever its batches, before they are read
+        why = _loop.refused(model, type(model).__name__, [getattr(optimizer, "optimizer", optimizer)], self.policy,
+                            trainer)
+        if why is not None:
+            raise Tf32LabError(f"Tf32CheckCallback: {why}")
         accumulate = int(args.gradient_accumulation_steps)
         notes = []
         device = next(model.parameters()).device
@@ -203,9 +208,6 @@ class Tf32CheckCallback(transformers.TrainerCallback):
                              f"float32 matmul precision (TrainingArguments(tf32=...)) does not reach; the check "
                              f"trained the model in float32 without autocast")
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
-        outside = _loop.outside_the_model([inner], model, trainer)
-        if outside is not None:
-            raise Tf32LabError(f"Tf32CheckCallback: {outside}")
         scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)
         schedulers = [scheduler] if scheduler is not None else []
         if isinstance(scheduler, _on_metrics()):
