@@ -174,6 +174,22 @@ def test_an_optimizer_stepping_parameters_outside_the_module_is_refused_in_one_l
         fit(tmp_path, modules.StepsAHeadOutside, callback=check, max_steps=1)
 
 
+def test_a_policy_applied_to_the_runs_module_is_refused_in_the_callbacks_words(tmp_path):
+    # check_training's refusal advised check(policy=...) and `tf32lab check --policy FILE`, neither of which the
+    # callback's user calls: the callback takes the policy itself
+    import tf32lab
+
+    class Applied(modules.Regression):
+        def __init__(self):
+            super().__init__()
+            tf32lab.Policy("high", [("net.0", "highest")]).apply(self)
+
+    check = lightning.Tf32Check(target="a100", steps=1, levels=("high",), on_fail="raise")
+    with pytest.raises(Tf32LabError, match=r"has a policy applied .*give it to the callback \(policy=\.\.\.\)") as e:
+        fit(tmp_path, module_class=Applied, callback=check, max_epochs=1)
+    assert "check(policy=" not in str(e.value) and "--policy" not in str(e.value)
+
+
 def test_on_fail_raise_stops_the_run_before_its_first_step(tmp_path):
     check = lightning.Tf32Check(target="a100", steps=20, levels=("highest", "high"), on_fail="raise")
     torch.manual_seed(0)
@@ -371,7 +387,19 @@ def test_the_rnn_math_the_report_advises_is_an_argument_of_the_callback(tmp_path
     assert torch.backends.cudnn.allow_tf32 == before  # the run's own flag put back
 
 
+def test_conv_given_for_a_model_without_convolutions_is_said_to_be_the_checks_not_the_runs(tmp_path):
+    # the note said conv='ieee' "set cuDNN's convolution flag ... for the run": the run's own flag is untouched
+    before = torch.backends.cudnn.conv.fp32_precision
+    check = lightning.Tf32Check(target="a100", steps=1, levels=("high",), conv="ieee")
+    fit(tmp_path, callback=check, max_steps=1)
+    note = next(n for n in check.report.notes if "the model ran no convolution" in n)
+    assert "for the run" not in note and "for the check's rows, and put it back" in note, note
+    assert torch.backends.cudnn.conv.fp32_precision == before
+
+
 def test_bad_arguments_are_one_line():
+    import tf32lab
+
     with pytest.raises(Tf32LabError, match="on_fail must be 'raise' or 'warn', not 'stop'"):
         lightning.Tf32Check(on_fail="stop")
     with pytest.raises(Tf32LabError, match="steps must be a whole number >= 1, not 0"):
@@ -386,6 +414,8 @@ def test_bad_arguments_are_one_line():
         lightning.Tf32Check(conv="fast")
     with pytest.raises(Tf32LabError, match=r"policy must be a tf32lab\.Policy, not str"):
         lightning.Tf32Check(policy="pins.json")
+    with pytest.raises(Tf32LabError, match=r"^level 'bfx9' \(cuda.matmul = 'bfx9'\) needs compute capability 10.0"):
+        lightning.Tf32Check(target="h100", levels=("high",), policy=tf32lab.Policy("high", [("lin", "bfx9")]))
     assert lightning.Tf32Check(levels="high").levels == ("high",)
     # a level the target cannot compute was refused only when training started, after the run loaded its data
     with pytest.raises(Tf32LabError, match=r"^level 'bfx9' \(cuda.matmul = 'bfx9'\) needs compute capability 10.0"):

@@ -344,6 +344,45 @@ def test_the_pin_the_report_advises_is_checked_by_the_callback(tmp_path):
     assert check.passed is check.report.passed is check.report.level("policy").passed
 
 
+def test_the_tf32_advice_does_not_contradict_a_policy_that_passed(tmp_path):
+    # 'high' fails, the policy pinning 'lin' passes (the callback's verdict): the advice said "keep
+    # TrainingArguments(tf32=False)" and nothing of the policy, beside a check that passed
+    import tf32lab
+
+    check = integration.Tf32CheckCallback(target="a100", steps=2, levels=("high",), tolerance=1e-4,
+                                          policy=tf32lab.Policy("high", [("lin", "highest")]))
+    torch.manual_seed(0)
+    train(tmp_path, Offset(), offsets(32), callback=check, max_steps=2, per_device_train_batch_size=16)
+    assert not check.report.level("high").passed and check.passed
+    advice = check.report.notes[-1]
+    assert not advice.startswith("keep TrainingArguments(tf32=False)"), advice
+    assert "the check's verdict is the policy's, which passed" in advice, advice
+
+
+def test_a_policy_naming_modules_the_model_lacks_is_refused_before_a_batch_is_read(tmp_path):
+    # the refusal came after the check had read its 20 steps' batches again (workers, tokenizing), for nothing
+    import tf32lab
+
+    class Counted(torch.utils.data.Dataset):
+        def __init__(self):
+            self.items, self.read = offsets(32), 0
+
+        def __len__(self):
+            return len(self.items)
+
+        def __getitem__(self, i):
+            self.read += 1
+            return self.items[i]
+
+    dataset = Counted()
+    check = integration.Tf32CheckCallback(target="a100", steps=2, levels=("high",), on_fail="raise",
+                                          policy=tf32lab.Policy("high", [("nope", "highest")]))
+    torch.manual_seed(0)
+    with pytest.raises(Tf32LabError, match=r"^Tf32CheckCallback: policy rule 1 'nope' matches no module of Offset"):
+        train(tmp_path, Offset(), dataset, callback=check, max_steps=2, per_device_train_batch_size=16)
+    assert dataset.read == 0
+
+
 def test_an_optimizer_stepping_parameters_outside_the_model_is_refused_in_one_line(tmp_path):
     # sentence-transformers' SoftmaxLoss keeps a classifier of its own, which its Trainer's optimizer steps beside
     # the model: the rows trained copies of the model through the run's classifier, and the check said "training
@@ -404,7 +443,44 @@ def test_a_loss_module_that_holds_the_model_holds_the_runs_model_after_the_check
     assert check.passed is not None and seen == [True]
 
 
+def test_losses_in_a_dict_on_the_trainer_hold_the_runs_model_after_the_check(tmp_path):
+    # sentence-transformers' Trainer keeps one loss per dataset in a dict (self.loss[dataset_name]), and its
+    # compute_loss puts the model it is given into the dataset's loss: the losses in the dict are the Trainer's too
+    class Loss(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, inputs):
+            return self.model(**inputs)["loss"]
+
+    class HoldsItsLosses(transformers.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = self.loss["a"]
+            if model is self.model_wrapped and loss.model is not model:
+                loss.model = model
+            return loss(inputs)
+
+    seen = []
+
+    class Peek(transformers.TrainerCallback):  # a callback after the check's
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            seen.append(trainer.loss["a"].model is model)
+
+    torch.manual_seed(0)
+    model = Offset()
+    check = integration.Tf32CheckCallback(target="a100", steps=1, levels=("high",))
+    args = transformers.TrainingArguments(str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to=[],
+                                          save_strategy="no", disable_tqdm=True, use_cpu=True)
+    trainer = HoldsItsLosses(model=model, args=args, train_dataset=offsets(8), callbacks=[check, Peek()])
+    trainer.loss = {"a": Loss(model)}
+    trainer.train()
+    assert check.passed is not None and seen == [True]
+
+
 def test_bad_arguments_are_one_line():
+    import tf32lab
+
     with pytest.raises(Tf32LabError, match="on_fail must be 'raise' or 'warn', not 'ignore'"):
         integration.Tf32CheckCallback(on_fail="ignore")
     with pytest.raises(Tf32LabError, match="steps must be a whole number >= 1, not -1"):
@@ -418,6 +494,8 @@ def test_bad_arguments_are_one_line():
         integration.Tf32CheckCallback(conv="fast")
     with pytest.raises(Tf32LabError, match=r"policy must be a tf32lab\.Policy, not str"):
         integration.Tf32CheckCallback(policy="pins.json")
+    with pytest.raises(Tf32LabError, match=r"^level 'bfx9' \(cuda.matmul = 'bfx9'\) needs compute capability 10.0"):
+        integration.Tf32CheckCallback(target="h100", levels=("high",), policy=tf32lab.Policy("high", [("lin", "bfx9")]))
     with pytest.raises(Tf32LabError, match=r"^level 'bfx9' \(cuda.matmul = 'bfx9'\) needs compute capability 10.0"):
         integration.Tf32CheckCallback(target="h100", levels=("bfx9",))
     assert integration.Tf32CheckCallback(levels="high").levels == ("high",)  # one level named alone, not its letters

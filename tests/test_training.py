@@ -922,6 +922,32 @@ def test_a_failing_level_is_not_told_to_pin_a_tied_module_that_never_runs():
     assert "pin 'head'" in text or "pin 'embed'" in text, text
 
 
+class _UsedByItsParent(torch.nn.Module):
+    """``shared`` never called: its weight used by the model's own functional calls (an embedding lookup and the
+    logits' ``F.linear``), as a hand-written language model ties its head to its embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = torch.nn.Embedding(10, 8)
+        self.body = torch.nn.Linear(8, 8)
+
+    def forward(self, ids):
+        x = torch.nn.functional.embedding(ids, self.shared.weight)
+        return torch.nn.functional.linear(self.body(x), self.shared.weight)
+
+
+def test_a_module_that_never_ran_whose_weight_its_parent_used_is_not_said_to_run_past_the_hooks():
+    # the note said `shared`'s "forward ran past PyTorch's module hooks (a __call__ of their own, as gpytorch's
+    # modules have)": it never ran, and its class has PyTorch's own __call__
+    torch.manual_seed(0)
+    batches = [torch.randint(0, 10, (4, 5)) for _ in range(2)]
+    workload = TrainingWorkload(_UsedByItsParent(), batches, inputs=lambda b: b, steps=2, name="used",
+                                loss=lambda out, b: torch.nn.functional.cross_entropy(out.flatten(0, 1), b.flatten()))
+    report = check_training(workload, levels=("highest", "high"), target="a100", speed=False)
+    (note,) = [n for n in report.notes if "no backward row" in n]
+    assert "('shared'): they never ran" in note and "hooks" not in note, note
+
+
 class _TwoHalves(torch.nn.Module):
     """The whole model run once a half of the batch, as a step of two micro-batches runs it; ``shared``: one module
     run once more besides."""

@@ -36,7 +36,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
-from tf32lab.control.policy import Policy
+from tf32lab.control.policy import Policy, applied_to
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import LEVELS, check_conv, check_levels, level_cells
 from tf32lab.know.targets import NATIVE, Target, check_value
@@ -88,6 +88,9 @@ class Options(NamedTuple):
         if policy is not None and not isinstance(policy, Policy):
             raise Tf32LabError(f"policy must be a tf32lab.Policy, not {type(policy).__name__} (a saved one: "
                                f"tf32lab.Policy.load(path))")
+        if policy is not None:  # its levels too, at once: not when training starts, after the run loaded its data
+            computable(target, [level for level in (policy.default, *(rule.level for rule in policy.rules))
+                                if level is not None])
         return cls(target, check_steps(steps), levels, check_tolerance(tolerance), check_on_fail(on_fail),
                    check_conv(conv), policy)
 
@@ -365,6 +368,33 @@ def quiet() -> Iterator[None]:
         yield
 
 
+def policy_applied(model: torch.nn.Module, name: str) -> Optional[str]:
+    """Why the check cannot train ``model``, where a policy is applied to it (``Policy.apply``): in the callbacks'
+    words (check_training's refusal names check(policy=...) and the CLI's --policy), else None."""
+    applied = applied_to(model)
+    if applied is None:
+        return None
+    from tf32lab.report.conclusion import policy_summary
+
+    summary = policy_summary(dict(applied.to_dict(), base=torch.get_float32_matmul_precision()))
+    return (f"the run's model {name} has a policy applied ({summary}): the check would measure that policy in "
+            f"every row instead of each level; remove it (handle.remove()) and give it to the callback "
+            f"(policy=...), which checks it as one more row beside the levels")
+
+
+def refused(model: torch.nn.Module, name: str, optimizers: Sequence[torch.optim.Optimizer],
+            policy: Optional[Policy], owner: Any = None) -> Optional[str]:
+    """Why the check cannot train this run, known before a batch is read (the run's loader read again for
+    nothing, before a refusal that no batch decides): an optimizer stepping parameters outside the model
+    (:func:`outside_the_model`), a policy applied to the model, or the callback's policy naming modules the model
+    lacks; else None."""
+    for why in (outside_the_model(optimizers, model, owner), policy_applied(model, name),
+                policy.unmatched_message(model) if policy is not None else None):
+        if why is not None:
+            return why
+    return None
+
+
 def run_check(model: torch.nn.Module, name: str, batches: list[Any], loss: Callable[..., Any],
               optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], *, levels: Iterable[str],
               target: Any, tolerance: Optional[float], around: Optional[Callable[[torch.nn.Module], Any]] = None,
@@ -376,6 +406,9 @@ def run_check(model: torch.nn.Module, name: str, batches: list[Any], loss: Calla
     keeps the random streams (``random_state_kept``) around this and the batches' reading."""
     import dataclasses
 
+    applied = policy_applied(model, name)
+    if applied is not None:
+        raise Tf32LabError(applied)
     calls = {}
 
     def inputs(batch: Any) -> tuple[Any, Any]:

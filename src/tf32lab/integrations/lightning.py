@@ -194,6 +194,12 @@ class Tf32Check(L.Callback):
         # then, and what its sampler draws as a pass is made (a loader with workers its first order, a batch sampler
         # its own), and read the batches it reads ahead (a loader without a length, one); the rest it draws from
         # the states now. The check's pass is made and read so.
+        # what refuses the run whatever its batches, before they are read
+        mock = getattr(getattr(getattr(L, "core", None), "optimizer", None), "_MockOptimizer", ())
+        why = _loop.refused(module, type(module).__name__,
+                            [one for one in trainer.optimizers if not isinstance(one, mock)], self.policy)
+        if why is not None:
+            raise Tf32LabError(f"Tf32Check: {why}")
         fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
         seeds: list[Any] = []
         per_batch: list[bool] = []
@@ -256,9 +262,6 @@ class Tf32Check(L.Callback):
         if all(isinstance(one, mock) for one in optimizers):
             raise Tf32LabError("Tf32Check: the run has no optimizer (configure_optimizers returned none): no step "
                                "to check")
-        outside = _loop.outside_the_model([one for one in optimizers if not isinstance(one, mock)], module)
-        if outside is not None:
-            raise Tf32LabError(f"Tf32Check: {outside}")
         configs = list(trainer.lr_scheduler_configs)
         per_epoch = math.ceil(per_epoch / accumulate) if math.isfinite(per_epoch) else 0
         schedule = []

@@ -166,6 +166,11 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         if model is None or optimizer is None or train_dataloader is None:
             raise Tf32LabError("Tf32CheckCallback: on_train_begin came without the model, optimizer or train "
                                "dataloader")
+        # what refuses the run whatever its batches, before they are read
+        why = _loop.refused(model, type(model).__name__, [getattr(optimizer, "optimizer", optimizer)], self.policy,
+                            trainer)
+        if why is not None:
+            raise Tf32LabError(f"Tf32CheckCallback: {why}")
         accumulate = int(args.gradient_accumulation_steps)
         notes = []
         device = next(model.parameters()).device
@@ -203,9 +208,6 @@ class Tf32CheckCallback(transformers.TrainerCallback):
                              f"float32 matmul precision (TrainingArguments(tf32=...)) does not reach; the check "
                              f"trained the model in float32 without autocast")
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
-        outside = _loop.outside_the_model([inner], model, trainer)
-        if outside is not None:
-            raise Tf32LabError(f"Tf32CheckCallback: {outside}")
         scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)
         schedulers = [scheduler] if scheduler is not None else []
         if isinstance(scheduler, _on_metrics()):
@@ -302,10 +304,10 @@ def _submodules_kept(trainer: Any) -> Iterator[None]:
     keeps, a module holding the model) as they were, put back after the check: the Trainer aside shares those
     modules with the run, and a ``compute_loss`` that puts the model it is given into them
     (sentence-transformers' ``override_model_in_loss``: ``loss.model = model``) left the run's loss holding the
-    last row's copy of the model until the run's first step put its own back."""
-    held = [value for key, value in vars(trainer).items()
-            if isinstance(value, torch.nn.Module) and key not in ("model", "model_wrapped")] \
-        if trainer is not None else []
+    last row's copy of the model until the run's first step put its own back. The modules in a dict, list or
+    tuple the Trainer holds are held too (sentence-transformers' ``loss`` of several datasets: a dict of them)."""
+    held = [module for key, value in vars(trainer).items() if key not in ("model", "model_wrapped")
+            for module in _modules_in(value)] if trainer is not None else []
     kept = [(module, dict(module._modules)) for one in held for module in one.modules()]
     try:
         yield
@@ -314,6 +316,15 @@ def _submodules_kept(trainer: Any) -> Iterator[None]:
             if module._modules != submodules:
                 module._modules.clear()
                 module._modules.update(submodules)
+
+
+def _modules_in(value: Any) -> list[torch.nn.Module]:
+    """``value`` itself where it is a module, else the modules among a dict's values or a list's or tuple's items
+    (one level: a Trainer's dict of losses)."""
+    if isinstance(value, torch.nn.Module):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return [item for item in items if isinstance(item, torch.nn.Module)]
 
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
@@ -420,11 +431,18 @@ def tf32_advice(report: TrainingReport, args: Any) -> str:
     except KeyError:
         return (f"TrainingArguments(tf32=True) is TF32, the level 'high', which this check did not run; add 'high' "
                 f"to levels to know whether it is safe here{now}")
+    # with a policy, the verdict is its row's: the advice on TF32 alone says so, not contradicting it unsaid
+    pinned = report.policy_row
+    verdict = "" if pinned is None else (f"; the check's verdict is the policy's, which "
+                                         f"{'passed' if pinned.passed else 'failed'}")
     if high.passed:
         return (f"TrainingArguments(tf32=True) trains this run within tolerance on {report.target} (TF32 is the "
-                f"level 'high', which passed){now}")
+                f"level 'high', which passed){now}{verdict}")
+    if pinned is not None and pinned.passed:
+        return (f"TF32 alone (TrainingArguments(tf32=True), the level 'high') fails this run's training on "
+                f"{report.target}{now}{verdict}: the policy's levels, its pins applied, train it within tolerance")
     return (f"keep TrainingArguments(tf32=False): TF32 (the level 'high') fails this run's training on "
-            f"{report.target}{now}")
+            f"{report.target}{now}{verdict}")
 
 
 def _holds_lr(scheduler: Any, optimizer: torch.optim.Optimizer) -> bool:

@@ -197,7 +197,7 @@ def conv_note(conv: str, policy: Optional[Policy] = None, searched: bool = False
     ran at the flag); ``rnns``: whether it ran cuDNN RNNs, which the flag sets too (named where they ran)."""
     if not convolutions and not rnns:
         return (f"conv={conv!r} set cuDNN's convolution flag (torch.backends.cudnn.conv.fp32_precision) for the "
-                f"run; the model ran no convolution")
+                f"check's rows, and put it back; the model ran no convolution")
     if cudnn_off and not cpu:  # the rows ran them at each level's math: saying conv= set them contradicted the table
         return (f"conv={conv!r} set cuDNN's convolution flag (torch.backends.cudnn.conv.fp32_precision), which "
                 f"nothing read: cuDNN is off (torch.backends.cudnn.enabled = False), so a GPU runs convolutions and "

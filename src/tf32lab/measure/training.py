@@ -812,11 +812,20 @@ class _Attribution:
         unhooked = [name for name in self.kinds if name not in calls and
                     any(p.grad is not None and id(p) not in ran
                         for p in model.get_submodule(name).parameters(recurse=False))]
+        # one whose class has PyTorch's own __call__ did not run past the hooks: it never ran, and its parameters
+        # were used by other code (a parent's functional call, F.linear(x, self.shared.weight))
+        unused = [name for name in unhooked if type(model.get_submodule(name)).__call__ is torch.nn.Module.__call__]
+        unhooked = [name for name in unhooked if name not in unused]
         if unhooked:
             names = ", ".join(repr(n) for n in unhooked[:3]) + (" …" if len(unhooked) > 3 else "")
             self.notes.append(f"{len(unhooked)} module(s) with parameters have no backward row ({names}): their "
                               f"forward ran past PyTorch's module hooks (a __call__ of their own, as gpytorch's "
                               f"modules have), so their own backward is not measured")
+        if unused:
+            names = ", ".join(repr(n) for n in unused[:3]) + (" …" if len(unused) > 3 else "")
+            self.notes.append(f"{len(unused)} module(s) with parameters have no backward row ({names}): they never "
+                              f"ran, and their parameters were used by other code (a parent's functional call, "
+                              f"such as F.linear(x, self.{unused[0]}.weight)), whose own backward is not measured")
         reached = [name for name, (_, _, grads, _) in calls.items() if not grads]
         if reached:
             names = ", ".join(repr(n) for n in reached[:3]) + (" …" if len(reached) > 3 else "")
