@@ -301,8 +301,17 @@ def _pin(lv: TrainingLevel, floor: TrainingLevel) -> str:
         module = changed[0].name if changed else ""
     if not module:
         return ""
+    own = next((layer.introduced for layer in lv.layers if layer.name == module), math.nan)
+    # its own backward a small share of the gradient's error: the rest reaches it (from its forward's output, or the
+    # model's own code outside its modules, which no row measures), and pinning it may or may not help
+    guess = (f" (a guess: its own backward adds {own:.0e} of the gradient's {worst.normwise:.0e}; the rest reaches it "
+             f"from its forward or from code outside the modules, and only a run tells)"
+             if own < worst.normwise / GUESS else "")
     return (f'; pin {module!r} with `tf32lab.Policy("{lv.level}", [("{module}", "highest")])` and check again '
-            f"(--policy), or let `tf32lab tune SPEC --train` search")
+            f"(--policy){guess}, or let `tf32lab tune SPEC --train` search")
+
+
+GUESS = 10  # a module whose own backward adds less than 1/GUESS of the worst gradient's error is pinned as a guess
 
 
 def conclusion(report: TrainingReport) -> list[str]:
