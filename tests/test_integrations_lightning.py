@@ -137,6 +137,10 @@ def test_a_model_whose_training_tf32_ruins_fails_and_says_so(tmp_path, caplog):
     assert any(w.startswith("tf32lab training check FAILED | level 'high'") for w in trainer.warned)
     assert check.report.passed is False and check.passed is False
     assert "FAILED | level 'high' | training 20 steps | diverges at step" in caplog.text
+    # its advice in the callback's words: a policy given to it, not the CLI's --policy nor tune on a spec
+    advice = " ".join(check.report.conclusion())
+    assert "give the callback `policy=tf32lab.Policy(\"high\", [(\"lin\", \"highest\")])`" in advice, advice
+    assert "--policy" not in advice and "tune SPEC" not in advice and "give the callback" in caplog.text
 
 
 def test_the_pin_the_report_advises_is_checked_by_the_callback(tmp_path):

@@ -127,6 +127,9 @@ class TrainingReport(Rows):
     environment: dict[str, Any]
     seconds: float
     notes: tuple[str, ...] = ()
+    # who asked, for the advice's words: "check" (check_training, the CLI: --policy, tune) or "callback" (a training
+    # loop's callback, which takes a policy itself and has no spec to tune)
+    asked: str = "check"
 
     def verdicts(self) -> list[str]:
         """One line per row to grep: ``PASSED | level 'high' | training 50 steps | ...``."""
@@ -265,6 +268,7 @@ def _gradient_clause(lv: TrainingLevel, floor: TrainingLevel) -> str:
 # what to do where a level fails and no single module is to blame
 _KEEP = ("; keep `highest` (PyTorch's default) for this training, or let `tf32lab tune SPEC --train` search for "
          "modules to pin")
+_KEEP_CALLBACK = "; keep `highest` (PyTorch's default) for this training"
 
 
 def _keep(lv: TrainingLevel, keep: str) -> str:
@@ -283,7 +287,7 @@ def _enable(lv: TrainingLevel, target: str) -> str:
     return f" Enable it with {enable(lv.level)}."
 
 
-def _pin(lv: TrainingLevel, floor: TrainingLevel) -> str:
+def _pin(lv: TrainingLevel, floor: TrainingLevel, asked: str = "check") -> str:
     """Pin the module that owns the worst gradient (its parameter's name less the last part); where the level
     leaves that module's own computation as float32's (its gradient is wrong only by what reaches it), the module
     whose own backward the level changes most; none where it changes no module's, nor where no module's own
@@ -307,8 +311,11 @@ def _pin(lv: TrainingLevel, floor: TrainingLevel) -> str:
     guess = (f" (a guess: its own backward adds {own:.0e} of the gradient's {worst.normwise:.0e}; the rest reaches it "
              f"from its forward or from code outside the modules, and only a run tells)"
              if own < worst.normwise / GUESS else "")
-    return (f'; pin {module!r} with `tf32lab.Policy("{lv.level}", [("{module}", "highest")])` and check again '
-            f"(--policy){guess}, or let `tf32lab tune SPEC --train` search")
+    policy = f'tf32lab.Policy("{lv.level}", [("{module}", "highest")])'
+    if asked == "callback":  # the callback checks a policy itself (policy=), and has no spec for tune
+        return f"; pin {module!r}: give the callback `policy={policy}` and train again{guess}"
+    return (f"; pin {module!r} with `{policy}` and check again (--policy){guess}, or let `tf32lab tune SPEC --train` "
+            f"search")
 
 
 GUESS = 10  # a module whose own backward adds less than 1/GUESS of the worst gradient's error is pinned as a guess
@@ -322,7 +329,7 @@ def conclusion(report: TrainingReport) -> list[str]:
     lines: list[str] = []
     rows = [lv for lv in report.levels if lv.level != "highest"] or list(report.levels)
     # keeping `highest` is an answer only where float32 itself trains: not for its own row, nor where it fails too
-    keep = _KEEP if report.floor.failure is None else ""
+    keep = (_KEEP_CALLBACK if report.asked == "callback" else _KEEP) if report.floor.failure is None else ""
     for lv in rows:
         if lv.same_as is not None and lv.same_as != "highest":
             continue
@@ -342,7 +349,7 @@ def conclusion(report: TrainingReport) -> list[str]:
             clause = _gradient_clause(lv, report.floor)
             lines.append(f"{called} diverges at step {lv.divergence_step} {where}: its loss is "
                          f"{lv.drift:.1e} from float64's, {_times(lv.multiple)} float32's own drift"
-                         f"{'; ' + clause if clause else ''}{_pin(lv, report.floor) or _keep(lv, keep)}.")
+                         f"{'; ' + clause if clause else ''}{_pin(lv, report.floor, report.asked) or _keep(lv, keep)}.")
     unhandled = {op: n for lv in report.levels if lv.same_as is None for op, n in lv.unhandled.items()}
     if unhandled:
         ops = ", ".join(f"{op} x{n}" for op, n in sorted(unhandled.items()))
