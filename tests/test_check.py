@@ -168,6 +168,8 @@ def test_native_runs_this_machines_own_modes():
     # no speed model for this machine: a level that passes is safe, and whether it is faster is timed, not told
     advice = report.conclusion()[0]
     assert "is safe for this workload on this machine" in advice and "--target native --measure" in advice, advice
+    # the workload's own spec: `tf32lab speed --target native --measure` alone times the default demo workload
+    assert "`tf32lab speed SPEC --target native --measure`" in advice, advice
 
 
 def test_tolerances_per_output_and_errors():
