@@ -148,3 +148,16 @@ def test_json_to_dev_stdout_is_json_alone_and_the_wrote_line_goes_to_stderr(tmp_
     out, err = capfd.readouterr()
     assert json.loads(out[out.index("{"):])["levels"]  # the JSON, and nothing after it
     assert "wrote /dev/stdout" in err
+
+
+def test_json_to_dev_stderr_is_json_alone_there(tmp_path, capfd):
+    # "wrote /dev/stderr" went to stderr after the JSON written there: `2>report.json` held JSON and a trailing line
+    from tf32lab import cli
+
+    (tmp_path / "tiny.py").write_text("import torch, tf32lab\n"
+                                      "def make():\n"
+                                      "    return tf32lab.Workload(torch.nn.Linear(8, 8), torch.randn(4, 8))\n")
+    spec = f"{tmp_path / 'tiny.py'}:make"
+    assert cli.main(["check", spec, "--levels", "high", "--no-speed", "--json", "/dev/stderr"]) in (0, 1)
+    out, err = capfd.readouterr()
+    assert json.loads(err)["levels"] and "wrote" not in out, (out, err[-200:])

@@ -453,7 +453,18 @@ def _wrote(path: str, aside: bool = False) -> None:
     /dev/stdout``: the line came after the JSON, in the same stream)."""
     from tf32lab.numbers.files import is_stream
 
-    print(f"wrote {_shown(path)}", file=sys.stderr if aside or is_stream(path) else sys.stdout)
+    stream = is_stream(path)
+    if stream and _is_stderr(path):  # --json /dev/stderr: the line would come after the JSON there, as on stdout
+        return
+    print(f"wrote {_shown(path)}", file=sys.stderr if aside or stream else sys.stdout)
+
+
+def _is_stderr(path: str) -> bool:
+    """Whether ``path`` is the file stderr writes to (``/dev/stderr``, or ``/dev/stdout`` under ``2>&1``)."""
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(sys.stderr.fileno()))
+    except (OSError, ValueError, AttributeError):  # stderr with no file descriptor (replaced, closed)
+        return False
 
 
 def _shown(path: object) -> str:
