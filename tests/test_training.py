@@ -1154,3 +1154,32 @@ def test_a_pin_whose_own_backward_adds_little_of_the_gradients_error_is_called_a
     assert not high.passed and high.layers[0].introduced < high.worst_gradient.normwise / 100
     text = " ".join(report.conclusion())
     assert "pin 'lin'" in text and "(a guess: its own backward adds" in text and "only a run tells" in text, text
+
+
+def test_a_callbacks_report_is_in_the_callbacks_words_not_the_clis():
+    # a callback's LSTM report said "train with conv='ieee' (`--conv ieee`)" and was headed "tf32lab check --train":
+    # its user gave the callback conv=, and ran no command
+    import io
+
+    from rich.console import Console
+
+    from tf32lab.integrations._loop import run_check, stepping_copy
+
+    class Recurrent(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = torch.nn.LSTM(4, 4, batch_first=True)
+
+        def forward(self, x):
+            return self.rnn(x)[0].pow(2).mean()
+
+    torch.manual_seed(0)
+    batches = [(step, [torch.randn(2, 3, 4)]) for step in range(2)]
+    report = run_check(stepping_copy(Recurrent()), "rnn", batches, lambda model, micro, step: model(micro[0]),
+                       lambda params: torch.optim.SGD(params, lr=1e-2), levels=("highest", "high"), target="a100",
+                       tolerance=None)
+    notes = " ".join(report.notes)
+    assert "RNNs ran TF32" in notes and "conv='ieee'" in notes and "--conv" not in notes, notes
+    out = io.StringIO()
+    Console(file=out, width=80).print(report)
+    assert "tf32lab check --train" not in out.getvalue() and "tf32lab training check" in out.getvalue()

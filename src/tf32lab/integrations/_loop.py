@@ -41,7 +41,7 @@ from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import LEVELS, check_conv, check_levels, level_cells
 from tf32lab.know.targets import NATIVE, Target, check_value
 from tf32lab.machine.hardware import resolve_target
-from tf32lab.measure.training import check_training, elementwise_step, training_tolerance
+from tf32lab.measure.training import CONV_FLAG, check_training, elementwise_step, training_tolerance
 from tf32lab.report.training import TrainingReport
 from tf32lab.workloads.training import TrainingWorkload, check_steps
 
@@ -423,7 +423,9 @@ def run_check(model: torch.nn.Module, name: str, batches: list[Any], loss: Calla
         report = check_training(workload, levels=levels, target=target, tolerance=tolerance, conv=conv,
                                 policy=policy)
     # the advice in a callback's words: its own policy= to check a pin with, no spec to tune
-    return dataclasses.replace(report, notes=(*report.notes, *notes), asked="callback")
+    # and its notes: conv='ieee' is the callback's argument, the CLI's --conv not one its user gave
+    own = tuple(note.replace(CONV_FLAG, "") for note in report.notes)
+    return dataclasses.replace(report, notes=(*own, *notes), asked="callback")
 
 
 class _FrameworksStep(TrainingWorkload):

@@ -245,8 +245,11 @@ def cudnn_floor_note(families: Iterable[Optional[str]], target: Target,
     rows = "at every level" if policy_coverage is not None and not _tf32_convs(policy_coverage) else "in every row"
     return (f"{what} ran TF32 {rows}, float32's own included: cuDNN's own flag sets their math, not the level "
             f"({flag}, as this process holds it), so float32's drift here carries their TF32 rounding and each "
-            f"level's multiple of it measures its matmuls alone; to see them in IEEE float32, train with conv='ieee' "
-            f"(`--conv ieee`)")
+            f"level's multiple of it measures its matmuls alone; to see them in IEEE float32, train with conv='ieee'"
+            f"{CONV_FLAG}")
+
+
+CONV_FLAG = " (`--conv ieee`)"  # the CLI's words for conv='ieee', which a callback's report leaves out
 
 
 def _tf32_convs(coverage: Mapping[tuple[str, str], int]) -> bool:

@@ -55,7 +55,8 @@ def _label(lv: TrainingLevel) -> str:
 def renderables(report: TrainingReport) -> Iterator[Any]:
     env = report.environment
     yield Text.assemble(
-        ("tf32lab check --train ", "bold"), (inert(report.workload), "bold cyan"),
+        # a callback's report: no command was run
+        ("tf32lab training check " if report.asked == "callback" else "tf32lab check --train ", "bold"), (inert(report.workload), "bold cyan"),
         f"  target {report.target}, {report.steps} steps, tolerance {given(report.tolerance)} (the loss's relative "
         f"deviation from float64's; a level within 3x float32's own drift passes too)\n",
         (f"torch {env.get('torch')} on {env.get('gpu') or env.get('cpu', '')}, {report.seconds:.1f} s", "dim"),
