@@ -1183,3 +1183,16 @@ def test_a_callbacks_report_is_in_the_callbacks_words_not_the_clis():
     out = io.StringIO()
     Console(file=out, width=80).print(report)
     assert "tf32lab check --train" not in out.getvalue() and "tf32lab training check" in out.getvalue()
+
+
+def test_a_training_reports_asked_is_check_or_callback():
+    # any other word was taken as "check" silently: a callback's report given "Callback" advised `tf32lab tune`
+    import math
+
+    from tf32lab.report.training import TrainingLevel, TrainingReport
+
+    floor = TrainingLevel("float32", {}, (1.0,), (0.0,), None, (), (), (), math.nan, 1.0, True, {}, {}, 0.0)
+    report = TrainingReport("w", "a100", 1, 1e-3, (1.0,), floor, (), {}, 0.0)
+    assert dataclasses.replace(report, asked="callback").asked == "callback"
+    with pytest.raises(Tf32LabError, match="asked must be one of 'check', 'callback', not 'Callback'"):
+        dataclasses.replace(report, asked="Callback")

@@ -30,6 +30,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
 
+from tf32lab.errors import Tf32LabError
 from tf32lab.know.targets import NATIVE
 from tf32lab.numbers.files import finite
 from tf32lab.report import Rows
@@ -112,6 +113,9 @@ class TrainingLevel:
         return next((layer for layer in self.layers if not math.isnan(layer.introduced)), None)
 
 
+ASKED = ("check", "callback")  # TrainingReport.asked: whose words its advice is in
+
+
 @dataclass(frozen=True, repr=False)  # Rows.__repr__: one line
 class TrainingReport(Rows):
     """The result of :func:`tf32lab.check_training`; ``bool(report)`` is the verdict (with a policy row, the
@@ -130,6 +134,10 @@ class TrainingReport(Rows):
     # who asked, for the advice's words: "check" (check_training, the CLI: --policy, tune) or "callback" (a training
     # loop's callback, which takes a policy itself and has no spec to tune)
     asked: str = "check"
+
+    def __post_init__(self) -> None:
+        if self.asked not in ASKED:  # another word would be advised as "check" without a word said
+            raise Tf32LabError(f"asked must be one of {', '.join(map(repr, ASKED))}, not {self.asked!r}")
 
     def verdicts(self) -> list[str]:
         """One line per row to grep: ``PASSED | level 'high' | training 50 steps | ...``."""
