@@ -256,6 +256,10 @@ def test_a_measurement_says_which_speedups_are_noise_and_when_the_machine_was_bu
     assert len(said) == 3, said
     steady = [LevelSpeed("highest", 1e-3, 1.0, math.nan, 0.01), LevelSpeed("medium", 0.5e-3, 2.0, math.nan, 0.01)]
     assert noise_notes(steady, 7) == []
+    # one round: every spread is 0, and a 2.00x (or a 1.01x) was printed as measured, with nothing said
+    assert noise_notes(steady, 1) == ["one round per level: no spread measured, so no speedup can be told from "
+                                      "noise; time again with more rounds (rounds=, --rounds)"]
+    assert noise_notes(steady[:1], 1) == []  # highest alone: no speedup to tell
 
 
 # -- in check -------------------------------------------------------------------------------------------------

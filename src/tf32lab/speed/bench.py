@@ -125,7 +125,7 @@ def bench(workload: Workload, levels: Iterable[str] = LEVELS, *, rounds: int = 7
     medians = {level: statistics.median(values) for level, values in samples.items()}
     rows = tuple(LevelSpeed(level, medians[level], medians["highest"] / medians[level], math.nan,
                             _spread(samples[level])) for level in levels)
-    notes = (f"{rounds} interleaved rounds of {number} call(s) per level, {torch.get_num_threads()} thread(s)",
+    notes = (f"{rounds} interleaved round{'' if rounds == 1 else 's'} of {number} call(s) per level, {torch.get_num_threads()} thread(s)",
              *([changed_note(changed)] if changed else []), *noise_notes(rows, rounds))
     return SpeedReport(str(workload.name), where, "measured", rows, notes=notes)
 
@@ -152,6 +152,9 @@ def noise_notes(rows: Iterable[LevelSpeed], rounds: int) -> list[str]:
         if row is not base and math.isfinite(row.speedup) and abs(row.speedup - 1.0) <= spread:
             notes.append(f"{row.level}'s {row.speedup:.2f}x is within the rounds' spread (±{row.spread or 0.0:.0%}, "
                          f"±{base.spread or 0.0:.0%} at highest): no speedup measured, only noise")
+    if rounds < 2 and any(row is not base for row in rows):  # one timing per level: its spread is 0, not measured
+        notes.append("one round per level: no spread measured, so no speedup can be told from noise; time again "
+                     "with more rounds (rounds=, --rounds)")
     busy = max(rows, key=lambda r: r.spread or 0.0)
     if (busy.spread or 0.0) > NOISY:
         notes.append(f"the rounds spread by ±{busy.spread:.0%} at {busy.level}: the machine was busy while timed "
