@@ -468,8 +468,8 @@ def _safe(report: Report, best: LevelResult, where: str, measured: str) -> str:
                 f"notes), and those are all the float32 matmul precision reaches ({measured}).")
     if best.speedup is None and report.target == NATIVE:  # no speed model for this machine: whether it gains is timed
         return (f"{name} is safe for this workload {where}: {measured}. Whether it is faster here is not predicted: "
-                f"`tf32lab speed SPEC --target native --measure` (or `tf32lab.bench(workload)`) times it; enable it with "
-                f"{enable(best.level)}.")
+                f"`tf32lab speed SPEC --target native --measure` (or `tf32lab.bench(workload)`) times it; enable it "
+                f"with {enable(best.level)}.")
     if best.speedup is None:
         return f"{name} is safe for this workload {where}: {measured}. Enable it with {enable(best.level)}."
     if best.speedup >= WORTH:

@@ -52,11 +52,13 @@ def _label(lv: TrainingLevel) -> str:
     return lv.level  # "float32" for the floor, which its verdict cell names
 
 
+HEADER = {"check": "tf32lab check --train ", "callback": "tf32lab training check "}  # a callback ran no command
+
+
 def renderables(report: TrainingReport) -> Iterator[Any]:
     env = report.environment
     yield Text.assemble(
-        # a callback's report: no command was run
-        ("tf32lab training check " if report.asked == "callback" else "tf32lab check --train ", "bold"), (inert(report.workload), "bold cyan"),
+        (HEADER[report.asked], "bold"), (inert(report.workload), "bold cyan"),
         f"  target {report.target}, {report.steps} steps, tolerance {given(report.tolerance)} (the loss's relative "
         f"deviation from float64's; a level within 3x float32's own drift passes too)\n",
         (f"torch {env.get('torch')} on {env.get('gpu') or env.get('cpu', '')}, {report.seconds:.1f} s", "dim"),

@@ -125,7 +125,8 @@ def bench(workload: Workload, levels: Iterable[str] = LEVELS, *, rounds: int = 7
     medians = {level: statistics.median(values) for level, values in samples.items()}
     rows = tuple(LevelSpeed(level, medians[level], medians["highest"] / medians[level], math.nan,
                             _spread(samples[level])) for level in levels)
-    notes = (f"{rounds} interleaved round{'' if rounds == 1 else 's'} of {number} call(s) per level, {torch.get_num_threads()} thread(s)",
+    plural = "" if rounds == 1 else "s"
+    notes = (f"{rounds} interleaved round{plural} of {number} call(s) per level, {torch.get_num_threads()} thread(s)",
              *([changed_note(changed)] if changed else []), *noise_notes(rows, rounds))
     return SpeedReport(str(workload.name), where, "measured", rows, notes=notes)
 
