@@ -316,9 +316,8 @@ def _pin(lv: TrainingLevel, floor: TrainingLevel, asked: str = "check") -> str:
     own = next((layer.introduced for layer in lv.layers if layer.name == module), math.nan)
     # its own backward a small share of the gradient's error: the rest reaches it (from its forward's output, or the
     # model's own code outside its modules, which no row measures), and pinning it may or may not help
-    guess = (f" (a guess: its own backward adds {own:.0e} of the gradient's {worst.normwise:.0e}; the rest reaches it "
-             f"from its forward or from code outside the modules, and only a run tells)"
-             if own < worst.normwise / GUESS else "")
+    guess = (": a guess, its own backward adding little of the gradient's error (the rest reaches it from its forward "
+             "or from code outside the modules; only a run tells which)" if own < worst.normwise / GUESS else "")
     policy = f'tf32lab.Policy("{lv.level}", [("{module}", "highest")])'
     if asked == "callback":  # the callback checks a policy itself (policy=), and has no spec for tune
         return f"; pin {module!r}: give the callback `policy={policy}` and train again{guess}"
