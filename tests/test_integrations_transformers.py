@@ -408,10 +408,12 @@ def test_an_optimizer_stepping_parameters_outside_the_model_is_refused_in_one_li
     assert head.weight.grad is None  # the run's own parameters untouched
 
 
-def test_a_loss_module_that_holds_the_model_holds_the_runs_model_after_the_check(tmp_path):
-    # sentence-transformers' Trainer keeps its loss (a module holding the model) on itself, and its compute_loss
-    # puts the model it is given into it (override_model_in_loss): after the check, the run's loss held the last
-    # row's copy of the model until the run's first step put the run's back
+@pytest.mark.parametrize("in_a_dict", [False, True])
+def test_a_loss_module_that_holds_the_model_holds_the_runs_model_after_the_check(tmp_path, in_a_dict):
+    # sentence-transformers' Trainer keeps its loss (a module holding the model) on itself, one per dataset in a dict
+    # where it trains on several (self.loss[dataset_name]), and its compute_loss puts the model it is given into it
+    # (override_model_in_loss): after the check, the run's loss held the last row's copy of the model until the
+    # run's first step put the run's back
     class Loss(torch.nn.Module):
         def __init__(self, model):
             super().__init__()
@@ -419,44 +421,13 @@ def test_a_loss_module_that_holds_the_model_holds_the_runs_model_after_the_check
 
         def forward(self, inputs):
             return self.model(**inputs)["loss"]
+
+    def loss_of(trainer):
+        return trainer.loss["a"] if in_a_dict else trainer.loss
 
     class HoldsItsLoss(transformers.Trainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            if model is self.model_wrapped and self.loss.model is not model:
-                self.loss.model = model
-            return self.loss(inputs)
-
-    seen = []
-
-    class Peek(transformers.TrainerCallback):  # a callback after the check's
-        def on_train_begin(self, args, state, control, model=None, **kwargs):
-            seen.append(trainer.loss.model is model)
-
-    torch.manual_seed(0)
-    model = Offset()
-    check = integration.Tf32CheckCallback(target="a100", steps=1, levels=("high",))
-    args = transformers.TrainingArguments(str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to=[],
-                                          save_strategy="no", disable_tqdm=True, use_cpu=True)
-    trainer = HoldsItsLoss(model=model, args=args, train_dataset=offsets(8), callbacks=[check, Peek()])
-    trainer.loss = Loss(model)
-    trainer.train()
-    assert check.passed is not None and seen == [True]
-
-
-def test_losses_in_a_dict_on_the_trainer_hold_the_runs_model_after_the_check(tmp_path):
-    # sentence-transformers' Trainer keeps one loss per dataset in a dict (self.loss[dataset_name]), and its
-    # compute_loss puts the model it is given into the dataset's loss: the losses in the dict are the Trainer's too
-    class Loss(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, inputs):
-            return self.model(**inputs)["loss"]
-
-    class HoldsItsLosses(transformers.Trainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            loss = self.loss["a"]
+            loss = loss_of(self)
             if model is self.model_wrapped and loss.model is not model:
                 loss.model = model
             return loss(inputs)
@@ -465,15 +436,15 @@ def test_losses_in_a_dict_on_the_trainer_hold_the_runs_model_after_the_check(tmp
 
     class Peek(transformers.TrainerCallback):  # a callback after the check's
         def on_train_begin(self, args, state, control, model=None, **kwargs):
-            seen.append(trainer.loss["a"].model is model)
+            seen.append(loss_of(trainer).model is model)
 
     torch.manual_seed(0)
     model = Offset()
     check = integration.Tf32CheckCallback(target="a100", steps=1, levels=("high",))
     args = transformers.TrainingArguments(str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to=[],
                                           save_strategy="no", disable_tqdm=True, use_cpu=True)
-    trainer = HoldsItsLosses(model=model, args=args, train_dataset=offsets(8), callbacks=[check, Peek()])
-    trainer.loss = {"a": Loss(model)}
+    trainer = HoldsItsLoss(model=model, args=args, train_dataset=offsets(8), callbacks=[check, Peek()])
+    trainer.loss = {"a": Loss(model)} if in_a_dict else Loss(model)
     trainer.train()
     assert check.passed is not None and seen == [True]
 
