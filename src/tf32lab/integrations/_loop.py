@@ -36,13 +36,14 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
-from tf32lab.control.policy import Policy, applied_to
+from tf32lab.control.policy import Policy
 from tf32lab.errors import Tf32LabError
 from tf32lab.know.levels import LEVELS, check_conv, check_levels, level_cells
 from tf32lab.know.targets import NATIVE, Target, check_value
 from tf32lab.machine.hardware import resolve_target
-from tf32lab.measure.training import CONV_FLAG, check_training, elementwise_step, training_tolerance
+from tf32lab.measure.training import check_training, elementwise_step, training_tolerance
 from tf32lab.report.training import TrainingReport
+from tf32lab.workloads.running import applied_refusal
 from tf32lab.workloads.training import TrainingWorkload, check_steps
 
 LOG = logging.getLogger("tf32lab.integrations")
@@ -368,27 +369,13 @@ def quiet() -> Iterator[None]:
         yield
 
 
-def policy_applied(model: torch.nn.Module, name: str) -> Optional[str]:
-    """Why the check cannot train ``model``, where a policy is applied to it (``Policy.apply``): in the callbacks'
-    words (check_training's refusal names check(policy=...) and the CLI's --policy), else None."""
-    applied = applied_to(model)
-    if applied is None:
-        return None
-    from tf32lab.report.conclusion import policy_summary
-
-    summary = policy_summary(dict(applied.to_dict(), base=torch.get_float32_matmul_precision()))
-    return (f"the run's model {name} has a policy applied ({summary}): the check would measure that policy in "
-            f"every row instead of each level; remove it (handle.remove()) and give it to the callback "
-            f"(policy=...), which checks it as one more row beside the levels")
-
-
 def refused(model: torch.nn.Module, name: str, optimizers: Sequence[torch.optim.Optimizer],
             policy: Optional[Policy], owner: Any = None) -> Optional[str]:
     """Why the check cannot train this run, known before a batch is read (the run's loader read again for
     nothing, before a refusal that no batch decides): an optimizer stepping parameters outside the model
     (:func:`outside_the_model`), a policy applied to the model, or the callback's policy naming modules the model
     lacks; else None."""
-    for why in (outside_the_model(optimizers, model, owner), policy_applied(model, name),
+    for why in (outside_the_model(optimizers, model, owner), applied_refusal(model, name, _FrameworksStep.asked),
                 policy.unmatched_message(model) if policy is not None else None):
         if why is not None:
             return why
@@ -406,9 +393,6 @@ def run_check(model: torch.nn.Module, name: str, batches: list[Any], loss: Calla
     keeps the random streams (``random_state_kept``) around this and the batches' reading."""
     import dataclasses
 
-    applied = policy_applied(model, name)
-    if applied is not None:
-        raise Tf32LabError(applied)
     calls = {}
 
     def inputs(batch: Any) -> tuple[Any, Any]:
@@ -422,16 +406,15 @@ def run_check(model: torch.nn.Module, name: str, batches: list[Any], loss: Calla
     with quiet():
         report = check_training(workload, levels=levels, target=target, tolerance=tolerance, conv=conv,
                                 policy=policy)
-    # the advice in a callback's words: its own policy= to check a pin with, no spec to tune
-    # and its notes: conv='ieee' is the callback's argument, the CLI's --conv not one its user gave
-    own = tuple(note.replace(CONV_FLAG, "") for note in report.notes)
-    return dataclasses.replace(report, notes=(*own, *notes), asked="callback")
+    return dataclasses.replace(report, notes=(*report.notes, *notes)) if notes else report
 
 
 class _FrameworksStep(TrainingWorkload):
     """The framework's own step as a workload: it is given each row's copy itself (``StepCall``), and what it
     reaches besides (the run's trainer, and through it the run's model) is no sign of a loss computed on the run's
     model, the advice ``reaching_model`` gives one who wrote a workload's functions."""
+
+    asked = "callback"  # its report advises in a callback's words (TrainingReport.asked)
 
     def reaching_model(self) -> Optional[str]:
         return None

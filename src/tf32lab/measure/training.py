@@ -178,7 +178,7 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     tolerance = training_tolerance(tolerance)
     accumulation = check_accumulation(accumulation)
     conv_scope = ConvRun(conv)
-    refuse_applied(workload, "check")  # type: ignore[arg-type]  # it reads .model and .name
+    refuse_applied(workload, workload.asked)  # type: ignore[arg-type]  # it reads .model and .name
     row = PolicyRow.of(policy, workload.model) if policy is not None else None
     # training needs autograd: on for the check's own steps (a library's loader can leave it off for the whole
     # process: silero-stress's; a caller in inference mode), the caller's modes as they were after
@@ -198,7 +198,7 @@ def check_training(workload: TrainingWorkload, *, levels: Iterable[str] = LEVELS
     policy_row = next((lv for lv in report.levels if lv.policy is not None), None)
     floor_tf32 = None if conv is not None else cudnn_floor_note(
         session.families, target, session.op_maths.get(FLOOR, {}),
-        session.op_maths.get(policy_row.level) if policy_row is not None else None)
+        session.op_maths.get(policy_row.level) if policy_row is not None else None, asked=workload.asked)
     if floor_tf32 is not None:
         report = dataclasses.replace(report, notes=(*report.notes, floor_tf32))
     rnns = scripted_rnn_note(workload.model, target)
@@ -218,7 +218,8 @@ def ran_at_the_flag(session: TrainingSession) -> dict[str, bool]:
 
 def cudnn_floor_note(families: Iterable[Optional[str]], target: Target,
                      floor_coverage: Mapping[tuple[str, str], int],
-                     policy_coverage: Optional[Mapping[tuple[str, str], int]] = None) -> Optional[str]:
+                     policy_coverage: Optional[Mapping[tuple[str, str], int]] = None, asked: str = "check"
+                     ) -> Optional[str]:
     """The note for a training whose convolutions or RNNs ran TF32 in every row under cuDNN's flag as the process
     holds it (PyTorch's default 'tf32'), or None. No level sets that flag, so float32's own row ran them in TF32 too:
     its drift, against which every level is read (``x fp32``, the 3x floor), is then not IEEE float32's, and nothing
@@ -226,7 +227,8 @@ def cudnn_floor_note(families: Iterable[Optional[str]], target: Target,
     ``floor_coverage``: float32's row's ops by math as the emulator counted them (``("aten::convolution",
     "tf32-rna")``: :attr:`TrainingSession.op_maths`), which say whether its
     convolutions ran TF32: a depthwise one runs in PyTorch's own kernel, IEEE whatever the flag;
-    ``policy_coverage``, the policy row's, where one ran (a policy's conv math can give them IEEE there)."""
+    ``policy_coverage``, the policy row's, where one ran (a policy's conv math can give them IEEE there); ``asked``:
+    whose words (a callback's takes conv= and has no ``--conv``: ``TrainingReport.asked``)."""
     if not target.emulated or target.device != "cuda":
         return None
     cells = {**flags.read_cells(), CUDNN_CELL: cudnn_cell()}
@@ -246,10 +248,7 @@ def cudnn_floor_note(families: Iterable[Optional[str]], target: Target,
     return (f"{what} ran TF32 {rows}, float32's own included: cuDNN's own flag sets their math, not the level "
             f"({flag}, as this process holds it), so float32's drift here carries their TF32 rounding and each "
             f"level's multiple of it measures its matmuls alone; to see them in IEEE float32, train with conv='ieee'"
-            f"{CONV_FLAG}")
-
-
-CONV_FLAG = " (`--conv ieee`)"  # the CLI's words for conv='ieee', which a callback's report leaves out
+            f"{' (`--conv ieee`)' if asked == 'check' else ''}")
 
 
 def _tf32_convs(coverage: Mapping[tuple[str, str], int]) -> bool:
@@ -521,7 +520,7 @@ class TrainingSession:
             workload=str(self.workload.name), target=self.target.name, steps=self.steps, tolerance=self.tolerance,
             reference_losses=tuple(self.reference.losses), floor=self.floor(), levels=tuple(rows),
             environment=environment_of(self.workload),  # type: ignore[arg-type]  # reads .model
-            seconds=seconds, notes=self.notes,
+            seconds=seconds, notes=self.notes, asked=self.workload.asked,
         )
 
     # -- one row ------------------------------------------------------------------------------------------------

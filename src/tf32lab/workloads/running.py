@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import platform
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -35,12 +35,21 @@ def refuse_applied(workload: Workload, what: str) -> None:
     """Refuse, before any run, a model that carries an applied policy: it sets each module's level as the module
     runs, so ``check`` would measure the policy under every level's name (and ``tune`` would tune on top of it).
     Refusing (rather than lifting it for the duration) leaves the user's policy untouched; the message says how to
-    go on."""
+    go on (:func:`applied_refusal`)."""
+    refusal = applied_refusal(workload.model, str(workload.name), what)
+    if refusal is not None:
+        raise Tf32LabError(refusal)
+
+
+def applied_refusal(model: torch.nn.Module, name: str, what: str) -> Optional[str]:
+    """The line refusing ``model`` where it carries an applied policy, in the words of ``what`` asks (``"check"``,
+    ``"tune"``, ``"predict"``, ``"bench"``, or ``"callback"``: a training loop's, which checks a policy given to
+    it); None where none is applied."""
     from tf32lab.control.policy import applied_to
 
-    found = applied_to(workload.model)
+    found = applied_to(model)
     if found is None:
-        return
+        return None
     from tf32lab.report.conclusion import policy_summary
 
     summary = policy_summary(dict(found.to_dict(), base=get_float32_matmul_precision()))
@@ -49,9 +58,11 @@ def refuse_applied(workload: Workload, what: str) -> None:
         "tune": "tune searches a policy itself",
         "predict": "check(policy=...) (tf32lab check --policy FILE) predicts its speedup beside the levels",
         "bench": "bench times each level of the model without a policy",
+        "callback": "give it to the callback (policy=...), which checks it as one more row beside the levels",
     }[what]
-    raise Tf32LabError(f"workload {workload.name!r}: its model has a policy applied ({summary}); {what} would "
-                       f"measure that policy instead of each level: remove it first (handle.remove()); {measure}")
+    who = "the check" if what == "callback" else what
+    return (f"workload {name!r}: its model has a policy applied ({summary}); {who} would measure that policy "
+            f"instead of each level: remove it first (handle.remove()); {measure}")
 
 
 @contextlib.contextmanager

@@ -90,6 +90,9 @@ class TrainingWorkload:
     (3, 'Linear')
     """
 
+    # whose words a report on it advises in (TrainingReport.asked): a framework's callback's subclass says "callback"
+    asked = "check"
+
     model: torch.nn.Module
     batches: Batches
     loss: Optional[Loss] = None
