@@ -33,10 +33,9 @@ $(DEMO): pyproject.toml constraints.txt | $(BIN)/python
 # resolve and one editable build, not the demo's and then the suite's.
 # Beside it, on the core pip's install leaves idle, numba's kernels are compiled into their cache (numba and numpy
 # installed first, 2 s; `python -m tf32lab.numbers.compiled` needs no torch): a fresh clone's suite compiled them
-# itself, about 25 s of CPU. Then the bytecode of what the suite imports is compiled on every CPU, and the suite's
-# test modules collected once (scripts/compile_imports.py: about 27 s here, against the minute a fresh clone's
-# suite spent compiling the same modules in the processes it starts at once, and collecting them in each worker).
-# Both are best effort: where they fail, the suite does it.
+# itself, about 25 s of CPU. Then the bytecode of what the suite imports is compiled on every CPU
+# (scripts/compile_imports.py: about 20 s here, against the 40 s the first run of the suite spent compiling the
+# same modules in the processes it starts at once). Both are best effort: where they fail, the suite does it.
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	@echo "make test: installing tf32lab with its demo, serving and test extras into $(VENV)"
 	@$(BIN)/python -m pip install --no-compile --progress-bar off --quiet -c constraints.txt numba numpy \
