@@ -33,9 +33,7 @@ $(DEMO): pyproject.toml constraints.txt | $(BIN)/python
 # resolve and one editable build, not the demo's and then the suite's.
 # Beside it, on the core pip's install leaves idle, numba's kernels are compiled into their cache (numba and numpy
 # installed first, 2 s; `python -m tf32lab.numbers.compiled` needs no torch): a fresh clone's suite compiled them
-# itself, about 25 s of CPU. Then the bytecode of what the suite imports is compiled on every CPU
-# (scripts/compile_imports.py: about 20 s here, against the 40 s the first run of the suite spent compiling the
-# same modules in the processes it starts at once). Both are best effort: where they fail, the suite does it.
+# itself, about 25 s of CPU. Best effort: where that fails, the suite compiles them as before.
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	@echo "make test: installing tf32lab with its demo, serving and test extras into $(VENV)"
 	@$(BIN)/python -m pip install --no-compile --progress-bar off --quiet -c constraints.txt numba numpy \
@@ -43,8 +41,6 @@ $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	PYTHONPATH=src $(BIN)/python -m tf32lab.numbers.compiled >> $(VENV)/kernels.log 2>&1 & kernels=$$!; \
 	$(BIN)/python -m pip install --no-compile --progress-bar off --quiet -c constraints.txt -e '.[demo,serving,test]'; \
 	installed=$$?; wait $$kernels || echo "make test: numba's kernels were not compiled ahead ($(VENV)/kernels.log)"; \
-	[ $$installed -ne 0 ] || PYTHONDONTWRITEBYTECODE= $(BIN)/python scripts/compile_imports.py || \
-	  echo "make test: the suite's imports were not compiled ahead"; \
 	exit $$installed
 	touch $(DEMO) $(STAMP)
 
