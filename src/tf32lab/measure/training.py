@@ -89,6 +89,7 @@ from tf32lab.measure.draws import (
     seeded,
 )
 from tf32lab.measure.layers import ROOT, described, out_of_memory, transformed
+from tf32lab.measure.norms import distance_sums, scratch
 from tf32lab.measure.reference import Float64Run, widen, widened_model
 from tf32lab.numbers import metrics
 from tf32lab.numbers.origin import internal_error
@@ -420,7 +421,7 @@ class TrainingSession:
                           for n, g in reference.grads.items()}
         # a parameter whose float64 gradient is a negligible part of the whole (a key bias, which softmax cannot
         # see: its gradient is 0 but for rounding) is measured against this, not against its own near-zero norm
-        total = math.sqrt(sum(float(g.abs().pow(2).sum()) for g in self.ref_grads.values()))
+        total = math.sqrt(sum(float(torch.linalg.vector_norm(g)) ** 2 for g in self.ref_grads.values()))  # no copies
         self.grad_floor = GRADIENT_FLOOR * total / math.sqrt(max(1, len(self.ref_grads)))
         self.ref_params = dict(reference.model.named_parameters())
         self.ref_state = _optimizer_state(reference.model, reference.optimizer)
@@ -538,13 +539,14 @@ class TrainingSession:
         deviations = tuple(_deviation(x, r) for x, r in zip(run.losses, self.reference.losses)
                            if math.isfinite(x))
         divergence = next((k + 1 for k, d in enumerate(deviations) if d > self.tolerance), None)
-        gradients = _ranked({n: _against(g, self.ref_grads[n], self.grad_floor) for n, g in run.grads.items()
+        work = scratch(torch.device("cpu"))  # the comparisons' chunk buffer, for the tensors on the CPU
+        gradients = _ranked({n: _against(g, self.ref_grads[n], self.grad_floor, work) for n, g in run.grads.items()
                              if n in self.ref_grads})
         weights: tuple[ParameterError, ...] = ()
         state = math.nan
         if run.model is not None:
             params = dict(run.model.named_parameters())
-            weights = _ranked({n: _against(params[n], self.ref_params[n]) for n in self.names})
+            weights = _ranked({n: _against(params[n], self.ref_params[n], work=work) for n in self.names})
             state = _state_error(_optimizer_state(run.model, run.optimizer), self.ref_state)
         layers = self.attribution.introduced(level, self.target, policy, self.accumulation if emulated else None)
         return TrainingLevel(
@@ -954,17 +956,26 @@ def _deviation(value: float, reference: float) -> float:
     return diff / abs(reference) if reference != 0 else diff
 
 
-def _against(x: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> tuple[float, float]:
+def _against(x: torch.Tensor, ref: torch.Tensor, floor: float = 0.0, work: Optional[torch.Tensor] = None
+             ) -> tuple[float, float]:
     """(normwise error, cosine) of ``x`` against ``ref``, in float64; the error over ``max(‖ref‖, floor)``. A complex
-    gradient (a Fourier layer's weights) as (real, imaginary) pairs: ``.double()`` drops the imaginary part."""
-    x, ref = (metrics.pairs(t.detach().to(torch.complex128)) if t.is_complex() else t.detach().double()
-              for t in (x, ref))
-    x, ref = x.reshape(-1), ref.reshape(-1)
-    ref_norm, x_norm = float(ref.norm()), float(x.norm())
-    if not math.isfinite(x_norm):
-        return math.inf, math.nan
-    cosine = float(x @ ref) / (x_norm * ref_norm) if x_norm > 0 and ref_norm > 0 else math.nan
-    diff = float((x - ref).norm())
+    gradient (a Fourier layer's weights) as (real, imaginary) pairs: ``.double()`` drops the imaginary part.
+    ``work``: a :func:`~tf32lab.measure.norms.scratch` to sum through a chunk at a time, without float64 copies."""
+    sums = distance_sums(x, ref, work) if work is not None else None
+    if sums is not None:
+        x_norm, ref_norm, diff = (math.sqrt(s) for s in sums)
+        # 1 − cos from the difference's norm (‖x − r‖² = ‖x‖² + ‖r‖² − 2 x·r), which keeps what x·r loses to
+        # cancellation where the two are nearly parallel, as a row's weights and float64's are
+        cosine = min(1.0, 1.0 - (sums[2] - (x_norm - ref_norm) ** 2) / (2.0 * x_norm * ref_norm))
+    else:
+        x, ref = (metrics.pairs(t.detach().to(torch.complex128)) if t.is_complex() else t.detach().double()
+                  for t in (x, ref))
+        x, ref = x.reshape(-1), ref.reshape(-1)
+        ref_norm, x_norm = float(ref.norm()), float(x.norm())
+        if not math.isfinite(x_norm):
+            return math.inf, math.nan
+        cosine = float(x @ ref) / (x_norm * ref_norm) if x_norm > 0 and ref_norm > 0 else math.nan
+        diff = float((x - ref).norm())
     if ref_norm < floor:
         return diff / floor, cosine
     if ref_norm == 0.0:  # as metrics.normwise: 0 when both are zero, inf when only the reference is
@@ -978,10 +989,16 @@ def _ranked(found: dict[str, tuple[float, float]]) -> tuple[ParameterError, ...]
 
 
 def _tree_error(found: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
-    """The normwise error of several tensors taken as one vector."""
+    """The normwise error of several tensors taken as one vector (:func:`metrics.normwise_over`), summed a chunk at
+    a time where each pair allows (:func:`~tf32lab.measure.norms.distance_sums`)."""
     if len(found) != len(reference) or any(x.shape != r.shape for x, r in zip(found, reference)):
         return math.nan
-    return metrics.normwise_over(found, reference)
+    work = scratch(torch.device("cpu"))
+    sums = [distance_sums(x, r, work) for x, r in zip(found, reference)]
+    if any(s is None for s in sums):
+        return metrics.normwise_over(found, reference)
+    # as normwise_over combines them: the norm of the norms (the references' not 0: their sums are in the safe range)
+    return math.hypot(*(math.sqrt(s[2]) for s in sums)) / math.hypot(*(math.sqrt(s[1]) for s in sums))
 
 
 def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
