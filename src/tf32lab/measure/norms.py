@@ -204,16 +204,17 @@ def distance_sums(y: torch.Tensor, r: torch.Tensor, work: torch.Tensor) -> Optio
     gradient and optimizer state of each row with float64's so, and fresh multi-MB buffers cost page faults that
     dwarf the arithmetic: all-MiniLM-L6-v2's word embedding (11.7M values) took 176 ms a comparison through
     float64 copies, 27 ms so. None where the sums cannot stand for the norms (the caller takes the scaled norms
-    then): a tensor off the CPU (a sync per chunk), complex or not floating, sizes that differ, or a sum that is not
-    finite or is outside the range where no square overflowed or underflowed (zero included: an exact match, or
-    values below 1e-154).
+    then): a tensor off the CPU (a sync per chunk), complex, sparse or not floating, sizes that differ, or a sum
+    that is not finite or is outside the range where no square overflowed or underflowed (zero included: an exact
+    match, or values below 1e-154).
 
         >>> ref = torch.tensor([3.0, 0.0], dtype=torch.float64)
         >>> distance_sums(torch.tensor([3.0, 4.0]), ref, scratch(ref.device))
         (25.0, 9.0, 16.0)
     """
     if y.device.type != "cpu" or r.device.type != "cpu" or y.numel() != r.numel() or y.numel() == 0 \
-            or not (y.is_floating_point() and r.is_floating_point()):
+            or not (y.is_floating_point() and r.is_floating_point()) or torch.strided != y.layout \
+            or torch.strided != r.layout:
         return None
     y, r = y.detach().reshape(-1), r.detach().reshape(-1)
     with bare(work, y, r):

@@ -336,10 +336,16 @@ def _seeded(seed: int, model: torch.nn.Module) -> None:
     seeded(seed, _cuda_devices(model))
 
 
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient as a dense tensor: ``nn.Embedding(sparse=True)`` gives a sparse one, which the comparisons (and
+    ``torch.equal``) do not take; an embedding's dense gradient is its weight's size, as the rows' copies of it are."""
+    return grad.to_dense() if grad.layout != torch.strided else grad
+
+
 def _not_finite(named: list[tuple[str, torch.nn.Parameter]]) -> Optional[str]:
     """The first parameter whose gradient holds a NaN or an Inf. Their norms in one fused call first (finite norms
     prove there is none; a norm can overflow where no element does), then the exact test where one is not."""
-    grads = [(n, p.grad) for n, p in named if p.grad is not None and p.grad.is_floating_point()]
+    grads = [(n, _dense(p.grad)) for n, p in named if p.grad is not None and p.grad.is_floating_point()]
     if not grads:
         return None
     norms = torch._foreach_norm([g.detach() for _, g in grads])
@@ -607,7 +613,7 @@ class TrainingSession:
                         run.failure, run.failed_step = f"the gradient of {bad!r} is not finite", step + 1
                         break
                     if step == 0:
-                        run.grads = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
+                        run.grads = {n: _dense(p.grad.detach()).clone() for n, p in named if p.grad is not None}
                     with _inside(step_emu, level) if step_emu is not None else contextlib.nullcontext():
                         optimizer.step()
             except (Tf32LabError, KeyboardInterrupt):  # Ctrl-C stops the check
@@ -674,7 +680,7 @@ class TrainingSession:
             raise
         except BaseException:  # sys.exit() included
             return None
-        grads = [loss.detach()] + [p.grad for p in model.parameters() if p.grad is not None]
+        grads = [loss.detach()] + [_dense(p.grad) for p in model.parameters() if p.grad is not None]
         return grads, list(run.drawn) if isinstance(run, (Float64Run, DrawLog)) else []
 
     def _float64_run(self) -> Float64Run:
@@ -908,7 +914,7 @@ def _local_grads(module: torch.nn.Module, args: Any, kwargs: Any, grads: dict[st
         if internal_error(exc, "rerunning a module's backward") is not None:
             raise
         return None
-    return [torch.zeros_like(x) if g is None else g.detach() for g, x in zip(found, inputs + params)]
+    return [torch.zeros_like(x) if g is None else _dense(g.detach()) for g, x in zip(found, inputs + params)]
 
 
 def _narrowed(t: Any) -> Any:
