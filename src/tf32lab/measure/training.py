@@ -427,7 +427,8 @@ class TrainingSession:
                           for n, g in reference.grads.items()}
         # a parameter whose float64 gradient is a negligible part of the whole (a key bias, which softmax cannot
         # see: its gradient is 0 but for rounding) is measured against this, not against its own near-zero norm
-        total = math.sqrt(sum(float(torch.linalg.vector_norm(g)) ** 2 for g in self.ref_grads.values()))  # no copies
+        # hypot: a one-value gradient's norm past 1.3e154 squared raised OverflowError, where the rows' failure is due
+        total = math.hypot(*(float(torch.linalg.vector_norm(g)) for g in self.ref_grads.values()))  # no copies
         self.grad_floor = GRADIENT_FLOOR * total / math.sqrt(max(1, len(self.ref_grads)))
         self.ref_params = dict(reference.model.named_parameters())
         self.ref_state = _optimizer_state(reference.model, reference.optimizer)
@@ -962,12 +963,19 @@ def _deviation(value: float, reference: float) -> float:
     return diff / abs(reference) if reference != 0 else diff
 
 
+# ‖x‖²/‖r‖² where 1 − cos from ‖x − r‖ is the closer (norms within 1e4 of each other: error below 1e-12); beyond it
+# (a gradient that is 0 in float64 but for rounding, against a row's 1e-3 of noise) the dot product's cosine
+_COMPARABLE = (1e-8, 1e8)
+
+
 def _against(x: torch.Tensor, ref: torch.Tensor, floor: float = 0.0, work: Optional[torch.Tensor] = None
              ) -> tuple[float, float]:
     """(normwise error, cosine) of ``x`` against ``ref``, in float64; the error over ``max(‖ref‖, floor)``. A complex
     gradient (a Fourier layer's weights) as (real, imaginary) pairs: ``.double()`` drops the imaginary part.
     ``work``: a :func:`~tf32lab.measure.norms.scratch` to sum through a chunk at a time, without float64 copies."""
     sums = distance_sums(x, ref, work) if work is not None else None
+    if sums is not None and not _COMPARABLE[0] <= sums[0] / sums[1] <= _COMPARABLE[1]:
+        sums = None  # the difference's cosine loses eps·(‖x‖/‖r‖) to cancellation: x·r is exact enough there
     if sums is not None:
         x_norm, ref_norm, diff = (math.sqrt(s) for s in sums)
         # 1 − cos from the difference's norm (‖x − r‖² = ‖x‖² + ‖r‖² − 2 x·r), which keeps what x·r loses to
@@ -1014,7 +1022,7 @@ def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     for name, p in model.named_parameters():
         for key, value in optimizer.state.get(p, {}).items():
             if isinstance(value, torch.Tensor) and value.shape == p.shape:
-                found[f"{name}:{key}"] = value.detach()
+                found[f"{name}:{key}"] = _dense(value.detach())  # SGD's momentum of a sparse gradient is sparse
     return found
 
 
