@@ -221,7 +221,7 @@ def _exact_direction(lstm: bool, kit: Kit, layer_in, w_ih, w_hh, b_ih, b_hh, h, 
     out = layer_in.new_empty(steps, *h.shape)
     starts = range(0, steps, _EXACT_STEPS)
     w_ih, w_hh, b_ih, b_hh = (kit.weight(w) for w in (w_ih, w_hh, b_ih, b_hh))  # this direction's, for its run
-    w_t = w_hh.t().contiguous() if lstm else None  # once for every part
+    w_t = w_hh.t() if lstm else None  # once for every part
     for start in reversed(starts) if reverse else starts:
         part = slice(start, min(start + _EXACT_STEPS, steps))
         gates_x = kit.product(layer_in[part], w_ih, b_ih)
@@ -294,7 +294,7 @@ def _lstm_forward(gates_x, h, c, w_hh, kit: Kit, reverse: bool, saved: Optional[
     steps = gates_x.size(0)
     size = h.size(-1)
     if w_t is None:
-        w_t = kit.weight(w_hh).t().contiguous()  # rounded once per call, transposed once
+        w_t = kit.weight(w_hh).t()  # rounded once per call; a view, as F.linear passes it (see the docstring)
     held = torch.empty_like(h, memory_format=torch.contiguous_format)  # the rounded hidden state
     out = gates_x.new_empty(steps, *h.shape)
     round_h = kit.step_rounder(kit.nan_free, out, held)
