@@ -615,6 +615,34 @@ def test_an_error_the_model_raises_itself_is_still_the_models():
     assert not report.passed and report.level("highest").error.startswith("ZeroDivisionError")
 
 
+class _IndexesPast(torch.nn.Module):
+    """Looks up a row past its table, as a model with a bad token id does: PyTorch's IndexError, the model's own."""
+
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        self.table = torch.nn.Embedding(10, 4, sparse=sparse)
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, ids):
+        return self.linear(self.table(ids)) if self.table.sparse else self.linear(self.table.weight)[ids]
+
+
+@pytest.mark.parametrize("sparse", [True, False], ids=["embedding", "indexing"])
+def test_an_index_error_of_the_models_in_the_float64_reference_is_the_models(sparse):
+    # the float64 reference hands each op on; an IndexError raised there was said to be "a bug in tf32lab"
+    ids = torch.tensor([3, 12])
+    with pytest.raises(IndexError):
+        _IndexesPast(sparse)(ids)  # the model alone raises it
+    workload = tf32lab.TrainingWorkload(_IndexesPast(sparse), [ids], inputs=lambda b: b, loss=lambda out, b: out.sum(),
+                                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    with pytest.raises(Tf32LabError, match=r"fails in float64, before any level ran: step 1: IndexError") as raised:
+        tf32lab.check_training(workload, levels=("highest",), target="a100")
+    assert "bug in tf32lab" not in str(raised.value)
+    with pytest.raises(Tf32LabError, match=r"workload 'ids' raised at the float64 reference, before any level ran: "
+                                           r"IndexError"):
+        tf32lab.check(tf32lab.Workload(_IndexesPast(sparse), ids, name="ids"), levels=("highest",))
+
+
 def test_where_an_exception_was_raised_is_read_from_its_frames():
     from tf32lab.numbers.origin import raised_by_tf32lab
 

@@ -438,7 +438,7 @@ def _widened_call(func, args: Any, kwargs: dict, selecting: bool) -> Any:
         kwargs = {**kwargs, "dtype": _WIDER[dtype]}
     elif not _narrow_in(args, kwargs):  # already float64, the usual case: as it is
         try:
-            return _widen_result(_FORMS.get(func, func)(*args, **kwargs))
+            return _widen_result(_forwarded(_FORMS.get(func, func), args, kwargs))
         except RuntimeError as exc:
             return _made_wider(func, args, kwargs, exc)
     if func is _TO_COPY and isinstance(args[0], torch.Tensor):  # a cast: straight to the wide dtype
@@ -451,7 +451,14 @@ def _widened_call(func, args: Any, kwargs: dict, selecting: bool) -> Any:
         # then differed from every row's by what was written (normwise 0.6, blamed on precision); each op that
         # computes with it widens it, as it does a weight
         return picked if _views_of(picked, args) else _widen_result(picked)
-    return _widen_result(_FORMS.get(func, func)(*_widen_args(args), **{k: widen(v) for k, v in kwargs.items()}))
+    widened = {k: widen(v) for k, v in kwargs.items()}
+    return _widen_result(_forwarded(_FORMS.get(func, func), _widen_args(args), widened))
+
+
+def _forwarded(func: Callable[..., Any], args: Any, kwargs: dict) -> Any:
+    """``func`` run on ``args`` (widened or not): an op handed on, so that an error it raises (an index out of range)
+    is the model's, not tf32lab's (``numbers.origin.forwards`` knows a frame that hands an op on by this call)."""
+    return func(*args, **kwargs)
 
 
 def _gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
