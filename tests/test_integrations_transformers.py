@@ -73,6 +73,19 @@ def penalized_trainer() -> type:
 
 
 @functools.cache
+def value_clipping_trainer() -> type:
+    """A Trainer whose own ``_clip_grad_norm`` clips each gradient element by value (the run's loop calls it where
+    max_grad_norm > 0), not by the norm."""
+
+    class ValueClipping(transformers.Trainer):
+        def _clip_grad_norm(self, model):
+            torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+            return torch.tensor(0.0)
+
+    return ValueClipping
+
+
+@functools.cache
 def metering_trainer() -> type:
     """A Trainer whose compute_loss logs and keeps metrics on itself, as TRL's trainers do (their ``_metrics``, a
     token count), and whose log adds the metrics' mean to the losses it logs."""
@@ -189,6 +202,19 @@ def test_a_trainers_own_training_step_is_the_checks_step_and_the_run_untouched(t
     # the subclass's training_step backpropagates a penalty besides compute_loss: the check's float32 losses are
     # the run's logged ones (the compute_loss alone gave 3.30 where the run logged 3.55)
     options = {"trainer_class": penalized_trainer(), "max_steps": 3, "gradient_accumulation_steps": 2}
+    plain, plain_losses, _, _ = train(tmp_path / "a", **options)
+    check = integration.Tf32CheckCallback(steps=3, levels=("highest",))
+    checked, losses, _, _ = train(tmp_path / "b", callback=check, **options)
+    assert all(torch.equal(p, q) for p, q in zip(plain.state_dict().values(), checked.state_dict().values()))
+    assert losses == plain_losses
+    assert check.report.floor.losses == pytest.approx([loss for _, loss in losses], rel=1e-5)
+
+
+def test_a_trainers_own_gradient_clipping_is_the_checks(tmp_path):
+    # clipped by clip_grad_norm_ at max_grad_norm instead, the check's float32 losses left the run's at step 2
+    # (3.3308 and 3.3077 where the run logged 3.3363 and 3.3259), and the check judged another training than it
+    options = {"trainer_class": value_clipping_trainer(), "max_steps": 3, "max_grad_norm": 1.0, "optim": "sgd",
+               "learning_rate": 0.1}
     plain, plain_losses, _, _ = train(tmp_path / "a", **options)
     check = integration.Tf32CheckCallback(steps=3, levels=("highest",))
     checked, losses, _, _ = train(tmp_path / "b", callback=check, **options)

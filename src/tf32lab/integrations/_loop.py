@@ -235,7 +235,8 @@ def _submodule_copy(module: Optional[torch.nn.Module], memo: dict[int, Any]) -> 
 
 
 class Steps(torch.optim.Optimizer):
-    """The framework's optimizer step as one optimizer: gradients clipped (``clip``: ``(value, "norm" | "value")``),
+    """The framework's optimizer step as one optimizer: gradients clipped (``clip``: ``(value, "norm" | "value")``,
+    or a function of the parameters that clips them itself: a Trainer subclass's own clipping),
     each optimizer stepped (by ``stepper(optimizer)`` where the framework's hook steps it), then each scheduler
     that is due (``(scheduler, every)``: every so many steps). Its
     param groups and state are its optimizers' own. ``manual``: the module steps its optimizers itself (Lightning's
@@ -244,7 +245,8 @@ class Steps(torch.optim.Optimizer):
     does nothing."""
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[tuple[Any, int]] = (),
-                 clip: Optional[tuple[float, str]] = None, manual: bool = False,
+                 clip: Union[tuple[float, str], Callable[[list[torch.Tensor]], Any], None] = None,
+                 manual: bool = False,
                  stepper: Optional[Callable[[torch.optim.Optimizer], None]] = None, zeroed: bool = False) -> None:
         # not Optimizer.__init__: the groups are the optimizers' own (a scheduler changes their lr in place)
         self.optimizers, self.schedulers, self.clip, self.manual = list(optimizers), list(schedulers), clip, manual
@@ -272,7 +274,11 @@ class Steps(torch.optim.Optimizer):
         if self.manual:
             return
         if self.clip is not None:
-            clip_gradients([p for g in self.param_groups for p in g["params"]], *self.clip)
+            params = [p for g in self.param_groups for p in g["params"]]
+            if callable(self.clip):
+                self.clip(params)
+            else:
+                clip_gradients(params, *self.clip)
         for optimizer in self.optimizers:
             if self.stepper is not None:  # the framework's own hook steps it (and clips)
                 self.stepper(optimizer)

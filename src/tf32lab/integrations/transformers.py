@@ -225,6 +225,13 @@ class Tf32CheckCallback(transformers.TrainerCallback):
         # what its compute_loss or training_step logs or counts on the trainer (self.log, TRL's self._metrics and
         # token count) stays in the check: they are called on a trainer aside
         aside = _aside(trainer) if trainer is not None else None
+        if clip is not None and trainer is not None and _overrides(trainer, "_clip_grad_norm"):
+            # a Trainer subclass's own clipping (by value, a norm of its own over sparse gradients), as the run's
+            # loop calls it (max_grad_norm > 0): on the Trainer aside, whose model is the row's copy at its step;
+            # clipped by clip_grad_norm_ instead, the check trained another step than the run's
+            def clip(params: list[torch.Tensor]) -> None:
+                aside._clip_grad_norm(aside.model)
+
         plain = clip is None and not schedulers and not own_step
 
         def make(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -384,7 +391,14 @@ def _trainers_loss(trainer: Any, model: Any, micro: list[Any], count: Any, takes
 
 def _overrides_training_step(trainer: Any) -> bool:
     """Whether the trainer's class has a ``training_step`` of its own, not ``transformers.Trainer``'s."""
-    return getattr(type(trainer), "training_step", None) is not transformers.Trainer.training_step
+    return _overrides(trainer, "training_step")
+
+
+def _overrides(trainer: Any, name: str) -> bool:
+    """Whether the trainer's class has its own ``name``, a method ``transformers.Trainer`` has too (a Trainer
+    without it, an older transformers', has nothing to override)."""
+    base = getattr(transformers.Trainer, name, None)
+    return base is not None and getattr(type(trainer), name, None) is not base
 
 
 def _trainers_step(trainer: Any, model: Any, micro: list[Any], count: Any) -> torch.Tensor:
