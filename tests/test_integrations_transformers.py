@@ -86,6 +86,23 @@ def value_clipping_trainer() -> type:
 
 
 @functools.cache
+def scaling_trainer() -> type:
+    """A Trainer under fp16 with a GradScaler, as accelerate makes one on a GPU (native AMP; on the CPU it has
+    none), whose own ``_clip_grad_norm`` calls the Trainer's: ``accelerator.clip_grad_norm_`` unscales first."""
+
+    class Scaling(transformers.Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.accelerator.native_amp = True
+            self.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+
+        def _clip_grad_norm(self, model):
+            return super()._clip_grad_norm(model)
+
+    return Scaling
+
+
+@functools.cache
 def metering_trainer() -> type:
     """A Trainer whose compute_loss logs and keeps metrics on itself, as TRL's trainers do (their ``_metrics``, a
     token count), and whose log adds the metrics' mean to the losses it logs."""
@@ -208,6 +225,21 @@ def test_a_trainers_own_training_step_is_the_checks_step_and_the_run_untouched(t
     assert all(torch.equal(p, q) for p, q in zip(plain.state_dict().values(), checked.state_dict().values()))
     assert losses == plain_losses
     assert check.report.floor.losses == pytest.approx([loss for _, loss in losses], rel=1e-5)
+
+
+def test_rows_train_in_float32_without_the_runs_gradient_scaler(tmp_path):
+    # through the run's accelerator, a row's clipping unscaled the run's own optimizer with the run's GradScaler:
+    # the check could not run ("Attempted unscale_ but _scale is None"); where the scaler had scaled already, the
+    # run then failed at its first step ("unscale_() has already been called on this optimizer")
+    options = {"trainer_class": scaling_trainer(), "max_steps": 2, "max_grad_norm": 1.0, "optim": "sgd",
+               "learning_rate": 0.1, "fp16": True}
+    plain, plain_losses, _, _ = train(tmp_path / "a", **options)
+    check = integration.Tf32CheckCallback(steps=2, levels=("highest", "high"))
+    checked, losses, trainer, _ = train(tmp_path / "b", callback=check, **options)
+    assert check.report is not None and check.report.passed, trainer.warned
+    assert all(torch.equal(p, q) for p, q in zip(plain.state_dict().values(), checked.state_dict().values()))
+    assert losses == plain_losses
+    assert trainer.accelerator.scaler is not None and trainer.accelerator.native_amp  # the run's own, as it was
 
 
 def test_a_trainers_own_gradient_clipping_is_the_checks(tmp_path):

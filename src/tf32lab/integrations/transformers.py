@@ -301,8 +301,24 @@ def _aside(trainer: Any) -> Any:
                                            "__module__": base.__module__})
     seen = object.__new__(viewed)
     attributes = {key: copy.deepcopy(value) if _plain_data(value) else value for key, value in vars(trainer).items()}
+    if attributes.get("accelerator") is not None:
+        attributes["accelerator"] = _in_float32(attributes["accelerator"])
     object.__setattr__(seen, "__dict__", attributes)
     return seen
+
+
+def _in_float32(accelerator: Any) -> Any:
+    """The run's accelerator as the check's rows train, in float32: without fp16's loss scaling and autocast
+    (``native_amp`` off, no ``scaler``), else the run's own. Through the run's, a subclass's ``training_step``
+    (``self.accelerator.backward``) backpropagated each row's loss scaled by the run's GradScaler, and its
+    ``_clip_grad_norm`` (``accelerator.clip_grad_norm_``) unscaled the run's own optimizers, once a row: the check
+    could not run ("Attempted unscale_ but _scale is None"), or the run itself then failed at its first step
+    ("unscale_() has already been called on this optimizer"). A shallow copy: the rest is the run's."""
+    if not getattr(accelerator, "native_amp", False) and getattr(accelerator, "scaler", None) is None:
+        return accelerator
+    made = copy.copy(accelerator)
+    made.native_amp, made.scaler = False, None
+    return made
 
 
 @contextlib.contextmanager
