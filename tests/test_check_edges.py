@@ -643,6 +643,34 @@ def test_an_index_error_of_the_models_in_the_float64_reference_is_the_models(spa
         tf32lab.check(tf32lab.Workload(_IndexesPast(sparse), ids, name="ids"), levels=("highest",))
 
 
+class _IndexesByItsSum(torch.nn.Module):
+    """Indexes a one-row table by its product's sum, scaled: float64's index is 0, float32's and TF32's far off."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 64)
+        self.table = torch.nn.Parameter(torch.ones(1, 3))
+        with torch.no_grad():
+            self.at = int(torch.floor(self.linear.double()(x.double()).sum() * 1e6))
+        self.linear.float()
+
+    def forward(self, x):
+        total = self.linear(x).sum() * 1e6
+        return self.table[total.floor().long() - self.at].sum() + 0 * total
+
+
+def test_an_index_error_a_level_causes_in_training_fails_its_row():
+    # the speed columns' counting pass handed ops on as func(*args, **(kwargs or {})), which origin did not know:
+    # the model's IndexError was taken for tf32lab's, and check_training re-raised it bare (a traceback, no report)
+    torch.manual_seed(0)
+    x = torch.randn(64, 64)
+    workload = tf32lab.TrainingWorkload(_IndexesByItsSum(x), [x], inputs=lambda b: b, loss=lambda out, b: out,
+                                        optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
+    report = tf32lab.check_training(workload, target="a100", levels=("highest", "high"), steps=1)
+    assert not report.passed and report.level("high").failure.startswith("IndexError: index ")
+    assert all(row.failure is None or row.failure.startswith("IndexError") for row in report.levels)
+
+
 def test_where_an_exception_was_raised_is_read_from_its_frames():
     from tf32lab.numbers.origin import raised_by_tf32lab
 

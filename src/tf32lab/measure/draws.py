@@ -326,7 +326,8 @@ class DrawLog(TorchDispatchMode):
         self.drawn: list[tuple[str, Optional[str]]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)  # the hand-off origin.forwards knows: an error here is the op's
         if random_op(func):
             self.drawn.append((func.name(), draw_kind(out)))
         return out

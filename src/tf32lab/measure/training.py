@@ -489,8 +489,9 @@ class TrainingSession:
             except (Tf32LabError, KeyboardInterrupt):
                 raise
             except BaseException as exc:  # sys.exit() included: the rows, run already, say it as their failure
-                if internal_error(exc, "counting a training step") is not None:
-                    raise
+                bug = internal_error(exc, "counting a training step")
+                if bug is not None:  # said as tf32lab's, in one line, as everywhere else
+                    raise bug from exc
                 self._speed_notes.append(f"no speed predicted: counting one training step raised {described(exc)}")
                 self._counted = False
         if self._counted is False:

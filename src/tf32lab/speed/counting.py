@@ -262,9 +262,9 @@ class _Functions(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         ops = _RNNS.get(func) if func.__hash__ is not None else None
-        if ops is None:  # every call but an RNN's: as it is
-            return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
+        if ops is None:  # every call but an RNN's: as it is (the hand-off origin.forwards knows: the op's errors)
+            return func(*args, **kwargs)
         counting = self.counting
         if counting.paused or kwargs or len(args) < 4 or scope.current_emulation() is None:
             return func(*args, **kwargs)
@@ -418,7 +418,8 @@ class _Watching(TorchDispatchMode):
         if watch.active and optable.family(func.name()) is not None:
             with watch.lock:
                 watch.ops[func.name().split(".")[0]] += 1
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        return func(*args, **kwargs)  # the hand-off origin.forwards knows: an error here is the op's
 
 
 class OtherThreads:
