@@ -215,15 +215,22 @@ def test_the_check_trains_the_runs_own_batches_and_compute_loss(tmp_path):
     assert doubled.report.reference_losses[0] == pytest.approx(2 * check.report.reference_losses[0], rel=1e-9)
 
 
+def alike_with_and_without(tmp_path, check, **options):
+    """The run with ``check`` and without it, from the same seeds: they end with the same weights, bit for bit, and
+    log the same losses. The checked run's losses and trainer."""
+    plain, plain_losses, _, _ = train(tmp_path / "a", **options)
+    checked, losses, trainer, _ = train(tmp_path / "b", callback=check, **options)
+    assert all(torch.equal(p, q) for p, q in zip(plain.state_dict().values(), checked.state_dict().values()))
+    assert losses == plain_losses
+    return losses, trainer
+
+
 def test_a_trainers_own_training_step_is_the_checks_step_and_the_run_untouched(tmp_path):
     # the subclass's training_step backpropagates a penalty besides compute_loss: the check's float32 losses are
     # the run's logged ones (the compute_loss alone gave 3.30 where the run logged 3.55)
-    options = {"trainer_class": penalized_trainer(), "max_steps": 3, "gradient_accumulation_steps": 2}
-    plain, plain_losses, _, _ = train(tmp_path / "a", **options)
     check = integration.Tf32CheckCallback(steps=3, levels=("highest",))
-    checked, losses, _, _ = train(tmp_path / "b", callback=check, **options)
-    assert all(torch.equal(p, q) for p, q in zip(plain.state_dict().values(), checked.state_dict().values()))
-    assert losses == plain_losses
+    losses, _ = alike_with_and_without(tmp_path, check, trainer_class=penalized_trainer(), max_steps=3,
+                                       gradient_accumulation_steps=2)
     assert check.report.floor.losses == pytest.approx([loss for _, loss in losses], rel=1e-5)
 
 
@@ -231,27 +238,19 @@ def test_rows_train_in_float32_without_the_runs_gradient_scaler(tmp_path):
     # through the run's accelerator, a row's clipping unscaled the run's own optimizer with the run's GradScaler:
     # the check could not run ("Attempted unscale_ but _scale is None"); where the scaler had scaled already, the
     # run then failed at its first step ("unscale_() has already been called on this optimizer")
-    options = {"trainer_class": scaling_trainer(), "max_steps": 2, "max_grad_norm": 1.0, "optim": "sgd",
-               "learning_rate": 0.1, "fp16": True}
-    plain, plain_losses, _, _ = train(tmp_path / "a", **options)
     check = integration.Tf32CheckCallback(steps=2, levels=("highest", "high"))
-    checked, losses, trainer, _ = train(tmp_path / "b", callback=check, **options)
+    _, trainer = alike_with_and_without(tmp_path, check, trainer_class=scaling_trainer(), max_steps=2,
+                                        max_grad_norm=1.0, optim="sgd", learning_rate=0.1, fp16=True)
     assert check.report is not None and check.report.passed, trainer.warned
-    assert all(torch.equal(p, q) for p, q in zip(plain.state_dict().values(), checked.state_dict().values()))
-    assert losses == plain_losses
     assert trainer.accelerator.scaler is not None and trainer.accelerator.native_amp  # the run's own, as it was
 
 
 def test_a_trainers_own_gradient_clipping_is_the_checks(tmp_path):
     # clipped by clip_grad_norm_ at max_grad_norm instead, the check's float32 losses left the run's at step 2
     # (3.3308 and 3.3077 where the run logged 3.3363 and 3.3259), and the check judged another training than it
-    options = {"trainer_class": value_clipping_trainer(), "max_steps": 3, "max_grad_norm": 1.0, "optim": "sgd",
-               "learning_rate": 0.1}
-    plain, plain_losses, _, _ = train(tmp_path / "a", **options)
     check = integration.Tf32CheckCallback(steps=3, levels=("highest",))
-    checked, losses, _, _ = train(tmp_path / "b", callback=check, **options)
-    assert all(torch.equal(p, q) for p, q in zip(plain.state_dict().values(), checked.state_dict().values()))
-    assert losses == plain_losses
+    losses, _ = alike_with_and_without(tmp_path, check, trainer_class=value_clipping_trainer(), max_steps=3,
+                                       max_grad_norm=1.0, optim="sgd", learning_rate=0.1)
     assert check.report.floor.losses == pytest.approx([loss for _, loss in losses], rel=1e-5)
 
 
