@@ -670,3 +670,61 @@ def test_the_builtin_covariance_is_safe_at_high_on_hopper_and_not_on_ampere():
         report = tf32lab.check(covariance(), levels=("high",), target=target, speed=False)
         errors[target] = report.level("high").outputs[0].normwise
     assert errors["h200"] < 1e-3 < 1e-2 < errors["a100"]
+
+
+# -- the caller's own errors ----------------------------------------------------------------------------------
+def _mha_mismatched():
+    torch.nn.MultiheadAttention(8, 2)(torch.ones(4, 1, 8), torch.ones(4, 1, 6), torch.ones(4, 1, 8))
+
+
+REFUSED = {  # operands that PyTorch refuses natively: a rule, its part of a composite, or a whole function meets them
+    "mm": lambda: torch.ones(4, 4) @ torch.ones(5, 1),
+    "linear": lambda: F.linear(torch.ones(2, 3), torch.ones(4, 5)),
+    "baddbmm": lambda: torch.baddbmm(torch.ones(2, 4, 3), torch.ones(2, 4, 4), torch.ones(2, 5, 3)),
+    "addr": lambda: torch.addr(torch.ones(4, 4), torch.ones(4), torch.ones(5)),
+    "complex mm": lambda: torch.ones(2, 3, dtype=torch.complex64) @ torch.ones(4, 2, dtype=torch.complex64),
+    "conv2d": lambda: F.conv2d(torch.ones(1, 3, 8, 8), torch.ones(4, 2, 3, 3)),
+    "conv_tbc": lambda: torch.conv_tbc(torch.ones(1, 4, 4), torch.ones(1, 5, 2), torch.ones(2)),
+    "lstm_cell": lambda: torch.lstm_cell(torch.ones(2, 3), (torch.ones(2, 4), torch.ones(2, 4)), torch.ones(16, 5),
+                                         torch.ones(16, 4)),
+    "sdpa": lambda: F.scaled_dot_product_attention(torch.ones(1, 2, 4, 8), torch.ones(1, 2, 4, 6),
+                                                   torch.ones(1, 2, 4, 8)),
+    "multi-head attention": _mha_mismatched,
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_operands_pytorch_refuses_raise_its_own_error_not_one_of_tf32labs(name):
+    # A rule computes on rounded copies of the operands, so the kernel it calls met a bad shape first and said so in
+    # its own words, from a frame of tf32lab's: the pytest plugin reported "tf32lab error (not precision) ...
+    # please report" for a test's own shape error. The op is run natively where its emulation raised.
+    from tf32lab.pytest_plugin import _inside_tf32lab
+
+    call = REFUSED[name]
+    with pytest.raises(Exception) as native:
+        call()
+    with pytest.raises(type(native.value)) as emulated_error, tf32lab.precision("high"), tf32lab.emulate("a100"):
+        call()
+    assert str(emulated_error.value) == str(native.value)
+    assert _inside_tf32lab(emulated_error) is None, emulated_error.getrepr()
+    assert emulated_error.value.__suppress_context__ or emulated_error.value.__context__ is None
+
+
+def test_a_rule_that_breaks_where_the_op_runs_natively_is_still_tf32labs_own():
+    # a custom op given the addmm rule, which takes three operands where the op has two: natively it computes
+    from tf32lab.emulation import rules
+    from tf32lab.pytest_plugin import _inside_tf32lab
+
+    if not hasattr(torch.ops.tf32labemulatetest, "product"):
+        library = torch.library.Library("tf32labemulatetest", "DEF")
+        library.define("product(Tensor a, Tensor b) -> Tensor")
+        library.impl("product", lambda a, b: a @ b, "CompositeExplicitAutograd")
+        rules.rule(torch.ops.tf32labemulatetest.product)(rules.RULES[torch.ops.aten.addmm])
+        test_a_rule_that_breaks_where_the_op_runs_natively_is_still_tf32labs_own.library = library  # kept alive
+    a = torch.ones(4, 4)
+    assert torch.equal(torch.ops.tf32labemulatetest.product(a, a), a @ a)
+    with pytest.raises(ValueError, match="not enough values to unpack") as error, tf32lab.precision("high"), \
+            tf32lab.emulate("a100"):
+        torch.ops.tf32labemulatetest.product(a, a)
+    where = _inside_tf32lab(error)
+    assert where is not None and where[1].startswith("tf32lab/emulation/rules.py"), where

@@ -16,7 +16,8 @@ of its markers, so ``pytest --help`` elsewhere costs what it did.
   fresh function-scoped fixtures, the random generators as the first run found them and Dynamo's caches reset;
   the summary says "fails only under a100:high" or "fails at highest too".
 - A failure raised inside tf32lab itself (the emulator, a rule, ``formats``; a frame that only handed an op on
-  does not count, nor the test's own code that tf32lab called back) is never put down to precision: the summary
+  does not count, nor the test's own code that tf32lab called back; an op whose operands PyTorch refuses natively
+  too, shapes that do not multiply, raises its own error as natively) is never put down to precision: the summary
   says "tf32lab error (not precision): <error> (tf32lab/<file>:<line>), please report", or "tf32lab refused (not
   precision): ..." for a ``Tf32LabError`` (``--tf32lab-strict``, say). An error PyTorch's tracer raises inside a
   ``torch.jit.trace`` that ran under the emulation, with no frame of the model's or the test's in between, is

@@ -1039,7 +1039,9 @@ class _Mode(TorchDispatchMode):
                 return rule(call, ruled, args, kwargs)
 
             # The rounded operands must not be rounded again by the native GEMM: IEEE for this device's cell.
-            result = scope.run_at("highest", run, cell=_native_cell(args), refused=lambda: _in_float64(run))
+            # a rule that raises: the op's own error where it refuses these operands natively too
+            result = _or_natively(func, args, kwargs if out is None else {**kwargs, "out": out}, lambda: scope.run_at(
+                "highest", run, cell=_native_cell(args), refused=lambda: _in_float64(run)))
             if result is NotImplemented:  # the rule declined (e.g. a layout it does not model)
                 return self._no_rule(call, func, family, "unknown", args,
                                      kwargs if out is None else {**kwargs, "out": out})
@@ -1058,8 +1060,12 @@ class _Mode(TorchDispatchMode):
         # A composite op decomposes into ops we know (with IEEE GEMMs where PyTorch turns TF32 off inside it);
         # everything else is unhandled (an op outside the table named like a solver: IEEE on every target).
         if how != "unhandled":
-            with self, (rules.no_tf32() if how == "no_tf32" else contextlib.nullcontext()):
-                result = func.decompose(*args, **kwargs)
+            def decomposed():
+                with self, (rules.no_tf32() if how == "no_tf32" else contextlib.nullcontext()):
+                    return func.decompose(*args, **kwargs)
+
+            # outside this mode: the op checked natively, where its parts raised
+            result = _or_natively(func, args, kwargs, decomposed)
             if result is not NotImplemented:
                 return result
         if family == "linalg" and how == "unknown":
@@ -1067,6 +1073,34 @@ class _Mode(TorchDispatchMode):
             return func(*args, **kwargs)
         call.unhandled()
         return func(*args, **kwargs)
+
+
+def _or_natively(func: Any, args: tuple, kwargs: dict, compute: Callable[[], Any]) -> Any:
+    """``compute()``, the emulated ``func``; where it raises, the error the op raises natively on these operands
+    (:func:`_refused_natively`), or its own when the op runs natively."""
+    try:
+        return compute()
+    except Tf32LabError:
+        raise
+    except Exception:
+        _refused_natively(func, args, kwargs)
+        raise
+
+
+def _refused_natively(func: Any, args: tuple, kwargs: dict) -> None:
+    """Where a rule or a decomposition raised, the op run natively on the caller's own operands.
+
+    An op that refuses them natively too (shapes that do not multiply, a size that does not broadcast) raises its
+    own error here, worded as PyTorch words it without tf32lab (the rule's rounded copies had met the same check,
+    worded by the kernel the rule called), from a frame that only hands the op on (``func(*args, **kwargs)``:
+    ``numbers.origin.forwards``), so that it is the caller's error, not put down to tf32lab. An op that runs
+    natively returns here, and the caller raises the rule's error: tf32lab's own (the native run's result, or
+    what it wrote into ``out``, is not the emulated value; the error says so by being raised)."""
+    try:
+        func(*args, **kwargs)
+    except Exception as native:
+        native.__suppress_context__ = True  # the rule's attempt is no part of the op's own error
+        raise
 
 
 _get_tracing_state = torch._C._get_tracing_state
@@ -1314,12 +1348,14 @@ class _FunctionMode(TorchFunctionMode):
                                 entry.emu.handoff.stop()
                             with modestack.lifted(_thread_modes().dispatch):
                                 return func(*args, **kwargs)
-                        return _handed(entry, call.op, "attention", args, kwargs,
-                                       lambda: attention_rules.sdpa_function(call, func, args, kwargs))
+                        return _or_natively(func, args, kwargs, lambda: _handed(
+                            entry, call.op, "attention", args, kwargs,
+                            lambda: attention_rules.sdpa_function(call, func, args, kwargs)))
                 elif _holds(args):
                     entry.emu.rnns_met = True  # its GEMMs are counted as aten::linear / aten::mm (families_met)
-                    return _handed(entry, f"aten::{rules.RNN_FUNCTIONS[func]}", "rnn", args, kwargs,
-                                   lambda: _rnn(entry, func, args, kwargs))
+                    return _or_natively(func, args, kwargs, lambda: _handed(
+                        entry, f"aten::{rules.RNN_FUNCTIONS[func]}", "rnn", args, kwargs,
+                        lambda: _rnn(entry, func, args, kwargs)))
         if func in _KEEP_ON and _redispatch is not None and _skips_none_but_this(types):
             # a backward, and any forward it recomputes, under this mode as the forward was; a composite's SDPA seen
             # here as a direct call is
