@@ -16,7 +16,7 @@ from dynamo_state import compiling_restored
 from emulation_reference import bilinear, bound, check, emulated, randn
 from tf32lab import Tf32LabError
 from tf32lab.control.scope import current_emulation
-from tf32lab.emulation import emulator
+from tf32lab.emulation import emulator, rules
 from tf32lab.numbers import formats
 
 aten = torch.ops.aten
@@ -712,7 +712,7 @@ def test_operands_pytorch_refuses_raise_its_own_error_not_one_of_tf32labs(name):
 
 def test_a_rule_that_breaks_where_the_op_runs_natively_is_still_tf32labs_own():
     # a custom op given the addmm rule, which takes three operands where the op has two: natively it computes
-    from tf32lab.emulation import rules
+
     from tf32lab.pytest_plugin import _inside_tf32lab
 
     if not hasattr(torch.ops.tf32labemulatetest, "product"):
@@ -728,3 +728,72 @@ def test_a_rule_that_breaks_where_the_op_runs_natively_is_still_tf32labs_own():
         torch.ops.tf32labemulatetest.product(a, a)
     where = _inside_tf32lab(error)
     assert where is not None and where[1].startswith("tf32lab/emulation/rules.py"), where
+
+
+def _broken(error: Exception, backward_only: bool = False):
+    """A rule for aten.mm (or any op) that raises ``error``, or (backward_only) returns the transpose in a backward."""
+    mm = rules.RULES[aten.mm]
+
+    def rule(call, func, args, kwargs):
+        if backward_only:
+            out = mm(call, func, args, kwargs)
+            return out.t().contiguous() if torch._C._current_autograd_node() is not None else out
+        raise error
+
+    return rule
+
+
+@pytest.fixture
+def breaks(monkeypatch):
+    """``breaks(op, rule)``: ``op`` emulated by ``rule`` for this test."""
+    def apply(op, rule):
+        emulator.treatment(op)
+        monkeypatch.setitem(emulator._TREATMENTS, op, emulator.Treatment("matmul", "rule", rule))
+    return apply
+
+
+@pytest.mark.parametrize("error", [RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to ..."),
+                                   torch.cuda.OutOfMemoryError("CUDA out of memory."), MemoryError()])
+def test_a_rule_that_runs_out_of_memory_is_not_rerun_natively(breaks, monkeypatch, error):
+    # the native rerun, while the rule's buffers are held, ran out too, and the emulation's own memory was put down
+    # to the caller
+    reruns = []
+    monkeypatch.setattr(emulator, "_refused_natively", lambda *args: reruns.append(args))
+    breaks(aten.mm.default, _broken(error))
+    with pytest.raises(type(error)) as raised, tf32lab.precision("high"), tf32lab.emulate("a100"):
+        torch.ones(4, 4) @ torch.ones(4, 4)
+    assert raised.value is error and not reruns
+
+
+def test_a_gradient_of_the_wrong_shape_from_a_rule_stays_tf32labs(breaks):
+    # autograd's engine refuses it below the backward's hand-off: not rerun, not the caller's
+    from tf32lab.pytest_plugin import _inside_tf32lab
+
+    breaks(aten.mm.default, _broken(None, backward_only=True))
+    a = torch.ones(4, 3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="invalid gradient") as error, tf32lab.precision("high"), \
+            tf32lab.emulate("a100"):
+        (a @ torch.ones(3, 5)).sum().backward()
+    assert _inside_tf32lab(error) is not None
+
+
+def test_an_in_place_op_whose_rule_breaks_leaves_its_operand_as_it_was(breaks):
+    breaks(aten.addmm_.default, _broken(ValueError("a rule's own bug")))
+    c = torch.zeros(4, 4)
+    with pytest.raises(ValueError, match="a rule's own bug"), tf32lab.precision("high"), tf32lab.emulate("a100"):
+        c.addmm_(torch.ones(4, 4), torch.ones(4, 4))
+    assert torch.equal(c, torch.zeros(4, 4))
+
+
+def test_a_broken_rnn_emulation_is_checked_natively_outside_the_emulation(monkeypatch):
+    # the native run went through the dispatch mode: counted as unhandled, and refused under strict, hiding the bug
+    def broken(*args):
+        raise KeyError("an RNN emulation's own bug")
+
+    monkeypatch.setattr(emulator, "_rnn", broken)
+    lstm, x = torch.nn.LSTM(5, 3), torch.ones(4, 1, 5)
+    with pytest.raises(KeyError, match="own bug"), tf32lab.precision("high"), tf32lab.emulate("a100", strict=True):
+        lstm(x)
+    with pytest.raises(KeyError, match="own bug"), tf32lab.precision("high"), tf32lab.emulate("a100") as emu:
+        lstm(x)
+    assert not emu.unhandled, emu.unhandled

@@ -40,6 +40,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
@@ -1075,15 +1076,19 @@ class _Mode(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _or_natively(func: Any, args: tuple, kwargs: dict, compute: Callable[[], Any]) -> Any:
+def _or_natively(func: Any, args: tuple, kwargs: dict, compute: Callable[[], Any],
+                 outside: Callable[[], Any] = contextlib.nullcontext) -> Any:
     """``compute()``, the emulated ``func``; where it raises, the error the op raises natively on these operands
-    (:func:`_refused_natively`), or its own when the op runs natively."""
+    (:func:`_refused_natively`, inside ``outside()``: the emulator's modes lifted, for a function mode's call), or
+    its own when the op runs natively."""
     try:
         return compute()
     except Tf32LabError:
         raise
-    except Exception:
-        _refused_natively(func, args, kwargs)
+    except Exception as exc:
+        if not _out_of_memory(exc):
+            with outside():
+                _refused_natively(func, args, kwargs)
         raise
 
 
@@ -1094,13 +1099,34 @@ def _refused_natively(func: Any, args: tuple, kwargs: dict) -> None:
     own error here, worded as PyTorch words it without tf32lab (the rule's rounded copies had met the same check,
     worded by the kernel the rule called), from a frame that only hands the op on (``func(*args, **kwargs)``:
     ``numbers.origin.forwards``), so that it is the caller's error, not put down to tf32lab. An op that runs
-    natively returns here, and the caller raises the rule's error: tf32lab's own (the native run's result, or
-    what it wrote into ``out``, is not the emulated value; the error says so by being raised)."""
+    natively returns here, and the caller raises the rule's error: tf32lab's own. An op that writes its operands
+    (``out=``, ``addmm_``) runs on copies of them, so that a caller who catches tf32lab's error finds them as they
+    were. Not where the emulation ran out of memory (:func:`_out_of_memory`): the native op, run while the rule's
+    buffers are held, would run out too, and a failure the emulation's own memory caused be put down to the
+    caller."""
+    if "out" in kwargs or _mutates(func):
+        args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
     try:
         func(*args, **kwargs)
     except Exception as native:
         native.__suppress_context__ = True  # the rule's attempt is no part of the op's own error
         raise
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says an allocation failed (CUDA's ``OutOfMemoryError``; the CPU allocator's RuntimeError)."""
+    return isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)) or (
+        isinstance(exc, RuntimeError) and ("can't allocate memory" in str(exc) or "out of memory" in str(exc)))
+
+
+@contextlib.contextmanager
+def _outside_the_emulation(entry: _Entry) -> Iterator[None]:
+    """A function mode's call run as it runs natively: the dispatch mode lifted (its rules would count the call and,
+    ``strict``, refuse it) and the block's hand-off stopped, as for a nested tensor's attention."""
+    if entry.emu.handoff is not None:
+        entry.emu.handoff.stop()
+    with modestack.lifted(_thread_modes().dispatch):
+        yield
 
 
 _get_tracing_state = torch._C._get_tracing_state
@@ -1350,17 +1376,28 @@ class _FunctionMode(TorchFunctionMode):
                                 return func(*args, **kwargs)
                         return _or_natively(func, args, kwargs, lambda: _handed(
                             entry, call.op, "attention", args, kwargs,
-                            lambda: attention_rules.sdpa_function(call, func, args, kwargs)))
+                            lambda: attention_rules.sdpa_function(call, func, args, kwargs)),
+                            lambda: _outside_the_emulation(entry))
                 elif _holds(args):
                     entry.emu.rnns_met = True  # its GEMMs are counted as aten::linear / aten::mm (families_met)
                     return _or_natively(func, args, kwargs, lambda: _handed(
                         entry, f"aten::{rules.RNN_FUNCTIONS[func]}", "rnn", args, kwargs,
-                        lambda: _rnn(entry, func, args, kwargs)))
+                        lambda: _rnn(entry, func, args, kwargs)), lambda: _outside_the_emulation(entry))
         if func in _KEEP_ON and _redispatch is not None and _skips_none_but_this(types):
             # a backward, and any forward it recomputes, under this mode as the forward was; a composite's SDPA seen
             # here as a direct call is
-            with self:
-                return _redispatch(func, types, args, kwargs)
+            def redispatched():
+                with self:
+                    return _redispatch(func, types, args, kwargs)
+
+            if func not in _CALLS_SDPA:
+                # not rerun: a backward that raised has run part of its graph (and freed it), and an error of the
+                # engine's here (a gradient of the wrong shape) may be an emulated op's result
+                return redispatched()
+            # multi-head attention asserts its operands' shapes in Python, below this frame
+            met = scope.current_emulation()
+            return _or_natively(func, args, kwargs, redispatched, lambda: _outside_the_emulation(met)
+                                if met is not None else contextlib.nullcontext())
         # Known limit without redispatch_function (older PyTorch): the mode is off inside its own handler, so a call
         # made *inside* another Python-level torch function (F.multi_head_attention_forward) is not seen here; the
         # dispatch mode still emulates what it decomposes into (docs/design.md).

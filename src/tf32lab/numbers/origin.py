@@ -7,9 +7,8 @@ counting) is a bug in tf32lab, and must say so instead of being put down to the 
 
 The traceback is read from the frame that raised outwards, PyTorch's and the standard library's frames passed
 over: the first frame of anyone else's (the model, the project, a metric) decides for the model; the first frame of
-tf32lab's decides for tf32lab, unless it only handed an op on (``func(*args, **kwargs)`` in a dispatch mode, or a
-function mode's ``_redispatch(func, types, args, kwargs)``: the op's own error, as it would raise natively) or it is
-a built-in workload's model (``builtin.py``). A
+tf32lab's decides for tf32lab, unless it only handed an op on (``func(*args, **kwargs)`` in a dispatch mode: the
+op's own error, as it would raise natively) or it is a built-in workload's model (``builtin.py``). A
 ``RuntimeError`` (PyTorch's kernels raise those, ``LinAlgError`` among them) is left to the model even from a frame
 of tf32lab's: an emulated solve that meets a singular matrix reports what the hardware would, a finding, and
 telling a kernel's complaint about the model's tensors from one about tf32lab's is not possible from the frames.
@@ -42,9 +41,7 @@ __all__ = ["LIBRARY", "OURS", "PACKAGE", "exit_call", "forwarding_line", "forwar
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # tf32lab/
 # tf32lab's demo workloads: their errors are a model's
 _MODELS = frozenset([os.path.join(PACKAGE, "workloads", "builtin.py")])
-# how tf32lab's modes hand an op on, unchanged, to run as it would natively: called, or (a function mode's) given
-# back to PyTorch's own dispatch of a Python-level function (F.multi_head_attention_forward asserts its shapes)
-_FORWARDS = ("func(*args, **kwargs)", "_redispatch(func, types, args, kwargs)")
+_FORWARD = "func(*args, **kwargs)"  # how tf32lab's modes hand an op on, unchanged, to run as it would natively
 LIBRARY, OURS, _OTHER = "library", "tf32lab", "other"  # whose code a frame runs (kind_of)
 _GENERATED = ("<frozen ", "<eval_with_key>")  # pseudo-files of library code: Python's, torch.fx's
 
@@ -143,10 +140,10 @@ def forwards(entry: Any) -> bool:
         except (IndexError, ValueError):
             start = None
         if start is not None and start == end and first is not None and last is not None:
-            return linecache.getline(code.co_filename, start)[first:last] in _FORWARDS
+            return linecache.getline(code.co_filename, start)[first:last] == _FORWARD
     return forwarding_line(linecache.getline(code.co_filename, lineno))
 
 
 def forwarding_line(line: Optional[str]) -> bool:
     """Whether a source line hands an op on unchanged (for frames known by their line only, as Dynamo keeps them)."""
-    return any(form in (line or "") for form in _FORWARDS)
+    return _FORWARD in (line or "")
