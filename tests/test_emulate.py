@@ -797,3 +797,34 @@ def test_a_broken_rnn_emulation_is_checked_natively_outside_the_emulation(monkey
     with pytest.raises(KeyError, match="own bug"), tf32lab.precision("high"), tf32lab.emulate("a100") as emu:
         lstm(x)
     assert not emu.unhandled, emu.unhandled
+
+
+@pytest.mark.parametrize("out", [torch.empty(0), torch.empty(3, 3), torch.empty(2, 2, dtype=torch.float64),
+                                 torch.empty(4, 4)], ids=["empty", "other shape", "float64", "same"])
+def test_out_of_another_shape_or_dtype_is_resized_or_refused_as_natively(out):
+    # an empty out= raised a size mismatch in the emulator's copy (said to be tf32lab's), and a float64 one was cast
+    # where PyTorch refuses it
+    import warnings
+
+    a = randn(4, 4, seed=6)
+    native_out, emulated_out = out.clone(), out.clone()
+    with warnings.catch_warnings(record=True) as native_warnings:
+        warnings.simplefilter("always")
+        try:
+            torch.mm(a, a, out=native_out)
+            native = None
+        except RuntimeError as exc:
+            native = str(exc)
+    with warnings.catch_warnings(record=True) as emulated_warnings, tf32lab.precision("high"), \
+            tf32lab.emulate("a100"):
+        warnings.simplefilter("always")
+        if native is not None:
+            with pytest.raises(RuntimeError) as error:
+                torch.mm(a, a, out=emulated_out)
+            assert str(error.value) == native
+            return
+        torch.mm(a, a, out=emulated_out)
+    assert emulated_out.shape == native_out.shape == (4, 4)
+    torch.testing.assert_close(emulated_out, native_out, rtol=1e-2, atol=1e-2)  # TF32 against IEEE
+    assert [str(w.message) for w in emulated_warnings if "resized" in str(w.message)] == \
+        [str(w.message) for w in native_warnings if "resized" in str(w.message)]

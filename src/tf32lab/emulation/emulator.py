@@ -1047,7 +1047,7 @@ class _Mode(TorchDispatchMode):
                 return self._no_rule(call, func, family, "unknown", args,
                                      kwargs if out is None else {**kwargs, "out": out})
             if out is not None:
-                out.copy_(result)
+                _into(out, result, func, args, kwargs)
                 result = out
             call.count(call.math_seen or call.math(family))
             if (entry.cache.entries or entry.cache.recent) and (out is not None or _mutates(func)):
@@ -1074,6 +1074,19 @@ class _Mode(TorchDispatchMode):
             return func(*args, **kwargs)
         call.unhandled()
         return func(*args, **kwargs)
+
+
+def _into(out: torch.Tensor, result: torch.Tensor, func: Any, args: tuple, kwargs: dict) -> None:
+    """``result`` written into the caller's ``out=`` as the op writes it natively: an ``out`` of another dtype or
+    device checked by the op itself (refused as natively, or cast), one of another shape resized by PyTorch's own
+    ``resize_output`` (with its warning where it held elements), through an exact ``mul`` by 1: the emulator's copy
+    had refused an empty ``out``."""
+    if out.dtype != result.dtype or out.device != result.device:
+        _refused_natively(func, args, {**kwargs, "out": out})  # raises where the op refuses it
+    if out.shape != result.shape:
+        torch.mul(result, 1, out=out)
+    else:
+        out.copy_(result)
 
 
 def _or_natively(func: Any, args: tuple, kwargs: dict, compute: Callable[[], Any],
