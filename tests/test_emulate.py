@@ -712,7 +712,6 @@ def test_operands_pytorch_refuses_raise_its_own_error_not_one_of_tf32labs(name):
 
 def test_a_rule_that_breaks_where_the_op_runs_natively_is_still_tf32labs_own():
     # a custom op given the addmm rule, which takes three operands where the op has two: natively it computes
-
     from tf32lab.pytest_plugin import _inside_tf32lab
 
     if not hasattr(torch.ops.tf32labemulatetest, "product"):
@@ -730,24 +729,24 @@ def test_a_rule_that_breaks_where_the_op_runs_natively_is_still_tf32labs_own():
     assert where is not None and where[1].startswith("tf32lab/emulation/rules.py"), where
 
 
-def _broken(error: Exception, backward_only: bool = False):
-    """A rule for aten.mm (or any op) that raises ``error``, or (backward_only) returns the transpose in a backward."""
-    mm = rules.RULES[aten.mm]
-
+def _raising(error: BaseException):
+    """A rule that raises ``error``."""
     def rule(call, func, args, kwargs):
-        if backward_only:
-            out = mm(call, func, args, kwargs)
-            return out.t().contiguous() if torch._C._current_autograd_node() is not None else out
         raise error
 
     return rule
+
+
+def _transposed_in_backward(call, func, args, kwargs):
+    """aten.mm's rule, its result transposed inside a backward: a gradient of the wrong shape."""
+    out = rules.RULES[aten.mm](call, func, args, kwargs)
+    return out.t().contiguous() if torch._C._current_autograd_node() is not None else out
 
 
 @pytest.fixture
 def breaks(monkeypatch):
     """``breaks(op, rule)``: ``op`` emulated by ``rule`` for this test."""
     def apply(op, rule):
-        emulator.treatment(op)
         monkeypatch.setitem(emulator._TREATMENTS, op, emulator.Treatment("matmul", "rule", rule))
     return apply
 
@@ -759,7 +758,7 @@ def test_a_rule_that_runs_out_of_memory_is_not_rerun_natively(breaks, monkeypatc
     # to the caller
     reruns = []
     monkeypatch.setattr(emulator, "_refused_natively", lambda *args: reruns.append(args))
-    breaks(aten.mm.default, _broken(error))
+    breaks(aten.mm.default, _raising(error))
     with pytest.raises(type(error)) as raised, tf32lab.precision("high"), tf32lab.emulate("a100"):
         torch.ones(4, 4) @ torch.ones(4, 4)
     assert raised.value is error and not reruns
@@ -769,7 +768,7 @@ def test_a_gradient_of_the_wrong_shape_from_a_rule_stays_tf32labs(breaks):
     # autograd's engine refuses it below the backward's hand-off: not rerun, not the caller's
     from tf32lab.pytest_plugin import _inside_tf32lab
 
-    breaks(aten.mm.default, _broken(None, backward_only=True))
+    breaks(aten.mm.default, _transposed_in_backward)
     a = torch.ones(4, 3, requires_grad=True)
     with pytest.raises(RuntimeError, match="invalid gradient") as error, tf32lab.precision("high"), \
             tf32lab.emulate("a100"):
@@ -778,7 +777,7 @@ def test_a_gradient_of_the_wrong_shape_from_a_rule_stays_tf32labs(breaks):
 
 
 def test_an_in_place_op_whose_rule_breaks_leaves_its_operand_as_it_was(breaks):
-    breaks(aten.addmm_.default, _broken(ValueError("a rule's own bug")))
+    breaks(aten.addmm_.default, _raising(ValueError("a rule's own bug")))
     c = torch.zeros(4, 4)
     with pytest.raises(ValueError, match="a rule's own bug"), tf32lab.precision("high"), tf32lab.emulate("a100"):
         c.addmm_(torch.ones(4, 4), torch.ones(4, 4))

@@ -1135,7 +1135,8 @@ def _out_of_memory(exc: BaseException) -> bool:
 @contextlib.contextmanager
 def _outside_the_emulation(entry: _Entry) -> Iterator[None]:
     """A function mode's call run as it runs natively: the dispatch mode lifted (its rules would count the call and,
-    ``strict``, refuse it) and the block's hand-off stopped, as for a nested tensor's attention."""
+    ``strict``, refuse it) and the block's hand-off stopped (a nested tensor's attention, an emulation's native
+    check)."""
     if entry.emu.handoff is not None:
         entry.emu.handoff.stop()
     with modestack.lifted(_thread_modes().dispatch):
@@ -1383,9 +1384,7 @@ class _FunctionMode(TorchFunctionMode):
                             # path on each sequence; neither is the target's kernel: native, and said. Strided
                             # nested tensors (no Python subclass) have no sizes a rule could read.
                             call.unhandled(f"{call.op} (nested tensor)" if strided else None)
-                            if entry.emu.handoff is not None:  # computed natively, at this thread's own flags
-                                entry.emu.handoff.stop()
-                            with modestack.lifted(_thread_modes().dispatch):
+                            with _outside_the_emulation(entry):  # computed natively, at this thread's own flags
                                 return func(*args, **kwargs)
                         return _or_natively(func, args, kwargs, lambda: _handed(
                             entry, call.op, "attention", args, kwargs,
