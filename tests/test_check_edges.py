@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import textwrap
 import threading
 from pathlib import Path
@@ -243,10 +244,11 @@ def test_the_commands_refuse_all_threaded_products_and_say_partly_threaded_ones_
         assert "nothing was measured" in done.stderr and "safe" not in done.stdout
     done = cli("check", "threaded.py:some", "--levels", "highest,high")
     assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()  # the conclusion's lines are not wrapped; 3 runs: the reference, 2 levels
-    verdict = next(i for i, line in enumerate(lines) if line.startswith("TF32 is safe"))
-    assert lines[verdict + 1].startswith("Not all of the model was measured; this verdict covers only part of it: "
-                                         "3 matmul-family op(s) ran on another thread"), lines[verdict:]
+    # the conclusion wrapped at the console's width; 3 runs: the reference, 2 levels; said right after the verdict
+    said = " ".join(done.stdout[done.stdout.index("TF32 is safe"):].split())
+    first = said.index("Not all of the model was measured; this verdict covers only part of it: 3 matmul-family "
+                       "op(s) ran on another thread")
+    assert re.fullmatch(r"TF32 is safe .* against tolerance \S+\)\. ", said[:first]), said
     assert done.stdout.count("ran on another thread") == 1  # said once: beside the verdict, not among the notes
     done = cli("tune", "threaded.py:some")
     assert done.returncode == 0 and "Not all of the model was measured" in done.stdout, done.stdout

@@ -573,10 +573,12 @@ def _check_loaded(args: argparse.Namespace, spec: str, levels: tuple[str, ...], 
         if args.train:
             report.print(_console())
             return
-        report.print(_console(), policy_file=args.policy)
+        console = _console()
+        report.print(console, policy_file=args.policy)
         step = _next_step(report, spec, target)
-        if step:
-            print(step)
+        if step:  # the command whole on its line, to copy; why wrapped at the console's width
+            console.print(step[0], soft_wrap=True, markup=False)
+            console.print(step[1], markup=False)
 
     return _emit(args, report, show)
 
@@ -675,16 +677,17 @@ def _workload_raises(args: argparse.Namespace, loaded: Any, doing: str) -> Itera
         raise Tf32LabError(f"workload {loaded.name!r} raised {type(exc).__name__}: {exc}") from exc
 
 
-def _next_step(report, spec: str, target) -> str:
-    """When a reduced level fails: the command that finds the layers to keep at a safer level."""
+def _next_step(report, spec: str, target) -> Optional[tuple[str, str]]:
+    """When a reduced level fails: the command that finds the layers to keep at a safer level, and what it does."""
     # a level the target computes as another is named as that one (`medium` on an A100 is `high`)
     failed = [lv.same_as or lv.level for lv in report.levels if lv.level in ("high", "medium") and not lv.passed]
     if not failed or target.peaks is None or (report.policy_row is not None and report.passed):
-        return ""  # nothing failed, no speed model, or the policy given passes: nothing to search for
+        return None  # nothing failed, no speed model, or the policy given passes: nothing to search for
     if any(lv.level == "highest" and not lv.passed for lv in report.levels):
-        return ""  # tune keeps layers at `highest`, which fails too (or samples): no policy it finds can pass
-    return (f"next: tf32lab tune {_shown(spec)} --target {target.name} --out policy.json  finds the fastest policy "
-            f"within tolerance (which layers to keep at a safer level than {failed[-1]!r}), each candidate verified")
+        return None  # tune keeps layers at `highest`, which fails too (or samples): no policy it finds can pass
+    return (f"next: tf32lab tune {_shown(spec)} --target {target.name} --out policy.json",
+            f"  finds the fastest policy within tolerance (which layers to keep at a safer level than "
+            f"{failed[-1]!r}), each candidate verified")
 
 
 def _one_process(command: str, instead: str = "run it in one process, or check the sharded model") -> None:

@@ -101,7 +101,8 @@ class Diagnosis:
         return write_json(path, self.to_dict())
 
     def print(self, console: Any = None) -> None:
-        """Tables on the terminal (rich); warnings and the recommendation as unwrapped lines."""
+        """Tables on the terminal (rich); warnings as unwrapped lines (``warning | code | message``, to grep), the
+        recommendation wrapped at the console's width."""
         from rich.console import Console
 
         from tf32lab.report.doctor_text import render
@@ -109,7 +110,7 @@ class Diagnosis:
         console = console or Console(highlight=False)
         for item in render(self):
             if isinstance(item, str):
-                console.print(item, soft_wrap=True, markup=False, highlight=False)
+                console.print(item, soft_wrap=item.startswith("warning | "), markup=False, highlight=False)
             else:
                 console.print(item)
 

@@ -264,19 +264,11 @@ class Report(Rows):
         yield from renderables(self)
 
     def print(self, console: Any = None, policy_file: Optional[str] = None) -> None:
-        """Print the tables and the verdict lines to ``console`` (a ``rich.console.Console``; default: stdout);
-        ``policy_file``: see :meth:`conclusion`."""
-        from rich.console import Console
+        """Print the tables, the verdict lines and the conclusion to ``console`` (a ``rich.console.Console``;
+        default: stdout); ``policy_file``: see :meth:`conclusion`."""
+        from tf32lab.report.text import print_with_verdicts
 
-        from tf32lab.report.text import inert
-
-        console = console or Console(highlight=False)
-        console.print(self)
-        for line in self.verdicts():
-            console.print(inert(line), soft_wrap=True, markup=False, emoji=False, highlight=False)
-        console.print()
-        for line in self.conclusion(policy_file):
-            console.print(inert(line), soft_wrap=True, markup=False, emoji=False, highlight=False)
+        print_with_verdicts(self, console, self.conclusion(policy_file))
 
 
 def schema() -> dict[str, Any]:

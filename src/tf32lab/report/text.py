@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 from rich.text import Text
 
@@ -223,12 +223,16 @@ def ranked_layers(report: Report) -> list[str]:
     return sorted(worst, key=lambda name: -worst[name])
 
 
-def print_with_verdicts(document: Any, console: Any = None) -> None:
-    """``document``'s tables (its ``__rich_console__``), then its verdict lines and conclusion, unwrapped, on
-    ``console`` (default: stdout): how the training and generation reports print."""
+def print_with_verdicts(document: Any, console: Any = None, conclusion: Optional[list[str]] = None) -> None:
+    """``document``'s tables (its ``__rich_console__``), its verdict lines unwrapped (one a line, to grep), then its
+    conclusion (``conclusion``, default ``document.conclusion()``) wrapped at the console's width, on ``console``
+    (default: stdout; through a pipe, 80 columns or ``COLUMNS``): how every report prints."""
     from rich.console import Console
 
     console = console or Console(highlight=False)
     console.print(document)
-    for line in [*document.verdicts(), "", *document.conclusion()]:
+    for line in document.verdicts():
         console.print(inert(line), soft_wrap=True, markup=False, emoji=False, highlight=False)
+    console.print()
+    for line in document.conclusion() if conclusion is None else conclusion:
+        console.print(inert(line), markup=False, emoji=False, highlight=False)
