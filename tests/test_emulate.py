@@ -776,6 +776,29 @@ def test_a_gradient_of_the_wrong_shape_from_a_rule_stays_tf32labs(breaks):
     assert _inside_tf32lab(error) is not None
 
 
+BACKWARDS_REFUSED = {  # refused by autograd before any op of the backward ran: the caller's own, as natively
+    "no grad_fn": lambda a, b: (a @ b).sum().backward(),
+    "not a scalar": lambda a, b: (a.requires_grad_() @ b).backward(),
+    "grad of no grad_fn": lambda a, b: torch.autograd.grad((a @ b).sum(), [a]),
+    "gradient of another shape": lambda a, b: (a.requires_grad_() @ b).backward(torch.ones(2, 2)),
+}
+
+
+@pytest.mark.parametrize("name", list(BACKWARDS_REFUSED))
+def test_a_backward_autograd_refuses_before_any_emulated_op_is_the_callers(name):
+    # the engine's error surfaced below the emulator's hand-off of the backward: the plugin said "tf32lab error
+    # (not precision) ... please report" for a test's own mistake
+    from tf32lab.pytest_plugin import _inside_tf32lab
+
+    call = BACKWARDS_REFUSED[name]
+    with pytest.raises(RuntimeError) as native:
+        call(torch.ones(4, 3), torch.ones(3, 5))
+    with pytest.raises(RuntimeError) as error, tf32lab.precision("high"), tf32lab.emulate("a100"):
+        call(torch.ones(4, 3), torch.ones(3, 5))
+    assert str(error.value) == str(native.value)
+    assert _inside_tf32lab(error) is None, error.getrepr()
+
+
 def test_an_in_place_op_whose_rule_breaks_leaves_its_operand_as_it_was(breaks):
     breaks(aten.addmm_.default, _raising(ValueError("a rule's own bug")))
     c = torch.zeros(4, 4)

@@ -265,6 +265,15 @@ INTERNAL_ERROR = textwrap.dedent("""
         A @ A
 
 
+    def test_a_backward_of_a_loss_that_needs_no_gradient():
+        # refused by autograd's engine before any op of the backward ran: the test's own error, as natively
+        (A @ B).sum().backward()
+
+
+    def test_a_backward_of_a_loss_that_is_not_a_scalar():
+        (A.requires_grad_() @ B).backward()
+
+
     @tf32lab.precision("high")
     def helper():
         raise ValueError("the project's own error")
@@ -278,14 +287,16 @@ INTERNAL_ERROR = textwrap.dedent("""
 def test_an_error_raised_inside_tf32lab_is_never_put_down_to_precision(pytester: pytest.Pytester):
     pytester.makepyfile(test_internal=INTERNAL_ERROR)
     result = _run(pytester, "--tf32lab", "a100:high", "--tf32lab-compare")
-    result.assert_outcomes(failed=4)
+    result.assert_outcomes(failed=6)
     result.stdout.fnmatch_lines([
-        "4 test(s) failed under tf32lab; 0 of them only there (they pass at highest); 1 because of tf32lab itself,"
+        "6 test(s) failed under tf32lab; 0 of them only there (they pass at highest); 1 because of tf32lab itself,"
         " not precision:",
         "*test_an_op_whose_rule_breaks: tf32lab error (not precision): ValueError: not enough values to unpack*"
         " (tf32lab/emulation/rules.py:*), please report",
         "*test_an_ops_own_error: fails at highest too (call: *not positive-definite*",
         "*test_shapes_that_do_not_multiply: fails at highest too (call: RuntimeError: mat1 and mat2 shapes cannot*",
+        "*test_a_backward_of_a_loss_that_needs_no_gradient: fails at highest too (call: RuntimeError: element 0 of*",
+        "*test_a_backward_of_a_loss_that_is_not_a_scalar: fails at highest too (call: RuntimeError: grad can be*",
         "*test_the_projects_code_called_back_from_tf32lab: fails at highest too (call: ValueError: the project's*",
     ])
     assert "passes at highest" not in result.stdout.str()
@@ -295,6 +306,8 @@ def test_an_error_raised_inside_tf32lab_is_never_put_down_to_precision(pytester:
         "please report it if the test passes without --tf32lab",
         "*test_an_ops_own_error: fails under a100:high",
         "*test_shapes_that_do_not_multiply: fails under a100:high",
+        "*test_a_backward_of_a_loss_that_needs_no_gradient: fails under a100:high",
+        "*test_a_backward_of_a_loss_that_is_not_a_scalar: fails under a100:high",
         "*test_the_projects_code_called_back_from_tf32lab: fails under a100:high",
     ])
 

@@ -17,7 +17,8 @@ of its markers, so ``pytest --help`` elsewhere costs what it did.
   the summary says "fails only under a100:high" or "fails at highest too".
 - A failure raised inside tf32lab itself (the emulator, a rule, ``formats``; a frame that only handed an op on
   does not count, nor the test's own code that tf32lab called back; an op whose operands PyTorch refuses natively
-  too, shapes that do not multiply, raises its own error as natively) is never put down to precision: the summary
+  too, shapes that do not multiply, raises its own error as natively, and so does a backward that autograd refuses
+  before any emulated op of it ran) is never put down to precision: the summary
   says "tf32lab error (not precision): <error> (tf32lab/<file>:<line>), please report", or "tf32lab refused (not
   precision): ..." for a ``Tf32LabError`` (``--tf32lab-strict``, say). An error PyTorch's tracer raises inside a
   ``torch.jit.trace`` that ran under the emulation, with no frame of the model's or the test's in between, is
@@ -587,7 +588,7 @@ def _in_jit_trace(excinfo: pytest.ExceptionInfo) -> Optional[tuple[str, str, str
     for entry in innermost_first(excinfo.tb):
         filename = entry.tb_frame.f_code.co_filename
         kind = kind_of(filename)
-        if kind == OURS and forwards(entry):
+        if kind == OURS and forwards(entry, exc):
             continue
         if kind != LIBRARY:
             return None
@@ -600,7 +601,7 @@ def _raised_in(tb: Any, exc: BaseException) -> Optional[str]:
     """``"tf32lab/x.py:N"``, None (someone else's), or LIBRARY (only library frames)."""
     frames: list[tuple[str, int, Callable[[], bool]]] = []
     while tb is not None:
-        frames.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno, functools.partial(forwards, tb)))
+        frames.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno, functools.partial(forwards, tb, exc)))
         tb = tb.tb_next
     # Dynamo's errors carry the frames it was tracing symbolically when it gave up: the innermost ones
     for summary in getattr(exc, "real_stack", None) or ():

@@ -65,7 +65,7 @@ from tf32lab.know.targets import (
     sdpa_kernel,
 )
 from tf32lab.numbers import accumulation as _accumulation
-from tf32lab.numbers import formats
+from tf32lab.numbers import formats, origin
 from tf32lab.numbers.trees import operand_tensors
 
 __all__ = ["ACCUMULATIONS", "COMPOSITES_EMULATED", "RECOMPUTES_EMULATED", "Treatment", "check_accumulation",
@@ -1367,8 +1367,7 @@ class _FunctionMode(TorchFunctionMode):
             # a GPU's backward runs on autograd's device thread: the block is made known there (backward_threads)
             with backward_threads.launched(scope.current_emulation()):
                 if _redispatch is not None and _skips_none_but_this(types):
-                    with self:
-                        return _redispatch(func, types, args, kwargs)
+                    return _backward(self, scope.current_emulation(), func, types, args, kwargs)
                 return func(*args, **kwargs)
         # Under torch.jit.trace this mode runs above the tracer, which would record the emulation's own ops in the
         # user's graph: the call goes on to PyTorch, which records it, and the dispatch mode emulates its kernels.
@@ -1398,22 +1397,42 @@ class _FunctionMode(TorchFunctionMode):
         if func in _KEEP_ON and _redispatch is not None and _skips_none_but_this(types):
             # a backward, and any forward it recomputes, under this mode as the forward was; a composite's SDPA seen
             # here as a direct call is
+            met = scope.current_emulation()
+            if func not in _CALLS_SDPA:
+                return _backward(self, met, func, types, args, kwargs)
+
             def redispatched():
                 with self:
                     return _redispatch(func, types, args, kwargs)
 
-            if func not in _CALLS_SDPA:
-                # not rerun: a backward that raised has run part of its graph (and freed it), and an error of the
-                # engine's here (a gradient of the wrong shape) may be an emulated op's result
-                return redispatched()
             # multi-head attention asserts its operands' shapes in Python, below this frame
-            met = scope.current_emulation()
             return _or_natively(func, args, kwargs, redispatched, lambda: _outside_the_emulation(met)
                                 if met is not None else contextlib.nullcontext())
         # Known limit without redispatch_function (older PyTorch): the mode is off inside its own handler, so a call
         # made *inside* another Python-level torch function (F.multi_head_attention_forward) is not seen here; the
         # dispatch mode still emulates what it decomposes into (docs/design.md).
         return func(*args, **kwargs)
+
+
+def _backward(mode: _FunctionMode, entry: Optional[_Entry], func, types, args: tuple, kwargs: dict) -> Any:
+    """A backward call under ``mode``, as the forward ran. Not rerun natively where it raises: it has run part of
+    its graph (and freed it). An error autograd's engine raises before any op of the block ``entry`` was emulated in
+    it (a loss that does not require grad, a non-scalar loss with no gradient given) is the caller's own, as
+    natively: this frame is said to have handed the call on (``origin.handed_on``). Once one was, the engine's
+    error (a gradient of the wrong shape) may be an emulated op's result, and stays tf32lab's."""
+    before = _emulated_so_far(entry)
+    try:
+        with mode:
+            return _redispatch(func, types, args, kwargs)
+    except Exception as exc:
+        if entry is not None and _emulated_so_far(entry) == before:
+            origin.handed_on(exc)
+        raise
+
+
+def _emulated_so_far(entry: Optional[_Entry]) -> int:
+    """How many ops the block ``entry`` has emulated (its coverage's count)."""
+    return sum(entry.emu.coverage.values()) if entry is not None else 0
 
 
 def _through_a_device(args: tuple, kwargs: dict) -> bool:

@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 from tf32lab.errors import Tf32LabError
 
-__all__ = ["LIBRARY", "OURS", "PACKAGE", "exit_call", "forwarding_line", "forwards", "innermost_first",
+__all__ = ["LIBRARY", "OURS", "PACKAGE", "exit_call", "forwarding_line", "forwards", "handed_on", "innermost_first",
            "internal_error", "kind_of", "raised_by_tf32lab", "run_error"]
 
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # tf32lab/
@@ -44,6 +44,7 @@ _MODELS = frozenset([os.path.join(PACKAGE, "workloads", "builtin.py")])
 _FORWARD = "func(*args, **kwargs)"  # how tf32lab's modes hand an op on, unchanged, to run as it would natively
 LIBRARY, OURS, _OTHER = "library", "tf32lab", "other"  # whose code a frame runs (kind_of)
 _GENERATED = ("<frozen ", "<eval_with_key>")  # pseudo-files of library code: Python's, torch.fx's
+_HANDED_ON = "_tf32lab_handed_on"  # an exception's attribute: the frames of tf32lab's that passed it on (handed_on)
 
 
 def raised_by_tf32lab(exc: BaseException) -> Optional[str]:
@@ -102,7 +103,7 @@ def _raised_in(exc: BaseException) -> Optional[str]:
         kind = kind_of(filename)
         if kind == LIBRARY:
             continue
-        if kind != OURS or forwards(entry):
+        if kind != OURS or forwards(entry, exc):
             return None
         return f"tf32lab/{os.path.abspath(filename)[len(PACKAGE):]}:{entry.tb_lineno}"
     return LIBRARY
@@ -129,9 +130,22 @@ def kind_of(filename: str) -> str:
     return LIBRARY if any(path.startswith(prefix) for prefix in stdlib) else _OTHER
 
 
-def forwards(entry: Any) -> bool:
-    """Whether this traceback entry, a frame of tf32lab's, was handing an op on unchanged when the exception passed
-    through it."""
+def handed_on(exc: BaseException) -> None:
+    """Says of the frame of tf32lab's that calls this, about to re-raise ``exc``, that it handed the call on
+    unchanged: ``exc`` is what the call raises natively (the emulator's backward, when autograd's engine refused
+    the call before any emulated op of it ran), though the frame's line is not ``func(*args, **kwargs)``."""
+    frames = getattr(exc, _HANDED_ON, None)
+    if frames is None:
+        frames = []
+        setattr(exc, _HANDED_ON, frames)
+    frames.append(sys._getframe(1))
+
+
+def forwards(entry: Any, exc: Optional[BaseException] = None) -> bool:
+    """Whether this traceback entry, a frame of tf32lab's, was handing an op on unchanged when the exception
+    (``exc``, where known) passed through it."""
+    if exc is not None and any(frame is entry.tb_frame for frame in getattr(exc, _HANDED_ON, ())):
+        return True
     code, lineno = entry.tb_frame.f_code, entry.tb_lineno
     positions = getattr(code, "co_positions", None)
     if positions is not None:  # Python 3.11+: the very expression that was running
