@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import random
 import textwrap
 import threading
@@ -16,7 +17,7 @@ from dynamo_state import compiling_restored
 from emulation_reference import bilinear, bound, check, emulated, randn
 from tf32lab import Tf32LabError
 from tf32lab.control.scope import current_emulation
-from tf32lab.emulation import emulator, rules
+from tf32lab.emulation import emulator, recurrent, rules
 from tf32lab.numbers import formats
 
 aten = torch.ops.aten
@@ -797,6 +798,61 @@ def test_a_backward_autograd_refuses_before_any_emulated_op_is_the_callers(name)
         call(torch.ones(4, 3), torch.ones(3, 5))
     assert str(error.value) == str(native.value)
     assert _inside_tf32lab(error) is None, error.getrepr()
+    # nothing of tf32lab's rides on the error: it pickles (a process pool's worker sends it back) and holds no frame
+    assert vars(error.value) == vars(native.value) and pickle.loads(pickle.dumps(error.value)).args == native.value.args
+
+
+def test_another_threads_emulated_ops_in_the_block_leave_a_backwards_error_the_callers():
+    # the block's whole coverage was counted: another thread's matmuls, during the backward, made the caller's second
+    # backward through a graph of no emulated op tf32lab's error, at random
+    from tf32lab.pytest_plugin import _inside_tf32lab
+
+    def elsewhere(grad):  # a thread of the same block emulates a matmul while this backward runs
+        worker = threading.Thread(target=lambda: _in(emu, lambda: torch.ones(4, 4) @ torch.ones(4, 4)))
+        worker.start()
+        worker.join()
+
+    x = torch.ones(3, requires_grad=True)
+    with tf32lab.precision("high"), tf32lab.emulate("a100") as emu:
+        y = (x * 2).exp()
+        y.register_hook(elsewhere)
+        y.sum().backward()
+        with pytest.raises(RuntimeError, match="second time") as error:
+            y.sum().backward()
+    assert emu.coverage[("aten::mm", "tf32-rna")] == 2
+    assert _inside_tf32lab(error) is None, error.getrepr()
+
+
+def _in(emu, fn):
+    with tf32lab.precision("high"), emu:
+        return fn()
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["another block", "a block inside the forward's"])
+def test_a_broken_rnn_backward_in_another_block_stays_tf32labs(monkeypatch, nested):
+    # the whole-sequence layer's backward counts its GEMMs into the forward's block: counted by block, a wrong
+    # gradient of its own was put down to the caller where the backward ran in another block
+    from tf32lab.pytest_plugin import _inside_tf32lab
+
+    real = recurrent._lstm_backward
+
+    def transposed(ctx, *grads):  # a bug of the rule's: the recurrent weight's gradient transposed
+        found = list(real(ctx, *grads))
+        found[3] = found[3].t().contiguous()
+        return tuple(found)
+
+    monkeypatch.setattr(recurrent, "_lstm_backward", transposed)
+    lstm, x = torch.nn.LSTM(4, 8), torch.ones(3, 2, 4)
+    with pytest.raises(RuntimeError, match="invalid gradient") as error:
+        with tf32lab.precision("high"), tf32lab.emulate("a100"):
+            out = lstm(x)[0]
+            if nested:
+                with tf32lab.emulate("a100"):
+                    out.sum().backward()
+        if not nested:
+            with tf32lab.precision("high"), tf32lab.emulate("a100"):
+                out.sum().backward()
+    assert _inside_tf32lab(error) is not None
 
 
 def test_an_in_place_op_whose_rule_breaks_leaves_its_operand_as_it_was(breaks):

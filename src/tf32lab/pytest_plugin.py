@@ -588,7 +588,7 @@ def _in_jit_trace(excinfo: pytest.ExceptionInfo) -> Optional[tuple[str, str, str
     for entry in innermost_first(excinfo.tb):
         filename = entry.tb_frame.f_code.co_filename
         kind = kind_of(filename)
-        if kind == OURS and forwards(entry, exc):
+        if kind == OURS and forwards(entry):
             continue
         if kind != LIBRARY:
             return None
@@ -601,7 +601,7 @@ def _raised_in(tb: Any, exc: BaseException) -> Optional[str]:
     """``"tf32lab/x.py:N"``, None (someone else's), or LIBRARY (only library frames)."""
     frames: list[tuple[str, int, Callable[[], bool]]] = []
     while tb is not None:
-        frames.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno, functools.partial(forwards, tb, exc)))
+        frames.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno, functools.partial(forwards, tb)))
         tb = tb.tb_next
     # Dynamo's errors carry the frames it was tracing symbolically when it gave up: the innermost ones
     for summary in getattr(exc, "real_stack", None) or ():

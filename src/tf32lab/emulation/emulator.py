@@ -65,7 +65,7 @@ from tf32lab.know.targets import (
     sdpa_kernel,
 )
 from tf32lab.numbers import accumulation as _accumulation
-from tf32lab.numbers import formats, origin
+from tf32lab.numbers import formats
 from tf32lab.numbers.trees import operand_tensors
 
 __all__ = ["ACCUMULATIONS", "COMPOSITES_EMULATED", "RECOMPUTES_EMULATED", "Treatment", "check_accumulation",
@@ -1367,7 +1367,7 @@ class _FunctionMode(TorchFunctionMode):
             # a GPU's backward runs on autograd's device thread: the block is made known there (backward_threads)
             with backward_threads.launched(scope.current_emulation()):
                 if _redispatch is not None and _skips_none_but_this(types):
-                    return _backward(self, scope.current_emulation(), func, types, args, kwargs)
+                    return _backward(self, func, types, args, kwargs, judged=False)
                 return func(*args, **kwargs)
         # Under torch.jit.trace this mode runs above the tracer, which would record the emulation's own ops in the
         # user's graph: the call goes on to PyTorch, which records it, and the dispatch mode emulates its kernels.
@@ -1397,15 +1397,15 @@ class _FunctionMode(TorchFunctionMode):
         if func in _KEEP_ON and _redispatch is not None and _skips_none_but_this(types):
             # a backward, and any forward it recomputes, under this mode as the forward was; a composite's SDPA seen
             # here as a direct call is
-            met = scope.current_emulation()
             if func not in _CALLS_SDPA:
-                return _backward(self, met, func, types, args, kwargs)
+                return _backward(self, func, types, args, kwargs)
 
             def redispatched():
                 with self:
                     return _redispatch(func, types, args, kwargs)
 
             # multi-head attention asserts its operands' shapes in Python, below this frame
+            met = scope.current_emulation()
             return _or_natively(func, args, kwargs, redispatched, lambda: _outside_the_emulation(met)
                                 if met is not None else contextlib.nullcontext())
         # Known limit without redispatch_function (older PyTorch): the mode is off inside its own handler, so a call
@@ -1414,25 +1414,39 @@ class _FunctionMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _backward(mode: _FunctionMode, entry: Optional[_Entry], func, types, args: tuple, kwargs: dict) -> Any:
+def _backward(mode: _FunctionMode, func, types, args: tuple, kwargs: dict, judged: bool = True) -> Any:
     """A backward call under ``mode``, as the forward ran. Not rerun natively where it raises: it has run part of
-    its graph (and freed it). An error autograd's engine raises before any op of the block ``entry`` was emulated in
-    it (a loss that does not require grad, a non-scalar loss with no gradient given) is the caller's own, as
-    natively: this frame is said to have handed the call on (``origin.handed_on``). Once one was, the engine's
-    error (a gradient of the wrong shape) may be an emulated op's result, and stays tf32lab's."""
-    before = _emulated_so_far(entry)
+    its graph (and freed it). ``judged`` (a backward on this thread, as a CPU graph's runs): an error autograd's
+    engine raised before any op was emulated on this thread during the call (a loss that does not require grad, a
+    non-scalar loss with no gradient given) is the caller's own, as natively, and this frame says it handed the
+    call on (``origin.HANDS_ON``). Once one was, the engine's error (a gradient of the wrong shape) may be an
+    emulated op's result, and stays tf32lab's; so does every error of a backward on autograd's device threads."""
+    before = _EMULATED_HERE.count
     try:
         with mode:
             return _redispatch(func, types, args, kwargs)
-    except Exception as exc:
-        if entry is not None and _emulated_so_far(entry) == before:
-            origin.handed_on(exc)
+    except Exception:
+        _tf32lab_hands_on = judged and _EMULATED_HERE.count == before  # origin.HANDS_ON, read from this frame
         raise
 
 
-def _emulated_so_far(entry: Optional[_Entry]) -> int:
-    """How many ops the block ``entry`` has emulated (its coverage's count)."""
-    return sum(entry.emu.coverage.values()) if entry is not None else 0
+class _EmulatedHere(threading.local):
+    """How many ops this thread has emulated, in any block (:class:`_Coverage` counts them): a backward tells from it
+    whether an op of its own was emulated, whatever other threads of its block do meanwhile."""
+
+    count = 0
+
+
+_EMULATED_HERE = _EmulatedHere()
+
+
+class _Coverage(collections.Counter):
+    """A block's coverage, ``(op, math) -> ops``; each op counted (by ``_count``, or taken from a hand-off) is
+    counted for its thread too (:data:`_EMULATED_HERE`)."""
+
+    def __setitem__(self, key: Any, value: int) -> None:
+        _EMULATED_HERE.count += 1
+        super().__setitem__(key, value)
 
 
 def _through_a_device(args: tuple, kwargs: dict) -> bool:
@@ -1586,7 +1600,7 @@ class emulate(contextlib.ContextDecorator):
             self.math = None
         self.rounding = rounding
         self.strict = bool(strict)
-        self.coverage: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.coverage: collections.Counter[tuple[str, str]] = _Coverage()
         self.unhandled: collections.Counter[str] = collections.Counter()
         self.rnns_met = False  # an RNN ran whole: at the rnn key's math, its GEMMs in coverage as aten::linear/mm
         self._lock = threading.Lock()

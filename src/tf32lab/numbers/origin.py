@@ -8,10 +8,11 @@ counting) is a bug in tf32lab, and must say so instead of being put down to the 
 The traceback is read from the frame that raised outwards, PyTorch's and the standard library's frames passed
 over: the first frame of anyone else's (the model, the project, a metric) decides for the model; the first frame of
 tf32lab's decides for tf32lab, unless it only handed an op on (``func(*args, **kwargs)`` in a dispatch mode: the
-op's own error, as it would raise natively) or it is a built-in workload's model (``builtin.py``). A
-``RuntimeError`` (PyTorch's kernels raise those, ``LinAlgError`` among them) is left to the model even from a frame
-of tf32lab's: an emulated solve that meets a singular matrix reports what the hardware would, a finding, and
-telling a kernel's complaint about the model's tensors from one about tf32lab's is not possible from the frames.
+op's own error, as it would raise natively; or a frame whose local :data:`HANDS_ON` is true) or it is a built-in
+workload's model (``builtin.py``). A ``RuntimeError`` (PyTorch's kernels raise those, ``LinAlgError`` among them)
+is left to the model even from a frame of tf32lab's: an emulated solve that meets a singular matrix reports what
+the hardware would, a finding, and telling a kernel's complaint about the model's tensors from one about tf32lab's
+is not possible from the frames.
 
 Example:
 
@@ -35,7 +36,7 @@ from typing import Any, Optional
 
 from tf32lab.errors import Tf32LabError
 
-__all__ = ["LIBRARY", "OURS", "PACKAGE", "exit_call", "forwarding_line", "forwards", "handed_on", "innermost_first",
+__all__ = ["HANDS_ON", "LIBRARY", "OURS", "PACKAGE", "exit_call", "forwarding_line", "forwards", "innermost_first",
            "internal_error", "kind_of", "raised_by_tf32lab", "run_error"]
 
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # tf32lab/
@@ -44,7 +45,9 @@ _MODELS = frozenset([os.path.join(PACKAGE, "workloads", "builtin.py")])
 _FORWARD = "func(*args, **kwargs)"  # how tf32lab's modes hand an op on, unchanged, to run as it would natively
 LIBRARY, OURS, _OTHER = "library", "tf32lab", "other"  # whose code a frame runs (kind_of)
 _GENERATED = ("<frozen ", "<eval_with_key>")  # pseudo-files of library code: Python's, torch.fx's
-_HANDED_ON = "_tf32lab_handed_on"  # an exception's attribute: the frames of tf32lab's that passed it on (handed_on)
+# a local that a frame of tf32lab's sets true where the call it made raised as natively, though its line is not
+# ``func(*args, **kwargs)`` (the emulator's backward, refused by autograd before any op of it was emulated)
+HANDS_ON = "_tf32lab_hands_on"
 
 
 def raised_by_tf32lab(exc: BaseException) -> Optional[str]:
@@ -103,7 +106,7 @@ def _raised_in(exc: BaseException) -> Optional[str]:
         kind = kind_of(filename)
         if kind == LIBRARY:
             continue
-        if kind != OURS or forwards(entry, exc):
+        if kind != OURS or forwards(entry):
             return None
         return f"tf32lab/{os.path.abspath(filename)[len(PACKAGE):]}:{entry.tb_lineno}"
     return LIBRARY
@@ -130,21 +133,10 @@ def kind_of(filename: str) -> str:
     return LIBRARY if any(path.startswith(prefix) for prefix in stdlib) else _OTHER
 
 
-def handed_on(exc: BaseException) -> None:
-    """Says of the frame of tf32lab's that calls this, about to re-raise ``exc``, that it handed the call on
-    unchanged: ``exc`` is what the call raises natively (the emulator's backward, when autograd's engine refused
-    the call before any emulated op of it ran), though the frame's line is not ``func(*args, **kwargs)``."""
-    frames = getattr(exc, _HANDED_ON, None)
-    if frames is None:
-        frames = []
-        setattr(exc, _HANDED_ON, frames)
-    frames.append(sys._getframe(1))
-
-
-def forwards(entry: Any, exc: Optional[BaseException] = None) -> bool:
-    """Whether this traceback entry, a frame of tf32lab's, was handing an op on unchanged when the exception
-    (``exc``, where known) passed through it."""
-    if exc is not None and any(frame is entry.tb_frame for frame in getattr(exc, _HANDED_ON, ())):
+def forwards(entry: Any) -> bool:
+    """Whether this traceback entry, a frame of tf32lab's, was handing an op on unchanged when the exception passed
+    through it."""
+    if entry.tb_frame.f_locals.get(HANDS_ON) is True:
         return True
     code, lineno = entry.tb_frame.f_code, entry.tb_lineno
     positions = getattr(code, "co_positions", None)
