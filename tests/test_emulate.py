@@ -823,6 +823,21 @@ def test_another_threads_emulated_ops_in_the_block_leave_a_backwards_error_the_c
     assert _inside_tf32lab(error) is None, error.getrepr()
 
 
+def test_every_op_a_block_counts_is_counted_for_its_thread_a_hand_offs_too():
+    # a hand-off's replayed ops reach the coverage by update(), which an empty Counter does as a dict, not item by
+    # item: a backward whose first op was a replay would not have seen it
+    coverage = emulator._Coverage()
+    before = emulator._EMULATED_HERE.count
+    coverage.update({("aten::mm", "tf32-rna"): 2})
+    coverage[("aten::mm", "tf32-rna")] += 1
+    assert emulator._EMULATED_HERE.count - before == 2 and dict(coverage) == {("aten::mm", "tf32-rna"): 3}
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(emulator._EMULATED_HERE.count))
+    worker.start()
+    worker.join()
+    assert seen == [0]  # another thread's count is its own
+
+
 def _in(emu, fn):
     with tf32lab.precision("high"), emu:
         return fn()

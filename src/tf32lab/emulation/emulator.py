@@ -1448,6 +1448,10 @@ class _Coverage(collections.Counter):
         _EMULATED_HERE.count += 1
         super().__setitem__(key, value)
 
+    def update(self, *args: Any, **kwargs: Any) -> None:  # an empty Counter's update is dict's, not item by item
+        _EMULATED_HERE.count += 1
+        super().update(*args, **kwargs)
+
 
 def _through_a_device(args: tuple, kwargs: dict) -> bool:
     """Whether a backward call may run on autograd's device threads: its first tensors (``Tensor.backward``'s self,
