@@ -35,7 +35,10 @@ of its markers, so ``pytest --help`` elsewhere costs what it did.
   dispatch mode stack) is named in the summary and undone, so the next test does not inherit it.
 
 ``tf32lab.testing`` gives tolerances derived from the math (``tolerance``, ``assert_close``); by default they
-follow the target and level in force, so under ``--tf32lab`` a test's tolerance is its run's. Works with
+follow the target and level in force, so under ``--tf32lab`` a test's tolerance is its run's. PyTorch's own flags
+do not: under an emulated target they keep the process's values (``torch.get_float32_matmul_precision()`` answers
+the process's level, ``tf32lab.get_float32_matmul_precision()`` the test's), so a test that derives its tolerance
+from them derives float32's. Works with
 pytest-xdist: each worker sets itself up; the summary gathers the workers' findings.
 """
 
