@@ -542,7 +542,8 @@ def _inside_tf32lab(excinfo: pytest.ExceptionInfo) -> Optional[tuple[str, str, s
 
     The traceback is read from the frame that raised outwards, PyTorch's and the standard library's frames
     passed over: the first frame of tf32lab's decides for tf32lab, unless it only handed an op on
-    (``func(*args, **kwargs)`` in a dispatch mode: the op's own error, as it would raise natively); the first
+    (``func(*args, **kwargs)`` in a dispatch mode: the op's own error, as it would raise natively; or a backward
+    that autograd refused before any op of it was emulated, ``origin.HANDS_ON``); the first
     frame of anyone else's (the test, the project, a callback tf32lab made) decides against. An exception a
     library raised while handling one of tf32lab's is tf32lab's. ``testing.assert_close``'s AssertionError is
     a verdict on precision, not an error."""
