@@ -18,12 +18,12 @@ of its markers, so ``pytest --help`` elsewhere costs what it did.
 - A failure raised inside tf32lab itself (the emulator, a rule, ``formats``; a frame that only handed an op on
   does not count, nor the test's own code that tf32lab called back; an op whose operands PyTorch refuses natively
   too, shapes that do not multiply, raises its own error as natively, and so does a backward that autograd refuses
-  before any emulated op of it ran) is never put down to precision: the summary
-  says "tf32lab error (not precision): <error> (tf32lab/<file>:<line>), please report", or "tf32lab refused (not
-  precision): ..." for a ``Tf32LabError`` (``--tf32lab-strict``, say). An error PyTorch's tracer raises inside a
-  ``torch.jit.trace`` that ran under the emulation, with no frame of the model's or the test's in between, is
-  "tf32lab error or interaction (not precision)"; other errors PyTorch raises later, outside tf32lab's frames
-  (a scripted module's interpreter), cannot be told from the test's own.
+  before any emulated op of it ran) is never put down to precision: the summary says
+  "tf32lab error (not precision): <error> (tf32lab/<file>:<line>), please report", or
+  "tf32lab refused (not precision): ..." for a ``Tf32LabError`` (``--tf32lab-strict``, say). An error PyTorch's
+  tracer raises inside a ``torch.jit.trace`` that ran under the emulation, with no frame of the model's or the
+  test's in between, is "tf32lab error or interaction (not precision)"; other errors PyTorch raises later, outside
+  tf32lab's frames (a scripted module's interpreter), cannot be told from the test's own.
 - ``@pytest.mark.tf32lab(level=..., target=...)`` pins a test (``level="highest"``: PyTorch's ``with_tf32_off``);
   ``@pytest.mark.tf32lab_levels("highest", "high")`` runs it once per level (``tf32_on_and_off``), the level in the
   test id and in the ``tf32lab_level`` fixture. Both work without ``--tf32lab`` too: then natively, unless the
@@ -38,8 +38,8 @@ of its markers, so ``pytest --help`` elsewhere costs what it did.
 follow the target and level in force, so under ``--tf32lab`` a test's tolerance is its run's. PyTorch's own flags
 do not: under an emulated target they keep the process's values (``torch.get_float32_matmul_precision()`` answers
 the process's level, ``tf32lab.get_float32_matmul_precision()`` the test's), so a test that derives its tolerance
-from them derives float32's. Works with
-pytest-xdist: each worker sets itself up; the summary gathers the workers' findings.
+from them derives float32's. Works with pytest-xdist: each worker sets itself up; the summary gathers the
+workers' findings.
 """
 
 from __future__ import annotations
@@ -543,8 +543,8 @@ def _inside_tf32lab(excinfo: pytest.ExceptionInfo) -> Optional[tuple[str, str, s
     The traceback is read from the frame that raised outwards, PyTorch's and the standard library's frames
     passed over: the first frame of tf32lab's decides for tf32lab, unless it only handed an op on
     (``func(*args, **kwargs)`` in a dispatch mode: the op's own error, as it would raise natively; or a backward
-    that autograd refused before any op of it was emulated, ``origin.HANDS_ON``); the first
-    frame of anyone else's (the test, the project, a callback tf32lab made) decides against. An exception a
+    that autograd refused before any op of it was emulated, ``origin.HANDS_ON``); the first frame of anyone
+    else's (the test, the project, a callback tf32lab made) decides against. An exception a
     library raised while handling one of tf32lab's is tf32lab's. ``testing.assert_close``'s AssertionError is
     a verdict on precision, not an error."""
     exc: Optional[BaseException] = excinfo.value
