@@ -156,6 +156,22 @@ def folders(tmp_path_factory):
     shutil.copytree(made["bert"], made["no architectures"])
     config = json.loads((made["bert"] / "config.json").read_text())
     (made["no architectures"] / "config.json").write_text(json.dumps({**config, "architectures": None}))
+    # weights that leave tensors to transformers' random initialization: a layer's MLP left out of the file, and a
+    # config.json widened after the weights were saved (both were checked, exit 0, as if trained)
+    from safetensors.torch import load_file, save_file
+
+    made["partial"] = root / "llama partial weights"
+    shutil.copytree(llama, made["partial"])
+    kept = {k: v for k, v in load_file(llama / "model.safetensors").items() if ".layers.1.mlp." not in k}
+    save_file(kept, made["partial"] / "model.safetensors", metadata={"format": "pt"})
+    made["resized"] = root / "gpt2 resized config"
+    shutil.copytree(made["gpt2"], made["resized"])
+    config = json.loads((made["gpt2"] / "config.json").read_text())
+    (made["resized"] / "config.json").write_text(json.dumps({**config, "n_embd": 48}))
+    # a tokenizer's settings without the tokenizer itself (transformers' reasons follow its first line)
+    made["tokenizer settings only"] = root / "llama tokenizer settings only"
+    shutil.copytree(llama, made["tokenizer settings only"])
+    (made["tokenizer settings only"] / "tokenizer.json").unlink()
     made["wav2vec2 bare"] = root / "wav2vec2 no extractor"
     made["wav2vec2 bare"].mkdir()
     for name in ("config.json", "model.safetensors"):
@@ -344,6 +360,15 @@ def test_a_text_image_model_gets_sentences_and_images(folders):
                                 r"decoder-only causal language model \(GPT-2, .*check it without --generate"),
     ("vit", ("--generate", "4"), r"model type 'vit' is not a causal language model; "),  # was: "with no tokenizer"
     ("bert", ("--generate", "4"), r"model type 'bert' is saved as BertModel, not a causal language model; "),
+    *[("partial", args, r"its weights lack 3 of the model's tensors \(model\.layers\.1\.mlp\.down_proj\.weight, "
+                        r"model\.layers\.1\.mlp\.gate_proj\.weight, model\.layers\.1\.mlp\.up_proj\.weight\), "
+                        r"which transformers would make at random") for args in ((), ("--generate", "4"))],
+    *[("resized", args, r"its weights do not fit its config\.json: \d+ tensors were saved in another shape "
+                        r"\(transformer\.h\.0\.attn\.c_attn\.bias: saved \(96,\), config\.json makes \(144,\)\)")
+      for args in ((), ("--generate", "4"))],
+    # transformers' reasons, after a line that ends in a colon: were cut at "from one of:"
+    ("tokenizer settings only", ("--generate", "4"), r"loading its tokenizer failed: ValueError: Couldn't "
+                                                     r"instantiate the backend tokenizer from one of: \(1\) "),
 ])
 def test_what_a_folder_lacks_is_one_line(folders, name, args, line):
     load = hf.causal_lm if args else hf.workload  # what check and check --generate load
@@ -352,7 +377,8 @@ def test_what_a_folder_lacks_is_one_line(folders, name, args, line):
     assert "\n" not in str(raised.value)
 
 
-@pytest.mark.parametrize("name, args", [("config only", ()), ("t5", ("--generate", "4"))])
+@pytest.mark.parametrize("name, args", [("config only", ()), ("t5", ("--generate", "4")),
+                                        ("partial", ("--generate", "4")), ("resized", ())])
 def test_what_a_folder_lacks_is_exit_2_on_the_command_line(folders, name, args):
     done = _cli(f"hf:{folders[name]}", "--levels", "high", *args)
     lines = done.stderr.strip().splitlines()

@@ -186,9 +186,25 @@ def test_pinv_and_linalg_backward_formulas_run_ieee_on_a_gpu_target():
 def test_solvers_that_call_cublas_are_counted_and_matrix_exp_is_unhandled():
     a = torch.eye(5) + 0.1 * randn(5, 5, seed=9).triu()
     b = randn(5, 3, seed=10)
-    out, emu = emulated(lambda: torch.linalg.solve_triangular(a, b, upper=True))
-    assert torch.equal(out, torch.linalg.solve_triangular(a, b, upper=True))  # one trsm block: no GEMM update
-    assert dict(emu.coverage) == {("aten::linalg_solve_triangular", "tf32-rna"): 1}
+    # one trsm block: no GEMM update, so the native solver's own result, counted as computed (IEEE), not as the
+    # math the updates would have had (it read tf32-rna beside a result bit-identical to IEEE float32's)
+    small = {"aten::linalg_solve_triangular": lambda: torch.linalg.solve_triangular(a, b, upper=True),
+             "aten::_linalg_solve_ex": lambda: torch.linalg.solve(a, b),
+             "aten::linalg_inv_ex": lambda: torch.linalg.inv(a),
+             "aten::linalg_lu_solve": lambda: torch.linalg.lu_solve(*torch.linalg.lu_factor(a), b),
+             "aten::linalg_lstsq": lambda: torch.linalg.lstsq(a, b).solution}
+    for op, fn in small.items():
+        out, emu = emulated(fn)
+        if op == "aten::linalg_lstsq":  # LAPACK's gelsy is not bit-reproducible across runs on every CPU
+            torch.testing.assert_close(out, fn())
+        else:
+            assert torch.equal(out, fn()), op
+        assert {key: n for key, n in emu.coverage.items() if key[0] == op} == {(op, "ieee"): 1}, dict(emu.coverage)
+    # a singular matrix past one block: PyTorch's own result and info, IEEE too
+    singular = torch.eye(300)
+    singular[:, 7] = 0
+    (inverse, info), emu = emulated(lambda: torch.linalg.inv_ex(singular))
+    assert int(info) != 0 and dict(emu.coverage) == {("aten::linalg_inv_ex", "ieee"): 1}
     out, emu = emulated(torch.linalg.matrix_exp, a)
     assert dict(emu.unhandled) == {"aten::linalg_matrix_exp": 1}
     with pytest.raises(Tf32LabError, match="linalg_matrix_exp"):

@@ -544,7 +544,8 @@ def _load_spec(spec: Optional[str], training: Optional[bool]) -> Any:
 
 def _seed_streams() -> None:
     """The process's random streams seeded with 0 before a command loads its model (:func:`_load_spec`, and
-    ``check --generate``'s folder, whose loading draws the weights a checkpoint lacks)."""
+    ``check --generate``'s folder): a model made at random by its spec, or whose construction draws, is the same
+    model in every run."""
     from tf32lab.measure.draws import seeded
 
     seeded(0, ())  # the CPU's streams (torch imports NumPy: it is seeded too); no device's

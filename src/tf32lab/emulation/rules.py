@@ -285,10 +285,22 @@ def _one_block(a: torch.Tensor) -> bool:
     return a.size(-1) <= _TRSM_BLOCK
 
 
+def _native_solve(call, a: torch.Tensor, failed: bool = False) -> bool:
+    """Whether the solver's native result is the target's: ``linalg.trsm``'s math IEEE there, ``a``'s trsm one block
+    (no GEMM update: IEEE whatever the math), or the factorization ``failed`` (a singular matrix: PyTorch's own
+    result and info). Counted as computed then: IEEE, not the math its updates would have had."""
+    if call.math("linalg.trsm").name == "ieee":
+        return True
+    if _one_block(a) or failed:
+        call.math_seen = IEEE
+        return True
+    return False
+
+
 def _trsm(call, a: torch.Tensor, b: torch.Tensor, upper: bool, unitriangular: bool = False) -> torch.Tensor:
     """x with a x = b, ``a`` triangular: blocked as cuBLAS trsm, the updates in the math of ``linalg.trsm``."""
     solve = torch.linalg.solve_triangular
-    if call.math("linalg.trsm").name == "ieee" or _one_block(a):
+    if _native_solve(call, a):
         return solve(a, b, upper=upper, unitriangular=unitriangular)
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     a, b = a.expand(*batch, *a.shape[-2:]), b.expand(*batch, *b.shape[-2:])
@@ -352,7 +364,7 @@ def _triangular_solve(call, func, args, kwargs):
 @rule(aten.linalg_lu_solve)
 def _linalg_lu_solve(call, func, args, kwargs):
     lu, pivots, b = args[:3]
-    if call.math("linalg.trsm").name == "ieee" or _one_block(lu):
+    if _native_solve(call, lu):
         return func(*args, **kwargs)
     return _lu_solve(call, lu, pivots, b, kwargs.get("left", True), kwargs.get("adjoint", False))
 
@@ -370,7 +382,7 @@ def _solve_from_lu(call, a: torch.Tensor, b: torch.Tensor, left: bool) -> torch.
 def _linalg_solve_ex(call, func, args, kwargs):
     native = func(*args, **kwargs)  # LU, pivots and info as PyTorch returns them (its backward reads them)
     a, b = args[:2]
-    if call.math("linalg.trsm").name == "ieee" or _one_block(a) or bool((native[3] != 0).any()):
+    if _native_solve(call, a, bool((native[3] != 0).any())):
         return native
     return (_solve_from_lu(call, a, b, kwargs.get("left", True)), *native[1:])
 
@@ -379,7 +391,7 @@ def _linalg_solve_ex(call, func, args, kwargs):
 def _linalg_inv_ex(call, func, args, kwargs):
     native = func(*args, **kwargs)  # PyTorch's inv is solve(A, I): getrf, then getrs
     a = args[0]
-    if call.math("linalg.trsm").name == "ieee" or _one_block(a) or bool((native[1] != 0).any()):
+    if _native_solve(call, a, bool((native[1] != 0).any())):
         return native
     eye = torch.eye(a.size(-1), dtype=a.dtype, device=a.device).expand(a.shape)
     return _solve_from_lu(call, a, eye, True), native[1]
@@ -389,7 +401,7 @@ def _linalg_inv_ex(call, func, args, kwargs):
 def _linalg_lstsq(call, func, args, kwargs):
     a, b = args[:2]
     driver = kwargs.get("driver")
-    if call.math("linalg.trsm").name == "ieee" or _one_block(a):
+    if _native_solve(call, a):
         return func(*args, **kwargs)
     if driver not in (None, "gels") or a.size(-2) < a.size(-1):
         return NotImplemented  # a CUDA target refuses it: only 'gels', only overdetermined systems

@@ -548,9 +548,11 @@ class _Generation:
         divergence = tuple(next((s + 1 for s, (a, b) in enumerate(zip(mine[:end], theirs[:end])) if a != b), None)
                            for mine, theirs, end in zip(run.tokens, ref.tokens, self.ends))
         agree, errors = 0, torch.zeros(self.n, dtype=torch.float64)
-        for forced, reference, ids, ends in zip(run.step_logits, ref.step_logits, self.ref_ids, self.ref_ends):
+        for forced, reference, ends in zip(run.step_logits, ref.step_logits, self.ref_ends):
             within = torch.arange(self.n, device=ends.device)[None, :] < ends[:, None]  # float64's text
-            agree += int(((forced.argmax(-1) == ids) & within).sum())
+            # float64's top-1 on the same input, not its greedy token: the two part where a forward over the whole
+            # sequence computes otherwise than the cached steps (dynamic rotary scaling, rescaled by the length)
+            agree += int(((forced.argmax(-1) == reference.argmax(-1)) & within).sum())
             for mine, theirs, end in zip(forced, reference, ends.tolist()):  # a prompt at a time: one [n, vocab]
                 wide = mine[:end].double()  # float64's text: no step after its end-of-text token is a user's
                 # equal logits differ by 0: a vocabulary masked to -inf in both gave inf - inf = nan at every step
@@ -664,6 +666,7 @@ def _positions(config: Any) -> Optional[tuple[int, str]]:
 # which each changes nothing: a model's generation_config.json that sets one makes generate() write other tokens
 # than the raw greedy top-1 this check compares
 _NEUTRAL: dict[str, Any] = {"do_sample": False, "num_beams": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+                            "encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0,
                             "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None,
                             "forced_bos_token_id": None, "forced_eos_token_id": None, "min_length": 0,
                             "min_new_tokens": 0, "sequence_bias": None, "penalty_alpha": None,

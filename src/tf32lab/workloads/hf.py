@@ -16,8 +16,8 @@
   are frames (up to 400) by its ``input_feat_per_channel`` filter banks.
 
 A text-image model (CLIP, SigLIP) gets the sentences and seeded images; a vision-language decoder (LLaVA) its text
-path only, as its note says. What a folder lacks (weights, readable weights, a tokenizer, a ``model_type``) is one
-line naming what is there.
+path only, as its note says. What a folder lacks (weights, readable weights, every tensor of the model, a tokenizer, a
+``model_type``) is one line naming what is there.
 
 A sentence-transformers folder (``modules.json``) runs its whole pipeline and is compared on ``sentence_embedding``,
 as ``minilm`` is. An encoder-decoder (T5, BART, Whisper) also gets ``decoder_input_ids``: the text's ids shifted
@@ -129,10 +129,19 @@ def _name(path: Path) -> str:
     return path.resolve().name or str(path.resolve())
 
 
-def _line(exc: BaseException) -> str:
-    """An exception as one line: its type and the first line of its message."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+def _line(exc: BaseException, most: int = 400) -> str:
+    """An exception as one line: its type and the first line of its message; where that line ends in a colon, the
+    lines it introduces too, joined (transformers' tokenizer error gives its reasons there: "You need to have
+    sentencepiece ... installed"), up to ``most`` characters.
+
+    >>> _line(ValueError("Couldn't instantiate it from one of: \\n(1) a file, \\n(2) a class."))
+    "ValueError: Couldn't instantiate it from one of: (1) a file, (2) a class."
+    """
+    text = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not text:
+        return type(exc).__name__
+    shown = " ".join(text) if text[0].endswith(":") else text[0]
+    return f"{type(exc).__name__}: {shown if len(shown) <= most else shown[:most - 3] + '...'}"
 
 
 def _has_tokenizer(path: Path) -> bool:
@@ -264,17 +273,48 @@ def _unreadable(exc: BaseException) -> bool:
     return "safetensor" in type(exc).__name__.lower() or isinstance(exc, (pickle.UnpicklingError, EOFError))
 
 
-def _load(cls: Any, path: Path) -> torch.nn.Module:
-    """``cls.from_pretrained`` from the folder only, quietly. A mixture of experts runs its experts one GEMM each
+def _load(cls: Any, path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """``cls.from_pretrained`` from the folder only, quietly, and transformers' loading info (for
+    :func:`complete`). A mixture of experts runs its experts one GEMM each
     ("eager"), not transformers' default grouped GEMM (``torch._grouped_mm``): that has no float64 kernel for the
     reference, and each expert's GEMM is then one the emulator rounds as the hardware's."""
     import transformers
 
-    options: dict[str, Any] = {"local_files_only": True}
+    options: dict[str, Any] = {"local_files_only": True, "output_loading_info": True}
     if hasattr(transformers.PreTrainedModel, "set_experts_implementation"):  # transformers 5
         options["experts_implementation"] = "eager"
     with quiet_loading():
-        return cls.from_pretrained(str(path), **options)
+        try:
+            model, found = cls.from_pretrained(str(path), **options)
+        except RuntimeError as exc:
+            if "ignore_mismatched_sizes" not in str(exc):
+                raise
+            # transformers' line points at its load report, which quiet_loading silenced: loaded again, its
+            # mismatched tensors re-made at random instead, to name them (and refuse)
+            return cls.from_pretrained(str(path), ignore_mismatched_sizes=True, **options)
+    return model, found
+
+
+def complete(folder: str, found: dict[str, Any]) -> None:
+    """Refuses weights that leave some of the model's tensors to transformers' random initialization: tensors
+    missing from the file (transformers' "newly initialized"), or saved in another shape than the config makes
+    them. The check would measure a model nobody trained, as it would a config with no weights at all. Tensors
+    the file holds beyond the model's (a head the class has not) change nothing and are not refused."""
+    missing = sorted(found.get("missing_keys") or ())
+    mismatched = sorted(found.get("mismatched_keys") or (), key=str)
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise Tf32LabError(f"workload 'hf:{folder}': its weights lack {len(missing)} of the model's tensors "
+                           f"({shown}), which transformers would make at random: the check would measure a model "
+                           f"nobody trained; accepted: weights holding every tensor of the model, as save_pretrained "
+                           f"writes them")
+    if mismatched:
+        first = mismatched[0]
+        said = (f"{first[0]}: saved {tuple(first[1])}, config.json makes {tuple(first[2])}"
+                if isinstance(first, tuple) and len(first) == 3 else str(first))
+        raise Tf32LabError(f"workload 'hf:{folder}': its weights do not fit its config.json: {len(mismatched)} "
+                           f"tensors were saved in another shape ({said}); accepted: the config.json the weights "
+                           f"were saved with")
 
 
 def causal_lm(folder: str) -> CausalLM:
@@ -290,12 +330,13 @@ def causal_lm(folder: str) -> CausalLM:
     tokenizer.padding_side = "left"  # new tokens follow each prompt's last token
     _weights(folder, path)
     try:
-        model = _load(AutoModelForCausalLM, path)
+        model, found = _load(AutoModelForCausalLM, path)
     except Exception as exc:
         if _unreadable(exc):
             raise Tf32LabError(f"workload 'hf:{folder}': {_UNREADABLE}: {_line(exc)}") from exc
         raise Tf32LabError(f"workload 'hf:{folder}': not a causal language model, or loading failed: "
                            f"{_line(exc)}") from exc
+    complete(folder, found)
     _pad_in_range(tokenizer, model)
     saved = _saved_dtype(model.config)
     # a model served in bfloat16 runs no TF32: the rows are the float32 model's text, said as the check says it
@@ -410,7 +451,7 @@ def _model(folder: str, path: Path, config: Any) -> tuple[torch.nn.Module, Optio
     cls = getattr(transformers, names[0]) if names else transformers.AutoModel
     _weights(folder, path)
     try:
-        model = _load(cls, path)
+        model, found = _load(cls, path)
     except ValueError as exc:
         if "Unrecognized configuration class" in str(exc):
             raise Tf32LabError(f"workload 'hf:{folder}': model type {config.model_type!r} has no model class here; "
@@ -420,6 +461,7 @@ def _model(folder: str, path: Path, config: Any) -> tuple[torch.nn.Module, Optio
         if _unreadable(exc):
             raise Tf32LabError(f"workload 'hf:{folder}': {_UNREADABLE}: {_line(exc)}") from exc
         raise Tf32LabError(f"workload 'hf:{folder}': loading failed: {_line(exc)}") from exc
+    complete(folder, found)
     note = None
     if not names:
         named = (f"names {', '.join(asked)}, a class this transformers does not have" if asked else
