@@ -203,7 +203,7 @@ def test_solvers_that_call_cublas_are_counted_and_matrix_exp_is_unhandled():
     # a singular matrix past one block: PyTorch's own result and info, IEEE too
     singular = torch.eye(300)
     singular[:, 7] = 0
-    (inverse, info), emu = emulated(lambda: torch.linalg.inv_ex(singular))
+    (_, info), emu = emulated(lambda: torch.linalg.inv_ex(singular))
     assert int(info) != 0 and dict(emu.coverage) == {("aten::linalg_inv_ex", "ieee"): 1}
     out, emu = emulated(torch.linalg.matrix_exp, a)
     assert dict(emu.unhandled) == {"aten::linalg_matrix_exp": 1}
