@@ -260,3 +260,39 @@ def test_fullgraph_compile_inside_emulate_runs_eagerly_and_leaves_dynamo_clean_f
         "dynamo loaded True", "inside emulated: True 1", "stance: default",
         "native after: True",
     ]
+
+
+def _warned_from_here(fn) -> list[str]:
+    """The messages of the UserWarnings ``fn`` raises under emulate that a filter keyed on this module ignores."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("error", category=UserWarning)  # a warning put down to another module raises
+        warnings.filterwarnings("ignore", category=UserWarning, module=__name__)
+        with tf32lab.precision("high"), tf32lab.emulate("a100"):
+            fn()
+    return [str(w.message) for w in seen]
+
+
+@pytest.mark.parametrize("call", [
+    lambda: F.mse_loss(torch.randn(3, 1), torch.randn(3)),  # Python, stacklevel=2
+    lambda: F.softmax(torch.randn(3)),  # Python, stacklevel=2: implicit dimension
+    lambda: torch.add(torch.ones(3), torch.ones(3), out=torch.empty(5)),  # a kernel's TORCH_WARN
+], ids=["mse_loss", "softmax", "add_out"])
+def test_a_torch_calls_warning_under_emulate_is_put_down_to_its_caller(call):
+    # the function mode called every torch function once more from its own frame: the warning's module was
+    # tf32lab.emulation.emulator, and a filter keyed on the caller's module (pytest's "ignore::UserWarning:pkg")
+    # no longer matched
+    assert _warned_from_here(call) == []
+
+
+@pytest.mark.parametrize("call", [
+    lambda: F.softmax(torch.randn(3), dim="x"),
+    lambda: torch.add(torch.randn(3), "x"),
+    lambda: F.interpolate(torch.randn(1, 1, 4), scale_factor=2, mode="nope"),
+], ids=["softmax_dim", "add_type", "interpolate_mode"])
+def test_an_ops_own_error_under_emulate_stays_the_callers(call):
+    from tf32lab.numbers import origin
+
+    with tf32lab.precision("high"), tf32lab.emulate("a100"), pytest.raises(Exception) as raised:
+        call()
+    assert origin.raised_by_tf32lab(raised.value) is None

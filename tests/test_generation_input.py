@@ -278,3 +278,19 @@ def test_an_encoder_decoder_is_refused_in_one_line_before_any_forward(kind):
         tf32lab.check_generation(model, new_tokens=2, prompts=[[1, 2, 3], [4, 5]], levels=("high",))
     assert calls == []
 
+
+
+def test_a_numpy_prompt_is_read_as_a_tensor_is(masked):
+    # a 1-D NumPy array was read as a list of prompts, each id one: "prompt 1 (np.int64(1)): a text or a list of
+    # token ids"; a 1-D tensor was one prompt
+    numpy = pytest.importorskip("numpy")
+    ids = [[1, 2, 3], [4, 5, 6]]
+    expected = tf32lab.check_generation(masked, new_tokens=2, prompts=[torch.tensor(ids[0])], levels=("highest",))
+    one = tf32lab.check_generation(masked, new_tokens=2, prompts=numpy.array(ids[0]), levels=("highest",))
+    assert one.prompts == expected.prompts == ("1 2 3",)
+    both = tf32lab.check_generation(masked, new_tokens=2, prompts=numpy.array(ids), levels=("highest",))
+    assert both.prompts == ("1 2 3", "4 5 6")
+    rows = tf32lab.check_generation(masked, new_tokens=2, prompts=[numpy.array(i) for i in ids], levels=("highest",))
+    assert rows.prompts == both.prompts and rows.reference_tokens == both.reference_tokens
+    with pytest.raises(Tf32LabError, match=r"is bytes: give text"):
+        tf32lab.check_generation(masked, new_tokens=2, prompts=[memoryview(b"hi")], levels=("highest",))

@@ -400,6 +400,35 @@ RERUN = textwrap.dedent("""
 """)
 
 
+WARNED = textwrap.dedent("""
+    import pytest
+    import torch
+
+    # errors, but for the warnings this module's own calls raise: natively they are put down to it
+    pytestmark = pytest.mark.filterwarnings("error", "ignore::UserWarning:test_warned")
+
+    def test_a_python_functions_warning():
+        torch.nn.functional.mse_loss(torch.randn(3, 1), torch.randn(3))  # warns stacklevel=2: its caller
+
+    def test_a_kernels_warning():
+        torch.add(torch.ones(3), torch.ones(3), out=torch.empty(5))  # TORCH_WARN: the innermost Python frame
+
+    def test_an_implicit_dimension():
+        torch.nn.functional.softmax(torch.randn(3))  # warns stacklevel=2 from a function written in Python
+""")
+
+
+def test_a_tests_warning_filters_by_module_hold_under_the_plugin(pytester: pytest.Pytester):
+    # the function mode made every torch call once more from tf32lab's frame, and the warning was put down to
+    # tf32lab.emulation.emulator: "ignore::UserWarning:test_warned" no longer matched, the test failed under the
+    # plugin, and --tf32lab-compare called it a precision finding ("fails only under a100:high")
+    pytester.makepyfile(test_warned=WARNED)
+    _run(pytester).assert_outcomes(passed=3)
+    result = _run(pytester, "--tf32lab", "a100:high", "--tf32lab-compare")
+    result.assert_outcomes(passed=3)
+    assert "fails only under" not in result.stdout.str()
+
+
 def test_the_rerun_at_highest_starts_clean(pytester: pytest.Pytester):
     pytester.makepyfile(test_rerun=RERUN)
     _run(pytester).assert_outcomes(passed=2)

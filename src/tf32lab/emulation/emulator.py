@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from tf32lab import settings
 from tf32lab.control import flags, modestack, scope
-from tf32lab.emulation import attention_rules, backward_threads, rules
+from tf32lab.emulation import attention_rules, backward_threads, call_site, rules
 from tf32lab.emulation.reuse import Handoff
 from tf32lab.errors import Tf32LabError
 from tf32lab.know import optable
@@ -1410,8 +1410,10 @@ class _FunctionMode(TorchFunctionMode):
                                 if met is not None else contextlib.nullcontext())
         # Known limit without redispatch_function (older PyTorch): the mode is off inside its own handler, so a call
         # made *inside* another Python-level torch function (F.multi_head_attention_forward) is not seen here; the
-        # dispatch mode still emulates what it decomposes into (docs/design.md).
-        return func(*args, **kwargs)
+        # dispatch mode still emulates what it decomposes into (docs/design.md). Made as the caller's call, for
+        # the warnings it raises (call_site); this frame hands it on (origin.HANDS_ON), as call_site's does.
+        _tf32lab_hands_on = True
+        return call_site.as_called(func, args, kwargs)
 
 
 def _backward(mode: _FunctionMode, func, types, args: tuple, kwargs: dict, judged: bool = True) -> Any:

@@ -101,7 +101,7 @@ def check_generation(workload: Union[CausalLM, torch.nn.Module], *, new_tokens: 
         target: a hardware profile from ``tf32lab.targets`` (emulated here), or ``"native"``.
         prompts: texts (with a tokenizer: tokenized as ``tokenizer(text)`` does for ``generate()``, with the
             special tokens it puts before the text, not those it appends after it) or lists of token ids (taken
-            as given); by default
+            as given; a 1-D tensor or NumPy array is one prompt, a 2-D one a prompt a row); by default
             ``DEFAULT_PROMPTS``, 8 sample sentences that share no subject and no ending (with a tokenizer; a plain
             model needs prompts).
         criterion: what a level must do to pass (``tf32lab.report.generation.Criterion``): ``"divergence>K"``,
@@ -222,8 +222,8 @@ class _Decoder:
             if self.tokenizer is None:
                 raise Tf32LabError(f"model {self.name!r} has no tokenizer: give prompts as lists of token ids")
             prompts = list(DEFAULT_PROMPTS)
-        if isinstance(prompts, torch.Tensor):
-            prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
+        if _array(prompts):  # a tensor or a NumPy array: one prompt (1-D) or a batch (2-D), as a tensor is read
+            prompts = prompts.tolist() if prompts.ndim == 2 else [prompts.tolist()]
         if not isinstance(prompts, str) and isinstance(prompts, Iterable) and not isinstance(prompts, Sequence):
             prompts = list(prompts)  # a generator: len() raised TypeError
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not len(prompts):
@@ -248,8 +248,7 @@ class _Decoder:
                                    f"of token ids")
             else:
                 try:  # operator.index: a token id 1.7 is no id (int() made it 1)
-                    found = [operator.index(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor)
-                                                         else prompt)]
+                    found = [operator.index(t) for t in (prompt.tolist() if _array(prompt) else prompt)]
                 except (TypeError, ValueError):
                     raise Tf32LabError(f"prompt {i + 1} ({prompt!r}): a text or a list of token ids (whole "
                                        f"numbers)") from None
@@ -578,6 +577,14 @@ class _Generation:
             return False
         maths = self.target.maths_at("highest", context_cells())
         return all(m == "ieee" for key, m in maths.items() if key.split(".")[0] in self.families)
+
+
+def _array(value: Any) -> bool:
+    """Whether ``value`` is a tensor or an array (NumPy's): read as a tensor is, one prompt a row; not bytes, whose
+    ``memoryview`` has dimensions too (bytes are refused as prompts)."""
+    return isinstance(value, torch.Tensor) or (
+        not isinstance(value, (bytes, bytearray, memoryview)) and isinstance(getattr(value, "ndim", None), int)
+        and callable(getattr(value, "tolist", None)))
 
 
 def _padding_leaks(config: Any) -> bool:

@@ -1,0 +1,64 @@
+"""An op the emulator's function mode hands on, called so that Python's warnings take it for its caller's call.
+
+A warning raised while a call runs is put down to a frame: PyTorch's kernels warn (``TORCH_WARN``) from the
+innermost Python frame, and its Python functions warn ``stacklevel`` frames up, both natively the code that
+called the op. Under ``emulate`` every torch function call is made once more by the function mode's handler, and
+the warning was put down to tf32lab's frame: a filter by module (``filterwarnings("ignore", module=...)``,
+``-W error`` beside pytest's ``ignore::UserWarning:mypackage``) no longer matched, and a test the filter kept
+passing failed under the pytest plugin, as a precision finding. Here the call is made from a function whose
+globals are the calling frame's: the warning's module (``__name__``) and registry (``__warningregistry__``, which
+``"once"`` and ``"default"`` read) are the caller's, as natively; its file and line stay this module's, a line
+that hands the op on (``numbers.origin.forwards``), so that the op's own error is still the caller's.
+
+Example:
+
+    >>> import warnings
+    >>> def bare(x):
+    ...     warnings.warn("from the op", stacklevel=2)
+    ...     return x
+    >>> with warnings.catch_warnings(record=True) as seen:
+    ...     warnings.simplefilter("always")
+    ...     as_called(bare, (1,), {}, depth=1)
+    1
+    >>> seen[0].filename.endswith("call_site.py")   # the line: this module's
+    True
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any, Callable
+
+from torch import overrides
+
+__all__ = ["as_called"]
+
+_OVERRIDES = overrides.__file__  # handle_torch_function's frames, between a Python torch function and the mode
+_MOST = 512  # call sites' globals kept at once: module dicts, a few per model
+
+# one line: the frame a warning is put down to shows it, and origin.forwards reads it as handing the op on
+_CALL = (lambda func, args, kwargs: func(*args, **kwargs)).__code__
+_MADE: dict[int, tuple[dict[str, Any], Callable[..., Any]]] = {}
+
+
+def as_called(func: Callable[..., Any], args: tuple, kwargs: dict, depth: int = 2) -> Any:
+    """``func(*args, **kwargs)``, with the globals of the frame that called it natively: ``depth`` frames up from
+    this call (the mode's handler's caller), past ``handle_torch_function``'s frames and, for a torch function
+    written in Python, its own outer frame (the call the mode intercepted)."""
+    frame = sys._getframe(depth)
+    while frame is not None and frame.f_code.co_filename == _OVERRIDES:
+        frame = frame.f_back
+    if frame is not None and frame.f_code is getattr(func, "__code__", None):
+        frame = frame.f_back
+    if frame is None:
+        return func(*args, **kwargs)
+    found = frame.f_globals
+    made = _MADE.get(id(found))
+    if made is None or made[0] is not found:
+        if len(_MADE) >= _MOST:  # exec'd code makes globals of its own: not kept without bound
+            _MADE.clear()
+        made = (found, types.FunctionType(_CALL, found, "as_called"))
+        _MADE[id(found)] = made
+    _tf32lab_hands_on = True  # origin.HANDS_ON: what raises from here on is the op's own, as natively
+    return made[1](func, args, kwargs)
