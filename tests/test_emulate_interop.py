@@ -296,3 +296,19 @@ def test_an_ops_own_error_under_emulate_stays_the_callers(call):
     with tf32lab.precision("high"), tf32lab.emulate("a100"), pytest.raises(Exception) as raised:
         call()
     assert origin.raised_by_tf32lab(raised.value) is None
+
+
+def test_code_execd_under_emulate_is_not_kept_alive_by_its_warnings_attribution():
+    # call_site kept each calling frame's globals for its next call: exec's own dicts, and the tensors in them
+    import gc
+    import weakref
+
+    kept = []
+    with tf32lab.precision("high"), tf32lab.emulate("a100"):
+        for _ in range(5):
+            namespace = {"torch": torch, "big": torch.zeros(1000)}
+            exec("torch.add(big, 1)", namespace)
+            kept.append(weakref.ref(namespace["big"]))
+            del namespace
+    gc.collect()
+    assert [ref() for ref in kept] == [None] * 5

@@ -35,7 +35,7 @@ from torch import overrides
 __all__ = ["as_called"]
 
 _OVERRIDES = overrides.__file__  # handle_torch_function's frames, between a Python torch function and the mode
-_MOST = 512  # call sites' globals kept at once: module dicts, a few per model
+_MOST = 512  # modules' globals kept at once: a few per model
 
 # one line: the frame a warning is put down to shows it, and origin.forwards reads it as handing the op on
 _CALL = (lambda func, args, kwargs: func(*args, **kwargs)).__code__
@@ -56,9 +56,16 @@ def as_called(func: Callable[..., Any], args: tuple, kwargs: dict, depth: int = 
     found = frame.f_globals
     made = _MADE.get(id(found))
     if made is None or made[0] is not found:
-        if len(_MADE) >= _MOST:  # exec'd code makes globals of its own: not kept without bound
-            _MADE.clear()
         made = (found, types.FunctionType(_CALL, found, "as_called"))
-        _MADE[id(found)] = made
+        if _module_globals(found):  # alive as long as its module: kept; exec's own globals are not (their values)
+            if len(_MADE) >= _MOST:
+                _MADE.clear()
+            _MADE[id(found)] = made
     _tf32lab_hands_on = True  # origin.HANDS_ON: what raises from here on is the op's own, as natively
     return made[1](func, args, kwargs)
+
+
+def _module_globals(found: dict[str, Any]) -> bool:
+    """Whether ``found`` is an imported module's namespace (not ``exec``'s or ``eval``'s own dict)."""
+    module = sys.modules.get(found.get("__name__"))  # type: ignore[arg-type]
+    return module is not None and getattr(module, "__dict__", None) is found
