@@ -219,3 +219,20 @@ def test_on_a_machine_with_cuda_up_any_backward_in_a_block_registers(monkeypatch
     with tf32lab.emulate("a100"):
         (x @ randn(8, 2, seed=14)).sum().backward()
     assert seen == [True] and not backward_threads.LAUNCHED
+
+
+def test_a_device_threads_warning_is_put_down_to_the_code_that_made_the_call(monkeypatch):
+    # on autograd's device thread the function mode's handler hands the call to the block's context
+    # (backward_threads.run_in), which calls the handler again: the warning was put down to backward_threads
+    import warnings
+
+    monkeypatch.setattr(backward_threads, "LAUNCHED", True)
+    monkeypatch.setattr(backward_threads, "launcher", lambda: None if backward_threads._RUNNING.get(False)
+                        else contextvars.copy_context())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("error", category=UserWarning)
+        warnings.filterwarnings("ignore", category=UserWarning, module=__name__)
+        with emulator._FunctionMode():
+            torch.add(torch.ones(3), torch.ones(3), out=torch.empty(5))  # a kernel's TORCH_WARN
+    assert seen == []

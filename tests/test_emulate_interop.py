@@ -312,3 +312,12 @@ def test_code_execd_under_emulate_is_not_kept_alive_by_its_warnings_attribution(
             del namespace
     gc.collect()
     assert [ref() for ref in kept] == [None] * 5
+
+
+def test_a_call_with_no_python_frame_below_is_made_plainly():
+    # sys._getframe raised "call stack is not deep enough" where C called the op with no Python frame beneath (an
+    # atexit callback under an emulate block left open, a hook autograd's device thread calls)
+    from tf32lab.emulation import call_site
+
+    a = torch.ones(3)
+    assert torch.equal(call_site.as_called(torch.add, (a, a), {}, depth=10_000), a + a)

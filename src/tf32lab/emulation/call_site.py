@@ -26,15 +26,20 @@ Example:
 
 from __future__ import annotations
 
+import os
 import sys
 import types
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from torch import overrides
 
 __all__ = ["as_called"]
 
-_OVERRIDES = overrides.__file__  # handle_torch_function's frames, between a Python torch function and the mode
+# frames between the call and the mode's handler: handle_torch_function's (a torch function written in Python), and
+# on autograd's device thread (a GPU backward's op) the handler's first call and backward_threads.run_in's, which
+# call the handler again in the block's context
+_BETWEEN = frozenset((overrides.__file__, *(os.path.join(os.path.dirname(__file__), name)
+                                            for name in ("backward_threads.py", "emulator.py"))))
 _MOST = 512  # modules' globals kept at once: a few per model
 
 # one line: the frame a warning is put down to shows it, and origin.forwards reads it as handing the op on
@@ -44,10 +49,13 @@ _MADE: dict[int, tuple[dict[str, Any], Callable[..., Any]]] = {}
 
 def as_called(func: Callable[..., Any], args: tuple, kwargs: dict, depth: int = 2) -> Any:
     """``func(*args, **kwargs)``, with the globals of the frame that called it natively: ``depth`` frames up from
-    this call (the mode's handler's caller), past ``handle_torch_function``'s frames and, for a torch function
-    written in Python, its own outer frame (the call the mode intercepted)."""
-    frame = sys._getframe(depth)
-    while frame is not None and frame.f_code.co_filename == _OVERRIDES:
+    this call (the mode's handler's caller), past the frames between (:data:`_BETWEEN`) and, for a torch function
+    written in Python, its own outer frame (the call the mode intercepted); made plainly where no frame is left."""
+    try:
+        frame: Optional[types.FrameType] = sys._getframe(depth)
+    except ValueError:  # no Python frame below (an atexit callback, a hook called from C on autograd's thread)
+        frame = None
+    while frame is not None and frame.f_code.co_filename in _BETWEEN:
         frame = frame.f_back
     if frame is not None and frame.f_code is getattr(func, "__code__", None):
         frame = frame.f_back
