@@ -275,7 +275,7 @@ def _unreadable(exc: BaseException) -> bool:
 
 def _load(cls: Any, path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
     """``cls.from_pretrained`` from the folder only, quietly, and transformers' loading info (for
-    :func:`complete`). A mixture of experts runs its experts one GEMM each
+    :func:`_complete`). A mixture of experts runs its experts one GEMM each
     ("eager"), not transformers' default grouped GEMM (``torch._grouped_mm``): that has no float64 kernel for the
     reference, and each expert's GEMM is then one the emulator rounds as the hardware's."""
     import transformers
@@ -295,7 +295,7 @@ def _load(cls: Any, path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
     return model, found
 
 
-def complete(folder: str, found: dict[str, Any]) -> None:
+def _complete(folder: str, found: dict[str, Any]) -> None:
     """Refuses weights that leave some of the model's tensors to transformers' random initialization: tensors
     missing from the file (transformers' "newly initialized"), or saved in another shape than the config makes
     them. The check would measure a model nobody trained, as it would a config with no weights at all. Tensors
@@ -336,7 +336,7 @@ def causal_lm(folder: str) -> CausalLM:
             raise Tf32LabError(f"workload 'hf:{folder}': {_UNREADABLE}: {_line(exc)}") from exc
         raise Tf32LabError(f"workload 'hf:{folder}': not a causal language model, or loading failed: "
                            f"{_line(exc)}") from exc
-    complete(folder, found)
+    _complete(folder, found)
     _pad_in_range(tokenizer, model)
     saved = _saved_dtype(model.config)
     # a model served in bfloat16 runs no TF32: the rows are the float32 model's text, said as the check says it
@@ -461,7 +461,7 @@ def _model(folder: str, path: Path, config: Any) -> tuple[torch.nn.Module, Optio
         if _unreadable(exc):
             raise Tf32LabError(f"workload 'hf:{folder}': {_UNREADABLE}: {_line(exc)}") from exc
         raise Tf32LabError(f"workload 'hf:{folder}': loading failed: {_line(exc)}") from exc
-    complete(folder, found)
+    _complete(folder, found)
     note = None
     if not names:
         named = (f"names {', '.join(asked)}, a class this transformers does not have" if asked else
