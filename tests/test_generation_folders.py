@@ -186,6 +186,19 @@ def test_generation_config_settings_the_check_does_not_apply_are_said(llama_fold
     assert not [note for note in plain.notes if "generation config" in note]
 
 
+def test_a_generation_config_that_cannot_be_read_is_said(llama_folder, tmp_path):
+    # transformers loads the model without it, silently: a do_sample or a penalty in it went unnamed
+    folder = tmp_path / "cut"
+    folder.mkdir()
+    for item in llama_folder.iterdir():
+        (folder / item.name).write_bytes(item.read_bytes())
+    (folder / "generation_config.json").write_text('{"do_sample": true, "top_k": 5,')  # a cut-short file
+    report = tf32lab.check_generation(hf.causal_lm(str(folder)), new_tokens=2, prompts=["The river"],
+                                      levels=("highest",))
+    said = [note for note in report.notes if "generation_config.json could not be read" in note]
+    assert len(said) == 1 and "neither generate() nor this check applies or names its settings" in said[0]
+
+
 class _Wide(torch.nn.Module):
     """A decoder of a million-token vocabulary and two dimensions: a few MB of weights, logits of a million
     floats a token."""

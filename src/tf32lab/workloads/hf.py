@@ -342,7 +342,25 @@ def causal_lm(folder: str) -> CausalLM:
     # a model served in bfloat16 runs no TF32: the rows are the float32 model's text, said as the check says it
     notes = () if saved is None else (f"weights saved as {saved}, decoded in float32: TF32 changes float32 "
                                       f"matmuls, so these are the float32 model's tokens",)
-    return CausalLM(model.float().eval(), tokenizer, _name(path), notes)
+    unread = _unread_generation_config(path)
+    return CausalLM(model.float().eval(), tokenizer, _name(path), notes + ((unread,) if unread else ()))
+
+
+def _unread_generation_config(path: Path) -> Optional[str]:
+    """A note where the folder's ``generation_config.json`` cannot be read: transformers loads the model without it,
+    silently, and ``generate()`` then applies none of its settings; neither can the check name them (sampling,
+    penalties) as it names those of a config it reads."""
+    if not (path / "generation_config.json").is_file():
+        return None
+    from transformers import GenerationConfig
+
+    try:
+        with quiet_loading():
+            GenerationConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:
+        return (f"its generation_config.json could not be read ({_line(exc, most=160)}): transformers loads the "
+                f"model without it, so neither generate() nor this check applies or names its settings")
+    return None
 
 
 def _saved_dtype(config: Any) -> Optional[str]:
