@@ -285,13 +285,14 @@ def _one_block(a: torch.Tensor) -> bool:
     return a.size(-1) <= _TRSM_BLOCK
 
 
-def _native_solve(call, a: torch.Tensor, failed: bool = False) -> bool:
+def _native_solve(call, a: torch.Tensor, info: Optional[torch.Tensor] = None) -> bool:
     """Whether the solver's native result is the target's: ``linalg.trsm``'s math IEEE there, ``a``'s trsm one block
-    (no GEMM update: IEEE whatever the math), or the factorization ``failed`` (a singular matrix: PyTorch's own
-    result and info). Counted as computed then: IEEE, not the math its updates would have had."""
+    (no GEMM update: IEEE whatever the math), or the factorization failed (``info`` nonzero, a singular matrix:
+    PyTorch's own result and info; read last, as reading it waits for a GPU). Counted as computed then: IEEE, not
+    the math its updates would have had."""
     if call.math("linalg.trsm").name == "ieee":
         return True
-    if _one_block(a) or failed:
+    if _one_block(a) or (info is not None and bool((info != 0).any())):
         call.math_seen = IEEE
         return True
     return False
@@ -382,7 +383,7 @@ def _solve_from_lu(call, a: torch.Tensor, b: torch.Tensor, left: bool) -> torch.
 def _linalg_solve_ex(call, func, args, kwargs):
     native = func(*args, **kwargs)  # LU, pivots and info as PyTorch returns them (its backward reads them)
     a, b = args[:2]
-    if _native_solve(call, a, bool((native[3] != 0).any())):
+    if _native_solve(call, a, native[3]):
         return native
     return (_solve_from_lu(call, a, b, kwargs.get("left", True)), *native[1:])
 
@@ -391,7 +392,7 @@ def _linalg_solve_ex(call, func, args, kwargs):
 def _linalg_inv_ex(call, func, args, kwargs):
     native = func(*args, **kwargs)  # PyTorch's inv is solve(A, I): getrf, then getrs
     a = args[0]
-    if _native_solve(call, a, bool((native[1] != 0).any())):
+    if _native_solve(call, a, native[1]):
         return native
     eye = torch.eye(a.size(-1), dtype=a.dtype, device=a.device).expand(a.shape)
     return _solve_from_lu(call, a, eye, True), native[1]
